@@ -1,0 +1,1 @@
+"""OpenCL codegen and the bundle writer (issue 3; not built yet)."""

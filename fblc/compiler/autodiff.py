@@ -1,0 +1,140 @@
+"""Reverse-mode autodiff over ONNX graphs: one registry of gradient rules, keyed by op type.
+
+A rule receives the emitter, the forward node, the gradient of each output (None where no
+gradient flows) and which inputs need a gradient; it appends ONNX ops and returns one
+gradient (or None) per input. Rules read only the forward tensors they need; that set is
+what later stages see as saved state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.graph import Emitter, is_float
+
+GradRule = Callable[[Emitter, ir.Node, Sequence["ir.Value | None"], Sequence[bool]], Sequence["ir.Value | None"]]
+
+_RULES: dict[str, GradRule] = {}
+
+
+def register_gradient(*op_types: str) -> Callable[[GradRule], GradRule]:
+    """Decorator: `rule` is the gradient of `op_types`; registering an op twice is an error."""
+
+    def decorate(rule: GradRule) -> GradRule:
+        for op_type in op_types:
+            if op_type in _RULES:
+                raise ValueError(f"gradient rule for {op_type} registered twice")
+            _RULES[op_type] = rule
+        return rule
+
+    return decorate
+
+
+def supported_ops() -> list[str]:
+    _load_rules()
+    return sorted(_RULES)
+
+
+def gradient_rule(node: ir.Node) -> GradRule:
+    _load_rules()
+    rule = _RULES.get(node.op_type) if node.domain == "" else None
+    if rule is None:
+        raise UnsupportedOpError(
+            f"no gradient rule for op {node.op_type} (node '{node.name}')",
+            f"freeze the parameters that reach it with --freeze, or use a model built from supported ops: "
+            f"{', '.join(supported_ops())}")
+    return rule
+
+
+def _load_rules() -> None:
+    from fblc.compiler import gradients  # noqa: F401  (registers the rules on import)
+
+
+@dataclass
+class BackwardResult:
+    grads: dict[str, ir.Value]  # parameter name -> gradient value
+    saved: list[ir.Value]  # forward values the backward reads
+
+
+def _differentiable_nodes(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> list[ir.Node]:
+    """Nodes on a float path from some parameter to the loss, in topological order."""
+    from_params: set[int] = {id(p) for p in params}
+    reaches_params: set[int] = set()
+    for node in graph:
+        if any(v is not None and id(v) in from_params for v in node.inputs):
+            reaches_params.add(id(node))
+            from_params.update(id(o) for o in node.outputs if is_float(o))
+    to_loss: set[int] = {id(loss)}
+    on_path: list[ir.Node] = []
+    for node in reversed(list(graph)):
+        if id(node) in reaches_params and any(id(o) in to_loss for o in node.outputs):
+            on_path.append(node)
+            to_loss.update(id(v) for v in node.inputs if v is not None and is_float(v))
+    on_path.reverse()
+    return on_path
+
+
+def params_reaching(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> list[ir.Value]:
+    """The parameters through which the loss depends on them."""
+    nodes = _differentiable_nodes(graph, loss, params)
+    read = {id(v) for node in nodes for v in node.inputs if v is not None}
+    return [p for p in params if id(p) in read or p is loss]
+
+
+def build_backward(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> BackwardResult:
+    """Append the backward of `loss` with respect to `params`; return each parameter's gradient."""
+    nodes = _differentiable_nodes(graph, loss, params)
+    forward_ids = {id(n) for n in graph}
+    emitter = Emitter(graph, stage="backward")
+    contributions: dict[int, list[ir.Value]] = {id(loss): [emitter.const(1.0, dtype=loss.dtype)]}
+    needs_grad: set[int] = {id(p) for p in params}
+    for node in nodes:
+        needs_grad.update(id(o) for o in node.outputs)
+
+    def total(value: ir.Value) -> ir.Value | None:
+        parts = contributions.get(id(value))
+        if not parts:
+            return None
+        if len(parts) > 1:
+            emitter.prefix = f"grad/{value.name}"
+            parts[:] = [emitter.op("Sum", *parts)]
+        return parts[0]
+
+    for node in reversed(nodes):
+        output_grads = [total(o) for o in node.outputs]
+        if all(g is None for g in output_grads):
+            continue
+        rule = gradient_rule(node)
+        wanted = [v is not None and is_float(v) and id(v) in needs_grad for v in node.inputs]
+        emitter.prefix = f"grad/{node.name}"
+        emitter.origin = node.name
+        input_grads = rule(emitter, node, output_grads, wanted)
+        emitter.origin = None
+        for value, grad, want in zip(node.inputs, input_grads, wanted):
+            if want and grad is not None:
+                contributions.setdefault(id(value), []).append(grad)
+
+    grads: dict[str, ir.Value] = {}
+    for param in params:
+        grad = total(param)
+        if grad is None:
+            grad = emitter.zeros(list(param.shape), like=param)
+        grads[param.name] = grad
+    backward_nodes = [n for n in graph if id(n) not in forward_ids]
+    saved_ids: dict[int, ir.Value] = {}
+    for node in backward_nodes:
+        for value in node.inputs:
+            if value is None or id(value) in saved_ids:
+                continue
+            producer = value.producer()
+            if (producer is not None and id(producer) in forward_ids) or value.is_graph_input():
+                saved_ids[id(value)] = value
+    for value in saved_ids.values():
+        if keys.get_role(value) is None:
+            keys.set_role(value, keys.Role.SAVED)
+    return BackwardResult(grads=grads, saved=list(saved_ids.values()))

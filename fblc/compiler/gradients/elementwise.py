@@ -1,0 +1,173 @@
+"""Gradient rules of elementwise ops (broadcasting binaries, unary math, activations, selection)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import onnx_ir as ir
+
+from fblc.compiler.autodiff import register_gradient
+from fblc.compiler.graph import Emitter, static_shape
+
+Grads = Sequence["ir.Value | None"]
+
+
+def _to_input(e: Emitter, node: ir.Node, index: int, grad: ir.Value) -> ir.Value:
+    """Reduce a gradient of the output's shape to input `index`'s (broadcast) shape."""
+    return e.unbroadcast(grad, static_shape(node.outputs[0]), static_shape(node.inputs[index]))
+
+
+@register_gradient("Add")
+def add_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    dy = dys[0]
+    return [_to_input(e, node, i, dy) if need[i] else None for i in range(2)]
+
+
+@register_gradient("Sub")
+def sub_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    dy = dys[0]
+    da = _to_input(e, node, 0, dy) if need[0] else None
+    db = _to_input(e, node, 1, e.op("Neg", dy)) if need[1] else None
+    return [da, db]
+
+
+@register_gradient("Mul")
+def mul_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    a, b = node.inputs
+    dy = dys[0]
+    da = _to_input(e, node, 0, e.op("Mul", dy, b)) if need[0] else None
+    db = _to_input(e, node, 1, e.op("Mul", dy, a)) if need[1] else None
+    return [da, db]
+
+
+@register_gradient("Div")
+def div_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    a, b = node.inputs
+    y, dy = node.outputs[0], dys[0]
+    da = _to_input(e, node, 0, e.op("Div", dy, b)) if need[0] else None
+    db = _to_input(e, node, 1, e.op("Neg", e.op("Div", e.op("Mul", dy, y), b))) if need[1] else None
+    return [da, db]
+
+
+@register_gradient("Pow")
+def pow_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    x, p = node.inputs
+    y, dy = node.outputs[0], dys[0]
+    da = db = None
+    if need[0]:
+        exponent = p if p.dtype == x.dtype else e.op("Cast", p, to=x.dtype)
+        x_pow = e.op("Pow", x, e.op("Sub", exponent, e.scalar(1.0, x)))
+        da = _to_input(e, node, 0, e.op("Mul", dy, e.op("Mul", exponent, x_pow)))
+    if need[1]:
+        db = _to_input(e, node, 1, e.op("Mul", dy, e.op("Mul", y, e.op("Log", x))))
+    return [da, db]
+
+
+def _unary(op_type: str):
+    def decorate(local_derivative):
+        @register_gradient(op_type)
+        def rule(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+            return [e.op("Mul", dys[0], local_derivative(e, node.inputs[0], node.outputs[0]))]
+
+        rule.__name__ = f"{op_type.lower()}_grad"
+        return rule
+
+    return decorate
+
+
+@_unary("Sqrt")
+def _sqrt(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Div", e.scalar(0.5, y), y)
+
+
+@_unary("Reciprocal")
+def _reciprocal(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Neg", e.op("Mul", y, y))
+
+
+@_unary("Exp")
+def _exp(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return y
+
+
+@_unary("Log")
+def _log(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Reciprocal", x)
+
+
+@_unary("Sigmoid")
+def _sigmoid(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Mul", y, e.op("Sub", e.scalar(1.0, y), y))
+
+
+@_unary("Tanh")
+def _tanh(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Sub", e.scalar(1.0, y), e.op("Mul", y, y))
+
+
+@_unary("Erf")
+def _erf(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Mul", e.scalar(2.0 / math.sqrt(math.pi), x), e.op("Exp", e.op("Neg", e.op("Mul", x, x))))
+
+
+@_unary("Sin")
+def _sin(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Cos", x)
+
+
+@_unary("Cos")
+def _cos(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Neg", e.op("Sin", x))
+
+
+@register_gradient("Neg")
+def neg_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    return [e.op("Neg", dys[0])]
+
+
+@register_gradient("Identity", "Dropout")
+def identity_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    return [dys[0]] + [None] * (len(node.inputs) - 1)
+
+
+def _masked(e: Emitter, mask: ir.Value, dy: ir.Value) -> ir.Value:
+    return e.op("Where", mask, dy, e.scalar(0.0, dy))
+
+
+@register_gradient("Relu")
+def relu_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    y = node.outputs[0]
+    return [_masked(e, e.op("Greater", y, e.scalar(0.0, y)), dys[0])]
+
+
+@register_gradient("Clip")
+def clip_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """Gradient passes strictly inside (min, max), as torch's hardtanh/ReLU6 and MemFLoRA's mask."""
+    x = node.inputs[0]
+    bounds = [node.inputs[i] if i < len(node.inputs) else None for i in (1, 2)]
+    mask = None
+    for bound, compare in zip(bounds, ("Greater", "Less")):
+        if bound is None:
+            continue
+        inside = e.op(compare, x, bound)
+        mask = inside if mask is None else e.op("And", mask, inside)
+    dx = dys[0] if mask is None else _masked(e, mask, dys[0])
+    return [dx, None, None][: len(node.inputs)]
+
+
+@register_gradient("Where")
+def where_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    condition = node.inputs[0]
+    dy = dys[0]
+    zero = e.scalar(0.0, dy)
+    dx = _to_input(e, node, 1, e.op("Where", condition, dy, zero)) if need[1] else None
+    dz = _to_input(e, node, 2, e.op("Where", condition, zero, dy)) if need[2] else None
+    return [None, dx, dz]
+
+
+@register_gradient("Cast")
+def cast_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    if not need[0]:
+        return [None]
+    return [e.op("Cast", dys[0], to=node.inputs[0].dtype)]

@@ -1,0 +1,175 @@
+"""Gradient rules of the contraction and normalisation ops: MatMul, Gemm, Conv, BatchNorm, LayerNorm."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler.autodiff import register_gradient
+from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.window import transpose_output_padding, window_of
+
+Grads = Sequence["ir.Value | None"]
+
+
+def _swap_last_two(e: Emitter, x: ir.Value, rank: int) -> ir.Value:
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return e.op("Transpose", x, perm=perm)
+
+
+@register_gradient("MatMul")
+def matmul_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """dA = dY B^T, dB = A^T dY, summed over broadcast batch dims; 1-D operands are promoted like numpy."""
+    a, b = node.inputs
+    a_shape, b_shape = static_shape(a), static_shape(b)
+    a2 = a_shape if len(a_shape) >= 2 else (1, a_shape[0])
+    b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
+    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
+    out2 = tuple(batch) + (a2[-2], b2[-1])
+    dy = dys[0]
+    if static_shape(node.outputs[0]) != out2:
+        dy = e.reshape(dy, out2)
+    rank = len(out2)
+    a_view = a if a2 == a_shape else e.reshape(a, a2)
+    b_view = b if b2 == b_shape else e.reshape(b, b2)
+    da = db = None
+    if need[0]:
+        full = e.op("MatMul", dy, _swap_last_two(e, b_view, len(b2)))
+        da = e.unbroadcast(full, tuple(batch) + a2[-2:], a2)
+        da = da if a2 == a_shape else e.reshape(da, a_shape)
+    if need[1]:
+        full = e.op("MatMul", _swap_last_two(e, a_view, len(a2)), dy)
+        db = e.unbroadcast(full, tuple(batch) + b2[-2:], b2)
+        db = db if b2 == b_shape else e.reshape(db, b_shape)
+    del rank
+    return [da, db]
+
+
+@register_gradient("Gemm")
+def gemm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """Y = alpha A' B' + beta C with A' = A^T when transA (B' likewise)."""
+    a, b = node.inputs[0], node.inputs[1]
+    c = node.inputs[2] if len(node.inputs) > 2 else None
+    alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
+    trans_a, trans_b = int(attr(node, "transA", 0)), int(attr(node, "transB", 0))
+    dy = dys[0]
+    da = db = dc = None
+    if need[0]:
+        da = (e.op("Gemm", dy, b, alpha=alpha, transB=1 - trans_b) if not trans_a
+              else e.op("Gemm", b, dy, alpha=alpha, transA=trans_b, transB=1))
+    if need[1]:
+        db = (e.op("Gemm", a, dy, alpha=alpha, transA=1 - trans_a) if not trans_b
+              else e.op("Gemm", dy, a, alpha=alpha, transA=1, transB=trans_a))
+    if c is not None and need[2]:
+        dc = e.unbroadcast(dy, static_shape(node.outputs[0]), static_shape(c))
+        if beta != 1.0:
+            dc = e.op("Mul", dc, e.scalar(beta, dc))
+    return [da, db, dc][: len(node.inputs)]
+
+
+@register_gradient("Conv")
+def conv_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """dX by ConvTranspose; dW by a grouped conv of X with dY (grouped over batch x groups); dB by a sum."""
+    x, w = node.inputs[0], node.inputs[1]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    window = window_of(node)
+    groups = int(attr(node, "group", 1))
+    n, c_in, *spatial = static_shape(x)
+    c_out = static_shape(w)[0]
+    rank = len(spatial)
+    dy = dys[0]
+    dx = dw = db = None
+    if need[0]:
+        dx = e.op("ConvTranspose", dy, w, group=groups, strides=list(window.strides),
+                  dilations=list(window.dilations), pads=window.pads,
+                  output_padding=transpose_output_padding(window), kernel_shape=list(window.kernel))
+    if need[1]:
+        cg_in, cg_out = c_in // groups, c_out // groups
+        x_grouped = e.reshape(x, [n, groups, cg_in, *spatial])
+        x_view = e.reshape(e.op("Transpose", x_grouped, perm=[2, 0, 1] + list(range(3, 3 + rank))),
+                           [cg_in, n * groups, *spatial])
+        dy_kernels = e.reshape(dy, [n * groups * cg_out, 1, *window.out_spatial])
+        correlated = e.op("Conv", x_view, dy_kernels, group=n * groups, strides=list(window.dilations),
+                          dilations=list(window.strides), pads=window.pads)
+        k_full = [(size + pb + pe - s * (o - 1) - 1) // d + 1 for size, pb, pe, s, o, d in
+                  zip(spatial, window.pads_begin, window.pads_end, window.strides, window.out_spatial,
+                      window.dilations)]
+        per_batch = e.reshape(correlated, [cg_in, n, groups, cg_out, *k_full])
+        summed = e.reduce_sum(per_batch, [1], keepdims=False)
+        dw = e.reshape(e.op("Transpose", summed, perm=[1, 2, 0] + list(range(3, 3 + rank))),
+                       [c_out, cg_in, *k_full])
+        if list(k_full) != list(window.kernel):
+            dw = e.op("Slice", dw, e.ints([0] * rank), e.ints(list(window.kernel)), e.ints(list(range(2, 2 + rank))))
+    if bias is not None and need[2]:
+        db = e.reduce_sum(dy, [0] + list(range(2, 2 + rank)), keepdims=False)
+    return [dx, dw, db][: len(node.inputs)]
+
+
+def _channel_view(e: Emitter, vector: ir.Value, rank: int) -> ir.Value:
+    return e.reshape(vector, [1, static_shape(vector)[0]] + [1] * (rank - 2))
+
+
+@register_gradient("BatchNormalization")
+def batch_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """Eval mode (running statistics): y = (x - mean) * scale / sqrt(var + eps) + bias."""
+    if int(attr(node, "training_mode", 0)):
+        raise UnsupportedOpError(f"BatchNormalization in training mode (node '{node.name}') has no gradient rule",
+                                 "fblc decomposes batch statistics itself with --bn-train; export in eval mode")
+    x, scale, _, mean, var = node.inputs[:5]
+    rank = len(static_shape(x))
+    epsilon = float(attr(node, "epsilon", 1e-5))
+    inv_std = e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, e.scalar(epsilon, var))))
+    dy = dys[0]
+    reduce_axes = [0] + list(range(2, rank))
+    dx = dscale = dbias = None
+    if need[0]:
+        dx = e.op("Mul", dy, _channel_view(e, e.op("Mul", scale, inv_std), rank))
+    if need[1]:
+        x_hat = e.op("Mul", e.op("Sub", x, _channel_view(e, mean, rank)), _channel_view(e, inv_std, rank))
+        dscale = e.reduce_sum(e.op("Mul", dy, x_hat), reduce_axes, keepdims=False)
+    if need[2]:
+        dbias = e.reduce_sum(dy, reduce_axes, keepdims=False)
+    return [dx, dscale, dbias, None, None]
+
+
+def _expose_outputs(node: ir.Node, count: int, shape: Sequence[int], dtype: ir.DataType, names: Sequence[str]) -> None:
+    """Give a node its optional statistic outputs, so the backward reads them instead of recomputing."""
+    if len(node.outputs) >= count and all(o.name for o in node.outputs[1:count]):
+        return
+    node.resize_outputs(count)
+    for out, label in zip(node.outputs[1:count], names):
+        if not out.name:
+            out.name = f"{node.name}/{label}"
+        out.shape = ir.Shape(list(shape))
+        out.dtype = dtype
+
+
+@register_gradient("LayerNormalization")
+def layer_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    x, scale = node.inputs[0], node.inputs[1]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    x_shape = static_shape(x)
+    rank = len(x_shape)
+    axis = int(attr(node, "axis", -1)) % rank
+    axes = list(range(axis, rank))
+    stat_shape = [d if i < axis else 1 for i, d in enumerate(x_shape)]
+    _expose_outputs(node, 3, stat_shape, ir.DataType.FLOAT, ["mean", "inv_std_dev"])
+    mean, inv_std = node.outputs[1], node.outputs[2]
+    if x.dtype != ir.DataType.FLOAT:
+        mean, inv_std = e.op("Cast", mean, to=x.dtype), e.op("Cast", inv_std, to=x.dtype)
+    dy = dys[0]
+    x_hat = e.op("Mul", e.op("Sub", x, mean), inv_std)
+    dx = dscale = dbias = None
+    if need[0]:
+        g = e.op("Mul", dy, scale)
+        g_mean = e.op("ReduceMean", g, e.ints(axes), keepdims=1)
+        gx_mean = e.op("ReduceMean", e.op("Mul", g, x_hat), e.ints(axes), keepdims=1)
+        dx = e.op("Mul", inv_std, e.op("Sub", e.op("Sub", g, g_mean), e.op("Mul", x_hat, gx_mean)))
+    if need[1]:
+        dscale = e.unbroadcast(e.op("Mul", dy, x_hat), x_shape, static_shape(scale))
+    if bias is not None and need[2]:
+        dbias = e.unbroadcast(dy, x_shape, static_shape(bias))
+    return [dx, dscale, dbias][: len(node.inputs)]

@@ -1,0 +1,142 @@
+"""Gradient rules of data-movement ops: views, permutations, joins, slices, gathers, pads."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler.autodiff import register_gradient
+from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.graph import Emitter, attr, ints_input, numel, static_shape
+
+Grads = Sequence["ir.Value | None"]
+
+
+@register_gradient("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def view_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    dx = e.reshape(dys[0], static_shape(node.inputs[0]))
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@register_gradient("Transpose")
+def transpose_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    rank = len(static_shape(node.inputs[0]))
+    perm = attr(node, "perm") or list(reversed(range(rank)))
+    return [e.op("Transpose", dys[0], perm=[int(i) for i in np.argsort(perm)])]
+
+
+@register_gradient("Expand")
+def expand_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    dx = e.unbroadcast(dys[0], static_shape(node.outputs[0]), static_shape(node.inputs[0]))
+    return [dx, None]
+
+
+def _axis(node: ir.Node, rank: int, default: int = 0) -> int:
+    axis = int(attr(node, "axis", default))
+    return axis + rank if axis < 0 else axis
+
+
+@register_gradient("Concat")
+def concat_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    shapes = [static_shape(v) for v in node.inputs]
+    axis = _axis(node, len(shapes[0]))
+    sizes = [s[axis] for s in shapes]
+    pieces = e.op_multi("Split", dys[0], e.ints(sizes), axis=axis, num_outputs=len(sizes))
+    return [piece if want else None for piece, want in zip(pieces, need)]
+
+
+@register_gradient("Split")
+def split_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    axis = _axis(node, len(static_shape(node.inputs[0])))
+    parts = [dy if dy is not None else e.zeros(static_shape(out), like=out) for dy, out in zip(dys, node.outputs)]
+    return [e.op("Concat", *parts, axis=axis)] + [None] * (len(node.inputs) - 1)
+
+
+def _slice_indices(node: ir.Node) -> tuple[list[int], list[int], list[int]]:
+    """Per axis of the input: start, stop and step of the slice, normalised like numpy."""
+    shape = static_shape(node.inputs[0])
+    rank = len(shape)
+    starts = ints_input(node, 1, "starts") or []
+    ends = ints_input(node, 2, "ends") or []
+    axes = ints_input(node, 3, "axes") or list(range(len(starts)))
+    steps = ints_input(node, 4, "steps") or [1] * len(starts)
+    full = [slice(None)] * rank
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        full[axis % rank] = slice(start, end, step)
+    resolved = [s.indices(n) for s, n in zip(full, shape)]
+    return [r[0] for r in resolved], [r[1] for r in resolved], [r[2] for r in resolved]
+
+
+@register_gradient("Slice")
+def slice_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    in_shape = static_shape(node.inputs[0])
+    out_shape = static_shape(node.outputs[0])
+    starts, stops, steps = _slice_indices(node)
+    dy = dys[0]
+    if all(step == 1 for step in steps):
+        pads = starts + [n - start - size for n, start, size in zip(in_shape, starts, out_shape)]
+        dx = e.op("Pad", dy, e.ints(pads))
+    else:
+        flat_positions = np.arange(numel(in_shape), dtype=np.int64).reshape(in_shape)
+        picked = flat_positions[tuple(slice(a, b, c) for a, b, c in zip(starts, stops, steps))]
+        scattered = e.op("ScatterND", e.zeros([numel(in_shape)], like=dy), e.const(picked.reshape(-1, 1)),
+                         e.reshape(dy, [numel(out_shape)]))
+        dx = e.reshape(scattered, in_shape)
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@register_gradient("Gather")
+def gather_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """Embedding backward: scatter-add the rows of dy into a zero table (repeated indices add up)."""
+    data, indices = node.inputs
+    data_shape = static_shape(data)
+    axis = _axis(node, len(data_shape))
+    dy = dys[0]
+    if axis != 0:
+        raise UnsupportedOpError(f"Gather gradient along axis {axis} (node '{node.name}') is not supported",
+                                 "only axis-0 gathers (embeddings) train; freeze the gathered tensor")
+    positive = e.op("Where", e.op("Less", indices, e.const(np.array(0, np.int64))),
+                    e.op("Add", indices, e.const(np.array(data_shape[0], np.int64))), indices)
+    dx = e.op("ScatterND", e.zeros(data_shape, like=data), e.op("Unsqueeze", positive, e.ints([-1])), dy,
+              reduction="add")
+    return [dx, None]
+
+
+@register_gradient("GatherElements")
+def gather_elements_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    data, indices = node.inputs
+    data_shape = static_shape(data)
+    axis = _axis(node, len(data_shape))
+    dx = e.op("ScatterElements", e.zeros(data_shape, like=data), indices, dys[0], axis=axis, reduction="add")
+    return [dx, None]
+
+
+@register_gradient("Pad")
+def pad_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    mode = attr(node, "mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        raise UnsupportedOpError(f"Pad mode '{mode}' has no gradient (node '{node.name}')",
+                                 "use constant padding, or freeze what feeds it")
+    in_shape = static_shape(node.inputs[0])
+    rank = len(in_shape)
+    pads = ints_input(node, 1, "pads") or [0] * (2 * rank)
+    axes = ints_input(node, 3, "axes") or list(range(rank))
+    begins, ends = [0] * rank, [0] * rank
+    for k, axis in enumerate(axes):
+        begins[axis % rank] = pads[k]
+        ends[axis % rank] = pads[k + len(axes)]
+    out_shape = static_shape(node.outputs[0])
+    # A negative pad cropped the input: the gradient pads it back with zeros.
+    crop = [max(b, 0) for b in begins] + [max(x, 0) for x in ends]
+    regrow = [max(-b, 0) for b in begins] + [max(-x, 0) for x in ends]
+    dx = dys[0]
+    if any(crop):
+        starts = crop[:rank]
+        stops = [n - c for n, c in zip(out_shape, crop[rank:])]
+        dx = e.op("Slice", dx, e.ints(starts), e.ints(stops), e.ints(list(range(rank))))
+    if any(regrow):
+        dx = e.op("Pad", dx, e.ints(regrow))
+    return [dx] + [None] * (len(node.inputs) - 1)

@@ -1,0 +1,151 @@
+"""Graph helpers on onnx_ir: static shapes, constants, and an emitter that appends ONNX nodes.
+
+Every pass that adds nodes (loss, autodiff, optimizer) goes through `Emitter`, so names are
+unique, nodes carry their stage in metadata, and constants are shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.errors import ShapeError
+
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
+
+
+def static_shape(value: ir.Value) -> tuple[int, ...]:
+    """The shape of `value` as ints; every value has one after import."""
+    shape = value.shape
+    if shape is None or not shape.is_static():
+        raise ShapeError(
+            f"tensor '{value.name}' has no static shape ({shape})",
+            "pass --input-shape NAME=DIMS for every dynamic model input",
+        )
+    return tuple(int(d) for d in shape)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def is_float(value: ir.Value) -> bool:
+    return value.dtype in FLOAT_TYPES
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents (initializer or Constant output), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+        attr = producer.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+    return None
+
+
+def ints_input(node: ir.Node, index: int, what: str) -> list[int] | None:
+    """A constant int64 input (axes, pads, shape), or None when absent."""
+    if index >= len(node.inputs) or node.inputs[index] is None:
+        return None
+    array = const_array(node.inputs[index])
+    if array is None:
+        raise ShapeError(
+            f"node '{node.name}' ({node.op_type}): input {index} ({what}) is not a constant",
+            "fblc needs static shapes; fix dynamic dims with --input-shape",
+        )
+    return [int(v) for v in np.asarray(array).reshape(-1)]
+
+
+def attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    found = node.attributes.get(name)
+    return default if found is None else found.value
+
+
+class Emitter:
+    """Appends nodes to a graph with unique names, a stage tag and shared constants."""
+
+    def __init__(self, graph: ir.Graph, stage: str) -> None:
+        self.graph = graph
+        self.stage = stage
+        self.prefix = stage
+        self.origin: str | None = None
+        self._counter = 0
+        self._constants: dict[tuple[Any, ...], ir.Value] = {}
+
+    def fresh_name(self, hint: str) -> str:
+        self._counter += 1
+        return f"{self.prefix}/{hint}_{self._counter}"
+
+    def op(self, op_type: str, *inputs: ir.Value | None, num_outputs: int = 1, name: str | None = None,
+           **attributes: Any) -> ir.Value:
+        """Append one node; returns its first output (see `op_multi` for several)."""
+        return self.op_multi(op_type, *inputs, num_outputs=num_outputs, name=name, **attributes)[0]
+
+    def op_multi(self, op_type: str, *inputs: ir.Value | None, num_outputs: int = 1, name: str | None = None,
+                 **attributes: Any) -> Sequence[ir.Value]:
+        attrs = ir.convenience.convert_attributes({k: v for k, v in attributes.items() if v is not None})
+        node_name = self.fresh_name(op_type)
+        outputs = [ir.Value(name=(name if name and i == 0 else f"{node_name}:{i}")) for i in range(num_outputs)]
+        node = ir.Node("", op_type, list(inputs), attrs, outputs=outputs, name=node_name)
+        node.metadata_props[keys.STAGE] = self.stage
+        if self.origin is not None:
+            node.metadata_props[keys.GRAD_OF] = self.origin
+        self.graph.append(node)
+        return node.outputs
+
+    def const(self, array: np.ndarray | float | int | Sequence[int], dtype: ir.DataType | None = None) -> ir.Value:
+        """A shared initializer holding `array` (cast to `dtype` when given)."""
+        data = np.asarray(array)
+        if dtype is not None:
+            data = data.astype(ir.DataType(dtype).numpy())
+        elif data.dtype == np.float64:
+            data = data.astype(np.float32)
+        elif data.dtype.kind == "i":
+            data = data.astype(np.int64)
+        key = (data.dtype.str, data.shape, data.tobytes()) if data.size <= 64 else None
+        if key is not None and key in self._constants:
+            return self._constants[key]
+        self._counter += 1
+        value = ir.Value(name=f"{self.stage}/const_{self._counter}", const_value=ir.tensor(data),
+                         shape=ir.Shape(data.shape), type=ir.TensorType(ir.DataType.from_numpy(data.dtype)))
+        self.graph.register_initializer(value)
+        if key is not None:
+            self._constants[key] = value
+        return value
+
+    def scalar(self, number: float, like: ir.Value) -> ir.Value:
+        """A rank-0 constant of `like`'s dtype."""
+        return self.const(np.array(number), dtype=like.dtype)
+
+    def ints(self, values: Sequence[int]) -> ir.Value:
+        return self.const(np.asarray(list(values), dtype=np.int64))
+
+    def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
+        return self.op("Reshape", x, self.ints(shape))
+
+    def reduce_sum(self, x: ir.Value, axes: Sequence[int], keepdims: bool) -> ir.Value:
+        if not axes:
+            return x
+        return self.op("ReduceSum", x, self.ints(axes), keepdims=int(keepdims))
+
+    def unbroadcast(self, grad: ir.Value, grad_shape: Sequence[int], target_shape: Sequence[int]) -> ir.Value:
+        """Sum `grad` (of `grad_shape`) over the axes that numpy broadcasting added to `target_shape`."""
+        grad_shape, target_shape = tuple(grad_shape), tuple(target_shape)
+        if grad_shape == target_shape:
+            return grad
+        lead = len(grad_shape) - len(target_shape)
+        axes = list(range(lead))
+        axes += [lead + i for i, d in enumerate(target_shape) if d == 1 and grad_shape[lead + i] != 1]
+        summed = self.reduce_sum(grad, axes, keepdims=True)
+        return self.reshape(summed, target_shape)
+
+    def zeros(self, shape: Sequence[int], like: ir.Value) -> ir.Value:
+        return self.op("ConstantOfShape", self.ints(shape),
+                       value=ir.tensor(np.zeros(1, dtype=ir.DataType(like.dtype).numpy())))

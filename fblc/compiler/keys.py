@@ -1,0 +1,40 @@
+"""Metadata keys that fblc writes on nodes and values (Netron shows node metadata)."""
+
+from __future__ import annotations
+
+import enum
+
+FTD = "fblc.ftd"
+LAYOUT = "fblc.layout"
+ROLE = "fblc.role"
+KERNEL = "fblc.kernel"
+MEM = "fblc.mem"
+#: Which pass emitted a node: "forward", "loss", "backward", "optimizer".
+STAGE = "fblc.stage"
+#: For a backward node: the forward node whose gradient rule emitted it.
+GRAD_OF = "fblc.grad_of"
+
+# Keys written by torch.onnx's dynamo exporter and by onnxscript's optimizer.
+TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+ONNXSCRIPT_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+
+
+class Role(str, enum.Enum):
+    """Role of a value in the training graph (DESIGN.md section 3)."""
+
+    INPUT = "input"
+    LABEL = "label"
+    PARAM = "param"
+    FROZEN = "frozen"
+    ACTIVATION = "activation"
+    SAVED = "saved"
+    GRAD = "grad"
+    OPT_STATE = "opt_state"
+
+
+def set_role(value: "object", role: Role) -> None:
+    value.metadata_props[ROLE] = role.value  # type: ignore[attr-defined]
+
+
+def get_role(value: "object") -> str | None:
+    return value.metadata_props.get(ROLE)  # type: ignore[attr-defined]

@@ -1,0 +1,76 @@
+"""Reading ONNX files with clear errors, and writing them atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from fblc.compiler.errors import ModelLoadError
+
+TARGET_OPSET = 18  # the opset of the training graph; older models are converted on load
+INLINE_WEIGHTS_LIMIT = 1 << 30  # bytes; larger models keep their weights in a `.data` file beside the model
+
+
+def load_model(path: str) -> ir.Model:
+    """Load `path` as an onnx_ir model at opset 18, or raise ModelLoadError saying what is wrong."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"cannot read '{path}': no such file", "check the path")
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as error:
+        raise ModelLoadError(f"'{path}' is not a readable ONNX model ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else 'protobuf decode failed'})",
+                             "the file may be truncated or of another format; export it again") from None
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelLoadError(f"'{path}' holds no ONNX graph", "the file may be truncated or of another format")
+    try:
+        onnx.checker.check_model(path)
+    except onnx.checker.ValidationError as error:
+        raise ModelLoadError(f"'{path}' is not a valid ONNX model: {str(error).strip().splitlines()[0]}",
+                             "export it again, or fix the named node") from None
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), TARGET_OPSET)
+    if opset < TARGET_OPSET:
+        try:
+            proto = onnx.version_converter.convert_version(proto, TARGET_OPSET)
+        except Exception as error:  # the converter raises bare RuntimeErrors with C++ messages
+            raise ModelLoadError(f"cannot convert '{path}' from opset {opset} to {TARGET_OPSET}: "
+                                 f"{str(error).splitlines()[0]}", "export the model at opset 18") from None
+    model = ir.serde.deserialize_model(proto)
+    ir.external_data.set_base_dir(model.graph, os.path.dirname(os.path.abspath(path)))
+    return model
+
+
+def _weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def save_model_atomically(model: ir.Model, path: str) -> None:
+    """Write a self-contained `path` (weights inline, or in `path.data` past 1 GiB) only once complete.
+
+    Files are written into a temporary folder beside `path`, then renamed into place, so a
+    failure leaves nothing behind.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    name = os.path.basename(path)
+    staging = tempfile.mkdtemp(prefix=".fblc-", dir=folder)
+    try:
+        if _weight_bytes(model) > INLINE_WEIGHTS_LIMIT:
+            ir.save(model, os.path.join(staging, name), external_data=name + ".data")
+            os.replace(os.path.join(staging, name + ".data"), os.path.join(folder, name + ".data"))
+        else:
+            if _has_external(model):
+                ir.external_data.load_to_model(model)
+            ir.save(model, os.path.join(staging, name))
+        os.replace(os.path.join(staging, name), path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _has_external(model: ir.Model) -> bool:
+    return any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())

@@ -1,0 +1,115 @@
+"""Optimizer updates as ONNX ops, by table; state tensors are graph values with role `opt_state`.
+
+Each update follows torch.optim's formula for the same hyper-parameters, so that a step of
+the training graph matches a step of PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler.errors import FblcError
+from fblc.compiler.graph import Emitter
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "sgd"
+    lr: float = 1e-2
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclass
+class StateTensor:
+    """One optimizer-state tensor: its name, its initial value, and the value of its update."""
+
+    name: str
+    initial: np.ndarray
+    value: ir.Value | None = None  # the graph input, set by the caller
+    new: ir.Value | None = None
+
+
+StateFactory = Callable[[OptimizerConfig, str, tuple[int, ...], np.dtype], list[StateTensor]]
+Update = Callable[[Emitter, OptimizerConfig, ir.Value, ir.Value, list[StateTensor], dict[str, ir.Value]], ir.Value]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    per_param_state: StateFactory
+    shared_state: Callable[[], list[StateTensor]]
+    update: Update
+
+
+def _sgd_state(cfg: OptimizerConfig, param: str, shape: tuple[int, ...], dtype: np.dtype) -> list[StateTensor]:
+    return [StateTensor(f"{param}.momentum", np.zeros(shape, dtype))] if cfg.momentum else []
+
+
+def _sgd_update(e: Emitter, cfg: OptimizerConfig, param: ir.Value, grad: ir.Value, state: list[StateTensor],
+                shared: dict[str, ir.Value]) -> ir.Value:
+    """torch.optim.SGD (dampening 0, no nesterov): buf = momentum*buf + g; p -= lr*buf."""
+    g = grad
+    if cfg.weight_decay:
+        g = e.op("Add", g, e.op("Mul", param, e.scalar(cfg.weight_decay, param)))
+    if cfg.momentum:
+        (buf,) = state
+        g = e.op("Add", e.op("Mul", buf.value, e.scalar(cfg.momentum, param)), g)
+        buf.new = g
+    return e.op("Sub", param, e.op("Mul", g, e.scalar(cfg.lr, param)))
+
+
+def _adam_state(cfg: OptimizerConfig, param: str, shape: tuple[int, ...], dtype: np.dtype) -> list[StateTensor]:
+    return [StateTensor(f"{param}.exp_avg", np.zeros(shape, dtype)),
+            StateTensor(f"{param}.exp_avg_sq", np.zeros(shape, dtype))]
+
+
+def _adam_step_state() -> list[StateTensor]:
+    return [StateTensor("optimizer.step", np.zeros((), np.float32))]
+
+
+def _adam_like(decoupled: bool) -> Update:
+    def update(e: Emitter, cfg: OptimizerConfig, param: ir.Value, grad: ir.Value, state: list[StateTensor],
+               shared: dict[str, ir.Value]) -> ir.Value:
+        """torch.optim.Adam / AdamW with bias correction; the step count is shared state."""
+        exp_avg, exp_avg_sq = state
+        step = shared["optimizer.step.new"]
+        g = grad
+        p = param
+        if cfg.weight_decay and decoupled:
+            p = e.op("Mul", param, e.scalar(1.0 - cfg.lr * cfg.weight_decay, param))
+        elif cfg.weight_decay:
+            g = e.op("Add", g, e.op("Mul", param, e.scalar(cfg.weight_decay, param)))
+        m = e.op("Add", e.op("Mul", exp_avg.value, e.scalar(cfg.beta1, param)),
+                 e.op("Mul", g, e.scalar(1.0 - cfg.beta1, param)))
+        v = e.op("Add", e.op("Mul", exp_avg_sq.value, e.scalar(cfg.beta2, param)),
+                 e.op("Mul", e.op("Mul", g, g), e.scalar(1.0 - cfg.beta2, param)))
+        exp_avg.new, exp_avg_sq.new = m, v
+        correction1 = e.op("Sub", e.scalar(1.0, step), e.op("Pow", e.scalar(cfg.beta1, step), step))
+        correction2 = e.op("Sub", e.scalar(1.0, step), e.op("Pow", e.scalar(cfg.beta2, step), step))
+        step_size = e.op("Div", e.scalar(cfg.lr, step), correction1)
+        denom = e.op("Add", e.op("Div", e.op("Sqrt", v), e.op("Sqrt", correction2)), e.scalar(cfg.eps, param))
+        if param.dtype != step.dtype:
+            step_size = e.op("Cast", step_size, to=param.dtype)
+        return e.op("Sub", p, e.op("Mul", step_size, e.op("Div", m, denom)))
+
+    return update
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "sgd": OptimizerSpec(_sgd_state, list, _sgd_update),
+    "adam": OptimizerSpec(_adam_state, _adam_step_state, _adam_like(decoupled=False)),
+    "adamw": OptimizerSpec(_adam_state, _adam_step_state, _adam_like(decoupled=True)),
+}
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    if name not in OPTIMIZERS:
+        raise FblcError(f"unknown optimizer '{name}'", f"choose one of: {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]

@@ -1,0 +1,45 @@
+"""Which initializers are parameters: the default rule behind the trainable/frozen split.
+
+Default: every float initializer trains, except BatchNormalization running statistics and,
+in models from torch.onnx's dynamo exporter, tensors the exporter marks as buffers or
+constants (such as rotary `inv_freq`). A tensor that onnxscript's optimizer folded (a
+pre-transposed weight, a conv with BatchNorm fused in, a causal mask, a cos/sin table)
+trains when it sits in a weight slot of a contraction or normalisation op, since that is
+where exporters fold weights, and is a constant elsewhere.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import is_float
+
+BN_RUNNING_STAT_INPUTS = (3, 4)
+#: op type -> input slots that hold weights
+WEIGHT_SLOTS: dict[str, tuple[int, ...]] = {
+    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (0, 1, 2), "MatMul": (0, 1),
+    "BatchNormalization": (1, 2), "LayerNormalization": (1, 2), "Gather": (0,),
+}
+
+
+def is_bn_running_stat(value: ir.Value) -> bool:
+    return any(use.node.op_type == "BatchNormalization" and use.idx in BN_RUNNING_STAT_INPUTS
+               for use in value.uses())
+
+
+def has_exporter_kinds(graph: ir.Graph) -> bool:
+    """True when the exporter recorded which initializers are parameters."""
+    return any(keys.TORCH_INPUT_KIND in v.metadata_props for v in graph.initializers.values())
+
+
+def is_parameter_like(value: ir.Value, exporter_kinds: bool) -> bool:
+    """Whether `value` (an initializer) is a weight by nature, before user patterns apply."""
+    if not is_float(value) or is_bn_running_stat(value):
+        return False
+    kind = value.metadata_props.get(keys.TORCH_INPUT_KIND)
+    if kind is not None:
+        return kind == "PARAMETER"
+    if keys.ONNXSCRIPT_FOLDED_FROM in value.metadata_props:
+        return any(use.idx in WEIGHT_SLOTS.get(use.node.op_type, ()) for use in value.uses())
+    return not exporter_kinds

@@ -1,0 +1,1 @@
+"""Graph-to-graph passes, one per module; `pipeline.py` holds the one ordered list."""

@@ -1,0 +1,47 @@
+"""attach_loss: end the graph in a scalar `loss` computed from the model's first output.
+
+Rewrite: adds the `labels` input (after the model's inputs, unless the loss takes none),
+appends the loss ops from `fblc.compiler.losses`, and makes `loss` the only graph output.
+Preconditions: static shapes; mark_trainable ran (inputs carry roles). In place.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import Emitter, static_shape
+from fblc.compiler.keys import Role
+from fblc.compiler.losses import loss_spec
+
+LABELS = "labels"
+LOSS = "loss"
+
+
+class AttachLoss(ir.passes.InPlacePass):
+    """Append the loss and make it the graph's output (in place)."""
+
+    name = "attach_loss"
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.spec = loss_spec(loss)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        prediction = graph.outputs[0]
+        labels = None
+        if self.spec.takes_labels:
+            shape = self.spec.label_shape(static_shape(prediction))
+            dtype = self.spec.label_dtype or prediction.dtype
+            labels = ir.Value(name=LABELS, shape=ir.Shape(list(shape)), type=ir.TensorType(dtype))
+            keys.set_role(labels, Role.LABEL)
+            model_inputs = sum(1 for v in graph.inputs if keys.get_role(v) == Role.INPUT.value)
+            graph.inputs.insert(model_inputs, labels)
+        emitter = Emitter(graph, stage="loss")
+        loss = emitter.op("Identity", self.spec.builder(emitter, prediction, labels), name=LOSS)
+        loss.shape = ir.Shape([])
+        loss.dtype = prediction.dtype
+        graph.outputs.clear()
+        graph.outputs.append(loss)
+        return ir.passes.PassResult(model, True)

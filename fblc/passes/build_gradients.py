@@ -1,0 +1,58 @@
+"""build_gradients: append the backward of `loss` and output `P.grad` for every parameter P.
+
+Rewrite: reverse-mode autodiff with the gradient-rule registry (fblc.compiler.autodiff);
+forward values the backward reads get role `saved`. Parameters the loss does not depend on
+are demoted to `frozen` and listed in the model's metadata (`fblc.unused_params`).
+Preconditions: attach_loss ran (output 0 is the scalar loss); parameters are graph inputs
+with role `param`; static shapes. In place. Errors: an op on the path without a gradient
+rule (naming op, node and the supported list); no parameter reaching the loss.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.autodiff import build_backward, params_reaching
+from fblc.compiler.errors import TrainableSetError
+from fblc.compiler.graph import Emitter
+from fblc.compiler.keys import Role
+
+UNUSED_PARAMS = "fblc.unused_params"
+
+
+def trainable_params(graph: ir.Graph) -> list[ir.Value]:
+    return [v for v in graph.inputs if keys.get_role(v) == Role.PARAM.value]
+
+
+class BuildGradients(ir.passes.InPlacePass):
+    """Reverse-mode autodiff of the loss (in place)."""
+
+    name = "build_gradients"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        loss = graph.outputs[0]
+        params = trainable_params(graph)
+        reaching = params_reaching(graph, loss, params)
+        if not reaching:
+            raise TrainableSetError("nothing to train: the loss depends on none of the trainable parameters",
+                                    "check --train/--freeze and that the model's first output is what the loss reads")
+        reaching_ids = {id(p) for p in reaching}
+        unused = [p for p in params if id(p) not in reaching_ids]
+        for param in unused:
+            keys.set_role(param, Role.FROZEN)
+            graph.inputs.remove(param)
+        if unused:
+            model.metadata_props[UNUSED_PARAMS] = ",".join(p.name for p in unused)
+        result = build_backward(graph, loss, reaching)
+        naming = Emitter(graph, stage="backward")
+        for param in reaching:
+            grad = result.grads[param.name]
+            if grad.producer() is None or grad.is_graph_output() or grad.name.endswith(".grad"):
+                grad = naming.op("Identity", grad)
+            grad.name = f"{param.name}.grad"
+            grad.shape, grad.dtype = param.shape, param.dtype
+            keys.set_role(grad, Role.GRAD)
+            graph.outputs.append(grad)
+        return ir.passes.PassResult(model, True)

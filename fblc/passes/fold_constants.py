@@ -1,0 +1,44 @@
+"""fold_constants: evaluate every node whose inputs are all constants, at compile time.
+
+Rewrite: Shape/Size of static tensors, and every chain over constants (the exporters'
+Shape/Gather/Concat/ConstantOfShape/Expand/CastLike chains, computed Pad amounts,
+IsNaN/Where masks, rotary tables from buffers, causal masks) becomes one initializer, via
+onnxscript's constant folder; nodes that read a `param` initializer are never folded, so
+weights stay weights. Unused nodes and initializers are removed.
+Preconditions: static input shapes (fix_input_shapes), roles on initializers
+(classify_initializers). In place.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from onnxscript.optimizer import fold_constants
+
+from fblc.compiler import keys
+from fblc.compiler.keys import Role
+
+# Folded tensors can be large (an attention mask is seq x seq); fblc folds them all.
+_NO_SIZE_LIMIT = 1 << 40
+
+
+def _reads_param(node: ir.Node) -> bool:
+    return any(v is not None and keys.get_role(v) == Role.PARAM.value for v in node.inputs)
+
+
+class FoldConstants(ir.passes.InPlacePass):
+    """Fold constant subgraphs, never through a weight (in place)."""
+
+    name = "fold_constants"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        before = len(model.graph)
+        result = fold_constants(
+            model,
+            onnx_shape_inference=True,
+            input_size_limit=_NO_SIZE_LIMIT,
+            output_size_limit=_NO_SIZE_LIMIT,
+            should_fold=lambda node: False if _reads_param(node) else None,
+        )
+        common_passes.RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, result.modified or len(model.graph) != before)

@@ -1,0 +1,81 @@
+"""optimizer_step: append the optimizer update of every parameter, in the graph.
+
+Rewrite: for each parameter P with output `P.grad`, adds its state tensors (graph inputs
+with role `opt_state`, zero-initialised initializers of the same name) and the update from
+`fblc.compiler.optimizers`; outputs become `loss`, then `P.grad`, `P.new` per parameter,
+then `S.new` per state tensor, so feeding the `.new` values back runs the next step.
+Preconditions: build_gradients ran. In place.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import Emitter, static_shape
+from fblc.compiler.keys import Role
+from fblc.compiler.optimizers import OptimizerConfig, StateTensor, optimizer_spec
+from fblc.passes.build_gradients import trainable_params
+
+
+def _state_input(graph: ir.Graph, state: StateTensor) -> ir.Value:
+    value = ir.Value(name=state.name, shape=ir.Shape(list(state.initial.shape)),
+                     type=ir.TensorType(ir.DataType.from_numpy(state.initial.dtype)),
+                     const_value=ir.tensor(state.initial, name=state.name))
+    keys.set_role(value, Role.OPT_STATE)
+    graph.inputs.append(value)
+    graph.register_initializer(value)
+    state.value = value
+    return value
+
+
+def _name_output(e: Emitter, value: ir.Value, name: str, role: Role) -> ir.Value:
+    if value.producer() is None or value.name.endswith((".new", ".grad")) or value.is_graph_input():
+        value = e.op("Identity", value)
+    value.name = name
+    keys.set_role(value, role)
+    return value
+
+
+class OptimizerStep(ir.passes.InPlacePass):
+    """Append SGD/Adam/AdamW updates and the step graph's outputs (in place)."""
+
+    name = "optimizer_step"
+
+    def __init__(self, config: OptimizerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = optimizer_spec(config.name)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        loss = graph.outputs[0]
+        grads = {v.name[: -len(".grad")]: v for v in graph.outputs if v.name.endswith(".grad")}
+        e = Emitter(graph, stage="optimizer")
+        shared_states = self.spec.shared_state()
+        shared: dict[str, ir.Value] = {}
+        for state in shared_states:
+            value = _state_input(graph, state)
+            state.new = e.op("Add", value, e.scalar(1.0, value))
+            shared[f"{state.name}.new"] = state.new
+        outputs: list[ir.Value] = [loss]
+        states: list[StateTensor] = []
+        for param in trainable_params(graph):
+            grad = grads[param.name]
+            param_states = self.spec.per_param_state(self.config, param.name, static_shape(param),
+                                                     ir.DataType(param.dtype).numpy())
+            for state in param_states:
+                _state_input(graph, state)
+            new_param = self.spec.update(e, self.config, param, grad, param_states, shared)
+            outputs += [grad, _name_output(e, new_param, f"{param.name}.new", Role.PARAM)]
+            states += param_states
+        for state in states + shared_states:
+            assert state.new is not None, f"optimizer left state {state.name} without an update"
+            outputs.append(_name_output(e, state.new, f"{state.name}.new", Role.OPT_STATE))
+        for state in shared_states:  # inputs in the order of the outputs: shared state last
+            assert state.value is not None
+            graph.inputs.remove(state.value)
+            graph.inputs.append(state.value)
+        graph.outputs.clear()
+        graph.outputs.extend(outputs)
+        return ir.passes.PassResult(model, True)

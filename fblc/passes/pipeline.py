@@ -1,0 +1,87 @@
+"""The one ordered list of passes, from an imported ONNX model to the training step graph.
+
+`import_passes` make any exporter's output static and folded; `training_passes` build the
+step. With a dump directory every pass's result is written as `NN_<pass>.onnx`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import onnx_ir as ir
+
+from fblc.compiler.model_io import save_model_atomically
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.attach_loss import AttachLoss
+from fblc.passes.build_gradients import BuildGradients
+from fblc.passes.classify_initializers import ClassifyInitializers
+from fblc.passes.eliminate_noops import EliminateNoops
+from fblc.passes.fix_input_shapes import FixInputShapes
+from fblc.passes.fold_constants import FoldConstants
+from fblc.passes.infer_shapes import InferShapes
+from fblc.passes.mark_trainable import MarkTrainable
+from fblc.passes.optimizer_step import OptimizerStep
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    input_shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    loss: str = "cross_entropy"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: str | None = None
+    freeze: str | None = None
+    bn_train: bool = False
+
+
+def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
+    return [
+        FixInputShapes(options.input_shapes),
+        ClassifyInitializers(),
+        FoldConstants(),
+        EliminateNoops(),
+        InferShapes(),
+    ]
+
+
+def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
+    return [
+        MarkTrainable(options.train, options.freeze),
+        AttachLoss(options.loss),
+        InferShapes(),
+        BuildGradients(),
+        OptimizerStep(options.optimizer),
+        InferShapes(),
+    ]
+
+
+PassHook = Callable[[int, ir.passes.PassBase, ir.Model], None]
+
+
+def run_passes(model: ir.Model, passes: Sequence[ir.passes.PassBase], first_index: int = 0,
+               after_each: PassHook | None = None) -> ir.Model:
+    """Run `passes` in order; `after_each(index, pass, model)` sees every intermediate model."""
+    for offset, graph_pass in enumerate(passes):
+        model = graph_pass(model).model
+        if after_each is not None:
+            after_each(first_index + offset, graph_pass, model)
+    return model
+
+
+def dump_hook(directory: str) -> PassHook:
+    """Write `directory/NN_<pass>.onnx` after each pass, for Netron."""
+    os.makedirs(directory, exist_ok=True)
+
+    def write(index: int, graph_pass: ir.passes.PassBase, model: ir.Model) -> None:
+        name = getattr(graph_pass, "name", type(graph_pass).__name__)
+        save_model_atomically(model, os.path.join(directory, f"{index:02d}_{name}.onnx"))
+
+    return write
+
+
+def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: str | None = None) -> ir.Model:
+    """Import passes, then training passes: the model becomes one training step (see DESIGN.md section 4)."""
+    hook = dump_hook(dump_dir) if dump_dir else None
+    passes = import_passes(options) + training_passes(options)
+    return run_passes(model, passes, after_each=hook)
