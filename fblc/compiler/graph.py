@@ -12,60 +12,22 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.errors import ShapeError
+from fblc.compiler.shape_rules import infer_node
+from fblc.compiler.values import FLOAT_TYPES, attr, const_array, ints_input, is_float, numel, static_shape
 
-FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
+__all__ = ["Emitter", "FLOAT_TYPES", "attr", "const_array", "ints_input", "is_float", "numel", "static_shape"]
 
-
-def static_shape(value: ir.Value) -> tuple[int, ...]:
-    """The shape of `value` as ints; every value has one after import."""
-    shape = value.shape
-    if shape is None or not shape.is_static():
-        raise ShapeError(
-            f"tensor '{value.name}' has no static shape ({shape})",
-            "pass --input-shape NAME=DIMS for every dynamic model input",
-        )
-    return tuple(int(d) for d in shape)
-
-
-def numel(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
-
-
-def is_float(value: ir.Value) -> bool:
-    return value.dtype in FLOAT_TYPES
-
-
-def const_array(value: ir.Value | None) -> np.ndarray | None:
-    """The value's constant contents (initializer or Constant output), else None."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
-        attr = producer.attributes.get("value")
-        if attr is not None:
-            return attr.as_tensor().numpy()
-    return None
-
-
-def ints_input(node: ir.Node, index: int, what: str) -> list[int] | None:
-    """A constant int64 input (axes, pads, shape), or None when absent."""
-    if index >= len(node.inputs) or node.inputs[index] is None:
-        return None
-    array = const_array(node.inputs[index])
-    if array is None:
-        raise ShapeError(
-            f"node '{node.name}' ({node.op_type}): input {index} ({what}) is not a constant",
-            "fblc needs static shapes; fix dynamic dims with --input-shape",
-        )
-    return [int(v) for v in np.asarray(array).reshape(-1)]
-
-
-def attr(node: ir.Node, name: str, default: Any = None) -> Any:
-    found = node.attributes.get(name)
-    return default if found is None else found.value
+def _attribute(name: str, value: Any) -> ir.Attr:
+    """A typed attribute; faster than ir.convenience.convert_attributes for the few kinds fblc emits."""
+    if isinstance(value, bool | int):
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, float):
+        return ir.AttrFloat32(name, value)
+    if isinstance(value, str):
+        return ir.AttrString(name, value)
+    if isinstance(value, (list, tuple)):
+        return ir.AttrInt64s(name, [int(v) for v in value])
+    return ir.convenience.convert_attribute(name, value)
 
 
 class Emitter:
@@ -90,7 +52,7 @@ class Emitter:
 
     def op_multi(self, op_type: str, *inputs: ir.Value | None, num_outputs: int = 1, name: str | None = None,
                  **attributes: Any) -> Sequence[ir.Value]:
-        attrs = ir.convenience.convert_attributes({k: v for k, v in attributes.items() if v is not None})
+        attrs = [_attribute(k, v) for k, v in attributes.items() if v is not None]
         node_name = self.fresh_name(op_type)
         outputs = [ir.Value(name=(name if name and i == 0 else f"{node_name}:{i}")) for i in range(num_outputs)]
         node = ir.Node("", op_type, list(inputs), attrs, outputs=outputs, name=node_name)
@@ -98,6 +60,7 @@ class Emitter:
         if self.origin is not None:
             node.metadata_props[keys.GRAD_OF] = self.origin
         self.graph.append(node)
+        infer_node(node)
         return node.outputs
 
     def const(self, array: np.ndarray | float | int | Sequence[int], dtype: ir.DataType | None = None) -> ir.Value:

@@ -32,9 +32,15 @@ class StateTensor:
     """One optimizer-state tensor: its name, its initial value, and the value of its update."""
 
     name: str
-    initial: np.ndarray
+    initial: Callable[[], np.ndarray]  # made only when the value is needed (saving the step)
+    shape: tuple[int, ...]
+    dtype: np.dtype
     value: ir.Value | None = None  # the graph input, set by the caller
     new: ir.Value | None = None
+
+
+def _zeros(name: str, shape: tuple[int, ...], dtype: np.dtype) -> StateTensor:
+    return StateTensor(name, lambda: np.zeros(shape, dtype), tuple(shape), np.dtype(dtype))
 
 
 StateFactory = Callable[[OptimizerConfig, str, tuple[int, ...], np.dtype], list[StateTensor]]
@@ -49,7 +55,7 @@ class OptimizerSpec:
 
 
 def _sgd_state(cfg: OptimizerConfig, param: str, shape: tuple[int, ...], dtype: np.dtype) -> list[StateTensor]:
-    return [StateTensor(f"{param}.momentum", np.zeros(shape, dtype))] if cfg.momentum else []
+    return [_zeros(f"{param}.momentum", shape, dtype)] if cfg.momentum else []
 
 
 def _sgd_update(e: Emitter, cfg: OptimizerConfig, param: ir.Value, grad: ir.Value, state: list[StateTensor],
@@ -66,12 +72,11 @@ def _sgd_update(e: Emitter, cfg: OptimizerConfig, param: ir.Value, grad: ir.Valu
 
 
 def _adam_state(cfg: OptimizerConfig, param: str, shape: tuple[int, ...], dtype: np.dtype) -> list[StateTensor]:
-    return [StateTensor(f"{param}.exp_avg", np.zeros(shape, dtype)),
-            StateTensor(f"{param}.exp_avg_sq", np.zeros(shape, dtype))]
+    return [_zeros(f"{param}.exp_avg", shape, dtype), _zeros(f"{param}.exp_avg_sq", shape, dtype)]
 
 
 def _adam_step_state() -> list[StateTensor]:
-    return [StateTensor("optimizer.step", np.zeros((), np.float32))]
+    return [_zeros("optimizer.step", (), np.dtype(np.float32))]
 
 
 def _adam_like(decoupled: bool) -> Update:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import onnx
 import onnx_ir as ir
 
@@ -11,18 +13,30 @@ _INLINE_LIMIT = 1024  # bytes; larger initializers go to inference as typed inpu
 
 
 def _weightless_proto(model: ir.Model) -> onnx.ModelProto:
-    proto = ir.to_proto(model)
-    graph = proto.graph
-    input_names = {i.name for i in graph.input}
-    kept = []
-    for tensor in graph.initializer:
-        if len(tensor.raw_data) + 4 * len(tensor.float_data) + 8 * len(tensor.int64_data) <= _INLINE_LIMIT:
-            kept.append(tensor)
-            continue
-        if tensor.name not in input_names:
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    """The model as a proto whose large initializers are typed graph inputs without data.
+
+    Shape inference needs only their types; serialising gigabytes of weights (or computing
+    lazy optimizer state) would cost more than the inference itself.
+    """
+    graph = model.graph
+    detached = {name: v.const_value for name, v in graph.initializers.items()
+                if v.const_value is not None and v.const_value.nbytes > _INLINE_LIMIT}
+    for name in detached:
+        graph.initializers[name].const_value = None
+    serde_logger = logging.getLogger("onnx_ir.serde")
+    level = serde_logger.level
+    serde_logger.setLevel(logging.ERROR)  # it warns about each initializer left without data
+    try:
+        proto = ir.to_proto(model)
+    finally:
+        serde_logger.setLevel(level)
+        for name, tensor in detached.items():
+            graph.initializers[name].const_value = tensor
+    declared = {i.name for i in proto.graph.input}
+    for name in detached:
+        if name not in declared:
+            value = graph.initializers[name]
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(name, int(value.dtype), list(value.shape)))
     return proto
 
 

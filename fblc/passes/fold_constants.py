@@ -26,12 +26,28 @@ def _reads_param(node: ir.Node) -> bool:
     return any(v is not None and keys.get_role(v) == Role.PARAM.value for v in node.inputs)
 
 
+def _is_constant(value: ir.Value | None) -> bool:
+    if value is None:
+        return True
+    producer = value.producer()
+    return (value.const_value is not None and keys.get_role(value) != Role.PARAM.value) or (
+        producer is not None and producer.op_type == "Constant")
+
+
+def _has_foldable_node(graph: ir.Graph) -> bool:
+    """Whether any node could fold; a static exporter graph often has none, and the folder costs time."""
+    return any(node.op_type in ("Shape", "Size", "Constant") or all(_is_constant(v) for v in node.inputs)
+               for node in graph)
+
+
 class FoldConstants(ir.passes.InPlacePass):
     """Fold constant subgraphs, never through a weight (in place)."""
 
     name = "fold_constants"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if not _has_foldable_node(model.graph):
+            return ir.passes.PassResult(model, False)
         before = len(model.graph)
         result = fold_constants(
             model,

@@ -19,9 +19,12 @@ from fblc.passes.build_gradients import trainable_params
 
 
 def _state_input(graph: ir.Graph, state: StateTensor) -> ir.Value:
-    value = ir.Value(name=state.name, shape=ir.Shape(list(state.initial.shape)),
-                     type=ir.TensorType(ir.DataType.from_numpy(state.initial.dtype)),
-                     const_value=ir.tensor(state.initial, name=state.name))
+    dtype = ir.DataType.from_numpy(state.dtype)
+    shape = ir.Shape(list(state.shape))
+    # Lazy: a 1B-parameter model's Adam state is 8 GB of zeros, made only if the step is saved.
+    initial = ir.LazyTensor(lambda: ir.tensor(state.initial(), name=state.name), dtype=dtype, shape=shape,
+                            name=state.name)
+    value = ir.Value(name=state.name, shape=shape, type=ir.TensorType(dtype), const_value=initial)
     keys.set_role(value, Role.OPT_STATE)
     graph.inputs.append(value)
     graph.register_initializer(value)

@@ -49,10 +49,8 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
         MarkTrainable(options.train, options.freeze),
         AttachLoss(options.loss),
-        InferShapes(),
         BuildGradients(),
         OptimizerStep(options.optimizer),
-        InferShapes(),
     ]
 
 
@@ -80,8 +78,21 @@ def dump_hook(directory: str) -> PassHook:
     return write
 
 
-def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: str | None = None) -> ir.Model:
-    """Import passes, then training passes: the model becomes one training step (see DESIGN.md section 4)."""
-    hook = dump_hook(dump_dir) if dump_dir else None
-    passes = import_passes(options) + training_passes(options)
-    return run_passes(model, passes, after_each=hook)
+def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: str | None = None,
+                         on_pass: PassHook | None = None) -> ir.Model:
+    """Import passes, then training passes: the model becomes one training step (DESIGN.md section 4).
+
+    `on_pass(index, pass, model)` runs after each pass (progress display); with `dump_dir`
+    every intermediate model is also written there.
+    """
+    hooks = [h for h in (dump_hook(dump_dir) if dump_dir else None, on_pass) if h is not None]
+
+    def after_each(index: int, graph_pass: ir.passes.PassBase, result: ir.Model) -> None:
+        for hook in hooks:
+            hook(index, graph_pass, result)
+
+    return run_passes(model, training_pipeline(options), after_each=after_each)
+
+
+def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
+    return import_passes(options) + training_passes(options)

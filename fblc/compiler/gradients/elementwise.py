@@ -143,17 +143,24 @@ def relu_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gr
 
 @register_gradient("Clip")
 def clip_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-    """Gradient passes strictly inside (min, max), as torch's hardtanh/ReLU6 and MemFLoRA's mask."""
+    """Gradient passes strictly inside (min, max), as torch's hardtanh/ReLU6 and MemFLoRA's mask.
+
+    A bound that trains (a float initializer) gets the gradient of the elements it clips, as
+    torch.clamp with tensor bounds; left at None it would silently read as a zero gradient.
+    """
     x = node.inputs[0]
     bounds = [node.inputs[i] if i < len(node.inputs) else None for i in (1, 2)]
     mask = None
-    for bound, compare in zip(bounds, ("Greater", "Less")):
+    bound_grads: list[ir.Value | None] = [None, None]
+    for k, (bound, compare, clipped) in enumerate(zip(bounds, ("Greater", "Less"), ("LessOrEqual", "GreaterOrEqual"))):
         if bound is None:
             continue
         inside = e.op(compare, x, bound)
         mask = inside if mask is None else e.op("And", mask, inside)
+        if need[k + 1]:
+            bound_grads[k] = _to_input(e, node, k + 1, _masked(e, e.op(clipped, x, bound), dys[0]))
     dx = dys[0] if mask is None else _masked(e, mask, dys[0])
-    return [dx, None, None][: len(node.inputs)]
+    return [dx, *bound_grads][: len(node.inputs)]
 
 
 @register_gradient("Where")

@@ -108,8 +108,8 @@ def conv_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gr
     return [dx, dw, db][: len(node.inputs)]
 
 
-def _channel_view(e: Emitter, vector: ir.Value, rank: int) -> ir.Value:
-    return e.reshape(vector, [1, static_shape(vector)[0]] + [1] * (rank - 2))
+def _channel_view(e: Emitter, vector: ir.Value, channels: int, rank: int) -> ir.Value:
+    return e.reshape(vector, [1, channels] + [1] * (rank - 2))
 
 
 @register_gradient("BatchNormalization")
@@ -120,15 +120,17 @@ def batch_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool])
                                  "fblc decomposes batch statistics itself with --bn-train; export in eval mode")
     x, scale, _, mean, var = node.inputs[:5]
     rank = len(static_shape(x))
+    channels = static_shape(x)[1]
     epsilon = float(attr(node, "epsilon", 1e-5))
     inv_std = e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, e.scalar(epsilon, var))))
     dy = dys[0]
     reduce_axes = [0] + list(range(2, rank))
     dx = dscale = dbias = None
     if need[0]:
-        dx = e.op("Mul", dy, _channel_view(e, e.op("Mul", scale, inv_std), rank))
+        dx = e.op("Mul", dy, _channel_view(e, e.op("Mul", scale, inv_std), channels, rank))
     if need[1]:
-        x_hat = e.op("Mul", e.op("Sub", x, _channel_view(e, mean, rank)), _channel_view(e, inv_std, rank))
+        x_hat = e.op("Mul", e.op("Sub", x, _channel_view(e, mean, channels, rank)),
+                     _channel_view(e, inv_std, channels, rank))
         dscale = e.reduce_sum(e.op("Mul", dy, x_hat), reduce_axes, keepdims=False)
     if need[2]:
         dbias = e.reduce_sum(dy, reduce_axes, keepdims=False)

@@ -80,7 +80,9 @@ def slice_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> G
         dx = e.op("Pad", dy, e.ints(pads))
     else:
         flat_positions = np.arange(numel(in_shape), dtype=np.int64).reshape(in_shape)
-        picked = flat_positions[tuple(slice(a, b, c) for a, b, c in zip(starts, stops, steps))]
+        # np.arange, not slice(): a normalised stop of -1 (a negative step run through index 0)
+        # would read as "the last element" in a slice and pick nothing.
+        picked = flat_positions[np.ix_(*(np.arange(a, b, c) for a, b, c in zip(starts, stops, steps)))]
         scattered = e.op("ScatterND", e.zeros([numel(in_shape)], like=dy), e.const(picked.reshape(-1, 1)),
                          e.reshape(dy, [numel(out_shape)]))
         dx = e.reshape(scattered, in_shape)

@@ -1,0 +1,159 @@
+"""The `fblc` command line: subcommands over the compiler (and, as they land, the runtimes).
+
+User errors print one line, `fblc: error: <cause>; <what to do>`, and exit 2; `--debug`
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import traceback
+from typing import Callable, Iterator, Sequence
+
+from fblc import __version__
+from fblc.compiler.errors import FblcError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def parse_dims(text: str) -> tuple[str, tuple[int, ...]]:
+    """`NAME=1x3x224x224` -> ("NAME", (1, 3, 224, 224)); the name may itself contain '='."""
+    name, sep, dims = text.rpartition("=")
+    try:
+        sizes = tuple(int(d) for d in dims.lower().split("x"))
+    except ValueError:
+        sizes = ()
+    if not sep or not name or not sizes or any(d <= 0 for d in sizes):
+        raise argparse.ArgumentTypeError(f"'{text}' is not NAME=DIMS with positive sizes, e.g. input_ids=2x128")
+    return name, sizes
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds a training step (train-graph, compile, verify)."""
+    from fblc.compiler.losses import LOSSES
+    from fblc.compiler.optimizers import OPTIMIZERS
+
+    parser.add_argument("model", help="ONNX model file (torch.onnx.export output or any opset >= 13 model)")
+    parser.add_argument("--input-shape", action="append", type=parse_dims, default=[], metavar="NAME=DIMS",
+                        help="static shape of a model input, e.g. input_ids=2x128 (repeat per input); "
+                             "required for every dynamic dim")
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="cross_entropy",
+                        help="; ".join(f"{k}: {v.help}" for k, v in LOSSES.items()) + " (default: cross_entropy)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="default: sgd")
+    parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default: 0.01)")
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
+    parser.add_argument("--weight-decay", type=float, default=0.0,
+                        help="L2 penalty for sgd/adam, decoupled decay for adamw (default: 0)")
+    parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
+                        help="Adam betas (default: 0.9 0.999)")
+    parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8)")
+    parser.add_argument("--train", metavar="REGEX", help="train only parameters whose name matches REGEX")
+    parser.add_argument("--freeze", metavar="REGEX", help="freeze parameters whose name matches REGEX")
+    parser.add_argument("--bn-train", action="store_true",
+                        help="BatchNormalization uses batch statistics (full fine-tuning); default: eval mode")
+    parser.add_argument("--dump-dir", metavar="DIR", help="write DIR/NN_<pass>.onnx after every pass (open in Netron)")
+
+
+def training_options(args: argparse.Namespace) -> "object":
+    from fblc.compiler.optimizers import OptimizerConfig
+    from fblc.passes.pipeline import TrainingOptions
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, dims in args.input_shape:
+        if name in shapes:
+            raise FblcError(f"--input-shape given twice for '{name}'", "give each input once")
+        shapes[name] = dims
+    optimizer = OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay, beta1=args.betas[0], beta2=args.betas[1],
+                                eps=args.eps)
+    return TrainingOptions(input_shapes=shapes, loss=args.loss, optimizer=optimizer, train=args.train,
+                           freeze=args.freeze, bn_train=args.bn_train)
+
+
+@contextlib.contextmanager
+def pass_progress(total: int, enabled: bool) -> Iterator[Callable[..., None] | None]:
+    """A transient progress bar on stderr that advances once per pass (only on a terminal)."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=True) as progress:
+        task = progress.add_task("passes", total=total)
+
+        def advance(index: int, graph_pass: object, model: object) -> None:
+            progress.update(task, advance=1, description=f"pass {getattr(graph_pass, 'name', '')}")
+
+        yield advance
+
+
+def cmd_train_graph(args: argparse.Namespace) -> int:
+    from fblc.compiler.model_io import load_model, save_model_atomically
+    from fblc.compiler.summary import summarize_step
+    from fblc.passes.pipeline import build_training_graph, training_pipeline
+
+    options = training_options(args)
+    started = time.perf_counter()
+    model = load_model(args.model)
+    with pass_progress(len(training_pipeline(options)), enabled=not args.quiet) as on_pass:
+        step = build_training_graph(model, options, dump_dir=args.dump_dir, on_pass=on_pass)
+    built = time.perf_counter() - started
+    save_model_atomically(step, args.output)
+    if not args.quiet:
+        print(summarize_step(step))
+        print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e6:.1f} MB) in {built:.2f} s"
+              + (f"; pass dumps in {args.dump_dir}/" if args.dump_dir else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fblc", description="fblc: a training compiler for mobile GPUs. ONNX model in, training step out.",
+        epilog="Run 'fblc COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"fblc {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train_graph = commands.add_parser(
+        "train-graph", help="write one training step (forward, loss, backward, optimizer) as a standalone ONNX model",
+        description="Build one training step of MODEL as an ONNX model that onnxruntime runs. Inputs: the model's "
+                    "inputs, labels, then every trainable parameter and optimizer state (initialised with their "
+                    "current values). Outputs: loss, then P.grad and P.new per parameter, then S.new per state.")
+    add_training_options(train_graph)
+    train_graph.add_argument("-o", "--output", required=True, metavar="STEP.onnx", help="where to write the step")
+    train_graph.set_defaults(run=cmd_train_graph)
+
+    for sub in commands.choices.values():
+        sub.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+        sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except FblcError as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"fblc: error: {error.one_line()}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("fblc: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # a bug in fblc or a library: say so in one line unless debugging
+        if args.debug:
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"fblc: internal error: {type(error).__name__}: {first} (rerun with --debug for the traceback "
+              "and report it)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

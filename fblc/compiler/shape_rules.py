@@ -1,0 +1,233 @@
+"""Output shapes and dtypes of the ops fblc emits, by table, computed as each node is appended.
+
+The loss, backward and optimizer emit thousands of nodes; computing their shapes here, from
+the static shapes of their inputs, spares a whole-graph shape inference after each pass
+(which dominates build time on a 1B-parameter decoder). Every op the emitter may append has
+an entry; tests check the results against onnx's own shape inference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler.values import attr, const_array
+
+Shape = tuple[int, ...]
+Result = list[tuple[Shape, ir.DataType]]
+ShapeRule = Callable[[ir.Node, list[Shape], list["ir.DataType"]], Result]
+
+_RULES: dict[str, ShapeRule] = {}
+
+
+def shape_rule(*op_types: str) -> Callable[[ShapeRule], ShapeRule]:
+    def decorate(rule: ShapeRule) -> ShapeRule:
+        for op_type in op_types:
+            if op_type in _RULES:
+                raise ValueError(f"shape rule for {op_type} registered twice")
+            _RULES[op_type] = rule
+        return rule
+
+    return decorate
+
+
+def infer_node(node: ir.Node) -> None:
+    """Set the shape and dtype of `node`'s outputs from its inputs' static shapes."""
+    rule = _RULES.get(node.op_type)
+    if rule is None:
+        raise KeyError(f"no shape rule for emitted op {node.op_type} (node '{node.name}'); "
+                       f"rules exist for: {', '.join(sorted(_RULES))}")
+    shapes = [tuple(v.shape) if v is not None and v.shape is not None else () for v in node.inputs]
+    dtypes = [v.dtype if v is not None else None for v in node.inputs]
+    for out, (shape, dtype) in zip(node.outputs, rule(node, shapes, dtypes)):
+        out.shape = ir.Shape(list(shape))
+        out.dtype = dtype
+
+
+def _ints(node: ir.Node, index: int) -> list[int]:
+    return [int(v) for v in np.asarray(const_array(node.inputs[index])).reshape(-1)]
+
+
+def _broadcast(shapes: Sequence[Shape]) -> Shape:
+    """numpy broadcasting of static shapes (np.broadcast_shapes is slow for thousands of calls)."""
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for shape in shapes:
+        for i, dim in enumerate(shape, start=rank - len(shape)):
+            if dim != 1:
+                if out[i] not in (1, dim):
+                    raise ValueError(f"shapes {list(shapes)} do not broadcast")
+                out[i] = dim
+    return tuple(out)
+
+
+def _first_float(dtypes: Sequence["ir.DataType | None"]) -> ir.DataType:
+    return next(d for d in dtypes if d is not None)
+
+
+@shape_rule("Add", "Sub", "Mul", "Div", "Pow", "Sum", "Max", "Min")
+def _arithmetic(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(_broadcast(shapes), dtypes[0])]
+
+
+@shape_rule("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or")
+def _comparison(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(_broadcast(shapes), ir.DataType.BOOL)]
+
+
+@shape_rule("Where")
+def _where(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(_broadcast(shapes), dtypes[1])]
+
+
+@shape_rule("Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Identity", "Not", "Relu", "Sigmoid",
+            "Tanh", "Softmax", "LogSoftmax")
+def _same(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(shapes[0], dtypes[0])]
+
+
+@shape_rule("Cast")
+def _cast(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(shapes[0], ir.DataType(attr(node, "to")))]
+
+
+@shape_rule("Reshape")
+def _reshape(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    target = _ints(node, 1)
+    total = int(np.prod(shapes[0], dtype=np.int64))
+    target = [shapes[0][i] if d == 0 else d for i, d in enumerate(target)]
+    if -1 in target:
+        known = int(np.prod([d for d in target if d != -1], dtype=np.int64))
+        target[target.index(-1)] = total // known
+    return [(tuple(target), dtypes[0])]
+
+
+@shape_rule("Unsqueeze")
+def _unsqueeze(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    rank = len(shapes[0]) + len(_ints(node, 1))
+    axes = sorted(a % rank for a in _ints(node, 1))
+    out = list(shapes[0])
+    for axis in axes:
+        out.insert(axis, 1)
+    return [(tuple(out), dtypes[0])]
+
+
+@shape_rule("Transpose")
+def _transpose(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    perm = attr(node, "perm") or list(reversed(range(len(shapes[0]))))
+    return [(tuple(shapes[0][p] for p in perm), dtypes[0])]
+
+
+@shape_rule("ReduceSum", "ReduceMean", "ReduceMax")
+def _reduce(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    rank = len(shapes[0])
+    axes = _ints(node, 1) if len(node.inputs) > 1 and node.inputs[1] is not None else list(range(rank))
+    axes = {a % rank for a in axes}
+    keep = int(attr(node, "keepdims", 1))
+    out = [1 if i in axes else d for i, d in enumerate(shapes[0]) if keep or i not in axes]
+    return [(tuple(out), dtypes[0])]
+
+
+@shape_rule("Expand")
+def _expand(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(_broadcast([shapes[0], tuple(_ints(node, 1))]), dtypes[0])]
+
+
+@shape_rule("ConstantOfShape")
+def _constant_of_shape(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(tuple(_ints(node, 0)), ir.DataType(attr(node, "value").dtype))]
+
+
+@shape_rule("MatMul")
+def _matmul(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    a, b = shapes
+    a2 = a if len(a) >= 2 else (1,) + a
+    b2 = b if len(b) >= 2 else b + (1,)
+    out = _broadcast([a2[:-2], b2[:-2]]) + (a2[-2], b2[-1])
+    if len(a) == 1:
+        out = out[:-2] + out[-1:]
+    if len(b) == 1:
+        out = out[:-1]
+    return [(out, dtypes[0])]
+
+
+@shape_rule("Gemm")
+def _gemm(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    a, b = shapes[0], shapes[1]
+    rows = a[1] if attr(node, "transA", 0) else a[0]
+    cols = b[0] if attr(node, "transB", 0) else b[1]
+    return [((rows, cols), dtypes[0])]
+
+
+@shape_rule("ScatterND", "ScatterElements")
+def _scatter(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(shapes[0], dtypes[0])]
+
+
+@shape_rule("GatherElements")
+def _gather_elements(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(shapes[1], dtypes[0])]
+
+
+@shape_rule("Pad")
+def _pad(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    pads = _ints(node, 1)
+    rank = len(shapes[0])
+    return [(tuple(d + pads[i] + pads[i + rank] for i, d in enumerate(shapes[0])), dtypes[0])]
+
+
+@shape_rule("Slice")
+def _slice(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    rank = len(shapes[0])
+    starts, ends = _ints(node, 1), _ints(node, 2)
+    axes = _ints(node, 3) if len(node.inputs) > 3 and node.inputs[3] is not None else list(range(len(starts)))
+    steps = _ints(node, 4) if len(node.inputs) > 4 and node.inputs[4] is not None else [1] * len(starts)
+    out = list(shapes[0])
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        out[axis % rank] = len(range(*slice(start, end, step).indices(shapes[0][axis % rank])))
+    return [(tuple(out), dtypes[0])]
+
+
+@shape_rule("Split")
+def _split(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    axis = int(attr(node, "axis", 0)) % len(shapes[0])
+    sizes = _ints(node, 1)
+    return [(shapes[0][:axis] + (size,) + shapes[0][axis + 1:], dtypes[0]) for size in sizes]
+
+
+@shape_rule("Concat")
+def _concat(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    axis = int(attr(node, "axis")) % len(shapes[0])
+    total = sum(s[axis] for s in shapes)
+    return [(shapes[0][:axis] + (total,) + shapes[0][axis + 1:], dtypes[0])]
+
+
+def _window_out(size: int, kernel: int, stride: int, dilation: int, pad_total: int) -> int:
+    return (size + pad_total - dilation * (kernel - 1) - 1) // stride + 1
+
+
+@shape_rule("Conv")
+def _conv(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    x, w = shapes[0], shapes[1]
+    rank = len(x) - 2
+    strides = attr(node, "strides") or [1] * rank
+    dilations = attr(node, "dilations") or [1] * rank
+    pads = attr(node, "pads") or [0] * (2 * rank)
+    spatial = [_window_out(x[2 + i], w[2 + i], strides[i], dilations[i], pads[i] + pads[i + rank])
+               for i in range(rank)]
+    return [((x[0], w[0], *spatial), dtypes[0])]
+
+
+@shape_rule("ConvTranspose")
+def _conv_transpose(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    x, w = shapes[0], shapes[1]
+    rank = len(x) - 2
+    strides = attr(node, "strides") or [1] * rank
+    dilations = attr(node, "dilations") or [1] * rank
+    pads = attr(node, "pads") or [0] * (2 * rank)
+    extra = attr(node, "output_padding") or [0] * rank
+    spatial = [(x[2 + i] - 1) * strides[i] + (w[2 + i] - 1) * dilations[i] + 1 - pads[i] - pads[i + rank] + extra[i]
+               for i in range(rank)]
+    return [((x[0], w[1] * int(attr(node, "group", 1)), *spatial), dtypes[0])]

@@ -1,0 +1,63 @@
+"""Small facts about onnx_ir values and nodes: static shapes, constants, attributes."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler.errors import ShapeError
+
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
+
+
+def static_shape(value: ir.Value) -> tuple[int, ...]:
+    """The shape of `value` as ints; every value has one after import."""
+    shape = value.shape
+    if shape is None or not shape.is_static():
+        raise ShapeError(
+            f"tensor '{value.name}' has no static shape ({shape})",
+            "pass --input-shape NAME=DIMS for every dynamic model input",
+        )
+    return tuple(int(d) for d in shape)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def is_float(value: ir.Value) -> bool:
+    return value.dtype in FLOAT_TYPES
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents (initializer or Constant output), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+        attr = producer.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+    return None
+
+
+def ints_input(node: ir.Node, index: int, what: str) -> list[int] | None:
+    """A constant int64 input (axes, pads, shape), or None when absent."""
+    if index >= len(node.inputs) or node.inputs[index] is None:
+        return None
+    array = const_array(node.inputs[index])
+    if array is None:
+        raise ShapeError(
+            f"node '{node.name}' ({node.op_type}): input {index} ({what}) is not a constant",
+            "fblc needs static shapes; fix dynamic dims with --input-shape",
+        )
+    return [int(v) for v in np.asarray(array).reshape(-1)]
+
+
+def attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    found = node.attributes.get(name)
+    return default if found is None else found.value
