@@ -38,6 +38,8 @@ class Emitter:
         self.stage = stage
         self.prefix = stage
         self.origin: str | None = None
+        #: when set, nodes go right before this node (rewrites inside the forward); else at the end
+        self.anchor: ir.Node | None = None
         self._counter = 0
         self._constants: dict[tuple[Any, ...], ir.Value] = {}
 
@@ -59,7 +61,10 @@ class Emitter:
         node.metadata_props[keys.STAGE] = self.stage
         if self.origin is not None:
             node.metadata_props[keys.GRAD_OF] = self.origin
-        self.graph.append(node)
+        if self.anchor is None:
+            self.graph.append(node)
+        else:
+            self.graph.insert_before(self.anchor, node)
         infer_node(node)
         return node.outputs
 

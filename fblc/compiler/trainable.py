@@ -40,6 +40,9 @@ def is_parameter_like(value: ir.Value, exporter_kinds: bool) -> bool:
     kind = value.metadata_props.get(keys.TORCH_INPUT_KIND)
     if kind is not None:
         return kind == "PARAMETER"
-    if keys.ONNXSCRIPT_FOLDED_FROM in value.metadata_props:
+    # The dynamo exporter tags every tensor it lifts, so an untagged one in its output was made
+    # by onnxscript's optimizer; not every rewrite records folded_from (a conv with BatchNorm
+    # fused in keeps the conv weight's name and loses its tags), so both take the slot rule.
+    if keys.ONNXSCRIPT_FOLDED_FROM in value.metadata_props or exporter_kinds:
         return any(use.idx in WEIGHT_SLOTS.get(use.node.op_type, ()) for use in value.uses())
-    return not exporter_kinds
+    return True

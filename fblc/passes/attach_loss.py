@@ -1,7 +1,8 @@
 """attach_loss: end the graph in a scalar `loss` computed from the model's first output.
 
 Rewrite: adds the `labels` input (after the model's inputs, unless the loss takes none),
-appends the loss ops from `fblc.compiler.losses`, and makes `loss` the only graph output.
+appends the loss ops from `fblc.compiler.losses`, and makes `loss` the first graph output;
+the model's outputs go, state outputs of earlier passes (`opt_state`) stay after it.
 Preconditions: static shapes; mark_trainable ran (inputs carry roles). In place.
 """
 
@@ -42,6 +43,7 @@ class AttachLoss(ir.passes.InPlacePass):
         loss = emitter.op("Identity", self.spec.builder(emitter, prediction, labels), name=LOSS)
         loss.shape = ir.Shape([])
         loss.dtype = prediction.dtype
+        carried = [v for v in graph.outputs if keys.get_role(v) == Role.OPT_STATE.value]
         graph.outputs.clear()
-        graph.outputs.append(loss)
+        graph.outputs.extend([loss, *carried])
         return ir.passes.PassResult(model, True)

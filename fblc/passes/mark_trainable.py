@@ -57,6 +57,8 @@ class MarkTrainable(ir.passes.InPlacePass):
         chosen_ids = {id(v) for v in chosen}
         modified = False
         for value in graph.initializers.values():
+            if keys.get_role(value) not in (Role.PARAM.value, Role.FROZEN.value):
+                continue  # state of earlier passes keeps its role
             role = Role.PARAM if id(value) in chosen_ids else Role.FROZEN
             if keys.get_role(value) != role.value:
                 keys.set_role(value, role)

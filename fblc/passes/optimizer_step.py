@@ -3,7 +3,8 @@
 Rewrite: for each parameter P with output `P.grad`, adds its state tensors (graph inputs
 with role `opt_state`, zero-initialised initializers of the same name) and the update from
 `fblc.compiler.optimizers`; outputs become `loss`, then `P.grad`, `P.new` per parameter,
-then `S.new` per state tensor, so feeding the `.new` values back runs the next step.
+then `S.new` per state tensor (optimizer state, then state outputs of earlier passes such
+as BatchNorm running statistics under --bn-train), so feeding the `.new` values back runs the next step.
 Preconditions: build_gradients ran. In place.
 """
 
@@ -61,6 +62,7 @@ class OptimizerStep(ir.passes.InPlacePass):
             value = _state_input(graph, state)
             state.new = e.op("Add", value, e.scalar(1.0, value))
             shared[f"{state.name}.new"] = state.new
+        carried = [v for v in graph.outputs if keys.get_role(v) == Role.OPT_STATE.value]
         outputs: list[ir.Value] = [loss]
         states: list[StateTensor] = []
         for param in trainable_params(graph):
@@ -75,10 +77,16 @@ class OptimizerStep(ir.passes.InPlacePass):
         for state in states + shared_states:
             assert state.new is not None, f"optimizer left state {state.name} without an update"
             outputs.append(_name_output(e, state.new, f"{state.name}.new", Role.OPT_STATE))
-        for state in shared_states:  # inputs in the order of the outputs: shared state last
+        outputs += carried
+        for state in shared_states:  # inputs in the order of the outputs: shared state after per-parameter state
             assert state.value is not None
             graph.inputs.remove(state.value)
             graph.inputs.append(state.value)
+        carried_inputs = [v for v in graph.inputs if keys.get_role(v) == Role.OPT_STATE.value
+                          and v.name + ".new" in {o.name for o in carried}]
+        for value in carried_inputs:  # state of earlier passes (BatchNorm running statistics) goes last
+            graph.inputs.remove(value)
+            graph.inputs.append(value)
         graph.outputs.clear()
         graph.outputs.extend(outputs)
         return ir.passes.PassResult(model, True)

@@ -15,6 +15,7 @@ import onnx_ir as ir
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.attach_loss import AttachLoss
+from fblc.passes.bn_batch_stats import BatchNormBatchStats
 from fblc.passes.build_gradients import BuildGradients
 from fblc.passes.classify_initializers import ClassifyInitializers
 from fblc.passes.eliminate_noops import EliminateNoops
@@ -47,6 +48,7 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
 
 def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
+        BatchNormBatchStats(options.bn_train),
         MarkTrainable(options.train, options.freeze),
         AttachLoss(options.loss),
         BuildGradients(),

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
-from fblc.compiler.graph import Emitter, static_shape
+from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.graph import Emitter, const_array, static_shape
 
 Grads = Sequence["ir.Value | None"]
 
@@ -126,9 +128,22 @@ def neg_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gra
     return [e.op("Neg", dys[0])]
 
 
-@register_gradient("Identity", "Dropout")
+@register_gradient("Identity")
 def identity_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
     return [dys[0]] + [None] * (len(node.inputs) - 1)
+
+
+@register_gradient("Dropout")
+def dropout_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """Inference Dropout is the identity. In training mode (or a mode known only at run time) the
+    forward drops and rescales, so the identity would be a wrong gradient: refuse, as
+    eliminate_noops documents."""
+    training = node.inputs[2] if len(node.inputs) > 2 else None
+    flag = const_array(training) if training is not None else np.array(False)
+    if flag is None or bool(flag):
+        raise UnsupportedOpError(f"Dropout in training mode (node '{node.name}') has no gradient rule",
+                                 "export the model in eval mode, so that Dropout is the identity")
+    return identity_grad(e, node, dys, need)
 
 
 def _masked(e: Emitter, mask: ir.Value, dy: ir.Value) -> ir.Value:

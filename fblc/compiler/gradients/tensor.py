@@ -139,6 +139,14 @@ def pad_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gra
         starts = crop[:rank]
         stops = [n - c for n, c in zip(out_shape, crop[rank:])]
         dx = e.op("Slice", dx, e.ints(starts), e.ints(stops), e.ints(list(range(rank))))
+    from_input = dx
     if any(regrow):
         dx = e.op("Pad", dx, e.ints(regrow))
-    return [dx] + [None] * (len(node.inputs) - 1)
+    dvalue = None
+    if len(node.inputs) > 2 and node.inputs[2] is not None and need[2]:
+        # A trained constant_value fills every output position the input does not: it gets the rest of dy.
+        every = list(range(rank))
+        rest = e.op("Sub", e.reduce_sum(dys[0], every, keepdims=False),
+                    e.reduce_sum(from_input, every, keepdims=False))
+        dvalue = e.reshape(rest, static_shape(node.inputs[2]))
+    return [dx, None, dvalue, None][: len(node.inputs)]

@@ -1,0 +1,49 @@
+"""The reference executor: onnxruntime runs a training-step ONNX step after step.
+
+Every later stage (OpenCL kernels, the native runner) is checked against this. The state
+(parameters, optimizer state) starts from the step's initializers; after each step the
+`.new` outputs become the next step's inputs, as the step interface defines.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from fblc.compiler.errors import FblcError
+
+
+class ReferenceStep:
+    """Train with a step graph on onnxruntime's CPU provider."""
+
+    def __init__(self, step_path: str) -> None:
+        model = onnx.load(step_path)
+        initial = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # the state inputs are also initializers, by design
+        self.session = ort.InferenceSession(step_path, options, providers=["CPUExecutionProvider"])
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.output_names = outputs
+        self.state: dict[str, np.ndarray] = {
+            name[: -len(".new")]: initial[name[: -len(".new")]] for name in outputs if name.endswith(".new")}
+        self.data_inputs = [i.name for i in self.session.get_inputs() if i.name not in self.state]
+        self.last: dict[str, np.ndarray] = {}
+
+    def step(self, feeds: Mapping[str, np.ndarray]) -> float:
+        """Run one step on `feeds` (model inputs and labels); returns the loss."""
+        missing = [name for name in self.data_inputs if name not in feeds]
+        if missing:
+            raise FblcError(f"the step needs inputs {missing}", f"provide arrays for: {', '.join(self.data_inputs)}")
+        values = self.session.run(None, {**{k: feeds[k] for k in self.data_inputs}, **self.state})
+        self.last = dict(zip(self.output_names, values))
+        for name in self.state:
+            self.state[name] = self.last[f"{name}.new"]
+        return float(self.last["loss"])
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Current values of the trainable parameters (not the optimizer state)."""
+        return {name: value for name, value in self.state.items() if f"{name}.grad" in self.output_names}

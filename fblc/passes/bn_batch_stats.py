@@ -1,0 +1,73 @@
+"""bn_batch_stats: BatchNormalization with batch statistics, for full fine-tuning (`--bn-train`).
+
+Rewrite: each eval-mode BatchNormalization becomes primitive ops that normalise with the
+batch's mean and biased variance over (N, spatial), as torch's BatchNorm in train mode, so
+autodiff differentiates through the statistics. Its running statistics become step state:
+graph inputs with role `opt_state` and outputs `<stat>.new` updated as torch does
+(new = momentum * running + (1 - momentum) * batch, ONNX's momentum, unbiased variance).
+Preconditions: static shapes; runs before mark_trainable. In place; `modified` is false
+when the graph has no BatchNormalization (or the pass is disabled).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import Emitter, attr, numel, static_shape
+from fblc.compiler.keys import Role
+
+
+class BatchNormBatchStats(ir.passes.InPlacePass):
+    """Decompose BatchNormalization into batch-statistics ops (in place; no-op unless enabled)."""
+
+    name = "bn_batch_stats"
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        nodes = [n for n in graph if n.op_type == "BatchNormalization" and n.domain == ""]
+        if not self.enabled or not nodes:
+            return ir.passes.PassResult(model, False)
+        emitter = Emitter(graph, stage="forward")
+        for node in nodes:
+            emitter.anchor = node
+            emitter.prefix = f"{node.name}/batch_stats"
+            self._rewrite(emitter, graph, node)
+            graph.remove(node, safe=True)
+        return ir.passes.PassResult(model, True)
+
+    @staticmethod
+    def _rewrite(e: Emitter, graph: ir.Graph, node: ir.Node) -> None:
+        x, scale, bias, running_mean, running_var = node.inputs[:5]
+        shape = static_shape(x)
+        channels, rank = shape[1], len(shape)
+        axes = [0] + list(range(2, rank))
+        count = numel(shape) // channels
+        epsilon = float(attr(node, "epsilon", 1e-5))
+        momentum = float(attr(node, "momentum", 0.9))
+        per_channel = [1, channels] + [1] * (rank - 2)
+        mean = e.op("ReduceMean", x, e.ints(axes), keepdims=1)
+        centered = e.op("Sub", x, mean)
+        var = e.op("ReduceMean", e.op("Mul", centered, centered), e.ints(axes), keepdims=1)
+        inv_std = e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, e.scalar(epsilon, var))))
+        normalized = e.op("Mul", centered, inv_std)
+        y = e.op("Add", e.op("Mul", normalized, e.reshape(scale, per_channel)), e.reshape(bias, per_channel))
+        original = node.outputs[0]
+        name = original.name
+        original.replace_all_uses_with(y, replace_graph_outputs=True)
+        original.name, y.name = f"{name}/eval_mode", name  # consumers and dumps keep seeing the same name
+        unbiased = count / max(count - 1, 1)
+        for stat, batch, correction in ((running_mean, mean, 1.0), (running_var, var, unbiased)):
+            batch_vector = e.reshape(batch, [channels])
+            blended = e.op("Add", e.op("Mul", stat, e.scalar(momentum, stat)),
+                           e.op("Mul", batch_vector, e.scalar((1.0 - momentum) * correction, stat)))
+            keys.set_role(stat, Role.OPT_STATE)
+            if stat not in graph.inputs:
+                graph.inputs.append(stat)
+            new = e.op("Identity", blended, name=f"{stat.name}.new")
+            keys.set_role(new, Role.OPT_STATE)
+            graph.outputs.append(new)
