@@ -47,10 +47,14 @@ StateFactory = Callable[[OptimizerConfig, str, tuple[int, ...], np.dtype], list[
 Update = Callable[[Emitter, OptimizerConfig, ir.Value, ir.Value, list[StateTensor], dict[str, ir.Value]], ir.Value]
 
 
+SharedUpdate = Callable[[Emitter, OptimizerConfig, list[StateTensor]], dict[str, ir.Value]]
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     per_param_state: StateFactory
     shared_state: Callable[[], list[StateTensor]]
+    shared_update: SharedUpdate  # once per step, before the parameters' updates
     update: Update
 
 
@@ -79,12 +83,31 @@ def _adam_step_state() -> list[StateTensor]:
     return [_zeros("optimizer.step", (), np.dtype(np.float32))]
 
 
+def _adam_shared(e: Emitter, cfg: OptimizerConfig, shared_states: list[StateTensor]) -> dict[str, ir.Value]:
+    """Once per step: the step count and the bias corrections every parameter's update reads."""
+    (step_state,) = shared_states
+    assert step_state.value is not None
+    step = e.op("Add", step_state.value, e.scalar(1.0, step_state.value))
+    step_state.new = step
+    correction1 = e.op("Sub", e.scalar(1.0, step), e.op("Pow", e.scalar(cfg.beta1, step), step))
+    correction2 = e.op("Sub", e.scalar(1.0, step), e.op("Pow", e.scalar(cfg.beta2, step), step))
+    return {"step_size": e.op("Div", e.scalar(cfg.lr, step), correction1),
+            "inv_sqrt_correction2": e.op("Reciprocal", e.op("Sqrt", correction2))}
+
+
+def _no_shared(e: Emitter, cfg: OptimizerConfig, shared_states: list[StateTensor]) -> dict[str, ir.Value]:
+    return {}
+
+
 def _adam_like(decoupled: bool) -> Update:
     def update(e: Emitter, cfg: OptimizerConfig, param: ir.Value, grad: ir.Value, state: list[StateTensor],
                shared: dict[str, ir.Value]) -> ir.Value:
-        """torch.optim.Adam / AdamW with bias correction; the step count is shared state."""
+        """torch.optim.Adam / AdamW: p -= step_size * m / (sqrt(v) / sqrt(correction2) + eps)."""
         exp_avg, exp_avg_sq = state
-        step = shared["optimizer.step.new"]
+        step_size, inv_sqrt_correction2 = shared["step_size"], shared["inv_sqrt_correction2"]
+        if param.dtype != step_size.dtype:
+            step_size = e.op("Cast", step_size, to=param.dtype)
+            inv_sqrt_correction2 = e.op("Cast", inv_sqrt_correction2, to=param.dtype)
         g = grad
         p = param
         if cfg.weight_decay and decoupled:
@@ -96,21 +119,16 @@ def _adam_like(decoupled: bool) -> Update:
         v = e.op("Add", e.op("Mul", exp_avg_sq.value, e.scalar(cfg.beta2, param)),
                  e.op("Mul", e.op("Mul", g, g), e.scalar(1.0 - cfg.beta2, param)))
         exp_avg.new, exp_avg_sq.new = m, v
-        correction1 = e.op("Sub", e.scalar(1.0, step), e.op("Pow", e.scalar(cfg.beta1, step), step))
-        correction2 = e.op("Sub", e.scalar(1.0, step), e.op("Pow", e.scalar(cfg.beta2, step), step))
-        step_size = e.op("Div", e.scalar(cfg.lr, step), correction1)
-        denom = e.op("Add", e.op("Div", e.op("Sqrt", v), e.op("Sqrt", correction2)), e.scalar(cfg.eps, param))
-        if param.dtype != step.dtype:
-            step_size = e.op("Cast", step_size, to=param.dtype)
+        denom = e.op("Add", e.op("Mul", e.op("Sqrt", v), inv_sqrt_correction2), e.scalar(cfg.eps, param))
         return e.op("Sub", p, e.op("Mul", step_size, e.op("Div", m, denom)))
 
     return update
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "sgd": OptimizerSpec(_sgd_state, list, _sgd_update),
-    "adam": OptimizerSpec(_adam_state, _adam_step_state, _adam_like(decoupled=False)),
-    "adamw": OptimizerSpec(_adam_state, _adam_step_state, _adam_like(decoupled=True)),
+    "sgd": OptimizerSpec(_sgd_state, list, _no_shared, _sgd_update),
+    "adam": OptimizerSpec(_adam_state, _adam_step_state, _adam_shared, _adam_like(decoupled=False)),
+    "adamw": OptimizerSpec(_adam_state, _adam_step_state, _adam_shared, _adam_like(decoupled=True)),
 }
 
 

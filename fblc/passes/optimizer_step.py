@@ -57,11 +57,9 @@ class OptimizerStep(ir.passes.InPlacePass):
         grads = {v.name[: -len(".grad")]: v for v in graph.outputs if v.name.endswith(".grad")}
         e = Emitter(graph, stage="optimizer")
         shared_states = self.spec.shared_state()
-        shared: dict[str, ir.Value] = {}
         for state in shared_states:
-            value = _state_input(graph, state)
-            state.new = e.op("Add", value, e.scalar(1.0, value))
-            shared[f"{state.name}.new"] = state.new
+            _state_input(graph, state)
+        shared = self.spec.shared_update(e, self.config, shared_states)
         carried = [v for v in graph.outputs if keys.get_role(v) == Role.OPT_STATE.value]
         outputs: list[ir.Value] = [loss]
         states: list[StateTensor] = []
