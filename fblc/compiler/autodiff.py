@@ -115,9 +115,15 @@ def build_backward(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) 
         emitter.origin = node.name
         input_grads = rule(emitter, node, output_grads, wanted)
         emitter.origin = None
-        for value, grad, want in zip(node.inputs, input_grads, wanted):
-            if want and grad is not None:
-                contributions.setdefault(id(value), []).append(grad)
+        for index, (value, grad, want) in enumerate(zip(node.inputs, input_grads, wanted)):
+            if not want:
+                continue
+            if grad is None:  # a silent zero would train a parameter wrongly: say so instead
+                raise UnsupportedOpError(
+                    f"op {node.op_type} (node '{node.name}') has no gradient for its input {index} "
+                    f"('{value.name}'), which a trainable parameter feeds",
+                    f"freeze what reaches '{value.name}' with --freeze")
+            contributions.setdefault(id(value), []).append(grad)
 
     grads: dict[str, ir.Value] = {}
     for param in params:
