@@ -16,43 +16,20 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, is_float
+from fblc.compiler.registry import OpRegistry
 
 GradRule = Callable[[Emitter, ir.Node, Sequence["ir.Value | None"], Sequence[bool]], Sequence["ir.Value | None"]]
 
-_RULES: dict[str, GradRule] = {}
-
-
-def register_gradient(*op_types: str) -> Callable[[GradRule], GradRule]:
-    """Decorator: `rule` is the gradient of `op_types`; registering an op twice is an error."""
-
-    def decorate(rule: GradRule) -> GradRule:
-        for op_type in op_types:
-            if op_type in _RULES:
-                raise ValueError(f"gradient rule for {op_type} registered twice")
-            _RULES[op_type] = rule
-        return rule
-
-    return decorate
-
-
-def supported_ops() -> list[str]:
-    _load_rules()
-    return sorted(_RULES)
-
-
-def gradient_rule(node: ir.Node) -> GradRule:
-    _load_rules()
-    rule = _RULES.get(node.op_type) if node.domain == "" else None
-    if rule is None:
-        raise UnsupportedOpError(
-            f"no gradient rule for op {node.op_type} (node '{node.name}')",
-            f"freeze the parameters that reach it with --freeze, or use a model built from supported ops: "
-            f"{', '.join(supported_ops())}")
-    return rule
-
-
 def _load_rules() -> None:
     from fblc.compiler import gradients  # noqa: F401  (registers the rules on import)
+
+
+GRADIENTS: OpRegistry[GradRule] = OpRegistry(
+    "gradient rule", "freeze the parameters that reach it with --freeze, or use a model built from supported ops",
+    loader=_load_rules)
+register_gradient = GRADIENTS.register
+supported_ops = GRADIENTS.supported
+gradient_rule = GRADIENTS.lookup
 
 
 @dataclass

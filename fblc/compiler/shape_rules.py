@@ -13,32 +13,20 @@ from typing import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from fblc.compiler.registry import OpRegistry
 from fblc.compiler.values import attr, const_array
 
 Shape = tuple[int, ...]
 Result = list[tuple[Shape, ir.DataType]]
 ShapeRule = Callable[[ir.Node, list[Shape], list["ir.DataType"]], Result]
 
-_RULES: dict[str, ShapeRule] = {}
-
-
-def shape_rule(*op_types: str) -> Callable[[ShapeRule], ShapeRule]:
-    def decorate(rule: ShapeRule) -> ShapeRule:
-        for op_type in op_types:
-            if op_type in _RULES:
-                raise ValueError(f"shape rule for {op_type} registered twice")
-            _RULES[op_type] = rule
-        return rule
-
-    return decorate
+SHAPE_RULES: OpRegistry[ShapeRule] = OpRegistry("shape rule", "add one in fblc/compiler/shape_rules.py")
+shape_rule = SHAPE_RULES.register
 
 
 def infer_node(node: ir.Node) -> None:
     """Set the shape and dtype of `node`'s outputs from its inputs' static shapes."""
-    rule = _RULES.get(node.op_type)
-    if rule is None:
-        raise KeyError(f"no shape rule for emitted op {node.op_type} (node '{node.name}'); "
-                       f"rules exist for: {', '.join(sorted(_RULES))}")
+    rule = SHAPE_RULES.lookup(node)
     shapes = [tuple(v.shape) if v is not None and v.shape is not None else () for v in node.inputs]
     dtypes = [v.dtype if v is not None else None for v in node.inputs]
     for out, (shape, dtype) in zip(node.outputs, rule(node, shapes, dtypes)):
@@ -208,13 +196,17 @@ def _window_out(size: int, kernel: int, stride: int, dilation: int, pad_total: i
     return (size + pad_total - dilation * (kernel - 1) - 1) // stride + 1
 
 
+def _window_attrs(node: ir.Node, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """strides, dilations, pads of an emitted Conv/ConvTranspose (the emitter always writes pads explicitly)."""
+    return (attr(node, "strides") or [1] * rank, attr(node, "dilations") or [1] * rank,
+            attr(node, "pads") or [0] * (2 * rank))
+
+
 @shape_rule("Conv")
 def _conv(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     x, w = shapes[0], shapes[1]
     rank = len(x) - 2
-    strides = attr(node, "strides") or [1] * rank
-    dilations = attr(node, "dilations") or [1] * rank
-    pads = attr(node, "pads") or [0] * (2 * rank)
+    strides, dilations, pads = _window_attrs(node, rank)
     spatial = [_window_out(x[2 + i], w[2 + i], strides[i], dilations[i], pads[i] + pads[i + rank])
                for i in range(rank)]
     return [((x[0], w[0], *spatial), dtypes[0])]
@@ -224,9 +216,7 @@ def _conv(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
 def _conv_transpose(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     x, w = shapes[0], shapes[1]
     rank = len(x) - 2
-    strides = attr(node, "strides") or [1] * rank
-    dilations = attr(node, "dilations") or [1] * rank
-    pads = attr(node, "pads") or [0] * (2 * rank)
+    strides, dilations, pads = _window_attrs(node, rank)
     extra = attr(node, "output_padding") or [0] * rank
     spatial = [(x[2 + i] - 1) * strides[i] + (w[2 + i] - 1) * dilations[i] + 1 - pads[i] - pads[i + rank] + extra[i]
                for i in range(rank)]

@@ -1,0 +1,58 @@
+"""Tables keyed by op type: gradient rules, shape rules, and later kernel emitters and FTD classes.
+
+Registering an op twice is an error; looking up an op the table lacks raises an error that
+names the op, the node and the supported list.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+import onnx_ir as ir
+
+from fblc.compiler.errors import UnsupportedOpError
+
+Entry = TypeVar("Entry")
+
+
+class OpRegistry(Generic[Entry]):
+    """One table from ONNX op type (default domain) to an entry of kind `what`."""
+
+    def __init__(self, what: str, remedy: str, loader: Callable[[], object] | None = None) -> None:
+        self.what = what
+        self.remedy = remedy
+        self._entries: dict[str, Entry] = {}
+        self._loader = loader  # imports the modules that fill the table, on first use
+
+    def register(self, *op_types: str) -> Callable[[Entry], Entry]:
+        """Decorator: the decorated entry serves `op_types`."""
+
+        def decorate(entry: Entry) -> Entry:
+            for op_type in op_types:
+                if op_type in self._entries:
+                    raise ValueError(f"{self.what} for {op_type} registered twice")
+                self._entries[op_type] = entry
+            return entry
+
+        return decorate
+
+    def _load(self) -> None:
+        if self._loader is not None:
+            loader, self._loader = self._loader, None
+            loader()
+
+    def supported(self) -> list[str]:
+        self._load()
+        return sorted(self._entries)
+
+    def __contains__(self, op_type: str) -> bool:
+        self._load()
+        return op_type in self._entries
+
+    def lookup(self, node: ir.Node) -> Entry:
+        self._load()
+        entry = self._entries.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if entry is None:
+            raise UnsupportedOpError(f"no {self.what} for op {node.op_type} (node '{node.name}')",
+                                     f"{self.remedy}; supported ops: {', '.join(self.supported())}")
+        return entry
