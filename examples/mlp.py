@@ -11,16 +11,17 @@ names one model.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
-OPSET = 18
-INPUT = "x"
-OUTPUT = "logits"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import INPUT, OUTPUT, write_classifier  # noqa: E402
+
 
 
 def _linear_weights(rng: np.random.Generator, fan_in: int, fan_out: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,15 +69,7 @@ def build_mlp(path: str, batch: int = 8, in_features: int = 32, hidden: Sequence
             activated = f"layers.{index}.relu_out"
             nodes.append(helper.make_node("Relu", [current], [activated], name=f"layers.{index}.relu"))
             current = activated
-    graph = helper.make_graph(
-        nodes, "mlp",
-        [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, [batch, in_features])],
-        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [batch, classes])],
-        initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="fblc.examples")
-    onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, path)
-    return path
+    return write_classifier(path, "mlp", nodes, [batch, in_features], [batch, classes], initializers)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -17,16 +17,17 @@ to get right. Weights are float32 from a seeded generator.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
-OPSET = 18
-INPUT = "x"
-OUTPUT = "logits"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import INPUT, OUTPUT, write_classifier  # noqa: E402
+
 BLOCK_MAPS = (64, 128, 128)
 KERNELS = (8, 5, 3)
 BN_EPSILON = 1e-5
@@ -114,15 +115,7 @@ def build_tresnet(path: str, batch: int = 4, channels: int = 97, samples: int = 
     weight = b.tensor("fc.weight", b.rng.uniform(-bound, bound, (classes, c_in)))
     bias = b.tensor("fc.bias", b.rng.uniform(-bound, bound, (classes,)))
     b.nodes.append(helper.make_node("Gemm", [flat, weight, bias], [OUTPUT], name="fc", transB=1))
-    graph = helper.make_graph(
-        b.nodes, "tresnet",
-        [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, [batch, channels, samples, 1])],
-        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [batch, classes])],
-        b.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="fblc.examples")
-    onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, path)
-    return path
+    return write_classifier(path, "tresnet", b.nodes, [batch, channels, samples, 1], [batch, classes], b.initializers)
 
 
 def main(argv: Sequence[str]) -> int:
