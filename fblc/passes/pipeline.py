@@ -21,6 +21,7 @@ from fblc.passes.classify_initializers import ClassifyInitializers
 from fblc.passes.eliminate_noops import EliminateNoops
 from fblc.passes.fix_input_shapes import FixInputShapes
 from fblc.passes.fold_constants import FoldConstants
+from fblc.passes.fuse import FuseKernels
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.optimizer_step import OptimizerStep
@@ -81,11 +82,11 @@ def dump_hook(directory: str) -> PassHook:
 
 
 def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: str | None = None,
-                         on_pass: PassHook | None = None) -> ir.Model:
+                         on_pass: PassHook | None = None, lower: bool = False) -> ir.Model:
     """Import passes, then training passes: the model becomes one training step (DESIGN.md section 4).
 
     `on_pass(index, pass, model)` runs after each pass (progress display); with `dump_dir`
-    every intermediate model is also written there.
+    every intermediate model is also written there. With `lower`, the lowering passes run too.
     """
     hooks = [h for h in (dump_hook(dump_dir) if dump_dir else None, on_pass) if h is not None]
 
@@ -93,8 +94,17 @@ def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: st
         for hook in hooks:
             hook(index, graph_pass, result)
 
-    return run_passes(model, training_pipeline(options), after_each=after_each)
+    return run_passes(model, (compile_pipeline if lower else training_pipeline)(options), after_each=after_each)
 
 
 def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return import_passes(options) + training_passes(options)
+
+
+def lowering_passes() -> list[ir.passes.PassBase]:
+    """After the step graph is built: the passes that prepare it for codegen."""
+    return [FuseKernels()]
+
+
+def compile_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
+    return training_pipeline(options) + lowering_passes()

@@ -1,0 +1,76 @@
+"""The bundle format: file names, version, checksums. The one module both codegen and runtimes share.
+
+A bundle is a directory:
+- manifest.json  format name and version, fblc version, target, profile digest, dtype,
+                 graph inputs/outputs, parameters and states (name, shape, dtype, texture,
+                 offset in params.bin), and the sha256 of every other file;
+- plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
+                 (kernel name, global/local size, texture arguments), the state swaps after a step;
+- kernels.cl     OpenCL C, one __kernel per launch;
+- params.bin     initial texture contents (parameters, optimizer state, constants), each
+                 already in its texture layout;
+- report.json    what the compiler did (kernels per family, textures, bytes).
+Runtimes read exactly this and know nothing about ONNX.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+FORMAT_NAME = "fblc-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PLAN = "plan.json"
+KERNELS = "kernels.cl"
+PARAMS = "params.bin"
+REPORT = "report.json"
+CHECKSUMMED = (PLAN, KERNELS, PARAMS, REPORT)
+
+# Texture formats: (OpenCL channel order, channel type) by the names the plan uses.
+TEXTURE_FORMATS = {"rgba_f32": ("RGBA", "FLOAT"), "rgba_f16": ("RGBA", "HALF_FLOAT"), "rgba_i32": ("RGBA", "SIGNED_INT32")}
+TEXEL_BYTES = {"rgba_f32": 16, "rgba_f16": 8, "rgba_i32": 16}
+NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4"}
+
+
+class BundleError(Exception):
+    """A bundle that is missing, corrupt, or of another format version."""
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def load_verified(bundle: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, plan) of `bundle` after checking its format version and every checksum."""
+    manifest_path = os.path.join(bundle, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise BundleError(f"'{bundle}' is not an fblc bundle: {MANIFEST} is missing; "
+                          "compile one with 'fblc compile MODEL -o DIR'")
+    try:
+        manifest = read_json(manifest_path)
+    except (OSError, ValueError) as error:
+        raise BundleError(f"{manifest_path} is unreadable ({error}); compile the bundle again") from None
+    if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
+        raise BundleError(f"'{bundle}' has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
+                          f"this fblc reads {FORMAT_NAME} version {FORMAT_VERSION}: compile it again with this fblc")
+    for name in CHECKSUMMED:
+        path = os.path.join(bundle, name)
+        want = manifest.get("checksums", {}).get(name)
+        if not os.path.isfile(path):
+            raise BundleError(f"'{bundle}' is incomplete: {name} is missing; compile the bundle again")
+        if want is None or sha256_of(path) != want:
+            raise BundleError(f"'{bundle}/{name}' does not match the checksum in {MANIFEST} (corrupt or edited); "
+                              "compile the bundle again")
+    return manifest, read_json(os.path.join(bundle, PLAN))

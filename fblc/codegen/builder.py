@@ -1,0 +1,108 @@
+"""KernelBuilder: what every kernel emitter writes through.
+
+It names texture arguments, turns reads of values into `ldf`/`ldi` calls or literals
+(single-element constants are inlined), collects the per-lane body and wraps it into the
+per-element kernel skeleton of `cl.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.codegen.cl import Kernel, index_vars, literal
+from fblc.codegen.textures import Texture, TextureTable
+from fblc.compiler.values import const_array, is_float, static_shape
+
+OUT_INDEX = "o"  # prefix of the output multi-index variables
+
+
+def ctype_of(value: ir.Value) -> str:
+    return "float" if is_float(value) else "int"
+
+
+class KernelBuilder:
+    """Builds one per-element kernel writing `outputs` (all of one shape)."""
+
+    def __init__(self, table: TextureTable, name: str, family: str, outputs: Sequence[ir.Value]) -> None:
+        self.table = table
+        self.name = name
+        self.family = family
+        self.outputs = list(outputs)
+        self.out_shape = static_shape(self.outputs[0])
+        self.out_textures = [table.of(v) for v in self.outputs]
+        self.in_textures: list[Texture] = []
+        self.lines: list[str] = []
+        self.nodes: list[str] = []
+        self._counter = 0
+
+    # reading ---------------------------------------------------------------------------------
+    def constant_scalar(self, value: ir.Value) -> str | None:
+        """A literal for a one-element constant; parameters and state (graph inputs) are never inlined."""
+        if value.is_graph_input():
+            return None
+        array = const_array(value)
+        if array is not None and array.size == 1:
+            return literal(np.asarray(array).reshape(-1)[0].item(), ctype_of(value))
+        return None
+
+    def argument(self, value: ir.Value) -> tuple[str, Texture]:
+        texture = self.table.of(value)
+        if texture not in self.in_textures:
+            self.in_textures.append(texture)
+        return f"in{self.in_textures.index(texture)}", texture
+
+    def load(self, value: ir.Value, index: str) -> str:
+        """C expression: element `index` (flat, C expression) of `value`."""
+        inlined = self.constant_scalar(value)
+        if inlined is not None:
+            return inlined
+        arg, texture = self.argument(value)
+        loader = "ldf" if texture.kind == "float" else "ldi"
+        return f"{loader}({arg}, {index}, {texture.width})"
+
+    # writing the body ------------------------------------------------------------------------
+    def emit(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def temp(self, ctype: str, expression: str, hint: str = "v") -> str:
+        self._counter += 1
+        name = f"{hint}{self._counter}"
+        self.lines.append(f"const {ctype} {name} = {expression};")
+        return name
+
+    def fresh(self, hint: str) -> str:
+        self._counter += 1
+        return f"{hint}{self._counter}"
+
+    def finish(self, results: Sequence[str]) -> Kernel:
+        """The kernel whose lane computes `results[k]` for output k."""
+        out_numel = self.out_textures[0].numel
+        texels = self.out_textures[0].texels
+        width = self.out_textures[0].width
+        params = [f"write_only image2d_t out{k}" for k in range(len(self.outputs))]
+        params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
+        body = [f"__kernel void {self.name}({', '.join(params)}) {{",
+                "  const int t = get_global_id(0);",
+                f"  if (t >= {texels}) return;"]
+        for k, texture in enumerate(self.out_textures):
+            ctype = "float" if texture.kind == "float" else "int"
+            body.append(f"  {ctype} r{k}[4] = {{0, 0, 0, 0}};")
+        body += ["  for (int lane = 0; lane < 4; ++lane) {",
+                 "    const int i = t * 4 + lane;",
+                 f"    if (i >= {out_numel}) break;"]
+        body += [f"    {line}" for line in index_vars(self.out_shape, "i", OUT_INDEX)]
+        body += [f"    {line}" for line in self.lines]
+        body += [f"    r{k}[lane] = {expression};" for k, expression in enumerate(results)]
+        body.append("  }")
+        for k, texture in enumerate(self.out_textures):
+            if texture.kind == "float":
+                body.append(f"  write_imagef(out{k}, TEXEL(t, {width}), (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+            else:
+                body.append(f"  write_imagei(out{k}, TEXEL(t, {width}), (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+        body.append("}")
+        return Kernel(self.name, self.family, "\n".join(body), texels,
+                      outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
+                      nodes=list(self.nodes))

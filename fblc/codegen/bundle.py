@@ -1,0 +1,107 @@
+"""Writing a bundle (see fblc/bundle_format.py): all files into a temporary folder, then one rename."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import onnx_ir as ir
+
+from fblc import __version__, bundle_format as fmt
+from fblc.codegen.plan import Program
+from fblc.compiler import keys
+from fblc.compiler.errors import FblcError
+from fblc.compiler.keys import Role
+from fblc.compiler.values import static_shape
+from fblc.profiles import Profile
+
+ALIGN = 64  # bytes; every texture's initial data starts on this boundary in params.bin
+
+
+def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
+    texture = program.textures[program.values[value.name]]
+    return {"name": value.name, "shape": list(static_shape(value)), "dtype": ir.DataType(value.dtype).name.lower(),
+            "texture": texture.id, "layout": "linear-rgba"}
+
+
+def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: str,
+                    report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bytes]:
+    """(manifest without checksums, plan, params.bin contents)."""
+    blob = bytearray()
+    offsets: dict[int, tuple[int, int]] = {}
+    for texture_id, texels in sorted(program.initial.items()):
+        blob.extend(b"\0" * (-len(blob) % ALIGN))
+        offsets[texture_id] = (len(blob), texels.nbytes)
+        blob.extend(texels.tobytes())
+    last_use: dict[int, int] = {}
+    first_use: dict[int, int] = {}
+    for index, kernel in enumerate(program.kernels):
+        for texture_id in kernel.outputs + kernel.inputs:
+            first_use.setdefault(texture_id, index)
+            last_use[texture_id] = index
+    textures = []
+    for texture in program.textures:
+        entry = {"id": texture.id, "name": texture.name, "values": texture.values, "shape": list(texture.shape),
+                 "format": texture.format, "width": texture.width, "height": texture.height,
+                 "lifetime": [first_use.get(texture.id, -1), last_use.get(texture.id, -1)]}
+        if texture.id in offsets:
+            entry["init"] = {"offset": offsets[texture.id][0], "nbytes": offsets[texture.id][1]}
+        textures.append(entry)
+    plan = {"textures": textures,
+            "kernels": [{"name": k.name, "family": k.family, "global_size": [k.global_size], "local_size": None,
+                         "outputs": k.outputs, "inputs": k.inputs, "lines": list(program.kernel_lines[k.name])}
+                        for k in program.kernels],
+            "swaps": [list(pair) for pair in program.swaps],
+            "values": program.values}
+    graph = model.graph
+    data_inputs = [v for v in graph.inputs if keys.get_role(v) in (Role.INPUT.value, Role.LABEL.value)]
+    params = [v for v in graph.inputs if keys.get_role(v) == Role.PARAM.value]
+    states = [v for v in graph.inputs if keys.get_role(v) == Role.OPT_STATE.value]
+
+    def with_init(value: ir.Value) -> dict[str, Any]:
+        entry = _tensor_entry(value, program)
+        offset = offsets.get(entry["texture"])
+        if offset is not None:
+            entry["offset"], entry["nbytes"] = offset
+        return entry
+
+    manifest = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "fblc_version": __version__,
+                "target": profile.name, "profile_digest": profile.digest, "dtype": dtype,
+                "inputs": [_tensor_entry(v, program) for v in data_inputs],
+                "outputs": [_tensor_entry(v, program) for v in graph.outputs],
+                "parameters": [with_init(v) for v in params], "states": [with_init(v) for v in states],
+                "loss": program.values["loss"]}
+    return manifest, plan, bytes(blob)
+
+
+def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], source: str, params: bytes,
+                 report: dict[str, Any]) -> None:
+    """Write the bundle to `out_dir` atomically: a half-written bundle never exists under that name."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".fblc-bundle-", dir=parent)
+    try:
+        files = {fmt.PLAN: json.dumps(plan, indent=1).encode(), fmt.KERNELS: source.encode(), fmt.PARAMS: params,
+                 fmt.REPORT: json.dumps(report, indent=2).encode()}
+        for name, data in files.items():
+            with open(os.path.join(staging, name), "wb") as handle:
+                handle.write(data)
+        manifest = dict(manifest, checksums={name: fmt.sha256_of(os.path.join(staging, name)) for name in files})
+        with open(os.path.join(staging, fmt.MANIFEST), "w", encoding="utf-8") as handle:
+            json.dump(manifest, handle, indent=2)
+        previous = None
+        if os.path.exists(out_dir):
+            if not os.path.isfile(os.path.join(out_dir, fmt.MANIFEST)) and os.listdir(out_dir):
+                raise FblcError(f"'{out_dir}' exists and is not an fblc bundle", "choose another -o folder")
+            previous = tempfile.mkdtemp(prefix=".fblc-old-", dir=parent)
+            os.rmdir(previous)
+            os.replace(out_dir, previous)
+        os.replace(staging, out_dir)
+        if previous:
+            shutil.rmtree(previous, ignore_errors=True)
+    finally:
+        if os.path.exists(staging):
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,87 @@
+"""OpenCL C building blocks: the preamble, per-element kernels, index arithmetic, literals.
+
+Every kernel has one work-item per output texel; it computes the four elements of that
+texel in a loop over lanes and writes each output texture once. Shapes, strides and texture
+widths are compile-time literals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+PREAMBLE = """\
+// fblc kernels: every tensor is flat in an RGBA image2d_t (element i: texel i/4, lane i%4).
+__constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
+#define TEXEL(t, w) ((int2)((t) % (w), (t) / (w)))
+inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
+inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
+inline float ldf(read_only image2d_t img, int i, int w) { return lane_f(read_imagef(img, SMP, TEXEL(i >> 2, w)), i & 3); }
+inline int ldi(read_only image2d_t img, int i, int w) { return lane_i(read_imagei(img, SMP, TEXEL(i >> 2, w)), i & 3); }
+"""
+
+
+def float_literal(value: float) -> str:
+    if math.isnan(value):
+        return "NAN"
+    if math.isinf(value):
+        return "INFINITY" if value > 0 else "(-INFINITY)"
+    text = repr(float(np.float32(value)))
+    return f"{text}f" if ("." in text or "e" in text) else f"{text}.0f"
+
+
+def literal(value: float | int | bool, ctype: str) -> str:
+    if ctype == "float":
+        return float_literal(float(value))
+    return str(int(value))
+
+
+def strides_of(shape: Sequence[int]) -> list[int]:
+    strides, running = [], 1
+    for dim in reversed(shape):
+        strides.append(running)
+        running *= dim
+    return list(reversed(strides))
+
+
+def index_vars(shape: Sequence[int], flat: str, prefix: str) -> list[str]:
+    """Statements declaring `prefix0..` as the multi-index of flat index `flat` in `shape`."""
+    lines = []
+    for axis, (dim, stride) in enumerate(zip(shape, strides_of(shape))):
+        expression = flat if stride == 1 else f"({flat} / {stride})"
+        if axis > 0:
+            expression = f"({expression} % {dim})"
+        lines.append(f"const int {prefix}{axis} = {expression};")
+    return lines
+
+
+def flat_index(terms: Sequence[tuple[str, int]], offset: int = 0) -> str:
+    """sum(var * stride) + offset as C, dropping zero strides."""
+    parts = [var if stride == 1 else f"{var} * {stride}" for var, stride in terms if stride != 0]
+    if offset:
+        parts.append(str(offset))
+    return " + ".join(parts) if parts else "0"
+
+
+def broadcast_index(leaf_shape: Sequence[int], out_shape: Sequence[int], prefix: str) -> str:
+    """Flat index into a leaf of `leaf_shape` numpy-broadcast to `out_shape`, from out index vars."""
+    lead = len(out_shape) - len(leaf_shape)
+    terms = [(f"{prefix}{lead + k}", stride) for k, (dim, stride) in
+             enumerate(zip(leaf_shape, strides_of(leaf_shape))) if dim != 1]
+    return flat_index(terms)
+
+
+@dataclass
+class Kernel:
+    """One __kernel: its source, launch size and texture arguments (outputs first)."""
+
+    name: str
+    family: str
+    source: str
+    global_size: int
+    outputs: list[int] = field(default_factory=list)  # texture ids
+    inputs: list[int] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)  # ONNX node names it computes

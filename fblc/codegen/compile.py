@@ -1,0 +1,40 @@
+"""`fblc compile`: model -> training step -> fused kernels -> bundle."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import onnx_ir as ir
+
+from fblc.codegen.bundle import build_documents, write_bundle
+from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
+from fblc.compiler.errors import FblcError
+from fblc.compiler.model_io import load_model
+from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
+from fblc.profiles import load_profile
+
+
+def build_report(model: ir.Model, program: Program, seconds: float) -> dict[str, Any]:
+    texture_bytes = sum(t.width * t.height * (8 if t.format == "rgba_f16" else 16) for t in program.textures)
+    return {"compile_seconds": round(seconds, 3), "step_nodes": len(model.graph),
+            "kernels": len(program.kernels), "kernels_per_family": program.family_counts(),
+            "textures": len(program.textures), "texture_bytes": texture_bytes,
+            "initial_bytes": sum(a.nbytes for a in program.initial.values())}
+
+
+def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
+                  dump_dir: str | None = None, on_pass: PassHook | None = None) -> tuple[ir.Model, dict[str, Any]]:
+    """Compile `model_path` into the bundle `out_dir`; returns the fused step graph and the report."""
+    if dtype not in FLOAT_FORMATS:
+        raise FblcError(f"unknown --dtype '{dtype}'", f"choose one of: {', '.join(FLOAT_FORMATS)}")
+    profile = load_profile(target)
+    if dtype == "fp16" and not profile.fp16:
+        raise FblcError(f"target {profile.name} has no fp16 support", "use --dtype fp32")
+    started = time.perf_counter()
+    step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=on_pass, lower=True)
+    program = lower(step, profile, dtype)
+    report = build_report(step, program, time.perf_counter() - started)
+    manifest, plan, params = build_documents(step, program, profile, dtype, report)
+    write_bundle(out_dir, manifest, plan, program.source, params, report)
+    return step, report

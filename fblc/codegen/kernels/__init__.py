@@ -1,0 +1,40 @@
+"""Kernel emitters by table: one registry keyed by the op type that anchors a kernel.
+
+An emitter gets the TextureTable and a KernelGroup (its nodes, in order, and the values the
+rest of the step reads) and returns the OpenCL kernels that compute them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import onnx_ir as ir
+
+from fblc.codegen.cl import Kernel
+from fblc.codegen.textures import TextureTable
+from fblc.compiler.registry import OpRegistry
+
+
+@dataclass
+class KernelGroup:
+    name: str
+    nodes: list[ir.Node]
+    outputs: list[ir.Value]  # values read outside the group, or graph outputs
+
+    @property
+    def anchor(self) -> ir.Node:
+        return self.nodes[0]
+
+
+Emitter = Callable[[TextureTable, KernelGroup], list[Kernel]]
+
+
+def _load_emitters() -> None:
+    from fblc.codegen.kernels import (contraction, elementwise, gather, movement, normalize,  # noqa: F401
+                                      pooling, reduce)
+
+
+KERNEL_EMITTERS: OpRegistry[Emitter] = OpRegistry(
+    "OpenCL kernel emitter", "this op cannot run on the GPU yet", loader=_load_emitters)
+register_kernel = KERNEL_EMITTERS.register

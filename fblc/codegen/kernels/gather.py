@@ -1,0 +1,1 @@
+"""gather kernels (being written)."""

@@ -1,0 +1,152 @@
+"""Data-movement kernels: Transpose, Expand, Slice, Pad, Concat, Split, ConstantOfShape.
+
+Each output element reads one input element through an index map computed from the
+output's multi-index (these are the copies the layout issue's tile remapping removes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
+from fblc.codegen.cl import Kernel, broadcast_index, flat_index, literal, strides_of
+from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.textures import TextureTable
+from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.values import attr, ints_input, static_shape
+
+
+def _single(table: TextureTable, group: KernelGroup, family: str = "movement") -> KernelBuilder:
+    b = KernelBuilder(table, group.name, family, group.outputs)
+    b.nodes.append(group.anchor.name)
+    return b
+
+
+@register_kernel("Transpose")
+def emit_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    in_shape = static_shape(node.inputs[0])
+    perm = attr(node, "perm") or list(reversed(range(len(in_shape))))
+    strides = strides_of(in_shape)
+    b = _single(table, group)
+    index = flat_index([(f"{OUT_INDEX}{k}", strides[axis]) for k, axis in enumerate(perm)])
+    return [b.finish([b.load(node.inputs[0], index)])]
+
+
+@register_kernel("Expand")
+def emit_expand(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    b = _single(table, group)
+    index = broadcast_index(static_shape(node.inputs[0]), b.out_shape, OUT_INDEX)
+    return [b.finish([b.load(node.inputs[0], index)])]
+
+
+def _slice_spec(node: ir.Node) -> tuple[list[int], list[int]]:
+    """Per input axis: start and step of the slice (normalised like numpy)."""
+    shape = static_shape(node.inputs[0])
+    rank = len(shape)
+    starts = ints_input(node, 1, "starts") or []
+    ends = ints_input(node, 2, "ends") or []
+    axes = ints_input(node, 3, "axes") or list(range(len(starts)))
+    steps = ints_input(node, 4, "steps") or [1] * len(starts)
+    full = [slice(None)] * rank
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        full[axis % rank] = slice(start, end, step)
+    resolved = [s.indices(n) for s, n in zip(full, shape)]
+    return [r[0] for r in resolved], [r[2] for r in resolved]
+
+
+def _slice_kernel(table: TextureTable, name: str, source: ir.Value, output: ir.Value, starts: list[int],
+                  steps: list[int], node_name: str) -> Kernel:
+    b = KernelBuilder(table, name, "movement", [output])
+    b.nodes.append(node_name)
+    strides = strides_of(static_shape(source))
+    offset = sum(start * stride for start, stride in zip(starts, strides))
+    index = flat_index([(f"{OUT_INDEX}{k}", step * stride) for k, (step, stride) in enumerate(zip(steps, strides))],
+                       offset)
+    return b.finish([b.load(source, index)])
+
+
+@register_kernel("Slice")
+def emit_slice(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    starts, steps = _slice_spec(node)
+    return [_slice_kernel(table, group.name, node.inputs[0], node.outputs[0], starts, steps, node.name)]
+
+
+@register_kernel("Split")
+def emit_split(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    shape = static_shape(node.inputs[0])
+    axis = int(attr(node, "axis", 0)) % len(shape)
+    kernels, start = [], 0
+    for k, output in enumerate(node.outputs):
+        size = static_shape(output)[axis]
+        if output in group.outputs:
+            starts = [start if a == axis else 0 for a in range(len(shape))]
+            kernels.append(_slice_kernel(table, f"{group.name}_{k}", node.inputs[0], output, starts,
+                                         [1] * len(shape), node.name))
+        start += size
+    return kernels
+
+
+@register_kernel("Pad")
+def emit_pad(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    mode = attr(node, "mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        raise UnsupportedOpError(f"Pad mode '{mode}' (node '{node.name}') has no kernel", "use constant padding")
+    in_shape = static_shape(node.inputs[0])
+    rank = len(in_shape)
+    pads = ints_input(node, 1, "pads") or [0] * (2 * rank)
+    axes = ints_input(node, 3, "axes") or list(range(rank))
+    begins = [0] * rank
+    for k, axis in enumerate(axes):
+        begins[axis % rank] = pads[k]
+    b = _single(table, group)
+    fill = "0"
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        fill = b.load(node.inputs[2], "0")
+    strides = strides_of(in_shape)
+    conditions, terms = [], []
+    for k, (dim, begin) in enumerate(zip(in_shape, begins)):
+        source = f"({OUT_INDEX}{k} - {begin})" if begin else f"{OUT_INDEX}{k}"
+        conditions.append(f"{source} >= 0 && {source} < {dim}")
+        terms.append((source, strides[k]))
+    inside = b.temp("int", " && ".join(conditions), "inside")
+    index = b.temp("int", f"{inside} ? ({flat_index(terms)}) : 0", "src")
+    value = b.load(node.inputs[0], index)
+    return [b.finish([f"({inside} ? {value} : ({ctype_of(node.outputs[0])}){fill})"])]
+
+
+@register_kernel("Concat")
+def emit_concat(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    out_shape = static_shape(node.outputs[0])
+    axis = int(attr(node, "axis")) % len(out_shape)
+    b = _single(table, group)
+    result = b.fresh("v")
+    b.emit(f"{ctype_of(node.outputs[0])} {result} = 0;")
+    start = 0
+    for value in node.inputs:
+        shape = static_shape(value)
+        strides = strides_of(shape)
+        terms = [(f"({OUT_INDEX}{k} - {start})" if k == axis and start else f"{OUT_INDEX}{k}", stride)
+                 for k, stride in enumerate(strides)]
+        b.emit(f"if ({OUT_INDEX}{axis} >= {start} && {OUT_INDEX}{axis} < {start + shape[axis]}) "
+               f"{result} = {b.load(value, flat_index(terms))};")
+        start += shape[axis]
+    return [b.finish([result])]
+
+
+@register_kernel("ConstantOfShape")
+def emit_constant_of_shape(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    fill = attr(node, "value")
+    number = np.asarray(fill.numpy()).reshape(-1)[0].item() if fill is not None else 0
+    b = _single(table, group)
+    return [b.finish([literal(number, ctype_of(node.outputs[0]))])]
+
+

@@ -1,0 +1,1 @@
+"""normalize kernels (being written)."""

@@ -1,0 +1,1 @@
+"""pooling kernels (being written)."""

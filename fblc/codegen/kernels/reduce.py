@@ -1,0 +1,76 @@
+"""Reduction kernels: ReduceSum, ReduceMean, ReduceMax, GlobalAveragePool.
+
+One work-item element per output element loops over the reduced elements (their count and
+strides are literals).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.cl import Kernel, flat_index, strides_of
+from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.textures import TextureTable
+from fblc.compiler.values import attr, ints_input, numel, static_shape
+
+
+def reduced_axes(node: ir.Node) -> list[int]:
+    rank = len(static_shape(node.inputs[0]))
+    if node.op_type == "GlobalAveragePool":
+        return list(range(2, rank))
+    axes = ints_input(node, 1, "axes") if len(node.inputs) > 1 else None
+    if axes is None:
+        axes = attr(node, "axes")
+    if not axes:
+        return [] if attr(node, "noop_with_empty_axes", 0) else list(range(rank))
+    return sorted(a % rank for a in axes)
+
+
+def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: str,
+                   start: str) -> str:
+    """C that folds `source` over `axes` for the current output element; returns the accumulator name.
+
+    `combine` is a C template over `acc` and `x` (e.g. "acc + x").
+    """
+    shape = static_shape(source)
+    strides = strides_of(shape)
+    kept = [a for a in range(len(shape)) if a not in axes]
+    base_terms = [(f"{OUT_INDEX}{a if keepdims else kept.index(a)}", strides[a]) for a in kept]
+    base = b.temp("int", flat_index(base_terms), "base")
+    reduced_shape = [shape[a] for a in axes]
+    count = numel(reduced_shape)
+    loop_strides = strides_of(reduced_shape)
+    acc = b.fresh("acc")
+    r = b.fresh("r")
+    terms = []
+    for k, axis in enumerate(axes):
+        part = r if loop_strides[k] == 1 else f"({r} / {loop_strides[k]})"
+        if k > 0:
+            part = f"({part} % {reduced_shape[k]})"
+        terms.append((part, strides[axis]))
+    index = f"{base} + {flat_index(terms)}" if terms else base
+    b.emit(f"float {acc} = {start};",
+           f"for (int {r} = 0; {r} < {count}; ++{r}) {{",
+           f"  const float x = {b.load(source, index)};",
+           f"  {acc} = {combine.format(acc=acc)};",
+           "}")
+    return acc
+
+
+@register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "GlobalAveragePool")
+def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    axes = reduced_axes(node)
+    keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
+    b = KernelBuilder(table, group.name, "reduction", group.outputs)
+    b.nodes.append(node.name)
+    if node.op_type == "ReduceMax":
+        acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY")
+        return [b.finish([acc])]
+    acc = reduction_loop(b, node.inputs[0], axes, keepdims, "{acc} + x", "0.0f")
+    if node.op_type in ("ReduceMean", "GlobalAveragePool"):
+        shape = static_shape(node.inputs[0])
+        count = numel([shape[a] for a in axes]) or 1
+        acc = f"({acc} / {float(count)}f)"
+    return [b.finish([acc])]

@@ -1,0 +1,101 @@
+"""Lowering a fused step graph to kernels and a plan: texture per value, launches in order.
+
+Input: the training-step graph after the `fuse` pass (every node carries `fblc.kernel`).
+Output: a `Program`: the kernels (OpenCL C), the textures with their initial contents, the
+launch order, and the state swaps that make the `.new` outputs the next step's inputs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.codegen.cl import PREAMBLE, Kernel
+from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
+from fblc.codegen.textures import Texture, TextureTable, to_texels
+from fblc.compiler import keys
+from fblc.compiler.values import const_array
+from fblc.passes.fuse import ALIAS, kernel_of
+from fblc.profiles import Profile
+
+FLOAT_FORMATS = {"fp32": "rgba_f32", "fp16": "rgba_f16"}
+
+
+@dataclass
+class Program:
+    kernels: list[Kernel]
+    textures: list[Texture]
+    initial: dict[int, np.ndarray]  # texture id -> texels
+    values: dict[str, int]  # every named value -> texture id
+    swaps: list[tuple[int, int]]  # (state texture, its .new texture) after each step
+    source: str = ""
+    kernel_lines: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def family_counts(self) -> dict[str, int]:
+        return dict(Counter(k.family for k in self.kernels))
+
+
+def _groups(graph: ir.Graph) -> list[KernelGroup]:
+    members: dict[str, list[ir.Node]] = {}
+    for node in graph:
+        kernel = kernel_of(node)
+        if kernel is None:
+            raise ValueError(f"node '{node.name}' has no {keys.KERNEL}; run the fuse pass first")
+        if kernel != ALIAS:
+            members.setdefault(kernel, []).append(node)
+    graph_outputs = {id(v) for v in graph.outputs}
+    groups = []
+    for kernel, nodes in members.items():
+        inside = {id(n) for n in nodes}
+        outputs = [v for n in nodes for v in n.outputs
+                   if v is not None and v.name and (id(v) in graph_outputs or any(id(u.node) not in inside for u in v.uses()))]
+        name = f"{kernel}_{nodes[0].op_type}"
+        groups.append(KernelGroup(name, nodes, outputs))
+    return groups
+
+
+def lower(model: ir.Model, profile: Profile, dtype: str) -> Program:
+    """Kernels and textures for the fused step graph `model`."""
+    graph = model.graph
+    table = TextureTable(profile, FLOAT_FORMATS[dtype])
+    kernels: list[Kernel] = []
+    for group in _groups(graph):
+        if not group.outputs:
+            continue  # nothing reads it (e.g. an unused optional output)
+        emit = KERNEL_EMITTERS.lookup(group.anchor)
+        kernels.extend(emit(table, group))
+    for value in list(graph.inputs) + list(graph.outputs) + list(graph.initializers.values()):
+        table.of(value)
+    values: dict[str, int] = {}
+    for texture in table.textures:
+        for name in texture.values:
+            values[name] = texture.id
+    initial: dict[int, np.ndarray] = {}
+    roots = {v.name: v for v in graph.initializers.values()}
+    roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
+    for texture in table.textures:
+        root = roots.get(texture.name)
+        if root is not None:
+            array = const_array(root)
+            if array is not None:
+                initial[texture.id] = to_texels(array, texture)
+    input_names = {v.name for v in graph.inputs}
+    swaps = [(values[o.name[: -len(".new")]], values[o.name]) for o in graph.outputs
+             if o.name.endswith(".new") and o.name[: -len(".new")] in input_names]
+    program = Program(kernels, table.textures, initial, values, swaps)
+    _assemble_source(program)
+    return program
+
+
+def _assemble_source(program: Program) -> None:
+    lines = PREAMBLE.splitlines()
+    for kernel in program.kernels:
+        start = len(lines) + 1
+        lines.append(f"// {kernel.family}: {', '.join(kernel.nodes)}"[:400])
+        lines.extend(kernel.source.splitlines())
+        program.kernel_lines[kernel.name] = (start, len(lines))
+        lines.append("")
+    program.source = "\n".join(lines) + "\n"

@@ -1,0 +1,159 @@
+"""The local runtime: run a bundle's training step with pyopencl.
+
+It reads only the bundle (manifest, plan, kernels, params) and knows nothing about ONNX.
+Textures are created once; each step uploads the data inputs, launches the kernels in plan
+order, reads the loss, then swaps each state texture with its `.new` texture, so the next
+step reads the updated parameters without a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping
+
+import numpy as np
+
+from fblc import bundle_format as fmt
+from fblc.bundle_format import BundleError
+from fblc.runtime.opencl import select_device
+
+
+class KernelBuildError(BundleError):
+    """The OpenCL compiler rejected a kernel."""
+
+
+class DataError(BundleError):
+    """Feeds that do not match what the bundle was compiled for."""
+
+
+def _image_format(cl: Any, name: str) -> Any:
+    order, channel = fmt.TEXTURE_FORMATS[name]
+    return cl.ImageFormat(getattr(cl.channel_order, order), getattr(cl.channel_type, channel))
+
+
+class LocalRunner:
+    """Train with a bundle on a local OpenCL device: `.step(feeds) -> loss`, `.parameters()`."""
+
+    def __init__(self, bundle: str, device: str | None = None, profiling: bool = False) -> None:
+        import pyopencl as cl
+
+        self.cl = cl
+        self.bundle = bundle
+        self.manifest, self.plan = fmt.load_verified(bundle)
+        self.device = select_device(device)
+        self.context = cl.Context([self.device])
+        properties = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
+        self.queue = cl.CommandQueue(self.context, properties=properties)
+        self.textures = self.plan["textures"]
+        self._check_limits()
+        self.images = [self._create_image(t) for t in self.textures]
+        self.binding = list(range(len(self.textures)))  # texture id -> index into self.images (swapped per step)
+        self.program = self._build()
+        self.kernels = [getattr(self.program, k["name"]) for k in self.plan["kernels"]]
+        self.steps = 0
+
+    # setup -------------------------------------------------------------------------------------
+    def _check_limits(self) -> None:
+        width, height = self.device.image2d_max_width, self.device.image2d_max_height
+        for texture in self.textures:
+            if texture["width"] > width or texture["height"] > height:
+                raise BundleError(f"texture of '{texture['name']}' is {texture['width']} x {texture['height']}, beyond "
+                                  f"{self.device.name}'s image limit {width} x {height}; compile for a target with "
+                                  "this device's limits (--target local)")
+
+    def _create_image(self, texture: dict[str, Any]) -> Any:
+        cl = self.cl
+        image = cl.Image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, texture["format"]),
+                         shape=(texture["width"], texture["height"]))
+        init = texture.get("init")
+        if init is not None:
+            with open(os.path.join(self.bundle, fmt.PARAMS), "rb") as handle:
+                handle.seek(init["offset"])
+                data = np.frombuffer(handle.read(init["nbytes"]), dtype=fmt.NUMPY_DTYPES[texture["format"]])
+            self._write(image, texture, data)
+        return image
+
+    def _build(self) -> Any:
+        cl = self.cl
+        with open(os.path.join(self.bundle, fmt.KERNELS), encoding="utf-8") as handle:
+            source = handle.read()
+        try:
+            return cl.Program(self.context, source).build(options=["-cl-std=CL1.2"])
+        except cl.RuntimeError as error:
+            log = str(error)
+            raise KernelBuildError(f"the OpenCL compiler of {self.device.name} rejected kernel "
+                                   f"{self._kernel_at(log)}:\n{log.strip()[-3000:]}") from None
+
+    def _kernel_at(self, log: str) -> str:
+        match = re.search(r":(\d+):\d+: error", log)
+        if match:
+            line = int(match.group(1))
+            for kernel in self.plan["kernels"]:
+                if kernel["lines"][0] <= line <= kernel["lines"][1]:
+                    return f"'{kernel['name']}' (kernels.cl line {line})"
+        return "(see the log)"
+
+    # texture I/O -------------------------------------------------------------------------------
+    def _write(self, image: Any, texture: dict[str, Any], flat: np.ndarray) -> None:
+        data = np.ascontiguousarray(flat.reshape(texture["height"], texture["width"], 4))
+        self.cl.enqueue_copy(self.queue, image, data, origin=(0, 0), region=(texture["width"], texture["height"]))
+
+    def _read(self, texture_id: int) -> np.ndarray:
+        texture = self.textures[texture_id]
+        data = np.empty((texture["height"], texture["width"], 4), dtype=fmt.NUMPY_DTYPES[texture["format"]])
+        self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], origin=(0, 0),
+                             region=(texture["width"], texture["height"]))
+        size = int(np.prod(texture["shape"], dtype=np.int64))
+        return data.reshape(-1)[:size].reshape(texture["shape"])
+
+    def upload(self, texture_id: int, array: np.ndarray) -> None:
+        texture = self.textures[texture_id]
+        flat = np.zeros(texture["width"] * texture["height"] * 4, dtype=fmt.NUMPY_DTYPES[texture["format"]])
+        flat[: array.size] = array.reshape(-1)
+        self._write(self.images[self.binding[texture_id]], texture, flat)
+
+    def read(self, name: str) -> np.ndarray:
+        """Any tensor of the step by its ONNX value name (loss, P.grad, P.new, parameters...)."""
+        if name not in self.plan["values"]:
+            raise KeyError(f"the bundle has no tensor '{name}'")
+        return self._read(self.plan["values"][name]).astype(np.float32 if self.textures[
+            self.plan["values"][name]]["format"] != "rgba_i32" else np.int64)
+
+    # training ------------------------------------------------------------------------------------
+    def check_feeds(self, feeds: Mapping[str, np.ndarray]) -> None:
+        problems = []
+        for entry in self.manifest["inputs"]:
+            array = feeds.get(entry["name"])
+            if array is None:
+                problems.append(f"'{entry['name']}' is missing")
+            elif list(np.shape(array)) != entry["shape"]:
+                problems.append(f"'{entry['name']}' has shape {list(np.shape(array))}")
+        if problems:
+            expected = ", ".join(f"{e['name']} {e['shape']} {e['dtype']}" for e in self.manifest["inputs"])
+            raise DataError(f"{'; '.join(problems)}; the bundle expects: {expected}")
+
+    def step(self, feeds: Mapping[str, np.ndarray]) -> float:
+        """One training step on `feeds` (model inputs and labels, as the manifest lists); returns the loss."""
+        self.check_feeds(feeds)
+        for entry in self.manifest["inputs"]:
+            self.upload(entry["texture"], np.asarray(feeds[entry["name"]]))
+        self.run_kernels()
+        loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
+        for state, new in self.plan["swaps"]:
+            self.binding[state], self.binding[new] = self.binding[new], self.binding[state]
+        self.steps += 1
+        return loss
+
+    def run_kernels(self) -> list[Any]:
+        events = []
+        for kernel, spec in zip(self.kernels, self.plan["kernels"]):
+            images = [self.images[self.binding[t]] for t in spec["outputs"] + spec["inputs"]]
+            kernel.set_args(*images)
+            events.append(self.cl.enqueue_nd_range_kernel(self.queue, kernel, spec["global_size"], None))
+        return events
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The trainable parameters now, by ONNX name and shape."""
+        return {p["name"]: self._read(p["texture"]).astype(np.float32).reshape(p["shape"])
+                for p in self.manifest["parameters"]}
