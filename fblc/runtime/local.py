@@ -114,11 +114,27 @@ class LocalRunner:
         self._write(self.images[self.binding[texture_id]], texture, flat)
 
     def read(self, name: str) -> np.ndarray:
-        """Any tensor of the step by its ONNX value name (loss, P.grad, P.new, parameters...)."""
+        """Any tensor of the step by its ONNX value name (loss, P.grad, parameters...), as it is now."""
         if name not in self.plan["values"]:
             raise KeyError(f"the bundle has no tensor '{name}'")
-        return self._read(self.plan["values"][name]).astype(np.float32 if self.textures[
-            self.plan["values"][name]]["format"] != "rgba_i32" else np.int64)
+        texture_id = self.plan["values"][name]
+        integer = self.textures[texture_id]["format"] == "rgba_i32"
+        return self._read(texture_id).astype(np.int64 if integer else np.float32)
+
+    def read_before_swap(self, name: str) -> np.ndarray:
+        """A tensor as the last step computed it: `.new` outputs and states read through the swap."""
+        swapped = {new: state for state, new in self.plan["swaps"]}
+        swapped.update({state: new for state, new in self.plan["swaps"]})
+        texture_id = self.plan["values"][name]
+        if self.steps and texture_id in swapped:
+            self.binding[texture_id], self.binding[swapped[texture_id]] = (self.binding[swapped[texture_id]],
+                                                                             self.binding[texture_id])
+            try:
+                return self.read(name)
+            finally:
+                self.binding[texture_id], self.binding[swapped[texture_id]] = (self.binding[swapped[texture_id]],
+                                                                                 self.binding[texture_id])
+        return self.read(name)
 
     # training ------------------------------------------------------------------------------------
     def check_feeds(self, feeds: Mapping[str, np.ndarray]) -> None:
