@@ -1,23 +1,13 @@
-"""The `fblc` command line: subcommands over the compiler (and, as they land, the runtimes).
-
-User errors print one line, `fblc: error: <cause>; <what to do>`, and exit 2; `--debug`
-shows the traceback instead.
-"""
+"""Options shared by the commands that build a training step, and their parsing."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
-import time
-import traceback
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
-from fblc import __version__
 from fblc.compiler.errors import FblcError
-
-Command = Callable[[argparse.Namespace], int]
 
 
 def parse_dims(text: str) -> tuple[str, tuple[int, ...]]:
@@ -90,70 +80,3 @@ def pass_progress(total: int, enabled: bool) -> Iterator[Callable[..., None] | N
             progress.update(task, advance=1, description=f"pass {getattr(graph_pass, 'name', '')}")
 
         yield advance
-
-
-def cmd_train_graph(args: argparse.Namespace) -> int:
-    from fblc.compiler.model_io import load_model, save_model_atomically
-    from fblc.compiler.summary import summarize_step
-    from fblc.passes.pipeline import build_training_graph, training_pipeline
-
-    options = training_options(args)
-    started = time.perf_counter()
-    model = load_model(args.model)
-    with pass_progress(len(training_pipeline(options)), enabled=not args.quiet) as on_pass:
-        step = build_training_graph(model, options, dump_dir=args.dump_dir, on_pass=on_pass)
-    built = time.perf_counter() - started
-    save_model_atomically(step, args.output)
-    if not args.quiet:
-        print(summarize_step(step))
-        print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e6:.1f} MB) in {built:.2f} s"
-              + (f"; pass dumps in {args.dump_dir}/" if args.dump_dir else ""))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fblc", description="fblc: a training compiler for mobile GPUs. ONNX model in, training step out.",
-        epilog="Run 'fblc COMMAND --help' for a command's options.")
-    parser.add_argument("--version", action="version", version=f"fblc {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    train_graph = commands.add_parser(
-        "train-graph", help="write one training step (forward, loss, backward, optimizer) as a standalone ONNX model",
-        description="Build one training step of MODEL as an ONNX model that onnxruntime runs. Inputs: the model's "
-                    "inputs, labels, then every trainable parameter and optimizer state (initialised with their "
-                    "current values). Outputs: loss, then P.grad and P.new per parameter, then S.new per state.")
-    add_training_options(train_graph)
-    train_graph.add_argument("-o", "--output", required=True, metavar="STEP.onnx", help="where to write the step")
-    train_graph.set_defaults(run=cmd_train_graph)
-
-    for sub in commands.choices.values():
-        sub.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-        sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.run(args))
-    except FblcError as error:
-        if args.debug:
-            traceback.print_exc()
-        print(f"fblc: error: {error.one_line()}", file=sys.stderr)
-        return error.exit_code
-    except KeyboardInterrupt:
-        print("fblc: interrupted", file=sys.stderr)
-        return 130
-    except Exception as error:  # a bug in fblc or a library: say so in one line unless debugging
-        if args.debug:
-            raise
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"fblc: internal error: {type(error).__name__}: {first} (rerun with --debug for the traceback "
-              "and report it)", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The `fblc` command line: subcommands over the compiler (and, as they land, the runtimes).
+
+User errors print one line, `fblc: error: <cause>; <what to do>`, and exit 2; `--debug`
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import Callable, Sequence
+
+from fblc import __version__
+from fblc.bundle_format import BundleError
+from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
+from fblc.cli.train import cmd_devices, cmd_run
+from fblc.cli.options import add_training_options
+from fblc.compiler.errors import FblcError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fblc", description="fblc: a training compiler for mobile GPUs. ONNX model in, training step out.",
+        epilog="Run 'fblc COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"fblc {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train_graph = commands.add_parser(
+        "train-graph", help="write one training step (forward, loss, backward, optimizer) as a standalone ONNX model",
+        description="Build one training step of MODEL as an ONNX model that onnxruntime runs. Inputs: the model's "
+                    "inputs, labels, then every trainable parameter and optimizer state (initialised with their "
+                    "current values). Outputs: loss, then P.grad and P.new per parameter, then S.new per state.")
+    add_training_options(train_graph)
+    train_graph.add_argument("-o", "--output", required=True, metavar="STEP.onnx", help="where to write the step")
+    train_graph.set_defaults(run=cmd_train_graph)
+
+    compile_ = commands.add_parser(
+        "compile", help="compile MODEL's training step into a bundle of OpenCL kernels for a target GPU",
+        description="Build MODEL's training step, fuse it into OpenCL image2d_t kernels for --target and write a "
+                    "bundle folder (manifest.json, plan.json, kernels.cl, params.bin, report.json).")
+    add_training_options(compile_)
+    add_target_options(compile_)
+    compile_.add_argument("-o", "--output", required=True, metavar="OUT", help="bundle folder to write")
+    compile_.add_argument("--report", action="store_true", help="print report.json")
+    compile_.set_defaults(run=cmd_compile)
+
+    run = commands.add_parser(
+        "run", help="train with a bundle on an OpenCL device",
+        description="Run N training steps of BUNDLE on an OpenCL device, on batches from an .npz data file.")
+    run.add_argument("bundle", help="bundle folder from 'fblc compile'")
+    run.add_argument("--device", default="local",
+                     help="local (first OpenCL device with images; PoCL by default) or opencl:P:D (see 'fblc devices'); "
+                          "FBLC_OPENCL_DEVICE sets the default")
+    run.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    run.add_argument("--data", required=True, metavar="FILE.npz",
+                     help="one array per model input and 'labels'; more rows than the batch: iterated over batches")
+    run.add_argument("--save-params", metavar="FILE.npz", help="write the trained parameters (ONNX names and shapes)")
+    run.add_argument("--json", action="store_true", help="one JSON object per step: step, loss, ms")
+    run.set_defaults(run=cmd_run)
+
+    verify = commands.add_parser(
+        "verify", help="compile MODEL, run one step on the OpenCL device and compare it with onnxruntime",
+        description="Compile MODEL's training step, run one step on the local OpenCL device and on onnxruntime with "
+                    "the same batch, and compare loss, gradients and updated parameters; exit 1 on a mismatch.")
+    add_training_options(verify)
+    add_target_options(verify)
+    verify.add_argument("--device", default=None, help="OpenCL device (default: local)")
+    verify.add_argument("--show", type=int, default=15, help="rows of the error table (default: 15)")
+    verify.set_defaults(run=cmd_verify)
+
+    devices = commands.add_parser("devices", help="list the OpenCL devices fblc can run on")
+    devices.set_defaults(run=cmd_devices)
+
+    for sub in commands.choices.values():
+        sub.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+        sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (FblcError, BundleError) as error:
+        if args.debug:
+            traceback.print_exc()
+        message = error.one_line() if isinstance(error, FblcError) else str(error)
+        print(f"fblc: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fblc: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # a bug in fblc or a library: say so in one line unless debugging
+        if args.debug:
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"fblc: internal error: {type(error).__name__}: {first} (rerun with --debug for the traceback "
+              "and report it)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

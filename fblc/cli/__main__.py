@@ -1,0 +1,5 @@
+import sys
+
+from fblc.cli import main
+
+sys.exit(main())

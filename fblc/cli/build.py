@@ -1,0 +1,75 @@
+"""Commands that build: train-graph (the step as ONNX), compile (the bundle), verify (bundle vs onnxruntime)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from fblc.cli.options import pass_progress, training_options
+
+
+def cmd_train_graph(args: argparse.Namespace) -> int:
+    from fblc.compiler.model_io import load_model, save_model_atomically
+    from fblc.compiler.summary import summarize_step
+    from fblc.passes.pipeline import build_training_graph, training_pipeline
+
+    options = training_options(args)
+    started = time.perf_counter()
+    model = load_model(args.model)
+    with pass_progress(len(training_pipeline(options)), enabled=not args.quiet) as on_pass:
+        step = build_training_graph(model, options, dump_dir=args.dump_dir, on_pass=on_pass)
+    built = time.perf_counter() - started
+    save_model_atomically(step, args.output)
+    if not args.quiet:
+        print(summarize_step(step))
+        print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e6:.1f} MB) in {built:.2f} s"
+              + (f"; pass dumps in {args.dump_dir}/" if args.dump_dir else ""))
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from fblc.codegen.compile import compile_model
+    from fblc.passes.pipeline import compile_pipeline
+
+    options = training_options(args)
+    with pass_progress(len(compile_pipeline(options)), enabled=not args.quiet) as on_pass:
+        _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
+                                  dump_dir=args.dump_dir, on_pass=on_pass)
+    if not args.quiet:
+        families = ", ".join(f"{count} {family}" for family, count in sorted(report["kernels_per_family"].items()))
+        print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "
+              f"{report['kernels']} kernels ({families}), {report['textures']} textures, "
+              f"{report['texture_bytes'] / 1e6:.1f} MB of textures")
+        print(f"wrote bundle {args.output}/ (manifest.json, plan.json, kernels.cl, params.bin, report.json)")
+        if args.report:
+            import json
+
+            print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from fblc.codegen.verify import TOLERANCES, verify_model
+
+    options = training_options(args)
+    rows = verify_model(args.model, options, target=args.target, dtype=args.dtype, device=args.device)
+    failed = [r for r in rows if not r.ok]
+    rtol, atol = TOLERANCES[args.dtype]
+    if not args.quiet:
+        worst = sorted(rows, key=lambda r: (r.ok, -r.max_rel))[: args.show]
+        print(f"{'tensor':<56} {'max abs err':>12} {'max rel err':>12}  ok")
+        for row in worst:
+            print(f"{row.name[:56]:<56} {row.max_abs:12.3e} {row.max_rel:12.3e}  {'yes' if row.ok else 'NO'}")
+        print(f"{len(rows) - len(failed)}/{len(rows)} tensors match onnxruntime within rtol {rtol:g}, atol {atol:g} "
+              f"({args.dtype})")
+    return 1 if failed else 0
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    from fblc.profiles import shipped_targets
+
+    parser.add_argument("--target", default="local",
+                        help=f"target GPU: {', '.join(shipped_targets())}, or a profile .json (default: local)")
+    parser.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
+                        help="texture storage; fp16 keeps fp32 accumulation (default: fp32)")
