@@ -64,7 +64,7 @@ class LocalRunner:
 
     def _create_image(self, texture: dict[str, Any]) -> Any:
         cl = self.cl
-        image = cl.Image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, texture["format"]),
+        image = cl.create_image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, texture["format"]),
                          shape=(texture["width"], texture["height"]))
         init = texture.get("init")
         if init is not None:
@@ -78,15 +78,16 @@ class LocalRunner:
         cl = self.cl
         with open(os.path.join(self.bundle, fmt.KERNELS), encoding="utf-8") as handle:
             source = handle.read()
+        program = cl.Program(self.context, source)
         try:
-            return cl.Program(self.context, source).build(options=["-cl-std=CL1.2"])
+            return program.build(options=["-cl-std=CL1.2"])
         except cl.RuntimeError as error:
-            log = str(error)
+            log = program.get_build_info(self.device, cl.program_build_info.LOG) or str(error)
             raise KernelBuildError(f"the OpenCL compiler of {self.device.name} rejected kernel "
                                    f"{self._kernel_at(log)}:\n{log.strip()[-3000:]}") from None
 
     def _kernel_at(self, log: str) -> str:
-        match = re.search(r":(\d+):\d+: error", log)
+        match = re.search(r"\.cl:(\d+):\d+:", log) or re.search(r":(\d+):\d+:", log)
         if match:
             line = int(match.group(1))
             for kernel in self.plan["kernels"]:

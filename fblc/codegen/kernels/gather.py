@@ -1,1 +1,193 @@
-"""gather kernels (being written)."""
+"""Indexed reads and writes: Gather, GatherElements, ScatterND, ScatterElements.
+
+Gathers are per-element index maps: each lane reads its index, wraps a negative one, clamps
+it into range (an out-of-range read of an image is undefined on a GPU; ONNX calls such an
+index an error anyway) and reads the data element.
+
+Scatters are written the other way round, as gathers over the updates: each lane owns one
+output element, starts from the data element and folds in every update that targets it, in
+update order. No two work-items write the same texel, so there are no atomics and the result
+is deterministic (float addition in a fixed order, unlike an atomic scatter-add); with
+reduction "none" the last update wins, as in onnxruntime. ScatterND scans all updates per
+element; ScatterElements only scans the updates on its own line along `axis`, the only ones
+that can reach it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
+from fblc.codegen.cl import Kernel, flat_index, strides_of
+from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.textures import TextureTable
+from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.values import attr, const_array, numel, static_shape
+from fblc.passes.fuse import real_producer
+
+FAMILY = "gather"
+
+
+def _axis(node: ir.Node, rank: int) -> int:
+    return int(attr(node, "axis", 0)) % max(rank, 1)
+
+
+def _wrapped(b: KernelBuilder, raw: str, size: int, hint: str = "idx") -> str:
+    """A temp holding index `raw` wrapped (negative counts from the end) and clamped to [0, size)."""
+    value = b.temp("int", raw, hint)
+    return b.temp("int", f"clamp({value} < 0 ? {value} + {size} : {value}, 0, {size - 1})", hint)
+
+
+def _own_index(shape: tuple[int, ...]) -> str:
+    """Flat index of the current output element in a tensor of the output's shape."""
+    return flat_index([(f"{OUT_INDEX}{k}", stride) for k, stride in enumerate(strides_of(shape))])
+
+
+@register_kernel("Gather")
+def emit_gather(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """out[i_0..i_{a-1}, j.., k..] = data[i.., indices[j..], k..] (j: the indices' coordinates)."""
+    node = group.anchor
+    data, indices = node.inputs
+    data_shape = static_shape(data)
+    index_shape = static_shape(indices)
+    axis = _axis(node, len(data_shape))
+    q = len(index_shape)
+    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
+    b.nodes.append(node.name)
+    index_terms = [(f"{OUT_INDEX}{axis + k}", stride) for k, stride in enumerate(strides_of(index_shape))]
+    row = _wrapped(b, b.load(indices, flat_index(index_terms)), data_shape[axis])
+    strides = strides_of(data_shape)
+    terms = [(f"{OUT_INDEX}{k}", strides[k]) for k in range(axis)]
+    terms.append((row, strides[axis]))
+    terms += [(f"{OUT_INDEX}{k + q - 1}", strides[k]) for k in range(axis + 1, len(data_shape))]
+    return [b.finish([b.load(data, flat_index(terms))])]
+
+
+@register_kernel("GatherElements")
+def emit_gather_elements(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """out[i] = data[i with coordinate `axis` replaced by indices[i]]."""
+    node = group.anchor
+    data, indices = node.inputs
+    data_shape = static_shape(data)
+    index_shape = static_shape(indices)
+    axis = _axis(node, len(data_shape))
+    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
+    b.nodes.append(node.name)
+    along = _wrapped(b, b.load(indices, _own_index(index_shape)), data_shape[axis])
+    strides = strides_of(data_shape)
+    terms = [(along if k == axis else f"{OUT_INDEX}{k}", strides[k]) for k in range(len(data_shape))]
+    return [b.finish([b.load(data, flat_index(terms))])]
+
+
+# scatters ------------------------------------------------------------------------------------------
+
+def _combine(node: ir.Node, ctype: str) -> str:
+    """C template over `acc` and `u` for the node's reduction."""
+    reduction = attr(node, "reduction", "none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    templates = {"none": "{u}", "add": "{acc} + {u}", "mul": "{acc} * {u}",
+                 "max": ("fmax({acc}, {u})" if ctype == "float" else "max({acc}, {u})"),
+                 "min": ("fmin({acc}, {u})" if ctype == "float" else "min({acc}, {u})")}
+    if reduction not in templates:
+        raise UnsupportedOpError(f"{node.op_type} reduction '{reduction}' (node '{node.name}') has no kernel",
+                                 f"supported reductions: {', '.join(templates)}")
+    return templates[reduction]
+
+
+def _is_zeros(value: ir.Value) -> bool:
+    """Whether `value` is a known all-zero tensor (the zero tables gradient rules scatter into)."""
+    if value.is_graph_input():
+        return False
+    array = const_array(value)
+    if array is None:
+        producer = real_producer(value)
+        if producer is None or producer.op_type != "ConstantOfShape":
+            return False
+        fill = attr(producer, "value")
+        array = fill.numpy() if fill is not None else np.zeros(1)
+    return bool(np.all(np.asarray(array) == 0))
+
+
+def _start(b: KernelBuilder, node: ir.Node, acc: str) -> None:
+    """Declare the accumulator `acc` holding the data element (a literal 0 for a zero table)."""
+    data = node.inputs[0]
+    ctype = ctype_of(node.outputs[0])
+    initial = "0" if _is_zeros(data) else b.load(data, _own_index(static_shape(data)))
+    b.emit(f"{ctype} {acc} = {initial};")
+
+
+@register_kernel("ScatterND")
+def emit_scatter_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """out = data; for each update u (in order): out[indices[u]] (+)= updates[u] — folded per element."""
+    node = group.anchor
+    data, indices, updates = node.inputs[:3]
+    data_shape = static_shape(data)
+    index_shape = static_shape(indices)
+    depth = index_shape[-1]
+    count = numel(index_shape[:-1])
+    slice_size = numel(data_shape[depth:])
+    strides = strides_of(data_shape)
+    ctype = ctype_of(node.outputs[0])
+    combine = _combine(node, ctype)
+    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
+    b.nodes.append(node.name)
+    acc, u = b.fresh("acc"), b.fresh("u")
+    _start(b, node, acc)
+    if count == 0:
+        return [b.finish([acc])]
+    prefix = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", strides[k]) for k in range(depth)]), "prefix")
+    within = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", strides[k]) for k in range(depth, len(data_shape))]),
+                    "within")
+    # Target of update u: sum over its index tuple of wrap(index) * stride, compared with the prefix.
+    target, raw = b.fresh("target"), b.fresh("t")
+    body = [f"  int {target} = 0;"]
+    for k in range(depth):
+        position = f"{u} * {depth} + {k}" if depth > 1 else u
+        wrapped = f"({raw} < 0 ? {raw} + {data_shape[k]} : {raw})"
+        scaled = wrapped if strides[k] == 1 else f"{wrapped} * {strides[k]}"
+        body += [f"  {{ const int {raw} = {b.load(indices, position)}; {target} += {scaled}; }}"]
+    update_index = f"{u} * {slice_size} + {within}" if slice_size > 1 else u
+    b.emit(f"for (int {u} = 0; {u} < {count}; ++{u}) {{", *body,
+           f"  if ({target} == {prefix}) {acc} = {combine.format(acc=acc, u=b.load(updates, update_index))};",
+           "}")
+    return [b.finish([acc])]
+
+
+@register_kernel("ScatterElements")
+def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """out = data; out[u with coordinate `axis` replaced by indices[u]] (+)= updates[u], for each u.
+
+    Only updates sharing the element's coordinates off `axis` can reach it, so a lane scans the
+    indices' extent along `axis` (in increasing order, the order onnxruntime applies them).
+    """
+    node = group.anchor
+    data, indices, updates = node.inputs[:3]
+    data_shape = static_shape(data)
+    index_shape = static_shape(indices)
+    rank = len(data_shape)
+    axis = _axis(node, rank)
+    ctype = ctype_of(node.outputs[0])
+    combine = _combine(node, ctype)
+    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
+    b.nodes.append(node.name)
+    acc, j = b.fresh("acc"), b.fresh("j")
+    _start(b, node, acc)
+    if numel(index_shape) == 0:
+        return [b.finish([acc])]
+    index_strides = strides_of(index_shape)
+    # Indices may be smaller than data off `axis`: elements outside their extent get no update.
+    reachable = [f"{OUT_INDEX}{k} < {index_shape[k]}" for k in range(rank) if k != axis and index_shape[k] < data_shape[k]]
+    line = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", index_strides[k]) for k in range(rank) if k != axis]), "line")
+    position = f"{line} + {j} * {index_strides[axis]}" if index_strides[axis] != 1 else f"{line} + {j}"
+    raw = b.fresh("t")
+    loop = [f"for (int {j} = 0; {j} < {index_shape[axis]}; ++{j}) {{",
+            f"  const int {raw} = {b.load(indices, position)};",
+            f"  if (({raw} < 0 ? {raw} + {data_shape[axis]} : {raw}) == {OUT_INDEX}{axis}) "
+            f"{acc} = {combine.format(acc=acc, u=b.load(updates, position))};",
+            "}"]
+    if reachable:
+        b.emit(f"if ({' && '.join(reachable)}) {{", *[f"  {text}" for text in loop], "}")
+    else:
+        b.emit(*loop)
+    return [b.finish([acc])]
