@@ -1,11 +1,11 @@
-"""Quickstart: build T-ResNet, compile its training step, and train it on synthetic sensor data.
+"""Quickstart: build T-ResNet, compile its training step for adreno830, train it 20 steps on this computer's OpenCL device.
 
-    python examples/quickstart.py [--steps 20] [--out runs/quickstart]
+    python examples/quickstart.py [--steps 20] [--batch 16] [--out runs/quickstart]
 
-Steps: write T-ResNet as ONNX (examples/tresnet.py), run `fblc train-graph` on it (AdamW),
-then train with onnxruntime executing the step graph, feeding each step's `.new` tensors
-back. OpenCL execution of the same step comes with the bundle and runtime (`fblc compile`,
-`fblc run`) once they land; this runs the reference executor they are checked against.
+Steps: write T-ResNet as ONNX (examples/tresnet.py); `fblc compile` it with AdamW for the
+adreno830 target into a bundle of OpenCL image2d_t kernels; `fblc run` the bundle on the
+local device (PoCL on the CPU unless another OpenCL device is set) on synthetic sensor
+windows, printing the loss per step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -21,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tresnet import build_tresnet  # noqa: E402
 
-from fblc.cli import main as fblc_main  # noqa: E402
-from fblc.compiler.reference import ReferenceStep  # noqa: E402
+from fblc.cli import main as fblc  # noqa: E402
 
 CHANNELS, SAMPLES, CLASSES = 97, 60, 17
 
@@ -34,34 +32,25 @@ def sensor_batch(batch: int, seed: int) -> dict[str, np.ndarray]:
     t = np.arange(SAMPLES) / SAMPLES
     x = 0.3 * rng.standard_normal((batch, CHANNELS, SAMPLES, 1)).astype(np.float32)
     for row, label in enumerate(labels):
-        channels = slice(label * 5, label * 5 + 8)
-        x[row, channels, :, 0] += np.sin(2 * np.pi * (label + 1) * t + rng.uniform(0, 2 * np.pi))
+        x[row, label * 5:label * 5 + 8, :, 0] += np.sin(2 * np.pi * (label + 1) * t + rng.uniform(0, 2 * np.pi))
     return {"x": x, "labels": labels.astype(np.int64)}
 
 
-def run(steps: int, out: str, batch: int) -> list[float]:
-    os.makedirs(out, exist_ok=True)
-    model = build_tresnet(os.path.join(out, "tresnet.onnx"), batch=batch)
-    step_path = os.path.join(out, "tresnet_step.onnx")
-    code = fblc_main(["train-graph", model, "-o", step_path, "--optimizer", "adamw", "--lr", "3e-3",
-                      "--weight-decay", "1e-2"])
-    if code:
-        raise SystemExit(code)
-    trainer = ReferenceStep(step_path)
-    data = sensor_batch(batch, seed=0)
-    losses = []
-    for step in range(1, steps + 1):
-        started = time.perf_counter()
-        losses.append(trainer.step(data))
-        print(f"step {step:3d}  loss {losses[-1]:.4f}  ({(time.perf_counter() - started) * 1e3:.0f} ms, onnxruntime)")
-    return losses
-
-
-if __name__ == "__main__":
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--out", default="runs/quickstart")
     args = parser.parse_args()
-    history = run(args.steps, args.out, args.batch)
-    print(f"loss {history[0]:.4f} -> {history[-1]:.4f} over {len(history)} steps")
+    os.makedirs(args.out, exist_ok=True)
+    model = build_tresnet(os.path.join(args.out, "tresnet.onnx"), batch=args.batch)
+    data = os.path.join(args.out, "sensor.npz")
+    np.savez(data, **sensor_batch(args.batch, seed=0))
+    bundle = os.path.join(args.out, "tresnet.adreno830")
+    code = fblc(["compile", model, "--target", "adreno830", "-o", bundle, "--optimizer", "adamw", "--lr", "3e-3",
+                 "--weight-decay", "1e-2"])
+    return code or fblc(["run", bundle, "--device", "local", "--steps", str(args.steps), "--data", data])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

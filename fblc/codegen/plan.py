@@ -44,8 +44,8 @@ def _groups(graph: ir.Graph) -> list[KernelGroup]:
         kernel = kernel_of(node)
         if kernel is None:
             raise ValueError(f"node '{node.name}' has no {keys.KERNEL}; run the fuse pass first")
-        if kernel != ALIAS:
-            members.setdefault(kernel, []).append(node)
+        if kernel != ALIAS and not (node.op_type == "Constant" and node.domain == ""):
+            members.setdefault(kernel, []).append(node)  # a Constant's texture gets its data up front
     graph_outputs = {id(v) for v in graph.outputs}
     groups = []
     for kernel, nodes in members.items():
@@ -63,8 +63,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str) -> Program:
     table = TextureTable(profile, FLOAT_FORMATS[dtype])
     kernels: list[Kernel] = []
     for group in _groups(graph):
-        if not group.outputs:
-            continue  # nothing reads it (e.g. an unused optional output)
+        if not group.outputs or group.anchor.op_type == "Constant":
+            continue  # nothing reads it (e.g. an unused optional output); a Constant's texture is preloaded
         emit = KERNEL_EMITTERS.lookup(group.anchor)
         kernels.extend(emit(table, group))
     for value in list(graph.inputs) + list(graph.outputs) + list(graph.initializers.values()):

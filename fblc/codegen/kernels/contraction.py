@@ -132,16 +132,17 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     m_var = _o(nb) if len(a_shape) >= 2 else "0"
     n_var = _o(nb + (1 if len(a_shape) >= 2 else 0)) if len(b_shape) >= 2 else "0"
 
-    def stream(shape2: tuple[int, ...], row: str, col: str, reduce_rows: bool) -> Stream:
+    def stream(value: ir.Value, shape2: tuple[int, ...], kept: str, reduced_axis: int) -> Stream:
+        """Base over the batch dims and the kept matrix axis; the walk goes along `reduced_axis`."""
         strides = strides_of(shape2)
         lead = nb - (len(shape2) - 2)
-        variables = [_o(lead + k) for k in range(len(shape2) - 2)]
-        variables += ["0", col] if reduce_rows else [row, "0"]
-        return Stream(w if reduce_rows else a, _terms(variables, shape2, strides),
-                      strides[-2] if reduce_rows else strides[-1])
+        variables = [_o(lead + k) for k in range(len(shape2) - 2)] + [kept]
+        axes = list(range(len(shape2) - 2)) + [len(shape2) - 1 if reduced_axis == -2 else len(shape2) - 2]
+        return Stream(value, _terms(variables, [shape2[k] for k in axes], [strides[k] for k in axes]),
+                      strides[reduced_axis])
 
     b, acc = _builder(table, group, "matmul")
-    dot_loop(b, acc, a2[-1], (stream(a2, m_var, "", False), stream(b2, "", n_var, True)))
+    dot_loop(b, acc, a2[-1], (stream(a, a2, m_var, -1), stream(w, b2, n_var, -2)))
     return _finish(b, group, acc)
 
 
@@ -175,3 +176,159 @@ def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     return _finish(b, group, acc)
 
 
+# Conv / ConvTranspose ---------------------------------------------------------------------------
+
+def _affine(var: str, scale: int, offset: int) -> str:
+    """`var * scale + offset` as C, without the no-op parts."""
+    text = var if scale == 1 else f"{var} * {scale}"
+    return text if offset == 0 else f"{text} {'+' if offset > 0 else '-'} {abs(offset)}"
+
+
+class _Nest:
+    """Nested C blocks (tap loops, bounds guards) in the lane body, closed together.
+
+    Guards are `if` blocks rather than `continue`, which outside a tap loop would skip the
+    builder's lane loop and leave the lane unwritten.
+    """
+
+    def __init__(self, b: KernelBuilder) -> None:
+        self.b = b
+        self.depth = 0
+
+    @property
+    def indent(self) -> str:
+        return "  " * self.depth
+
+    def emit(self, line: str) -> None:
+        self.b.emit(self.indent + line)
+
+    def open(self, header: str) -> None:
+        self.emit(header + " {")
+        self.depth += 1
+
+    def loop(self, count: int, hint: str) -> str:
+        var = self.b.fresh(hint)
+        self.open(f"for (int {var} = 0; {var} < {count}; ++{var})")
+        return var
+
+    def close(self) -> None:
+        while self.depth:
+            self.depth -= 1
+            self.emit("}")
+
+
+def _add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        b.emit(f"{acc} += {b.load(node.inputs[2], _o(1))};")
+
+
+@register_kernel("Conv")
+def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """Direct convolution: loops over kernel taps (out-of-bounds taps skipped), then input channels.
+
+    The tap loops sit outside the channel loop so each bounds check runs once per tap. The
+    autodiff's weight-gradient conv (group = N*G over a [Cg_in, N*G, H, W] view, taps over
+    the whole dY map) is this same loop with Cg_in = 1.
+    """
+    node = group.anchor
+    x, w = node.inputs[0], node.inputs[1]
+    x_shape, w_shape = static_shape(x), static_shape(w)
+    groups = int(attr(node, "group", 1))
+    window = window_of(node, tuple(w_shape[2:]))
+    cg_in, cg_out = w_shape[1], w_shape[0] // groups
+    x_strides, w_strides = strides_of(x_shape), strides_of(w_shape)
+    b, acc = _builder(table, group, "conv")
+    g = f"({_o(1)} / {cg_out})" if groups > 1 else "0"
+    x_terms = _terms([_o(0), g], [x_shape[0], groups], [x_strides[0], cg_in * x_strides[1]])
+    w_terms = _terms([_o(1)], [w_shape[0]], [w_strides[0]])
+    origins = [b.temp("int", _affine(_o(2 + axis), window.strides[axis], -window.pads_begin[axis]), "y")
+               for axis in range(len(window.in_spatial))]
+    nest = _Nest(b)
+    for axis, origin in enumerate(origins):
+        k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
+        n, o, pad = window.in_spatial[axis], window.out_spatial[axis], window.pads_begin[axis]
+        coordinate = origin
+        if k > 1:
+            tap = nest.loop(k, "k")
+            coordinate = b.fresh("y")
+            nest.emit(f"const int {coordinate} = {origin} + {_affine(tap, d, 0)};")
+            w_terms.append((tap, w_strides[2 + axis]))
+        if pad > 0 or (o - 1) * s - pad + (k - 1) * d >= n:
+            nest.open(f"if ({coordinate} >= 0 && {coordinate} < {n})")
+        x_terms += _terms([coordinate], [n], [x_strides[2 + axis]])
+    dot_loop(b, acc, cg_in, (Stream(x, x_terms, x_strides[1]), Stream(w, w_terms, w_strides[1])), nest.indent)
+    nest.close()
+    _add_bias(b, node, acc)
+    return _finish(b, group, acc)
+
+
+def _transpose_pads_begin(node: ir.Node, in_spatial: Sequence[int], out_spatial: Sequence[int],
+                          kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
+    """Leading pads of a ConvTranspose: explicit `pads`, or derived from the output size as the ONNX spec says."""
+    rank = len(in_spatial)
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "VALID":
+        return [0] * rank
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER") or attr(node, "output_shape") is not None:
+        output_padding = attr(node, "output_padding") or [0] * rank
+        begins = []
+        for n, o, k, s, d, extra in zip(in_spatial, out_spatial, kernel, strides, dilations, output_padding):
+            total = s * (n - 1) + extra + (k - 1) * d + 1 - o
+            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+        return begins
+    return list((attr(node, "pads") or [0] * (2 * rank))[:rank])
+
+
+@register_kernel("ConvTranspose")
+def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """Gather form: y[o] sums x[i] * w[t] over taps t with i * s = o + pad - t * d, i in range.
+
+    The autodiff uses it for Conv's input gradient and AveragePool's gradient; output_padding
+    only lengthens the (already static) output, so the loop ignores it.
+    """
+    node = group.anchor
+    x, w = node.inputs[0], node.inputs[1]
+    x_shape, w_shape, y_shape = static_shape(x), static_shape(w), static_shape(node.outputs[0])
+    groups = int(attr(node, "group", 1))
+    in_spatial, out_spatial = x_shape[2:], y_shape[2:]
+    rank = len(in_spatial)
+    kernel = tuple(attr(node, "kernel_shape") or w_shape[2:])
+    strides = tuple(attr(node, "strides") or [1] * rank)
+    dilations = tuple(attr(node, "dilations") or [1] * rank)
+    pads = _transpose_pads_begin(node, in_spatial, out_spatial, kernel, strides, dilations)
+    cg_in, cg_out = w_shape[0] // groups, w_shape[1]
+    x_strides, w_strides = strides_of(x_shape), strides_of(w_shape)
+    b, acc = _builder(table, group, "conv")
+    g = f"({_o(1)} / {cg_out})" if groups > 1 else "0"
+    local = f"({_o(1)} % {cg_out})" if groups > 1 else _o(1)
+    x_terms = _terms([_o(0), g], [x_shape[0], groups], [x_strides[0], cg_in * x_strides[1]])
+    w_terms = _terms([g, local], [groups, cg_out], [cg_in * w_strides[0], w_strides[1]])
+    shifted = [b.temp("int", _affine(_o(2 + axis), 1, pads[axis]), "q") for axis in range(rank)]
+    nest = _Nest(b)
+    for axis in range(rank):
+        k, s, d, n, pad = kernel[axis], strides[axis], dilations[axis], in_spatial[axis], pads[axis]
+        numerator = shifted[axis]
+        if k > 1:
+            tap = nest.loop(k, "k")
+            numerator = b.fresh("q")
+            nest.emit(f"const int {numerator} = {shifted[axis]} - {_affine(tap, d, 0)};")
+            w_terms.append((tap, w_strides[2 + axis]))
+        conditions = []
+        if pad - (k - 1) * d < 0:
+            conditions.append(f"{numerator} >= 0")
+        if s > 1:
+            conditions.append(f"{numerator} % {s} == 0")
+        if (out_spatial[axis] - 1 + pad) // s >= n:
+            conditions.append(f"{numerator} < {n * s}")
+        if conditions:
+            nest.open(f"if ({' && '.join(conditions)})")
+        source = numerator
+        if s > 1:
+            source = b.fresh("y")
+            nest.emit(f"const int {source} = {numerator} / {s};")
+        x_terms += _terms([source], [n], [x_strides[2 + axis]])
+    dot_loop(b, acc, cg_in, (Stream(x, x_terms, x_strides[1]), Stream(w, w_terms, w_strides[0])), nest.indent)
+    nest.close()
+    _add_bias(b, node, acc)
+    return _finish(b, group, acc)

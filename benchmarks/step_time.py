@@ -1,0 +1,122 @@
+"""Median training-step time: fblc's OpenCL bundle on the local device vs a PyTorch eager step, same model and batch.
+
+    python benchmarks/step_time.py [--steps 5] [--models mlp,tresnet,mobilenet_v2,llama]
+
+Both sides run forward, cross-entropy loss, backward and AdamW on this CPU: fblc through its
+kernels on PoCL (the local OpenCL device), PyTorch eagerly with its own threads. The table
+gives the median of `--steps` steps after one warm-up step, and fblc's time over PyTorch's.
+No threshold yet: the kernels still use the plain texture layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fblc.codegen.compile import compile_model  # noqa: E402
+from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
+from fblc.passes.pipeline import TrainingOptions  # noqa: E402
+from fblc.runtime.local import LocalRunner  # noqa: E402
+from tests.support import models  # noqa: E402
+
+Case = tuple[str, torch.nn.Module, dict[str, np.ndarray], np.ndarray, Callable[[torch.nn.Module], torch.Tensor]]
+
+
+def _classification(name: str, path: str, module: torch.nn.Module, x: np.ndarray, classes: int,
+                    input_name: str = "x") -> Case:
+    labels = np.random.default_rng(1).integers(0, classes, x.shape[0]).astype(np.int64)
+    tensor, target = torch.from_numpy(x), torch.from_numpy(labels)
+    return (name, module, {input_name: x, "path": path}, labels,
+            lambda m: torch.nn.functional.cross_entropy(m(tensor), target))
+
+
+def build_cases(directory: str, names: list[str]) -> list[Case]:
+    rng = np.random.default_rng(0)
+    cases = []
+    if "mlp" in names:
+        path = models._example("mlp")(os.path.join(directory, "mlp.onnx"), batch=64, in_features=256,
+                                      hidden=(512, 512), classes=10)
+        cases.append(_classification("mlp B=64", path, models.TorchMLP.from_onnx(path),
+                                     rng.standard_normal((64, 256)).astype(np.float32), 10))
+    if "tresnet" in names:
+        path = models._example("tresnet")(os.path.join(directory, "tresnet.onnx"), batch=64)
+        cases.append(_classification("t-resnet B=64", path, models.TorchTResNet.from_onnx(path),
+                                     rng.standard_normal((64, 97, 60, 1)).astype(np.float32), 17))
+    if "mobilenet_v2" in names:
+        import transformers
+
+        torch.manual_seed(0)
+        module = models.logits_only(transformers.MobileNetV2ForImageClassification(
+            transformers.MobileNetV2Config(num_labels=17, image_size=97)), "pixel_values").eval()
+        x = rng.standard_normal((8, 3, 97, 60)).astype(np.float32)
+        path = os.path.join(directory, "mobilenet_v2.onnx")
+        models._quiet_dynamo_export(module, (torch.from_numpy(x),)).save(path)
+        cases.append(_classification("mobilenetv2 [8,3,97,60]", path, module, x, 17, "pixel_values"))
+    if "llama" in names:
+        exported, _ = models.llama(directory)
+        ids = exported.inputs["input_ids"]
+        cases.append(("llama 2L B=2 T=16", exported.module, {"input_ids": ids, "path": exported.path},
+                      exported.labels, exported.loss_of))
+    return cases
+
+
+def torch_step_ms(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor], steps: int) -> float:
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=1e-2)
+    times = []
+    for step in range(steps + 1):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        loss_of(module).backward()
+        optimizer.step()
+        if step:
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def fblc_step_ms(path: str, feeds: dict[str, np.ndarray], directory: str, steps: int) -> tuple[float, int]:
+    bundle = os.path.join(directory, os.path.basename(path) + ".bundle")
+    _, report = compile_model(path, bundle, "local", "fp32", TrainingOptions(
+        loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2)))
+    runner = LocalRunner(bundle)
+    times = []
+    for step in range(steps + 1):
+        started = time.perf_counter()
+        runner.step(feeds)
+        if step:
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times), report["kernels"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--models", default="mlp,tresnet,mobilenet_v2,llama")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        for name, module, inputs, labels, loss_of in build_cases(directory, args.models.split(",")):
+            path = inputs.pop("path")
+            feeds = {**inputs, "labels": labels}
+            fblc_ms, kernels = fblc_step_ms(path, feeds, directory, args.steps)
+            torch_ms = torch_step_ms(module.train(False), loss_of, args.steps)
+            rows.append((name, fblc_ms, torch_ms, kernels))
+            print(f"  measured {name}", file=sys.stderr)
+    print(f"{'model':<26} {'fblc (PoCL) ms':>15} {'PyTorch eager ms':>17} {'fblc / torch':>13} {'kernels':>8}")
+    for name, fblc_ms, torch_ms, kernels in rows:
+        print(f"{name:<26} {fblc_ms:15.1f} {torch_ms:17.1f} {fblc_ms / torch_ms:13.2f} {kernels:8d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
