@@ -51,7 +51,7 @@ def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: 
             entry["init"] = {"offset": offsets[texture.id][0], "nbytes": offsets[texture.id][1]}
         textures.append(entry)
     plan = {"textures": textures,
-            "kernels": [{"name": k.name, "family": k.family, "global_size": [k.global_size], "local_size": None,
+            "kernels": [{"name": k.name, "function": k.function, "family": k.family, "global_size": [k.global_size], "local_size": None,
                          "outputs": k.outputs, "inputs": k.inputs, "lines": list(program.kernel_lines[k.name])}
                         for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],

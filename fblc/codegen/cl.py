@@ -85,3 +85,4 @@ class Kernel:
     outputs: list[int] = field(default_factory=list)  # texture ids
     inputs: list[int] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)  # ONNX node names it computes
+    function: str = ""  # the __kernel it launches: its own, or an identical one emitted earlier

@@ -44,8 +44,8 @@ def _groups(graph: ir.Graph) -> list[KernelGroup]:
         kernel = kernel_of(node)
         if kernel is None:
             raise ValueError(f"node '{node.name}' has no {keys.KERNEL}; run the fuse pass first")
-        if kernel != ALIAS and not (node.op_type == "Constant" and node.domain == ""):
-            members.setdefault(kernel, []).append(node)  # a Constant's texture gets its data up front
+        if kernel != ALIAS:
+            members.setdefault(kernel, []).append(node)
     graph_outputs = {id(v) for v in graph.outputs}
     groups = []
     for kernel, nodes in members.items():
@@ -91,8 +91,21 @@ def lower(model: ir.Model, profile: Profile, dtype: str) -> Program:
 
 
 def _assemble_source(program: Program) -> None:
+    """kernels.cl: one __kernel per distinct body; launches of identical bodies share it.
+
+    Optimizer updates and backward pieces of same-shaped tensors repeat exactly; building each
+    once shortens the OpenCL compile, which on some drivers dominates start-up.
+    """
     lines = PREAMBLE.splitlines()
+    by_body: dict[str, str] = {}
     for kernel in program.kernels:
+        body = kernel.source.replace(f"void {kernel.name}(", "void KERNEL(", 1)
+        shared = by_body.get(body)
+        if shared is not None:
+            kernel.function = shared
+            program.kernel_lines[kernel.name] = program.kernel_lines[shared]
+            continue
+        by_body[body] = kernel.function = kernel.name
         start = len(lines) + 1
         lines.append(f"// {kernel.family}: {', '.join(kernel.nodes)}"[:400])
         lines.extend(kernel.source.splitlines())

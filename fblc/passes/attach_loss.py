@@ -31,6 +31,8 @@ class AttachLoss(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         prediction = graph.outputs[0]
+        if prediction.name == LOSS:
+            prediction.name = f"{LOSS}/model_output"  # the step's `loss` is the Identity below
         labels = None
         if self.spec.takes_labels:
             shape = self.spec.label_shape(static_shape(prediction))
