@@ -16,7 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 from fblc.codegen.verify import verify_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
-
 from tests.conftest import make_model
 
 SGD = OptimizerConfig("sgd", lr=0.1)
@@ -99,6 +98,21 @@ def test_gather_inner_axis_negative_index(tmp_path) -> None:
     model = _op_then_loss(op, [3, 2, 2, 2], {"w": _randn(2, 2, 2, seed=4)}, extra=extra,
                           inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 2])])
     _check(tmp_path, model)
+
+
+def test_scatter_forward(tmp_path) -> None:
+    """ScatterND (replace, a negative index) into ScatterElements (add, repeated targets) as forward ops."""
+    nd_idx = np.array([[2, -1], [0, 1]], np.int64)
+    el_idx = np.array([[[1, 1, -4], [3, 0, 3], [2, 2, 2]]] * 3, np.int64)
+    extra = [helper.make_node("Constant", [], ["nd_idx"], value=numpy_helper.from_array(nd_idx), name="nd_idx"),
+             helper.make_node("Constant", [], ["el_idx"], value=numpy_helper.from_array(el_idx), name="el_idx"),
+             helper.make_node("ScatterND", ["x", "nd_idx", "u"], ["s"], name="scatter_nd"),
+             helper.make_node("ScatterElements", ["s", "el_idx", "v"], ["e"], axis=2, reduction="add",
+                              name="scatter_el")]
+    op = helper.make_node("Mul", ["e", "w"], ["y"], name="scale")
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+              for name, shape in [("x", [3, 3, 4]), ("u", [2, 4]), ("v", [3, 3, 3])]]
+    _check(tmp_path, _op_then_loss(op, [3, 3, 4], {"w": _randn(3, 3, 4, seed=7)}, inputs=inputs, extra=extra))
 
 
 @pytest.mark.parametrize("label_shape", [[6], [2, 3]])

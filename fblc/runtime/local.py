@@ -50,7 +50,7 @@ class LocalRunner:
         self.images = [self._create_image(t) for t in self.textures]
         self.binding = list(range(len(self.textures)))  # texture id -> index into self.images (swapped per step)
         self.program = self._build()
-        functions = {k["function"]: getattr(self.program, k["function"]) for k in self.plan["kernels"]}
+        functions = {name: cl.Kernel(self.program, name) for name in {k["function"] for k in self.plan["kernels"]}}
         self.kernels = [functions[k["function"]] for k in self.plan["kernels"]]
         self.steps = 0
 

@@ -61,22 +61,28 @@ def _check_float(node: ir.Node) -> None:
                                      "only float contractions have kernels; cast the operands to float")
 
 
-def dot_loop(b: KernelBuilder, acc: str, count: int, streams: tuple[Stream, Stream], indent: str = "") -> None:
+def dot_loop(b: KernelBuilder, acc: str, count: int | str, streams: tuple[Stream, Stream], indent: str = "") -> None:
     """Emit `acc += sum_r a[r] * w[r]` over `count` steps of the two streams.
 
-    Unrolled by 4 into float4 dot products; an aligned stream fills its float4 with one texel
-    read, the other with four `ldf`. A scalar tail covers count % 4.
+    A literal count is unrolled by 4 into float4 dot products; an aligned stream fills its
+    float4 with one texel read, the other with four `ldf`; a scalar tail covers count % 4.
+    A runtime count (a C expression, e.g. the in-bounds taps of a border pixel) is a plain loop.
     """
-    if count <= 0:
+    if isinstance(count, int) and count <= 0:
         return
     pointers = [b.fresh("p") for _ in streams]
     lines = [f"int {p} = {flat_index(s.terms)};" for p, s in zip(pointers, streams)]
+    product = f"{acc} += {b.load(streams[0].value, pointers[0])} * {b.load(streams[1].value, pointers[1])};"
     if count == 1:
-        lines.append(f"{acc} += {b.load(streams[0].value, pointers[0])} * {b.load(streams[1].value, pointers[1])};")
-        b.emit(*(indent + line for line in lines))
+        b.emit(*(indent + line for line in lines + [product]))
+        return
+    steps = " ".join(f"{p} += {s.step};" for p, s in zip(pointers, streams))
+    r = b.fresh("r")
+    if isinstance(count, str):
+        lines += [f"for (int {r} = 0; {r} < {count}; ++{r}) {{", f"  {product}", f"  {steps}", "}"]
+        b.emit(*(indent + line for line in ["{"] + ["  " + line for line in lines] + ["}"]))
         return
     main = count - count % 4
-    r = b.fresh("r")
     if main:
         vectors = []
         for p, s in zip(pointers, streams):
@@ -86,18 +92,14 @@ def dot_loop(b: KernelBuilder, acc: str, count: int, streams: tuple[Stream, Stre
             else:
                 parts = [b.load(s.value, p if k == 0 else f"{p} + {k * s.step}") for k in range(4)]
                 vectors.append(f"(float4)({', '.join(parts)})")
-        steps = " ".join(f"{p} += {4 * s.step};" for p, s in zip(pointers, streams))
+        steps4 = " ".join(f"{p} += {4 * s.step};" for p, s in zip(pointers, streams))
         lines += [f"for (int {r} = 0; {r} < {main}; {r} += 4) {{",
                   f"  {acc} += dot({vectors[0]}, {vectors[1]});",
-                  f"  {steps}",
+                  f"  {steps4}",
                   "}"]
     if count % 4:
         tail = b.fresh("r")
-        steps = " ".join(f"{p} += {s.step};" for p, s in zip(pointers, streams))
-        lines += [f"for (int {tail} = {main}; {tail} < {count}; ++{tail}) {{",
-                  f"  {acc} += {b.load(streams[0].value, pointers[0])} * {b.load(streams[1].value, pointers[1])};",
-                  f"  {steps}",
-                  "}"]
+        lines += [f"for (int {tail} = {main}; {tail} < {count}; ++{tail}) {{", f"  {product}", f"  {steps}", "}"]
     b.emit(*(indent + line for line in ["{"] + ["  " + line for line in lines] + ["}"]))
 
 
@@ -207,8 +209,11 @@ class _Nest:
         self.depth += 1
 
     def loop(self, count: int, hint: str) -> str:
+        return self.loop_over("0", str(count), hint)
+
+    def loop_over(self, start: str, stop: str, hint: str) -> str:
         var = self.b.fresh(hint)
-        self.open(f"for (int {var} = 0; {var} < {count}; ++{var})")
+        self.open(f"for (int {var} = {start}; {var} < {stop}; ++{var})")
         return var
 
     def close(self) -> None:
@@ -222,13 +227,34 @@ def _add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
         b.emit(f"{acc} += {b.load(node.inputs[2], _o(1))};")
 
 
+@dataclass
+class _Loop:
+    """One reduction loop of a conv: `var` runs over [start, stop), moving the X and W indices."""
+
+    start: str  # C expression
+    stop: str  # C expression
+    extent: int  # the static bound on its trip count (picks the innermost loop)
+    x_step: int
+    w_step: int
+
+
+def _tap_range(b: KernelBuilder, origin: str, k: int, d: int, n: int) -> tuple[str, str]:
+    """Taps t in [lo, hi) with 0 <= origin + t * d < n, computed once per output element."""
+    if d == 1:
+        return b.temp("int", f"max(0, -{origin})", "lo"), b.temp("int", f"min({k}, {n} - {origin})", "hi")
+    low = b.temp("int", f"{origin} < 0 ? (-{origin} + {d - 1}) / {d} : 0", "lo")
+    # C division truncates toward zero: a non-positive numerator gives hi <= 0, an empty range
+    return low, b.temp("int", f"min({k}, ({n} - {origin} + {d - 1}) / {d})", "hi")
+
+
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """Direct convolution: loops over kernel taps (out-of-bounds taps skipped), then input channels.
+    """Direct convolution: nested loops over input channels and kernel taps.
 
-    The tap loops sit outside the channel loop so each bounds check runs once per tap. The
-    autodiff's weight-gradient conv (group = N*G over a [Cg_in, N*G, H, W] view, taps over
-    the whole dY map) is this same loop with Cg_in = 1.
+    Border pixels get tap ranges (computed once, no per-tap branch) instead of skipped taps.
+    The loop with the most trips is innermost and walks pointers: channels for an ordinary
+    3x3 conv (unrolled by 4), a spatial tap axis for the autodiff's weight-gradient conv
+    (group = N*G over a [Cg_in, N*G, H, W] view, Cg_in = 1, taps over the whole dY map).
     """
     node = group.anchor
     x, w = node.inputs[0], node.inputs[1]
@@ -241,22 +267,31 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     g = f"({_o(1)} / {cg_out})" if groups > 1 else "0"
     x_terms = _terms([_o(0), g], [x_shape[0], groups], [x_strides[0], cg_in * x_strides[1]])
     w_terms = _terms([_o(1)], [w_shape[0]], [w_strides[0]])
-    origins = [b.temp("int", _affine(_o(2 + axis), window.strides[axis], -window.pads_begin[axis]), "y")
-               for axis in range(len(window.in_spatial))]
-    nest = _Nest(b)
-    for axis, origin in enumerate(origins):
+    loops = [_Loop("0", str(cg_in), cg_in, x_strides[1], w_strides[1])]
+    for axis in range(len(window.in_spatial)):
         k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
         n, o, pad = window.in_spatial[axis], window.out_spatial[axis], window.pads_begin[axis]
-        coordinate = origin
-        if k > 1:
-            tap = nest.loop(k, "k")
-            coordinate = b.fresh("y")
-            nest.emit(f"const int {coordinate} = {origin} + {_affine(tap, d, 0)};")
-            w_terms.append((tap, w_strides[2 + axis]))
+        x_stride = x_strides[2 + axis]
+        origin = b.temp("int", _affine(_o(2 + axis), s, -pad), "y")
+        x_terms.append((origin, x_stride))  # the input coordinate is origin + tap * d
         if pad > 0 or (o - 1) * s - pad + (k - 1) * d >= n:
-            nest.open(f"if ({coordinate} >= 0 && {coordinate} < {n})")
-        x_terms += _terms([coordinate], [n], [x_strides[2 + axis]])
-    dot_loop(b, acc, cg_in, (Stream(x, x_terms, x_strides[1]), Stream(w, w_terms, w_strides[1])), nest.indent)
+            low, high = _tap_range(b, origin, k, d, n)
+            loops.append(_Loop(low, high, k, d * x_stride, w_strides[2 + axis]))
+        elif k > 1:
+            loops.append(_Loop("0", str(k), k, d * x_stride, w_strides[2 + axis]))
+    inner = max(loops, key=lambda loop: (loop.extent, loop.start == "0"))  # ties: a literal range, channels
+    nest = _Nest(b)
+    for loop in loops:
+        if loop is not inner and not (loop.extent == 1 and loop.start == "0"):
+            var = nest.loop_over(loop.start, loop.stop, "k")
+            x_terms.append((var, loop.x_step))
+            w_terms.append((var, loop.w_step))
+    if inner.start != "0":
+        x_terms.append((inner.start, inner.x_step))
+        w_terms.append((inner.start, inner.w_step))
+    count: int | str = inner.extent if inner.stop == str(inner.extent) and inner.start == "0" else (
+        f"{inner.stop} - {inner.start}")
+    dot_loop(b, acc, count, (Stream(x, x_terms, inner.x_step), Stream(w, w_terms, inner.w_step)), nest.indent)
     nest.close()
     _add_bias(b, node, acc)
     return _finish(b, group, acc)

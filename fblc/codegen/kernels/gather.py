@@ -177,14 +177,15 @@ def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kerne
         return [b.finish([acc])]
     index_strides = strides_of(index_shape)
     # Indices may be smaller than data off `axis`: elements outside their extent get no update.
-    reachable = [f"{OUT_INDEX}{k} < {index_shape[k]}" for k in range(rank) if k != axis and index_shape[k] < data_shape[k]]
+    reachable = [f"{OUT_INDEX}{k} < {index_shape[k]}" for k in range(rank)
+                 if k != axis and index_shape[k] < data_shape[k]]
     line = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", index_strides[k]) for k in range(rank) if k != axis]), "line")
     position = f"{line} + {j} * {index_strides[axis]}" if index_strides[axis] != 1 else f"{line} + {j}"
     raw = b.fresh("t")
     loop = [f"for (int {j} = 0; {j} < {index_shape[axis]}; ++{j}) {{",
             f"  const int {raw} = {b.load(indices, position)};",
-            f"  if (({raw} < 0 ? {raw} + {data_shape[axis]} : {raw}) == {OUT_INDEX}{axis}) "
-            f"{acc} = {combine.format(acc=acc, u=b.load(updates, position))};",
+            f"  if (({raw} < 0 ? {raw} + {data_shape[axis]} : {raw}) == {OUT_INDEX}{axis})",
+            f"    {acc} = {combine.format(acc=acc, u=b.load(updates, position))};",
             "}"]
     if reachable:
         b.emit(f"if ({' && '.join(reachable)}) {{", *[f"  {text}" for text in loop], "}")

@@ -110,7 +110,7 @@ def _has_statistics(node: ir.Node) -> bool:
 
 def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: list[ir.Value]) -> Kernel:
     """Mean and/or InvStdDev (shape: the input's with the normalised axes as 1), one lane per row."""
-    shape, axis, count = _layer_norm_geometry(node)
+    shape, axis, _ = _layer_norm_geometry(node)
     b = KernelBuilder(table, name, FAMILY, outputs)
     b.nodes.append(node.name)
     strides = strides_of(shape)

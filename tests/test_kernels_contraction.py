@@ -1,0 +1,160 @@
+"""MatMul, Gemm, Conv and ConvTranspose kernels: one training step on PoCL against onnxruntime.
+
+Each model is the op under test (its float operands are initializers, so they train) followed
+by `ReduceSum(Mul(y, R))` with a fixed random R; the loss is that sum. A step checks the
+forward kernel, the backward kernels (Conv: ConvTranspose and the grouped weight-gradient Conv;
+MatMul: Transpose + MatMul) and the SGD update.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("pyopencl")
+
+from fblc.codegen.compile import compile_model  # noqa: E402
+from fblc.codegen.verify import verify_model  # noqa: E402
+from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
+from fblc.passes.pipeline import TrainingOptions  # noqa: E402
+
+OPTIONS = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1))
+
+
+def _rand(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _node(op: str, inputs: list[str], output: str = "y", **attrs: Any) -> onnx.NodeProto:
+    return helper.make_node(op, inputs, [output], **attrs)
+
+
+def _y_shape(nodes: list[onnx.NodeProto], arrays: dict[str, np.ndarray]) -> tuple[int, ...]:
+    graph = helper.make_graph(nodes + [helper.make_node("Identity", ["y"], ["probe"])], "probe", [],
+                              [helper.make_tensor_value_info("probe", TensorProto.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(v, k) for k, v in arrays.items()])
+    inferred = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), strict_mode=True)
+    value = next(v for v in inferred.graph.value_info if v.name == "y")
+    return tuple(d.dim_value for d in value.type.tensor_type.shape.dim)
+
+
+def write_case(path: str, nodes: list[onnx.NodeProto], inits: dict[str, tuple[int, ...] | np.ndarray],
+               seed: int = 0) -> str:
+    """Model: `nodes` computing `y`, then out = ReduceSum(y * R); shapes in `inits` become random initializers."""
+    rng = np.random.default_rng(seed)
+    arrays = {k: (v if isinstance(v, np.ndarray) else _rand(rng, v)) for k, v in inits.items()}
+    y_shape = _y_shape(nodes, arrays)
+    r = numpy_helper.from_array(_rand(rng, y_shape), "R")
+    nodes = nodes + [helper.make_node("Constant", [], ["R"], value=r),
+                     helper.make_node("Mul", ["y", "R"], ["yr"]),
+                     helper.make_node("ReduceSum", ["yr"], ["out"], keepdims=0)]
+    graph = helper.make_graph(nodes, "case", [], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
+                              initializer=[numpy_helper.from_array(v, k) for k, v in arrays.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, path)
+    return path
+
+
+def assert_step_matches(path: str, dtype: str = "fp32") -> None:
+    rows = verify_model(path, OPTIONS, dtype=dtype)
+    assert rows, "verify compared nothing"
+    bad = [r for r in rows if not r.ok]
+    assert not bad, "\n".join(f"{r.name}: max_abs {r.max_abs:.3g} max_rel {r.max_rel:.3g}" for r in bad)
+
+
+def conv(x: tuple[int, ...], w: tuple[int, ...], bias: bool = False, **attrs: Any) -> tuple:
+    inputs = ["x", "w"] + (["b"] if bias else [])
+    inits: dict[str, Any] = {"x": x, "w": w}
+    if bias:
+        inits["b"] = (w[0],)
+    return [_node("Conv", inputs, **attrs)], inits
+
+
+CASES = {
+    "matmul_2d": ([_node("MatMul", ["a", "b"])], {"a": (5, 8), "b": (8, 6)}),
+    "matmul_2d_odd_k": ([_node("MatMul", ["a", "b"])], {"a": (3, 7), "b": (7, 5)}),
+    "matmul_3d_broadcast": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 8), "b": (8, 5)}),
+    "matmul_4d_broadcast": ([_node("MatMul", ["a", "b"])], {"a": (2, 1, 3, 4), "b": (1, 3, 4, 5)}),
+    "matmul_1d_2d": ([_node("MatMul", ["a", "b"])], {"a": (6,), "b": (6, 4)}),
+    "matmul_2d_1d": ([_node("MatMul", ["a", "b"])], {"a": (3, 5), "b": (5,)}),
+    "gemm_trans_alpha_beta": ([_node("Gemm", ["a", "b", "c"], transA=1, transB=1, alpha=0.5, beta=2.0)],
+                              {"a": (8, 3), "b": (5, 8), "c": (5,)}),
+    "gemm_plain_column_c": ([_node("Gemm", ["a", "b", "c"])], {"a": (4, 6), "b": (6, 3), "c": (4, 1)}),
+    "conv2d": conv((2, 3, 6, 6), (4, 3, 3, 3)),
+    "conv2d_strided_asym_pads": conv((1, 2, 7, 6), (3, 2, 3, 2), strides=[2, 2], pads=[1, 0, 0, 1]),
+    "conv2d_dilated": conv((1, 2, 7, 7), (2, 2, 3, 3), dilations=[2, 2], pads=[1, 1, 1, 1]),
+    "conv2d_grouped": conv((2, 4, 5, 5), (6, 2, 3, 3), group=2, pads=[1, 1, 1, 1]),
+    "conv2d_depthwise": conv((1, 4, 6, 6), (4, 1, 3, 3), group=4, strides=[2, 2], pads=[1, 1, 1, 1]),
+    "conv2d_bias_1x1": conv((2, 8, 3, 3), (4, 8, 1, 1), bias=True),
+    "conv1d": conv((2, 3, 9), (4, 3, 3), bias=True, strides=[2], pads=[1, 0]),
+    "conv_temporal_k1": conv((1, 2, 8, 3), (3, 2, 3, 1), pads=[1, 0, 1, 0]),
+    "conv_same_upper": conv((1, 2, 6, 5), (3, 2, 3, 3), auto_pad="SAME_UPPER", strides=[2, 2]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_contraction_step(name: str, tmp_path) -> None:
+    nodes, inits = CASES[name]
+    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+
+
+def _kernel_count(path: str, out_dir: str) -> tuple[int, int]:
+    step, report = compile_model(path, out_dir, "local", "fp32", OPTIONS)
+    return report["kernels"], len([n for n in step.graph if n.op_type not in ("Constant", "Identity", "Reshape")])
+
+
+def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
+    channels = 4
+    nodes = [_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
+             _node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], "bn"),
+             _node("Relu", ["bn"])]
+    rng = np.random.default_rng(3)
+    inits = {"x": (2, 3, 5, 5), "w": (channels, 3, 3, 3), "scale": (channels,), "bias": (channels,),
+             "mean": (channels,), "var": rng.uniform(0.5, 2.0, channels).astype(np.float32)}
+    path = write_case(str(tmp_path / "conv_bn_relu.onnx"), nodes, inits)
+    assert_step_matches(path)
+    kernels, nodes_count = _kernel_count(path, str(tmp_path / "bundle"))
+    assert kernels < nodes_count
+    step, report = compile_model(path, str(tmp_path / "bundle2"), "local", "fp32", OPTIONS)
+    forward = [n for n in step.graph if n.op_type in ("Conv", "BatchNormalization", "Relu")
+               and n.metadata_props.get("fblc.stage") is None]
+    assert len({n.metadata_props["fblc.kernel"] for n in forward}) == 1, "Conv + BN + Relu should be one kernel"
+
+
+def test_matmul_add_sigmoid_epilogue(tmp_path) -> None:
+    nodes = [_node("MatMul", ["a", "b"], "m"), _node("Add", ["m", "c"], "s"), _node("Sigmoid", ["s"])]
+    path = write_case(str(tmp_path / "mm_add_sigmoid.onnx"), nodes, {"a": (4, 8), "b": (8, 6), "c": (6,)})
+    assert_step_matches(path)
+    step, report = compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
+    anchor = next(n for n in step.graph if n.op_type == "MatMul" and n.inputs[0].name == "a")
+    epilogue = [n for n in step.graph if n.op_type in ("Add", "Sigmoid") and n.outputs[0].name in ("s", "y")]
+    assert {n.metadata_props["fblc.kernel"] for n in epilogue} == {anchor.metadata_props["fblc.kernel"]}
+    assert report["kernels_per_family"].get("matmul", 0) >= 3
+
+
+def _half_images() -> bool:
+    import pyopencl as cl
+
+    try:
+        context = cl.create_some_context(interactive=False)
+    except Exception:  # pragma: no cover - no OpenCL device
+        return False
+    formats = cl.get_supported_image_formats(context, cl.mem_flags.READ_WRITE, cl.mem_object_type.IMAGE2D)
+    return any(f.channel_order == cl.channel_order.RGBA and f.channel_data_type == cl.channel_type.HALF_FLOAT
+               for f in formats)
+
+
+@pytest.mark.skipif(os.environ.get("FBLC_SKIP_FP16") == "1", reason="fp16 disabled")
+@pytest.mark.parametrize("name", ["matmul_3d_broadcast", "conv2d_strided_asym_pads"])
+def test_contraction_step_fp16(name: str, tmp_path) -> None:
+    if not _half_images():
+        pytest.skip("this OpenCL device has no RGBA half-float images")
+    nodes, inits = CASES[name]
+    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), dtype="fp16")
