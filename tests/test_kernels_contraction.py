@@ -34,8 +34,9 @@ def _node(op: str, inputs: list[str], output: str = "y", **attrs: Any) -> onnx.N
     return helper.make_node(op, inputs, [output], **attrs)
 
 
-def _y_shape(nodes: list[onnx.NodeProto], arrays: dict[str, np.ndarray]) -> tuple[int, ...]:
-    graph = helper.make_graph(nodes + [helper.make_node("Identity", ["y"], ["probe"])], "probe", [],
+def _y_shape(nodes: list[onnx.NodeProto], arrays: dict[str, np.ndarray],
+             feeds: list[onnx.ValueInfoProto]) -> tuple[int, ...]:
+    graph = helper.make_graph(nodes + [helper.make_node("Identity", ["y"], ["probe"])], "probe", feeds,
                               [helper.make_tensor_value_info("probe", TensorProto.FLOAT, None)],
                               initializer=[numpy_helper.from_array(v, k) for k, v in arrays.items()])
     inferred = onnx.shape_inference.infer_shapes(
@@ -45,16 +46,20 @@ def _y_shape(nodes: list[onnx.NodeProto], arrays: dict[str, np.ndarray]) -> tupl
 
 
 def write_case(path: str, nodes: list[onnx.NodeProto], inits: dict[str, tuple[int, ...] | np.ndarray],
-               seed: int = 0) -> str:
-    """Model: `nodes` computing `y`, then out = ReduceSum(y * R); shapes in `inits` become random initializers."""
+               seed: int = 0, inputs: dict[str, tuple[int, ...]] | None = None) -> str:
+    """Model: `nodes` computing `y`, then out = ReduceSum(y * R); shapes in `inits` become random initializers.
+
+    `inputs` become float graph inputs (fed, not trained).
+    """
     rng = np.random.default_rng(seed)
     arrays = {k: (v if isinstance(v, np.ndarray) else _rand(rng, v)) for k, v in inits.items()}
-    y_shape = _y_shape(nodes, arrays)
+    feeds = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v)) for k, v in (inputs or {}).items()]
+    y_shape = _y_shape(nodes, arrays, feeds)
     r = numpy_helper.from_array(_rand(rng, y_shape), "R")
     nodes = nodes + [helper.make_node("Constant", [], ["R"], value=r),
                      helper.make_node("Mul", ["y", "R"], ["yr"]),
                      helper.make_node("ReduceSum", ["yr"], ["out"], keepdims=0)]
-    graph = helper.make_graph(nodes, "case", [], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
+    graph = helper.make_graph(nodes, "case", feeds, [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
                               initializer=[numpy_helper.from_array(v, k) for k, v in arrays.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     onnx.checker.check_model(model, full_check=True)
@@ -96,6 +101,10 @@ CASES = {
     "conv1d": conv((2, 3, 9), (4, 3, 3), bias=True, strides=[2], pads=[1, 0]),
     "conv_temporal_k1": conv((1, 2, 8, 3), (3, 2, 3, 1), pads=[1, 0, 1, 0]),
     "conv_same_upper": conv((1, 2, 6, 5), (3, 2, 3, 3), auto_pad="SAME_UPPER", strides=[2, 2]),
+    # AveragePool's gradient is a depthwise ConvTranspose over a constant ones kernel
+    "conv_avgpool": ([_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
+                      _node("AveragePool", ["c"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
+                     {"x": (1, 2, 6, 6), "w": (3, 2, 3, 3)}),
 }
 
 
@@ -103,6 +112,23 @@ CASES = {
 def test_contraction_step(name: str, tmp_path) -> None:
     nodes, inits = CASES[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+
+
+def test_conv_transpose_forward(tmp_path) -> None:
+    """ConvTranspose as a model op (group, strides, pads, dilations, output_padding) over a data input.
+
+    It has no gradient rule, so its operands are a fed input and a constant; the trained
+    parameter is a bias added after it.
+    """
+    rng = np.random.default_rng(5)
+    weight = numpy_helper.from_array(_rand(rng, (4, 3, 3, 2)), "wt")
+    nodes = [helper.make_node("Constant", [], ["wt"], value=weight),
+             _node("ConvTranspose", ["x", "wt"], "ct", group=2, strides=[2, 1], pads=[1, 0, 0, 1],
+                   dilations=[1, 2], output_padding=[1, 0]),
+             _node("Add", ["ct", "p"])]
+    path = write_case(str(tmp_path / "conv_transpose.onnx"), nodes, {"p": (1, 6, 1, 1)},
+                      inputs={"x": (2, 4, 3, 4)})
+    assert_step_matches(path)
 
 
 def _kernel_count(path: str, out_dir: str) -> tuple[int, int]:

@@ -55,7 +55,7 @@ def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: 
                          "outputs": k.outputs, "inputs": k.inputs, "lines": list(program.kernel_lines[k.name])}
                         for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],
-            "values": program.values}
+            "values": program.values, "value_shapes": program.value_shapes}
     graph = model.graph
     data_inputs = [v for v in graph.inputs if keys.get_role(v) in (Role.INPUT.value, Role.LABEL.value)]
     params = [v for v in graph.inputs if keys.get_role(v) == Role.PARAM.value]

@@ -17,8 +17,8 @@ from fblc.codegen.cl import PREAMBLE, Kernel
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.textures import Texture, TextureTable, to_texels
 from fblc.compiler import keys
-from fblc.compiler.values import const_array
-from fblc.passes.fuse import ALIAS, kernel_of
+from fblc.compiler.values import const_array, static_shape
+from fblc.passes.fuse import ALIAS, CONTRACTIONS, kernel_of
 from fblc.profiles import Profile
 
 FLOAT_FORMATS = {"fp32": "rgba_f32", "fp16": "rgba_f16"}
@@ -30,6 +30,7 @@ class Program:
     textures: list[Texture]
     initial: dict[int, np.ndarray]  # texture id -> texels
     values: dict[str, int]  # every named value -> texture id
+    value_shapes: dict[str, list[int]]  # every named value -> its own shape (a view's differs from its texture's)
     swaps: list[tuple[int, int]]  # (state texture, its .new texture) after each step
     source: str = ""
     kernel_lines: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -39,6 +40,7 @@ class Program:
 
 
 def _groups(graph: ir.Graph) -> list[KernelGroup]:
+    """The fuse pass's kernels in launch order (k0, k1, ...), each with the values others read."""
     members: dict[str, list[ir.Node]] = {}
     for node in graph:
         kernel = kernel_of(node)
@@ -48,12 +50,14 @@ def _groups(graph: ir.Graph) -> list[KernelGroup]:
             members.setdefault(kernel, []).append(node)
     graph_outputs = {id(v) for v in graph.outputs}
     groups = []
-    for kernel, nodes in members.items():
+    for kernel in sorted(members, key=lambda k: int(k[1:])):
+        nodes = members[kernel]
+        anchor = next((n for n in nodes if n.op_type in CONTRACTIONS), nodes[0])
+        nodes = [anchor] + [n for n in nodes if n is not anchor]
         inside = {id(n) for n in nodes}
         outputs = [v for n in nodes for v in n.outputs
                    if v is not None and v.name and (id(v) in graph_outputs or any(id(u.node) not in inside for u in v.uses()))]
-        name = f"{kernel}_{nodes[0].op_type}"
-        groups.append(KernelGroup(name, nodes, outputs))
+        groups.append(KernelGroup(f"{kernel}_{anchor.op_type}", nodes, outputs))
     return groups
 
 
@@ -73,6 +77,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str) -> Program:
     for texture in table.textures:
         for name in texture.values:
             values[name] = texture.id
+    value_shapes = {v.name: list(static_shape(v)) for n in graph for v in n.outputs if v is not None and v.name in values}
+    value_shapes.update({v.name: list(static_shape(v)) for v in list(graph.inputs) + list(graph.initializers.values())})
     initial: dict[int, np.ndarray] = {}
     roots = {v.name: v for v in graph.initializers.values()}
     roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
@@ -85,7 +91,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str) -> Program:
     input_names = {v.name for v in graph.inputs}
     swaps = [(values[o.name[: -len(".new")]], values[o.name]) for o in graph.outputs
              if o.name.endswith(".new") and o.name[: -len(".new")] in input_names]
-    program = Program(kernels, table.textures, initial, values, swaps)
+    program = Program(kernels, table.textures, initial, values, value_shapes, swaps)
     _assemble_source(program)
     return program
 

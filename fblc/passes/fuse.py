@@ -1,17 +1,22 @@
 """fuse: group the step graph's nodes into kernels.
 
-Rewrite: writes `fblc.kernel` (`k<N>`) on every node that runs in a kernel, and `alias` on
-views (Reshape, Flatten, Squeeze, Unsqueeze, Identity) that reuse their input's texture. An
-elementwise node joins the kernel of the producer of one of its inputs when it has the same
-output shape (one work-item per output element serves both) and every other input is ready
-before that kernel starts; a producer may be an elementwise kernel or a contraction
-(MatMul, Gemm, Conv, ConvTranspose), whose epilogue it then becomes. All other ops run alone.
-Values of a kernel read outside it are its outputs. Preconditions: static shapes; the graph
-is topologically sorted. In place; `modified` is true when any annotation changed.
+Rewrite: writes `fblc.kernel` = `k<N>` on every node that runs in a kernel (N is the launch
+order), and `alias` on views (Reshape, Flatten, Squeeze, Unsqueeze, Identity) that reuse
+their input's texture. Two kernels merge when both are elementwise chains (or one is a
+contraction, MatMul/Gemm/Conv/ConvTranspose, and the other only feeds its epilogue), their
+outputs have the same shape (one work-item per output element serves both), and no third
+kernel lies between them (merging would form a cycle). An elementwise node tries to merge
+with the kernels of all its inputs, so chains over parameters and optimizer state (Adam's
+moment updates) become one kernel. Every other op runs alone. Kernels are numbered in a
+topological order. Preconditions: static shapes; topologically sorted graph. In place;
+`modified` is true when any annotation changed.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import networkx as nx
 import onnx_ir as ir
 
 from fblc.compiler import keys
@@ -30,41 +35,138 @@ def kernel_of(node: ir.Node) -> str | None:
     return node.metadata_props.get(keys.KERNEL)
 
 
+def is_view(node: ir.Node) -> bool:
+    return node.op_type in VIEWS and node.domain == ""
+
+
 def real_producer(value: ir.Value | None) -> ir.Node | None:
     """The node that computes `value`'s data, looking through views (which share its texture)."""
     producer = value.producer() if value is not None else None
-    while producer is not None and producer.op_type in VIEWS and producer.domain == "":
+    while producer is not None and is_view(producer):
         producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
     return producer
 
 
+def real_consumers(value: ir.Value) -> Iterator[ir.Node]:
+    """The nodes that read `value`'s data, looking through views."""
+    for use in value.uses():
+        if is_view(use.node):
+            for out in use.node.outputs:
+                yield from real_consumers(out)
+        else:
+            yield use.node
+
+
+class _Groups:
+    """Kernels under construction: union-find over nodes, with what merging needs to know."""
+
+    def __init__(self, nodes: list[ir.Node]) -> None:
+        self.position = {id(n): i for i, n in enumerate(nodes)}
+        self.root: dict[int, int] = {}
+        self.members: dict[int, list[ir.Node]] = {}
+        self.kind: dict[int, str] = {}
+        self.shape: dict[int, tuple[int, ...]] = {}
+
+    def add(self, node: ir.Node) -> int:
+        key = id(node)
+        self.root[key] = key
+        self.members[key] = [node]
+        self.kind[key] = ("elementwise" if node.op_type in ELEMENTWISE and len(node.outputs) == 1 else
+                          "contraction" if node.op_type in CONTRACTIONS else "single")
+        self.shape[key] = static_shape(node.outputs[0])
+        return key
+
+    def find(self, key: int) -> int:
+        while self.root[key] != key:
+            self.root[key] = self.root[self.root[key]]
+            key = self.root[key]
+        return key
+
+    def of(self, node: ir.Node) -> int | None:
+        return self.find(id(node)) if id(node) in self.root else None
+
+    def first(self, group: int) -> int:
+        return min(self.position[id(n)] for n in self.members[group])
+
+    def last(self, group: int) -> int:
+        return max(self.position[id(n)] for n in self.members[group])
+
+    def successors(self, group: int) -> set[int]:
+        found = set()
+        for node in self.members[group]:
+            for value in node.outputs:
+                for consumer in real_consumers(value):
+                    other = self.of(consumer)
+                    if other is not None and other != group:
+                        found.add(other)
+        return found
+
+    def reaches_through_third(self, source: int, target: int) -> bool:
+        """A path source -> X -> ... -> target with X another kernel (merging would make a cycle)."""
+        limit = self.last(target)
+        frontier = [g for g in self.successors(source) if g != target]
+        seen = set(frontier)
+        while frontier:
+            group = frontier.pop()
+            if self.first(group) > limit:
+                continue  # every node after target's last: cannot feed it
+            for successor in self.successors(group):
+                if successor == target:
+                    return True
+                if successor not in seen:
+                    seen.add(successor)
+                    frontier.append(successor)
+        return False
+
+    def can_merge(self, a: int, b: int) -> bool:
+        if a == b or "single" in (self.kind[a], self.kind[b]) or self.shape[a] != self.shape[b]:
+            return False
+        if self.kind[a] == self.kind[b] == "contraction":
+            return False
+        for contraction, other in ((a, b), (b, a)):
+            if self.kind[contraction] == "contraction":
+                anchor = self.members[contraction][0]
+                other_ids = {id(n) for n in self.members[other]}
+                if any(real_producer(v) is not None and id(real_producer(v)) in other_ids for v in anchor.inputs):
+                    return False  # the other kernel would be the anchor's prologue
+        return not self.reaches_through_third(a, b) and not self.reaches_through_third(b, a)
+
+    def merge(self, a: int, b: int) -> int:
+        keep, gone = (a, b) if self.kind[a] == "contraction" or self.kind[b] != "contraction" else (b, a)
+        self.root[gone] = keep
+        anchor = self.members[keep][0] if self.kind[keep] == "contraction" else None
+        merged = sorted(self.members[keep] + self.members.pop(gone),
+                        key=lambda n: (n is not anchor, self.position[id(n)]))
+        self.members[keep] = merged
+        for table in (self.kind, self.shape):
+            table.pop(gone)
+        return keep
+
+
 class FuseKernels(ir.passes.InPlacePass):
-    """Assign nodes to kernels, fusing elementwise chains into their producers (in place)."""
+    """Assign nodes to kernels, fusing elementwise chains with each other and into contraction epilogues (in place)."""
 
     name = "fuse"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         nodes = list(model.graph)
-        position = {id(n): i for i, n in enumerate(nodes)}
-        group_of: dict[int, int] = {}  # node id -> group number
-        first_node: dict[int, int] = {}  # group -> position of its first node
-        last_node: dict[int, int] = {}
-        shape_of_group: dict[int, tuple[int, ...]] = {}
-        fusable_group: dict[int, bool] = {}
-        assignment: dict[int, str] = {}
+        groups = _Groups(nodes)
         for node in nodes:
-            if node.op_type in VIEWS and node.domain == "":
-                assignment[id(node)] = ALIAS
+            if is_view(node):
                 continue
-            group = self._joinable_group(node, group_of, first_node, last_node, shape_of_group, fusable_group)
-            if group is None:
-                group = len(first_node)
-                first_node[group] = position[id(node)]
-                shape_of_group[group] = static_shape(node.outputs[0])
-                fusable_group[group] = node.op_type in ELEMENTWISE or node.op_type in CONTRACTIONS
-            group_of[id(node)] = group
-            last_node[group] = position[id(node)]
-            assignment[id(node)] = f"k{group}"
+            group = groups.add(node)
+            if groups.kind[group] != "elementwise":
+                continue
+            for value in node.inputs:
+                producer = real_producer(value)
+                other = groups.of(producer) if producer is not None else None
+                if other is not None and groups.can_merge(other, group):
+                    group = groups.merge(other, group)
+        order = self._launch_order(groups)
+        assignment = {id(n): ALIAS for n in nodes if is_view(n)}
+        for index, group in enumerate(order):
+            for node in groups.members[group]:
+                assignment[id(node)] = f"k{index}"
         modified = False
         for node in nodes:
             if node.metadata_props.get(keys.KERNEL) != assignment[id(node)]:
@@ -73,27 +175,10 @@ class FuseKernels(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified)
 
     @staticmethod
-    def _joinable_group(node: ir.Node, group_of: dict[int, int], first_node: dict[int, int],
-                        last_node: dict[int, int], shape_of_group: dict[int, tuple[int, ...]],
-                        fusable_group: dict[int, bool]) -> int | None:
-        if node.op_type not in ELEMENTWISE or node.domain != "" or len(node.outputs) != 1:
-            return None
-        shape = static_shape(node.outputs[0])
-        for value in node.inputs:
-            producer = value.producer() if value is not None else None
-            if producer is None or id(producer) not in group_of:
-                continue
-            group = group_of[id(producer)]
-            if not fusable_group[group] or shape_of_group[group] != shape:
-                continue
-            ready = True
-            for other in node.inputs:
-                other_producer = real_producer(other)
-                if other_producer is None or id(other_producer) not in group_of:
-                    continue
-                other_group = group_of[id(other_producer)]
-                if other_group != group and last_node[other_group] > first_node[group]:
-                    ready = False  # it might depend on this kernel: joining could form a cycle
-            if ready:
-                return group
-        return None
+    def _launch_order(groups: _Groups) -> list[int]:
+        dag = nx.DiGraph()
+        dag.add_nodes_from(groups.members)
+        for group in groups.members:
+            dag.add_edges_from((group, successor) for successor in groups.successors(group))
+        first = {g: groups.first(g) for g in groups.members}
+        return list(nx.lexicographical_topological_sort(dag, key=first.__getitem__))

@@ -121,7 +121,8 @@ class LocalRunner:
             raise KeyError(f"the bundle has no tensor '{name}'")
         texture_id = self.plan["values"][name]
         integer = self.textures[texture_id]["format"] == "rgba_i32"
-        return self._read(texture_id).astype(np.int64 if integer else np.float32)
+        value = self._read(texture_id).astype(np.int64 if integer else np.float32)
+        return value.reshape(self.plan["value_shapes"].get(name, value.shape))  # a view has its own shape
 
     def read_before_swap(self, name: str) -> np.ndarray:
         """A tensor as the last step computed it: `.new` outputs and states read through the swap."""
