@@ -14,7 +14,7 @@ fetched with one texel read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
