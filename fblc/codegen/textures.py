@@ -88,7 +88,8 @@ def to_texels(array: np.ndarray, texture: Texture) -> np.ndarray:
     """`array` laid out as `texture` stores it: flat, padded with zeros to width * height * 4."""
     dtype = {"rgba_f32": np.float32, "rgba_f16": np.float16, "rgba_i32": np.int32}[texture.format]
     flat = np.zeros(texture.width * texture.height * 4, dtype=dtype)
-    flat[: array.size] = np.asarray(array).reshape(-1).astype(dtype)
+    with np.errstate(over="ignore"):  # fp16: float32's -3.4e38 mask fill becomes -inf, which softmax reads the same
+        flat[: array.size] = np.asarray(array).reshape(-1).astype(dtype)
     return flat
 
 

@@ -13,8 +13,8 @@ fetched with one texel read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
