@@ -165,3 +165,15 @@ def test_ctrl_c_during_run_leaves_the_bundle_untouched(tmp_path, bundle) -> None
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
     assert {name: fmt.sha256_of(os.path.join(bundle, name)) for name in os.listdir(bundle)} == before
+
+
+def test_compile_and_verify_commands(tmp_path, capsys) -> None:
+    model = elementwise_model(str(tmp_path / "model.onnx"))
+    assert main(["compile", model, "--loss", "mse", "--target", "mali-g925", "-o", str(tmp_path / "b")]) == 0
+    assert "kernels (" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "b" / fmt.REPORT))["kernels_per_family"]["elementwise"] >= 1
+    assert main(["verify", model, "--loss", "mse", "--optimizer", "adam", "--show", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "max rel err" in out and "tensors match onnxruntime within rtol 0.0001, atol 1e-05 (fp32)" in out
+    assert main(["compile", model, "--target", "no-such-gpu", "-o", str(tmp_path / "c")]) == 2
+    assert "unknown target 'no-such-gpu'; choose one of: adreno730, adreno830, local, mali-g925" in capsys.readouterr().err
