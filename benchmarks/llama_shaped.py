@@ -136,8 +136,8 @@ def build_llama_shaped(path: str, shape: LlamaShape = LLAMA_3_2_1B) -> str:
                                         perm=[1, 0])])
         x = w.op("Add", [x, down])
     x = _rms_norm(w, x, w.weight("model.norm.weight", (s.hidden,)), eps, two, last)
-    logits = w.op("MatMul", [x, w.op("Transpose", [w.weight("lm_head.weight", (s.vocab, s.hidden))], perm=[1, 0])])
-    w.nodes[-1].output[0] = "logits"
+    w.op("MatMul", [x, w.op("Transpose", [w.weight("lm_head.weight", (s.vocab, s.hidden))], perm=[1, 0])])
+    w.nodes[-1].output[0] = "logits"  # the graph output keeps the exporter's name
     graph = helper.make_graph(
         w.nodes, "llama_shaped",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [s.batch, s.seq])],

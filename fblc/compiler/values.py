@@ -61,3 +61,18 @@ def ints_input(node: ir.Node, index: int, what: str) -> list[int] | None:
 def attr(node: ir.Node, name: str, default: Any = None) -> Any:
     found = node.attributes.get(name)
     return default if found is None else found.value
+
+
+def slice_bounds(node: ir.Node) -> tuple[list[int], list[int], list[int]]:
+    """Per axis of a Slice node's input: start, stop and step, normalised like numpy's slice.indices."""
+    shape = static_shape(node.inputs[0])
+    rank = len(shape)
+    starts = ints_input(node, 1, "starts") or []
+    ends = ints_input(node, 2, "ends") or []
+    axes = ints_input(node, 3, "axes") or list(range(len(starts)))
+    steps = ints_input(node, 4, "steps") or [1] * len(starts)
+    full = [slice(None)] * rank
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        full[axis % rank] = slice(start, end, step)
+    resolved = [s.indices(n) for s, n in zip(full, shape)]
+    return [r[0] for r in resolved], [r[1] for r in resolved], [r[2] for r in resolved]

@@ -14,7 +14,7 @@ from fblc.codegen.cl import Kernel, broadcast_index, flat_index, literal, stride
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.errors import UnsupportedOpError
-from fblc.compiler.values import attr, ints_input, static_shape
+from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
 
 
 def _single(table: TextureTable, group: KernelGroup, family: str = "movement") -> KernelBuilder:
@@ -42,21 +42,6 @@ def emit_expand(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     return [b.finish([b.load(node.inputs[0], index)])]
 
 
-def _slice_spec(node: ir.Node) -> tuple[list[int], list[int]]:
-    """Per input axis: start and step of the slice (normalised like numpy)."""
-    shape = static_shape(node.inputs[0])
-    rank = len(shape)
-    starts = ints_input(node, 1, "starts") or []
-    ends = ints_input(node, 2, "ends") or []
-    axes = ints_input(node, 3, "axes") or list(range(len(starts)))
-    steps = ints_input(node, 4, "steps") or [1] * len(starts)
-    full = [slice(None)] * rank
-    for start, end, axis, step in zip(starts, ends, axes, steps):
-        full[axis % rank] = slice(start, end, step)
-    resolved = [s.indices(n) for s, n in zip(full, shape)]
-    return [r[0] for r in resolved], [r[2] for r in resolved]
-
-
 def _slice_kernel(table: TextureTable, name: str, source: ir.Value, output: ir.Value, starts: list[int],
                   steps: list[int], node_name: str) -> Kernel:
     b = KernelBuilder(table, name, "movement", [output])
@@ -71,7 +56,7 @@ def _slice_kernel(table: TextureTable, name: str, source: ir.Value, output: ir.V
 @register_kernel("Slice")
 def emit_slice(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
-    starts, steps = _slice_spec(node)
+    starts, _, steps = slice_bounds(node)
     return [_slice_kernel(table, group.name, node.inputs[0], node.outputs[0], starts, steps, node.name)]
 
 

@@ -10,6 +10,7 @@ import onnx_ir as ir
 from fblc.compiler.autodiff import register_gradient
 from fblc.compiler.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, ints_input, numel, static_shape
+from fblc.compiler.values import slice_bounds
 
 Grads = Sequence["ir.Value | None"]
 
@@ -54,26 +55,11 @@ def split_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> G
     return [e.op("Concat", *parts, axis=axis)] + [None] * (len(node.inputs) - 1)
 
 
-def _slice_indices(node: ir.Node) -> tuple[list[int], list[int], list[int]]:
-    """Per axis of the input: start, stop and step of the slice, normalised like numpy."""
-    shape = static_shape(node.inputs[0])
-    rank = len(shape)
-    starts = ints_input(node, 1, "starts") or []
-    ends = ints_input(node, 2, "ends") or []
-    axes = ints_input(node, 3, "axes") or list(range(len(starts)))
-    steps = ints_input(node, 4, "steps") or [1] * len(starts)
-    full = [slice(None)] * rank
-    for start, end, axis, step in zip(starts, ends, axes, steps):
-        full[axis % rank] = slice(start, end, step)
-    resolved = [s.indices(n) for s, n in zip(full, shape)]
-    return [r[0] for r in resolved], [r[1] for r in resolved], [r[2] for r in resolved]
-
-
 @register_gradient("Slice")
 def slice_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
     in_shape = static_shape(node.inputs[0])
     out_shape = static_shape(node.outputs[0])
-    starts, stops, steps = _slice_indices(node)
+    starts, stops, steps = slice_bounds(node)
     dy = dys[0]
     if all(step == 1 for step in steps):
         pads = starts + [n - start - size for n, start, size in zip(in_shape, starts, out_shape)]
