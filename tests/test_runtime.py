@@ -22,6 +22,7 @@ from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.reference import ReferenceStep
 from fblc.passes.pipeline import TrainingOptions
+from fblc.profiles.profile import TARGETS_DIR
 from fblc.runtime.local import DataError, KernelBuildError, LocalRunner
 from fblc.runtime.opencl import DeviceError, select_device
 from tests.conftest import make_model
@@ -141,8 +142,9 @@ def test_device_errors_say_what_to_do(monkeypatch) -> None:
 
 
 def test_tensor_beyond_the_image_limits_is_named(tmp_path) -> None:
-    profile = {"name": "tiny-gpu", "image2d_max_width": 2, "image2d_max_height": 2, "wave_size": 32,
-               "max_work_group_size": 64}
+    profile = json.load(open(os.path.join(TARGETS_DIR, "local.json")))
+    profile["name"] = "tiny-gpu"
+    profile["figures"]["image2d_max_width"]["value"] = profile["figures"]["image2d_max_height"]["value"] = 2
     target = tmp_path / "tiny.json"
     target.write_text(json.dumps(profile))
     with pytest.raises(FblcError, match=r"needs a 2 x 3 texture, beyond tiny-gpu's image limit of 2 x 2"):

@@ -16,6 +16,7 @@ from fblc.bundle_format import BundleError
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
 from fblc.cli.train import cmd_devices, cmd_run
 from fblc.cli.options import add_training_options
+from fblc.cli.profiles import add_commands as add_profile_commands
 from fblc.compiler.errors import FblcError
 
 Command = Callable[[argparse.Namespace], int]
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     devices = commands.add_parser("devices", help="list the OpenCL devices fblc can run on")
     devices.set_defaults(run=cmd_devices)
+    add_profile_commands(commands)
 
     for sub in commands.choices.values():
         sub.add_argument("--debug", action="store_true", help="show tracebacks of errors")

@@ -3,6 +3,11 @@
 It names texture arguments, turns reads of values into `ldf`/`ldi` calls or literals
 (single-element constants are inlined), collects the per-lane body and wraps it into the
 per-element kernel skeleton of `cl.py`.
+
+A kernel may also have a per-texel prologue (`emit_texel`): code run once per work-item,
+before the lane loop, that sees the multi-index of the texel's first element as `u0, u1..`
+(TEXEL_INDEX). Contractions use it to compute all four lanes' reductions together, sharing
+the reads the lanes have in common, and leave only their epilogue to the lane loop.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.values import const_array, is_float, static_shape
 
 OUT_INDEX = "o"  # prefix of the output multi-index variables
+TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen by the per-texel prologue
 
 
 def ctype_of(value: ir.Value) -> str:
@@ -35,6 +41,7 @@ class KernelBuilder:
         self.out_textures = [table.of(v) for v in self.outputs]
         self.in_textures: list[Texture] = []
         self.lines: list[str] = []
+        self.texel_lines: list[str] = []  # the per-texel prologue, before the lane loop
         self.nodes: list[str] = []
         self._counter = 0
 
@@ -67,6 +74,10 @@ class KernelBuilder:
     def emit(self, *lines: str) -> None:
         self.lines.extend(lines)
 
+    def emit_texel(self, *lines: str) -> None:
+        """Append to the per-texel prologue (run once per work-item, before the lane loop)."""
+        self.texel_lines.extend(lines)
+
     def temp(self, ctype: str, expression: str, hint: str = "v") -> str:
         self._counter += 1
         name = f"{hint}{self._counter}"
@@ -90,6 +101,9 @@ class KernelBuilder:
         for k, texture in enumerate(self.out_textures):
             ctype = "float" if texture.kind == "float" else "int"
             body.append(f"  {ctype} r{k}[4] = {{0, 0, 0, 0}};")
+        if self.texel_lines:
+            body += [f"  {line}" for line in index_vars(self.out_shape, "t * 4", TEXEL_INDEX)]
+            body += [f"  {line}" for line in self.texel_lines]
         body += ["  for (int lane = 0; lane < 4; ++lane) {",
                  "    const int i = t * 4 + lane;",
                  f"    if (i >= {out_numel}) break;"]

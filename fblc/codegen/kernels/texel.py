@@ -1,0 +1,302 @@
+"""Texel-wide reductions: the lanes of an output texel reduce together and share their reads.
+
+On PoCL (and on mobile GPUs) a `read_imagef` is the cost of a contraction: ~15 ns on the
+CPU device, where the multiply-add itself is free. Per-lane code reads two elements per
+multiply-add. Here a work-item computes its (up to) four lanes in one pass over the
+reduction, in static blocks: for each block it lists the products it needs, as
+(lane, offset into X, offset into W, position) with literal offsets from a runtime base
+index, fetches every distinct element once (whole texels where the offsets are close:
+one read gives four consecutive elements) and accumulates per lane in fp32.
+
+Where the base index is known to be a multiple of 4 (the strides and the loop steps are)
+the texels and lanes of every offset are literals; otherwise a cluster of offsets is read
+as the texels that can cover it and the elements are picked by the runtime shift.
+
+Products whose position (along a padded axis) falls outside the input read zero through a
+mask, so border texels need no per-lane tap ranges; reads they make out of the tensor are
+clamped into the image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from fblc.codegen.builder import KernelBuilder
+from fblc.codegen.cl import flat_index
+
+LANES = 4
+COMPONENTS = "xyzw"
+
+
+@dataclass(frozen=True)
+class Term:
+    """`expr * coeff` in a runtime index, `expr` being a C int expression that is a multiple of `multiple`."""
+
+    expr: str
+    coeff: int
+    multiple: int = 1
+
+
+def c_sum(terms: Sequence[Term]) -> str:
+    return flat_index([(t.expr, t.coeff) for t in terms])
+
+
+def aligned(terms: Sequence[Term]) -> bool:
+    """True when the index is a multiple of 4 whatever the runtime values."""
+    return all((t.coeff * t.multiple) % 4 == 0 for t in terms)
+
+
+@dataclass
+class Operand:
+    """A tensor read by the reduction at `runtime base + literal offset`."""
+
+    value: ir.Value
+    terms: list[Term]
+    offset: int = 0  # a literal part of the base, added to every offset
+    clamp: bool = False  # masked offsets may leave the tensor: keep texel reads inside it
+
+    def moved(self, terms: list[Term]) -> Operand:
+        return Operand(self.value, terms, self.offset, self.clamp)
+
+
+@dataclass(frozen=True)
+class Product:
+    """acc[lane] += X[x] * W[w], zero where `position` (along the masked axis) is outside the input."""
+
+    lane: int
+    x: int
+    w: int
+    position: int = 0
+
+
+@dataclass
+class Mask:
+    """Runtime position along a padded axis: `terms` lie in [low, high]; valid positions are [0, extent)."""
+
+    terms: list[Term]
+    low: int
+    high: int
+    extent: int
+
+
+@dataclass
+class Loop:
+    """Lines around the blocks (a runtime loop, a guard: each line ending in '{' opens a C block)
+    and the terms they add to the X and W indices."""
+
+    lines: list[str]
+    x_terms: list[Term]
+    w_terms: list[Term]
+
+    @staticmethod
+    def over(var: str, start: str, stop: str, x_step: int, w_step: int) -> Loop:
+        return Loop([f"for (int {var} = {start}; {var} < {stop}; ++{var}) {{"],
+                    [Term(var, x_step)] if x_step else [], [Term(var, w_step)] if w_step else [])
+
+
+@dataclass
+class Blocked:
+    """The reduction axis walked in static blocks of `block` (a loop over whole blocks, then the rest).
+
+    `products(indices)` lists the products of those axis indices, offsets counted from the
+    bases with the axis at 0; inside the loop the block start moves X, W and the mask position
+    by the steps.
+    """
+
+    extent: int
+    block: int
+    x_step: int
+    w_step: int
+    position_step: int
+    products: Callable[[range], list[Product]]
+
+
+class Code:
+    """Lines appended to a kernel body (per-texel prologue or lane loop) with C block nesting."""
+
+    def __init__(self, lines: list[str], depth: int = 0) -> None:
+        self.lines = lines
+        self.depth = depth
+
+    def emit(self, *lines: str) -> None:
+        self.lines.extend("  " * self.depth + line for line in lines)
+
+    def open(self, header: str) -> None:
+        self.emit(header + " {")
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        self.emit("}")
+
+
+def _window(a: str, b: str, shift: str) -> str:
+    """Elements shift..shift+3 of the 8 in texels a, b (shift in 0..3, known only at runtime)."""
+    return (f"({shift} == 0 ? {a} : {shift} == 1 ? (float4)({a}.yzw, {b}.x) : "
+            f"{shift} == 2 ? (float4)({a}.zw, {b}.xy) : (float4)({a}.w, {b}.xyz))")
+
+
+def _clusters(offsets: list[int]) -> list[list[int]]:
+    """Sorted offsets split where a gap would leave a whole texel unread."""
+    groups: list[list[int]] = []
+    for offset in offsets:
+        if groups and offset - groups[-1][-1] <= 4:
+            groups[-1].append(offset)
+        else:
+            groups.append([offset])
+    return groups
+
+
+def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]) -> dict[int, str]:
+    """Read each offset of `operand` once; C expressions of the values by offset."""
+    wanted = sorted({offset + operand.offset for offset in offsets})
+    inlined = b.constant_scalar(operand.value)
+    if inlined is not None:
+        return {offset - operand.offset: inlined for offset in wanted}
+    arg, texture = b.argument(operand.value)
+    last = texture.texels - 1
+
+    def texel(index: str) -> str:
+        index = f"clamp({index}, 0, {last})" if operand.clamp else index
+        return f"read_imagef({arg}, SMP, TEXEL({index}, {texture.width}))"
+
+    base = c_sum(operand.terms)
+    values: dict[int, str] = {}
+    if aligned(operand.terms):  # texel and lane of every offset are literals
+        q = b.fresh("q")
+        code.emit(f"const int {q} = ({base}) >> 2;")
+        names: dict[int, str] = {}
+        for offset in wanted:
+            k = offset >> 2  # floor, also for negative offsets
+            if k not in names:
+                names[k] = b.fresh("T")
+                code.emit(f"const float4 {names[k]} = {texel(_plus(q, k))};")
+            values[offset] = f"{names[k]}.{COMPONENTS[offset & 3]}"
+        return {offset - operand.offset: value for offset, value in values.items()}
+    for cluster in _clusters(wanted):
+        low, span = cluster[0], cluster[-1] - cluster[0] + 1
+        count = ((span + 2) >> 2) + 1  # texels that cover `span` elements at any shift
+        if count >= len(cluster):  # sparse: element reads are no more
+            for offset in cluster:
+                index = _plus(base, offset) if base != "0" else str(offset)
+                if operand.clamp:
+                    index = f"clamp({index}, 0, {texture.numel - 1})"
+                values[offset] = b.load(operand.value, index)
+            continue
+        start, q, shift = b.fresh("e"), b.fresh("q"), b.fresh("s")
+        code.emit(f"const int {start} = {_plus(base, low)};",
+                  f"const int {q} = {start} >> 2, {shift} = {start} & 3;")
+        texels = [b.fresh("T") for _ in range(count)]
+        code.emit(*(f"const float4 {name} = {texel(_plus(q, k))};" for k, name in enumerate(texels)))
+        windows: dict[int, str] = {}
+        for offset in cluster:
+            m, lane = (offset - low) >> 2, (offset - low) & 3
+            if m + 1 < count:
+                if m not in windows:
+                    windows[m] = b.fresh("W")
+                    code.emit(f"const float4 {windows[m]} = {_window(texels[m], texels[m + 1], shift)};")
+                values[offset] = f"{windows[m]}.{COMPONENTS[lane]}"
+            else:  # the last texel alone holds it: shift + lane < 4
+                values[offset] = f"lane_f({texels[m]}, {shift} + {lane})"
+    return {offset - operand.offset: value for offset, value in values.items()}
+
+
+def _plus(expression: str, offset: int) -> str:
+    if offset == 0:
+        return expression
+    return f"{expression} {'+' if offset > 0 else '-'} {abs(offset)}"
+
+
+def _shifted(terms: list[Term], var: str, step: int, multiple: int) -> list[Term]:
+    return terms + [Term(var, step, multiple)] if step else terms
+
+
+@dataclass
+class Reduction:
+    """`acc[lane] = sum of X * W` over outer loops and a blocked axis; see the module docstring."""
+
+    x: Operand
+    w: Operand
+    blocked: Blocked
+    loops: list[Loop] = field(default_factory=list)  # outermost first
+    mask: Mask | None = None
+
+    def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int) -> None:
+        code.emit(f"float {acc}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};")
+        depth = code.depth
+        code.open("")  # the loops' and blocks' names stay local
+        x_terms, w_terms = list(self.x.terms), list(self.w.terms)
+        for loop in self.loops:
+            for line in loop.lines:
+                if line.endswith("{"):
+                    code.open(line[:-1].rstrip())
+                else:
+                    code.emit(line)
+            x_terms += loop.x_terms
+            w_terms += loop.w_terms
+        axis = self.blocked
+        main = axis.extent - axis.extent % axis.block
+        if main > axis.block:
+            var = b.fresh("r")
+            code.open(f"for (int {var} = 0; {var} < {main}; {var} += {axis.block})")
+            mask = None
+            if self.mask is not None:
+                mask = Mask(_shifted(self.mask.terms, var, axis.position_step, axis.block), self.mask.low,
+                            self.mask.high + (main - axis.block) * axis.position_step, self.mask.extent)
+            self._block(b, code, acc, axis.products(range(axis.block)),
+                        self.x.moved(_shifted(x_terms, var, axis.x_step, axis.block)),
+                        self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask)
+            code.close()
+        else:
+            main = 0
+        if main < axis.extent:
+            rest = axis.products(range(main, axis.extent))
+            code.open("")  # a block scope of its own: names do not clash with the loop's
+            self._block(b, code, acc, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask)
+            code.close()
+        while code.depth > depth:
+            code.close()
+
+    @staticmethod
+    def _block(b: KernelBuilder, code: Code, acc: str, products: list[Product], x: Operand, w: Operand,
+               mask: Mask | None) -> None:
+        """One static block: drop products that are always out of range, mask the ones that may be."""
+        kept: list[tuple[Product, str | None]] = []
+        conditions: dict[int, str] = {}
+        position = b.fresh("P") if mask is not None else ""
+        for product in products:
+            condition = None
+            if mask is not None:
+                low, high = mask.low + product.position, mask.high + product.position
+                if high < 0 or low >= mask.extent:
+                    continue
+                if low < 0 or high >= mask.extent:
+                    if product.position not in conditions:
+                        conditions[product.position] = _condition(_plus(position, product.position),
+                                                                  low < 0, high >= mask.extent, mask.extent)
+                    condition = conditions[product.position]
+            kept.append((product, condition))
+        if not kept:
+            return
+        if conditions:
+            code.emit(f"const int {position} = {c_sum(mask.terms)};")  # type: ignore[union-attr]
+        named = {}
+        for offset, condition in conditions.items():
+            named[offset] = b.fresh("m")
+            code.emit(f"const bool {named[offset]} = {condition};")
+        xs = fetch(b, code, x, (p.x for p, _ in kept))
+        ws = fetch(b, code, w, (p.w for p, _ in kept))
+        for product, condition in kept:
+            value = xs[product.x]
+            if condition is not None:
+                value = f"({named[product.position]} ? {value} : 0.0f)"
+            code.emit(f"{acc}[{product.lane}] += {value} * {ws[product.w]};")
+
+
+def _condition(position: str, low: bool, high: bool, extent: int) -> str:
+    if low and high:
+        return f"(uint)({position}) < {extent}u"
+    return f"{position} >= 0" if low else f"{position} < {extent}"

@@ -1,0 +1,146 @@
+"""The target profile: device facts fblc compiles for, each with where it came from.
+
+A profile is JSON: `name`, `vendor`, `gpu`, `opencl_version`, then `figures`, one entry per
+fact, `{"value": V, "source": S}`. S says where V came from and must start with one of
+"measured" (by `fblc profile`, with the date and device), "vendor documentation:",
+"paper:" (with the citation), or "estimated" (with the reasoning). Loading validates every
+figure (present, of the right type, possible) and fails with what to fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from fblc.compiler.errors import FblcError
+
+#: figure -> (type, unit / meaning). Integers must be positive.
+FIGURES: dict[str, tuple[type, str]] = {
+    "image2d_max_width": (int, "texels"),
+    "image2d_max_height": (int, "texels"),
+    "wave_size": (int, "work-items per wave / warp / subgroup"),
+    "max_work_group_size": (int, "work-items"),
+    "fp16": (bool, "half-precision textures and arithmetic"),
+    "tex_block_width": (int, "texels per texture-cache block, horizontally"),
+    "tex_block_height": (int, "texels per texture-cache block, vertically"),
+    "line_bytes": (int, "bytes per cache line"),
+    "l1_bytes": (int, "texture L1 capacity, bytes"),
+    "l1_ways": (int, "texture L1 associativity"),
+    "l2_bytes": (int, "L2 capacity, bytes"),
+    "bandwidth_gbps": (float, "DRAM bandwidth, GB/s"),
+    "peak_gflops": (float, "fp32 peak, GFLOP/s"),
+}
+SOURCE_KINDS = ("measured", "vendor documentation:", "paper:", "estimated")
+TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    vendor: str
+    gpu: str
+    opencl_version: str
+    image2d_max_width: int
+    image2d_max_height: int
+    wave_size: int
+    max_work_group_size: int
+    fp16: bool
+    tex_block_width: int
+    tex_block_height: int
+    line_bytes: int
+    l1_bytes: int
+    l1_ways: int
+    l2_bytes: int
+    bandwidth_gbps: float
+    peak_gflops: float
+    sources: dict[str, str]
+    raw: dict[str, Any]
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.raw, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def l1_sets(self) -> int:
+        return max(1, self.l1_bytes // (self.block_bytes * self.l1_ways))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one texture-cache block of RGBA fp32 texels."""
+        return self.tex_block_width * self.tex_block_height * 16
+
+
+def shipped_targets() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(TARGETS_DIR) if f.endswith(".json"))
+
+
+def _fail(path: str, problem: str, remedy: str = "fix the file, or measure the device with 'fblc profile'") -> FblcError:
+    return FblcError(f"profile '{path}': {problem}", remedy)
+
+
+def parse_profile(raw: Any, path: str) -> Profile:
+    """Validate a profile document and return it as a Profile."""
+    if not isinstance(raw, dict):
+        raise _fail(path, "is not a JSON object")
+    for key in ("name", "vendor", "gpu", "opencl_version"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise _fail(path, f"'{key}' is missing or empty")
+    figures = raw.get("figures")
+    if not isinstance(figures, dict):
+        raise _fail(path, "has no 'figures' object")
+    missing = [name for name in FIGURES if name not in figures]
+    if missing:
+        raise _fail(path, f"lacks the figures {', '.join(missing)}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, (kind, unit) in FIGURES.items():
+        entry = figures[name]
+        if not isinstance(entry, dict) or "value" not in entry or "source" not in entry:
+            raise _fail(path, f"figure '{name}' must be {{\"value\": ..., \"source\": ...}}")
+        value, source = entry["value"], entry["source"]
+        if not isinstance(source, str) or not source.startswith(SOURCE_KINDS):
+            raise _fail(path, f"figure '{name}' has source {source!r}; it must start with one of {', '.join(SOURCE_KINDS)}")
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise _fail(path, f"figure '{name}' ({unit}) must be true or false, not {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise _fail(path, f"figure '{name}' ({unit}) must be a number{' (integer)' if kind is int else ''}, "
+                              f"not {value!r}")
+        elif value <= 0:
+            raise _fail(path, f"figure '{name}' ({unit}) is {value}: it must be positive")
+        values[name] = kind(value)
+        sources[name] = source
+    _check_possible(values, path)
+    return Profile(raw["name"], raw["vendor"], raw["gpu"], raw["opencl_version"], **values, sources=sources, raw=raw)
+
+
+def _check_possible(v: dict[str, Any], path: str) -> None:
+    for name in ("tex_block_width", "tex_block_height"):
+        if v[name] & (v[name] - 1) or v[name] > 64:
+            raise _fail(path, f"{name} is {v[name]}: a texture-cache block side is a power of two up to 64 texels")
+    block_bytes = v["tex_block_width"] * v["tex_block_height"] * 16
+    if v["l1_bytes"] < block_bytes * v["l1_ways"]:
+        raise _fail(path, f"l1_bytes {v['l1_bytes']} cannot hold {v['l1_ways']} ways of {block_bytes}-byte blocks")
+    if v["l2_bytes"] < v["l1_bytes"]:
+        raise _fail(path, f"l2_bytes {v['l2_bytes']} is smaller than l1_bytes {v['l1_bytes']}")
+    if v["wave_size"] > v["max_work_group_size"]:
+        raise _fail(path, f"wave_size {v['wave_size']} exceeds max_work_group_size {v['max_work_group_size']}")
+
+
+def load_profile(target: str) -> Profile:
+    """A shipped target by name, or a profile JSON file by path."""
+    path = target if target.endswith(".json") else os.path.join(TARGETS_DIR, f"{target}.json")
+    if not os.path.isfile(path):
+        if target.endswith(".json"):
+            raise FblcError(f"profile file '{target}' does not exist", "check the path, or write one with 'fblc profile'")
+        raise FblcError(f"unknown target '{target}'",
+                        f"choose one of: {', '.join(shipped_targets())}, or give a profile .json file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except ValueError as error:
+        raise _fail(path, f"is not valid JSON ({error})") from None
+    return parse_profile(raw, path)

@@ -1,0 +1,102 @@
+"""Target profiles (format, provenance, validation), the texture-cache model and the profiler."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from fblc.cli import main
+from fblc.compiler.errors import FblcError
+from fblc.profiles import FIGURES, load_profile, parse_profile, shipped_targets
+from fblc.profiles.cache_model import CacheGeometry, TextureCache, pattern_reads, simulate
+from fblc.profiles.profile import TARGETS_DIR
+
+SIDE = 512
+
+
+def test_shipped_profiles_load_and_every_figure_says_where_it_came_from(capsys) -> None:
+    assert {"adreno830", "adreno730", "mali-g925", "local"} <= set(shipped_targets())
+    for name in shipped_targets():
+        profile = load_profile(name)
+        assert set(profile.sources) == set(FIGURES)
+        assert all(source.split(":")[0] in ("measured", "vendor documentation", "paper", "estimated")
+                   or source.startswith("measured") for source in profile.sources.values())
+    assert main(["targets"]) == 0
+    out = capsys.readouterr().out
+    assert "adreno830" in out and "mali-g925" in out and "8x4" in out
+
+
+def _local() -> dict:
+    with open(os.path.join(TARGETS_DIR, "local.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: p["figures"].pop("l1_bytes"), "lacks the figures l1_bytes"),
+    (lambda p: p["figures"]["tex_block_width"].update(value=3), "tex_block_width is 3: a texture-cache block side is a power of two"),
+    (lambda p: p["figures"]["l2_bytes"].update(value=1024), "l2_bytes 1024 is smaller than l1_bytes"),
+    (lambda p: p["figures"]["wave_size"].update(value=-8), "'wave_size' (work-items per wave / warp / subgroup) is -8: it must be positive"),
+    (lambda p: p["figures"]["fp16"].update(value="yes"), "'fp16' (half-precision textures and arithmetic) must be true or false"),
+    (lambda p: p["figures"]["peak_gflops"].update(source="trust me"), "'peak_gflops' has source 'trust me'; it must start with one of"),
+    (lambda p: p.pop("gpu"), "'gpu' is missing or empty"),
+], ids=["missing", "block-not-power-of-two", "l2-below-l1", "negative", "bool", "no-provenance", "no-gpu"])
+def test_bad_profiles_are_refused_with_what_to_fix(edit, message: str) -> None:
+    document = copy.deepcopy(_local())
+    edit(document)
+    with pytest.raises(FblcError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_profile(document, "bad.json")
+
+
+def test_unknown_target_and_unreadable_file(tmp_path) -> None:
+    with pytest.raises(FblcError, match="unknown target 'adreno999'; choose one of: adreno730, adreno830"):
+        load_profile("adreno999")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(FblcError, match="is not valid JSON"):
+        load_profile(str(broken))
+
+
+def test_lru_sets_evict_the_least_recent_block() -> None:
+    cache = TextureCache(CacheGeometry(block_width=4, block_height=1, sets=1, ways=2))
+    blocks = np.array([0, 1, 0, 2, 1])  # 0 1 hit0 2(evicts 1) 1(miss)
+    assert cache.access(blocks, np.zeros(5, int)) == 4
+
+
+def _misses(geometry: CacheGeometry, pattern: str, threads: int) -> int:
+    total = SIDE * SIDE // 4
+    return simulate(geometry, pattern_reads(pattern, threads, 4, SIDE, SIDE, total), total // threads, sample=16).misses
+
+
+def test_the_model_prefers_the_pattern_that_matches_the_block_shape() -> None:
+    """A CPU-like cache (a 64-byte line = 4 texels of a row) favours row-major; 8x8 blocks favour Block-8."""
+    line = CacheGeometry(block_width=4, block_height=1, sets=64, ways=8)
+    square = CacheGeometry(block_width=8, block_height=8, sets=16, ways=4)
+    assert _misses(line, "row-major", 64) <= _misses(line, "block-8", 64) < _misses(line, "column-major", 64)
+    assert _misses(square, "block-8", 64) < _misses(square, "row-major", 64)
+    stats = simulate(square, pattern_reads("block-8", 64, 4, SIDE, SIDE, SIDE * SIDE // 4), 100, sample=10)
+    assert stats.texel_reads == 100 * 64 * 4 and stats.block_fetches <= stats.misses and 0 <= stats.hit_rate <= 1
+
+
+def test_profile_measures_the_local_device_in_20_seconds_and_compiles_for_it(tmp_path, capsys) -> None:
+    out = str(tmp_path / "mydevice.json")
+    started = time.perf_counter()
+    assert main(["profile", "--device", "local", "-o", out]) == 0
+    assert time.perf_counter() - started < 20
+    profile = load_profile(out)
+    assert profile.sources["tex_block_width"].startswith("measured")
+    measured = profile.raw["measurements"]["pattern_reads_per_second"]
+    assert set(measured) == {"row-major", "column-major", "block-4", "block-8"}
+    assert all(rate > 0 for row in measured.values() for rate in row.values())
+    assert main(["profile", "--show", out]) == 0
+    assert "relative to column-major" in capsys.readouterr().out
+    assert os.path.getsize(str(tmp_path / "mydevice.png")) > 1000
+    from tests.test_runtime import OPTIONS, elementwise_model
+    from fblc.codegen.compile import compile_model
+
+    compile_model(elementwise_model(str(tmp_path / "m.onnx")), str(tmp_path / "b"), out, "fp32", OPTIONS)
+    assert json.load(open(tmp_path / "b" / "manifest.json"))["target"] == "mydevice"
