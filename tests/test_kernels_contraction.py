@@ -4,6 +4,10 @@ Each model is the op under test (its float operands are initializers, so they tr
 by `ReduceSum(Mul(y, R))` with a fixed random R; the loss is that sum. A step checks the
 forward kernel, the backward kernels (Conv: ConvTranspose and the grouped weight-gradient Conv;
 MatMul: Transpose + MatMul) and the SGD update.
+
+TEXEL_CASES are shapes where the texel-wide paths apply (an innermost output axis of length
+% 4 == 0, or a weight gradient with short kernel rows) next to ones that fall back to per-lane
+code; `test_contraction_paths` checks which path each kernel of a step took.
 """
 
 from __future__ import annotations
@@ -108,10 +112,84 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# name -> (nodes, initializers, the paths of the contraction kernels of the step by role):
+# "tile" a work-item computes several texels, "texel" its 4 lanes together, "lane" per-lane code
+TEXEL_CASES = {
+    # T-ResNet's temporal convs: [N, C, T, 1], T % 4 == 0; the weight gradients are channel tiles
+    "conv_temporal_k8": (*conv((2, 5, 12, 1), (4, 5, 8, 1), bias=True, pads=[3, 0, 4, 0]),
+                         {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv_temporal_k5": (*conv((2, 6, 12, 1), (8, 6, 5, 1), pads=[2, 0, 2, 0]),
+                         {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv_temporal_k3": (*conv((2, 3, 16, 1), (4, 3, 3, 1), pads=[1, 0, 1, 0]),
+                         {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv_temporal_1x1": (*conv((2, 7, 8, 1), (4, 7, 1, 1), bias=True),
+                          {"forward": "tile", "dx": "tile", "dw": "texel"}),
+    # images with width % 4 == 0: strided (dX: a stride-2 transpose), dilated, depthwise
+    "conv2d_w8_strided": (*conv((1, 2, 9, 16), (3, 2, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
+                          {"forward": "tile", "dx": "tile", "dw": "texel"}),
+    "conv2d_w12_dilated": (*conv((1, 2, 8, 12), (2, 2, 3, 3), dilations=[2, 2], pads=[2, 2, 2, 2]),
+                           {"forward": "tile", "dx": "tile", "dw": "lane"}),
+    "conv2d_w8_depthwise": (*conv((2, 4, 6, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1]),
+                            {"forward": "tile", "dx": "tile", "dw": "lane"}),
+    "conv2d_w4_grouped": (*conv((1, 4, 6, 6), (8, 2, 3, 3), group=2, pads=[1, 0, 1, 0]),
+                          {"forward": "texel", "dx": "lane", "dw": "lane"}),
+    # a stride of 3 does not divide 4: the input gradient falls back to per-lane code
+    "conv2d_stride3": (*conv((1, 2, 6, 12), (2, 2, 3, 3), strides=[1, 3]),
+                       {"forward": "texel", "dx": "lane", "dw": "lane"}),
+    # weight gradients with 40 dY taps: in blocks of 16 (spatial tile, then per lane)
+    "conv_long_taps_tile": (*conv((1, 2, 40, 1), (3, 2, 8, 1), pads=[3, 0, 4, 0]),
+                            {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv_long_taps_lane": (*conv((1, 2, 40, 1), (3, 2, 5, 1), pads=[2, 0, 2, 0]),
+                            {"forward": "tile", "dx": "tile", "dw": "lane"}),
+    "conv1d_channel_tile": (*conv((2, 4, 10), (8, 4, 3)), {"forward": "tile", "dx": "lane", "dw": "tile"}),
+    "conv_1x1_padded": (*conv((2, 3, 5, 5), (4, 3, 1, 1), pads=[1, 1, 1, 1]),
+                        {"forward": "lane", "dx": "lane", "dw": "texel"}),
+    "conv_1x1_w8": (*conv((2, 8, 3, 8), (4, 8, 1, 1), bias=True), {"forward": "tile", "dx": "tile", "dw": "texel"}),
+    "matmul_texel": ([_node("MatMul", ["a", "b"])], {"a": (5, 20), "b": (20, 8)},
+                     {"forward": "texel", "grad": "texel"}),
+    "matmul_texel_k36_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 36), "b": (36, 4)},
+                                 {"forward": "texel", "grad": "texel"}),
+    "gemm_texel_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
+                           {"a": (3, 20), "b": (8, 20), "c": (8,)}, {"forward": "texel", "grad": "texel"}),
+    "gemm_texel_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
+                           {"a": (20, 3), "b": (20, 8), "c": (3, 8)}, {"forward": "texel", "grad": "texel lane"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(TEXEL_CASES))
 def test_contraction_step(name: str, tmp_path) -> None:
-    nodes, inits = CASES[name]
+    nodes, inits = CASES[name] if name in CASES else TEXEL_CASES[name][:2]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+
+
+def _role(comment: str, function: str) -> str:
+    if function.endswith("ConvTranspose"):
+        return "dx"
+    grad = comment.startswith("grad/")
+    if function.endswith("_Conv"):
+        return "dw" if grad else "forward"
+    return "grad" if grad else "forward"
+
+
+def _path(body: str) -> str:
+    if "const int g = get_global_id(0);" in body:
+        return "tile"
+    return "texel" if "const int u0 = " in body else "lane"
+
+
+@pytest.mark.parametrize("name", sorted(TEXEL_CASES))
+def test_contraction_paths(name: str, tmp_path) -> None:
+    """Each contraction kernel of the step takes the texel-wide path its output layout allows."""
+    import re
+
+    nodes, inits, expected = TEXEL_CASES[name]
+    path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
+    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    found: dict[str, set[str]] = {}
+    for match in re.finditer(r"// (conv|matmul): ([^\n]*)\n__kernel void (\w+)\((.*?)\n}", source, re.S):
+        found.setdefault(_role(match.group(2), match.group(3)), set()).add(_path(match.group(4)))
+    assert found == {role: set(paths.split()) for role, paths in expected.items()}
 
 
 def test_conv_transpose_forward(tmp_path) -> None:

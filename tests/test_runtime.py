@@ -56,7 +56,7 @@ def bundle(tmp_path) -> str:
 
 
 def test_bundle_files_and_several_steps_match_onnxruntime(tmp_path, bundle) -> None:
-    assert sorted(os.listdir(bundle)) == sorted([fmt.MANIFEST, fmt.PLAN, fmt.KERNELS, fmt.PARAMS, fmt.REPORT])
+    assert {fmt.MANIFEST, fmt.PLAN, fmt.KERNELS, fmt.PARAMS, fmt.REPORT} <= set(os.listdir(bundle))
     manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
     assert manifest["format_version"] == fmt.FORMAT_VERSION and manifest["target"] == "adreno830"
     assert [p["name"] for p in manifest["parameters"]] == ["w", "b"]

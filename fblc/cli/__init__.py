@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 from fblc import __version__
 from fblc.bundle_format import BundleError
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
-from fblc.cli.train import cmd_devices, cmd_run
+from fblc.cli.train import cmd_devices, cmd_push, cmd_run
 from fblc.cli.options import add_training_options
 from fblc.cli.profiles import add_commands as add_profile_commands
 from fblc.compiler.errors import FblcError
@@ -53,14 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run N training steps of BUNDLE on an OpenCL device, on batches from an .npz data file.")
     run.add_argument("bundle", help="bundle folder from 'fblc compile'")
     run.add_argument("--device", default="local",
-                     help="local (first OpenCL device with images; PoCL by default) or opencl:P:D (see 'fblc devices'); "
-                          "FBLC_OPENCL_DEVICE sets the default")
+                     help="local (first OpenCL device with images; PoCL by default), opencl:P:D (see 'fblc devices'), "
+                          "or adb:SERIAL (a phone: pushes the bundle and the native runner if needed, runs it in adb "
+                          "shell); FBLC_OPENCL_DEVICE sets the default")
     run.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     run.add_argument("--data", required=True, metavar="FILE.npz",
                      help="one array per model input and 'labels'; more rows than the batch: iterated over batches")
     run.add_argument("--save-params", metavar="FILE.npz", help="write the trained parameters (ONNX names and shapes)")
     run.add_argument("--json", action="store_true", help="one JSON object per step: step, loss, ms")
+    run.add_argument("--runner", metavar="PATH",
+                     help="with adb: the native runner binary for the phone (default: $FBLC_RUNNER, else the README's "
+                          "build folders)")
+    run.add_argument("--results", metavar="FILE.json",
+                     help="with adb: write the runner's results (losses, step and per-kernel times, bytes allocated)")
     run.set_defaults(run=cmd_run)
+
+    push = commands.add_parser(
+        "push", help="copy a bundle and the native runner to a phone with adb",
+        description="adb push BUNDLE and the native runner to /data/local/tmp/fblc/<bundle name> on the device "
+                    "(atomically: a failed push leaves the previous copy or nothing). 'fblc run --device adb:S' "
+                    "pushes by itself when the device's copy is missing or stale.")
+    push.add_argument("bundle", help="bundle folder from 'fblc compile'")
+    push.add_argument("--serial", "-s", help="adb serial of the device (needed when several are attached)")
+    push.add_argument("--runner", metavar="PATH",
+                      help="the native runner binary (default: $FBLC_RUNNER, else the README's build folders)")
+    push.set_defaults(run=cmd_push)
 
     verify = commands.add_parser(
         "verify", help="compile MODEL, run one step on the OpenCL device and compare it with onnxruntime",
@@ -72,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--show", type=int, default=15, help="rows of the error table (default: 15)")
     verify.set_defaults(run=cmd_verify)
 
-    devices = commands.add_parser("devices", help="list the OpenCL devices fblc can run on")
+    devices = commands.add_parser("devices", help="list the OpenCL devices and adb devices fblc can run on")
     devices.set_defaults(run=cmd_devices)
     add_profile_commands(commands)
 

@@ -46,6 +46,26 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bn-train", action="store_true",
                         help="BatchNormalization uses batch statistics (full fine-tuning); default: eval mode")
     parser.add_argument("--dump-dir", metavar="DIR", help="write DIR/NN_<pass>.onnx after every pass (open in Netron)")
+    add_adapter_options(parser)
+
+
+def add_adapter_options(parser: argparse.ArgumentParser) -> None:
+    """--adapter/--rank/--seed/--adapter-sites: the memory-floor adapter (DESIGN.md section 8)."""
+    from fblc.compiler.adapters import ADAPTERS, SITE_SELECTIONS
+
+    parser.add_argument("--adapter", choices=ADAPTERS, default="none",
+                        help="none: train the model's own weights (full fine-tuning); lora: a low-rank branch with "
+                             "both factors trainable at every Conv (groups 1); memflora: MemFLoRA's memory-floor "
+                             "adapter (frozen projection P, trainable U, backbone frozen, 1-bit masks); memflora-sg: "
+                             "memflora that also trains P by replaying the forward (default: none)")
+    parser.add_argument("--rank", type=int, default=2, help="adapter rank r (default: 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the adapter's random projection P (default: 0)")
+    parser.add_argument("--tile-mb", type=float, default=None, metavar="MB",
+                        help="run the network's front in batch chunks so that no activation exceeds MB megabytes "
+                             "(0: off; default: 8 with an adapter, off without)")
+    parser.add_argument("--adapter-sites", choices=SITE_SELECTIONS, default="auto",
+                        help="convs that get an adapter: all (groups 1), pointwise (1x1 only), auto: pointwise in "
+                             "a network with depthwise convs, else all (default: auto)")
 
 
 def training_options(args: argparse.Namespace) -> "object":
@@ -60,8 +80,17 @@ def training_options(args: argparse.Namespace) -> "object":
     optimizer = OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, beta1=args.betas[0], beta2=args.betas[1],
                                 eps=args.eps)
+    from fblc.compiler.adapters import AdapterConfig
+
+    adapter = AdapterConfig(kind=getattr(args, "adapter", "none"), rank=getattr(args, "rank", 2),
+                            seed=getattr(args, "seed", 0), sites=getattr(args, "adapter_sites", "auto"))
+    adapter.validate()
+    tile_mb = getattr(args, "tile_mb", None)
+    if tile_mb is not None and tile_mb < 0:
+        raise FblcError(f"--tile-mb {tile_mb} is negative", "give a size in MB, or 0 to turn batch tiling off")
     return TrainingOptions(input_shapes=shapes, loss=args.loss, optimizer=optimizer, train=args.train,
-                           freeze=args.freeze, bn_train=args.bn_train)
+                           freeze=args.freeze, bn_train=args.bn_train, adapter=adapter,
+                           tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6))
 
 
 @contextlib.contextmanager

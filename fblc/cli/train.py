@@ -1,4 +1,4 @@
-"""Commands that run a bundle: run (train), devices (list what can run it)."""
+"""Commands that run a bundle: run (train), push (to a phone), devices (list what can run it)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import time
 from typing import Any, Iterator
 
 import numpy as np
-
-from fblc.bundle_format import BundleError
 
 
 def batches(data_path: str, manifest: dict[str, Any]) -> tuple[list[dict[str, np.ndarray]], str]:
@@ -71,8 +69,10 @@ def _progress(total: int, enabled: bool) -> Iterator[None]:
 def cmd_run(args: argparse.Namespace) -> int:
     from fblc.runtime.local import LocalRunner
 
-    if args.device.startswith("adb:"):
-        raise BundleError("running on a phone over adb is not built yet (issue 7); use --device local")
+    if args.device == "adb" or args.device.startswith("adb:"):
+        from fblc.runtime.adb import cmd_run_adb
+
+        return cmd_run_adb(args)
     runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device)
     cut, note = batches(args.data, runner.manifest)
     if note and not args.quiet:
@@ -96,11 +96,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    from fblc.runtime.adb import cmd_push as push
+
+    return push(args)
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
+    from fblc.runtime.adb import describe_devices
     from fblc.runtime.opencl import list_devices
 
     found = list_devices()
     print("OpenCL devices:" if found else "no OpenCL device found (pip install pocl-binary-distribution)")
     for line in found:
+        print(f"  {line}")
+    print("adb devices (--device adb:SERIAL):")
+    for line in describe_devices():
         print(f"  {line}")
     return 0

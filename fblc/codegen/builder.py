@@ -7,7 +7,10 @@ per-element kernel skeleton of `cl.py`.
 A kernel may also have a per-texel prologue (`emit_texel`): code run once per work-item,
 before the lane loop, that sees the multi-index of the texel's first element as `u0, u1..`
 (TEXEL_INDEX). Contractions use it to compute all four lanes' reductions together, sharing
-the reads the lanes have in common, and leave only their epilogue to the lane loop.
+the reads the lanes have in common, and leave only their epilogue to the lane loop. With
+`texels_per_item` > 1 a work-item covers that many consecutive texels: the prologue computes
+all their elements (indexed by `item_lane` in the lane loop) and each texel is then written
+as usual.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class KernelBuilder:
         self.in_textures: list[Texture] = []
         self.lines: list[str] = []
         self.texel_lines: list[str] = []  # the per-texel prologue, before the lane loop
+        self.texels_per_item = 1  # texels a work-item computes (its prologue covers them all)
         self.nodes: list[str] = []
         self._counter = 0
 
@@ -88,35 +92,55 @@ class KernelBuilder:
         self._counter += 1
         return f"{hint}{self._counter}"
 
+    @property
+    def item_lane(self) -> str:
+        """C expression, in the lane loop: the lane's index among the work-item's 4 * texels_per_item outputs."""
+        return "lane" if self.texels_per_item == 1 else "(tt * 4 + lane)"
+
     def finish(self, results: Sequence[str]) -> Kernel:
         """The kernel whose lane computes `results[k]` for output k."""
         out_numel = self.out_textures[0].numel
         texels = self.out_textures[0].texels
-        width = self.out_textures[0].width
+        per_item = self.texels_per_item
+        assert texels % per_item == 0, f"{texels} texels in items of {per_item}"
         params = [f"write_only image2d_t out{k}" for k in range(len(self.outputs))]
         params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
-        body = [f"__kernel void {self.name}({', '.join(params)}) {{",
-                "  const int t = get_global_id(0);",
-                f"  if (t >= {texels}) return;"]
-        for k, texture in enumerate(self.out_textures):
-            ctype = "float" if texture.kind == "float" else "int"
-            body.append(f"  {ctype} r{k}[4] = {{0, 0, 0, 0}};")
-        if self.texel_lines:
-            body += [f"  {line}" for line in index_vars(self.out_shape, "t * 4", TEXEL_INDEX)]
+        body = [f"__kernel void {self.name}({', '.join(params)}) {{"]
+        if per_item == 1:
+            body += ["  const int t = get_global_id(0);", f"  if (t >= {texels}) return;"]
+            if self.texel_lines:
+                body += [f"  {line}" for line in index_vars(self.out_shape, "t * 4", TEXEL_INDEX)]
+                body += [f"  {line}" for line in self.texel_lines]
+            body += self._texel(out_numel, results, "  ")
+        else:  # the prologue covers `per_item` texels, then each gets its lane loop and write
+            body += ["  const int g = get_global_id(0);", f"  if (g >= {texels // per_item}) return;"]
+            body += [f"  {line}" for line in index_vars(self.out_shape, f"g * {4 * per_item}", TEXEL_INDEX)]
             body += [f"  {line}" for line in self.texel_lines]
-        body += ["  for (int lane = 0; lane < 4; ++lane) {",
-                 "    const int i = t * 4 + lane;",
-                 f"    if (i >= {out_numel}) break;"]
-        body += [f"    {line}" for line in index_vars(self.out_shape, "i", OUT_INDEX)]
-        body += [f"    {line}" for line in self.lines]
-        body += [f"    r{k}[lane] = {expression};" for k, expression in enumerate(results)]
-        body.append("  }")
-        for k, texture in enumerate(self.out_textures):
-            if texture.kind == "float":
-                body.append(f"  write_imagef(out{k}, TEXEL(t, {width}), (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
-            else:
-                body.append(f"  write_imagei(out{k}, TEXEL(t, {width}), (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+            body += [f"  for (int tt = 0; tt < {per_item}; ++tt) {{", f"    const int t = g * {per_item} + tt;"]
+            body += self._texel(out_numel, results, "    ")
+            body.append("  }")
         body.append("}")
-        return Kernel(self.name, self.family, "\n".join(body), texels,
+        return Kernel(self.name, self.family, "\n".join(body), texels // per_item,
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
                       nodes=list(self.nodes))
+
+    def _texel(self, out_numel: int, results: Sequence[str], indent: str) -> list[str]:
+        """Texel t: the lane loop computing `results` and the writes of every output."""
+        width = self.out_textures[0].width
+        body = []
+        for k, texture in enumerate(self.out_textures):
+            ctype = "float" if texture.kind == "float" else "int"
+            body.append(f"{ctype} r{k}[4] = {{0, 0, 0, 0}};")
+        body += ["for (int lane = 0; lane < 4; ++lane) {",
+                 "  const int i = t * 4 + lane;",
+                 f"  if (i >= {out_numel}) break;"]
+        body += [f"  {line}" for line in index_vars(self.out_shape, "i", OUT_INDEX)]
+        body += [f"  {line}" for line in self.lines]
+        body += [f"  r{k}[lane] = {expression};" for k, expression in enumerate(results)]
+        body.append("}")
+        for k, texture in enumerate(self.out_textures):
+            if texture.kind == "float":
+                body.append(f"write_imagef(out{k}, TEXEL(t, {width}), (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+            else:
+                body.append(f"write_imagei(out{k}, TEXEL(t, {width}), (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+        return [indent + line for line in body]

@@ -78,14 +78,17 @@ def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: 
 
 
 def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], source: str, params: bytes,
-                 report: dict[str, Any]) -> None:
-    """Write the bundle to `out_dir` atomically: a half-written bundle never exists under that name."""
+                 report: dict[str, Any], extra: dict[str, bytes] | None = None) -> None:
+    """Write the bundle to `out_dir` atomically: a half-written bundle never exists under that name.
+
+    `extra`: more files (the memory-timeline plot), checksummed in the manifest like the others.
+    """
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".fblc-bundle-", dir=parent)
     try:
         files = {fmt.PLAN: json.dumps(plan, indent=1).encode(), fmt.KERNELS: source.encode(), fmt.PARAMS: params,
-                 fmt.REPORT: json.dumps(report, indent=2).encode()}
+                 fmt.REPORT: json.dumps(report, indent=2).encode(), **(extra or {})}
         for name, data in files.items():
             with open(os.path.join(staging, name), "wb") as handle:
                 handle.write(data)

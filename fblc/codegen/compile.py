@@ -8,6 +8,7 @@ from typing import Any
 import onnx_ir as ir
 
 from fblc.codegen.bundle import build_documents, write_bundle
+from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
 from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
 from fblc.compiler.errors import FblcError
 from fblc.compiler.model_io import load_model
@@ -35,6 +36,7 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=on_pass, lower=True)
     program = lower(step, profile, dtype)
     report = build_report(step, program, time.perf_counter() - started)
+    report["memory"], timeline = memory_report(step, program)
     manifest, plan, params = build_documents(step, program, profile, dtype, report)
-    write_bundle(out_dir, manifest, plan, program.source, params, report)
+    write_bundle(out_dir, manifest, plan, program.source, params, report, extra={TIMELINE_PLOT: timeline})
     return step, report

@@ -12,19 +12,26 @@ from typing import Callable, Mapping, Sequence
 
 import onnx_ir as ir
 
+from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.attach_loss import AttachLoss
+from fblc.passes.batch_tile import BatchTile
 from fblc.passes.bn_batch_stats import BatchNormBatchStats
 from fblc.passes.build_gradients import BuildGradients
 from fblc.passes.classify_initializers import ClassifyInitializers
 from fblc.passes.eliminate_noops import EliminateNoops
 from fblc.passes.fix_input_shapes import FixInputShapes
 from fblc.passes.fold_constants import FoldConstants
+from fblc.passes.fold_pads import FoldPads
 from fblc.passes.fuse import FuseKernels
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.mark_trainable import MarkTrainable
+from fblc.passes.memory_floor import MemoryFloor
+from fblc.passes.memory_plan import MemoryPlanPass
 from fblc.passes.optimizer_step import OptimizerStep
+from fblc.passes.sg_gradients import SgGradients
+from fblc.passes.sg_replay import SgReplay
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,18 @@ class TrainingOptions:
     train: str | None = None
     freeze: str | None = None
     bn_train: bool = False
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    #: batch_tile's limit on one activation in bytes: -1 auto (8 MB with an adapter, else off), 0 off
+    tile_bytes: int = -1
+
+
+AUTO_TILE_BYTES = 8_000_000
+
+
+def tile_bytes(options: TrainingOptions) -> int:
+    if options.tile_bytes >= 0:
+        return options.tile_bytes
+    return AUTO_TILE_BYTES if options.adapter.kind != "none" else 0
 
 
 def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
@@ -43,6 +62,7 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         ClassifyInitializers(),
         FoldConstants(),
         EliminateNoops(),
+        FoldPads(),
         InferShapes(),
     ]
 
@@ -50,11 +70,13 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
 def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
         BatchNormBatchStats(options.bn_train),
+        MemoryFloor(options.adapter, options.bn_train),
+        BatchTile(tile_bytes(options)),
         MarkTrainable(options.train, options.freeze),
         AttachLoss(options.loss),
-        BuildGradients(),
+        SgGradients() if options.adapter.trains_projection_by_replay else BuildGradients(),
         OptimizerStep(options.optimizer),
-    ]
+    ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else [])
 
 
 PassHook = Callable[[int, ir.passes.PassBase, ir.Model], None]
@@ -103,7 +125,7 @@ def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
 
 def lowering_passes() -> list[ir.passes.PassBase]:
     """After the step graph is built: the passes that prepare it for codegen."""
-    return [FuseKernels()]
+    return [FuseKernels(), MemoryPlanPass()]
 
 
 def compile_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:

@@ -48,6 +48,9 @@ class LocalRunner:
         self.textures = self.plan["textures"]
         self._check_limits()
         self.images = [self._create_image(t) for t in self.textures]
+        #: device memory this runner allocated, as the OpenCL driver reports each image's size (bytes)
+        self.allocated_bytes = sum(int(image.get_info(cl.mem_info.SIZE)) for image in self.images)
+        self.allocated_images = len(self.images)
         self.binding = list(range(len(self.textures)))  # texture id -> index into self.images (swapped per step)
         self.program = self._build()
         functions = {name: cl.Kernel(self.program, name) for name in {k["function"] for k in self.plan["kernels"]}}

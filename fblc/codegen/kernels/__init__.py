@@ -31,7 +31,7 @@ Emitter = Callable[[TextureTable, KernelGroup], list[Kernel]]
 
 
 def _load_emitters() -> None:
-    from fblc.codegen.kernels import (contraction, elementwise, gather, movement, normalize,  # noqa: F401
+    from fblc.codegen.kernels import (contraction, conv, elementwise, gather, movement, normalize,  # noqa: F401
                                       pooling, reduce)
 
 

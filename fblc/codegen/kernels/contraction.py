@@ -1,32 +1,33 @@
-"""Contraction kernels: MatMul, Gemm, Conv, ConvTranspose, each with its fused epilogue.
+"""Contraction kernels: MatMul and Gemm with their fused epilogue, and what Conv (conv.py) shares.
 
-One lane computes one output element: it folds its reduction (K, or input channels x kernel
-taps) into a float accumulator `acc` (fp32 even over half textures, since `ldf` and
-`read_imagef` return float), then the elementwise nodes the fuse pass attached
-(group.nodes[1:]) are evaluated on `acc` and every value in `group.outputs` is written.
-Shapes and strides are literals, so the OpenCL compiler folds the index arithmetic; base
-indices are hoisted out of the reduction loops and the loops step pointers instead of
-recomputing flat indices. Where a reduction walks an operand contiguously from a texel
-boundary (e.g. Gemm's A and B^T rows with K % 4 == 0, a 1x1 conv's weights) four values are
-fetched with one texel read.
+Each lane's reduction ends in a float accumulator `acc` (fp32 even over half textures, since
+`read_imagef` returns float); the elementwise nodes the fuse pass attached (group.nodes[1:])
+are evaluated on it and every value in `group.outputs` is written.
+
+Texel-wide (texel.py) when N, the output's innermost axis, is a multiple of 4: a texel's
+lanes are 4 consecutive columns, so they share A's row (read once, as texels along K) and
+read B' four columns at a time (one texel per k for an untransposed B, a texel per lane along
+K for B^T). Otherwise one lane computes one element with `dot_loop`: shapes and strides are
+literals, base indices are hoisted out of the loop, the loop steps pointers, and an operand
+walked contiguously from a texel boundary is read four values per texel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
+from fblc.codegen.kernels.texel import LANES, Blocked, Code, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.errors import UnsupportedOpError
 from fblc.compiler.values import attr, is_float, static_shape
-from fblc.compiler.window import window_of
 
 Terms = list[tuple[str, int]]
 
@@ -48,9 +49,17 @@ class Stream:
         return self.step == 1 and all(stride % 4 == 0 for _, stride in self.terms)
 
 
-def _terms(variables: Sequence[str], dims: Sequence[int], strides: Sequence[int]) -> Terms:
+def index_terms(variables: Sequence[str], dims: Sequence[int], strides: Sequence[int]) -> Terms:
     """Index terms, dropping axes of extent 1 (their index is always 0)."""
     return [(var, stride) for var, dim, stride in zip(variables, dims, strides) if dim != 1]
+
+
+def lane_axis(shape: Sequence[int]) -> int | None:
+    """The axis a texel's 4 lanes walk: the innermost non-unit one, when its length is a multiple of 4."""
+    for axis in reversed(range(len(shape))):
+        if shape[axis] != 1:
+            return axis if shape[axis] % LANES == 0 else None
+    return None
 
 
 def _check_float(node: ir.Node) -> None:
@@ -103,22 +112,58 @@ def dot_loop(b: KernelBuilder, acc: str, count: int | str, streams: tuple[Stream
     b.emit(*(indent + line for line in ["{"] + ["  " + line for line in lines] + ["}"]))
 
 
-def _finish(b: KernelBuilder, group: KernelGroup, acc: str) -> list[Kernel]:
+def finish_group(b: KernelBuilder, group: KernelGroup, acc: str) -> list[Kernel]:
     """Apply the fused epilogue to `acc` and write every value the rest of the step reads."""
     env = evaluate_chain(b, group.nodes[1:], {id(group.anchor.outputs[0]): acc})
     return [b.finish([env[id(v)] for v in group.outputs])]
 
 
-def _builder(table: TextureTable, group: KernelGroup, family: str) -> tuple[KernelBuilder, str]:
+def start_builder(table: TextureTable, group: KernelGroup, family: str) -> KernelBuilder:
     _check_float(group.anchor)
     b = KernelBuilder(table, group.name, family, group.outputs)
     b.nodes.append(group.anchor.name)
+    return b
+
+
+def zero_acc(b: KernelBuilder) -> str:
+    """A per-lane accumulator starting at 0 (the per-lane code paths)."""
     acc = b.fresh("acc")
     b.emit(f"float {acc} = 0.0f;")
-    return b, acc
+    return acc
+
+
+def reduce_into(b: KernelBuilder, build: Callable[[Code], Reduction], lanes: int = LANES) -> str:
+    """Emit the Reduction `build` makes: in the per-texel prologue for the lanes of a work-item
+    (4 * b.texels_per_item), in the lane loop for 1.
+
+    Returns the name of the lane's accumulator in the lane loop, where the epilogue runs.
+    """
+    code = Code(b.texel_lines if lanes > 1 else b.lines)
+    reduction = build(code)
+    accs = b.fresh("acc")
+    reduction.emit(b, code, accs, lanes)
+    acc = b.fresh("acc")
+    b.emit(f"float {acc} = {accs}[{b.item_lane if lanes > 1 else 0}];")
+    return acc
+
+
+def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: int, w_lane: int, k: int) -> str:
+    """acc[lane] = sum_r A'[r] * B'[r, lane] in blocks of MATMUL_BLOCK steps along K."""
+    def products(steps: range) -> list[Product]:
+        return [Product(lane, r * a_step, r * w_step + lane * w_lane) for r in steps for lane in range(LANES)]
+
+    blocked = Blocked(k, MATMUL_BLOCK, a_step, w_step, 0, products)
+    return reduce_into(b, lambda code: Reduction(a, w, blocked))
+
+
+def _texel_terms(terms: Terms, lane_var: str) -> list[Term]:
+    return [Term(var, stride, LANES if var == lane_var else 1) for var, stride in terms]
 
 
 # MatMul / Gemm ----------------------------------------------------------------------------------
+
+MATMUL_BLOCK = 16  # K steps per static block of the texel-wide path
+
 
 @register_kernel("MatMul")
 def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
@@ -130,22 +175,30 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
     batch = tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
     nb = len(batch)
+    b = start_builder(table, group, "matmul")
+    texel = len(b_shape) >= 2 and lane_axis(b.out_shape) == len(b.out_shape) - 1
+    prefix = TEXEL_INDEX if texel else OUT_INDEX
     # output axes of the batch dims, m and n; a missing m or n (1-D operand) is index 0
-    m_var = _o(nb) if len(a_shape) >= 2 else "0"
-    n_var = _o(nb + (1 if len(a_shape) >= 2 else 0)) if len(b_shape) >= 2 else "0"
+    m_var = f"{prefix}{nb}" if len(a_shape) >= 2 else "0"
+    n_var = f"{prefix}{nb + (1 if len(a_shape) >= 2 else 0)}" if len(b_shape) >= 2 else "0"
 
     def stream(value: ir.Value, shape2: tuple[int, ...], kept: str, reduced_axis: int) -> Stream:
         """Base over the batch dims and the kept matrix axis; the walk goes along `reduced_axis`."""
         strides = strides_of(shape2)
         lead = nb - (len(shape2) - 2)
-        variables = [_o(lead + k) for k in range(len(shape2) - 2)] + [kept]
+        variables = [f"{prefix}{lead + k}" for k in range(len(shape2) - 2)] + [kept]
         axes = list(range(len(shape2) - 2)) + [len(shape2) - 1 if reduced_axis == -2 else len(shape2) - 2]
-        return Stream(value, _terms(variables, [shape2[k] for k in axes], [strides[k] for k in axes]),
+        return Stream(value, index_terms(variables, [shape2[k] for k in axes], [strides[k] for k in axes]),
                       strides[reduced_axis])
 
-    b, acc = _builder(table, group, "matmul")
-    dot_loop(b, acc, a2[-1], (stream(a, a2, m_var, -1), stream(w, b2, n_var, -2)))
-    return _finish(b, group, acc)
+    a_stream, b_stream = stream(a, a2, m_var, -1), stream(w, b2, n_var, -2)
+    if texel:  # lanes: 4 consecutive columns n (B's stride 1)
+        acc = _texel_dot(b, Operand(a, _texel_terms(a_stream.terms, n_var)), a_stream.step,
+                         Operand(w, _texel_terms(b_stream.terms, n_var)), b_stream.step, 1, a2[-1])
+    else:
+        acc = zero_acc(b)
+        dot_loop(b, acc, a2[-1], (a_stream, b_stream))
+    return finish_group(b, group, acc)
 
 
 @register_kernel("Gemm")
@@ -158,212 +211,30 @@ def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     trans_a, trans_b = int(attr(node, "transA", 0)), int(attr(node, "transB", 0))
     a_shape, b_shape = static_shape(a), static_shape(w)
     k_dim = a_shape[0] if trans_a else a_shape[1]
+    b = start_builder(table, group, "matmul")
+    texel = lane_axis(b.out_shape) == 1
+    m_var, n_var = (f"{TEXEL_INDEX}0", f"{TEXEL_INDEX}1") if texel else (f"{OUT_INDEX}0", f"{OUT_INDEX}1")
     # A' [M, K]: element (m, k) is A[k, m] when transposed; B' [K, N]: (k, n) is B[n, k] when transposed
-    a_stream = (Stream(a, _terms([_o(0)], [a_shape[1]], [1]), a_shape[1]) if trans_a
-                else Stream(a, _terms([_o(0)], [a_shape[0]], [a_shape[1]]), 1))
-    b_stream = (Stream(w, _terms([_o(1)], [b_shape[0]], [b_shape[1]]), 1) if trans_b
-                else Stream(w, _terms([_o(1)], [b_shape[1]], [1]), b_shape[1]))
-    b, acc = _builder(table, group, "matmul")
-    dot_loop(b, acc, k_dim, (a_stream, b_stream))
+    a_stream = (Stream(a, index_terms([m_var], [a_shape[1]], [1]), a_shape[1]) if trans_a
+                else Stream(a, index_terms([m_var], [a_shape[0]], [a_shape[1]]), 1))
+    b_stream = (Stream(w, index_terms([n_var], [b_shape[0]], [b_shape[1]]), 1) if trans_b
+                else Stream(w, index_terms([n_var], [b_shape[1]], [1]), b_shape[1]))
+    if texel:  # lanes: 4 consecutive columns n, one B' column each
+        acc = _texel_dot(b, Operand(a, _texel_terms(a_stream.terms, n_var)), a_stream.step,
+                         Operand(w, _texel_terms(b_stream.terms, n_var)), b_stream.step,
+                         b_shape[1] if trans_b else 1, k_dim)
+    else:
+        acc = zero_acc(b)
+        dot_loop(b, acc, k_dim, (a_stream, b_stream))
     result = acc if alpha == 1.0 else f"{float_literal(alpha)} * {acc}"
     if c is not None and beta != 0.0:
         c_shape = static_shape(c)
         out_shape = b.out_shape
         lead = len(out_shape) - len(c_shape)
-        c_index = flat_index(_terms([_o(lead + k) for k in range(len(c_shape))], c_shape, strides_of(c_shape)))
+        c_index = flat_index(index_terms([_o(lead + k) for k in range(len(c_shape))], c_shape,
+                                         strides_of(c_shape)))
         c_value = b.load(c, c_index)
         result = f"{result} + {c_value}" if beta == 1.0 else f"{result} + {float_literal(beta)} * {c_value}"
     if result != acc:
         b.emit(f"{acc} = {result};")
-    return _finish(b, group, acc)
-
-
-# Conv / ConvTranspose ---------------------------------------------------------------------------
-
-def _affine(var: str, scale: int, offset: int) -> str:
-    """`var * scale + offset` as C, without the no-op parts."""
-    text = var if scale == 1 else f"{var} * {scale}"
-    return text if offset == 0 else f"{text} {'+' if offset > 0 else '-'} {abs(offset)}"
-
-
-class _Nest:
-    """Nested C blocks (tap loops, bounds guards) in the lane body, closed together.
-
-    Guards are `if` blocks rather than `continue`, which outside a tap loop would skip the
-    builder's lane loop and leave the lane unwritten.
-    """
-
-    def __init__(self, b: KernelBuilder) -> None:
-        self.b = b
-        self.depth = 0
-
-    @property
-    def indent(self) -> str:
-        return "  " * self.depth
-
-    def emit(self, line: str) -> None:
-        self.b.emit(self.indent + line)
-
-    def open(self, header: str) -> None:
-        self.emit(header + " {")
-        self.depth += 1
-
-    def loop(self, count: int, hint: str) -> str:
-        return self.loop_over("0", str(count), hint)
-
-    def loop_over(self, start: str, stop: str, hint: str) -> str:
-        var = self.b.fresh(hint)
-        self.open(f"for (int {var} = {start}; {var} < {stop}; ++{var})")
-        return var
-
-    def close(self) -> None:
-        while self.depth:
-            self.depth -= 1
-            self.emit("}")
-
-
-def _add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
-        b.emit(f"{acc} += {b.load(node.inputs[2], _o(1))};")
-
-
-@dataclass
-class _Loop:
-    """One reduction loop of a conv: `var` runs over [start, stop), moving the X and W indices."""
-
-    start: str  # C expression
-    stop: str  # C expression
-    extent: int  # the static bound on its trip count (picks the innermost loop)
-    x_step: int
-    w_step: int
-
-
-def _tap_range(b: KernelBuilder, origin: str, k: int, d: int, n: int) -> tuple[str, str]:
-    """Taps t in [lo, hi) with 0 <= origin + t * d < n, computed once per output element."""
-    if d == 1:
-        return b.temp("int", f"max(0, -{origin})", "lo"), b.temp("int", f"min({k}, {n} - {origin})", "hi")
-    low = b.temp("int", f"{origin} < 0 ? (-{origin} + {d - 1}) / {d} : 0", "lo")
-    # C division truncates toward zero: a non-positive numerator gives hi <= 0, an empty range
-    return low, b.temp("int", f"min({k}, ({n} - {origin} + {d - 1}) / {d})", "hi")
-
-
-@register_kernel("Conv")
-def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """Direct convolution: nested loops over input channels and kernel taps.
-
-    Border pixels get tap ranges (computed once, no per-tap branch) instead of skipped taps.
-    The loop with the most trips is innermost and walks pointers: channels for an ordinary
-    3x3 conv (unrolled by 4), a spatial tap axis for the autodiff's weight-gradient conv
-    (group = N*G over a [Cg_in, N*G, H, W] view, Cg_in = 1, taps over the whole dY map).
-    """
-    node = group.anchor
-    x, w = node.inputs[0], node.inputs[1]
-    x_shape, w_shape = static_shape(x), static_shape(w)
-    groups = int(attr(node, "group", 1))
-    window = window_of(node, tuple(w_shape[2:]))
-    cg_in, cg_out = w_shape[1], w_shape[0] // groups
-    x_strides, w_strides = strides_of(x_shape), strides_of(w_shape)
-    b, acc = _builder(table, group, "conv")
-    g = f"({_o(1)} / {cg_out})" if groups > 1 else "0"
-    x_terms = _terms([_o(0), g], [x_shape[0], groups], [x_strides[0], cg_in * x_strides[1]])
-    w_terms = _terms([_o(1)], [w_shape[0]], [w_strides[0]])
-    loops = [_Loop("0", str(cg_in), cg_in, x_strides[1], w_strides[1])]
-    for axis in range(len(window.in_spatial)):
-        k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
-        n, o, pad = window.in_spatial[axis], window.out_spatial[axis], window.pads_begin[axis]
-        x_stride = x_strides[2 + axis]
-        origin = b.temp("int", _affine(_o(2 + axis), s, -pad), "y")
-        x_terms.append((origin, x_stride))  # the input coordinate is origin + tap * d
-        if pad > 0 or (o - 1) * s - pad + (k - 1) * d >= n:
-            low, high = _tap_range(b, origin, k, d, n)
-            loops.append(_Loop(low, high, k, d * x_stride, w_strides[2 + axis]))
-        elif k > 1:
-            loops.append(_Loop("0", str(k), k, d * x_stride, w_strides[2 + axis]))
-    inner = max(loops, key=lambda loop: (loop.extent, loop.start == "0"))  # ties: a literal range, channels
-    nest = _Nest(b)
-    for loop in loops:
-        if loop is not inner and not (loop.extent == 1 and loop.start == "0"):
-            var = nest.loop_over(loop.start, loop.stop, "k")
-            x_terms.append((var, loop.x_step))
-            w_terms.append((var, loop.w_step))
-    if inner.start != "0":
-        x_terms.append((inner.start, inner.x_step))
-        w_terms.append((inner.start, inner.w_step))
-    count: int | str = inner.extent if inner.stop == str(inner.extent) and inner.start == "0" else (
-        f"{inner.stop} - {inner.start}")
-    dot_loop(b, acc, count, (Stream(x, x_terms, inner.x_step), Stream(w, w_terms, inner.w_step)), nest.indent)
-    nest.close()
-    _add_bias(b, node, acc)
-    return _finish(b, group, acc)
-
-
-def _transpose_pads_begin(node: ir.Node, in_spatial: Sequence[int], out_spatial: Sequence[int],
-                          kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
-    """Leading pads of a ConvTranspose: explicit `pads`, or derived from the output size as the ONNX spec says."""
-    rank = len(in_spatial)
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad == "VALID":
-        return [0] * rank
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER") or attr(node, "output_shape") is not None:
-        output_padding = attr(node, "output_padding") or [0] * rank
-        begins = []
-        for n, o, k, s, d, extra in zip(in_spatial, out_spatial, kernel, strides, dilations, output_padding):
-            total = s * (n - 1) + extra + (k - 1) * d + 1 - o
-            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
-        return begins
-    return list((attr(node, "pads") or [0] * (2 * rank))[:rank])
-
-
-@register_kernel("ConvTranspose")
-def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """Gather form: y[o] sums x[i] * w[t] over taps t with i * s = o + pad - t * d, i in range.
-
-    The autodiff uses it for Conv's input gradient and AveragePool's gradient; output_padding
-    only lengthens the (already static) output, so the loop ignores it.
-    """
-    node = group.anchor
-    x, w = node.inputs[0], node.inputs[1]
-    x_shape, w_shape, y_shape = static_shape(x), static_shape(w), static_shape(node.outputs[0])
-    groups = int(attr(node, "group", 1))
-    in_spatial, out_spatial = x_shape[2:], y_shape[2:]
-    rank = len(in_spatial)
-    kernel = tuple(attr(node, "kernel_shape") or w_shape[2:])
-    strides = tuple(attr(node, "strides") or [1] * rank)
-    dilations = tuple(attr(node, "dilations") or [1] * rank)
-    pads = _transpose_pads_begin(node, in_spatial, out_spatial, kernel, strides, dilations)
-    cg_in, cg_out = w_shape[0] // groups, w_shape[1]
-    x_strides, w_strides = strides_of(x_shape), strides_of(w_shape)
-    b, acc = _builder(table, group, "conv")
-    g = f"({_o(1)} / {cg_out})" if groups > 1 else "0"
-    local = f"({_o(1)} % {cg_out})" if groups > 1 else _o(1)
-    x_terms = _terms([_o(0), g], [x_shape[0], groups], [x_strides[0], cg_in * x_strides[1]])
-    w_terms = _terms([g, local], [groups, cg_out], [cg_in * w_strides[0], w_strides[1]])
-    shifted = [b.temp("int", _affine(_o(2 + axis), 1, pads[axis]), "q") for axis in range(rank)]
-    nest = _Nest(b)
-    for axis in range(rank):
-        k, s, d, n, pad = kernel[axis], strides[axis], dilations[axis], in_spatial[axis], pads[axis]
-        numerator = shifted[axis]
-        if k > 1:
-            tap = nest.loop(k, "k")
-            numerator = b.fresh("q")
-            nest.emit(f"const int {numerator} = {shifted[axis]} - {_affine(tap, d, 0)};")
-            w_terms.append((tap, w_strides[2 + axis]))
-        conditions = []
-        if pad - (k - 1) * d < 0:
-            conditions.append(f"{numerator} >= 0")
-        if s > 1:
-            conditions.append(f"{numerator} % {s} == 0")
-        if (out_spatial[axis] - 1 + pad) // s >= n:
-            conditions.append(f"{numerator} < {n * s}")
-        if conditions:
-            nest.open(f"if ({' && '.join(conditions)})")
-        source = numerator
-        if s > 1:
-            source = b.fresh("y")
-            nest.emit(f"const int {source} = {numerator} / {s};")
-        x_terms += _terms([source], [n], [x_strides[2 + axis]])
-    dot_loop(b, acc, cg_in, (Stream(x, x_terms, x_strides[1]), Stream(w, w_terms, w_strides[0])), nest.indent)
-    nest.close()
-    _add_bias(b, node, acc)
-    return _finish(b, group, acc)
+    return finish_group(b, group, acc)

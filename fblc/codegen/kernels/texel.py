@@ -240,7 +240,7 @@ class Reduction:
         axis = self.blocked
         main = axis.extent - axis.extent % axis.block
         if main > axis.block:
-            var = b.fresh("r")
+            var = b.fresh("blk")
             code.open(f"for (int {var} = 0; {var} < {main}; {var} += {axis.block})")
             mask = None
             if self.mask is not None:

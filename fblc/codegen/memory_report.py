@@ -1,0 +1,87 @@
+"""The `memory` object of report.json and the memory-timeline plot of a bundle.
+
+Both come from the memory planner (fblc.passes.memory_plan) run on the fused step graph:
+the paper's eq. 1 decomposition, the training-state and device peaks, the floor check, and
+what the bundle's textures really take (`allocated_bytes`: every texture of plan.json, no
+reuse, which is what the local runtime allocates today; masks sit in rgba_i32 textures there,
+while the plan accounts them bit-packed).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from fblc import bundle_format as fmt
+from fblc.codegen.plan import Program
+from fblc.passes.memory_plan import CLASSES, MemoryPlan, plan_memory
+
+TIMELINE_PLOT = "memory_timeline.png"
+INTEGER_FIELDS = ("weights", "grads", "optimizer", "saved", "buffers", "training_state_peak", "device_peak")
+#: stacking order and colours of the plot (bottom to top)
+LAYERS = (("weight", "weights", "#8c8c8c"), ("optimizer", "optimizer state", "#b07aa1"), ("input", "inputs", "#9c755f"),
+          ("grad", "gradients", "#59a14f"), ("saved", "saved activations", "#e15759"), ("mask", "saved bit masks", "#ff9da7"),
+          ("replay", "replay buffers", "#edc948"), ("buffer", "temporaries", "#4e79a7"))
+
+
+def texture_bytes(program: Program) -> int:
+    return sum(t.width * t.height * fmt.TEXEL_BYTES[t.format] for t in program.textures)
+
+
+def memory_object(plan: MemoryPlan, program: Program | None = None, plot: str | None = TIMELINE_PLOT) -> dict[str, Any]:
+    summary = plan.summary()
+    result: dict[str, Any] = {name: int(summary[name]) for name in INTEGER_FIELDS}
+    result["floor_ok"] = bool(summary["floor_ok"])
+    for name, value in summary.items():
+        if name not in result:
+            result[name] = value
+    if program is not None:
+        result["allocated_bytes"] = texture_bytes(program)
+        result["allocated_textures"] = len(program.textures)
+    if plan.adapter:
+        result["adapter"] = {k: v for k, v in plan.adapter.items() if k != "sites"}
+        result["adapter"]["sites"] = [{k: s[k] for k in ("conv", "c_in", "c_out", "kernel", "scale", "activation", "params")}
+                                      for s in plan.adapter.get("sites", [])]
+    if plot:
+        result["timeline_plot"] = plot
+    return result
+
+
+def timeline_png(plan: MemoryPlan, title: str = "") -> bytes:
+    """A stacked area plot of live bytes per class over the launches of one step (like MemFLoRA's figure 4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(plan.steps))
+    fig, ax = plt.subplots(figsize=(10, 4.6), dpi=110)
+    layers = [(label, color, plan.timeline[cls] / 1e6) for cls, label, color in LAYERS if plan.timeline[cls].any()]
+    ax.stackplot(steps, *[values for _, _, values in layers], labels=[label for label, _, _ in layers],
+                 colors=[color for _, color, _ in layers], linewidth=0)
+    summary = plan.summary()
+    for at, text in ((plan.backward_from, "backward"), (plan.optimizer_from, "optimizer")):
+        if at >= 0:
+            ax.axvline(at, color="black", linewidth=0.8, linestyle="--")
+            ax.text(at, ax.get_ylim()[1] * 0.99, f"{text} ", va="top", ha="right", fontsize=8)
+    ax.set_xlabel("kernel launch")
+    ax.set_ylabel("live memory [MB]")
+    ax.set_xlim(0, max(plan.steps - 1, 1))
+    ax.set_title(title or (f"device peak {summary['device_peak'] / 1e6:.2f} MB, training-state peak "
+                           f"{summary['training_state_peak'] / 1e6:.2f} MB, saved {summary['saved'] / 1e6:.2f} MB"),
+                 fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncol=len(layers), frameon=False)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def memory_report(model: Any, program: Program | None = None) -> tuple[dict[str, Any], bytes]:
+    """(report.json's `memory` object, the timeline PNG) of the fused step graph `model`."""
+    plan = plan_memory(model)
+    return memory_object(plan, program), timeline_png(plan)
+
+
+__all__ = ["CLASSES", "INTEGER_FIELDS", "TIMELINE_PLOT", "memory_object", "memory_report", "texture_bytes", "timeline_png"]

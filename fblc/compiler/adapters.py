@@ -1,0 +1,275 @@
+"""Graph builders of the memory-floor adapters (MemFLoRA) and of the LoRA baseline.
+
+What a Conv-(BatchNorm)-(activation) *site* becomes (see ../shared/papers/README.md):
+
+- MemFLoRA, at a conv with groups == 1, eval-mode BatchNorm folded into the per-channel
+  affine map s = gamma / sqrt(var + eps), t = beta - mean * s (+ s * conv bias):
+
+      q = Conv1x1(x, P)                 P [r, C_in, 1, 1], frozen, N(0, std 1/sqrt(r))
+      a = Conv(q, U)                    U [C_out, r, k...], trainable, zero; the base conv's
+                                        kernel, stride, pads and dilation
+      z = (Conv(x, W) + a) * s + t      = conv(x, W) * s + t + a * s  (the inherited scale a_s)
+      y = act(z)                        in mask form (below)
+
+  The backward of this graph, from the ordinary gradient rules, reads q and the mask and
+  nothing else of the forward: dU = conv_weight_grad(q, g * s), dq = conv_input_grad(U, g * s),
+  dx = conv_input_grad(W, g * s) + conv_input_grad(P, dq) with g = mask * dy. A site without
+  BatchNorm takes s = 1 (its bias, if any, is t).
+- LoRA (the baseline): the same branch with P trainable, so the backward also reads x.
+- Every other Conv-BN site: BatchNorm is folded into the frozen weights (W * s, b * s + t).
+- Activations in *mask form*: Relu(z) and Clip(z, lo, hi) become
+  mask = lo < z < hi (bool) and y = Where(mask, z, Where(z >= hi, hi, lo)); the gradient rule
+  of Where reads only the mask, and the saturation value is not differentiable. The memory
+  planner accounts a bool tensor at one bit per element (bit-packed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.errors import FblcError
+from fblc.compiler.graph import Emitter, attr, const_array, static_shape
+from fblc.compiler.keys import Role
+
+ADAPTERS = ("none", "lora", "memflora", "memflora-sg")
+SITE_SELECTIONS = ("auto", "all", "pointwise")
+
+#: model metadata: JSON description of the inserted adapter (kind, rank, sites)
+ADAPTER_META = "fblc.adapter"
+#: value metadata on each site's bottleneck q: the site's conv node
+SITE_Q = "fblc.adapter.q"
+#: value metadata on dL/dq (memflora-sg keeps it for the replay): the name of its q
+SITE_DQ = "fblc.adapter.dq"
+#: value metadata on a site's input x: the site's conv node (the replay of memflora-sg recomputes it)
+SITE_X = "fblc.adapter.x"
+#: value metadata on a site input that memflora-sg's replay recomputes: the site's conv node
+REPLAY = "fblc.adapter.replay"
+#: value metadata on a mask: "1"
+MASK = "fblc.adapter.mask"
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    kind: str = "none"
+    rank: int = 2
+    seed: int = 0
+    sites: str = "auto"
+
+    def validate(self) -> None:
+        if self.kind not in ADAPTERS:
+            raise FblcError(f"unknown adapter '{self.kind}'", f"choose one of: {', '.join(ADAPTERS)}")
+        if self.sites not in SITE_SELECTIONS:
+            raise FblcError(f"unknown adapter site selection '{self.sites}'",
+                            f"choose one of: {', '.join(SITE_SELECTIONS)}")
+        if self.kind != "none" and self.rank < 1:
+            raise FblcError(f"--rank {self.rank} is not a positive rank", "use --rank 1 or more (the paper uses 2, 4, 8)")
+
+    @property
+    def trains_projection_by_replay(self) -> bool:
+        return self.kind == "memflora-sg"
+
+
+@dataclass
+class Site:
+    """A Conv, the eval-mode BatchNormalization that alone reads it (or None), and the activation
+    that alone reads that (Relu or Clip, or None)."""
+
+    conv: ir.Node
+    bn: ir.Node | None
+    act: ir.Node | None
+
+    @property
+    def output(self) -> ir.Value:
+        last = self.act or self.bn or self.conv
+        return last.outputs[0]
+
+    @property
+    def groups(self) -> int:
+        return int(attr(self.conv, "group", 1))
+
+    @property
+    def kernel(self) -> tuple[int, ...]:
+        return tuple(static_shape(self.conv.inputs[1])[2:])
+
+    @property
+    def channels(self) -> tuple[int, int]:
+        w = static_shape(self.conv.inputs[1])
+        return w[1] * self.groups, w[0]
+
+
+@dataclass
+class SiteRecord:
+    """What the report says about one adapter site."""
+
+    conv: str
+    weight: str
+    P: str
+    U: str
+    c_in: int
+    c_out: int
+    kernel: list[int]
+    scale: str  # "bn": the inherited BatchNorm scale; "1": no BatchNorm at this site
+    activation: str
+    params: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _sole_consumer(value: ir.Value) -> ir.Node | None:
+    uses = value.uses()
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    return uses[0].node
+
+
+def clip_bounds(node: ir.Node) -> tuple[float | None, float | None] | None:
+    """(lo, hi) of a Relu (0, None) or of a Clip with constant bounds; None for anything else."""
+    if node.domain != "":
+        return None
+    if node.op_type == "Relu":
+        return 0.0, None
+    if node.op_type != "Clip":
+        return None
+    bounds: list[float | None] = []
+    for index in (1, 2):
+        value = node.inputs[index] if index < len(node.inputs) else None
+        if value is None:
+            bounds.append(None)
+            continue
+        array = const_array(value)
+        if array is None or np.asarray(array).size != 1:
+            return None
+        bounds.append(float(np.asarray(array).reshape(-1)[0]))
+    if bounds[0] is None and bounds[1] is None:
+        return None
+    return bounds[0], bounds[1]
+
+
+def activation_name(bounds: tuple[float | None, float | None] | None) -> str:
+    if bounds is None:
+        return "none"
+    if bounds == (0.0, None):
+        return "relu"
+    if bounds == (0.0, 6.0):
+        return "relu6"
+    return f"clip({bounds[0]}, {bounds[1]})"
+
+
+def find_sites(graph: ir.Graph) -> list[Site]:
+    """Every Conv of the graph with the BatchNormalization and activation that follow it alone."""
+    sites = []
+    for node in graph:
+        if node.op_type != "Conv" or node.domain != "" or const_array(node.inputs[1]) is None:
+            continue
+        bn = _sole_consumer(node.outputs[0])
+        if bn is not None and not (bn.op_type == "BatchNormalization" and bn.domain == "" and bn.inputs[0] is node.outputs[0]
+                                   and not int(attr(bn, "training_mode", 0))
+                                   and all(const_array(v) is not None for v in bn.inputs[1:5])):
+            bn = None
+        last = (bn or node).outputs[0]
+        act = _sole_consumer(last)
+        if act is not None and clip_bounds(act) is None:
+            act = None
+        sites.append(Site(node, bn, act))
+    return sites
+
+
+def select_adapter_sites(sites: Sequence[Site], selection: str) -> list[Site]:
+    """The sites that get an adapter: convs with groups == 1.
+
+    `all`: every such conv. `pointwise`: only the 1x1 ones. `auto`: `pointwise` when the model
+    also has depthwise convs (MobileNet-style, where MemFLoRA adapts the pointwise convs),
+    else `all` (T-ResNet, where it adapts every conv).
+    """
+    dense = [s for s in sites if s.groups == 1]
+    if selection == "auto":
+        depthwise = any(s.groups > 1 and s.groups == s.channels[0] for s in sites)
+        selection = "pointwise" if depthwise else "all"
+    if selection == "pointwise":
+        return [s for s in dense if all(k == 1 for k in s.kernel)]
+    return dense
+
+
+def folded_affine(site: Site) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(s, t) of the site's eval-mode BatchNorm with the conv bias folded into t; s None without BN."""
+    conv_bias = const_array(site.conv.inputs[2]) if len(site.conv.inputs) > 2 and site.conv.inputs[2] is not None else None
+    bias = None if conv_bias is None else np.asarray(conv_bias, np.float64)
+    if site.bn is None:
+        return None, (None if bias is None else bias.astype(np.float32))
+    gamma, beta, mean, var = (np.asarray(const_array(v), np.float64) for v in site.bn.inputs[1:5])
+    epsilon = float(attr(site.bn, "epsilon", 1e-5))
+    scale = gamma / np.sqrt(var + epsilon)
+    shift = beta - mean * scale
+    if bias is not None:
+        shift = shift + bias * scale
+    return scale.astype(np.float32), shift.astype(np.float32)
+
+
+def new_initializer(graph: ir.Graph, name: str, array: np.ndarray, role: Role) -> ir.Value:
+    if name in graph.initializers:
+        raise FblcError(f"the model already has a tensor named '{name}'", "rename it before adding an adapter")
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    keys.set_role(value, role)
+    graph.register_initializer(value)
+    return value
+
+
+def channel_view(e: Emitter, vector: np.ndarray, rank: int) -> ir.Value:
+    return e.const(vector.reshape([1, -1] + [1] * (rank - 2)).astype(np.float32))
+
+
+def conv_geometry(conv: ir.Node) -> dict[str, Any]:
+    """The attributes of a conv that a branch with the same geometry copies."""
+    geometry: dict[str, Any] = {}
+    for name in ("strides", "pads", "dilations", "auto_pad"):
+        value = attr(conv, name)
+        if value is not None:
+            geometry[name] = value.decode() if isinstance(value, bytes) else value
+    return geometry
+
+
+def emit_masked_activation(e: Emitter, z: ir.Value, bounds: tuple[float | None, float | None],
+                           name: str | None = None) -> tuple[ir.Value, ir.Value]:
+    """(y, mask) of Clip(z, lo, hi) in mask form: the backward reads only the bool mask."""
+    lo, hi = bounds
+    inside = None
+    for bound, compare in ((lo, "Greater"), (hi, "Less")):
+        if bound is None:
+            continue
+        test = e.op(compare, z, e.scalar(bound, z))
+        inside = test if inside is None else e.op("And", inside, test)
+    assert inside is not None
+    if hi is None:
+        saturated = e.scalar(lo, z)
+    elif lo is None:
+        saturated = e.scalar(hi, z)
+    else:
+        saturated = e.op("Where", e.op("GreaterOrEqual", z, e.scalar(hi, z)), e.scalar(hi, z), e.scalar(lo, z))
+    inside.metadata_props[MASK] = "1"
+    y = e.op("Where", inside, z, saturated, name=name)
+    return y, inside
+
+
+def replace_output(old: ir.Value, new: ir.Value) -> None:
+    """Consumers and graph outputs read `new`, which takes `old`'s name (dumps stay readable)."""
+    name = old.name
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name, new.name = f"{name}/replaced", name
+
+
+def describe(config: AdapterConfig, records: Sequence[SiteRecord], frozen_sites: int, masked: int) -> str:
+    no_bn = [r.conv for r in records if r.scale == "1"]
+    return json.dumps({
+        "adapter": config.kind, "rank": config.rank, "seed": config.seed, "site_selection": config.sites,
+        "sites": [r.__dict__ for r in records], "adapter_sites": len(records), "frozen_sites": frozen_sites,
+        "masked_activations": masked, "trainable_params": sum(r.params for r in records),
+        "sites_without_batchnorm": no_bn,
+        "note": (f"{len(no_bn)} site(s) without BatchNormalization take a_s = 1" if no_bn else
+                 "every adapter site inherits its BatchNorm scale a_s"),
+    })

@@ -1,0 +1,171 @@
+"""memory_floor: insert the MemFLoRA adapter (or the LoRA baseline) and freeze the backbone.
+
+Selected by `--adapter memflora|memflora-sg|lora --rank R [--seed S]`; `--adapter none` (the
+default) leaves the model alone (full fine-tuning).
+
+Rewrite (the builders are in fblc.compiler.adapters, which states the exact graph):
+- every initializer that would train becomes `frozen`;
+- at every adapter site (a Conv with groups == 1, followed by an optional eval-mode
+  BatchNormalization and an optional Relu/Clip; `--adapter-sites` chooses which convs, `auto`
+  keeps MemFLoRA's placement: the pointwise convs of a network with depthwise convs, else all)
+  the conv becomes z = (Conv(x, W) + Conv(Conv1x1(x, P), U)) * s + t with P frozen
+  (N(0, std 1/sqrt(r)), drawn in site order from `--seed`), U trainable and zero, s and t the
+  BatchNorm folded into the per-channel affine map (s = 1 without BatchNorm); for `lora`, P is
+  trainable too;
+- every other Conv-BatchNorm site folds the BatchNorm into its frozen weights and bias;
+- every Relu and constant-bound Clip (ReLU6) becomes its mask form (bool mask + Where), so
+  that the backward reads a one-bit mask instead of the full-width activation.
+The model's metadata `fblc.adapter` describes the sites (JSON). Unused initializers go.
+
+Preconditions: import passes ran (static shapes, constants folded, zero Pads folded into the
+convs); BatchNormalization in eval mode (not with `--bn-train`); runs before mark_trainable.
+In place; `modified` is false for `--adapter none`.
+Errors: an unknown adapter, a non-positive rank, `--bn-train` with an adapter, no eligible
+site, a rank larger than a site's input or output channels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.adapters import (ADAPTER_META, SITE_Q, SITE_X, AdapterConfig, Site, SiteRecord, activation_name,
+                                    channel_view, clip_bounds, describe, emit_masked_activation, find_sites,
+                                    folded_affine, new_initializer, replace_output, select_adapter_sites)
+from fblc.compiler.errors import FblcError
+from fblc.compiler.graph import Emitter, static_shape
+from fblc.compiler.keys import Role
+
+
+def _attributes(node: ir.Node) -> dict[str, object]:
+    return {name: a.value for name, a in node.attributes.items()}
+
+
+def _weight_prefix(weight: ir.Value) -> str:
+    return weight.name[: -len(".weight")] if weight.name.endswith(".weight") else weight.name
+
+
+class MemoryFloor(ir.passes.InPlacePass):
+    """Insert MemFLoRA/LoRA adapters, fold BatchNorm, put activations in mask form (in place)."""
+
+    name = "memory_floor"
+
+    def __init__(self, config: AdapterConfig, bn_train: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.bn_train = bn_train
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        config = self.config
+        config.validate()
+        if config.kind == "none":
+            return ir.passes.PassResult(model, False)
+        if self.bn_train:
+            raise FblcError(f"--adapter {config.kind} needs BatchNormalization in eval mode (the memory floor folds it "
+                            "into a fixed affine map)", "drop --bn-train, or use --adapter none for full fine-tuning")
+        graph = model.graph
+        sites = find_sites(graph)
+        chosen = select_adapter_sites(sites, config.sites)
+        if not chosen:
+            convs = sum(1 for n in graph if n.op_type == "Conv")
+            raise FblcError(f"--adapter {config.kind} found no eligible site in the model ({convs} Conv node(s), none with "
+                            f"groups == 1{' and a 1x1 kernel' if config.sites == 'pointwise' else ''})",
+                            "MemFLoRA adapts Conv layers with groups == 1; use --adapter none for this model")
+        for site in chosen:
+            c_in, c_out = site.channels
+            if config.rank > min(c_in, c_out):
+                raise FblcError(f"--rank {config.rank} is larger than the channels of conv '{site.conv.name}' "
+                                f"({c_in} in, {c_out} out)", f"use --rank {min(c_in, c_out)} or less")
+        for value in graph.initializers.values():
+            if keys.get_role(value) == Role.PARAM.value:
+                keys.set_role(value, Role.FROZEN)
+        rng = np.random.default_rng(config.seed)
+        chosen_ids = {id(s.conv) for s in chosen}
+        emitter = Emitter(graph, stage="forward")
+        records: list[SiteRecord] = []
+        masked = 0
+        for site in sites:
+            emitter.anchor = site.conv
+            emitter.prefix = site.conv.name
+            if id(site.conv) in chosen_ids:
+                records.append(self._adapter_site(emitter, graph, site, rng))
+            else:
+                self._frozen_site(emitter, graph, site)
+            masked += site.act is not None
+        for node in list(graph):  # activations outside conv sites (after a residual add, say)
+            bounds = clip_bounds(node)
+            if bounds is None or node.inputs[0] is None:
+                continue
+            emitter.anchor, emitter.prefix = node, node.name
+            y, _ = emit_masked_activation(emitter, node.inputs[0], bounds)
+            replace_output(node.outputs[0], y)
+            graph.remove(node, safe=True)
+            masked += 1
+        for name, value in list(graph.initializers.items()):
+            if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
+                graph.initializers.pop(name)
+        model.metadata_props[ADAPTER_META] = describe(config, records, len(sites) - len(records), masked)
+        return ir.passes.PassResult(model, True)
+
+    def _adapter_site(self, e: Emitter, graph: ir.Graph, site: Site, rng: np.random.Generator) -> SiteRecord:
+        config = self.config
+        conv = site.conv
+        x, weight = conv.inputs[0], conv.inputs[1]
+        rank_sp = len(static_shape(x)) - 2
+        c_in, c_out = site.channels
+        kernel = list(site.kernel)
+        prefix = _weight_prefix(weight)
+        projection = (rng.standard_normal((config.rank, c_in) + (1,) * rank_sp) / np.sqrt(config.rank)).astype(np.float32)
+        p = new_initializer(graph, f"{prefix}.adapter_P", projection,
+                            Role.PARAM if config.kind == "lora" else Role.FROZEN)
+        u = new_initializer(graph, f"{prefix}.adapter_U", np.zeros([c_out, config.rank] + kernel, np.float32), Role.PARAM)
+        scale, shift = folded_affine(site)
+        attributes = _attributes(conv)
+        attributes.pop("group", None)
+        base = e.op("Conv", x, weight, **attributes)
+        q = e.op("Conv", x, p, name=f"{prefix}.adapter_q")
+        q.metadata_props[SITE_Q] = conv.name
+        x.metadata_props[SITE_X] = ",".join(filter(None, [x.metadata_props.get(SITE_X), conv.name]))
+        branch = e.op("Conv", q, u, **attributes)
+        z = e.op("Add", base, branch)
+        if scale is not None:
+            z = e.op("Mul", z, channel_view(e, scale, rank_sp + 2))
+        if shift is not None:
+            z = e.op("Add", z, channel_view(e, shift, rank_sp + 2))
+        bounds = clip_bounds(site.act) if site.act is not None else None
+        y = emit_masked_activation(e, z, bounds)[0] if bounds is not None else z
+        replace_output(site.output, y)
+        self._remove_site(graph, site)
+        return SiteRecord(conv=conv.name, weight=weight.name, P=p.name, U=u.name, c_in=c_in, c_out=c_out, kernel=kernel,
+                          scale="bn" if site.bn is not None else "1", activation=activation_name(bounds),
+                          params=int(np.prod(static_shape(u))) + (int(projection.size) if config.kind == "lora" else 0),
+                          extra={"x": x.name, "q": q.name})
+
+    @staticmethod
+    def _frozen_site(e: Emitter, graph: ir.Graph, site: Site) -> None:
+        """BatchNorm folded into the frozen weights; the activation in mask form."""
+        if site.bn is None and site.act is None:
+            return
+        conv = site.conv
+        x, weight = conv.inputs[0], conv.inputs[1]
+        bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+        scale, shift = folded_affine(site)
+        if scale is not None:
+            w = weight.const_value.numpy() if weight.const_value is not None else None
+            assert w is not None, "find_sites keeps only convs with constant weights"
+            folded = (w * scale.reshape([-1] + [1] * (w.ndim - 1))).astype(np.float32)
+            weight = new_initializer(graph, f"{weight.name}.bn_folded", folded, Role.FROZEN)
+            bias = new_initializer(graph, f"{_weight_prefix(conv.inputs[1])}.bias_bn_folded", shift, Role.FROZEN)
+        z = e.op("Conv", x, weight, bias, **_attributes(conv)) if bias is not None else e.op("Conv", x, weight,
+                                                                                            **_attributes(conv))
+        bounds = clip_bounds(site.act) if site.act is not None else None
+        y = emit_masked_activation(e, z, bounds)[0] if bounds is not None else z
+        replace_output(site.output, y)
+        MemoryFloor._remove_site(graph, site)
+
+    @staticmethod
+    def _remove_site(graph: ir.Graph, site: Site) -> None:
+        for node in (site.act, site.bn, site.conv):
+            if node is not None:
+                graph.remove(node, safe=True)

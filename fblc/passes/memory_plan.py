@@ -1,0 +1,376 @@
+"""memory_plan: lifetimes over the schedule, texture reuse, and the memory decomposition of a step.
+
+Schedule: the kernel launch order of the fuse pass (`fblc.kernel` = k<N>); views (`alias`)
+share the buffer of the value they look at. Without fuse annotations, the node order.
+
+Each buffer (a value that owns storage) gets a class, a size and a lifetime [first, last]
+in launch indices:
+- `weight`: initializers, Constant outputs, parameters (trainable and frozen), BatchNorm
+  running statistics; `optimizer`: optimizer state read by the optimizer stage; `input`: data
+  inputs and labels. These live over the whole step.
+- `saved`: forward values the backward reads (role `saved`); `mask` is a saved bool tensor,
+  accounted bit-packed at one bit per element (MemFLoRA's bit mask).
+- `grad`: parameter gradients, and the dL/dq that memflora-sg keeps per site until its replay;
+  `replay`: the full-width site inputs that memflora-sg's replay recomputes (one layer at a time).
+- `buffer`: every other value (temporaries, the `.new` outputs of the step).
+Sizes: elements x item size of the graph's dtype (fp32: 4 bytes); bool: ceil(n / 8).
+
+Reported (the paper's eq. 1, in bytes): `weights`, `grads`, `optimizer`, `saved` (totals);
+`buffers` (the largest sum of live temporaries at one launch); `training_state_peak` as
+MemFLoRA defines it: max over the step of weights + optimizer + live saved + live gradients
+(+ live replay buffers), workspaces excluded; `device_peak`: max over the step of every live
+allocation (inputs and temporaries included), what an allocator that frees at last use needs;
+`pool_bytes`: the textures of a reuse assignment (a freed texture of the same kind and at least
+the size is reused, best fit). The floor check lists every saved tensor with its bytes and why it
+is kept, and flags any whose size grows with the layer width: a full-precision activation read
+by the backward whose channel axis is wider than the adapter rank (the loss's own inputs and
+one-bit masks excepted). `floor_ok` is true when none is flagged.
+
+Rewrite: annotations only: `fblc.mem` (JSON: class, bytes, live range, slot) on every value
+that owns a buffer, and the model's `fblc.memory` (JSON summary and floor check).
+Preconditions: the step graph (build_gradients ran); after fuse for the launch order. In
+place; `modified` is true when an annotation changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ
+from fblc.compiler.keys import Role
+from fblc.compiler.values import numel, static_shape
+from fblc.passes.fuse import ALIAS, VIEWS
+
+MEMORY_META = "fblc.memory"
+
+CLASSES = ("weight", "optimizer", "input", "saved", "mask", "grad", "replay", "buffer")
+PERSISTENT = ("weight", "optimizer", "input")
+TRAINING_STATE = ("weight", "optimizer", "saved", "mask", "grad", "replay")
+
+
+@dataclass
+class Buffer:
+    name: str
+    cls: str
+    bytes: int
+    first: int
+    last: int
+    shape: list[int]
+    dtype: str
+    kind: str  # "float" or "int": textures of one kind can take each other's place
+    values: list[str] = field(default_factory=list)
+    slot: int = -1
+    why: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    buffers: list[Buffer]
+    steps: int
+    labels: list[str]  # per launch: "k12 Conv" (the anchor op)
+    backward_from: int  # first launch of the backward (-1: none)
+    optimizer_from: int
+    timeline: dict[str, np.ndarray]  # class -> live bytes per launch
+    pool_bytes: int
+    batch: int
+    rank: int
+    adapter: dict[str, Any]
+
+    def total(self, cls: str) -> int:
+        return sum(b.bytes for b in self.buffers if b.cls == cls)
+
+    def live(self, classes: Iterable[str]) -> np.ndarray:
+        out = np.zeros(self.steps, np.int64)
+        for cls in classes:
+            out += self.timeline[cls]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        state = self.live(TRAINING_STATE)
+        device = self.live(CLASSES)
+        buffers = self.timeline["buffer"]
+        floor = self.floor_check()
+        peak_at = int(np.argmax(device)) if self.steps else 0
+        state_at = int(np.argmax(state)) if self.steps else 0
+        return {
+            "weights": self.total("weight"), "grads": self.total("grad"), "optimizer": self.total("optimizer"),
+            "saved": self.total("saved") + self.total("mask"), "buffers": int(buffers.max(initial=0)),
+            "training_state_peak": int(state.max(initial=0)), "device_peak": int(device.max(initial=0)),
+            "floor_ok": floor["ok"],
+            "inputs": self.total("input"), "saved_activations": self.total("saved"), "saved_masks": self.total("mask"),
+            "replay_peak": int(self.timeline["replay"].max(initial=0)), "pool_bytes": self.pool_bytes,
+            "training_state_peak_at": self.labels[state_at] if self.steps else "",
+            "device_peak_at": self.labels[peak_at] if self.steps else "",
+            "launches": self.steps, "backward_from": self.backward_from, "batch": self.batch,
+            "accounting": "fp32 tensors at 4 bytes per element, masks bit-packed at 1 bit per element; lifetimes over "
+                          "the kernel launch order, freed after their last reader",
+            "floor": floor,
+        }
+
+    def floor_check(self) -> dict[str, Any]:
+        entries = []
+        for b in self.buffers:
+            if b.cls not in ("saved", "mask") and not (b.cls == "grad" and b.why.startswith("kept for")):
+                continue
+            width = b.cls == "saved" and not b.why.startswith("loss") and len(b.shape) >= 2 and b.shape[1] > self.rank
+            entries.append({"name": b.name, "bytes": b.bytes, "shape": b.shape, "dtype": b.dtype,
+                            "kind": {"mask": "bit mask", "grad": "dL/dq"}.get(b.cls, "activation"), "why": b.why,
+                            "scales_with_width": bool(width)})
+        entries.sort(key=lambda e: -e["bytes"])
+        violations = [e["name"] for e in entries if e["scales_with_width"]]
+        return {"ok": not violations, "rank": self.rank, "saved": entries, "violations": violations,
+                "rule": "no saved full-precision activation of the backward may have more channels than the adapter "
+                        "rank; bit masks and the loss's inputs are exempt"}
+
+
+def _kernel_index(node: ir.Node) -> int | None:
+    kernel = node.metadata_props.get(keys.KERNEL)
+    if kernel is None or kernel == ALIAS or not kernel.startswith("k"):
+        return None
+    return int(kernel[1:])
+
+
+def _is_view(node: ir.Node | None) -> bool:
+    return node is not None and node.op_type in VIEWS and node.domain == ""
+
+
+def _root(value: ir.Value) -> ir.Value:
+    producer = value.producer()
+    while _is_view(producer) and producer.inputs[0] is not None:  # type: ignore[union-attr]
+        value = producer.inputs[0]  # type: ignore[union-attr]
+        producer = value.producer()
+    return value
+
+
+def _bytes(value: ir.Value) -> int:
+    count = numel(static_shape(value))
+    dtype = ir.DataType(value.dtype)
+    if dtype == ir.DataType.BOOL:
+        return (count + 7) // 8
+    return int(count * dtype.itemsize)
+
+
+def _dtype_name(value: ir.Value) -> str:
+    return ir.DataType(value.dtype).name.lower()
+
+
+def _schedule(graph: ir.Graph) -> tuple[dict[int, int], int, list[str], list[str]]:
+    """node id -> launch index, the number of launches, a label and a stage per launch.
+
+    A launch's stage is that of its earliest node: the fuse pass may compute a backward
+    expression of a forward value inside the forward kernel that makes the value.
+    """
+    nodes = list(graph)
+    fused = any(keys.KERNEL in n.metadata_props for n in nodes)
+    index: dict[int, int] = {}
+    labels: dict[int, str] = {}
+    stages: dict[int, str] = {}
+    for position, node in enumerate(nodes):
+        k = _kernel_index(node) if fused else (None if _is_view(node) else position)
+        if k is None:
+            continue
+        index[id(node)] = k
+        if k not in labels:
+            labels[k] = f"{'k' if fused else 'n'}{k} {node.op_type}"
+            stages[k] = node.metadata_props.get(keys.STAGE, "forward")
+    steps = max(index.values(), default=-1) + 1
+    return (index, steps, [labels.get(k, f"k{k}") for k in range(steps)],
+            [stages.get(k, "forward") for k in range(steps)])
+
+
+def _readers(value: ir.Value) -> list[ir.Node]:
+    found = []
+    for use in value.uses():
+        if _is_view(use.node):
+            for out in use.node.outputs:
+                found.extend(_readers(out))
+        else:
+            found.append(use.node)
+    return found
+
+
+def _optimizer_states(graph: ir.Graph) -> set[str]:
+    """Names of opt_state inputs whose update the optimizer stage computes (not BN running statistics)."""
+    names = set()
+    for out in graph.outputs:
+        if out.name.endswith(".new"):
+            producer = _root(out).producer()
+            if producer is not None and producer.metadata_props.get(keys.STAGE) == "optimizer":
+                names.add(out.name[: -len(".new")])
+    return names
+
+
+def _why_saved(value: ir.Value, made_in: str) -> str:
+    """The forward ops whose backward reads `value` (made in a launch of stage `made_in`)."""
+    origins = sorted({n.metadata_props.get(keys.GRAD_OF, "?") for n in _readers(value)
+                      if n.metadata_props.get(keys.STAGE) == "backward"})
+    where = "loss: " if made_in == "loss" else ""
+    shown = ", ".join(origins[:3]) + (f" and {len(origins) - 3} more" if len(origins) > 3 else "")
+    return f"{where}read by the backward of {shown}" if origins else f"{where}read by the backward"
+
+
+def plan_memory(model: ir.Model) -> MemoryPlan:
+    """Lifetimes, classes, reuse slots and the per-launch timeline of the step graph."""
+    graph = model.graph
+    index, steps, labels, stages = _schedule(graph)
+    fused = any(keys.KERNEL in n.metadata_props for n in graph)
+    steps = max(steps, 1)
+    last_step = steps - 1
+    optimizer_states = _optimizer_states(graph)
+    roots: dict[int, ir.Value] = {}
+    members: dict[int, list[str]] = {}
+
+    def add(value: ir.Value) -> None:
+        root = _root(value)
+        roots.setdefault(id(root), root)
+        members.setdefault(id(root), [])
+        if value.name and value.name not in members[id(root)]:
+            members[id(root)].append(value.name)
+
+    for value in list(graph.inputs) + list(graph.initializers.values()):
+        add(value)
+    for node in graph:
+        for value in node.outputs:
+            if value is not None and value.shape is not None:
+                add(value)
+    graph_outputs = {id(_root(v)) for v in graph.outputs}
+    backward_from = next((k for k, stage in enumerate(stages) if stage == "backward"), -1)
+    optimizer_from = next((k for k, stage in enumerate(stages) if stage == "optimizer"), -1)
+    buffers: list[Buffer] = []
+    for key, root in roots.items():
+        producer = root.producer()
+        names = members[key]
+        role = keys.get_role(root)
+        views = _views_of(root)
+        roles = {role} | {keys.get_role(v) for v in views}
+        tags: dict[str, str] = {}
+        for v in [root] + views:
+            for k, text in v.metadata_props.items():
+                tags.setdefault(k, text)
+        persistent = producer is None or producer.op_type == "Constant"
+        if persistent:
+            if role in (Role.INPUT.value, Role.LABEL.value):
+                cls = "input"
+            elif role == Role.OPT_STATE.value and root.name in optimizer_states:
+                cls = "optimizer"
+            else:
+                cls = "weight"
+            first, last = 0, last_step
+        else:
+            first = index.get(id(producer), 0)
+            readers = [index[id(n)] for n in _readers(root) if id(n) in index]
+            if fused and key not in graph_outputs and all(r == first for r in readers):
+                continue  # lives inside its kernel (registers), or nothing reads it: no texture
+            made_in = stages[first] if first < len(stages) else "forward"
+            read_in = {stages[r] for r in readers if r < len(stages)}
+            if Role.GRAD.value in roles or SITE_DQ in tags:
+                cls = "grad"
+            elif REPLAY in tags:
+                cls = "replay"
+            elif made_in in ("forward", "loss") and "backward" in read_in:
+                cls = "mask" if root.dtype == ir.DataType.BOOL else "saved"
+            else:
+                cls = "buffer"
+            last = last_step if key in graph_outputs else max(readers + [first])
+        why = ""
+        if cls in ("saved", "mask"):
+            why = _why_saved(root, made_in)
+        elif cls == "grad" and SITE_DQ in tags:
+            why = f"kept for the replay: dL/d({tags[SITE_DQ]})"
+        buffers.append(Buffer(name=root.name or (names[0] if names else ""), cls=cls, bytes=_bytes(root), first=first,
+                              last=last, shape=list(static_shape(root)), dtype=_dtype_name(root),
+                              kind="float" if root.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE,
+                                                             ir.DataType.BFLOAT16) else "int",
+                              values=names, why=why))
+    timeline = {cls: np.zeros(steps + 1, np.int64) for cls in CLASSES}
+    for b in buffers:
+        timeline[b.cls][b.first] += b.bytes
+        timeline[b.cls][b.last + 1] -= b.bytes
+    timeline = {cls: np.cumsum(t)[:steps] for cls, t in timeline.items()}
+    pool = _assign_slots(buffers, steps)
+    batch = next((static_shape(v)[0] for v in graph.inputs if keys.get_role(v) == Role.INPUT.value
+                  and len(static_shape(v)) > 0), 0)
+    adapter = json.loads(model.metadata_props.get(ADAPTER_META, "{}"))
+    rank = int(adapter.get("rank", 0)) if adapter.get("adapter") not in (None, "none") else 0
+    return MemoryPlan(buffers, steps, labels, backward_from, optimizer_from, timeline, pool,
+                      int(batch), rank, adapter)
+
+
+def _views_of(value: ir.Value) -> list[ir.Value]:
+    found = []
+    for use in value.uses():
+        if _is_view(use.node):
+            for out in use.node.outputs:
+                found.append(out)
+                found.extend(_views_of(out))
+    return found
+
+
+def _assign_slots(buffers: list[Buffer], steps: int) -> int:
+    """Texture reuse: persistent buffers own a texture; others take the best-fitting freed one."""
+    slots: list[tuple[int, str]] = []  # (bytes, kind)
+    free: list[int] = []
+    by_first: dict[int, list[Buffer]] = {}
+    by_last: dict[int, list[Buffer]] = {}
+    for b in buffers:
+        if b.cls in PERSISTENT or (b.first == 0 and b.last == steps - 1):
+            b.slot = len(slots)
+            slots.append((b.bytes, b.kind))
+            continue
+        by_first.setdefault(b.first, []).append(b)
+        by_last.setdefault(b.last, []).append(b)
+    for step in range(steps):
+        for b in sorted(by_first.get(step, []), key=lambda b: -b.bytes):
+            fitting = [s for s in free if slots[s][1] == b.kind and slots[s][0] >= b.bytes]
+            if fitting:
+                slot = min(fitting, key=lambda s: slots[s][0])
+                free.remove(slot)
+            else:
+                slot = len(slots)
+                slots.append((b.bytes, b.kind))
+            b.slot = slot
+        for b in by_last.get(step, []):
+            free.append(b.slot)
+    return sum(size for size, _ in slots)
+
+
+class MemoryPlanPass(ir.passes.InPlacePass):
+    """Annotate buffers with class, size, lifetime and texture slot; summarise (in place)."""
+
+    name = "memory_plan"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        plan = plan_memory(model)
+        modified = False
+        by_name = {b.name: b for b in plan.buffers}
+        for value in _all_values(model.graph):
+            b = by_name.get(value.name)
+            if b is None or _root(value) is not value:
+                continue
+            text = json.dumps({"class": b.cls, "bytes": b.bytes, "live": [b.first, b.last], "slot": b.slot})
+            if value.metadata_props.get(keys.MEM) != text:
+                value.metadata_props[keys.MEM] = text
+                modified = True
+        summary = plan.summary()
+        summary["floor"]["saved"] = summary["floor"]["saved"][:200]
+        text = json.dumps(summary)
+        if model.metadata_props.get(MEMORY_META) != text:
+            model.metadata_props[MEMORY_META] = text
+            modified = True
+        return ir.passes.PassResult(model, modified)
+
+
+def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in graph:
+        yield from (v for v in node.outputs if v is not None)
+
+
+__all__ = ["Buffer", "MemoryPlan", "MemoryPlanPass", "plan_memory", "MEMORY_META"]

@@ -1,0 +1,248 @@
+"""The native runner (`fblc-runner`, C99 in this folder) seen from Python: build it, write its data
+file, read its results, and run it here.
+
+The runner reads a bundle exactly as `LocalRunner` does and knows nothing about ONNX. It takes its
+batches from a data file that fblc writes from the `.npz` of `fblc run` (`write_data`), and leaves
+`results.json` (losses, step times, per-kernel device times, bytes allocated) and `params.bin` (the
+trained parameters, float32) in an output folder (`read_results`). `fblc push` / `fblc run --device
+adb:S` run the same binary on a phone (fblc/runtime/adb.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from fblc import bundle_format as fmt
+from fblc.bundle_format import BundleError
+
+NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
+RUNNER_NAME = "fblc-runner"
+DATA_MAGIC = b"FBLCDAT1"
+RESULTS, PARAMS_OUT = "results.json", "params.bin"
+# Where the README's build commands put the runner; `fblc push` looks here when no --runner is given.
+HOST_BUILD = os.path.join(NATIVE_DIR, "build", "host")
+ANDROID_BUILD = os.path.join(NATIVE_DIR, "build", "android-arm64")
+AARCH64_TOOLCHAIN = os.path.join(NATIVE_DIR, "cmake", "aarch64-linux-gnu.cmake")
+
+
+class RunnerError(BundleError):
+    """The native runner could not be built, found or run; the message says why and what to do."""
+
+
+# --- building ------------------------------------------------------------------------------------------
+def build_runner(build_dir: str = HOST_BUILD, toolchain: str | None = None,
+                 cmake_args: Sequence[str] = ()) -> str:
+    """Configure and build the runner with CMake into `build_dir`; returns the binary's path."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise RunnerError("cmake not found; install it (apt-get install cmake, or pip install cmake) to build the "
+                          "native runner")
+    configure = [cmake, "-S", NATIVE_DIR, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release", *cmake_args]
+    if toolchain:
+        configure.append(f"-DCMAKE_TOOLCHAIN_FILE={toolchain}")
+    for command in (configure, [cmake, "--build", build_dir, "--parallel", str(os.cpu_count() or 2)]):
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.returncode != 0:
+            raise RunnerError(f"building the native runner failed ({' '.join(command[:2])} ...):\n"
+                              f"{done.stdout.strip()[-3000:]}")
+    binary = os.path.join(build_dir, RUNNER_NAME)
+    if not os.path.isfile(binary):
+        raise RunnerError(f"the build in {build_dir} produced no {RUNNER_NAME}")
+    return binary
+
+
+# --- ELF: what a runner binary runs on ------------------------------------------------------------------
+ELF_MACHINES = {3: "x86", 40: "arm", 62: "x86_64", 183: "aarch64", 243: "riscv64"}
+UNAME_MACHINES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64",
+                  "armv7l": "arm", "armv8l": "arm", "i686": "x86", "i386": "x86", "riscv64": "riscv64"}
+
+
+@dataclass(frozen=True)
+class BinaryKind:
+    machine: str          # x86_64, aarch64, ...
+    system: str           # "android" (bionic's linker), "linux" (another interpreter) or "static"
+
+    def __str__(self) -> str:
+        return f"{self.system} {self.machine}" if self.system != "static" else f"static {self.machine}"
+
+
+def binary_kind(path: str) -> BinaryKind:
+    """Machine and C library of an ELF executable (from its header and PT_INTERP)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(1 << 16)
+    except OSError as error:
+        raise RunnerError(f"cannot read the runner '{path}' ({error.strerror})") from None
+    if data[:4] != b"\x7fELF" or len(data) < 64:
+        raise RunnerError(f"'{path}' is not an executable (no ELF header); build the runner (see the README)")
+    wide, little = data[4] == 2, data[5] == 1
+    order = "<" if little else ">"
+    machine = struct.unpack_from(order + "H", data, 18)[0]
+    if wide:
+        phoff, = struct.unpack_from(order + "Q", data, 32)
+        phentsize, phnum = struct.unpack_from(order + "HH", data, 54)
+    else:
+        phoff, = struct.unpack_from(order + "I", data, 28)
+        phentsize, phnum = struct.unpack_from(order + "HH", data, 42)
+    system = "static"
+    for index in range(phnum):
+        at = phoff + index * phentsize
+        if at + phentsize > len(data):
+            break
+        kind = struct.unpack_from(order + "I", data, at)[0]
+        if kind == 3:  # PT_INTERP
+            if wide:  # Elf64_Phdr: p_offset at 8, p_filesz at 32
+                offset, size = (struct.unpack_from(order + "Q", data, at + k)[0] for k in (8, 32))
+            else:  # Elf32_Phdr: p_offset at 4, p_filesz at 16
+                offset, size = (struct.unpack_from(order + "I", data, at + k)[0] for k in (4, 16))
+            interpreter = data[offset:offset + size].rstrip(b"\0").decode("ascii", "replace")
+            system = "android" if interpreter.startswith("/system/bin/linker") else "linux"
+    return BinaryKind(ELF_MACHINES.get(machine, f"machine {machine}"), system)
+
+
+def runner_candidates(explicit: str | None = None) -> list[str]:
+    """Runner binaries to consider, best first: --runner, $FBLC_RUNNER, then the README's build folders."""
+    if explicit:
+        return [explicit]
+    if os.environ.get("FBLC_RUNNER"):
+        return [os.environ["FBLC_RUNNER"]]
+    return [p for p in (os.path.join(ANDROID_BUILD, RUNNER_NAME), os.path.join(HOST_BUILD, RUNNER_NAME))
+            if os.path.isfile(p)]
+
+
+# --- the data file --------------------------------------------------------------------------------------
+def texture_dtype(plan: Mapping[str, Any], texture_id: int) -> np.dtype:
+    return np.dtype(fmt.NUMPY_DTYPES[plan["textures"][texture_id]["format"]])
+
+
+def write_data(path: str, manifest: Mapping[str, Any], plan: Mapping[str, Any],
+               batches: Sequence[Mapping[str, np.ndarray]]) -> int:
+    """Write `batches` (feeds by input name) as the runner's data file; returns its size in bytes.
+
+    Each input becomes its texture's element type exactly as LocalRunner.upload converts it (int64
+    labels to int32, floats to float32 or float16), flat and unpadded."""
+    inputs = manifest["inputs"]
+    sizes = [int(np.prod(e["shape"], dtype=np.int64)) * texture_dtype(plan, e["texture"]).itemsize for e in inputs]
+    with open(path, "wb") as handle:
+        handle.write(DATA_MAGIC + struct.pack("<II", len(batches), len(inputs)))
+        handle.write(struct.pack(f"<{len(inputs)}I", *sizes))
+        for feeds in batches:
+            for entry, size in zip(inputs, sizes):
+                array = np.asarray(feeds[entry["name"]])
+                if list(array.shape) != list(entry["shape"]):
+                    raise BundleError(f"'{entry['name']}' has shape {list(array.shape)}; the bundle expects "
+                                      f"{entry['shape']}")
+                flat = np.ascontiguousarray(array.reshape(-1).astype(texture_dtype(plan, entry["texture"])))
+                assert flat.nbytes == size
+                handle.write(flat.tobytes())
+        return handle.tell()
+
+
+# --- results --------------------------------------------------------------------------------------------
+@dataclass
+class RunnerResults:
+    """What the runner reports after a run."""
+
+    losses: list[float]
+    step_ms: list[float]
+    kernel_ms: list[float]                # device time of all kernels, per step
+    submit_ms: list[float]                # host time of the uploads and launches, per step
+    kernels: list[dict[str, Any]]         # per launch: name, function, calls, total_ms, mean_ms, min_ms
+    bytes_allocated: dict[str, int]
+    device: dict[str, str]
+    program: dict[str, Any]
+    parameters: dict[str, np.ndarray] = field(repr=False)
+    raw: dict[str, Any] = field(repr=False)
+
+
+def read_results(folder: str) -> RunnerResults:
+    """The runner's results.json and params.bin in `folder`, parameters as float32 arrays by ONNX name."""
+    try:
+        with open(os.path.join(folder, RESULTS), encoding="utf-8") as handle:
+            raw = json.load(handle)
+        blob = np.fromfile(os.path.join(folder, raw.get("params_file", PARAMS_OUT)), dtype="<f4")
+    except (OSError, ValueError) as error:
+        raise RunnerError(f"the runner's results in {folder} are unreadable ({error})") from None
+    parameters = {}
+    for entry in raw["parameters"]:
+        start, count = entry["offset"] // 4, entry["nbytes"] // 4
+        parameters[entry["name"]] = blob[start:start + count].reshape(entry["shape"]).copy()
+    return RunnerResults(raw["losses"], raw["step_ms"], raw["kernel_ms"], raw["submit_ms"], raw["kernels"],
+                         raw["bytes_allocated"], raw["device"], raw["program"], parameters, raw)
+
+
+# --- running here ---------------------------------------------------------------------------------------
+def pocl_wheel_environment(state_dir: str | None = None) -> dict[str, str]:
+    """Environment that makes the runner's libOpenCL.so.1 (the ICD loader, Debian: ocl-icd-libopencl1) see
+    the PoCL of the pyopencl / pocl-binary-distribution wheels, the device LocalRunner uses here.
+
+    It writes an ICD vendors folder with one .icd file naming that libpocl (OCL_ICD_VENDORS); returns {}
+    when the caller already chose (FBLC_OPENCL_LIBRARY or OCL_ICD_VENDORS set) or no wheel PoCL exists."""
+    if os.environ.get("FBLC_OPENCL_LIBRARY") or os.environ.get("OCL_ICD_VENDORS"):
+        return {}
+    found = []
+    for module in ("pyopencl", "pocl_binary_distribution"):
+        try:
+            package = __import__(module)
+        except ImportError:
+            continue
+        found += sorted(glob.glob(os.path.join(os.path.dirname(package.__file__), ".libs", "libpocl*.so*")))
+    if not found:
+        return {}
+    folder = state_dir or os.path.join(tempfile.gettempdir(), f"fblc-icd-{os.getuid()}")
+    os.makedirs(folder, exist_ok=True)
+    icd = os.path.join(folder, "pocl-wheel.icd")
+    if not os.path.isfile(icd) or open(icd, encoding="utf-8").read().strip() != found[0]:
+        temporary = f"{icd}.{os.getpid()}"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(found[0] + "\n")
+        os.replace(temporary, icd)
+    return {"OCL_ICD_VENDORS": folder}
+
+
+def pyopencl_build_options() -> dict[str, str]:
+    """{"FBLC_CL_BUILD_OPTIONS": ...}: the options pyopencl adds to LocalRunner's build (its include path),
+    so that the runner's clBuildProgram matches LocalRunner's and PoCL's kernel cache serves both.
+    They change no kernel (fblc's kernels include nothing); they only save a second compile. {} if unknown."""
+    try:
+        import pyopencl
+
+        options = list(getattr(pyopencl, "_DEFAULT_BUILD_OPTIONS", [])) + list(
+            getattr(pyopencl, "_DEFAULT_INCLUDE_OPTIONS", []))
+    except ImportError:
+        return {}
+    return {"FBLC_CL_BUILD_OPTIONS": " ".join(options)} if options else {}
+
+
+def run_runner(runner: str, bundle: str, batches: Sequence[Mapping[str, np.ndarray]], steps: int,
+               device: str | None = None, cache: bool = True, env: Mapping[str, str] | None = None,
+               echo: bool = False) -> RunnerResults:
+    """Train `bundle` for `steps` steps with the native runner on this machine; the results."""
+    manifest, plan = fmt.load_verified(bundle)
+    with tempfile.TemporaryDirectory(prefix="fblc-native-") as work:
+        data = os.path.join(work, "data.bin")
+        write_data(data, manifest, plan, batches)
+        command = [runner, bundle, "--data", data, "--steps", str(steps), "--out", work]
+        if device:
+            command += ["--device", device]
+        if not cache:
+            command.append("--no-cache")
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **(env or {})})
+        if echo:
+            sys.stdout.write(done.stdout)
+        if done.returncode != 0:
+            message = done.stderr.strip() or f"exit status {done.returncode}"
+            raise RunnerError(message.removeprefix("fblc-runner: error: "))
+        return read_results(work)

@@ -1,0 +1,234 @@
+#include "bundle.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "json.h"
+#include "sha256.h"
+#include "util.h"
+
+static const char *const CHECKSUMMED[] = {"plan.json", "kernels.cl", "params.bin", "report.json"};
+
+size_t format_element_bytes(int format) { return format == FORMAT_F16 ? 2 : 4; }
+
+const char *format_name(int format) {
+    return format == FORMAT_F16 ? "rgba_f16" : format == FORMAT_I32 ? "rgba_i32" : "rgba_f32";
+}
+
+static const char *folder_of_error;
+
+static void bad(const char *what) {
+    die(EXIT_USAGE, "'%s' is not a valid fblc bundle: %s; compile the bundle again", folder_of_error, what);
+}
+
+static const json_value *need(const json_value *object, const char *key, json_type type, const char *where) {
+    const json_value *value = json_get(object, key);
+    if (!value || value->type != type) {
+        char message[256];
+        snprintf(message, sizeof message, "%s has no valid '%s'", where, key);
+        bad(message);
+    }
+    return value;
+}
+
+static size_t need_size(const json_value *object, const char *key, const char *where) {
+    const json_value *value = need(object, key, JSON_NUMBER, where);
+    if (value->number < 0 || value->number != floor(value->number) || value->number > 9.0e15) {
+        char message[256];
+        snprintf(message, sizeof message, "%s has a bad '%s'", where, key);
+        bad(message);
+    }
+    return (size_t)value->number;
+}
+
+static size_t as_size(const json_value *value, const char *where) {
+    if (!value || value->type != JSON_NUMBER || value->number < 0 || value->number != floor(value->number) ||
+        value->number > 9.0e15)
+        bad(where);
+    return (size_t)value->number;
+}
+
+static json_value *parse_file(const char *folder, const char *name, char **text_out) {
+    char *path = path_join(folder, name);
+    size_t length;
+    char *text = read_file(path, &length);
+    if (!text) die(EXIT_USAGE, "cannot read '%s' (%s); compile the bundle again", path, strerror(errno));
+    char error[256];
+    json_value *root = json_parse(text, error, sizeof error);
+    if (!root) die(EXIT_USAGE, "'%s' is not valid JSON (%s); compile the bundle again", path, error);
+    free(path);
+    if (text_out) *text_out = text;
+    else free(text);
+    return root;
+}
+
+static void read_tensor(const json_value *entry, tensor *out, size_t texture_count, const char *where) {
+    out->name = xstrdup(need(entry, "name", JSON_STRING, where)->string);
+    out->texture = need_size(entry, "texture", where);
+    if (out->texture >= texture_count) bad("a tensor names a texture the plan does not have");
+    const json_value *shape = need(entry, "shape", JSON_ARRAY, where);
+    out->rank = shape->count;
+    out->shape = xcalloc(shape->count, sizeof *out->shape);
+    out->elements = 1;
+    for (size_t i = 0; i < shape->count; ++i) {
+        out->shape[i] = as_size(json_at(shape, i), "a tensor shape is not a list of sizes");
+        out->elements *= out->shape[i];
+    }
+}
+
+static void check_checksums(const char *folder, const json_value *manifest, bundle *out) {
+    const json_value *checksums = json_get(manifest, "checksums");
+    for (size_t i = 0; i < sizeof CHECKSUMMED / sizeof *CHECKSUMMED; ++i) {
+        const char *name = CHECKSUMMED[i];
+        char *path = path_join(folder, name);
+        size_t length;
+        char *data = read_file(path, &length);
+        if (!data) {
+            if (errno == ENOENT) die(EXIT_USAGE, "'%s' is incomplete: %s is missing; compile the bundle again", folder, name);
+            die(EXIT_USAGE, "cannot read '%s' (%s)", path, strerror(errno));
+        }
+        const json_value *want = json_get(checksums, name);
+        char digest[65];
+        sha256_hex(data, length, digest);
+        if (!want || want->type != JSON_STRING || strcmp(want->string, digest) != 0)
+            die(EXIT_USAGE, "'%s/%s' does not match the checksum in manifest.json (corrupt or edited); "
+                            "compile the bundle again", folder, name);
+        if (strcmp(name, "kernels.cl") == 0) {
+            out->kernels_source = data;
+            out->kernels_length = length;
+            memcpy(out->kernels_sha256, digest, sizeof digest);
+        } else if (strcmp(name, "params.bin") == 0) {
+            out->params = (unsigned char *)data;
+            out->params_length = length;
+        } else {
+            free(data);
+        }
+        free(path);
+    }
+}
+
+void bundle_load(const char *folder, bundle *out) {
+    memset(out, 0, sizeof *out);
+    folder_of_error = folder;
+    out->folder = xstrdup(folder);
+    char *manifest_path = path_join(folder, "manifest.json");
+    FILE *probe = fopen(manifest_path, "rb");
+    if (!probe)
+        die(EXIT_USAGE, "'%s' is not an fblc bundle: manifest.json is missing; compile one with "
+                        "'fblc compile MODEL -o DIR'", folder);
+    fclose(probe);
+    free(manifest_path);
+    json_value *manifest = parse_file(folder, "manifest.json", NULL);
+    const json_value *format = json_get(manifest, "format"), *version = json_get(manifest, "format_version");
+    if (!format || format->type != JSON_STRING || strcmp(format->string, FBLC_FORMAT_NAME) != 0 || !version ||
+        version->type != JSON_NUMBER || version->number != FBLC_FORMAT_VERSION) {
+        char found[128];
+        if (version && version->type == JSON_NUMBER) snprintf(found, sizeof found, "%g", version->number);
+        else snprintf(found, sizeof found, "None");
+        die(EXIT_USAGE, "'%s' has format '%s' version %s; this runner reads %s version %d: compile it again with "
+                        "the fblc that built this runner", folder,
+            format && format->type == JSON_STRING ? format->string : "None", found, FBLC_FORMAT_NAME,
+            FBLC_FORMAT_VERSION);
+    }
+    check_checksums(folder, manifest, out);
+    const json_value *target = json_get(manifest, "target");
+    out->target = xstrdup(target && target->type == JSON_STRING ? target->string : "?");
+
+    json_value *plan = parse_file(folder, "plan.json", NULL);
+    const json_value *textures = need(plan, "textures", JSON_ARRAY, "plan.json");
+    out->texture_count = textures->count;
+    out->textures = xcalloc(textures->count, sizeof *out->textures);
+    for (size_t i = 0; i < textures->count; ++i) {
+        const json_value *entry = json_at(textures, i);
+        texture *t = &out->textures[i];
+        const json_value *id = json_get(entry, "id");
+        if (id && as_size(id, "a texture id is not a number") != i) bad("texture ids are not in order");
+        t->name = xstrdup(need(entry, "name", JSON_STRING, "a texture")->string);
+        const char *name = need(entry, "format", JSON_STRING, "a texture")->string;
+        if (strcmp(name, "rgba_f32") == 0) t->format = FORMAT_F32;
+        else if (strcmp(name, "rgba_f16") == 0) t->format = FORMAT_F16;
+        else if (strcmp(name, "rgba_i32") == 0) t->format = FORMAT_I32;
+        else bad("a texture has an unknown format");
+        t->width = need_size(entry, "width", "a texture");
+        t->height = need_size(entry, "height", "a texture");
+        if (!t->width || !t->height) bad("a texture has no texels");
+        const json_value *shape = need(entry, "shape", JSON_ARRAY, "a texture");
+        t->elements = 1;
+        for (size_t k = 0; k < shape->count; ++k) t->elements *= as_size(json_at(shape, k), "a texture shape is bad");
+        if (t->elements > t->width * t->height * 4) bad("a texture is smaller than its tensor");
+        const json_value *init = json_get(entry, "init");
+        if (init && init->type == JSON_OBJECT) {
+            t->has_init = 1;
+            t->init_offset = need_size(init, "offset", "a texture's init");
+            t->init_nbytes = need_size(init, "nbytes", "a texture's init");
+            if (t->init_nbytes != t->width * t->height * 4 * format_element_bytes(t->format))
+                bad("a texture's init is not one full texture");
+            if (t->init_offset + t->init_nbytes > out->params_length) bad("a texture's init lies past the end of params.bin");
+        }
+    }
+
+    const json_value *kernels = need(plan, "kernels", JSON_ARRAY, "plan.json");
+    out->launch_count = kernels->count;
+    out->launches = xcalloc(kernels->count, sizeof *out->launches);
+    for (size_t i = 0; i < kernels->count; ++i) {
+        const json_value *entry = json_at(kernels, i);
+        launch *l = &out->launches[i];
+        l->name = xstrdup(need(entry, "name", JSON_STRING, "a kernel launch")->string);
+        const json_value *function = json_get(entry, "function");
+        l->function = xstrdup(function && function->type == JSON_STRING ? function->string : l->name);
+        const json_value *global = need(entry, "global_size", JSON_ARRAY, "a kernel launch");
+        if (global->count < 1 || global->count > 3) bad("a kernel launch has a global size of 1 to 3 dimensions");
+        l->work_dim = (unsigned)global->count;
+        for (size_t k = 0; k < global->count; ++k) l->global_size[k] = as_size(json_at(global, k), "bad global size");
+        const json_value *outputs = need(entry, "outputs", JSON_ARRAY, "a kernel launch");
+        const json_value *inputs = need(entry, "inputs", JSON_ARRAY, "a kernel launch");
+        l->argument_count = outputs->count + inputs->count;
+        l->arguments = xcalloc(l->argument_count, sizeof *l->arguments);
+        for (size_t k = 0; k < l->argument_count; ++k) {
+            const json_value *id = k < outputs->count ? json_at(outputs, k) : json_at(inputs, k - outputs->count);
+            l->arguments[k] = as_size(id, "a kernel argument is not a texture id");
+            if (l->arguments[k] >= out->texture_count) bad("a kernel argument names a texture the plan does not have");
+        }
+        const json_value *lines = json_get(entry, "lines");
+        if (lines && lines->type == JSON_ARRAY && lines->count == 2) {
+            l->first_line = (long)as_size(json_at(lines, 0), "bad kernel lines");
+            l->last_line = (long)as_size(json_at(lines, 1), "bad kernel lines");
+        }
+    }
+
+    const json_value *swaps = need(plan, "swaps", JSON_ARRAY, "plan.json");
+    out->swap_count = swaps->count;
+    out->swaps = xcalloc(swaps->count, sizeof *out->swaps);
+    for (size_t i = 0; i < swaps->count; ++i) {
+        const json_value *pair = json_at(swaps, i);
+        if (!pair || pair->type != JSON_ARRAY || pair->count != 2) bad("a swap is not a pair of texture ids");
+        for (int k = 0; k < 2; ++k) {
+            out->swaps[i][k] = as_size(json_at(pair, (size_t)k), "a swap is not a pair of texture ids");
+            if (out->swaps[i][k] >= out->texture_count) bad("a swap names a texture the plan does not have");
+        }
+    }
+
+    const json_value *inputs = need(manifest, "inputs", JSON_ARRAY, "manifest.json");
+    out->input_count = inputs->count;
+    out->inputs = xcalloc(inputs->count, sizeof *out->inputs);
+    for (size_t i = 0; i < inputs->count; ++i) {
+        read_tensor(json_at(inputs, i), &out->inputs[i], out->texture_count, "a manifest input");
+        const texture *t = &out->textures[out->inputs[i].texture];
+        if (out->inputs[i].elements > t->width * t->height * 4) bad("an input is larger than its texture");
+    }
+    const json_value *parameters = need(manifest, "parameters", JSON_ARRAY, "manifest.json");
+    out->parameter_count = parameters->count;
+    out->parameters = xcalloc(parameters->count, sizeof *out->parameters);
+    for (size_t i = 0; i < parameters->count; ++i) {
+        read_tensor(json_at(parameters, i), &out->parameters[i], out->texture_count, "a manifest parameter");
+        const texture *t = &out->textures[out->parameters[i].texture];
+        if (out->parameters[i].elements > t->width * t->height * 4) bad("a parameter is larger than its texture");
+    }
+    out->loss_texture = need_size(manifest, "loss", "manifest.json");
+    if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
+    json_free(manifest);
+    json_free(plan);
+}

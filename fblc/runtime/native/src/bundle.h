@@ -1,0 +1,70 @@
+/* An fblc bundle as the runner reads it: manifest.json, plan.json, kernels.cl, params.bin.
+ * The format is fblc/bundle_format.py's; the runner knows nothing about ONNX or models. */
+#ifndef FBLC_BUNDLE_H
+#define FBLC_BUNDLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FBLC_FORMAT_NAME "fblc-bundle"
+#define FBLC_FORMAT_VERSION 1
+
+enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2 };
+
+typedef struct {
+    char *name;
+    int format;              /* FORMAT_* */
+    size_t width, height;    /* texels */
+    size_t elements;         /* product of the tensor shape: the leading scalars that hold the value */
+    int has_init;            /* filled from params.bin */
+    uint64_t init_offset, init_nbytes;
+} texture;
+
+typedef struct {
+    char *name;              /* the plan's launch name, e.g. k3_MatMul */
+    char *function;          /* the __kernel function */
+    unsigned work_dim;
+    size_t global_size[3];
+    size_t *arguments;       /* texture ids: outputs, then inputs */
+    size_t argument_count;
+    long first_line, last_line; /* where it is in kernels.cl (0 if unknown) */
+} launch;
+
+typedef struct {
+    char *name;
+    size_t texture;
+    size_t elements;
+    size_t *shape;
+    size_t rank;
+} tensor; /* a data input or a trained parameter */
+
+typedef struct {
+    char *folder;
+    char *target;
+    texture *textures;
+    size_t texture_count;
+    launch *launches;
+    size_t launch_count;
+    size_t (*swaps)[2];
+    size_t swap_count;
+    tensor *inputs;
+    size_t input_count;
+    tensor *parameters;
+    size_t parameter_count;
+    size_t loss_texture;
+    char *kernels_source;
+    size_t kernels_length;
+    char kernels_sha256[65];
+    unsigned char *params;   /* params.bin */
+    size_t params_length;
+} bundle;
+
+/* Read and check `folder`: format name and version, the sha256 of every checksummed file, and
+ * that every id and size in the plan is consistent. Dies with EXIT_USAGE and a message naming the
+ * problem and what to do. */
+void bundle_load(const char *folder, bundle *out);
+
+size_t format_element_bytes(int format); /* 4, 2, 4 */
+const char *format_name(int format);
+
+#endif

@@ -1,0 +1,315 @@
+/* fblc-runner: train with an fblc bundle on an OpenCL device, without Python.
+ *
+ *   fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--quiet]
+ *   fblc-runner --devices
+ *   fblc-runner --version
+ *
+ * DATA.bin (written by fblc from an .npz): "FBLCDAT1", u32 batches, u32 inputs, u32 bytes per batch of
+ * each input (manifest order), then the batches one after the other, each the inputs in manifest order,
+ * already in their textures' element type (float32, float16 or int32, little-endian), unpadded. Step s
+ * trains on batch s mod batches.
+ *
+ * stdout: one JSON object per line: first {"device": ...}, then {"step": s, "loss": ..., "ms": ...}.
+ * DIR receives params.bin (the trained parameters, float32, manifest order) and results.json (losses,
+ * step times, the host time of each step's uploads and launches, per-kernel device times from profiling
+ * events, bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
+ * results.json last, and only when every step ran.
+ * Errors: one line "fblc-runner: error: ..." on stderr and exit codes from util.h.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "bundle.h"
+#include "json.h"
+#include "opencl.h"
+#include "runner.h"
+#include "util.h"
+
+#define RUNNER_VERSION "1"
+#define DATA_MAGIC "FBLCDAT1"
+
+static volatile sig_atomic_t interrupted = 0;
+
+static void on_signal(int signal_number) {
+    (void)signal_number;
+    interrupted = 1;
+}
+
+static void usage(void) {
+    fputs("usage: fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--quiet]\n"
+          "       fblc-runner --devices | --version\n", stderr);
+    exit(EXIT_USAGE);
+}
+
+typedef struct {
+    unsigned char *bytes;
+    size_t batches;
+    size_t batch_bytes;
+    size_t *offsets; /* of each input inside a batch */
+} data_file;
+
+static void data_load(const char *path, const bundle *b, data_file *out) {
+    size_t length;
+    out->bytes = (unsigned char *)read_file(path, &length);
+    if (!out->bytes) die(EXIT_USAGE, "cannot read data file '%s' (%s)", path, strerror(errno));
+    if (length < 16 || memcmp(out->bytes, DATA_MAGIC, 8) != 0)
+        die(EXIT_USAGE, "'%s' is not an fblc data file (fblc writes it from an .npz)", path);
+    out->batches = read_u32le(out->bytes + 8);
+    size_t inputs = read_u32le(out->bytes + 12);
+    if (inputs != b->input_count || length < 16 + 4 * inputs)
+        die(EXIT_USAGE, "data file '%s' holds %zu inputs, the bundle takes %zu; write it again for this bundle", path,
+            inputs, b->input_count);
+    out->offsets = xcalloc(inputs, sizeof *out->offsets);
+    out->batch_bytes = 0;
+    for (size_t i = 0; i < inputs; ++i) {
+        const texture *t = &b->textures[b->inputs[i].texture];
+        size_t want = b->inputs[i].elements * format_element_bytes(t->format), have = read_u32le(out->bytes + 16 + 4 * i);
+        if (have != want)
+            die(EXIT_USAGE, "data file '%s' has %zu bytes per batch of '%s', the bundle takes %zu (%s); write it again "
+                            "for this bundle", path, have, b->inputs[i].name, want, format_name(t->format));
+        out->offsets[i] = out->batch_bytes;
+        out->batch_bytes += want;
+    }
+    size_t header = 16 + 4 * inputs;
+    if (out->batches == 0 || length != header + out->batches * out->batch_bytes)
+        die(EXIT_USAGE, "data file '%s' is truncated or has no batch (%zu bytes for %zu batches of %zu)", path, length,
+            out->batches, out->batch_bytes);
+    out->bytes += header; /* never freed */
+}
+
+static void write_shape(FILE *out, const tensor *t) {
+    fputc('[', out);
+    for (size_t k = 0; k < t->rank; ++k) fprintf(out, "%s%zu", k ? ", " : "", t->shape[k]);
+    fputc(']', out);
+}
+
+typedef struct {
+    size_t steps, capacity;
+    double *losses, *step_ms, *kernel_ms, *submit_ms; /* per step */
+    double *launch_total, *launch_min;    /* per launch, over the steps */
+    double *launch_now;                   /* per launch, this step */
+} timings;
+
+static void timings_add(timings *t, size_t launches, double loss, double step_ms, double submit_ms) {
+    if (t->steps == t->capacity) {
+        t->capacity = t->capacity ? 2 * t->capacity : 1024;
+        t->losses = xrealloc(t->losses, t->capacity * sizeof *t->losses);
+        t->step_ms = xrealloc(t->step_ms, t->capacity * sizeof *t->step_ms);
+        t->kernel_ms = xrealloc(t->kernel_ms, t->capacity * sizeof *t->kernel_ms);
+        t->submit_ms = xrealloc(t->submit_ms, t->capacity * sizeof *t->submit_ms);
+    }
+    double sum = 0;
+    for (size_t k = 0; k < launches; ++k) {
+        double ms = t->launch_now[k];
+        sum += ms;
+        t->launch_total[k] += ms;
+        if (t->steps == 0 || ms < t->launch_min[k]) t->launch_min[k] = ms;
+    }
+    t->losses[t->steps] = loss;
+    t->step_ms[t->steps] = step_ms;
+    t->kernel_ms[t->steps] = sum;
+    t->submit_ms[t->steps] = submit_ms;
+    t->steps++;
+}
+
+static void write_list(FILE *out, const double *values, size_t count) {
+    fputc('[', out);
+    for (size_t i = 0; i < count; ++i) {
+        if (i) fputs(", ", out);
+        json_write_float(out, values[i]);
+    }
+    fputc(']', out);
+}
+
+static void write_outputs(const char *folder, runner *r, const bundle *b, const timings *t) {
+    size_t steps = t->steps;
+    /* parameters */
+    size_t total = 0;
+    for (size_t i = 0; i < b->parameter_count; ++i) total += b->parameters[i].elements;
+    float *values = xcalloc(total, sizeof *values);
+    size_t at = 0;
+    for (size_t i = 0; i < b->parameter_count; ++i) {
+        runner_read_parameter(r, i, values + at);
+        at += b->parameters[i].elements;
+    }
+    char *params_path = path_join(folder, "params.bin");
+    int error = write_atomically(params_path, values, total * sizeof *values);
+    if (error) die(EXIT_OUTPUT, "cannot write %s (%s)", params_path, strerror(error));
+
+    /* results.json, in memory first */
+    char *text = NULL;
+    size_t text_length = 0;
+    FILE *out = open_memstream(&text, &text_length);
+    if (!out) die(EXIT_INTERNAL, "open_memstream failed");
+    fprintf(out, "{\n \"format\": \"fblc-runner-results\", \"version\": 1, \"runner_version\": \"%s\",\n \"bundle\": ",
+            RUNNER_VERSION);
+    json_write_string(out, b->folder);
+    fprintf(out, ", \"target\": ");
+    json_write_string(out, b->target);
+    fprintf(out, ",\n \"device\": {\"name\": ");
+    json_write_string(out, r->device.device_name);
+    fprintf(out, ", \"platform\": ");
+    json_write_string(out, r->device.platform_name);
+    fprintf(out, ", \"version\": ");
+    json_write_string(out, r->device.device_version);
+    fprintf(out, ", \"driver\": ");
+    json_write_string(out, r->device.driver_version);
+    fprintf(out, ", \"library\": ");
+    json_write_string(out, cl.library);
+    fprintf(out, "},\n \"program\": {\"from_cache\": %s, \"build_ms\": ", r->program_from_cache ? "true" : "false");
+    json_write_float(out, r->build_ms);
+    fprintf(out, "},\n \"bytes_allocated\": {\"textures\": %zu, \"host_staging\": %zu},\n", r->texture_bytes,
+            r->host_bytes);
+    fprintf(out, " \"steps\": %zu,\n \"losses\": ", steps);
+    write_list(out, t->losses, steps);
+    fputs(",\n \"step_ms\": ", out);
+    write_list(out, t->step_ms, steps);
+    fputs(",\n \"kernel_ms\": ", out);
+    write_list(out, t->kernel_ms, steps);
+    fputs(",\n \"submit_ms\": ", out);
+    write_list(out, t->submit_ms, steps);
+    fputs(",\n \"kernels\": [", out);
+    for (size_t k = 0; k < b->launch_count; ++k) {
+        double sum = t->launch_total[k], least = t->launch_min[k];
+        fprintf(out, "%s\n  {\"name\": ", k ? "," : "");
+        json_write_string(out, b->launches[k].name);
+        fprintf(out, ", \"function\": ");
+        json_write_string(out, b->launches[k].function);
+        fprintf(out, ", \"calls\": %zu, \"total_ms\": ", steps);
+        json_write_float(out, sum);
+        fprintf(out, ", \"mean_ms\": ");
+        json_write_float(out, steps ? sum / (double)steps : 0.0);
+        fprintf(out, ", \"min_ms\": ");
+        json_write_float(out, least);
+        fputc('}', out);
+    }
+    fputs("],\n \"params_file\": \"params.bin\", \"params_dtype\": \"float32\",\n \"parameters\": [", out);
+    at = 0;
+    for (size_t i = 0; i < b->parameter_count; ++i) {
+        fprintf(out, "%s\n  {\"name\": ", i ? "," : "");
+        json_write_string(out, b->parameters[i].name);
+        fputs(", \"shape\": ", out);
+        write_shape(out, &b->parameters[i]);
+        fprintf(out, ", \"offset\": %zu, \"nbytes\": %zu}", at * sizeof(float), b->parameters[i].elements * sizeof(float));
+        at += b->parameters[i].elements;
+    }
+    fputs("]\n}\n", out);
+    if (fclose(out) != 0) die(EXIT_INTERNAL, "building results.json failed");
+    char *results_path = path_join(folder, "results.json");
+    error = write_atomically(results_path, text, text_length);
+    if (error) {
+        unlink(params_path);
+        die(EXIT_OUTPUT, "cannot write %s (%s)", results_path, strerror(error));
+    }
+    free(text);
+    free(values);
+    free(params_path);
+    free(results_path);
+}
+
+static void interrupted_exit(void) {
+    partial_unlink_all();
+    fputs("fblc-runner: interrupted\n", stderr);
+    exit(EXIT_INTERRUPTED);
+}
+
+int main(int argc, char **argv) {
+    const char *bundle_dir = NULL, *data_path = NULL, *out_dir = NULL, *device_spec = NULL;
+    long steps = -1;
+    int use_cache = 1, quiet = 0, list = 0;
+    for (int i = 1; i < argc; ++i) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--version") == 0) {
+            printf("fblc-runner %s (bundle format %s %d)\n", RUNNER_VERSION, FBLC_FORMAT_NAME, FBLC_FORMAT_VERSION);
+            return 0;
+        } else if (strcmp(arg, "--devices") == 0) list = 1;
+        else if (strcmp(arg, "--no-cache") == 0) use_cache = 0;
+        else if (strcmp(arg, "--quiet") == 0) quiet = 1;
+        else if (i + 1 < argc && strcmp(arg, "--data") == 0) data_path = argv[++i];
+        else if (i + 1 < argc && strcmp(arg, "--out") == 0) out_dir = argv[++i];
+        else if (i + 1 < argc && strcmp(arg, "--device") == 0) device_spec = argv[++i];
+        else if (i + 1 < argc && strcmp(arg, "--steps") == 0) {
+            char *end;
+            steps = strtol(argv[++i], &end, 10);
+            if (*end || steps < 1) die(EXIT_USAGE, "--steps takes a positive number, not '%s'", argv[i]);
+        } else if (arg[0] == '-') {
+            fprintf(stderr, "fblc-runner: error: unknown or incomplete option '%s'\n", arg);
+            usage();
+        } else if (!bundle_dir) bundle_dir = arg;
+        else usage();
+    }
+    if (list) {
+        opencl_load();
+        device_list();
+        return 0;
+    }
+    if (!bundle_dir || !data_path || !out_dir || steps < 1) usage();
+
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = on_signal;
+    sigaction(SIGINT, &action, NULL);
+    sigaction(SIGTERM, &action, NULL);
+    sigaction(SIGHUP, &action, NULL);
+    signal(SIGPIPE, SIG_IGN); /* a closed stdout (adb gone) must not kill the run before cleanup */
+
+    struct stat folder;
+    if (stat(out_dir, &folder) != 0 || !S_ISDIR(folder.st_mode))
+        die(EXIT_USAGE, "output folder '%s' does not exist", out_dir);
+
+    bundle b;
+    bundle_load(bundle_dir, &b);
+    data_file data;
+    data_load(data_path, &b, &data);
+    opencl_load();
+    device_choice device;
+    device_select(device_spec, &device);
+    runner r;
+    runner_setup(&r, &b, &device, use_cache);
+    if (interrupted) interrupted_exit();
+
+    if (!quiet) {
+        printf("{\"device\": ");
+        json_write_string(stdout, device.device_name);
+        printf(", \"platform\": ");
+        json_write_string(stdout, device.platform_name);
+        printf(", \"program_from_cache\": %s, \"build_ms\": ", r.program_from_cache ? "true" : "false");
+        json_write_float(stdout, r.build_ms);
+        printf(", \"textures_bytes\": %zu, \"kernels\": %zu, \"batches\": %zu}\n", r.texture_bytes, b.launch_count,
+               data.batches);
+        fflush(stdout);
+    }
+    timings record;
+    memset(&record, 0, sizeof record);
+    record.launch_total = xcalloc(b.launch_count, sizeof *record.launch_total);
+    record.launch_min = xcalloc(b.launch_count, sizeof *record.launch_min);
+    record.launch_now = xcalloc(b.launch_count, sizeof *record.launch_now);
+    const void **inputs = xcalloc(b.input_count, sizeof *inputs);
+    for (long s = 0; s < steps; ++s) {
+        const unsigned char *batch = data.bytes + (size_t)(s % (long)data.batches) * data.batch_bytes;
+        for (size_t i = 0; i < b.input_count; ++i) inputs[i] = batch + data.offsets[i];
+        double started = now_ms();
+        double loss = runner_step(&r, inputs, record.launch_now);
+        double elapsed = now_ms() - started;
+        timings_add(&record, b.launch_count, loss, elapsed, r.submit_ms);
+        if (!quiet) {
+            printf("{\"step\": %ld, \"loss\": ", s + 1);
+            json_write_float(stdout, loss);
+            printf(", \"ms\": ");
+            json_write_float(stdout, elapsed);
+            printf("}\n");
+            fflush(stdout);
+        }
+        if (interrupted) interrupted_exit();
+    }
+    write_outputs(out_dir, &r, &b, &record);
+    if (interrupted) { /* the outputs are complete: keep them, but say so */
+        fputs("fblc-runner: interrupted after the last step; results were written\n", stderr);
+    }
+    return 0;
+}

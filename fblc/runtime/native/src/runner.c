@@ -1,0 +1,425 @@
+#include "runner.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "json.h"
+#include "util.h"
+
+#define BUILD_OPTIONS "-cl-std=CL1.2"
+#define MAX_OPTIONS 1024
+
+/* "-cl-std=CL1.2", then $FBLC_CL_BUILD_OPTIONS if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
+static const char *build_options(void) {
+    static char options[MAX_OPTIONS];
+    const char *extra = getenv("FBLC_CL_BUILD_OPTIONS");
+    if (extra && *extra) snprintf(options, sizeof options, "%s %s", BUILD_OPTIONS, extra);
+    else snprintf(options, sizeof options, "%s", BUILD_OPTIONS);
+    return options;
+}
+#define CACHE_FILE "kernels.cache"
+#define CACHE_MAGIC "FBLCBIN1"
+
+static void device_string(cl_device_id device, cl_device_info what, char *out, size_t size) {
+    out[0] = '\0';
+    if (cl.GetDeviceInfo(device, what, size, out, NULL) != CL_SUCCESS) snprintf(out, size, "?");
+    out[size - 1] = '\0';
+    /* drivers pad names with spaces */
+    size_t length = strlen(out);
+    while (length && (out[length - 1] == ' ' || out[length - 1] == '\n')) out[--length] = '\0';
+}
+
+static cl_platform_id *platforms_of(cl_uint *count) {
+    cl_int status = cl.GetPlatformIDs(0, NULL, count);
+    if (status == -1001 /* CL_PLATFORM_NOT_FOUND_KHR */ || (status == CL_SUCCESS && *count == 0))
+        die(EXIT_OPENCL, "no OpenCL platform found through %s: install an OpenCL driver (on Debian: apt-get install "
+                         "pocl-opencl-icd), or point OCL_ICD_FILENAMES at one", cl.library);
+    check_cl(status, "clGetPlatformIDs");
+    cl_platform_id *platforms = xcalloc(*count, sizeof *platforms);
+    check_cl(cl.GetPlatformIDs(*count, platforms, NULL), "clGetPlatformIDs");
+    return platforms;
+}
+
+static cl_device_id *devices_of(cl_platform_id platform, cl_uint *count) {
+    cl_int status = cl.GetDeviceIDs(platform, CL_DEVICE_TYPE_ALL, 0, NULL, count);
+    if (status == CL_DEVICE_NOT_FOUND) {
+        *count = 0;
+        return NULL;
+    }
+    check_cl(status, "clGetDeviceIDs");
+    cl_device_id *devices = xcalloc(*count, sizeof *devices);
+    check_cl(cl.GetDeviceIDs(platform, CL_DEVICE_TYPE_ALL, *count, devices, NULL), "clGetDeviceIDs");
+    return devices;
+}
+
+static int image_support(cl_device_id device) {
+    cl_bool images = CL_FALSE;
+    return cl.GetDeviceInfo(device, CL_DEVICE_IMAGE_SUPPORT, sizeof images, &images, NULL) == CL_SUCCESS && images;
+}
+
+static void describe(cl_platform_id platform, cl_device_id device, device_choice *out) {
+    out->platform = platform;
+    out->device = device;
+    if (cl.GetPlatformInfo(platform, CL_PLATFORM_NAME, sizeof out->platform_name, out->platform_name, NULL) != CL_SUCCESS)
+        snprintf(out->platform_name, sizeof out->platform_name, "?");
+    out->platform_name[sizeof out->platform_name - 1] = '\0';
+    device_string(device, CL_DEVICE_NAME, out->device_name, sizeof out->device_name);
+    device_string(device, CL_DEVICE_VERSION, out->device_version, sizeof out->device_version);
+    device_string(device, CL_DRIVER_VERSION, out->driver_version, sizeof out->driver_version);
+    check_cl(cl.GetDeviceInfo(device, CL_DEVICE_IMAGE2D_MAX_WIDTH, sizeof out->image_max_width, &out->image_max_width,
+                              NULL), "clGetDeviceInfo(IMAGE2D_MAX_WIDTH)");
+    check_cl(cl.GetDeviceInfo(device, CL_DEVICE_IMAGE2D_MAX_HEIGHT, sizeof out->image_max_height,
+                              &out->image_max_height, NULL), "clGetDeviceInfo(IMAGE2D_MAX_HEIGHT)");
+}
+
+void device_select(const char *spec, device_choice *out) {
+    cl_uint platform_count;
+    cl_platform_id *platforms = platforms_of(&platform_count);
+    if (spec) {
+        unsigned p, d;
+        char tail;
+        if (sscanf(spec, "%u:%u%c", &p, &d, &tail) != 2)
+            die(EXIT_USAGE, "unknown device '%s'; use P:D (platform and device index, see --devices)", spec);
+        cl_uint device_count = 0;
+        cl_device_id *devices = p < platform_count ? devices_of(platforms[p], &device_count) : NULL;
+        if (d >= device_count) die(EXIT_USAGE, "device '%s' does not exist; list them with --devices", spec);
+        if (!image_support(devices[d])) die(EXIT_USAGE, "device '%s' has no image support, which fblc's kernels need", spec);
+        describe(platforms[p], devices[d], out);
+        free(devices);
+        free(platforms);
+        return;
+    }
+    for (cl_uint p = 0; p < platform_count; ++p) {
+        cl_uint device_count;
+        cl_device_id *devices = devices_of(platforms[p], &device_count);
+        for (cl_uint d = 0; d < device_count; ++d)
+            if (image_support(devices[d])) {
+                describe(platforms[p], devices[d], out);
+                free(devices);
+                free(platforms);
+                return;
+            }
+        free(devices);
+    }
+    die(EXIT_OPENCL, "no OpenCL device with image support found through %s", cl.library);
+}
+
+void device_list(void) {
+    cl_uint platform_count;
+    cl_platform_id *platforms = platforms_of(&platform_count);
+    for (cl_uint p = 0; p < platform_count; ++p) {
+        cl_uint device_count;
+        cl_device_id *devices = devices_of(platforms[p], &device_count);
+        for (cl_uint d = 0; d < device_count; ++d) {
+            device_choice info;
+            describe(platforms[p], devices[d], &info);
+            printf("{\"id\": \"%u:%u\", \"name\": ", p, d);
+            json_write_string(stdout, info.device_name);
+            printf(", \"platform\": ");
+            json_write_string(stdout, info.platform_name);
+            printf(", \"version\": ");
+            json_write_string(stdout, info.device_version);
+            printf(", \"images\": %s, \"image2d_max\": [%zu, %zu]}\n", image_support(devices[d]) ? "true" : "false",
+                   info.image_max_width, info.image_max_height);
+        }
+        free(devices);
+    }
+    free(platforms);
+}
+
+/* --- textures ------------------------------------------------------------------------------------------ */
+
+static cl_image_format image_format(int format) {
+    cl_image_format f;
+    f.image_channel_order = CL_RGBA;
+    f.image_channel_data_type = format == FORMAT_F16 ? CL_HALF_FLOAT : format == FORMAT_I32 ? CL_SIGNED_INT32 : CL_FLOAT;
+    return f;
+}
+
+static void check_formats(runner *r) {
+    cl_uint count = 0;
+    check_cl(cl.GetSupportedImageFormats(r->context, CL_MEM_READ_WRITE, CL_MEM_OBJECT_IMAGE2D, 0, NULL, &count),
+             "clGetSupportedImageFormats");
+    cl_image_format *formats = xcalloc(count, sizeof *formats);
+    check_cl(cl.GetSupportedImageFormats(r->context, CL_MEM_READ_WRITE, CL_MEM_OBJECT_IMAGE2D, count, formats, NULL),
+             "clGetSupportedImageFormats");
+    for (size_t i = 0; i < r->b->texture_count; ++i) {
+        cl_image_format want = image_format(r->b->textures[i].format);
+        int found = 0;
+        for (cl_uint k = 0; k < count && !found; ++k)
+            found = formats[k].image_channel_order == want.image_channel_order &&
+                    formats[k].image_channel_data_type == want.image_channel_data_type;
+        if (!found)
+            die(EXIT_OPENCL, "%s has no read-write %s images, which texture '%s' needs%s", r->device.device_name,
+                format_name(r->b->textures[i].format), r->b->textures[i].name,
+                r->b->textures[i].format == FORMAT_F16 ? "; compile the bundle with --dtype fp32" : "");
+    }
+    free(formats);
+}
+
+static size_t texture_size(const texture *t) { return t->width * t->height * 4 * format_element_bytes(t->format); }
+
+static void write_texture(runner *r, cl_mem image, const texture *t, const void *data, cl_bool blocking) {
+    size_t origin[3] = {0, 0, 0}, region[3] = {t->width, t->height, 1};
+    check_cl(cl.EnqueueWriteImage(r->queue, image, blocking, origin, region, 0, 0, data, 0, NULL, NULL),
+             "clEnqueueWriteImage");
+}
+
+static void read_texture(runner *r, size_t id, void *out) {
+    const texture *t = &r->b->textures[id];
+    size_t origin[3] = {0, 0, 0}, region[3] = {t->width, t->height, 1};
+    check_cl(cl.EnqueueReadImage(r->queue, r->images[r->binding[id]], CL_TRUE, origin, region, 0, 0, out, 0, NULL,
+                                 NULL), "clEnqueueReadImage");
+}
+
+static void check_limits(runner *r) {
+    for (size_t i = 0; i < r->b->texture_count; ++i) {
+        const texture *t = &r->b->textures[i];
+        if (t->width > r->device.image_max_width || t->height > r->device.image_max_height)
+            die(EXIT_USAGE, "texture of '%s' is %zu x %zu, beyond %s's image limit %zu x %zu; compile for a target "
+                            "with this device's limits", t->name, t->width, t->height, r->device.device_name,
+                r->device.image_max_width, r->device.image_max_height);
+    }
+}
+
+/* --- the program ---------------------------------------------------------------------------------------- */
+
+static char *cache_key(runner *r) {
+    const char *options = build_options();
+    size_t size = 256 + strlen(options) + strlen(r->device.platform_name) + strlen(r->device.device_name) +
+                  strlen(r->device.device_version) + strlen(r->device.driver_version) + sizeof r->b->kernels_sha256;
+    char *key = xmalloc(size);
+    snprintf(key, size, "fblc-runner program cache 1\nkernels.cl %s\noptions %s\nplatform %s\ndevice %s\n"
+                        "version %s\ndriver %s\n", r->b->kernels_sha256, options, r->device.platform_name,
+             r->device.device_name, r->device.device_version, r->device.driver_version);
+    return key;
+}
+
+static char *build_log(runner *r, cl_program program) {
+    size_t size = 0;
+    if (cl.GetProgramBuildInfo(program, r->device.device, CL_PROGRAM_BUILD_LOG, 0, NULL, &size) != CL_SUCCESS)
+        return xstrdup("");
+    char *log = xcalloc(size + 1, 1);
+    if (cl.GetProgramBuildInfo(program, r->device.device, CL_PROGRAM_BUILD_LOG, size, log, NULL) != CL_SUCCESS)
+        log[0] = '\0';
+    return log;
+}
+
+/* The line of the first "file:LINE:COLUMN:" in a compiler log (".cl:" preferred), or 0. */
+static long log_line(const char *log) {
+    for (int pass = 0; pass < 2; ++pass) {
+        for (const char *at = log; (at = strchr(at, ':')) != NULL; ++at) {
+            if (pass == 0 && (at - log < 3 || strncmp(at - 3, ".cl", 3) != 0)) continue;
+            char *end;
+            long line = strtol(at + 1, &end, 10);
+            if (end == at + 1 || *end != ':' || line <= 0) continue;
+            char *column_end;
+            strtol(end + 1, &column_end, 10);
+            if (column_end != end + 1 && *column_end == ':') return line;
+        }
+    }
+    return 0;
+}
+
+static void die_with_build_log(runner *r, cl_program program) {
+    char *log = build_log(r, program);
+    long line = log_line(log);
+    char where[512] = "(see the log)";
+    for (size_t i = 0; line && i < r->b->launch_count; ++i)
+        if (r->b->launches[i].first_line <= line && line <= r->b->launches[i].last_line) {
+            snprintf(where, sizeof where, "'%s' (kernels.cl line %ld)", r->b->launches[i].name, line);
+            break;
+        }
+    size_t length = strlen(log);
+    const char *tail = length > 3000 ? log + length - 3000 : log;
+    die(EXIT_USAGE, "the OpenCL compiler of %s rejected kernel %s:\n%s", r->device.device_name, where, tail);
+}
+
+static int load_cached_program(runner *r, const char *path, const char *key) {
+    size_t length;
+    unsigned char *data = (unsigned char *)read_file(path, &length);
+    if (!data) return 0;
+    size_t key_length = strlen(key);
+    int ok = 0;
+    if (length >= 8 + 4 + key_length + 8 && memcmp(data, CACHE_MAGIC, 8) == 0 && read_u32le(data + 8) == key_length &&
+        memcmp(data + 12, key, key_length) == 0) {
+        size_t binary_length = (size_t)read_u64le(data + 12 + key_length);
+        const unsigned char *binary = data + 12 + key_length + 8;
+        if (binary_length && binary_length == length - (12 + key_length + 8)) {
+            cl_int status, binary_status;
+            cl_program program = cl.CreateProgramWithBinary(r->context, 1, &r->device.device, &binary_length, &binary,
+                                                            &binary_status, &status);
+            if (status == CL_SUCCESS && binary_status == CL_SUCCESS &&
+                cl.BuildProgram(program, 1, &r->device.device, build_options(), NULL, NULL) == CL_SUCCESS) {
+                r->program = program;
+                ok = 1;
+            } else if (status == CL_SUCCESS) {
+                cl.ReleaseProgram(program);
+            }
+        }
+    }
+    free(data);
+    return ok;
+}
+
+static void save_program(runner *r, const char *path, const char *key) {
+    size_t binary_length = 0;
+    if (cl.GetProgramInfo(r->program, CL_PROGRAM_BINARY_SIZES, sizeof binary_length, &binary_length, NULL) !=
+            CL_SUCCESS || binary_length == 0)
+        return; /* the driver gives no binary: nothing to cache */
+    size_t key_length = strlen(key), total = 12 + key_length + 8 + binary_length;
+    unsigned char *file = xmalloc(total), *binary = file + 12 + key_length + 8;
+    memcpy(file, CACHE_MAGIC, 8);
+    for (int i = 0; i < 4; ++i) file[8 + i] = (unsigned char)(key_length >> (8 * i));
+    memcpy(file + 12, key, key_length);
+    for (int i = 0; i < 8; ++i) file[12 + key_length + i] = (unsigned char)((uint64_t)binary_length >> (8 * i));
+    unsigned char *binaries[1] = {binary};
+    if (cl.GetProgramInfo(r->program, CL_PROGRAM_BINARIES, sizeof binaries, binaries, NULL) == CL_SUCCESS) {
+        int error = write_atomically(path, file, total);
+        if (error) warn("cannot cache the program binary in %s (%s); the next run builds the kernels again", path,
+                        strerror(error));
+    }
+    free(file);
+}
+
+static void build_program(runner *r, int use_cache) {
+    double started = now_ms();
+    char *path = path_join(r->b->folder, CACHE_FILE), *key = cache_key(r);
+    if (use_cache && load_cached_program(r, path, key)) {
+        r->program_from_cache = 1;
+    } else {
+        cl_int status;
+        const char *source = r->b->kernels_source;
+        size_t length = r->b->kernels_length;
+        r->program = cl.CreateProgramWithSource(r->context, 1, &source, &length, &status);
+        check_cl(status, "clCreateProgramWithSource");
+        status = cl.BuildProgram(r->program, 1, &r->device.device, build_options(), NULL, NULL);
+        if (status == CL_BUILD_PROGRAM_FAILURE) die_with_build_log(r, r->program);
+        check_cl(status, "clBuildProgram");
+        if (use_cache) save_program(r, path, key);
+    }
+    r->build_ms = now_ms() - started;
+    free(path);
+    free(key);
+}
+
+/* --- setup and steps ------------------------------------------------------------------------------------ */
+
+void runner_setup(runner *r, const bundle *b, const device_choice *device, int use_cache) {
+    memset(r, 0, sizeof *r);
+    r->b = b;
+    r->device = *device;
+    check_limits(r);
+    cl_int status;
+    r->context = cl.CreateContext(NULL, 1, &device->device, NULL, NULL, &status);
+    check_cl(status, "clCreateContext");
+    r->queue = cl.CreateCommandQueue(r->context, device->device, CL_QUEUE_PROFILING_ENABLE, &status);
+    check_cl(status, "clCreateCommandQueue");
+    check_formats(r);
+
+    size_t largest = 0;
+    r->images = xcalloc(b->texture_count, sizeof *r->images);
+    r->binding = xcalloc(b->texture_count, sizeof *r->binding);
+    for (size_t i = 0; i < b->texture_count; ++i) {
+        const texture *t = &b->textures[i];
+        cl_image_format format = image_format(t->format);
+        cl_image_desc desc;
+        memset(&desc, 0, sizeof desc);
+        desc.image_type = CL_MEM_OBJECT_IMAGE2D;
+        desc.image_width = t->width;
+        desc.image_height = t->height;
+        r->images[i] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
+        if (status == CL_MEM_OBJECT_ALLOCATION_FAILURE || status == CL_OUT_OF_RESOURCES)
+            die(EXIT_OPENCL, "%s is out of memory for texture '%s' (%zu x %zu) after %zu bytes of textures",
+                device->device_name, t->name, t->width, t->height, r->texture_bytes);
+        check_cl(status, "clCreateImage");
+        r->binding[i] = i;
+        r->texture_bytes += texture_size(t);
+        if (texture_size(t) > largest) largest = texture_size(t);
+        if (t->has_init) write_texture(r, r->images[i], t, b->params + t->init_offset, CL_TRUE);
+    }
+    r->readback = xmalloc(largest);
+    r->host_bytes = largest;
+
+    build_program(r, use_cache);
+    r->kernels = xcalloc(b->launch_count, sizeof *r->kernels);
+    for (size_t i = 0; i < b->launch_count; ++i) {
+        for (size_t k = 0; k < i && !r->kernels[i]; ++k)
+            if (strcmp(b->launches[k].function, b->launches[i].function) == 0) r->kernels[i] = r->kernels[k];
+        if (r->kernels[i]) continue;
+        r->kernels[i] = cl.CreateKernel(r->program, b->launches[i].function, &status);
+        if (status == CL_INVALID_KERNEL_NAME)
+            die(EXIT_USAGE, "kernels.cl has no kernel '%s' that plan.json launches; compile the bundle again",
+                b->launches[i].function);
+        check_cl(status, "clCreateKernel");
+    }
+    r->events = xcalloc(b->launch_count, sizeof *r->events);
+    r->staging = xcalloc(b->input_count, sizeof *r->staging);
+    for (size_t i = 0; i < b->input_count; ++i)
+    {
+        r->staging[i] = xcalloc(1, texture_size(&b->textures[b->inputs[i].texture]));
+        r->host_bytes += texture_size(&b->textures[b->inputs[i].texture]);
+    }
+}
+
+double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
+    const bundle *b = r->b;
+    double started = now_ms();
+    for (size_t i = 0; i < b->input_count; ++i) {
+        const tensor *input = &b->inputs[i];
+        const texture *t = &b->textures[input->texture];
+        /* the staging buffer is free again: the previous step ended with a blocking read */
+        memcpy(r->staging[i], inputs[i], input->elements * format_element_bytes(t->format));
+        write_texture(r, r->images[r->binding[input->texture]], t, r->staging[i], CL_FALSE);
+    }
+    for (size_t i = 0; i < b->launch_count; ++i) {
+        const launch *l = &b->launches[i];
+        for (size_t a = 0; a < l->argument_count; ++a)
+            check_cl(cl.SetKernelArg(r->kernels[i], (cl_uint)a, sizeof(cl_mem), &r->images[r->binding[l->arguments[a]]]),
+                     "clSetKernelArg");
+        cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, NULL, 0,
+                                                NULL, &r->events[i]);
+        if (status != CL_SUCCESS)
+            die(EXIT_OPENCL, "launching kernel '%s' failed: %s (%d)", l->name, opencl_error(status), (int)status);
+    }
+    r->submit_ms = now_ms() - started;
+    read_texture(r, b->loss_texture, r->readback);
+    const texture *loss_texture = &b->textures[b->loss_texture];
+    double loss;
+    if (loss_texture->format == FORMAT_F16) loss = half_to_float(read_u16le(r->readback));
+    else if (loss_texture->format == FORMAT_I32) loss = (double)(int32_t)read_u32le(r->readback);
+    else {
+        float value;
+        memcpy(&value, r->readback, sizeof value);
+        loss = value;
+    }
+    for (size_t i = 0; i < b->launch_count; ++i) {
+        cl_ulong start = 0, end = 0;
+        if (cl.GetEventProfilingInfo(r->events[i], CL_PROFILING_COMMAND_START, sizeof start, &start, NULL) !=
+                CL_SUCCESS ||
+            cl.GetEventProfilingInfo(r->events[i], CL_PROFILING_COMMAND_END, sizeof end, &end, NULL) != CL_SUCCESS)
+            start = end = 0;
+        kernel_ms[i] = end > start ? (double)(end - start) * 1e-6 : 0.0;
+        cl.ReleaseEvent(r->events[i]);
+        r->events[i] = NULL;
+    }
+    for (size_t i = 0; i < b->swap_count; ++i) {
+        size_t state = b->swaps[i][0], fresh = b->swaps[i][1], kept = r->binding[state];
+        r->binding[state] = r->binding[fresh];
+        r->binding[fresh] = kept;
+    }
+    return loss;
+}
+
+void runner_read_parameter(runner *r, size_t index, float *out) {
+    const tensor *p = &r->b->parameters[index];
+    const texture *t = &r->b->textures[p->texture];
+    read_texture(r, p->texture, r->readback);
+    for (size_t i = 0; i < p->elements; ++i) {
+        if (t->format == FORMAT_F16) out[i] = half_to_float(read_u16le(r->readback + 2 * i));
+        else if (t->format == FORMAT_I32) out[i] = (float)(int32_t)read_u32le(r->readback + 4 * i);
+        else memcpy(&out[i], r->readback + 4 * i, sizeof(float));
+    }
+}

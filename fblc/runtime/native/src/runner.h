@@ -1,0 +1,50 @@
+/* The training loop of the fblc runner: OpenCL objects for one bundle on one device. */
+#ifndef FBLC_RUNNER_H
+#define FBLC_RUNNER_H
+
+#include "bundle.h"
+#include "opencl.h"
+
+typedef struct {
+    cl_platform_id platform;
+    cl_device_id device;
+    char platform_name[256], device_name[256], device_version[256], driver_version[256];
+    size_t image_max_width, image_max_height;
+} device_choice;
+
+typedef struct {
+    const bundle *b;
+    device_choice device;
+    cl_context context;
+    cl_command_queue queue;
+    cl_mem *images;          /* one per texture */
+    size_t *binding;         /* texture id -> index into images; swapped after each step */
+    cl_program program;
+    cl_kernel *kernels;      /* one per launch (shared between launches of the same function) */
+    cl_event *events;        /* one per launch of the current step */
+    void **staging;          /* one host buffer per data input, zero padded to the texture */
+    unsigned char *readback; /* large enough for any texture */
+    size_t texture_bytes;    /* device memory in textures */
+    size_t host_bytes;       /* host staging and read-back buffers */
+    int program_from_cache;
+    double build_ms;
+    double submit_ms;        /* host time of the last step's uploads and launches (until the last enqueue returned) */
+} runner;
+
+/* "P:D" or NULL for the first device with image support (what `fblc run --device local` takes). */
+void device_select(const char *spec, device_choice *out);
+void device_list(void); /* one JSON object per line */
+
+/* Create textures (filled from params.bin), build or load the program (cache in the bundle folder unless
+ * `use_cache` is 0), create kernels. */
+void runner_setup(runner *r, const bundle *b, const device_choice *device, int use_cache);
+
+/* One step: upload `inputs` (one pointer per manifest input, already in the texture's element type),
+ * launch every kernel, read the loss, swap states. `kernel_ms` (launch_count entries) receives the
+ * device time of each launch. Returns the loss. */
+double runner_step(runner *r, const void *const *inputs, double *kernel_ms);
+
+/* The parameter `index` as float32 (its tensor's elements) into `out`. */
+void runner_read_parameter(runner *r, size_t index, float *out);
+
+#endif

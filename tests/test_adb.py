@@ -1,0 +1,298 @@
+"""The phone path end to end: Debian's real adb client and server talk to the loopback device
+(tests/support/adb_device.py) exactly as to a phone; `fblc push` and `fblc run --device adb:S` train a bundle
+there with the native runner, and every error of the path gets a one-line message that leaves nothing
+half-written on either side.
+
+The adb server runs on a port of its own with HOME in a temporary folder (its key and log stay there);
+the device's shells inherit this process's environment, so the runner finds PoCL as in
+tests/test_native_runner.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fblc import bundle_format as fmt
+from fblc.cli import main
+from fblc.codegen.compile import compile_model
+from fblc.runtime.adb import Adb, AdbError, remote_dir
+from fblc.runtime.local import LocalRunner
+from tests.support.adb_device import LoopbackDevice
+from tests.test_native_runner import opencl_env, require, runner_binary  # noqa: F401  (fixtures)
+from tests.test_runtime import OPTIONS, batch, elementwise_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _adb(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(["adb", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_for(serial: str, state: str) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        listing = _adb("devices").stdout
+        if any(line.split() == [serial, state] for line in listing.splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{serial} never became '{state}':\n{_adb('devices').stdout}")
+
+
+def connect(device: LoopbackDevice, state: str = "device") -> str:
+    out = _adb("connect", device.serial).stdout
+    assert device.serial in out, out
+    _wait_for(device.serial, state)
+    return device.serial
+
+
+@pytest.fixture(scope="module")
+def adb_server(tmp_path_factory, opencl_env):  # noqa: F811
+    """A private adb server; the environment the device's shells (and so the runner) inherit."""
+    require(shutil.which("adb") is not None, "adb (apt-get install adb)")
+    saved = dict(os.environ)
+    os.environ.update(opencl_env)
+    os.environ["ANDROID_ADB_SERVER_PORT"] = str(_free_port())
+    os.environ.pop("ANDROID_SERIAL", None)
+    home = str(tmp_path_factory.mktemp("adb-home"))
+    started = subprocess.run(["adb", "start-server"], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "HOME": home})
+    assert started.returncode == 0, started.stderr
+    try:
+        yield os.environ["ANDROID_ADB_SERVER_PORT"]
+    finally:
+        _adb("kill-server")
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def phone(tmp_path, adb_server):
+    """A connected loopback device; its /data/local/tmp is tmp_path/phone."""
+    device = LoopbackDevice(str(tmp_path / "phone")).start()
+    connect(device)
+    yield device
+    _adb("disconnect", device.serial)
+    device.stop()
+
+
+@pytest.fixture
+def bundle(tmp_path) -> str:
+    out = str(tmp_path / "ew_bundle")
+    compile_model(elementwise_model(str(tmp_path / "model.onnx")), out, "adreno830", "fp32", OPTIONS)
+    return out
+
+
+def _device_files(device: LoopbackDevice) -> list[str]:
+    found = []
+    for folder, _, files in os.walk(device.root):
+        found += [os.path.relpath(os.path.join(folder, name), device.root) for name in files]
+    return sorted(found)
+
+
+def test_push_then_run_trains_on_the_device_like_the_local_run(tmp_path, bundle, phone, runner_binary,  # noqa: F811
+                                                               capsys) -> None:
+    feeds = batch(rows=6)
+    data, saved, results = str(tmp_path / "data.npz"), str(tmp_path / "trained.npz"), str(tmp_path / "results.json")
+    np.savez(data, **feeds)
+    assert main(["push", bundle, "--serial", phone.serial, "--runner", runner_binary]) == 0
+    assert f"to {phone.serial}:/data/local/tmp/fblc/ew_bundle" in capsys.readouterr().out
+    remote = phone.local_path(remote_dir(bundle))
+    assert sorted(os.listdir(remote)) == sorted([*os.listdir(bundle), "fblc-runner", ".fblc-pushed"])
+    assert fmt.load_verified(remote)  # the device's copy is intact
+
+    code = main(["run", bundle, "--device", f"adb:{phone.serial}", "--steps", "4", "--data", data, "--json",
+                 "--save-params", saved, "--results", results, "--runner", runner_binary])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "pushed" not in out.out  # the device's copy was current
+    lines = [json.loads(line) for line in out.out.splitlines()]
+    local = LocalRunner(bundle)
+    expected = [local.step({k: v[(s % 2) * 3:(s % 2) * 3 + 3] for k, v in feeds.items()}) for s in range(4)]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    np.testing.assert_allclose([line["loss"] for line in lines], expected, rtol=1e-5)
+    trained = np.load(saved)
+    assert sorted(trained.files) == ["b", "w"]
+    for name, value in local.parameters().items():
+        np.testing.assert_allclose(trained[name], value, rtol=1e-5, atol=1e-7)
+    report = json.load(open(results))
+    assert len(report["kernels"]) == len(local.plan["kernels"]) and report["bytes_allocated"]["textures"] > 0
+    # the run's folder is gone; the program cache stays next to the device's bundle
+    assert "kernels.cache" in os.listdir(remote) and os.listdir(os.path.join(remote, "runs")) == []
+
+    # plain output: banner, steps, timing summary; the cached program is used
+    assert main(["run", bundle, "--device", f"adb:{phone.serial}", "--steps", "2", "--data", data,
+                 "--runner", runner_binary]) == 0
+    text = capsys.readouterr().out
+    assert f"training {bundle} on {phone.serial}" in text and "cached program" in text
+    assert "step    2  loss" in text and "ms per step" in text
+
+
+def test_run_pushes_a_missing_or_changed_bundle_by_itself(tmp_path, bundle, phone, runner_binary,  # noqa: F811
+                                                          capsys) -> None:
+    data = str(tmp_path / "data.npz")
+    np.savez(data, **batch())
+    args = ["run", bundle, "--device", f"adb:{phone.serial}", "--steps", "1", "--data", data,
+            "--runner", runner_binary]
+    assert main(args) == 0
+    assert "pushed" in capsys.readouterr().out
+    stale = os.path.join(phone.local_path("/data/local/tmp/fblc"), ".ew_bundle.partial-dead0000")
+    os.makedirs(stale)  # left by a push whose device vanished
+    # the same bundle with other initial parameters (as recompiling a retrained model gives): its manifest differs
+    params = os.path.join(bundle, fmt.PARAMS)
+    with open(params, "r+b") as handle:
+        handle.seek(-4, os.SEEK_END)
+        handle.write(np.float32(0.25).tobytes())
+    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
+    manifest["checksums"][fmt.PARAMS] = fmt.sha256_of(params)
+    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+    assert main(args) == 0
+    assert "pushed" in capsys.readouterr().out
+    remote = phone.local_path(remote_dir(bundle))
+    assert fmt.sha256_of(os.path.join(remote, fmt.PARAMS)) == manifest["checksums"][fmt.PARAMS]
+    assert main(args) == 0
+    assert "pushed" not in capsys.readouterr().out
+    assert [p for p in os.listdir(os.path.dirname(remote)) if p.startswith(".")] == []  # no staging left
+
+
+def test_fblc_devices_lists_adb_devices(phone, capsys) -> None:
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "OpenCL devices:" in out and f"adb:{phone.serial}  device  product:fblc_loopback" in out
+
+
+def _error(capsys, *args: str) -> str:
+    code = main(list(args))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("fblc: error: "), err
+    return err
+
+
+def test_adb_missing_and_no_device(tmp_path, bundle, adb_server, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("FBLC_ADB", str(tmp_path / "no-adb-here"))
+    err = _error(capsys, "push", bundle)
+    assert "adb not found (FBLC_ADB=" in err and "apt-get install adb" in err
+    monkeypatch.setenv("FBLC_ADB", "adb")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert "adb not found" in _error(capsys, "push", bundle)
+    monkeypatch.undo()
+    # a second adb server, with no device connected
+    monkeypatch.setenv("ANDROID_ADB_SERVER_PORT", str(_free_port()))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    try:
+        assert "no adb device found" in _error(capsys, "push", bundle)
+    finally:
+        _adb("kill-server")
+
+
+def test_several_devices_unauthorized_and_unknown_serial(tmp_path, bundle, phone, capsys) -> None:
+    # a second device started from a shell, as the module documents
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.support.adb_device", "--port", str(port), "--root",
+                                str(tmp_path / "second")], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    locked = LoopbackDevice(str(tmp_path / "locked"), unauthorized=True).start()
+    try:
+        assert process.stdout is not None and "loopback adb device on" in process.stdout.readline()
+        second = f"127.0.0.1:{port}"
+        _adb("connect", second)
+        _wait_for(second, "device")
+        assert _adb("-s", second, "shell", "echo", "hello").stdout.strip() == "hello"
+        err = _error(capsys, "push", bundle)
+        assert "several adb devices are attached" in err and phone.serial in err and "--serial" in err
+        _adb("connect", locked.serial)
+        _wait_for(locked.serial, "unauthorized")
+        err = _error(capsys, "push", bundle, "--serial", locked.serial)
+        assert f"device {locked.serial} is unauthorized" in err and "Allow USB debugging" in err
+        err = _error(capsys, "run", bundle, "--device", "adb:127.0.0.1:1", "--data", str(tmp_path / "x.npz"))
+        assert "cannot read data file" in err  # the data is checked before the device
+        np.savez(str(tmp_path / "x.npz"), **batch())
+        err = _error(capsys, "run", bundle, "--device", "adb:127.0.0.1:1", "--data", str(tmp_path / "x.npz"))
+        assert "no adb device '127.0.0.1:1'" in err and "adb connect 127.0.0.1:1" in err
+        assert [d.state for d in Adb().devices() if d.serial == locked.serial] == ["unauthorized"]
+    finally:
+        for serial in (f"127.0.0.1:{port}", locked.serial):
+            _adb("disconnect", serial)
+        process.terminate()
+        process.wait(timeout=10)
+        locked.stop()
+
+
+def test_a_full_disk_fails_the_push_and_leaves_nothing(tmp_path, bundle, adb_server, runner_binary,  # noqa: F811
+                                                       capsys) -> None:
+    device = LoopbackDevice(str(tmp_path / "full"), capacity=20_000).start()  # room for the bundle, not the runner
+    try:
+        connect(device)
+        err = _error(capsys, "push", bundle, "--serial", device.serial, "--runner", runner_binary)
+        assert f"{device.serial} is full" in err and "No space left on device" in err
+        assert _device_files(device) == []
+        assert os.listdir(os.path.join(device.root, "fblc")) == []  # no staging folder either
+    finally:
+        _adb("disconnect", device.serial)
+        device.stop()
+
+
+def test_a_failed_run_reports_the_runner_error_and_leaves_nothing(tmp_path, bundle, phone, runner_binary,  # noqa: F811
+                                                                   capsys) -> None:
+    data, saved = str(tmp_path / "data.npz"), str(tmp_path / "trained.npz")
+    np.savez(data, **batch())
+    assert main(["push", bundle, "--serial", phone.serial, "--runner", runner_binary, "-q"]) == 0
+    remote = phone.local_path(remote_dir(bundle))
+    with open(os.path.join(remote, fmt.PARAMS), "r+b") as handle:  # the device's copy goes bad
+        handle.write(b"\xff\xff\xff\xff")
+    before = _device_files(phone)
+    err = _error(capsys, "run", bundle, "--device", f"adb:{phone.serial}", "--steps", "2", "--data", data,
+                 "--save-params", saved, "--runner", runner_binary)
+    assert f"the runner failed on {phone.serial}:" in err and "params.bin' does not match the checksum" in err
+    assert not os.path.exists(saved) and [p for p in os.listdir(tmp_path) if p.startswith(".fblc")] == []
+    assert _device_files(phone) == before  # the run folder is gone again
+
+
+def test_a_runner_for_another_machine_is_refused(tmp_path, bundle, phone, capsys) -> None:
+    fake = tmp_path / "fblc-runner"
+    header = bytearray(64)
+    header[:6] = b"\x7fELF\x02\x01"
+    header[18:20] = (183).to_bytes(2, "little")  # EM_AARCH64, no program headers: a static aarch64 binary
+    fake.write_bytes(bytes(header))
+    err = _error(capsys, "push", bundle, "--serial", phone.serial, "--runner", str(fake))
+    assert "static aarch64" in err and "linux x86_64" in err
+    with pytest.raises(AdbError, match="does not exist"):
+        from fblc.runtime.adb import choose_runner
+
+        choose_runner(Adb(), phone.serial, str(tmp_path / "missing"))
+
+
+def test_ctrl_c_during_a_run_on_the_device_leaves_nothing(tmp_path, bundle, phone, runner_binary) -> None:  # noqa: F811
+    data, saved = str(tmp_path / "data.npz"), str(tmp_path / "trained.npz")
+    np.savez(data, **batch())
+    assert main(["push", bundle, "--serial", phone.serial, "--runner", runner_binary, "-q"]) == 0
+    process = subprocess.Popen([sys.executable, "-m", "fblc.cli", "run", bundle, "--device", f"adb:{phone.serial}",
+                                "--steps", "100000000", "--data", data, "--save-params", saved, "--runner",
+                                runner_binary], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    assert "training" in process.stdout.readline()
+    assert process.stdout.readline().startswith("step    1")
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
+    assert not os.path.exists(saved)
+    deadline = time.monotonic() + 20  # the device hung the runner up; it stops at the end of its step
+    while phone._processes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not phone._processes
+    runs = os.path.join(phone.local_path(remote_dir(bundle)), "runs")
+    assert os.listdir(runs) == []

@@ -1,0 +1,210 @@
+"""memory_plan: lifetimes, classes, texture reuse, eq. 1, the floor check, report.json, the runtime's bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from fblc import bundle_format as fmt
+from fblc.compiler import keys
+from fblc.compiler.adapters import SITE_Q, AdapterConfig
+from fblc.compiler.model_io import load_model
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.compiler.values import numel, static_shape
+from fblc.passes.memory_plan import CLASSES, MEMORY_META, MemoryPlanPass, plan_memory
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from tests.test_memory_floor import conv_bn_relu6_proto
+
+ADAM = OptimizerConfig(name="adam", lr=1e-3, weight_decay=5e-4)
+MB = 1e6
+
+
+@pytest.fixture(scope="module")
+def tresnet_path(tmp_path_factory) -> str:
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("fblc_example_tresnet_mp", os.path.join(root, "examples", "tresnet.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    folder = tmp_path_factory.mktemp("mp_tresnet")
+    return module.build_tresnet(str(folder / "tresnet64.onnx"), batch=64)
+
+
+def step_of(path: str, kind: str, bn_train: bool = False, **shapes) -> ir.Model:
+    return build_training_graph(load_model(path), TrainingOptions(
+        input_shapes=shapes, optimizer=ADAM, bn_train=bn_train, adapter=AdapterConfig(kind, rank=2)), lower=True)
+
+
+def test_memory_plan_golden_small_memflora_step(tmp_path) -> None:
+    """Every figure of a one-site step, recomputed from the graph's shapes by hand."""
+    path = str(tmp_path / "site.onnx")
+    onnx.save(conv_bn_relu6_proto(), path)
+    step = step_of(path, "memflora")
+    summary = json.loads(step.metadata_props[MEMORY_META])
+    u = step.graph.initializers["conv.adapter_U"]
+    u_bytes = numel(static_shape(u)) * 4
+    assert summary["grads"] == u_bytes
+    assert summary["optimizer"] == 2 * u_bytes + 4  # exp_avg, exp_avg_sq, the step count
+    weights = sum(numel(static_shape(v)) * ir.DataType(v.dtype).itemsize for v in step.graph.initializers.values()
+                  if keys.get_role(v) != "opt_state")
+    assert summary["weights"] == weights
+    # saved: q [2, 2, 6, 5] fp32, the ReLU6 mask [2, 4, 6, 5] at one bit, and the loss's own small tensors
+    # (log-probabilities [2, 4], the counted labels)
+    loss_side = [e for e in summary["floor"]["saved"] if e["why"].startswith("loss")]
+    assert {e["shape"][0] for e in loss_side if e["shape"]} == {2} and sum(e["bytes"] for e in loss_side) <= 64
+    assert any(e["shape"] == [2, 4] for e in loss_side)
+    assert summary["saved"] == 2 * 2 * 6 * 5 * 4 + (2 * 4 * 6 * 5 + 7) // 8 + sum(e["bytes"] for e in loss_side)
+    assert summary["saved_masks"] == (2 * 4 * 6 * 5 + 7) // 8
+    assert summary["floor_ok"] and summary["floor"]["violations"] == []
+    kinds = sorted(e["kind"] for e in summary["floor"]["saved"] if e not in loss_side)
+    assert kinds == ["activation", "bit mask"]
+    assert summary["training_state_peak"] <= summary["device_peak"]
+    annotated = [v for n in step.graph for v in n.outputs if keys.MEM in v.metadata_props]
+    q = next(v for v in annotated if SITE_Q in v.metadata_props)
+    note = json.loads(q.metadata_props[keys.MEM])
+    assert note["class"] == "saved" and note["bytes"] == 2 * 2 * 6 * 5 * 4 and note["live"][0] < note["live"][1]
+    assert not MemoryPlanPass()(step).modified  # annotations are stable
+
+
+def test_floor_check_passes_for_memflora_and_sg_and_fails_naming_tensors_for_lora_and_full(tresnet_path) -> None:
+    results = {kind: json.loads(step_of(tresnet_path, kind).metadata_props[MEMORY_META])
+               for kind in ("memflora", "memflora-sg", "lora", "none")}
+    assert results["memflora"]["floor_ok"] and results["memflora-sg"]["floor_ok"]
+    sg_kept = [e for e in results["memflora-sg"]["floor"]["saved"] if e["kind"] == "dL/dq"]
+    assert len(sg_kept) == 11 and all(e["shape"][1] == 2 and not e["scales_with_width"] for e in sg_kept)
+    for kind in ("lora", "none"):
+        floor = results[kind]["floor"]
+        assert not results[kind]["floor_ok"] and floor["violations"]
+        flagged = [e for e in floor["saved"] if e["scales_with_width"]]
+        assert {e["name"] for e in flagged} == set(floor["violations"])
+        assert all(e["shape"][1] > 2 and e["bytes"] > 0 and e["why"] for e in flagged)
+    # LoRA keeps the full-width input of its trainable projections: the 64- and 128-channel block tensors
+    assert {e["shape"][1] for e in results["lora"]["floor"]["saved"] if e["scales_with_width"]} >= {64, 128}
+
+
+def test_tresnet_at_batch_64_meets_the_papers_table_3(tresnet_path) -> None:
+    """MemFLoRA r=2, B=64 on T-ResNet: saved <= 0.83 MB and training-state peak <= 3.23 MB (Table 3)."""
+    memflora = json.loads(step_of(tresnet_path, "memflora").metadata_props[MEMORY_META])
+    full = json.loads(step_of(tresnet_path, "none", bn_train=True).metadata_props[MEMORY_META])
+    assert memflora["saved"] <= 0.83 * MB and memflora["training_state_peak"] <= 3.23 * MB
+    assert memflora["optimizer"] <= 0.09 * MB  # Adam state of 10.6 K adapter weights
+    assert 1 - memflora["saved"] / full["saved"] >= 0.98
+    assert full["saved"] > 40 * MB and not full["floor_ok"]
+
+
+def test_lifetimes_texture_reuse_and_the_decomposition_agree(tresnet_path) -> None:
+    plan = plan_memory(step_of(tresnet_path, "memflora"))
+    slots: dict[int, list] = {}
+    for b in plan.buffers:
+        assert b.cls in CLASSES and b.bytes >= 0 and 0 <= b.first <= b.last < plan.steps
+        slots.setdefault(b.slot, []).append(b)
+    sizes = 0
+    for members in slots.values():
+        members.sort(key=lambda b: b.first)
+        for before, after in zip(members, members[1:]):
+            assert before.last < after.first, (before.name, after.name)  # reuse only after the last reader
+            assert before.kind == after.kind
+        sizes += max(b.bytes for b in members)
+    assert sizes <= plan.pool_bytes
+    summary = plan.summary()
+    everything = sum(b.bytes for b in plan.buffers)
+    assert summary["device_peak"] <= plan.pool_bytes <= everything
+    assert summary["weights"] + summary["optimizer"] + summary["saved"] <= summary["training_state_peak"] + summary["grads"]
+    assert summary["training_state_peak"] <= summary["weights"] + summary["optimizer"] + summary["saved"] + summary["grads"]
+    live = plan.live(CLASSES)
+    assert int(live.max()) == summary["device_peak"] and summary["device_peak_at"] == plan.labels[int(live.argmax())]
+    assert plan.backward_from > 0
+
+
+def test_compile_writes_the_memory_object_and_plot_and_the_runtime_allocates_the_plan(tmp_path) -> None:
+    from fblc.cli import main
+
+    path = str(tmp_path / "site.onnx")
+    onnx.save(conv_bn_relu6_proto(), path)
+    bundle = str(tmp_path / "bundle")
+    assert main(["compile", path, "--adapter", "memflora", "--rank", "2", "--optimizer", "adam", "--lr", "1e-3",
+                 "-o", bundle, "-q"]) == 0
+    report = json.load(open(os.path.join(bundle, fmt.REPORT)))
+    memory = report["memory"]
+    for name in ("weights", "grads", "optimizer", "saved", "buffers", "training_state_peak", "device_peak"):
+        assert isinstance(memory[name], int) and memory[name] >= 0, name
+    assert memory["floor_ok"] is True and memory["adapter"]["adapter"] == "memflora"
+    plot = os.path.join(bundle, memory["timeline_plot"])
+    with open(plot, "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
+    assert manifest["checksums"][memory["timeline_plot"]] == fmt.sha256_of(plot)
+    plan = json.load(open(os.path.join(bundle, fmt.PLAN)))
+    assert memory["allocated_bytes"] == sum(t["width"] * t["height"] * fmt.TEXEL_BYTES[t["format"]]
+                                            for t in plan["textures"])
+    pytest.importorskip("pyopencl")
+    from fblc.compiler.reference import ReferenceStep
+    from fblc.passes.pipeline import build_training_graph as build
+    from fblc.compiler.model_io import save_model_atomically
+    from fblc.runtime.local import LocalRunner
+
+    runner = LocalRunner(bundle)
+    if "portable" in runner.device.platform.name.lower():  # PoCL: an image takes exactly its texels
+        assert runner.allocated_bytes == memory["allocated_bytes"]
+    else:  # a GPU driver may pad rows
+        assert memory["allocated_bytes"] <= runner.allocated_bytes <= 1.5 * memory["allocated_bytes"] + (1 << 20)
+    assert runner.allocated_images == memory["allocated_textures"] == len(plan["textures"])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3, 6, 5)).astype(np.float32), "labels": np.array([1, 3])}
+    step_path = str(tmp_path / "step.onnx")
+    save_model_atomically(build(load_model(path), TrainingOptions(optimizer=OptimizerConfig("adam", lr=1e-3),
+                                                                  adapter=AdapterConfig("memflora", rank=2))), step_path)
+    reference = ReferenceStep(step_path)
+    for _ in range(2):
+        assert runner.step(feeds) == pytest.approx(reference.step(feeds), rel=1e-4, abs=1e-5)
+    np.testing.assert_allclose(runner.parameters()["conv.adapter_U"], reference.parameters()["conv.adapter_U"],
+                               rtol=1e-4, atol=1e-6)
+
+
+# batch_tile ---------------------------------------------------------------------------------------
+
+def _outputs(step: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), options)
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+@pytest.mark.parametrize("kind", ["memflora", "memflora-sg"])
+def test_batch_tiling_changes_memory_not_numbers(tmp_path, kind) -> None:
+    import importlib.util
+
+    from fblc.passes.batch_tile import TILE_META
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("fblc_example_tresnet_bt", os.path.join(root, "examples", "tresnet.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    path = module.build_tresnet(str(tmp_path / "tresnet4.onnx"), batch=4)
+
+    def build(tile: int) -> ir.Model:
+        return build_training_graph(load_model(path), TrainingOptions(
+            optimizer=ADAM, tile_bytes=tile, adapter=AdapterConfig(kind, rank=2)), lower=True)
+
+    whole, tiled = build(0), build(100_000)  # the largest activation, [4, 128, 60, 1], is 123 KB
+    assert TILE_META not in whole.metadata_props
+    tile = json.loads(tiled.metadata_props[TILE_META])
+    assert tile["chunks"] == 2 and tile["front_nodes"] > 50
+    assert sum(1 for n in tiled.graph if n.op_type == "Concat") >= 1
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((4, 97, 60, 1)).astype(np.float32), "labels": np.array([0, 5, 16, 3])}
+    expected, got = _outputs(whole, feeds), _outputs(tiled, feeds)
+    assert set(expected) == set(got)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+    before, after = plan_memory(whole).summary(), plan_memory(tiled).summary()
+    assert after["saved"] == before["saved"] and after["floor_ok"]
+    assert after["device_peak"] < before["device_peak"]

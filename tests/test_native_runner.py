@@ -1,0 +1,258 @@
+"""The native runner (fblc/runtime/native, C99), built with CMake here and run on PoCL: the same losses and
+parameters as LocalRunner on the bundles of the earlier tests, its program cache, its refusals of bad
+bundles and data, Ctrl-C, and the aarch64 cross build.
+
+The runner opens libOpenCL.so.1 (Debian: ocl-icd-libopencl1), pointed at the PoCL of the pyopencl wheel,
+the device LocalRunner uses (pocl_wheel_environment). Missing tools skip these tests, except under
+FBLC_CI=1 (.ci/run), where they must be there.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fblc import bundle_format as fmt
+from fblc.codegen.compile import compile_model
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.pipeline import TrainingOptions
+from fblc.runtime.local import LocalRunner
+from fblc.runtime.native import (AARCH64_TOOLCHAIN, NATIVE_DIR, RunnerError, binary_kind, build_runner,
+                                 pocl_wheel_environment, pyopencl_build_options, read_results, run_runner,
+                                 write_data)
+from tests.test_runtime import OPTIONS, batch, elementwise_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from mlp import build_mlp  # noqa: E402
+from tresnet import build_tresnet  # noqa: E402
+
+CROSS_ENTROPY = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=0.01, weight_decay=0.01))
+_BUILT: dict[str, str] = {}
+
+
+def require(condition: bool, what: str) -> None:
+    """Skip without `what`, but fail under FBLC_CI=1, where .ci/run installs everything."""
+    if not condition:
+        if os.environ.get("FBLC_CI") == "1":
+            pytest.fail(f"{what} is missing (FBLC_CI=1: .ci/run should have installed it)")
+        pytest.skip(f"{what} is missing")
+
+
+@pytest.fixture(scope="session")
+def runner_binary(tmp_path_factory) -> str:
+    """The runner, built once per session with CMake (shared with tests/test_adb.py)."""
+    if "host" not in _BUILT:
+        require(shutil.which("cmake") is not None and shutil.which("cc") is not None, "cmake / a C compiler")
+        _BUILT["host"] = build_runner(str(tmp_path_factory.mktemp("runner-build")))
+    return _BUILT["host"]
+
+
+@pytest.fixture(scope="session")
+def opencl_env(tmp_path_factory) -> dict[str, str]:
+    """Environment for the runner to find the wheel's PoCL through libOpenCL.so.1, building with the options
+    pyopencl gives LocalRunner's build, so that PoCL compiles each bundle's kernels once for both."""
+    require(ctypes.util.find_library("OpenCL") is not None, "libOpenCL.so.1 (apt-get install ocl-icd-libopencl1)")
+    env = pocl_wheel_environment(str(tmp_path_factory.mktemp("icd")))
+    require(bool(env) or bool(os.environ.get("OCL_ICD_VENDORS") or os.environ.get("FBLC_OPENCL_LIBRARY")),
+            "the PoCL of the pyopencl wheel")
+    return {**env, **pyopencl_build_options()}
+
+
+def run(runner: str, bundle: str, data: str, out: str, steps: int, env: dict[str, str], *extra: str,
+        check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([runner, bundle, "--data", data, "--steps", str(steps), "--out", out, *extra],
+                          capture_output=True, text=True, env={**os.environ, **env})
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def compare_with_local(bundle: str, feeds: list[dict[str, np.ndarray]], steps: int, runner_binary: str,
+                       env: dict[str, str]) -> None:
+    local = LocalRunner(bundle)
+    expected = [local.step(feeds[s % len(feeds)]) for s in range(steps)]
+    # LocalRunner first, the runner without its program cache: PoCL then compiles every kernel once for both
+    # (fetching a program binary for the cache makes PoCL compile all kernels again; the cache has its own test)
+    native = run_runner(runner_binary, bundle, feeds, steps, env=env, cache=False)
+    np.testing.assert_allclose(native.losses, expected, rtol=1e-5)
+    reference = local.parameters()
+    assert list(native.parameters) == list(reference)
+    for name, value in reference.items():
+        assert native.parameters[name].shape == value.shape and native.parameters[name].dtype == np.float32
+        np.testing.assert_allclose(native.parameters[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    textures = json.load(open(os.path.join(bundle, fmt.PLAN)))["textures"]
+    assert native.bytes_allocated["textures"] == sum(t["width"] * t["height"] * fmt.TEXEL_BYTES[t["format"]]
+                                                    for t in textures)
+    kernels = json.load(open(os.path.join(bundle, fmt.PLAN)))["kernels"]
+    assert [k["name"] for k in native.kernels] == [k["name"] for k in kernels]
+    assert all(k["calls"] == steps and k["total_ms"] >= 0 for k in native.kernels)
+    assert sum(native.kernel_ms) > 0 and len(native.step_ms) == steps
+
+
+@pytest.fixture
+def bundle(tmp_path) -> str:
+    out = str(tmp_path / "bundle")
+    compile_model(elementwise_model(str(tmp_path / "model.onnx")), out, "adreno830", "fp32", OPTIONS)
+    return out
+
+
+def test_elementwise_bundle_trains_as_with_the_python_runtime(bundle, runner_binary, opencl_env) -> None:
+    compare_with_local(bundle, [batch(seed=1), batch(seed=2)], 5, runner_binary, opencl_env)
+
+
+def _classifier_feeds(shape: tuple[int, ...], classes: int, batches: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    return [{"x": rng.standard_normal(shape).astype(np.float32),
+             "labels": rng.integers(0, classes, shape[0]).astype(np.int64)} for _ in range(batches)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_mlp_trains_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env, dtype) -> None:
+    path = build_mlp(str(tmp_path / "mlp.onnx"), batch=8, in_features=12, hidden=(16, 16), classes=5)
+    compile_model(path, str(tmp_path / "mlp"), "adreno830", dtype, CROSS_ENTROPY)
+    compare_with_local(str(tmp_path / "mlp"), _classifier_feeds((8, 12), 5, 2), 3, runner_binary, opencl_env)
+
+
+def test_tresnet_batch_4_trains_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env) -> None:
+    # T-ResNet's blocks (64 -> 128 -> 128 maps, convs 8/5/3, BN, shortcuts) at batch 4, on a short
+    # 6-channel window so that PoCL's kernel compile and two steps take seconds
+    path = build_tresnet(str(tmp_path / "tresnet.onnx"), batch=4, channels=6, samples=16, classes=5)
+    compile_model(path, str(tmp_path / "tresnet"), "adreno830", "fp32", CROSS_ENTROPY)
+    compare_with_local(str(tmp_path / "tresnet"), _classifier_feeds((4, 6, 16, 1), 5, 1), 2, runner_binary,
+                       opencl_env)
+
+
+def test_program_binary_is_cached_next_to_the_bundle(tmp_path, bundle, runner_binary, opencl_env) -> None:
+    feeds = [batch(seed=3)]
+    first = run_runner(runner_binary, bundle, feeds, 2, env=opencl_env)
+    cache = os.path.join(bundle, "kernels.cache")
+    assert not first.program["from_cache"] and os.path.isfile(cache)
+    second = run_runner(runner_binary, bundle, feeds, 2, env=opencl_env)
+    assert second.program["from_cache"] and second.losses == first.losses
+    with open(cache, "r+b") as handle:  # a damaged cache is rebuilt, never trusted
+        handle.seek(40)
+        handle.write(b"garbage!")
+    third = run_runner(runner_binary, bundle, feeds, 2, env=opencl_env)
+    assert not third.program["from_cache"] and third.losses == first.losses
+    assert run_runner(runner_binary, bundle, feeds, 2, env=opencl_env).program["from_cache"]
+    fmt.load_verified(bundle)  # the cache file does not disturb the bundle's checks
+
+
+def _rewrite(path: str, edit) -> None:
+    with open(path, "rb") as handle:
+        data = handle.read()
+    with open(path, "wb") as handle:
+        handle.write(edit(data))
+
+
+def _data(tmp_path, bundle: str, feeds: list[dict[str, np.ndarray]]) -> str:
+    manifest, plan = fmt.load_verified(bundle)
+    path = str(tmp_path / "data.bin")
+    write_data(path, manifest, plan, feeds)
+    return path
+
+
+def test_the_runner_checks_format_version_and_checksums_like_the_python_side(tmp_path, bundle, runner_binary,
+                                                                             opencl_env) -> None:
+    source = open(os.path.join(NATIVE_DIR, "src", "bundle.h")).read()
+    assert re.search(r'#define FBLC_FORMAT_NAME "([^"]+)"', source).group(1) == fmt.FORMAT_NAME
+    assert int(re.search(r"#define FBLC_FORMAT_VERSION (\d+)", source).group(1)) == fmt.FORMAT_VERSION
+    data, out = _data(tmp_path, bundle, [batch()]), str(tmp_path / "out")
+    os.makedirs(out)
+    _rewrite(os.path.join(bundle, fmt.PARAMS), lambda d: d[:-4] + b"\x01\x02\x03\x04")
+    done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
+    assert done.returncode == 2 and "params.bin' does not match the checksum in manifest.json" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and os.listdir(out) == []
+    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
+    manifest["format_version"] = 99
+    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+    done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
+    assert done.returncode == 2 and "version 99; this runner reads fblc-bundle version 1" in done.stderr
+    done = run(runner_binary, str(tmp_path / "nowhere"), data, out, 1, opencl_env, check=False)
+    assert done.returncode == 2 and "manifest.json is missing" in done.stderr
+
+
+def test_a_kernel_that_fails_to_build_is_named_with_the_compiler_log(tmp_path, bundle, runner_binary,
+                                                                      opencl_env) -> None:
+    plan = json.load(open(os.path.join(bundle, fmt.PLAN)))
+    victim = plan["kernels"][2]["name"]
+    _rewrite(os.path.join(bundle, fmt.KERNELS), lambda d: d.replace(f"void {victim}(".encode(),
+                                                                      f"void {victim}(undeclared_type z, ".encode()))
+    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
+    manifest["checksums"][fmt.KERNELS] = fmt.sha256_of(os.path.join(bundle, fmt.KERNELS))
+    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+    with pytest.raises(RunnerError) as error:
+        run_runner(runner_binary, bundle, [batch()], 1, env=opencl_env)
+    assert f"rejected kernel '{victim}' (kernels.cl line" in str(error.value) and "undeclared_type" in str(error.value)
+
+
+def test_data_for_another_bundle_and_a_missing_library_are_refused(tmp_path, bundle, runner_binary,
+                                                                   opencl_env) -> None:
+    other = str(tmp_path / "other")
+    compile_model(elementwise_model(str(tmp_path / "m4.onnx"), rows=4), other, "adreno830", "fp32", OPTIONS)
+    data, out = _data(tmp_path, other, [batch(rows=4)]), str(tmp_path / "out")
+    os.makedirs(out)
+    done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
+    assert done.returncode == 2 and "has 80 bytes per batch of 'x', the bundle takes 60" in done.stderr
+    _rewrite(data, lambda d: d[:-3])
+    done = run(runner_binary, other, data, out, 1, opencl_env, check=False)
+    assert done.returncode == 2 and "is truncated" in done.stderr
+    done = run(runner_binary, bundle, _data(tmp_path, bundle, [batch()]), out, 1,
+               {**opencl_env, "FBLC_OPENCL_LIBRARY": "/nonexistent/libOpenCL.so"}, check=False)
+    assert done.returncode == 3 and "cannot open FBLC_OPENCL_LIBRARY=/nonexistent/libOpenCL.so" in done.stderr
+    assert os.listdir(out) == []
+
+
+def test_ctrl_c_leaves_no_results(tmp_path, bundle, runner_binary, opencl_env) -> None:
+    data, out = _data(tmp_path, bundle, [batch()]), str(tmp_path / "out")
+    os.makedirs(out)
+    process = subprocess.Popen([runner_binary, bundle, "--data", data, "--steps", "100000000", "--out", out],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **opencl_env})
+    assert process.stdout is not None
+    assert "device" in json.loads(process.stdout.readline())
+    assert json.loads(process.stdout.readline())["step"] == 1
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "interrupted" in stderr
+    assert os.listdir(out) == []
+
+
+def test_devices_and_version(runner_binary, opencl_env) -> None:
+    done = subprocess.run([runner_binary, "--devices"], capture_output=True, text=True,
+                          env={**os.environ, **opencl_env})
+    devices = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and devices and devices[0]["id"] == "0:0" and devices[0]["images"] is True
+    version = subprocess.run([runner_binary, "--version"], capture_output=True, text=True).stdout
+    assert f"bundle format {fmt.FORMAT_NAME} {fmt.FORMAT_VERSION}" in version
+    assert binary_kind(runner_binary).system == "linux"
+
+
+def test_results_are_read_back_from_the_runner_files(tmp_path, bundle, runner_binary, opencl_env) -> None:
+    data, out = _data(tmp_path, bundle, [batch(seed=4), batch(seed=5)]), str(tmp_path / "out")
+    os.makedirs(out)
+    done = run(runner_binary, bundle, data, out, 3, opencl_env)
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line.get("step") for line in lines] == [None, 1, 2, 3]
+    assert sorted(os.listdir(out)) == ["params.bin", "results.json"]
+    results = read_results(out)
+    assert results.losses == [line["loss"] for line in lines[1:]]
+    assert results.device["name"] and results.raw["steps"] == 3 and results.bytes_allocated["host_staging"] > 0
+
+
+def test_aarch64_cross_build(tmp_path) -> None:
+    require(shutil.which("aarch64-linux-gnu-gcc") is not None, "aarch64-linux-gnu-gcc (apt-get install "
+                                                               "gcc-aarch64-linux-gnu)")
+    require(shutil.which("cmake") is not None, "cmake")
+    binary = build_runner(str(tmp_path / "aarch64"), toolchain=AARCH64_TOOLCHAIN)
+    kind = binary_kind(binary)
+    assert (kind.machine, kind.system) == ("aarch64", "linux")
