@@ -113,7 +113,8 @@ CASES = {
 
 
 # name -> (nodes, initializers, the paths of the contraction kernels of the step by role):
-# "tile" a work-item computes several texels, "texel" its 4 lanes together, "lane" per-lane code
+# "tile" a work-item computes several texels, "texel" its 4 lanes together, "row" its 4 lanes together unless
+# they cross the end of a row (a length >= 6 that is not a multiple of 4), "lane" per-lane code
 TEXEL_CASES = {
     # T-ResNet's temporal convs: [N, C, T, 1], T % 4 == 0; the weight gradients are channel tiles
     "conv_temporal_k8": (*conv((2, 5, 12, 1), (4, 5, 8, 1), bias=True, pads=[3, 0, 4, 0]),
@@ -132,7 +133,7 @@ TEXEL_CASES = {
     "conv2d_w8_depthwise": (*conv((2, 4, 6, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1]),
                             {"forward": "tile", "dx": "tile", "dw": "lane"}),
     "conv2d_w4_grouped": (*conv((1, 4, 6, 6), (8, 2, 3, 3), group=2, pads=[1, 0, 1, 0]),
-                          {"forward": "texel", "dx": "lane", "dw": "lane"}),
+                          {"forward": "texel", "dx": "row", "dw": "lane"}),
     # a stride of 3 does not divide 4: the input gradient falls back to per-lane code
     "conv2d_stride3": (*conv((1, 2, 6, 12), (2, 2, 3, 3), strides=[1, 3]),
                        {"forward": "texel", "dx": "lane", "dw": "lane"}),
@@ -141,9 +142,18 @@ TEXEL_CASES = {
                             {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv_long_taps_lane": (*conv((1, 2, 40, 1), (3, 2, 5, 1), pads=[2, 0, 2, 0]),
                             {"forward": "tile", "dx": "tile", "dw": "lane"}),
-    "conv1d_channel_tile": (*conv((2, 4, 10), (8, 4, 3)), {"forward": "tile", "dx": "lane", "dw": "tile"}),
+    "conv1d_channel_tile": (*conv((2, 4, 10), (8, 4, 3)), {"forward": "tile", "dx": "row", "dw": "tile"}),
+    # rows of 7, 11, 15 (a stride-2 transpose has no row path)
+    "conv2d_row_strided": (*conv((1, 2, 9, 14), (3, 2, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
+                           {"forward": "row", "dx": "lane", "dw": "lane"}),
+    "conv2d_row_dilated": (*conv((1, 2, 6, 11), (2, 2, 3, 3), dilations=[2, 2], pads=[2, 2, 2, 2], bias=True),
+                           {"forward": "row", "dx": "row", "dw": "lane"}),
+    # 1x1 convs over the flattened spatial axes: 15 and 12 positions
+    "conv_pointwise_row": (*conv((2, 8, 3, 5), (8, 8, 1, 1)), {"forward": "row", "dx": "row", "dw": "texel"}),
+    "conv_pointwise_tile": (*conv((2, 4, 2, 6), (4, 4, 1, 1), bias=True),
+                            {"forward": "tile", "dx": "tile", "dw": "texel"}),
     "conv_1x1_padded": (*conv((2, 3, 5, 5), (4, 3, 1, 1), pads=[1, 1, 1, 1]),
-                        {"forward": "lane", "dx": "lane", "dw": "texel"}),
+                        {"forward": "row", "dx": "lane", "dw": "texel"}),
     "conv_1x1_w8": (*conv((2, 8, 3, 8), (4, 8, 1, 1), bias=True), {"forward": "tile", "dx": "tile", "dw": "texel"}),
     "matmul_texel": ([_node("MatMul", ["a", "b"])], {"a": (5, 20), "b": (20, 8)},
                      {"forward": "texel", "grad": "texel"}),
@@ -174,6 +184,8 @@ def _role(comment: str, function: str) -> str:
 def _path(body: str) -> str:
     if "const int g = get_global_id(0);" in body:
         return "tile"
+    if "const bool whole" in body:
+        return "row"
     return "texel" if "const int u0 = " in body else "lane"
 
 
@@ -187,7 +199,7 @@ def test_contraction_paths(name: str, tmp_path) -> None:
     compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
     source = (tmp_path / "bundle" / "kernels.cl").read_text()
     found: dict[str, set[str]] = {}
-    for match in re.finditer(r"// (conv|matmul): ([^\n]*)\n__kernel void (\w+)\((.*?)\n}", source, re.S):
+    for match in re.finditer(r"// (conv|matmul): ([^\n]*)\n__kernel void (\w+)\((.*?)\n}", source, re.DOTALL):
         found.setdefault(_role(match.group(2), match.group(3)), set()).add(_path(match.group(4)))
     assert found == {role: set(paths.split()) for role, paths in expected.items()}
 

@@ -93,6 +93,11 @@ class KernelBuilder:
         return f"{hint}{self._counter}"
 
     @property
+    def item_first(self) -> str:
+        """C expression, in the per-texel prologue: the flat index of the work-item's first element."""
+        return "t * 4" if self.texels_per_item == 1 else f"g * {4 * self.texels_per_item}"
+
+    @property
     def item_lane(self) -> str:
         """C expression, in the lane loop: the lane's index among the work-item's 4 * texels_per_item outputs."""
         return "lane" if self.texels_per_item == 1 else "(tt * 4 + lane)"
@@ -109,12 +114,12 @@ class KernelBuilder:
         if per_item == 1:
             body += ["  const int t = get_global_id(0);", f"  if (t >= {texels}) return;"]
             if self.texel_lines:
-                body += [f"  {line}" for line in index_vars(self.out_shape, "t * 4", TEXEL_INDEX)]
+                body += [f"  {line}" for line in index_vars(self.out_shape, self.item_first, TEXEL_INDEX)]
                 body += [f"  {line}" for line in self.texel_lines]
             body += self._texel(out_numel, results, "  ")
         else:  # the prologue covers `per_item` texels, then each gets its lane loop and write
             body += ["  const int g = get_global_id(0);", f"  if (g >= {texels // per_item}) return;"]
-            body += [f"  {line}" for line in index_vars(self.out_shape, f"g * {4 * per_item}", TEXEL_INDEX)]
+            body += [f"  {line}" for line in index_vars(self.out_shape, self.item_first, TEXEL_INDEX)]
             body += [f"  {line}" for line in self.texel_lines]
             body += [f"  for (int tt = 0; tt < {per_item}; ++tt) {{", f"    const int t = g * {per_item} + tt;"]
             body += self._texel(out_numel, results, "    ")

@@ -30,6 +30,9 @@ def _attribute(name: str, value: Any) -> ir.Attr:
     return ir.convenience.convert_attribute(name, value)
 
 
+_NAME_COUNTER = "fblc.emitter_names"
+
+
 class Emitter:
     """Appends nodes to a graph with unique names, a stage tag and shared constants."""
 
@@ -40,12 +43,16 @@ class Emitter:
         self.origin: str | None = None
         #: when set, nodes go right before this node (rewrites inside the forward); else at the end
         self.anchor: ir.Node | None = None
-        self._counter = 0
         self._constants: dict[tuple[Any, ...], ir.Value] = {}
 
+    def _next_number(self) -> int:
+        """A number unique within the graph, shared by every Emitter on it (so two emitters never collide)."""
+        number = self.graph.meta.get(_NAME_COUNTER, 0) + 1
+        self.graph.meta[_NAME_COUNTER] = number
+        return number
+
     def fresh_name(self, hint: str) -> str:
-        self._counter += 1
-        return f"{self.prefix}/{hint}_{self._counter}"
+        return f"{self.prefix}/{hint}_{self._next_number()}"
 
     def op(self, op_type: str, *inputs: ir.Value | None, num_outputs: int = 1, name: str | None = None,
            **attributes: Any) -> ir.Value:
@@ -80,8 +87,7 @@ class Emitter:
         key = (data.dtype.str, data.shape, data.tobytes()) if data.size <= 64 else None
         if key is not None and key in self._constants:
             return self._constants[key]
-        self._counter += 1
-        value = ir.Value(name=f"{self.stage}/const_{self._counter}", const_value=ir.tensor(data),
+        value = ir.Value(name=f"{self.stage}/const_{self._next_number()}", const_value=ir.tensor(data),
                          shape=ir.Shape(data.shape), type=ir.TensorType(ir.DataType.from_numpy(data.dtype)))
         self.graph.register_initializer(value)
         if key is not None:

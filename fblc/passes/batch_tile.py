@@ -115,13 +115,22 @@ class BatchTile(ir.passes.InPlacePass):
         end = len(nodes)
         for key in outputs:
             last_use[key] = end
-        for c in range(after, len(nodes) - 1):
-            crossing = [key for key, d in defined.items() if d <= c < last_use.get(key, d)]
-            if len(crossing) == 1:
-                value = values[crossing[0]]
-                if (value.producer() is not None and value.shape is not None and static_shape(value)[0] == batch
-                        and _bytes(value) <= limit):
-                    return c, value
+        ending: dict[int, list[int]] = {}
+        starting: dict[int, list[int]] = {}
+        for key, d in defined.items():
+            if last_use.get(key, d) > d:
+                starting.setdefault(max(d, -1), []).append(key)
+                ending.setdefault(last_use[key], []).append(key)
+        crossing: set[int] = set(starting.get(-1, []))
+        for c in range(len(nodes) - 1):  # after node c: the values made up to c and read after it
+            crossing.update(starting.get(c, []))
+            crossing.difference_update(ending.get(c, []))
+            if c < after or len(crossing) != 1:
+                continue
+            value = values[next(iter(crossing))]
+            if (value.producer() is not None and value.shape is not None and static_shape(value)[0] == batch
+                    and _bytes(value) <= limit):
+                return c, value
         return None
 
     @staticmethod

@@ -31,8 +31,17 @@ Emitter = Callable[[TextureTable, KernelGroup], list[Kernel]]
 
 
 def _load_emitters() -> None:
-    from fblc.codegen.kernels import (contraction, conv, elementwise, gather, movement, normalize,  # noqa: F401
-                                      pooling, reduce)
+    from fblc.codegen.kernels import (  # noqa: F401
+        contraction,
+        conv,
+        conv_transpose,
+        elementwise,
+        gather,
+        movement,
+        normalize,
+        pooling,
+        reduce,
+    )
 
 
 KERNEL_EMITTERS: OpRegistry[Emitter] = OpRegistry(

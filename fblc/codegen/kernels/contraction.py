@@ -24,7 +24,15 @@ from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
-from fblc.codegen.kernels.texel import LANES, Blocked, Code, Operand, Product, Reduction, Term
+from fblc.codegen.kernels.texel import (
+    LANES,
+    Blocked,
+    Code,
+    Operand,
+    Product,
+    Reduction,
+    Term,
+)
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.errors import UnsupportedOpError
 from fblc.compiler.values import attr, is_float, static_shape
@@ -59,6 +67,20 @@ def lane_axis(shape: Sequence[int]) -> int | None:
     for axis in reversed(range(len(shape))):
         if shape[axis] != 1:
             return axis if shape[axis] % LANES == 0 else None
+    return None
+
+
+ROW_MIN = 6  # the shortest row whose texels may take the texel-wide path when they do not cross it
+
+
+def row_axis(shape: Sequence[int], first: int = 0) -> tuple[int, int] | None:
+    """(axis, length) of the innermost non-unit axis when a texel's 4 lanes usually lie within one
+    of its rows but not always (length >= ROW_MIN, not a multiple of 4); None if not, or if the
+    axis is before `first`."""
+    for axis in reversed(range(len(shape))):
+        if shape[axis] != 1:
+            ok = axis >= first and shape[axis] >= ROW_MIN and shape[axis] % LANES != 0
+            return (axis, shape[axis]) if ok else None
     return None
 
 
@@ -138,12 +160,42 @@ def reduce_into(b: KernelBuilder, build: Callable[[Code], Reduction], lanes: int
 
     Returns the name of the lane's accumulator in the lane loop, where the epilogue runs.
     """
-    code = Code(b.texel_lines if lanes > 1 else b.lines)
+    if lanes == 1:
+        acc = b.fresh("acc")
+        b.emit(f"float {acc} = {reduce_lane(b, Code(b.lines), build)};")
+        return acc
+    code = Code(b.texel_lines)
+    accs = b.fresh("acc")
+    build(code).emit(b, code, accs, lanes)
+    acc = b.fresh("acc")
+    b.emit(f"float {acc} = {accs}[{b.item_lane}];")
+    return acc
+
+
+def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]) -> str:
+    """Emit, in the lane loop, the one-lane Reduction `build` makes; C expression of its sum."""
     reduction = build(code)
     accs = b.fresh("acc")
-    reduction.emit(b, code, accs, lanes)
-    acc = b.fresh("acc")
-    b.emit(f"float {acc} = {accs}[{b.item_lane if lanes > 1 else 0}];")
+    reduction.emit(b, code, accs, 1)
+    return f"{accs}[0]"
+
+
+def reduce_guarded(b: KernelBuilder, guard: str, build: Callable[[Code], Reduction],
+                   fallback: Callable[[Code], str]) -> str:
+    """Texels whose 4 lanes meet `guard` (e.g. they do not cross the end of a row) reduce together
+    in the per-texel prologue; the others per lane, with the code `fallback` emits in the lane loop.
+
+    Returns the name of the lane's accumulator in the lane loop, where the epilogue runs.
+    """
+    code = Code(b.texel_lines)
+    whole, accs, acc = b.fresh("whole"), b.fresh("acc"), b.fresh("acc")
+    code.emit(f"const bool {whole} = {guard};")
+    build(code).emit(b, code, accs, LANES, whole)
+    b.emit(f"float {acc} = {accs}[lane];")
+    lane = Code(b.lines)
+    lane.open(f"if (!{whole})")
+    lane.emit(f"{acc} = {fallback(lane)};")
+    lane.close()
     return acc
 
 

@@ -1,4 +1,4 @@
-"""Conv and ConvTranspose kernels: texel-wide where the output layout allows it, per lane otherwise.
+"""Conv kernels: texel-wide where the output layout allows it, per lane otherwise.
 
 Texel-wide (see texel.py): the output's innermost non-unit axis has a length divisible by 4,
 so a texel's lanes are 4 consecutive positions along it and share everything else.
@@ -21,21 +21,40 @@ ranges; the other spatial axes keep the ranges, shared by the lanes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.cl import Kernel, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, lane_axis, reduce_into,
-                                              start_builder, zero_acc)
-from fblc.codegen.kernels.texel import LANES, Blocked, Code, Loop, Mask, Operand, Product, Reduction, Term
+from fblc.codegen.kernels.contraction import (
+    finish_group,
+    lane_axis,
+    reduce_guarded,
+    reduce_into,
+    reduce_lane,
+    row_axis,
+    start_builder,
+)
+from fblc.codegen.kernels.texel import (
+    LANES,
+    Blocked,
+    Code,
+    Loop,
+    Mask,
+    Operand,
+    Product,
+    Reduction,
+    Term,
+)
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
 
+FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwise conv (texel, lane)
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
@@ -73,11 +92,19 @@ def _conv_shape(node: ir.Node) -> _ConvShape:
 @dataclass
 class _Tile:
     """The outputs of one work-item: `rows` consecutive output channels x `length` consecutive
-    positions along window axis `axis` (None: no spatial axis varies), lane = row * length + position."""
+    positions along window axis `axis` (None: no spatial axis varies), lane = row * length + position.
+
+    The first position is a multiple of `multiple` (default: `length`; 1 for a guarded texel,
+    which may start anywhere in its row).
+    """
 
     rows: int
     length: int
     axis: int | None
+    multiple: int = 0
+
+    def __post_init__(self) -> None:
+        self.multiple = self.multiple or self.length
 
     @property
     def lanes(self) -> int:
@@ -118,7 +145,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
                 loops.append(Loop.over(tap, "0", str(high - low), d * x_step, w_step))
             continue
         origin = b.fresh("y")
-        code.emit(f"const int {origin} = {_affine(var(2 + axis), s, -pad)};")
+        code.emit(f"const int {origin} = {affine(var(2 + axis), s, -pad)};")
         x_terms.append(Term(origin, x_step))
         tap = b.fresh("k")
         if pad > 0 or (o - 1) * s - pad + (k - 1) * d >= n:
@@ -138,8 +165,9 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         if length == walked:  # the tile starts at position 0
             mask = Mask([], 0, 0, n)
         else:
-            mask = Mask([Term(var(2 + masked), s, walked)], 0, (length - walked) * s, n)
-            x_terms.append(Term(var(2 + masked), s * x_step, walked))
+            multiple = tile.multiple if masked == tile.axis else 1
+            mask = Mask([Term(var(2 + masked), s, multiple)], 0, (length - walked) * s, n)
+            x_terms.append(Term(var(2 + masked), s * x_step, multiple))
     spread = (tile.length - 1) * s if masked == tile.axis else 0
     clamp = pad > 0 or mask.high + spread - pad + (k - 1) * d >= n
 
@@ -201,16 +229,47 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     cs = _conv_shape(node)
     b = start_builder(table, group, "conv")
-    tile = _conv_tile(cs)
+    view = _pointwise(cs)
+    texel, lane = TEXEL_INDEX, OUT_INDEX
+    if view is not cs:  # the flattened view's own index variables
+        texel, lane = FLAT_TEXEL_INDEX, FLAT_INDEX
+        b.emit(*index_vars(view.out_shape, "i", lane))
+    tile, row = _conv_tile(view), row_axis(view.out_shape, first=2)
+
+    def per_lane(code: Code) -> Reduction:
+        return _conv_reduction(b, code, view, lane, _Tile(1, 1, None), _last_tap_axis(view))
+
+    def texels(tile: _Tile, masked: int | None) -> Callable[[Code], Reduction]:
+        if view is not cs:
+            b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
+        return lambda code: _conv_reduction(b, code, view, texel, tile, masked)
+
     if tile is not None:
         b.texels_per_item = tile.lanes // LANES
-        masked = tile.axis if tile.axis is not None else _last_tap_axis(cs)
-        acc = reduce_into(b, lambda code: _conv_reduction(b, code, cs, TEXEL_INDEX, tile, masked), tile.lanes)
+        masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
+        acc = reduce_into(b, texels(tile, masked), tile.lanes)
+    elif row is not None:  # texels within one row reduce together, the ones across two per lane
+        axis, length = row
+        acc = reduce_guarded(b, f"{texel}{axis} <= {length - LANES}",
+                             texels(_Tile(1, LANES, axis - 2, multiple=1), axis - 2),
+                             lambda code: reduce_lane(b, code, per_lane))
     else:
-        acc = reduce_into(b, lambda code: _conv_reduction(b, code, cs, OUT_INDEX, _Tile(1, 1, None),
-                                                          _last_tap_axis(cs)), 1)
-    _add_bias(b, node, acc)
+        acc = reduce_into(b, per_lane, 1)
+    add_bias(b, node, acc)
     return finish_group(b, group, acc)
+
+
+def _pointwise(cs: _ConvShape) -> _ConvShape:
+    """A 1x1 conv with stride 1 and no padding as one over the flattened spatial axes (a longer
+    row for the lanes), or `cs` itself."""
+    window = cs.window
+    if (len(window.kernel) < 2 or any(k != 1 for k in window.kernel) or any(s != 1 for s in window.strides)
+            or any(window.pads)):
+        return cs
+    size = int(np.prod(window.in_spatial))
+    flat = Window((1,), (1,), (1,), (0,), (0,), (size,), (size,))
+    return _ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], 1), (*cs.out_shape[:2], size),
+                      cs.groups, cs.cg_in, cs.cg_out, flat)
 
 
 def _last_tap_axis(cs: _ConvShape) -> int | None:
@@ -218,180 +277,12 @@ def _last_tap_axis(cs: _ConvShape) -> int | None:
     return taps[-1] if taps else None
 
 
-def _add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
+def add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         b.emit(f"{acc} += {b.load(node.inputs[2], f'{OUT_INDEX}1')};")
 
 
-def _affine(var: str, scale: int, offset: int) -> str:
+def affine(var: str, scale: int, offset: int) -> str:
     """`var * scale + offset` as C, without the no-op parts."""
     text = var if scale == 1 else f"{var} * {scale}"
     return text if offset == 0 else f"{text} {'+' if offset > 0 else '-'} {abs(offset)}"
-
-
-# ConvTranspose ------------------------------------------------------------------------------------
-
-def _transpose_pads_begin(node: ir.Node, in_spatial: Sequence[int], out_spatial: Sequence[int],
-                          kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
-    """Leading pads of a ConvTranspose: explicit `pads`, or derived from the output size as the ONNX spec says."""
-    rank = len(in_spatial)
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad == "VALID":
-        return [0] * rank
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER") or attr(node, "output_shape") is not None:
-        output_padding = attr(node, "output_padding") or [0] * rank
-        begins = []
-        for n, o, k, s, d, extra in zip(in_spatial, out_spatial, kernel, strides, dilations, output_padding):
-            total = s * (n - 1) + extra + (k - 1) * d + 1 - o
-            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
-        return begins
-    return list((attr(node, "pads") or [0] * (2 * rank))[:rank])
-
-
-@dataclass
-class _TransposeShape:
-    x: ir.Value
-    w: ir.Value
-    x_shape: tuple[int, ...]
-    w_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    groups: int
-    cg_in: int
-    cg_out: int
-    kernel: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    pads: list[int]
-
-
-def _transpose_shape(node: ir.Node) -> _TransposeShape:
-    x, w = node.inputs[0], node.inputs[1]
-    x_shape, w_shape, y_shape = static_shape(x), static_shape(w), static_shape(node.outputs[0])
-    groups = int(attr(node, "group", 1))
-    rank = len(x_shape) - 2
-    kernel = tuple(attr(node, "kernel_shape") or w_shape[2:])
-    strides = tuple(attr(node, "strides") or [1] * rank)
-    dilations = tuple(attr(node, "dilations") or [1] * rank)
-    pads = _transpose_pads_begin(node, x_shape[2:], y_shape[2:], kernel, strides, dilations)
-    return _TransposeShape(x, w, x_shape, w_shape, y_shape, groups, w_shape[0] // groups, w_shape[1], kernel,
-                           strides, dilations, pads)
-
-
-def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: int) -> tuple[list[str], str, str]:
-    """Lines entering the taps of spatial `axis` that hit an input pixel; the tap and input index variables.
-
-    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n. The lines
-    open a tap loop (when k > 1) and an `if` on the conditions that can fail; every line
-    ending in '{' opens a C block.
-    """
-    k, s, d = ts.kernel[axis], ts.strides[axis], ts.dilations[axis]
-    n, pad, length = ts.x_shape[2 + axis], ts.pads[axis], ts.out_shape[2 + axis]
-    shifted = f"({_affine(f'{prefix}{2 + axis}', 1, pad)})" if pad else f"{prefix}{2 + axis}"
-    lines: list[str] = []
-    tap, numerator = "0", shifted
-    if k > 1:
-        tap, numerator = b.fresh("k"), b.fresh("q")
-        lines += [f"for (int {tap} = 0; {tap} < {k}; ++{tap}) {{",
-                  f"const int {numerator} = {shifted} - {_affine(tap, d, 0)};"]
-    conditions = []
-    if pad - (k - 1) * d < 0:
-        conditions.append(f"{numerator} >= 0")
-    if s > 1:
-        conditions.append(f"{numerator} % {s} == 0")
-    if (length - 1 + pad) // s >= n:
-        conditions.append(f"{numerator} < {n * s}")
-    if conditions:
-        lines.append(f"if ({' && '.join(conditions)}) {{")
-    source = numerator
-    if s > 1:
-        source = b.fresh("y")
-        lines.append(f"const int {source} = {numerator} / {s};")
-    return lines, tap, source
-
-
-def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, lane: int, lanes: int) -> Reduction:
-    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` (the stride divides
-    4, so which taps a lane takes is a literal): input channels in blocks of 4, taps unrolled."""
-    xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    u = TEXEL_INDEX
-    g = f"({u}1 / {ts.cg_out})"
-    x_terms = ([Term(f"{u}0", xs[0])] if ts.x_shape[0] > 1 else []) + (
-        [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
-    w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
-        [Term(f"({u}1 % {ts.cg_out})" if ts.groups > 1 else f"{u}1", ws[1])] if ts.cg_out > 1 else [])
-    loops = []
-    for axis in range(len(ts.kernel)):
-        if axis != lane:
-            lines, tap, source = _transpose_taps(b, ts, u, axis)
-            loops.append(Loop(lines, [Term(source, xs[2 + axis])] if ts.x_shape[2 + axis] > 1 else [],
-                              [Term(tap, ws[2 + axis])] if tap != "0" else []))
-    k, s, d = ts.kernel[lane], ts.strides[lane], ts.dilations[lane]
-    n, pad, length = ts.x_shape[2 + lane], ts.pads[lane], ts.out_shape[2 + lane]
-    x_step, w_step = xs[2 + lane], ws[2 + lane]
-    origin = f"({u}{2 + lane} / {s})" if s > 1 else f"{u}{2 + lane}"  # o / s: a multiple of 4 / s
-    x_terms.append(Term(origin, x_step, lanes // s))
-    mask = Mask([Term(origin, 1, lanes // s)], 0, (length - lanes) // s, n)
-
-    def products(channels: range) -> list[Product]:
-        found = []
-        for c in channels:
-            for t in range(k):
-                for lane_index in range(lanes):
-                    v = lane_index + pad - t * d  # o + v must be a multiple of s
-                    if v % s == 0:
-                        found.append(Product(lane_index, c * xs[1] + (v // s) * x_step, c * ws[0] + t * w_step, v // s))
-        return found
-
-    positions = [p.position for p in products(range(1))]
-    clamp = min(positions) < 0 or mask.high + max(positions) >= n
-    blocked = Blocked(ts.cg_in, min(CHANNEL_BLOCK, ts.cg_in), xs[1], ws[0], 0, products)
-    return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask)
-
-
-@register_kernel("ConvTranspose")
-def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """Gather form: y[o] sums x[i] * w[t] over taps t with i * s = o + pad - t * d, i in range.
-
-    The autodiff uses it for Conv's input gradient and AveragePool's gradient; output_padding
-    only lengthens the (already static) output, so the loops ignore it.
-    """
-    node = group.anchor
-    ts = _transpose_shape(node)
-    b = start_builder(table, group, "conv")
-    axis = lane_axis(ts.out_shape)
-    if (axis is not None and axis >= 2 and LANES % ts.strides[axis - 2] == 0
-            and ts.kernel[axis - 2] <= TAP_BLOCK):
-        b.texels_per_item = texels_per_item(ts.out_shape[axis] // LANES)
-        lanes = LANES * b.texels_per_item
-        acc = reduce_into(b, lambda code: _transpose_reduction(b, ts, axis - 2, lanes), lanes)
-    else:
-        acc = _transpose_per_lane(b, ts)
-    _add_bias(b, node, acc)
-    return finish_group(b, group, acc)
-
-
-def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape) -> str:
-    """One lane, one output element: guarded tap loops around a dot product over input channels."""
-    acc = zero_acc(b)
-    xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    g = f"({OUT_INDEX}1 / {ts.cg_out})" if ts.groups > 1 else "0"
-    local = f"({OUT_INDEX}1 % {ts.cg_out})" if ts.groups > 1 else f"{OUT_INDEX}1"
-    x_terms = index_terms([f"{OUT_INDEX}0", g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
-    w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ws[0], ws[1]])
-    code = Code(b.lines)
-    for axis in range(len(ts.kernel)):
-        lines, tap, source = _transpose_taps(b, ts, OUT_INDEX, axis)
-        for line in lines:
-            if line.endswith("{"):
-                code.open(line[:-1].rstrip())
-            else:
-                code.emit(line)
-        if tap != "0":
-            w_terms.append((tap, ws[2 + axis]))
-        x_terms += index_terms([source], [ts.x_shape[2 + axis]], [xs[2 + axis]])
-    depth = code.depth
-    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, xs[1]), Stream(ts.w, w_terms, ws[0])), "  " * depth)
-    while code.depth:
-        code.close()
-    return acc

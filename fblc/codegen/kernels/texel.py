@@ -224,10 +224,11 @@ class Reduction:
     loops: list[Loop] = field(default_factory=list)  # outermost first
     mask: Mask | None = None
 
-    def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int) -> None:
+    def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int, guard: str | None = None) -> None:
+        """Declare `float acc[lanes]` and accumulate into it (only where `guard` holds, if given)."""
         code.emit(f"float {acc}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};")
         depth = code.depth
-        code.open("")  # the loops' and blocks' names stay local
+        code.open(f"if ({guard})" if guard else "")  # the loops' and blocks' names stay local
         x_terms, w_terms = list(self.x.terms), list(self.w.terms)
         for loop in self.loops:
             for line in loop.lines:

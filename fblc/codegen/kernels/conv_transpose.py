@@ -1,0 +1,244 @@
+"""ConvTranspose kernels (Conv's input gradient, AveragePool's gradient), in gather form.
+
+Output pixel o sums x[i] * w[t] over the taps t with i * s = o + pad - t * d, 0 <= i < n.
+Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis is spatial
+with a length % 4 == 0 and its stride divides 4: a work-item's lanes are consecutive
+positions along it, whose taps (which lane takes which tap is then a literal) share the
+weights and read their inputs as whole texels; input channels go in blocks of 4. Otherwise
+one lane computes one element: guarded tap loops around a dot product over input channels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
+from fblc.codegen.cl import Kernel, index_vars, strides_of
+from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.kernels.contraction import (
+    Stream,
+    dot_loop,
+    finish_group,
+    index_terms,
+    lane_axis,
+    reduce_guarded,
+    reduce_into,
+    row_axis,
+    start_builder,
+)
+from fblc.codegen.kernels.conv import (
+    CHANNEL_BLOCK,
+    FLAT_INDEX,
+    FLAT_TEXEL_INDEX,
+    TAP_BLOCK,
+    add_bias,
+    affine,
+    texels_per_item,
+)
+from fblc.codegen.kernels.texel import (
+    LANES,
+    Blocked,
+    Code,
+    Loop,
+    Mask,
+    Operand,
+    Product,
+    Reduction,
+    Term,
+)
+from fblc.codegen.textures import TextureTable
+from fblc.compiler.values import attr, static_shape
+
+
+def _transpose_pads_begin(node: ir.Node, in_spatial: Sequence[int], out_spatial: Sequence[int],
+                          kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
+    """Leading pads of a ConvTranspose: explicit `pads`, or derived from the output size as the ONNX spec says."""
+    rank = len(in_spatial)
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "VALID":
+        return [0] * rank
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER") or attr(node, "output_shape") is not None:
+        output_padding = attr(node, "output_padding") or [0] * rank
+        begins = []
+        for n, o, k, s, d, extra in zip(in_spatial, out_spatial, kernel, strides, dilations, output_padding):
+            total = s * (n - 1) + extra + (k - 1) * d + 1 - o
+            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+        return begins
+    return list((attr(node, "pads") or [0] * (2 * rank))[:rank])
+
+
+@dataclass
+class _TransposeShape:
+    x: ir.Value
+    w: ir.Value
+    x_shape: tuple[int, ...]
+    w_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    groups: int
+    cg_in: int
+    cg_out: int
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads: list[int]
+
+
+def _transpose_shape(node: ir.Node) -> _TransposeShape:
+    x, w = node.inputs[0], node.inputs[1]
+    x_shape, w_shape, y_shape = static_shape(x), static_shape(w), static_shape(node.outputs[0])
+    groups = int(attr(node, "group", 1))
+    rank = len(x_shape) - 2
+    kernel = tuple(attr(node, "kernel_shape") or w_shape[2:])
+    strides = tuple(attr(node, "strides") or [1] * rank)
+    dilations = tuple(attr(node, "dilations") or [1] * rank)
+    pads = _transpose_pads_begin(node, x_shape[2:], y_shape[2:], kernel, strides, dilations)
+    return _TransposeShape(x, w, x_shape, w_shape, y_shape, groups, w_shape[0] // groups, w_shape[1], kernel,
+                           strides, dilations, pads)
+
+
+def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: int) -> tuple[list[str], str, str]:
+    """Lines entering the taps of spatial `axis` that hit an input pixel; the tap and input index variables.
+
+    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n. The lines
+    open a tap loop (when k > 1) and an `if` on the conditions that can fail; every line
+    ending in '{' opens a C block.
+    """
+    k, s, d = ts.kernel[axis], ts.strides[axis], ts.dilations[axis]
+    n, pad, length = ts.x_shape[2 + axis], ts.pads[axis], ts.out_shape[2 + axis]
+    shifted = f"({affine(f'{prefix}{2 + axis}', 1, pad)})" if pad else f"{prefix}{2 + axis}"
+    lines: list[str] = []
+    tap, numerator = "0", shifted
+    if k > 1:
+        tap, numerator = b.fresh("k"), b.fresh("q")
+        lines += [f"for (int {tap} = 0; {tap} < {k}; ++{tap}) {{",
+                  f"const int {numerator} = {shifted} - {affine(tap, d, 0)};"]
+    conditions = []
+    if pad - (k - 1) * d < 0:
+        conditions.append(f"{numerator} >= 0")
+    if s > 1:
+        conditions.append(f"{numerator} % {s} == 0")
+    if (length - 1 + pad) // s >= n:
+        conditions.append(f"{numerator} < {n * s}")
+    if conditions:
+        lines.append(f"if ({' && '.join(conditions)}) {{")
+    source = numerator
+    if s > 1:
+        source = b.fresh("y")
+        lines.append(f"const int {source} = {numerator} / {s};")
+    return lines, tap, source
+
+
+def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: int, lanes: int, multiple: int
+                         ) -> Reduction:
+    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple
+    of `multiple` (the stride divides it, so which taps a lane takes is a literal): input channels
+    in blocks of 4, taps unrolled. `u` names the index variables of the first output."""
+    xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
+    g = f"({u}1 / {ts.cg_out})"
+    x_terms = ([Term(f"{u}0", xs[0])] if ts.x_shape[0] > 1 else []) + (
+        [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
+    w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
+        [Term(f"({u}1 % {ts.cg_out})" if ts.groups > 1 else f"{u}1", ws[1])] if ts.cg_out > 1 else [])
+    loops = []
+    for axis in range(len(ts.kernel)):
+        if axis != lane:
+            lines, tap, source = _transpose_taps(b, ts, u, axis)
+            loops.append(Loop(lines, [Term(source, xs[2 + axis])] if ts.x_shape[2 + axis] > 1 else [],
+                              [Term(tap, ws[2 + axis])] if tap != "0" else []))
+    k, s, d = ts.kernel[lane], ts.strides[lane], ts.dilations[lane]
+    n, pad, length = ts.x_shape[2 + lane], ts.pads[lane], ts.out_shape[2 + lane]
+    x_step, w_step = xs[2 + lane], ws[2 + lane]
+    origin = f"({u}{2 + lane} / {s})" if s > 1 else f"{u}{2 + lane}"  # o / s: a multiple of multiple / s
+    x_terms.append(Term(origin, x_step, multiple // s))
+    mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
+
+    def products(channels: range) -> list[Product]:
+        found = []
+        for c in channels:
+            for t in range(k):
+                for lane_index in range(lanes):
+                    v = lane_index + pad - t * d  # o + v must be a multiple of s
+                    if v % s == 0:
+                        found.append(Product(lane_index, c * xs[1] + (v // s) * x_step, c * ws[0] + t * w_step, v // s))
+        return found
+
+    positions = [p.position for p in products(range(1))]
+    clamp = min(positions) < 0 or mask.high + max(positions) >= n
+    blocked = Blocked(ts.cg_in, min(CHANNEL_BLOCK, ts.cg_in), xs[1], ws[0], 0, products)
+    return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask)
+
+
+@register_kernel("ConvTranspose")
+def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """Gather form; output_padding only lengthens the (already static) output, so the loops ignore it."""
+    node = group.anchor
+    ts = _transpose_shape(node)
+    b = start_builder(table, group, "conv")
+    view = _pointwise(ts)
+    texel, lane = TEXEL_INDEX, OUT_INDEX
+    if view is not ts:  # the flattened view's own index variables
+        texel, lane = FLAT_TEXEL_INDEX, FLAT_INDEX
+        b.emit(*index_vars(view.out_shape, "i", lane))
+    axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
+    if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
+        b.texels_per_item = texels_per_item(view.out_shape[axis] // LANES)
+        lanes = LANES * b.texels_per_item
+        if view is not ts:
+            b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
+        acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes), lanes)
+    elif row is not None and view.strides[row[0] - 2] == 1 and view.kernel[row[0] - 2] <= TAP_BLOCK:
+        axis, length = row  # texels within one row reduce together, the ones across two per lane
+        if view is not ts:
+            b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
+        acc = reduce_guarded(b, f"{texel}{axis} <= {length - LANES}",
+                             lambda code: _transpose_reduction(b, view, texel, axis - 2, LANES, 1),
+                             lambda code: _transpose_per_lane(b, view, code, lane))
+    else:
+        acc = b.fresh("acc")
+        b.emit(f"float {acc} = 0.0f;")
+        b.emit(f"{acc} = {_transpose_per_lane(b, view, Code(b.lines), lane)};")
+    add_bias(b, node, acc)
+    return finish_group(b, group, acc)
+
+
+def _pointwise(ts: _TransposeShape) -> _TransposeShape:
+    """A 1x1 ConvTranspose with stride 1 and no padding over the flattened spatial axes, or `ts`."""
+    if len(ts.kernel) < 2 or any(k != 1 for k in ts.kernel) or any(s != 1 for s in ts.strides) or any(ts.pads):
+        return ts
+    size = int(np.prod(ts.x_shape[2:]))
+    return _TransposeShape(ts.x, ts.w, (*ts.x_shape[:2], size), (*ts.w_shape[:2], 1), (*ts.out_shape[:2], size),
+                           ts.groups, ts.cg_in, ts.cg_out, (1,), (1,), (1,), [0])
+
+
+def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape, code: Code, o: str) -> str:
+    """One lane, one output element: guarded tap loops around a dot product over input channels.
+
+    Emits into `code` (in the lane loop; `o` names the output index variables); returns the sum's name.
+    """
+    acc = b.fresh("acc")
+    code.emit(f"float {acc} = 0.0f;")
+    xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
+    g = f"({o}1 / {ts.cg_out})" if ts.groups > 1 else "0"
+    local = f"({o}1 % {ts.cg_out})" if ts.groups > 1 else f"{o}1"
+    x_terms = index_terms([f"{o}0", g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
+    w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ws[0], ws[1]])
+    depth = code.depth
+    for axis in range(len(ts.kernel)):
+        lines, tap, source = _transpose_taps(b, ts, o, axis)
+        for line in lines:
+            if line.endswith("{"):
+                code.open(line[:-1].rstrip())
+            else:
+                code.emit(line)
+        if tap != "0":
+            w_terms.append((tap, ws[2 + axis]))
+        x_terms += index_terms([source], [ts.x_shape[2 + axis]], [xs[2 + axis]])
+    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, xs[1]), Stream(ts.w, w_terms, ws[0])), "  " * code.depth)
+    while code.depth > depth:
+        code.close()
+    return acc
