@@ -1,4 +1,4 @@
-"""Contraction kernels: MatMul and Gemm with their fused epilogue, and what Conv (conv.py) shares.
+"""Contraction kernels: MatMul and Gemm with their fused epilogue, and what conv.py and conv_transpose.py share.
 
 Each lane's reduction ends in a float accumulator `acc` (fp32 even over half textures, since
 `read_imagef` returns float); the elementwise nodes the fuse pass attached (group.nodes[1:])

@@ -1,22 +1,24 @@
-"""Conv kernels: texel-wide where the output layout allows it, per lane otherwise.
+"""Conv kernels: a work-item's lanes reduce together (texel.py) where the output layout allows it.
 
-Texel-wide (see texel.py): the output's innermost non-unit axis has a length divisible by 4,
-so a texel's lanes are 4 consecutive positions along it and share everything else.
-- a spatial lane axis (T-ResNet [N, C, T, 1], images of width % 4 == 0): the lanes share the
-  weights; their inputs are consecutive (stride 1) or interleaved (stride 2) elements of one
-  input row, read as whole texels. The taps along that axis are unrolled, input channels
-  go in blocks of 4, other spatial axes loop over their in-bounds tap range.
-- the channel axis with 1x1 spatial output (the weight gradient of a 1x1 conv, which the
-  autodiff writes as a Conv of X with dY rows grouped over the batch): the lanes share the
-  input and read 4 weight rows.
-Per lane (each lane reduces alone, inside the builder's lane loop): the same blocked
-reduction along the last spatial axis with a kernel, reading its contiguous taps as texels
-(e.g. the weight-gradient Conv with a kernel length that is not a multiple of 4, whose
-'taps' are a 60-long dY row). A 1x1 conv with no texel-wide layout keeps the plain channel
-loop of contraction.py, and so does a ConvTranspose without one.
-
-Taps along the lane axis read zero outside the input through masks, in place of per-lane tap
-ranges; the other spatial axes keep the ranges, shared by the lanes.
+The texture layout decides which outputs a work-item holds: 4 * texels_per_item consecutive
+flat elements. Tiles, by preference:
+- channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every
+  other spatial extent 1). The autodiff's weight-gradient Conv (X grouped over the batch,
+  whose 'weights' are dY rows and whose output rows are kernel taps: [Cg_in, N*G*Cg_out, k, 1]
+  for T-ResNet) lands here: the 4 rows share the X window, each reads its own dY row.
+- spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a
+  multiple of 4 (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read
+  their inputs, consecutive or strided elements of one input row, as whole texels.
+- row texels: an innermost axis of another length >= ROW_MIN (rows of 7, 15, 30...): a texel
+  within one row reduces like a spatial tile of 4 (at a runtime alignment), a texel across
+  two rows per lane.
+- per lane: each lane reduces alone in the builder's lane loop, the same blocked reduction
+  along the last spatial axis that has taps (contiguous taps read as texels).
+A 1x1 conv with stride 1 and no padding, and a conv whose output pixel sees its whole input
+(a 1x1 conv's weight gradient), are seen over their flattened spatial axes first. Input channels go in blocks of 4 with the taps of the tiled (or last) spatial
+axis unrolled, or, for more than TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the
+other spatial axes loop over their in-bounds tap range, which the lanes share. Along the
+unrolled axis, taps outside the input read zero through masks.
 """
 
 from __future__ import annotations
@@ -192,12 +194,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
 
 
 def _conv_tile(cs: _ConvShape) -> _Tile | None:
-    """The work-item tile for a conv output, or None when only per-lane code fits.
-
-    Channel tiles (4 output channels x a short spatial row, at most CHANNEL_TILE_LENGTH) share
-    the input: the weight gradients, whose rows are kernel taps. Spatial tiles (4 to 16
-    positions along an innermost axis of length % 4 == 0) share the weights.
-    """
+    """The channel or spatial tile for a conv output (see the module docstring), or None."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     if cs.cg_out % LANES == 0 and len(spatial) <= 1:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
@@ -260,15 +257,23 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
 
 def _pointwise(cs: _ConvShape) -> _ConvShape:
-    """A 1x1 conv with stride 1 and no padding as one over the flattened spatial axes (a longer
-    row for the lanes), or `cs` itself."""
+    """The conv over its flattened spatial axes when they walk together, or `cs` itself.
+
+    A 1x1 conv with stride 1 and no padding (output pixel = input pixel: a longer row for the
+    lanes) and a conv whose one output pixel sees the whole input (a 1x1 conv's weight
+    gradient, whose kernel is the dY map: one contiguous run of taps) flatten.
+    """
     window = cs.window
-    if (len(window.kernel) < 2 or any(k != 1 for k in window.kernel) or any(s != 1 for s in window.strides)
-            or any(window.pads)):
+    if len(window.kernel) < 2 or any(window.pads):
         return cs
     size = int(np.prod(window.in_spatial))
-    flat = Window((1,), (1,), (1,), (0,), (0,), (size,), (size,))
-    return _ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], 1), (*cs.out_shape[:2], size),
+    if all(k == 1 for k in window.kernel) and all(s == 1 for s in window.strides):
+        flat, kernel, out = Window((1,), (1,), (1,), (0,), (0,), (size,), (size,)), 1, size
+    elif window.kernel == window.in_spatial and all(d == 1 for d in window.dilations):
+        flat, kernel, out = Window((size,), (1,), (1,), (0,), (0,), (size,), (1,)), size, 1
+    else:
+        return cs
+    return _ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], kernel), (*cs.out_shape[:2], out),
                       cs.groups, cs.cg_in, cs.cg_out, flat)
 
 

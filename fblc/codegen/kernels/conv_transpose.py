@@ -2,10 +2,13 @@
 
 Output pixel o sums x[i] * w[t] over the taps t with i * s = o + pad - t * d, 0 <= i < n.
 Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis is spatial
-with a length % 4 == 0 and its stride divides 4: a work-item's lanes are consecutive
-positions along it, whose taps (which lane takes which tap is then a literal) share the
-weights and read their inputs as whole texels; input channels go in blocks of 4. Otherwise
-one lane computes one element: guarded tap loops around a dot product over input channels.
+with a length % 4 == 0 and its stride divides 4: a work-item's lanes (4 to 20) are
+consecutive positions along it, whose taps (which lane takes which tap is then a literal)
+share the weights and read their inputs as whole texels; input channels go in blocks of 4.
+Rows of another length >= ROW_MIN at stride 1: the texels within one row do the same, the
+ones across two rows run per lane. Per lane: guarded tap loops around a dot product over
+input channels. A 1x1 ConvTranspose with stride 1 and no padding is seen over its flattened
+spatial axes first.
 """
 
 from __future__ import annotations

@@ -1,20 +1,21 @@
-"""Texel-wide reductions: the lanes of an output texel reduce together and share their reads.
+"""Texel-wide reductions: a work-item's lanes reduce together and share their reads.
 
-On PoCL (and on mobile GPUs) a `read_imagef` is the cost of a contraction: ~15 ns on the
-CPU device, where the multiply-add itself is free. Per-lane code reads two elements per
-multiply-add. Here a work-item computes its (up to) four lanes in one pass over the
+On PoCL (and on mobile GPUs) a `read_imagef` is the cost of a contraction: ~10-15 ns on the
+CPU device, where the multiply-add is nearly free. Per-lane code reads two elements per
+multiply-add. Here a work-item computes all its lanes (the 4 elements of its texel, or of
+several consecutive texels, see KernelBuilder.texels_per_item) in one pass over the
 reduction, in static blocks: for each block it lists the products it needs, as
 (lane, offset into X, offset into W, position) with literal offsets from a runtime base
-index, fetches every distinct element once (whole texels where the offsets are close:
-one read gives four consecutive elements) and accumulates per lane in fp32.
+index, fetches every distinct element once (whole texels where the offsets are close: one
+read gives four consecutive elements) and accumulates per lane in fp32.
 
 Where the base index is known to be a multiple of 4 (the strides and the loop steps are)
 the texels and lanes of every offset are literals; otherwise a cluster of offsets is read
 as the texels that can cover it and the elements are picked by the runtime shift.
 
 Products whose position (along a padded axis) falls outside the input read zero through a
-mask, so border texels need no per-lane tap ranges; reads they make out of the tensor are
-clamped into the image.
+mask, so border texels need no per-lane tap ranges; products always outside are dropped at
+compile time, and reads the masked ones make out of the tensor are clamped into it.
 """
 
 from __future__ import annotations
@@ -159,8 +160,12 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
     arg, texture = b.argument(operand.value)
     last = texture.texels - 1
 
-    def texel(index: str) -> str:
-        index = f"clamp({index}, 0, {last})" if operand.clamp else index
+    def texel(index: str, spare: bool = False) -> str:
+        """A texel read; `spare`: the read may pass the tensor's end (a cluster's last texel at shift 0)."""
+        if operand.clamp:
+            index = f"clamp({index}, 0, {last})"
+        elif spare:
+            index = f"min({index}, {last})"
         return f"read_imagef({arg}, SMP, TEXEL({index}, {texture.width}))"
 
     base = c_sum(operand.terms)
@@ -190,7 +195,7 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
         code.emit(f"const int {start} = {_plus(base, low)};",
                   f"const int {q} = {start} >> 2, {shift} = {start} & 3;")
         texels = [b.fresh("T") for _ in range(count)]
-        code.emit(*(f"const float4 {name} = {texel(_plus(q, k))};" for k, name in enumerate(texels)))
+        code.emit(*(f"const float4 {name} = {texel(_plus(q, k), k == count - 1)};" for k, name in enumerate(texels)))
         windows: dict[int, str] = {}
         for offset in cluster:
             m, lane = (offset - low) >> 2, (offset - low) & 3
