@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.autodiff import build_backward, params_reaching
+from fblc.compiler.autodiff import BackwardResult, build_backward, params_reaching
 from fblc.compiler.errors import TrainableSetError
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
@@ -33,6 +33,7 @@ class BuildGradients(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         loss = graph.outputs[0]
+        extra = self.extra_targets(graph)
         params = trainable_params(graph)
         reaching = params_reaching(graph, loss, params)
         if not reaching:
@@ -45,7 +46,7 @@ class BuildGradients(ir.passes.InPlacePass):
             graph.inputs.remove(param)
         if unused:
             model.metadata_props[UNUSED_PARAMS] = ",".join(p.name for p in unused)
-        result = build_backward(graph, loss, reaching)
+        result = build_backward(graph, loss, list(reaching) + extra)
         naming = Emitter(graph, stage="backward")
         for param in reaching:
             grad = result.grads[param.name]
@@ -55,4 +56,12 @@ class BuildGradients(ir.passes.InPlacePass):
             grad.shape, grad.dtype = param.shape, param.dtype
             keys.set_role(grad, Role.GRAD)
             graph.outputs.append(grad)
+        self.after_backward(extra, result, naming)
         return ir.passes.PassResult(model, True)
+
+    def extra_targets(self, graph: ir.Graph) -> list[ir.Value]:
+        """Values besides the parameters whose gradient a subclass needs (none here)."""
+        return []
+
+    def after_backward(self, extra: list[ir.Value], result: BackwardResult, naming: Emitter) -> None:
+        """What a subclass does with the gradients of its extra targets (nothing here)."""

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fblc.compiler import keys
 from fblc.compiler.adapters import SITE_DQ, SITE_Q
-from fblc.compiler.autodiff import build_backward, params_reaching
-from fblc.compiler.errors import FblcError, TrainableSetError
+from fblc.compiler.autodiff import BackwardResult
+from fblc.compiler.errors import FblcError
 from fblc.compiler.graph import Emitter
-from fblc.compiler.keys import Role
-from fblc.passes.build_gradients import UNUSED_PARAMS, BuildGradients, trainable_params
+from fblc.passes.build_gradients import BuildGradients
 
 
 class SgGradients(BuildGradients):
@@ -28,38 +26,17 @@ class SgGradients(BuildGradients):
 
     name = "sg_gradients"
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
-        loss = graph.outputs[0]
+    def extra_targets(self, graph: ir.Graph) -> list[ir.Value]:
         bottlenecks = [v for n in graph for v in n.outputs if v is not None and SITE_Q in v.metadata_props]
         if not bottlenecks:
-            raise FblcError("memflora-sg found no adapter bottleneck in the graph", "run memory_floor with --adapter memflora-sg first")
-        params = trainable_params(graph)
-        reaching = params_reaching(graph, loss, params)
-        if not reaching:
-            raise TrainableSetError("nothing to train: the loss depends on none of the trainable parameters",
-                                    "check --train/--freeze and that the model's first output is what the loss reads")
-        reaching_ids = {id(p) for p in reaching}
-        unused = [p for p in params if id(p) not in reaching_ids]
-        for param in unused:
-            keys.set_role(param, Role.FROZEN)
-            graph.inputs.remove(param)
-        if unused:
-            model.metadata_props[UNUSED_PARAMS] = ",".join(p.name for p in unused)
-        result = build_backward(graph, loss, list(reaching) + bottlenecks)
-        naming = Emitter(graph, stage="backward")
-        for param in reaching:
-            grad = result.grads[param.name]
-            if grad.producer() is None or grad.is_graph_output() or grad.name.endswith(".grad"):
-                grad = naming.op("Identity", grad)
-            grad.name = f"{param.name}.grad"
-            grad.shape, grad.dtype = param.shape, param.dtype
-            keys.set_role(grad, Role.GRAD)
-            graph.outputs.append(grad)
-        for q in bottlenecks:
+            raise FblcError("memflora-sg found no adapter bottleneck in the graph",
+                            "run memory_floor with --adapter memflora-sg first")
+        return bottlenecks
+
+    def after_backward(self, extra: list[ir.Value], result: BackwardResult, naming: Emitter) -> None:
+        for q in extra:
             dq = result.grads[q.name]
             if dq.producer() is None or SITE_DQ in dq.metadata_props:  # a zero, or shared: own it
                 dq = naming.op("Identity", dq)
             dq.shape, dq.dtype = q.shape, q.dtype
             dq.metadata_props[SITE_DQ] = q.name
-        return ir.passes.PassResult(model, True)
