@@ -19,7 +19,8 @@ from fblc.compiler.optimizers import OptimizerConfig, StateTensor, optimizer_spe
 from fblc.passes.build_gradients import trainable_params
 
 
-def _state_input(graph: ir.Graph, state: StateTensor) -> ir.Value:
+def state_input(graph: ir.Graph, state: StateTensor) -> ir.Value:
+    """`state` as a graph input with role `opt_state` and a lazy zero initializer of the same name."""
     dtype = ir.DataType.from_numpy(state.dtype)
     shape = ir.Shape(list(state.shape))
     # Lazy: a 1B-parameter model's Adam state is 8 GB of zeros, made only if the step is saved.
@@ -33,8 +34,10 @@ def _state_input(graph: ir.Graph, state: StateTensor) -> ir.Value:
     return value
 
 
-def _name_output(e: Emitter, value: ir.Value, name: str, role: Role) -> ir.Value:
-    if value.producer() is None or value.name.endswith((".new", ".grad")) or value.is_graph_input():
+def name_output(e: Emitter, value: ir.Value, name: str, role: Role) -> ir.Value:
+    """`value` under the interface name `name`; through an Identity when renaming it would break another name."""
+    if (value.producer() is None or value.name.endswith((".new", ".grad")) or value.is_graph_input()
+            or value.is_graph_output()):
         value = e.op("Identity", value)
     value.name = name
     keys.set_role(value, role)
@@ -58,7 +61,7 @@ class OptimizerStep(ir.passes.InPlacePass):
         e = Emitter(graph, stage="optimizer")
         shared_states = self.spec.shared_state()
         for state in shared_states:
-            _state_input(graph, state)
+            state_input(graph, state)
         shared = self.spec.shared_update(e, self.config, shared_states)
         carried = [v for v in graph.outputs if keys.get_role(v) == Role.OPT_STATE.value]
         outputs: list[ir.Value] = [loss]
@@ -68,13 +71,13 @@ class OptimizerStep(ir.passes.InPlacePass):
             param_states = self.spec.per_param_state(self.config, param.name, static_shape(param),
                                                      ir.DataType(param.dtype).numpy())
             for state in param_states:
-                _state_input(graph, state)
+                state_input(graph, state)
             new_param = self.spec.update(e, self.config, param, grad, param_states, shared)
-            outputs += [grad, _name_output(e, new_param, f"{param.name}.new", Role.PARAM)]
+            outputs += [grad, name_output(e, new_param, f"{param.name}.new", Role.PARAM)]
             states += param_states
         for state in states + shared_states:
             assert state.new is not None, f"optimizer left state {state.name} without an update"
-            outputs.append(_name_output(e, state.new, f"{state.name}.new", Role.OPT_STATE))
+            outputs.append(name_output(e, state.new, f"{state.name}.new", Role.OPT_STATE))
         outputs += carried
         for state in shared_states:  # inputs in the order of the outputs: shared state after per-parameter state
             assert state.value is not None

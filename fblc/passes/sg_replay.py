@@ -28,31 +28,13 @@ from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ, SITE_Q
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.optimizers import OPTIMIZERS, OptimizerConfig, StateTensor
+from fblc.passes.optimizer_step import name_output, state_input
 
 SG_STEP = "sg.step"
 
 
 def projection_optimizer(lr: float = 1e-3) -> OptimizerConfig:
     return OptimizerConfig(name="adam", lr=lr, weight_decay=0.0)
-
-
-def _state_input(graph: ir.Graph, state: StateTensor) -> ir.Value:
-    array = state.initial()
-    value = ir.Value(name=state.name, shape=ir.Shape(list(state.shape)),
-                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array, name=state.name))
-    keys.set_role(value, Role.OPT_STATE)
-    graph.inputs.append(value)
-    graph.register_initializer(value)
-    state.value = value
-    return value
-
-
-def _named(e: Emitter, value: ir.Value, name: str, role: Role) -> ir.Value:
-    if value.producer() is None or value.is_graph_input() or value.is_graph_output() or value.name.endswith((".new", ".grad")):
-        value = e.op("Identity", value)
-    value.name = name
-    keys.set_role(value, role)
-    return value
 
 
 def _is_forward(node: ir.Node) -> bool:
@@ -163,19 +145,19 @@ class SgReplay(ir.passes.InPlacePass):
         for p, _ in projections:
             p_states = spec.per_param_state(self.config, p.name, static_shape(p), np.dtype(np.float32))
             for state in p_states:
-                _state_input(graph, state)
+                state_input(graph, state)
             states.append(p_states)  # type: ignore[arg-type]
-        _state_input(graph, step)
+        state_input(graph, step)
         shared = spec.shared_update(e, self.config, [step])
         for (p, grad), p_states in zip(projections, states):
             new = spec.update(e, self.config, p, grad, p_states, shared)  # type: ignore[arg-type]
-            outputs += [_named(e, grad, f"{p.name}.grad", Role.GRAD), _named(e, new, f"{p.name}.new", Role.PARAM)]
+            outputs += [name_output(e, grad, f"{p.name}.grad", Role.GRAD), name_output(e, new, f"{p.name}.new", Role.PARAM)]
         for p_states in states:
             for state in p_states:  # type: ignore[attr-defined]
                 assert state.new is not None
-                outputs.append(_named(e, state.new, f"{state.name}.new", Role.OPT_STATE))
+                outputs.append(name_output(e, state.new, f"{state.name}.new", Role.OPT_STATE))
         assert step.new is not None
-        outputs.append(_named(e, step.new, f"{SG_STEP}.new", Role.OPT_STATE))
+        outputs.append(name_output(e, step.new, f"{SG_STEP}.new", Role.OPT_STATE))
         graph.outputs.extend(outputs)
         for node in list(graph)[first_new:]:
             node.metadata_props[keys.STAGE] = "optimizer"

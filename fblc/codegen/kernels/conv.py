@@ -23,7 +23,7 @@ unrolled axis, taps outside the input read zero through masks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,6 +220,14 @@ def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list
             f"const int {high} = min({k}, ({n} - {origin} + {d - 1}) / {d});"]
 
 
+def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) -> tuple[str, str]:
+    """(texel, lane) index-variable prefixes; a flattened view declares its own lane variables."""
+    if not flattened:
+        return TEXEL_INDEX, OUT_INDEX
+    b.emit(*index_vars(out_shape, "i", FLAT_INDEX))
+    return FLAT_TEXEL_INDEX, FLAT_INDEX
+
+
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Direct convolution (and the autodiff's weight-gradient form, group = N*G over [Cg_in, N*G, H, W])."""
@@ -227,10 +235,7 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     cs = _conv_shape(node)
     b = start_builder(table, group, "conv")
     view = _pointwise(cs)
-    texel, lane = TEXEL_INDEX, OUT_INDEX
-    if view is not cs:  # the flattened view's own index variables
-        texel, lane = FLAT_TEXEL_INDEX, FLAT_INDEX
-        b.emit(*index_vars(view.out_shape, "i", lane))
+    texel, lane = view_indices(b, view.out_shape, view is not cs)
     tile, row = _conv_tile(view), row_axis(view.out_shape, first=2)
 
     def per_lane(code: Code) -> Reduction:

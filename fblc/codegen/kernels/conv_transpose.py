@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import Kernel, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
@@ -34,9 +34,8 @@ from fblc.codegen.kernels.contraction import (
     start_builder,
 )
 from fblc.codegen.kernels.conv import (
+    view_indices,
     CHANNEL_BLOCK,
-    FLAT_INDEX,
-    FLAT_TEXEL_INDEX,
     TAP_BLOCK,
     add_bias,
     affine,
@@ -183,10 +182,7 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     ts = _transpose_shape(node)
     b = start_builder(table, group, "conv")
     view = _pointwise(ts)
-    texel, lane = TEXEL_INDEX, OUT_INDEX
-    if view is not ts:  # the flattened view's own index variables
-        texel, lane = FLAT_TEXEL_INDEX, FLAT_INDEX
-        b.emit(*index_vars(view.out_shape, "i", lane))
+    texel, lane = view_indices(b, view.out_shape, view is not ts)
     axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
     if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
         b.texels_per_item = texels_per_item(view.out_shape[axis] // LANES)
