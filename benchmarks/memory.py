@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fblc.compiler.adapters import AdapterConfig  # noqa: E402
 from fblc.compiler.model_io import load_model  # noqa: E402
+from fblc.profiles import load_profile  # noqa: E402
 from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
 from fblc.passes.memory_plan import plan_memory  # noqa: E402
 from fblc.passes.pipeline import TrainingOptions, build_training_graph  # noqa: E402
@@ -91,7 +92,7 @@ def measure(path: str, input_name: str, shape: tuple[int, ...], adapter: str, bn
     options = TrainingOptions(input_shapes={input_name: shape}, bn_train=bn_train,
                               optimizer=OptimizerConfig(name="adam", lr=1e-3, weight_decay=5e-4),
                               adapter=AdapterConfig(adapter, rank=rank), tile_bytes=tile_bytes)
-    step = build_training_graph(load_model(path), options, lower=True)
+    step = build_training_graph(load_model(path), options, lower=load_profile("local"))
     summary = plan_memory(step).summary()
     summary.pop("floor", None)
     return summary

@@ -83,10 +83,12 @@ def torch_step_ms(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], 
     return statistics.median(times)
 
 
-def fblc_step_ms(path: str, feeds: dict[str, np.ndarray], directory: str, steps: int) -> tuple[float, int]:
-    bundle = os.path.join(directory, os.path.basename(path) + ".bundle")
-    _, report = compile_model(path, bundle, "local", "fp32", TrainingOptions(
-        loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2)))
+def fblc_step_ms(path: str, feeds: dict[str, np.ndarray], bundle: str, steps: int, layout: str = "rtile",
+                 target: str = "local") -> tuple[float, dict]:
+    """Compile `path` (AdamW) into `bundle`, run one warm-up step (the OpenCL JIT) and `steps` more
+    on the local device; the median step in ms and the compile report."""
+    _, report = compile_model(path, bundle, target, "fp32", TrainingOptions(
+        loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2), layout=layout))
     runner = LocalRunner(bundle)
     times = []
     for step in range(steps + 1):
@@ -94,7 +96,7 @@ def fblc_step_ms(path: str, feeds: dict[str, np.ndarray], directory: str, steps:
         runner.step(feeds)
         if step:
             times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times), report["kernels"]
+    return statistics.median(times), report
 
 
 def main() -> int:
@@ -108,7 +110,9 @@ def main() -> int:
         for name, module, inputs, labels, loss_of in build_cases(directory, args.models.split(",")):
             path = inputs.pop("path")
             feeds = {**inputs, "labels": labels}
-            fblc_ms, kernels = fblc_step_ms(path, feeds, directory, args.steps)
+            fblc_ms, report = fblc_step_ms(path, feeds, os.path.join(directory, os.path.basename(path) + ".bundle"),
+                                           args.steps)
+            kernels = report["kernels"]
             torch_ms = torch_step_ms(module.train(False), loss_of, args.steps)
             rows.append((name, fblc_ms, torch_ms, kernels))
             print(f"  measured {name}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Every model of the training-graph tests, one step on the local OpenCL device (PoCL) against onnxruntime.
 
 The same step graph runs on both sides from the same parameters and batch; the loss, every
-gradient, updated parameter and optimizer state must agree: fp32 within rtol 1e-4 / atol
-1e-5, fp16 textures (fp32 accumulation) within rtol 1e-2 / atol 1e-3 (fblc.codegen.verify).
+gradient, updated parameter and optimizer state must agree, under `--layout rtile` and
+`--layout naive` alike: fp32 within rtol 1e-4 / atol 1e-5, fp16 textures (fp32 accumulation) within rtol 1e-2 / atol 1e-3 (fblc.codegen.verify).
 """
 
 from __future__ import annotations
@@ -34,20 +34,23 @@ def export_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("device_models"))
 
 
-def _verify(name: str, export_dir: str, dtype: str) -> None:
+def _verify(name: str, export_dir: str, dtype: str, layout: str = "rtile") -> None:
     exported = MODELS[name](export_dir)
     feeds = {**exported.inputs, "labels": exported.labels}
     rows = verify_model(exported.path, TrainingOptions(input_shapes=exported.input_shapes, loss="cross_entropy",
-                                                       optimizer=SGD), target="local", dtype=dtype, feeds=feeds)
+                                                       optimizer=SGD, layout=layout),
+                        target="local", dtype=dtype, feeds=feeds)
     failed = [r for r in rows if not r.ok]
     assert not failed, f"{len(failed)}/{len(rows)} tensors differ, worst: " + "; ".join(
         f"{r.name} abs {r.max_abs:.2e} rel {r.max_rel:.2e}" for r in sorted(failed, key=lambda r: -r.max_rel)[:5])
     assert {"loss"} < {r.name for r in rows}
 
 
+@pytest.mark.parametrize("layout", ["rtile", "naive"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_one_step_on_pocl_matches_onnxruntime_fp32(name: str, export_dir: str) -> None:
-    _verify(name, export_dir, "fp32")
+def test_one_step_on_pocl_matches_onnxruntime_fp32(name: str, layout: str, export_dir: str) -> None:
+    """Both layouts: R-Tile textures with remapped data movement, and the flat baseline with copies."""
+    _verify(name, export_dir, "fp32", layout)
 
 
 @pytest.mark.parametrize("name", ["mlp", "tresnet", "llama"])

@@ -12,6 +12,8 @@ code; `test_contraction_paths` checks which path each kernel of a step took.
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from typing import Any
 
@@ -190,12 +192,32 @@ def _path(body: str) -> str:
     return "texel" if "const int u0 = " in body else "lane"
 
 
-@pytest.mark.parametrize("name", sorted(TEXEL_CASES))
+# Under R-Tile layouts a MatMul/Gemm work-item computes a 4x4 output tile when the rows come in fours.
+TILE_CASES = {
+    "matmul_tile": ([_node("MatMul", ["a", "b"])], {"a": (8, 20), "b": (20, 8)}, {"forward": "tile", "grad": "tile"}),
+    "matmul_tile_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 4, 12), "b": (2, 12, 8)},
+                            {"forward": "tile", "grad": "tile"}),
+    "gemm_tile_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
+                          {"a": (20, 8), "b": (20, 8), "c": (8, 8)}, {"forward": "tile", "grad": "tile"}),
+    "gemm_tile_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
+                          {"a": (4, 20), "b": (12, 20), "c": (12,)}, {"forward": "tile", "grad": "tile"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TILE_CASES))
+def test_tiled_contraction_step(name: str, tmp_path) -> None:
+    nodes, inits, _ = TILE_CASES[name]
+    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+
+
+@pytest.mark.parametrize("name", sorted(TEXEL_CASES) + sorted(TILE_CASES))
 def test_contraction_paths(name: str, tmp_path) -> None:
-    """Each contraction kernel of the step takes the texel-wide path its output layout allows."""
-    nodes, inits, expected = TEXEL_CASES[name]
+    """Each contraction kernel of the step takes the texel-wide path its output layout allows:
+    the conventional per-texel kernels under --layout naive, 4x4 output tiles under rtile."""
+    nodes, inits, expected = TEXEL_CASES[name] if name in TEXEL_CASES else TILE_CASES[name]
     path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
-    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
+    layout = "naive" if name in TEXEL_CASES else "rtile"
+    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", dataclasses.replace(OPTIONS, layout=layout))
     source = (tmp_path / "bundle" / "kernels.cl").read_text()
     found: dict[str, set[str]] = {}
     for match in re.finditer(r"// (conv|matmul): ([^\n]*)\n__kernel void (\w+)\((.*?)\n}", source, re.DOTALL):

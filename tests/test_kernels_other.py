@@ -53,9 +53,78 @@ def test_softmax(tmp_path, op_type: str, axis: int) -> None:
     _check(tmp_path, _op_then_loss(op, [3, 5, 6], {"x": _randn(3, 5, 6, scale=2.0)}))
 
 
-@pytest.mark.parametrize("axis", [-1, -2])
-def test_layer_norm(tmp_path, axis: int) -> None:
-    shape = [2, 3, 4, 6]
+def _step_on_device(tmp_path, model: onnx.ModelProto, name: str) -> tuple[float, np.ndarray]:
+    """(loss, value `name`) after one step on PoCL of `model`, which has no inputs."""
+    from fblc.codegen.compile import compile_model
+    from fblc.runtime.local import LocalRunner
+
+    path, bundle = str(tmp_path / "direct.onnx"), str(tmp_path / "direct.bundle")
+    onnx.save(model, path)
+    compile_model(path, bundle, "local", "fp32", TrainingOptions(loss="output", optimizer=SGD))
+    runner = LocalRunner(bundle)
+    loss = runner.step({})
+    return loss, runner.read_before_swap(name)
+
+
+# (op, shape, axis): which path of normalize.py each takes, ROW_CACHE being 64 texels
+SOFTMAX_ROWS = [
+    ("Softmax", [2, 3, 16], -1),  # innermost, 4 texels a row: a work-item per row, kept in private memory
+    ("LogSoftmax", [2, 3, 16], 2),
+    ("Softmax", [3, 288], -1),  # 72 texels a row, past ROW_CACHE: work-items of 36 texels re-read the row
+    ("LogSoftmax", [3, 288], 1),
+    ("Softmax", [2, 3, 10], -1),  # innermost, not a multiple of 4: a lane folds its own row
+    ("LogSoftmax", [3, 7], -1),
+    ("Softmax", [2, 5, 8], 1),  # not innermost, inner block a multiple of 4: a texel's lanes are 4 rows
+    ("LogSoftmax", [3, 4, 4], 0),
+    ("Softmax", [70, 4], 0),  # 70 positions along the axis, past ROW_CACHE
+    ("LogSoftmax", [70, 4], -2),
+    ("Softmax", [2, 5, 6], 1),  # not innermost, inner block of 6: per lane
+]
+
+
+@pytest.mark.parametrize("op_type,shape,axis", SOFTMAX_ROWS)
+def test_softmax_rows(tmp_path, op_type: str, shape: list[int], axis: int) -> None:
+    """Against onnxruntime, then against float64 numpy: the loss sum(y * R) and dloss/dx.
+
+    x is offset by 20 (and spread by 4) so that an exp without the max subtracted would overflow
+    no less than it would lose precision; the tolerances are a few fp32 roundings.
+    """
+    x = _randn(*shape, scale=4.0) + 20.0
+    model = _op_then_loss(helper.make_node(op_type, ["x"], ["y"], axis=axis, name="sm"), shape, {"x": x})
+    _check(tmp_path, model)
+    r = next(numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.name == "r").astype(np.float64)
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(axis=axis, keepdims=True))
+    y = e / e.sum(axis=axis, keepdims=True)
+    if op_type == "Softmax":
+        expected_loss = (y * r).sum()
+        expected_grad = y * (r - (r * y).sum(axis=axis, keepdims=True))
+    else:
+        expected_loss = (np.log(y) * r).sum()
+        expected_grad = r - y * r.sum(axis=axis, keepdims=True)
+    loss, grad = _step_on_device(tmp_path, model, "x.grad")
+    assert abs(loss - expected_loss) <= 1e-5 * np.abs(r).sum(), (loss, expected_loss)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [[2, 3, 8], [2, 3, 6], [3, 288]])
+def test_layer_norm_without_statistics(tmp_path, shape: list[int]) -> None:
+    """LayerNormalization of a model input (no gradient reaches it, so no Mean/InvStdDev outputs):
+    the Y kernel computes the row statistics itself, in its prologue when the row is whole texels."""
+    inner = shape[-1]
+    extra = [helper.make_node("Constant", [], ["scale"], value=numpy_helper.from_array(_randn(inner, seed=2) + 1.0),
+                              name="scale"),
+             helper.make_node("Constant", [], ["bias"], value=numpy_helper.from_array(_randn(inner, seed=3)),
+                              name="bias"),
+             helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["n"], axis=-1, epsilon=1e-5, name="ln")]
+    op = helper.make_node("Mul", ["n", "w"], ["y"], name="weight")
+    model = _op_then_loss(op, shape, {"w": _randn(*shape, seed=4)}, extra=extra,
+                          inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)])
+    _check(tmp_path, model)
+
+
+@pytest.mark.parametrize("shape,axis", [([2, 3, 4, 6], -1), ([2, 3, 4, 6], -2), ([2, 3, 8], -1), ([3, 288], -1)])
+def test_layer_norm(tmp_path, shape: list[int], axis: int) -> None:
     norm_shape = shape[axis:]
     op = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=axis, epsilon=1e-5, name="ln")
     inits = {"x": _randn(*shape, scale=3.0) + 1.5, "scale": _randn(*norm_shape, seed=2) + 1.0,

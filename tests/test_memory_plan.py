@@ -18,6 +18,7 @@ from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.values import numel, static_shape
 from fblc.passes.memory_plan import CLASSES, MEMORY_META, MemoryPlanPass, plan_memory
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from fblc.profiles import load_profile
 from tests.test_memory_floor import conv_bn_relu6_proto
 
 ADAM = OptimizerConfig(name="adam", lr=1e-3, weight_decay=5e-4)
@@ -38,7 +39,7 @@ def tresnet_path(tmp_path_factory) -> str:
 
 def step_of(path: str, kind: str, bn_train: bool = False, **shapes) -> ir.Model:
     return build_training_graph(load_model(path), TrainingOptions(
-        input_shapes=shapes, optimizer=ADAM, bn_train=bn_train, adapter=AdapterConfig(kind, rank=2)), lower=True)
+        input_shapes=shapes, optimizer=ADAM, bn_train=bn_train, adapter=AdapterConfig(kind, rank=2)), lower=load_profile("local"))
 
 
 def test_memory_plan_golden_small_memflora_step(tmp_path) -> None:
@@ -192,7 +193,7 @@ def test_batch_tiling_changes_memory_not_numbers(tmp_path, kind) -> None:
 
     def build(tile: int) -> ir.Model:
         return build_training_graph(load_model(path), TrainingOptions(
-            optimizer=ADAM, tile_bytes=tile, adapter=AdapterConfig(kind, rank=2)), lower=True)
+            optimizer=ADAM, tile_bytes=tile, adapter=AdapterConfig(kind, rank=2)), lower=load_profile("local"))
 
     whole, tiled = build(0), build(100_000)  # the largest activation, [4, 128, 60, 1], is 123 KB
     assert TILE_META not in whole.metadata_props

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_options(compile_)
     add_target_options(compile_)
     compile_.add_argument("-o", "--output", required=True, metavar="OUT", help="bundle folder to write")
-    compile_.add_argument("--report", action="store_true", help="print report.json")
+    compile_.add_argument("--report", action="store_true", help="print the layout report: data movement before and after remapping, tiles chosen")
     compile_.set_defaults(run=cmd_compile)
 
     run = commands.add_parser(

@@ -31,9 +31,10 @@ def cmd_train_graph(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from fblc.codegen.compile import compile_model
     from fblc.passes.pipeline import compile_pipeline
+    from fblc.profiles import load_profile
 
     options = training_options(args)
-    with pass_progress(len(compile_pipeline(options)), enabled=not args.quiet) as on_pass:
+    with pass_progress(len(compile_pipeline(options, load_profile(args.target))), enabled=not args.quiet) as on_pass:
         _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
                                   dump_dir=args.dump_dir, on_pass=on_pass)
     if not args.quiet:
@@ -43,9 +44,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{report['texture_bytes'] / 1e6:.1f} MB of textures")
         print(f"wrote bundle {args.output}/ (manifest.json, plan.json, kernels.cl, params.bin, report.json)")
         if args.report:
-            import json
+            from fblc.codegen.layout_report import layout_summary
 
-            print(json.dumps(report, indent=2))
+            print(layout_summary(report["layout"]))
     return 0
 
 
@@ -73,3 +74,6 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
                         help=f"target GPU: {', '.join(shipped_targets())}, or a profile .json (default: local)")
     parser.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
                         help="texture storage; fp16 keeps fp32 accumulation (default: fp32)")
+    parser.add_argument("--layout", choices=["rtile", "naive"], default="rtile",
+                        help="rtile: R-Tile texture layouts, transposes and reshapes as index maps; naive: flat "
+                             "row-major textures with explicit copy kernels, the conventional baseline (default: rtile)")

@@ -90,7 +90,8 @@ def training_options(args: argparse.Namespace) -> "object":
         raise FblcError(f"--tile-mb {tile_mb} is negative", "give a size in MB, or 0 to turn batch tiling off")
     return TrainingOptions(input_shapes=shapes, loss=args.loss, optimizer=optimizer, train=args.train,
                            freeze=args.freeze, bn_train=args.bn_train, adapter=adapter,
-                           tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6))
+                           tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
+                           layout=getattr(args, "layout", "rtile"))
 
 
 @contextlib.contextmanager

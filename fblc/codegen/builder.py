@@ -10,7 +10,8 @@ before the lane loop, that sees the multi-index of the texel's first element as 
 the reads the lanes have in common, and leave only their epilogue to the lane loop. With
 `texels_per_item` > 1 a work-item covers that many consecutive texels: the prologue computes
 all their elements (indexed by `item_lane` in the lane loop) and each texel is then written
-as usual.
+as usual. With `item_stride` s > 1 those texels are s apart (the same texel column of
+consecutive rows of s texels): a work-item then holds a 2-D tile of the output.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.cl import Kernel, index_vars, literal
+from fblc.codegen.cl import Kernel, flat_index, index_vars, literal
 from fblc.codegen.textures import Texture, TextureTable
+from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
 from fblc.compiler.values import const_array, is_float, static_shape
 
 OUT_INDEX = "o"  # prefix of the output multi-index variables
@@ -46,6 +48,7 @@ class KernelBuilder:
         self.lines: list[str] = []
         self.texel_lines: list[str] = []  # the per-texel prologue, before the lane loop
         self.texels_per_item = 1  # texels a work-item computes (its prologue covers them all)
+        self.item_stride = 1  # texels between a work-item's consecutive texels
         self.nodes: list[str] = []
         self._counter = 0
 
@@ -60,19 +63,48 @@ class KernelBuilder:
         return None
 
     def argument(self, value: ir.Value) -> tuple[str, Texture]:
+        """The texture argument holding `value`, for reads by raw texel position (a plain reading only)."""
+        if not map_of(value).contiguous:
+            raise AssertionError(f"'{value.name}' is a strided view: read it through load() or strided()")
+        return self._argument(value)
+
+    def _argument(self, value: ir.Value) -> tuple[str, Texture]:
         texture = self.table.of(value)
         if texture not in self.in_textures:
             self.in_textures.append(texture)
         return f"in{self.in_textures.index(texture)}", texture
 
+    def strided(self, value: ir.Value) -> tuple[ir.Value, IndexMap]:
+        """The tensor that stores `value` and how `value` reads it (a remapped view reads its root)."""
+        return view_root(value), map_of(value)
+
     def load(self, value: ir.Value, index: str) -> str:
-        """C expression: element `index` (flat, C expression) of `value`."""
+        """C expression: element `index` (flat in `value`'s own shape, C expression) of `value`."""
         inlined = self.constant_scalar(value)
         if inlined is not None:
             return inlined
-        arg, texture = self.argument(value)
-        loader = "ldf" if texture.kind == "float" else "ldi"
-        return f"{loader}({arg}, {index}, {texture.width})"
+        index_map = map_of(value)
+        if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
+            index = flat_index([(f"(({index}) / {inner} % {dim})" if inner > 1 else f"(({index}) % {dim})", stride)
+                                for dim, inner, stride in zip(index_map.shape, row_major_strides(index_map.shape),
+                                                              index_map.strides) if dim != 1], index_map.offset)
+        arg, texture = self._argument(value)
+        if texture.layout.kind == "flat":
+            loader = "ldf" if texture.kind == "float" else "ldi"
+            return f"{loader}({arg}, {index}, {texture.width})"
+        read, lane = ("read_imagef", "lane_f") if texture.kind == "float" else ("read_imagei", "lane_i")
+        return f"{lane}({read}({arg}, SMP, {texture.coord(f'({index}) >> 2')}), ({index}) & 3)"
+
+    def load_broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> str:
+        """C expression: `value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`."""
+        inlined = self.constant_scalar(value)
+        if inlined is not None:
+            return inlined
+        root, index_map = self.strided(value)
+        lead = len(out_shape) - len(index_map.shape)
+        terms = [(f"{prefix}{lead + k}", stride) for k, (dim, stride) in
+                 enumerate(zip(index_map.shape, index_map.strides)) if dim != 1]
+        return self.load(root, flat_index(terms, index_map.offset))
 
     # writing the body ------------------------------------------------------------------------
     def emit(self, *lines: str) -> None:
@@ -93,9 +125,16 @@ class KernelBuilder:
         return f"{hint}{self._counter}"
 
     @property
+    def _first_texel(self) -> str:
+        per, stride = self.texels_per_item, self.item_stride
+        if stride == 1:
+            return f"g * {per}"
+        return f"(g / {stride}) * {per * stride} + g % {stride}"
+
+    @property
     def item_first(self) -> str:
         """C expression, in the per-texel prologue: the flat index of the work-item's first element."""
-        return "t * 4" if self.texels_per_item == 1 else f"g * {4 * self.texels_per_item}"
+        return "t * 4" if self.texels_per_item == 1 else f"({self._first_texel}) * 4"
 
     @property
     def item_lane(self) -> str:
@@ -107,7 +146,7 @@ class KernelBuilder:
         out_numel = self.out_textures[0].numel
         texels = self.out_textures[0].texels
         per_item = self.texels_per_item
-        assert texels % per_item == 0, f"{texels} texels in items of {per_item}"
+        assert texels % (per_item * self.item_stride) == 0, f"{texels} texels in items of {per_item}x{self.item_stride}"
         params = [f"write_only image2d_t out{k}" for k in range(len(self.outputs))]
         params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
         body = [f"__kernel void {self.name}({', '.join(params)}) {{"]
@@ -121,7 +160,8 @@ class KernelBuilder:
             body += ["  const int g = get_global_id(0);", f"  if (g >= {texels // per_item}) return;"]
             body += [f"  {line}" for line in index_vars(self.out_shape, self.item_first, TEXEL_INDEX)]
             body += [f"  {line}" for line in self.texel_lines]
-            body += [f"  for (int tt = 0; tt < {per_item}; ++tt) {{", f"    const int t = g * {per_item} + tt;"]
+            step = "tt" if self.item_stride == 1 else f"tt * {self.item_stride}"
+            body += [f"  for (int tt = 0; tt < {per_item}; ++tt) {{", f"    const int t = {self._first_texel} + {step};"]
             body += self._texel(out_numel, results, "    ")
             body.append("  }")
         body.append("}")
@@ -131,7 +171,6 @@ class KernelBuilder:
 
     def _texel(self, out_numel: int, results: Sequence[str], indent: str) -> list[str]:
         """Texel t: the lane loop computing `results` and the writes of every output."""
-        width = self.out_textures[0].width
         body = []
         for k, texture in enumerate(self.out_textures):
             ctype = "float" if texture.kind == "float" else "int"
@@ -145,7 +184,7 @@ class KernelBuilder:
         body.append("}")
         for k, texture in enumerate(self.out_textures):
             if texture.kind == "float":
-                body.append(f"write_imagef(out{k}, TEXEL(t, {width}), (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+                body.append(f"write_imagef(out{k}, {texture.coord('t')}, (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
             else:
-                body.append(f"write_imagei(out{k}, TEXEL(t, {width}), (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+                body.append(f"write_imagei(out{k}, {texture.coord('t')}, (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
         return [indent + line for line in body]

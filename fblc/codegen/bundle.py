@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
@@ -47,6 +49,8 @@ def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: 
         entry = {"id": texture.id, "name": texture.name, "values": texture.values, "shape": list(texture.shape),
                  "format": texture.format, "width": texture.width, "height": texture.height,
                  "lifetime": [first_use.get(texture.id, -1), last_use.get(texture.id, -1)]}
+        if texture.layout.kind != "flat":  # absent: flat, the layout of everything a runtime reads or writes
+            entry["layout"] = dataclasses.asdict(texture.layout)
         if texture.id in offsets:
             entry["init"] = {"offset": offsets[texture.id][0], "nbytes": offsets[texture.id][1]}
         textures.append(entry)

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from fblc.texel_layout import RTILE_C
+
 PREAMBLE = """\
 // fblc kernels: every tensor is flat in an RGBA image2d_t (element i: texel i/4, lane i%4).
 __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
@@ -21,7 +23,7 @@ inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l ==
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline float ldf(read_only image2d_t img, int i, int w) { return lane_f(read_imagef(img, SMP, TEXEL(i >> 2, w)), i & 3); }
 inline int ldi(read_only image2d_t img, int i, int w) { return lane_i(read_imagei(img, SMP, TEXEL(i >> 2, w)), i & 3); }
-"""
+""" + RTILE_C + "\n"
 
 
 def float_literal(value: float) -> str:

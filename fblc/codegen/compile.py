@@ -8,6 +8,7 @@ from typing import Any
 import onnx_ir as ir
 
 from fblc.codegen.bundle import build_documents, write_bundle
+from fblc.codegen.layout_report import layout_object
 from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
 from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
 from fblc.compiler.errors import FblcError
@@ -33,10 +34,11 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     if dtype == "fp16" and not profile.fp16:
         raise FblcError(f"target {profile.name} has no fp16 support", "use --dtype fp32")
     started = time.perf_counter()
-    step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=on_pass, lower=True)
+    step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=on_pass, lower=profile)
     program = lower(step, profile, dtype)
     report = build_report(step, program, time.perf_counter() - started)
     report["memory"], timeline = memory_report(step, program)
+    report["layout"] = layout_object(step, program, options.layout)
     manifest, plan, params = build_documents(step, program, profile, dtype, report)
     write_bundle(out_dir, manifest, plan, program.source, params, report, extra={TIMELINE_PLOT: timeline})
     return step, report

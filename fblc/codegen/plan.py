@@ -61,10 +61,11 @@ def _groups(graph: ir.Graph) -> list[KernelGroup]:
     return groups
 
 
-def lower(model: ir.Model, profile: Profile, dtype: str) -> Program:
-    """Kernels and textures for the fused step graph `model`."""
+def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True) -> Program:
+    """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the
+    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone."""
     graph = model.graph
-    table = TextureTable(profile, FLOAT_FORMATS[dtype])
+    table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT) == "rtile")
     kernels: list[Kernel] = []
     for group in _groups(graph):
         if not group.outputs or group.anchor.op_type == "Constant":
@@ -82,7 +83,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str) -> Program:
     initial: dict[int, np.ndarray] = {}
     roots = {v.name: v for v in graph.initializers.values()}
     roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
-    for texture in table.textures:
+    for texture in table.textures if with_contents else []:
         root = roots.get(texture.name)
         if root is not None:
             array = const_array(root)

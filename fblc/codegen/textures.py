@@ -1,22 +1,26 @@
-"""Textures: which values get one, and the plain row-major texel layout (the layout issue replaces it).
+"""Textures: which values get one, and where their texels sit.
 
-Every tensor is stored flat in an RGBA `image2d_t`: element i sits in lane i % 4 of texel
-i // 4, texel t at (x, y) = (t % width, t / width), width = min(texels, the target's image
-width). Float tensors use RGBA float (or half with --dtype fp16); integer and boolean tensors
-use RGBA int32. Views (Reshape and friends) share their input's texture.
+Element i of a tensor sits in lane i % 4 of texel i // 4; where texel t sits in the image is
+the value's layout (`fblc.layout`, written by rtile_select; flat when absent, see
+fblc/texel_layout.py). Float tensors use RGBA float (or half with --dtype fp16); integer and
+boolean tensors use RGBA int32. Views (remapped data movement, Identity) read their root's
+texture.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
+from fblc.compiler import keys
 from fblc.compiler.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
-from fblc.passes.fuse import VIEWS
+from fblc.compiler.index_map import view_root
 from fblc.profiles import Profile
+from fblc.texel_layout import TexelLayout, flat_layout, pack, unpack
 
 
 @dataclass
@@ -26,9 +30,20 @@ class Texture:
     shape: tuple[int, ...]
     kind: str  # "float" or "int"
     format: str  # a key of bundle_format.TEXTURE_FORMATS
-    width: int
-    height: int
+    layout: TexelLayout
     values: list[str] = field(default_factory=list)  # every value name stored here (views included)
+
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+    @property
+    def height(self) -> int:
+        return self.layout.height
+
+    def coord(self, texel: str) -> str:
+        """OpenCL C int2 image coordinate of texel index `texel` (a C expression)."""
+        return self.layout.c_coord(texel)
 
     @property
     def numel(self) -> int:
@@ -39,21 +54,13 @@ class Texture:
         return max(1, -(-self.numel // 4))
 
 
-def view_root(value: ir.Value) -> ir.Value:
-    """The value whose texture `value` reads: itself, or the input of the views it comes from."""
-    producer = value.producer()
-    while producer is not None and producer.op_type in VIEWS and producer.domain == "" and producer.inputs[0] is not None:
-        value = producer.inputs[0]
-        producer = value.producer()
-    return value
-
-
 class TextureTable:
     """Texture per value root, with the target's image limits checked."""
 
-    def __init__(self, profile: Profile, float_format: str) -> None:
+    def __init__(self, profile: Profile, float_format: str, tiled: bool = False) -> None:
         self.profile = profile
         self.float_format = float_format
+        self.tiled = tiled  # R-Tile codegen (--layout rtile): kernels compute 2-D output tiles
         self.textures: list[Texture] = []
         self._by_root: dict[int, Texture] = {}
 
@@ -71,27 +78,25 @@ class TextureTable:
         shape = static_shape(value)
         kind = "float" if is_float(value) else "int"
         texels = max(1, -(-numel(shape) // 4))
-        width = min(texels, self.profile.image2d_max_width)
-        height = -(-texels // width)
-        if height > self.profile.image2d_max_height:
+        annotated = value.metadata_props.get(keys.LAYOUT)
+        layout = (TexelLayout.from_dict(json.loads(annotated)) if annotated
+                  else flat_layout(texels, self.profile.image2d_max_width))
+        if layout.height > self.profile.image2d_max_height or layout.width > self.profile.image2d_max_width:
             raise FblcError(
-                f"tensor '{value.name}' {list(shape)} needs a {width} x {height} texture, beyond {self.profile.name}'s "
-                f"image limit of {self.profile.image2d_max_width} x {self.profile.image2d_max_height}",
-                "use a smaller batch or sequence, or a target with larger images")
+                f"tensor '{value.name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
+                f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
+                f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
         texture = Texture(len(self.textures), value.name, shape, kind,
-                          self.float_format if kind == "float" else "rgba_i32", width, height)
+                          self.float_format if kind == "float" else "rgba_i32", layout)
         self.textures.append(texture)
         return texture
 
 
 def to_texels(array: np.ndarray, texture: Texture) -> np.ndarray:
-    """`array` laid out as `texture` stores it: flat, padded with zeros to width * height * 4."""
+    """`array` laid out as `texture` stores it: width * height * 4 values, zero padding."""
     dtype = {"rgba_f32": np.float32, "rgba_f16": np.float16, "rgba_i32": np.int32}[texture.format]
-    flat = np.zeros(texture.width * texture.height * 4, dtype=dtype)
-    with np.errstate(over="ignore"):  # fp16: float32's -3.4e38 mask fill becomes -inf, which softmax reads the same
-        flat[: array.size] = np.asarray(array).reshape(-1).astype(dtype)
-    return flat
+    return pack(array, texture.layout, dtype)
 
 
-def from_texels(flat: np.ndarray, texture: Texture) -> np.ndarray:
-    return np.asarray(flat).reshape(-1)[: texture.numel].reshape(texture.shape)
+def from_texels(image: np.ndarray, texture: Texture) -> np.ndarray:
+    return unpack(image, texture.layout, texture.numel).reshape(texture.shape)

@@ -6,6 +6,8 @@ import enum
 
 FTD = "fblc.ftd"
 LAYOUT = "fblc.layout"
+#: On a remapped data-movement node: the strided map of its output over its root (index_map.py).
+INDEX_MAP = "fblc.index_map"
 ROLE = "fblc.role"
 KERNEL = "fblc.kernel"
 MEM = "fblc.mem"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,7 +26,7 @@ def static_shape(value: ir.Value) -> tuple[int, ...]:
 
 
 def numel(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(int(d) for d in shape)
 
 
 def is_float(value: ir.Value) -> bool:

@@ -1,8 +1,8 @@
 """fuse: group the step graph's nodes into kernels.
 
 Rewrite: writes `fblc.kernel` = `k<N>` on every node that runs in a kernel (N is the launch
-order), and `alias` on views (Reshape, Flatten, Squeeze, Unsqueeze, Identity) that reuse
-their input's texture. Two kernels merge when both are elementwise chains (or one is a
+order), and `alias` on views (Identity, and data movement that tile_remap turned into index
+maps) that read their root's texture. Two kernels merge when both are elementwise chains (or one is a
 contraction, MatMul/Gemm/Conv/ConvTranspose, and the other only feeds its epilogue), their
 outputs have the same shape (one work-item per output element serves both), and no third
 kernel lies between them (merging would form a cycle). An elementwise node tries to merge
@@ -20,6 +20,7 @@ import networkx as nx
 import onnx_ir as ir
 
 from fblc.compiler import keys
+from fblc.compiler.index_map import is_view
 from fblc.compiler.values import static_shape
 
 ALIAS = "alias"
@@ -27,16 +28,11 @@ ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip", "Sigmoid", "Tanh",
     "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or",
     "Not", "Max", "Min", "Sum", "BatchNormalization", "IsNaN", "Abs"})
-VIEWS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"})
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 
 
 def kernel_of(node: ir.Node) -> str | None:
     return node.metadata_props.get(keys.KERNEL)
-
-
-def is_view(node: ir.Node) -> bool:
-    return node.op_type in VIEWS and node.domain == ""
 
 
 def real_producer(value: ir.Value | None) -> ir.Node | None:
@@ -66,11 +62,16 @@ class _Groups:
         self.members: dict[int, list[ir.Node]] = {}
         self.kind: dict[int, str] = {}
         self.shape: dict[int, tuple[int, ...]] = {}
+        self.span: dict[int, tuple[int, int]] = {}  # group -> (first, last) node position
+        # the graph does not change while fusing: each node's readers and producers, through views, once
+        self.readers = {id(n): [c for v in n.outputs for c in real_consumers(v)] for n in nodes}
+        self.producers = {id(n): [p for p in map(real_producer, n.inputs) if p is not None] for n in nodes}
 
     def add(self, node: ir.Node) -> int:
         key = id(node)
         self.root[key] = key
         self.members[key] = [node]
+        self.span[key] = (self.position[key], self.position[key])
         self.kind[key] = ("elementwise" if node.op_type in ELEMENTWISE and len(node.outputs) == 1 else
                           "contraction" if node.op_type in CONTRACTIONS else "single")
         self.shape[key] = static_shape(node.outputs[0])
@@ -86,36 +87,43 @@ class _Groups:
         return self.find(id(node)) if id(node) in self.root else None
 
     def first(self, group: int) -> int:
-        return min(self.position[id(n)] for n in self.members[group])
+        return self.span[group][0]
 
     def last(self, group: int) -> int:
-        return max(self.position[id(n)] for n in self.members[group])
+        return self.span[group][1]
 
-    def successors(self, group: int) -> set[int]:
+    def _neighbours(self, group: int, links: dict[int, list[ir.Node]]) -> set[int]:
         found = set()
         for node in self.members[group]:
-            for value in node.outputs:
-                for consumer in real_consumers(value):
-                    other = self.of(consumer)
-                    if other is not None and other != group:
-                        found.add(other)
+            for linked in links[id(node)]:
+                other = self.of(linked)
+                if other is not None and other != group:
+                    found.add(other)
         return found
 
+    def successors(self, group: int) -> set[int]:
+        return self._neighbours(group, self.readers)
+
+    def predecessors(self, group: int) -> set[int]:
+        return self._neighbours(group, self.producers)
+
     def reaches_through_third(self, source: int, target: int) -> bool:
-        """A path source -> X -> ... -> target with X another kernel (merging would make a cycle)."""
-        limit = self.last(target)
-        frontier = [g for g in self.successors(source) if g != target]
+        """A path source -> X -> ... -> target with X another kernel (merging would make a cycle).
+
+        Searched backwards from target: only kernels that end after source begins can lie on it."""
+        limit = self.first(source)
+        frontier = [g for g in self.predecessors(target) if g != source]
         seen = set(frontier)
         while frontier:
             group = frontier.pop()
-            if self.first(group) > limit:
-                continue  # every node after target's last: cannot feed it
-            for successor in self.successors(group):
-                if successor == target:
+            if self.last(group) < limit:
+                continue  # every node before source's first: source cannot feed it
+            for predecessor in self.predecessors(group):
+                if predecessor == source:
                     return True
-                if successor not in seen:
-                    seen.add(successor)
-                    frontier.append(successor)
+                if predecessor not in seen:
+                    seen.add(predecessor)
+                    frontier.append(predecessor)
         return False
 
     def can_merge(self, a: int, b: int) -> bool:
@@ -126,8 +134,7 @@ class _Groups:
         for contraction, other in ((a, b), (b, a)):
             if self.kind[contraction] == "contraction":
                 anchor = self.members[contraction][0]
-                other_ids = {id(n) for n in self.members[other]}
-                if any(real_producer(v) is not None and id(real_producer(v)) in other_ids for v in anchor.inputs):
+                if any(self.of(producer) == other for producer in self.producers[id(anchor)]):
                     return False  # the other kernel would be the anchor's prologue
         return not self.reaches_through_third(a, b) and not self.reaches_through_third(b, a)
 
@@ -138,6 +145,8 @@ class _Groups:
         merged = sorted(self.members[keep] + self.members.pop(gone),
                         key=lambda n: (n is not anchor, self.position[id(n)]))
         self.members[keep] = merged
+        (a_first, a_last), (b_first, b_last) = self.span[keep], self.span.pop(gone)
+        self.span[keep] = (min(a_first, b_first), max(a_last, b_last))
         for table in (self.kind, self.shape):
             table.pop(gone)
         return keep

@@ -45,7 +45,8 @@ from fblc.compiler import keys
 from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
-from fblc.passes.fuse import ALIAS, VIEWS
+from fblc.compiler.index_map import is_view, view_root
+from fblc.passes.fuse import ALIAS
 
 MEMORY_META = "fblc.memory"
 
@@ -136,18 +137,6 @@ def _kernel_index(node: ir.Node) -> int | None:
     return int(kernel[1:])
 
 
-def _is_view(node: ir.Node | None) -> bool:
-    return node is not None and node.op_type in VIEWS and node.domain == ""
-
-
-def _root(value: ir.Value) -> ir.Value:
-    producer = value.producer()
-    while _is_view(producer) and producer.inputs[0] is not None:  # type: ignore[union-attr]
-        value = producer.inputs[0]  # type: ignore[union-attr]
-        producer = value.producer()
-    return value
-
-
 def _bytes(value: ir.Value) -> int:
     count = numel(static_shape(value))
     dtype = ir.DataType(value.dtype)
@@ -172,7 +161,7 @@ def _schedule(graph: ir.Graph) -> tuple[dict[int, int], int, list[str], list[str
     labels: dict[int, str] = {}
     stages: dict[int, str] = {}
     for position, node in enumerate(nodes):
-        k = _kernel_index(node) if fused else (None if _is_view(node) else position)
+        k = _kernel_index(node) if fused else (None if is_view(node) else position)
         if k is None:
             continue
         index[id(node)] = k
@@ -187,7 +176,7 @@ def _schedule(graph: ir.Graph) -> tuple[dict[int, int], int, list[str], list[str
 def _readers(value: ir.Value) -> list[ir.Node]:
     found = []
     for use in value.uses():
-        if _is_view(use.node):
+        if is_view(use.node):
             for out in use.node.outputs:
                 found.extend(_readers(out))
         else:
@@ -200,7 +189,7 @@ def _optimizer_states(graph: ir.Graph) -> set[str]:
     names = set()
     for out in graph.outputs:
         if out.name.endswith(".new"):
-            producer = _root(out).producer()
+            producer = view_root(out).producer()
             if producer is not None and producer.metadata_props.get(keys.STAGE) == "optimizer":
                 names.add(out.name[: -len(".new")])
     return names
@@ -227,7 +216,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
     members: dict[int, list[str]] = {}
 
     def add(value: ir.Value) -> None:
-        root = _root(value)
+        root = view_root(value)
         roots.setdefault(id(root), root)
         members.setdefault(id(root), [])
         if value.name and value.name not in members[id(root)]:
@@ -239,7 +228,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
         for value in node.outputs:
             if value is not None and value.shape is not None:
                 add(value)
-    graph_outputs = {id(_root(v)) for v in graph.outputs}
+    graph_outputs = {id(view_root(v)) for v in graph.outputs}
     backward_from = next((k for k, stage in enumerate(stages) if stage == "backward"), -1)
     optimizer_from = next((k for k, stage in enumerate(stages) if stage == "optimizer"), -1)
     buffers: list[Buffer] = []
@@ -305,7 +294,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
 def _views_of(value: ir.Value) -> list[ir.Value]:
     found = []
     for use in value.uses():
-        if _is_view(use.node):
+        if is_view(use.node):
             for out in use.node.outputs:
                 found.append(out)
                 found.extend(_views_of(out))
@@ -351,7 +340,7 @@ class MemoryPlanPass(ir.passes.InPlacePass):
         by_name = {b.name: b for b in plan.buffers}
         for value in _all_values(model.graph):
             b = by_name.get(value.name)
-            if b is None or _root(value) is not value:
+            if b is None or view_root(value) is not value:
                 continue
             text = json.dumps({"class": b.cls, "bytes": b.bytes, "live": [b.first, b.last], "slot": b.slot})
             if value.metadata_props.get(keys.MEM) != text:

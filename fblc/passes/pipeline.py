@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 import onnx_ir as ir
 
 from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.attach_loss import AttachLoss
@@ -24,14 +25,18 @@ from fblc.passes.eliminate_noops import EliminateNoops
 from fblc.passes.fix_input_shapes import FixInputShapes
 from fblc.passes.fold_constants import FoldConstants
 from fblc.passes.fold_pads import FoldPads
+from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.fuse import FuseKernels
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.memory_plan import MemoryPlanPass
 from fblc.passes.optimizer_step import OptimizerStep
+from fblc.passes.rtile_select import RTileSelect
 from fblc.passes.sg_gradients import SgGradients
 from fblc.passes.sg_replay import SgReplay
+from fblc.passes.tile_remap import TileRemap
+from fblc.profiles import Profile
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,11 @@ class TrainingOptions:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     #: batch_tile's limit on one activation in bytes: -1 auto (8 MB with an adapter, else off), 0 off
     tile_bytes: int = -1
+    #: texel layouts: "rtile" (R-Tile layouts, data movement remapped) or "naive" (flat, explicit copies)
+    layout: str = "rtile"
+
+
+LAYOUTS = ("rtile", "naive")
 
 
 AUTO_TILE_BYTES = 8_000_000
@@ -104,11 +114,12 @@ def dump_hook(directory: str) -> PassHook:
 
 
 def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: str | None = None,
-                         on_pass: PassHook | None = None, lower: bool = False) -> ir.Model:
+                         on_pass: PassHook | None = None, lower: Profile | None = None) -> ir.Model:
     """Import passes, then training passes: the model becomes one training step (DESIGN.md section 4).
 
     `on_pass(index, pass, model)` runs after each pass (progress display); with `dump_dir`
-    every intermediate model is also written there. With `lower`, the lowering passes run too.
+    every intermediate model is also written there. With `lower` (the target's profile), the
+    lowering passes run too.
     """
     hooks = [h for h in (dump_hook(dump_dir) if dump_dir else None, on_pass) if h is not None]
 
@@ -116,17 +127,21 @@ def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: st
         for hook in hooks:
             hook(index, graph_pass, result)
 
-    return run_passes(model, (compile_pipeline if lower else training_pipeline)(options), after_each=after_each)
+    passes = compile_pipeline(options, lower) if lower is not None else training_pipeline(options)
+    return run_passes(model, passes, after_each=after_each)
 
 
 def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return import_passes(options) + training_passes(options)
 
 
-def lowering_passes() -> list[ir.passes.PassBase]:
-    """After the step graph is built: the passes that prepare it for codegen."""
-    return [FuseKernels(), MemoryPlanPass()]
+def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
+    """After the step graph is built: layouts for the target (DESIGN.md sections 5-7), kernels, memory."""
+    if options.layout not in LAYOUTS:
+        raise FblcError(f"unknown layout '{options.layout}'", f"choose one of: {', '.join(LAYOUTS)}")
+    layout = [FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
+    return layout + [RTileSelect(profile, options.layout), FuseKernels(), MemoryPlanPass()]
 
 
-def compile_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
-    return training_pipeline(options) + lowering_passes()
+def compile_pipeline(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
+    return training_pipeline(options) + lowering_passes(options, profile)

@@ -17,6 +17,7 @@ import numpy as np
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.runtime.opencl import select_device
+from fblc.texel_layout import TexelLayout, pack, unpack
 
 
 class KernelBuildError(BundleError):
@@ -110,13 +111,18 @@ class LocalRunner:
         self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], origin=(0, 0),
                              region=(texture["width"], texture["height"]))
         size = int(np.prod(texture["shape"], dtype=np.int64))
-        return data.reshape(-1)[:size].reshape(texture["shape"])
+        return unpack(data, self._layout(texture), size).reshape(texture["shape"])
 
     def upload(self, texture_id: int, array: np.ndarray) -> None:
         texture = self.textures[texture_id]
-        flat = np.zeros(texture["width"] * texture["height"] * 4, dtype=fmt.NUMPY_DTYPES[texture["format"]])
-        flat[: array.size] = array.reshape(-1)
-        self._write(self.images[self.binding[texture_id]], texture, flat)
+        image = pack(array, self._layout(texture), fmt.NUMPY_DTYPES[texture["format"]])
+        self._write(self.images[self.binding[texture_id]], texture, image)
+
+    @staticmethod
+    def _layout(texture: dict[str, Any]) -> TexelLayout:
+        if "layout" in texture:
+            return TexelLayout.from_dict(texture["layout"])
+        return TexelLayout("flat", texture["width"], texture["height"])
 
     def read(self, name: str) -> np.ndarray:
         """Any tensor of the step by its ONNX value name (loss, P.grad, parameters...), as it is now."""

@@ -40,10 +40,6 @@ from fblc.compiler.values import attr, is_float, static_shape
 Terms = list[tuple[str, int]]
 
 
-def _o(axis: int) -> str:
-    return f"{OUT_INDEX}{axis}"
-
-
 @dataclass
 class Stream:
     """An operand walked by a reduction: element `base + r * step` for r = 0, 1, ..."""
@@ -119,7 +115,7 @@ def dot_loop(b: KernelBuilder, acc: str, count: int | str, streams: tuple[Stream
         for p, s in zip(pointers, streams):
             if s.aligned() and b.constant_scalar(s.value) is None:
                 arg, texture = b.argument(s.value)
-                vectors.append(f"read_imagef({arg}, SMP, TEXEL({p} >> 2, {texture.width}))")
+                vectors.append(f"read_imagef({arg}, SMP, {texture.coord(f'{p} >> 2')})")
             else:
                 parts = [b.load(s.value, p if k == 0 else f"{p} + {k * s.step}") for k in range(4)]
                 vectors.append(f"(float4)({', '.join(parts)})")
@@ -199,22 +195,46 @@ def reduce_guarded(b: KernelBuilder, guard: str, build: Callable[[Code], Reducti
     return acc
 
 
-def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: int, w_lane: int, k: int) -> str:
-    """acc[lane] = sum_r A'[r] * B'[r, lane] in blocks of MATMUL_BLOCK steps along K."""
+def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: int, w_lane: int, k: int,
+               rows: int = 1, a_row: int = 0) -> str:
+    """acc[row, lane] = sum_r A'[row, r] * B'[r, lane] in blocks of steps along K, for `rows`
+    consecutive output rows (`a_row`: A's stride between them) of the work-item's tile."""
     def products(steps: range) -> list[Product]:
-        return [Product(lane, r * a_step, r * w_step + lane * w_lane) for r in steps for lane in range(LANES)]
+        return [Product(row * LANES + lane, r * a_step + row * a_row, r * w_step + lane * w_lane)
+                for r in steps for row in range(rows) for lane in range(LANES)]
 
-    blocked = Blocked(k, MATMUL_BLOCK, a_step, w_step, 0, products)
-    return reduce_into(b, lambda code: Reduction(a, w, blocked))
+    blocked = Blocked(k, MATMUL_BLOCK // rows if rows > 1 else MATMUL_BLOCK, a_step, w_step, 0, products)
+    return reduce_into(b, lambda code: Reduction(a, w, blocked), LANES * rows)
 
 
-def _texel_terms(terms: Terms, lane_var: str) -> list[Term]:
-    return [Term(var, stride, LANES if var == lane_var else 1) for var, stride in terms]
+def _tile_rows(b: KernelBuilder, rows: int) -> int:
+    """Output rows per work-item: 4 under R-Tile layouts when the rows come in fours (a 4x4 output
+    tile reads each operand texel once for 4 rows or columns: the transposed operands of the
+    backward then cost no more than plain ones), else 1, the conventional per-texel kernel."""
+    if not b.table.tiled or rows % TILE_ROWS or rows < TILE_ROWS:
+        return 1
+    b.texels_per_item, b.item_stride = TILE_ROWS, b.out_shape[-1] // LANES
+    return TILE_ROWS
+
+
+def _texel_terms(terms: Terms, *aligned_vars: str) -> list[Term]:
+    """Terms whose variables in `aligned_vars` are known multiples of 4 (a texel's lanes, a tile's rows)."""
+    return [Term(var, stride, LANES if var in aligned_vars else 1) for var, stride in terms]
 
 
 # MatMul / Gemm ----------------------------------------------------------------------------------
 
-MATMUL_BLOCK = 16  # K steps per static block of the texel-wide path
+def _root_strides(b: KernelBuilder, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[int]]:
+    """The tensor holding `value` and `value`'s strides in it (`shape`: value's shape, or its 2-D promotion)."""
+    root, index_map = b.strided(value)
+    if len(index_map.shape) == len(shape):
+        return root, list(index_map.strides)
+    assert index_map.contiguous, f"1-D strided view '{value.name}'"
+    return root, strides_of(shape)
+
+
+MATMUL_BLOCK = 16  # K steps per static block of the texel-wide path (divided by the tile's rows)
+TILE_ROWS = 4
 
 
 @register_kernel("MatMul")
@@ -235,8 +255,9 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     n_var = f"{prefix}{nb + (1 if len(a_shape) >= 2 else 0)}" if len(b_shape) >= 2 else "0"
 
     def stream(value: ir.Value, shape2: tuple[int, ...], kept: str, reduced_axis: int) -> Stream:
-        """Base over the batch dims and the kept matrix axis; the walk goes along `reduced_axis`."""
-        strides = strides_of(shape2)
+        """Base over the batch dims and the kept matrix axis; the walk goes along `reduced_axis`.
+        A remapped view (W^T, X^T of the backward) is walked in its root with the view's strides."""
+        value, strides = _root_strides(b, value, shape2)
         lead = nb - (len(shape2) - 2)
         variables = [f"{prefix}{lead + k}" for k in range(len(shape2) - 2)] + [kept]
         axes = list(range(len(shape2) - 2)) + [len(shape2) - 1 if reduced_axis == -2 else len(shape2) - 2]
@@ -244,9 +265,14 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
                       strides[reduced_axis])
 
     a_stream, b_stream = stream(a, a2, m_var, -1), stream(w, b2, n_var, -2)
-    if texel:  # lanes: 4 consecutive columns n (B's stride 1)
-        acc = _texel_dot(b, Operand(a, _texel_terms(a_stream.terms, n_var)), a_stream.step,
-                         Operand(w, _texel_terms(b_stream.terms, n_var)), b_stream.step, 1, a2[-1])
+    if texel:  # lanes: 4 consecutive columns n
+        n_stride = _root_strides(b, w, b2)[1][-1]
+        rows = _tile_rows(b, a2[-2]) if len(a_shape) >= 2 else 1
+        a_row = _root_strides(b, a, a2)[1][-2]
+        aligned = (n_var, m_var) if rows > 1 else (n_var,)
+        acc = _texel_dot(b, Operand(a_stream.value, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
+                         Operand(b_stream.value, _texel_terms(b_stream.terms, *aligned)), b_stream.step, n_stride,
+                         a2[-1], rows, a_row)
     else:
         acc = zero_acc(b)
         dot_loop(b, acc, a2[-1], (a_stream, b_stream))
@@ -267,25 +293,25 @@ def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     texel = lane_axis(b.out_shape) == 1
     m_var, n_var = (f"{TEXEL_INDEX}0", f"{TEXEL_INDEX}1") if texel else (f"{OUT_INDEX}0", f"{OUT_INDEX}1")
     # A' [M, K]: element (m, k) is A[k, m] when transposed; B' [K, N]: (k, n) is B[n, k] when transposed
-    a_stream = (Stream(a, index_terms([m_var], [a_shape[1]], [1]), a_shape[1]) if trans_a
-                else Stream(a, index_terms([m_var], [a_shape[0]], [a_shape[1]]), 1))
-    b_stream = (Stream(w, index_terms([n_var], [b_shape[0]], [b_shape[1]]), 1) if trans_b
-                else Stream(w, index_terms([n_var], [b_shape[1]], [1]), b_shape[1]))
+    a_root, (a_s0, a_s1) = _root_strides(b, a, a_shape)
+    b_root, (b_s0, b_s1) = _root_strides(b, w, b_shape)
+    (m_stride, ak_stride), (bk_stride, n_stride) = ((a_s1, a_s0) if trans_a else (a_s0, a_s1),
+                                                    (b_s1, b_s0) if trans_b else (b_s0, b_s1))
+    m_dim, n_dim = b.out_shape
+    a_stream = Stream(a_root, index_terms([m_var], [m_dim], [m_stride]), ak_stride)
+    b_stream = Stream(b_root, index_terms([n_var], [n_dim], [n_stride]), bk_stride)
     if texel:  # lanes: 4 consecutive columns n, one B' column each
-        acc = _texel_dot(b, Operand(a, _texel_terms(a_stream.terms, n_var)), a_stream.step,
-                         Operand(w, _texel_terms(b_stream.terms, n_var)), b_stream.step,
-                         b_shape[1] if trans_b else 1, k_dim)
+        rows = _tile_rows(b, m_dim)
+        aligned = (n_var, m_var) if rows > 1 else (n_var,)
+        acc = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
+                         Operand(b_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, n_stride, k_dim,
+                         rows, m_stride)
     else:
         acc = zero_acc(b)
         dot_loop(b, acc, k_dim, (a_stream, b_stream))
     result = acc if alpha == 1.0 else f"{float_literal(alpha)} * {acc}"
     if c is not None and beta != 0.0:
-        c_shape = static_shape(c)
-        out_shape = b.out_shape
-        lead = len(out_shape) - len(c_shape)
-        c_index = flat_index(index_terms([_o(lead + k) for k in range(len(c_shape))], c_shape,
-                                         strides_of(c_shape)))
-        c_value = b.load(c, c_index)
+        c_value = b.load_broadcast(c, b.out_shape)
         result = f"{result} + {c_value}" if beta == 1.0 else f"{result} + {float_literal(beta)} * {c_value}"
     if result != acc:
         b.emit(f"{acc} = {result};")

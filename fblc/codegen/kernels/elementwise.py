@@ -12,9 +12,10 @@ from typing import Callable, Sequence
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel, broadcast_index, float_literal
+from fblc.codegen.cl import Kernel, float_literal
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.textures import TextureTable, view_root
+from fblc.codegen.textures import TextureTable
+from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.errors import UnsupportedOpError
 from fblc.compiler.values import attr, const_array, static_shape
 from fblc.passes.fuse import ELEMENTWISE
@@ -130,9 +131,9 @@ def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, st
         if id(value) in env:
             return env[id(value)]
         root = view_root(value)
-        if id(root) in env and static_shape(value) == out_shape:
+        if id(root) in env and static_shape(value) == out_shape and map_of(value).contiguous:
             return env[id(root)]  # a same-shape view of a value this kernel computes: never read it back
-        return b.load(value, broadcast_index(static_shape(value), out_shape, OUT_INDEX))
+        return b.load_broadcast(value, out_shape)
 
     for node in nodes:
         build = EXPRESSIONS.get(node.op_type)

@@ -1,7 +1,8 @@
-"""Data-movement kernels: Transpose, Expand, Slice, Pad, Concat, Split, ConstantOfShape.
+"""Data-movement kernels: Transpose, Reshape and its kin, Expand, Slice, Pad, Concat, Split, ConstantOfShape.
 
 Each output element reads one input element through an index map computed from the
-output's multi-index (these are the copies the layout issue's tile remapping removes).
+output's multi-index. Transposes, reshapes and broadcasts run here only where tile_remap
+could not turn them into index maps, or under `--layout naive` (the conventional baseline).
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def emit_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = _single(table, group)
     index = flat_index([(f"{OUT_INDEX}{k}", strides[axis]) for k, axis in enumerate(perm)])
     return [b.finish([b.load(node.inputs[0], index)])]
+
+
+@register_kernel("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def emit_reshape_copy(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """A reshape that is not an index map: a copy (row-major order is unchanged)."""
+    b = _single(table, group)
+    return [b.finish([b.load(group.anchor.inputs[0], "i")])]
 
 
 @register_kernel("Expand")

@@ -1,38 +1,120 @@
 """Softmax-family and normalisation kernels: Softmax, LogSoftmax, LayerNormalization.
 
-Every kernel keeps the builder's shape of one work-item per output texel, each lane computing
-one element. A lane needs statistics of its whole row (max and sum of exp, or mean and
-variance), so:
+A lane needs statistics of its whole row (max and sum of exp, or mean and variance). Computed
+per lane, that is a pass over the row for every element: O(T^2) reads for a row of T. So where
+the rows can be read as whole texels (`_Row`) the statistics are computed once per work-item,
+in the builder's per-texel prologue, and shared by its lanes:
 
-- Softmax/LogSoftmax fold the row in a single pass with an online max (running maximum, sum
-  rescaled when it grows), i.e. one read of the row per element instead of two.
-- LayerNormalization, when its Mean and InvStdDev outputs exist (always in a training step:
-  the backward reads them), computes them once per row in a statistics kernel launched first,
-  and the Y kernel reads them back; only without those outputs does each lane recompute them.
-  The statistics have one element per row while Y has one per element, so they cannot share
-  a kernel (the builder writes outputs of one shape).
+- the reduced axis is innermost and its length a multiple of 4: a row is T/4 texels. A
+  work-item computes several texels of one row (the whole row when it has at most ROW_CACHE
+  texels), so the row's statistics are amortised over them; a short row is read once, into
+  private memory, and the later passes read the copy.
+- the axis is not innermost and the inner block is a multiple of 4 elements: a texel's 4 lanes
+  are 4 rows side by side, and one texel read gives one element of each; the statistics are
+  kept per lane as float4.
 
-All statistics accumulate in float whatever the storage type (fp16 textures are read as float).
+Otherwise (an innermost axis not a multiple of 4) each lane folds its row with an online max
+(the sum rescaled when the maximum grows), one read of the row per element.
+
+LayerNormalization, when its Mean and InvStdDev outputs exist (always in a training step: the
+backward reads them), computes them in a statistics kernel launched first, one lane per row,
+and the Y kernel reads them back; the statistics have one element per row while Y has one per
+element, so they cannot share a kernel (the builder writes outputs of one shape). Without
+those outputs the Y kernel computes them in its prologue as Softmax does.
+
+All statistics accumulate in float whatever the storage type (`read_imagef` returns float).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, broadcast_index, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.textures import TextureTable
+from fblc.codegen.kernels.texel import Code
+from fblc.codegen.textures import Texture, TextureTable
+from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, numel, static_shape
 
 FAMILY = "normalization"
+ROW_CACHE = 64  # texels of a row (256 elements, 1 KiB) a work-item keeps in private memory
+ITEM_TEXELS = ROW_CACHE  # most texels of one row a work-item computes
 
 
-def _row_base(b: KernelBuilder, shape: tuple[int, ...], axes: list[int]) -> str:
-    """Flat index of the current output element with the coordinates on `axes` set to 0."""
+def _flat(shape: tuple[int, ...], prefix: str, zero: Sequence[int] = ()) -> str:
+    """Flat index of the multi-index `prefix0, prefix1..` with the coordinates on `zero` set to 0."""
     strides = strides_of(shape)
-    terms = [(f"{OUT_INDEX}{k}", strides[k]) for k in range(len(shape)) if k not in axes]
-    return b.temp("int", flat_index(terms), "base")
+    return flat_index([(f"{prefix}{k}", strides[k]) for k in range(len(shape)) if k not in zero])
+
+
+def _item_texels(texels: int) -> int:
+    """Texels of one row a work-item computes: all of them, or the largest divisor up to ITEM_TEXELS."""
+    return max(d for d in range(1, min(texels, ITEM_TEXELS) + 1) if texels % d == 0)
+
+
+@dataclass
+class _Row:
+    """Texels k = 0..count-1 of `x` at flat element `first + 4 * k * step`, read whole: one row of
+    4 * count elements (step 1), or, with step > 1, four rows side by side (one per lane).
+
+    The first pass over a row of at most ROW_CACHE texels copies it into the private array
+    `cache`; the later passes read the copy. A strided view (no raw texture of its own) is read
+    as four elements per texel.
+    """
+
+    b: KernelBuilder
+    code: Code
+    x: ir.Value
+    first: str  # C int expression, a multiple of 4
+    count: int
+    step: int
+    cache: str | None = None
+    _texture: tuple[str, Texture] | None = field(default=None, init=False)  # (argument, texture) for raw reads
+    _filled: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.count <= ROW_CACHE:
+            self.cache = self.b.fresh("row")
+        if map_of(self.x).contiguous:  # a strided view is read element by element, through its map
+            self._texture = self.b.argument(self.x)
+
+    def read(self, k: str) -> str:
+        """float4 C expression: texel `k` (a C int expression) read from the tensor."""
+        step = "" if self.step == 1 else f" * {self.step}"
+        if self._texture is not None:
+            arg, texture = self._texture
+            return f"read_imagef({arg}, SMP, {texture.coord(f'(({self.first}) >> 2) + ({k}){step}')})"
+        index = f"({self.first}) + 4 * ({k}){step}"
+        return f"(float4)({', '.join(self.b.load(self.x, f'{index} + {j}') for j in range(4))})"
+
+    def texel(self, k: str) -> str:
+        """Texel `k` as the latest pass left it: the private copy once made."""
+        return f"{self.cache}[{k}]" if self._filled else self.read(k)
+
+    def loop(self, body: Callable[[str, str], list[str]]) -> None:
+        """for each texel k: `body(texel, k)`; the first pass makes the private copy."""
+        k, v = self.b.fresh("k"), self.b.fresh("x")
+        copy = self.cache is not None and not self._filled
+        if copy:
+            self.code.emit(f"float4 {self.cache}[{self.count}];")
+        self.code.open(f"for (int {k} = 0; {k} < {self.count}; ++{k})")
+        self.code.emit(f"const float4 {v} = {self.read(k) if copy else self.texel(k)};")
+        if copy:
+            self.code.emit(f"{self.cache}[{k}] = {v};")
+        self.code.emit(*body(v, k))
+        self.code.close()
+        self._filled = self._filled or copy
+
+
+def _horizontal(op: str, v: str) -> str:
+    """float4 with every component `op` over the components of `v` (one row across the lanes)."""
+    if op == "+":
+        return f"(float4)({v}.x + {v}.y + {v}.z + {v}.w)"
+    return f"(float4)({op}({op}({v}.x, {v}.y), {op}({v}.z, {v}.w)))"
 
 
 # Softmax / LogSoftmax ------------------------------------------------------------------------------
@@ -43,20 +125,72 @@ def emit_softmax(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     x = node.inputs[0]
     shape = static_shape(x)
-    rank = len(shape)
-    if rank == 0:
-        value = "1.0f" if node.op_type == "Softmax" else "0.0f"
-        b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-        b.nodes.append(node.name)
-        return [b.finish([value])]
-    axis = int(attr(node, "axis", -1)) % rank
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
-    base = _row_base(b, shape, [axis])
+    if not shape:
+        return [b.finish(["1.0f" if node.op_type == "Softmax" else "0.0f"])]
+    axis = int(attr(node, "axis", -1)) % len(shape)
+    result = _softmax_texels(b, node, shape, axis)
+    return [b.finish([result if result is not None else _softmax_lane(b, node, shape, axis)])]
+
+
+def _softmax_texels(b: KernelBuilder, node: ir.Node, shape: tuple[int, ...], axis: int) -> str | None:
+    """The lane's result when rows can be read as whole texels (see the module docstring), else None.
+
+    Two passes, max then sum of exp, over float4s; a Softmax row kept in private memory is
+    overwritten by the exps so that the outputs divide them instead of calling exp again.
+    """
+    stride, length = strides_of(shape)[axis], shape[axis]
+    if stride == 1 and length % 4 == 0:  # one row of length / 4 texels, several per work-item
+        count, step, across = length // 4, 1, True
+        b.texels_per_item = _item_texels(count)
+        own = f"({TEXEL_INDEX}{axis} >> 2)"  # the row texel of the work-item's first texel
+    elif stride % 4 == 0:  # lanes in 4 rows: row texel k is the texel at position k of the axis
+        count, step, across = length, stride // 4, False
+        own = f"{TEXEL_INDEX}{axis}"
+    else:
+        return None
+    per_item = b.texels_per_item
+    m, s, y, j = b.fresh("m"), b.fresh("s"), b.fresh("y"), b.fresh("j")
+    code = Code(b.texel_lines)
+    code.emit(f"float {y}[{4 * per_item}];")  # the work-item's outputs, read by the lane loop
+    code.open("")  # the names of the passes stay local to the prologue
+    row = _Row(b, code, node.inputs[0], _flat(shape, TEXEL_INDEX, [axis]), count, step)
+    softmax = node.op_type == "Softmax"
+    exps = softmax and row.cache is not None
+    code.emit(f"float4 {m} = (float4)(-INFINITY);")
+    row.loop(lambda v, k: [f"{m} = fmax({m}, {v});"])
+    if across:
+        code.emit(f"{m} = {_horizontal('fmax', m)};")
+    code.emit(f"float4 {s} = (float4)(0.0f);")
+    if exps:
+        row.loop(lambda v, k: [f"{row.cache}[{k}] = exp({v} - {m});", f"{s} += {row.cache}[{k}];"])
+    else:
+        row.loop(lambda v, k: [f"{s} += exp({v} - {m});"])
+    if across:
+        code.emit(f"{s} = {_horizontal('+', s)};")
+    mine = row.texel(f"{own} + {j}")
+    if exps:
+        value = f"{mine} / {s}"
+    elif softmax:
+        value = f"exp({mine} - {m}) / {s}"
+    else:
+        log_s = b.fresh("ls")
+        code.emit(f"const float4 {log_s} = log({s});")
+        value = f"{mine} - {m} - {log_s}"
+    code.emit(f"for (int {j} = 0; {j} < {per_item}; ++{j}) vstore4({value}, {j}, {y});")
+    code.close()
+    return f"{y}[{b.item_lane}]"
+
+
+def _softmax_lane(b: KernelBuilder, node: ir.Node, shape: tuple[int, ...], axis: int) -> str:
+    """The lane's result folding its own row with an online max: when a larger element arrives,
+    the sum so far is rescaled to the new maximum (one read per element of the row)."""
+    x = node.inputs[0]
+    base = b.temp("int", _flat(shape, OUT_INDEX, [axis]), "base")
     stride = strides_of(shape)[axis]
     m, s, r = b.fresh("m"), b.fresh("s"), b.fresh("r")
     step = r if stride == 1 else f"{r} * {stride}"
-    # Online max: when a larger element arrives, the sum so far is rescaled to the new maximum.
     b.emit(f"float {m} = -INFINITY;",
            f"float {s} = 0.0f;",
            f"for (int {r} = 0; {r} < {shape[axis]}; ++{r}) {{",
@@ -64,13 +198,10 @@ def emit_softmax(table: TextureTable, group: KernelGroup) -> list[Kernel]:
            f"  if (x > {m}) {{ {s} = {s} * exp({m} - x) + 1.0f; {m} = x; }}",
            f"  else {{ {s} += exp(x - {m}); }}",
            "}")
-    own = b.temp("float", b.load(x, flat_index([(f"{OUT_INDEX}{k}", st) for k, st in enumerate(strides_of(shape))])),
-                 "x")
+    own = b.temp("float", b.load(x, _flat(shape, OUT_INDEX)), "x")
     if node.op_type == "Softmax":
-        result = f"(exp({own} - {m}) / {s})"
-    else:
-        result = f"({own} - {m} - log({s}))"
-    return [b.finish([result])]
+        return f"(exp({own} - {m}) / {s})"
+    return f"({own} - {m} - log({s}))"
 
 
 # LayerNormalization --------------------------------------------------------------------------------
@@ -82,25 +213,39 @@ def _layer_norm_geometry(node: ir.Node) -> tuple[tuple[int, ...], int, int]:
     return shape, axis, numel(shape[axis:])
 
 
-def _row_statistics(b: KernelBuilder, node: ir.Node, row_start: str) -> tuple[str, str]:
-    """Mean and 1/sqrt(var + eps) of the contiguous row starting at flat index `row_start`.
+def _row_statistics(b: KernelBuilder, code: Code, node: ir.Node, row_start: str) -> tuple[str, str]:
+    """Mean and 1/sqrt(var + eps) of the contiguous row starting at flat index `row_start`,
+    emitted into `code` (the lane loop or the per-texel prologue).
 
     Two passes (mean, then centred squares) rather than E[x^2] - E[x]^2, which cancels badly
-    when the mean is large next to the spread.
+    when the mean is large next to the spread. A row of whole texels (its length a multiple of
+    4, so its start is one too) is read four elements per read.
     """
     x = node.inputs[0]
     _, _, count = _layer_norm_geometry(node)
     epsilon = float_literal(float(attr(node, "epsilon", 1e-5)))
-    total, centred, r = b.fresh("sum"), b.fresh("sq"), b.fresh("r")
-    b.emit(f"float {total} = 0.0f;",
-           f"for (int {r} = 0; {r} < {count}; ++{r}) {total} += {b.load(x, f'{row_start} + {r}')};")
-    mean = b.temp("float", f"{total} / {float_literal(float(count))}", "mean")
-    b.emit(f"float {centred} = 0.0f;",
-           f"for (int {r} = 0; {r} < {count}; ++{r}) {{",
-           f"  const float d = {b.load(x, f'{row_start} + {r}')} - {mean};",
-           f"  {centred} += d * d;",
-           "}")
-    inv_std = b.temp("float", f"rsqrt({centred} / {float_literal(float(count))} + {epsilon})", "inv")
+    n = float_literal(float(count))
+    total, centred, mean, inv_std = b.fresh("sum"), b.fresh("sq"), b.fresh("mean"), b.fresh("inv")
+    if count % 4 == 0:
+        row = _Row(b, code, x, row_start, count // 4, 1)
+        code.emit(f"float4 {total} = (float4)(0.0f);")
+        row.loop(lambda v, k: [f"{total} += {v};"])
+        code.emit(f"const float {mean} = ({total}.x + {total}.y + {total}.z + {total}.w) / {n};",
+                  f"float4 {centred} = (float4)(0.0f);")
+        row.loop(lambda v, k: [f"{centred} += ({v} - {mean}) * ({v} - {mean});"])
+        code.emit(f"const float {inv_std} = rsqrt(({centred}.x + {centred}.y + {centred}.z + {centred}.w) / {n}"
+                  f" + {epsilon});")
+        return mean, inv_std
+    r = b.fresh("r")
+    code.emit(f"float {total} = 0.0f;",
+              f"for (int {r} = 0; {r} < {count}; ++{r}) {total} += {b.load(x, f'{row_start} + {r}')};",
+              f"const float {mean} = {total} / {n};",
+              f"float {centred} = 0.0f;",
+              f"for (int {r} = 0; {r} < {count}; ++{r}) {{",
+              f"  const float d = {b.load(x, f'{row_start} + {r}')} - {mean};",
+              f"  {centred} += d * d;",
+              "}",
+              f"const float {inv_std} = rsqrt({centred} / {n} + {epsilon});")
     return mean, inv_std
 
 
@@ -113,9 +258,8 @@ def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: l
     shape, axis, _ = _layer_norm_geometry(node)
     b = KernelBuilder(table, name, FAMILY, outputs)
     b.nodes.append(node.name)
-    strides = strides_of(shape)
-    row_start = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", strides[k]) for k in range(axis)]), "row")
-    mean, inv_std = _row_statistics(b, node, row_start)
+    row_start = b.temp("int", _flat(shape, OUT_INDEX, range(axis, len(shape))), "row")
+    mean, inv_std = _row_statistics(b, Code(b.lines), node, row_start)
     return b.finish([mean if out is node.outputs[1] else inv_std for out in outputs])
 
 
@@ -125,7 +269,7 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     x, scale = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
-    shape, axis, _ = _layer_norm_geometry(node)
+    shape, axis, count = _layer_norm_geometry(node)
     kernels: list[Kernel] = []
     statistics = _has_statistics(node)
     if statistics:
@@ -136,16 +280,19 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         return kernels
     b = KernelBuilder(table, group.name, FAMILY, [y])
     b.nodes.append(node.name)
-    strides = strides_of(shape)
+    trailing = range(axis, len(shape))
     if statistics:
         stat_shape = static_shape(node.outputs[1])
         stat_index = broadcast_index(stat_shape, shape, OUT_INDEX)
         mean = b.temp("float", b.load(node.outputs[1], stat_index), "mean")
         inv_std = b.temp("float", b.load(node.outputs[2], stat_index), "inv")
+    elif count % 4 == 0:  # once per work-item, over the several texels of one row it computes
+        b.texels_per_item = _item_texels(count // 4)
+        mean, inv_std = _row_statistics(b, Code(b.texel_lines), node, _flat(shape, TEXEL_INDEX, trailing))
     else:
-        row_start = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", strides[k]) for k in range(axis)]), "row")
-        mean, inv_std = _row_statistics(b, node, row_start)
-    own = b.load(x, flat_index([(f"{OUT_INDEX}{k}", st) for k, st in enumerate(strides)]))
+        row_start = b.temp("int", _flat(shape, OUT_INDEX, trailing), "row")
+        mean, inv_std = _row_statistics(b, Code(b.lines), node, row_start)
+    own = b.load(x, _flat(shape, OUT_INDEX))
     result = f"(({own} - {mean}) * {inv_std} * {b.load(scale, broadcast_index(static_shape(scale), shape, OUT_INDEX))}"
     if bias is not None:
         result += f" + {b.load(bias, broadcast_index(static_shape(bias), shape, OUT_INDEX))}"

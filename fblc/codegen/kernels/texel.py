@@ -166,7 +166,7 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
             index = f"clamp({index}, 0, {last})"
         elif spare:
             index = f"min({index}, {last})"
-        return f"read_imagef({arg}, SMP, TEXEL({index}, {texture.width}))"
+        return f"read_imagef({arg}, SMP, {texture.coord(index)})"
 
     base = c_sum(operand.terms)
     values: dict[int, str] = {}
@@ -189,7 +189,8 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
                 index = _plus(base, offset) if base != "0" else str(offset)
                 if operand.clamp:
                     index = f"clamp({index}, 0, {texture.numel - 1})"
-                values[offset] = b.load(operand.value, index)
+                values[offset] = b.fresh("E")  # named: several lanes share it
+                code.emit(f"const float {values[offset]} = {b.load(operand.value, index)};")
             continue
         start, q, shift = b.fresh("e"), b.fresh("q"), b.fresh("s")
         code.emit(f"const int {start} = {_plus(base, low)};",

@@ -1,0 +1,78 @@
+"""The `layout` object of report.json: data movement before and after remapping, tiles and scores.
+
+Read from the annotations of the lowered step graph (tile_remap's `fblc.remap` and index maps,
+rtile_select's `fblc.layout`) and from the kernels the codegen emitted:
+- data_movement_before: Transpose/Reshape/Flatten/Squeeze/Unsqueeze/Expand nodes of the step,
+  each a copy kernel in the conventional baseline;
+- data_movement_after: those that still run as a kernel;
+- conversion_kernels: kernels that exist only to change how a tensor is laid out (every kept
+  data-movement node: a remap check failed, or `--layout naive`);
+- kept: why each kept node could not be remapped; tensors: every stored tensor's layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import onnx_ir as ir
+
+from fblc.codegen.plan import Program
+from fblc.compiler import keys
+from fblc.compiler.index_map import REMAPPABLE, is_view
+from fblc.compiler.values import numel, static_shape
+from fblc.passes.rtile_select import CHOICE
+from fblc.passes.tile_remap import REMAP_STATUS
+
+
+def layout_object(model: ir.Model, program: Program, layout: str) -> dict[str, Any]:
+    graph = model.graph
+    movement = [n for n in graph if n.op_type in REMAPPABLE and n.domain == ""]
+    kept = [n for n in movement if not is_view(n)]
+    reasons = Counter(n.metadata_props.get(REMAP_STATUS, "naive layout: every data-movement op is a copy")
+                      for n in kept)
+    tensors = []
+    stored = {t.name: t for t in program.textures}
+    for value in list(graph.inputs) + [v for n in graph for v in n.outputs if v is not None]:
+        texture = stored.get(value.name)
+        if texture is None or keys.LAYOUT not in value.metadata_props:
+            continue
+        choice = json.loads(value.metadata_props.get(CHOICE, "{}"))
+        tensors.append({"name": value.name, "shape": list(static_shape(value)),
+                        "layout": texture.layout.describe(), "chosen_by": choice.get("how", "flat"),
+                        "score": choice.get("score"), "relaxed": choice.get("relaxed", [])})
+    kinds = Counter("rtile" if t.layout.kind == "rtile" else "flat" for t in program.textures)
+    ftd = Counter(n.metadata_props.get(keys.FTD, "?") for n in graph)
+    return {"mode": layout, "data_movement_before": len(movement), "data_movement_after": len(kept),
+            "conversion_kernels": len(kept),
+            "data_movement_by_op": {op: [sum(1 for n in movement if n.op_type == op),
+                                         sum(1 for n in kept if n.op_type == op)]
+                                    for op in sorted({n.op_type for n in movement})},
+            "kept": dict(reasons), "textures_by_layout": dict(kinds), "ftd_classes": dict(ftd),
+            "kernels_per_family": program.family_counts(), "tensors": tensors}
+
+
+def layout_summary(layout: dict[str, Any], top: int = 12) -> str:
+    """The readable version `fblc compile --report` prints."""
+    lines = [f"layout {layout['mode']}: data-movement ops {layout['data_movement_before']} before remapping, "
+             f"{layout['data_movement_after']} after; {layout['conversion_kernels']} conversion kernels",
+             "  by op (before, after): " + ", ".join(f"{op} {b}->{a}" for op, (b, a) in
+                                                    layout["data_movement_by_op"].items())]
+    for reason, count in layout["kept"].items():
+        lines.append(f"  kept {count}: {reason}")
+    lines.append("  textures: " + ", ".join(f"{count} {kind}" for kind, count in layout["textures_by_layout"].items())
+                 + "; FTD classes: " + ", ".join(f"{count} {c}" for c, count in sorted(layout["ftd_classes"].items())))
+    lines.append("  kernels per family: " + ", ".join(f"{count} {family}" for family, count in
+                                                      sorted(layout["kernels_per_family"].items())))
+    tiled = [t for t in layout["tensors"] if t["score"] is not None]
+    tiled.sort(key=lambda t: -numel(t["shape"]))
+    if tiled:
+        lines.append(f"  {'tensor':<44} {'shape':<18} {'score':>8}  layout (chosen by)")
+        for t in tiled[:top]:
+            lines.append(f"  {t['name'][:44]:<44} {str(t['shape']):<18} {t['score']:8.3f}  {t['layout']} "
+                         f"({t['chosen_by']}{'; relaxed ' + ','.join(t['relaxed']) if t['relaxed'] else ''})")
+        if len(tiled) > top:
+            lines.append(f"  ... {len(tiled) - top} more R-Tile tensors in report.json")
+    return "\n".join(lines)
+

@@ -1,0 +1,67 @@
+"""ftd_taxonomy: write every node's FTD class (DESIGN.md section 5) as `fblc.ftd`.
+
+The class says how the layout search treats the node: FTD-D ops (their backward reads forward
+tensors along other axes than the forward) anchor the R-Tile choice; FTD-C ops follow their
+producer's layout; FTI-D ops (data movement, reductions, gathers) are index-remapping
+candidates; FTI-C ops are layout-transparent. The table is keyed by op type; an op missing
+from it is an error naming the op, the node and the supported list.
+Preconditions: none (any graph). In place; `modified` is true when any annotation changed.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.registry import OpRegistry
+
+
+class Ftd(str, enum.Enum):
+    DEPENDENT_DIVERGENT = "FTD-D"
+    DEPENDENT_CONSISTENT = "FTD-C"
+    INDEPENDENT_DIVERGENT = "FTI-D"
+    INDEPENDENT_CONSISTENT = "FTI-C"
+
+
+FTD_CLASSES: OpRegistry[Ftd] = OpRegistry("FTD class", "add the op to the table in fblc/passes/ftd_taxonomy.py")
+
+
+def _classify(ftd: Ftd, *op_types: str) -> None:
+    FTD_CLASSES.register(*op_types)(ftd)
+
+
+# backward reads forward tensors, and reduces them along other axes than the forward
+_classify(Ftd.DEPENDENT_DIVERGENT, "MatMul", "Gemm", "Conv", "ConvTranspose", "BatchNormalization",
+          "LayerNormalization", "AveragePool", "MaxPool", "GlobalAveragePool")
+# backward reads forward tensors along the same axes
+_classify(Ftd.DEPENDENT_CONSISTENT, "Relu", "Clip", "Sigmoid", "Tanh", "Erf", "Mul", "Div", "Pow", "Softmax",
+          "LogSoftmax", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Abs", "Max", "Min", "Where")
+# no forward tensor in the backward; the access pattern changes (index-remapping candidates)
+_classify(Ftd.INDEPENDENT_DIVERGENT, "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand",
+          "ReduceSum", "ReduceMean", "ReduceMax", "Gather", "GatherElements", "ScatterElements", "ScatterND",
+          "Slice", "Concat", "Split", "Pad")
+# layout-transparent
+_classify(Ftd.INDEPENDENT_CONSISTENT, "Add", "Sub", "Neg", "Cast", "Identity", "Dropout", "Sum", "Constant",
+          "ConstantOfShape", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Not",
+          "IsNaN")
+
+
+def ftd_class(node: ir.Node) -> Ftd:
+    return FTD_CLASSES.lookup(node)
+
+
+class FtdTaxonomy(ir.passes.InPlacePass):
+    """Annotate every node with its FTD class (in place)."""
+
+    name = "ftd_taxonomy"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for node in model.graph:
+            label = ftd_class(node).value
+            if node.metadata_props.get(keys.FTD) != label:
+                node.metadata_props[keys.FTD] = label
+                modified = True
+        return ir.passes.PassResult(model, modified)

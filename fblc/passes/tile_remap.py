@@ -1,0 +1,90 @@
+"""tile_remap: data-movement ops between stored tensors become index maps (DESIGN.md section 7).
+
+Rewrite: a Transpose, Reshape, Flatten, Squeeze, Unsqueeze or broadcast Expand gets
+`fblc.index_map` (its output as a strided view of the root tensor it reads, composed through
+earlier remapped views) and so runs no kernel: its consumers read the root's texture through
+the map. It is remapped when
+  1. tile dimension dependency: the output is a strided view of the root (a permutation maps
+     whole axes to whole axes; a reshape merges only axes that are contiguous in the root);
+  2. tile boundary preservation: every texel of the root (4 consecutive elements of its
+     packed axis) stays a run along one axis of the view, so whole-texel reads remain valid;
+  3. when the view is not a plain row-major reading of the root: the output is not a graph
+     output (the runtimes read those as plain tensors) and every kernel that reads it takes
+     strided operands (STRIDED_READERS).
+Otherwise the node stays an explicit conversion kernel; `fblc.remap` on it says which check
+failed. The backward of MatMul (dX = dY W^T, dW = X^T dY) thus reads W^T and X^T in place.
+Preconditions: static shapes, topologically sorted graph. In place; `modified` is true when
+any annotation changed.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.index_map import REMAPPABLE, compose, is_view, map_of, view_root
+from fblc.compiler.values import static_shape
+
+REMAP_STATUS = "fblc.remap"
+
+#: Ops whose kernels read every input element through the builder's index composition or
+#: through explicit strides (never by raw texel position), so they accept any strided view.
+STRIDED_READERS = frozenset({
+    "MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip",
+    "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual",
+    "LessOrEqual", "And", "Or", "Not", "Max", "Min", "Sum", "IsNaN", "Abs", "ReduceSum", "ReduceMean", "ReduceMax",
+    "Gather", "GatherElements", "Slice", "Concat", "Expand", "Transpose", "Pad"})
+
+
+def _readers(value: ir.Value) -> list[ir.Node]:
+    found = []
+    for use in value.uses():
+        if is_view(use.node) or use.node.op_type in REMAPPABLE:
+            for out in use.node.outputs:
+                found.extend(_readers(out))
+        else:
+            found.append(use.node)
+    return found
+
+
+def remap_status(node: ir.Node, graph_outputs: set[int]) -> tuple[str, str | None]:
+    """('remapped', map JSON) or (the failed check, None)."""
+    source = node.inputs[0]
+    output = node.outputs[0]
+    if source is None:
+        return "kept: no input", None
+    mapped = compose(node, map_of(source))
+    if mapped is None:
+        return "kept: tile dimension dependency fails (axes merged that are not contiguous in the root)", None
+    root_shape = static_shape(view_root(source))
+    if not mapped.packs_whole_texels(root_shape):
+        return "kept: tile boundary preservation fails (a texel of the root would span view rows)", None
+    if id(output) in graph_outputs and not mapped.contiguous:
+        return "kept: graph output (the runtimes read it as a plain tensor)", None
+    if not mapped.contiguous:
+        blocked = sorted({n.op_type for n in _readers(output) if n.op_type not in STRIDED_READERS})
+        if blocked:
+            return f"kept: read by {', '.join(blocked)}, whose kernels need a plain tensor", None
+    return "remapped", mapped.to_json()
+
+
+class TileRemap(ir.passes.InPlacePass):
+    """Turn data-movement nodes into index maps where the checks allow (in place)."""
+
+    name = "tile_remap"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        graph_outputs = {id(v) for v in graph.outputs}
+        modified = False
+        for node in graph:
+            if node.op_type not in REMAPPABLE or node.domain != "":
+                continue
+            status, mapped = remap_status(node, graph_outputs)
+            if node.metadata_props.get(REMAP_STATUS) != status:
+                node.metadata_props[REMAP_STATUS] = status
+                modified = True
+            if mapped is not None and node.metadata_props.get(keys.INDEX_MAP) != mapped:
+                node.metadata_props[keys.INDEX_MAP] = mapped
+                modified = True
+        return ir.passes.PassResult(model, modified)

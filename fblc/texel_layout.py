@@ -1,0 +1,157 @@
+"""Where each texel of a tensor sits in its image2d_t: the flat layout and the R-Tile layout.
+
+Shared by the passes (rtile_select scores candidates with it), the codegen (kernels address
+texels through it) and the runtimes (they pack and unpack host data through it).
+
+A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
+- flat: texel t at (t % width, t / width). The runtimes' interchange layout: graph inputs,
+  outputs, parameters and optimizer state always use it.
+- rtile (DESIGN.md section 6): the tensor is a matrix [rows, cols] (cols = its last axis, a
+  multiple of 4, so a texel never spans two rows) cut into tiles of tile_h rows x tile_w
+  elements. Intra-tile packing `strip` lays a tile's rows side by side in one texel row (for
+  tiles whose row is no wider than a cache line); `block` keeps the tile 2-D. Tiles are
+  numbered row-major over the tile grid, or column-major when `arrangement` is "columns"
+  (the axis with more tiles runs horizontally), and placed `tiles_per_row` to an image row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TexelLayout:
+    kind: str  # "flat" or "rtile"
+    width: int  # image width, texels
+    height: int
+    rows: int = 1
+    cols: int = 4
+    tile_h: int = 1
+    tile_w: int = 4  # elements (a multiple of 4)
+    packing: str = "block"  # "strip" or "block"
+    arrangement: str = "rows"  # "rows" or "columns"
+    tiles_per_row: int = 1
+
+    # geometry -----------------------------------------------------------------------------------
+    @property
+    def tile_texels_w(self) -> int:
+        return self.tile_w // 4
+
+    @property
+    def tile_grid(self) -> tuple[int, int]:
+        """(tile rows, tile columns) of the matrix."""
+        return -(-self.rows // self.tile_h), -(-(self.cols // 4) // self.tile_texels_w)
+
+    @property
+    def tile_footprint(self) -> tuple[int, int]:
+        """(width, height) in texels of one placed tile."""
+        if self.packing == "strip":
+            return self.tile_h * self.tile_texels_w, 1
+        return self.tile_texels_w, self.tile_h
+
+    def coords(self, texels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(x, y) of texel indices `texels` (numpy, vectorised)."""
+        t = np.asarray(texels, dtype=np.int64)
+        if self.kind == "flat":
+            return t % self.width, t // self.width
+        c4, tw4, th = self.cols // 4, self.tile_texels_w, self.tile_h
+        ntr, ntc = self.tile_grid
+        r, q = t // c4, t % c4
+        tr, ir, tc, iq = r // th, r % th, q // tw4, q % tw4
+        tile = tc * ntr + tr if self.arrangement == "columns" else tr * ntc + tc
+        gx, gy = tile % self.tiles_per_row, tile // self.tiles_per_row
+        if self.packing == "strip":
+            return gx * th * tw4 + ir * tw4 + iq, gy
+        return gx * tw4 + iq, gy * th + ir
+
+    def c_coord(self, texel: str) -> str:
+        """OpenCL C int2 of the texel index expression `texel` (every other figure a literal)."""
+        if self.kind == "flat":
+            return f"TEXEL({texel}, {self.width})"
+        ntr, ntc = self.tile_grid
+        return (f"RTILE({texel}, {self.cols // 4}, {self.tile_h}, {self.tile_texels_w}, {ntr}, {ntc}, "
+                f"{self.tiles_per_row}, {int(self.packing == 'strip')}, {int(self.arrangement == 'columns')})")
+
+    def describe(self) -> str:
+        if self.kind == "flat":
+            return f"flat; image {self.width}x{self.height}"
+        padding = self.width * self.height - self.rows * self.cols // 4
+        return (f"rtile {self.tile_h}x{self.tile_w} {self.packing}, tiles by {self.arrangement}; matrix "
+                f"{self.rows}x{self.cols}; image {self.width}x{self.height}, padding {padding} texels")
+
+    # serialisation ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return _json_of(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TexelLayout:
+        return cls(**data)
+
+
+@lru_cache(maxsize=4096)
+def _json_of(layout: TexelLayout) -> str:
+    return json.dumps(vars(layout), separators=(",", ":"))
+
+
+# The C the coordinates compile to (the codegen's preamble includes it).
+RTILE_C = """\
+inline int2 RTILE(int t, int c4, int th, int tw4, int ntr, int ntc, int tpr, int strip, int by_columns) {
+  const int r = t / c4, q = t - r * c4;
+  const int tr = r / th, ir = r - tr * th, tc = q / tw4, iq = q - tc * tw4;
+  const int tile = by_columns ? tc * ntr + tr : tr * ntc + tc;
+  const int gx = tile % tpr, gy = tile / tpr;
+  return strip ? (int2)(gx * th * tw4 + ir * tw4 + iq, gy) : (int2)(gx * tw4 + iq, gy * th + ir);
+}"""
+
+
+def flat_layout(texels: int, max_width: int) -> TexelLayout:
+    width = max(1, min(texels, max_width))
+    return TexelLayout("flat", width, -(-texels // width))
+
+
+def rtile_layout(rows: int, cols: int, tile_h: int, tile_w: int, packing: str, max_width: int) -> TexelLayout:
+    """The R-Tile layout of a [rows, cols] matrix with the given tile, arranged as section 6 says."""
+    probe = TexelLayout("rtile", 1, 1, rows, cols, tile_h, tile_w, packing)
+    ntr, ntc = probe.tile_grid
+    arrangement = "columns" if ntr > ntc else "rows"
+    tile_width, tile_height = probe.tile_footprint
+    tiles_per_row = max(1, min(max(ntr, ntc), max_width // tile_width))
+    tiles = ntr * ntc
+    return TexelLayout("rtile", tiles_per_row * tile_width, -(-tiles // tiles_per_row) * tile_height, rows, cols,
+                       tile_h, tile_w, packing, arrangement, tiles_per_row)
+
+
+@lru_cache(maxsize=256)
+def _positions(layout: TexelLayout, texels: int) -> np.ndarray:
+    x, y = layout.coords(np.arange(texels))
+    return y * layout.width + x
+
+
+def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
+    """`array` as its image's RGBA texels, row by row (height * width * 4 values, zero padding)."""
+    values = np.asarray(array).reshape(-1)
+    texels = -(-values.size // 4)
+    logical = np.zeros(texels * 4, dtype=dtype)
+    with np.errstate(over="ignore"):  # fp16: float32's -3.4e38 mask fill becomes -inf, which softmax reads the same
+        logical[: values.size] = values.astype(dtype)
+    if layout.kind == "flat":
+        image = np.zeros(layout.width * layout.height * 4, dtype=dtype)
+        image[: logical.size] = logical
+        return image
+    image = np.zeros((layout.width * layout.height, 4), dtype=dtype)
+    image[_positions(layout, texels)] = logical.reshape(-1, 4)
+    return image.reshape(-1)
+
+
+def unpack(image: np.ndarray, layout: TexelLayout, count: int) -> np.ndarray:
+    """The first `count` elements, row-major, of an image packed by `pack`."""
+    flat = np.asarray(image).reshape(-1)
+    if layout.kind == "flat":
+        return flat[:count]
+    texels = -(-count // 4)
+    return flat.reshape(-1, 4)[_positions(layout, texels)].reshape(-1)[:count]

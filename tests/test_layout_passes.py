@@ -1,0 +1,208 @@
+"""Layout passes (ftd_taxonomy, tile_remap, rtile_select) and the texel layouts the codegen reads.
+
+Golden before/after annotations on a small attention block, the cases each pass leaves alone,
+and the numeric check: one training step with `--layout rtile` and with `--layout naive`
+equals onnxruntime's run of the same step (fp32, rtol 1e-4 / atol 1e-5, fblc.codegen.verify).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+from fblc.codegen.compile import compile_model
+from fblc.codegen.verify import verify_model
+from fblc.compiler import keys
+from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.index_map import IndexMap, view_root
+from fblc.compiler.model_io import load_model
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.ftd_taxonomy import FtdTaxonomy
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from fblc.passes.rtile_select import Geometry, RTileSelect, rank_candidates
+from fblc.passes.tile_remap import REMAP_STATUS
+from fblc.profiles import load_profile
+from fblc.texel_layout import TexelLayout, pack, rtile_layout, unpack
+from tests.conftest import make_model
+
+B, T, H, D = 2, 8, 4, 4
+C = H * D
+OPTIONS = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9))
+
+
+def attention_proto() -> onnx.ModelProto:
+    """x[B,T,C] -> q,k,v heads (Reshape + Transpose) -> softmax(q k^T) v -> merge heads -> Wo -> mean."""
+    rng = np.random.default_rng(0)
+    nodes, inits = [], {}
+    for name in ("q", "k", "v"):
+        inits[f"w{name}"] = (rng.standard_normal((C, C)) / 4).astype(np.float32)
+        nodes += [helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}_flat"], name=f"proj_{name}"),
+                  helper.make_node("Reshape", [f"{name}_flat", "split_shape"], [f"{name}_split"], name=f"split_{name}"),
+                  helper.make_node("Transpose", [f"{name}_split"], [f"{name}_heads"], perm=[0, 2, 1, 3],
+                                   name=f"heads_{name}")]
+    inits["split_shape"] = np.array([B, T, H, D], dtype=np.int64)
+    inits["merge_shape"] = np.array([B, T, C], dtype=np.int64)
+    inits["wo"] = (rng.standard_normal((C, C)) / 4).astype(np.float32)
+    nodes += [
+        helper.make_node("Transpose", ["k_heads"], ["k_t"], perm=[0, 1, 3, 2], name="k_transpose"),
+        helper.make_node("MatMul", ["q_heads", "k_t"], ["scores"], name="scores"),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1, name="softmax"),
+        helper.make_node("MatMul", ["probs", "v_heads"], ["context"], name="context"),
+        helper.make_node("Transpose", ["context"], ["context_t"], perm=[0, 2, 1, 3], name="unheads"),
+        helper.make_node("Reshape", ["context_t", "merge_shape"], ["merged"], name="merge"),
+        helper.make_node("MatMul", ["merged", "wo"], ["out"], name="proj_o"),
+        helper.make_node("ReduceMean", ["out"], ["loss_value"], keepdims=0, name="mean"),
+    ]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, T, C])],
+                      [helper.make_tensor_value_info("loss_value", TensorProto.FLOAT, [])], inits)
+
+
+@pytest.fixture(scope="module")
+def attention_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("layout") / "attention.onnx")
+    onnx.save(attention_proto(), path)
+    return path
+
+
+def lowered(path: str, layout: str = "rtile", target: str = "local") -> ir.Model:
+    return build_training_graph(load_model(path), TrainingOptions(loss="output", layout=layout),
+                                lower=load_profile(target))
+
+
+def node(model: ir.Model, name: str) -> ir.Node:
+    return next(n for n in model.graph if n.name == name)
+
+
+# index maps -----------------------------------------------------------------------------------
+
+def test_index_map_composition() -> None:
+    root = IndexMap.identity((B, T, C))
+    split = root.reshaped((B, T, H, D))
+    assert split == IndexMap((B, T, H, D), (T * C, C, D, 1))
+    heads = split.transposed([0, 2, 1, 3])
+    assert heads == IndexMap((B, H, T, D), (T * C, D, C, 1)) and not heads.contiguous
+    assert heads.transposed([0, 1, 3, 2]).strides == (T * C, D, 1, C)
+    assert heads.reshaped((B * H, T, D)) is None  # B and H are not contiguous with each other after the transpose
+    assert heads.transposed([0, 2, 1, 3]).reshaped((B, T, C)) == root  # the inverse permutation merges again
+    assert IndexMap.identity((3, 1)).broadcast((2, 3, 5)).strides == (0, 1, 0)
+
+
+# ftd_taxonomy ---------------------------------------------------------------------------------
+
+def test_ftd_taxonomy_golden(attention_path: str) -> None:
+    step = lowered(attention_path)
+    classes = {n.name: n.metadata_props[keys.FTD] for n in step.graph}
+    assert classes["proj_q"] == classes["scores"] == "FTD-D"
+    assert classes["softmax"] == "FTD-C"
+    assert classes["heads_q"] == classes["merge"] == "FTI-D"
+    assert all(label in ("FTD-D", "FTD-C", "FTI-D", "FTI-C") for label in classes.values())
+
+
+def test_ftd_taxonomy_names_an_unknown_op() -> None:
+    graph = ir.Graph([], [], nodes=[ir.Node("", "Hardmax", [ir.Value(name="x")], name="odd")], name="g")
+    with pytest.raises(UnsupportedOpError, match=r"Hardmax.*'odd'"):
+        FtdTaxonomy()(ir.Model(graph, ir_version=10))
+
+
+# tile_remap -----------------------------------------------------------------------------------
+
+def test_tile_remap_golden(attention_path: str) -> None:
+    step = lowered(attention_path)
+    maps = {n.name: IndexMap.from_json(n.metadata_props[keys.INDEX_MAP]) for n in step.graph
+            if keys.INDEX_MAP in n.metadata_props}
+    assert maps["split_q"] == IndexMap((B, T, H, D), (T * C, C, D, 1))
+    assert maps["heads_q"] == IndexMap((B, H, T, D), (T * C, D, C, 1))
+    assert maps["k_transpose"] == IndexMap((B, H, D, T), (T * C, D, 1, C))  # q k^T reads k in place
+    assert "merge" not in maps and "tile dimension dependency" in node(step, "merge").metadata_props[REMAP_STATUS]
+    # the backward of `scores` needs k (not k^T): a Transpose of the view that maps back
+    transposes = [n for n in step.graph if n.op_type == "Transpose"]
+    assert all(keys.INDEX_MAP in n.metadata_props for n in transposes), [n.name for n in transposes
+                                                                          if keys.INDEX_MAP not in n.metadata_props]
+
+
+def test_tile_remap_leaves_naive_and_graph_outputs(attention_path: str) -> None:
+    naive = lowered(attention_path, "naive")
+    assert not any(keys.INDEX_MAP in n.metadata_props for n in naive.graph)
+    assert all(n.metadata_props[keys.KERNEL].startswith("k") for n in naive.graph if n.op_type == "Transpose")
+    step = lowered(attention_path)
+    outputs = {id(v) for v in step.graph.outputs}
+    for n in step.graph:
+        if any(id(v) in outputs for v in n.outputs) and n.op_type in ("Transpose", "Reshape"):
+            assert n.metadata_props[REMAP_STATUS] in ("remapped", "kept: graph output (the runtimes read it as "
+                                                                  "a plain tensor)")
+
+
+@pytest.mark.parametrize("layout", ["rtile", "naive"])
+def test_attention_step_matches_onnxruntime(attention_path: str, layout: str) -> None:
+    rows = verify_model(attention_path, TrainingOptions(loss="output", layout=layout, optimizer=OPTIONS.optimizer))
+    assert rows and not [r.name for r in rows if not r.ok]
+
+
+def test_report_counts_data_movement(attention_path: str, tmp_path) -> None:
+    _, rtile = compile_model(attention_path, str(tmp_path / "rtile"), "adreno830", "fp32", OPTIONS)
+    _, naive = compile_model(attention_path, str(tmp_path / "naive"), "adreno830", "fp32",
+                             TrainingOptions(loss="output", layout="naive", optimizer=OPTIONS.optimizer))
+    stored = json.loads((tmp_path / "rtile" / "report.json").read_text())["layout"]
+    assert stored["data_movement_before"] == naive["layout"]["data_movement_after"] > 0
+    assert stored["data_movement_after"] < naive["layout"]["data_movement_after"]
+    assert stored["conversion_kernels"] == stored["data_movement_after"]
+    assert rtile["kernels_per_family"].get("movement", 0) < naive["kernels_per_family"]["movement"]
+    assert stored["textures_by_layout"].get("rtile", 0) > 0
+
+
+# rtile_select and texel layouts ---------------------------------------------------------------
+
+def test_rtile_select_golden(attention_path: str) -> None:
+    step = lowered(attention_path, target="adreno830")
+    assert step.graph.metadata_props[keys.LAYOUT] == "rtile"
+    layouts = {v.name: TexelLayout.from_dict(json.loads(v.metadata_props[keys.LAYOUT]))
+               for n in step.graph for v in n.outputs if keys.LAYOUT in v.metadata_props}
+    scores = layouts["scores"]  # [B, H, T, T]: 64 x 8, tiled
+    assert scores.kind == "rtile" and (scores.rows, scores.cols) == (B * H * T, T)
+    for value in list(step.graph.inputs) + list(step.graph.outputs):  # the runtimes read these
+        assert json.loads(view_root(value).metadata_props[keys.LAYOUT])["kind"] == "flat"
+    assert "rtile" in node(step, "scores").metadata_props[keys.LAYOUT]
+
+
+def test_rtile_select_leaves_odd_widths_flat() -> None:
+    proto = make_model([helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                        helper.make_node("Relu", ["h"], ["y"], name="relu"),
+                        helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0, name="sum")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 16])],
+                       [helper.make_tensor_value_info("s", TensorProto.FLOAT, [])],
+                       {"w": np.ones((16, 7), np.float32)})
+    model = ir.from_proto(proto)
+    step = build_training_graph(model, TrainingOptions(loss="output"), lower=load_profile("local"))
+    h = next(v for n in step.graph for v in n.outputs if v.name == "h")
+    assert json.loads(h.metadata_props[keys.LAYOUT])["kind"] == "flat"  # 7 columns: a texel would span rows
+
+
+def test_block_geometry_changes_the_tile() -> None:
+    """The same tensor and accesses under two cache geometries: the scores explain the choice."""
+    patterns = (("columns", 1.0), ("rows", 1.0), ("stream", 1.0))
+    wide = rank_candidates(256, 256, patterns, Geometry(64, 64, 16, 1, 16384))
+    tall = rank_candidates(256, 256, patterns, Geometry(64, 64, 1, 16, 16384))
+    assert (wide[0].layout.tile_h, wide[0].layout.tile_w, wide[0].layout.packing) != \
+        (tall[0].layout.tile_h, tall[0].layout.tile_w, tall[0].layout.packing)
+    assert wide[0].score > wide[-1].score and tall[0].score > tall[-1].score
+
+
+@pytest.mark.parametrize("tile", [(1, 16, "block"), (4, 16, "strip"), (8, 64, "block"), (2, 8, "strip")])
+def test_texel_layout_round_trip(tile: tuple[int, int, str]) -> None:
+    rows, cols = 24, 40
+    layout = rtile_layout(rows, cols, *tile, max_width=64)
+    x, y = layout.coords(np.arange(rows * cols // 4))
+    assert len(set(zip(x.tolist(), y.tolist()))) == rows * cols // 4  # no two texels share a place
+    assert x.max() < layout.width and y.max() < layout.height
+    data = np.arange(rows * cols, dtype=np.float32)
+    assert np.array_equal(unpack(pack(data, layout, np.float32), layout, data.size), data)
+
+
+def test_rtile_select_is_stable(attention_path: str) -> None:
+    step = lowered(attention_path)
+    assert not RTileSelect(load_profile("local"))(step).modified
