@@ -30,7 +30,7 @@ REMAP_STATUS = "fblc.remap"
 #: Ops whose kernels read every input element through the builder's index composition or
 #: through explicit strides (never by raw texel position), so they accept any strided view.
 STRIDED_READERS = frozenset({
-    "MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip",
+    "MatMul", "Gemm", "Conv", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip",
     "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual",
     "LessOrEqual", "And", "Or", "Not", "Max", "Min", "Sum", "IsNaN", "Abs", "ReduceSum", "ReduceMean", "ReduceMax",
     "Gather", "GatherElements", "Slice", "Concat", "Expand", "Transpose", "Pad"})

@@ -53,6 +53,7 @@ from fblc.codegen.kernels.texel import (
     Term,
 )
 from fblc.codegen.textures import TextureTable
+from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
 
@@ -73,22 +74,37 @@ class _ConvShape:
     cg_in: int
     cg_out: int
     window: Window
+    # strides of x and w in the tensors that store them (a remapped view reads its root in place)
+    x_strides: tuple[int, ...] | None = None
+    w_strides: tuple[int, ...] | None = None
 
     @property
     def xs(self) -> list[int]:
-        return strides_of(self.x_shape)
+        return list(self.x_strides) if self.x_strides else strides_of(self.x_shape)
 
     @property
     def ws(self) -> list[int]:
-        return strides_of(self.w_shape)
+        return list(self.w_strides) if self.w_strides else strides_of(self.w_shape)
 
 
 def _conv_shape(node: ir.Node) -> _ConvShape:
     x, w = node.inputs[0], node.inputs[1]
     x_shape, w_shape = static_shape(x), static_shape(w)
     groups = int(attr(node, "group", 1))
-    return _ConvShape(x, w, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[1],
-                      w_shape[0] // groups, window_of(node, tuple(w_shape[2:])))
+    (x_root, x_map), (w_root, w_map) = (view_root(x), map_of(x)), (view_root(w), map_of(w))
+    return _ConvShape(x_root, w_root, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[1],
+                      w_shape[0] // groups, window_of(node, tuple(w_shape[2:])), x_map.strides, w_map.strides)
+
+
+def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
+    """The stride of `shape`'s axes read as one axis, or None when they are not contiguous with each other."""
+    axes = [(dim, stride) for dim, stride in zip(shape, strides) if dim != 1]
+    if not axes:
+        return 1
+    for (_, outer), (dim, inner) in zip(axes, axes[1:]):
+        if outer != inner * dim:
+            return None
+    return axes[-1][1]
 
 
 @dataclass
@@ -271,6 +287,10 @@ def _pointwise(cs: _ConvShape) -> _ConvShape:
     window = cs.window
     if len(window.kernel) < 2 or any(window.pads):
         return cs
+    x_spatial = _merged_stride(cs.x_shape[2:], cs.xs[2:])
+    w_spatial = _merged_stride(cs.w_shape[2:], cs.ws[2:])
+    if x_spatial is None or w_spatial is None:
+        return cs
     size = int(np.prod(window.in_spatial))
     if all(k == 1 for k in window.kernel) and all(s == 1 for s in window.strides):
         flat, kernel, out = Window((1,), (1,), (1,), (0,), (0,), (size,), (size,)), 1, size
@@ -279,7 +299,7 @@ def _pointwise(cs: _ConvShape) -> _ConvShape:
     else:
         return cs
     return _ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], kernel), (*cs.out_shape[:2], out),
-                      cs.groups, cs.cg_in, cs.cg_out, flat)
+                      cs.groups, cs.cg_in, cs.cg_out, flat, (*cs.xs[:2], x_spatial), (*cs.ws[:2], w_spatial))
 
 
 def _last_tap_axis(cs: _ConvShape) -> int | None:
