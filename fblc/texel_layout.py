@@ -17,6 +17,7 @@ A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -112,6 +113,17 @@ inline int2 RTILE(int t, int c4, int th, int tw4, int ntr, int ntc, int tpr, int
 def flat_layout(texels: int, max_width: int) -> TexelLayout:
     width = max(1, min(texels, max_width))
     return TexelLayout("flat", width, -(-texels // width))
+
+
+def matrix_layout(shape: tuple[int, ...], max_width: int, max_height: int) -> TexelLayout:
+    """Flat addressing with one image row per matrix row (1 x cols tiles stacked), when the last axis
+    is a multiple of 4 and fits: rows stay vertically adjacent, so a walk down a column reads
+    2-D cache blocks, yet the image is still the linear array the runtimes exchange."""
+    texels = max(1, -(-math.prod(shape) // 4))
+    if len(shape) >= 2 and shape[-1] % 4 == 0 and 0 < shape[-1] // 4 <= max_width \
+            and texels // (shape[-1] // 4) <= max_height:
+        return TexelLayout("flat", shape[-1] // 4, texels // (shape[-1] // 4))
+    return flat_layout(texels, max_width)
 
 
 def rtile_layout(rows: int, cols: int, tile_h: int, tile_w: int, packing: str, max_width: int) -> TexelLayout:

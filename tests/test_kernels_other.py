@@ -194,3 +194,15 @@ def test_cross_entropy(tmp_path, label_shape: list[int]) -> None:
                        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*label_shape, 7])],
                        {"w": _randn(5, 7, seed=5), "b": _randn(7, seed=6)})
     _check(tmp_path, model, loss="cross_entropy")
+
+
+@pytest.mark.parametrize("op_type", ["ReduceSum", "ReduceMean", "ReduceMax"])
+@pytest.mark.parametrize("shape,axes", [([3, 4, 16], [2]), ([3, 4, 16], [1, 2]), ([3, 4, 6], [2]), ([3, 8, 4], [1])])
+def test_reductions(tmp_path, op_type: str, shape: list[int], axes: list[int]) -> None:
+    """Innermost runs of whole texels (16, 4x16) read texels; others (6, a middle axis) read elements."""
+    out = [1 if a in axes else d for a, d in enumerate(shape)]
+    axes_init = numpy_helper.from_array(np.array(axes, dtype=np.int64), "axes")
+    op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=1, name="reduce")
+    model = _op_then_loss(op, out, {"x": _randn(*shape, scale=2.0)}, extra=[
+        helper.make_node("Constant", [], ["axes"], value=axes_init, name="axes")])
+    _check(tmp_path, model)

@@ -24,7 +24,7 @@ from fblc.compiler.model_io import load_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
-from fblc.passes.rtile_select import Geometry, RTileSelect, rank_candidates
+from fblc.passes.rtile_select import Candidate, Geometry, RTileSelect, rank_candidates
 from fblc.passes.tile_remap import REMAP_STATUS
 from fblc.profiles import load_profile
 from fblc.texel_layout import TexelLayout, pack, rtile_layout, unpack
@@ -182,14 +182,26 @@ def test_rtile_select_leaves_odd_widths_flat() -> None:
     assert json.loads(h.metadata_props[keys.LAYOUT])["kind"] == "flat"  # 7 columns: a texel would span rows
 
 
-def test_block_geometry_changes_the_tile() -> None:
-    """The same tensor and accesses under two cache geometries: the scores explain the choice."""
-    patterns = (("columns", 1.0), ("rows", 1.0), ("stream", 1.0))
-    wide = rank_candidates(256, 256, patterns, Geometry(64, 64, 16, 1, 16384))
-    tall = rank_candidates(256, 256, patterns, Geometry(64, 64, 1, 16, 16384))
-    assert (wide[0].layout.tile_h, wide[0].layout.tile_w, wide[0].layout.packing) != \
-        (tall[0].layout.tile_h, tall[0].layout.tile_w, tall[0].layout.packing)
-    assert wide[0].score > wide[-1].score and tall[0].score > tall[-1].score
+def _tile(candidate: Candidate) -> tuple[int, int, str]:
+    return candidate.layout.tile_h, candidate.layout.tile_w, candidate.layout.packing
+
+
+@pytest.mark.parametrize("rows, cols, patterns", [(256, 256, ("columns", "rows", "stream")),
+                                                  (64, 512, ("rows", "stream"))])
+def test_two_profiles_choose_different_tiles(rows: int, cols: int, patterns: tuple[str, ...]) -> None:
+    """The same tensor and accesses under adreno830 (8x4 blocks, 64-wide waves, 8 sets) and mali-g925
+    (4x4 blocks, 16-wide waves, 16 sets): each profile's choice scores at least as high as the other's
+    there, or the other's is pruned (C1: a tile's texels must fill whole waves)."""
+    weighted = tuple((p, 1.0) for p in patterns)
+    ranked = {name: rank_candidates(rows, cols, weighted, Geometry.of(load_profile(name)))
+              for name in ("adreno830", "mali-g925")}
+    adreno, mali = ranked["adreno830"][0], ranked["mali-g925"][0]
+    assert _tile(adreno) != _tile(mali)
+    for own, other, name in ((adreno, mali, "adreno830"), (mali, adreno, "mali-g925")):
+        rival = next((c for c in ranked[name] if _tile(c) == _tile(other)), None)
+        explanation = [(_tile(c), round(c.score, 3), c.scored_by, round(c.block_score, 3)) for c in ranked[name][:5]]
+        assert own.scored_by == "cache model", explanation
+        assert rival is None or (rival.score, rival.block_score) <= (own.score, own.block_score), explanation
 
 
 @pytest.mark.parametrize("tile", [(1, 16, "block"), (4, 16, "strip"), (8, 64, "block"), (2, 8, "strip")])
@@ -206,3 +218,42 @@ def test_texel_layout_round_trip(tile: tuple[int, int, str]) -> None:
 def test_rtile_select_is_stable(attention_path: str) -> None:
     step = lowered(attention_path)
     assert not RTileSelect(load_profile("local"))(step).modified
+
+
+# the texture-cache report -----------------------------------------------------------------------
+
+def test_traced_reads_are_the_texels_a_kernel_reads(tmp_path) -> None:
+    """x [64, 16] * w [16] -> Relu -> ReduceSum: the fused forward+backward elementwise kernel's
+    work-item i of work-group g reads texel 64g + i of x twice per lane (x * w, and x again for
+    dw), and a texel of w once per lane (flat layouts); the trace must give exactly that back."""
+    from fblc.codegen.cache_report import cache_report
+    from fblc.runtime.trace import ReadTracer
+
+    proto = make_model([helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"),
+                        helper.make_node("Relu", ["xw"], ["y"], name="relu"),
+                        helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0, name="sum")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 16])],
+                       [helper.make_tensor_value_info("s", TensorProto.FLOAT, [])], {"w": np.ones(16, np.float32)})
+    path = str(tmp_path / "relu.onnx")
+    onnx.save(proto, path)
+    bundle = str(tmp_path / "bundle")
+    compile_model(path, bundle, "adreno830", "fp32", TrainingOptions(loss="output", layout="naive"))
+    tracer = ReadTracer(bundle)
+    feeds = {"x": np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)}
+    tracer.step(feeds)
+    x_texture, w_texture = tracer.plan["values"]["x"], tracer.plan["values"]["w"]
+    relu = next(i for i, k in enumerate(tracer.plan["kernels"]) if x_texture in k["inputs"])
+    width = tracer.plan["textures"][x_texture]["width"]
+    reads = tracer.reads(relu, 1)
+    assert reads.issued == len(reads.textures)  # nothing past the recording capacity
+    on_x, on_w = reads.textures == x_texture, reads.textures == w_texture
+    texels, counts = np.unique((reads.ys * width + reads.xs)[on_x], return_counts=True)
+    assert texels.tolist() == list(range(64, 128)) and (counts == 8).all()
+    assert on_w.sum() == 64 * 4 and set((reads.ys * 4 + reads.xs)[on_w].tolist()) <= {0, 1, 2, 3}
+    assert (reads.ys * width + reads.xs)[on_x][:64].tolist() == list(range(64, 128))  # every item's 1st read first
+    report = cache_report(bundle, load_profile("adreno830"), feeds)
+    kernels = {k["kernel"]: k for k in report["kernels"]}
+    sampled = [tracer.reads(relu, group).issued for group in (0, tracer.groups(relu) - 1)]  # what it samples
+    assert kernels[tracer.plan["kernels"][relu]["name"]]["texel_reads"] == round(sum(sampled) * 4 / 2)
+    assert report["texel_reads"] == sum(k["texel_reads"] for k in report["kernels"])
+    assert 0 < report["misses"] <= report["texel_reads"] and report["block_fetches"] <= report["misses"] * 2

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_options(compile_)
     compile_.add_argument("-o", "--output", required=True, metavar="OUT", help="bundle folder to write")
     compile_.add_argument("--report", action="store_true", help="print the layout report: data movement before and after remapping, tiles chosen")
+    compile_.add_argument("--cache-report", action="store_true",
+                          help="simulate the target's texture cache over every kernel's reads (runs the kernels "
+                               "traced on the local OpenCL device once; report.json 'cache')")
     compile_.set_defaults(run=cmd_compile)
 
     run = commands.add_parser(

@@ -36,7 +36,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     options = training_options(args)
     with pass_progress(len(compile_pipeline(options, load_profile(args.target))), enabled=not args.quiet) as on_pass:
         _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
-                                  dump_dir=args.dump_dir, on_pass=on_pass)
+                                  dump_dir=args.dump_dir, on_pass=on_pass, cache=args.cache_report)
     if not args.quiet:
         families = ", ".join(f"{count} {family}" for family, count in sorted(report["kernels_per_family"].items()))
         print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "
@@ -47,6 +47,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
             from fblc.codegen.layout_report import layout_summary
 
             print(layout_summary(report["layout"]))
+        if "cache" in report:
+            from fblc.codegen.cache_report import cache_summary
+
+            print(cache_summary(report["cache"]))
     return 0
 
 

@@ -80,7 +80,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     device = select_device(None if args.device == "local" else args.device)
     name = args.name or os.path.splitext(os.path.basename(args.output))[0]
     steps = ["kernels"] + [f"{p} x {t}" for p in ("row-major", "column-major", "block-4", "block-8")
-                           for t in (8, 16, 32, 64)] + ["block width", "block height", "capacity", "bandwidth"]
+                           for t in (8, 16, 32, 64)] + ["block width and height", "capacity", "bandwidth"]
     if sys.stderr.isatty() and not args.quiet:
         from rich.progress import Progress
 

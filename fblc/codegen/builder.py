@@ -92,8 +92,14 @@ class KernelBuilder:
         if texture.layout.kind == "flat":
             loader = "ldf" if texture.kind == "float" else "ldi"
             return f"{loader}({arg}, {index}, {texture.width})"
-        read, lane = ("read_imagef", "lane_f") if texture.kind == "float" else ("read_imagei", "lane_i")
-        return f"{lane}({read}({arg}, SMP, {texture.coord(f'({index}) >> 2')}), ({index}) & 3)"
+        lane = "lane_f" if texture.kind == "float" else "lane_i"
+        return f"{lane}({self.read_texel(arg, texture, f'({index}) >> 2')}, ({index}) & 3)"
+
+    @staticmethod
+    def read_texel(arg: str, texture: Texture, texel: str) -> str:
+        """C expression: the whole texel `texel` (a C int expression) of argument `arg`. Every read of a
+        texture goes through RDF/RDI, which trace builds record (fblc.runtime.trace)."""
+        return f"{'RDF' if texture.kind == 'float' else 'RDI'}({arg}, {texture.coord(texel)})"
 
     def load_broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> str:
         """C expression: `value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`."""
@@ -149,7 +155,7 @@ class KernelBuilder:
         assert texels % (per_item * self.item_stride) == 0, f"{texels} texels in items of {per_item}x{self.item_stride}"
         params = [f"write_only image2d_t out{k}" for k in range(len(self.outputs))]
         params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
-        body = [f"__kernel void {self.name}({', '.join(params)}) {{"]
+        body = [f"__kernel void {self.name}({', '.join(params)} TRACE_PARAM) {{", "  TRACE_INIT"]
         if per_item == 1:
             body += ["  const int t = get_global_id(0);", f"  if (t >= {texels}) return;"]
             if self.texel_lines:

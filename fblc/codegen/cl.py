@@ -16,13 +16,32 @@ import numpy as np
 from fblc.texel_layout import RTILE_C
 
 PREAMBLE = """\
-// fblc kernels: every tensor is flat in an RGBA image2d_t (element i: texel i/4, lane i%4).
+// fblc kernels: element i of a tensor is lane i%4 of texel i/4 of an RGBA image2d_t; where texel t
+// sits is the texture's layout: TEXEL (flat) or RTILE (fblc/texel_layout.py).
 __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
 #define TEXEL(t, w) ((int2)((t) % (w), (t) / (w)))
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
-inline float ldf(read_only image2d_t img, int i, int w) { return lane_f(read_imagef(img, SMP, TEXEL(i >> 2, w)), i & 3); }
-inline int ldi(read_only image2d_t img, int i, int w) { return lane_i(read_imagei(img, SMP, TEXEL(i >> 2, w)), i & 3); }
+#ifdef FBLC_TRACE  // fblc.runtime.trace: every texel read also records (argument, x, y) per work-item
+#define TRACE_PARAM , __global int4* fblc_trace, __global int* fblc_counts
+#define TRACE_INIT const int fblc_item = get_global_id(0) - get_global_offset(0); int fblc_n = 0;
+inline int fblc_note(__global int4* trace, __global int* counts, int item, int* n, int arg, int2 c) {
+  if (item >= FBLC_TRACE_ITEMS) return 0;  // a whole launch runs too: only one group's worth is kept
+  if (*n < FBLC_TRACE_CAPACITY) trace[item * FBLC_TRACE_CAPACITY + *n] = (int4)(arg, c.x, c.y, 0);
+  counts[item] = ++*n;  // a call, so two reads in one expression are sequenced
+  return 0;
+}
+#define NOTE(img, c) fblc_note(fblc_trace, fblc_counts, fblc_item, &fblc_n, ARG_##img, c)
+#define RDF(img, c) (NOTE(img, c), read_imagef(img, SMP, c))
+#define RDI(img, c) (NOTE(img, c), read_imagei(img, SMP, c))
+#else
+#define TRACE_PARAM
+#define TRACE_INIT
+#define RDF(img, c) read_imagef(img, SMP, c)
+#define RDI(img, c) read_imagei(img, SMP, c)
+#endif
+#define ldf(img, i, w) lane_f(RDF(img, TEXEL((i) >> 2, w)), (i) & 3)
+#define ldi(img, i, w) lane_i(RDI(img, TEXEL((i) >> 2, w)), (i) & 3)
 """ + RTILE_C + "\n"
 
 

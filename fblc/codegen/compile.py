@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from typing import Any
 
 import onnx_ir as ir
 
 from fblc.codegen.bundle import build_documents, write_bundle
+from fblc.codegen.cache_report import cache_report
 from fblc.codegen.layout_report import layout_object
 from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
 from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
 from fblc.compiler.errors import FblcError
 from fblc.compiler.model_io import load_model
+from fblc.compiler.reference import random_feeds
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
 from fblc.profiles import load_profile
 
@@ -26,8 +30,13 @@ def build_report(model: ir.Model, program: Program, seconds: float) -> dict[str,
 
 
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
-                  dump_dir: str | None = None, on_pass: PassHook | None = None) -> tuple[ir.Model, dict[str, Any]]:
-    """Compile `model_path` into the bundle `out_dir`; returns the fused step graph and the report."""
+                  dump_dir: str | None = None, on_pass: PassHook | None = None,
+                  cache: bool = False) -> tuple[ir.Model, dict[str, Any]]:
+    """Compile `model_path` into the bundle `out_dir`; returns the fused step graph and the report.
+
+    With `cache`, the report also gets the simulated texture-cache figures of the step under the
+    target's cache geometry (fblc.codegen.cache_report: the kernels run traced on the local
+    OpenCL device, on a random batch)."""
     if dtype not in FLOAT_FORMATS:
         raise FblcError(f"unknown --dtype '{dtype}'", f"choose one of: {', '.join(FLOAT_FORMATS)}")
     profile = load_profile(target)
@@ -40,5 +49,10 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report["memory"], timeline = memory_report(step, program)
     report["layout"] = layout_object(step, program, options.layout)
     manifest, plan, params = build_documents(step, program, profile, dtype, report)
+    if cache:
+        with tempfile.TemporaryDirectory() as scratch:
+            traced = os.path.join(scratch, "bundle")
+            write_bundle(traced, manifest, plan, program.source, params, report)
+            report["cache"] = cache_report(traced, profile, random_feeds(step))
     write_bundle(out_dir, manifest, plan, program.source, params, report, extra={TIMELINE_PLOT: timeline})
     return step, report

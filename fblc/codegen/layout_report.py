@@ -41,7 +41,8 @@ def layout_object(model: ir.Model, program: Program, layout: str) -> dict[str, A
         choice = json.loads(value.metadata_props.get(CHOICE, "{}"))
         tensors.append({"name": value.name, "shape": list(static_shape(value)),
                         "layout": texture.layout.describe(), "chosen_by": choice.get("how", "flat"),
-                        "score": choice.get("score"), "relaxed": choice.get("relaxed", [])})
+                        "score": choice.get("score"), "scored_by": choice.get("scored_by"),
+                        "relaxed": choice.get("relaxed", [])})
     kinds = Counter("rtile" if t.layout.kind == "rtile" else "flat" for t in program.textures)
     ftd = Counter(n.metadata_props.get(keys.FTD, "?") for n in graph)
     return {"mode": layout, "data_movement_before": len(movement), "data_movement_after": len(kept),

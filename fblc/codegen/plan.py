@@ -104,6 +104,8 @@ def _assemble_source(program: Program) -> None:
     once shortens the OpenCL compile, which on some drivers dominates start-up.
     """
     lines = PREAMBLE.splitlines()
+    arguments = max((len(k.inputs) for k in program.kernels), default=0)
+    lines += ["#ifdef FBLC_TRACE"] + [f"#define ARG_in{k} {k}" for k in range(arguments)] + ["#endif"]
     by_body: dict[str, str] = {}
     for kernel in program.kernels:
         body = kernel.source.replace(f"void {kernel.name}(", "void KERNEL(", 1)

@@ -12,14 +12,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
-import onnx_ir as ir
 
 from fblc.codegen.compile import compile_model
-from fblc.compiler import keys
-from fblc.compiler.keys import Role
 from fblc.compiler.model_io import save_model_atomically
-from fblc.compiler.reference import ReferenceStep
-from fblc.compiler.values import static_shape
+from fblc.compiler.reference import ReferenceStep, random_feeds
 from fblc.passes.pipeline import TrainingOptions
 
 TOLERANCES = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 1e-3)}  # (rtol, atol)
@@ -31,39 +27,6 @@ class Comparison:
     max_abs: float
     max_rel: float
     ok: bool
-
-
-def _index_bound(value: ir.Value, graph: ir.Graph) -> int:
-    """A safe exclusive upper bound for integer feeds: classes for labels, table rows for Gather indices."""
-    bounds = []
-    for use in value.uses():
-        node = use.node
-        if node.op_type == "Gather" and use.idx == 1:
-            bounds.append(static_shape(node.inputs[0])[int(node.attributes["axis"].value) if "axis" in node.attributes else 0])
-        elif node.op_type in ("Equal", "Where", "Unsqueeze", "GatherElements"):
-            for out in node.outputs:
-                bounds.append(_index_bound(out, graph))
-    if keys.get_role(value) == Role.LABEL.value and graph.outputs:
-        for node in graph:
-            if node.op_type == "LogSoftmax":
-                bounds.append(static_shape(node.inputs[0])[-1])
-    return min([b for b in bounds if b > 0], default=2)
-
-
-def random_feeds(step: ir.Model, seed: int = 0) -> dict[str, np.ndarray]:
-    """A batch that fits the step's inputs: normal floats, in-range integers."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for value in step.graph.inputs:
-        if keys.get_role(value) not in (Role.INPUT.value, Role.LABEL.value):
-            continue
-        shape = static_shape(value)
-        if value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE):
-            feeds[value.name] = rng.standard_normal(shape).astype(ir.DataType(value.dtype).numpy())
-        else:
-            feeds[value.name] = rng.integers(0, _index_bound(value, step.graph), shape).astype(
-                ir.DataType(value.dtype).numpy())
-    return feeds
 
 
 def compare(device_values: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], dtype: str) -> list[Comparison]:

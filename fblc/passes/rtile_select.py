@@ -3,18 +3,22 @@
 Rewrite: writes `fblc.layout` (a TexelLayout as JSON) on every value that owns a texture, and
 a readable summary as `fblc.layout` on every node (Netron shows node metadata). Values the
 runtimes read or write (graph inputs and outputs, initializers, constants) and tensors that
-are not [rows, cols] matrices with cols a multiple of 4 stay flat. For the others:
+are not [rows, cols] matrices with cols a multiple of 4 stay flat (linear addressing; a matrix
+then gets one image row per matrix row, texel_layout.matrix_layout). For the others:
 - candidates: tile_h x tile_w for tile_h in TILE_ROWS, tile_w in TILE_COLS; `strip` packing
   when a tile row fits a cache line, else `block`; arranged by texel_layout.rtile_layout;
 - pruning: C1 a tile's texels are a multiple of the wave size; C2 a tile row is a multiple of
   the cache line; C3 padding at most 10 %. Constraints are relaxed in the order C1, C2 when
   nothing survives (the report says which);
-- score (the paper's eq. 2): sum over every kernel that touches the tensor (its writer and
-  every reader, through index maps, forward and backward) of weight x GFLOPS factor x memory
-  efficiency. Memory efficiency is the texels a wave of work-items reads in one lockstep step
-  over the texels of the distinct cache blocks (the profile's block geometry) it touches.
-  Access patterns: `stream` (consecutive texels), `rows` (each work-item walks its own row),
-  `columns` (each work-item walks its own column);
+- score (the paper's eq. 2): over every kernel that touches the tensor (its writer and every
+  reader, through index maps, forward and backward), weighted by the elements it moves: GFLOPS
+  factor (share of wave lanes busy on whole tiles) x memory efficiency, the texels a wave reads
+  in WAVE_STEPS lockstep steps over the texels fetched for them. Access patterns: `stream`
+  (consecutive texels), `rows` (each work-item walks its own row), `columns` (each walks its
+  own column). Every candidate is first scored by counting the distinct cache blocks (the
+  profile's block geometry) the wave touches; the best SIMULATED are then scored by the
+  texture-cache model (fblc.profiles.cache_model: the profile's blocks, sets, ways, LRU), whose
+  misses decide;
 - global selection, activation-guided: FTD-D nodes by decreasing input size give their
   operands the best tile; the choice propagates to same-shape outputs of FTD-C and FTI-C
   consumers; every other tensor takes its own best. No conversion kernel is ever needed:
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -37,12 +42,15 @@ from fblc.compiler.index_map import IndexMap, is_view, map_of, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.ftd_taxonomy import Ftd
 from fblc.profiles import Profile
-from fblc.texel_layout import TexelLayout, flat_layout, rtile_layout
+from fblc.profiles.cache_model import CacheGeometry, TextureCache
+from fblc.texel_layout import TexelLayout, flat_layout, matrix_layout, rtile_layout
 
 TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
 MAX_PADDING = 0.10
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
+WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
+SIMULATED = 4  # candidates (best by block count) that the cache model re-scores
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
 ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax"})
 
@@ -56,11 +64,17 @@ class Geometry:
     block_width: int
     block_height: int
     max_width: int
+    sets: int = 16
+    ways: int = 4
 
     @classmethod
     def of(cls, profile: Profile) -> Geometry:
         return cls(profile.wave_size, profile.line_bytes, profile.tex_block_width, profile.tex_block_height,
-                   profile.image2d_max_width)
+                   profile.image2d_max_width, profile.l1_sets, profile.l1_ways)
+
+    @property
+    def cache(self) -> CacheGeometry:
+        return CacheGeometry(self.block_width, self.block_height, self.sets, self.ways)
 
 
 # access patterns -------------------------------------------------------------------------------
@@ -105,34 +119,49 @@ def _accesses(root: ir.Value) -> dict[str, float]:
 
 # scoring ---------------------------------------------------------------------------------------
 
-def _footprints(pattern: str, rows: int, texel_cols: int, wave: int) -> list[np.ndarray]:
-    """Texel indices one wave reads in one lockstep step, at a few sampled places."""
-    steps = []
-    if pattern == "stream":
-        total = rows * texel_cols
-        for start in (0, total // 3, (2 * total) // 3):
-            steps.append(np.arange(start, min(total, start + wave)))
-    elif pattern == "rows":  # work-items own rows r0.., all at texel column j
-        for r0, j in ((0, 0), (rows // 2, texel_cols // 2), (max(0, rows - wave), texel_cols - 1)):
-            r = np.arange(r0, min(rows, r0 + wave))
-            steps.append(r * texel_cols + j)
-    else:  # columns: work-items own texel columns q0.., all at row i
-        for i, q0 in ((0, 0), (rows // 2, texel_cols // 2), (rows - 1, max(0, texel_cols - wave))):
-            q = np.arange(q0, min(texel_cols, q0 + wave))
-            steps.append(i * texel_cols + q)
-    return [s for s in steps if s.size]
+def wave_reads(pattern: str, rows: int, texel_cols: int, wave: int) -> list[np.ndarray]:
+    """Texel indices a wave reads in issue order (every item's k-th read before any (k+1)-th), for
+    WAVE_STEPS lockstep steps, at two sampled places of the tensor."""
+    samples = []
+    for half in (0, 1):
+        if pattern == "rows":  # items own rows r0.., walking along them
+            r = np.arange(min(rows, wave)) + half * max(0, rows - wave)
+            j = np.arange(min(texel_cols, WAVE_STEPS)) + half * max(0, texel_cols - WAVE_STEPS)
+            samples.append((j[:, None] + r[None, :] * texel_cols).reshape(-1))
+        elif pattern == "columns":  # items own texel columns q0.., walking down them
+            q = np.arange(min(texel_cols, wave)) + half * max(0, texel_cols - wave)
+            i = np.arange(min(rows, WAVE_STEPS)) + half * max(0, rows - WAVE_STEPS)
+            samples.append((i[:, None] * texel_cols + q[None, :]).reshape(-1))
+        else:  # stream: a grid-stride walk over consecutive texels
+            total = rows * texel_cols
+            start = half * (total // 2)
+            samples.append(np.arange(start, min(total, start + wave * WAVE_STEPS)))
+    return [s for s in samples if s.size]
 
 
-def memory_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
-    """Texels read over texels fetched (whole cache blocks), summed over the sampled lockstep steps."""
-    steps = _footprints(pattern, rows, texel_cols, geometry.wave)
-    if not steps:
-        return 1.0
-    texels = np.concatenate(steps)
-    sample = np.repeat(np.arange(len(steps)), [s.size for s in steps])
-    x, y = layout.coords(texels)
-    blocks = np.unique((sample << 40) + (y // geometry.block_height << 20) + x // geometry.block_width).size
-    return texels.size / (blocks * geometry.block_width * geometry.block_height)
+def block_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
+    """Texels read over the texels of the distinct cache blocks they touch (an unbounded cache)."""
+    useful = fetched = 0
+    for texels in wave_reads(pattern, rows, texel_cols, geometry.wave):
+        x, y = layout.coords(texels)
+        blocks = np.unique((y // geometry.block_height << 24) + x // geometry.block_width).size
+        useful += texels.size
+        fetched += blocks * geometry.block_width * geometry.block_height
+    return useful / fetched if fetched else 1.0
+
+
+def cache_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
+    """Texels read over the texels the cache model fetches (misses x block): the L1's sets, ways and
+    LRU included, so a walk whose blocks do not stay resident pays for them again."""
+    cache = TextureCache(geometry.cache)
+    useful = fetched = 0
+    for texels in wave_reads(pattern, rows, texel_cols, geometry.wave):
+        cache.flush()
+        x, y = layout.coords(texels)
+        misses = cache.access(*cache.blocks_of(x, y))
+        useful += texels.size
+        fetched += misses * geometry.block_width * geometry.block_height
+    return useful / fetched if fetched else 1.0
 
 
 def gflops_factor(layout: TexelLayout, wave: int) -> float:
@@ -148,6 +177,8 @@ class Candidate:
     layout: TexelLayout
     score: float
     relaxed: tuple[str, ...]
+    scored_by: str = "block count"
+    block_score: float = 0.0  # the block-count score, which breaks ties of the cache model's
 
 
 def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geometry) -> dict[str, bool]:
@@ -160,7 +191,8 @@ def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geom
 @lru_cache(maxsize=4096)
 def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...],
                     geometry: Geometry) -> tuple[Candidate, ...]:
-    """Every candidate tile that survives pruning, best first, with its score."""
+    """Every candidate tile that survives pruning, best first, with its score. The block count
+    ranks them all; the cache model re-scores the best SIMULATED, which then lead."""
     texel_cols = cols // 4
     survivors: dict[tuple[str, ...], list[Candidate]] = {}
     for tile_h in TILE_ROWS:
@@ -173,14 +205,23 @@ def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...
             if not checks["C3"]:
                 continue
             relaxed = tuple(name for name in ("C1", "C2") if not checks[name])
-            efficiency = sum(weight * memory_efficiency(layout, pattern, rows, texel_cols, geometry)
-                             for pattern, weight in patterns)
-            score = gflops_factor(layout, geometry.wave) * efficiency
-            survivors.setdefault(relaxed, []).append(Candidate(layout, score, relaxed))
+            score = _score(layout, patterns, rows, texel_cols, geometry, block_efficiency)
+            survivors.setdefault(relaxed, []).append(Candidate(layout, score, relaxed, block_score=score))
     for relaxed in ((), ("C1",), ("C2",), ("C1", "C2")):
         if relaxed in survivors:
-            return tuple(sorted(survivors[relaxed], key=lambda c: -c.score))
+            ranked = sorted(survivors[relaxed], key=lambda c: -c.score)
+            simulated = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency),
+                                   relaxed, "cache model", c.block_score) for c in ranked[:SIMULATED]]
+            return tuple(sorted(simulated, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[SIMULATED:])
     return ()
+
+
+def _score(layout: TexelLayout, patterns: tuple[tuple[str, float], ...], rows: int, texel_cols: int,
+           geometry: Geometry, efficiency: Callable[..., float]) -> float:
+    """Eq. 2: GFLOPS factor x memory efficiency, weighted over the tensor's access patterns."""
+    total = sum(weight for _, weight in patterns) or 1.0
+    return gflops_factor(layout, geometry.wave) * sum(
+        weight / total * efficiency(layout, pattern, rows, texel_cols, geometry) for pattern, weight in patterns)
 
 
 # the pass --------------------------------------------------------------------------------------
@@ -204,6 +245,7 @@ class RTileSelect(ir.passes.InPlacePass):
     def __init__(self, profile: Profile, mode: str = "rtile") -> None:
         super().__init__()
         self.geometry = Geometry.of(profile)
+        self.max_height = profile.image2d_max_height
         self.mode = mode
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -219,8 +261,10 @@ class RTileSelect(ir.passes.InPlacePass):
         graph.metadata_props[keys.LAYOUT] = self.mode  # the codegen tiles its kernels under "rtile"
         for value in roots:
             if id(value) not in chosen:
-                texels = max(1, -(-numel(static_shape(value)) // 4))
-                chosen[id(value)] = (flat_layout(texels, self.geometry.max_width), "flat", None)
+                shape = static_shape(value)
+                flat = (matrix_layout(shape, self.geometry.max_width, self.max_height) if self.mode == "rtile"
+                        else flat_layout(max(1, -(-numel(shape) // 4)), self.geometry.max_width))
+                chosen[id(value)] = (flat, "flat", None)
             layout, how, candidate = chosen[id(value)]
             text = layout.to_json()
             if value.metadata_props.get(keys.LAYOUT) != text:
@@ -228,6 +272,7 @@ class RTileSelect(ir.passes.InPlacePass):
                 modified = True
             if candidate is not None:
                 value.metadata_props[CHOICE] = json.dumps({"how": how, "score": round(candidate.score, 4),
+                                                           "scored_by": candidate.scored_by,
                                                            "relaxed": list(candidate.relaxed)})
         for node in graph:
             described = []

@@ -5,8 +5,9 @@ Measured on the device itself:
   image larger than the last-level cache, with 8, 16, 32 and 64 work-items per work-group;
   throughput is reported relative to column-major (FBLayout's figure);
 - block probes: pairs of reads a growing offset apart along x (then y), at scrambled places
-  no prefetcher follows; the second read stops hitting once the offset leaves the block the
-  first brought in: that offset is the block width (height). Walking a growing number of
+  no prefetcher follows, each pair's places depending on the previous pair's data (so latency,
+  not throughput, is timed); the second read stops hitting once the offset leaves the block
+  the first brought in: that offset is the block width (height). Walking a growing number of
   scrambled blocks over and over, the cost per read jumps when they no longer fit: that
   footprint is the L1 capacity;
 - bandwidth (a streaming image read), fp32 peak (an FMA loop), and what clGetDeviceInfo says.
@@ -29,6 +30,7 @@ THREADS = (8, 16, 32, 64)
 IMAGE_SIDE = 2048  # 2048 x 2048 RGBA fp32 = 64 MiB: past the last-level cache of phones and most desktops
 READS_PER_THREAD = 8
 PAIR_OFFSETS = (0, 1, 2, 4, 8, 16)  # texels; the probe places pairs on a 16-texel grid
+PAIR_ROUNDS = 5
 
 SOURCE = """
 __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_CLAMP_TO_EDGE | CLK_FILTER_NEAREST;
@@ -54,14 +56,17 @@ uint scramble(uint v) { v ^= v >> 16; v *= 0x7feb352dU; v ^= v >> 15; v *= 0x846
 // Pairs of reads `offset` apart, at scrambled block-aligned places (no prefetcher can follow): the
 // second read of a pair hits while `offset` stays inside the block the first one brought in.
 __kernel void pair_read(read_only image2d_t img, __global float *out, int offset_x, int offset_y, int pairs,
-                        int width, int height) {
+                        int width, int height, int zero) {
   const int gid = get_global_id(0);
   float4 acc = (float4)(0.0f);
+  int chain = 0;  // each pair's places depend on the previous pair's data: latency, not throughput, is timed
   for (int i = 0; i < pairs; ++i) {
-    const uint h = scramble((uint)(gid * pairs + i));
+    const uint h = scramble((uint)(gid * pairs + i) + (uint)chain);
     const int x = (int)(h % (uint)(width / 16)) * 16, y = (int)((h >> 8) % (uint)(height - 16));
-    acc += read_imagef(img, SMP, (int2)(x, y));
-    acc += read_imagef(img, SMP, (int2)(x + offset_x, y + offset_y));
+    const float4 first = read_imagef(img, SMP, (int2)(x, y));
+    const float4 second = read_imagef(img, SMP, (int2)(x + offset_x + (as_int(first.x) & zero), y + offset_y));
+    chain = as_int(second.x) & zero;
+    acc += first + second;
   }
   out[gid] = acc.x + acc.y + acc.z + acc.w;
 }
@@ -141,23 +146,34 @@ class Profiler:
         return table
 
     def _pair_cost(self, offset_x: int, offset_y: int) -> float:
-        work_items, pairs = 256, 256
+        work_items, pairs = 1024, 256
         seconds = self._seconds(self.pair_kernel, work_items, None, self.image, self.out, np.int32(offset_x),
-                                np.int32(offset_y), np.int32(pairs), np.int32(self.width), np.int32(self.height))
+                                np.int32(offset_y), np.int32(pairs), np.int32(self.width), np.int32(self.height),
+                                np.int32(0), repeats=1)
         return seconds / (work_items * pairs)
 
     @staticmethod
     def _knee(costs: dict[int, float]) -> int:
-        """The first offset whose cost reaches the midpoint between the cheapest and dearest: the block edge."""
+        """The block edge: the smallest offset from which every larger offset costs at least 40 % of the way
+        from the cheapest to the dearest (one noisy cheap or dear offset does not move it)."""
         low, high = min(costs.values()), max(costs.values())
-        return next(offset for offset, cost in sorted(costs.items()) if cost >= low + 0.5 * (high - low))
+        threshold = low + 0.4 * (high - low)
+        offsets = sorted(costs)
+        return next((offset for k, offset in enumerate(offsets) if all(costs[o] >= threshold for o in offsets[k:])),
+                    offsets[-1])  # no edge inside the probed offsets: the block is at least that wide
 
     def block_geometry(self, progress: Progress) -> tuple[int, int]:
-        width_costs = {s: self._pair_cost(s, 0) for s in PAIR_OFFSETS}
-        progress("block width")
-        height_costs = {s: self._pair_cost(0, s) for s in PAIR_OFFSETS}
-        progress("block height")
-        return max(1, self._knee(width_costs)), max(1, self._knee(height_costs))
+        """Offsets measured round-robin, PAIR_ROUNDS times, keeping each one's cheapest run: slow drifts
+        of a shared CPU then hit every offset alike."""
+        width_runs: dict[int, list[float]] = {s: [] for s in PAIR_OFFSETS}
+        height_runs: dict[int, list[float]] = {s: [] for s in PAIR_OFFSETS}
+        for _ in range(PAIR_ROUNDS):
+            for s in PAIR_OFFSETS:
+                width_runs[s].append(self._pair_cost(s, 0))
+                height_runs[s].append(self._pair_cost(0, s))
+        progress("block width and height")
+        return tuple(max(1, self._knee({s: min(r) for s, r in runs.items()}))  # type: ignore[return-value]
+                     for runs in (width_runs, height_runs))
 
     def l1_capacity(self, block_width: int, progress: Progress) -> int:
         """Bytes: the largest footprint of blocks (`block_width` texels) read over and over at the small-footprint speed."""

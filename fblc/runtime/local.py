@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -36,10 +36,12 @@ def _image_format(cl: Any, name: str) -> Any:
 class LocalRunner:
     """Train with a bundle on a local OpenCL device: `.step(feeds) -> loss`, `.parameters()`."""
 
-    def __init__(self, bundle: str, device: str | None = None, profiling: bool = False) -> None:
+    def __init__(self, bundle: str, device: str | None = None, profiling: bool = False,
+                 build_options: Sequence[str] = ()) -> None:
         import pyopencl as cl
 
         self.cl = cl
+        self.build_options = list(build_options)
         self.bundle = bundle
         self.manifest, self.plan = fmt.load_verified(bundle)
         self.device = select_device(device)
@@ -85,7 +87,7 @@ class LocalRunner:
             source = handle.read()
         program = cl.Program(self.context, source)
         try:
-            return program.build(options=["-cl-std=CL1.2"])
+            return program.build(options=["-cl-std=CL1.2", *self.build_options])
         except cl.RuntimeError as error:
             log = program.get_build_info(self.device, cl.program_build_info.LOG) or str(error)
             raise KernelBuildError(f"the OpenCL compiler of {self.device.name} rejected kernel "

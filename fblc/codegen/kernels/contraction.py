@@ -115,7 +115,7 @@ def dot_loop(b: KernelBuilder, acc: str, count: int | str, streams: tuple[Stream
         for p, s in zip(pointers, streams):
             if s.aligned() and b.constant_scalar(s.value) is None:
                 arg, texture = b.argument(s.value)
-                vectors.append(f"read_imagef({arg}, SMP, {texture.coord(f'{p} >> 2')})")
+                vectors.append(b.read_texel(arg, texture, f"{p} >> 2"))
             else:
                 parts = [b.load(s.value, p if k == 0 else f"{p} + {k * s.step}") for k in range(4)]
                 vectors.append(f"(float4)({', '.join(parts)})")

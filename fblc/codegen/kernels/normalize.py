@@ -87,7 +87,7 @@ class _Row:
         step = "" if self.step == 1 else f" * {self.step}"
         if self._texture is not None:
             arg, texture = self._texture
-            return f"read_imagef({arg}, SMP, {texture.coord(f'(({self.first}) >> 2) + ({k}){step}')})"
+            return self.b.read_texel(arg, texture, f"(({self.first}) >> 2) + ({k}){step}")
         index = f"({self.first}) + 4 * ({k}){step}"
         return f"(float4)({', '.join(self.b.load(self.x, f'{index} + {j}') for j in range(4))})"
 

@@ -1,7 +1,8 @@
 """Reduction kernels: ReduceSum, ReduceMean, ReduceMax, GlobalAveragePool.
 
 One work-item element per output element loops over the reduced elements (their count and
-strides are literals).
+strides are literals). When they are a run of whole texels (the innermost axes, a multiple of 4
+long, of a plain tensor) the loop reads whole texels and folds their four lanes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from fblc.codegen.builder import OUT_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, flat_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
+from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
 
 
@@ -50,6 +52,16 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
             part = f"({part} % {reduced_shape[k]})"
         terms.append((part, strides[axis]))
     index = f"{base} + {flat_index(terms)}" if terms else base
+    innermost = axes == list(range(len(shape) - len(axes), len(shape)))
+    if innermost and count % 4 == 0 and b.constant_scalar(source) is None and map_of(source).contiguous:
+        arg, texture = b.argument(source)
+        texel = b.read_texel(arg, texture, f"({base} >> 2) + {r}")
+        b.emit(f"float {acc} = {start};",
+               f"for (int {r} = 0; {r} < {count // 4}; ++{r}) {{",
+               f"  const float4 v = {texel};",
+               *(f"  {{ const float x = v.{lane}; {acc} = {combine.format(acc=acc)}; }}" for lane in "xyzw"),
+               "}")
+        return acc
     b.emit(f"float {acc} = {start};",
            f"for (int {r} = 0; {r} < {count}; ++{r}) {{",
            f"  const float x = {b.load(source, index)};",

@@ -166,7 +166,7 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
             index = f"clamp({index}, 0, {last})"
         elif spare:
             index = f"min({index}, {last})"
-        return f"read_imagef({arg}, SMP, {texture.coord(index)})"
+        return b.read_texel(arg, texture, index)
 
     base = c_sum(operand.terms)
     values: dict[int, str] = {}

@@ -1,0 +1,78 @@
+"""Which texels a kernel's work-items read: the bundle's own kernels, built with -DFBLC_TRACE.
+
+Every texel read in kernels.cl goes through the RDF/RDI macros of the preamble. Built with
+FBLC_TRACE they also record (argument, x, y) into a buffer, in each work-item's issue order, up
+to CAPACITY reads per work-item (the count goes on). The tracer runs one work-group at a time
+(a global offset and `group_size` work-items) on the local OpenCL device; call `step(feeds)`
+first, so the textures hold what a training step reads (gathers read where the data says). The texture-cache model (fblc.profiles.cache_model) replays
+the reads; fblc.codegen.cache_report sums them per kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fblc.runtime.local import LocalRunner
+
+CAPACITY = 256  # reads recorded per work-item
+TRACE_DEFINE = "-DFBLC_TRACE"
+
+
+@dataclass
+class GroupReads:
+    """One work-group's reads in issue order: every item's k-th read before any item's (k+1)-th."""
+
+    textures: np.ndarray  # texture id of each read
+    xs: np.ndarray
+    ys: np.ndarray
+    issued: int  # reads the work-items made, recorded or not
+
+
+class ReadTracer(LocalRunner):
+    """A LocalRunner whose kernels also record the texels they read."""
+
+    def __init__(self, bundle: str, device: str | None = None, group_size: int = 64) -> None:
+        super().__init__(bundle, device, build_options=(TRACE_DEFINE, f"-DFBLC_TRACE_CAPACITY={CAPACITY}",
+                                                        f"-DFBLC_TRACE_ITEMS={group_size}"))
+        cl = self.cl
+        self.group_size = group_size
+        self._trace = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * CAPACITY * 16)
+        self._counts = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * 4)
+
+    def groups(self, kernel_index: int) -> int:
+        return -(-self.plan["kernels"][kernel_index]["global_size"][0] // self.group_size)
+
+    def run_kernels(self) -> list:
+        """A whole step's launches (the trace buffer keeps whatever the last items wrote)."""
+        events = []
+        for index in range(len(self.kernels)):
+            events.extend(self._launch(index, 0, self.plan["kernels"][index]["global_size"][0]))
+        return events
+
+    def _launch(self, index: int, offset: int, size: int) -> list:
+        spec = self.plan["kernels"][index]
+        images = [self.images[self.binding[t]] for t in spec["outputs"] + spec["inputs"]]
+        kernel = self.kernels[index]
+        kernel.set_args(*images, self._trace, self._counts)
+        return [self.cl.enqueue_nd_range_kernel(self.queue, kernel, (size,), None, global_work_offset=(offset,))]
+
+    def reads(self, kernel_index: int, group: int) -> GroupReads:
+        """The reads of work-group `group` of launch `kernel_index`."""
+        spec = self.plan["kernels"][kernel_index]
+        total = spec["global_size"][0]
+        offset = group * self.group_size
+        size = min(self.group_size, total - offset)
+        self.cl.enqueue_fill_buffer(self.queue, self._counts, np.int32(0), 0, self.group_size * 4)
+        self._launch(kernel_index, offset, size)
+        counts = np.empty(self.group_size, dtype=np.int32)
+        records = np.empty((self.group_size, CAPACITY, 4), dtype=np.int32)
+        self.cl.enqueue_copy(self.queue, counts, self._counts)
+        self.cl.enqueue_copy(self.queue, records, self._trace)
+        counts = counts[:size]
+        recorded = np.minimum(counts, CAPACITY)
+        ks, items = np.nonzero(np.arange(CAPACITY)[:, None] < recorded[None, :])  # k-major: the issue order
+        picked = records[items, ks]
+        inputs = np.asarray(spec["inputs"])
+        return GroupReads(inputs[picked[:, 0]], picked[:, 1], picked[:, 2], int(counts.sum()))
