@@ -89,9 +89,9 @@ def compare_with_local(bundle: str, feeds: list[dict[str, np.ndarray]], steps: i
     for name, value in reference.items():
         assert native.parameters[name].shape == value.shape and native.parameters[name].dtype == np.float32
         np.testing.assert_allclose(native.parameters[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
-    textures = json.load(open(os.path.join(bundle, fmt.PLAN)))["textures"]
-    assert native.bytes_allocated["textures"] == sum(t["width"] * t["height"] * fmt.TEXEL_BYTES[t["format"]]
-                                                    for t in textures)
+    images = json.load(open(os.path.join(bundle, fmt.PLAN)))["images"]  # shared by textures of disjoint lifetimes
+    assert native.bytes_allocated["textures"] == sum(i["width"] * i["height"] * fmt.TEXEL_BYTES[i["format"]]
+                                                    for i in images) == local.allocated_bytes
     kernels = json.load(open(os.path.join(bundle, fmt.PLAN)))["kernels"]
     assert [k["name"] for k in native.kernels] == [k["name"] for k in kernels]
     assert all(k["calls"] == steps and k["total_ms"] >= 0 for k in native.kernels)

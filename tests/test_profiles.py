@@ -128,3 +128,13 @@ def test_measured_pattern_ranking_agrees_with_the_cache_model(measured) -> None:
     fastest, worst = max(speed, key=speed.__getitem__), max(misses, key=misses.__getitem__)
     assert misses[fastest] == min(misses.values()), explanation
     assert speed[worst] <= 1.1 * min(speed.values()), explanation
+
+
+def test_a_device_that_rejects_a_benchmark_kernel_is_a_clear_error(monkeypatch, capsys, tmp_path) -> None:
+    from fblc.profiles import profiler
+
+    monkeypatch.setattr(profiler, "SOURCE", profiler.SOURCE.replace("__kernel void fma_loop(", "__kernel void fma_loop(oops "))
+    assert main(["profile", "--device", "local", "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "rejected fblc's benchmark kernels" in err and "profile another device" in err
+    assert not os.path.exists(tmp_path / "p.json")

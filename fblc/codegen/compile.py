@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+
+from fblc import bundle_format as fmt
 from typing import Any
 
 import onnx_ir as ir
@@ -49,6 +51,9 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report["memory"], timeline = memory_report(step, program)
     report["layout"] = layout_object(step, program, options.layout)
     manifest, plan, params = build_documents(step, program, profile, dtype, report)
+    report["memory"]["allocated_bytes"] = sum(i["width"] * i["height"] * fmt.TEXEL_BYTES[i["format"]]
+                                              for i in plan["images"])
+    report["memory"]["allocated_images"] = len(plan["images"])
     if cache:
         with tempfile.TemporaryDirectory() as scratch:
             traced = os.path.join(scratch, "bundle")

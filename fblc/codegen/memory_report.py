@@ -2,9 +2,10 @@
 
 Both come from the memory planner (fblc.passes.memory_plan) run on the fused step graph:
 the paper's eq. 1 decomposition, the training-state and device peaks, the floor check, and
-what the bundle's textures really take (`allocated_bytes`: every texture of plan.json, no
-reuse, which is what the local runtime allocates today; masks sit in rgba_i32 textures there,
-while the plan accounts them bit-packed).
+what the bundle's textures really take (`allocated_bytes`, set by compile from plan.json's
+images: textures with disjoint lifetimes share one image, and the runtimes allocate exactly
+those; `texture_bytes`: every texture on its own. Masks sit in rgba_i32 textures there, while
+the plan accounts them bit-packed).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def memory_object(plan: MemoryPlan, program: Program | None = None, plot: str | 
         if name not in result:
             result[name] = value
     if program is not None:
-        result["allocated_bytes"] = texture_bytes(program)
+        result["texture_bytes"] = result["allocated_bytes"] = texture_bytes(program)
         result["allocated_textures"] = len(program.textures)
     if plan.adapter:
         result["adapter"] = {k: v for k, v in plan.adapter.items() if k != "sites"}

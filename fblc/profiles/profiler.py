@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fblc.compiler.errors import FblcError
 from fblc.profiles.cache_model import PATTERNS
 from fblc.profiles.profile import TARGETS_DIR, parse_profile
 
@@ -31,6 +32,8 @@ IMAGE_SIDE = 2048  # 2048 x 2048 RGBA fp32 = 64 MiB: past the last-level cache o
 READS_PER_THREAD = 8
 PAIR_OFFSETS = (0, 1, 2, 4, 8, 16)  # texels; the probe places pairs on a 16-texel grid
 PAIR_ROUNDS = 5
+REMEDY = ("profile another device ('fblc devices' lists them), or copy a shipped profile from "
+          "fblc/profiles/targets/ and edit its figures by hand")
 
 SOURCE = """
 __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_CLAMP_TO_EDGE | CLK_FILTER_NEAREST;
@@ -106,7 +109,8 @@ class Profiler:
         try:
             self.program = cl.Program(self.context, SOURCE).build()
         except cl.RuntimeError as error:
-            raise RuntimeError(f"{device.name} rejected fblc's benchmark kernels: {error}") from None
+            raise FblcError(f"{device.name.strip()} rejected fblc's benchmark kernels: {str(error).strip()[-2000:]}",
+                            REMEDY) from None
         self.pattern_kernel = cl.Kernel(self.program, "pattern_read")
         self.pair_kernel = cl.Kernel(self.program, "pair_read")
         self.footprint_kernel = cl.Kernel(self.program, "footprint_read")
@@ -210,12 +214,21 @@ def profile_device(device: Any, name: str, progress: Progress = lambda step: Non
     """Measure `device` and return a profile document (valid for parse_profile)."""
     started = time.perf_counter()
     profiler = Profiler(device)
-    progress("kernels built")
-    patterns = profiler.pattern_throughput(progress)
-    block_width, block_height = profiler.block_geometry(progress)
-    l1_bytes = profiler.l1_capacity(block_width, progress)
-    bandwidth, gflops, wave = profiler.bandwidth_gbps(), profiler.peak_gflops(), profiler.wave_size()
-    progress("bandwidth and flops")
+    done = ["building the kernels"]
+
+    def step(name: str) -> None:
+        done[0] = name
+        progress(name)
+
+    step("kernels built")
+    try:
+        patterns = profiler.pattern_throughput(step)
+        block_width, block_height = profiler.block_geometry(step)
+        l1_bytes = profiler.l1_capacity(block_width, step)
+        bandwidth, gflops, wave = profiler.bandwidth_gbps(), profiler.peak_gflops(), profiler.wave_size()
+    except profiler.cl.Error as error:
+        raise FblcError(f"{device.name.strip()} failed a benchmark kernel after '{done[0]}': {error}", REMEDY) from None
+    step("bandwidth and flops")
     today = datetime.date.today().isoformat()
     measured = f"measured {today} by fblc profile on {device.name.strip()}"
     queried = f"measured {today}: clGetDeviceInfo of {device.name.strip()}"

@@ -50,11 +50,16 @@ class LocalRunner:
         self.queue = cl.CommandQueue(self.context, properties=properties)
         self.textures = self.plan["textures"]
         self._check_limits()
-        self.images = [self._create_image(t) for t in self.textures]
+        # textures with disjoint lifetimes share an image (plan "images"; older plans: one image each)
+        specs = self.plan.get("images") or [dict(t, textures=[t["id"]]) for t in self.textures]
+        self.images = [self._allocate(spec) for spec in specs]
+        self.binding = [t.get("image", t["id"]) for t in self.textures]  # texture id -> image (swapped per step)
+        self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
+        for texture in self.textures:
+            self._initialise(texture)
         #: device memory this runner allocated, as the OpenCL driver reports each image's size (bytes)
         self.allocated_bytes = sum(int(image.get_info(cl.mem_info.SIZE)) for image in self.images)
         self.allocated_images = len(self.images)
-        self.binding = list(range(len(self.textures)))  # texture id -> index into self.images (swapped per step)
         self.program = self._build()
         functions = {name: cl.Kernel(self.program, name) for name in {k["function"] for k in self.plan["kernels"]}}
         self.kernels = [functions[k["function"]] for k in self.plan["kernels"]]
@@ -69,17 +74,18 @@ class LocalRunner:
                                   f"{self.device.name}'s image limit {width} x {height}; compile for a target with "
                                   "this device's limits (--target local)")
 
-    def _create_image(self, texture: dict[str, Any]) -> Any:
+    def _allocate(self, spec: dict[str, Any]) -> Any:
         cl = self.cl
-        image = cl.create_image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, texture["format"]),
-                         shape=(texture["width"], texture["height"]))
+        return cl.create_image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, spec["format"]),
+                               shape=(spec["width"], spec["height"]))
+
+    def _initialise(self, texture: dict[str, Any]) -> None:
         init = texture.get("init")
         if init is not None:
             with open(os.path.join(self.bundle, fmt.PARAMS), "rb") as handle:
                 handle.seek(init["offset"])
                 data = np.frombuffer(handle.read(init["nbytes"]), dtype=fmt.NUMPY_DTYPES[texture["format"]])
-            self._write(image, texture, data)
-        return image
+            self._write(self.images[self.binding[texture["id"]]], texture, data)
 
     def _build(self) -> Any:
         cl = self.cl
@@ -131,6 +137,8 @@ class LocalRunner:
         if name not in self.plan["values"]:
             raise KeyError(f"the bundle has no tensor '{name}'")
         texture_id = self.plan["values"][name]
+        if texture_id in self._shared:
+            raise KeyError(f"'{name}' lives only during the step: its image is reused by later tensors")
         integer = self.textures[texture_id]["format"] == "rgba_i32"
         value = self._read(texture_id).astype(np.int64 if integer else np.float32)
         return value.reshape(self.plan["value_shapes"].get(name, value.shape))  # a view has its own shape

@@ -159,6 +159,9 @@ void bundle_load(const char *folder, bundle *out) {
         t->elements = 1;
         for (size_t k = 0; k < shape->count; ++k) t->elements *= as_size(json_at(shape, k), "a texture shape is bad");
         if (t->elements > t->width * t->height * 4) bad("a texture is smaller than its tensor");
+        const json_value *image = json_get(entry, "image");
+        t->image = image ? as_size(image, "a texture's image is bad") : i;
+        if (t->image >= textures->count) bad("a texture names an image the plan does not have");
         const json_value *init = json_get(entry, "init");
         if (init && init->type == JSON_OBJECT) {
             t->has_init = 1;

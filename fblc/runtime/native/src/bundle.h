@@ -18,6 +18,7 @@ typedef struct {
     size_t elements;         /* product of the tensor shape: the leading scalars that hold the value */
     int has_init;            /* filled from params.bin */
     uint64_t init_offset, init_nbytes;
+    size_t image;            /* the image that holds it: textures with disjoint lifetimes share one */
 } texture;
 
 typedef struct {

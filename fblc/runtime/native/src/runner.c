@@ -322,24 +322,41 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
     size_t largest = 0;
     r->images = xcalloc(b->texture_count, sizeof *r->images);
     r->binding = xcalloc(b->texture_count, sizeof *r->binding);
+    /* textures of disjoint lifetimes share an image of their format and width, as tall as the tallest */
+    size_t *image_height = xcalloc(b->texture_count, sizeof *image_height);
+    const texture **owner = xcalloc(b->texture_count, sizeof *owner);  /* the first texture of each image */
     for (size_t i = 0; i < b->texture_count; ++i) {
         const texture *t = &b->textures[i];
+        if (!owner[t->image]) owner[t->image] = t;
+        if (owner[t->image]->format != t->format || owner[t->image]->width != t->width)
+            die(EXIT_USAGE, "textures '%s' and '%s' share an image but differ in format or width",
+                owner[t->image]->name, t->name);
+        if (t->height > image_height[t->image]) image_height[t->image] = t->height;
+        if (texture_size(t) > largest) largest = texture_size(t);
+    }
+    free(owner);
+    for (size_t i = 0; i < b->texture_count; ++i) {
+        const texture *t = &b->textures[i];
+        r->binding[i] = t->image;
+        if (r->images[t->image]) {  /* shared with an earlier texture */
+            if (t->has_init) write_texture(r, r->images[t->image], t, b->params + t->init_offset, CL_TRUE);
+            continue;
+        }
         cl_image_format format = image_format(t->format);
         cl_image_desc desc;
         memset(&desc, 0, sizeof desc);
         desc.image_type = CL_MEM_OBJECT_IMAGE2D;
         desc.image_width = t->width;
-        desc.image_height = t->height;
-        r->images[i] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
+        desc.image_height = image_height[t->image];
+        r->images[t->image] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
         if (status == CL_MEM_OBJECT_ALLOCATION_FAILURE || status == CL_OUT_OF_RESOURCES)
             die(EXIT_OPENCL, "%s is out of memory for texture '%s' (%zu x %zu) after %zu bytes of textures",
                 device->device_name, t->name, t->width, t->height, r->texture_bytes);
         check_cl(status, "clCreateImage");
-        r->binding[i] = i;
-        r->texture_bytes += texture_size(t);
-        if (texture_size(t) > largest) largest = texture_size(t);
-        if (t->has_init) write_texture(r, r->images[i], t, b->params + t->init_offset, CL_TRUE);
+        r->texture_bytes += texture_size(t) / t->height * image_height[t->image];
+        if (t->has_init) write_texture(r, r->images[t->image], t, b->params + t->init_offset, CL_TRUE);
     }
+    free(image_height);
     r->readback = xmalloc(largest);
     r->host_bytes = largest;
 
