@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 FORMAT_NAME = "fblc-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: texel layouts (rtile), shared images, r_mask4 textures
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 KERNELS = "kernels.cl"
@@ -30,9 +30,12 @@ REPORT = "report.json"
 CHECKSUMMED = (PLAN, KERNELS, PARAMS, REPORT)
 
 # Texture formats: (OpenCL channel order, channel type) by the names the plan uses.
-TEXTURE_FORMATS = {"rgba_f32": ("RGBA", "FLOAT"), "rgba_f16": ("RGBA", "HALF_FLOAT"), "rgba_i32": ("RGBA", "SIGNED_INT32")}
-TEXEL_BYTES = {"rgba_f32": 16, "rgba_f16": 8, "rgba_i32": 16}
-NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4"}
+# r_mask4: a boolean tensor saved for the backward, 4 elements per texel as the low bits of one byte.
+TEXTURE_FORMATS = {"rgba_f32": ("RGBA", "FLOAT"), "rgba_f16": ("RGBA", "HALF_FLOAT"),
+                   "rgba_i32": ("RGBA", "SIGNED_INT32"), "r_mask4": ("R", "UNSIGNED_INT8")}
+TEXEL_BYTES = {"rgba_f32": 16, "rgba_f16": 8, "rgba_i32": 16, "r_mask4": 1}
+NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4", "r_mask4": "u1"}
+CHANNELS = {"rgba_f32": 4, "rgba_f16": 4, "rgba_i32": 4, "r_mask4": 1}
 
 
 class BundleError(Exception):

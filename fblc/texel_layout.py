@@ -6,6 +6,8 @@ texels through it) and the runtimes (they pack and unpack host data through it).
 A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
 - flat: texel t at (t % width, t / width). The runtimes' interchange layout: graph inputs,
   outputs, parameters and optimizer state always use it.
+- mask4: flat addressing for a boolean tensor saved for the backward, in a one-byte texture:
+  texel t holds elements 4t..4t+3 as its low 4 bits (fblc's bit packing: 16x less than int32).
 - rtile (DESIGN.md section 6): the tensor is a matrix [rows, cols] (cols = its last axis, a
   multiple of 4, so a texel never spans two rows) cut into tiles of tile_h rows x tile_w
   elements. Intra-tile packing `strip` lays a tile's rows side by side in one texel row (for
@@ -58,7 +60,7 @@ class TexelLayout:
     def coords(self, texels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(x, y) of texel indices `texels` (numpy, vectorised)."""
         t = np.asarray(texels, dtype=np.int64)
-        if self.kind == "flat":
+        if self.kind in ("flat", "mask4"):
             return t % self.width, t // self.width
         c4, tw4, th = self.cols // 4, self.tile_texels_w, self.tile_h
         ntr, ntc = self.tile_grid
@@ -72,13 +74,15 @@ class TexelLayout:
 
     def c_coord(self, texel: str) -> str:
         """OpenCL C int2 of the texel index expression `texel` (every other figure a literal)."""
-        if self.kind == "flat":
+        if self.kind in ("flat", "mask4"):
             return f"TEXEL({texel}, {self.width})"
         ntr, ntc = self.tile_grid
         return (f"RTILE({texel}, {self.cols // 4}, {self.tile_h}, {self.tile_texels_w}, {ntr}, {ntc}, "
                 f"{self.tiles_per_row}, {int(self.packing == 'strip')}, {int(self.arrangement == 'columns')})")
 
     def describe(self) -> str:
+        if self.kind == "mask4":
+            return f"mask4 (4 bits per byte texel); image {self.width}x{self.height}"
         if self.kind == "flat":
             return f"flat; image {self.width}x{self.height}"
         padding = self.width * self.height - self.rows * self.cols // 4
@@ -148,6 +152,12 @@ def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
     """`array` as its image's RGBA texels, row by row (height * width * 4 values, zero padding)."""
     values = np.asarray(array).reshape(-1)
     texels = -(-values.size // 4)
+    if layout.kind == "mask4":
+        bits = np.zeros(texels * 4, dtype=np.uint8)
+        bits[: values.size] = values != 0
+        image = np.zeros(layout.width * layout.height, dtype=np.uint8)
+        image[:texels] = (bits.reshape(-1, 4) << np.arange(4, dtype=np.uint8)).sum(axis=1)
+        return image.astype(dtype)
     logical = np.zeros(texels * 4, dtype=dtype)
     with np.errstate(over="ignore"):  # fp16: float32's -3.4e38 mask fill becomes -inf, which softmax reads the same
         logical[: values.size] = values.astype(dtype)
@@ -163,6 +173,8 @@ def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
 def unpack(image: np.ndarray, layout: TexelLayout, count: int) -> np.ndarray:
     """The first `count` elements, row-major, of an image packed by `pack`."""
     flat = np.asarray(image).reshape(-1)
+    if layout.kind == "mask4":
+        return ((flat[: -(-count // 4)].astype(np.uint8)[:, None] >> np.arange(4, dtype=np.uint8)) & 1).reshape(-1)[:count]
     if layout.kind == "flat":
         return flat[:count]
     texels = -(-count // 4)

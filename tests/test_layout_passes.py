@@ -8,6 +8,7 @@ equals onnxruntime's run of the same step (fp32, rtol 1e-4 / atol 1e-5, fblc.cod
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -27,7 +28,7 @@ from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.passes.rtile_select import Candidate, Geometry, RTileSelect, rank_candidates
 from fblc.passes.tile_remap import REMAP_STATUS
 from fblc.profiles import load_profile
-from fblc.texel_layout import TexelLayout, pack, rtile_layout, unpack
+from fblc.texel_layout import TexelLayout, flat_layout, pack, rtile_layout, unpack
 from tests.conftest import make_model
 
 B, T, H, D = 2, 8, 4, 4
@@ -257,3 +258,29 @@ def test_traced_reads_are_the_texels_a_kernel_reads(tmp_path) -> None:
     assert kernels[tracer.plan["kernels"][relu]["name"]]["texel_reads"] == round(sum(sampled) * 4 / 2)
     assert report["texel_reads"] == sum(k["texel_reads"] for k in report["kernels"])
     assert 0 < report["misses"] <= report["texel_reads"] and report["block_fetches"] <= report["misses"] * 2
+
+
+def test_mask4_packs_four_booleans_per_byte() -> None:
+    layout = replace(flat_layout(5, 4), kind="mask4")
+    mask = np.random.default_rng(0).random(19) > 0.5
+    image = pack(mask, layout, np.uint8)
+    assert image.dtype == np.uint8 and image.size == layout.width * layout.height
+    assert image[0] == sum(int(bit) << k for k, bit in enumerate(mask[:4]))
+    assert np.array_equal(unpack(image, layout, mask.size), mask.astype(np.uint8))
+
+
+def test_saved_masks_are_mask4_textures(tmp_path) -> None:
+    """MemFLoRA keeps only q = P x and the activation's mask for the backward: the mask is a mask4
+    texture, and the step still equals onnxruntime's."""
+    from fblc.compiler.adapters import AdapterConfig
+    from tests.test_memory_floor import conv_bn_relu6_proto
+
+    path = str(tmp_path / "conv.onnx")
+    onnx.save(conv_bn_relu6_proto(), path)
+    options = TrainingOptions(loss="cross_entropy", optimizer=OPTIONS.optimizer, adapter=AdapterConfig("memflora", rank=2))
+    compile_model(path, str(tmp_path / "b"), "local", "fp32", options)
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    masks = [t for t in plan["textures"] if t["format"] == "r_mask4"]
+    assert masks and all(t["layout"]["kind"] == "mask4" for t in masks)
+    rows = verify_model(path, options)
+    assert rows and all(r.ok for r in rows)

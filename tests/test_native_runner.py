@@ -176,7 +176,7 @@ def test_the_runner_checks_format_version_and_checksums_like_the_python_side(tmp
     manifest["format_version"] = 99
     json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
     done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
-    assert done.returncode == 2 and "version 99; this runner reads fblc-bundle version 1" in done.stderr
+    assert done.returncode == 2 and f"version 99; this runner reads fblc-bundle version {fmt.FORMAT_VERSION}" in done.stderr
     done = run(runner_binary, str(tmp_path / "nowhere"), data, out, 1, opencl_env, check=False)
     assert done.returncode == 2 and "manifest.json is missing" in done.stderr
 

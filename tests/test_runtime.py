@@ -85,7 +85,7 @@ def test_corrupt_or_other_version_bundles_are_refused(bundle) -> None:
     manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
     manifest["format_version"] = 99
     json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
-    with pytest.raises(BundleError, match="version 99; this fblc reads fblc-bundle version 1"):
+    with pytest.raises(BundleError, match=f"version 99; this fblc reads fblc-bundle version {fmt.FORMAT_VERSION}"):
         LocalRunner(bundle)
 
 

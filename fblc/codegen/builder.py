@@ -89,6 +89,8 @@ class KernelBuilder:
                                 for dim, inner, stride in zip(index_map.shape, row_major_strides(index_map.shape),
                                                               index_map.strides) if dim != 1], index_map.offset)
         arg, texture = self._argument(value)
+        if texture.format == "r_mask4":
+            return f"ldm({arg}, {index}, {texture.coord(f'({index}) >> 2')})"
         if texture.layout.kind == "flat":
             loader = "ldf" if texture.kind == "float" else "ldi"
             return f"{loader}({arg}, {index}, {texture.width})"
@@ -189,7 +191,10 @@ class KernelBuilder:
         body += [f"  r{k}[lane] = {expression};" for k, expression in enumerate(results)]
         body.append("}")
         for k, texture in enumerate(self.out_textures):
-            if texture.kind == "float":
+            if texture.format == "r_mask4":  # the texel's 4 booleans as the low bits of one byte
+                bits = " | ".join(f"((r{k}[{lane}] != 0) << {lane})" for lane in range(4))
+                body.append(f"write_imageui(out{k}, {texture.coord('t')}, (uint4)({bits}, 0, 0, 0));")
+            elif texture.kind == "float":
                 body.append(f"write_imagef(out{k}, {texture.coord('t')}, (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
             else:
                 body.append(f"write_imagei(out{k}, {texture.coord('t')}, (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")

@@ -34,12 +34,16 @@ inline int fblc_note(__global int4* trace, __global int* counts, int item, int* 
 #define NOTE(img, c) fblc_note(fblc_trace, fblc_counts, fblc_item, &fblc_n, ARG_##img, c)
 #define RDF(img, c) (NOTE(img, c), read_imagef(img, SMP, c))
 #define RDI(img, c) (NOTE(img, c), read_imagei(img, SMP, c))
+#define RDU(img, c) (NOTE(img, c), read_imageui(img, SMP, c))
 #else
 #define TRACE_PARAM
 #define TRACE_INIT
 #define RDF(img, c) read_imagef(img, SMP, c)
 #define RDI(img, c) read_imagei(img, SMP, c)
+#define RDU(img, c) read_imageui(img, SMP, c)
 #endif
+// a boolean tensor saved for the backward (r_mask4): element i is bit i%4 of the byte of texel i/4
+#define ldm(img, i, coord) ((int)(RDU(img, coord).x >> ((i) & 3)) & 1)
 #define ldf(img, i, w) lane_f(RDF(img, TEXEL((i) >> 2, w)), (i) & 3)
 #define ldi(img, i, w) lane_i(RDI(img, TEXEL((i) >> 2, w)), (i) & 3)
 """ + RTILE_C + "\n"

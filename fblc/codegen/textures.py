@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from fblc.bundle_format import NUMPY_DTYPES
 from fblc.compiler import keys
 from fblc.compiler.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
@@ -86,16 +87,16 @@ class TextureTable:
                 f"tensor '{value.name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
                 f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
                 f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
-        texture = Texture(len(self.textures), value.name, shape, kind,
-                          self.float_format if kind == "float" else "rgba_i32", layout)
+        texture_format = (self.float_format if kind == "float" else
+                          "r_mask4" if layout.kind == "mask4" else "rgba_i32")
+        texture = Texture(len(self.textures), value.name, shape, kind, texture_format, layout)
         self.textures.append(texture)
         return texture
 
 
 def to_texels(array: np.ndarray, texture: Texture) -> np.ndarray:
     """`array` laid out as `texture` stores it: width * height * 4 values, zero padding."""
-    dtype = {"rgba_f32": np.float32, "rgba_f16": np.float16, "rgba_i32": np.int32}[texture.format]
-    return pack(array, texture.layout, dtype)
+    return pack(array, texture.layout, np.dtype(NUMPY_DTYPES[texture.format]))
 
 
 def from_texels(image: np.ndarray, texture: Texture) -> np.ndarray:

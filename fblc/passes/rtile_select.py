@@ -4,7 +4,9 @@ Rewrite: writes `fblc.layout` (a TexelLayout as JSON) on every value that owns a
 a readable summary as `fblc.layout` on every node (Netron shows node metadata). Values the
 runtimes read or write (graph inputs and outputs, initializers, constants) and tensors that
 are not [rows, cols] matrices with cols a multiple of 4 stay flat (linear addressing; a matrix
-then gets one image row per matrix row, texel_layout.matrix_layout). For the others:
+then gets one image row per matrix row, texel_layout.matrix_layout). Boolean tensors the step
+keeps (activation masks saved for the backward) take `mask4`: 4 bits in a one-byte texel. For
+the others:
 - candidates: tile_h x tile_w for tile_h in TILE_ROWS, tile_w in TILE_COLS; `strip` packing
   when a tile row fits a cache line, else `block`; arranged by texel_layout.rtile_layout;
 - pruning: C1 a tile's texels are a multiple of the wave size; C2 a tile row is a multiple of
@@ -30,7 +32,7 @@ unfused step graph with static shapes, after ftd_taxonomy and tile_remap. In pla
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -229,7 +231,8 @@ def _score(layout: TexelLayout, patterns: tuple[tuple[str, float], ...], rows: i
 def _eligible(value: ir.Value, host_visible: set[int]) -> tuple[int, int] | None:
     """(rows, cols) when `value` may take an R-Tile layout."""
     shape = static_shape(value)
-    if id(value) in host_visible or len(shape) < 2 or shape[-1] % 4 or numel(shape) < 4 * MIN_TEXELS:
+    if id(value) in host_visible or len(shape) < 2 or shape[-1] % 4 or numel(shape) < 4 * MIN_TEXELS \
+            or value.dtype == ir.DataType.BOOL:
         return None
     producer = value.producer()
     if producer is None or producer.op_type == "Constant":
@@ -262,9 +265,14 @@ class RTileSelect(ir.passes.InPlacePass):
         for value in roots:
             if id(value) not in chosen:
                 shape = static_shape(value)
-                flat = (matrix_layout(shape, self.geometry.max_width, self.max_height) if self.mode == "rtile"
-                        else flat_layout(max(1, -(-numel(shape) // 4)), self.geometry.max_width))
-                chosen[id(value)] = (flat, "flat", None)
+                texels = max(1, -(-numel(shape) // 4))
+                if value.dtype == ir.DataType.BOOL and id(value) not in host_visible:  # saved masks: 4 bits a byte
+                    flat = replace(flat_layout(texels, self.geometry.max_width), kind="mask4")
+                elif self.mode == "rtile":
+                    flat = matrix_layout(shape, self.geometry.max_width, self.max_height)
+                else:
+                    flat = flat_layout(texels, self.geometry.max_width)
+                chosen[id(value)] = (flat, flat.kind, None)
             layout, how, candidate = chosen[id(value)]
             text = layout.to_json()
             if value.metadata_props.get(keys.LAYOUT) != text:

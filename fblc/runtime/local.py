@@ -110,12 +110,13 @@ class LocalRunner:
 
     # texture I/O -------------------------------------------------------------------------------
     def _write(self, image: Any, texture: dict[str, Any], flat: np.ndarray) -> None:
-        data = np.ascontiguousarray(flat.reshape(texture["height"], texture["width"], 4))
+        data = np.ascontiguousarray(flat.reshape(texture["height"], texture["width"], fmt.CHANNELS[texture["format"]]))
         self.cl.enqueue_copy(self.queue, image, data, origin=(0, 0), region=(texture["width"], texture["height"]))
 
     def _read(self, texture_id: int) -> np.ndarray:
         texture = self.textures[texture_id]
-        data = np.empty((texture["height"], texture["width"], 4), dtype=fmt.NUMPY_DTYPES[texture["format"]])
+        data = np.empty((texture["height"], texture["width"], fmt.CHANNELS[texture["format"]]),
+                        dtype=fmt.NUMPY_DTYPES[texture["format"]])
         self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], origin=(0, 0),
                              region=(texture["width"], texture["height"]))
         size = int(np.prod(texture["shape"], dtype=np.int64))
@@ -139,7 +140,7 @@ class LocalRunner:
         texture_id = self.plan["values"][name]
         if texture_id in self._shared:
             raise KeyError(f"'{name}' lives only during the step: its image is reused by later tensors")
-        integer = self.textures[texture_id]["format"] == "rgba_i32"
+        integer = self.textures[texture_id]["format"] in ("rgba_i32", "r_mask4")
         value = self._read(texture_id).astype(np.int64 if integer else np.float32)
         return value.reshape(self.plan["value_shapes"].get(name, value.shape))  # a view has its own shape
 

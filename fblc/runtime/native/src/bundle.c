@@ -12,10 +12,13 @@
 
 static const char *const CHECKSUMMED[] = {"plan.json", "kernels.cl", "params.bin", "report.json"};
 
-size_t format_element_bytes(int format) { return format == FORMAT_F16 ? 2 : 4; }
+size_t format_element_bytes(int format) { return format == FORMAT_F16 ? 2 : format == FORMAT_MASK4 ? 1 : 4; }
+
+size_t format_texel_bytes(int format) { return format == FORMAT_MASK4 ? 1 : 4 * format_element_bytes(format); }
 
 const char *format_name(int format) {
-    return format == FORMAT_F16 ? "rgba_f16" : format == FORMAT_I32 ? "rgba_i32" : "rgba_f32";
+    return format == FORMAT_F16 ? "rgba_f16" : format == FORMAT_I32 ? "rgba_i32" : format == FORMAT_MASK4 ? "r_mask4"
+                                                                                          : "rgba_f32";
 }
 
 static const char *folder_of_error;
@@ -151,6 +154,7 @@ void bundle_load(const char *folder, bundle *out) {
         if (strcmp(name, "rgba_f32") == 0) t->format = FORMAT_F32;
         else if (strcmp(name, "rgba_f16") == 0) t->format = FORMAT_F16;
         else if (strcmp(name, "rgba_i32") == 0) t->format = FORMAT_I32;
+        else if (strcmp(name, "r_mask4") == 0) t->format = FORMAT_MASK4;
         else bad("a texture has an unknown format");
         t->width = need_size(entry, "width", "a texture");
         t->height = need_size(entry, "height", "a texture");
@@ -158,7 +162,7 @@ void bundle_load(const char *folder, bundle *out) {
         const json_value *shape = need(entry, "shape", JSON_ARRAY, "a texture");
         t->elements = 1;
         for (size_t k = 0; k < shape->count; ++k) t->elements *= as_size(json_at(shape, k), "a texture shape is bad");
-        if (t->elements > t->width * t->height * 4) bad("a texture is smaller than its tensor");
+        if (t->elements > t->width * t->height * 4) bad("a texture is smaller than its tensor");  /* 4 per texel in every format */
         const json_value *image = json_get(entry, "image");
         t->image = image ? as_size(image, "a texture's image is bad") : i;
         if (t->image >= textures->count) bad("a texture names an image the plan does not have");
@@ -167,7 +171,7 @@ void bundle_load(const char *folder, bundle *out) {
             t->has_init = 1;
             t->init_offset = need_size(init, "offset", "a texture's init");
             t->init_nbytes = need_size(init, "nbytes", "a texture's init");
-            if (t->init_nbytes != t->width * t->height * 4 * format_element_bytes(t->format))
+            if (t->init_nbytes != t->width * t->height * format_texel_bytes(t->format))
                 bad("a texture's init is not one full texture");
             if (t->init_offset + t->init_nbytes > out->params_length) bad("a texture's init lies past the end of params.bin");
         }

@@ -7,9 +7,9 @@
 #include <stdint.h>
 
 #define FBLC_FORMAT_NAME "fblc-bundle"
-#define FBLC_FORMAT_VERSION 1
+#define FBLC_FORMAT_VERSION 2
 
-enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2 };
+enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2, FORMAT_MASK4 = 3 /* R uint8: 4 mask bits per texel */ };
 
 typedef struct {
     char *name;
@@ -65,7 +65,8 @@ typedef struct {
  * problem and what to do. */
 void bundle_load(const char *folder, bundle *out);
 
-size_t format_element_bytes(int format); /* 4, 2, 4 */
+size_t format_element_bytes(int format); /* 4, 2, 4, 1 */
+size_t format_texel_bytes(int format);   /* 16, 8, 16, 1 */
 const char *format_name(int format);
 
 #endif

@@ -133,8 +133,9 @@ void device_list(void) {
 
 static cl_image_format image_format(int format) {
     cl_image_format f;
-    f.image_channel_order = CL_RGBA;
-    f.image_channel_data_type = format == FORMAT_F16 ? CL_HALF_FLOAT : format == FORMAT_I32 ? CL_SIGNED_INT32 : CL_FLOAT;
+    f.image_channel_order = format == FORMAT_MASK4 ? CL_R : CL_RGBA;
+    f.image_channel_data_type = format == FORMAT_F16 ? CL_HALF_FLOAT : format == FORMAT_I32 ? CL_SIGNED_INT32
+                              : format == FORMAT_MASK4 ? CL_UNSIGNED_INT8 : CL_FLOAT;
     return f;
 }
 
@@ -159,7 +160,7 @@ static void check_formats(runner *r) {
     free(formats);
 }
 
-static size_t texture_size(const texture *t) { return t->width * t->height * 4 * format_element_bytes(t->format); }
+static size_t texture_size(const texture *t) { return t->width * t->height * format_texel_bytes(t->format); }
 
 static void write_texture(runner *r, cl_mem image, const texture *t, const void *data, cl_bool blocking) {
     size_t origin[3] = {0, 0, 0}, region[3] = {t->width, t->height, 1};
