@@ -25,8 +25,11 @@ ALIGN = 64  # bytes; every texture's initial data starts on this boundary in par
 
 def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
     texture = program.textures[program.values[value.name]]
-    return {"name": value.name, "shape": list(static_shape(value)), "dtype": ir.DataType(value.dtype).name.lower(),
-            "texture": texture.id, "layout": "linear-rgba"}
+    entry = {"name": value.name, "shape": list(static_shape(value)), "dtype": ir.DataType(value.dtype).name.lower(),
+             "texture": texture.id, "layout": "linear-rgba"}
+    if value.name in program.value_maps:  # a remapped view: element i is texture element offset + i . strides
+        entry["layout"], entry["view"] = "strided-view", program.value_maps[value.name]
+    return entry
 
 
 def share_images(program: Program, pinned: set[int], first_use: dict[int, int],
@@ -93,7 +96,7 @@ def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: 
                          "outputs": k.outputs, "inputs": k.inputs, "lines": list(program.kernel_lines[k.name])}
                         for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],
-            "values": program.values, "value_shapes": program.value_shapes}
+            "values": program.values, "value_shapes": program.value_shapes, "value_maps": program.value_maps}
     graph = model.graph
     data_inputs = [v for v in graph.inputs if keys.get_role(v) in (Role.INPUT.value, Role.LABEL.value)]
     params = [v for v in graph.inputs if keys.get_role(v) == Role.PARAM.value]

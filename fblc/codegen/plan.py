@@ -17,6 +17,7 @@ from fblc.codegen.cl import PREAMBLE, Kernel
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.textures import Texture, TextureTable, to_texels
 from fblc.compiler import keys
+from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
 from fblc.passes.fuse import ALIAS, CONTRACTIONS, kernel_of
 from fblc.profiles import Profile
@@ -32,6 +33,7 @@ class Program:
     values: dict[str, int]  # every named value -> texture id
     value_shapes: dict[str, list[int]]  # every named value -> its own shape (a view's differs from its texture's)
     swaps: list[tuple[int, int]]  # (state texture, its .new texture) after each step
+    value_maps: dict[str, dict[str, object]] = field(default_factory=dict)  # strided views: shape, strides, offset
     source: str = ""
     kernel_lines: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -92,7 +94,14 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     input_names = {v.name for v in graph.inputs}
     swaps = [(values[o.name[: -len(".new")]], values[o.name]) for o in graph.outputs
              if o.name.endswith(".new") and o.name[: -len(".new")] in input_names]
-    program = Program(kernels, table.textures, initial, values, value_shapes, swaps)
+    value_maps = {}
+    for node in graph:
+        if is_view(node) and node.outputs[0].name in values:
+            index_map = map_of(node.outputs[0])
+            if not index_map.contiguous:
+                value_maps[node.outputs[0].name] = {"shape": list(index_map.shape), "strides": list(index_map.strides),
+                                                    "offset": index_map.offset}
+    program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps)
     _assemble_source(program)
     return program
 

@@ -8,9 +8,10 @@ the map. It is remapped when
      whole axes to whole axes; a reshape merges only axes that are contiguous in the root);
   2. tile boundary preservation: every texel of the root (4 consecutive elements of its
      packed axis) stays a run along one axis of the view, so whole-texel reads remain valid;
-  3. when the view is not a plain row-major reading of the root: the output is not a graph
-     output (the runtimes read those as plain tensors) and every kernel that reads it takes
-     strided operands (STRIDED_READERS).
+  3. when the view is not a plain row-major reading of the root: every kernel that reads it
+     takes strided operands (STRIDED_READERS). A strided graph output (a weight gradient that
+     the backward wrote transposed) is read by the local runtime through its map (plan.json
+     `value_maps`); the native runner reads only parameters and the loss, never these.
 Otherwise the node stays an explicit conversion kernel; `fblc.remap` on it says which check
 failed. The backward of MatMul (dX = dY W^T, dW = X^T dY) thus reads W^T and X^T in place.
 Preconditions: static shapes, topologically sorted graph. In place; `modified` is true when
@@ -47,7 +48,7 @@ def _readers(value: ir.Value) -> list[ir.Node]:
     return found
 
 
-def remap_status(node: ir.Node, graph_outputs: set[int]) -> tuple[str, str | None]:
+def remap_status(node: ir.Node) -> tuple[str, str | None]:
     """('remapped', map JSON) or (the failed check, None)."""
     source = node.inputs[0]
     output = node.outputs[0]
@@ -59,8 +60,6 @@ def remap_status(node: ir.Node, graph_outputs: set[int]) -> tuple[str, str | Non
     root_shape = static_shape(view_root(source))
     if not mapped.packs_whole_texels(root_shape):
         return "kept: tile boundary preservation fails (a texel of the root would span view rows)", None
-    if id(output) in graph_outputs and not mapped.contiguous:
-        return "kept: graph output (the runtimes read it as a plain tensor)", None
     if not mapped.contiguous:
         blocked = sorted({n.op_type for n in _readers(output) if n.op_type not in STRIDED_READERS})
         if blocked:
@@ -75,12 +74,11 @@ class TileRemap(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        graph_outputs = {id(v) for v in graph.outputs}
         modified = False
         for node in graph:
             if node.op_type not in REMAPPABLE or node.domain != "":
                 continue
-            status, mapped = remap_status(node, graph_outputs)
+            status, mapped = remap_status(node)
             if node.metadata_props.get(REMAP_STATUS) != status:
                 node.metadata_props[REMAP_STATUS] = status
                 modified = True

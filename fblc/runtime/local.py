@@ -142,6 +142,13 @@ class LocalRunner:
             raise KeyError(f"'{name}' lives only during the step: its image is reused by later tensors")
         integer = self.textures[texture_id]["format"] in ("rgba_i32", "r_mask4")
         value = self._read(texture_id).astype(np.int64 if integer else np.float32)
+        strided = self.plan.get("value_maps", {}).get(name)
+        if strided is not None:  # a remapped transpose or broadcast of its texture's tensor
+            flat = value.reshape(-1)
+            items = flat.itemsize
+            view = np.lib.stride_tricks.as_strided(flat[strided["offset"]:], shape=strided["shape"],
+                                                   strides=[s * items for s in strided["strides"]])
+            return view.copy()
         return value.reshape(self.plan["value_shapes"].get(name, value.shape))  # a view has its own shape
 
     def read_before_swap(self, name: str) -> np.ndarray:
