@@ -8,22 +8,28 @@ Transpose/Reshape/Expand a copy kernel, contractions one output texel per work-i
 fblc's FBLayout: R-Tile layouts, data movement turned into index maps, contractions over 4x4
 output tiles. Models: the 2-layer Llama decoder of the tests (hidden 64, GQA 4/2 heads) at
 batch 4, sequence 128; transformers' MobileNetV2 (17 classes) at [16, 3, 97, 60]. Each side:
-one warm-up step (the OpenCL JIT), then the median of --steps. Target: naive/rtile >= 2x on the
-Llama decoder (FBLayout reports 2.2-5.7x on phones).
+one warm-up step (the OpenCL JIT), then --steps steps of each, the two layouts stepping in turn
+(a shared machine's speed drifts; alternating gives both the same drift), and the medians.
+Target: naive/rtile >= 2x on the Llama decoder (FBLayout reports 2.2-5.7x on phones).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.step_time import fblc_step_ms  # noqa: E402
+from fblc.codegen.compile import compile_model  # noqa: E402
+from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
+from fblc.passes.pipeline import TrainingOptions  # noqa: E402
+from fblc.runtime.local import LocalRunner  # noqa: E402
 from tests.support import models  # noqa: E402
 
 LAYOUTS = ("naive", "rtile")
@@ -63,6 +69,26 @@ def mobilenet_case(directory: str) -> tuple[str, str, dict[str, np.ndarray]]:
 CASES = {"llama": llama_case, "mobilenet_v2": mobilenet_case}
 
 
+def interleaved_step_ms(path: str, feeds: dict[str, np.ndarray], directory: str, key: str, steps: int,
+                        target: str) -> dict[str, tuple[float, dict]]:
+    """Median step of each layout, the two runners stepping in turn: a shared machine's speed drifts
+    over minutes, and alternating makes both layouts see the same drift."""
+    runners, reports = {}, {}
+    for layout in LAYOUTS:
+        bundle = os.path.join(directory, f"{key}.{layout}")
+        _, reports[layout] = compile_model(path, bundle, target, "fp32", TrainingOptions(
+            loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2), layout=layout))
+        runners[layout] = LocalRunner(bundle)
+        runners[layout].step(feeds)  # the OpenCL JIT
+    times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    for _ in range(steps):
+        for layout in LAYOUTS:
+            started = time.perf_counter()
+            runners[layout].step(feeds)
+            times[layout].append((time.perf_counter() - started) * 1e3)
+    return {layout: (statistics.median(times[layout]), reports[layout]) for layout in LAYOUTS}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -74,10 +100,8 @@ def main() -> int:
         for key in args.models.split(","):
             name, path, feeds = CASES[key](directory)
             print(f"  {name}", file=sys.stderr)
-            measured = {}
+            measured = interleaved_step_ms(path, feeds, directory, key, args.steps, args.target)
             for layout in LAYOUTS:
-                measured[layout] = fblc_step_ms(path, feeds, os.path.join(directory, f"{key}.{layout}"), args.steps,
-                                                layout, args.target)
                 print(f"    {layout}: {measured[layout][0]:.1f} ms per step", file=sys.stderr)
             rows.append((name, measured))
     print(f"{'model':<26} {'naive ms':>10} {'rtile ms':>10} {'naive/rtile':>12} {'movement kernels':>17} "
