@@ -38,6 +38,11 @@ NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4", "r_mask
 CHANNELS = {"rgba_f32": 4, "rgba_f16": 4, "rgba_i32": 4, "r_mask4": 1}
 
 
+def image_bytes(image_format: str, width: int, height: int) -> int:
+    """Device bytes of a width x height image of a plan texture format."""
+    return width * height * TEXEL_BYTES[image_format]
+
+
 class BundleError(Exception):
     """A bundle that is missing, corrupt, or of another format version."""
 

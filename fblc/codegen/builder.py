@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.cl import Kernel, flat_index, index_vars, literal
+from fblc.codegen.cl import Kernel, broadcast_index, flat_index, index_vars, literal
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
 from fblc.compiler.values import const_array, is_float, static_shape
@@ -109,10 +109,8 @@ class KernelBuilder:
         if inlined is not None:
             return inlined
         root, index_map = self.strided(value)
-        lead = len(out_shape) - len(index_map.shape)
-        terms = [(f"{prefix}{lead + k}", stride) for k, (dim, stride) in
-                 enumerate(zip(index_map.shape, index_map.strides)) if dim != 1]
-        return self.load(root, flat_index(terms, index_map.offset))
+        return self.load(root, broadcast_index(index_map.shape, out_shape, prefix, index_map.strides,
+                                               index_map.offset))
 
     # writing the body ------------------------------------------------------------------------
     def emit(self, *lines: str) -> None:

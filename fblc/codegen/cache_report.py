@@ -17,25 +17,19 @@ from typing import Any
 import numpy as np
 
 from fblc.profiles import Profile
-from fblc.profiles.cache_model import CacheGeometry, CacheStats, TextureCache
+from fblc.profiles.cache_model import CacheGeometry, CacheStats, TextureCache, simulate
 from fblc.runtime.trace import ReadTracer
 
 TEXTURE_STRIDE = 1 << 16  # block rows of one texture before the next texture's: images never alias
 
 
 def launch_stats(cache: TextureCache, tracer: ReadTracer, index: int, sample: int) -> CacheStats:
-    groups = tracer.groups(index)
-    chosen = sorted(set(np.linspace(0, groups - 1, min(sample, groups)).round().astype(int).tolist()))
-    total = CacheStats()
-    for group in chosen:
-        reads = tracer.reads(index, group)
-        bxs, bys = cache.blocks_of(reads.xs, reads.ys)
-        bys = bys + reads.textures * TEXTURE_STRIDE
-        cache.flush()
-        distinct = len(set(zip(bxs.tolist(), bys.tolist())))
-        stats = CacheStats(len(bxs), distinct, cache.access(bxs, bys))
-        total += stats.scaled(reads.issued / len(bxs)) if len(bxs) else CacheStats(reads.issued, 0, 0)
-    return total.scaled(groups / len(chosen))
+    def reads(group: int) -> tuple[np.ndarray, np.ndarray, int]:
+        traced = tracer.reads(index, group)
+        # each texture its own band of block rows: images never alias
+        return traced.xs, traced.ys + traced.textures * TEXTURE_STRIDE * cache.geometry.block_height, traced.issued
+
+    return simulate(cache.geometry, reads, tracer.groups(index), sample, cache)
 
 
 def cache_report(bundle: str, profile: Profile, feeds: Mapping[str, np.ndarray], sample: int = 2,

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.texel_layout import RTILE_C
 
 PREAMBLE = """\
@@ -64,14 +65,6 @@ def literal(value: float | int | bool, ctype: str) -> str:
     return str(int(value))
 
 
-def strides_of(shape: Sequence[int]) -> list[int]:
-    strides, running = [], 1
-    for dim in reversed(shape):
-        strides.append(running)
-        running *= dim
-    return list(reversed(strides))
-
-
 def index_vars(shape: Sequence[int], flat: str, prefix: str) -> list[str]:
     """Statements declaring `prefix0..` as the multi-index of flat index `flat` in `shape`."""
     lines = []
@@ -91,12 +84,14 @@ def flat_index(terms: Sequence[tuple[str, int]], offset: int = 0) -> str:
     return " + ".join(parts) if parts else "0"
 
 
-def broadcast_index(leaf_shape: Sequence[int], out_shape: Sequence[int], prefix: str) -> str:
-    """Flat index into a leaf of `leaf_shape` numpy-broadcast to `out_shape`, from out index vars."""
+def broadcast_index(leaf_shape: Sequence[int], out_shape: Sequence[int], prefix: str,
+                    strides: Sequence[int] | None = None, offset: int = 0) -> str:
+    """Flat index into a leaf of `leaf_shape` (row-major, or with `strides` and `offset` into the tensor
+    that stores it) numpy-broadcast to `out_shape`, from out index vars."""
     lead = len(out_shape) - len(leaf_shape)
-    terms = [(f"{prefix}{lead + k}", stride) for k, (dim, stride) in
-             enumerate(zip(leaf_shape, strides_of(leaf_shape))) if dim != 1]
-    return flat_index(terms)
+    strides = strides_of(leaf_shape) if strides is None else strides
+    terms = [(f"{prefix}{lead + k}", stride) for k, (dim, stride) in enumerate(zip(leaf_shape, strides)) if dim != 1]
+    return flat_index(terms, offset)
 
 
 @dataclass

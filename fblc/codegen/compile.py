@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-
-from fblc import bundle_format as fmt
 from typing import Any
 
 import onnx_ir as ir
 
+from fblc import bundle_format as fmt
+
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.cache_report import cache_report
 from fblc.codegen.layout_report import layout_object
-from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
+from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report, texture_bytes
 from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
 from fblc.compiler.errors import FblcError
 from fblc.compiler.model_io import load_model
@@ -24,10 +24,9 @@ from fblc.profiles import load_profile
 
 
 def build_report(model: ir.Model, program: Program, seconds: float) -> dict[str, Any]:
-    texture_bytes = sum(t.width * t.height * (8 if t.format == "rgba_f16" else 16) for t in program.textures)
     return {"compile_seconds": round(seconds, 3), "step_nodes": len(model.graph),
             "kernels": len(program.kernels), "kernels_per_family": program.family_counts(),
-            "textures": len(program.textures), "texture_bytes": texture_bytes,
+            "textures": len(program.textures), "texture_bytes": texture_bytes(program),
             "initial_bytes": sum(a.nbytes for a in program.initial.values())}
 
 
@@ -51,7 +50,7 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report["memory"], timeline = memory_report(step, program)
     report["layout"] = layout_object(step, program, options.layout)
     manifest, plan, params = build_documents(step, program, profile, dtype, report)
-    report["memory"]["allocated_bytes"] = sum(i["width"] * i["height"] * fmt.TEXEL_BYTES[i["format"]]
+    report["memory"]["allocated_bytes"] = sum(fmt.image_bytes(i["format"], i["width"], i["height"])
                                               for i in plan["images"])
     report["memory"]["allocated_images"] = len(plan["images"])
     if cache:

@@ -26,7 +26,7 @@ LAYERS = (("weight", "weights", "#8c8c8c"), ("optimizer", "optimizer state", "#b
 
 
 def texture_bytes(program: Program) -> int:
-    return sum(t.width * t.height * fmt.TEXEL_BYTES[t.format] for t in program.textures)
+    return sum(fmt.image_bytes(t.format, t.width, t.height) for t in program.textures)
 
 
 def memory_object(plan: MemoryPlan, program: Program | None = None, plot: str | None = TIMELINE_PLOT) -> dict[str, Any]:

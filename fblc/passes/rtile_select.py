@@ -240,6 +240,14 @@ def _eligible(value: ir.Value, host_visible: set[int]) -> tuple[int, int] | None
     return numel(shape) // shape[-1], shape[-1]
 
 
+def _annotate(item: ir.Value | ir.Node, key: str, text: str) -> bool:
+    """Set metadata `key`; True when it changed."""
+    if item.metadata_props.get(key) == text:
+        return False
+    item.metadata_props[key] = text
+    return True
+
+
 class RTileSelect(ir.passes.InPlacePass):
     """Choose and annotate each stored tensor's texel layout (in place)."""
 
@@ -274,14 +282,11 @@ class RTileSelect(ir.passes.InPlacePass):
                     flat = flat_layout(texels, self.geometry.max_width)
                 chosen[id(value)] = (flat, flat.kind, None)
             layout, how, candidate = chosen[id(value)]
-            text = layout.to_json()
-            if value.metadata_props.get(keys.LAYOUT) != text:
-                value.metadata_props[keys.LAYOUT] = text
-                modified = True
+            modified |= _annotate(value, keys.LAYOUT, layout.to_json())
             if candidate is not None:
-                value.metadata_props[CHOICE] = json.dumps({"how": how, "score": round(candidate.score, 4),
-                                                           "scored_by": candidate.scored_by,
-                                                           "relaxed": list(candidate.relaxed)})
+                modified |= _annotate(value, CHOICE, json.dumps({
+                    "how": how, "score": round(candidate.score, 4), "scored_by": candidate.scored_by,
+                    "relaxed": list(candidate.relaxed)}))
         for node in graph:
             described = []
             for out in node.outputs:
@@ -291,7 +296,7 @@ class RTileSelect(ir.passes.InPlacePass):
                     described.append(f"{out.name}: view of {view_root(out).name}")
                 elif id(out) in chosen:
                     described.append(f"{out.name}: {chosen[id(out)][0].describe()}")
-            node.metadata_props[keys.LAYOUT] = "; ".join(described)
+            modified |= _annotate(node, keys.LAYOUT, "; ".join(described))
         return ir.passes.PassResult(model, modified)
 
     def _best(self, value: ir.Value, host_visible: set[int]) -> Candidate | None:

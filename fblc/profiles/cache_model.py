@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
@@ -84,23 +84,27 @@ class TextureCache:
         return misses
 
 
-#: work-group index -> (xs, ys): the texels it reads, issue order (thread-interleaved)
-WorkGroupReads = Callable[[int], tuple[np.ndarray, np.ndarray]]
+#: work-group index -> (xs, ys), the texels it reads in issue order (thread-interleaved), or
+#: (xs, ys, issued) when those are a recorded prefix of `issued` reads (counts are scaled up to it)
+WorkGroupReads = Callable[[int], tuple[np.ndarray, ...]]
 
 
-def simulate(geometry: CacheGeometry, reads: WorkGroupReads, work_groups: int, sample: int = 64) -> CacheStats:
-    """Simulated reads, block fetches and misses of `work_groups` groups, sampling at most `sample` of them."""
-    cache = TextureCache(geometry)
-    chosen: Iterable[int] = (range(work_groups) if work_groups <= sample
-                             else np.linspace(0, work_groups - 1, sample).round().astype(int).tolist())
-    chosen = list(chosen)
+def simulate(geometry: CacheGeometry, reads: WorkGroupReads, work_groups: int, sample: int = 64,
+             cache: TextureCache | None = None) -> CacheStats:
+    """Simulated reads, block fetches and misses of `work_groups` groups, sampling at most `sample` of them
+    evenly (the cache is flushed before each: the estimate is per group, scaled to all of them)."""
+    cache = cache or TextureCache(geometry)
+    chosen = sorted(set(np.linspace(0, work_groups - 1, min(sample, work_groups)).round().astype(int).tolist()))
     total = CacheStats()
     for group in chosen:
-        xs, ys = reads(group)
+        xs, ys, *issued = reads(group)
         bxs, bys = cache.blocks_of(np.asarray(xs), np.asarray(ys))
         cache.flush()
         distinct = len(set(zip(bxs.tolist(), bys.tolist())))
-        total += CacheStats(len(bxs), distinct, cache.access(bxs, bys))
+        stats = CacheStats(len(bxs), distinct, cache.access(bxs, bys))
+        if issued:  # a recorded prefix: scale to every read the group made
+            stats = stats.scaled(issued[0] / len(bxs)) if len(bxs) else CacheStats(issued[0], 0, 0)
+        total += stats
     return total.scaled(work_groups / len(chosen)) if chosen else total
 
 

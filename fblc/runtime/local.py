@@ -36,6 +36,9 @@ def _image_format(cl: Any, name: str) -> Any:
 class LocalRunner:
     """Train with a bundle on a local OpenCL device: `.step(feeds) -> loss`, `.parameters()`."""
 
+    #: arguments after the textures, in every kernel (the read tracer's buffers)
+    extra_arguments: tuple[Any, ...] = ()
+
     def __init__(self, bundle: str, device: str | None = None, profiling: bool = False,
                  build_options: Sequence[str] = ()) -> None:
         import pyopencl as cl
@@ -192,12 +195,17 @@ class LocalRunner:
         return loss
 
     def run_kernels(self) -> list[Any]:
-        events = []
-        for kernel, spec in zip(self.kernels, self.plan["kernels"]):
-            images = [self.images[self.binding[t]] for t in spec["outputs"] + spec["inputs"]]
-            kernel.set_args(*images)
-            events.append(self.cl.enqueue_nd_range_kernel(self.queue, kernel, spec["global_size"], None))
-        return events
+        return [self.launch(index) for index in range(len(self.kernels))]
+
+    def launch(self, index: int, offset: int = 0, size: int | None = None) -> Any:
+        """Enqueue launch `index` of the plan (work-items offset..offset+size, default all); its event."""
+        spec = self.plan["kernels"][index]
+        images = [self.images[self.binding[t]] for t in spec["outputs"] + spec["inputs"]]
+        self.kernels[index].set_args(*images, *self.extra_arguments)
+        global_size = (spec["global_size"][0] if size is None else size,)
+        return self.cl.enqueue_nd_range_kernel(self.queue, self.kernels[index], global_size, None,
+                                               global_work_offset=(offset,) if offset else None)
+
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trainable parameters now, by ONNX name and shape."""

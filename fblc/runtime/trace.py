@@ -40,23 +40,10 @@ class ReadTracer(LocalRunner):
         self.group_size = group_size
         self._trace = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * CAPACITY * 16)
         self._counts = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * 4)
+        self.extra_arguments = (self._trace, self._counts)  # TRACE_PARAM of every kernel
 
     def groups(self, kernel_index: int) -> int:
         return -(-self.plan["kernels"][kernel_index]["global_size"][0] // self.group_size)
-
-    def run_kernels(self) -> list:
-        """A whole step's launches (the trace buffer keeps whatever the last items wrote)."""
-        events = []
-        for index in range(len(self.kernels)):
-            events.extend(self._launch(index, 0, self.plan["kernels"][index]["global_size"][0]))
-        return events
-
-    def _launch(self, index: int, offset: int, size: int) -> list:
-        spec = self.plan["kernels"][index]
-        images = [self.images[self.binding[t]] for t in spec["outputs"] + spec["inputs"]]
-        kernel = self.kernels[index]
-        kernel.set_args(*images, self._trace, self._counts)
-        return [self.cl.enqueue_nd_range_kernel(self.queue, kernel, (size,), None, global_work_offset=(offset,))]
 
     def reads(self, kernel_index: int, group: int) -> GroupReads:
         """The reads of work-group `group` of launch `kernel_index`."""
@@ -65,7 +52,7 @@ class ReadTracer(LocalRunner):
         offset = group * self.group_size
         size = min(self.group_size, total - offset)
         self.cl.enqueue_fill_buffer(self.queue, self._counts, np.int32(0), 0, self.group_size * 4)
-        self._launch(kernel_index, offset, size)
+        self.launch(kernel_index, offset, size)
         counts = np.empty(self.group_size, dtype=np.int32)
         records = np.empty((self.group_size, CAPACITY, 4), dtype=np.int32)
         self.cl.enqueue_copy(self.queue, counts, self._counts)

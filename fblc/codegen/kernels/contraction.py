@@ -254,25 +254,24 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     m_var = f"{prefix}{nb}" if len(a_shape) >= 2 else "0"
     n_var = f"{prefix}{nb + (1 if len(a_shape) >= 2 else 0)}" if len(b_shape) >= 2 else "0"
 
-    def stream(value: ir.Value, shape2: tuple[int, ...], kept: str, reduced_axis: int) -> Stream:
-        """Base over the batch dims and the kept matrix axis; the walk goes along `reduced_axis`.
-        A remapped view (W^T, X^T of the backward) is walked in its root with the view's strides."""
-        value, strides = _root_strides(b, value, shape2)
+    # a remapped view (W^T, X^T of the backward) is walked in its root with the view's strides
+    (a_root, a_strides), (w_root, w_strides) = _root_strides(b, a, a2), _root_strides(b, w, b2)
+
+    def stream(value: ir.Value, strides: list[int], shape2: tuple[int, ...], kept: str, reduced_axis: int) -> Stream:
+        """Base over the batch dims and the kept matrix axis; the walk goes along `reduced_axis`."""
         lead = nb - (len(shape2) - 2)
         variables = [f"{prefix}{lead + k}" for k in range(len(shape2) - 2)] + [kept]
         axes = list(range(len(shape2) - 2)) + [len(shape2) - 1 if reduced_axis == -2 else len(shape2) - 2]
         return Stream(value, index_terms(variables, [shape2[k] for k in axes], [strides[k] for k in axes]),
                       strides[reduced_axis])
 
-    a_stream, b_stream = stream(a, a2, m_var, -1), stream(w, b2, n_var, -2)
+    a_stream, b_stream = stream(a_root, a_strides, a2, m_var, -1), stream(w_root, w_strides, b2, n_var, -2)
     if texel:  # lanes: 4 consecutive columns n
-        n_stride = _root_strides(b, w, b2)[1][-1]
         rows = _tile_rows(b, a2[-2]) if len(a_shape) >= 2 else 1
-        a_row = _root_strides(b, a, a2)[1][-2]
         aligned = (n_var, m_var) if rows > 1 else (n_var,)
-        acc = _texel_dot(b, Operand(a_stream.value, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
-                         Operand(b_stream.value, _texel_terms(b_stream.terms, *aligned)), b_stream.step, n_stride,
-                         a2[-1], rows, a_row)
+        acc = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
+                         Operand(w_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, w_strides[-1],
+                         a2[-1], rows, a_strides[-2])
     else:
         acc = zero_acc(b)
         dot_loop(b, acc, a2[-1], (a_stream, b_stream))
