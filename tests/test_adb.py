@@ -1,7 +1,7 @@
 """The phone path end to end: Debian's real adb client and server talk to the loopback device
 (tests/support/adb_device.py) exactly as to a phone; `fblc push` and `fblc run --device adb:S` train a bundle
-there with the native runner, and every error of the path gets a one-line message that leaves nothing
-half-written on either side.
+there with the native runner, `fblc profile --device adb:S` measures the device with it, and every error of
+the path gets a one-line message that leaves nothing half-written on either side.
 
 The adb server runs on a port of its own with HOME in a temporary folder (its key and log stay there);
 the device's shells inherit this process's environment, so the runner finds PoCL as in
@@ -25,10 +25,13 @@ import pytest
 from fblc import bundle_format as fmt
 from fblc.cli import main
 from fblc.codegen.compile import compile_model
+from fblc.profiles import profiler
 from fblc.runtime.adb import Adb, AdbError, remote_dir
+from fblc.runtime.adb_profile import PROFILE_DIR, push_profiler
 from fblc.runtime.local import LocalRunner
 from tests.support.adb_device import LoopbackDevice
-from tests.test_native_runner import opencl_env, require, runner_binary  # noqa: F401  (fixtures)
+from tests.test_native_runner import check_measured_profile, require
+from tests.test_native_runner import opencl_env, runner_binary  # noqa: F401  (fixtures)
 from tests.test_runtime import OPTIONS, batch, elementwise_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,3 +299,33 @@ def test_ctrl_c_during_a_run_on_the_device_leaves_nothing(tmp_path, bundle, phon
     assert not phone._processes
     runs = os.path.join(phone.local_path(remote_dir(bundle)), "runs")
     assert os.listdir(runs) == []
+
+
+def test_profile_over_adb_writes_the_profile_a_local_run_would(tmp_path, phone, runner_binary,  # noqa: F811
+                                                                capsys) -> None:
+    out = str(tmp_path / "phone.json")
+    assert main(["profile", "--device", f"adb:{phone.serial}", "--runner", runner_binary, "-o", out]) == 0
+    printed = capsys.readouterr().out
+    assert "pushed the runner" in printed and f"on {phone.serial} (benchmarks built in" in printed
+    assert "block width and height" in printed and f"wrote {out}" in printed  # the runner's progress, streamed
+    document = check_measured_profile(out)
+    assert document["measurements"]["backend"].endswith(f"over adb on {phone.serial}")
+    remote = phone.local_path(PROFILE_DIR)
+    assert sorted(os.listdir(remote)) == [".fblc-pushed", "fblc-runner", "runs"] and os.listdir(f"{remote}/runs") == []
+    said: list[str] = []
+    push_profiler(Adb(), phone.serial, runner_binary, say=said.append)
+    assert said == []  # the runner there is current: not pushed again
+
+
+def test_a_benchmark_the_device_cannot_build_fails_the_profile_and_leaves_nothing(tmp_path, phone,  # noqa: F811
+                                                                                 runner_binary, monkeypatch,
+                                                                                 capsys) -> None:
+    monkeypatch.setattr(profiler, "SOURCE", profiler.SOURCE.replace("__kernel void pair_read(", "__kernel void "
+                                                                                                   "pair_read(oops "))
+    out = str(tmp_path / "phone.json")
+    assert main(["profile", "--device", f"adb:{phone.serial}", "--runner", runner_binary, "-o", out, "-q"]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(f"fblc: error: the runner failed on {phone.serial}: the OpenCL compiler of ")
+    assert "rejected the benchmark kernel 'pair_read' (line" in first and "profile another device" in first
+    assert not os.path.exists(out) and [p for p in os.listdir(tmp_path) if p.startswith(".fblc")] == []
+    assert os.listdir(os.path.join(phone.local_path(PROFILE_DIR), "runs")) == []

@@ -1,6 +1,6 @@
 """The native runner (fblc/runtime/native, C99), built with CMake here and run on PoCL: the same losses and
 parameters as LocalRunner on the bundles of the earlier tests, its program cache, its refusals of bad
-bundles and data, Ctrl-C, and the aarch64 cross build.
+bundles and data, Ctrl-C, its profile mode (`fblc profile --device native`), and the aarch64 cross build.
 
 The runner opens libOpenCL.so.1 (Debian: ocl-icd-libopencl1), pointed at the PoCL of the pyopencl wheel,
 the device LocalRunner uses (pocl_wheel_environment). Missing tools skip these tests, except under
@@ -26,9 +26,13 @@ from fblc.codegen.compile import compile_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
+from fblc.cli import main
+from fblc.profiles import load_profile
+from fblc.profiles.cache_model import PATTERNS
+from fblc.profiles.profiler import measurement_plan
 from fblc.runtime.native import (AARCH64_TOOLCHAIN, NATIVE_DIR, RunnerError, binary_kind, build_runner,
-                                 pocl_wheel_environment, pyopencl_build_options, read_results, run_runner,
-                                 write_data)
+                                 pocl_wheel_environment, profile_with_runner, pyopencl_build_options, read_results,
+                                 run_runner, write_data)
 from tests.test_runtime import OPTIONS, batch, elementwise_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -247,6 +251,74 @@ def test_results_are_read_back_from_the_runner_files(tmp_path, bundle, runner_bi
     results = read_results(out)
     assert results.losses == [line["loss"] for line in lines[1:]]
     assert results.device["name"] and results.raw["steps"] == 3 and results.bytes_allocated["host_staging"] > 0
+
+
+def check_measured_profile(path: str) -> dict:
+    """A profile that `fblc profile` measured: it loads, its measured figures say so, its pattern table holds
+    the four patterns at positive rates, and its geometry is one a cache can have. Returns its document."""
+    profile = load_profile(path)
+    for figure in ("tex_block_width", "tex_block_height", "l1_bytes", "bandwidth_gbps", "peak_gflops", "wave_size",
+                   "image2d_max_width", "max_work_group_size", "l2_bytes"):
+        assert profile.sources[figure].startswith("measured"), (figure, profile.sources[figure])
+    rates = profile.raw["measurements"]["pattern_reads_per_second"]
+    assert set(rates) == set(PATTERNS) and all(rates[p] and all(v > 0 for v in rates[p].values()) for p in PATTERNS)
+    relative = profile.raw["measurements"]["relative_to_column_major"]
+    assert all(abs(v - 1) < 1e-12 for v in relative["column-major"].values())
+    assert profile.tex_block_width in (1, 2, 4, 8, 16) and profile.tex_block_height in (1, 2, 4, 8, 16)
+    assert profile.line_bytes == profile.tex_block_width * 16
+    assert profile.block_bytes <= profile.l1_bytes <= profile.l2_bytes
+    assert profile.bandwidth_gbps > 0 and profile.peak_gflops > 0
+    assert 1 <= profile.wave_size <= profile.max_work_group_size
+    assert profile.image2d_max_width >= 2048 and profile.image2d_max_height >= 2048
+    return profile.raw
+
+
+def test_profile_mode_measures_the_same_device_as_the_local_profiler(tmp_path, runner_binary, opencl_env,
+                                                                    capsys) -> None:
+    """`fblc profile --device native`: the runner times the plan on PoCL, fblc interprets it as a local run;
+    what clGetDeviceInfo says matches pyopencl's view of the same device."""
+    import pyopencl as cl
+
+    from fblc.runtime.opencl import select_device
+
+    out = str(tmp_path / "native.json")
+    assert main(["profile", "--device", "native", "--runner", runner_binary, "-o", out]) == 0
+    printed = capsys.readouterr().out
+    assert "(benchmarks built in" in printed and "bandwidth and flops" in printed and "launches" in printed
+    document = check_measured_profile(out)
+    assert document["measurements"]["backend"].startswith("fblc-runner ")
+    device = select_device(None)
+    figures = {name: entry["value"] for name, entry in document["figures"].items()}
+    assert document["gpu"] == device.name.strip() and document["opencl_version"] == device.version.strip()
+    assert (figures["image2d_max_width"], figures["image2d_max_height"], figures["max_work_group_size"]) == (
+        device.image2d_max_width, device.image2d_max_height, device.max_work_group_size)
+    assert figures["l2_bytes"] >= device.global_mem_cache_size
+    kernel = cl.Kernel(cl.Program(cl.Context([device]), measurement_plan()["source"]).build(), "pattern_read")
+    assert figures["wave_size"] == min(device.max_work_group_size, kernel.get_work_group_info(
+        cl.kernel_work_group_info.PREFERRED_WORK_GROUP_SIZE_MULTIPLE, device))
+
+
+def test_a_plan_whose_kernel_does_not_build_is_named_and_nothing_is_written(tmp_path, runner_binary,
+                                                                            opencl_env) -> None:
+    plan = measurement_plan()
+    plan["source"] = plan["source"].replace("__kernel void footprint_read(", "__kernel void footprint_read(oops ")
+    with pytest.raises(RunnerError) as error:
+        profile_with_runner(runner_binary, plan, env=opencl_env)
+    message = str(error.value)
+    assert message.startswith("the OpenCL compiler of ") and "rejected the benchmark kernel 'footprint_read' (line " \
+        in message.splitlines()[0] and "oops" in message
+    path, out = str(tmp_path / "plan.json"), tmp_path / "out"
+    out.mkdir()
+    json.dump(plan, open(path, "w"))
+    done = subprocess.run([runner_binary, "--profile", path, "--out", str(out / "results.json")], capture_output=True,
+                          text=True, env={**os.environ, **opencl_env})
+    assert done.returncode == 2 and "rejected the benchmark kernel 'footprint_read'" in done.stderr
+    assert os.listdir(out) == []  # no results, no partial file
+    json.dump({"format": "fblc-profile-plan", "version": 7}, open(path, "w"))
+    done = subprocess.run([runner_binary, "--profile", path, "--out", str(out / "results.json")], capture_output=True,
+                          text=True, env={**os.environ, **opencl_env})
+    assert done.returncode == 2 and "is not an fblc-profile-plan of version 1" in done.stderr
+    assert "write it again with 'fblc profile'" in done.stderr and os.listdir(out) == []
 
 
 def test_aarch64_cross_build(tmp_path) -> None:

@@ -139,5 +139,71 @@ def test_a_device_that_rejects_a_benchmark_kernel_is_a_clear_error(monkeypatch, 
     monkeypatch.setattr(profiler, "SOURCE", profiler.SOURCE.replace("__kernel void fma_loop(", "__kernel void fma_loop(oops "))
     assert main(["profile", "--device", "local", "-o", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
-    assert "rejected fblc's benchmark kernels" in err and "profile another device" in err
+    first = err.splitlines()[0]  # the cause and the remedy on one line; the compiler's log below it
+    assert "rejected the benchmark kernel 'fma_loop' (line " in first and "profile another device" in first
+    assert "oops" in err
     assert not os.path.exists(tmp_path / "p.json")
+
+
+def _timings(plan: dict, knee_x: int = 8, knee_y: int = 2, fitting_blocks: int = 512) -> dict:
+    """Raw results, as a backend returns them, of a device with block_width knee_x, block_height knee_y, an L1
+    of `fitting_blocks` blocks, 20 GB/s and 100 GFLOP/s, whose Block-8 launches of 64 work-items it refused."""
+    from fblc.profiles.profiler import FORMAT_VERSION, RESULTS_FORMAT
+
+    rates = {"row-major": 4e9, "column-major": 1e9, "block-4": 2e9, "block-8": 3e9}
+    launches = []
+    for launch in plan["launches"]:
+        what = launch["measures"]
+        if what["probe"] == "pattern":
+            if what["pattern"] == "block-8" and what["threads"] == 64:
+                launches.append({"id": launch["id"], "skipped": "local size 64 > 32"})
+                continue
+            seconds = what["texel_reads"] / (rates[what["pattern"]] * what["threads"] / 8)
+        elif what["probe"] == "pair":
+            knee = knee_x if what["axis"] == "x" else knee_y
+            noisy = launch["id"].endswith("round 1")  # one slow round: each offset keeps its cheapest
+            seconds = what["pairs"] * (5e-9 if what["offset"] >= knee or noisy else 1e-9)
+        elif what["probe"] == "footprint":
+            fits = what["blocks"] <= fitting_blocks or what["block_width"] != knee_x  # only knee_x's run counts
+            seconds = what["reads"] * (1e-9 if fits else 4e-9)
+        else:
+            seconds = what["bytes"] / 20e9 if what["probe"] == "bandwidth" else what["flops"] / 100e9
+        launches.append({"id": launch["id"], "seconds": seconds})
+    return {"format": RESULTS_FORMAT, "version": FORMAT_VERSION, "backend": "synthetic", "seconds": 1.0,
+            "device": {"name": "Synthetic GPU", "vendor": "Nobody", "version": "OpenCL 3.0", "image2d_max_width": 16384,
+                       "image2d_max_height": 8192, "max_work_group_size": 256, "global_mem_cache_size": 1 << 20},
+            "kernels": {"pattern_read": {"work_group_size": 32, "preferred_work_group_size_multiple": 32}},
+            "launches": launches}
+
+
+def test_one_interpretation_of_raw_timings_for_every_backend() -> None:
+    """interpret() is the only reader of timings (pyopencl's and the native runner's): knees, capacity at the
+    measured block width, throughput relative to column-major, device facts, skipped launches left out."""
+    from fblc.profiles.profiler import fill_texels, interpret, measurement_plan
+
+    plan = measurement_plan()
+    document = interpret(plan, _timings(plan), "synthetic")
+    profile = parse_profile(document, "synthetic")
+    assert (profile.tex_block_width, profile.tex_block_height, profile.line_bytes) == (8, 2, 128)
+    assert profile.l1_bytes == 512 * 8 * 16 and profile.l2_bytes == 1 << 20
+    assert (profile.bandwidth_gbps, profile.peak_gflops, profile.wave_size) == (20.0, 100.0, 32)
+    assert (profile.image2d_max_width, profile.image2d_max_height, profile.max_work_group_size) == (16384, 8192, 256)
+    relative = document["measurements"]["relative_to_column_major"]
+    assert relative["row-major"] == {"8": 4.0, "16": 4.0, "32": 4.0, "64": 4.0}
+    assert list(relative["block-8"]) == ["8", "16", "32"]
+    assert document["measurements"]["backend"] == "synthetic"
+    broken = _timings(plan)
+    broken["launches"].pop()
+    with pytest.raises(FblcError, match="time other launches than the plan holds; rebuild the native runner"):
+        interpret(plan, broken, "synthetic")
+    # the image fill both backends write: (scramble(k ^ seed) >> 8) / 2^23 - 1, here against plain integers
+    texels = fill_texels(4, 2, 7).reshape(-1)
+
+    def scramble(v: int) -> int:
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & 0xFFFFFFFF
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+
+    assert [float(t) for t in texels] == [(scramble(k ^ 7) >> 8) / 2 ** 23 - 1 for k in range(32)]

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import Any, Callable
 
 from fblc.compiler.errors import FblcError
 
@@ -65,6 +66,85 @@ def show_profile(path: str) -> str:
     return plot
 
 
+def _runner_progress(where: str, quiet: bool) -> Callable[[dict[str, Any]], None]:
+    """Print the runner's progress lines as they come (a phone takes a while; silence would look like a hang)."""
+    def on_line(line: dict[str, Any]) -> None:
+        if quiet:
+            return
+        if "device" in line:
+            print(f"profiling {line['device']} {where} (benchmarks built in {line['build_ms'] / 1e3:.1f} s; "
+                  f"{line['launches']} launches)", flush=True)
+        elif "done" in line:
+            print(f"  {line['done']:<24} {line['launches']:>4}/{line['of']} launches {line['seconds']:7.1f} s",
+                  flush=True)
+    return on_line
+
+
+def _runner_failed(message: str) -> FblcError:
+    """The runner's error as an fblc error: its first line, what to do, then any compiler log below."""
+    from fblc.profiles.profiler import REMEDY, with_log
+
+    head, _, log = message.partition("\n")
+    return FblcError(head.rstrip(": "), with_log(REMEDY, log))
+
+
+def _host_runner(explicit: str | None) -> str:
+    """A runner binary that runs on this machine: --runner, $FBLC_RUNNER, else the README's host build."""
+    import platform
+
+    from fblc.runtime.native import HOST_BUILD, UNAME_MACHINES, RunnerError, binary_kind, runner_candidates
+
+    machine = UNAME_MACHINES.get(platform.machine(), platform.machine())
+    candidates = [p for p in runner_candidates(explicit) if os.path.isfile(p)]
+    for path in candidates:
+        kind = binary_kind(path)
+        if kind.machine == machine and kind.system in ("linux", "static"):
+            return path
+    found = "; ".join(f"{p} is {binary_kind(p)}" for p in candidates) or "none built"
+    raise RunnerError(f"no native runner for this {machine} machine ({found}); build it: cmake -S "
+                      f"fblc/runtime/native -B {os.path.relpath(HOST_BUILD)} && cmake --build "
+                      f"{os.path.relpath(HOST_BUILD)} (README: 'Phones'), or pass --runner PATH")
+
+
+def _measure(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan's raw results from the backend --device names: pyopencl here, the native runner here, or a phone."""
+    from fblc.profiles.profiler import plan_steps
+    from fblc.profiles.pyopencl_timing import measure_with_pyopencl
+
+    if args.device.startswith("adb:"):
+        from fblc.runtime.adb import Adb, RunnerFailed
+        from fblc.runtime.adb_profile import profile_on_device
+
+        adb = Adb()
+        serial = adb.choose(args.device[len("adb:"):] or None)
+        say = (lambda text: None) if args.quiet else (lambda text: print(text, flush=True))
+        try:
+            return profile_on_device(adb, serial, plan, runner=args.runner,
+                                     on_line=_runner_progress(f"on {serial}", args.quiet), say=say)
+        except RunnerFailed as error:
+            raise _runner_failed(str(error)) from None
+    if args.device == "native" or args.device.startswith("native:"):
+        from fblc.runtime.native import RunnerError, pocl_wheel_environment, profile_with_runner
+
+        runner = _host_runner(args.runner)
+        try:
+            return profile_with_runner(runner, plan, device=args.device[len("native:"):] or None,
+                                       env=pocl_wheel_environment(),
+                                       on_line=_runner_progress(f"with {runner}", args.quiet))
+        except RunnerError as error:
+            raise _runner_failed(f"the runner failed: {error}") from None
+    from fblc.runtime.opencl import select_device
+
+    device = select_device(None if args.device == "local" else args.device)
+    if sys.stderr.isatty() and not args.quiet:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as progress:
+            task = progress.add_task(f"profiling {device.name.strip()}", total=1 + len(plan_steps(plan)))
+            return measure_with_pyopencl(device, plan, lambda step: progress.update(task, advance=1, description=step))
+    return measure_with_pyopencl(device, plan)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.show:
         show_profile(args.show)
@@ -72,30 +152,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if not args.output:
         raise FblcError("fblc profile needs -o FILE.json to write the measured profile (or --show FILE)",
                         "e.g. fblc profile --device local -o mydevice.json")
-    if args.device.startswith("adb:"):
-        raise FblcError("profiling a phone over adb is not built yet", "run 'fblc profile --device local'")
-    from fblc.profiles.profiler import profile_device
-    from fblc.runtime.opencl import select_device
+    from fblc.profiles.profiler import interpret, measurement_plan
 
-    device = select_device(None if args.device == "local" else args.device)
+    plan = measurement_plan()
     name = args.name or os.path.splitext(os.path.basename(args.output))[0]
-    steps = ["kernels"] + [f"{p} x {t}" for p in ("row-major", "column-major", "block-4", "block-8")
-                           for t in (8, 16, 32, 64)] + ["block width and height", "capacity", "bandwidth"]
-    if sys.stderr.isatty() and not args.quiet:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as progress:
-            task = progress.add_task(f"profiling {device.name.strip()}", total=len(steps))
-            document = profile_device(device, name, lambda step: progress.update(task, advance=1, description=step))
-    else:
-        document = profile_device(device, name)
+    document = interpret(plan, _measure(args, plan), name)
     folder = os.path.dirname(os.path.abspath(args.output))
     handle, temporary = tempfile.mkstemp(prefix=".fblc-", suffix=".json", dir=folder)
     with os.fdopen(handle, "w", encoding="utf-8") as out:
         json.dump(document, out, indent=1)
     os.replace(temporary, args.output)
     if not args.quiet:
-        print(f"profiled {device.name.strip()} in {document['measurements']['seconds']:.1f} s; wrote {args.output} "
+        print(f"profiled {document['gpu']} in {document['measurements']['seconds']:.1f} s; wrote {args.output} "
               f"(compile for it with --target {args.output}; see it with fblc profile --show {args.output})")
     return 0
 
@@ -106,8 +174,15 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     profile = commands.add_parser(
         "profile", help="measure an OpenCL device's texture-cache geometry into a profile (or --show one)",
         description="Run OpenCL microbenchmarks on a device (read patterns x work-group sizes, block and capacity "
-                    "probes, bandwidth, FMA peak) and write a profile JSON that --target accepts.")
-    profile.add_argument("--device", default="local", help="local or opencl:P:D (default: local)")
+                    "probes, bandwidth, FMA peak) and write a profile JSON that --target accepts. On a phone "
+                    "(--device adb:SERIAL) the native runner times them and fblc reads its timings as a local run's.")
+    profile.add_argument("--device", default="local",
+                         help="local or opencl:P:D (pyopencl here), native[:P:D] (the native runner here, on the "
+                              "pyopencl wheel's PoCL unless OCL_ICD_VENDORS says otherwise), or adb:SERIAL (a phone: "
+                              "pushes the native runner, runs the benchmarks in adb shell) (default: local)")
+    profile.add_argument("--runner", metavar="PATH",
+                         help="with native or adb: the runner binary (default: $FBLC_RUNNER, else the README's build "
+                              "folders)")
     profile.add_argument("-o", "--output", metavar="FILE.json", help="where to write the profile")
     profile.add_argument("--name", help="the profile's name (default: the file name)")
     profile.add_argument("--show", metavar="FILE.json", help="print a profile's figures and patterns, and plot them")

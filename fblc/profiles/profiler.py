@@ -12,13 +12,22 @@ Measured on the device itself:
   footprint is the L1 capacity;
 - bandwidth (a streaming image read), fp32 peak (an FMA loop), and what clGetDeviceInfo says.
 Everything else in the profile is copied from the `local` target and marked estimated.
+
+Measuring and interpreting are apart, so that a phone needs no Python: `measurement_plan()` is a
+JSON document with the benchmarks' OpenCL source, the image and buffer they read and write, and
+every launch to time, in order. A timing backend runs it and returns raw results (device facts,
+the best device time of each launch): pyopencl here (pyopencl_timing.py), or the native runner's
+`--profile` mode (`fblc profile --device native` / `adb:SERIAL`, fblc/runtime/adb_profile.py).
+`interpret` turns plan and results into the profile, the same way for every backend. The capacity
+probe is planned for every block width the block probe can find and `interpret` keeps the one it
+found, so that one plan, run once, is all a device needs.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import time
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -28,10 +37,17 @@ from fblc.profiles.cache_model import PATTERNS
 from fblc.profiles.profile import TARGETS_DIR, parse_profile
 
 THREADS = (8, 16, 32, 64)
-IMAGE_SIDE = 2048  # 2048 x 2048 RGBA fp32 = 64 MiB: past the last-level cache of phones and most desktops
+IMAGE_SIDE = 2048  # 2048 x 2048 RGBA fp32 = 64 MiB: past the last-level cache of phones and most desktops;
+#                    every OpenCL device with images allows it (2048 is the embedded profile's minimum)
 READS_PER_THREAD = 8
 PAIR_OFFSETS = (0, 1, 2, 4, 8, 16)  # texels; the probe places pairs on a 16-texel grid
 PAIR_ROUNDS = 5
+PAIR_WORK_ITEMS, PAIRS_PER_ITEM = 1024, 256
+FOOTPRINT_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FOOTPRINT_READS = 65536
+FMA_WORK_ITEMS, FMA_ITERATIONS = 1 << 14, 2048
+REPEATS = 5  # each launch's best of REPEATS runs (the block probe's launches run once, PAIR_ROUNDS times round-robin)
+PLAN_FORMAT, RESULTS_FORMAT, FORMAT_VERSION = "fblc-profile-plan", "fblc-profile-results", 1
 REMEDY = ("profile another device ('fblc devices' lists them), or copy a shipped profile from "
           "fblc/profiles/targets/ and edit its figures by hand")
 
@@ -94,171 +110,211 @@ __kernel void fma_loop(__global float *out, int iterations) {
 """
 
 Progress = Callable[[str], None]
+Plan = dict[str, Any]
+Results = dict[str, Any]
 
 
-class Profiler:
-    """Microbenchmarks on one pyopencl device."""
-
-    def __init__(self, device: Any) -> None:
-        import pyopencl as cl
-
-        self.cl = cl
-        self.device = device
-        self.context = cl.Context([device])
-        self.queue = cl.CommandQueue(self.context, properties=cl.command_queue_properties.PROFILING_ENABLE)
-        try:
-            self.program = cl.Program(self.context, SOURCE).build()
-        except cl.RuntimeError as error:
-            raise FblcError(f"{device.name.strip()} rejected fblc's benchmark kernels: {str(error).strip()[-2000:]}",
-                            REMEDY) from None
-        self.pattern_kernel = cl.Kernel(self.program, "pattern_read")
-        self.pair_kernel = cl.Kernel(self.program, "pair_read")
-        self.footprint_kernel = cl.Kernel(self.program, "footprint_read")
-        self.fma_kernel = cl.Kernel(self.program, "fma_loop")
-        side = min(IMAGE_SIDE, device.image2d_max_width, device.image2d_max_height)
-        self.width = self.height = side
-        texels = np.random.default_rng(0).standard_normal((side, side, 4)).astype(np.float32)
-        fmt = cl.ImageFormat(cl.channel_order.RGBA, cl.channel_type.FLOAT)
-        self.image = cl.create_image(self.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, fmt,
-                                     shape=(side, side), hostbuf=texels)
-        self.out = cl.Buffer(self.context, cl.mem_flags.WRITE_ONLY, size=4 * side * side)
-
-    def _seconds(self, kernel: Any, global_size: int, local_size: int | None, *args: Any, repeats: int = 5) -> float:
-        kernel.set_args(*args)
-        best = float("inf")
-        for _ in range(repeats):
-            event = self.cl.enqueue_nd_range_kernel(self.queue, kernel, (global_size,),
-                                                    None if local_size is None else (local_size,))
-            event.wait()
-            best = min(best, (event.profile.end - event.profile.start) * 1e-9)
-        return best
-
-    def pattern_throughput(self, progress: Progress) -> dict[str, dict[int, float]]:
-        """Texel reads per second, per pattern and work-group size."""
-        total = self.width * self.height // READS_PER_THREAD
-        table: dict[str, dict[int, float]] = {}
-        for index, pattern in enumerate(PATTERNS):
-            table[pattern] = {}
-            for threads in THREADS:
-                if threads > self.device.max_work_group_size:
-                    continue
-                seconds = self._seconds(self.pattern_kernel, total, threads, self.image, self.out, np.int32(index),
-                                        np.int32(self.width), np.int32(self.height), np.int32(READS_PER_THREAD),
-                                        np.int32(total))
-                table[pattern][threads] = total * READS_PER_THREAD / seconds
-                progress(f"{pattern} x {threads}")
-        return table
-
-    def _pair_cost(self, offset_x: int, offset_y: int) -> float:
-        work_items, pairs = 1024, 256
-        seconds = self._seconds(self.pair_kernel, work_items, None, self.image, self.out, np.int32(offset_x),
-                                np.int32(offset_y), np.int32(pairs), np.int32(self.width), np.int32(self.height),
-                                np.int32(0), repeats=1)
-        return seconds / (work_items * pairs)
-
-    @staticmethod
-    def _knee(costs: dict[int, float]) -> int:
-        """The block edge: the smallest offset from which every larger offset costs at least 40 % of the way
-        from the cheapest to the dearest (one noisy cheap or dear offset does not move it)."""
-        low, high = min(costs.values()), max(costs.values())
-        threshold = low + 0.4 * (high - low)
-        offsets = sorted(costs)
-        return next((offset for k, offset in enumerate(offsets) if all(costs[o] >= threshold for o in offsets[k:])),
-                    offsets[-1])  # no edge inside the probed offsets: the block is at least that wide
-
-    def block_geometry(self, progress: Progress) -> tuple[int, int]:
-        """Offsets measured round-robin, PAIR_ROUNDS times, keeping each one's cheapest run: slow drifts
-        of a shared CPU then hit every offset alike."""
-        width_runs: dict[int, list[float]] = {s: [] for s in PAIR_OFFSETS}
-        height_runs: dict[int, list[float]] = {s: [] for s in PAIR_OFFSETS}
-        for _ in range(PAIR_ROUNDS):
-            for s in PAIR_OFFSETS:
-                width_runs[s].append(self._pair_cost(s, 0))
-                height_runs[s].append(self._pair_cost(0, s))
-        progress("block width and height")
-        return tuple(max(1, self._knee({s: min(r) for s, r in runs.items()}))  # type: ignore[return-value]
-                     for runs in (width_runs, height_runs))
-
-    def l1_capacity(self, block_width: int, progress: Progress) -> int:
-        """Bytes: the largest footprint of blocks (`block_width` texels) read over and over at the small-footprint speed."""
-        costs = {}
-        for blocks in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
-            repeats = max(1, 65536 // blocks)
-            seconds = self._seconds(self.footprint_kernel, 1, 1, self.image, self.out, np.int32(blocks),
-                                    np.int32(block_width), np.int32(repeats), np.int32(self.width),
-                                    np.int32(self.height))
-            costs[blocks] = seconds / (blocks * repeats)
-        progress("capacity")
-        base = min(costs[16], costs[32])
-        fitting = [blocks for blocks, cost in sorted(costs.items()) if cost <= 1.5 * base]
-        return max(fitting) * block_width * 16
-
-    def bandwidth_gbps(self) -> float:
-        total = self.width * self.height // READS_PER_THREAD
-        seconds = self._seconds(self.pattern_kernel, total, 64 if self.device.max_work_group_size >= 64 else None,
-                                self.image, self.out, np.int32(0), np.int32(self.width), np.int32(self.height),
-                                np.int32(READS_PER_THREAD), np.int32(total))
-        return self.width * self.height * 16 / seconds / 1e9
-
-    def peak_gflops(self) -> float:
-        work_items, iterations = 1 << 14, 2048
-        seconds = self._seconds(self.fma_kernel, work_items, None, self.out, np.int32(iterations))
-        return work_items * iterations * 4 * 4 * 2 / seconds / 1e9  # 4 float4 fmas, 2 flops each
-
-    def wave_size(self) -> int:
-        return int(self.pattern_kernel.get_work_group_info(
-            self.cl.kernel_work_group_info.PREFERRED_WORK_GROUP_SIZE_MULTIPLE, self.device))
+# --- the plan --------------------------------------------------------------------------------------------
+def kernel_lines(source: str) -> list[dict[str, Any]]:
+    """Each `__kernel`'s name and first and last line (1-based, as compilers number them), so that a build
+    log's line names the kernel that failed, in either backend."""
+    found = []
+    for match in re.finditer(r"__kernel\s+void\s+(\w+)\s*\(", source):
+        depth, at = 0, source.index("{", match.end())
+        for at in range(at, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[at], 0)
+            if depth == 0:
+                break
+        found.append({"name": match.group(1), "first_line": source.count("\n", 0, match.start()) + 1,
+                      "last_line": source.count("\n", 0, at) + 1})
+    return found
 
 
-def profile_device(device: Any, name: str, progress: Progress = lambda step: None) -> dict[str, Any]:
-    """Measure `device` and return a profile document (valid for parse_profile)."""
-    started = time.perf_counter()
-    profiler = Profiler(device)
-    done = ["building the kernels"]
+def kernel_at_line(plan: Plan, line: int) -> str | None:
+    return next((k["name"] for k in plan["kernels"] if k["first_line"] <= line <= k["last_line"]), None)
 
-    def step(name: str) -> None:
-        done[0] = name
-        progress(name)
 
-    step("kernels built")
-    try:
-        patterns = profiler.pattern_throughput(step)
-        block_width, block_height = profiler.block_geometry(step)
-        l1_bytes = profiler.l1_capacity(block_width, step)
-        bandwidth, gflops, wave = profiler.bandwidth_gbps(), profiler.peak_gflops(), profiler.wave_size()
-    except profiler.cl.Error as error:
-        raise FblcError(f"{device.name.strip()} failed a benchmark kernel after '{done[0]}': {error}", REMEDY) from None
-    step("bandwidth and flops")
+def _launch(ident: str, step: str, kernel: str, args: list[dict[str, Any]], global_size: int, local_size: int | None,
+            measures: dict[str, Any], repeats: int = REPEATS, too_large: str = "skip") -> dict[str, Any]:
+    return {"id": ident, "step": step, "kernel": kernel, "args": args, "global": [global_size],
+            "local": None if local_size is None else [local_size], "too_large": too_large, "repeats": repeats,
+            "measures": measures}
+
+
+def measurement_plan() -> Plan:
+    """Every benchmark launch, in the order it runs; `measures` (which backends ignore) tells `interpret`
+    what each one measured. A launch whose `local` size a kernel cannot take is skipped (`too_large`:
+    "skip") or left to the driver ("driver")."""
+    side = IMAGE_SIDE
+    image, out = {"image": "img"}, {"buffer": "out"}
+    total = side * side // READS_PER_THREAD
+    launches = []
+    for index, pattern in enumerate(PATTERNS):
+        for threads in THREADS:
+            launches.append(_launch(f"pattern {pattern} x {threads}", f"{pattern} x {threads}", "pattern_read",
+                                    [image, out, {"int": index}, {"int": side}, {"int": side},
+                                     {"int": READS_PER_THREAD}, {"int": total}], total, threads,
+                                    {"probe": "pattern", "pattern": pattern, "threads": threads,
+                                     "texel_reads": total * READS_PER_THREAD}))
+    for round_ in range(PAIR_ROUNDS):  # round-robin: slow drifts of a shared CPU hit every offset alike
+        for offset in PAIR_OFFSETS:
+            for axis, (dx, dy) in (("x", (offset, 0)), ("y", (0, offset))):
+                launches.append(_launch(f"pair {axis}+{offset} round {round_ + 1}", "block width and height",
+                                        "pair_read", [image, out, {"int": dx}, {"int": dy}, {"int": PAIRS_PER_ITEM},
+                                                      {"int": side}, {"int": side}, {"int": 0}],
+                                        PAIR_WORK_ITEMS, None,
+                                        {"probe": "pair", "axis": axis, "offset": offset,
+                                         "pairs": PAIR_WORK_ITEMS * PAIRS_PER_ITEM}, repeats=1))
+    for width in sorted({max(1, offset) for offset in PAIR_OFFSETS}):  # every block width the probe can find
+        for blocks in FOOTPRINT_BLOCKS:
+            repeats = max(1, FOOTPRINT_READS // blocks)
+            launches.append(_launch(f"footprint {blocks} blocks of {width}", "capacity", "footprint_read",
+                                    [image, out, {"int": blocks}, {"int": width}, {"int": repeats}, {"int": side},
+                                     {"int": side}], 1, 1,
+                                    {"probe": "footprint", "block_width": width, "blocks": blocks,
+                                     "reads": blocks * repeats}))
+    launches.append(_launch("bandwidth", "bandwidth and flops", "pattern_read",
+                            [image, out, {"int": 0}, {"int": side}, {"int": side}, {"int": READS_PER_THREAD},
+                             {"int": total}], total, 64, {"probe": "bandwidth", "bytes": side * side * 16},
+                            too_large="driver"))
+    launches.append(_launch("fma", "bandwidth and flops", "fma_loop", [out, {"int": FMA_ITERATIONS}], FMA_WORK_ITEMS,
+                            None, {"probe": "fma", "flops": FMA_WORK_ITEMS * FMA_ITERATIONS * 4 * 4 * 2}))
+    return {"format": PLAN_FORMAT, "version": FORMAT_VERSION, "source": SOURCE, "kernels": kernel_lines(SOURCE),
+            "images": [{"name": "img", "width": side, "height": side, "order": "RGBA", "type": "FLOAT",
+                        "fill": "uniform", "seed": 0}],
+            "buffers": [{"name": "out", "bytes": 4 * side * side}],
+            "launches": launches}
+
+
+def plan_steps(plan: Plan) -> list[str]:
+    """The progress steps a backend reports, in order: one per run of launches with the same `step`."""
+    steps: list[str] = []
+    for launch in plan["launches"]:
+        if not steps or steps[-1] != launch["step"]:
+            steps.append(launch["step"])
+    return steps
+
+
+def fill_texels(width: int, height: int, seed: int) -> np.ndarray:
+    """The plan's "uniform" fill, float32 [height, width, 4] in [-1, 1): element k is
+    (scramble(k ^ seed) >> 8) / 2^23 - 1, bit for bit what the native runner writes (its fill_uniform)."""
+    v = np.arange(width * height * 4, dtype=np.uint32) ^ np.uint32(seed)
+    v ^= v >> np.uint32(16)
+    v *= np.uint32(0x7FEB352D)
+    v ^= v >> np.uint32(15)
+    v *= np.uint32(0x846CA68B)
+    v ^= v >> np.uint32(16)
+    return ((v >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -23) - np.float32(1.0)).reshape(height, width, 4)
+
+
+def with_log(remedy: str, log: str) -> str:
+    """The remedy, then the compiler's log on the lines below: the error's first line stays whole."""
+    return f"{remedy}. The compiler's log:\n{log.strip()[-3000:]}" if log.strip() else remedy
+
+
+# --- interpreting, for every backend ---------------------------------------------------------------------
+def block_edge(costs: dict[int, float]) -> int:
+    """The block edge: the smallest offset from which every larger offset costs at least 40 % of the way
+    from the cheapest to the dearest (one noisy cheap or dear offset does not move it)."""
+    low, high = min(costs.values()), max(costs.values())
+    threshold = low + 0.4 * (high - low)
+    offsets = sorted(costs)
+    return next((offset for k, offset in enumerate(offsets) if all(costs[o] >= threshold for o in offsets[k:])),
+                offsets[-1])  # no edge inside the probed offsets: the block is at least that wide
+
+
+def _timed(plan: Plan, results: Results) -> list[tuple[dict[str, Any], float | None]]:
+    """(what each launch measures, its best seconds or None when skipped), checking the results fit the plan."""
+    problem = None
+    if not isinstance(results, dict) or results.get("format") != RESULTS_FORMAT:
+        problem = "are not fblc profile results"
+    elif results.get("version") != FORMAT_VERSION:
+        problem = f"have version {results.get('version')}, this fblc reads {FORMAT_VERSION}"
+    elif [e.get("id") for e in results.get("launches", [])] != [launch["id"] for launch in plan["launches"]]:
+        problem = "time other launches than the plan holds"
+    if problem:
+        raise FblcError(f"the benchmark results {problem}", "rebuild the native runner from this fblc (README: "
+                                                            "'Phones') and profile again")
+    timed = []
+    for launch, entry in zip(plan["launches"], results["launches"]):
+        seconds = entry.get("seconds")
+        if "skipped" not in entry and not (isinstance(seconds, (int, float)) and seconds > 0):
+            raise FblcError(f"the benchmark launch '{launch['id']}' took {seconds!r} s on the device: its timer "
+                            "gives no usable time", REMEDY)
+        timed.append((launch["measures"], None if "skipped" in entry else float(seconds)))
+    return timed
+
+
+def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
+    """The profile document (valid for parse_profile) that `results`, the timings of `plan`, show."""
+    timed = _timed(plan, results)
+    device, gpu = results["device"], results["device"]["name"]
+    patterns: dict[str, dict[int, float]] = {p: {} for p in PATTERNS}
+    pairs: dict[str, dict[int, list[float]]] = {"x": {}, "y": {}}
+    footprints: dict[int, dict[int, float]] = {}
+    bandwidth = gflops = 0.0  # both launches always run (bandwidth's local size falls back to the driver's)
+    for what, seconds in timed:
+        if seconds is None:
+            continue
+        if what["probe"] == "pattern":
+            patterns[what["pattern"]][what["threads"]] = what["texel_reads"] / seconds
+        elif what["probe"] == "pair":
+            pairs[what["axis"]].setdefault(what["offset"], []).append(seconds / what["pairs"])
+        elif what["probe"] == "footprint":
+            footprints.setdefault(what["block_width"], {})[what["blocks"]] = seconds / what["reads"]
+        elif what["probe"] == "bandwidth":
+            bandwidth = what["bytes"] / seconds / 1e9
+        elif what["probe"] == "fma":
+            gflops = what["flops"] / seconds / 1e9
+    # each offset's cheapest round: slow drifts of a shared CPU hit every offset alike
+    block_width, block_height = (max(1, block_edge({s: min(runs) for s, runs in pairs[axis].items()}))
+                                 for axis in ("x", "y"))
+    costs = footprints[block_width]  # the capacity probe run with the block width just found
+    base = min(costs[FOOTPRINT_BLOCKS[0]], costs[FOOTPRINT_BLOCKS[1]])
+    l1_bytes = max(blocks for blocks, cost in sorted(costs.items()) if cost <= 1.5 * base) * block_width * 16
+    wave = int(results["kernels"]["pattern_read"]["preferred_work_group_size_multiple"])
     today = datetime.date.today().isoformat()
-    measured = f"measured {today} by fblc profile on {device.name.strip()}"
-    queried = f"measured {today}: clGetDeviceInfo of {device.name.strip()}"
+    measured = f"measured {today} by fblc profile on {gpu}"
+    queried = f"measured {today}: clGetDeviceInfo of {gpu}"
     with open(f"{TARGETS_DIR}/local.json", encoding="utf-8") as handle:
         figures = json.load(handle)["figures"]
     figures.update({
-        "image2d_max_width": {"value": int(device.image2d_max_width), "source": queried},
-        "image2d_max_height": {"value": int(device.image2d_max_height), "source": queried},
-        "max_work_group_size": {"value": int(device.max_work_group_size), "source": queried},
-        "wave_size": {"value": max(1, min(wave, int(device.max_work_group_size))),
+        "image2d_max_width": {"value": int(device["image2d_max_width"]), "source": queried},
+        "image2d_max_height": {"value": int(device["image2d_max_height"]), "source": queried},
+        "max_work_group_size": {"value": int(device["max_work_group_size"]), "source": queried},
+        "wave_size": {"value": max(1, min(wave, int(device["max_work_group_size"]))),
                       "source": f"{queried} (preferred work-group size multiple)"},
         "tex_block_width": {"value": block_width, "source": f"{measured}: strided-x probe"},
         "tex_block_height": {"value": block_height, "source": f"{measured}: strided-y probe"},
         "line_bytes": {"value": block_width * 16, "source": f"{measured}: block width x 16-byte texels"},
         "l1_bytes": {"value": max(l1_bytes, block_width * block_height * 16 * figures["l1_ways"]["value"]),
                      "source": f"{measured}: repeated-footprint probe"},
-        "l2_bytes": {"value": max(int(device.global_mem_cache_size), l1_bytes),
+        "l2_bytes": {"value": max(int(device["global_mem_cache_size"]), l1_bytes),
                      "source": f"{queried} (global memory cache size)"},
         "bandwidth_gbps": {"value": round(bandwidth, 2), "source": f"{measured}: row-major image stream"},
         "peak_gflops": {"value": round(gflops, 1), "source": f"{measured}: float4 FMA loop"},
     })
+    patterns = {p: row for p, row in patterns.items() if row}
     document = {
-        "name": name, "vendor": device.vendor.strip() or "unknown", "gpu": device.name.strip(),
-        "opencl_version": device.version.strip(), "figures": figures,
+        "name": name, "vendor": device["vendor"] or "unknown", "gpu": gpu, "opencl_version": device["version"],
+        "figures": figures,
         "measurements": {
-            "date": today, "seconds": round(time.perf_counter() - started, 2),
+            "date": today, "seconds": round(float(results["seconds"]), 2), "backend": results["backend"],
             "pattern_reads_per_second": {p: {str(t): v for t, v in row.items()} for p, row in patterns.items()},
             "relative_to_column_major": {p: {str(t): v / patterns["column-major"][t] for t, v in row.items()}
                                          for p, row in patterns.items()},
+            "pair_read_ns": {axis: {str(s): round(min(runs) * 1e9, 3) for s, runs in sorted(pairs[axis].items())}
+                             for axis in ("x", "y")},
+            "footprint_read_ns": {str(b): round(c * 1e9, 3) for b, c in sorted(costs.items())},
         },
     }
-    parse_profile(document, f"<profile of {device.name.strip()}>")  # what we write must load
+    parse_profile(document, f"<profile of {gpu}>")  # what we write must load
     return document
+
+
+def profile_device(device: Any, name: str, progress: Progress = lambda step: None) -> dict[str, Any]:
+    """Measure a pyopencl `device` and return a profile document (valid for parse_profile)."""
+    from fblc.profiles.pyopencl_timing import measure_with_pyopencl
+
+    plan = measurement_plan()
+    return interpret(plan, measure_with_pyopencl(device, plan, progress), name)

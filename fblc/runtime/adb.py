@@ -7,6 +7,7 @@ runs/<id>/ below it (the data file, then results.json and params.bin), which is 
 run ends, whether it succeeded or not. A push goes to a hidden staging folder that is renamed
 into place only when complete, so a failed push (full disk, lost device) leaves the previous
 bundle, or nothing, never half a bundle; locally, parameters are written atomically.
+`fblc profile --device adb:S` runs the same runner's profile mode (adb_profile.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ Say = Callable[[str], None]
 
 class AdbError(BundleError):
     """adb missing, no or the wrong device, a failed transfer or a failed run on the device."""
+
+
+class RunnerFailed(AdbError):
+    """The runner itself failed on the device: its error line (and a compiler's log) is the message."""
 
 
 @dataclass(frozen=True)
@@ -281,7 +286,8 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
         adb.shell(serial, f"mkdir -p {_quote(run_dir)}")
         try:
             adb.push(serial, [data], f"{run_dir}/data.bin", what="the data")
-            _stream_runner(adb, serial, remote, run_id, steps, on_line)
+            stream_runner(adb, serial, remote, f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}",
+                          on_line)
             pulled = os.path.join(local, "results")
             os.makedirs(pulled)
             adb.pull(serial, [f"{run_dir}/{RESULTS}", f"{run_dir}/{PARAMS_OUT}"], pulled)
@@ -293,10 +299,11 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
                 pass
 
 
-def _stream_runner(adb: Adb, serial: str, remote: str, run_id: str, steps: int,
-                   on_line: Callable[[dict[str, Any]], None]) -> None:
-    command = (f"cd {_quote(remote)} && ./{RUNNER_NAME} . --data runs/{run_id}/data.bin --steps {steps} "
-               f"--out runs/{run_id}; echo {EXIT_MARK}$?")
+def stream_runner(adb: Adb, serial: str, remote: str, arguments: str,
+                  on_line: Callable[[dict[str, Any]], None]) -> None:
+    """Run `remote`/fblc-runner `arguments` (already shell-quoted) in `remote` on the device, handing each JSON
+    line it prints to `on_line` as it comes; AdbError with the runner's own error (and compiler log) if it fails."""
+    command = f"cd {_quote(remote)} && ./{RUNNER_NAME} {arguments}; echo {EXIT_MARK}$?"
     process = subprocess.Popen([adb.binary, "-s", serial, "shell", command], stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     code, other, errors_seen = None, [], []
@@ -333,7 +340,7 @@ def _stream_runner(adb: Adb, serial: str, remote: str, run_id: str, steps: int,
                                                    f"({_last_line(stderr or 'adb gave no output')})")
     if code != 0:
         why = errors[0] if errors else _last_line("\n".join(messages) or f"exit status {code}")
-        raise AdbError(f"the runner failed on {serial}: {why}")
+        raise RunnerFailed(f"the runner failed on {serial}: {why}")
 
 
 def cmd_run_adb(args: Any) -> int:

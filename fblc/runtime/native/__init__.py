@@ -5,7 +5,9 @@ The runner reads a bundle exactly as `LocalRunner` does and knows nothing about 
 batches from a data file that fblc writes from the `.npz` of `fblc run` (`write_data`), and leaves
 `results.json` (losses, step times, per-kernel device times, bytes allocated) and `params.bin` (the
 trained parameters, float32) in an output folder (`read_results`). `fblc push` / `fblc run --device
-adb:S` run the same binary on a phone (fblc/runtime/adb.py).
+adb:S` run the same binary on a phone (fblc/runtime/adb.py). Its `--profile` mode times the launches of
+a measurement plan from `fblc profile` (fblc/profiles/profiler.py) and writes their raw timings:
+`profile_with_runner` runs it here, `fblc profile --device adb:S` on a phone (fblc/runtime/adb_profile.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -246,3 +248,39 @@ def run_runner(runner: str, bundle: str, batches: Sequence[Mapping[str, np.ndarr
             message = done.stderr.strip() or f"exit status {done.returncode}"
             raise RunnerError(message.removeprefix("fblc-runner: error: "))
         return read_results(work)
+
+
+def profile_with_runner(runner: str, plan: Mapping[str, Any], device: str | None = None,
+                        env: Mapping[str, str] | None = None,
+                        on_line: Callable[[dict[str, Any]], None] = lambda line: None) -> dict[str, Any]:
+    """Time `plan` with the runner's --profile mode on this machine (device "P:D", or the first with images);
+    the raw results. Each progress line the runner prints goes to `on_line` as it comes, so a caller can show it."""
+    with tempfile.TemporaryDirectory(prefix="fblc-profile-") as work:
+        plan_path, results_path = os.path.join(work, "plan.json"), os.path.join(work, "results.json")
+        with open(plan_path, "w", encoding="utf-8") as handle:
+            json.dump(plan, handle)
+        command = [runner, "--profile", plan_path, "--out", results_path] + (["--device", device] if device else [])
+        with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:  # a file: a long log cannot block the runner
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, bufsize=1,
+                                       env={**os.environ, **(env or {})})
+            assert process.stdout is not None
+            try:
+                for line in process.stdout:
+                    if line.startswith("{"):
+                        on_line(json.loads(line))
+                process.wait()
+            except BaseException:  # Ctrl-C (which the runner gets too) or a failing on_line: leave no runner behind
+                process.terminate()
+                process.wait()
+                raise
+            errors.seek(0)
+            message = errors.read().strip()
+        if process.returncode != 0:  # the runner's error line and what follows (a compiler log), not a driver's chatter
+            at = message.find("fblc-runner: error: ")
+            raise RunnerError(message[at + len("fblc-runner: error: "):] if at >= 0
+                              else message or f"exit status {process.returncode}")
+        try:
+            with open(results_path, encoding="utf-8") as handle:
+                return json.load(handle)
+        except (OSError, ValueError) as error:
+            raise RunnerError(f"the runner's profile results are unreadable ({error})") from None

@@ -12,13 +12,29 @@
 
 static const char *const CHECKSUMMED[] = {"plan.json", "kernels.cl", "params.bin", "report.json"};
 
-size_t format_element_bytes(int format) { return format == FORMAT_F16 ? 2 : format == FORMAT_MASK4 ? 1 : 4; }
+/* The plan's texture formats (fblc/bundle_format.py), by FORMAT_*. */
+static const struct {
+    const char *name;
+    size_t element_bytes, texel_bytes, texel_elements;
+} FORMATS[FORMAT_COUNT] = {
+    [FORMAT_F32] = {"rgba_f32", 4, 16, 4}, [FORMAT_F16] = {"rgba_f16", 2, 8, 4}, [FORMAT_I32] = {"rgba_i32", 4, 16, 4},
+    [FORMAT_MASK4] = {"r_mask4", 1, 1, 4}, [FORMAT_MASK8] = {"r_mask8", 1, 1, 8},
+};
 
-size_t format_texel_bytes(int format) { return format == FORMAT_MASK4 ? 1 : 4 * format_element_bytes(format); }
+size_t format_element_bytes(int format) { return FORMATS[format].element_bytes; }
 
-const char *format_name(int format) {
-    return format == FORMAT_F16 ? "rgba_f16" : format == FORMAT_I32 ? "rgba_i32" : format == FORMAT_MASK4 ? "r_mask4"
-                                                                                          : "rgba_f32";
+size_t format_texel_bytes(int format) { return FORMATS[format].texel_bytes; }
+
+size_t format_texel_elements(int format) { return FORMATS[format].texel_elements; }
+
+int format_is_mask(int format) { return format == FORMAT_MASK4 || format == FORMAT_MASK8; }
+
+const char *format_name(int format) { return FORMATS[format].name; }
+
+int format_of_name(const char *name) {
+    for (int format = 0; format < FORMAT_COUNT; ++format)
+        if (strcmp(FORMATS[format].name, name) == 0) return format;
+    return -1;
 }
 
 static const char *folder_of_error;
@@ -150,19 +166,20 @@ void bundle_load(const char *folder, bundle *out) {
         const json_value *id = json_get(entry, "id");
         if (id && as_size(id, "a texture id is not a number") != i) bad("texture ids are not in order");
         t->name = xstrdup(need(entry, "name", JSON_STRING, "a texture")->string);
-        const char *name = need(entry, "format", JSON_STRING, "a texture")->string;
-        if (strcmp(name, "rgba_f32") == 0) t->format = FORMAT_F32;
-        else if (strcmp(name, "rgba_f16") == 0) t->format = FORMAT_F16;
-        else if (strcmp(name, "rgba_i32") == 0) t->format = FORMAT_I32;
-        else if (strcmp(name, "r_mask4") == 0) t->format = FORMAT_MASK4;
-        else bad("a texture has an unknown format");
+        const char *format = need(entry, "format", JSON_STRING, "a texture")->string;
+        t->format = format_of_name(format);
+        if (t->format < 0) {
+            char message[512];
+            snprintf(message, sizeof message, "texture '%.200s' has the unknown format '%.100s'", t->name, format);
+            bad(message);
+        }
         t->width = need_size(entry, "width", "a texture");
         t->height = need_size(entry, "height", "a texture");
         if (!t->width || !t->height) bad("a texture has no texels");
         const json_value *shape = need(entry, "shape", JSON_ARRAY, "a texture");
         t->elements = 1;
         for (size_t k = 0; k < shape->count; ++k) t->elements *= as_size(json_at(shape, k), "a texture shape is bad");
-        if (t->elements > t->width * t->height * 4) bad("a texture is smaller than its tensor");  /* 4 per texel in every format */
+        if (t->elements > t->width * t->height * format_texel_elements(t->format)) bad("a texture is smaller than its tensor");
         const json_value *image = json_get(entry, "image");
         t->image = image ? as_size(image, "a texture's image is bad") : i;
         if (t->image >= textures->count) bad("a texture names an image the plan does not have");

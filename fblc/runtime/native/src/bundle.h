@@ -7,9 +7,10 @@
 #include <stdint.h>
 
 #define FBLC_FORMAT_NAME "fblc-bundle"
-#define FBLC_FORMAT_VERSION 2
+#define FBLC_FORMAT_VERSION 3
 
-enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2, FORMAT_MASK4 = 3 /* R uint8: 4 mask bits per texel */ };
+/* R uint8 masks: MASK8 holds 8 elements a byte (bit i & 7 of byte i >> 3), MASK4 4 (its fallback) */
+enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2, FORMAT_MASK4 = 3, FORMAT_MASK8 = 4, FORMAT_COUNT };
 
 typedef struct {
     char *name;
@@ -65,8 +66,11 @@ typedef struct {
  * problem and what to do. */
 void bundle_load(const char *folder, bundle *out);
 
-size_t format_element_bytes(int format); /* 4, 2, 4, 1 */
-size_t format_texel_bytes(int format);   /* 16, 8, 16, 1 */
+size_t format_element_bytes(int format);  /* 4, 2, 4, 1, 1 */
+size_t format_texel_bytes(int format);    /* bytes of an image texel: 16, 8, 16, 1, 1 */
+size_t format_texel_elements(int format); /* tensor elements an image texel holds: 4, 4, 4, 4, 8 */
+int format_is_mask(int format);
 const char *format_name(int format);
+int format_of_name(const char *name);     /* FORMAT_*, or -1 */
 
 #endif

@@ -1,6 +1,7 @@
 /* fblc-runner: train with an fblc bundle on an OpenCL device, without Python.
  *
  *   fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--quiet]
+ *   fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]
  *   fblc-runner --devices
  *   fblc-runner --version
  *
@@ -15,6 +16,9 @@
  * events, bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
  * results.json last, and only when every step ran.
  * Errors: one line "fblc-runner: error: ..." on stderr and exit codes from util.h.
+ *
+ * --profile times the launches of a measurement plan from `fblc profile` and writes their raw timings
+ * (profile.c); fblc turns them into a target profile.
  */
 #include <errno.h>
 #include <signal.h>
@@ -27,6 +31,7 @@
 #include "bundle.h"
 #include "json.h"
 #include "opencl.h"
+#include "profile.h"
 #include "runner.h"
 #include "util.h"
 
@@ -42,6 +47,7 @@ static void on_signal(int signal_number) {
 
 static void usage(void) {
     fputs("usage: fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--quiet]\n"
+          "       fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]\n"
           "       fblc-runner --devices | --version\n", stderr);
     exit(EXIT_USAGE);
 }
@@ -219,7 +225,7 @@ static void interrupted_exit(void) {
 }
 
 int main(int argc, char **argv) {
-    const char *bundle_dir = NULL, *data_path = NULL, *out_dir = NULL, *device_spec = NULL;
+    const char *bundle_dir = NULL, *data_path = NULL, *out_dir = NULL, *device_spec = NULL, *plan_path = NULL;
     long steps = -1;
     int use_cache = 1, quiet = 0, list = 0;
     for (int i = 1; i < argc; ++i) {
@@ -231,6 +237,7 @@ int main(int argc, char **argv) {
         else if (strcmp(arg, "--no-cache") == 0) use_cache = 0;
         else if (strcmp(arg, "--quiet") == 0) quiet = 1;
         else if (i + 1 < argc && strcmp(arg, "--data") == 0) data_path = argv[++i];
+        else if (i + 1 < argc && strcmp(arg, "--profile") == 0) plan_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--out") == 0) out_dir = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--device") == 0) device_spec = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--steps") == 0) {
@@ -248,7 +255,9 @@ int main(int argc, char **argv) {
         device_list();
         return 0;
     }
-    if (!bundle_dir || !data_path || !out_dir || steps < 1) usage();
+    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache)
+                  : (!bundle_dir || !data_path || !out_dir || steps < 1))
+        usage();
 
     struct sigaction action;
     memset(&action, 0, sizeof action);
@@ -257,6 +266,10 @@ int main(int argc, char **argv) {
     sigaction(SIGTERM, &action, NULL);
     sigaction(SIGHUP, &action, NULL);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout (adb gone) must not kill the run before cleanup */
+    if (plan_path) {
+        profile_run(plan_path, out_dir, device_spec, quiet, RUNNER_VERSION, &interrupted);
+        return 0;
+    }
 
     struct stat folder;
     if (stat(out_dir, &folder) != 0 || !S_ISDIR(folder.st_mode))

@@ -43,6 +43,7 @@ static const char *load_symbols(void *handle) {
     LOAD(GetDeviceInfo);
     LOAD(CreateContext);
     LOAD(CreateCommandQueue);
+    LOAD(CreateBuffer);
     LOAD(GetSupportedImageFormats);
     LOAD(CreateImage);
     LOAD(CreateProgramWithSource);
@@ -51,6 +52,7 @@ static const char *load_symbols(void *handle) {
     LOAD(GetProgramBuildInfo);
     LOAD(GetProgramInfo);
     LOAD(CreateKernel);
+    LOAD(GetKernelWorkGroupInfo);
     LOAD(SetKernelArg);
     LOAD(EnqueueNDRangeKernel);
     LOAD(EnqueueWriteImage);
@@ -118,6 +120,31 @@ const char *opencl_error(cl_int code) {
     case -1001: return "CL_PLATFORM_NOT_FOUND_KHR (no OpenCL driver is installed)";
     default: return "unknown OpenCL error";
     }
+}
+
+char *opencl_build_log(cl_program program, cl_device_id device) {
+    size_t size = 0;
+    if (cl.GetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, 0, NULL, &size) != CL_SUCCESS)
+        return xstrdup("");
+    char *log = xcalloc(size + 1, 1);
+    if (cl.GetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, size, log, NULL) != CL_SUCCESS)
+        log[0] = '\0';
+    return log;
+}
+
+long opencl_log_line(const char *log) {
+    for (int pass = 0; pass < 2; ++pass) {
+        for (const char *at = log; (at = strchr(at, ':')) != NULL; ++at) {
+            if (pass == 0 && (at - log < 3 || strncmp(at - 3, ".cl", 3) != 0)) continue;
+            char *end;
+            long line = strtol(at + 1, &end, 10);
+            if (end == at + 1 || *end != ':' || line <= 0) continue;
+            char *column_end;
+            strtol(end + 1, &column_end, 10);
+            if (column_end != end + 1 && *column_end == ':') return line;
+        }
+    }
+    return 0;
 }
 
 void check_cl(cl_int status, const char *what) {

@@ -17,6 +17,7 @@ typedef struct {
                                             void (CL_CALLBACK *)(const char *, const void *, size_t, void *), void *,
                                             cl_int *);
     cl_command_queue (CL_API_CALL *CreateCommandQueue)(cl_context, cl_device_id, cl_command_queue_properties, cl_int *);
+    cl_mem (CL_API_CALL *CreateBuffer)(cl_context, cl_mem_flags, size_t, void *, cl_int *);
     cl_int (CL_API_CALL *GetSupportedImageFormats)(cl_context, cl_mem_flags, cl_mem_object_type, cl_uint,
                                                    cl_image_format *, cl_uint *);
     cl_mem (CL_API_CALL *CreateImage)(cl_context, cl_mem_flags, const cl_image_format *, const cl_image_desc *, void *,
@@ -29,6 +30,8 @@ typedef struct {
     cl_int (CL_API_CALL *GetProgramBuildInfo)(cl_program, cl_device_id, cl_program_build_info, size_t, void *, size_t *);
     cl_int (CL_API_CALL *GetProgramInfo)(cl_program, cl_program_info, size_t, void *, size_t *);
     cl_kernel (CL_API_CALL *CreateKernel)(cl_program, const char *, cl_int *);
+    cl_int (CL_API_CALL *GetKernelWorkGroupInfo)(cl_kernel, cl_device_id, cl_kernel_work_group_info, size_t, void *,
+                                                 size_t *);
     cl_int (CL_API_CALL *SetKernelArg)(cl_kernel, cl_uint, size_t, const void *);
     cl_int (CL_API_CALL *EnqueueNDRangeKernel)(cl_command_queue, cl_kernel, cl_uint, const size_t *, const size_t *,
                                                const size_t *, cl_uint, const cl_event *, cl_event *);
@@ -52,6 +55,11 @@ extern opencl_api cl;
  * system paths, else libOpenCL.so.1 / libOpenCL.so. Dies with EXIT_OPENCL naming what was tried. */
 void opencl_load(void);
 const char *opencl_error(cl_int code);
+
+/* The build log of `program` on `device` (malloc'd, "" when the driver gives none). */
+char *opencl_build_log(cl_program program, cl_device_id device);
+/* The line of the first "file:LINE:COLUMN:" in a compiler log (".cl:" preferred), or 0. */
+long opencl_log_line(const char *log);
 
 /* Die with EXIT_OPENCL if `status` is not CL_SUCCESS: "<what>: <CL error name>". */
 void check_cl(cl_int status, const char *what);

@@ -11,8 +11,7 @@
 #define BUILD_OPTIONS "-cl-std=CL1.2"
 #define MAX_OPTIONS 1024
 
-/* "-cl-std=CL1.2", then $FBLC_CL_BUILD_OPTIONS if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
-static const char *build_options(void) {
+const char *build_options(void) {
     static char options[MAX_OPTIONS];
     const char *extra = getenv("FBLC_CL_BUILD_OPTIONS");
     if (extra && *extra) snprintf(options, sizeof options, "%s %s", BUILD_OPTIONS, extra);
@@ -133,9 +132,9 @@ void device_list(void) {
 
 static cl_image_format image_format(int format) {
     cl_image_format f;
-    f.image_channel_order = format == FORMAT_MASK4 ? CL_R : CL_RGBA;
+    f.image_channel_order = format_is_mask(format) ? CL_R : CL_RGBA;
     f.image_channel_data_type = format == FORMAT_F16 ? CL_HALF_FLOAT : format == FORMAT_I32 ? CL_SIGNED_INT32
-                              : format == FORMAT_MASK4 ? CL_UNSIGNED_INT8 : CL_FLOAT;
+                              : format_is_mask(format) ? CL_UNSIGNED_INT8 : CL_FLOAT;
     return f;
 }
 
@@ -198,35 +197,9 @@ static char *cache_key(runner *r) {
     return key;
 }
 
-static char *build_log(runner *r, cl_program program) {
-    size_t size = 0;
-    if (cl.GetProgramBuildInfo(program, r->device.device, CL_PROGRAM_BUILD_LOG, 0, NULL, &size) != CL_SUCCESS)
-        return xstrdup("");
-    char *log = xcalloc(size + 1, 1);
-    if (cl.GetProgramBuildInfo(program, r->device.device, CL_PROGRAM_BUILD_LOG, size, log, NULL) != CL_SUCCESS)
-        log[0] = '\0';
-    return log;
-}
-
-/* The line of the first "file:LINE:COLUMN:" in a compiler log (".cl:" preferred), or 0. */
-static long log_line(const char *log) {
-    for (int pass = 0; pass < 2; ++pass) {
-        for (const char *at = log; (at = strchr(at, ':')) != NULL; ++at) {
-            if (pass == 0 && (at - log < 3 || strncmp(at - 3, ".cl", 3) != 0)) continue;
-            char *end;
-            long line = strtol(at + 1, &end, 10);
-            if (end == at + 1 || *end != ':' || line <= 0) continue;
-            char *column_end;
-            strtol(end + 1, &column_end, 10);
-            if (column_end != end + 1 && *column_end == ':') return line;
-        }
-    }
-    return 0;
-}
-
 static void die_with_build_log(runner *r, cl_program program) {
-    char *log = build_log(r, program);
-    long line = log_line(log);
+    char *log = opencl_build_log(program, r->device.device);
+    long line = opencl_log_line(log);
     char where[512] = "(see the log)";
     for (size_t i = 0; line && i < r->b->launch_count; ++i)
         if (r->b->launches[i].first_line <= line && line <= r->b->launches[i].last_line) {

@@ -31,6 +31,9 @@ typedef struct {
     double submit_ms;        /* host time of the last step's uploads and launches (until the last enqueue returned) */
 } runner;
 
+/* "-cl-std=CL1.2", then $FBLC_CL_BUILD_OPTIONS if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
+const char *build_options(void);
+
 /* "P:D" or NULL for the first device with image support (what `fblc run --device local` takes). */
 void device_select(const char *spec, device_choice *out);
 void device_list(void); /* one JSON object per line */
