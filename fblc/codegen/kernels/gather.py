@@ -23,6 +23,7 @@ from fblc.codegen.cl import Kernel, flat_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.index_map import row_major_strides
 from fblc.compiler.values import attr, const_array, numel, static_shape
 from fblc.passes.fuse import real_producer
 
@@ -132,6 +133,8 @@ def emit_scatter_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     combine = _combine(node, ctype)
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
+    if count and ctype == "float" and slice_size % 4 == 0 and _whole_texels(b, data) and _whole_texels(b, updates):
+        return [_scatter_nd_slices(b, node, combine)]
     acc, u = b.fresh("acc"), b.fresh("u")
     _start(b, node, acc)
     if count == 0:
@@ -152,6 +155,62 @@ def emit_scatter_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
            f"  if ({target} == {prefix}) {acc} = {combine.format(acc=acc, u=b.load(updates, update_index))};",
            "}")
     return [b.finish([acc])]
+
+
+SLICE_TEXELS = 16  # the most texels of one target slice a work-item folds together
+
+
+def _whole_texels(b: KernelBuilder, value: ir.Value) -> bool:
+    """Whether `value` is stored (or viewed) contiguously from a texel boundary, so that its
+    elements 4k..4k+3 are one texel of the tensor that holds it."""
+    if b.constant_scalar(value) is not None:
+        return False
+    _, index_map = b.strided(value)
+    return index_map.contiguous or (index_map.offset % 4 == 0 and
+                                    list(index_map.strides) == row_major_strides(index_map.shape))
+
+
+def _texel_of(b: KernelBuilder, value: ir.Value, element: str) -> str:
+    """C expression: the texel of `value` (see _whole_texels) that starts at element `element`."""
+    root, index_map = b.strided(value)
+    arg, texture = b.argument(root)
+    start = f"{element} + {index_map.offset}" if index_map.offset else element
+    return b.read_texel(arg, texture, f"({start}) >> 2")
+
+
+def _scatter_nd_slices(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
+    """ScatterND whose slices are whole texels: a work-item owns `per` texels of one target slice
+    and scans the indices once for all of them (the lane path scans them once per element: the
+    embedding gradient of a decoder read its 512 token ids 8192 times). Matching updates fold
+    into float4 accumulators in update order, so every reduction keeps its per-element meaning."""
+    data, indices, updates = node.inputs[:3]
+    data_shape, index_shape = static_shape(data), static_shape(indices)
+    depth, count = index_shape[-1], numel(index_shape[:-1])
+    slice_size = numel(data_shape[depth:])
+    strides = strides_of(data_shape)
+    per = max(d for d in range(1, SLICE_TEXELS + 1) if (slice_size // 4) % d == 0)
+    b.texels_per_item = per
+    first, prefix, within = b.fresh("first"), b.fresh("prefix"), b.fresh("within")
+    accs, u, target, raw = b.fresh("acc"), b.fresh("update"), b.fresh("target"), b.fresh("t")
+    code = [f"const int {first} = {b.item_first};",
+            f"const int {prefix} = {first} - {first} % {slice_size};",
+            f"const int {within} = {first} - {prefix};",
+            f"float {accs}[{4 * per}];"]
+    initial = "(float4)(0.0f)" if _is_zeros(data) else _texel_of(b, data, f"{first} + 4 * tt")
+    code += [f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
+             f"for (int {u} = 0; {u} < {count}; ++{u}) {{", f"  int {target} = 0;"]
+    for k in range(depth):
+        position = f"{u} * {depth} + {k}" if depth > 1 else u
+        wrapped = f"({raw} < 0 ? {raw} + {data_shape[k]} : {raw})"
+        scaled = wrapped if strides[k] == 1 else f"{wrapped} * {strides[k]}"
+        code.append(f"  {{ const int {raw} = {b.load(indices, position)}; {target} += {scaled}; }}")
+    update = _texel_of(b, updates, f"{u} * {slice_size} + {within} + 4 * tt")
+    folded = combine.format(acc=f"vload4(tt, {accs})", u=update)
+    code += [f"  if ({target} != {prefix}) continue;",
+             f"  for (int tt = 0; tt < {per}; ++tt) vstore4({folded}, tt, {accs});",
+             "}"]
+    b.emit_texel(*code)
+    return b.finish([f"{accs}[{b.item_lane}]"])
 
 
 @register_kernel("ScatterElements")
