@@ -8,6 +8,8 @@ embeddings, ScatterElements for cross-entropy, ConvTranspose for AveragePool).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -150,12 +152,21 @@ def test_max_pool(tmp_path, pads: list[int], strides: list[int], dilations: list
     _check(tmp_path, _op_then_loss(op, [2, 3, *dims], {"x": _randn(2, 3, 6, 7)}))
 
 
-def test_embedding_with_repeated_ids(tmp_path) -> None:
-    """Gather of a [5, 4] table by [3, 8] ids: 24 ids over 5 rows repeat, so ScatterND must add."""
+@pytest.mark.parametrize("width", [4, 8, 6])
+def test_embedding_with_repeated_ids(tmp_path, width: int) -> None:
+    """Gather of a [5, width] table by [3, 8] ids: 24 ids over 5 rows repeat, so ScatterND must add.
+    Rows of 4 and 8 take the whole-texel path (a work-item folds 1 or 2 texels of a row), 6 the per-lane one."""
     op = helper.make_node("Gather", ["table", "ids"], ["y"], axis=0, name="embed")
-    model = _op_then_loss(op, [3, 8, 4], {"table": _randn(5, 4)},
+    model = _op_then_loss(op, [3, 8, width], {"table": _randn(5, width)},
                           inputs=[helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 8])])
     _check(tmp_path, model)
+    from fblc.codegen.compile import compile_model
+
+    compile_model(str(tmp_path / "model.onnx"), str(tmp_path / "bundle"), "local", "fp32",
+                  TrainingOptions(loss="output", optimizer=SGD))
+    scatter = re.search(r"__kernel void \w+_ScatterND\(.*?\n}", (tmp_path / "bundle" / "kernels.cl").read_text(),
+                        re.DOTALL).group(0)
+    assert ("vload4" in scatter) == (width % 4 == 0)
 
 
 def test_gather_inner_axis_negative_index(tmp_path) -> None:
