@@ -5,7 +5,7 @@
 Same model, batch, optimizer (AdamW) and device (the local OpenCL device, PoCL on this CPU);
 only the layout differs. naive is the conventional baseline: flat row-major textures, every
 Transpose/Reshape/Expand a copy kernel, contractions one output texel per work-item. rtile is
-fblc's FBLayout: R-Tile layouts, data movement turned into index maps, contractions over 4x4
+fblc's FBLayout: R-Tile layouts, data movement turned into index maps, contractions over 8x8
 output tiles. Models: the 2-layer Llama decoder of the tests (hidden 64, GQA 4/2 heads) at
 batch 4, sequence 128; transformers' MobileNetV2 (17 classes) at [16, 3, 97, 60]. Each side:
 one warm-up step (the OpenCL JIT), then --steps steps of each, the two layouts stepping in turn

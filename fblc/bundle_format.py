@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 FORMAT_NAME = "fblc-bundle"
-FORMAT_VERSION = 2  # 2: texel layouts (rtile), shared images, r_mask4 textures
+FORMAT_VERSION = 3  # 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 KERNELS = "kernels.cl"
@@ -30,16 +30,24 @@ REPORT = "report.json"
 CHECKSUMMED = (PLAN, KERNELS, PARAMS, REPORT)
 
 # Texture formats: (OpenCL channel order, channel type) by the names the plan uses.
-# r_mask4: a boolean tensor saved for the backward, 4 elements per texel as the low bits of one byte.
+# r_mask8: a boolean tensor saved for the backward, one bit per element, 8 to a byte, LSB first
+# (texel_layout "mask8"); r_mask4: its fallback, 4 elements in the low bits of a byte ("mask4").
+# The image of an r_mask texture is sized in bytes (its image texels), its tensor in 4-element
+# texels like every other's (what the kernels launch over).
 TEXTURE_FORMATS = {"rgba_f32": ("RGBA", "FLOAT"), "rgba_f16": ("RGBA", "HALF_FLOAT"),
-                   "rgba_i32": ("RGBA", "SIGNED_INT32"), "r_mask4": ("R", "UNSIGNED_INT8")}
-TEXEL_BYTES = {"rgba_f32": 16, "rgba_f16": 8, "rgba_i32": 16, "r_mask4": 1}
-NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4", "r_mask4": "u1"}
-CHANNELS = {"rgba_f32": 4, "rgba_f16": 4, "rgba_i32": 4, "r_mask4": 1}
+                   "rgba_i32": ("RGBA", "SIGNED_INT32"), "r_mask8": ("R", "UNSIGNED_INT8"),
+                   "r_mask4": ("R", "UNSIGNED_INT8")}
+TEXEL_BYTES = {"rgba_f32": 16, "rgba_f16": 8, "rgba_i32": 16, "r_mask8": 1, "r_mask4": 1}  # per image texel
+NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4", "r_mask8": "u1", "r_mask4": "u1"}
+CHANNELS = {"rgba_f32": 4, "rgba_f16": 4, "rgba_i32": 4, "r_mask8": 1, "r_mask4": 1}
+#: the r_mask format of each texel_layout mask kind
+MASK_FORMATS = {"mask8": "r_mask8", "mask4": "r_mask4"}
+INTEGER_FORMATS = ("rgba_i32", *MASK_FORMATS.values())  # read back as integers
 
 
 def image_bytes(image_format: str, width: int, height: int) -> int:
-    """Device bytes of a width x height image of a plan texture format."""
+    """Device bytes of a width x height image of a plan texture format (the one formula: compile's
+    report, the memory plan's masks and both runtimes' allocations agree through it)."""
     return width * height * TEXEL_BYTES[image_format]
 
 

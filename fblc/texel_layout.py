@@ -6,8 +6,13 @@ texels through it) and the runtimes (they pack and unpack host data through it).
 A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
 - flat: texel t at (t % width, t / width). The runtimes' interchange layout: graph inputs,
   outputs, parameters and optimizer state always use it.
-- mask4: flat addressing for a boolean tensor saved for the backward, in a one-byte texture:
-  texel t holds elements 4t..4t+3 as its low 4 bits (fblc's bit packing: 16x less than int32).
+- mask8: a boolean tensor saved for the backward, one bit per element in a one-byte (R uint8)
+  image addressed flat by byte: element i is bit i & 7 of byte i >> 3, LSB first, as the public
+  MemFLoRA code packs its masks (32x less than int32). Texel t (elements 4t..4t+3) is then the
+  low (t even) or high (t odd) nibble of byte t >> 1, so a kernel writes whole bytes by giving a
+  work-item both texels of each byte (fblc.codegen.builder). The image is sized in bytes.
+- mask4: mask8's fallback for a writer whose work-items cannot cover whole bytes (a 2-D tile of
+  odd texel columns): byte t holds texel t's 4 elements in its low bits, 2 bits per element.
 - rtile (DESIGN.md section 6): the tensor is a matrix [rows, cols] (cols = its last axis, a
   multiple of 4, so a texel never spans two rows) cut into tiles of tile_h rows x tile_w
   elements. Intra-tile packing `strip` lays a tile's rows side by side in one texel row (for
@@ -26,10 +31,14 @@ from typing import Any
 
 import numpy as np
 
+#: mask kind -> tensor elements per image byte
+MASK_ELEMENTS = {"mask8": 8, "mask4": 4}
+NARROWEST = 16  # a mask image that needs several rows is at least max_width / NARROWEST bytes wide
+
 
 @dataclass(frozen=True)
 class TexelLayout:
-    kind: str  # "flat" or "rtile"
+    kind: str  # "flat", "rtile", or a mask kind (MASK_ELEMENTS)
     width: int  # image width, texels
     height: int
     rows: int = 1
@@ -58,9 +67,9 @@ class TexelLayout:
         return self.tile_texels_w, self.tile_h
 
     def coords(self, texels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(x, y) of texel indices `texels` (numpy, vectorised)."""
+        """(x, y) of texel indices `texels` (numpy, vectorised); of byte indices under a mask kind."""
         t = np.asarray(texels, dtype=np.int64)
-        if self.kind in ("flat", "mask4"):
+        if self.kind == "flat" or self.kind in MASK_ELEMENTS:
             return t % self.width, t // self.width
         c4, tw4, th = self.cols // 4, self.tile_texels_w, self.tile_h
         ntr, ntc = self.tile_grid
@@ -73,16 +82,17 @@ class TexelLayout:
         return gx * tw4 + iq, gy * th + ir
 
     def c_coord(self, texel: str) -> str:
-        """OpenCL C int2 of the texel index expression `texel` (every other figure a literal)."""
-        if self.kind in ("flat", "mask4"):
+        """OpenCL C int2 of the texel index expression `texel` (a byte index under a mask kind; every
+        other figure a literal)."""
+        if self.kind == "flat" or self.kind in MASK_ELEMENTS:
             return f"TEXEL({texel}, {self.width})"
         ntr, ntc = self.tile_grid
         return (f"RTILE({texel}, {self.cols // 4}, {self.tile_h}, {self.tile_texels_w}, {ntr}, {ntc}, "
                 f"{self.tiles_per_row}, {int(self.packing == 'strip')}, {int(self.arrangement == 'columns')})")
 
     def describe(self) -> str:
-        if self.kind == "mask4":
-            return f"mask4 (4 bits per byte texel); image {self.width}x{self.height}"
+        if self.kind in MASK_ELEMENTS:
+            return f"{self.kind} ({MASK_ELEMENTS[self.kind]} mask bits per byte); image {self.width}x{self.height}"
         if self.kind == "flat":
             return f"flat; image {self.width}x{self.height}"
         padding = self.width * self.height - self.rows * self.cols // 4
@@ -119,6 +129,30 @@ def flat_layout(texels: int, max_width: int) -> TexelLayout:
     return TexelLayout("flat", width, -(-texels // width))
 
 
+def mask_layout(kind: str, count: int, max_width: int, max_height: int) -> TexelLayout:
+    """The image of a `count`-element boolean tensor under mask `kind`: its ceil(count / elements
+    per byte) bytes laid flat, in an image of exactly that size when a width divides it (so a mask
+    costs its bits and nothing more), else in rows of `max_width`, the last padded."""
+    if kind not in MASK_ELEMENTS:
+        raise ValueError(f"unknown mask kind '{kind}'; one of: {', '.join(MASK_ELEMENTS)}")
+    size = max(1, -(-count // MASK_ELEMENTS[kind]))
+    width = _dividing_width(size, max_width, max_height)
+    return TexelLayout(kind, width, -(-size // width))
+
+
+@lru_cache(maxsize=1024)
+def _dividing_width(size: int, max_width: int, max_height: int) -> int:
+    """The widest width in [max_width / NARROWEST, max_width] that divides `size` into at most
+    max_height rows, else max_width (the last row padded): no sliver of an image, which would
+    waste most of every cache block the readers fetch."""
+    if size <= max_width:
+        return size
+    for width in range(max_width, max(max_width // NARROWEST, -(-size // max_height)) - 1, -1):
+        if size % width == 0:
+            return width
+    return max_width
+
+
 def matrix_layout(shape: tuple[int, ...], max_width: int, max_height: int) -> TexelLayout:
     """Flat addressing with one image row per matrix row (1 x cols tiles stacked), when the last axis
     is a multiple of 4 and fits: rows stay vertically adjacent, so a walk down a column reads
@@ -152,11 +186,13 @@ def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
     """`array` as its image's RGBA texels, row by row (height * width * 4 values, zero padding)."""
     values = np.asarray(array).reshape(-1)
     texels = -(-values.size // 4)
-    if layout.kind == "mask4":
-        bits = np.zeros(texels * 4, dtype=np.uint8)
+    if layout.kind in MASK_ELEMENTS:
+        per_byte = MASK_ELEMENTS[layout.kind]
+        bits = np.zeros(-(-values.size // per_byte) * per_byte, dtype=np.uint8)
         bits[: values.size] = values != 0
         image = np.zeros(layout.width * layout.height, dtype=np.uint8)
-        image[:texels] = (bits.reshape(-1, 4) << np.arange(4, dtype=np.uint8)).sum(axis=1)
+        image[: bits.size // per_byte] = (bits.reshape(-1, per_byte) << np.arange(per_byte, dtype=np.uint8)).sum(
+            axis=1, dtype=np.uint8)  # LSB first
         return image.astype(dtype)
     logical = np.zeros(texels * 4, dtype=dtype)
     with np.errstate(over="ignore"):  # fp16: float32's -3.4e38 mask fill becomes -inf, which softmax reads the same
@@ -173,8 +209,10 @@ def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
 def unpack(image: np.ndarray, layout: TexelLayout, count: int) -> np.ndarray:
     """The first `count` elements, row-major, of an image packed by `pack`."""
     flat = np.asarray(image).reshape(-1)
-    if layout.kind == "mask4":
-        return ((flat[: -(-count // 4)].astype(np.uint8)[:, None] >> np.arange(4, dtype=np.uint8)) & 1).reshape(-1)[:count]
+    if layout.kind in MASK_ELEMENTS:
+        per_byte = MASK_ELEMENTS[layout.kind]
+        data = flat[: -(-count // per_byte)].astype(np.uint8)
+        return ((data[:, None] >> np.arange(per_byte, dtype=np.uint8)) & 1).reshape(-1)[:count]
     if layout.kind == "flat":
         return flat[:count]
     texels = -(-count // 4)

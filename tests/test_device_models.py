@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fblc.codegen.verify import verify_model
+from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
 from tests.support import models
@@ -27,6 +28,7 @@ MODELS = {
 # differences of two correct fp32 summation orders past any fixed tolerance; AdamW kernels are
 # checked exactly on the small models of test_runtime.py and the kernel tests.
 SGD = OptimizerConfig("sgd", lr=0.1, momentum=0.9, weight_decay=1e-4)
+NO_ADAPTER = AdapterConfig()
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,12 @@ def export_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("device_models"))
 
 
-def _verify(name: str, export_dir: str, dtype: str, layout: str = "rtile") -> None:
+def _verify(name: str, export_dir: str, dtype: str, layout: str = "rtile",
+            adapter: AdapterConfig = NO_ADAPTER) -> None:
     exported = MODELS[name](export_dir)
     feeds = {**exported.inputs, "labels": exported.labels}
     rows = verify_model(exported.path, TrainingOptions(input_shapes=exported.input_shapes, loss="cross_entropy",
-                                                       optimizer=SGD, layout=layout),
+                                                       optimizer=SGD, layout=layout, adapter=adapter),
                         target="local", dtype=dtype, feeds=feeds)
     failed = [r for r in rows if not r.ok]
     assert not failed, f"{len(failed)}/{len(rows)} tensors differ, worst: " + "; ".join(
@@ -56,3 +59,11 @@ def test_one_step_on_pocl_matches_onnxruntime_fp32(name: str, layout: str, expor
 @pytest.mark.parametrize("name", ["mlp", "tresnet", "llama"])
 def test_one_step_on_pocl_matches_onnxruntime_fp16(name: str, export_dir: str) -> None:
     _verify(name, export_dir, "fp16")
+
+
+@pytest.mark.parametrize("name", ["tresnet", "mobilenet_v2"])
+def test_memflora_step_on_pocl_matches_onnxruntime(name: str, export_dir: str) -> None:
+    """MemFLoRA's backward reads its activations' one-bit masks (r_mask8, written a byte per two texels
+    by the conv kernels of every tiling: spatial tiles of 5, channel tiles, texels of a row, one per
+    lane): the adapter gradients, which go through them, must still equal onnxruntime's."""
+    _verify(name, export_dir, "fp32", adapter=AdapterConfig("memflora", rank=2, seed=4))

@@ -192,7 +192,8 @@ def _path(body: str) -> str:
     return "texel" if "const int u0 = " in body else "lane"
 
 
-# Under R-Tile layouts a MatMul/Gemm work-item computes a 4x4 output tile when the rows come in fours.
+# Under R-Tile layouts a MatMul/Gemm work-item computes an output tile of 8 or 4 rows (whichever divides
+# the rows) by 2 texels (8 columns) or 1: matmul_tile is 8x8, the batched case 4x8, gemm_tile_trans_b 4x4.
 TILE_CASES = {
     "matmul_tile": ([_node("MatMul", ["a", "b"])], {"a": (8, 20), "b": (20, 8)}, {"forward": "tile", "grad": "tile"}),
     "matmul_tile_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 4, 12), "b": (2, 12, 8)},
@@ -213,7 +214,7 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
 @pytest.mark.parametrize("name", sorted(TEXEL_CASES) + sorted(TILE_CASES))
 def test_contraction_paths(name: str, tmp_path) -> None:
     """Each contraction kernel of the step takes the texel-wide path its output layout allows:
-    the conventional per-texel kernels under --layout naive, 4x4 output tiles under rtile."""
+    the conventional per-texel kernels under --layout naive, output tiles under rtile."""
     nodes, inits, expected = TEXEL_CASES[name] if name in TEXEL_CASES else TILE_CASES[name]
     path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
     layout = "naive" if name in TEXEL_CASES else "rtile"

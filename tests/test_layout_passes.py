@@ -8,7 +8,6 @@ equals onnxruntime's run of the same step (fp32, rtol 1e-4 / atol 1e-5, fblc.cod
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -28,7 +27,7 @@ from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.passes.rtile_select import Candidate, Geometry, RTileSelect, rank_candidates
 from fblc.passes.tile_remap import REMAP_STATUS
 from fblc.profiles import load_profile
-from fblc.texel_layout import TexelLayout, flat_layout, pack, rtile_layout, unpack
+from fblc.texel_layout import TexelLayout, mask_layout, pack, rtile_layout, unpack
 from tests.conftest import make_model
 
 B, T, H, D = 2, 8, 4, 4
@@ -225,8 +224,9 @@ def test_rtile_select_is_stable(attention_path: str) -> None:
 
 def test_traced_reads_are_the_texels_a_kernel_reads(tmp_path) -> None:
     """x [64, 16] * w [16] -> Relu -> ReduceSum: the fused forward+backward elementwise kernel's
-    work-item i of work-group g reads texel 64g + i of x twice per lane (x * w, and x again for
-    dw), and a texel of w once per lane (flat layouts); the trace must give exactly that back."""
+    work-item i of work-group g reads texel 64g + i of x once (x * w and dw share it: the texel's
+    4 lanes are its 4 elements, read before the lane loop) and the texel of w under it once
+    (flat layouts); the trace must give exactly that back."""
     from fblc.codegen.cache_report import cache_report
     from fblc.runtime.trace import ReadTracer
 
@@ -249,8 +249,9 @@ def test_traced_reads_are_the_texels_a_kernel_reads(tmp_path) -> None:
     assert reads.issued == len(reads.textures)  # nothing past the recording capacity
     on_x, on_w = reads.textures == x_texture, reads.textures == w_texture
     texels, counts = np.unique((reads.ys * width + reads.xs)[on_x], return_counts=True)
-    assert texels.tolist() == list(range(64, 128)) and (counts == 8).all()
-    assert on_w.sum() == 64 * 4 and set((reads.ys * 4 + reads.xs)[on_w].tolist()) <= {0, 1, 2, 3}
+    assert texels.tolist() == list(range(64, 128)) and (counts == 1).all()
+    w_texels = (reads.ys * 4 + reads.xs)[on_w]
+    assert on_w.sum() == 64 and w_texels.tolist() == [t % 4 for t in range(64, 128)]
     assert (reads.ys * width + reads.xs)[on_x][:64].tolist() == list(range(64, 128))  # every item's 1st read first
     report = cache_report(bundle, load_profile("adreno830"), feeds)
     kernels = {k["kernel"]: k for k in report["kernels"]}
@@ -260,27 +261,108 @@ def test_traced_reads_are_the_texels_a_kernel_reads(tmp_path) -> None:
     assert 0 < report["misses"] <= report["texel_reads"] and report["block_fetches"] <= report["misses"] * 2
 
 
-def test_mask4_packs_four_booleans_per_byte() -> None:
-    layout = replace(flat_layout(5, 4), kind="mask4")
-    mask = np.random.default_rng(0).random(19) > 0.5
+def test_mask8_packs_eight_booleans_per_byte_lsb_first() -> None:
+    """Element i is bit i & 7 of byte i >> 3, as numpy's packbits(bitorder="little") and the public
+    MemFLoRA code pack; the image is exactly ceil(n / 8) bytes when a width divides them."""
+    mask = np.zeros(19, bool)
+    mask[[0, 9, 10, 18]] = True
+    layout = mask_layout("mask8", mask.size, 16, 16)
+    assert (layout.kind, layout.width, layout.height) == ("mask8", 3, 1)
     image = pack(mask, layout, np.uint8)
-    assert image.dtype == np.uint8 and image.size == layout.width * layout.height
-    assert image[0] == sum(int(bit) << k for k, bit in enumerate(mask[:4]))
+    assert image.dtype == np.uint8 and image.tolist() == [0b1, 0b110, 0b100]
+    assert np.array_equal(image, np.packbits(mask, bitorder="little"))
     assert np.array_equal(unpack(image, layout, mask.size), mask.astype(np.uint8))
+    random = np.random.default_rng(0).random(1001) > 0.5
+    wide = mask_layout("mask8", random.size, 16, 64)  # 126 bytes: 14 x 9, no padding
+    assert (wide.width, wide.height) == (14, 9)
+    assert np.array_equal(unpack(pack(random, wide, np.uint8), wide, random.size), random.astype(np.uint8))
+    fallback = mask_layout("mask4", mask.size, 16, 16)  # a texel's 4 elements in the low bits of its byte
+    assert pack(mask, fallback, np.uint8).tolist() == [0b1, 0b0, 0b110, 0b0, 0b100]
+    assert mask_layout("mask8", 8 * 4099, 4096, 4096).width == 4096  # 4099 is prime: rows of 4096, padded
 
 
-def test_saved_masks_are_mask4_textures(tmp_path) -> None:
-    """MemFLoRA keeps only q = P x and the activation's mask for the backward: the mask is a mask4
-    texture, and the step still equals onnxruntime's."""
+def _masked_conv_proto(batch: int, channels: int, height: int, width: int, hidden: int = 0) -> onnx.ModelProto:
+    """x [batch, 3, height, width] -> Conv 3x3 (pads 1) -> Relu -> GlobalAveragePool -> Flatten [-> Gemm
+    -> Relu -> Gemm]: under MemFLoRA every Relu saves a mask, written by the kernel that computes it."""
+    rng = np.random.default_rng(3)
+    inits = {"conv.weight": rng.standard_normal((channels, 3, 3, 3)).astype(np.float32),
+             "conv.bias": rng.standard_normal(channels).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "conv.weight", "conv.bias"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Relu", ["c"], ["a"], name="relu"),
+             helper.make_node("GlobalAveragePool", ["a"], ["p"], name="pool"),
+             helper.make_node("Flatten", ["p"], ["y" if not hidden else "f"], name="flatten")]
+    classes = channels
+    if hidden:
+        classes = 5
+        inits.update({"fc1.weight": rng.standard_normal((hidden, channels)).astype(np.float32),
+                      "fc1.bias": rng.standard_normal(hidden).astype(np.float32),
+                      "fc2.weight": rng.standard_normal((classes, hidden)).astype(np.float32)})
+        nodes += [helper.make_node("Gemm", ["f", "fc1.weight", "fc1.bias"], ["h"], transB=1, name="fc1"),
+                  helper.make_node("Relu", ["h"], ["r"], name="relu_fc"),
+                  helper.make_node("Gemm", ["r", "fc2.weight"], ["y"], transB=1, name="fc2")]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, height, width])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, classes])], inits)
+
+
+MASK_WRITERS = {  # case -> (batch, channels, height, width, hidden), the formats of the masks
+    "per-lane conv, 7 texels: pairs of 1-texel items, the last alone": ((1, 3, 3, 3, 0), ["r_mask8"]),
+    "conv over row texels (rows of 7), a prologue per texel": ((1, 3, 3, 7, 0), ["r_mask8"]),
+    "conv spatial tile of 5 texels, 9 items: pairs, the last alone": ((1, 3, 3, 20, 0), ["r_mask8"]),
+    "conv channel tile of 6 texels": ((1, 8, 1, 6, 0), ["r_mask8"]),
+    "gemm 2-D tile, 2 texel columns": ((8, 4, 4, 4, 16), ["r_mask8", "r_mask8"]),
+    "gemm 2-D tile, rows of 3 texels: the r_mask4 fallback": ((8, 4, 4, 4, 12), ["r_mask8", "r_mask4"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_WRITERS))
+def test_mask_writers_write_whole_bytes_and_the_step_matches_onnxruntime(tmp_path, case: str) -> None:
+    """Each way a kernel covers its texels (one, a row's 5, a channel tile, 2-D tiles) writes its
+    saved mask in whole bytes (r_mask8) or falls back to r_mask4; the memory plan accounts the
+    images the bundle allocates; the MemFLoRA step (whose adapter gradients go through the masks)
+    equals onnxruntime's."""
     from fblc.compiler.adapters import AdapterConfig
+
+    shape, formats = MASK_WRITERS[case]
+    path = str(tmp_path / "net.onnx")
+    onnx.save(_masked_conv_proto(*shape), path)
+    options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("sgd", lr=0.1),
+                              adapter=AdapterConfig("memflora", rank=2))
+    _, report = compile_model(path, str(tmp_path / "b"), "local", "fp32", options)
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    masks = [t for t in plan["textures"] if t["format"].startswith("r_mask")]
+    assert [t["format"] for t in masks] == formats
+    for texture in masks:
+        per_byte = 8 if texture["format"] == "r_mask8" else 4
+        assert texture["layout"]["kind"] == texture["format"][2:]
+        assert texture["width"] * texture["height"] == -(-int(np.prod(texture["shape"])) // per_byte)
+    assert report["memory"]["saved_masks"] == sum(t["width"] * t["height"] for t in masks)
+    rows = verify_model(path, options, work_dir=str(tmp_path))
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+def test_saved_masks_are_mask8_textures_the_runtime_allocates_as_planned(tmp_path) -> None:
+    """MemFLoRA keeps only q = P x and the activation's mask for the backward: the mask is an r_mask8
+    texture of ceil(n / 8) bytes, which the kernel computing the activation writes a byte (two
+    texels) at a time and LocalRunner allocates as the memory plan accounts it; the step still
+    equals onnxruntime's."""
+    from fblc.compiler.adapters import AdapterConfig
+    from fblc.runtime.local import LocalRunner
     from tests.test_memory_floor import conv_bn_relu6_proto
 
     path = str(tmp_path / "conv.onnx")
     onnx.save(conv_bn_relu6_proto(), path)
     options = TrainingOptions(loss="cross_entropy", optimizer=OPTIONS.optimizer, adapter=AdapterConfig("memflora", rank=2))
-    compile_model(path, str(tmp_path / "b"), "local", "fp32", options)
+    _, report = compile_model(path, str(tmp_path / "b"), "local", "fp32", options)
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
-    masks = [t for t in plan["textures"] if t["format"] == "r_mask4"]
-    assert masks and all(t["layout"]["kind"] == "mask4" for t in masks)
+    masks = [t for t in plan["textures"] if t["format"] == "r_mask8"]
+    assert masks and all(t["layout"]["kind"] == "mask8" for t in masks)
+    assert not [t for t in plan["textures"] if t["format"] == "r_mask4"]
+    assert [t["width"] * t["height"] for t in masks] == [-(-int(np.prod(t["shape"])) // 8) for t in masks]
+    assert "write_imageui(out0, TEXEL(t >> 1, " in (tmp_path / "b" / "kernels.cl").read_text()
+    runner = LocalRunner(str(tmp_path / "b"))
+    mask_images = {t["image"] for t in masks}
+    allocated = sum(int(runner.images[i].get_info(runner.cl.mem_info.SIZE)) for i in mask_images)
+    if "portable" in runner.device.platform.name.lower():  # PoCL: an image takes exactly its texels
+        assert allocated == report["memory"]["saved_masks"] == sum(t["width"] * t["height"] for t in masks)
     rows = verify_model(path, options)
     assert rows and all(r.ok for r in rows)

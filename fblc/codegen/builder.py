@@ -10,8 +10,17 @@ before the lane loop, that sees the multi-index of the texel's first element as 
 the reads the lanes have in common, and leave only their epilogue to the lane loop. With
 `texels_per_item` > 1 a work-item covers that many consecutive texels: the prologue computes
 all their elements (indexed by `item_lane` in the lane loop) and each texel is then written
-as usual. With `item_stride` s > 1 those texels are s apart (the same texel column of
-consecutive rows of s texels): a work-item then holds a 2-D tile of the output.
+as usual. With `item_stride` s > 1 a work-item holds a 2-D tile of the output: rows s texels
+apart, each of `item_columns` consecutive texels.
+
+An r_mask8 output (a saved mask, 8 elements a byte) takes two texels per byte, and an image
+write stores a whole byte, so the work-item that writes byte b must compute both its texels,
+2b and 2b + 1: it ORs their nibbles and writes the byte after the odd one. A work-item whose
+texels pair up among themselves (an even count of consecutive texels from an even one, or a
+2-D tile whose rows are an even number of texels, an even number apart) writes them as they
+come; one of an odd count (one texel, or a conv's 5 or 3 in a row) runs two consecutive items
+in turn (`PAIR`). A 2-D tile of odd columns cannot: its mask falls back to r_mask4
+(TextureTable.to_mask4).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.cl import Kernel, broadcast_index, flat_index, index_vars, literal
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
@@ -28,6 +38,8 @@ from fblc.compiler.values import const_array, is_float, static_shape
 
 OUT_INDEX = "o"  # prefix of the output multi-index variables
 TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen by the per-texel prologue
+TEXEL_FIRST = "z"  # prefix of the multi-index of the written texel's first element, seen by its hoisted reads
+PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of a mask8 output's texels
 
 
 def ctype_of(value: ir.Value) -> str:
@@ -48,7 +60,10 @@ class KernelBuilder:
         self.lines: list[str] = []
         self.texel_lines: list[str] = []  # the per-texel prologue, before the lane loop
         self.texels_per_item = 1  # texels a work-item computes (its prologue covers them all)
-        self.item_stride = 1  # texels between a work-item's consecutive texels
+        self.item_stride = 1  # texels between a work-item's consecutive rows of texels
+        self.item_columns = 1  # consecutive texels per row of a work-item's tile (item_stride > 1)
+        self.texel_reads: list[str] = []  # reads shared by a texel's 4 lanes, before its lane loop
+        self._hoisted: dict[tuple[int, str], str] = {}
         self.nodes: list[str] = []
         self._counter = 0
 
@@ -89,8 +104,10 @@ class KernelBuilder:
                                 for dim, inner, stride in zip(index_map.shape, row_major_strides(index_map.shape),
                                                               index_map.strides) if dim != 1], index_map.offset)
         arg, texture = self._argument(value)
-        if texture.format == "r_mask4":
-            return f"ldm({arg}, {index}, {texture.coord(f'({index}) >> 2')})"
+        per_byte = texture.mask_elements
+        if per_byte:  # element i: bit i % per_byte of byte i / per_byte
+            byte = f"({index}) >> {per_byte.bit_length() - 1}"
+            return f"ldm({arg}, ({index}) & {per_byte - 1}, {texture.coord(byte)})"
         if texture.layout.kind == "flat":
             loader = "ldf" if texture.kind == "float" else "ldi"
             return f"{loader}({arg}, {index}, {texture.width})"
@@ -101,16 +118,54 @@ class KernelBuilder:
     def read_texel(arg: str, texture: Texture, texel: str) -> str:
         """C expression: the whole texel `texel` (a C int expression) of argument `arg`. Every read of a
         texture goes through RDF/RDI, which trace builds record (fblc.runtime.trace)."""
+        if texture.mask_elements:
+            raise AssertionError(f"the mask '{texture.name}' ({texture.format}) has no 4-element texels: read it "
+                                 "through load()")
         return f"{'RDF' if texture.kind == 'float' else 'RDI'}({arg}, {texture.coord(texel)})"
 
     def load_broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> str:
-        """C expression: `value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`."""
+        """C expression: `value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`.
+
+        In the lane loop, a value whose 4 lanes lie in one texel (the texel's own, or one element
+        broadcast along the lanes) is read once per texel, before the lane loop."""
         inlined = self.constant_scalar(value)
         if inlined is not None:
             return inlined
         root, index_map = self.strided(value)
+        if prefix == OUT_INDEX and tuple(out_shape) == tuple(self.out_shape):
+            hoisted = self._texel_read(root, index_map)
+            if hoisted is not None:
+                return hoisted
         return self.load(root, broadcast_index(index_map.shape, out_shape, prefix, index_map.strides,
                                                index_map.offset))
+
+    def _texel_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
+        """The lane's element of `root` read through `index_map` (broadcast to the output) from a
+        texel read once per output texel; None when the 4 lanes of an output texel do not map to
+        the 4 lanes of one texel, or to one element."""
+        out = self.out_shape
+        texture = self.table.of(root)
+        if not out or out[-1] % 4 or texture.mask_elements:
+            return None
+        lead = len(out) - len(index_map.shape)
+        inner = index_map.shape[-1] if index_map.shape else 1
+        aligned = index_map.offset % 4 == 0 and all(
+            stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
+        if not aligned or (inner != 1 and (index_map.strides[-1] != 1 or lead + len(index_map.shape) != len(out))):
+            return None
+        first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
+        key = (id(root), first)
+        if key not in self._hoisted:
+            arg, _ = self._argument(root)
+            name = self.fresh("H")
+            if inner == 1:  # one element for all 4 lanes
+                self._hoisted[key] = name
+                self.texel_reads.append(f"const {ctype_of(root)} {name} = {self.load(root, first)};")
+            else:
+                vector = "float4" if texture.kind == "float" else "int4"
+                self._hoisted[key] = f"{'lane_f' if texture.kind == 'float' else 'lane_i'}({name}, lane)"
+                self.texel_reads.append(f"const {vector} {name} = {self.read_texel(arg, texture, f'({first}) >> 2')};")
+        return self._hoisted[key]
 
     # writing the body ------------------------------------------------------------------------
     def emit(self, *lines: str) -> None:
@@ -132,10 +187,21 @@ class KernelBuilder:
 
     @property
     def _first_texel(self) -> str:
-        per, stride = self.texels_per_item, self.item_stride
+        per, stride, columns = self.texels_per_item, self.item_stride, self.item_columns
         if stride == 1:
             return f"g * {per}"
-        return f"(g / {stride}) * {per * stride} + g % {stride}"
+        across = stride // columns  # tiles side by side in a band of the tile's rows
+        corner = f"(g % {across}) * {columns}" if columns > 1 else f"g % {across}"
+        return f"(g / {across}) * {per // columns * stride} + {corner}"
+
+    @property
+    def _tile_step(self) -> str:
+        """C expression: texel tt of the work-item's tile (row-major over rows and columns), from its first."""
+        if self.item_stride == 1:
+            return "tt"
+        if self.item_columns == 1:
+            return f"tt * {self.item_stride}"
+        return f"(tt / {self.item_columns}) * {self.item_stride} + tt % {self.item_columns}"
 
     @property
     def item_first(self) -> str:
@@ -149,38 +215,56 @@ class KernelBuilder:
 
     def finish(self, results: Sequence[str]) -> Kernel:
         """The kernel whose lane computes `results[k]` for output k."""
-        out_numel = self.out_textures[0].numel
         texels = self.out_textures[0].texels
         per_item = self.texels_per_item
-        assert texels % (per_item * self.item_stride) == 0, f"{texels} texels in items of {per_item}x{self.item_stride}"
+        band = per_item // self.item_columns * self.item_stride  # texels in a band of the tiles' rows
+        assert texels % band == 0, f"{texels} texels in bands of {band}"
+        items = texels // per_item
+        masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
+        if masks and self.item_stride > 1 and (self.item_columns % 2 or self.item_stride % 2):
+            for texture in masks:  # a byte's two texels lie in two work-items' tiles
+                self.table.to_mask4(texture)
+            masks = []
+        pair = PAIR if masks and per_item % 2 else 1
         params = [f"write_only image2d_t out{k}" for k in range(len(self.outputs))]
         params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
         body = [f"__kernel void {self.name}({', '.join(params)} TRACE_PARAM) {{", "  TRACE_INIT"]
-        if per_item == 1:
-            body += ["  const int t = get_global_id(0);", f"  if (t >= {texels}) return;"]
-            if self.texel_lines:
-                body += [f"  {line}" for line in index_vars(self.out_shape, self.item_first, TEXEL_INDEX)]
-                body += [f"  {line}" for line in self.texel_lines]
-            body += self._texel(out_numel, results, "  ")
-        else:  # the prologue covers `per_item` texels, then each gets its lane loop and write
-            body += ["  const int g = get_global_id(0);", f"  if (g >= {texels // per_item}) return;"]
-            body += [f"  {line}" for line in index_vars(self.out_shape, self.item_first, TEXEL_INDEX)]
-            body += [f"  {line}" for line in self.texel_lines]
-            step = "tt" if self.item_stride == 1 else f"tt * {self.item_stride}"
-            body += [f"  for (int tt = 0; tt < {per_item}; ++tt) {{", f"    const int t = {self._first_texel} + {step};"]
-            body += self._texel(out_numel, results, "    ")
-            body.append("  }")
+        item = "t" if per_item == 1 else "g"  # the item's index: its texel, or its place among the items
+        if pair == 1:
+            body += [f"  const int {item} = get_global_id(0);", f"  if ({item} >= {items}) return;"]
+        else:
+            body += ["  const int wi = get_global_id(0);", f"  if (wi >= {-(-items // pair)}) return;"]
+        body += [f"  uint byte{k} = 0;" for k, t in enumerate(self.out_textures) if any(t is m for m in masks)]
+        indent = "  "
+        if pair > 1:
+            body += [f"  for (int sub = 0; sub < {pair}; ++sub) {{", f"    const int {item} = wi * {pair} + sub;"]
+            body += [f"    if ({item} >= {items}) break;"] if items % pair else []
+            indent = "    "
+        body += [indent + line for line in self._item(results)]
+        body += ["  }"] if pair > 1 else []
         body.append("}")
-        return Kernel(self.name, self.family, "\n".join(body), texels // per_item,
+        return Kernel(self.name, self.family, "\n".join(body), -(-items // pair),
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
                       nodes=list(self.nodes))
 
-    def _texel(self, out_numel: int, results: Sequence[str], indent: str) -> list[str]:
+    def _item(self, results: Sequence[str]) -> list[str]:
+        """One item (t or g declared): its per-texel prologue, then each of its texels."""
+        prologue = index_vars(self.out_shape, self.item_first, TEXEL_INDEX) + self.texel_lines
+        if self.texels_per_item == 1:  # the prologue covers texel t
+            return (prologue if self.texel_lines else []) + self._texel(results)
+        return prologue + [f"for (int tt = 0; tt < {self.texels_per_item}; ++tt) {{",
+                           f"  const int t = {self._first_texel} + {self._tile_step};"] + \
+            ["  " + line for line in self._texel(results)] + ["}"]
+
+    def _texel(self, results: Sequence[str]) -> list[str]:
         """Texel t: the lane loop computing `results` and the writes of every output."""
+        out_numel, texels = self.out_textures[0].numel, self.out_textures[0].texels
         body = []
         for k, texture in enumerate(self.out_textures):
             ctype = "float" if texture.kind == "float" else "int"
             body.append(f"{ctype} r{k}[4] = {{0, 0, 0, 0}};")
+        if self.texel_reads:
+            body += index_vars(self.out_shape, "t * 4", TEXEL_FIRST) + self.texel_reads
         body += ["for (int lane = 0; lane < 4; ++lane) {",
                  "  const int i = t * 4 + lane;",
                  f"  if (i >= {out_numel}) break;"]
@@ -189,11 +273,18 @@ class KernelBuilder:
         body += [f"  r{k}[lane] = {expression};" for k, expression in enumerate(results)]
         body.append("}")
         for k, texture in enumerate(self.out_textures):
-            if texture.format == "r_mask4":  # the texel's 4 booleans as the low bits of one byte
-                bits = " | ".join(f"((r{k}[{lane}] != 0) << {lane})" for lane in range(4))
+            bits = " | ".join(f"((r{k}[{lane}] != 0) << {lane})" for lane in range(4))  # lane l: bit l, LSB first
+            if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
+                last = f" || t == {texels - 1}" if texels % 2 else ""  # an odd count's last byte has one texel
+                body += [f"byte{k} |= (uint)({bits}) << ((t & 1) * 4);",
+                         f"if ((t & 1){last}) {{",
+                         f"  write_imageui(out{k}, {texture.coord('t >> 1')}, (uint4)(byte{k}, 0, 0, 0));",
+                         f"  byte{k} = 0;",
+                         "}"]
+            elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
                 body.append(f"write_imageui(out{k}, {texture.coord('t')}, (uint4)({bits}, 0, 0, 0));")
             elif texture.kind == "float":
                 body.append(f"write_imagef(out{k}, {texture.coord('t')}, (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
             else:
                 body.append(f"write_imagei(out{k}, {texture.coord('t')}, (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
-        return [indent + line for line in body]
+        return body

@@ -43,8 +43,8 @@ inline int fblc_note(__global int4* trace, __global int* counts, int item, int* 
 #define RDI(img, c) read_imagei(img, SMP, c)
 #define RDU(img, c) read_imageui(img, SMP, c)
 #endif
-// a boolean tensor saved for the backward (r_mask4): element i is bit i%4 of the byte of texel i/4
-#define ldm(img, i, coord) ((int)(RDU(img, coord).x >> ((i) & 3)) & 1)
+// a boolean tensor saved for the backward: element i is bit i%8 of byte i/8 (r_mask8; r_mask4: i%4, i/4)
+#define ldm(img, bit, coord) ((int)(RDU(img, coord).x >> (bit)) & 1)
 #define ldf(img, i, w) lane_f(RDF(img, TEXEL((i) >> 2, w)), (i) & 3)
 #define ldi(img, i, w) lane_i(RDI(img, TEXEL((i) >> 2, w)), (i) & 3)
 """ + RTILE_C + "\n"

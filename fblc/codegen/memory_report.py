@@ -4,8 +4,8 @@ Both come from the memory planner (fblc.passes.memory_plan) run on the fused ste
 the paper's eq. 1 decomposition, the training-state and device peaks, the floor check, and
 what the bundle's textures really take (`allocated_bytes`, set by compile from plan.json's
 images: textures with disjoint lifetimes share one image, and the runtimes allocate exactly
-those; `texture_bytes`: every texture on its own. Saved masks sit in r_mask4 textures there,
-2 bits per element, while the plan accounts them at 1 bit).
+those; `texture_bytes`: every texture on its own). Saved masks sit in r_mask8 images, 1 bit per
+element, the bytes the plan accounts them at (it reads their layouts).
 """
 
 from __future__ import annotations

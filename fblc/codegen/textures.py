@@ -3,8 +3,9 @@
 Element i of a tensor sits in lane i % 4 of texel i // 4; where texel t sits in the image is
 the value's layout (`fblc.layout`, written by rtile_select; flat when absent, see
 fblc/texel_layout.py). Float tensors use RGBA float (or half with --dtype fp16); integer and
-boolean tensors use RGBA int32. Views (remapped data movement, Identity) read their root's
-texture.
+boolean tensors use RGBA int32, except the boolean tensors rtile_select gives a mask layout
+(saved masks: r_mask8, one bit per element). Views (remapped data movement, Identity) read
+their root's texture.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from fblc.bundle_format import NUMPY_DTYPES
+from fblc.bundle_format import MASK_FORMATS, NUMPY_DTYPES
 from fblc.compiler import keys
 from fblc.compiler.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
 from fblc.compiler.index_map import view_root
 from fblc.profiles import Profile
-from fblc.texel_layout import TexelLayout, flat_layout, pack, unpack
+from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout, mask_layout, pack, unpack
 
 
 @dataclass
@@ -52,7 +53,13 @@ class Texture:
 
     @property
     def texels(self) -> int:
+        """4-element texels of the tensor (what kernels launch over; a mask's image holds 2 per byte)."""
         return max(1, -(-self.numel // 4))
+
+    @property
+    def mask_elements(self) -> int:
+        """Elements per image byte of an r_mask texture (8 or 4); 0 for the others."""
+        return MASK_ELEMENTS.get(self.layout.kind, 0)
 
 
 class TextureTable:
@@ -64,6 +71,7 @@ class TextureTable:
         self.tiled = tiled  # R-Tile codegen (--layout rtile): kernels compute 2-D output tiles
         self.textures: list[Texture] = []
         self._by_root: dict[int, Texture] = {}
+        self._roots: list[ir.Value] = []  # by texture id
 
     def of(self, value: ir.Value) -> Texture:
         root = view_root(value)
@@ -82,16 +90,32 @@ class TextureTable:
         annotated = value.metadata_props.get(keys.LAYOUT)
         layout = (TexelLayout.from_dict(json.loads(annotated)) if annotated
                   else flat_layout(texels, self.profile.image2d_max_width))
-        if layout.height > self.profile.image2d_max_height or layout.width > self.profile.image2d_max_width:
-            raise FblcError(
-                f"tensor '{value.name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
-                f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
-                f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
-        texture_format = (self.float_format if kind == "float" else
-                          "r_mask4" if layout.kind == "mask4" else "rgba_i32")
+        self._check_fits(value.name, shape, layout)
+        texture_format = self.float_format if kind == "float" else MASK_FORMATS.get(layout.kind, "rgba_i32")
         texture = Texture(len(self.textures), value.name, shape, kind, texture_format, layout)
         self.textures.append(texture)
+        self._roots.append(value)
         return texture
+
+    def _check_fits(self, name: str, shape: tuple[int, ...], layout: TexelLayout) -> None:
+        if layout.height > self.profile.image2d_max_height or layout.width > self.profile.image2d_max_width:
+            raise FblcError(
+                f"tensor '{name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
+                f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
+                f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
+
+    def to_mask4(self, texture: Texture) -> None:
+        """Store the r_mask8 `texture` as r_mask4 (4 bits a byte), for a writer whose work-items
+        cannot write whole bytes of it. Its writer is the first kernel to touch it (kernels are
+        emitted in launch order), so no kernel addresses it as mask8. The root's `fblc.layout` is
+        rewritten too, so that the memory plan of the step accounts the bytes the bundle allocates."""
+        if texture.format != MASK_FORMATS["mask8"]:
+            raise AssertionError(f"texture of '{texture.name}' is {texture.format}, not an r_mask8 texture")
+        texture.layout = mask_layout("mask4", texture.numel, self.profile.image2d_max_width,
+                                     self.profile.image2d_max_height)
+        self._check_fits(texture.name, texture.shape, texture.layout)
+        texture.format = MASK_FORMATS["mask4"]
+        self._roots[texture.id].metadata_props[keys.LAYOUT] = texture.layout.to_json()
 
 
 def to_texels(array: np.ndarray, texture: Texture) -> np.ndarray:

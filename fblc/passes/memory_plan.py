@@ -9,11 +9,14 @@ in launch indices:
   running statistics; `optimizer`: optimizer state read by the optimizer stage; `input`: data
   inputs and labels. These live over the whole step.
 - `saved`: forward values the backward reads (role `saved`); `mask` is a saved bool tensor,
-  accounted bit-packed at one bit per element (MemFLoRA's bit mask).
+  bit-packed at one bit per element (MemFLoRA's bit mask).
 - `grad`: parameter gradients, and the dL/dq that memflora-sg keeps per site until its replay;
   `replay`: the full-width site inputs that memflora-sg's replay recomputes (one layer at a time).
 - `buffer`: every other value (temporaries, the `.new` outputs of the step).
-Sizes: elements x item size of the graph's dtype (fp32: 4 bytes); bool: ceil(n / 8).
+Sizes: elements x item size of the graph's dtype (fp32: 4 bytes); bool: ceil(n / 8), or, once
+rtile_select gave it a mask layout, the bytes of that image (bundle_format.image_bytes, what the
+runtimes allocate: ceil(n / 8) for an r_mask8 image whose width divides its bytes, twice that
+for the r_mask4 fallback of a writer that cannot write whole bytes).
 
 Reported (the paper's eq. 1, in bytes): `weights`, `grads`, `optimizer`, `saved` (totals);
 `buffers` (the largest sum of live temporaries at one launch); `training_state_peak` as
@@ -41,12 +44,14 @@ from typing import Any, Iterable
 import numpy as np
 import onnx_ir as ir
 
+from fblc import bundle_format as fmt
 from fblc.compiler import keys
 from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
 from fblc.compiler.index_map import is_view, view_root
 from fblc.passes.fuse import ALIAS
+from fblc.texel_layout import TexelLayout
 
 MEMORY_META = "fblc.memory"
 
@@ -109,8 +114,8 @@ class MemoryPlan:
             "training_state_peak_at": self.labels[state_at] if self.steps else "",
             "device_peak_at": self.labels[peak_at] if self.steps else "",
             "launches": self.steps, "backward_from": self.backward_from, "batch": self.batch,
-            "accounting": "fp32 tensors at 4 bytes per element, masks bit-packed at 1 bit per element; lifetimes over "
-                          "the kernel launch order, freed after their last reader",
+            "accounting": "fp32 tensors at 4 bytes per element, masks bit-packed at 1 bit per element (their r_mask8 "
+                          "images); lifetimes over the kernel launch order, freed after their last reader",
             "floor": floor,
         }
 
@@ -141,6 +146,10 @@ def _bytes(value: ir.Value) -> int:
     count = numel(static_shape(value))
     dtype = ir.DataType(value.dtype)
     if dtype == ir.DataType.BOOL:
+        annotated = value.metadata_props.get(keys.LAYOUT)
+        layout = TexelLayout.from_dict(json.loads(annotated)) if annotated else None
+        if layout is not None and layout.kind in fmt.MASK_FORMATS:
+            return fmt.image_bytes(fmt.MASK_FORMATS[layout.kind], layout.width, layout.height)
         return (count + 7) // 8
     return int(count * dtype.itemsize)
 

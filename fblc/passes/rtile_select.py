@@ -5,8 +5,8 @@ a readable summary as `fblc.layout` on every node (Netron shows node metadata). 
 runtimes read or write (graph inputs and outputs, initializers, constants) and tensors that
 are not [rows, cols] matrices with cols a multiple of 4 stay flat (linear addressing; a matrix
 then gets one image row per matrix row, texel_layout.matrix_layout). Boolean tensors the step
-keeps (activation masks saved for the backward) take `mask4`: 4 bits in a one-byte texel. For
-the others:
+keeps (activation masks saved for the backward) take `mask8`: one bit per element, 8 to a byte
+(the codegen falls back to `mask4` for a writer that cannot write whole bytes). For the others:
 - candidates: tile_h x tile_w for tile_h in TILE_ROWS, tile_w in TILE_COLS; `strip` packing
   when a tile row fits a cache line, else `block`; arranged by texel_layout.rtile_layout;
 - pruning: C1 a tile's texels are a multiple of the wave size; C2 a tile row is a multiple of
@@ -32,7 +32,7 @@ unfused step graph with static shapes, after ftd_taxonomy and tile_remap. In pla
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -45,7 +45,7 @@ from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.ftd_taxonomy import Ftd
 from fblc.profiles import Profile
 from fblc.profiles.cache_model import CacheGeometry, TextureCache
-from fblc.texel_layout import TexelLayout, flat_layout, matrix_layout, rtile_layout
+from fblc.texel_layout import TexelLayout, flat_layout, mask_layout, matrix_layout, rtile_layout
 
 TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
@@ -274,8 +274,8 @@ class RTileSelect(ir.passes.InPlacePass):
             if id(value) not in chosen:
                 shape = static_shape(value)
                 texels = max(1, -(-numel(shape) // 4))
-                if value.dtype == ir.DataType.BOOL and id(value) not in host_visible:  # saved masks: 4 bits a byte
-                    flat = replace(flat_layout(texels, self.geometry.max_width), kind="mask4")
+                if value.dtype == ir.DataType.BOOL and id(value) not in host_visible:  # saved masks: 8 bits a byte
+                    flat = mask_layout("mask8", numel(shape), self.geometry.max_width, self.max_height)
                 elif self.mode == "rtile":
                     flat = matrix_layout(shape, self.geometry.max_width, self.max_height)
                 else:

@@ -143,7 +143,7 @@ class LocalRunner:
         texture_id = self.plan["values"][name]
         if texture_id in self._shared:
             raise KeyError(f"'{name}' lives only during the step: its image is reused by later tensors")
-        integer = self.textures[texture_id]["format"] in ("rgba_i32", "r_mask4")
+        integer = self.textures[texture_id]["format"] in fmt.INTEGER_FORMATS
         value = self._read(texture_id).astype(np.int64 if integer else np.float32)
         strided = self.plan.get("value_maps", {}).get(name)
         if strided is not None:  # a remapped transpose or broadcast of its texture's tensor

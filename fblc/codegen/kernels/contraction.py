@@ -196,25 +196,34 @@ def reduce_guarded(b: KernelBuilder, guard: str, build: Callable[[Code], Reducti
 
 
 def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: int, w_lane: int, k: int,
-               rows: int = 1, a_row: int = 0) -> str:
-    """acc[row, lane] = sum_r A'[row, r] * B'[r, lane] in blocks of steps along K, for `rows`
-    consecutive output rows (`a_row`: A's stride between them) of the work-item's tile."""
+               tile: tuple[int, int] = (1, 1), a_row: int = 0) -> str:
+    """acc[row, column] = sum_r A'[row, r] * B'[r, column] in blocks of steps along K, over the
+    work-item's tile of `tile` = (rows, texel columns) outputs (`a_row`: A's stride between rows)."""
+    rows, columns = tile
+    width = LANES * columns
+
     def products(steps: range) -> list[Product]:
-        return [Product(row * LANES + lane, r * a_step + row * a_row, r * w_step + lane * w_lane)
-                for r in steps for row in range(rows) for lane in range(LANES)]
+        return [Product(row * width + column, r * a_step + row * a_row, r * w_step + column * w_lane)
+                for r in steps for row in range(rows) for column in range(width)]
 
-    blocked = Blocked(k, MATMUL_BLOCK // rows if rows > 1 else MATMUL_BLOCK, a_step, w_step, 0, products)
-    return reduce_into(b, lambda code: Reduction(a, w, blocked), LANES * rows)
+    block = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
+    blocked = Blocked(k, block, a_step, w_step, 0, products)
+    return reduce_into(b, lambda code: Reduction(a, w, blocked), rows * width)
 
 
-def _tile_rows(b: KernelBuilder, rows: int) -> int:
-    """Output rows per work-item: 4 under R-Tile layouts when the rows come in fours (a 4x4 output
-    tile reads each operand texel once for 4 rows or columns: the transposed operands of the
-    backward then cost no more than plain ones), else 1, the conventional per-texel kernel."""
-    if not b.table.tiled or rows % TILE_ROWS or rows < TILE_ROWS:
-        return 1
-    b.texels_per_item, b.item_stride = TILE_ROWS, b.out_shape[-1] // LANES
-    return TILE_ROWS
+def _tile(b: KernelBuilder, rows: int) -> tuple[int, int]:
+    """(output rows, texel columns) per work-item: up to 8 x TILE_COLUMNS texels under R-Tile
+    layouts when the output's rows and texel columns come in such groups (a tile reads each
+    operand texel once for all its rows or columns: the transposed operands of the backward then
+    cost no more than plain ones, and the reads per multiply-add fall with the tile's size),
+    else (1, 1), the conventional per-texel kernel."""
+    tile_rows = next((n for n in TILE_ROWS if rows % n == 0), None)
+    if not b.table.tiled or tile_rows is None:
+        return 1, 1
+    row_texels = b.out_shape[-1] // LANES
+    columns = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 else 1
+    b.texels_per_item, b.item_stride, b.item_columns = tile_rows * columns, row_texels, columns
+    return tile_rows, columns
 
 
 def _texel_terms(terms: Terms, *aligned_vars: str) -> list[Term]:
@@ -234,7 +243,8 @@ def _root_strides(b: KernelBuilder, value: ir.Value, shape: Sequence[int]) -> tu
 
 
 MATMUL_BLOCK = 16  # K steps per static block of the texel-wide path (divided by the tile's rows)
-TILE_ROWS = 4
+TILE_ROWS = (8, 4)  # output rows of a tile, the first that divides the output's rows
+TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile GEMM kernels keep)
 
 
 @register_kernel("MatMul")
@@ -267,11 +277,11 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     a_stream, b_stream = stream(a_root, a_strides, a2, m_var, -1), stream(w_root, w_strides, b2, n_var, -2)
     if texel:  # lanes: 4 consecutive columns n
-        rows = _tile_rows(b, a2[-2]) if len(a_shape) >= 2 else 1
-        aligned = (n_var, m_var) if rows > 1 else (n_var,)
+        tile = _tile(b, a2[-2]) if len(a_shape) >= 2 else (1, 1)
+        aligned = (n_var, m_var) if tile[0] > 1 else (n_var,)
         acc = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
                          Operand(w_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, w_strides[-1],
-                         a2[-1], rows, a_strides[-2])
+                         a2[-1], tile, a_strides[-2])
     else:
         acc = zero_acc(b)
         dot_loop(b, acc, a2[-1], (a_stream, b_stream))
@@ -300,11 +310,11 @@ def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     a_stream = Stream(a_root, index_terms([m_var], [m_dim], [m_stride]), ak_stride)
     b_stream = Stream(b_root, index_terms([n_var], [n_dim], [n_stride]), bk_stride)
     if texel:  # lanes: 4 consecutive columns n, one B' column each
-        rows = _tile_rows(b, m_dim)
-        aligned = (n_var, m_var) if rows > 1 else (n_var,)
+        tile = _tile(b, m_dim)
+        aligned = (n_var, m_var) if tile[0] > 1 else (n_var,)
         acc = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
                          Operand(b_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, n_stride, k_dim,
-                         rows, m_stride)
+                         tile, m_stride)
     else:
         acc = zero_acc(b)
         dot_loop(b, acc, k_dim, (a_stream, b_stream))
