@@ -14,6 +14,7 @@ walked contiguously from a texel boundary is read four values per texel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -200,15 +201,21 @@ def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: in
     """acc[row, column] = sum_r A'[row, r] * B'[r, column] in blocks of steps along K, over the
     work-item's tile of `tile` = (rows, texel columns) outputs (`a_row`: A's stride between rows)."""
     rows, columns = tile
-    width = LANES * columns
 
     def products(steps: range) -> list[Product]:
-        return [Product(row * width + column, r * a_step + row * a_row, r * w_step + column * w_lane)
-                for r in steps for row in range(rows) for column in range(width)]
+        return _tile_products(steps, rows, LANES * columns, a_step, a_row, w_step, w_lane)
 
     block = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
     blocked = Blocked(k, block, a_step, w_step, 0, products)
-    return reduce_into(b, lambda code: Reduction(a, w, blocked), rows * width)
+    return reduce_into(b, lambda code: Reduction(a, w, blocked), rows * LANES * columns)
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_products(steps: range, rows: int, width: int, a_step: int, a_row: int, w_step: int,
+                   w_lane: int) -> list[Product]:
+    """The products of a tile's block (shared: a model's layers repeat the same contractions)."""
+    return [Product(row * width + column, r * a_step + row * a_row, r * w_step + column * w_lane)
+            for r in steps for row in range(rows) for column in range(width)]
 
 
 def _tile(b: KernelBuilder, rows: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import onnx_ir as ir
 
@@ -63,9 +64,9 @@ class Operand:
         return Operand(self.value, terms, self.offset, self.clamp)
 
 
-@dataclass(frozen=True)
-class Product:
-    """acc[lane] += X[x] * W[w], zero where `position` (along the masked axis) is outside the input."""
+class Product(NamedTuple):
+    """acc[lane] += X[x] * W[w], zero where `position` (along the masked axis) is outside the input.
+    (A tuple: a tile's block lists hundreds of them, for every contraction of the step.)"""
 
     lane: int
     x: int
@@ -271,6 +272,10 @@ class Reduction:
     def _block(b: KernelBuilder, code: Code, acc: str, products: list[Product], x: Operand, w: Operand,
                mask: Mask | None) -> None:
         """One static block: drop products that are always out of range, mask the ones that may be."""
+        if mask is None:  # every product counts (contractions): the common case, kept lean
+            xs, ws = fetch(b, code, x, (p.x for p in products)), fetch(b, code, w, (p.w for p in products))
+            code.emit(*[f"{acc}[{p.lane}] += {xs[p.x]} * {ws[p.w]};" for p in products])
+            return
         kept: list[tuple[Product, str | None]] = []
         conditions: dict[int, str] = {}
         position = b.fresh("P") if mask is not None else ""
@@ -296,11 +301,13 @@ class Reduction:
             code.emit(f"const bool {named[offset]} = {condition};")
         xs = fetch(b, code, x, (p.x for p, _ in kept))
         ws = fetch(b, code, w, (p.w for p, _ in kept))
+        lines = []
         for product, condition in kept:
             value = xs[product.x]
             if condition is not None:
                 value = f"({named[product.position]} ? {value} : 0.0f)"
-            code.emit(f"{acc}[{product.lane}] += {value} * {ws[product.w]};")
+            lines.append(f"{acc}[{product.lane}] += {value} * {ws[product.w]};")
+        code.emit(*lines)
 
 
 def _condition(position: str, low: bool, high: bool, extent: int) -> str:
