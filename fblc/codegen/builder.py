@@ -147,11 +147,10 @@ class KernelBuilder:
         texture = self.table.of(root)
         if not out or out[-1] % 4 or texture.mask_elements:
             return None
-        lead = len(out) - len(index_map.shape)
-        inner = index_map.shape[-1] if index_map.shape else 1
+        inner = index_map.shape[-1] if index_map.shape else 1  # broadcasting: 1 or the output's last axis
         aligned = index_map.offset % 4 == 0 and all(
             stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
-        if not aligned or (inner != 1 and (index_map.strides[-1] != 1 or lead + len(index_map.shape) != len(out))):
+        if not aligned or (inner != 1 and index_map.strides[-1] != 1):
             return None
         first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
         key = (id(root), first)

@@ -120,8 +120,8 @@ def kernel_lines(source: str) -> list[dict[str, Any]]:
     log's line names the kernel that failed, in either backend."""
     found = []
     for match in re.finditer(r"__kernel\s+void\s+(\w+)\s*\(", source):
-        depth, at = 0, source.index("{", match.end())
-        for at in range(at, len(source)):
+        depth, opening = 0, source.index("{", match.end())
+        for at in range(opening, len(source)):
             depth += {"{": 1, "}": -1}.get(source[at], 0)
             if depth == 0:
                 break
@@ -311,10 +311,3 @@ def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
     parse_profile(document, f"<profile of {gpu}>")  # what we write must load
     return document
 
-
-def profile_device(device: Any, name: str, progress: Progress = lambda step: None) -> dict[str, Any]:
-    """Measure a pyopencl `device` and return a profile document (valid for parse_profile)."""
-    from fblc.profiles.pyopencl_timing import measure_with_pyopencl
-
-    plan = measurement_plan()
-    return interpret(plan, measure_with_pyopencl(device, plan, progress), name)

@@ -143,6 +143,13 @@ class Adb:
             raise AdbError(_explain(output, serial) or f"pushing {what} to {serial}:{destination} failed: "
                                                        f"{_last_line(output)}")
 
+    def remove(self, serial: str, path: str) -> None:
+        """rm -rf `path` on the device, best effort: it cleans up after a failure, which must stay the error shown."""
+        try:
+            self.shell(serial, f"rm -rf {_quote(path)}", check=False, timeout=30)
+        except AdbError:
+            pass
+
     def pull(self, serial: str, sources: Sequence[str], destination: str) -> None:
         done = self._run(["-s", serial, "pull", *sources, destination], timeout=TRANSFER_TIMEOUT)
         if done.returncode != 0:
@@ -251,10 +258,7 @@ def push_bundle(adb: Adb, serial: str, bundle: str, runner: str, say: Say = lamb
                           f"echo {stamp_of(bundle, runner)} > {_quote(staging + '/' + STAMP)} && "
                           f"rm -rf {_quote(remote)} && mv {_quote(staging)} {_quote(remote)}")
     except BaseException:
-        try:
-            adb.shell(serial, f"rm -rf {_quote(staging)}", check=False, timeout=30)
-        except AdbError:
-            pass
+        adb.remove(serial, staging)
         raise
     say(f"pushed {bundle} ({len(files)} files) and the runner ({size / 1024:.0f} KiB) to {serial}:{remote}")
     return remote
@@ -293,10 +297,7 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
             adb.pull(serial, [f"{run_dir}/{RESULTS}", f"{run_dir}/{PARAMS_OUT}"], pulled)
             return read_results(pulled)
         finally:
-            try:
-                adb.shell(serial, f"rm -rf {_quote(run_dir)}", check=False, timeout=30)
-            except AdbError:
-                pass
+            adb.remove(serial, run_dir)
 
 
 def stream_runner(adb: Adb, serial: str, remote: str, arguments: str,

@@ -40,10 +40,7 @@ def push_profiler(adb: Adb, serial: str, runner: str, say: Say = lambda line: No
         adb.shell(serial, f"chmod 755 {shlex.quote(staging)} && mv {shlex.quote(staging)} {folder}/{RUNNER_NAME} "
                           f"&& echo {stamp} > {folder}/{STAMP}")
     except BaseException:
-        try:
-            adb.shell(serial, f"rm -f {shlex.quote(staging)}", check=False, timeout=30)
-        except AdbError:
-            pass
+        adb.remove(serial, staging)
         raise
     say(f"pushed the runner ({os.path.getsize(runner) / 1024:.0f} KiB) to {serial}:{PROFILE_DIR}")
     return PROFILE_DIR
@@ -72,10 +69,7 @@ def profile_on_device(adb: Adb, serial: str, plan: Mapping[str, Any], runner: st
                 raise AdbError(f"the profile results pulled from {serial} are unreadable ({error}); run "
                                "'fblc profile' again") from None
         finally:
-            try:
-                adb.shell(serial, f"rm -rf {shlex.quote(remote + '/' + run_dir)}", check=False, timeout=30)
-            except AdbError:
-                pass
+            adb.remove(serial, f"{remote}/{run_dir}")
     results["backend"] = f"{results.get('backend', RUNNER_NAME)} over adb on {serial}"
     return results
 

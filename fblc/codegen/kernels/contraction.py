@@ -202,7 +202,7 @@ def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: in
     work-item's tile of `tile` = (rows, texel columns) outputs (`a_row`: A's stride between rows)."""
     rows, columns = tile
 
-    def products(steps: range) -> list[Product]:
+    def products(steps: range) -> Sequence[Product]:
         return _tile_products(steps, rows, LANES * columns, a_step, a_row, w_step, w_lane)
 
     block = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
@@ -212,10 +212,10 @@ def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: in
 
 @functools.lru_cache(maxsize=256)
 def _tile_products(steps: range, rows: int, width: int, a_step: int, a_row: int, w_step: int,
-                   w_lane: int) -> list[Product]:
-    """The products of a tile's block (shared: a model's layers repeat the same contractions)."""
-    return [Product(row * width + column, r * a_step + row * a_row, r * w_step + column * w_lane)
-            for r in steps for row in range(rows) for column in range(width)]
+                   w_lane: int) -> tuple[Product, ...]:
+    """The products of a tile's block (cached, so immutable: a model's layers repeat the same contractions)."""
+    return tuple(Product(row * width + column, r * a_step + row * a_row, r * w_step + column * w_lane)
+                 for r in steps for row in range(rows) for column in range(width))
 
 
 def _tile(b: KernelBuilder, rows: int) -> tuple[int, int]:

@@ -142,19 +142,28 @@ def emit_scatter_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     prefix = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", strides[k]) for k in range(depth)]), "prefix")
     within = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", strides[k]) for k in range(depth, len(data_shape))]),
                     "within")
-    # Target of update u: sum over its index tuple of wrap(index) * stride, compared with the prefix.
-    target, raw = b.fresh("target"), b.fresh("t")
-    body = [f"  int {target} = 0;"]
-    for k in range(depth):
-        position = f"{u} * {depth} + {k}" if depth > 1 else u
-        wrapped = f"({raw} < 0 ? {raw} + {data_shape[k]} : {raw})"
-        scaled = wrapped if strides[k] == 1 else f"{wrapped} * {strides[k]}"
-        body += [f"  {{ const int {raw} = {b.load(indices, position)}; {target} += {scaled}; }}"]
+    target = b.fresh("target")
+    body = _target_lines(b, node, u, target)
     update_index = f"{u} * {slice_size} + {within}" if slice_size > 1 else u
     b.emit(f"for (int {u} = 0; {u} < {count}; ++{u}) {{", *body,
            f"  if ({target} == {prefix}) {acc} = {combine.format(acc=acc, u=b.load(updates, update_index))};",
            "}")
     return [b.finish([acc])]
+
+
+def _target_lines(b: KernelBuilder, node: ir.Node, u: str, target: str) -> list[str]:
+    """Loop-body C declaring `target`: the flat offset of update `u`'s slice, the sum over its index
+    tuple of wrap(index) * stride (compared with the element's or the texel's slice start)."""
+    data, indices = node.inputs[:2]
+    data_shape, depth = static_shape(data), static_shape(indices)[-1]
+    strides, raw = strides_of(data_shape), b.fresh("t")
+    lines = [f"  int {target} = 0;"]
+    for k in range(depth):
+        position = f"{u} * {depth} + {k}" if depth > 1 else u
+        wrapped = f"({raw} < 0 ? {raw} + {data_shape[k]} : {raw})"
+        scaled = wrapped if strides[k] == 1 else f"{wrapped} * {strides[k]}"
+        lines.append(f"  {{ const int {raw} = {b.load(indices, position)}; {target} += {scaled}; }}")
+    return lines
 
 
 SLICE_TEXELS = 16  # the most texels of one target slice a work-item folds together
@@ -187,23 +196,17 @@ def _scatter_nd_slices(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
     data_shape, index_shape = static_shape(data), static_shape(indices)
     depth, count = index_shape[-1], numel(index_shape[:-1])
     slice_size = numel(data_shape[depth:])
-    strides = strides_of(data_shape)
     per = max(d for d in range(1, SLICE_TEXELS + 1) if (slice_size // 4) % d == 0)
     b.texels_per_item = per
     first, prefix, within = b.fresh("first"), b.fresh("prefix"), b.fresh("within")
-    accs, u, target, raw = b.fresh("acc"), b.fresh("update"), b.fresh("target"), b.fresh("t")
+    accs, u, target = b.fresh("acc"), b.fresh("update"), b.fresh("target")
     code = [f"const int {first} = {b.item_first};",
             f"const int {prefix} = {first} - {first} % {slice_size};",
             f"const int {within} = {first} - {prefix};",
             f"float {accs}[{4 * per}];"]
     initial = "(float4)(0.0f)" if _is_zeros(data) else _texel_of(b, data, f"{first} + 4 * tt")
     code += [f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
-             f"for (int {u} = 0; {u} < {count}; ++{u}) {{", f"  int {target} = 0;"]
-    for k in range(depth):
-        position = f"{u} * {depth} + {k}" if depth > 1 else u
-        wrapped = f"({raw} < 0 ? {raw} + {data_shape[k]} : {raw})"
-        scaled = wrapped if strides[k] == 1 else f"{wrapped} * {strides[k]}"
-        code.append(f"  {{ const int {raw} = {b.load(indices, position)}; {target} += {scaled}; }}")
+             f"for (int {u} = 0; {u} < {count}; ++{u}) {{", *_target_lines(b, node, u, target)]
     update = _texel_of(b, updates, f"{u} * {slice_size} + {within} + 4 * tt")
     folded = combine.format(acc=f"vload4(tt, {accs})", u=update)
     code += [f"  if ({target} != {prefix}) continue;",

@@ -113,7 +113,7 @@ class Blocked:
     x_step: int
     w_step: int
     position_step: int
-    products: Callable[[range], list[Product]]
+    products: Callable[[range], Sequence[Product]]
 
 
 class Code:
@@ -269,7 +269,7 @@ class Reduction:
             code.close()
 
     @staticmethod
-    def _block(b: KernelBuilder, code: Code, acc: str, products: list[Product], x: Operand, w: Operand,
+    def _block(b: KernelBuilder, code: Code, acc: str, products: Sequence[Product], x: Operand, w: Operand,
                mask: Mask | None) -> None:
         """One static block: drop products that are always out of range, mask the ones that may be."""
         if mask is None:  # every product counts (contractions): the common case, kept lean
