@@ -28,7 +28,7 @@ from fblc.codegen.plan import lower  # noqa: E402
 from fblc.compiler.model_io import load_model  # noqa: E402
 from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
 from fblc.passes.pipeline import TrainingOptions, build_training_graph  # noqa: E402
-from fblc.passes.rtile_select import rank_candidates  # noqa: E402
+from fblc.passes.layout_score import rank_candidates  # noqa: E402
 from fblc.profiles import load_profile  # noqa: E402
 
 TARGET_SECONDS = 3.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Sequence
 
 import onnx
@@ -10,6 +11,17 @@ from onnx import TensorProto, helper
 OPSET = 18
 INPUT = "x"
 OUTPUT = "logits"
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a size: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def write_classifier(path: str, name: str, nodes: Sequence[onnx.NodeProto], input_shape: Sequence[int],

@@ -155,10 +155,10 @@ def adapt(name: str, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tresnet", help="tresnet, mobilenet_v2 or both, comma-separated")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--pretrain-steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--out", default="runs/har_adaptation")
+    parser.add_argument("--steps", type=int, default=50, help="adaptation steps per method (default 50)")
+    parser.add_argument("--pretrain-steps", type=int, default=60, help="steps on the source domain (default 60)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--out", default="runs/har_adaptation", help="output folder (default runs/har_adaptation)")
     args = parser.parse_args(argv)
     summary = {name: adapt(name, args) for name in args.models.split(",") if name}
     print(f"\nr = {RANK}, Adam lr 1e-3, weight decay 5e-4, batch {args.batch}, {args.steps} steps; "

@@ -92,9 +92,9 @@ def train(model_path: str, bundle: str, data: dict[str, np.ndarray], steps: int,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pretrain-steps", type=int, default=60)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--out", default="runs/har")
+    parser.add_argument("--pretrain-steps", type=int, default=60, help="steps on the source domain (default 60)")
+    parser.add_argument("--steps", type=int, default=50, help="fine-tuning steps on the target domain (default 50)")
+    parser.add_argument("--out", default="runs/har", help="output folder (default runs/har)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     source = sensor_windows(BATCH * 8, shifted=False, seed=0)

@@ -6,11 +6,12 @@ and `MatMul(x, W) + b` with W stored [in, out]. Every hidden layer is followed b
 last layer gives `classes` logits. Weights are float32 from a seeded generator, so a seed
 names one model.
 
-    python examples/mlp.py mlp.onnx
+    python examples/mlp.py mlp.onnx [--batch 8] [--in-features 32] [--hidden 64,64] [--classes 10] [--seed 0]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Sequence
@@ -20,8 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import INPUT, OUTPUT, write_classifier  # noqa: E402
-
+from common import INPUT, OUTPUT, positive_int, write_classifier  # noqa: E402
 
 
 def _linear_weights(rng: np.random.Generator, fan_in: int, fan_out: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,11 +72,21 @@ def build_mlp(path: str, batch: int = 8, in_features: int = 32, hidden: Sequence
     return write_classifier(path, "mlp", nodes, [batch, in_features], [batch, classes], initializers)
 
 
-def main(argv: Sequence[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python examples/mlp.py OUTPUT.onnx", file=sys.stderr)
-        return 2
-    path = build_mlp(argv[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", metavar="OUTPUT.onnx", help="where to write the model")
+    parser.add_argument("--batch", type=positive_int, default=8, help="batch size of the input x (default 8)")
+    parser.add_argument("--in-features", type=positive_int, default=32, help="input features (default 32)")
+    parser.add_argument("--hidden", default="64,64", help="hidden widths, comma-separated (default 64,64)")
+    parser.add_argument("--classes", type=positive_int, default=10, help="output logits (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    args = parser.parse_args(argv)
+    try:
+        hidden = tuple(positive_int(width) for width in args.hidden.split(",") if width)
+    except argparse.ArgumentTypeError:
+        parser.error(f"--hidden takes comma-separated positive integers, not {args.hidden!r}")
+    path = build_mlp(args.output, batch=args.batch, in_features=args.in_features, hidden=hidden,
+                     classes=args.classes, seed=args.seed)
     model = onnx.load(path)
     shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
     params = sum(int(np.prod(shape)) for shape in shapes.values())
@@ -87,4 +97,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -38,9 +38,10 @@ def sensor_batch(batch: int, seed: int) -> dict[str, np.ndarray]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--out", default="runs/quickstart")
+    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--batch", type=int, default=16, help="batch size the model is compiled for (default 16)")
+    parser.add_argument("--out", default="runs/quickstart",
+                        help="folder for the model, data and bundle (default runs/quickstart)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     model = build_tresnet(os.path.join(args.out, "tresnet.onnx"), batch=args.batch)

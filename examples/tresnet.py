@@ -1,10 +1,10 @@
 """T-ResNet (the temporal ResNet of the MemFLoRA tables) as ONNX, built without torch.
 
-Shape as MemFLoRA's public code uses it (see shared/papers/README.md): a sensor window is
-an input [B, C, T, 1] (C sensor channels, T samples); 3 residual blocks with 64 -> 128 -> 128
-maps, each conv(8,1)-BN-ReLU, conv(5,1)-BN-ReLU, conv(3,1)-BN, a shortcut that is a 1x1 conv
-+ BN when the channel count changes and the identity otherwise, then ReLU(x + residual);
-then GlobalAveragePool, Flatten and a Linear (Gemm) to `classes` logits.
+Shape as MemFLoRA's public code uses it: a sensor window is an input [B, C, T, 1] (C sensor
+channels, T samples); 3 residual blocks with 64 -> 128 -> 128 maps, each conv(8,1)-BN-ReLU,
+conv(5,1)-BN-ReLU, conv(3,1)-BN, a shortcut that is a 1x1 conv + BN when the channel count
+changes and the identity otherwise, then ReLU(x + residual); then GlobalAveragePool, Flatten
+and a Linear (Gemm) to `classes` logits.
 
 Temporal convs keep the length, padded like torch's padding='same' (for the even kernel 8:
 3 before, 4 after). Convs carry a bias, as in the original Keras T-ResNet (Conv1D's
@@ -12,11 +12,12 @@ default). BatchNormalization is in inference form with non-trivial random runnin
 statistics, gamma and beta, so a training graph that runs BN in eval mode has real scales
 to get right. Weights are float32 from a seeded generator.
 
-    python examples/tresnet.py tresnet.onnx
+    python examples/tresnet.py tresnet.onnx [--batch 4] [--channels 97] [--samples 60] [--classes 17] [--seed 0]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Sequence
@@ -26,7 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import INPUT, OUTPUT, write_classifier  # noqa: E402
+from common import INPUT, OUTPUT, positive_int, write_classifier  # noqa: E402
 
 BLOCK_MAPS = (64, 128, 128)
 KERNELS = (8, 5, 3)
@@ -118,11 +119,17 @@ def build_tresnet(path: str, batch: int = 4, channels: int = 97, samples: int = 
     return write_classifier(path, "tresnet", b.nodes, [batch, channels, samples, 1], [batch, classes], b.initializers)
 
 
-def main(argv: Sequence[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python examples/tresnet.py OUTPUT.onnx", file=sys.stderr)
-        return 2
-    path = build_tresnet(argv[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", metavar="OUTPUT.onnx", help="where to write the model")
+    parser.add_argument("--batch", type=positive_int, default=4, help="batch size of the input x (default 4)")
+    parser.add_argument("--channels", type=positive_int, default=97, help="sensor channels C (default 97)")
+    parser.add_argument("--samples", type=positive_int, default=60, help="samples per window T (default 60)")
+    parser.add_argument("--classes", type=positive_int, default=17, help="output logits (default 17)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    args = parser.parse_args(argv)
+    path = build_tresnet(args.output, batch=args.batch, channels=args.channels, samples=args.samples,
+                         classes=args.classes, seed=args.seed)
     model = onnx.load(path)
     params = sum(int(np.prod(t.dims)) for t in model.graph.initializer)
     dims = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
@@ -133,4 +140,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

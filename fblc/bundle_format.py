@@ -3,7 +3,9 @@
 A bundle is a directory:
 - manifest.json  format name and version, fblc version, target, profile digest, dtype,
                  graph inputs/outputs, parameters and states (name, shape, dtype, texture,
-                 offset in params.bin), and the sha256 of every other file;
+                 offset in params.bin), and the sha256 of every other file; class-index labels
+                 also carry `classes` and `ignore_index` (optional: a runtime that finds them
+                 refuses other label values before training);
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
                  (kernel name, global/local size, texture arguments), the state swaps after a step;
 - kernels.cl     OpenCL C, one __kernel per launch;
@@ -28,6 +30,9 @@ KERNELS = "kernels.cl"
 PARAMS = "params.bin"
 REPORT = "report.json"
 CHECKSUMMED = (PLAN, KERNELS, PARAMS, REPORT)
+#: files a runtime adds to a bundle folder (the native runner's program binaries); like the checksummed
+#: ones, fblc wrote them, so compiling over the bundle may replace them without --force
+RUNTIME_FILES = ("kernels.cache",)
 
 # Texture formats: (OpenCL channel order, channel type) by the names the plan uses.
 # r_mask8: a boolean tensor saved for the backward, one bit per element, 8 to a byte, LSB first

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -291,7 +292,9 @@ def test_ctrl_c_during_a_run_on_the_device_leaves_nothing(tmp_path, bundle, phon
     assert process.stdout.readline().startswith("step    1")
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
+    assert process.returncode == 130 and "Traceback" not in stderr
+    assert re.fullmatch(rf"fblc: interrupted after \d+ of 100000000 steps on {re.escape(phone.serial)}; nothing saved "
+                        r"\(the runner hands the parameters over only at the end of its run\)\n", stderr), stderr
     assert not os.path.exists(saved)
     deadline = time.monotonic() + 20  # the device hung the runner up; it stops at the end of its step
     while phone._processes and time.monotonic() < deadline:

@@ -1,7 +1,8 @@
 """The `fblc` command line: subcommands over the compiler (and, as they land, the runtimes).
 
 User errors print one line, `fblc: error: <cause>; <what to do>`, and exit 2; `--debug`
-shows the traceback instead.
+shows the traceback instead. Option values and the paths a command writes are checked before
+the command starts (options.check_values, outputs.check_outputs), so a bad one costs no work.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from fblc import __version__
 from fblc.bundle_format import BundleError
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
 from fblc.cli.train import cmd_devices, cmd_push, cmd_run
-from fblc.cli.options import add_training_options
+from fblc.cli.options import add_training_options, check_values
+from fblc.cli.outputs import check_outputs
 from fblc.cli.profiles import add_commands as add_profile_commands
 from fblc.compiler.errors import FblcError
 
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_options(compile_)
     add_target_options(compile_)
     compile_.add_argument("-o", "--output", required=True, metavar="OUT", help="bundle folder to write")
+    compile_.add_argument("--force", action="store_true",
+                          help="replace an existing bundle OUT even if it holds files fblc did not write")
     compile_.add_argument("--report", action="store_true", help="print the layout report: data movement before and after remapping, tiles chosen")
     compile_.add_argument("--cache-report", action="store_true",
                           help="simulate the target's texture cache over every kernel's reads (runs the kernels "
@@ -106,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_values(args)
+        check_outputs(args)
         return int(args.run(args))
     except (FblcError, BundleError) as error:
         if args.debug:
@@ -113,8 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = error.one_line() if isinstance(error, FblcError) else str(error)
         print(f"fblc: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("fblc: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # a command may say what it leaves: "after 7 of 50 steps; saved ..."
+        print(f"fblc: interrupted {interrupt}".rstrip(), file=sys.stderr)
         return 130
     except Exception as error:  # a bug in fblc or a library: say so in one line unless debugging
         if args.debug:

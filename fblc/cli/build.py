@@ -42,7 +42,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "
               f"{report['kernels']} kernels ({families}), {report['textures']} textures, "
               f"{report['texture_bytes'] / 1e6:.1f} MB of textures")
-        print(f"wrote bundle {args.output}/ (manifest.json, plan.json, kernels.cl, params.bin, report.json)")
+        print(f"wrote bundle {args.output.rstrip('/') or '/'}/ (manifest.json, plan.json, kernels.cl, params.bin, "
+              f"report.json)")
+        beyond = report["beyond_portable_edge"]
+        if beyond:
+            largest = max(beyond, key=lambda t: t["width"] * t["height"])
+            print(f"note: {len(beyond)} textures do not fit {report['portable_image_edge']} x "
+                  f"{report['portable_image_edge']} and use {args.target}'s own image limit (largest: "
+                  f"'{largest['name']}', {largest['width']} x {largest['height']}); the bundle runs only on devices "
+                  f"with images that large (report.json beyond_portable_edge lists them)")
         if args.report:
             from fblc.codegen.layout_report import layout_summary
 

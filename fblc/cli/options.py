@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from fblc.compiler.errors import FblcError
 
@@ -49,6 +51,9 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     add_adapter_options(parser)
 
 
+DEFAULT_RANK = 2
+
+
 def add_adapter_options(parser: argparse.ArgumentParser) -> None:
     """--adapter/--rank/--seed/--adapter-sites: the memory-floor adapter (DESIGN.md section 8)."""
     from fblc.compiler.adapters import ADAPTERS, SITE_SELECTIONS
@@ -58,7 +63,8 @@ def add_adapter_options(parser: argparse.ArgumentParser) -> None:
                              "both factors trainable at every Conv (groups 1); memflora: MemFLoRA's memory-floor "
                              "adapter (frozen projection P, trainable U, backbone frozen, 1-bit masks); memflora-sg: "
                              "memflora that also trains P by replaying the forward (default: none)")
-    parser.add_argument("--rank", type=int, default=2, help="adapter rank r (default: 2)")
+    # default None, not 2: a --rank the user gave with --adapter none is refused (check_values)
+    parser.add_argument("--rank", type=int, default=None, help=f"adapter rank r (default: {DEFAULT_RANK})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the adapter's random projection P (default: 0)")
     parser.add_argument("--tile-mb", type=float, default=None, metavar="MB",
                         help="run the network's front in batch chunks so that no activation exceeds MB megabytes "
@@ -82,16 +88,70 @@ def training_options(args: argparse.Namespace) -> "object":
                                 eps=args.eps)
     from fblc.compiler.adapters import AdapterConfig
 
-    adapter = AdapterConfig(kind=getattr(args, "adapter", "none"), rank=getattr(args, "rank", 2),
+    rank = getattr(args, "rank", None)
+    adapter = AdapterConfig(kind=getattr(args, "adapter", "none"), rank=DEFAULT_RANK if rank is None else rank,
                             seed=getattr(args, "seed", 0), sites=getattr(args, "adapter_sites", "auto"))
     adapter.validate()
     tile_mb = getattr(args, "tile_mb", None)
-    if tile_mb is not None and tile_mb < 0:
-        raise FblcError(f"--tile-mb {tile_mb} is negative", "give a size in MB, or 0 to turn batch tiling off")
     return TrainingOptions(input_shapes=shapes, loss=args.loss, optimizer=optimizer, train=args.train,
                            freeze=args.freeze, bn_train=args.bn_train, adapter=adapter,
                            tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
                            layout=getattr(args, "layout", "rtile"))
+
+
+@dataclass(frozen=True)
+class Limit:
+    """What a numeric option must be; `valid` sees each of its values (both of --betas)."""
+
+    option: str
+    valid: Callable[[float], bool]
+    must_be: str
+    remedy: str
+
+
+def _finite_at_least(low: float) -> Callable[[float], bool]:
+    return lambda value: math.isfinite(value) and value >= low  # NaN fails every comparison, so it fails here
+
+
+#: every numeric option of every command, by argparse attribute; a command without the option skips it.
+#: They are checked before any work: a NaN learning rate would otherwise train for hours on NaN weights.
+LIMITS: dict[str, Limit] = {
+    "lr": Limit("--lr", _finite_at_least(0.0), "is not a finite learning rate >= 0", "give e.g. --lr 0.01"),
+    "momentum": Limit("--momentum", _finite_at_least(0.0), "is not a finite momentum >= 0",
+                      "give e.g. --momentum 0.9, or 0 for none"),
+    "weight_decay": Limit("--weight-decay", _finite_at_least(0.0), "is not a finite weight decay >= 0",
+                          "give e.g. --weight-decay 0.01, or 0 for none"),
+    "betas": Limit("--betas", lambda value: 0.0 <= value < 1.0, "has a beta outside [0, 1)",
+                   "give two numbers in [0, 1), e.g. --betas 0.9 0.999"),
+    "eps": Limit("--eps", lambda value: math.isfinite(value) and value > 0.0, "is not a finite epsilon > 0",
+                 "give e.g. --eps 1e-8"),
+    "tile_mb": Limit("--tile-mb", _finite_at_least(0.0), "is not a finite size >= 0",
+                     "give a size in MB, or 0 to turn batch tiling off"),
+    "rank": Limit("--rank", lambda value: value >= 1, "is not a positive rank",
+                  "use --rank 1 or more (the paper uses 2, 4, 8)"),
+    "seed": Limit("--seed", lambda value: value >= 0, "is not a seed >= 0", "give e.g. --seed 0"),
+    "steps": Limit("--steps", lambda value: value >= 1, "is not a number of steps >= 1", "give e.g. --steps 10"),
+    "show": Limit("--show", lambda value: value >= 0, "is not a number of rows >= 0", "give e.g. --show 15"),
+}
+
+
+def _shown(value: Any) -> str:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """Refuse a bad option value with one FblcError that names it, before the command does any work."""
+    for attribute, limit in LIMITS.items():
+        value = getattr(args, attribute, None)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if not all(isinstance(v, (int, float)) for v in values):  # unset, or not a number (profile --show FILE)
+            continue
+        if not all(limit.valid(v) for v in values):
+            raise FblcError(f"{limit.option} {_shown(value)} {limit.must_be}", limit.remedy)
+    if getattr(args, "adapter", None) == "none" and getattr(args, "rank", None) is not None:
+        raise FblcError(f"--rank {args.rank} is given with --adapter none, which has no rank",
+                        "add --adapter lora, memflora or memflora-sg, or drop --rank")
 
 
 @contextlib.contextmanager

@@ -4,57 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
-from typing import Any, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
-
-def batches(data_path: str, manifest: dict[str, Any]) -> tuple[list[dict[str, np.ndarray]], str]:
-    """The data file cut into batches of the compiled size, and a note on rows left out."""
-    from fblc.runtime.local import DataError
-
-    expected = ", ".join(f"{e['name']} {e['shape']}" for e in manifest["inputs"])
-    try:
-        data = dict(np.load(data_path))
-    except (OSError, ValueError) as error:
-        raise DataError(f"cannot read data file '{data_path}' ({error}); it must be an .npz with arrays: "
-                        f"{expected}") from None
-    rows = None
-    problems = []
-    for entry in manifest["inputs"]:
-        array = data.get(entry["name"])
-        if array is None:
-            problems.append(f"'{entry['name']}' is missing")
-            continue
-        if list(array.shape[1:]) != entry["shape"][1:] or array.shape[0] < entry["shape"][0]:
-            problems.append(f"'{entry['name']}' has shape {list(array.shape)}")
-            continue
-        rows = array.shape[0] if rows is None else min(rows, array.shape[0])
-    if problems:
-        raise DataError(f"data file '{data_path}': {'; '.join(problems)}; expected arrays (any number of rows, at "
-                        f"least one batch): {expected}")
-    batch = manifest["inputs"][0]["shape"][0]
-    count = rows // batch
-    cut = [{e["name"]: data[e["name"]][k * batch:(k + 1) * batch] for e in manifest["inputs"]} for k in range(count)]
-    note = f"{rows - count * batch} rows past the last full batch are not used" if rows % batch else ""
-    return cut, note
-
-
-def save_parameters(path: str, parameters: dict[str, np.ndarray]) -> None:
-    """np.savez to `path` atomically."""
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".fblc-", suffix=".npz", dir=folder)
-    os.close(handle)
-    try:
-        np.savez(temporary, **parameters)
-        os.replace(temporary, path if path.endswith(".npz") else path + ".npz")
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+from fblc.cli.data import batches, read_manifest
+from fblc.cli.outputs import report_fallback, save_trained
 
 
 def _progress(total: int, enabled: bool) -> Iterator[None]:
@@ -66,6 +23,18 @@ def _progress(total: int, enabled: bool) -> Iterator[None]:
     yield from track(range(total), description="training", transient=True, console=None)
 
 
+def interrupted(done: int, steps: int, save_path: str | None,
+                parameters: Callable[[], dict[str, np.ndarray]]) -> str:
+    """What a Ctrl-C after `done` of `steps` steps leaves: the parameters after step `done`, saved if asked."""
+    if not save_path:
+        return f"after {done} of {steps} steps; nothing saved (no --save-params)"
+    if not done:
+        return f"before the first of {steps} steps finished; nothing saved"
+    written, why = save_trained(save_path, parameters)
+    saved = f"saved the parameters after step {done} to"
+    return f"after {done} of {steps} steps; " + (f"{why}; {saved} '{written}' instead" if why else f"{saved} {written}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fblc.runtime.local import LocalRunner
 
@@ -73,8 +42,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from fblc.runtime.adb import cmd_run_adb
 
         return cmd_run_adb(args)
-    runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device)
-    cut, note = batches(args.data, runner.manifest)
+    # the data is checked before the runner builds its kernels (a minute and more for a large model)
+    cut, note = batches(args.data, read_manifest(args.bundle))
+    runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device, progress=not args.quiet)
     if note and not args.quiet:
         print(f"note: {note}", file=sys.stderr)
     if not args.quiet and not args.json:
@@ -90,9 +60,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(json.dumps({"step": step, "loss": loss, "ms": round(elapsed, 3)}), flush=True)
             elif not args.quiet:
                 print(f"step {step:4d}  loss {loss:.6f}  {elapsed:8.1f} ms", flush=True)
-    finally:
-        if args.save_params and runner.steps:
-            save_parameters(args.save_params, runner.parameters())
+    except KeyboardInterrupt:
+        # runner.steps counts the steps whose updates are in place: a step cut short left the state as it was
+        raise KeyboardInterrupt(interrupted(runner.steps, args.steps, args.save_params, runner.parameters)) from None
+    if args.save_params:
+        report_fallback(*save_trained(args.save_params, runner.parameters))
     return 0
 
 

@@ -17,6 +17,7 @@ from fblc.codegen.plan import Program
 from fblc.compiler import keys
 from fblc.compiler.errors import FblcError
 from fblc.compiler.keys import Role
+from fblc.compiler.losses import IGNORE_INDEX
 from fblc.compiler.values import static_shape
 from fblc.profiles import Profile
 
@@ -29,6 +30,8 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
              "texture": texture.id, "layout": "linear-rgba"}
     if value.name in program.value_maps:  # a remapped view: element i is texture element offset + i . strides
         entry["layout"], entry["view"] = "strided-view", program.value_maps[value.name]
+    if keys.CLASSES in value.metadata_props:  # class-index labels: the runtimes check the data against these
+        entry["classes"], entry["ignore_index"] = int(value.metadata_props[keys.CLASSES]), IGNORE_INDEX
     return entry
 
 
@@ -129,9 +132,17 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
 
     `extra`: more files (the memory-timeline plot), checksummed in the manifest like the others.
     """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FblcError(f"-o '{out_dir}' is an existing file, not a bundle folder",
+                        "choose a new folder name for the bundle")
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".fblc-bundle-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".fblc-bundle-", dir=parent)
+    except OSError as error:  # the CLI checked the folder first; this is a library caller, or it changed since
+        raise FblcError(f"cannot write the bundle '{out_dir}' ({error.strerror or error})",
+                        "choose an -o folder you can write to") from None
+    previous: str | None = None
     try:
         files = {fmt.PLAN: json.dumps(plan, indent=1).encode(), fmt.KERNELS: source.encode(), fmt.PARAMS: params,
                  fmt.REPORT: json.dumps(report, indent=2).encode(), **(extra or {})}
@@ -141,7 +152,6 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
         manifest = dict(manifest, checksums={name: fmt.sha256_of(os.path.join(staging, name)) for name in files})
         with open(os.path.join(staging, fmt.MANIFEST), "w", encoding="utf-8") as handle:
             json.dump(manifest, handle, indent=2)
-        previous = None
         if os.path.exists(out_dir):
             if not os.path.isfile(os.path.join(out_dir, fmt.MANIFEST)) and os.listdir(out_dir):
                 raise FblcError(f"'{out_dir}' exists and is not an fblc bundle", "choose another -o folder")
@@ -151,6 +161,11 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
         os.replace(staging, out_dir)
         if previous:
             shutil.rmtree(previous, ignore_errors=True)
+    except OSError as error:  # a full disk, or the folder changed under us: the previous bundle stays
+        if previous and os.path.exists(previous) and not os.path.exists(out_dir):
+            os.replace(previous, out_dir)
+        raise FblcError(f"cannot write the bundle '{out_dir}' ({error.strerror or error})",
+                        "free disk space or choose another -o folder") from None
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging, ignore_errors=True)

@@ -20,14 +20,17 @@ from fblc.compiler.errors import FblcError
 from fblc.compiler.model_io import load_model
 from fblc.compiler.reference import random_feeds
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
-from fblc.profiles import load_profile
+from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
 
 
 def build_report(model: ir.Model, program: Program, seconds: float) -> dict[str, Any]:
+    beyond = [{"name": t.name, "width": t.width, "height": t.height} for t in program.textures
+              if max(t.width, t.height) > PORTABLE_IMAGE_EDGE]
     return {"compile_seconds": round(seconds, 3), "step_nodes": len(model.graph),
             "kernels": len(program.kernels), "kernels_per_family": program.family_counts(),
             "textures": len(program.textures), "texture_bytes": texture_bytes(program),
-            "initial_bytes": sum(a.nbytes for a in program.initial.values())}
+            "initial_bytes": sum(a.nbytes for a in program.initial.values()),
+            "portable_image_edge": PORTABLE_IMAGE_EDGE, "beyond_portable_edge": beyond}
 
 
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,

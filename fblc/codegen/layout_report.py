@@ -74,6 +74,6 @@ def layout_summary(layout: dict[str, Any], top: int = 12) -> str:
             lines.append(f"  {t['name'][:44]:<44} {str(t['shape']):<18} {t['score']:8.3f}  {t['layout']} "
                          f"({t['chosen_by']}{'; relaxed ' + ','.join(t['relaxed']) if t['relaxed'] else ''})")
         if len(tiled) > top:
-            lines.append(f"  ... {len(tiled) - top} more R-Tile tensors in report.json")
+            lines.append(f"  ... {len(tiled) - top} more scored tensors in report.json")
     return "\n".join(lines)
 

@@ -89,7 +89,7 @@ class TextureTable:
         texels = max(1, -(-numel(shape) // 4))
         annotated = value.metadata_props.get(keys.LAYOUT)
         layout = (TexelLayout.from_dict(json.loads(annotated)) if annotated
-                  else flat_layout(texels, self.profile.image2d_max_width))
+                  else flat_layout(texels, self.profile.placement_limits(texels)[0]))
         self._check_fits(value.name, shape, layout)
         texture_format = self.float_format if kind == "float" else MASK_FORMATS.get(layout.kind, "rgba_i32")
         texture = Texture(len(self.textures), value.name, shape, kind, texture_format, layout)
@@ -111,8 +111,7 @@ class TextureTable:
         rewritten too, so that the memory plan of the step accounts the bytes the bundle allocates."""
         if texture.format != MASK_FORMATS["mask8"]:
             raise AssertionError(f"texture of '{texture.name}' is {texture.format}, not an r_mask8 texture")
-        texture.layout = mask_layout("mask4", texture.numel, self.profile.image2d_max_width,
-                                     self.profile.image2d_max_height)
+        texture.layout = mask_layout("mask4", texture.numel, *self.profile.placement_limits(-(-texture.numel // 4)))
         self._check_fits(texture.name, texture.shape, texture.layout)
         texture.format = MASK_FORMATS["mask4"]
         self._roots[texture.id].metadata_props[keys.LAYOUT] = texture.layout.to_json()

@@ -15,6 +15,8 @@ MEM = "fblc.mem"
 STAGE = "fblc.stage"
 #: For a backward node: the forward node whose gradient rule emitted it.
 GRAD_OF = "fblc.grad_of"
+#: On the labels of a class-index loss: the number of classes (the logits' last dim), for the bundle's manifest.
+CLASSES = "fblc.classes"
 
 # Keys written by torch.onnx's dynamo exporter and by onnxscript's optimizer.
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"

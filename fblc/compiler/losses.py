@@ -21,6 +21,9 @@ class LossSpec:
     label_dtype: "ir.DataType | None"  # None: the dtype of the model's output
     label_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
     help: str
+    #: labels that are class indices: the number of classes, from the output's shape. The runtimes refuse
+    #: labels other than 0..classes-1 and IGNORE_INDEX before training: the kernels would read past the logits
+    classes: Callable[[tuple[int, ...]], "int | None"] = lambda shape: None
 
 
 def _cross_entropy(e: Emitter, logits: ir.Value, labels: ir.Value | None) -> ir.Value:
@@ -59,7 +62,7 @@ def _class_labels_shape(logits_shape: tuple[int, ...]) -> tuple[int, ...]:
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(_cross_entropy, True, ir.DataType.INT64, _class_labels_shape,
                               "mean cross-entropy of logits [N, C] or [N, T, C] against int64 labels "
-                              f"(label {IGNORE_INDEX} is ignored)"),
+                              f"(label {IGNORE_INDEX} is ignored)", classes=lambda shape: shape[-1]),
     "mse": LossSpec(_mse, True, None, lambda shape: shape, "mean squared error against float labels of the output's shape"),
     "output": LossSpec(_model_output, False, None, lambda shape: shape, "the model's first output is already the loss"),
 }

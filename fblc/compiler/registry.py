@@ -49,6 +49,12 @@ class OpRegistry(Generic[Entry]):
         self._load()
         return op_type in self._entries
 
+    def get(self, node: ir.Node, default: Entry) -> Entry:
+        """`node`'s entry, or `default` for an op the table lacks (a table with a safe fallback)."""
+        self._load()
+        found = self._entries.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        return default if found is None else found
+
     def lookup(self, node: ir.Node) -> Entry:
         self._load()
         entry = self._entries.get(node.op_type) if node.domain in ("", "ai.onnx") else None

@@ -39,6 +39,9 @@ class AttachLoss(ir.passes.InPlacePass):
             dtype = self.spec.label_dtype or prediction.dtype
             labels = ir.Value(name=LABELS, shape=ir.Shape(list(shape)), type=ir.TensorType(dtype))
             keys.set_role(labels, Role.LABEL)
+            classes = self.spec.classes(static_shape(prediction))
+            if classes is not None:
+                labels.metadata_props[keys.CLASSES] = str(classes)
             model_inputs = sum(1 for v in graph.inputs if keys.get_role(v) == Role.INPUT.value)
             graph.inputs.insert(model_inputs, labels)
         emitter = Emitter(graph, stage="loss")

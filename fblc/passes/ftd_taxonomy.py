@@ -4,7 +4,9 @@ The class says how the layout search treats the node: FTD-D ops (their backward 
 tensors along other axes than the forward) anchor the R-Tile choice; FTD-C ops follow their
 producer's layout; FTI-D ops (data movement, reductions, gathers) are index-remapping
 candidates; FTI-C ops are layout-transparent. The table is keyed by op type; an op missing
-from it is an error naming the op, the node and the supported list.
+from it gets UNKNOWN_OP_CLASS (the class is a layout hint, never needed for correctness), so
+an op the compiler cannot run is reported where it fails: by the kernel emitters, as an
+unsupported op naming the node and the supported ops.
 Preconditions: none (any graph). In place; `modified` is true when any annotation changed.
 """
 
@@ -25,7 +27,7 @@ class Ftd(str, enum.Enum):
     INDEPENDENT_CONSISTENT = "FTI-C"
 
 
-FTD_CLASSES: OpRegistry[Ftd] = OpRegistry("FTD class", "add the op to the table in fblc/passes/ftd_taxonomy.py")
+FTD_CLASSES: OpRegistry[Ftd] = OpRegistry("FTD class", "it has no layout class yet")
 
 
 def _classify(ftd: Ftd, *op_types: str) -> None:
@@ -48,8 +50,15 @@ _classify(Ftd.INDEPENDENT_CONSISTENT, "Add", "Sub", "Neg", "Cast", "Identity", "
           "IsNaN")
 
 
+#: the class of an op the table lacks. FTI-D is the one that assumes nothing about the op: the
+#: layout search does not anchor a choice on it (FTD-D would let an op it knows nothing of pick the
+#: layouts of its neighbours) and does not pass its input's layout on to its output (FTD-C and FTI-C
+#: would claim the output is read like the input); its outputs get layouts from their own accesses.
+UNKNOWN_OP_CLASS = Ftd.INDEPENDENT_DIVERGENT
+
+
 def ftd_class(node: ir.Node) -> Ftd:
-    return FTD_CLASSES.lookup(node)
+    return FTD_CLASSES.get(node, UNKNOWN_OP_CLASS)
 
 
 class FtdTaxonomy(ir.passes.InPlacePass):

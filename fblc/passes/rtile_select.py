@@ -32,51 +32,20 @@ unfused step graph with static shapes, after ftd_taxonomy and tile_remap. In pla
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from collections.abc import Callable
-from functools import lru_cache
 
-import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, is_view, map_of, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.ftd_taxonomy import Ftd
+from fblc.passes.layout_score import Candidate, Geometry, rank_candidates, rank_folds
 from fblc.profiles import Profile
-from fblc.profiles.cache_model import CacheGeometry, TextureCache
-from fblc.texel_layout import TexelLayout, flat_layout, mask_layout, matrix_layout, rtile_layout
+from fblc.texel_layout import TexelLayout, flat_layout, mask_layout
 
-TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
-MAX_PADDING = 0.10
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
-WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
-SIMULATED = 4  # candidates (best by block count) that the cache model re-scores
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
 ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax"})
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What the score needs from the profile."""
-
-    wave: int
-    line_bytes: int
-    block_width: int
-    block_height: int
-    max_width: int
-    sets: int = 16
-    ways: int = 4
-
-    @classmethod
-    def of(cls, profile: Profile) -> Geometry:
-        return cls(profile.wave_size, profile.line_bytes, profile.tex_block_width, profile.tex_block_height,
-                   profile.image2d_max_width, profile.l1_sets, profile.l1_ways)
-
-    @property
-    def cache(self) -> CacheGeometry:
-        return CacheGeometry(self.block_width, self.block_height, self.sets, self.ways)
 
 
 # access patterns -------------------------------------------------------------------------------
@@ -119,113 +88,6 @@ def _accesses(root: ir.Value) -> dict[str, float]:
     return weights
 
 
-# scoring ---------------------------------------------------------------------------------------
-
-def wave_reads(pattern: str, rows: int, texel_cols: int, wave: int) -> list[np.ndarray]:
-    """Texel indices a wave reads in issue order (every item's k-th read before any (k+1)-th), for
-    WAVE_STEPS lockstep steps, at two sampled places of the tensor."""
-    samples = []
-    for half in (0, 1):
-        if pattern == "rows":  # items own rows r0.., walking along them
-            r = np.arange(min(rows, wave)) + half * max(0, rows - wave)
-            j = np.arange(min(texel_cols, WAVE_STEPS)) + half * max(0, texel_cols - WAVE_STEPS)
-            samples.append((j[:, None] + r[None, :] * texel_cols).reshape(-1))
-        elif pattern == "columns":  # items own texel columns q0.., walking down them
-            q = np.arange(min(texel_cols, wave)) + half * max(0, texel_cols - wave)
-            i = np.arange(min(rows, WAVE_STEPS)) + half * max(0, rows - WAVE_STEPS)
-            samples.append((i[:, None] * texel_cols + q[None, :]).reshape(-1))
-        else:  # stream: a grid-stride walk over consecutive texels
-            total = rows * texel_cols
-            start = half * (total // 2)
-            samples.append(np.arange(start, min(total, start + wave * WAVE_STEPS)))
-    return [s for s in samples if s.size]
-
-
-def block_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
-    """Texels read over the texels of the distinct cache blocks they touch (an unbounded cache)."""
-    useful = fetched = 0
-    for texels in wave_reads(pattern, rows, texel_cols, geometry.wave):
-        x, y = layout.coords(texels)
-        blocks = np.unique((y // geometry.block_height << 24) + x // geometry.block_width).size
-        useful += texels.size
-        fetched += blocks * geometry.block_width * geometry.block_height
-    return useful / fetched if fetched else 1.0
-
-
-def cache_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
-    """Texels read over the texels the cache model fetches (misses x block): the L1's sets, ways and
-    LRU included, so a walk whose blocks do not stay resident pays for them again."""
-    cache = TextureCache(geometry.cache)
-    useful = fetched = 0
-    for texels in wave_reads(pattern, rows, texel_cols, geometry.wave):
-        cache.flush()
-        x, y = layout.coords(texels)
-        misses = cache.access(*cache.blocks_of(x, y))
-        useful += texels.size
-        fetched += misses * geometry.block_width * geometry.block_height
-    return useful / fetched if fetched else 1.0
-
-
-def gflops_factor(layout: TexelLayout, wave: int) -> float:
-    """Share of wave lanes that do useful work when waves cover whole tiles."""
-    if layout.kind == "flat":
-        return 1.0
-    texels = layout.tile_h * layout.tile_texels_w
-    return texels / (-(-texels // wave) * wave)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    layout: TexelLayout
-    score: float
-    relaxed: tuple[str, ...]
-    scored_by: str = "block count"
-    block_score: float = 0.0  # the block-count score, which breaks ties of the cache model's
-
-
-def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geometry) -> dict[str, bool]:
-    padded = layout.width * layout.height
-    return {"C1": (layout.tile_h * layout.tile_texels_w) % geometry.wave == 0,
-            "C2": (layout.tile_texels_w * 16) % geometry.line_bytes == 0,
-            "C3": padded <= (1 + MAX_PADDING) * rows * texel_cols}
-
-
-@lru_cache(maxsize=4096)
-def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...],
-                    geometry: Geometry) -> tuple[Candidate, ...]:
-    """Every candidate tile that survives pruning, best first, with its score. The block count
-    ranks them all; the cache model re-scores the best SIMULATED, which then lead."""
-    texel_cols = cols // 4
-    survivors: dict[tuple[str, ...], list[Candidate]] = {}
-    for tile_h in TILE_ROWS:
-        for tile_w in TILE_COLS:
-            if tile_h > rows or tile_w // 4 > texel_cols:
-                continue
-            packing = "strip" if (tile_w // 4) * 16 <= geometry.line_bytes and tile_h > 1 else "block"
-            layout = rtile_layout(rows, cols, tile_h, tile_w, packing, geometry.max_width)
-            checks = _constraints(layout, rows, texel_cols, geometry)
-            if not checks["C3"]:
-                continue
-            relaxed = tuple(name for name in ("C1", "C2") if not checks[name])
-            score = _score(layout, patterns, rows, texel_cols, geometry, block_efficiency)
-            survivors.setdefault(relaxed, []).append(Candidate(layout, score, relaxed, block_score=score))
-    for relaxed in ((), ("C1",), ("C2",), ("C1", "C2")):
-        if relaxed in survivors:
-            ranked = sorted(survivors[relaxed], key=lambda c: -c.score)
-            simulated = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency),
-                                   relaxed, "cache model", c.block_score) for c in ranked[:SIMULATED]]
-            return tuple(sorted(simulated, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[SIMULATED:])
-    return ()
-
-
-def _score(layout: TexelLayout, patterns: tuple[tuple[str, float], ...], rows: int, texel_cols: int,
-           geometry: Geometry, efficiency: Callable[..., float]) -> float:
-    """Eq. 2: GFLOPS factor x memory efficiency, weighted over the tensor's access patterns."""
-    total = sum(weight for _, weight in patterns) or 1.0
-    return gflops_factor(layout, geometry.wave) * sum(
-        weight / total * efficiency(layout, pattern, rows, texel_cols, geometry) for pattern, weight in patterns)
-
-
 # the pass --------------------------------------------------------------------------------------
 
 def _eligible(value: ir.Value, host_visible: set[int]) -> tuple[int, int] | None:
@@ -256,7 +118,6 @@ class RTileSelect(ir.passes.InPlacePass):
     def __init__(self, profile: Profile, mode: str = "rtile") -> None:
         super().__init__()
         self.geometry = Geometry.of(profile)
-        self.max_height = profile.image2d_max_height
         self.mode = mode
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -272,15 +133,7 @@ class RTileSelect(ir.passes.InPlacePass):
         graph.metadata_props[keys.LAYOUT] = self.mode  # the codegen tiles its kernels under "rtile"
         for value in roots:
             if id(value) not in chosen:
-                shape = static_shape(value)
-                texels = max(1, -(-numel(shape) // 4))
-                if value.dtype == ir.DataType.BOOL and id(value) not in host_visible:  # saved masks: 8 bits a byte
-                    flat = mask_layout("mask8", numel(shape), self.geometry.max_width, self.max_height)
-                elif self.mode == "rtile":
-                    flat = matrix_layout(shape, self.geometry.max_width, self.max_height)
-                else:
-                    flat = flat_layout(texels, self.geometry.max_width)
-                chosen[id(value)] = (flat, flat.kind, None)
+                chosen[id(value)] = self._flat(value, host_visible)
             layout, how, candidate = chosen[id(value)]
             modified |= _annotate(value, keys.LAYOUT, layout.to_json())
             if candidate is not None:
@@ -298,6 +151,20 @@ class RTileSelect(ir.passes.InPlacePass):
                     described.append(f"{out.name}: {chosen[id(out)][0].describe()}")
             modified |= _annotate(node, keys.LAYOUT, "; ".join(described))
         return ir.passes.PassResult(model, modified)
+
+    def _flat(self, value: ir.Value, host_visible: set[int]) -> tuple[TexelLayout, str, Candidate | None]:
+        """The layout of a tensor that takes no tile: a mask, or its texels folded into an image (under
+        rtile the fold the score prefers; under naive the conventional widest rows)."""
+        shape = static_shape(value)
+        count = numel(shape)
+        if value.dtype == ir.DataType.BOOL and id(value) not in host_visible:  # saved masks: 8 bits a byte
+            layout = mask_layout("mask8", count, *self.geometry.limits(-(-count // 8)))
+            return layout, layout.kind, None
+        if self.mode == "rtile":
+            best = rank_folds(shape, tuple(sorted(_accesses(value).items())), self.geometry)[0]
+            return best.layout, "fold", best
+        texels = max(1, -(-count // 4))
+        return flat_layout(texels, self.geometry.limits(texels)[0]), "flat", None
 
     def _best(self, value: ir.Value, host_visible: set[int]) -> Candidate | None:
         matrix = _eligible(value, host_visible)

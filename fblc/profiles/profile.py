@@ -33,6 +33,11 @@ FIGURES: dict[str, tuple[type, str]] = {
     "bandwidth_gbps": (float, "DRAM bandwidth, GB/s"),
     "peak_gflops": (float, "fp32 peak, GFLOP/s"),
 }
+#: The image edge, in texels, that every OpenCL device fblc targets allows: the PoCL that pip installs
+#: (pocl-binary-distribution 3.0), oclgrind and most phone drivers stop at 8192 x 8192, while some
+#: targets' profiles allow 16384 or more. A texture is placed within this edge whenever it fits, so a
+#: bundle compiled for any target runs on all of them; only a larger one uses its target's own limit.
+PORTABLE_IMAGE_EDGE = 8192
 SOURCE_KINDS = ("measured", "vendor documentation:", "paper:", "estimated")
 TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
 
@@ -67,10 +72,21 @@ class Profile:
     def l1_sets(self) -> int:
         return max(1, self.l1_bytes // (self.block_bytes * self.l1_ways))
 
+    def placement_limits(self, cells: int) -> tuple[int, int]:
+        """(max width, max height) for placing an image of `cells` texels (bytes for a mask)."""
+        return placement_limits(self.image2d_max_width, self.image2d_max_height, cells)
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one texture-cache block of RGBA fp32 texels."""
         return self.tex_block_width * self.tex_block_height * 16
+
+
+def placement_limits(max_width: int, max_height: int, cells: int) -> tuple[int, int]:
+    """The image edges to place `cells` within: the device's limits capped at PORTABLE_IMAGE_EDGE when the
+    cells fit in that square, else the device's own limits (the bundle then needs a device that has them)."""
+    width, height = min(max_width, PORTABLE_IMAGE_EDGE), min(max_height, PORTABLE_IMAGE_EDGE)
+    return (width, height) if cells <= width * height else (max_width, max_height)
 
 
 def shipped_targets() -> list[str]:

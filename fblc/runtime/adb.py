@@ -346,15 +346,16 @@ def stream_runner(adb: Adb, serial: str, remote: str, arguments: str,
 
 def cmd_run_adb(args: Any) -> int:
     """`fblc run BUNDLE --device adb:SERIAL ...`"""
-    from fblc.cli.train import batches, save_parameters
+    from fblc.cli.data import batches
+    from fblc.cli.outputs import report_fallback, save_trained
 
-    if args.steps < 1:
-        raise AdbError(f"--steps must be at least 1, not {args.steps}")
+    # the option values and --save-params's folder were checked by the CLI before this
     manifest, _ = fmt.load_verified(args.bundle)
     cut, note = batches(args.data, manifest)  # the data is checked here, before anything touches the device
     adb = Adb()
     serial = adb.choose(args.device[len("adb:"):] or None)
     quiet, as_json = args.quiet, args.json
+    done = [0]  # steps the device reported, for a Ctrl-C's message
     if note and not quiet:
         print(f"note: {note}", file=sys.stderr)
 
@@ -364,18 +365,24 @@ def cmd_run_adb(args: Any) -> int:
             print(f"training {args.bundle} on {serial} ({line['device']}; kernels {source}): {args.steps} steps, "
                   f"{len(cut)} batch{'es' if len(cut) != 1 else ''} of {manifest['inputs'][0]['shape'][0]}", flush=True)
         elif "step" in line:
+            done[0] = line["step"]
             if as_json:
                 print(json.dumps({"step": line["step"], "loss": line["loss"], "ms": round(line["ms"], 3)}), flush=True)
             elif not quiet:
                 print(f"step {line['step']:4d}  loss {line['loss']:.6f}  {line['ms']:8.1f} ms", flush=True)
 
     say = (lambda text: None) if quiet or as_json else (lambda text: print(text, flush=True))
-    results = run_on_device(adb, serial, args.bundle, cut, args.steps, runner=getattr(args, "runner", None),
-                            on_line=on_line, say=say)
-    if getattr(args, "results", None):
+    try:
+        results = run_on_device(adb, serial, args.bundle, cut, args.steps, runner=getattr(args, "runner", None),
+                                on_line=on_line, say=say)
+    except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
+        raise KeyboardInterrupt(f"after {done[0]} of {args.steps} steps on {serial}; nothing saved (the runner "
+                                "hands the parameters over only at the end of its run)") from None
+    saved = save_trained(args.save_params, lambda: results.parameters) if args.save_params else None
+    if getattr(args, "results", None):  # after the parameters: those are the result a late failure must not lose
         _write_json_atomically(args.results, results.raw)
-    if args.save_params:
-        save_parameters(args.save_params, results.parameters)
+    if saved:
+        report_fallback(*saved)
     if not quiet and not as_json:
         steps = len(results.step_ms)
         kernel = sum(results.kernel_ms[1:]) / max(1, steps - 1) if steps > 1 else results.kernel_ms[0]

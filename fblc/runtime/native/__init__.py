@@ -190,8 +190,12 @@ def pocl_wheel_environment(state_dir: str | None = None) -> dict[str, str]:
     the PoCL of the pyopencl / pocl-binary-distribution wheels, the device LocalRunner uses here.
 
     It writes an ICD vendors folder with one .icd file naming that libpocl (OCL_ICD_VENDORS); returns {}
-    when the caller already chose (FBLC_OPENCL_LIBRARY or OCL_ICD_VENDORS set) or no wheel PoCL exists."""
-    if os.environ.get("FBLC_OPENCL_LIBRARY") or os.environ.get("OCL_ICD_VENDORS"):
+    when the caller already chose (FBLC_OPENCL_LIBRARY set, or OCL_ICD_VENDORS naming a folder with .icd
+    files) or no wheel PoCL exists. An OCL_ICD_VENDORS folder without .icd files hides the system's
+    drivers from pyopencl's loader, which then sees only its wheel's PoCL (.ci/run sets one), so the
+    runner is given that PoCL too."""
+    vendors = os.environ.get("OCL_ICD_VENDORS")
+    if os.environ.get("FBLC_OPENCL_LIBRARY") or (vendors and glob.glob(os.path.join(vendors, "*.icd"))):
         return {}
     found = []
     for module in ("pyopencl", "pocl_binary_distribution"):

@@ -1,0 +1,195 @@
+"""Scoring texel layouts against a tensor's access patterns with the target's cache geometry.
+
+rtile_select ranks every candidate layout of a stored tensor here: R-Tile tiles of a [rows, cols]
+matrix (`rank_candidates`) and, for a tensor that stays flat, the fold of its texels into a 2-D image
+(`rank_folds`). A wave's reads are replayed for WAVE_STEPS lockstep steps; the block count ranks
+every candidate, and the texture-cache model (fblc.profiles.cache_model) re-scores the best
+SIMULATED, whose misses decide. Images stay within profiles.placement_limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from fblc.profiles import Profile, placement_limits
+from fblc.profiles.cache_model import CacheGeometry, TextureCache
+from fblc.texel_layout import TexelLayout, flat_layout, matrix_layout, rtile_layout
+
+TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
+MAX_PADDING = 0.10
+WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
+SIMULATED = 4  # candidates (best by block count) that the cache model re-scores
+FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))  # image widths a flat tensor may fold to, 8 .. 16384 texels
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the score needs from the profile."""
+
+    wave: int
+    line_bytes: int
+    block_width: int
+    block_height: int
+    max_width: int  # the device's image limits
+    max_height: int
+    sets: int = 16
+    ways: int = 4
+
+    @classmethod
+    def of(cls, profile: Profile) -> Geometry:
+        return cls(profile.wave_size, profile.line_bytes, profile.tex_block_width, profile.tex_block_height,
+                   profile.image2d_max_width, profile.image2d_max_height, profile.l1_sets, profile.l1_ways)
+
+    def limits(self, cells: int) -> tuple[int, int]:
+        """(max width, max height) to place an image of `cells` texels within (profiles.placement_limits)."""
+        return placement_limits(self.max_width, self.max_height, cells)
+
+    @property
+    def cache(self) -> CacheGeometry:
+        return CacheGeometry(self.block_width, self.block_height, self.sets, self.ways)
+
+
+# scoring ---------------------------------------------------------------------------------------
+
+def wave_reads(pattern: str, rows: int, texel_cols: int, wave: int) -> list[np.ndarray]:
+    """Texel indices a wave reads in issue order (every item's k-th read before any (k+1)-th), for
+    WAVE_STEPS lockstep steps, at two sampled places of the tensor."""
+    samples = []
+    for half in (0, 1):
+        if pattern == "rows":  # items own rows r0.., walking along them
+            r = np.arange(min(rows, wave)) + half * max(0, rows - wave)
+            j = np.arange(min(texel_cols, WAVE_STEPS)) + half * max(0, texel_cols - WAVE_STEPS)
+            samples.append((j[:, None] + r[None, :] * texel_cols).reshape(-1))
+        elif pattern == "columns":  # items own texel columns q0.., walking down them
+            q = np.arange(min(texel_cols, wave)) + half * max(0, texel_cols - wave)
+            i = np.arange(min(rows, WAVE_STEPS)) + half * max(0, rows - WAVE_STEPS)
+            samples.append((i[:, None] * texel_cols + q[None, :]).reshape(-1))
+        else:  # stream: a grid-stride walk over consecutive texels
+            total = rows * texel_cols
+            start = half * (total // 2)
+            samples.append(np.arange(start, min(total, start + wave * WAVE_STEPS)))
+    return [s for s in samples if s.size]
+
+
+def block_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
+    """Texels read over the texels of the distinct cache blocks they touch (an unbounded cache)."""
+    useful = fetched = 0
+    for texels in wave_reads(pattern, rows, texel_cols, geometry.wave):
+        x, y = layout.coords(texels)
+        blocks = np.unique((y // geometry.block_height << 24) + x // geometry.block_width).size
+        useful += texels.size
+        fetched += blocks * geometry.block_width * geometry.block_height
+    return useful / fetched if fetched else 1.0
+
+
+def cache_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
+    """Texels read over the texels the cache model fetches (misses x block): the L1's sets, ways and
+    LRU included, so a walk whose blocks do not stay resident pays for them again."""
+    cache = TextureCache(geometry.cache)
+    useful = fetched = 0
+    for texels in wave_reads(pattern, rows, texel_cols, geometry.wave):
+        cache.flush()
+        x, y = layout.coords(texels)
+        misses = cache.access(*cache.blocks_of(x, y))
+        useful += texels.size
+        fetched += misses * geometry.block_width * geometry.block_height
+    return useful / fetched if fetched else 1.0
+
+
+def gflops_factor(layout: TexelLayout, wave: int) -> float:
+    """Share of wave lanes that do useful work when waves cover whole tiles."""
+    if layout.kind == "flat":
+        return 1.0
+    texels = layout.tile_h * layout.tile_texels_w
+    return texels / (-(-texels // wave) * wave)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: TexelLayout
+    score: float
+    relaxed: tuple[str, ...]
+    scored_by: str = "block count"
+    block_score: float = 0.0  # the block-count score, which breaks ties of the cache model's
+
+
+def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geometry) -> dict[str, bool]:
+    padded = layout.width * layout.height
+    return {"C1": (layout.tile_h * layout.tile_texels_w) % geometry.wave == 0,
+            "C2": (layout.tile_texels_w * 16) % geometry.line_bytes == 0,
+            "C3": padded <= (1 + MAX_PADDING) * rows * texel_cols}
+
+
+@lru_cache(maxsize=4096)
+def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...],
+                    geometry: Geometry) -> tuple[Candidate, ...]:
+    """Every candidate tile that survives pruning, best first, with its score. The block count
+    ranks them all; the cache model re-scores the best SIMULATED, which then lead."""
+    texel_cols = cols // 4
+    max_width, max_height = geometry.limits(rows * texel_cols)
+    survivors: dict[tuple[str, ...], list[Candidate]] = {}
+    for tile_h in TILE_ROWS:
+        for tile_w in TILE_COLS:
+            if tile_h > rows or tile_w // 4 > texel_cols:
+                continue
+            packing = "strip" if (tile_w // 4) * 16 <= geometry.line_bytes and tile_h > 1 else "block"
+            layout = rtile_layout(rows, cols, tile_h, tile_w, packing, max_width)
+            checks = _constraints(layout, rows, texel_cols, geometry)
+            if not checks["C3"] or layout.width > max_width or layout.height > max_height:
+                continue
+            relaxed = tuple(name for name in ("C1", "C2") if not checks[name])
+            score = _score(layout, patterns, rows, texel_cols, geometry, block_efficiency)
+            survivors.setdefault(relaxed, []).append(Candidate(layout, score, relaxed, block_score=score))
+    for relaxed in ((), ("C1",), ("C2",), ("C1", "C2")):
+        if relaxed in survivors:
+            ranked = sorted(survivors[relaxed], key=lambda c: -c.score)
+            simulated = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency),
+                                   relaxed, "cache model", c.block_score) for c in ranked[:SIMULATED]]
+            return tuple(sorted(simulated, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[SIMULATED:])
+    return ()
+
+
+def _score(layout: TexelLayout, patterns: tuple[tuple[str, float], ...], rows: int, texel_cols: int,
+           geometry: Geometry, efficiency: Callable[..., float]) -> float:
+    """Eq. 2: GFLOPS factor x memory efficiency, weighted over the tensor's access patterns."""
+    total = sum(weight for _, weight in patterns) or 1.0
+    return gflops_factor(layout, geometry.wave) * sum(
+        weight / total * efficiency(layout, pattern, rows, texel_cols, geometry) for pattern, weight in patterns)
+
+
+@lru_cache(maxsize=4096)
+def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
+               geometry: Geometry) -> tuple[Candidate, ...]:
+    """Flat layouts of a tensor, best first: its texels folded into images of the FOLD_WIDTHS (and the
+    widest and one-row-per-matrix-row folds) that fit the placement limits with at most MAX_PADDING
+    padding, scored like tiles. A 2-D cache fetches blocks several texel rows tall, so a wide strip wastes
+    most of each block a stream of consecutive texels fetches; ties go to less padding, then the wider image."""
+    texels = max(1, -(-int(np.prod(shape, dtype=np.int64)) // 4))
+    max_width, max_height = geometry.limits(texels)
+    widest = flat_layout(texels, max_width)
+    folds = {widest, matrix_layout(shape, max_width, max_height)}
+    folds.update(TexelLayout("flat", width, -(-texels // width)) for width in FOLD_WIDTHS
+                 if width < texels and width <= max_width and -(-texels // width) <= max_height)
+    fitting = [f for f in folds if f.width * f.height <= (1 + MAX_PADDING) * texels] or [widest]
+    if len(shape) >= 2 and shape[-1] % 4 == 0:  # a matrix: rows and columns walks keep their meaning
+        rows, texel_cols = texels // (shape[-1] // 4), shape[-1] // 4
+    else:
+        rows, texel_cols = 1, texels
+        patterns = (("stream", 1.0),)
+
+    def candidate(fold: TexelLayout, scored_by: str, efficiency: Callable[..., float]) -> Candidate:
+        return Candidate(fold, _score(fold, patterns, rows, texel_cols, geometry, efficiency), (), scored_by)
+
+    def order(c: Candidate) -> tuple[float, float, int, int]:
+        return -c.score, -c.block_score, c.layout.width * c.layout.height, -c.layout.width
+
+    by_blocks = sorted((candidate(f, "block count", block_efficiency) for f in fitting), key=order)
+    by_blocks = [Candidate(c.layout, c.score, (), c.scored_by, c.score) for c in by_blocks]
+    simulated = [Candidate(c.layout, candidate(c.layout, "cache model", cache_efficiency).score, (), "cache model",
+                           c.block_score) for c in by_blocks[:SIMULATED]]
+    return tuple(sorted(simulated, key=order)) + tuple(by_blocks[SIMULATED:])

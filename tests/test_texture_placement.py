@@ -1,0 +1,91 @@
+"""Texture placement: every image fits the portable edge when it can, and the layout search picks the fold.
+
+Images stay within PORTABLE_IMAGE_EDGE x PORTABLE_IMAGE_EDGE (what the pip PoCL, oclgrind and most phone
+drivers allow) whenever a tensor's texels fit in that square, whatever the target allows; only a
+larger tensor uses the target's own limit, and the compile report names it. A flat tensor's fold is
+chosen by the same cache-geometry score as R-Tile tiles. The numeric side, phone-target bundles that
+run on PoCL and equal onnxruntime, is tests/test_device_models.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fblc.cli import main
+from fblc.passes.layout_score import MAX_PADDING, Geometry, block_efficiency, rank_folds
+from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile, placement_limits, shipped_targets
+from fblc.texel_layout import flat_layout
+
+EDGE = PORTABLE_IMAGE_EDGE
+STREAM = (("stream", 1.0),)
+
+
+def test_placement_limits_cap_at_the_portable_edge_only_when_the_image_fits() -> None:
+    assert placement_limits(16384, 16384, 15360) == (EDGE, EDGE)
+    assert placement_limits(16384, 16384, EDGE * EDGE) == (EDGE, EDGE)
+    assert placement_limits(16384, 16384, EDGE * EDGE + 1) == (16384, 16384)
+    assert placement_limits(4096, 16384, 100) == (4096, EDGE)  # a smaller device limit stays
+
+
+@pytest.mark.parametrize("target", shipped_targets())
+@pytest.mark.parametrize("shape", [(61440,), (16, 3840), (8, 32, 49, 30), (4, 64, 112, 112)])
+def test_folds_fit_the_portable_edge_and_hold_every_texel(target: str, shape: tuple[int, ...]) -> None:
+    geometry = Geometry.of(load_profile(target))
+    texels = -(-math.prod(shape) // 4)
+    ranked = rank_folds(shape, STREAM, geometry)
+    for candidate in ranked:
+        layout = candidate.layout
+        assert layout.kind == "flat" and layout.width <= EDGE and layout.height <= EDGE
+        assert texels <= layout.width * layout.height <= (1 + MAX_PADDING) * texels
+    assert ranked[0].scored_by == "cache model"
+
+
+@pytest.mark.parametrize("target", shipped_targets())
+def test_a_stream_is_folded_into_blocks_where_the_cache_has_2d_blocks(target: str) -> None:
+    """15360 texels (a T-ResNet activation at batch 16; was a 15360 x 1 strip under a 16384 limit). Where the
+    target's cache blocks are several texel rows tall, the search folds it so that each block a wave
+    fetches is read whole, fetching fewer blocks than the widest strip; with one-row blocks (cache lines)
+    every fold costs the same (and ties go to one without padding)."""
+    geometry = Geometry.of(load_profile(target))
+    best = rank_folds((15360 * 4,), STREAM, geometry)[0].layout
+    strip = flat_layout(15360, EDGE)
+    assert (strip.width, strip.height) == (8192, 2) and best.width * best.height == 15360
+    if geometry.block_height == 1:
+        assert len({c.score for c in rank_folds((15360 * 4,), STREAM, geometry)}) == 1
+    else:
+        assert best.height > 2
+        assert block_efficiency(best, "stream", 1, 15360, geometry) > \
+            block_efficiency(strip, "stream", 1, 15360, geometry)
+
+
+def test_a_tensor_narrower_than_a_block_stays_one_row() -> None:
+    geometry = Geometry.of(load_profile("adreno830"))
+    assert [(c.layout.width, c.layout.height) for c in rank_folds((2, 3), STREAM, geometry)] == [(2, 1)]
+
+
+def test_a_tensor_beyond_the_portable_square_uses_the_targets_limit() -> None:
+    profile = load_profile("adreno830")
+    shape = (EDGE * EDGE + 4 * EDGE,)  # one texel row more than the square holds, as elements x 4
+    layout = rank_folds((shape[0] * 4,), STREAM, Geometry.of(profile))[0].layout
+    assert max(layout.width, layout.height) > EDGE
+    assert layout.width <= profile.image2d_max_width and layout.height <= profile.image2d_max_height
+
+
+def test_the_compile_report_names_textures_beyond_the_portable_edge(monkeypatch, mlp_path, tmp_path, capsys) -> None:
+    """With the edge shrunk to 2 texels, the MLP's 8-texel tensors no longer fit 2 x 2: they take adreno830's
+    own limit, and both the printed summary and report.json say which."""
+    import fblc.codegen.compile
+    import fblc.profiles.profile
+
+    assert main(["compile", mlp_path, "--target", "adreno830", "-o", str(tmp_path / "portable")]) == 0
+    assert json.load(open(tmp_path / "portable" / "report.json"))["beyond_portable_edge"] == []
+    assert "note:" not in capsys.readouterr().out
+    monkeypatch.setattr(fblc.profiles.profile, "PORTABLE_IMAGE_EDGE", 2)
+    monkeypatch.setattr(fblc.codegen.compile, "PORTABLE_IMAGE_EDGE", 2)
+    assert main(["compile", mlp_path, "--target", "adreno830", "-o", str(tmp_path / "large")]) == 0
+    beyond = json.load(open(tmp_path / "large" / "report.json"))["beyond_portable_edge"]
+    assert beyond and all(max(t["width"], t["height"]) > 2 for t in beyond)
+    assert "use adreno830's own image limit" in capsys.readouterr().out
