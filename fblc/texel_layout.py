@@ -13,7 +13,7 @@ A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
   work-item both texels of each byte (fblc.codegen.builder). The image is sized in bytes.
 - mask4: mask8's fallback for a writer whose work-items cannot cover whole bytes (a 2-D tile of
   odd texel columns): byte t holds texel t's 4 elements in its low bits, 2 bits per element.
-- rtile (DESIGN.md section 6): the tensor is a matrix [rows, cols] (cols = its last axis, a
+- rtile (R-Tile): the tensor is a matrix [rows, cols] (cols = its last axis, a
   multiple of 4, so a texel never spans two rows) cut into tiles of tile_h rows x tile_w
   elements. Intra-tile packing `strip` lays a tile's rows side by side in one texel row (for
   tiles whose row is no wider than a cache line); `block` keeps the tile 2-D. Tiles are

@@ -55,7 +55,7 @@ DEFAULT_RANK = 2
 
 
 def add_adapter_options(parser: argparse.ArgumentParser) -> None:
-    """--adapter/--rank/--seed/--adapter-sites: the memory-floor adapter (DESIGN.md section 8)."""
+    """--adapter/--rank/--seed/--adapter-sites: the memory-floor adapter (MemFLoRA, LoRA; fblc/compiler/adapters.py)."""
     from fblc.compiler.adapters import ADAPTERS, SITE_SELECTIONS
 
     parser.add_argument("--adapter", choices=ADAPTERS, default="none",

@@ -1,4 +1,4 @@
 """Graph-level compiler: import, autodiff, losses, optimizers, the training-graph driver.
 
-Imports nothing from the other fblc subpackages (DESIGN.md section 2).
+Imports nothing from the other fblc subpackages (docs/ARCHITECTURE.md, section 7).
 """

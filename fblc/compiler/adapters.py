@@ -1,6 +1,6 @@
 """Graph builders of the memory-floor adapters (MemFLoRA) and of the LoRA baseline.
 
-What a Conv-(BatchNorm)-(activation) *site* becomes (see ../shared/papers/README.md):
+What a Conv-(BatchNorm)-(activation) *site* becomes:
 
 - MemFLoRA, at a conv with groups == 1, eval-mode BatchNorm folded into the per-channel
   affine map s = gamma / sqrt(var + eps), t = beta - mean * s (+ s * conv bias):

@@ -24,7 +24,7 @@ ONNXSCRIPT_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
 
 
 class Role(str, enum.Enum):
-    """Role of a value in the training graph (DESIGN.md section 3)."""
+    """Role of a value in the training graph."""
 
     INPUT = "input"
     LABEL = "label"

@@ -1,4 +1,4 @@
-"""ftd_taxonomy: write every node's FTD class (DESIGN.md section 5) as `fblc.ftd`.
+"""ftd_taxonomy: write every node's FTD class (docs/ARCHITECTURE.md, section 2) as `fblc.ftd`.
 
 The class says how the layout search treats the node: FTD-D ops (their backward reads forward
 tensors along other axes than the forward) anchor the R-Tile choice; FTD-C ops follow their

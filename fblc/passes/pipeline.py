@@ -115,7 +115,7 @@ def dump_hook(directory: str) -> PassHook:
 
 def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: str | None = None,
                          on_pass: PassHook | None = None, lower: Profile | None = None) -> ir.Model:
-    """Import passes, then training passes: the model becomes one training step (DESIGN.md section 4).
+    """Import passes, then training passes: the model becomes one training step.
 
     `on_pass(index, pass, model)` runs after each pass (progress display); with `dump_dir`
     every intermediate model is also written there. With `lower` (the target's profile), the
@@ -136,7 +136,7 @@ def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
-    """After the step graph is built: layouts for the target (DESIGN.md sections 5-7), kernels, memory."""
+    """After the step graph is built: layouts for the target, kernels, memory."""
     if options.layout not in LAYOUTS:
         raise FblcError(f"unknown layout '{options.layout}'", f"choose one of: {', '.join(LAYOUTS)}")
     layout = [FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])

@@ -1,4 +1,4 @@
-"""rtile_select: one texel layout per stored tensor, serving its forward and backward kernels (DESIGN.md 6).
+"""rtile_select: one texel layout per stored tensor, serving its forward and backward kernels.
 
 Rewrite: writes `fblc.layout` (a TexelLayout as JSON) on every value that owns a texture, and
 a readable summary as `fblc.layout` on every node (Netron shows node metadata). Values the

@@ -1,4 +1,4 @@
-"""tile_remap: data-movement ops between stored tensors become index maps (DESIGN.md section 7).
+"""tile_remap: data-movement ops between stored tensors become index maps.
 
 Rewrite: a Transpose, Reshape, Flatten, Squeeze, Unsqueeze or broadcast Expand gets
 `fblc.index_map` (its output as a strided view of the root tensor it reads, composed through
