@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping, Sequence
+import sys
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
+from fblc.runtime.build_progress import BuildProgress
 from fblc.runtime.opencl import select_device
 from fblc.texel_layout import TexelLayout, pack, unpack
 
@@ -28,19 +30,27 @@ class DataError(BundleError):
     """Feeds that do not match what the bundle was compiled for."""
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # sys.stderr looked up now: pytest and rich may replace it
+
+
 def _image_format(cl: Any, name: str) -> Any:
     order, channel = fmt.TEXTURE_FORMATS[name]
     return cl.ImageFormat(getattr(cl.channel_order, order), getattr(cl.channel_type, channel))
 
 
 class LocalRunner:
-    """Train with a bundle on a local OpenCL device: `.step(feeds) -> loss`, `.parameters()`."""
+    """Train with a bundle on a local OpenCL device: `.step(feeds) -> loss`, `.parameters()`.
+
+    The first run of a bundle on a device compiles its kernels (a minute and more on PoCL for a large
+    model): `progress` says so on stderr (True), to a callable taking each line, or not at all (False).
+    """
 
     #: arguments after the textures, in every kernel (the read tracer's buffers)
     extra_arguments: tuple[Any, ...] = ()
 
     def __init__(self, bundle: str, device: str | None = None, profiling: bool = False,
-                 build_options: Sequence[str] = ()) -> None:
+                 build_options: Sequence[str] = (), progress: bool | Callable[[str], None] = True) -> None:
         import pyopencl as cl
 
         self.cl = cl
@@ -63,8 +73,17 @@ class LocalRunner:
         #: device memory this runner allocated, as the OpenCL driver reports each image's size (bytes)
         self.allocated_bytes = sum(int(image.get_info(cl.mem_info.SIZE)) for image in self.images)
         self.allocated_images = len(self.images)
-        self.program = self._build()
-        functions = {name: cl.Kernel(self.program, name) for name in {k["function"] for k in self.plan["kernels"]}}
+        names = sorted({k["function"] for k in self.plan["kernels"]})
+        say = _to_stderr if progress is True else progress or None
+        self.build_progress = BuildProgress(say, self.device, names)
+        self.build_progress.start()
+        try:
+            self.program = self._build()
+        except BaseException:
+            self.build_progress.abandon()  # the error says what went wrong; no "building" line after it
+            raise
+        self.build_progress.program_built()
+        functions = {name: cl.Kernel(self.program, name) for name in names}
         self.kernels = [functions[k["function"]] for k in self.plan["kernels"]]
         self.steps = 0
 
@@ -192,6 +211,8 @@ class LocalRunner:
         for state, new in self.plan["swaps"]:
             self.binding[state], self.binding[new] = self.binding[new], self.binding[state]
         self.steps += 1
+        if self.steps == 1:
+            self.build_progress.first_step_done()  # PoCL compiled each kernel at its first launch
         return loss
 
     def run_kernels(self) -> list[Any]:

@@ -34,8 +34,9 @@ class ReadTracer(LocalRunner):
     """A LocalRunner whose kernels also record the texels they read."""
 
     def __init__(self, bundle: str, device: str | None = None, group_size: int = 64) -> None:
+        # silent: it never steps, so the first-step report of its kernel build would never end
         super().__init__(bundle, device, build_options=(TRACE_DEFINE, f"-DFBLC_TRACE_CAPACITY={CAPACITY}",
-                                                        f"-DFBLC_TRACE_ITEMS={group_size}"))
+                                                        f"-DFBLC_TRACE_ITEMS={group_size}"), progress=False)
         cl = self.cl
         self.group_size = group_size
         self._trace = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * CAPACITY * 16)
