@@ -46,19 +46,9 @@ def tresnet_case(directory: str) -> Case:
 
 
 def mobilenet_case(directory: str) -> Case:
-    import torch
-    import transformers
+    from benchmarks.layout import mobilenet_case as mobilenet_at
 
-    from tests.support import models
-
-    torch.manual_seed(0)
-    module = models.logits_only(transformers.MobileNetV2ForImageClassification(
-        transformers.MobileNetV2Config(num_labels=17, image_size=97)), "pixel_values").eval()
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, 3, 97, 60)).astype(np.float32)
-    path = os.path.join(directory, "mobilenet_v2.onnx")
-    models._quiet_dynamo_export(module, (torch.from_numpy(x),)).save(path)
-    return "mobilenetv2 [8,3,97,60]", path, {"pixel_values": x, "labels": rng.integers(0, 17, 8).astype(np.int64)}
+    return mobilenet_at(directory, batch=8)
 
 
 def llama_case(directory: str) -> Case:

@@ -52,7 +52,7 @@ def llama_case(directory: str) -> tuple[str, str, dict[str, np.ndarray]]:
     return f"llama 2L B={batch} T={seq}", path, {"input_ids": ids, "labels": labels}
 
 
-def mobilenet_case(directory: str) -> tuple[str, str, dict[str, np.ndarray]]:
+def mobilenet_case(directory: str, batch: int = 16) -> tuple[str, str, dict[str, np.ndarray]]:
     import torch
     import transformers
 
@@ -60,10 +60,11 @@ def mobilenet_case(directory: str) -> tuple[str, str, dict[str, np.ndarray]]:
     module = models.logits_only(transformers.MobileNetV2ForImageClassification(
         transformers.MobileNetV2Config(num_labels=17, image_size=97)), "pixel_values").eval()
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((16, 3, 97, 60)).astype(np.float32)
-    path = os.path.join(directory, "mobilenet_v2_b16.onnx")
+    x = rng.standard_normal((batch, 3, 97, 60)).astype(np.float32)
+    path = os.path.join(directory, f"mobilenet_v2_b{batch}.onnx")
     models._quiet_dynamo_export(module, (torch.from_numpy(x),)).save(path)
-    return "mobilenetv2 [16,3,97,60]", path, {"pixel_values": x, "labels": rng.integers(0, 17, 16).astype(np.int64)}
+    return (f"mobilenetv2 [{batch},3,97,60]", path,
+            {"pixel_values": x, "labels": rng.integers(0, 17, batch).astype(np.int64)})
 
 
 CASES = {"llama": llama_case, "mobilenet_v2": mobilenet_case}
