@@ -1,4 +1,4 @@
-"""Quickstart: build T-ResNet, compile its training step for adreno830, train it 20 steps on this computer's OpenCL device.
+"""Quickstart: build T-ResNet, compile its training step for adreno830, train it 20 steps on the local OpenCL device.
 
     python examples/quickstart.py [--steps 20] [--batch 16] [--out runs/quickstart]
 

@@ -613,7 +613,10 @@ def test_case_ids_are_unique() -> None:
 
 
 def test_every_supported_op_has_a_case() -> None:
-    tested = {n.op_type for c in CASES for n in c.nodes} - {"Constant"}
+    from tests import test_gradient_gather, test_gradient_more
+
+    cases = CASES + test_gradient_gather.RUN_CASES + test_gradient_gather.REPEATED_CASES + test_gradient_more.CASES
+    tested = {n.op_type for c in cases for n in c.nodes} - {"Constant"}
     assert sorted(set(supported_ops()) - tested) == []
 
 

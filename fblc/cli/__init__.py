@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from fblc import __version__
 from fblc.bundle_format import BundleError
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
+from fblc.cli.check import add_command as add_check_command
 from fblc.cli.train import cmd_devices, cmd_push, cmd_run
 from fblc.cli.options import add_training_options, check_values
 from fblc.cli.outputs import check_outputs
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--device", default=None, help="OpenCL device (default: local)")
     verify.add_argument("--show", type=int, default=15, help="rows of the error table (default: 15)")
     verify.set_defaults(run=cmd_verify)
+
+    add_check_command(commands)
 
     devices = commands.add_parser("devices", help="list the OpenCL devices and adb devices fblc can run on")
     devices.set_defaults(run=cmd_devices)

@@ -24,8 +24,11 @@ def parse_dims(text: str) -> tuple[str, tuple[int, ...]]:
     return name, sizes
 
 
-def add_training_options(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds a training step (train-graph, compile, verify)."""
+def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> None:
+    """Options shared by every command that builds a training step (train-graph, compile, verify).
+
+    `step=False` leaves out what only changes the step's arithmetic, not which ops it has
+    (the optimizer's figures, --dump-dir): `fblc check` takes the rest."""
     from fblc.compiler.losses import LOSSES
     from fblc.compiler.optimizers import OPTIMIZERS
 
@@ -36,18 +39,21 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", choices=sorted(LOSSES), default="cross_entropy",
                         help="; ".join(f"{k}: {v.help}" for k, v in LOSSES.items()) + " (default: cross_entropy)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="default: sgd")
-    parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default: 0.01)")
-    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
-    parser.add_argument("--weight-decay", type=float, default=0.0,
-                        help="L2 penalty for sgd/adam, decoupled decay for adamw (default: 0)")
-    parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
-                        help="Adam betas (default: 0.9 0.999)")
-    parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8)")
+    if step:
+        parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default: 0.01)")
+        parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
+        parser.add_argument("--weight-decay", type=float, default=0.0,
+                            help="L2 penalty for sgd/adam, decoupled decay for adamw (default: 0)")
+        parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
+                            help="Adam betas (default: 0.9 0.999)")
+        parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8)")
     parser.add_argument("--train", metavar="REGEX", help="train only parameters whose name matches REGEX")
     parser.add_argument("--freeze", metavar="REGEX", help="freeze parameters whose name matches REGEX")
     parser.add_argument("--bn-train", action="store_true",
                         help="BatchNormalization uses batch statistics (full fine-tuning); default: eval mode")
-    parser.add_argument("--dump-dir", metavar="DIR", help="write DIR/NN_<pass>.onnx after every pass (open in Netron)")
+    if step:
+        parser.add_argument("--dump-dir", metavar="DIR",
+                            help="write DIR/NN_<pass>.onnx after every pass (open in Netron)")
     add_adapter_options(parser)
 
 
@@ -83,9 +89,13 @@ def training_options(args: argparse.Namespace) -> "object":
         if name in shapes:
             raise FblcError(f"--input-shape given twice for '{name}'", "give each input once")
         shapes[name] = dims
-    optimizer = OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay, beta1=args.betas[0], beta2=args.betas[1],
-                                eps=args.eps)
+    # a command without the optimizer's figures (check) gets OptimizerConfig's defaults: same ops
+    figures = {"lr": getattr(args, "lr", None), "momentum": getattr(args, "momentum", None),
+               "weight_decay": getattr(args, "weight_decay", None), "eps": getattr(args, "eps", None)}
+    betas = getattr(args, "betas", None)
+    if betas is not None:
+        figures.update(beta1=betas[0], beta2=betas[1])
+    optimizer = OptimizerConfig(name=args.optimizer, **{k: v for k, v in figures.items() if v is not None})
     from fblc.compiler.adapters import AdapterConfig
 
     rank = getattr(args, "rank", None)

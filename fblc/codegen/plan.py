@@ -3,6 +3,8 @@
 Input: the training-step graph after the `fuse` pass (every node carries `fblc.kernel`).
 Output: a `Program`: the kernels (OpenCL C), the textures with their initial contents, the
 launch order, and the state swaps that make the `.new` outputs the next step's inputs.
+Every kernel group whose anchor has no emitter, and every group an emitter refuses, is named
+in one error (`kernel_groups` is the set that needs an emitter; `fblc check` reads it too).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from fblc.codegen.cl import PREAMBLE, Kernel
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.textures import Texture, TextureTable, to_texels
 from fblc.compiler import keys
+from fblc.compiler.errors import FblcError, UnsupportedOpError
+from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
 from fblc.passes.fuse import ALIAS, CONTRACTIONS, kernel_of
@@ -63,17 +67,31 @@ def _groups(graph: ir.Graph) -> list[KernelGroup]:
     return groups
 
 
+def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
+    """The fused groups that launch kernels, so need their anchor's emitter: not views (`alias`),
+    not a group nothing reads (e.g. an unused optional output), not a Constant (its texture is
+    preloaded). Members after the anchor are elementwise ops its emitter writes as expressions."""
+    return [g for g in _groups(graph) if g.outputs and g.anchor.op_type != "Constant"]
+
+
 def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True) -> Program:
     """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the
     initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone."""
     graph = model.graph
     table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT) == "rtile")
     kernels: list[Kernel] = []
-    for group in _groups(graph):
-        if not group.outputs or group.anchor.op_type == "Constant":
-            continue  # nothing reads it (e.g. an unused optional output); a Constant's texture is preloaded
-        emit = KERNEL_EMITTERS.lookup(group.anchor)
-        kernels.extend(emit(table, group))
+    groups = kernel_groups(graph)
+    gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
+    refusals: list[FblcError] = []
+    for group in groups:
+        if not KERNEL_EMITTERS.has(group.anchor):
+            continue  # in `gaps`
+        try:
+            kernels.extend(KERNEL_EMITTERS.lookup(group.anchor)(table, group))
+        except UnsupportedOpError as refusal:  # e.g. an attribute the emitter does not handle; find the others too
+            refusals.append(mark_refusal(refusal, group.anchor))
+    if gaps or refusals:
+        raise KERNEL_EMITTERS.error(gaps, refusals)
     for value in list(graph.inputs) + list(graph.outputs) + list(graph.initializers.values()):
         table.of(value)
     values: dict[str, int] = {}

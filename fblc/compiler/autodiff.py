@@ -4,6 +4,10 @@ A rule receives the emitter, the forward node, the gradient of each output (None
 gradient flows) and which inputs need a gradient; it appends ONNX ops and returns one
 gradient (or None) per input. Rules read only the forward tensors they need; that set is
 what later stages see as saved state.
+
+The nodes that need a rule are those on a float path from a trainable parameter to the loss
+(`gradient_gaps` finds them before any rule runs); the backward reports every op without a
+rule, and every node a rule refuses, in one error.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Callable, Sequence
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.errors import FblcError, UnsupportedOpError
+from fblc.compiler.gaps import OpGap, mark_refusal, op_label
 from fblc.compiler.graph import Emitter, is_float
 from fblc.compiler.registry import OpRegistry
 
@@ -38,7 +43,7 @@ class BackwardResult:
     saved: list[ir.Value]  # forward values the backward reads
 
 
-def _differentiable_nodes(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> list[ir.Node]:
+def differentiable_nodes(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> list[ir.Node]:
     """Nodes on a float path from some parameter to the loss, in topological order."""
     from_params: set[int] = {id(p) for p in params}
     reaches_params: set[int] = set()
@@ -58,14 +63,30 @@ def _differentiable_nodes(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.V
 
 def params_reaching(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> list[ir.Value]:
     """The parameters through which the loss depends on them."""
-    nodes = _differentiable_nodes(graph, loss, params)
+    nodes = differentiable_nodes(graph, loss, params)
     read = {id(v) for node in nodes for v in node.inputs if v is not None}
     return [p for p in params if id(p) in read or p is loss]
 
 
+def gradient_gaps(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> list[OpGap]:
+    """The ops without a gradient rule among the nodes the backward of `loss` runs through.
+
+    Only nodes between a parameter and the loss need a rule: a frozen front, or a branch the loss
+    does not read, has none in the backward and must not be reported.
+    """
+    return GRADIENTS.missing(differentiable_nodes(graph, loss, params))
+
+
 def build_backward(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> BackwardResult:
-    """Append the backward of `loss` with respect to `params`; return each parameter's gradient."""
-    nodes = _differentiable_nodes(graph, loss, params)
+    """Append the backward of `loss` with respect to `params`; return each parameter's gradient.
+
+    Raises one UnsupportedOpError naming every op on the path without a rule and every node a
+    rule refuses; the rules run on past a refusal only to find the others (the graph is then
+    left half-built, and the caller discards it with the error).
+    """
+    nodes = differentiable_nodes(graph, loss, params)
+    gaps = GRADIENTS.missing(nodes)
+    refusals: list[FblcError] = []
     forward_ids = {id(n) for n in graph}
     emitter = Emitter(graph, stage="backward")
     contributions: dict[int, list[ir.Value]] = {id(loss): [emitter.const(1.0, dtype=loss.dtype)]}
@@ -86,21 +107,33 @@ def build_backward(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) 
         output_grads = [total(o) for o in node.outputs]
         if all(g is None for g in output_grads):
             continue
-        rule = gradient_rule(node)
         wanted = [v is not None and is_float(v) and id(v) in needs_grad for v in node.inputs]
         emitter.prefix = f"grad/{node.name}"
-        emitter.origin = node.name
-        input_grads = rule(emitter, node, output_grads, wanted)
-        emitter.origin = None
+        input_grads: Sequence[ir.Value | None] = [None] * len(node.inputs)
+        failed = not GRADIENTS.has(node)  # then it is in `gaps`
+        if not failed:
+            emitter.origin = node.name
+            try:
+                input_grads = gradient_rule(node)(emitter, node, output_grads, wanted)
+            except UnsupportedOpError as refusal:  # e.g. an attribute the rule does not handle
+                refusals.append(mark_refusal(refusal, node))
+                failed = True
+            finally:
+                emitter.origin = None
         for index, (value, grad, want) in enumerate(zip(node.inputs, input_grads, wanted)):
             if not want:
                 continue
-            if grad is None:  # a silent zero would train a parameter wrongly: say so instead
-                raise UnsupportedOpError(
-                    f"op {node.op_type} (node '{node.name}') has no gradient for its input {index} "
-                    f"('{value.name}'), which a trainable parameter feeds",
-                    f"freeze what reaches '{value.name}' with --freeze")
+            if grad is None:
+                if not failed:  # a silent zero would train a parameter wrongly: say so instead
+                    refusals.append(UnsupportedOpError(
+                        f"op {node.op_type} (node '{node.name}') has no gradient for its input {index} "
+                        f"('{value.name}'), which a trainable parameter feeds",
+                        f"freeze what reaches '{value.name}' with --freeze", ops=[op_label(node)]))
+                # the step fails, but a stand-in lets the rules before this node run and report too
+                grad = emitter.zeros(list(value.shape), like=value)
             contributions.setdefault(id(value), []).append(grad)
+    if gaps or refusals:
+        raise GRADIENTS.error(gaps, refusals)
 
     grads: dict[str, ir.Value] = {}
     for param in params:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class FblcError(Exception):
     """An error caused by the user's input (model, flags, data), not by a bug in fblc."""
@@ -26,7 +28,14 @@ class ShapeError(FblcError):
 
 
 class UnsupportedOpError(FblcError):
-    """An op has no entry in a registry (gradient rules, kernels, FTD classes)."""
+    """An op has no entry in a registry (gradient rules, kernels, FTD classes), or its entry refuses a node.
+
+    `ops` are the op types it names, so that `fblc check` can mark them without parsing the text.
+    """
+
+    def __init__(self, cause: str, remedy: str = "", ops: Sequence[str] = ()) -> None:
+        super().__init__(cause, remedy)
+        self.ops = tuple(ops)
 
 
 class TrainableSetError(FblcError):

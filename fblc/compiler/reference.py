@@ -60,6 +60,9 @@ def _index_bound(value: ir.Value, graph: ir.Graph) -> int:
         node = use.node
         if node.op_type == "Gather" and use.idx == 1:
             bounds.append(static_shape(node.inputs[0])[int(node.attributes["axis"].value) if "axis" in node.attributes else 0])
+        elif node.op_type == "GatherND" and use.idx == 1:  # every tuple entry indexes one of these axes
+            batch = int(node.attributes["batch_dims"].value) if "batch_dims" in node.attributes else 0
+            bounds.append(min(static_shape(node.inputs[0])[batch:batch + static_shape(value)[-1]], default=0))
         elif node.op_type in ("Equal", "Where", "Unsqueeze", "GatherElements"):
             for out in node.outputs:
                 bounds.append(_index_bound(out, graph))

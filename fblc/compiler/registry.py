@@ -1,16 +1,18 @@
 """Tables keyed by op type: gradient rules, shape rules, and later kernel emitters and FTD classes.
 
 Registering an op twice is an error; looking up an op the table lacks raises an error that
-names the op, the node and the supported list.
+names the op, the node and the supported list. `missing` checks a whole set of nodes first and
+`error` names every op it found in one error (fblc/compiler/gaps.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Iterable, Sequence, TypeVar
 
 import onnx_ir as ir
 
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.compiler.errors import FblcError
+from fblc.compiler.gaps import DEFAULT_DOMAINS, OpGap, combined_error, group_by_op
 
 Entry = TypeVar("Entry")
 
@@ -52,13 +54,24 @@ class OpRegistry(Generic[Entry]):
     def get(self, node: ir.Node, default: Entry) -> Entry:
         """`node`'s entry, or `default` for an op the table lacks (a table with a safe fallback)."""
         self._load()
-        found = self._entries.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        found = self._entries.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
         return default if found is None else found
 
-    def lookup(self, node: ir.Node) -> Entry:
+    def has(self, node: ir.Node) -> bool:
+        """Whether `node` has an entry (its op type, in the default domain: another domain's op of
+        the same name is another op)."""
         self._load()
-        entry = self._entries.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if entry is None:
-            raise UnsupportedOpError(f"no {self.what} for op {node.op_type} (node '{node.name}')",
-                                     f"{self.remedy}; supported ops: {', '.join(self.supported())}")
-        return entry
+        return node.domain in DEFAULT_DOMAINS and node.op_type in self._entries
+
+    def missing(self, nodes: Iterable[ir.Node]) -> list[OpGap]:
+        """The ops of `nodes` the table lacks, each with its nodes, in the order they first occur."""
+        return group_by_op(n for n in nodes if not self.has(n))
+
+    def error(self, gaps: Sequence[OpGap], refusals: Sequence[FblcError] = ()) -> FblcError:
+        """One error naming every gap (and every node an entry refused), with the supported ops."""
+        return combined_error(self.what, self.remedy, self.supported(), gaps, refusals)
+
+    def lookup(self, node: ir.Node) -> Entry:
+        if not self.has(node):
+            raise self.error(self.missing([node]))
+        return self._entries[node.op_type]

@@ -221,3 +221,41 @@ def _conv_transpose(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     spatial = [(x[2 + i] - 1) * strides[i] + (w[2 + i] - 1) * dilations[i] + 1 - pads[i] - pads[i + rank] + extra[i]
                for i in range(rank)]
     return [((x[0], w[1] * int(attr(node, "group", 1)), *spatial), dtypes[0])]
+
+
+def pool_output_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int,
+                     ceil_mode: bool) -> int:
+    """Output length of a pooling window along one axis, with explicit pads.
+
+    With ceil_mode a last, partial window is kept, but only when it starts inside the input or
+    its begin padding: one starting in the end padding would see nothing but padding. That is
+    onnxruntime's and torch's rule; onnx's own shape inference (1.23) leaves the second part out,
+    which is why `fblc.passes.infer_shapes` corrects ceil_mode pools with this function.
+    """
+    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
+    if not ceil_mode:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    if (out - 1) * stride >= size + pad_begin:
+        out -= 1
+    return out
+
+
+@shape_rule("AveragePool", "MaxPool")
+def _pool(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    x = shapes[0]
+    rank = len(x) - 2
+    kernel = attr(node, "kernel_shape")
+    strides, dilations, pads = _window_attrs(node, rank)
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        spatial = [-(-x[2 + i] // strides[i]) for i in range(rank)]
+    else:
+        if auto_pad == "VALID":
+            pads = [0] * (2 * rank)
+        ceil_mode = bool(attr(node, "ceil_mode", 0))
+        spatial = [pool_output_size(x[2 + i], kernel[i], strides[i], dilations[i], pads[i], pads[i + rank], ceil_mode)
+                   for i in range(rank)]
+    out = (x[0], x[1], *spatial)
+    return [(out, dtypes[0]), (out, ir.DataType.INT64)][: len(node.outputs)]

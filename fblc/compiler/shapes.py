@@ -1,13 +1,21 @@
-"""Strict shape inference: onnx's C++ inference over a weightless copy, merged back into the IR."""
+"""Strict shape inference: onnx's C++ inference over a weightless copy, merged back into the IR.
+
+Every value must end with a static shape. Those that do not are reported all at once
+(`shape_gaps`): nodes of an op onnx has no shape inference for (another domain's op, an
+unregistered function) and nodes whose shape depends on data although their inputs are static.
+Nodes left unknown only because an input is unknown are not named: the node that caused it is.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import onnx
 import onnx_ir as ir
 
-from fblc.compiler.errors import ShapeError
+from fblc.compiler.errors import FblcError, ShapeError, UnsupportedOpError
+from fblc.compiler.gaps import DEFAULT_DOMAINS, OpGap, describe_gaps, describe_nodes, group_by_op
 
 _INLINE_LIMIT = 1024  # bytes; larger initializers go to inference as typed inputs, without data
 
@@ -40,8 +48,72 @@ def _weightless_proto(model: ir.Model) -> onnx.ModelProto:
     return proto
 
 
+def _is_static(value: ir.Value | None) -> bool:
+    return value is None or (value.shape is not None and value.shape.is_static() and value.dtype is not None)
+
+
+def has_shape_inference(op_type: str, domain: str = "") -> bool:
+    """Whether the import infers static shapes for the op: onnx has a schema with an inference
+    function for it (not every schema has one: GroupNormalization is only a function body, which
+    onnx's inference does not expand). The op audit and `fblc check` ask this too."""
+    if domain not in DEFAULT_DOMAINS or not onnx.defs.has(op_type):
+        return False
+    return bool(onnx.defs.get_schema(op_type).has_type_and_shape_inference_function)
+
+
+@dataclass(frozen=True)
+class ShapeGaps:
+    """Nodes whose outputs have no static shape after inference, by cause."""
+
+    no_rule: list[OpGap]  # onnx has no shape inference for the op
+    data_dependent: list[OpGap]  # static inputs, yet the output's shape depends on their data
+    first_value: ir.Value | None  # the first unresolved output of all (for the one-value message)
+
+    def __bool__(self) -> bool:
+        return bool(self.no_rule or self.data_dependent or self.first_value is not None)
+
+
+def shape_gaps(model: ir.Model) -> ShapeGaps:
+    """Every node that leaves a value without a static shape, by cause (see the module docstring)."""
+    no_rule: list[ir.Node] = []
+    data_dependent: list[ir.Node] = []
+    first: ir.Value | None = None
+    for node in model.graph:
+        unresolved = [v for v in node.outputs if not _is_static(v)]
+        if not unresolved:
+            continue
+        if first is None:
+            first = unresolved[0]
+        if not has_shape_inference(node.op_type, node.domain):
+            no_rule.append(node)
+        elif all(_is_static(v) for v in node.inputs):
+            data_dependent.append(node)
+    return ShapeGaps(group_by_op(no_rule), group_by_op(data_dependent), first)
+
+
+def shape_error(gaps: ShapeGaps) -> FblcError:
+    """One error for all of `gaps`: an unsupported op when some op has no shape rule, else a ShapeError."""
+    dynamic_remedy = "pass --input-shape for every dynamic input; if that is done, this op's shape depends on data"
+    nodes = sum(len(g.nodes) for g in gaps.data_dependent)
+    if not gaps.no_rule and nodes <= 1 and gaps.first_value is not None:  # the wording of one value
+        value = gaps.first_value
+        node = value.producer()
+        where = f"node '{node.name}' ({node.op_type})" if node is not None else "no node"
+        return ShapeError(f"cannot infer a static shape for '{value.name}', output of {where}", dynamic_remedy)
+    listed = ", ".join(f"{g.op} ({describe_nodes(g.nodes)})" for g in gaps.data_dependent)
+    dynamic = (f"{nodes} node{' has a shape' if nodes == 1 else 's have shapes'} that depend{'s' if nodes == 1 else ''} "
+               f"on data: {listed}") if nodes else ""
+    if not gaps.no_rule:
+        return ShapeError(dynamic, dynamic_remedy)
+    causes = [describe_gaps("shape rule at import", gaps.no_rule)] + ([dynamic] if dynamic else [])
+    return UnsupportedOpError("; ".join(causes), "fblc reads standard ONNX ops (opset 18): export the model without "
+                              "custom-domain ops or runtime-specific fusions" + ("; " + dynamic_remedy if dynamic else ""),
+                              ops=[g.op for g in gaps.no_rule])
+
+
 def infer_shapes(model: ir.Model, require_static: bool = True) -> bool:
-    """Infer the shape and dtype of every value; raise ShapeError naming the first value left unknown."""
+    """Infer the shape and dtype of every value; with `require_static`, raise one error naming every
+    node that leaves a value without a static shape (`shape_gaps`)."""
     try:
         inferred = onnx.shape_inference.infer_shapes(_weightless_proto(model), check_type=True,
                                                      strict_mode=True, data_prop=True)
@@ -67,8 +139,8 @@ def infer_shapes(model: ir.Model, require_static: bool = True) -> bool:
                 if shape is not None and value.shape != shape:
                     value.shape = shape
                     modified = True
-            if require_static and (value.shape is None or not value.shape.is_static() or value.dtype is None):
-                raise ShapeError(
-                    f"cannot infer a static shape for '{value.name}', output of node '{node.name}' ({node.op_type})",
-                    "pass --input-shape for every dynamic input; if that is done, this op's shape depends on data")
+    if require_static:
+        gaps = shape_gaps(model)
+        if gaps:
+            raise shape_error(gaps)
     return modified

@@ -4,7 +4,10 @@ Rewrite: Shape/Size of static tensors, and every chain over constants (the expor
 Shape/Gather/Concat/ConstantOfShape/Expand/CastLike chains, computed Pad amounts,
 IsNaN/Where masks, rotary tables from buffers, causal masks) becomes one initializer, via
 onnxscript's constant folder; nodes that read a `param` initializer are never folded, so
-weights stay weights. Unused nodes and initializers are removed.
+weights stay weights. ConstantOfShape folds too, though onnxscript keeps it by default (to keep
+models small): the legacy exporter computes `F.pad` amounts as Concat(amounts,
+ConstantOfShape(zeros)) chains, and a Pad whose pads stay unfolded has no static shape.
+Unused nodes and initializers are removed.
 Preconditions: static input shapes (fix_input_shapes), roles on initializers
 (classify_initializers). In place.
 """
@@ -34,6 +37,17 @@ def _is_constant(value: ir.Value | None) -> bool:
         producer is not None and producer.op_type == "Constant")
 
 
+def _should_fold(node: ir.Node) -> bool | None:
+    """onnxscript's folding decision for `node` (None: its default rules), asked only when every
+    input is constant: never through a weight; always for ConstantOfShape, which the default
+    rules skip. fblc has no size limit (above), so a large fill folds like any other constant."""
+    if _reads_param(node):
+        return False
+    if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx"):
+        return True
+    return None
+
+
 def _has_foldable_node(graph: ir.Graph) -> bool:
     """Whether any node could fold; a static exporter graph often has none, and the folder costs time."""
     return any(node.op_type in ("Shape", "Size", "Constant") or all(_is_constant(v) for v in node.inputs)
@@ -54,7 +68,7 @@ class FoldConstants(ir.passes.InPlacePass):
             onnx_shape_inference=True,
             input_size_limit=_NO_SIZE_LIMIT,
             output_size_limit=_NO_SIZE_LIMIT,
-            should_fold=lambda node: False if _reads_param(node) else None,
+            should_fold=_should_fold,
         )
         common_passes.RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, result.modified or len(model.graph) != before)

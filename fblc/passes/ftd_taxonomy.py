@@ -36,14 +36,15 @@ def _classify(ftd: Ftd, *op_types: str) -> None:
 
 # backward reads forward tensors, and reduces them along other axes than the forward
 _classify(Ftd.DEPENDENT_DIVERGENT, "MatMul", "Gemm", "Conv", "ConvTranspose", "BatchNormalization",
-          "LayerNormalization", "AveragePool", "MaxPool", "GlobalAveragePool")
+          "LayerNormalization", "InstanceNormalization", "AveragePool", "MaxPool", "GlobalAveragePool")
 # backward reads forward tensors along the same axes
 _classify(Ftd.DEPENDENT_CONSISTENT, "Relu", "Clip", "Sigmoid", "Tanh", "Erf", "Mul", "Div", "Pow", "Softmax",
-          "LogSoftmax", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Abs", "Max", "Min", "Where")
+          "LogSoftmax", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Abs", "Max", "Min", "Where", "HardSigmoid",
+          "HardSwish")
 # no forward tensor in the backward; the access pattern changes (index-remapping candidates)
 _classify(Ftd.INDEPENDENT_DIVERGENT, "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand",
-          "ReduceSum", "ReduceMean", "ReduceMax", "Gather", "GatherElements", "ScatterElements", "ScatterND",
-          "Slice", "Concat", "Split", "Pad")
+          "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "Gather", "GatherElements", "GatherND", "ScatterElements",
+          "ScatterND", "Slice", "Concat", "Split", "Pad")
 # layout-transparent
 _classify(Ftd.INDEPENDENT_CONSISTENT, "Add", "Sub", "Neg", "Cast", "Identity", "Dropout", "Sum", "Constant",
           "ConstantOfShape", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Not",

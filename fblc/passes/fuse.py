@@ -27,7 +27,7 @@ ALIAS = "alias"
 ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip", "Sigmoid", "Tanh",
     "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or",
-    "Not", "Max", "Min", "Sum", "BatchNormalization", "IsNaN", "Abs"})
+    "Not", "Max", "Min", "Sum", "BatchNormalization", "IsNaN", "Abs", "HardSigmoid", "HardSwish"})
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 
 

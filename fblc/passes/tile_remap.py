@@ -33,8 +33,9 @@ REMAP_STATUS = "fblc.remap"
 STRIDED_READERS = frozenset({
     "MatMul", "Gemm", "Conv", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip",
     "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual",
-    "LessOrEqual", "And", "Or", "Not", "Max", "Min", "Sum", "IsNaN", "Abs", "ReduceSum", "ReduceMean", "ReduceMax",
-    "Gather", "GatherElements", "Slice", "Concat", "Expand", "Transpose", "Pad"})
+    "LessOrEqual", "And", "Or", "Not", "Max", "Min", "Sum", "IsNaN", "Abs", "HardSigmoid", "HardSwish", "ReduceSum",
+    "ReduceMean", "ReduceMax", "ReduceL2",
+    "Gather", "GatherElements", "GatherND", "ScatterElements", "Slice", "Concat", "Expand", "Transpose", "Pad"})
 
 
 def _readers(value: ir.Value) -> list[ir.Node]:

@@ -75,6 +75,20 @@ def _pow(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
     return f"pow({base}, (float){x(node.inputs[1])})"
 
 
+@expression("HardSigmoid")
+def _hard_sigmoid(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
+    alpha = float_literal(float(attr(node, "alpha", 0.2)))
+    beta = float_literal(float(attr(node, "beta", 0.5)))
+    return f"clamp(fma({alpha}, {x(node.inputs[0])}, {beta}), 0.0f, 1.0f)"
+
+
+@expression("HardSwish")
+def _hard_swish(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
+    """x * clip(x / 6 + 1/2, 0, 1); x is named once, since it appears twice."""
+    value = b.temp("float", x(node.inputs[0]), "hs")
+    return f"({value} * clamp(fma({value}, {float_literal(1.0 / 6.0)}, 0.5f), 0.0f, 1.0f))"
+
+
 @expression("Max", "Min", "Sum")
 def _variadic(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
     operands = [x(v) for v in node.inputs]

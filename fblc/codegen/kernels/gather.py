@@ -1,7 +1,7 @@
-"""Indexed reads and writes: Gather, GatherElements, ScatterND, ScatterElements.
+"""Indexed reads and writes: Gather, GatherElements, GatherND, ScatterND, ScatterElements.
 
-Gathers are per-element index maps: each lane reads its index, wraps a negative one, clamps
-it into range (an out-of-range read of an image is undefined on a GPU; ONNX calls such an
+Gathers are per-element index maps: each lane reads its index (GatherND: its k-tuple), wraps a
+negative one, clamps it into range (an out-of-range read of an image is undefined on a GPU; ONNX calls such an
 index an error anyway) and reads the data element.
 
 Scatters are written the other way round, as gathers over the updates: each lane owns one
@@ -10,7 +10,9 @@ update order. No two work-items write the same texel, so there are no atomics an
 is deterministic (float addition in a fixed order, unlike an atomic scatter-add); with
 reduction "none" the last update wins, as in onnxruntime. ScatterND scans all updates per
 element; ScatterElements only scans the updates on its own line along `axis`, the only ones
-that can reach it.
+that can reach it. Both have a whole-texel path for the row scatters of gather gradients (one
+target row per update): a work-item folds a few texels of one row and reads each update's row
+number once for all of them.
 """
 
 from __future__ import annotations
@@ -78,6 +80,29 @@ def emit_gather_elements(table: TextureTable, group: KernelGroup) -> list[Kernel
     along = _wrapped(b, b.load(indices, _own_index(index_shape)), data_shape[axis])
     strides = strides_of(data_shape)
     terms = [(along if k == axis else f"{OUT_INDEX}{k}", strides[k]) for k in range(len(data_shape))]
+    return [b.finish([b.load(data, flat_index(terms))])]
+
+
+@register_kernel("GatherND")
+def emit_gather_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """out[b.., m.., r..] = data[b.., indices[b.., m.., 0..k-1], r..] (b: the batch_dims leading axes).
+
+    The output's first q - 1 axes are the indices' own (batch and tuple positions), the rest the
+    data axes after the k indexed ones; each lane reads its k-tuple and wraps every entry."""
+    node = group.anchor
+    data, indices = node.inputs
+    data_shape, index_shape = static_shape(data), static_shape(indices)
+    batch, k = int(attr(node, "batch_dims", 0)), index_shape[-1]
+    lead = len(index_shape) - 1  # output axes that index the tuples
+    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
+    b.nodes.append(node.name)
+    index_strides, strides = strides_of(index_shape), strides_of(data_shape)
+    tuple_start = flat_index([(f"{OUT_INDEX}{j}", index_strides[j]) for j in range(lead)])
+    terms = [(f"{OUT_INDEX}{j}", strides[j]) for j in range(batch)]
+    for j in range(k):
+        entry = b.load(indices, f"{tuple_start} + {j}" if j else tuple_start)
+        terms.append((_wrapped(b, entry, data_shape[batch + j]), strides[batch + j]))
+    terms += [(f"{OUT_INDEX}{lead + t}", strides[batch + k + t]) for t in range(len(data_shape) - batch - k)]
     return [b.finish([b.load(data, flat_index(terms))])]
 
 
@@ -233,6 +258,8 @@ def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kerne
     combine = _combine(node, ctype)
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
+    if _row_scatter(b, node):
+        return [_scatter_elements_rows(b, node, combine)]
     acc, j = b.fresh("acc"), b.fresh("j")
     _start(b, node, acc)
     if numel(index_shape) == 0:
@@ -254,3 +281,54 @@ def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kerne
     else:
         b.emit(*loop)
     return [b.finish([acc])]
+
+
+def _row_scatter(b: KernelBuilder, node: ir.Node) -> bool:
+    """Whether a ScatterElements scatters whole rows (the segment sums of gather gradients): its
+    indices are an Expand of indices with extent 1 after `axis` (one target row per update, the
+    same for the row's elements), the updates cover the data off `axis`, and a row is whole
+    float texels of data and updates."""
+    data, indices, updates = node.inputs[:3]
+    data_shape, index_shape = static_shape(data), static_shape(indices)
+    axis = _axis(node, len(data_shape))
+    producer = indices.producer()
+    if producer is None or producer.op_type != "Expand" or ctype_of(node.outputs[0]) != "float":
+        return False
+    source = static_shape(producer.inputs[0])
+    source = (1,) * (len(index_shape) - len(source)) + tuple(source)
+    covers = all(index_shape[k] == data_shape[k] for k in range(len(data_shape)) if k != axis)
+    inner = numel(data_shape[axis + 1:])
+    return (covers and index_shape[axis] > 0 and all(d == 1 for d in source[axis + 1:]) and inner % 4 == 0
+            and (_is_zeros(data) or _whole_texels(b, data)) and _whole_texels(b, updates))
+
+
+def _scatter_elements_rows(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
+    """ScatterElements of whole rows (see _row_scatter), as `_scatter_nd_slices` does ScatterND: a
+    work-item owns `per` texels of one target row and scans the updates' row numbers once for all
+    of them (the lane path reads them once per element, the gradient of a 32k-row embedding
+    N * 32k * width times); matching rows fold into float4 accumulators in update order."""
+    data, indices, updates = node.inputs[:3]
+    data_shape, index_shape = static_shape(data), static_shape(indices)
+    axis = _axis(node, len(data_shape))
+    depth, count, inner = data_shape[axis], index_shape[axis], numel(data_shape[axis + 1:])
+    per = max(d for d in range(1, SLICE_TEXELS + 1) if (inner // 4) % d == 0)
+    b.texels_per_item = per
+    first, row, outer, within = b.fresh("first"), b.fresh("row"), b.fresh("outer"), b.fresh("within")
+    accs, u, base, raw = b.fresh("acc"), b.fresh("update"), b.fresh("base"), b.fresh("t")
+    code = [f"const int {first} = {b.item_first};",
+            f"const int {row} = {first} / {inner};",
+            f"const int {outer} = {row} / {depth};",
+            f"const int {within} = {first} - {row} * {inner};",
+            f"float {accs}[{4 * per}];"]
+    initial = "(float4)(0.0f)" if _is_zeros(data) else _texel_of(b, data, f"{first} + 4 * tt")
+    update = _texel_of(b, updates, f"{base} + {within} + 4 * tt")
+    folded = combine.format(acc=f"vload4(tt, {accs})", u=update)
+    code += [f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
+             f"for (int {u} = 0; {u} < {count}; ++{u}) {{",
+             f"  const int {base} = ({outer} * {count} + {u}) * {inner};",
+             f"  const int {raw} = {b.load(indices, base)};",
+             f"  if (({raw} < 0 ? {raw} + {depth} : {raw}) != {row} - {outer} * {depth}) continue;",
+             f"  for (int tt = 0; tt < {per}; ++tt) vstore4({folded}, tt, {accs});",
+             "}"]
+    b.emit_texel(*code)
+    return b.finish([f"{accs}[{b.item_lane}]"])

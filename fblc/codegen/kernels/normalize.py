@@ -1,4 +1,4 @@
-"""Softmax-family and normalisation kernels: Softmax, LogSoftmax, LayerNormalization.
+"""Softmax-family and normalisation kernels: Softmax, LogSoftmax, LayerNormalization, InstanceNormalization.
 
 A lane needs statistics of its whole row (max and sum of exp, or mean and variance). Computed
 per lane, that is a pass over the row for every element: O(T^2) reads for a row of T. So where
@@ -22,6 +22,9 @@ and the Y kernel reads them back; the statistics have one element per row while 
 element, so they cannot share a kernel (the builder writes outputs of one shape). Without
 those outputs the Y kernel computes them in its prologue as Softmax does.
 
+InstanceNormalization is LayerNormalization over the spatial axes (axis 2) with a per-channel
+scale and bias, and never has statistic outputs: its Y kernel computes them itself.
+
 All statistics accumulate in float whatever the storage type (`read_imagef` returns float).
 """
 
@@ -37,6 +40,7 @@ from fblc.codegen.cl import Kernel, broadcast_index, flat_index, float_literal, 
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.texel import Code
 from fblc.codegen.textures import Texture, TextureTable
+from fblc.compiler.errors import UnsupportedOpError
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, numel, static_shape
 
@@ -207,9 +211,16 @@ def _softmax_lane(b: KernelBuilder, node: ir.Node, shape: tuple[int, ...], axis:
 # LayerNormalization --------------------------------------------------------------------------------
 
 def _layer_norm_geometry(node: ir.Node) -> tuple[tuple[int, ...], int, int]:
-    """(input shape, first normalised axis, elements per normalised row)."""
+    """(input shape, first normalised axis, elements per normalised row); InstanceNormalization
+    normalises every [n, c] plane, the axes from 2 on."""
     shape = static_shape(node.inputs[0])
-    axis = int(attr(node, "axis", -1)) % len(shape)
+    if node.op_type == "InstanceNormalization":
+        if len(shape) < 3:
+            raise UnsupportedOpError(f"InstanceNormalization of a rank-{len(shape)} input (node '{node.name}') has "
+                                     "no kernel", "give it an input [N, C, spatial...]")
+        axis = 2
+    else:
+        axis = int(attr(node, "axis", -1)) % len(shape)
     return shape, axis, numel(shape[axis:])
 
 
@@ -263,9 +274,10 @@ def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: l
     return b.finish([mean if out is node.outputs[1] else inv_std for out in outputs])
 
 
-@register_kernel("LayerNormalization")
+@register_kernel("LayerNormalization", "InstanceNormalization")
 def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """Y = (X - mean) * inv_std * Scale + B over the trailing axes from `axis`."""
+    """Y = (X - mean) * inv_std * Scale + B over the trailing axes from `axis` (from 2, Scale and B
+    per channel, for InstanceNormalization)."""
     node = group.anchor
     x, scale = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
@@ -293,7 +305,14 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         row_start = b.temp("int", _flat(shape, OUT_INDEX, trailing), "row")
         mean, inv_std = _row_statistics(b, Code(b.lines), node, row_start)
     own = b.load(x, _flat(shape, OUT_INDEX))
-    result = f"(({own} - {mean}) * {inv_std} * {b.load(scale, broadcast_index(static_shape(scale), shape, OUT_INDEX))}"
+
+    def affine(v: ir.Value) -> str:
+        """Scale or B at the current element: per channel, or broadcast over the normalised axes."""
+        if node.op_type == "InstanceNormalization":
+            return b.load(v, f"{OUT_INDEX}1")
+        return b.load(v, broadcast_index(static_shape(v), shape, OUT_INDEX))
+
+    result = f"(({own} - {mean}) * {inv_std} * {affine(scale)}"
     if bias is not None:
-        result += f" + {b.load(bias, broadcast_index(static_shape(bias), shape, OUT_INDEX))}"
+        result += f" + {affine(bias)}"
     return kernels + [b.finish([result + ")"])]

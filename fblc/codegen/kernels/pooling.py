@@ -4,7 +4,9 @@ Each lane owns one output element [n, c, *spatial] and walks its window with nes
 whose bounds, strides, dilations and pads are literals (from `window_of`, so auto_pad is
 already resolved). Taps that fall in the padding are skipped; the bounds test is left out on
 axes where no window can leave the input. MaxPool's Indices has Y's shape, so the same kernel
-writes both (one pass over the window gives the maximum and where it is).
+writes both (one pass over the window gives the maximum and where it is). With ceil_mode the
+last window may run past the padded input (the output shape says so); its taps there are
+skipped like padding, and count_include_pad=1 does not count them (`_padded_taps`).
 """
 
 from __future__ import annotations
@@ -82,14 +84,30 @@ def _check_rank(node: ir.Node) -> None:
                                  f"{list(static_shape(node.inputs[0]))}", "reshape the input to N x C x spatial")
 
 
+def _padded_taps(window: Window, axis: int) -> str | None:
+    """C int: taps of the current window on `axis` inside the padded input, or None when that is
+    the kernel size for every window (always, without ceil_mode).
+
+    With ceil_mode the last window may run past the end padding; count_include_pad=1 then divides
+    by the taps inside [-pads_begin, n + pads_end) only, as onnxruntime and torch do (and as
+    `fblc.compiler.gradients.pooling.tap_counts` does for the backward).
+    """
+    n, o = window.in_spatial[axis], window.out_spatial[axis]
+    k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
+    room = n + window.pads_begin[axis] + window.pads_end[axis]  # padded length; window o starts at o * s
+    if (o - 1) * s + (k - 1) * d + 1 <= room:
+        return None
+    start = f"{OUT_INDEX}{2 + axis}" if s == 1 else f"{OUT_INDEX}{2 + axis} * {s}"
+    left = f"({room} - {start})"
+    return f"min({k}, {left})" if d == 1 else f"min({k}, ({left} + {d - 1}) / {d})"
+
+
 @register_kernel("AveragePool")
 def emit_average_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """Mean over the window; the divisor is the kernel size or the count of taps inside the input."""
+    """Mean over the window; the divisor is the taps inside the input (count_include_pad=0) or
+    inside the padded input (1): the kernel size, except for a ceil_mode window past the end."""
     node = group.anchor
     _check_rank(node)
-    if int(attr(node, "ceil_mode", 0)):
-        raise UnsupportedOpError(f"AveragePool with ceil_mode=1 (node '{node.name}') has no kernel",
-                                 "export with ceil_mode=False (or pad explicitly)")
     window = window_of(node)
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
@@ -98,10 +116,15 @@ def emit_average_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     taps = open_window(b, node, window)
     b.emit(f"{_inner(window)}{acc} += {b.load(node.inputs[0], taps.flat)};",
            f"{_inner(window)}++{count};", *taps.closing)
-    if int(attr(node, "count_include_pad", 0)):
-        # Without ceil_mode every window lies inside the padded input: the divisor is the kernel size.
-        return [b.finish([f"({acc} / {float_literal(float(numel(window.kernel)))})"])]
-    return [b.finish([f"({acc} / (float)max({count}, 1))"])]
+    if not int(attr(node, "count_include_pad", 0)):
+        return [b.finish([f"({acc} / (float)max({count}, 1))"])]
+    partial = [(a, _padded_taps(window, a)) for a in range(len(window.kernel))]
+    full = numel([window.kernel[a] for a, taps_on_axis in partial if taps_on_axis is None])
+    factors = [t for _, t in partial if t is not None]
+    if not factors:
+        return [b.finish([f"({acc} / {float_literal(float(full))})"])]
+    divisor = b.temp("int", " * ".join(([str(full)] if full != 1 else []) + factors), "div")
+    return [b.finish([f"({acc} / (float){divisor})"])]
 
 
 @register_kernel("MaxPool")

@@ -1,4 +1,4 @@
-"""Reduction kernels: ReduceSum, ReduceMean, ReduceMax, GlobalAveragePool.
+"""Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, GlobalAveragePool.
 
 One work-item element per output element loops over the reduced elements (their count and
 strides are literals). When they are a run of whole texels (the innermost axes, a multiple of 4
@@ -70,7 +70,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     return acc
 
 
-@register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "GlobalAveragePool")
+@register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "GlobalAveragePool")
 def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     axes = reduced_axes(node)
@@ -80,6 +80,9 @@ def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if node.op_type == "ReduceMax":
         acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY")
         return [b.finish([acc])]
+    if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
+        acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fma(x, x, {acc})", "0.0f")
+        return [b.finish([f"sqrt({acc})"])]
     acc = reduction_loop(b, node.inputs[0], axes, keepdims, "{acc} + x", "0.0f")
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
         shape = static_shape(node.inputs[0])

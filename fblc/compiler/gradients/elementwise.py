@@ -10,7 +10,7 @@ import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
 from fblc.compiler.errors import UnsupportedOpError
-from fblc.compiler.graph import Emitter, const_array, static_shape
+from fblc.compiler.graph import Emitter, attr, const_array, static_shape
 
 Grads = Sequence["ir.Value | None"]
 
@@ -121,6 +121,34 @@ def _sin(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
 @_unary("Cos")
 def _cos(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Neg", e.op("Sin", x))
+
+
+@_unary("HardSwish")
+def _hard_swish(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+    """y = x * clip(x / 6 + 1/2, 0, 1): slope 0 up to -3, x / 3 + 1/2 strictly between, 1 from 3 on.
+
+    The kinks take the outer pieces, as torch.nn.functional.hardswish's backward does (torch
+    2.13), so a model trained in torch and here takes the same steps.
+    """
+    middle = e.op("Add", e.op("Mul", x, e.scalar(1.0 / 3.0, x)), e.scalar(0.5, x))
+    upper = e.op("Where", e.op("Less", x, e.scalar(3.0, x)), middle, e.scalar(1.0, x))
+    return e.op("Where", e.op("LessOrEqual", x, e.scalar(-3.0, x)), e.scalar(0.0, x), upper)
+
+
+@register_gradient("HardSigmoid")
+def hard_sigmoid_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """y = clip(alpha x + beta, 0, 1): slope alpha strictly between the bounds, as torch's hardsigmoid.
+
+    The test is on x against the bounds' preimages, computed here in float64, rather than on
+    alpha x + beta, whose float32 rounding can reach 0 or 1 a little inside them.
+    """
+    x = node.inputs[0]
+    alpha, beta = float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))
+    if alpha == 0.0:
+        return [e.op("Mul", dys[0], e.scalar(0.0, x))]
+    low, high = sorted(((0.0 - beta) / alpha, (1.0 - beta) / alpha))
+    inside = e.op("And", e.op("Greater", x, e.scalar(low, x)), e.op("Less", x, e.scalar(high, x)))
+    return [e.op("Where", inside, e.op("Mul", dys[0], e.scalar(alpha, x)), e.scalar(0.0, x))]
 
 
 @register_gradient("Neg")

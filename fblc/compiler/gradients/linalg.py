@@ -1,4 +1,5 @@
-"""Gradient rules of the contraction and normalisation ops: MatMul, Gemm, Conv, BatchNorm, LayerNorm."""
+"""Gradient rules of the contraction and normalisation ops: MatMul, Gemm, Conv, BatchNorm, LayerNorm,
+InstanceNorm."""
 
 from __future__ import annotations
 
@@ -175,3 +176,39 @@ def layer_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool])
     if bias is not None and need[2]:
         dbias = e.unbroadcast(dy, x_shape, static_shape(bias))
     return [dx, dscale, dbias][: len(node.inputs)]
+
+
+@register_gradient("InstanceNormalization")
+def instance_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """y = scale[c] * (x - mean) * inv_std + bias[c], statistics per (sample, channel) over the spatial axes.
+
+    The op has no statistic outputs to expose (LayerNormalization's Mean and InvStdDev), so the
+    backward recomputes them from x, which it saves anyway for x_hat: two reductions instead of
+    two more saved tensors. dx is LayerNorm's formula with the per-channel scale.
+    """
+    x, scale = node.inputs[0], node.inputs[1]
+    shape = static_shape(x)
+    rank = len(shape)
+    if rank < 3:
+        raise UnsupportedOpError(f"InstanceNormalization of a rank-{rank} input (node '{node.name}') has no "
+                                 "gradient rule", "give it an input [N, C, spatial...]")
+    channels = shape[1]
+    axes = e.ints(list(range(2, rank)))
+    epsilon = float(attr(node, "epsilon", 1e-5))
+    centred = e.op("Sub", x, e.op("ReduceMean", x, axes, keepdims=1))
+    variance = e.op("ReduceMean", e.op("Mul", centred, centred), axes, keepdims=1)
+    inv_std = e.op("Reciprocal", e.op("Sqrt", e.op("Add", variance, e.scalar(epsilon, x))))
+    x_hat = e.op("Mul", centred, inv_std)
+    dy = dys[0]
+    summed_axes = [0] + list(range(2, rank))
+    dx = dscale = dbias = None
+    if need[0]:
+        g = e.op("Mul", dy, _channel_view(e, scale, channels, rank))
+        g_mean = e.op("ReduceMean", g, axes, keepdims=1)
+        gx_mean = e.op("ReduceMean", e.op("Mul", g, x_hat), axes, keepdims=1)
+        dx = e.op("Mul", inv_std, e.op("Sub", e.op("Sub", g, g_mean), e.op("Mul", x_hat, gx_mean)))
+    if need[1]:
+        dscale = e.reduce_sum(e.op("Mul", dy, x_hat), summed_axes, keepdims=False)
+    if need[2]:
+        dbias = e.reduce_sum(dy, summed_axes, keepdims=False)
+    return [dx, dscale, dbias]

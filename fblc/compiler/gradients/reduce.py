@@ -61,6 +61,23 @@ def reduce_max_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool])
     return [e.op("Where", is_max, share, e.scalar(0.0, x)), None]
 
 
+@register_gradient("ReduceL2")
+def reduce_l2_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """y = sqrt(sum x^2): dx = x * dy / y, and 0 where y is 0, as torch's norm backward (its subgradient).
+
+    The divisor is 1 where y is 0, so dy / 0 is never formed, not even in a lane the Where then
+    discards (a NaN there would trip NaN checks and any driver that compiles with finite-math).
+    With noop_with_empty_axes and no axes, y = |x| and the same formula gives sign(x) dy.
+    """
+    x = node.inputs[0]
+    kept_dy, axes = _spread(e, node, dys[0])
+    kept_y = e.reshape(node.outputs[0], _kept_shape(static_shape(x), axes))
+    is_zero = e.op("Equal", kept_y, e.scalar(0.0, kept_y))
+    safe = e.op("Where", is_zero, e.scalar(1.0, kept_y), kept_y)
+    scale = e.op("Where", is_zero, e.scalar(0.0, kept_y), e.op("Div", kept_dy, safe))
+    return [e.op("Mul", x, scale), None]
+
+
 @register_gradient("GlobalAveragePool")
 def global_average_pool_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
     shape = static_shape(node.inputs[0])

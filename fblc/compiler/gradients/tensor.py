@@ -9,7 +9,8 @@ import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
 from fblc.compiler.errors import UnsupportedOpError
-from fblc.compiler.graph import Emitter, attr, ints_input, numel, static_shape
+from fblc.compiler.gradients.segment_sum import constant_rows, segment_sum, wrap_rows
+from fblc.compiler.graph import Emitter, attr, const_array, ints_input, numel, static_shape
 from fblc.compiler.values import slice_bounds
 
 Grads = Sequence["ir.Value | None"]
@@ -77,19 +78,55 @@ def slice_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> G
 
 @register_gradient("Gather")
 def gather_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-    """Embedding backward: scatter-add the rows of dy into a zero table (repeated indices add up)."""
+    """Gather on any axis a: data [P, D, Q] (P, Q the extents before and after a) gives dy [P, N, Q],
+    N = numel(indices) (a scalar index drops the axis: N = 1); dx is the segment sum of dy's rows
+    into D rows (segment_sum: repeated and negative indices add up, at any thread count)."""
     data, indices = node.inputs
     data_shape = static_shape(data)
     axis = _axis(node, len(data_shape))
-    dy = dys[0]
-    if axis != 0:
-        raise UnsupportedOpError(f"Gather gradient along axis {axis} (node '{node.name}') is not supported",
-                                 "only axis-0 gathers (embeddings) train; freeze the gathered tensor")
-    positive = e.op("Where", e.op("Less", indices, e.const(np.array(0, np.int64))),
-                    e.op("Add", indices, e.const(np.array(data_shape[0], np.int64))), indices)
-    dx = e.op("ScatterND", e.zeros(data_shape, like=data), e.op("Unsqueeze", positive, e.ints([-1])), dy,
-              reduction="add")
-    return [dx, None]
+    depth = data_shape[axis]
+    count = numel(static_shape(indices))
+    dy = e.reshape(dys[0], [numel(data_shape[:axis]), count, numel(data_shape[axis + 1:])])
+    array = _constant(indices)
+    if array is not None:
+        rows: np.ndarray | ir.Value = constant_rows(array, depth).reshape(1, count)
+    else:
+        rows = e.reshape(wrap_rows(e, indices, depth), [1, count])
+    return [e.reshape(segment_sum(e, dy, rows, depth, like=data), data_shape), None]
+
+
+@register_gradient("GatherND")
+def gather_nd_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """GatherND with b batch dims and index tuples of length k: data [B.., K.., R..] is [P, D, Q]
+    (P = numel(B), D = numel(K), Q = numel(R)), a tuple picks one of the D rows by its row-major
+    offset in K, and dy [B.., M.., R..] is [P, N, Q] (N = numel(M)); dx is the segment sum."""
+    data, indices = node.inputs
+    data_shape, index_shape = static_shape(data), static_shape(indices)
+    batch, k = int(attr(node, "batch_dims", 0)), index_shape[-1]
+    tuple_dims = data_shape[batch:batch + k]
+    p, depth, q = numel(data_shape[:batch]), numel(tuple_dims), numel(data_shape[batch + k:])
+    count = numel(index_shape[batch:-1])
+    dy = e.reshape(dys[0], [p, count, q])
+    strides = [numel(tuple_dims[j + 1:]) for j in range(k)]
+    array = _constant(indices)
+    if array is None and k > 0:
+        offset: ir.Value | None = None
+        for j, (size, stride) in enumerate(zip(tuple_dims, strides)):
+            part = wrap_rows(e, e.op("Slice", indices, e.ints([j]), e.ints([j + 1]), e.ints([-1])), size)
+            part = part if stride == 1 else e.op("Mul", part, e.const(np.array(stride, np.int64)))
+            offset = part if offset is None else e.op("Add", offset, part)  # Add: Sum takes no integers
+        rows: np.ndarray | ir.Value = e.reshape(offset, [p, count])
+    else:  # constant tuples (or k = 0: every tuple picks the one row): offsets computed here
+        offsets = np.zeros(index_shape[:-1], np.int64)
+        for j, (size, stride) in enumerate(zip(tuple_dims, strides)):
+            offsets += constant_rows(np.asarray(array)[..., j], size) * stride
+        rows = offsets.reshape(p, count)
+    return [e.reshape(segment_sum(e, dy, rows, depth, like=data), data_shape), None]
+
+
+def _constant(indices: ir.Value) -> np.ndarray | None:
+    """The value of constant indices (folded at import), so their row numbers are computed here once."""
+    return None if indices.is_graph_input() else const_array(indices)
 
 
 @register_gradient("GatherElements")

@@ -1,0 +1,195 @@
+"""What fblc supports of a model, found without compiling it: the analysis behind `fblc check`.
+
+It runs the passes only as far as each question needs, and asks the registries the same way
+the compiler would, so that a model `check` passes also compiles (up to the attribute limits
+an emitter only checks when it writes the kernel, e.g. AveragePool's ceil_mode):
+
+- import: the import passes; when shape inference fails, every node whose shape stays unknown
+  (`shapes.shape_gaps`, which the pass's error also names);
+- gradients: the training passes up to autodiff; the nodes between a trainable parameter and the
+  loss need a rule (`autodiff.gradient_gaps`), then the backward is built to find the nodes a rule
+  refuses;
+- device: the step's layout and fusion passes (not the layout search, which needs a target); every
+  kernel group's anchor needs an emitter (`plan.kernel_groups`), as in `lower`;
+- adapters: their sites (`adapters.find_sites`), and the gradient rules their step needs, on a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import onnx_ir as ir
+
+from fblc.codegen.kernels import KERNEL_EMITTERS
+from fblc.codegen.plan import kernel_groups
+from fblc.compiler.adapters import ADAPTERS, find_sites, select_adapter_sites
+from fblc.compiler.autodiff import GRADIENTS, differentiable_nodes, gradient_gaps
+from fblc.compiler.errors import FblcError, UnsupportedOpError
+from fblc.compiler.gaps import OpGap, op_label
+from fblc.compiler.index_map import ALWAYS_VIEWS
+from fblc.compiler.keys import Role
+from fblc.compiler.shapes import shape_error, shape_gaps
+from fblc.compiler.summary import role_counts
+from fblc.passes.build_gradients import BuildGradients, trainable_params
+from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS, FtdTaxonomy
+from fblc.passes.fuse import FuseKernels
+from fblc.passes.infer_shapes import InferShapes
+from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes, training_passes
+from fblc.passes.tile_remap import TileRemap
+
+ADAPTER_KINDS = tuple(kind for kind in ADAPTERS if kind != "none")
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One op type of the imported model and what each table says about it."""
+
+    op: str
+    nodes: int
+    imported: str  # ok | no shape rule | data-dependent
+    gradient: str  # yes | not needed | missing | refused | has rule | no rule (the last two: need unknown)
+    kernel: str  # yes | missing | view | constant | not needed (attribute limits show only when compiling)
+    layout: str  # FTD class, or the default class with "(default)"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Coverage:
+    rows: list[OpRow]
+    imports: Verdict
+    trains: Verdict
+    runs: Verdict
+    adapters: dict[str, Verdict] = field(default_factory=dict)
+
+    @property
+    def supported(self) -> bool:
+        return self.imports.ok and self.trains.ok and self.runs.ok
+
+
+def _split_at_gradients(passes: list[ir.passes.PassBase]) -> tuple[list[ir.passes.PassBase], list[ir.passes.PassBase]]:
+    """(the training passes before autodiff, autodiff and after): the need for rules is known in between."""
+    index = next(i for i, p in enumerate(passes) if isinstance(p, BuildGradients))
+    return passes[:index], passes[index:]
+
+
+def _copy(model: ir.Model) -> ir.Model:
+    """A deep copy (the adapters rewrite the graph); value metadata (roles) survives the round trip."""
+    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+
+def _layout(node: ir.Node) -> str:
+    found = FTD_CLASSES.get(node, None)
+    return found.value if found is not None else f"{UNKNOWN_OP_CLASS.value} (default)"
+
+
+def _kernel_status(node: ir.Node, missing: set[str]) -> str:
+    if op_label(node) in missing:
+        return "missing"
+    if node.domain in ("", "ai.onnx") and node.op_type in ALWAYS_VIEWS:
+        return "view"  # reads its input's texture
+    if node.op_type == "Constant":
+        return "constant"  # its texture is preloaded
+    return "yes" if KERNEL_EMITTERS.has(node) else "not needed"  # not in the step (folded, rewritten)
+
+
+def _forward_kernel_gaps(forward: list[ir.Node]) -> list[OpGap]:
+    """Without a step to fuse, every forward node but a view or a Constant would anchor a kernel."""
+    return KERNEL_EMITTERS.missing(n for n in forward if n.op_type not in ALWAYS_VIEWS and n.op_type != "Constant")
+
+
+def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Verdict:
+    """Whether `--adapter kind` builds: eligible conv sites, and gradient rules for its step."""
+    sites = select_adapter_sites(find_sites(model.graph), options.adapter.sites)
+    if not sites:
+        pointwise = " and a 1x1 kernel" if options.adapter.sites == "pointwise" else ""
+        return Verdict(False, f"no Conv with groups == 1{pointwise}")
+    adapted = replace(options, adapter=replace(options.adapter, kind=kind))
+    copy = _copy(model)
+    try:
+        run_passes(copy, _split_at_gradients(training_passes(adapted))[0])
+    except FblcError as error:  # e.g. a rank larger than a site's channels, --bn-train
+        return Verdict(False, error.cause)
+    gaps = gradient_gaps(copy.graph, copy.graph.outputs[0], trainable_params(copy.graph))
+    if gaps:
+        return Verdict(False, GRADIENTS.error(gaps).cause)
+    return Verdict(True, f"{len(sites)} conv site{'s' if len(sites) != 1 else ''}")
+
+
+def _rows(nodes: list[ir.Node], imported: Callable[[str], str], gradient: Callable[[str], str],
+          kernel: Callable[[ir.Node], str]) -> list[OpRow]:
+    first: dict[str, ir.Node] = {}
+    counts: dict[str, int] = {}
+    for node in nodes:
+        label = op_label(node)
+        first.setdefault(label, node)
+        counts[label] = counts.get(label, 0) + 1
+    return [OpRow(label, counts[label], imported(label), gradient(label), kernel(node), _layout(node))
+            for label, node in first.items()]
+
+
+def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
+    """The support of `model` (as loaded) under `options`; raises FblcError only for bad input
+    (dynamic dims without --input-shape, --train matching nothing, an --adapter without sites...)."""
+    for graph_pass in import_passes(options):
+        try:
+            run_passes(model, [graph_pass])
+        except FblcError:  # a shape gap is a finding; anything else (e.g. a dynamic dim) is bad input
+            if not isinstance(graph_pass, InferShapes) or not shape_gaps(model):
+                raise
+            break  # what follows needs static shapes
+    forward = list(model.graph)
+    found = shape_gaps(model)
+    no_rule = {g.op for g in found.no_rule}
+    dynamic = {g.op for g in found.data_dependent}
+
+    def imported(label: str) -> str:
+        return "no shape rule" if label in no_rule else "data-dependent" if label in dynamic else "ok"
+
+    if found:  # the training passes need static shapes: say what the tables hold, need unknown
+        missing_kernels = {g.op for g in _forward_kernel_gaps(forward)}
+        rows = _rows(forward, imported, lambda label: "has rule" if label in GRADIENTS else "no rule",
+                     lambda node: _kernel_status(node, missing_kernels))
+        blocked = Verdict(False, "not analysed: the training step needs every shape static")
+        return Coverage(rows, Verdict(False, shape_error(found).cause), blocked, blocked,
+                        {kind: blocked for kind in ADAPTER_KINDS})
+    adapters = {kind: _adapter_verdict(model, options, kind) for kind in ADAPTER_KINDS}
+
+    before, after = _split_at_gradients(training_passes(options))
+    run_passes(model, before)
+    graph = model.graph
+    needed = {op_label(n) for n in differentiable_nodes(graph, graph.outputs[0], trainable_params(graph))}
+    missing = {g.op for g in gradient_gaps(graph, graph.outputs[0], trainable_params(graph))}
+    refused: set[str] = set()
+    try:
+        run_passes(model, after)
+        tensors, elements = role_counts(model.graph).get(Role.PARAM.value, (0, 0))
+        trains = Verdict(True, f"{tensors} trainable tensor{'s' if tensors != 1 else ''}, {elements:,} parameters")
+    except UnsupportedOpError as error:  # every op without a rule, and every node a rule refuses
+        trains = Verdict(False, error.cause)
+        refused = set(error.ops) - missing
+
+    def gradient(label: str) -> str:
+        return ("missing" if label in missing else "refused" if label in refused
+                else "yes" if label in needed else "not needed")
+
+    if trains.ok:
+        lowering = [FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else []) + [FuseKernels()]
+        groups = kernel_groups(run_passes(model, lowering).graph)
+        kernel_gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
+        runs = (Verdict(False, KERNEL_EMITTERS.error(kernel_gaps).cause) if kernel_gaps else
+                Verdict(True, f"every one of the step's {len(groups)} kernels has an emitter"))
+    else:  # no step: the forward's nodes are all that is known to need a kernel
+        kernel_gaps = _forward_kernel_gaps(forward)
+        detail = "the training step cannot be built, so its backward is not known"
+        if kernel_gaps:
+            detail = f"{KERNEL_EMITTERS.error(kernel_gaps).cause} (in the forward); {detail}"
+        runs = Verdict(False, detail)
+    missing_kernels = {g.op for g in kernel_gaps}
+    rows = _rows(forward, imported, gradient, lambda node: _kernel_status(node, missing_kernels))
+    return Coverage(rows, Verdict(True, f"{len(forward)} nodes, every shape static"), trains, runs, adapters)

@@ -1,0 +1,95 @@
+"""Kernels of issue 12's ops, one training step on PoCL against onnxruntime: HardSwish and
+HardSigmoid (elementwise), ReduceL2, InstanceNormalization, AveragePool with ceil_mode.
+
+Each model is the op on trainable initializers, then ReduceSum(y * R) (tests/test_kernels_other.py's
+harness), so the forward kernel and the kernels of its backward all run. Shapes pick the code
+paths: an innermost axis a multiple of 4 or not (whole-texel reads or per-lane ones), reduced
+axes innermost or not, a ceil_mode window past the padded input or none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper, numpy_helper
+
+from tests.test_kernels_other import _check, _op_then_loss, _randn
+
+
+@pytest.mark.parametrize("shape", [[2, 3, 8], [3, 5]])
+@pytest.mark.parametrize("op_type,attributes", [("HardSwish", {}), ("HardSigmoid", {}),
+                                                ("HardSigmoid", {"alpha": 1.0 / 6.0, "beta": 0.5})])
+def test_hard_activations(tmp_path, op_type: str, attributes: dict[str, float], shape: list[int]) -> None:
+    """Spread over (-5, 5), so every piece of the activation (and of its slope) is hit."""
+    x = _randn(*shape, scale=2.5)
+    op = helper.make_node(op_type, ["x"], ["y"], name="act", **attributes)
+    _check(tmp_path, _op_then_loss(op, shape, {"x": x}))
+
+
+def test_hard_swish_fused_after_conv(tmp_path) -> None:
+    """HardSwish as a conv epilogue (MobileNetV3's conv-BN-HardSwish), through evaluate_chain."""
+    extra = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv")]
+    op = helper.make_node("HardSwish", ["c"], ["y"], name="act")
+    _check(tmp_path, _op_then_loss(op, [1, 4, 5, 5], {"x": _randn(1, 3, 5, 5), "w": _randn(4, 3, 3, 3, seed=2)},
+                                   extra=extra))
+
+
+@pytest.mark.parametrize("shape,axes,keepdims", [
+    ([3, 8], [1], 1),  # innermost, whole texels
+    ([2, 3, 5], [-1], 0),  # innermost, per lane
+    ([4, 3, 4], [0, 2], 0),  # outer and inner axes
+    ([2, 6, 4], None, 1),  # everything
+])
+def test_reduce_l2(tmp_path, shape: list[int], axes: list[int] | None, keepdims: int) -> None:
+    x = _randn(*shape)
+    x.reshape(shape[0], -1)[0] = 0.0  # a zero norm where the first row is reduced alone: its gradient is 0
+    inputs = ["x", "axes"] if axes is not None else ["x"]
+    extra = ([helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array(axes, np.int64)),
+                               name="axes")] if axes is not None else [])
+    rank = len(shape)
+    reduced = {a % rank for a in axes} if axes is not None else set(range(rank))
+    y_shape = [1 if i in reduced else d for i, d in enumerate(shape) if keepdims or i not in reduced]
+    op = helper.make_node("ReduceL2", inputs, ["y"], keepdims=keepdims, name="norm")
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))
+
+
+@pytest.mark.parametrize("shape", [[2, 3, 4, 4], [2, 3, 3, 3], [2, 4, 10]])
+def test_instance_norm(tmp_path, shape: list[int]) -> None:
+    """Planes of 16 (whole texels: the statistics in the prologue), 9 and 10 (per lane)."""
+    channels = shape[1]
+    op = helper.make_node("InstanceNormalization", ["x", "scale", "bias"], ["y"], epsilon=1e-5, name="inorm")
+    inits = {"x": _randn(*shape, scale=2.0) + 1.0, "scale": _randn(channels, seed=2) + 1.0,
+             "bias": _randn(channels, seed=3)}
+    _check(tmp_path, _op_then_loss(op, shape, inits))
+
+
+@pytest.mark.parametrize("size,kernel,stride,pads,include", [
+    (7, 4, 4, [0, 0, 0, 0], 1),  # AvgPool2d(4, ceil_mode=True) on 7x7: a partial last window per axis
+    (6, 3, 2, [1, 1, 1, 1], 1),  # past the end pad: divided by the taps inside the pads
+    (6, 3, 2, [1, 1, 1, 1], 0),
+    (6, 3, 2, [0, 1, 1, 0], 1),  # asymmetric pads
+    (5, 2, 3, [1, 1, 1, 1], 1),  # a last window in the end padding: dropped, ceil_mode=0 at import
+])
+def test_average_pool_ceil_mode(tmp_path, size: int, kernel: int, stride: int, pads: list[int],
+                                include: int) -> None:
+    from fblc.compiler.shape_rules import pool_output_size
+
+    op = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[kernel, kernel], strides=[stride, stride],
+                          pads=pads, ceil_mode=1, count_include_pad=include, name="pool")
+    out = [pool_output_size(size, kernel, stride, 1, pads[a], pads[a + 2], True) for a in range(2)]
+    _check(tmp_path, _op_then_loss(op, [2, 3, *out], {"x": _randn(2, 3, size, size)}))
+
+
+@pytest.mark.parametrize("op_type,attributes,y_shape", [("HardSwish", {}, [2, 8, 4]),
+                                                        ("ReduceL2", {"keepdims": 0}, [2, 8])])
+def test_reads_a_remapped_transpose(tmp_path, op_type: str, attributes: dict[str, int], y_shape: list[int]) -> None:
+    """Under --layout rtile the Transpose in front becomes an index map (both ops are strided readers):
+    the kernel reads x through it."""
+    extra = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1], name="t")]
+    inputs = ["xt"]
+    if op_type == "ReduceL2":
+        extra.append(helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([-1], np.int64)),
+                                      name="axes"))
+        inputs.append("axes")
+    op = helper.make_node(op_type, inputs, ["y"], name="op", **attributes)
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(2, 4, 8, scale=2.5)}, extra=extra))
