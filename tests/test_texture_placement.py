@@ -4,13 +4,18 @@ Images stay within PORTABLE_IMAGE_EDGE x PORTABLE_IMAGE_EDGE (what the pip PoCL,
 drivers allow) whenever a tensor's texels fit in that square, whatever the target allows; only a
 larger tensor uses the target's own limit, and the compile report names it. A flat tensor's fold is
 chosen by the same cache-geometry score as R-Tile tiles. The numeric side, phone-target bundles that
-run on PoCL and equal onnxruntime, is tests/test_device_models.py.
+run on PoCL and equal onnxruntime, is tests/test_device_models.py; here, several steps in a row equal
+onnxruntime's, since a parameter and its update swap images after each step and must share a fold.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+
+import numpy as np
 
 import pytest
 
@@ -89,3 +94,33 @@ def test_the_compile_report_names_textures_beyond_the_portable_edge(monkeypatch,
     beyond = json.load(open(tmp_path / "large" / "report.json"))["beyond_portable_edge"]
     assert beyond and all(max(t["width"], t["height"]) > 2 for t in beyond)
     assert "use adreno830's own image limit" in capsys.readouterr().out
+
+
+def test_steps_after_the_first_equal_onnxruntime(tmp_path) -> None:
+    """Three AdamW steps of T-ResNet compiled for adreno830 on PoCL against onnxruntime's run of the same step
+    graph (fblc.compiler.reference), each step's loss within rtol 1e-4: after every step P.new's image becomes
+    P's, so a fold chosen by accesses (P is read by convs, P.new written by the optimizer) would read the next
+    step's weights through the wrong width."""
+    from fblc.codegen.compile import compile_model
+    from fblc.compiler.model_io import load_model, save_model_atomically
+    from fblc.compiler.optimizers import OptimizerConfig
+    from fblc.compiler.reference import ReferenceStep
+    from fblc.passes.pipeline import TrainingOptions, build_training_graph
+    from fblc.runtime.local import LocalRunner
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from tresnet import build_tresnet
+
+    options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=0.01, weight_decay=0.01))
+    # 17 classes: the classifier weight [17, 128], which Gemm reads along rows and columns, is large enough
+    # for its accesses to prefer another fold than its update's stream
+    path = build_tresnet(str(tmp_path / "tresnet.onnx"), batch=4, channels=6, samples=16, classes=17)
+    compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    save_model_atomically(build_training_graph(load_model(path), options), str(tmp_path / "step.onnx"))
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal((4, 6, 16, 1)).astype(np.float32),
+             "labels": rng.integers(0, 17, 4).astype(np.int64)}
+    reference, device = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"), progress=False)
+    expected = [reference.step(feeds) for _ in range(3)]
+    measured = [device.step(feeds) for _ in range(3)]
+    assert np.allclose(measured, expected, rtol=1e-4, atol=0), (measured, expected)

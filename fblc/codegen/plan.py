@@ -112,6 +112,10 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     input_names = {v.name for v in graph.inputs}
     swaps = [(values[o.name[: -len(".new")]], values[o.name]) for o in graph.outputs
              if o.name.endswith(".new") and o.name[: -len(".new")] in input_names]
+    for state, new in swaps:  # the next step reads the .new image through the state's layout
+        if table.textures[state].layout != table.textures[new].layout:
+            raise AssertionError(f"'{table.textures[state].name}' and '{table.textures[new].name}' swap images after "
+                                 "a step but were given different layouts")
     value_maps = {}
     for node in graph:
         if is_view(node) and node.outputs[0].name in values:

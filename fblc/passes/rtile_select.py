@@ -44,6 +44,7 @@ from fblc.profiles import Profile
 from fblc.texel_layout import TexelLayout, flat_layout, mask_layout
 
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
+STREAM = (("stream", 1.0),)
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
 ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax"})
 
@@ -161,7 +162,10 @@ class RTileSelect(ir.passes.InPlacePass):
             layout = mask_layout("mask8", count, *self.geometry.limits(-(-count // 8)))
             return layout, layout.kind, None
         if self.mode == "rtile":
-            best = rank_folds(shape, tuple(sorted(_accesses(value).items())), self.geometry)[0]
+            # what the runtimes exchange is folded by its shape alone: a parameter and its update (P, P.new),
+            # which swap images after every step, must share one layout
+            patterns = STREAM if id(value) in host_visible else tuple(sorted(_accesses(value).items()))
+            best = rank_folds(shape, patterns, self.geometry)[0]
             return best.layout, "fold", best
         texels = max(1, -(-count // 4))
         return flat_layout(texels, self.geometry.limits(texels)[0]), "flat", None
