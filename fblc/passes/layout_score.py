@@ -182,14 +182,14 @@ def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
         rows, texel_cols = 1, texels
         patterns = (("stream", 1.0),)
 
-    def candidate(fold: TexelLayout, scored_by: str, efficiency: Callable[..., float]) -> Candidate:
-        return Candidate(fold, _score(fold, patterns, rows, texel_cols, geometry, efficiency), (), scored_by)
-
     def order(c: Candidate) -> tuple[float, float, int, int]:
         return -c.score, -c.block_score, c.layout.width * c.layout.height, -c.layout.width
 
-    by_blocks = sorted((candidate(f, "block count", block_efficiency) for f in fitting), key=order)
-    by_blocks = [Candidate(c.layout, c.score, (), c.scored_by, c.score) for c in by_blocks]
-    simulated = [Candidate(c.layout, candidate(c.layout, "cache model", cache_efficiency).score, (), "cache model",
-                           c.block_score) for c in by_blocks[:SIMULATED]]
+    def blocks(fold: TexelLayout) -> Candidate:
+        score = _score(fold, patterns, rows, texel_cols, geometry, block_efficiency)
+        return Candidate(fold, score, (), "block count", score)
+
+    by_blocks = sorted((blocks(f) for f in fitting), key=order)
+    simulated = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency), (),
+                           "cache model", c.block_score) for c in by_blocks[:SIMULATED]]
     return tuple(sorted(simulated, key=order)) + tuple(by_blocks[SIMULATED:])
