@@ -43,6 +43,7 @@ def report(model_path: str, coverage: Coverage) -> str:
     lines.append(f"adapters: {', '.join(applies) if applies else 'none apply'}")
     for kind, verdict in coverage.adapters.items():
         lines.append(_verdict(f"  {kind}", verdict.ok, verdict.detail))
+    lines.extend(coverage.trained)
     lines.append("supported: everything this model's training step needs" if coverage.supported else
                  "missing: see the 'no' lines above; docs/ARCHITECTURE.md section 8 says how to add an op")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
 from fblc.compiler.errors import FblcError
 from fblc.compiler.model_io import load_model
 from fblc.compiler.reference import random_feeds
+from fblc.compiler.summary import trained_set_source, trained_tensors
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
 from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
 
@@ -52,6 +53,8 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report = build_report(step, program, time.perf_counter() - started)
     report["memory"], timeline = memory_report(step, program)
     report["layout"] = layout_object(step, program, options.layout)
+    report["trained"] = {"chosen_by": trained_set_source(step.graph),
+                         "tensors": [{"name": v.name, "shape": list(v.shape)} for v in trained_tensors(step.graph)]}
     manifest, plan, params = build_documents(step, program, profile, dtype, report)
     report["memory"]["allocated_bytes"] = sum(fmt.image_bytes(i["format"], i["width"], i["height"])
                                               for i in plan["images"])

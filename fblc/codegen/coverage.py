@@ -30,7 +30,7 @@ from fblc.compiler.gaps import OpGap, op_label
 from fblc.compiler.index_map import ALWAYS_VIEWS
 from fblc.compiler.keys import Role
 from fblc.compiler.shapes import shape_error, shape_gaps
-from fblc.compiler.summary import role_counts
+from fblc.compiler.summary import role_counts, trained_set_lines
 from fblc.passes.build_gradients import BuildGradients, trainable_params
 from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS, FtdTaxonomy
 from fblc.passes.fuse import FuseKernels
@@ -66,6 +66,7 @@ class Coverage:
     trains: Verdict
     runs: Verdict
     adapters: dict[str, Verdict] = field(default_factory=dict)
+    trained: list[str] = field(default_factory=list)  # the default trained set by layer group (summary.py)
 
     @property
     def supported(self) -> bool:
@@ -163,6 +164,7 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
     before, after = _split_at_gradients(training_passes(options))
     run_passes(model, before)
     graph = model.graph
+    trained = trained_set_lines(graph, shown=None)
     needed = {op_label(n) for n in differentiable_nodes(graph, graph.outputs[0], trainable_params(graph))}
     missing = {g.op for g in gradient_gaps(graph, graph.outputs[0], trainable_params(graph))}
     refused: set[str] = set()
@@ -192,4 +194,4 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
         runs = Verdict(False, detail)
     missing_kernels = {g.op for g in kernel_gaps}
     rows = _rows(forward, imported, gradient, lambda node: _kernel_status(node, missing_kernels))
-    return Coverage(rows, Verdict(True, f"{len(forward)} nodes, every shape static"), trains, runs, adapters)
+    return Coverage(rows, Verdict(True, f"{len(forward)} nodes, every shape static"), trains, runs, adapters, trained)
