@@ -4,7 +4,7 @@
 
 Each step is compiled for the target under both layouts; its kernels then run traced on the
 local OpenCL device (fblc.runtime.trace) and the target's texture-cache model replays the
-texels each sampled work-group read (fblc.codegen.cache_report): texel reads, cache-block
+texels each sampled work-group read (fblc.tools.cache_report): texel reads, cache-block
 fetches (distinct blocks per work-group: the global-memory traffic), and simulated misses
 (2-D blocks, sets, LRU). Models as in benchmarks/layout.py: the Llama decoder at batch 4,
 sequence 128, and MobileNetV2 at [16, 3, 97, 60]. FBLayout reports 4.2x fewer cache misses and
@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.layout import CASES  # noqa: E402
-from fblc.codegen.cache_report import cache_report  # noqa: E402
+from fblc.tools.cache_report import cache_report  # noqa: E402
 from fblc.codegen.compile import compile_model  # noqa: E402
 from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
 from fblc.passes.pipeline import TrainingOptions  # noqa: E402

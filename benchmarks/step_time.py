@@ -1,6 +1,6 @@
 """Median training-step time: fblc's OpenCL bundle on the local device vs a PyTorch eager step, same model and batch.
 
-    python benchmarks/step_time.py [--steps 5] [--models mlp,tresnet,mobilenet_v2,llama]
+    python benchmarks/step_time.py [--steps 5] [--models mlp,tresnet,mobilenet_v2,resnet,llama]
 
 Both sides run forward, cross-entropy loss, backward and AdamW on this CPU: fblc through its
 kernels on PoCL (the local OpenCL device), PyTorch eagerly with its own threads. The table
@@ -62,6 +62,16 @@ def build_cases(directory: str, names: list[str]) -> list[Case]:
         path = os.path.join(directory, "mobilenet_v2.onnx")
         models._quiet_dynamo_export(module, (torch.from_numpy(x),)).save(path)
         cases.append(_classification("mobilenetv2 [8,3,97,60]", path, module, x, 17, "pixel_values"))
+    if "resnet" in names:  # a MaxPool stem (7x7 conv, 3x3 pool): its backward was quadratic until the gather form
+        import transformers
+
+        torch.manual_seed(0)
+        module = models.logits_only(transformers.ResNetForImageClassification(transformers.ResNetConfig(
+            num_labels=10, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1])), "pixel_values").eval()
+        x = rng.standard_normal((4, 3, 64, 64)).astype(np.float32)
+        path = os.path.join(directory, "resnet.onnx")
+        models._quiet_dynamo_export(module, (torch.from_numpy(x),)).save(path)
+        cases.append(_classification("resnet stem [4,3,64,64]", path, module, x, 10, "pixel_values"))
     if "llama" in names:
         exported, _ = models.llama(directory)
         ids = exported.inputs["input_ids"]
@@ -102,7 +112,7 @@ def fblc_step_ms(path: str, feeds: dict[str, np.ndarray], bundle: str, steps: in
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--models", default="mlp,tresnet,mobilenet_v2,llama")
+    parser.add_argument("--models", default="mlp,tresnet,mobilenet_v2,resnet,llama")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []

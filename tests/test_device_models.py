@@ -3,14 +3,14 @@
 The same step graph runs on both sides from the same parameters and batch; the loss, every
 gradient, updated parameter and optimizer state must agree, for the shipped targets (their bundles
 run on PoCL: textures stay within the portable image edge), under `--layout rtile` and
-`--layout naive` alike: fp32 within rtol 1e-4 / atol 1e-5, fp16 textures (fp32 accumulation) within rtol 1e-2 / atol 1e-3 (fblc.codegen.verify).
+`--layout naive` alike: fp32 within rtol 1e-4 / atol 1e-5, fp16 textures (fp32 accumulation) within rtol 1e-2 / atol 1e-3 (fblc.tools.verify).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from fblc.codegen.verify import verify_model
+from fblc.tools.verify import verify_model
 from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fblc.codegen.verify import verify_model
+from fblc.tools.verify import verify_model
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions, build_training_graph

@@ -11,21 +11,18 @@ match.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 
-from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
-from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from support import models
-from support.models import ExportedModel, Link
+from support.models import ExportedModel
+from support.steps import Step, TorchOptimizer, build_step
+from support.steps import TorchTrainer as TorchTrainerBase
 
 # fp32 on both sides; differences come from summation order only
 RTOL, ATOL = 1e-4, 1e-5
@@ -33,16 +30,12 @@ RTOL, ATOL = 1e-4, 1e-5
 # the T-ResNet reference uses torch's padding='same' for its even kernel on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
 
-TorchOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
 OPTIMIZERS: dict[str, tuple[OptimizerConfig, TorchOptimizer]] = {
     "sgd": (OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=1e-4),
             lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)),
     "adamw": (OptimizerConfig(name="adamw", lr=1e-3, weight_decay=1e-2),
               lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)),
 }
-#: fblc's state name suffix -> torch.optim's state key
-STATE_KEYS = {"momentum": "momentum_buffer", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 MODELS: dict[str, Callable[[str], ExportedModel]] = {
     "mobilenet_v2": models.mobilenet_v2,
@@ -55,40 +48,8 @@ MODELS: dict[str, Callable[[str], ExportedModel]] = {
 }
 
 
-@dataclass
-class Step:
-    """step.onnx of one model and optimizer, its session, and how its trainables map to torch."""
-
-    model: ExportedModel
-    path: str
-    session: ort.InferenceSession
-    params: list[str]  # trainable names, in output order
-    states: list[str]  # optimizer state names, in output order
-    initial: dict[str, np.ndarray]  # the initializer of every param and state input
-    links: dict[str, Link]
-
-    def run(self, feeds: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        inputs = {**self.model.inputs, "labels": self.model.labels, **(feeds or {})}
-        names = [o.name for o in self.session.get_outputs()]
-        return dict(zip(names, self.session.run(None, inputs)))
-
-
 def _build_step(model: ExportedModel, optimizer: OptimizerConfig, path: str) -> Step:
-    step = build_training_graph(load_model(model.path), TrainingOptions(
-        input_shapes=model.input_shapes, loss="cross_entropy", optimizer=optimizer))
-    save_model_atomically(step, path)
-    outputs = [v.name for v in step.graph.outputs]
-    params = [name[: -len(".grad")] for name in outputs if name.endswith(".grad")]
-    param_set = set(params)
-    states = [name[: -len(".new")] for name in outputs
-              if name.endswith(".new") and name[: -len(".new")] not in param_set]
-    initial = {name: step.graph.initializers[name].const_value.numpy().copy() for name in params + states}
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # initializers that are also inputs are the point of step.onnx
-    options.intra_op_num_threads = 2
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    links = models.link_parameters(model.path, params, model.module)
-    return Step(model, path, session, params, states, initial, links)
+    return build_step(model, optimizer, path)
 
 
 @pytest.fixture(scope="session")
@@ -112,36 +73,9 @@ def steps(export_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Callable
     return get
 
 
-class TorchTrainer:
-    """The torch side: a copy of the reference module, started from step.onnx's initial values."""
-
-    def __init__(self, step: Step, optimizer: str) -> None:
-        self.step = step
-        self.module = copy.deepcopy(step.model.module).eval()
-        models.load_linked(self.module, step.links, step.initial)
-        named = dict(self.module.named_parameters())
-        self.params = {name: named[link.torch_name] for name, link in step.links.items()}
-        self.optimizer = OPTIMIZERS[optimizer][1](list(self.module.parameters()))
-
-    def train_step(self) -> tuple[float, dict[str, np.ndarray]]:
-        """One step; returns the loss and, by ONNX output name, every grad, new param and new state."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.step.model.loss_of(self.module)
-        loss.backward()
-        grads = {name: p.grad.detach().numpy().copy() for name, p in self.params.items()}
-        self.optimizer.step()
-        values: dict[str, np.ndarray] = {}
-        for name, p in self.params.items():
-            link = self.step.links[name]
-            values[f"{name}.grad"] = link.to_onnx(grads[name])
-            values[f"{name}.new"] = link.to_onnx(p.detach().numpy())
-            state = self.optimizer.state[p]
-            for suffix, key in STATE_KEYS.items():
-                if f"{name}.{suffix}" in self.step.states:
-                    values[f"{name}.{suffix}.new"] = link.to_onnx(state[key].detach().numpy())
-            if "optimizer.step" in self.step.states:
-                values["optimizer.step.new"] = np.asarray(float(state["step"]), np.float32)
-        return float(loss.detach()), values
+def TorchTrainer(step: Step, optimizer: str) -> TorchTrainerBase:
+    """The torch side of `step` with the torch optimizer named `optimizer`."""
+    return TorchTrainerBase(step, OPTIMIZERS[optimizer][1])
 
 
 def _assert_step_matches(got: dict[str, np.ndarray], loss: float, expected: dict[str, np.ndarray], what: str) -> None:

@@ -24,13 +24,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from fblc.codegen.verify import verify_model
+from fblc.tools.verify import verify_model
 from fblc.compiler.autodiff import supported_ops
 from fblc.compiler.gradients import segment_sum
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
-from tests import test_gradient_rules as rules
 from tests.test_gradient_rules import ATOL, OPSET, RTOL, Case, check, i64, node, rand
 
 Tensors = dict[str, torch.Tensor]
@@ -122,11 +121,6 @@ def test_gather_gradient_constant_run(case: Case, tmp_path) -> None:
 def test_gather_gradient_repeated_indices(case: Case, form: str, tmp_path) -> None:
     check(case, tmp_path)
     assert_form(tmp_path / "step.onnx", form)
-
-
-def test_case_ids_are_unique() -> None:
-    ids = [c.id for c in RUN_CASES + REPEATED_CASES + rules.CASES]
-    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
 
 
 def test_gather_nd_rule_has_cases_here() -> None:
@@ -242,7 +236,7 @@ DEVICE_RUNS = [("gather-axis1-scalar", "default")] + [(name, form) for name in l
 @pytest.mark.parametrize("layout", ["rtile", "naive"])
 @pytest.mark.parametrize("name,form", DEVICE_RUNS, indirect=["form"])
 def test_one_step_on_pocl_matches_onnxruntime(name: str, form: str, layout: str, tmp_path) -> None:
-    """Compiled for adreno830, one SGD step on PoCL against onnxruntime (fblc.codegen.verify)."""
+    """Compiled for adreno830, one SGD step on PoCL against onnxruntime (fblc.tools.verify)."""
     nodes, params, fed, consts, y_shape = DEVICE_CASES[name]
     constants = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(v, k)) for k, v in consts.items()]
     r = np.random.default_rng(7).standard_normal(y_shape).astype(np.float32)

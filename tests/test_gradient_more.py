@@ -205,11 +205,6 @@ def test_gradient_matches_torch(case: Case, tmp_path) -> None:
     check(case, tmp_path)
 
 
-def test_case_ids_are_unique() -> None:
-    ids = [c.id for c in CASES + rules.CASES]
-    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
-
-
 def test_new_rules_have_cases_here() -> None:
     """The rules this file is for are registered, and each has a case here (test_gradient_rules.py's
     coverage check reads only its own cases)."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from fblc.compiler.autodiff import supported_ops
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
@@ -607,16 +607,29 @@ def test_gradient_matches_torch(case: Case, tmp_path) -> None:
     check(case, tmp_path)
 
 
+#: modules with more cases for this harness: (module, its case lists)
+CASE_MODULES = {"test_gradient_gather": ("RUN_CASES", "REPEATED_CASES"), "test_gradient_more": ("CASES",),
+                "test_gradient_activations": ("CASES",), "test_gradient_resample": ("CASES",),
+                "test_lower_composites": ("CASES",)}
+
+
+def all_cases() -> list[Case]:
+    import importlib
+
+    cases = list(CASES)
+    for module, lists in CASE_MODULES.items():
+        imported = importlib.import_module(f"tests.{module}")
+        cases += [case for name in lists for case in getattr(imported, name)]
+    return cases
+
+
 def test_case_ids_are_unique() -> None:
-    ids = [c.id for c in CASES]
-    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    ids = [c.id for c in all_cases()]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
 
 
 def test_every_supported_op_has_a_case() -> None:
-    from tests import test_gradient_gather, test_gradient_more
-
-    cases = CASES + test_gradient_gather.RUN_CASES + test_gradient_gather.REPEATED_CASES + test_gradient_more.CASES
-    tested = {n.op_type for c in cases for n in c.nodes} - {"Constant"}
+    tested = {n.op_type for c in all_cases() for n in c.nodes} - {"Constant"}
     assert sorted(set(supported_ops()) - tested) == []
 
 

@@ -208,3 +208,111 @@ def test_infer_shapes_settles_a_pool_after_a_pool() -> None:
     assert list(model.graph.outputs[0].shape) == list(expected.shape) == [1, 2, 1, 1]
     (y,) = run_onnx(ir.to_proto(model), {"x": x})
     np.testing.assert_allclose(y, expected.numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_group_norm_18_loads_though_the_checker_calls_it_deprecated(tmp_path) -> None:
+    """onnx's checker refuses GroupNormalization-18 (deprecated by opset 21); onnxruntime runs it and
+    lower_composites lowers it, so load_model lets that one complaint through, and only that one."""
+    from onnx import TensorProto, helper
+
+    from fblc.compiler.model_io import load_model
+    from fblc.errors import ModelLoadError
+
+    def saved(op: str, name: str) -> str:
+        node = helper.make_node(op, ["x", "s", "b"], ["y"], num_groups=2, name="gn")
+        shapes = {"x": [1, 4, 2, 2], "s": [2], "b": [2]}
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT, v)
+                                                for k, v in shapes.items()],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 2, 2])])
+        path = str(tmp_path / name)
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+        return path
+
+    assert [n.op_type for n in load_model(saved("GroupNormalization", "gn.onnx")).graph] == ["GroupNormalization"]
+    with pytest.raises(ModelLoadError, match="not a valid ONNX model"):
+        load_model(saved("NoSuchOp", "bad.onnx"))
+
+
+# tie_weights: a tied embedding the exporter wrote twice -------------------------------------------
+
+class TiedLM(torch.nn.Module):
+    """An embedding whose transpose is also the output projection (GPT-2, OPT, BLOOM, T5 tie them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(11, 4)
+        self.mix = torch.nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(self.embed(ids))) @ self.embed.weight.T
+
+
+@pytest.fixture(scope="module")
+def legacy_tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, TiedLM, np.ndarray]:
+    """The legacy exporter with its default constant folding writes the tied weight twice: `embed.weight`
+    for the Gather and a folded transpose `onnx::MatMul_...` for the MatMul."""
+    module = TiedLM().eval()
+    ids = np.array([[1, 4, 7], [10, 0, 3]], np.int64)
+    path = str(tmp_path_factory.mktemp("tied") / "tied.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.from_numpy(ids),), path, dynamo=False, opset_version=18,
+                          input_names=["ids"], output_names=["logits"])
+    names = [i.name for i in onnx.load(path).graph.initializer]
+    assert "embed.weight" in names and any(n.startswith("onnx::MatMul") for n in names), names
+    return path, module, ids
+
+
+def test_tie_weights_golden(legacy_tied) -> None:
+    from fblc.passes.tie_weights import TieWeights
+
+    path, _, _ = legacy_tied
+    model = run_passes(load_model(path), [FixInputShapes({"ids": (2, 3)}), ClassifyInitializers()])
+    assert TieWeights()(model).modified
+    assert not any(name.startswith("onnx::MatMul") and "embed" not in name for name in model.graph.initializers
+                   if model.graph.initializers[name].const_value.numpy().shape == (4, 11))
+    transposes = [n for n in model.graph if n.op_type == "Transpose"]
+    assert len(transposes) == 1 and transposes[0].inputs[0].name == "embed.weight"
+    assert [u.node.op_type for u in transposes[0].outputs[0].uses()] == ["MatMul"]
+
+
+def test_tie_weights_leaves_distinct_and_constant_tensors_alone() -> None:
+    """Weights that differ stay apart; so do equal constant-valued ones (two fresh all-ones weights)."""
+    from fblc.passes.tie_weights import TieWeights
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 3)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "a"], ["h"]), helper.make_node("MatMul", ["h", "b"], ["h2"]),
+             helper.make_node("MatMul", ["h2", "c"], ["h3"]), helper.make_node("MatMul", ["h3", "d"], ["y"])]
+    inits = {"a": w, "b": w + 1e-3, "c": np.ones((3, 3), np.float32), "d": np.ones((3, 3), np.float32)}
+    proto = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], inits)
+    model = ir.from_proto(proto)
+    ClassifyInitializers()(model)
+    assert not TieWeights()(model).modified
+    assert sorted(model.graph.initializers) == ["a", "b", "c", "d"]
+
+
+def test_tie_weights_numeric(legacy_tied, tmp_path) -> None:
+    """One trained tensor for the tied weight, whose gradient is torch's (the sum over both uses)."""
+    from fblc.compiler.model_io import save_model_atomically
+    from fblc.passes.pipeline import build_training_graph
+
+    path, module, ids = legacy_tied
+    labels = np.array([[2, 5, 9], [1, 1, 0]], np.int64)
+    step = build_training_graph(load_model(path), TrainingOptions(input_shapes={"ids": (2, 3)}))
+    params = {v.name: tuple(v.shape) for v in step.graph.inputs if v.name not in ("ids", "labels")}
+    # mix.weight trains as the legacy exporter's folded transpose, the tied weight once, as embed.weight
+    assert sorted(params.values()) == [(4,), (4, 4), (11, 4)] and params["embed.weight"] == (11, 4)
+    step_path = str(tmp_path / "step.onnx")
+    save_model_atomically(step, step_path)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(step_path, options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    got = dict(zip(names, session.run(None, {"ids": ids, "labels": labels})))
+    loss = F.cross_entropy(module(torch.from_numpy(ids)).reshape(-1, 11), torch.from_numpy(labels).reshape(-1))
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got["embed.weight.grad"], module.embed.weight.grad.numpy(), rtol=1e-4, atol=1e-6)

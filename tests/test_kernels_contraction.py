@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 pytest.importorskip("pyopencl")
 
 from fblc.codegen.compile import compile_model
-from fblc.codegen.verify import verify_model
+from fblc.tools.verify import verify_model
 from fblc.compiler.keys import KERNEL
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.fuse import ALIAS

@@ -93,3 +93,17 @@ def test_reads_a_remapped_transpose(tmp_path, op_type: str, attributes: dict[str
         inputs.append("axes")
     op = helper.make_node(op_type, inputs, ["y"], name="op", **attributes)
     _check(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(2, 4, 8, scale=2.5)}, extra=extra))
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", [([0, 1], [4, 8], [0, 1], [2, 3]), ([5], [-9], [1], [-2])])
+def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[int], steps: list[int]) -> None:
+    """A strided (or reversed) slice: its gradient gathers each input element's dy (or a zero)."""
+    x = _randn(4, 8)
+    ints = {"starts": starts, "ends": ends, "axes": axes, "steps": steps}
+    extra = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(np.array(v, np.int64)), name=k)
+             for k, v in ints.items()]
+    y_shape = list(np.empty((4, 8))[tuple(slice(None) if a not in axes else
+                                          slice(starts[axes.index(a)], ends[axes.index(a)], steps[axes.index(a)])
+                                          for a in range(2))].shape)
+    op = helper.make_node("Slice", ["x", *ints], ["y"], name="strided")
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))

@@ -2,7 +2,7 @@
 
 Each model is the op under test on trainable initializers followed by ReduceSum(y * R), R a
 fixed random constant, so the loss is the model's output and every gradient is non-trivial.
-The step runs the forward kernel and the backward's kernels (ScatterElements for MaxPool,
+The step runs the forward kernel and the backward's kernels (a ConvTranspose over per-tap shares for MaxPool,
 ScatterElements for embeddings and cross-entropy, ConvTranspose for AveragePool).
 """
 
@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fblc.codegen.verify import verify_model
+from fblc.tools.verify import verify_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
 from tests.conftest import make_model

@@ -2,7 +2,7 @@
 
 Golden before/after annotations on a small attention block, the cases each pass leaves alone,
 and the numeric check: one training step with `--layout rtile` and with `--layout naive`
-equals onnxruntime's run of the same step (fp32, rtol 1e-4 / atol 1e-5, fblc.codegen.verify).
+equals onnxruntime's run of the same step (fp32, rtol 1e-4 / atol 1e-5, fblc.tools.verify).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fblc.codegen.compile import compile_model
-from fblc.codegen.verify import verify_model
+from fblc.tools.verify import verify_model
 from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, view_root
 from fblc.compiler.model_io import load_model
@@ -160,14 +160,14 @@ def test_report_counts_data_movement(attention_path: str, tmp_path) -> None:
 
 def test_rtile_select_golden(attention_path: str) -> None:
     step = lowered(attention_path, target="adreno830")
-    assert step.graph.metadata_props[keys.LAYOUT] == "rtile"
+    assert step.graph.metadata_props[keys.LAYOUT_MODE] == "rtile"
     layouts = {v.name: TexelLayout.from_dict(json.loads(v.metadata_props[keys.LAYOUT]))
                for n in step.graph for v in n.outputs if keys.LAYOUT in v.metadata_props}
     scores = layouts["scores"]  # [B, H, T, T]: 64 x 8, tiled
     assert scores.kind == "rtile" and (scores.rows, scores.cols) == (B * H * T, T)
     for value in list(step.graph.inputs) + list(step.graph.outputs):  # the runtimes read these
         assert json.loads(view_root(value).metadata_props[keys.LAYOUT])["kind"] == "flat"
-    assert "rtile" in node(step, "scores").metadata_props[keys.LAYOUT]
+    assert "rtile" in node(step, "scores").metadata_props[keys.LAYOUT_NOTE]
 
 
 def test_rtile_select_leaves_odd_widths_flat() -> None:
@@ -228,7 +228,7 @@ def test_traced_reads_are_the_texels_a_kernel_reads(tmp_path) -> None:
     work-item i of work-group g reads texel 64g + i of x once (x * w and dw share it: the texel's
     4 lanes are its 4 elements, read before the lane loop) and the texel of w under it once
     (flat layouts); the trace must give exactly that back."""
-    from fblc.codegen.cache_report import cache_report
+    from fblc.tools.cache_report import cache_report
     from fblc.runtime.trace import ReadTracer
 
     proto = make_model([helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"),

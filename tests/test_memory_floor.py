@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 
 from fblc.compiler import keys
 from fblc.compiler.adapters import ADAPTER_META, SITE_Q, AdapterConfig
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.reference import ReferenceStep

@@ -31,8 +31,8 @@ from fblc.cli import main
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from mlp import build_mlp  # noqa: E402
 
-DUMP_PASS = "rtile_select"          # the pass after which the dump carries `fblc.layout` node metadata
-LAYOUT_KEY = "fblc.layout"
+DUMP_PASS = "rtile_select"          # the pass after which the dump carries `fblc.layout_note` node metadata
+LAYOUT_KEY = "fblc.layout_note"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1600,1200", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")
@@ -58,7 +58,7 @@ def layout_dump(dump_dir: str) -> str:
 
 
 def node_layouts(model: onnx.ModelProto) -> dict[str, str]:
-    """Node name -> its `fblc.layout` metadata, for the named nodes that have one."""
+    """Node name -> its `fblc.layout_note` metadata, for the named nodes that have one."""
     layouts = {}
     for node in model.graph.node:
         for entry in node.metadata_props:

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fblc.compiler import keys
-from fblc.compiler.errors import ShapeError, TrainableSetError
+from fblc.errors import ShapeError, TrainableSetError
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.bn_batch_stats import BatchNormBatchStats

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fblc.cli import main
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.profiles import FIGURES, load_profile, parse_profile, shipped_targets
 from fblc.profiles.cache_model import CacheGeometry, TextureCache, pattern_reads, simulate
 from fblc.profiles.profile import TARGETS_DIR

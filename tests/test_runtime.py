@@ -17,7 +17,7 @@ from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.cli import main
 from fblc.codegen.compile import compile_model
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.reference import ReferenceStep

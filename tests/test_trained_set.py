@@ -91,3 +91,27 @@ def test_check_and_compile_report_list_the_trained_tensors(exported: tuple[str, 
     names = {t["name"] for t in report["trained"]["tensors"]}
     assert names == _trained(path, freeze="positions")
     assert f"trains {len(names)} tensors" in printed
+
+
+class ClsToken(torch.nn.Module):
+    """A cls token expanded over the batch: onnxscript's optimizer folds the expansion, token and all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls_token = torch.nn.Parameter(torch.randn(1, 1, 6))
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1))[:, 0]
+
+
+def test_parameters_the_optimizer_folded_away_are_named(tmp_path) -> None:
+    path = str(tmp_path / "cls.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ClsToken().eval(), (torch.randn(2, 4, 6),), path, input_names=["x"], dynamo=True,
+                          optimize=True)
+    step = build_training_graph(load_model(path), TrainingOptions())
+    assert not any("cls_token" in v.name for v in trained_tensors(step.graph))
+    assert ("not trained: onnxscript's optimizer folded 1 torch parameters into constants (cls_token)"
+            in summarize_step(step)), summarize_step(step)

@@ -20,7 +20,7 @@ from fblc.cli.train import cmd_devices, cmd_push, cmd_run
 from fblc.cli.options import add_training_options, check_values
 from fblc.cli.outputs import check_outputs
 from fblc.cli.profiles import add_commands as add_profile_commands
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 
 Command = Callable[[argparse.Namespace], int]
 

@@ -33,11 +33,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from fblc.codegen.compile import compile_model
     from fblc.passes.pipeline import compile_pipeline
     from fblc.profiles import load_profile
+    from fblc.tools.cache_report import cache_annex
 
     options = training_options(args)
-    with pass_progress(len(compile_pipeline(options, load_profile(args.target))), enabled=not args.quiet) as on_pass:
+    profile = load_profile(args.target)
+    annexes = {"cache": cache_annex(profile)} if args.cache_report else None
+    with pass_progress(len(compile_pipeline(options, profile)), enabled=not args.quiet) as on_pass:
         _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
-                                  dump_dir=args.dump_dir, on_pass=on_pass, cache=args.cache_report)
+                                  dump_dir=args.dump_dir, on_pass=on_pass, annexes=annexes)
     if not args.quiet:
         families = ", ".join(f"{count} {family}" for family, count in sorted(report["kernels_per_family"].items()))
         print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "
@@ -61,14 +64,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
             print(layout_summary(report["layout"]))
         if "cache" in report:
-            from fblc.codegen.cache_report import cache_summary
+            from fblc.tools.cache_report import cache_summary
 
             print(cache_summary(report["cache"]))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from fblc.codegen.verify import TOLERANCES, verify_model
+    from fblc.tools.verify import TOLERANCES, verify_model
 
     options = training_options(args)
     rows = verify_model(args.model, options, target=args.target, dtype=args.dtype, device=args.device)

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 
 
 def parse_dims(text: str) -> tuple[str, tuple[int, ...]]:

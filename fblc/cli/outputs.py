@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from fblc import bundle_format as fmt
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 
 
 def cmd_targets(args: argparse.Namespace) -> int:

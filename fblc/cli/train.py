@@ -39,7 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fblc.runtime.local import LocalRunner
 
     if args.device == "adb" or args.device.startswith("adb:"):
-        from fblc.runtime.adb import cmd_run_adb
+        from fblc.cli.run_adb import cmd_run_adb
 
         return cmd_run_adb(args)
     # the data is checked before the runner builds its kernels (a minute and more for a large model)

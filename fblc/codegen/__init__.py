@@ -1,1 +1,2 @@
-"""OpenCL codegen and the bundle writer (issue 3; not built yet)."""
+"""From a step graph to a bundle: textures and layouts, kernel emitters by table, the plan, the bundle
+writer and its reports (memory, layout)."""

@@ -13,9 +13,10 @@ from typing import Any
 import onnx_ir as ir
 
 from fblc import __version__, bundle_format as fmt
+from fblc.codegen.cl import Kernel
 from fblc.codegen.plan import Program
 from fblc.compiler import keys
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.keys import Role
 from fblc.compiler.losses import IGNORE_INDEX
 from fblc.compiler.values import static_shape
@@ -69,6 +70,15 @@ def share_images(program: Program, pinned: set[int], first_use: dict[int, int],
     return images, image_of
 
 
+def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int]) -> dict[str, Any]:
+    """A launch of the plan: its kernel, its schedule (the profile's work-group size, the global size
+    padded to whole groups; `items` work-items do work) and its texture arguments."""
+    global_size, group = profile.launch_size(kernel.global_size)
+    return {"name": kernel.name, "function": kernel.function, "family": kernel.family, "items": kernel.global_size,
+            "global_size": [global_size], "local_size": [group], "outputs": kernel.outputs, "inputs": kernel.inputs,
+            "lines": list(lines)}
+
+
 def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: str,
                     report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bytes]:
     """(manifest without checksums, plan, params.bin contents)."""
@@ -95,9 +105,7 @@ def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: 
             entry["init"] = {"offset": offsets[texture.id][0], "nbytes": offsets[texture.id][1]}
         textures.append(entry)
     plan = {"textures": textures,
-            "kernels": [{"name": k.name, "function": k.function, "family": k.family, "global_size": [k.global_size], "local_size": None,
-                         "outputs": k.outputs, "inputs": k.inputs, "lines": list(program.kernel_lines[k.name])}
-                        for k in program.kernels],
+            "kernels": [_launch(k, profile, program.kernel_lines[k.name]) for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],
             "values": program.values, "value_shapes": program.value_shapes, "value_maps": program.value_maps}
     graph = model.graph

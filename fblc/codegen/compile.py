@@ -5,23 +5,25 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import onnx_ir as ir
 
 from fblc import bundle_format as fmt
 
 from fblc.codegen.bundle import build_documents, write_bundle
-from fblc.codegen.cache_report import cache_report
 from fblc.codegen.layout_report import layout_object
 from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report, texture_bytes
 from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
-from fblc.compiler.reference import random_feeds
 from fblc.compiler.summary import trained_set_source, trained_tensors
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
 from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
+
+
+#: a report.json object computed from a scratch copy of the bundle and the step, before the bundle is written
+ReportAnnex = Callable[[str, ir.Model], Any]
 
 
 def build_report(model: ir.Model, program: Program, seconds: float) -> dict[str, Any]:
@@ -36,12 +38,12 @@ def build_report(model: ir.Model, program: Program, seconds: float) -> dict[str,
 
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
                   dump_dir: str | None = None, on_pass: PassHook | None = None,
-                  cache: bool = False) -> tuple[ir.Model, dict[str, Any]]:
+                  annexes: Mapping[str, ReportAnnex] | None = None) -> tuple[ir.Model, dict[str, Any]]:
     """Compile `model_path` into the bundle `out_dir`; returns the fused step graph and the report.
 
-    With `cache`, the report also gets the simulated texture-cache figures of the step under the
-    target's cache geometry (fblc.codegen.cache_report: the kernels run traced on the local
-    OpenCL device, on a random batch)."""
+    `annexes`: more report.json objects by key, each computed from a scratch copy of the finished
+    bundle (e.g. `fblc compile --cache-report`'s simulated texture-cache figures, which run the
+    kernels: fblc.tools.cache_report.cache_annex). The bundle itself is written once, complete."""
     if dtype not in FLOAT_FORMATS:
         raise FblcError(f"unknown --dtype '{dtype}'", f"choose one of: {', '.join(FLOAT_FORMATS)}")
     profile = load_profile(target)
@@ -59,10 +61,11 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report["memory"]["allocated_bytes"] = sum(fmt.image_bytes(i["format"], i["width"], i["height"])
                                               for i in plan["images"])
     report["memory"]["allocated_images"] = len(plan["images"])
-    if cache:
+    if annexes:
         with tempfile.TemporaryDirectory() as scratch:
-            traced = os.path.join(scratch, "bundle")
-            write_bundle(traced, manifest, plan, program.source, params, report)
-            report["cache"] = cache_report(traced, profile, random_feeds(step))
+            draft = os.path.join(scratch, "bundle")
+            write_bundle(draft, manifest, plan, program.source, params, report)
+            for key, annex in annexes.items():
+                report[key] = annex(draft, step)
     write_bundle(out_dir, manifest, plan, program.source, params, report, extra={TIMELINE_PLOT: timeline})
     return step, report

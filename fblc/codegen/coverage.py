@@ -25,7 +25,7 @@ from fblc.codegen.kernels import KERNEL_EMITTERS
 from fblc.codegen.plan import kernel_groups
 from fblc.compiler.adapters import ADAPTERS, find_sites, select_adapter_sites
 from fblc.compiler.autodiff import GRADIENTS, differentiable_nodes, gradient_gaps
-from fblc.compiler.errors import FblcError, UnsupportedOpError
+from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import OpGap, op_label
 from fblc.compiler.index_map import ALWAYS_VIEWS
 from fblc.compiler.keys import Role

@@ -19,7 +19,7 @@ from fblc.codegen.cl import PREAMBLE, Kernel
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.textures import Texture, TextureTable, to_texels
 from fblc.compiler import keys
-from fblc.compiler.errors import FblcError, UnsupportedOpError
+from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
@@ -78,7 +78,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the
     initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone."""
     graph = model.graph
-    table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT) == "rtile")
+    table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
     kernels: list[Kernel] = []
     groups = kernel_groups(graph)
     gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)

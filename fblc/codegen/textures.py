@@ -18,11 +18,11 @@ import onnx_ir as ir
 
 from fblc.bundle_format import MASK_FORMATS, NUMPY_DTYPES
 from fblc.compiler import keys
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
 from fblc.compiler.index_map import view_root
 from fblc.profiles import Profile
-from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout, mask_layout, pack, unpack
+from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout, mask_layout, pack
 
 
 @dataclass
@@ -120,7 +120,3 @@ class TextureTable:
 def to_texels(array: np.ndarray, texture: Texture) -> np.ndarray:
     """`array` laid out as `texture` stores it: width * height * 4 values, zero padding."""
     return pack(array, texture.layout, np.dtype(NUMPY_DTYPES[texture.format]))
-
-
-def from_texels(image: np.ndarray, texture: Texture) -> np.ndarray:
-    return unpack(image, texture.layout, texture.numel).reshape(texture.shape)

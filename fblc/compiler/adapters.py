@@ -33,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, attr, const_array, static_shape
 from fblc.compiler.keys import Role
 
@@ -222,16 +222,6 @@ def new_initializer(graph: ir.Graph, name: str, array: np.ndarray, role: Role) -
 
 def channel_view(e: Emitter, vector: np.ndarray, rank: int) -> ir.Value:
     return e.const(vector.reshape([1, -1] + [1] * (rank - 2)).astype(np.float32))
-
-
-def conv_geometry(conv: ir.Node) -> dict[str, Any]:
-    """The attributes of a conv that a branch with the same geometry copies."""
-    geometry: dict[str, Any] = {}
-    for name in ("strides", "pads", "dilations", "auto_pad"):
-        value = attr(conv, name)
-        if value is not None:
-            geometry[name] = value.decode() if isinstance(value, bytes) else value
-    return geometry
 
 
 def emit_masked_activation(e: Emitter, z: ir.Value, bounds: tuple[float | None, float | None],

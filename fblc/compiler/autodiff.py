@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.errors import FblcError, UnsupportedOpError
+from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import OpGap, mark_refusal, op_label
 from fblc.compiler.graph import Emitter, is_float
 from fblc.compiler.registry import OpRegistry

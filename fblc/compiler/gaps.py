@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import onnx_ir as ir
 
-from fblc.compiler.errors import FblcError, UnsupportedOpError
+from fblc.errors import FblcError, UnsupportedOpError
 
 NODES_SHOWN = 3
 DEFAULT_DOMAINS = ("", "ai.onnx")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -128,6 +129,41 @@ def view_root(value: ir.Value) -> ir.Value:
         value = producer.inputs[0]  # type: ignore[union-attr]
         producer = value.producer()
     return value
+
+
+def real_producer(value: ir.Value | None) -> ir.Node | None:
+    """The node that computes `value`'s data, looking through views (which share its storage)."""
+    producer = value.producer() if value is not None else None
+    while producer is not None and is_view(producer):
+        producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
+    return producer
+
+
+def read_uses(value: ir.Value, through: Callable[[ir.Node], bool] = is_view) -> Iterator[tuple[ir.Value, ir.Usage]]:
+    """Every use of `value`'s data by a node that is not passed `through`, with the value that node
+    reads (`value` itself or one of its views), depth first in use order."""
+    for use in value.uses():
+        if through(use.node):
+            for out in use.node.outputs:
+                yield from read_uses(out, through)
+        else:
+            yield value, use
+
+
+def real_readers(value: ir.Value, through: Callable[[ir.Node], bool] = is_view) -> list[ir.Node]:
+    """The nodes that read `value`'s data, looking through views (or through what `through` accepts)."""
+    return [use.node for _, use in read_uses(value, through)]
+
+
+def views_of(value: ir.Value) -> list[ir.Value]:
+    """Every view of `value`, transitively, depth first in use order."""
+    found = []
+    for use in value.uses():
+        if is_view(use.node):
+            for out in use.node.outputs:
+                found.append(out)
+                found.extend(views_of(out))
+    return found
 
 
 def map_of(value: ir.Value) -> IndexMap:

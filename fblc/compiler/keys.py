@@ -5,7 +5,12 @@ from __future__ import annotations
 import enum
 
 FTD = "fblc.ftd"
+#: On a value: its texel layout (TexelLayout JSON) chosen by rtile_select or the texture table.
 LAYOUT = "fblc.layout"
+#: On the graph: the layout mode the step was lowered under ("rtile" or "naive").
+LAYOUT_MODE = "fblc.layout_mode"
+#: On a node: a readable summary of its outputs' layouts, for Netron (never read back).
+LAYOUT_NOTE = "fblc.layout_note"
 #: On a remapped data-movement node: the strided map of its output over its root (index_map.py).
 INDEX_MAP = "fblc.index_map"
 ROLE = "fblc.role"
@@ -21,6 +26,8 @@ CLASSES = "fblc.classes"
 # Keys written by torch.onnx's dynamo exporter and by onnxscript's optimizer.
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 ONNXSCRIPT_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+#: On the graph (dynamo exporter): the ExportedProgram's signature, one `name: KIND target='torch.name'` per input.
+TORCH_GRAPH_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 
 
 class Role(str, enum.Enum):

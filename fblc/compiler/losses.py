@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from fblc.compiler.errors import FblcError, ShapeError
+from fblc.errors import FblcError, ShapeError
 from fblc.compiler.graph import Emitter, static_shape
 
 IGNORE_INDEX = -100  # as torch.nn.CrossEntropyLoss: labels equal to it do not count

@@ -10,7 +10,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from fblc.compiler.errors import ModelLoadError
+from fblc.errors import ModelLoadError
 
 TARGET_OPSET = 18  # the opset of the training graph; older models are converted on load
 INLINE_WEIGHTS_LIMIT = 1 << 30  # bytes; larger models keep their weights in a `.data` file beside the model
@@ -31,8 +31,9 @@ def load_model(path: str) -> ir.Model:
     try:
         onnx.checker.check_model(path)
     except onnx.checker.ValidationError as error:
-        raise ModelLoadError(f"'{path}' is not a valid ONNX model: {str(error).strip().splitlines()[0]}",
-                             "export it again, or fix the named node") from None
+        if not _tolerated(str(error)):
+            raise ModelLoadError(f"'{path}' is not a valid ONNX model: {str(error).strip().splitlines()[0]}",
+                                 "export it again, or fix the named node") from None
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), TARGET_OPSET)
     if opset < TARGET_OPSET:
         try:
@@ -43,6 +44,18 @@ def load_model(path: str) -> ir.Model:
     model = ir.serde.deserialize_model(proto)
     ir.external_data.set_base_dir(model.graph, os.path.dirname(os.path.abspath(path)))
     return model
+
+
+#: ops the checker calls deprecated at the model's opset that onnxruntime still runs and fblc reads
+TOLERATED_DEPRECATIONS = {
+    "GroupNormalization": "opset 18-20's per-group scale and bias, lowered at import (passes/lower_composites.py)",
+}
+
+
+def _tolerated(message: str) -> bool:
+    """Whether the checker's only complaint is a deprecated op of TOLERATED_DEPRECATIONS."""
+    return "is deprecated in domain_version" in message and any(
+        f"Op registered for {op} is deprecated" in message for op in TOLERATED_DEPRECATIONS)
 
 
 def _weight_bytes(model: ir.Model) -> int:

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter
 
 

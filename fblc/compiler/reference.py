@@ -16,7 +16,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from fblc.compiler import keys
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.keys import Role
 from fblc.compiler.values import static_shape
 

@@ -11,7 +11,7 @@ from typing import Callable, Generic, Iterable, Sequence, TypeVar
 
 import onnx_ir as ir
 
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.gaps import DEFAULT_DOMAINS, OpGap, combined_error, group_by_op
 
 Entry = TypeVar("Entry")

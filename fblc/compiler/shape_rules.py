@@ -51,10 +51,6 @@ def _broadcast(shapes: Sequence[Shape]) -> Shape:
     return tuple(out)
 
 
-def _first_float(dtypes: Sequence["ir.DataType | None"]) -> ir.DataType:
-    return next(d for d in dtypes if d is not None)
-
-
 @shape_rule("Add", "Sub", "Mul", "Div", "Pow", "Sum", "Max", "Min")
 def _arithmetic(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast(shapes), dtypes[0])]
@@ -71,7 +67,7 @@ def _where(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
 
 
 @shape_rule("Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Identity", "Not", "Relu", "Sigmoid",
-            "Tanh", "Softmax", "LogSoftmax")
+            "Tanh", "Softmax", "LogSoftmax", "Erf", "Abs", "Sign", "Softplus")
 def _same(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[0], dtypes[0])]
 
@@ -259,3 +255,9 @@ def _pool(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
                    for i in range(rank)]
     out = (x[0], x[1], *spatial)
     return [(out, dtypes[0]), (out, ir.DataType.INT64)][: len(node.outputs)]
+
+
+@shape_rule("CumSum", "Trilu")
+def _scan(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    """Scans and masks keep their input's shape and dtype (emitted by their own gradients)."""
+    return [(shapes[0], dtypes[0])]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from fblc.compiler.errors import FblcError, ShapeError, UnsupportedOpError
+from fblc.errors import FblcError, ShapeError, UnsupportedOpError
 from fblc.compiler.gaps import DEFAULT_DOMAINS, OpGap, describe_gaps, describe_nodes, group_by_op
 
 _INLINE_LIMIT = 1024  # bytes; larger initializers go to inference as typed inputs, without data

@@ -11,6 +11,7 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.graph import numel
 from fblc.compiler.keys import Role
+from fblc.compiler.trainable import folded_torch_sources
 
 
 def role_counts(graph: ir.Graph) -> dict[str, tuple[int, int]]:
@@ -80,6 +81,12 @@ def trained_set_lines(graph: ir.Graph, shown: int | None = SHOWN_GROUPS) -> list
     if len(groups) > shown:
         lines.append(f"  ... and {len(groups) - shown} more groups (`fblc check` lists all)")
     lines.append(f"  {TRAINED_SET_CAVEAT}")
+    folded = folded_torch_sources(graph)
+    if folded:
+        sources = sorted({s for names in folded.values() for s in names})
+        lines.append(f"not trained: onnxscript's optimizer folded {len(sources)} torch parameters into constants "
+                     f"({', '.join(sources)}); they train only from an export with torch.onnx.export(..., "
+                     "optimize=False)")
     return lines
 
 

@@ -10,10 +10,13 @@ where exporters fold weights, and is a constant elsewhere.
 
 from __future__ import annotations
 
+import re
+
 import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.graph import is_float
+from fblc.compiler.keys import Role
 
 BN_RUNNING_STAT_INPUTS = (3, 4)
 #: op type -> input slots that hold weights
@@ -31,6 +34,35 @@ def is_bn_running_stat(value: ir.Value) -> bool:
 def has_exporter_kinds(graph: ir.Graph) -> bool:
     """True when the exporter recorded which initializers are parameters."""
     return any(keys.TORCH_INPUT_KIND in v.metadata_props for v in graph.initializers.values())
+
+
+_SIGNATURE_PARAMETER = re.compile(r"^\s*\S+: PARAMETER target='([^']+)'", re.MULTILINE)
+
+
+def exported_parameters(graph: ir.Graph) -> set[str]:
+    """The torch parameter names the dynamo exporter's graph signature lists (empty without one)."""
+    return set(_SIGNATURE_PARAMETER.findall(graph.metadata_props.get(keys.TORCH_GRAPH_SIGNATURE, "")))
+
+
+def folded_torch_sources(graph: ir.Graph) -> dict[str, list[str]]:
+    """Constants that onnxscript's optimizer folded from torch parameters: initializer name -> the
+    parameters (by the exporter's signature) it was computed from.
+
+    The optimizer folds a parameter read only through constant-index ops (BERT's position
+    embeddings gathered at constant ids, ViT's cls token expanded over the batch) into a new
+    constant, and the parameter is gone from the file, so it cannot train. A constant that trains
+    anyway (one in a weight slot, e.g. a pre-transposed weight) is left out.
+    """
+    parameters = exported_parameters(graph)
+    found: dict[str, list[str]] = {}
+    for name, value in graph.initializers.items():
+        record = value.metadata_props.get(keys.ONNXSCRIPT_FOLDED_FROM)
+        if record is None or keys.get_role(value) == Role.PARAM.value:
+            continue
+        sources = sorted({s.strip(" '\"") for s in record.strip("[]").split(",")} & parameters)
+        if sources:
+            found[name] = sources
+    return found
 
 
 def is_parameter_like(value: ir.Value, exporter_kinds: bool) -> bool:

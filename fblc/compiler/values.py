@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-from fblc.compiler.errors import ShapeError
+from fblc.errors import ShapeError, UnsupportedOpError
 
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
 
@@ -63,6 +62,17 @@ def ints_input(node: ir.Node, index: int, what: str) -> list[int] | None:
 def attr(node: ir.Node, name: str, default: Any = None) -> Any:
     found = node.attributes.get(name)
     return default if found is None else found.value
+
+
+def choice_attr(node: ir.Node, name: str, default: str, choices: Collection[str], refused_by: str) -> str:
+    """String attribute `name` of `node`, which must be one of `choices`; otherwise the
+    unsupported-op error of `refused_by` (e.g. "gradient rule", "kernel") names the node."""
+    value = attr(node, name, default)
+    value = value.decode() if isinstance(value, bytes) else str(value)
+    if value not in choices:
+        raise UnsupportedOpError(f"{node.op_type} with {name}='{value}' (node '{node.name}') has no {refused_by}",
+                                 f"supported: {name} in {sorted(choices)}", ops=[node.op_type])
+    return value
 
 
 def slice_bounds(node: ir.Node) -> tuple[list[int], list[int], list[int]]:

@@ -14,15 +14,18 @@ from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.losses import loss_spec
+from fblc.passes.contracts import ContractPass
 
 LABELS = "labels"
 LOSS = "loss"
 
 
-class AttachLoss(ir.passes.InPlacePass):
+class AttachLoss(ContractPass):
     """Append the loss and make it the graph's output (in place)."""
 
     name = "attach_loss"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("loss", "static shapes")
 
     def __init__(self, loss: str) -> None:
         super().__init__()

@@ -32,13 +32,15 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, attr, const_array, static_shape
 from fblc.compiler.values import numel
+from fblc.passes.contracts import ContractPass
 
 TILE_META = "fblc.batch_tile"
 PER_SAMPLE = frozenset({
     "Conv", "Add", "Sub", "Mul", "Div", "Where", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "And",
     "Or", "Not", "Relu", "Clip", "Sigmoid", "Tanh", "Max", "Min", "Sum", "Neg", "Abs", "Sqrt", "Exp", "Identity",
     "Cast", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Pad", "Erf",
-    "HardSigmoid", "HardSwish", "LeakyRelu"})
+    "HardSigmoid", "HardSwish", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus", "Mish",
+    "Softsign", "Gelu", "Floor", "Sign", "Ceil", "Round"})
 
 
 def _bytes(value: ir.Value) -> int:
@@ -49,10 +51,12 @@ def _is_constant(value: ir.Value) -> bool:
     return value.const_value is not None or const_array(value) is not None
 
 
-class BatchTile(ir.passes.InPlacePass):
+class BatchTile(ContractPass):
     """Split the front of the network into batch chunks (in place)."""
 
     name = "batch_tile"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("static shapes",)
 
     def __init__(self, tile_bytes: int) -> None:
         super().__init__()

@@ -16,12 +16,15 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, attr, numel, static_shape
 from fblc.compiler.keys import Role
+from fblc.passes.contracts import ContractPass
 
 
-class BatchNormBatchStats(ir.passes.InPlacePass):
+class BatchNormBatchStats(ContractPass):
     """Decompose BatchNormalization into batch-statistics ops (in place; no-op unless enabled)."""
 
     name = "bn_batch_stats"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("static shapes",)
 
     def __init__(self, enabled: bool) -> None:
         super().__init__()

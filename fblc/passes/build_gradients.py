@@ -14,9 +14,10 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.autodiff import BackwardResult, build_backward, params_reaching
-from fblc.compiler.errors import TrainableSetError
+from fblc.errors import TrainableSetError
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
+from fblc.passes.contracts import ContractPass
 
 UNUSED_PARAMS = "fblc.unused_params"
 
@@ -25,10 +26,12 @@ def trainable_params(graph: ir.Graph) -> list[ir.Value]:
     return [v for v in graph.inputs if keys.get_role(v) == Role.PARAM.value]
 
 
-class BuildGradients(ir.passes.InPlacePass):
+class BuildGradients(ContractPass):
     """Reverse-mode autodiff of the loss (in place)."""
 
     name = "build_gradients"
+    requires_facts = ("static shapes", "trainable inputs", "loss")
+    ensures_facts = ("gradients", "static shapes")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

@@ -14,9 +14,10 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
 from fblc.compiler.trainable import has_exporter_kinds, is_parameter_like
+from fblc.passes.contracts import ContractPass
 
 
-class ClassifyInitializers(ir.passes.InPlacePass):
+class ClassifyInitializers(ContractPass):
     """Tag initializers param/frozen by the default rule (in place)."""
 
     name = "classify_initializers"

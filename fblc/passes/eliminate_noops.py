@@ -12,6 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fblc.compiler.graph import const_array
+from fblc.passes.contracts import ContractPass
 
 
 def _is_noop(node: ir.Node) -> bool:
@@ -28,7 +29,7 @@ def _is_noop(node: ir.Node) -> bool:
     return False
 
 
-class EliminateNoops(ir.passes.InPlacePass):
+class EliminateNoops(ContractPass):
     """Bypass Identity and inference Dropout (in place)."""
 
     name = "eliminate_noops"

@@ -12,13 +12,15 @@ from typing import Mapping, Sequence
 
 import onnx_ir as ir
 
-from fblc.compiler.errors import ShapeError
+from fblc.errors import ShapeError
+from fblc.passes.contracts import ContractPass
 
 
-class FixInputShapes(ir.passes.InPlacePass):
+class FixInputShapes(ContractPass):
     """Fix dynamic input dims from user-given shapes (in place)."""
 
     name = "fix_input_shapes"
+    ensures_facts = ("static inputs",)
 
     def __init__(self, input_shapes: Mapping[str, Sequence[int]]) -> None:
         super().__init__()

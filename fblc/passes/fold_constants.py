@@ -20,6 +20,7 @@ from onnxscript.optimizer import fold_constants
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
+from fblc.passes.contracts import ContractPass
 
 # Folded tensors can be large (an attention mask is seq x seq); fblc folds them all.
 _NO_SIZE_LIMIT = 1 << 40
@@ -54,10 +55,11 @@ def _has_foldable_node(graph: ir.Graph) -> bool:
                for node in graph)
 
 
-class FoldConstants(ir.passes.InPlacePass):
+class FoldConstants(ContractPass):
     """Fold constant subgraphs, never through a weight (in place)."""
 
     name = "fold_constants"
+    requires_facts = ("static inputs",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not _has_foldable_node(model.graph):

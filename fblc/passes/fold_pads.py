@@ -19,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.values import attr, const_array
+from fblc.passes.contracts import ContractPass
 
 
 def _zero_fill(node: ir.Node) -> bool:
@@ -64,7 +65,7 @@ def _drop_if_unused(graph: ir.Graph, value: ir.Value | None) -> None:
         graph.initializers.pop(value.name)
 
 
-class FoldPads(ir.passes.InPlacePass):
+class FoldPads(ContractPass):
     """Fold zero Pads into the pads of the Convs that read them (in place)."""
 
     name = "fold_pads"

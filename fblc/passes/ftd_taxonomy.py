@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.registry import OpRegistry
+from fblc.passes.contracts import ContractPass
 
 
 class Ftd(str, enum.Enum):
@@ -40,15 +41,17 @@ _classify(Ftd.DEPENDENT_DIVERGENT, "MatMul", "Gemm", "Conv", "ConvTranspose", "B
 # backward reads forward tensors along the same axes
 _classify(Ftd.DEPENDENT_CONSISTENT, "Relu", "Clip", "Sigmoid", "Tanh", "Erf", "Mul", "Div", "Pow", "Softmax",
           "LogSoftmax", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Abs", "Max", "Min", "Where", "HardSigmoid",
-          "HardSwish")
+          "HardSwish", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus", "Mish", "Softsign",
+          "Gelu")
 # no forward tensor in the backward; the access pattern changes (index-remapping candidates)
 _classify(Ftd.INDEPENDENT_DIVERGENT, "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand",
           "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "Gather", "GatherElements", "GatherND", "ScatterElements",
-          "ScatterND", "Slice", "Concat", "Split", "Pad")
+          "ScatterND", "Slice", "Concat", "Split", "Pad",
+          "Resize", "CumSum", "Trilu", "OneHot", "ArgMax", "ArgMin", "TopK")
 # layout-transparent
 _classify(Ftd.INDEPENDENT_CONSISTENT, "Add", "Sub", "Neg", "Cast", "Identity", "Dropout", "Sum", "Constant",
           "ConstantOfShape", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Not",
-          "IsNaN")
+          "IsNaN", "Floor", "Sign", "Ceil", "Round")
 
 
 #: the class of an op the table lacks. FTI-D is the one that assumes nothing about the op: the
@@ -62,10 +65,12 @@ def ftd_class(node: ir.Node) -> Ftd:
     return FTD_CLASSES.get(node, UNKNOWN_OP_CLASS)
 
 
-class FtdTaxonomy(ir.passes.InPlacePass):
+class FtdTaxonomy(ContractPass):
     """Annotate every node with its FTD class (in place)."""
 
     name = "ftd_taxonomy"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("ftd classes",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False

@@ -14,43 +14,26 @@ topological order. Preconditions: static shapes; topologically sorted graph. In 
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import networkx as nx
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.index_map import is_view
+from fblc.compiler.index_map import is_view, real_producer, real_readers
 from fblc.compiler.values import static_shape
+from fblc.passes.contracts import ContractPass
 
 ALIAS = "alias"
 ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip", "Sigmoid", "Tanh",
     "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or",
-    "Not", "Max", "Min", "Sum", "BatchNormalization", "IsNaN", "Abs", "HardSigmoid", "HardSwish"})
+    "Not", "Max", "Min", "Sum", "BatchNormalization", "IsNaN", "Abs", "HardSigmoid", "HardSwish",
+    "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus", "Mish", "Softsign", "Gelu", "Floor",
+    "Sign", "Ceil", "Round"})
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 
 
 def kernel_of(node: ir.Node) -> str | None:
     return node.metadata_props.get(keys.KERNEL)
-
-
-def real_producer(value: ir.Value | None) -> ir.Node | None:
-    """The node that computes `value`'s data, looking through views (which share its texture)."""
-    producer = value.producer() if value is not None else None
-    while producer is not None and is_view(producer):
-        producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
-    return producer
-
-
-def real_consumers(value: ir.Value) -> Iterator[ir.Node]:
-    """The nodes that read `value`'s data, looking through views."""
-    for use in value.uses():
-        if is_view(use.node):
-            for out in use.node.outputs:
-                yield from real_consumers(out)
-        else:
-            yield use.node
 
 
 class _Groups:
@@ -64,7 +47,7 @@ class _Groups:
         self.shape: dict[int, tuple[int, ...]] = {}
         self.span: dict[int, tuple[int, int]] = {}  # group -> (first, last) node position
         # the graph does not change while fusing: each node's readers and producers, through views, once
-        self.readers = {id(n): [c for v in n.outputs for c in real_consumers(v)] for n in nodes}
+        self.readers = {id(n): [c for v in n.outputs for c in real_readers(v)] for n in nodes}
         self.producers = {id(n): [p for p in map(real_producer, n.inputs) if p is not None] for n in nodes}
 
     def add(self, node: ir.Node) -> int:
@@ -152,10 +135,12 @@ class _Groups:
         return keep
 
 
-class FuseKernels(ir.passes.InPlacePass):
+class FuseKernels(ContractPass):
     """Assign nodes to kernels, fusing elementwise chains with each other and into contraction epilogues (in place)."""
 
     name = "fuse"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("kernels",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         nodes = list(model.graph)

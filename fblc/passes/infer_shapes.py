@@ -28,6 +28,7 @@ import onnx_ir as ir
 from fblc.compiler.shape_rules import pool_output_size
 from fblc.compiler.shapes import infer_shapes
 from fblc.compiler.values import attr
+from fblc.passes.contracts import ContractPass
 
 _POOLS = ("AveragePool", "MaxPool")
 
@@ -91,10 +92,12 @@ def _signature(model: ir.Model) -> list[tuple[object, object]]:
     return [(None if v.shape is None else tuple(v.shape), v.dtype) for node in model.graph for v in node.outputs]
 
 
-class InferShapes(ir.passes.InPlacePass):
+class InferShapes(ContractPass):
     """Static shape and dtype inference (in place)."""
 
     name = "infer_shapes"
+    requires_facts = ("static inputs",)
+    ensures_facts = ("static shapes",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         pools = [p for p in map(_CeilPool.of, model.graph) if p is not None]

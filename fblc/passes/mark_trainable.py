@@ -15,8 +15,9 @@ import re
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.errors import TrainableSetError
+from fblc.errors import TrainableSetError
 from fblc.compiler.keys import Role
+from fblc.passes.contracts import ContractPass
 
 
 def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
@@ -29,10 +30,11 @@ def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
                                 "use Python regex syntax, e.g. 'classifier|layer\\.3'") from None
 
 
-class MarkTrainable(ir.passes.InPlacePass):
+class MarkTrainable(ContractPass):
     """Apply --train/--freeze and expose the trainable parameters as graph inputs (in place)."""
 
     name = "mark_trainable"
+    ensures_facts = ("trainable inputs",)
 
     def __init__(self, train: str | None = None, freeze: str | None = None) -> None:
         super().__init__()

@@ -33,9 +33,10 @@ from fblc.compiler import keys
 from fblc.compiler.adapters import (ADAPTER_META, SITE_Q, SITE_X, AdapterConfig, Site, SiteRecord, activation_name,
                                     channel_view, clip_bounds, describe, emit_masked_activation, find_sites,
                                     folded_affine, new_initializer, replace_output, select_adapter_sites)
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
+from fblc.passes.contracts import ContractPass
 
 
 def _attributes(node: ir.Node) -> dict[str, object]:
@@ -46,10 +47,12 @@ def _weight_prefix(weight: ir.Value) -> str:
     return weight.name[: -len(".weight")] if weight.name.endswith(".weight") else weight.name
 
 
-class MemoryFloor(ir.passes.InPlacePass):
+class MemoryFloor(ContractPass):
     """Insert MemFLoRA/LoRA adapters, fold BatchNorm, put activations in mask form (in place)."""
 
     name = "memory_floor"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("static shapes",)
 
     def __init__(self, config: AdapterConfig, bn_train: bool = False) -> None:
         super().__init__()

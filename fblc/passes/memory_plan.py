@@ -49,9 +49,10 @@ from fblc.compiler import keys
 from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
-from fblc.compiler.index_map import is_view, view_root
+from fblc.compiler.index_map import is_view, real_readers, view_root, views_of
 from fblc.passes.fuse import ALIAS
 from fblc.texel_layout import TexelLayout
+from fblc.passes.contracts import ContractPass
 
 MEMORY_META = "fblc.memory"
 
@@ -182,17 +183,6 @@ def _schedule(graph: ir.Graph) -> tuple[dict[int, int], int, list[str], list[str
             [stages.get(k, "forward") for k in range(steps)])
 
 
-def _readers(value: ir.Value) -> list[ir.Node]:
-    found = []
-    for use in value.uses():
-        if is_view(use.node):
-            for out in use.node.outputs:
-                found.extend(_readers(out))
-        else:
-            found.append(use.node)
-    return found
-
-
 def _optimizer_states(graph: ir.Graph) -> set[str]:
     """Names of opt_state inputs whose update the optimizer stage computes (not BN running statistics)."""
     names = set()
@@ -206,7 +196,7 @@ def _optimizer_states(graph: ir.Graph) -> set[str]:
 
 def _why_saved(value: ir.Value, made_in: str) -> str:
     """The forward ops whose backward reads `value` (made in a launch of stage `made_in`)."""
-    origins = sorted({n.metadata_props.get(keys.GRAD_OF, "?") for n in _readers(value)
+    origins = sorted({n.metadata_props.get(keys.GRAD_OF, "?") for n in real_readers(value)
                       if n.metadata_props.get(keys.STAGE) == "backward"})
     where = "loss: " if made_in == "loss" else ""
     shown = ", ".join(origins[:3]) + (f" and {len(origins) - 3} more" if len(origins) > 3 else "")
@@ -245,7 +235,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
         producer = root.producer()
         names = members[key]
         role = keys.get_role(root)
-        views = _views_of(root)
+        views = views_of(root)
         roles = {role} | {keys.get_role(v) for v in views}
         tags: dict[str, str] = {}
         for v in [root] + views:
@@ -262,7 +252,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
             first, last = 0, last_step
         else:
             first = index.get(id(producer), 0)
-            readers = [index[id(n)] for n in _readers(root) if id(n) in index]
+            readers = [index[id(n)] for n in real_readers(root) if id(n) in index]
             if fused and key not in graph_outputs and all(r == first for r in readers):
                 continue  # lives inside its kernel (registers), or nothing reads it: no texture
             made_in = stages[first] if first < len(stages) else "forward"
@@ -300,16 +290,6 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
                       int(batch), rank, adapter)
 
 
-def _views_of(value: ir.Value) -> list[ir.Value]:
-    found = []
-    for use in value.uses():
-        if is_view(use.node):
-            for out in use.node.outputs:
-                found.append(out)
-                found.extend(_views_of(out))
-    return found
-
-
 def _assign_slots(buffers: list[Buffer], steps: int) -> int:
     """Texture reuse: persistent buffers own a texture; others take the best-fitting freed one."""
     slots: list[tuple[int, str]] = []  # (bytes, kind)
@@ -338,10 +318,11 @@ def _assign_slots(buffers: list[Buffer], steps: int) -> int:
     return sum(size for size, _ in slots)
 
 
-class MemoryPlanPass(ir.passes.InPlacePass):
+class MemoryPlanPass(ContractPass):
     """Annotate buffers with class, size, lifetime and texture slot; summarise (in place)."""
 
     name = "memory_plan"
+    requires_facts = ("kernels",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         plan = plan_memory(model)

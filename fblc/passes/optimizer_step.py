@@ -17,6 +17,7 @@ from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.optimizers import OptimizerConfig, StateTensor, optimizer_spec
 from fblc.passes.build_gradients import trainable_params
+from fblc.passes.contracts import ContractPass
 
 
 def state_input(graph: ir.Graph, state: StateTensor) -> ir.Value:
@@ -44,10 +45,12 @@ def name_output(e: Emitter, value: ir.Value, name: str, role: Role) -> ir.Value:
     return value
 
 
-class OptimizerStep(ir.passes.InPlacePass):
+class OptimizerStep(ContractPass):
     """Append SGD/Adam/AdamW updates and the step graph's outputs (in place)."""
 
     name = "optimizer_step"
+    requires_facts = ("loss", "gradients")
+    ensures_facts = ("updates", "static shapes")
 
     def __init__(self, config: OptimizerConfig) -> None:
         super().__init__()

@@ -13,13 +13,14 @@ from typing import Callable, Mapping, Sequence
 import onnx_ir as ir
 
 from fblc.compiler.adapters import AdapterConfig
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
 from fblc.passes.bn_batch_stats import BatchNormBatchStats
 from fblc.passes.build_gradients import BuildGradients
+from fblc.passes.contracts import check_order
 from fblc.passes.classify_initializers import ClassifyInitializers
 from fblc.passes.eliminate_noops import EliminateNoops
 from fblc.passes.fix_input_shapes import FixInputShapes
@@ -28,6 +29,7 @@ from fblc.passes.fold_pads import FoldPads
 from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.fuse import FuseKernels
 from fblc.passes.infer_shapes import InferShapes
+from fblc.passes.lower_composites import LowerComposites
 from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.memory_plan import MemoryPlanPass
@@ -35,6 +37,7 @@ from fblc.passes.optimizer_step import OptimizerStep
 from fblc.passes.rtile_select import RTileSelect
 from fblc.passes.sg_gradients import SgGradients
 from fblc.passes.sg_replay import SgReplay
+from fblc.passes.tie_weights import TieWeights
 from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import Profile
 
@@ -70,8 +73,10 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
         FixInputShapes(options.input_shapes),
         ClassifyInitializers(),
+        TieWeights(),
         FoldConstants(),
         EliminateNoops(),
+        LowerComposites(),
         FoldPads(),
         InferShapes(),
     ]
@@ -92,14 +97,39 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
 PassHook = Callable[[int, ir.passes.PassBase, ir.Model], None]
 
 
+class _Observed(ir.passes.InPlacePass):
+    """`inner`, then `hook(index, inner, model)`: the dumps and the progress display see every pass."""
+
+    def __init__(self, inner: ir.passes.PassBase, index: int, hook: PassHook | None) -> None:
+        super().__init__()
+        self.inner, self.index, self.hook = inner, index, hook
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        result = self.inner(model)  # the inner pass's requires / call / ensures
+        if self.hook is not None:
+            self.hook(self.index, self.inner, result.model)
+        return result
+
+
+def _raised_by_the_pass(error: BaseException) -> BaseException:
+    """The exception a pass raised, under the PassErrors that onnx_ir's PassManager wraps it in: a
+    user error (FblcError) must reach the CLI as itself."""
+    while isinstance(error, ir.passes.PassError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
 def run_passes(model: ir.Model, passes: Sequence[ir.passes.PassBase], first_index: int = 0,
                after_each: PassHook | None = None) -> ir.Model:
-    """Run `passes` in order; `after_each(index, pass, model)` sees every intermediate model."""
-    for offset, graph_pass in enumerate(passes):
-        model = graph_pass(model).model
-        if after_each is not None:
-            after_each(first_index + offset, graph_pass, model)
-    return model
+    """Run `passes` in order under onnx_ir's PassManager (each pass checks its contract as it runs,
+    fblc.passes.contracts); `after_each(index, pass, model)` sees every intermediate model."""
+    if not passes:
+        return model
+    manager = ir.passes.PassManager([_Observed(p, first_index + i, after_each) for i, p in enumerate(passes)])
+    try:
+        return manager(model).model
+    except ir.passes.PassError as wrapped:
+        raise _raised_by_the_pass(wrapped) from None
 
 
 def dump_hook(directory: str) -> PassHook:
@@ -128,6 +158,7 @@ def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: st
             hook(index, graph_pass, result)
 
     passes = compile_pipeline(options, lower) if lower is not None else training_pipeline(options)
+    check_order(passes)
     return run_passes(model, passes, after_each=after_each)
 
 

@@ -36,12 +36,13 @@ import json
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.index_map import IndexMap, is_view, map_of, view_root
+from fblc.compiler.index_map import IndexMap, is_view, map_of, read_uses, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.ftd_taxonomy import Ftd
 from fblc.passes.layout_score import Candidate, Geometry, rank_candidates, rank_folds
 from fblc.profiles import Profile
 from fblc.texel_layout import TexelLayout, flat_layout, mask_layout
+from fblc.passes.contracts import ContractPass
 
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
 STREAM = (("stream", 1.0),)
@@ -75,17 +76,9 @@ def _accesses(root: ir.Value) -> dict[str, float]:
     """Pattern -> weight (elements moved) over the root's writer and all its readers."""
     weights: dict[str, float] = {"stream": float(numel(static_shape(root)))}
 
-    def visit(value: ir.Value) -> None:
-        for use in value.uses():
-            node = use.node
-            if is_view(node):
-                for out in node.outputs:
-                    visit(out)
-                continue
-            pattern = access_pattern(node, use.idx, map_of(value))
-            weights[pattern] = weights.get(pattern, 0.0) + float(numel(static_shape(value)))
-
-    visit(root)
+    for value, use in read_uses(root):
+        pattern = access_pattern(use.node, use.idx, map_of(value))
+        weights[pattern] = weights.get(pattern, 0.0) + float(numel(static_shape(value)))
     return weights
 
 
@@ -111,10 +104,12 @@ def _annotate(item: ir.Value | ir.Node, key: str, text: str) -> bool:
     return True
 
 
-class RTileSelect(ir.passes.InPlacePass):
+class RTileSelect(ContractPass):
     """Choose and annotate each stored tensor's texel layout (in place)."""
 
     name = "rtile_select"
+    requires_facts = ("static shapes", "ftd classes")
+    ensures_facts = ("layouts",)
 
     def __init__(self, profile: Profile, mode: str = "rtile") -> None:
         super().__init__()
@@ -130,8 +125,8 @@ class RTileSelect(ir.passes.InPlacePass):
         chosen: dict[int, tuple[TexelLayout, str, Candidate | None]] = {}
         if self.mode == "rtile":
             self._select(graph, host_visible, chosen)
-        modified = graph.metadata_props.get(keys.LAYOUT) != self.mode
-        graph.metadata_props[keys.LAYOUT] = self.mode  # the codegen tiles its kernels under "rtile"
+        modified = graph.metadata_props.get(keys.LAYOUT_MODE) != self.mode
+        graph.metadata_props[keys.LAYOUT_MODE] = self.mode  # the codegen tiles its kernels under "rtile"
         for value in roots:
             if id(value) not in chosen:
                 chosen[id(value)] = self._flat(value, host_visible)
@@ -150,7 +145,7 @@ class RTileSelect(ir.passes.InPlacePass):
                     described.append(f"{out.name}: view of {view_root(out).name}")
                 elif id(out) in chosen:
                     described.append(f"{out.name}: {chosen[id(out)][0].describe()}")
-            modified |= _annotate(node, keys.LAYOUT, "; ".join(described))
+            modified |= _annotate(node, keys.LAYOUT_NOTE, "; ".join(described))
         return ir.passes.PassResult(model, modified)
 
     def _flat(self, value: ir.Value, host_visible: set[int]) -> tuple[TexelLayout, str, Candidate | None]:

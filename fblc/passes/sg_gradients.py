@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from fblc.compiler.adapters import SITE_DQ, SITE_Q
 from fblc.compiler.autodiff import BackwardResult
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter
 from fblc.passes.build_gradients import BuildGradients
 

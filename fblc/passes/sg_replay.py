@@ -29,6 +29,7 @@ from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.optimizers import OPTIMIZERS, OptimizerConfig, StateTensor
 from fblc.passes.optimizer_step import name_output, state_input
+from fblc.passes.contracts import ContractPass
 
 SG_STEP = "sg.step"
 
@@ -41,10 +42,12 @@ def _is_forward(node: ir.Node) -> bool:
     return node.metadata_props.get(keys.STAGE, "forward") == "forward"
 
 
-class SgReplay(ir.passes.InPlacePass):
+class SgReplay(ContractPass):
     """Replay the forward, form dP per site, update P with its own Adam (in place)."""
 
     name = "sg_replay"
+    requires_facts = ("updates",)
+    ensures_facts = ("updates", "static shapes")
 
     def __init__(self, lr: float = 1e-3) -> None:
         super().__init__()

@@ -23,8 +23,9 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.index_map import REMAPPABLE, compose, is_view, map_of, view_root
+from fblc.compiler.index_map import REMAPPABLE, compose, is_view, map_of, real_readers, view_root
 from fblc.compiler.values import static_shape
+from fblc.passes.contracts import ContractPass
 
 REMAP_STATUS = "fblc.remap"
 
@@ -34,19 +35,14 @@ STRIDED_READERS = frozenset({
     "MatMul", "Gemm", "Conv", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip",
     "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual",
     "LessOrEqual", "And", "Or", "Not", "Max", "Min", "Sum", "IsNaN", "Abs", "HardSigmoid", "HardSwish", "ReduceSum",
-    "ReduceMean", "ReduceMax", "ReduceL2",
+    "ReduceMean", "ReduceMax", "ReduceL2", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus",
+    "Mish", "Softsign", "Gelu", "Floor", "Sign", "Ceil", "Round",
     "Gather", "GatherElements", "GatherND", "ScatterElements", "Slice", "Concat", "Expand", "Transpose", "Pad"})
 
 
-def _readers(value: ir.Value) -> list[ir.Node]:
-    found = []
-    for use in value.uses():
-        if is_view(use.node) or use.node.op_type in REMAPPABLE:
-            for out in use.node.outputs:
-                found.extend(_readers(out))
-        else:
-            found.append(use.node)
-    return found
+def _moves_data(node: ir.Node) -> bool:
+    """A view or data movement that may become one: its readers are the ones a remap must satisfy."""
+    return is_view(node) or node.op_type in REMAPPABLE
 
 
 def remap_status(node: ir.Node) -> tuple[str, str | None]:
@@ -62,16 +58,17 @@ def remap_status(node: ir.Node) -> tuple[str, str | None]:
     if not mapped.packs_whole_texels(root_shape):
         return "kept: tile boundary preservation fails (a texel of the root would span view rows)", None
     if not mapped.contiguous:
-        blocked = sorted({n.op_type for n in _readers(output) if n.op_type not in STRIDED_READERS})
+        blocked = sorted({n.op_type for n in real_readers(output, through=_moves_data) if n.op_type not in STRIDED_READERS})
         if blocked:
             return f"kept: read by {', '.join(blocked)}, whose kernels need a plain tensor", None
     return "remapped", mapped.to_json()
 
 
-class TileRemap(ir.passes.InPlacePass):
+class TileRemap(ContractPass):
     """Turn data-movement nodes into index maps where the checks allow (in place)."""
 
     name = "tile_remap"
+    requires_facts = ("static shapes", "ftd classes")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 
 #: figure -> (type, unit / meaning). Integers must be positive.
 FIGURES: dict[str, tuple[type, str]] = {
@@ -38,6 +38,9 @@ FIGURES: dict[str, tuple[type, str]] = {
 #: targets' profiles allow 16384 or more. A texture is placed within this edge whenever it fits, so a
 #: bundle compiled for any target runs on all of them; only a larger one uses its target's own limit.
 PORTABLE_IMAGE_EDGE = 8192
+#: work-items a launch's work-group aims at: enough waves per group to hide texture latency (Adreno's and
+#: Mali's OpenCL guides recommend 64 to 128), within the device's max_work_group_size
+GROUP_ITEMS = 64
 SOURCE_KINDS = ("measured", "vendor documentation:", "paper:", "estimated")
 TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
 
@@ -75,6 +78,14 @@ class Profile:
     def placement_limits(self, cells: int) -> tuple[int, int]:
         """(max width, max height) for placing an image of `cells` texels (bytes for a mask)."""
         return placement_limits(self.image2d_max_width, self.image2d_max_height, cells)
+
+    def launch_size(self, items: int) -> tuple[int, int]:
+        """(global size, work-group size) of a launch of `items` work-items: groups of whole waves,
+        GROUP_ITEMS work-items (fewer for a smaller launch), within max_work_group_size; the global
+        size padded to whole groups (the kernels return early past `items`)."""
+        waves = -(-min(max(items, 1), GROUP_ITEMS) // self.wave_size)
+        group = max(1, min(waves * self.wave_size, self.max_work_group_size))
+        return -(-max(items, 1) // group) * group, group
 
     @property
     def block_bytes(self) -> int:

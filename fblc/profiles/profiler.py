@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.profiles.cache_model import PATTERNS
 from fblc.profiles.profile import TARGETS_DIR, parse_profile
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from fblc.compiler.errors import FblcError
+from fblc.errors import FblcError
 from fblc.profiles.profiler import (FORMAT_VERSION, REMEDY, RESULTS_FORMAT, Plan, Progress, Results, fill_texels,
                                     kernel_at_line, with_log)
 

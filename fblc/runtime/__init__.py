@@ -1,6 +1,7 @@
-"""Runtimes that execute a bundle: the local pyopencl runner (and, later, the native runner over adb).
+"""Runtimes that execute a bundle: the local pyopencl runner (local.py), the native C runner
+(native/), locally or on a phone over adb (adb.py), and read tracing for the cache model (trace.py).
 
-Runtimes import only the bundle format, never the compiler.
+Runtimes import only the bundle format and fblc.errors, never the compiler (tests/test_layers.py).
 """
 
 from __future__ import annotations

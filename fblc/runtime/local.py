@@ -95,6 +95,13 @@ class LocalRunner:
                 raise BundleError(f"texture of '{texture['name']}' is {texture['width']} x {texture['height']}, beyond "
                                   f"{self.device.name}'s image limit {width} x {height}; compile for a target with "
                                   "this device's limits (--target local)")
+        most = self.device.max_work_group_size
+        for launch in self.plan["kernels"]:
+            group = (launch.get("local_size") or [1])[0]
+            if group > most:
+                raise BundleError(f"launch '{launch['name']}' has work-groups of {group} work-items, beyond "
+                                  f"{self.device.name}'s {most}; compile for a target with this device's limits "
+                                  "(--target local)")
 
     def _allocate(self, spec: dict[str, Any]) -> Any:
         cl = self.cl
@@ -219,13 +226,22 @@ class LocalRunner:
         return [self.launch(index) for index in range(len(self.kernels))]
 
     def launch(self, index: int, offset: int = 0, size: int | None = None) -> Any:
-        """Enqueue launch `index` of the plan (work-items offset..offset+size, default all); its event."""
+        """Enqueue launch `index` of the plan with its schedule (work-items offset..offset+size, whole
+        work-groups; default all); its event."""
         spec = self.plan["kernels"][index]
         images = [self.images[self.binding[t]] for t in spec["outputs"] + spec["inputs"]]
         self.kernels[index].set_args(*images, *self.extra_arguments)
         global_size = (spec["global_size"][0] if size is None else size,)
-        return self.cl.enqueue_nd_range_kernel(self.queue, self.kernels[index], global_size, None,
-                                               global_work_offset=(offset,) if offset else None)
+        local_size = tuple(spec["local_size"]) if spec.get("local_size") else None  # bundles before schedules
+        try:
+            return self.cl.enqueue_nd_range_kernel(self.queue, self.kernels[index], global_size, local_size,
+                                                   global_work_offset=(offset,) if offset else None)
+        except self.cl.LogicError as error:
+            if local_size is None or "INVALID_WORK_GROUP_SIZE" not in str(error):
+                raise
+            raise BundleError(f"launch '{spec['name']}': {self.device.name} cannot run this kernel in work-groups of "
+                              f"{local_size[0]} ({error})", "compile for a target with a smaller "
+                              "max_work_group_size (a measured profile: fblc profile --device local)") from None
 
 
     def parameters(self) -> dict[str, np.ndarray]:

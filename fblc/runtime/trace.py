@@ -3,21 +3,31 @@
 Every texel read in kernels.cl goes through the RDF/RDI macros of the preamble. Built with
 FBLC_TRACE they also record (argument, x, y) into a buffer, in each work-item's issue order, up
 to CAPACITY reads per work-item (the count goes on). The tracer runs one work-group at a time
-(a global offset and `group_size` work-items) on the local OpenCL device; call `step(feeds)`
+(a global offset and the launch's own work-group size from plan.json) on the local OpenCL device,
+so the groups it records are the ones the schedule launches; call `step(feeds)`
 first, so the textures hold what a training step reads (gathers read where the data says). The texture-cache model (fblc.profiles.cache_model) replays
-the reads; fblc.codegen.cache_report sums them per kernel.
+the reads; fblc.tools.cache_report sums them per kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from fblc import bundle_format as fmt
 from fblc.runtime.local import LocalRunner
 
 CAPACITY = 256  # reads recorded per work-item
 TRACE_DEFINE = "-DFBLC_TRACE"
+#: the work-group of a launch without a schedule (bundles from before plan.json recorded one)
+UNSCHEDULED_GROUP = 64
+
+
+def group_of(launch: dict[str, Any]) -> int:
+    """Work-items per work-group of a plan.json launch."""
+    return (launch.get("local_size") or [UNSCHEDULED_GROUP])[0]
 
 
 @dataclass
@@ -33,25 +43,28 @@ class GroupReads:
 class ReadTracer(LocalRunner):
     """A LocalRunner whose kernels also record the texels they read."""
 
-    def __init__(self, bundle: str, device: str | None = None, group_size: int = 64) -> None:
+    def __init__(self, bundle: str, device: str | None = None) -> None:
+        _, plan = fmt.load_verified(bundle)
+        group_size = max(group_of(launch) for launch in plan["kernels"])
         # silent: it never steps, so the first-step report of its kernel build would never end
         super().__init__(bundle, device, build_options=(TRACE_DEFINE, f"-DFBLC_TRACE_CAPACITY={CAPACITY}",
                                                         f"-DFBLC_TRACE_ITEMS={group_size}"), progress=False)
         cl = self.cl
-        self.group_size = group_size
+        self.group_size = group_size  # the largest work-group of the plan: the trace buffers hold one
         self._trace = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * CAPACITY * 16)
         self._counts = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * 4)
         self.extra_arguments = (self._trace, self._counts)  # TRACE_PARAM of every kernel
 
     def groups(self, kernel_index: int) -> int:
-        return -(-self.plan["kernels"][kernel_index]["global_size"][0] // self.group_size)
+        launch = self.plan["kernels"][kernel_index]
+        return -(-launch["global_size"][0] // group_of(launch))
 
     def reads(self, kernel_index: int, group: int) -> GroupReads:
         """The reads of work-group `group` of launch `kernel_index`."""
         spec = self.plan["kernels"][kernel_index]
-        total = spec["global_size"][0]
-        offset = group * self.group_size
-        size = min(self.group_size, total - offset)
+        total, local = spec["global_size"][0], group_of(spec)
+        offset = group * local
+        size = min(local, total - offset)
         self.cl.enqueue_fill_buffer(self.queue, self._counts, np.int32(0), 0, self.group_size * 4)
         self.launch(kernel_index, offset, size)
         counts = np.empty(self.group_size, dtype=np.int32)

@@ -1,1 +1,2 @@
-"""Maintenance tools that read every registry (python -m fblc.tools.op_audit)."""
+"""Work over a whole build, above the runtimes: verify a bundle against onnxruntime, trace its reads
+through the cache model, audit every registry (python -m fblc.tools.op_audit > docs/OPS.md)."""

@@ -4,7 +4,8 @@
 
 The list of ops (`EXPORTED_OPS`) is data: what the exporters (dynamo at opset 18 and later,
 and the legacy TorchScript exporter) write for the torch.nn modules and functional ops models
-use. Every status column comes from the registries at the time the table is generated, so a new
+use. Every status column comes from the registries (and lower_composites' LOWERINGS table: an op
+rewritten at import is *lowered*) at the time the table is generated, so a new
 gradient rule or kernel shows up by regenerating it; tests/test_op_audit.py fails while
 docs/OPS.md is stale, and checks that every op a registry holds is in the table (ops fblc
 registers that no exporter list names get a section of their own).
@@ -23,6 +24,7 @@ from fblc.compiler.index_map import ALWAYS_VIEWS
 from fblc.compiler.shape_rules import SHAPE_RULES
 from fblc.compiler.shapes import has_shape_inference
 from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS
+from fblc.passes.lower_composites import LOWERINGS
 
 #: (op type, what in PyTorch makes the exporters write it)
 EXPORTED_OPS: tuple[tuple[str, str], ...] = (
@@ -83,6 +85,8 @@ EXPORTED_OPS: tuple[tuple[str, str], ...] = (
     ("Sum", "sum of many tensors"),
     ("Floor", "torch.floor"),
     ("Sign", "torch.sign"),
+    ("Ceil", "torch.ceil"),
+    ("Round", "torch.round"),
     # reductions and scans
     ("ReduceSum", "torch.sum"),
     ("ReduceMean", "torch.mean, RMSNorm"),
@@ -141,10 +145,13 @@ EXPORTED_OPS: tuple[tuple[str, str], ...] = (
 #: none is needed (a float tensor reaching them gets its gradient through other paths)
 NO_GRADIENT_NEEDED = frozenset({
     "ArgMax", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "IsNaN", "NonZero",
-    "Shape", "ConstantOfShape", "Range", "Constant", "OneHot", "Floor", "Sign"})
+    "Shape", "ConstantOfShape", "Range", "Constant", "OneHot"})
 
 #: ops onnx infers shapes for, whose output shape still depends on the data (the import refuses them)
 DATA_DEPENDENT = frozenset({"NonZero"})
+
+#: the status of an op that `fblc.passes.lower_composites` rewrites into ops with a rule and a kernel
+LOWERED = "lowered"
 
 COLUMNS = ("op", "written for", "import", "gradient", "kernel", "layout class", "emitted shape rule")
 
@@ -155,8 +162,11 @@ def _node(op: str) -> ir.Node:
 
 
 def status(op: str) -> tuple[str, str, str, str, str]:
-    """import, gradient, kernel, layout class and emitted shape rule of `op`, from the registries."""
+    """import, gradient, kernel, layout class and emitted shape rule of `op`, from the registries;
+    an op lower_composites rewrites at import is *lowered* in the gradient, kernel and layout columns."""
     node = _node(op)
+    if op in LOWERINGS:
+        return "yes", LOWERED, LOWERED, LOWERED, "yes" if SHAPE_RULES.has(node) else "-"
     imported = ("no shape inference" if not has_shape_inference(op) else
                 "data-dependent shape" if op in DATA_DEPENDENT else "yes")
     if GRADIENTS.has(node):
@@ -196,7 +206,8 @@ def render() -> str:
     listed = [op for op, _ in EXPORTED_OPS]
     rows = [(op, written, *status(op)) for op, written in EXPORTED_OPS]
     extra = [op for op in registered_ops() if op not in listed]
-    trains = sum(1 for r in rows if r[3] in ("yes", "not needed") and r[4] in ("yes", "view", "preloaded"))
+    trains = sum(1 for r in rows if r[3] in ("yes", "not needed", LOWERED)
+                 and r[4] in ("yes", "view", "preloaded", LOWERED))
     lines = [
         "# Op audit",
         "",
@@ -211,6 +222,8 @@ def render() -> str:
         "not in the table; **emitted shape rule**: an entry in `fblc/compiler/shape_rules.py`, needed only by",
         "ops that gradient rules, losses and optimizers emit. A *yes* means the table has an entry: an entry",
         "may still refuse some attributes (each refusal is an unsupported-op error naming the node).",
+        "*lowered*: the import (`fblc/passes/lower_composites.py`) rewrites the op into ops that have a gradient",
+        "rule and a kernel (the last section lists into which).",
         "`fblc check MODEL` gives the same statuses for one model's ops, and whether it trains.",
         "",
         f"## Ops torch.onnx.export writes ({len(rows)} ops; {trains} with a gradient and a kernel)",
@@ -222,6 +235,11 @@ def render() -> str:
                   "Ops with a gradient rule or a kernel that the list above does not name (fblc emits them, or",
                   "exporters write them for rarer modules).", "",
                   *_markdown([(op, "-", *status(op)) for op in extra])]
+    lines += ["", "## Ops lowered at import", "",
+              "`fblc/passes/lower_composites.py` (its `LOWERINGS` table) rewrites these before shape inference.", "",
+              "| op | lowered to | not lowered |", "| --- | --- | --- |",
+              *[f"| {op} | {_cell(lowering.into)} | {_cell(lowering.limits or '-')} |"
+                for op, lowering in LOWERINGS.items()]]
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,7 @@ Emitter = Callable[[TextureTable, KernelGroup], list[Kernel]]
 
 def _load_emitters() -> None:
     from fblc.codegen.kernels import (  # noqa: F401
+        activations,
         contraction,
         conv,
         conv_transpose,
@@ -41,6 +42,8 @@ def _load_emitters() -> None:
         normalize,
         pooling,
         reduce,
+        resample,
+        scan,
     )
 
 

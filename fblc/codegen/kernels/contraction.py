@@ -35,7 +35,7 @@ from fblc.codegen.kernels.texel import (
     Term,
 )
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, is_float, static_shape
 
 Terms = list[tuple[str, int]]

@@ -16,7 +16,7 @@ from fblc.codegen.cl import Kernel, float_literal
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of, view_root
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, const_array, static_shape
 from fblc.passes.fuse import ELEMENTWISE
 

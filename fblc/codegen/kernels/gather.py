@@ -24,10 +24,10 @@ from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
 from fblc.codegen.cl import Kernel, flat_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import row_major_strides
 from fblc.compiler.values import attr, const_array, numel, static_shape
-from fblc.passes.fuse import real_producer
+from fblc.compiler.index_map import real_producer
 
 FAMILY = "gather"
 

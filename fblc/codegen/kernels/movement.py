@@ -14,7 +14,7 @@ from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
 from fblc.codegen.cl import Kernel, broadcast_index, flat_index, literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
 
 

@@ -40,7 +40,7 @@ from fblc.codegen.cl import Kernel, broadcast_index, flat_index, float_literal, 
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.texel import Code
 from fblc.codegen.textures import Texture, TextureTable
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, numel, static_shape
 

@@ -19,7 +19,7 @@ from fblc.codegen.builder import OUT_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.compiler.window import Window, window_of
 

@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, static_shape
 from fblc.compiler.window import transpose_output_padding, window_of
 

@@ -9,8 +9,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
-from fblc.compiler.errors import UnsupportedOpError
-from fblc.compiler.graph import Emitter, attr, numel, static_shape
+from fblc.errors import UnsupportedOpError
+from fblc.compiler.graph import Emitter, attr, static_shape
 from fblc.compiler.window import Window, transpose_output_padding, window_of
 
 Grads = Sequence["ir.Value | None"]
@@ -71,11 +71,35 @@ def average_pool_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool
     return [dx]
 
 
+def tap_positions(window: Window) -> np.ndarray:
+    """[taps, *out_spatial]: the plane-local flat input position that tap t of each window reads
+    (row-major over the input's spatial dims), -1 where the tap falls in the padding."""
+    grids = np.meshgrid(*[np.arange(o) for o in window.out_spatial], indexing="ij")
+    positions = []
+    for offsets in np.ndindex(*window.kernel):
+        flat = np.zeros(window.out_spatial, dtype=np.int64)
+        inside = np.ones(window.out_spatial, dtype=bool)
+        for axis, (grid, k) in enumerate(zip(grids, offsets)):
+            coordinate = grid * window.strides[axis] - window.pads_begin[axis] + k * window.dilations[axis]
+            inside &= (coordinate >= 0) & (coordinate < window.in_spatial[axis])
+            flat = flat * window.in_spatial[axis] + coordinate
+        positions.append(np.where(inside, flat, -1))
+    return np.stack(positions)
+
+
 @register_gradient("MaxPool")
 def max_pool_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-    """Scatter-add dY to the argmax positions, read from the forward's Indices output (exposed here).
-    ScatterElements, not ScatterND: overlapping windows repeat an argmax, and onnxruntime's ScatterND add
-    races on repeated indices when it uses several threads, while its ScatterElements adds in order."""
+    """dY goes to each window's argmax (the forward's Indices output, exposed here), gathered per
+    input element from the windows that cover it, never scattered: race-free and linear in size.
+
+    For each tap t of the window, Where(Indices == the position tap t reads, dY, 0) is the share
+    of dY that tap routes; the taps become channels ([N, C * taps, *out]) and one depthwise
+    ConvTranspose with a one-hot kernel per tap puts each share back at its input position (the
+    AveragePool gradient's ConvTranspose with a selecting kernel). Each input element then sums
+    at most `taps` windows; a repeated argmax (overlapping windows) sums in ConvTranspose's fixed
+    order. Indices count over the whole tensor (N and C included), so each plane's base offset
+    is taken off first.
+    """
     if int(attr(node, "storage_order", 0)):
         raise UnsupportedOpError(f"MaxPool with storage_order=1 (node '{node.name}') has no gradient rule",
                                  "export with the default row-major storage order")
@@ -87,7 +111,20 @@ def max_pool_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -
         indices.shape = ir.Shape(list(static_shape(y)))
         indices.dtype = ir.DataType.INT64
     indices = node.outputs[1]
-    total = numel(static_shape(x))
-    flat = e.op("ScatterElements", e.zeros([total], like=x), e.reshape(indices, [-1]),
-                e.reshape(dys[0], [-1]), axis=0, reduction="add")
-    return [e.reshape(flat, static_shape(x))]
+    window = window_of(node)
+    batch, channels = static_shape(x)[:2]
+    out, taps = list(window.out_spatial), int(np.prod(window.kernel))
+    plane = int(np.prod(window.in_spatial))
+    base = (np.arange(batch * channels, dtype=np.int64) * plane).reshape(batch, channels, *[1] * len(out))
+    local = e.reshape(e.op("Sub", indices, e.const(base)), [batch, channels, 1, *out])
+    routes = e.op("Equal", local, e.const(tap_positions(window).reshape(1, 1, taps, *out)))
+    shares = e.op("Where", routes, e.reshape(dys[0], [batch, channels, 1, *out]), e.scalar(0.0, x))
+    stacked = e.reshape(shares, [batch, channels * taps, *out])
+    selecting = np.zeros((channels * taps, 1, *window.kernel))
+    for t, offsets in enumerate(np.ndindex(*window.kernel)):
+        selecting[(slice(t, None, taps), 0, *offsets)] = 1.0
+    grown = covering(window)
+    dx = e.op("ConvTranspose", stacked, e.const(selecting, dtype=x.dtype), group=channels,
+              strides=list(grown.strides), dilations=list(grown.dilations), pads=grown.pads,
+              output_padding=transpose_output_padding(grown), kernel_shape=list(grown.kernel))
+    return [dx]

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
-from fblc.compiler.errors import UnsupportedOpError
+from fblc.errors import UnsupportedOpError
 from fblc.compiler.gradients.segment_sum import constant_rows, segment_sum, wrap_rows
 from fblc.compiler.graph import Emitter, attr, const_array, ints_input, numel, static_shape
 from fblc.compiler.values import slice_bounds
@@ -70,9 +70,12 @@ def slice_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> G
         # np.arange, not slice(): a normalised stop of -1 (a negative step run through index 0)
         # would read as "the last element" in a slice and pick nothing.
         picked = flat_positions[np.ix_(*(np.arange(a, b, c) for a, b, c in zip(starts, stops, steps)))]
-        scattered = e.op("ScatterND", e.zeros([numel(in_shape)], like=dy), e.const(picked.reshape(-1, 1)),
-                         e.reshape(dy, [numel(out_shape)]))
-        dx = e.reshape(scattered, in_shape)
+        # a slice picks each input element at most once: every input element gathers its own dy
+        # element (or a trailing zero), linear and race-free, rather than scanning every pick
+        source = np.full(numel(in_shape), numel(out_shape), dtype=np.int64)
+        source[picked.reshape(-1)] = np.arange(numel(out_shape))
+        padded = e.op("Concat", e.reshape(dy, [numel(out_shape)]), e.zeros([1], like=dy), axis=0)
+        dx = e.reshape(e.op("GatherElements", padded, e.const(source), axis=0), in_shape)
     return [dx] + [None] * (len(node.inputs) - 1)
 
 

@@ -207,6 +207,15 @@ void bundle_load(const char *folder, bundle *out) {
         if (global->count < 1 || global->count > 3) bad("a kernel launch has a global size of 1 to 3 dimensions");
         l->work_dim = (unsigned)global->count;
         for (size_t k = 0; k < global->count; ++k) l->global_size[k] = as_size(json_at(global, k), "bad global size");
+        const json_value *local = json_get(entry, "local_size");
+        if (local && local->type == JSON_ARRAY) {
+            if (local->count != global->count) bad("a kernel launch's local size has another rank than its global size");
+            for (size_t k = 0; k < local->count; ++k) {
+                l->local_size[k] = as_size(json_at(local, k), "bad local size");
+                if (l->local_size[k] == 0 || l->global_size[k] % l->local_size[k] != 0)
+                    bad("a kernel launch's global size is not a multiple of its local size");
+            }
+        }
         const json_value *outputs = need(entry, "outputs", JSON_ARRAY, "a kernel launch");
         const json_value *inputs = need(entry, "inputs", JSON_ARRAY, "a kernel launch");
         l->argument_count = outputs->count + inputs->count;

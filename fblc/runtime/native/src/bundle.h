@@ -27,6 +27,7 @@ typedef struct {
     char *function;          /* the __kernel function */
     unsigned work_dim;
     size_t global_size[3];
+    size_t local_size[3];    /* the plan's work-group size; all 0: none recorded, the driver picks */
     size_t *arguments;       /* texture ids: outputs, then inputs */
     size_t argument_count;
     long first_line, last_line; /* where it is in kernels.cl (0 if unknown) */

@@ -370,8 +370,13 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
         for (size_t a = 0; a < l->argument_count; ++a)
             check_cl(cl.SetKernelArg(r->kernels[i], (cl_uint)a, sizeof(cl_mem), &r->images[r->binding[l->arguments[a]]]),
                      "clSetKernelArg");
-        cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, NULL, 0,
+        const size_t *local = l->local_size[0] ? l->local_size : NULL;
+        cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, local, 0,
                                                 NULL, &r->events[i]);
+        if (status == CL_INVALID_WORK_GROUP_SIZE && local)
+            die(EXIT_OPENCL, "launching kernel '%s' failed: %s cannot run it in work-groups of %zu (%s); compile for a "
+                "target with a smaller max_work_group_size", l->name, r->device.device_name, l->local_size[0],
+                opencl_error(status));
         if (status != CL_SUCCESS)
             die(EXIT_OPENCL, "launching kernel '%s' failed: %s (%d)", l->name, opencl_error(status), (int)status);
     }

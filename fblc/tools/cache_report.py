@@ -15,9 +15,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
 from fblc.profiles import Profile
 from fblc.profiles.cache_model import CacheGeometry, CacheStats, TextureCache, simulate
+from fblc.compiler.reference import random_feeds
 from fblc.runtime.trace import ReadTracer
 
 TEXTURE_STRIDE = 1 << 16  # block rows of one texture before the next texture's: images never alias
@@ -35,7 +37,7 @@ def launch_stats(cache: TextureCache, tracer: ReadTracer, index: int, sample: in
 def cache_report(bundle: str, profile: Profile, feeds: Mapping[str, np.ndarray], sample: int = 2,
                  device: str | None = None, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Simulated cache figures of `bundle`'s step on `feeds` under `profile`'s cache geometry."""
-    tracer = ReadTracer(bundle, device, group_size=64)
+    tracer = ReadTracer(bundle, device)
     tracer.step(feeds)
     cache = TextureCache(CacheGeometry.of(profile))
     kernels, total = [], CacheStats()
@@ -52,6 +54,11 @@ def cache_report(bundle: str, profile: Profile, feeds: Mapping[str, np.ndarray],
             "sampled_groups_per_launch": sample, "texel_reads": total.texel_reads,
             "block_fetches": total.block_fetches, "misses": total.misses, "hit_rate": round(total.hit_rate, 4),
             "kernels": kernels}
+
+
+def cache_annex(profile: Profile) -> Callable[[str, ir.Model], dict[str, Any]]:
+    """The report.json `cache` object for `compile_model`'s `annexes`: the bundle's step on a random batch."""
+    return lambda bundle, step: cache_report(bundle, profile, random_feeds(step))
 
 
 def cache_summary(cache: dict[str, Any], top: int = 8) -> str:

@@ -17,6 +17,7 @@ from fblc.codegen.compile import compile_model
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.reference import ReferenceStep, random_feeds
 from fblc.passes.pipeline import TrainingOptions
+from fblc.runtime.local import LocalRunner
 
 TOLERANCES = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 1e-3)}  # (rtol, atol)
 
@@ -50,8 +51,6 @@ def verify_model(model_path: str, options: TrainingOptions, target: str = "local
                  device: str | None = None, feeds: Mapping[str, np.ndarray] | None = None,
                  work_dir: str | None = None) -> list[Comparison]:
     """Compile, run one step on the device and on onnxruntime, compare every output of the step."""
-    from fblc.runtime.local import LocalRunner
-
     with tempfile.TemporaryDirectory(dir=work_dir) as scratch:
         bundle = os.path.join(scratch, "bundle")
         step, _ = compile_model(model_path, bundle, target, dtype, options)

@@ -1,0 +1,78 @@
+"""`fblc run BUNDLE --device adb:SERIAL`: train a bundle on a phone through the native runner (runtime/adb.py).
+
+The command checks the data before anything touches the device, prints the runner's steps as
+they arrive, and saves the trained parameters before the results file, so that a late failure
+never loses them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from fblc import bundle_format as fmt
+from fblc.cli.data import batches
+from fblc.cli.outputs import report_fallback, save_trained
+from fblc.runtime.adb import Adb, run_on_device
+
+
+def cmd_run_adb(args: Any) -> int:
+    """`fblc run BUNDLE --device adb:SERIAL ...`"""
+    # the option values and --save-params's folder were checked by the CLI before this
+    manifest, _ = fmt.load_verified(args.bundle)
+    cut, note = batches(args.data, manifest)  # the data is checked here, before anything touches the device
+    adb = Adb()
+    serial = adb.choose(args.device[len("adb:"):] or None)
+    quiet, as_json = args.quiet, args.json
+    done = [0]  # steps the device reported, for a Ctrl-C's message
+    if note and not quiet:
+        print(f"note: {note}", file=sys.stderr)
+
+    def on_line(line: dict[str, Any]) -> None:
+        if "device" in line and not quiet and not as_json:
+            source = "cached program" if line.get("program_from_cache") else f"built in {line['build_ms'] / 1e3:.1f} s"
+            print(f"training {args.bundle} on {serial} ({line['device']}; kernels {source}): {args.steps} steps, "
+                  f"{len(cut)} batch{'es' if len(cut) != 1 else ''} of {manifest['inputs'][0]['shape'][0]}", flush=True)
+        elif "step" in line:
+            done[0] = line["step"]
+            if as_json:
+                print(json.dumps({"step": line["step"], "loss": line["loss"], "ms": round(line["ms"], 3)}), flush=True)
+            elif not quiet:
+                print(f"step {line['step']:4d}  loss {line['loss']:.6f}  {line['ms']:8.1f} ms", flush=True)
+
+    say = (lambda text: None) if quiet or as_json else (lambda text: print(text, flush=True))
+    try:
+        results = run_on_device(adb, serial, args.bundle, cut, args.steps, runner=getattr(args, "runner", None),
+                                on_line=on_line, say=say)
+    except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
+        raise KeyboardInterrupt(f"after {done[0]} of {args.steps} steps on {serial}; nothing saved (the runner "
+                                "hands the parameters over only at the end of its run)") from None
+    saved = save_trained(args.save_params, lambda: results.parameters) if args.save_params else None
+    if getattr(args, "results", None):  # after the parameters: those are the result a late failure must not lose
+        _write_json_atomically(args.results, results.raw)
+    if saved:
+        report_fallback(*saved)
+    if not quiet and not as_json:
+        steps = len(results.step_ms)
+        kernel = sum(results.kernel_ms[1:]) / max(1, steps - 1) if steps > 1 else results.kernel_ms[0]
+        wall = sum(results.step_ms[1:]) / max(1, steps - 1) if steps > 1 else results.step_ms[0]
+        top = sorted(results.kernels, key=lambda k: -k["total_ms"])[:3]
+        print(f"kernels {kernel:.2f} ms of {wall:.2f} ms per step (after the first); textures "
+              f"{results.bytes_allocated['textures'] / 2**20:.1f} MiB; slowest: "
+              + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
+    return 0
+
+
+def _write_json_atomically(path: str, document: dict[str, Any]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(prefix=".fblc-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(document, out, indent=1)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)

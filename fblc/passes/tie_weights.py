@@ -1,0 +1,102 @@
+"""tie_weights: train a tied weight once, when the exporter wrote it as several initializers.
+
+A model that ties its output projection to its input embedding (GPT-2, OPT, BLOOM, T5, Gemma)
+has one torch parameter W. The legacy exporter's constant folding, and onnxscript's optimizer,
+write the MatMul's operand as a second initializer W^T (named like `onnx::MatMul_213`), and may
+write exact copies. Trained as separate tensors, each copy gets part of W's gradient and they
+drift apart: the step is wrong. Rewrite: among `param` initializers, one that equals another's
+transpose (2-D) or another exactly (same shape) is replaced by `Transpose(W)` or by `W` itself,
+so W gets the summed gradient and one update. W is the one with the exporter's parameter name
+(not `onnx::...`, no onnxscript `folded_from` record), else the first in file order.
+
+Equality is checked bit for bit; constant-valued tensors (all elements equal, such as a fresh
+bias) never tie, since two of them can be equal by coincidence. Preconditions:
+classify_initializers ran. In place.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.keys import Role
+from fblc.passes.contracts import ContractPass
+
+
+def _is_generated(value: ir.Value) -> bool:
+    name = value.name or ""
+    return "::" in name or keys.ONNXSCRIPT_FOLDED_FROM in value.metadata_props
+
+
+def _bucket(array: np.ndarray) -> tuple[object, ...] | None:
+    """A key equal for a tensor and its transpose; None for tensors that must not tie."""
+    if array.ndim not in (1, 2) or array.size < 2 or array.dtype.kind != "f":
+        return None
+    low, high = array.min(), array.max()
+    if not low < high:  # constant-valued (or NaN): equal by coincidence, never tie
+        return None
+    return (tuple(sorted(array.shape)), array.dtype.str, low.item(), high.item())
+
+
+def _relation(canonical: np.ndarray, other: np.ndarray) -> str | None:
+    """'same' or 'transposed' when `other` is `canonical` bit for bit, plain or transposed."""
+    if other.shape == canonical.shape and np.array_equal(other, canonical):
+        return "same"
+    if other.ndim == 2 and other.shape == canonical.shape[::-1] and np.array_equal(other, canonical.T):
+        return "transposed"
+    return None
+
+
+class TieWeights(ContractPass):
+    """Replace copies and transposed copies of a parameter by reads of it (in place)."""
+
+    name = "tie_weights"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        buckets: dict[tuple[object, ...], list[tuple[ir.Value, np.ndarray]]] = defaultdict(list)
+        for value in graph.initializers.values():
+            if keys.get_role(value) != Role.PARAM.value or value.const_value is None or value.is_graph_output() \
+                    or value.is_graph_input():
+                continue  # graph inputs and outputs are named interfaces
+            array = value.const_value.numpy()
+            key = _bucket(array)
+            if key is not None:
+                buckets[key].append((value, array))
+        modified = False
+        for members in buckets.values():
+            if len(members) < 2:
+                continue
+            members.sort(key=lambda member: _is_generated(member[0]))  # stable: named ones first
+            remaining = list(members)
+            while remaining:
+                canonical, array = remaining.pop(0)
+                kept = []
+                for other, other_array in remaining:
+                    relation = _relation(array, other_array)
+                    if relation is None:
+                        kept.append((other, other_array))
+                        continue
+                    self._tie(graph, canonical, other, relation)
+                    modified = True
+                remaining = kept
+        return ir.passes.PassResult(model, modified)
+
+    @staticmethod
+    def _tie(graph: ir.Graph, canonical: ir.Value, copy: ir.Value, relation: str) -> None:
+        replacement = canonical
+        if relation == "transposed":
+            node = ir.node("Transpose", [canonical], {"perm": [1, 0]}, name=f"tie_weights/{copy.name}")
+            replacement = node.outputs[0]
+            replacement.name = f"{copy.name}/tied"
+            replacement.shape, replacement.type = copy.shape, copy.type
+            first = next(iter(graph), None)
+            if first is None:
+                graph.append(node)
+            else:
+                graph.insert_before(first, node)
+        ir.convenience.replace_all_uses_with(copy, replacement)
+        del graph.initializers[copy.name]

@@ -1,0 +1,138 @@
+"""Kernels of fblc/codegen/kernels/activations.py, one training step on PoCL against onnxruntime:
+LeakyRelu, PRelu, Elu, Selu, Celu, ThresholdedRelu, Softplus, Mish, Softsign, Gelu (opset 20),
+Floor and Sign, and the backward kernels of their gradient rules and of Abs, Max, Min and Sum.
+
+Each model is the op on trainable initializers, then ReduceSum(y * R) (tests/test_kernels_other.py's
+harness), so the forward kernel and the kernels of its backward all run. Shapes pick the code
+paths: an innermost axis a multiple of 4 (whole-texel reads) or not (per-lane ones); a fused case
+puts the activation in a contraction's epilogue (evaluate_chain).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fblc.passes.pipeline import TrainingOptions
+from tests.conftest import make_model
+from tests.test_kernels_other import SGD, _check, _op_then_loss, _randn
+
+SHAPES = [[2, 3, 8], [3, 5]]
+
+#: (op, attributes) of the unary activations; x is normal of scale 2.5, so every piece is hit
+UNARY = [
+    ("LeakyRelu", {}), ("LeakyRelu", {"alpha": 0.2}), ("Elu", {}), ("Elu", {"alpha": 0.7}), ("Selu", {}),
+    ("Selu", {"alpha": 1.3, "gamma": 0.8}), ("Celu", {}), ("Celu", {"alpha": 0.5}), ("ThresholdedRelu", {}),
+    ("ThresholdedRelu", {"alpha": 0.5}), ("Softplus", {}), ("Mish", {}), ("Softsign", {}),
+    ("Gelu", {}), ("Gelu", {"approximate": "tanh"}), ("Abs", {}),
+]
+
+
+def _gelu_model(op: onnx.NodeProto, y_shape: list[int], inits: dict[str, np.ndarray],
+                extra: list[onnx.NodeProto] | None = None) -> onnx.ModelProto:
+    """`_op_then_loss` at opset 20, where Gelu exists (fblc keeps opsets from 18 on as they are)."""
+    r = numpy_helper.from_array(np.random.default_rng(1).standard_normal(y_shape).astype(np.float32), "R")
+    nodes = (extra or []) + [op, helper.make_node("Constant", [], ["R"], value=r, name="r"),
+                             helper.make_node("Mul", ["y", "R"], ["yr"], name="mul"),
+                             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0, name="sum")]
+    return make_model(nodes, [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits, opset=20)
+
+
+def _model(op: onnx.NodeProto, y_shape: list[int], inits: dict[str, np.ndarray],
+           extra: list[onnx.NodeProto] | None = None) -> onnx.ModelProto:
+    build = _gelu_model if op.op_type == "Gelu" else _op_then_loss
+    return build(op, y_shape, inits, extra=extra)
+
+
+def _assert_fused(tmp_path, model: onnx.ModelProto, contraction: str, activation: str) -> None:
+    """The activation node runs in the contraction's kernel (its epilogue), not a kernel of its own."""
+    from fblc.codegen.compile import compile_model
+    from fblc.compiler import keys
+
+    path = str(tmp_path / "fused.onnx")
+    onnx.save(model, path)
+    step, _ = compile_model(path, str(tmp_path / "fused.bundle"), "local", "fp32",
+                            TrainingOptions(loss="output", optimizer=SGD))
+    kernels = {n.name: n.metadata_props.get(keys.KERNEL) for n in step.graph if n.name in (contraction, activation)}
+    assert kernels[activation] is not None and kernels[activation] == kernels[contraction], kernels
+
+
+def _ids(value: object) -> str:
+    if isinstance(value, dict):
+        return "-".join(f"{k}{v}" for k, v in value.items()) or "defaults"
+    return str(value)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("op_type,attributes", UNARY, ids=_ids)
+def test_unary_activation(tmp_path, op_type: str, attributes: dict[str, object], shape: list[int]) -> None:
+    x = _randn(*shape, scale=2.5)
+    op = helper.make_node(op_type, ["x"], ["y"], name="act", **attributes)
+    _check(tmp_path, _model(op, shape, {"x": x}))
+
+
+@pytest.mark.parametrize("op_type", ["Softplus", "Mish", "Softsign", "Gelu", "Elu", "Selu", "Celu"])
+def test_large_inputs_stay_finite(tmp_path, op_type: str) -> None:
+    """x = +-100 and +-30: log(1 + exp(x)) would be inf in float32 from 89 on; the kernels must give
+    onnxruntime's finite values, and the backward finite gradients."""
+    x = np.array([[-100.0, 100.0, -30.0, 30.0, -20.5, 20.5, 0.5]], np.float32)
+    op = helper.make_node(op_type, ["x"], ["y"], name="act")
+    _check(tmp_path, _model(op, [1, 7], {"x": x}))
+
+
+@pytest.mark.parametrize("x_shape,slope_shape", [([2, 3, 4, 4], [3, 1, 1]), ([2, 3, 5, 5], [3, 1, 1]),
+                                                 ([4, 6], [6]), ([4, 6], [1]), ([2, 3, 5], [1])])
+def test_prelu(tmp_path, x_shape: list[int], slope_shape: list[int]) -> None:
+    """nn.PReLU's slopes: per channel ([C, 1, 1] on NCHW, [C] on [N, C]) or one shared ([1])."""
+    slope = np.abs(_randn(*slope_shape, seed=3)) * 0.3
+    op = helper.make_node("PRelu", ["x", "slope"], ["y"], name="prelu")
+    _check(tmp_path, _op_then_loss(op, x_shape, {"x": _randn(*x_shape, scale=2.0), "slope": slope}))
+
+
+def test_prelu_fused_after_conv(tmp_path) -> None:
+    """Conv then PReLU per channel: the activation runs in the conv's epilogue, reading the slope per channel."""
+    extra = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv")]
+    op = helper.make_node("PRelu", ["c", "slope"], ["y"], name="act")
+    inits = {"x": _randn(1, 3, 5, 5), "w": _randn(4, 3, 3, 3, seed=2),
+             "slope": np.array([0.1, 0.25, -0.2, 0.5], np.float32).reshape(4, 1, 1)}
+    model = _op_then_loss(op, [1, 4, 5, 5], inits, extra=extra)
+    _assert_fused(tmp_path, model, "conv", "act")
+    _check(tmp_path, model)
+
+
+@pytest.mark.parametrize("op_type,attributes", [("Gelu", {}), ("Mish", {}), ("Elu", {"alpha": 0.5}),
+                                                ("Softplus", {})], ids=_ids)
+def test_activation_fused_after_matmul(tmp_path, op_type: str, attributes: dict[str, object]) -> None:
+    """MatMul then the activation (a transformer MLP's first half): the activation is the MatMul's epilogue."""
+    extra = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc")]
+    op = helper.make_node(op_type, ["h"], ["y"], name="act", **attributes)
+    model = _model(op, [6, 12], {"x": _randn(6, 8), "w": _randn(8, 12, seed=2)}, extra=extra)
+    _assert_fused(tmp_path, model, "fc", "act")
+    _check(tmp_path, model)
+
+
+@pytest.mark.parametrize("ops", [["Floor"], ["Floor", "Sign"], ["Ceil"], ["Round"]], ids=_ids)
+def test_floor_and_sign(tmp_path, ops: list[str]) -> None:
+    """Rounding ops on the model input x (random normal feeds): y = w * f(x), whose backward reads
+    f(x) (dw = f(x) dy). Sign(Floor(x)) meets exact zeros (x in [0, 1))."""
+    shape = [3, 6]
+    names = ["x"] + [f"f{i}" for i in range(len(ops))]
+    extra = [helper.make_node(op, [a], [b], name=f"op{i}") for i, (op, a, b) in enumerate(zip(ops, names, names[1:]))]
+    op = helper.make_node("Mul", ["w", names[-1]], ["y"], name="mul_w")
+    _check(tmp_path, _op_then_loss(op, shape, {"w": _randn(*shape)}, extra=extra,
+                                   inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)]))
+
+
+@pytest.mark.parametrize("op_type", ["Max", "Min", "Sum"])
+@pytest.mark.parametrize("shapes", [([2, 3, 8], [3, 8]), ([3, 5], [3, 1], [5])], ids=_ids)
+def test_variadic(tmp_path, op_type: str, shapes: tuple[list[int], ...]) -> None:
+    """Broadcasting inputs (the backward unbroadcasts each), with ties between the first two."""
+    names = [f"x{i}" for i in range(len(shapes))]
+    inits = {n: _randn(*s, seed=i) for i, (n, s) in enumerate(zip(names, shapes))}
+    first, second = inits[names[0]], inits[names[1]]
+    first[..., 0] = np.broadcast_to(second, first.shape)[..., 0]  # ties: half of dy each
+    op = helper.make_node(op_type, names, ["y"], name="variadic")
+    out_shape = list(np.broadcast_shapes(*map(tuple, shapes)))
+    _check(tmp_path, _op_then_loss(op, out_shape, inits))

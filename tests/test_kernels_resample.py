@@ -1,0 +1,167 @@
+"""Kernels of issue 12's index and scan ops, one training step on PoCL against onnxruntime:
+Resize (its gather kernel, and the backward's ReduceSum / MatMul / segment-sum forms), CumSum,
+Trilu, TopK (values and indices, and the scatter of its gradient), ArgMax, ArgMin, OneHot.
+
+Each model is the op on trainable initializers, then ReduceSum(y * R) (tests/test_kernels_other.py's
+harness, which compares every output of the step, the loss and each gradient, with its tolerance).
+Integer-valued ops (ArgMax, ArgMin, OneHot) feed a Cast and a Mul with a trained w, so the step
+trains something and the integer result reaches the loss (and the step's outputs) exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.test_kernels_other import _check, _op_then_loss, _randn
+
+
+def _const(name: str, array: np.ndarray) -> object:
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name), name=f"c_{name}")
+
+
+NEAREST = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+
+
+@pytest.mark.parametrize("x_shape,y_shape,by_scales,attributes", [
+    ([1, 2, 4, 5], [1, 2, 8, 10], True, NEAREST),  # nn.Upsample(scale_factor=2): o / 2, ReduceSum backward
+    ([2, 2, 4, 5], [2, 2, 6, 7], False, NEAREST),  # tables, segment-sum backward
+    ([1, 2, 5, 3], [1, 2, 7, 8], False, {"mode": "nearest", "coordinate_transformation_mode": "half_pixel",
+                                         "nearest_mode": "round_prefer_ceil"}),
+    ([1, 3, 4, 4], [1, 3, 8, 8], True, {"mode": "linear", "coordinate_transformation_mode": "half_pixel"}),
+    ([2, 2, 4, 5], [2, 2, 7, 9], False, {"mode": "linear", "coordinate_transformation_mode": "align_corners"}),
+    ([1, 2, 7, 9], [1, 2, 3, 4], False, {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}),
+    ([2, 3, 5], [2, 3, 10], True, {"mode": "linear", "coordinate_transformation_mode": "half_pixel"}),
+    ([2, 2, 7, 6], [2, 2, 3, 4], False, NEAREST),  # downsampling
+    ([1, 2, 3, 4, 3], [1, 2, 5, 6, 4], False, {"mode": "linear"}),  # trilinear, the default half_pixel
+    # the modes no torch export writes, checked against onnxruntime's taps only
+    ([1, 2, 5, 6], [1, 2, 8, 9], False, {"mode": "nearest"}),  # half_pixel, round_prefer_floor
+    ([1, 2, 5, 6], [1, 2, 9, 4], False, {"mode": "nearest", "coordinate_transformation_mode": "tf_half_pixel_for_nn",
+                                         "nearest_mode": "ceil"}),
+    ([1, 2, 5, 6], [1, 2, 8, 9], False, {"mode": "linear", "coordinate_transformation_mode": "half_pixel_symmetric"}),
+    ([1, 2, 5, 6], [1, 2, 8, 3], False, {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}),
+    # integer linear upsamplings: the strided-conv adjoint, its border rows at one end or both
+    ([1, 2, 4, 6], [1, 2, 8, 12], True, {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}),
+    ([2, 2, 5, 4], [2, 2, 15, 12], False, {"mode": "linear"}),
+])
+def test_resize(tmp_path, x_shape: list[int], y_shape: list[int], by_scales: bool,
+                attributes: dict[str, str]) -> None:
+    if by_scales:
+        scales = np.array([b / a for a, b in zip(x_shape, y_shape)], np.float32)
+        extra, inputs = [_const("scales", scales)], ["x", "", "scales"]
+    else:
+        extra, inputs = [_const("sizes", np.array(y_shape, np.int64))], ["x", "", "", "sizes"]
+    op = helper.make_node("Resize", inputs, ["y"], name="resize", **attributes)
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(*x_shape)}, extra=extra))
+
+
+def test_resize_after_conv(tmp_path) -> None:
+    """A decoder's conv then nn.Upsample(scale_factor=2): the Resize reads a conv output's texture."""
+    extra = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             _const("scales", np.array([1, 1, 2, 2], np.float32))]
+    op = helper.make_node("Resize", ["c", "", "scales"], ["y"], name="up", **NEAREST)
+    _check(tmp_path, _op_then_loss(op, [1, 4, 10, 10], {"x": _randn(1, 3, 5, 5), "w": _randn(4, 3, 3, 3, seed=2)},
+                                   extra=extra))
+
+
+@pytest.mark.parametrize("shape,axis,exclusive,reverse", [
+    ([3, 6], 1, 0, 0), ([4, 5], 0, 1, 0), ([2, 3, 5], -1, 0, 1), ([2, 5, 3], 1, 1, 1)])
+def test_cumsum(tmp_path, shape: list[int], axis: int, exclusive: int, reverse: int) -> None:
+    op = helper.make_node("CumSum", ["x", "axis"], ["y"], exclusive=exclusive, reverse=reverse, name="cumsum")
+    _check(tmp_path, _op_then_loss(op, shape, {"x": _randn(*shape)}, extra=[_const("axis", np.array(axis, np.int64))]))
+
+
+@pytest.mark.parametrize("shape,k,upper", [([4, 5], None, 1), ([2, 4, 4], 1, 0), ([3, 5, 6], -2, 1)])
+def test_trilu(tmp_path, shape: list[int], k: int | None, upper: int) -> None:
+    extra = [_const("k", np.array(k, np.int64))] if k is not None else []
+    op = helper.make_node("Trilu", ["x", "k"] if k is not None else ["x"], ["y"], upper=upper, name="trilu")
+    _check(tmp_path, _op_then_loss(op, shape, {"x": _randn(*shape)}, extra=extra))
+
+
+@pytest.mark.parametrize("shape,k,axis,largest", [([3, 9], 3, -1, 1), ([6, 4], 2, 0, 0), ([2, 5, 3], 5, 1, 1)])
+def test_topk(tmp_path, shape: list[int], k: int, axis: int, largest: int) -> None:
+    """Values train (the scatter of the gradient); the indices, cast, join the loss as a constant."""
+    y_shape = list(shape)
+    y_shape[axis] = k
+    extra = [_const("k", np.array([k], np.int64)),
+             helper.make_node("TopK", ["x", "k"], ["v", "idx"], axis=axis, largest=largest, name="topk"),
+             helper.make_node("Cast", ["idx"], ["fidx"], to=TensorProto.FLOAT, name="cast")]
+    op = helper.make_node("Add", ["v", "fidx"], ["y"], name="join")
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(*shape)}, extra=extra))
+
+
+@pytest.mark.parametrize("op_type,axis,keepdims,last", [("ArgMax", 1, 1, 0), ("ArgMin", 0, 0, 0),
+                                                        ("ArgMax", -1, 0, 1), ("ArgMin", 2, 1, 1)])
+def test_arg_extremum(tmp_path, op_type: str, axis: int, keepdims: int, last: int) -> None:
+    shape = [3, 4, 5]
+    x = np.round(_randn(*shape) * 2) / 2  # coarse values: ties, where select_last_index matters
+    y_shape = list(shape)
+    if keepdims:
+        y_shape[axis] = 1
+    else:
+        del y_shape[axis]
+    extra = [helper.make_node(op_type, ["x"], ["a"], axis=axis, keepdims=keepdims, select_last_index=last,
+                              name="arg"),
+             helper.make_node("Cast", ["a"], ["fa"], to=TensorProto.FLOAT, name="cast")]
+    op = helper.make_node("Mul", ["fa", "w"], ["y"], name="scale")
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": x, "w": _randn(*y_shape, seed=3)}, extra=extra))
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_one_hot(tmp_path, axis: int) -> None:
+    """Indices computed on the device (constant ones would fold at import): ArgMax of an
+    initializer, minus 2, so they span [-2, 2] and the negative ones count from the end."""
+    x = _randn(2, 3, 5, seed=5)
+    y_shape = [2, 3]
+    y_shape.insert(axis % 3 if axis >= 0 else 2, 5)
+    extra = [helper.make_node("ArgMax", ["x"], ["a"], axis=-1, keepdims=0, name="arg"),
+             _const("two", np.array(2, np.int64)), helper.make_node("Sub", ["a", "two"], ["indices"], name="shift"),
+             _const("depth", np.array(5, np.int64)), _const("values", np.array([0.25, 2.0], np.float32)),
+             helper.make_node("OneHot", ["indices", "depth", "values"], ["h"], axis=axis, name="onehot")]
+    op = helper.make_node("Mul", ["h", "w"], ["y"], name="scale")
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": x, "w": _randn(*y_shape, seed=3)}, extra=extra))
+
+
+class _Decoder(torch.nn.Module):
+    """conv -> F.interpolate -> ReduceSum(y * r): the exported Resize between trained convs."""
+
+    def __init__(self, interpolate: Callable[[torch.Tensor], torch.Tensor], out_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.interpolate = interpolate
+        self.register_buffer("r", torch.randn(out_shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.interpolate(self.conv(x)) * self.r).sum()
+
+
+EXPORTED = {
+    "upsample-nearest": (torch.nn.Upsample(scale_factor=2, mode="nearest"), (1, 3, 8, 10)),
+    "bilinear": (lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=False), (1, 3, 8, 10)),
+    "bilinear-align-corners-size": (lambda t: F.interpolate(t, size=(7, 9), mode="bilinear", align_corners=True),
+                                    (1, 3, 7, 9)),
+}
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.parametrize("label", list(EXPORTED))
+def test_exported_interpolate(tmp_path, label: str, dynamo: bool) -> None:
+    """What torch.onnx.export writes for nn.Upsample / F.interpolate (opset 18, both exporters):
+    its scales or sizes fold at import, and the step on PoCL matches onnxruntime."""
+    interpolate, out_shape = EXPORTED[label]
+    path = tmp_path / "exported.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Decoder(interpolate, out_shape).eval(), (torch.randn(1, 2, 4, 5),), str(path),
+                          dynamo=dynamo, opset_version=18, input_names=["x"], output_names=["loss"])
+    model = onnx.load(str(path))
+    assert [n.op_type for n in model.graph.node].count("Resize") == 1
+    _check(tmp_path, model)

@@ -1,0 +1,108 @@
+"""Launch schedules: every kernel launch of plan.json has a work-group size from the target profile
+and a global size padded to whole groups; both runtimes launch with them and refuse, naming the
+launch, a work-group the device cannot run.
+
+Golden: the schedule of each shipped target (whole waves, within max_work_group_size, padding
+under one group). Numeric: the bundles of the device tests run with these schedules (every
+launch of a real model padded, and the padded work-items must write nothing: the results
+still equal onnxruntime's). Negative: a plan whose work-groups exceed the device's limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fblc import bundle_format as fmt
+from fblc.bundle_format import BundleError
+from fblc.codegen.compile import compile_model
+from fblc.passes.pipeline import TrainingOptions
+from fblc.profiles import load_profile, shipped_targets
+from fblc.profiles.profile import GROUP_ITEMS
+from fblc.runtime.local import LocalRunner
+from fblc.tools.verify import verify_model
+from tests.test_runtime import OPTIONS, elementwise_model
+
+
+@pytest.mark.parametrize("target", shipped_targets())
+def test_launch_size_is_whole_waves_within_the_device_limit(target: str) -> None:
+    profile = load_profile(target)
+    for items in (1, 3, profile.wave_size, GROUP_ITEMS - 1, GROUP_ITEMS, 1000, 4097, 123457):
+        global_size, group = profile.launch_size(items)
+        assert group <= profile.max_work_group_size and global_size % group == 0
+        assert items <= global_size < items + group, (items, global_size, group)
+        assert group % profile.wave_size == 0 or group == profile.max_work_group_size
+        if items >= GROUP_ITEMS:
+            assert group == min(GROUP_ITEMS, profile.max_work_group_size) or group % profile.wave_size == 0
+
+
+def test_a_small_device_limit_caps_the_group() -> None:
+    profile = load_profile("adreno830")
+    small = type(profile)(**{**profile.__dict__, "max_work_group_size": 32, "wave_size": 16})
+    assert small.launch_size(1000) == (1024, 32)
+    assert small.launch_size(5) == (16, 16)
+
+
+@pytest.mark.parametrize("target", ["adreno830", "mali-g925", "local"])
+def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, target: str) -> None:
+    from support import models
+
+    model = models.tresnet(str(tmp_path))
+    bundle = str(tmp_path / "bundle")
+    compile_model(model.path, bundle, target, "fp32", TrainingOptions(input_shapes=model.input_shapes))
+    _, plan = fmt.load_verified(bundle)
+    profile = load_profile(target)
+    padded = 0
+    for launch in plan["kernels"]:
+        assert [launch["global_size"][0], launch["local_size"][0]] == list(profile.launch_size(launch["items"]))
+        padded += launch["global_size"][0] != launch["items"]
+    assert padded > 0, "the test model should exercise padded launches"
+
+
+def test_padded_work_items_write_nothing(tmp_path) -> None:
+    """A launch of 3 x 5 = 15 texel items padded to whole groups: the step equals onnxruntime's."""
+    path = elementwise_model(str(tmp_path / "m.onnx"), rows=15)
+    rows = verify_model(path, OPTIONS, target="mali-g925", work_dir=str(tmp_path))
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+def _set_group(bundle: str, group: int) -> None:
+    plan_path = os.path.join(bundle, fmt.PLAN)
+    plan = json.load(open(plan_path))
+    for launch in plan["kernels"]:
+        launch["local_size"] = [group]
+        launch["global_size"] = [-(-launch["global_size"][0] // group) * group]
+    json.dump(plan, open(plan_path, "w"))
+    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
+    manifest["checksums"][fmt.PLAN] = fmt.sha256_of(plan_path)
+    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+
+
+def test_a_work_group_beyond_the_device_is_refused_naming_the_launch(tmp_path) -> None:
+    bundle = str(tmp_path / "bundle")
+    compile_model(elementwise_model(str(tmp_path / "m.onnx")), bundle, "local", "fp32", OPTIONS)
+    _set_group(bundle, 1 << 20)
+    with pytest.raises(BundleError, match=r"launch 'k0_\w+' has work-groups of 1048576 work-items, beyond"):
+        LocalRunner(bundle)
+
+
+def test_a_bundle_without_schedules_still_runs(tmp_path) -> None:
+    """Bundles written before plan.json recorded schedules (local_size null): the driver picks."""
+    bundle = str(tmp_path / "bundle")
+    compile_model(elementwise_model(str(tmp_path / "m.onnx")), bundle, "local", "fp32", OPTIONS)
+    runner = LocalRunner(bundle)
+    from tests.test_runtime import batch
+
+    scheduled = runner.step(batch())
+    plan_path = os.path.join(bundle, fmt.PLAN)
+    plan = json.load(open(plan_path))
+    for launch in plan["kernels"]:
+        launch["local_size"], launch["global_size"] = None, [launch["items"]]
+    json.dump(plan, open(plan_path, "w"))
+    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
+    manifest["checksums"][fmt.PLAN] = fmt.sha256_of(plan_path)
+    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+    assert np.isclose(LocalRunner(bundle).step(batch()), scheduled, rtol=1e-6)
