@@ -14,6 +14,7 @@ Mish uses the same form.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import onnx_ir as ir
 
@@ -41,23 +42,26 @@ def softplus_c(value: str) -> str:
     return f"(fmax({value}, 0.0f) + log1p(exp(-fabs({value}))))"
 
 
-@expression("LeakyRelu")
-def _leaky_relu(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
-    value = _once(b, node, x, "lr")
-    return f"({value} > 0.0f ? {value} : {_alpha(node, 0.01)} * {value})"
+Activation = Callable[[ir.Node, str, Operand], str]
+#: op -> the C of its activation of `v` (its input as a named temporary, so it can be read twice)
+ACTIVATIONS: dict[str, Activation] = {
+    "LeakyRelu": lambda node, v, x: f"({v} > 0.0f ? {v} : {_alpha(node, 0.01)} * {v})",
+    # the slope is read with broadcasting (per channel for nn.PReLU's [C, 1, 1])
+    "PRelu": lambda node, v, x: f"({v} > 0.0f ? {v} : {x(node.inputs[1])} * {v})",
+    "Elu": lambda node, v, x: f"({v} > 0.0f ? {v} : {_alpha(node, 1.0)} * expm1({v}))",
+    "ThresholdedRelu": lambda node, v, x: f"({v} > {_alpha(node, 1.0)} ? {v} : 0.0f)",
+    "Softplus": lambda node, v, x: softplus_c(v),
+    "Mish": lambda node, v, x: f"({v} * tanh({softplus_c(v)}))",
+    "Softsign": lambda node, v, x: f"({v} / (1.0f + fabs({v})))",
+}
 
 
-@expression("PRelu")
-def _prelu(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
-    """The slope is read with broadcasting (per channel for nn.PReLU's [C, 1, 1])."""
-    value = _once(b, node, x, "pr")
-    return f"({value} > 0.0f ? {value} : {x(node.inputs[1])} * {value})"
+def _activation(activation: Activation) -> Callable[[KernelBuilder, ir.Node, Operand], str]:
+    return lambda b, node, x: activation(node, _once(b, node, x, node.op_type.lower()), x)
 
 
-@expression("Elu")
-def _elu(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
-    value = _once(b, node, x, "elu")
-    return f"({value} > 0.0f ? {value} : {_alpha(node, 1.0)} * expm1({value}))"
+for _op, _activation_c in ACTIVATIONS.items():
+    expression(_op)(_activation(_activation_c))
 
 
 @expression("Selu")
@@ -79,29 +83,6 @@ def _celu(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
     value = _once(b, node, x, "celu")
     return (f"({value} > 0.0f ? {value} : "
             f"{float_literal(alpha)} * expm1({value} * {float_literal(1.0 / alpha)}))")
-
-
-@expression("ThresholdedRelu")
-def _thresholded_relu(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
-    value = _once(b, node, x, "tr")
-    return f"({value} > {_alpha(node, 1.0)} ? {value} : 0.0f)"
-
-
-@expression("Softplus")
-def _softplus(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
-    return softplus_c(_once(b, node, x, "sp"))
-
-
-@expression("Mish")
-def _mish(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
-    value = _once(b, node, x, "mish")
-    return f"({value} * tanh({softplus_c(value)}))"
-
-
-@expression("Softsign")
-def _softsign(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
-    value = _once(b, node, x, "ss")
-    return f"({value} / (1.0f + fabs({value})))"
 
 
 def _gelu_exact(value: str) -> str:
