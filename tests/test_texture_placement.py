@@ -124,3 +124,26 @@ def test_steps_after_the_first_equal_onnxruntime(tmp_path) -> None:
     expected = [reference.step(feeds) for _ in range(3)]
     measured = [device.step(feeds) for _ in range(3)]
     assert np.allclose(measured, expected, rtol=1e-4, atol=0), (measured, expected)
+
+
+def test_a_tensor_beyond_32_bit_indices_is_refused_naming_it(tmp_path) -> None:
+    """mali-g925's 65536 x 65536 images hold 2^34 elements, but kernel indices are 32-bit ints:
+    a tensor of more than 2^31 - 1 elements is a compile error, not an overflow on the device."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from fblc.codegen.compile import compile_model
+    from fblc.errors import FblcError
+    from fblc.passes.pipeline import TrainingOptions
+
+    shape = [2, 65536, 16400]  # 2,149,580,800 elements
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"], name="scale")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+                              [numpy_helper.from_array(np.array([1.5], np.float32), "w")])
+    path = str(tmp_path / "big.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with pytest.raises(FblcError, match=r"\[2, 65536, 16400\] has 2,149,580,800 elements .* 32-bit int indices"):
+        compile_model(path, str(tmp_path / "bundle"), "mali-g925", "fp32", TrainingOptions(loss="mse"))
+    assert not (tmp_path / "bundle").exists()

@@ -25,6 +25,10 @@ from fblc.profiles import Profile
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout, mask_layout, pack
 
 
+#: the largest element or lane index a kernel computes: its indices are 32-bit `int`
+MAX_INDEX = 2**31 - 1
+
+
 @dataclass
 class Texture:
     id: int
@@ -98,6 +102,12 @@ class TextureTable:
         return texture
 
     def _check_fits(self, name: str, shape: tuple[int, ...], layout: TexelLayout) -> None:
+        elements = numel(shape)
+        if max(elements, layout.width * layout.height * 4) > MAX_INDEX:
+            raise FblcError(
+                f"tensor '{name}' {list(shape)} has {elements:,} elements in a {layout.width} x {layout.height} "
+                f"texture, beyond the {MAX_INDEX:,} that the kernels' 32-bit int indices address",
+                "use a smaller batch or sequence (--input-shape)")
         if layout.height > self.profile.image2d_max_height or layout.width > self.profile.image2d_max_width:
             raise FblcError(
                 f"tensor '{name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "

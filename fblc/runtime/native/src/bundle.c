@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,12 @@ static size_t as_size(const json_value *value, const char *where) {
     return (size_t)value->number;
 }
 
+/* a * b, or the bundle is refused: sizes come from JSON, and a wrapped product would pass the checks below */
+static size_t mul_size(size_t a, size_t b, const char *where) {
+    if (b != 0 && a > SIZE_MAX / b) bad(where);
+    return a * b;
+}
+
 static json_value *parse_file(const char *folder, const char *name, char **text_out) {
     char *path = path_join(folder, name);
     size_t length;
@@ -94,7 +101,7 @@ static void read_tensor(const json_value *entry, tensor *out, size_t texture_cou
     out->elements = 1;
     for (size_t i = 0; i < shape->count; ++i) {
         out->shape[i] = as_size(json_at(shape, i), "a tensor shape is not a list of sizes");
-        out->elements *= out->shape[i];
+        out->elements = mul_size(out->elements, out->shape[i], "a tensor has more elements than a size holds");
     }
 }
 
@@ -178,8 +185,12 @@ void bundle_load(const char *folder, bundle *out) {
         if (!t->width || !t->height) bad("a texture has no texels");
         const json_value *shape = need(entry, "shape", JSON_ARRAY, "a texture");
         t->elements = 1;
-        for (size_t k = 0; k < shape->count; ++k) t->elements *= as_size(json_at(shape, k), "a texture shape is bad");
-        if (t->elements > t->width * t->height * format_texel_elements(t->format)) bad("a texture is smaller than its tensor");
+        for (size_t k = 0; k < shape->count; ++k)
+            t->elements = mul_size(t->elements, as_size(json_at(shape, k), "a texture shape is bad"),
+                                   "a texture's tensor has more elements than a size holds");
+        size_t texels = mul_size(t->width, t->height, "a texture has more texels than a size holds");
+        if (t->elements > mul_size(texels, format_texel_elements(t->format), "a texture is too large"))
+            bad("a texture is smaller than its tensor");
         const json_value *image = json_get(entry, "image");
         t->image = image ? as_size(image, "a texture's image is bad") : i;
         if (t->image >= textures->count) bad("a texture names an image the plan does not have");
@@ -188,9 +199,9 @@ void bundle_load(const char *folder, bundle *out) {
             t->has_init = 1;
             t->init_offset = need_size(init, "offset", "a texture's init");
             t->init_nbytes = need_size(init, "nbytes", "a texture's init");
-            if (t->init_nbytes != t->width * t->height * format_texel_bytes(t->format))
+            if (t->init_nbytes != mul_size(texels, format_texel_bytes(t->format), "a texture is too large"))
                 bad("a texture's init is not one full texture");
-            if (t->init_offset + t->init_nbytes > out->params_length) bad("a texture's init lies past the end of params.bin");
+            if (t->init_nbytes > out->params_length || t->init_offset > out->params_length - t->init_nbytes) bad("a texture's init lies past the end of params.bin");
         }
     }
 
@@ -250,7 +261,8 @@ void bundle_load(const char *folder, bundle *out) {
     for (size_t i = 0; i < inputs->count; ++i) {
         read_tensor(json_at(inputs, i), &out->inputs[i], out->texture_count, "a manifest input");
         const texture *t = &out->textures[out->inputs[i].texture];
-        if (out->inputs[i].elements > t->width * t->height * 4) bad("an input is larger than its texture");
+        if (out->inputs[i].elements > mul_size(mul_size(t->width, t->height, "a texture is too large"), 4,
+                                                 "a texture is too large")) bad("an input is larger than its texture");
     }
     const json_value *parameters = need(manifest, "parameters", JSON_ARRAY, "manifest.json");
     out->parameter_count = parameters->count;
@@ -258,7 +270,8 @@ void bundle_load(const char *folder, bundle *out) {
     for (size_t i = 0; i < parameters->count; ++i) {
         read_tensor(json_at(parameters, i), &out->parameters[i], out->texture_count, "a manifest parameter");
         const texture *t = &out->textures[out->parameters[i].texture];
-        if (out->parameters[i].elements > t->width * t->height * 4) bad("a parameter is larger than its texture");
+        if (out->parameters[i].elements > mul_size(mul_size(t->width, t->height, "a texture is too large"), 4,
+                                                     "a texture is too large")) bad("a parameter is larger than its texture");
     }
     out->loss_texture = need_size(manifest, "loss", "manifest.json");
     if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
