@@ -107,3 +107,38 @@ def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[
                                           for a in range(2))].shape)
     op = helper.make_node("Slice", ["x", *ints], ["y"], name="strided")
     _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))
+
+
+@pytest.mark.parametrize("op_type,shape,axes,keepdims", [
+    ("ReduceSum", [4, 2000], [1], 1),  # innermost, whole texels: strided texel shares
+    ("ReduceSum", [3000, 8], [0], 0),  # an outer axis (a bias gradient over batch x sequence)
+    ("ReduceMax", [2, 4, 1500], [0, 2], 0),  # outer and inner axes, merged by fmax
+    ("ReduceMean", [6, 1202], [1], 1),  # innermost, per lane (1202 is not a multiple of 4)
+    ("ReduceL2", [2, 3, 40, 40], [2, 3], 1),
+])
+def test_long_reductions_are_shared_by_a_work_group(tmp_path, op_type: str, shape: list[int], axes: list[int],
+                                                    keepdims: int) -> None:
+    """Reductions longer than the serial limit: one work-group per output texel, a tree in __local
+    memory. The kernel must use it (barriers, a launch of whole groups) and equal onnxruntime."""
+    import json
+
+    import onnx
+
+    from fblc.codegen.compile import compile_model
+    from fblc.passes.pipeline import TrainingOptions
+
+    extra = [helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array(axes, np.int64)),
+                              name="axes")]
+    reduced = {a % len(shape) for a in axes}
+    y_shape = [1 if i in reduced else d for i, d in enumerate(shape) if keepdims or i not in reduced]
+    op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=keepdims, name="long")
+    model = _op_then_loss(op, y_shape, {"x": _randn(*shape)}, extra=extra)
+    _check(tmp_path, model)
+    onnx.save(model, str(tmp_path / "long.onnx"))
+    compile_model(str(tmp_path / "long.onnx"), str(tmp_path / "bundle"), "adreno830", "fp32",
+                  TrainingOptions(loss="output"))
+    plan = json.loads((tmp_path / "bundle" / "plan.json").read_text())
+    launch = next(k for k in plan["kernels"] if k["name"].endswith(op_type) and k["items"] > 1)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text().splitlines()
+    body = "\n".join(source[launch["lines"][0]:launch["lines"][1]])
+    assert "barrier(CLK_LOCAL_MEM_FENCE)" in body and launch["global_size"][0] % launch["local_size"][0] == 0

@@ -66,6 +66,9 @@ class KernelBuilder:
         self._hoisted: dict[tuple[int, str], str] = {}
         self.nodes: list[str] = []
         self._counter = 0
+        #: work-items that cooperate on each output texel (a work-group: `lid` its local id; the
+        #: group's results go out from work-item 0), or None: one work-item per texel
+        self.group_size: int | None = None
 
     # reading ---------------------------------------------------------------------------------
     def constant_scalar(self, value: ir.Value) -> str | None:
@@ -229,7 +232,11 @@ class KernelBuilder:
         params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
         body = [f"__kernel void {self.name}({', '.join(params)} TRACE_PARAM) {{", "  TRACE_INIT"]
         item = "t" if per_item == 1 else "g"  # the item's index: its texel, or its place among the items
-        if pair == 1:
+        if self.group_size is not None:  # one work-group per texel: every branch below is uniform in a group
+            assert per_item == 1 and pair == 1 and not masks, "group kernels write one float texel per group"
+            body += ["  const int t = get_group_id(0);", "  const int lid = get_local_id(0);",
+                     f"  __local float shared[{self.group_size}];", f"  if (t >= {items}) return;"]
+        elif pair == 1:
             body += [f"  const int {item} = get_global_id(0);", f"  if ({item} >= {items}) return;"]
         else:
             body += ["  const int wi = get_global_id(0);", f"  if (wi >= {-(-items // pair)}) return;"]
@@ -242,9 +249,10 @@ class KernelBuilder:
         body += [indent + line for line in self._item(results)]
         body += ["  }"] if pair > 1 else []
         body.append("}")
-        return Kernel(self.name, self.family, "\n".join(body), -(-items // pair),
+        group = self.group_size
+        return Kernel(self.name, self.family, "\n".join(body), items * group if group else -(-items // pair),
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
-                      nodes=list(self.nodes))
+                      nodes=list(self.nodes), group_size=group)
 
     def _item(self, results: Sequence[str]) -> list[str]:
         """One item (t or g declared): its per-texel prologue, then each of its texels."""
@@ -282,6 +290,9 @@ class KernelBuilder:
                          "}"]
             elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
                 body.append(f"write_imageui(out{k}, {texture.coord('t')}, (uint4)({bits}, 0, 0, 0));")
+            elif texture.kind == "float" and self.group_size is not None:
+                body.append(f"if (lid == 0) write_imagef(out{k}, {texture.coord('t')}, "
+                            f"(float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
             elif texture.kind == "float":
                 body.append(f"write_imagef(out{k}, {texture.coord('t')}, (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
             else:

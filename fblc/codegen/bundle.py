@@ -73,7 +73,10 @@ def share_images(program: Program, pinned: set[int], first_use: dict[int, int],
 def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int]) -> dict[str, Any]:
     """A launch of the plan: its kernel, its schedule (the profile's work-group size, the global size
     padded to whole groups; `items` work-items do work) and its texture arguments."""
-    global_size, group = profile.launch_size(kernel.global_size)
+    if kernel.group_size is not None:  # written for this work-group size: its global size is whole groups
+        global_size, group = kernel.global_size, kernel.group_size
+    else:
+        global_size, group = profile.launch_size(kernel.global_size)
     return {"name": kernel.name, "function": kernel.function, "family": kernel.family, "items": kernel.global_size,
             "global_size": [global_size], "local_size": [group], "outputs": kernel.outputs, "inputs": kernel.inputs,
             "lines": list(lines)}

@@ -106,3 +106,6 @@ class Kernel:
     inputs: list[int] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)  # ONNX node names it computes
     function: str = ""  # the __kernel it launches: its own, or an identical one emitted earlier
+    #: the work-group size the kernel is written for (its work-items share __local memory), or None:
+    #: any size, the target profile's schedule chooses
+    group_size: int | None = None

@@ -41,6 +41,10 @@ PORTABLE_IMAGE_EDGE = 8192
 #: work-items a launch's work-group aims at: enough waves per group to hide texture latency (Adreno's and
 #: Mali's OpenCL guides recommend 64 to 128), within the device's max_work_group_size
 GROUP_ITEMS = 64
+#: the longest run one work-item folds alone; a longer reduction is shared by a work-group
+SERIAL_REDUCTION = 1024
+#: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
+REDUCTION_GROUP = 256
 SOURCE_KINDS = ("measured", "vendor documentation:", "paper:", "estimated")
 TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
 
@@ -86,6 +90,16 @@ class Profile:
         waves = -(-min(max(items, 1), GROUP_ITEMS) // self.wave_size)
         group = max(1, min(waves * self.wave_size, self.max_work_group_size))
         return -(-max(items, 1) // group) * group, group
+
+    def reduction_group(self, count: int) -> int | None:
+        """Work-items that share a reduction of `count` elements (a power of two, whole waves when
+        the device allows, within max_work_group_size), or None: short enough for one work-item."""
+        if count <= SERIAL_REDUCTION:
+            return None
+        group = 1
+        while group * 2 <= min(REDUCTION_GROUP, self.max_work_group_size, count // 16):
+            group *= 2
+        return group if group > 1 else None
 
     @property
     def block_bytes(self) -> int:

@@ -1,8 +1,11 @@
 """Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, GlobalAveragePool.
 
-One work-item element per output element loops over the reduced elements (their count and
-strides are literals). When they are a run of whole texels (the innermost axes, a multiple of 4
-long, of a plain tensor) the loop reads whole texels and folds their four lanes.
+One work-item per output texel loops over the reduced elements of its four lanes (their count
+and strides are literals). When they are a run of whole texels (the innermost axes, a multiple
+of 4 long, of a plain tensor) the loop reads whole texels and folds their four lanes. A
+reduction longer than the profile's serial limit (bias and norm-weight gradients over batch x
+sequence, global pools of large maps) is shared by a work-group per output texel: each
+work-item folds a strided share, and the partials merge in a tree in __local memory.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ def reduced_axes(node: ir.Node) -> list[int]:
 
 
 def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: str,
-                   start: str) -> str:
+                   start: str, merge: str = "{a} + {b}") -> str:
     """C that folds `source` over `axes` for the current output element; returns the accumulator name.
 
-    `combine` is a C template over `acc` and `x` (e.g. "acc + x").
+    `combine` is a C template over `acc` and `x` (e.g. "acc + x"); `merge` joins two partial
+    accumulators `a` and `b`. With `b.group_size` the group's work-items fold every
+    group_size-th element from their `lid`, then merge their partials in a tree in __local memory.
     """
     shape = static_shape(source)
     strides = strides_of(shape)
@@ -52,21 +57,32 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
             part = f"({part} % {reduced_shape[k]})"
         terms.append((part, strides[axis]))
     index = f"{base} + {flat_index(terms)}" if terms else base
+    group = b.group_size
+    first, step = ("lid", str(group)) if group else ("0", "1")
     innermost = axes == list(range(len(shape) - len(axes), len(shape)))
     if innermost and count % 4 == 0 and b.constant_scalar(source) is None and map_of(source).contiguous:
         arg, texture = b.argument(source)
         texel = b.read_texel(arg, texture, f"({base} >> 2) + {r}")
         b.emit(f"float {acc} = {start};",
-               f"for (int {r} = 0; {r} < {count // 4}; ++{r}) {{",
+               f"for (int {r} = {first}; {r} < {count // 4}; {r} += {step}) {{",
                f"  const float4 v = {texel};",
                *(f"  {{ const float x = v.{lane}; {acc} = {combine.format(acc=acc)}; }}" for lane in "xyzw"),
                "}")
-        return acc
-    b.emit(f"float {acc} = {start};",
-           f"for (int {r} = 0; {r} < {count}; ++{r}) {{",
-           f"  const float x = {b.load(source, index)};",
-           f"  {acc} = {combine.format(acc=acc)};",
-           "}")
+    else:
+        b.emit(f"float {acc} = {start};",
+               f"for (int {r} = {first}; {r} < {count}; {r} += {step}) {{",
+               f"  const float x = {b.load(source, index)};",
+               f"  {acc} = {combine.format(acc=acc)};",
+               "}")
+    if group:
+        merged = merge.format(a="shared[lid]", b="shared[lid + s]")
+        b.emit("shared[lid] = " + acc + ";", "barrier(CLK_LOCAL_MEM_FENCE);",
+               f"for (int s = {group // 2}; s > 0; s >>= 1) {{",
+               f"  if (lid < s) shared[lid] = {merged};",
+               "  barrier(CLK_LOCAL_MEM_FENCE);",
+               "}",
+               f"{acc} = shared[0];",
+               "barrier(CLK_LOCAL_MEM_FENCE);  // shared is free again for the next lane")
     return acc
 
 
@@ -77,15 +93,16 @@ def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
     b = KernelBuilder(table, group.name, "reduction", group.outputs)
     b.nodes.append(node.name)
+    shape = static_shape(node.inputs[0])
+    b.group_size = table.profile.reduction_group(numel([shape[a] for a in axes]))
     if node.op_type == "ReduceMax":
-        acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY")
+        acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY", "fmax({a}, {b})")
         return [b.finish([acc])]
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
         acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fma(x, x, {acc})", "0.0f")
         return [b.finish([f"sqrt({acc})"])]
     acc = reduction_loop(b, node.inputs[0], axes, keepdims, "{acc} + x", "0.0f")
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
-        shape = static_shape(node.inputs[0])
         count = numel([shape[a] for a in axes]) or 1
         acc = f"({acc} / {float(count)}f)"
     return [b.finish([acc])]

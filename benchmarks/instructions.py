@@ -1,0 +1,131 @@
+"""Instruction counts of one training step under oclgrind, `--layout naive` against `rtile`: device-independent evidence.
+
+    python benchmarks/instructions.py [--models llama,mobilenet_v2] [--target adreno830]
+
+Each model is compiled for the target twice (naive and rtile layouts); one step of each bundle
+runs on oclgrind's simulated OpenCL device (`oclgrind --inst-counts`, Debian's `oclgrind`
+package), which counts every LLVM instruction each kernel executes. The table sums them per
+step: image reads and writes, FMAs (llvm.fmuladd and fma calls), other float arithmetic,
+integer division and remainder, private-memory loads and stores, and the div/rem per FMA
+ratio that index arithmetic costs; the last column is naive / rtile for each figure.
+
+The models are small (oclgrind interprets every work-item): the 2-layer Llama decoder of the
+tests (B=2, T=16) and MobileNetV2 on [1, 3, 32, 32].
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fblc.codegen.compile import compile_model  # noqa: E402
+from fblc.passes.pipeline import TrainingOptions  # noqa: E402
+
+#: figure -> how an oclgrind instruction line (its opcode text) counts toward it
+FIGURES: dict[str, re.Pattern[str]] = {
+    "image reads": re.compile(r"call _Z\d+read_image"),
+    "image writes": re.compile(r"call _Z\d+write_image"),
+    "FMAs": re.compile(r"call (llvm\.fmuladd|llvm\.fma\.|_Z3fma)"),
+    "float add/mul/div": re.compile(r"^(fadd|fsub|fmul|fdiv)$"),
+    "int div/rem": re.compile(r"^(sdiv|srem|udiv|urem)$"),
+    "private loads": re.compile(r"^load private"),
+    "private stores": re.compile(r"^store private"),
+}
+LINE = re.compile(r"^\s*(\d+) - (.+)$")
+
+ONE_STEP = """
+import sys, numpy as np
+from fblc import bundle_format as fmt
+from fblc.runtime.local import LocalRunner
+manifest, _ = fmt.load_verified(sys.argv[1])
+rng = np.random.default_rng(0)
+feeds = {e["name"]: (rng.integers(0, 2, e["shape"]) if e["dtype"].startswith("int")
+                     else rng.standard_normal(e["shape"])).astype(e["dtype"]) for e in manifest["inputs"]}
+print("loss", LocalRunner(sys.argv[1], progress=False).step(feeds))
+"""
+
+
+def build_models(directory: str, names: list[str]) -> dict[str, tuple[str, dict[str, list[int]]]]:
+    import numpy as np
+    import torch
+    import transformers
+
+    from tests.support import models
+
+    built = {}
+    if "llama" in names:
+        exported, _ = models.llama(directory)
+        built["llama 2L B=2 T=16"] = (exported.path, exported.input_shapes)
+    if "mobilenet_v2" in names:
+        torch.manual_seed(0)
+        module = models.logits_only(transformers.MobileNetV2ForImageClassification(
+            transformers.MobileNetV2Config(num_labels=10, image_size=32)), "pixel_values").eval()
+        pixels = np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        path = os.path.join(directory, "mobilenet_v2.onnx")
+        models._quiet_dynamo_export(module, (torch.from_numpy(pixels),)).save(path)
+        built["mobilenetv2 [1,3,32,32]"] = (path, {"pixel_values": [1, 3, 32, 32]})
+    return built
+
+
+def counts_of_one_step(bundle: str) -> Counter[str]:
+    """The figures of one step of `bundle` on oclgrind, summed over its kernels."""
+    done = subprocess.run(["oclgrind", "--inst-counts", sys.executable, "-c", ONE_STEP, bundle],
+                          capture_output=True, text=True, check=False, cwd=os.path.dirname(os.path.dirname(
+                              os.path.abspath(__file__))))
+    if done.returncode != 0 or "loss" not in done.stdout:
+        raise RuntimeError(f"oclgrind run of {bundle} failed:\n{done.stderr[-2000:]}")
+    figures: Counter[str] = Counter()
+    for line in (done.stdout + done.stderr).splitlines():
+        match = LINE.match(line)
+        if not match:
+            continue
+        count, opcode = int(match.group(1)), match.group(2).strip()
+        for figure, pattern in FIGURES.items():
+            if pattern.search(opcode):
+                figures[figure] += count
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama,mobilenet_v2")
+    parser.add_argument("--target", default="adreno830")
+    args = parser.parse_args()
+    if shutil.which("oclgrind") is None:
+        print("oclgrind is not installed: apt-get install oclgrind (scripts/install_system_packages.sh)",
+              file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        for name, (path, shapes) in build_models(directory, args.models.split(",")).items():
+            measured = {}
+            for layout in ("naive", "rtile"):
+                bundle = os.path.join(directory, f"{os.path.basename(path)}.{layout}")
+                compile_model(path, bundle, args.target, "fp32", TrainingOptions(input_shapes=shapes, layout=layout))
+                measured[layout] = counts_of_one_step(bundle)
+                print(f"  measured {name} {layout}", file=sys.stderr)
+            rows.append((name, measured))
+    print(f"one training step under oclgrind, compiled for {args.target}")
+    print(f"{'model':<26} {'figure':<20} {'naive':>14} {'rtile':>14} {'naive/rtile':>12}")
+    for name, measured in rows:
+        for figure in list(FIGURES) + ["div/rem per FMA"]:
+            if figure == "div/rem per FMA":
+                naive, rtile = (measured[k]["int div/rem"] / max(1, measured[k]["FMAs"]) for k in ("naive", "rtile"))
+                print(f"{name:<26} {figure:<20} {naive:14.3f} {rtile:14.3f} {naive / rtile if rtile else 0:12.2f}")
+                continue
+            naive, rtile = measured["naive"][figure], measured["rtile"][figure]
+            ratio = f"{naive / rtile:12.2f}" if rtile else f"{'-':>12}"
+            print(f"{name:<26} {figure:<20} {naive:14,d} {rtile:14,d} {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
