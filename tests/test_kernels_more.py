@@ -142,3 +142,32 @@ def test_long_reductions_are_shared_by_a_work_group(tmp_path, op_type: str, shap
     source = (tmp_path / "bundle" / "kernels.cl").read_text().splitlines()
     body = "\n".join(source[launch["lines"][0]:launch["lines"][1]])
     assert "barrier(CLK_LOCAL_MEM_FENCE)" in body and launch["global_size"][0] % launch["local_size"][0] == 0
+
+
+@pytest.mark.parametrize("shape,axis", [([3, 2048], -1), ([2, 5, 600], 1), ([4, 1030], 1)])
+def test_layer_norm_statistics_of_long_rows_are_shared_by_a_work_group(tmp_path, shape: list[int],
+                                                                        axis: int) -> None:
+    """Rows longer than the serial limit: the Mean / InvStdDev kernel runs a work-group per texel of
+    rows (two __local merges: the sum, then the centred squares). The bias is offset so that the
+    loss, a sum of y * R over thousands of elements, does not cancel to rounding noise."""
+    import json
+
+    import onnx
+
+    from fblc.codegen.compile import compile_model
+    from fblc.passes.pipeline import TrainingOptions
+
+    norm_shape = shape[axis % len(shape):]
+    op = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y", "mean", "inv"], axis=axis,
+                          epsilon=1e-5, name="ln")
+    model = _op_then_loss(op, shape, {"x": _randn(*shape, scale=3.0), "scale": _randn(*norm_shape, seed=2),
+                                      "bias": _randn(*norm_shape, seed=3) + 5.0})
+    _check(tmp_path, model)
+    onnx.save(model, str(tmp_path / "ln.onnx"))
+    compile_model(str(tmp_path / "ln.onnx"), str(tmp_path / "bundle"), "adreno830", "fp32",
+                  TrainingOptions(loss="output"))
+    plan = json.loads((tmp_path / "bundle" / "plan.json").read_text())
+    stats = [k for k in plan["kernels"] if k["name"].endswith("_stats")]
+    source = (tmp_path / "bundle" / "kernels.cl").read_text().splitlines()
+    assert stats and all("barrier(CLK_LOCAL_MEM_FENCE)" in "\n".join(source[k["lines"][0]:k["lines"][1]])
+                         for k in stats)

@@ -264,13 +264,38 @@ def _has_statistics(node: ir.Node) -> bool:
     return len(node.outputs) >= 3 and all(o is not None and o.name for o in node.outputs[1:3])
 
 
+def _group_statistics(b: KernelBuilder, node: ir.Node, row_start: str) -> tuple[str, str]:
+    """`_row_statistics` shared by the work-group (`b.group_size`): each work-item folds every
+    group_size-th element of the row, then the group merges the sums (mean first, then the
+    centred squares) in __local memory."""
+    x = node.inputs[0]
+    _, _, count = _layer_norm_geometry(node)
+    epsilon = float_literal(float(attr(node, "epsilon", 1e-5)))
+    n = float_literal(float(count))
+    total, centred, mean, inv_std, r = (b.fresh(h) for h in ("sum", "sq", "mean", "inv", "r"))
+    loop = f"for (int {r} = lid; {r} < {count}; {r} += {b.group_size})"
+    b.emit(f"float {total} = 0.0f;", f"{loop} {total} += {b.load(x, f'{row_start} + {r}')};")
+    b.merge_across_group(total)
+    b.emit(f"const float {mean} = {total} / {n};", f"float {centred} = 0.0f;",
+           f"{loop} {{", f"  const float d = {b.load(x, f'{row_start} + {r}')} - {mean};",
+           f"  {centred} += d * d;", "}")
+    b.merge_across_group(centred)
+    b.emit(f"const float {inv_std} = rsqrt({centred} / {n} + {epsilon});")
+    return mean, inv_std
+
+
 def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: list[ir.Value]) -> Kernel:
-    """Mean and/or InvStdDev (shape: the input's with the normalised axes as 1), one lane per row."""
-    shape, axis, _ = _layer_norm_geometry(node)
+    """Mean and/or InvStdDev (shape: the input's with the normalised axes as 1), one lane per row,
+    or one work-group per texel of rows when a row is longer than the serial limit."""
+    shape, axis, count = _layer_norm_geometry(node)
     b = KernelBuilder(table, name, FAMILY, outputs)
     b.nodes.append(node.name)
+    b.group_size = table.profile.reduction_group(count)
     row_start = b.temp("int", _flat(shape, OUT_INDEX, range(axis, len(shape))), "row")
-    mean, inv_std = _row_statistics(b, Code(b.lines), node, row_start)
+    if b.group_size is not None:
+        mean, inv_std = _group_statistics(b, node, row_start)
+    else:
+        mean, inv_std = _row_statistics(b, Code(b.lines), node, row_start)
     return b.finish([mean if out is node.outputs[1] else inv_std for out in outputs])
 
 

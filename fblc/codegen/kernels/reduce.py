@@ -75,14 +75,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
                f"  {acc} = {combine.format(acc=acc)};",
                "}")
     if group:
-        merged = merge.format(a="shared[lid]", b="shared[lid + s]")
-        b.emit("shared[lid] = " + acc + ";", "barrier(CLK_LOCAL_MEM_FENCE);",
-               f"for (int s = {group // 2}; s > 0; s >>= 1) {{",
-               f"  if (lid < s) shared[lid] = {merged};",
-               "  barrier(CLK_LOCAL_MEM_FENCE);",
-               "}",
-               f"{acc} = shared[0];",
-               "barrier(CLK_LOCAL_MEM_FENCE);  // shared is free again for the next lane")
+        b.merge_across_group(acc, merge)
     return acc
 
 
