@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.bundle_format import MASK_FORMATS
-from fblc.codegen.cl import Kernel, broadcast_index, flat_index, index_vars, literal
+from fblc.codegen.cl import Kernel, broadcast_index, div_index, flat_index, index_vars, literal, mod_index
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
 from fblc.compiler.values import const_array, is_float, static_shape
@@ -103,7 +103,7 @@ class KernelBuilder:
             return inlined
         index_map = map_of(value)
         if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
-            index = flat_index([(f"(({index}) / {inner} % {dim})" if inner > 1 else f"(({index}) % {dim})", stride)
+            index = flat_index([(mod_index(div_index(f"({index})", inner), dim), stride)
                                 for dim, inner, stride in zip(index_map.shape, row_major_strides(index_map.shape),
                                                               index_map.strides) if dim != 1], index_map.offset)
         arg, texture = self._argument(value)
@@ -113,6 +113,8 @@ class KernelBuilder:
             return f"ldm({arg}, ({index}) & {per_byte - 1}, {texture.coord(byte)})"
         if texture.layout.kind == "flat":
             loader = "ldf" if texture.kind == "float" else "ldi"
+            if texture.width & (texture.width - 1) == 0:  # a power-of-two width: shift and mask
+                return f"{loader}_p2({arg}, {index}, {texture.width.bit_length() - 1})"
             return f"{loader}({arg}, {index}, {texture.width})"
         lane = "lane_f" if texture.kind == "float" else "lane_i"
         return f"{lane}({self.read_texel(arg, texture, f'({index}) >> 2')}, ({index}) & 3)"

@@ -21,6 +21,7 @@ PREAMBLE = """\
 // sits is the texture's layout: TEXEL (flat) or RTILE (fblc/texel_layout.py).
 __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
 #define TEXEL(t, w) ((int2)((t) % (w), (t) / (w)))
+#define TEXEL_P2(t, s) ((int2)((t) & ((1 << (s)) - 1), (t) >> (s)))  // a width of 2^s texels: no division
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 #ifdef FBLC_TRACE  // fblc.runtime.trace: every texel read also records (argument, x, y) per work-item
@@ -47,6 +48,8 @@ inline int fblc_note(__global int4* trace, __global int* counts, int item, int* 
 #define ldm(img, bit, coord) ((int)(RDU(img, coord).x >> (bit)) & 1)
 #define ldf(img, i, w) lane_f(RDF(img, TEXEL((i) >> 2, w)), (i) & 3)
 #define ldi(img, i, w) lane_i(RDI(img, TEXEL((i) >> 2, w)), (i) & 3)
+#define ldf_p2(img, i, s) lane_f(RDF(img, TEXEL_P2((i) >> 2, s)), (i) & 3)
+#define ldi_p2(img, i, s) lane_i(RDI(img, TEXEL_P2((i) >> 2, s)), (i) & 3)
 """ + RTILE_C + "\n"
 
 
@@ -65,13 +68,36 @@ def literal(value: float | int | bool, ctype: str) -> str:
     return str(int(value))
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def div_index(index: str, divisor: int) -> str:
+    """`index / divisor` for a non-negative C int index: a shift when the divisor is a power of two
+    (a shift floors, a division truncates: the same for non-negative values only)."""
+    if divisor == 1:
+        return index
+    if _power_of_two(divisor):
+        return f"({index} >> {divisor.bit_length() - 1})"
+    return f"({index} / {divisor})"
+
+
+def mod_index(index: str, modulus: int) -> str:
+    """`index % modulus` for a non-negative C int index: a mask when the modulus is a power of two."""
+    if modulus == 1:
+        return "0"
+    if _power_of_two(modulus):
+        return f"({index} & {modulus - 1})"
+    return f"({index} % {modulus})"
+
+
 def index_vars(shape: Sequence[int], flat: str, prefix: str) -> list[str]:
-    """Statements declaring `prefix0..` as the multi-index of flat index `flat` in `shape`."""
+    """Statements declaring `prefix0..` as the multi-index of flat index `flat` (non-negative) in `shape`."""
     lines = []
     for axis, (dim, stride) in enumerate(zip(shape, strides_of(shape))):
-        expression = flat if stride == 1 else f"({flat} / {stride})"
+        expression = div_index(flat, stride)
         if axis > 0:
-            expression = f"({expression} % {dim})"
+            expression = mod_index(expression, dim)
         lines.append(f"const int {prefix}{axis} = {expression};")
     return lines
 

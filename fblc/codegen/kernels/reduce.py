@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, flat_index, strides_of
+from fblc.codegen.cl import Kernel, div_index, flat_index, mod_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of
@@ -52,9 +52,9 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     r = b.fresh("r")
     terms = []
     for k, axis in enumerate(axes):
-        part = r if loop_strides[k] == 1 else f"({r} / {loop_strides[k]})"
+        part = div_index(r, loop_strides[k])
         if k > 0:
-            part = f"({part} % {reduced_shape[k]})"
+            part = mod_index(part, reduced_shape[k])
         terms.append((part, strides[axis]))
     index = f"{base} + {flat_index(terms)}" if terms else base
     group = b.group_size
