@@ -41,6 +41,32 @@ TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen 
 TEXEL_FIRST = "z"  # prefix of the multi-index of the written texel's first element, seen by its hoisted reads
 PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of a mask8 output's texels
 
+#: The names kernels declare, in one place: an emitter that needs a variable takes one of these
+#: (or `fresh(hint)`, which adds a number); tests/test_kernel_names.py checks every bundle's
+#: kernels.cl against this table.
+KERNEL_NAMES: dict[str, str] = {
+    "t": "the output texel the work-item (or, in a group kernel, the work-group) computes",
+    "g": "the work-item's index when it computes several texels (texels_per_item > 1)",
+    "tt": "a texel's place in the work-item's tile of texels",
+    "wi": "the work-item's index when it runs PAIR items in turn (odd mask8 outputs)",
+    "sub": "which of the PAIR items runs",
+    "lane": "the element's lane in its texel, 0 to 3",
+    "i": "the element's flat index in the output tensor",
+    "lid": "the work-item's index in its work-group (group kernels)",
+    "shared": "the group kernel's __local partials, one per work-item",
+    "s": "the stride of a group merge's tree",
+    "x": "the element a reduction loop folds",
+    "v": "the texel (float4) a reduction loop reads",
+    "d": "an element minus its row's mean (normalisation)",
+    f"{OUT_INDEX}<k>": "axis k of the output element's multi-index",
+    f"{TEXEL_INDEX}<k>": "axis k of the multi-index of the work-item's first element (the per-texel prologue)",
+    f"{TEXEL_FIRST}<k>": "axis k of the multi-index of the written texel's first element (its hoisted reads)",
+    "r<k>": "output k's four lane results of the texel",
+    "byte<k>": "the byte of mask8 output k being assembled",
+    "out<k>": "image argument: output k",
+    "in<k>": "image argument: input k",
+}
+
 
 def ctype_of(value: ir.Value) -> str:
     return "float" if is_float(value) else "int"
