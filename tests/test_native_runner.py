@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from fblc import bundle_format as fmt
+from support.bundles import edit_plan
 from fblc.codegen.compile import compile_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
@@ -352,16 +353,6 @@ def test_aarch64_cross_build(tmp_path) -> None:
     assert (kind.machine, kind.system) == ("aarch64", "linux")
 
 
-def _edit_plan(bundle: str, edit) -> None:
-    path = os.path.join(bundle, fmt.PLAN)
-    plan = json.load(open(path))
-    edit(plan)
-    json.dump(plan, open(path, "w"))
-    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
-    manifest["checksums"][fmt.PLAN] = fmt.sha256_of(path)
-    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
-
-
 def test_sizes_that_overflow_and_work_groups_the_device_cannot_run_are_refused(tmp_path, bundle, runner_binary,
                                                                                opencl_env) -> None:
     """Sizes from plan.json are multiplied with overflow checks; the plan's work-group size is the one
@@ -373,7 +364,7 @@ def test_sizes_that_overflow_and_work_groups_the_device_cannot_run_are_refused(t
     def huge_shape(plan: dict) -> None:
         plan["textures"][0]["shape"] = [2**40, 2**40]
 
-    _edit_plan(bundle, huge_shape)
+    edit_plan(bundle, huge_shape)
     done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
     assert done.returncode == 2 and "more elements than a size holds" in done.stderr, done.stderr
     open(os.path.join(bundle, fmt.PLAN), "w").write(original)
@@ -382,7 +373,7 @@ def test_sizes_that_overflow_and_work_groups_the_device_cannot_run_are_refused(t
         for launch in plan["kernels"]:
             launch["local_size"], launch["global_size"] = [1 << 20], [1 << 20]
 
-    _edit_plan(bundle, huge_groups)
+    edit_plan(bundle, huge_groups)
     done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
     first = json.load(open(os.path.join(bundle, fmt.PLAN)))["kernels"][0]["name"]
     assert done.returncode != 0 and f"launching kernel '{first}' failed" in done.stderr, done.stderr

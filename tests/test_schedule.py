@@ -10,8 +10,6 @@ still equal onnxruntime's). Negative: a plan whose work-groups exceed the device
 
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ from fblc.profiles import load_profile, shipped_targets
 from fblc.profiles.profile import GROUP_ITEMS
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
+from support.bundles import edit_plan
 from tests.test_runtime import OPTIONS, elementwise_model
 
 
@@ -70,15 +69,12 @@ def test_padded_work_items_write_nothing(tmp_path) -> None:
 
 
 def _set_group(bundle: str, group: int) -> None:
-    plan_path = os.path.join(bundle, fmt.PLAN)
-    plan = json.load(open(plan_path))
-    for launch in plan["kernels"]:
-        launch["local_size"] = [group]
-        launch["global_size"] = [-(-launch["global_size"][0] // group) * group]
-    json.dump(plan, open(plan_path, "w"))
-    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
-    manifest["checksums"][fmt.PLAN] = fmt.sha256_of(plan_path)
-    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+    def regroup(plan: dict) -> None:
+        for launch in plan["kernels"]:
+            launch["local_size"] = [group]
+            launch["global_size"] = [-(-launch["global_size"][0] // group) * group]
+
+    edit_plan(bundle, regroup)
 
 
 def test_a_work_group_beyond_the_device_is_refused_naming_the_launch(tmp_path) -> None:
@@ -97,12 +93,10 @@ def test_a_bundle_without_schedules_still_runs(tmp_path) -> None:
     from tests.test_runtime import batch
 
     scheduled = runner.step(batch())
-    plan_path = os.path.join(bundle, fmt.PLAN)
-    plan = json.load(open(plan_path))
-    for launch in plan["kernels"]:
-        launch["local_size"], launch["global_size"] = None, [launch["items"]]
-    json.dump(plan, open(plan_path, "w"))
-    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
-    manifest["checksums"][fmt.PLAN] = fmt.sha256_of(plan_path)
-    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+
+    def unschedule(plan: dict) -> None:
+        for launch in plan["kernels"]:
+            launch["local_size"], launch["global_size"] = None, [launch["items"]]
+
+    edit_plan(bundle, unschedule)
     assert np.isclose(LocalRunner(bundle).step(batch()), scheduled, rtol=1e-6)

@@ -31,7 +31,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.bundle_format import MASK_FORMATS
-from fblc.codegen.cl import Kernel, broadcast_index, div_index, flat_index, index_vars, literal, mod_index
+from fblc.codegen.cl import (Kernel, broadcast_index, div_index, flat_index, index_vars, is_power_of_two, literal,
+                             mod_index)
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
 from fblc.compiler.values import const_array, is_float, static_shape
@@ -139,7 +140,7 @@ class KernelBuilder:
             return f"ldm({arg}, ({index}) & {per_byte - 1}, {texture.coord(byte)})"
         if texture.layout.kind == "flat":
             loader = "ldf" if texture.kind == "float" else "ldi"
-            if texture.width & (texture.width - 1) == 0:  # a power-of-two width: shift and mask
+            if is_power_of_two(texture.width):  # shift and mask instead of dividing
                 return f"{loader}_p2({arg}, {index}, {texture.width.bit_length() - 1})"
             return f"{loader}({arg}, {index}, {texture.width})"
         lane = "lane_f" if texture.kind == "float" else "lane_i"

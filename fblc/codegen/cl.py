@@ -68,7 +68,7 @@ def literal(value: float | int | bool, ctype: str) -> str:
     return str(int(value))
 
 
-def _power_of_two(n: int) -> bool:
+def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
@@ -77,7 +77,7 @@ def div_index(index: str, divisor: int) -> str:
     (a shift floors, a division truncates: the same for non-negative values only)."""
     if divisor == 1:
         return index
-    if _power_of_two(divisor):
+    if is_power_of_two(divisor):
         return f"({index} >> {divisor.bit_length() - 1})"
     return f"({index} / {divisor})"
 
@@ -86,7 +86,7 @@ def mod_index(index: str, modulus: int) -> str:
     """`index % modulus` for a non-negative C int index: a mask when the modulus is a power of two."""
     if modulus == 1:
         return "0"
-    if _power_of_two(modulus):
+    if is_power_of_two(modulus):
         return f"({index} & {modulus - 1})"
     return f"({index} % {modulus})"
 

@@ -11,6 +11,8 @@ the reads; fblc.tools.cache_report sums them per kernel.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +46,10 @@ class ReadTracer(LocalRunner):
     """A LocalRunner whose kernels also record the texels they read."""
 
     def __init__(self, bundle: str, device: str | None = None) -> None:
-        _, plan = fmt.load_verified(bundle)
-        group_size = max(group_of(launch) for launch in plan["kernels"])
+        # the trace buffers are sized in the build options, so the plan is read before the runner
+        # reads (and verifies) the whole bundle
+        with open(os.path.join(bundle, fmt.PLAN), encoding="utf-8") as handle:
+            group_size = max(group_of(launch) for launch in json.load(handle)["kernels"])
         # silent: it never steps, so the first-step report of its kernel build would never end
         super().__init__(bundle, device, build_options=(TRACE_DEFINE, f"-DFBLC_TRACE_CAPACITY={CAPACITY}",
                                                         f"-DFBLC_TRACE_ITEMS={group_size}"), progress=False)
