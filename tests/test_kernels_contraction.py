@@ -193,7 +193,8 @@ def _path(body: str) -> str:
 
 
 # Under R-Tile layouts a MatMul/Gemm work-item computes an output tile of 8 or 4 rows (whichever divides
-# the rows) by 2 texels (8 columns) or 1: matmul_tile is 8x8, the batched case 4x8, gemm_tile_trans_b 4x4.
+# the rows) by 2 texels (8 columns) or 1: matmul_tile is 8x8, the batched case 4x8, gemm_tile_trans_b 4x4;
+# a Conv or ConvTranspose work-item a tile of output channels (or batch elements) by its texels.
 TILE_CASES = {
     "matmul_tile": ([_node("MatMul", ["a", "b"])], {"a": (8, 20), "b": (20, 8)}, {"forward": "tile", "grad": "tile"}),
     "matmul_tile_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 4, 12), "b": (2, 12, 8)},
@@ -202,6 +203,18 @@ TILE_CASES = {
                           {"a": (20, 8), "b": (20, 8), "c": (8, 8)}, {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
                           {"a": (4, 20), "b": (12, 20), "c": (12,)}, {"forward": "tile", "grad": "tile"}),
+    # conv register tiles: a work-item also computes the same positions of 4 or 2 more output channels
+    # (rows 4 / gcd(plane, 4) channels apart where a channel's plane is no multiple of 4: 15 here), or of
+    # more batch elements (a channel tile; the weight gradient's batch axis is the input channels)
+    "conv_pointwise_rows_odd_plane": (*conv((2, 8, 3, 5), (16, 8, 1, 1)),
+                                      {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # rows of 30: two texel columns per tile row, channels 2 apart (a plane of 180 = 4 mod 8)
+    "conv3x3_rows_two_columns": (*conv((1, 4, 6, 30), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
+                                 {"forward": "tile", "dx": "tile", "dw": "lane"}),
+    # a grouped spatial tile: the 4 rows stay within a group of 8 output channels
+    "conv_grouped_rows": (*conv((1, 8, 5, 8), (16, 4, 3, 3), group=2, pads=[1, 1, 1, 1]),
+                          {"forward": "tile", "dx": "tile", "dw": "lane"}),
+    "conv_channel_tile_batches": (*conv((8, 4, 1, 6), (8, 4, 1, 3)), {"forward": "tile", "dx": "tile", "dw": "tile"}),
 }
 
 
@@ -269,6 +282,19 @@ def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
     assert report["kernels"] < computing
     assert len(_forward_kernels(step, ("Conv", "BatchNormalization", "Relu"))) == 1, "Conv+BN+Relu: one kernel"
     assert report["kernels_per_family"]["conv"] == 3  # forward, dX (ConvTranspose), dW (grouped Conv)
+
+
+def test_no_epilogue_through_a_reordering_view(tmp_path) -> None:
+    """A consumer that reads the conv's output through a transposed view of the same shape (a
+    weight gradient's layout change before the optimizer) is no epilogue: element i of the view is
+    not element i of the conv, so it runs in a kernel of its own, and the step still matches."""
+    nodes = [_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
+             _node("Transpose", ["c"], "ct", perm=[1, 0, 2, 3]),  # [2, 2, 5, 5] -> [2, 2, 5, 5]
+             _node("Relu", ["ct"])]
+    path = write_case(str(tmp_path / "conv_transpose_relu.onnx"), nodes, {"x": (2, 2, 5, 5), "w": (2, 2, 3, 3)})
+    assert_step_matches(path)
+    step, _, _ = _compiled(path, str(tmp_path / "bundle"))
+    assert len(_forward_kernels(step, ("Conv", "Relu"))) == 2, "Relu reads c transposed: its own kernel"
 
 
 def test_matmul_add_sigmoid_epilogue(tmp_path) -> None:

@@ -40,6 +40,7 @@ from fblc.compiler.values import const_array, is_float, static_shape
 OUT_INDEX = "o"  # prefix of the output multi-index variables
 TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen by the per-texel prologue
 TEXEL_FIRST = "z"  # prefix of the multi-index of the written texel's first element, seen by its hoisted reads
+TEXEL_LAST = "zl"  # the same for its last element (within the tensor)
 PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of a mask8 output's texels
 
 #: The names kernels declare, in one place: an emitter that needs a variable takes one of these
@@ -62,6 +63,7 @@ KERNEL_NAMES: dict[str, str] = {
     f"{OUT_INDEX}<k>": "axis k of the output element's multi-index",
     f"{TEXEL_INDEX}<k>": "axis k of the multi-index of the work-item's first element (the per-texel prologue)",
     f"{TEXEL_FIRST}<k>": "axis k of the multi-index of the written texel's first element (its hoisted reads)",
+    f"{TEXEL_LAST}<k>": "axis k of the multi-index of the written texel's last element (its hoisted reads)",
     "r<k>": "output k's four lane results of the texel",
     "byte<k>": "the byte of mask8 output k being assembled",
     "out<k>": "image argument: output k",
@@ -91,6 +93,7 @@ class KernelBuilder:
         self.item_columns = 1  # consecutive texels per row of a work-item's tile (item_stride > 1)
         self.texel_reads: list[str] = []  # reads shared by a texel's 4 lanes, before its lane loop
         self._hoisted: dict[tuple[int, str], str] = {}
+        self._reads_last = False  # a hoisted read needs the texel's last element (TEXEL_LAST)
         self.nodes: list[str] = []
         self._counter = 0
         #: work-items that cooperate on each output texel (a work-group: `lid` its local id; the
@@ -171,14 +174,29 @@ class KernelBuilder:
         return self.load(root, broadcast_index(index_map.shape, out_shape, prefix, index_map.strides,
                                                index_map.offset))
 
+    def load_channel(self, value: ir.Value, axis: int = 1) -> str:
+        """C expression, in the lane loop: the 1-D `value` (one element per index of output `axis`,
+        e.g. a conv's bias, BatchNormalization's statistics) at the output element's index there;
+        read once per texel where its lanes share one or two of them."""
+        inlined = self.constant_scalar(value)
+        if inlined is not None:
+            return inlined
+        root, index_map = self.strided(value)
+        trailing = len(self.out_shape) - 1 - axis
+        spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
+                          index_map.offset)
+        return self._texel_read(root, spread) or self.load(value, f"{OUT_INDEX}{axis}")
+
     def _texel_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
         """The lane's element of `root` read through `index_map` (broadcast to the output) from a
         texel read once per output texel; None when the 4 lanes of an output texel do not map to
         the 4 lanes of one texel, or to one element."""
         out = self.out_shape
         texture = self.table.of(root)
-        if not out or out[-1] % 4 or texture.mask_elements:
+        if not out or texture.mask_elements:
             return None
+        if out[-1] % 4:
+            return self._block_read(root, index_map)
         inner = index_map.shape[-1] if index_map.shape else 1  # broadcasting: 1 or the output's last axis
         aligned = index_map.offset % 4 == 0 and all(
             stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
@@ -196,6 +214,32 @@ class KernelBuilder:
                 vector = "float4" if texture.kind == "float" else "int4"
                 self._hoisted[key] = f"{'lane_f' if texture.kind == 'float' else 'lane_i'}({name}, lane)"
                 self.texel_reads.append(f"const {vector} {name} = {self.read_texel(arg, texture, f'({first}) >> 2')};")
+        return self._hoisted[key]
+
+    def _block_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
+        """The lane's element of `root`, when it is constant over blocks of at least 4 consecutive
+        output elements (a per-channel value of a conv's epilogue): a texel's lanes then see at most
+        two elements, its first lane's and its last's, read once per texel. None otherwise."""
+        out = self.out_shape
+        view = (1,) * (len(out) - len(index_map.shape)) + tuple(index_map.shape)
+        block = 1
+        for axis in reversed(range(len(out))):
+            if view[axis] != 1:
+                break
+            block *= out[axis]
+        if block < 4 or block == int(np.prod(out)):
+            return None  # lanes of several elements, or one element for the whole tensor (load() inlines it)
+        first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
+        key = (id(root), f"block {first}")
+        if key not in self._hoisted:
+            last = broadcast_index(index_map.shape, out, TEXEL_LAST, index_map.strides, index_map.offset)
+            head, tail, split = self.fresh("H"), self.fresh("H"), self.fresh("n")
+            ctype = ctype_of(root)
+            self.texel_reads += [f"const {ctype} {head} = {self.load(root, first)};",
+                                 f"const {ctype} {tail} = {self.load(root, last)};",
+                                 f"const int {split} = {block} - (t * 4) % {block};  // lanes in the first block"]
+            self._hoisted[key] = f"(lane < {split} ? {head} : {tail})"
+            self._reads_last = True
         return self._hoisted[key]
 
     # writing the body ------------------------------------------------------------------------
@@ -225,6 +269,18 @@ class KernelBuilder:
                   "}",
                   f"{acc} = shared[0];",
                   "barrier(CLK_LOCAL_MEM_FENCE);  // shared is free again for the next merge")
+
+    def tile_texels(self, rows: int, columns: int, stride: int) -> None:
+        """Make each work-item hold a 2-D tile: `rows` rows `stride` texels apart, each of `columns`
+        consecutive texels (stride a multiple of columns)."""
+        assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
+        self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
+
+    def tile_keeps_bytes(self, columns: int, stride: int) -> bool:
+        """True when a 2-D tile of rows `stride` texels apart, each of `columns` texels, writes every
+        saved mask in whole bytes (r_mask8); else finish() would fall back to r_mask4, twice the bits."""
+        masks = any(t.format == MASK_FORMATS["mask8"] for t in self.out_textures)
+        return not masks or (columns % 2 == 0 and stride % 2 == 0)
 
     def fresh(self, hint: str) -> str:
         self._counter += 1
@@ -314,7 +370,10 @@ class KernelBuilder:
             ctype = "float" if texture.kind == "float" else "int"
             body.append(f"{ctype} r{k}[4] = {{0, 0, 0, 0}};")
         if self.texel_reads:
-            body += index_vars(self.out_shape, "t * 4", TEXEL_FIRST) + self.texel_reads
+            body += index_vars(self.out_shape, "t * 4", TEXEL_FIRST)
+            if self._reads_last:
+                body += index_vars(self.out_shape, f"min(t * 4 + 3, {out_numel - 1})", TEXEL_LAST)
+            body += self.texel_reads
         body += ["for (int lane = 0; lane < 4; ++lane) {",
                  "  const int i = t * 4 + lane;",
                  f"  if (i >= {out_numel}) break;"]

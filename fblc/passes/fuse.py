@@ -4,7 +4,8 @@ Rewrite: writes `fblc.kernel` = `k<N>` on every node that runs in a kernel (N is
 order), and `alias` on views (Identity, and data movement that tile_remap turned into index
 maps) that read their root's texture. Two kernels merge when both are elementwise chains (or one is a
 contraction, MatMul/Gemm/Conv/ConvTranspose, and the other only feeds its epilogue), their
-outputs have the same shape (one work-item per output element serves both), and no third
+outputs have the same shape (one work-item per output element serves both), the consumer reads
+the producer's output in its own order (directly, or through a view that keeps the order), and no third
 kernel lies between them (merging would form a cycle). An elementwise node tries to merge
 with the kernels of all its inputs, so chains over parameters and optimizer state (Adam's
 moment updates) become one kernel. Every other op runs alone. Kernels are numbered in a
@@ -18,7 +19,7 @@ import networkx as nx
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.index_map import is_view, real_producer, real_readers
+from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers
 from fblc.compiler.values import static_shape
 from fblc.passes.contracts import ContractPass
 
@@ -152,7 +153,8 @@ class FuseKernels(ContractPass):
             if groups.kind[group] != "elementwise":
                 continue
             for value in node.inputs:
-                producer = real_producer(value)
+                # through a view only when it reads in the producer's order: element i is element i
+                producer = real_producer(value) if value is not None and map_of(value).contiguous else None
                 other = groups.of(producer) if producer is not None else None
                 if other is not None and groups.can_merge(other, group):
                     group = groups.merge(other, group)

@@ -43,6 +43,9 @@ PORTABLE_IMAGE_EDGE = 8192
 GROUP_ITEMS = 64
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
+#: the floats one work-item's accumulators may take: an 8 x 8 tile, what mobile GEMM kernels keep in
+#: registers (Adreno's and Mali's guides: more spills to private memory, which is device memory)
+PRIVATE_FLOATS = 64
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
 SOURCE_KINDS = ("measured", "vendor documentation:", "paper:", "estimated")

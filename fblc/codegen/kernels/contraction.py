@@ -178,17 +178,18 @@ def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]
 
 
 def reduce_guarded(b: KernelBuilder, guard: str, build: Callable[[Code], Reduction],
-                   fallback: Callable[[Code], str]) -> str:
-    """Texels whose 4 lanes meet `guard` (e.g. they do not cross the end of a row) reduce together
-    in the per-texel prologue; the others per lane, with the code `fallback` emits in the lane loop.
+                   fallback: Callable[[Code], str], lanes: int = LANES) -> str:
+    """Work-items whose texels meet `guard` (e.g. they do not cross the end of a row) reduce their
+    `lanes` (4 * b.texels_per_item) together in the per-texel prologue; the others per lane, with
+    the code `fallback` emits in the lane loop.
 
     Returns the name of the lane's accumulator in the lane loop, where the epilogue runs.
     """
     code = Code(b.texel_lines)
     whole, accs, acc = b.fresh("whole"), b.fresh("acc"), b.fresh("acc")
     code.emit(f"const bool {whole} = {guard};")
-    build(code).emit(b, code, accs, LANES, whole)
-    b.emit(f"float {acc} = {accs}[lane];")
+    build(code).emit(b, code, accs, lanes, whole)
+    b.emit(f"float {acc} = {accs}[{b.item_lane}];")
     lane = Code(b.lines)
     lane.open(f"if (!{whole})")
     lane.emit(f"{acc} = {fallback(lane)};")
@@ -229,7 +230,7 @@ def _tile(b: KernelBuilder, rows: int) -> tuple[int, int]:
         return 1, 1
     row_texels = b.out_shape[-1] // LANES
     columns = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 else 1
-    b.texels_per_item, b.item_stride, b.item_columns = tile_rows * columns, row_texels, columns
+    b.tile_texels(tile_rows, columns, row_texels)
     return tile_rows, columns
 
 

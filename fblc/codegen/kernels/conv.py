@@ -3,9 +3,9 @@
 The texture layout decides which outputs a work-item holds: 4 * texels_per_item consecutive
 flat elements. Tiles, by preference:
 - channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every
-  other spatial extent 1). The autodiff's weight-gradient Conv (X grouped over the batch,
-  whose 'weights' are dY rows and whose output rows are kernel taps: [Cg_in, N*G*Cg_out, k, 1]
-  for T-ResNet) lands here: the 4 rows share the X window, each reads its own dY row.
+  other spatial extent 1). The autodiff's weight-gradient Conv (gradients/linalg.py: X viewed
+  [Cg_in, N, ...] whose 'weights' are dY maps and whose output rows are kernel taps) lands
+  here: the 4 rows share the X window, each reads its own dY row.
 - spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a
   multiple of 4 (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read
   their inputs, consecutive or strided elements of one input row, as whole texels.
@@ -14,16 +14,23 @@ flat elements. Tiles, by preference:
   two rows per lane.
 - per lane: each lane reduces alone in the builder's lane loop, the same blocked reduction
   along the last spatial axis that has taps (contiguous taps read as texels).
+Under R-Tile codegen (--layout rtile) a work-item holds a register tile, rows of the builder's
+2-D tile: a spatial tile or row texels also the same positions of 2 or 4 output channels
+(channel_rows; their rows share every input read, so a pointwise conv reads each input texel
+once per 4 output channels), a channel tile those of 2 to 8 batch elements (batch_rows; the
+weight gradient's batch axis is X's channels). Under --layout naive, one channel per item.
 A 1x1 conv with stride 1 and no padding, and a conv whose output pixel sees its whole input
-(a 1x1 conv's weight gradient), are seen over their flattened spatial axes first. Input channels go in blocks of 4 with the taps of the tiled (or last) spatial
-axis unrolled, or, for more than TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the
-other spatial axes loop over their in-bounds tap range, which the lanes share. Along the
-unrolled axis, taps outside the input read zero through masks.
+(a 1x1 conv's weight gradient), are seen over their flattened spatial axes first. Input
+channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled, or, for
+more than TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the other spatial axes loop
+over their in-bounds tap range, which the lanes share. Along the unrolled axis, taps outside
+the input read zero through masks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,11 +63,15 @@ from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
+from fblc.profiles.profile import PRIVATE_FLOATS
 
 FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwise conv (texel, lane)
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
+CHANNEL_ROWS = (4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
+PAIR_ROW = 16  # rows at least this long take tiles of two texel columns on the row path
+BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
 
 
 @dataclass
@@ -120,13 +131,15 @@ class _Tile:
     length: int
     axis: int | None
     multiple: int = 0
+    row_step: int = 1  # output channels between consecutive rows
+    batches: int = 1  # consecutive batch elements (the R-Tile register tile of a channel tile)
 
     def __post_init__(self) -> None:
         self.multiple = self.multiple or self.length
 
     @property
     def lanes(self) -> int:
-        return self.rows * self.length
+        return self.batches * self.rows * self.length
 
 
 def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
@@ -142,10 +155,11 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     def var(axis: int) -> str:
         return f"{prefix}{axis}"
 
-    x_terms = [Term(var(0), xs[0])] if cs.x_shape[0] > 1 else []
+    x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     if cs.groups > 1:
         x_terms.append(Term(f"({var(1)} / {cs.cg_out})", cs.cg_in * xs[1]))
-    w_terms = [Term(var(1), ws[0], tile.rows)] if cs.w_shape[0] > 1 else []
+    first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
+    w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
     for axis in range(len(window.in_spatial)):
         if axis == masked:
@@ -190,10 +204,11 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     clamp = pad > 0 or mask.high + spread - pad + (k - 1) * d >= n
 
     def product(lane: int, channel: int, tap: int) -> Product:
-        row, step = divmod(lane, tile.length)
+        batch, rest = divmod(lane, tile.rows * tile.length)
+        row, step = divmod(rest, tile.length)
         position = (step * s if masked == tile.axis else 0) + tap * d - pad
-        return Product(lane, channel * xs[1] + position * x_step, row * ws[0] + channel * ws[1] + tap * w_step,
-                       position)
+        return Product(lane, batch * xs[0] + channel * xs[1] + position * x_step,
+                       row * tile.row_step * ws[0] + channel * ws[1] + tap * w_step, position)
 
     x = Operand(cs.x, x_terms, x_offset, clamp)
     w = Operand(cs.w, w_terms, w_offset)
@@ -222,6 +237,51 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
     return None
 
 
+def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
+                 ) -> tuple[int, int, int]:
+    """(rows, row_step, columns): under R-Tile codegen a work-item whose outputs are `columns`
+    consecutive texels of one output channel (the first of `choices` that fits) also computes the
+    same positions of rows - 1 more channels, row_step apart (the register tile: the rows share
+    every input read). Positions line up with texel columns only every row_step = 4 * columns /
+    gcd(plane, 4 * columns) channels, `plane` the elements of a channel; the rows stay within a
+    group (cg_out output channels), within PRIVATE_FLOATS accumulators and keep saved masks in
+    whole bytes. (1, 1, the last choice) when none fits, or under the naive layout: the
+    conventional one-channel kernel."""
+    plane = int(np.prod(out_shape[2:]))
+    if b.table.tiled:
+        for columns in choices:
+            step = LANES * columns // math.gcd(plane, LANES * columns)
+            stride = step * plane // LANES
+            for rows in CHANNEL_ROWS:
+                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS and \
+                        b.tile_keeps_bytes(columns, stride):
+                    b.tile_texels(rows, columns, stride)
+                    return rows, step, columns
+    return 1, 1, choices[-1]
+
+
+def row_columns(length: int) -> tuple[int, ...]:
+    """Texel columns a work-item may take along a row of `length` that is no multiple of 4: two
+    (whole bytes of a saved mask, more lanes sharing the weights) where rows are long enough that
+    most pairs lie within one, else one."""
+    return (2, 1) if length >= PAIR_ROW else (1,)
+
+
+def batch_rows(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
+    """Batch elements a channel tile's work-item computes under R-Tile codegen (the register tile:
+    they share every weight read; the autodiff's weight gradient, whose batch axis is the input
+    channels, shares the dY reads), within PRIVATE_FLOATS accumulators, saved masks in whole
+    bytes; 1 under naive."""
+    batch_texels = int(np.prod(out_shape[1:])) // LANES
+    if b.table.tiled:
+        for batches in BATCH_ROWS:
+            if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS and \
+                    b.tile_keeps_bytes(b.texels_per_item, batch_texels):
+                b.tile_texels(batches, b.texels_per_item, batch_texels)
+                return batches
+    return 1
+
+
 def texels_per_item(texels: int) -> int:
     """Texels a work-item of a spatial tile covers: the most (up to 5) that divide a row of `texels`."""
     return next(n for n in (5, 4, 3, 2, 1) if texels % n == 0)
@@ -246,7 +306,7 @@ def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) ->
 
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """Direct convolution (and the autodiff's weight-gradient form, group = N*G over [Cg_in, N*G, H, W])."""
+    """Direct convolution (and the autodiff's weight-gradient form, gradients/linalg.conv_weight_grad)."""
     node = group.anchor
     cs = _conv_shape(node)
     b = start_builder(table, group, "conv")
@@ -264,13 +324,19 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     if tile is not None:
         b.texels_per_item = tile.lanes // LANES
+        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels
+            tile.rows, tile.row_step, _ = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))
+        else:  # a channel tile: under R-Tile codegen, of several batch elements
+            tile.batches = batch_rows(b, view.out_shape, tile.lanes)
         masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
         acc = reduce_into(b, texels(tile, masked), tile.lanes)
     elif row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length = row
-        acc = reduce_guarded(b, f"{texel}{axis} <= {length - LANES}",
-                             texels(_Tile(1, LANES, axis - 2, multiple=1), axis - 2),
-                             lambda code: reduce_lane(b, code, per_lane))
+        rows, step, columns = channel_rows(b, view.out_shape, view.cg_out, row_columns(length))
+        width = LANES * columns  # positions of a tile row
+        acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
+                             texels(_Tile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),
+                             lambda code: reduce_lane(b, code, per_lane), rows * width)
     else:
         acc = reduce_into(b, per_lane, 1)
     add_bias(b, node, acc)
@@ -309,7 +375,7 @@ def _last_tap_axis(cs: _ConvShape) -> int | None:
 
 def add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
     if len(node.inputs) > 2 and node.inputs[2] is not None:
-        b.emit(f"{acc} += {b.load(node.inputs[2], f'{OUT_INDEX}1')};")
+        b.emit(f"{acc} += {b.load_channel(node.inputs[2])};")
 
 
 def affine(var: str, scale: int, offset: int) -> str:

@@ -8,7 +8,9 @@ share the weights and read their inputs as whole texels; input channels go in bl
 Rows of another length >= ROW_MIN at stride 1: the texels within one row do the same, the
 ones across two rows run per lane. Per lane: guarded tap loops around a dot product over
 input channels. A 1x1 ConvTranspose with stride 1 and no padding is seen over its flattened
-spatial axes first.
+spatial axes first. Under R-Tile codegen the texel-wide paths compute the same positions of 2
+or 4 output channels too (conv.channel_rows): they share the dY reads, and their weights lie
+side by side in W [C_in, C_out / group, k...].
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from fblc.codegen.kernels.conv import (
     TAP_BLOCK,
     add_bias,
     affine,
+    channel_rows,
+    row_columns,
     texels_per_item,
 )
 from fblc.codegen.kernels.texel import (
@@ -135,11 +139,14 @@ def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: in
     return lines, tap, source
 
 
-def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: int, lanes: int, multiple: int
-                         ) -> Reduction:
+def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: int, lanes: int, multiple: int,
+                         rows: tuple[int, int] = (1, 1)) -> Reduction:
     """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple
     of `multiple` (the stride divides it, so which taps a lane takes is a literal): input channels
-    in blocks of 4, taps unrolled. `u` names the index variables of the first output."""
+    in blocks of 4, taps unrolled. `u` names the index variables of the first output; `rows` =
+    (count, step): the same positions of that many output channels, step apart (conv.channel_rows),
+    lane = row * lanes + position."""
+    count, row_step = rows
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
     g = f"({u}1 / {ts.cg_out})"
     x_terms = ([Term(f"{u}0", xs[0])] if ts.x_shape[0] > 1 else []) + (
@@ -166,7 +173,9 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
                 for lane_index in range(lanes):
                     v = lane_index + pad - t * d  # o + v must be a multiple of s
                     if v % s == 0:
-                        found.append(Product(lane_index, c * xs[1] + (v // s) * x_step, c * ws[0] + t * w_step, v // s))
+                        found += [Product(row * lanes + lane_index, c * xs[1] + (v // s) * x_step,
+                                          c * ws[0] + row * row_step * ws[1] + t * w_step, v // s)
+                                  for row in range(count)]
         return found
 
     positions = [p.position for p in products(range(1))]
@@ -187,16 +196,20 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
         b.texels_per_item = texels_per_item(view.out_shape[axis] // LANES)
         lanes = LANES * b.texels_per_item
+        rows = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))[:2]
         if view is not ts:
             b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
-        acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes), lanes)
+        acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows),
+                          lanes * rows[0])
     elif row is not None and view.strides[row[0] - 2] == 1 and view.kernel[row[0] - 2] <= TAP_BLOCK:
         axis, length = row  # texels within one row reduce together, the ones across two per lane
+        count, step, columns = channel_rows(b, view.out_shape, view.cg_out, row_columns(length))
+        width = LANES * columns  # positions of a tile row
         if view is not ts:
             b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
-        acc = reduce_guarded(b, f"{texel}{axis} <= {length - LANES}",
-                             lambda code: _transpose_reduction(b, view, texel, axis - 2, LANES, 1),
-                             lambda code: _transpose_per_lane(b, view, code, lane))
+        acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
+                             lambda code: _transpose_reduction(b, view, texel, axis - 2, width, 1, (count, step)),
+                             lambda code: _transpose_per_lane(b, view, code, lane), width * count)
     else:
         acc = b.fresh("acc")
         b.emit(f"float {acc} = 0.0f;")

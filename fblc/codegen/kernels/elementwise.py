@@ -132,7 +132,7 @@ def _batch_norm(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
     if int(attr(node, "training_mode", 0)):
         raise UnsupportedOpError(f"BatchNormalization in training mode (node '{node.name}') has no kernel",
                                  "compile with --bn-train, which rewrites it into batch-statistics ops")
-    scale, bias, mean, var = (b.load(v, f"{OUT_INDEX}1") for v in node.inputs[1:5])
+    scale, bias, mean, var = (b.load_channel(v) for v in node.inputs[1:5])
     epsilon = float_literal(float(attr(node, "epsilon", 1e-5)))
     return f"(({x(node.inputs[0])} - {mean}) * {scale} * rsqrt({var} + {epsilon}) + {bias})"
 

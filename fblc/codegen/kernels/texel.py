@@ -28,6 +28,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import flat_index
+from fblc.profiles.profile import PRIVATE_FLOATS
 
 LANES = 4
 COMPONENTS = "xyzw"
@@ -233,6 +234,9 @@ class Reduction:
 
     def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int, guard: str | None = None) -> None:
         """Declare `float acc[lanes]` and accumulate into it (only where `guard` holds, if given)."""
+        if lanes > PRIVATE_FLOATS:
+            raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
+                                 "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
         code.emit(f"float {acc}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};")
         depth = code.depth
         code.open(f"if ({guard})" if guard else "")  # the loops' and blocks' names stay local

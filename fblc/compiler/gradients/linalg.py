@@ -11,7 +11,8 @@ import onnx_ir as ir
 from fblc.compiler.autodiff import register_gradient
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, static_shape
-from fblc.compiler.window import transpose_output_padding, window_of
+from fblc.compiler.window import Window, transpose_output_padding, window_of
+from fblc.profiles.profile import SERIAL_REDUCTION
 
 Grads = Sequence["ir.Value | None"]
 
@@ -73,14 +74,12 @@ def gemm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gr
 
 @register_gradient("Conv")
 def conv_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-    """dX by ConvTranspose; dW by a grouped conv of X with dY (grouped over batch x groups); dB by a sum."""
+    """dX by ConvTranspose; dW by a conv of X with dY as kernels (conv_weight_grad); dB by a sum."""
     x, w = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
     window = window_of(node)
     groups = int(attr(node, "group", 1))
-    n, c_in, *spatial = static_shape(x)
-    c_out = static_shape(w)[0]
-    rank = len(spatial)
+    rank = len(static_shape(x)) - 2
     dy = dys[0]
     dx = dw = db = None
     if need[0]:
@@ -88,25 +87,43 @@ def conv_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gr
                   dilations=list(window.dilations), pads=window.pads,
                   output_padding=transpose_output_padding(window), kernel_shape=list(window.kernel))
     if need[1]:
-        cg_in, cg_out = c_in // groups, c_out // groups
-        x_grouped = e.reshape(x, [n, groups, cg_in, *spatial])
-        x_view = e.reshape(e.op("Transpose", x_grouped, perm=[2, 0, 1] + list(range(3, 3 + rank))),
-                           [cg_in, n * groups, *spatial])
-        dy_kernels = e.reshape(dy, [n * groups * cg_out, 1, *window.out_spatial])
-        correlated = e.op("Conv", x_view, dy_kernels, group=n * groups, strides=list(window.dilations),
-                          dilations=list(window.strides), pads=window.pads)
-        k_full = [(size + pb + pe - s * (o - 1) - 1) // d + 1 for size, pb, pe, s, o, d in
-                  zip(spatial, window.pads_begin, window.pads_end, window.strides, window.out_spatial,
-                      window.dilations)]
-        per_batch = e.reshape(correlated, [cg_in, n, groups, cg_out, *k_full])
-        summed = e.reduce_sum(per_batch, [1], keepdims=False)
-        dw = e.reshape(e.op("Transpose", summed, perm=[1, 2, 0] + list(range(3, 3 + rank))),
-                       [c_out, cg_in, *k_full])
-        if list(k_full) != list(window.kernel):
-            dw = e.op("Slice", dw, e.ints([0] * rank), e.ints(list(window.kernel)), e.ints(list(range(2, 2 + rank))))
+        dw = conv_weight_grad(e, x, dy, static_shape(w)[0], groups, window)
     if bias is not None and need[2]:
         db = e.reduce_sum(dy, [0] + list(range(2, 2 + rank)), keepdims=False)
     return [dx, dw, db][: len(node.inputs)]
+
+
+def conv_weight_grad(e: Emitter, x: ir.Value, dy: ir.Value, c_out: int, groups: int, window: Window) -> ir.Value:
+    """dW[g, co, ci, tap] = sum over n and output pixels p of dY[n, g, co, p] * X[n, g, ci, p * s + tap * d - pad]:
+    a conv over X's channels, its kernels dY's maps (stride and dilation swapped), read in place.
+
+    The batch is either reduced inside that conv (X viewed [cg_in, n, ...] as its input channels,
+    dY viewed [c_out, n, ...] as its kernels: no intermediate, no sum), when there is one group and
+    a work-item's run of n x output pixels stays within SERIAL_REDUCTION; or split across work-items
+    (groups over batch x groups: the kernels of each batch element apart, [cg_in, n, c_out, k]
+    summed over n afterwards), which keeps long runs parallel.
+    """
+    n, c_in, *spatial = static_shape(x)
+    rank = len(spatial)
+    cg_in, cg_out = c_in // groups, c_out // groups
+    inside = n if groups == 1 and n * int(np.prod(window.out_spatial)) <= SERIAL_REDUCTION else 1
+    apart = n // inside  # batch elements in groups of their own
+    trailing = list(range(4, 4 + rank))  # the spatial axes after [apart, inside, groups, channels]
+    x_view = e.reshape(e.op("Transpose", e.reshape(x, [apart, inside, groups, cg_in, *spatial]),
+                            perm=[3, 0, 2, 1] + trailing), [cg_in, apart * groups * inside, *spatial])
+    kernels = e.reshape(e.op("Transpose", e.reshape(dy, [apart, inside, groups, cg_out, *window.out_spatial]),
+                             perm=[0, 2, 3, 1] + trailing), [apart * groups * cg_out, inside, *window.out_spatial])
+    correlated = e.op("Conv", x_view, kernels, group=apart * groups, strides=list(window.dilations),
+                      dilations=list(window.strides), pads=window.pads)
+    k_full = [(size + pb + pe - s * (o - 1) - 1) // d + 1 for size, pb, pe, s, o, d in
+              zip(spatial, window.pads_begin, window.pads_end, window.strides, window.out_spatial, window.dilations)]
+    per_group = e.reshape(correlated, [cg_in, apart, groups, cg_out, *k_full])
+    summed = e.reduce_sum(per_group, [1], keepdims=False) if apart > 1 else e.reshape(
+        per_group, [cg_in, groups, cg_out, *k_full])
+    dw = e.reshape(e.op("Transpose", summed, perm=[1, 2, 0] + list(range(3, 3 + rank))), [c_out, cg_in, *k_full])
+    if list(k_full) != list(window.kernel):
+        dw = e.op("Slice", dw, e.ints([0] * rank), e.ints(list(window.kernel)), e.ints(list(range(2, 2 + rank))))
+    return dw
 
 
 def _channel_view(e: Emitter, vector: ir.Value, channels: int, rank: int) -> ir.Value:
