@@ -1,4 +1,4 @@
-"""Gradient rules of issue 12 against PyTorch autograd: HardSwish, HardSigmoid, ReduceL2,
+"""Gradient rules of issue 12 against PyTorch autograd: HardSwish, HardSigmoid, ReduceL2, ReduceLogSumExp,
 InstanceNormalization, and AveragePool / MaxPool with ceil_mode.
 
 The harness is test_gradient_rules.py's (a tiny opset-18 model, the loss ReduceSum(y * R), the
@@ -197,7 +197,21 @@ def pooling_cases() -> list[Case]:
     return cases
 
 
-CASES: list[Case] = activation_cases() + reduce_l2_cases() + instance_norm_cases() + pooling_cases()
+def reduce_log_sum_exp_cases() -> list[Case]:
+    def lse(x: np.ndarray, axes: list[int] | None, keepdims: int) -> Case:
+        name = f"axes{'_'.join(map(str, axes)) if axes else '-all'}-keepdims{keepdims}"
+        inputs = ["x", "axes"] if axes is not None else ["x"]
+        dims = axes if axes is not None else list(range(x.ndim))
+        return Case(f"ReduceLogSumExp-{name}", [node("ReduceLogSumExp", inputs, keepdims=keepdims)], {"x": x},
+                    lambda t: torch.logsumexp(t["x"], dim=dims, keepdim=bool(keepdims)),
+                    consts={"axes": i64(axes)} if axes is not None else {})
+
+    # offset by 30: an exp without the maximum subtracted would lose the rows' spread
+    return [lse(rand(2, 3, 5) + 30.0, [-1], 1), lse(rand(3, 4), [0], 0), lse(rand(2, 3), None, 0)]
+
+
+CASES: list[Case] = (activation_cases() + reduce_l2_cases() + reduce_log_sum_exp_cases() + instance_norm_cases()
+                     + pooling_cases())
 
 
 @pytest.mark.parametrize("case", [c.param() for c in CASES])
@@ -209,6 +223,6 @@ def test_new_rules_have_cases_here() -> None:
     """The rules this file is for are registered, and each has a case here (test_gradient_rules.py's
     coverage check reads only its own cases)."""
     tested = {n.op_type for c in CASES for n in c.nodes} - {"Constant"}
-    new = {"HardSwish", "HardSigmoid", "ReduceL2", "InstanceNormalization"}
+    new = {"HardSwish", "HardSigmoid", "ReduceL2", "ReduceLogSumExp", "InstanceNormalization"}
     assert new <= set(supported_ops())
     assert new <= tested

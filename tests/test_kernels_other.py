@@ -68,19 +68,22 @@ def _step_on_device(tmp_path, model: onnx.ModelProto, name: str) -> tuple[float,
     return loss, runner.read_before_swap(name)
 
 
-# (op, shape, axis): which path of normalize.py each takes, ROW_CACHE being 64 texels
+# (op, shape, axis): split_softmax makes every softmax a ReduceLogSumExp (reduce.py) and a map; the rows
+# take the reduction's paths
 SOFTMAX_ROWS = [
-    ("Softmax", [2, 3, 16], -1),  # innermost, 4 texels a row: a work-item per row, kept in private memory
+    ("Softmax", [2, 3, 16], -1),  # innermost, a multiple of 4: the row read as whole texels
     ("LogSoftmax", [2, 3, 16], 2),
-    ("Softmax", [3, 288], -1),  # 72 texels a row, past ROW_CACHE: work-items of 36 texels re-read the row
+    ("Softmax", [3, 288], -1),
     ("LogSoftmax", [3, 288], 1),
-    ("Softmax", [2, 3, 10], -1),  # innermost, not a multiple of 4: a lane folds its own row
+    ("Softmax", [2, 3, 10], -1),  # innermost, not a multiple of 4: element reads
     ("LogSoftmax", [3, 7], -1),
-    ("Softmax", [2, 5, 8], 1),  # not innermost, inner block a multiple of 4: a texel's lanes are 4 rows
+    ("Softmax", [2, 5, 8], 1),  # not innermost: strided element reads
     ("LogSoftmax", [3, 4, 4], 0),
-    ("Softmax", [70, 4], 0),  # 70 positions along the axis, past ROW_CACHE
+    ("Softmax", [70, 4], 0),
     ("LogSoftmax", [70, 4], -2),
-    ("Softmax", [2, 5, 6], 1),  # not innermost, inner block of 6: per lane
+    ("Softmax", [2, 5, 6], 1),
+    ("Softmax", [2, 1030], -1),  # past the serial limit: a work-group per row, partials merged in __local
+    ("LogSoftmax", [2, 2048], -1),  # a vocabulary-sized row of whole texels, a work-group per row
 ]
 
 

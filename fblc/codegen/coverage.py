@@ -32,11 +32,11 @@ from fblc.compiler.keys import Role
 from fblc.compiler.shapes import shape_error, shape_gaps
 from fblc.compiler.summary import role_counts, trained_set_lines
 from fblc.passes.build_gradients import BuildGradients, trainable_params
-from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS, FtdTaxonomy
+from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS
 from fblc.passes.fuse import FuseKernels
 from fblc.passes.infer_shapes import InferShapes
-from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes, training_passes
-from fblc.passes.tile_remap import TileRemap
+from fblc.passes.pipeline import TrainingOptions, import_passes, layout_passes, run_passes, training_passes
+from fblc.passes.split_softmax import SPLITS
 
 ADAPTER_KINDS = tuple(kind for kind in ADAPTERS if kind != "none")
 
@@ -96,12 +96,15 @@ def _kernel_status(node: ir.Node, missing: set[str]) -> str:
         return "view"  # reads its input's texture
     if node.op_type == "Constant":
         return "constant"  # its texture is preloaded
+    if node.domain in ("", "ai.onnx") and node.op_type in SPLITS:
+        return "split"  # split_softmax: a ReduceLogSumExp and an elementwise map
     return "yes" if KERNEL_EMITTERS.has(node) else "not needed"  # not in the step (folded, rewritten)
 
 
 def _forward_kernel_gaps(forward: list[ir.Node]) -> list[OpGap]:
     """Without a step to fuse, every forward node but a view or a Constant would anchor a kernel."""
-    return KERNEL_EMITTERS.missing(n for n in forward if n.op_type not in ALWAYS_VIEWS and n.op_type != "Constant")
+    return KERNEL_EMITTERS.missing(n for n in forward if n.op_type not in ALWAYS_VIEWS | SPLITS.keys()
+                                   and n.op_type != "Constant")
 
 
 def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Verdict:
@@ -181,8 +184,7 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
                 else "yes" if label in needed else "not needed")
 
     if trains.ok:
-        lowering = [FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else []) + [FuseKernels()]
-        groups = kernel_groups(run_passes(model, lowering).graph)
+        groups = kernel_groups(run_passes(model, layout_passes(options) + [FuseKernels()]).graph)
         kernel_gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
         runs = (Verdict(False, KERNEL_EMITTERS.error(kernel_gaps).cause) if kernel_gaps else
                 Verdict(True, f"every one of the step's {len(groups)} kernels has an emitter"))

@@ -104,7 +104,7 @@ def _transpose(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(tuple(shapes[0][p] for p in perm), dtypes[0])]
 
 
-@shape_rule("ReduceSum", "ReduceMean", "ReduceMax")
+@shape_rule("ReduceSum", "ReduceMean", "ReduceMax", "ReduceLogSumExp")
 def _reduce(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     rank = len(shapes[0])
     axes = _ints(node, 1) if len(node.inputs) > 1 and node.inputs[1] is not None else list(range(rank))

@@ -45,7 +45,7 @@ _classify(Ftd.DEPENDENT_CONSISTENT, "Relu", "Clip", "Sigmoid", "Tanh", "Erf", "M
           "Gelu")
 # no forward tensor in the backward; the access pattern changes (index-remapping candidates)
 _classify(Ftd.INDEPENDENT_DIVERGENT, "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand",
-          "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "Gather", "GatherElements", "GatherND", "ScatterElements",
+          "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "Gather", "GatherElements", "GatherND", "ScatterElements",
           "ScatterND", "Slice", "Concat", "Split", "Pad",
           "Resize", "CumSum", "Trilu", "OneHot", "ArgMax", "ArgMin", "TopK")
 # layout-transparent

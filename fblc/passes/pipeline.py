@@ -37,6 +37,7 @@ from fblc.passes.optimizer_step import OptimizerStep
 from fblc.passes.rtile_select import RTileSelect
 from fblc.passes.sg_gradients import SgGradients
 from fblc.passes.sg_replay import SgReplay
+from fblc.passes.split_softmax import SplitSoftmax
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import Profile
@@ -166,12 +167,17 @@ def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return import_passes(options) + training_passes(options)
 
 
-def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
-    """After the step graph is built: layouts for the target, kernels, memory."""
+def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
+    """After the step graph is built, the target-independent part: the ops kernels run, their
+    FTD classes, data movement as index maps (rtile)."""
     if options.layout not in LAYOUTS:
         raise FblcError(f"unknown layout '{options.layout}'", f"choose one of: {', '.join(LAYOUTS)}")
-    layout = [FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
-    return layout + [RTileSelect(profile, options.layout), FuseKernels(), MemoryPlanPass()]
+    return [SplitSoftmax(), FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
+
+
+def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
+    """After the step graph is built: layouts for the target, kernels, memory."""
+    return layout_passes(options) + [RTileSelect(profile, options.layout), FuseKernels(), MemoryPlanPass()]
 
 
 def compile_pipeline(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:

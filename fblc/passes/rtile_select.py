@@ -47,7 +47,8 @@ from fblc.passes.contracts import ContractPass
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
 STREAM = (("stream", 1.0),)
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
-ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax"})
+ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax",
+                          "ReduceLogSumExp"})
 
 
 # access patterns -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from fblc.compiler.shape_rules import SHAPE_RULES
 from fblc.compiler.shapes import has_shape_inference
 from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS
 from fblc.passes.lower_composites import LOWERINGS
+from fblc.passes.split_softmax import SPLITS
 
 #: (op type, what in PyTorch makes the exporters write it)
 EXPORTED_OPS: tuple[tuple[str, str], ...] = (
@@ -93,6 +94,7 @@ EXPORTED_OPS: tuple[tuple[str, str], ...] = (
     ("ReduceMax", "torch.amax, x.max(dim)"),
     ("ReduceMin", "torch.amin"),
     ("ReduceL2", "torch.linalg.vector_norm, weight_norm"),
+    ("ReduceLogSumExp", "torch.logsumexp"),
     ("ReduceProd", "torch.prod"),
     ("CumSum", "torch.cumsum, position ids"),
     ("ArgMax", "torch.argmax"),
@@ -177,6 +179,8 @@ def status(op: str) -> tuple[str, str, str, str, str]:
         kernel = "view"  # reads its input's texture, no kernel
     elif op == "Constant":
         kernel = "preloaded"
+    elif op in SPLITS:
+        kernel = "split: ReduceLogSumExp + map"  # fblc.passes.split_softmax, after the gradients
     else:
         kernel = "yes" if KERNEL_EMITTERS.has(node) else "no"
     found = FTD_CLASSES.get(node, None)

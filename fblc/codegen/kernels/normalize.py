@@ -1,26 +1,20 @@
-"""Softmax-family and normalisation kernels: Softmax, LogSoftmax, LayerNormalization, InstanceNormalization.
+"""Normalisation kernels: LayerNormalization, InstanceNormalization.
 
-A lane needs statistics of its whole row (max and sum of exp, or mean and variance). Computed
-per lane, that is a pass over the row for every element: O(T^2) reads for a row of T. So where
-the rows can be read as whole texels (`_Row`) the statistics are computed once per work-item,
-in the builder's per-texel prologue, and shared by its lanes:
+A lane needs statistics of its whole row (mean and variance). Computed per lane, that is a
+pass over the row for every element: O(T^2) reads for a row of T. So:
 
-- the reduced axis is innermost and its length a multiple of 4: a row is T/4 texels. A
-  work-item computes several texels of one row (the whole row when it has at most ROW_CACHE
-  texels), so the row's statistics are amortised over them; a short row is read once, into
-  private memory, and the later passes read the copy.
-- the axis is not innermost and the inner block is a multiple of 4 elements: a texel's 4 lanes
-  are 4 rows side by side, and one texel read gives one element of each; the statistics are
-  kept per lane as float4.
+- in a training step (Mean and InvStdDev are outputs: the backward reads them), a statistics
+  kernel launched first computes them, one lane per row (a work-group per texel of rows when a
+  row is longer than the profile's serial limit), and the Y kernel reads them back; the
+  statistics have one element per row while Y has one per element, so they cannot share a
+  kernel (the builder writes outputs of one shape);
+- without those outputs, where the normalised axes are a row of whole texels (a multiple of 4
+  long), the Y kernel computes them once per work-item, in the builder's per-texel prologue,
+  over several texels of one row; otherwise per lane.
 
-Otherwise (an innermost axis not a multiple of 4) each lane folds its row with an online max
-(the sum rescaled when the maximum grows), one read of the row per element.
-
-LayerNormalization, when its Mean and InvStdDev outputs exist (always in a training step: the
-backward reads them), computes them in a statistics kernel launched first, one lane per row,
-and the Y kernel reads them back; the statistics have one element per row while Y has one per
-element, so they cannot share a kernel (the builder writes outputs of one shape). Without
-those outputs the Y kernel computes them in its prologue as Softmax does.
+A row of at most ROW_CACHE texels is read once, into private memory, and the second pass
+reads the copy (ROW_CACHE keeps it within PRIVATE_FLOATS). Softmax and LogSoftmax have no
+kernel here: split_softmax makes them a ReduceLogSumExp (reduce.py) and an elementwise map.
 
 InstanceNormalization is LayerNormalization over the spatial axes (axis 2) with a per-channel
 scale and bias, and never has statistic outputs: its Y kernel computes them itself.
@@ -43,10 +37,11 @@ from fblc.codegen.textures import Texture, TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, numel, static_shape
+from fblc.profiles.profile import PRIVATE_FLOATS
 
 FAMILY = "normalization"
-ROW_CACHE = 64  # texels of a row (256 elements, 1 KiB) a work-item keeps in private memory
-ITEM_TEXELS = ROW_CACHE  # most texels of one row a work-item computes
+ROW_CACHE = PRIVATE_FLOATS // 4  # texels of a row a work-item keeps in private memory
+ITEM_TEXELS = 64  # most texels of one row a work-item computes
 
 
 def _flat(shape: tuple[int, ...], prefix: str, zero: Sequence[int] = ()) -> str:
@@ -112,100 +107,6 @@ class _Row:
         self.code.emit(*body(v, k))
         self.code.close()
         self._filled = self._filled or copy
-
-
-def _horizontal(op: str, v: str) -> str:
-    """float4 with every component `op` over the components of `v` (one row across the lanes)."""
-    if op == "+":
-        return f"(float4)({v}.x + {v}.y + {v}.z + {v}.w)"
-    return f"(float4)({op}({op}({v}.x, {v}.y), {op}({v}.z, {v}.w)))"
-
-
-# Softmax / LogSoftmax ------------------------------------------------------------------------------
-
-@register_kernel("Softmax", "LogSoftmax")
-def emit_softmax(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """softmax(x)_i = exp(x_i - m) / s, log_softmax(x)_i = x_i - m - log(s), m = max, s = sum exp(x - m)."""
-    node = group.anchor
-    x = node.inputs[0]
-    shape = static_shape(x)
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
-    if not shape:
-        return [b.finish(["1.0f" if node.op_type == "Softmax" else "0.0f"])]
-    axis = int(attr(node, "axis", -1)) % len(shape)
-    result = _softmax_texels(b, node, shape, axis)
-    return [b.finish([result if result is not None else _softmax_lane(b, node, shape, axis)])]
-
-
-def _softmax_texels(b: KernelBuilder, node: ir.Node, shape: tuple[int, ...], axis: int) -> str | None:
-    """The lane's result when rows can be read as whole texels (see the module docstring), else None.
-
-    Two passes, max then sum of exp, over float4s; a Softmax row kept in private memory is
-    overwritten by the exps so that the outputs divide them instead of calling exp again.
-    """
-    stride, length = strides_of(shape)[axis], shape[axis]
-    if stride == 1 and length % 4 == 0:  # one row of length / 4 texels, several per work-item
-        count, step, across = length // 4, 1, True
-        b.texels_per_item = _item_texels(count)
-        own = f"({TEXEL_INDEX}{axis} >> 2)"  # the row texel of the work-item's first texel
-    elif stride % 4 == 0:  # lanes in 4 rows: row texel k is the texel at position k of the axis
-        count, step, across = length, stride // 4, False
-        own = f"{TEXEL_INDEX}{axis}"
-    else:
-        return None
-    per_item = b.texels_per_item
-    m, s, y, j = b.fresh("m"), b.fresh("s"), b.fresh("y"), b.fresh("j")
-    code = Code(b.texel_lines)
-    code.emit(f"float {y}[{4 * per_item}];")  # the work-item's outputs, read by the lane loop
-    code.open("")  # the names of the passes stay local to the prologue
-    row = _Row(b, code, node.inputs[0], _flat(shape, TEXEL_INDEX, [axis]), count, step)
-    softmax = node.op_type == "Softmax"
-    exps = softmax and row.cache is not None
-    code.emit(f"float4 {m} = (float4)(-INFINITY);")
-    row.loop(lambda v, k: [f"{m} = fmax({m}, {v});"])
-    if across:
-        code.emit(f"{m} = {_horizontal('fmax', m)};")
-    code.emit(f"float4 {s} = (float4)(0.0f);")
-    if exps:
-        row.loop(lambda v, k: [f"{row.cache}[{k}] = exp({v} - {m});", f"{s} += {row.cache}[{k}];"])
-    else:
-        row.loop(lambda v, k: [f"{s} += exp({v} - {m});"])
-    if across:
-        code.emit(f"{s} = {_horizontal('+', s)};")
-    mine = row.texel(f"{own} + {j}")
-    if exps:
-        value = f"{mine} / {s}"
-    elif softmax:
-        value = f"exp({mine} - {m}) / {s}"
-    else:
-        log_s = b.fresh("ls")
-        code.emit(f"const float4 {log_s} = log({s});")
-        value = f"{mine} - {m} - {log_s}"
-    code.emit(f"for (int {j} = 0; {j} < {per_item}; ++{j}) vstore4({value}, {j}, {y});")
-    code.close()
-    return f"{y}[{b.item_lane}]"
-
-
-def _softmax_lane(b: KernelBuilder, node: ir.Node, shape: tuple[int, ...], axis: int) -> str:
-    """The lane's result folding its own row with an online max: when a larger element arrives,
-    the sum so far is rescaled to the new maximum (one read per element of the row)."""
-    x = node.inputs[0]
-    base = b.temp("int", _flat(shape, OUT_INDEX, [axis]), "base")
-    stride = strides_of(shape)[axis]
-    m, s, r = b.fresh("m"), b.fresh("s"), b.fresh("r")
-    step = r if stride == 1 else f"{r} * {stride}"
-    b.emit(f"float {m} = -INFINITY;",
-           f"float {s} = 0.0f;",
-           f"for (int {r} = 0; {r} < {shape[axis]}; ++{r}) {{",
-           f"  const float x = {b.load(x, f'{base} + {step}')};",
-           f"  if (x > {m}) {{ {s} = {s} * exp({m} - x) + 1.0f; {m} = x; }}",
-           f"  else {{ {s} += exp(x - {m}); }}",
-           "}")
-    own = b.temp("float", b.load(x, _flat(shape, OUT_INDEX)), "x")
-    if node.op_type == "Softmax":
-        return f"(exp({own} - {m}) / {s})"
-    return f"({own} - {m} - log({s}))"
 
 
 # LayerNormalization --------------------------------------------------------------------------------

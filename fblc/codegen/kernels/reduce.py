@@ -1,4 +1,4 @@
-"""Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, GlobalAveragePool.
+"""Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, ReduceLogSumExp, GlobalAveragePool.
 
 One work-item per output texel loops over the reduced elements of its four lanes (their count
 and strides are literals). When they are a run of whole texels (the innermost axes, a multiple
@@ -6,6 +6,8 @@ of 4 long, of a plain tensor) the loop reads whole texels and folds their four l
 reduction longer than the profile's serial limit (bias and norm-weight gradients over batch x
 sequence, global pools of large maps) is shared by a work-group per output texel: each
 work-item folds a strided share, and the partials merge in a tree in __local memory.
+ReduceLogSumExp (also what split_softmax turns a softmax's row statistics into) folds twice:
+the maximum, then the sum of exp(x - maximum).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     return acc
 
 
-@register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "GlobalAveragePool")
+@register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
 def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     axes = reduced_axes(node)
@@ -91,6 +93,11 @@ def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if node.op_type == "ReduceMax":
         acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY", "fmax({a}, {b})")
         return [b.finish([acc])]
+    if node.op_type == "ReduceLogSumExp":  # max first: exp(x - max) cannot overflow
+        peak = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY", "fmax({a}, {b})")
+        total = reduction_loop(b, node.inputs[0], axes, keepdims, f"{{acc}} + exp(x - {peak})", "0.0f")
+        # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
+        return [b.finish([f"({peak} == -INFINITY ? -INFINITY : {peak} + log({total}))"])]
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
         acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fma(x, x, {acc})", "0.0f")
         return [b.finish([f"sqrt({acc})"])]

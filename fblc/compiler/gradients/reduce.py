@@ -61,6 +61,15 @@ def reduce_max_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool])
     return [e.op("Where", is_max, share, e.scalar(0.0, x)), None]
 
 
+@register_gradient("ReduceLogSumExp")
+def reduce_log_sum_exp_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """y = log(sum exp x): dx = dy * exp(x - y), the softmax of x over the reduced axes."""
+    x = node.inputs[0]
+    kept_dy, axes = _spread(e, node, dys[0])
+    kept_y = e.reshape(node.outputs[0], _kept_shape(static_shape(x), axes))
+    return [e.op("Mul", kept_dy, e.op("Exp", e.op("Sub", x, kept_y))), None]
+
+
 @register_gradient("ReduceL2")
 def reduce_l2_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
     """y = sqrt(sum x^2): dx = x * dy / y, and 0 where y is 0, as torch's norm backward (its subgradient).

@@ -1,0 +1,104 @@
+"""The buffer table: every texture of a program with its format, padded size and lifetime, and
+the images they share. One table, read by the memory report (`allocated_bytes`), by plan.json
+(`textures[].lifetime`, `textures[].image`, `images`) and so by both runtimes, which allocate
+exactly plan.json's images and bind each texture to its image.
+
+A texture's lifetime is [first kernel, last kernel] that reads or writes it ([-1, -1]: none).
+Pinned textures keep an image of their own: the runtimes read or write them (graph inputs and
+outputs, the loss), they carry initial data (parameters, constants) or state across steps (the
+swapped pairs). The others share: textures of one format and width whose lifetimes do not
+overlap take one image, as tall as the tallest of them (a texture's texels sit at the same
+places in a taller image of its width), each taking the free image closest in height.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import onnx_ir as ir
+
+from fblc import bundle_format as fmt
+from fblc.codegen.plan import Program
+
+
+@dataclass(frozen=True)
+class Buffer:
+    texture: int  # texture id
+    format: str
+    width: int
+    height: int
+    first: int  # first kernel that touches it, -1 when none does
+    last: int
+    pinned: bool
+
+    @property
+    def bytes(self) -> int:
+        """What the texture's own image takes: its padded texels (bytes of a mask image)."""
+        return fmt.image_bytes(self.format, self.width, self.height)
+
+
+@dataclass
+class BufferTable:
+    buffers: list[Buffer]  # by texture id
+    images: list[dict[str, Any]]  # plan.json's images: format, width, height, textures
+    image_of: list[int]  # texture id -> image
+
+    @property
+    def texture_bytes(self) -> int:
+        """Every texture in an image of its own."""
+        return sum(b.bytes for b in self.buffers)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the runtimes allocate: the shared images."""
+        return sum(fmt.image_bytes(i["format"], i["width"], i["height"]) for i in self.images)
+
+
+def pinned_textures(model: ir.Model, program: Program) -> set[int]:
+    """Textures the runtimes touch or that outlive a step (see the module docstring)."""
+    graph = model.graph
+    pinned = set(program.initial) | {t for pair in program.swaps for t in pair} | {program.values["loss"]}
+    return pinned | {program.values[v.name] for v in list(graph.inputs) + list(graph.outputs)
+                     if v.name in program.values}
+
+
+def buffer_table(model: ir.Model, program: Program) -> BufferTable:
+    first_use: dict[int, int] = {}
+    last_use: dict[int, int] = {}
+    for index, kernel in enumerate(program.kernels):
+        for texture_id in kernel.outputs + kernel.inputs:
+            first_use.setdefault(texture_id, index)
+            last_use[texture_id] = index
+    pinned = pinned_textures(model, program)
+    buffers = [Buffer(t.id, t.format, t.width, t.height, first_use.get(t.id, -1), last_use.get(t.id, -1),
+                      t.id in pinned) for t in program.textures]
+    images, image_of = _share_images(buffers)
+    return BufferTable(buffers, images, image_of)
+
+
+def _share_images(buffers: list[Buffer]) -> tuple[list[dict[str, Any]], list[int]]:
+    """(images, texture -> image) by the rule of the module docstring; unused textures keep their own."""
+    images: list[dict[str, Any]] = []
+    image_of = [-1] * len(buffers)
+    free_after: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (format, width) -> [(last use, image)]
+    for buffer in sorted(buffers, key=lambda b: b.first):
+        key = (buffer.format, buffer.width)
+        shareable = not buffer.pinned and buffer.first >= 0
+        candidates = [c for c in free_after.get(key, []) if c[0] < buffer.first] if shareable else []
+        # the free image closest in height: the smallest that is tall enough, else the tallest
+        tall = [c for c in candidates if images[c[1]]["height"] >= buffer.height]
+        reusable = (min(tall, key=lambda c: images[c[1]]["height"]) if tall
+                    else max(candidates, key=lambda c: images[c[1]]["height"], default=None))
+        if reusable is not None:
+            free_after[key].remove(reusable)
+            image = reusable[1]
+            images[image]["height"] = max(images[image]["height"], buffer.height)
+        else:
+            image = len(images)
+            images.append({"format": buffer.format, "width": buffer.width, "height": buffer.height, "textures": []})
+        images[image]["textures"].append(buffer.texture)
+        image_of[buffer.texture] = image
+        if shareable:
+            free_after.setdefault(key, []).append((buffer.last, image))
+    return images, image_of

@@ -1,0 +1,70 @@
+"""split_softmax: Softmax and LogSoftmax as a row statistic and an elementwise map.
+
+Rewrite (SPLITS, a table keyed by op type), for Y = op(X, axis):
+- L = ReduceLogSumExp(X, [axis], keepdims=1), the row statistic, once per row;
+- Softmax: Y = Exp(Sub(X, L)); LogSoftmax: Y = Sub(X, L).
+Y keeps its value (name, shape, every reader: the gradient rules, which read Y, are unchanged).
+
+Why: a row statistic computed inside a per-element kernel is computed again by every
+work-item of the row (a vocabulary of V read V / 4 times per row when V % 4 == 0, V times per
+element otherwise), or kept in private memory that spills on a phone. As a reduction it is one
+kernel over the rows (a work-group per row when a row is longer than the profile's serial
+limit, fblc.codegen.kernels.reduce), and the map fuses into the elementwise kernels around it
+(the loss's gather, the softmax backward's product).
+
+Preconditions: the step graph (after the gradient rules and the optimizer), static shapes; the
+lowered graph computes what the step did (exp(x - logsumexp x) is softmax). In place; nodes
+keep the stage of the node they replace.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.passes.contracts import ContractPass
+
+#: (emitter before the node, X, L) -> the value that becomes Y
+Split = Callable[[Emitter, ir.Value, ir.Value], ir.Value]
+
+SPLITS: dict[str, Split] = {
+    "Softmax": lambda e, x, lse: e.op("Exp", e.op("Sub", x, lse)),
+    "LogSoftmax": lambda e, x, lse: e.op("Sub", x, lse),
+}
+
+
+def _split(graph: ir.Graph, node: ir.Node) -> None:
+    x, y = node.inputs[0], node.outputs[0]
+    emitter = Emitter(graph, stage=node.metadata_props.get(keys.STAGE, "forward"))
+    emitter.anchor, emitter.prefix = node, f"{node.name}/split"
+    rank = len(static_shape(x))
+    lse = emitter.op("ReduceLogSumExp", x, emitter.ints([int(attr(node, "axis", -1)) % rank]), keepdims=1)
+    result = SPLITS[node.op_type](emitter, x, lse)
+    for new in graph:  # the nodes just written carry the replaced node's stage and gradient origin
+        if new.name.startswith(emitter.prefix + "/"):
+            for key in (keys.STAGE, keys.GRAD_OF):
+                new.metadata_props.pop(key, None)
+                if key in node.metadata_props:
+                    new.metadata_props[key] = node.metadata_props[key]
+    name = y.name
+    y.replace_all_uses_with(result, replace_graph_outputs=True)
+    y.name, result.name = f"{name}/split", name
+    graph.remove(node, safe=True)
+
+
+class SplitSoftmax(ContractPass):
+    """Rewrite Softmax and LogSoftmax into ReduceLogSumExp and an elementwise map (in place)."""
+
+    name = "split_softmax"
+    requires_facts = ("static shapes",)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        found = [n for n in graph if n.op_type in SPLITS and n.domain in ("", "ai.onnx")
+                 and static_shape(n.inputs[0])]
+        for node in found:
+            _split(graph, node)
+        return ir.passes.PassResult(model, bool(found))
