@@ -148,7 +148,7 @@ def table(results: dict[str, Any], batches: list[int]) -> str:
             jetson = JETSON_B64[name].get(method)
             figures = per_batch[last]
             lines.append(f"  {method:<27}{figures['device_peak'] / MB:>9.2f}" + (f"   ({jetson:.2f})" if jetson else "")
-                         + f"   at {figures['device_peak_at']}; texture pool with reuse {figures['pool_bytes'] / MB:.2f}")
+                         + f"   at {figures['device_peak_at']}")
     return "\n".join(lines)
 
 

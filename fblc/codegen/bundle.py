@@ -13,6 +13,7 @@ from typing import Any
 import onnx_ir as ir
 
 from fblc import __version__, bundle_format as fmt
+from fblc.codegen.buffers import BufferTable
 from fblc.codegen.cl import Kernel
 from fblc.codegen.plan import Program
 from fblc.compiler import keys
@@ -36,40 +37,6 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
     return entry
 
 
-def share_images(program: Program, pinned: set[int], first_use: dict[int, int],
-                 last_use: dict[int, int]) -> tuple[list[dict[str, Any]], list[int]]:
-    """(images, texture -> image): textures of one format and width whose lifetimes [first kernel,
-    last kernel] do not overlap share one image, as tall as the tallest of them (a texture's texels
-    sit at the same places in a taller image of its width); pinned textures (the runtimes read or
-    write them, or they carry initial data or state across steps) and unused ones keep their own."""
-    images: list[dict[str, Any]] = []
-    image_of = [-1] * len(program.textures)
-    free_after: dict[tuple[str, int], list[tuple[int, int]]] = {}  # key -> [(last use, image)]
-    order = sorted(range(len(program.textures)), key=lambda t: first_use.get(t, -1))
-    for texture_id in order:
-        texture = program.textures[texture_id]
-        key = (texture.format, texture.width)
-        shareable = texture_id not in pinned and texture_id in first_use
-        candidates = [c for c in free_after.get(key, []) if c[0] < first_use[texture_id]] if shareable else []
-        # the free image closest in height: the smallest that is tall enough, else the tallest
-        tall = [c for c in candidates if images[c[1]]["height"] >= texture.height]
-        reusable = (min(tall, key=lambda c: images[c[1]]["height"]) if tall
-                    else max(candidates, key=lambda c: images[c[1]]["height"], default=None))
-        if reusable is not None:
-            free_after[key].remove(reusable)
-            image = reusable[1]
-            images[image]["height"] = max(images[image]["height"], texture.height)
-        else:
-            image = len(images)
-            images.append({"format": texture.format, "width": texture.width, "height": texture.height,
-                           "textures": []})
-        images[image]["textures"].append(texture_id)
-        image_of[texture_id] = image
-        if shareable:
-            free_after.setdefault(key, []).append((last_use[texture_id], image))
-    return images, image_of
-
-
 def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int]) -> dict[str, Any]:
     """A launch of the plan: its kernel, its schedule (the profile's work-group size, the global size
     padded to whole groups; `items` work-items do work) and its texture arguments."""
@@ -82,30 +49,25 @@ def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int]) -> dict[st
             "lines": list(lines)}
 
 
-def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: str,
+def build_documents(model: ir.Model, program: Program, table: BufferTable, profile: Profile, dtype: str,
                     report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bytes]:
-    """(manifest without checksums, plan, params.bin contents)."""
+    """(manifest without checksums, plan, params.bin contents); textures, lifetimes and images from `table`."""
     blob = bytearray()
     offsets: dict[int, tuple[int, int]] = {}
     for texture_id, texels in sorted(program.initial.items()):
         blob.extend(b"\0" * (-len(blob) % ALIGN))
         offsets[texture_id] = (len(blob), texels.nbytes)
         blob.extend(texels.tobytes())
-    last_use: dict[int, int] = {}
-    first_use: dict[int, int] = {}
-    for index, kernel in enumerate(program.kernels):
-        for texture_id in kernel.outputs + kernel.inputs:
-            first_use.setdefault(texture_id, index)
-            last_use[texture_id] = index
     textures = []
-    for texture in program.textures:
+    for texture, buffer in zip(program.textures, table.buffers):
         entry = {"id": texture.id, "name": texture.name, "values": texture.values, "shape": list(texture.shape),
                  "format": texture.format, "width": texture.width, "height": texture.height,
-                 "lifetime": [first_use.get(texture.id, -1), last_use.get(texture.id, -1)]}
+                 "lifetime": [buffer.first, buffer.last]}
         if texture.layout.kind != "flat":  # absent: flat, the layout of everything a runtime reads or writes
             entry["layout"] = dataclasses.asdict(texture.layout)
         if texture.id in offsets:
             entry["init"] = {"offset": offsets[texture.id][0], "nbytes": offsets[texture.id][1]}
+        entry["image"] = table.image_of[texture.id]
         textures.append(entry)
     plan = {"textures": textures,
             "kernels": [_launch(k, profile, program.kernel_lines[k.name]) for k in program.kernels],
@@ -115,11 +77,7 @@ def build_documents(model: ir.Model, program: Program, profile: Profile, dtype: 
     data_inputs = [v for v in graph.inputs if keys.get_role(v) in (Role.INPUT.value, Role.LABEL.value)]
     params = [v for v in graph.inputs if keys.get_role(v) == Role.PARAM.value]
     states = [v for v in graph.inputs if keys.get_role(v) == Role.OPT_STATE.value]
-    pinned = set(offsets) | {t for pair in program.swaps for t in pair} | {program.values["loss"]}
-    pinned |= {program.values[v.name] for v in list(graph.inputs) + list(graph.outputs) if v.name in program.values}
-    plan["images"], image_of = share_images(program, pinned, first_use, last_use)
-    for entry in plan["textures"]:
-        entry["image"] = image_of[entry["id"]]
+    plan["images"] = table.images
 
     def with_init(value: ir.Value) -> dict[str, Any]:
         entry = _tensor_entry(value, program)

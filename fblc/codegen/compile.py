@@ -9,11 +9,11 @@ from typing import Any, Callable, Mapping
 
 import onnx_ir as ir
 
-from fblc import bundle_format as fmt
 
+from fblc.codegen.buffers import BufferTable, buffer_table
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.layout_report import layout_object
-from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report, texture_bytes
+from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
 from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
@@ -26,12 +26,12 @@ from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
 ReportAnnex = Callable[[str, ir.Model], Any]
 
 
-def build_report(model: ir.Model, program: Program, seconds: float) -> dict[str, Any]:
+def build_report(model: ir.Model, program: Program, table: BufferTable, seconds: float) -> dict[str, Any]:
     beyond = [{"name": t.name, "width": t.width, "height": t.height} for t in program.textures
               if max(t.width, t.height) > PORTABLE_IMAGE_EDGE]
     return {"compile_seconds": round(seconds, 3), "step_nodes": len(model.graph),
             "kernels": len(program.kernels), "kernels_per_family": program.family_counts(),
-            "textures": len(program.textures), "texture_bytes": texture_bytes(program),
+            "textures": len(program.textures), "texture_bytes": table.texture_bytes,
             "initial_bytes": sum(a.nbytes for a in program.initial.values()),
             "portable_image_edge": PORTABLE_IMAGE_EDGE, "beyond_portable_edge": beyond}
 
@@ -52,15 +52,13 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     started = time.perf_counter()
     step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=on_pass, lower=profile)
     program = lower(step, profile, dtype)
-    report = build_report(step, program, time.perf_counter() - started)
-    report["memory"], timeline = memory_report(step, program)
+    table = buffer_table(step, program)
+    report = build_report(step, program, table, time.perf_counter() - started)
+    report["memory"], timeline = memory_report(step, table)
     report["layout"] = layout_object(step, program, options.layout)
     report["trained"] = {"chosen_by": trained_set_source(step.graph),
                          "tensors": [{"name": v.name, "shape": list(v.shape)} for v in trained_tensors(step.graph)]}
-    manifest, plan, params = build_documents(step, program, profile, dtype, report)
-    report["memory"]["allocated_bytes"] = sum(fmt.image_bytes(i["format"], i["width"], i["height"])
-                                              for i in plan["images"])
-    report["memory"]["allocated_images"] = len(plan["images"])
+    manifest, plan, params = build_documents(step, program, table, profile, dtype, report)
     if annexes:
         with tempfile.TemporaryDirectory() as scratch:
             draft = os.path.join(scratch, "bundle")

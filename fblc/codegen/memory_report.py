@@ -2,9 +2,9 @@
 
 Both come from the memory planner (fblc.passes.memory_plan) run on the fused step graph:
 the paper's eq. 1 decomposition, the training-state and device peaks, the floor check, and
-what the bundle's textures really take (`allocated_bytes`, set by compile from plan.json's
-images: textures with disjoint lifetimes share one image, and the runtimes allocate exactly
-those; `texture_bytes`: every texture on its own). Saved masks sit in r_mask8 images, 1 bit per
+what the bundle's textures really take, from the buffer table (fblc.codegen.buffers):
+`allocated_bytes`, the images plan.json lists and the runtimes allocate (textures with disjoint
+lifetimes share one); `texture_bytes`, every texture on its own. Saved masks sit in r_mask8 images, 1 bit per
 element, the bytes the plan accounts them at (it reads their layouts).
 """
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from fblc import bundle_format as fmt
-from fblc.codegen.plan import Program
+from fblc.codegen.buffers import BufferTable
 from fblc.passes.memory_plan import CLASSES, MemoryPlan, plan_memory
 
 TIMELINE_PLOT = "memory_timeline.png"
@@ -25,20 +24,17 @@ LAYERS = (("weight", "weights", "#8c8c8c"), ("optimizer", "optimizer state", "#b
           ("replay", "replay buffers", "#edc948"), ("buffer", "temporaries", "#4e79a7"))
 
 
-def texture_bytes(program: Program) -> int:
-    return sum(fmt.image_bytes(t.format, t.width, t.height) for t in program.textures)
-
-
-def memory_object(plan: MemoryPlan, program: Program | None = None, plot: str | None = TIMELINE_PLOT) -> dict[str, Any]:
+def memory_object(plan: MemoryPlan, table: BufferTable | None = None, plot: str | None = TIMELINE_PLOT
+                  ) -> dict[str, Any]:
     summary = plan.summary()
     result: dict[str, Any] = {name: int(summary[name]) for name in INTEGER_FIELDS}
     result["floor_ok"] = bool(summary["floor_ok"])
     for name, value in summary.items():
         if name not in result:
             result[name] = value
-    if program is not None:
-        result["texture_bytes"] = result["allocated_bytes"] = texture_bytes(program)
-        result["allocated_textures"] = len(program.textures)
+    if table is not None:
+        result["texture_bytes"], result["allocated_bytes"] = table.texture_bytes, table.allocated_bytes
+        result["allocated_textures"], result["allocated_images"] = len(table.buffers), len(table.images)
     if plan.adapter:
         result["adapter"] = {k: v for k, v in plan.adapter.items() if k != "sites"}
         result["adapter"]["sites"] = [{k: s[k] for k in ("conv", "c_in", "c_out", "kernel", "scale", "activation", "params")}
@@ -79,10 +75,11 @@ def timeline_png(plan: MemoryPlan, title: str = "") -> bytes:
     return buffer.getvalue()
 
 
-def memory_report(model: Any, program: Program | None = None) -> tuple[dict[str, Any], bytes]:
-    """(report.json's `memory` object, the timeline PNG) of the fused step graph `model`."""
+def memory_report(model: Any, table: BufferTable | None = None) -> tuple[dict[str, Any], bytes]:
+    """(report.json's `memory` object, the timeline PNG) of the fused step graph `model`, with the
+    bundle's allocation from its buffer table."""
     plan = plan_memory(model)
-    return memory_object(plan, program), timeline_png(plan)
+    return memory_object(plan, table), timeline_png(plan)
 
 
-__all__ = ["CLASSES", "INTEGER_FIELDS", "TIMELINE_PLOT", "memory_object", "memory_report", "texture_bytes", "timeline_png"]
+__all__ = ["CLASSES", "INTEGER_FIELDS", "TIMELINE_PLOT", "memory_object", "memory_report", "timeline_png"]

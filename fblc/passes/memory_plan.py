@@ -22,14 +22,14 @@ Reported (the paper's eq. 1, in bytes): `weights`, `grads`, `optimizer`, `saved`
 `buffers` (the largest sum of live temporaries at one launch); `training_state_peak` as
 MemFLoRA defines it: max over the step of weights + optimizer + live saved + live gradients
 (+ live replay buffers), workspaces excluded; `device_peak`: max over the step of every live
-allocation (inputs and temporaries included), what an allocator that frees at last use needs;
-`pool_bytes`: the textures of a reuse assignment (a freed texture of the same kind and at least
-the size is reused, best fit). The floor check lists every saved tensor with its bytes and why it
+allocation (inputs and temporaries included), the least an allocator that frees at last use
+needs (what the bundle allocates, images shared by textures of one format and width, is the
+buffer table's, fblc.codegen.buffers). The floor check lists every saved tensor with its bytes and why it
 is kept, and flags any whose size grows with the layer width: a full-precision activation read
 by the backward whose channel axis is wider than the adapter rank (the loss's own inputs and
 one-bit masks excepted). `floor_ok` is true when none is flagged.
 
-Rewrite: annotations only: `fblc.mem` (JSON: class, bytes, live range, slot) on every value
+Rewrite: annotations only: `fblc.mem` (JSON: class, bytes, live range) on every value
 that owns a buffer, and the model's `fblc.memory` (JSON summary and floor check).
 Preconditions: the step graph (build_gradients ran); after fuse for the launch order. In
 place; `modified` is true when an annotation changed.
@@ -70,9 +70,7 @@ class Buffer:
     last: int
     shape: list[int]
     dtype: str
-    kind: str  # "float" or "int": textures of one kind can take each other's place
     values: list[str] = field(default_factory=list)
-    slot: int = -1
     why: str = ""
 
 
@@ -84,7 +82,6 @@ class MemoryPlan:
     backward_from: int  # first launch of the backward (-1: none)
     optimizer_from: int
     timeline: dict[str, np.ndarray]  # class -> live bytes per launch
-    pool_bytes: int
     batch: int
     rank: int
     adapter: dict[str, Any]
@@ -111,7 +108,7 @@ class MemoryPlan:
             "training_state_peak": int(state.max(initial=0)), "device_peak": int(device.max(initial=0)),
             "floor_ok": floor["ok"],
             "inputs": self.total("input"), "saved_activations": self.total("saved"), "saved_masks": self.total("mask"),
-            "replay_peak": int(self.timeline["replay"].max(initial=0)), "pool_bytes": self.pool_bytes,
+            "replay_peak": int(self.timeline["replay"].max(initial=0)),
             "training_state_peak_at": self.labels[state_at] if self.steps else "",
             "device_peak_at": self.labels[peak_at] if self.steps else "",
             "launches": self.steps, "backward_from": self.backward_from, "batch": self.batch,
@@ -204,7 +201,7 @@ def _why_saved(value: ir.Value, made_in: str) -> str:
 
 
 def plan_memory(model: ir.Model) -> MemoryPlan:
-    """Lifetimes, classes, reuse slots and the per-launch timeline of the step graph."""
+    """Lifetimes, classes and the per-launch timeline of the step graph."""
     graph = model.graph
     index, steps, labels, stages = _schedule(graph)
     fused = any(keys.KERNEL in n.metadata_props for n in graph)
@@ -273,53 +270,22 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
             why = f"kept for the replay: dL/d({tags[SITE_DQ]})"
         buffers.append(Buffer(name=root.name or (names[0] if names else ""), cls=cls, bytes=_bytes(root), first=first,
                               last=last, shape=list(static_shape(root)), dtype=_dtype_name(root),
-                              kind="float" if root.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE,
-                                                             ir.DataType.BFLOAT16) else "int",
                               values=names, why=why))
     timeline = {cls: np.zeros(steps + 1, np.int64) for cls in CLASSES}
     for b in buffers:
         timeline[b.cls][b.first] += b.bytes
         timeline[b.cls][b.last + 1] -= b.bytes
     timeline = {cls: np.cumsum(t)[:steps] for cls, t in timeline.items()}
-    pool = _assign_slots(buffers, steps)
     batch = next((static_shape(v)[0] for v in graph.inputs if keys.get_role(v) == Role.INPUT.value
                   and len(static_shape(v)) > 0), 0)
     adapter = json.loads(model.metadata_props.get(ADAPTER_META, "{}"))
     rank = int(adapter.get("rank", 0)) if adapter.get("adapter") not in (None, "none") else 0
-    return MemoryPlan(buffers, steps, labels, backward_from, optimizer_from, timeline, pool,
+    return MemoryPlan(buffers, steps, labels, backward_from, optimizer_from, timeline,
                       int(batch), rank, adapter)
 
 
-def _assign_slots(buffers: list[Buffer], steps: int) -> int:
-    """Texture reuse: persistent buffers own a texture; others take the best-fitting freed one."""
-    slots: list[tuple[int, str]] = []  # (bytes, kind)
-    free: list[int] = []
-    by_first: dict[int, list[Buffer]] = {}
-    by_last: dict[int, list[Buffer]] = {}
-    for b in buffers:
-        if b.cls in PERSISTENT or (b.first == 0 and b.last == steps - 1):
-            b.slot = len(slots)
-            slots.append((b.bytes, b.kind))
-            continue
-        by_first.setdefault(b.first, []).append(b)
-        by_last.setdefault(b.last, []).append(b)
-    for step in range(steps):
-        for b in sorted(by_first.get(step, []), key=lambda b: -b.bytes):
-            fitting = [s for s in free if slots[s][1] == b.kind and slots[s][0] >= b.bytes]
-            if fitting:
-                slot = min(fitting, key=lambda s: slots[s][0])
-                free.remove(slot)
-            else:
-                slot = len(slots)
-                slots.append((b.bytes, b.kind))
-            b.slot = slot
-        for b in by_last.get(step, []):
-            free.append(b.slot)
-    return sum(size for size, _ in slots)
-
-
 class MemoryPlanPass(ContractPass):
-    """Annotate buffers with class, size, lifetime and texture slot; summarise (in place)."""
+    """Annotate buffers with class, size and lifetime; summarise (in place)."""
 
     name = "memory_plan"
     requires_facts = ("kernels",)
@@ -332,7 +298,7 @@ class MemoryPlanPass(ContractPass):
             b = by_name.get(value.name)
             if b is None or view_root(value) is not value:
                 continue
-            text = json.dumps({"class": b.cls, "bytes": b.bytes, "live": [b.first, b.last], "slot": b.slot})
+            text = json.dumps({"class": b.cls, "bytes": b.bytes, "live": [b.first, b.last]})
             if value.metadata_props.get(keys.MEM) != text:
                 value.metadata_props[keys.MEM] = text
                 modified = True
