@@ -15,7 +15,7 @@ flat elements. Tiles, by preference:
 - per lane: each lane reduces alone in the builder's lane loop, the same blocked reduction
   along the last spatial axis that has taps (contiguous taps read as texels).
 Under R-Tile codegen (--layout rtile) a work-item holds a register tile, rows of the builder's
-2-D tile: a spatial tile or row texels also the same positions of 2 or 4 output channels
+2-D tile: a spatial tile or row texels also the same positions of 2, 4 or 8 output channels
 (channel_rows; their rows share every input read, so a pointwise conv reads each input texel
 once per 4 output channels), a channel tile those of 2 to 8 batch elements (batch_rows; the
 weight gradient's batch axis is X's channels). Under --layout naive, one channel per item.
@@ -69,7 +69,7 @@ FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwi
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
-CHANNEL_ROWS = (4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
+CHANNEL_ROWS = (8, 4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
 PAIR_ROW = 16  # rows at least this long take tiles of two texel columns on the row path
 BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
 

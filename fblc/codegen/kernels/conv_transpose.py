@@ -8,8 +8,8 @@ share the weights and read their inputs as whole texels; input channels go in bl
 Rows of another length >= ROW_MIN at stride 1: the texels within one row do the same, the
 ones across two rows run per lane. Per lane: guarded tap loops around a dot product over
 input channels. A 1x1 ConvTranspose with stride 1 and no padding is seen over its flattened
-spatial axes first. Under R-Tile codegen the texel-wide paths compute the same positions of 2
-or 4 output channels too (conv.channel_rows): they share the dY reads, and their weights lie
+spatial axes first. Under R-Tile codegen the texel-wide paths compute the same positions of 2,
+4 or 8 output channels too (conv.channel_rows): they share the dY reads, and their weights lie
 side by side in W [C_in, C_out / group, k...].
 """
 
