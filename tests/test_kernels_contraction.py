@@ -146,9 +146,11 @@ TEXEL_CASES = {
     "conv_long_taps_lane": (*conv((1, 2, 40, 1), (3, 2, 5, 1), pads=[2, 0, 2, 0]),
                             {"forward": "tile", "dx": "tile", "dw": "lane"}),
     "conv1d_channel_tile": (*conv((2, 4, 10), (8, 4, 3)), {"forward": "tile", "dx": "row", "dw": "tile"}),
-    # rows of 7, 11, 15 (a stride-2 transpose has no row path)
+    # rows of 7, 11, 15; a stride-2 transpose takes the row path where the stride divides the row (14 here)
     "conv2d_row_strided": (*conv((1, 2, 9, 14), (3, 2, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
-                           {"forward": "row", "dx": "lane", "dw": "texel"}),
+                           {"forward": "row", "dx": "row", "dw": "texel"}),
+    "conv2d_row_strided_odd": (*conv((1, 2, 9, 15), (3, 2, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
+                               {"forward": "tile", "dx": "lane", "dw": "lane"}),
     "conv2d_row_dilated": (*conv((1, 2, 6, 11), (2, 2, 3, 3), dilations=[2, 2], pads=[2, 2, 2, 2], bias=True),
                            {"forward": "row", "dx": "row", "dw": "lane"}),
     # 1x1 convs over the flattened spatial axes: 15 and 12 positions

@@ -5,8 +5,9 @@ Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis 
 with a length % 4 == 0 and its stride divides 4: a work-item's lanes (4 to 20) are
 consecutive positions along it, whose taps (which lane takes which tap is then a literal)
 share the weights and read their inputs as whole texels; input channels go in blocks of 4.
-Rows of another length >= ROW_MIN at stride 1: the texels within one row do the same, the
-ones across two rows run per lane. Per lane: guarded tap loops around a dot product over
+Rows of another length >= ROW_MIN at a stride that divides 4 and the length (every texel then
+starts at a multiple of the stride): the texels within one row do the same, the ones across
+two rows run per lane. Per lane: guarded tap loops around a dot product over
 input channels. A 1x1 ConvTranspose with stride 1 and no padding is seen over its flattened
 spatial axes first. Under R-Tile codegen the texel-wide paths compute the same positions of 2,
 4 or 8 output channels too (conv.channel_rows): they share the dY reads, and their weights lie
@@ -201,14 +202,17 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
             b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
         acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows),
                           lanes * rows[0])
-    elif row is not None and view.strides[row[0] - 2] == 1 and view.kernel[row[0] - 2] <= TAP_BLOCK:
+    elif row is not None and _row_stride_fits(view.strides[row[0] - 2], row[1]) and \
+            view.kernel[row[0] - 2] <= TAP_BLOCK:
         axis, length = row  # texels within one row reduce together, the ones across two per lane
+        stride = view.strides[axis - 2]
         count, step, columns = channel_rows(b, view.out_shape, view.cg_out, row_columns(length))
         width = LANES * columns  # positions of a tile row
         if view is not ts:
             b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
         acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
-                             lambda code: _transpose_reduction(b, view, texel, axis - 2, width, 1, (count, step)),
+                             lambda code: _transpose_reduction(b, view, texel, axis - 2, width, stride,
+                                                               (count, step)),
                              lambda code: _transpose_per_lane(b, view, code, lane), width * count)
     else:
         acc = b.fresh("acc")
@@ -216,6 +220,13 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         b.emit(f"{acc} = {_transpose_per_lane(b, view, Code(b.lines), lane)};")
     add_bias(b, node, acc)
     return finish_group(b, group, acc)
+
+
+def _row_stride_fits(stride: int, length: int) -> bool:
+    """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel then starts
+    at a multiple of the stride (4t - r * length is one when the stride divides 4 and the length),
+    so which taps a lane takes is a literal, as on the aligned path."""
+    return LANES % stride == 0 and length % stride == 0
 
 
 def _pointwise(ts: _TransposeShape) -> _TransposeShape:
