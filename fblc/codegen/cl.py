@@ -24,6 +24,14 @@ __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_
 #define TEXEL_P2(t, s) ((int2)((t) & ((1 << (s)) - 1), (t) >> (s)))  // a width of 2^s texels: no division
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
+// elements s..s+3 of the 8 in texels a, b (s in 0..3, known at run time). Branches, not a chain of
+// ?: over vector literals, which oclgrind's compiler got wrong (a conv's sums changed)
+inline float4 window4(float4 a, float4 b, int s) {
+  if (s == 0) return a;
+  if (s == 1) return (float4)(a.yzw, b.x);
+  if (s == 2) return (float4)(a.zw, b.xy);
+  return (float4)(a.w, b.xyz);
+}
 #ifdef FBLC_TRACE  // fblc.runtime.trace: every texel read also records (argument, x, y) per work-item
 #define TRACE_PARAM , __global int4* fblc_trace, __global int* fblc_counts
 #define TRACE_INIT const int fblc_item = get_global_id(0) - get_global_offset(0); int fblc_n = 0;

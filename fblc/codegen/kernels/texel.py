@@ -138,8 +138,7 @@ class Code:
 
 def _window(a: str, b: str, shift: str) -> str:
     """Elements shift..shift+3 of the 8 in texels a, b (shift in 0..3, known only at runtime)."""
-    return (f"({shift} == 0 ? {a} : {shift} == 1 ? (float4)({a}.yzw, {b}.x) : "
-            f"{shift} == 2 ? (float4)({a}.zw, {b}.xy) : (float4)({a}.w, {b}.xyz))")
+    return f"window4({a}, {b}, {shift})"
 
 
 def _clusters(offsets: list[int]) -> list[list[int]]:
