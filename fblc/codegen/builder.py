@@ -71,6 +71,12 @@ KERNEL_NAMES: dict[str, str] = {
 }
 
 
+def _pairs_texels(columns: int, stride: int) -> bool:
+    """A 2-D tile (rows `stride` texels apart, `columns` texels each) holds both texels of every mask
+    byte it touches: rows of an even number of texels, an even number apart."""
+    return columns % 2 == 0 and stride % 2 == 0
+
+
 def ctype_of(value: ir.Value) -> str:
     return "float" if is_float(value) else "int"
 
@@ -94,6 +100,7 @@ class KernelBuilder:
         self.texel_reads: list[str] = []  # reads shared by a texel's 4 lanes, before its lane loop
         self._hoisted: dict[tuple[int, str], str] = {}
         self._reads_last = False  # a hoisted read needs the texel's last element (TEXEL_LAST)
+        self._splits: dict[int, str] = {}  # block length -> the lanes of a texel in its first block
         self.nodes: list[str] = []
         self._counter = 0
         #: work-items that cooperate on each output texel (a work-group: `lid` its local id; the
@@ -233,11 +240,14 @@ class KernelBuilder:
         key = (id(root), f"block {first}")
         if key not in self._hoisted:
             last = broadcast_index(index_map.shape, out, TEXEL_LAST, index_map.strides, index_map.offset)
-            head, tail, split = self.fresh("H"), self.fresh("H"), self.fresh("n")
+            head, tail = self.fresh("H"), self.fresh("H")
             ctype = ctype_of(root)
             self.texel_reads += [f"const {ctype} {head} = {self.load(root, first)};",
-                                 f"const {ctype} {tail} = {self.load(root, last)};",
-                                 f"const int {split} = {block} - (t * 4) % {block};  // lanes in the first block"]
+                                 f"const {ctype} {tail} = {self.load(root, last)};"]
+            split = self._splits.get(block)
+            if split is None:  # one per block length, shared by every value constant over such blocks
+                split = self._splits[block] = self.fresh("n")
+                self.texel_reads.append(f"const int {split} = {block} - (t * 4) % {block};  // lanes in block 1")
             self._hoisted[key] = f"(lane < {split} ? {head} : {tail})"
             self._reads_last = True
         return self._hoisted[key]
@@ -278,9 +288,9 @@ class KernelBuilder:
 
     def tile_keeps_bytes(self, columns: int, stride: int) -> bool:
         """True when a 2-D tile of rows `stride` texels apart, each of `columns` texels, writes every
-        saved mask in whole bytes (r_mask8); else finish() would fall back to r_mask4, twice the bits."""
+        saved mask in whole bytes (r_mask8); else finish() falls back to r_mask4, twice the bits."""
         masks = any(t.format == MASK_FORMATS["mask8"] for t in self.out_textures)
-        return not masks or (columns % 2 == 0 and stride % 2 == 0)
+        return not masks or _pairs_texels(columns, stride)
 
     def fresh(self, hint: str) -> str:
         self._counter += 1
@@ -322,7 +332,7 @@ class KernelBuilder:
         assert texels % band == 0, f"{texels} texels in bands of {band}"
         items = texels // per_item
         masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
-        if masks and self.item_stride > 1 and (self.item_columns % 2 or self.item_stride % 2):
+        if masks and self.item_stride > 1 and not _pairs_texels(self.item_columns, self.item_stride):
             for texture in masks:  # a byte's two texels lie in two work-items' tiles
                 self.table.to_mask4(texture)
             masks = []

@@ -14,7 +14,7 @@ limit, fblc.codegen.kernels.reduce), and the map fuses into the elementwise kern
 
 Preconditions: the step graph (after the gradient rules and the optimizer), static shapes; the
 lowered graph computes what the step did (exp(x - logsumexp x) is softmax). In place; nodes
-keep the stage of the node they replace.
+keep the stage of the node they replace (a forward one's is "forward", as lower_composites writes).
 """
 
 from __future__ import annotations
@@ -38,17 +38,13 @@ SPLITS: dict[str, Split] = {
 
 def _split(graph: ir.Graph, node: ir.Node) -> None:
     x, y = node.inputs[0], node.outputs[0]
+    # the nodes it writes carry the replaced node's stage and gradient origin
     emitter = Emitter(graph, stage=node.metadata_props.get(keys.STAGE, "forward"))
     emitter.anchor, emitter.prefix = node, f"{node.name}/split"
+    emitter.origin = node.metadata_props.get(keys.GRAD_OF)
     rank = len(static_shape(x))
     lse = emitter.op("ReduceLogSumExp", x, emitter.ints([int(attr(node, "axis", -1)) % rank]), keepdims=1)
     result = SPLITS[node.op_type](emitter, x, lse)
-    for new in graph:  # the nodes just written carry the replaced node's stage and gradient origin
-        if new.name.startswith(emitter.prefix + "/"):
-            for key in (keys.STAGE, keys.GRAD_OF):
-                new.metadata_props.pop(key, None)
-                if key in node.metadata_props:
-                    new.metadata_props[key] = node.metadata_props[key]
     name = y.name
     y.replace_all_uses_with(result, replace_graph_outputs=True)
     y.name, result.name = f"{name}/split", name

@@ -57,8 +57,7 @@ def _item_texels(texels: int) -> int:
 
 @dataclass
 class _Row:
-    """Texels k = 0..count-1 of `x` at flat element `first + 4 * k * step`, read whole: one row of
-    4 * count elements (step 1), or, with step > 1, four rows side by side (one per lane).
+    """Texels k = 0..count-1 of `x` from flat element `first`, read whole: one row of 4 * count elements.
 
     The first pass over a row of at most ROW_CACHE texels copies it into the private array
     `cache`; the later passes read the copy. A strided view (no raw texture of its own) is read
@@ -70,7 +69,6 @@ class _Row:
     x: ir.Value
     first: str  # C int expression, a multiple of 4
     count: int
-    step: int
     cache: str | None = None
     _texture: tuple[str, Texture] | None = field(default=None, init=False)  # (argument, texture) for raw reads
     _filled: bool = field(default=False, init=False)
@@ -83,11 +81,10 @@ class _Row:
 
     def read(self, k: str) -> str:
         """float4 C expression: texel `k` (a C int expression) read from the tensor."""
-        step = "" if self.step == 1 else f" * {self.step}"
         if self._texture is not None:
             arg, texture = self._texture
-            return self.b.read_texel(arg, texture, f"(({self.first}) >> 2) + ({k}){step}")
-        index = f"({self.first}) + 4 * ({k}){step}"
+            return self.b.read_texel(arg, texture, f"(({self.first}) >> 2) + ({k})")
+        index = f"({self.first}) + 4 * ({k})"
         return f"(float4)({', '.join(self.b.load(self.x, f'{index} + {j}') for j in range(4))})"
 
     def texel(self, k: str) -> str:
@@ -139,7 +136,7 @@ def _row_statistics(b: KernelBuilder, code: Code, node: ir.Node, row_start: str)
     n = float_literal(float(count))
     total, centred, mean, inv_std = b.fresh("sum"), b.fresh("sq"), b.fresh("mean"), b.fresh("inv")
     if count % 4 == 0:
-        row = _Row(b, code, x, row_start, count // 4, 1)
+        row = _Row(b, code, x, row_start, count // 4)
         code.emit(f"float4 {total} = (float4)(0.0f);")
         row.loop(lambda v, k: [f"{total} += {v};"])
         code.emit(f"const float {mean} = ({total}.x + {total}.y + {total}.z + {total}.w) / {n};",
