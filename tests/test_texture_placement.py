@@ -96,6 +96,7 @@ def test_the_compile_report_names_textures_beyond_the_portable_edge(monkeypatch,
     assert "use adreno830's own image limit" in capsys.readouterr().out
 
 
+@pytest.mark.xdist_group("small-tresnet")  # test_native_runner's T-ResNet: one PoCL compile for both
 def test_steps_after_the_first_equal_onnxruntime(tmp_path) -> None:
     """Three AdamW steps of T-ResNet compiled for adreno830 on PoCL against onnxruntime's run of the same step
     graph (fblc.compiler.reference), each step's loss within rtol 1e-4: after every step P.new's image becomes
