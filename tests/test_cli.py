@@ -131,3 +131,18 @@ def test_help_lists_the_commands_and_options(capsys) -> None:
     text = capsys.readouterr().out
     for option in ("--input-shape", "--loss", "--optimizer", "--train", "--freeze", "--bn-train", "--dump-dir"):
         assert option in text
+
+
+def test_compile_with_the_traced_layout_search_says_so_and_reports_it(tmp_path, mlp_path, capsys) -> None:
+    """`--layout-search traced` traces the step's kernels first (said on stderr) and `--report` names the search."""
+    import json
+
+    out = str(tmp_path / "bundle")
+    code, stdout, stderr = run_cli(capsys, "compile", mlp_path, "--target", "adreno830", "-o", out,
+                                   "--layout-search", "traced", "--ftd", "off", "--report")
+    assert code == 0, stderr
+    assert "tracing the reads of the step's kernels" in stderr
+    assert "layout rtile (search traced, FTD off)" in stdout
+    with open(os.path.join(out, "report.json"), encoding="utf-8") as handle:
+        layout = json.load(handle)["layout"]
+    assert (layout["search"], layout["ftd"]) == ("traced", False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 
 from fblc.cli.options import pass_progress, training_options
@@ -34,10 +35,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from fblc.passes.pipeline import compile_pipeline
     from fblc.profiles import load_profile
     from fblc.tools.cache_report import cache_annex
+    from fblc.tools.traced_layouts import with_traced_reads
 
     options = training_options(args)
     profile = load_profile(args.target)
     annexes = {"cache": cache_annex(profile)} if args.cache_report else None
+    if options.layout_search == "traced" and options.layout == "rtile" and not args.quiet:
+        print(f"tracing the reads of the step's kernels on the local OpenCL device ({args.target}'s cache model "
+              "scores them)", file=sys.stderr)
+    options = with_traced_reads(args.model, args.target, args.dtype, options)
     with pass_progress(len(compile_pipeline(options, profile)), enabled=not args.quiet) as on_pass:
         _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
                                   dump_dir=args.dump_dir, on_pass=on_pass, annexes=annexes)
@@ -97,3 +103,12 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=["rtile", "naive"], default="rtile",
                         help="rtile: R-Tile texture layouts, transposes and reshapes as index maps; naive: flat "
                              "row-major textures with explicit copy kernels, the conventional baseline (default: rtile)")
+    parser.add_argument("--layout-search", choices=["traced", "cache", "blocks", "flat"], default="cache",
+                        help="under rtile, how each tensor's layout is chosen: traced (the step's kernels first run "
+                             "once on the local OpenCL device recording what they read; those reads through the "
+                             "target's cache model decide: slower to compile, fewest misses), cache (synthetic walks "
+                             "through the cache model), blocks (cache blocks counted), flat (no tiles; kernels as "
+                             "under rtile); blocks and flat are ablations (default: cache)")
+    parser.add_argument("--ftd", choices=["on", "off"], default="on",
+                        help="under rtile, FTD operator classes guide the layout search (off: every tensor by its "
+                             "own accesses, an ablation; default: on)")

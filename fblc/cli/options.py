@@ -106,7 +106,9 @@ def training_options(args: argparse.Namespace) -> "object":
     return TrainingOptions(input_shapes=shapes, loss=args.loss, optimizer=optimizer, train=args.train,
                            freeze=args.freeze, bn_train=args.bn_train, adapter=adapter,
                            tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
-                           layout=getattr(args, "layout", "rtile"))
+                           layout=getattr(args, "layout", "rtile"),
+                           layout_search=getattr(args, "layout_search", "cache"),
+                           ftd=getattr(args, "ftd", "on") == "on")
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     table = buffer_table(step, program)
     report = build_report(step, program, table, time.perf_counter() - started)
     report["memory"], timeline = memory_report(step, table)
-    report["layout"] = layout_object(step, program, options.layout)
+    report["layout"] = layout_object(step, program, options)
     report["trained"] = {"chosen_by": trained_set_source(step.graph),
                          "tensors": [{"name": v.name, "shape": list(v.shape)} for v in trained_tensors(step.graph)]}
     manifest, plan, params = build_documents(step, program, table, profile, dtype, report)

@@ -7,7 +7,8 @@ rtile_select's `fblc.layout`) and from the kernels the codegen emitted:
 - data_movement_after: those that still run as a kernel;
 - conversion_kernels: kernels that exist only to change how a tensor is laid out (every kept
   data-movement node: a remap check failed, or `--layout naive`);
-- kept: why each kept node could not be remapped; tensors: every stored tensor's layout.
+- kept: why each kept node could not be remapped; tensors: every stored tensor's layout;
+- search, ftd (rtile): how the layouts were chosen (--layout-search, --ftd).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from fblc.codegen.plan import Program
 from fblc.compiler import keys
 from fblc.compiler.index_map import REMAPPABLE, is_view
 from fblc.compiler.values import numel, static_shape
+from fblc.passes.pipeline import TrainingOptions
 from fblc.passes.rtile_select import CHOICE
 from fblc.passes.tile_remap import REMAP_STATUS
 
 
-def layout_object(model: ir.Model, program: Program, layout: str) -> dict[str, Any]:
+def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -> dict[str, Any]:
     graph = model.graph
     movement = [n for n in graph if n.op_type in REMAPPABLE and n.domain == ""]
     kept = [n for n in movement if not is_view(n)]
@@ -45,7 +47,8 @@ def layout_object(model: ir.Model, program: Program, layout: str) -> dict[str, A
                         "relaxed": choice.get("relaxed", [])})
     kinds = Counter("rtile" if t.layout.kind == "rtile" else "flat" for t in program.textures)
     ftd = Counter(n.metadata_props.get(keys.FTD, "?") for n in graph)
-    return {"mode": layout, "data_movement_before": len(movement), "data_movement_after": len(kept),
+    search = {"search": options.layout_search, "ftd": options.ftd} if options.layout == "rtile" else {}
+    return {"mode": options.layout, **search, "data_movement_before": len(movement), "data_movement_after": len(kept),
             "conversion_kernels": len(kept),
             "data_movement_by_op": {op: [sum(1 for n in movement if n.op_type == op),
                                          sum(1 for n in kept if n.op_type == op)]
@@ -56,7 +59,8 @@ def layout_object(model: ir.Model, program: Program, layout: str) -> dict[str, A
 
 def layout_summary(layout: dict[str, Any], top: int = 12) -> str:
     """The readable version `fblc compile --report` prints."""
-    lines = [f"layout {layout['mode']}: data-movement ops {layout['data_movement_before']} before remapping, "
+    search = f" (search {layout['search']}, FTD {'on' if layout['ftd'] else 'off'})" if "search" in layout else ""
+    lines = [f"layout {layout['mode']}{search}: data-movement ops {layout['data_movement_before']} before remapping, "
              f"{layout['data_movement_after']} after; {layout['conversion_kernels']} conversion kernels",
              "  by op (before, after): " + ", ".join(f"{op} {b}->{a}" for op, (b, a) in
                                                     layout["data_movement_by_op"].items())]

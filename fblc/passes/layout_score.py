@@ -4,12 +4,14 @@ rtile_select ranks every candidate layout of a stored tensor here: R-Tile tiles 
 matrix (`rank_candidates`) and, for a tensor that stays flat, the fold of its texels into a 2-D image
 (`rank_folds`). A wave's reads are replayed for WAVE_STEPS lockstep steps; the block count ranks
 every candidate, and the texture-cache model (fblc.profiles.cache_model) re-scores the best
-SIMULATED, whose misses decide. Images stay within profiles.placement_limits.
+SIMULATED, whose misses decide. Given the reads the step's kernels really make (traced on a device:
+fblc.tools.traced_layouts), `rescore_traced` replays those through each candidate instead. Images
+stay within profiles.placement_limits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,7 +25,7 @@ TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
 MAX_PADDING = 0.10
 WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
-SIMULATED = 4  # candidates (best by block count) that the cache model re-scores
+SIMULATED = 4  # candidates (best by block count) that the cache model re-scores; 0: the block count decides
 FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))  # image widths a flat tensor may fold to, 8 .. 16384 texels
 
 
@@ -127,9 +129,9 @@ def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geom
 
 @lru_cache(maxsize=4096)
 def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...],
-                    geometry: Geometry) -> tuple[Candidate, ...]:
+                    geometry: Geometry, simulated: int = SIMULATED) -> tuple[Candidate, ...]:
     """Every candidate tile that survives pruning, best first, with its score. The block count
-    ranks them all; the cache model re-scores the best SIMULATED, which then lead."""
+    ranks them all; the cache model re-scores the best `simulated`, which then lead."""
     texel_cols = cols // 4
     max_width, max_height = geometry.limits(rows * texel_cols)
     survivors: dict[tuple[str, ...], list[Candidate]] = {}
@@ -148,9 +150,9 @@ def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...
     for relaxed in ((), ("C1",), ("C2",), ("C1", "C2")):
         if relaxed in survivors:
             ranked = sorted(survivors[relaxed], key=lambda c: -c.score)
-            simulated = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency),
-                                   relaxed, "cache model", c.block_score) for c in ranked[:SIMULATED]]
-            return tuple(sorted(simulated, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[SIMULATED:])
+            rescored = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency),
+                                  relaxed, "cache model", c.block_score) for c in ranked[:simulated]]
+            return tuple(sorted(rescored, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[simulated:])
     return ()
 
 
@@ -164,7 +166,7 @@ def _score(layout: TexelLayout, patterns: tuple[tuple[str, float], ...], rows: i
 
 @lru_cache(maxsize=4096)
 def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
-               geometry: Geometry) -> tuple[Candidate, ...]:
+               geometry: Geometry, simulated: int = SIMULATED) -> tuple[Candidate, ...]:
     """Flat layouts of a tensor, best first: its texels folded into images of the FOLD_WIDTHS (and the
     widest and one-row-per-matrix-row folds) that fit the placement limits with at most MAX_PADDING
     padding, scored like tiles. A 2-D cache fetches blocks several texel rows tall, so a wide strip wastes
@@ -190,6 +192,41 @@ def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
         return Candidate(fold, score, (), "block count", score)
 
     by_blocks = sorted((blocks(f) for f in fitting), key=order)
-    simulated = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency), (),
-                           "cache model", c.block_score) for c in by_blocks[:SIMULATED]]
-    return tuple(sorted(simulated, key=order)) + tuple(by_blocks[SIMULATED:])
+    rescored = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency), (),
+                          "cache model", c.block_score) for c in by_blocks[:simulated]]
+    return tuple(sorted(rescored, key=order)) + tuple(by_blocks[simulated:])
+
+
+# scoring on traced access streams ---------------------------------------------------------------
+
+#: a root tensor's name -> the logical texels (row-major texel indices) each traced work-group read from
+#: it, in issue order, with the weight that scales the group to its share of the step's reads
+TracedReads = Mapping[str, Sequence[tuple[np.ndarray, float]]]
+TRACED_CANDIDATES = 6  # candidates (best by block count) that the traced streams re-score
+TRACED_READS = 1024  # reads of one work-group's stream that the cache model replays (its issue-order prefix)
+
+
+def traced_efficiency(layout: TexelLayout, streams: Sequence[tuple[np.ndarray, float]], geometry: Geometry) -> float:
+    """Texels read over texels fetched when the recorded streams of the step's kernels read through
+    `layout`: the cache model replays each work-group's prefix (flushed before each, as
+    cache_model.simulate does), weighted by its share of the step's reads."""
+    cache = TextureCache(geometry.cache)
+    block = geometry.block_width * geometry.block_height
+    useful = fetched = 0.0
+    for texels, weight in streams:
+        prefix = texels[:TRACED_READS]
+        cache.flush()
+        x, y = layout.coords(prefix)
+        scale = weight * texels.size / max(1, prefix.size)
+        useful += scale * prefix.size
+        fetched += scale * cache.access(*cache.blocks_of(x, y)) * block
+    return useful / fetched if fetched else 1.0
+
+
+def rescore_traced(ranked: Sequence[Candidate], streams: Sequence[tuple[np.ndarray, float]],
+                   geometry: Geometry) -> tuple[Candidate, ...]:
+    """`ranked` (best first by block count) with its best TRACED_CANDIDATES scored on the streams the
+    kernels really read: GFLOPS factor x traced efficiency; those lead, ties to the block count."""
+    rescored = [Candidate(c.layout, gflops_factor(c.layout, geometry.wave) * traced_efficiency(c.layout, streams, geometry),
+                          c.relaxed, "traced streams", c.block_score) for c in ranked[:TRACED_CANDIDATES]]
+    return tuple(sorted(rescored, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[TRACED_CANDIDATES:])

@@ -34,7 +34,8 @@ from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.memory_plan import MemoryPlanPass
 from fblc.passes.optimizer_step import OptimizerStep
-from fblc.passes.rtile_select import RTileSelect
+from fblc.passes.layout_score import TracedReads
+from fblc.passes.rtile_select import LAYOUT_SEARCHES, RTileSelect
 from fblc.passes.sg_gradients import SgGradients
 from fblc.passes.sg_replay import SgReplay
 from fblc.passes.split_softmax import SplitSoftmax
@@ -56,6 +57,14 @@ class TrainingOptions:
     tile_bytes: int = -1
     #: texel layouts: "rtile" (R-Tile layouts, data movement remapped) or "naive" (flat, explicit copies)
     layout: str = "rtile"
+    #: under rtile, how rtile_select ranks a tensor's candidate layouts (LAYOUT_SEARCHES); kernels,
+    #: register tiles and remapping stay as they are, so `blocks` and `flat` ablate the score alone
+    layout_search: str = "cache"
+    #: under rtile, FTD classes guide the search (FTD-D anchors, propagation along FTD-C/FTI-C ops);
+    #: False: every tensor takes the best layout for its own accesses
+    ftd: bool = True
+    #: layout_search "traced": the texels the step's kernels read, by tensor (fblc.tools.traced_layouts)
+    traced_reads: TracedReads | None = field(default=None, compare=False, repr=False)
 
 
 LAYOUTS = ("rtile", "naive")
@@ -172,12 +181,16 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     FTD classes, data movement as index maps (rtile)."""
     if options.layout not in LAYOUTS:
         raise FblcError(f"unknown layout '{options.layout}'", f"choose one of: {', '.join(LAYOUTS)}")
+    if options.layout_search not in LAYOUT_SEARCHES:
+        raise FblcError(f"unknown layout search '{options.layout_search}'",
+                        f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
     return [SplitSoftmax(), FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
     """After the step graph is built: layouts for the target, kernels, memory."""
-    return layout_passes(options) + [RTileSelect(profile, options.layout), FuseKernels(), MemoryPlanPass()]
+    return layout_passes(options) + [RTileSelect(profile, options.layout, options.layout_search, options.ftd,
+                                                  options.traced_reads), FuseKernels(), MemoryPlanPass()]
 
 
 def compile_pipeline(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:

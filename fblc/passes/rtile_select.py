@@ -25,7 +25,13 @@ keeps (activation masks saved for the backward) take `mask8`: one bit per elemen
   operands the best tile; the choice propagates to same-shape outputs of FTD-C and FTI-C
   consumers; every other tensor takes its own best. No conversion kernel is ever needed:
   every kernel addresses each texture through its own layout.
-With mode "naive" every value is flat (the conventional baseline). Preconditions: fused or
+The search (`--layout-search`): "traced" scores the best candidates by block count, tiles and
+folds alike, on the texels the step's own kernels read from the tensor (every reader, forward and
+backward, traced work-group by work-group under the plan's schedule: fblc.tools.traced_layouts),
+replayed through the cache model; "cache" as above; "blocks" the block count alone decides; "flat" every tensor takes the conventional flat layout (kernels, register tiles and
+remapping as under rtile, so only the layouts differ). With `ftd` False no node anchors and
+nothing propagates: every tensor takes its own best. With mode "naive" every value is flat (the
+conventional baseline). Preconditions: fused or
 unfused step graph with static shapes, after ftd_taxonomy and tile_remap. In place.
 """
 
@@ -39,7 +45,9 @@ from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, is_view, map_of, read_uses, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.ftd_taxonomy import Ftd
-from fblc.passes.layout_score import Candidate, Geometry, rank_candidates, rank_folds
+from fblc.errors import FblcError
+from fblc.passes.layout_score import (SIMULATED, Candidate, Geometry, TracedReads, rank_candidates, rank_folds,
+                                        rescore_traced)
 from fblc.profiles import Profile
 from fblc.texel_layout import TexelLayout, flat_layout, mask_layout
 from fblc.passes.contracts import ContractPass
@@ -47,6 +55,9 @@ from fblc.passes.contracts import ContractPass
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
 STREAM = (("stream", 1.0),)
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
+#: --layout-search -> candidates the texture-cache model re-scores (None: no search, every tensor flat);
+#: "traced" ranks by block count, then the streams its kernels were traced reading decide
+LAYOUT_SEARCHES: dict[str, int | None] = {"traced": 0, "cache": SIMULATED, "blocks": 0, "flat": None}
 ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax",
                           "ReduceLogSumExp"})
 
@@ -112,10 +123,16 @@ class RTileSelect(ContractPass):
     requires_facts = ("static shapes", "ftd classes")
     ensures_facts = ("layouts",)
 
-    def __init__(self, profile: Profile, mode: str = "rtile") -> None:
+    def __init__(self, profile: Profile, mode: str = "rtile", search: str = "cache", ftd: bool = True,
+                 traced: TracedReads | None = None) -> None:
         super().__init__()
+        if search == "traced" and traced is None and mode == "rtile":
+            raise FblcError("layout search 'traced' needs the reads of the step's kernels",
+                            "compile through fblc.tools.traced_layouts.compile_traced (fblc compile --layout-search "
+                            "traced), which traces them first")
         self.geometry = Geometry.of(profile)
-        self.mode = mode
+        self.mode, self.ftd, self.traced = mode, ftd, traced or {}
+        self.simulated = LAYOUT_SEARCHES[search]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -124,7 +141,7 @@ class RTileSelect(ContractPass):
         roots = [v for v in list(graph.inputs) + list(graph.initializers.values())]
         roots += [v for n in graph if not is_view(n) for v in n.outputs if v is not None and v.name]
         chosen: dict[int, tuple[TexelLayout, str, Candidate | None]] = {}
-        if self.mode == "rtile":
+        if self.mode == "rtile" and self.simulated is not None:
             self._select(graph, host_visible, chosen)
         modified = graph.metadata_props.get(keys.LAYOUT_MODE) != self.mode
         graph.metadata_props[keys.LAYOUT_MODE] = self.mode  # the codegen tiles its kernels under "rtile"
@@ -157,11 +174,13 @@ class RTileSelect(ContractPass):
         if value.dtype == ir.DataType.BOOL and id(value) not in host_visible:  # saved masks: 8 bits a byte
             layout = mask_layout("mask8", count, *self.geometry.limits(-(-count // 8)))
             return layout, layout.kind, None
-        if self.mode == "rtile":
+        if self.mode == "rtile" and self.simulated is not None:
             # what the runtimes exchange is folded by its shape alone: a parameter and its update (P, P.new),
             # which swap images after every step, must share one layout
             patterns = STREAM if id(value) in host_visible else tuple(sorted(_accesses(value).items()))
-            best = rank_folds(shape, patterns, self.geometry)[0]
+            ranked = rank_folds(shape, patterns, self.geometry, self.simulated)
+            streams = None if id(value) in host_visible else self.traced.get(value.name)
+            best = (rescore_traced(ranked, streams, self.geometry) if streams else ranked)[0]
             return best.layout, "fold", best
         texels = max(1, -(-count // 4))
         return flat_layout(texels, self.geometry.limits(texels)[0]), "flat", None
@@ -171,12 +190,16 @@ class RTileSelect(ContractPass):
         if matrix is None:
             return None
         patterns = tuple(sorted(_accesses(value).items()))
-        ranked = rank_candidates(*matrix, patterns, self.geometry)
+        ranked = rank_candidates(*matrix, patterns, self.geometry, self.simulated)
+        streams = self.traced.get(value.name)
+        if streams:  # tiles and folds alike, on what the kernels read: a flat fold may serve them best
+            folds = rank_folds(static_shape(value), patterns, self.geometry, 0)
+            ranked = rescore_traced(sorted(ranked + folds, key=lambda c: -c.block_score), streams, self.geometry)
         return ranked[0] if ranked else None
 
     def _select(self, graph: ir.Graph, host_visible: set[int],
                 chosen: dict[int, tuple[TexelLayout, str, Candidate | None]]) -> None:
-        anchors = [n for n in graph if n.metadata_props.get(keys.FTD) == Ftd.DEPENDENT_DIVERGENT.value]
+        anchors = [n for n in graph if self.ftd and n.metadata_props.get(keys.FTD) == Ftd.DEPENDENT_DIVERGENT.value]
         anchors.sort(key=lambda n: -max((numel(static_shape(v)) for v in n.inputs if v is not None), default=0))
         followers = {Ftd.DEPENDENT_CONSISTENT.value, Ftd.INDEPENDENT_CONSISTENT.value}
         for anchor in anchors:

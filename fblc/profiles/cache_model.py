@@ -89,12 +89,17 @@ class TextureCache:
 WorkGroupReads = Callable[[int], tuple[np.ndarray, ...]]
 
 
+def sampled_groups(work_groups: int, sample: int) -> list[int]:
+    """At most `sample` of a launch's work-groups, spread evenly over it (the first and the last included)."""
+    return sorted(set(np.linspace(0, work_groups - 1, min(sample, work_groups)).round().astype(int).tolist()))
+
+
 def simulate(geometry: CacheGeometry, reads: WorkGroupReads, work_groups: int, sample: int = 64,
              cache: TextureCache | None = None) -> CacheStats:
     """Simulated reads, block fetches and misses of `work_groups` groups, sampling at most `sample` of them
     evenly (the cache is flushed before each: the estimate is per group, scaled to all of them)."""
     cache = cache or TextureCache(geometry)
-    chosen = sorted(set(np.linspace(0, work_groups - 1, min(sample, work_groups)).round().astype(int).tolist()))
+    chosen = sampled_groups(work_groups, sample)
     total = CacheStats()
     for group in chosen:
         xs, ys, *issued = reads(group)

@@ -35,9 +35,11 @@ def launch_stats(cache: TextureCache, tracer: ReadTracer, index: int, sample: in
 
 
 def cache_report(bundle: str, profile: Profile, feeds: Mapping[str, np.ndarray], sample: int = 2,
-                 device: str | None = None, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Simulated cache figures of `bundle`'s step on `feeds` under `profile`'s cache geometry."""
-    tracer = ReadTracer(bundle, device)
+                 device: str | None = None, progress: Callable[[int, int], None] | None = None,
+                 tracer: ReadTracer | None = None) -> dict[str, Any]:
+    """Simulated cache figures of `bundle`'s step on `feeds` under `profile`'s cache geometry (through
+    `tracer`, a ReadTracer of the bundle, when one is built already)."""
+    tracer = tracer or ReadTracer(bundle, device)
     tracer.step(feeds)
     cache = TextureCache(CacheGeometry.of(profile))
     kernels, total = [], CacheStats()

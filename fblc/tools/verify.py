@@ -14,6 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from fblc.codegen.compile import compile_model
+from fblc.tools.traced_layouts import with_traced_reads
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.reference import ReferenceStep, random_feeds
 from fblc.passes.pipeline import TrainingOptions
@@ -53,6 +54,7 @@ def verify_model(model_path: str, options: TrainingOptions, target: str = "local
     """Compile, run one step on the device and on onnxruntime, compare every output of the step."""
     with tempfile.TemporaryDirectory(dir=work_dir) as scratch:
         bundle = os.path.join(scratch, "bundle")
+        options = with_traced_reads(model_path, target, dtype, options, feeds, device=device)
         step, _ = compile_model(model_path, bundle, target, dtype, options)
         step_path = os.path.join(scratch, "step.onnx")
         save_model_atomically(step, step_path)
