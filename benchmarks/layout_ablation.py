@@ -1,7 +1,7 @@
 """What each part of the layout search buys: simulated misses, block fetches and PoCL step time per variant.
 
     python benchmarks/layout_ablation.py [--models llama,mobilenet_v2] [--targets adreno830,adreno730,mali-g925]
-                                         [--variants naive,flat,blocks,cache,traced,traced-ftd-off] [--steps 3]
+                                         [--variants naive,flat,blocks,cache,traced] [--steps 3]
 
 Every variant compiles the same model with the same kernels, register tiles and remapping; only the
 layout choice differs (naive, the conventional baseline, also drops tiles and remapping):
@@ -10,13 +10,12 @@ layout choice differs (naive, the conventional baseline, also drops tiles and re
 - cache: blocks, then the texture-cache model re-ranks the best 4 on the same walks (the default);
 - traced: the step's kernels are traced once (under flat), and their real reads through the cache
   model decide (`--layout-search traced`);
-- *-ftd-off: the same without FTD classes (`--ftd off`: no anchors, no propagation).
 For each: the simulated texture-cache misses and block fetches of the whole step for the target
 (fblc.tools.cache_report: each bundle's own kernels traced, 2 work-groups per launch), and the median
 PoCL step time on this CPU (same device for every target: only the layouts differ). Models as in
 benchmarks/layout.py: the Llama decoder at batch 4, sequence 128, and MobileNetV2 at [16, 3, 97, 60].
 Issue targets: naive/traced misses >= 4.2x and block fetches >= 3.5x on adreno830; traced beats
-blocks and flat on misses somewhere and never loses by more than 2 %; FTD on beats off somewhere.
+blocks and flat on misses somewhere and never loses by more than 2 %.
 """
 
 from __future__ import annotations
@@ -47,9 +46,7 @@ VARIANTS = {
     "flat": dataclasses.replace(BASE, layout_search="flat"),
     "blocks": dataclasses.replace(BASE, layout_search="blocks"),
     "cache": BASE,
-    "cache-ftd-off": dataclasses.replace(BASE, ftd=False),
     "traced": dataclasses.replace(BASE, layout_search="traced"),
-    "traced-ftd-off": dataclasses.replace(BASE, layout_search="traced", ftd=False),
 }
 PAPER = {"misses": 4.2, "block_fetches": 3.5}
 

@@ -139,10 +139,10 @@ def test_compile_with_the_traced_layout_search_says_so_and_reports_it(tmp_path, 
 
     out = str(tmp_path / "bundle")
     code, stdout, stderr = run_cli(capsys, "compile", mlp_path, "--target", "adreno830", "-o", out,
-                                   "--layout-search", "traced", "--ftd", "off", "--report")
+                                   "--layout-search", "traced", "--report")
     assert code == 0, stderr
     assert "tracing the reads of the step's kernels" in stderr
-    assert "layout rtile (search traced, FTD off)" in stdout
+    assert "layout rtile (search traced)" in stdout
     with open(os.path.join(out, "report.json"), encoding="utf-8") as handle:
         layout = json.load(handle)["layout"]
-    assert (layout["search"], layout["ftd"]) == ("traced", False)
+    assert layout["search"] == "traced"

@@ -109,6 +109,3 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
                              "target's cache model decide: slower to compile, fewest misses), cache (synthetic walks "
                              "through the cache model), blocks (cache blocks counted), flat (no tiles; kernels as "
                              "under rtile); blocks and flat are ablations (default: cache)")
-    parser.add_argument("--ftd", choices=["on", "off"], default="on",
-                        help="under rtile, FTD operator classes guide the layout search (off: every tensor by its "
-                             "own accesses, an ablation; default: on)")

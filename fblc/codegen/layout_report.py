@@ -8,7 +8,7 @@ rtile_select's `fblc.layout`) and from the kernels the codegen emitted:
 - conversion_kernels: kernels that exist only to change how a tensor is laid out (every kept
   data-movement node: a remap check failed, or `--layout naive`);
 - kept: why each kept node could not be remapped; tensors: every stored tensor's layout;
-- search, ftd (rtile): how the layouts were chosen (--layout-search, --ftd).
+- search (rtile): how the layouts were chosen (--layout-search).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -
                         "relaxed": choice.get("relaxed", [])})
     kinds = Counter("rtile" if t.layout.kind == "rtile" else "flat" for t in program.textures)
     ftd = Counter(n.metadata_props.get(keys.FTD, "?") for n in graph)
-    search = {"search": options.layout_search, "ftd": options.ftd} if options.layout == "rtile" else {}
+    search = {"search": options.layout_search} if options.layout == "rtile" else {}
     return {"mode": options.layout, **search, "data_movement_before": len(movement), "data_movement_after": len(kept),
             "conversion_kernels": len(kept),
             "data_movement_by_op": {op: [sum(1 for n in movement if n.op_type == op),
@@ -59,7 +59,7 @@ def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -
 
 def layout_summary(layout: dict[str, Any], top: int = 12) -> str:
     """The readable version `fblc compile --report` prints."""
-    search = f" (search {layout['search']}, FTD {'on' if layout['ftd'] else 'off'})" if "search" in layout else ""
+    search = f" (search {layout['search']})" if "search" in layout else ""
     lines = [f"layout {layout['mode']}{search}: data-movement ops {layout['data_movement_before']} before remapping, "
              f"{layout['data_movement_after']} after; {layout['conversion_kernels']} conversion kernels",
              "  by op (before, after): " + ", ".join(f"{op} {b}->{a}" for op, (b, a) in

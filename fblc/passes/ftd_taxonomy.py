@@ -1,12 +1,13 @@
 """ftd_taxonomy: write every node's FTD class (docs/ARCHITECTURE.md, section 2) as `fblc.ftd`.
 
-The class says how the layout search treats the node: FTD-D ops (their backward reads forward
-tensors along other axes than the forward) anchor the R-Tile choice; FTD-C ops follow their
-producer's layout; FTI-D ops (data movement, reductions, gathers) are index-remapping
-candidates; FTI-C ops are layout-transparent. The table is keyed by op type; an op missing
-from it gets UNKNOWN_OP_CLASS (the class is a layout hint, never needed for correctness), so
-an op the compiler cannot run is reported where it fails: by the kernel emitters, as an
-unsupported op naming the node and the supported ops.
+The class describes the node's backward (FBLayout's taxonomy): FTD-D ops' backward reads
+forward tensors along other axes than the forward, FTD-C ops' along the same axes; FTI-D ops
+(data movement, reductions, gathers) and FTI-C ops (layout-transparent) need none. `fblc check`,
+the dumps and the layout report show it; no layout depends on it (docs/ARCHITECTURE.md,
+section 2, has the ablation that removed the search's FTD anchors). The table is keyed by op
+type; an op missing from it gets UNKNOWN_OP_CLASS, so an op the compiler cannot run is
+reported where it fails: by the kernel emitters, as an unsupported op naming the node and the
+supported ops.
 Preconditions: none (any graph). In place; `modified` is true when any annotation changed.
 """
 
@@ -54,10 +55,8 @@ _classify(Ftd.INDEPENDENT_CONSISTENT, "Add", "Sub", "Neg", "Cast", "Identity", "
           "IsNaN", "Floor", "Sign", "Ceil", "Round")
 
 
-#: the class of an op the table lacks. FTI-D is the one that assumes nothing about the op: the
-#: layout search does not anchor a choice on it (FTD-D would let an op it knows nothing of pick the
-#: layouts of its neighbours) and does not pass its input's layout on to its output (FTD-C and FTI-C
-#: would claim the output is read like the input); its outputs get layouts from their own accesses.
+#: the class of an op the table lacks: FTI-D claims the least (that its backward needs no forward
+#: tensor and that it may move data), and `fblc check` marks it as a default
 UNKNOWN_OP_CLASS = Ftd.INDEPENDENT_DIVERGENT
 
 

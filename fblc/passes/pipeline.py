@@ -60,9 +60,6 @@ class TrainingOptions:
     #: under rtile, how rtile_select ranks a tensor's candidate layouts (LAYOUT_SEARCHES); kernels,
     #: register tiles and remapping stay as they are, so `blocks` and `flat` ablate the score alone
     layout_search: str = "cache"
-    #: under rtile, FTD classes guide the search (FTD-D anchors, propagation along FTD-C/FTI-C ops);
-    #: False: every tensor takes the best layout for its own accesses
-    ftd: bool = True
     #: layout_search "traced": the texels the step's kernels read, by tensor (fblc.tools.traced_layouts)
     traced_reads: TracedReads | None = field(default=None, compare=False, repr=False)
 
@@ -189,7 +186,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
 
 def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
     """After the step graph is built: layouts for the target, kernels, memory."""
-    return layout_passes(options) + [RTileSelect(profile, options.layout, options.layout_search, options.ftd,
+    return layout_passes(options) + [RTileSelect(profile, options.layout, options.layout_search,
                                                   options.traced_reads), FuseKernels(), MemoryPlanPass()]
 
 

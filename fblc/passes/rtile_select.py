@@ -21,16 +21,15 @@ keeps (activation masks saved for the backward) take `mask8`: one bit per elemen
   profile's block geometry) the wave touches; the best SIMULATED are then scored by the
   texture-cache model (fblc.profiles.cache_model: the profile's blocks, sets, ways, LRU), whose
   misses decide;
-- global selection, activation-guided: FTD-D nodes by decreasing input size give their
-  operands the best tile; the choice propagates to same-shape outputs of FTD-C and FTI-C
-  consumers; every other tensor takes its own best. No conversion kernel is ever needed:
-  every kernel addresses each texture through its own layout.
+- every tensor takes its own best: its score already weighs every kernel that reads it, forward
+  and backward. No conversion kernel is ever needed: every kernel addresses each texture through
+  its own layout, so no op class has to pull a region onto one layout (docs/ARCHITECTURE.md,
+  section 2: the ablation that removed the FTD-guided anchors and propagation).
 The search (`--layout-search`): "traced" scores the best candidates by block count, tiles and
 folds alike, on the texels the step's own kernels read from the tensor (every reader, forward and
 backward, traced work-group by work-group under the plan's schedule: fblc.tools.traced_layouts),
 replayed through the cache model; "cache" as above; "blocks" the block count alone decides; "flat" every tensor takes the conventional flat layout (kernels, register tiles and
-remapping as under rtile, so only the layouts differ). With `ftd` False no node anchors and
-nothing propagates: every tensor takes its own best. With mode "naive" every value is flat (the
+remapping as under rtile, so only the layouts differ). With mode "naive" every value is flat (the
 conventional baseline). Preconditions: fused or
 unfused step graph with static shapes, after ftd_taxonomy and tile_remap. In place.
 """
@@ -44,7 +43,6 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, is_view, map_of, read_uses, view_root
 from fblc.compiler.values import attr, numel, static_shape
-from fblc.passes.ftd_taxonomy import Ftd
 from fblc.errors import FblcError
 from fblc.passes.layout_score import (SIMULATED, Candidate, Geometry, TracedReads, rank_candidates, rank_folds,
                                         rescore_traced)
@@ -120,10 +118,10 @@ class RTileSelect(ContractPass):
     """Choose and annotate each stored tensor's texel layout (in place)."""
 
     name = "rtile_select"
-    requires_facts = ("static shapes", "ftd classes")
+    requires_facts = ("static shapes",)
     ensures_facts = ("layouts",)
 
-    def __init__(self, profile: Profile, mode: str = "rtile", search: str = "cache", ftd: bool = True,
+    def __init__(self, profile: Profile, mode: str = "rtile", search: str = "cache",
                  traced: TracedReads | None = None) -> None:
         super().__init__()
         if search == "traced" and traced is None and mode == "rtile":
@@ -131,7 +129,7 @@ class RTileSelect(ContractPass):
                             "compile through fblc.tools.traced_layouts.compile_traced (fblc compile --layout-search "
                             "traced), which traces them first")
         self.geometry = Geometry.of(profile)
-        self.mode, self.ftd, self.traced = mode, ftd, traced or {}
+        self.mode, self.traced = mode, traced or {}
         self.simulated = LAYOUT_SEARCHES[search]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -199,21 +197,6 @@ class RTileSelect(ContractPass):
 
     def _select(self, graph: ir.Graph, host_visible: set[int],
                 chosen: dict[int, tuple[TexelLayout, str, Candidate | None]]) -> None:
-        anchors = [n for n in graph if self.ftd and n.metadata_props.get(keys.FTD) == Ftd.DEPENDENT_DIVERGENT.value]
-        anchors.sort(key=lambda n: -max((numel(static_shape(v)) for v in n.inputs if v is not None), default=0))
-        followers = {Ftd.DEPENDENT_CONSISTENT.value, Ftd.INDEPENDENT_CONSISTENT.value}
-        for anchor in anchors:
-            for operand in list(anchor.inputs) + list(anchor.outputs):
-                if operand is None:
-                    continue
-                root = view_root(operand)
-                if id(root) in chosen:
-                    continue
-                best = self._best(root, host_visible)
-                if best is None:
-                    continue
-                chosen[id(root)] = (best.layout, f"anchor {anchor.op_type} '{anchor.name}'", best)
-                self._propagate(root, best, host_visible, followers, chosen)
         for node in graph:
             if is_view(node):
                 continue
@@ -222,15 +205,3 @@ class RTileSelect(ContractPass):
                     best = self._best(out, host_visible)
                     if best is not None:
                         chosen[id(out)] = (best.layout, "own accesses", best)
-
-    def _propagate(self, root: ir.Value, candidate: Candidate, host_visible: set[int], followers: set[str],
-                   chosen: dict[int, tuple[TexelLayout, str, Candidate | None]]) -> None:
-        shape = static_shape(root)
-        for use in root.uses():
-            node = use.node
-            if node.metadata_props.get(keys.FTD) not in followers or is_view(node):
-                continue
-            for out in node.outputs:
-                if (out is not None and out.name and id(out) not in chosen and static_shape(out) == shape
-                        and _eligible(out, host_visible) is not None):
-                    chosen[id(out)] = (candidate.layout, f"propagated from '{root.name}'", candidate)

@@ -68,7 +68,7 @@ class TileRemap(ContractPass):
     """Turn data-movement nodes into index maps where the checks allow (in place)."""
 
     name = "tile_remap"
-    requires_facts = ("static shapes", "ftd classes")
+    requires_facts = ("static shapes",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
