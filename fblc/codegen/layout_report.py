@@ -5,8 +5,10 @@ rtile_select's `fblc.layout`) and from the kernels the codegen emitted:
 - data_movement_before: Transpose/Reshape/Flatten/Squeeze/Unsqueeze/Expand nodes of the step,
   each a copy kernel in the conventional baseline;
 - data_movement_after: those that still run as a kernel;
-- conversion_kernels: kernels that exist only to change how a tensor is laid out (every kept
-  data-movement node: a remap check failed, or `--layout naive`);
+- conversion_kernels: emitted kernels that compute a kept data-movement node (a remap check
+  failed, or `--layout naive`): they exist only to change how a tensor is laid out;
+- movement_kernels, movement_kernels_by_op: every emitted kernel of the movement family (also
+  Slice, Pad, Concat, Split, Gather copies), by the op of its first node;
 - kept: why each kept node could not be remapped; tensors: every stored tensor's layout;
 - search (rtile): how the layouts were chosen (--layout-search).
 """
@@ -45,11 +47,16 @@ def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -
                         "layout": texture.layout.describe(), "chosen_by": choice.get("how", "flat"),
                         "score": choice.get("score"), "scored_by": choice.get("scored_by"),
                         "relaxed": choice.get("relaxed", [])})
+    kept_names = {n.name for n in kept}
+    op_of = {n.name: n.op_type for n in graph}
+    movers = [k for k in program.kernels if k.family == "movement"]
     kinds = Counter("rtile" if t.layout.kind == "rtile" else "flat" for t in program.textures)
     ftd = Counter(n.metadata_props.get(keys.FTD, "?") for n in graph)
     search = {"search": options.layout_search} if options.layout == "rtile" else {}
     return {"mode": options.layout, **search, "data_movement_before": len(movement), "data_movement_after": len(kept),
-            "conversion_kernels": len(kept),
+            "conversion_kernels": sum(1 for k in program.kernels if kept_names.intersection(k.nodes)),
+            "movement_kernels": len(movers),
+            "movement_kernels_by_op": dict(Counter(op_of.get(k.nodes[0], "?") for k in movers if k.nodes)),
             "data_movement_by_op": {op: [sum(1 for n in movement if n.op_type == op),
                                          sum(1 for n in kept if n.op_type == op)]
                                     for op in sorted({n.op_type for n in movement})},
@@ -61,7 +68,9 @@ def layout_summary(layout: dict[str, Any], top: int = 12) -> str:
     """The readable version `fblc compile --report` prints."""
     search = f" (search {layout['search']})" if "search" in layout else ""
     lines = [f"layout {layout['mode']}{search}: data-movement ops {layout['data_movement_before']} before remapping, "
-             f"{layout['data_movement_after']} after; {layout['conversion_kernels']} conversion kernels",
+             f"{layout['data_movement_after']} after; {layout['conversion_kernels']} conversion kernels; "
+             f"{layout['movement_kernels']} movement kernels ("
+             + ", ".join(f"{count} {op}" for op, count in sorted(layout["movement_kernels_by_op"].items())) + ")",
              "  by op (before, after): " + ", ".join(f"{op} {b}->{a}" for op, (b, a) in
                                                     layout["data_movement_by_op"].items())]
     for reason, count in layout["kept"].items():
