@@ -69,6 +69,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             from fblc.codegen.layout_report import layout_summary
 
             print(layout_summary(report["layout"]))
+            from fblc.codegen.estimate import estimate_summary
+
+            print(estimate_summary(report["estimate"]))
         if "cache" in report:
             from fblc.tools.cache_report import cache_summary
 

@@ -11,6 +11,7 @@ import onnx_ir as ir
 
 
 from fblc.codegen.buffers import BufferTable, buffer_table
+from fblc.codegen.estimate import estimate_object
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.layout_report import layout_object
 from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
@@ -65,5 +66,6 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
             write_bundle(draft, manifest, plan, program.source, params, report)
             for key, annex in annexes.items():
                 report[key] = annex(draft, step)
+    report["estimate"] = estimate_object(step, program, profile, report.get("cache"))
     write_bundle(out_dir, manifest, plan, program.source, params, report, extra={TIMELINE_PLOT: timeline})
     return step, report

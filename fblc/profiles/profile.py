@@ -48,6 +48,9 @@ SERIAL_REDUCTION = 1024
 PRIVATE_FLOATS = 64
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
+#: host-to-GPU cost of one kernel launch in an in-order queue, for report.json's estimate (estimated:
+#: mobile OpenCL drivers take a few to tens of microseconds per enqueue; no profile measures it yet)
+LAUNCH_OVERHEAD_US = 10.0
 SOURCE_KINDS = ("measured", "vendor documentation:", "paper:", "estimated")
 TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
 
