@@ -1,13 +1,12 @@
 """What each part of the layout search buys: simulated misses, block fetches and PoCL step time per variant.
 
     python benchmarks/layout_ablation.py [--models llama,mobilenet_v2] [--targets adreno830,adreno730,mali-g925]
-                                         [--variants naive,flat,blocks,cache,traced] [--steps 3]
+                                         [--variants naive,flat,blocks,traced] [--steps 3]
 
 Every variant compiles the same model with the same kernels, register tiles and remapping; only the
 layout choice differs (naive, the conventional baseline, also drops tiles and remapping):
 - flat: every tensor flat (`--layout-search flat`);
-- blocks: the block count of synthetic wave walks decides;
-- cache: blocks, then the texture-cache model re-ranks the best 4 on the same walks (the default);
+- blocks: the block count of synthetic wave walks decides (the default);
 - traced: the step's kernels are traced once (under flat), and their real reads through the cache
   model decide (`--layout-search traced`);
 For each: the simulated texture-cache misses and block fetches of the whole step for the target
@@ -44,8 +43,7 @@ BASE = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("adamw", 
 VARIANTS = {
     "naive": dataclasses.replace(BASE, layout="naive"),
     "flat": dataclasses.replace(BASE, layout_search="flat"),
-    "blocks": dataclasses.replace(BASE, layout_search="blocks"),
-    "cache": BASE,
+    "blocks": BASE,
     "traced": dataclasses.replace(BASE, layout_search="traced"),
 }
 PAPER = {"misses": 4.2, "block_fetches": 3.5}

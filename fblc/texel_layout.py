@@ -4,8 +4,9 @@ Shared by the passes (rtile_select scores candidates with it), the codegen (kern
 texels through it) and the runtimes (they pack and unpack host data through it).
 
 A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
-- flat: texel t at (t % width, t / width). The runtimes' interchange layout: graph inputs,
-  outputs, parameters and optimizer state always use it.
+- flat: texel t at (t % width, t / width). The runtimes' interchange layout: data inputs and
+  the loss always use it (parameters and optimizer state may be rtile: the runtimes unpack them
+  through their layout, the native runner with its own texel_xy).
 - mask8: a boolean tensor saved for the backward, one bit per element in a one-byte (R uint8)
   image addressed flat by byte: element i is bit i & 7 of byte i >> 3, LSB first, as the public
   MemFLoRA code packs its masks (32x less than int32). Texel t (elements 4t..4t+3) is then the

@@ -24,7 +24,7 @@ from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.passes.layout_score import Candidate, Geometry, rank_candidates
-from fblc.passes.rtile_select import RTileSelect
+from fblc.passes.rtile_select import RTileSelect, state_pairs
 from fblc.passes.tile_remap import REMAP_STATUS
 from fblc.profiles import load_profile
 from fblc.texel_layout import TexelLayout, mask_layout, pack, rtile_layout, unpack
@@ -170,8 +170,14 @@ def test_rtile_select_golden(attention_path: str) -> None:
                for n in step.graph for v in n.outputs if keys.LAYOUT in v.metadata_props}
     scores = layouts["scores"]  # [B, H, T, T]: 64 x 8, tiled
     assert scores.kind == "rtile" and (scores.rows, scores.cols) == (B * H * T, T)
-    for value in list(step.graph.inputs) + list(step.graph.outputs):  # the runtimes read these
-        assert json.loads(view_root(value).metadata_props[keys.LAYOUT])["kind"] == "flat"
+    pairs = state_pairs(step.graph)
+    state = {id(v) for pair in pairs for v in pair}
+    for value in list(step.graph.inputs) + list(step.graph.outputs):  # the runtimes write and read these flat
+        if id(view_root(value)) not in state:
+            assert json.loads(view_root(value).metadata_props[keys.LAYOUT])["kind"] == "flat", value.name
+    for old, new in pairs:  # a parameter or its optimizer state and its update swap images: one layout
+        assert old.metadata_props[keys.LAYOUT] == new.metadata_props[keys.LAYOUT], old.name
+    assert any(json.loads(old.metadata_props[keys.LAYOUT])["kind"] == "rtile" for old, _ in pairs)
     assert "rtile" in node(step, "scores").metadata_props[keys.LAYOUT_NOTE]
 
 
@@ -206,7 +212,7 @@ def test_two_profiles_choose_different_tiles(rows: int, cols: int, patterns: tup
     for own, other, name in ((adreno, mali, "adreno830"), (mali, adreno, "mali-g925")):
         rival = next((c for c in ranked[name] if _tile(c) == _tile(other)), None)
         explanation = [(_tile(c), round(c.score, 3), c.scored_by, round(c.block_score, 3)) for c in ranked[name][:5]]
-        assert own.scored_by == "cache model", explanation
+        assert own.scored_by == "block count", explanation
         assert rival is None or (rival.score, rival.block_score) <= (own.score, own.block_score), explanation
 
 

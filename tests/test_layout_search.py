@@ -35,7 +35,7 @@ def test_traced_streams_choose_the_candidate_with_the_fewest_simulated_misses() 
     count's choice (a constant scorer would keep the block count's order)."""
     rows, texel_cols, items, steps = 256, 64, 64, 16
     walk = (np.arange(steps)[:, None] + np.arange(items)[None, :] * texel_cols).reshape(-1)  # issue order
-    ranked = rank_candidates(rows, texel_cols * 4, (("stream", 1.0),), GEOMETRY, 0)
+    ranked = rank_candidates(rows, texel_cols * 4, (("stream", 1.0),), GEOMETRY)
     rescored = rescore_traced(ranked, [(walk, 1.0)], GEOMETRY)
     assert rescored[0].scored_by == "traced streams"
     misses = {c.layout: _misses(c.layout, walk) for c in ranked[:TRACED_CANDIDATES]}

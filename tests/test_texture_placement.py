@@ -45,7 +45,7 @@ def test_folds_fit_the_portable_edge_and_hold_every_texel(target: str, shape: tu
         layout = candidate.layout
         assert layout.kind == "flat" and layout.width <= EDGE and layout.height <= EDGE
         assert texels <= layout.width * layout.height <= (1 + MAX_PADDING) * texels
-    assert ranked[0].scored_by == "cache model"
+    assert ranked[0].scored_by == "block count"
 
 
 @pytest.mark.parametrize("target", shipped_targets())

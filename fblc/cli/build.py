@@ -106,9 +106,9 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=["rtile", "naive"], default="rtile",
                         help="rtile: R-Tile texture layouts, transposes and reshapes as index maps; naive: flat "
                              "row-major textures with explicit copy kernels, the conventional baseline (default: rtile)")
-    parser.add_argument("--layout-search", choices=["traced", "cache", "blocks", "flat"], default="cache",
-                        help="under rtile, how each tensor's layout is chosen: traced (the step's kernels first run "
-                             "once on the local OpenCL device recording what they read; those reads through the "
-                             "target's cache model decide: slower to compile, fewest misses), cache (synthetic walks "
-                             "through the cache model), blocks (cache blocks counted), flat (no tiles; kernels as "
-                             "under rtile); blocks and flat are ablations (default: cache)")
+    parser.add_argument("--layout-search", choices=["blocks", "traced", "flat"], default="blocks",
+                        help="under rtile, how each tensor's layout is chosen: blocks (the cache blocks that "
+                             "synthetic walks of its readers touch), traced (the step's kernels first run once on "
+                             "the local OpenCL device recording what they read; those reads through the target's "
+                             "cache model decide: a longer compile, fewer misses), flat (no tiles, kernels as under "
+                             "rtile: an ablation) (default: blocks)")

@@ -107,7 +107,7 @@ def training_options(args: argparse.Namespace) -> "object":
                            freeze=args.freeze, bn_train=args.bn_train, adapter=adapter,
                            tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
                            layout=getattr(args, "layout", "rtile"),
-                           layout_search=getattr(args, "layout_search", "cache"))
+                           layout_search=getattr(args, "layout_search", "blocks"))
 
 
 @dataclass(frozen=True)

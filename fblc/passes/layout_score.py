@@ -2,11 +2,13 @@
 
 rtile_select ranks every candidate layout of a stored tensor here: R-Tile tiles of a [rows, cols]
 matrix (`rank_candidates`) and, for a tensor that stays flat, the fold of its texels into a 2-D image
-(`rank_folds`). A wave's reads are replayed for WAVE_STEPS lockstep steps; the block count ranks
-every candidate, and the texture-cache model (fblc.profiles.cache_model) re-scores the best
-SIMULATED, whose misses decide. Given the reads the step's kernels really make (traced on a device:
-fblc.tools.traced_layouts), `rescore_traced` replays those through each candidate instead. Images
-stay within profiles.placement_limits.
+(`rank_folds`). A wave's reads are replayed for WAVE_STEPS lockstep steps of synthetic walks, and
+the distinct cache blocks they touch rank every candidate. Given the reads the step's kernels
+really make (traced on a device: fblc.tools.traced_layouts), `rescore_traced` replays those
+through the best candidates and the texture-cache model (fblc.profiles.cache_model: sets, ways,
+LRU), whose misses decide. (Re-scoring the synthetic walks with the cache model changed no choice
+on any model: a wave's eight steps never fill the L1.) Images stay within
+profiles.placement_limits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
 MAX_PADDING = 0.10
 WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
-SIMULATED = 4  # candidates (best by block count) that the cache model re-scores; 0: the block count decides
 FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))  # image widths a flat tensor may fold to, 8 .. 16384 texels
 
 
@@ -89,20 +90,6 @@ def block_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: i
     return useful / fetched if fetched else 1.0
 
 
-def cache_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
-    """Texels read over the texels the cache model fetches (misses x block): the L1's sets, ways and
-    LRU included, so a walk whose blocks do not stay resident pays for them again."""
-    cache = TextureCache(geometry.cache)
-    useful = fetched = 0
-    for texels in wave_reads(pattern, rows, texel_cols, geometry.wave):
-        cache.flush()
-        x, y = layout.coords(texels)
-        misses = cache.access(*cache.blocks_of(x, y))
-        useful += texels.size
-        fetched += misses * geometry.block_width * geometry.block_height
-    return useful / fetched if fetched else 1.0
-
-
 def gflops_factor(layout: TexelLayout, wave: int) -> float:
     """Share of wave lanes that do useful work when waves cover whole tiles."""
     if layout.kind == "flat":
@@ -129,9 +116,8 @@ def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geom
 
 @lru_cache(maxsize=4096)
 def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...],
-                    geometry: Geometry, simulated: int = SIMULATED) -> tuple[Candidate, ...]:
-    """Every candidate tile that survives pruning, best first, with its score. The block count
-    ranks them all; the cache model re-scores the best `simulated`, which then lead."""
+                    geometry: Geometry) -> tuple[Candidate, ...]:
+    """Every candidate tile that survives pruning, best first by the block count of its walks."""
     texel_cols = cols // 4
     max_width, max_height = geometry.limits(rows * texel_cols)
     survivors: dict[tuple[str, ...], list[Candidate]] = {}
@@ -149,10 +135,7 @@ def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...
             survivors.setdefault(relaxed, []).append(Candidate(layout, score, relaxed, block_score=score))
     for relaxed in ((), ("C1",), ("C2",), ("C1", "C2")):
         if relaxed in survivors:
-            ranked = sorted(survivors[relaxed], key=lambda c: -c.score)
-            rescored = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency),
-                                  relaxed, "cache model", c.block_score) for c in ranked[:simulated]]
-            return tuple(sorted(rescored, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[simulated:])
+            return tuple(sorted(survivors[relaxed], key=lambda c: -c.score))
     return ()
 
 
@@ -166,7 +149,7 @@ def _score(layout: TexelLayout, patterns: tuple[tuple[str, float], ...], rows: i
 
 @lru_cache(maxsize=4096)
 def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
-               geometry: Geometry, simulated: int = SIMULATED) -> tuple[Candidate, ...]:
+               geometry: Geometry) -> tuple[Candidate, ...]:
     """Flat layouts of a tensor, best first: its texels folded into images of the FOLD_WIDTHS (and the
     widest and one-row-per-matrix-row folds) that fit the placement limits with at most MAX_PADDING
     padding, scored like tiles. A 2-D cache fetches blocks several texel rows tall, so a wide strip wastes
@@ -184,17 +167,12 @@ def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
         rows, texel_cols = 1, texels
         patterns = (("stream", 1.0),)
 
-    def order(c: Candidate) -> tuple[float, float, int, int]:
-        return -c.score, -c.block_score, c.layout.width * c.layout.height, -c.layout.width
-
     def blocks(fold: TexelLayout) -> Candidate:
         score = _score(fold, patterns, rows, texel_cols, geometry, block_efficiency)
         return Candidate(fold, score, (), "block count", score)
 
-    by_blocks = sorted((blocks(f) for f in fitting), key=order)
-    rescored = [Candidate(c.layout, _score(c.layout, patterns, rows, texel_cols, geometry, cache_efficiency), (),
-                          "cache model", c.block_score) for c in by_blocks[:simulated]]
-    return tuple(sorted(rescored, key=order)) + tuple(by_blocks[simulated:])
+    return tuple(sorted((blocks(f) for f in fitting),
+                        key=lambda c: (-c.score, c.layout.width * c.layout.height, -c.layout.width)))
 
 
 # scoring on traced access streams ---------------------------------------------------------------

@@ -59,7 +59,7 @@ class TrainingOptions:
     layout: str = "rtile"
     #: under rtile, how rtile_select ranks a tensor's candidate layouts (LAYOUT_SEARCHES); kernels,
     #: register tiles and remapping stay as they are, so `blocks` and `flat` ablate the score alone
-    layout_search: str = "cache"
+    layout_search: str = "blocks"
     #: layout_search "traced": the texels the step's kernels read, by tensor (fblc.tools.traced_layouts)
     traced_reads: TracedReads | None = field(default=None, compare=False, repr=False)
 

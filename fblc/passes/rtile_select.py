@@ -1,9 +1,12 @@
 """rtile_select: one texel layout per stored tensor, serving its forward and backward kernels.
 
 Rewrite: writes `fblc.layout` (a TexelLayout as JSON) on every value that owns a texture, and
-a readable summary as `fblc.layout` on every node (Netron shows node metadata). Values the
-runtimes read or write (graph inputs and outputs, initializers, constants) and tensors that
-are not [rows, cols] matrices with cols a multiple of 4 stay flat (linear addressing; a matrix
+a readable summary as `fblc.layout` on every node (Netron shows node metadata). Parameters and
+optimizer state may take tiles: the state and its `.new` update, which swap images after each
+step, get one layout scored on the accesses of both (the runtimes pack params.bin and unpack
+parameters through it). Other values the runtimes read or write (data inputs, other graph
+outputs, constants) and tensors that are not [rows, cols] matrices with cols a multiple of 4
+stay flat (linear addressing; a matrix
 then gets one image row per matrix row, texel_layout.matrix_layout). Boolean tensors the step
 keeps (activation masks saved for the backward) take `mask8`: one bit per element, 8 to a byte
 (the codegen falls back to `mask4` for a writer that cannot write whole bytes). For the others:
@@ -17,21 +20,20 @@ keeps (activation masks saved for the backward) take `mask8`: one bit per elemen
   factor (share of wave lanes busy on whole tiles) x memory efficiency, the texels a wave reads
   in WAVE_STEPS lockstep steps over the texels fetched for them. Access patterns: `stream`
   (consecutive texels), `rows` (each work-item walks its own row), `columns` (each walks its
-  own column). Every candidate is first scored by counting the distinct cache blocks (the
-  profile's block geometry) the wave touches; the best SIMULATED are then scored by the
-  texture-cache model (fblc.profiles.cache_model: the profile's blocks, sets, ways, LRU), whose
-  misses decide;
+  own column). Every candidate is scored by counting the distinct cache blocks (the profile's
+  block geometry) the wave touches;
 - every tensor takes its own best: its score already weighs every kernel that reads it, forward
   and backward. No conversion kernel is ever needed: every kernel addresses each texture through
   its own layout, so no op class has to pull a region onto one layout (docs/ARCHITECTURE.md,
   section 2: the ablation that removed the FTD-guided anchors and propagation).
-The search (`--layout-search`): "traced" scores the best candidates by block count, tiles and
-folds alike, on the texels the step's own kernels read from the tensor (every reader, forward and
-backward, traced work-group by work-group under the plan's schedule: fblc.tools.traced_layouts),
-replayed through the cache model; "cache" as above; "blocks" the block count alone decides; "flat" every tensor takes the conventional flat layout (kernels, register tiles and
-remapping as under rtile, so only the layouts differ). With mode "naive" every value is flat (the
-conventional baseline). Preconditions: fused or
-unfused step graph with static shapes, after ftd_taxonomy and tile_remap. In place.
+The search (`--layout-search`): "blocks" (the default) as above; "traced" re-scores the best
+candidates by block count, tiles and folds alike, on the texels the step's own kernels read from
+the tensor (every reader, forward and backward, traced work-group by work-group under the plan's
+schedule: fblc.tools.traced_layouts), replayed through the target's texture-cache model, whose
+misses decide; "flat" every tensor takes the conventional flat layout (kernels, register tiles
+and remapping as under rtile, so only the layouts differ). With mode "naive" every value is
+flat (the conventional baseline). Preconditions: fused or unfused step graph with static shapes,
+after tile_remap. In place.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, is_view, map_of, read_uses, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError
-from fblc.passes.layout_score import (SIMULATED, Candidate, Geometry, TracedReads, rank_candidates, rank_folds,
-                                        rescore_traced)
+from fblc.passes.layout_score import Candidate, Geometry, TracedReads, rank_candidates, rank_folds, rescore_traced
 from fblc.profiles import Profile
 from fblc.texel_layout import TexelLayout, flat_layout, mask_layout
 from fblc.passes.contracts import ContractPass
@@ -53,9 +54,8 @@ from fblc.passes.contracts import ContractPass
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
 STREAM = (("stream", 1.0),)
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
-#: --layout-search -> candidates the texture-cache model re-scores (None: no search, every tensor flat);
-#: "traced" ranks by block count, then the streams its kernels were traced reading decide
-LAYOUT_SEARCHES: dict[str, int | None] = {"traced": 0, "cache": SIMULATED, "blocks": 0, "flat": None}
+#: --layout-search: how tensors are scored (flat: not at all, every tensor flat)
+LAYOUT_SEARCHES = ("blocks", "traced", "flat")
 ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax",
                           "ReduceLogSumExp"})
 
@@ -94,16 +94,25 @@ def _accesses(root: ir.Value) -> dict[str, float]:
 
 # the pass --------------------------------------------------------------------------------------
 
-def _eligible(value: ir.Value, host_visible: set[int]) -> tuple[int, int] | None:
-    """(rows, cols) when `value` may take an R-Tile layout."""
+def _eligible(value: ir.Value, host_visible: set[int], state: bool = False) -> tuple[int, int] | None:
+    """(rows, cols) when `value` may take an R-Tile layout (`state`: a parameter or optimizer state that
+    the runtimes swap with its update, which they unpack through its layout)."""
     shape = static_shape(value)
-    if id(value) in host_visible or len(shape) < 2 or shape[-1] % 4 or numel(shape) < 4 * MIN_TEXELS \
-            or value.dtype == ir.DataType.BOOL:
+    if (id(value) in host_visible and not state) or len(shape) < 2 or shape[-1] % 4 \
+            or numel(shape) < 4 * MIN_TEXELS or value.dtype == ir.DataType.BOOL:
         return None
     producer = value.producer()
-    if producer is None or producer.op_type == "Constant":
+    if not state and (producer is None or producer.op_type == "Constant"):
         return None
     return numel(shape) // shape[-1], shape[-1]
+
+
+def state_pairs(graph: ir.Graph) -> list[tuple[ir.Value, ir.Value]]:
+    """(state, the root of its update): the parameters and optimizer state whose `.new` output takes
+    their image after each step, so both must share one layout."""
+    inputs = {v.name: v for v in graph.inputs}
+    return [(inputs[o.name[: -len(".new")]], view_root(o)) for o in graph.outputs
+            if o.name.endswith(".new") and o.name[: -len(".new")] in inputs]
 
 
 def _annotate(item: ir.Value | ir.Node, key: str, text: str) -> bool:
@@ -121,7 +130,7 @@ class RTileSelect(ContractPass):
     requires_facts = ("static shapes",)
     ensures_facts = ("layouts",)
 
-    def __init__(self, profile: Profile, mode: str = "rtile", search: str = "cache",
+    def __init__(self, profile: Profile, mode: str = "rtile", search: str = "blocks",
                  traced: TracedReads | None = None) -> None:
         super().__init__()
         if search == "traced" and traced is None and mode == "rtile":
@@ -130,7 +139,7 @@ class RTileSelect(ContractPass):
                             "traced), which traces them first")
         self.geometry = Geometry.of(profile)
         self.mode, self.traced = mode, traced or {}
-        self.simulated = LAYOUT_SEARCHES[search]
+        self.searched = search != "flat"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -139,7 +148,7 @@ class RTileSelect(ContractPass):
         roots = [v for v in list(graph.inputs) + list(graph.initializers.values())]
         roots += [v for n in graph if not is_view(n) for v in n.outputs if v is not None and v.name]
         chosen: dict[int, tuple[TexelLayout, str, Candidate | None]] = {}
-        if self.mode == "rtile" and self.simulated is not None:
+        if self.mode == "rtile" and self.searched:
             self._select(graph, host_visible, chosen)
         modified = graph.metadata_props.get(keys.LAYOUT_MODE) != self.mode
         graph.metadata_props[keys.LAYOUT_MODE] = self.mode  # the codegen tiles its kernels under "rtile"
@@ -172,31 +181,39 @@ class RTileSelect(ContractPass):
         if value.dtype == ir.DataType.BOOL and id(value) not in host_visible:  # saved masks: 8 bits a byte
             layout = mask_layout("mask8", count, *self.geometry.limits(-(-count // 8)))
             return layout, layout.kind, None
-        if self.mode == "rtile" and self.simulated is not None:
+        if self.mode == "rtile" and self.searched:
             # what the runtimes exchange is folded by its shape alone: a parameter and its update (P, P.new),
             # which swap images after every step, must share one layout
             patterns = STREAM if id(value) in host_visible else tuple(sorted(_accesses(value).items()))
-            ranked = rank_folds(shape, patterns, self.geometry, self.simulated)
+            ranked = rank_folds(shape, patterns, self.geometry)
             streams = None if id(value) in host_visible else self.traced.get(value.name)
             best = (rescore_traced(ranked, streams, self.geometry) if streams else ranked)[0]
             return best.layout, "fold", best
         texels = max(1, -(-count // 4))
         return flat_layout(texels, self.geometry.limits(texels)[0]), "flat", None
 
-    def _best(self, value: ir.Value, host_visible: set[int]) -> Candidate | None:
-        matrix = _eligible(value, host_visible)
+    def _best(self, value: ir.Value, host_visible: set[int], update: ir.Value | None = None) -> Candidate | None:
+        """The best layout for `value` (and for `update`, the state's `.new` that swaps images with it)."""
+        matrix = _eligible(value, host_visible, state=update is not None)
         if matrix is None:
             return None
-        patterns = tuple(sorted(_accesses(value).items()))
-        ranked = rank_candidates(*matrix, patterns, self.geometry, self.simulated)
-        streams = self.traced.get(value.name)
+        weights = _accesses(value)
+        for pattern, weight in (_accesses(update) if update is not None else {}).items():
+            weights[pattern] = weights.get(pattern, 0.0) + weight
+        patterns = tuple(sorted(weights.items()))
+        ranked = rank_candidates(*matrix, patterns, self.geometry)
+        streams = list(self.traced.get(value.name, ())) + list(self.traced.get(update.name, ()) if update else ())
         if streams:  # tiles and folds alike, on what the kernels read: a flat fold may serve them best
-            folds = rank_folds(static_shape(value), patterns, self.geometry, 0)
+            folds = rank_folds(static_shape(value), patterns, self.geometry)
             ranked = rescore_traced(sorted(ranked + folds, key=lambda c: -c.block_score), streams, self.geometry)
         return ranked[0] if ranked else None
 
     def _select(self, graph: ir.Graph, host_visible: set[int],
                 chosen: dict[int, tuple[TexelLayout, str, Candidate | None]]) -> None:
+        for state, update in state_pairs(graph):  # tiled state: the runtimes pack and unpack it by its layout
+            best = self._best(state, host_visible, update)
+            if best is not None and id(update) not in chosen:
+                chosen[id(state)] = chosen[id(update)] = (best.layout, "its own and its update's accesses", best)
         for node in graph:
             if is_view(node):
                 continue

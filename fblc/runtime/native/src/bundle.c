@@ -191,6 +191,23 @@ void bundle_load(const char *folder, bundle *out) {
         size_t texels = mul_size(t->width, t->height, "a texture has more texels than a size holds");
         if (t->elements > mul_size(texels, format_texel_elements(t->format), "a texture is too large"))
             bad("a texture is smaller than its tensor");
+        const json_value *layout = json_get(entry, "layout");  /* absent: flat */
+        const json_value *kind = layout ? json_get(layout, "kind") : NULL;
+        if (kind && kind->type == JSON_STRING && strcmp(kind->string, "rtile") == 0) {
+            size_t rows = need_size(layout, "rows", "an R-Tile layout"), cols = need_size(layout, "cols", "an R-Tile layout");
+            t->rtile = 1;
+            t->c4 = cols / 4;
+            t->tile_h = need_size(layout, "tile_h", "an R-Tile layout");
+            t->tile_w4 = need_size(layout, "tile_w", "an R-Tile layout") / 4;
+            t->tiles_per_row = need_size(layout, "tiles_per_row", "an R-Tile layout");
+            if (!t->c4 || cols % 4 || !t->tile_h || !t->tile_w4 || !t->tiles_per_row) bad("an R-Tile layout is empty");
+            t->tile_rows = (rows + t->tile_h - 1) / t->tile_h;
+            t->tile_cols = (t->c4 + t->tile_w4 - 1) / t->tile_w4;
+            t->strip = strcmp(need(layout, "packing", JSON_STRING, "an R-Tile layout")->string, "strip") == 0;
+            t->by_columns = strcmp(need(layout, "arrangement", JSON_STRING, "an R-Tile layout")->string, "columns") == 0;
+            if (mul_size(rows, t->c4, "an R-Tile layout is too large") * 4 < t->elements)
+                bad("an R-Tile layout holds fewer elements than its tensor");
+        }
         const json_value *image = json_get(entry, "image");
         t->image = image ? as_size(image, "a texture's image is bad") : i;
         if (t->image >= textures->count) bad("a texture names an image the plan does not have");
@@ -263,6 +280,7 @@ void bundle_load(const char *folder, bundle *out) {
         const texture *t = &out->textures[out->inputs[i].texture];
         if (out->inputs[i].elements > mul_size(mul_size(t->width, t->height, "a texture is too large"), 4,
                                                  "a texture is too large")) bad("an input is larger than its texture");
+        if (t->rtile) bad("an input's texture has an R-Tile layout: the runner uploads inputs flat");
     }
     const json_value *parameters = need(manifest, "parameters", JSON_ARRAY, "manifest.json");
     out->parameter_count = parameters->count;
@@ -277,4 +295,23 @@ void bundle_load(const char *folder, bundle *out) {
     if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
     json_free(manifest);
     json_free(plan);
+}
+
+void texel_xy(const texture *tex, size_t t, size_t *x, size_t *y) {
+    if (!tex->rtile) {
+        *x = t % tex->width;
+        *y = t / tex->width;
+        return;
+    }
+    size_t r = t / tex->c4, q = t % tex->c4;
+    size_t tr = r / tex->tile_h, ir = r % tex->tile_h, tc = q / tex->tile_w4, iq = q % tex->tile_w4;
+    size_t tile = tex->by_columns ? tc * tex->tile_rows + tr : tr * tex->tile_cols + tc;
+    size_t gx = tile % tex->tiles_per_row, gy = tile / tex->tiles_per_row;
+    if (tex->strip) {
+        *x = gx * tex->tile_h * tex->tile_w4 + ir * tex->tile_w4 + iq;
+        *y = gy;
+    } else {
+        *x = gx * tex->tile_w4 + iq;
+        *y = gy * tex->tile_h + ir;
+    }
 }

@@ -20,7 +20,14 @@ typedef struct {
     int has_init;            /* filled from params.bin */
     uint64_t init_offset, init_nbytes;
     size_t image;            /* the image that holds it: textures with disjoint lifetimes share one */
+    /* plan.json's R-Tile layout (fblc/texel_layout.py): texel t of the tensor sits at texel_xy(t) */
+    int rtile;               /* 0: flat, texel t at (t % width, t / width) */
+    size_t c4, tile_h, tile_w4, tile_rows, tile_cols, tiles_per_row;
+    int strip, by_columns;
 } texture;
+
+/* Image coordinates of texel `t` of texture `tex` (its layout: flat or R-Tile). */
+void texel_xy(const texture *tex, size_t t, size_t *x, size_t *y);
 
 typedef struct {
     char *name;              /* the plan's launch name, e.g. k3_MatMul */

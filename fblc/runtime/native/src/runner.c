@@ -414,8 +414,11 @@ void runner_read_parameter(runner *r, size_t index, float *out) {
     const texture *t = &r->b->textures[p->texture];
     read_texture(r, p->texture, r->readback);
     for (size_t i = 0; i < p->elements; ++i) {
-        if (t->format == FORMAT_F16) out[i] = half_to_float(read_u16le(r->readback + 2 * i));
-        else if (t->format == FORMAT_I32) out[i] = (float)(int32_t)read_u32le(r->readback + 4 * i);
-        else memcpy(&out[i], r->readback + 4 * i, sizeof(float));
+        size_t x, y;
+        texel_xy(t, i / 4, &x, &y);  /* element i is lane i % 4 of texel i / 4, wherever its layout puts it */
+        size_t at = (y * t->width + x) * 4 + i % 4;
+        if (t->format == FORMAT_F16) out[i] = half_to_float(read_u16le(r->readback + 2 * at));
+        else if (t->format == FORMAT_I32) out[i] = (float)(int32_t)read_u32le(r->readback + 4 * at);
+        else memcpy(&out[i], r->readback + 4 * at, sizeof(float));
     }
 }
