@@ -140,6 +140,47 @@ def test_tile_remap_leaves_naive_and_graph_outputs(attention_path: str) -> None:
                                                                   "a plain tensor)")
 
 
+def _rotary_halves(path: str) -> str:
+    """y = concat(-x[..., 8:], x[..., :8]) * w (a rotary embedding's rotate_half), then a MatMul that
+    reads a slice directly: the two halves are views; the MatMul, which reads by strides alone, keeps its
+    slice a copy."""
+    starts = {"lo": [0], "hi": [8], "mid": [4]}
+    ends = {"lo": [8], "hi": [16], "mid": [12]}
+    constants = [helper.make_node("Constant", [], [f"{k}_{part}"], value=helper.make_tensor(
+                 f"{k}_{part}", TensorProto.INT64, [1], values[part])) for k, values in (("s", starts), ("e", ends))
+                 for part in starts] + [helper.make_node("Constant", [], ["ax"], value=helper.make_tensor(
+                     "ax", TensorProto.INT64, [1], [-1]))]
+    nodes = constants + [
+        helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"),
+        helper.make_node("Slice", ["xw", "s_lo", "e_lo", "ax"], ["lo"], name="slice_lo"),
+        helper.make_node("Slice", ["xw", "s_hi", "e_hi", "ax"], ["hi"], name="slice_hi"),
+        helper.make_node("Slice", ["xw", "s_mid", "e_mid", "ax"], ["mid"], name="slice_mid"),
+        helper.make_node("Neg", ["hi"], ["neg"], name="neg"),
+        helper.make_node("Concat", ["neg", "lo"], ["rot"], axis=-1, name="cat"),
+        helper.make_node("MatMul", ["mid", "p"], ["proj"], name="proj"),
+        helper.make_node("ReduceSum", ["rot"], ["r1"], keepdims=0, name="sum_rot"),
+        helper.make_node("ReduceSum", ["proj"], ["r2"], keepdims=0, name="sum_proj"),
+        helper.make_node("Add", ["r1", "r2"], ["out"], name="out")]
+    rng = np.random.default_rng(5)
+    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 16])],
+                         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
+                         {"w": rng.standard_normal((4, 3, 16)).astype(np.float32),
+                          "p": rng.standard_normal((8, 4)).astype(np.float32)}), path)
+    return path
+
+
+def test_slices_become_views_where_their_readers_add_the_offset(tmp_path) -> None:
+    step = lowered(_rotary_halves(str(tmp_path / "rotary.onnx")))
+    maps = {n.name: IndexMap.from_json(n.metadata_props[keys.INDEX_MAP]) for n in step.graph
+            if keys.INDEX_MAP in n.metadata_props}
+    assert maps["slice_lo"] == IndexMap((4, 3, 8), (48, 16, 1), 0)
+    assert maps["slice_hi"] == IndexMap((4, 3, 8), (48, 16, 1), 8)  # read by Neg: starts 8 elements in
+    assert "slice_mid" not in maps  # read by the MatMul, whose kernel reads strides but no offset
+    assert "no offset" in node(step, "slice_mid").metadata_props[REMAP_STATUS]
+    rows = verify_model(str(tmp_path / "rotary.onnx"), OPTIONS)
+    assert rows and not [r.name for r in rows if not r.ok]
+
+
 @pytest.mark.parametrize("layout", ["rtile", "naive"])
 def test_attention_step_matches_onnxruntime(attention_path: str, layout: str) -> None:
     rows = verify_model(attention_path, TrainingOptions(loss="output", layout=layout, optimizer=OPTIONS.optimizer))

@@ -2,7 +2,7 @@
 
 A view value `v` of shape S reads its root's row-major flat element
 `offset + sum_k i_k * strides[k]` for its multi-index i. Transpose permutes strides,
-a broadcast gives stride 0, and a reshape of a strided view keeps strides when the axes it
+a broadcast gives stride 0, a Slice moves the offset and multiplies strides by its steps, and a reshape of a strided view keeps strides when the axes it
 merges are contiguous with each other (numpy's no-copy reshape rule). `tile_remap` writes the
 map of every view it creates as `fblc.index_map` on the node; the codegen reads the root's
 texture through it, so a remapped view has no kernel and no texture of its own.
@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.values import attr, numel, static_shape
+from fblc.compiler.values import attr, numel, slice_bounds, static_shape
 
 ALWAYS_VIEWS = frozenset({"Identity", "Dropout"})
 
@@ -64,6 +64,11 @@ class IndexMap:
     # composition ---------------------------------------------------------------------------------
     def transposed(self, perm: list[int]) -> IndexMap:
         return IndexMap(tuple(self.shape[p] for p in perm), tuple(self.strides[p] for p in perm), self.offset)
+
+    def sliced(self, starts: list[int], steps: list[int], shape: tuple[int, ...]) -> IndexMap:
+        """Every `steps[k]`-th element of axis k from `starts[k]` on (numpy's basic slicing), as `shape`."""
+        offset = self.offset + sum(start * stride for start, stride in zip(starts, self.strides))
+        return IndexMap(tuple(shape), tuple(step * stride for step, stride in zip(steps, self.strides)), offset)
 
     def broadcast(self, shape: tuple[int, ...]) -> IndexMap:
         lead = len(shape) - len(self.shape)
@@ -192,7 +197,12 @@ def compose(node: ir.Node, source: IndexMap) -> IndexMap | None:
         return source.broadcast(out_shape)
     if op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
         return source.reshaped(out_shape)
+    if op == "Slice":
+        starts, _, steps = slice_bounds(node)
+        if any(step < 1 for step in steps) or 0 in out_shape:  # reversed or empty: a copy
+            return None
+        return source.sliced(starts, steps, out_shape)
     return None
 
 
-REMAPPABLE = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"})
+REMAPPABLE = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Slice"})

@@ -1,6 +1,6 @@
 """tile_remap: data-movement ops between stored tensors become index maps.
 
-Rewrite: a Transpose, Reshape, Flatten, Squeeze, Unsqueeze or broadcast Expand gets
+Rewrite: a Transpose, Reshape, Flatten, Squeeze, Unsqueeze, broadcast Expand or forward Slice gets
 `fblc.index_map` (its output as a strided view of the root tensor it reads, composed through
 earlier remapped views) and so runs no kernel: its consumers read the root's texture through
 the map. It is remapped when
@@ -9,7 +9,8 @@ the map. It is remapped when
   2. tile boundary preservation: every texel of the root (4 consecutive elements of its
      packed axis) stays a run along one axis of the view, so whole-texel reads remain valid;
   3. when the view is not a plain row-major reading of the root: every kernel that reads it
-     takes strided operands (STRIDED_READERS). A strided graph output (a weight gradient that
+     takes strided operands (STRIDED_READERS), and where the view starts past the root's first
+     element (a Slice), every one also adds that offset (OFFSET_READERS). A strided graph output (a weight gradient that
      the backward wrote transposed) is read by the local runtime through its map (plan.json
      `value_maps`); the native runner reads only parameters and the loss, never these.
 Otherwise the node stays an explicit conversion kernel; `fblc.remap` on it says which check
@@ -40,6 +41,12 @@ STRIDED_READERS = frozenset({
     "Gather", "GatherElements", "GatherND", "ScatterElements", "Slice", "Concat", "Expand", "Transpose", "Pad"})
 
 
+#: The STRIDED_READERS whose kernels also add a view's offset (a Slice's start): every element through
+#: KernelBuilder.load. The contractions and reductions read their operands by strides alone.
+OFFSET_READERS = STRIDED_READERS - {"MatMul", "Gemm", "Conv", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2",
+                                    "Gather", "GatherElements", "GatherND", "ScatterElements"}
+
+
 def _moves_data(node: ir.Node) -> bool:
     """A view or data movement that may become one: its readers are the ones a remap must satisfy."""
     return is_view(node) or node.op_type in REMAPPABLE
@@ -58,9 +65,13 @@ def remap_status(node: ir.Node) -> tuple[str, str | None]:
     if not mapped.packs_whole_texels(root_shape):
         return "kept: tile boundary preservation fails (a texel of the root would span view rows)", None
     if not mapped.contiguous:
-        blocked = sorted({n.op_type for n in real_readers(output, through=_moves_data) if n.op_type not in STRIDED_READERS})
+        readers = {n.op_type for n in real_readers(output, through=_moves_data)}
+        blocked = sorted(readers - STRIDED_READERS)
         if blocked:
             return f"kept: read by {', '.join(blocked)}, whose kernels need a plain tensor", None
+        blocked = sorted(readers - OFFSET_READERS) if mapped.offset else []
+        if blocked:
+            return f"kept: read by {', '.join(blocked)}, whose kernels read strides but no offset", None
     return "remapped", mapped.to_json()
 
 

@@ -178,7 +178,8 @@ class LocalRunner:
             view = np.lib.stride_tricks.as_strided(flat[strided["offset"]:], shape=strided["shape"],
                                                    strides=[s * items for s in strided["strides"]])
             return view.copy()
-        return value.reshape(self.plan["value_shapes"].get(name, value.shape))  # a view has its own shape
+        shape = self.plan["value_shapes"].get(name, value.shape)  # a view has its own shape: a reshape of
+        return value.reshape(-1)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)  # its root, or a prefix
 
     def read_before_swap(self, name: str) -> np.ndarray:
         """A tensor as the last step computed it: `.new` outputs and states read through the swap."""
