@@ -127,6 +127,27 @@ def test_mlp_trains_as_with_the_python_runtime(tmp_path, runner_binary, opencl_e
     compare_with_local(str(tmp_path / "mlp"), _classifier_feeds((8, 12), 5, 2), 3, runner_binary, opencl_env)
 
 
+def test_tiled_parameters_train_and_read_back_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env) -> None:
+    """Under the traced search, weights and Adam moments may take R-Tile layouts: the runner uploads
+    params.bin as written and reads each parameter back through texel_xy, element for element as
+    LocalRunner unpacks it."""
+    import dataclasses
+
+    from fblc.tools.traced_layouts import with_traced_reads
+
+    path = build_mlp(str(tmp_path / "mlp.onnx"), batch=8, in_features=64, hidden=(64,), classes=8)
+    feeds = _classifier_feeds((8, 64), 8, 2)
+    options = with_traced_reads(path, "adreno830", "fp32", dataclasses.replace(CROSS_ENTROPY, layout_search="traced"),
+                                feeds[0])
+    compile_model(path, str(tmp_path / "mlp"), "adreno830", "fp32", options)
+    with open(os.path.join(tmp_path, "mlp", fmt.PLAN), encoding="utf-8") as handle:
+        textures = json.load(handle)["textures"]
+    with open(os.path.join(tmp_path, "mlp", fmt.MANIFEST), encoding="utf-8") as handle:
+        parameters = {p["texture"] for p in json.load(handle)["parameters"]}
+    assert any(t["id"] in parameters and t.get("layout", {}).get("kind") == "rtile" for t in textures)
+    compare_with_local(str(tmp_path / "mlp"), feeds, 3, runner_binary, opencl_env)
+
+
 @pytest.mark.xdist_group("small-tresnet")  # its kernels.cl is test_texture_placement's: PoCL compiles it once
 def test_tresnet_batch_4_trains_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env) -> None:
     # T-ResNet's blocks (64 -> 128 -> 128 maps, convs 8/5/3, BN, shortcuts) at batch 4, on a short
