@@ -135,8 +135,8 @@ class RTileSelect(ContractPass):
         super().__init__()
         if search == "traced" and traced is None and mode == "rtile":
             raise FblcError("layout search 'traced' needs the reads of the step's kernels",
-                            "compile through fblc.tools.traced_layouts.compile_traced (fblc compile --layout-search "
-                            "traced), which traces them first")
+                            "pass the options through fblc.tools.traced_layouts.with_traced_reads first (fblc "
+                            "compile --layout-search traced does)")
         self.geometry = Geometry.of(profile)
         self.mode, self.traced = mode, traced or {}
         self.searched = search != "flat"
