@@ -31,6 +31,7 @@ from fblc.runtime.adb import Adb, AdbError, remote_dir
 from fblc.runtime.adb_profile import PROFILE_DIR, push_profiler
 from fblc.runtime.local import LocalRunner
 from tests.support.adb_device import LoopbackDevice
+from tests.support.interrupt import interruptible
 from tests.test_native_runner import check_measured_profile, require
 from tests.test_native_runner import opencl_env, runner_binary  # noqa: F401  (fixtures)
 from tests.test_runtime import OPTIONS, batch, elementwise_model
@@ -286,7 +287,8 @@ def test_ctrl_c_during_a_run_on_the_device_leaves_nothing(tmp_path, bundle, phon
     assert main(["push", bundle, "--serial", phone.serial, "--runner", runner_binary, "-q"]) == 0
     process = subprocess.Popen([sys.executable, "-m", "fblc.cli", "run", bundle, "--device", f"adb:{phone.serial}",
                                 "--steps", "100000000", "--data", data, "--save-params", saved, "--runner",
-                                runner_binary], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                runner_binary], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=interruptible)
     assert process.stdout is not None
     assert "training" in process.stdout.readline()
     assert process.stdout.readline().startswith("step    1")

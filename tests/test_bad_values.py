@@ -24,6 +24,7 @@ from fblc.cli import outputs
 from fblc.passes.ftd_taxonomy import UNKNOWN_OP_CLASS, ftd_class
 from fblc.runtime.local import LocalRunner
 from tests.conftest import mlp_proto
+from tests.support.interrupt import interruptible
 
 CLASSES = 3  # the MLP's logits [4, 3]
 
@@ -271,7 +272,8 @@ def _interrupt_run(tmp_path, bundle: str, *extra: str) -> tuple[int, str]:
     data = str(tmp_path / "data.npz")
     np.savez(data, **mlp_data())
     process = subprocess.Popen([sys.executable, "-m", "fblc.cli", "run", bundle, "--data", data, "--steps", "100000",
-                                *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=interruptible)
     assert process.stdout is not None
     process.stdout.readline()  # the banner
     process.stdout.readline()  # the first step ran
