@@ -106,7 +106,9 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=["rtile", "naive"], default="rtile",
                         help="rtile: R-Tile texture layouts, transposes and reshapes as index maps; naive: flat "
                              "row-major textures with explicit copy kernels, the conventional baseline (default: rtile)")
-    parser.add_argument("--layout-search", choices=["blocks", "traced", "flat"], default="blocks",
+    from fblc.passes.rtile_select import LAYOUT_SEARCHES
+
+    parser.add_argument("--layout-search", choices=LAYOUT_SEARCHES, default=LAYOUT_SEARCHES[0],
                         help="under rtile, how each tensor's layout is chosen: blocks (the cache blocks that "
                              "synthetic walks of its readers touch), traced (the step's kernels first run once on "
                              "the local OpenCL device recording what they read; those reads through the target's "

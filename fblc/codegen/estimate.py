@@ -94,9 +94,9 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
             read = misses[kernel.name] * block_texels * 16
         compute_ms = flops / (profile.peak_gflops * 1e6)
         memory_ms = (read + written) / (profile.bandwidth_gbps * 1e6)
-        ms = max(compute_ms, memory_ms) + LAUNCH_OVERHEAD_US * 1e-3
-        bound = "launch" if LAUNCH_OVERHEAD_US * 1e-3 > max(compute_ms, memory_ms) else \
-            "compute" if compute_ms >= memory_ms else "memory"
+        work_ms, launch_ms = max(compute_ms, memory_ms), LAUNCH_OVERHEAD_US * 1e-3
+        ms = work_ms + launch_ms
+        bound = "launch" if launch_ms > work_ms else "compute" if compute_ms >= memory_ms else "memory"
         kernels.append({"kernel": kernel.name, "family": kernel.family, "flops": flops, "bytes": read + written,
                         "ms": round(ms, 6), "bound": bound})
         total += ms

@@ -24,6 +24,7 @@ from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
 from fblc.passes.fuse import ALIAS, CONTRACTIONS, kernel_of
+from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
 
 FLOAT_FORMATS = {"fp32": "rgba_f32", "fp16": "rgba_f16"}
@@ -109,9 +110,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
             array = const_array(root)
             if array is not None:
                 initial[texture.id] = to_texels(array, texture)
-    input_names = {v.name for v in graph.inputs}
-    swaps = [(values[o.name[: -len(".new")]], values[o.name]) for o in graph.outputs
-             if o.name.endswith(".new") and o.name[: -len(".new")] in input_names]
+    swaps = [(values[state.name], values[update.name]) for state, update in state_pairs(graph)]
     for state, new in swaps:  # the next step reads the .new image through the state's layout
         if table.textures[state].layout != table.textures[new].layout:
             raise AssertionError(f"'{table.textures[state].name}' and '{table.textures[new].name}' swap images after "
