@@ -127,6 +127,30 @@ def test_mlp_trains_as_with_the_python_runtime(tmp_path, runner_binary, opencl_e
     compare_with_local(str(tmp_path / "mlp"), _classifier_feeds((8, 12), 5, 2), 3, runner_binary, opencl_env)
 
 
+def test_fura_s_es_bundle_trains_as_with_the_python_runtime_and_reports_its_reward(tmp_path, runner_binary,
+                                                                                  opencl_env) -> None:
+    """Forward-only training (--trainer es --adapter fura-s): the runner makes the same Philox noise on the
+    device, so its losses and delta equal LocalRunner's, and each step's line carries the bundle's metric."""
+    import dataclasses
+
+    from fblc.compiler.adapters import AdapterConfig
+    from fblc.compiler.es import EsConfig
+
+    path = build_mlp(str(tmp_path / "mlp.onnx"), batch=8, in_features=16, hidden=(16,), classes=5)
+    options = dataclasses.replace(CROSS_ENTROPY, adapter=AdapterConfig(kind="fura-s", block=8), trainer="es",
+                                  es=EsConfig(pairs=2, seed=3), optimizer=OptimizerConfig("sgd", lr=1.0))
+    compile_model(path, str(tmp_path / "es"), "adreno830", "fp32", options)
+    feeds = _classifier_feeds((8, 16), 5, 1)
+    compare_with_local(str(tmp_path / "es"), feeds, 3, runner_binary, opencl_env)
+    data = str(tmp_path / "data.bin")
+    manifest, plan = fmt.load_verified(str(tmp_path / "es"))
+    write_data(data, manifest, plan, feeds)
+    os.makedirs(tmp_path / "out")
+    done = run(runner_binary, str(tmp_path / "es"), data, str(tmp_path / "out"), 2, opencl_env)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if '"step"' in line]
+    assert [sorted(line) for line in lines] == [["loss", "ms", "reward_mean", "step"]] * 2
+
+
 def test_tiled_parameters_train_and_read_back_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env) -> None:
     """Under the traced search, weights and Adam moments may take R-Tile layouts: the runner uploads
     params.bin as written and reads each parameter back through texel_xy, element for element as

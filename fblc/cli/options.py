@@ -55,29 +55,60 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
         parser.add_argument("--dump-dir", metavar="DIR",
                             help="write DIR/NN_<pass>.onnx after every pass (open in Netron)")
     add_adapter_options(parser)
+    add_trainer_options(parser)
+
+
+def add_trainer_options(parser: argparse.ArgumentParser) -> None:
+    """--trainer and the options of evolution strategies (fblc/compiler/es.py)."""
+    from fblc.compiler.es import REWARD_BUILDERS, TRAINERS, EsConfig
+
+    group = parser.add_argument_group("forward-only training (--trainer es)")
+    group.add_argument("--trainer", choices=TRAINERS, default="backprop",
+                       help="backprop: gradients by autodiff; es: evolution strategies, 2 x --pairs perturbed "
+                            "forwards per step and no backward (with --adapter fura-s: MobileSpec's FuRA-S) "
+                            "(default: backprop)")
+    group.add_argument("--pairs", type=int, default=None,
+                       help=f"ES: antithetic perturbation pairs per step (default: {EsConfig.pairs})")
+    group.add_argument("--sigma", type=float, default=None,
+                       help=f"ES: perturbation size, relative to the singular values under fura-s "
+                            f"(default: {EsConfig.sigma:g})")
+    group.add_argument("--reward", choices=sorted(REWARD_BUILDERS), default=None,
+                       help="ES: neg-loss (minus each member's loss) or accuracy (arg-max hits; class labels) "
+                            f"(default: {EsConfig.reward})")
+    group.add_argument("--es-optimizer", choices=ES_OPTIMIZERS, default=None,
+                       help="ES: sgd moves by lr * sigma * the z-scored direction (ES at Scale); adam is ZO-Adam on "
+                            "the same estimate (default: sgd)")
 
 
 DEFAULT_RANK = 2
+ES_OPTIMIZERS = ("sgd", "adam")
 
 
 def add_adapter_options(parser: argparse.ArgumentParser) -> None:
     """--adapter/--rank/--seed/--adapter-sites: the memory-floor adapter (MemFLoRA, LoRA; fblc/compiler/adapters.py)."""
-    from fblc.compiler.adapters import ADAPTERS, SITE_SELECTIONS
+    from fblc.compiler.adapters import ADAPTERS, DEFAULT_BLOCK, SITE_SELECTIONS
 
     parser.add_argument("--adapter", choices=ADAPTERS, default="none",
                         help="none: train the model's own weights (full fine-tuning); lora: a low-rank branch with "
                              "both factors trainable at every Conv (groups 1); memflora: MemFLoRA's memory-floor "
                              "adapter (frozen projection P, trainable U, backbone frozen, 1-bit masks); memflora-sg: "
-                             "memflora that also trains P by replaying the forward (default: none)")
+                             "memflora that also trains P by replaying the forward; fura-s: only the block singular "
+                             "values of every MatMul/Gemm weight train (MobileSpec; for --trainer es) (default: none)")
     # default None, not 2: a --rank the user gave with --adapter none is refused (check_values)
     parser.add_argument("--rank", type=int, default=None, help=f"adapter rank r (default: {DEFAULT_RANK})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the adapter's random projection P (default: 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the adapter's random projection P and of ES's noise (default: 0)")
     parser.add_argument("--tile-mb", type=float, default=None, metavar="MB",
                         help="run the network's front in batch chunks so that no activation exceeds MB megabytes "
                              "(0: off; default: 8 with an adapter, off without)")
     parser.add_argument("--adapter-sites", choices=SITE_SELECTIONS, default="auto",
                         help="convs that get an adapter: all (groups 1), pointwise (1x1 only), auto: pointwise in "
                              "a network with depthwise convs, else all (default: auto)")
+    parser.add_argument("--block", type=int, default=None,
+                        help=f"fura-s: column-block width B of the block SVDs (default: {DEFAULT_BLOCK})")
+    parser.add_argument("--fura-sites", metavar="REGEX", default=None,
+                        help="fura-s: the MatMul/Gemm nodes or weights to adapt (default: every one whose input "
+                             "features the block divides)")
 
 
 def training_options(args: argparse.Namespace) -> "object":
@@ -95,16 +126,26 @@ def training_options(args: argparse.Namespace) -> "object":
     betas = getattr(args, "betas", None)
     if betas is not None:
         figures.update(beta1=betas[0], beta2=betas[1])
-    optimizer = OptimizerConfig(name=args.optimizer, **{k: v for k, v in figures.items() if v is not None})
-    from fblc.compiler.adapters import AdapterConfig
+    trainer = getattr(args, "trainer", "backprop")
+    optimizer_name = (getattr(args, "es_optimizer", None) or "sgd") if trainer == "es" else args.optimizer
+    optimizer = OptimizerConfig(name=optimizer_name, **{k: v for k, v in figures.items() if v is not None})
+    from fblc.compiler.adapters import DEFAULT_BLOCK, AdapterConfig
+    from fblc.compiler.es import EsConfig
 
-    rank = getattr(args, "rank", None)
+    rank, block = getattr(args, "rank", None), getattr(args, "block", None)
     adapter = AdapterConfig(kind=getattr(args, "adapter", "none"), rank=DEFAULT_RANK if rank is None else rank,
-                            seed=getattr(args, "seed", 0), sites=getattr(args, "adapter_sites", "auto"))
+                            seed=getattr(args, "seed", 0), sites=getattr(args, "adapter_sites", "auto"),
+                            block=DEFAULT_BLOCK if block is None else block,
+                            fura_sites=getattr(args, "fura_sites", None))
     adapter.validate()
+    es_figures = {"pairs": getattr(args, "pairs", None), "sigma": getattr(args, "sigma", None),
+                  "reward": getattr(args, "reward", None)}
+    es = EsConfig(seed=getattr(args, "seed", 0), **{k: v for k, v in es_figures.items() if v is not None})
+    if trainer == "es":
+        es.validate()
     tile_mb = getattr(args, "tile_mb", None)
     return TrainingOptions(input_shapes=shapes, loss=args.loss, optimizer=optimizer, train=args.train,
-                           freeze=args.freeze, bn_train=args.bn_train, adapter=adapter,
+                           freeze=args.freeze, bn_train=args.bn_train, adapter=adapter, trainer=trainer, es=es,
                            tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
                            layout=getattr(args, "layout", "rtile"),
                            layout_search=getattr(args, "layout_search", "blocks"))
@@ -140,6 +181,11 @@ LIMITS: dict[str, Limit] = {
                      "give a size in MB, or 0 to turn batch tiling off"),
     "rank": Limit("--rank", lambda value: value >= 1, "is not a positive rank",
                   "use --rank 1 or more (the paper uses 2, 4, 8)"),
+    "block": Limit("--block", lambda value: value >= 1, "is not a positive block width", "use e.g. --block 64"),
+    "pairs": Limit("--pairs", lambda value: value >= 1, "is not a number of antithetic pairs >= 1",
+                   "give e.g. --pairs 4"),
+    "sigma": Limit("--sigma", lambda value: math.isfinite(value) and value > 0.0, "is not a perturbation > 0",
+                   "give e.g. --sigma 0.03 (the paper's)"),
     "seed": Limit("--seed", lambda value: value >= 0, "is not a seed >= 0", "give e.g. --seed 0"),
     "steps": Limit("--steps", lambda value: value >= 1, "is not a number of steps >= 1", "give e.g. --steps 10"),
     "show": Limit("--show", lambda value: value >= 0, "is not a number of rows >= 0", "give e.g. --show 15"),
@@ -160,9 +206,18 @@ def check_values(args: argparse.Namespace) -> None:
             continue
         if not all(limit.valid(v) for v in values):
             raise FblcError(f"{limit.option} {_shown(value)} {limit.must_be}", limit.remedy)
-    if getattr(args, "adapter", None) == "none" and getattr(args, "rank", None) is not None:
-        raise FblcError(f"--rank {args.rank} is given with --adapter none, which has no rank",
+    adapter = getattr(args, "adapter", None)
+    if adapter in ("none", "fura-s") and getattr(args, "rank", None) is not None:
+        raise FblcError(f"--rank {args.rank} is given with --adapter {adapter}, which has no rank",
                         "add --adapter lora, memflora or memflora-sg, or drop --rank")
+    for option, attribute in (("--block", "block"), ("--fura-sites", "fura_sites")):
+        if adapter is not None and adapter != "fura-s" and getattr(args, attribute, None) is not None:
+            raise FblcError(f"{option} is given with --adapter {adapter}", f"add --adapter fura-s, or drop {option}")
+    if getattr(args, "trainer", "backprop") != "es":
+        for option in ("pairs", "sigma", "reward", "es_optimizer"):
+            if getattr(args, option, None) is not None:
+                flag = "--" + option.replace("_", "-")
+                raise FblcError(f"{flag} is an option of --trainer es", f"add --trainer es, or drop {flag}")
 
 
 @contextlib.contextmanager

@@ -9,10 +9,11 @@ folder where a file goes, a file where a bundle folder goes, a folder of the use
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -171,3 +172,12 @@ def report_fallback(written: str, why: str) -> None:
     if why:
         raise FblcError(f"{why}; saved the trained parameters to '{written}' instead", "move that file where you "
                         "want it")
+
+
+def print_step(step: int, loss: float, metrics: Mapping[str, float], ms: float, as_json: bool) -> None:
+    """One line of `fblc run`'s per-step output (local and adb): JSON, or a readable row."""
+    if as_json:
+        print(json.dumps({"step": step, "loss": loss, **metrics, "ms": round(ms, 3)}), flush=True)
+        return
+    shown = "".join(f"  {name} {value:.6f}" for name, value in metrics.items())
+    print(f"step {step:4d}  loss {loss:.6f}{shown}  {ms:8.1f} ms", flush=True)

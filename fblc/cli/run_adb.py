@@ -15,7 +15,7 @@ from typing import Any
 
 from fblc import bundle_format as fmt
 from fblc.cli.data import batches
-from fblc.cli.outputs import report_fallback, save_trained
+from fblc.cli.outputs import print_step, report_fallback, save_trained
 from fblc.runtime.adb import Adb, run_on_device
 
 
@@ -38,10 +38,9 @@ def cmd_run_adb(args: Any) -> int:
                   f"{len(cut)} batch{'es' if len(cut) != 1 else ''} of {manifest['inputs'][0]['shape'][0]}", flush=True)
         elif "step" in line:
             done[0] = line["step"]
-            if as_json:
-                print(json.dumps({"step": line["step"], "loss": line["loss"], "ms": round(line["ms"], 3)}), flush=True)
-            elif not quiet:
-                print(f"step {line['step']:4d}  loss {line['loss']:.6f}  {line['ms']:8.1f} ms", flush=True)
+            if as_json or not quiet:
+                metrics = {k: v for k, v in line.items() if k not in ("step", "loss", "ms")}
+                print_step(line["step"], line["loss"], metrics, line["ms"], as_json)
 
     say = (lambda text: None) if quiet or as_json else (lambda text: print(text, flush=True))
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Callable, Iterator
@@ -11,7 +10,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from fblc.cli.data import batches, read_manifest
-from fblc.cli.outputs import report_fallback, save_trained
+from fblc.cli.outputs import print_step, report_fallback, save_trained
 
 
 def _progress(total: int, enabled: bool) -> Iterator[None]:
@@ -56,10 +55,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             loss = runner.step(cut[(step - 1) % len(cut)])
             elapsed = (time.perf_counter() - started) * 1e3
-            if args.json:
-                print(json.dumps({"step": step, "loss": loss, "ms": round(elapsed, 3)}), flush=True)
-            elif not args.quiet:
-                print(f"step {step:4d}  loss {loss:.6f}  {elapsed:8.1f} ms", flush=True)
+            if args.json or not args.quiet:
+                print_step(step, loss, runner.metrics, elapsed, args.json)
     except KeyboardInterrupt:
         # runner.steps counts the steps whose updates are in place: a step cut short left the state as it was
         raise KeyboardInterrupt(interrupted(runner.steps, args.steps, args.save_params, runner.parameters)) from None

@@ -91,7 +91,10 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                 "inputs": [_tensor_entry(v, program) for v in data_inputs],
                 "outputs": [_tensor_entry(v, program) for v in graph.outputs],
                 "parameters": [with_init(v) for v in params], "states": [with_init(v) for v in states],
-                "loss": program.values["loss"]}
+                "loss": program.values["loss"],
+                # scalars the runtimes report with the loss each step (ES's reward_mean)
+                "metrics": [{"name": v.name, "texture": program.values[v.name]} for v in graph.outputs
+                            if keys.get_role(v) == Role.METRIC.value and not static_shape(v)]}
     return manifest, plan, bytes(blob)
 
 

@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from fblc.codegen.kernels import KERNEL_EMITTERS
 from fblc.codegen.plan import kernel_groups
-from fblc.compiler.adapters import ADAPTERS, find_sites, select_adapter_sites
+from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, find_sites, select_adapter_sites
 from fblc.compiler.autodiff import GRADIENTS, differentiable_nodes, gradient_gaps
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import OpGap, op_label
@@ -38,7 +38,7 @@ from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.pipeline import TrainingOptions, import_passes, layout_passes, run_passes, training_passes
 from fblc.passes.split_softmax import SPLITS
 
-ADAPTER_KINDS = tuple(kind for kind in ADAPTERS if kind != "none")
+ADAPTER_KINDS = MEMORY_FLOOR_ADAPTERS
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,11 @@ def _reduction(node: ir.Node) -> int:
     return numel(static_shape(node.inputs[0]))
 
 
-FLOPS: dict[str, FlopRule] = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose,
+def _philox(node: ir.Node) -> int:  # per texel: ten rounds of two multiplies and xors, two Box-Muller pairs
+    return 20 * _out(node)
+
+
+FLOPS: dict[str, FlopRule] = {"PhiloxNormal": _philox, "MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose,
                               **{op: _reduction for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2",
                                                             "ReduceLogSumExp", "LayerNormalization",
                                                             "BatchNormalization", "GlobalAveragePool")}}

@@ -37,7 +37,10 @@ from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, attr, const_array, static_shape
 from fblc.compiler.keys import Role
 
-ADAPTERS = ("none", "lora", "memflora", "memflora-sg")
+#: the adapters of the memory floor (pass memory_floor, Conv sites); "fura-s" is pass fura_s (MatMul/Gemm sites)
+MEMORY_FLOOR_ADAPTERS = ("lora", "memflora", "memflora-sg")
+ADAPTERS = ("none", *MEMORY_FLOOR_ADAPTERS, "fura-s")
+DEFAULT_BLOCK = 64
 SITE_SELECTIONS = ("auto", "all", "pointwise")
 
 #: model metadata: JSON description of the inserted adapter (kind, rank, sites)
@@ -60,6 +63,9 @@ class AdapterConfig:
     rank: int = 2
     seed: int = 0
     sites: str = "auto"
+    #: fura-s: the column-block width B and the regex of its sites (None: every MatMul/Gemm B fits)
+    block: int = DEFAULT_BLOCK
+    fura_sites: str | None = None
 
     def validate(self) -> None:
         if self.kind not in ADAPTERS:
@@ -67,7 +73,9 @@ class AdapterConfig:
         if self.sites not in SITE_SELECTIONS:
             raise FblcError(f"unknown adapter site selection '{self.sites}'",
                             f"choose one of: {', '.join(SITE_SELECTIONS)}")
-        if self.kind != "none" and self.rank < 1:
+        if self.kind == "fura-s" and self.block < 1:
+            raise FblcError(f"--block {self.block} is not a positive block width", "use e.g. --block 64")
+        if self.kind in MEMORY_FLOOR_ADAPTERS and self.rank < 1:
             raise FblcError(f"--rank {self.rank} is not a positive rank", "use --rank 1 or more (the paper uses 2, 4, 8)")
 
     @property

@@ -123,3 +123,18 @@ class Emitter:
     def zeros(self, shape: Sequence[int], like: ir.Value) -> ir.Value:
         return self.op("ConstantOfShape", self.ints(shape),
                        value=ir.tensor(np.zeros(1, dtype=ir.DataType(like.dtype).numpy())))
+
+
+def clone_node(e: Emitter, node: ir.Node, mapping: dict[int, ir.Value], stage: str) -> ir.Node:
+    """A copy of `node` appended by `e`, reading `mapping[id(v)]` for each input v it maps (else v),
+    with fresh outputs of the same shapes and types and `stage`; `mapping` learns the outputs."""
+    inputs = [None if v is None else mapping.get(id(v), v) for v in node.inputs]
+    name = e.fresh_name(node.op_type)
+    outputs = [ir.Value(name=f"{name}:{i}", shape=None if o.shape is None else ir.Shape(list(o.shape)), type=o.type)
+               for i, o in enumerate(node.outputs)]
+    clone = ir.Node(node.domain, node.op_type, inputs, list(node.attributes.values()), outputs=outputs, name=name)
+    clone.metadata_props[keys.STAGE] = stage
+    e.graph.append(clone)
+    for old, new in zip(node.outputs, clone.outputs):
+        mapping[id(old)] = new
+    return clone

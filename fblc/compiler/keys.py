@@ -16,12 +16,14 @@ INDEX_MAP = "fblc.index_map"
 ROLE = "fblc.role"
 KERNEL = "fblc.kernel"
 MEM = "fblc.mem"
-#: Which pass emitted a node: "forward", "loss", "backward", "optimizer".
+#: Which pass emitted a node: "forward", "loss", "backward", "es", "optimizer".
 STAGE = "fblc.stage"
 #: For a backward node: the forward node whose gradient rule emitted it.
 GRAD_OF = "fblc.grad_of"
 #: On the labels of a class-index loss: the number of classes (the logits' last dim), for the bundle's manifest.
 CLASSES = "fblc.classes"
+#: On the value the loss is computed from (the model's first output): "1" (ES's accuracy reward reads it).
+PREDICTION = "fblc.prediction"
 
 # Keys written by torch.onnx's dynamo exporter and by onnxscript's optimizer.
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
@@ -41,6 +43,10 @@ class Role(str, enum.Enum):
     SAVED = "saved"
     GRAD = "grad"
     OPT_STATE = "opt_state"
+    #: the ES step's perturbations (an input of the ONNX step; made on the device in a bundle)
+    NOISE = "noise"
+    #: a step output the runtimes report beside the loss (ES's rewards)
+    METRIC = "metric"
 
 
 def set_role(value: "object", role: Role) -> None:

@@ -7,6 +7,7 @@ Every later stage (OpenCL kernels, the native runner) is checked against this. T
 
 from __future__ import annotations
 
+import json
 from typing import Mapping
 
 import numpy as np
@@ -16,6 +17,8 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from fblc.compiler import keys
+from fblc.compiler.es import ES_META, NOISE
+from fblc.compiler.philox import es_noise
 from fblc.errors import FblcError
 from fblc.compiler.keys import Role
 from fblc.compiler.values import static_shape
@@ -36,13 +39,22 @@ class ReferenceStep:
             name[: -len(".new")]: initial[name[: -len(".new")]] for name in outputs if name.endswith(".new")}
         self.data_inputs = [i.name for i in self.session.get_inputs() if i.name not in self.state]
         self.last: dict[str, np.ndarray] = {}
+        self.steps = 0
+        metadata = {p.key: p.value for p in model.metadata_props}
+        #: an ES step's noise when the caller feeds none: the device's Philox noise of the same step
+        self.noise_seed = int(json.loads(metadata[ES_META])["seed"]) if ES_META in metadata else None
+        self.noise_shape = next((list(i.shape) for i in self.session.get_inputs() if i.name == NOISE), None)
 
     def step(self, feeds: Mapping[str, np.ndarray]) -> float:
-        """Run one step on `feeds` (model inputs and labels); returns the loss."""
+        """Run one step on `feeds` (model inputs and labels); returns the loss. An ES step's `noise`,
+        when not fed, is `es_noise(seed, step index, shape)`: what a bundle of the step makes on the device."""
+        if NOISE in self.data_inputs and NOISE not in feeds and self.noise_seed is not None:
+            feeds = {**feeds, NOISE: es_noise(self.noise_seed, self.steps, self.noise_shape)}
         missing = [name for name in self.data_inputs if name not in feeds]
         if missing:
             raise FblcError(f"the step needs inputs {missing}", f"provide arrays for: {', '.join(self.data_inputs)}")
         values = self.session.run(None, {**{k: feeds[k] for k in self.data_inputs}, **self.state})
+        self.steps += 1
         self.last = dict(zip(self.output_names, values))
         for name in self.state:
             self.state[name] = self.last[f"{name}.new"]

@@ -145,6 +145,12 @@ def _gemm(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [((rows, cols), dtypes[0])]
 
 
+@shape_rule("PhiloxNormal")
+def _philox_normal(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    """fblc's device-only noise op (pass es_noise): float32 of its `shape` attribute."""
+    return [(tuple(int(d) for d in attr(node, "shape", [])), ir.DataType.FLOAT)]
+
+
 @shape_rule("ScatterND", "ScatterElements")
 def _scatter(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[0], dtypes[0])]

@@ -103,7 +103,9 @@ def summarize_step(model: ir.Model) -> str:
         f"trainable: {trained} tensors, {trained_elems:,} parameters; frozen: {frozen} tensors, "
         f"{frozen_elems:,} values; optimizer state: {states} tensors, {state_elems:,} values",
         f"nodes: {stages.get('forward', 0)} forward, {stages.get('loss', 0)} loss, "
-        f"{stages.get('backward', 0)} backward, {stages.get('optimizer', 0)} optimizer; "
+        f"{stages.get('backward', 0)} backward, "
+        + (f"{stages['es']} es (perturbations, rewards, estimate), " if stages.get("es") else "")
+        + f"{stages.get('optimizer', 0)} optimizer; "
         f"saved for the backward: {len(saved)} tensors, {saved_elems:,} values",
     ]
     unused = model.metadata_props.get("fblc.unused_params")

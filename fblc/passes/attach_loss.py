@@ -34,6 +34,7 @@ class AttachLoss(ContractPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         prediction = graph.outputs[0]
+        prediction.metadata_props[keys.PREDICTION] = "1"
         if prediction.name == LOSS:
             prediction.name = f"{LOSS}/model_output"  # the step's `loss` is the Identity below
         labels = None

@@ -19,7 +19,7 @@ The model's metadata `fblc.adapter` describes the sites (JSON). Unused initializ
 
 Preconditions: import passes ran (static shapes, constants folded, zero Pads folded into the
 convs); BatchNormalization in eval mode (not with `--bn-train`); runs before mark_trainable.
-In place; `modified` is false for `--adapter none`.
+In place; `modified` is false for `--adapter none` and `fura-s` (pass fura_s).
 Errors: an unknown adapter, a non-positive rank, `--bn-train` with an adapter, no eligible
 site, a rank larger than a site's input or output channels.
 """
@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.adapters import (ADAPTER_META, SITE_Q, SITE_X, AdapterConfig, Site, SiteRecord, activation_name,
+from fblc.compiler.adapters import (ADAPTER_META, MEMORY_FLOOR_ADAPTERS, SITE_Q, SITE_X, AdapterConfig, Site, SiteRecord, activation_name,
                                     channel_view, clip_bounds, describe, emit_masked_activation, find_sites,
                                     folded_affine, new_initializer, replace_output, select_adapter_sites)
 from fblc.errors import FblcError
@@ -62,7 +62,7 @@ class MemoryFloor(ContractPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         config = self.config
         config.validate()
-        if config.kind == "none":
+        if config.kind not in MEMORY_FLOOR_ADAPTERS:
             return ir.passes.PassResult(model, False)
         if self.bn_train:
             raise FblcError(f"--adapter {config.kind} needs BatchNormalization in eval mode (the memory floor folds it "

@@ -2,7 +2,7 @@
 
 Rewrite: for each parameter P with output `P.grad`, adds its state tensors (graph inputs
 with role `opt_state`, zero-initialised initializers of the same name) and the update from
-`fblc.compiler.optimizers`; outputs become `loss`, then `P.grad`, `P.new` per parameter,
+`fblc.compiler.optimizers`; outputs become `loss`, the `metric` outputs of earlier passes (ES's rewards), then `P.grad`, `P.new` per parameter,
 then `S.new` per state tensor (optimizer state, then state outputs of earlier passes such
 as BatchNorm running statistics under --bn-train), so feeding the `.new` values back runs the next step.
 Preconditions: build_gradients ran. In place.
@@ -67,7 +67,7 @@ class OptimizerStep(ContractPass):
             state_input(graph, state)
         shared = self.spec.shared_update(e, self.config, shared_states)
         carried = [v for v in graph.outputs if keys.get_role(v) == Role.OPT_STATE.value]
-        outputs: list[ir.Value] = [loss]
+        outputs: list[ir.Value] = [loss, *(v for v in graph.outputs if keys.get_role(v) == Role.METRIC.value)]
         states: list[StateTensor] = []
         for param in trainable_params(graph):
             grad = grads[param.name]

@@ -12,9 +12,10 @@ from typing import Callable, Mapping, Sequence
 
 import onnx_ir as ir
 
-from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, AdapterConfig
 from fblc.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
+from fblc.compiler.es import TRAINERS, EsConfig
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
@@ -23,11 +24,14 @@ from fblc.passes.build_gradients import BuildGradients
 from fblc.passes.contracts import check_order
 from fblc.passes.classify_initializers import ClassifyInitializers
 from fblc.passes.eliminate_noops import EliminateNoops
+from fblc.passes.es_gradients import EsGradients
+from fblc.passes.es_noise import EsNoise
 from fblc.passes.fix_input_shapes import FixInputShapes
 from fblc.passes.fold_constants import FoldConstants
 from fblc.passes.fold_pads import FoldPads
 from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.fuse import FuseKernels
+from fblc.passes.fura_s import FuraS
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.lower_composites import LowerComposites
 from fblc.passes.mark_trainable import MarkTrainable
@@ -53,6 +57,9 @@ class TrainingOptions:
     freeze: str | None = None
     bn_train: bool = False
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    #: "backprop" (autodiff) or "es" (evolution strategies: forwards only, fblc.compiler.es)
+    trainer: str = "backprop"
+    es: EsConfig = field(default_factory=EsConfig)
     #: batch_tile's limit on one activation in bytes: -1 auto (8 MB with an adapter, else off), 0 off
     tile_bytes: int = -1
     #: texel layouts: "rtile" (R-Tile layouts, data movement remapped) or "naive" (flat, explicit copies)
@@ -73,7 +80,7 @@ AUTO_TILE_BYTES = 8_000_000
 def tile_bytes(options: TrainingOptions) -> int:
     if options.tile_bytes >= 0:
         return options.tile_bytes
-    return AUTO_TILE_BYTES if options.adapter.kind != "none" else 0
+    return AUTO_TILE_BYTES if options.adapter.kind in MEMORY_FLOOR_ADAPTERS else 0
 
 
 def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
@@ -89,14 +96,26 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     ]
 
 
+def _gradient_pass(options: TrainingOptions) -> ir.passes.PassBase:
+    if options.trainer not in TRAINERS:
+        raise FblcError(f"unknown trainer '{options.trainer}'", f"choose one of: {', '.join(TRAINERS)}")
+    if options.trainer == "es":
+        if options.adapter.trains_projection_by_replay:
+            raise FblcError("--adapter memflora-sg trains its projection from the backward's gradients, which "
+                            "--trainer es does not compute", "use --adapter fura-s, lora or memflora with --trainer es")
+        return EsGradients(options.es)
+    return SgGradients() if options.adapter.trains_projection_by_replay else BuildGradients()
+
+
 def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
         BatchNormBatchStats(options.bn_train),
         MemoryFloor(options.adapter, options.bn_train),
+        FuraS(options.adapter),
         BatchTile(tile_bytes(options)),
         MarkTrainable(options.train, options.freeze),
         AttachLoss(options.loss),
-        SgGradients() if options.adapter.trains_projection_by_replay else BuildGradients(),
+        _gradient_pass(options),
         OptimizerStep(options.optimizer),
     ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else [])
 
@@ -181,7 +200,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    return [SplitSoftmax(), FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
+    return [EsNoise(), SplitSoftmax(), FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:

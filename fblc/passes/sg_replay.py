@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ, SITE_Q
-from fblc.compiler.graph import Emitter, static_shape
+from fblc.compiler.graph import Emitter, clone_node, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.optimizers import OPTIMIZERS, OptimizerConfig, StateTensor
 from fblc.passes.optimizer_step import name_output, state_input
@@ -87,9 +87,8 @@ class SgReplay(ContractPass):
         for node in graph:
             if id(node) not in needed:
                 continue
-            clone = self._clone(e, node, mapping)
+            clone = clone_node(e, node, mapping, stage="replay")
             for old, new in zip(node.outputs, clone.outputs):
-                mapping[id(old)] = new
                 if id(old) in wanted:
                     contract(id(old), new)
         self._update_projections(e, graph, partial)
@@ -107,17 +106,6 @@ class SgReplay(ContractPass):
             needed.add(id(node))
             stack.extend(v.producer() for v in node.inputs if v is not None)
         return needed
-
-    @staticmethod
-    def _clone(e: Emitter, node: ir.Node, mapping: dict[int, ir.Value]) -> ir.Node:
-        inputs = [None if v is None else mapping.get(id(v), v) for v in node.inputs]
-        name = e.fresh_name(node.op_type)
-        outputs = [ir.Value(name=f"{name}:{i}", shape=None if o.shape is None else ir.Shape(list(o.shape)), type=o.type)
-                   for i, o in enumerate(node.outputs)]
-        clone = ir.Node(node.domain, node.op_type, inputs, list(node.attributes.values()), outputs=outputs, name=name)
-        clone.metadata_props[keys.STAGE] = "replay"
-        e.graph.append(clone)
-        return clone
 
     @staticmethod
     def _projection_grad(e: Emitter, x: ir.Value, dq: ir.Value) -> ir.Value:

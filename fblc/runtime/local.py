@@ -86,6 +86,8 @@ class LocalRunner:
         functions = {name: cl.Kernel(self.program, name) for name in names}
         self.kernels = [functions[k["function"]] for k in self.plan["kernels"]]
         self.steps = 0
+        #: the manifest's metrics (ES's reward_mean) after the last step, by name
+        self.metrics: dict[str, float] = {}
 
     # setup -------------------------------------------------------------------------------------
     def _check_limits(self) -> None:
@@ -216,6 +218,8 @@ class LocalRunner:
             self.upload(entry["texture"], np.asarray(feeds[entry["name"]]))
         self.run_kernels()
         loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
+        self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
+                        for m in self.manifest.get("metrics", [])}
         for state, new in self.plan["swaps"]:
             self.binding[state], self.binding[new] = self.binding[new], self.binding[state]
         self.steps += 1

@@ -95,6 +95,7 @@ EXPORTED_OPS: tuple[tuple[str, str], ...] = (
     ("ReduceMin", "torch.amin"),
     ("ReduceL2", "torch.linalg.vector_norm, weight_norm"),
     ("ReduceLogSumExp", "torch.logsumexp"),
+    ("PhiloxNormal", "not exported: fblc's on-device ES noise (--trainer es, pass es_noise)"),
     ("ReduceProd", "torch.prod"),
     ("CumSum", "torch.cumsum, position ids"),
     ("ArgMax", "torch.argmax"),

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
+import onnx_ir as ir
 
 from fblc.codegen.compile import compile_model
 from fblc.tools.traced_layouts import with_traced_reads
-from fblc.compiler.model_io import save_model_atomically
+from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.reference import ReferenceStep, random_feeds
-from fblc.passes.pipeline import TrainingOptions
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.runtime.local import LocalRunner
 
 TOLERANCES = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 1e-3)}  # (rtol, atol)
@@ -48,6 +49,15 @@ def compare(device_values: Mapping[str, np.ndarray], reference: Mapping[str, np.
     return rows
 
 
+def reference_graph(step: ir.Model, model_path: str, options: TrainingOptions) -> ir.Model:
+    """The ONNX step onnxruntime runs for the compiled `step`: the step itself, or for an ES step,
+    whose bundle makes its noise on the device (PhiloxNormal, not an ONNX op), `fblc train-graph`'s
+    step, which takes the noise as an input (ReferenceStep feeds it the same Philox noise)."""
+    if not any(node.op_type == "PhiloxNormal" for node in step.graph):
+        return step
+    return build_training_graph(load_model(model_path), options)
+
+
 def verify_model(model_path: str, options: TrainingOptions, target: str = "local", dtype: str = "fp32",
                  device: str | None = None, feeds: Mapping[str, np.ndarray] | None = None,
                  work_dir: str | None = None) -> list[Comparison]:
@@ -57,7 +67,7 @@ def verify_model(model_path: str, options: TrainingOptions, target: str = "local
         options = with_traced_reads(model_path, target, dtype, options, feeds, device=device)
         step, _ = compile_model(model_path, bundle, target, dtype, options)
         step_path = os.path.join(scratch, "step.onnx")
-        save_model_atomically(step, step_path)
+        save_model_atomically(reference_graph(step, model_path, options), step_path)
         feeds = dict(feeds) if feeds is not None else random_feeds(step)
         reference = ReferenceStep(step_path)
         reference.step(feeds)

@@ -39,6 +39,7 @@ def _load_emitters() -> None:
         elementwise,
         gather,
         movement,
+        noise,
         normalize,
         pooling,
         reduce,

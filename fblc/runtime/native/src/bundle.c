@@ -293,6 +293,17 @@ void bundle_load(const char *folder, bundle *out) {
     }
     out->loss_texture = need_size(manifest, "loss", "manifest.json");
     if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
+    const json_value *metrics = json_get(manifest, "metrics"); /* absent in bundles before it */
+    if (metrics && metrics->type != JSON_ARRAY) bad("manifest.json's metrics is not a list");
+    out->metric_count = metrics ? metrics->count : 0;
+    out->metric_names = xcalloc(out->metric_count + 1, sizeof *out->metric_names);
+    out->metric_textures = xcalloc(out->metric_count + 1, sizeof *out->metric_textures);
+    for (size_t i = 0; i < out->metric_count; ++i) {
+        const json_value *entry = json_at(metrics, i);
+        out->metric_names[i] = xstrdup(need(entry, "name", JSON_STRING, "a manifest metric")->string);
+        out->metric_textures[i] = need_size(entry, "texture", "a manifest metric");
+        if (out->metric_textures[i] >= out->texture_count) bad("a metric names a texture the plan does not have");
+    }
     json_free(manifest);
     json_free(plan);
 }

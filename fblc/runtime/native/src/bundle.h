@@ -62,6 +62,9 @@ typedef struct {
     tensor *parameters;
     size_t parameter_count;
     size_t loss_texture;
+    char **metric_names;     /* scalars reported with the loss each step (manifest "metrics"; ES's reward_mean) */
+    size_t *metric_textures;
+    size_t metric_count;
     char *kernels_source;
     size_t kernels_length;
     char kernels_sha256[65];

@@ -10,7 +10,8 @@
  * already in their textures' element type (float32, float16 or int32, little-endian), unpadded. Step s
  * trains on batch s mod batches.
  *
- * stdout: one JSON object per line: first {"device": ...}, then {"step": s, "loss": ..., "ms": ...}.
+ * stdout: one JSON object per line: first {"device": ...}, then {"step": s, "loss": ..., "ms": ...}, with the
+ * bundle's metrics (ES's "reward_mean") after the loss.
  * DIR receives params.bin (the trained parameters, float32, manifest order) and results.json (losses,
  * step times, the host time of each step's uploads and launches, per-kernel device times from profiling
  * events, bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
@@ -313,6 +314,12 @@ int main(int argc, char **argv) {
         if (!quiet) {
             printf("{\"step\": %ld, \"loss\": ", s + 1);
             json_write_float(stdout, loss);
+            for (size_t m = 0; m < b.metric_count; ++m) {
+                printf(", ");
+                json_write_string(stdout, b.metric_names[m]);
+                printf(": ");
+                json_write_float(stdout, r.metrics[m]);
+            }
             printf(", \"ms\": ");
             json_write_float(stdout, elapsed);
             printf("}\n");

@@ -332,6 +332,7 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
     }
     free(image_height);
     r->readback = xmalloc(largest);
+    r->metrics = xcalloc(b->metric_count + 1, sizeof *r->metrics);
     r->host_bytes = largest;
 
     build_program(r, use_cache);
@@ -353,6 +354,17 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
         r->staging[i] = xcalloc(1, texture_size(&b->textures[b->inputs[i].texture]));
         r->host_bytes += texture_size(&b->textures[b->inputs[i].texture]);
     }
+}
+
+/* Element 0 of a texture (the loss, a metric), as a double. */
+static double read_scalar(runner *r, size_t texture_id) {
+    read_texture(r, texture_id, r->readback);
+    const texture *t = &r->b->textures[texture_id];
+    if (t->format == FORMAT_F16) return half_to_float(read_u16le(r->readback));
+    if (t->format == FORMAT_I32) return (double)(int32_t)read_u32le(r->readback);
+    float value;
+    memcpy(&value, r->readback, sizeof value);
+    return value;
 }
 
 double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
@@ -381,16 +393,8 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
             die(EXIT_OPENCL, "launching kernel '%s' failed: %s (%d)", l->name, opencl_error(status), (int)status);
     }
     r->submit_ms = now_ms() - started;
-    read_texture(r, b->loss_texture, r->readback);
-    const texture *loss_texture = &b->textures[b->loss_texture];
-    double loss;
-    if (loss_texture->format == FORMAT_F16) loss = half_to_float(read_u16le(r->readback));
-    else if (loss_texture->format == FORMAT_I32) loss = (double)(int32_t)read_u32le(r->readback);
-    else {
-        float value;
-        memcpy(&value, r->readback, sizeof value);
-        loss = value;
-    }
+    double loss = read_scalar(r, b->loss_texture);
+    for (size_t i = 0; i < b->metric_count; ++i) r->metrics[i] = read_scalar(r, b->metric_textures[i]);
     for (size_t i = 0; i < b->launch_count; ++i) {
         cl_ulong start = 0, end = 0;
         if (cl.GetEventProfilingInfo(r->events[i], CL_PROFILING_COMMAND_START, sizeof start, &start, NULL) !=

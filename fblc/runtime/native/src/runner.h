@@ -29,6 +29,7 @@ typedef struct {
     int program_from_cache;
     double build_ms;
     double submit_ms;        /* host time of the last step's uploads and launches (until the last enqueue returned) */
+    double *metrics;         /* the bundle's metrics after the last step, one per b->metric_names */
 } runner;
 
 /* "-cl-std=CL1.2", then $FBLC_CL_BUILD_OPTIONS if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */

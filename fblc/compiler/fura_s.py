@@ -1,0 +1,165 @@
+"""Graph builders of FuRA-S: trainable block singular values of frozen MatMul / Gemm weights.
+
+A weight W (out m x in n, as the paper writes it) is split into column blocks W_k of width b,
+each with a thin SVD W_k = L_k diag(s_k) R_k^T (R_k: [b, r], r = min(m, b)). FuRA-S trains
+delta_k with s'_k = s_k * (1 + delta_k), delta = 0 at the start. The update is a transform
+of the layer's input, so W itself stays frozen (and may stay in any storage):
+
+    W' x = sum_k W_k R_k diag(1 + delta_k) R_k^T x_k,   i.e.   x_k <- x_k + R_k (delta_k * (R_k^T x_k))
+
+since W_k R_k R_k^T = W_k. A *site* is a MatMul x @ W or a Gemm x @ W (W [n, m], or [m, n]
+with transB = 1: transformers' Linear, the legacy exporter's folded W^T, GPT-2's Conv1D)
+whose W is a constant initializer. What a site's input becomes, x [..., n] with rows the
+product of the leading axes and K = n / b blocks:
+
+    xb   = Transpose(Reshape(x, [rows, K, b]), [1, 0, 2])     [K, rows, b]
+    c    = MatMul(xb, R) * Reshape(delta_site, [K, 1, r])       R [K, b, r], frozen
+    x'   = x + Reshape(Transpose(MatMul(c, Transpose(R)), [1, 0, 2]), x.shape)
+
+All sites read slices of one trainable vector `delta` (site order, K * r values each).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.keys import Role
+from fblc.errors import FblcError
+
+#: the trainable vector of every FuRA-S site
+DELTA = "fura_s.delta"
+#: model metadata: JSON description of the FuRA-S sites
+FURA_META = "fblc.fura_s"
+
+
+@dataclass
+class FuraSite:
+    """A MatMul / Gemm reading constant weight `weight` at input `x` (the activation operand);
+    `transposed`: the product reads W^T (W stored [out, in])."""
+
+    node: ir.Node
+    x: ir.Value
+    weight: ir.Value
+    n_in: int
+    m_out: int
+    transposed: bool
+
+    def skip_reason(self, block: int) -> str | None:
+        """Why blocks of width `block` do not fit this site, or None."""
+        if block > self.n_in:
+            return f"block {block} is wider than its {self.n_in} input features"
+        if self.n_in % block:
+            return f"block {block} does not divide its {self.n_in} input features"
+        return None
+
+
+def _stored_weight(operand: ir.Value) -> tuple[ir.Value, bool] | None:
+    """(W, read transposed) when `operand` is a 2-D float `param` initializer or Transpose(perm 1, 0) of one
+    (the dynamo exporter's Linear; fold_constants never folds through a parameter)."""
+    transposed = False
+    producer = operand.producer()
+    if producer is not None and producer.op_type == "Transpose" and producer.domain == "" and \
+            list(attr(producer, "perm", [1, 0])) == [1, 0]:
+        operand, transposed = producer.inputs[0], True
+    if operand is None or operand.const_value is None or keys.get_role(operand) != Role.PARAM.value:
+        return None
+    if len(static_shape(operand)) != 2 or not ir.DataType(operand.dtype).is_floating_point():
+        return None
+    return operand, transposed
+
+
+def find_fura_sites(graph: ir.Graph) -> list[FuraSite]:
+    """Every MatMul x @ W and Gemm (transA = 0) whose W is a constant float `param` (or its transpose)."""
+    sites = []
+    for node in graph:
+        if node.domain != "" or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+            continue
+        x, operand = node.inputs[0], node.inputs[1]
+        if x is None or operand is None or x.const_value is not None:
+            continue
+        if node.op_type == "Gemm" and int(attr(node, "transA", 0)):
+            continue
+        stored = _stored_weight(operand)
+        if stored is None:
+            continue
+        weight, transposed = stored
+        transposed ^= node.op_type == "Gemm" and bool(int(attr(node, "transB", 0)))
+        shape = static_shape(weight)
+        n_in, m_out = (shape[1], shape[0]) if transposed else (shape[0], shape[1])
+        sites.append(FuraSite(node, x, weight, n_in, m_out, transposed))
+    return sites
+
+
+def weight_in_out(site: FuraSite) -> np.ndarray:
+    """W as [n_in, m_out] (float64)."""
+    w = np.asarray(site.weight.const_value.numpy(), np.float64)  # type: ignore[union-attr]
+    return w.T if site.transposed else w
+
+
+def block_factors(w_in_out: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(R [K, b, r], s [K, r]) of the column blocks of W (rows of W [n, m] here), float64."""
+    n, m = w_in_out.shape
+    rights, values = [], []
+    for k in range(n // block):
+        w_k = w_in_out[k * block:(k + 1) * block].T  # W_k [m, b]
+        _, s, vt = np.linalg.svd(w_k, full_matrices=False)
+        rights.append(vt.T)
+        values.append(s)
+    return np.stack(rights), np.stack(values)
+
+
+def emit_input_transform(e: Emitter, site: FuraSite, right: ir.Value, right_t: ir.Value,
+                         delta: ir.Value, offset: int) -> ir.Value:
+    """x' (the module docstring) for `site`, reading delta[offset: offset + K * r]."""
+    k, b, r = static_shape(right)
+    shape = static_shape(site.x)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    blocks = e.op("Transpose", e.reshape(site.x, [rows, k, b]), perm=[1, 0, 2])
+    values = e.op("Slice", delta, e.ints([offset]), e.ints([offset + k * r]), e.ints([0]))
+    scaled = e.op("Mul", e.op("MatMul", blocks, right), e.reshape(values, [k, 1, r]))
+    back = e.op("Transpose", e.op("MatMul", scaled, right_t), perm=[1, 0, 2])
+    return e.op("Add", site.x, e.reshape(back, list(shape)))
+
+
+def select_sites(sites: list[FuraSite], pattern: str | None, block: int) -> tuple[list[FuraSite], list[dict[str, str]]]:
+    """(sites that get FuRA-S, skipped sites with the reason). With `pattern` (a regex over node and
+    weight names) every matching site must fit `block`; without, sites that do not fit are skipped."""
+    if pattern is not None:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as error:
+            raise FblcError(f"--fura-sites '{pattern}' is not a valid regular expression ({error})",
+                            "use Python regex syntax, e.g. 'attn|mlp'") from None
+        matched = [s for s in sites if compiled.search(s.node.name) or compiled.search(s.weight.name)]
+        if not matched:
+            examples = ", ".join(s.weight.name for s in sites[:5]) or "(none)"
+            raise FblcError(f"--fura-sites '{pattern}' matches no MatMul/Gemm weight",
+                            f"weights that can take FuRA-S: {examples}")
+        bad = [(s, s.skip_reason(block)) for s in matched if s.skip_reason(block)]
+        if bad:
+            site, reason = bad[0]
+            raise FblcError(f"--block {block} does not fit site '{site.node.name}' (weight '{site.weight.name}'): "
+                            f"{reason}", f"use a --block that divides {site.n_in}, e.g. "
+                            f"{_divisor_hint(site.n_in, block)}, or leave the site out of --fura-sites")
+        return matched, []
+    chosen = [s for s in sites if s.skip_reason(block) is None]
+    skipped = [{"node": s.node.name, "weight": s.weight.name, "reason": str(s.skip_reason(block))}
+               for s in sites if s.skip_reason(block) is not None]
+    return chosen, skipped
+
+
+def _divisor_hint(n: int, block: int) -> str:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return str(min(divisors, key=lambda d: (abs(d - block), d)))
+
+
+def describe(block: int, records: list[dict[str, object]], skipped: list[dict[str, str]], total: int) -> str:
+    return json.dumps({"adapter": "fura-s", "block": block, "delta": DELTA, "trainable_params": total,
+                       "sites": records, "skipped_sites": skipped})

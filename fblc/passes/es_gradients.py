@@ -1,0 +1,93 @@
+"""es_gradients: the ES estimate of every parameter's gradient from 2P perturbed forwards (no backward).
+
+Selected by `--trainer es`; it takes build_gradients' place in the pipeline, and optimizer_step
+then updates the parameters from `P.grad` as it would a backprop gradient.
+
+Rewrite (the formulas are in fblc.compiler.es): adds the input `noise` [P, D] (role `noise`; D
+the trainable values, parameters flattened in input order), then for each of the 2P members
+(+eps_1 .. +eps_P, -eps_1 .. -eps_P) a copy of every node that reads a parameter, reading
+theta +/- sigma eps_i instead (the nodes that read no parameter are shared); each member's
+reward (`--reward`), the outputs `rewards` [2P] and `reward_mean` (role `metric`) after `loss`
+(the unperturbed model's), and `P.grad` = -sigma g for every parameter. Nothing is saved for a
+backward: member m's activations are dead once its reward is made.
+
+Preconditions: attach_loss ran; parameters are graph inputs with role `param`. In place.
+Errors: pairs < 1, sigma <= 0, an unknown reward; `accuracy` without class labels.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.es import (ES_META, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT, EsConfig, direction, flat_slice,
+                              member_forward, param_dependents, z_scores)
+from fblc.compiler.graph import Emitter, static_shape
+from fblc.compiler.keys import Role
+from fblc.passes.build_gradients import trainable_params
+from fblc.passes.contracts import ContractPass
+
+
+def _prediction(graph: ir.Graph) -> ir.Value | None:
+    for node in graph:
+        for value in node.outputs:
+            if value.metadata_props.get(keys.PREDICTION):
+                return value
+    return next((v for v in graph.inputs if v.metadata_props.get(keys.PREDICTION)), None)
+
+
+class EsGradients(ContractPass):
+    """Antithetic ES members, rewards and the gradient estimate of every parameter (in place)."""
+
+    name = "es_gradients"
+    requires_facts = ("static shapes", "trainable inputs", "loss")
+    ensures_facts = ("gradients", "static shapes")
+
+    def __init__(self, config: EsConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        config = self.config
+        config.validate()
+        graph = model.graph
+        loss, carried = graph.outputs[0], list(graph.outputs[1:])
+        params = trainable_params(graph)
+        width = sum(int(np.prod(static_shape(p), dtype=np.int64)) for p in params)
+        noise = ir.Value(name=NOISE, shape=ir.Shape([config.pairs, width]), type=ir.TensorType(ir.DataType.FLOAT))
+        keys.set_role(noise, Role.NOISE)
+        graph.inputs.insert(graph.inputs.index(params[0]), noise)
+        prediction = _prediction(graph)
+        assert prediction is not None, "attach_loss marks the value the loss reads"
+        labels = next((v for v in graph.inputs if keys.get_role(v) == Role.LABEL.value), None)
+        reward_of = REWARD_BUILDERS[config.reward]
+        forward = param_dependents(graph, params)
+        e = Emitter(graph, stage="es")
+        rewards = []
+        for sign in (1.0, -1.0):
+            for row in range(config.pairs):
+                member_loss, member_prediction = member_forward(e, forward, params, noise, row, sign, config.sigma,
+                                                                [loss, prediction])
+                e.prefix = f"es/member_{len(rewards) + 1}"
+                rewards.append(e.reshape(reward_of(e, member_loss, member_prediction, labels), [1]))
+                e.prefix = "es"
+        reward_vector = e.op("Concat", *rewards, axis=0, name=REWARDS_OUTPUT)
+        mean = e.op("ReduceMean", reward_vector, keepdims=0, name=REWARD_MEAN)
+        estimate = e.op("Mul", direction(e, z_scores(e, reward_vector), noise), e.scalar(-config.sigma, noise))
+        grads, offset = [], 0
+        for param in params:
+            shape = static_shape(param)
+            grad = e.op("Identity", flat_slice(e, estimate, offset, shape), name=f"{param.name}.grad")
+            keys.set_role(grad, Role.GRAD)
+            grads.append(grad)
+            offset += int(np.prod(shape, dtype=np.int64))
+        for value in (reward_vector, mean):
+            keys.set_role(value, Role.METRIC)
+        graph.outputs.clear()
+        graph.outputs.extend([loss, reward_vector, mean, *grads, *carried])
+        model.metadata_props[ES_META] = json.dumps({"pairs": config.pairs, "sigma": config.sigma,
+                                                    "reward": config.reward, "seed": config.seed, "values": width})
+        return ir.passes.PassResult(model, True)

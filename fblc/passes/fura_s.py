@@ -1,0 +1,83 @@
+"""fura_s: FuRA-S, train the block singular values of the MatMul / Gemm weights, nothing else.
+
+Selected by `--adapter fura-s --block B [--fura-sites REGEX]`; other adapters leave the model alone.
+
+Rewrite (the builders and the exact graph are in fblc.compiler.fura_s):
+- every initializer that would train becomes `frozen`;
+- at every site (a MatMul x @ W or Gemm with a constant float W; `--fura-sites` picks them by
+  node or weight name, else every one whose input features B divides) the block SVDs of W are
+  computed here (numpy, float64) and the site's input x becomes
+  x + R (delta_k * (R^T x_k)) per block, R [K, B, r] a frozen initializer `<W>.fura_R`;
+- one trainable vector `fura_s.delta` (zeros, all sites' K * r values in site order) feeds them.
+At delta = 0 the model computes what it computed; at any delta, what the model with
+W'_k = L_k diag(s_k (1 + delta_k)) R_k^T computes. Model metadata `fblc.fura_s` lists the sites,
+their blocks and the skipped sites with the reason.
+
+Preconditions: import passes ran (static shapes, constant weights); before mark_trainable.
+In place; `modified` is false for any other adapter.
+Errors: --block below 1, a --fura-sites pattern that matches nothing or a site the block does
+not fit, a model without an eligible site.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.adapters import AdapterConfig, new_initializer
+from fblc.compiler.fura_s import (DELTA, FURA_META, block_factors, describe, emit_input_transform, find_fura_sites,
+                                  select_sites, weight_in_out)
+from fblc.compiler.graph import Emitter
+from fblc.compiler.keys import Role
+from fblc.errors import FblcError
+from fblc.passes.contracts import ContractPass
+
+
+class FuraS(ContractPass):
+    """Insert FuRA-S input transforms at every selected MatMul/Gemm and freeze the model (in place)."""
+
+    name = "fura_s"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("static shapes",)
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        config = self.config
+        if config.kind != "fura-s":
+            return ir.passes.PassResult(model, False)
+        graph = model.graph
+        sites = find_fura_sites(graph)
+        chosen, skipped = select_sites(sites, config.fura_sites, config.block)
+        if not chosen:
+            widths = sorted({s.n_in for s in sites})
+            raise FblcError(f"--adapter fura-s found no site for --block {config.block}: "
+                            f"{len(sites)} MatMul/Gemm weight(s)" + (f" with input features {widths}" if widths else ""),
+                            "give a --block that divides a layer's input features" if widths else
+                            "FuRA-S adapts MatMul/Gemm layers with constant weights; use another adapter for this model")
+        for value in graph.initializers.values():
+            if keys.get_role(value) == Role.PARAM.value:
+                keys.set_role(value, Role.FROZEN)
+        factors = [block_factors(weight_in_out(site), config.block) for site in chosen]
+        total = sum(int(values.size) for _, values in factors)
+        delta = new_initializer(graph, DELTA, np.zeros(total, np.float32), Role.PARAM)
+        e = Emitter(graph, stage="forward")
+        records, offset = [], 0
+        for site, (right, values) in zip(chosen, factors):
+            e.anchor, e.prefix = site.node, site.node.name
+            name = f"{site.weight.name}.fura_R"
+            if name in graph.initializers:  # a weight read by two sites (tied): one R per site
+                name = f"{site.weight.name}.{site.node.name}.fura_R"
+            right_value = new_initializer(graph, name, right.astype(np.float32), Role.FROZEN)
+            right_t = e.op("Transpose", right_value, perm=[0, 2, 1])
+            adapted = emit_input_transform(e, site, right_value, right_t, delta, offset)
+            site.node.replace_input_with(0, adapted)
+            records.append({"node": site.node.name, "weight": site.weight.name, "in": site.n_in, "out": site.m_out, "transposed": site.transposed,
+                            "blocks": int(values.shape[0]), "rank": int(values.shape[1]), "offset": offset,
+                            "values": int(values.size)})
+            offset += int(values.size)
+        model.metadata_props[FURA_META] = describe(config.block, records, skipped, total)
+        return ir.passes.PassResult(model, True)

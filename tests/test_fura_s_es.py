@@ -1,0 +1,207 @@
+"""Forward-only training: the FuRA-S adapter (pass fura_s), the ES step (pass es_gradients) and its
+device form (pass es_noise, the PhiloxNormal kernel).
+
+References: onnxruntime on the original model, on the model with explicitly recomposed weights
+W'_k = L_k diag(s_k (1 + delta_k)) R_k^T (numpy's SVD, not fblc's), a numpy ES update from
+rewards that onnxruntime computes member by member, and Random123's Philox known answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from fblc.cli import main
+from fblc.codegen.compile import compile_model
+from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.es import EsConfig
+from fblc.compiler.fura_s import DELTA, FURA_META
+from fblc.compiler.losses import IGNORE_INDEX
+from fblc.compiler.model_io import load_model, save_model_atomically
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.compiler.philox import es_noise, philox4x32
+from fblc.compiler.reference import ReferenceStep
+from fblc.passes.fura_s import FuraS
+from fblc.passes.pipeline import TrainingOptions, build_training_graph, import_passes, run_passes
+from fblc.runtime.local import LocalRunner
+from fblc.tools.verify import reference_graph
+from support import models
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from mlp import build_mlp  # noqa: E402
+
+BLOCK = 8
+
+
+def _session(path: str) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def _adapted(path: str, out: str, block: int, delta: np.ndarray | None = None) -> dict:
+    """The model after the import passes and fura_s, with `delta` (zeros when None) written into its
+    initializer; returns the site table."""
+    model = load_model(path)
+    run_passes(model, import_passes(TrainingOptions()) + [FuraS(AdapterConfig(kind="fura-s", block=block))])
+    meta = json.loads(model.metadata_props[FURA_META])
+    if delta is not None:
+        import onnx_ir as ir
+
+        model.graph.initializers[DELTA].const_value = ir.tensor(delta.astype(np.float32), name=DELTA)
+    save_model_atomically(model, out)
+    return meta
+
+
+def _recomposed(path: str, out: str, meta: dict, delta: np.ndarray) -> None:
+    """The original model with every site's weight replaced by its blocks' L diag(s (1 + delta)) R^T."""
+    proto = onnx.load(path)
+    tensors = {t.name: t for t in proto.graph.initializer}
+    for site in meta["sites"]:
+        tensor = tensors[site["weight"]]
+        stored = numpy_helper.to_array(tensor).astype(np.float64)
+        transposed = site["transposed"]  # stored [out, in]
+        w = stored.T if transposed else stored  # [in, out]
+        values = delta[site["offset"]:site["offset"] + site["values"]].reshape(site["blocks"], site["rank"])
+        for k in range(site["blocks"]):
+            rows = slice(k * BLOCK, (k + 1) * BLOCK)
+            left, s, right_t = np.linalg.svd(w[rows].T, full_matrices=False)
+            w[rows] = (left @ np.diag(s * (1 + values[k])) @ right_t).T
+        tensor.CopyFrom(numpy_helper.from_array((w.T if transposed else w).astype(np.float32), tensor.name))
+    onnx.save(proto, out)
+
+
+@pytest.mark.parametrize("name", ["mlp", "llama"])
+def test_the_adapted_forward_is_the_model_at_zero_and_the_recomposed_model_at_any_delta(tmp_path, name) -> None:
+    exported = models.mlp(str(tmp_path)) if name == "mlp" else models.llama(str(tmp_path))[0]
+    feeds = exported.inputs
+    base = _session(exported.path).run(None, feeds)[0]
+    meta = _adapted(exported.path, str(tmp_path / "zero.onnx"), BLOCK)
+    assert meta["sites"] and not meta["skipped_sites"]
+    np.testing.assert_allclose(_session(str(tmp_path / "zero.onnx")).run(None, feeds)[0], base, rtol=1e-5, atol=1e-5)
+    delta = np.random.default_rng(1).uniform(-0.5, 0.5, meta["trainable_params"])
+    _adapted(exported.path, str(tmp_path / "delta.onnx"), BLOCK, delta)
+    _recomposed(exported.path, str(tmp_path / "recomposed.onnx"), meta, delta)
+    adapted = _session(str(tmp_path / "delta.onnx")).run(None, feeds)[0]
+    recomposed = _session(str(tmp_path / "recomposed.onnx")).run(None, feeds)[0]
+    assert np.abs(adapted - base).max() > 1e-2  # the delta changes the model
+    np.testing.assert_allclose(adapted, recomposed, rtol=1e-4, atol=1e-4)
+
+
+def _cross_entropy(logits: np.ndarray, labels: np.ndarray) -> float:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    counted = labels != IGNORE_INDEX
+    return float(-log_probs[counted, labels[counted]].mean())
+
+
+def test_one_es_step_is_the_numpy_update_of_the_members_rewards(tmp_path) -> None:
+    exported = models.mlp(str(tmp_path))
+    pairs, sigma, lr = 3, 0.05, 0.7
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
+                              es=EsConfig(pairs=pairs, sigma=sigma), optimizer=OptimizerConfig("sgd", lr=lr))
+    step = build_training_graph(load_model(exported.path), options)
+    save_model_atomically(step, str(tmp_path / "step.onnx"))
+    meta = _adapted(exported.path, str(tmp_path / "probe.onnx"), BLOCK)
+    width = meta["trainable_params"]
+    delta = np.random.default_rng(2).uniform(-0.2, 0.2, width).astype(np.float32)
+    noise = np.random.default_rng(3).standard_normal((pairs, width)).astype(np.float32)
+    session = _session(str(tmp_path / "step.onnx"))
+    names = [o.name for o in session.get_outputs()]
+    got = dict(zip(names, session.run(None, {**exported.inputs, "labels": exported.labels, "noise": noise,
+                                             DELTA: delta})))
+
+    def reward(d: np.ndarray) -> float:
+        _adapted(exported.path, str(tmp_path / "member.onnx"), BLOCK, d)
+        return -_cross_entropy(_session(str(tmp_path / "member.onnx")).run(None, exported.inputs)[0], exported.labels)
+
+    rewards = np.array([reward(delta + s * sigma * noise[i]) for s in (1, -1) for i in range(pairs)])
+    np.testing.assert_allclose(got["rewards"], rewards, rtol=1e-5, atol=1e-6)
+    assert got["loss"] == pytest.approx(-reward(delta), rel=1e-5)
+    z = (rewards - rewards.mean()) / rewards.std()
+    direction = ((z[:pairs] - z[pairs:]) @ noise.astype(np.float64)) / (2 * pairs)
+    np.testing.assert_allclose(got[f"{DELTA}.new"], delta + lr * sigma * direction, rtol=1e-4, atol=2e-5)
+
+
+def test_equal_rewards_move_nothing(tmp_path) -> None:
+    """sigma so small that every member's loss rounds alike: the z-scores are 0, not rounding noise."""
+    exported = models.mlp(str(tmp_path))
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
+                              es=EsConfig(pairs=2, sigma=1e-12), optimizer=OptimizerConfig("sgd", lr=1.0))
+    save_model_atomically(build_training_graph(load_model(exported.path), options), str(tmp_path / "step.onnx"))
+    reference = ReferenceStep(str(tmp_path / "step.onnx"))
+    reference.step({**exported.inputs, "labels": exported.labels})
+    assert np.all(reference.last[f"{DELTA}.new"] == 0)
+
+
+def test_philox_gives_random123s_known_answers_and_normal_noise() -> None:
+    answers = [([0, 0, 0, 0], (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+               ([0xFFFFFFFF] * 4, (0xFFFFFFFF, 0xFFFFFFFF), [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+               ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], (0xA4093822, 0x299F31D0),
+                [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1])]
+    for counter, key, words in answers:
+        assert philox4x32(np.array([counter], np.uint32), key)[0].tolist() == words
+    noise = es_noise(7, 3, (400, 250))
+    assert abs(noise.mean()) < 0.01 and abs(noise.std() - 1) < 0.01
+    assert not np.array_equal(noise, es_noise(7, 4, (400, 250))) and np.array_equal(noise, es_noise(7, 3, (400, 250)))
+
+
+def test_the_device_trains_as_the_onnx_step_with_the_same_philox_noise(tmp_path) -> None:
+    """The bundle makes its noise on the device; ReferenceStep feeds the ONNX step es_noise of the same
+    seed and step. Iteration 1's loss is the model's own; over 20 iterations on one batch it falls."""
+    path = build_mlp(str(tmp_path / "mlp.onnx"), batch=16, in_features=32, hidden=(32,), classes=6)
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((16, 32)).astype(np.float32), "labels": rng.integers(0, 6, 16)}
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
+                              es=EsConfig(pairs=4, sigma=0.05, seed=11), optimizer=OptimizerConfig("sgd", lr=1.0))
+    step, report = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    assert report["kernels_per_family"].get("random") == 1
+    save_model_atomically(reference_graph(step, path, options), str(tmp_path / "step.onnx"))
+    reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
+                                                                               progress=False)
+    assert runner.step(feeds) == pytest.approx(_cross_entropy(_session(path).run(None, {"x": feeds["x"]})[0],
+                                                               feeds["labels"]), rel=1e-5)
+    reference.step(feeds)
+    noise = runner.read("es/noise")
+    np.testing.assert_allclose(noise, es_noise(11, 0, noise.shape), atol=1e-5)
+    np.testing.assert_allclose(runner.read("rewards"), reference.last["rewards"], rtol=1e-5)
+    assert runner.metrics["reward_mean"] == pytest.approx(float(reference.last["reward_mean"]), rel=1e-5)
+    # z-scoring divides by the rewards' spread, so their last-bit differences reach the update scaled by
+    # |reward| / std(rewards) (about 1e3 here): the update agrees to that, not to 1e-5
+    update = reference.last[f"{DELTA}.new"]
+    np.testing.assert_allclose(runner.parameters()[DELTA], update, atol=1e-3 * np.abs(update).max())
+    losses = [runner.step(feeds) for _ in range(19)]
+    assert losses[-1] < losses[0] - 1e-3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trainer", "es", "--adapter", "fura-s", "--block", "100"], "found no site for --block 100"),
+    (["--adapter", "fura-s", "--block", "7", "--fura-sites", "layers.0"], "--block 7 does not fit site"),
+    (["--adapter", "fura-s", "--fura-sites", "nothing"], "--fura-sites 'nothing' matches no MatMul/Gemm weight"),
+    (["--trainer", "es", "--pairs", "0"], "--pairs 0 is not a number of antithetic pairs >= 1"),
+    (["--trainer", "es", "--sigma", "0"], "--sigma 0 is not a perturbation > 0"),
+    (["--pairs", "2"], "--pairs is an option of --trainer es"),
+    (["--adapter", "fura-s", "--rank", "2"], "--rank 2 is given with --adapter fura-s"),
+    (["--trainer", "es", "--adapter", "memflora-sg"], "--adapter memflora-sg"),
+])
+def test_bad_fura_s_and_es_options_are_one_clear_error(tmp_path, capsys, args, message) -> None:
+    path = build_mlp(str(tmp_path / "mlp.onnx"))
+    assert main(["train-graph", path, "-o", str(tmp_path / "step.onnx"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "internal error" not in err
+    assert not os.path.exists(tmp_path / "step.onnx")
+
+
+def test_a_model_without_matmul_or_gemm_has_no_fura_s_site(tmp_path, capsys) -> None:
+    from tests.test_runtime import elementwise_model
+
+    path = elementwise_model(str(tmp_path / "model.onnx"))
+    assert main(["train-graph", path, "-o", str(tmp_path / "step.onnx"), "--adapter", "fura-s"]) == 2
+    assert "0 MatMul/Gemm weight(s)" in capsys.readouterr().err
