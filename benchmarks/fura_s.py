@@ -1,0 +1,117 @@
+"""Forward-only training side by side: memory and learning of FuRA-S ES against the other trainers.
+
+    python benchmarks/fura_s.py [--iterations 40] [--pairs 8] [--target adreno830]
+
+Table 1 (memory): for each model and trainer, the trainable values and report.json's planned
+device peak (`memory.device_peak`) of the compiled bundle; "n/a" where the adapter has no site
+(MemFLoRA and LoRA adapt Conv layers, FuRA-S MatMul/Gemm layers).
+Table 2 (learning): ES steps of the ONNX step (onnxruntime, ReferenceStep) on one fixed batch of
+a small MLP classifier with random labels, which nobody tuned for: FuRA-S ES against
+full-parameter ES at the same number of forward passes; the loss before and after, and the
+fraction of perturbed members that beat the unperturbed model (MobileSpec's Figure 4b), averaged
+over the iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fblc.codegen.compile import compile_model  # noqa: E402
+from fblc.compiler.adapters import AdapterConfig  # noqa: E402
+from fblc.compiler.es import EsConfig  # noqa: E402
+from fblc.compiler.model_io import load_model, save_model_atomically  # noqa: E402
+from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
+from fblc.compiler.reference import ReferenceStep  # noqa: E402
+from fblc.errors import FblcError  # noqa: E402
+from fblc.passes.pipeline import TrainingOptions, build_training_graph  # noqa: E402
+from tests.support import models  # noqa: E402
+
+TRAINERS = {
+    "fura-s ES": lambda shapes: TrainingOptions(input_shapes=shapes, trainer="es",
+                                                adapter=AdapterConfig(kind="fura-s", block=16)),
+    "full ES": lambda shapes: TrainingOptions(input_shapes=shapes, trainer="es"),
+    "memflora": lambda shapes: TrainingOptions(input_shapes=shapes, adapter=AdapterConfig(kind="memflora")),
+    "lora": lambda shapes: TrainingOptions(input_shapes=shapes, adapter=AdapterConfig(kind="lora")),
+    "full backprop": lambda shapes: TrainingOptions(input_shapes=shapes),
+}
+
+
+def memory_table(directory: str, target: str) -> list[str]:
+    llama, _ = models.llama(directory)
+    cases = [("llama 2L B=2 T=16", llama.path), ("mobilenetv2 [1,3,32,32]", _mobilenet(directory))]
+    rows = ["| model | trainer | trainable values | device peak MB | kernels |", "|---|---|---|---|---|"]
+    for name, path in cases:
+        for trainer, options in TRAINERS.items():
+            try:
+                _, report = compile_model(path, os.path.join(directory, "bundle"), target, "fp32", options({}))
+            except FblcError as error:
+                rows.append(f"| {name} | {trainer} | n/a ({error.cause[:70]}) | | |")
+                continue
+            values = sum(int(np.prod(t["shape"])) for t in report["trained"]["tensors"])
+            rows.append(f"| {name} | {trainer} | {values:,} | {report['memory']['device_peak'] / 1e6:.2f} | "
+                        f"{report['kernels']} |")
+    return rows
+
+
+def _mobilenet(directory: str) -> str:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    module = models.logits_only(transformers.MobileNetV2ForImageClassification(
+        transformers.MobileNetV2Config(num_labels=10, image_size=32)), "pixel_values").eval()
+    path = os.path.join(directory, "mobilenet_v2.onnx")
+    models._quiet_dynamo_export(module, (torch.zeros(1, 3, 32, 32),)).save(path)
+    return path
+
+
+def learning_table(directory: str, iterations: int, pairs: int) -> list[str]:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from mlp import build_mlp
+
+    path = build_mlp(os.path.join(directory, "mlp.onnx"), batch=32, in_features=32, hidden=(64, 64), classes=8)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((32, 32)).astype(np.float32), "labels": rng.integers(0, 8, 32)}
+    variants = {"fura-s ES (sigma 0.05, lr 1)": TrainingOptions(
+                    trainer="es", adapter=AdapterConfig(kind="fura-s", block=16),
+                    es=EsConfig(pairs=pairs, sigma=0.05), optimizer=OptimizerConfig("sgd", lr=1.0)),
+                "full ES (sigma 0.01, lr 1)": TrainingOptions(
+                    trainer="es", es=EsConfig(pairs=pairs, sigma=0.01), optimizer=OptimizerConfig("sgd", lr=1.0))}
+    rows = ["| trainer | trainable values | forwards | loss before | loss after | members beating the base |",
+            "|---|---|---|---|---|---|"]
+    for name, options in variants.items():
+        step = build_training_graph(load_model(path), options)
+        step_path = os.path.join(directory, "step.onnx")
+        save_model_atomically(step, step_path)
+        reference = ReferenceStep(step_path)
+        values = sum(int(np.prod(v.shape)) for v in step.graph.inputs if v.metadata_props.get("fblc.role") == "param")
+        losses, better = [], []
+        for _ in range(iterations):
+            losses.append(reference.step(feeds))
+            better.append(float(np.mean(reference.last["rewards"] > -losses[-1])))
+        rows.append(f"| {name} | {values:,} | {iterations * (2 * pairs + 1)} | {losses[0]:.4f} | {losses[-1]:.4f} | "
+                    f"{np.mean(better):.2f} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--target", default="adreno830")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        print("\n".join(learning_table(directory, args.iterations, args.pairs)))
+        print()
+        print("\n".join(memory_table(directory, args.target)))
+
+
+if __name__ == "__main__":
+    main()
