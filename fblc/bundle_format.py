@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 FORMAT_NAME = "fblc-bundle"
 FORMAT_VERSION = 3  # 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures
@@ -95,3 +97,16 @@ def load_verified(bundle: str) -> tuple[dict[str, Any], dict[str, Any]]:
             raise BundleError(f"'{bundle}/{name}' does not match the checksum in {MANIFEST} (corrupt or edited); "
                               "compile the bundle again")
     return manifest, read_json(os.path.join(bundle, PLAN))
+
+
+def checked_rewards(values: Sequence[float], members: int) -> np.ndarray:
+    """What an ES bundle's reward function (--reward external) answered, as its `rewards` input:
+    float32 [members], or an error naming what is wrong with it."""
+    rewards = np.asarray(values, dtype=np.float64).reshape(-1)
+    if rewards.size != members:
+        raise BundleError(f"the reward function returned {rewards.size} rewards for {members} members; "
+                          "return one reward per member output, in the order given")
+    if not np.isfinite(rewards).all():
+        raise BundleError(f"the reward function returned a non-finite reward ({rewards.tolist()}); "
+                          "return finite numbers, e.g. 1.0 for a solved task and 0.0 otherwise")
+    return rewards.astype(np.float32)

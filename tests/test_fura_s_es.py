@@ -181,6 +181,37 @@ def test_the_device_trains_as_the_onnx_step_with_the_same_philox_noise(tmp_path)
     assert losses[-1] < losses[0] - 1e-3
 
 
+def test_an_application_reward_function_scores_the_members_on_the_device_and_in_the_reference(tmp_path,
+                                                                                          capsys) -> None:
+    """--reward external: the runtime runs the members, hands their outputs to Python, uploads the rewards."""
+    path = build_mlp(str(tmp_path / "mlp.onnx"), batch=16, in_features=16, hidden=(16,), classes=4)
+    rng = np.random.default_rng(8)
+    feeds = {"x": rng.standard_normal((16, 16)).astype(np.float32), "labels": rng.integers(0, 4, 16)}
+    seen: list[int] = []
+
+    def solved(outputs: list[np.ndarray]) -> list[float]:  # an outcome only the application checks
+        seen.append(len(outputs))
+        return [float(np.mean(o.argmax(-1) == feeds["labels"])) + float(o[0, 0]) for o in outputs]
+
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
+                              es=EsConfig(pairs=2, sigma=0.1, reward="external"), optimizer=OptimizerConfig("sgd", lr=1.0))
+    step, _ = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    save_model_atomically(reference_graph(step, path, options), str(tmp_path / "step.onnx"))
+    reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
+                                                                               progress=False)
+    for _ in range(2):
+        assert runner.step(feeds, reward=solved) == pytest.approx(reference.step(feeds, reward=solved), rel=1e-5)
+    assert seen == [4] * 4
+    update = reference.parameters()[DELTA]
+    assert np.abs(update).max() > 0
+    np.testing.assert_allclose(runner.parameters()[DELTA], update, atol=1e-3 * np.abs(update).max())
+    with pytest.raises(Exception, match="returned 3 rewards for 4 members"):
+        runner.step(feeds, reward=lambda outputs: [0.0] * 3)
+    np.savez(tmp_path / "data.npz", **feeds)
+    assert main(["run", str(tmp_path / "bundle"), "--data", str(tmp_path / "data.npz"), "--steps", "1"]) == 2
+    assert "takes its ES rewards from the application" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--trainer", "es", "--adapter", "fura-s", "--block", "100"], "found no site for --block 100"),
     (["--adapter", "fura-s", "--block", "7", "--fura-sites", "layers.0"], "--block 7 does not fit site"),

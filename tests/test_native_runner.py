@@ -149,6 +149,10 @@ def test_fura_s_es_bundle_trains_as_with_the_python_runtime_and_reports_its_rewa
     done = run(runner_binary, str(tmp_path / "es"), data, str(tmp_path / "out"), 2, opencl_env)
     lines = [json.loads(line) for line in done.stdout.splitlines() if '"step"' in line]
     assert [sorted(line) for line in lines] == [["loss", "ms", "reward_mean", "step"]] * 2
+    external = dataclasses.replace(options, es=EsConfig(pairs=2, reward="external"))
+    compile_model(path, str(tmp_path / "external"), "adreno830", "fp32", external)
+    refused = run(runner_binary, str(tmp_path / "external"), data, str(tmp_path / "out"), 1, opencl_env, check=False)
+    assert refused.returncode == 2 and "takes its ES rewards from the application" in refused.stderr
 
 
 def test_tiled_parameters_train_and_read_back_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env) -> None:

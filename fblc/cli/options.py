@@ -60,7 +60,7 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
 
 def add_trainer_options(parser: argparse.ArgumentParser) -> None:
     """--trainer and the options of evolution strategies (fblc/compiler/es.py)."""
-    from fblc.compiler.es import REWARD_BUILDERS, TRAINERS, EsConfig
+    from fblc.compiler.es import REWARDS, TRAINERS, EsConfig
 
     group = parser.add_argument_group("forward-only training (--trainer es)")
     group.add_argument("--trainer", choices=TRAINERS, default="backprop",
@@ -72,9 +72,10 @@ def add_trainer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sigma", type=float, default=None,
                        help=f"ES: perturbation size, relative to the singular values under fura-s "
                             f"(default: {EsConfig.sigma:g})")
-    group.add_argument("--reward", choices=sorted(REWARD_BUILDERS), default=None,
-                       help="ES: neg-loss (minus each member's loss) or accuracy (arg-max hits; class labels) "
-                            f"(default: {EsConfig.reward})")
+    group.add_argument("--reward", choices=REWARDS, default=None,
+                       help="ES: neg-loss (minus each member's loss), accuracy (arg-max hits; class labels) or "
+                            "external (the application scores each member's output: "
+                            f"fblc.runtime.LocalRunner.step(feeds, reward=fn)) (default: {EsConfig.reward})")
     group.add_argument("--es-optimizer", choices=ES_OPTIMIZERS, default=None,
                        help="ES: sgd moves by lr * sigma * the z-scored direction (ES at Scale); adam is ZO-Adam on "
                             "the same estimate (default: sgd)")

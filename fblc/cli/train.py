@@ -11,6 +11,7 @@ import numpy as np
 
 from fblc.cli.data import batches, read_manifest
 from fblc.cli.outputs import print_step, report_fallback, save_trained
+from fblc.errors import FblcError
 
 
 def _progress(total: int, enabled: bool) -> Iterator[None]:
@@ -42,7 +43,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         return cmd_run_adb(args)
     # the data is checked before the runner builds its kernels (a minute and more for a large model)
-    cut, note = batches(args.data, read_manifest(args.bundle))
+    manifest = read_manifest(args.bundle)
+    if "external_rewards" in manifest:
+        raise FblcError(f"'{args.bundle}' takes its ES rewards from the application (--reward external), which "
+                        "`fblc run` cannot compute", "train it from Python: fblc.runtime.LocalRunner(BUNDLE)"
+                        ".step(feeds, reward=fn), or compile with --reward neg-loss or accuracy")
+    cut, note = batches(args.data, manifest)
     runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device, progress=not args.quiet)
     if note and not args.quiet:
         print(f"note: {note}", file=sys.stderr)

@@ -95,6 +95,13 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                 # scalars the runtimes report with the loss each step (ES's reward_mean)
                 "metrics": [{"name": v.name, "texture": program.values[v.name]} for v in graph.outputs
                             if keys.get_role(v) == Role.METRIC.value and not static_shape(v)]}
+    rewards = next((v for v in graph.inputs if keys.get_role(v) == Role.REWARD.value), None)
+    if rewards is not None:  # --reward external: the runtime uploads the application's rewards mid-step
+        texture = program.values[rewards.name]
+        manifest["external_rewards"] = {
+            "texture": texture, "count": int(static_shape(rewards)[0]),
+            "launch": next(i for i, k in enumerate(program.kernels) if texture in k.inputs),
+            "members": [_tensor_entry(v, program) for v in graph.outputs if v.name.startswith("member_")]}
     return manifest, plan, bytes(blob)
 
 

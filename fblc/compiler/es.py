@@ -12,13 +12,14 @@ theta (flattened and concatenated in input order, D values; under FuRA-S just `f
 so the optimizer's step p - lr * grad moves theta by lr * sigma * g with SGD (ES at Scale's
 update, alpha = lr), and ZO-Adam is Adam on the same gradient. The unperturbed model's loss
 stays the step's `loss`. Rewards (REWARDS): `neg-loss` is -loss; `accuracy` the fraction of
-counted labels whose class is the arg-max of the model's output.
+counted labels whose class is the arg-max of the model's output; `external`: an input, which the
+application computes from the outputs `member_1 .. member_2P` (runtime.LocalRunner's `reward`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -53,8 +54,8 @@ class EsConfig:
             raise FblcError(f"--pairs {self.pairs} is not a number of antithetic pairs >= 1", "give e.g. --pairs 4")
         if not np.isfinite(self.sigma) or self.sigma <= 0:
             raise FblcError(f"--sigma {self.sigma:g} is not a perturbation > 0", "give e.g. --sigma 0.03 (the paper's)")
-        if self.reward not in REWARD_BUILDERS:
-            raise FblcError(f"unknown reward '{self.reward}'", f"choose one of: {', '.join(REWARD_BUILDERS)}")
+        if self.reward not in REWARDS:
+            raise FblcError(f"unknown reward '{self.reward}'", f"choose one of: {', '.join(REWARDS)}")
 
 
 def _neg_loss(e: Emitter, loss: ir.Value, prediction: ir.Value, labels: ir.Value | None) -> ir.Value:
@@ -74,6 +75,15 @@ def _accuracy(e: Emitter, loss: ir.Value, prediction: ir.Value, labels: ir.Value
 
 RewardBuilder = Callable[[Emitter, ir.Value, ir.Value, "ir.Value | None"], ir.Value]
 REWARD_BUILDERS: dict[str, RewardBuilder] = {"neg-loss": _neg_loss, "accuracy": _accuracy}
+#: the application scores the members' outputs (MobileSpec's verifiable outcomes): the step takes
+#: `rewards` as an input and outputs `member_<m>`, each member's model output, for the scorer
+EXTERNAL = "external"
+REWARDS = (*REWARD_BUILDERS, EXTERNAL)
+MEMBER_OUTPUT = "member_{}"
+
+
+#: what an application passes for --reward external: the 2P members' model outputs -> their 2P rewards
+RewardFunction = Callable[[list[np.ndarray]], Sequence[float]]
 
 
 def param_dependents(graph: ir.Graph, params: list[ir.Value]) -> list[ir.Node]:

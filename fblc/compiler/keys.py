@@ -47,6 +47,8 @@ class Role(str, enum.Enum):
     NOISE = "noise"
     #: a step output the runtimes report beside the loss (ES's rewards)
     METRIC = "metric"
+    #: ES rewards the application computes (--reward external): an input uploaded mid-step
+    REWARD = "reward"
 
 
 def set_role(value: "object", role: Role) -> None:

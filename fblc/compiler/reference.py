@@ -17,7 +17,8 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from fblc.compiler import keys
-from fblc.compiler.es import ES_META, NOISE
+from fblc.bundle_format import checked_rewards
+from fblc.compiler.es import ES_META, NOISE, REWARDS_OUTPUT, RewardFunction
 from fblc.compiler.philox import es_noise
 from fblc.errors import FblcError
 from fblc.compiler.keys import Role
@@ -45,20 +46,31 @@ class ReferenceStep:
         self.noise_seed = int(json.loads(metadata[ES_META])["seed"]) if ES_META in metadata else None
         self.noise_shape = next((list(i.shape) for i in self.session.get_inputs() if i.name == NOISE), None)
 
-    def step(self, feeds: Mapping[str, np.ndarray]) -> float:
+    def step(self, feeds: Mapping[str, np.ndarray], reward: RewardFunction | None = None) -> float:
         """Run one step on `feeds` (model inputs and labels); returns the loss. An ES step's `noise`,
-        when not fed, is `es_noise(seed, step index, shape)`: what a bundle of the step makes on the device."""
+        when not fed, is `es_noise(seed, step index, shape)`: what a bundle of the step makes on the device.
+        An ES step with `--reward external` takes `reward(member outputs) -> 2P rewards`."""
         if NOISE in self.data_inputs and NOISE not in feeds and self.noise_seed is not None:
             feeds = {**feeds, NOISE: es_noise(self.noise_seed, self.steps, self.noise_shape)}
+        if REWARDS_OUTPUT in self.data_inputs and REWARDS_OUTPUT not in feeds:
+            if reward is None:
+                raise FblcError("this ES step takes its rewards from the application (--reward external)",
+                                "pass step(feeds, reward=fn), fn mapping the members' outputs to 2P rewards")
+            members = [name for name in self.output_names if name.startswith("member_")]
+            probe = self._run({**feeds, REWARDS_OUTPUT: np.zeros(len(members), np.float32)})
+            feeds = {**feeds, REWARDS_OUTPUT: checked_rewards(reward([probe[name] for name in members]), len(members))}
+        self.last = self._run(feeds)
+        self.steps += 1
+        for name in self.state:
+            self.state[name] = self.last[f"{name}.new"]
+        return float(self.last["loss"])
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         missing = [name for name in self.data_inputs if name not in feeds]
         if missing:
             raise FblcError(f"the step needs inputs {missing}", f"provide arrays for: {', '.join(self.data_inputs)}")
         values = self.session.run(None, {**{k: feeds[k] for k in self.data_inputs}, **self.state})
-        self.steps += 1
-        self.last = dict(zip(self.output_names, values))
-        for name in self.state:
-            self.state[name] = self.last[f"{name}.new"]
-        return float(self.last["loss"])
+        return dict(zip(self.output_names, values))
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Current values of the trainable parameters (not the optimizer state)."""

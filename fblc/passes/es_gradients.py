@@ -8,7 +8,8 @@ the trainable values, parameters flattened in input order), then for each of the
 (+eps_1 .. +eps_P, -eps_1 .. -eps_P) a copy of every node that reads a parameter, reading
 theta +/- sigma eps_i instead (the nodes that read no parameter are shared); each member's
 reward (`--reward`), the outputs `rewards` [2P] and `reward_mean` (role `metric`) after `loss`
-(the unperturbed model's), and `P.grad` = -sigma g for every parameter. Nothing is saved for a
+(the unperturbed model's), and `P.grad` = -sigma g for every parameter. With `--reward external`
+`rewards` is an input (role `reward`) and each member's model output an output `member_<m>`. Nothing is saved for a
 backward: member m's activations are dead once its reward is made.
 
 Preconditions: attach_loss ran; parameters are graph inputs with role `param`. In place.
@@ -23,8 +24,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.es import (ES_META, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT, EsConfig, direction, flat_slice,
-                              member_forward, param_dependents, z_scores)
+from fblc.compiler.es import (ES_META, EXTERNAL, MEMBER_OUTPUT, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT,
+                              EsConfig, direction, flat_slice, member_forward, param_dependents, z_scores)
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.passes.build_gradients import trainable_params
@@ -63,18 +64,28 @@ class EsGradients(ContractPass):
         prediction = _prediction(graph)
         assert prediction is not None, "attach_loss marks the value the loss reads"
         labels = next((v for v in graph.inputs if keys.get_role(v) == Role.LABEL.value), None)
-        reward_of = REWARD_BUILDERS[config.reward]
         forward = param_dependents(graph, params)
         e = Emitter(graph, stage="es")
-        rewards = []
+        rewards, members = [], []
         for sign in (1.0, -1.0):
             for row in range(config.pairs):
                 member_loss, member_prediction = member_forward(e, forward, params, noise, row, sign, config.sigma,
                                                                 [loss, prediction])
-                e.prefix = f"es/member_{len(rewards) + 1}"
-                rewards.append(e.reshape(reward_of(e, member_loss, member_prediction, labels), [1]))
+                e.prefix = f"es/member_{len(rewards) + len(members) + 1}"
+                if config.reward == EXTERNAL:
+                    members.append(e.op("Identity", member_prediction, name=MEMBER_OUTPUT.format(len(members) + 1)))
+                    keys.set_role(members[-1], Role.METRIC)
+                else:
+                    reward = REWARD_BUILDERS[config.reward](e, member_loss, member_prediction, labels)
+                    rewards.append(e.reshape(reward, [1]))
                 e.prefix = "es"
-        reward_vector = e.op("Concat", *rewards, axis=0, name=REWARDS_OUTPUT)
+        if config.reward == EXTERNAL:
+            reward_vector = ir.Value(name=REWARDS_OUTPUT, shape=ir.Shape([2 * config.pairs]),
+                                     type=ir.TensorType(ir.DataType.FLOAT))
+            keys.set_role(reward_vector, Role.REWARD)
+            graph.inputs.insert(graph.inputs.index(noise), reward_vector)
+        else:
+            reward_vector = e.op("Concat", *rewards, axis=0, name=REWARDS_OUTPUT)
         mean = e.op("ReduceMean", reward_vector, keepdims=0, name=REWARD_MEAN)
         estimate = e.op("Mul", direction(e, z_scores(e, reward_vector), noise), e.scalar(-config.sigma, noise))
         grads, offset = [], 0
@@ -84,10 +95,11 @@ class EsGradients(ContractPass):
             keys.set_role(grad, Role.GRAD)
             grads.append(grad)
             offset += int(np.prod(shape, dtype=np.int64))
-        for value in (reward_vector, mean):
+        for value in (reward_vector, mean) if config.reward != EXTERNAL else (mean,):
             keys.set_role(value, Role.METRIC)
         graph.outputs.clear()
-        graph.outputs.extend([loss, reward_vector, mean, *grads, *carried])
+        graph.outputs.extend([loss, *([reward_vector] if config.reward != EXTERNAL else members), mean, *grads,
+                              *carried])
         model.metadata_props[ES_META] = json.dumps({"pairs": config.pairs, "sigma": config.sigma,
                                                     "reward": config.reward, "seed": config.seed, "values": width})
         return ir.passes.PassResult(model, True)

@@ -211,12 +211,29 @@ class LocalRunner:
             expected = ", ".join(f"{e['name']} {e['shape']} {e['dtype']}" for e in self.manifest["inputs"])
             raise DataError(f"{'; '.join(problems)}; the bundle expects: {expected}")
 
-    def step(self, feeds: Mapping[str, np.ndarray]) -> float:
-        """One training step on `feeds` (model inputs and labels, as the manifest lists); returns the loss."""
+    def step(self, feeds: Mapping[str, np.ndarray],
+             reward: Callable[[list[np.ndarray]], Sequence[float]] | None = None) -> float:
+        """One training step on `feeds` (model inputs and labels, as the manifest lists); returns the loss.
+
+        An ES bundle compiled with `--reward external` runs its perturbed members' forwards, calls
+        `reward(outputs)` with each member's model output (the +eps members, then the -eps members) and
+        uploads the 2P rewards it returns before the update."""
         self.check_feeds(feeds)
         for entry in self.manifest["inputs"]:
             self.upload(entry["texture"], np.asarray(feeds[entry["name"]]))
-        self.run_kernels()
+        external = self.manifest.get("external_rewards")
+        if external is None:
+            self.run_kernels()
+        else:
+            if reward is None:
+                raise BundleError("this ES bundle takes its rewards from the application (--reward external); "
+                                  "pass step(feeds, reward=fn), fn mapping the members' outputs to their rewards")
+            for index in range(external["launch"]):
+                self.launch(index)
+            outputs = [self.read(member["name"]) for member in external["members"]]
+            self.upload(external["texture"], fmt.checked_rewards(reward(outputs), external["count"]))
+            for index in range(external["launch"], len(self.kernels)):
+                self.launch(index)
         loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
         self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
                         for m in self.manifest.get("metrics", [])}

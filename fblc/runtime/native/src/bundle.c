@@ -293,6 +293,10 @@ void bundle_load(const char *folder, bundle *out) {
     }
     out->loss_texture = need_size(manifest, "loss", "manifest.json");
     if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
+    if (json_get(manifest, "external_rewards"))
+        die(EXIT_USAGE, "'%s' takes its ES rewards from the application (--reward external), which the runner cannot "
+            "compute; train it with fblc.runtime.LocalRunner and a reward function, or compile with --reward neg-loss",
+            folder_of_error);
     const json_value *metrics = json_get(manifest, "metrics"); /* absent in bundles before it */
     if (metrics && metrics->type != JSON_ARRAY) bad("manifest.json's metrics is not a list");
     out->metric_count = metrics ? metrics->count : 0;
