@@ -34,14 +34,19 @@ def test_an_unlisted_name_is_refused() -> None:
     assert not allowed("tmp", preamble) and not allowed("index", preamble)
 
 
-@pytest.mark.parametrize("model", ["tresnet", "llama", "mobilenet_v2"])
+@pytest.mark.parametrize("model", ["tresnet", "llama", "mobilenet_v2", "llama-fura-s-es"])
 def test_every_declared_name_is_in_the_vocabulary(tmp_path, model: str) -> None:
     from support import models
 
-    exported = {"tresnet": models.tresnet, "llama": lambda d: models.llama(d)[1],
-                "mobilenet_v2": models.mobilenet_v2}[model](str(tmp_path))
+    from fblc.compiler.adapters import AdapterConfig
+
+    exported = {"tresnet": models.tresnet, "llama": lambda d: models.llama(d)[1], "mobilenet_v2": models.mobilenet_v2,
+                "llama-fura-s-es": lambda d: models.llama(d)[0]}[model](str(tmp_path))
+    options = TrainingOptions(input_shapes=exported.input_shapes)
+    if model.endswith("-es"):  # the noise kernels
+        options = TrainingOptions(trainer="es", adapter=AdapterConfig(kind="fura-s", block=16))
     bundle = tmp_path / "bundle"
-    compile_model(exported.path, str(bundle), "adreno830", "fp32", TrainingOptions(input_shapes=exported.input_shapes))
+    compile_model(exported.path, str(bundle), "adreno830", "fp32", options)
     source = (bundle / "kernels.cl").read_text()
     preamble = set(DECLARED.findall(PREAMBLE))
     outside: dict[str, str] = {}

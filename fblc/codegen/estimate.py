@@ -61,7 +61,12 @@ def _philox(node: ir.Node) -> int:  # per texel: ten rounds of two multiplies an
     return 20 * _out(node)
 
 
-FLOPS: dict[str, FlopRule] = {"PhiloxNormal": _philox, "MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose,
+def _philox_sum(node: ir.Node) -> int:  # the same per texel and member row, plus a multiply-add
+    return 22 * _out(node) * static_shape(node.inputs[0])[-1]
+
+
+FLOPS: dict[str, FlopRule] = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose,
+                              "PhiloxNormal": _philox, "PhiloxWeightedSum": _philox_sum,
                               **{op: _reduction for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2",
                                                             "ReduceLogSumExp", "LayerNormalization",
                                                             "BatchNormalization", "GlobalAveragePool")}}

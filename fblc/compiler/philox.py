@@ -5,9 +5,11 @@ Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 
 multiplies; it is counter-based, so any element of a stream is computed on its own, in any
 order, by any work-item, and only the key and counter cross the bus.
 
-ES noise element f (flat index, row-major) of an iteration takes the words of counter
-(f // 4, iteration, 0, 0) under key (seed mod 2^32, seed // 2^32): a texel of four elements is
-one Philox call. Words (w0, w1) give lanes 0 and 1, (w2, w3) lanes 2 and 3, by Box-Muller on
+ES noise element j of member row i (noise [P, D]) of an iteration takes the words of counter
+(j // 4, iteration, i, 0) under key (seed mod 2^32, seed // 2^32): four consecutive elements of
+a row are one Philox call, and every row is a stream of its own, so the device makes one row
+where it is read and never stores the whole [P, D]. Words (w0, w1) give lanes 0 and 1, (w2, w3)
+lanes 2 and 3, by Box-Muller on
 24-bit uniforms u = ((w >> 8) + 1) / 2^24 in (0, 1] for the radius and v = (w >> 8) / 2^24 in
 [0, 1) for the angle: z0 = sqrt(-2 ln u) cos(2 pi v), z1 = sqrt(-2 ln u) sin(2 pi v).
 
@@ -59,11 +61,13 @@ def box_muller(words: np.ndarray) -> np.ndarray:
 
 
 def es_noise(seed: int, iteration: int, shape: Sequence[int]) -> np.ndarray:
-    """The ES noise of `iteration` (standard normal, float32) of the given shape, element f from
-    Philox counter (f // 4, iteration, 0, 0) and key `seed` (module docstring)."""
-    size = int(np.prod(shape, dtype=np.int64))
-    texels = -(-size // 4)
-    counter = np.zeros((texels, 4), np.uint32)
-    counter[:, 0] = np.arange(texels, dtype=np.uint64).astype(np.uint32)
-    counter[:, 1] = np.uint32(iteration & MASK32)
-    return box_muller(philox4x32(counter, seed_key(seed))).reshape(-1)[:size].reshape(tuple(shape))
+    """The ES noise [P, D] of `iteration` (standard normal, float32): element (i, j) from Philox
+    counter (j // 4, iteration, i, 0) and key `seed` (module docstring)."""
+    rows, width = (int(d) for d in shape)
+    texels = -(-width // 4)
+    counter = np.zeros((rows, texels, 4), np.uint32)
+    counter[:, :, 0] = np.arange(texels, dtype=np.uint64).astype(np.uint32)
+    counter[:, :, 1] = np.uint32(iteration & MASK32)
+    counter[:, :, 2] = np.arange(rows, dtype=np.uint64).astype(np.uint32)[:, None]
+    words = philox4x32(counter.reshape(-1, 4), seed_key(seed))
+    return box_muller(words).reshape(rows, texels * 4)[:, :width]

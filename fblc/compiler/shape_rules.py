@@ -145,9 +145,9 @@ def _gemm(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [((rows, cols), dtypes[0])]
 
 
-@shape_rule("PhiloxNormal")
+@shape_rule("PhiloxNormal", "PhiloxWeightedSum")
 def _philox_normal(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
-    """fblc's device-only noise op (pass es_noise): float32 of its `shape` attribute."""
+    """fblc's device-only noise ops (pass es_noise): float32 of their `shape` attribute."""
     return [(tuple(int(d) for d in attr(node, "shape", [])), ir.DataType.FLOAT)]
 
 

@@ -1,14 +1,20 @@
-"""es_noise: the ES step's `noise` is made on the device, from the seed and an iteration counter.
+"""es_noise: the ES step's `noise` is made on the device, row by row where it is read.
 
-Rewrite: the graph input `noise` (role `noise`, made by es_gradients) becomes the output of
-PhiloxNormal(es.iteration) (fblc's device-only op, seed from `--seed`, kernel in
-fblc/codegen/kernels/noise.py); `es.iteration` is a new float32 scalar state (role
-`opt_state`, 0 at the start) with the output `es.iteration.new` = es.iteration + 1, so
-iteration i of a run perturbs with `fblc.compiler.philox.es_noise(seed, i, [P, D])`, the
-noise `fblc.compiler.reference.ReferenceStep` feeds the ONNX step at its step i.
+Rewrite: every reader of the graph input `noise` [P, D] (role `noise`, made by es_gradients)
+reads Philox noise made on the device instead (fblc's device-only ops, seed from `--seed`,
+kernels in fblc/codegen/kernels/noise.py):
+- a member's row, Slice(noise, [i], [i + 1], axes [0]), becomes PhiloxNormal(es.iteration) of row i;
+- the direction, MatMul(weights [1, P], noise), becomes PhiloxWeightedSum(weights, es.iteration),
+  which makes each row again inside its kernel;
+so no [P, D] tensor exists and a row lives only while its member is perturbed. `es.iteration`
+is a new float32 scalar state (role `opt_state`, 0 at the start) with the output
+`es.iteration.new` = es.iteration + 1: iteration i of a run perturbs with
+`fblc.compiler.philox.es_noise(seed, i, [P, D])`, which `fblc.compiler.reference.ReferenceStep`
+feeds the ONNX step at its step i.
 
-Preconditions: the training passes ran (es_gradients's `noise` input, the step's outputs).
-In place; `modified` is false for a step without `noise` (backprop).
+Preconditions: the training passes ran (es_gradients's `noise` input, the step's outputs); the
+noise is read only by those two forms (es_gradients writes no other). In place; `modified` is
+false for a step without `noise` (backprop).
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from fblc.compiler import keys
 from fblc.compiler.es import ES_META, ITERATION
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
+from fblc.compiler.values import ints_input
 from fblc.passes.contracts import ContractPass
 
 
 class EsNoise(ContractPass):
-    """Replace the `noise` input by on-device Philox noise and count the iterations (in place)."""
+    """Replace each reader of the `noise` input by on-device Philox noise and count the iterations (in place)."""
 
     name = "es_noise"
     requires_facts = ("updates",)
@@ -38,17 +45,28 @@ class EsNoise(ContractPass):
         if noise is None:
             return ir.passes.PassResult(model, False)
         seed = int(json.loads(model.metadata_props[ES_META])["seed"])
+        width = static_shape(noise)[1]
         counter = ir.Value(name=ITERATION, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.FLOAT),
                            const_value=ir.tensor(np.array(0.0, np.float32), name=ITERATION))
         keys.set_role(counter, Role.OPT_STATE)
-        graph.inputs.remove(noise)
         graph.inputs.append(counter)
         graph.register_initializer(counter)
         e = Emitter(graph, stage="es")
-        first = next(iter(graph))
-        e.anchor = first
-        made = e.op("PhiloxNormal", counter, seed=seed, shape=list(static_shape(noise)), name="es/noise")
-        noise.replace_all_uses_with(made)
+        for use in list(noise.uses()):
+            reader = use.node
+            e.anchor = reader
+            if reader.op_type == "Slice":
+                row = int(ints_input(reader, 1, "starts")[0])
+                made = e.op("PhiloxNormal", counter, seed=seed, row=row, shape=[1, width], name=f"es/noise_row_{row}")
+            elif reader.op_type == "MatMul" and use.idx == 1:
+                made = e.op("PhiloxWeightedSum", reader.inputs[0], counter, seed=seed, shape=[1, width],
+                            name="es/direction_sum")
+            else:
+                raise AssertionError(f"es_gradients reads noise only by row and in the direction, not in "
+                                     f"{reader.op_type} '{reader.name}'")
+            reader.outputs[0].replace_all_uses_with(made)
+            graph.remove(reader, safe=True)
+        graph.inputs.remove(noise)
         e.anchor = None
         after = e.op("Add", counter, e.scalar(1.0, counter), name=f"{ITERATION}.new")
         keys.set_role(after, Role.OPT_STATE)

@@ -52,7 +52,8 @@ _classify(Ftd.INDEPENDENT_DIVERGENT, "Transpose", "Reshape", "Flatten", "Squeeze
 # layout-transparent
 _classify(Ftd.INDEPENDENT_CONSISTENT, "Add", "Sub", "Neg", "Cast", "Identity", "Dropout", "Sum", "Constant",
           "ConstantOfShape", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Not",
-          "IsNaN", "Floor", "Sign", "Ceil", "Round", "PhiloxNormal")
+          "IsNaN", "Floor", "Sign", "Ceil", "Round", "PhiloxNormal",
+          "PhiloxWeightedSum")
 
 
 #: the class of an op the table lacks: FTI-D claims the least (that its backward needs no forward

@@ -96,6 +96,7 @@ EXPORTED_OPS: tuple[tuple[str, str], ...] = (
     ("ReduceL2", "torch.linalg.vector_norm, weight_norm"),
     ("ReduceLogSumExp", "torch.logsumexp"),
     ("PhiloxNormal", "not exported: fblc's on-device ES noise (--trainer es, pass es_noise)"),
+    ("PhiloxWeightedSum", "not exported: fblc's on-device ES direction (--trainer es, pass es_noise)"),
     ("ReduceProd", "torch.prod"),
     ("CumSum", "torch.cumsum, position ids"),
     ("ArgMax", "torch.argmax"),

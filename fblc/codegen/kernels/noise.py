@@ -1,12 +1,17 @@
-"""Counter-based random numbers on the device: PhiloxNormal, the noise of evolution strategies.
+"""Counter-based random numbers on the device: the noise of evolution strategies.
 
-PhiloxNormal(iteration) -> [shape] standard normals (attributes `seed`, `shape`), the op that
-pass es_noise puts where the ONNX step takes its `noise` input. Output texel t is one
-Philox4x32-10 call on counter (t, iteration, 0, 0) under key (seed low, seed high) and two
-Box-Muller pairs, exactly as `fblc.compiler.philox.es_noise` computes it: the words are
-integer arithmetic (mul_hi and a 32-bit product), so they equal numpy's bit for bit; the
-normals differ by the device's rounding of log, sqrt, sin and cos. Nothing but the seed and
-the iteration count, which lives on the device, is needed: no noise crosses the bus.
+Pass es_noise puts these where the ONNX step reads its `noise` input [P, D], so no noise crosses
+the bus and no [P, D] tensor is stored (attribute `seed`; input 0 the iteration count, which
+lives on the device):
+
+- PhiloxNormal(iteration) -> [1, D]: member row `row` of the noise, made where it is read;
+- PhiloxWeightedSum(weights [1, P], iteration) -> [1, D]: sum_i weights[i] * noise row i (the ES
+  direction), each row made again inside the kernel.
+
+Output texel t of row i is one Philox4x32-10 call on counter (t, iteration, i, 0) under key
+(seed low, seed high) and two Box-Muller pairs, exactly as `fblc.compiler.philox.es_noise`
+computes it: the words are integer arithmetic (mul_hi and a 32-bit product), so they equal
+numpy's bit for bit; the normals differ by the device's rounding of log, sqrt, sin and cos.
 """
 
 from __future__ import annotations
@@ -16,26 +21,27 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.philox import MULTIPLIERS, ROUNDS, WEYL, seed_key
-from fblc.compiler.values import attr
+from fblc.compiler.values import attr, static_shape
 
 FAMILY = "random"
 #: 2^-24: a 24-bit integer to a float in [0, 1), exactly
 UNIT = "5.9604644775390625e-08f"
 
 
-@register_kernel("PhiloxNormal")
-def emit_philox_normal(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+def _builder(table: TextureTable, group: KernelGroup) -> KernelBuilder:
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
-    key_low, key_high = seed_key(int(attr(node, "seed", 0)))
+    b.nodes.append(group.anchor.name)
+    return b
+
+
+def _normals(b: KernelBuilder, seed: int, iteration: str, row: str) -> tuple[list[str], str]:
+    """Lines that leave texel t's four normals of member row `row` (a C expression) in a float[4]; its name."""
+    key_low, key_high = seed_key(seed)
     c = [b.fresh("c") for _ in range(4)]
-    k0, k1, step, hi0, hi1, normal = b.fresh("k"), b.fresh("k"), b.fresh("step"), b.fresh("hi"), b.fresh("hi"), \
-        b.fresh("noise")
-    mixed0, mixed2 = b.fresh("w"), b.fresh("w")
-    iteration = b.load(node.inputs[0], "0")
-    b.emit_texel(
-        f"uint {c[0]} = (uint)t, {c[1]} = (uint)({iteration}), {c[2]} = 0u, {c[3]} = 0u;",
+    k0, k1, step, hi0, hi1, mixed0, mixed2 = (b.fresh(h) for h in ("k", "k", "step", "hi", "hi", "w", "w"))
+    normal = b.fresh("noise")
+    lines = [
+        f"uint {c[0]} = (uint)t, {c[1]} = (uint)({iteration}), {c[2]} = (uint)({row}), {c[3]} = 0u;",
         f"uint {k0} = {key_low}u, {k1} = {key_high}u;",
         f"for (int {step} = 0; {step} < {ROUNDS}; ++{step}) {{",
         f"  if ({step}) {{ {k0} += {WEYL[0]}u; {k1} += {WEYL[1]}u; }}",
@@ -45,15 +51,36 @@ def emit_philox_normal(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         f"  {c[3]} = {c[0]}; {c[1]} = {c[2]}; {c[0]} = {mixed0}; {c[2]} = {mixed2};",
         "}",
         f"float {normal}[4];",
-        *_box_muller(b, normal, 0, c[0], c[1]),
-        *_box_muller(b, normal, 2, c[2], c[3]),
-    )
+    ]
+    for lane, (radius_word, angle_word) in ((0, (c[0], c[1])), (2, (c[2], c[3]))):
+        radius, angle = b.fresh("radius"), b.fresh("angle")
+        lines += [f"const float {radius} = sqrt(-2.0f * log((float)(({radius_word} >> 8) + 1u) * {UNIT}));",
+                  f"const float {angle} = 6.283185307179586f * ((float)({angle_word} >> 8) * {UNIT});",
+                  f"{normal}[{lane}] = {radius} * cos({angle});",
+                  f"{normal}[{lane + 1}] = {radius} * sin({angle});"]
+    return lines, normal
+
+
+@register_kernel("PhiloxNormal")
+def emit_philox_normal(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    b = _builder(table, group)
+    lines, normal = _normals(b, int(attr(node, "seed", 0)), b.load(node.inputs[0], "0"), str(int(attr(node, "row", 0))))
+    b.emit_texel(*lines)
     return [b.finish([f"{normal}[lane]"])]
 
 
-def _box_muller(b: KernelBuilder, normal: str, lane: int, radius_word: str, angle_word: str) -> list[str]:
-    radius, angle = b.fresh("radius"), b.fresh("angle")
-    return [f"const float {radius} = sqrt(-2.0f * log((float)(({radius_word} >> 8) + 1u) * {UNIT}));",
-            f"const float {angle} = 6.283185307179586f * ((float)({angle_word} >> 8) * {UNIT});",
-            f"{normal}[{lane}] = {radius} * cos({angle});",
-            f"{normal}[{lane + 1}] = {radius} * sin({angle});"]
+@register_kernel("PhiloxWeightedSum")
+def emit_philox_weighted_sum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    node = group.anchor
+    weights, iteration = node.inputs[0], node.inputs[1]
+    b = _builder(table, group)
+    row, total, weight, k = b.fresh("row"), b.fresh("total"), b.fresh("weight"), b.fresh("k")
+    lines, normal = _normals(b, int(attr(node, "seed", 0)), b.load(iteration, "0"), row)
+    b.emit_texel(f"float {total}[4] = {{0.0f, 0.0f, 0.0f, 0.0f}};",
+                 f"for (int {row} = 0; {row} < {static_shape(weights)[-1]}; ++{row}) {{",
+                 *[f"  {line}" for line in lines],
+                 f"  const float {weight} = {b.load(weights, row)};",
+                 f"  for (int {k} = 0; {k} < 4; ++{k}) {total}[{k}] += {weight} * {normal}[{k}];",
+                 "}")
+    return [b.finish([f"{total}[lane]"])]
