@@ -188,6 +188,25 @@ def test_the_device_trains_as_the_onnx_step_with_the_same_philox_noise(tmp_path)
     assert losses[-1] < losses[0] - 1e-3
 
 
+def test_a_transformers_export_trains_forward_only_on_the_device(tmp_path) -> None:
+    """The dynamo export of a 2-layer Llama (MatMul of transposed weights, the tied-free LM head): its
+    first ES loss is PyTorch's, the device agrees with the ONNX step, and 20 iterations lower the loss."""
+    exported = models.llama(str(tmp_path))[0]
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=16), trainer="es",
+                              es=EsConfig(pairs=2, sigma=0.05, seed=1), optimizer=OptimizerConfig("sgd", lr=1.0))
+    step, _ = compile_model(exported.path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    save_model_atomically(reference_graph(step, exported.path, options), str(tmp_path / "step.onnx"))
+    reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
+                                                                               progress=False)
+    feeds = {**exported.inputs, "labels": exported.labels}
+    first = runner.step(feeds)
+    assert first == pytest.approx(float(exported.loss_of(exported.module).detach()), rel=1e-5)
+    assert first == pytest.approx(reference.step(feeds), rel=1e-5)
+    np.testing.assert_allclose(runner.read("rewards"), reference.last["rewards"], rtol=1e-5)
+    losses = [runner.step(feeds) for _ in range(19)]
+    assert losses[-1] < first - 1e-3
+
+
 def test_an_application_reward_function_scores_the_members_on_the_device_and_in_the_reference(tmp_path,
                                                                                           capsys) -> None:
     """--reward external: the runtime runs the members, hands their outputs to Python, uploads the rewards."""
