@@ -334,3 +334,36 @@ def test_a_benchmark_the_device_cannot_build_fails_the_profile_and_leaves_nothin
     assert "rejected the benchmark kernel 'pair_read' (line" in first and "profile another device" in first
     assert not os.path.exists(out) and [p for p in os.listdir(tmp_path) if p.startswith(".fblc")] == []
     assert os.listdir(os.path.join(phone.local_path(PROFILE_DIR), "runs")) == []
+
+
+def test_an_es_bundle_trains_over_adb_and_prints_its_reward(tmp_path, phone, runner_binary, capsys) -> None:  # noqa: F811
+    """Forward-only training on the phone path: the device makes its own noise, so its losses and delta are
+    LocalRunner's, and each step's line carries reward_mean."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from mlp import build_mlp
+
+    from fblc.compiler.adapters import AdapterConfig
+    from fblc.compiler.es import EsConfig
+    from fblc.compiler.optimizers import OptimizerConfig
+    from fblc.passes.pipeline import TrainingOptions
+
+    path = build_mlp(str(tmp_path / "mlp.onnx"), batch=8, in_features=16, hidden=(16,), classes=5)
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=8), trainer="es", es=EsConfig(pairs=2),
+                              optimizer=OptimizerConfig("sgd", lr=1.0))
+    bundle = str(tmp_path / "es")
+    compile_model(path, bundle, "adreno830", "fp32", options)
+    rng = np.random.default_rng(4)
+    feeds = {"x": rng.standard_normal((8, 16)).astype(np.float32), "labels": rng.integers(0, 5, 8)}
+    np.savez(tmp_path / "data.npz", **feeds)
+    saved = str(tmp_path / "delta.npz")
+    code = main(["run", bundle, "--device", f"adb:{phone.serial}", "--steps", "3", "--data",
+                 str(tmp_path / "data.npz"), "--json", "--save-params", saved, "--runner", runner_binary])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = [json.loads(line) for line in out.out.splitlines()]
+    local = LocalRunner(bundle, progress=False)
+    expected = [local.step(feeds) for _ in range(3)]
+    assert [sorted(line) for line in lines] == [["loss", "ms", "reward_mean", "step"]] * 3
+    np.testing.assert_allclose([line["loss"] for line in lines], expected, rtol=1e-5)
+    np.testing.assert_allclose(np.load(saved)["fura_s.delta"], local.parameters()["fura_s.delta"], rtol=1e-5,
+                               atol=1e-7)
