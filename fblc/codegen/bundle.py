@@ -18,6 +18,7 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.plan import Program
 from fblc.compiler import keys
 from fblc.errors import FblcError
+from fblc.compiler.es import MEMBER_PREFIX
 from fblc.compiler.keys import Role
 from fblc.compiler.losses import IGNORE_INDEX
 from fblc.compiler.values import static_shape
@@ -101,7 +102,7 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
         manifest["external_rewards"] = {
             "texture": texture, "count": int(static_shape(rewards)[0]),
             "launch": next(i for i, k in enumerate(program.kernels) if texture in k.inputs),
-            "members": [_tensor_entry(v, program) for v in graph.outputs if v.name.startswith("member_")]}
+            "members": [_tensor_entry(v, program) for v in graph.outputs if v.name.startswith(MEMBER_PREFIX)]}
     return manifest, plan, bytes(blob)
 
 

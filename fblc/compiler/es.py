@@ -79,7 +79,8 @@ REWARD_BUILDERS: dict[str, RewardBuilder] = {"neg-loss": _neg_loss, "accuracy": 
 #: `rewards` as an input and outputs `member_<m>`, each member's model output, for the scorer
 EXTERNAL = "external"
 REWARDS = (*REWARD_BUILDERS, EXTERNAL)
-MEMBER_OUTPUT = "member_{}"
+MEMBER_PREFIX = "member_"
+MEMBER_OUTPUT = MEMBER_PREFIX + "{}"
 
 
 #: what an application passes for --reward external: the 2P members' model outputs -> their 2P rewards

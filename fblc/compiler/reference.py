@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from fblc.compiler import keys
 from fblc.bundle_format import checked_rewards
-from fblc.compiler.es import ES_META, NOISE, REWARDS_OUTPUT, RewardFunction
+from fblc.compiler.es import ES_META, MEMBER_PREFIX, NOISE, REWARDS_OUTPUT, RewardFunction
 from fblc.compiler.philox import es_noise
 from fblc.errors import FblcError
 from fblc.compiler.keys import Role
@@ -56,8 +56,8 @@ class ReferenceStep:
             if reward is None:
                 raise FblcError("this ES step takes its rewards from the application (--reward external)",
                                 "pass step(feeds, reward=fn), fn mapping the members' outputs to 2P rewards")
-            members = [name for name in self.output_names if name.startswith("member_")]
-            probe = self._run({**feeds, REWARDS_OUTPUT: np.zeros(len(members), np.float32)})
+            members = [name for name in self.output_names if name.startswith(MEMBER_PREFIX)]
+            probe = self._run({**feeds, REWARDS_OUTPUT: np.zeros(len(members), np.float32)}, members)
             feeds = {**feeds, REWARDS_OUTPUT: checked_rewards(reward([probe[name] for name in members]), len(members))}
         self.last = self._run(feeds)
         self.steps += 1
@@ -65,12 +65,13 @@ class ReferenceStep:
             self.state[name] = self.last[f"{name}.new"]
         return float(self.last["loss"])
 
-    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """`outputs` (default all) of the step on `feeds` and the current state; the state stays."""
         missing = [name for name in self.data_inputs if name not in feeds]
         if missing:
             raise FblcError(f"the step needs inputs {missing}", f"provide arrays for: {', '.join(self.data_inputs)}")
-        values = self.session.run(None, {**{k: feeds[k] for k in self.data_inputs}, **self.state})
-        return dict(zip(self.output_names, values))
+        names = outputs or self.output_names
+        return dict(zip(names, self.session.run(names, {**{k: feeds[k] for k in self.data_inputs}, **self.state})))
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Current values of the trainable parameters (not the optimizer state)."""

@@ -9,8 +9,9 @@ the trainable values, parameters flattened in input order), then for each of the
 theta +/- sigma eps_i instead (the nodes that read no parameter are shared); each member's
 reward (`--reward`), the outputs `rewards` [2P] and `reward_mean` (role `metric`) after `loss`
 (the unperturbed model's), and `P.grad` = -sigma g for every parameter. With `--reward external`
-`rewards` is an input (role `reward`) and each member's model output an output `member_<m>`. Nothing is saved for a
-backward: member m's activations are dead once its reward is made.
+`rewards` is an input (role `reward`) and each member's model output an output `member_<m>`.
+Member m's nodes are named `es/member_<m>/...`. Nothing is saved for a backward: member m's
+activations are dead once its reward is made.
 
 Preconditions: attach_loss ran; parameters are graph inputs with role `param`. In place.
 Errors: pairs < 1, sigma <= 0, an unknown reward; `accuracy` without class labels.
@@ -69,24 +70,29 @@ class EsGradients(ContractPass):
         rewards, members = [], []
         for sign in (1.0, -1.0):
             for row in range(config.pairs):
+                member = len(rewards) + len(members) + 1
+                e.prefix = f"es/member_{member}"  # the member's perturbation, forward copy and reward
                 member_loss, member_prediction = member_forward(e, forward, params, noise, row, sign, config.sigma,
                                                                 [loss, prediction])
-                e.prefix = f"es/member_{len(rewards) + len(members) + 1}"
                 if config.reward == EXTERNAL:
-                    members.append(e.op("Identity", member_prediction, name=MEMBER_OUTPUT.format(len(members) + 1)))
+                    members.append(e.op("Identity", member_prediction, name=MEMBER_OUTPUT.format(member)))
                     keys.set_role(members[-1], Role.METRIC)
                 else:
                     reward = REWARD_BUILDERS[config.reward](e, member_loss, member_prediction, labels)
                     rewards.append(e.reshape(reward, [1]))
-                e.prefix = "es"
+        e.prefix = "es"
         if config.reward == EXTERNAL:
             reward_vector = ir.Value(name=REWARDS_OUTPUT, shape=ir.Shape([2 * config.pairs]),
                                      type=ir.TensorType(ir.DataType.FLOAT))
             keys.set_role(reward_vector, Role.REWARD)
             graph.inputs.insert(graph.inputs.index(noise), reward_vector)
+            reported = members
         else:
             reward_vector = e.op("Concat", *rewards, axis=0, name=REWARDS_OUTPUT)
+            keys.set_role(reward_vector, Role.METRIC)
+            reported = [reward_vector]
         mean = e.op("ReduceMean", reward_vector, keepdims=0, name=REWARD_MEAN)
+        keys.set_role(mean, Role.METRIC)
         estimate = e.op("Mul", direction(e, z_scores(e, reward_vector), noise), e.scalar(-config.sigma, noise))
         grads, offset = [], 0
         for param in params:
@@ -95,11 +101,8 @@ class EsGradients(ContractPass):
             keys.set_role(grad, Role.GRAD)
             grads.append(grad)
             offset += int(np.prod(shape, dtype=np.int64))
-        for value in (reward_vector, mean) if config.reward != EXTERNAL else (mean,):
-            keys.set_role(value, Role.METRIC)
         graph.outputs.clear()
-        graph.outputs.extend([loss, *([reward_vector] if config.reward != EXTERNAL else members), mean, *grads,
-                              *carried])
+        graph.outputs.extend([loss, *reported, mean, *grads, *carried])
         model.metadata_props[ES_META] = json.dumps({"pairs": config.pairs, "sigma": config.sigma,
                                                     "reward": config.reward, "seed": config.seed, "values": width})
         return ir.passes.PassResult(model, True)
