@@ -10,6 +10,7 @@ FBLC_CI=1 (.ci/run), where they must be there.
 from __future__ import annotations
 
 import ctypes.util
+import glob
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from fblc.profiles.cache_model import PATTERNS
 from fblc.profiles.profiler import measurement_plan
 from fblc.runtime.native import (AARCH64_TOOLCHAIN, NATIVE_DIR, RunnerError, binary_kind, build_runner,
                                  pocl_wheel_environment, profile_with_runner, pyopencl_build_options, read_results,
-                                 run_runner, write_data)
+                                 run_runner, write_data, SYSTEM_VENDORS)
 from tests.test_runtime import OPTIONS, batch, elementwise_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -67,8 +68,9 @@ def opencl_env(tmp_path_factory) -> dict[str, str]:
     pyopencl gives LocalRunner's build, so that PoCL compiles each bundle's kernels once for both."""
     require(ctypes.util.find_library("OpenCL") is not None, "libOpenCL.so.1 (apt-get install ocl-icd-libopencl1)")
     env = pocl_wheel_environment(str(tmp_path_factory.mktemp("icd")))
-    require(bool(env) or bool(os.environ.get("OCL_ICD_VENDORS") or os.environ.get("FBLC_OPENCL_LIBRARY")),
-            "the PoCL of the pyopencl wheel")
+    drivers = glob.glob(os.path.join(os.environ.get("OCL_ICD_VENDORS") or SYSTEM_VENDORS, "*.icd"))
+    require(bool(env) or bool(drivers) or bool(os.environ.get("FBLC_OPENCL_LIBRARY")),
+            "an OpenCL driver for the runner (the PoCL of the pyopencl wheel, or apt-get install pocl-opencl-icd)")
     return {**env, **pyopencl_build_options()}
 
 

@@ -141,6 +141,38 @@ def test_device_errors_say_what_to_do(monkeypatch) -> None:
         select_device("local")
 
 
+def test_the_local_device_is_the_first_whose_compiler_builds_a_kernel(monkeypatch) -> None:
+    """A driver may list a device whose compiler fails on this CPU (the pip PoCL's LLVM 14 on AMD Zen 5):
+    `local` takes the next one that builds, and says what failed when none does."""
+    import pyopencl as cl
+
+    from fblc.runtime import opencl
+
+    real = [d for p in cl.get_platforms() for d in p.get_devices() if d.image_support]
+    assert real and opencl.build_error(real[0]) is None  # the device the suite runs on builds the probe
+
+    class Device:
+        def __init__(self, name: str, error: str | None) -> None:
+            self.name, self.error, self.image_support = name, error, True
+            self.platform = type("Platform", (), {"version": "OpenCL 3.0 fake"})()
+
+    class Platform:
+        def __init__(self, *devices: Device) -> None:
+            self.devices = list(devices)
+
+        def get_devices(self) -> list[Device]:
+            return self.devices
+
+    broken, working = Device("broken-cpu", "error: unknown target CPU 'generic'"), Device("working-cpu", None)
+    monkeypatch.setattr(opencl, "build_error", lambda device: device.error)
+    monkeypatch.setattr(cl, "get_platforms", lambda: [Platform(broken), Platform(working)])
+    assert select_device("local") is working
+    monkeypatch.setattr(cl, "get_platforms", lambda: [Platform(broken)])
+    with pytest.raises(DeviceError, match=r"no OpenCL device here can build a kernel: broken-cpu \(OpenCL 3.0 fake\): "
+                                          r"error: unknown target CPU 'generic'.*apt-get install pocl-opencl-icd"):
+        select_device("local")
+
+
 def test_tensor_beyond_the_image_limits_is_named(tmp_path) -> None:
     profile = json.load(open(os.path.join(TARGETS_DIR, "local.json")))
     profile["name"] = "tiny-gpu"

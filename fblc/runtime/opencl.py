@@ -1,4 +1,10 @@
-"""Choosing an OpenCL device: `local` (the first with image support, PoCL by default) or `opencl:P:D`."""
+"""Choosing an OpenCL device: `local` (the first with image support whose compiler builds a kernel, PoCL by
+default) or `opencl:P:D`.
+
+`local` builds a one-line probe kernel on each candidate: a driver can list a device whose compiler
+fails on this machine (the PoCL 3.0 of the pip wheel, LLVM 14, names a CPU it does not know "generic"
+and then rejects it: "unknown target CPU 'generic'", seen on AMD Zen 5), and the next one may work.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ from fblc.bundle_format import BundleError
 ENV_DEVICE = "FBLC_OPENCL_DEVICE"
 NO_DEVICE_HELP = ("install an OpenCL driver (pip install pocl-binary-distribution gives a CPU one; on Debian "
                   "'apt-get install pocl-opencl-icd'), or set FBLC_OPENCL_DEVICE=opencl:P:D")
+PROBE_KERNEL = "__kernel void fblc_probe(__global float *x) { x[get_global_id(0)] += 1.0f; }"
+_probed: dict[tuple[str, str, str], str | None] = {}  # (platform, device, driver) -> build error, None if it built
 
 
 class DeviceError(BundleError):
@@ -28,7 +36,12 @@ def select_device(spec: str | None = None):  # -> pyopencl.Device
         usable = [d for _, d in devices if d.image_support]
         if not usable:
             raise DeviceError(f"no OpenCL device with image support found; {NO_DEVICE_HELP}")
-        return usable[0]
+        failures = {d: build_error(d) for d in usable}
+        working = [d for d in usable if failures[d] is None]
+        if not working:
+            listing = "; ".join(f"{d.name.strip()} ({d.platform.version.strip()}): {failures[d]}" for d in usable)
+            raise DeviceError(f"no OpenCL device here can build a kernel: {listing}; {NO_DEVICE_HELP}")
+        return working[0]
     if spec.startswith("opencl:"):
         try:
             _, platform_index, device_index = spec.split(":")
@@ -43,6 +56,21 @@ def select_device(spec: str | None = None):  # -> pyopencl.Device
     raise DeviceError(f"unknown device '{spec}'; use 'local' or 'opencl:PLATFORM:DEVICE' (see 'fblc devices')")
 
 
+def build_error(device) -> str | None:  # device: pyopencl.Device
+    """The first line of the error `device`'s compiler gives for PROBE_KERNEL, or None if it builds (once a process)."""
+    import pyopencl as cl
+
+    key = (device.platform.version, device.name, device.driver_version)
+    if key not in _probed:
+        try:
+            cl.Program(cl.Context([device]), PROBE_KERNEL).build()
+            _probed[key] = None
+        except cl.Error as error:
+            lines = [line.strip() for line in str(error).splitlines() if "error" in line.lower()]
+            _probed[key] = (lines[-1] if lines else str(error).strip().splitlines()[0])[:200]
+    return _probed[key]
+
+
 def list_devices() -> list[str]:
     import pyopencl as cl
 
@@ -50,5 +78,6 @@ def list_devices() -> list[str]:
         platforms = cl.get_platforms()
     except cl.Error:
         return []
-    return [f"opencl:{pi}:{di}  {d.name} ({p.name}, images: {'yes' if d.image_support else 'no'})"
+    return [f"opencl:{pi}:{di}  {d.name} ({p.name}, images: {'yes' if d.image_support else 'no'}, "
+            f"builds kernels: {'yes' if build_error(d) is None else 'no: ' + str(build_error(d))})"
             for pi, p in enumerate(platforms) for di, d in enumerate(p.get_devices())]

@@ -185,17 +185,21 @@ def read_results(folder: str) -> RunnerResults:
 
 
 # --- running here ---------------------------------------------------------------------------------------
+#: where the ICD loader looks for drivers when OCL_ICD_VENDORS is unset
+SYSTEM_VENDORS = "/etc/OpenCL/vendors"
+
+
 def pocl_wheel_environment(state_dir: str | None = None) -> dict[str, str]:
     """Environment that makes the runner's libOpenCL.so.1 (the ICD loader, Debian: ocl-icd-libopencl1) see
-    the PoCL of the pyopencl / pocl-binary-distribution wheels, the device LocalRunner uses here.
+    the device LocalRunner uses here when that is the PoCL of the pyopencl / pocl-binary-distribution wheels.
 
-    It writes an ICD vendors folder with one .icd file naming that libpocl (OCL_ICD_VENDORS); returns {}
-    when the caller already chose (FBLC_OPENCL_LIBRARY set, or OCL_ICD_VENDORS naming a folder with .icd
-    files) or no wheel PoCL exists. An OCL_ICD_VENDORS folder without .icd files hides the system's
-    drivers from pyopencl's loader, which then sees only its wheel's PoCL (.ci/run sets one), so the
-    runner is given that PoCL too."""
-    vendors = os.environ.get("OCL_ICD_VENDORS")
-    if os.environ.get("FBLC_OPENCL_LIBRARY") or (vendors and glob.glob(os.path.join(vendors, "*.icd"))):
+    pyopencl lists the loader's drivers (OCL_ICD_VENDORS, else SYSTEM_VENDORS) before its wheel's PoCL, and
+    the runner sees the loader's drivers alone. So where the loader has drivers, both runtimes already
+    start from the same list and this returns {}; likewise when the caller chose (FBLC_OPENCL_LIBRARY set)
+    or no wheel PoCL exists. Otherwise it writes an ICD vendors folder with one .icd file naming the
+    wheel's libpocl and returns {"OCL_ICD_VENDORS": folder}."""
+    vendors = os.environ.get("OCL_ICD_VENDORS") or SYSTEM_VENDORS
+    if os.environ.get("FBLC_OPENCL_LIBRARY") or glob.glob(os.path.join(vendors, "*.icd")):
         return {}
     found = []
     for module in ("pyopencl", "pocl_binary_distribution"):
