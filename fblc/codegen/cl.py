@@ -24,6 +24,7 @@ __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_
 #define TEXEL_P2(t, s) ((int2)((t) & ((1 << (s)) - 1), (t) >> (s)))  // a width of 2^s texels: no division
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
+inline int wrap_row(int r, int n) { return r < 0 ? r + n : r; }  // ONNX: a negative index counts from the end
 // elements s..s+3 of the 8 in texels a, b (s in 0..3, known at run time). Branches, not a chain of
 // ?: over vector literals, which oclgrind's compiler got wrong (a conv's sums changed)
 inline float4 window4(float4 a, float4 b, int s) {

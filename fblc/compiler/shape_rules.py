@@ -151,6 +151,17 @@ def _philox_normal(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(tuple(int(d) for d in attr(node, "shape", [])), ir.DataType.FLOAT)]
 
 
+@shape_rule("MergeRuns")
+def _merge_runs(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    """fblc's device-only sort step (pass sort_scatter_rows): row numbers and their positions, int64."""
+    return [(shapes[0], ir.DataType.INT64), (shapes[0], ir.DataType.INT64)]
+
+
+@shape_rule("ScatterSortedRows")
+def _scatter_sorted_rows(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(shapes[0], dtypes[0])]
+
+
 @shape_rule("ScatterND", "ScatterElements")
 def _scatter(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[0], dtypes[0])]

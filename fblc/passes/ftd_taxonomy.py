@@ -47,7 +47,7 @@ _classify(Ftd.DEPENDENT_CONSISTENT, "Relu", "Clip", "Sigmoid", "Tanh", "Erf", "M
 # no forward tensor in the backward; the access pattern changes (index-remapping candidates)
 _classify(Ftd.INDEPENDENT_DIVERGENT, "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand",
           "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "Gather", "GatherElements", "GatherND", "ScatterElements",
-          "ScatterND", "Slice", "Concat", "Split", "Pad",
+          "ScatterND", "ScatterSortedRows", "MergeRuns", "Slice", "Concat", "Split", "Pad",
           "Resize", "CumSum", "Trilu", "OneHot", "ArgMax", "ArgMin", "TopK")
 # layout-transparent
 _classify(Ftd.INDEPENDENT_CONSISTENT, "Add", "Sub", "Neg", "Cast", "Identity", "Dropout", "Sum", "Constant",

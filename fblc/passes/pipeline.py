@@ -42,6 +42,7 @@ from fblc.passes.layout_score import TracedReads
 from fblc.passes.rtile_select import LAYOUT_SEARCHES, RTileSelect
 from fblc.passes.sg_gradients import SgGradients
 from fblc.passes.sg_replay import SgReplay
+from fblc.passes.sort_scatter_rows import SortScatterRows
 from fblc.passes.split_softmax import SplitSoftmax
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.tile_remap import TileRemap
@@ -192,6 +193,11 @@ def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return import_passes(options) + training_passes(options)
 
 
+#: ops that lowering passes write and onnxruntime lacks (es_noise, sort_scatter_rows): a lowered step holding
+#: one is checked against the step graph before lowering (fblc.tools.verify.reference_graph)
+DEVICE_ONLY_OPS = frozenset({"PhiloxNormal", "PhiloxWeightedSum", "MergeRuns", "ScatterSortedRows"})
+
+
 def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     """After the step graph is built, the target-independent part: the ops kernels run, their
     FTD classes, data movement as index maps (rtile)."""
@@ -200,7 +206,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    return [EsNoise(), SplitSoftmax(), FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
+    return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:

@@ -43,6 +43,9 @@ PORTABLE_IMAGE_EDGE = 8192
 GROUP_ITEMS = 64
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
+#: the most updates a row scatter's target row scans one by one; a longer line of updates is sorted by
+#: row number first (pass sort_scatter_rows: log2(N) merge launches, then a binary search per row)
+SORTED_SCATTER_UPDATES = 64
 #: the floats one work-item's accumulators may take: an 8 x 8 tile, what mobile GEMM kernels keep in
 #: registers (Adreno's and Mali's guides: more spills to private memory, which is device memory)
 PRIVATE_FLOATS = 64

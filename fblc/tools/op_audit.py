@@ -97,6 +97,8 @@ EXPORTED_OPS: tuple[tuple[str, str], ...] = (
     ("ReduceLogSumExp", "torch.logsumexp"),
     ("PhiloxNormal", "not exported: fblc's on-device ES noise (--trainer es, pass es_noise)"),
     ("PhiloxWeightedSum", "not exported: fblc's on-device ES direction (--trainer es, pass es_noise)"),
+    ("MergeRuns", "not exported: fblc's on-device sort of a long row scatter's rows (pass sort_scatter_rows)"),
+    ("ScatterSortedRows", "not exported: fblc's row scatter over sorted rows (pass sort_scatter_rows)"),
     ("ReduceProd", "torch.prod"),
     ("CumSum", "torch.cumsum, position ids"),
     ("ArgMax", "torch.argmax"),

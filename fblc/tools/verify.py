@@ -18,7 +18,7 @@ from fblc.codegen.compile import compile_model
 from fblc.tools.traced_layouts import with_traced_reads
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.reference import ReferenceStep, random_feeds
-from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from fblc.passes.pipeline import DEVICE_ONLY_OPS, TrainingOptions, build_training_graph
 from fblc.runtime.local import LocalRunner
 
 TOLERANCES = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 1e-3)}  # (rtol, atol)
@@ -50,10 +50,11 @@ def compare(device_values: Mapping[str, np.ndarray], reference: Mapping[str, np.
 
 
 def reference_graph(step: ir.Model, model_path: str, options: TrainingOptions) -> ir.Model:
-    """The ONNX step onnxruntime runs for the compiled `step`: the step itself, or for an ES step,
-    whose bundle makes its noise on the device (PhiloxNormal, not an ONNX op), `fblc train-graph`'s
-    step, which takes the noise as an input (ReferenceStep feeds it the same Philox noise)."""
-    if not any(node.op_type == "PhiloxNormal" for node in step.graph):
+    """The ONNX step onnxruntime runs for the compiled `step`: the step itself, or where lowering wrote
+    ops onnxruntime lacks (DEVICE_ONLY_OPS: an ES step's noise made on the device, sorted row scatters),
+    `fblc train-graph`'s step (for ES it takes the noise as an input, which ReferenceStep feeds the same
+    Philox noise)."""
+    if not any(node.op_type in DEVICE_ONLY_OPS for node in step.graph):
         return step
     return build_training_graph(load_model(model_path), options)
 

@@ -45,6 +45,7 @@ def _load_emitters() -> None:
         reduce,
         resample,
         scan,
+        sort,
     )
 
 

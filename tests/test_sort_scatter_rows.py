@@ -1,0 +1,141 @@
+"""sort_scatter_rows: a long row scatter (a gather's gradient) sorts its row numbers, then binary-searches them.
+
+Golden: the embedding gradient's ScatterElements becomes Reshape, ceil(log2 N) MergeRuns (runs 1, 2,
+4, ..; the first without positions) and ScatterSortedRows. Negative: a line of at most
+SORTED_SCATTER_UPDATES updates, and a scatter that is not of whole rows, stay as they are. Numeric:
+the device's sorted scatter equals numpy's in-order np.add.at bit for bit (a stable sort keeps
+update order), and one step of fed, repeated and negative ids equals onnxruntime under both
+layouts, shared rows (an embedding) and rows per batch element (GatherND, batch_dims 1), whole-texel
+rows and rows of 6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fblc.codegen.compile import compile_model
+from fblc.compiler.gradients import segment_sum
+from fblc.compiler.model_io import load_model
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.pipeline import TrainingOptions, build_training_graph, run_passes
+from fblc.passes.sort_scatter_rows import SortScatterRows
+from fblc.profiles.profile import SORTED_SCATTER_UPDATES
+from fblc.runtime.local import LocalRunner
+from fblc.tools.verify import verify_model
+
+OPTIONS = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1))
+
+
+@pytest.fixture(autouse=True)
+def scatter_form(monkeypatch) -> None:
+    """Every non-run segment sum a ScatterElements (no one-hot is small enough), as for a real vocabulary."""
+    monkeypatch.setattr(segment_sum, "ONE_HOT_ELEMENTS", 0)
+
+
+def embedding(path: str, rows: int, width: int, ids_shape: tuple[int, ...], nd: bool = False) -> np.ndarray:
+    """loss = sum(Gather(table, ids) * R) (or GatherND(x [B, rows, width], ids [B, N, 1], batch_dims=1)); returns R."""
+    rng = np.random.default_rng(1)
+    if nd:
+        batch, count = ids_shape[:2]
+        table, picked = rng.standard_normal((batch, rows, width)), (batch, count, width)
+        gather = helper.make_node("GatherND", ["table", "ids"], ["y"], batch_dims=1)
+    else:
+        table, picked = rng.standard_normal((rows, width)), (*ids_shape, width)
+        gather = helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)
+    r = rng.standard_normal(picked).astype(np.float32)
+    graph = helper.make_graph(
+        [gather, helper.make_node("Mul", ["y", "R"], ["weighted"]),
+         helper.make_node("ReduceSum", ["weighted"], ["total"], keepdims=0)], "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, list(ids_shape))],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(table.astype(np.float32), "table"), numpy_helper.from_array(r, "R")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+    return r
+
+
+def step_ops(path: str) -> list:
+    step = build_training_graph(load_model(path), OPTIONS)
+    return list(run_passes(step, [SortScatterRows()]).graph)
+
+
+def test_a_long_row_scatter_becomes_a_merge_sort_and_a_sorted_scatter(tmp_path) -> None:
+    path = str(tmp_path / "m.onnx")
+    embedding(path, rows=50, width=8, ids_shape=(3, 100))
+    before = [n.op_type for n in build_training_graph(load_model(path), OPTIONS).graph]
+    nodes = step_ops(path)
+    after = [n.op_type for n in nodes]
+    assert before.count("ScatterElements") == 1 and "ScatterElements" not in after
+    merges = [n for n in nodes if n.op_type == "MergeRuns"]
+    assert [n.attributes["run"].value for n in merges] == [2 ** k for k in range(math.ceil(math.log2(300)))]
+    assert len(merges[0].inputs) == 1 or merges[0].inputs[1] is None  # the first pass makes the positions
+    assert all(n.inputs[1] is not None for n in merges[1:])
+    scatter = next(n for n in nodes if n.op_type == "ScatterSortedRows")
+    assert scatter.inputs[1] is merges[-1].outputs[0] and scatter.inputs[2] is merges[-1].outputs[1]
+    assert [d for d in scatter.inputs[1].shape] == [1, 300]
+    assert after.count("Expand") == before.count("Expand") - 1  # the broadcast row numbers had no other reader
+
+
+def test_short_lines_and_other_scatters_stay(tmp_path) -> None:
+    path = str(tmp_path / "short.onnx")
+    embedding(path, rows=50, width=8, ids_shape=(SORTED_SCATTER_UPDATES,))
+    assert "MergeRuns" not in [n.op_type for n in step_ops(path)]
+    # GatherElements' gradient scatters single elements along an axis, not whole rows
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("GatherElements", ["x", "idx"], ["y"], axis=1),
+         helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0)], "ge", [],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(rng.standard_normal((2, 100)).astype(np.float32), "x"),
+                     numpy_helper.from_array(rng.integers(0, 100, (2, 100)).astype(np.int64), "idx")])
+    path = str(tmp_path / "ge.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+    ops = [n.op_type for n in step_ops(path)]
+    assert "ScatterElements" in ops and "MergeRuns" not in ops
+
+
+@pytest.mark.parametrize("layout", ["rtile", "naive"])
+def test_the_sorted_scatter_sums_each_row_in_update_order_bit_for_bit(layout: str, tmp_path) -> None:
+    """Repeated and negative ids over a 40-row table: the table's gradient read straight after its kernel."""
+    path = str(tmp_path / "m.onnx")
+    ids = np.random.default_rng(2).integers(-40, 40, (3, 97)).astype(np.int64)
+    r = embedding(path, rows=40, width=8, ids_shape=ids.shape)
+    step, _ = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32",
+                            TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}))
+    scatter = next(n for n in step.graph if n.op_type == "ScatterSortedRows")
+    runner = LocalRunner(str(tmp_path / "bundle"), progress=False)
+    runner.upload(runner.manifest["inputs"][0]["texture"], ids)
+    texture = runner.plan["values"][scatter.outputs[0].name]
+    made_by = next(i for i, k in enumerate(runner.plan["kernels"]) if texture in k["outputs"])
+    for index in range(made_by + 1):
+        runner.launch(index)
+    expected = np.zeros((40, 8), np.float32)
+    np.add.at(expected, ids.reshape(-1) % 40, r.reshape(-1, 8))  # float32, one update after another
+    got = runner._read(texture).reshape(-1)[:expected.size].reshape(expected.shape)
+    assert np.array_equal(got, expected), np.abs(got - expected).max()
+
+
+CASES = {  # name: (rows, width, ids, GatherND)
+    "embedding-whole-texels": (37, 8, np.random.default_rng(3).integers(-37, 37, (2, 70)), False),
+    "embedding-rows-of-6": (20, 6, np.random.default_rng(4).integers(0, 20, (130,)), False),
+    "gather-nd-rows-per-batch": (30, 8, np.random.default_rng(5).integers(-30, 30, (2, 90, 1)), True),
+}
+
+
+@pytest.mark.parametrize("layout", ["rtile", "naive"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_step_with_sorted_rows_matches_onnxruntime(name: str, layout: str, tmp_path) -> None:
+    rows, width, ids, nd = CASES[name]
+    path = str(tmp_path / "m.onnx")
+    embedding(path, rows, width, ids.shape, nd)
+    ids = ids.astype(np.int64)
+    options = TrainingOptions(**{**OPTIONS.__dict__, "layout": layout})
+    assert "MergeRuns" in [n.op_type for n in compile_model(path, str(tmp_path / "b"), "adreno830", "fp32",
+                                                           options)[0].graph]
+    checked = verify_model(path, options, target="adreno830", feeds={"ids": ids})
+    bad = [row for row in checked if not row.ok]
+    assert checked and not bad, bad
