@@ -277,7 +277,7 @@ class Reduction:
         """One static block: drop products that are always out of range, mask the ones that may be."""
         if mask is None:  # every product counts (contractions): the common case, kept lean
             xs, ws = fetch(b, code, x, (p.x for p in products)), fetch(b, code, w, (p.w for p in products))
-            code.emit(*[f"{acc}[{p.lane}] += {xs[p.x]} * {ws[p.w]};" for p in products])
+            code.emit(*[f"{acc}[{p.lane}] += {xs[p.x]} * {ws[p.w]};" for p in by_lane(products)])
             return
         kept: list[tuple[Product, str | None]] = []
         conditions: dict[int, str] = {}
@@ -305,12 +305,19 @@ class Reduction:
         xs = fetch(b, code, x, (p.x for p, _ in kept))
         ws = fetch(b, code, w, (p.w for p, _ in kept))
         lines = []
-        for product, condition in kept:
+        for product, condition in sorted(kept, key=lambda kept_product: kept_product[0].lane):
             value = xs[product.x]
             if condition is not None:
                 value = f"({named[product.position]} ? {value} : 0.0f)"
             lines.append(f"{acc}[{product.lane}] += {value} * {ws[product.w]};")
         code.emit(*lines)
+
+
+def by_lane(products: Sequence[Product]) -> list[Product]:
+    """`products` grouped by accumulator, each one's in their order (so every sum keeps its order). Why:
+    interleaved updates of strided accumulators (a stride-2 ConvTranspose's even lanes from one texel's
+    x, y, z, w) crash LLVM 15's InstCombine in Debian's PoCL 3.1 (ShuffleVectorInst::isIdentityWithPadding)."""
+    return sorted(products, key=lambda product: product.lane)
 
 
 def _condition(position: str, low: bool, high: bool, extent: int) -> str:
