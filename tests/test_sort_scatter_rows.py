@@ -1,7 +1,7 @@
 """sort_scatter_rows: a long row scatter (a gather's gradient) sorts its row numbers, then binary-searches them.
 
 Golden: the embedding gradient's ScatterElements becomes Reshape, ceil(log2 N) MergeRuns (runs 1, 2,
-4, ..; the first without positions) and ScatterSortedRows. Negative: a line of at most
+4, ..; the first without positions) and ScatterSortedRows, which reads no zero table. Negative: a line of at most
 SORTED_SCATTER_UPDATES updates, and a scatter that is not of whole rows, stay as they are. Numeric:
 the device's sorted scatter equals numpy's in-order np.add.at bit for bit (a stable sort keeps
 update order), and one step of fed, repeated and negative ids equals onnxruntime under both
@@ -78,6 +78,9 @@ def test_a_long_row_scatter_becomes_a_merge_sort_and_a_sorted_scatter(tmp_path) 
     assert scatter.inputs[1] is merges[-1].outputs[0] and scatter.inputs[2] is merges[-1].outputs[1]
     assert [d for d in scatter.inputs[1].shape] == [1, 300]
     assert after.count("Expand") == before.count("Expand") - 1  # the broadcast row numbers had no other reader
+    # the zero table the gradient scattered into is never made: the rows start from 0
+    assert scatter.inputs[0] is None and list(scatter.attributes["shape"].value) == [1, 300, 8]
+    assert after.count("ConstantOfShape") == before.count("ConstantOfShape") - 1
 
 
 def test_short_lines_and_other_scatters_stay(tmp_path) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.values import attr, numel, slice_bounds, static_shape
+from fblc.compiler.values import attr, const_array, numel, slice_bounds, static_shape
 
 ALWAYS_VIEWS = frozenset({"Identity", "Dropout"})
 
@@ -142,6 +142,21 @@ def real_producer(value: ir.Value | None) -> ir.Node | None:
     while producer is not None and is_view(producer):
         producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
     return producer
+
+
+def is_zeros(value: ir.Value) -> bool:
+    """Whether `value` is a known all-zero tensor (the zero tables gradient rules scatter into), seen
+    through views."""
+    if value.is_graph_input():
+        return False
+    array = const_array(value)
+    if array is None:
+        producer = real_producer(value)
+        if producer is None or producer.op_type != "ConstantOfShape":
+            return False
+        fill = attr(producer, "value")
+        array = fill.numpy() if fill is not None else np.zeros(1)
+    return bool(np.all(np.asarray(array) == 0))
 
 
 def read_uses(value: ir.Value, through: Callable[[ir.Node], bool] = is_view) -> Iterator[tuple[ir.Value, ir.Usage]]:

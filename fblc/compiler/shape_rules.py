@@ -159,6 +159,9 @@ def _merge_runs(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
 
 @shape_rule("ScatterSortedRows")
 def _scatter_sorted_rows(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    """The data's shape, or without data (a zero table) its `shape` attribute; the updates' dtype."""
+    if node.inputs[0] is None:
+        return [(tuple(int(d) for d in attr(node, "shape", [])), dtypes[3])]
     return [(shapes[0], dtypes[0])]
 
 

@@ -8,7 +8,8 @@ on a line:
 - (K, P) = MergeRuns(K0, run=1), then MergeRuns(K, P, run=2, 4, ..) until one run holds the line:
   a stable merge sort of the row numbers (wrapped like ONNX's negative indices) and their
   positions P, one kernel per doubling (fblc's device-only ops, fblc/codegen/kernels/sort.py);
-- Y = ScatterSortedRows(data, K, P, updates, axis, reduction).
+- Y = ScatterSortedRows(data, K, P, updates, axis, reduction), with no data (and a `shape`
+  attribute) when data is a known zero table: the rows start from 0 and the table is never made.
 Y keeps its value (name, shape, readers).
 
 Why: the ScatterElements kernel has each target row scan every update's row number, D x N
@@ -27,6 +28,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.index_map import is_zeros
 from fblc.compiler.values import numel
 from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import SORTED_SCATTER_UPDATES
@@ -73,15 +75,18 @@ def _sort(graph: ir.Graph, node: ir.Node, rows: ir.Value, groups: int) -> None:
     while run < count:  # each doubling merges neighbouring sorted runs of `run` row numbers
         sorted_rows, positions = e.op_multi("MergeRuns", sorted_rows, positions, num_outputs=2, run=run, depth=depth)
         run *= 2
-    result = e.op("ScatterSortedRows", data, sorted_rows, positions, updates, axis=axis,
-                  reduction=reduction.decode() if isinstance(reduction, bytes) else reduction)
-    y, expand = node.outputs[0], indices.producer()
+    zeros = is_zeros(data)
+    result = e.op("ScatterSortedRows", None if zeros else data, sorted_rows, positions, updates, axis=axis,
+                  reduction=reduction.decode() if isinstance(reduction, bytes) else reduction,
+                  shape=list(static_shape(data)) if zeros else None)
+    y, unread = node.outputs[0], [indices.producer(), data.producer() if zeros else None]
     name = y.name
     y.replace_all_uses_with(result, replace_graph_outputs=True)
     y.name, result.name = f"{name}/unsorted", name
     graph.remove(node, safe=True)
-    if expand is not None and not any(out.uses() or out.is_graph_output() for out in expand.outputs):
-        graph.remove(expand, safe=True)  # the broadcast row numbers had no other reader
+    for producer in unread:  # the broadcast row numbers, the zero table: removed unless another node reads them
+        if producer is not None and not any(out.uses() or out.is_graph_output() for out in producer.outputs):
+            graph.remove(producer, safe=True)
 
 
 class SortScatterRows(ContractPass):

@@ -12,12 +12,12 @@ reduction "none" the last update wins, as in onnxruntime. ScatterND scans all up
 element; ScatterElements only scans the updates on its own line along `axis`, the only ones
 that can reach it. Both have a whole-texel path for the row scatters of gather gradients (one
 target row per update): a work-item folds a few texels of one row and reads each update's row
-number once for all of them.
+number once for all of them. A row scatter of more than SORTED_SCATTER_UPDATES updates a line
+never reaches this kernel: pass sort_scatter_rows sorts its rows first (kernels in sort.py).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
@@ -25,9 +25,8 @@ from fblc.codegen.cl import Kernel, flat_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
-from fblc.compiler.index_map import row_major_strides
-from fblc.compiler.values import attr, const_array, numel, static_shape
-from fblc.compiler.index_map import real_producer
+from fblc.compiler.index_map import is_zeros, row_major_strides
+from fblc.compiler.values import attr, numel, static_shape
 
 FAMILY = "gather"
 
@@ -42,7 +41,7 @@ def _wrapped(b: KernelBuilder, raw: str, size: int, hint: str = "idx") -> str:
     return b.temp("int", f"clamp({value} < 0 ? {value} + {size} : {value}, 0, {size - 1})", hint)
 
 
-def _own_index(shape: tuple[int, ...]) -> str:
+def own_index(shape: tuple[int, ...]) -> str:
     """Flat index of the current output element in a tensor of the output's shape."""
     return flat_index([(f"{OUT_INDEX}{k}", stride) for k, stride in enumerate(strides_of(shape))])
 
@@ -77,7 +76,7 @@ def emit_gather_elements(table: TextureTable, group: KernelGroup) -> list[Kernel
     axis = _axis(node, len(data_shape))
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
-    along = _wrapped(b, b.load(indices, _own_index(index_shape)), data_shape[axis])
+    along = _wrapped(b, b.load(indices, own_index(index_shape)), data_shape[axis])
     strides = strides_of(data_shape)
     terms = [(along if k == axis else f"{OUT_INDEX}{k}", strides[k]) for k in range(len(data_shape))]
     return [b.finish([b.load(data, flat_index(terms))])]
@@ -108,7 +107,7 @@ def emit_gather_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
 # scatters ------------------------------------------------------------------------------------------
 
-def _combine(node: ir.Node, ctype: str) -> str:
+def combine_template(node: ir.Node, ctype: str) -> str:
     """C template over `acc` and `u` for the node's reduction."""
     reduction = attr(node, "reduction", "none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
@@ -121,25 +120,11 @@ def _combine(node: ir.Node, ctype: str) -> str:
     return templates[reduction]
 
 
-def _is_zeros(value: ir.Value) -> bool:
-    """Whether `value` is a known all-zero tensor (the zero tables gradient rules scatter into)."""
-    if value.is_graph_input():
-        return False
-    array = const_array(value)
-    if array is None:
-        producer = real_producer(value)
-        if producer is None or producer.op_type != "ConstantOfShape":
-            return False
-        fill = attr(producer, "value")
-        array = fill.numpy() if fill is not None else np.zeros(1)
-    return bool(np.all(np.asarray(array) == 0))
-
-
-def _start(b: KernelBuilder, node: ir.Node, acc: str) -> None:
+def start_accumulator(b: KernelBuilder, node: ir.Node, acc: str) -> None:
     """Declare the accumulator `acc` holding the data element (a literal 0 for a zero table)."""
     data = node.inputs[0]
     ctype = ctype_of(node.outputs[0])
-    initial = "0" if _is_zeros(data) else b.load(data, _own_index(static_shape(data)))
+    initial = "0" if is_zeros(data) else b.load(data, own_index(static_shape(data)))
     b.emit(f"{ctype} {acc} = {initial};")
 
 
@@ -155,13 +140,13 @@ def emit_scatter_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     slice_size = numel(data_shape[depth:])
     strides = strides_of(data_shape)
     ctype = ctype_of(node.outputs[0])
-    combine = _combine(node, ctype)
+    combine = combine_template(node, ctype)
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
-    if count and ctype == "float" and slice_size % 4 == 0 and _whole_texels(b, data) and _whole_texels(b, updates):
+    if count and ctype == "float" and slice_size % 4 == 0 and whole_texels(b, data) and whole_texels(b, updates):
         return [_scatter_nd_slices(b, node, combine)]
     acc, u = b.fresh("acc"), b.fresh("u")
-    _start(b, node, acc)
+    start_accumulator(b, node, acc)
     if count == 0:
         return [b.finish([acc])]
     prefix = b.temp("int", flat_index([(f"{OUT_INDEX}{k}", strides[k]) for k in range(depth)]), "prefix")
@@ -194,7 +179,7 @@ def _target_lines(b: KernelBuilder, node: ir.Node, u: str, target: str) -> list[
 SLICE_TEXELS = 16  # the most texels of one target slice a work-item folds together
 
 
-def _whole_texels(b: KernelBuilder, value: ir.Value) -> bool:
+def whole_texels(b: KernelBuilder, value: ir.Value) -> bool:
     """Whether `value` is stored (or viewed) contiguously from a texel boundary, so that its
     elements 4k..4k+3 are one texel of the tensor that holds it."""
     if b.constant_scalar(value) is not None:
@@ -204,8 +189,8 @@ def _whole_texels(b: KernelBuilder, value: ir.Value) -> bool:
                                     list(index_map.strides) == row_major_strides(index_map.shape))
 
 
-def _texel_of(b: KernelBuilder, value: ir.Value, element: str) -> str:
-    """C expression: the texel of `value` (see _whole_texels) that starts at element `element`."""
+def texel_of(b: KernelBuilder, value: ir.Value, element: str) -> str:
+    """C expression: the texel of `value` (see whole_texels) that starts at element `element`."""
     root, index_map = b.strided(value)
     arg, texture = b.argument(root)
     start = f"{element} + {index_map.offset}" if index_map.offset else element
@@ -229,10 +214,10 @@ def _scatter_nd_slices(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
             f"const int {prefix} = {first} - {first} % {slice_size};",
             f"const int {within} = {first} - {prefix};",
             f"float {accs}[{4 * per}];"]
-    initial = "(float4)(0.0f)" if _is_zeros(data) else _texel_of(b, data, f"{first} + 4 * tt")
+    initial = "(float4)(0.0f)" if is_zeros(data) else texel_of(b, data, f"{first} + 4 * tt")
     code += [f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
              f"for (int {u} = 0; {u} < {count}; ++{u}) {{", *_target_lines(b, node, u, target)]
-    update = _texel_of(b, updates, f"{u} * {slice_size} + {within} + 4 * tt")
+    update = texel_of(b, updates, f"{u} * {slice_size} + {within} + 4 * tt")
     folded = combine.format(acc=f"vload4(tt, {accs})", u=update)
     code += [f"  if ({target} != {prefix}) continue;",
              f"  for (int tt = 0; tt < {per}; ++tt) vstore4({folded}, tt, {accs});",
@@ -255,13 +240,13 @@ def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kerne
     rank = len(data_shape)
     axis = _axis(node, rank)
     ctype = ctype_of(node.outputs[0])
-    combine = _combine(node, ctype)
+    combine = combine_template(node, ctype)
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
     if _row_scatter(b, node):
         return [_scatter_elements_rows(b, node, combine)]
     acc, j = b.fresh("acc"), b.fresh("j")
-    _start(b, node, acc)
+    start_accumulator(b, node, acc)
     if numel(index_shape) == 0:
         return [b.finish([acc])]
     index_strides = strides_of(index_shape)
@@ -299,7 +284,7 @@ def _row_scatter(b: KernelBuilder, node: ir.Node) -> bool:
     covers = all(index_shape[k] == data_shape[k] for k in range(len(data_shape)) if k != axis)
     inner = numel(data_shape[axis + 1:])
     return (covers and index_shape[axis] > 0 and all(d == 1 for d in source[axis + 1:]) and inner % 4 == 0
-            and (_is_zeros(data) or _whole_texels(b, data)) and _whole_texels(b, updates))
+            and (is_zeros(data) or whole_texels(b, data)) and whole_texels(b, updates))
 
 
 def _scatter_elements_rows(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
@@ -320,8 +305,8 @@ def _scatter_elements_rows(b: KernelBuilder, node: ir.Node, combine: str) -> Ker
             f"const int {outer} = {row} / {depth};",
             f"const int {within} = {first} - {row} * {inner};",
             f"float {accs}[{4 * per}];"]
-    initial = "(float4)(0.0f)" if _is_zeros(data) else _texel_of(b, data, f"{first} + 4 * tt")
-    update = _texel_of(b, updates, f"{base} + {within} + 4 * tt")
+    initial = "(float4)(0.0f)" if is_zeros(data) else texel_of(b, data, f"{first} + 4 * tt")
+    update = texel_of(b, updates, f"{base} + {within} + 4 * tt")
     folded = combine.format(acc=f"vload4(tt, {accs})", u=update)
     code += [f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
              f"for (int {u} = 0; {u} < {count}; ++{u}) {{",
