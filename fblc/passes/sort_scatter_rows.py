@@ -1,15 +1,17 @@
 """sort_scatter_rows: a long row scatter finds its updates by binary search in sorted row numbers.
 
-Rewrite, for Y = ScatterElements(data, Expand(rows), updates, axis) that scatters whole rows
-(the segment sums of gather gradients, fblc/compiler/gradients/segment_sum.py: `rows` has extent 1
-after `axis`, the updates cover the data off `axis`) with more than SORTED_SCATTER_UPDATES updates
-on a line:
+Rewrite, for a scatter of whole rows (ROW_SCATTERS: Y = ScatterElements(data, Expand(rows), updates,
+axis), the segment sums of gather gradients, fblc/compiler/gradients/segment_sum.py, where `rows`
+has extent 1 after `axis` and the updates cover the data off `axis`; or Y = ScatterND(data, rows
+[.., 1], updates), each 1-tuple a row of axis 0) with more than SORTED_SCATTER_UPDATES updates on a
+line:
 - K0 = Reshape(rows, [G, N]) (G = 1 when the rows are shared by the leading axes, else their extent);
 - (K, P) = MergeRuns(K0, run=1), then MergeRuns(K, P, run=2, 4, ..) until one run holds the line:
   a stable merge sort of the row numbers (wrapped like ONNX's negative indices) and their
   positions P, one kernel per doubling (fblc's device-only ops, fblc/codegen/kernels/sort.py);
-- Y = ScatterSortedRows(data, K, P, updates, axis, reduction), with no data (and a `shape`
-  attribute) when data is a known zero table: the rows start from 0 and the table is never made.
+- Y = ScatterSortedRows(data, K, P, updates (ScatterND's viewed [N, row..]), axis, reduction), with
+  no data (and a `shape` attribute) when data is a known zero table: the rows start from 0 and the
+  table is never made.
 Y keeps its value (name, shape, readers).
 
 Why: the ScatterElements kernel has each target row scan every update's row number, D x N
@@ -24,6 +26,9 @@ es_noise): onnxruntime has no MergeRuns. In place; the new nodes keep the scatte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import onnx_ir as ir
 
 from fblc.compiler import keys
@@ -34,11 +39,21 @@ from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import SORTED_SCATTER_UPDATES
 
 
-def sortable_rows(node: ir.Node) -> tuple[ir.Value, int] | None:
-    """(rows, G) when `node` is a row scatter that sorting pays for, else None. `rows` is the Expand's
-    source: extent 1 after `axis` and, before it, either all 1 (G = 1) or the indices' own (G = their product)."""
-    if node.op_type != "ScatterElements" or node.domain not in ("", "ai.onnx"):
-        return None
+@dataclass(frozen=True)
+class RowScatter:
+    """A scatter of whole rows along `axis`: `count` row numbers `rows` (per leading index: `groups` lines,
+    1 when shared) and updates that read as [leading.., count, rest of the data's axes..] (`updates_shape`)."""
+
+    rows: ir.Value
+    groups: int
+    axis: int
+    count: int
+    updates_shape: tuple[int, ...]
+
+
+def _scatter_elements_rows(node: ir.Node) -> RowScatter | None:
+    """ScatterElements whose indices are an Expand of rows with extent 1 after `axis` and, before it, either
+    all 1 (shared) or the indices' own; the updates cover the data off `axis` (a gather's segment sum)."""
     data, indices, updates = node.inputs[:3]
     producer = indices.producer()
     if producer is None or producer.op_type != "Expand":
@@ -53,30 +68,51 @@ def sortable_rows(node: ir.Node) -> tuple[ir.Value, int] | None:
     source = (1,) * (rank - len(source)) + tuple(source)
     count = index_shape[axis]
     covers = all(index_shape[k] == data_shape[k] for k in range(rank) if k != axis)
-    inner_ones = all(d == 1 for d in source[axis + 1:])
     leading = source[:axis]
     shared = all(d == 1 for d in leading)
-    if not (covers and inner_ones and source[axis] == count and (shared or leading == index_shape[:axis])):
+    if not (covers and all(d == 1 for d in source[axis + 1:]) and source[axis] == count
+            and (shared or leading == index_shape[:axis]) and static_shape(updates) == index_shape):
         return None
-    if count <= SORTED_SCATTER_UPDATES or static_shape(updates) != index_shape:
-        return None
-    return rows, (1 if shared else numel(leading))
+    return RowScatter(rows, 1 if shared else numel(leading), axis, count, tuple(index_shape))
 
 
-def _sort(graph: ir.Graph, node: ir.Node, rows: ir.Value, groups: int) -> None:
+def _scatter_nd_rows(node: ir.Node) -> RowScatter | None:
+    """ScatterND of 1-tuples: each update writes a whole row (a slice along axis 0) of the data."""
+    data, indices = node.inputs[:2]
+    data_shape, index_shape = static_shape(data), static_shape(indices)
+    if not data_shape or not index_shape or index_shape[-1] != 1:
+        return None
+    count = numel(index_shape[:-1])
+    return RowScatter(indices, 1, 0, count, (count, *data_shape[1:]))
+
+
+#: op type -> the row scatter it is, if it is one
+ROW_SCATTERS: dict[str, Callable[[ir.Node], RowScatter | None]] = {
+    "ScatterElements": _scatter_elements_rows, "ScatterND": _scatter_nd_rows}
+
+
+def sortable_rows(node: ir.Node) -> RowScatter | None:
+    """The row scatter `node` is, when sorting pays for it (more than SORTED_SCATTER_UPDATES updates a line)."""
+    if node.op_type not in ROW_SCATTERS or node.domain not in ("", "ai.onnx"):
+        return None
+    found = ROW_SCATTERS[node.op_type](node)
+    return found if found is not None and found.count > SORTED_SCATTER_UPDATES else None
+
+
+def _sort(graph: ir.Graph, node: ir.Node, scatter: RowScatter) -> None:
     data, indices, updates = node.inputs[:3]
-    axis = int(attr(node, "axis", 0)) % len(static_shape(data))
-    count, depth = static_shape(indices)[axis], static_shape(data)[axis]
-    reduction = attr(node, "reduction", "none")
+    depth, reduction = static_shape(data)[scatter.axis], attr(node, "reduction", "none")
     e = Emitter(graph, stage=node.metadata_props.get(keys.STAGE, "backward"))
     e.anchor, e.prefix = node, f"{node.name}/sorted"
     e.origin = node.metadata_props.get(keys.GRAD_OF)
-    sorted_rows, positions, run = e.reshape(rows, [groups, count]), None, 1
-    while run < count:  # each doubling merges neighbouring sorted runs of `run` row numbers
+    sorted_rows, positions, run = e.reshape(scatter.rows, [scatter.groups, scatter.count]), None, 1
+    while run < scatter.count:  # each doubling merges neighbouring sorted runs of `run` row numbers
         sorted_rows, positions = e.op_multi("MergeRuns", sorted_rows, positions, num_outputs=2, run=run, depth=depth)
         run *= 2
+    if tuple(static_shape(updates)) != scatter.updates_shape:
+        updates = e.reshape(updates, list(scatter.updates_shape))
     zeros = is_zeros(data)
-    result = e.op("ScatterSortedRows", None if zeros else data, sorted_rows, positions, updates, axis=axis,
+    result = e.op("ScatterSortedRows", None if zeros else data, sorted_rows, positions, updates, axis=scatter.axis,
                   reduction=reduction.decode() if isinstance(reduction, bytes) else reduction,
                   shape=list(static_shape(data)) if zeros else None)
     y, unread = node.outputs[0], [indices.producer(), data.producer() if zeros else None]
@@ -98,8 +134,8 @@ class SortScatterRows(ContractPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        found = [(n, rows) for n in graph if (rows := sortable_rows(n)) is not None]
-        for node, (rows, groups) in found:
-            _sort(graph, node, rows, groups)
+        found = [(n, scatter) for n in graph if (scatter := sortable_rows(n)) is not None]
+        for node, scatter in found:
+            _sort(graph, node, scatter)
         return ir.passes.PassResult(model, bool(found))
 
