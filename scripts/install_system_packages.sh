@@ -9,7 +9,8 @@
 #   adb                            Debian's adb client, talking to the loopback device (tests/test_adb.py)
 #   gcc-aarch64-linux-gnu libc6-dev-arm64-cross   the runner's aarch64 portability build
 #   chromium chromium-driver       open a pass dump in Netron in headless Chromium (tests/test_netron_dump.py)
-#   oclgrind                       a simulated OpenCL device that counts instructions (benchmarks/instructions.py)
+#   oclgrind                       a simulated OpenCL device that checks accesses and races (tests/test_oclgrind.py)
+#                                  and counts instructions (benchmarks/instructions.py)
 set -euo pipefail
 PACKAGES=(cmake make gcc libc6-dev ocl-icd-libopencl1 pocl-opencl-icd adb gcc-aarch64-linux-gnu libc6-dev-arm64-cross
           chromium chromium-driver oclgrind)
