@@ -6,14 +6,14 @@ the sorted one (pass sort_scatter_rows), side by side in one run.
 Each shape VxDxN is a [V, D] table read at N token ids (random, so rows repeat), loss sum(E * R),
 SGD, compiled for adreno830 and run on the local device (PoCL here). The table gives the scatter
 kernel's own time (OpenCL profiling events; for the sorted form its MergeRuns passes too) and the
-whole step's, median of `--steps` after one warm-up, and unsorted over sorted.
+whole step's, sums of per-kernel medians of `--steps` after one warm-up, and unsorted over sorted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
 import sys
 import tempfile
 
@@ -27,7 +27,7 @@ from fblc.codegen.compile import compile_model  # noqa: E402
 from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
 from fblc.passes import sort_scatter_rows  # noqa: E402
 from fblc.passes.pipeline import TrainingOptions  # noqa: E402
-from fblc.runtime.local import LocalRunner  # noqa: E402
+from benchmarks.estimate_check import measured_kernel_ms  # noqa: E402
 
 SCATTER_KERNELS = ("ScatterElements", "ScatterSortedRows", "MergeRuns")
 
@@ -45,20 +45,13 @@ def embedding_model(path: str, rows: int, width: int, count: int) -> None:
 
 
 def timed(path: str, bundle: str, ids: np.ndarray, steps: int) -> tuple[float, float]:
-    """(scatter kernels ms, step ms), medians over `steps` after a warm-up step."""
+    """(scatter kernels ms, step ms): sums of per-kernel medians over `steps` after a warm-up step."""
     compile_model(path, bundle, "adreno830", "fp32",
                   TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1)))
-    runner = LocalRunner(bundle, profiling=True, progress=False)
-    runner.step({"ids": ids})
-    scatter = [i for i, k in enumerate(runner.plan["kernels"]) if k["name"].split("_", 1)[1] in SCATTER_KERNELS]
-    scatter_ms, step_ms = [], []
-    for _ in range(steps):
-        events = runner.run_kernels()
-        runner.queue.finish()
-        times = [(e.profile.end - e.profile.start) * 1e-6 for e in events]
-        scatter_ms.append(sum(times[i] for i in scatter))
-        step_ms.append(sum(times))
-    return statistics.median(scatter_ms), statistics.median(step_ms)
+    kernel_ms = measured_kernel_ms(bundle, {"ids": ids}, steps)
+    with open(os.path.join(bundle, "plan.json"), encoding="utf-8") as handle:
+        names = [k["name"].split("_", 1)[1] for k in json.load(handle)["kernels"]]
+    return float(sum(ms for name, ms in zip(names, kernel_ms) if name in SCATTER_KERNELS)), float(kernel_ms.sum())
 
 
 def main() -> int:

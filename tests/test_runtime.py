@@ -164,9 +164,17 @@ def test_the_local_device_is_the_first_whose_compiler_builds_a_kernel(monkeypatc
             return self.devices
 
     broken, working = Device("broken-cpu", "error: unknown target CPU 'generic'"), Device("working-cpu", None)
-    monkeypatch.setattr(opencl, "build_error", lambda device: device.error)
-    monkeypatch.setattr(cl, "get_platforms", lambda: [Platform(broken), Platform(working)])
+    later = Device("later-gpu", None)
+    probed = []
+
+    def probe(device: Device) -> str | None:
+        probed.append(device.name)
+        return device.error
+
+    monkeypatch.setattr(opencl, "build_error", probe)
+    monkeypatch.setattr(cl, "get_platforms", lambda: [Platform(broken), Platform(working, later)])
     assert select_device("local") is working
+    assert probed == ["broken-cpu", "working-cpu"]  # no build on a device after the one chosen
     monkeypatch.setattr(cl, "get_platforms", lambda: [Platform(broken)])
     with pytest.raises(DeviceError, match=r"no OpenCL device here can build a kernel: broken-cpu \(OpenCL 3.0 fake\): "
                                           r"error: unknown target CPU 'generic'.*apt-get install pocl-opencl-icd"):

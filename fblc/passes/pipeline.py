@@ -206,7 +206,8 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + ([TileRemap()] if options.layout == "rtile" else [])
+    remap = [TileRemap()] if options.layout == "rtile" else []
+    return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:

@@ -51,10 +51,11 @@ class RowScatter:
     updates_shape: tuple[int, ...]
 
 
-def _scatter_elements_rows(node: ir.Node) -> RowScatter | None:
-    """ScatterElements whose indices are an Expand of rows with extent 1 after `axis` and, before it, either
-    all 1 (shared) or the indices' own; the updates cover the data off `axis` (a gather's segment sum)."""
-    data, indices, updates = node.inputs[:3]
+def expanded_rows(node: ir.Node) -> tuple[ir.Value, tuple[int, ...], int] | None:
+    """(rows, their shape padded to the data's rank, axis) when a ScatterElements scatters whole rows: its
+    indices are an Expand of `rows`, whose extent is 1 after `axis` (one target row per update, the same
+    for the row's elements), and the indices cover the data off `axis` (a gather's segment sum)."""
+    data, indices = node.inputs[:2]
     producer = indices.producer()
     if producer is None or producer.op_type != "Expand":
         return None
@@ -66,12 +67,22 @@ def _scatter_elements_rows(node: ir.Node) -> RowScatter | None:
     rank = len(data_shape)
     axis = int(attr(node, "axis", 0)) % rank
     source = (1,) * (rank - len(source)) + tuple(source)
-    count = index_shape[axis]
     covers = all(index_shape[k] == data_shape[k] for k in range(rank) if k != axis)
-    leading = source[:axis]
+    if not (covers and index_shape[axis] > 0 and all(d == 1 for d in source[axis + 1:])):
+        return None
+    return rows, source, axis
+
+
+def _scatter_elements_rows(node: ir.Node) -> RowScatter | None:
+    """A row scatter (expanded_rows) whose rows are, before `axis`, either all 1 (shared) or the indices' own."""
+    found = expanded_rows(node)
+    if found is None:
+        return None
+    rows, source, axis = found
+    index_shape = static_shape(node.inputs[1])
+    leading, count = source[:axis], index_shape[axis]
     shared = all(d == 1 for d in leading)
-    if not (covers and all(d == 1 for d in source[axis + 1:]) and source[axis] == count
-            and (shared or leading == index_shape[:axis]) and static_shape(updates) == index_shape):
+    if source[axis] != count or not (shared or leading == index_shape[:axis]):
         return None
     return RowScatter(rows, 1 if shared else numel(leading), axis, count, tuple(index_shape))
 

@@ -36,12 +36,11 @@ def select_device(spec: str | None = None):  # -> pyopencl.Device
         usable = [d for _, d in devices if d.image_support]
         if not usable:
             raise DeviceError(f"no OpenCL device with image support found; {NO_DEVICE_HELP}")
-        failures = {d: build_error(d) for d in usable}
-        working = [d for d in usable if failures[d] is None]
-        if not working:
-            listing = "; ".join(f"{d.name.strip()} ({d.platform.version.strip()}): {failures[d]}" for d in usable)
+        working = next((d for d in usable if build_error(d) is None), None)  # probes up to the first that builds
+        if working is None:
+            listing = "; ".join(f"{d.name.strip()} ({d.platform.version.strip()}): {build_error(d)}" for d in usable)
             raise DeviceError(f"no OpenCL device here can build a kernel: {listing}; {NO_DEVICE_HELP}")
-        return working[0]
+        return working
     if spec.startswith("opencl:"):
         try:
             _, platform_index, device_index = spec.split(":")
@@ -79,5 +78,5 @@ def list_devices() -> list[str]:
     except cl.Error:
         return []
     return [f"opencl:{pi}:{di}  {d.name} ({p.name}, images: {'yes' if d.image_support else 'no'}, "
-            f"builds kernels: {'yes' if build_error(d) is None else 'no: ' + str(build_error(d))})"
+            f"builds kernels: {'no: ' + error if (error := build_error(d)) else 'yes'})"
             for pi, p in enumerate(platforms) for di, d in enumerate(p.get_devices())]

@@ -18,6 +18,8 @@ never reaches this kernel: pass sort_scatter_rows sorts its rows first (kernels 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
@@ -27,6 +29,7 @@ from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import is_zeros, row_major_strides
 from fblc.compiler.values import attr, numel, static_shape
+from fblc.passes.sort_scatter_rows import expanded_rows
 
 FAMILY = "gather"
 
@@ -206,7 +209,7 @@ def _scatter_nd_slices(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
     data_shape, index_shape = static_shape(data), static_shape(indices)
     depth, count = index_shape[-1], numel(index_shape[:-1])
     slice_size = numel(data_shape[depth:])
-    per = max(d for d in range(1, SLICE_TEXELS + 1) if (slice_size // 4) % d == 0)
+    per = slice_texels(slice_size)
     b.texels_per_item = per
     first, prefix, within = b.fresh("first"), b.fresh("prefix"), b.fresh("within")
     accs, u, target = b.fresh("acc"), b.fresh("update"), b.fresh("target")
@@ -269,51 +272,68 @@ def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kerne
 
 
 def _row_scatter(b: KernelBuilder, node: ir.Node) -> bool:
-    """Whether a ScatterElements scatters whole rows (the segment sums of gather gradients): its
-    indices are an Expand of indices with extent 1 after `axis` (one target row per update, the
-    same for the row's elements), the updates cover the data off `axis`, and a row is whole
+    """Whether a ScatterElements scatters whole rows (sort_scatter_rows.expanded_rows) that are whole
     float texels of data and updates."""
-    data, indices, updates = node.inputs[:3]
-    data_shape, index_shape = static_shape(data), static_shape(indices)
-    axis = _axis(node, len(data_shape))
-    producer = indices.producer()
-    if producer is None or producer.op_type != "Expand" or ctype_of(node.outputs[0]) != "float":
+    data, updates = node.inputs[0], node.inputs[2]
+    found = expanded_rows(node)
+    if found is None or ctype_of(node.outputs[0]) != "float":
         return False
-    source = static_shape(producer.inputs[0])
-    source = (1,) * (len(index_shape) - len(source)) + tuple(source)
-    covers = all(index_shape[k] == data_shape[k] for k in range(len(data_shape)) if k != axis)
-    inner = numel(data_shape[axis + 1:])
-    return (covers and index_shape[axis] > 0 and all(d == 1 for d in source[axis + 1:]) and inner % 4 == 0
-            and (is_zeros(data) or whole_texels(b, data)) and whole_texels(b, updates))
+    return (numel(static_shape(data)[found[2] + 1:]) % 4 == 0 and (is_zeros(data) or whole_texels(b, data))
+            and whole_texels(b, updates))
 
 
 def _scatter_elements_rows(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
     """ScatterElements of whole rows (see _row_scatter), as `_scatter_nd_slices` does ScatterND: a
-    work-item owns `per` texels of one target row and scans the updates' row numbers once for all
-    of them (the lane path reads them once per element, the gradient of a 32k-row embedding
-    N * 32k * width times); matching rows fold into float4 accumulators in update order."""
+    work-item owns texels of one target row and scans the updates' row numbers once for all of them
+    (the lane path reads them once per element, the gradient of a 32k-row embedding N * 32k * width
+    times); matching rows fold in update order (fold_rows)."""
     data, indices, updates = node.inputs[:3]
     data_shape, index_shape = static_shape(data), static_shape(indices)
     axis = _axis(node, len(data_shape))
     depth, count, inner = data_shape[axis], index_shape[axis], numel(data_shape[axis + 1:])
-    per = max(d for d in range(1, SLICE_TEXELS + 1) if (inner // 4) % d == 0)
+    u, base, raw = b.fresh("update"), b.fresh("base"), b.fresh("t")
+
+    def scan_all(outer: str, target: str) -> tuple[list[str], str]:
+        return [f"for (int {u} = 0; {u} < {count}; ++{u}) {{",
+                f"  const int {base} = ({outer} * {count} + {u}) * {inner};",
+                f"  const int {raw} = {b.load(indices, base)};",
+                f"  if (wrap_row({raw}, {depth}) != {target}) continue;"], base
+
+    return fold_rows(b, None if is_zeros(data) else data, updates, combine, depth, inner, scan_all)
+
+
+def slice_texels(elements: int) -> int:
+    """The texels of a slice of `elements` (a multiple of 4) that one work-item folds: the most, up to
+    SLICE_TEXELS, that divide the slice (so a work-item's texels never leave it)."""
+    return max(d for d in range(1, SLICE_TEXELS + 1) if (elements // 4) % d == 0)
+
+
+#: (outer, target) -> the C lines of a loop over the updates of target row `target` (of leading index
+#: `outer`), in update order, the last line inside its open body, and the C expression of the
+#: matching update row's first element
+UpdateRows = Callable[[str, str], tuple[list[str], str]]
+
+
+def fold_rows(b: KernelBuilder, data: ir.Value | None, updates: ir.Value, combine: str, depth: int, inner: int,
+              updates_of: UpdateRows) -> Kernel:
+    """A row scatter by whole texels into data [.., depth, inner] (None: a zero table): a work-item owns
+    slice_texels(inner) texels of one target row, starts from the data's texels and folds the texels of
+    each update row that `updates_of` finds, into float4 accumulators in the order it gives."""
+    per = slice_texels(inner)
     b.texels_per_item = per
-    first, row, outer, within = b.fresh("first"), b.fresh("row"), b.fresh("outer"), b.fresh("within")
-    accs, u, base, raw = b.fresh("acc"), b.fresh("update"), b.fresh("base"), b.fresh("t")
-    code = [f"const int {first} = {b.item_first};",
-            f"const int {row} = {first} / {inner};",
-            f"const int {outer} = {row} / {depth};",
-            f"const int {within} = {first} - {row} * {inner};",
-            f"float {accs}[{4 * per}];"]
-    initial = "(float4)(0.0f)" if is_zeros(data) else texel_of(b, data, f"{first} + 4 * tt")
-    update = texel_of(b, updates, f"{base} + {within} + 4 * tt")
-    folded = combine.format(acc=f"vload4(tt, {accs})", u=update)
-    code += [f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
-             f"for (int {u} = 0; {u} < {count}; ++{u}) {{",
-             f"  const int {base} = ({outer} * {count} + {u}) * {inner};",
-             f"  const int {raw} = {b.load(indices, base)};",
-             f"  if (({raw} < 0 ? {raw} + {depth} : {raw}) != {row} - {outer} * {depth}) continue;",
-             f"  for (int tt = 0; tt < {per}; ++tt) vstore4({folded}, tt, {accs});",
-             "}"]
-    b.emit_texel(*code)
+    first, row, outer, within, target, accs = (b.fresh(h) for h in ("first", "row", "outer", "within", "target",
+                                                                     "acc"))
+    initial = "(float4)(0.0f)" if data is None else texel_of(b, data, f"{first} + 4 * tt")
+    loop, update_row = updates_of(outer, target)
+    folded = combine.format(acc=f"vload4(tt, {accs})", u=texel_of(b, updates, f"{update_row} + {within} + 4 * tt"))
+    b.emit_texel(f"const int {first} = {b.item_first};",
+                 f"const int {row} = {first} / {inner};",
+                 f"const int {outer} = {row} / {depth};",
+                 f"const int {within} = {first} - {row} * {inner};",
+                 f"const int {target} = {row} - {outer} * {depth};",
+                 f"float {accs}[{4 * per}];",
+                 f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
+                 *loop,
+                 f"  for (int tt = 0; tt < {per}; ++tt) vstore4({folded}, tt, {accs});",
+                 "}")
     return b.finish([f"{accs}[{b.item_lane}]"])

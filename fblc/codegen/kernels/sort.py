@@ -22,8 +22,7 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
 from fblc.codegen.cl import Kernel
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.gather import (SLICE_TEXELS, combine_template, own_index, start_accumulator, texel_of,
-                                         whole_texels)
+from fblc.codegen.kernels.gather import combine_template, fold_rows, own_index, start_accumulator, whole_texels
 from fblc.compiler.index_map import is_zeros
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import attr, numel, static_shape
@@ -82,44 +81,39 @@ def _first_update(b: KernelBuilder, keys: ir.Value, line: str, target: str) -> t
 def emit_scatter_sorted_rows(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     data, keys, positions, updates = node.inputs[:4]  # no data: a zero table (sort_scatter_rows)
+    data = None if data is None or is_zeros(data) else data
     data_shape = static_shape(node.outputs[0])
-    zeros = data is None or is_zeros(data)
     axis = int(attr(node, "axis", 0)) % len(data_shape)
     depth, inner = data_shape[axis], numel(data_shape[axis + 1:])
     groups, count = static_shape(keys)
-    combine = combine_template(node, ctype_of(node.outputs[0]))
+    ctype = ctype_of(node.outputs[0])
+    combine = combine_template(node, ctype)
     b = KernelBuilder(table, group.name, FAMILY, group.outputs)
     b.nodes.append(node.name)
-    texels = (ctype_of(node.outputs[0]) == "float" and inner % 4 == 0 and (zeros or whole_texels(b, data))
-              and whole_texels(b, updates))
-    per = max(d for d in range(1, SLICE_TEXELS + 1) if (inner // 4) % d == 0) if texels else 1
-    b.texels_per_item = per  # before item_first: a work-item's texels lie in one row
-    first, row, outer, within, target, line = (b.fresh(h) for h in ("first", "row", "outer", "within", "target",
-                                                                     "line"))
-    code = [f"const int {first} = {b.item_first if texels else own_index(data_shape)};",
-            f"const int {row} = {first} / {inner};",
-            f"const int {outer} = {row} / {depth};",
-            f"const int {within} = {first} - {row} * {inner};",
-            f"const int {target} = {row} - {outer} * {depth};",
-            f"const int {line} = {outer if groups > 1 else 0} * {count};"]
-    search, u = _first_update(b, keys, line, target)
     base = b.fresh("base")
-    scan = [f"for (; {u} < {count}; ++{u}) {{",
-            f"  if ({b.load(keys, f'{line} + {u}')} != {target}) break;",
-            f"  const int {base} = ({outer} * {count} + {b.load(positions, f'{line} + {u}')}) * {inner} + {within};"]
-    if not texels:
-        acc = b.fresh("acc")
-        b.emit(*code)
-        if zeros:
-            b.emit(f"{ctype_of(node.outputs[0])} {acc} = 0;")
-        else:
-            start_accumulator(b, node, acc)
-        b.emit(*search, *scan, f"  {acc} = {combine.format(acc=acc, u=b.load(updates, base))};", "}")
-        return [b.finish([acc])]
-    accs = b.fresh("acc")
-    initial = "(float4)(0.0f)" if zeros else texel_of(b, data, f"{first} + 4 * tt")
-    folded = combine.format(acc=f"vload4(tt, {accs})", u=texel_of(b, updates, f"{base} + 4 * tt"))
-    b.emit_texel(*code, f"float {accs}[{4 * per}];",
-                 f"for (int tt = 0; tt < {per}; ++tt) vstore4({initial}, tt, {accs});",
-                 *search, *scan, f"  for (int tt = 0; tt < {per}; ++tt) vstore4({folded}, tt, {accs});", "}")
-    return [b.finish([f"{accs}[{b.item_lane}]"])]
+
+    def sorted_updates(outer: str, target: str) -> tuple[list[str], str]:
+        """The binary search for target's first update, then a loop over its run of equal row numbers."""
+        line = f"{outer} * {count}" if groups > 1 else "0"
+        search, u = _first_update(b, keys, line, target)
+        return [*search,
+                f"for (; {u} < {count}; ++{u}) {{",
+                f"  if ({b.load(keys, f'{line} + {u}')} != {target}) break;",
+                f"  const int {base} = ({outer} * {count} + {b.load(positions, f'{line} + {u}')}) * {inner};"], base
+
+    if (ctype == "float" and inner % 4 == 0 and (data is None or whole_texels(b, data))
+            and whole_texels(b, updates)):
+        return [fold_rows(b, data, updates, combine, depth, inner, sorted_updates)]
+    element, row, outer, target, acc = (b.fresh(h) for h in ("element", "row", "outer", "target", "acc"))
+    b.emit(f"const int {element} = {own_index(data_shape)};",
+           f"const int {row} = {element} / {inner};",
+           f"const int {outer} = {row} / {depth};",
+           f"const int {target} = {row} - {outer} * {depth};")
+    if data is None:
+        b.emit(f"{ctype} {acc} = 0;")
+    else:
+        start_accumulator(b, node, acc)
+    loop, update_row = sorted_updates(outer, target)
+    within = f"{element} - {row} * {inner}"
+    b.emit(*loop, f"  {acc} = {combine.format(acc=acc, u=b.load(updates, f'{update_row} + {within}'))};", "}")
+    return [b.finish([acc])]
