@@ -49,6 +49,8 @@ NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4", "r_mask
 CHANNELS = {"rgba_f32": 4, "rgba_f16": 4, "rgba_i32": 4, "r_mask8": 1, "r_mask4": 1}
 #: the r_mask format of each texel_layout mask kind
 MASK_FORMATS = {"mask8": "r_mask8", "mask4": "r_mask4"}
+#: the image format of a float tensor stored at each precision (`--dtype`, fblc.storage)
+FLOAT_FORMATS = {"fp32": "rgba_f32", "fp16": "rgba_f16"}
 INTEGER_FORMATS = ("rgba_i32", *MASK_FORMATS.values())  # read back as integers
 
 

@@ -102,7 +102,10 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="local",
                         help=f"target GPU: {', '.join(shipped_targets())}, or a profile .json (default: local)")
     parser.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
-                        help="texture storage; fp16 keeps fp32 accumulation (default: fp32)")
+                        help="texture storage. fp16 is mixed precision: activations and their gradients in half "
+                             "textures; parameters, the gradients the optimizer reads and its state in fp32 (master "
+                             "weights); fp32 accumulation in every kernel; dynamic loss scaling (--loss-scale) "
+                             "(default: fp32)")
     parser.add_argument("--layout", choices=["rtile", "naive"], default="rtile",
                         help="rtile: R-Tile texture layouts, transposes and reshapes as index maps; naive: flat "
                              "row-major textures with explicit copy kernels, the conventional baseline (default: rtile)")

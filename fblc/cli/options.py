@@ -29,6 +29,7 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
 
     `step=False` leaves out what only changes the step's arithmetic, not which ops it has
     (the optimizer's figures, --dump-dir): `fblc check` takes the rest."""
+    from fblc.compiler.loss_scale import LOSS_SCALES
     from fblc.compiler.losses import LOSSES
     from fblc.compiler.optimizers import OPTIMIZERS
 
@@ -47,6 +48,11 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
         parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
                             help="Adam betas (default: 0.9 0.999)")
         parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8)")
+        parser.add_argument("--loss-scale", choices=LOSS_SCALES, default="auto",
+                            help="dynamic: the backward starts from a scale that keeps half-precision gradients "
+                                 "above underflow; a step with inf/NaN gradients is skipped and halves it "
+                                 "(reported as 'skipped' and 'scale' per step); auto: dynamic with --dtype fp16, "
+                                 "else none (default: auto)")
     parser.add_argument("--train", metavar="REGEX", help="train only parameters whose name matches REGEX")
     parser.add_argument("--freeze", metavar="REGEX", help="freeze parameters whose name matches REGEX")
     parser.add_argument("--bn-train", action="store_true",
@@ -149,7 +155,8 @@ def training_options(args: argparse.Namespace) -> "object":
                            freeze=args.freeze, bn_train=args.bn_train, adapter=adapter, trainer=trainer, es=es,
                            tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
                            layout=getattr(args, "layout", "rtile"),
-                           layout_search=getattr(args, "layout_search", "blocks"))
+                           layout_search=getattr(args, "layout_search", "blocks"),
+                           dtype=getattr(args, "dtype", "fp32"), loss_scale=getattr(args, "loss_scale", "auto"))
 
 
 @dataclass(frozen=True)

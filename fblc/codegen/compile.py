@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -15,7 +16,8 @@ from fblc.codegen.estimate import estimate_object
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.layout_report import layout_object
 from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
-from fblc.codegen.plan import FLOAT_FORMATS, Program, lower
+from fblc.bundle_format import FLOAT_FORMATS
+from fblc.codegen.plan import Program, lower
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
 from fblc.compiler.summary import trained_set_source, trained_tensors
@@ -51,6 +53,7 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     if dtype == "fp16" and not profile.fp16:
         raise FblcError(f"target {profile.name} has no fp16 support", "use --dtype fp32")
     started = time.perf_counter()
+    options = dataclasses.replace(options, dtype=dtype)
     step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=on_pass, lower=profile)
     program = lower(step, profile, dtype)
     table = buffer_table(step, program)

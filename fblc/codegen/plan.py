@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from fblc.bundle_format import FLOAT_FORMATS
 from fblc.codegen.cl import PREAMBLE, Kernel
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.textures import Texture, TextureTable, to_texels
@@ -27,7 +28,6 @@ from fblc.passes.fuse import ALIAS, CONTRACTIONS, kernel_of
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
 
-FLOAT_FORMATS = {"fp32": "rgba_f32", "fp16": "rgba_f16"}
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Element i of a tensor sits in lane i % 4 of texel i // 4; where texel t sits in the image is
 the value's layout (`fblc.layout`, written by rtile_select; flat when absent, see
-fblc/texel_layout.py). Float tensors use RGBA float (or half with --dtype fp16); integer and
+fblc/texel_layout.py). Float tensors use RGBA float, or half where storage_precision stored them
+in fp16 (`fblc.storage`, --dtype fp16); integer and
 boolean tensors use RGBA int32, except the boolean tensors rtile_select gives a mask layout
 (saved masks: r_mask8, one bit per element). Views (remapped data movement, Identity) read
 their root's texture.
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from fblc.bundle_format import MASK_FORMATS, NUMPY_DTYPES
+from fblc.bundle_format import FLOAT_FORMATS, MASK_FORMATS, NUMPY_DTYPES
 from fblc.compiler import keys
 from fblc.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
@@ -95,7 +96,11 @@ class TextureTable:
         layout = (TexelLayout.from_dict(json.loads(annotated)) if annotated
                   else flat_layout(texels, self.profile.placement_limits(texels)[0]))
         self._check_fits(value.name, shape, layout)
-        texture_format = self.float_format if kind == "float" else MASK_FORMATS.get(layout.kind, "rgba_i32")
+        if kind == "float":  # the step's annotation (storage_precision), else the table's --dtype
+            storage = value.metadata_props.get(keys.STORAGE)
+            texture_format = FLOAT_FORMATS[storage] if storage else self.float_format
+        else:
+            texture_format = MASK_FORMATS.get(layout.kind, "rgba_i32")
         texture = Texture(len(self.textures), value.name, shape, kind, texture_format, layout)
         self.textures.append(texture)
         self._roots.append(value)

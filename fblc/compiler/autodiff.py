@@ -77,8 +77,10 @@ def gradient_gaps(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -
     return GRADIENTS.missing(differentiable_nodes(graph, loss, params))
 
 
-def build_backward(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) -> BackwardResult:
-    """Append the backward of `loss` with respect to `params`; return each parameter's gradient.
+def build_backward(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value],
+                   seed: ir.Value | None = None) -> BackwardResult:
+    """Append the backward of `loss` with respect to `params`; return each parameter's gradient
+    (of `seed` * loss with a `seed`, the loss scale of mixed precision).
 
     Raises one UnsupportedOpError naming every op on the path without a rule and every node a
     rule refuses; the rules run on past a refusal only to find the others (the graph is then
@@ -89,7 +91,7 @@ def build_backward(graph: ir.Graph, loss: ir.Value, params: Sequence[ir.Value]) 
     refusals: list[FblcError] = []
     forward_ids = {id(n) for n in graph}
     emitter = Emitter(graph, stage="backward")
-    contributions: dict[int, list[ir.Value]] = {id(loss): [emitter.const(1.0, dtype=loss.dtype)]}
+    contributions: dict[int, list[ir.Value]] = {id(loss): [seed if seed is not None else emitter.const(1.0, dtype=loss.dtype)]}
     needs_grad: set[int] = {id(p) for p in params}
     for node in nodes:
         needs_grad.update(id(o) for o in node.outputs)

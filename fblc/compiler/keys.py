@@ -13,6 +13,8 @@ LAYOUT_MODE = "fblc.layout_mode"
 LAYOUT_NOTE = "fblc.layout_note"
 #: On a remapped data-movement node: the strided map of its output over its root (index_map.py).
 INDEX_MAP = "fblc.index_map"
+#: On a float storage root: "fp32" or "fp16", the format its texture takes (storage_precision).
+STORAGE = "fblc.storage"
 ROLE = "fblc.role"
 KERNEL = "fblc.kernel"
 MEM = "fblc.mem"

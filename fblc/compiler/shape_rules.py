@@ -61,6 +61,11 @@ def _comparison(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast(shapes), ir.DataType.BOOL)]
 
 
+@shape_rule("IsNaN")
+def _is_nan(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    return [(shapes[0], ir.DataType.BOOL)]
+
+
 @shape_rule("Where")
 def _where(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast(shapes), dtypes[1])]

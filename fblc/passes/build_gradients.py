@@ -3,6 +3,8 @@
 Rewrite: reverse-mode autodiff with the gradient-rule registry (fblc.compiler.autodiff);
 forward values the backward reads get role `saved`. Parameters the loss does not depend on
 are demoted to `frozen` and listed in the model's metadata (`fblc.unused_params`).
+With `loss_scale` (mixed precision, fblc.compiler.loss_scale) the backward starts from the new
+state input `loss_scale` instead of 1 and each `P.grad` is divided by it again.
 Preconditions: attach_loss ran (output 0 is the scalar loss); parameters are graph inputs
 with role `param`; static shapes. In place. Errors: an op on the path without a gradient
 rule (naming op, node and the supported list); no parameter reaching the loss.
@@ -17,6 +19,7 @@ from fblc.compiler.autodiff import BackwardResult, build_backward, params_reachi
 from fblc.errors import TrainableSetError
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
+from fblc.compiler.loss_scale import scale_input, unscale
 from fblc.passes.contracts import ContractPass
 
 UNUSED_PARAMS = "fblc.unused_params"
@@ -32,6 +35,10 @@ class BuildGradients(ContractPass):
     name = "build_gradients"
     requires_facts = ("static shapes", "trainable inputs", "loss")
     ensures_facts = ("gradients", "static shapes")
+
+    def __init__(self, loss_scale: bool = False) -> None:
+        super().__init__()
+        self.loss_scale = loss_scale
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -49,10 +56,13 @@ class BuildGradients(ContractPass):
             graph.inputs.remove(param)
         if unused:
             model.metadata_props[UNUSED_PARAMS] = ",".join(p.name for p in unused)
-        result = build_backward(graph, loss, list(reaching) + extra)
+        seed = scale_input(graph) if self.loss_scale else None
+        result = build_backward(graph, loss, list(reaching) + extra, seed)
         naming = Emitter(graph, stage="backward")
-        for param in reaching:
-            grad = result.grads[param.name]
+        grads = [result.grads[param.name] for param in reaching]
+        if seed is not None:
+            grads = unscale(graph, grads, seed)
+        for param, grad in zip(reaching, grads):
             if grad.producer() is None or grad.is_graph_output() or grad.name.endswith(".grad"):
                 grad = naming.op("Identity", grad)
             grad.name = f"{param.name}.grad"

@@ -6,7 +6,8 @@ maps) that read their root's texture. Two kernels merge when both are elementwis
 contraction, MatMul/Gemm/Conv/ConvTranspose, and the other only feeds its epilogue), their
 outputs have the same shape (one work-item per output element serves both), the consumer reads
 the producer's output in its own order (directly, or through a view that keeps the order), and no third
-kernel lies between them (merging would form a cycle). An elementwise node tries to merge
+kernel lies between them (merging would form a cycle), and the merged kernel reads at most
+READ_IMAGE_ARGS textures (a sum over every parameter's gradient stays within what OpenCL guarantees). An elementwise node tries to merge
 with the kernels of all its inputs, so chains over parameters and optimizer state (Adam's
 moment updates) become one kernel. Every other op runs alone. Kernels are numbered in a
 topological order. Preconditions: static shapes; topologically sorted graph. In place;
@@ -19,9 +20,10 @@ import networkx as nx
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers
+from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers, view_root
 from fblc.compiler.values import static_shape
 from fblc.passes.contracts import ContractPass
+from fblc.profiles.profile import READ_IMAGE_ARGS
 
 ALIAS = "alias"
 ELEMENTWISE = frozenset({
@@ -50,6 +52,8 @@ class _Groups:
         # the graph does not change while fusing: each node's readers and producers, through views, once
         self.readers = {id(n): [c for v in n.outputs for c in real_readers(v)] for n in nodes}
         self.producers = {id(n): [p for p in map(real_producer, n.inputs) if p is not None] for n in nodes}
+        self.reads: dict[int, set[int]] = {}  # group -> the textures (view roots) its nodes read
+        self.writes: dict[int, set[int]] = {}  # group -> the values its nodes make
 
     def add(self, node: ir.Node) -> int:
         key = id(node)
@@ -59,7 +63,13 @@ class _Groups:
         self.kind[key] = ("elementwise" if node.op_type in ELEMENTWISE and len(node.outputs) == 1 else
                           "contraction" if node.op_type in CONTRACTIONS else "single")
         self.shape[key] = static_shape(node.outputs[0])
+        self.reads[key] = {id(view_root(v)) for v in node.inputs if v is not None}
+        self.writes[key] = {id(v) for v in node.outputs if v is not None}
         return key
+
+    def textures_read(self, a: int, b: int) -> int:
+        """The textures a kernel of groups a and b together reads (what neither makes itself)."""
+        return len((self.reads[a] | self.reads[b]) - self.writes[a] - self.writes[b])
 
     def find(self, key: int) -> int:
         while self.root[key] != key:
@@ -120,6 +130,8 @@ class _Groups:
                 anchor = self.members[contraction][0]
                 if any(self.of(producer) == other for producer in self.producers[id(anchor)]):
                     return False  # the other kernel would be the anchor's prologue
+        if self.textures_read(a, b) > READ_IMAGE_ARGS:
+            return False
         return not self.reaches_through_third(a, b) and not self.reaches_through_third(b, a)
 
     def merge(self, a: int, b: int) -> int:
@@ -131,6 +143,9 @@ class _Groups:
         self.members[keep] = merged
         (a_first, a_last), (b_first, b_last) = self.span[keep], self.span.pop(gone)
         self.span[keep] = (min(a_first, b_first), max(a_last, b_last))
+        self.reads[keep] = (self.reads[keep] | self.reads.pop(gone)) - self.writes[keep]
+        self.writes[keep] |= self.writes.pop(gone)
+        self.reads[keep] -= self.writes[keep]
         for table in (self.kind, self.shape):
             table.pop(gone)
         return keep

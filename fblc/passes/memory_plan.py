@@ -13,7 +13,8 @@ in launch indices:
 - `grad`: parameter gradients, and the dL/dq that memflora-sg keeps per site until its replay;
   `replay`: the full-width site inputs that memflora-sg's replay recomputes (one layer at a time).
 - `buffer`: every other value (temporaries, the `.new` outputs of the step).
-Sizes: elements x item size of the graph's dtype (fp32: 4 bytes); bool: ceil(n / 8), or, once
+Sizes: elements x item size of the storage format (fp32: 4 bytes; 2 where storage_precision
+stored a float tensor in half, `fblc.storage`); bool: ceil(n / 8), or, once
 rtile_select gave it a mask layout, the bytes of that image (bundle_format.image_bytes, what the
 runtimes allocate: ceil(n / 8) for an r_mask8 image whose width divides its bytes, twice that
 for the r_mask4 fallback of a writer that cannot write whole bytes).
@@ -112,7 +113,7 @@ class MemoryPlan:
             "training_state_peak_at": self.labels[state_at] if self.steps else "",
             "device_peak_at": self.labels[peak_at] if self.steps else "",
             "launches": self.steps, "backward_from": self.backward_from, "batch": self.batch,
-            "accounting": "fp32 tensors at 4 bytes per element, masks bit-packed at 1 bit per element (their r_mask8 "
+            "accounting": "float tensors at the bytes of their storage (fp32 4, fp16 2 per element), masks bit-packed at 1 bit per element (their r_mask8 "
                           "images); lifetimes over the kernel launch order, freed after their last reader",
             "floor": floor,
         }
@@ -149,10 +150,15 @@ def _bytes(value: ir.Value) -> int:
         if layout is not None and layout.kind in fmt.MASK_FORMATS:
             return fmt.image_bytes(fmt.MASK_FORMATS[layout.kind], layout.width, layout.height)
         return (count + 7) // 8
+    if value.metadata_props.get(keys.STORAGE) == "fp16":  # a half texture (storage_precision)
+        return 2 * count
     return int(count * dtype.itemsize)
 
 
 def _dtype_name(value: ir.Value) -> str:
+    """The element type as stored on the device (a half texture under mixed precision)."""
+    if value.metadata_props.get(keys.STORAGE) == "fp16":
+        return "float16"
     return ir.DataType(value.dtype).name.lower()
 
 

@@ -16,6 +16,7 @@ from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, AdapterConfig
 from fblc.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.es import TRAINERS, EsConfig
+from fblc.compiler.loss_scale import uses_loss_scale
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
@@ -42,8 +43,10 @@ from fblc.passes.layout_score import TracedReads
 from fblc.passes.rtile_select import LAYOUT_SEARCHES, RTileSelect
 from fblc.passes.sg_gradients import SgGradients
 from fblc.passes.sg_replay import SgReplay
+from fblc.passes.skip_nonfinite import SkipNonfinite
 from fblc.passes.sort_scatter_rows import SortScatterRows
 from fblc.passes.split_softmax import SplitSoftmax
+from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import Profile
@@ -70,6 +73,11 @@ class TrainingOptions:
     layout_search: str = "blocks"
     #: layout_search "traced": the texels the step's kernels read, by tensor (fblc.tools.traced_layouts)
     traced_reads: TracedReads | None = field(default=None, compare=False, repr=False)
+    #: device storage of float tensors: "fp32", or "fp16" (mixed precision: half activations, fp32
+    #: parameters, gradients and optimizer state; storage_precision)
+    dtype: str = "fp32"
+    #: "auto" (dynamic under --dtype fp16 with backpropagation), "dynamic" or "none" (fblc.compiler.loss_scale)
+    loss_scale: str = "auto"
 
 
 LAYOUTS = ("rtile", "naive")
@@ -97,6 +105,17 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     ]
 
 
+def loss_scaled(options: TrainingOptions) -> bool:
+    """Whether the step scales its loss (fblc.compiler.loss_scale): --loss-scale dynamic, or auto under fp16."""
+    scaled = uses_loss_scale(options.loss_scale, options.dtype, options.trainer)
+    if scaled and options.adapter.trains_projection_by_replay:
+        if options.loss_scale == "dynamic":
+            raise FblcError("--loss-scale dynamic does not combine with --adapter memflora-sg, whose replay "
+                            "reads the backward's gradients unscaled", "use --loss-scale none, or another adapter")
+        return False  # auto: memflora-sg trains in fp16 without a loss scale
+    return scaled
+
+
 def _gradient_pass(options: TrainingOptions) -> ir.passes.PassBase:
     if options.trainer not in TRAINERS:
         raise FblcError(f"unknown trainer '{options.trainer}'", f"choose one of: {', '.join(TRAINERS)}")
@@ -105,7 +124,9 @@ def _gradient_pass(options: TrainingOptions) -> ir.passes.PassBase:
             raise FblcError("--adapter memflora-sg trains its projection from the backward's gradients, which "
                             "--trainer es does not compute", "use --adapter fura-s, lora or memflora with --trainer es")
         return EsGradients(options.es)
-    return SgGradients() if options.adapter.trains_projection_by_replay else BuildGradients()
+    if options.adapter.trains_projection_by_replay:
+        return SgGradients()
+    return BuildGradients(loss_scale=loss_scaled(options))
 
 
 def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
@@ -118,7 +139,8 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         AttachLoss(options.loss),
         _gradient_pass(options),
         OptimizerStep(options.optimizer),
-    ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else [])
+    ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else []) + (
+        [SkipNonfinite()] if loss_scaled(options) else [])
 
 
 PassHook = Callable[[int, ir.passes.PassBase, ir.Model], None]
@@ -213,7 +235,8 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
 def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
     """After the step graph is built: layouts for the target, kernels, memory."""
     return layout_passes(options) + [RTileSelect(profile, options.layout, options.layout_search,
-                                                  options.traced_reads), FuseKernels(), MemoryPlanPass()]
+                                                  options.traced_reads), FuseKernels(), StoragePrecision(options.dtype),
+                                                  MemoryPlanPass()]
 
 
 def compile_pipeline(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:

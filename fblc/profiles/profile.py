@@ -49,6 +49,9 @@ SORTED_SCATTER_UPDATES = 64
 #: the floats one work-item's accumulators may take: an 8 x 8 tile, what mobile GEMM kernels keep in
 #: registers (Adreno's and Mali's guides: more spills to private memory, which is device memory)
 PRIVATE_FLOATS = 64
+#: the most images one kernel reads: OpenCL 1.2's least CL_DEVICE_MAX_READ_IMAGE_ARGS, what every
+#: device takes (the fuse pass merges elementwise chains only within it)
+READ_IMAGE_ARGS = 128
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
 #: host-to-GPU cost of one kernel launch in an in-order queue, for report.json's estimate (estimated:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -65,6 +65,7 @@ def verify_model(model_path: str, options: TrainingOptions, target: str = "local
     """Compile, run one step on the device and on onnxruntime, compare every output of the step."""
     with tempfile.TemporaryDirectory(dir=work_dir) as scratch:
         bundle = os.path.join(scratch, "bundle")
+        options = replace(options, dtype=dtype)  # the reference steps as the bundle does (loss scale)
         options = with_traced_reads(model_path, target, dtype, options, feeds, device=device)
         step, _ = compile_model(model_path, bundle, target, dtype, options)
         step_path = os.path.join(scratch, "step.onnx")

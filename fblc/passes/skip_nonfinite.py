@@ -1,0 +1,75 @@
+"""skip_nonfinite: under dynamic loss scaling, a step whose gradients are not finite updates nothing.
+
+Rewrite (when the step has the state input `loss_scale`, which build_gradients adds under
+mixed precision; fblc.compiler.loss_scale): `skipped` = some element of some `P.grad` is inf or
+NaN, checked on the gradients of the scaled loss; the unscaling multiplies by
+`Where(skipped, 0, 1 / scale)` (a skipped step's `P.grad` is no number to use), which makes the
+optimizer's kernels read the check: fuse then keeps each parameter's update out of its gradient
+kernel's epilogue and the gating Where inside the update's kernel, so no `.proposed` state is
+stored (the graph is sorted again); every state output `X.new` becomes `Where(skipped, X, X.new)` (parameters, optimizer
+state, the step count, BatchNorm statistics); the scale halves on a skipped step and doubles
+after GROWTH_INTERVAL finite ones (state `loss_scale.good_steps`); the metrics `skipped` and
+`scale` (the loss scale this step's backward used) are reported beside the loss.
+Preconditions: the optimizer's updates (`updates`). Without `loss_scale` nothing changes
+(`modified` false). In place.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import Emitter
+from fblc.compiler.keys import Role
+from fblc.compiler.loss_scale import GOOD_STEPS, SCALE, SKIPPED, next_scale, not_finite, unscaling
+from fblc.passes.contracts import ContractPass
+from fblc.passes.optimizer_step import name_output
+
+SCALE_METRIC = "scale"
+
+
+class SkipNonfinite(ContractPass):
+    """Gate every state update on finite gradients and update the loss scale (in place)."""
+
+    name = "skip_nonfinite"
+    requires_facts = ("updates",)
+    ensures_facts = ("updates",)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        inputs = {v.name: v for v in graph.inputs}
+        scale = inputs.get(SCALE)
+        if scale is None:
+            return ir.passes.PassResult(model, False)
+        e = Emitter(graph, stage="optimizer")
+        grads = [v for v in graph.outputs if keys.get_role(v) == Role.GRAD.value]
+        unscalings = {id(g): unscaling(g) for g in grads}
+        scaled = [u.inputs[0] if u is not None and u.inputs[0] is not None else g
+                  for g, u in ((g, unscalings[id(g)]) for g in grads)]
+        skipped = not_finite(e, scaled)
+        gated: dict[int, ir.Value] = {}
+        for node in (u for u in unscalings.values() if u is not None):
+            inverse = node.inputs[1]
+            assert inverse is not None
+            if id(inverse) not in gated:
+                gated[id(inverse)] = e.op("Where", skipped, e.scalar(0.0, inverse), inverse)
+            node.replace_input_with(1, gated[id(inverse)])
+        outputs = list(graph.outputs)
+        for index, new in enumerate(outputs):
+            state = inputs.get(new.name[: -len(".new")]) if new.name.endswith(".new") else None
+            if state is None:
+                continue
+            role = keys.get_role(new) or Role.OPT_STATE.value
+            new.name = f"{state.name}.proposed"  # the update a finite step makes
+            outputs[index] = name_output(e, e.op("Where", skipped, state, new), f"{state.name}.new", Role(role))
+        new_scale, good, new_good = next_scale(e, graph, scale, skipped)
+        metrics = [name_output(e, e.op("Cast", skipped, to=ir.DataType.FLOAT), SKIPPED, Role.METRIC),
+                   name_output(e, scale, SCALE_METRIC, Role.METRIC)]
+        first_state = next(i for i, v in enumerate(outputs) if keys.get_role(v) != Role.METRIC.value and i > 0)
+        outputs[first_state:first_state] = metrics
+        outputs += [name_output(e, new_scale, f"{SCALE}.new", Role.OPT_STATE),
+                    name_output(e, new_good, f"{GOOD_STEPS}.new", Role.OPT_STATE)]
+        graph.outputs.clear()
+        graph.outputs.extend(outputs)
+        graph.sort()  # the unscalings now read the check, emitted after them
+        return ir.passes.PassResult(model, True)
