@@ -65,7 +65,7 @@ def test_memory_plan_golden_small_memflora_step(tmp_path) -> None:
     assert summary["floor_ok"] and summary["floor"]["violations"] == []
     kinds = sorted(e["kind"] for e in summary["floor"]["saved"] if e not in loss_side)
     assert kinds == ["activation", "bit mask"]
-    assert summary["training_state_peak"] <= summary["device_peak"]
+    assert summary["training_state_peak"] <= summary["live_peak"]
     annotated = [v for n in step.graph for v in n.outputs if keys.MEM in v.metadata_props]
     q = next(v for v in annotated if SITE_Q in v.metadata_props)
     note = json.loads(q.metadata_props[keys.MEM])
@@ -104,19 +104,19 @@ def test_lifetimes_and_the_decomposition_agree(tresnet_path) -> None:
     for b in plan.buffers:
         assert b.cls in CLASSES and b.bytes >= 0 and 0 <= b.first <= b.last < plan.steps
     summary = plan.summary()
-    assert summary["device_peak"] <= sum(b.bytes for b in plan.buffers)
+    assert summary["live_peak"] <= sum(b.bytes for b in plan.buffers)
     assert summary["weights"] + summary["optimizer"] + summary["saved"] <= summary["training_state_peak"] + summary["grads"]
     assert summary["training_state_peak"] <= summary["weights"] + summary["optimizer"] + summary["saved"] + summary["grads"]
     live = plan.live(CLASSES)
-    assert int(live.max()) == summary["device_peak"] and summary["device_peak_at"] == plan.labels[int(live.argmax())]
+    assert int(live.max()) == summary["live_peak"] and summary["live_peak_at"] == plan.labels[int(live.argmax())]
     assert plan.backward_from > 0
 
 
 def test_the_buffer_table_shares_images_only_between_disjoint_lifetimes(tmp_path, tresnet_path) -> None:
     """plan.json's images come from the buffer table: textures of one image have its format and width,
     fit its height and never live at the same launch; what the runtimes read, write or keep across
-    steps has an image of its own; report.json's allocated_bytes is the images' bytes, no less than
-    the memory plan's device peak (every buffer live at that launch sits in an image of its own)."""
+    steps has an image of its own; report.json's device_peak is the images' bytes, no less than
+    the memory plan's live peak (every buffer live at that launch sits in an image of its own)."""
     from fblc.codegen.compile import compile_model
 
     bundle = tmp_path / "bundle"
@@ -139,9 +139,9 @@ def test_the_buffer_table_shares_images_only_between_disjoint_lifetimes(tmp_path
             assert not pinned & set(image["textures"])
     assert shared > 0
     memory = report["memory"]
-    assert memory["allocated_bytes"] == sum(fmt.image_bytes(i["format"], i["width"], i["height"])
-                                            for i in plan["images"])
-    assert memory["device_peak"] <= memory["allocated_bytes"] < memory["texture_bytes"]
+    assert memory["device_peak"] == sum(fmt.image_bytes(i["format"], i["width"], i["height"])
+                                        for i in plan["images"])
+    assert memory["live_peak"] <= memory["device_peak"] < memory["texture_bytes"]
 
 
 def test_compile_writes_the_memory_object_and_plot_and_the_runtime_allocates_the_plan(tmp_path) -> None:
@@ -154,7 +154,7 @@ def test_compile_writes_the_memory_object_and_plot_and_the_runtime_allocates_the
                  "-o", bundle, "-q"]) == 0
     report = json.load(open(os.path.join(bundle, fmt.REPORT)))
     memory = report["memory"]
-    for name in ("weights", "grads", "optimizer", "saved", "buffers", "training_state_peak", "device_peak"):
+    for name in ("weights", "grads", "optimizer", "saved", "buffers", "training_state_peak", "live_peak", "device_peak"):
         assert isinstance(memory[name], int) and memory[name] >= 0, name
     assert memory["floor_ok"] is True and memory["adapter"]["adapter"] == "memflora"
     plot = os.path.join(bundle, memory["timeline_plot"])
@@ -163,8 +163,8 @@ def test_compile_writes_the_memory_object_and_plot_and_the_runtime_allocates_the
     manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
     assert manifest["checksums"][memory["timeline_plot"]] == fmt.sha256_of(plot)
     plan = json.load(open(os.path.join(bundle, fmt.PLAN)))
-    assert memory["allocated_bytes"] == sum(i["width"] * i["height"] * fmt.TEXEL_BYTES[i["format"]]
-                                            for i in plan["images"]) < memory["texture_bytes"]
+    assert memory["device_peak"] == sum(i["width"] * i["height"] * fmt.TEXEL_BYTES[i["format"]]
+                                        for i in plan["images"]) < memory["texture_bytes"]
     assert memory["texture_bytes"] == sum(t["width"] * t["height"] * fmt.TEXEL_BYTES[t["format"]]
                                           for t in plan["textures"])
     pytest.importorskip("pyopencl")
@@ -175,9 +175,9 @@ def test_compile_writes_the_memory_object_and_plot_and_the_runtime_allocates_the
 
     runner = LocalRunner(bundle)
     if "portable" in runner.device.platform.name.lower():  # PoCL: an image takes exactly its texels
-        assert runner.allocated_bytes == memory["allocated_bytes"]
+        assert runner.allocated_bytes == memory["device_peak"]
     else:  # a GPU driver may pad rows
-        assert memory["allocated_bytes"] <= runner.allocated_bytes <= 1.5 * memory["allocated_bytes"] + (1 << 20)
+        assert memory["device_peak"] <= runner.allocated_bytes <= 1.5 * memory["device_peak"] + (1 << 20)
     assert runner.allocated_images == memory["allocated_images"] == len(plan["images"]) < len(plan["textures"])
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((2, 3, 6, 5)).astype(np.float32), "labels": np.array([1, 3])}
@@ -231,4 +231,4 @@ def test_batch_tiling_changes_memory_not_numbers(tmp_path, kind) -> None:
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
     before, after = plan_memory(whole).summary(), plan_memory(tiled).summary()
     assert after["saved"] == before["saved"] and after["floor_ok"]
-    assert after["device_peak"] < before["device_peak"]
+    assert after["live_peak"] < before["live_peak"]

@@ -179,5 +179,5 @@ def print_step(step: int, loss: float, metrics: Mapping[str, float], ms: float, 
     if as_json:
         print(json.dumps({"step": step, "loss": loss, **metrics, "ms": round(ms, 3)}), flush=True)
         return
-    shown = "".join(f"  {name} {value:.6f}" for name, value in metrics.items())
+    shown = "".join(f"  {name} {value:.6g}" for name, value in metrics.items())  # skipped 0, scale 1024
     print(f"step {step:4d}  loss {loss:.6f}{shown}  {ms:8.1f} ms", flush=True)

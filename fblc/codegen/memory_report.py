@@ -1,10 +1,12 @@
 """The `memory` object of report.json and the memory-timeline plot of a bundle.
 
 Both come from the memory planner (fblc.passes.memory_plan) run on the fused step graph:
-the paper's eq. 1 decomposition, the training-state and device peaks, the floor check, and
-what the bundle's textures really take, from the buffer table (fblc.codegen.buffers):
-`allocated_bytes`, the images plan.json lists and the runtimes allocate (textures with disjoint
-lifetimes share one); `texture_bytes`, every texture on its own. Saved masks sit in r_mask8 images, 1 bit per
+the paper's eq. 1 decomposition, the training-state peak, the floor check, and what the
+bundle's textures really take, from the buffer table (fblc.codegen.buffers): `device_peak`, the
+one device-memory figure, the bytes of the images plan.json lists and the runtimes allocate
+(textures with disjoint lifetimes share one, each at the bytes of its format); `texture_bytes`,
+every texture with an image of its own; `live_peak`, the planner's lower bound (every buffer
+freed after its last reader, nothing padded). Saved masks sit in r_mask8 images, 1 bit per
 element, the bytes the plan accounts them at (it reads their layouts).
 """
 
@@ -17,24 +19,22 @@ from fblc.codegen.buffers import BufferTable
 from fblc.passes.memory_plan import CLASSES, MemoryPlan, plan_memory
 
 TIMELINE_PLOT = "memory_timeline.png"
-INTEGER_FIELDS = ("weights", "grads", "optimizer", "saved", "buffers", "training_state_peak", "device_peak")
+INTEGER_FIELDS = ("weights", "grads", "optimizer", "saved", "buffers", "training_state_peak", "live_peak")
 #: stacking order and colours of the plot (bottom to top)
 LAYERS = (("weight", "weights", "#8c8c8c"), ("optimizer", "optimizer state", "#b07aa1"), ("input", "inputs", "#9c755f"),
           ("grad", "gradients", "#59a14f"), ("saved", "saved activations", "#e15759"), ("mask", "saved bit masks", "#ff9da7"),
           ("replay", "replay buffers", "#edc948"), ("buffer", "temporaries", "#4e79a7"))
 
 
-def memory_object(plan: MemoryPlan, table: BufferTable | None = None, plot: str | None = TIMELINE_PLOT
-                  ) -> dict[str, Any]:
+def memory_object(plan: MemoryPlan, table: BufferTable, plot: str | None = TIMELINE_PLOT) -> dict[str, Any]:
     summary = plan.summary()
     result: dict[str, Any] = {name: int(summary[name]) for name in INTEGER_FIELDS}
     result["floor_ok"] = bool(summary["floor_ok"])
     for name, value in summary.items():
         if name not in result:
             result[name] = value
-    if table is not None:
-        result["texture_bytes"], result["allocated_bytes"] = table.texture_bytes, table.allocated_bytes
-        result["allocated_textures"], result["allocated_images"] = len(table.buffers), len(table.images)
+    result["device_peak"], result["texture_bytes"] = table.allocated_bytes, table.texture_bytes
+    result["allocated_textures"], result["allocated_images"] = len(table.buffers), len(table.images)
     if plan.adapter:
         result["adapter"] = {k: v for k, v in plan.adapter.items() if k != "sites"}
         result["adapter"]["sites"] = [{k: s[k] for k in ("conv", "c_in", "c_out", "kernel", "scale", "activation", "params")}
@@ -44,7 +44,7 @@ def memory_object(plan: MemoryPlan, table: BufferTable | None = None, plot: str 
     return result
 
 
-def timeline_png(plan: MemoryPlan, title: str = "") -> bytes:
+def timeline_png(plan: MemoryPlan, device_peak: int, title: str = "") -> bytes:
     """A stacked area plot of live bytes per class over the launches of one step (like MemFLoRA's figure 4)."""
     import matplotlib
 
@@ -64,7 +64,7 @@ def timeline_png(plan: MemoryPlan, title: str = "") -> bytes:
     ax.set_xlabel("kernel launch")
     ax.set_ylabel("live memory [MB]")
     ax.set_xlim(0, max(plan.steps - 1, 1))
-    ax.set_title(title or (f"device peak {summary['device_peak'] / 1e6:.2f} MB, training-state peak "
+    ax.set_title(title or (f"device {device_peak / 1e6:.2f} MB allocated, training-state peak "
                            f"{summary['training_state_peak'] / 1e6:.2f} MB, saved {summary['saved'] / 1e6:.2f} MB"),
                  fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncol=len(layers), frameon=False)
@@ -75,11 +75,11 @@ def timeline_png(plan: MemoryPlan, title: str = "") -> bytes:
     return buffer.getvalue()
 
 
-def memory_report(model: Any, table: BufferTable | None = None) -> tuple[dict[str, Any], bytes]:
+def memory_report(model: Any, table: BufferTable) -> tuple[dict[str, Any], bytes]:
     """(report.json's `memory` object, the timeline PNG) of the fused step graph `model`, with the
     bundle's allocation from its buffer table."""
     plan = plan_memory(model)
-    return memory_object(plan, table), timeline_png(plan)
+    return memory_object(plan, table), timeline_png(plan, table.allocated_bytes)
 
 
 __all__ = ["CLASSES", "INTEGER_FIELDS", "TIMELINE_PLOT", "memory_object", "memory_report", "timeline_png"]

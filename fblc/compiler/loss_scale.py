@@ -63,21 +63,6 @@ def unscale(graph: ir.Graph, grads: list[ir.Value], scale: ir.Value) -> list[ir.
     return [e.op("Mul", g, inverse if g.dtype == scale.dtype else e.op("Cast", inverse, to=g.dtype)) for g in grads]
 
 
-def unscaling(grad: ir.Value) -> ir.Node | None:
-    """The Mul by 1 / scale that `unscale` made `grad` with (through Identity), else None."""
-    node = grad.producer()
-    while node is not None and node.op_type == "Identity" and node.inputs[0] is not None:
-        node = node.inputs[0].producer()
-    if node is None or node.op_type != "Mul" or node.inputs[1] is None:
-        return None
-    inverse = node.inputs[1].producer()
-    if inverse is not None and inverse.op_type == "Cast" and inverse.inputs[0] is not None:
-        inverse = inverse.inputs[0].producer()
-    if inverse is None or inverse.op_type != "Reciprocal" or inverse.inputs[0] is None:
-        return None
-    return node if inverse.inputs[0].name == SCALE else None
-
-
 def _tree_sum(e: Emitter, values: list[ir.Value]) -> ir.Value:
     """Pairwise sums (binary Adds: the fuse pass bounds how many a kernel reads)."""
     while len(values) > 1:
@@ -86,11 +71,13 @@ def _tree_sum(e: Emitter, values: list[ir.Value]) -> ir.Value:
 
 
 def not_finite(e: Emitter, grads: list[ir.Value]) -> ir.Value:
-    """A boolean scalar: some element of `grads` is inf or NaN (x * 0 is NaN exactly then, and a sum
-    of zeros stays 0)."""
-    probes = [e.op("ReduceSum", e.op("Mul", g, e.scalar(0.0, g)), keepdims=0) for g in grads]
+    """A boolean scalar: some element of `grads` is inf or NaN. The sum of every element is then inf
+    or NaN too (a finite gradient's sum stays far below fp32's 3.4e38), and sum * 0 is NaN exactly
+    then; the reductions read the gradients where they are, nothing of their size is made."""
+    probes = [e.op("ReduceSum", g, keepdims=0) for g in grads]
     probes = [p if p.dtype == ir.DataType.FLOAT else e.op("Cast", p, to=ir.DataType.FLOAT) for p in probes]
-    return e.op("IsNaN", _tree_sum(e, probes))
+    total = _tree_sum(e, probes)
+    return e.op("IsNaN", e.op("Mul", total, e.scalar(0.0, total)))
 
 
 def next_scale(e: Emitter, graph: ir.Graph, scale: ir.Value, skipped: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:

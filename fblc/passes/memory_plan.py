@@ -22,10 +22,10 @@ for the r_mask4 fallback of a writer that cannot write whole bytes).
 Reported (the paper's eq. 1, in bytes): `weights`, `grads`, `optimizer`, `saved` (totals);
 `buffers` (the largest sum of live temporaries at one launch); `training_state_peak` as
 MemFLoRA defines it: max over the step of weights + optimizer + live saved + live gradients
-(+ live replay buffers), workspaces excluded; `device_peak`: max over the step of every live
-allocation (inputs and temporaries included), the least an allocator that frees at last use
-needs (what the bundle allocates, images shared by textures of one format and width, is the
-buffer table's, fblc.codegen.buffers). The floor check lists every saved tensor with its bytes and why it
+(+ live replay buffers), workspaces excluded; `live_peak`: max over the step of every live
+allocation (inputs and temporaries included), the least an allocator that frees each buffer after
+its last reader needs (a lower bound: what the bundle allocates, images shared by textures of one
+format and width, is the buffer table's, fblc.codegen.buffers, reported as `memory.device_peak`). The floor check lists every saved tensor with its bytes and why it
 is kept, and flags any whose size grows with the layer width: a full-precision activation read
 by the backward whose channel axis is wider than the adapter rank (the loss's own inputs and
 one-bit masks excepted). `floor_ok` is true when none is flagged.
@@ -106,12 +106,12 @@ class MemoryPlan:
         return {
             "weights": self.total("weight"), "grads": self.total("grad"), "optimizer": self.total("optimizer"),
             "saved": self.total("saved") + self.total("mask"), "buffers": int(buffers.max(initial=0)),
-            "training_state_peak": int(state.max(initial=0)), "device_peak": int(device.max(initial=0)),
+            "training_state_peak": int(state.max(initial=0)), "live_peak": int(device.max(initial=0)),
             "floor_ok": floor["ok"],
             "inputs": self.total("input"), "saved_activations": self.total("saved"), "saved_masks": self.total("mask"),
             "replay_peak": int(self.timeline["replay"].max(initial=0)),
             "training_state_peak_at": self.labels[state_at] if self.steps else "",
-            "device_peak_at": self.labels[peak_at] if self.steps else "",
+            "live_peak_at": self.labels[peak_at] if self.steps else "",
             "launches": self.steps, "backward_from": self.backward_from, "batch": self.batch,
             "accounting": "float tensors at the bytes of their storage (fp32 4, fp16 2 per element), masks bit-packed at 1 bit per element (their r_mask8 "
                           "images); lifetimes over the kernel launch order, freed after their last reader",

@@ -2,11 +2,10 @@
 
 Rewrite (when the step has the state input `loss_scale`, which build_gradients adds under
 mixed precision; fblc.compiler.loss_scale): `skipped` = some element of some `P.grad` is inf or
-NaN, checked on the gradients of the scaled loss; the unscaling multiplies by
-`Where(skipped, 0, 1 / scale)` (a skipped step's `P.grad` is no number to use), which makes the
-optimizer's kernels read the check: fuse then keeps each parameter's update out of its gradient
-kernel's epilogue and the gating Where inside the update's kernel, so no `.proposed` state is
-stored (the graph is sorted again); every state output `X.new` becomes `Where(skipped, X, X.new)` (parameters, optimizer
+NaN; the optimizer reads `Where(skipped, 0, P.grad)` instead of `P.grad` (a skipped step's
+gradient is no number to use), so its kernels depend on the check: fuse then keeps each
+parameter's update out of its gradient kernel's epilogue and the gating Where inside the update's
+kernel, and no `.proposed` state is stored (the graph is sorted again); every state output `X.new` becomes `Where(skipped, X, X.new)` (parameters, optimizer
 state, the step count, BatchNorm statistics); the scale halves on a skipped step and doubles
 after GROWTH_INTERVAL finite ones (state `loss_scale.good_steps`); the metrics `skipped` and
 `scale` (the loss scale this step's backward used) are reported beside the loss.
@@ -21,7 +20,7 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
-from fblc.compiler.loss_scale import GOOD_STEPS, SCALE, SKIPPED, next_scale, not_finite, unscaling
+from fblc.compiler.loss_scale import GOOD_STEPS, SCALE, SKIPPED, next_scale, not_finite
 from fblc.passes.contracts import ContractPass
 from fblc.passes.optimizer_step import name_output
 
@@ -43,17 +42,13 @@ class SkipNonfinite(ContractPass):
             return ir.passes.PassResult(model, False)
         e = Emitter(graph, stage="optimizer")
         grads = [v for v in graph.outputs if keys.get_role(v) == Role.GRAD.value]
-        unscalings = {id(g): unscaling(g) for g in grads}
-        scaled = [u.inputs[0] if u is not None and u.inputs[0] is not None else g
-                  for g, u in ((g, unscalings[id(g)]) for g in grads)]
-        skipped = not_finite(e, scaled)
-        gated: dict[int, ir.Value] = {}
-        for node in (u for u in unscalings.values() if u is not None):
-            inverse = node.inputs[1]
-            assert inverse is not None
-            if id(inverse) not in gated:
-                gated[id(inverse)] = e.op("Where", skipped, e.scalar(0.0, inverse), inverse)
-            node.replace_input_with(1, gated[id(inverse)])
+        optimizer_uses = {id(g): [u for u in g.uses() if u.node.metadata_props.get(keys.STAGE) == "optimizer"]
+                          for g in grads}
+        skipped = not_finite(e, grads)
+        for grad in grads:
+            held = e.op("Where", skipped, e.scalar(0.0, grad), grad)
+            for node, index in optimizer_uses[id(grad)]:
+                node.replace_input_with(index, held)
         outputs = list(graph.outputs)
         for index, new in enumerate(outputs):
             state = inputs.get(new.name[: -len(".new")]) if new.name.endswith(".new") else None
@@ -71,5 +66,5 @@ class SkipNonfinite(ContractPass):
                     name_output(e, new_good, f"{GOOD_STEPS}.new", Role.OPT_STATE)]
         graph.outputs.clear()
         graph.outputs.extend(outputs)
-        graph.sort()  # the unscalings now read the check, emitted after them
+        graph.sort()  # the optimizer now reads the check, emitted after it
         return ir.passes.PassResult(model, True)
