@@ -34,6 +34,10 @@ def load_model(path: str) -> ir.Model:
         if not _tolerated(str(error)):
             raise ModelLoadError(f"'{path}' is not a valid ONNX model: {str(error).strip().splitlines()[0]}",
                                  "export it again, or fix the named node") from None
+    except UnicodeDecodeError as error:  # a name or string attribute that is no UTF-8: damaged bytes
+        raise ModelLoadError(f"'{path}' is not a valid ONNX model: a name or string holds bytes that are not "
+                             f"UTF-8 ({error.reason} at byte {error.start})",
+                             "the file is damaged; export it again") from None
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), TARGET_OPSET)
     if opset < TARGET_OPSET:
         try:
@@ -41,9 +45,28 @@ def load_model(path: str) -> ir.Model:
         except Exception as error:  # the converter raises bare RuntimeErrors with C++ messages
             raise ModelLoadError(f"cannot convert '{path}' from opset {opset} to {TARGET_OPSET}: "
                                  f"{str(error).splitlines()[0]}", "export the model at opset 18") from None
-    model = ir.serde.deserialize_model(proto)
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except ir.serde.SerdeError as error:  # a field the checker let through that onnx_ir cannot read
+        cause = error.__cause__ or error
+        raise ModelLoadError(f"'{path}' is not a readable ONNX model: {type(cause).__name__}: "
+                             f"{str(cause).splitlines()[0] if str(cause) else 'cannot deserialize'}",
+                             "the file is damaged; export it again") from None
+    _check_names(model, path)
     ir.external_data.set_base_dir(model.graph, os.path.dirname(os.path.abspath(path)))
     return model
+
+
+def _check_names(model: ir.Model, path: str) -> None:
+    """Raise ModelLoadError for a node or tensor name that is not text.
+
+    protobuf hands a name with non-UTF-8 bytes over as `bytes`; nothing downstream could write it back.
+    """
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for name, what in [(node.name, "node")] + [(value.name, "tensor") for value in node.outputs if value]:
+            if name is not None and not isinstance(name, str):
+                raise ModelLoadError(f"'{path}' is not a valid ONNX model: the {what} name {name!r} of a "
+                                     f"{node.op_type} node is not UTF-8 text", "the file is damaged; export it again")
 
 
 #: ops the checker calls deprecated at the model's opset that onnxruntime still runs and fblc reads

@@ -221,6 +221,45 @@ def fuse_conv_batch_norm(model: torch.nn.Module) -> torch.nn.Module:
     return fused.eval()
 
 
+class SmallConvNet(torch.nn.Module):
+    """The conv families of mobile nets in one small module: a strided stem, depthwise, pointwise
+    and grouped convolutions with BatchNorm and ReLU6, a residual, max and average pools, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem, self.stem_bn = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.depthwise, self.depthwise_bn = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), nn.BatchNorm2d(8)
+        self.pointwise, self.pointwise_bn = nn.Conv2d(8, 12, 1, bias=False), nn.BatchNorm2d(12)
+        self.grouped = nn.Conv2d(12, 12, 3, padding=1, groups=3)
+        self.max_pool, self.avg_pool = nn.MaxPool2d(3, stride=2, padding=1), nn.AvgPool2d(2)
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = F.relu6(self.stem_bn(self.stem(pixels)))
+        x = F.relu6(self.depthwise_bn(self.depthwise(x)))
+        x = self.pointwise_bn(self.pointwise(x))
+        x = self.avg_pool(self.max_pool(x + F.relu(self.grouped(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+@session_cached
+def small_convnet(directory: str) -> ExportedModel:
+    """SmallConvNet on [2, 3, 16, 16] from the legacy exporter, BatchNorm kept."""
+    torch.manual_seed(5)
+    model = randomize_batch_norm(SmallConvNet(), seed=5).eval()
+    rng = np.random.default_rng(5)
+    pixels = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
+    labels = rng.integers(0, 5, size=(2,)).astype(np.int64)
+    path = os.path.join(directory, "small_convnet.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.from_numpy(pixels),), path, dynamo=False, do_constant_folding=False,
+                          opset_version=18, input_names=["pixel_values"], output_names=["logits"])
+    return ExportedModel("small_convnet", path, model, {"pixel_values": pixels}, labels,
+                         classification_loss(lambda m: m(torch.from_numpy(pixels)), labels))
+
+
 @session_cached
 def resnet_dynamo_optimized(directory: str) -> ExportedModel:
     """The tiny ResNet from the dynamo exporter with onnxscript's optimizer (BN fused into the convs)."""

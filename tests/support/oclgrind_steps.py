@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
+from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, AdapterConfig
+from fblc.compiler.es import EsConfig
 from fblc.compiler.gradients import segment_sum
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
@@ -24,12 +26,23 @@ from tests.support import models
 Case = Callable[[str], tuple[str, dict[str, np.ndarray], TrainingOptions]]
 
 
-def _exported(build: Callable[[str], models.ExportedModel]) -> Case:
+ADAMW = OptimizerConfig("adamw", lr=1e-3)
+
+
+def _exported(build: Callable[[str], models.ExportedModel], **options: Any) -> Case:
     def case(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
         exported = build(directory)
         return (exported.path, {**exported.inputs, "labels": exported.labels},
-                TrainingOptions(input_shapes=exported.input_shapes, optimizer=OptimizerConfig("adamw", lr=1e-3)))
+                TrainingOptions(input_shapes=exported.input_shapes, **{"optimizer": ADAMW, **options}))
     return case
+
+
+def _zoo(name: str) -> Case:
+    def build(directory: str) -> models.ExportedModel:
+        from tests.support import zoo
+
+        return zoo.build(next(arch for arch in zoo.ZOO if arch.name == name), directory)
+    return _exported(build)
 
 
 def _embedding(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
@@ -46,6 +59,14 @@ CASES: dict[str, Case] = {
     "mlp": _exported(models.mlp),  # contractions, log-softmax as a reduction and a map, the fused AdamW
     "llama": _exported(lambda directory: models.llama(directory)[0]),  # norms, rotary views, attention, gathers
     "embedding": _embedding,
+    "resnet": _exported(models.resnet_legacy),  # convolutions, BatchNorm, the MaxPool stem, residuals, GAP
+    # depthwise, pointwise, grouped and strided convolutions, BatchNorm on batch statistics, both pools
+    "convnet": _exported(models.small_convnet, bn_train=True, optimizer=OptimizerConfig("sgd", lr=0.01, momentum=0.9)),
+    **{f"convnet {kind}": _exported(models.small_convnet, adapter=AdapterConfig(kind, rank=2))
+       for kind in MEMORY_FLOOR_ADAPTERS},  # each memory-floor adapter's forward, backward and replay
+    "gpt2": _zoo("gpt2"),  # LayerNormalization, Gelu, tied embeddings, the causal mask from the exporter
+    "mlp fura-s": _exported(models.mlp, adapter=AdapterConfig("fura-s", block=16), trainer="es",
+                            es=EsConfig(pairs=2, sigma=0.05, seed=1), optimizer=OptimizerConfig("sgd", lr=1.0)),
 }
 
 

@@ -1,0 +1,342 @@
+"""The fuzzer: random graphs through the training step, its gradients and kernels; broken files through the import.
+
+    python -m fblc.tools.fuzz [--graphs 300] [--seed 0] [--device-every 20] [--mutations 200] [--keep DIR]
+
+Each random classifier (fblc/tools/random_graphs.py) goes through four stages, a finding
+naming the seed and the stage where one fails:
+- `build`: `fblc train-graph`'s pipeline builds the step (every op the generator uses is
+  supported, so any error is a finding);
+- `loss`: onnxruntime runs the step; its loss equals the cross-entropy of onnxruntime's forward
+  of the original model (1e-5);
+- `gradient`: each `P.grad` against central finite differences of that forward's loss along
+  its own direction (each parameter alone), and all of them along one random direction, within
+  1 % of |grad| + 1e-4 (+ 1e-3 of the whole gradient in float32). The forward runs in float64 where onnxruntime has double kernels for all
+  its ops (two step sizes), else in float32 (three); a point near a kink of Relu/Max/MaxPool
+  passes at one of them;
+- `device` (every `--device-every`-th graph): the bundle under both layouts runs one step on the
+  local OpenCL device against onnxruntime (fblc.tools.verify, fp32 tolerances).
+Mutations of a valid model file (truncated, bytes flipped, a dangling input, a cycle, a type
+that cannot be, an unknown op, an attribute of the wrong type, an empty graph) must load and
+build into a step or raise an FblcError, a clear error: any other exception is a `crash` finding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from fblc.compiler import keys
+from fblc.compiler.keys import Role
+from fblc.compiler.model_io import load_model, save_model_atomically
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.errors import FblcError
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from fblc.tools.random_graphs import RandomGraph, random_graph
+
+OPTIONS = TrainingOptions(optimizer=OptimizerConfig("sgd", lr=0.01))
+LOSS_RTOL = 1e-5
+GRADIENT_RTOL, GRADIENT_ATOL = 1e-2, 1e-4
+FLOAT32_BLUR = 1e-3
+STEP_SIZES = (3e-3, 1e-3, 1e-4)  # float32, tried in turn until one agrees: a kink rarely lies within all three
+STEP_SIZES_64 = (1e-4, 1e-6)
+
+
+@dataclass
+class Finding:
+    seed: int
+    stage: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"seed {self.seed}, {self.stage}: {self.message}"
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # a step's states are initializers and inputs, by design
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _loss(logits: np.ndarray, labels: np.ndarray) -> float:
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return float(-log_p[np.arange(len(labels)), labels].mean())
+
+
+class _Forward:
+    """The original model's loss as a function of its parameters: one onnxruntime session, in float64
+    where onnxruntime has double kernels for every op (finite differences then see no rounding),
+    else in float32; the parameters are graph inputs, fed each call."""
+
+    def __init__(self, model: onnx.ModelProto, params: list[str], x: np.ndarray, labels: np.ndarray) -> None:
+        self.labels = labels
+        for dtype, elem in ((np.float64, onnx.TensorProto.DOUBLE), (np.float32, onnx.TensorProto.FLOAT)):
+            m = onnx.ModelProto.FromString(model.SerializeToString())
+            for tensor in m.graph.initializer:
+                if tensor.name in params:
+                    array = onnx.numpy_helper.to_array(tensor).astype(dtype)
+                    tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+                    m.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, elem, array.shape))
+                elif tensor.data_type == onnx.TensorProto.FLOAT:
+                    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor).astype(dtype),
+                                                                 tensor.name))
+            for value in (m.graph.input[0], *m.graph.output):
+                value.type.tensor_type.elem_type = elem
+            try:
+                self.session, self.dtype, self.x = _session(m), dtype, x.astype(dtype)
+                self.session.run(None, {"x": self.x})
+                return
+            except Exception:  # no double kernel for some op (Conv, pools, Erf): float32
+                continue
+        raise AssertionError("onnxruntime runs the model in neither float64 nor float32")
+
+    def __call__(self, params: dict[str, np.ndarray] | None = None) -> float:
+        feeds = {"x": self.x, **{k: np.asarray(v, self.dtype) for k, v in (params or {}).items()}}
+        return _loss(self.session.run(None, feeds)[0], self.labels)
+
+
+def _run_step(step: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = _session(step)
+    names = {i.name for i in session.get_inputs()}
+    return dict(zip([o.name for o in session.get_outputs()],
+                    session.run(None, {k: v for k, v in feeds.items() if k in names})))
+
+
+def _gradient_error(graph: RandomGraph, forward: _Forward, grads: dict[str, np.ndarray],
+                    rng: np.random.Generator) -> str | None:
+    """None when, for every parameter on its own, the step's gradient agrees with central finite
+    differences of the forward's loss along that gradient's direction (so a small gradient is not
+    judged against the largest) and along one random direction over all parameters."""
+    initial = {t.name: onnx.numpy_helper.to_array(t).astype(np.float64) for t in graph.model.graph.initializer
+               if t.name in grads}
+    grads64 = {k: g.astype(np.float64) for k, g in grads.items()}
+    random = {k: rng.standard_normal(g.shape) for k, g in grads.items()}
+    random_norm = float(np.sqrt(sum(float((v ** 2).sum()) for v in random.values())))
+    checks = [(f"'{name}''s gradient", {name: g / float(np.linalg.norm(g))}) for name, g in grads64.items()
+              if np.linalg.norm(g) > 0]
+    checks.append(("a random", {k: v / random_norm for k, v in random.items()}))
+    total = float(np.sqrt(sum(float((g ** 2).sum()) for g in grads64.values())))
+    # a float32 forward's rounding, amplified by an ill-conditioned op (a LayerNorm row of almost equal
+    # values), blurs differences below about 1e-3 of the whole gradient
+    floor = GRADIENT_ATOL + (FLOAT32_BLUR * total if forward.dtype == np.float32 else 0.0)
+    for label, direction in checks:
+        analytic = sum(float((grads64[k] * d).sum()) for k, d in direction.items())
+        scale = float(np.sqrt(sum(float((grads64[k] ** 2).sum()) for k in direction)))
+        errors = []
+        for eps in STEP_SIZES if forward.dtype == np.float32 else STEP_SIZES_64:
+            plus = forward({k: initial[k] + eps * d for k, d in direction.items()})
+            minus = forward({k: initial[k] - eps * d for k, d in direction.items()})
+            errors.append((plus - minus) / (2 * eps) - analytic)
+            if abs(errors[-1]) <= GRADIENT_RTOL * scale + floor:
+                break
+        error = min(errors, key=abs)
+        if abs(error) > GRADIENT_RTOL * scale + floor:
+            return (f"along {label} direction the step's gradient gives {analytic:.6g}, finite differences "
+                    f"{analytic + error:.6g} (|grad| {scale:.3g})")
+    return None
+
+
+def check_graph(seed: int, workdir: str, device: bool = False) -> tuple[RandomGraph, list[Finding]]:
+    """The stages of the module docstring for random graph `seed`."""
+    graph = random_graph(seed)
+    rng = np.random.default_rng(seed + 1_000_003)
+    x = rng.standard_normal(graph.input_shape).astype(np.float32)
+    labels = rng.integers(0, graph.classes, graph.input_shape[0]).astype(np.int64)
+    path = os.path.join(workdir, f"fuzz_{seed}.onnx")
+    onnx.save(graph.model, path)
+
+    def finding(stage: str, message: str) -> tuple[RandomGraph, list[Finding]]:
+        return graph, [Finding(seed, stage, message)]
+
+    try:
+        step = build_training_graph(load_model(path), OPTIONS)
+    except Exception as error:  # any: every op is supported, a refusal is a finding too
+        return finding("build", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    step_path = os.path.join(workdir, f"fuzz_{seed}_step.onnx")
+    save_model_atomically(step, step_path)
+    params = [v.name for v in step.graph.inputs if keys.get_role(v) == Role.PARAM.value]
+    outputs = _run_step(onnx.load(step_path), {"x": x, "labels": labels})
+    forward = _Forward(graph.model, params, x, labels)
+    expected = forward()
+    if not np.isclose(float(outputs["loss"]), expected, rtol=LOSS_RTOL, atol=LOSS_RTOL):
+        return finding("loss", f"step loss {float(outputs['loss']):.7g}, forward cross-entropy {expected:.7g}")
+    message = _gradient_error(graph, forward, {p: outputs[f"{p}.grad"] for p in params}, rng)
+    if message:
+        return finding("gradient", message)
+    findings: list[Finding] = []
+    if device:
+        from fblc.tools.verify import verify_model  # the device stage only: pyopencl
+
+        for layout in ("rtile", "naive"):
+            try:
+                rows = verify_model(path, replace(OPTIONS, layout=layout), target="adreno830",
+                                    feeds={"x": x, "labels": labels}, work_dir=workdir)
+            except Exception as error:
+                findings.append(Finding(seed, f"device ({layout})", f"{type(error).__name__}: {error}"))
+                continue
+            bad = [r for r in rows if not r.ok]
+            if bad:
+                worst = max(bad, key=lambda r: r.max_rel)
+                findings.append(Finding(seed, f"device ({layout})", f"{len(bad)} of {len(rows)} outputs differ from "
+                                        f"onnxruntime, worst '{worst.name}' (max abs {worst.max_abs:.3g})"))
+    return graph, findings
+
+
+# --- broken files ------------------------------------------------------------------------------
+
+Mutation = Callable[[onnx.ModelProto, np.random.Generator], bytes]
+
+
+def _proto(model: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.ModelProto.FromString(model.SerializeToString())
+
+
+def _truncated(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    data = model.SerializeToString()
+    return data[: int(rng.integers(0, len(data)))]
+
+
+def _flipped(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    data = bytearray(model.SerializeToString())
+    for index in rng.integers(0, len(data), size=int(rng.integers(1, 8))):
+        data[index] ^= int(rng.integers(1, 256))
+    return bytes(data)
+
+
+def _dangling(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    m = _proto(model)
+    node = m.graph.node[int(rng.integers(len(m.graph.node)))]
+    node.input[int(rng.integers(len(node.input)))] = "no_such_tensor"
+    return m.SerializeToString()
+
+
+def _cycle(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    m = _proto(model)
+    first, last = m.graph.node[0], m.graph.node[len(m.graph.node) - 1]
+    first.input[0] = last.output[0]
+    return m.SerializeToString()
+
+
+def _bad_type(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    m = _proto(model)
+    m.graph.input[0].type.tensor_type.elem_type = int(rng.choice([onnx.TensorProto.STRING, onnx.TensorProto.BOOL,
+                                                                  onnx.TensorProto.INT8]))
+    return m.SerializeToString()
+
+
+def _unknown_op(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    m = _proto(model)
+    m.graph.node[int(rng.integers(len(m.graph.node)))].op_type = "NoSuchOp"
+    return m.SerializeToString()
+
+
+def _bad_attribute(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    m = _proto(model)
+    node = m.graph.node[len(m.graph.node) - 1]  # the final Gemm
+    node.attribute.append(onnx.helper.make_attribute("transA", 0.5))
+    return m.SerializeToString()
+
+
+def _empty(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
+    m = _proto(model)
+    del m.graph.node[:]
+    return m.SerializeToString()
+
+
+MUTATIONS: dict[str, Mutation] = {"truncated": _truncated, "flipped": _flipped, "dangling": _dangling,
+                                  "cycle": _cycle, "bad type": _bad_type, "unknown op": _unknown_op,
+                                  "bad attribute": _bad_attribute, "empty graph": _empty}
+
+
+def check_mutation(seed: int, workdir: str) -> tuple[str, Finding | None]:
+    """(mutation kind, a `crash` finding when loading or building raised anything but an FblcError)."""
+    rng = np.random.default_rng(seed)
+    kinds = sorted(MUTATIONS)
+    kind = kinds[seed % len(kinds)]
+    path = os.path.join(workdir, f"mutant_{seed}.onnx")
+    with open(path, "wb") as handle:
+        handle.write(MUTATIONS[kind](random_graph(seed).model, rng))
+    try:
+        build_training_graph(load_model(path), OPTIONS)
+    except FblcError:
+        pass
+    except Exception as error:
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        return kind, Finding(seed, f"crash ({kind})", f"{type(error).__name__}: {str(error)[:200]} "
+                                                      f"at {os.path.basename(where.filename)}:{where.lineno}")
+    return kind, None
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+@dataclass
+class Summary:
+    graphs: int = 0
+    device_graphs: int = 0
+    mutations: int = 0
+    ops: Counter[str] | None = None
+    findings: list[Finding] | None = None
+
+
+def fuzz(graphs: int, seed: int, device_every: int, mutations: int, workdir: str,
+         progress: Callable[[str], None] = lambda line: None) -> Summary:
+    summary = Summary(ops=Counter(), findings=[])
+    assert summary.ops is not None and summary.findings is not None
+    for index in range(graphs):
+        device = device_every > 0 and index % device_every == 0
+        graph, found = check_graph(seed + index, workdir, device)
+        summary.graphs += 1
+        summary.device_graphs += int(device)
+        summary.ops.update(set(graph.ops))
+        summary.findings += found
+        progress(f"graph {index + 1}/{graphs} (seed {seed + index}{', device' if device else ''}): "
+                 + ("; ".join(str(f) for f in found) if found else "ok"))
+    for index in range(mutations):
+        kind, crash = check_mutation(seed + index, workdir)
+        summary.mutations += 1
+        if crash is not None:
+            summary.findings.append(crash)
+            progress(str(crash))
+    return summary
+
+
+def _iterate(argv: list[str] | None) -> Iterator[str]:
+    parser = argparse.ArgumentParser(prog="python -m fblc.tools.fuzz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graphs", type=int, default=300, help="random graphs to check (default: 300)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first graph (default: 0)")
+    parser.add_argument("--device-every", type=int, default=20,
+                        help="run every Nth graph on the local OpenCL device too, both layouts; 0: never (default: 20)")
+    parser.add_argument("--mutations", type=int, default=200, help="broken model files to load (default: 200)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the graphs, steps and bundles in DIR")
+    args = parser.parse_args(argv)
+    workdir = args.keep or tempfile.mkdtemp(prefix="fblc-fuzz-")
+    os.makedirs(workdir, exist_ok=True)
+    summary = fuzz(args.graphs, args.seed, args.device_every, args.mutations, workdir,
+                   progress=lambda line: print(line, flush=True))
+    assert summary.ops is not None and summary.findings is not None
+    yield (f"{summary.graphs} graphs ({summary.device_graphs} also on the device, both layouts), "
+           f"{len(summary.ops)} op types, {summary.mutations} broken files: {len(summary.findings)} findings")
+    yield "ops: " + ", ".join(f"{op} {count}" for op, count in sorted(summary.ops.items()))
+    for found in summary.findings:
+        yield f"  {found}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    lines = list(_iterate(argv))
+    print("\n".join(lines))
+    return 1 if "0 findings" not in lines[0] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Random valid ONNX classifiers over the ops fblc trains, for the fuzzer (fblc/tools/fuzz.py).
+
+A graph starts from an input `x` of rank 2, 3 or 4 and applies a chain of random op builders,
+each drawn from GROWERS and applicable to the current tensor's shape (convolutions and pools
+need rank 4, a MatMul a last axis, ...); branches join again (residual Adds, Concat), views
+chain (Transpose, Reshape, Slice, Unsqueeze/Squeeze); parameters get broadcastable shapes.
+The first op has parameters (so every later op's gradient rule is on the path to one), and
+the chain ends in Flatten and a Gemm to `classes` logits, so every graph trains with the
+cross-entropy loss. Values stay small (weights scaled by fan-in, divisors kept away from 0) so
+that a finite-difference gradient is meaningful. Every graph passes onnx's checker with full
+shape inference; `RandomGraph.ops` lists the op types it used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 18
+Shape = tuple[int, ...]
+
+
+@dataclass
+class RandomGraph:
+    model: onnx.ModelProto
+    ops: list[str]
+    input_shape: Shape
+    classes: int
+
+
+@dataclass
+class _Maker:
+    rng: np.random.Generator
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inits: dict[str, np.ndarray] = field(default_factory=dict)
+    ops: list[str] = field(default_factory=list)
+
+    def fresh(self, hint: str) -> str:
+        return f"{hint}_{len(self.nodes) + len(self.inits)}"
+
+    def param(self, shape: Shape, scale: float = 1.0, positive: bool = False) -> str:
+        name = self.fresh("p")
+        values = self.rng.standard_normal(shape) * scale
+        self.inits[name] = (np.abs(values) + 0.5 if positive else values).astype(np.float32)
+        return name
+
+    def ints(self, values: list[int]) -> str:
+        name = self.fresh("c")
+        self.inits[name] = np.asarray(values, np.int64)
+        return name
+
+    def op(self, op_type: str, inputs: list[str], **attrs: object) -> str:
+        out = self.fresh(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        self.ops.append(op_type)
+        return out
+
+
+@dataclass
+class _T:
+    """A tensor of the graph being grown: its name and static shape."""
+    name: str
+    shape: Shape
+
+
+Grower = Callable[[_Maker, _T, list[_T]], "_T | None"]
+#: builders keyed by name: each takes the current tensor (and the live ones, for joins) and
+#: returns the grown tensor, or None when it does not apply to that shape
+GROWERS: dict[str, Grower] = {}
+
+
+def grower(name: str) -> Callable[[Grower], Grower]:
+    def register(function: Grower) -> Grower:
+        GROWERS[name] = function
+        return function
+    return register
+
+
+UNARY = ("Relu", "Sigmoid", "Tanh", "Neg", "Softplus", "Erf", "Sin", "Cos", "Softsign", "Elu", "LeakyRelu",
+         "Selu", "Celu", "Mish", "HardSwish")
+
+
+@grower("unary")
+def _unary(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    return _T(m.op(str(m.rng.choice(UNARY)), [t.name]), t.shape)
+
+
+def _broadcast_shape(m: _Maker, shape: Shape) -> Shape:
+    """A shape that broadcasts to `shape`: trailing axes, some set to 1, or a scalar."""
+    kind = m.rng.integers(4)
+    if kind == 0:
+        return ()
+    if kind == 1:
+        return shape
+    trailing = shape[m.rng.integers(1, len(shape)):] if len(shape) > 1 else shape
+    return tuple(d if m.rng.random() < 0.6 else 1 for d in trailing)
+
+
+@grower("binary")
+def _binary(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    op = str(m.rng.choice(["Add", "Sub", "Mul", "Div", "Max", "Min"]))
+    other = m.param(_broadcast_shape(m, t.shape), positive=op in ("Div", "Mul"))
+    inputs = [t.name, other] if m.rng.random() < 0.7 or op == "Div" else [other, t.name]
+    return _T(m.op(op, inputs), t.shape)
+
+
+@grower("square_root")
+def _square_root(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    square = m.op("Mul", [t.name, t.name])
+    return _T(m.op("Sqrt", [m.op("Add", [square, m.param((), positive=True)])]), t.shape)
+
+
+@grower("residual")
+def _residual(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    partners = [u for u in live if u.shape == t.shape and u.name != t.name]
+    if not partners:
+        return None
+    partner = partners[m.rng.integers(len(partners))]
+    return _T(m.op(str(m.rng.choice(["Add", "Mul", "Sub"])), [t.name, partner.name]), t.shape)
+
+
+@grower("concat")
+def _concat(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    axis = int(m.rng.integers(1, len(t.shape))) if len(t.shape) > 1 else 0
+    branch = m.op("Tanh", [t.name])
+    shape = list(t.shape)
+    shape[axis] *= 2
+    return _T(m.op("Concat", [t.name, branch], axis=axis), tuple(shape))
+
+
+@grower("matmul")
+def _matmul(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    k, n = t.shape[-1], int(m.rng.integers(2, 9))
+    if len(t.shape) == 2 and m.rng.random() < 0.5:
+        trans_b = int(m.rng.integers(2))
+        w = m.param((n, k) if trans_b else (k, n), 1 / np.sqrt(k))
+        bias = m.param((n,) if m.rng.random() < 0.5 else (1, n), 0.1)
+        return _T(m.op("Gemm", [t.name, w, bias], transB=trans_b, alpha=float(m.rng.choice([1.0, 0.5]))),
+                  (t.shape[0], n))
+    w = m.param((k, n), 1 / np.sqrt(k))
+    return _T(m.op("MatMul", [t.name, w]), (*t.shape[:-1], n))
+
+
+@grower("conv")
+def _conv(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    if len(t.shape) != 4:
+        return None
+    n, c, h, w = t.shape
+    k = int(m.rng.choice([1, 2, 3]))
+    stride = int(m.rng.choice([1, 1, 2]))
+    dilation = 2 if k > 1 and m.rng.random() < 0.2 else 1
+    pad = int(m.rng.integers(0, k)) if k > 1 else 0
+    span = (k - 1) * dilation + 1
+    if h + 2 * pad < span or w + 2 * pad < span:
+        return None
+    depthwise = m.rng.random() < 0.3
+    out_c, group = (c, c) if depthwise else (int(m.rng.integers(2, 9)), 1)
+    weight = m.param((out_c, c // group, k, k), 1 / np.sqrt(c // group * k * k))
+    inputs = [t.name, weight] + ([m.param((out_c,), 0.1)] if m.rng.random() < 0.6 else [])
+    out = m.op("Conv", inputs, kernel_shape=[k, k], strides=[stride, stride], pads=[pad] * 4,
+               dilations=[dilation, dilation], group=group)
+    size = lambda d: (d + 2 * pad - span) // stride + 1  # noqa: E731
+    return _T(out, (n, out_c, size(h), size(w)))
+
+
+@grower("pool")
+def _pool(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    if len(t.shape) != 4 or min(t.shape[2:]) < 2:
+        return None
+    kind = int(m.rng.integers(3))
+    if kind == 2:
+        return _T(m.op("GlobalAveragePool", [t.name]), (*t.shape[:2], 1, 1))
+    k, stride, pad = (2, 2, 0) if m.rng.random() < 0.5 else (3, 1, 1)
+    if min(t.shape[2:]) + 2 * pad < k:
+        return None
+    op = "MaxPool" if kind == 0 else "AveragePool"
+    attrs = {"kernel_shape": [k, k], "strides": [stride, stride], "pads": [pad] * 4}
+    if op == "AveragePool":
+        attrs["count_include_pad"] = int(m.rng.integers(2))
+    out = m.op(op, [t.name], **attrs)
+    size = lambda d: (d + 2 * pad - k) // stride + 1  # noqa: E731
+    return _T(out, (*t.shape[:2], size(t.shape[2]), size(t.shape[3])))
+
+
+@grower("normalize")
+def _normalize(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    if len(t.shape) == 4 and m.rng.random() < 0.5:
+        c = t.shape[1]
+        stats = [m.param((c,), 0.1), m.param((c,), 0.1), m.param((c,), 0.2), m.param((c,), 0.5, positive=True)]
+        return _T(m.op("BatchNormalization", [t.name, *stats]), t.shape)
+    if m.rng.random() < 0.5:
+        axis = int(m.rng.integers(1, len(t.shape))) if len(t.shape) > 1 else -1
+        return _T(m.op("Softmax", [t.name], axis=axis), t.shape)
+    width = t.shape[-1]
+    return _T(m.op("LayerNormalization", [t.name, m.param((width,), 0.5, positive=True), m.param((width,), 0.1)],
+                   axis=-1), t.shape)
+
+
+@grower("reduce")
+def _reduce(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    if len(t.shape) < 3:
+        return None
+    axis = int(m.rng.integers(1, len(t.shape)))
+    op = str(m.rng.choice(["ReduceSum", "ReduceMean", "ReduceMax"]))
+    out = m.op(op, [t.name, m.ints([axis])], keepdims=1)
+    return _T(out, tuple(1 if i == axis else d for i, d in enumerate(t.shape)))
+
+
+@grower("transpose")
+def _transpose(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    if len(t.shape) < 3:
+        return None
+    rest = [int(a) for a in m.rng.permutation(np.arange(1, len(t.shape)))]
+    perm = [0] + rest
+    return _T(m.op("Transpose", [t.name], perm=perm), tuple(t.shape[a] for a in perm))
+
+
+@grower("reshape")
+def _reshape(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    """Merge two neighbouring axes, or split one into two factors."""
+    shape = list(t.shape)
+    if len(shape) >= 3 and m.rng.random() < 0.5:
+        axis = int(m.rng.integers(1, len(shape) - 1))
+        target = shape[:axis] + [shape[axis] * shape[axis + 1]] + shape[axis + 2:]
+    else:
+        splittable = [a for a in range(1, len(shape)) if any(shape[a] % f == 0 for f in (2, 3)) and shape[a] > 3]
+        if not splittable or len(shape) >= 4:
+            return None
+        axis = splittable[m.rng.integers(len(splittable))]
+        factor = 2 if shape[axis] % 2 == 0 else 3
+        target = shape[:axis] + [factor, shape[axis] // factor] + shape[axis + 1:]
+    return _T(m.op("Reshape", [t.name, m.ints([0] + target[1:])]), tuple(target))
+
+
+@grower("slice")
+def _slice(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    axes = [a for a in range(1, len(t.shape)) if t.shape[a] >= 3]
+    if not axes:
+        return None
+    axis = axes[m.rng.integers(len(axes))]
+    length = t.shape[axis]
+    start, step = int(m.rng.integers(0, length // 2)), int(m.rng.choice([1, 1, 2]))
+    end = int(m.rng.integers(start + 1, length + 1))
+    out = m.op("Slice", [t.name, m.ints([start]), m.ints([end]), m.ints([axis]), m.ints([step])])
+    return _T(out, tuple(len(range(start, end, step)) if a == axis else d for a, d in enumerate(t.shape)))
+
+
+@grower("unsqueeze")
+def _unsqueeze(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    if len(t.shape) >= 4:
+        return None
+    axis = int(m.rng.integers(1, len(t.shape) + 1))
+    up = m.op("Unsqueeze", [t.name, m.ints([axis])])
+    shape = (*t.shape[:axis], 1, *t.shape[axis:])
+    if m.rng.random() < 0.5:
+        return _T(up, shape)
+    return _T(m.op("Squeeze", [up, m.ints([axis])]), t.shape)
+
+
+@grower("pad")
+def _pad(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    if len(t.shape) < 3:
+        return None
+    before = [0, 0] + [int(m.rng.integers(0, 2)) for _ in t.shape[2:]]
+    after = [0, 0] + [int(m.rng.integers(0, 2)) for _ in t.shape[2:]]
+    out = m.op("Pad", [t.name, m.ints(before + after)], mode="constant")
+    return _T(out, tuple(d + b + a for d, b, a in zip(t.shape, before, after)))
+
+
+#: growers with parameters, one of which starts every graph
+PARAMETRIC = ("binary", "matmul", "conv")
+
+
+def random_graph(seed: int, depth: tuple[int, int] = (2, 7)) -> RandomGraph:
+    """One random classifier (see the module docstring); the same seed gives the same graph."""
+    rng = np.random.default_rng(seed)
+    m = _Maker(rng)
+    rank = int(rng.choice([2, 3, 4, 4]))
+    batch = int(rng.integers(2, 4))
+    shape = (batch, *(int(rng.integers(2, 8)) for _ in range(rank - 1)))
+    t = _T("x", shape)
+    live = [t]
+    names = sorted(GROWERS)
+    for index in range(int(rng.integers(*depth))):
+        choices = [n for n in names if n in PARAMETRIC] if index == 0 else names
+        for _attempt in range(8):
+            grown = GROWERS[choices[rng.integers(len(choices))]](m, t, live)
+            if grown is not None and 0 < int(np.prod(grown.shape)) <= 4096:
+                t = grown
+                live.append(t)
+                break
+    flat = m.op("Flatten", [t.name], axis=1)
+    features = int(np.prod(t.shape[1:]))
+    classes = int(rng.integers(2, 6))
+    logits = m.op("Gemm", [flat, m.param((classes, features), 1 / np.sqrt(features)), m.param((classes,), 0.1)],
+                  transB=1)
+    graph = helper.make_graph(m.nodes, f"fuzz_{seed}", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info(logits, TensorProto.FLOAT, [batch, classes])],
+                              initializer=[numpy_helper.from_array(v, k) for k, v in m.inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return RandomGraph(model, m.ops, shape, classes)
