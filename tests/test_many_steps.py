@@ -47,8 +47,13 @@ def export_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("exported"))
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("model_name", list(MODELS))
+#: left to `-m slow` for the suite's time: the suite runs both optimizers on the MLP, one on each larger model
+SLOW_CASES = {("tresnet", "adamw"), ("llama", "sgd")}
+CASES = [pytest.param(model, optimizer, marks=[pytest.mark.slow] if (model, optimizer) in SLOW_CASES else [])
+         for model in MODELS for optimizer in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("model_name,optimizer", CASES)
 def test_fifty_steps_follow_torch(model_name: str, optimizer: str, export_dir: str, tmp_path) -> None:
     folder = str(tmp_path)
     model = MODELS[model_name](export_dir)

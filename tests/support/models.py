@@ -193,12 +193,18 @@ def resnet_legacy(directory: str) -> ExportedModel:
     """A tiny HF ResNet (basic blocks) from the legacy TorchScript exporter, BN and torch names kept."""
     model = _small_resnet()
     pixels, labels = _resnet_batch()
-    path = os.path.join(directory, "resnet_legacy.onnx")
+    return _legacy_image_classifier("resnet_legacy", model, pixels, labels, directory)
+
+
+def _legacy_image_classifier(name: str, model: torch.nn.Module, pixels: np.ndarray, labels: np.ndarray,
+                             directory: str) -> ExportedModel:
+    """`model` on `pixels` through the legacy TorchScript exporter, BatchNorm and torch names kept."""
+    path = os.path.join(directory, f"{name}.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (torch.from_numpy(pixels),), path, dynamo=False, do_constant_folding=False,
                           opset_version=18, input_names=["pixel_values"], output_names=["logits"])
-    return ExportedModel("resnet_legacy", path, model, {"pixel_values": pixels}, labels,
+    return ExportedModel(name, path, model, {"pixel_values": pixels}, labels,
                          classification_loss(lambda m: m(torch.from_numpy(pixels)), labels))
 
 
@@ -251,13 +257,7 @@ def small_convnet(directory: str) -> ExportedModel:
     rng = np.random.default_rng(5)
     pixels = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
     labels = rng.integers(0, 5, size=(2,)).astype(np.int64)
-    path = os.path.join(directory, "small_convnet.onnx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (torch.from_numpy(pixels),), path, dynamo=False, do_constant_folding=False,
-                          opset_version=18, input_names=["pixel_values"], output_names=["logits"])
-    return ExportedModel("small_convnet", path, model, {"pixel_values": pixels}, labels,
-                         classification_loss(lambda m: m(torch.from_numpy(pixels)), labels))
+    return _legacy_image_classifier("small_convnet", model, pixels, labels, directory)
 
 
 @session_cached

@@ -1,0 +1,308 @@
+"""Apache TVM on fblc's training steps: a third numeric reference, and the compiler fblc must beat.
+
+fblc's step is plain ONNX (`fblc train-graph`), so TVM needs no autodiff of its own: its ONNX
+importer (`tvm.relax.frontend.onnx`) sees an ordinary graph. `run_on_cpu` builds a step for TVM's
+LLVM CPU target and runs it; `build_opencl` builds it with TVM's Adreno texture pipeline (target
+`qcom/adreno-opencl-texture`; code generation only: the PyPI wheel has no OpenCL runtime) and
+returns the OpenCL source and the bytes its memory plan allocates.
+
+Before TVM sees a step, `prepare` rewrites the nodes that TVM imports wrongly or cannot build into
+equivalent primitive ops (tvm_rewrites.REWRITES, keyed by op type, each saying why) and lists every
+rewrite; `check_rewrites` has onnxruntime confirm that the rewritten step computes what the original
+does. Every TVM build runs in a child process (`python -m fblc.baselines.tvm`), because some of
+TVM's failures end the process (a SIGFPE in the Adreno pipeline's ConvertLayout): a build that fails
+is bisected to the first node whose prefix of the graph fails (TvmBuildError names it), and a run
+that disagrees with onnxruntime to the first node whose output differs (`first_difference`).
+
+Needs the `tvm` extra: pip install -e '.[tvm]'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from fblc.baselines.tvm_rewrites import CPU_TARGET, OPENCL_TARGET, PLAIN_OPENCL_TARGET, AppliedRewrite, prepare
+from fblc.errors import FblcError
+from fblc.tools.verify import TOLERANCES, Comparison, compare
+
+CHILD_TIMEOUT_S = 1800
+
+
+class TvmBuildError(FblcError):
+    """TVM could not import or build a step; the message names the first node that fails."""
+
+
+@dataclass
+class CpuRun:
+    outputs: dict[str, np.ndarray]
+    import_s: float
+    build_s: float
+    step_ms: float  # median over the repeats
+
+
+@dataclass
+class OpenclBuild:
+    source: str
+    build_s: float
+    planned_bytes: int  # the memory plan's alloc_storage calls, and the inputs and constants it holds
+    target: str
+    texture_failure: str | None  # why the texture pipeline could not build it, if it could not
+
+
+@dataclass
+class Difference:
+    """The first node, in graph order, whose output TVM computes differently from onnxruntime."""
+    node: str
+    op_type: str
+    attributes: dict[str, object]
+    output: str
+    max_abs: float
+    shape: tuple[int, ...]
+    expected_shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        how = (f"differs by up to {self.max_abs:.3g}" if self.shape == self.expected_shape
+               else f"has shape {list(self.shape)}, onnxruntime's {list(self.expected_shape)}")
+        return f"first differing node '{self.node}' ({self.op_type}, attributes {self.attributes}): '{self.output}' {how}"
+
+
+@dataclass
+class StepComparison:
+    rows: list[Comparison]
+    rewrites: list[AppliedRewrite]
+    difference: Difference | None
+
+    @property
+    def ok(self) -> bool:
+        return all(row.ok for row in self.rows)
+
+
+# --- the child process: everything that imports tvm -----------------------------------------------
+
+def _child(argv: list[str]) -> int:
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    kind, model_path, out = argv[0], argv[1], argv[2]
+    started = time.perf_counter()
+    module = from_onnx(onnx.load(model_path), keep_params_in_input=False)
+    imported = time.perf_counter()
+    if kind == "cpu":
+        feeds, repeats = dict(np.load(argv[3])), int(argv[4])
+        executable = tvm.compile(module, target=CPU_TARGET)
+        built = time.perf_counter()
+        machine = relax.VirtualMachine(executable, tvm.cpu())
+        arguments = [tvm.runtime.tensor(np.ascontiguousarray(feeds[p.name])) for p in module["main"].params]
+        times, result = [], None
+        for _ in range(max(1, repeats)):
+            begin = time.perf_counter()
+            result = machine["main"](*arguments)
+            times.append((time.perf_counter() - begin) * 1e3)
+        values = [result] if hasattr(result, "numpy") else list(result)  # one output or a tuple
+        np.savez(out, **{f"out{i}": np.asarray(v.numpy()) for i, v in enumerate(values)})
+        timing = {"import_s": imported - started, "build_s": built - imported, "step_ms": float(np.median(times))}
+    else:
+        from tvm.relax.backend.adreno import pipeline as adreno
+
+        target = tvm.target.Target(argv[3], host=CPU_TARGET)
+        lowered = adreno.get_default_pipeline(target)(module)
+        executable = tvm.compile(lowered, target=target, relax_pipeline=None)
+        built = time.perf_counter()
+        sources = []
+
+        def collect(lib: tvm.runtime.Module) -> None:
+            if lib.kind == "opencl":
+                sources.append(lib.inspect_source("cl"))
+            for imported_lib in lib.imports:
+                collect(imported_lib)
+        collect(executable.mod)
+        with open(out, "w") as handle:
+            handle.write("\n".join(sources))
+        timing = {"import_s": imported - started, "build_s": built - imported,
+                  "storage_bytes": _storage_bytes(lowered.script())}
+    with open(out + ".json", "w") as handle:
+        json.dump(timing, handle)
+    return 0
+
+
+def _storage_bytes(script: str) -> int:
+    import re
+
+    return sum(int(size) for size in re.findall(r"alloc_storage\(R\.shape\(\[(\d+)\]\)", script))
+
+
+def _run_child(arguments: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([sys.executable, "-m", "fblc.baselines.tvm", *arguments], capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(arguments, 124, "", f"timed out after {CHILD_TIMEOUT_S} s")
+
+
+def _failure(done: subprocess.CompletedProcess[str]) -> str:
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip() and "Warning" not in line]
+    errors = [line for line in lines if "Error" in line.split(":")[0] or "Check failed" in line]
+    if done.returncode < 0:
+        return f"the TVM process died of signal {-done.returncode}"
+    return (errors or lines or [f"exit status {done.returncode}"])[-1]
+
+
+def _build_in_child(model: onnx.ModelProto, kind: str, scratch: str, extra: list[str],
+                    bisect: bool = True) -> tuple[str, dict]:
+    path = os.path.join(scratch, f"{kind}.onnx")
+    onnx.save(model, path)
+    out = os.path.join(scratch, f"{kind}.out" + (".npz" if kind == "cpu" else ".cl"))
+    done = _run_child([kind, path, out, *extra])
+    if done.returncode != 0:
+        target = CPU_TARGET if kind == "cpu" else extra[0]
+        where = first_failing_node(model, kind, scratch, extra) if bisect else "not bisected"
+        raise TvmBuildError(f"TVM cannot build the step for {target}: {_failure(done)}; {where}",
+                            "the op is TVM's limit, not the model's: add a rewrite to fblc/baselines/tvm_rewrites.py")
+    with open(out + ".json") as handle:
+        return out, json.load(handle)
+
+
+def run_on_cpu(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray], repeats: int = 1) -> CpuRun:
+    """The step, prepared for TVM's CPU target, imported, built and run `repeats` times."""
+    model, _ = prepare(step, CPU_TARGET)
+    inputs = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+    with tempfile.TemporaryDirectory(prefix="fblc-tvm-") as scratch:
+        feeds_path = os.path.join(scratch, "feeds.npz")
+        np.savez(feeds_path, **{k: v for k, v in feeds.items() if k in inputs})
+        out, timing = _build_in_child(model, "cpu", scratch, [feeds_path, str(repeats)])
+        with np.load(out) as loaded:
+            values = [loaded[f"out{i}"] for i in range(len(loaded.files))]
+    names = [o.name for o in model.graph.output]
+    return CpuRun(dict(zip(names, values)), timing["import_s"], timing["build_s"], timing["step_ms"])
+
+
+def build_opencl(step: onnx.ModelProto, bisect: bool = True) -> OpenclBuild:
+    """The step through TVM's Adreno texture pipeline: its OpenCL source, build time and planned bytes.
+
+    Where that pipeline fails, the failure is kept in `texture_failure` (bisected to its first node
+    unless `bisect` is False: each try is a build), and TVM's plain Adreno pipeline (buffers, no
+    textures) builds the step."""
+    model, _ = prepare(step, OPENCL_TARGET)
+    with tempfile.TemporaryDirectory(prefix="fblc-tvm-") as scratch:
+        try:
+            out, timing = _build_in_child(model, "opencl", scratch, [OPENCL_TARGET], bisect)
+            target, texture_failure = OPENCL_TARGET, None
+        except TvmBuildError as error:
+            out, timing = _build_in_child(model, "opencl", scratch, [PLAIN_OPENCL_TARGET], bisect)
+            target, texture_failure = PLAIN_OPENCL_TARGET, error.cause
+        with open(out) as handle:
+            source = handle.read()
+    return OpenclBuild(source, timing["import_s"] + timing["build_s"], int(timing["storage_bytes"]) + _held_bytes(model),
+                       target, texture_failure)
+
+
+def _held_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the step's inputs and initializers (parameters, optimizer state, the batch), which TVM
+    holds as constants and arguments beside its memory plan."""
+    def size(elem_type: int, dims: list[int]) -> int:
+        return int(np.prod(dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+
+    initialized = {t.name for t in model.graph.initializer}
+    return (sum(size(t.data_type, list(t.dims)) for t in model.graph.initializer)
+            + sum(size(i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
+                  for i in model.graph.input if i.name not in initialized))
+
+
+# --- bisection ---------------------------------------------------------------------------------
+
+def _with_every_output(model: onnx.ModelProto, count: int | None = None) -> onnx.ModelProto:
+    """The first `count` nodes (all by default), every value they make a graph output, typed."""
+    typed = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v for v in [*typed.graph.value_info, *typed.graph.output]}
+    prefix = onnx.ModelProto()
+    prefix.CopyFrom(model)
+    del prefix.graph.node[count if count is not None else len(model.graph.node):]
+    del prefix.graph.output[:]
+    for node in prefix.graph.node:
+        for name in node.output:
+            if name and name in types:
+                prefix.graph.output.append(types[name])
+    return prefix
+
+
+def first_failing_node(model: onnx.ModelProto, kind: str, scratch: str, extra: list[str]) -> str:
+    """'first failing node ...': the shortest prefix of the graph that TVM cannot build, by bisection."""
+    if kind == "cpu":
+        extra = [os.path.join(scratch, "zeros.npz"), "1"]
+        np.savez(extra[0], **_zero_feeds(model))
+
+    def builds(count: int) -> bool:
+        path = os.path.join(scratch, f"prefix_{count}.onnx")
+        onnx.save(_with_every_output(model, count), path)
+        return _run_child([kind, path, path + ".out" + (".npz" if kind == "cpu" else ".cl"), *extra]).returncode == 0
+
+    low, high = 1, len(model.graph.node)
+    while low < high:
+        middle = (low + high) // 2
+        if builds(middle):
+            low = middle + 1
+        else:
+            high = middle
+    node = model.graph.node[low - 1]
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    return f"first failing node '{node.name}' ({node.op_type}, attributes {attributes})"
+
+
+def _zero_feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    initialized = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for value in model.graph.input:
+        if value.name not in initialized:
+            tensor = value.type.tensor_type
+            feeds[value.name] = np.zeros([d.dim_value for d in tensor.shape.dim],
+                                         onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+    return feeds
+
+
+def first_difference(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> Difference | None:
+    """Every value of the step from onnxruntime and from TVM's CPU build, compared in node order."""
+    from fblc.compiler.reference import ReferenceStep
+
+    everything = _with_every_output(step)
+    with tempfile.TemporaryDirectory(prefix="fblc-tvm-") as scratch:
+        path = os.path.join(scratch, "every_output.onnx")
+        onnx.save(everything, path)
+        reference = ReferenceStep(path)
+        reference.step(dict(feeds))
+        expected = reference.last
+    got = run_on_cpu(everything, feeds).outputs
+    rtol, atol = TOLERANCES["fp32"]
+    for node in step.graph.node:
+        for name in node.output:
+            if name in expected and name in got and np.issubdtype(np.asarray(expected[name]).dtype, np.floating):
+                a, b = np.asarray(got[name], np.float64), np.asarray(expected[name], np.float64)
+                if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol):
+                    attributes = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+                    gap = float(np.abs(a - b).max()) if a.shape == b.shape else float("inf")
+                    return Difference(node.name, node.op_type, attributes, name, gap, a.shape, b.shape)
+    return None
+
+
+def compare_step(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
+                 expected: Mapping[str, np.ndarray]) -> StepComparison:
+    """TVM's CPU step against `expected` (onnxruntime's, or a device's), every output; bisected if any differs."""
+    _, rewrites = prepare(step, CPU_TARGET)
+    got = run_on_cpu(step, feeds).outputs
+    rows = compare(got, {k: v for k, v in expected.items() if k in got}, "fp32")
+    difference = None if all(row.ok for row in rows) else first_difference(step, feeds)
+    return StepComparison(rows, rewrites, difference)
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

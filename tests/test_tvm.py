@@ -1,0 +1,191 @@
+"""Apache TVM as the third numeric reference (fblc/baselines): the same ONNX step through TVM's CPU build
+equals onnxruntime's (and fblc's device step), every output within fblc.tools.verify's fp32 tolerance.
+
+The rewrites that make TVM import a step correctly are checked on onnxruntime one by one; a
+disagreement is bisected to the first differing node, and a failed build to the first failing one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fblc.baselines import tvm_rewrites
+from fblc.baselines.opencl_kernels import count_kernels, kernels
+from fblc.baselines.tvm_rewrites import CPU_TARGET, OPENCL_TARGET, check_rewrites, prepare
+from fblc.compiler.model_io import load_model, save_model_atomically
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.compiler.reference import ReferenceStep
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from tests.support import models, zoo
+
+if importlib.util.find_spec("tvm") is None:
+    if os.environ.get("FBLC_CI") == "1":
+        raise RuntimeError("apache-tvm is missing (FBLC_CI=1: the README's test command installs '.[test,tvm]')")
+    pytest.skip("apache-tvm is missing: pip install -e '.[tvm]'", allow_module_level=True)
+
+from fblc.baselines import tvm  # noqa: E402  (after the skip: it needs the extra)
+
+ADAMW = TrainingOptions(optimizer=OptimizerConfig("adamw", lr=1e-3))
+
+
+def _gpt2(directory: str) -> models.ExportedModel:
+    return zoo.build(next(arch for arch in zoo.ZOO if arch.name == "gpt2"), directory)
+
+
+BUILDERS = {"mlp": models.mlp, "tresnet": models.tresnet, "llama": lambda d: models.llama(d)[0],
+            "resnet": models.resnet_legacy, "gpt2": _gpt2,
+            "mobilenet_v2": models.mobilenet_v2}
+#: the rewrites each model's step needs on TVM's CPU target
+CPU_REWRITES = {"mlp": set(), "tresnet": set(), "llama": {"Constant"}, "resnet": {"MaxPool"},
+                "gpt2": {"LayerNormalization"}, "mobilenet_v2": set()}
+
+
+def _step(name: str, directory: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    exported = BUILDERS[name](directory)
+    step = build_training_graph(load_model(exported.path), ADAMW)
+    path = os.path.join(directory, f"{name}_step.onnx")
+    save_model_atomically(step, path)
+    feeds = {**exported.inputs, "labels": exported.labels}
+    reference = ReferenceStep(path)
+    reference.step(dict(feeds))
+    return onnx.load(path), feeds, reference.last
+
+
+@pytest.mark.parametrize("name", [*list(BUILDERS)[:-1], pytest.param("mobilenet_v2", marks=pytest.mark.slow)])
+def test_tvm_step_equals_onnxruntime(name: str, tmp_path) -> None:
+    step, feeds, expected = _step(name, str(tmp_path))
+    comparison = tvm.compare_step(step, feeds, expected)
+    assert comparison.ok, [str(comparison.difference)] + [r.name for r in comparison.rows if not r.ok]
+    assert len(comparison.rows) == len(step.graph.output)
+    assert {r.op_type for r in comparison.rewrites} == CPU_REWRITES[name]
+    assert check_rewrites(step, CPU_TARGET, feeds) == comparison.rewrites
+
+
+def test_three_references_agree_on_the_mlp(tmp_path) -> None:
+    """TVM's CPU step against fblc's device step of the same bundle (onnxruntime's is the test above)."""
+    from fblc.codegen.compile import compile_model
+    from fblc.runtime.local import LocalRunner
+    from fblc.tools.verify import compare
+
+    exported = models.mlp(str(tmp_path))
+    step, _ = compile_model(exported.path, str(tmp_path / "bundle"), "adreno830", "fp32", ADAMW)
+    feeds = {**exported.inputs, "labels": exported.labels}
+    runner = LocalRunner(str(tmp_path / "bundle"))
+    runner.step(feeds)
+    path = str(tmp_path / "step.onnx")
+    save_model_atomically(step, path)
+    got = tvm.run_on_cpu(onnx.load(path), feeds).outputs
+    rows = compare({name: runner.read_before_swap(name) for name in got}, got, "fp32")
+    assert len(rows) > 20 and all(row.ok for row in rows), [r for r in rows if not r.ok]
+
+
+def test_a_wrong_import_is_bisected_to_its_node(monkeypatch, tmp_path) -> None:
+    """Negative case: without the LayerNorm rewrite TVM imports only Y and the gradients differ; the
+    bisection names the first LayerNormalization node."""
+    step, feeds, expected = _step("gpt2", str(tmp_path))
+    monkeypatch.delitem(tvm_rewrites.REWRITES, "LayerNormalization")
+    comparison = tvm.compare_step(step, feeds, expected)
+    assert not comparison.ok and comparison.difference is not None
+    first = next(n for n in step.graph.node if n.op_type == "LayerNormalization")
+    assert (comparison.difference.op_type, comparison.difference.node) == ("LayerNormalization", first.name)
+
+
+def _model(nodes: list[onnx.NodeProto], inputs: dict[str, list[int]], outputs: dict[str, tuple[int, list[int]]],
+           initializers: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in inputs.items()],
+        [helper.make_tensor_value_info(k, t, s) for k, (t, s) in outputs.items()],
+        [numpy_helper.from_array(v, k) for k, v in (initializers or {}).items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_failed_build_is_bisected_to_its_node(monkeypatch) -> None:
+    """Negative case: TVM's importer cannot give MaxPool's Indices; without the rewrite the build fails
+    and the error names the MaxPool node."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("MaxPool", ["r"], ["y", "i"], name="pool", kernel_shape=[2, 2], strides=[2, 2])]
+    model = _model(nodes, {"x": [1, 2, 4, 4]}, {"y": (TensorProto.FLOAT, [1, 2, 2, 2]),
+                                                 "i": (TensorProto.INT64, [1, 2, 2, 2])})
+    monkeypatch.delitem(tvm_rewrites.REWRITES, "MaxPool")
+    with pytest.raises(tvm.TvmBuildError, match="first failing node 'pool' \\(MaxPool"):
+        tvm.run_on_cpu(model, {"x": np.zeros((1, 2, 4, 4), np.float32)})
+
+
+# --- each rewrite equals the op it replaces, on onnxruntime (no TVM needed) ------------------------
+
+def _check(model: onnx.ModelProto, target: str, feeds: dict[str, np.ndarray], op_type: str) -> None:
+    onnx.checker.check_model(model, full_check=True)
+    applied = check_rewrites(model, target, feeds)
+    assert [a.op_type for a in applied] == [op_type]
+    assert op_type not in {n.op_type for n in prepare(model, target)[0].graph.node}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_rewrite_gives_y_mean_and_inverse_std(bias: bool) -> None:
+    rng = np.random.default_rng(0)
+    inits = {"scale": rng.standard_normal(6).astype(np.float32), "bias": rng.standard_normal(6).astype(np.float32)}
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"][:3 if bias else 2], ["y", "mean", "inv"],
+                            name="ln", axis=-1, epsilon=1e-3)
+    out = {"y": (TensorProto.FLOAT, [2, 3, 6]), "mean": (TensorProto.FLOAT, [2, 3, 1]),
+           "inv": (TensorProto.FLOAT, [2, 3, 1])}
+    model = _model([node], {"x": [2, 3, 6]}, out, inits)
+    _check(model, CPU_TARGET, {"x": rng.standard_normal((2, 3, 6)).astype(np.float32)}, "LayerNormalization")
+
+
+@pytest.mark.parametrize("kernel,stride,pad,dilation", [(2, 2, 0, 1), (3, 1, 1, 1), (3, 2, 1, 2), (2, 1, 0, 1)])
+def test_max_pool_rewrite_gives_onnxruntimes_indices(kernel: int, stride: int, pad: int, dilation: int) -> None:
+    x = np.random.default_rng(1).integers(-3, 3, (2, 3, 7, 6)).astype(np.float32)  # ties: the first wins
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], name="pool", kernel_shape=[kernel] * 2,
+                            strides=[stride] * 2, pads=[pad] * 4, dilations=[dilation] * 2)
+    size = [(d + 2 * pad - (kernel - 1) * dilation - 1) // stride + 1 for d in (7, 6)]
+    model = _model([node], {"x": [2, 3, 7, 6]}, {"y": (TensorProto.FLOAT, [2, 3, *size]),
+                                                  "i": (TensorProto.INT64, [2, 3, *size])})
+    _check(model, CPU_TARGET, {"x": x}, "MaxPool")
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_scatter_add_rewrite_sums_repeated_and_negative_indices(axis: int) -> None:
+    rng = np.random.default_rng(2)
+    shape, index_shape = [4, 5], [4, 5]
+    index_shape[axis] = 7
+    indices = rng.integers(-shape[axis], shape[axis], index_shape).astype(np.int64)
+    node = helper.make_node("ScatterElements", ["data", "idx", "upd"], ["y"], name="scatter", axis=axis,
+                            reduction="add")
+    model = _model([node], {"data": shape, "upd": index_shape}, {"y": (TensorProto.FLOAT, shape)}, {"idx": indices})
+    feeds = {"data": rng.standard_normal(shape).astype(np.float32),
+             "upd": rng.standard_normal(index_shape).astype(np.float32)}
+    _check(model, OPENCL_TARGET, feeds, "ScatterElements")
+
+
+def test_sum_max_and_constant_rewrites() -> None:
+    rng = np.random.default_rng(3)
+    feeds = {k: rng.standard_normal((2, 3)).astype(np.float32) for k in "abc"}
+    total = helper.make_node("Sum", ["a", "b", "c"], ["y"], name="sum")
+    _check(_model([total], {k: [2, 3] for k in "abc"}, {"y": (TensorProto.FLOAT, [2, 3])}), OPENCL_TARGET, feeds, "Sum")
+    larger = helper.make_node("Max", ["a", "b"], ["y"], name="max")
+    _check(_model([larger], {"a": [2, 3], "b": [2, 3]}, {"y": (TensorProto.FLOAT, [2, 3])}), OPENCL_TARGET, feeds, "Max")
+    shape = helper.make_node("Constant", [], ["s"], name="shape", value_ints=[3, 2])
+    reshaped = helper.make_node("Reshape", ["a", "s"], ["y"], name="reshape")
+    model = _model([shape, reshaped], {"a": [2, 3]}, {"y": (TensorProto.FLOAT, [3, 2])})
+    applied = check_rewrites(model, CPU_TARGET, feeds)
+    assert [a.op_type for a in applied] == ["Constant"]
+
+
+def test_kernel_counts_read_definitions_textures_and_movement() -> None:
+    source = """
+__kernel void fused_reshape3_transpose2_kernel(__global float* restrict a, __global float* restrict b);
+__kernel void fused_reshape3_transpose2_kernel(__global float* restrict a, __global float* restrict b) { }
+__kernel void matmul2_kernel(__global float* a, __global float* b) { }
+__kernel void k7_Transpose(__read_only image2d_t x, __write_only image2d_t y) { }
+__kernel void k8_Gemm(__read_only image2d_t x, __read_only image2d_t w, __write_only image2d_t y) { }
+__kernel void fused_transpose_relu_kernel(__global float* a) { }
+"""
+    assert [k.name for k in kernels(source)][:2] == ["fused_reshape3_transpose2_kernel", "matmul2_kernel"]
+    counts = count_kernels(source)
+    assert (counts.kernels, counts.data_movement, counts.with_textures) == (5, 2, 2)
