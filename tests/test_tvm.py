@@ -189,3 +189,9 @@ __kernel void fused_transpose_relu_kernel(__global float* a) { }
     assert [k.name for k in kernels(source)][:2] == ["fused_reshape3_transpose2_kernel", "matmul2_kernel"]
     counts = count_kernels(source)
     assert (counts.kernels, counts.data_movement, counts.with_textures) == (5, 2, 2)
+
+
+def test_planned_storage_counts_buffers_in_bytes_and_textures_in_texels() -> None:
+    script = ('storage = R.vm.alloc_storage(R.shape([512]), 0, R.dtype("uint8"), R.str("global"))\n'
+              'texture = R.vm.alloc_storage(R.shape([4, 8, 4]), 0, R.dtype("float16"), R.str("global.texture"))')
+    assert tvm._storage_bytes(script) == 512 + 4 * 8 * 4 * 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -136,10 +137,13 @@ def _child(argv: list[str]) -> int:
     return 0
 
 
-def _storage_bytes(script: str) -> int:
-    import re
+_STORAGE = re.compile(r'alloc_storage\(R\.shape\(\[([\d, ]+)\]\), [^,]+, R\.dtype\("(\w+)"\)')
 
-    return sum(int(size) for size in re.findall(r"alloc_storage\(R\.shape\(\[(\d+)\]\)", script))
+
+def _storage_bytes(script: str) -> int:
+    """Bytes of the storages a lowered module allocates: buffers in bytes, textures in texels of a dtype."""
+    return sum(int(np.prod([int(d) for d in dims.split(",")])) * np.dtype(dtype).itemsize
+               for dims, dtype in _STORAGE.findall(script))
 
 
 def _run_child(arguments: list[str]) -> subprocess.CompletedProcess[str]:
