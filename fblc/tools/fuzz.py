@@ -10,9 +10,10 @@ naming the seed and the stage where one fails:
   of the original model (1e-5);
 - `gradient`: each `P.grad` against central finite differences of that forward's loss along
   its own direction (each parameter alone), and all of them along one random direction, within
-  1 % of |grad| + 1e-4 (+ 1e-3 of the whole gradient in float32). The forward runs in float64 where onnxruntime has double kernels for all
-  its ops (two step sizes), else in float32 (three); a point near a kink of Relu/Max/MaxPool
-  passes at one of them;
+  1 % of |grad| + 1e-4 (+ 1e-3 of the whole gradient in float32). The forward runs in float64:
+  on onnxruntime where it has double kernels for all the ops, else on onnx's reference evaluator
+  (two step sizes, down to 1e-6, so a kink of Relu/Max/MaxPool 1e-4 away is stepped over); only
+  if neither runs it, in float32 (three step sizes);
 - `device` (every `--device-every`-th graph): the bundle under both layouts runs one step on the
   local OpenCL device against onnxruntime (fblc.tools.verify, fp32 tolerances).
 Mutations of a valid model file (truncated, bytes flipped, a dangling input, a cycle, a type
@@ -75,13 +76,15 @@ def _loss(logits: np.ndarray, labels: np.ndarray) -> float:
 
 
 class _Forward:
-    """The original model's loss as a function of its parameters: one onnxruntime session, in float64
-    where onnxruntime has double kernels for every op (finite differences then see no rounding),
-    else in float32; the parameters are graph inputs, fed each call."""
+    """The original model's loss as a function of its parameters, in float64 where possible so that
+    finite differences see no rounding: onnxruntime where it has double kernels for every op, else
+    onnx's reference evaluator (numpy, slower, every op in double), else onnxruntime in float32."""
 
     def __init__(self, model: onnx.ModelProto, params: list[str], x: np.ndarray, labels: np.ndarray) -> None:
         self.labels = labels
-        for dtype, elem in ((np.float64, onnx.TensorProto.DOUBLE), (np.float32, onnx.TensorProto.FLOAT)):
+        for dtype, elem, engine in ((np.float64, onnx.TensorProto.DOUBLE, "onnxruntime"),
+                                    (np.float64, onnx.TensorProto.DOUBLE, "reference"),
+                                    (np.float32, onnx.TensorProto.FLOAT, "onnxruntime")):
             m = onnx.ModelProto.FromString(model.SerializeToString())
             for tensor in m.graph.initializer:
                 if tensor.name in params:
@@ -94,16 +97,25 @@ class _Forward:
             for value in (m.graph.input[0], *m.graph.output):
                 value.type.tensor_type.elem_type = elem
             try:
-                self.session, self.dtype, self.x = _session(m), dtype, x.astype(dtype)
-                self.session.run(None, {"x": self.x})
+                self.dtype, self.x = dtype, x.astype(dtype)
+                if engine == "reference":
+                    from onnx.reference import ReferenceEvaluator
+
+                    evaluator = ReferenceEvaluator(m)
+                    self.run = lambda feeds: evaluator.run(None, feeds)[0]
+                else:
+                    session = _session(m)
+                    self.run = lambda feeds: session.run(None, feeds)[0]
+                self.run({"x": self.x, **{p: onnx.numpy_helper.to_array(t).astype(dtype)
+                                          for t in m.graph.initializer for p in [t.name] if p in params}})
                 return
-            except Exception:  # no double kernel for some op (Conv, pools, Erf): float32
+            except Exception:  # no double kernel for some op (Conv, pools, Erf): the next engine
                 continue
-        raise AssertionError("onnxruntime runs the model in neither float64 nor float32")
+        raise AssertionError("neither onnxruntime nor the reference evaluator runs the model")
 
     def __call__(self, params: dict[str, np.ndarray] | None = None) -> float:
         feeds = {"x": self.x, **{k: np.asarray(v, self.dtype) for k, v in (params or {}).items()}}
-        return _loss(self.session.run(None, feeds)[0], self.labels)
+        return _loss(self.run(feeds), self.labels)
 
 
 def _run_step(step: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -3,7 +3,8 @@
 A graph starts from an input `x` of rank 2, 3 or 4 and applies a chain of random op builders,
 each drawn from GROWERS and applicable to the current tensor's shape (convolutions and pools
 need rank 4, a MatMul a last axis, ...); branches join again (residual Adds, Concat), views
-chain (Transpose, Reshape, Slice, Unsqueeze/Squeeze); parameters get broadcastable shapes.
+chain (Transpose, Reshape, Slice, Unsqueeze/Squeeze, Expand), gathers take constant indices (repeated,
+negative), Where selects under a constant mask; parameters get broadcastable shapes.
 The first op has parameters (so every later op's gradient rule is on the path to one), and
 the chain ends in Flatten and a Gemm to `classes` logits, so every graph trains with the
 cross-entropy loss. Values stay small (weights scaled by fan-in, divisors kept away from 0) so
@@ -120,7 +121,8 @@ def _residual(m: _Maker, t: _T, live: list[_T]) -> _T | None:
     if not partners:
         return None
     partner = partners[m.rng.integers(len(partners))]
-    return _T(m.op(str(m.rng.choice(["Add", "Mul", "Sub"])), [t.name, partner.name]), t.shape)
+    # no Sub: x - (x - p) cancels to p plus rounding, and a norm after it amplifies the rounding
+    return _T(m.op(str(m.rng.choice(["Add", "Mul"])), [t.name, partner.name]), t.shape)
 
 
 @grower("concat")
@@ -269,6 +271,45 @@ def _pad(m: _Maker, t: _T, live: list[_T]) -> _T | None:
     after = [0, 0] + [int(m.rng.integers(0, 2)) for _ in t.shape[2:]]
     out = m.op("Pad", [t.name, m.ints(before + after)], mode="constant")
     return _T(out, tuple(d + b + a for d, b, a in zip(t.shape, before, after)))
+
+
+@grower("gather")
+def _gather(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    """Gather or GatherElements along an axis with constant indices: repeated, negative, any order."""
+    if len(t.shape) < 2:
+        return None
+    axis = int(m.rng.integers(1, len(t.shape)))
+    length, taken = t.shape[axis], int(m.rng.integers(1, t.shape[axis] + 3))
+    if m.rng.random() < 0.5:
+        indices = m.rng.integers(-length, length, taken)
+        shape = (*t.shape[:axis], taken, *t.shape[axis + 1:])
+        return _T(m.op("Gather", [t.name, m.ints([int(i) for i in indices])], axis=axis), shape)
+    shape = (*t.shape[:axis], taken, *t.shape[axis + 1:])
+    name = m.fresh("c")
+    m.inits[name] = m.rng.integers(-length, length, shape).astype(np.int64)
+    return _T(m.op("GatherElements", [t.name, name], axis=axis), shape)
+
+
+@grower("select")
+def _select(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    """Where with a constant mask between the tensor and a parameter (both get a gradient)."""
+    mask = m.fresh("c")
+    m.inits[mask] = m.rng.random(_broadcast_shape(m, t.shape)) < 0.5
+    other = m.param(_broadcast_shape(m, t.shape), 0.5)
+    inputs = [mask, t.name, other] if m.rng.random() < 0.5 else [mask, other, t.name]
+    return _T(m.op("Where", inputs), t.shape)
+
+
+@grower("expand")
+def _expand(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    """Unsqueeze an axis and Expand it to 2 or 3 copies (a broadcast whose gradient sums them)."""
+    if len(t.shape) >= 4:
+        return None
+    axis = int(m.rng.integers(1, len(t.shape) + 1))
+    up = m.op("Unsqueeze", [t.name, m.ints([axis])])
+    copies = int(m.rng.integers(2, 4))
+    shape = (*t.shape[:axis], copies, *t.shape[axis:])
+    return _T(m.op("Expand", [up, m.ints(list(shape))]), shape)
 
 
 #: growers with parameters, one of which starts every graph
