@@ -74,7 +74,8 @@ class Difference:
     def __str__(self) -> str:
         how = (f"differs by up to {self.max_abs:.3g}" if self.shape == self.expected_shape
                else f"has shape {list(self.shape)}, onnxruntime's {list(self.expected_shape)}")
-        return f"first differing node '{self.node}' ({self.op_type}, attributes {self.attributes}): '{self.output}' {how}"
+        return (f"first differing node '{self.node}' ({self.op_type}, attributes {self.attributes}): "
+                f"'{self.output}' {how}")
 
 
 @dataclass
@@ -207,8 +208,8 @@ def build_opencl(step: onnx.ModelProto, bisect: bool = True) -> OpenclBuild:
             target, texture_failure = PLAIN_OPENCL_TARGET, error.cause
         with open(out) as handle:
             source = handle.read()
-    return OpenclBuild(source, timing["import_s"] + timing["build_s"], int(timing["storage_bytes"]) + _held_bytes(model),
-                       target, texture_failure)
+    planned = int(timing["storage_bytes"]) + _held_bytes(model)
+    return OpenclBuild(source, timing["import_s"] + timing["build_s"], planned, target, texture_failure)
 
 
 def _held_bytes(model: onnx.ModelProto) -> int:

@@ -21,6 +21,8 @@ from fblc.errors import FblcError
 CPU_TARGET = "llvm"
 OPENCL_TARGET = "qcom/adreno-opencl-texture"  # TVM's Adreno pipeline with textures
 PLAIN_OPENCL_TARGET = "qcom/adreno-opencl"  # the same without textures, where that one fails
+EVERY_TARGET = (CPU_TARGET, OPENCL_TARGET, PLAIN_OPENCL_TARGET)
+OPENCL_TARGETS = (OPENCL_TARGET, PLAIN_OPENCL_TARGET)
 
 
 @dataclass(frozen=True)
@@ -169,28 +171,32 @@ class Rule:
     emit: Callable[[_Emitter], None]
 
 
+def _max_pool_rewritable(node: onnx.NodeProto, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    return (len(node.output) > 1 and bool(node.output[1]) and _attribute(node, "ceil_mode", 0) == 0
+            and _attribute(node, "storage_order", 0) == 0 and _attribute(node, "auto_pad", b"NOTSET") == b"NOTSET")
+
+
+_CONVERT_LAYOUT = "the Adreno pipeline's ConvertLayout dies of SIGFPE (rank 0) or rejects the layout (rank 1) on "
+
 REWRITES: dict[str, Rule] = {
     "LayerNormalization": Rule(
         "TVM's importer computes only Y, and fblc's LayerNorm gradient reads the saved Mean and InvStdDev",
-        (CPU_TARGET, OPENCL_TARGET, PLAIN_OPENCL_TARGET), lambda node, shapes: sum(bool(o) for o in node.output) > 1, _layer_norm),
-    "MaxPool": Rule(
-        "TVM's importer makes only Y, and fblc's MaxPool gradient scatters through the Indices output",
-        (CPU_TARGET, OPENCL_TARGET, PLAIN_OPENCL_TARGET),
-        lambda node, shapes: len(node.output) > 1 and bool(node.output[1]) and _attribute(node, "ceil_mode", 0) == 0
-        and _attribute(node, "storage_order", 0) == 0 and _attribute(node, "auto_pad", b"NOTSET") == b"NOTSET",
-        _max_pool_with_indices),
-    "Constant": Rule("TVM's importer reads a Constant's `value` only, not value_ints / value_floats and the like",
-                     (CPU_TARGET, OPENCL_TARGET, PLAIN_OPENCL_TARGET),
-                     lambda node, shapes: node.attribute[0].name in ("value_int", "value_ints", "value_float", "value_floats"),
-                     _constant_as_tensor),
-    "Max": Rule("the Adreno pipeline's ConvertLayout dies of SIGFPE (rank 0) or rejects the layout (rank 1) on maximum",
-                (OPENCL_TARGET, PLAIN_OPENCL_TARGET), lambda node, shapes: len(node.input) == 2, _select("Greater")),
-    "Min": Rule("the Adreno pipeline's ConvertLayout dies of SIGFPE (rank 0) or rejects the layout (rank 1) on minimum",
-                (OPENCL_TARGET, PLAIN_OPENCL_TARGET), lambda node, shapes: len(node.input) == 2, _select("Less")),
+        EVERY_TARGET, lambda node, shapes: sum(bool(o) for o in node.output) > 1, _layer_norm),
+    "MaxPool": Rule("TVM's importer makes only Y, and fblc's MaxPool gradient scatters through the Indices output",
+                    EVERY_TARGET, _max_pool_rewritable, _max_pool_with_indices),
+    "Constant": Rule(
+        "TVM's importer reads a Constant's `value` only, not value_ints / value_floats and the like", EVERY_TARGET,
+        lambda node, shapes: node.attribute[0].name in ("value_int", "value_ints", "value_float", "value_floats"),
+        _constant_as_tensor),
+    "Max": Rule(_CONVERT_LAYOUT + "maximum", OPENCL_TARGETS, lambda node, shapes: len(node.input) == 2,
+                _select("Greater")),
+    "Min": Rule(_CONVERT_LAYOUT + "minimum", OPENCL_TARGETS, lambda node, shapes: len(node.input) == 2,
+                _select("Less")),
     "Sum": Rule("the Adreno pipeline's ConvertLayout rejects a variadic sum of rank-4 tensors ('Invalid SLayout')",
-                (OPENCL_TARGET, PLAIN_OPENCL_TARGET), lambda node, shapes: True, _sum_as_adds),
-    "ScatterElements": Rule("TVM's GPU schedules (dlight) fail on the scatter's serial loop ('Cannot find a block "
-                            "with the name: root')", (OPENCL_TARGET, PLAIN_OPENCL_TARGET), _summable_scatter, _scatter_add_as_sum),
+                OPENCL_TARGETS, lambda node, shapes: True, _sum_as_adds),
+    "ScatterElements": Rule(
+        "TVM's GPU schedules (dlight) fail on the scatter's serial loop ('Cannot find a block with the name: root')",
+        OPENCL_TARGETS, _summable_scatter, _scatter_add_as_sum),
 }
 
 

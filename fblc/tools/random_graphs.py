@@ -339,7 +339,8 @@ def random_graph(seed: int, depth: tuple[int, int] = (2, 7)) -> RandomGraph:
     classes = int(rng.integers(2, 6))
     logits = m.op("Gemm", [flat, m.param((classes, features), 1 / np.sqrt(features)), m.param((classes,), 0.1)],
                   transB=1)
-    graph = helper.make_graph(m.nodes, f"fuzz_{seed}", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+    graph = helper.make_graph(m.nodes, f"fuzz_{seed}",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
                               [helper.make_tensor_value_info(logits, TensorProto.FLOAT, [batch, classes])],
                               initializer=[numpy_helper.from_array(v, k) for k, v in m.inits.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
