@@ -86,7 +86,7 @@ def _tresnet_case(directory: str, batch: int = 16) -> Case:
 def _vit_case(directory: str) -> Case:
     from tests.support import zoo
 
-    exported = zoo.build(next(arch for arch in zoo.ZOO if arch.name == "vit"), directory)
+    exported = zoo.build(zoo.BY_NAME["vit"], directory)
     (name, pixels), = exported.inputs.items()
     return ("vit " + "x".join(map(str, pixels.shape)), exported.module, {name: pixels, "path": exported.path},
             exported.labels, exported.loss_of)
@@ -111,17 +111,16 @@ def measure(case: Case, directory: str, steps: int) -> Row:
         if build.texture_failure else []
     reference = ReferenceStep(step_path)
     reference.step(dict(feeds))
-    comparison = tvm.compare_step(graph, feeds, reference.last)
+    comparison = tvm.compare_step(graph, feeds, reference.last, repeats=steps + 1)
     notes += [f"rewritten for TVM: {r}" for r in comparison.rewrites]
     if comparison.difference:
         notes.append(f"TVM differs from onnxruntime: {comparison.difference}")
-    tvm_ms = tvm.run_on_cpu(graph, feeds, repeats=steps + 1).step_ms
     fblc_ms, _ = fblc_step_ms(path, feeds, os.path.join(directory, "local"), steps)
     torch_ms = torch_step_ms(module, loss_of, steps)
     return Row(name, fblc_compile_s, build.build_s, (fblc_counts.kernels, fblc_counts.data_movement,
                                                      fblc_counts.with_textures),
                (tvm_counts.kernels, tvm_counts.data_movement, tvm_counts.with_textures),
-               report["memory"]["device_peak"] / 1e6, build.planned_bytes / 1e6, tvm_ms, fblc_ms, torch_ms,
+               report["memory"]["device_peak"] / 1e6, build.planned_bytes / 1e6, comparison.step_ms, fblc_ms, torch_ms,
                "yes" if comparison.ok else "NO", notes)
 
 
@@ -154,7 +153,7 @@ def compile_1b(directory: str) -> str:
         build = tvm.build_opencl(graph, bisect=False)  # each try of a bisection would be a 1B build
     except tvm.TvmBuildError as error:
         return f"llama-3.2-1b-shaped step compile: fblc {fblc_s:.2f} s; TVM fails: {error.cause}"
-    tvm_s = build.build_s  # TVM's import and build, timed in its process (not its start)
+    tvm_s = build.build_s
     ratio = tvm_s / fblc_s
     via = build.target + (f" (texture pipeline: {build.texture_failure})" if build.texture_failure else "")
     return (f"llama-3.2-1b-shaped step compile: fblc {fblc_s:.2f} s, TVM {tvm_s:.2f} s via {via}: {ratio:.1f}x "

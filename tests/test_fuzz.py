@@ -85,6 +85,20 @@ def test_finding_an_input_name_that_is_not_utf8_is_a_load_error(tmp_path) -> Non
         load_model(path)
 
 
+def test_finding_a_type_that_onnx_ir_cannot_read_is_a_load_error(tmp_path) -> None:
+    """Finding (flipped bytes, seed 5765): an initializer of data type 54 passes onnx's checker, and
+    onnx_ir's deserialisation raised SerdeError."""
+    bias = onnx.numpy_helper.from_array(np.ones(3, np.float32), "bias")
+    bias.data_type = 54
+    values = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [3]) for n in ("x", "y")]
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "bias"], ["y"], name="add")], "g",
+                                   values[:1], values[1:], [bias])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    path = _write(tmp_path, "type.onnx", model.SerializeToString())
+    with pytest.raises(ModelLoadError, match="54 is not a valid DataType"):
+        load_model(path)
+
+
 @pytest.mark.parametrize("kind", sorted(fuzz.MUTATIONS))
 def test_each_mutation_kind_gives_a_clear_error_or_a_step(kind: str, tmp_path) -> None:
     seed = sorted(fuzz.MUTATIONS).index(kind)  # check_mutation picks the kind from the seed

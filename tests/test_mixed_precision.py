@@ -189,7 +189,7 @@ def test_fp16_training_follows_fp32_for_50_adamw_steps(arch: str, lr: float, tmp
     """The issue's divergence (fp16 NaN from step 8 on a tiny GPT-2 at lr 3e-3): with fp32 masters and
     a loss scale, 50 AdamW steps of a transformer and of a CNN end within 2 % of fp32's loss, and
     the loss fell."""
-    model = zoo.build(next(a for a in zoo.ZOO if a.name == arch), str(tmp_path))
+    model = zoo.build(zoo.BY_NAME[arch], str(tmp_path))
     feeds = {**model.inputs, "labels": model.labels}
     curves = {}
     for dtype in ("fp32", "fp16"):

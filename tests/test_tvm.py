@@ -34,12 +34,8 @@ from fblc.baselines import tvm  # noqa: E402  (after the skip: it needs the extr
 ADAMW = TrainingOptions(optimizer=OptimizerConfig("adamw", lr=1e-3))
 
 
-def _gpt2(directory: str) -> models.ExportedModel:
-    return zoo.build(next(arch for arch in zoo.ZOO if arch.name == "gpt2"), directory)
-
-
 BUILDERS = {"mlp": models.mlp, "tresnet": models.tresnet, "llama": lambda d: models.llama(d)[0],
-            "resnet": models.resnet_legacy, "gpt2": _gpt2,
+            "resnet": models.resnet_legacy, "gpt2": lambda d: zoo.build(zoo.BY_NAME["gpt2"], d),
             "mobilenet_v2": models.mobilenet_v2}
 #: the rewrites each model's step needs on TVM's CPU target
 CPU_REWRITES = {"mlp": set(), "tresnet": set(), "llama": {"Constant"}, "resnet": {"MaxPool"},
@@ -105,7 +101,7 @@ def test_a_wrong_import_is_bisected_to_its_node(monkeypatch, tmp_path) -> None:
     monkeypatch.delitem(tvm_rewrites.REWRITES, "LayerNormalization")
     comparison = tvm.compare_step(step, feeds, reference.last)
     assert not comparison.ok and comparison.difference is not None
-    assert (comparison.difference.op_type, comparison.difference.node) == ("LayerNormalization", "norm")
+    assert (comparison.difference.node.op_type, comparison.difference.node.name) == ("LayerNormalization", "norm")
 
 
 def _model(nodes: list[onnx.NodeProto], inputs: dict[str, list[int]], outputs: dict[str, tuple[int, list[int]]],

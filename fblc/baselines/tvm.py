@@ -34,7 +34,8 @@ import onnx
 
 from fblc.baselines.tvm_rewrites import CPU_TARGET, OPENCL_TARGET, PLAIN_OPENCL_TARGET, AppliedRewrite, prepare
 from fblc.errors import FblcError
-from fblc.tools.verify import TOLERANCES, Comparison, compare
+from fblc.compiler.reference import run_model
+from fblc.tools.verify import Comparison, compare
 
 CHILD_TIMEOUT_S = 1800
 
@@ -46,15 +47,14 @@ class TvmBuildError(FblcError):
 @dataclass
 class CpuRun:
     outputs: dict[str, np.ndarray]
-    import_s: float
-    build_s: float
+    rewrites: list[AppliedRewrite]
     step_ms: float  # median over the repeats
 
 
 @dataclass
 class OpenclBuild:
     source: str
-    build_s: float
+    build_s: float  # TVM's import and build, timed in its process
     planned_bytes: int  # the memory plan's alloc_storage calls, and the inputs and constants it holds
     target: str
     texture_failure: str | None  # why the texture pipeline could not build it, if it could not
@@ -63,19 +63,12 @@ class OpenclBuild:
 @dataclass
 class Difference:
     """The first node, in graph order, whose output TVM computes differently from onnxruntime."""
-    node: str
-    op_type: str
-    attributes: dict[str, object]
-    output: str
-    max_abs: float
-    shape: tuple[int, ...]
-    expected_shape: tuple[int, ...]
+    node: onnx.NodeProto
+    output: Comparison  # verify.compare's row of that output (its name says a differing shape)
 
     def __str__(self) -> str:
-        how = (f"differs by up to {self.max_abs:.3g}" if self.shape == self.expected_shape
-               else f"has shape {list(self.shape)}, onnxruntime's {list(self.expected_shape)}")
-        return (f"first differing node '{self.node}' ({self.op_type}, attributes {self.attributes}): "
-                f"'{self.output}' {how}")
+        return (f"first differing node {_describe(self.node)}: '{self.output.name}' differs by up to "
+                f"{self.output.max_abs:.3g}")
 
 
 @dataclass
@@ -83,6 +76,7 @@ class StepComparison:
     rows: list[Comparison]
     rewrites: list[AppliedRewrite]
     difference: Difference | None
+    step_ms: float  # TVM's CPU step, median over the repeats
 
     @property
     def ok(self) -> bool:
@@ -99,11 +93,9 @@ def _child(argv: list[str]) -> int:
     kind, model_path, out = argv[0], argv[1], argv[2]
     started = time.perf_counter()
     module = from_onnx(onnx.load(model_path), keep_params_in_input=False)
-    imported = time.perf_counter()
     if kind == "cpu":
         feeds, repeats = dict(np.load(argv[3])), int(argv[4])
         executable = tvm.compile(module, target=CPU_TARGET)
-        built = time.perf_counter()
         machine = relax.VirtualMachine(executable, tvm.cpu())
         arguments = [tvm.runtime.tensor(np.ascontiguousarray(feeds[p.name])) for p in module["main"].params]
         times, result = [], None
@@ -113,7 +105,7 @@ def _child(argv: list[str]) -> int:
             times.append((time.perf_counter() - begin) * 1e3)
         values = [result] if hasattr(result, "numpy") else list(result)  # one output or a tuple
         np.savez(out, **{f"out{i}": np.asarray(v.numpy()) for i, v in enumerate(values)})
-        timing = {"import_s": imported - started, "build_s": built - imported, "step_ms": float(np.median(times))}
+        timing = {"step_ms": float(np.median(times))}
     else:
         from tvm.relax.backend.adreno import pipeline as adreno
 
@@ -131,8 +123,7 @@ def _child(argv: list[str]) -> int:
         collect(executable.mod)
         with open(out, "w") as handle:
             handle.write("\n".join(sources))
-        timing = {"import_s": imported - started, "build_s": built - imported,
-                  "storage_bytes": _storage_bytes(lowered.script())}
+        timing = {"build_s": built - started, "storage_bytes": _storage_bytes(lowered.script())}
     with open(out + ".json", "w") as handle:
         json.dump(timing, handle)
     return 0
@@ -155,6 +146,11 @@ def _run_child(arguments: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(arguments, 124, "", f"timed out after {CHILD_TIMEOUT_S} s")
 
 
+def _out_path(model_path: str, kind: str) -> str:
+    """Where the child writes what it made: the outputs (cpu, .npz) or the OpenCL source (.cl)."""
+    return model_path + (".out.npz" if kind == "cpu" else ".out.cl")
+
+
 def _failure(done: subprocess.CompletedProcess[str]) -> str:
     lines = [line.strip() for line in done.stderr.splitlines() if line.strip() and "Warning" not in line]
     errors = [line for line in lines if "Error" in line.split(":")[0] or "Check failed" in line]
@@ -167,7 +163,7 @@ def _build_in_child(model: onnx.ModelProto, kind: str, scratch: str, extra: list
                     bisect: bool = True) -> tuple[str, dict]:
     path = os.path.join(scratch, f"{kind}.onnx")
     onnx.save(model, path)
-    out = os.path.join(scratch, f"{kind}.out" + (".npz" if kind == "cpu" else ".cl"))
+    out = _out_path(path, kind)
     done = _run_child([kind, path, out, *extra])
     if done.returncode != 0:
         target = CPU_TARGET if kind == "cpu" else extra[0]
@@ -180,8 +176,8 @@ def _build_in_child(model: onnx.ModelProto, kind: str, scratch: str, extra: list
 
 def run_on_cpu(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray], repeats: int = 1) -> CpuRun:
     """The step, prepared for TVM's CPU target, imported, built and run `repeats` times."""
-    model, _ = prepare(step, CPU_TARGET)
-    inputs = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+    model, rewrites = prepare(step, CPU_TARGET)
+    inputs = _data_inputs(model)
     with tempfile.TemporaryDirectory(prefix="fblc-tvm-") as scratch:
         feeds_path = os.path.join(scratch, "feeds.npz")
         np.savez(feeds_path, **{k: v for k, v in feeds.items() if k in inputs})
@@ -189,7 +185,7 @@ def run_on_cpu(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray], repeats: 
         with np.load(out) as loaded:
             values = [loaded[f"out{i}"] for i in range(len(loaded.files))]
     names = [o.name for o in model.graph.output]
-    return CpuRun(dict(zip(names, values)), timing["import_s"], timing["build_s"], timing["step_ms"])
+    return CpuRun(dict(zip(names, values)), rewrites, timing["step_ms"])
 
 
 def build_opencl(step: onnx.ModelProto, bisect: bool = True) -> OpenclBuild:
@@ -209,27 +205,36 @@ def build_opencl(step: onnx.ModelProto, bisect: bool = True) -> OpenclBuild:
         with open(out) as handle:
             source = handle.read()
     planned = int(timing["storage_bytes"]) + _held_bytes(model)
-    return OpenclBuild(source, timing["import_s"] + timing["build_s"], planned, target, texture_failure)
+    return OpenclBuild(source, timing["build_s"], planned, target, texture_failure)
+
+
+def _data_inputs(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, list[int]]]:
+    """The graph inputs without an initializer: their dtype and shape."""
+    initialized = {t.name for t in model.graph.initializer}
+    return {i.name: (onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type),
+                     [d.dim_value for d in i.type.tensor_type.shape.dim])
+            for i in model.graph.input if i.name not in initialized}
 
 
 def _held_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the step's inputs and initializers (parameters, optimizer state, the batch), which TVM
     holds as constants and arguments beside its memory plan."""
-    def size(elem_type: int, dims: list[int]) -> int:
-        return int(np.prod(dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize
-
-    initialized = {t.name for t in model.graph.initializer}
-    return (sum(size(t.data_type, list(t.dims)) for t in model.graph.initializer)
-            + sum(size(i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
-                  for i in model.graph.input if i.name not in initialized))
+    tensors = [(onnx.helper.tensor_dtype_to_np_dtype(t.data_type), list(t.dims)) for t in model.graph.initializer]
+    return sum(int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+               for dtype, dims in [*tensors, *_data_inputs(model).values()])
 
 
 # --- bisection ---------------------------------------------------------------------------------
 
-def _with_every_output(model: onnx.ModelProto, count: int | None = None) -> onnx.ModelProto:
-    """The first `count` nodes (all by default), every value they make a graph output, typed."""
+def _value_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     typed = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v for v in [*typed.graph.value_info, *typed.graph.output]}
+    return {v.name: v for v in [*typed.graph.value_info, *typed.graph.output]}
+
+
+def _with_every_output(model: onnx.ModelProto, count: int | None = None,
+                       types: Mapping[str, onnx.ValueInfoProto] | None = None) -> onnx.ModelProto:
+    """The first `count` nodes (all by default), every value they make a graph output, typed."""
+    types = types if types is not None else _value_types(model)
     prefix = onnx.ModelProto()
     prefix.CopyFrom(model)
     del prefix.graph.node[count if count is not None else len(model.graph.node):]
@@ -245,12 +250,13 @@ def first_failing_node(model: onnx.ModelProto, kind: str, scratch: str, extra: l
     """'first failing node ...': the shortest prefix of the graph that TVM cannot build, by bisection."""
     if kind == "cpu":
         extra = [os.path.join(scratch, "zeros.npz"), "1"]
-        np.savez(extra[0], **_zero_feeds(model))
+        np.savez(extra[0], **{name: np.zeros(dims, dtype) for name, (dtype, dims) in _data_inputs(model).items()})
+    types = _value_types(model)
 
     def builds(count: int) -> bool:
         path = os.path.join(scratch, f"prefix_{count}.onnx")
-        onnx.save(_with_every_output(model, count), path)
-        return _run_child([kind, path, path + ".out" + (".npz" if kind == "cpu" else ".cl"), *extra]).returncode == 0
+        onnx.save(_with_every_output(model, count, types), path)
+        return _run_child([kind, path, _out_path(path, kind), *extra]).returncode == 0
 
     low, high = 1, len(model.graph.node)
     while low < high:
@@ -259,54 +265,35 @@ def first_failing_node(model: onnx.ModelProto, kind: str, scratch: str, extra: l
             low = middle + 1
         else:
             high = middle
-    node = model.graph.node[low - 1]
+    return f"first failing node {_describe(model.graph.node[low - 1])}"
+
+
+def _describe(node: onnx.NodeProto) -> str:
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    return f"first failing node '{node.name}' ({node.op_type}, attributes {attributes})"
-
-
-def _zero_feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    initialized = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for value in model.graph.input:
-        if value.name not in initialized:
-            tensor = value.type.tensor_type
-            feeds[value.name] = np.zeros([d.dim_value for d in tensor.shape.dim],
-                                         onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
-    return feeds
+    return f"'{node.name}' ({node.op_type}, attributes {attributes})"
 
 
 def first_difference(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> Difference | None:
-    """Every value of the step from onnxruntime and from TVM's CPU build, compared in node order."""
-    from fblc.compiler.reference import ReferenceStep
-
+    """Every float value of the step from onnxruntime and from TVM's CPU build, compared in node order."""
     everything = _with_every_output(step)
-    with tempfile.TemporaryDirectory(prefix="fblc-tvm-") as scratch:
-        path = os.path.join(scratch, "every_output.onnx")
-        onnx.save(everything, path)
-        reference = ReferenceStep(path)
-        reference.step(dict(feeds))
-        expected = reference.last
+    expected = run_model(everything, feeds)
     got = run_on_cpu(everything, feeds).outputs
-    rtol, atol = TOLERANCES["fp32"]
     for node in step.graph.node:
         for name in node.output:
-            if name in expected and name in got and np.issubdtype(np.asarray(expected[name]).dtype, np.floating):
-                a, b = np.asarray(got[name], np.float64), np.asarray(expected[name], np.float64)
-                if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol):
-                    attributes = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-                    gap = float(np.abs(a - b).max()) if a.shape == b.shape else float("inf")
-                    return Difference(node.name, node.op_type, attributes, name, gap, a.shape, b.shape)
+            if name in got and np.issubdtype(expected[name].dtype, np.floating):
+                row, = compare({name: got[name]}, {name: expected[name]}, "fp32")
+                if not row.ok:
+                    return Difference(node, row)
     return None
 
 
-def compare_step(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
-                 expected: Mapping[str, np.ndarray]) -> StepComparison:
+def compare_step(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray],
+                 repeats: int = 1) -> StepComparison:
     """TVM's CPU step against `expected` (onnxruntime's, or a device's), every output; bisected if any differs."""
-    _, rewrites = prepare(step, CPU_TARGET)
-    got = run_on_cpu(step, feeds).outputs
-    rows = compare(got, {k: v for k, v in expected.items() if k in got}, "fp32")
+    run = run_on_cpu(step, feeds, repeats)
+    rows = compare(run.outputs, {k: v for k, v in expected.items() if k in run.outputs}, "fp32")
     difference = None if all(row.ok for row in rows) else first_difference(step, feeds)
-    return StepComparison(rows, rewrites, difference)
+    return StepComparison(rows, run.rewrites, difference, run.step_ms)
 
 
 if __name__ == "__main__":

@@ -25,15 +25,29 @@ from fblc.compiler.keys import Role
 from fblc.compiler.values import static_shape
 
 
+def onnxruntime_session(model: onnx.ModelProto | str) -> ort.InferenceSession:
+    """An onnxruntime CPU session of a model (a proto or a file), quiet about what a step does by design."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # a step's state inputs are also initializers, by design
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def run_model(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of `model` by name, fed those of `feeds` it takes (initializers keep their values)."""
+    session = onnxruntime_session(model)
+    taken = {i.name for i in session.get_inputs()}
+    return dict(zip([o.name for o in session.get_outputs()],
+                    session.run(None, {k: v for k, v in feeds.items() if k in taken})))
+
+
 class ReferenceStep:
     """Train with a step graph on onnxruntime's CPU provider."""
 
     def __init__(self, step_path: str) -> None:
         model = onnx.load(step_path)
         initial = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # the state inputs are also initializers, by design
-        self.session = ort.InferenceSession(step_path, options, providers=["CPUExecutionProvider"])
+        self.session = onnxruntime_session(step_path)
         outputs = [o.name for o in self.session.get_outputs()]
         self.output_names = outputs
         self.state: dict[str, np.ndarray] = {

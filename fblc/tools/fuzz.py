@@ -6,14 +6,13 @@ Each random classifier (fblc/tools/random_graphs.py) goes through four stages, a
 naming the seed and the stage where one fails:
 - `build`: `fblc train-graph`'s pipeline builds the step (every op the generator uses is
   supported, so any error is a finding);
-- `loss`: onnxruntime runs the step; its loss equals the cross-entropy of onnxruntime's forward
-  of the original model (1e-5);
+- `loss`: onnxruntime runs the step; its loss equals the cross-entropy of the original model's
+  forward in float64 (1e-5);
 - `gradient`: each `P.grad` against central finite differences of that forward's loss along
   its own direction (each parameter alone), and all of them along one random direction, within
-  1 % of |grad| + 1e-4 (+ 1e-3 of the whole gradient in float32). The forward runs in float64:
-  on onnxruntime where it has double kernels for all the ops, else on onnx's reference evaluator
-  (two step sizes, down to 1e-6, so a kink of Relu/Max/MaxPool 1e-4 away is stepped over); only
-  if neither runs it, in float32 (three step sizes);
+  1 % of |grad| + 1e-4. The forward runs in float64, on onnxruntime where it has double kernels
+  for all the ops, else on onnx's reference evaluator; of its two step sizes (1e-4, 1e-6) one
+  agrees, so a kink of Relu/Max/MaxPool 1e-4 away is stepped over;
 - `device` (every `--device-every`-th graph): the bundle under both layouts runs one step on the
   local OpenCL device against onnxruntime (fblc.tools.verify, fp32 tolerances).
 Mutations of a valid model file (truncated, bytes flipped, a dangling input, a cycle, a type
@@ -34,12 +33,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
+from fblc.compiler.reference import onnxruntime_session, run_model
 from fblc.errors import FblcError
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.tools.random_graphs import RandomGraph, random_graph
@@ -47,9 +46,7 @@ from fblc.tools.random_graphs import RandomGraph, random_graph
 OPTIONS = TrainingOptions(optimizer=OptimizerConfig("sgd", lr=0.01))
 LOSS_RTOL = 1e-5
 GRADIENT_RTOL, GRADIENT_ATOL = 1e-2, 1e-4
-FLOAT32_BLUR = 1e-3
-STEP_SIZES = (3e-3, 1e-3, 1e-4)  # float32, tried in turn until one agrees: a kink rarely lies within all three
-STEP_SIZES_64 = (1e-4, 1e-6)
+STEP_SIZES = (1e-4, 1e-6)  # tried in turn until one agrees: a kink rarely lies within both
 
 
 @dataclass
@@ -62,12 +59,6 @@ class Finding:
         return f"seed {self.seed}, {self.stage}: {self.message}"
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # a step's states are initializers and inputs, by design
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def _loss(logits: np.ndarray, labels: np.ndarray) -> float:
     z = logits.astype(np.float64)
     z = z - z.max(axis=1, keepdims=True)
@@ -75,85 +66,70 @@ def _loss(logits: np.ndarray, labels: np.ndarray) -> float:
     return float(-log_p[np.arange(len(labels)), labels].mean())
 
 
+def _in_float64(model: onnx.ModelProto, params: list[str]) -> onnx.ModelProto:
+    """`model` in float64, its parameters graph inputs."""
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    for tensor in m.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT:
+            array = onnx.numpy_helper.to_array(tensor).astype(np.float64)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+            if tensor.name in params:
+                m.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, onnx.TensorProto.DOUBLE,
+                                                                       array.shape))
+    for value in (m.graph.input[0], *m.graph.output):
+        value.type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
+    return m
+
+
 class _Forward:
-    """The original model's loss as a function of its parameters, in float64 where possible so that
-    finite differences see no rounding: onnxruntime where it has double kernels for every op, else
-    onnx's reference evaluator (numpy, slower, every op in double), else onnxruntime in float32."""
+    """The original model's loss as a function of its parameters, in float64 so that finite differences
+    see no rounding: on onnxruntime where it has double kernels for every op, else on onnx's reference
+    evaluator (numpy, slower, every op in double)."""
 
     def __init__(self, model: onnx.ModelProto, params: list[str], x: np.ndarray, labels: np.ndarray) -> None:
-        self.labels = labels
-        for dtype, elem, engine in ((np.float64, onnx.TensorProto.DOUBLE, "onnxruntime"),
-                                    (np.float64, onnx.TensorProto.DOUBLE, "reference"),
-                                    (np.float32, onnx.TensorProto.FLOAT, "onnxruntime")):
-            m = onnx.ModelProto.FromString(model.SerializeToString())
-            for tensor in m.graph.initializer:
-                if tensor.name in params:
-                    array = onnx.numpy_helper.to_array(tensor).astype(dtype)
-                    tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
-                    m.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, elem, array.shape))
-                elif tensor.data_type == onnx.TensorProto.FLOAT:
-                    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor).astype(dtype),
-                                                                 tensor.name))
-            for value in (m.graph.input[0], *m.graph.output):
-                value.type.tensor_type.elem_type = elem
-            try:
-                self.dtype, self.x = dtype, x.astype(dtype)
-                if engine == "reference":
-                    from onnx.reference import ReferenceEvaluator
+        self.x, self.labels = x.astype(np.float64), labels
+        double = _in_float64(model, params)
+        self.initial = {t.name: onnx.numpy_helper.to_array(t) for t in double.graph.initializer if t.name in params}
+        try:
+            session = onnxruntime_session(double)
+            self.run: Callable[[dict[str, np.ndarray]], np.ndarray] = lambda feeds: session.run(None, feeds)[0]
+            self()
+        except Exception:  # no double kernel for some op (Conv, pools, Erf)
+            from onnx.reference import ReferenceEvaluator
 
-                    evaluator = ReferenceEvaluator(m)
-                    self.run = lambda feeds: evaluator.run(None, feeds)[0]
-                else:
-                    session = _session(m)
-                    self.run = lambda feeds: session.run(None, feeds)[0]
-                self.run({"x": self.x, **{p: onnx.numpy_helper.to_array(t).astype(dtype)
-                                          for t in m.graph.initializer for p in [t.name] if p in params}})
-                return
-            except Exception:  # no double kernel for some op (Conv, pools, Erf): the next engine
-                continue
-        raise AssertionError("neither onnxruntime nor the reference evaluator runs the model")
+            evaluator = ReferenceEvaluator(double)
+            self.run = lambda feeds: evaluator.run(None, feeds)[0]
 
     def __call__(self, params: dict[str, np.ndarray] | None = None) -> float:
-        feeds = {"x": self.x, **{k: np.asarray(v, self.dtype) for k, v in (params or {}).items()}}
-        return _loss(self.run(feeds), self.labels)
+        """The loss at the initial parameters, those of `params` replaced."""
+        values = {**self.initial, **(params or {})}
+        return _loss(self.run({"x": self.x, **{k: np.asarray(v, np.float64) for k, v in values.items()}}), self.labels)
 
 
-def _run_step(step: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    session = _session(step)
-    names = {i.name for i in session.get_inputs()}
-    return dict(zip([o.name for o in session.get_outputs()],
-                    session.run(None, {k: v for k, v in feeds.items() if k in names})))
-
-
-def _gradient_error(graph: RandomGraph, forward: _Forward, grads: dict[str, np.ndarray],
+def _gradient_error(forward: _Forward, grads: dict[str, np.ndarray],
                     rng: np.random.Generator) -> str | None:
     """None when, for every parameter on its own, the step's gradient agrees with central finite
     differences of the forward's loss along that gradient's direction (so a small gradient is not
     judged against the largest) and along one random direction over all parameters."""
-    initial = {t.name: onnx.numpy_helper.to_array(t).astype(np.float64) for t in graph.model.graph.initializer
-               if t.name in grads}
+    initial = forward.initial
     grads64 = {k: g.astype(np.float64) for k, g in grads.items()}
     random = {k: rng.standard_normal(g.shape) for k, g in grads.items()}
     random_norm = float(np.sqrt(sum(float((v ** 2).sum()) for v in random.values())))
     checks = [(f"'{name}''s gradient", {name: g / float(np.linalg.norm(g))}) for name, g in grads64.items()
               if np.linalg.norm(g) > 0]
     checks.append(("a random", {k: v / random_norm for k, v in random.items()}))
-    total = float(np.sqrt(sum(float((g ** 2).sum()) for g in grads64.values())))
-    # a float32 forward's rounding, amplified by an ill-conditioned op (a LayerNorm row of almost equal
-    # values), blurs differences below about 1e-3 of the whole gradient
-    floor = GRADIENT_ATOL + (FLOAT32_BLUR * total if forward.dtype == np.float32 else 0.0)
     for label, direction in checks:
         analytic = sum(float((grads64[k] * d).sum()) for k, d in direction.items())
         scale = float(np.sqrt(sum(float((grads64[k] ** 2).sum()) for k in direction)))
         errors = []
-        for eps in STEP_SIZES if forward.dtype == np.float32 else STEP_SIZES_64:
+        for eps in STEP_SIZES:
             plus = forward({k: initial[k] + eps * d for k, d in direction.items()})
             minus = forward({k: initial[k] - eps * d for k, d in direction.items()})
             errors.append((plus - minus) / (2 * eps) - analytic)
-            if abs(errors[-1]) <= GRADIENT_RTOL * scale + floor:
+            if abs(errors[-1]) <= GRADIENT_RTOL * scale + GRADIENT_ATOL:
                 break
         error = min(errors, key=abs)
-        if abs(error) > GRADIENT_RTOL * scale + floor:
+        if abs(error) > GRADIENT_RTOL * scale + GRADIENT_ATOL:
             return (f"along {label} direction the step's gradient gives {analytic:.6g}, finite differences "
                     f"{analytic + error:.6g} (|grad| {scale:.3g})")
     return None
@@ -178,12 +154,12 @@ def check_graph(seed: int, workdir: str, device: bool = False) -> tuple[RandomGr
     step_path = os.path.join(workdir, f"fuzz_{seed}_step.onnx")
     save_model_atomically(step, step_path)
     params = [v.name for v in step.graph.inputs if keys.get_role(v) == Role.PARAM.value]
-    outputs = _run_step(onnx.load(step_path), {"x": x, "labels": labels})
+    outputs = run_model(onnx.load(step_path), {"x": x, "labels": labels})
     forward = _Forward(graph.model, params, x, labels)
     expected = forward()
     if not np.isclose(float(outputs["loss"]), expected, rtol=LOSS_RTOL, atol=LOSS_RTOL):
         return finding("loss", f"step loss {float(outputs['loss']):.7g}, forward cross-entropy {expected:.7g}")
-    message = _gradient_error(graph, forward, {p: outputs[f"{p}.grad"] for p in params}, rng)
+    message = _gradient_error(forward, {p: outputs[f"{p}.grad"] for p in params}, rng)
     if message:
         return finding("gradient", message)
     findings: list[Finding] = []

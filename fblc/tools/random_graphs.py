@@ -14,7 +14,7 @@ shape inference; `RandomGraph.ops` lists the op types it used.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,10 +49,13 @@ class _Maker:
         self.inits[name] = (np.abs(values) + 0.5 if positive else values).astype(np.float32)
         return name
 
-    def ints(self, values: list[int]) -> str:
+    def constant(self, values: np.ndarray) -> str:
         name = self.fresh("c")
-        self.inits[name] = np.asarray(values, np.int64)
+        self.inits[name] = values
         return name
+
+    def ints(self, values: Sequence[int] | np.ndarray) -> str:
+        return self.constant(np.asarray(values, np.int64))
 
     def op(self, op_type: str, inputs: list[str], **attrs: object) -> str:
         out = self.fresh(op_type.lower())
@@ -251,16 +254,22 @@ def _slice(m: _Maker, t: _T, live: list[_T]) -> _T | None:
     return _T(out, tuple(len(range(start, end, step)) if a == axis else d for a, d in enumerate(t.shape)))
 
 
-@grower("unsqueeze")
-def _unsqueeze(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+def _unsqueezed(m: _Maker, t: _T) -> tuple[_T, int] | None:
+    """A new axis of 1 after the batch axis (and where it is); None at rank 4."""
     if len(t.shape) >= 4:
         return None
     axis = int(m.rng.integers(1, len(t.shape) + 1))
-    up = m.op("Unsqueeze", [t.name, m.ints([axis])])
-    shape = (*t.shape[:axis], 1, *t.shape[axis:])
+    return _T(m.op("Unsqueeze", [t.name, m.ints([axis])]), (*t.shape[:axis], 1, *t.shape[axis:])), axis
+
+
+@grower("unsqueeze")
+def _unsqueeze(m: _Maker, t: _T, live: list[_T]) -> _T | None:
+    """Unsqueeze, and half the time Squeeze back."""
+    if (up := _unsqueezed(m, t)) is None:
+        return None
     if m.rng.random() < 0.5:
-        return _T(up, shape)
-    return _T(m.op("Squeeze", [up, m.ints([axis])]), t.shape)
+        return up[0]
+    return _T(m.op("Squeeze", [up[0].name, m.ints([up[1]])]), t.shape)
 
 
 @grower("pad")
@@ -280,21 +289,16 @@ def _gather(m: _Maker, t: _T, live: list[_T]) -> _T | None:
         return None
     axis = int(m.rng.integers(1, len(t.shape)))
     length, taken = t.shape[axis], int(m.rng.integers(1, t.shape[axis] + 3))
-    if m.rng.random() < 0.5:
-        indices = m.rng.integers(-length, length, taken)
-        shape = (*t.shape[:axis], taken, *t.shape[axis + 1:])
-        return _T(m.op("Gather", [t.name, m.ints([int(i) for i in indices])], axis=axis), shape)
     shape = (*t.shape[:axis], taken, *t.shape[axis + 1:])
-    name = m.fresh("c")
-    m.inits[name] = m.rng.integers(-length, length, shape).astype(np.int64)
-    return _T(m.op("GatherElements", [t.name, name], axis=axis), shape)
+    if m.rng.random() < 0.5:
+        return _T(m.op("Gather", [t.name, m.ints(m.rng.integers(-length, length, taken))], axis=axis), shape)
+    return _T(m.op("GatherElements", [t.name, m.ints(m.rng.integers(-length, length, shape))], axis=axis), shape)
 
 
 @grower("select")
 def _select(m: _Maker, t: _T, live: list[_T]) -> _T | None:
     """Where with a constant mask between the tensor and a parameter (both get a gradient)."""
-    mask = m.fresh("c")
-    m.inits[mask] = m.rng.random(_broadcast_shape(m, t.shape)) < 0.5
+    mask = m.constant(m.rng.random(_broadcast_shape(m, t.shape)) < 0.5)
     other = m.param(_broadcast_shape(m, t.shape), 0.5)
     inputs = [mask, t.name, other] if m.rng.random() < 0.5 else [mask, other, t.name]
     return _T(m.op("Where", inputs), t.shape)
@@ -303,13 +307,10 @@ def _select(m: _Maker, t: _T, live: list[_T]) -> _T | None:
 @grower("expand")
 def _expand(m: _Maker, t: _T, live: list[_T]) -> _T | None:
     """Unsqueeze an axis and Expand it to 2 or 3 copies (a broadcast whose gradient sums them)."""
-    if len(t.shape) >= 4:
+    if (up := _unsqueezed(m, t)) is None:
         return None
-    axis = int(m.rng.integers(1, len(t.shape) + 1))
-    up = m.op("Unsqueeze", [t.name, m.ints([axis])])
-    copies = int(m.rng.integers(2, 4))
-    shape = (*t.shape[:axis], copies, *t.shape[axis:])
-    return _T(m.op("Expand", [up, m.ints(list(shape))]), shape)
+    shape = tuple(int(m.rng.integers(2, 4)) if a == up[1] else d for a, d in enumerate(up[0].shape))
+    return _T(m.op("Expand", [up[0].name, m.ints(shape)]), shape)
 
 
 #: growers with parameters, one of which starts every graph

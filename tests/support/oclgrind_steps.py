@@ -41,7 +41,7 @@ def _zoo(name: str) -> Case:
     def build(directory: str) -> models.ExportedModel:
         from tests.support import zoo
 
-        return zoo.build(next(arch for arch in zoo.ZOO if arch.name == name), directory)
+        return zoo.build(zoo.BY_NAME[name], directory)
     return _exported(build)
 
 
