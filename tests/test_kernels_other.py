@@ -215,9 +215,12 @@ def test_cross_entropy(tmp_path, label_shape: list[int]) -> None:
 
 
 @pytest.mark.parametrize("op_type", ["ReduceSum", "ReduceMean", "ReduceMax"])
-@pytest.mark.parametrize("shape,axes", [([3, 4, 16], [2]), ([3, 4, 16], [1, 2]), ([3, 4, 6], [2]), ([3, 8, 4], [1])])
+@pytest.mark.parametrize("shape,axes", [([3, 4, 16], [2]), ([3, 4, 16], [1, 2]), ([3, 4, 6], [2]), ([3, 8, 4], [1]),
+                                        ([5, 3, 8], [0, 2]), ([6, 3, 8], [0, 1]), ([3, 5, 6], [1])])
 def test_reductions(tmp_path, op_type: str, shape: list[int], axes: list[int]) -> None:
-    """Innermost runs of whole texels (16, 4x16) read texels; others (6, a middle axis) read elements."""
+    """Innermost runs of whole texels (16, 4x16; 8 under an outer axis: a BatchNorm gradient) read
+    texels and fold their lanes; kept inner runs of 4 or 8 (a bias gradient) fold a texel's lanes
+    together; others (6, a middle axis before 6) read elements."""
     out = [1 if a in axes else d for a, d in enumerate(shape)]
     axes_init = numpy_helper.from_array(np.array(axes, dtype=np.int64), "axes")
     op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=1, name="reduce")

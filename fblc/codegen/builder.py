@@ -266,13 +266,14 @@ class KernelBuilder:
         self.lines.append(f"const {ctype} {name} = {expression};")
         return name
 
-    def merge_across_group(self, acc: str, merge: str = "{a} + {b}") -> None:
+    def merge_across_group(self, acc: str, merge: str = "{a} + {b}", prologue: bool = False) -> None:
         """Join every work-item's partial `acc` (a float) with `merge` (a C template over `a` and
         `b`) in a tree in __local memory; afterwards every work-item of the group holds the result.
-        Only in a group kernel (`group_size`), where every work-item reaches the barriers."""
+        Only in a group kernel (`group_size`), where every work-item reaches the barriers; in the
+        per-texel prologue with `prologue`."""
         assert self.group_size is not None, "a merge across the group needs a group kernel"
         merged = merge.format(a="shared[lid]", b="shared[lid + s]")
-        self.emit(f"shared[lid] = {acc};", "barrier(CLK_LOCAL_MEM_FENCE);",
+        (self.emit_texel if prologue else self.emit)(f"shared[lid] = {acc};", "barrier(CLK_LOCAL_MEM_FENCE);",
                   f"for (int s = {self.group_size // 2}; s > 0; s >>= 1) {{",
                   f"  if (lid < s) shared[lid] = {merged};",
                   "  barrier(CLK_LOCAL_MEM_FENCE);",
