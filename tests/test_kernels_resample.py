@@ -85,16 +85,22 @@ def test_trilu(tmp_path, shape: list[int], k: int | None, upper: int) -> None:
     _check(tmp_path, _op_then_loss(op, shape, {"x": _randn(*shape)}, extra=extra))
 
 
-@pytest.mark.parametrize("shape,k,axis,largest", [([3, 9], 3, -1, 1), ([6, 4], 2, 0, 0), ([2, 5, 3], 5, 1, 1)])
-def test_topk(tmp_path, shape: list[int], k: int, axis: int, largest: int) -> None:
-    """Values train (the scatter of the gradient); the indices, cast, join the loss as a constant."""
+@pytest.mark.parametrize("shape,k,axis,largest,coarse", [([3, 9], 3, -1, 1, False), ([6, 4], 2, 0, 0, False),
+                                                       ([2, 5, 3], 5, 1, 1, False), ([4, 12], 5, -1, 0, True),
+                                                       ([3, 10], 10, 1, 1, True)])
+def test_topk(tmp_path, shape: list[int], k: int, axis: int, largest: int, coarse: bool) -> None:
+    """Values train (the scatter of the gradient); the indices, cast, join the loss as a constant.
+    Coarse values tie: the lower index comes first, as in onnxruntime."""
+    x = _randn(*shape)
+    if coarse:
+        x = np.round(x * 2) / 2
     y_shape = list(shape)
     y_shape[axis] = k
     extra = [_const("k", np.array([k], np.int64)),
              helper.make_node("TopK", ["x", "k"], ["v", "idx"], axis=axis, largest=largest, name="topk"),
              helper.make_node("Cast", ["idx"], ["fidx"], to=TensorProto.FLOAT, name="cast")]
     op = helper.make_node("Add", ["v", "fidx"], ["y"], name="join")
-    _check(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(*shape)}, extra=extra))
+    _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))
 
 
 @pytest.mark.parametrize("op_type,axis,keepdims,last", [("ArgMax", 1, 1, 0), ("ArgMin", 0, 0, 0),

@@ -287,12 +287,6 @@ class KernelBuilder:
         assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
         self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
 
-    def tile_keeps_bytes(self, columns: int, stride: int) -> bool:
-        """True when a 2-D tile of rows `stride` texels apart, each of `columns` texels, writes every
-        saved mask in whole bytes (r_mask8); else finish() falls back to r_mask4, twice the bits."""
-        masks = any(t.format == MASK_FORMATS["mask8"] for t in self.out_textures)
-        return not masks or _pairs_texels(columns, stride)
-
     def fresh(self, hint: str) -> str:
         self._counter += 1
         return f"{hint}{self._counter}"

@@ -244,17 +244,17 @@ def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choice
     same positions of rows - 1 more channels, row_step apart (the register tile: the rows share
     every input read). Positions line up with texel columns only every row_step = 4 * columns /
     gcd(plane, 4 * columns) channels, `plane` the elements of a channel; the rows stay within a
-    group (cg_out output channels), within PRIVATE_FLOATS accumulators and keep saved masks in
-    whole bytes. (1, 1, the last choice) when none fits, or under the naive layout: the
-    conventional one-channel kernel."""
+    group (cg_out output channels) and within PRIVATE_FLOATS accumulators. A saved mask whose
+    bytes the tile splits falls back to r_mask4 (KernelBuilder.finish): twice the mask's bits,
+    1/16 of the float tensor's, for 1/rows of the input reads. (1, 1, the last choice) when none
+    fits, or under the naive layout: the conventional one-channel kernel."""
     plane = int(np.prod(out_shape[2:]))
     if b.table.tiled:
         for columns in choices:
             step = LANES * columns // math.gcd(plane, LANES * columns)
             stride = step * plane // LANES
             for rows in CHANNEL_ROWS:
-                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS and \
-                        b.tile_keeps_bytes(columns, stride):
+                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS:
                     b.tile_texels(rows, columns, stride)
                     return rows, step, columns
     return 1, 1, choices[-1]
@@ -270,13 +270,12 @@ def row_columns(length: int) -> tuple[int, ...]:
 def batch_rows(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
     """Batch elements a channel tile's work-item computes under R-Tile codegen (the register tile:
     they share every weight read; the autodiff's weight gradient, whose batch axis is the input
-    channels, shares the dY reads), within PRIVATE_FLOATS accumulators, saved masks in whole
-    bytes; 1 under naive."""
+    channels, shares the dY reads), within PRIVATE_FLOATS accumulators (a saved mask as in
+    channel_rows); 1 under naive."""
     batch_texels = int(np.prod(out_shape[1:])) // LANES
     if b.table.tiled:
         for batches in BATCH_ROWS:
-            if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS and \
-                    b.tile_keeps_bytes(b.texels_per_item, batch_texels):
+            if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS:
                 b.tile_texels(batches, b.texels_per_item, batch_texels)
                 return batches
     return 1

@@ -8,10 +8,12 @@ literals); no two work-items write the same element, so nothing races.
 - Trilu: the element, or 0 off the kept side of diagonal k (upper: col - row >= k, lower: <= k).
 - OneHot: `on` where the coordinate along `axis` is the (wrapped) index, else `off`.
 - ArgMax / ArgMin: the first extremum of the line (the last with select_last_index).
-- TopK: output r along the axis is the line's element of rank r, the rank of element j being
-  the count of elements ahead of it (greater, for largest; ties: the lower index first, as in
-  onnxruntime): O(n^2) reads per element, fine for the short axes TopK runs on (routing, beams).
-  sorted=0 leaves the order to the runtime: it runs sorted too.
+- TopK: output r along the axis is the line's element of rank r in the order (value, greater
+  first for largest; ties: the lower index first, as in onnxruntime). The lane walks the order
+  from its head: each pass over the line picks the first element after the previous pick, so
+  rank r costs (r + 1) n reads, a line's k outputs O(k^2 n): linear in n for the small k of
+  routing and beams (counting each candidate's rank was O(n^2) per output). sorted=0 leaves the
+  order to the runtime: it runs sorted too.
 """
 
 from __future__ import annotations
@@ -129,21 +131,27 @@ def emit_topk(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     shape = static_shape(x)
     axis = int(attr(node, "axis", -1)) % len(shape)
     n, stride = shape[axis], strides_of(shape)[axis]
-    ahead = ">" if int(attr(node, "largest", 1)) else "<"
     b = _single(table, group)
     line = _line(b, shape, axis, list(range(len(shape))))
-    value, at, j, i, v, w, count = (b.fresh(h) for h in ("value", "at", "j", "i", "v", "w", "count"))
+    value, at, step, i, w, taken, last, last_at = (b.fresh(h) for h in (
+        "value", "at", "step", "i", "w", "taken", "last", "lastat"))
     ctype = ctype_of(x)
+    ahead = ">" if int(attr(node, "largest", 1)) else "<"
+    before_pick = f"({w} {ahead} {value} || ({w} == {value} && {i} < {at}))"  # w, i precede the pick so far
+    behind = "<" if ahead == ">" else ">"
+    after_last = f"({w} {behind} {last} || ({w} == {last} && {i} > {last_at}))"  # w, i follow the last pick
     b.emit(f"{ctype} {value} = 0;",
-           f"int {at} = 0;",
-           f"for (int {j} = 0; {j} < {n}; ++{j}) {{",
-           f"  const {ctype} {v} = {b.load(x, _at(line, j, stride))};",
-           f"  int {count} = 0;",
+           f"int {at} = -1;",
+           f"for (int {step} = 0; {step} <= {OUT_INDEX}{axis}; ++{step}) {{",
+           f"  const {ctype} {last} = {value};",
+           f"  const int {last_at} = {at};",
+           f"  bool {taken} = false;",
            f"  for (int {i} = 0; {i} < {n}; ++{i}) {{",
            f"    const {ctype} {w} = {b.load(x, _at(line, i, stride))};",
-           f"    {count} += ({w} {ahead} {v}) || ({w} == {v} && {i} < {j});",
+           f"    if (({step} == 0 || {after_last}) && (!{taken} || {before_pick})) {{",
+           f"      {value} = {w}; {at} = {i}; {taken} = true;",
+           "    }",
            "  }",
-           f"  if ({count} == {OUT_INDEX}{axis}) {{ {value} = {v}; {at} = {j}; break; }}",
            "}")
     results = {id(node.outputs[0]): value, id(node.outputs[1]): at}
     return [b.finish([results[id(out)] for out in b.outputs])]
