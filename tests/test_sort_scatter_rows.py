@@ -1,7 +1,8 @@
 """sort_scatter_rows: a long row scatter (a gather's gradient) sorts its row numbers, then binary-searches them.
 
 Golden: the embedding gradient's ScatterElements becomes Reshape, ceil(log2 N) MergeRuns (runs 1, 2,
-4, ..; the first without positions) and ScatterSortedRows, which reads no zero table. Negative: a line of at most
+4, ..; the first without positions) and ScatterSortedRows, which reads no zero table; so does
+GatherElements' gradient along the last axis, a line at a time. Negative: a line of at most
 SORTED_SCATTER_UPDATES updates, and a scatter that is not of whole rows, stay as they are. Numeric:
 the device's sorted scatter equals numpy's in-order np.add.at bit for bit (a stable sort keeps
 update order), and one step of fed, repeated and negative ids equals onnxruntime under both
@@ -87,18 +88,43 @@ def test_short_lines_and_other_scatters_stay(tmp_path) -> None:
     path = str(tmp_path / "short.onnx")
     embedding(path, rows=50, width=8, ids_shape=(SORTED_SCATTER_UPDATES,))
     assert "MergeRuns" not in [n.op_type for n in step_ops(path)]
-    # GatherElements' gradient scatters single elements along an axis, not whole rows
-    rng = np.random.default_rng(0)
-    graph = helper.make_graph(
-        [helper.make_node("GatherElements", ["x", "idx"], ["y"], axis=1),
-         helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0)], "ge", [],
-        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(rng.standard_normal((2, 100)).astype(np.float32), "x"),
-                     numpy_helper.from_array(rng.integers(0, 100, (2, 100)).astype(np.int64), "idx")])
+    # GatherElements' gradient along an axis with data after it scatters single elements, not rows
     path = str(tmp_path / "ge.onnx")
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+    gather_elements(path, (100, 2), np.random.default_rng(0).integers(0, 100, (100, 2)), axis=0)
     ops = [n.op_type for n in step_ops(path)]
     assert "ScatterElements" in ops and "MergeRuns" not in ops
+
+
+def gather_elements(path: str, shape: tuple[int, ...], idx: np.ndarray, axis: int) -> None:
+    """loss = sum(GatherElements(x, idx, axis) * R), x trained, idx constant."""
+    rng = np.random.default_rng(7)
+    graph = helper.make_graph(
+        [helper.make_node("GatherElements", ["x", "idx"], ["y"], axis=axis),
+         helper.make_node("Mul", ["y", "R"], ["weighted"]),
+         helper.make_node("ReduceSum", ["weighted"], ["total"], keepdims=0)], "ge", [],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), "x"),
+                     numpy_helper.from_array(idx.astype(np.int64), "idx"),
+                     numpy_helper.from_array(rng.standard_normal(idx.shape).astype(np.float32), "R")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+
+
+def test_gather_elements_along_the_last_axis_sorts_each_line(tmp_path) -> None:
+    """GatherElements' gradient along the last axis: each line's indices sort on their own (G lines of N,
+    rows of one element), and one step of repeated and negative indices equals onnxruntime's under
+    both layouts."""
+    path = str(tmp_path / "ge.onnx")
+    idx = np.random.default_rng(8).integers(-30, 30, (3, 2, 90))
+    gather_elements(path, (3, 2, 30), idx, axis=2)
+    nodes = step_ops(path)
+    assert "ScatterElements" not in [n.op_type for n in nodes]
+    assert sum(n.op_type == "MergeRuns" for n in nodes) == math.ceil(math.log2(90))
+    scatter = next(n for n in nodes if n.op_type == "ScatterSortedRows")
+    assert [d for d in scatter.inputs[1].shape] == [6, 90] and scatter.inputs[0] is None
+    for layout in ("rtile", "naive"):
+        checked = verify_model(path, TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}), target="adreno830")
+        bad = [row for row in checked if not row.ok]
+        assert checked and not bad, (layout, bad)
 
 
 @pytest.mark.parametrize("layout", ["rtile", "naive"])

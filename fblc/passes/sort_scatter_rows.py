@@ -2,9 +2,10 @@
 
 Rewrite, for a scatter of whole rows (ROW_SCATTERS: Y = ScatterElements(data, Expand(rows), updates,
 axis), the segment sums of gather gradients, fblc/compiler/gradients/segment_sum.py, where `rows`
-has extent 1 after `axis` and the updates cover the data off `axis`; or Y = ScatterND(data, rows
-[.., 1], updates), each 1-tuple a row of axis 0) with more than SORTED_SCATTER_UPDATES updates on a
-line:
+has extent 1 after `axis` and the updates cover the data off `axis`; Y = ScatterElements(data,
+indices, updates, axis) along the data's last axis, GatherElements' gradient, whose rows are single
+elements of each line; or Y = ScatterND(data, rows [.., 1], updates), each 1-tuple a row of axis 0)
+with more than SORTED_SCATTER_UPDATES updates on a line:
 - K0 = Reshape(rows, [G, N]) (G = 1 when the rows are shared by the leading axes, else their extent);
 - (K, P) = MergeRuns(K0, run=1), then MergeRuns(K, P, run=2, 4, ..) until one run holds the line:
   a stable merge sort of the row numbers (wrapped like ONNX's negative indices) and their
@@ -74,10 +75,11 @@ def expanded_rows(node: ir.Node) -> tuple[ir.Value, tuple[int, ...], int] | None
 
 
 def _scatter_elements_rows(node: ir.Node) -> RowScatter | None:
-    """A row scatter (expanded_rows) whose rows are, before `axis`, either all 1 (shared) or the indices' own."""
+    """A row scatter (expanded_rows) whose rows are, before `axis`, either all 1 (shared) or the indices' own;
+    else a scatter of single elements along the data's last axes (_scatter_elements_lines)."""
     found = expanded_rows(node)
     if found is None:
-        return None
+        return _scatter_elements_lines(node)
     rows, source, axis = found
     index_shape = static_shape(node.inputs[1])
     leading, count = source[:axis], index_shape[axis]
@@ -85,6 +87,21 @@ def _scatter_elements_rows(node: ir.Node) -> RowScatter | None:
     if source[axis] != count or not (shared or leading == index_shape[:axis]):
         return None
     return RowScatter(rows, 1 if shared else numel(leading), axis, count, tuple(index_shape))
+
+
+def _scatter_elements_lines(node: ir.Node) -> RowScatter | None:
+    """ScatterElements along an axis after which the data has only axes of 1 (GatherElements' gradient
+    along the last axis): each update targets one element of its line, a row of one element, and the
+    indices are the data's lines' own (equal extents before `axis`)."""
+    data, indices = node.inputs[:2]
+    data_shape, index_shape = static_shape(data), static_shape(indices)
+    if not data_shape or not index_shape or len(index_shape) != len(data_shape):
+        return None
+    axis = int(attr(node, "axis", 0)) % len(data_shape)
+    if any(d != 1 for d in data_shape[axis + 1:]) or tuple(index_shape[:axis]) != tuple(data_shape[:axis]) \
+            or any(d != 1 for d in index_shape[axis + 1:]) or index_shape[axis] == 0:
+        return None
+    return RowScatter(indices, numel(index_shape[:axis]), axis, index_shape[axis], tuple(index_shape))
 
 
 def _scatter_nd_rows(node: ir.Node) -> RowScatter | None:

@@ -13,7 +13,8 @@ element; ScatterElements only scans the updates on its own line along `axis`, th
 that can reach it. Both have a whole-texel path for the row scatters of gather gradients (one
 target row per update): a work-item folds a few texels of one row and reads each update's row
 number once for all of them. A row scatter of more than SORTED_SCATTER_UPDATES updates a line
-never reaches this kernel: pass sort_scatter_rows sorts its rows first (kernels in sort.py).
+never reaches this kernel, nor does such a ScatterElements along the data's last axis
+(GatherElements' gradient): pass sort_scatter_rows sorts its rows first (kernels in sort.py).
 """
 
 from __future__ import annotations
