@@ -195,3 +195,32 @@ def test_a_scatter_nd_of_rows_is_sorted_too(tmp_path) -> None:
                                feeds={"ids": ids})
         bad = [row for row in checked if not row.ok]
         assert checked and not bad, (layout, bad)
+
+
+def test_a_scatter_nd_of_pairs_sorts_their_flat_rows(tmp_path) -> None:
+    """ScatterND(add) of 100 fed 2-tuples (repeated, negative) into a [12, 10, 4] table: the pairs become
+    flat row numbers (elementwise ops), the table is seen as [120, 4]; one step equals onnxruntime's
+    under both layouts."""
+    rng = np.random.default_rng(9)
+    constants = [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
+        rng.standard_normal(shape).astype(np.float32), name)) for name, shape in (("table", (12, 10, 4)),
+                                                                                  ("rows", (100, 4)))]
+    graph = helper.make_graph(
+        constants + [helper.make_node("ScatterND", ["table", "ids", "rows"], ["y"], reduction="add"),
+                     helper.make_node("Mul", ["y", "W"], ["weighted"]),
+                     helper.make_node("ReduceSum", ["weighted"], ["total"], keepdims=0)], "index_add",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [100, 2])],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(rng.standard_normal((12, 10, 4)).astype(np.float32), "W")])
+    path = str(tmp_path / "pairs.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+    nodes = step_ops(path)
+    assert "ScatterND" not in [n.op_type for n in nodes]
+    scatter = next(n for n in nodes if n.op_type == "ScatterSortedRows")
+    assert list(scatter.outputs[0].shape) == [120, 4]
+    ids = np.stack([rng.integers(-12, 12, 100), rng.integers(-10, 10, 100)], axis=1).astype(np.int64)
+    for layout in ("rtile", "naive"):
+        checked = verify_model(path, TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}), target="adreno830",
+                               feeds={"ids": ids})
+        bad = [row for row in checked if not row.ok]
+        assert checked and not bad, (layout, bad)

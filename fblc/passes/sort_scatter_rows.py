@@ -4,7 +4,8 @@ Rewrite, for a scatter of whole rows (ROW_SCATTERS: Y = ScatterElements(data, Ex
 axis), the segment sums of gather gradients, fblc/compiler/gradients/segment_sum.py, where `rows`
 has extent 1 after `axis` and the updates cover the data off `axis`; Y = ScatterElements(data,
 indices, updates, axis) along the data's last axis, GatherElements' gradient, whose rows are single
-elements of each line; or Y = ScatterND(data, rows [.., 1], updates), each 1-tuple a row of axis 0)
+elements of each line; or Y = ScatterND(data, rows [.., k], updates), each k-tuple a row of the data's first k axes, flattened: its row number is
+sum_j wrap(index_j) * stride_j, made by elementwise ops, and the data and Y are seen as [rows, ..])
 with more than SORTED_SCATTER_UPDATES updates on a line:
 - K0 = Reshape(rows, [G, N]) (G = 1 when the rows are shared by the leading axes, else their extent);
 - (K, P) = MergeRuns(K0, run=1), then MergeRuns(K, P, run=2, 4, ..) until one run holds the line:
@@ -30,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
@@ -43,13 +45,21 @@ from fblc.profiles.profile import SORTED_SCATTER_UPDATES
 @dataclass(frozen=True)
 class RowScatter:
     """A scatter of whole rows along `axis`: `count` row numbers `rows` (per leading index: `groups` lines,
-    1 when shared) and updates that read as [leading.., count, rest of the data's axes..] (`updates_shape`)."""
+    1 when shared) and updates that read as [leading.., count, rest of the data's axes..] (`updates_shape`).
+    With `tuple_axes` k > 1 each row number is a k-tuple [.., k] of the data's first k axes (ScatterND),
+    whose rows are their flattened positions."""
 
     rows: ir.Value
     groups: int
     axis: int
     count: int
     updates_shape: tuple[int, ...]
+    tuple_axes: int = 1
+
+    def data_shape(self, data_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The data as the sorted scatter sees it: the tuple axes flattened into one axis of rows."""
+        k = self.tuple_axes
+        return (numel(data_shape[:k]), *data_shape[k:]) if k > 1 else tuple(data_shape)
 
 
 def expanded_rows(node: ir.Node) -> tuple[ir.Value, tuple[int, ...], int] | None:
@@ -105,13 +115,29 @@ def _scatter_elements_lines(node: ir.Node) -> RowScatter | None:
 
 
 def _scatter_nd_rows(node: ir.Node) -> RowScatter | None:
-    """ScatterND of 1-tuples: each update writes a whole row (a slice along axis 0) of the data."""
+    """ScatterND of k-tuples: each update writes a whole row of the data (a slice along axis 0; for k > 1
+    an element of its first k axes, flattened)."""
     data, indices = node.inputs[:2]
     data_shape, index_shape = static_shape(data), static_shape(indices)
-    if not data_shape or not index_shape or index_shape[-1] != 1:
+    if not data_shape or not index_shape or not 1 <= index_shape[-1] <= len(data_shape):
         return None
-    count = numel(index_shape[:-1])
-    return RowScatter(indices, 1, 0, count, (count, *data_shape[1:]))
+    count, k = numel(index_shape[:-1]), index_shape[-1]
+    return RowScatter(indices, 1, 0, count, (count, *data_shape[k:]), k)
+
+
+def _flat_rows(e: Emitter, scatter: RowScatter, data_shape: tuple[int, ...]) -> ir.Value:
+    """The row numbers of a scatter's k-tuples: sum_j wrap(index_j) * stride_j over the data's first k axes
+    (each index wrapped like ONNX's negative ones), as [1, count]."""
+    k = scatter.tuple_axes
+    tuples = e.reshape(scatter.rows, [scatter.count, k])
+    zero, flat, stride = e.const(np.array(0, np.int64)), None, 1
+    for j in reversed(range(k)):
+        index = e.op("Slice", tuples, e.ints([j]), e.ints([j + 1]), e.ints([1]))
+        index = e.op("Where", e.op("Less", index, zero), e.op("Add", index, e.const(np.array(data_shape[j]))), index)
+        term = index if stride == 1 else e.op("Mul", index, e.const(np.array(stride)))
+        flat = term if flat is None else e.op("Add", term, flat)
+        stride *= data_shape[j]
+    return e.reshape(flat, [1, scatter.count])
 
 
 #: op type -> the row scatter it is, if it is one
@@ -129,20 +155,27 @@ def sortable_rows(node: ir.Node) -> RowScatter | None:
 
 def _sort(graph: ir.Graph, node: ir.Node, scatter: RowScatter) -> None:
     data, indices, updates = node.inputs[:3]
-    depth, reduction = static_shape(data)[scatter.axis], attr(node, "reduction", "none")
+    data_shape = tuple(static_shape(data))
+    rows_shape = scatter.data_shape(data_shape)
+    depth, reduction = rows_shape[scatter.axis], attr(node, "reduction", "none")
     e = Emitter(graph, stage=node.metadata_props.get(keys.STAGE, "backward"))
     e.anchor, e.prefix = node, f"{node.name}/sorted"
     e.origin = node.metadata_props.get(keys.GRAD_OF)
-    sorted_rows, positions, run = e.reshape(scatter.rows, [scatter.groups, scatter.count]), None, 1
+    rows = _flat_rows(e, scatter, data_shape) if scatter.tuple_axes > 1 else scatter.rows
+    sorted_rows, positions, run = e.reshape(rows, [scatter.groups, scatter.count]), None, 1
     while run < scatter.count:  # each doubling merges neighbouring sorted runs of `run` row numbers
         sorted_rows, positions = e.op_multi("MergeRuns", sorted_rows, positions, num_outputs=2, run=run, depth=depth)
         run *= 2
     if tuple(static_shape(updates)) != scatter.updates_shape:
         updates = e.reshape(updates, list(scatter.updates_shape))
     zeros = is_zeros(data)
+    if not zeros and rows_shape != data_shape:
+        data = e.reshape(data, list(rows_shape))
     result = e.op("ScatterSortedRows", None if zeros else data, sorted_rows, positions, updates, axis=scatter.axis,
                   reduction=reduction.decode() if isinstance(reduction, bytes) else reduction,
-                  shape=list(static_shape(data)) if zeros else None)
+                  shape=list(rows_shape) if zeros else None)
+    if rows_shape != data_shape:
+        result = e.reshape(result, list(data_shape))
     y, unread = node.outputs[0], [indices.producer(), data.producer() if zeros else None]
     name = y.name
     y.replace_all_uses_with(result, replace_graph_outputs=True)

@@ -12,9 +12,10 @@ reduction "none" the last update wins, as in onnxruntime. ScatterND scans all up
 element; ScatterElements only scans the updates on its own line along `axis`, the only ones
 that can reach it. Both have a whole-texel path for the row scatters of gather gradients (one
 target row per update): a work-item folds a few texels of one row and reads each update's row
-number once for all of them. A row scatter of more than SORTED_SCATTER_UPDATES updates a line
-never reaches this kernel, nor does such a ScatterElements along the data's last axis
-(GatherElements' gradient): pass sort_scatter_rows sorts its rows first (kernels in sort.py).
+number once for all of them. A scatter of more than SORTED_SCATTER_UPDATES updates a line never
+reaches these scans when it is a row scatter, a ScatterElements along the data's last axis
+(GatherElements' gradient) or a ScatterND of k-tuples: pass sort_scatter_rows sorts its rows first
+(kernels in sort.py).
 """
 
 from __future__ import annotations
