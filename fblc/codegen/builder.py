@@ -226,7 +226,8 @@ class KernelBuilder:
     def _block_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
         """The lane's element of `root`, when it is constant over blocks of at least 4 consecutive
         output elements (a per-channel value of a conv's epilogue): a texel's lanes then see at most
-        two elements, its first lane's and its last's, read once per texel. None otherwise."""
+        two elements, its first lane's and its last's, read once per texel (the last only when the
+        texel straddles two blocks). None otherwise."""
         out = self.out_shape
         view = (1,) * (len(out) - len(index_map.shape)) + tuple(index_map.shape)
         block = 1
@@ -240,14 +241,15 @@ class KernelBuilder:
         key = (id(root), f"block {first}")
         if key not in self._hoisted:
             last = broadcast_index(index_map.shape, out, TEXEL_LAST, index_map.strides, index_map.offset)
-            head, tail = self.fresh("H"), self.fresh("H")
-            ctype = ctype_of(root)
-            self.texel_reads += [f"const {ctype} {head} = {self.load(root, first)};",
-                                 f"const {ctype} {tail} = {self.load(root, last)};"]
             split = self._splits.get(block)
             if split is None:  # one per block length, shared by every value constant over such blocks
                 split = self._splits[block] = self.fresh("n")
                 self.texel_reads.append(f"const int {split} = {block} - (t * 4) % {block};  // lanes in block 1")
+            head, tail = self.fresh("H"), self.fresh("H")
+            ctype = ctype_of(root)
+            # the last lane's element is read only by a texel that straddles two blocks
+            self.texel_reads += [f"const {ctype} {head} = {self.load(root, first)};",
+                                 f"const {ctype} {tail} = {split} >= 4 ? {head} : {self.load(root, last)};"]
             self._hoisted[key] = f"(lane < {split} ? {head} : {tail})"
             self._reads_last = True
         return self._hoisted[key]
