@@ -181,6 +181,42 @@ def test_slices_become_views_where_their_readers_add_the_offset(tmp_path) -> Non
     assert rows and not [r.name for r in rows if not r.ok]
 
 
+def _split_into_matmul(path: str) -> str:
+    """(a, b) = Split(x * w) along the last axis; b feeds a MatMul, whose kernel reads no view offset."""
+    nodes = [helper.make_node("Constant", [], ["sizes"], value=helper.make_tensor("sizes", TensorProto.INT64, [2], [8, 8])),
+             helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"),
+             helper.make_node("Split", ["xw", "sizes"], ["a", "b"], axis=-1, name="split"),
+             helper.make_node("Neg", ["a"], ["na"], name="neg"),
+             helper.make_node("MatMul", ["b", "p"], ["proj"], name="proj"),
+             helper.make_node("ReduceSum", ["na"], ["r1"], keepdims=0, name="sum_a"),
+             helper.make_node("ReduceSum", ["proj"], ["r2"], keepdims=0, name="sum_proj"),
+             helper.make_node("Add", ["r1", "r2"], ["out"], name="out")]
+    rng = np.random.default_rng(6)
+    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 16])],
+                         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
+                         {"w": rng.standard_normal((4, 3, 16)).astype(np.float32),
+                          "p": rng.standard_normal((8, 4)).astype(np.float32)}), path)
+    return path
+
+
+def test_splits_become_views_when_every_output_can_be_one(tmp_path) -> None:
+    """The Concat's gradient Split (read by Neg's gradient and the Slice's Pad) becomes two views of dy
+    and runs no kernel; a Split with an output read by a MatMul stays one Split kernel; both
+    steps equal onnxruntime's."""
+    step = lowered(_rotary_halves(str(tmp_path / "rotary.onnx")))
+    assert "Split" not in [n.op_type for n in step.graph]
+    views = [IndexMap.from_json(n.metadata_props[keys.INDEX_MAP]) for n in step.graph
+             if n.op_type == "Slice" and "/view/" in n.name]
+    # dy of the Concat is the loss's broadcast (stride 0): each half a view of it
+    assert [v.shape for v in views] == [(4, 3, 8), (4, 3, 8)]
+    kept = lowered(_split_into_matmul(str(tmp_path / "split.onnx")))
+    assert [n.name for n in kept.graph if n.op_type == "Split"] == ["split"]
+    assert not [n for n in kept.graph if n.op_type == "Slice"]  # the tried Slices are gone again
+    for path in (tmp_path / "rotary.onnx", tmp_path / "split.onnx"):
+        rows = verify_model(str(path), OPTIONS)
+        assert rows and not [r.name for r in rows if not r.ok], path
+
+
 @pytest.mark.parametrize("layout", ["rtile", "naive"])
 def test_attention_step_matches_onnxruntime(attention_path: str, layout: str) -> None:
     rows = verify_model(attention_path, TrainingOptions(loss="output", layout=layout, optimizer=OPTIONS.optimizer))

@@ -46,6 +46,7 @@ from fblc.passes.sg_replay import SgReplay
 from fblc.passes.skip_nonfinite import SkipNonfinite
 from fblc.passes.sort_scatter_rows import SortScatterRows
 from fblc.passes.split_softmax import SplitSoftmax
+from fblc.passes.split_views import SplitViews
 from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.tile_remap import TileRemap
@@ -228,7 +229,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    remap = [TileRemap()] if options.layout == "rtile" else []
+    remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else []
     return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + remap
 
 
