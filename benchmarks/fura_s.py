@@ -4,12 +4,18 @@
 
 Table 1 (memory): for each model and trainer, the trainable values and report.json's planned
 device peak (`memory.device_peak`) of the compiled bundle; "n/a" where the adapter has no site
-(MemFLoRA and LoRA adapt Conv layers, FuRA-S MatMul/Gemm layers).
+(MemFLoRA adapts Conv layers, FuRA-S MatMul/Gemm layers, LoRA Conv layers, or MatMul/Gemm layers
+in a model without an eligible conv).
 Table 2 (learning): ES steps of the ONNX step (onnxruntime, ReferenceStep) on one fixed batch of
-a small MLP classifier with random labels, which nobody tuned for: FuRA-S ES against
-full-parameter ES at the same number of forward passes; the loss before and after, and the
-fraction of perturbed members that beat the unperturbed model (MobileSpec's Figure 4b), averaged
-over the iterations.
+a small MLP classifier with random labels, which nobody tuned for: FuRA-S ES against ES over LoRA
+adapters (rank 2 at every linear layer) and full-parameter ES at the same number of forward
+passes; the loss before and after, and the fraction of perturbed members that beat the
+unperturbed model (MobileSpec's Figure 4b), averaged over the iterations.
+Settings, fixed before any run: lr 1 everywhere (ES at Scale's alpha = 1, the paper's Table A2);
+sigma in the units of the values perturbed: FuRA-S's delta is a relative change of singular
+values (0.05, near the paper's mu = 3e-2), full ES and LoRA ES perturb weight entries themselves
+(0.01). At init, LoRA's 0.01 moves this batch's logits by an RMS of 0.022 and full ES's by 0.023
+(FuRA-S's 0.05: 0.008), so the two weight-space rows perturb the function alike.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ TRAINERS = {
                                                 adapter=AdapterConfig(kind="fura-s", block=16)),
     "full ES": lambda shapes: TrainingOptions(input_shapes=shapes, trainer="es"),
     "memflora": lambda shapes: TrainingOptions(input_shapes=shapes, adapter=AdapterConfig(kind="memflora")),
+    "lora ES": lambda shapes: TrainingOptions(input_shapes=shapes, trainer="es", adapter=AdapterConfig(kind="lora")),
     "lora": lambda shapes: TrainingOptions(input_shapes=shapes, adapter=AdapterConfig(kind="lora")),
     "full backprop": lambda shapes: TrainingOptions(input_shapes=shapes),
 }
@@ -82,6 +89,9 @@ def learning_table(directory: str, iterations: int, pairs: int) -> list[str]:
     variants = {"fura-s ES (sigma 0.05, lr 1)": TrainingOptions(
                     trainer="es", adapter=AdapterConfig(kind="fura-s", block=16),
                     es=EsConfig(pairs=pairs, sigma=0.05), optimizer=OptimizerConfig("sgd", lr=1.0)),
+                "LoRA ES, r 2 (sigma 0.01, lr 1)": TrainingOptions(
+                    trainer="es", adapter=AdapterConfig(kind="lora", rank=2),
+                    es=EsConfig(pairs=pairs, sigma=0.01), optimizer=OptimizerConfig("sgd", lr=1.0)),
                 "full ES (sigma 0.01, lr 1)": TrainingOptions(
                     trainer="es", es=EsConfig(pairs=pairs, sigma=0.01), optimizer=OptimizerConfig("sgd", lr=1.0))}
     rows = ["| trainer | trainable values | forwards | loss before | loss after | members beating the base |",

@@ -97,10 +97,12 @@ def add_adapter_options(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--adapter", choices=ADAPTERS, default="none",
                         help="none: train the model's own weights (full fine-tuning); lora: a low-rank branch with "
-                             "both factors trainable at every Conv (groups 1); memflora: MemFLoRA's memory-floor "
-                             "adapter (frozen projection P, trainable U, backbone frozen, 1-bit masks); memflora-sg: "
-                             "memflora that also trains P by replaying the forward; fura-s: only the block singular "
-                             "values of every MatMul/Gemm weight train (MobileSpec; for --trainer es) (default: none)")
+                             "both factors trainable at every Conv (groups 1), or, in a model without one, at every "
+                             "MatMul/Gemm with a constant weight (y = x W + (x A) B; see --adapter-sites); memflora: "
+                             "MemFLoRA's memory-floor adapter (frozen projection P, trainable U, backbone frozen, "
+                             "1-bit masks); memflora-sg: memflora that also trains P by replaying the forward; "
+                             "fura-s: only the block singular values of every MatMul/Gemm weight train (MobileSpec; "
+                             "for --trainer es) (default: none)")
     # default None, not 2: a --rank the user gave with --adapter none is refused (check_values)
     parser.add_argument("--rank", type=int, default=None, help=f"adapter rank r (default: {DEFAULT_RANK})")
     parser.add_argument("--seed", type=int, default=0,
@@ -110,7 +112,8 @@ def add_adapter_options(parser: argparse.ArgumentParser) -> None:
                              "(0: off; default: 8 with an adapter, off without)")
     parser.add_argument("--adapter-sites", choices=SITE_SELECTIONS, default="auto",
                         help="convs that get an adapter: all (groups 1), pointwise (1x1 only), auto: pointwise in "
-                             "a network with depthwise convs, else all (default: auto)")
+                             "a network with depthwise convs, else all, and for lora the MatMul/Gemm layers when "
+                             "no conv is chosen; linear: lora at the MatMul/Gemm layers only (default: auto)")
     parser.add_argument("--block", type=int, default=None,
                         help=f"fura-s: column-block width B of the block SVDs (default: {DEFAULT_BLOCK})")
     parser.add_argument("--fura-sites", metavar="REGEX", default=None,

@@ -23,7 +23,8 @@ import onnx_ir as ir
 
 from fblc.codegen.kernels import KERNEL_EMITTERS
 from fblc.codegen.plan import kernel_groups
-from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, find_sites, select_adapter_sites
+from fblc.compiler.adapters import (LINEAR_ADAPTERS, MEMORY_FLOOR_ADAPTERS, find_sites, select_adapter_sites,
+                                    select_linear_sites)
 from fblc.compiler.autodiff import GRADIENTS, differentiable_nodes, gradient_gaps
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import OpGap, op_label
@@ -108,12 +109,14 @@ def _forward_kernel_gaps(forward: list[ir.Node]) -> list[OpGap]:
 
 
 def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Verdict:
-    """Whether `--adapter kind` builds: eligible conv sites, and gradient rules for its step."""
-    sites = select_adapter_sites(find_sites(model.graph), options.adapter.sites)
-    if not sites:
-        pointwise = " and a 1x1 kernel" if options.adapter.sites == "pointwise" else ""
-        return Verdict(False, f"no Conv with groups == 1{pointwise}")
+    """Whether `--adapter kind` builds: eligible conv (or, for lora, linear) sites, and gradient rules for its step."""
     adapted = replace(options, adapter=replace(options.adapter, kind=kind))
+    sites = select_adapter_sites(find_sites(model.graph), options.adapter.sites)
+    linear = select_linear_sites(model.graph, adapted.adapter, bool(sites))
+    if not sites and not linear:
+        pointwise = " and a 1x1 kernel" if options.adapter.sites == "pointwise" else ""
+        return Verdict(False, f"no Conv with groups == 1{pointwise}" + (
+            ", no MatMul/Gemm with a constant weight" if kind in LINEAR_ADAPTERS else ""))
     copy = _copy(model)
     try:
         run_passes(copy, _split_at_gradients(training_passes(adapted))[0])
@@ -122,7 +125,9 @@ def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Ve
     gaps = gradient_gaps(copy.graph, copy.graph.outputs[0], trainable_params(copy.graph))
     if gaps:
         return Verdict(False, GRADIENTS.error(gaps).cause)
-    return Verdict(True, f"{len(sites)} conv site{'s' if len(sites) != 1 else ''}")
+    found = [f"{len(sites)} conv site{'s' if len(sites) != 1 else ''}" if sites else "",
+             f"{len(linear)} linear site{'s' if len(linear) != 1 else ''}" if linear else ""]
+    return Verdict(True, ", ".join(filter(None, found)))
 
 
 def _rows(nodes: list[ir.Node], imported: Callable[[str], str], gradient: Callable[[str], str],

@@ -37,7 +37,8 @@ def memory_object(plan: MemoryPlan, table: BufferTable, plot: str | None = TIMEL
     result["allocated_textures"], result["allocated_images"] = len(table.buffers), len(table.images)
     if plan.adapter:
         result["adapter"] = {k: v for k, v in plan.adapter.items() if k != "sites"}
-        result["adapter"]["sites"] = [{k: s[k] for k in ("conv", "c_in", "c_out", "kernel", "scale", "activation", "params")}
+        result["adapter"]["sites"] = [{**{k: s[k] for k in ("conv", "c_in", "c_out", "kernel", "scale", "activation",
+                                                             "params")}, "kind": s.get("kind", "conv")}
                                       for s in plan.adapter.get("sites", [])]
     if plot:
         result["timeline_plot"] = plot

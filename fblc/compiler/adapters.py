@@ -16,6 +16,20 @@ What a Conv-(BatchNorm)-(activation) *site* becomes:
   dx = conv_input_grad(W, g * s) + conv_input_grad(P, dq) with g = mask * dy. A site without
   BatchNorm takes s = 1 (its bias, if any, is t).
 - LoRA (the baseline): the same branch with P trainable, so the backward also reads x.
+- LoRA at a *linear* site (`--adapter lora` only): a MatMul x @ W or Gemm whose W is a constant
+  float parameter, found by FuRA-S's site finder (fblc.compiler.fura_s.find_fura_sites: Gemm
+  transB, the legacy exporter's folded W^T, GPT-2's Conv1D, MatMul(x, Transpose(W))); the layer
+  y = x W (+ bias) becomes
+
+      y = x W (+ bias) + (x A) B        A [in, r], trainable, N(0, std 1/sqrt(r)) (as P above)
+                                        B [r, out], trainable, zero: the model is unchanged at init
+
+  with W frozen (standard LoRA; no activation or BatchNorm is folded in). Which layers
+  (`--adapter-sites`, LINEAR_SITES): `auto` adapts the Conv sites when the model has any and the
+  linear sites only when it has none (an MLP, a transformer without a conv stem), so LoRA on a
+  CNN stays the Conv baseline that MemFLoRA is compared with (its classifier Gemm gets no
+  branch); `linear` adapts the linear sites alone (a ViT, whose patch-embedding Conv would
+  otherwise be the only site); `all` and `pointwise` choose convs only.
 - Every other Conv-BN site: BatchNorm is folded into the frozen weights (W * s, b * s + t).
 - Activations in *mask form*: Relu(z) and Clip(z, lo, hi) become
   mask = lo < z < hi (bool) and y = Where(mask, z, Where(z >= hi, hi, lo)); the gradient rule
@@ -27,7 +41,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -35,13 +49,21 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, attr, const_array, static_shape
+from fblc.compiler.fura_s import FuraSite, find_fura_sites
 from fblc.compiler.keys import Role
 
 #: the adapters of the memory floor (pass memory_floor, Conv sites); "fura-s" is pass fura_s (MatMul/Gemm sites)
 MEMORY_FLOOR_ADAPTERS = ("lora", "memflora", "memflora-sg")
 ADAPTERS = ("none", *MEMORY_FLOOR_ADAPTERS, "fura-s")
 DEFAULT_BLOCK = 64
-SITE_SELECTIONS = ("auto", "all", "pointwise")
+SITE_SELECTIONS = ("auto", "all", "pointwise", "linear")
+#: --adapter lora: whether a --adapter-sites selection adapts the MatMul/Gemm layers, given whether it chose a conv
+LINEAR_SITES: dict[str, Callable[[bool], bool]] = {
+    "auto": lambda chose_conv: not chose_conv, "all": lambda _: False, "pointwise": lambda _: False,
+    "linear": lambda _: True,
+}
+#: the adapters that may take a linear site
+LINEAR_ADAPTERS = ("lora",)
 
 #: model metadata: JSON description of the inserted adapter (kind, rank, sites)
 ADAPTER_META = "fblc.adapter"
@@ -77,6 +99,10 @@ class AdapterConfig:
             raise FblcError(f"--block {self.block} is not a positive block width", "use e.g. --block 64")
         if self.kind in MEMORY_FLOOR_ADAPTERS and self.rank < 1:
             raise FblcError(f"--rank {self.rank} is not a positive rank", "use --rank 1 or more (the paper uses 2, 4, 8)")
+        if self.kind in MEMORY_FLOOR_ADAPTERS and self.kind not in LINEAR_ADAPTERS and self.sites == "linear":
+            raise FblcError(f"--adapter-sites linear is given with --adapter {self.kind}, which adapts Conv layers "
+                            "only",
+                            "use --adapter lora for MatMul/Gemm layers, or --adapter-sites auto, all or pointwise")
 
     @property
     def trains_projection_by_replay(self) -> bool:
@@ -125,6 +151,8 @@ class SiteRecord:
     scale: str  # "bn": the inherited BatchNorm scale; "1": no BatchNorm at this site
     activation: str
     params: int
+    #: "conv", or "linear" (a MatMul/Gemm site of LoRA: `conv` names the node, P is A [in, r], U is B [r, out])
+    kind: str = "conv"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -192,8 +220,10 @@ def select_adapter_sites(sites: Sequence[Site], selection: str) -> list[Site]:
 
     `all`: every such conv. `pointwise`: only the 1x1 ones. `auto`: `pointwise` when the model
     also has depthwise convs (MobileNet-style, where MemFLoRA adapts the pointwise convs),
-    else `all` (T-ResNet, where it adapts every conv).
+    else `all` (T-ResNet, where it adapts every conv). `linear`: none.
     """
+    if selection == "linear":  # LoRA's MatMul/Gemm layers alone (select_linear_sites)
+        return []
     dense = [s for s in sites if s.groups == 1]
     if selection == "auto":
         depthwise = any(s.groups > 1 and s.groups == s.channels[0] for s in sites)
@@ -201,6 +231,14 @@ def select_adapter_sites(sites: Sequence[Site], selection: str) -> list[Site]:
     if selection == "pointwise":
         return [s for s in dense if all(k == 1 for k in s.kernel)]
     return dense
+
+
+def select_linear_sites(graph: ir.Graph, config: AdapterConfig, chose_conv: bool) -> list[FuraSite]:
+    """The MatMul/Gemm layers that get a LoRA branch (LINEAR_SITES): FuRA-S's sites (constant float
+    `param` weights, so call this before the backbone freezes) under --adapter lora, else none."""
+    if config.kind not in LINEAR_ADAPTERS or not LINEAR_SITES[config.sites](chose_conv):
+        return []
+    return find_fura_sites(graph)
 
 
 def folded_affine(site: Site) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -262,12 +300,15 @@ def replace_output(old: ir.Value, new: ir.Value) -> None:
 
 
 def describe(config: AdapterConfig, records: Sequence[SiteRecord], frozen_sites: int, masked: int) -> str:
-    no_bn = [r.conv for r in records if r.scale == "1"]
+    convs = [r for r in records if r.kind == "conv"]
+    no_bn = [r.conv for r in convs if r.scale == "1"]
+    linear = len(records) - len(convs)
+    notes = [f"{len(no_bn)} conv site(s) without BatchNormalization take a_s = 1" if no_bn else
+             "every conv adapter site inherits its BatchNorm scale a_s" if convs else "",
+             f"{linear} linear site(s): y = x W + (x A) B" if linear else ""]
     return json.dumps({
         "adapter": config.kind, "rank": config.rank, "seed": config.seed, "site_selection": config.sites,
-        "sites": [r.__dict__ for r in records], "adapter_sites": len(records), "frozen_sites": frozen_sites,
-        "masked_activations": masked, "trainable_params": sum(r.params for r in records),
-        "sites_without_batchnorm": no_bn,
-        "note": (f"{len(no_bn)} site(s) without BatchNormalization take a_s = 1" if no_bn else
-                 "every adapter site inherits its BatchNorm scale a_s"),
+        "sites": [r.__dict__ for r in records], "adapter_sites": len(records), "linear_sites": linear,
+        "frozen_sites": frozen_sites, "masked_activations": masked, "trainable_params": sum(r.params for r in records),
+        "sites_without_batchnorm": no_bn, "note": "; ".join(filter(None, notes)),
     })

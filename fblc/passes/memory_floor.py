@@ -12,6 +12,10 @@ Rewrite (the builders are in fblc.compiler.adapters, which states the exact grap
   (N(0, std 1/sqrt(r)), drawn in site order from `--seed`), U trainable and zero, s and t the
   BatchNorm folded into the per-channel affine map (s = 1 without BatchNorm); for `lora`, P is
   trainable too;
+- `lora` only, at every linear site (a MatMul/Gemm with a constant float weight W, FuRA-S's site
+  finder; `--adapter-sites auto` takes them when no conv site is chosen, `linear` always, and
+  then no conv): the layer's output y becomes y + MatMul(MatMul(x, A), B), A [in, r] trainable
+  N(0, std 1/sqrt(r)) drawn after the convs' P, B [r, out] trainable zeros, W frozen;
 - every other Conv-BatchNorm site folds the BatchNorm into its frozen weights and bias;
 - every Relu and constant-bound Clip (ReLU6) becomes its mask form (bool mask + Where), so
   that the backward reads a one-bit mask instead of the full-width activation.
@@ -21,10 +25,13 @@ Preconditions: import passes ran (static shapes, constants folded, zero Pads fol
 convs); BatchNormalization in eval mode (not with `--bn-train`); runs before mark_trainable.
 In place; `modified` is false for `--adapter none` and `fura-s` (pass fura_s).
 Errors: an unknown adapter, a non-positive rank, `--bn-train` with an adapter, no eligible
-site, a rank larger than a site's input or output channels.
+site, a rank larger than a site's input or output channels (or features), `--adapter-sites
+linear` with memflora.
 """
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import numpy as np
 import onnx_ir as ir
@@ -32,7 +39,9 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.adapters import (ADAPTER_META, MEMORY_FLOOR_ADAPTERS, SITE_Q, SITE_X, AdapterConfig, Site, SiteRecord, activation_name,
                                     channel_view, clip_bounds, describe, emit_masked_activation, find_sites,
-                                    folded_affine, new_initializer, replace_output, select_adapter_sites)
+                                    folded_affine, new_initializer, replace_output, select_adapter_sites,
+                                    select_linear_sites)
+from fblc.compiler.fura_s import FuraSite
 from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
@@ -70,16 +79,19 @@ class MemoryFloor(ContractPass):
         graph = model.graph
         sites = find_sites(graph)
         chosen = select_adapter_sites(sites, config.sites)
-        if not chosen:
-            convs = sum(1 for n in graph if n.op_type == "Conv")
-            raise FblcError(f"--adapter {config.kind} found no eligible site in the model ({convs} Conv node(s), none with "
-                            f"groups == 1{' and a 1x1 kernel' if config.sites == 'pointwise' else ''})",
-                            "MemFLoRA adapts Conv layers with groups == 1; use --adapter none for this model")
+        linear = select_linear_sites(graph, config, bool(chosen))  # before the freeze: it looks for `param` weights
+        if not chosen and not linear:
+            self._no_site(graph)
         for site in chosen:
             c_in, c_out = site.channels
             if config.rank > min(c_in, c_out):
                 raise FblcError(f"--rank {config.rank} is larger than the channels of conv '{site.conv.name}' "
                                 f"({c_in} in, {c_out} out)", f"use --rank {min(c_in, c_out)} or less")
+        for layer in linear:
+            if config.rank > min(layer.n_in, layer.m_out):
+                raise FblcError(f"--rank {config.rank} is larger than the features of linear layer '{layer.node.name}' "
+                                f"(weight '{layer.weight.name}': {layer.n_in} in, {layer.m_out} out)",
+                                f"use --rank {min(layer.n_in, layer.m_out)} or less")
         for value in graph.initializers.values():
             if keys.get_role(value) == Role.PARAM.value:
                 keys.set_role(value, Role.FROZEN)
@@ -96,6 +108,9 @@ class MemoryFloor(ContractPass):
             else:
                 self._frozen_site(emitter, graph, site)
             masked += site.act is not None
+        for layer in linear:
+            emitter.anchor, emitter.prefix = layer.node, layer.node.name
+            records.append(self._linear_site(emitter, graph, layer, rng))
         for node in list(graph):  # activations outside conv sites (after a residual add, say)
             bounds = clip_bounds(node)
             if bounds is None or node.inputs[0] is None:
@@ -108,7 +123,7 @@ class MemoryFloor(ContractPass):
         for name, value in list(graph.initializers.items()):
             if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
                 graph.initializers.pop(name)
-        model.metadata_props[ADAPTER_META] = describe(config, records, len(sites) - len(records), masked)
+        model.metadata_props[ADAPTER_META] = describe(config, records, len(sites) - len(chosen), masked)
         return ir.passes.PassResult(model, True)
 
     def _adapter_site(self, e: Emitter, graph: ir.Graph, site: Site, rng: np.random.Generator) -> SiteRecord:
@@ -144,6 +159,39 @@ class MemoryFloor(ContractPass):
                           scale="bn" if site.bn is not None else "1", activation=activation_name(bounds),
                           params=int(np.prod(static_shape(u))) + (int(projection.size) if config.kind == "lora" else 0),
                           extra={"x": x.name, "q": q.name})
+
+    def _linear_site(self, e: Emitter, graph: ir.Graph, site: FuraSite, rng: np.random.Generator) -> SiteRecord:
+        """y = node(x, W, ...) + (x A) B in place of the MatMul/Gemm `site.node` (W frozen, A and B trainable)."""
+        rank, node = self.config.rank, site.node
+        prefix = _weight_prefix(site.weight)
+        if f"{prefix}.adapter_A" in graph.initializers:  # a weight read by two layers (tied): a branch each
+            prefix = f"{prefix}.{node.name}"
+        down = (rng.standard_normal((site.n_in, rank)) / np.sqrt(rank)).astype(np.float32)
+        a = new_initializer(graph, f"{prefix}.adapter_A", down, Role.PARAM)
+        b = new_initializer(graph, f"{prefix}.adapter_B", np.zeros((rank, site.m_out), np.float32), Role.PARAM)
+        x = node.inputs[0]  # not site.x: an adapted layer before this one may have replaced it
+        assert x is not None, "find_fura_sites keeps only layers with an activation operand"
+        base = e.op(node.op_type, *node.inputs, **_attributes(node))
+        q = e.op("MatMul", x, a, name=f"{prefix}.adapter_q")
+        y = e.op("Add", base, e.op("MatMul", q, b))
+        replace_output(node.outputs[0], y)
+        graph.remove(node, safe=True)
+        return SiteRecord(conv=node.name, weight=site.weight.name, P=a.name, U=b.name, c_in=site.n_in,
+                          c_out=site.m_out, kernel=[], scale="1", activation="none", kind="linear",
+                          params=int(down.size) + rank * site.m_out, extra={"x": x.name, "q": q.name})
+
+    def _no_site(self, graph: ir.Graph) -> NoReturn:
+        config = self.config
+        convs = sum(1 for n in graph if n.op_type == "Conv")
+        pointwise = " and a 1x1 kernel" if config.sites == "pointwise" else ""
+        found = (f"{convs} Conv node(s), none with groups == 1{pointwise}" if config.sites != "linear"
+                 else "--adapter-sites linear")
+        if config.kind == "lora":
+            raise FblcError(f"--adapter lora found no eligible site in the model ({found}; no MatMul/Gemm with a "
+                            "constant float weight)", "LoRA adapts Conv layers with groups == 1 and MatMul/Gemm "
+                            "layers with constant weights; use --adapter none for this model")
+        raise FblcError(f"--adapter {config.kind} found no eligible site in the model ({found})",
+                        "MemFLoRA adapts Conv layers with groups == 1; use --adapter none for this model")
 
     @staticmethod
     def _frozen_site(e: Emitter, graph: ir.Graph, site: Site) -> None:

@@ -9,6 +9,15 @@ Rewrite: annotations only. Every float value that owns storage (not a view) gets
   metrics). Why: Adam's second moment of a gradient below ~2.4e-4 underflows in half, a
   parameter update smaller than half a half-ulp of the weight is lost, and both make fp16 training
   diverge or stall; an activation rounds to half without harm.
+- an ES step (model metadata `fblc.es`) also keeps in fp32 every value of its `loss` and `es`
+  stages (ES_MASTER_STAGES): the loss and reward chain of the model and of each member, the
+  perturbed parameters theta +/- sigma eps and their noise rows, the z-scores and the direction.
+  Why: ES's signal is the spread of the members' losses, about sigma times the gradient's norm
+  (1e-3 of the loss and less), while half resolves a loss near 1.7 to 2^-10 = 1e-3: with the
+  loss's reductions in half textures the rewards were rounded to whole half-ulps, their z-scores
+  were rounding noise (an iteration whose spread was 4e-4 moved delta 45 degrees off the fp32
+  step's direction, cos 0.70) and the step's `loss` read 1.73828125 for 1.73812. The members' forwards,
+  the bulk of the work, stay in half.
 Kernels accumulate in fp32 whatever the format (`read_imagef` returns float): a format changes
 only the image a tensor lives in. The texture table allocates, and the memory plan counts, by
 this annotation.
@@ -18,10 +27,13 @@ an annotation changed.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import onnx_ir as ir
 
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.compiler import keys
+from fblc.compiler.es import ES_META
 from fblc.compiler.index_map import is_view, view_root
 from fblc.compiler.keys import Role
 from fblc.compiler.values import is_float
@@ -31,16 +43,21 @@ from fblc.passes.rtile_select import state_pairs
 
 #: graph inputs kept in fp32 under mixed precision, by role
 MASTER_ROLES = frozenset({Role.PARAM.value, Role.OPT_STATE.value})
+#: nodes whose values stay fp32 under mixed precision, by stage: the optimizer's inputs and outputs
+MASTER_STAGES: dict[str, tuple[str, ...]] = {"optimizer": ("inputs", "outputs")}
+#: an ES step's as well: the outputs of its loss and ES stages (the module docstring says why)
+ES_MASTER_STAGES: dict[str, tuple[str, ...]] = {**MASTER_STAGES, "loss": ("outputs",), "es": ("outputs",)}
 
 
-def master_roots(graph: ir.Graph) -> set[int]:
-    """ids of the storage roots kept in fp32 under `--dtype fp16` (see the module docstring)."""
+def master_roots(graph: ir.Graph, stages: Mapping[str, tuple[str, ...]] = MASTER_STAGES) -> set[int]:
+    """ids of the storage roots kept in fp32 under `--dtype fp16` (see the module docstring); `stages`:
+    which values of a node of each stage stay fp32."""
     kept = [v for v in graph.inputs if keys.get_role(v) in MASTER_ROLES]
     kept += [v for pair in state_pairs(graph) for v in pair]
     kept += list(graph.outputs)
     for node in graph:
-        if node.metadata_props.get(keys.STAGE) == "optimizer":
-            kept += [v for v in (*node.inputs, *node.outputs) if v is not None]
+        for side in stages.get(node.metadata_props.get(keys.STAGE, ""), ()):
+            kept += [v for v in getattr(node, side) if v is not None]
     return {id(view_root(v)) for v in kept}
 
 
@@ -63,7 +80,8 @@ class StoragePrecision(ContractPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        master = master_roots(graph) if self.dtype == "fp16" else set()
+        stages = ES_MASTER_STAGES if ES_META in model.metadata_props else MASTER_STAGES
+        master = master_roots(graph, stages) if self.dtype == "fp16" else set()
         roots = list(graph.inputs) + list(graph.initializers.values())
         roots += [v for n in graph if not is_view(n) for v in n.outputs if v is not None and v.name]
         modified = False
