@@ -154,14 +154,20 @@ def test_philox_gives_random123s_known_answers_and_normal_noise() -> None:
     assert not np.array_equal(noise, es_noise(7, 4, (400, 250))) and np.array_equal(noise, es_noise(7, 3, (400, 250)))
 
 
-def test_the_device_trains_as_the_onnx_step_with_the_same_philox_noise(tmp_path) -> None:
-    """The bundle makes its noise on the device; ReferenceStep feeds the ONNX step es_noise of the same
-    seed and step. Iteration 1's loss is the model's own; over 20 iterations on one batch it falls."""
+def _mlp_es(tmp_path) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
+    """A 16-sample MLP classifier, one batch, and FuRA-S ES options (4 pairs, sigma 0.05, SGD lr 1)."""
     path = build_mlp(str(tmp_path / "mlp.onnx"), batch=16, in_features=32, hidden=(32,), classes=6)
     rng = np.random.default_rng(5)
     feeds = {"x": rng.standard_normal((16, 32)).astype(np.float32), "labels": rng.integers(0, 6, 16)}
     options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
                               es=EsConfig(pairs=4, sigma=0.05, seed=11), optimizer=OptimizerConfig("sgd", lr=1.0))
+    return path, feeds, options
+
+
+def test_the_device_trains_as_the_onnx_step_with_the_same_philox_noise(tmp_path) -> None:
+    """The bundle makes its noise on the device; ReferenceStep feeds the ONNX step es_noise of the same
+    seed and step. Iteration 1's loss is the model's own; over 20 iterations on one batch it falls."""
+    path, feeds, options = _mlp_es(tmp_path)
     step, report = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
     assert report["kernels_per_family"].get("random") == 2 * 4 + 1  # a row per member, the direction's sum
     assert not any(n.op_type == "Slice" and n.inputs[0].name == "noise" for n in step.graph)
@@ -194,11 +200,7 @@ def test_fp16_es_on_the_device_follows_the_fp32_onnx_step_with_the_same_philox_n
     perturbed delta, the z-scores and the direction stay fp32 (storage_precision's ES_MASTER_STAGES).
     Four iterations on the device beside the fp32 ONNX step fed the same Philox noise, each from its own
     state: loss and rewards agree, and every update moves delta the same way by the same amount."""
-    path = build_mlp(str(tmp_path / "mlp.onnx"), batch=16, in_features=32, hidden=(32,), classes=6)
-    rng = np.random.default_rng(5)
-    feeds = {"x": rng.standard_normal((16, 32)).astype(np.float32), "labels": rng.integers(0, 6, 16)}
-    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
-                              es=EsConfig(pairs=4, sigma=0.05, seed=11), optimizer=OptimizerConfig("sgd", lr=1.0))
+    path, feeds, options = _mlp_es(tmp_path)
     step, _ = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp16", options)
     storage: dict[str, set[str]] = {}
     for node in step.graph:
