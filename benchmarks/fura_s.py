@@ -1,11 +1,12 @@
 """Forward-only training side by side: memory and learning of FuRA-S ES against the other trainers.
 
-    python benchmarks/fura_s.py [--iterations 40] [--pairs 8] [--target adreno830]
+    python benchmarks/fura_s.py [--iterations 40] [--pairs 8] [--target adreno830] [--large]
 
 Table 1 (memory): for each model and trainer, the trainable values and report.json's planned
-device peak (`memory.device_peak`) of the compiled bundle; "n/a" where the adapter has no site
-(MemFLoRA adapts Conv layers, FuRA-S MatMul/Gemm layers, LoRA Conv layers, or MatMul/Gemm layers
-in a model without an eligible conv).
+device peak (`memory.device_peak`) of the compiled bundle, its kernels and compile time (with
+`--large` also the Llama-3.2-1B-shaped decoder of benchmarks/llama_shaped.py, batch 1, T=256);
+"n/a" where the adapter has no site (MemFLoRA adapts Conv layers, FuRA-S MatMul/Gemm layers, LoRA
+Conv layers, or MatMul/Gemm layers in a model without an eligible conv).
 Table 2 (learning): ES steps of the ONNX step (onnxruntime, ReferenceStep) on one fixed batch of
 a small MLP classifier with random labels, which nobody tuned for: FuRA-S ES against ES over LoRA
 adapters (rank 2 at every linear layer) and full-parameter ES at the same number of forward
@@ -24,6 +25,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -50,20 +52,35 @@ TRAINERS = {
 }
 
 
-def memory_table(directory: str, target: str) -> list[str]:
+#: the trainers of the Llama-3.2-1B-shaped rows (--large): full ES is left out, its 2P + 1 perturbed
+#: copies of 1.2 B parameters are what FuRA-S avoids, and each compile here takes minutes
+LARGE_TRAINERS = ("fura-s ES", "lora ES", "lora", "full backprop")
+
+
+def memory_table(directory: str, target: str, large: bool = False) -> list[str]:
     llama, _ = models.llama(directory)
-    cases = [("llama 2L B=2 T=16", llama.path), ("mobilenetv2 [1,3,32,32]", _mobilenet(directory))]
-    rows = ["| model | trainer | trainable values | device peak MB | kernels |", "|---|---|---|---|---|"]
-    for name, path in cases:
-        for trainer, options in TRAINERS.items():
+    cases = [("llama 2L B=2 T=16", llama.path, list(TRAINERS)),
+             ("mobilenetv2 [1,3,32,32]", _mobilenet(directory), list(TRAINERS))]
+    if large:  # weights never materialised (a sparse file), real shapes: 16 layers, 128,256 tokens, T=256
+        from benchmarks.llama_shaped import build_llama_shaped
+
+        cases.append(("llama-3.2-1B-shaped B=1 T=256", build_llama_shaped(os.path.join(directory, "llama1b.onnx")),
+                      list(LARGE_TRAINERS)))
+    rows = ["| model | trainer | trainable values | device peak MB | kernels | compile s |",
+            "|---|---|---|---|---|---|"]
+    for name, path, trainers in cases:
+        for trainer in trainers:
+            started = time.perf_counter()
             try:
-                _, report = compile_model(path, os.path.join(directory, "bundle"), target, "fp32", options({}))
+                _, report = compile_model(path, os.path.join(directory, "bundle"), target, "fp32",
+                                          TRAINERS[trainer]({}))
             except FblcError as error:
-                rows.append(f"| {name} | {trainer} | n/a ({error.cause[:70]}) | | |")
+                rows.append(f"| {name} | {trainer} | n/a ({error.cause[:70]}) | | | |")
                 continue
             values = sum(int(np.prod(t["shape"])) for t in report["trained"]["tensors"])
             rows.append(f"| {name} | {trainer} | {values:,} | {report['memory']['device_peak'] / 1e6:.2f} | "
-                        f"{report['kernels']} |")
+                        f"{report['kernels']} | {time.perf_counter() - started:.1f} |")
+            print(f"  {name}: {trainer}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -116,11 +133,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--target", default="adreno830")
+    parser.add_argument("--large", action="store_true",
+                        help="also the Llama-3.2-1B-shaped decoder's memory rows (about 10 minutes, 22 GB of "
+                             "host memory)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         print("\n".join(learning_table(directory, args.iterations, args.pairs)))
         print()
-        print("\n".join(memory_table(directory, args.target)))
+        print("\n".join(memory_table(directory, args.target, args.large)))
 
 
 if __name__ == "__main__":
