@@ -12,9 +12,11 @@ with transB = 1: transformers' Linear, the legacy exporter's folded W^T, GPT-2's
 whose W is a constant initializer. What a site's input becomes, x [..., n] with rows the
 product of the leading axes and K = n / b blocks:
 
-    xb   = Transpose(Reshape(x, [rows, K, b]), [1, 0, 2])     [K, rows, b]
-    c    = MatMul(xb, R) * Reshape(delta_site, [K, 1, r])       R [K, b, r], frozen
-    x'   = x + Reshape(Transpose(MatMul(c, Transpose(R)), [1, 0, 2]), x.shape)
+    xb   = Reshape(x, [rows, K, 1, b])                          each block a row vector
+    c    = MatMul(xb, R) * Reshape(delta_site, [K, 1, r])       R [K, b, r], frozen: [rows, K, 1, r]
+    x'   = x + Reshape(MatMul(c, Transpose(R)), x.shape)         [rows, K, 1, b], in x's own order
+
+(the MatMuls broadcast R over the rows, so no transpose of the blocks and no copy back).
 
 All sites read slices of one trainable vector `delta` (site order, K * r values each).
 """
@@ -121,11 +123,10 @@ def emit_input_transform(e: Emitter, site: FuraSite, right: ir.Value, right_t: i
     k, b, r = static_shape(right)
     shape = static_shape(site.x)
     rows = int(np.prod(shape[:-1], dtype=np.int64))
-    blocks = e.op("Transpose", e.reshape(site.x, [rows, k, b]), perm=[1, 0, 2])
+    blocks = e.reshape(site.x, [rows, k, 1, b])
     values = e.op("Slice", delta, e.ints([offset]), e.ints([offset + k * r]), e.ints([0]))
     scaled = e.op("Mul", e.op("MatMul", blocks, right), e.reshape(values, [k, 1, r]))
-    back = e.op("Transpose", e.op("MatMul", scaled, right_t), perm=[1, 0, 2])
-    return e.op("Add", site.x, e.reshape(back, list(shape)))
+    return e.op("Add", site.x, e.reshape(e.op("MatMul", scaled, right_t), list(shape)))
 
 
 def select_sites(sites: list[FuraSite], pattern: str | None, block: int) -> tuple[list[FuraSite], list[dict[str, str]]]:
