@@ -217,6 +217,55 @@ def test_splits_become_views_when_every_output_can_be_one(tmp_path) -> None:
         assert rows and not [r.name for r in rows if not r.ok], path
 
 
+def _gathers_into_elementwise(path: str) -> str:
+    """y = concat(-x[..., 8:], x[..., :8]) * s + pad(x[..., :8], 8 after): the Concat and the Pad are read
+    by elementwise ops only; q = -(x * v) feeds both a Pad (through a slice) and the Add that reads it."""
+    def ints(name: str, values: list[int]) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64,
+                                                                                  [len(values)], values))
+    nodes = [ints("lo_s", [0]), ints("lo_e", [8]), ints("hi_s", [8]), ints("hi_e", [16]), ints("ax", [-1]),
+             ints("pads", [0, 0, 0, 0, 0, 8]),
+             helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"),
+             helper.make_node("Slice", ["xw", "lo_s", "lo_e", "ax"], ["lo"], name="slice_lo"),
+             helper.make_node("Slice", ["xw", "hi_s", "hi_e", "ax"], ["hi"], name="slice_hi"),
+             helper.make_node("Neg", ["hi"], ["neg"], name="neg"),
+             helper.make_node("Concat", ["neg", "lo"], ["rot"], axis=-1, name="cat"),
+             helper.make_node("Pad", ["lo", "pads"], ["padded"], name="pad"),
+             helper.make_node("Mul", ["rot", "s"], ["rs"], name="rot_scale"),
+             helper.make_node("Add", ["rs", "padded"], ["y"], name="join"),
+             helper.make_node("Mul", ["x", "v"], ["xv"], name="q_scale"),
+             helper.make_node("Neg", ["xv"], ["q"], name="q"),
+             helper.make_node("Slice", ["q", "lo_s", "lo_e", "ax"], ["q_lo"], name="q_slice"),
+             helper.make_node("Pad", ["q_lo", "pads"], ["q_pad"], name="q_pad"),
+             helper.make_node("Add", ["q_pad", "q"], ["z"], name="q_join"),
+             helper.make_node("Add", ["y", "z"], ["yz"], name="both"),
+             helper.make_node("ReduceSum", ["yz"], ["out"], keepdims=0, name="total")]
+    rng = np.random.default_rng(7)
+    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 16])],
+                         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
+                         {name: rng.standard_normal((4, 3, 16)).astype(np.float32) for name in ("w", "s", "v")}), path)
+    return path
+
+
+def test_concat_and_pad_fuse_into_the_elementwise_chains_that_read_them(tmp_path) -> None:
+    """Golden: rotate_half's Concat and a Pad join the chain that reads them (one kernel, no movement
+    kernel for either); negative: a Pad whose input's producer the reading chain also computes stays
+    apart (it reads that input at other elements), as does a Concat read by a reduction (_rotary_halves);
+    both steps equal onnxruntime's under both layouts."""
+    path = _gathers_into_elementwise(str(tmp_path / "gathers.onnx"))
+    step = lowered(path)
+    kernel = {n.name: n.metadata_props.get(keys.KERNEL) for n in step.graph}
+    assert kernel["cat"] == kernel["pad"] == kernel["rot_scale"] == kernel["join"]
+    assert kernel["neg"] != kernel["cat"]  # it makes the Concat's input
+    assert kernel["q_pad"] != kernel["q"]  # the Add reads q itself: the Pad stays its own kernel
+    rotary = lowered(_rotary_halves(str(tmp_path / "rotary.onnx")))
+    rotary_kernel = {n.name: n.metadata_props.get(keys.KERNEL) for n in rotary.graph}
+    assert rotary_kernel["cat"] not in (rotary_kernel["neg"], rotary_kernel["sum_rot"])  # read by a reduction
+    for layout in ("rtile", "naive"):
+        rows = verify_model(path, TrainingOptions(loss="output", layout=layout, optimizer=OPTIONS.optimizer))
+        assert rows and not [r.name for r in rows if not r.ok], layout
+
+
 @pytest.mark.parametrize("layout", ["rtile", "naive"])
 def test_attention_step_matches_onnxruntime(attention_path: str, layout: str) -> None:
     rows = verify_model(attention_path, TrainingOptions(loss="output", layout=layout, optimizer=OPTIONS.optimizer))

@@ -9,7 +9,11 @@ the producer's output in its own order (directly, or through a view that keeps t
 kernel lies between them (merging would form a cycle), and the merged kernel reads at most
 READ_IMAGE_ARGS textures (a sum over every parameter's gradient stays within what OpenCL guarantees). An elementwise node tries to merge
 with the kernels of all its inputs, so chains over parameters and optimizer state (Adam's
-moment updates) become one kernel. Every other op runs alone. Kernels are numbered in a
+moment updates) become one kernel. A Concat or constant Pad (GATHERS) merges into the
+elementwise chain that reads it, which then computes it per element from its inputs' textures
+(a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
+contraction or with a kernel that makes one of its inputs (it reads them at other elements than
+its own). Every other op runs alone. Kernels are numbered in a
 topological order. Preconditions: static shapes; topologically sorted graph. In place;
 `modified` is true when any annotation changed.
 """
@@ -21,7 +25,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers, view_root
-from fblc.compiler.values import static_shape
+from fblc.compiler.values import attr, static_shape
 from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import READ_IMAGE_ARGS
 
@@ -33,6 +37,20 @@ ELEMENTWISE = frozenset({
     "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus", "Mish", "Softsign", "Gelu", "Floor",
     "Sign", "Ceil", "Round"})
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
+#: data movement that an elementwise kernel can compute per element from its inputs' textures (a select
+#: between them, a bounds check): fused into its elementwise readers, never with its own producers
+GATHERS = frozenset({"Concat", "Pad"})
+
+
+def _kind(node: ir.Node) -> str:
+    if node.op_type in ELEMENTWISE and len(node.outputs) == 1:
+        return "elementwise"
+    if node.op_type in CONTRACTIONS:
+        return "contraction"
+    mode = attr(node, "mode", "constant")
+    if node.op_type in GATHERS and (mode.decode() if isinstance(mode, bytes) else mode) == "constant":
+        return "gather"
+    return "single"
 
 
 def kernel_of(node: ir.Node) -> str | None:
@@ -54,14 +72,15 @@ class _Groups:
         self.producers = {id(n): [p for p in map(real_producer, n.inputs) if p is not None] for n in nodes}
         self.reads: dict[int, set[int]] = {}  # group -> the textures (view roots) its nodes read
         self.writes: dict[int, set[int]] = {}  # group -> the values its nodes make
+        self.gathers: dict[int, list[ir.Node]] = {}  # group -> its Concat / Pad nodes
 
     def add(self, node: ir.Node) -> int:
         key = id(node)
         self.root[key] = key
         self.members[key] = [node]
         self.span[key] = (self.position[key], self.position[key])
-        self.kind[key] = ("elementwise" if node.op_type in ELEMENTWISE and len(node.outputs) == 1 else
-                          "contraction" if node.op_type in CONTRACTIONS else "single")
+        self.kind[key] = _kind(node)
+        self.gathers[key] = [node] if self.kind[key] == "gather" else []
         self.shape[key] = static_shape(node.outputs[0])
         self.reads[key] = {id(view_root(v)) for v in node.inputs if v is not None}
         self.writes[key] = {id(v) for v in node.outputs if v is not None}
@@ -125,6 +144,12 @@ class _Groups:
             return False
         if self.kind[a] == self.kind[b] == "contraction":
             return False
+        if self.gathers[a] or self.gathers[b]:  # a gather reads its inputs' textures at other elements
+            if "contraction" in (self.kind[a], self.kind[b]):
+                return False
+            if any(self.of(producer) in (a, b) for gather in self.gathers[a] + self.gathers[b]
+                   for producer in self.producers[id(gather)]):
+                return False
         for contraction, other in ((a, b), (b, a)):
             if self.kind[contraction] == "contraction":
                 anchor = self.members[contraction][0]
@@ -146,6 +171,7 @@ class _Groups:
         self.reads[keep] = (self.reads[keep] | self.reads.pop(gone)) - self.writes[keep]
         self.writes[keep] |= self.writes.pop(gone)
         self.reads[keep] -= self.writes[keep]
+        self.gathers[keep] += self.gathers.pop(gone)
         for table in (self.kind, self.shape):
             table.pop(gone)
         return keep

@@ -1,7 +1,8 @@
 """Data-movement kernels: Transpose, Reshape and its kin, Expand, Slice, Pad, Concat, Split, ConstantOfShape.
 
 Each output element reads one input element through an index map computed from the
-output's multi-index. Transposes, reshapes and broadcasts run here only where tile_remap
+output's multi-index. A Concat or constant Pad that fuse merged into the elementwise chain
+reading it is computed there, element by element, by the same code (an expression of that chain). Transposes, reshapes and broadcasts run here only where tile_remap
 could not turn them into index maps, or under `--layout naive` (the conventional baseline).
 """
 
@@ -13,6 +14,7 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
 from fblc.codegen.cl import Kernel, broadcast_index, flat_index, literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.kernels.elementwise import EXPRESSIONS, emit_elementwise
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
@@ -86,7 +88,14 @@ def emit_split(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
 @register_kernel("Pad")
 def emit_pad(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+    if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
+        return emit_elementwise(table, group)
+    b = _single(table, group)
+    return [b.finish([pad_value(b, group.anchor)])]
+
+
+def pad_value(b: KernelBuilder, node: ir.Node) -> str:
+    """C, in the lane loop of a kernel shaped like the Pad's output: its element (constant mode)."""
     mode = attr(node, "mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     if mode != "constant":
@@ -98,7 +107,6 @@ def emit_pad(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     begins = [0] * rank
     for k, axis in enumerate(axes):
         begins[axis % rank] = pads[k]
-    b = _single(table, group)
     fill = "0"
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         fill = b.load(node.inputs[2], "0")
@@ -111,15 +119,22 @@ def emit_pad(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     inside = b.temp("int", " && ".join(conditions), "inside")
     index = b.temp("int", f"{inside} ? ({flat_index(terms)}) : 0", "src")
     value = b.load(node.inputs[0], index)
-    return [b.finish([f"({inside} ? {value} : ({ctype_of(node.outputs[0])}){fill})"])]
+    return f"({inside} ? {value} : ({ctype_of(node.outputs[0])}){fill})"
 
 
 @register_kernel("Concat")
 def emit_concat(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+    if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
+        return emit_elementwise(table, group)
+    b = _single(table, group)
+    return [b.finish([concat_value(b, group.anchor)])]
+
+
+def concat_value(b: KernelBuilder, node: ir.Node) -> str:
+    """C, in the lane loop of a kernel shaped like the Concat's output: its element, read from the input
+    whose range along the axis holds it."""
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis")) % len(out_shape)
-    b = _single(table, group)
     result = b.fresh("v")
     b.emit(f"{ctype_of(node.outputs[0])} {result} = 0;")
     start = 0
@@ -131,7 +146,7 @@ def emit_concat(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         b.emit(f"if ({OUT_INDEX}{axis} >= {start} && {OUT_INDEX}{axis} < {start + shape[axis]}) "
                f"{result} = {b.load(value, flat_index(terms))};")
         start += shape[axis]
-    return [b.finish([result])]
+    return result
 
 
 @register_kernel("ConstantOfShape")
@@ -143,3 +158,8 @@ def emit_constant_of_shape(table: TextureTable, group: KernelGroup) -> list[Kern
     return [b.finish([literal(number, ctype_of(node.outputs[0]))])]
 
 
+
+
+# fused into an elementwise chain (fuse.GATHERS), a Concat or Pad is one more expression of it
+EXPRESSIONS["Concat"] = lambda b, node, operand: concat_value(b, node)
+EXPRESSIONS["Pad"] = lambda b, node, operand: pad_value(b, node)
