@@ -205,9 +205,11 @@ class KernelBuilder:
         if out[-1] % 4:
             return self._block_read(root, index_map)
         inner = index_map.shape[-1] if index_map.shape else 1  # broadcasting: 1 or the output's last axis
+        # one element for all 4 lanes (a row statistic broadcast along the rows) needs no alignment;
+        # the lanes' own texel does
         aligned = index_map.offset % 4 == 0 and all(
             stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
-        if not aligned or (inner != 1 and index_map.strides[-1] != 1):
+        if inner != 1 and (not aligned or index_map.strides[-1] != 1):
             return None
         first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
         key = (id(root), first)
