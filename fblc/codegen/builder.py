@@ -197,19 +197,22 @@ class KernelBuilder:
     def _texel_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
         """The lane's element of `root` read through `index_map` (broadcast to the output) from a
         texel read once per output texel; None when the 4 lanes of an output texel do not map to
-        the 4 lanes of one texel, or to one element."""
+        the 4 lanes of one texel (as they always do when `root` is read in the output's own
+        order), or to one element."""
         out = self.out_shape
         texture = self.table.of(root)
         if not out or texture.mask_elements:
             return None
-        if out[-1] % 4:
+        # the output's own element order (an optimizer's operands, any shape): texel t holds the 4 lanes
+        own = index_map.contiguous and tuple(index_map.shape) == tuple(out)
+        if out[-1] % 4 and not own:
             return self._block_read(root, index_map)
-        inner = index_map.shape[-1] if index_map.shape else 1  # broadcasting: 1 or the output's last axis
+        inner = 4 if own else index_map.shape[-1] if index_map.shape else 1  # broadcast: 1 or the last axis
         # one element for all 4 lanes (a row statistic broadcast along the rows) needs no alignment;
         # the lanes' own texel does
-        aligned = index_map.offset % 4 == 0 and all(
+        aligned = own or index_map.offset % 4 == 0 and all(
             stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
-        if inner != 1 and (not aligned or index_map.strides[-1] != 1):
+        if inner != 1 and (not aligned or (not own and index_map.strides[-1] != 1)):
             return None
         first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
         key = (id(root), first)
