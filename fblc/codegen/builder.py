@@ -203,23 +203,25 @@ class KernelBuilder:
         texture = self.table.of(root)
         if not out or texture.mask_elements:
             return None
-        # the output's own element order (an optimizer's operands, any shape): texel t holds the 4 lanes
-        own = index_map.contiguous and tuple(index_map.shape) == tuple(out)
-        if out[-1] % 4 and not own:
+        own = index_map.contiguous and tuple(index_map.shape) == tuple(out)  # an optimizer's operands
+        if own:  # the output's own element order, any shape: texel t holds the 4 lanes
+            one_element = False
+        elif out[-1] % 4:
             return self._block_read(root, index_map)
-        inner = 4 if own else index_map.shape[-1] if index_map.shape else 1  # broadcast: 1 or the last axis
-        # one element for all 4 lanes (a row statistic broadcast along the rows) needs no alignment;
-        # the lanes' own texel does
-        aligned = own or index_map.offset % 4 == 0 and all(
-            stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
-        if inner != 1 and (not aligned or (not own and index_map.strides[-1] != 1)):
-            return None
+        elif index_map.shape and index_map.shape[-1] != 1:  # the lanes' own texel: it must be aligned
+            aligned = index_map.offset % 4 == 0 and index_map.strides[-1] == 1 and all(
+                stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
+            if not aligned:
+                return None
+            one_element = False
+        else:  # broadcast along the rows (a row statistic): one element for all 4 lanes, any alignment
+            one_element = True
         first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
         key = (id(root), first)
         if key not in self._hoisted:
             arg, _ = self._argument(root)
             name = self.fresh("H")
-            if inner == 1:  # one element for all 4 lanes
+            if one_element:
                 self._hoisted[key] = name
                 self.texel_reads.append(f"const {ctype_of(root)} {name} = {self.load(root, first)};")
             else:

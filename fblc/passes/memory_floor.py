@@ -56,6 +56,14 @@ def _weight_prefix(weight: ir.Value) -> str:
     return weight.name[: -len(".weight")] if weight.name.endswith(".weight") else weight.name
 
 
+def _check_rank(rank: int, sizes: tuple[int, int], what: str, detail: str = "") -> None:
+    """A clear error when an adapter's rank exceeds a site's input or output size."""
+    c_in, c_out = sizes
+    if rank > min(c_in, c_out):
+        raise FblcError(f"--rank {rank} is larger than {what} ({detail}{c_in} in, {c_out} out)",
+                        f"use --rank {min(c_in, c_out)} or less")
+
+
 class MemoryFloor(ContractPass):
     """Insert MemFLoRA/LoRA adapters, fold BatchNorm, put activations in mask form (in place)."""
 
@@ -83,15 +91,10 @@ class MemoryFloor(ContractPass):
         if not chosen and not linear:
             self._no_site(graph)
         for site in chosen:
-            c_in, c_out = site.channels
-            if config.rank > min(c_in, c_out):
-                raise FblcError(f"--rank {config.rank} is larger than the channels of conv '{site.conv.name}' "
-                                f"({c_in} in, {c_out} out)", f"use --rank {min(c_in, c_out)} or less")
+            _check_rank(config.rank, site.channels, f"the channels of conv '{site.conv.name}'")
         for layer in linear:
-            if config.rank > min(layer.n_in, layer.m_out):
-                raise FblcError(f"--rank {config.rank} is larger than the features of linear layer '{layer.node.name}' "
-                                f"(weight '{layer.weight.name}': {layer.n_in} in, {layer.m_out} out)",
-                                f"use --rank {min(layer.n_in, layer.m_out)} or less")
+            _check_rank(config.rank, (layer.n_in, layer.m_out), f"the features of linear layer '{layer.node.name}'",
+                        f"weight '{layer.weight.name}': ")
         for value in graph.initializers.values():
             if keys.get_role(value) == Role.PARAM.value:
                 keys.set_role(value, Role.FROZEN)

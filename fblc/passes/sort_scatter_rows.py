@@ -4,8 +4,9 @@ Rewrite, for a scatter of whole rows (ROW_SCATTERS: Y = ScatterElements(data, Ex
 axis), the segment sums of gather gradients, fblc/compiler/gradients/segment_sum.py, where `rows`
 has extent 1 after `axis` and the updates cover the data off `axis`; Y = ScatterElements(data,
 indices, updates, axis) along the data's last axis, GatherElements' gradient, whose rows are single
-elements of each line; or Y = ScatterND(data, rows [.., k], updates), each k-tuple a row of the data's first k axes, flattened: its row number is
-sum_j wrap(index_j) * stride_j, made by elementwise ops, and the data and Y are seen as [rows, ..])
+elements of each line; or Y = ScatterND(data, rows [.., k], updates), each k-tuple a row of the
+data's first k axes, flattened: its row number is sum_j wrap(index_j) * stride_j, made by
+segment_sum.tuple_rows as for GatherND's gradient, and the data and Y are seen as [rows, ..])
 with more than SORTED_SCATTER_UPDATES updates on a line:
 - K0 = Reshape(rows, [G, N]) (G = 1 when the rows are shared by the leading axes, else their extent);
 - (K, P) = MergeRuns(K0, run=1), then MergeRuns(K, P, run=2, 4, ..) until one run holds the line:
@@ -31,10 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
+from fblc.compiler.gradients.segment_sum import tuple_rows
 from fblc.compiler.graph import Emitter, attr, static_shape
 from fblc.compiler.index_map import is_zeros
 from fblc.compiler.values import numel
@@ -125,21 +126,6 @@ def _scatter_nd_rows(node: ir.Node) -> RowScatter | None:
     return RowScatter(indices, 1, 0, count, (count, *data_shape[k:]), k)
 
 
-def _flat_rows(e: Emitter, scatter: RowScatter, data_shape: tuple[int, ...]) -> ir.Value:
-    """The row numbers of a scatter's k-tuples: sum_j wrap(index_j) * stride_j over the data's first k axes
-    (each index wrapped like ONNX's negative ones), as [1, count]."""
-    k = scatter.tuple_axes
-    tuples = e.reshape(scatter.rows, [scatter.count, k])
-    zero, flat, stride = e.const(np.array(0, np.int64)), None, 1
-    for j in reversed(range(k)):
-        index = e.op("Slice", tuples, e.ints([j]), e.ints([j + 1]), e.ints([1]))
-        index = e.op("Where", e.op("Less", index, zero), e.op("Add", index, e.const(np.array(data_shape[j]))), index)
-        term = index if stride == 1 else e.op("Mul", index, e.const(np.array(stride)))
-        flat = term if flat is None else e.op("Add", term, flat)
-        stride *= data_shape[j]
-    return e.reshape(flat, [1, scatter.count])
-
-
 #: op type -> the row scatter it is, if it is one
 ROW_SCATTERS: dict[str, Callable[[ir.Node], RowScatter | None]] = {
     "ScatterElements": _scatter_elements_rows, "ScatterND": _scatter_nd_rows}
@@ -161,7 +147,8 @@ def _sort(graph: ir.Graph, node: ir.Node, scatter: RowScatter) -> None:
     e = Emitter(graph, stage=node.metadata_props.get(keys.STAGE, "backward"))
     e.anchor, e.prefix = node, f"{node.name}/sorted"
     e.origin = node.metadata_props.get(keys.GRAD_OF)
-    rows = _flat_rows(e, scatter, data_shape) if scatter.tuple_axes > 1 else scatter.rows
+    k = scatter.tuple_axes
+    rows = tuple_rows(e, scatter.rows, data_shape[:k]) if k > 1 else scatter.rows
     sorted_rows, positions, run = e.reshape(rows, [scatter.groups, scatter.count]), None, 1
     while run < scatter.count:  # each doubling merges neighbouring sorted runs of `run` row numbers
         sorted_rows, positions = e.op_multi("MergeRuns", sorted_rows, positions, num_outputs=2, run=run, depth=depth)

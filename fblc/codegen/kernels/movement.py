@@ -2,8 +2,9 @@
 
 Each output element reads one input element through an index map computed from the
 output's multi-index. A Concat or constant Pad that fuse merged into the elementwise chain
-reading it is computed there, element by element, by the same code (an expression of that chain). Transposes, reshapes and broadcasts run here only where tile_remap
-could not turn them into index maps, or under `--layout naive` (the conventional baseline).
+reading it is computed there, element by element, by the same code (an expression of that
+chain). Transposes, reshapes and broadcasts run here only where tile_remap could not turn them
+into index maps, or under `--layout naive` (the conventional baseline).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
 from fblc.codegen.cl import Kernel, broadcast_index, flat_index, literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.elementwise import EXPRESSIONS, emit_elementwise
+from fblc.codegen.kernels.elementwise import Operand, emit_elementwise, expression
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
@@ -160,6 +161,8 @@ def emit_constant_of_shape(table: TextureTable, group: KernelGroup) -> list[Kern
 
 
 
-# fused into an elementwise chain (fuse.GATHERS), a Concat or Pad is one more expression of it
-EXPRESSIONS["Concat"] = lambda b, node, operand: concat_value(b, node)
-EXPRESSIONS["Pad"] = lambda b, node, operand: pad_value(b, node)
+@expression("Concat", "Pad")
+def _fused_gather(b: KernelBuilder, node: ir.Node, operand: Operand) -> str:
+    """Fused into an elementwise chain (fuse.GATHERS), a Concat or Pad is one more expression of it: its
+    inputs come from textures, never from the chain (fuse keeps their producers out)."""
+    return concat_value(b, node) if node.op_type == "Concat" else pad_value(b, node)

@@ -3,10 +3,10 @@
 One work-item per output texel loops over the reduced elements of its four lanes (their count
 and strides are literals). When the innermost reduced axes are a run of whole texels (the last
 axes, a multiple of 4 long, of a plain tensor: rows, a BatchNorm gradient's maps) the loop reads
-whole texels and folds their four lanes. When the
-kept axes after the last reduced one are a multiple of 4 long (bias gradients, sums over the
-batch) the four lanes fold four consecutive elements together: one texel read per step, in the
-per-texel prologue, where a per-lane fold would read the same texel four times. A
+whole texels and folds their four lanes. When the kept axes after the last reduced one are a
+multiple of 4 long (bias gradients, sums over the batch) the four lanes fold four consecutive
+elements together: one texel read per step, in the per-texel prologue, where a per-lane fold
+would read the same texel four times. A
 reduction longer than the profile's serial limit (bias and norm-weight gradients over batch x
 sequence, global pools of large maps) is shared by a work-group per output texel: each
 work-item folds a strided share, and the partials merge in a tree in __local memory.
@@ -50,15 +50,13 @@ class Folded:
     lane: str
 
 
-def texel_wise(b: KernelBuilder, source: ir.Value, axes: list[int]) -> bool:
+def texel_wise(b: KernelBuilder, shape: tuple[int, ...], axes: list[int]) -> bool:
     """True when each output texel's four lanes fold four consecutive source elements at every
     step: the kept axes after the last reduced one (a bias gradient's channels, a batch sum's
     features) are a multiple of 4 long, so the fold reads one whole texel per step instead of
     four texels per lane."""
-    shape = static_shape(source)
     inner = numel(shape[axes[-1] + 1:]) if axes else 0
-    return (bool(axes) and inner % 4 == 0 and inner > 0 and b.texels_per_item == 1
-            and b.constant_scalar(source) is None and map_of(source).contiguous)
+    return inner > 0 and inner % 4 == 0 and b.texels_per_item == 1
 
 
 def _suffix_run(shape: list[int], axes: list[int]) -> tuple[int, int]:
@@ -104,7 +102,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     def base_of(prefix: str) -> str:
         return flat_index([(f"{prefix}{a if keepdims else kept.index(a)}", strides[a]) for a in kept])
 
-    if texel_wise(b, source, axes):  # in the prologue, from the texel's first element: one float4 per step
+    if whole_texels and texel_wise(b, shape, axes):  # in the prologue, from the texel's first element
         arg, texture = b.argument(source)
         offset = _loop_index(r, [shape[a] for a in axes], [strides[a] // 4 for a in axes])
         b.emit_texel(f"float4 {acc} = (float4)({start});",

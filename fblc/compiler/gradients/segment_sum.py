@@ -28,10 +28,13 @@ last bits; exact with 1). The three forms emitted here are deterministic in both
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.graph import Emitter
+from fblc.compiler.values import numel
 
 #: the largest one-hot (elements) form 2 builds: 4 MiB in fp32; beyond it the O(N * Q) scatter wins
 ONE_HOT_ELEMENTS = 1 << 20
@@ -44,6 +47,19 @@ def wrap_rows(e: Emitter, indices: ir.Value, size: int) -> ir.Value:
     """`indices` with negative entries counted from the end of an axis of `size` (ONNX gathers allow both)."""
     zero, size_value = e.const(np.array(0, np.int64)), e.const(np.array(size, np.int64))
     return e.op("Where", e.op("Less", indices, zero), e.op("Add", indices, size_value), indices)
+
+
+def tuple_rows(e: Emitter, indices: ir.Value, dims: Sequence[int]) -> ir.Value:
+    """The row-major offset in `dims` of each k-tuple of `indices` [.., k] (each entry wrapped like
+    ONNX's negative indices), as [.., 1]: the row a GatherND or ScatterND tuple picks."""
+    offset: ir.Value | None = None
+    for j, size in enumerate(dims):
+        stride = numel(dims[j + 1:])
+        part = wrap_rows(e, e.op("Slice", indices, e.ints([j]), e.ints([j + 1]), e.ints([-1])), size)
+        part = part if stride == 1 else e.op("Mul", part, e.const(np.array(stride, np.int64)))
+        offset = part if offset is None else e.op("Add", offset, part)  # Add: Sum takes no integers
+    assert offset is not None, "a tuple of at least one index"
+    return offset
 
 
 def constant_rows(array: np.ndarray, size: int) -> np.ndarray:

@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
 from fblc.errors import UnsupportedOpError
-from fblc.compiler.gradients.segment_sum import constant_rows, segment_sum, wrap_rows
+from fblc.compiler.gradients.segment_sum import constant_rows, segment_sum, tuple_rows, wrap_rows
 from fblc.compiler.graph import Emitter, attr, const_array, ints_input, numel, static_shape
 from fblc.compiler.values import slice_bounds
 
@@ -110,16 +110,11 @@ def gather_nd_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) 
     p, depth, q = numel(data_shape[:batch]), numel(tuple_dims), numel(data_shape[batch + k:])
     count = numel(index_shape[batch:-1])
     dy = e.reshape(dys[0], [p, count, q])
-    strides = [numel(tuple_dims[j + 1:]) for j in range(k)]
     array = _constant(indices)
     if array is None and k > 0:
-        offset: ir.Value | None = None
-        for j, (size, stride) in enumerate(zip(tuple_dims, strides)):
-            part = wrap_rows(e, e.op("Slice", indices, e.ints([j]), e.ints([j + 1]), e.ints([-1])), size)
-            part = part if stride == 1 else e.op("Mul", part, e.const(np.array(stride, np.int64)))
-            offset = part if offset is None else e.op("Add", offset, part)  # Add: Sum takes no integers
-        rows: np.ndarray | ir.Value = e.reshape(offset, [p, count])
+        rows: np.ndarray | ir.Value = e.reshape(tuple_rows(e, indices, tuple_dims), [p, count])
     else:  # constant tuples (or k = 0: every tuple picks the one row): offsets computed here
+        strides = [numel(tuple_dims[j + 1:]) for j in range(k)]
         offsets = np.zeros(index_shape[:-1], np.int64)
         for j, (size, stride) in enumerate(zip(tuple_dims, strides)):
             offsets += constant_rows(np.asarray(array)[..., j], size) * stride
