@@ -87,7 +87,8 @@ def test_index_map_composition() -> None:
     heads = split.transposed([0, 2, 1, 3])
     assert heads == IndexMap((B, H, T, D), (T * C, D, C, 1)) and not heads.contiguous
     assert heads.transposed([0, 1, 3, 2]).strides == (T * C, D, 1, C)
-    assert heads.reshaped((B * H, T, D)) is None  # B and H are not contiguous with each other after the transpose
+    # B and H are not contiguous with each other after the transpose: B * H is a folded axis of two digits
+    assert heads.reshaped((B * H, T, D)) == IndexMap((B * H, T, D), (D, C, 1), folds=(((B, T * C),), (), ()))
     assert heads.transposed([0, 2, 1, 3]).reshaped((B, T, C)) == root  # the inverse permutation merges again
     assert IndexMap.identity((3, 1)).broadcast((2, 3, 5)).strides == (0, 1, 0)
 
@@ -121,7 +122,8 @@ def test_tile_remap_golden(attention_path: str) -> None:
     assert maps["split_q"] == IndexMap((B, T, H, D), (T * C, C, D, 1))
     assert maps["heads_q"] == IndexMap((B, H, T, D), (T * C, D, C, 1))
     assert maps["k_transpose"] == IndexMap((B, H, D, T), (T * C, D, 1, C))  # q k^T reads k in place
-    assert "merge" not in maps and "tile dimension dependency" in node(step, "merge").metadata_props[REMAP_STATUS]
+    # the heads merge back after a transpose: C folds H (stride D) over D (stride 1), which proj_o walks as two loops
+    assert maps["merge"] == IndexMap((B, T, C), (T * C, D, 1), folds=((), (), ((H, T * D),)))
     # the backward of `scores` needs k (not k^T): a Transpose of the view that maps back
     transposes = [n for n in step.graph if n.op_type == "Transpose"]
     assert all(keys.INDEX_MAP in n.metadata_props for n in transposes), [n.name for n in transposes

@@ -31,8 +31,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.bundle_format import MASK_FORMATS
-from fblc.codegen.cl import (Kernel, broadcast_index, div_index, flat_index, index_vars, is_power_of_two, literal,
-                             mod_index)
+from fblc.codegen.cl import (Kernel, broadcast_view_index, div_index, flat_index, index_vars, is_power_of_two,
+                             literal, mod_index, view_index)
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
 from fblc.compiler.values import const_array, is_float, static_shape
@@ -140,9 +140,8 @@ class KernelBuilder:
             return inlined
         index_map = map_of(value)
         if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
-            index = flat_index([(mod_index(div_index(f"({index})", inner), dim), stride)
-                                for dim, inner, stride in zip(index_map.shape, row_major_strides(index_map.shape),
-                                                              index_map.strides) if dim != 1], index_map.offset)
+            index = view_index(index_map, [mod_index(div_index(f"({index})", inner), dim) for dim, inner
+                                           in zip(index_map.shape, row_major_strides(index_map.shape))])
         arg, texture = self._argument(value)
         per_byte = texture.mask_elements
         if per_byte:  # element i: bit i % per_byte of byte i / per_byte
@@ -178,8 +177,7 @@ class KernelBuilder:
             hoisted = self._texel_read(root, index_map)
             if hoisted is not None:
                 return hoisted
-        return self.load(root, broadcast_index(index_map.shape, out_shape, prefix, index_map.strides,
-                                               index_map.offset))
+        return self.load(root, broadcast_view_index(index_map, out_shape, prefix))
 
     def load_channel(self, value: ir.Value, axis: int = 1) -> str:
         """C expression, in the lane loop: the 1-D `value` (one element per index of output `axis`,
@@ -191,7 +189,7 @@ class KernelBuilder:
         root, index_map = self.strided(value)
         trailing = len(self.out_shape) - 1 - axis
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
-                          index_map.offset)
+                          index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
         return self._texel_read(root, spread) or self.load(value, f"{OUT_INDEX}{axis}")
 
     def _texel_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
@@ -209,14 +207,16 @@ class KernelBuilder:
         elif out[-1] % 4:
             return self._block_read(root, index_map)
         elif index_map.shape and index_map.shape[-1] != 1:  # the lanes' own texel: it must be aligned
-            aligned = index_map.offset % 4 == 0 and index_map.strides[-1] == 1 and all(
-                stride % 4 == 0 for dim, stride in zip(index_map.shape[:-1], index_map.strides[:-1]) if dim != 1)
+            last = len(index_map.shape) - 1
+            others = [digit for axis in range(last + 1) for digit in index_map.sub_axes(axis)[:-1 if axis == last else None]]
+            aligned = index_map.offset % 4 == 0 and index_map.strides[-1] == 1 and index_map.inner_extent(last) % 4 == 0 \
+                and all(stride % 4 == 0 for extent, stride in others if extent != 1)
             if not aligned:
                 return None
             one_element = False
         else:  # broadcast along the rows (a row statistic): one element for all 4 lanes, any alignment
             one_element = True
-        first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
+        first = broadcast_view_index(index_map, out, TEXEL_FIRST)
         key = (id(root), first)
         if key not in self._hoisted:
             arg, _ = self._argument(root)
@@ -244,10 +244,10 @@ class KernelBuilder:
             block *= out[axis]
         if block < 4 or block == int(np.prod(out)):
             return None  # lanes of several elements, or one element for the whole tensor (load() inlines it)
-        first = broadcast_index(index_map.shape, out, TEXEL_FIRST, index_map.strides, index_map.offset)
+        first = broadcast_view_index(index_map, out, TEXEL_FIRST)
         key = (id(root), f"block {first}")
         if key not in self._hoisted:
-            last = broadcast_index(index_map.shape, out, TEXEL_LAST, index_map.strides, index_map.offset)
+            last = broadcast_view_index(index_map, out, TEXEL_LAST)
             split = self._splits.get(block)
             if split is None:  # one per block length, shared by every value constant over such blocks
                 split = self._splits[block] = self.fresh("n")

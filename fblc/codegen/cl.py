@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fblc.compiler.index_map import IndexMap
 from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.texel_layout import RTILE_C
 
@@ -117,6 +118,30 @@ def flat_index(terms: Sequence[tuple[str, int]], offset: int = 0) -> str:
     if offset:
         parts.append(str(offset))
     return " + ".join(parts) if parts else "0"
+
+
+def digit_terms(index: str, digits: Sequence[tuple[int, int]]) -> list[tuple[str, int]]:
+    """(C expression, stride) per digit of the axis index `index` (a non-negative C int expression)
+    whose mixed-radix digits are `digits` (extent, stride), outermost first (IndexMap.sub_axes)."""
+    terms, inner = [], int(np.prod([extent for extent, _ in digits], dtype=np.int64))
+    for j, (extent, stride) in enumerate(digits):
+        inner //= extent
+        digit = div_index(index, inner)
+        terms.append((mod_index(digit, extent) if j else digit, stride))
+    return terms
+
+
+def view_index(index_map: IndexMap, indices: Sequence[str]) -> str:
+    """Flat index into the root of `index_map` of the view element whose axis indices are `indices`."""
+    terms = [term for axis, (dim, index) in enumerate(zip(index_map.shape, indices)) if dim != 1
+             for term in digit_terms(index, index_map.sub_axes(axis))]
+    return flat_index(terms, index_map.offset)
+
+
+def broadcast_view_index(index_map: IndexMap, out_shape: Sequence[int], prefix: str) -> str:
+    """Flat index into the root of `index_map`, the view numpy-broadcast to `out_shape`, from out index vars."""
+    lead = len(out_shape) - len(index_map.shape)
+    return view_index(index_map, [f"{prefix}{lead + k}" for k in range(len(index_map.shape))])
 
 
 def broadcast_index(leaf_shape: Sequence[int], out_shape: Sequence[int], prefix: str,

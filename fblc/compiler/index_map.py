@@ -3,7 +3,11 @@
 A view value `v` of shape S reads its root's row-major flat element
 `offset + sum_k i_k * strides[k]` for its multi-index i. Transpose permutes strides,
 a broadcast gives stride 0, a Slice moves the offset and multiplies strides by its steps, and a reshape of a strided view keeps strides when the axes it
-merges are contiguous with each other (numpy's no-copy reshape rule). `tile_remap` writes the
+merges are contiguous with each other (numpy's no-copy reshape rule). A reshape that merges axes
+that are not (heads merged after a transpose, `[B, H, T, D] -> [B, T, H * D]`; a grouped-query
+repeat) gives a *folded* axis: its index i is a mixed-radix number over sub-axes, each with its
+own stride (`folds`), which a reader turns into root offsets with a division and a modulo per
+sub-axis. `tile_remap` lets only readers that do so read a folded view. `tile_remap` writes the
 map of every view it creates as `fblc.index_map` on the node; the codegen reads the root's
 texture through it, so a remapped view has no kernel and no texture of its own.
 
@@ -34,74 +38,126 @@ def row_major_strides(shape: tuple[int, ...] | list[int]) -> list[int]:
     return list(reversed(strides))
 
 
+SubAxis = tuple[int, int]  # (extent, stride) of one mixed-radix digit of a folded axis
+
+
 @dataclass(frozen=True)
 class IndexMap:
-    """Element i (multi-index) of a view of `shape` is root element `offset + sum(i_k * strides[k])`."""
+    """Element i (multi-index) of a view of `shape` is root element `offset + sum(i_k * strides[k])`.
+
+    `folds`, when not empty, has one entry per axis: the sub-axes (extent, stride) outside the axis's
+    innermost one, outermost first. Axis k then reads `sum_j digit_j(i_k) * stride_j` over
+    `sub_axes(k)`, whose innermost sub-axis is (shape[k] / product of the fold extents, strides[k])."""
 
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     offset: int = 0
+    folds: tuple[tuple[SubAxis, ...], ...] = ()
 
     @classmethod
     def identity(cls, shape: tuple[int, ...]) -> IndexMap:
         return cls(tuple(shape), tuple(row_major_strides(shape)))
 
     @property
+    def folded(self) -> bool:
+        return any(self.folds)
+
+    def sub_axes(self, axis: int) -> list[SubAxis]:
+        """Axis `axis` as (extent, stride) digits, outermost first (one digit unless it is folded)."""
+        outer = list(self.folds[axis]) if self.folds else []
+        inner = self.shape[axis] // int(np.prod([extent for extent, _ in outer], dtype=np.int64))
+        return outer + [(inner, self.strides[axis])]
+
+    def inner_extent(self, axis: int) -> int:
+        """How many consecutive indices of `axis` step by its stride (the whole axis unless folded)."""
+        return self.sub_axes(axis)[-1][0]
+
+    @property
     def contiguous(self) -> bool:
         """True when the view reads its root in row-major order from the root's first element."""
+        if self.folded:
+            return False
         significant = [(d, s) for d, s in zip(self.shape, self.strides) if d != 1]
         expected = row_major_strides([d for d, _ in significant])
         return self.offset == 0 and [s for _, s in significant] == expected
 
     def to_json(self) -> str:
-        return json.dumps({"shape": list(self.shape), "strides": list(self.strides), "offset": self.offset})
+        data: dict = {"shape": list(self.shape), "strides": list(self.strides), "offset": self.offset}
+        if self.folded:
+            data["folds"] = [[list(sub) for sub in fold] for fold in self.folds]
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> IndexMap:
         data = json.loads(text)
-        return cls(tuple(data["shape"]), tuple(data["strides"]), int(data.get("offset", 0)))
+        folds = tuple(tuple((int(e), int(s)) for e, s in fold) for fold in data.get("folds", ()))
+        return cls(tuple(data["shape"]), tuple(data["strides"]), int(data.get("offset", 0)), folds)
+
+    @classmethod
+    def from_sub_axes(cls, shape: tuple[int, ...], axes: list[list[SubAxis]], offset: int) -> IndexMap:
+        """The map whose axis k has the digits `axes[k]` (outermost first; merged where contiguous)."""
+        merged: list[list[SubAxis]] = []
+        for digits in axes:
+            kept: list[SubAxis] = []
+            for extent, stride in (d for d in digits if d[0] != 1):
+                if kept and kept[-1][1] == stride * extent:  # contiguous with the digit inside it
+                    kept[-1] = (kept[-1][0] * extent, stride)
+                else:
+                    kept.append((extent, stride))
+            merged.append(kept or [(1, 0)])
+        strides = tuple(digits[-1][1] for digits in merged)
+        folds = tuple(tuple(digits[:-1]) for digits in merged)
+        return cls(tuple(shape), strides, offset, folds if any(folds) else ())
 
     # composition ---------------------------------------------------------------------------------
     def transposed(self, perm: list[int]) -> IndexMap:
-        return IndexMap(tuple(self.shape[p] for p in perm), tuple(self.strides[p] for p in perm), self.offset)
+        folds = tuple(self.folds[p] for p in perm) if self.folded else ()
+        return IndexMap(tuple(self.shape[p] for p in perm), tuple(self.strides[p] for p in perm), self.offset, folds)
 
-    def sliced(self, starts: list[int], steps: list[int], shape: tuple[int, ...]) -> IndexMap:
-        """Every `steps[k]`-th element of axis k from `starts[k]` on (numpy's basic slicing), as `shape`."""
+    def sliced(self, starts: list[int], steps: list[int], shape: tuple[int, ...]) -> IndexMap | None:
+        """Every `steps[k]`-th element of axis k from `starts[k]` on (numpy's basic slicing), as `shape`;
+        None when a folded axis would be cut (its digits would no longer be whole)."""
+        if self.folded and any(self.folds[k] and (start, step, dim) != (0, 1, self.shape[k])
+                               for k, (start, step, dim) in enumerate(zip(starts, steps, shape))):
+            return None
         offset = self.offset + sum(start * stride for start, stride in zip(starts, self.strides))
-        return IndexMap(tuple(shape), tuple(step * stride for step, stride in zip(steps, self.strides)), offset)
+        return IndexMap(tuple(shape), tuple(step * stride for step, stride in zip(steps, self.strides)), offset,
+                        self.folds)
 
     def broadcast(self, shape: tuple[int, ...]) -> IndexMap:
         lead = len(shape) - len(self.shape)
         strides = [0] * lead + [0 if d == 1 and o != 1 else s
                                 for d, o, s in zip(self.shape, shape[lead:], self.strides)]
-        return IndexMap(tuple(shape), tuple(strides), self.offset)
+        folds = ((),) * lead + self.folds if self.folded else ()
+        return IndexMap(tuple(shape), tuple(strides), self.offset, folds)
 
     def reshaped(self, shape: tuple[int, ...]) -> IndexMap | None:
-        """The same elements as `shape`, or None when an output axis would need a div/mod of the root index."""
-        old = [(d, s) for d, s in zip(self.shape, self.strides) if d != 1]
-        new_strides = [0] * len(shape)
-        new_axes = [k for k, d in enumerate(shape) if d != 1]
-        i = j = 0
-        while i < len(old) and j < len(new_axes):
-            # grow one chunk of old axes and new axes with equal products
-            oi, oj = i + 1, j + 1
-            old_size, new_size = old[i][0], shape[new_axes[j]]
-            while old_size != new_size:
-                if old_size < new_size:
-                    old_size *= old[oi][0]
-                    oi += 1
-                else:
-                    new_size *= shape[new_axes[oj]]
-                    oj += 1
-            for k in range(i, oi - 1):  # the old axes of a chunk must be contiguous with each other
-                if old[k][1] != old[k + 1][1] * old[k + 1][0]:
+        """The same elements as `shape`: the digits of all axes, outermost first, regrouped into the new
+        axes (a digit split where a new axis ends inside it). None when a new axis would end inside a
+        digit at a point that does not divide it."""
+        digits = [digit for k in range(len(self.shape)) for digit in self.sub_axes(k) if digit[0] != 1]
+        axes: list[list[SubAxis]] = []
+        for dim in shape:
+            taken: list[SubAxis] = []
+            size = 1
+            while size < dim:
+                if not digits:
                     return None
-            stride = old[oi - 1][1]
-            for k in reversed(range(j, oj)):
-                new_strides[new_axes[k]] = stride
-                stride *= shape[new_axes[k]]
-            i, j = oi, oj
-        return IndexMap(tuple(shape), tuple(new_strides), self.offset)
+                extent, stride = digits.pop(0)
+                if size * extent <= dim:
+                    taken.append((extent, stride))
+                    size *= extent
+                    continue
+                outer = dim // size  # the new axis ends inside this digit: split it
+                if dim % size or extent % outer:
+                    return None
+                taken.append((outer, stride * (extent // outer)))
+                digits.insert(0, (extent // outer, stride))
+                size = dim
+            if size != dim:
+                return None
+            axes.append(taken)
+        return IndexMap.from_sub_axes(tuple(shape), axes, self.offset)
 
     def packs_whole_texels(self, root_shape: tuple[int, ...]) -> bool:
         """Tile boundary preservation: each texel of the root (4 consecutive elements of its last axis)
@@ -110,8 +166,38 @@ class IndexMap:
         if numel(root_shape) <= 4 or last == 1:
             return True
         if last % 4:  # texels straddle root rows: the view must keep the whole last axis as one axis
-            return any(s == 1 and d == last for d, s in zip(self.shape, self.strides))
-        return any(s == 1 and d % 4 == 0 for d, s in zip(self.shape, self.strides))
+            return any(s == 1 and d == last and not (self.folds and self.folds[k])
+                       for k, (d, s) in enumerate(zip(self.shape, self.strides)))
+        return any(s == 1 and self.inner_extent(k) % 4 == 0 for k, s in enumerate(self.strides))
+
+
+def common_digits(axes: list[list[SubAxis]]) -> list[list[SubAxis]] | None:
+    """The same axis of several operands (a contraction's K) cut into one set of digits: each operand's
+    digits split where another's end, so one nest of loops walks them all (outermost first). None
+    when the cuts do not nest (digit sizes 4 and 6 of 12: no mixed radix serves both)."""
+    cuts = sorted({size for digits in axes for size in _inner_sizes(digits)})
+    if any(high % low for low, high in zip(cuts, cuts[1:])):
+        return None
+    refined = []
+    for digits in axes:
+        ends = _inner_sizes(digits)  # digit j covers inner sizes (ends[j - 1], ends[j]]
+        own, below, start = [], 1, 1
+        for cut in cuts:
+            j = next(j for j, end in enumerate(ends) if cut <= end)
+            start = ends[j - 1] if j else 1
+            own.append((cut // below, digits[len(digits) - 1 - j][1] * (below // start)))
+            below = cut
+        refined.append(list(reversed(own)))
+    return refined
+
+
+def _inner_sizes(digits: list[SubAxis]) -> list[int]:
+    """Products of the innermost 1, 2, ... digits."""
+    sizes, size = [], 1
+    for extent, _ in reversed(digits):
+        size *= extent
+        sizes.append(size)
+    return sizes
 
 
 # which nodes are views ---------------------------------------------------------------------------

@@ -21,10 +21,22 @@ any annotation changed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.index_map import REMAPPABLE, compose, is_view, map_of, real_readers, view_root
+from fblc.compiler.index_map import (
+    REMAPPABLE,
+    IndexMap,
+    common_digits,
+    compose,
+    is_view,
+    map_of,
+    real_readers,
+    view_root,
+    views_of,
+)
 from fblc.compiler.values import static_shape
 from fblc.passes.contracts import ContractPass
 
@@ -47,6 +59,49 @@ OFFSET_READERS = STRIDED_READERS - {"MatMul", "Gemm", "Conv", "ReduceSum", "Redu
                                     "Gather", "GatherElements", "GatherND", "ScatterElements"}
 
 
+#: The readers of a folded view (its axes mixed-radix digits): the kernels that read every element
+#: through KernelBuilder.load, and MatMul, which walks a folded K axis as nested loops.
+FOLDED_READERS = OFFSET_READERS | {"MatMul"}
+
+
+def _reader_maps(value: ir.Value, index_map: IndexMap) -> Iterator[tuple[ir.Node, int, IndexMap | None]]:
+    """(reader, input slot, the map it reads `value` through) for every reader, composing through the
+    movement nodes after `value` as if they became views (None past one that could not)."""
+    for use in value.uses():
+        node = use.node
+        if _moves_data(node) and node.outputs:
+            composed = compose(node, index_map) if node.op_type in REMAPPABLE else index_map
+            if composed is not None:
+                yield from _reader_maps(node.outputs[0], composed)
+                continue
+        yield node, use.idx, None if _moves_data(node) else index_map
+
+
+def _folded_refusal(output: ir.Value, mapped: IndexMap) -> str | None:
+    """Why the folded view `output` must stay a copy, or None when every reader can read it."""
+    graph_outputs = {id(v) for v in output.graph.outputs} if output.graph is not None else set()
+    if any(id(v) in graph_outputs for v in [output, *views_of(output)]):
+        return "a folded view is a step output, which the runtimes read as a plain tensor"
+    for reader, slot, seen in _reader_maps(output, mapped):
+        if seen is None:  # a movement kernel: it reads every element through its map
+            continue
+        if reader.op_type not in FOLDED_READERS:
+            return f"read by {reader.op_type}, whose kernel cannot read folded axes"
+        if reader.op_type == "MatMul" and not matmul_reads_folded(reader, slot, seen):
+            return "a MatMul's K axis folds differently in its two operands"
+    return None
+
+
+def matmul_reads_folded(node: ir.Node, slot: int, seen: IndexMap) -> bool:
+    """Whether `node`'s contraction can walk its operand `slot` read through `seen`: a matrix
+    operand, whose K axis digits and the other operand's nest (codegen.kernels.contraction)."""
+    other = node.inputs[1 - slot]
+    if len(seen.shape) < 2 or other is None or len(static_shape(other)) < 2:
+        return False
+    a_map, w_map = (seen, map_of(other)) if slot == 0 else (map_of(other), seen)
+    return common_digits([a_map.sub_axes(len(a_map.shape) - 1), w_map.sub_axes(len(w_map.shape) - 2)]) is not None
+
+
 def _moves_data(node: ir.Node) -> bool:
     """A view or data movement that may become one: its readers are the ones a remap must satisfy."""
     return is_view(node) or node.op_type in REMAPPABLE
@@ -64,6 +119,10 @@ def remap_status(node: ir.Node) -> tuple[str, str | None]:
     root_shape = static_shape(view_root(source))
     if not mapped.packs_whole_texels(root_shape):
         return "kept: tile boundary preservation fails (a texel of the root would span view rows)", None
+    if mapped.folded:
+        refused = _folded_refusal(output, mapped)
+        if refused:
+            return f"kept: {refused}", None
     if not mapped.contiguous:
         readers = {n.op_type for n in real_readers(output, through=_moves_data)}
         blocked = sorted(readers - STRIDED_READERS)

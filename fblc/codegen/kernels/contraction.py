@@ -22,13 +22,14 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, flat_index, float_literal, strides_of
+from fblc.codegen.cl import Kernel, digit_terms, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
     Code,
+    Loop,
     Operand,
     Product,
     Reduction,
@@ -36,9 +37,11 @@ from fblc.codegen.kernels.texel import (
 )
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
+from fblc.compiler.index_map import SubAxis, common_digits
 from fblc.compiler.values import attr, is_float, static_shape
 
 Terms = list[tuple[str, int]]
+Digits = list[SubAxis]  # an axis's (extent, stride) digits, outermost first (IndexMap.sub_axes)
 
 
 @dataclass
@@ -198,9 +201,10 @@ def reduce_guarded(b: KernelBuilder, guard: str, build: Callable[[Code], Reducti
 
 
 def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: int, w_lane: int, k: int,
-               tile: tuple[int, int] = (1, 1), a_row: int = 0) -> str:
+               tile: tuple[int, int] = (1, 1), a_row: int = 0, loops: Sequence[Loop] = ()) -> str:
     """acc[row, column] = sum_r A'[row, r] * B'[r, column] in blocks of steps along K, over the
-    work-item's tile of `tile` = (rows, texel columns) outputs (`a_row`: A's stride between rows)."""
+    work-item's tile of `tile` = (rows, texel columns) outputs (`a_row`: A's stride between rows;
+    `loops`: the outer digits of a folded K, around the blocks, which walk its innermost `k` steps)."""
     rows, columns = tile
 
     def products(steps: range) -> Sequence[Product]:
@@ -208,7 +212,7 @@ def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: in
 
     block = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
     blocked = Blocked(k, block, a_step, w_step, 0, products)
-    return reduce_into(b, lambda code: Reduction(a, w, blocked), rows * LANES * columns)
+    return reduce_into(b, lambda code: Reduction(a, w, blocked, list(loops)), rows * LANES * columns)
 
 
 @functools.lru_cache(maxsize=256)
@@ -219,35 +223,62 @@ def _tile_products(steps: range, rows: int, width: int, a_step: int, a_row: int,
                  for r in steps for row in range(rows) for column in range(width))
 
 
-def _tile(b: KernelBuilder, rows: int) -> tuple[int, int]:
+def _tile(b: KernelBuilder, rows: int, column_texels: int | None = None) -> tuple[int, int]:
     """(output rows, texel columns) per work-item: up to 8 x TILE_COLUMNS texels under R-Tile
     layouts when the output's rows and texel columns come in such groups (a tile reads each
     operand texel once for all its rows or columns: the transposed operands of the backward then
     cost no more than plain ones, and the reads per multiply-add fall with the tile's size),
-    else (1, 1), the conventional per-texel kernel."""
+    else (1, 1), the conventional per-texel kernel. `rows`, `column_texels`: the runs of rows and of
+    texel columns that the operands step through by one stride (a folded axis's innermost digit)."""
     tile_rows = next((n for n in TILE_ROWS if rows % n == 0), None)
     if not b.table.tiled or tile_rows is None:
         return 1, 1
     row_texels = b.out_shape[-1] // LANES
-    columns = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 else 1
+    run = row_texels if column_texels is None else column_texels
+    columns = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
     b.tile_texels(tile_rows, columns, row_texels)
     return tile_rows, columns
 
 
-def _texel_terms(terms: Terms, *aligned_vars: str) -> list[Term]:
-    """Terms whose variables in `aligned_vars` are known multiples of 4 (a texel's lanes, a tile's rows)."""
-    return [Term(var, stride, LANES if var in aligned_vars else 1) for var, stride in terms]
+def _texel_terms(terms: Terms, *aligned_vars: str, multiples: dict[str, int] | None = None) -> list[Term]:
+    """Terms whose variables in `aligned_vars` are known multiples of 4 (a texel's lanes, a tile's rows),
+    and the digit expressions in `multiples` multiples of their value there."""
+    known = {var: LANES for var in aligned_vars} | (multiples or {})
+    return [Term(var, stride, known.get(var, 1)) for var, stride in terms]
+
+
+def _axis_terms(axes: Sequence[tuple[str, Digits]], var_multiples: dict[str, int], multiples: dict[str, int]) -> Terms:
+    """Index terms of the axes (index variable, digits), dropping axes of extent 1. A folded axis
+    gives a term per digit; its innermost digit `v % e` is a multiple of gcd(multiple of v, e),
+    recorded in `multiples` for the texel path's alignment (`var_multiples`: what each v is a multiple of)."""
+    terms: Terms = []
+    for var, digits in axes:
+        if np.prod([extent for extent, _ in digits]) == 1:
+            continue
+        parts = digit_terms(var, digits)
+        if len(parts) > 1:
+            multiples[parts[-1][0]] = int(np.gcd(var_multiples.get(var, 1), digits[-1][0]))
+        terms += parts
+    return terms
 
 
 # MatMul / Gemm ----------------------------------------------------------------------------------
 
 def _root_strides(b: KernelBuilder, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[int]]:
     """The tensor holding `value` and `value`'s strides in it (`shape`: value's shape, or its 2-D promotion)."""
+    root, axes = _root_digits(b, value, shape)
+    assert all(len(digits) == 1 for digits in axes), f"folded view '{value.name}' read by a Gemm"
+    return root, [digits[0][1] for digits in axes]
+
+
+def _root_digits(b: KernelBuilder, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[Digits]]:
+    """The tensor holding `value` and each axis's digits (extent, stride) in it, outermost first: one
+    digit per axis unless the view folds it (`shape`: value's shape, or its 2-D promotion)."""
     root, index_map = b.strided(value)
     if len(index_map.shape) == len(shape):
-        return root, list(index_map.strides)
+        return root, [index_map.sub_axes(k) for k in range(len(shape))]
     assert index_map.contiguous, f"1-D strided view '{value.name}'"
-    return root, strides_of(shape)
+    return root, [[(dim, stride)] for dim, stride in zip(shape, strides_of(shape))]
 
 
 MATMUL_BLOCK = 16  # K steps per static block of the texel-wide path (divided by the tile's rows)
@@ -266,33 +297,45 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     batch = tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
     nb = len(batch)
     b = start_builder(table, group, "matmul")
-    texel = len(b_shape) >= 2 and lane_axis(b.out_shape) == len(b.out_shape) - 1
+    # a remapped view (W^T, X^T of the backward) is walked in its root with the view's strides; a
+    # folded K axis (heads merged after a transpose) is walked as a loop per outer digit
+    (a_root, a_axes), (w_root, w_axes) = _root_digits(b, a, a2), _root_digits(b, w, b2)
+    k_digits = common_digits([a_axes[-1], w_axes[-2]])
+    assert k_digits is not None, f"{node.name}: K folds differently in its operands (tile_remap keeps such views)"
+    (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits
+    (m_rows, a_row), (n_run, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
+    # lanes: 4 consecutive columns n, one stride apart in B
+    texel = len(b_shape) >= 2 and lane_axis(b.out_shape) == len(b.out_shape) - 1 and n_run % LANES == 0
     prefix = TEXEL_INDEX if texel else OUT_INDEX
     # output axes of the batch dims, m and n; a missing m or n (1-D operand) is index 0
     m_var = f"{prefix}{nb}" if len(a_shape) >= 2 else "0"
     n_var = f"{prefix}{nb + (1 if len(a_shape) >= 2 else 0)}" if len(b_shape) >= 2 else "0"
+    tile = _tile(b, m_rows, n_run // LANES) if texel and len(a_shape) >= 2 else (1, 1)
+    var_multiples = {n_var: LANES, m_var: tile[0]} if texel else {}
+    multiples: dict[str, int] = {}
 
-    # a remapped view (W^T, X^T of the backward) is walked in its root with the view's strides
-    (a_root, a_strides), (w_root, w_strides) = _root_strides(b, a, a2), _root_strides(b, w, b2)
-
-    def stream(value: ir.Value, strides: list[int], shape2: tuple[int, ...], kept: str, reduced_axis: int) -> Stream:
-        """Base over the batch dims and the kept matrix axis; the walk goes along `reduced_axis`."""
+    def base(axes: list[Digits], shape2: tuple[int, ...], kept: str, kept_axis: int) -> Terms:
+        """Index terms over the batch dims and the kept matrix axis."""
         lead = nb - (len(shape2) - 2)
-        variables = [f"{prefix}{lead + k}" for k in range(len(shape2) - 2)] + [kept]
-        axes = list(range(len(shape2) - 2)) + [len(shape2) - 1 if reduced_axis == -2 else len(shape2) - 2]
-        return Stream(value, index_terms(variables, [shape2[k] for k in axes], [strides[k] for k in axes]),
-                      strides[reduced_axis])
+        indexed = [(f"{prefix}{lead + k}", axes[k]) for k in range(len(shape2) - 2)] + [(kept, axes[kept_axis])]
+        return _axis_terms(indexed, var_multiples, multiples)
 
-    a_stream, b_stream = stream(a_root, a_strides, a2, m_var, -1), stream(w_root, w_strides, b2, n_var, -2)
-    if texel:  # lanes: 4 consecutive columns n
-        tile = _tile(b, a2[-2]) if len(a_shape) >= 2 else (1, 1)
+    a_terms, w_terms = base(a_axes, a2, m_var, -2), base(w_axes, b2, n_var, -1)
+    loop_vars = [b.fresh("kd") for _ in a_outer]
+    if texel:
         aligned = (n_var, m_var) if tile[0] > 1 else (n_var,)
-        acc = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
-                         Operand(w_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, w_strides[-1],
-                         a2[-1], tile, a_strides[-2])
+        loops = [Loop.over(var, "0", str(extent), a_stride, w_stride)
+                 for var, (extent, a_stride), (_, w_stride) in zip(loop_vars, a_outer, w_outer)]
+        acc = _texel_dot(b, Operand(a_root, _texel_terms(a_terms, *aligned, multiples=multiples)), a_step,
+                         Operand(w_root, _texel_terms(w_terms, *aligned, multiples=multiples)), w_step, w_lane,
+                         k_inner, tile, a_row, loops)
     else:
         acc = zero_acc(b)
-        dot_loop(b, acc, a2[-1], (a_stream, b_stream))
+        for var, (extent, a_stride), (_, w_stride) in zip(loop_vars, a_outer, w_outer):
+            b.emit(f"for (int {var} = 0; {var} < {extent}; ++{var}) {{")
+            a_terms, w_terms = a_terms + [(var, a_stride)], w_terms + [(var, w_stride)]
+        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)))
+        b.emit(*["}"] * len(loop_vars))
     return finish_group(b, group, acc)
 
 
