@@ -118,11 +118,14 @@ def _json_of(layout: TexelLayout) -> str:
 
 # The C the coordinates compile to (the codegen's preamble includes it).
 RTILE_C = """\
-inline int2 RTILE(int t, int c4, int th, int tw4, int ntr, int ntc, int tpr, int strip, int by_columns) {
-  const int r = t / c4, q = t - r * c4;
-  const int tr = r / th, ir = r - tr * th, tc = q / tw4, iq = q - tc * tw4;
-  const int tile = by_columns ? tc * ntr + tr : tr * ntc + tc;
-  const int gx = tile % tpr, gy = tile / tpr;
+// unsigned: a texel index is never negative, and with the literal figures inlined an unsigned
+// division or remainder by a power of two compiles to a shift or a mask (a signed one cannot);
+// always inlined, so every call site sees its literal figures (oclgrind's compiler kept calls)
+inline __attribute__((always_inline)) int2 RTILE(uint t, uint c4, uint th, uint tw4, uint ntr, uint ntc, uint tpr, int strip, int by_columns) {
+  const uint r = t / c4, q = t % c4;
+  const uint tr = r / th, ir = r % th, tc = q / tw4, iq = q % tw4;
+  const uint tile = by_columns ? tc * ntr + tr : tr * ntc + tc;
+  const uint gx = tile % tpr, gy = tile / tpr;
   return strip ? (int2)(gx * th * tw4 + ir * tw4 + iq, gy) : (int2)(gx * tw4 + iq, gy * th + ir);
 }"""
 
