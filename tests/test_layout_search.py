@@ -1,8 +1,8 @@
-"""The layout search decides: traced access streams pick the layout with the fewest simulated misses.
+"""The layout search decides: traced access streams pick the layout of least estimated time.
 
 `--layout-search traced` replays the texels the step's kernels really read (traced once under flat
 layouts: fblc.tools.traced_layouts) through each candidate layout and the target's texture-cache
-model. The unit test would fail with a constant scorer (the block-count order would stand); the
+model; each reading launch's misses enter the target's time estimate, which decides. The unit test would fail with a constant scorer (the block-count order would stand); the
 model test compiles a real export under the traced search and checks its step against onnxruntime.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.errors import FblcError
-from fblc.passes.layout_score import TRACED_CANDIDATES, Geometry, rank_candidates, rescore_traced
+from fblc.passes.layout_score import TRACED_CANDIDATES, Geometry, TracedStream, rank_candidates, rescore_traced
 from fblc.passes.pipeline import TrainingOptions
 from fblc.profiles import load_profile
 from fblc.profiles.cache_model import TextureCache
@@ -36,11 +36,33 @@ def test_traced_streams_choose_the_candidate_with_the_fewest_simulated_misses() 
     rows, texel_cols, items, steps = 256, 64, 64, 16
     walk = (np.arange(steps)[:, None] + np.arange(items)[None, :] * texel_cols).reshape(-1)  # issue order
     ranked = rank_candidates(rows, texel_cols * 4, (("stream", 1.0),), GEOMETRY)
-    rescored = rescore_traced(ranked, [(walk, 1.0)], GEOMETRY)
-    assert rescored[0].scored_by == "traced streams"
+    rescored = rescore_traced(ranked, [TracedStream(walk, 1.0)], GEOMETRY)
+    assert rescored[0].scored_by == "traced estimate"
     misses = {c.layout: _misses(c.layout, walk) for c in ranked[:TRACED_CANDIDATES]}
     assert misses[rescored[0].layout] == min(misses.values())
     assert misses[rescored[0].layout] < misses[ranked[0].layout], (rescored[0].layout, ranked[0].layout)
+
+
+def test_misses_in_a_launch_bound_by_its_arithmetic_decide_nothing() -> None:
+    """Two launches read a [256, 256] tensor: A, 200 times, with 4 work-items walking 128 texels of their
+    rows (2x128 tiles miss least: 12 blocks against 16), and B once, with 64 work-items walking 16 (2x128
+    tiles miss 512, the others 32). By misses alone, A's weight picks 2x128. When A's arithmetic takes
+    longer than its reads ever could, only B's reads change the estimate, and it picks a tile B misses
+    least on; a scorer that counts misses, or a constant one, keeps 2x128."""
+    rows, texel_cols = 256, 64
+    walk_a = (np.arange(128)[:, None] + np.arange(4)[None, :] * texel_cols).reshape(-1)
+    walk_b = (np.arange(16)[:, None] + np.arange(64)[None, :] * texel_cols).reshape(-1)
+    ranked = rank_candidates(rows, texel_cols * 4, (("stream", 1.0),), GEOMETRY)[:TRACED_CANDIDATES]
+    tiles_of_2x128 = [c.layout for c in ranked if (c.layout.tile_h, c.layout.tile_w) == (2, 128)]
+    assert tiles_of_2x128 and _misses(tiles_of_2x128[0], walk_b) > _misses(ranked[-1].layout, walk_b)
+
+    def choice(compute_ms_of_a: float) -> TexelLayout:
+        streams = [TracedStream(walk_a, 200.0, "a", compute_ms_of_a), TracedStream(walk_b, 1.0, "b")]
+        return rescore_traced(ranked, streams, GEOMETRY)[0].layout
+
+    assert choice(0.0) == tiles_of_2x128[0]  # both launches bound by their reads: the fewest misses win
+    bound = choice(1000.0)
+    assert bound != tiles_of_2x128[0] and _misses(bound, walk_b) == min(_misses(c.layout, walk_b) for c in ranked)
 
 
 def test_traced_search_needs_traced_reads() -> None:
@@ -70,7 +92,7 @@ def test_traced_layouts_train_like_onnxruntime(tmp_path) -> None:
     step, report = compile_model(exported.path, bundle, "adreno830", "fp32",
                                  with_traced_reads(exported.path, "adreno830", "fp32", options, feeds))
     assert report["layout"]["search"] == "traced"
-    assert "traced streams" in {t["scored_by"] for t in report["layout"]["tensors"]}
+    assert "traced estimate" in {t["scored_by"] for t in report["layout"]["tensors"]}
     save_model_atomically(step, str(tmp_path / "step.onnx"))
     reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(bundle, progress=False)
     assert np.isclose(runner.step(feeds), reference.step(feeds), rtol=1e-4, atol=0)

@@ -46,7 +46,8 @@ def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -
         tensors.append({"name": value.name, "shape": list(static_shape(value)),
                         "layout": texture.layout.describe(), "chosen_by": choice.get("how", "flat"),
                         "score": choice.get("score"), "scored_by": choice.get("scored_by"),
-                        "relaxed": choice.get("relaxed", [])})
+                        "relaxed": choice.get("relaxed", []),
+                        **({"estimate_ms": choice["estimate_ms"]} if "estimate_ms" in choice else {})})
     kept_names = {n.name for n in kept}
     op_of = {n.name: n.op_type for n in graph}
     movers = [k for k in program.kernels if k.family == "movement"]

@@ -6,7 +6,8 @@ matrix (`rank_candidates`) and, for a tensor that stays flat, the fold of its te
 the distinct cache blocks they touch rank every candidate. Given the reads the step's kernels
 really make (traced on a device: fblc.tools.traced_layouts), `rescore_traced` replays those
 through the best candidates and the texture-cache model (fblc.profiles.cache_model: sets, ways,
-LRU), whose misses decide. (Re-scoring the synthetic walks with the cache model changed no choice
+LRU); the missed blocks of each launch enter the target's time estimate (codegen.estimate's
+max(arithmetic, bytes over bandwidth)), which decides. (Re-scoring the synthetic walks with the cache model changed no choice
 on any model: a wave's eight steps never fill the L1.) Images stay within
 profiles.placement_limits.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 from functools import lru_cache
 
 import numpy as np
@@ -27,7 +29,8 @@ TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
 MAX_PADDING = 0.10
 WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
-FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))  # image widths a flat tensor may fold to, 8 .. 16384 texels
+FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))
+TEXEL_BYTES = 16  # a fetched block's texels, as codegen.estimate counts them  # image widths a flat tensor may fold to, 8 .. 16384 texels
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,13 @@ class Geometry:
     max_height: int
     sets: int = 16
     ways: int = 4
+    bandwidth_gbps: float = 1.0  # what the traced estimate divides bytes by
 
     @classmethod
     def of(cls, profile: Profile) -> Geometry:
         return cls(profile.wave_size, profile.line_bytes, profile.tex_block_width, profile.tex_block_height,
-                   profile.image2d_max_width, profile.image2d_max_height, profile.l1_sets, profile.l1_ways)
+                   profile.image2d_max_width, profile.image2d_max_height, profile.l1_sets, profile.l1_ways,
+                   profile.bandwidth_gbps)
 
     def limits(self, cells: int) -> tuple[int, int]:
         """(max width, max height) to place an image of `cells` texels within (profiles.placement_limits)."""
@@ -105,6 +110,7 @@ class Candidate:
     relaxed: tuple[str, ...]
     scored_by: str = "block count"
     block_score: float = 0.0  # the block-count score, which breaks ties of the cache model's
+    estimate_ms: float | None = None  # traced: the estimated time of the launches that read the tensor
 
 
 def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geometry) -> dict[str, bool]:
@@ -177,34 +183,56 @@ def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
 
 # scoring on traced access streams ---------------------------------------------------------------
 
-#: a root tensor's name -> the logical texels (row-major texel indices) each traced work-group read from
-#: it, in issue order, with the weight that scales the group to its share of the step's reads
-TracedReads = Mapping[str, Sequence[tuple[np.ndarray, float]]]
+class TracedStream(NamedTuple):
+    """The logical texels (row-major texel indices) one traced work-group read from a tensor, in issue
+    order, and the launch it stands for."""
+
+    texels: np.ndarray
+    weight: float  # scales the group to its launch's share of the step's reads of the tensor
+    kernel: str = ""  # the launch (the flat bundle's kernel name)
+    compute_ms: float = 0.0  # the launch's arithmetic on the target: its FLOPs over the profile's peak
+    other_ms: float = 0.0  # the launch's other bytes (its writes, its other textures read once) over bandwidth
+
+
+#: a root tensor's name -> the streams every launch that reads it read from it (fblc.tools.traced_layouts)
+TracedReads = Mapping[str, Sequence[TracedStream]]
 TRACED_CANDIDATES = 6  # candidates (best by block count) that the traced streams re-score
 TRACED_READS = 1024  # reads of one work-group's stream that the cache model replays (its issue-order prefix)
 
 
-def traced_efficiency(layout: TexelLayout, streams: Sequence[tuple[np.ndarray, float]], geometry: Geometry) -> float:
-    """Texels read over texels fetched when the recorded streams of the step's kernels read through
-    `layout`: the cache model replays each work-group's prefix (flushed before each, as
-    cache_model.simulate does), weighted by its share of the step's reads."""
+def traced_estimate(layout: TexelLayout, streams: Sequence[TracedStream], geometry: Geometry) -> tuple[float, float]:
+    """(estimated ms, efficiency) of the launches that read `streams` through `layout`.
+
+    The cache model replays each work-group's prefix (flushed before each, as cache_model.simulate
+    does), scaled to its launch; a launch's reads of the tensor are its missed blocks. Each launch
+    then takes codegen.estimate's time, max(arithmetic, bytes over bandwidth), so a layout that saves
+    misses in a launch bound by its arithmetic saves nothing. Efficiency: texels read over texels fetched."""
     cache = TextureCache(geometry.cache)
     block = geometry.block_width * geometry.block_height
     useful = fetched = 0.0
-    for texels, weight in streams:
-        prefix = texels[:TRACED_READS]
+    launches: dict[str, list[float]] = {}  # kernel -> [compute ms, other ms, fetched bytes]
+    for stream in streams:
+        prefix = stream.texels[:TRACED_READS]
         cache.flush()
         x, y = layout.coords(prefix)
-        scale = weight * texels.size / max(1, prefix.size)
+        scale = stream.weight * stream.texels.size / max(1, prefix.size)
+        blocks = scale * cache.access(*cache.blocks_of(x, y))
         useful += scale * prefix.size
-        fetched += scale * cache.access(*cache.blocks_of(x, y)) * block
-    return useful / fetched if fetched else 1.0
+        fetched += blocks * block
+        launches.setdefault(stream.kernel, [stream.compute_ms, stream.other_ms, 0.0])[2] += blocks * block * TEXEL_BYTES
+    per_ms = 1.0 / (geometry.bandwidth_gbps * 1e6)
+    ms = sum(max(compute, other + fetched_bytes * per_ms) for compute, other, fetched_bytes in launches.values())
+    return ms, (useful / fetched if fetched else 1.0)
 
 
-def rescore_traced(ranked: Sequence[Candidate], streams: Sequence[tuple[np.ndarray, float]],
+def rescore_traced(ranked: Sequence[Candidate], streams: Sequence[TracedStream],
                    geometry: Geometry) -> tuple[Candidate, ...]:
-    """`ranked` (best first by block count) with its best TRACED_CANDIDATES scored on the streams the
-    kernels really read: GFLOPS factor x traced efficiency; those lead, ties to the block count."""
-    rescored = [Candidate(c.layout, gflops_factor(c.layout, geometry.wave) * traced_efficiency(c.layout, streams, geometry),
-                          c.relaxed, "traced streams", c.block_score) for c in ranked[:TRACED_CANDIDATES]]
-    return tuple(sorted(rescored, key=lambda c: (-c.score, -c.block_score))) + tuple(ranked[TRACED_CANDIDATES:])
+    """`ranked` (best first by block count) with its best TRACED_CANDIDATES ordered by the estimated time
+    of the launches that read the tensor (traced_estimate), then by efficiency, then by block count."""
+    rescored = []
+    for candidate in ranked[:TRACED_CANDIDATES]:
+        ms, efficiency = traced_estimate(candidate.layout, streams, geometry)
+        rescored.append(Candidate(candidate.layout, efficiency, candidate.relaxed, "traced estimate",
+                                  candidate.block_score, ms))
+    return tuple(sorted(rescored, key=lambda c: (c.estimate_ms, -c.score, -c.block_score))) + tuple(
+        ranked[TRACED_CANDIDATES:])

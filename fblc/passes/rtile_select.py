@@ -29,8 +29,10 @@ keeps (activation masks saved for the backward) take `mask8`: one bit per elemen
 The search (`--layout-search`): "blocks" (the default) as above; "traced" re-scores the best
 candidates by block count, tiles and folds alike, on the texels the step's own kernels read from
 the tensor (every reader, forward and backward, traced work-group by work-group under the plan's
-schedule: fblc.tools.traced_layouts), replayed through the target's texture-cache model, whose
-misses decide; "flat" every tensor takes the conventional flat layout (kernels, register tiles
+schedule: fblc.tools.traced_layouts), replayed through the target's texture-cache model: each
+reading launch's missed blocks enter the target's time estimate (max(arithmetic, bytes over
+bandwidth), as report.json's `estimate`), and the least estimated time decides (fewer misses
+break ties, as where every reader is bound by its arithmetic); "flat" every tensor takes the conventional flat layout (kernels, register tiles
 and remapping as under rtile, so only the layouts differ). With mode "naive" every value is
 flat (the conventional baseline). Preconditions: fused or unfused step graph with static shapes,
 after tile_remap. In place.
@@ -158,9 +160,11 @@ class RTileSelect(ContractPass):
             layout, how, candidate = chosen[id(value)]
             modified |= _annotate(value, keys.LAYOUT, layout.to_json())
             if candidate is not None:
-                modified |= _annotate(value, CHOICE, json.dumps({
-                    "how": how, "score": round(candidate.score, 4), "scored_by": candidate.scored_by,
-                    "relaxed": list(candidate.relaxed)}))
+                choice = {"how": how, "score": round(candidate.score, 4), "scored_by": candidate.scored_by,
+                          "relaxed": list(candidate.relaxed)}
+                if candidate.estimate_ms is not None:
+                    choice["estimate_ms"] = round(candidate.estimate_ms, 6)
+                modified |= _annotate(value, CHOICE, json.dumps(choice))
         for node in graph:
             described = []
             for out in node.outputs:

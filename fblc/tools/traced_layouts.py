@@ -12,7 +12,9 @@ a tensor's layout. So one traced run fixes the access streams for every candidat
    in issue order, the texels they read; each root tensor collects its streams from every
    kernel that reads it, forward and backward;
 3. the step is compiled again with those streams: rtile_select replays them through each
-   candidate layout and the target's texture-cache model, and the fewest misses win.
+   candidate layout and the target's texture-cache model, and each reading launch's missed
+   blocks enter the target's time estimate (its arithmetic and other bytes from the flat
+   bundle's report.json `estimate`): the least estimated time wins.
 
 The streams come from running the kernels anywhere (they are a property of the kernels, not of
 the device); only the cache model that scores them is the target's.
@@ -24,24 +26,45 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from fblc import bundle_format as fmt
 from fblc.codegen.compile import compile_model
 from fblc.compiler.reference import random_feeds
-from fblc.passes.layout_score import TracedReads
+from fblc.passes.layout_score import TracedReads, TracedStream
 from fblc.passes.pipeline import TrainingOptions
+from fblc.profiles import load_profile
 from fblc.profiles.cache_model import sampled_groups
 from fblc.runtime.trace import ReadTracer
 
 
-def logical_reads(tracer: ReadTracer, sample: int = 2) -> TracedReads:
+class LaunchCost(NamedTuple):
+    """A launch of the traced (flat) bundle in its report.json `estimate`, on the target."""
+
+    compute_ms: float  # FLOPs over the profile's peak
+    memory_ms: float  # every texture it reads once and every one it writes, over bandwidth
+    ms_per_byte: float
+
+
+def launch_costs(report: Mapping[str, Any], target: str) -> dict[str, LaunchCost]:
+    """The target's estimate of each launch of a compiled bundle (codegen.estimate), by kernel name."""
+    profile = load_profile(target)
+    per_byte = 1.0 / (profile.bandwidth_gbps * 1e6)
+    return {k["kernel"]: LaunchCost(k["flops"] / (profile.peak_gflops * 1e6), k["bytes"] * per_byte, per_byte)
+            for k in report["estimate"]["kernels"]}
+
+
+def logical_reads(tracer: ReadTracer, sample: int = 2, costs: Mapping[str, LaunchCost] | None = None) -> TracedReads:
     """Per root tensor, the logical texels each sampled work-group of each launch read (issue order),
-    weighted by launch groups / sampled groups x reads issued / reads recorded."""
-    streams: dict[str, list[tuple[np.ndarray, float]]] = {}
-    for index in range(len(tracer.plan["kernels"])):
+    weighted by launch groups / sampled groups x reads issued / reads recorded; with `costs` (by
+    kernel name), each stream carries its launch's arithmetic time and its other bytes' time."""
+    streams: dict[str, list[TracedStream]] = {}
+    for index, launch in enumerate(tracer.plan["kernels"]):
         groups = tracer.groups(index)
         chosen = sampled_groups(groups, sample)
+        cost = (costs or {}).get(launch["name"])
         for group in chosen:
             traced = tracer.reads(index, group)
             recorded = traced.textures.size
@@ -54,7 +77,12 @@ def logical_reads(tracer: ReadTracer, sample: int = 2) -> TracedReads:
                     continue
                 picked = traced.textures == texture_id
                 texels = traced.ys[picked].astype(np.int64) * texture["width"] + traced.xs[picked]
-                streams.setdefault(texture["name"], []).append((texels, weight))
+                compute_ms = other_ms = 0.0
+                if cost is not None:  # the launch's other bytes: all it moves, less this texture read once
+                    own_ms = fmt.image_bytes(texture["format"], texture["width"], texture["height"]) * cost.ms_per_byte
+                    compute_ms, other_ms = cost.compute_ms, max(0.0, cost.memory_ms - own_ms)
+                streams.setdefault(texture["name"], []).append(
+                    TracedStream(texels, weight, launch["name"], compute_ms, other_ms))
     return streams
 
 
@@ -63,11 +91,11 @@ def trace_reads(model_path: str, target: str, dtype: str, options: TrainingOptio
     """The access streams of the step's kernels (module docstring, steps 1-2), on `feeds` or a random batch."""
     with tempfile.TemporaryDirectory() as scratch:
         bundle = os.path.join(scratch, "flat")
-        step, _ = compile_model(model_path, bundle, target, dtype,
-                                dataclasses.replace(options, layout_search="flat", traced_reads=None))
+        step, report = compile_model(model_path, bundle, target, dtype,
+                                     dataclasses.replace(options, layout_search="flat", traced_reads=None))
         tracer = ReadTracer(bundle, device)
         tracer.step(feeds if feeds is not None else random_feeds(step))
-        return logical_reads(tracer, sample)
+        return logical_reads(tracer, sample, launch_costs(report, target))
 
 
 def with_traced_reads(model_path: str, target: str, dtype: str, options: TrainingOptions,
