@@ -86,6 +86,8 @@ class TexelLayout:
         """OpenCL C int2 of the texel index expression `texel` (a byte index under a mask kind; every
         other figure a literal)."""
         if self.kind == "flat" or self.kind in MASK_ELEMENTS:
+            if self.height == 1:  # one image row: the index is the column, no division
+                return f"(int2)({texel}, 0)"
             if self.width & (self.width - 1) == 0:  # a power of two: shift and mask, no division
                 return f"TEXEL_P2({texel}, {self.width.bit_length() - 1})"
             return f"TEXEL({texel}, {self.width})"

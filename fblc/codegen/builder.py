@@ -147,7 +147,7 @@ class KernelBuilder:
         if per_byte:  # element i: bit i % per_byte of byte i / per_byte
             byte = f"({index}) >> {per_byte.bit_length() - 1}"
             return f"ldm({arg}, ({index}) & {per_byte - 1}, {texture.coord(byte)})"
-        if texture.layout.kind == "flat":
+        if texture.layout.kind == "flat" and texture.layout.height > 1:  # (one row: read_texel's column)
             loader = "ldf" if texture.kind == "float" else "ldi"
             if is_power_of_two(texture.width):  # shift and mask instead of dividing
                 return f"{loader}_p2({arg}, {index}, {texture.width.bit_length() - 1})"
@@ -383,15 +383,24 @@ class KernelBuilder:
         for k, texture in enumerate(self.out_textures):
             ctype = "float" if texture.kind == "float" else "int"
             body.append(f"{ctype} r{k}[4] = {{0, 0, 0, 0}};")
-        if self.texel_reads:
+        # a texel within one row of the innermost axis longer than 1: its lanes' indices are its first
+        # element's, plus the lane along that axis (one division per axis per texel, not per lane)
+        lane_axis = next((k for k in reversed(range(len(self.out_shape))) if self.out_shape[k] != 1), None)
+        in_one_row = lane_axis is not None and self.out_shape[lane_axis] % 4 == 0
+        if self.texel_reads or in_one_row:
             body += index_vars(self.out_shape, "t * 4", TEXEL_FIRST)
+        if self.texel_reads:
             if self._reads_last:
                 body += index_vars(self.out_shape, f"min(t * 4 + 3, {out_numel - 1})", TEXEL_LAST)
             body += self.texel_reads
         body += ["for (int lane = 0; lane < 4; ++lane) {",
                  "  const int i = t * 4 + lane;",
                  f"  if (i >= {out_numel}) break;"]
-        body += [f"  {line}" for line in index_vars(self.out_shape, "i", OUT_INDEX)]
+        if in_one_row:
+            body += [f"  const int {OUT_INDEX}{axis} = {TEXEL_FIRST}{axis}{' + lane' if axis == lane_axis else ''};"
+                     for axis in range(len(self.out_shape))]
+        else:
+            body += [f"  {line}" for line in index_vars(self.out_shape, "i", OUT_INDEX)]
         body += [f"  {line}" for line in self.lines]
         body += [f"  r{k}[lane] = {expression};" for k, expression in enumerate(results)]
         body.append("}")
