@@ -13,7 +13,7 @@ import json
 import pytest
 
 from fblc.codegen.compile import compile_model
-from fblc.codegen.estimate import node_flops
+from fblc.compiler.flops import node_flops
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
 from fblc.profiles import load_profile

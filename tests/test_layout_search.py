@@ -14,7 +14,16 @@ import pytest
 
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.errors import FblcError
-from fblc.passes.layout_score import TRACED_CANDIDATES, Geometry, TracedStream, rank_candidates, rescore_traced
+from fblc.passes.layout_score import (
+    TRACED_CANDIDATES,
+    Access,
+    Geometry,
+    TracedStream,
+    block_efficiency,
+    rank_candidates,
+    rank_folds,
+    rescore_traced,
+)
 from fblc.passes.pipeline import TrainingOptions
 from fblc.profiles import load_profile
 from fblc.profiles.cache_model import TextureCache
@@ -63,6 +72,25 @@ def test_misses_in_a_launch_bound_by_its_arithmetic_decide_nothing() -> None:
     assert choice(0.0) == tiles_of_2x128[0]  # both launches bound by their reads: the fewest misses win
     bound = choice(1000.0)
     assert bound != tiles_of_2x128[0] and _misses(bound, walk_b) == min(_misses(c.layout, walk_b) for c in ranked)
+
+
+def test_the_block_search_ranks_by_the_estimate_of_the_kernels_that_walk_a_tensor() -> None:
+    """A flat [64, 1024] tensor streamed by a kernel moving 10x its elements and walked by rows by
+    another: the stream wants square folds (128 x 128: rows at half efficiency), the rows walk a wide
+    fold. With both kernels bound by their reads, the stream's weight picks the square fold; when the
+    streaming kernel's arithmetic outlasts its reads, only the rows walk changes the estimate, and a fold
+    it reads at full efficiency wins (a constant scorer, or the block count, keeps one order)."""
+    shape, rows, texel_cols = (64, 1024), 64, 256
+
+    def choice(compute_ms_of_stream: float) -> TexelLayout:
+        accesses = (Access("stream", 10.0 * 65536, compute_ms_of_stream), Access("rows", 65536.0))
+        return rank_folds(shape, accesses, GEOMETRY)[0].layout
+
+    free = choice(0.0)
+    assert block_efficiency(free, "stream", rows, texel_cols, GEOMETRY) == 1.0
+    assert block_efficiency(free, "rows", rows, texel_cols, GEOMETRY) < 1.0
+    bound = choice(1000.0)
+    assert bound != free and block_efficiency(bound, "rows", rows, texel_cols, GEOMETRY) == 1.0
 
 
 def test_traced_search_needs_traced_reads() -> None:

@@ -45,13 +45,14 @@ class Geometry:
     max_height: int
     sets: int = 16
     ways: int = 4
-    bandwidth_gbps: float = 1.0  # what the traced estimate divides bytes by
+    bandwidth_gbps: float = 1.0  # the estimates divide bytes by it
+    peak_gflops: float = 1.0  # and FLOPs by it
 
     @classmethod
     def of(cls, profile: Profile) -> Geometry:
         return cls(profile.wave_size, profile.line_bytes, profile.tex_block_width, profile.tex_block_height,
                    profile.image2d_max_width, profile.image2d_max_height, profile.l1_sets, profile.l1_ways,
-                   profile.bandwidth_gbps)
+                   profile.bandwidth_gbps, profile.peak_gflops)
 
     def limits(self, cells: int) -> tuple[int, int]:
         """(max width, max height) to place an image of `cells` texels within (profiles.placement_limits)."""
@@ -84,6 +85,7 @@ def wave_reads(pattern: str, rows: int, texel_cols: int, wave: int) -> list[np.n
     return [s for s in samples if s.size]
 
 
+@lru_cache(maxsize=65536)
 def block_efficiency(layout: TexelLayout, pattern: str, rows: int, texel_cols: int, geometry: Geometry) -> float:
     """Texels read over the texels of the distinct cache blocks they touch (an unbounded cache)."""
     useful = fetched = 0
@@ -103,6 +105,30 @@ def gflops_factor(layout: TexelLayout, wave: int) -> float:
     return texels / (-(-texels // wave) * wave)
 
 
+class Access(NamedTuple):
+    """How one kernel (a tensor's writer, or one of its readers) walks the tensor, and what else it costs
+    on the target (codegen.estimate's terms; 0 where unknown)."""
+
+    pattern: str  # stream, rows or columns
+    weight: float  # the elements it moves
+    compute_ms: float = 0.0  # its arithmetic: FLOPs over the profile's peak
+    other_ms: float = 0.0  # its other tensors' bytes over bandwidth
+
+
+ELEMENT_BYTES = 4  # fp32 (the layouts are chosen before storage precision halves activations)
+
+
+def access_estimate(layout: TexelLayout, accesses: Sequence[Access], rows: int, texel_cols: int,
+                    geometry: Geometry) -> float:
+    """The estimated ms of the kernels in `accesses` with the tensor in `layout`: each takes
+    max(arithmetic, bytes over bandwidth) (codegen.estimate), its bytes of this tensor those of the
+    blocks its walk fetches (block_efficiency), so a kernel bound by its arithmetic adds the same time
+    whatever the layout."""
+    per_ms = 1.0 / (geometry.bandwidth_gbps * 1e6)
+    return sum(max(a.compute_ms, a.other_ms + a.weight * ELEMENT_BYTES * per_ms
+                   / block_efficiency(layout, a.pattern, rows, texel_cols, geometry)) for a in accesses)
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: TexelLayout
@@ -110,7 +136,7 @@ class Candidate:
     relaxed: tuple[str, ...]
     scored_by: str = "block count"
     block_score: float = 0.0  # the block-count score, which breaks ties of the cache model's
-    estimate_ms: float | None = None  # traced: the estimated time of the launches that read the tensor
+    estimate_ms: float | None = None  # the estimated time of the kernels that write and read the tensor
 
 
 def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geometry) -> dict[str, bool]:
@@ -121,9 +147,11 @@ def _constraints(layout: TexelLayout, rows: int, texel_cols: int, geometry: Geom
 
 
 @lru_cache(maxsize=4096)
-def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...],
+def rank_candidates(rows: int, cols: int, patterns: tuple[tuple, ...],
                     geometry: Geometry) -> tuple[Candidate, ...]:
-    """Every candidate tile that survives pruning, best first by the block count of its walks."""
+    """Every candidate tile that survives pruning, best first by the estimated time of the kernels that
+    walk the tensor (`patterns`: Access tuples), then by the block count of their walks."""
+    patterns = tuple(Access(*access) for access in patterns)
     texel_cols = cols // 4
     max_width, max_height = geometry.limits(rows * texel_cols)
     survivors: dict[tuple[str, ...], list[Candidate]] = {}
@@ -138,28 +166,32 @@ def rank_candidates(rows: int, cols: int, patterns: tuple[tuple[str, float], ...
                 continue
             relaxed = tuple(name for name in ("C1", "C2") if not checks[name])
             score = _score(layout, patterns, rows, texel_cols, geometry, block_efficiency)
-            survivors.setdefault(relaxed, []).append(Candidate(layout, score, relaxed, block_score=score))
+            survivors.setdefault(relaxed, []).append(Candidate(
+                layout, score, relaxed, block_score=score,
+                estimate_ms=access_estimate(layout, patterns, rows, texel_cols, geometry)))
     for relaxed in ((), ("C1",), ("C2",), ("C1", "C2")):
         if relaxed in survivors:
-            return tuple(sorted(survivors[relaxed], key=lambda c: -c.score))
+            return tuple(sorted(survivors[relaxed], key=lambda c: (c.estimate_ms, -c.score)))
     return ()
 
 
-def _score(layout: TexelLayout, patterns: tuple[tuple[str, float], ...], rows: int, texel_cols: int,
+def _score(layout: TexelLayout, patterns: tuple[Access, ...], rows: int, texel_cols: int,
            geometry: Geometry, efficiency: Callable[..., float]) -> float:
     """Eq. 2: GFLOPS factor x memory efficiency, weighted over the tensor's access patterns."""
-    total = sum(weight for _, weight in patterns) or 1.0
+    total = sum(a.weight for a in patterns) or 1.0
     return gflops_factor(layout, geometry.wave) * sum(
-        weight / total * efficiency(layout, pattern, rows, texel_cols, geometry) for pattern, weight in patterns)
+        a.weight / total * efficiency(layout, a.pattern, rows, texel_cols, geometry) for a in patterns)
 
 
 @lru_cache(maxsize=4096)
-def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
+def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple, ...],
                geometry: Geometry) -> tuple[Candidate, ...]:
     """Flat layouts of a tensor, best first: its texels folded into images of the FOLD_WIDTHS (and the
     widest and one-row-per-matrix-row folds) that fit the placement limits with at most MAX_PADDING
     padding, scored like tiles. A 2-D cache fetches blocks several texel rows tall, so a wide strip wastes
-    most of each block a stream of consecutive texels fetches; ties go to less padding, then the wider image."""
+    most of each block a stream of consecutive texels fetches. Best first by the estimated time of the
+    kernels that walk the tensor, then by block count; ties go to less padding, then the wider image."""
+    patterns = tuple(Access(*access) for access in patterns)
     texels = max(1, -(-int(np.prod(shape, dtype=np.int64)) // 4))
     max_width, max_height = geometry.limits(texels)
     widest = flat_layout(texels, max_width)
@@ -171,14 +203,15 @@ def rank_folds(shape: tuple[int, ...], patterns: tuple[tuple[str, float], ...],
         rows, texel_cols = texels // (shape[-1] // 4), shape[-1] // 4
     else:
         rows, texel_cols = 1, texels
-        patterns = (("stream", 1.0),)
+        patterns = tuple(a._replace(pattern="stream") for a in patterns)  # a vector: every walk streams it
 
     def blocks(fold: TexelLayout) -> Candidate:
         score = _score(fold, patterns, rows, texel_cols, geometry, block_efficiency)
-        return Candidate(fold, score, (), "block count", score)
+        return Candidate(fold, score, (), "block count", score,
+                         access_estimate(fold, patterns, rows, texel_cols, geometry))
 
-    return tuple(sorted((blocks(f) for f in fitting),
-                        key=lambda c: (-c.score, c.layout.width * c.layout.height, -c.layout.width)))
+    return tuple(sorted((blocks(f) for f in fitting), key=lambda c: (
+        c.estimate_ms, -c.score, c.layout.width * c.layout.height, -c.layout.width)))
 
 
 # scoring on traced access streams ---------------------------------------------------------------

@@ -15,13 +15,15 @@ keeps (activation masks saved for the backward) take `mask8`: one bit per elemen
 - pruning: C1 a tile's texels are a multiple of the wave size; C2 a tile row is a multiple of
   the cache line; C3 padding at most 10 %. Constraints are relaxed in the order C1, C2 when
   nothing survives (the report says which);
-- score (the paper's eq. 2): over every kernel that touches the tensor (its writer and every
-  reader, through index maps, forward and backward), weighted by the elements it moves: GFLOPS
-  factor (share of wave lanes busy on whole tiles) x memory efficiency, the texels a wave reads
-  in WAVE_STEPS lockstep steps over the texels fetched for them. Access patterns: `stream`
-  (consecutive texels), `rows` (each work-item walks its own row), `columns` (each walks its
-  own column). Every candidate is scored by counting the distinct cache blocks (the profile's
-  block geometry) the wave touches;
+- score: over every kernel that touches the tensor (its writer and every reader, through index
+  maps, forward and backward), the memory efficiency of its walk, the texels a wave reads in
+  WAVE_STEPS lockstep steps over the texels of the distinct cache blocks (the profile's block
+  geometry) fetched for them. Access patterns: `stream` (consecutive texels), `rows` (each
+  work-item walks its own row), `columns` (each walks its own column). The candidates rank by the
+  target's estimated time of those kernels (layout_score.access_estimate: each takes max(FLOPs over
+  peak, bytes over bandwidth), its bytes of this tensor the fetched blocks), so the walks of kernels
+  bound by their arithmetic decide nothing; then by the paper's eq. 2 (GFLOPS factor, the share of
+  wave lanes busy on whole tiles, x the efficiencies weighted by the elements each kernel moves);
 - every tensor takes its own best: its score already weighs every kernel that reads it, forward
   and backward. No conversion kernel is ever needed: every kernel addresses each texture through
   its own layout, so no op class has to pull a region onto one layout (docs/ARCHITECTURE.md,
@@ -48,13 +50,23 @@ from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, is_view, map_of, read_uses, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError
-from fblc.passes.layout_score import Candidate, Geometry, TracedReads, rank_candidates, rank_folds, rescore_traced
+from fblc.compiler.flops import node_flops
+from fblc.passes.layout_score import (
+    ELEMENT_BYTES,
+    Access,
+    Candidate,
+    Geometry,
+    TracedReads,
+    rank_candidates,
+    rank_folds,
+    rescore_traced,
+)
 from fblc.profiles import Profile
 from fblc.texel_layout import TexelLayout, flat_layout, mask_layout
 from fblc.passes.contracts import ContractPass
 
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
-STREAM = (("stream", 1.0),)
+STREAM = (Access("stream", 1.0),)
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
 #: --layout-search: how tensors are scored (flat: not at all, every tensor flat)
 LAYOUT_SEARCHES = ("blocks", "traced", "flat")
@@ -84,14 +96,23 @@ def access_pattern(reader: ir.Node, slot: int, view: IndexMap) -> str:
     return "stream"
 
 
-def _accesses(root: ir.Value) -> dict[str, float]:
-    """Pattern -> weight (elements moved) over the root's writer and all its readers."""
-    weights: dict[str, float] = {"stream": float(numel(static_shape(root)))}
+def _node_costs(node: ir.Node | None, skip: ir.Value, geometry: Geometry) -> tuple[float, float]:
+    """(arithmetic ms, ms of its other tensors' bytes) of `node` on the target (codegen.estimate's terms,
+    per node before fusion), leaving out `skip`, the tensor being placed."""
+    if node is None:
+        return 0.0, 0.0
+    others = [v for v in list(node.inputs) + list(node.outputs) if v is not None and v is not skip and v.shape]
+    moved = sum(numel(static_shape(v)) for v in others) * ELEMENT_BYTES
+    return node_flops(node) / (geometry.peak_gflops * 1e6), moved / (geometry.bandwidth_gbps * 1e6)
 
+
+def _accesses(root: ir.Value, geometry: Geometry) -> tuple[Access, ...]:
+    """How the root's writer (a stream) and each of its readers walk it, with what else each costs."""
+    accesses = [Access("stream", float(numel(static_shape(root))), *_node_costs(root.producer(), root, geometry))]
     for value, use in read_uses(root):
         pattern = access_pattern(use.node, use.idx, map_of(value))
-        weights[pattern] = weights.get(pattern, 0.0) + float(numel(static_shape(value)))
-    return weights
+        accesses.append(Access(pattern, float(numel(static_shape(value))), *_node_costs(use.node, value, geometry)))
+    return tuple(accesses)
 
 
 # the pass --------------------------------------------------------------------------------------
@@ -188,7 +209,7 @@ class RTileSelect(ContractPass):
         if self.mode == "rtile" and self.searched:
             # what the runtimes exchange is folded by its shape alone: a parameter and its update (P, P.new),
             # which swap images after every step, must share one layout
-            patterns = STREAM if id(value) in host_visible else tuple(sorted(_accesses(value).items()))
+            patterns = STREAM if id(value) in host_visible else _accesses(value, self.geometry)
             ranked = rank_folds(shape, patterns, self.geometry)
             streams = None if id(value) in host_visible else self.traced.get(value.name)
             best = (rescore_traced(ranked, streams, self.geometry) if streams else ranked)[0]
@@ -201,10 +222,7 @@ class RTileSelect(ContractPass):
         matrix = _eligible(value, host_visible, state=update is not None)
         if matrix is None:
             return None
-        weights = _accesses(value)
-        for pattern, weight in (_accesses(update) if update is not None else {}).items():
-            weights[pattern] = weights.get(pattern, 0.0) + weight
-        patterns = tuple(sorted(weights.items()))
+        patterns = _accesses(value, self.geometry) + (_accesses(update, self.geometry) if update is not None else ())
         ranked = rank_candidates(*matrix, patterns, self.geometry)
         streams = list(self.traced.get(value.name, ())) + list(self.traced.get(update.name, ()) if update else ())
         if streams:  # tiles and folds alike, on what the kernels read: a flat fold may serve them best
