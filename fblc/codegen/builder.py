@@ -369,15 +369,42 @@ class KernelBuilder:
 
     def _item(self, results: Sequence[str]) -> list[str]:
         """One item (t or g declared): its per-texel prologue, then each of its texels."""
-        prologue = index_vars(self.out_shape, self.item_first, TEXEL_INDEX) + self.texel_lines
+        prologue = self.item_index_vars(self.out_shape, TEXEL_INDEX) + self.texel_lines
         if self.texels_per_item == 1:  # the prologue covers texel t
             return (prologue if self.texel_lines else []) + self._texel(results)
+        own_first = None
+        rows = self._tile_rows(self.out_shape)
+        if rows is not None:  # texel tt of the tile: its row and column follow from the tile's
+            columns = self.item_columns
+            row = f"{rows[0]} + tt / {columns}" if columns > 1 else f"{rows[0]} + tt"
+            column = f"{rows[1]} + (tt % {columns}) * 4" if columns > 1 else rows[1]
+            own_first = _row_index_vars(self.out_shape, row, column, TEXEL_FIRST)
         return prologue + [f"for (int tt = 0; tt < {self.texels_per_item}; ++tt) {{",
                            f"  const int t = {self._first_texel} + {self._tile_step};"] + \
-            ["  " + line for line in self._texel(results)] + ["}"]
+            ["  " + line for line in self._texel(results, own_first)] + ["}"]
 
-    def _texel(self, results: Sequence[str]) -> list[str]:
-        """Texel t: the lane loop computing `results` and the writes of every output."""
+    def item_index_vars(self, shape: Sequence[int], prefix: str) -> list[str]:
+        """Statements declaring `prefix0..` as the multi-index in `shape` (the output's, or a view of it
+        in the same element order) of the work-item's first element: from the item's place in the grid
+        of tiles where a tile's rows are rows of the shape's lane axis, else by dividing its flat index."""
+        rows = self._tile_rows(shape)
+        if rows is None:
+            return index_vars(shape, self.item_first, prefix)
+        return _row_index_vars(shape, *rows, prefix)
+
+    def _tile_rows(self, shape: Sequence[int]) -> tuple[str, str] | None:
+        """(flat row over the axes before the lane axis, element column in it) of the item's first
+        texel, when a tile's rows are rows of `shape`'s lane axis (the contractions' tiles); else None."""
+        per, stride, columns = self.texels_per_item, self.item_stride, self.item_columns
+        axis = lane_axis_of(shape)
+        if per == 1 or stride == 1 or axis is None or shape[axis] != 4 * stride:
+            return None
+        across = stride // columns
+        return f"(g / {across}) * {per // columns}", f"(g % {across}) * {4 * columns}"
+
+    def _texel(self, results: Sequence[str], own_first: list[str] | None = None) -> list[str]:
+        """Texel t: the lane loop computing `results` and the writes of every output (`own_first`: the
+        statements declaring its first element's multi-index, when cheaper than from t)."""
         out_numel, texels = self.out_textures[0].numel, self.out_textures[0].texels
         body = []
         for k, texture in enumerate(self.out_textures):
@@ -385,10 +412,10 @@ class KernelBuilder:
             body.append(f"{ctype} r{k}[4] = {{0, 0, 0, 0}};")
         # a texel within one row of the innermost axis longer than 1: its lanes' indices are its first
         # element's, plus the lane along that axis (one division per axis per texel, not per lane)
-        lane_axis = next((k for k in reversed(range(len(self.out_shape))) if self.out_shape[k] != 1), None)
+        lane_axis = lane_axis_of(self.out_shape)
         in_one_row = lane_axis is not None and self.out_shape[lane_axis] % 4 == 0
         if self.texel_reads or in_one_row:
-            body += index_vars(self.out_shape, "t * 4", TEXEL_FIRST)
+            body += own_first or index_vars(self.out_shape, "t * 4", TEXEL_FIRST)
         if self.texel_reads:
             if self._reads_last:
                 body += index_vars(self.out_shape, f"min(t * 4 + 3, {out_numel - 1})", TEXEL_LAST)
@@ -423,3 +450,17 @@ class KernelBuilder:
             else:
                 body.append(f"write_imagei(out{k}, {texture.coord('t')}, (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
         return body
+
+
+def lane_axis_of(shape: Sequence[int]) -> int | None:
+    """The innermost axis longer than 1 (a texel's lanes walk it where it is a multiple of 4)."""
+    return next((k for k in reversed(range(len(shape))) if shape[k] != 1), None)
+
+
+def _row_index_vars(shape: Sequence[int], row: str, column: str, prefix: str) -> list[str]:
+    """`prefix0..` for the element at element column `column` of flat row `row` (C expressions) of
+    `shape` seen as rows of its lane axis (the axes after it have length 1)."""
+    axis = lane_axis_of(shape)
+    assert axis is not None
+    lines = index_vars(shape[:axis], f"({row})", prefix) + [f"const int {prefix}{axis} = {column};"]
+    return lines + [f"const int {prefix}{k} = 0;" for k in range(axis + 1, len(shape))]

@@ -318,7 +318,7 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     def texels(tile: _Tile, masked: int | None) -> Callable[[Code], Reduction]:
         if view is not cs:
-            b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
+            b.emit_texel(*b.item_index_vars(view.out_shape, texel))
         return lambda code: _conv_reduction(b, code, view, texel, tile, masked)
 
     if tile is not None:

@@ -199,7 +199,7 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         lanes = LANES * b.texels_per_item
         rows = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))[:2]
         if view is not ts:
-            b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
+            b.emit_texel(*b.item_index_vars(view.out_shape, texel))
         acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows),
                           lanes * rows[0])
     elif row is not None and _row_stride_fits(view.strides[row[0] - 2], row[1]) and \
@@ -209,7 +209,7 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         count, step, columns = channel_rows(b, view.out_shape, view.cg_out, row_columns(length))
         width = LANES * columns  # positions of a tile row
         if view is not ts:
-            b.emit_texel(*index_vars(view.out_shape, b.item_first, texel))
+            b.emit_texel(*b.item_index_vars(view.out_shape, texel))
         acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
                              lambda code: _transpose_reduction(b, view, texel, axis - 2, width, stride,
                                                                (count, step)),
