@@ -2,10 +2,10 @@
 a transpose) is a view whose merged axis is a mixed-radix number of digits, not a copy kernel.
 
 Golden: the maps of composed views equal numpy's element order, and the merge of an attention's
-heads is remapped. Negative: a reader that cannot walk digits (ReduceSum) and a MatMul whose two
+heads is remapped. Negative: a reader that cannot walk digits (Gemm) and a MatMul whose two
 K axes fold into digits that do not nest keep their copy. Numeric: the step of a folded attention
 projection on PoCL equals onnxruntime's, on the texel path with register tiles, on the per-lane
-path, and with digits that are no power of two."""
+path, with digits that are no power of two, and read by a ReduceSum."""
 
 from __future__ import annotations
 
@@ -124,19 +124,37 @@ def test_folded_merge_step_matches_onnxruntime(tmp_path, heads: int, dim: int, f
     assert rows and not [r.name for r in rows if not r.ok]
 
 
-def test_a_reader_without_digits_keeps_the_copy(tmp_path) -> None:
+def _merged_heads_proto(reader: onnx.NodeProto, reader_inits: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """p[2, 4, 8, 8] * x -> heads merged ([2, 8, 32], or [16, 32] for a Gemm) -> `reader` -> mean."""
     rng = np.random.default_rng(1)
+    merged = [16, 32] if reader.op_type == "Gemm" else [2, 8, 32]
     nodes = [helper.make_node("Mul", ["x", "p"], ["y"], name="scaled"),
              helper.make_node("Transpose", ["y"], ["y_t"], perm=[0, 2, 1, 3], name="unheads"),
-             helper.make_node("Reshape", ["y_t", "merge_shape"], ["merged"], name="merge"),
-             helper.make_node("ReduceSum", ["merged", "axes"], ["rows"], keepdims=0, name="row_sums"),
-             helper.make_node("ReduceMean", ["rows"], ["loss_value"], keepdims=0, name="mean")]
+             helper.make_node("Reshape", ["y_t", "merge_shape"], ["merged"], name="merge"), reader,
+             helper.make_node("ReduceMean", ["read"], ["loss_value"], keepdims=0, name="mean")]
     inits = {"p": rng.standard_normal((2, 4, 8, 8)).astype(np.float32),
-             "merge_shape": np.array([2, 8, 32], dtype=np.int64), "axes": np.array([2], dtype=np.int64)}
+             "merge_shape": np.array(merged, dtype=np.int64), **reader_inits}
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 8, 8])],
+                      [helper.make_tensor_value_info("loss_value", TensorProto.FLOAT, [])], inits)
+
+
+def test_a_reduction_reads_a_folded_view(tmp_path) -> None:
+    """A bias gradient's kind of reader: ReduceSum over the merged rows reads the folded view element by element."""
+    reader = helper.make_node("ReduceSum", ["merged", "axes"], ["read"], keepdims=0, name="row_sums")
     path = str(tmp_path / "sums.onnx")
-    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 8, 8])],
-                         [helper.make_tensor_value_info("loss_value", TensorProto.FLOAT, [])], inits), path)
-    assert _statuses(path)["merge"] == "kept: read by ReduceSum, whose kernel cannot read folded axes"
+    onnx.save(_merged_heads_proto(reader, {"axes": np.array([0, 1], dtype=np.int64)}), path)
+    assert _statuses(path)["merge"] == "remapped"
+    rows = verify_model(path, OPTIONS)
+    assert rows and not [r.name for r in rows if not r.ok]
+
+
+def test_a_reader_without_digits_keeps_the_copy(tmp_path) -> None:
+    """Gemm reads its operands by two strides: B x T merged after the transpose is no such axis."""
+    weight = np.random.default_rng(3).standard_normal((32, 5)).astype(np.float32)
+    reader = helper.make_node("Gemm", ["merged", "w"], ["read"], name="dense")
+    path = str(tmp_path / "gemm.onnx")
+    onnx.save(_merged_heads_proto(reader, {"w": weight}), path)
+    assert _statuses(path)["merge"] == "kept: read by Gemm, whose kernel cannot read folded axes"
 
 
 def test_a_matmul_whose_k_digits_do_not_nest_keeps_one_copy(tmp_path) -> None:

@@ -60,8 +60,9 @@ OFFSET_READERS = STRIDED_READERS - {"MatMul", "Gemm", "Conv", "ReduceSum", "Redu
 
 
 #: The readers of a folded view (its axes mixed-radix digits): the kernels that read every element
-#: through KernelBuilder.load, and MatMul, which walks a folded K axis as nested loops.
-FOLDED_READERS = OFFSET_READERS | {"MatMul"}
+#: through KernelBuilder.load (the reductions do where their input is not a plain tensor), and
+#: MatMul, which walks a folded K axis as nested loops.
+FOLDED_READERS = OFFSET_READERS | {"MatMul", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2"}
 
 
 def _reader_maps(value: ir.Value, index_map: IndexMap) -> Iterator[tuple[ir.Node, int, IndexMap | None]]:
