@@ -143,6 +143,21 @@ def test_tile_remap_leaves_naive_and_graph_outputs(attention_path: str) -> None:
                                                                   "a plain tensor)")
 
 
+def _save_scaled_step(path: str, middle: list[onnx.NodeProto], summed: str, seed: int) -> str:
+    """xw = x[4, 3, 16] * w, then `middle` (which makes `summed` and proj = ... @ p[8, 4]); out =
+    sum(summed) + sum(proj). Saved at `path`."""
+    nodes = [helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"), *middle,
+             helper.make_node("ReduceSum", [summed], ["r1"], keepdims=0, name=f"sum_{summed}"),
+             helper.make_node("ReduceSum", ["proj"], ["r2"], keepdims=0, name="sum_proj"),
+             helper.make_node("Add", ["r1", "r2"], ["out"], name="out")]
+    rng = np.random.default_rng(seed)
+    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 16])],
+                         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
+                         {"w": rng.standard_normal((4, 3, 16)).astype(np.float32),
+                          "p": rng.standard_normal((8, 4)).astype(np.float32)}), path)
+    return path
+
+
 def _rotary_halves(path: str) -> str:
     """y = concat(-x[..., 8:], x[..., :8]) * w (a rotary embedding's rotate_half), then a MatMul that
     reads a slice directly: the two halves are views; the MatMul, which reads by strides alone, keeps its
@@ -153,23 +168,13 @@ def _rotary_halves(path: str) -> str:
                  f"{k}_{part}", TensorProto.INT64, [1], values[part])) for k, values in (("s", starts), ("e", ends))
                  for part in starts] + [helper.make_node("Constant", [], ["ax"], value=helper.make_tensor(
                      "ax", TensorProto.INT64, [1], [-1]))]
-    nodes = constants + [
-        helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"),
+    return _save_scaled_step(path, constants + [
         helper.make_node("Slice", ["xw", "s_lo", "e_lo", "ax"], ["lo"], name="slice_lo"),
         helper.make_node("Slice", ["xw", "s_hi", "e_hi", "ax"], ["hi"], name="slice_hi"),
         helper.make_node("Slice", ["xw", "s_mid", "e_mid", "ax"], ["mid"], name="slice_mid"),
         helper.make_node("Neg", ["hi"], ["neg"], name="neg"),
         helper.make_node("Concat", ["neg", "lo"], ["rot"], axis=-1, name="cat"),
-        helper.make_node("MatMul", ["mid", "p"], ["proj"], name="proj"),
-        helper.make_node("ReduceSum", ["rot"], ["r1"], keepdims=0, name="sum_rot"),
-        helper.make_node("ReduceSum", ["proj"], ["r2"], keepdims=0, name="sum_proj"),
-        helper.make_node("Add", ["r1", "r2"], ["out"], name="out")]
-    rng = np.random.default_rng(5)
-    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 16])],
-                         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
-                         {"w": rng.standard_normal((4, 3, 16)).astype(np.float32),
-                          "p": rng.standard_normal((8, 4)).astype(np.float32)}), path)
-    return path
+        helper.make_node("MatMul", ["mid", "p"], ["proj"], name="proj")], "rot", seed=5)
 
 
 def test_slices_become_views_where_their_readers_add_the_offset(tmp_path) -> None:
@@ -186,20 +191,11 @@ def test_slices_become_views_where_their_readers_add_the_offset(tmp_path) -> Non
 
 def _split_into_matmul(path: str) -> str:
     """(a, b) = Split(x * w) along the last axis; b feeds a MatMul, whose kernel reads no view offset."""
-    nodes = [helper.make_node("Constant", [], ["sizes"], value=helper.make_tensor("sizes", TensorProto.INT64, [2], [8, 8])),
-             helper.make_node("Mul", ["x", "w"], ["xw"], name="scale"),
-             helper.make_node("Split", ["xw", "sizes"], ["a", "b"], axis=-1, name="split"),
-             helper.make_node("Neg", ["a"], ["na"], name="neg"),
-             helper.make_node("MatMul", ["b", "p"], ["proj"], name="proj"),
-             helper.make_node("ReduceSum", ["na"], ["r1"], keepdims=0, name="sum_a"),
-             helper.make_node("ReduceSum", ["proj"], ["r2"], keepdims=0, name="sum_proj"),
-             helper.make_node("Add", ["r1", "r2"], ["out"], name="out")]
-    rng = np.random.default_rng(6)
-    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 16])],
-                         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
-                         {"w": rng.standard_normal((4, 3, 16)).astype(np.float32),
-                          "p": rng.standard_normal((8, 4)).astype(np.float32)}), path)
-    return path
+    return _save_scaled_step(path, [
+        helper.make_node("Constant", [], ["sizes"], value=helper.make_tensor("sizes", TensorProto.INT64, [2], [8, 8])),
+        helper.make_node("Split", ["xw", "sizes"], ["a", "b"], axis=-1, name="split"),
+        helper.make_node("Neg", ["a"], ["na"], name="neg"),
+        helper.make_node("MatMul", ["b", "p"], ["proj"], name="proj")], "na", seed=6)
 
 
 def test_splits_become_views_when_every_output_can_be_one(tmp_path) -> None:

@@ -207,11 +207,7 @@ class KernelBuilder:
         elif out[-1] % 4:
             return self._block_read(root, index_map)
         elif index_map.shape and index_map.shape[-1] != 1:  # the lanes' own texel: it must be aligned
-            last = len(index_map.shape) - 1
-            others = [digit for axis in range(last + 1) for digit in index_map.sub_axes(axis)[:-1 if axis == last else None]]
-            aligned = index_map.offset % 4 == 0 and index_map.strides[-1] == 1 and index_map.inner_extent(last) % 4 == 0 \
-                and all(stride % 4 == 0 for extent, stride in others if extent != 1)
-            if not aligned:
+            if not index_map.lanes_read_texels():
                 return None
             one_element = False
         else:  # broadcast along the rows (a row statistic): one element for all 4 lanes, any alignment
@@ -396,7 +392,7 @@ class KernelBuilder:
         """(flat row over the axes before the lane axis, element column in it) of the item's first
         texel, when a tile's rows are rows of `shape`'s lane axis (the contractions' tiles); else None."""
         per, stride, columns = self.texels_per_item, self.item_stride, self.item_columns
-        axis = lane_axis_of(shape)
+        axis = lane_axis(shape)
         if per == 1 or stride == 1 or axis is None or shape[axis] != 4 * stride:
             return None
         across = stride // columns
@@ -410,10 +406,10 @@ class KernelBuilder:
         for k, texture in enumerate(self.out_textures):
             ctype = "float" if texture.kind == "float" else "int"
             body.append(f"{ctype} r{k}[4] = {{0, 0, 0, 0}};")
-        # a texel within one row of the innermost axis longer than 1: its lanes' indices are its first
-        # element's, plus the lane along that axis (one division per axis per texel, not per lane)
-        lane_axis = lane_axis_of(self.out_shape)
-        in_one_row = lane_axis is not None and self.out_shape[lane_axis] % 4 == 0
+        # a texel within one row of the lane axis: its lanes' indices are its first element's, plus the
+        # lane along that axis (one division per axis per texel, not per lane)
+        lanes = lane_axis(self.out_shape)
+        in_one_row = lanes is not None
         if self.texel_reads or in_one_row:
             body += own_first or index_vars(self.out_shape, "t * 4", TEXEL_FIRST)
         if self.texel_reads:
@@ -424,7 +420,7 @@ class KernelBuilder:
                  "  const int i = t * 4 + lane;",
                  f"  if (i >= {out_numel}) break;"]
         if in_one_row:
-            body += [f"  const int {OUT_INDEX}{axis} = {TEXEL_FIRST}{axis}{' + lane' if axis == lane_axis else ''};"
+            body += [f"  const int {OUT_INDEX}{axis} = {TEXEL_FIRST}{axis}{' + lane' if axis == lanes else ''};"
                      for axis in range(len(self.out_shape))]
         else:
             body += [f"  {line}" for line in index_vars(self.out_shape, "i", OUT_INDEX)]
@@ -452,15 +448,18 @@ class KernelBuilder:
         return body
 
 
-def lane_axis_of(shape: Sequence[int]) -> int | None:
-    """The innermost axis longer than 1 (a texel's lanes walk it where it is a multiple of 4)."""
-    return next((k for k in reversed(range(len(shape))) if shape[k] != 1), None)
+def lane_axis(shape: Sequence[int]) -> int | None:
+    """The axis a texel's 4 lanes walk: the innermost non-unit one, when its length is a multiple of 4."""
+    for axis in reversed(range(len(shape))):
+        if shape[axis] != 1:
+            return axis if shape[axis] % 4 == 0 else None
+    return None
 
 
 def _row_index_vars(shape: Sequence[int], row: str, column: str, prefix: str) -> list[str]:
     """`prefix0..` for the element at element column `column` of flat row `row` (C expressions) of
     `shape` seen as rows of its lane axis (the axes after it have length 1)."""
-    axis = lane_axis_of(shape)
+    axis = lane_axis(shape)
     assert axis is not None
     lines = index_vars(shape[:axis], f"({row})", prefix) + [f"const int {prefix}{axis} = {column};"]
     return lines + [f"const int {prefix}{k} = 0;" for k in range(axis + 1, len(shape))]

@@ -144,14 +144,9 @@ def broadcast_view_index(index_map: IndexMap, out_shape: Sequence[int], prefix: 
     return view_index(index_map, [f"{prefix}{lead + k}" for k in range(len(index_map.shape))])
 
 
-def broadcast_index(leaf_shape: Sequence[int], out_shape: Sequence[int], prefix: str,
-                    strides: Sequence[int] | None = None, offset: int = 0) -> str:
-    """Flat index into a leaf of `leaf_shape` (row-major, or with `strides` and `offset` into the tensor
-    that stores it) numpy-broadcast to `out_shape`, from out index vars."""
-    lead = len(out_shape) - len(leaf_shape)
-    strides = strides_of(leaf_shape) if strides is None else strides
-    terms = [(f"{prefix}{lead + k}", stride) for k, (dim, stride) in enumerate(zip(leaf_shape, strides)) if dim != 1]
-    return flat_index(terms, offset)
+def broadcast_index(leaf_shape: Sequence[int], out_shape: Sequence[int], prefix: str) -> str:
+    """Flat row-major index into a leaf of `leaf_shape` numpy-broadcast to `out_shape`, from out index vars."""
+    return broadcast_view_index(IndexMap.identity(tuple(leaf_shape)), out_shape, prefix)
 
 
 @dataclass

@@ -159,6 +159,15 @@ class IndexMap:
             axes.append(taken)
         return IndexMap.from_sub_axes(tuple(shape), axes, self.offset)
 
+    def lanes_read_texels(self) -> bool:
+        """Whether every 4 consecutive view elements from a multiple of 4 along the last axis are one
+        texel of the root: the last axis steps by 1 in runs of a multiple of 4 from an aligned start,
+        and every other digit moves by whole texels."""
+        last = len(self.shape) - 1
+        others = [digit for axis in range(last + 1) for digit in self.sub_axes(axis)[:-1 if axis == last else None]]
+        return (self.offset % 4 == 0 and self.strides[-1] == 1 and self.inner_extent(last) % 4 == 0
+                and all(stride % 4 == 0 for extent, stride in others if extent != 1))
+
     def packs_whole_texels(self, root_shape: tuple[int, ...]) -> bool:
         """Tile boundary preservation: each texel of the root (4 consecutive elements of its last axis)
         stays a run of consecutive elements along one axis of the view."""

@@ -3,21 +3,21 @@
 rtile_select ranks every candidate layout of a stored tensor here: R-Tile tiles of a [rows, cols]
 matrix (`rank_candidates`) and, for a tensor that stays flat, the fold of its texels into a 2-D image
 (`rank_folds`). A wave's reads are replayed for WAVE_STEPS lockstep steps of synthetic walks, and
-the distinct cache blocks they touch rank every candidate. Given the reads the step's kernels
+the distinct cache blocks they touch give each walk's efficiency. Given the reads the step's kernels
 really make (traced on a device: fblc.tools.traced_layouts), `rescore_traced` replays those
 through the best candidates and the texture-cache model (fblc.profiles.cache_model: sets, ways,
-LRU); the missed blocks of each launch enter the target's time estimate (codegen.estimate's
-max(arithmetic, bytes over bandwidth)), which decides. (Re-scoring the synthetic walks with the cache model changed no choice
-on any model: a wave's eight steps never fill the L1.) Images stay within
-profiles.placement_limits.
+LRU). Either way the fetched blocks enter each kernel's time on the target (`kernel_ms`,
+codegen.estimate's max(arithmetic, bytes over bandwidth)), and the least estimated time decides.
+(Re-scoring the synthetic walks with the cache model changed no choice on any model: a wave's
+eight steps never fill the L1.) Images stay within profiles.placement_limits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,8 +29,8 @@ TILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
 MAX_PADDING = 0.10
 WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
-FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))
-TEXEL_BYTES = 16  # a fetched block's texels, as codegen.estimate counts them  # image widths a flat tensor may fold to, 8 .. 16384 texels
+FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))  # image widths a flat tensor may fold to, 8 .. 16384 texels
+TEXEL_BYTES = 16  # a fetched block's texels, as codegen.estimate counts them
 
 
 @dataclass(frozen=True)
@@ -118,15 +118,21 @@ class Access(NamedTuple):
 ELEMENT_BYTES = 4  # fp32 (the layouts are chosen before storage precision halves activations)
 
 
+def kernel_ms(compute_ms: float, other_ms: float, fetched_bytes: float, geometry: Geometry) -> float:
+    """A kernel's estimated time on the target, as codegen.estimate counts it: max(arithmetic, bytes over
+    bandwidth), its bytes `other_ms`' worth plus the `fetched_bytes` of the tensor being placed."""
+    return max(compute_ms, other_ms + fetched_bytes / (geometry.bandwidth_gbps * 1e6))
+
+
 def access_estimate(layout: TexelLayout, accesses: Sequence[Access], rows: int, texel_cols: int,
                     geometry: Geometry) -> float:
     """The estimated ms of the kernels in `accesses` with the tensor in `layout`: each takes
     max(arithmetic, bytes over bandwidth) (codegen.estimate), its bytes of this tensor those of the
     blocks its walk fetches (block_efficiency), so a kernel bound by its arithmetic adds the same time
     whatever the layout."""
-    per_ms = 1.0 / (geometry.bandwidth_gbps * 1e6)
-    return sum(max(a.compute_ms, a.other_ms + a.weight * ELEMENT_BYTES * per_ms
-                   / block_efficiency(layout, a.pattern, rows, texel_cols, geometry)) for a in accesses)
+    return sum(kernel_ms(a.compute_ms, a.other_ms,
+                         a.weight * ELEMENT_BYTES / block_efficiency(layout, a.pattern, rows, texel_cols, geometry),
+                         geometry) for a in accesses)
 
 
 @dataclass(frozen=True)
@@ -253,8 +259,7 @@ def traced_estimate(layout: TexelLayout, streams: Sequence[TracedStream], geomet
         useful += scale * prefix.size
         fetched += blocks * block
         launches.setdefault(stream.kernel, [stream.compute_ms, stream.other_ms, 0.0])[2] += blocks * block * TEXEL_BYTES
-    per_ms = 1.0 / (geometry.bandwidth_gbps * 1e6)
-    ms = sum(max(compute, other + fetched_bytes * per_ms) for compute, other, fetched_bytes in launches.values())
+    ms = sum(kernel_ms(compute, other, fetched_bytes, geometry) for compute, other, fetched_bytes in launches.values())
     return ms, (useful / fetched if fetched else 1.0)
 
 

@@ -34,7 +34,8 @@ the tensor (every reader, forward and backward, traced work-group by work-group 
 schedule: fblc.tools.traced_layouts), replayed through the target's texture-cache model: each
 reading launch's missed blocks enter the target's time estimate (max(arithmetic, bytes over
 bandwidth), as report.json's `estimate`), and the least estimated time decides (fewer misses
-break ties, as where every reader is bound by its arithmetic); "flat" every tensor takes the conventional flat layout (kernels, register tiles
+break ties, as where every reader is bound by its arithmetic); "flat" every tensor takes the
+conventional flat layout (kernels, register tiles
 and remapping as under rtile, so only the layouts differ). With mode "naive" every value is
 flat (the conventional baseline). Preconditions: fused or unfused step graph with static shapes,
 after tile_remap. In place.

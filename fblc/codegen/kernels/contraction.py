@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
+from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, digit_terms, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
@@ -60,14 +60,6 @@ class Stream:
 def index_terms(variables: Sequence[str], dims: Sequence[int], strides: Sequence[int]) -> Terms:
     """Index terms, dropping axes of extent 1 (their index is always 0)."""
     return [(var, stride) for var, dim, stride in zip(variables, dims, strides) if dim != 1]
-
-
-def lane_axis(shape: Sequence[int]) -> int | None:
-    """The axis a texel's 4 lanes walk: the innermost non-unit one, when its length is a multiple of 4."""
-    for axis in reversed(range(len(shape))):
-        if shape[axis] != 1:
-            return axis if shape[axis] % LANES == 0 else None
-    return None
 
 
 ROW_MIN = 6  # the shortest row whose texels may take the texel-wide path when they do not cross it

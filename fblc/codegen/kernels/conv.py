@@ -36,12 +36,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
+from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
     finish_group,
-    lane_axis,
     reduce_guarded,
     reduce_into,
     reduce_lane,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import KernelBuilder
+from fblc.codegen.builder import KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
@@ -30,7 +30,6 @@ from fblc.codegen.kernels.contraction import (
     dot_loop,
     finish_group,
     index_terms,
-    lane_axis,
     reduce_guarded,
     reduce_into,
     row_axis,
