@@ -217,6 +217,14 @@ TILE_CASES = {
     "conv_grouped_rows": (*conv((1, 8, 5, 8), (16, 4, 3, 3), group=2, pads=[1, 1, 1, 1]),
                           {"forward": "tile", "dx": "tile", "dw": "lane"}),
     "conv_channel_tile_batches": (*conv((8, 4, 1, 6), (8, 4, 1, 3)), {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # depthwise: one channel per group, so a tile stacks output rows instead (4, 3 or 2 that divide the
+    # height), which share their input rows; padded, strided, dilated and asymmetric windows
+    "conv_depthwise_rows": (*conv((2, 4, 8, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1], bias=True),
+                            {"forward": "tile", "dx": "tile", "dw": "lane"}),
+    "conv_depthwise_rows_strided": (*conv((1, 4, 12, 16), (4, 1, 3, 3), group=4, strides=[2, 2], pads=[1, 1, 1, 1]),
+                                    {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv_depthwise_rows_dilated": (*conv((1, 4, 10, 12), (4, 1, 3, 5), group=4, dilations=[2, 1],
+                                          pads=[1, 2, 3, 2]), {"forward": "tile", "dx": "tile", "dw": "lane"}),
 }
 
 
@@ -239,6 +247,31 @@ def test_contraction_paths(name: str, tmp_path) -> None:
     for match in re.finditer(r"// (conv|matmul): ([^\n]*)\n__kernel void (\w+)\((.*?)\n}", source, re.DOTALL):
         found.setdefault(_role(match.group(2), match.group(3)), set()).add(_path(match.group(4)))
     assert found == {role: set(paths.split()) for role, paths in expected.items()}
+
+
+def _conv_kernels(tmp_path, name: str, x: tuple[int, ...], w: tuple[int, ...], **attrs: Any) -> dict[str, str]:
+    """The forward Conv kernel and the input gradient's ConvTranspose kernel of a conv's step, by role."""
+    path = write_case(str(tmp_path / f"{name}.onnx"), *conv(x, w, **attrs))
+    compile_model(path, str(tmp_path / name), "local", "fp32", OPTIONS)
+    source = (tmp_path / name / "kernels.cl").read_text()
+    found = re.findall(r"// conv: ([^\n]*)\n(__kernel void \w+_(Conv|ConvTranspose)\(.*?\n})", source, re.DOTALL)
+    return {"dx" if op == "ConvTranspose" else "forward": body for comment, body, op in found
+            if op == "ConvTranspose" or not comment.startswith("grad/")}
+
+
+def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
+    """A depthwise 3x3 conv over 8x8 maps: a work-item computes 4 output rows of 8 (32 accumulators)
+    and reads each of the 6 input rows they see once, 2 texels each: 12 reads of x where 4 rows
+    apart would read 3 rows each, 24; its input gradient (a ConvTranspose) takes the same tile. Where
+    no row count divides the height (5), or the kernel does not overlap along it (1 tap), a
+    work-item keeps one row."""
+    kernels = _conv_kernels(tmp_path, "rows", (1, 4, 8, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1])
+    x_reads = re.findall(r"RDF\((in\d+), ", kernels["forward"])
+    assert x_reads.count(x_reads[0]) == 12
+    assert all("float acc1[32]" in body for body in kernels.values())
+    for name, x, w, pads in [("odd_height", (1, 4, 5, 8), (4, 1, 3, 3), [1, 1, 1, 1]),
+                             ("one_tap", (1, 4, 8, 8), (4, 1, 1, 3), [0, 1, 0, 1])]:
+        assert all("float acc1[8]" in body for body in _conv_kernels(tmp_path, name, x, w, group=4, pads=pads).values())
 
 
 def test_conv_transpose_forward(tmp_path) -> None:

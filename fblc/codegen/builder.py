@@ -302,13 +302,15 @@ class KernelBuilder:
         if stride == 1:
             return f"g * {per}"
         across = stride // columns  # tiles side by side in a band of the tile's rows
+        if across == 1:
+            return f"g * {per // columns * stride}"
         corner = f"(g % {across}) * {columns}" if columns > 1 else f"g % {across}"
         return f"(g / {across}) * {per // columns * stride} + {corner}"
 
     @property
     def _tile_step(self) -> str:
         """C expression: texel tt of the work-item's tile (row-major over rows and columns), from its first."""
-        if self.item_stride == 1:
+        if self.item_stride == self.item_columns:  # whole rows: the tile's texels are consecutive
             return "tt"
         if self.item_columns == 1:
             return f"tt * {self.item_stride}"
@@ -332,7 +334,8 @@ class KernelBuilder:
         assert texels % band == 0, f"{texels} texels in bands of {band}"
         items = texels // per_item
         masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
-        if masks and self.item_stride > 1 and not _pairs_texels(self.item_columns, self.item_stride):
+        tiled = self.item_stride > self.item_columns  # else the item's texels are consecutive
+        if masks and tiled and not _pairs_texels(self.item_columns, self.item_stride):
             for texture in masks:  # a byte's two texels lie in two work-items' tiles
                 self.table.to_mask4(texture)
             masks = []
@@ -396,6 +399,8 @@ class KernelBuilder:
         if per == 1 or stride == 1 or axis is None or shape[axis] != 4 * stride:
             return None
         across = stride // columns
+        if across == 1:
+            return f"g * {per // columns}", "0"
         return f"(g / {across}) * {per // columns}", f"(g % {across}) * {4 * columns}"
 
     def _texel(self, results: Sequence[str], own_first: list[str] | None = None) -> list[str]:

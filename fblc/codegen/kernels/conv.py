@@ -18,7 +18,10 @@ Under R-Tile codegen (--layout rtile) a work-item holds a register tile, rows of
 2-D tile: a spatial tile or row texels also the same positions of 2, 4 or 8 output channels
 (channel_rows; their rows share every input read, so a pointwise conv reads each input texel
 once per 4 output channels), a channel tile those of 2 to 8 batch elements (batch_rows; the
-weight gradient's batch axis is X's channels). Under --layout naive, one channel per item.
+weight gradient's batch axis is X's channels). A spatial tile whose channels cannot stack (a
+depthwise conv has one output channel per group) stacks 2 to 4 output rows of the axis before its
+own instead (spatial_rows): their taps along it are enumerated too, under a second mask, so the
+rows read each input row they share once. Under --layout naive, one channel per item.
 A 1x1 conv with stride 1 and no padding, and a conv whose output pixel sees its whole input
 (a 1x1 conv's weight gradient), are seen over their flattened spatial axes first. Input
 channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled, or, for
@@ -30,7 +33,6 @@ the input read zero through masks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +41,7 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.kernels.conv_tiles import batch_rows, channel_rows, row_columns, spatial_row_count, texels_per_item
 from fblc.codegen.kernels.contraction import (
     finish_group,
     reduce_guarded,
@@ -62,15 +65,11 @@ from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
-from fblc.profiles.profile import PRIVATE_FLOATS
 
 FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwise conv (texel, lane)
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
-CHANNEL_ROWS = (8, 4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
-PAIR_ROW = 16  # rows at least this long take tiles of two texel columns on the row path
-BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
 
 
 @dataclass
@@ -132,6 +131,7 @@ class _Tile:
     multiple: int = 0
     row_step: int = 1  # output channels between consecutive rows
     batches: int = 1  # consecutive batch elements (the R-Tile register tile of a channel tile)
+    row_axis: int | None = None  # rows are consecutive positions along this window axis, not channels
 
     def __post_init__(self) -> None:
         self.multiple = self.multiple or self.length
@@ -157,11 +157,12 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     if cs.groups > 1:
         x_terms.append(Term(f"({var(1)} / {cs.cg_out})", cs.cg_in * xs[1]))
-    first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
+    # the first row's channel is a multiple of the channel rows
+    first_channel = tile.rows if tile.row_step == 1 and tile.row_axis is None else 1
     w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
     for axis in range(len(window.in_spatial)):
-        if axis == masked:
+        if axis in (masked, tile.row_axis):
             continue
         k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
         n, o, pad = window.in_spatial[axis], window.out_spatial[axis], window.pads_begin[axis]
@@ -188,39 +189,57 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     if masked is None:  # no spatial taps to block: only channels
         k, s, d, pad, x_step, w_step, n = 1, 1, 1, 0, 0, 0, 1
         mask = Mask([], 0, 0, 1)
+        clamp = False
     else:
-        k, s, d = window.kernel[masked], window.strides[masked], window.dilations[masked]
-        n, pad, length = window.in_spatial[masked], window.pads_begin[masked], window.out_spatial[masked]
-        x_step, w_step = xs[2 + masked], ws[2 + masked]
         walked = tile.length if masked == tile.axis else 1  # positions the tile covers along it
-        if length == walked:  # the tile starts at position 0
-            mask = Mask([], 0, 0, n)
-        else:
-            multiple = tile.multiple if masked == tile.axis else 1
-            mask = Mask([Term(var(2 + masked), s, multiple)], 0, (length - walked) * s, n)
-            x_terms.append(Term(var(2 + masked), s * x_step, multiple))
-    spread = (tile.length - 1) * s if masked == tile.axis else 0
-    clamp = pad > 0 or mask.high + spread - pad + (k - 1) * d >= n
+        mask, clamp = _tap_mask(window, masked, var(2 + masked), walked,
+                                tile.multiple if masked == tile.axis else 1, x_terms, xs[2 + masked])
+        k, s, d, pad = window.kernel[masked], window.strides[masked], window.dilations[masked], window.pads_begin[masked]
+        x_step, w_step = xs[2 + masked], ws[2 + masked]
+    row_mask, y = None, tile.row_axis
+    if y is not None:  # a 2-D spatial tile: its rows' taps are enumerated too, and share input rows
+        row_mask, clamp_rows = _tap_mask(window, y, var(2 + y), tile.rows, tile.rows, x_terms, xs[2 + y])
+        clamp = clamp or clamp_rows
+    row_taps = range(window.kernel[y]) if y is not None else range(1)
 
-    def product(lane: int, channel: int, tap: int) -> Product:
+    def product(lane: int, channel: int, tap: int, row_tap: int) -> Product:
         batch, rest = divmod(lane, tile.rows * tile.length)
         row, step = divmod(rest, tile.length)
         position = (step * s if masked == tile.axis else 0) + tap * d - pad
-        return Product(lane, batch * xs[0] + channel * xs[1] + position * x_step,
-                       row * tile.row_step * ws[0] + channel * ws[1] + tap * w_step, position)
+        if y is None:
+            return Product(lane, batch * xs[0] + channel * xs[1] + position * x_step,
+                           row * tile.row_step * ws[0] + channel * ws[1] + tap * w_step, position)
+        row_position = row * window.strides[y] + row_tap * window.dilations[y] - window.pads_begin[y]
+        return Product(lane, batch * xs[0] + channel * xs[1] + position * x_step + row_position * xs[2 + y],
+                       channel * ws[1] + tap * w_step + row_tap * ws[2 + y], position, row_position)
 
     x = Operand(cs.x, x_terms, x_offset, clamp)
     w = Operand(cs.w, w_terms, w_offset)
     lanes = range(tile.lanes)
     if k <= TAP_BLOCK:
         blocked = Blocked(cs.cg_in, min(CHANNEL_BLOCK, cs.cg_in), xs[1], ws[1], 0, lambda channels: [
-            product(lane, c, t) for c in channels for t in range(k) for lane in lanes])
+            product(lane, c, t, r) for c in channels for r in row_taps for t in range(k) for lane in lanes])
     else:
         if cs.cg_in > 1:
             loops.append(Loop.over(b.fresh("c"), "0", str(cs.cg_in), xs[1], ws[1]))
         blocked = Blocked(k, TAP_BLOCK, d * x_step, w_step, d, lambda taps: [
-            product(lane, 0, t) for t in taps for lane in lanes])
-    return Reduction(x, w, blocked, loops, mask)
+            product(lane, 0, t, r) for t in taps for r in row_taps for lane in lanes])
+    return Reduction(x, w, blocked, loops, mask, row_mask)
+
+
+def _tap_mask(window: Window, axis: int, first: str, walked: int, multiple: int, x_terms: list[Term],
+              x_step: int) -> tuple[Mask, bool]:
+    """(mask, clamp) of window axis `axis` whose taps are enumerated: the positions of the tile's
+    `walked` outputs along it start at C variable `first` (a multiple of `multiple`), which joins
+    `x_terms` unless the tile covers the whole axis; clamp: the masked reads may leave the input."""
+    k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
+    n, pad, length = window.in_spatial[axis], window.pads_begin[axis], window.out_spatial[axis]
+    if length == walked:  # the tile starts at position 0
+        mask = Mask([], 0, 0, n)
+    else:
+        mask = Mask([Term(first, s, multiple)], 0, (length - walked) * s, n)
+        x_terms.append(Term(first, s * x_step, multiple))
+    return mask, pad > 0 or mask.high + (walked - 1) * s - pad + (k - 1) * d >= n
 
 
 def _conv_tile(cs: _ConvShape) -> _Tile | None:
@@ -236,53 +255,24 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
     return None
 
 
-def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
-                 ) -> tuple[int, int, int]:
-    """(rows, row_step, columns): under R-Tile codegen a work-item whose outputs are `columns`
-    consecutive texels of one output channel (the first of `choices` that fits) also computes the
-    same positions of rows - 1 more channels, row_step apart (the register tile: the rows share
-    every input read). Positions line up with texel columns only every row_step = 4 * columns /
-    gcd(plane, 4 * columns) channels, `plane` the elements of a channel; the rows stay within a
-    group (cg_out output channels) and within PRIVATE_FLOATS accumulators. A saved mask whose
-    bytes the tile splits falls back to r_mask4 (KernelBuilder.finish): twice the mask's bits,
-    1/16 of the float tensor's, for 1/rows of the input reads. (1, 1, the last choice) when none
-    fits, or under the naive layout: the conventional one-channel kernel."""
-    plane = int(np.prod(out_shape[2:]))
-    if b.table.tiled:
-        for columns in choices:
-            step = LANES * columns // math.gcd(plane, LANES * columns)
-            stride = step * plane // LANES
-            for rows in CHANNEL_ROWS:
-                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS:
-                    b.tile_texels(rows, columns, stride)
-                    return rows, step, columns
-    return 1, 1, choices[-1]
-
-
-def row_columns(length: int) -> tuple[int, ...]:
-    """Texel columns a work-item may take along a row of `length` that is no multiple of 4: two
-    (whole bytes of a saved mask, more lanes sharing the weights) where rows are long enough that
-    most pairs lie within one, else one."""
-    return (2, 1) if length >= PAIR_ROW else (1,)
-
-
-def batch_rows(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
-    """Batch elements a channel tile's work-item computes under R-Tile codegen (the register tile:
-    they share every weight read; the autodiff's weight gradient, whose batch axis is the input
-    channels, shares the dY reads), within PRIVATE_FLOATS accumulators (a saved mask as in
-    channel_rows); 1 under naive."""
-    batch_texels = int(np.prod(out_shape[1:])) // LANES
-    if b.table.tiled:
-        for batches in BATCH_ROWS:
-            if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS:
-                b.tile_texels(batches, b.texels_per_item, batch_texels)
-                return batches
-    return 1
-
-
-def texels_per_item(texels: int) -> int:
-    """Texels a work-item of a spatial tile covers: the most (up to 5) that divide a row of `texels`."""
-    return next(n for n in (5, 4, 3, 2, 1) if texels % n == 0)
+def spatial_rows(b: KernelBuilder, cs: _ConvShape, tile: _Tile) -> tuple[int, int | None]:
+    """(rows, window axis): under R-Tile codegen a spatial tile whose channels cannot stack (a
+    depthwise conv has one output channel per group) stacks consecutive output positions along the
+    window axis before its own, the first of SPATIAL_ROWS that divides that axis and fits
+    PRIVATE_FLOATS, where its taps overlap (more taps than stride): the tile's rows then share
+    input rows, (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps.
+    (1, None) when none fits, or under the naive layout."""
+    window = cs.window
+    if not b.table.tiled or not tile.axis or window.kernel[tile.axis] > TAP_BLOCK:
+        return 1, None
+    y = tile.axis - 1
+    if window.kernel[y] <= window.strides[y]:
+        return 1, None
+    rows = spatial_row_count(cs.out_shape[2 + y], tile.lanes)
+    if rows == 1:
+        return 1, None
+    b.tile_texels(rows, b.texels_per_item, int(np.prod(cs.out_shape[3 + y:])) // LANES)
+    return rows, y
 
 
 def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list[str]:
@@ -322,8 +312,10 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     if tile is not None:
         b.texels_per_item = tile.lanes // LANES
-        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels
+        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
             tile.rows, tile.row_step, _ = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))
+            if tile.rows == 1:
+                tile.rows, tile.row_axis = spatial_rows(b, view, tile)
         else:  # a channel tile: under R-Tile codegen, of several batch elements
             tile.batches = batch_rows(b, view.out_shape, tile.lanes)
         masked = tile.axis if tile.axis is not None else _last_tap_axis(view)

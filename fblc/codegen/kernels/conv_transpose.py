@@ -10,8 +10,9 @@ starts at a multiple of the stride): the texels within one row do the same, the 
 two rows run per lane. Per lane: guarded tap loops around a dot product over
 input channels. A 1x1 ConvTranspose with stride 1 and no padding is seen over its flattened
 spatial axes first. Under R-Tile codegen the texel-wide paths compute the same positions of 2,
-4 or 8 output channels too (conv.channel_rows): they share the dY reads, and their weights lie
-side by side in W [C_in, C_out / group, k...].
+4 or 8 output channels too (conv_tiles.channel_rows): they share the dY reads, and their weights lie
+side by side in W [C_in, C_out / group, k...]; where channels cannot stack (a depthwise conv's
+input gradient), the aligned path stacks output rows of a stride-1 axis instead (_spatial_rows).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder, lane_axis
-from fblc.codegen.cl import Kernel, index_vars, strides_of
+from fblc.codegen.cl import Kernel, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
     Stream,
@@ -35,16 +36,8 @@ from fblc.codegen.kernels.contraction import (
     row_axis,
     start_builder,
 )
-from fblc.codegen.kernels.conv import (
-    view_indices,
-    CHANNEL_BLOCK,
-    TAP_BLOCK,
-    add_bias,
-    affine,
-    channel_rows,
-    row_columns,
-    texels_per_item,
-)
+from fblc.codegen.kernels.conv import CHANNEL_BLOCK, TAP_BLOCK, add_bias, affine, view_indices
+from fblc.codegen.kernels.conv_tiles import channel_rows, row_columns, spatial_row_count, texels_per_item
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
@@ -140,12 +133,13 @@ def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: in
 
 
 def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: int, lanes: int, multiple: int,
-                         rows: tuple[int, int] = (1, 1)) -> Reduction:
+                         rows: tuple[int, int] = (1, 1), row_axis: int | None = None) -> Reduction:
     """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple
     of `multiple` (the stride divides it, so which taps a lane takes is a literal): input channels
     in blocks of 4, taps unrolled. `u` names the index variables of the first output; `rows` =
-    (count, step): the same positions of that many output channels, step apart (conv.channel_rows),
-    lane = row * lanes + position."""
+    (count, step): the same positions of that many output channels, step apart (conv_tiles.channel_rows),
+    or with `row_axis` (a stride-1 spatial axis) that many consecutive positions along it, whose
+    taps are unrolled too (_spatial_rows); lane = row * lanes + position."""
     count, row_step = rows
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
     g = f"({u}1 / {ts.cg_out})"
@@ -155,7 +149,7 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
         [Term(f"({u}1 % {ts.cg_out})" if ts.groups > 1 else f"{u}1", ws[1])] if ts.cg_out > 1 else [])
     loops = []
     for axis in range(len(ts.kernel)):
-        if axis != lane:
+        if axis not in (lane, row_axis):
             lines, tap, source = _transpose_taps(b, ts, u, axis)
             loops.append(Loop(lines, [Term(source, xs[2 + axis])] if ts.x_shape[2 + axis] > 1 else [],
                               [Term(tap, ws[2 + axis])] if tap != "0" else []))
@@ -165,23 +159,44 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
     origin = f"({u}{2 + lane} / {s})" if s > 1 else f"{u}{2 + lane}"  # o / s: a multiple of multiple / s
     x_terms.append(Term(origin, x_step, multiple // s))
     mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
+    row_mask, row_taps = None, [(0, 0, 0)]  # (row tap, x offset, w offset) of the rows' own taps
+    if row_axis is not None:
+        first, k_y, d_y = f"{u}{2 + row_axis}", ts.kernel[row_axis], ts.dilations[row_axis]
+        row_mask = Mask([Term(first, 1, count)], 0, ts.out_shape[2 + row_axis] - count, ts.x_shape[2 + row_axis])
+        x_terms.append(Term(first, xs[2 + row_axis], count))
+        row_taps = [(ts.pads[row_axis] - t * d_y, (ts.pads[row_axis] - t * d_y) * xs[2 + row_axis],
+                     t * ws[2 + row_axis]) for t in range(k_y)]
 
     def products(channels: range) -> list[Product]:
         found = []
         for c in channels:
-            for t in range(k):
-                for lane_index in range(lanes):
-                    v = lane_index + pad - t * d  # o + v must be a multiple of s
-                    if v % s == 0:
-                        found += [Product(row * lanes + lane_index, c * xs[1] + (v // s) * x_step,
-                                          c * ws[0] + row * row_step * ws[1] + t * w_step, v // s)
-                                  for row in range(count)]
+            for row_tap, x_row, w_row in row_taps:
+                for t in range(k):
+                    for lane_index in range(lanes):
+                        v = lane_index + pad - t * d  # o + v must be a multiple of s
+                        if v % s == 0:
+                            found += [_product(row, row_tap, row_axis, row * lanes + lane_index,
+                                               c * xs[1] + (v // s) * x_step + x_row,
+                                               c * ws[0] + t * w_step + w_row, row_step * ws[1], v // s,
+                                               xs[2 + row_axis] if row_axis is not None else 0)
+                                      for row in range(count)]
         return found
 
     positions = [p.position for p in products(range(1))]
-    clamp = min(positions) < 0 or mask.high + max(positions) >= n
+    rows_at = [p.row_position for p in products(range(1))]
+    clamp = min(positions) < 0 or mask.high + max(positions) >= n or (
+        row_mask is not None and (min(rows_at) < 0 or row_mask.high + max(rows_at) >= row_mask.extent))
     blocked = Blocked(ts.cg_in, min(CHANNEL_BLOCK, ts.cg_in), xs[1], ws[0], 0, products)
-    return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask)
+    return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask, row_mask)
+
+
+def _product(row: int, row_tap: int, row_axis: int | None, lane: int, x: int, w: int, w_row_step: int,
+             position: int, x_row_step: int) -> Product:
+    """A product of tile row `row`: the same position of output channel row * step (w_row_step
+    apart in W), or with `row_axis` the next output position along it, one input row further."""
+    if row_axis is None:
+        return Product(lane, x, w + row * w_row_step, position)
+    return Product(lane, x + row * x_row_step, w, position, row + row_tap)
 
 
 @register_kernel("ConvTranspose")
@@ -197,10 +212,13 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         b.texels_per_item = texels_per_item(view.out_shape[axis] // LANES)
         lanes = LANES * b.texels_per_item
         rows = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))[:2]
+        along = None
+        if rows[0] == 1:
+            rows, along = _spatial_rows(b, view, axis - 2, lanes)
         if view is not ts:
             b.emit_texel(*b.item_index_vars(view.out_shape, texel))
-        acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows),
-                          lanes * rows[0])
+        acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows,
+                                                               along), lanes * rows[0])
     elif row is not None and _row_stride_fits(view.strides[row[0] - 2], row[1]) and \
             view.kernel[row[0] - 2] <= TAP_BLOCK:
         axis, length = row  # texels within one row reduce together, the ones across two per lane
@@ -219,6 +237,20 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         b.emit(f"{acc} = {_transpose_per_lane(b, view, Code(b.lines), lane)};")
     add_bias(b, node, acc)
     return finish_group(b, group, acc)
+
+
+def _spatial_rows(b: KernelBuilder, ts: _TransposeShape, lane: int, lanes: int) -> tuple[tuple[int, int], int | None]:
+    """((rows, 1), window axis): as conv.spatial_rows, consecutive output positions along the
+    spatial axis before `lane` where output channels cannot stack (a depthwise conv's input
+    gradient), when that axis has stride 1 and several taps: the rows share input rows.
+    ((1, 1), None) where none fits or under naive."""
+    if not b.table.tiled or lane == 0 or ts.strides[lane - 1] != 1 or ts.kernel[lane - 1] == 1:
+        return (1, 1), None
+    rows = spatial_row_count(ts.out_shape[1 + lane], lanes)
+    if rows == 1:
+        return (1, 1), None
+    b.tile_texels(rows, b.texels_per_item, int(np.prod(ts.out_shape[2 + lane:])) // LANES)
+    return (rows, 1), lane - 1
 
 
 def _row_stride_fits(stride: int, length: int) -> bool:

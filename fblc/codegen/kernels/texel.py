@@ -66,13 +66,15 @@ class Operand:
 
 
 class Product(NamedTuple):
-    """acc[lane] += X[x] * W[w], zero where `position` (along the masked axis) is outside the input.
+    """acc[lane] += X[x] * W[w], zero where `position` (along the masked axis) or `row_position` (along
+    the row mask's axis) is outside the input.
     (A tuple: a tile's block lists hundreds of them, for every contraction of the step.)"""
 
     lane: int
     x: int
     w: int
     position: int = 0
+    row_position: int = 0
 
 
 @dataclass
@@ -230,6 +232,7 @@ class Reduction:
     blocked: Blocked
     loops: list[Loop] = field(default_factory=list)  # outermost first
     mask: Mask | None = None
+    row_mask: Mask | None = None  # a second padded axis, enumerated in the products (a 2-D spatial tile)
 
     def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int, guard: str | None = None) -> None:
         """Declare `float acc[lanes]` and accumulate into it (only where `guard` holds, if given)."""
@@ -259,56 +262,65 @@ class Reduction:
                             self.mask.high + (main - axis.block) * axis.position_step, self.mask.extent)
             self._block(b, code, acc, axis.products(range(axis.block)),
                         self.x.moved(_shifted(x_terms, var, axis.x_step, axis.block)),
-                        self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask)
+                        self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
             code.close()
         else:
             main = 0
         if main < axis.extent:
             rest = axis.products(range(main, axis.extent))
             code.open("")  # a block scope of its own: names do not clash with the loop's
-            self._block(b, code, acc, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask)
+            self._block(b, code, acc, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask, self.row_mask)
             code.close()
         while code.depth > depth:
             code.close()
 
     @staticmethod
     def _block(b: KernelBuilder, code: Code, acc: str, products: Sequence[Product], x: Operand, w: Operand,
-               mask: Mask | None) -> None:
+               mask: Mask | None, row_mask: Mask | None = None) -> None:
         """One static block: drop products that are always out of range, mask the ones that may be."""
-        if mask is None:  # every product counts (contractions): the common case, kept lean
+        if mask is None and row_mask is None:  # every product counts (contractions): the common case, kept lean
             xs, ws = fetch(b, code, x, (p.x for p in products)), fetch(b, code, w, (p.w for p in products))
             code.emit(*[f"{acc}[{p.lane}] += {xs[p.x]} * {ws[p.w]};" for p in by_lane(products)])
             return
-        kept: list[tuple[Product, str | None]] = []
-        conditions: dict[int, str] = {}
-        position = b.fresh("P") if mask is not None else ""
+        axes = [(axis, m) for axis, m in enumerate((mask, row_mask)) if m is not None]
+        positions = {axis: b.fresh("P") for axis, _ in axes[:1]}  # the row mask's is named where needed
+        conditions: dict[tuple[int, int], str] = {}  # (axis, offset) -> C condition
+        kept: list[tuple[Product, tuple[tuple[int, int], ...]]] = []
         for product in products:
-            condition = None
-            if mask is not None:
-                low, high = mask.low + product.position, mask.high + product.position
-                if high < 0 or low >= mask.extent:
-                    continue
-                if low < 0 or high >= mask.extent:
-                    if product.position not in conditions:
-                        conditions[product.position] = _condition(_plus(position, product.position),
-                                                                  low < 0, high >= mask.extent, mask.extent)
-                    condition = conditions[product.position]
-            kept.append((product, condition))
+            keys: list[tuple[int, int]] = []
+            for axis, m in axes:
+                offset = (product.position, product.row_position)[axis]
+                low, high = m.low + offset, m.high + offset
+                if high < 0 or low >= m.extent:
+                    break
+                if low < 0 or high >= m.extent:
+                    if (axis, offset) not in conditions:
+                        position = positions.setdefault(axis, b.fresh("P"))
+                        conditions[axis, offset] = _condition(_plus(position, offset), low < 0,
+                                                              high >= m.extent, m.extent)
+                    keys.append((axis, offset))
+            else:
+                kept.append((product, tuple(keys)))
         if not kept:
             return
-        if conditions:
-            code.emit(f"const int {position} = {c_sum(mask.terms)};")  # type: ignore[union-attr]
-        named = {}
-        for offset, condition in conditions.items():
-            named[offset] = b.fresh("m")
-            code.emit(f"const bool {named[offset]} = {condition};")
+        for axis, position in positions.items():
+            if any(key[0] == axis for key in conditions):
+                code.emit(f"const int {position} = {c_sum((mask, row_mask)[axis].terms)};")  # type: ignore[union-attr]
+        named: dict[tuple[tuple[int, int], ...], str] = {}
+        for key, condition in conditions.items():
+            named[(key,)] = b.fresh("m")
+            code.emit(f"const bool {named[(key,)]} = {condition};")
+        for _, keys in kept:
+            if len(keys) > 1 and keys not in named:
+                named[keys] = b.fresh("m")
+                code.emit(f"const bool {named[keys]} = {' && '.join(named[(key,)] for key in keys)};")
         xs = fetch(b, code, x, (p.x for p, _ in kept))
         ws = fetch(b, code, w, (p.w for p, _ in kept))
         lines = []
-        for product, condition in sorted(kept, key=lambda kept_product: kept_product[0].lane):
+        for product, keys in sorted(kept, key=lambda kept_product: kept_product[0].lane):
             value = xs[product.x]
-            if condition is not None:
-                value = f"({named[product.position]} ? {value} : 0.0f)"
+            if keys:
+                value = f"({named[keys]} ? {value} : 0.0f)"
             lines.append(f"{acc}[{product.lane}] += {value} * {ws[product.w]};")
         code.emit(*lines)
 

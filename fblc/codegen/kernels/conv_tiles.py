@@ -1,0 +1,78 @@
+"""Register-tile shapes of the conv kernels (conv.py, conv_transpose.py) under R-Tile codegen.
+
+A work-item's outputs are `columns` consecutive texels of one output row; these choose how many
+more rows it also computes, each sharing the work-item's reads: rows of other output channels
+(channel_rows), of other batch elements (batch_rows), or of the next output positions along the
+axis before (spatial_row_count, where channels cannot stack), within PRIVATE_FLOATS accumulators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import math
+
+import numpy as np
+
+from fblc.codegen.builder import KernelBuilder
+from fblc.codegen.kernels.texel import LANES
+from fblc.profiles.profile import PRIVATE_FLOATS
+
+CHANNEL_ROWS = (8, 4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
+PAIR_ROW = 16  # rows at least this long take tiles of two texel columns on the row path
+BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
+SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels cannot stack (R-Tile codegen)
+
+
+def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
+                 ) -> tuple[int, int, int]:
+    """(rows, row_step, columns): under R-Tile codegen a work-item whose outputs are `columns`
+    consecutive texels of one output channel (the first of `choices` that fits) also computes the
+    same positions of rows - 1 more channels, row_step apart (the register tile: the rows share
+    every input read). Positions line up with texel columns only every row_step = 4 * columns /
+    gcd(plane, 4 * columns) channels, `plane` the elements of a channel; the rows stay within a
+    group (cg_out output channels) and within PRIVATE_FLOATS accumulators. A saved mask whose
+    bytes the tile splits falls back to r_mask4 (KernelBuilder.finish): twice the mask's bits,
+    1/16 of the float tensor's, for 1/rows of the input reads. (1, 1, the last choice) when none
+    fits, or under the naive layout: the conventional one-channel kernel."""
+    plane = int(np.prod(out_shape[2:]))
+    if b.table.tiled:
+        for columns in choices:
+            step = LANES * columns // math.gcd(plane, LANES * columns)
+            stride = step * plane // LANES
+            for rows in CHANNEL_ROWS:
+                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS:
+                    b.tile_texels(rows, columns, stride)
+                    return rows, step, columns
+    return 1, 1, choices[-1]
+
+
+def spatial_row_count(length: int, lanes: int) -> int:
+    """Rows of a 2-D spatial tile along an axis of `length`: the first of SPATIAL_ROWS that divides
+    it with rows * `lanes` accumulators within PRIVATE_FLOATS, else 1."""
+    return next((rows for rows in SPATIAL_ROWS if length % rows == 0 and rows * lanes <= PRIVATE_FLOATS), 1)
+
+
+def row_columns(length: int) -> tuple[int, ...]:
+    """Texel columns a work-item may take along a row of `length` that is no multiple of 4: two
+    (whole bytes of a saved mask, more lanes sharing the weights) where rows are long enough that
+    most pairs lie within one, else one."""
+    return (2, 1) if length >= PAIR_ROW else (1,)
+
+
+def batch_rows(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
+    """Batch elements a channel tile's work-item computes under R-Tile codegen (the register tile:
+    they share every weight read; the autodiff's weight gradient, whose batch axis is the input
+    channels, shares the dY reads), within PRIVATE_FLOATS accumulators (a saved mask as in
+    channel_rows); 1 under naive."""
+    batch_texels = int(np.prod(out_shape[1:])) // LANES
+    if b.table.tiled:
+        for batches in BATCH_ROWS:
+            if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS:
+                b.tile_texels(batches, b.texels_per_item, batch_texels)
+                return batches
+    return 1
+
+
+def texels_per_item(texels: int) -> int:
+    """Texels a work-item of a spatial tile covers: the most (up to 5) that divide a row of `texels`."""
+    return next(n for n in (5, 4, 3, 2, 1) if texels % n == 0)
