@@ -51,14 +51,17 @@ def _verify(name: str, export_dir: str, dtype: str, layout: str = "rtile",
 
 
 # The flat baseline runs on one export of each architecture: its kernels (no tiles, copies for data
-# movement) do not depend on the exporter, whose op variants the R-Tile runs above cover. MobileNetV2's
-# naive step compiles 434 kernels (a minute of PoCL on a cold cache); its naive layout has a benchmark
-# (benchmarks/layout.py), and depthwise and grouped convs under both layouts have kernel tests.
-NAIVE_MODELS = ("mlp", "tresnet", "resnet_legacy", "llama")
+# movement) do not depend on the exporter, whose op variants the R-Tile runs above cover. The conv nets'
+# naive steps are under `-m slow` for the suite's time (PoCL's cold compile: 40 s): the conv kernel
+# tests run every conv path under naive (test_kernels_contraction's TEXEL_CASES), MobileNetV2's naive
+# layout has a benchmark (benchmarks/layout.py).
+NAIVE_MODELS = ("mlp", "llama")
+SLOW_NAIVE_MODELS = ("tresnet", "resnet_legacy")
 
 
 @pytest.mark.parametrize("name, layout", [(name, "rtile") for name in MODELS]
-                         + [(name, "naive") for name in NAIVE_MODELS])
+                         + [(name, "naive") for name in NAIVE_MODELS]
+                         + [pytest.param(name, "naive", marks=pytest.mark.slow) for name in SLOW_NAIVE_MODELS])
 def test_one_step_on_pocl_matches_onnxruntime_fp32(name: str, layout: str, export_dir: str) -> None:
     """Both layouts: R-Tile textures with remapped data movement, and the flat baseline with copies; compiled
     for phone targets whose images may be 16384 wide, run on PoCL, whose images stop at 8192."""

@@ -67,8 +67,8 @@ def test_oclgrind_reports_a_write_past_the_end_and_a_race() -> None:
     assert any("data race" in line for line in reports), reports
 
 
-#: cases left to `-m slow` for the suite's time (the conv net covers their kernel families)
-SLOW_CASES = {"resnet"}
+#: cases left to `-m slow` for the suite's time (the conv net and the Llama decoder cover their kernel families)
+SLOW_CASES = {"resnet", "gpt2"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES])

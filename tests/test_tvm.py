@@ -54,8 +54,9 @@ def _step(name: str, directory: str) -> tuple[onnx.ModelProto, dict[str, np.ndar
 
 
 #: under `-m slow` for the suite's time: T-ResNet's convs need no rewrite, so the ResNet zoo export (convs
-#: and the MaxPool rewrite) covers them; MobileNetV2 is the largest step
-SLOW_ON_TVM = ("tresnet", "mobilenet_v2")
+#: and the MaxPool rewrite) covers them; MobileNetV2 is the largest step; the Llama decoder's step covers
+#: GPT-2's rewrites (LayerNormalization's is checked on its own below)
+SLOW_ON_TVM = ("tresnet", "mobilenet_v2", "gpt2")
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_ON_TVM else [])

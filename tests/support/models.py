@@ -64,14 +64,14 @@ class Link:
 
 
 def session_cached(build: Callable[..., Any]) -> Callable[..., Any]:
-    """Memoise `build(directory)` per directory: one export per test session."""
-    cache: dict[str, Any] = {}
+    """Memoise `build(directory, **options)` per directory and options: one export per test session."""
+    cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
 
     @functools.wraps(build)
-    def cached(directory: str | os.PathLike[str]) -> Any:
-        key = os.fspath(directory)
+    def cached(directory: str | os.PathLike[str], **options: Any) -> Any:
+        key = (os.fspath(directory), tuple(sorted(options.items())))
         if key not in cache:
-            cache[key] = build(key)
+            cache[key] = build(key[0], **options)
         return cache[key]
 
     return cached
@@ -275,8 +275,8 @@ def resnet_dynamo_optimized(directory: str) -> ExportedModel:
 
 
 @session_cached
-def llama(directory: str) -> tuple[ExportedModel, ExportedModel]:
-    """A 2-layer Llama (RMSNorm, rotary, grouped-query attention), logits only, dynamo export.
+def llama(directory: str, layers: int = 2) -> tuple[ExportedModel, ExportedModel]:
+    """A Llama of `layers` decoder layers (RMSNorm, rotary, grouped-query attention), logits only, dynamo export.
 
     One trace serves both files: the unoptimised export, then the same program after
     `optimize()` (what export(optimize=True) runs), which pre-transposes the weights.
@@ -284,7 +284,7 @@ def llama(directory: str) -> tuple[ExportedModel, ExportedModel]:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = randomize_norm_weights(transformers.LlamaForCausalLM(config), seed=3)
     model = logits_only(model, "input_ids", use_cache=False).eval()
@@ -292,10 +292,11 @@ def llama(directory: str) -> tuple[ExportedModel, ExportedModel]:
     ids = rng.integers(0, config.vocab_size, size=(2, 16)).astype(np.int64)
     labels, loss_of = causal_lm_loss(ids)
     program = _quiet_dynamo_export(model, (torch.from_numpy(ids),))
-    plain = os.path.join(directory, "llama.onnx")
+    stem = "llama" if layers == 2 else f"llama_{layers}_layers"
+    plain = os.path.join(directory, f"{stem}.onnx")
     program.save(plain)
     program.optimize()
-    optimized = os.path.join(directory, "llama_opt.onnx")
+    optimized = os.path.join(directory, f"{stem}_opt.onnx")
     program.save(optimized)
     return (ExportedModel("llama", plain, model, {"input_ids": ids}, labels, loss_of),
             ExportedModel("llama_opt", optimized, model, {"input_ids": ids}, labels, loss_of))
