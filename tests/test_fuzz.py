@@ -19,8 +19,8 @@ from fblc.tools.random_graphs import random_graph
 
 
 def test_seeded_run_finds_nothing(tmp_path) -> None:
-    summary = fuzz.fuzz(graphs=300, seed=0, device_every=150, mutations=400, workdir=str(tmp_path))
-    assert summary.graphs == 300 and summary.device_graphs == 2 and summary.mutations == 400
+    summary = fuzz.fuzz(graphs=200, seed=0, device_every=100, mutations=300, workdir=str(tmp_path))
+    assert summary.graphs == 200 and summary.device_graphs == 2 and summary.mutations == 300
     assert summary.findings == [], "\n".join(str(f) for f in summary.findings)
     assert summary.ops is not None and len(summary.ops) >= 44, sorted(summary.ops)
 

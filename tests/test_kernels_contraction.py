@@ -354,10 +354,10 @@ def _half_images() -> bool:
                for f in formats)
 
 
-@pytest.mark.parametrize("name", ["matmul_3d_broadcast", "conv2d_strided_asym_pads"])
+@pytest.mark.parametrize("name", ["matmul_3d_broadcast", "conv2d_strided_asym_pads", "conv_depthwise_rows"])
 def test_contraction_step_fp16(name: str, tmp_path) -> None:
     """Half textures, fp32 accumulation: within the fp16 tolerance of verify."""
     if not _half_images():
         pytest.skip("this OpenCL device has no RGBA half-float images")
-    nodes, inits = CASES[name]
+    nodes, inits = CASES[name] if name in CASES else TILE_CASES[name][:2]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), dtype="fp16")

@@ -47,9 +47,9 @@ def export_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("exported"))
 
 
-#: left to `-m slow` for the suite's time: the suite runs both optimizers on the MLP and AdamW on the Llama
-#: decoder; T-ResNet's one-step device tests cover its kernels
-SLOW_CASES = {("tresnet", "adamw"), ("tresnet", "sgd"), ("llama", "sgd")}
+#: left to `-m slow` for the suite's time: the suite runs both optimizers on the MLP; the larger models'
+#: one-step device tests cover their kernels
+SLOW_CASES = {("tresnet", "adamw"), ("tresnet", "sgd"), ("llama", "sgd"), ("llama", "adamw")}
 CASES = [pytest.param(model, optimizer, marks=[pytest.mark.slow] if (model, optimizer) in SLOW_CASES else [])
          for model in MODELS for optimizer in OPTIMIZERS]
 

@@ -55,8 +55,9 @@ def _step(name: str, directory: str) -> tuple[onnx.ModelProto, dict[str, np.ndar
 
 #: under `-m slow` for the suite's time: T-ResNet's convs need no rewrite, so the ResNet zoo export (convs
 #: and the MaxPool rewrite) covers them; MobileNetV2 is the largest step; the Llama decoder's step covers
-#: GPT-2's rewrites (LayerNormalization's is checked on its own below)
-SLOW_ON_TVM = ("tresnet", "mobilenet_v2", "gpt2")
+#: GPT-2's rewrites (LayerNormalization's is checked on its own below); the MLP's TVM step is checked
+#: against fblc's device step (test_three_references_agree_on_the_mlp), which matches onnxruntime's
+SLOW_ON_TVM = ("tresnet", "mobilenet_v2", "gpt2", "mlp")
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_ON_TVM else [])
@@ -71,7 +72,8 @@ def test_tvm_step_equals_onnxruntime(name: str, tmp_path) -> None:
 
 
 def test_three_references_agree_on_the_mlp(tmp_path) -> None:
-    """TVM's CPU step against fblc's device step of the same bundle (onnxruntime's is the test above)."""
+    """TVM's CPU step against fblc's device step of the same bundle (onnxruntime's is the test above,
+    under -m slow for the MLP; test_device_models checks the device step against onnxruntime)."""
     from fblc.codegen.compile import compile_model
     from fblc.runtime.local import LocalRunner
     from fblc.tools.verify import compare
