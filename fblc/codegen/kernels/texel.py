@@ -295,8 +295,9 @@ class Reduction:
                     break
                 if low < 0 or high >= m.extent:
                     if (axis, offset) not in conditions:
-                        position = positions.setdefault(axis, b.fresh("P"))
-                        conditions[axis, offset] = _condition(_plus(position, offset), low < 0,
+                        if axis not in positions:
+                            positions[axis] = b.fresh("P")
+                        conditions[axis, offset] = _condition(_plus(positions[axis], offset), low < 0,
                                                               high >= m.extent, m.extent)
                     keys.append((axis, offset))
             else:
