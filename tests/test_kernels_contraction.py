@@ -212,7 +212,7 @@ TILE_CASES = {
                                       {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # rows of 30: two texel columns per tile row, channels 2 apart (a plane of 180 = 4 mod 8)
     "conv3x3_rows_two_columns": (*conv((1, 4, 6, 30), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
-                                 {"forward": "tile", "dx": "tile", "dw": "lane"}),
+                                 {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # a grouped spatial tile: the 4 rows stay within a group of 8 output channels
     "conv_grouped_rows": (*conv((1, 8, 5, 8), (16, 4, 3, 3), group=2, pads=[1, 1, 1, 1]),
                           {"forward": "tile", "dx": "tile", "dw": "lane"}),
@@ -225,6 +225,15 @@ TILE_CASES = {
                                     {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv_depthwise_rows_dilated": (*conv((1, 4, 10, 12), (4, 1, 3, 5), group=4, dilations=[2, 1],
                                           pads=[1, 2, 3, 2]), {"forward": "tile", "dx": "tile", "dw": "lane"}),
+    # a 3x3 weight gradient over dY maps wider than TAP_BLOCK: 4 channels' 3x3 taps per work-item (36
+    # lanes), the dY rows a loop under a row mask; the batch inside it, split apart (4 x 400 > 1024), and
+    # a strided conv's (dY taps dilated by 2)
+    "conv3x3_weight_grad_tile": (*conv((2, 4, 18, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
+                                 {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv3x3_weight_grad_tile_apart": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
+                                       {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv3x3_weight_grad_tile_strided": (*conv((1, 3, 34, 36), (8, 3, 3, 3), strides=[2, 2], pads=[1, 0, 1, 1]),
+                                         {"forward": "tile", "dx": "tile", "dw": "tile"}),
 }
 
 

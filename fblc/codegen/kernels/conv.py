@@ -5,7 +5,9 @@ flat elements. Tiles, by preference:
 - channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every
   other spatial extent 1). The autodiff's weight-gradient Conv (gradients/linalg.py: X viewed
   [Cg_in, N, ...] whose 'weights' are dY maps and whose output rows are kernel taps) lands
-  here: the 4 rows share the X window, each reads its own dY row.
+  here: the 4 rows share the X window, each reads its own dY row. A 2-D weight gradient's
+  channel tile takes the whole k x k map (4 channels' taps are 4 * k * k consecutive elements):
+  the dY rows are a loop under a row mask, the k rows of taps read X rows side by side.
 - spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a
   multiple of 4 (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read
   their inputs, consecutive or strided elements of one input row, as whole texels.
@@ -41,7 +43,14 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.conv_tiles import batch_rows, channel_rows, row_columns, spatial_row_count, texels_per_item
+from fblc.codegen.kernels.conv_tiles import (
+    STATIC_PRODUCTS,
+    batch_rows,
+    channel_rows,
+    row_columns,
+    spatial_row_count,
+    texels_per_item,
+)
 from fblc.codegen.kernels.contraction import (
     finish_group,
     reduce_guarded,
@@ -65,6 +74,7 @@ from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
+from fblc.profiles.profile import PRIVATE_FLOATS
 
 FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwise conv (texel, lane)
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
@@ -118,8 +128,9 @@ def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
 
 @dataclass
 class _Tile:
-    """The outputs of one work-item: `rows` consecutive output channels x `length` consecutive
-    positions along window axis `axis` (None: no spatial axis varies), lane = row * length + position.
+    """The outputs of one work-item: `rows` consecutive output channels x `y_rows` consecutive
+    positions along window axis `row_axis` (a 2-D tile) x `length` consecutive positions along window
+    axis `axis` (None: no spatial axis varies), lane = (row * y_rows + y_row) * length + position.
 
     The first position is a multiple of `multiple` (default: `length`; 1 for a guarded texel,
     which may start anywhere in its row).
@@ -131,14 +142,15 @@ class _Tile:
     multiple: int = 0
     row_step: int = 1  # output channels between consecutive rows
     batches: int = 1  # consecutive batch elements (the R-Tile register tile of a channel tile)
-    row_axis: int | None = None  # rows are consecutive positions along this window axis, not channels
+    y_rows: int = 1  # consecutive positions along row_axis
+    row_axis: int | None = None
 
     def __post_init__(self) -> None:
         self.multiple = self.multiple or self.length
 
     @property
     def lanes(self) -> int:
-        return self.batches * self.rows * self.length
+        return self.batches * self.rows * self.y_rows * self.length
 
 
 def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
@@ -157,8 +169,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     if cs.groups > 1:
         x_terms.append(Term(f"({var(1)} / {cs.cg_out})", cs.cg_in * xs[1]))
-    # the first row's channel is a multiple of the channel rows
-    first_channel = tile.rows if tile.row_step == 1 and tile.row_axis is None else 1
+    first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
     w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
     for axis in range(len(window.in_spatial)):
@@ -196,22 +207,22 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
                                 tile.multiple if masked == tile.axis else 1, x_terms, xs[2 + masked])
         k, s, d, pad = window.kernel[masked], window.strides[masked], window.dilations[masked], window.pads_begin[masked]
         x_step, w_step = xs[2 + masked], ws[2 + masked]
-    row_mask, y = None, tile.row_axis
-    if y is not None:  # a 2-D spatial tile: its rows' taps are enumerated too, and share input rows
-        row_mask, clamp_rows = _tap_mask(window, y, var(2 + y), tile.rows, tile.rows, x_terms, xs[2 + y])
-        clamp = clamp or clamp_rows
-    row_taps = range(window.kernel[y]) if y is not None else range(1)
+    per_row = (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * tile.lanes
+    row_mask, row_taps, clamp_rows = _row_taps(b, tile, window, var, xs, ws, x_terms, loops, per_row)
+    clamp = clamp or clamp_rows
+    y = tile.row_axis
 
     def product(lane: int, channel: int, tap: int, row_tap: int) -> Product:
-        batch, rest = divmod(lane, tile.rows * tile.length)
-        row, step = divmod(rest, tile.length)
+        batch, rest = divmod(lane, tile.rows * tile.y_rows * tile.length)
+        row, rest = divmod(rest, tile.y_rows * tile.length)
+        y_row, step = divmod(rest, tile.length)
         position = (step * s if masked == tile.axis else 0) + tap * d - pad
+        x_at = batch * xs[0] + channel * xs[1] + position * x_step
+        w_at = row * tile.row_step * ws[0] + channel * ws[1] + tap * w_step
         if y is None:
-            return Product(lane, batch * xs[0] + channel * xs[1] + position * x_step,
-                           row * tile.row_step * ws[0] + channel * ws[1] + tap * w_step, position)
-        row_position = row * window.strides[y] + row_tap * window.dilations[y] - window.pads_begin[y]
-        return Product(lane, batch * xs[0] + channel * xs[1] + position * x_step + row_position * xs[2 + y],
-                       channel * ws[1] + tap * w_step + row_tap * ws[2 + y], position, row_position)
+            return Product(lane, x_at, w_at, position)
+        row_position = y_row * window.strides[y] + row_tap * window.dilations[y] - window.pads_begin[y]
+        return Product(lane, x_at + row_position * xs[2 + y], w_at + row_tap * ws[2 + y], position, row_position)
 
     x = Operand(cs.x, x_terms, x_offset, clamp)
     w = Operand(cs.w, w_terms, w_offset)
@@ -225,6 +236,27 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         blocked = Blocked(k, TAP_BLOCK, d * x_step, w_step, d, lambda taps: [
             product(lane, 0, t, r) for t in taps for r in row_taps for lane in lanes])
     return Reduction(x, w, blocked, loops, mask, row_mask)
+
+
+def _row_taps(b: KernelBuilder, tile: _Tile, window: Window, var: Callable[[int], str], xs: Sequence[int],
+              ws: Sequence[int], x_terms: list[Term], loops: list[Loop], per_row: int
+              ) -> tuple[Mask | None, range, bool]:
+    """(row mask, row taps enumerated in the products, clamp) of a 2-D tile's `y_rows` along its
+    row_axis. The taps along it are enumerated where the block stays within STATIC_PRODUCTS
+    (`per_row` products per tap): rows then read each input row they share once. Otherwise (a weight
+    gradient's dY rows) they are a loop over every tap, the rows masked at the input's borders."""
+    y = tile.row_axis
+    if y is None:
+        return None, range(1), False
+    k, s, d = window.kernel[y], window.strides[y], window.dilations[y]
+    if k * per_row <= STATIC_PRODUCTS:
+        mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
+        return mask, range(k), clamp
+    tap = b.fresh("k")
+    loops.append(Loop.over(tap, "0", str(k), d * xs[2 + y], ws[2 + y]))
+    mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
+    mask = Mask(mask.terms + [Term(tap, d)], mask.low, mask.high + (k - 1) * d, mask.extent)
+    return mask, range(1), clamp
 
 
 def _tap_mask(window: Window, axis: int, first: str, walked: int, multiple: int, x_terms: list[Term],
@@ -249,6 +281,11 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
         if length <= CHANNEL_TILE_LENGTH:
             return _Tile(LANES, length, spatial[0] if spatial else None)
+    if cs.cg_out % LANES == 0 and len(spatial) == 2 and cs.window.kernel[spatial[1]] > TAP_BLOCK:
+        y, x = spatial  # a weight gradient's 2-D kernel taps: 4 channels' whole maps are consecutive texels
+        out_y, out_x = cs.out_shape[2 + y], cs.out_shape[2 + x]
+        if out_x <= CHANNEL_TILE_LENGTH and LANES * out_y * out_x <= PRIVATE_FLOATS:
+            return _Tile(LANES, out_x, x, y_rows=out_y, row_axis=y)
     axis = lane_axis(cs.out_shape)
     if axis is not None and axis >= 2:
         return _Tile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)
@@ -268,7 +305,8 @@ def spatial_rows(b: KernelBuilder, cs: _ConvShape, tile: _Tile) -> tuple[int, in
     y = tile.axis - 1
     if window.kernel[y] <= window.strides[y]:
         return 1, None
-    rows = spatial_row_count(cs.out_shape[2 + y], tile.lanes)
+    rows = spatial_row_count(cs.out_shape[2 + y], tile.lanes,
+                             window.kernel[y] * window.kernel[tile.axis] * min(CHANNEL_BLOCK, cs.cg_in))
     if rows == 1:
         return 1, None
     b.tile_texels(rows, b.texels_per_item, int(np.prod(cs.out_shape[3 + y:])) // LANES)
@@ -315,7 +353,7 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
             tile.rows, tile.row_step, _ = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))
             if tile.rows == 1:
-                tile.rows, tile.row_axis = spatial_rows(b, view, tile)
+                tile.y_rows, tile.row_axis = spatial_rows(b, view, tile)
         else:  # a channel tile: under R-Tile codegen, of several batch elements
             tile.batches = batch_rows(b, view.out_shape, tile.lanes)
         masked = tile.axis if tile.axis is not None else _last_tap_axis(view)

@@ -21,6 +21,7 @@ CHANNEL_ROWS = (8, 4, 2)  # output channels of a register tile, the first that f
 PAIR_ROW = 16  # rows at least this long take tiles of two texel columns on the row path
 BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
 SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels cannot stack (R-Tile codegen)
+STATIC_PRODUCTS = 1024  # a 2-D tile enumerates its row taps while a block keeps at most this many products
 
 
 def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
@@ -46,10 +47,12 @@ def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choice
     return 1, 1, choices[-1]
 
 
-def spatial_row_count(length: int, lanes: int) -> int:
+def spatial_row_count(length: int, lanes: int, products: int) -> int:
     """Rows of a 2-D spatial tile along an axis of `length`: the first of SPATIAL_ROWS that divides
-    it with rows * `lanes` accumulators within PRIVATE_FLOATS, else 1."""
-    return next((rows for rows in SPATIAL_ROWS if length % rows == 0 and rows * lanes <= PRIVATE_FLOATS), 1)
+    it with rows * `lanes` accumulators within PRIVATE_FLOATS and their `products` each (taps x
+    input channels of a block) within STATIC_PRODUCTS, else 1."""
+    return next((rows for rows in SPATIAL_ROWS if length % rows == 0 and rows * lanes <= PRIVATE_FLOATS
+                 and rows * lanes * products <= STATIC_PRODUCTS), 1)
 
 
 def row_columns(length: int) -> tuple[int, ...]:

@@ -246,7 +246,8 @@ def _spatial_rows(b: KernelBuilder, ts: _TransposeShape, lane: int, lanes: int) 
     ((1, 1), None) where none fits or under naive."""
     if not b.table.tiled or lane == 0 or ts.strides[lane - 1] != 1 or ts.kernel[lane - 1] == 1:
         return (1, 1), None
-    rows = spatial_row_count(ts.out_shape[1 + lane], lanes)
+    rows = spatial_row_count(ts.out_shape[1 + lane], lanes,
+                             ts.kernel[lane - 1] * ts.kernel[lane] * min(CHANNEL_BLOCK, ts.cg_in))
     if rows == 1:
         return (1, 1), None
     b.tile_texels(rows, b.texels_per_item, int(np.prod(ts.out_shape[2 + lane:])) // LANES)
