@@ -248,15 +248,13 @@ def _row_taps(b: KernelBuilder, tile: _Tile, window: Window, var: Callable[[int]
     y = tile.row_axis
     if y is None:
         return None, range(1), False
-    k, s, d = window.kernel[y], window.strides[y], window.dilations[y]
+    k, d = window.kernel[y], window.dilations[y]
+    mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
     if k * per_row <= STATIC_PRODUCTS:
-        mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
         return mask, range(k), clamp
     tap = b.fresh("k")
     loops.append(Loop.over(tap, "0", str(k), d * xs[2 + y], ws[2 + y]))
-    mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
-    mask = Mask(mask.terms + [Term(tap, d)], mask.low, mask.high + (k - 1) * d, mask.extent)
-    return mask, range(1), clamp
+    return Mask(mask.terms + [Term(tap, d)], mask.low, mask.high + (k - 1) * d, mask.extent), range(1), clamp
 
 
 def _tap_mask(window: Window, axis: int, first: str, walked: int, multiple: int, x_terms: list[Term],
