@@ -205,7 +205,8 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         walked = tile.length if masked == tile.axis else 1  # positions the tile covers along it
         mask, clamp = _tap_mask(window, masked, var(2 + masked), walked,
                                 tile.multiple if masked == tile.axis else 1, x_terms, xs[2 + masked])
-        k, s, d, pad = window.kernel[masked], window.strides[masked], window.dilations[masked], window.pads_begin[masked]
+        k, s, d = window.kernel[masked], window.strides[masked], window.dilations[masked]
+        pad = window.pads_begin[masked]
         x_step, w_step = xs[2 + masked], ws[2 + masked]
     per_row = (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * tile.lanes
     row_mask, row_taps, clamp_rows = _row_taps(b, tile, window, var, xs, ws, x_terms, loops, per_row)
