@@ -134,9 +134,9 @@ TEXEL_CASES = {
     "conv2d_w12_dilated": (*conv((1, 2, 8, 12), (2, 2, 3, 3), dilations=[2, 2], pads=[2, 2, 2, 2]),
                            {"forward": "tile", "dx": "tile", "dw": "lane"}),
     "conv2d_w8_depthwise": (*conv((2, 4, 6, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1]),
-                            {"forward": "tile", "dx": "tile", "dw": "lane"}),
+                            {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv2d_w4_grouped": (*conv((1, 4, 6, 6), (8, 2, 3, 3), group=2, pads=[1, 0, 1, 0]),
-                          {"forward": "texel", "dx": "row", "dw": "lane"}),
+                          {"forward": "texel", "dx": "row", "dw": "tile"}),
     # a stride of 3 does not divide 4: the input gradient falls back to per-lane code
     "conv2d_stride3": (*conv((1, 2, 6, 12), (2, 2, 3, 3), strides=[1, 3]),
                        {"forward": "texel", "dx": "lane", "dw": "lane"}),
@@ -215,16 +215,16 @@ TILE_CASES = {
                                  {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # a grouped spatial tile: the 4 rows stay within a group of 8 output channels
     "conv_grouped_rows": (*conv((1, 8, 5, 8), (16, 4, 3, 3), group=2, pads=[1, 1, 1, 1]),
-                          {"forward": "tile", "dx": "tile", "dw": "lane"}),
+                          {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv_channel_tile_batches": (*conv((8, 4, 1, 6), (8, 4, 1, 3)), {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # depthwise: one channel per group, so a tile stacks output rows instead (4, 3 or 2 that divide the
     # height), which share their input rows; padded, strided, dilated and asymmetric windows
     "conv_depthwise_rows": (*conv((2, 4, 8, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1], bias=True),
-                            {"forward": "tile", "dx": "tile", "dw": "lane"}),
+                            {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv_depthwise_rows_strided": (*conv((1, 4, 12, 16), (4, 1, 3, 3), group=4, strides=[2, 2], pads=[1, 1, 1, 1]),
                                     {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv_depthwise_rows_dilated": (*conv((1, 4, 10, 12), (4, 1, 3, 5), group=4, dilations=[2, 1],
-                                          pads=[1, 2, 3, 2]), {"forward": "tile", "dx": "tile", "dw": "lane"}),
+                                          pads=[1, 2, 3, 2]), {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # a 3x3 weight gradient over dY maps wider than TAP_BLOCK: 4 channels' 3x3 taps per work-item (36
     # lanes), the dY rows a loop under a row mask; the batch inside it, split apart (4 x 400 > 1024), and
     # a strided conv's (dY taps dilated by 2)

@@ -7,7 +7,9 @@ flat elements. Tiles, by preference:
   [Cg_in, N, ...] whose 'weights' are dY maps and whose output rows are kernel taps) lands
   here: the 4 rows share the X window, each reads its own dY row. A 2-D weight gradient's
   channel tile takes the whole k x k map (4 channels' taps are 4 * k * k consecutive elements):
-  the dY rows are a loop under a row mask, the k rows of taps read X rows side by side.
+  the dY rows are a loop under a row mask, the k rows of taps read X rows side by side. A
+  depthwise conv's weight gradient (one output channel per group) takes it too, its 4 rows 4
+  groups, each reading its own X channel.
 - spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a
   multiple of 4 (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read
   their inputs, consecutive or strided elements of one input row, as whole texels.
@@ -167,8 +169,10 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         return f"{prefix}{axis}"
 
     x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
+    group_rows = cs.groups > 1 and cs.cg_out == 1  # each of a channel tile's rows is a group of its own
     if cs.groups > 1:
-        x_terms.append(Term(f"({var(1)} / {cs.cg_out})", cs.cg_in * xs[1]))
+        group = var(1) if cs.cg_out == 1 else f"({var(1)} / {cs.cg_out})"
+        x_terms.append(Term(group, cs.cg_in * xs[1], tile.rows if group_rows else 1))
     first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
     w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
@@ -218,7 +222,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         row, rest = divmod(rest, tile.y_rows * tile.length)
         y_row, step = divmod(rest, tile.length)
         position = (step * s if masked == tile.axis else 0) + tap * d - pad
-        x_at = batch * xs[0] + channel * xs[1] + position * x_step
+        x_at = batch * xs[0] + (row * cs.cg_in if group_rows else 0) * xs[1] + channel * xs[1] + position * x_step
         w_at = row * tile.row_step * ws[0] + channel * ws[1] + tap * w_step
         if y is None:
             return Product(lane, x_at, w_at, position)
@@ -280,10 +284,13 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
         if length <= CHANNEL_TILE_LENGTH:
             return _Tile(LANES, length, spatial[0] if spatial else None)
-    if cs.cg_out % LANES == 0 and len(spatial) == 2 and cs.window.kernel[spatial[1]] > TAP_BLOCK:
-        y, x = spatial  # a weight gradient's 2-D kernel taps: 4 channels' whole maps are consecutive texels
-        out_y, out_x = cs.out_shape[2 + y], cs.out_shape[2 + x]
-        if out_x <= CHANNEL_TILE_LENGTH and LANES * out_y * out_x <= PRIVATE_FLOATS:
+    stacks = cs.cg_out % LANES == 0 or (cs.cg_out == 1 and cs.out_shape[1] % LANES == 0)  # a depthwise one
+    if stacks and len(spatial) == 2:  # a weight gradient's k x k taps: 4 channels' maps are consecutive texels
+        y, x = spatial
+        out_y, out_x, k = cs.out_shape[2 + y], cs.out_shape[2 + x], cs.window.kernel[x]
+        lanes = LANES * out_y * out_x
+        products = (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
+        if k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= PRIVATE_FLOATS and products <= STATIC_PRODUCTS:
             return _Tile(LANES, out_x, x, y_rows=out_y, row_axis=y)
     axis = lane_axis(cs.out_shape)
     if axis is not None and axis >= 2:
