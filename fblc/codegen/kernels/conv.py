@@ -50,7 +50,7 @@ from fblc.codegen.kernels.conv_tiles import (
     batch_rows,
     channel_rows,
     row_columns,
-    spatial_row_count,
+    stack_rows,
     texels_per_item,
 )
 from fblc.codegen.kernels.contraction import (
@@ -212,7 +212,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         k, s, d = window.kernel[masked], window.strides[masked], window.dilations[masked]
         pad = window.pads_begin[masked]
         x_step, w_step = xs[2 + masked], ws[2 + masked]
-    per_row = (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * tile.lanes
+    per_row = _block_products(cs, k, tile.lanes)
     row_mask, row_taps, clamp_rows = _row_taps(b, tile, window, var, xs, ws, x_terms, loops, per_row)
     clamp = clamp or clamp_rows
     y = tile.row_axis
@@ -241,6 +241,12 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         blocked = Blocked(k, TAP_BLOCK, d * x_step, w_step, d, lambda taps: [
             product(lane, 0, t, r) for t in taps for r in row_taps for lane in lanes])
     return Reduction(x, w, blocked, loops, mask, row_mask)
+
+
+def _block_products(cs: _ConvShape, k: int, lanes: int) -> int:
+    """Products of one static block of the reduction over `k` taps along the masked axis (without
+    a 2-D tile's row taps): channels x taps, or TAP_BLOCK taps, times the lanes."""
+    return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
 
 
 def _row_taps(b: KernelBuilder, tile: _Tile, window: Window, var: Callable[[int], str], xs: Sequence[int],
@@ -289,8 +295,8 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
         y, x = spatial
         out_y, out_x, k = cs.out_shape[2 + y], cs.out_shape[2 + x], cs.window.kernel[x]
         lanes = LANES * out_y * out_x
-        products = (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
-        if k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= PRIVATE_FLOATS and products <= STATIC_PRODUCTS:
+        if (k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= PRIVATE_FLOATS
+                and _block_products(cs, k, lanes) <= STATIC_PRODUCTS):
             return _Tile(LANES, out_x, x, y_rows=out_y, row_axis=y)
     axis = lane_axis(cs.out_shape)
     if axis is not None and axis >= 2:
@@ -311,12 +317,9 @@ def spatial_rows(b: KernelBuilder, cs: _ConvShape, tile: _Tile) -> tuple[int, in
     y = tile.axis - 1
     if window.kernel[y] <= window.strides[y]:
         return 1, None
-    rows = spatial_row_count(cs.out_shape[2 + y], tile.lanes,
-                             window.kernel[y] * window.kernel[tile.axis] * min(CHANNEL_BLOCK, cs.cg_in))
-    if rows == 1:
-        return 1, None
-    b.tile_texels(rows, b.texels_per_item, int(np.prod(cs.out_shape[3 + y:])) // LANES)
-    return rows, y
+    rows = stack_rows(b, cs.out_shape, 2 + y, tile.lanes,
+                      window.kernel[y] * window.kernel[tile.axis] * min(CHANNEL_BLOCK, cs.cg_in))
+    return (rows, y) if rows > 1 else (1, None)
 
 
 def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list[str]:

@@ -3,7 +3,7 @@
 A work-item's outputs are `columns` consecutive texels of one output row; these choose how many
 more rows it also computes, each sharing the work-item's reads: rows of other output channels
 (channel_rows), of other batch elements (batch_rows), or of the next output positions along the
-axis before (spatial_row_count, where channels cannot stack), within PRIVATE_FLOATS accumulators.
+axis before (stack_rows, where channels cannot stack), within PRIVATE_FLOATS accumulators.
 """
 
 from __future__ import annotations
@@ -47,12 +47,16 @@ def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choice
     return 1, 1, choices[-1]
 
 
-def spatial_row_count(length: int, lanes: int, products: int) -> int:
-    """Rows of a 2-D spatial tile along an axis of `length`: the first of SPATIAL_ROWS that divides
-    it with rows * `lanes` accumulators within PRIVATE_FLOATS and their `products` each (taps x
-    input channels of a block) within STATIC_PRODUCTS, else 1."""
-    return next((rows for rows in SPATIAL_ROWS if length % rows == 0 and rows * lanes <= PRIVATE_FLOATS
+def stack_rows(b: KernelBuilder, out_shape: Sequence[int], axis: int, lanes: int, products: int) -> int:
+    """Output rows along `axis` of `out_shape` that a work-item of `lanes` outputs (whole texels of
+    the axes after it) also computes, made the builder's 2-D tile: the first of SPATIAL_ROWS that
+    divides the axis with rows * `lanes` accumulators within PRIVATE_FLOATS and their `products`
+    each (taps x input channels of a block) within STATIC_PRODUCTS; 1 (no tile) if none does."""
+    rows = next((rows for rows in SPATIAL_ROWS if out_shape[axis] % rows == 0 and rows * lanes <= PRIVATE_FLOATS
                  and rows * lanes * products <= STATIC_PRODUCTS), 1)
+    if rows > 1:
+        b.tile_texels(rows, b.texels_per_item, int(np.prod(out_shape[axis + 1:])) // LANES)
+    return rows
 
 
 def row_columns(length: int) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from fblc.codegen.kernels.contraction import (
     start_builder,
 )
 from fblc.codegen.kernels.conv import CHANNEL_BLOCK, TAP_BLOCK, add_bias, affine, view_indices
-from fblc.codegen.kernels.conv_tiles import channel_rows, row_columns, spatial_row_count, texels_per_item
+from fblc.codegen.kernels.conv_tiles import channel_rows, row_columns, stack_rows, texels_per_item
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
@@ -159,44 +159,40 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
     origin = f"({u}{2 + lane} / {s})" if s > 1 else f"{u}{2 + lane}"  # o / s: a multiple of multiple / s
     x_terms.append(Term(origin, x_step, multiple // s))
     mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
-    row_mask, row_taps = None, [(0, 0, 0)]  # (row tap, x offset, w offset) of the rows' own taps
+    row_mask, row_taps = None, [(0, 0)]  # (input row from the output row, W offset) of each row tap
     if row_axis is not None:
         first, k_y, d_y = f"{u}{2 + row_axis}", ts.kernel[row_axis], ts.dilations[row_axis]
         row_mask = Mask([Term(first, 1, count)], 0, ts.out_shape[2 + row_axis] - count, ts.x_shape[2 + row_axis])
         x_terms.append(Term(first, xs[2 + row_axis], count))
-        row_taps = [(ts.pads[row_axis] - t * d_y, (ts.pads[row_axis] - t * d_y) * xs[2 + row_axis],
-                     t * ws[2 + row_axis]) for t in range(k_y)]
+        row_taps = [(ts.pads[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
+
+    def product(row: int, lane_index: int, x: int, w: int, position: int, row_tap: int) -> Product:
+        """Tile row `row`: the same position of output channel row * row_step, or with `row_axis`
+        the next output position along it (input row row + row_tap)."""
+        if row_axis is None:
+            return Product(row * lanes + lane_index, x, w + row * row_step * ws[1], position)
+        at = row + row_tap
+        return Product(row * lanes + lane_index, x + at * xs[2 + row_axis], w, position, at)
 
     def products(channels: range) -> list[Product]:
         found = []
         for c in channels:
-            for row_tap, x_row, w_row in row_taps:
+            for row_tap, w_row in row_taps:
                 for t in range(k):
                     for lane_index in range(lanes):
                         v = lane_index + pad - t * d  # o + v must be a multiple of s
                         if v % s == 0:
-                            found += [_product(row, row_tap, row_axis, row * lanes + lane_index,
-                                               c * xs[1] + (v // s) * x_step + x_row,
-                                               c * ws[0] + t * w_step + w_row, row_step * ws[1], v // s,
-                                               xs[2 + row_axis] if row_axis is not None else 0)
+                            found += [product(row, lane_index, c * xs[1] + (v // s) * x_step,
+                                              c * ws[0] + t * w_step + w_row, v // s, row_tap)
                                       for row in range(count)]
         return found
 
-    positions = [p.position for p in products(range(1))]
-    rows_at = [p.row_position for p in products(range(1))]
+    first_channel = products(range(1))
+    positions, rows_at = [p.position for p in first_channel], [p.row_position for p in first_channel]
     clamp = min(positions) < 0 or mask.high + max(positions) >= n or (
         row_mask is not None and (min(rows_at) < 0 or row_mask.high + max(rows_at) >= row_mask.extent))
     blocked = Blocked(ts.cg_in, min(CHANNEL_BLOCK, ts.cg_in), xs[1], ws[0], 0, products)
     return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask, row_mask)
-
-
-def _product(row: int, row_tap: int, row_axis: int | None, lane: int, x: int, w: int, w_row_step: int,
-             position: int, x_row_step: int) -> Product:
-    """A product of tile row `row`: the same position of output channel row * step (w_row_step
-    apart in W), or with `row_axis` the next output position along it, one input row further."""
-    if row_axis is None:
-        return Product(lane, x, w + row * w_row_step, position)
-    return Product(lane, x + row * x_row_step, w, position, row + row_tap)
 
 
 @register_kernel("ConvTranspose")
@@ -246,12 +242,9 @@ def _spatial_rows(b: KernelBuilder, ts: _TransposeShape, lane: int, lanes: int) 
     ((1, 1), None) where none fits or under naive."""
     if not b.table.tiled or lane == 0 or ts.strides[lane - 1] != 1 or ts.kernel[lane - 1] == 1:
         return (1, 1), None
-    rows = spatial_row_count(ts.out_shape[1 + lane], lanes,
-                             ts.kernel[lane - 1] * ts.kernel[lane] * min(CHANNEL_BLOCK, ts.cg_in))
-    if rows == 1:
-        return (1, 1), None
-    b.tile_texels(rows, b.texels_per_item, int(np.prod(ts.out_shape[2 + lane:])) // LANES)
-    return (rows, 1), lane - 1
+    rows = stack_rows(b, ts.out_shape, 1 + lane, lanes,
+                      ts.kernel[lane - 1] * ts.kernel[lane] * min(CHANNEL_BLOCK, ts.cg_in))
+    return ((rows, 1), lane - 1) if rows > 1 else ((1, 1), None)
 
 
 def _row_stride_fits(stride: int, length: int) -> bool:
