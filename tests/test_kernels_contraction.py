@@ -187,6 +187,8 @@ def _role(comment: str, function: str) -> str:
 
 
 def _path(body: str) -> str:
+    if "get_group_id(0)" in body:  # a work-group shares each tile's (or texel's) reduction
+        return "shared"
     if "const int g = get_global_id(0);" in body:
         return "tile"
     if "const bool whole" in body:
@@ -234,6 +236,14 @@ TILE_CASES = {
                                        {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_tile_strided": (*conv((1, 3, 34, 36), (8, 3, 3, 3), strides=[2, 2], pads=[1, 0, 1, 1]),
                                          {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # reductions longer than SERIAL_REDUCTION: a work-group per tile deals out the dY rows (40 x 36 and
+    # a depthwise conv's 48 x 40 maps), or the blocks of K (1100), and sums its partial tiles in __local memory
+    "conv3x3_weight_grad_shared": (*conv((1, 4, 40, 36), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
+                                   {"forward": "tile", "dx": "tile", "dw": "shared"}),
+    "conv_depthwise_weight_grad_shared": (*conv((1, 8, 48, 40), (8, 1, 3, 3), group=8, pads=[1, 1, 1, 1]),
+                                          {"forward": "tile", "dx": "tile", "dw": "shared"}),
+    "matmul_long_k_shared": ([_node("MatMul", ["a", "b"])], {"a": (8, 1100), "b": (1100, 8)},
+                             {"forward": "shared", "grad": "tile"}),
 }
 
 

@@ -45,6 +45,21 @@ def test_a_small_device_limit_caps_the_group() -> None:
     assert small.launch_size(5) == (16, 16)
 
 
+def test_a_long_tile_reduction_is_shared_by_a_group_within_its_loop_and_local_memory() -> None:
+    """Profile.tile_group: a register tile whose reduction passes SERIAL_REDUCTION per accumulator takes
+    a power-of-two group, at most one work-item per iteration of the loop it deals out, GROUP_ITEMS,
+    the device's limit and SHARED_TILE_FLOATS of partials; a short reduction or a single trip, none."""
+    from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
+
+    profile = load_profile("adreno830")
+    assert profile.tile_group(SERIAL_REDUCTION, 56, 36) is None
+    assert profile.tile_group(3136, 56, 36) == 32  # a stem's 3x3 weight gradient: 56 dY rows
+    assert profile.tile_group(3136, 1, 36) is None
+    assert profile.tile_group(2000, 500, 64) == min(GROUP_ITEMS, SHARED_TILE_FLOATS // 64)
+    small = type(profile)(**{**profile.__dict__, "max_work_group_size": 16})
+    assert small.tile_group(3136, 56, 36) == 16
+
+
 @pytest.mark.parametrize("target", ["adreno830", "mali-g925", "local"])
 def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, target: str) -> None:
     from support import models

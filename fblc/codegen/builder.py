@@ -55,7 +55,10 @@ KERNEL_NAMES: dict[str, str] = {
     "lane": "the element's lane in its texel, 0 to 3",
     "i": "the element's flat index in the output tensor",
     "lid": "the work-item's index in its work-group (group kernels)",
-    "shared": "the group kernel's __local partials, one per work-item",
+    "shared": "the group kernel's __local partials, one per work-item (a tile's: one per accumulator and work-item)",
+    "j": "an accumulator of a work-item's tile, in a group kernel's merge of partial tiles",
+    "part": "a work-item's partial in a group kernel's merge of partial tiles",
+    "total": "the sum of a tile accumulator's partials in that merge",
     "s": "the stride of a group merge's tree",
     "x": "the element a reduction loop folds",
     "v": "the texel (float4) a reduction loop reads",
@@ -103,9 +106,10 @@ class KernelBuilder:
         self._splits: dict[int, str] = {}  # block length -> the lanes of a texel in its first block
         self.nodes: list[str] = []
         self._counter = 0
-        #: work-items that cooperate on each output texel (a work-group: `lid` its local id; the
-        #: group's results go out from work-item 0), or None: one work-item per texel
+        #: work-items that cooperate on each output texel, or tile of texels (a work-group: `lid` its
+        #: local id; the group's results go out from work-item 0), or None: one work-item per texel
         self.group_size: int | None = None
+        self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
 
     # reading ---------------------------------------------------------------------------------
     def constant_scalar(self, value: ir.Value) -> str | None:
@@ -286,6 +290,23 @@ class KernelBuilder:
                   f"{acc} = shared[0];",
                   "barrier(CLK_LOCAL_MEM_FENCE);  // shared is free again for the next merge")
 
+    def merge_tiles_across_group(self, acc: str, lanes: int) -> list[str]:
+        """Lines that sum the work-items' partial tiles `acc[lanes]` (a reduction the group dealt out)
+        through __local memory: each work-item stores its partials, work-item j sums accumulator j's
+        (and every group_size-th after it) in work-item order, then every work-item reads the totals."""
+        group = self.group_size
+        assert group is not None, "a merge across the group needs a group kernel"
+        self.shared_floats = max(self.shared_floats, group * lanes)
+        return [f"for (int j = 0; j < {lanes}; ++j) shared[j * {group} + lid] = {acc}[j];",
+                "barrier(CLK_LOCAL_MEM_FENCE);",
+                f"for (int j = lid; j < {lanes}; j += {group}) {{",
+                "  float total = 0.0f;",
+                f"  for (int part = 0; part < {group}; ++part) total += shared[j * {group} + part];",
+                f"  shared[j * {group}] = total;",
+                "}",
+                "barrier(CLK_LOCAL_MEM_FENCE);",
+                f"for (int j = 0; j < {lanes}; ++j) {acc}[j] = shared[j * {group}];"]
+
     def tile_texels(self, rows: int, columns: int, stride: int) -> None:
         """Make each work-item hold a 2-D tile: `rows` rows `stride` texels apart, each of `columns`
         consecutive texels (stride a multiple of columns)."""
@@ -344,10 +365,11 @@ class KernelBuilder:
         params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
         body = [f"__kernel void {self.name}({', '.join(params)} TRACE_PARAM) {{", "  TRACE_INIT"]
         item = "t" if per_item == 1 else "g"  # the item's index: its texel, or its place among the items
-        if self.group_size is not None:  # one work-group per texel: every branch below is uniform in a group
-            assert per_item == 1 and pair == 1 and not masks, "group kernels write one float texel per group"
-            body += ["  const int t = get_group_id(0);", "  const int lid = get_local_id(0);",
-                     f"  __local float shared[{self.group_size}];", f"  if (t >= {items}) return;"]
+        if self.group_size is not None:  # one work-group per item: every branch below is uniform in a group
+            assert pair == 1 and not masks, "group kernels write float texels"
+            body += [f"  const int {item} = get_group_id(0);", "  const int lid = get_local_id(0);",
+                     f"  __local float shared[{max(self.group_size, self.shared_floats)}];",
+                     f"  if ({item} >= {items}) return;"]
         elif pair == 1:
             body += [f"  const int {item} = get_global_id(0);", f"  if ({item} >= {items}) return;"]
         else:
@@ -443,13 +465,10 @@ class KernelBuilder:
                          "}"]
             elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
                 body.append(f"write_imageui(out{k}, {texture.coord('t')}, (uint4)({bits}, 0, 0, 0));")
-            elif texture.kind == "float" and self.group_size is not None:
-                body.append(f"if (lid == 0) write_imagef(out{k}, {texture.coord('t')}, "
-                            f"(float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
-            elif texture.kind == "float":
-                body.append(f"write_imagef(out{k}, {texture.coord('t')}, (float4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
-            else:
-                body.append(f"write_imagei(out{k}, {texture.coord('t')}, (int4)(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
+            else:  # a group kernel's texel goes out from its work-item 0
+                write, vector = ("write_imagef", "float4") if texture.kind == "float" else ("write_imagei", "int4")
+                body.append(f"{'if (lid == 0) ' if self.group_size is not None else ''}{write}(out{k}, "
+                            f"{texture.coord('t')}, ({vector})(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
         return body
 
 

@@ -54,6 +54,9 @@ PRIVATE_FLOATS = 64
 READ_IMAGE_ARGS = 128
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
+#: the __local memory a work-group's merge of partial register tiles may take (its accumulators times
+#: its work-items, in floats): half of the 32 KiB that Adreno's and Mali's OpenCL drivers give a group
+SHARED_TILE_FLOATS = 4096
 #: host-to-GPU cost of one kernel launch in an in-order queue, for report.json's estimate (estimated:
 #: mobile OpenCL drivers take a few to tens of microseconds per enqueue; no profile measures it yet)
 LAUNCH_OVERHEAD_US = 10.0
@@ -110,6 +113,18 @@ class Profile:
             return None
         group = 1
         while group * 2 <= min(REDUCTION_GROUP, self.max_work_group_size, count // 16):
+            group *= 2
+        return group if group > 1 else None
+
+    def tile_group(self, serial: int, trips: int, lanes: int) -> int | None:
+        """Work-items that share a register tile's reduction of `serial` multiply-adds per accumulator
+        (`lanes` accumulators) whose longest loop runs `trips` times, or None: short enough for one
+        work-item. A power of two, up to GROUP_ITEMS (a group's whole waves), at most one per
+        iteration of that loop, within max_work_group_size and SHARED_TILE_FLOATS of partials."""
+        if serial <= SERIAL_REDUCTION:
+            return None
+        group = 1
+        while group * 2 <= min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes):
             group *= 2
         return group if group > 1 else None
 

@@ -55,11 +55,22 @@ def _embedding(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOpti
     return path, {"ids": np.random.default_rng(3).integers(-37, 37, (2, 70)).astype(np.int64)}, OPTIONS
 
 
+def _shared_tiles(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
+    """A 3x3 weight gradient over 40 x 36 dY maps, past SERIAL_REDUCTION: a work-group per tile deals
+    out the dY rows and sums its partial tiles in __local memory."""
+    from tests.test_kernels_contraction import OPTIONS, TILE_CASES, write_case
+
+    path = os.path.join(directory, "shared_tiles.onnx")
+    nodes, inits, _ = TILE_CASES["conv3x3_weight_grad_shared"]
+    return write_case(path, nodes, inits), {}, OPTIONS
+
+
 CASES: dict[str, Case] = {
     "mlp": _exported(models.mlp),  # contractions, log-softmax as a reduction and a map, the fused AdamW
     # norms, rotary views, attention, gathers; one decoder layer, as a second simulates the same kernels
     "llama": _exported(lambda directory: models.llama(directory, layers=1)[0]),
     "embedding": _embedding,
+    "shared tiles": _shared_tiles,
     "resnet": _exported(models.resnet_legacy),  # convolutions, BatchNorm, the MaxPool stem, residuals, GAP
     # depthwise, pointwise, grouped and strided convolutions, BatchNorm on batch statistics, both pools
     "convnet": _exported(models.small_convnet, bn_train=True, optimizer=OptimizerConfig("sgd", lr=0.01, momentum=0.9)),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, digit_terms, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
@@ -158,10 +159,26 @@ def reduce_into(b: KernelBuilder, build: Callable[[Code], Reduction], lanes: int
         return acc
     code = Code(b.texel_lines)
     accs = b.fresh("acc")
-    build(code).emit(b, code, accs, lanes)
+    reduction = build(code)
+    group = _tile_group(b, reduction, lanes)
+    reduction.emit(b, code, accs, lanes, group=group)
+    if group:
+        code.emit(*b.merge_tiles_across_group(accs, lanes))
     acc = b.fresh("acc")
     b.emit(f"float {acc} = {accs}[{b.item_lane}];")
     return acc
+
+
+def _tile_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | None:
+    """Work-items that share each tile's `reduction` (a work-group per tile, Profile.tile_group), where
+    one work-item alone would run more than SERIAL_REDUCTION multiply-adds per accumulator: the
+    weight gradients, whose reduction is a whole dY map or batch x sequence. Not for a kernel with
+    mask outputs (their bytes pair texels of two work-items), which keeps one work-item per tile."""
+    if b.group_size is not None or any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
+        return None
+    _, trips = reduction.shared_loop()
+    b.group_size = b.table.profile.tile_group(reduction.serial(lanes), trips, lanes)
+    return b.group_size
 
 
 def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]) -> str:
@@ -316,7 +333,7 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     loop_vars = [b.fresh("kd") for _ in a_outer]
     if texel:
         aligned = (n_var, m_var) if tile[0] > 1 else (n_var,)
-        loops = [Loop.over(var, "0", str(extent), a_stride, w_stride)
+        loops = [Loop.over(var, "0", str(extent), a_stride, w_stride, extent)
                  for var, (extent, a_stride), (_, w_stride) in zip(loop_vars, a_outer, w_outer)]
         acc = _texel_dot(b, Operand(a_root, _texel_terms(a_terms, *aligned, multiples=multiples)), a_step,
                          Operand(w_root, _texel_terms(w_terms, *aligned, multiples=multiples)), w_step, w_lane,

@@ -189,7 +189,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
             w_offset += low * w_step
             if high - low > 1:
                 tap = b.fresh("k")
-                loops.append(Loop.over(tap, "0", str(high - low), d * x_step, w_step))
+                loops.append(Loop.over(tap, "0", str(high - low), d * x_step, w_step, high - low))
             continue
         origin = b.fresh("y")
         code.emit(f"const int {origin} = {affine(var(2 + axis), s, -pad)};")
@@ -198,9 +198,9 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
         if pad > 0 or (o - 1) * s - pad + (k - 1) * d >= n:
             low, high = b.fresh("lo"), b.fresh("hi")
             code.emit(*_tap_range(origin, low, high, k, d, n))
-            loops.append(Loop.over(tap, low, high, d * x_step, w_step))
+            loops.append(Loop.over(tap, low, high, d * x_step, w_step, k))
         elif k > 1:
-            loops.append(Loop.over(tap, "0", str(k), d * x_step, w_step))
+            loops.append(Loop.over(tap, "0", str(k), d * x_step, w_step, k))
     if masked is None:  # no spatial taps to block: only channels
         k, s, d, pad, x_step, w_step, n = 1, 1, 1, 0, 0, 0, 1
         mask = Mask([], 0, 0, 1)
@@ -237,7 +237,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
             product(lane, c, t, r) for c in channels for r in row_taps for t in range(k) for lane in lanes])
     else:
         if cs.cg_in > 1:
-            loops.append(Loop.over(b.fresh("c"), "0", str(cs.cg_in), xs[1], ws[1]))
+            loops.append(Loop.over(b.fresh("c"), "0", str(cs.cg_in), xs[1], ws[1], cs.cg_in))
         blocked = Blocked(k, TAP_BLOCK, d * x_step, w_step, d, lambda taps: [
             product(lane, 0, t, r) for t in taps for r in row_taps for lane in lanes])
     return Reduction(x, w, blocked, loops, mask, row_mask)
@@ -264,7 +264,7 @@ def _row_taps(b: KernelBuilder, tile: _Tile, window: Window, var: Callable[[int]
     if k * per_row <= STATIC_PRODUCTS:
         return mask, range(k), clamp
     tap = b.fresh("k")
-    loops.append(Loop.over(tap, "0", str(k), d * xs[2 + y], ws[2 + y]))
+    loops.append(Loop.over(tap, "0", str(k), d * xs[2 + y], ws[2 + y], k))
     return Mask(mask.terms + [Term(tap, d)], mask.low, mask.high + (k - 1) * d, mask.extent), range(1), clamp
 
 

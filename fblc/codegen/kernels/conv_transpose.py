@@ -152,7 +152,7 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
         if axis not in (lane, row_axis):
             lines, tap, source = _transpose_taps(b, ts, u, axis)
             loops.append(Loop(lines, [Term(source, xs[2 + axis])] if ts.x_shape[2 + axis] > 1 else [],
-                              [Term(tap, ws[2 + axis])] if tap != "0" else []))
+                              [Term(tap, ws[2 + axis])] if tap != "0" else [], ts.kernel[axis]))
     k, s, d = ts.kernel[lane], ts.strides[lane], ts.dilations[lane]
     n, pad, length = ts.x_shape[2 + lane], ts.pads[lane], ts.out_shape[2 + lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]

@@ -16,10 +16,15 @@ as the texels that can cover it and the elements are picked by the runtime shift
 Products whose position (along a padded axis) falls outside the input read zero through a
 mask, so border texels need no per-lane tap ranges; products always outside are dropped at
 compile time, and reads the masked ones make out of the tensor are clamped into it.
+
+A reduction too long for one work-item (Reduction.serial past SERIAL_REDUCTION) is dealt out to
+a work-group: its longest counted loop (Reduction.shared_loop) takes every group-th iteration
+from the work-item's `lid`, and the caller merges the partial tiles.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -90,16 +95,28 @@ class Mask:
 @dataclass
 class Loop:
     """Lines around the blocks (a runtime loop, a guard: each line ending in '{' opens a C block)
-    and the terms they add to the X and W indices."""
+    and the terms they add to the X and W indices. `trips`: the most iterations it runs; `walk`:
+    (var, start, stop) of a plain counted loop, which a work-group can share (Reduction.emit)."""
 
     lines: list[str]
     x_terms: list[Term]
     w_terms: list[Term]
+    trips: int = 1
+    walk: tuple[str, str, str] | None = None
 
     @staticmethod
-    def over(var: str, start: str, stop: str, x_step: int, w_step: int) -> Loop:
+    def over(var: str, start: str, stop: str, x_step: int, w_step: int, trips: int) -> Loop:
+        """`for var in [start, stop)`, at most `trips` iterations (stop may be a runtime bound)."""
         return Loop([f"for (int {var} = {start}; {var} < {stop}; ++{var}) {{"],
-                    [Term(var, x_step)] if x_step else [], [Term(var, w_step)] if w_step else [])
+                    [Term(var, x_step)] if x_step else [], [Term(var, w_step)] if w_step else [],
+                    trips, (var, start, stop))
+
+    def shared(self, group: int) -> list[str]:
+        """The loop's lines with its iterations dealt round-robin to the `group` work-items (`lid`)."""
+        assert self.walk is not None, "only a counted loop is shared"
+        var, start, stop = self.walk
+        first = "lid" if start == "0" else f"{start} + lid"
+        return [f"for (int {var} = {first}; {var} < {stop}; {var} += {group}) {{"]
 
 
 @dataclass
@@ -234,17 +251,39 @@ class Reduction:
     mask: Mask | None = None
     row_mask: Mask | None = None  # a second padded axis, enumerated in the products (a 2-D spatial tile)
 
-    def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int, guard: str | None = None) -> None:
-        """Declare `float acc[lanes]` and accumulate into it (only where `guard` holds, if given)."""
+    def serial(self, lanes: int) -> int:
+        """Multiply-adds per accumulator, which one work-item runs in turn (runtime tap ranges counted whole)."""
+        per_step = max(1, len(self.blocked.products(range(1))) // lanes)
+        return math.prod(loop.trips for loop in self.loops) * self.blocked.extent * per_step
+
+    def _blocks(self) -> int:
+        """Whole blocks the blocked axis loops over (0: it is one static block, no loop)."""
+        axis = self.blocked
+        main = axis.extent - axis.extent % axis.block
+        return main // axis.block if main > axis.block else 0
+
+    def shared_loop(self) -> tuple[int | None, int]:
+        """(index into loops, or None for the blocked axis's loop; its trips): the loop with the most
+        iterations that a work-group can deal out (Reduction.emit's `group`)."""
+        candidates = [(loop.trips, index) for index, loop in enumerate(self.loops) if loop.walk is not None]
+        best = max(candidates, default=(0, None))
+        return (None, self._blocks()) if self._blocks() >= best[0] else (best[1], best[0])
+
+    def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int, guard: str | None = None,
+             group: int | None = None) -> None:
+        """Declare `float acc[lanes]` and accumulate into it (only where `guard` holds, if given).
+        With `group`, the work-items of a work-group (`lid`) share `shared_loop()`, each its
+        every group-th iteration, and hold partial sums."""
         if lanes > PRIVATE_FLOATS:
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
         code.emit(f"float {acc}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};")
         depth = code.depth
         code.open(f"if ({guard})" if guard else "")  # the loops' and blocks' names stay local
+        shared = self.shared_loop()[0] if group else -1
         x_terms, w_terms = list(self.x.terms), list(self.w.terms)
-        for loop in self.loops:
-            for line in loop.lines:
+        for index, loop in enumerate(self.loops):
+            for line in loop.shared(group) + loop.lines[1:] if index == shared and group else loop.lines:
                 if line.endswith("{"):
                     code.open(line[:-1].rstrip())
                 else:
@@ -255,7 +294,10 @@ class Reduction:
         main = axis.extent - axis.extent % axis.block
         if main > axis.block:
             var = b.fresh("blk")
-            code.open(f"for (int {var} = 0; {var} < {main}; {var} += {axis.block})")
+            if shared is None and group:  # the blocks dealt out to the group
+                code.open(f"for (int {var} = lid * {axis.block}; {var} < {main}; {var} += {group * axis.block})")
+            else:
+                code.open(f"for (int {var} = 0; {var} < {main}; {var} += {axis.block})")
             mask = None
             if self.mask is not None:
                 mask = Mask(_shifted(self.mask.terms, var, axis.position_step, axis.block), self.mask.low,
@@ -268,7 +310,8 @@ class Reduction:
             main = 0
         if main < axis.extent:
             rest = axis.products(range(main, axis.extent))
-            code.open("")  # a block scope of its own: names do not clash with the loop's
+            # a block scope of its own (names do not clash with the loop's); one work-item's share when dealt out
+            code.open(f"if (lid == {group - 1})" if shared is None and group else "")
             self._block(b, code, acc, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask, self.row_mask)
             code.close()
         while code.depth > depth:
