@@ -91,9 +91,32 @@ class TexelLayout:
             if self.width & (self.width - 1) == 0:  # a power of two: shift and mask, no division
                 return f"TEXEL_P2({texel}, {self.width.bit_length() - 1})"
             return f"TEXEL({texel}, {self.width})"
+        return f"{self.c_function}({texel})"
+
+    @property
+    def c_function(self) -> str:
+        """Name of the OpenCL C function placing an R-Tile layout's texels (`c_definition`), from its figures."""
         ntr, ntc = self.tile_grid
-        return (f"RTILE({texel}, {self.cols // 4}, {self.tile_h}, {self.tile_texels_w}, {ntr}, {ntc}, "
-                f"{self.tiles_per_row}, {int(self.packing == 'strip')}, {int(self.arrangement == 'columns')})")
+        figures = (self.cols // 4, self.tile_h, self.tile_texels_w, ntr, ntc, self.tiles_per_row)
+        return "_".join(["RTILE", *map(str, figures), self.packing, self.arrangement])
+
+    def c_definition(self) -> str:
+        """The OpenCL C function `c_function` (coords in C), its figures literals: each division is
+        then a shift or a multiply-high by a constant (UDIV, in the kernels' preamble), each
+        remainder a multiply-subtract. Unsigned: a texel index is never negative."""
+        c4, th, tw4, tpr = self.cols // 4, self.tile_h, self.tile_texels_w, self.tiles_per_row
+        ntr, ntc = self.tile_grid
+        tile = f"tc * {ntr}u + tr" if self.arrangement == "columns" else f"tr * {ntc}u + tc"
+        place = (f"(int2)(gx * {th * tw4}u + ir * {tw4}u + iq, gy)" if self.packing == "strip"
+                 else f"(int2)(gx * {tw4}u + iq, gy * {th}u + ir)")
+        return "\n".join([
+            f"inline __attribute__((always_inline)) int2 {self.c_function}(uint t) {{",
+            f"  const uint r = UDIV(t, {c4}u), q = t - r * {c4}u;",
+            f"  const uint tr = UDIV(r, {th}u), ir = r - tr * {th}u, tc = UDIV(q, {tw4}u), iq = q - tc * {tw4}u;",
+            f"  const uint tile = {tile};",
+            f"  const uint gy = UDIV(tile, {tpr}u), gx = tile - gy * {tpr}u;",
+            f"  return {place};",
+            "}"])
 
     def describe(self) -> str:
         if self.kind in MASK_ELEMENTS:
@@ -116,20 +139,6 @@ class TexelLayout:
 @lru_cache(maxsize=4096)
 def _json_of(layout: TexelLayout) -> str:
     return json.dumps(vars(layout), separators=(",", ":"))
-
-
-# The C the coordinates compile to (the codegen's preamble includes it).
-RTILE_C = """\
-// unsigned: a texel index is never negative, and with the literal figures inlined an unsigned
-// division or remainder by a power of two compiles to a shift or a mask (a signed one cannot);
-// always inlined, so every call site sees its literal figures (oclgrind's compiler kept calls)
-inline __attribute__((always_inline)) int2 RTILE(uint t, uint c4, uint th, uint tw4, uint ntr, uint ntc, uint tpr, int strip, int by_columns) {
-  const uint r = t / c4, q = t % c4;
-  const uint tr = r / th, ir = r % th, tc = q / tw4, iq = q % tw4;
-  const uint tile = by_columns ? tc * ntr + tr : tr * ntc + tc;
-  const uint gx = tile % tpr, gy = tile / tpr;
-  return strip ? (int2)(gx * th * tw4 + ir * tw4 + iq, gy) : (int2)(gx * tw4 + iq, gy * th + ir);
-}"""
 
 
 def flat_layout(texels: int, max_width: int) -> TexelLayout:

@@ -325,8 +325,8 @@ class KernelBuilder:
         across = stride // columns  # tiles side by side in a band of the tile's rows
         if across == 1:
             return f"g * {per // columns * stride}"
-        corner = f"(g % {across}) * {columns}" if columns > 1 else f"g % {across}"
-        return f"(g / {across}) * {per // columns * stride} + {corner}"
+        corner = f"{mod_index('g', across)} * {columns}" if columns > 1 else mod_index("g", across)
+        return f"{div_index('g', across)} * {per // columns * stride} + {corner}"
 
     @property
     def _tile_step(self) -> str:
@@ -335,7 +335,8 @@ class KernelBuilder:
             return "tt"
         if self.item_columns == 1:
             return f"tt * {self.item_stride}"
-        return f"(tt / {self.item_columns}) * {self.item_stride} + tt % {self.item_columns}"
+        columns = self.item_columns
+        return f"{div_index('tt', columns)} * {self.item_stride} + {mod_index('tt', columns)}"
 
     @property
     def item_first(self) -> str:
@@ -423,7 +424,7 @@ class KernelBuilder:
         across = stride // columns
         if across == 1:
             return f"g * {per // columns}", "0"
-        return f"(g / {across}) * {per // columns}", f"(g % {across}) * {4 * columns}"
+        return f"{div_index('g', across)} * {per // columns}", f"{mod_index('g', across)} * {4 * columns}"
 
     def _texel(self, results: Sequence[str], own_first: list[str] | None = None) -> list[str]:
         """Texel t: the lane loop computing `results` and the writes of every output (`own_first`: the

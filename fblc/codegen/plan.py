@@ -134,6 +134,8 @@ def _assemble_source(program: Program) -> None:
     once shortens the OpenCL compile, which on some drivers dominates start-up.
     """
     lines = PREAMBLE.splitlines()
+    rtile = {t.layout.c_function: t.layout for t in program.textures if t.layout.kind == "rtile"}
+    lines += [line for name in sorted(rtile) for line in rtile[name].c_definition().splitlines()]
     arguments = max((len(k.inputs) for k in program.kernels), default=0)
     lines += ["#ifdef FBLC_TRACE"] + [f"#define ARG_in{k} {k}" for k in range(arguments)] + ["#endif"]
     by_body: dict[str, str] = {}

@@ -43,7 +43,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
-from fblc.codegen.cl import Kernel, index_vars, strides_of
+from fblc.codegen.cl import Kernel, div_index, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.conv_tiles import (
     STATIC_PRODUCTS,
@@ -171,7 +171,7 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     group_rows = cs.groups > 1 and cs.cg_out == 1  # each of a channel tile's rows is a group of its own
     if cs.groups > 1:
-        group = var(1) if cs.cg_out == 1 else f"({var(1)} / {cs.cg_out})"
+        group = div_index(var(1), cs.cg_out)
         x_terms.append(Term(group, cs.cg_in * xs[1], tile.rows if group_rows else 1))
     first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
     w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []

@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder, lane_axis
-from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.cl import Kernel, div_index, mod_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
     Stream,
@@ -142,11 +142,11 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
     taps are unrolled too (_spatial_rows); lane = row * lanes + position."""
     count, row_step = rows
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    g = f"({u}1 / {ts.cg_out})"
+    g = div_index(f"{u}1", ts.cg_out)
     x_terms = ([Term(f"{u}0", xs[0])] if ts.x_shape[0] > 1 else []) + (
         [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
-        [Term(f"({u}1 % {ts.cg_out})" if ts.groups > 1 else f"{u}1", ws[1])] if ts.cg_out > 1 else [])
+        [Term(mod_index(f"{u}1", ts.cg_out) if ts.groups > 1 else f"{u}1", ws[1])] if ts.cg_out > 1 else [])
     loops = []
     for axis in range(len(ts.kernel)):
         if axis not in (lane, row_axis):
@@ -271,8 +271,8 @@ def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape, code: Code, o: st
     acc = b.fresh("acc")
     code.emit(f"float {acc} = 0.0f;")
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    g = f"({o}1 / {ts.cg_out})" if ts.groups > 1 else "0"
-    local = f"({o}1 % {ts.cg_out})" if ts.groups > 1 else f"{o}1"
+    g = div_index(f"{o}1", ts.cg_out) if ts.groups > 1 else "0"
+    local = mod_index(f"{o}1", ts.cg_out) if ts.groups > 1 else f"{o}1"
     x_terms = index_terms([f"{o}0", g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
     w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ws[0], ws[1]])
     depth = code.depth
