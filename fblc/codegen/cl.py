@@ -27,7 +27,7 @@ __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_
 // kernel is compiled, without optimisation too; l by comparisons, since clz is a call to some compilers.
 #define LOG2_CEIL(d) (""" + " + ".join(f"((d) > {1 << k}u)" for k in range(31)) + """)
 #define UDIV(x, d) ((((d) & ((d) - 1u)) == 0u) ? (uint)(x) >> LOG2_CEIL(d) : \\
-  mul_hi((uint)(x), (uint)((((ulong)1 << (31u + LOG2_CEIL(d))) + (d) - 1u) / (d))) >> ((LOG2_CEIL(d) - 1u) & 31u))
+  (uint)(((ulong)(x) * ((((ulong)1 << (31u + LOG2_CEIL(d))) + (d) - 1u) / (d))) >> ((31u + LOG2_CEIL(d)) & 63u)))
 #define TEXEL(t, w) ((int2)((int)((t) - UDIV((t), (w)) * (w)), (int)UDIV((t), (w))))
 #define TEXEL_P2(t, s) ((int2)((t) & ((1 << (s)) - 1), (t) >> (s)))  // a width of 2^s texels: no division
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
@@ -107,7 +107,7 @@ def div_index(index: str, divisor: int) -> str:
     if is_power_of_two(divisor):
         return f"({index} >> {divisor.bit_length() - 1})"
     multiplier, shift = reciprocal(divisor)
-    return f"((int)(mul_hi((uint)({index}), {multiplier}u) >> {shift}))"
+    return f"((int)(((ulong)({index}) * {multiplier}u) >> {32 + shift}))"
 
 
 def mod_index(index: str, modulus: int) -> str:
