@@ -326,9 +326,9 @@ def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list
     """Taps t in [low, high) with 0 <= origin + t * d < n."""
     if d == 1:
         return [f"const int {low} = max(0, -{origin});", f"const int {high} = min({k}, {n} - {origin});"]
-    # C division truncates toward zero: a non-positive numerator gives high <= 0, an empty range
-    return [f"const int {low} = {origin} < 0 ? (-{origin} + {d - 1}) / {d} : 0;",
-            f"const int {high} = min({k}, ({n} - {origin} + {d - 1}) / {d});"]
+    # the numerators as non-negative indices (div_index); a non-positive one gives high 0, an empty range
+    return [f"const int {low} = {origin} < 0 ? {div_index(f'(-{origin} + {d - 1})', d)} : 0;",
+            f"const int {high} = min({k}, {div_index(f'max(0, {n} - {origin} + {d - 1})', d)});"]
 
 
 def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) -> tuple[str, str]:

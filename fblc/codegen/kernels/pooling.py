@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, float_literal, strides_of
+from fblc.codegen.cl import Kernel, div_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
@@ -99,7 +99,7 @@ def _padded_taps(window: Window, axis: int) -> str | None:
         return None
     start = f"{OUT_INDEX}{2 + axis}" if s == 1 else f"{OUT_INDEX}{2 + axis} * {s}"
     left = f"({room} - {start})"
-    return f"min({k}, {left})" if d == 1 else f"min({k}, ({left} + {d - 1}) / {d})"
+    return f"min({k}, {left})" if d == 1 else f"min({k}, {div_index(f'({left} + {d - 1})', d)})"
 
 
 @register_kernel("AveragePool")
