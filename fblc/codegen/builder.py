@@ -251,7 +251,7 @@ class KernelBuilder:
             split = self._splits.get(block)
             if split is None:  # one per block length, shared by every value constant over such blocks
                 split = self._splits[block] = self.fresh("n")
-                self.texel_reads.append(f"const int {split} = {block} - (t * 4) % {block};  // lanes in block 1")
+                self.texel_reads.append(f"const int {split} = {block} - {mod_index('(t * 4)', block)};  // lanes in block 1")
             head, tail = self.fresh("H"), self.fresh("H")
             ctype = ctype_of(root)
             # the last lane's element is read only by a texel that straddles two blocks
@@ -398,8 +398,8 @@ class KernelBuilder:
         rows = self._tile_rows(self.out_shape)
         if rows is not None:  # texel tt of the tile: its row and column follow from the tile's
             columns = self.item_columns
-            row = f"{rows[0]} + tt / {columns}" if columns > 1 else f"{rows[0]} + tt"
-            column = f"{rows[1]} + (tt % {columns}) * 4" if columns > 1 else rows[1]
+            row = f"{rows[0]} + {div_index('tt', columns)}" if columns > 1 else f"{rows[0]} + tt"
+            column = f"{rows[1]} + {mod_index('tt', columns)} * 4" if columns > 1 else rows[1]
             own_first = _row_index_vars(self.out_shape, row, column, TEXEL_FIRST)
         return prologue + [f"for (int tt = 0; tt < {self.texels_per_item}; ++tt) {{",
                            f"  const int t = {self._first_texel} + {self._tile_step};"] + \

@@ -120,7 +120,7 @@ def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: in
     if pad - (k - 1) * d < 0:
         conditions.append(f"{numerator} >= 0")
     if s > 1:
-        conditions.append(f"{numerator} % {s} == 0")
+        conditions.append(f"{mod_index(numerator, s)} == 0")  # after '>= 0': a non-negative index
     if (length - 1 + pad) // s >= n:
         conditions.append(f"{numerator} < {n * s}")
     if conditions:
@@ -128,7 +128,7 @@ def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: in
     source = numerator
     if s > 1:
         source = b.fresh("y")
-        lines.append(f"const int {source} = {numerator} / {s};")
+        lines.append(f"const int {source} = {div_index(numerator, s)};")
     return lines, tap, source
 
 
@@ -156,7 +156,7 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
     k, s, d = ts.kernel[lane], ts.strides[lane], ts.dilations[lane]
     n, pad, length = ts.x_shape[2 + lane], ts.pads[lane], ts.out_shape[2 + lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
-    origin = f"({u}{2 + lane} / {s})" if s > 1 else f"{u}{2 + lane}"  # o / s: a multiple of multiple / s
+    origin = div_index(f"{u}{2 + lane}", s)  # o / s: a multiple of multiple / s
     x_terms.append(Term(origin, x_step, multiple // s))
     mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
     row_mask, row_taps = None, [(0, 0)]  # (input row from the output row, W offset) of each row tap

@@ -25,7 +25,7 @@ from typing import Callable
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel, flat_index, strides_of
+from fblc.codegen.cl import Kernel, div_index, flat_index, mod_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
@@ -216,7 +216,7 @@ def _scatter_nd_slices(b: KernelBuilder, node: ir.Node, combine: str) -> Kernel:
     first, prefix, within = b.fresh("first"), b.fresh("prefix"), b.fresh("within")
     accs, u, target = b.fresh("acc"), b.fresh("update"), b.fresh("target")
     code = [f"const int {first} = {b.item_first};",
-            f"const int {prefix} = {first} - {first} % {slice_size};",
+            f"const int {prefix} = {first} - {mod_index(first, slice_size)};",
             f"const int {within} = {first} - {prefix};",
             f"float {accs}[{4 * per}];"]
     initial = "(float4)(0.0f)" if is_zeros(data) else texel_of(b, data, f"{first} + 4 * tt")
@@ -329,8 +329,8 @@ def fold_rows(b: KernelBuilder, data: ir.Value | None, updates: ir.Value, combin
     loop, update_row = updates_of(outer, target)
     folded = combine.format(acc=f"vload4(tt, {accs})", u=texel_of(b, updates, f"{update_row} + {within} + 4 * tt"))
     b.emit_texel(f"const int {first} = {b.item_first};",
-                 f"const int {row} = {first} / {inner};",
-                 f"const int {outer} = {row} / {depth};",
+                 f"const int {row} = {div_index(first, inner)};",
+                 f"const int {outer} = {div_index(row, depth)};",
                  f"const int {within} = {first} - {row} * {inner};",
                  f"const int {target} = {row} - {outer} * {depth};",
                  f"float {accs}[{4 * per}];",

@@ -20,7 +20,7 @@ from itertools import product
 import numpy as np
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel, flat_index, float_literal, strides_of
+from fblc.codegen.cl import Kernel, div_index, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.resize_taps import AxisTaps, resize_taps
@@ -48,7 +48,7 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
     o = f"{OUT_INDEX}{taps.axis}"
     factor = taps.repeat_factor()
     if factor is not None:
-        return [(f"({o} / {factor})", None)]
+        return [(div_index(o, factor), None)]
     if taps.size_out > MAX_TABLE:
         raise UnsupportedOpError(f"Resize node '{node_name}': axis {taps.axis} has {taps.size_out} outputs, past the "
                                  f"{MAX_TABLE} of the kernel's tap tables",

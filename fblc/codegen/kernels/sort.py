@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel
+from fblc.codegen.cl import Kernel, div_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.gather import combine_template, fold_rows, own_index, start_accumulator, whole_texels
 from fblc.compiler.index_map import is_zeros
@@ -47,7 +47,7 @@ def emit_merge_runs(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     start, na, nb, k, lo, hi, mid, j, src = (b.fresh(h) for h in ("start", "na", "nb", "k", "lo", "hi", "mid", "j",
                                                                     "src"))
-    b.emit(f"const int {start} = ({OUT_INDEX}1 / {2 * run}) * {2 * run};",
+    b.emit(f"const int {start} = {div_index(f'{OUT_INDEX}1', 2 * run)} * {2 * run};",
            f"const int {na} = min({run}, {count} - {start});",
            f"const int {nb} = clamp({count} - {start} - {run}, 0, {run});",
            f"const int {k} = {OUT_INDEX}1 - {start};",
@@ -106,8 +106,8 @@ def emit_scatter_sorted_rows(table: TextureTable, group: KernelGroup) -> list[Ke
         return [fold_rows(b, data, updates, combine, depth, inner, sorted_updates)]
     element, row, outer, target, acc = (b.fresh(h) for h in ("element", "row", "outer", "target", "acc"))
     b.emit(f"const int {element} = {own_index(data_shape)};",
-           f"const int {row} = {element} / {inner};",
-           f"const int {outer} = {row} / {depth};",
+           f"const int {row} = {div_index(element, inner)};",
+           f"const int {outer} = {div_index(row, depth)};",
            f"const int {target} = {row} - {outer} * {depth};")
     if data is None:
         b.emit(f"{ctype} {acc} = 0;")
