@@ -3,6 +3,8 @@
 Every name that the kernels of real bundles (T-ResNet, the Llama decoder, MobileNetV2) declare,
 as a variable, a loop counter or an argument, must be in the table, be a numbered fresh name
 (hint + number), or be one of the preamble's own; a name outside them fails with the kernel.
+The same kernels divide no integer: their index arithmetic is shifts, masks and reciprocal
+multiplies (the old MobileNetV2 bundle had 1,434 integer declarations that divided).
 """
 
 from __future__ import annotations
@@ -34,20 +36,31 @@ def test_an_unlisted_name_is_refused() -> None:
     assert not allowed("tmp", preamble) and not allowed("index", preamble)
 
 
-@pytest.mark.parametrize("model", ["tresnet", "llama", "mobilenet_v2", "llama-fura-s-es"])
-def test_every_declared_name_is_in_the_vocabulary(tmp_path, model: str) -> None:
+MODELS = ["tresnet", "llama", "mobilenet_v2", "llama-fura-s-es"]
+#: an integer declaration whose value divides: `const int a = b / c;` (float ones are `float`)
+INTEGER_DIVISION = re.compile(r"\b(?:const\s+)?u?int\s+\w+\s*=[^;]*[\w)\]]\s*[/%]\s*[\w(]")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def kernels_of(request, tmp_path_factory) -> str:
+    """kernels.cl of a real bundle (the Llama decoder also as an ES bundle, for the noise kernels)."""
     from support import models
 
     from fblc.compiler.adapters import AdapterConfig
 
+    model, directory = request.param, tmp_path_factory.mktemp(request.param)
     exported = {"tresnet": models.tresnet, "llama": lambda d: models.llama(d)[1], "mobilenet_v2": models.mobilenet_v2,
-                "llama-fura-s-es": lambda d: models.llama(d)[0]}[model](str(tmp_path))
+                "llama-fura-s-es": lambda d: models.llama(d)[0]}[model](str(directory))
     options = TrainingOptions(input_shapes=exported.input_shapes)
     if model.endswith("-es"):  # the noise kernels
         options = TrainingOptions(trainer="es", adapter=AdapterConfig(kind="fura-s", block=16))
-    bundle = tmp_path / "bundle"
+    bundle = directory / "bundle"
     compile_model(exported.path, str(bundle), "adreno830", "fp32", options)
-    source = (bundle / "kernels.cl").read_text()
+    return (bundle / "kernels.cl").read_text()
+
+
+def test_every_declared_name_is_in_the_vocabulary(kernels_of: str) -> None:
+    source = kernels_of
     preamble = set(DECLARED.findall(PREAMBLE))
     outside: dict[str, str] = {}
     for kernel in re.split(r"(?=__kernel void )", source)[1:]:
@@ -55,3 +68,13 @@ def test_every_declared_name_is_in_the_vocabulary(tmp_path, model: str) -> None:
             if not allowed(name, preamble):
                 outside.setdefault(name, kernel.split("(")[0])
     assert outside == {}, f"names outside fblc.codegen.builder.KERNEL_NAMES: {outside}"
+
+
+def test_no_kernel_divides_an_integer(kernels_of: str) -> None:
+    """Index arithmetic is shifts, masks and reciprocal multiplies (fblc.codegen.cl.div_index): no
+    integer declaration in a kernel divides or takes a remainder."""
+    assert INTEGER_DIVISION.search("const int a = (b + 1) / 3;") and not INTEGER_DIVISION.search(
+        "const float a = b / 3.0f;")
+    body = kernels_of[kernels_of.index("__kernel void "):]
+    dividing = [line.strip() for line in body.splitlines() if INTEGER_DIVISION.search(line.split("//")[0])]
+    assert dividing == [], "\n".join(dividing[:10])
