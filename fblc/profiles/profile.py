@@ -111,10 +111,7 @@ class Profile:
         the device allows, within max_work_group_size), or None: short enough for one work-item."""
         if count <= SERIAL_REDUCTION:
             return None
-        group = 1
-        while group * 2 <= min(REDUCTION_GROUP, self.max_work_group_size, count // 16):
-            group *= 2
-        return group if group > 1 else None
+        return _power_of_two_group(min(REDUCTION_GROUP, self.max_work_group_size, count // 16))
 
     def tile_group(self, serial: int, trips: int, lanes: int) -> int | None:
         """Work-items that share a register tile's reduction of `serial` multiply-adds per accumulator
@@ -123,15 +120,20 @@ class Profile:
         iteration of that loop, within max_work_group_size and SHARED_TILE_FLOATS of partials."""
         if serial <= SERIAL_REDUCTION:
             return None
-        group = 1
-        while group * 2 <= min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes):
-            group *= 2
-        return group if group > 1 else None
+        return _power_of_two_group(min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes))
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one texture-cache block of RGBA fp32 texels."""
         return self.tex_block_width * self.tex_block_height * 16
+
+
+def _power_of_two_group(bound: int) -> int | None:
+    """The largest power of two within `bound` work-items, or None when that is one (no group)."""
+    group = 1
+    while group * 2 <= bound:
+        group *= 2
+    return group if group > 1 else None
 
 
 def placement_limits(max_width: int, max_height: int, cells: int) -> tuple[int, int]:

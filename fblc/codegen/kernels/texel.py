@@ -256,18 +256,20 @@ class Reduction:
         per_step = max(1, len(self.blocked.products(range(1))) // lanes)
         return math.prod(loop.trips for loop in self.loops) * self.blocked.extent * per_step
 
-    def _blocks(self) -> int:
-        """Whole blocks the blocked axis loops over (0: it is one static block, no loop)."""
+    @property
+    def _looped(self) -> int:
+        """The blocked axis's elements that its loop walks in whole blocks (0: one static block, no loop)."""
         axis = self.blocked
         main = axis.extent - axis.extent % axis.block
-        return main // axis.block if main > axis.block else 0
+        return main if main > axis.block else 0
 
     def shared_loop(self) -> tuple[int | None, int]:
         """(index into loops, or None for the blocked axis's loop; its trips): the loop with the most
         iterations that a work-group can deal out (Reduction.emit's `group`)."""
         candidates = [(loop.trips, index) for index, loop in enumerate(self.loops) if loop.walk is not None]
-        best = max(candidates, default=(0, None))
-        return (None, self._blocks()) if self._blocks() >= best[0] else (best[1], best[0])
+        trips, index = max(candidates, default=(0, None))
+        blocks = self._looped // self.blocked.block
+        return (None, blocks) if blocks >= trips else (index, trips)
 
     def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int, guard: str | None = None,
              group: int | None = None) -> None:
@@ -280,21 +282,21 @@ class Reduction:
         code.emit(f"float {acc}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};")
         depth = code.depth
         code.open(f"if ({guard})" if guard else "")  # the loops' and blocks' names stay local
-        shared = self.shared_loop()[0] if group else -1
+        shared = self.shared_loop()[0] if group else -1  # -1: no loop is dealt out
+        blocks_dealt = group is not None and shared is None
         x_terms, w_terms = list(self.x.terms), list(self.w.terms)
         for index, loop in enumerate(self.loops):
-            for line in loop.shared(group) + loop.lines[1:] if index == shared and group else loop.lines:
+            for line in loop.shared(group) + loop.lines[1:] if group and index == shared else loop.lines:
                 if line.endswith("{"):
                     code.open(line[:-1].rstrip())
                 else:
                     code.emit(line)
             x_terms += loop.x_terms
             w_terms += loop.w_terms
-        axis = self.blocked
-        main = axis.extent - axis.extent % axis.block
-        if main > axis.block:
+        axis, main = self.blocked, self._looped
+        if main:
             var = b.fresh("blk")
-            if shared is None and group:  # the blocks dealt out to the group
+            if blocks_dealt:
                 code.open(f"for (int {var} = lid * {axis.block}; {var} < {main}; {var} += {group * axis.block})")
             else:
                 code.open(f"for (int {var} = 0; {var} < {main}; {var} += {axis.block})")
@@ -306,12 +308,10 @@ class Reduction:
                         self.x.moved(_shifted(x_terms, var, axis.x_step, axis.block)),
                         self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
             code.close()
-        else:
-            main = 0
         if main < axis.extent:
             rest = axis.products(range(main, axis.extent))
             # a block scope of its own (names do not clash with the loop's); one work-item's share when dealt out
-            code.open(f"if (lid == {group - 1})" if shared is None and group else "")
+            code.open(f"if (lid == {group - 1})" if blocks_dealt else "")
             self._block(b, code, acc, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask, self.row_mask)
             code.close()
         while code.depth > depth:
