@@ -37,6 +37,37 @@ MASK_ELEMENTS = {"mask8": 8, "mask4": 4}
 NARROWEST = 16  # a mask image that needs several rows is at least max_width / NARROWEST bytes wide
 
 
+def reciprocal(divisor: int) -> tuple[int, int]:
+    """(m, s): x / divisor == (x * m) >> (32 + s) for every 0 <= x < 2^31, divisor >= 2 (Granlund and
+    Montgomery, 1994: with l = ceil(log2 divisor), m = ceil(2^(31 + l) / divisor) < 2^32 is exact for
+    31-bit dividends; kernel indices stay below 2^31, codegen.textures.MAX_INDEX refuses larger tensors)."""
+    bits = (divisor - 1).bit_length()
+    return -(-(1 << (31 + bits)) // divisor), bits - 1
+
+
+def div_index(index: str, divisor: int) -> str:
+    """OpenCL C `index / divisor` for a non-negative int index below 2^31, without a division: a shift
+    for a power of two (a shift floors, a division truncates: the same for non-negative values only),
+    else a 64-bit multiply by the divisor's reciprocal and a shift. GPUs have no integer divider, and a
+    driver's compiler need not strength-reduce a division by a literal itself."""
+    if divisor == 1:
+        return index
+    if divisor & (divisor - 1) == 0:
+        return f"({index} >> {divisor.bit_length() - 1})"
+    multiplier, shift = reciprocal(divisor)
+    return f"((int)(((ulong)({index}) * {multiplier}u) >> {32 + shift}))"
+
+
+def mod_index(index: str, modulus: int) -> str:
+    """OpenCL C `index % modulus` for a non-negative int index: a mask for a power of two, else the
+    index less `modulus` times its quotient (div_index)."""
+    if modulus == 1:
+        return "0"
+    if modulus & (modulus - 1) == 0:
+        return f"({index} & {modulus - 1})"
+    return f"({index} - {div_index(index, modulus)} * {modulus})"
+
+
 @dataclass(frozen=True)
 class TexelLayout:
     kind: str  # "flat", "rtile", or a mask kind (MASK_ELEMENTS)
@@ -88,9 +119,9 @@ class TexelLayout:
         if self.kind == "flat" or self.kind in MASK_ELEMENTS:
             if self.height == 1:  # one image row: the index is the column, no division
                 return f"(int2)({texel}, 0)"
-            if self.width & (self.width - 1) == 0:  # a power of two: shift and mask, no division
+            if self.width & (self.width - 1) == 0:  # a power of two: shift and mask
                 return f"TEXEL_P2({texel}, {self.width.bit_length() - 1})"
-            return f"TEXEL({texel}, {self.width})"
+            return f"(int2)({mod_index(f'({texel})', self.width)}, {div_index(f'({texel})', self.width)})"
         return f"{self.c_function}({texel})"
 
     @property
@@ -101,9 +132,8 @@ class TexelLayout:
         return "_".join(["RTILE", *map(str, figures), self.packing, self.arrangement])
 
     def c_definition(self) -> str:
-        """The OpenCL C function `c_function` (coords in C), its figures literals: each division is
-        then a shift or a multiply-high by a constant (UDIV, in the kernels' preamble), each
-        remainder a multiply-subtract. Unsigned: a texel index is never negative."""
+        """The OpenCL C function `c_function` (coords in C), its figures literals: each division a
+        shift or a multiply by a constant (div_index), each remainder a multiply-subtract."""
         c4, th, tw4, tpr = self.cols // 4, self.tile_h, self.tile_texels_w, self.tiles_per_row
         ntr, ntc = self.tile_grid
         tile = f"tc * {ntr}u + tr" if self.arrangement == "columns" else f"tr * {ntc}u + tc"
@@ -111,10 +141,11 @@ class TexelLayout:
                  else f"(int2)(gx * {tw4}u + iq, gy * {th}u + ir)")
         return "\n".join([
             f"inline __attribute__((always_inline)) int2 {self.c_function}(uint t) {{",
-            f"  const uint r = UDIV(t, {c4}u), q = t - r * {c4}u;",
-            f"  const uint tr = UDIV(r, {th}u), ir = r - tr * {th}u, tc = UDIV(q, {tw4}u), iq = q - tc * {tw4}u;",
+            f"  const uint r = {div_index('t', c4)}, q = t - r * {c4}u;",
+            f"  const uint tr = {div_index('r', th)}, ir = r - tr * {th}u, tc = {div_index('q', tw4)}, "
+            f"iq = q - tc * {tw4}u;",
             f"  const uint tile = {tile};",
-            f"  const uint gy = UDIV(tile, {tpr}u), gx = tile - gy * {tpr}u;",
+            f"  const uint gy = {div_index('tile', tpr)}, gx = tile - gy * {tpr}u;",
             f"  return {place};",
             "}"])
 

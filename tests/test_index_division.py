@@ -1,10 +1,10 @@
 """Index arithmetic without integer division: kernels divide by a literal through a shift or a
-multiply-high by its reciprocal (fblc.codegen.cl.div_index / mod_index, the preamble's UDIV, the
-RTILE_ placement functions of TexelLayout.c_definition).
+multiply by its reciprocal (fblc.texel_layout.div_index / mod_index, which the codegen and the
+layouts' coordinates use: a flat image's TexelLayout.c_coord, R-Tile's RTILE_ functions, c_definition).
 
 Golden: `reciprocal` is exact for every 31-bit dividend of sampled divisors (Granlund and
-Montgomery's bound, checked in Python integers). Numeric: the C of div_index, mod_index, TEXEL and
-R-Tile layouts, run on the local OpenCL device over dividends up to 2^31 - 1, equals numpy's floor
+Montgomery's bound, checked in Python integers). Numeric: the C of div_index, mod_index, a flat
+layout of width 1000 and R-Tile layouts, run on the local OpenCL device over dividends up to 2^31 - 1, equals numpy's floor
 division and TexelLayout.coords. Negative: no division or remainder operator is left in the C.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fblc.codegen.cl import PREAMBLE, div_index, mod_index, reciprocal
-from fblc.texel_layout import TexelLayout
+from fblc.codegen.cl import PREAMBLE
+from fblc.texel_layout import TexelLayout, div_index, mod_index, reciprocal
 
 DIVISORS = [3, 5, 6, 7, 9, 36, 96, 160, 960, 1000, 2304, 12544, 65535, 65537, 999_999_937, 2**31 - 1]
 EDGE_DIVIDENDS = [0, 1, 2**31 - 1, 2**31 - 2, 2**30, 2**30 - 1]
@@ -30,7 +30,7 @@ def test_the_reciprocal_is_exact_for_31_bit_dividends(divisor: int) -> None:
     multiplier, shift = reciprocal(divisor)
     assert 0 < multiplier < 2**32
     for x in _dividends(divisor, np.random.default_rng(divisor)):
-        assert ((x * multiplier) >> 32) >> shift == x // divisor, (divisor, x)
+        assert (x * multiplier) >> (32 + shift) == x // divisor, (divisor, x)
 
 
 def test_no_division_operator_is_left_in_the_index_code() -> None:
@@ -40,6 +40,8 @@ def test_no_division_operator_is_left_in_the_index_code() -> None:
     layout = TexelLayout("rtile", 24, 16, rows=48, cols=36, tile_h=3, tile_w=12, packing="block",
                          arrangement="columns", tiles_per_row=3)
     assert "/" not in layout.c_definition() and "%" not in layout.c_definition()
+    flat = TexelLayout("flat", 1000, 30).c_coord("t")
+    assert "/" not in flat and "%" not in flat
 
 
 RTILE_LAYOUTS = [
@@ -63,7 +65,8 @@ def test_division_code_on_the_device_equals_numpy_and_the_layout_reference() -> 
         bodies.append(f"out[{2 * k} * n + i] = {div_index('x', divisor)};")
         bodies.append(f"out[{2 * k + 1} * n + i] = {mod_index('x', divisor)};")
     count = 2 * len(DIVISORS[:-1])
-    bodies.append(f"out[{count} * n + i] = TEXEL(x, 1000).x; out[{count + 1} * n + i] = TEXEL(x, 1000).y;")
+    flat = TexelLayout("flat", 1000, 3_000_000)
+    bodies.append(f"{{ const int2 c = {flat.c_coord('x')}; out[{count} * n + i] = c.x; out[{count + 1} * n + i] = c.y; }}")
     count += 2
     for layout in RTILE_LAYOUTS:
         bodies.append(f"{{ const int2 c = {layout.c_coord(f'x % {layout.rows * layout.cols // 4}')}; "

@@ -1,6 +1,6 @@
 """KernelBuilder: what every kernel emitter writes through.
 
-It names texture arguments, turns reads of values into `ldf`/`ldi` calls or literals
+It names texture arguments, turns reads of values into texel reads (RDF/RDI) or literals
 (single-element constants are inlined), collects the per-lane body and wraps it into the
 per-element kernel skeleton of `cl.py`.
 
@@ -31,8 +31,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.bundle_format import MASK_FORMATS
-from fblc.codegen.cl import (Kernel, broadcast_view_index, div_index, flat_index, index_vars, is_power_of_two,
-                             literal, mod_index, view_index)
+from fblc.codegen.cl import (Kernel, broadcast_view_index, div_index, flat_index, index_vars, literal,
+                             mod_index, view_index)
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
 from fblc.compiler.values import const_array, is_float, static_shape
@@ -151,11 +151,6 @@ class KernelBuilder:
         if per_byte:  # element i: bit i % per_byte of byte i / per_byte
             byte = f"({index}) >> {per_byte.bit_length() - 1}"
             return f"ldm({arg}, ({index}) & {per_byte - 1}, {texture.coord(byte)})"
-        if texture.layout.kind == "flat" and texture.layout.height > 1:  # (one row: read_texel's column)
-            loader = "ldf" if texture.kind == "float" else "ldi"
-            if is_power_of_two(texture.width):  # shift and mask instead of dividing
-                return f"{loader}_p2({arg}, {index}, {texture.width.bit_length() - 1})"
-            return f"{loader}({arg}, {index}, {texture.width})"
         lane = "lane_f" if texture.kind == "float" else "lane_i"
         return f"{lane}({self.read_texel(arg, texture, f'({index}) >> 2')}, ({index}) & 3)"
 

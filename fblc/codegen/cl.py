@@ -15,20 +15,12 @@ import numpy as np
 
 from fblc.compiler.index_map import IndexMap
 from fblc.compiler.index_map import row_major_strides as strides_of
+from fblc.texel_layout import div_index, mod_index  # noqa: F401 (the codegen's index arithmetic)
 
 PREAMBLE = """\
 // fblc kernels: element i of a tensor is lane i%4 of texel i/4 of an RGBA image2d_t; where texel t
-// sits is the texture's layout: TEXEL (flat) or an RTILE_ function (TexelLayout.c_definition).
+// sits is the texture's layout (TexelLayout.c_coord): flat, or an RTILE_ function (c_definition).
 __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
-// x / d for 0 <= x < 2^31 and a literal d: a shift for a power of two, else a multiply-high by
-// ceil(2^(31 + l) / d), l = ceil(log2 d), exact for 31-bit x (Granlund and Montgomery; the codegen's
-// div_index writes the same). GPUs have no integer divider, and a driver's compiler need not
-// strength-reduce a division by a literal itself. Macros of a literal d fold to constants as the
-// kernel is compiled, without optimisation too; l by comparisons, since clz is a call to some compilers.
-#define LOG2_CEIL(d) (""" + " + ".join(f"((d) > {1 << k}u)" for k in range(31)) + """)
-#define UDIV(x, d) ((((d) & ((d) - 1u)) == 0u) ? (uint)(x) >> LOG2_CEIL(d) : \\
-  (uint)(((ulong)(x) * ((((ulong)1 << (31u + LOG2_CEIL(d))) + (d) - 1u) / (d))) >> ((31u + LOG2_CEIL(d)) & 63u)))
-#define TEXEL(t, w) ((int2)((int)((t) - UDIV((t), (w)) * (w)), (int)UDIV((t), (w))))
 #define TEXEL_P2(t, s) ((int2)((t) & ((1 << (s)) - 1), (t) >> (s)))  // a width of 2^s texels: no division
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
@@ -63,10 +55,6 @@ inline int fblc_note(__global int4* trace, __global int* counts, int item, int* 
 #endif
 // a boolean tensor saved for the backward: element i is bit i%8 of byte i/8 (r_mask8; r_mask4: i%4, i/4)
 #define ldm(img, bit, coord) ((int)(RDU(img, coord).x >> (bit)) & 1)
-#define ldf(img, i, w) lane_f(RDF(img, TEXEL((i) >> 2, w)), (i) & 3)
-#define ldi(img, i, w) lane_i(RDI(img, TEXEL((i) >> 2, w)), (i) & 3)
-#define ldf_p2(img, i, s) lane_f(RDF(img, TEXEL_P2((i) >> 2, s)), (i) & 3)
-#define ldi_p2(img, i, s) lane_i(RDI(img, TEXEL_P2((i) >> 2, s)), (i) & 3)
 """
 
 
@@ -83,41 +71,6 @@ def literal(value: float | int | bool, ctype: str) -> str:
     if ctype == "float":
         return float_literal(float(value))
     return str(int(value))
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def reciprocal(divisor: int) -> tuple[int, int]:
-    """(m, s): x / divisor == mul_hi(x, m) >> s for every 0 <= x < 2^31, divisor >= 2 (Granlund and
-    Montgomery, 1994: with l = ceil(log2 divisor), m = ceil(2^(31 + l) / divisor) < 2^32 is exact for
-    31-bit dividends, and indices stay below 2^31: textures.MAX_INDEX refuses larger tensors)."""
-    bits = (divisor - 1).bit_length()
-    return -(-(1 << (31 + bits)) // divisor), bits - 1
-
-
-def div_index(index: str, divisor: int) -> str:
-    """`index / divisor` for a non-negative C int index: a shift when the divisor is a power of two
-    (a shift floors, a division truncates: the same for non-negative values only), else a multiply
-    by the divisor's reciprocal (`reciprocal`): GPUs have no integer divider, and a driver's
-    compiler need not strength-reduce a division by a literal itself."""
-    if divisor == 1:
-        return index
-    if is_power_of_two(divisor):
-        return f"({index} >> {divisor.bit_length() - 1})"
-    multiplier, shift = reciprocal(divisor)
-    return f"((int)(((ulong)({index}) * {multiplier}u) >> {32 + shift}))"
-
-
-def mod_index(index: str, modulus: int) -> str:
-    """`index % modulus` for a non-negative C int index: a mask when the modulus is a power of two,
-    else the index less `modulus` times its quotient (div_index)."""
-    if modulus == 1:
-        return "0"
-    if is_power_of_two(modulus):
-        return f"({index} & {modulus - 1})"
-    return f"({index} - {div_index(index, modulus)} * {modulus})"
 
 
 def index_vars(shape: Sequence[int], flat: str, prefix: str) -> list[str]:

@@ -78,7 +78,7 @@ def row_axis(shape: Sequence[int], first: int = 0) -> tuple[int, int] | None:
 
 
 def _check_float(node: ir.Node) -> None:
-    """The loops accumulate in float and read through `ldf`; integer contractions are not training ops."""
+    """The loops accumulate in float and read float elements; integer contractions are not training ops."""
     for value in node.inputs:
         if value is not None and not is_float(value):
             raise UnsupportedOpError(f"{node.op_type} '{node.name}' has a non-float input '{value.name}'",
@@ -89,7 +89,7 @@ def dot_loop(b: KernelBuilder, acc: str, count: int | str, streams: tuple[Stream
     """Emit `acc += sum_r a[r] * w[r]` over `count` steps of the two streams.
 
     A literal count is unrolled by 4 into float4 dot products; an aligned stream fills its
-    float4 with one texel read, the other with four `ldf`; a scalar tail covers count % 4.
+    float4 with one texel read, the other with four element reads; a scalar tail covers count % 4.
     A runtime count (a C expression, e.g. the in-bounds taps of a border pixel) is a plain loop.
     """
     if isinstance(count, int) and count <= 0:
