@@ -13,6 +13,7 @@ code; `test_contraction_paths` checks which path each kernel of a step took.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import re
 from typing import Any
@@ -251,6 +252,24 @@ TILE_CASES = {
 def test_tiled_contraction_step(name: str, tmp_path) -> None:
     nodes, inits, _ = TILE_CASES[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+
+
+@pytest.mark.parametrize("name", ["conv3x3_weight_grad_shared", "conv_depthwise_weight_grad_shared"])
+def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> None:
+    """For adreno830 (64-wide waves) the weight gradient's 32 work-items a tile fill half a wave: its
+    work-groups hold two tiles, each merging in its own slice of the group's __local pool, and the
+    step still equals onnxruntime's (under oclgrind too: test_oclgrind's "shared tiles")."""
+    nodes, inits, _ = TILE_CASES[name]
+    path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
+    compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", OPTIONS)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    plan = json.loads((tmp_path / "bundle" / "plan.json").read_text())
+    pooled = {m.group(1) for m in re.finditer(r"__kernel void (\w+)\((.*?)\n}\n", source, re.DOTALL)
+              if "__local float pool[" in m.group(2)}
+    assert len(pooled) == 1 and next(iter(pooled)).endswith("_Conv"), pooled
+    assert {launch["local_size"][0] for launch in plan["kernels"] if launch["function"] in pooled} == {64}
+    rows = verify_model(path, OPTIONS, target="adreno830")
+    assert rows and not [r.name for r in rows if not r.ok]
 
 
 @pytest.mark.parametrize("name", sorted(TEXEL_CASES) + sorted(TILE_CASES))

@@ -60,6 +60,22 @@ def test_a_long_tile_reduction_is_shared_by_a_group_within_its_loop_and_local_me
     assert small.tile_group(3136, 56, 36) == 16
 
 
+def test_tiles_per_group_fill_a_wave_with_whole_tiles() -> None:
+    """Profile.tiles_per_group: a tile group under a wave takes as many tiles as fill it, a power of two
+    that divides the tile count, within max_work_group_size and SHARED_TILE_FLOATS; none past a wave."""
+    from fblc.profiles.profile import SHARED_TILE_FLOATS
+
+    adreno = load_profile("adreno830")  # 64-wide waves
+    assert adreno.tiles_per_group(32, 36, 8) == 2  # the stem's weight gradient: 32 work-items a tile
+    assert adreno.tiles_per_group(16, 36, 6) == 2  # 4 would fill the wave, but only 2 divides 6 tiles
+    assert adreno.tiles_per_group(32, 36, 7) == 1  # an odd count: every group holds one
+    assert adreno.tiles_per_group(64, 16, 8) == 1  # a whole wave already
+    assert adreno.tiles_per_group(16, SHARED_TILE_FLOATS // 32, 8) == 2  # the partials of 2 tiles fit, not 4
+    assert load_profile("mali-g925").tiles_per_group(32, 36, 8) == 1  # 16-wide waves
+    small = type(adreno)(**{**adreno.__dict__, "max_work_group_size": 32})
+    assert small.tiles_per_group(16, 36, 8) == 2
+
+
 @pytest.mark.parametrize("target", ["adreno830", "mali-g925", "local"])
 def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, target: str) -> None:
     from support import models

@@ -53,6 +53,7 @@ KERNEL_NAMES: dict[str, str] = {
     "i": "the element's flat index in the output tensor",
     "lid": "the work-item's index in its work-group (group kernels)",
     "shared": "the group kernel's __local partials, one per work-item (a tile's: one per accumulator and work-item)",
+    "pool": "the __local partials of a work-group that holds several tiles, a slice (`shared`) each",
     "j": "an accumulator of a work-item's tile, in a group kernel's merge of partial tiles",
     "part": "a work-item's partial in a group kernel's merge of partial tiles",
     "total": "the sum of a tile accumulator's partials in that merge",
@@ -95,6 +96,7 @@ class KernelBuilder(ValueReads):
         #: work-items that cooperate on each output texel, or tile of texels (a work-group: `lid` its
         #: local id; the group's results go out from work-item 0), or None: one work-item per texel
         self.group_size: int | None = None
+        self.tiles_per_group = 1  # items (tiles) a group kernel's work-group holds, group_size work-items each
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
 
     # writing the body ------------------------------------------------------------------------
@@ -185,7 +187,7 @@ class KernelBuilder(ValueReads):
         per_item = self.texels_per_item
         band = per_item // self.item_columns * self.item_stride  # texels in a band of the tiles' rows
         assert texels % band == 0, f"{texels} texels in bands of {band}"
-        items = texels // per_item
+        items = self.items
         masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
         tiled = self.item_stride > self.item_columns  # else the item's texels are consecutive
         if masks and tiled and not _pairs_texels(self.item_columns, self.item_stride):
@@ -197,11 +199,9 @@ class KernelBuilder(ValueReads):
         params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
         body = [f"__kernel void {self.name}({', '.join(params)} TRACE_PARAM) {{", "  TRACE_INIT"]
         item = "t" if per_item == 1 else "g"  # the item's index: its texel, or its place among the items
-        if self.group_size is not None:  # one work-group per item: every branch below is uniform in a group
+        if self.group_size is not None:  # group_size work-items per item: every branch below is uniform in them
             assert pair == 1 and not masks, "group kernels write float texels"
-            body += [f"  const int {item} = get_group_id(0);", "  const int lid = get_local_id(0);",
-                     f"  __local float shared[{max(self.group_size, self.shared_floats)}];",
-                     f"  if ({item} >= {items}) return;"]
+            body += ["  " + line for line in self._group_header(item)] + [f"  if ({item} >= {items}) return;"]
         elif pair == 1:
             body += [f"  const int {item} = get_global_id(0);", f"  if ({item} >= {items}) return;"]
         else:
@@ -218,7 +218,29 @@ class KernelBuilder(ValueReads):
         group = self.group_size
         return Kernel(self.name, self.family, "\n".join(body), items * group if group else -(-items // pair),
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
-                      nodes=list(self.nodes), group_size=group)
+                      nodes=list(self.nodes), group_size=group * self.tiles_per_group if group else None)
+
+    @property
+    def items(self) -> int:
+        """The kernel's items: its output texels, or tiles of texels_per_item texels."""
+        return self.out_textures[0].texels // self.texels_per_item
+
+    def _group_header(self, item: str) -> list[str]:
+        """A group kernel's item `item`, its work-item's `lid` among the item's group_size and the item's
+        __local `shared` floats. With tiles_per_group > 1 the work-group's consecutive runs of group_size
+        work-items hold consecutive items, each with its own slice of the group's __local `pool`, so
+        the merges index `shared` alike; every work-group holds whole items (their count divides items)."""
+        group, tiles = self.group_size, self.tiles_per_group
+        assert group is not None and self.items % tiles == 0, f"{self.items} items in groups of {tiles}"
+        floats = max(group, self.shared_floats)
+        if tiles == 1:
+            return [f"const int {item} = get_group_id(0);", "const int lid = get_local_id(0);",
+                    f"__local float shared[{floats}];"]
+        run = div_index("get_local_id(0)", group)
+        return [f"const int {item} = get_group_id(0) * {tiles} + {run};",
+                f"const int lid = {mod_index('get_local_id(0)', group)};",
+                f"__local float pool[{tiles * floats}];",
+                f"__local float* shared = pool + {run} * {floats};"]
 
     def _item(self, results: Sequence[str]) -> list[str]:
         """One item (t or g declared): its per-texel prologue, then each of its texels."""

@@ -122,6 +122,17 @@ class Profile:
             return None
         return _power_of_two_group(min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes))
 
+    def tiles_per_group(self, group: int, lanes: int, tiles: int) -> int:
+        """Register tiles one work-group holds when a tile's `group` work-items (Profile.tile_group) fill
+        less than a wave: the wave's idle lanes take further tiles. A power of two that divides `tiles`
+        (every group then holds only whole, real tiles, and reaches its barriers whole), within
+        max_work_group_size and SHARED_TILE_FLOATS of partials for all of its tiles (`lanes` each)."""
+        bound = min(self.wave_size // group, self.max_work_group_size // group, SHARED_TILE_FLOATS // (group * lanes))
+        count = _power_of_two_group(bound) or 1
+        while tiles % count:
+            count //= 2
+        return count
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one texture-cache block of RGBA fp32 texels."""

@@ -172,12 +172,16 @@ def reduce_into(b: KernelBuilder, build: Callable[[Code], Reduction], lanes: int
 def _tile_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | None:
     """Work-items that share each tile's `reduction` (a work-group per tile, Profile.tile_group), where
     one work-item alone would run more than SERIAL_REDUCTION multiply-adds per accumulator: the
-    weight gradients, whose reduction is a whole dY map or batch x sequence. Not for a kernel with
+    weight gradients, whose reduction is a whole dY map or batch x sequence; a group smaller than a
+    wave holds several tiles (Profile.tiles_per_group). Not for a kernel with
     mask outputs (their bytes pair texels of two work-items), which keeps one work-item per tile."""
     if b.group_size is not None or any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
         return None
     _, trips = reduction.shared_loop()
-    b.group_size = b.table.profile.tile_group(reduction.serial(lanes), trips, lanes)
+    profile = b.table.profile
+    b.group_size = profile.tile_group(reduction.serial(lanes), trips, lanes)
+    if b.group_size is not None:
+        b.tiles_per_group = profile.tiles_per_group(b.group_size, lanes, b.items)
     return b.group_size
 
 
