@@ -115,7 +115,7 @@ def measure(case: Case, directory: str, steps: int) -> Row:
     notes += [f"rewritten for TVM: {r}" for r in comparison.rewrites]
     if comparison.difference:
         notes.append(f"TVM differs from onnxruntime: {comparison.difference}")
-    fblc_ms, _ = fblc_step_ms(path, feeds, os.path.join(directory, "local"), steps)
+    (fblc_ms,), _ = fblc_step_ms(path, feeds, os.path.join(directory, "local"), steps)
     torch_ms = torch_step_ms(module, loss_of, steps)
     return Row(name, fblc_compile_s, build.build_s, (fblc_counts.kernels, fblc_counts.data_movement,
                                                      fblc_counts.with_textures),

@@ -45,6 +45,8 @@ TEXTURE_FORMATS = {"rgba_f32": ("RGBA", "FLOAT"), "rgba_f16": ("RGBA", "HALF_FLO
                    "rgba_i32": ("RGBA", "SIGNED_INT32"), "r_mask8": ("R", "UNSIGNED_INT8"),
                    "r_mask4": ("R", "UNSIGNED_INT8")}
 TEXEL_BYTES = {"rgba_f32": 16, "rgba_f16": 8, "rgba_i32": 16, "r_mask8": 1, "r_mask4": 1}  # per image texel
+#: the C element type of each format's texels in a buffer (LocalRunner's storage "buffer"; fp16: 4 halfs a texel)
+BUFFER_C_TYPES = {"rgba_f32": "float4", "rgba_f16": "half", "rgba_i32": "int4", "r_mask8": "uchar", "r_mask4": "uchar"}
 NUMPY_DTYPES = {"rgba_f32": "<f4", "rgba_f16": "<f2", "rgba_i32": "<i4", "r_mask8": "u1", "r_mask4": "u1"}
 CHANNELS = {"rgba_f32": 4, "rgba_f16": 4, "rgba_i32": 4, "r_mask8": 1, "r_mask4": 1}
 #: the r_mask format of each texel_layout mask kind

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local (first OpenCL device with images; PoCL by default), opencl:P:D (see 'fblc devices'), "
                           "or adb:SERIAL (a phone: pushes the bundle and the native runner if needed, runs it in adb "
                           "shell); FBLC_OPENCL_DEVICE sets the default")
+    run.add_argument("--storage", choices=("image", "buffer"), default="image",
+                     help="how a local device holds the textures: image (image2d_t, as on a phone; default) or "
+                          "buffer (the same texels row by row in buffers: several times faster on a CPU's OpenCL, "
+                          "such as PoCL, whose images are software)")
     run.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     run.add_argument("--data", required=True, metavar="FILE.npz",
                      help="one array per model input and 'labels'; more rows than the batch: iterated over batches")

@@ -41,6 +41,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.device == "adb" or args.device.startswith("adb:"):
         from fblc.cli.run_adb import cmd_run_adb
 
+        if args.storage != "image":
+            raise FblcError(f"--storage {args.storage} is for a local OpenCL device: the native runner on a phone "
+                            "holds every texture as an image2d_t", "drop --storage, or run on a local device")
+
         return cmd_run_adb(args)
     # the data is checked before the runner builds its kernels (a minute and more for a large model)
     manifest = read_manifest(args.bundle)
@@ -49,7 +53,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                         "`fblc run` cannot compute", "train it from Python: fblc.runtime.LocalRunner(BUNDLE)"
                         ".step(feeds, reward=fn), or compile with --reward neg-loss or accuracy")
     cut, note = batches(args.data, manifest)
-    runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device, progress=not args.quiet)
+    runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device, progress=not args.quiet,
+                         storage=args.storage)
     if note and not args.quiet:
         print(f"note: {note}", file=sys.stderr)
     if not args.quiet and not args.json:

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import onnx_ir as ir
 
-from fblc.bundle_format import MASK_FORMATS
+from fblc.bundle_format import BUFFER_C_TYPES, MASK_FORMATS
 from fblc.codegen.cl import Kernel, div_index, index_vars, mod_index
 from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads, ctype_of
 from fblc.codegen.textures import TextureTable
@@ -195,8 +195,8 @@ class KernelBuilder(ValueReads):
                 self.table.to_mask4(texture)
             masks = []
         pair = PAIR if masks and per_item % 2 else 1
-        params = [f"write_only image2d_t out{k}" for k in range(len(self.outputs))]
-        params += [f"read_only image2d_t in{k}" for k in range(len(self.in_textures))]
+        params = [f"IMAGE_OUT({BUFFER_C_TYPES[t.format]}, out{k})" for k, t in enumerate(self.out_textures)]
+        params += [f"IMAGE_IN({BUFFER_C_TYPES[t.format]}, in{k})" for k, t in enumerate(self.in_textures)]
         body = [f"__kernel void {self.name}({', '.join(params)} TRACE_PARAM) {{", "  TRACE_INIT"]
         item = "t" if per_item == 1 else "g"  # the item's index: its texel, or its place among the items
         if self.group_size is not None:  # group_size work-items per item: every branch below is uniform in them
@@ -314,13 +314,13 @@ class KernelBuilder(ValueReads):
                 last = f" || t == {texels - 1}" if texels % 2 else ""  # an odd count's last byte has one texel
                 body += [f"byte{k} |= (uint)({bits}) << ((t & 1) * 4);",
                          f"if ((t & 1){last}) {{",
-                         f"  write_imageui(out{k}, {texture.coord('t >> 1')}, (uint4)(byte{k}, 0, 0, 0));",
+                         f"  WRU(out{k}, {texture.coord('t >> 1')}, (uint4)(byte{k}, 0, 0, 0));",
                          f"  byte{k} = 0;",
                          "}"]
             elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
-                body.append(f"write_imageui(out{k}, {texture.coord('t')}, (uint4)({bits}, 0, 0, 0));")
+                body.append(f"WRU(out{k}, {texture.coord('t')}, (uint4)({bits}, 0, 0, 0));")
             else:  # a group kernel's texel goes out from its work-item 0
-                write, vector = ("write_imagef", "float4") if texture.kind == "float" else ("write_imagei", "int4")
+                write, vector = ("WRF", "float4") if texture.kind == "float" else ("WRI", "int4")
                 body.append(f"{'if (lid == 0) ' if self.group_size is not None else ''}{write}(out{k}, "
                             f"{texture.coord('t')}, ({vector})(r{k}[0], r{k}[1], r{k}[2], r{k}[3]));")
         return body

@@ -33,6 +33,30 @@ inline float4 window4(float4 a, float4 b, int s) {
   if (s == 2) return (float4)(a.zw, b.xy);
   return (float4)(a.w, b.xyz);
 }
+#ifdef FBLC_BUFFERS  // LocalRunner(storage="buffer"): each image's texels row by row in a buffer, its width an argument
+#define IMAGE_IN(type, n) __global const type* restrict n, const int n##_w
+#define IMAGE_OUT(type, n) __global type* restrict n, const int n##_w
+#define AT(img, c) ((c).y * img##_w + (c).x)
+inline float4 __attribute__((overloadable)) load_f(__global const float4* p, int i) { return p[i]; }
+inline float4 __attribute__((overloadable)) load_f(__global const half* p, int i) { return vload_half4(i, p); }
+inline void __attribute__((overloadable)) store_f(__global float4* p, int i, float4 v) { p[i] = v; }
+inline void __attribute__((overloadable)) store_f(__global half* p, int i, float4 v) { vstore_half4_rte(v, i, p); }
+#define READ_F(img, c) load_f(img, AT(img, c))
+#define READ_I(img, c) img[AT(img, c)]
+#define READ_U(img, c) ((uint4)(img[AT(img, c)], 0u, 0u, 0u))
+#define WRF(img, c, v) store_f(img, AT(img, c), v)
+#define WRI(img, c, v) (img[AT(img, c)] = (v))
+#define WRU(img, c, v) (img[AT(img, c)] = (uchar)((v).x))
+#else  // what phones run: image2d_t textures
+#define IMAGE_IN(type, n) read_only image2d_t n
+#define IMAGE_OUT(type, n) write_only image2d_t n
+#define READ_F(img, c) read_imagef(img, SMP, c)
+#define READ_I(img, c) read_imagei(img, SMP, c)
+#define READ_U(img, c) read_imageui(img, SMP, c)
+#define WRF(img, c, v) write_imagef(img, c, v)
+#define WRI(img, c, v) write_imagei(img, c, v)
+#define WRU(img, c, v) write_imageui(img, c, v)
+#endif
 #ifdef FBLC_TRACE  // fblc.runtime.trace: every texel read also records (argument, x, y) per work-item
 #define TRACE_PARAM , __global int4* fblc_trace, __global int* fblc_counts
 #define TRACE_INIT const int fblc_item = get_global_id(0) - get_global_offset(0); int fblc_n = 0;
@@ -43,15 +67,15 @@ inline int fblc_note(__global int4* trace, __global int* counts, int item, int* 
   return 0;
 }
 #define NOTE(img, c) fblc_note(fblc_trace, fblc_counts, fblc_item, &fblc_n, ARG_##img, c)
-#define RDF(img, c) (NOTE(img, c), read_imagef(img, SMP, c))
-#define RDI(img, c) (NOTE(img, c), read_imagei(img, SMP, c))
-#define RDU(img, c) (NOTE(img, c), read_imageui(img, SMP, c))
+#define RDF(img, c) (NOTE(img, c), READ_F(img, c))
+#define RDI(img, c) (NOTE(img, c), READ_I(img, c))
+#define RDU(img, c) (NOTE(img, c), READ_U(img, c))
 #else
 #define TRACE_PARAM
 #define TRACE_INIT
-#define RDF(img, c) read_imagef(img, SMP, c)
-#define RDI(img, c) read_imagei(img, SMP, c)
-#define RDU(img, c) read_imageui(img, SMP, c)
+#define RDF(img, c) READ_F(img, c)
+#define RDI(img, c) READ_I(img, c)
+#define RDU(img, c) READ_U(img, c)
 #endif
 // a boolean tensor saved for the backward: element i is bit i%8 of byte i/8 (r_mask8; r_mask4: i%4, i/4)
 #define ldm(img, bit, coord) ((int)(RDU(img, coord).x >> (bit)) & 1)

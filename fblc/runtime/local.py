@@ -39,6 +39,10 @@ def _image_format(cl: Any, name: str) -> Any:
     return cl.ImageFormat(getattr(cl.channel_order, order), getattr(cl.channel_type, channel))
 
 
+#: how a runner holds its textures (LocalRunner's `storage`)
+STORAGES = ("image", "buffer")
+
+
 class LocalRunner:
     """Train with a bundle on a local OpenCL device: `.step(feeds) -> loss`, `.parameters()`.
 
@@ -50,11 +54,18 @@ class LocalRunner:
     extra_arguments: tuple[Any, ...] = ()
 
     def __init__(self, bundle: str, device: str | None = None, profiling: bool = False,
-                 build_options: Sequence[str] = (), progress: bool | Callable[[str], None] = True) -> None:
+                 build_options: Sequence[str] = (), progress: bool | Callable[[str], None] = True,
+                 storage: str = "image") -> None:
         import pyopencl as cl
 
+        if storage not in STORAGES:
+            raise ValueError(f"storage '{storage}': choose one of {', '.join(STORAGES)}")
         self.cl = cl
-        self.build_options = list(build_options)
+        #: "image": every texture an image2d_t, as on a phone; "buffer": the same texels, row by row, in a
+        #: __global buffer (kernels.cl built with FBLC_BUFFERS), for a device whose images are software
+        #: (a CPU's OpenCL: PoCL reads a texel through a library call that stops vectorization)
+        self.storage = storage
+        self.build_options = list(build_options) + (["-DFBLC_BUFFERS"] if storage == "buffer" else [])
         self.bundle = bundle
         self.manifest, self.plan = fmt.load_verified(bundle)
         self.device = select_device(device)
@@ -66,6 +77,7 @@ class LocalRunner:
         # textures with disjoint lifetimes share an image (plan "images"; older plans: one image each)
         specs = self.plan.get("images") or [dict(t, textures=[t["id"]]) for t in self.textures]
         self.images = [self._allocate(spec) for spec in specs]
+        self._widths = [np.int32(spec["width"]) for spec in specs]  # a buffer's row pitch, in texels
         self.binding = [t.get("image", t["id"]) for t in self.textures]  # texture id -> image (swapped per step)
         self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
         for texture in self.textures:
@@ -92,7 +104,7 @@ class LocalRunner:
     # setup -------------------------------------------------------------------------------------
     def _check_limits(self) -> None:
         width, height = self.device.image2d_max_width, self.device.image2d_max_height
-        for texture in self.textures:
+        for texture in self.textures if self.storage == "image" else ():
             if texture["width"] > width or texture["height"] > height:
                 raise BundleError(f"texture of '{texture['name']}' is {texture['width']} x {texture['height']}, beyond "
                                   f"{self.device.name}'s image limit {width} x {height}; compile for a target with "
@@ -107,6 +119,9 @@ class LocalRunner:
 
     def _allocate(self, spec: dict[str, Any]) -> Any:
         cl = self.cl
+        if self.storage == "buffer":
+            return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, fmt.image_bytes(spec["format"], spec["width"],
+                                                                                     spec["height"]))
         return cl.create_image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, spec["format"]),
                                shape=(spec["width"], spec["height"]))
 
@@ -116,7 +131,7 @@ class LocalRunner:
             with open(os.path.join(self.bundle, fmt.PARAMS), "rb") as handle:
                 handle.seek(init["offset"])
                 data = np.frombuffer(handle.read(init["nbytes"]), dtype=fmt.NUMPY_DTYPES[texture["format"]])
-            self._write(self.images[self.binding[texture["id"]]], texture, data)
+            self._write(self.binding[texture["id"]], texture, data)
 
     def _build(self) -> Any:
         cl = self.cl
@@ -140,23 +155,33 @@ class LocalRunner:
         return "(see the log)"
 
     # texture I/O -------------------------------------------------------------------------------
-    def _write(self, image: Any, texture: dict[str, Any], flat: np.ndarray) -> None:
+    def _write(self, image: int, texture: dict[str, Any], flat: np.ndarray) -> None:
         data = np.ascontiguousarray(flat.reshape(texture["height"], texture["width"], fmt.CHANNELS[texture["format"]]))
-        self.cl.enqueue_copy(self.queue, image, data, origin=(0, 0), region=(texture["width"], texture["height"]))
+        self.cl.enqueue_copy(self.queue, self.images[image], data, **self._region(image, texture))
 
     def _read(self, texture_id: int) -> np.ndarray:
         texture = self.textures[texture_id]
         data = np.empty((texture["height"], texture["width"], fmt.CHANNELS[texture["format"]]),
                         dtype=fmt.NUMPY_DTYPES[texture["format"]])
-        self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], origin=(0, 0),
-                             region=(texture["width"], texture["height"]))
+        image = self.binding[texture_id]
+        self.cl.enqueue_copy(self.queue, data, self.images[image], **self._region(image, texture))
         size = int(np.prod(texture["shape"], dtype=np.int64))
         return unpack(data, self._layout(texture), size).reshape(texture["shape"])
+
+    def _region(self, image: int, texture: dict[str, Any]) -> dict[str, Any]:
+        """enqueue_copy's arguments for the texture's texels at the corner of image `image` (one shared by
+        textures of disjoint lifetimes may be wider or taller than this one)."""
+        if self.storage == "image":
+            return {"origin": (0, 0), "region": (texture["width"], texture["height"])}
+        texel = fmt.TEXEL_BYTES[texture["format"]]
+        pitch = int(self._widths[image]) * texel
+        return {"buffer_origin": (0, 0), "host_origin": (0, 0), "region": (texture["width"] * texel, texture["height"]),
+                "buffer_pitches": (pitch,), "host_pitches": (texture["width"] * texel,)}
 
     def upload(self, texture_id: int, array: np.ndarray) -> None:
         texture = self.textures[texture_id]
         image = pack(array, self._layout(texture), fmt.NUMPY_DTYPES[texture["format"]])
-        self._write(self.images[self.binding[texture_id]], texture, image)
+        self._write(self.binding[texture_id], texture, image)
 
     @staticmethod
     def _layout(texture: dict[str, Any]) -> TexelLayout:
@@ -251,8 +276,12 @@ class LocalRunner:
         """Enqueue launch `index` of the plan with its schedule (work-items offset..offset+size, whole
         work-groups; default all); its event."""
         spec = self.plan["kernels"][index]
-        images = [self.images[self.binding[t]] for t in spec["outputs"] + spec["inputs"]]
-        self.kernels[index].set_args(*images, *self.extra_arguments)
+        bound = [self.binding[t] for t in spec["outputs"] + spec["inputs"]]
+        if self.storage == "buffer":  # each buffer, then its width (IMAGE_IN / IMAGE_OUT of kernels.cl)
+            arguments = [value for image in bound for value in (self.images[image], self._widths[image])]
+        else:
+            arguments = [self.images[image] for image in bound]
+        self.kernels[index].set_args(*arguments, *self.extra_arguments)
         global_size = (spec["global_size"][0] if size is None else size,)
         local_size = tuple(spec["local_size"]) if spec.get("local_size") else None  # bundles before schedules
         try:

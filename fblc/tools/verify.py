@@ -61,8 +61,9 @@ def reference_graph(step: ir.Model, model_path: str, options: TrainingOptions) -
 
 def verify_model(model_path: str, options: TrainingOptions, target: str = "local", dtype: str = "fp32",
                  device: str | None = None, feeds: Mapping[str, np.ndarray] | None = None,
-                 work_dir: str | None = None) -> list[Comparison]:
-    """Compile, run one step on the device and on onnxruntime, compare every output of the step."""
+                 work_dir: str | None = None, storage: str = "image") -> list[Comparison]:
+    """Compile, run one step on the device and on onnxruntime, compare every output of the step (the
+    runner's textures held as `storage`: LocalRunner's)."""
     with tempfile.TemporaryDirectory(dir=work_dir) as scratch:
         bundle = os.path.join(scratch, "bundle")
         options = replace(options, dtype=dtype)  # the reference steps as the bundle does (loss scale)
@@ -73,7 +74,7 @@ def verify_model(model_path: str, options: TrainingOptions, target: str = "local
         feeds = dict(feeds) if feeds is not None else random_feeds(step)
         reference = ReferenceStep(step_path)
         reference.step(feeds)
-        runner = LocalRunner(bundle, device=device)
+        runner = LocalRunner(bundle, device=device, storage=storage)
         runner.step(feeds)
         device_values = {name: runner.read_before_swap(name) for name in reference.last}
         return compare(device_values, reference.last, dtype)

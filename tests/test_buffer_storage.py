@@ -1,0 +1,88 @@
+"""LocalRunner's storage "buffer": the same kernels.cl built with FBLC_BUFFERS, every image's texels
+held row by row in a __global buffer (its width a kernel argument), for a CPU's OpenCL whose images
+are software.
+
+Golden: each kernel argument is declared through IMAGE_IN / IMAGE_OUT with the C type of its
+texture's format, which both storages expand. Numeric: one step in buffer storage equals
+onnxruntime's (fp32 and fp16 textures, saved masks, integer ids, shared register tiles, images
+shared by textures of disjoint lifetimes), and three steps (the P / P.new swap) equal the image
+storage's losses. Negative: an unknown storage, and buffers asked of a phone's native runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+
+from fblc.bundle_format import BUFFER_C_TYPES
+from fblc.cli import main
+from fblc.codegen.compile import compile_model
+from fblc.compiler.gradients import segment_sum
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.pipeline import TrainingOptions
+from fblc.runtime.local import LocalRunner
+from fblc.tools.verify import verify_model
+from support import models
+from tests.support.oclgrind_steps import CASES
+
+# the MLP, a conv net with BatchNorm, pools and saved masks, shared register tiles; fp16 on the MLP
+STEPS = [("mlp", "fp32"), ("mlp", "fp16"), ("convnet", "fp32"), ("shared tiles", "fp32")]
+
+
+@pytest.mark.parametrize("name, dtype", STEPS)
+def test_a_step_in_buffers_equals_onnxruntime(name: str, dtype: str, tmp_path) -> None:
+    path, feeds, options = CASES[name](str(tmp_path))
+    if dtype == "fp16":  # SGD: Adam's first step magnifies fp16's last bits past the tolerance (test_device_models)
+        options = dataclasses.replace(options, optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9))
+    rows = verify_model(path, options, target="adreno830", dtype=dtype, feeds=feeds or None, storage="buffer")
+    assert rows and not [r.name for r in rows if not r.ok], [r for r in rows if not r.ok]
+
+
+def test_integer_ids_and_their_sorted_scatter_in_buffers(monkeypatch, tmp_path) -> None:
+    """Repeated and negative token ids (rgba_i32 textures read with RDI) through the sorted row scatter."""
+    from tests.test_sort_scatter_rows import OPTIONS, embedding
+
+    monkeypatch.setattr(segment_sum, "ONE_HOT_ELEMENTS", 0)
+    path = str(tmp_path / "embedding.onnx")
+    embedding(path, 37, 8, (2, 70))
+    feeds = {"ids": np.random.default_rng(3).integers(-37, 37, (2, 70)).astype(np.int64)}
+    rows = verify_model(path, OPTIONS, target="adreno830", feeds=feeds, storage="buffer")
+    assert rows and not [r.name for r in rows if not r.ok]
+
+
+def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tmp_path) -> None:
+    exported = models.mlp(str(tmp_path))
+    bundle = str(tmp_path / "bundle")
+    compile_model(exported.path, bundle, "adreno830", "fp16", TrainingOptions(input_shapes=exported.input_shapes))
+    source = open(f"{bundle}/kernels.cl").read()
+    plan = json.load(open(f"{bundle}/plan.json"))
+    formats = [t["format"] for t in plan["textures"]]
+    assert {"rgba_f16", "rgba_i32", "r_mask8"} <= set(formats), "the test model should have every kind of texture"
+    for launch in plan["kernels"]:
+        header = re.search(rf"__kernel void {launch['function']}\((.*?) TRACE_PARAM\)", source).group(1)
+        declared = re.findall(r"IMAGE_(OUT|IN)\((\w+), (\w+)\)", header)
+        expected = [("OUT", BUFFER_C_TYPES[formats[t]], f"out{k}") for k, t in enumerate(launch["outputs"])]
+        expected += [("IN", BUFFER_C_TYPES[formats[t]], f"in{k}") for k, t in enumerate(launch["inputs"])]
+        assert declared == expected, launch["name"]
+    batch = {**exported.inputs, "labels": exported.labels}
+    losses = {storage: _three_steps(LocalRunner(bundle, storage=storage, progress=False), batch)
+              for storage in ("image", "buffer")}
+    assert np.allclose(losses["buffer"], losses["image"], rtol=1e-6, atol=0), losses
+
+
+def _three_steps(runner: LocalRunner, batch: dict[str, np.ndarray]) -> list[float]:
+    return [runner.step(batch) for _ in range(3)]
+
+
+def test_an_unknown_storage_or_buffers_on_a_phone_are_refused(tmp_path, capsys) -> None:
+    with pytest.raises(ValueError, match="storage 'texture': choose one of image, buffer"):
+        LocalRunner(str(tmp_path), storage="texture")
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.zeros((1, 1), np.float32))
+    assert main(["run", str(tmp_path), "--device", "adb:emulator-5554", "--storage", "buffer",
+                 "--data", str(data)]) != 0
+    assert "--storage buffer is for a local OpenCL device" in capsys.readouterr().err
