@@ -18,7 +18,7 @@ import re
 import numpy as np
 import pytest
 
-from fblc.bundle_format import BUFFER_C_TYPES
+from fblc.bundle_format import BUFFER_C_TYPES, BundleError
 from fblc.cli import main
 from fblc.codegen.compile import compile_model
 from fblc.compiler.gradients import segment_sum
@@ -27,6 +27,7 @@ from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support import models
+from support.bundles import edit_kernels
 from tests.support.oclgrind_steps import CASES
 
 # the MLP, a conv net with BatchNorm, pools and saved masks, shared register tiles; fp16 on the MLP
@@ -78,9 +79,18 @@ def _three_steps(runner: LocalRunner, batch: dict[str, np.ndarray]) -> list[floa
     return [runner.step(batch) for _ in range(3)]
 
 
-def test_an_unknown_storage_or_buffers_on_a_phone_are_refused(tmp_path, capsys) -> None:
+def test_an_unknown_storage_buffers_on_a_phone_or_an_old_bundle_are_refused(tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="storage 'texture': choose one of image, buffer"):
         LocalRunner(str(tmp_path), storage="texture")
+    exported = models.mlp(str(tmp_path))
+    bundle = tmp_path / "bundle"
+    compile_model(exported.path, str(bundle), "local", "fp32", TrainingOptions(input_shapes=exported.input_shapes))
+    source = (bundle / "kernels.cl").read_text()  # as a bundle of an earlier fblc declared its arguments
+    source = re.sub(r"IMAGE_OUT\(\w+, (out\d+)\)", r"write_only image2d_t \1", source)
+    edit_kernels(str(bundle), re.sub(r"IMAGE_IN\(\w+, (in\d+)\)", r"read_only image2d_t \1", source))
+    with pytest.raises(BundleError, match="compiled before buffer storage"):
+        LocalRunner(str(bundle), storage="buffer", progress=False)
+    assert LocalRunner(str(bundle), progress=False).step({**exported.inputs, "labels": exported.labels}) > 0
     data = tmp_path / "data.npz"
     np.savez(data, x=np.zeros((1, 1), np.float32))
     assert main(["run", str(tmp_path), "--device", "adb:emulator-5554", "--storage", "buffer",

@@ -137,6 +137,9 @@ class LocalRunner:
         cl = self.cl
         with open(os.path.join(self.bundle, fmt.KERNELS), encoding="utf-8") as handle:
             source = handle.read()
+        if self.storage == "buffer" and re.search(r"__kernel void \w+\([^)]*image2d_t", source):
+            raise BundleError(f"'{self.bundle}' was compiled before buffer storage: its kernels declare image2d_t "
+                              "arguments only", "compile it again with this fblc, or run it with storage image")
         program = cl.Program(self.context, source)
         try:
             return program.build(options=["-cl-std=CL1.2", *self.build_options])

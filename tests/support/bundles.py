@@ -18,9 +18,21 @@ def edit_plan(bundle: str, edit: Callable[[dict[str, Any]], None]) -> None:
     edit(plan)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(plan, handle)
+    _checksum(bundle, fmt.PLAN)
+
+
+def edit_kernels(bundle: str, source: str) -> None:
+    """Replace the bundle's kernels.cl with `source` and re-checksum it in manifest.json."""
+    with open(os.path.join(bundle, fmt.KERNELS), "w", encoding="utf-8") as handle:
+        handle.write(source)
+    _checksum(bundle, fmt.KERNELS)
+
+
+def _checksum(bundle: str, name: str) -> None:
+    path = os.path.join(bundle, name)
     manifest_path = os.path.join(bundle, fmt.MANIFEST)
     with open(manifest_path, encoding="utf-8") as handle:
         manifest = json.load(handle)
-    manifest["checksums"][fmt.PLAN] = fmt.sha256_of(path)
+    manifest["checksums"][name] = fmt.sha256_of(path)
     with open(manifest_path, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle)
