@@ -1,8 +1,10 @@
 """KernelBuilder: what every kernel emitter writes through.
 
-It names texture arguments, turns reads of values into texel reads (RDF/RDI) or literals
-(single-element constants are inlined), collects the per-lane body and wraps it into the
-per-element kernel skeleton of `cl.py`.
+Its reads of values (texture arguments, texel reads through RDF/RDI, inlined one-element
+constants) are ValueReads' (`reads.py`); it collects the per-lane body and wraps it into the
+per-element kernel skeleton: arguments declared through IMAGE_OUT / IMAGE_IN with their format's
+texel type and written through WRF / WRI / WRU (`cl.py`'s preamble: image2d_t, or buffers under
+FBLC_BUFFERS).
 
 A kernel may also have a per-texel prologue (`emit_texel`): code run once per work-item,
 before the lane loop, that sees the multi-index of the texel's first element as `u0, u1..`
