@@ -13,7 +13,8 @@ autodiff of its own). Per model, one row each:
   (fblc/baselines/opencl_kernels.py);
 - device MB planned: fblc's report.json memory.device_peak (every image of the plan); TVM's memory
   plan (its alloc_storage calls) plus the parameters, optimizer state and batch it holds beside it;
-- step ms on this CPU: TVM's LLVM build, fblc on the local OpenCL device (PoCL), PyTorch eager,
+- step ms on this CPU: TVM's LLVM build, fblc on the local OpenCL device (PoCL) in buffer storage
+  (its fast form on a CPU: benchmarks/step_time.py compares it with images), PyTorch eager,
   medians of --steps steps after a warm-up;
 - agree: TVM's CPU step against onnxruntime's, every output (fp32 tolerances of fblc verify).
 Then the Llama-3.2-1B-shaped step's compile time on both sides (weights as inputs, never read):
@@ -115,7 +116,7 @@ def measure(case: Case, directory: str, steps: int) -> Row:
     notes += [f"rewritten for TVM: {r}" for r in comparison.rewrites]
     if comparison.difference:
         notes.append(f"TVM differs from onnxruntime: {comparison.difference}")
-    (fblc_ms,), _ = fblc_step_ms(path, feeds, os.path.join(directory, "local"), steps)
+    (fblc_ms,), _ = fblc_step_ms(path, feeds, os.path.join(directory, "local"), steps, storages=("buffer",))
     torch_ms = torch_step_ms(module, loss_of, steps)
     return Row(name, fblc_compile_s, build.build_s, (fblc_counts.kernels, fblc_counts.data_movement,
                                                      fblc_counts.with_textures),
@@ -161,7 +162,7 @@ def compile_1b(directory: str) -> str:
 
 
 HEADER = ["model", "compile s fblc/TVM", "kernels fblc/TVM", "movement fblc/TVM", "textured fblc/TVM",
-          "device MB fblc/TVM", "step ms TVM-llvm/fblc-pocl/torch", "TVM = ORT"]
+          "device MB fblc/TVM", "step ms TVM-llvm/fblc-pocl-buffers/torch", "TVM = ORT"]
 
 
 def _line(r: Row) -> str:

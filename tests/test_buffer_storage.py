@@ -96,3 +96,25 @@ def test_an_unknown_storage_buffers_on_a_phone_or_an_old_bundle_are_refused(tmp_
     assert main(["run", str(tmp_path), "--device", "adb:emulator-5554", "--storage", "buffer",
                  "--data", str(data)]) != 0
     assert "--storage buffer is for a local OpenCL device" in capsys.readouterr().err
+
+
+def test_fblc_run_trains_in_buffers_and_suggests_them_on_a_cpu(tmp_path, capsys) -> None:
+    """`fblc run --storage buffer` prints the same losses as the default image storage, which on a CPU
+    device (PoCL, this suite's) says that buffers would be faster, and on a GPU says nothing."""
+    exported = models.mlp(str(tmp_path))
+    bundle = str(tmp_path / "bundle")
+    compile_model(exported.path, bundle, "local", "fp32", TrainingOptions(input_shapes=exported.input_shapes))
+    data = str(tmp_path / "data.npz")
+    np.savez(data, **exported.inputs, labels=exported.labels)
+    import pyopencl as cl
+
+    from fblc.runtime.opencl import select_device
+
+    cpu = bool(select_device().type & cl.device_type.CPU)
+    losses = {}
+    for storage in ("image", "buffer"):
+        assert main(["run", bundle, "--data", data, "--steps", "2", "--json", "--storage", storage]) == 0
+        out, err = capsys.readouterr()
+        losses[storage] = [json.loads(line)["loss"] for line in out.splitlines()]
+        assert ("--storage buffer runs the same kernels several times faster" in err) == (cpu and storage == "image")
+    assert len(losses["image"]) == 2 and np.allclose(losses["buffer"], losses["image"], rtol=1e-6, atol=0), losses

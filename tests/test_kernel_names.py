@@ -18,8 +18,15 @@ from fblc.codegen.cl import PREAMBLE
 from fblc.codegen.compile import compile_model
 from fblc.passes.pipeline import TrainingOptions
 
-DECLARED = re.compile(r"\b(?:const\s+)?(?:u?int[24]?|float[24]?|__local float|(?:read|write)_only image2d_t)\s+"
-                      r"([A-Za-z_]\w*)\s*(?=[=\[;,)])")
+DECLARED = re.compile(r"\b(?:const\s+)?(?:u?int[24]?|float[24]?|__local float\*?|(?:read|write)_only image2d_t)\s+"
+                      r"([A-Za-z_]\w*)\s*(?=[=\[;,)])|\bIMAGE_(?:IN|OUT)\(\w+, ([A-Za-z_]\w*)\)")
+
+
+def declared(text: str) -> list[str]:
+    """The names `text` declares: variables, and kernel arguments (IMAGE_IN / IMAGE_OUT, or image2d_t)."""
+    return [match.group(1) or match.group(2) for match in DECLARED.finditer(text)]
+
+
 FRESH = re.compile(r"^[A-Za-z]+\d+$")  # fresh(hint): a hint and a number
 
 
@@ -31,7 +38,7 @@ def allowed(name: str, preamble: set[str]) -> bool:
 
 
 def test_an_unlisted_name_is_refused() -> None:
-    preamble = set(DECLARED.findall(PREAMBLE))
+    preamble = set(declared(PREAMBLE))
     assert allowed("o3", preamble) and allowed("acc12", preamble) and allowed("lane", preamble)
     assert not allowed("tmp", preamble) and not allowed("index", preamble)
 
@@ -61,10 +68,10 @@ def kernels_of(request, tmp_path_factory) -> str:
 
 def test_every_declared_name_is_in_the_vocabulary(kernels_of: str) -> None:
     source = kernels_of
-    preamble = set(DECLARED.findall(PREAMBLE))
+    preamble = set(declared(PREAMBLE))
     outside: dict[str, str] = {}
     for kernel in re.split(r"(?=__kernel void )", source)[1:]:
-        for name in DECLARED.findall(kernel):
+        for name in declared(kernel):
             if not allowed(name, preamble):
                 outside.setdefault(name, kernel.split("(")[0])
     assert outside == {}, f"names outside fblc.codegen.builder.KERNEL_NAMES: {outside}"

@@ -17,7 +17,7 @@ from fblc.bundle_format import BundleError
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
 from fblc.cli.check import add_command as add_check_command
 from fblc.cli.train import cmd_devices, cmd_push, cmd_run
-from fblc.cli.options import add_training_options, check_values
+from fblc.cli.options import add_storage_option, add_training_options, check_values
 from fblc.cli.outputs import check_outputs
 from fblc.cli.profiles import add_commands as add_profile_commands
 from fblc.errors import FblcError
@@ -64,10 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local (first OpenCL device with images; PoCL by default), opencl:P:D (see 'fblc devices'), "
                           "or adb:SERIAL (a phone: pushes the bundle and the native runner if needed, runs it in adb "
                           "shell); FBLC_OPENCL_DEVICE sets the default")
-    run.add_argument("--storage", choices=("image", "buffer"), default="image",
-                     help="how a local device holds the textures: image (image2d_t, as on a phone; default) or "
-                          "buffer (the same texels row by row in buffers: several times faster on a CPU's OpenCL, "
-                          "such as PoCL, whose images are software)")
+    add_storage_option(run)
     run.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     run.add_argument("--data", required=True, metavar="FILE.npz",
                      help="one array per model input and 'labels'; more rows than the batch: iterated over batches")
@@ -98,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_options(verify)
     add_target_options(verify)
     verify.add_argument("--device", default=None, help="OpenCL device (default: local)")
+    add_storage_option(verify)
     verify.add_argument("--show", type=int, default=15, help="rows of the error table (default: 15)")
     verify.set_defaults(run=cmd_verify)
 

@@ -83,7 +83,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from fblc.tools.verify import TOLERANCES, verify_model
 
     options = training_options(args)
-    rows = verify_model(args.model, options, target=args.target, dtype=args.dtype, device=args.device)
+    rows = verify_model(args.model, options, target=args.target, dtype=args.dtype, device=args.device,
+                        storage=args.storage)
     failed = [r for r in rows if not r.ok]
     rtol, atol = TOLERANCES[args.dtype]
     if not args.quiet:

@@ -64,6 +64,15 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
     add_trainer_options(parser)
 
 
+def add_storage_option(parser: argparse.ArgumentParser) -> None:
+    from fblc.runtime.local import STORAGES
+
+    parser.add_argument("--storage", choices=STORAGES, default=STORAGES[0],
+                        help="how a local device holds the textures: image (image2d_t, as on a phone; default) or "
+                             "buffer (the same texels row by row in buffers: several times faster on a CPU's "
+                             "OpenCL, such as PoCL, whose images are software)")
+
+
 def add_trainer_options(parser: argparse.ArgumentParser) -> None:
     """--trainer and the options of evolution strategies (fblc/compiler/es.py)."""
     from fblc.compiler.es import REWARDS, TRAINERS, EsConfig

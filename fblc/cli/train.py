@@ -57,6 +57,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                          storage=args.storage)
     if note and not args.quiet:
         print(f"note: {note}", file=sys.stderr)
+    if args.storage == "image" and not args.quiet and runner.device.type & runner.cl.device_type.CPU:
+        print(f"note: {runner.device.name.strip()} is a CPU, whose OpenCL images are software: --storage buffer "
+              "runs the same kernels several times faster", file=sys.stderr)
     if not args.quiet and not args.json:
         print(f"training {args.bundle} on {runner.device.name.strip()}: {args.steps} steps, "
               f"{len(cut)} batch{'es' if len(cut) != 1 else ''} of {runner.manifest['inputs'][0]['shape'][0]}")

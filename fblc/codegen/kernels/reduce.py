@@ -107,7 +107,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         offset = _loop_index(r, [shape[a] for a in axes], [strides[a] // 4 for a in axes])
         b.emit_texel(f"float4 {acc} = (float4)({start});",
                      f"for (int {r} = {first}; {r} < {count}; {r} += {step}) {{",
-                     f"  const float4 x = {b.read_texel(arg, texture, f'({base_of(TEXEL_INDEX)} >> 2) + {offset}')};",
+                     f"  const float4 x = {b.read_texel(arg, texture, f'(({base_of(TEXEL_INDEX)}) >> 2) + {offset}')};",
                      f"  {acc} = {combine.format(acc=acc, **names)};",
                      "}")
         if group:
