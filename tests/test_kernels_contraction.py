@@ -229,12 +229,13 @@ TILE_CASES = {
     "conv_depthwise_rows_dilated": (*conv((1, 4, 10, 12), (4, 1, 3, 5), group=4, dilations=[2, 1],
                                           pads=[1, 2, 3, 2]), {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # a 3x3 weight gradient over dY maps wider than TAP_BLOCK: 4 channels' 3x3 taps per work-item (36
-    # lanes), the dY rows a loop under a row mask; the batch inside it, split apart (4 x 400 > 1024), and
-    # a strided conv's (dY taps dilated by 2)
+    # lanes), the dY rows a loop under a row mask; the batch inside it, alone (2 x 360) or with a
+    # run past SERIAL_REDUCTION (4 x 400) shared by a work-group per tile, and a strided conv's (dY taps
+    # dilated by 2)
     "conv3x3_weight_grad_tile": (*conv((2, 4, 18, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
                                  {"forward": "tile", "dx": "tile", "dw": "tile"}),
-    "conv3x3_weight_grad_tile_apart": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
-                                       {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv3x3_weight_grad_batch_shared": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
+                                         {"forward": "tile", "dx": "tile", "dw": "shared"}),
     "conv3x3_weight_grad_tile_strided": (*conv((1, 3, 34, 36), (8, 3, 3, 3), strides=[2, 2], pads=[1, 0, 1, 1]),
                                          {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # reductions longer than SERIAL_REDUCTION: a work-group per tile deals out the dY rows (40 x 36 and

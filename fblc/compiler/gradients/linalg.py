@@ -12,7 +12,6 @@ from fblc.compiler.autodiff import register_gradient
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, static_shape
 from fblc.compiler.window import Window, transpose_output_padding, window_of
-from fblc.profiles.profile import SERIAL_REDUCTION
 
 Grads = Sequence["ir.Value | None"]
 
@@ -97,16 +96,16 @@ def conv_weight_grad(e: Emitter, x: ir.Value, dy: ir.Value, c_out: int, groups: 
     """dW[g, co, ci, tap] = sum over n and output pixels p of dY[n, g, co, p] * X[n, g, ci, p * s + tap * d - pad]:
     a conv over X's channels, its kernels dY's maps (stride and dilation swapped), read in place.
 
-    The batch is either reduced inside that conv (X viewed [cg_in, n, ...] as its input channels,
-    dY viewed [c_out, n, ...] as its kernels: no intermediate, no sum), when there is one group and
-    a work-item's run of n x output pixels stays within SERIAL_REDUCTION; or split across work-items
-    (groups over batch x groups: the kernels of each batch element apart, [cg_in, n, c_out, k]
-    summed over n afterwards), which keeps long runs parallel.
+    With one group the batch is reduced inside that conv (X viewed [cg_in, n, ...] as its input
+    channels, dY viewed [c_out, n, ...] as its kernels: no intermediate, no sum); where a run of
+    n x output pixels is long, the codegen shares it across a work-group per register tile. With
+    groups, each batch element's kernels stay apart (groups over batch x groups, [cg_in, n, c_out, k]
+    summed over n afterwards): the group axis cannot also carry n.
     """
     n, c_in, *spatial = static_shape(x)
     rank = len(spatial)
     cg_in, cg_out = c_in // groups, c_out // groups
-    inside = n if groups == 1 and n * int(np.prod(window.out_spatial)) <= SERIAL_REDUCTION else 1
+    inside = n if groups == 1 else 1
     apart = n // inside  # batch elements in groups of their own
     trailing = list(range(4, 4 + rank))  # the spatial axes after [apart, inside, groups, channels]
     x_view = e.reshape(e.op("Transpose", e.reshape(x, [apart, inside, groups, cg_in, *spatial]),
