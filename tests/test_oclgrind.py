@@ -8,7 +8,9 @@ statistics and LayerNorm; max, average and global pools; gathers and row scatter
 fused SGD-momentum and AdamW; every adapter: lora, memflora, memflora-sg, fura-s): any such report
 fails the test, and every output of the step must equal onnxruntime's (fp32 tolerances of
 fblc.tools.verify). An image read outside its image is not reported (a MergeRuns read 50,000
-elements past its row went unreported and only gave wrong numbers): the numbers check that.
+elements past its row went unreported and only gave wrong numbers): the numbers check that, and
+the conv net and the embedding run again in LocalRunner's buffer storage, where a read or write
+past the end of a texture's buffer is reported (a texel index one too far fails them).
 Kernels are built with -cl-opt-disable: oclgrind's interpreter runs some optimised LLVM IR wrongly
 (a T-ResNet weight-gradient conv that PoCL and numpy agree on, 0.011 off on oclgrind, exact with
 -cl-opt-disable), and pyopencl's binary cache is off so that option reaches every build.

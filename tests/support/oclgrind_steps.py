@@ -82,11 +82,18 @@ CASES: dict[str, Case] = {
 }
 
 
+#: cases that run again in LocalRunner's buffer storage, where oclgrind reports a read past the end of a
+#: texture's buffer (it cannot for an image): every conv, pool and mask path, the gathers and row scatters
+IN_BUFFERS = {f"{name} in buffers": name for name in ("convnet", "embedding")}
+CASES.update({case: CASES[name] for case, name in IN_BUFFERS.items()})
+
+
 def main(directory: str, names: list[str]) -> int:
     differing = {}
     for name in names:
         path, feeds, options = CASES[name](directory)
-        rows = verify_model(path, options, target="adreno830", feeds=feeds)
+        rows = verify_model(path, options, target="adreno830", feeds=feeds,
+                            storage="buffer" if name in IN_BUFFERS else "image")
         differing[name] = [row.name for row in rows if not row.ok] if rows else ["(nothing compared)"]
     print(json.dumps(differing))
     return 0
