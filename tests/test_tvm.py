@@ -203,10 +203,12 @@ __kernel void matmul2_kernel(__global float* a, __global float* b) { }
 __kernel void k7_Transpose(__read_only image2d_t x, __write_only image2d_t y) { }
 __kernel void k8_Gemm(__read_only image2d_t x, __read_only image2d_t w, __write_only image2d_t y) { }
 __kernel void fused_transpose_relu_kernel(__global float* a) { }
+__kernel void k9_Conv(IMAGE_OUT(float4, out0), IMAGE_IN(half, in0) TRACE_PARAM) { }
 """
     assert [k.name for k in kernels(source)][:2] == ["fused_reshape3_transpose2_kernel", "matmul2_kernel"]
+    assert kernels(source)[-1].arguments == ("write_only image2d_t out0", "read_only image2d_t in0 TRACE_PARAM")
     counts = count_kernels(source)
-    assert (counts.kernels, counts.data_movement, counts.with_textures) == (5, 2, 2)
+    assert (counts.kernels, counts.data_movement, counts.with_textures) == (6, 2, 3)
 
 
 def test_planned_storage_counts_buffers_in_bytes_and_textures_in_texels() -> None:
