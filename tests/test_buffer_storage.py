@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -79,12 +80,22 @@ def _three_steps(runner: LocalRunner, batch: dict[str, np.ndarray]) -> list[floa
     return [runner.step(batch) for _ in range(3)]
 
 
-def test_an_unknown_storage_buffers_on_a_phone_or_an_old_bundle_are_refused(tmp_path, capsys) -> None:
+@pytest.fixture(scope="module")
+def mlp_bundle(tmp_path_factory) -> tuple[models.ExportedModel, str]:
+    """The MLP compiled for the local device, fp32: (its export, the bundle folder)."""
+    directory = tmp_path_factory.mktemp("buffer_storage_mlp")
+    exported = models.mlp(str(directory))
+    bundle = str(directory / "bundle")
+    compile_model(exported.path, bundle, "local", "fp32", TrainingOptions(input_shapes=exported.input_shapes))
+    return exported, bundle
+
+
+def test_an_unknown_storage_buffers_on_a_phone_or_an_old_bundle_are_refused(mlp_bundle, tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="storage 'texture': choose one of image, buffer"):
         LocalRunner(str(tmp_path), storage="texture")
-    exported = models.mlp(str(tmp_path))
+    exported, compiled = mlp_bundle
     bundle = tmp_path / "bundle"
-    compile_model(exported.path, str(bundle), "local", "fp32", TrainingOptions(input_shapes=exported.input_shapes))
+    shutil.copytree(compiled, bundle)
     source = (bundle / "kernels.cl").read_text()  # as a bundle of an earlier fblc declared its arguments
     source = re.sub(r"IMAGE_OUT\(\w+, (out\d+)\)", r"write_only image2d_t \1", source)
     edit_kernels(str(bundle), re.sub(r"IMAGE_IN\(\w+, (in\d+)\)", r"read_only image2d_t \1", source))
@@ -98,12 +109,10 @@ def test_an_unknown_storage_buffers_on_a_phone_or_an_old_bundle_are_refused(tmp_
     assert "--storage buffer is for a local OpenCL device" in capsys.readouterr().err
 
 
-def test_fblc_run_trains_in_buffers_and_suggests_them_on_a_cpu(tmp_path, capsys) -> None:
+def test_fblc_run_trains_in_buffers_and_suggests_them_on_a_cpu(mlp_bundle, tmp_path, capsys) -> None:
     """`fblc run --storage buffer` prints the same losses as the default image storage, which on a CPU
     device (PoCL, this suite's) says that buffers would be faster, and on a GPU says nothing."""
-    exported = models.mlp(str(tmp_path))
-    bundle = str(tmp_path / "bundle")
-    compile_model(exported.path, bundle, "local", "fp32", TrainingOptions(input_shapes=exported.input_shapes))
+    exported, bundle = mlp_bundle
     data = str(tmp_path / "data.npz")
     np.savez(data, **exported.inputs, labels=exported.labels)
     import pyopencl as cl

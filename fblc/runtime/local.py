@@ -104,7 +104,8 @@ class LocalRunner:
     # setup -------------------------------------------------------------------------------------
     def _check_limits(self) -> None:
         width, height = self.device.image2d_max_width, self.device.image2d_max_height
-        for texture in self.textures if self.storage == "image" else ():
+        images = self.textures if self.storage == "image" else []  # a buffer has no edge limit
+        for texture in images:
             if texture["width"] > width or texture["height"] > height:
                 raise BundleError(f"texture of '{texture['name']}' is {texture['width']} x {texture['height']}, beyond "
                                   f"{self.device.name}'s image limit {width} x {height}; compile for a target with "
