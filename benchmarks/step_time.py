@@ -9,8 +9,8 @@ A benchmark, not a test: no threshold. fblc's kernels read image2d textures, whi
 through a library call per texel read that also keeps its compiler from vectorising a kernel across
 work-items; PyTorch runs oneDNN's vectorised convolutions and GEMMs on the same cores. So the same
 bundle runs twice: with image2d_t textures, as on a phone, and with LocalRunner's storage "buffer"
-(the same kernels and texel placement, each image's texels row by row in a __global buffer), the
-form a CPU's OpenCL runs fast.
+(the same kernels, each texture's texels in index order in a __global buffer), the form a CPU's
+OpenCL runs fast.
 """
 
 from __future__ import annotations

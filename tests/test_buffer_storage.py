@@ -1,9 +1,10 @@
-"""LocalRunner's storage "buffer": the same kernels.cl built with FBLC_BUFFERS, every image's texels
-held row by row in a __global buffer (its width a kernel argument), for a CPU's OpenCL whose images
-are software.
+"""LocalRunner's storage "buffer": the same kernels.cl built with FBLC_BUFFERS, every texture's texels
+held in index order in a __global buffer (PLACE maps a texel's layout coordinate to its index), for
+a CPU's OpenCL whose images are software.
 
 Golden: each kernel argument is declared through IMAGE_IN / IMAGE_OUT with the C type of its
-texture's format, which both storages expand. Numeric: one step in buffer storage equals
+texture's format, which both storages expand, and every texel address goes through PLACE; an
+R-Tile parameter's buffer holds its texels in index order. Numeric: one step in buffer storage equals
 onnxruntime's (fp32 and fp16 textures, saved masks, integer ids, shared register tiles, images
 shared by textures of disjoint lifetimes), and three steps (the P / P.new swap) equal the image
 storage's losses. Negative: an unknown storage, and buffers asked of a phone's native runner.
@@ -70,10 +71,22 @@ def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tm
         expected = [("OUT", BUFFER_C_TYPES[formats[t]], f"out{k}") for k, t in enumerate(launch["outputs"])]
         expected += [("IN", BUFFER_C_TYPES[formats[t]], f"in{k}") for k, t in enumerate(launch["inputs"])]
         assert declared == expected, launch["name"]
+    addresses = re.findall(r"\b(?:RDF|RDI|WRF|WRI|WRU)\((\w+), (\w+)\(", source)
+    assert addresses and {place for _, place in addresses} == {"PLACE"}, "a texel address that buffers would not map"
     batch = {**exported.inputs, "labels": exported.labels}
-    losses = {storage: _three_steps(LocalRunner(bundle, storage=storage, progress=False), batch)
-              for storage in ("image", "buffer")}
+    runners = {storage: LocalRunner(bundle, storage=storage, progress=False) for storage in ("image", "buffer")}
+    losses = {storage: _three_steps(runner, batch) for storage, runner in runners.items()}
     assert np.allclose(losses["buffer"], losses["image"], rtol=1e-6, atol=0), losses
+    # an R-Tile texture that outlives the step: the image holds it tiled, the buffer in index order
+    name, texture = next((name, plan["textures"][t]) for name, t in plan["values"].items()
+                         if plan["textures"][t].get("layout", {}).get("kind") == "rtile"
+                         and len(plan["images"][plan["textures"][t].get("image", t)]["textures"]) == 1
+                         and name not in plan["value_maps"]
+                         and plan["value_shapes"].get(name, plan["textures"][t]["shape"]) == plan["textures"][t]["shape"])
+    buffer = runners["buffer"]
+    held = np.empty(int(np.prod(texture["shape"])), dtype=np.float16)
+    buffer.cl.enqueue_copy(buffer.queue, held, buffer.images[buffer.binding[texture["id"]]])
+    assert np.allclose(held.reshape(texture["shape"]), runners["image"].read(name), rtol=1e-3, atol=1e-4), name
 
 
 def _three_steps(runner: LocalRunner, batch: dict[str, np.ndarray]) -> list[float]:

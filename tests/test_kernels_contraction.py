@@ -268,7 +268,7 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
     pooled = {m.group(1) for m in re.finditer(r"__kernel void (\w+)\((.*?)\n}\n", source, re.DOTALL)
               if "__local float pool[" in m.group(2)}
     assert len(pooled) == 1 and next(iter(pooled)).endswith("_Conv"), pooled
-    assert re.search(r"float4 acc\w*_t\[\d+\]", source), "a group kernel's partial tile sums in float4 texels"
+    assert re.search(r"float4 accv\d+\[\d+\]", source), "a group kernel's partial tile sums in float4 texels"
     assert {launch["local_size"][0] for launch in plan["kernels"] if launch["function"] in pooled} == {64}
     rows = verify_model(path, OPTIONS, target="adreno830")
     assert rows and not [r.name for r in rows if not r.ok]

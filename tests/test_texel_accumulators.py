@@ -18,9 +18,9 @@ def test_per_lane_lines_keep_each_lanes_order_lane_by_lane() -> None:
 
 
 def test_four_lanes_products_are_one_float4_multiply_add() -> None:
-    assert Accumulators("acc_t", texels=True).add(TERMS) == [
-        "acc_t[0] += A.x * B;",  # one scalar widens; a texel's own x, y, z, w is the texel
-        "acc_t[1] += (float4)(C.yzw, E.x) * D.x;"]  # consecutive components as swizzles
+    assert Accumulators("accv1", texels=True).add(TERMS) == [
+        "accv1[0] += A.x * B;",  # one scalar widens; a texel's own x, y, z, w is the texel
+        "accv1[1] += (float4)(C.yzw, E.x) * D.x;"]  # consecutive components as swizzles
 
 
 def test_a_texel_whose_lanes_lack_a_product_adds_by_component() -> None:
@@ -28,6 +28,6 @@ def test_a_texel_whose_lanes_lack_a_product_adds_by_component() -> None:
     are added component by component, masked expressions stay whole, and every lane keeps its order."""
     terms = [(lane, f"(m ? X.{'xyzw'[lane]} : 0.0f)", "W.x") for lane in range(4)]
     terms += [(lane, f"Y.{'xyzw'[lane]}", "V.y") for lane in range(3)]
-    assert Accumulators("acc_t", texels=True).add(terms) == [
-        "acc_t[0] += (float4)((m ? X.x : 0.0f), (m ? X.y : 0.0f), (m ? X.z : 0.0f), (m ? X.w : 0.0f)) * W.x;",
-        "acc_t[0].x += Y.x * V.y;", "acc_t[0].y += Y.y * V.y;", "acc_t[0].z += Y.z * V.y;"]
+    assert Accumulators("accv1", texels=True).add(terms) == [
+        "accv1[0] += (float4)((m ? X.x : 0.0f), (m ? X.y : 0.0f), (m ? X.z : 0.0f), (m ? X.w : 0.0f)) * W.x;",
+        "accv1[0].x += Y.x * V.y;", "accv1[0].y += Y.y * V.y;", "accv1[0].z += Y.z * V.y;"]

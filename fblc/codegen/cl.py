@@ -33,10 +33,11 @@ inline float4 window4(float4 a, float4 b, int s) {
   if (s == 2) return (float4)(a.zw, b.xy);
   return (float4)(a.w, b.xyz);
 }
-#ifdef FBLC_BUFFERS  // LocalRunner(storage="buffer"): each image's texels row by row in a buffer, its width an argument
-#define IMAGE_IN(type, n) __global const type* restrict n, const int n##_w
-#define IMAGE_OUT(type, n) __global type* restrict n, const int n##_w
-#define AT(img, c) ((c).y * img##_w + (c).x)
+#ifdef FBLC_BUFFERS  // LocalRunner(storage="buffer"): each texture's texels in index order in a buffer
+#define IMAGE_IN(type, n) __global const type* restrict n
+#define IMAGE_OUT(type, n) __global type* restrict n
+#define PLACE(t, c) ((int2)((t), 0))  // texel t is element t: the layout's coordinate c goes unused
+#define AT(img, c) ((c).x)
 inline float4 __attribute__((overloadable)) load_f(__global const float4* p, int i) { return p[i]; }
 inline float4 __attribute__((overloadable)) load_f(__global const half* p, int i) { return vload_half4(i, p); }
 inline void __attribute__((overloadable)) store_f(__global float4* p, int i, float4 v) { p[i] = v; }
@@ -48,6 +49,7 @@ inline void __attribute__((overloadable)) store_f(__global half* p, int i, float
 #define WRI(img, c, v) (img[AT(img, c)] = (v))
 #define WRU(img, c, v) (img[AT(img, c)] = (uchar)((v).x))
 #else  // what phones run: image2d_t textures
+#define PLACE(t, c) (c)  // texel t sits at c, the texture's layout (TexelLayout.c_coord)
 #define IMAGE_IN(type, n) read_only image2d_t n
 #define IMAGE_OUT(type, n) write_only image2d_t n
 #define READ_F(img, c) read_imagef(img, SMP, c)

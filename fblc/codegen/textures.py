@@ -49,8 +49,9 @@ class Texture:
         return self.layout.height
 
     def coord(self, texel: str) -> str:
-        """OpenCL C int2 image coordinate of texel index `texel` (a C expression)."""
-        return self.layout.c_coord(texel)
+        """OpenCL C int2 image coordinate of texel index `texel` (a C expression): its layout's, through
+        PLACE, which buffer storage (FBLC_BUFFERS) maps to the index itself."""
+        return f"PLACE({texel}, {self.layout.c_coord(texel)})"
 
     @property
     def numel(self) -> int:

@@ -19,7 +19,7 @@ from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.runtime.build_progress import BuildProgress
 from fblc.runtime.opencl import select_device
-from fblc.texel_layout import TexelLayout, pack, unpack
+from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack, unpack
 
 
 class KernelBuildError(BundleError):
@@ -61,9 +61,10 @@ class LocalRunner:
         if storage not in STORAGES:
             raise ValueError(f"storage '{storage}': choose one of {', '.join(STORAGES)}")
         self.cl = cl
-        #: "image": every texture an image2d_t, as on a phone; "buffer": the same texels, row by row, in a
+        #: "image": every texture an image2d_t, as on a phone; "buffer": the same texels in index order in a
         #: __global buffer (kernels.cl built with FBLC_BUFFERS), for a device whose images are software
-        #: (a CPU's OpenCL: PoCL reads a texel through a library call that stops vectorization)
+        #: (a CPU's OpenCL: PoCL reads a texel through a library call that stops vectorization), where
+        #: a texel's address is its index, not its layout's coordinate (which on a phone serves the texture cache)
         self.storage = storage
         self.build_options = list(build_options) + (["-DFBLC_BUFFERS"] if storage == "buffer" else [])
         self.bundle = bundle
@@ -77,7 +78,6 @@ class LocalRunner:
         # textures with disjoint lifetimes share an image (plan "images"; older plans: one image each)
         specs = self.plan.get("images") or [dict(t, textures=[t["id"]]) for t in self.textures]
         self.images = [self._allocate(spec) for spec in specs]
-        self._widths = [np.int32(spec["width"]) for spec in specs]  # a buffer's row pitch, in texels
         self.binding = [t.get("image", t["id"]) for t in self.textures]  # texture id -> image (swapped per step)
         self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
         for texture in self.textures:
@@ -160,38 +160,33 @@ class LocalRunner:
 
     # texture I/O -------------------------------------------------------------------------------
     def _write(self, image: int, texture: dict[str, Any], flat: np.ndarray) -> None:
-        data = np.ascontiguousarray(flat.reshape(texture["height"], texture["width"], fmt.CHANNELS[texture["format"]]))
-        self.cl.enqueue_copy(self.queue, self.images[image], data, **self._region(image, texture))
+        layout = self._layout(texture)
+        data = np.ascontiguousarray(flat.reshape(layout.height, layout.width, fmt.CHANNELS[texture["format"]]))
+        # an image shared by textures of disjoint lifetimes may be wider or taller than this one: its corner
+        region = {"origin": (0, 0), "region": (layout.width, layout.height)} if self.storage == "image" else {}
+        self.cl.enqueue_copy(self.queue, self.images[image], data, **region)
 
     def _read(self, texture_id: int) -> np.ndarray:
-        texture = self.textures[texture_id]
-        data = np.empty((texture["height"], texture["width"], fmt.CHANNELS[texture["format"]]),
+        texture, layout = self.textures[texture_id], self._layout(self.textures[texture_id])
+        data = np.empty((layout.height, layout.width, fmt.CHANNELS[texture["format"]]),
                         dtype=fmt.NUMPY_DTYPES[texture["format"]])
-        image = self.binding[texture_id]
-        self.cl.enqueue_copy(self.queue, data, self.images[image], **self._region(image, texture))
+        region = {"origin": (0, 0), "region": (layout.width, layout.height)} if self.storage == "image" else {}
+        self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], **region)
         size = int(np.prod(texture["shape"], dtype=np.int64))
-        return unpack(data, self._layout(texture), size).reshape(texture["shape"])
-
-    def _region(self, image: int, texture: dict[str, Any]) -> dict[str, Any]:
-        """enqueue_copy's arguments for the texture's texels at the corner of image `image` (one shared by
-        textures of disjoint lifetimes may be wider or taller than this one)."""
-        if self.storage == "image":
-            return {"origin": (0, 0), "region": (texture["width"], texture["height"])}
-        texel = fmt.TEXEL_BYTES[texture["format"]]
-        pitch = int(self._widths[image]) * texel
-        return {"buffer_origin": (0, 0), "host_origin": (0, 0), "region": (texture["width"] * texel, texture["height"]),
-                "buffer_pitches": (pitch,), "host_pitches": (texture["width"] * texel,)}
+        return unpack(data, layout, size).reshape(texture["shape"])
 
     def upload(self, texture_id: int, array: np.ndarray) -> None:
         texture = self.textures[texture_id]
         image = pack(array, self._layout(texture), fmt.NUMPY_DTYPES[texture["format"]])
         self._write(self.binding[texture_id], texture, image)
 
-    @staticmethod
-    def _layout(texture: dict[str, Any]) -> TexelLayout:
-        if "layout" in texture:
-            return TexelLayout.from_dict(texture["layout"])
-        return TexelLayout("flat", texture["width"], texture["height"])
+    def _layout(self, texture: dict[str, Any]) -> TexelLayout:
+        """Where the texture's texels sit: its layout in an image; in a buffer, texel (byte of a mask) t at t."""
+        layout = (TexelLayout.from_dict(texture["layout"]) if "layout" in texture
+                  else TexelLayout("flat", texture["width"], texture["height"]))
+        if self.storage == "image":
+            return layout
+        return TexelLayout(layout.kind if layout.kind in MASK_ELEMENTS else "flat", layout.width * layout.height, 1)
 
     def read(self, name: str) -> np.ndarray:
         """Any tensor of the step by its ONNX value name (loss, P.grad, parameters...), as it is now."""
@@ -281,11 +276,7 @@ class LocalRunner:
         work-groups; default all); its event."""
         spec = self.plan["kernels"][index]
         bound = [self.binding[t] for t in spec["outputs"] + spec["inputs"]]
-        if self.storage == "buffer":  # each buffer, then its width (IMAGE_IN / IMAGE_OUT of kernels.cl)
-            arguments = [value for image in bound for value in (self.images[image], self._widths[image])]
-        else:
-            arguments = [self.images[image] for image in bound]
-        self.kernels[index].set_args(*arguments, *self.extra_arguments)
+        self.kernels[index].set_args(*[self.images[image] for image in bound], *self.extra_arguments)
         global_size = (spec["global_size"][0] if size is None else size,)
         local_size = tuple(spec["local_size"]) if spec.get("local_size") else None  # bundles before schedules
         try:

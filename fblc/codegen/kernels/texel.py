@@ -279,7 +279,7 @@ class Reduction:
         if lanes > PRIVATE_FLOATS:
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
-        texels = f"{acc}_t" if group and lanes % LANES == 0 else None  # see accumulate
+        texels = b.fresh("accv") if group and lanes % LANES == 0 else None  # see Accumulators
         if texels:
             code.emit(f"float4 {texels}[{lanes // LANES}] = {{{', '.join(['(float4)(0.0f)'] * (lanes // LANES))}}};")
         else:
