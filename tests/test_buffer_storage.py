@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import re
 import shutil
 
@@ -115,6 +116,11 @@ def test_an_unknown_storage_buffers_on_a_phone_or_an_old_bundle_are_refused(mlp_
     with pytest.raises(BundleError, match="compiled before buffer storage"):
         LocalRunner(str(bundle), storage="buffer", progress=False)
     assert LocalRunner(str(bundle), progress=False).step({**exported.inputs, "labels": exported.labels}) > 0
+    # an earlier fblc's buffers held texels at their image coordinates: its preamble defines no PLACE
+    source = (pathlib.Path(compiled) / "kernels.cl").read_text()
+    edit_kernels(str(bundle), source.replace("#define PLACE(", "#define COORDINATE("))
+    with pytest.raises(BundleError, match="compiled before buffer storage"):
+        LocalRunner(str(bundle), storage="buffer", progress=False)
     data = tmp_path / "data.npz"
     np.savez(data, x=np.zeros((1, 1), np.float32))
     assert main(["run", str(tmp_path), "--device", "adb:emulator-5554", "--storage", "buffer",

@@ -138,9 +138,11 @@ class LocalRunner:
         cl = self.cl
         with open(os.path.join(self.bundle, fmt.KERNELS), encoding="utf-8") as handle:
             source = handle.read()
-        if self.storage == "buffer" and re.search(r"__kernel void \w+\([^)]*image2d_t", source):
-            raise BundleError(f"'{self.bundle}' was compiled before buffer storage: its kernels declare image2d_t "
-                              "arguments only", "compile it again with this fblc, or run it with storage image")
+        if self.storage == "buffer" and (re.search(r"__kernel void \w+\([^)]*image2d_t", source)
+                                         or "#define PLACE(" not in source):
+            raise BundleError(f"'{self.bundle}' was compiled before buffer storage as this fblc runs it: its kernels "
+                              "declare image2d_t arguments only, or address texels by image coordinates (no PLACE)",
+                              "compile it again with this fblc, or run it with storage image")
         program = cl.Program(self.context, source)
         try:
             return program.build(options=["-cl-std=CL1.2", *self.build_options])
@@ -162,18 +164,20 @@ class LocalRunner:
     def _write(self, image: int, texture: dict[str, Any], flat: np.ndarray) -> None:
         layout = self._layout(texture)
         data = np.ascontiguousarray(flat.reshape(layout.height, layout.width, fmt.CHANNELS[texture["format"]]))
-        # an image shared by textures of disjoint lifetimes may be wider or taller than this one: its corner
-        region = {"origin": (0, 0), "region": (layout.width, layout.height)} if self.storage == "image" else {}
-        self.cl.enqueue_copy(self.queue, self.images[image], data, **region)
+        self.cl.enqueue_copy(self.queue, self.images[image], data, **self._corner(layout))
 
     def _read(self, texture_id: int) -> np.ndarray:
         texture, layout = self.textures[texture_id], self._layout(self.textures[texture_id])
         data = np.empty((layout.height, layout.width, fmt.CHANNELS[texture["format"]]),
                         dtype=fmt.NUMPY_DTYPES[texture["format"]])
-        region = {"origin": (0, 0), "region": (layout.width, layout.height)} if self.storage == "image" else {}
-        self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], **region)
+        self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], **self._corner(layout))
         size = int(np.prod(texture["shape"], dtype=np.int64))
         return unpack(data, layout, size).reshape(texture["shape"])
+
+    def _corner(self, layout: TexelLayout) -> dict[str, Any]:
+        """enqueue_copy's region for a texture's texels: an image shared by textures of disjoint lifetimes
+        may be wider or taller than this one, which sits at its corner; a buffer's texels start at 0."""
+        return {"origin": (0, 0), "region": (layout.width, layout.height)} if self.storage == "image" else {}
 
     def upload(self, texture_id: int, array: np.ndarray) -> None:
         texture = self.textures[texture_id]
