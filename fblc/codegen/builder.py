@@ -299,9 +299,13 @@ class KernelBuilder(ValueReads):
             if self._reads_last:
                 body += index_vars(self.out_shape, f"min(t * 4 + 3, {out_numel - 1})", TEXEL_LAST)
             body += self.texel_reads
-        body += ["for (int lane = 0; lane < 4; ++lane) {",
-                 "  const int i = t * 4 + lane;",
-                 f"  if (i >= {out_numel}) break;"]
+        # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
+        # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
+        if out_numel % 4:
+            body += ["for (int lane = 0; lane < 4; ++lane) {", "  const int i = t * 4 + lane;",
+                     f"  if (i >= {out_numel}) break;"]
+        else:
+            body += ["#pragma unroll", "for (int lane = 0; lane < 4; ++lane) {", "  const int i = t * 4 + lane;"]
         if in_one_row:
             body += [f"  const int {OUT_INDEX}{axis} = {TEXEL_FIRST}{axis}{' + lane' if axis == lanes else ''};"
                      for axis in range(len(self.out_shape))]
