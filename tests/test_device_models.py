@@ -50,8 +50,9 @@ def _verify(name: str, export_dir: str, dtype: str, layout: str = "rtile",
     assert {"loss"} < {r.name for r in rows}
 
 
-# rtile steps under `-m slow` for the suite's time: the zoo's ResNet (legacy export) runs on the device too
-SLOW_MODELS = ("resnet_legacy",)
+# rtile steps under `-m slow` for the suite's time: the zoo's ResNet (legacy export) runs on the device
+# too, and the optimized Llama export's kernels are the plain export's (llama, above) but for its fused ops
+SLOW_MODELS = ("resnet_legacy", "llama_optimized")
 # The flat baseline runs on one export of each architecture: its kernels (no tiles, copies for data
 # movement) do not depend on the exporter, whose op variants the R-Tile runs above cover. The conv nets'
 # and the decoder's naive steps are under `-m slow` for the suite's time (PoCL's cold compile: 20 to
@@ -72,7 +73,9 @@ def test_one_step_on_pocl_matches_onnxruntime_fp32(name: str, layout: str, expor
 
 
 # the Llama decoder's fp16 step is under `-m slow` for the suite's time: test_mixed_precision trains GPT-2 in fp16
-@pytest.mark.parametrize("name", ["mlp", "tresnet", pytest.param("llama", marks=pytest.mark.slow)])
+# fp16 conv kernels also run in test_kernels_contraction's fp16 cases; T-ResNet's whole step is under -m slow
+@pytest.mark.parametrize("name", ["mlp", pytest.param("tresnet", marks=pytest.mark.slow),
+                                  pytest.param("llama", marks=pytest.mark.slow)])
 def test_one_step_on_pocl_matches_onnxruntime_fp16(name: str, export_dir: str) -> None:
     _verify(name, export_dir, "fp16", target="adreno730")
 

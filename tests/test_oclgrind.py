@@ -69,9 +69,10 @@ def test_oclgrind_reports_a_write_past_the_end_and_a_race() -> None:
     assert any("data race" in line for line in reports), reports
 
 
-#: cases left to `-m slow` for the suite's time (the conv net and the Llama decoder cover their kernel families;
-#: MemFLoRA's adapter covers LoRA's and shares its backward with MemFLoRA-SG's)
-SLOW_CASES = {"resnet", "gpt2", "convnet lora", "convnet memflora-sg"}
+#: cases left to `-m slow` for the suite's time (the conv net, the embedding and the shared tiles cover their
+#: kernel families, the Llama decoder's attention runs under -m slow; MemFLoRA's adapter covers LoRA's and
+#: shares its backward with MemFLoRA-SG's)
+SLOW_CASES = {"resnet", "gpt2", "llama", "convnet lora", "convnet memflora-sg"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES])
