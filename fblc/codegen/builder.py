@@ -301,11 +301,10 @@ class KernelBuilder(ValueReads):
             body += self.texel_reads
         # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
         # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
-        if out_numel % 4:
-            body += ["for (int lane = 0; lane < 4; ++lane) {", "  const int i = t * 4 + lane;",
-                     f"  if (i >= {out_numel}) break;"]
-        else:
-            body += ["#pragma unroll", "for (int lane = 0; lane < 4; ++lane) {", "  const int i = t * 4 + lane;"]
+        tail = out_numel % 4 != 0
+        body += ([] if tail else ["#pragma unroll"]) + ["for (int lane = 0; lane < 4; ++lane) {",
+                                                        "  const int i = t * 4 + lane;"]
+        body += [f"  if (i >= {out_numel}) break;"] if tail else []
         if in_one_row:
             body += [f"  const int {OUT_INDEX}{axis} = {TEXEL_FIRST}{axis}{' + lane' if axis == lanes else ''};"
                      for axis in range(len(self.out_shape))]

@@ -78,6 +78,7 @@ class LocalRunner:
         # textures with disjoint lifetimes share an image (plan "images"; older plans: one image each)
         specs = self.plan.get("images") or [dict(t, textures=[t["id"]]) for t in self.textures]
         self.images = [self._allocate(spec) for spec in specs]
+        self._layouts = [self._layout(t) for t in self.textures]  # texture id -> where its texels sit (packing)
         self.binding = [t.get("image", t["id"]) for t in self.textures]  # texture id -> image (swapped per step)
         self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
         for texture in self.textures:
@@ -162,12 +163,12 @@ class LocalRunner:
 
     # texture I/O -------------------------------------------------------------------------------
     def _write(self, image: int, texture: dict[str, Any], flat: np.ndarray) -> None:
-        layout = self._layout(texture)
+        layout = self._layouts[texture["id"]]
         data = np.ascontiguousarray(flat.reshape(layout.height, layout.width, fmt.CHANNELS[texture["format"]]))
         self.cl.enqueue_copy(self.queue, self.images[image], data, **self._corner(layout))
 
     def _read(self, texture_id: int) -> np.ndarray:
-        texture, layout = self.textures[texture_id], self._layout(self.textures[texture_id])
+        texture, layout = self.textures[texture_id], self._layouts[texture_id]
         data = np.empty((layout.height, layout.width, fmt.CHANNELS[texture["format"]]),
                         dtype=fmt.NUMPY_DTYPES[texture["format"]])
         self.cl.enqueue_copy(self.queue, data, self.images[self.binding[texture_id]], **self._corner(layout))
@@ -181,7 +182,7 @@ class LocalRunner:
 
     def upload(self, texture_id: int, array: np.ndarray) -> None:
         texture = self.textures[texture_id]
-        image = pack(array, self._layout(texture), fmt.NUMPY_DTYPES[texture["format"]])
+        image = pack(array, self._layouts[texture_id], fmt.NUMPY_DTYPES[texture["format"]])
         self._write(self.binding[texture_id], texture, image)
 
     def _layout(self, texture: dict[str, Any]) -> TexelLayout:
