@@ -246,6 +246,10 @@ TILE_CASES = {
                                           {"forward": "tile", "dx": "tile", "dw": "shared"}),
     "matmul_long_k_shared": ([_node("MatMul", ["a", "b"])], {"a": (8, 1100), "b": (1100, 8)},
                              {"forward": "shared", "grad": "tile"}),
+    # a temporal conv's weight gradient (T-ResNet's [N, C, T, 1]), 8 x 160 steps shared by a work-group: on
+    # the local CPU its 3 taps x 4 channels sum float4s along T (test_a_cpu_weight_gradient_sums_along...)
+    "conv_temporal_weight_grad_shared": (*conv((8, 8, 160, 1), (8, 8, 3, 1), pads=[1, 0, 1, 0]),
+                                         {"forward": "tile", "dx": "tile", "dw": "shared"}),
 }
 
 
@@ -271,6 +275,22 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
     assert re.search(r"float4 accv\d+\[\d+\]", source), "a group kernel's partial tile sums in float4 texels"
     assert {launch["local_size"][0] for launch in plan["kernels"] if launch["function"] in pooled} == {64}
     rows = verify_model(path, OPTIONS, target="adreno830")
+    assert rows and not [r.name for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize("target, form", [("local", "sums"), ("adreno830", "texels")])
+def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, tmp_path) -> None:
+    """A shared weight gradient whose 3 taps mix two channels in a texel keeps a float4 sum per output
+    along T where the target's float4 is one SIMD register (local: PoCL on the CPU), texels on a GPU
+    (accumulators.choose_form); both steps equal onnxruntime's."""
+    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
+    path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
+    compile_model(path, str(tmp_path / "bundle"), target, "fp32", OPTIONS)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    sums = re.search(r"\(accv\d+\[0\]\.x \+ accv\d+\[0\]\.y\) \+ \(accv\d+\[0\]\.z", source)
+    assert (form == "sums") == bool(sums), form
+    assert re.search(r"float4 accv\d+\[\d+\]", source)
+    rows = verify_model(path, OPTIONS, target=target)
     assert rows and not [r.name for r in rows if not r.ok]
 
 

@@ -24,6 +24,7 @@ FIGURES: dict[str, tuple[type, str]] = {
     "wave_size": (int, "work-items per wave / warp / subgroup"),
     "max_work_group_size": (int, "work-items"),
     "fp16": (bool, "half-precision textures and arithmetic"),
+    "simd_float4": (bool, "a work-item's float4 is one SIMD register whose lane moves are instructions (a CPU)"),
     "tex_block_width": (int, "texels per texture-cache block, horizontally"),
     "tex_block_height": (int, "texels per texture-cache block, vertically"),
     "line_bytes": (int, "bytes per cache line"),
@@ -49,6 +50,9 @@ SORTED_SCATTER_UPDATES = 64
 #: the floats one work-item's accumulators may take: an 8 x 8 tile, what mobile GEMM kernels keep in
 #: registers (Adreno's and Mali's guides: more spills to private memory, which is device memory)
 PRIVATE_FLOATS = 64
+#: the float4 partial sums a work-item keeps where its float4 is one SIMD register (simd_float4, a CPU):
+#: of the 32 vector registers of x86-64 with AVX-512 or of arm64, the rest hold a block's operands
+SIMD_SUM_FLOAT4S = 24
 #: the most images one kernel reads: OpenCL 1.2's least CL_DEVICE_MAX_READ_IMAGE_ARGS, what every
 #: device takes (the fuse pass merges elementwise chains only within it)
 READ_IMAGE_ARGS = 128
@@ -75,6 +79,7 @@ class Profile:
     wave_size: int
     max_work_group_size: int
     fp16: bool
+    simd_float4: bool
     tex_block_width: int
     tex_block_height: int
     line_bytes: int

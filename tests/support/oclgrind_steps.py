@@ -65,12 +65,23 @@ def _shared_tiles(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingO
     return write_case(path, nodes, inits), {}, OPTIONS
 
 
+def _shared_sums(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
+    """A temporal conv's weight gradient shared by a work-group, compiled for the local CPU target: each
+    output sums a float4 along T (accumulators' "sums" form) before the group's merge."""
+    from tests.test_kernels_contraction import OPTIONS, TILE_CASES, write_case
+
+    path = os.path.join(directory, "shared_sums.onnx")
+    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
+    return write_case(path, nodes, inits), {}, OPTIONS
+
+
 CASES: dict[str, Case] = {
     "mlp": _exported(models.mlp),  # contractions, log-softmax as a reduction and a map, the fused AdamW
     # norms, rotary views, attention, gathers; one decoder layer, as a second simulates the same kernels
     "llama": _exported(lambda directory: models.llama(directory, layers=1)[0]),
     "embedding": _embedding,
     "shared tiles": _shared_tiles,
+    "shared sums": _shared_sums,
     "resnet": _exported(models.resnet_legacy),  # convolutions, BatchNorm, the MaxPool stem, residuals, GAP
     # depthwise, pointwise, grouped and strided convolutions, BatchNorm on batch statistics, both pools
     "convnet": _exported(models.small_convnet, bn_train=True, optimizer=OptimizerConfig("sgd", lr=0.01, momentum=0.9)),
@@ -86,13 +97,15 @@ CASES: dict[str, Case] = {
 #: texture's buffer (it cannot for an image): every conv, pool and mask path, the gathers and row scatters
 IN_BUFFERS = {f"{name} in buffers": name for name in ("convnet", "embedding")}
 CASES.update({case: CASES[name] for case, name in IN_BUFFERS.items()})
+#: cases compiled for the local target (a CPU's profile) rather than adreno830
+LOCAL_TARGET = {"shared sums"}
 
 
 def main(directory: str, names: list[str]) -> int:
     differing = {}
     for name in names:
         path, feeds, options = CASES[name](directory)
-        rows = verify_model(path, options, target="adreno830", feeds=feeds,
+        rows = verify_model(path, options, target="local" if name in LOCAL_TARGET else "adreno830", feeds=feeds,
                             storage="buffer" if name in IN_BUFFERS else "image")
         differing[name] = [row.name for row in rows if not row.ok] if rows else ["(nothing compared)"]
     print(json.dumps(differing))

@@ -170,19 +170,29 @@ def reduce_into(b: KernelBuilder, build: Callable[[Code], Reduction], lanes: int
 
 
 def _tile_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | None:
-    """Work-items that share each tile's `reduction` (a work-group per tile, Profile.tile_group), where
-    one work-item alone would run more than SERIAL_REDUCTION multiply-adds per accumulator: the
-    weight gradients, whose reduction is a whole dY map or batch x sequence; a group smaller than a
-    wave holds several tiles (Profile.tiles_per_group). Not for a kernel with
-    mask outputs (their bytes pair texels of two work-items), which keeps one work-item per tile."""
-    if b.group_size is not None or any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
-        return None
-    _, trips = reduction.shared_loop()
-    profile = b.table.profile
-    b.group_size = profile.tile_group(reduction.serial(lanes), trips, lanes)
+    """Work-items that share each tile's `reduction` (shared_group), made the builder's schedule; a group
+    smaller than a wave holds several tiles (Profile.tiles_per_group)."""
     if b.group_size is not None:
-        b.tiles_per_group = profile.tiles_per_group(b.group_size, lanes, b.items)
+        return None
+    b.group_size = shared_group(b, reduction, lanes)
+    if b.group_size is not None:
+        b.tiles_per_group = b.table.profile.tiles_per_group(b.group_size, lanes, b.items)
     return b.group_size
+
+
+def shared_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | None:
+    """Work-items that would share each tile's `reduction` (a work-group per tile, Profile.tile_group),
+    where one work-item alone would run more than SERIAL_REDUCTION multiply-adds per accumulator: the
+    weight gradients, whose reduction is a whole dY map or batch x sequence. None for a kernel with
+    mask outputs (their bytes pair texels of two work-items), which keeps one work-item per tile."""
+    if any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
+        return None
+    return b.table.profile.tile_group(reduction.serial(lanes), reduction.shared_loop()[1], lanes)
+
+
+def sums_along_reduction(b: KernelBuilder, reduction: Reduction, lanes: int) -> bool:
+    """Whether `reduction`'s `lanes` outputs keep float4 sums along its axis (accumulators' "sums" form)."""
+    return reduction.accumulator_form(b, lanes, shared_group(b, reduction, lanes) is not None) == "sums"
 
 
 def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]) -> str:

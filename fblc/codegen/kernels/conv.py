@@ -37,6 +37,7 @@ the input read zero through masks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,7 @@ from fblc.codegen.cl import Kernel, div_index, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.conv_tiles import (
     STATIC_PRODUCTS,
+    batch_count,
     batch_rows,
     channel_rows,
     row_columns,
@@ -60,6 +62,7 @@ from fblc.codegen.kernels.contraction import (
     reduce_lane,
     row_axis,
     start_builder,
+    sums_along_reduction,
 )
 from fblc.codegen.kernels.texel import (
     LANES,
@@ -243,6 +246,22 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     return Reduction(x, w, blocked, loops, mask, row_mask)
 
 
+def _sums_instead_of_batches(b: KernelBuilder, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
+                             ) -> bool:
+    """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
+    (accumulators' "sums" form), rather than take several batch elements (batch_rows, R-Tile codegen's
+    register tile) in texels: the sums must be chosen for the tile alone and cost fewer instructions per
+    product than the batched tile's texels."""
+    def trial(candidate: _Tile) -> Reduction:
+        return _conv_reduction(b, Code([]), cs, prefix, candidate, masked)
+
+    single = trial(tile)
+    if not sums_along_reduction(b, single, tile.lanes):
+        return False
+    batched = dataclasses.replace(tile, batches=batch_count(b, cs.out_shape, tile.lanes))
+    return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
+
+
 def _block_products(cs: _ConvShape, k: int, lanes: int) -> int:
     """Products of one static block of the reduction over `k` taps along the masked axis (without
     a 2-D tile's row taps): channels x taps, or TAP_BLOCK taps, times the lanes."""
@@ -359,13 +378,13 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     if tile is not None:
         b.texels_per_item = tile.lanes // LANES
+        masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
         if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
             tile.rows, tile.row_step, _ = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))
             if tile.rows == 1:
                 tile.y_rows, tile.row_axis = spatial_rows(b, view, tile)
-        else:  # a channel tile: under R-Tile codegen, of several batch elements
+        elif not _sums_instead_of_batches(b, view, texel, tile, masked):  # a channel tile
             tile.batches = batch_rows(b, view.out_shape, tile.lanes)
-        masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
         acc = reduce_into(b, texels(tile, masked), tile.lanes)
     elif row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length = row

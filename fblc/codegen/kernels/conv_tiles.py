@@ -67,15 +67,22 @@ def row_columns(length: int) -> tuple[int, ...]:
 
 
 def batch_rows(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
-    """Batch elements a channel tile's work-item computes under R-Tile codegen (the register tile:
-    they share every weight read; the autodiff's weight gradient, whose batch axis is the input
-    channels, shares the dY reads), within PRIVATE_FLOATS accumulators (a saved mask as in
-    channel_rows); 1 under naive."""
-    batch_texels = int(np.prod(out_shape[1:])) // LANES
+    """Batch elements a channel tile's work-item computes under R-Tile codegen (batch_count), made the
+    builder's 2-D tile."""
+    batches = batch_count(b, out_shape, lanes)
+    if batches > 1:
+        b.tile_texels(batches, b.texels_per_item, int(np.prod(out_shape[1:])) // LANES)
+    return batches
+
+
+def batch_count(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
+    """Batch elements a channel tile's work-item of `lanes` outputs would compute under R-Tile codegen (the
+    register tile: they share every weight read; the autodiff's weight gradient, whose batch axis is the
+    input channels, shares the dY reads), the first of BATCH_ROWS within PRIVATE_FLOATS accumulators (a
+    saved mask as in channel_rows); 1 under naive."""
     if b.table.tiled:
         for batches in BATCH_ROWS:
             if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS:
-                b.tile_texels(batches, b.texels_per_item, batch_texels)
                 return batches
     return 1
 

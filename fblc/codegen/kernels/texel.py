@@ -33,10 +33,10 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import flat_index
+from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form
 from fblc.profiles.profile import PRIVATE_FLOATS
 
-LANES = 4
-COMPONENTS = "xyzw"
+__all__ = ["COMPONENTS", "LANES"]  # the texel's shape, which the kernel modules take from here
 
 
 @dataclass(frozen=True)
@@ -279,12 +279,9 @@ class Reduction:
         if lanes > PRIVATE_FLOATS:
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
-        texels = b.fresh("accv") if group and lanes % LANES == 0 else None  # see Accumulators
-        if texels:
-            code.emit(f"float4 {texels}[{lanes // LANES}] = {{{', '.join(['(float4)(0.0f)'] * (lanes // LANES))}}};")
-        else:
-            code.emit(f"float {acc}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};")
-        target = Accumulators(texels or acc, texels is not None)
+        form = self.accumulator_form(b, lanes, group is not None)
+        target = Accumulators(b.fresh("accv") if form != "lanes" else acc, form)
+        code.emit(target.declare(lanes))
         depth = code.depth
         code.open(f"if ({guard})" if guard else "")  # the loops' and blocks' names stay local
         shared = self.shared_loop()[0] if group else -1  # -1: no loop is dealt out
@@ -321,9 +318,21 @@ class Reduction:
             code.close()
         while code.depth > depth:
             code.close()
-        if texels:
-            lanes_of = ", ".join(f"{texels}[{lane // LANES}].{COMPONENTS[lane % LANES]}" for lane in range(lanes))
-            code.emit(f"float {acc}[{lanes}] = {{{lanes_of}}};")
+        totals = target.totals(acc, lanes)
+        if totals:
+            code.emit(totals)
+
+    def accumulator_form(self, b: KernelBuilder, lanes: int, shared: bool) -> str:
+        """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
+        return choose_form(self._sample(), lanes, shared, b.table.profile.simd_float4)
+
+    def cost(self, form: str) -> float:
+        """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""
+        return block_cost(self._sample(), form)
+
+    def _sample(self) -> list[tuple[int, int, int]]:
+        """(lane, x, w) of one block's products."""
+        return [(p.lane, p.x, p.w) for p in self.blocked.products(range(min(self.blocked.block, self.blocked.extent)))]
 
     @staticmethod
     def _block(b: KernelBuilder, code: Code, acc: Accumulators, products: Sequence[Product], x: Operand, w: Operand,
@@ -331,7 +340,7 @@ class Reduction:
         """One static block: drop products that are always out of range, mask the ones that may be."""
         if mask is None and row_mask is None:  # every product counts (contractions): the common case, kept lean
             xs, ws = fetch(b, code, x, (p.x for p in products)), fetch(b, code, w, (p.w for p in products))
-            code.emit(*acc.add([(p.lane, xs[p.x], ws[p.w]) for p in products]))
+            code.emit(*acc.add([(p.lane, xs[p.x], ws[p.w]) for p in products], [(p.x, p.w) for p in products]))
             return
         axes = [(axis, m) for axis, m in enumerate((mask, row_mask)) if m is not None]
         positions = {axis: b.fresh("P") for axis, _ in axes[:1]}  # the row mask's is named where needed
@@ -369,62 +378,7 @@ class Reduction:
         xs = fetch(b, code, x, (p.x for p, _ in kept))
         ws = fetch(b, code, w, (p.w for p, _ in kept))
         code.emit(*acc.add([(product.lane, f"({named[keys]} ? {xs[product.x]} : 0.0f)" if keys else xs[product.x],
-                             ws[product.w]) for product, keys in kept]))
-
-
-@dataclass(frozen=True)
-class Accumulators:
-    """Where a reduction sums: `float name[lanes]`, or (`texels`) `float4 name[lanes / 4]`, lane l in
-    component l % 4 of texel l / 4. Texels serve the reductions a work-group deals out: PoCL keeps such
-    a kernel's scalar accumulators in memory across its barrier regions, and four lanes' products as one
-    float4 multiply-add in vector registers (T-ResNet's weight gradients ran 1.3x to 1.7x faster on this
-    CPU); a GPU runs the same multiply-adds."""
-
-    name: str
-    texels: bool = False
-
-    def add(self, terms: Sequence[tuple[int, str, str]]) -> list[str]:
-        """Lines that add each (lane, x, w) product to its lane, every lane's in their order, lane by lane:
-        interleaved updates of strided accumulators (a stride-2 ConvTranspose's even lanes from one texel's
-        x, y, z, w) crash LLVM 15's InstCombine in Debian's PoCL 3.1 (ShuffleVectorInst::isIdentityWithPadding).
-        Into texels, the k-th products of a texel's four lanes are one float4 multiply-add where all
-        four lanes have a k-th."""
-        ordered = sorted(terms, key=lambda term: term[0])
-        if not self.texels:
-            return [f"{self.name}[{lane}] += {x} * {w};" for lane, x, w in ordered]
-        per_lane: dict[int, list[tuple[str, str]]] = {}
-        for lane, x, w in ordered:
-            per_lane.setdefault(lane, []).append((x, w))
-        lines = []
-        for texel in sorted({lane // LANES for lane in per_lane}):
-            runs = [per_lane.get(texel * LANES + component, []) for component in range(LANES)]
-            for k in range(max(len(run) for run in runs)):
-                if all(k < len(run) for run in runs):
-                    xs, ws = zip(*(run[k] for run in runs))
-                    lines.append(f"{self.name}[{texel}] += {_float4(xs)} * {_float4(ws)};")
-                    continue
-                lines += [f"{self.name}[{texel}].{COMPONENTS[component]} += {run[k][0]} * {run[k][1]};"
-                          for component, run in enumerate(runs) if k < len(run)]
-        return lines
-
-
-def _float4(values: Sequence[str]) -> str:
-    """Four scalar C expressions as a float4: the scalar when all four are one (OpenCL widens it), a
-    texel's name for its own x, y, z, w, swizzles for runs of one texel's consecutive components."""
-    if len(set(values)) == 1:
-        return values[0]
-    parts: list[list[str]] = []  # [texel or expression, its components]
-    for value in values:
-        name, dot, component = value.rpartition(".")
-        if not (dot and component in COMPONENTS and name.isidentifier()):
-            parts.append([value, ""])
-        elif parts and parts[-1][0] == name and parts[-1][1] and COMPONENTS.find(parts[-1][1][-1]) + 1 == COMPONENTS.find(component):
-            parts[-1][1] += component
-        else:
-            parts.append([name, component])
-    if len(parts) == 1 and parts[0][1] == COMPONENTS:
-        return parts[0][0]
-    return f"(float4)({', '.join(f'{name}.{components}' if components else name for name, components in parts)})"
+                             ws[product.w]) for product, keys in kept], [(p.x, p.w) for p, _ in kept]))
 
 
 def _condition(position: str, low: bool, high: bool, extent: int) -> str:
