@@ -146,3 +146,22 @@ def test_fblc_run_trains_in_buffers_and_suggests_them_on_a_cpu(mlp_bundle, tmp_p
         losses[storage] = [json.loads(line)["loss"] for line in out.splitlines()]
         assert ("--storage buffer runs the same kernels several times faster" in err) == (cpu and storage == "image")
     assert len(losses["image"]) == 2 and np.allclose(losses["buffer"], losses["image"], rtol=1e-6, atol=0), losses
+
+
+def test_a_window_at_a_runtime_shift_is_one_load_in_buffers(tmp_path) -> None:
+    """A temporal conv's input gradient reads 3-tap weight rows at a runtime shift: images shuffle the two
+    texels (window4), buffers load the window from the texel's index (window_f, within the texel of
+    slack LocalRunner leaves past each buffer; oclgrind's "shared sums in buffers" checks every access).
+    Reads that masks may take outside the tensor are clamped, so their texels keep the shuffle."""
+    from tests.test_kernels_contraction import OPTIONS, TILE_CASES, write_case
+
+    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
+    path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
+    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    assert re.search(r"= WINDOW\(in\d+, T\d+, T\d+, q\d+( \+ \d+)?, s\d+\);", source)
+    for kernel in source.split("__kernel void ")[1:]:
+        clamped = set(re.findall(r"const float4 (T\d+) = RDF\(in\d+, PLACE\(clamp\(", kernel))
+        assert not clamped & set(re.findall(r"= WINDOW\(in\d+, (T\d+)", kernel)), kernel[:40]
+    rows = verify_model(path, OPTIONS, target="local", storage="buffer")
+    assert rows and not [r.name for r in rows if not r.ok]

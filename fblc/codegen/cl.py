@@ -40,6 +40,14 @@ inline float4 window4(float4 a, float4 b, int s) {
 #define AT(img, c) ((c).x)
 inline float4 __attribute__((overloadable)) load_f(__global const float4* p, int i) { return p[i]; }
 inline float4 __attribute__((overloadable)) load_f(__global const half* p, int i) { return vload_half4(i, p); }
+// window4 of texels q and q + 1 as one unaligned load (LocalRunner leaves a texel of slack past each buffer)
+inline float4 __attribute__((overloadable)) window_f(__global const float4* p, int q, int s) {
+  return vload4(0, (__global const float*)p + q * 4 + s);
+}
+inline float4 __attribute__((overloadable)) window_f(__global const half* p, int q, int s) {
+  return vload_half4(0, p + q * 4 + s);
+}
+#define WINDOW(img, a, b, q, s) window_f(img, q, s)
 inline void __attribute__((overloadable)) store_f(__global float4* p, int i, float4 v) { p[i] = v; }
 inline void __attribute__((overloadable)) store_f(__global half* p, int i, float4 v) { vstore_half4_rte(v, i, p); }
 #define READ_F(img, c) load_f(img, AT(img, c))
@@ -50,6 +58,7 @@ inline void __attribute__((overloadable)) store_f(__global half* p, int i, float
 #define WRU(img, c, v) (img[AT(img, c)] = (uchar)((v).x))
 #else  // what phones run: image2d_t textures
 #define PLACE(t, c) (c)  // texel t sits at c, the texture's layout (TexelLayout.c_coord)
+#define WINDOW(img, a, b, q, s) window4(a, b, s)  // a and b: texels q and q + 1 of img, already read
 #define IMAGE_IN(type, n) read_only image2d_t n
 #define IMAGE_OUT(type, n) write_only image2d_t n
 #define READ_F(img, c) read_imagef(img, SMP, c)

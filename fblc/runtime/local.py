@@ -41,6 +41,7 @@ def _image_format(cl: Any, name: str) -> Any:
 
 #: how a runner holds its textures (LocalRunner's `storage`)
 STORAGES = ("image", "buffer")
+WINDOW_SLACK_BYTES = 16  # one fp32 texel past every buffer (see _allocate)
 
 
 class LocalRunner:
@@ -122,8 +123,10 @@ class LocalRunner:
     def _allocate(self, spec: dict[str, Any]) -> Any:
         cl = self.cl
         if self.storage == "buffer":
-            return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, fmt.image_bytes(spec["format"], spec["width"],
-                                                                                     spec["height"]))
+            # a texel of slack: a window at a runtime shift (kernels.cl's window_f) loads up to 3 elements past
+            # the texel that holds the tensor's last element
+            return cl.Buffer(self.context, cl.mem_flags.READ_WRITE,
+                             fmt.image_bytes(spec["format"], spec["width"], spec["height"]) + WINDOW_SLACK_BYTES)
         return cl.create_image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, spec["format"]),
                                shape=(spec["width"], spec["height"]))
 

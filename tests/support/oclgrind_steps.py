@@ -95,10 +95,10 @@ CASES: dict[str, Case] = {
 
 #: cases that run again in LocalRunner's buffer storage, where oclgrind reports a read past the end of a
 #: texture's buffer (it cannot for an image): every conv, pool and mask path, the gathers and row scatters
-IN_BUFFERS = {f"{name} in buffers": name for name in ("convnet", "embedding")}
+IN_BUFFERS = {f"{name} in buffers": name for name in ("convnet", "embedding", "shared sums")}
 CASES.update({case: CASES[name] for case, name in IN_BUFFERS.items()})
 #: cases compiled for the local target (a CPU's profile) rather than adreno830
-LOCAL_TARGET = {"shared sums"}
+LOCAL_TARGET = {"shared sums", "shared sums in buffers"}
 
 
 def main(directory: str, names: list[str]) -> int:

@@ -155,9 +155,10 @@ class Code:
         self.emit("}")
 
 
-def _window(a: str, b: str, shift: str) -> str:
-    """Elements shift..shift+3 of the 8 in texels a, b (shift in 0..3, known only at runtime)."""
-    return f"window4({a}, {b}, {shift})"
+def _window(arg: str, a: str, b: str, index: str, shift: str) -> str:
+    """Elements shift..shift+3 of the 8 in texels a, b (texels `index` and `index` + 1 of `arg`; shift in
+    0..3, known only at runtime): a shuffle of the two in images, one unaligned load in buffers."""
+    return f"WINDOW({arg}, {a}, {b}, {index}, {shift})"
 
 
 def _clusters(offsets: list[int]) -> list[list[int]]:
@@ -223,7 +224,10 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
             if m + 1 < count:
                 if m not in windows:
                     windows[m] = b.fresh("W")
-                    code.emit(f"const float4 {windows[m]} = {_window(texels[m], texels[m + 1], shift)};")
+                    # a clamped read's texels are not its neighbours in memory: shuffle those
+                    window = (f"window4({texels[m]}, {texels[m + 1]}, {shift})" if operand.clamp
+                              else _window(arg, texels[m], texels[m + 1], _plus(q, m), shift))
+                    code.emit(f"const float4 {windows[m]} = {window};")
                 values[offset] = f"{windows[m]}.{COMPONENTS[lane]}"
             else:  # the last texel alone holds it: shift + lane < 4
                 values[offset] = f"lane_f({texels[m]}, {shift} + {lane})"
