@@ -61,13 +61,13 @@ def test_a_shared_weight_gradient_sums_along_its_reduction_where_its_taps_mix_ro
     """3 or 5 taps: a texel of outputs holds taps of two rows, so texels need a gathered dY and a window of X
     per multiply-add, while sums read whole dY texels and share each X window across the rows. 4 taps fill
     a texel with one row's: texels broadcast dY and keep a quarter of the registers."""
-    assert choose_form(_weight_gradient_block(taps), 4 * taps, shared=True, simd_float4=True) == expected
+    assert choose_form(_weight_gradient_block(taps), 4 * taps, long=True, cpu=True) == expected
 
 
-def test_sums_are_only_for_shared_reductions_on_simd_float4_devices_within_the_register_budget() -> None:
+def test_sums_are_only_for_long_reductions_on_a_cpu_within_the_register_budget() -> None:
     block = _weight_gradient_block(3)
-    assert choose_form(block, 12, shared=True, simd_float4=False) == "texels"  # a GPU: swizzles are free
-    assert choose_form(block, 12, shared=False, simd_float4=True) == "lanes"  # one work-item's short reduction
-    assert choose_form(_weight_gradient_block(7), 28, shared=True, simd_float4=True) == "texels"  # 28 float4s
+    assert choose_form(block, 12, long=True, cpu=False) == "texels"  # a GPU: swizzles are free
+    assert choose_form(block, 12, long=False, cpu=True) == "lanes"  # one work-item's short reduction
+    assert choose_form(_weight_gradient_block(7), 28, long=True, cpu=True) == "texels"  # 28 float4s
     gemm = [(lane, k, k * 8 + lane) for k in range(16) for lane in range(8)]  # x broadcast, w a texel row
-    assert choose_form(gemm, 8, shared=True, simd_float4=True) == "texels"
+    assert choose_form(gemm, 8, long=True, cpu=True) == "texels"

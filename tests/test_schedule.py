@@ -52,12 +52,24 @@ def test_a_long_tile_reduction_is_shared_by_a_group_within_its_loop_and_local_me
     from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
     profile = load_profile("adreno830")
-    assert profile.tile_group(SERIAL_REDUCTION, 56, 36) is None
-    assert profile.tile_group(3136, 56, 36) == 32  # a stem's 3x3 weight gradient: 56 dY rows
-    assert profile.tile_group(3136, 1, 36) is None
-    assert profile.tile_group(2000, 500, 64) == min(GROUP_ITEMS, SHARED_TILE_FLOATS // 64)
+    assert profile.tile_group(SERIAL_REDUCTION, 56, 36, 8) is None
+    assert profile.tile_group(3136, 56, 36, 8) == 32  # a stem's 3x3 weight gradient: 56 dY rows
+    assert profile.tile_group(3136, 1, 36, 8) is None
+    assert profile.tile_group(2000, 500, 64, 8) == min(GROUP_ITEMS, SHARED_TILE_FLOATS // 64)
+    assert profile.tile_group(3136, 56, 36, 100_000) == 32  # a GPU shares however many tiles there are
     small = type(profile)(**{**profile.__dict__, "max_work_group_size": 16})
-    assert small.tile_group(3136, 56, 36) == 16
+    assert small.tile_group(3136, 56, 36, 8) == 16
+
+
+def test_a_cpu_shares_a_tile_reduction_only_where_its_tiles_are_too_few_to_keep_it_busy() -> None:
+    """On a CPU a work-group's items run in turn on one core: tiles that make CPU_BUSY_TILES work-items
+    run their reductions alone (no merge through __local memory); fewer tiles share them as a GPU does."""
+    from fblc.profiles.profile import CPU_BUSY_TILES
+
+    local = load_profile("local")
+    assert local.cpu and not load_profile("adreno830").cpu
+    assert local.tile_group(3136, 56, 36, CPU_BUSY_TILES) is None
+    assert local.tile_group(3136, 56, 36, CPU_BUSY_TILES - 1) == 32
 
 
 def test_tiles_per_group_fill_a_wave_with_whole_tiles() -> None:

@@ -21,6 +21,7 @@ from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_ro
 from fblc.compiler.values import const_array, is_float
 
 OUT_INDEX = "o"  # prefix of the output multi-index variables
+FLAT_OUT_INDEX = "i"  # the lane loop's flat index of the output element, from which the OUT_INDEX variables come
 TEXEL_FIRST = "z"  # prefix of the multi-index of the written texel's first element, seen by its hoisted reads
 TEXEL_LAST = "zl"  # the same for its last element (within the tensor)
 
@@ -111,6 +112,8 @@ class ValueReads:
             hoisted = self._texel_read(root, index_map)
             if hoisted is not None:
                 return hoisted
+            if index_map.contiguous and tuple(index_map.shape) == self.out_shape:
+                return self.load(root, FLAT_OUT_INDEX)  # the output's own order (a saved mask): no index arithmetic
         return self.load(root, broadcast_view_index(index_map, out_shape, prefix))
 
     def load_channel(self, value: ir.Value, axis: int = 1) -> str:

@@ -24,7 +24,7 @@ FIGURES: dict[str, tuple[type, str]] = {
     "wave_size": (int, "work-items per wave / warp / subgroup"),
     "max_work_group_size": (int, "work-items"),
     "fp16": (bool, "half-precision textures and arithmetic"),
-    "simd_float4": (bool, "a work-item's float4 is one SIMD register whose lane moves are instructions (a CPU)"),
+    "cpu": (bool, "a CPU: a work-item's float4 is one SIMD register, a work-group's items run in turn on one core"),
     "tex_block_width": (int, "texels per texture-cache block, horizontally"),
     "tex_block_height": (int, "texels per texture-cache block, vertically"),
     "line_bytes": (int, "bytes per cache line"),
@@ -50,7 +50,7 @@ SORTED_SCATTER_UPDATES = 64
 #: the floats one work-item's accumulators may take: an 8 x 8 tile, what mobile GEMM kernels keep in
 #: registers (Adreno's and Mali's guides: more spills to private memory, which is device memory)
 PRIVATE_FLOATS = 64
-#: the float4 partial sums a work-item keeps where its float4 is one SIMD register (simd_float4, a CPU):
+#: the float4 partial sums a work-item keeps where its float4 is one SIMD register (a `cpu` profile):
 #: of the 32 vector registers of x86-64 with AVX-512 or of arm64, the rest hold a block's operands
 SIMD_SUM_FLOAT4S = 24
 #: the most images one kernel reads: OpenCL 1.2's least CL_DEVICE_MAX_READ_IMAGE_ARGS, what every
@@ -58,6 +58,11 @@ SIMD_SUM_FLOAT4S = 24
 READ_IMAGE_ARGS = 128
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
+#: register tiles that keep a CPU busy without sharing their reductions: PoCL runs a work-group's items in
+#: turn on one core, so a group sharing a tile's reduction gains parallelism only where the tiles make too
+#: few work-groups for the cores (16 of GROUP_ITEMS), and its merge through __local memory costs time
+#: (T-ResNet's weight gradients ran 1.4x-1.6x faster unshared on this 2-core CPU)
+CPU_BUSY_TILES = 16 * GROUP_ITEMS
 #: the __local memory a work-group's merge of partial register tiles may take (its accumulators times
 #: its work-items, in floats): half of the 32 KiB that Adreno's and Mali's OpenCL drivers give a group
 SHARED_TILE_FLOATS = 4096
@@ -79,7 +84,7 @@ class Profile:
     wave_size: int
     max_work_group_size: int
     fp16: bool
-    simd_float4: bool
+    cpu: bool
     tex_block_width: int
     tex_block_height: int
     line_bytes: int
@@ -118,12 +123,13 @@ class Profile:
             return None
         return _power_of_two_group(min(REDUCTION_GROUP, self.max_work_group_size, count // 16))
 
-    def tile_group(self, serial: int, trips: int, lanes: int) -> int | None:
+    def tile_group(self, serial: int, trips: int, lanes: int, tiles: int) -> int | None:
         """Work-items that share a register tile's reduction of `serial` multiply-adds per accumulator
-        (`lanes` accumulators) whose longest loop runs `trips` times, or None: short enough for one
-        work-item. A power of two, up to GROUP_ITEMS (a group's whole waves), at most one per
-        iteration of that loop, within max_work_group_size and SHARED_TILE_FLOATS of partials."""
-        if serial <= SERIAL_REDUCTION:
+        (`lanes` accumulators, `tiles` tiles) whose longest loop runs `trips` times, or None: short
+        enough for one work-item, or a CPU's tiles that keep it busy alone (CPU_BUSY_TILES). A power of
+        two, up to GROUP_ITEMS (a group's whole waves), at most one per iteration of that loop, within
+        max_work_group_size and SHARED_TILE_FLOATS of partials."""
+        if serial <= SERIAL_REDUCTION or (self.cpu and tiles >= CPU_BUSY_TILES):
             return None
         return _power_of_two_group(min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes))
 

@@ -295,7 +295,7 @@ def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
         "peak_gflops": {"value": round(gflops, 1), "source": f"{measured}: float4 FMA loop"},
     })
     if "cpu" in device:  # runners built before the device type was recorded keep local.json's estimate
-        figures["simd_float4"] = {"value": bool(device["cpu"]), "source": f"{queried} (device type)"}
+        figures["cpu"] = {"value": bool(device["cpu"]), "source": f"{queried} (device type)"}
     patterns = {p: row for p, row in patterns.items() if row}
     document = {
         "name": name, "vendor": device["vendor"] or "unknown", "gpu": gpu, "opencl_version": device["version"],

@@ -9,11 +9,12 @@
   consecutive steps are one multiply-add of a window of X and a whole texel of dY; every output that
   reads the same window shares it. The components are added once, at the end.
 
-Texels and sums serve the reductions a work-group deals out (long ones: the weight gradients). Sums are
-for a device whose float4 is one SIMD register (Profile.simd_float4, a CPU): there every distinct
-swizzle is a shuffle instruction, and `choose_form` takes the cheaper of texels and sums by
-multiply-adds plus distinct swizzled operands, within SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle
-only names registers and sums would take four times the registers, so texels stay.
+Texels and sums serve the reductions longer than SERIAL_REDUCTION (the weight gradients; a GPU's
+work-group deals them out, a CPU's work-item runs them alone, Profile.tile_group). Sums are for a CPU
+(Profile.cpu), whose float4 is one SIMD register: there every distinct swizzle is a shuffle
+instruction, and `choose_form` takes the cheaper of texels and sums by multiply-adds, distinct
+swizzled operands and texel loads, within SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle only names
+registers and sums would take four times the registers, so texels stay.
 """
 
 from __future__ import annotations
@@ -128,12 +129,12 @@ def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
     return (cost(operations) + loads) / max(1, len(products))
 
 
-def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, shared: bool, simd_float4: bool) -> str:
-    """The form for `lanes` outputs whose block of (lane, x offset, w offset) `products` a work-group
-    deals out (`shared`) or not; see the module docstring."""
-    if not shared or lanes % LANES:
+def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool, cpu: bool) -> str:
+    """The form for `lanes` outputs whose block of (lane, x offset, w offset) `products` belongs to a
+    reduction longer than SERIAL_REDUCTION (`long`) or not, on a CPU or not; see the module docstring."""
+    if not long or lanes % LANES:
         return "lanes"
-    if not simd_float4 or lanes > SIMD_SUM_FLOAT4S:
+    if not cpu or lanes > SIMD_SUM_FLOAT4S:
         return "texels"
     return min(("texels", "sums"), key=lambda form: block_cost(products, form))
 

@@ -187,12 +187,13 @@ def shared_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | No
     mask outputs (their bytes pair texels of two work-items), which keeps one work-item per tile."""
     if any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
         return None
-    return b.table.profile.tile_group(reduction.serial(lanes), reduction.shared_loop()[1], lanes)
+    tiles = b.out_textures[0].texels * LANES // lanes
+    return b.table.profile.tile_group(reduction.serial(lanes), reduction.shared_loop()[1], lanes, tiles)
 
 
 def sums_along_reduction(b: KernelBuilder, reduction: Reduction, lanes: int) -> bool:
     """Whether `reduction`'s `lanes` outputs keep float4 sums along its axis (accumulators' "sums" form)."""
-    return reduction.accumulator_form(b, lanes, shared_group(b, reduction, lanes) is not None) == "sums"
+    return reduction.accumulator_form(b, lanes) == "sums"
 
 
 def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]) -> str:

@@ -34,7 +34,7 @@ import onnx_ir as ir
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import flat_index
 from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form
-from fblc.profiles.profile import PRIVATE_FLOATS
+from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
 
 __all__ = ["COMPONENTS", "LANES"]  # the texel's shape, which the kernel modules take from here
 
@@ -283,7 +283,7 @@ class Reduction:
         if lanes > PRIVATE_FLOATS:
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
-        form = self.accumulator_form(b, lanes, group is not None)
+        form = self.accumulator_form(b, lanes)
         target = Accumulators(b.fresh("accv") if form != "lanes" else acc, form)
         code.emit(target.declare(lanes))
         depth = code.depth
@@ -326,9 +326,9 @@ class Reduction:
         if totals:
             code.emit(totals)
 
-    def accumulator_form(self, b: KernelBuilder, lanes: int, shared: bool) -> str:
+    def accumulator_form(self, b: KernelBuilder, lanes: int) -> str:
         """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
-        return choose_form(self._sample(), lanes, shared, b.table.profile.simd_float4)
+        return choose_form(self._sample(), lanes, self.serial(lanes) > SERIAL_REDUCTION, b.table.profile.cpu)
 
     def cost(self, form: str) -> float:
         """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""
