@@ -377,6 +377,11 @@ def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
     assert report["kernels"] < computing
     assert len(_forward_kernels(step, ("Conv", "BatchNormalization", "Relu"))) == 1, "Conv+BN+Relu: one kernel"
     assert report["kernels_per_family"]["conv"] == 3  # forward, dX (ConvTranspose), dW (grouped Conv)
+    # rows of 5: a texel's lanes see one or two channels, whose 1 / sqrt(var + eps) is taken once each before
+    # the lane loop (ValueReads.load_channel's `apply`), not once per lane
+    forward = next(body for body in (tmp_path / "bundle" / "kernels.cl").read_text().split("__kernel ") if "rsqrt" in body)
+    before, _, lane_loop = forward.partition("for (int lane = 0;")
+    assert before.count("rsqrt(") == 2 and "rsqrt(" not in lane_loop, forward
 
 
 def test_no_epilogue_through_a_reordering_view(tmp_path) -> None:

@@ -116,18 +116,23 @@ class ValueReads:
                 return self.load(root, FLAT_OUT_INDEX)  # the output's own order (a saved mask): no index arithmetic
         return self.load(root, broadcast_view_index(index_map, out_shape, prefix))
 
-    def load_channel(self, value: ir.Value, axis: int = 1) -> str:
+    def load_channel(self, value: ir.Value, axis: int = 1, apply: str = "{}") -> str:
         """C expression, in the lane loop: the 1-D `value` (one element per index of output `axis`,
-        e.g. a conv's bias, BatchNormalization's statistics) at the output element's index there;
-        read once per texel where its lanes share one or two of them."""
+        e.g. a conv's bias, BatchNormalization's statistics) at the output element's index there,
+        passed through the C template `apply` ("{}" where the value goes); read, and applied, once per
+        texel where its lanes share one or two elements (BatchNormalization's rsqrt of the variance)."""
         inlined = self.constant_scalar(value)
         if inlined is not None:
-            return inlined
+            return apply.format(inlined)
         root, index_map = self.strided(value)
         trailing = len(self.out_shape) - 1 - axis
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        return self._texel_read(root, spread) or self.load(value, f"{OUT_INDEX}{axis}")
+        if self.out_shape and not self.table.of(root).mask_elements and self.out_shape[-1] % 4:
+            shared = self._block_read(root, spread, apply)
+            if shared is not None:
+                return shared
+        return apply.format(self._texel_read(root, spread) or self.load(value, f"{OUT_INDEX}{axis}"))
 
     def _texel_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
         """The lane's element of `root` read through `index_map` (broadcast to the output) from a
@@ -163,11 +168,11 @@ class ValueReads:
                 self.texel_reads.append(f"const {vector} {name} = {self.read_texel(arg, texture, f'({first}) >> 2')};")
         return self._hoisted[key]
 
-    def _block_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
+    def _block_read(self, root: ir.Value, index_map: IndexMap, apply: str = "{}") -> str | None:
         """The lane's element of `root`, when it is constant over blocks of at least 4 consecutive
         output elements (a per-channel value of a conv's epilogue): a texel's lanes then see at most
         two elements, its first lane's and its last's, read once per texel (the last only when the
-        texel straddles two blocks). None otherwise."""
+        texel straddles two blocks), each passed through the C template `apply` there. None otherwise."""
         out = self.out_shape
         view = (1,) * (len(out) - len(index_map.shape)) + tuple(index_map.shape)
         block = 1
@@ -178,7 +183,7 @@ class ValueReads:
         if block < 4 or block == int(np.prod(out)):
             return None  # lanes of several elements, or one element for the whole tensor (load() inlines it)
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
-        key = (id(root), f"block {first}")
+        key = (id(root), f"block {first} {apply}")
         if key not in self._hoisted:
             last = broadcast_view_index(index_map, out, TEXEL_LAST)
             split = self._splits.get(block)
@@ -188,8 +193,10 @@ class ValueReads:
             head, tail = self.fresh("H"), self.fresh("H")
             ctype = ctype_of(root)
             # the last lane's element is read only by a texel that straddles two blocks
-            self.texel_reads += [f"const {ctype} {head} = {self.load(root, first)};",
-                                 f"const {ctype} {tail} = {split} >= 4 ? {head} : {self.load(root, last)};"]
+            if apply != "{}":
+                ctype = "float"
+            self.texel_reads += [f"const {ctype} {head} = {apply.format(self.load(root, first))};",
+                                 f"const {ctype} {tail} = {split} >= 4 ? {head} : {apply.format(self.load(root, last))};"]
             self._hoisted[key] = f"(lane < {split} ? {head} : {tail})"
             self._reads_last = True
         return self._hoisted[key]

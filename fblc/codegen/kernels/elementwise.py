@@ -132,9 +132,9 @@ def _batch_norm(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
     if int(attr(node, "training_mode", 0)):
         raise UnsupportedOpError(f"BatchNormalization in training mode (node '{node.name}') has no kernel",
                                  "compile with --bn-train, which rewrites it into batch-statistics ops")
-    scale, bias, mean, var = (b.load_channel(v) for v in node.inputs[1:5])
-    epsilon = float_literal(float(attr(node, "epsilon", 1e-5)))
-    return f"(({x(node.inputs[0])} - {mean}) * {scale} * rsqrt({var} + {epsilon}) + {bias})"
+    scale, bias, mean = (b.load_channel(v) for v in node.inputs[1:4])
+    inverse_std = b.load_channel(node.inputs[4], apply=f"rsqrt({{}} + {float_literal(float(attr(node, 'epsilon', 1e-5)))})")
+    return f"(({x(node.inputs[0])} - {mean}) * {scale} * {inverse_std} + {bias})"
 
 
 def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, str]) -> dict[int, str]:
