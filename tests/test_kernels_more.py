@@ -115,6 +115,9 @@ def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[
     ("ReduceMax", [2, 4, 1500], [0, 2], 0),  # outer and inner axes, merged by fmax
     ("ReduceMean", [6, 1202], [1], 1),  # innermost, per lane (1202 is not a multiple of 4)
     ("ReduceL2", [2, 3, 40, 40], [2, 3], 1),
+    # a BatchNorm gradient's maps of 25 x 15 under the batch: rows of 375 dealt out, row offsets computed per row
+    ("ReduceSum", [4, 3, 25, 15], [0, 2, 3], 1),
+    ("ReduceSum", [600, 3, 5], [0, 2], 1),  # runs of 5, shorter than the group: the 600 runs are dealt out
 ])
 def test_long_reductions_are_shared_by_a_work_group(tmp_path, op_type: str, shape: list[int], axes: list[int],
                                                     keepdims: int) -> None:

@@ -6,7 +6,8 @@ axes, a multiple of 4 long, of a plain tensor: rows, a BatchNorm gradient's maps
 whole texels and folds their four lanes. When the kept axes after the last reduced one are a
 multiple of 4 long (bias gradients, sums over the batch) the four lanes fold four consecutive
 elements together: one texel read per step, in the per-texel prologue, where a per-lane fold
-would read the same texel four times. A
+would read the same texel four times. Other trailing reduced runs (a BatchNorm gradient's maps of
+49 x 30) loop over the runs, then along each, so index arithmetic comes once per run. A
 reduction longer than the profile's serial limit (bias and norm-weight gradients over batch x
 sequence, global pools of large maps) is shared by a work-group per output texel: each
 work-item folds a strided share, and the partials merge in a tree in __local memory.
@@ -126,6 +127,21 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
                f"  const float4 v = {texel};",
                *(f"  {{ const float x = v.{lane}; {acc} = {combine.format(acc=acc, **names)}; }}"
                  for lane in COMPONENTS),
+               "}")
+    elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
+        outer = [a for a in axes if a < suffix]
+        row, inner = b.fresh("row"), b.fresh("ri")
+        deal_inner = group is None or run >= group  # deal out the longer loop among the group's work-items
+        outer_first, outer_step = ("0", "1") if deal_inner else (first, step)
+        inner_first, inner_step = (first, step) if deal_inner else ("0", "1")
+        offset = _loop_index(r, [shape[a] for a in outer], [strides[a] for a in outer]) if outer else "0"
+        b.emit(f"float {acc} = {start};",
+               f"for (int {r} = {outer_first}; {r} < {count // run}; {r} += {outer_step}) {{",
+               f"  const int {row} = {base} + {offset};",
+               f"  for (int {inner} = {inner_first}; {inner} < {run}; {inner} += {inner_step}) {{",
+               f"    const float x = {b.load(source, f'{row} + {inner}')};",
+               f"    {acc} = {combine.format(acc=acc, **names)};",
+               "  }",
                "}")
     else:
         index = _loop_index(r, [shape[a] for a in axes], [strides[a] for a in axes])
