@@ -191,12 +191,11 @@ class ValueReads:
                 split = self._splits[block] = self.fresh("n")
                 self.texel_reads.append(f"const int {split} = {block} - {mod_index('(t * 4)', block)};  // lanes in block 1")
             head, tail = self.fresh("H"), self.fresh("H")
-            ctype = ctype_of(root)
+            ctype = ctype_of(root) if apply == "{}" else "float"  # a template is float math (BatchNorm's rsqrt)
+            head_value, tail_value = (apply.format(self.load(root, index)) for index in (first, last))
             # the last lane's element is read only by a texel that straddles two blocks
-            if apply != "{}":
-                ctype = "float"
-            self.texel_reads += [f"const {ctype} {head} = {apply.format(self.load(root, first))};",
-                                 f"const {ctype} {tail} = {split} >= 4 ? {head} : {apply.format(self.load(root, last))};"]
+            self.texel_reads += [f"const {ctype} {head} = {head_value};",
+                                 f"const {ctype} {tail} = {split} >= 4 ? {head} : {tail_value};"]
             self._hoisted[key] = f"(lane < {split} ? {head} : {tail})"
             self._reads_last = True
         return self._hoisted[key]

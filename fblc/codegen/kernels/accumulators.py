@@ -38,7 +38,11 @@ class Accumulators:
     name: str
     form: str = "lanes"
 
+    def __post_init__(self) -> None:
+        assert self.form in FORMS, f"accumulator form {self.form!r} is none of {', '.join(FORMS)}"
+
     def declare(self, lanes: int) -> str:
+        """The declaration of the accumulators of `lanes` outputs, all zero."""
         if self.form == "lanes":
             return f"float {self.name}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};"
         count = lanes // LANES if self.form == "texels" else lanes
@@ -51,8 +55,8 @@ class Accumulators:
         if self.form == "texels":
             values = [f"{self.name}[{lane // LANES}].{COMPONENTS[lane % LANES]}" for lane in range(lanes)]
         else:
-            values = [f"({self.name}[{lane}].x + {self.name}[{lane}].y) + ({self.name}[{lane}].z + {self.name}[{lane}].w)"
-                      for lane in range(lanes)]
+            values = [f"({sums}.x + {sums}.y) + ({sums}.z + {sums}.w)" for sums in
+                      (f"{self.name}[{lane}]" for lane in range(lanes))]
         return f"float {acc}[{lanes}] = {{{', '.join(values)}}};"
 
     def add(self, terms: Sequence[tuple[int, str, str]], offsets: Sequence[tuple[int, int]] = ()) -> list[str]:
@@ -154,7 +158,8 @@ def float4_of(values: Sequence[str]) -> str:
         name, dot, component = value.rpartition(".")
         if not (dot and component in COMPONENTS and name.isidentifier()):
             parts.append([value, ""])
-        elif parts and parts[-1][0] == name and parts[-1][1] and COMPONENTS.find(parts[-1][1][-1]) + 1 == COMPONENTS.find(component):
+        elif (parts and parts[-1][0] == name and parts[-1][1]
+              and COMPONENTS.find(parts[-1][1][-1]) + 1 == COMPONENTS.find(component)):
             parts[-1][1] += component
         else:
             parts.append([name, component])

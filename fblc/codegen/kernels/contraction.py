@@ -191,11 +191,6 @@ def shared_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | No
     return b.table.profile.tile_group(reduction.serial(lanes), reduction.shared_loop()[1], lanes, tiles)
 
 
-def sums_along_reduction(b: KernelBuilder, reduction: Reduction, lanes: int) -> bool:
-    """Whether `reduction`'s `lanes` outputs keep float4 sums along its axis (accumulators' "sums" form)."""
-    return reduction.accumulator_form(b, lanes) == "sums"
-
-
 def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]) -> str:
     """Emit, in the lane loop, the one-lane Reduction `build` makes; C expression of its sum."""
     reduction = build(code)

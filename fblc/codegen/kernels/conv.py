@@ -62,7 +62,6 @@ from fblc.codegen.kernels.contraction import (
     reduce_lane,
     row_axis,
     start_builder,
-    sums_along_reduction,
 )
 from fblc.codegen.kernels.texel import (
     LANES,
@@ -256,7 +255,7 @@ def _sums_instead_of_batches(b: KernelBuilder, cs: _ConvShape, prefix: str, tile
         return _conv_reduction(b, Code([]), cs, prefix, candidate, masked)
 
     single = trial(tile)
-    if not sums_along_reduction(b, single, tile.lanes):
+    if single.accumulator_form(b, tile.lanes) != "sums":
         return False
     batched = dataclasses.replace(tile, batches=batch_count(b, cs.out_shape, tile.lanes))
     return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")

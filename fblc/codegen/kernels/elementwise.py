@@ -133,7 +133,8 @@ def _batch_norm(b: KernelBuilder, node: ir.Node, x: Operand) -> str:
         raise UnsupportedOpError(f"BatchNormalization in training mode (node '{node.name}') has no kernel",
                                  "compile with --bn-train, which rewrites it into batch-statistics ops")
     scale, bias, mean = (b.load_channel(v) for v in node.inputs[1:4])
-    inverse_std = b.load_channel(node.inputs[4], apply=f"rsqrt({{}} + {float_literal(float(attr(node, 'epsilon', 1e-5)))})")
+    epsilon = float_literal(float(attr(node, "epsilon", 1e-5)))
+    inverse_std = b.load_channel(node.inputs[4], apply=f"rsqrt({{}} + {epsilon})")  # once per channel read
     return f"(({x(node.inputs[0])} - {mean}) * {scale} * {inverse_std} + {bias})"
 
 
