@@ -445,3 +445,21 @@ def test_a_texels_lane_loop_is_unrolled_unless_the_tensor_ends_inside_it(tmp_pat
         assert (f"if (i >= {numel}) break;" in forward) == (name == "tail"), forward
         rows = verify_model(path, OPTIONS)
         assert rows and not [r.name for r in rows if not r.ok], name
+
+
+def test_a_row_crossing_texels_lanes_reduce_in_a_loop_before_the_unrolled_lane_loop(tmp_path) -> None:
+    """Rows of 11: most texels reduce texel-wide; a texel that crosses a row's end reduces its lanes one by
+    one in a loop of their own before the lane loop (reduce_guarded), so the unrolled lane loop holds
+    one select and no copies of the per-lane loops; the step equals onnxruntime's."""
+    nodes, inits, _ = TEXEL_CASES["conv2d_row_dilated"]
+    path = write_case(str(tmp_path / "rows.onnx"), nodes, inits)
+    assert_step_matches(path)
+    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    guarded = [body for body in source.split("__kernel void ")[1:] if "const bool whole" in body]
+    assert guarded
+    for body in guarded:
+        fallback, _, lane_loop = body.partition("#pragma unroll")
+        assert re.search(r"float fb\d+\[4\] = ", fallback) and "for (int lane = 0; lane < 4; ++lane)" in fallback
+        assert not re.search(r"for \(int [a-z]+\d+ = ", lane_loop), "a per-lane loop left in the lane loop"
+        assert re.search(r"= whole\d+ \? acc\d+\[.*\] : fb\d+\[lane\];", lane_loop)

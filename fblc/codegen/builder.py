@@ -91,6 +91,8 @@ class KernelBuilder(ValueReads):
         self.out_textures = [table.of(v) for v in self.outputs]
         self.lines: list[str] = []
         self.texel_lines: list[str] = []  # the per-texel prologue, before the lane loop
+        #: per output texel, just before its lane loop: the lanes a guarded reduction leaves (reduce_guarded)
+        self.lane_fallback: list[str] = []
         self.texels_per_item = 1  # texels a work-item computes (its prologue covers them all)
         self.item_stride = 1  # texels between a work-item's consecutive rows of texels
         self.item_columns = 1  # consecutive texels per row of a work-item's tile (item_stride > 1)
@@ -299,6 +301,7 @@ class KernelBuilder(ValueReads):
             if self._reads_last:
                 body += index_vars(self.out_shape, f"min(t * 4 + 3, {out_numel - 1})", TEXEL_LAST)
             body += self.texel_reads
+        body += self.lane_fallback
         # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
         # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
         tail = out_numel % 4 != 0
