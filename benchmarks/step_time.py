@@ -4,7 +4,9 @@
 
 Both sides run forward, cross-entropy loss, backward and AdamW on this CPU: fblc through its
 kernels on PoCL (the local OpenCL device), PyTorch eagerly with its own threads. The table
-gives the median of `--steps` steps after one warm-up step, and fblc's time over PyTorch's.
+gives the median of `--steps` steps after one warm-up step, and fblc's time over PyTorch's. The
+sides take their steps in turn, round by round (interleaved_ms), so each ratio compares the same
+minutes of a shared machine, whose speed drifts.
 A benchmark, not a test: no threshold. fblc's kernels read image2d textures, which PoCL serves
 through a library call per texel read that also keeps its compiler from vectorising a kernel across
 work-items; PyTorch runs oneDNN's vectorised convolutions and GEMMs on the same cores. So the same
@@ -85,37 +87,58 @@ def build_cases(directory: str, names: list[str]) -> list[Case]:
     return cases
 
 
-def torch_step_ms(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor], steps: int) -> float:
+def torch_stepper(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor]) -> Callable[[], None]:
+    """One PyTorch eager training step of `module` (AdamW) per call."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=1e-2)
-    times = []
-    for step in range(steps + 1):
-        started = time.perf_counter()
+
+    def step() -> None:
         optimizer.zero_grad()
         loss_of(module).backward()
         optimizer.step()
-        if step:
-            times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return step
+
+
+def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+    """The median ms of each of `steppers` over `steps` rounds, after a warm-up call of each (the OpenCL
+    JIT, PyTorch's first allocations). Each round gives every stepper its turn, so a drift in a shared
+    machine's speed reaches every side alike (this one's moved 30 % between runs); a turn is two calls
+    and times the second, since the previous side's worker threads still spin a while after it returns
+    (PyTorch's OpenMP pool, PoCL's)."""
+    for step in steppers.values():
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(steps):
+        for name, step in steppers.items():
+            step()
+            started = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - started) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def torch_step_ms(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor], steps: int) -> float:
+    return interleaved_ms({"torch": torch_stepper(module, loss_of)}, steps)["torch"]
+
+
+def compile_bundle(path: str, bundle: str, layout: str = "rtile", target: str = "local") -> dict:
+    """Compile `path`'s AdamW training step into `bundle`; its report."""
+    _, report = compile_model(path, bundle, target, "fp32", TrainingOptions(
+        loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2), layout=layout))
+    return report
+
+
+def runner_stepper(runner: LocalRunner, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    return lambda: runner.step(feeds)
 
 
 def fblc_step_ms(path: str, feeds: dict[str, np.ndarray], bundle: str, steps: int, layout: str = "rtile",
                  target: str = "local", storages: Sequence[str] = ("image",)) -> tuple[list[float], dict]:
-    """Compile `path` (AdamW) into `bundle`, then for each of `storages` (LocalRunner's) run one warm-up
-    step (the OpenCL JIT) and `steps` more on the local device; the median steps in ms and the report."""
-    _, report = compile_model(path, bundle, target, "fp32", TrainingOptions(
-        loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2), layout=layout))
-    return [runner_step_ms(LocalRunner(bundle, storage=storage), feeds, steps) for storage in storages], report
-
-
-def runner_step_ms(runner: LocalRunner, feeds: dict[str, np.ndarray], steps: int) -> float:
-    """The median of `steps` steps of `runner` after a warm-up step, in ms."""
-    times = []
-    for step in range(steps + 1):
-        started = time.perf_counter()
-        runner.step(feeds)
-        if step:
-            times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    """Compile `path` (AdamW) into `bundle`, then run it in each of `storages` (LocalRunner's) on the local
+    device, their steps interleaved; the median steps in ms and the report."""
+    report = compile_bundle(path, bundle, layout, target)
+    medians = interleaved_ms({storage: runner_stepper(LocalRunner(bundle, storage=storage), feeds)
+                              for storage in storages}, steps)
+    return [medians[storage] for storage in storages], report
 
 
 def main() -> int:
@@ -129,11 +152,12 @@ def main() -> int:
         for name, module, inputs, labels, loss_of in build_cases(directory, args.models.split(",")):
             path = inputs.pop("path")
             feeds = {**inputs, "labels": labels}
-            (image_ms, buffer_ms), report = fblc_step_ms(
-                path, feeds, os.path.join(directory, os.path.basename(path) + ".bundle"), args.steps,
-                storages=("image", "buffer"))
-            torch_ms = torch_step_ms(module.train(False), loss_of, args.steps)
-            rows.append((name, image_ms, buffer_ms, torch_ms, report["kernels"]))
+            bundle = os.path.join(directory, os.path.basename(path) + ".bundle")
+            report = compile_bundle(path, bundle)
+            ms = interleaved_ms({**{storage: runner_stepper(LocalRunner(bundle, storage=storage), feeds)
+                                    for storage in ("image", "buffer")},
+                                 "torch": torch_stepper(module.train(False), loss_of)}, args.steps)
+            rows.append((name, ms["image"], ms["buffer"], ms["torch"], report["kernels"]))
             print(f"  measured {name}", file=sys.stderr)
     print(f"{'model':<26} {'fblc image ms':>14} {'fblc buffer ms':>15} {'PyTorch ms':>11} {'image / torch':>14} "
           f"{'buffer / torch':>15} {'kernels':>8}")
