@@ -463,3 +463,15 @@ def test_a_row_crossing_texels_lanes_reduce_in_a_loop_before_the_unrolled_lane_l
         assert re.search(r"float fb\d+\[4\] = ", fallback) and "for (int lane = 0; lane < 4; ++lane)" in fallback
         assert not re.search(r"for \(int [a-z]+\d+ = ", lane_loop), "a per-lane loop left in the lane loop"
         assert re.search(r"= whole\d+ \? acc\d+\[.*\] : fb\d+\[lane\];", lane_loop)
+
+
+def test_a_strided_transposes_per_lane_taps_step_by_the_stride(tmp_path) -> None:
+    """Rows of 15 under a stride-2 conv: the input gradient goes per lane, its tap loops starting at the
+    tap whose numerator the stride divides and stepping by 2 (1 or 2 of 3 taps, no parity test)."""
+    nodes, inits, _ = TEXEL_CASES["conv2d_row_strided_odd"]
+    path = write_case(str(tmp_path / "strided.onnx"), nodes, inits)
+    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    transpose = next(body for body in source.split("__kernel void ")[1:] if body.split("(")[0].endswith("ConvTranspose"))
+    assert len(re.findall(r"for \(int (k\d+) = \(\(o\d \+ 1\) & 1\); \1 < 3; \1 \+= 2\)", transpose)) == 2, transpose
+    assert "& 1) == 0" not in transpose

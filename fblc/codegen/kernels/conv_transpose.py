@@ -105,21 +105,24 @@ def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: in
 
     The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n. The lines
     open a tap loop (when k > 1) and an `if` on the conditions that can fail; every line
-    ending in '{' opens a C block.
+    ending in '{' opens a C block. Without dilation the loop walks only the taps t = o + pad
+    (mod s), whose numerator s divides: a stride-2 transpose's 3 taps are 1 or 2.
     """
     k, s, d = ts.kernel[axis], ts.strides[axis], ts.dilations[axis]
     n, pad, length = ts.x_shape[2 + axis], ts.pads[axis], ts.out_shape[2 + axis]
     shifted = f"({affine(f'{prefix}{2 + axis}', 1, pad)})" if pad else f"{prefix}{2 + axis}"
     lines: list[str] = []
     tap, numerator = "0", shifted
+    stepped = s > 1 and d == 1 and k > 1  # o + pad >= 0: its remainder is the first tap
     if k > 1:
         tap, numerator = b.fresh("k"), b.fresh("q")
-        lines += [f"for (int {tap} = 0; {tap} < {k}; ++{tap}) {{",
+        first, step = (mod_index(shifted, s), s) if stepped else ("0", 1)
+        lines += [f"for (int {tap} = {first}; {tap} < {k}; {tap} += {step}) {{",
                   f"const int {numerator} = {shifted} - {affine(tap, d, 0)};"]
     conditions = []
     if pad - (k - 1) * d < 0:
         conditions.append(f"{numerator} >= 0")
-    if s > 1:
+    if s > 1 and not stepped:
         conditions.append(f"{mod_index(numerator, s)} == 0")  # after '>= 0': a non-negative index
     if (length - 1 + pad) // s >= n:
         conditions.append(f"{numerator} < {n * s}")
