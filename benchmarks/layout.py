@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fblc.codegen.compile import compile_model  # noqa: E402
-from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
-from fblc.passes.pipeline import TrainingOptions  # noqa: E402
 from fblc.runtime.local import LocalRunner  # noqa: E402
+from benchmarks.step_time import compile_bundle, interleaved_ms, runner_stepper  # noqa: E402
 from tests.support import models  # noqa: E402
 
 LAYOUTS = ("naive", "rtile")
@@ -73,22 +69,13 @@ CASES = {"llama": llama_case, "mobilenet_v2": mobilenet_case}
 
 def interleaved_step_ms(path: str, feeds: dict[str, np.ndarray], directory: str, key: str, steps: int,
                         target: str) -> dict[str, tuple[float, dict]]:
-    """Median step of each layout, the two runners stepping in turn: a shared machine's speed drifts
-    over minutes, and alternating makes both layouts see the same drift."""
-    runners, reports = {}, {}
-    for layout in LAYOUTS:
-        bundle = os.path.join(directory, f"{key}.{layout}")
-        _, reports[layout] = compile_model(path, bundle, target, "fp32", TrainingOptions(
-            loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2), layout=layout))
-        runners[layout] = LocalRunner(bundle)
-        runners[layout].step(feeds)  # the OpenCL JIT
-    times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
-    for _ in range(steps):
-        for layout in LAYOUTS:
-            started = time.perf_counter()
-            runners[layout].step(feeds)
-            times[layout].append((time.perf_counter() - started) * 1e3)
-    return {layout: (statistics.median(times[layout]), reports[layout]) for layout in LAYOUTS}
+    """Median step of each layout, the two runners stepping in turn (step_time.interleaved_ms): a shared
+    machine's speed drifts over minutes, and alternating makes both layouts see the same drift."""
+    bundles = {layout: os.path.join(directory, f"{key}.{layout}") for layout in LAYOUTS}
+    reports = {layout: compile_bundle(path, bundles[layout], layout, target) for layout in LAYOUTS}
+    medians = interleaved_ms({layout: runner_stepper(LocalRunner(bundles[layout]), feeds) for layout in LAYOUTS},
+                             steps, settle=False)  # one thread pool (PoCL's) on both sides
+    return {layout: (medians[layout], reports[layout]) for layout in LAYOUTS}
 
 
 def main() -> int:

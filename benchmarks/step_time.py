@@ -98,18 +98,19 @@ def torch_stepper(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], 
     return step
 
 
-def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle: bool = True) -> dict[str, float]:
     """The median ms of each of `steppers` over `steps` rounds, after a warm-up call of each (the OpenCL
     JIT, PyTorch's first allocations). Each round gives every stepper its turn, so a drift in a shared
-    machine's speed reaches every side alike (this one's moved 30 % between runs); a turn is two calls
-    and times the second, since the previous side's worker threads still spin a while after it returns
-    (PyTorch's OpenMP pool, PoCL's)."""
+    machine's speed reaches every side alike (this one's moved 30 % between runs). With `settle` a turn
+    is two calls and times the second: the previous side's worker threads still spin a while after it
+    returns (PyTorch's OpenMP pool; only needed where the sides use different thread pools)."""
     for step in steppers.values():
         step()
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(steps):
         for name, step in steppers.items():
-            step()
+            if settle:
+                step()
             started = time.perf_counter()
             step()
             times[name].append((time.perf_counter() - started) * 1e3)

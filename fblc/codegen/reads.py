@@ -128,16 +128,14 @@ class ValueReads:
         trailing = len(self.out_shape) - 1 - axis
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        if self.out_shape and not self.table.of(root).mask_elements and self.out_shape[-1] % 4:
-            shared = self._block_read(root, spread, apply)
-            if shared is not None:
-                return shared
-        return apply.format(self._texel_read(root, spread) or self.load(value, f"{OUT_INDEX}{axis}"))
+        hoisted = self._texel_read(root, spread, apply)
+        return hoisted if hoisted is not None else apply.format(self.load(value, f"{OUT_INDEX}{axis}"))
 
-    def _texel_read(self, root: ir.Value, index_map: IndexMap) -> str | None:
+    def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: str = "{}") -> str | None:
         """The lane's element of `root` read through `index_map` (broadcast to the output) from a
-        texel read once per output texel; None when the 4 lanes of an output texel do not map to
-        the 4 lanes of one texel (as they always do when `root` is read in the output's own
+        texel read once per output texel, passed through the C template `apply` (once per element read
+        where blocks of a row share it, _block_read); None when the 4 lanes of an output texel do not
+        map to the 4 lanes of one texel (as they always do when `root` is read in the output's own
         order), or to one element."""
         out = self.out_shape
         texture = self.table.of(root)
@@ -147,7 +145,7 @@ class ValueReads:
         if own:  # the output's own element order, any shape: texel t holds the 4 lanes
             one_element = False
         elif out[-1] % 4:
-            return self._block_read(root, index_map)
+            return self._block_read(root, index_map, apply)
         elif index_map.shape and index_map.shape[-1] != 1:  # the lanes' own texel: it must be aligned
             if not index_map.lanes_read_texels():
                 return None
@@ -166,7 +164,7 @@ class ValueReads:
                 vector = "float4" if texture.kind == "float" else "int4"
                 self._hoisted[key] = f"{'lane_f' if texture.kind == 'float' else 'lane_i'}({name}, lane)"
                 self.texel_reads.append(f"const {vector} {name} = {self.read_texel(arg, texture, f'({first}) >> 2')};")
-        return self._hoisted[key]
+        return apply.format(self._hoisted[key])
 
     def _block_read(self, root: ir.Value, index_map: IndexMap, apply: str = "{}") -> str | None:
         """The lane's element of `root`, when it is constant over blocks of at least 4 consecutive

@@ -130,19 +130,21 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
                "}")
     elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
         outer = [a for a in axes if a < suffix]
-        row, inner = b.fresh("row"), b.fresh("ri")
-        deal_inner = group is None or run >= group  # deal out the longer loop among the group's work-items
-        outer_first, outer_step = ("0", "1") if deal_inner else (first, step)
+        inner = b.fresh("ri")
+        deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
         inner_first, inner_step = (first, step) if deal_inner else ("0", "1")
-        offset = _loop_index(r, [shape[a] for a in outer], [strides[a] for a in outer]) if outer else "0"
-        b.emit(f"float {acc} = {start};",
-               f"for (int {r} = {outer_first}; {r} < {count // run}; {r} += {outer_step}) {{",
-               f"  const int {row} = {base} + {offset};",
-               f"  for (int {inner} = {inner_first}; {inner} < {run}; {inner} += {inner_step}) {{",
-               f"    const float x = {b.load(source, f'{row} + {inner}')};",
-               f"    {acc} = {combine.format(acc=acc, **names)};",
-               "  }",
-               "}")
+        row = base
+        b.emit(f"float {acc} = {start};")
+        if outer:  # a loop over the runs (one run alone needs none)
+            row = b.fresh("row")
+            outer_first, outer_step = ("0", "1") if deal_inner else (first, step)
+            offset = _loop_index(r, [shape[a] for a in outer], [strides[a] for a in outer])
+            b.emit(f"for (int {r} = {outer_first}; {r} < {count // run}; {r} += {outer_step}) {{",
+                   f"const int {row} = {base} + {offset};")
+        b.emit(f"for (int {inner} = {inner_first}; {inner} < {run}; {inner} += {inner_step}) {{",
+               f"  const float x = {b.load(source, f'{row} + {inner}')};",
+               f"  {acc} = {combine.format(acc=acc, **names)};",
+               "}", *(["}"] if outer else []))
     else:
         index = _loop_index(r, [shape[a] for a in axes], [strides[a] for a in axes])
         b.emit(f"float {acc} = {start};",

@@ -24,6 +24,7 @@ from the work-item's `lid`, and the caller merges the partial tiles.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -328,14 +329,15 @@ class Reduction:
 
     def accumulator_form(self, b: KernelBuilder, lanes: int) -> str:
         """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
-        return choose_form(self._sample(), lanes, self.serial(lanes) > SERIAL_REDUCTION, b.table.profile.cpu)
+        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, b.table.profile.cpu)
 
     def cost(self, form: str) -> float:
         """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""
-        return block_cost(self._sample(), form)
+        return block_cost(self._sample, form)
 
+    @functools.cached_property
     def _sample(self) -> list[tuple[int, int, int]]:
-        """(lane, x, w) of one block's products."""
+        """(lane, x, w) of one block's products (the form and the cost each judge them; listed once)."""
         return [(p.lane, p.x, p.w) for p in self.blocked.products(range(min(self.blocked.block, self.blocked.extent)))]
 
     @staticmethod
