@@ -7,7 +7,7 @@ product); choose_form on a weight gradient's block and a GEMM's. The kernels tha
 
 import pytest
 
-from fblc.codegen.kernels.accumulators import Accumulators, choose_form
+from fblc.codegen.kernels.accumulators import Accumulators, choose_form, pair_stride
 
 # lane, x, w: a GEMM tile's row (one x times a texel of w), then a conv's window across two texels
 TERMS = [(0, "A.x", "B.x"), (1, "A.x", "B.y"), (2, "A.x", "B.z"), (3, "A.x", "B.w"),
@@ -71,3 +71,57 @@ def test_sums_are_only_for_long_reductions_on_a_cpu_within_the_register_budget()
     assert choose_form(_weight_gradient_block(7), 28, long=True, cpu=True) == "texels"  # 28 float4s
     gemm = [(lane, k, k * 8 + lane) for k in range(16) for lane in range(8)]  # x broadcast, w a texel row
     assert choose_form(gemm, 8, long=True, cpu=True) == "texels"
+
+
+def test_a_short_reduction_takes_float4s_only_where_they_pair_into_float8s() -> None:
+    block = _conv_row_block()
+    assert choose_form(block, 16, long=False, cpu=True, simd_floats=8) == "texels"
+    assert choose_form(block, 16, long=False, cpu=True, simd_floats=4) == "lanes"
+    assert choose_form(block, 16, long=False, cpu=False) == "lanes"
+
+
+def _conv_row_block(rows: int = 2, positions: int = 8, taps: int = 3) -> list[tuple[int, int, int]]:
+    """(lane, x, w) of a conv tile: lane = row * positions + p sums X[p + tap] * W[row, tap] (a scalar weight)."""
+    return [(row * positions + p, p + tap, row * taps + tap) for row in range(rows) for tap in range(taps)
+            for p in range(positions)]
+
+
+def test_two_float4s_that_share_w_are_one_float8_multiply_add() -> None:
+    """Pair stride 1: texels 0 and 1 are float8 0's halves. Their updates by W.x are one float8 multiply-add
+    (a scalar w stays one); texel 0's update by W.y has no partner and adds into its half; a component
+    update adds into its float8 component."""
+    terms = [(lane, f"X{lane // 4}.{'xyzw'[lane % 4]}", "W.x") for lane in range(8)]
+    terms += [(lane, f"Y.{'xyzw'[lane]}", "W.y") for lane in range(4)] + [(5, "Z.x", "W.z")]
+    accumulators = Accumulators("accv1", "texels", pair=1)
+    assert accumulators.declare(8) == "float8 accv1[1] = {(float8)(0.0f)};"
+    assert accumulators.add(terms) == ["accv1[0] += (float8)(X0, X1) * W.x;", "accv1[0].lo += Y * W.y;",
+                                       "accv1[0].s5 += Z.x * W.z;"]
+    assert accumulators.totals("acc", 8) == (
+        "float acc[8] = {accv1[0].s0, accv1[0].s1, accv1[0].s2, accv1[0].s3, "
+        "accv1[0].s4, accv1[0].s5, accv1[0].s6, accv1[0].s7};")
+
+
+def test_paired_sums_widen_a_shared_w_texel_and_keep_their_float4_totals() -> None:
+    terms = [(lane, f"X{lane}{w}", f"W{w}") for lane in range(2) for w in range(4)]
+    offsets = [(w + lane, w) for lane in range(2) for w in range(4)]
+    accumulators = Accumulators("accv1", "sums", pair=1)
+    assert accumulators.add(terms, offsets) == [
+        "accv1[0] += (float8)((float4)(X00, X01, X02, X03), (float4)(X10, X11, X12, X13)) * "
+        "(float8)((float4)(W0, W1, W2, W3), (float4)(W0, W1, W2, W3));"]
+    assert accumulators.totals("acc", 2) == (
+        "float acc[2] = {(accv1[0].lo.x + accv1[0].lo.y) + (accv1[0].lo.z + accv1[0].lo.w), "
+        "(accv1[0].hi.x + accv1[0].hi.y) + (accv1[0].hi.z + accv1[0].hi.w)};")
+
+
+def test_pair_stride_pairs_neighbouring_texels_of_a_conv_row_on_a_wide_simd_only() -> None:
+    """A conv tile of 2 rows x 2 texels: a row's two texels share each weight (stride 1 halves the
+    multiply-adds); a GEMM row's two texels share A's scalar. Below 8 floats a register, or in scalar
+    lanes, no pairs; nor where no two texels share an operand."""
+    block = _conv_row_block()
+    assert pair_stride(block, "texels", 16, simd_floats=8) == 1
+    assert pair_stride(block, "texels", 16, simd_floats=4) == 0
+    assert pair_stride(block, "lanes", 16, simd_floats=16) == 0
+    gemm_row = [(lane, k, k * 8 + lane) for k in range(4) for lane in range(8)]  # x broadcast, w a texel row
+    assert pair_stride(gemm_row, "texels", 8, simd_floats=8) == 1
+    diagonal = [(lane, 4 * (lane // 4) + k, 4 * (lane // 4) + k) for k in range(4) for lane in range(8)]
+    assert pair_stride(diagonal, "texels", 8, simd_floats=8) == 0

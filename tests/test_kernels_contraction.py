@@ -294,6 +294,21 @@ def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, 
     assert rows and not [r.name for r in rows if not r.ok]
 
 
+@pytest.mark.parametrize("target", ["local", "adreno830"])
+def test_a_wide_simd_cpu_pairs_a_tiles_float4s_into_float8s(target: str, tmp_path) -> None:
+    """Where a SIMD register holds 8 floats (local: PoCL on an x86-64 CPU), a conv tile's neighbouring
+    texels, which share each scalar weight, are one float8 multiply-add (accumulators.pair_stride); a
+    GPU keeps float4s. Both steps equal onnxruntime's."""
+    nodes, inits, _ = TILE_CASES["conv3x3_weight_grad_tile"]
+    path = write_case(str(tmp_path / "conv.onnx"), nodes, inits)
+    compile_model(path, str(tmp_path / "bundle"), target, "fp32", OPTIONS)
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    paired = re.search(r"accv\d+\[\d+\] \+= \(float8\)\(", source)
+    assert bool(paired) == (target == "local"), target
+    rows = verify_model(path, OPTIONS, target=target)
+    assert rows and not [r.name for r in rows if not r.ok]
+
+
 @pytest.mark.parametrize("name", sorted(TEXEL_CASES) + sorted(TILE_CASES))
 def test_contraction_paths(name: str, tmp_path) -> None:
     """Each contraction kernel of the step takes the texel-wide path its output layout allows:

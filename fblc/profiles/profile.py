@@ -25,6 +25,7 @@ FIGURES: dict[str, tuple[type, str]] = {
     "max_work_group_size": (int, "work-items"),
     "fp16": (bool, "half-precision textures and arithmetic"),
     "cpu": (bool, "a CPU: a work-item's float4 is one SIMD register, a work-group's items run in turn on one core"),
+    "simd_floats": (int, "floats one SIMD instruction of a work-item takes (CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT)"),
     "tex_block_width": (int, "texels per texture-cache block, horizontally"),
     "tex_block_height": (int, "texels per texture-cache block, vertically"),
     "line_bytes": (int, "bytes per cache line"),
@@ -85,6 +86,7 @@ class Profile:
     max_work_group_size: int
     fp16: bool
     cpu: bool
+    simd_floats: int
     tex_block_width: int
     tex_block_height: int
     line_bytes: int

@@ -296,6 +296,9 @@ def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
     })
     if "cpu" in device:  # runners built before the device type was recorded keep local.json's estimate
         figures["cpu"] = {"value": bool(device["cpu"]), "source": f"{queried} (device type)"}
+    if "simd_floats" in device:
+        figures["simd_floats"] = {"value": max(1, int(device["simd_floats"])),
+                                  "source": f"{queried} (native float vector width)"}
     patterns = {p: row for p, row in patterns.items() if row}
     document = {
         "name": name, "vendor": device["vendor"] or "unknown", "gpu": gpu, "opencl_version": device["version"],

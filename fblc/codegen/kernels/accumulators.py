@@ -15,20 +15,42 @@ work-group deals them out, a CPU's work-item runs them alone, Profile.tile_group
 instruction, and `choose_form` takes the cheaper of texels and sums by multiply-adds, distinct
 swizzled operands and texel loads, within SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle only names
 registers and sums would take four times the registers, so texels stay.
+
+Where a work-item's SIMD register holds 8 floats or more (Profile.simd_floats: AVX2, AVX-512), texels
+and sums pair their float4s: float4s t and t + pair are the halves of one float8, and two multiply-adds
+of a pair's halves that share an operand are one float8 multiply-add (`pair_stride` picks the pairing
+that costs least). A register tile's neighbouring texels share one (a conv row's scalar weight, a GEMM
+row's scalar of A), so the float8 is 8 consecutive outputs. Such a CPU takes texels or sums for short
+reductions too: explicit float4s and float8s beat what its SLP vectorizer packs from scalar lanes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fblc.profiles.profile import SIMD_SUM_FLOAT4S
 
 LANES = 4
 COMPONENTS = "xyzw"
 FORMS = ("lanes", "texels", "sums")
+#: the floats a SIMD register must hold for a work-item's float4 accumulators to pair into float8s
+PAIRED_SIMD_FLOATS = 8
 
 Operation = tuple[str, str, str]  # (target, x operand, w operand): `target += x * w;`
+
+
+class Update(NamedTuple):
+    """`x * w` added to float4 accumulator `texel` (its `component`, or all four: None); whether x and w are
+    float4s (float4_of of different values) or scalars that OpenCL widens."""
+
+    texel: int
+    component: int | None
+    x: str
+    w: str
+    x_float4: bool = False
+    w_float4: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,15 +59,20 @@ class Accumulators:
 
     name: str
     form: str = "lanes"
+    pair: int = 0  # >0: float4s t and t + pair (t // pair even) are the halves of one float8
 
     def __post_init__(self) -> None:
         assert self.form in FORMS, f"accumulator form {self.form!r} is none of {', '.join(FORMS)}"
+        assert not self.pair or self.form != "lanes", "only float4 accumulators pair into float8s"
 
     def declare(self, lanes: int) -> str:
         """The declaration of the accumulators of `lanes` outputs, all zero."""
         if self.form == "lanes":
             return f"float {self.name}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};"
         count = lanes // LANES if self.form == "texels" else lanes
+        if self.pair:
+            assert count % (2 * self.pair) == 0, f"{count} float4s do not pair at stride {self.pair}"
+            return f"float8 {self.name}[{count // 2}] = {{{', '.join(['(float8)(0.0f)'] * (count // 2))}}};"
         return f"float4 {self.name}[{count}] = {{{', '.join(['(float4)(0.0f)'] * count)}}};"
 
     def totals(self, acc: str, lanes: int) -> str | None:
@@ -53,11 +80,27 @@ class Accumulators:
         if self.form == "lanes":
             return None
         if self.form == "texels":
-            values = [f"{self.name}[{lane // LANES}].{COMPONENTS[lane % LANES]}" for lane in range(lanes)]
+            values = [self._component(lane // LANES, lane % LANES) for lane in range(lanes)]
         else:
-            values = [f"({sums}.x + {sums}.y) + ({sums}.z + {sums}.w)" for sums in
-                      (f"{self.name}[{lane}]" for lane in range(lanes))]
+            values = [f"({sums}.x + {sums}.y) + ({sums}.z + {sums}.w)" for sums in map(self._float4, range(lanes))]
         return f"float {acc}[{lanes}] = {{{', '.join(values)}}};"
+
+    def _float8(self, texel: int) -> tuple[str, int]:
+        """(the float8 that holds float4 `texel`, its half: 0 low, 1 high)."""
+        pair = self.pair
+        return f"{self.name}[{texel // (2 * pair) * pair + texel % pair}]", texel // pair % 2
+
+    def _float4(self, texel: int) -> str:
+        if not self.pair:
+            return f"{self.name}[{texel}]"
+        name, half = self._float8(texel)
+        return f"{name}.{('lo', 'hi')[half]}"
+
+    def _component(self, texel: int, component: int) -> str:
+        if not self.pair:
+            return f"{self.name}[{texel}].{COMPONENTS[component]}"
+        name, half = self._float8(texel)
+        return f"{name}.s{LANES * half + component}"
 
     def add(self, terms: Sequence[tuple[int, str, str]], offsets: Sequence[tuple[int, int]] = ()) -> list[str]:
         """Lines that add each (lane, x, w) product to its lane; `offsets`, (x, w) element offsets of
@@ -72,55 +115,120 @@ class Accumulators:
         ordered = sorted(range(len(terms)), key=lambda index: terms[index][0])
         if self.form == "lanes":
             return [(f"{self.name}[{terms[i][0]}]", terms[i][1], terms[i][2]) for i in ordered]
-        if self.form == "sums":
-            return self._sums(terms, offsets, ordered)
+        updates = self._sums(terms, offsets, ordered) if self.form == "sums" else self._texels(terms, ordered)
+        if self.pair:
+            return self._paired(updates)
+        return [(self._float4(u.texel) if u.component is None else self._component(u.texel, u.component), u.x, u.w)
+                for u in updates]
+
+    def _texels(self, terms: Sequence[tuple[int, str, str]], ordered: list[int]) -> list[Update]:
+        """The k-th products of a texel's four lanes are one float4 multiply-add; where a lane lacks
+        its k-th product, the others add component by component."""
         per_lane: dict[int, list[tuple[str, str]]] = {}
         for index in ordered:
             lane, x, w = terms[index]
             per_lane.setdefault(lane, []).append((x, w))
-        operations: list[Operation] = []
+        updates: list[Update] = []
         for texel in sorted({lane // LANES for lane in per_lane}):
             runs = [per_lane.get(texel * LANES + component, []) for component in range(LANES)]
             for k in range(max(len(run) for run in runs)):
                 if all(k < len(run) for run in runs):
                     xs, ws = zip(*(run[k] for run in runs))
-                    operations.append((f"{self.name}[{texel}]", float4_of(xs), float4_of(ws)))
+                    updates.append(Update(texel, None, float4_of(xs), float4_of(ws), len(set(xs)) > 1,
+                                          len(set(ws)) > 1))
                     continue
-                operations += [(f"{self.name}[{texel}].{COMPONENTS[component]}", run[k][0], run[k][1])
-                               for component, run in enumerate(runs) if k < len(run)]
-        return operations
+                updates += [Update(texel, component, run[k][0], run[k][1]) for component, run in enumerate(runs)
+                            if k < len(run)]
+        return updates
+
+    def _paired(self, updates: list[Update]) -> list[Operation]:
+        """Float8 multiply-adds: a low half's whole update and its high half's first unmatched whole update
+        by the same w or the same x are one; every other update adds into its half or its component. Each comes at the
+        low half's position, so every output keeps the order of its products."""
+        operations: list[tuple[int, Operation]] = []
+        high: dict[int, list[tuple[int, Update]]] = {}  # a high half's whole updates, with their positions
+        for position, u in enumerate(updates):
+            if u.component is not None:
+                operations.append((position, (self._component(u.texel, u.component), u.x, u.w)))
+            elif u.texel // self.pair % 2:
+                high.setdefault(u.texel, []).append((position, u))
+        for position, u in enumerate(updates):
+            if u.component is not None or u.texel // self.pair % 2:
+                continue
+            partner = high.get(u.texel + self.pair, [])
+            match = next((k for k, (_, other) in enumerate(partner) if other.w == u.w or other.x == u.x), None)
+            if match is None:
+                operations.append((position, (self._float4(u.texel), u.x, u.w)))
+                continue
+            _, other = partner.pop(match)
+            operations.append((position, (self._float8(u.texel)[0], float8_of(u.x, u.x_float4, other.x, other.x_float4),
+                                          float8_of(u.w, u.w_float4, other.w, other.w_float4))))
+        operations += [(position, (self._float4(u.texel), u.x, u.w)) for rest in high.values() for position, u in rest]
+        return [operation for _, operation in sorted(operations, key=lambda item: item[0])]
 
     def _sums(self, terms: Sequence[tuple[int, str, str]], offsets: Sequence[tuple[int, int]],
-              ordered: list[int]) -> list[Operation]:
+              ordered: list[int]) -> list[Update]:
         """A lane's products along one diagonal (x - w fixed) at four consecutive w from a multiple of 4 are
         one float4 multiply-add (w a whole texel); the others add into component w % 4."""
         assert len(offsets) == len(terms), "the sums form needs each product's (x, w) offsets"
-        operations: list[Operation] = []
+        updates: list[Update] = []
         by_lane: dict[int, list[int]] = {}
         for index in ordered:
             by_lane.setdefault(terms[index][0], []).append(index)
         for lane, indices in by_lane.items():
-            target = f"{self.name}[{lane}]"
             indices.sort(key=lambda i: (offsets[i][0] - offsets[i][1], offsets[i][1]))
             at = 0
             while at < len(indices):
                 run = indices[at:at + LANES]
                 x0, w0 = offsets[run[0]]
                 if w0 % LANES == 0 and [offsets[i] for i in run] == [(x0 + k, w0 + k) for k in range(LANES)]:
-                    operations.append((target, float4_of([terms[i][1] for i in run]),
-                                       float4_of([terms[i][2] for i in run])))
+                    xs, ws = [terms[i][1] for i in run], [terms[i][2] for i in run]
+                    updates.append(Update(lane, None, float4_of(xs), float4_of(ws), len(set(xs)) > 1,
+                                          len(set(ws)) > 1))
                     at += LANES
                     continue
-                operations.append((f"{target}.{COMPONENTS[w0 % LANES]}", terms[run[0]][1], terms[run[0]][2]))
+                updates.append(Update(lane, w0 % LANES, terms[run[0]][1], terms[run[0]][2]))
                 at += 1
-        return operations
+        return updates
 
 
 def cost(operations: Sequence[Operation]) -> int:
-    """Instructions of `operations` on a SIMD float4: one per multiply-add, one per distinct operand built
-    from several texels or components (a shuffle; a scalar broadcasts from memory for free)."""
-    return len(operations) + len({operand for _, x, w in operations for operand in (x, w)
-                                  if operand.startswith("(float4)(")})
+    """Instructions of `operations` on SIMD registers: one per multiply-add, one per distinct operand built
+    from several texels or components, float8s and their halves included (a shuffle or an insert; a
+    scalar broadcasts from memory for free, and a float8 of two whole texels is a load and an insert
+    from memory)."""
+    built = {part for _, x, w in operations for operand in (x, w) for part in _built(operand)}
+    return len(operations) + len(built)
+
+
+def _built(operand: str) -> list[str]:
+    """`operand` if shuffles or inserts build it, with the halves of a float8 that they build."""
+    if operand.startswith("(float4)("):
+        return [operand]
+    if not operand.startswith("(float8)("):
+        return []
+    inner, depth, start, halves = operand[len("(float8)("):-1], 0, 0, []
+    for at, char in enumerate(inner + ","):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            halves.append(inner[start:at].strip())
+            start = at + 1
+    parts = [part for half in halves for part in _built(half)]
+    return parts if all(half.isidentifier() for half in halves) else [operand] + parts
+
+
+def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int, simd_floats: int) -> int:
+    """The stride that pairs float4 accumulators into float8s at least cost (`cost` of one block of
+    (lane, x offset, w offset) `products`), or 0: no pairing is cheaper, the form has no float4s, or a
+    SIMD register holds fewer than PAIRED_SIMD_FLOATS floats."""
+    if form == "lanes" or simd_floats < PAIRED_SIMD_FLOATS:
+        return 0
+    count = lanes // LANES if form == "texels" else lanes
+    terms = [(lane, _element("X", x), _element("W", w)) for lane, x, w in products]
+    offsets = [(x, w) for _, x, w in products]
+    strides = [stride for stride in range(1, count // 2 + 1) if count % (2 * stride) == 0]
+    costs = {stride: cost(Accumulators("a", form, stride).operations(terms, offsets)) for stride in [0] + strides}
+    return min(costs, key=lambda stride: (costs[stride], stride))
 
 
 def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
@@ -133,10 +241,12 @@ def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
     return (cost(operations) + loads) / max(1, len(products))
 
 
-def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool, cpu: bool) -> str:
+def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool, cpu: bool,
+                simd_floats: int = 1) -> str:
     """The form for `lanes` outputs whose block of (lane, x offset, w offset) `products` belongs to a
-    reduction longer than SERIAL_REDUCTION (`long`) or not, on a CPU or not; see the module docstring."""
-    if not long or lanes % LANES:
+    reduction longer than SERIAL_REDUCTION (`long`) or not, on a CPU or not, whose SIMD register holds
+    `simd_floats` floats; see the module docstring."""
+    if lanes % LANES or not (long or simd_floats >= PAIRED_SIMD_FLOATS):
         return "lanes"
     if not cpu or lanes > SIMD_SUM_FLOAT4S:
         return "texels"
@@ -146,6 +256,15 @@ def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool
 def _element(tensor: str, offset: int) -> str:
     """A stand-in C expression for element `offset` of a tensor read from a texel-aligned base."""
     return f"{tensor}{offset >> 2}".replace("-", "_") + f".{COMPONENTS[offset & 3]}"
+
+
+def float8_of(low: str, low_float4: bool, high: str, high_float4: bool) -> str:
+    """Two halves as a float8: a scalar that is both halves as itself (OpenCL widens it), else each half a
+    float4 (a scalar widened)."""
+    if low == high and not low_float4:
+        return low
+    halves = [half if is_float4 else f"(float4)({half})" for half, is_float4 in ((low, low_float4), (high, high_float4))]
+    return f"(float8)({', '.join(halves)})"
 
 
 def float4_of(values: Sequence[str]) -> str:

@@ -34,7 +34,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import flat_index
-from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form
+from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form, pair_stride
 from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
 
 __all__ = ["COMPONENTS", "LANES"]  # the texel's shape, which the kernel modules take from here
@@ -285,7 +285,8 @@ class Reduction:
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
         form = self.accumulator_form(b, lanes)
-        target = Accumulators(b.fresh("accv") if form != "lanes" else acc, form)
+        pair = pair_stride(self._sample, form, lanes, b.table.profile.simd_floats)
+        target = Accumulators(b.fresh("accv") if form != "lanes" else acc, form, pair)
         code.emit(target.declare(lanes))
         depth = code.depth
         code.open(f"if ({guard})" if guard else "")  # the loops' and blocks' names stay local
@@ -329,7 +330,8 @@ class Reduction:
 
     def accumulator_form(self, b: KernelBuilder, lanes: int) -> str:
         """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
-        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, b.table.profile.cpu)
+        profile = b.table.profile
+        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, profile.cpu, profile.simd_floats)
 
     def cost(self, form: str) -> float:
         """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""

@@ -310,12 +310,13 @@ static void write_device(FILE *out, const profiler *p) {
             p->device.image_max_width, p->device.image_max_height, p->max_work_group_size);
     fprintf(out, "  \"global_mem_cache_size\": %llu, \"global_mem_cacheline_size\": %llu, \"global_mem_size\": %llu, "
                  "\"local_mem_size\": %llu,\n  \"max_compute_units\": %llu, \"max_clock_frequency\": %llu, "
-                 "\"fp16\": %s, \"cpu\": %s},\n",
+                 "\"fp16\": %s, \"cpu\": %s, \"simd_floats\": %llu},\n",
             device_ulong(d, CL_DEVICE_GLOBAL_MEM_CACHE_SIZE), device_uint(d, CL_DEVICE_GLOBAL_MEM_CACHELINE_SIZE),
             device_ulong(d, CL_DEVICE_GLOBAL_MEM_SIZE), device_ulong(d, CL_DEVICE_LOCAL_MEM_SIZE),
             device_uint(d, CL_DEVICE_MAX_COMPUTE_UNITS), device_uint(d, CL_DEVICE_MAX_CLOCK_FREQUENCY),
             strstr(extensions, "cl_khr_fp16 ") ? "true" : "false",
-            device_ulong(d, CL_DEVICE_TYPE) & CL_DEVICE_TYPE_CPU ? "true" : "false");
+            device_ulong(d, CL_DEVICE_TYPE) & CL_DEVICE_TYPE_CPU ? "true" : "false",
+            device_uint(d, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT));
     free(extensions);
 }
 
