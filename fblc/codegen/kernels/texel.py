@@ -15,7 +15,9 @@ as the texels that can cover it and the elements are picked by the runtime shift
 
 Products whose position (along a padded axis) falls outside the input read zero through a
 mask, so border texels need no per-lane tap ranges; products always outside are dropped at
-compile time, and reads the masked ones make out of the tensor are clamped into it.
+compile time, and reads the masked ones make out of the tensor are clamped into it: only
+those, since a texel that an unmasked product reads lies in the tensor wherever the kernel runs
+(unclamped neighbours are also what a CPU's compiler merges into wider loads).
 
 A reduction too long for one work-item (Reduction.serial past SERIAL_REDUCTION) is dealt out to
 a work-group: its longest counted loop (Reduction.shared_loop) takes every group-th iteration
@@ -173,18 +175,23 @@ def _clusters(offsets: list[int]) -> list[list[int]]:
     return groups
 
 
-def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]) -> dict[int, str]:
-    """Read each offset of `operand` once; C expressions of the values by offset."""
+def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int],
+          inside: Iterable[int] = ()) -> dict[int, str]:
+    """Read each offset of `operand` once; C expressions of the values by offset. Offsets in `inside`
+    (read by unmasked products) lie in the tensor wherever the kernel runs: a texel that holds one is
+    read unclamped even where the operand's masked reads are clamped."""
     wanted = sorted({offset + operand.offset for offset in offsets})
+    inside_texels = {(offset + operand.offset) >> 2 for offset in inside}
     inlined = b.constant_scalar(operand.value)
     if inlined is not None:
         return {offset - operand.offset: inlined for offset in wanted}
     arg, texture = b.argument(operand.value)
     last = texture.texels - 1
 
-    def texel(index: str, spare: bool = False) -> str:
-        """A texel read; `spare`: the read may pass the tensor's end (a cluster's last texel at shift 0)."""
-        if operand.clamp:
+    def texel(index: str, spare: bool = False, inside: bool = False) -> str:
+        """A texel read; `spare`: the read may pass the tensor's end (a cluster's last texel at shift 0);
+        `inside`: it never leaves the tensor."""
+        if operand.clamp and not inside:
             index = f"clamp({index}, 0, {last})"
         elif spare:
             index = f"min({index}, {last})"
@@ -200,7 +207,7 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
             k = offset >> 2  # floor, also for negative offsets
             if k not in names:
                 names[k] = b.fresh("T")
-                code.emit(f"const float4 {names[k]} = {texel(_plus(q, k))};")
+                code.emit(f"const float4 {names[k]} = {texel(_plus(q, k), inside=k in inside_texels)};")
             values[offset] = f"{names[k]}.{COMPONENTS[offset & 3]}"
         return {offset - operand.offset: value for offset, value in values.items()}
     for cluster in _clusters(wanted):
@@ -383,7 +390,7 @@ class Reduction:
             if len(keys) > 1 and keys not in named:
                 named[keys] = b.fresh("m")
                 code.emit(f"const bool {named[keys]} = {' && '.join(named[(key,)] for key in keys)};")
-        xs = fetch(b, code, x, (p.x for p, _ in kept))
+        xs = fetch(b, code, x, (p.x for p, _ in kept), inside=(p.x for p, keys in kept if not keys))
         ws = fetch(b, code, w, (p.w for p, _ in kept))
         code.emit(*acc.add([(product.lane, f"({named[keys]} ? {xs[product.x]} : 0.0f)" if keys else xs[product.x],
                              ws[product.w]) for product, keys in kept], [(p.x, p.w) for p, _ in kept]))
