@@ -181,17 +181,20 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
     (read by unmasked products) lie in the tensor wherever the kernel runs: a texel that holds one is
     read unclamped even where the operand's masked reads are clamped."""
     wanted = sorted({offset + operand.offset for offset in offsets})
-    inside_texels = {(offset + operand.offset) >> 2 for offset in inside}
+    inside_offsets = {offset + operand.offset for offset in inside}
+    inside_texels = {offset >> 2 for offset in inside_offsets}
     inlined = b.constant_scalar(operand.value)
     if inlined is not None:
         return {offset - operand.offset: inlined for offset in wanted}
     arg, texture = b.argument(operand.value)
     last = texture.texels - 1
 
-    def texel(index: str, spare: bool = False, inside: bool = False) -> str:
+    def texel(index: str, spare: bool = False, within: bool = False) -> str:
         """A texel read; `spare`: the read may pass the tensor's end (a cluster's last texel at shift 0);
-        `inside`: it never leaves the tensor."""
-        if operand.clamp and not inside:
+        `within`: it never leaves the tensor."""
+        if within:
+            return b.read_texel(arg, texture, index)
+        if operand.clamp:
             index = f"clamp({index}, 0, {last})"
         elif spare:
             index = f"min({index}, {last})"
@@ -207,7 +210,7 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
             k = offset >> 2  # floor, also for negative offsets
             if k not in names:
                 names[k] = b.fresh("T")
-                code.emit(f"const float4 {names[k]} = {texel(_plus(q, k), inside=k in inside_texels)};")
+                code.emit(f"const float4 {names[k]} = {texel(_plus(q, k), within=k in inside_texels)};")
             values[offset] = f"{names[k]}.{COMPONENTS[offset & 3]}"
         return {offset - operand.offset: value for offset, value in values.items()}
     for cluster in _clusters(wanted):
@@ -225,7 +228,10 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
         code.emit(f"const int {start} = {_plus(base, low)};",
                   f"const int {q} = {start} >> 2, {shift} = {start} & 3;")
         texels = [b.fresh("T") for _ in range(count)]
-        code.emit(*(f"const float4 {name} = {texel(_plus(q, k), k == count - 1)};" for k, name in enumerate(texels)))
+        # at any shift, texel k holds element low + 4k: where that one lies inside, so does the texel
+        within = [low + 4 * k in inside_offsets for k in range(count)]
+        code.emit(*(f"const float4 {name} = {texel(_plus(q, k), k == count - 1, within[k])};"
+                    for k, name in enumerate(texels)))
         windows: dict[int, str] = {}
         for offset in cluster:
             m, lane = (offset - low) >> 2, (offset - low) & 3
@@ -233,7 +239,8 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
                 if m not in windows:
                     windows[m] = b.fresh("W")
                     # a clamped read's texels are not its neighbours in memory: shuffle those
-                    window = (f"window4({texels[m]}, {texels[m + 1]}, {shift})" if operand.clamp
+                    window = (f"window4({texels[m]}, {texels[m + 1]}, {shift})"
+                              if operand.clamp and not (within[m] and within[m + 1])
                               else _window(arg, texels[m], texels[m + 1], _plus(q, m), shift))
                     code.emit(f"const float4 {windows[m]} = {window};")
                 values[offset] = f"{windows[m]}.{COMPONENTS[lane]}"
