@@ -143,8 +143,8 @@ class Accumulators:
 
     def _paired(self, updates: list[Update]) -> list[Operation]:
         """Float8 multiply-adds: a low half's whole update and its high half's first unmatched whole update
-        by the same w or the same x are one; every other update adds into its half or its component. Each comes at the
-        low half's position, so every output keeps the order of its products."""
+        by the same w or the same x are one, at the low half's place in the order; every other update adds
+        into its half or its component at its own place."""
         operations: list[tuple[int, Operation]] = []
         high: dict[int, list[tuple[int, Update]]] = {}  # a high half's whole updates, with their positions
         for position, u in enumerate(updates):
@@ -161,9 +161,11 @@ class Accumulators:
                 operations.append((position, (self._float4(u.texel), u.x, u.w)))
                 continue
             _, other = partner.pop(match)
-            operations.append((position, (self._float8(u.texel)[0], float8_of(u.x, u.x_float4, other.x, other.x_float4),
+            operations.append((position, (self._float8(u.texel)[0],
+                                          float8_of(u.x, u.x_float4, other.x, other.x_float4),
                                           float8_of(u.w, u.w_float4, other.w, other.w_float4))))
-        operations += [(position, (self._float4(u.texel), u.x, u.w)) for rest in high.values() for position, u in rest]
+        operations += [(position, (self._float4(u.texel), u.x, u.w))
+                       for rest in high.values() for position, u in rest]
         return [operation for _, operation in sorted(operations, key=lambda item: item[0])]
 
     def _sums(self, terms: Sequence[tuple[int, str, str]], offsets: Sequence[tuple[int, int]],
@@ -263,7 +265,8 @@ def float8_of(low: str, low_float4: bool, high: str, high_float4: bool) -> str:
     float4 (a scalar widened)."""
     if low == high and not low_float4:
         return low
-    halves = [half if is_float4 else f"(float4)({half})" for half, is_float4 in ((low, low_float4), (high, high_float4))]
+    halves = [half if is_float4 else f"(float4)({half})"
+              for half, is_float4 in ((low, low_float4), (high, high_float4))]
     return f"(float8)({', '.join(halves)})"
 
 
