@@ -69,7 +69,7 @@ class Accumulators:
         """The declaration of the accumulators of `lanes` outputs, all zero."""
         if self.form == "lanes":
             return f"float {self.name}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};"
-        count = lanes // LANES if self.form == "texels" else lanes
+        count = float4_count(self.form, lanes)
         if self.pair:
             assert count % (2 * self.pair) == 0, f"{count} float4s do not pair at stride {self.pair}"
             return f"float8 {self.name}[{count // 2}] = {{{', '.join(['(float8)(0.0f)'] * (count // 2))}}};"
@@ -225,22 +225,25 @@ def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int,
     SIMD register holds fewer than PAIRED_SIMD_FLOATS floats."""
     if form == "lanes" or simd_floats < PAIRED_SIMD_FLOATS:
         return 0
-    count = lanes // LANES if form == "texels" else lanes
-    terms = [(lane, _element("X", x), _element("W", w)) for lane, x, w in products]
-    offsets = [(x, w) for _, x, w in products]
+    count = float4_count(form, lanes)
     strides = [stride for stride in range(1, count // 2 + 1) if count % (2 * stride) == 0]
-    costs = {stride: cost(Accumulators("a", form, stride).operations(terms, offsets)) for stride in [0] + strides}
+    costs = {stride: cost(_stand_in_operations(products, form, stride)) for stride in [0] + strides}
     return min(costs, key=lambda stride: (costs[stride], stride))
+
+
+def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0) -> list[Operation]:
+    """The operations of a block of (lane, x offset, w offset) `products` in `form` (paired at `pair`),
+    each element a stand-in C expression read from texel-aligned bases (what the costs compare)."""
+    terms = [(lane, _element("X", x), _element("W", w)) for lane, x, w in products]
+    return Accumulators("a", form, pair).operations(terms, [(x, w) for _, x, w in products])
 
 
 def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
     """Instructions per product of a block of (lane, x offset, w offset) `products` summed in `form` (its
     `cost`, and a load per distinct texel of X and of W, read from texel-aligned bases): what tiles of
     different shapes compare by."""
-    terms = [(lane, _element("X", x), _element("W", w)) for lane, x, w in products]
     loads = len({x >> 2 for _, x, _ in products}) + len({w >> 2 for _, _, w in products})
-    operations = Accumulators("a", form).operations(terms, [(x, w) for _, x, w in products])
-    return (cost(operations) + loads) / max(1, len(products))
+    return (cost(_stand_in_operations(products, form)) + loads) / max(1, len(products))
 
 
 def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool, cpu: bool,
@@ -253,6 +256,11 @@ def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool
     if not cpu or lanes > SIMD_SUM_FLOAT4S:
         return "texels"
     return min(("texels", "sums"), key=lambda form: block_cost(products, form))
+
+
+def float4_count(form: str, lanes: int) -> int:
+    """The float4 accumulators of `lanes` outputs in `form` (texels: 4 outputs each; sums: one each)."""
+    return lanes // LANES if form == "texels" else lanes
 
 
 def _element(tensor: str, offset: int) -> str:

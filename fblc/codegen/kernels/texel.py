@@ -238,7 +238,7 @@ def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int]
             if m + 1 < count:
                 if m not in windows:
                     windows[m] = b.fresh("W")
-                    # a clamped read's texels are not its neighbours in memory: shuffle those
+                    # texels read clamped may not be neighbours in memory: shuffle those
                     window = (f"window4({texels[m]}, {texels[m + 1]}, {shift})"
                               if operand.clamp and not (within[m] and within[m + 1])
                               else _window(arg, texels[m], texels[m + 1], _plus(q, m), shift))
