@@ -1,9 +1,11 @@
 """The data file of `fblc run`: read, checked against the bundle's inputs, cut into batches.
 
 Everything is checked before any work, on every array the run feeds: a NaN reaching the
-device trains the whole run on NaN, and a label past the classes reads beyond the logits
-(the kernels do not bounds-check), so either would silently produce garbage, not an error.
-Both runtimes (local and adb) read their batches from here.
+device trains the whole run on NaN, a label past the classes reads beyond the logits (the
+kernels do not bounds-check) and an id past the table it indexes reads an edge row (the
+gather kernels clamp), so each would silently produce garbage, not an error. So would arrays
+of different row counts (rows paired that do not belong together) and labels that are all the
+ignore index (nothing to learn). Both runtimes (local and adb) read their batches from here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fblc import bundle_format as fmt
+from fblc.runtime.feeds import first_index, index_problem
 
 #: manifest dtype names (ONNX's) as numpy calls them, for the messages
 NUMPY_NAMES = {"float": "float32", "double": "float64", "float16": "float16"}
@@ -86,10 +89,6 @@ def _read_array(archive: Any, path: str, name: str) -> np.ndarray:
     return array
 
 
-def _first(mask: np.ndarray) -> list[int]:
-    return [int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape)]  # argmax: the first True
-
-
 def _number(value: Any) -> str:
     if isinstance(value, (float, np.floating)) and not np.isfinite(value):
         return "NaN" if np.isnan(value) else ("inf" if value > 0 else "-inf")
@@ -102,13 +101,13 @@ def _checked(path: str, entry: Mapping[str, Any], array: np.ndarray) -> np.ndarr
     if array.dtype.kind == "f":
         bad = ~np.isfinite(array)
         if bad.any():
-            where = _first(bad)
+            where = first_index(bad)
             raise _error(f"data file '{path}': array '{name}' has {_number(array[tuple(where)])} at index {where}; "
                          "replace or drop the rows with NaN or inf (numpy.isfinite finds them)")
     if entry["dtype"].startswith("int") and array.dtype.kind == "f":  # labels saved as floats: whole ones only
         fractional = array != np.round(array)
         if fractional.any():
-            where = _first(fractional)
+            where = first_index(fractional)
             raise _error(f"data file '{path}': array '{name}' has {_number(array[tuple(where)])} at index {where}, "
                          f"but the bundle takes {entry['dtype']} there (class indices); save whole numbers "
                          f"({name}.astype(numpy.int64))")
@@ -118,11 +117,14 @@ def _checked(path: str, entry: Mapping[str, Any], array: np.ndarray) -> np.ndarr
         ignored = entry.get("ignore_index")
         outside = ((array < 0) | (array >= classes)) & (array != ignored)
         if outside.any():
-            where = _first(outside)
+            where = first_index(outside)
             nor = f" nor the ignore index {ignored}" if ignored is not None else ""
             raise _error(f"data file '{path}': array '{name}' has {_number(array[tuple(where)])} at index {where}: "
                          f"not a class of the model's output (0 to {classes - 1}){nor}; give labels in [0, {classes})"
                          + (f", or {ignored} for a position that does not count" if nor else ""))
+    problem = index_problem(entry, array)
+    if problem is not None:
+        raise _error(f"data file '{path}': {problem}")
     return array
 
 
@@ -148,10 +150,38 @@ def batches(data_path: str, manifest: Mapping[str, Any]) -> tuple[list[dict[str,
     if problems:
         raise _error(f"data file '{data_path}': {'; '.join(problems)}; expected arrays (any number of rows, at least "
                      f"one batch): {expected}")
-    rows = min(array.shape[0] for array in arrays.values())
+    row_counts = {name: array.shape[0] for name, array in arrays.items()}
+    if len(set(row_counts.values())) > 1:  # cutting all to the shortest would pair rows that do not belong together
+        counts = ", ".join(f"'{name}' {rows}" for name, rows in row_counts.items())
+        raise _error(f"data file '{data_path}': its arrays have different row counts ({counts}); each row is one "
+                     "example, so give every array the same number of rows")
+    rows = min(row_counts.values())
     batch = manifest["inputs"][0]["shape"][0]
     count = rows // batch
     used = {e["name"]: _checked(data_path, e, arrays[e["name"]][:count * batch]) for e in manifest["inputs"]}
+    notes = [f"{rows - count * batch} rows past the last full batch are not used"] if rows % batch else []
+    notes += [_ignored_labels(data_path, e, used[e["name"]], count, rows) for e in manifest["inputs"]
+              if e.get("ignore_index") is not None]
     cut = [{name: array[k * batch:(k + 1) * batch] for name, array in used.items()} for k in range(count)]
-    note = f"{rows - count * batch} rows past the last full batch are not used" if rows % batch else ""
-    return cut, note
+    return cut, "; ".join(note for note in notes if note)
+
+
+def _ignored_labels(path: str, entry: Mapping[str, Any], labels: np.ndarray, count: int, rows: int) -> str:
+    """A note naming the batches in which no label counts (every one the ignore index: a loss of 0 and no
+    gradient); a file in which none counts trains nothing and is refused."""
+    name, ignored = entry["name"], entry["ignore_index"]
+    counting = (labels.reshape(count, -1) != ignored).any(axis=1)
+    if not counting.any():
+        where = f"in the {labels.shape[0]} rows that fill whole batches" if labels.shape[0] < rows else \
+            f"in all {rows} rows"
+        raise _error(f"data file '{path}': every label in '{name}' is the ignore index {ignored}, {where}, so no "
+                     f"position counts in the loss and training would learn nothing; give labels in "
+                     f"[0, {entry['classes']}) where the loss should count")
+    idle = [str(k + 1) for k in np.flatnonzero(~counting)]
+    if not idle:
+        return ""
+    listed = ", ".join(idle[:10]) + (", ..." if len(idle) > 10 else "")
+    one = len(idle) == 1
+    return (f"{len(idle)} of {count} batches {'has' if one else 'have'} only ignored labels (every '{name}' value "
+            f"{ignored}): batch{'' if one else 'es'} {listed}; {'its step adds' if one else 'their steps add'} no "
+            "gradient")

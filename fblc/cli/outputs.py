@@ -176,6 +176,7 @@ def report_fallback(written: str, why: str) -> None:
 
 def print_step(step: int, loss: float, metrics: Mapping[str, float], ms: float, as_json: bool) -> None:
     """One line of `fblc run`'s per-step output (local and adb): JSON, or a readable row."""
+    loss += 0.0  # -0.0 (a batch whose labels are all ignored) prints as 0
     if as_json:
         print(json.dumps({"step": step, "loss": loss, **metrics, "ms": round(ms, 3)}), flush=True)
         return

@@ -35,6 +35,8 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
         entry["layout"], entry["view"] = "strided-view", program.value_maps[value.name]
     if keys.CLASSES in value.metadata_props:  # class-index labels: the runtimes check the data against these
         entry["classes"], entry["ignore_index"] = int(value.metadata_props[keys.CLASSES]), IGNORE_INDEX
+    if keys.INDEX_TABLE in value.metadata_props:  # ids that index a table: checked against its size likewise
+        entry["indexes"] = json.loads(value.metadata_props[keys.INDEX_TABLE])
     return entry
 
 

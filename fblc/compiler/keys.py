@@ -24,6 +24,8 @@ STAGE = "fblc.stage"
 GRAD_OF = "fblc.grad_of"
 #: On the labels of a class-index loss: the number of classes (the logits' last dim), for the bundle's manifest.
 CLASSES = "fblc.classes"
+#: On an integer model input: JSON of the tightest table its values index (index_ranges), for the bundle's manifest.
+INDEX_TABLE = "fblc.index_table"
 #: On the value the loss is computed from (the model's first output): "1" (ES's accuracy reward reads it).
 PREDICTION = "fblc.prediction"
 

@@ -33,6 +33,7 @@ from fblc.passes.fold_pads import FoldPads
 from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.fuse import FuseKernels
 from fblc.passes.fura_s import FuraS
+from fblc.passes.index_ranges import IndexRanges
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.lower_composites import LowerComposites
 from fblc.passes.mark_trainable import MarkTrainable
@@ -103,6 +104,7 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         LowerComposites(),
         FoldPads(),
         InferShapes(),
+        IndexRanges(),
     ]
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.runtime.build_progress import BuildProgress
+from fblc.runtime.feeds import index_problem
 from fblc.runtime.opencl import select_device
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack, unpack
 
@@ -239,6 +240,8 @@ class LocalRunner:
                 problems.append(f"'{entry['name']}' is missing")
             elif list(np.shape(array)) != entry["shape"]:
                 problems.append(f"'{entry['name']}' has shape {list(np.shape(array))}")
+            elif (problem := index_problem(entry, array)) is not None:  # the kernels would clamp it silently
+                raise DataError(problem)
         if problems:
             expected = ", ".join(f"{e['name']} {e['shape']} {e['dtype']}" for e in self.manifest["inputs"])
             raise DataError(f"{'; '.join(problems)}; the bundle expects: {expected}")
