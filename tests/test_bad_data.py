@@ -103,6 +103,9 @@ def test_the_local_runner_refuses_an_id_past_the_table(bundle) -> None:
     with pytest.raises(DataError) as refusal:
         LocalRunner.check_feeds(runner, feeds)  # type: ignore[arg-type]
     assert str(refusal.value) == f"array 'input_ids' has 500 at index [2, 1]: past {TABLE}"
+    feeds["input_ids"] = feeds["input_ids"].astype(np.float32)  # not cast by the caller: checked all the same
+    with pytest.raises(DataError, match=r"has 500 at index \[2, 1\]: past the table"):
+        LocalRunner.check_feeds(runner, feeds)  # type: ignore[arg-type]
 
 
 def _tables_proto() -> onnx.ModelProto:

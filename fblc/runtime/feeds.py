@@ -21,14 +21,15 @@ def index_problem(entry: Mapping[str, Any], array: np.ndarray) -> str | None:
     recorded by the index_ranges pass), as "array 'NAME' has ...; give ids in ..."; None when all fit."""
     table = entry.get("indexes")
     array = np.asarray(array)
-    if table is None or array.dtype.kind not in "iub":
+    if table is None or array.dtype.kind not in "iubf":  # floats: ids a Python caller did not cast
         return None
     size = table["size"]
     outside = (array < -size) | (array >= size)  # a negative id counts from the end, as in ONNX
     if not outside.any():
         return None
     where = first_index(outside)
-    value = int(array[tuple(where)])
+    value = array[tuple(where)].item()
+    value = int(value) if float(value).is_integer() else value
     entries = f"{size} rows" if table["axis"] == 0 else f"{size} entries along axis {table['axis']}"
     side = "past" if value >= size else "before the start of"
     return (f"array '{entry['name']}' has {value} at index {where}: {side} the table '{table['table']}' of {entries} "
