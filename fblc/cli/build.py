@@ -54,10 +54,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{report['texture_bytes'] / 1e6:.1f} MB of textures")
         print(f"wrote bundle {args.output.rstrip('/') or '/'}/ (manifest.json, plan.json, kernels.cl, params.bin, "
               f"report.json)")
+        from fblc.compiler.summary import adapter_lines
+
         trained = report["trained"]["tensors"]
-        print(f"trains {len(trained)} tensors ({sum(math.prod(t['shape']) for t in trained):,} values), chosen by "
-              f"{report['trained']['chosen_by']}; report.json 'trained' and `fblc check` list them, "
-              f"--freeze REGEX excludes some")
+        print("\n".join(adapter_lines(report.get("adapter")) + [
+            f"trains {len(trained)} tensor{'s' if len(trained) != 1 else ''} "
+            f"({sum(math.prod(t['shape']) for t in trained):,} values), chosen by {report['trained']['chosen_by']}; "
+            "report.json 'trained' and `fblc check` list them, --freeze REGEX excludes some"]))
         beyond = report["beyond_portable_edge"]
         if beyond:
             largest = max(beyond, key=lambda t: t["width"] * t["height"])

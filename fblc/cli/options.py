@@ -102,7 +102,8 @@ ES_OPTIMIZERS = ("sgd", "adam")
 
 def add_adapter_options(parser: argparse.ArgumentParser) -> None:
     """--adapter/--rank/--seed/--adapter-sites: the memory-floor adapter (MemFLoRA, LoRA; fblc/compiler/adapters.py)."""
-    from fblc.compiler.adapters import ADAPTERS, DEFAULT_BLOCK, SITE_SELECTIONS
+    from fblc.compiler.adapters import ADAPTERS, SITE_SELECTIONS
+    from fblc.compiler.fura_s import WIDEST_CHOSEN_BLOCK
 
     parser.add_argument("--adapter", choices=ADAPTERS, default="none",
                         help="none: train the model's own weights (full fine-tuning); lora: a low-rank branch with "
@@ -124,7 +125,9 @@ def add_adapter_options(parser: argparse.ArgumentParser) -> None:
                              "a network with depthwise convs, else all, and for lora the MatMul/Gemm layers when "
                              "no conv is chosen; linear: lora at the MatMul/Gemm layers only (default: auto)")
     parser.add_argument("--block", type=int, default=None,
-                        help=f"fura-s: column-block width B of the block SVDs (default: {DEFAULT_BLOCK})")
+                        help="fura-s: column-block width B of the block SVDs; layers whose input features B does "
+                             "not divide are skipped (default: the largest power of two <= "
+                             f"{WIDEST_CHOSEN_BLOCK} that divides every layer's input features)")
     parser.add_argument("--fura-sites", metavar="REGEX", default=None,
                         help="fura-s: the MatMul/Gemm nodes or weights to adapt (default: every one whose input "
                              "features the block divides)")
@@ -148,13 +151,13 @@ def training_options(args: argparse.Namespace) -> "object":
     trainer = getattr(args, "trainer", "backprop")
     optimizer_name = (getattr(args, "es_optimizer", None) or "sgd") if trainer == "es" else args.optimizer
     optimizer = OptimizerConfig(name=optimizer_name, **{k: v for k, v in figures.items() if v is not None})
-    from fblc.compiler.adapters import DEFAULT_BLOCK, AdapterConfig
+    from fblc.compiler.adapters import AdapterConfig
     from fblc.compiler.es import EsConfig
 
     rank, block = getattr(args, "rank", None), getattr(args, "block", None)
     adapter = AdapterConfig(kind=getattr(args, "adapter", "none"), rank=DEFAULT_RANK if rank is None else rank,
                             seed=getattr(args, "seed", 0), sites=getattr(args, "adapter_sites", "auto"),
-                            block=DEFAULT_BLOCK if block is None else block,
+                            block=block,
                             fura_sites=getattr(args, "fura_sites", None))
     adapter.validate()
     es_figures = {"pairs": getattr(args, "pairs", None), "sigma": getattr(args, "sigma", None),

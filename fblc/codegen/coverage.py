@@ -16,6 +16,8 @@ an emitter only checks when it writes the kernel, e.g. AveragePool's ceil_mode):
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -23,15 +25,15 @@ import onnx_ir as ir
 
 from fblc.codegen.kernels import KERNEL_EMITTERS
 from fblc.codegen.plan import kernel_groups
-from fblc.compiler.adapters import (LINEAR_ADAPTERS, MEMORY_FLOOR_ADAPTERS, find_sites, select_adapter_sites,
-                                    select_linear_sites)
+from fblc.compiler.adapters import (ADAPTER_META, LINEAR_ADAPTERS, MEMORY_FLOOR_ADAPTERS, find_sites,
+                                    select_adapter_sites, select_linear_sites)
 from fblc.compiler.autodiff import GRADIENTS, differentiable_nodes, gradient_gaps
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import OpGap, op_label
 from fblc.compiler.index_map import ALWAYS_VIEWS
 from fblc.compiler.keys import Role
 from fblc.compiler.shapes import shape_error, shape_gaps
-from fblc.compiler.summary import role_counts, trained_set_lines
+from fblc.compiler.summary import role_counts, skipped_site_label, trained_set_lines
 from fblc.passes.build_gradients import BuildGradients, trainable_params
 from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS
 from fblc.passes.fuse import FuseKernels
@@ -125,8 +127,12 @@ def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Ve
     gaps = gradient_gaps(copy.graph, copy.graph.outputs[0], trainable_params(copy.graph))
     if gaps:
         return Verdict(False, GRADIENTS.error(gaps).cause)
-    found = [f"{len(sites)} conv site{'s' if len(sites) != 1 else ''}" if sites else "",
-             f"{len(linear)} linear site{'s' if len(linear) != 1 else ''}" if linear else ""]
+    meta = json.loads(copy.metadata_props[ADAPTER_META])  # the sites --rank fits, and those it does not
+    kinds = Counter(site["kind"] for site in meta["sites"])
+    skipped = meta["skipped"]
+    found = [f"{count} {kind} site{'s' if count != 1 else ''}" for kind, count in sorted(kinds.items())] + (
+        [f"{len(skipped)} skipped ({skipped_site_label(skipped[0])}: {skipped[0]['reason']}"
+         f"{', ...' if len(skipped) > 1 else ''})"] if skipped else [])
     return Verdict(True, ", ".join(filter(None, found)))
 
 

@@ -30,6 +30,11 @@ What a Conv-(BatchNorm)-(activation) *site* becomes:
   CNN stays the Conv baseline that MemFLoRA is compared with (its classifier Gemm gets no
   branch); `linear` adapts the linear sites alone (a ViT, whose patch-embedding Conv would
   otherwise be the only site); `all` and `pointwise` choose convs only.
+- A chosen site whose channels (features) are fewer than the rank is *skipped*: it stays frozen,
+  as an unchosen conv does, and the report lists it with the reason (SkippedSite); only a model
+  whose every chosen site is skipped is refused (rank_refusal names them and the largest rank
+  that fits one). `auto`'s choice between convs and linear layers is made before this, so a
+  CNN whose convs are all too narrow is refused rather than silently adapted at its classifier.
 - Every other Conv-BN site: BatchNorm is folded into the frozen weights (W * s, b * s + t).
 - Activations in *mask form*: Relu(z) and Clip(z, lo, hi) become
   mask = lo < z < hi (bool) and y = Where(mask, z, Where(z >= hi, hi, lo)); the gradient rule
@@ -55,7 +60,6 @@ from fblc.compiler.keys import Role
 #: the adapters of the memory floor (pass memory_floor, Conv sites); "fura-s" is pass fura_s (MatMul/Gemm sites)
 MEMORY_FLOOR_ADAPTERS = ("lora", "memflora", "memflora-sg")
 ADAPTERS = ("none", *MEMORY_FLOOR_ADAPTERS, "fura-s")
-DEFAULT_BLOCK = 64
 SITE_SELECTIONS = ("auto", "all", "pointwise", "linear")
 #: --adapter lora: whether a --adapter-sites selection adapts the MatMul/Gemm layers, given whether it chose a conv
 LINEAR_SITES: dict[str, Callable[[bool], bool]] = {
@@ -85,8 +89,9 @@ class AdapterConfig:
     rank: int = 2
     seed: int = 0
     sites: str = "auto"
-    #: fura-s: the column-block width B and the regex of its sites (None: every MatMul/Gemm B fits)
-    block: int = DEFAULT_BLOCK
+    #: fura-s: the column-block width B (None: chosen to fit every site, fblc.compiler.fura_s.chosen_block) and
+    #: the regex of its sites (None: every MatMul/Gemm B fits)
+    block: int | None = None
     fura_sites: str | None = None
 
     def validate(self) -> None:
@@ -95,7 +100,7 @@ class AdapterConfig:
         if self.sites not in SITE_SELECTIONS:
             raise FblcError(f"unknown adapter site selection '{self.sites}'",
                             f"choose one of: {', '.join(SITE_SELECTIONS)}")
-        if self.kind == "fura-s" and self.block < 1:
+        if self.kind == "fura-s" and self.block is not None and self.block < 1:
             raise FblcError(f"--block {self.block} is not a positive block width", "use e.g. --block 64")
         if self.kind in MEMORY_FLOOR_ADAPTERS and self.rank < 1:
             raise FblcError(f"--rank {self.rank} is not a positive rank", "use --rank 1 or more (the paper uses 2, 4, 8)")
@@ -154,6 +159,60 @@ class SiteRecord:
     #: "conv", or "linear" (a MatMul/Gemm site of LoRA: `conv` names the node, P is A [in, r], U is B [r, out])
     kind: str = "conv"
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: what a site's sizes count, by site kind
+SIZE_UNITS = {"conv": "channels", "linear": "features"}
+
+
+@dataclass(frozen=True)
+class SkippedSite:
+    """A chosen site the adapter cannot take, and why (report.json `adapter.skipped`)."""
+
+    node: str
+    kind: str  # "conv" or "linear"
+    c_in: int
+    c_out: int
+    reason: str
+    weight: str = ""
+
+    @property
+    def label(self) -> str:
+        """How messages name the site, with its sizes: conv 'c' (1 in, 8 out), or linear layer 'fc'
+        (weight 'w': 8 in, 3 out)."""
+        weight = f"weight '{self.weight}': " if self.kind == "linear" else ""
+        node = f"conv '{self.node}'" if self.kind == "conv" else f"linear layer '{self.node}'"
+        return f"{node} ({weight}{self.c_in} in, {self.c_out} out)"
+
+    @property
+    def unit(self) -> str:
+        return SIZE_UNITS[self.kind]
+
+
+def rank_misfit(rank: int, c_in: int, c_out: int, kind: str) -> str | None:
+    """Why a rank-`rank` branch does not fit a `kind` site of c_in inputs and c_out outputs, or None: the
+    bottleneck would be wider than the layer it adapts."""
+    if rank <= min(c_in, c_out):
+        return None
+    return f"--rank {rank} is larger than its {SIZE_UNITS[kind]} ({c_in} in, {c_out} out)"
+
+
+#: at most this many sites are named in one message; report.json lists every one
+NAMED_SITES = 6
+
+
+def rank_refusal(rank: int, skipped: Sequence[SkippedSite]) -> FblcError:
+    """The error when --rank fits none of the chosen sites: each site's sizes and the largest rank that fits one."""
+    largest = max(min(s.c_in, s.c_out) for s in skipped)
+    units = " or ".join(sorted({s.unit for s in skipped}))
+    if len(skipped) == 1:
+        cause = f"--rank {rank} is larger than the {units} of {skipped[0].label}, the model's only adapter site"
+    else:
+        named = ", ".join(s.label for s in skipped[:NAMED_SITES])
+        more = f" and {len(skipped) - NAMED_SITES} more" if len(skipped) > NAMED_SITES else ""
+        cause = (f"--rank {rank} is larger than the {units} of every one of the {len(skipped)} adapter sites: "
+                 f"{named}{more}")
+    return FblcError(cause, f"use --rank {largest} or less (the largest rank that fits a site)")
 
 
 def _sole_consumer(value: ir.Value) -> ir.Node | None:
@@ -299,7 +358,19 @@ def replace_output(old: ir.Value, new: ir.Value) -> None:
     old.name, new.name = f"{name}/replaced", name
 
 
-def describe(config: AdapterConfig, records: Sequence[SiteRecord], frozen_sites: int, masked: int) -> str:
+#: what of each memory-floor adapter trains, and what the step does with the rest
+TRAINED_FACTORS = {"lora": ("both factors of the branch", ""), "memflora": ("the factor U", " (P stays fixed)"),
+                   "memflora-sg": ("the factor U", " (P trains by replay)")}
+
+
+def trained_by(kind: str, adapted: int) -> str:
+    """What chose the trained set under a memory-floor adapter (keys.TRAINED_BY)."""
+    factors, note = TRAINED_FACTORS[kind]
+    return f"--adapter {kind}: {factors} at {adapted} site{'s' if adapted != 1 else ''}{note}"
+
+
+def describe(config: AdapterConfig, records: Sequence[SiteRecord], frozen_sites: int, masked: int,
+             skipped: Sequence[SkippedSite] = ()) -> str:
     convs = [r for r in records if r.kind == "conv"]
     no_bn = [r.conv for r in convs if r.scale == "1"]
     linear = len(records) - len(convs)
@@ -311,4 +382,6 @@ def describe(config: AdapterConfig, records: Sequence[SiteRecord], frozen_sites:
         "sites": [r.__dict__ for r in records], "adapter_sites": len(records), "linear_sites": linear,
         "frozen_sites": frozen_sites, "masked_activations": masked, "trainable_params": sum(r.params for r in records),
         "sites_without_batchnorm": no_bn, "note": "; ".join(filter(None, notes)),
+        "skipped": [{"node": k.node, "kind": k.kind, "weight": k.weight, "in": k.c_in, "out": k.c_out,
+                     "reason": k.reason} for k in skipped],
     })

@@ -24,6 +24,7 @@ All sites read slices of one trainable vector `delta` (site order, K * r values 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -129,9 +130,44 @@ def emit_input_transform(e: Emitter, site: FuraSite, right: ir.Value, right_t: i
     return e.op("Add", site.x, e.reshape(e.op("MatMul", scaled, right_t), list(shape)))
 
 
-def select_sites(sites: list[FuraSite], pattern: str | None, block: int) -> tuple[list[FuraSite], list[dict[str, str]]]:
-    """(sites that get FuRA-S, skipped sites with the reason). With `pattern` (a regex over node and
-    weight names) every matching site must fit `block`; without, sites that do not fit are skipped."""
+#: without --block, the block is the largest power of two up to this that divides every site's input features
+WIDEST_CHOSEN_BLOCK = 64
+CHOSEN_BLOCK_RULE = (f"chosen: the largest power of two <= {WIDEST_CHOSEN_BLOCK} that divides every adapted layer's "
+                     "input features; --block sets it")
+
+
+def chosen_block(sites: list[FuraSite]) -> int:
+    """The block when --block is not given: the largest power of two <= WIDEST_CHOSEN_BLOCK that divides
+    the input features of every site, so that no site is left out by default. A narrower block costs
+    no trained values (a layer has K * min(m, b) = n of them while b <= m) and less compute
+    (R is [K, b, r]); a layer of odd width makes it 1, each input feature's column scaled alone."""
+    common = math.gcd(*(s.n_in for s in sites))
+    return min(WIDEST_CHOSEN_BLOCK, common & -common)
+
+
+@dataclass(frozen=True)
+class FuraSelection:
+    """The sites FuRA-S adapts, the block, where the block came from, and the sites left out with the reason."""
+
+    sites: list[FuraSite]
+    block: int
+    block_from: str  # "--block", or CHOSEN_BLOCK_RULE
+    skipped: list[dict[str, object]]
+
+
+def _input_widths(sites: list[FuraSite]) -> str:
+    """'6 (fc1), 8 (fc2, fc3)': the sites by input features, a few names each."""
+    by_width: dict[int, list[str]] = {}
+    for site in sites:
+        by_width.setdefault(site.n_in, []).append(f"'{site.node.name}'")
+    return ", ".join(f"{width} ({', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''})"
+                     for width, names in sorted(by_width.items()))
+
+
+def select_sites(sites: list[FuraSite], pattern: str | None, block: int | None) -> FuraSelection:
+    """The sites that get FuRA-S. `pattern` (a regex over node and weight names) narrows the sites;
+    `block` None chooses one that fits them all (chosen_block). A given block must fit every site the
+    pattern matched; without a pattern, sites it does not fit are skipped, and none fitting is an error."""
     if pattern is not None:
         try:
             compiled = re.compile(pattern)
@@ -143,17 +179,33 @@ def select_sites(sites: list[FuraSite], pattern: str | None, block: int) -> tupl
             examples = ", ".join(s.weight.name for s in sites[:5]) or "(none)"
             raise FblcError(f"--fura-sites '{pattern}' matches no MatMul/Gemm weight",
                             f"weights that can take FuRA-S: {examples}")
+    else:
+        matched = sites
+    if not matched:
+        raise FblcError("--adapter fura-s found no site: 0 MatMul/Gemm weight(s) with a constant float weight in the "
+                        "model", "FuRA-S adapts MatMul/Gemm layers with constant weights; use another adapter for "
+                        "this model")
+    if block is None:
+        return FuraSelection(matched, chosen_block(matched), CHOSEN_BLOCK_RULE, [])
+    if pattern is not None:
         bad = [(s, s.skip_reason(block)) for s in matched if s.skip_reason(block)]
         if bad:
             site, reason = bad[0]
             raise FblcError(f"--block {block} does not fit site '{site.node.name}' (weight '{site.weight.name}'): "
                             f"{reason}", f"use a --block that divides {site.n_in}, e.g. "
-                            f"{_divisor_hint(site.n_in, block)}, or leave the site out of --fura-sites")
-        return matched, []
-    chosen = [s for s in sites if s.skip_reason(block) is None]
-    skipped = [{"node": s.node.name, "weight": s.weight.name, "reason": str(s.skip_reason(block))}
-               for s in sites if s.skip_reason(block) is not None]
-    return chosen, skipped
+                            f"{_divisor_hint(site.n_in, block)}, leave --block out (a block that fits every site "
+                            "is chosen), or leave the site out of --fura-sites")
+        return FuraSelection(matched, block, "--block", [])
+    chosen = [s for s in matched if s.skip_reason(block) is None]
+    if not chosen:
+        raise FblcError(f"--adapter fura-s found no site for --block {block}: it divides the input features of no "
+                        f"MatMul/Gemm layer (input features: {_input_widths(matched)})",
+                        f"leave --block out (--block {chosen_block(matched)} fits every layer), or give a --block "
+                        "that divides some layers' input features")
+    skipped: list[dict[str, object]] = [
+        {"node": s.node.name, "weight": s.weight.name, "in": s.n_in, "reason": str(s.skip_reason(block))}
+        for s in matched if s.skip_reason(block) is not None]
+    return FuraSelection(chosen, block, "--block", skipped)
 
 
 def _divisor_hint(n: int, block: int) -> str:
@@ -161,6 +213,12 @@ def _divisor_hint(n: int, block: int) -> str:
     return str(min(divisors, key=lambda d: (abs(d - block), d)))
 
 
-def describe(block: int, records: list[dict[str, object]], skipped: list[dict[str, str]], total: int) -> str:
-    return json.dumps({"adapter": "fura-s", "block": block, "delta": DELTA, "trainable_params": total,
-                       "sites": records, "skipped_sites": skipped})
+def trained_by(layers: int, block: int) -> str:
+    """What chose the trained set under FuRA-S (keys.TRAINED_BY)."""
+    return f"--adapter fura-s: the block singular values of {layers} layer{'s' if layers != 1 else ''} (block {block})"
+
+
+def describe(selection: FuraSelection, records: list[dict[str, object]], total: int) -> str:
+    return json.dumps({"adapter": "fura-s", "block": selection.block, "block_from": selection.block_from,
+                       "delta": DELTA, "trainable_params": total, "sites": records,
+                       "skipped_sites": selection.skipped})

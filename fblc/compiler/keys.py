@@ -29,6 +29,11 @@ INDEX_TABLE = "fblc.index_table"
 #: On the value the loss is computed from (the model's first output): "1" (ES's accuracy reward reads it).
 PREDICTION = "fblc.prediction"
 
+#: On the graph: what chose the trained set when an adapter did (its factors, FuRA-S's singular values), as text.
+TRAINED_BY = "fblc.trained_by"
+#: On the graph: the --train/--freeze patterns mark_trainable applied, as text ("--freeze 'head'").
+TRAINED_PATTERNS = "fblc.trained_patterns"
+
 # Keys written by torch.onnx's dynamo exporter and by onnxscript's optimizer.
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 ONNXSCRIPT_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.graph import numel
+from fblc.compiler.adapters import ADAPTER_META
+from fblc.compiler.fura_s import FURA_META
+from fblc.compiler.graph import const_array, numel, static_shape
 from fblc.compiler.keys import Role
-from fblc.compiler.trainable import folded_torch_sources
+from fblc.compiler.trainable import WEIGHT_SLOTS, folded_torch_sources
 
 
 def role_counts(graph: ir.Graph) -> dict[str, tuple[int, int]]:
@@ -57,16 +61,57 @@ def group_by_layer(values: list[ir.Value]) -> list[TensorGroup]:
 
 
 def trained_set_source(graph: ir.Graph) -> str:
-    """How the default trained set was chosen: from the exporter's records, or by a rule of thumb."""
-    if any(keys.TORCH_INPUT_KIND in v.metadata_props for v in graph.initializers.values()):
-        return "the exporter's parameter records"
-    return "every float initializer but BatchNorm statistics (the ONNX file names no parameters)"
+    """What chose the trained set: an adapter (its factors, FuRA-S's singular values: keys.TRAINED_BY), else
+    the exporter's records or a rule of thumb; under the --train/--freeze patterns when given."""
+    chooser = graph.metadata_props.get(keys.TRAINED_BY)
+    if chooser is None and any(keys.TORCH_INPUT_KIND in v.metadata_props for v in graph.initializers.values()):
+        chooser = "the exporter's parameter records"
+    elif chooser is None:
+        chooser = "every float initializer but BatchNorm statistics (the ONNX file names no parameters)"
+    patterns = graph.metadata_props.get(keys.TRAINED_PATTERNS)
+    return f"{patterns} over {chooser}" if patterns else chooser
 
 
 #: what neither source can tell, said where the trained tensors are listed
 TRAINED_SET_CAVEAT = ("a torch parameter with requires_grad=False (a fixed positional table) is exported like any "
                       "other parameter: exclude such tensors with --freeze REGEX (matched against these names), or "
                       "choose the trained set with --train REGEX")
+
+
+#: ops that pass a tensor on, whole or in part, rearranged: what reads their output reads the tensor
+_PASSED_ON = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast", "Slice", "Split",
+                        "Expand"})
+#: op -> the input slots where a layer reads its weights (a Gather's table is judged by its indices)
+_LAYER_WEIGHT_SLOTS = {op: slots for op, slots in WEIGHT_SLOTS.items() if op != "Gather"}
+
+
+def _read_as_table(value: ir.Value) -> bool:
+    """Whether the forward reads `value` other than as a layer's weight (through reshapes and slices) or as
+    a table looked up at input-dependent ids (a token embedding): added to activations, or gathered at
+    fixed positions, as a positional table is."""
+    for use in value.uses():
+        node = use.node
+        if node.metadata_props.get(keys.STAGE, "forward") != "forward" or node.domain != "":
+            continue  # the backward and the optimizer read every parameter
+        if node.op_type in _PASSED_ON and use.idx == 0:
+            if any(_read_as_table(output) for output in node.outputs):
+                return True
+        elif node.op_type == "Gather" and use.idx == 0:
+            if const_array(node.inputs[1]) is not None:
+                return True
+        elif node.op_type != "Einsum" and use.idx not in _LAYER_WEIGHT_SLOTS.get(node.op_type, ()):
+            return True
+    return False
+
+
+def table_like_trained(graph: ir.Graph) -> list[str]:
+    """The trained tensors TRAINED_SET_CAVEAT can be about: a table (two or more axes longer than 1; a
+    bias, a scale or a cls token has one) that the forward reads as a table (_read_as_table). Neither
+    exporter records requires_grad, so a fixed positional table trains unless it is frozen; an adapter's
+    factors and every layer weight are read as weights, so the note is printed only where it can apply."""
+    return [v.name for v in trained_tensors(graph)
+            if v.shape is not None and v.shape.is_static() and sum(d > 1 for d in static_shape(v)) >= 2
+            and _read_as_table(v)]
 
 
 def trained_set_lines(graph: ir.Graph, shown: int | None = SHOWN_GROUPS) -> list[str]:
@@ -80,13 +125,60 @@ def trained_set_lines(graph: ir.Graph, shown: int | None = SHOWN_GROUPS) -> list
         lines.append(f"  {group.pattern}  ({count}, {group.values:,} values)")
     if len(groups) > shown:
         lines.append(f"  ... and {len(groups) - shown} more groups (`fblc check` lists all)")
-    lines.append(f"  {TRAINED_SET_CAVEAT}")
+    tables = table_like_trained(graph)
+    if tables:
+        named = ", ".join(tables[:5]) + (f" and {len(tables) - 5} more" if len(tables) > 5 else "")
+        lines.append(f"  note on {named} (read as a table, not as a layer's weight): {TRAINED_SET_CAVEAT}")
     folded = folded_torch_sources(graph)
     if folded:
         sources = sorted({s for names in folded.values() for s in names})
         lines.append(f"not trained: onnxscript's optimizer folded {len(sources)} torch parameters into constants "
                      f"({', '.join(sources)}); they train only from an export with torch.onnx.export(..., "
                      "optimize=False)")
+    return lines
+
+
+def adapter_report(model: ir.Model) -> dict[str, Any] | None:
+    """report.json `adapter`: the sites the adapter took and those it skipped with the reason (None without one)."""
+    if ADAPTER_META in model.metadata_props:
+        meta = json.loads(model.metadata_props[ADAPTER_META])
+        return {"adapter": meta["adapter"], "rank": meta["rank"], "unit": "site",
+                "adapted": [site["conv"] for site in meta["sites"]], "skipped": meta.get("skipped", [])}
+    if FURA_META in model.metadata_props:
+        meta = json.loads(model.metadata_props[FURA_META])
+        return {"adapter": meta["adapter"], "block": meta["block"], "block_from": meta.get("block_from", "--block"),
+                "unit": "layer", "adapted": [site["node"] for site in meta["sites"]], "skipped": meta["skipped_sites"]}
+    return None
+
+
+#: at most this many adapted sites are named, and skipped ones listed, in the printed summary
+SHOWN_SITES = 8
+
+
+def skipped_site_label(site: dict[str, Any]) -> str:
+    kind = {"conv": "conv ", "linear": "linear layer "}.get(site.get("kind", ""), "")
+    weight = f" (weight '{site['weight']}')" if site.get("weight") else ""
+    return f"{kind}'{site['node']}'{weight}"
+
+
+def adapter_lines(adapter: dict[str, Any] | None) -> list[str]:
+    """What the adapter adapted and what it skipped and why (adapter_report), for the compile and train-graph output."""
+    if not adapter:
+        return []
+    if adapter["adapter"] == "fura-s":
+        source = "given by --block" if adapter["block_from"] == "--block" else adapter["block_from"]
+        head = f"adapter fura-s, block {adapter['block']} ({source})"
+    else:
+        head = f"adapter {adapter['adapter']}, rank {adapter['rank']}"
+    adapted, skipped = adapter["adapted"], adapter["skipped"]
+    unit = adapter["unit"] + ("s" if len(adapted) + len(skipped) != 1 else "")
+    named = ", ".join(f"'{name}'" for name in adapted[:SHOWN_SITES]) + (
+        f" and {len(adapted) - SHOWN_SITES} more" if len(adapted) > SHOWN_SITES else "")
+    lines = [f"{head}: adapted {len(adapted)} of {len(adapted) + len(skipped)} {unit} ({named})"
+             + (f"; skipped {len(skipped)}:" if skipped else "")]
+    lines += [f"  {skipped_site_label(site)}: {site['reason']}" for site in skipped[:SHOWN_SITES]]
+    if len(skipped) > SHOWN_SITES:
+        lines.append(f"  ... and {len(skipped) - SHOWN_SITES} more (report.json 'adapter' lists every one)")
     return lines
 
 
@@ -111,4 +203,4 @@ def summarize_step(model: ir.Model) -> str:
     unused = model.metadata_props.get("fblc.unused_params")
     if unused:
         lines.append(f"not trained (the loss does not depend on them): {unused}")
-    return "\n".join(lines + trained_set_lines(graph))
+    return "\n".join(lines + adapter_lines(adapter_report(model)) + trained_set_lines(graph))

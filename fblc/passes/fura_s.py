@@ -1,22 +1,27 @@
 """fura_s: FuRA-S, train the block singular values of the MatMul / Gemm weights, nothing else.
 
-Selected by `--adapter fura-s --block B [--fura-sites REGEX]`; other adapters leave the model alone.
+Selected by `--adapter fura-s [--block B] [--fura-sites REGEX]`; other adapters leave the model alone.
+Without --block, B is the largest power of two <= 64 that divides the input features of every site
+(fblc.compiler.fura_s.chosen_block), so every site is adapted.
 
 Rewrite (the builders and the exact graph are in fblc.compiler.fura_s):
 - every initializer that would train becomes `frozen`;
 - at every site (a MatMul x @ W or Gemm with a constant float W; `--fura-sites` picks them by
-  node or weight name, else every one whose input features B divides) the block SVDs of W are
+  node or weight name, else every one whose input features B divides; a given B that does not
+  divide a site's features skips it, with the reason in the metadata) the block SVDs of W are
   computed here (numpy, float64) and the site's input x becomes
   x + R (delta_k * (R^T x_k)) per block, R [K, B, r] a frozen initializer `<W>.fura_R`;
 - one trainable vector `fura_s.delta` (zeros, all sites' K * r values in site order) feeds them.
 At delta = 0 the model computes what it computed; at any delta, what the model with
 W'_k = L_k diag(s_k (1 + delta_k)) R_k^T computes. Model metadata `fblc.fura_s` lists the sites,
-their blocks and the skipped sites with the reason.
+their blocks, the block and where it came from (`block_from`) and the skipped sites with the reason;
+the graph's `fblc.trained_by` says the block singular values are the trained set.
 
 Preconditions: import passes ran (static shapes, constant weights); before mark_trainable.
 In place; `modified` is false for any other adapter.
 Errors: --block below 1, a --fura-sites pattern that matches nothing or a site the block does
-not fit, a model without an eligible site.
+not fit, a model without an eligible site, a given --block that fits no site (naming the sites'
+input features).
 """
 
 from __future__ import annotations
@@ -27,10 +32,9 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.adapters import AdapterConfig, new_initializer
 from fblc.compiler.fura_s import (DELTA, FURA_META, block_factors, describe, emit_input_transform, find_fura_sites,
-                                  select_sites, weight_in_out)
+                                  select_sites, trained_by, weight_in_out)
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
-from fblc.errors import FblcError
 from fblc.passes.contracts import ContractPass
 
 
@@ -50,18 +54,12 @@ class FuraS(ContractPass):
         if config.kind != "fura-s":
             return ir.passes.PassResult(model, False)
         graph = model.graph
-        sites = find_fura_sites(graph)
-        chosen, skipped = select_sites(sites, config.fura_sites, config.block)
-        if not chosen:
-            widths = sorted({s.n_in for s in sites})
-            raise FblcError(f"--adapter fura-s found no site for --block {config.block}: "
-                            f"{len(sites)} MatMul/Gemm weight(s)" + (f" with input features {widths}" if widths else ""),
-                            "give a --block that divides a layer's input features" if widths else
-                            "FuRA-S adapts MatMul/Gemm layers with constant weights; use another adapter for this model")
+        selection = select_sites(find_fura_sites(graph), config.fura_sites, config.block)
+        chosen = selection.sites
         for value in graph.initializers.values():
             if keys.get_role(value) == Role.PARAM.value:
                 keys.set_role(value, Role.FROZEN)
-        factors = [block_factors(weight_in_out(site), config.block) for site in chosen]
+        factors = [block_factors(weight_in_out(site), selection.block) for site in chosen]
         total = sum(int(values.size) for _, values in factors)
         delta = new_initializer(graph, DELTA, np.zeros(total, np.float32), Role.PARAM)
         e = Emitter(graph, stage="forward")
@@ -79,5 +77,6 @@ class FuraS(ContractPass):
                             "blocks": int(values.shape[0]), "rank": int(values.shape[1]), "offset": offset,
                             "values": int(values.size)})
             offset += int(values.size)
-        model.metadata_props[FURA_META] = describe(config.block, records, skipped, total)
+        model.metadata_props[FURA_META] = describe(selection, records, total)
+        graph.metadata_props[keys.TRAINED_BY] = trained_by(len(records), selection.block)
         return ir.passes.PassResult(model, True)

@@ -56,6 +56,10 @@ class MarkTrainable(ContractPass):
         if not chosen:
             raise TrainableSetError("nothing to train: no float parameter is left after --train/--freeze",
                                     "loosen --freeze or --train, or check that the model has float initializers")
+        patterns = [f"{flag} '{text}'" for flag, text in (("--train", self.train_text), ("--freeze", self.freeze_text))
+                    if text is not None]
+        if patterns:  # the summaries name what chose the trained set (fblc.compiler.summary.trained_set_source)
+            graph.metadata_props[keys.TRAINED_PATTERNS] = " and ".join(patterns)
         chosen_ids = {id(v) for v in chosen}
         modified = False
         for value in graph.initializers.values():

@@ -16,17 +16,20 @@ Rewrite (the builders are in fblc.compiler.adapters, which states the exact grap
   finder; `--adapter-sites auto` takes them when no conv site is chosen, `linear` always, and
   then no conv): the layer's output y becomes y + MatMul(MatMul(x, A), B), A [in, r] trainable
   N(0, std 1/sqrt(r)) drawn after the convs' P, B [r, out] trainable zeros, W frozen;
+- a chosen site narrower than the rank (fewer input or output channels/features) is skipped: it
+  is frozen like an unchosen one, and the metadata lists it under `skipped` with the reason;
 - every other Conv-BatchNorm site folds the BatchNorm into its frozen weights and bias;
 - every Relu and constant-bound Clip (ReLU6) becomes its mask form (bool mask + Where), so
   that the backward reads a one-bit mask instead of the full-width activation.
-The model's metadata `fblc.adapter` describes the sites (JSON). Unused initializers go.
+The model's metadata `fblc.adapter` describes the sites and the skipped ones (JSON); the graph's
+`fblc.trained_by` says the adapter's factors are the trained set. Unused initializers go.
 
 Preconditions: import passes ran (static shapes, constants folded, zero Pads folded into the
 convs); BatchNormalization in eval mode (not with `--bn-train`); runs before mark_trainable.
 In place; `modified` is false for `--adapter none` and `fura-s` (pass fura_s).
 Errors: an unknown adapter, a non-positive rank, `--bn-train` with an adapter, no eligible
-site, a rank larger than a site's input or output channels (or features), `--adapter-sites
-linear` with memflora.
+site, a rank larger than the input or output channels (or features) of every chosen site,
+`--adapter-sites linear` with memflora.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.adapters import (ADAPTER_META, MEMORY_FLOOR_ADAPTERS, SITE_Q, SITE_X, AdapterConfig, Site, SiteRecord, activation_name,
-                                    channel_view, clip_bounds, describe, emit_masked_activation, find_sites,
-                                    folded_affine, new_initializer, replace_output, select_adapter_sites,
-                                    select_linear_sites)
+from fblc.compiler.adapters import (ADAPTER_META, MEMORY_FLOOR_ADAPTERS, SITE_Q, SITE_X, AdapterConfig, Site,
+                                    SiteRecord, SkippedSite, activation_name, channel_view, clip_bounds, describe,
+                                    emit_masked_activation, find_sites, folded_affine, new_initializer, rank_misfit,
+                                    rank_refusal, replace_output, select_adapter_sites, select_linear_sites,
+                                    trained_by)
 from fblc.compiler.fura_s import FuraSite
 from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, static_shape
@@ -56,12 +60,24 @@ def _weight_prefix(weight: ir.Value) -> str:
     return weight.name[: -len(".weight")] if weight.name.endswith(".weight") else weight.name
 
 
-def _check_rank(rank: int, sizes: tuple[int, int], what: str, detail: str = "") -> None:
-    """A clear error when an adapter's rank exceeds a site's input or output size."""
-    c_in, c_out = sizes
-    if rank > min(c_in, c_out):
-        raise FblcError(f"--rank {rank} is larger than {what} ({detail}{c_in} in, {c_out} out)",
-                        f"use --rank {min(c_in, c_out)} or less")
+def _fitting(rank: int, convs: list[Site], linear: list[FuraSite]) -> tuple[list[Site], list[FuraSite],
+                                                                           list[SkippedSite]]:
+    """(the convs, the linear layers a rank-`rank` branch fits, the others as skipped sites: rank_misfit)."""
+    skipped: list[SkippedSite] = []
+    kept_convs, kept_linear = [], []
+    for conv in convs:
+        reason = rank_misfit(rank, *conv.channels, "conv")
+        if reason is None:
+            kept_convs.append(conv)
+        else:
+            skipped.append(SkippedSite(conv.conv.name, "conv", *conv.channels, reason))
+    for layer in linear:
+        reason = rank_misfit(rank, layer.n_in, layer.m_out, "linear")
+        if reason is None:
+            kept_linear.append(layer)
+        else:
+            skipped.append(SkippedSite(layer.node.name, "linear", layer.n_in, layer.m_out, reason, layer.weight.name))
+    return kept_convs, kept_linear, skipped
 
 
 class MemoryFloor(ContractPass):
@@ -90,11 +106,9 @@ class MemoryFloor(ContractPass):
         linear = select_linear_sites(graph, config, bool(chosen))  # before the freeze: it looks for `param` weights
         if not chosen and not linear:
             self._no_site(graph)
-        for site in chosen:
-            _check_rank(config.rank, site.channels, f"the channels of conv '{site.conv.name}'")
-        for layer in linear:
-            _check_rank(config.rank, (layer.n_in, layer.m_out), f"the features of linear layer '{layer.node.name}'",
-                        f"weight '{layer.weight.name}': ")
+        chosen, linear, skipped = _fitting(config.rank, chosen, linear)
+        if not chosen and not linear:
+            raise rank_refusal(config.rank, skipped)
         for value in graph.initializers.values():
             if keys.get_role(value) == Role.PARAM.value:
                 keys.set_role(value, Role.FROZEN)
@@ -126,7 +140,8 @@ class MemoryFloor(ContractPass):
         for name, value in list(graph.initializers.items()):
             if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
                 graph.initializers.pop(name)
-        model.metadata_props[ADAPTER_META] = describe(config, records, len(sites) - len(chosen), masked)
+        model.metadata_props[ADAPTER_META] = describe(config, records, len(sites) - len(chosen), masked, skipped)
+        graph.metadata_props[keys.TRAINED_BY] = trained_by(config.kind, len(records))
         return ir.passes.PassResult(model, True)
 
     def _adapter_site(self, e: Emitter, graph: ir.Graph, site: Site, rng: np.random.Generator) -> SiteRecord:
