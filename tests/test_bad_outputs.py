@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -191,6 +194,33 @@ def test_a_full_disk_while_writing_a_bundle_keeps_the_previous_one(tmp_path, mon
     with pytest.raises(FblcError, match=r"\(No space left on device\); nothing was written; free disk space"):
         _write_bundle(out)
     assert files_under(str(tmp_path)) == before
+
+
+FILL_A_TINY_DISK = """
+import sys
+from fblc.cli import main
+for command in (["train-graph", sys.argv[1], "-o", sys.argv[2] + "/a/step.onnx"],
+                ["compile", sys.argv[1], "-o", sys.argv[2] + "/b/bundle"]):
+    print(main([*command, "-q"]))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare(1) to mount a tmpfs in a namespace")
+def test_a_real_full_disk_is_one_clear_error_and_leaves_nothing(tmp_path, mlp_path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # an 8 KiB tmpfs, mounted in a user and mount namespace of its own: gone with the process
+    script = f'mount -t tmpfs -o size=8k tmpfs "$1" || exit 99; "{sys.executable}" -c "$2" "$3" "$1"; ls -A "$1"'
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(disk), FILL_A_TINY_DISK, mlp_path],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode == 99 or "unshare" in done.stderr.split(":")[0]:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    assert done.stdout.split() == ["2", "2"], done.stderr  # exit codes; then nothing left on the disk
+    assert done.stderr.splitlines() == [
+        f"fblc: error: cannot write the ONNX model '{disk}/a/step.onnx' (No space left on device); nothing was "
+        "written; free disk space, or choose a folder on another disk",
+        f"fblc: error: cannot write the bundle '{disk}/b/bundle' (No space left on device); nothing was written; "
+        "free disk space, or choose a folder on another disk"]
 
 
 # --- modes --------------------------------------------------------------------------------------------------
