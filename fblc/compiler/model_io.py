@@ -158,32 +158,40 @@ def save_model_atomically(model: ir.Model, path: str) -> None:
     raises an FblcError naming the file.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    name = os.path.basename(path)
-    data = os.path.join(folder, name + ".data")
-    placed: list[str] = []  # files renamed into place, removed again if a later step fails
     try:
         with parents_made(folder):
             staging = tempfile.mkdtemp(prefix=".fblc-", dir=folder)
             try:
-                if _weight_bytes(model) > INLINE_WEIGHTS_LIMIT:
-                    ir.save(model, os.path.join(staging, name), external_data=name + ".data")
-                    os.chmod(os.path.join(staging, name + ".data"), mode_for(data))
-                    os.replace(os.path.join(staging, name + ".data"), data)
-                    placed.append(data)
-                else:
-                    if _has_external(model):
-                        ir.external_data.load_to_model(model)
-                    ir.save(model, os.path.join(staging, name))
-                os.chmod(os.path.join(staging, name), mode_for(path))
-                os.replace(os.path.join(staging, name), path)
-            except BaseException:
-                for done in placed:
-                    os.unlink(done)
-                raise
+                _write_and_place(model, staging, path)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     except OSError as error:
         raise write_error("the ONNX model", path, error) from None
+
+
+def _write_and_place(model: ir.Model, staging: str, path: str) -> None:
+    """Write `path`'s files into `staging`, then rename them into place: the weights' .data first (past the
+    limit), removed again if the model's rename fails."""
+    name = os.path.basename(path)
+    if _weight_bytes(model) <= INLINE_WEIGHTS_LIMIT:
+        if _has_external(model):
+            ir.external_data.load_to_model(model)
+        ir.save(model, os.path.join(staging, name))
+        _place(os.path.join(staging, name), path)
+        return
+    ir.save(model, os.path.join(staging, name), external_data=name + ".data")
+    _place(os.path.join(staging, name + ".data"), path + ".data")
+    try:
+        _place(os.path.join(staging, name), path)
+    except BaseException:
+        os.unlink(path + ".data")
+        raise
+
+
+def _place(written: str, path: str) -> None:
+    """Rename `written` to `path` with the mode of the file it replaces, else the umask's (not mkdtemp's)."""
+    os.chmod(written, mode_for(path))
+    os.replace(written, path)
 
 
 def _has_external(model: ir.Model) -> bool:
