@@ -147,7 +147,8 @@ def _kind_problem(output: Output, given: str, force: bool) -> Problem | None:
     written = output.written(given)
     if output.kind == "file" and (os.path.isdir(given) or os.path.isdir(written)):
         folder = given if os.path.isdir(given) else written
-        return f"{output.option} '{folder}' is a folder", f"give a file name, e.g. {os.path.join(folder, output.example)}"
+        return (f"{output.option} '{folder}' is a folder",
+                f"give a file name, e.g. {os.path.join(folder, output.example)}")
     if output.kind == "folder" and os.path.exists(given) and not os.path.isdir(given):
         return f"{output.option} '{given}' is an existing file, not a folder", "choose a folder name"
     return None
@@ -341,13 +342,18 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def report_saved(written: str, why: str, asked: str, quiet: bool, as_json: bool = False) -> None:
+def report_fallback(written: str, why: str) -> None:
     """After a finished training: a fallback save is an error (the file asked for is not there), naming where
-    the parameters are; else, unless `quiet`, what was written where (on stderr under --json, whose stdout
-    holds only the steps)."""
+    the parameters are."""
     if why:
         raise FblcError(f"{why}; saved the trained parameters to '{written}' instead", "move that file where you "
                         "want it")
+
+
+def report_saved(written: str, why: str, asked: str, quiet: bool, as_json: bool = False) -> None:
+    """After a finished training: report_fallback; else, unless `quiet`, what was written where (on stderr
+    under --json, whose stdout holds only the steps)."""
+    report_fallback(written, why)
     if quiet:
         return
     with np.load(written) as archive:  # reads the zip's directory, not the arrays
