@@ -202,7 +202,8 @@ def test_save_params_into_a_missing_or_read_only_folder_is_refused_before_traini
         f"--save-params '{locked}': folder '{read_only}' is not writable; choose a folder you can write to, or fix "
         "its permissions")
     results = str(tmp_path / "no" / "r.json")
-    message = refused(capsys, str(tmp_path), "run", bundle, "--data", data, "--results", results)
+    message = refused(capsys, str(tmp_path), "run", bundle, "--data", data, "--results", results, "--device",
+                      "adb:127.0.0.1:1")  # --results is the phone runner's file
     assert message.startswith(f"--results '{tmp_path}/no/r.json': folder '{tmp_path}/no' does not exist")
 
 

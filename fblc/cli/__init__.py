@@ -18,7 +18,7 @@ from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd
 from fblc.cli.check import add_command as add_check_command
 from fblc.cli.train import cmd_devices, cmd_push, cmd_run
 from fblc.cli.options import add_storage_option, add_training_options, check_values
-from fblc.cli.outputs import check_outputs
+from fblc.cli.outputs import check_outputs, escape_undecodable_names
 from fblc.cli.profiles import add_commands as add_profile_commands
 from fblc.errors import FblcError
 
@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    escape_undecodable_names()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -6,9 +6,9 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import Any, Callable
 
+from fblc.cli.outputs import write_atomically
 from fblc.errors import FblcError
 
 
@@ -157,11 +157,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     plan = measurement_plan()
     name = args.name or os.path.splitext(os.path.basename(args.output))[0]
     document = interpret(plan, _measure(args, plan), name)
-    folder = os.path.dirname(os.path.abspath(args.output))
-    handle, temporary = tempfile.mkstemp(prefix=".fblc-", suffix=".json", dir=folder)
-    with os.fdopen(handle, "w", encoding="utf-8") as out:
-        json.dump(document, out, indent=1)
-    os.replace(temporary, args.output)
+    write_atomically(args.output, lambda out: out.write(json.dumps(document, indent=1).encode()))
     if not args.quiet:
         print(f"profiled {document['gpu']} in {document['measurements']['seconds']:.1f} s; wrote {args.output} "
               f"(compile for it with --target {args.output}; see it with fblc profile --show {args.output})")

@@ -8,14 +8,12 @@ never loses them.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from typing import Any
 
 from fblc import bundle_format as fmt
 from fblc.cli.data import batches
-from fblc.cli.outputs import print_step, report_fallback, save_trained
+from fblc.cli.outputs import print_step, report_saved, save_trained, write_atomically
 from fblc.runtime.adb import Adb, run_on_device
 
 
@@ -51,9 +49,9 @@ def cmd_run_adb(args: Any) -> int:
                                 "hands the parameters over only at the end of its run)") from None
     saved = save_trained(args.save_params, lambda: results.parameters) if args.save_params else None
     if getattr(args, "results", None):  # after the parameters: those are the result a late failure must not lose
-        _write_json_atomically(args.results, results.raw)
+        write_atomically(args.results, lambda out: out.write(json.dumps(results.raw, indent=1).encode()))
     if saved:
-        report_fallback(*saved)
+        report_saved(*saved, args.save_params, quiet, as_json)
     if not quiet and not as_json:
         steps = len(results.step_ms)
         kernel = sum(results.kernel_ms[1:]) / max(1, steps - 1) if steps > 1 else results.kernel_ms[0]
@@ -63,15 +61,3 @@ def cmd_run_adb(args: Any) -> int:
               f"{results.bytes_allocated['textures'] / 2**20:.1f} MiB; slowest: "
               + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
     return 0
-
-
-def _write_json_atomically(path: str, document: dict[str, Any]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".fblc-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(document, out, indent=1)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)

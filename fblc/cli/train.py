@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from fblc.cli.data import batches, read_manifest
-from fblc.cli.outputs import print_step, report_fallback, save_trained
+from fblc.cli.outputs import print_step, report_saved, save_trained
 from fblc.errors import FblcError
 
 
@@ -75,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # runner.steps counts the steps whose updates are in place: a step cut short left the state as it was
         raise KeyboardInterrupt(interrupted(runner.steps, args.steps, args.save_params, runner.parameters)) from None
     if args.save_params:
-        report_fallback(*save_trained(args.save_params, runner.parameters))
+        report_saved(*save_trained(args.save_params, runner.parameters), args.save_params, args.quiet, args.json)
     return 0
 
 

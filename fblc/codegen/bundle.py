@@ -18,6 +18,7 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.plan import Program
 from fblc.compiler import keys
 from fblc.errors import FblcError
+from fblc.paths import mode_for, parents_made, write_error
 from fblc.compiler.es import MEMBER_PREFIX
 from fblc.compiler.keys import Role
 from fblc.compiler.losses import IGNORE_INDEX
@@ -119,21 +120,28 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
                         "choose a new folder name for the bundle")
     parent = os.path.dirname(os.path.abspath(out_dir))
     try:
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".fblc-bundle-", dir=parent)
-    except OSError as error:  # the CLI checked the folder first; this is a library caller, or it changed since
-        raise FblcError(f"cannot write the bundle '{out_dir}' ({error.strerror or error})",
-                        "choose an -o folder you can write to") from None
+        with parents_made(parent):  # a failure below removes the parent folders made here again
+            _write_in(parent, out_dir, manifest, plan, source, params, report, extra or {})
+    except OSError as error:  # the CLI checked the folder first; this is a library caller, a full disk, or a change
+        raise write_error("the bundle", out_dir, error) from None
+
+
+def _write_in(parent: str, out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], source: str,
+              params: bytes, report: dict[str, Any], extra: dict[str, bytes]) -> None:
+    """write_bundle's work in `parent`, which exists: a staging folder, then the renames; OSError if it fails,
+    with the previous bundle in place."""
+    staging = tempfile.mkdtemp(prefix=".fblc-bundle-", dir=parent)
     previous: str | None = None
     try:
         files = {fmt.PLAN: json.dumps(plan, indent=1).encode(), fmt.KERNELS: source.encode(), fmt.PARAMS: params,
-                 fmt.REPORT: json.dumps(report, indent=2).encode(), **(extra or {})}
+                 fmt.REPORT: json.dumps(report, indent=2).encode(), **extra}
         for name, data in files.items():
             with open(os.path.join(staging, name), "wb") as handle:
                 handle.write(data)
         manifest = dict(manifest, checksums={name: fmt.sha256_of(os.path.join(staging, name)) for name in files})
         with open(os.path.join(staging, fmt.MANIFEST), "w", encoding="utf-8") as handle:
             json.dump(manifest, handle, indent=2)
+        os.chmod(staging, mode_for(out_dir, folder=True))  # mkdtemp's 0700: the umask's, or the replaced bundle's
         if os.path.exists(out_dir):
             if not os.path.isfile(os.path.join(out_dir, fmt.MANIFEST)) and os.listdir(out_dir):
                 raise FblcError(f"'{out_dir}' exists and is not an fblc bundle", "choose another -o folder")
@@ -143,11 +151,10 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
         os.replace(staging, out_dir)
         if previous:
             shutil.rmtree(previous, ignore_errors=True)
-    except OSError as error:  # a full disk, or the folder changed under us: the previous bundle stays
+    except OSError:  # a full disk, or the folder changed under us: the previous bundle stays
         if previous and os.path.exists(previous) and not os.path.exists(out_dir):
             os.replace(previous, out_dir)
-        raise FblcError(f"cannot write the bundle '{out_dir}' ({error.strerror or error})",
-                        "free disk space or choose another -o folder") from None
+        raise
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging, ignore_errors=True)

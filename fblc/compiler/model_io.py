@@ -11,15 +11,39 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from fblc.errors import ModelLoadError
+from fblc.paths import mode_for, parents_made, write_error
 
 TARGET_OPSET = 18  # the opset of the training graph; older models are converted on load
 INLINE_WEIGHTS_LIMIT = 1 << 30  # bytes; larger models keep their weights in a `.data` file beside the model
 
 
+def _not_a_file(path: str) -> ModelLoadError:
+    if not os.path.isdir(path):
+        return ModelLoadError(f"cannot read '{path}': no such file", "check the path")
+    models = sorted(name for name in os.listdir(path) if name.endswith(".onnx"))
+    if len(models) == 1:
+        return ModelLoadError(f"'{path}' is a folder, not an ONNX model file",
+                              f"give the model in it: {os.path.join(path, models[0])}")
+    held = f"it holds {len(models)} .onnx files: {', '.join(models[:3])}{', ...' if len(models) > 3 else ''}" \
+        if models else "it holds no .onnx file"
+    return ModelLoadError(f"'{path}' is a folder, not an ONNX model file ({held})", "give the model file's path")
+
+
+def _check(proto: onnx.ModelProto, path: str) -> None:
+    """onnx.checker on the file (which also checks where its external data lies), or on the parsed model where
+    the file's name is no UTF-8 (bytes a str cannot carry to the checker's C++)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        onnx.checker.check_model(proto)  # external data: checked by _check_external_data
+        return
+    onnx.checker.check_model(path)
+
+
 def load_model(path: str) -> ir.Model:
     """Load `path` as an onnx_ir model at opset 18, or raise ModelLoadError saying what is wrong."""
     if not os.path.isfile(path):
-        raise ModelLoadError(f"cannot read '{path}': no such file", "check the path")
+        raise _not_a_file(path)
     try:
         proto = onnx.load(path, load_external_data=False)
     except (DecodeError, RuntimeError, ValueError) as error:
@@ -29,7 +53,7 @@ def load_model(path: str) -> ir.Model:
     if not proto.graph.node and not proto.graph.output:
         raise ModelLoadError(f"'{path}' holds no ONNX graph", "the file may be truncated or of another format")
     try:
-        onnx.checker.check_model(path)
+        _check(proto, path)
     except onnx.checker.ValidationError as error:
         if not _tolerated(str(error)):
             raise ModelLoadError(f"'{path}' is not a valid ONNX model: {str(error).strip().splitlines()[0]}",
@@ -54,7 +78,48 @@ def load_model(path: str) -> ir.Model:
                              "the file is damaged; export it again") from None
     _check_names(model, path)
     ir.external_data.set_base_dir(model.graph, os.path.dirname(os.path.abspath(path)))
+    _check_external_data(model, path)
     return model
+
+
+def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    return [v.const_value for graph in model.graphs() for v in graph.initializers.values()
+            if isinstance(v.const_value, ir.ExternalTensor)]
+
+
+def _check_external_data(model: ir.Model, path: str) -> None:
+    """Raise ModelLoadError for an external data file that is missing or too short for a tensor it holds:
+    found here, by its size, rather than as a failed read in the middle of a pass."""
+    sizes: dict[str, int] = {}
+    for tensor in _external_tensors(model):
+        data = tensor.path
+        if data not in sizes:
+            try:
+                sizes[data] = os.path.getsize(data)
+            except OSError:
+                raise ModelLoadError(f"'{path}': the external data file '{tensor.location}' of tensor "
+                                     f"'{tensor.name}' is not there ({data})", "put it beside the model, or export "
+                                     "the model again") from None
+        offset = tensor.offset or 0
+        found = max(0, sizes[data] - offset)
+        if found < tensor.nbytes:
+            raise ModelLoadError(f"'{path}': tensor '{tensor.name}' needs {tensor.nbytes} bytes at offset {offset} of "
+                                 f"its external data file '{data}', which holds {found} bytes from there "
+                                 f"({sizes[data]} in all)", "the file is truncated or from another export: copy it "
+                                 "again whole, or export the model again")
+
+
+def external_data_files(path: str) -> list[str]:
+    """The external data files the initializers of the model `path` name, beside it, without reading any
+    weights; [] for a file that is no readable model (load_model says why)."""
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError):  # load_model reports it with its own message
+        return []
+    folder = os.path.dirname(os.path.abspath(path))
+    locations = {entry.value for tensor in proto.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
+                 for entry in tensor.external_data if entry.key == "location"}
+    return sorted(os.path.join(folder, location) for location in locations)
 
 
 def _check_names(model: ir.Model, path: str) -> None:
@@ -89,23 +154,44 @@ def save_model_atomically(model: ir.Model, path: str) -> None:
     """Write a self-contained `path` (weights inline, or in `path.data` past 1 GiB) only once complete.
 
     Files are written into a temporary folder beside `path`, then renamed into place, so a
-    failure leaves nothing behind.
+    failure (a full disk) leaves nothing behind, the parent folders made for it included, and
+    raises an FblcError naming the file.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    name = os.path.basename(path)
-    staging = tempfile.mkdtemp(prefix=".fblc-", dir=folder)
     try:
-        if _weight_bytes(model) > INLINE_WEIGHTS_LIMIT:
-            ir.save(model, os.path.join(staging, name), external_data=name + ".data")
-            os.replace(os.path.join(staging, name + ".data"), os.path.join(folder, name + ".data"))
-        else:
-            if _has_external(model):
-                ir.external_data.load_to_model(model)
-            ir.save(model, os.path.join(staging, name))
-        os.replace(os.path.join(staging, name), path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with parents_made(folder):
+            staging = tempfile.mkdtemp(prefix=".fblc-", dir=folder)
+            try:
+                _write_and_place(model, staging, path)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except OSError as error:
+        raise write_error("the ONNX model", path, error) from None
+
+
+def _write_and_place(model: ir.Model, staging: str, path: str) -> None:
+    """Write `path`'s files into `staging`, then rename them into place: the weights' .data first (past the
+    limit), removed again if the model's rename fails."""
+    name = os.path.basename(path)
+    if _weight_bytes(model) <= INLINE_WEIGHTS_LIMIT:
+        if _has_external(model):
+            ir.external_data.load_to_model(model)
+        ir.save(model, os.path.join(staging, name))
+        _place(os.path.join(staging, name), path)
+        return
+    ir.save(model, os.path.join(staging, name), external_data=name + ".data")
+    _place(os.path.join(staging, name + ".data"), path + ".data")
+    try:
+        _place(os.path.join(staging, name), path)
+    except BaseException:
+        os.unlink(path + ".data")
+        raise
+
+
+def _place(written: str, path: str) -> None:
+    """Rename `written` to `path` with the mode of the file it replaces, else the umask's (not mkdtemp's)."""
+    os.chmod(written, mode_for(path))
+    os.replace(written, path)
 
 
 def _has_external(model: ir.Model) -> bool:
