@@ -130,8 +130,8 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
             with open(os.path.join(staging, name), "wb") as handle:
                 handle.write(data)
         manifest = dict(manifest, checksums={name: fmt.sha256_of(os.path.join(staging, name)) for name in files})
-        with open(os.path.join(staging, fmt.MANIFEST), "w", encoding="utf-8") as handle:
-            json.dump(manifest, handle, indent=2)
+        with open(os.path.join(staging, fmt.MANIFEST), "wb") as handle:
+            handle.write(fmt.sealed_manifest(manifest))
         if os.path.exists(out_dir):
             if not os.path.isfile(os.path.join(out_dir, fmt.MANIFEST)) and os.listdir(out_dir):
                 raise FblcError(f"'{out_dir}' exists and is not an fblc bundle", "choose another -o folder")
