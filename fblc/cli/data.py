@@ -14,8 +14,6 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from fblc import bundle_format as fmt
-
 #: manifest dtype names (ONNX's) as numpy calls them, for the messages
 NUMPY_NAMES = {"float": "float32", "double": "float64", "float16": "float16"}
 #: dtype kinds a data array may have (bool, int, uint, float); the others are named in messages
@@ -28,20 +26,6 @@ def _error(message: str) -> Exception:
     from fblc.runtime.local import DataError
 
     return DataError(message)
-
-
-def read_manifest(bundle: str) -> dict[str, Any]:
-    """The bundle's manifest, to check the data before the runtime does any work. Its checksums are
-    verified by the runtime next (hashing a large params.bin twice costs seconds), so only a manifest
-    that does not look current is verified here, for the error that says what is wrong."""
-    try:
-        manifest = fmt.read_json(os.path.join(bundle, fmt.MANIFEST))
-    except (OSError, ValueError):
-        manifest = None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != fmt.FORMAT_VERSION \
-            or not isinstance(manifest.get("inputs"), list):
-        manifest = fmt.load_verified(bundle)[0]
-    return manifest
 
 
 def expected_arrays(manifest: Mapping[str, Any]) -> str:

@@ -62,8 +62,7 @@ def cmd_run_adb(args: Any) -> int:
         raise KeyboardInterrupt(f"after {done[0]} of {args.steps} steps on {serial}; nothing saved (the runner "
                                 "hands the parameters over only at the end of its run)") from None
     seconds = time.perf_counter() - started
-    bad = non_finite(results.parameters)
-    failure = diverged_at[0] if diverged_at else bad and f"the parameters after the last step, {done[0]}: {bad}"
+    failure = diverged_at[0] if diverged_at else _non_finite_after(results.parameters, done[0])
     saved = save_trained(args.save_params, lambda: results.parameters) if args.save_params and not failure else None
     if getattr(args, "results", None):  # after the parameters: those are the result a late failure must not lose
         _write_json_atomically(args.results, results.raw)
@@ -83,6 +82,12 @@ def cmd_run_adb(args: Any) -> int:
               + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
         print(summary(results.losses, seconds, skipped[0], saved[0] if saved else ""))
     return 0
+
+
+def _non_finite_after(parameters: dict[str, Any], step: int) -> str:
+    """'' when the parameters the runner handed over are finite, else what is not."""
+    bad = non_finite(parameters)
+    return f"the parameters after the last step, {step}: {bad}" if bad else ""
 
 
 def _write_json_atomically(path: str, document: dict[str, Any]) -> None:

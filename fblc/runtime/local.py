@@ -35,9 +35,9 @@ def _to_stderr(line: str) -> None:
 
 
 def choose_storage(storage: str, device: Any) -> tuple[str, str]:
-    """(the storage a runner asked for `storage` uses on `device`, why, when `storage` is auto): buffers on a
-    CPU, whose OpenCL images are software (PoCL reads a texel through a library call that stops its
-    vectorizer), images elsewhere, as on a phone."""
+    """(the storage a runner given `storage` uses on `device`, and why when it chose): auto takes buffers on
+    a CPU, whose OpenCL images are software (PoCL reads a texel through a library call that stops its
+    vectorizer), and images elsewhere, as on a phone."""
     import pyopencl as cl
 
     if storage != "auto":

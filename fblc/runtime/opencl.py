@@ -44,12 +44,14 @@ def select_device(spec: str | None = None):  # -> pyopencl.Device
             raise DeviceError(f"no OpenCL device with image support found; {NO_DEVICE_HELP}")
         working = next((d for d in usable if build_error(d) is None), None)  # probes up to the first that builds
         if working is None:
-            listing = "; ".join(f"{d.name.strip()} ({d.platform.version.strip()}): {build_error(d)}" for d in usable)
-            raise DeviceError(f"no OpenCL device here can build a kernel: {listing}; {NO_DEVICE_HELP}")
+            failures = "; ".join(f"{d.name.strip()} ({d.platform.version.strip()}): {build_error(d)}" for d in usable)
+            raise DeviceError(f"no OpenCL device here can build a kernel: {failures}; {NO_DEVICE_HELP}")
         return working
     if spec.startswith("opencl:"):
         try:
             _, platform_index, device_index = spec.split(":")
+            if not (platform_index.isdigit() and device_index.isdigit()):  # int() takes -1, which indexes from the end
+                raise ValueError(spec)
             device = platforms[int(platform_index)].get_devices()[int(device_index)]
         except (ValueError, IndexError):
             remedy = f"set {ENV_DEVICE} to one of them, or unset it" if from_environment else "see 'fblc devices'"
@@ -57,7 +59,8 @@ def select_device(spec: str | None = None):  # -> pyopencl.Device
         if not device.image_support:
             raise DeviceError(f"{named} ({device.name.strip()}) has no image support, which fblc's kernels need")
         return device
-    forms = f"'local' or 'opencl:PLATFORM:DEVICE' (here: {listing}; 'local': the first with images that builds a kernel)"
+    forms = (f"'local' or 'opencl:PLATFORM:DEVICE' (here: {listing}; 'local': the first with images that builds a "
+             "kernel)")
     raise DeviceError(f"{named} is not a device fblc knows; "
                       + (f"set {ENV_DEVICE} to {forms}, or unset it" if from_environment else f"use {forms}"))
 
