@@ -39,7 +39,7 @@ def ranks(values: np.ndarray) -> np.ndarray:
 
 
 def measured_kernel_ms(bundle: str, feeds: dict, steps: int) -> np.ndarray:
-    runner = LocalRunner(bundle, profiling=True, progress=False)
+    runner = LocalRunner(bundle, profiling=True, progress=False, storage="image")
     runner.step(feeds)  # the OpenCL JIT
     samples = []
     for _ in range(steps):

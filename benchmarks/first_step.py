@@ -77,7 +77,7 @@ def child(bundle: str, feeds_path: str) -> int:
     said: list[str] = []
     feeds = dict(np.load(feeds_path))
     started = time.perf_counter()
-    runner = LocalRunner(bundle, progress=said.append)
+    runner = LocalRunner(bundle, progress=said.append, storage="image")
     setup = time.perf_counter()
     runner.step(feeds)
     first = time.perf_counter()

@@ -73,7 +73,8 @@ def interleaved_step_ms(path: str, feeds: dict[str, np.ndarray], directory: str,
     machine's speed drifts over minutes, and alternating makes both layouts see the same drift."""
     bundles = {layout: os.path.join(directory, f"{key}.{layout}") for layout in LAYOUTS}
     reports = {layout: compile_bundle(path, bundles[layout], layout, target) for layout in LAYOUTS}
-    medians = interleaved_ms({layout: runner_stepper(LocalRunner(bundles[layout]), feeds) for layout in LAYOUTS},
+    runners = {layout: LocalRunner(bundles[layout], storage="image") for layout in LAYOUTS}  # layouts place images
+    medians = interleaved_ms({layout: runner_stepper(runners[layout], feeds) for layout in LAYOUTS},
                              steps, settle=False)  # one thread pool (PoCL's) on both sides
     return {layout: (medians[layout], reports[layout]) for layout in LAYOUTS}
 

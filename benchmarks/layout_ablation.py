@@ -54,7 +54,7 @@ def measure(path: str, feeds: dict, bundle: str, target: str, options: TrainingO
     compile_model(path, bundle, target, "fp32", options)
     tracer = ReadTracer(bundle)
     cache = cache_report(bundle, load_profile(target), feeds, tracer=tracer)
-    runner = LocalRunner(bundle, progress=False)
+    runner = LocalRunner(bundle, progress=False, storage="image")
     runner.step(feeds)  # the OpenCL JIT
     times = []
     for _ in range(steps):

@@ -69,7 +69,7 @@ def build_cases(directory: str, names: list[str]) -> list[tuple[str, str, Feeds]
 
 def python_overheads(bundle: str, feeds: Feeds, steps: int) -> tuple[list[float], list[float], list[float], int]:
     """(wall, kernel, submit) ms per step of LocalRunner with profiling, after a warm-up step; kernel launches."""
-    runner = LocalRunner(bundle, profiling=True)
+    runner = LocalRunner(bundle, profiling=True, storage="image")  # as the native runner
     launched: list[list[Any]] = []
     submitted: list[float] = []
     run_kernels: Callable[[], list[Any]] = runner.run_kernels

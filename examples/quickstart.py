@@ -50,7 +50,9 @@ def main() -> int:
     bundle = os.path.join(args.out, "tresnet.adreno830")
     code = fblc(["compile", model, "--target", "adreno830", "-o", bundle, "--optimizer", "adamw", "--lr", "3e-3",
                  "--weight-decay", "1e-2"])
-    return code or fblc(["run", bundle, "--device", "local", "--steps", str(args.steps), "--data", data])
+    # --storage auto (the default, written out): buffers on a CPU's OpenCL, whose images are software; images on a GPU
+    return code or fblc(["run", bundle, "--device", "local", "--storage", "auto", "--steps", str(args.steps),
+                         "--data", data])
 
 
 if __name__ == "__main__":

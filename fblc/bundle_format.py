@@ -5,7 +5,9 @@ A bundle is a directory:
                  graph inputs/outputs, parameters and states (name, shape, dtype, texture,
                  offset in params.bin), and the sha256 of every other file; class-index labels
                  also carry `classes` and `ignore_index` (optional: a runtime that finds them
-                 refuses other label values before training);
+                 refuses other label values before training); last, `manifest_sha256`: the
+                 sha256 of the manifest file itself with that digest's 64 characters written
+                 as zeros, so that an edit of any byte of any file the runtimes read is refused;
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
                  (kernel name, global/local size, texture arguments), the state swaps after a step;
 - kernels.cl     OpenCL C, one __kernel per launch;
@@ -20,18 +22,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import numpy as np
 
 FORMAT_NAME = "fblc-bundle"
-FORMAT_VERSION = 3  # 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures
+#: 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures; 4: manifest_sha256
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 KERNELS = "kernels.cl"
 PARAMS = "params.bin"
 REPORT = "report.json"
 CHECKSUMMED = (PLAN, KERNELS, PARAMS, REPORT)
+#: the manifest's digest of itself (see the module docstring); the native runner finds it as this does
+MANIFEST_DIGEST = "manifest_sha256"
+_UNSEALED = "0" * 64
+_DIGEST_FIELD = re.compile(rb'"manifest_sha256"[ \t\n\r]*:[ \t\n\r]*"([0-9a-f]{64})"')  # JSON's whitespace
 #: files a runtime adds to a bundle folder (the native runner's program binaries); like the checksummed
 #: ones, fblc wrote them, so compiling over the bundle may replace them without --force
 RUNTIME_FILES = ("kernels.cache",)
@@ -79,19 +87,51 @@ def read_json(path: str) -> Any:
         return json.load(handle)
 
 
-def load_verified(bundle: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(manifest, plan) of `bundle` after checking its format version and every checksum."""
+def sealed_manifest(manifest: dict[str, Any]) -> bytes:
+    """The text of manifest.json for `manifest`, its `manifest_sha256` field last: the digest of this very
+    text with the field's value written as 64 zeros."""
+    text = json.dumps({**manifest, MANIFEST_DIGEST: _UNSEALED}, indent=2).encode()
+    start = text.rindex(f'"{MANIFEST_DIGEST}": "{_UNSEALED}"'.encode()) + len(MANIFEST_DIGEST) + 5
+    return text[:start] + hashlib.sha256(text).hexdigest().encode() + text[start + len(_UNSEALED):]
+
+
+def manifest_seal_holds(text: bytes) -> bool:
+    """Whether the manifest file `text` holds one `manifest_sha256` field whose value is the sha256 of the
+    text with that value written as zeros (sealed_manifest's)."""
+    found = list(_DIGEST_FIELD.finditer(text))
+    if len(found) != 1:
+        return False
+    start, end = found[0].span(1)
+    return hashlib.sha256(text[:start] + _UNSEALED.encode() + text[end:]).hexdigest() == found[0].group(1).decode()
+
+
+def load_manifest(bundle: str) -> dict[str, Any]:
+    """The manifest of `bundle` after checking its format version and its own digest (not the other files'
+    checksums: load_verified does, hashing params.bin)."""
     manifest_path = os.path.join(bundle, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise BundleError(f"'{bundle}' is not an fblc bundle: {MANIFEST} is missing; "
                           "compile one with 'fblc compile MODEL -o DIR'")
     try:
-        manifest = read_json(manifest_path)
+        with open(manifest_path, "rb") as handle:
+            text = handle.read()
+        manifest = json.loads(text)
     except (OSError, ValueError) as error:
         raise BundleError(f"{manifest_path} is unreadable ({error}); compile the bundle again") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{manifest_path} is not a JSON object; compile the bundle again")
     if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
         raise BundleError(f"'{bundle}' has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
                           f"this fblc reads {FORMAT_NAME} version {FORMAT_VERSION}: compile it again with this fblc")
+    if not manifest_seal_holds(text):
+        raise BundleError(f"'{manifest_path}' does not match its own checksum ({MANIFEST_DIGEST}): corrupt or "
+                          "edited; compile the bundle again")
+    return manifest
+
+
+def load_verified(bundle: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, plan) of `bundle` after checking its format version and every checksum, the manifest's own."""
+    manifest = load_manifest(bundle)
     for name in CHECKSUMMED:
         path = os.path.join(bundle, name)
         want = manifest.get("checksums", {}).get(name)

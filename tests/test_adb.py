@@ -31,6 +31,7 @@ from fblc.runtime.adb import Adb, AdbError, remote_dir
 from fblc.runtime.adb_profile import PROFILE_DIR, push_profiler
 from fblc.runtime.local import LocalRunner
 from tests.support.adb_device import LoopbackDevice
+from tests.support.bundles import rechecksum
 from tests.support.interrupt import interruptible
 from tests.test_native_runner import check_measured_profile, require
 from tests.test_native_runner import opencl_env, runner_binary  # noqa: F401  (fixtures)
@@ -127,7 +128,7 @@ def test_push_then_run_trains_on_the_device_like_the_local_run(tmp_path, bundle,
     assert code == 0, out.err
     assert "pushed" not in out.out  # the device's copy was current
     lines = [json.loads(line) for line in out.out.splitlines()]
-    local = LocalRunner(bundle)
+    local = LocalRunner(bundle, storage="image")
     expected = [local.step({k: v[(s % 2) * 3:(s % 2) * 3 + 3] for k, v in feeds.items()}) for s in range(4)]
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     np.testing.assert_allclose([line["loss"] for line in lines], expected, rtol=1e-5)
@@ -163,9 +164,8 @@ def test_run_pushes_a_missing_or_changed_bundle_by_itself(tmp_path, bundle, phon
     with open(params, "r+b") as handle:
         handle.seek(-4, os.SEEK_END)
         handle.write(np.float32(0.25).tobytes())
+    rechecksum(bundle, fmt.PARAMS)
     manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
-    manifest["checksums"][fmt.PARAMS] = fmt.sha256_of(params)
-    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
     assert main(args) == 0
     assert "pushed" in capsys.readouterr().out
     remote = phone.local_path(remote_dir(bundle))
@@ -361,7 +361,7 @@ def test_an_es_bundle_trains_over_adb_and_prints_its_reward(tmp_path, phone, run
     out = capsys.readouterr()
     assert code == 0, out.err
     lines = [json.loads(line) for line in out.out.splitlines()]
-    local = LocalRunner(bundle, progress=False)
+    local = LocalRunner(bundle, progress=False, storage="image")
     expected = [local.step(feeds) for _ in range(3)]
     assert [sorted(line) for line in lines] == [["loss", "ms", "reward_mean", "step"]] * 3
     np.testing.assert_allclose([line["loss"] for line in lines], expected, rtol=1e-5)

@@ -173,7 +173,7 @@ def test_the_device_trains_as_the_onnx_step_with_the_same_philox_noise(tmp_path)
     assert not any(n.op_type == "Slice" and n.inputs[0].name == "noise" for n in step.graph)
     save_model_atomically(reference_graph(step, path, options), str(tmp_path / "step.onnx"))
     reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
-                                                                               progress=False)
+                                                                               progress=False, storage="image")
     width = sum(int(np.prod(p["shape"])) for p in runner.manifest["parameters"])
     for row in (0, 3):  # a row's image is reused once its member is done: read it right after its kernel
         texture = runner.plan["values"][f"es/noise_row_{row}"]
@@ -211,7 +211,7 @@ def test_fp16_es_on_the_device_follows_the_fp32_onnx_step_with_the_same_philox_n
     assert "fp16" in storage["forward"] and storage["loss"] == storage["es"] == {"fp32"}
     save_model_atomically(reference_graph(step, path, options), str(tmp_path / "step.onnx"))
     reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
-                                                                               progress=False)
+                                                                               progress=False, storage="image")
     for _ in range(4):
         before, reference_before = runner.parameters()[DELTA], reference.parameters()[DELTA]
         loss, reference_loss = runner.step(feeds), reference.step(feeds)
@@ -240,7 +240,7 @@ def test_a_transformers_export_trains_forward_only_on_the_device(tmp_path) -> No
     step, _ = compile_model(exported.path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
     save_model_atomically(reference_graph(step, exported.path, options), str(tmp_path / "step.onnx"))
     reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
-                                                                               progress=False)
+                                                                               progress=False, storage="image")
     feeds = {**exported.inputs, "labels": exported.labels}
     first = runner.step(feeds)
     assert first == pytest.approx(float(exported.loss_of(exported.module).detach()), rel=1e-5)
@@ -267,7 +267,7 @@ def test_an_application_reward_function_scores_the_members_on_the_device_and_in_
     step, _ = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
     save_model_atomically(reference_graph(step, path, options), str(tmp_path / "step.onnx"))
     reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
-                                                                               progress=False)
+                                                                               progress=False, storage="image")
     for _ in range(2):
         assert runner.step(feeds, reward=solved) == pytest.approx(reference.step(feeds, reward=solved), rel=1e-5)
     assert seen == [4] * 4

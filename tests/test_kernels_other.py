@@ -63,7 +63,7 @@ def _step_on_device(tmp_path, model: onnx.ModelProto, name: str) -> tuple[float,
     path, bundle = str(tmp_path / "direct.onnx"), str(tmp_path / "direct.bundle")
     onnx.save(model, path)
     compile_model(path, bundle, "local", "fp32", TrainingOptions(loss="output", optimizer=SGD))
-    runner = LocalRunner(bundle)
+    runner = LocalRunner(bundle, storage="image")
     loss = runner.step({})
     return loss, runner.read_before_swap(name)
 

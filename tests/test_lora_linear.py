@@ -170,7 +170,7 @@ def test_es_over_lora_builds_and_its_onnx_step_moves_b(tmp_path, capsys) -> None
     # the bundle on the device: one step equals the ONNX step fed the same Philox noise (fp32, as the FuRA-S test)
     save_model_atomically(reference_graph(compiled, exported.path, options), str(tmp_path / "reference.onnx"))
     reference, runner = ReferenceStep(str(tmp_path / "reference.onnx")), LocalRunner(str(tmp_path / "bundle"),
-                                                                                    progress=False)
+                                                                                    progress=False, storage="image")
     feeds = {**exported.inputs, "labels": exported.labels}
     assert runner.step(feeds) == pytest.approx(reference.step(feeds), rel=1e-5)
     np.testing.assert_allclose(runner.read("rewards"), reference.last["rewards"], rtol=1e-5)

@@ -65,7 +65,7 @@ def test_fifty_steps_follow_torch(model_name: str, optimizer: str, export_dir: s
     bundle = os.path.join(folder, "bundle")
     compile_model(model.path, bundle, "adreno830", "fp32", TrainingOptions(
         input_shapes=model.input_shapes, loss="cross_entropy", optimizer=config))
-    runner = LocalRunner(bundle, progress=False)
+    runner = LocalRunner(bundle, progress=False, storage="image")
     feeds = {**model.inputs, "labels": model.labels}
     losses = np.array([float(runner.step(feeds)) for _ in range(STEPS)])
     assert torch_losses[-1] < 0.95 * torch_losses[0], "the batch is not being learnt: a weak comparison"

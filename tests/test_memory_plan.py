@@ -173,7 +173,7 @@ def test_compile_writes_the_memory_object_and_plot_and_the_runtime_allocates_the
     from fblc.compiler.model_io import save_model_atomically
     from fblc.runtime.local import LocalRunner
 
-    runner = LocalRunner(bundle)
+    runner = LocalRunner(bundle, storage="image")  # the plan's images, as allocated
     if "portable" in runner.device.platform.name.lower():  # PoCL: an image takes exactly its texels
         assert runner.allocated_bytes == memory["device_peak"]
     else:  # a GPU driver may pad rows

@@ -80,7 +80,7 @@ def test_the_memory_report_counts_half_textures_at_two_bytes(mlp_path, tmp_path)
     assert memory["fp16"]["saved_activations"] < memory["fp32"]["saved_activations"]
     assert "fp16 2" in memory["fp16"]["accounting"]
     for dtype in ("fp32", "fp16"):  # one device figure: what the runtime allocates (PoCL: no row padding)
-        runner = LocalRunner(str(tmp_path / dtype), progress=False)
+        runner = LocalRunner(str(tmp_path / dtype), progress=False, storage="image")
         if "portable" in runner.device.platform.name.lower():
             assert runner.allocated_bytes == memory[dtype]["device_peak"], dtype
 
@@ -135,7 +135,7 @@ def test_an_overflowing_scale_on_the_device_skips_the_step_and_halves(tmp_path) 
     onnx.save(mlp_proto(), path)
     bundle = str(tmp_path / "bundle")
     compile_model(path, bundle, "adreno830", "fp16", TrainingOptions(optimizer=ADAMW))
-    runner = LocalRunner(bundle, progress=False)
+    runner = LocalRunner(bundle, progress=False, storage="image")
     scale = next(s for s in runner.manifest["states"] if s["name"] == "loss_scale")
     runner.upload(scale["texture"], np.array([2.0**24], np.float32))
     before = runner.parameters()
@@ -198,7 +198,7 @@ def test_fp16_training_follows_fp32_for_50_adamw_steps(arch: str, lr: float, tmp
         bundle = str(tmp_path / dtype)
         compile_model(model.path, bundle, "adreno830", dtype,
                       TrainingOptions(optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=1e-2)))
-        runner = LocalRunner(bundle, progress=False)
+        runner = LocalRunner(bundle, progress=False, storage="image")
         curves[dtype] = [float(runner.step(feeds)) for _ in range(50)]
     fp32, fp16 = curves["fp32"], curves["fp16"]
     assert np.all(np.isfinite(fp16)), fp16

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from fblc import bundle_format as fmt
-from support.bundles import edit_plan
+from support.bundles import edit_plan, rechecksum
 from fblc.codegen.compile import compile_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
@@ -85,7 +85,7 @@ def run(runner: str, bundle: str, data: str, out: str, steps: int, env: dict[str
 
 def compare_with_local(bundle: str, feeds: list[dict[str, np.ndarray]], steps: int, runner_binary: str,
                        env: dict[str, str]) -> None:
-    local = LocalRunner(bundle)
+    local = LocalRunner(bundle, storage="image")  # images, as the runner holds them
     expected = [local.step(feeds[s % len(feeds)]) for s in range(steps)]
     # LocalRunner first, the runner without its program cache: PoCL then compiles every kernel once for both
     # (fetching a program binary for the cache makes PoCL compile all kernels again; the cache has its own test)
@@ -264,9 +264,7 @@ def test_a_kernel_that_fails_to_build_is_named_with_the_compiler_log(tmp_path, b
     victim = plan["kernels"][2]["name"]
     _rewrite(os.path.join(bundle, fmt.KERNELS), lambda d: d.replace(f"void {victim}(".encode(),
                                                                       f"void {victim}(undeclared_type z, ".encode()))
-    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
-    manifest["checksums"][fmt.KERNELS] = fmt.sha256_of(os.path.join(bundle, fmt.KERNELS))
-    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+    rechecksum(bundle, fmt.KERNELS)
     with pytest.raises(RunnerError) as error:
         run_runner(runner_binary, bundle, [batch()], 1, env=opencl_env)
     assert f"rejected kernel '{victim}' (kernels.cl line" in str(error.value) and "undeclared_type" in str(error.value)

@@ -26,6 +26,7 @@ from fblc.profiles.profile import TARGETS_DIR
 from fblc.runtime.local import DataError, KernelBuildError, LocalRunner
 from fblc.runtime.opencl import DeviceError, select_device
 from tests.conftest import make_model
+from tests.support.bundles import rechecksum
 
 OPTIONS = TrainingOptions(loss="mse", optimizer=OptimizerConfig("adamw", lr=0.05, weight_decay=0.01))
 
@@ -94,9 +95,7 @@ def test_a_kernel_that_fails_to_build_is_named_with_the_compiler_log(bundle) -> 
     victim = plan["kernels"][2]["name"]
     _rewrite(bundle, fmt.KERNELS, lambda data: data.replace(f"void {victim}(".encode(),
                                                             f"void {victim}(undeclared_type z, ".encode()))
-    manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
-    manifest["checksums"][fmt.KERNELS] = fmt.sha256_of(os.path.join(bundle, fmt.KERNELS))
-    json.dump(manifest, open(os.path.join(bundle, fmt.MANIFEST), "w"))
+    rechecksum(bundle, fmt.KERNELS)
     with pytest.raises(KernelBuildError) as error:
         LocalRunner(bundle)
     assert f"'{victim}'" in str(error.value) and "undeclared_type" in str(error.value)

@@ -136,7 +136,7 @@ def test_the_sorted_scatter_sums_each_row_in_update_order_bit_for_bit(layout: st
     step, _ = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32",
                             TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}))
     scatter = next(n for n in step.graph if n.op_type == "ScatterSortedRows")
-    runner = LocalRunner(str(tmp_path / "bundle"), progress=False)
+    runner = LocalRunner(str(tmp_path / "bundle"), progress=False, storage="image")
     runner.upload(runner.manifest["inputs"][0]["texture"], ids)
     texture = runner.plan["values"][scatter.outputs[0].name]
     made_by = next(i for i, k in enumerate(runner.plan["kernels"]) if texture in k["outputs"])

@@ -121,7 +121,8 @@ def test_steps_after_the_first_equal_onnxruntime(tmp_path) -> None:
     rng = np.random.default_rng(7)
     feeds = {"x": rng.standard_normal((4, 6, 16, 1)).astype(np.float32),
              "labels": rng.integers(0, 17, 4).astype(np.int64)}
-    reference, device = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"), progress=False)
+    reference = ReferenceStep(str(tmp_path / "step.onnx"))
+    device = LocalRunner(str(tmp_path / "bundle"), progress=False, storage="image")  # placement is of images
     expected = [reference.step(feeds) for _ in range(3)]
     measured = [device.step(feeds) for _ in range(3)]
     assert np.allclose(measured, expected, rtol=1e-4, atol=0), (measured, expected)

@@ -81,7 +81,7 @@ def test_three_references_agree_on_the_mlp(tmp_path) -> None:
     exported = models.mlp(str(tmp_path))
     step, _ = compile_model(exported.path, str(tmp_path / "bundle"), "adreno830", "fp32", ADAMW)
     feeds = {**exported.inputs, "labels": exported.labels}
-    runner = LocalRunner(str(tmp_path / "bundle"))
+    runner = LocalRunner(str(tmp_path / "bundle"), storage="image")
     runner.step(feeds)
     path = str(tmp_path / "step.onnx")
     save_model_atomically(step, path)

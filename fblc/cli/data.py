@@ -33,20 +33,6 @@ def _error(message: str) -> Exception:
     return DataError(message)
 
 
-def read_manifest(bundle: str) -> dict[str, Any]:
-    """The bundle's manifest, to check the data before the runtime does any work. Its checksums are
-    verified by the runtime next (hashing a large params.bin twice costs seconds), so only a manifest
-    that does not look current is verified here, for the error that says what is wrong."""
-    try:
-        manifest = fmt.read_json(os.path.join(bundle, fmt.MANIFEST))
-    except (OSError, ValueError):
-        manifest = None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != fmt.FORMAT_VERSION \
-            or not isinstance(manifest.get("inputs"), list):
-        manifest = fmt.load_verified(bundle)[0]
-    return manifest
-
-
 def expected_arrays(manifest: Mapping[str, Any]) -> str:
     return ", ".join(f"{e['name']} {e['shape']} {NUMPY_NAMES.get(e['dtype'], e['dtype'])}" for e in manifest["inputs"])
 

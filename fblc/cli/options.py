@@ -67,10 +67,11 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
 def add_storage_option(parser: argparse.ArgumentParser) -> None:
     from fblc.runtime.local import STORAGES
 
-    parser.add_argument("--storage", choices=STORAGES, default=STORAGES[0],
-                        help="how a local device holds the textures: image (image2d_t, as on a phone; default) or "
-                             "buffer (the same texels row by row in buffers: several times faster on a CPU's "
-                             "OpenCL, such as PoCL, whose images are software)")
+    parser.add_argument("--storage", choices=STORAGES, default="auto",
+                        help="how a local device holds the textures: image (image2d_t, as on a phone), buffer (the "
+                             "same texels row by row in buffers: several times faster on a CPU's OpenCL, such as "
+                             "PoCL, whose images are software) or auto: buffer on a CPU device, else image "
+                             "(default: auto; a phone always holds images)")
 
 
 def add_trainer_options(parser: argparse.ArgumentParser) -> None:

@@ -92,7 +92,7 @@ def _host_runner(explicit: str | None) -> str:
     """A runner binary that runs on this machine: --runner, $FBLC_RUNNER, else the README's host build."""
     import platform
 
-    from fblc.runtime.native import HOST_BUILD, UNAME_MACHINES, RunnerError, binary_kind, runner_candidates
+    from fblc.runtime.native import UNAME_MACHINES, RunnerError, binary_kind, build_command, runner_candidates
 
     machine = UNAME_MACHINES.get(platform.machine(), platform.machine())
     candidates = [p for p in runner_candidates(explicit) if os.path.isfile(p)]
@@ -101,9 +101,8 @@ def _host_runner(explicit: str | None) -> str:
         if kind.machine == machine and kind.system in ("linux", "static"):
             return path
     found = "; ".join(f"{p} is {binary_kind(p)}" for p in candidates) or "none built"
-    raise RunnerError(f"no native runner for this {machine} machine ({found}); build it: cmake -S "
-                      f"fblc/runtime/native -B {os.path.relpath(HOST_BUILD)} && cmake --build "
-                      f"{os.path.relpath(HOST_BUILD)} (README: 'Phones'), or pass --runner PATH")
+    raise RunnerError(f"no native runner for this {machine} machine ({found}); pass --runner PATH, or build one "
+                      f"(README: 'Phones') with: {build_command()}")
 
 
 def _measure(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:

@@ -2,18 +2,24 @@
 
 The command checks the data before anything touches the device, prints the runner's steps as
 they arrive, and saves the trained parameters before the results file, so that a late failure
-never loses them.
+never loses them. The runner runs every step and hands over only the parameters after the last
+one: a step that diverged (a non-finite loss that loss scaling did not skip) or non-finite final
+parameters make the run an error that names the step, and those parameters are not saved (the
+results file, with every loss, still is).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 from fblc import bundle_format as fmt
 from fblc.cli.data import batches
 from fblc.cli.outputs import print_step, report_saved, save_trained, write_atomically
+from fblc.cli.train import DIVERGED_REMEDY, is_divergence, non_finite, summary
+from fblc.errors import FblcError
 from fblc.runtime.adb import Adb, run_on_device
 
 
@@ -26,6 +32,8 @@ def cmd_run_adb(args: Any) -> int:
     serial = adb.choose(args.device[len("adb:"):] or None)
     quiet, as_json = args.quiet, args.json
     done = [0]  # steps the device reported, for a Ctrl-C's message
+    diverged_at: list[str] = []  # the first step whose loss is not finite (loss scaling did not skip it)
+    skipped = [0]  # steps loss scaling skipped
     if note and not quiet:
         print(f"note: {note}", file=sys.stderr)
 
@@ -36,20 +44,30 @@ def cmd_run_adb(args: Any) -> int:
                   f"{len(cut)} batch{'es' if len(cut) != 1 else ''} of {manifest['inputs'][0]['shape'][0]}", flush=True)
         elif "step" in line:
             done[0] = line["step"]
+            metrics = {k: v for k, v in line.items() if k not in ("step", "loss", "ms")}
             if as_json or not quiet:
-                metrics = {k: v for k, v in line.items() if k not in ("step", "loss", "ms")}
                 print_step(line["step"], line["loss"], metrics, line["ms"], as_json)
+            skipped[0] += metrics.get("skipped") == 1
+            if not diverged_at and is_divergence(line["loss"], metrics):
+                diverged_at.append(f"training diverged at step {line['step']}: its loss is {line['loss']}")
 
     say = (lambda text: None) if quiet or as_json else (lambda text: print(text, flush=True))
+    started = time.perf_counter()
     try:
         results = run_on_device(adb, serial, args.bundle, cut, args.steps, runner=getattr(args, "runner", None),
                                 on_line=on_line, say=say)
     except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
         raise KeyboardInterrupt(f"after {done[0]} of {args.steps} steps on {serial}; nothing saved (the runner "
                                 "hands the parameters over only at the end of its run)") from None
-    saved = save_trained(args.save_params, lambda: results.parameters) if args.save_params else None
+    seconds = time.perf_counter() - started
+    failure = diverged_at[0] if diverged_at else _non_finite_after(results.parameters, done[0])
+    saved = save_trained(args.save_params, lambda: results.parameters) if args.save_params and not failure else None
     if getattr(args, "results", None):  # after the parameters: those are the result a late failure must not lose
         write_atomically(args.results, lambda out: out.write(json.dumps(results.raw, indent=1).encode()))
+    if failure:
+        kept = (f"the runner hands over only the parameters after its last step, {done[0]}: not saved"
+                if args.save_params else "nothing saved (no --save-params)")
+        raise FblcError(f"{failure}; {kept}", DIVERGED_REMEDY)
     if saved:
         report_saved(*saved, args.save_params, quiet, as_json)
     if not quiet and not as_json:
@@ -60,4 +78,12 @@ def cmd_run_adb(args: Any) -> int:
         print(f"kernels {kernel:.2f} ms of {wall:.2f} ms per step (after the first); textures "
               f"{results.bytes_allocated['textures'] / 2**20:.1f} MiB; slowest: "
               + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
+        print(summary(results.losses, seconds, skipped[0], saved[0] if saved else ""))
     return 0
+
+
+def _non_finite_after(parameters: dict[str, Any], step: int) -> str:
+    """'' when the parameters the runner handed over are finite, else what is not."""
+    bad = non_finite(parameters)
+    return f"the parameters after the last step, {step}: {bad}" if bad else ""
+

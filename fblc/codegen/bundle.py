@@ -139,8 +139,8 @@ def _write_in(parent: str, out_dir: str, manifest: dict[str, Any], plan: dict[st
             with open(os.path.join(staging, name), "wb") as handle:
                 handle.write(data)
         manifest = dict(manifest, checksums={name: fmt.sha256_of(os.path.join(staging, name)) for name in files})
-        with open(os.path.join(staging, fmt.MANIFEST), "w", encoding="utf-8") as handle:
-            json.dump(manifest, handle, indent=2)
+        with open(os.path.join(staging, fmt.MANIFEST), "wb") as handle:
+            handle.write(fmt.sealed_manifest(manifest))
         os.chmod(staging, mode_for(out_dir, folder=True))  # mkdtemp's 0700: the umask's, or the replaced bundle's
         if os.path.exists(out_dir):
             if not os.path.isfile(os.path.join(out_dir, fmt.MANIFEST)) and os.listdir(out_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -200,9 +201,13 @@ def parse_profile(raw: Any, path: str) -> Profile:
         if kind is bool:
             if not isinstance(value, bool):
                 raise _fail(path, f"figure '{name}' ({unit}) must be true or false, not {value!r}")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(path, f"figure '{name}' ({unit}) must be a number{' (integer)' if kind is int else ''}, "
                               f"not {value!r}")
+        elif not math.isfinite(value):  # JSON as Python reads it takes NaN and Infinity
+            raise _fail(path, f"figure '{name}' ({unit}) is {value}: it must be a finite positive number")
+        elif kind is int and value != int(value):
+            raise _fail(path, f"figure '{name}' ({unit}) must be an integer, not {value!r}")
         elif value <= 0:
             raise _fail(path, f"figure '{name}' ({unit}) is {value}: it must be positive")
         values[name] = kind(value)

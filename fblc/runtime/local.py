@@ -35,13 +35,28 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # sys.stderr looked up now: pytest and rich may replace it
 
 
+def choose_storage(storage: str, device: Any) -> tuple[str, str]:
+    """(the storage a runner given `storage` uses on `device`, and why when it chose): auto takes buffers on
+    a CPU, whose OpenCL images are software (PoCL reads a texel through a library call that stops its
+    vectorizer), and images elsewhere, as on a phone."""
+    import pyopencl as cl
+
+    if storage != "auto":
+        return storage, ""
+    name = device.name.strip()
+    if device.type & cl.device_type.CPU:
+        return "buffer", (f"{name} is a CPU, whose OpenCL images are software: buffers run the same kernels "
+                          "several times faster")
+    return "image", f"{name} is not a CPU: textures as images, as on a phone"
+
+
 def _image_format(cl: Any, name: str) -> Any:
     order, channel = fmt.TEXTURE_FORMATS[name]
     return cl.ImageFormat(getattr(cl.channel_order, order), getattr(cl.channel_type, channel))
 
 
-#: how a runner holds its textures (LocalRunner's `storage`)
-STORAGES = ("image", "buffer")
+#: how a runner holds its textures (LocalRunner's `storage`); auto: chosen for the device (choose_storage)
+STORAGES = ("auto", "image", "buffer")
 WINDOW_SLACK_BYTES = 16  # one fp32 texel past every buffer (see _allocate)
 
 
@@ -50,6 +65,8 @@ class LocalRunner:
 
     The first run of a bundle on a device compiles its kernels (a minute and more on PoCL for a large
     model): `progress` says so on stderr (True), to a callable taking each line, or not at all (False).
+    `storage` "auto" holds the textures in buffers on a CPU device, as images elsewhere (choose_storage):
+    `.storage` is the one chosen, `.storage_reason` why.
     """
 
     #: arguments after the textures, in every kernel (the read tracer's buffers)
@@ -57,21 +74,21 @@ class LocalRunner:
 
     def __init__(self, bundle: str, device: str | None = None, profiling: bool = False,
                  build_options: Sequence[str] = (), progress: bool | Callable[[str], None] = True,
-                 storage: str = "image") -> None:
+                 storage: str = "auto") -> None:
         import pyopencl as cl
 
         if storage not in STORAGES:
             raise ValueError(f"storage '{storage}': choose one of {', '.join(STORAGES)}")
         self.cl = cl
+        self.bundle = bundle
+        self.manifest, self.plan = fmt.load_verified(bundle)
+        self.device = select_device(device)
         #: "image": every texture an image2d_t, as on a phone; "buffer": the same texels in index order in a
         #: __global buffer (kernels.cl built with FBLC_BUFFERS), for a device whose images are software
         #: (a CPU's OpenCL: PoCL reads a texel through a library call that stops vectorization), where
         #: a texel's address is its index, not its layout's coordinate (which on a phone serves the texture cache)
-        self.storage = storage
-        self.build_options = list(build_options) + (["-DFBLC_BUFFERS"] if storage == "buffer" else [])
-        self.bundle = bundle
-        self.manifest, self.plan = fmt.load_verified(bundle)
-        self.device = select_device(device)
+        self.storage, self.storage_reason = choose_storage(storage, self.device)
+        self.build_options = list(build_options) + (["-DFBLC_BUFFERS"] if self.storage == "buffer" else [])
         self.context = cl.Context([self.device])
         properties = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
         self.queue = cl.CommandQueue(self.context, properties=properties)

@@ -24,35 +24,45 @@ class DeviceError(BundleError):
 
 
 def select_device(spec: str | None = None):  # -> pyopencl.Device
+    """The device `spec` names; without one, the device FBLC_OPENCL_DEVICE names, else `local`."""
     import pyopencl as cl
 
+    from_environment = not spec and bool(os.environ.get(ENV_DEVICE))
     spec = spec or os.environ.get(ENV_DEVICE) or "local"
+    # errors name where the spec came from: a variable set long ago is easily forgotten
+    named = f"{ENV_DEVICE}='{spec}'" if from_environment else f"device '{spec}'"
     try:
         platforms = cl.get_platforms()
     except cl.Error as error:
         raise DeviceError(f"no OpenCL platform found ({error}); {NO_DEVICE_HELP}") from None
     devices = [(p, d) for p in platforms for d in p.get_devices()]
+    listing = "; ".join(f"opencl:{pi}:{di} = {d.name.strip()}" for pi, p in enumerate(platforms)
+                        for di, d in enumerate(p.get_devices())) or "none"
     if spec == "local":
         usable = [d for _, d in devices if d.image_support]
         if not usable:
             raise DeviceError(f"no OpenCL device with image support found; {NO_DEVICE_HELP}")
         working = next((d for d in usable if build_error(d) is None), None)  # probes up to the first that builds
         if working is None:
-            listing = "; ".join(f"{d.name.strip()} ({d.platform.version.strip()}): {build_error(d)}" for d in usable)
-            raise DeviceError(f"no OpenCL device here can build a kernel: {listing}; {NO_DEVICE_HELP}")
+            failures = "; ".join(f"{d.name.strip()} ({d.platform.version.strip()}): {build_error(d)}" for d in usable)
+            raise DeviceError(f"no OpenCL device here can build a kernel: {failures}; {NO_DEVICE_HELP}")
         return working
     if spec.startswith("opencl:"):
         try:
             _, platform_index, device_index = spec.split(":")
+            if not (platform_index.isdigit() and device_index.isdigit()):  # int() takes -1, which indexes from the end
+                raise ValueError(spec)
             device = platforms[int(platform_index)].get_devices()[int(device_index)]
         except (ValueError, IndexError):
-            listing = "; ".join(f"opencl:{pi}:{di} = {d.name}" for pi, p in enumerate(platforms)
-                                for di, d in enumerate(p.get_devices()))
-            raise DeviceError(f"device '{spec}' does not exist; available: {listing or 'none'}") from None
+            remedy = f"set {ENV_DEVICE} to one of them, or unset it" if from_environment else "see 'fblc devices'"
+            raise DeviceError(f"{named} does not exist; available: {listing}; {remedy}") from None
         if not device.image_support:
-            raise DeviceError(f"device '{spec}' ({device.name}) has no image support, which fblc's kernels need")
+            raise DeviceError(f"{named} ({device.name.strip()}) has no image support, which fblc's kernels need")
         return device
-    raise DeviceError(f"unknown device '{spec}'; use 'local' or 'opencl:PLATFORM:DEVICE' (see 'fblc devices')")
+    forms = (f"'local' or 'opencl:PLATFORM:DEVICE' (here: {listing}; 'local': the first with images that builds a "
+             "kernel)")
+    raise DeviceError(f"{named} is not a device fblc knows; "
+                      + (f"set {ENV_DEVICE} to {forms}, or unset it" if from_environment else f"use {forms}"))
 
 
 def build_error(device) -> str | None:  # device: pyopencl.Device

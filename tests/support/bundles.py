@@ -1,5 +1,5 @@
-"""Editing a compiled bundle in tests: change plan.json and keep manifest.json's checksum true,
-so that what the runtimes then refuse is the edit, not a checksum."""
+"""Editing a compiled bundle in tests: change plan.json, kernels.cl or manifest.json and keep the manifest's
+checksums (its own included) true, so that what the runtimes then refuse is the edit, not a checksum."""
 
 from __future__ import annotations
 
@@ -18,21 +18,28 @@ def edit_plan(bundle: str, edit: Callable[[dict[str, Any]], None]) -> None:
     edit(plan)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(plan, handle)
-    _checksum(bundle, fmt.PLAN)
+    rechecksum(bundle, fmt.PLAN)
 
 
 def edit_kernels(bundle: str, source: str) -> None:
     """Replace the bundle's kernels.cl with `source` and re-checksum it in manifest.json."""
     with open(os.path.join(bundle, fmt.KERNELS), "w", encoding="utf-8") as handle:
         handle.write(source)
-    _checksum(bundle, fmt.KERNELS)
+    rechecksum(bundle, fmt.KERNELS)
 
 
-def _checksum(bundle: str, name: str) -> None:
-    path = os.path.join(bundle, name)
+def edit_manifest(bundle: str, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply `edit` to the bundle's manifest.json in place and seal it again (its manifest_sha256)."""
     manifest_path = os.path.join(bundle, fmt.MANIFEST)
     with open(manifest_path, encoding="utf-8") as handle:
         manifest = json.load(handle)
-    manifest["checksums"][name] = fmt.sha256_of(path)
-    with open(manifest_path, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle)
+    edit(manifest)
+    with open(manifest_path, "wb") as handle:
+        handle.write(fmt.sealed_manifest(manifest))
+
+
+def rechecksum(bundle: str, name: str) -> None:
+    """Record the checksum of the bundle's file `name`, as it is now, in manifest.json."""
+    edit_manifest(bundle, lambda manifest: manifest["checksums"].update({name: fmt.sha256_of(os.path.join(bundle,
+                                                                                                          name))}))
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -62,6 +63,13 @@ def build_runner(build_dir: str = HOST_BUILD, toolchain: str | None = None,
     if not os.path.isfile(binary):
         raise RunnerError(f"the build in {build_dir} produced no {RUNNER_NAME}")
     return binary
+
+
+def build_command(build_dir: str = HOST_BUILD) -> str:
+    """The shell command that builds the runner into `build_dir` (build_runner's, as a user pastes it): absolute
+    paths, so that it works from any folder."""
+    source, build = shlex.quote(NATIVE_DIR), shlex.quote(os.path.abspath(build_dir))
+    return f"cmake -S {source} -B {build} && cmake --build {build}"
 
 
 # --- ELF: what a runner binary runs on ------------------------------------------------------------------

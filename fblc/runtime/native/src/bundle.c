@@ -77,7 +77,7 @@ static size_t mul_size(size_t a, size_t b, const char *where) {
     return a * b;
 }
 
-static json_value *parse_file(const char *folder, const char *name, char **text_out) {
+static json_value *parse_file(const char *folder, const char *name, char **text_out, size_t *length_out) {
     char *path = path_join(folder, name);
     size_t length;
     char *text = read_file(path, &length);
@@ -88,7 +88,39 @@ static json_value *parse_file(const char *folder, const char *name, char **text_
     free(path);
     if (text_out) *text_out = text;
     else free(text);
+    if (length_out) *length_out = length;
     return root;
+}
+
+static int is_json_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+/* Whether the manifest `text` holds exactly one "manifest_sha256": "<64 hex>" field whose value is the
+ * sha256 of the text with that value written as 64 zeros (fblc/bundle_format.py's sealed_manifest). */
+static int manifest_seal_holds(char *text, size_t length) {
+    static const char key[] = "\"manifest_sha256\"";
+    char *value = NULL;
+    size_t found = 0;
+    for (char *at = strstr(text, key); at; at = strstr(at + 1, key)) {
+        char *p = at + strlen(key);
+        while (is_json_space(*p)) ++p;
+        if (*p++ != ':') continue;
+        while (is_json_space(*p)) ++p;
+        if (*p++ != '"') continue;
+        size_t hex = 0;
+        while (hex < 64 && ((p[hex] >= '0' && p[hex] <= '9') || (p[hex] >= 'a' && p[hex] <= 'f'))) ++hex;
+        if (hex == 64 && p[64] == '"') {
+            value = p;
+            ++found;
+        }
+    }
+    if (found != 1) return 0;
+    char want[65], digest[65];
+    memcpy(want, value, 64);
+    want[64] = '\0';
+    memset(value, '0', 64);
+    sha256_hex(text, length, digest);
+    memcpy(value, want, 64);
+    return strcmp(digest, want) == 0;
 }
 
 static void read_tensor(const json_value *entry, tensor *out, size_t texture_count, const char *where) {
@@ -147,7 +179,9 @@ void bundle_load(const char *folder, bundle *out) {
                         "'fblc compile MODEL -o DIR'", folder);
     fclose(probe);
     free(manifest_path);
-    json_value *manifest = parse_file(folder, "manifest.json", NULL);
+    char *manifest_text;
+    size_t manifest_length;
+    json_value *manifest = parse_file(folder, "manifest.json", &manifest_text, &manifest_length);
     const json_value *format = json_get(manifest, "format"), *version = json_get(manifest, "format_version");
     if (!format || format->type != JSON_STRING || strcmp(format->string, FBLC_FORMAT_NAME) != 0 || !version ||
         version->type != JSON_NUMBER || version->number != FBLC_FORMAT_VERSION) {
@@ -159,11 +193,15 @@ void bundle_load(const char *folder, bundle *out) {
             format && format->type == JSON_STRING ? format->string : "None", found, FBLC_FORMAT_NAME,
             FBLC_FORMAT_VERSION);
     }
+    if (!manifest_seal_holds(manifest_text, manifest_length))
+        die(EXIT_USAGE, "'%s/manifest.json' does not match its own checksum (manifest_sha256): corrupt or edited; "
+                        "compile the bundle again", folder);
+    free(manifest_text);
     check_checksums(folder, manifest, out);
     const json_value *target = json_get(manifest, "target");
     out->target = xstrdup(target && target->type == JSON_STRING ? target->string : "?");
 
-    json_value *plan = parse_file(folder, "plan.json", NULL);
+    json_value *plan = parse_file(folder, "plan.json", NULL, NULL);
     const json_value *textures = need(plan, "textures", JSON_ARRAY, "plan.json");
     out->texture_count = textures->count;
     out->textures = xcalloc(textures->count, sizeof *out->textures);

@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 #define FBLC_FORMAT_NAME "fblc-bundle"
-#define FBLC_FORMAT_VERSION 3
+#define FBLC_FORMAT_VERSION 4
 
 /* R uint8 masks: MASK8 holds 8 elements a byte (bit i & 7 of byte i >> 3), MASK4 4 (its fallback) */
 enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2, FORMAT_MASK4 = 3, FORMAT_MASK8 = 4, FORMAT_COUNT };
@@ -72,9 +72,9 @@ typedef struct {
     size_t params_length;
 } bundle;
 
-/* Read and check `folder`: format name and version, the sha256 of every checksummed file, and
- * that every id and size in the plan is consistent. Dies with EXIT_USAGE and a message naming the
- * problem and what to do. */
+/* Read and check `folder`: format name and version, the manifest's digest of itself (manifest_sha256), the
+ * sha256 of every checksummed file, and that every id and size in the plan is consistent. Dies with
+ * EXIT_USAGE and a message naming the problem and what to do. */
 void bundle_load(const char *folder, bundle *out);
 
 size_t format_element_bytes(int format);  /* 4, 2, 4, 1, 1 */
