@@ -23,7 +23,7 @@ from tests.conftest import mlp_proto
 from tests.test_bad_values import bundle, mlp_data, no_runner, refused  # noqa: F401  (fixtures)
 from tests.test_native_runner import runner_binary  # noqa: F401  (fixture)
 
-SUMMARY = r"trained (\d+) steps( \(\d+ skipped by loss scaling\))? in [\d.]+ s: loss [-\d.]+ -> [-\d.]+; "
+SUMMARY = r"trained (\d+) steps( \(\d+ skipped by loss scaling\))? in [\d.]+ s: loss [-\d.]+ -> [-\d.]+"
 SMALLER_LR = "compile the bundle again with a smaller --lr and train again"
 
 
@@ -171,7 +171,8 @@ def test_adb_runs_that_diverge_are_errors_and_their_parameters_not_saved(bundle,
     finite["w1"][0, 0] = 1.0
     assert main(args) == 0
     assert_saved(saved, finite)
-    assert capsys.readouterr().out.splitlines()[-1].startswith("trained 3 steps in ")
+    *_, closing, saved_line = capsys.readouterr().out.splitlines()
+    assert closing.startswith("trained 3 steps in ") and saved_line.endswith(f"to '{saved}'")
 
 
 # --- 2. bundle integrity ------------------------------------------------------------------------------------
@@ -278,12 +279,14 @@ def test_run_says_which_storage_auto_chose_and_closes_with_a_summary(bundle, dat
     assert f"note: --storage auto chose {chosen}: " in err
     assert ("is a CPU, whose OpenCL images are software: buffers run the same kernels several times faster"
             in err) == cpu
-    assert re.fullmatch(SUMMARY + "parameters not saved: add --save-params FILE.npz", out.splitlines()[-1])
+    assert re.fullmatch(SUMMARY + "; parameters not saved: add --save-params FILE.npz", out.splitlines()[-1])
     assert out.splitlines()[-1].startswith("trained 3 steps in ")
     saved = str(tmp_path / "trained.npz")
     assert main(["run", bundle, "--data", data, "--steps", "2", "--save-params", saved]) == 0
     out = capsys.readouterr().out
-    assert re.fullmatch(SUMMARY + re.escape(f"parameters saved to '{saved}'"), out.splitlines()[-1])
+    *_, closing, saved_line = out.splitlines()
+    assert re.fullmatch(SUMMARY, closing), closing
+    assert saved_line.startswith("saved 4 trained parameters (") and saved_line.endswith(f"to '{saved}'")
     assert_saved(saved, parameters_after(bundle, 2))
     assert LocalRunner(bundle, progress=False).storage == chosen
     assert LocalRunner(bundle, progress=False, storage="image").storage_reason == ""

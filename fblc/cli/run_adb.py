@@ -68,8 +68,6 @@ def cmd_run_adb(args: Any) -> int:
         kept = (f"the runner hands over only the parameters after its last step, {done[0]}: not saved"
                 if args.save_params else "nothing saved (no --save-params)")
         raise FblcError(f"{failure}; {kept}", DIVERGED_REMEDY)
-    if saved:
-        report_saved(*saved, args.save_params, quiet, as_json)
     if not quiet and not as_json:
         steps = len(results.step_ms)
         kernel = sum(results.kernel_ms[1:]) / max(1, steps - 1) if steps > 1 else results.kernel_ms[0]
@@ -79,6 +77,8 @@ def cmd_run_adb(args: Any) -> int:
               f"{results.bytes_allocated['textures'] / 2**20:.1f} MiB; slowest: "
               + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
         print(summary(results.losses, seconds, skipped[0], saved[0] if saved else ""))
+    if saved:
+        report_saved(*saved, args.save_params, quiet, as_json)
     return 0
 
 

@@ -87,9 +87,9 @@ def stopped(cause: str, kept: Finite, save_path: str | None, remedy: str = DIVER
 def summary(losses: Sequence[float], seconds: float, skipped: int, saved: str) -> str:
     """The closing line of a run: steps, first -> last loss, time, and where the parameters went."""
     skips = f" ({skipped} skipped by loss scaling)" if skipped else ""
-    where = f"parameters saved to '{saved}'" if saved else NOT_SAVED
+    where = "" if saved else f"; {NOT_SAVED}"  # a saved file is named by the line that follows (report_saved)
     steps = f"{len(losses)} step{'s' if len(losses) != 1 else ''}"
-    return (f"trained {steps}{skips} in {seconds:.1f} s: loss {losses[0]:.6f} -> {losses[-1]:.6f}; "
+    return (f"trained {steps}{skips} in {seconds:.1f} s: loss {losses[0]:.6f} -> {losses[-1]:.6f}"
             f"{where}")
 
 
@@ -128,12 +128,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         # runner.steps counts the steps whose updates are in place: a step cut short left the state as it was
         raise KeyboardInterrupt(interrupted(runner.steps, args.steps, args.save_params, runner.parameters)) from None
     seconds = time.perf_counter() - started
-    written = ""
+    written, why = "", ""
     if args.save_params:  # the parameters read after the last step: no device read can fail here
         written, why = save_trained(args.save_params, lambda: kept.parameters)
-        report_saved(written, why, args.save_params, args.quiet, args.json)
     if not args.quiet and not args.json:
         print(summary(losses, seconds, skipped, written))
+    if args.save_params:
+        report_saved(written, why, args.save_params, args.quiet, args.json)
     return 0
 
 
