@@ -5,7 +5,9 @@ A bundle is a directory:
                  graph inputs/outputs, parameters and states (name, shape, dtype, texture,
                  offset in params.bin), and the sha256 of every other file; class-index labels
                  also carry `classes` and `ignore_index` (optional: a runtime that finds them
-                 refuses other label values before training);
+                 refuses other label values before training); parameters a torch export
+                 named carry `torch_name` (and `torch_transposed`: true where the tensor is the
+                 torch parameter with its last two axes swapped), for messages and saved files;
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
                  (kernel name, global/local size, texture arguments), the state swaps after a step;
 - kernels.cl     OpenCL C, one __kernel per launch;

@@ -16,6 +16,7 @@ from typing import Any
 from fblc import bundle_format as fmt
 from fblc.cli.data import batches
 from fblc.cli.outputs import print_step, report_fallback, save_trained
+from fblc.cli.train import note_renamed
 from fblc.runtime.adb import Adb, run_on_device
 
 
@@ -54,6 +55,7 @@ def cmd_run_adb(args: Any) -> int:
         _write_json_atomically(args.results, results.raw)
     if saved:
         report_fallback(*saved)
+        note_renamed(manifest, quiet)
     if not quiet and not as_json:
         steps = len(results.step_ms)
         kernel = sum(results.kernel_ms[1:]) / max(1, steps - 1) if steps > 1 else results.kernel_ms[0]

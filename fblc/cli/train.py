@@ -35,6 +35,15 @@ def interrupted(done: int, steps: int, save_path: str | None,
     return f"after {done} of {steps} steps; " + (f"{why}; {saved} '{written}' instead" if why else f"{saved} {written}")
 
 
+def note_renamed(manifest: dict, quiet: bool) -> None:
+    """After saving: say which saved arrays are torch parameters of another name (the keys stay ONNX names)."""
+    from fblc.compiler.torch_names import renamed_note
+
+    note = None if quiet else renamed_note(manifest["parameters"])
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fblc.runtime.local import LocalRunner
 
@@ -76,6 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(interrupted(runner.steps, args.steps, args.save_params, runner.parameters)) from None
     if args.save_params:
         report_fallback(*save_trained(args.save_params, runner.parameters))
+        note_renamed(manifest, args.quiet)
     return 0
 
 

@@ -11,6 +11,7 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.graph import numel
 from fblc.compiler.keys import Role
+from fblc.compiler.torch_names import display_name
 from fblc.compiler.trainable import folded_torch_sources
 
 
@@ -47,10 +48,11 @@ def trained_tensors(graph: ir.Graph) -> list[ir.Value]:
 
 
 def group_by_layer(values: list[ir.Value]) -> list[TensorGroup]:
-    """Tensors whose names differ only in layer indices, as one group each, in first-seen order."""
+    """Tensors whose names (torch names where the export recorded them) differ only in layer indices, as one
+    group each, in first-seen order."""
     groups: dict[str, list[int]] = {}
     for value in values:
-        entry = groups.setdefault(_INDEX.sub("*", value.name), [0, 0])
+        entry = groups.setdefault(_INDEX.sub("*", display_name(value)), [0, 0])
         entry[0] += 1
         entry[1] += numel(value.shape) if value.shape is not None and value.shape.is_static() else 0
     return [TensorGroup(pattern, t, n) for pattern, (t, n) in groups.items()]
