@@ -93,7 +93,7 @@ def _torch_value(module: nn.Module, value: ir.Value) -> np.ndarray:
     """The torch parameter `value` records, in the ONNX tensor's layout."""
     recorded = torch_name_of(value)
     assert recorded is not None, f"'{value.name}' records no torch name"
-    array = dict(module.named_parameters())[recorded.name].detach().numpy()
+    array = module.state_dict()[recorded.name].detach().numpy()  # tied weights under each of their names
     return array.T if recorded.transposed else array
 
 
@@ -141,6 +141,8 @@ def test_a_pattern_that_matches_nothing_lists_torch_names(exports) -> None:
 
 @pytest.mark.parametrize("arch, pattern, expected", [
     ("llama", "up_proj", {"model.layers.0.mlp.up_proj.weight"}),  # dynamo + onnxscript: a `val_N`
+    # Falcon's own `weight.T`, folded into a constant named after its FX node (`permute_2`)
+    ("falcon", "dense_h_to_4h", {"transformer.h.0.mlp.dense_h_to_4h.weight"}),
     # legacy: `onnx::MatMul_N` under `/decoder/...`, whose module path lacks the `model.` of the torch name
     ("opt", r"self_attn\.q_proj", {"model.decoder.layers.0.self_attn.q_proj.weight",
                                    "model.decoder.layers.0.self_attn.q_proj.bias"}),

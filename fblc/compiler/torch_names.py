@@ -7,16 +7,20 @@ torch.onnx's exporters do not always keep a parameter's name:
   the FX node it came from (`pkg.torch.onnx.fx_node`); onnxscript's optimizer then folds the
   Transpose of each `nn.Linear` weight into a new constant `val_N` that records only
   `folded_from: ['fc1.weight']`. The MatMul reading it comes from `aten.linear(x, %p_fc1_weight, ...)`,
-  and `aten.linear` multiplies by the weight transposed: `val_N` is `fc1.weight` transposed.
+  and `aten.linear` multiplies by the weight transposed: `val_N` is `fc1.weight` transposed. A
+  `weight.T` in the model's own code (Falcon's Linear) folds into a constant named after its FX
+  node, `permute`/`t`/`transpose`: that too is the weight transposed.
 - the legacy (TorchScript) exporter names parameters by their torch names, except the constants its
   folding makes: a Linear's transposed weight becomes `onnx::MatMul_N`. Nodes are named after the
   module path of the call (`/model/layers.0/mlp/up_proj/MatMul`), but a module whose forward never
   ran is missing from that path (OPT's `model`), so the path is anchored on the parameters that kept
   their names: the bias of the same module, or a parameter of an enclosing one.
 
-A tensor nothing records (an ONNX file from elsewhere, a constant folded from several parameters)
-has no torch name. `record_torch_names` writes `fblc.torch_name` (and `fblc.torch_transposed` = "1"
-when the ONNX tensor is the torch tensor with its last two axes swapped) on each named initializer.
+A tensor nothing records (an ONNX file from elsewhere, a constant folded from several parameters, a
+dynamo-lifted buffer) has no torch name. `record_torch_names` writes `fblc.torch_name` (and
+`fblc.torch_transposed` = "1" when the ONNX tensor is the torch tensor with its last two axes swapped)
+on each named initializer. Checked by value against the torch modules of every model of
+tests/support/zoo.py, through all three exporters.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ _SIGNATURE_ENTRY = re.compile(r"^\s*(\S+): (\w+) target='([^']+)'", re.MULTILINE
 #: the FX call a dynamo-exported node came from: its target and its argument list
 _FX_CALL = re.compile(r"call_function\[target=([\w.]+)\]\(args = \(([^)]*)\)")
 _LINEAR = "torch.ops.aten.linear.default"
+#: the FX node names of a transpose (`weight.T` is `permute`, `t` or `transpose`), which onnxscript's optimizer
+#: gives the constant it folds such a call into
+_TRANSPOSE_NAME = re.compile(r"^(permute|t|transpose)(_\d+)?$")
 FX_NODE = "pkg.torch.onnx.fx_node"
 ORIGINAL_NODE_NAME = "pkg.torch.onnx.original_node_name"
 
@@ -77,21 +84,27 @@ def _linear_weight_placeholder(node: ir.Node) -> str | None:
     return arguments[1].lstrip("%") if len(arguments) > 1 else None
 
 
+def _is_folded_transpose(value: ir.Value, placeholder: str) -> bool:
+    """Whether `value`, folded from the 2-D parameter `placeholder` alone, is it transposed: the weight of
+    the `aten.linear` calls that read it, or a folded `weight.T` (named after its FX node)."""
+    uses = list(value.uses())
+    linear = bool(uses) and all(use.node.op_type == "MatMul" and use.idx == 1
+                                and _linear_weight_placeholder(use.node) == placeholder for use in uses)
+    return linear or _TRANSPOSE_NAME.match(value.name or "") is not None
+
+
 def _dynamo_names(graph: ir.Graph) -> dict[str, TorchName]:
     parameters = signature_entries(graph)
     placeholders = {target: placeholder for placeholder, target in parameters.items()}
     found: dict[str, TorchName] = {}
     for name, value in graph.initializers.items():
-        if keys.TORCH_INPUT_KIND in value.metadata_props:  # lifted: named after the torch tensor
-            placeholder = value.metadata_props.get(ORIGINAL_NODE_NAME, "")
-            found[name] = TorchName(parameters.get(placeholder, name))
+        placeholder = value.metadata_props.get(ORIGINAL_NODE_NAME, "")
+        if keys.TORCH_INPUT_KIND in value.metadata_props and placeholder in parameters:  # lifted as it is
+            found[name] = TorchName(parameters[placeholder])
             continue
         sources = _folded_sources(value)
-        if len(sources) != 1 or sources[0] not in placeholders or value.shape is None or len(value.shape) != 2:
-            continue
-        uses = list(value.uses())
-        if uses and all(use.node.op_type == "MatMul" and use.idx == 1
-                        and _linear_weight_placeholder(use.node) == placeholders[sources[0]] for use in uses):
+        if len(sources) == 1 and sources[0] in placeholders and value.shape is not None and len(value.shape) == 2 \
+                and _is_folded_transpose(value, placeholders[sources[0]]):
             found[name] = TorchName(sources[0], transposed=True)
     return found
 
