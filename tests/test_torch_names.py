@@ -211,3 +211,15 @@ def test_onnxruntime_loads_a_train_graph_step_without_a_warning_and_it_computes_
     second, reference = _run(out, {**batch, **state}), _run(plain, {**batch, **state})
     for name in reference:
         np.testing.assert_array_equal(second[name], reference[name], err_msg=name)
+
+
+def test_plain_state_inputs_keep_initializers_as_input_defaults(tmp_path) -> None:
+    """For importers without optional types (TVM's): the plain form, each state input also an initializer."""
+    model, out = str(tmp_path / "mlp.onnx"), str(tmp_path / "step.onnx")
+    onnx.save(mlp_proto(), model)
+    assert main(["train-graph", model, "-o", out, "-q", "--plain-state-inputs"]) == 0
+    step = onnx.load(out)
+    initializers = {t.name for t in step.graph.initializer}
+    states = [i.name for i in step.graph.input if i.name in initializers]
+    assert states and not any(i.type.HasField("optional_type") for i in step.graph.input)
+    assert set(states) == set(input_defaults(step)) >= {"w1", "b1", "w2", "b2"}

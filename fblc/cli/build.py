@@ -24,9 +24,9 @@ def cmd_train_graph(args: argparse.Namespace) -> int:
         step = build_training_graph(model, options, dump_dir=args.dump_dir, on_pass=on_pass)
     built = time.perf_counter() - started
     summary = summarize_step(step)
-    # the state inputs as optional tensors with their current values as defaults: onnxruntime loads the
-    # file without a warning per parameter (fblc.compiler.optional_state)
-    save_model_atomically(with_optional_state(step), args.output)
+    # by default the state inputs as optional tensors with their current values as defaults: onnxruntime
+    # loads the file without a warning per parameter (fblc.compiler.optional_state)
+    save_model_atomically(step if args.plain_state_inputs else with_optional_state(step), args.output)
     if not args.quiet:
         print(summary)
         print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e6:.1f} MB) in {built:.2f} s"
