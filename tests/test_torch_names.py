@@ -29,6 +29,7 @@ from fblc.compiler.torch_names import renamed_note, torch_name_of, torch_state_d
 from fblc.errors import TrainableSetError
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from tests.conftest import mlp_proto
+from tests.test_bad_values import refused
 from tests.support import zoo
 
 EXPORTERS = ("dynamo_opt", "dynamo", "legacy")
@@ -223,3 +224,17 @@ def test_plain_state_inputs_keep_initializers_as_input_defaults(tmp_path) -> Non
     states = [i.name for i in step.graph.input if i.name in initializers]
     assert states and not any(i.type.HasField("optional_type") for i in step.graph.input)
     assert set(states) == set(input_defaults(step)) >= {"w1", "b1", "w2", "b2"}
+
+
+def test_a_model_value_named_like_a_state_read_is_refused_not_duplicated(tmp_path, capsys) -> None:
+    """The optional-state form adds `P.value` per state input: a model value of that name is a clear refusal,
+    not an ONNX file with two values of one name."""
+    proto = mlp_proto()
+    for node in proto.graph.node:
+        node.input[:] = ["w1.value" if name == "h" else name for name in node.input]
+        node.output[:] = ["w1.value" if name == "h" else name for name in node.output]
+    model = str(tmp_path / "mlp.onnx")
+    onnx.save(proto, model)
+    message = refused(capsys, str(tmp_path), "train-graph", model, "-o", str(tmp_path / "step.onnx"))
+    assert message == ("the step reads its input 'w1' through a value named 'w1.value', a name the model already "
+                       "uses; rename that tensor in the model, or write the step with --plain-state-inputs")

@@ -22,8 +22,12 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
+from fblc.errors import FblcError
+
 #: the initializer that holds a state input's current value: `P.initial`
 DEFAULT_SUFFIX = ".initial"
+#: the names with_optional_state adds per state input P: P + each suffix
+ADDED_SUFFIXES = (DEFAULT_SUFFIX, ".fed", ".fed_value", ".kept_value", ".value")
 
 
 def _read_optional(state: ir.Value, default: ir.Value, value: ir.Value) -> list[ir.Node]:
@@ -46,12 +50,15 @@ def with_optional_state(model: ir.Model) -> ir.Model:
     """Rewrite (in place) every graph input that has an initializer of the same name into an optional
     tensor input defaulting to that value, kept as the initializer `NAME.initial`; returns `model`."""
     graph = model.graph
-    taken = {v.name for v in graph.initializers.values()} | {v.name for v in graph.inputs}
+    taken = {v.name for v in [*graph.inputs, *graph.initializers.values()]} | {
+        v.name for node in ir.traversal.RecursiveGraphIterator(graph) for v in node.outputs}
     reads: list[ir.Node] = []
     for state in [v for v in graph.inputs if graph.initializers.get(v.name) is v]:
-        if f"{state.name}{DEFAULT_SUFFIX}" in taken:
-            raise ValueError(f"cannot name the default of input '{state.name}': '{state.name}{DEFAULT_SUFFIX}' "
-                             "is taken")
+        clash = next((f"{state.name}{suffix}" for suffix in ADDED_SUFFIXES if f"{state.name}{suffix}" in taken), None)
+        if clash is not None:
+            raise FblcError(f"the step reads its input '{state.name}' through a value named '{clash}', a name the "
+                            "model already uses", "rename that tensor in the model, or write the step with "
+                            "--plain-state-inputs")
         default = ir.Value(name=f"{state.name}{DEFAULT_SUFFIX}", type=state.type, shape=state.shape,
                            const_value=state.const_value)
         del graph.initializers[state.name]

@@ -57,11 +57,10 @@ class TorchName:
     transposed: bool = False
 
 
-def signature_entries(graph: ir.Graph, kind: str = "PARAMETER") -> dict[str, str]:
-    """The dynamo exporter's graph signature: placeholder name -> torch name, for inputs of `kind`."""
+def signature_parameters(graph: ir.Graph) -> dict[str, str]:
+    """The parameters of the dynamo exporter's graph signature: placeholder name -> torch name."""
     text = graph.metadata_props.get(keys.TORCH_GRAPH_SIGNATURE, "")
-    return {placeholder: target for placeholder, entry_kind, target in _SIGNATURE_ENTRY.findall(text)
-            if entry_kind == kind}
+    return {placeholder: target for placeholder, kind, target in _SIGNATURE_ENTRY.findall(text) if kind == "PARAMETER"}
 
 
 def _folded_sources(value: ir.Value) -> list[str]:
@@ -94,7 +93,7 @@ def _is_folded_transpose(value: ir.Value, placeholder: str) -> bool:
 
 
 def _dynamo_names(graph: ir.Graph) -> dict[str, TorchName]:
-    parameters = signature_entries(graph)
+    parameters = signature_parameters(graph)
     placeholders = {target: placeholder for placeholder, target in parameters.items()}
     found: dict[str, TorchName] = {}
     for name, value in graph.initializers.items():

@@ -15,7 +15,7 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.graph import is_float
 from fblc.compiler.keys import Role
-from fblc.compiler.torch_names import signature_entries
+from fblc.compiler.torch_names import signature_parameters
 
 BN_RUNNING_STAT_INPUTS = (3, 4)
 #: op type -> input slots that hold weights
@@ -37,7 +37,7 @@ def has_exporter_kinds(graph: ir.Graph) -> bool:
 
 def exported_parameters(graph: ir.Graph) -> set[str]:
     """The torch parameter names the dynamo exporter's graph signature lists (empty without one)."""
-    return set(signature_entries(graph).values())
+    return set(signature_parameters(graph).values())
 
 
 def folded_torch_sources(graph: ir.Graph) -> dict[str, list[str]]:
