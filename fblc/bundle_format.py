@@ -5,7 +5,9 @@ A bundle is a directory:
                  graph inputs/outputs, parameters and states (name, shape, dtype, texture,
                  offset in params.bin), and the sha256 of every other file; class-index labels
                  also carry `classes` and `ignore_index` (optional: a runtime that finds them
-                 refuses other label values before training); last, `manifest_sha256`: the
+                 refuses other label values before training); parameters a torch export
+                 named carry `torch_name` (and `torch_transposed`: true where the tensor is the
+                 torch parameter with its last two axes swapped), for messages and saved files; last, `manifest_sha256`: the
                  sha256 of the manifest file itself with that digest's 64 characters written
                  as zeros, so that an edit of any byte of any file the runtimes read is refused;
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches

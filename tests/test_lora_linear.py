@@ -25,6 +25,7 @@ from fblc.codegen.compile import compile_model
 from fblc.compiler.adapters import ADAPTER_META, AdapterConfig
 from fblc.compiler.es import EsConfig
 from fblc.compiler.model_io import load_model, save_model_atomically
+from fblc.compiler.optional_state import input_defaults
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.reference import ReferenceStep, onnxruntime_session
 from fblc.errors import FblcError
@@ -145,7 +146,7 @@ def test_es_over_lora_builds_and_its_onnx_step_moves_b(tmp_path, capsys) -> None
     step = onnx.load(out)
     params = [i for i in step.graph.input if i.name.endswith(("adapter_A", "adapter_B"))]  # in input order
     names = {p.name for p in params}
-    initial = {t.name: onnx.numpy_helper.to_array(t) for t in step.graph.initializer if t.name in names}
+    initial = {name: value for name, value in input_defaults(step).items() if name in names}
     width = sum(v.size for v in initial.values())
     noise = np.random.default_rng(6).standard_normal((pairs, width)).astype(np.float32)
     got = _run_step(step, {**exported.inputs, "labels": exported.labels, "noise": noise})

@@ -35,10 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     train_graph = commands.add_parser(
         "train-graph", help="write one training step (forward, loss, backward, optimizer) as a standalone ONNX model",
         description="Build one training step of MODEL as an ONNX model that onnxruntime runs. Inputs: the model's "
-                    "inputs, labels, then every trainable parameter and optimizer state (initialised with their "
-                    "current values). Outputs: loss, then P.grad and P.new per parameter, then S.new per state.")
+                    "inputs, labels, then every trainable parameter and optimizer state (optional inputs that "
+                    "default to their current values). Outputs: loss, then P.grad and P.new per parameter, then "
+                    "S.new per state.")
     add_training_options(train_graph)
     train_graph.add_argument("-o", "--output", required=True, metavar="STEP.onnx", help="where to write the step")
+    train_graph.add_argument("--plain-state-inputs", action="store_true",
+                             help="write parameters and optimizer state as plain tensor inputs, each also an "
+                                  "initializer of the same name holding its current value (ONNX's input default, "
+                                  "which onnxruntime warns about once per tensor), for importers without optional "
+                                  "types (TVM's)")
     train_graph.set_defaults(run=cmd_train_graph)
 
     compile_ = commands.add_parser(

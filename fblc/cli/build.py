@@ -13,6 +13,7 @@ from fblc.cli.options import pass_progress, training_options
 
 def cmd_train_graph(args: argparse.Namespace) -> int:
     from fblc.compiler.model_io import load_model, save_model_atomically
+    from fblc.compiler.optional_state import with_optional_state
     from fblc.compiler.summary import summarize_step
     from fblc.passes.pipeline import build_training_graph, training_pipeline
 
@@ -22,9 +23,12 @@ def cmd_train_graph(args: argparse.Namespace) -> int:
     with pass_progress(len(training_pipeline(options)), enabled=not args.quiet) as on_pass:
         step = build_training_graph(model, options, dump_dir=args.dump_dir, on_pass=on_pass)
     built = time.perf_counter() - started
-    save_model_atomically(step, args.output)
+    summary = summarize_step(step)
+    # by default the state inputs as optional tensors with their current values as defaults: onnxruntime
+    # loads the file without a warning per parameter (fblc.compiler.optional_state)
+    save_model_atomically(step if args.plain_state_inputs else with_optional_state(step), args.output)
     if not args.quiet:
-        print(summarize_step(step))
+        print(summary)
         print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e6:.1f} MB) in {built:.2f} s"
               + (f"; pass dumps in {args.dump_dir}/" if args.dump_dir else ""))
     return 0

@@ -18,7 +18,7 @@ from typing import Any
 from fblc import bundle_format as fmt
 from fblc.cli.data import batches
 from fblc.cli.outputs import print_step, report_saved, save_trained, write_atomically
-from fblc.cli.train import DIVERGED_REMEDY, is_divergence, non_finite, summary
+from fblc.cli.train import DIVERGED_REMEDY, is_divergence, non_finite, note_renamed, summary
 from fblc.errors import FblcError
 from fblc.runtime.adb import Adb, run_on_device
 
@@ -79,6 +79,7 @@ def cmd_run_adb(args: Any) -> int:
         print(summary(results.losses, seconds, skipped[0], saved[0] if saved else ""))
     if saved:
         report_saved(*saved, args.save_params, quiet, as_json)
+        note_renamed(manifest, quiet)
     return 0
 
 

@@ -93,6 +93,15 @@ def summary(losses: Sequence[float], seconds: float, skipped: int, saved: str) -
             f"{where}")
 
 
+def note_renamed(manifest: dict, quiet: bool) -> None:
+    """After saving: say which saved arrays are torch parameters of another name (the keys stay ONNX names)."""
+    from fblc.compiler.torch_names import renamed_note
+
+    note = None if quiet else renamed_note(manifest["parameters"])
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fblc.runtime.local import LocalRunner
 
@@ -135,6 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(summary(losses, seconds, skipped, written))
     if args.save_params:
         report_saved(written, why, args.save_params, args.quiet, args.json)
+        note_renamed(manifest, args.quiet)
     return 0
 
 

@@ -22,6 +22,7 @@ from fblc.paths import mode_for, parents_made, write_error
 from fblc.compiler.es import MEMBER_PREFIX
 from fblc.compiler.keys import Role
 from fblc.compiler.losses import IGNORE_INDEX
+from fblc.compiler.torch_names import manifest_fields
 from fblc.compiler.values import static_shape
 from fblc.profiles import Profile
 
@@ -94,7 +95,8 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                 "target": profile.name, "profile_digest": profile.digest, "dtype": dtype,
                 "inputs": [_tensor_entry(v, program) for v in data_inputs],
                 "outputs": [_tensor_entry(v, program) for v in graph.outputs],
-                "parameters": [with_init(v) for v in params], "states": [with_init(v) for v in states],
+                "parameters": [{**with_init(v), **manifest_fields(v)} for v in params],
+                "states": [with_init(v) for v in states],
                 "loss": program.values["loss"],
                 # scalars the runtimes report with the loss each step (ES's reward_mean)
                 "metrics": [{"name": v.name, "texture": program.values[v.name]} for v in graph.outputs

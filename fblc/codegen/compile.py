@@ -21,6 +21,7 @@ from fblc.codegen.plan import Program, lower
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
 from fblc.compiler.summary import adapter_report, trained_set_source, trained_tensors
+from fblc.compiler.torch_names import manifest_fields
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
 from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
 
@@ -61,7 +62,8 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report["memory"], timeline = memory_report(step, table)
     report["layout"] = layout_object(step, program, options)
     report["trained"] = {"chosen_by": trained_set_source(step.graph),
-                         "tensors": [{"name": v.name, "shape": list(v.shape)} for v in trained_tensors(step.graph)]}
+                         "tensors": [{"name": v.name, **manifest_fields(v), "shape": list(v.shape)}
+                                     for v in trained_tensors(step.graph)]}
     adapter = adapter_report(step)
     if adapter is not None:
         report["adapter"] = adapter

@@ -39,6 +39,10 @@ TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 ONNXSCRIPT_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
 #: On the graph (dynamo exporter): the ExportedProgram's signature, one `name: KIND target='torch.name'` per input.
 TORCH_GRAPH_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+#: On an initializer: the torch parameter it is, where the exporter recorded it (fblc.compiler.torch_names).
+TORCH_NAME = "fblc.torch_name"
+#: On an initializer with TORCH_NAME: "1" when it is the torch tensor with its last two axes swapped.
+TORCH_TRANSPOSED = "fblc.torch_transposed"
 
 
 class Role(str, enum.Enum):

@@ -1,7 +1,8 @@
 """The reference executor: onnxruntime runs a training-step ONNX step after step.
 
 Every later stage (OpenCL kernels, the native runner) is checked against this. The state
-(parameters, optimizer state) starts from the step's initializers; after each step the
+(parameters, optimizer state) starts from the step's input defaults (initializers, or the
+`.initial` values of `fblc train-graph`'s optional state inputs); after each step the
 `.new` outputs become the next step's inputs, as the step interface defines.
 """
 
@@ -14,11 +15,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
-from onnx import numpy_helper
 
 from fblc.compiler import keys
 from fblc.bundle_format import checked_rewards
 from fblc.compiler.es import ES_META, MEMBER_PREFIX, NOISE, REWARDS_OUTPUT, RewardFunction
+from fblc.compiler.optional_state import input_defaults
 from fblc.compiler.philox import es_noise
 from fblc.errors import FblcError
 from fblc.compiler.keys import Role
@@ -46,13 +47,14 @@ class ReferenceStep:
 
     def __init__(self, step_path: str) -> None:
         model = onnx.load(step_path)
-        initial = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        initial = input_defaults(model)
         self.session = onnxruntime_session(step_path)
         outputs = [o.name for o in self.session.get_outputs()]
         self.output_names = outputs
         self.state: dict[str, np.ndarray] = {
             name[: -len(".new")]: initial[name[: -len(".new")]] for name in outputs if name.endswith(".new")}
-        self.data_inputs = [i.name for i in self.session.get_inputs() if i.name not in self.state]
+        self.data_inputs = [i.name for i in self.session.get_inputs()
+                            if i.name not in self.state and i.name not in initial]
         self.last: dict[str, np.ndarray] = {}
         self.steps = 0
         metadata = {p.key: p.value for p in model.metadata_props}

@@ -15,6 +15,7 @@ from fblc.compiler.adapters import ADAPTER_META
 from fblc.compiler.fura_s import FURA_META
 from fblc.compiler.graph import const_array, numel, static_shape
 from fblc.compiler.keys import Role
+from fblc.compiler.torch_names import display_name
 from fblc.compiler.trainable import WEIGHT_SLOTS, folded_torch_sources
 
 
@@ -51,10 +52,11 @@ def trained_tensors(graph: ir.Graph) -> list[ir.Value]:
 
 
 def group_by_layer(values: list[ir.Value]) -> list[TensorGroup]:
-    """Tensors whose names differ only in layer indices, as one group each, in first-seen order."""
+    """Tensors whose names (torch names where the export recorded them) differ only in layer indices, as one
+    group each, in first-seen order."""
     groups: dict[str, list[int]] = {}
     for value in values:
-        entry = groups.setdefault(_INDEX.sub("*", value.name), [0, 0])
+        entry = groups.setdefault(_INDEX.sub("*", display_name(value)), [0, 0])
         entry[0] += 1
         entry[1] += numel(value.shape) if value.shape is not None and value.shape.is_static() else 0
     return [TensorGroup(pattern, t, n) for pattern, (t, n) in groups.items()]

@@ -10,13 +10,12 @@ where exporters fold weights, and is a constant elsewhere.
 
 from __future__ import annotations
 
-import re
-
 import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.graph import is_float
 from fblc.compiler.keys import Role
+from fblc.compiler.torch_names import signature_parameters
 
 BN_RUNNING_STAT_INPUTS = (3, 4)
 #: op type -> input slots that hold weights
@@ -36,12 +35,9 @@ def has_exporter_kinds(graph: ir.Graph) -> bool:
     return any(keys.TORCH_INPUT_KIND in v.metadata_props for v in graph.initializers.values())
 
 
-_SIGNATURE_PARAMETER = re.compile(r"^\s*\S+: PARAMETER target='([^']+)'", re.MULTILINE)
-
-
 def exported_parameters(graph: ir.Graph) -> set[str]:
     """The torch parameter names the dynamo exporter's graph signature lists (empty without one)."""
-    return set(_SIGNATURE_PARAMETER.findall(graph.metadata_props.get(keys.TORCH_GRAPH_SIGNATURE, "")))
+    return set(signature_parameters(graph).values())
 
 
 def folded_torch_sources(graph: ir.Graph) -> dict[str, list[str]]:
@@ -51,14 +47,15 @@ def folded_torch_sources(graph: ir.Graph) -> dict[str, list[str]]:
     The optimizer folds a parameter read only through constant-index ops (BERT's position
     embeddings gathered at constant ids, ViT's cls token expanded over the batch) into a new
     constant, and the parameter is gone from the file, so it cannot train. A constant that trains
-    anyway (one in a weight slot, e.g. a pre-transposed weight) is left out.
+    anyway (one in a weight slot) is left out, and so is a pre-transposed weight, which is its parameter
+    (fblc.compiler.torch_names) even when --freeze froze it.
     """
     parameters = exported_parameters(graph)
     found: dict[str, list[str]] = {}
     for name, value in graph.initializers.items():
         record = value.metadata_props.get(keys.ONNXSCRIPT_FOLDED_FROM)
-        if record is None or keys.get_role(value) == Role.PARAM.value:
-            continue
+        if record is None or keys.get_role(value) == Role.PARAM.value or keys.TORCH_NAME in value.metadata_props:
+            continue  # trains, or is a parameter itself (a pre-transposed weight) that --freeze froze
         sources = sorted({s.strip(" '\"") for s in record.strip("[]").split(",")} & parameters)
         if sources:
             found[name] = sources

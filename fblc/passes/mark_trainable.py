@@ -3,7 +3,9 @@
 Rewrite: among initializers tagged `param` by classify_initializers, those matching
 `--train` (all, when not given) and not matching `--freeze` keep role `param` and become
 graph inputs (after the model's inputs), with their current value kept as the initializer
-of the same name; every other initializer gets role `frozen`. Preconditions:
+of the same name; every other initializer gets role `frozen`. A pattern matches a tensor
+when it matches its ONNX name or the torch name the export recorded (`fc1.weight` for the
+legacy exporter's `onnx::MatMul_12`, fblc.compiler.torch_names). Preconditions:
 classify_initializers ran. In place. Errors: a pattern that matches no parameter, or nothing
 left to train.
 """
@@ -17,6 +19,7 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.errors import TrainableSetError
 from fblc.compiler.keys import Role
+from fblc.compiler.torch_names import display_name, names_of
 from fblc.passes.contracts import ContractPass
 
 
@@ -28,6 +31,10 @@ def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
     except re.error as error:
         raise TrainableSetError(f"{flag} '{pattern}' is not a valid regular expression ({error})",
                                 "use Python regex syntax, e.g. 'classifier|layer\\.3'") from None
+
+
+def _matches(pattern: re.Pattern[str], value: ir.Value) -> bool:
+    return any(pattern.search(name) for name in names_of(value))
 
 
 class MarkTrainable(ContractPass):
@@ -46,13 +53,13 @@ class MarkTrainable(ContractPass):
         graph = model.graph
         candidates = [v for v in graph.initializers.values() if keys.get_role(v) == Role.PARAM.value]
         for pattern, text, flag in ((self.train, self.train_text, "--train"), (self.freeze, self.freeze_text, "--freeze")):
-            if pattern is not None and not any(pattern.search(v.name) for v in candidates):
-                examples = ", ".join(v.name for v in candidates[:5]) or "(none)"
+            if pattern is not None and not any(_matches(pattern, v) for v in candidates):
+                examples = ", ".join(display_name(v) for v in candidates[:5]) or "(none)"
                 raise TrainableSetError(f"{flag} '{text}' matches no parameter",
                                         f"parameter names look like: {examples}")
         chosen = [v for v in candidates
-                  if (self.train is None or self.train.search(v.name))
-                  and not (self.freeze is not None and self.freeze.search(v.name))]
+                  if (self.train is None or _matches(self.train, v))
+                  and not (self.freeze is not None and _matches(self.freeze, v))]
         if not chosen:
             raise TrainableSetError("nothing to train: no float parameter is left after --train/--freeze",
                                     "loosen --freeze or --train, or check that the model has float initializers")
