@@ -110,7 +110,7 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=["rtile", "naive"], default="rtile",
                         help="rtile: R-Tile texture layouts, transposes and reshapes as index maps; naive: flat "
                              "row-major textures with explicit copy kernels, the conventional baseline (default: rtile)")
-    from fblc.passes.rtile_select import LAYOUT_SEARCHES
+    from fblc.choices import LAYOUT_SEARCHES
 
     parser.add_argument("--layout-search", choices=LAYOUT_SEARCHES, default=LAYOUT_SEARCHES[0],
                         help="under rtile, how each tensor's layout is chosen: blocks (the cache blocks that "
