@@ -50,7 +50,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if not args.quiet:
         families = ", ".join(f"{count} {family}" for family, count in sorted(report["kernels_per_family"].items()))
         print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "
-              f"{report['kernels']} kernels ({families}), {report['textures']} textures, "
+              f"{report['distinct_kernels']} distinct kernels ({report['kernels']} launches: {families}), "
+              f"{report['textures']} textures, "
               f"{report['texture_bytes'] / 1e6:.1f} MB of textures")
         print(f"wrote bundle {args.output.rstrip('/') or '/'}/ (manifest.json, plan.json, kernels.cl, params.bin, "
               f"report.json)")

@@ -266,6 +266,7 @@ class LocalRunner:
             self.upload(external["texture"], fmt.checked_rewards(reward(outputs), external["count"]))
             for index in range(external["launch"], len(self.kernels)):
                 self.launch(index)
+        self.queue.finish()  # waits with the GIL released (a blocking read holds it): the build's progress lines go on
         loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
         self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
                         for m in self.manifest.get("metrics", [])}
