@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fblc.errors import BundleError  # kept as fmt.BundleError: the runtimes raise it and its subclasses
+
 FORMAT_NAME = "fblc-bundle"
 #: 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures; 4: manifest_sha256
 FORMAT_VERSION = 4
@@ -70,10 +72,6 @@ def image_bytes(image_format: str, width: int, height: int) -> int:
     """Device bytes of a width x height image of a plan texture format (the one formula: compile's
     report, the memory plan's masks and both runtimes' allocations agree through it)."""
     return width * height * TEXEL_BYTES[image_format]
-
-
-class BundleError(Exception):
-    """A bundle that is missing, corrupt, or of another format version."""
 
 
 def sha256_of(path: str) -> str:

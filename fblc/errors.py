@@ -19,6 +19,11 @@ class FblcError(Exception):
         return f"{self.cause}; {self.remedy}" if self.remedy else self.cause
 
 
+class BundleError(Exception):
+    """A bundle that is missing, corrupt, or of another format version (fblc.bundle_format; the runtimes'
+    errors derive from it). Defined here, with no import, so that the CLI catches it without loading numpy."""
+
+
 class ModelLoadError(FblcError):
     """The model file cannot be read as ONNX."""
 

@@ -7,10 +7,13 @@ At the bottom of the imports, with fblc.errors: the CLI, the compiler and codege
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
+import io
 import os
 import stat
+import sys
 from typing import Iterator
 
 from fblc.errors import FblcError
@@ -132,3 +135,24 @@ def mode_for(path: str, folder: bool = False) -> int:
         return stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
         return new_mode(folder)
+
+
+def _escape_undecodable(error: UnicodeError) -> tuple[str, int]:
+    """Print a byte of a file name that is no UTF-8 (argv hands it over as a surrogate, U+DC80 to U+DCFF:
+    os.fsdecode) as \\xNN, as `ls -b` shows it; any other character the stream cannot encode as \\uNNNN."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    text = error.object[error.start:error.end]
+    return "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else
+                   c.encode("ascii", "backslashreplace").decode("ascii") for c in text), error.end
+
+
+codecs.register_error("fblc-names", _escape_undecodable)
+
+
+def escape_undecodable_names() -> None:
+    """Let stdout and stderr print any file name: under a UTF-8 locale a name that is no UTF-8 would
+    otherwise fail every message that shows it (UnicodeEncodeError)."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="fblc-names")

@@ -3,26 +3,38 @@
 User errors print one line, `fblc: error: <cause>; <what to do>`, and exit 2; `--debug`
 shows the traceback instead. Option values and the paths a command writes are checked before
 the command starts (options.check_values, outputs.check_outputs), so a bad one costs no work.
+
+Building the parser imports no compiler, runtime or numpy (the choices are fblc.choices'
+tables; a command's module loads when it runs): `fblc --help` and an argument error answer in a
+tenth of a second, where importing onnx alone took 1.5 s (benchmarks/cli_startup.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 from typing import Callable, Sequence
 
 from fblc import __version__
-from fblc.bundle_format import BundleError
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
 from fblc.cli.check import add_command as add_check_command
-from fblc.cli.train import cmd_devices, cmd_push, cmd_run
 from fblc.cli.options import add_storage_option, add_training_options, check_values
-from fblc.cli.outputs import check_outputs, escape_undecodable_names
+from fblc.paths import escape_undecodable_names
 from fblc.cli.profiles import add_commands as add_profile_commands
-from fblc.errors import FblcError
+from fblc.errors import BundleError, FblcError
 
 Command = Callable[[argparse.Namespace], int]
+
+
+def deferred(module: str, function: str) -> Command:
+    """`module.function` as a command, imported when it runs: fblc.cli.train imports numpy and the
+    bundle format, which `--help` and an argument error never need."""
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args)
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "build folders)")
     run.add_argument("--results", metavar="FILE.json",
                      help="with adb: write the runner's results (losses, step and per-kernel times, bytes allocated)")
-    run.set_defaults(run=cmd_run)
+    run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))
 
     push = commands.add_parser(
         "push", help="copy a bundle and the native runner to a phone with adb",
@@ -92,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--serial", "-s", help="adb serial of the device (needed when several are attached)")
     push.add_argument("--runner", metavar="PATH",
                       help="the native runner binary (default: $FBLC_RUNNER, else the README's build folders)")
-    push.set_defaults(run=cmd_push)
+    push.set_defaults(run=deferred("fblc.cli.train", "cmd_push"))
 
     verify = commands.add_parser(
         "verify", help="compile MODEL, run one step on the OpenCL device and compare it with onnxruntime",
@@ -107,8 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_check_command(commands)
 
-    devices = commands.add_parser("devices", help="list the OpenCL devices and adb devices fblc can run on")
-    devices.set_defaults(run=cmd_devices)
+    devices = commands.add_parser(
+        "devices", help="list the OpenCL devices and adb devices fblc can run on",
+        description="List the OpenCL devices of this machine (with their image support and whether they build "
+                    "fblc's kernels; --device opencl:P:D picks one) and the phones adb sees (--device adb:SERIAL). "
+                    "An adb server that the listing had to start is stopped again.")
+    devices.set_defaults(run=deferred("fblc.cli.train", "cmd_devices"))
     add_profile_commands(commands)
 
     for sub in commands.choices.values():
@@ -120,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     escape_undecodable_names()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and argument errors exit here
     try:
         check_values(args)
+        from fblc.cli.outputs import check_outputs  # imports numpy: after the checks that need none
+
         check_outputs(args)
         return int(args.run(args))
     except (FblcError, BundleError) as error:

@@ -54,7 +54,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if not args.quiet:
         families = ", ".join(f"{count} {family}" for family, count in sorted(report["kernels_per_family"].items()))
         print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "
-              f"{report['kernels']} kernels ({families}), {report['textures']} textures, "
+              f"{report['distinct_kernels']} distinct kernels ({report['kernels']} launches: {families}), "
+              f"{report['textures']} textures, "
               f"{report['texture_bytes'] / 1e6:.1f} MB of textures")
         print(f"wrote bundle {args.output.rstrip('/') or '/'}/ (manifest.json, plan.json, kernels.cl, params.bin, "
               f"report.json)")
@@ -117,7 +118,7 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=["rtile", "naive"], default="rtile",
                         help="rtile: R-Tile texture layouts, transposes and reshapes as index maps; naive: flat "
                              "row-major textures with explicit copy kernels, the conventional baseline (default: rtile)")
-    from fblc.passes.rtile_select import LAYOUT_SEARCHES
+    from fblc.choices import LAYOUT_SEARCHES
 
     parser.add_argument("--layout-search", choices=LAYOUT_SEARCHES, default=LAYOUT_SEARCHES[0],
                         help="under rtile, how each tensor's layout is chosen: blocks (the cache blocks that "

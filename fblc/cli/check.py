@@ -67,6 +67,9 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Import MODEL and print each of its op types with its node count and status: import (shape "
                     "inference), gradient rule (needed, not needed, missing), OpenCL kernel emitter, FTD layout "
                     "class; then whether the model trains (graph mode), runs on the device, and which adapters "
-                    "apply. Exit 0 when everything is supported, 1 when something is missing.")
+                    "apply. The options change the step checked as they change the one compiled (--adapter, "
+                    "--rank, --adapter-sites, --block, --fura-sites and --tile-mb: the adapter's ops and the "
+                    "trained set); check covers the backprop step, not ES's (--trainer es). Exit 0 when everything "
+                    "is supported, 1 when something is missing.")
     add_training_options(check, step=False)
     check.set_defaults(run=cmd_check)

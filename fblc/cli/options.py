@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from fblc import choices
 from fblc.errors import FblcError
 
 
@@ -27,19 +28,17 @@ def parse_dims(text: str) -> tuple[str, tuple[int, ...]]:
 def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> None:
     """Options shared by every command that builds a training step (train-graph, compile, verify).
 
-    `step=False` leaves out what only changes the step's arithmetic, not which ops it has
-    (the optimizer's figures, --dump-dir): `fblc check` takes the rest."""
-    from fblc.compiler.loss_scale import LOSS_SCALES
-    from fblc.compiler.losses import LOSSES
-    from fblc.compiler.optimizers import OPTIMIZERS
-
+    `step=False` is `fblc check`'s set: it leaves out what only changes the step's arithmetic, not
+    which ops it has (the optimizer's figures, --seed, --dump-dir), and the ES trainer's options:
+    check covers the backprop step only. The choices come from fblc.choices, which imports nothing:
+    the parser of every command is built for `--help` and every argument error."""
     parser.add_argument("model", help="ONNX model file (torch.onnx.export output or any opset >= 13 model)")
     parser.add_argument("--input-shape", action="append", type=parse_dims, default=[], metavar="NAME=DIMS",
                         help="static shape of a model input, e.g. input_ids=2x128 (repeat per input); "
                              "required for every dynamic dim")
-    parser.add_argument("--loss", choices=sorted(LOSSES), default="cross_entropy",
-                        help="; ".join(f"{k}: {v.help}" for k, v in LOSSES.items()) + " (default: cross_entropy)")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="default: sgd")
+    parser.add_argument("--loss", choices=sorted(choices.LOSSES), default="cross_entropy",
+                        help="; ".join(f"{k}: {v}" for k, v in choices.LOSSES.items()) + " (default: cross_entropy)")
+    parser.add_argument("--optimizer", choices=sorted(choices.OPTIMIZERS), default="sgd", help="default: sgd")
     if step:
         parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default: 0.01)")
         parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
@@ -48,7 +47,7 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
         parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
                             help="Adam betas (default: 0.9 0.999)")
         parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8)")
-        parser.add_argument("--loss-scale", choices=LOSS_SCALES, default="auto",
+        parser.add_argument("--loss-scale", choices=choices.LOSS_SCALES, default="auto",
                             help="dynamic: the backward starts from a scale that keeps half-precision gradients "
                                  "above underflow; a step with inf/NaN gradients is skipped and halves it "
                                  "(reported as 'skipped' and 'scale' per step); auto: dynamic with --dtype fp16, "
@@ -60,14 +59,13 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
     if step:
         parser.add_argument("--dump-dir", metavar="DIR",
                             help="write DIR/NN_<pass>.onnx after every pass (open in Netron)")
-    add_adapter_options(parser)
-    add_trainer_options(parser)
+    add_adapter_options(parser, seed=step)
+    if step:
+        add_trainer_options(parser)
 
 
 def add_storage_option(parser: argparse.ArgumentParser) -> None:
-    from fblc.runtime.local import STORAGES
-
-    parser.add_argument("--storage", choices=STORAGES, default="auto",
+    parser.add_argument("--storage", choices=choices.STORAGES, default="auto",
                         help="how a local device holds the textures: image (image2d_t, as on a phone), buffer (the "
                              "same texels row by row in buffers: several times faster on a CPU's OpenCL, such as "
                              "PoCL, whose images are software) or auto: buffer on a CPU device, else image "
@@ -76,37 +74,29 @@ def add_storage_option(parser: argparse.ArgumentParser) -> None:
 
 def add_trainer_options(parser: argparse.ArgumentParser) -> None:
     """--trainer and the options of evolution strategies (fblc/compiler/es.py)."""
-    from fblc.compiler.es import REWARDS, TRAINERS, EsConfig
-
     group = parser.add_argument_group("forward-only training (--trainer es)")
-    group.add_argument("--trainer", choices=TRAINERS, default="backprop",
+    group.add_argument("--trainer", choices=choices.TRAINERS, default="backprop",
                        help="backprop: gradients by autodiff; es: evolution strategies, 2 x --pairs perturbed "
                             "forwards per step and no backward (with --adapter fura-s: MobileSpec's FuRA-S) "
                             "(default: backprop)")
     group.add_argument("--pairs", type=int, default=None,
-                       help=f"ES: antithetic perturbation pairs per step (default: {EsConfig.pairs})")
+                       help=f"ES: antithetic perturbation pairs per step (default: {choices.ES_PAIRS})")
     group.add_argument("--sigma", type=float, default=None,
                        help=f"ES: perturbation size, relative to the singular values under fura-s "
-                            f"(default: {EsConfig.sigma:g})")
-    group.add_argument("--reward", choices=REWARDS, default=None,
+                            f"(default: {choices.ES_SIGMA:g})")
+    group.add_argument("--reward", choices=choices.REWARDS, default=None,
                        help="ES: neg-loss (minus each member's loss), accuracy (arg-max hits; class labels) or "
                             "external (the application scores each member's output: "
-                            f"fblc.runtime.LocalRunner.step(feeds, reward=fn)) (default: {EsConfig.reward})")
-    group.add_argument("--es-optimizer", choices=ES_OPTIMIZERS, default=None,
+                            f"fblc.runtime.LocalRunner.step(feeds, reward=fn)) (default: {choices.ES_REWARD})")
+    group.add_argument("--es-optimizer", choices=choices.ES_OPTIMIZERS, default=None,
                        help="ES: sgd moves by lr * sigma * the z-scored direction (ES at Scale); adam is ZO-Adam on "
                             "the same estimate (default: sgd)")
 
 
-DEFAULT_RANK = 2
-ES_OPTIMIZERS = ("sgd", "adam")
-
-
-def add_adapter_options(parser: argparse.ArgumentParser) -> None:
-    """--adapter/--rank/--seed/--adapter-sites: the memory-floor adapter (MemFLoRA, LoRA; fblc/compiler/adapters.py)."""
-    from fblc.compiler.adapters import ADAPTERS, SITE_SELECTIONS
-    from fblc.compiler.fura_s import WIDEST_CHOSEN_BLOCK
-
-    parser.add_argument("--adapter", choices=ADAPTERS, default="none",
+def add_adapter_options(parser: argparse.ArgumentParser, seed: bool = True) -> None:
+    """--adapter/--rank/--adapter-sites/...: the adapters (MemFLoRA, LoRA, FuRA-S; fblc/compiler/adapters.py);
+    `seed=False` leaves out --seed, which draws the adapter's values but changes none of its ops."""
+    parser.add_argument("--adapter", choices=choices.ADAPTERS, default="none",
                         help="none: train the model's own weights (full fine-tuning); lora: a low-rank branch with "
                              "both factors trainable at every Conv (groups 1), or, in a model without one, at every "
                              "MatMul/Gemm with a constant weight (y = x W + (x A) B; see --adapter-sites); memflora: "
@@ -115,20 +105,21 @@ def add_adapter_options(parser: argparse.ArgumentParser) -> None:
                              "fura-s: only the block singular values of every MatMul/Gemm weight train (MobileSpec; "
                              "for --trainer es) (default: none)")
     # default None, not 2: a --rank the user gave with --adapter none is refused (check_values)
-    parser.add_argument("--rank", type=int, default=None, help=f"adapter rank r (default: {DEFAULT_RANK})")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the adapter's random projection P and of ES's noise (default: 0)")
+    parser.add_argument("--rank", type=int, default=None, help=f"adapter rank r (default: {choices.DEFAULT_RANK})")
+    if seed:
+        parser.add_argument("--seed", type=int, default=0,
+                            help="seed of the adapter's random projection P and of ES's noise (default: 0)")
     parser.add_argument("--tile-mb", type=float, default=None, metavar="MB",
                         help="run the network's front in batch chunks so that no activation exceeds MB megabytes "
                              "(0: off; default: 8 with an adapter, off without)")
-    parser.add_argument("--adapter-sites", choices=SITE_SELECTIONS, default="auto",
+    parser.add_argument("--adapter-sites", choices=choices.ADAPTER_SITES, default="auto",
                         help="convs that get an adapter: all (groups 1), pointwise (1x1 only), auto: pointwise in "
                              "a network with depthwise convs, else all, and for lora the MatMul/Gemm layers when "
                              "no conv is chosen; linear: lora at the MatMul/Gemm layers only (default: auto)")
     parser.add_argument("--block", type=int, default=None,
                         help="fura-s: column-block width B of the block SVDs; layers whose input features B does "
                              "not divide are skipped (default: the largest power of two <= "
-                             f"{WIDEST_CHOSEN_BLOCK} that divides every layer's input features)")
+                             f"{choices.WIDEST_CHOSEN_BLOCK} that divides every layer's input features)")
     parser.add_argument("--fura-sites", metavar="REGEX", default=None,
                         help="fura-s: the MatMul/Gemm nodes or weights to adapt (default: every one whose input "
                              "features the block divides)")
@@ -156,7 +147,7 @@ def training_options(args: argparse.Namespace) -> "object":
     from fblc.compiler.es import EsConfig
 
     rank, block = getattr(args, "rank", None), getattr(args, "block", None)
-    adapter = AdapterConfig(kind=getattr(args, "adapter", "none"), rank=DEFAULT_RANK if rank is None else rank,
+    adapter = AdapterConfig(kind=getattr(args, "adapter", "none"), rank=choices.DEFAULT_RANK if rank is None else rank,
                             seed=getattr(args, "seed", 0), sites=getattr(args, "adapter_sites", "auto"),
                             block=block,
                             fura_sites=getattr(args, "fura_sites", None))

@@ -11,9 +11,7 @@ folder of the user's files), nor one of the command's inputs (OUTPUTS against IN
 from __future__ import annotations
 
 import argparse
-import codecs
 import functools
-import io
 import json
 import os
 import sys
@@ -361,27 +359,6 @@ def report_saved(written: str, why: str, asked: str, quiet: bool, as_json: bool 
     added = f" (.npz added to --save-params '{asked}')" if written != asked else ""
     print(f"saved {count} trained parameter{'s' if count != 1 else ''} ({_size(os.path.getsize(written))}) to "
           f"'{written}'{added}", file=sys.stderr if as_json else sys.stdout, flush=True)
-
-
-def _escape_undecodable(error: UnicodeError) -> tuple[str, int]:
-    """Print a byte of a file name that is no UTF-8 (argv hands it over as a surrogate, U+DC80 to U+DCFF:
-    os.fsdecode) as \\xNN, as `ls -b` shows it; any other character the stream cannot encode as \\uNNNN."""
-    if not isinstance(error, UnicodeEncodeError):
-        raise error
-    text = error.object[error.start:error.end]
-    return "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else
-                   c.encode("ascii", "backslashreplace").decode("ascii") for c in text), error.end
-
-
-codecs.register_error("fblc-names", _escape_undecodable)
-
-
-def escape_undecodable_names() -> None:
-    """Let stdout and stderr print any file name: under a UTF-8 locale a name that is no UTF-8 would
-    otherwise fail every message that shows it (UnicodeEncodeError)."""
-    for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="fblc-names")
 
 
 def print_step(step: int, loss: float, metrics: Mapping[str, float], ms: float, as_json: bool) -> None:

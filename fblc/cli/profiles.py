@@ -164,7 +164,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    targets = commands.add_parser("targets", help="list the shipped target profiles and their key figures")
+    targets = commands.add_parser(
+        "targets", help="list the shipped target profiles and their key figures",
+        description="List the target profiles fblc ships (--target NAME): each one's GPU, image limit, wave size, "
+                    "texture-cache block and L1/L2 sizes, bandwidth, peak, and how many of its figures were "
+                    "measured on the device. A profile of your own: fblc profile.")
     targets.set_defaults(run=cmd_targets)
     profile = commands.add_parser(
         "profile", help="measure an OpenCL device's texture-cache geometry into a profile (or --show one)",

@@ -34,7 +34,8 @@ def build_report(model: ir.Model, program: Program, table: BufferTable, seconds:
     beyond = [{"name": t.name, "width": t.width, "height": t.height} for t in program.textures
               if max(t.width, t.height) > PORTABLE_IMAGE_EDGE]
     return {"compile_seconds": round(seconds, 3), "step_nodes": len(model.graph),
-            "kernels": len(program.kernels), "kernels_per_family": program.family_counts(),
+            "kernels": len(program.kernels), "distinct_kernels": len({k.function for k in program.kernels}),
+            "kernels_per_family": program.family_counts(),
             "textures": len(program.textures), "texture_bytes": table.texture_bytes,
             "initial_bytes": sum(a.nbytes for a in program.initial.values()),
             "portable_image_edge": PORTABLE_IMAGE_EDGE, "beyond_portable_edge": beyond}

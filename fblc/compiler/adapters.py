@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from fblc import choices
 from fblc.compiler import keys
 from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, attr, const_array, static_shape
@@ -60,7 +61,7 @@ from fblc.compiler.keys import Role
 #: the adapters of the memory floor (pass memory_floor, Conv sites); "fura-s" is pass fura_s (MatMul/Gemm sites)
 MEMORY_FLOOR_ADAPTERS = ("lora", "memflora", "memflora-sg")
 ADAPTERS = ("none", *MEMORY_FLOOR_ADAPTERS, "fura-s")
-SITE_SELECTIONS = ("auto", "all", "pointwise", "linear")
+SITE_SELECTIONS = choices.ADAPTER_SITES
 #: --adapter lora: whether a --adapter-sites selection adapts the MatMul/Gemm layers, given whether it chose a conv
 LINEAR_SITES: dict[str, Callable[[bool], bool]] = {
     "auto": lambda chose_conv: not chose_conv, "all": lambda _: False, "pointwise": lambda _: False,

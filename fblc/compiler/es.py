@@ -24,12 +24,13 @@ from typing import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from fblc import choices
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, clone_node, static_shape
 from fblc.compiler.losses import IGNORE_INDEX
 from fblc.errors import FblcError
 
-TRAINERS = ("backprop", "es")
+TRAINERS = choices.TRAINERS
 NOISE = "noise"
 #: the device's ES iteration counter (a float32 scalar state; pass es_noise)
 ITERATION = "es.iteration"

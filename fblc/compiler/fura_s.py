@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fblc import choices
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, attr, static_shape
 from fblc.compiler.keys import Role
@@ -131,7 +132,7 @@ def emit_input_transform(e: Emitter, site: FuraSite, right: ir.Value, right_t: i
 
 
 #: without --block, the block is the largest power of two up to this that divides every site's input features
-WIDEST_CHOSEN_BLOCK = 64
+WIDEST_CHOSEN_BLOCK = choices.WIDEST_CHOSEN_BLOCK
 CHOSEN_BLOCK_RULE = (f"chosen: the largest power of two <= {WIDEST_CHOSEN_BLOCK} that divides every adapted layer's "
                      "input features; --block sets it")
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from fblc import choices
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
 from fblc.errors import FblcError
 
-LOSS_SCALES = ("auto", "dynamic", "none")
+LOSS_SCALES = choices.LOSS_SCALES
 SCALE = "loss_scale"  # the state input, and the metric output of the scale a step used
 GOOD_STEPS = "loss_scale.good_steps"  # finite steps since the scale last changed
 SKIPPED = "skipped"  # the metric output: 1.0 when the step's gradients were not finite

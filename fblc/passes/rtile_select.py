@@ -47,6 +47,7 @@ import json
 
 import onnx_ir as ir
 
+from fblc import choices
 from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, is_view, map_of, read_uses, view_root
 from fblc.compiler.values import attr, numel, static_shape
@@ -70,7 +71,7 @@ MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
 STREAM = (Access("stream", 1.0),)
 CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
 #: --layout-search: how tensors are scored (flat: not at all, every tensor flat)
-LAYOUT_SEARCHES = ("blocks", "traced", "flat")
+LAYOUT_SEARCHES = choices.LAYOUT_SEARCHES
 ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax",
                           "ReduceLogSumExp"})
 

@@ -78,6 +78,17 @@ class Adb:
             raise AdbError(f"'adb {' '.join(args[:4])}' did not answer within {timeout:.0f} s; check the device "
                            "and the cable (adb devices), then retry") from None
 
+    def start_server(self) -> bool:
+        """Start the adb server unless one is running; whether this call started it (adb then says
+        "* daemon started successfully" on stderr; it says nothing when one was running)."""
+        done = self._run(["start-server"], timeout=60)
+        if done.returncode != 0:
+            raise AdbError(f"'adb start-server' failed: {_last_line(done.stderr or done.stdout)}")
+        return "daemon started" in done.stderr + done.stdout
+
+    def kill_server(self) -> None:
+        self._run(["kill-server"], timeout=30)
+
     def devices(self) -> list[AdbDevice]:
         done = self._run(["devices", "-l"], timeout=60)
         if done.returncode != 0:
@@ -344,15 +355,21 @@ def stream_runner(adb: Adb, serial: str, remote: str, arguments: str,
 
 
 def describe_devices() -> list[str]:
-    """Lines for `fblc devices`: the adb devices, or why there are none."""
+    """Lines for `fblc devices`: the adb devices, or why there are none. A server that the listing
+    starts is stopped again (a listing should leave no daemon behind); one already running is left."""
     try:
         adb = Adb()
     except AdbError as error:
         return [f"(adb: {error})"]
+    started = False
     try:
+        started = adb.start_server()
         devices = adb.devices()
     except AdbError as error:
         return [f"(adb: {error})"]
+    finally:
+        if started:
+            adb.kill_server()
     if not devices:
         return ["(no adb device attached; 'adb connect HOST:PORT' for one on the network)"]
     lines = []

@@ -8,9 +8,16 @@ same kernels.cl on the same device loads them in well under a second. pyopencl k
 of its own for PoCL (it leaves caching to the driver); for other drivers it caches the
 binaries of clBuildProgram, which then does all the compiling.
 
-`BuildProgress` says `building N kernels for DEVICE (first run; cached in DIR)` once a build
-is known to be a first one, and `built N kernels in T s` when the first step is done; nothing
-when the kernels come from a cache.
+`BuildProgress` says `building N distinct kernels for DEVICE (first run; cached in DIR)` once a
+build is known to be a first one (N counts kernel functions: a bundle launches some of them more
+than once; `fblc compile` says how many launches), then, from a thread, every PROGRESS_EVERY_S
+while the build lasts: `  still building (T s)` inside clBuildProgram (one call, nothing to
+count), and `  built K of N (T s)` during the first step, K read from PoCL's cache, which gains
+each kernel's work-group function as the step launches it (T-ResNet's first step is 15-30 s of
+these; a line only when K moved). `built N distinct kernels in T s` closes it when the first step
+is done; nothing is said when the kernels come from a cache. The thread can speak during the
+step because LocalRunner waits for the launches in queue.finish(), which releases the GIL (a
+blocking read holds it: before, the first step was 20 s of silence).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 POCL_PLATFORM = "Portable Computing Language"
@@ -27,6 +35,8 @@ ANNOUNCE_AFTER_S = 2.0
 # file times come from the kernel's coarse clock, a few ms behind time.time()
 CLOCK_SLACK_S = 0.05
 GENERIC_VARIANT = "0-0-0"  # PoCL's work-group function for any local size, which launches do not use
+# a line of progress this often while kernels compile: a long build keeps saying that it moves
+PROGRESS_EVERY_S = 5.0
 
 
 def is_pocl(device: Any) -> bool:
@@ -77,12 +87,11 @@ def cache_note(device: Any) -> str:
 
 
 def _kernels(count: int) -> str:
-    return f"{count} kernel{'' if count == 1 else 's'}"
+    return "1 kernel" if count == 1 else f"{count} distinct kernels"
 
 
-def _program_folder(cache: str, functions: set[str], since: float) -> str | None:
-    """The cache folder of the program built since `since`: PoCL touches its `last_accessed` on every
-    build, cached or not. None if none or several match (another process building at the same time)."""
+def _touched_since(cache: str, since: float) -> list[str]:
+    """The program folders whose `last_accessed` PoCL touched since `since`: it does on every build, cached or not."""
     found = []
     try:
         for group in os.scandir(cache):
@@ -96,10 +105,15 @@ def _program_folder(cache: str, functions: set[str], since: float) -> str | None
                 if touched >= since - CLOCK_SLACK_S:
                     found.append(program.path)
     except OSError:
-        return None
-    if len(found) > 1:  # a folder holding kernels other than ours is another program's
-        found = [f for f in found if {e.name for e in os.scandir(f) if e.is_dir()} <= functions]
-    return found[0] if len(found) == 1 else None
+        return []
+    return found
+
+
+def _kernel_folders(program: str) -> set[str]:
+    try:
+        return {entry.name for entry in os.scandir(program) if entry.is_dir()}
+    except OSError:
+        return set()
 
 
 def _compiled(folder: str, function: str) -> bool:
@@ -110,17 +124,80 @@ def _compiled(folder: str, function: str) -> bool:
     return any(os.path.exists(os.path.join(v.path, f"{function}.so")) for v in variants)
 
 
-def pocl_uncompiled(functions: Sequence[str], since: float) -> int | None:
-    """How many of `functions` PoCL still has to compile at their first launch, from its cache; None if
-    the program's folder is not found there (another PoCL's layout)."""
+#: pocl_program_folder's answer for a program that PoCL has compiled none of the kernels of yet
+FRESH = ""
+
+
+def pocl_program_folder(functions: Sequence[str], since: float) -> str | None:
+    """The cache folder of the program of `functions` that PoCL built since `since`, or FRESH: programs were
+    built since, none holding any of these kernels (ours is new: its folder gains a kernel's folder at that
+    kernel's first launch). None when the cache is off or does not tell: no program touched since (another
+    PoCL's layout), or several holding these kernels (another process building the same bundle)."""
     cache = pocl_cache_dir()
     if cache is None:
-        return len(functions)
-    # a file system that keeps whole seconds may date the touch before `since`
-    folder = _program_folder(cache, set(functions), since) or _program_folder(cache, set(functions), int(since))
-    if folder is None:
         return None
-    return sum(not _compiled(folder, f) for f in functions)
+    # a file system that keeps whole seconds may date the touch before `since`
+    touched = _touched_since(cache, since) or _touched_since(cache, int(since))
+    if not touched:
+        return None
+    # the others built meanwhile (fblc's device probe, another process) hold none of these kernels, or others too
+    wanted = set(functions)
+    ours = [folder for folder in touched if _kernel_folders(folder) & wanted]
+    if not ours:
+        return FRESH
+    if len(ours) > 1:
+        ours = [folder for folder in ours if _kernel_folders(folder) <= wanted]
+    return ours[0] if len(ours) == 1 else None
+
+
+class _Count:
+    """What a progress line says: the time since the build started and, once `counting`, how many of the
+    kernels the first step compiles at their first launch PoCL's cache holds. It holds no runner, so a
+    runner dropped unstepped takes its ticker with it (BuildProgress's finalizer)."""
+
+    def __init__(self, functions: Sequence[str]) -> None:
+        self.functions = functions
+        self.started = 0.0
+        self.counting = False
+        self.folder = FRESH  # the program's cache folder, FRESH until PoCL creates it
+        self.compiling: list[str] = []
+        self._last = -1
+
+    def line(self) -> str | None:
+        elapsed = f"{int(time.time() - self.started)} s"
+        if not self.counting:  # inside clBuildProgram: one call, nothing to count
+            return f"  still building ({elapsed})"
+        if self.folder == FRESH:
+            self.folder = pocl_program_folder(self.functions, self.started) or FRESH
+            if self.folder == FRESH:
+                return None
+        done = sum(_compiled(self.folder, f) for f in self.compiling)
+        if done == self._last:  # nothing new: a runner built and not stepped says nothing more
+            return None
+        self._last = done
+        return f"  built {done} of {len(self.compiling)} ({elapsed})"
+
+
+class _Ticker:
+    """A thread that says `count.line()` every PROGRESS_EVERY_S until stopped."""
+
+    def __init__(self, say: Callable[[str], None], lock: threading.Lock, count: _Count) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(say, lock, count), daemon=True,
+                                        name="fblc-build-progress")
+        self._thread.start()
+
+    def _run(self, say: Callable[[str], None], lock: threading.Lock, count: _Count) -> None:
+        while not self._stopped.wait(PROGRESS_EVERY_S):
+            line = count.line()
+            with lock:
+                if line is not None and not self._stopped.is_set():
+                    say(line)
+
+    def stop(self, wait: bool = True) -> None:
+        self._stopped.set()
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()  # a line it is saying comes before the caller's next one
 
 
 class BuildProgress:
@@ -133,13 +210,15 @@ class BuildProgress:
         self.functions = list(functions)
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._ticker: _Ticker | None = None
+        self._count = _Count(self.functions)
         self._announced = 0  # kernels the "building" line counted; 0 until it is said
         self._building = False
         self._pending = 0  # kernels to report as built once the first step is done
         self._started = 0.0
 
     def start(self) -> None:
-        self._started = time.time()
+        self._started = self._count.started = time.time()
         if self.say is None:
             return
         self._building = True
@@ -150,10 +229,10 @@ class BuildProgress:
     def _announce_if_building(self) -> None:
         with self._lock:
             if self._building:
-                self._announce(len(self.functions))
+                self._announce(len(self.functions), tick=True)
 
-    def _announce(self, count: int) -> None:
-        """Called with the lock held."""
+    def _announce(self, count: int, tick: bool) -> None:
+        """Called with the lock held; `tick`: progress lines follow until the build is done."""
         if self._announced or self.say is None:
             return
         self._announced = count
@@ -164,29 +243,53 @@ class BuildProgress:
             self.say(f"building {count} of {_kernels(total)} for {name} (the others are {note})")
         else:
             self.say(f"building {_kernels(total)} for {name} ({'' if note.startswith('not') else 'first run; '}{note})")
+        if tick:
+            self._ticker = _Ticker(self.say, self._lock, self._count)
+            weakref.finalize(self, self._ticker.stop, False)
 
-    def abandon(self) -> None:
+    def _stop_ticking(self) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
+
+    def _stop_timer(self) -> None:
         with self._lock:
             self._building = False
         if self._timer is not None:
             self._timer.cancel()
 
+    def abandon(self) -> None:
+        self._stop_timer()
+        self._stop_ticking()
+
     def program_built(self) -> None:
         if self.say is None:
             return
-        self.abandon()  # the timer's work is done: from here the cache tells
-        uncompiled = pocl_uncompiled(self.functions, self._started) if is_pocl(self.device) else None
+        self._stop_timer()  # the timer's work is done: from here the cache tells
+        pocl = is_pocl(self.device)
+        folder = pocl_program_folder(self.functions, self._started) if pocl else None
+        if folder is None:
+            self._stop_ticking()  # clBuildProgram's elapsed time ends here; nothing counts the first launches
+        uncompiled = 0
         with self._lock:
-            if is_pocl(self.device):
-                if uncompiled is None:  # not known: only a slow build tells
-                    uncompiled = len(self.functions) if self._announced else 0
+            if folder is not None:
+                # the ticker, running or to come, now counts the kernels the first step compiles
+                self._count.compiling = [f for f in self.functions if not (folder and _compiled(folder, f))]
+                self._count.folder, self._count.counting = folder, True
+                uncompiled = len(self._count.compiling)
+            elif pocl:  # the cache off: every run compiles; another layout: only a slow build tells
+                uncompiled = len(self.functions) if self._announced or pocl_cache_dir() is None else 0
+            if pocl:
                 if uncompiled:
-                    self._announce(uncompiled)
+                    self._announce(uncompiled, tick=folder is not None)
                 self._pending = self._announced  # compiled at their first launch, in the first step
             elif self._announced:  # other drivers compile everything in clBuildProgram: done now
                 self.say(f"built {_kernels(len(self.functions))} in {time.time() - self._started:.1f} s")
+        if not self._pending or (folder is not None and not self._count.compiling):
+            self._stop_ticking()  # everything came from the cache
 
     def first_step_done(self) -> None:
+        self._stop_ticking()
         if self._pending and self.say is not None:
             count, self._pending = self._pending, 0
             self.say(f"built {_kernels(count)} in {time.time() - self._started:.1f} s")

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from fblc import choices
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.runtime.build_progress import BuildProgress
@@ -56,7 +57,7 @@ def _image_format(cl: Any, name: str) -> Any:
 
 
 #: how a runner holds its textures (LocalRunner's `storage`); auto: chosen for the device (choose_storage)
-STORAGES = ("auto", "image", "buffer")
+STORAGES = choices.STORAGES
 WINDOW_SLACK_BYTES = 16  # one fp32 texel past every buffer (see _allocate)
 
 
@@ -286,6 +287,7 @@ class LocalRunner:
             self.upload(external["texture"], fmt.checked_rewards(reward(outputs), external["count"]))
             for index in range(external["launch"], len(self.kernels)):
                 self.launch(index)
+        self.queue.finish()  # waits with the GIL released (a blocking read holds it): the build's progress lines go on
         loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
         self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
                         for m in self.manifest.get("metrics", [])}
