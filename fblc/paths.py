@@ -14,7 +14,8 @@ import io
 import os
 import stat
 import sys
-from typing import Iterator
+import tempfile
+from typing import BinaryIO, Callable, Iterator
 
 from fblc.errors import FblcError
 
@@ -135,6 +136,22 @@ def mode_for(path: str, folder: bool = False) -> int:
         return stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
         return new_mode(folder)
+
+
+def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` through a temporary file beside it, renamed into place once complete: a failure leaves the
+    previous file, or nothing. The file gets the mode of the one it replaces, else the umask's (not mkstemp's
+    0600)."""
+    handle, temporary = tempfile.mkstemp(prefix=".fblc-", suffix=os.path.splitext(path)[1],
+                                         dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(handle, "wb") as out:
+            write(out)
+        os.chmod(temporary, mode_for(path))
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
 
 
 def _escape_undecodable(error: UnicodeError) -> tuple[str, int]:

@@ -16,7 +16,6 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from fblc import bundle_format as fmt
 from fblc.runtime.feeds import first_index, index_problem
 
 #: manifest dtype names (ONNX's) as numpy calls them, for the messages

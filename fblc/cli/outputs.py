@@ -17,13 +17,13 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from fblc import bundle_format as fmt
 from fblc.errors import FblcError
-from fblc.paths import length_problem, mode_for, new_mode, shortened
+from fblc.paths import length_problem, new_mode, shortened, write_atomically
 
 
 @dataclass(frozen=True)
@@ -281,22 +281,6 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 # --- saving trained parameters ------------------------------------------------------------------------------
-def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
-    """Write `path` through a temporary file beside it, renamed into place once complete: a failure leaves the
-    previous file, or nothing. The file gets the mode of the one it replaces, else the umask's (not mkstemp's
-    0600)."""
-    handle, temporary = tempfile.mkstemp(prefix=".fblc-", suffix=os.path.splitext(path)[1],
-                                         dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(handle, "wb") as out:
-            write(out)
-        os.chmod(temporary, mode_for(path))
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-
-
 def save_parameters(path: str, parameters: dict[str, np.ndarray]) -> str:
     """np.savez to `path` (.npz added if missing) atomically; returns the path written."""
     path = params_path(path)

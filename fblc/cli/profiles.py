@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from fblc.cli.outputs import write_atomically
+from fblc.paths import write_atomically
 from fblc.errors import FblcError
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from fblc import bundle_format as fmt
 from fblc.cli.data import batches
-from fblc.cli.outputs import print_step, report_saved, save_trained, write_atomically
+from fblc.cli.outputs import print_step, report_saved, save_trained
+from fblc.paths import write_atomically
 from fblc.cli.train import DIVERGED_REMEDY, is_divergence, non_finite, note_renamed, summary
 from fblc.errors import FblcError
 from fblc.runtime.adb import Adb, run_on_device
