@@ -24,6 +24,7 @@ from fblc.compiler.model_io import load_model
 from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes
 from fblc.runtime.local import DataError, LocalRunner
 from tests.conftest import make_model
+from tests.support.bundles import compiled
 from tests.support import zoo
 from tests.test_bad_values import no_runner, refused  # noqa: F401 (no_runner: a fixture)
 
@@ -45,12 +46,7 @@ def embedding_proto() -> onnx.ModelProto:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("bundle")
-    model = str(folder / "embedding.onnx")
-    onnx.save(embedding_proto(), model)
-    out = str(folder / "embedding")
-    assert main(["compile", model, "-o", out, "-q"]) == 0
-    return out
+    return compiled(str(tmp_path_factory.mktemp("bundle")), embedding_proto(), "embedding")
 
 
 def manifest_of(bundle: str) -> dict:

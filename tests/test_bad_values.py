@@ -24,6 +24,7 @@ from fblc.cli import outputs
 from fblc.passes.ftd_taxonomy import UNKNOWN_OP_CLASS, ftd_class
 from fblc.runtime.local import LocalRunner
 from tests.conftest import mlp_proto
+from tests.support.bundles import compiled
 from tests.support.interrupt import interruptible
 
 CLASSES = 3  # the MLP's logits [4, 3]
@@ -48,12 +49,7 @@ def refused(capsys: pytest.CaptureFixture[str], folder: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("bundle")
-    model = str(folder / "mlp.onnx")
-    onnx.save(mlp_proto(), model)
-    out = str(folder / "mlp")
-    assert main(["compile", model, "-o", out, "-q"]) == 0
-    return out
+    return compiled(str(tmp_path_factory.mktemp("bundle")), mlp_proto(), "mlp")
 
 
 def mlp_data(rows: int = 8, seed: int = 1) -> dict[str, np.ndarray]:

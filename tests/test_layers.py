@@ -15,9 +15,10 @@ import fblc
 PACKAGE = pathlib.Path(fblc.__file__).parent
 #: layer -> its rank; a module may import its own layer and any layer of a lower rank
 RANKS = {"cli": 5, "tools": 5, "baselines": 5, "runtime": 4, "codegen": 3, "passes": 2, "compiler": 1,
-         "profiles": 0, "bundle_format": 0, "texel_layout": 0, "errors": 0}
+         "profiles": 0, "bundle_format": 0, "texel_layout": 0, "errors": 0,
+         "paths": 0, "choices": 0}
 #: layers that may import only these (besides themselves)
-ONLY = {"runtime": {"bundle_format", "texel_layout", "errors"}}
+ONLY = {"runtime": {"bundle_format", "texel_layout", "errors", "choices"}}
 
 
 def _layer(module: str) -> str | None:

@@ -43,3 +43,16 @@ def rechecksum(bundle: str, name: str) -> None:
     edit_manifest(bundle, lambda manifest: manifest["checksums"].update({name: fmt.sha256_of(os.path.join(bundle,
                                                                                                           name))}))
 
+
+
+def compiled(folder: str, proto: Any, name: str, *flags: str) -> str:
+    """Save `proto` as FOLDER/NAME.onnx and compile it (quietly) into the bundle FOLDER/NAME; its path."""
+    import onnx
+
+    from fblc.cli import main
+
+    model = os.path.join(folder, f"{name}.onnx")
+    onnx.save(proto, model)
+    out = os.path.join(folder, name)
+    assert main(["compile", model, "-o", out, "-q", *flags]) == 0
+    return out
