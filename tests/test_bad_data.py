@@ -22,6 +22,7 @@ from fblc.cli.outputs import print_step
 from fblc.compiler import keys
 from fblc.compiler.model_io import load_model
 from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes
+from fblc.runtime.feeds import index_problem
 from fblc.runtime.local import DataError, LocalRunner
 from tests.conftest import make_model
 from tests.support.bundles import compiled
@@ -139,9 +140,33 @@ def test_index_ranges_follow_value_keeping_ops_to_the_tightest_table() -> None:
     model = run_passes(ir.from_proto(_tables_proto()), import_passes(TrainingOptions()))
     recorded = {v.name: json.loads(v.metadata_props[keys.INDEX_TABLE]) for v in model.graph.inputs
                 if keys.INDEX_TABLE in v.metadata_props}
-    assert recorded == {"ids": {"size": 10, "axis": 0, "table": "small", "node": "small_gather"},
-                        "pairs": {"size": 5, "axis": 1, "table": "cube", "node": "pairs_gather"},
-                        "cols": {"size": 9, "axis": 1, "table": "wide", "node": "cols_gather"}}
+    assert recorded == {"ids": [{"size": 10, "axis": 0, "table": "small", "node": "small_gather"}],
+                        "pairs": [{"size": 7, "axis": 0, "table": "cube", "node": "pairs_gather", "position": 0},
+                                  {"size": 5, "axis": 1, "table": "cube", "node": "pairs_gather", "position": 1}],
+                        "cols": [{"size": 9, "axis": 1, "table": "wide", "node": "cols_gather"}]}
+
+
+def test_index_tuples_are_bounded_entry_by_entry_and_loosely_once_reshaped() -> None:
+    """GatherND over a [7, 5, 4] cube: a pair's entry 0 indexes 7 rows, entry 1 five columns (-6 and 6 are fine
+    in entry 0); pairs that reach the tuples through a Reshape are bounded by the widest axis alone."""
+    cube = {"cube": np.zeros((7, 5, 4), np.float32), "shape": np.array([2, 2])}
+    nodes = [helper.make_node("GatherND", ["cube", "pairs"], ["direct"], name="direct_gather"),
+             helper.make_node("Reshape", ["flat", "shape"], ["pairs2"]),
+             helper.make_node("GatherND", ["cube", "pairs2"], ["reshaped"], name="reshaped_gather")]
+    inputs = [helper.make_tensor_value_info("pairs", TensorProto.INT64, [2, 2]),
+              helper.make_tensor_value_info("flat", TensorProto.INT64, [4])]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 4]) for name in ("direct", "reshaped")]
+    model = run_passes(ir.from_proto(make_model(nodes, inputs, outputs, cube)), import_passes(TrainingOptions()))
+    entries = {v.name: {"name": v.name, "indexes": json.loads(v.metadata_props[keys.INDEX_TABLE])}
+               for v in model.graph.inputs}
+    assert [bound["size"] for bound in entries["pairs"]["indexes"]] == [7, 5]
+    assert entries["flat"]["indexes"] == [{"size": 7, "axis": 0, "table": "cube", "node": "reshaped_gather"}]
+    assert index_problem(entries["pairs"], np.array([[6, 4], [-7, -5]])) is None
+    assert index_problem(entries["pairs"], np.array([[-6, 0], [6, 5]])) == (
+        "array 'pairs' has 5 at index [1, 1]: past the table 'cube' of 5 entries along axis 1 that node "
+        "'direct_gather' indexes with entry 1 of each index tuple; give ids in [0, 5) (or -5 to -1, counting from "
+        "the end)")
+    assert index_problem(entries["flat"], np.array([6, 6, -7, 0])) is None
 
 
 class TinyTokenModel(torch.nn.Module):
@@ -166,7 +191,7 @@ def test_an_exported_embedding_records_its_table(tmp_path, dynamo, node) -> None
     out = str(tmp_path / "bundle")
     assert main(["compile", model, "-o", out, "-q"]) == 0
     manifest = manifest_of(out)
-    assert manifest["inputs"][0]["indexes"] == {"size": VOCAB, "axis": 0, "table": "embed.weight", "node": node}
+    assert manifest["inputs"][0]["indexes"] == [{"size": VOCAB, "axis": 0, "table": "embed.weight", "node": node}]
     data = saved(str(tmp_path), **token_data(input_ids=with_id(500, (0, 3))))
     with pytest.raises(DataError, match=rf"has 500 at index \[0, 3\]: past the table 'embed.weight' of 50 rows that "
                                         rf"node '{node}' indexes"):
@@ -177,9 +202,9 @@ def test_a_transformers_model_records_its_vocabulary(tmp_path) -> None:
     exported = zoo.build(zoo.BY_NAME["roberta"], str(tmp_path))  # legacy export; the passes only, no kernels
     model = run_passes(load_model(exported.path), import_passes(TrainingOptions()))
     ids = next(v for v in model.graph.inputs if v.name == "input_ids")
-    assert json.loads(ids.metadata_props[keys.INDEX_TABLE]) == {
+    assert json.loads(ids.metadata_props[keys.INDEX_TABLE]) == [{
         "size": zoo.VOCAB, "axis": 0, "table": "roberta.embeddings.word_embeddings.weight",
-        "node": "/roberta/embeddings/word_embeddings/Gather"}
+        "node": "/roberta/embeddings/word_embeddings/Gather"}]
 
 
 # --- row counts ---------------------------------------------------------------------------------------------

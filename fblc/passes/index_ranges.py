@@ -7,8 +7,12 @@ gradients' row sums (segment_sum.wrap_rows), so the ids that compute correctly a
 
 Annotation: an integer graph input whose values reach an index operand (INDEX_OPERANDS) through
 ops that move values without changing them (VALUE_KEEPING: Cast, Reshape, Slice, Concat...) gets
-`keys.INDEX_TABLE`, JSON {"size", "axis", "table", "node"}: the tightest of the tables it indexes
-(the fewest entries), the axis indexed, the table tensor's name and the indexing node's. The
+`keys.INDEX_TABLE`, a JSON list of bounds {"size", "axis", "table", "node"}: the tightest of the
+tables it indexes (the fewest entries), the axis indexed, the table tensor's name and the indexing
+node's. A GatherND / ScatterND tuple's entry j indexes axis j of its own: where the input reaches
+the tuples with its last axis intact (through Identity and Cast alone) each entry gets its bound,
+marked "position": j; through a reshape the entries are no longer known, and the values get the
+loosest of the tuple's axes (a check that never refuses a valid id). The
 bundle's manifest copies it to the input's entry. A path through arithmetic (ids + offset) is
 not followed: the sum's range is not the input's. OneHot is no table: ONNX defines an index
 outside its depth as an all-off row, and onnxruntime and the kernel both compute that.
@@ -18,7 +22,7 @@ Preconditions: static shapes. In place; the graph's nodes are unchanged (`modifi
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import onnx_ir as ir
@@ -34,6 +38,7 @@ class IndexedTable:
     axis: int
     table: str
     node: str
+    position: int | None = None  # the entry of the index tuple's last axis it bounds (None: every value)
 
 
 def _along_axis(node: ir.Node) -> list[IndexedTable]:
@@ -49,7 +54,7 @@ def _tuples(first_axis: Callable[[ir.Node], int]) -> Callable[[ir.Node], list[In
     def tables(node: ir.Node) -> list[IndexedTable]:
         data, indices = node.inputs[0], node.inputs[1]
         shape, start = static_shape(data), first_axis(node)
-        return [IndexedTable(shape[axis], axis, data.name, node.name)
+        return [IndexedTable(shape[axis], axis, data.name, node.name, position=axis - start)
                 for axis in range(start, start + static_shape(indices)[-1])]
     return tables
 
@@ -63,6 +68,8 @@ INDEX_OPERANDS: dict[str, tuple[int, Callable[[ir.Node], list[IndexedTable]]]] =
     "ScatterND": (1, _tuples(lambda node: 0)),
 }
 
+#: ops that keep every element where it was, so a tuple's entries stay on its last axis
+POSITION_KEEPING = frozenset({"Identity", "Cast", "CastLike"})
 #: op type -> the operands whose element values reach the outputs unchanged (None: all of them)
 VALUE_KEEPING: dict[str, tuple[int, ...] | None] = {
     "Identity": None, "Cast": (0,), "CastLike": (0,), "Reshape": (0,), "Unsqueeze": (0,), "Squeeze": (0,),
@@ -83,20 +90,33 @@ def indexed_tables(value: ir.Value) -> list[IndexedTable]:
     """Every table the element values of `value` index, through value-keeping ops."""
     found: list[IndexedTable] = []
     seen = {id(value)}
-    pending = [value]
+    pending = [(value, True)]  # (a value holding the input's ids, whether they are still where they were)
     while pending:
-        current = pending.pop()
+        current, in_place = pending.pop()
         for use in current.uses():
             node, operand = use.node, use.idx
             consumer = INDEX_OPERANDS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
             if consumer is not None and operand == consumer[0]:
-                found.extend(consumer[1](node))
+                tables = consumer[1](node)
+                if not in_place and any(table.position is not None for table in tables):
+                    tables = [replace(max(tables, key=lambda table: table.size), position=None)]
+                found.extend(tables)
             if _keeps_values(node, operand):
                 for out in node.outputs:
                     if id(out) not in seen:
                         seen.add(id(out))
-                        pending.append(out)
+                        pending.append((out, in_place and node.op_type in POSITION_KEEPING))
     return found
+
+
+def tightest_bounds(tables: list[IndexedTable]) -> list[dict[str, object]]:
+    """The fewest entries per position (None, every value, first), as the manifest records them."""
+    tightest: dict[int | None, IndexedTable] = {}
+    for table in tables:  # the first of equal sizes stays
+        if table.position not in tightest or table.size < tightest[table.position].size:
+            tightest[table.position] = table
+    ordered = sorted(tightest.values(), key=lambda table: -1 if table.position is None else table.position)
+    return [{k: v for k, v in asdict(table).items() if k != "position" or v is not None} for table in ordered]
 
 
 class IndexRanges(ContractPass):
@@ -112,6 +132,5 @@ class IndexRanges(ContractPass):
                 continue
             tables = indexed_tables(value)
             if tables:
-                tightest = min(tables, key=lambda table: table.size)  # min keeps the first of equal sizes
-                value.metadata_props[keys.INDEX_TABLE] = json.dumps(asdict(tightest))
+                value.metadata_props[keys.INDEX_TABLE] = json.dumps(tightest_bounds(tables))
         return ir.passes.PassResult(model, False)

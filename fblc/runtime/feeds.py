@@ -17,20 +17,25 @@ def first_index(mask: np.ndarray) -> list[int]:
 
 
 def index_problem(entry: Mapping[str, Any], array: np.ndarray) -> str | None:
-    """The first id of `array` outside the table that the manifest input `entry` indexes (its "indexes",
+    """The first id of `array` outside a table that the manifest input `entry` indexes (its "indexes",
     recorded by the index_ranges pass), as "array 'NAME' has ...; give ids in ..."; None when all fit."""
-    table = entry.get("indexes")
     array = np.asarray(array)
-    if table is None or array.dtype.kind not in "iubf":  # floats: ids a Python caller did not cast
+    if array.dtype.kind not in "iubf":  # floats: ids a Python caller did not cast
         return None
-    size = table["size"]
-    outside = (array < -size) | (array >= size)  # a negative id counts from the end, as in ONNX
-    if not outside.any():
-        return None
-    where = first_index(outside)
-    value = array[tuple(where)].item()
-    value = int(value) if float(value).is_integer() else value
-    entries = f"{size} rows" if table["axis"] == 0 else f"{size} entries along axis {table['axis']}"
-    side = "past" if value >= size else "before the start of"
-    return (f"array '{entry['name']}' has {value} at index {where}: {side} the table '{table['table']}' of {entries} "
-            f"that node '{table['node']}' indexes; give ids in [0, {size}) (or -{size} to -1, counting from the end)")
+    for bound in entry.get("indexes") or []:
+        position = bound.get("position")
+        ids = array if position is None else array[..., position]
+        size = bound["size"]
+        outside = (ids < -size) | (ids >= size)  # a negative id counts from the end, as in ONNX
+        if not outside.any():
+            continue
+        where = first_index(outside) + ([] if position is None else [position])
+        value = array[tuple(where)].item()
+        value = int(value) if float(value).is_integer() else value
+        entries = f"{size} rows" if bound["axis"] == 0 else f"{size} entries along axis {bound['axis']}"
+        side = "past" if value >= size else "before the start of"
+        tuple_entry = "" if position is None else f" with entry {position} of each index tuple"
+        return (f"array '{entry['name']}' has {value} at index {where}: {side} the table '{bound['table']}' of "
+                f"{entries} that node '{bound['node']}' indexes{tuple_entry}; give ids in [0, {size}) (or -{size} "
+                "to -1, counting from the end)")
+    return None
