@@ -6,17 +6,14 @@ Steps: write T-ResNet as ONNX (examples/tresnet.py); `fblc compile` it with Adam
 adreno830 target into a bundle of OpenCL image2d_t kernels; `fblc run` the bundle on the
 local device (PoCL on the CPU unless another OpenCL device is set) on synthetic sensor
 windows, printing the loss per step (the first run also builds the kernels, 15-30 s on PoCL,
-with a line of progress every few seconds); then a summary: the steps, the first and last
-loss, where the bundle is, and how to keep the trained parameters (this run does not).
+with a line of progress every few seconds) and its closing line (steps, first and last loss);
+then where the bundle is and how to train again keeping the parameters (this run does not).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
-import re
 import sys
 
 import numpy as np
@@ -41,41 +38,13 @@ def sensor_batch(batch: int, seed: int) -> dict[str, np.ndarray]:
     return {"x": x, "labels": labels.astype(np.int64)}
 
 
-class LossLog(io.TextIOBase):
-    """stdout that also keeps the loss of every `step N  loss X` line `fblc run` prints, for the summary."""
-
-    STEP = re.compile(r"step\s+\d+\s+loss\s+(\S+)")
-
-    def __init__(self, out: io.TextIOBase) -> None:
-        self.out = out
-        self.losses: list[float] = []
-        self._line = ""
-
-    def write(self, text: str) -> int:
-        *lines, self._line = (self._line + text).split("\n")
-        self.losses += [float(found.group(1)) for found in map(self.STEP.search, lines) if found]
-        return self.out.write(text)
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def isatty(self) -> bool:  # the progress bar draws only on a terminal
-        return self.out.isatty()
-
-    def fileno(self) -> int:
-        return self.out.fileno()
-
-
-def summary(steps: int, losses: list[float], bundle: str, data: str) -> str:
-    """What the quickstart ends with: what was trained, where the bundle is, and that the parameters were not kept."""
-    again = f"fblc run {bundle} --data {data} --steps {steps}"
-    loss = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no loss printed"
+def summary(steps: int, bundle: str, data: str) -> str:
+    """What the quickstart ends with, after `fblc run`'s own closing line (steps and losses): where the bundle
+    is and the command that trains again and keeps the parameters (this run does not)."""
     trained = os.path.join(os.path.dirname(bundle), "trained.npz")
     return "\n".join([
-        f"done: {steps} steps, {loss}",
-        f"bundle: {bundle}/ (the kernels are cached now: a second run starts at once; again: {again})",
-        f"the trained parameters were not kept: add --save-params {trained} to that command to keep them "
-        "(an .npz of the ONNX names and shapes)",
+        f"bundle: {bundle}/ (its kernels are cached now: a second run starts at once)",
+        f"train again and keep the parameters: fblc run {bundle} --data {data} --steps {steps} --save-params {trained}",
     ])
 
 
@@ -95,11 +64,9 @@ def main() -> int:
                  "--weight-decay", "1e-2"])
     if code:
         return code
-    log = LossLog(sys.stdout)
-    with contextlib.redirect_stdout(log):
-        code = fblc(["run", bundle, "--device", "local", "--steps", str(args.steps), "--data", data])
+    code = fblc(["run", bundle, "--device", "local", "--steps", str(args.steps), "--data", data])
     if code == 0:
-        print(summary(args.steps, log.losses, bundle, data))
+        print(summary(args.steps, bundle, data))
     return code
 
 

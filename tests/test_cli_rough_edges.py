@@ -4,7 +4,6 @@ disagree, `check` options that do nothing, commands without a description, an ad
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -22,7 +21,6 @@ import pytest
 
 from fblc import choices
 from fblc.cli import build_parser, main
-from fblc.cli.outputs import print_step
 from fblc.runtime import build_progress
 from fblc.runtime.build_progress import POCL_PLATFORM, BuildProgress
 
@@ -233,22 +231,11 @@ def quickstart() -> ModuleType:
     return module
 
 
-def test_the_quickstart_keeps_the_loss_of_every_step_fblc_run_prints(capsys) -> None:
-    example = quickstart()
-    log = example.LossLog(sys.stdout)
-    with contextlib.redirect_stdout(log):
-        print_step(1, 2.5, {}, 12.0, as_json=False)
-        print_step(2, 0.125, {"skipped": 0.0}, 11.0, as_json=False)
-    assert log.losses == [2.5, 0.125]
-    assert capsys.readouterr().out.count("loss") == 2  # still shown
-
-
-def test_the_quickstart_summary_says_what_was_trained_and_how_to_keep_it() -> None:
-    text = quickstart().summary(20, [2.8149, 0.4512], "runs/quickstart/tresnet.adreno830", "runs/quickstart/sensor.npz")
-    assert "20 steps, loss 2.8149 -> 0.4512" in text
-    assert "runs/quickstart/tresnet.adreno830/" in text
-    assert "the trained parameters were not kept" in text
-    assert "--save-params runs/quickstart/trained.npz" in text
+def test_the_quickstart_ends_with_where_the_bundle_is_and_how_to_keep_the_parameters() -> None:
+    text = quickstart().summary(20, "runs/quickstart/tresnet.adreno830", "runs/quickstart/sensor.npz")
+    assert "bundle: runs/quickstart/tresnet.adreno830/" in text
+    assert ("fblc run runs/quickstart/tresnet.adreno830 --data runs/quickstart/sensor.npz --steps 20 --save-params "
+            "runs/quickstart/trained.npz") in text
 
 
 # --- fblc devices leaves no adb server it started ------------------------------------------------------------------
