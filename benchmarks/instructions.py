@@ -49,7 +49,7 @@ manifest, _ = fmt.load_verified(sys.argv[1])
 rng = np.random.default_rng(0)
 feeds = {e["name"]: (rng.integers(0, 2, e["shape"]) if e["dtype"].startswith("int")
                      else rng.standard_normal(e["shape"])).astype(e["dtype"]) for e in manifest["inputs"]}
-print("loss", LocalRunner(sys.argv[1], progress=False, storage="image").step(feeds))
+print("loss", LocalRunner(sys.argv[1], progress=False, storage="image", device_workarounds=False).step(feeds))
 """
 
 

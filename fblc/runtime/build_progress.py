@@ -70,8 +70,8 @@ def pyopencl_cache_dir() -> str | None:
         return None
 
 
-def cache_note(device: Any) -> str:
-    """Where the compiled kernels stay, for the progress line."""
+def cache_note(device: Any, pyopencl_cache: bool = True) -> str:
+    """Where the compiled kernels stay, for the progress line (`pyopencl_cache` False: the runner builds outside it)."""
     if is_pocl(device):
         folder = pocl_cache_dir()
         return f"cached in {folder}" if folder else "not cached: POCL_KERNEL_CACHE is off"
@@ -82,6 +82,8 @@ def cache_note(device: Any) -> str:
             return "cached by the OpenCL driver"
     except ImportError:
         pass
+    if not pyopencl_cache:
+        return "not cached: built outside pyopencl's cache"
     folder = pyopencl_cache_dir()
     return f"cached by pyopencl in {folder}" if folder else "not cached: PYOPENCL_NO_CACHE is set"
 
@@ -204,9 +206,11 @@ class BuildProgress:
     """Reports the kernel build of one runner: `start()` before clBuildProgram, `program_built()` after it,
     `first_step_done()` after the first step (where PoCL compiles each kernel at its first launch)."""
 
-    def __init__(self, say: Callable[[str], None] | None, device: Any, functions: Sequence[str]) -> None:
+    def __init__(self, say: Callable[[str], None] | None, device: Any, functions: Sequence[str],
+                 pyopencl_cache: bool = True) -> None:
         self.say = say
         self.device = device
+        self.pyopencl_cache = pyopencl_cache
         self.functions = list(functions)
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -238,7 +242,7 @@ class BuildProgress:
         self._announced = count
         total = len(self.functions)
         name = self.device.name.strip()
-        note = cache_note(self.device)
+        note = cache_note(self.device, self.pyopencl_cache)
         if count < total:
             self.say(f"building {count} of {_kernels(total)} for {name} (the others are {note})")
         else:

@@ -56,6 +56,20 @@ def _image_format(cl: Any, name: str) -> Any:
     return cl.ImageFormat(getattr(cl.channel_order, order), getattr(cl.channel_type, channel))
 
 
+#: OpenCL platforms whose kernels LocalRunner builds with -cl-opt-disable and outside pyopencl's binary cache,
+#: and why (the cache's keys leave out what the platform adds to a build: oclgrind's --build-options)
+UNOPTIMISED_PLATFORMS = {
+    "Oclgrind": ("oclgrind 21.10 runs some optimised kernels wrongly (it leaves the 2-bit integers LLVM makes of "
+                 "lane indices unmasked: the Q.K^T MatMul of a ViT's attention gave wrong numbers)"),
+}
+_noted_platforms: set[str] = set()  # each platform's note is said once a process
+
+
+def unoptimised_reason(device: Any) -> str:
+    """Why LocalRunner builds for `device` without optimisation and outside pyopencl's cache; "" where it does not."""
+    return UNOPTIMISED_PLATFORMS.get(device.platform.name.strip(), "")
+
+
 #: how a runner holds its textures (LocalRunner's `storage`); auto: chosen for the device (choose_storage)
 STORAGES = choices.STORAGES
 WINDOW_SLACK_BYTES = 16  # one fp32 texel past every buffer (see _allocate)
@@ -67,7 +81,9 @@ class LocalRunner:
     The first run of a bundle on a device compiles its kernels (a minute and more on PoCL for a large
     model): `progress` says so on stderr (True), to a callable taking each line, or not at all (False).
     `storage` "auto" holds the textures in buffers on a CPU device, as images elsewhere (choose_storage):
-    `.storage` is the one chosen, `.storage_reason` why.
+    `.storage` is the one chosen, `.storage_reason` why. On a device of UNOPTIMISED_PLATFORMS the kernels are
+    built with -cl-opt-disable outside pyopencl's binary cache, unless `device_workarounds` is False (what
+    benchmarks/instructions.py counts is the optimised kernels' instructions, not their numbers).
     """
 
     #: arguments after the textures, in every kernel (the read tracer's buffers)
@@ -75,7 +91,7 @@ class LocalRunner:
 
     def __init__(self, bundle: str, device: str | None = None, profiling: bool = False,
                  build_options: Sequence[str] = (), progress: bool | Callable[[str], None] = True,
-                 storage: str = "auto") -> None:
+                 storage: str = "auto", device_workarounds: bool = True) -> None:
         import pyopencl as cl
 
         if storage not in STORAGES:
@@ -89,7 +105,10 @@ class LocalRunner:
         #: (a CPU's OpenCL: PoCL reads a texel through a library call that stops vectorization), where
         #: a texel's address is its index, not its layout's coordinate (which on a phone serves the texture cache)
         self.storage, self.storage_reason = choose_storage(storage, self.device)
-        self.build_options = list(build_options) + (["-DFBLC_BUFFERS"] if self.storage == "buffer" else [])
+        #: why the kernels are built with -cl-opt-disable and outside pyopencl's binary cache ("": they are not)
+        self.unoptimised_reason = unoptimised_reason(self.device) if device_workarounds else ""
+        self.build_options = (list(build_options) + (["-DFBLC_BUFFERS"] if self.storage == "buffer" else [])
+                              + (["-cl-opt-disable"] if self.unoptimised_reason else []))
         self.context = cl.Context([self.device])
         properties = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
         self.queue = cl.CommandQueue(self.context, properties=properties)
@@ -108,7 +127,12 @@ class LocalRunner:
         self.allocated_images = len(self.images)
         names = sorted({k["function"] for k in self.plan["kernels"]})
         say = _to_stderr if progress is True else progress or None
-        self.build_progress = BuildProgress(say, self.device, names)
+        platform = self.device.platform.name.strip()
+        if say is not None and self.unoptimised_reason and platform not in _noted_platforms:
+            _noted_platforms.add(platform)
+            say(f"note: building kernels for {self.device.name.strip()} with -cl-opt-disable and outside pyopencl's "
+                f"binary cache: {self.unoptimised_reason}")
+        self.build_progress = BuildProgress(say, self.device, names, pyopencl_cache=not self.unoptimised_reason)
         self.build_progress.start()
         try:
             self.program = self._build()
@@ -168,7 +192,8 @@ class LocalRunner:
                               "compile it again with this fblc, or run it with storage image")
         program = cl.Program(self.context, source)
         try:
-            return program.build(options=["-cl-std=CL1.2", *self.build_options])
+            return program.build(options=["-cl-std=CL1.2", *self.build_options],
+                                 cache_dir=False if self.unoptimised_reason else None)
         except cl.RuntimeError as error:
             log = program.get_build_info(self.device, cl.program_build_info.LOG) or str(error)
             raise KernelBuildError(f"the OpenCL compiler of {self.device.name} rejected kernel "

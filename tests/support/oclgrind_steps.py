@@ -1,6 +1,6 @@
 """One training step of each named case on whatever OpenCL device this process sees, against onnxruntime.
 
-    oclgrind --data-races --build-options -cl-opt-disable python -m tests.support.oclgrind_steps DIR CASE..
+    oclgrind --data-races python -m tests.support.oclgrind_steps DIR CASE..
 
 tests/test_oclgrind.py runs it under oclgrind, whose simulated device checks every memory access
 and race, and reads its last line: JSON {case: [names of the tensors that differ from onnxruntime]}.
@@ -75,6 +75,36 @@ def _shared_sums(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOp
     return write_case(path, nodes, inits), {}, OPTIONS
 
 
+def _vit_attention(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
+    """A ViT's self-attention as torch's dynamo exporter writes it (2 images of 4 patches and a class token, 2
+    heads of 4): Q and the transposed K each scaled by d**-0.25 (K^T materialised, read along its tokens by the
+    Q.K^T MatMul: the `(p + 5k) & 3` lane indices that optimised oclgrind 21.10 gets wrong), Softmax, .V."""
+    from onnx import helper, numpy_helper
+
+    from tests.test_kernels_contraction import OPTIONS, write_case
+
+    images, tokens, heads, width = 2, 5, 2, 4
+    hidden = heads * width
+    rng = np.random.default_rng(5)
+    weights = {name: (0.25 * rng.standard_normal((hidden, hidden))).astype(np.float32) for name in ("wq", "wk", "wv")}
+    constants = {"split_heads": np.array([images, tokens, heads, width], np.int64),
+                 "root_scale": np.array(width ** -0.25, np.float32)}
+    nodes = [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name))
+             for name, value in constants.items()]
+    for name, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):  # k as K^T
+        nodes += [helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}_rows"]),
+                  helper.make_node("Reshape", [f"{name}_rows", "split_heads"], [f"{name}_heads"]),
+                  helper.make_node("Transpose", [f"{name}_heads"], [name], perm=perm)]
+    nodes += [helper.make_node("Mul", ["q", "root_scale"], ["q_scaled"]),
+              helper.make_node("Mul", ["k", "root_scale"], ["k_scaled"]),
+              helper.make_node("MatMul", ["q_scaled", "k_scaled"], ["scores"]),
+              helper.make_node("Softmax", ["scores"], ["weights"], axis=-1),
+              helper.make_node("MatMul", ["weights", "v"], ["y"])]
+    activations = rng.standard_normal((images, tokens, hidden)).astype(np.float32)
+    path = os.path.join(directory, "vit_attention.onnx")
+    return write_case(path, nodes, {"x": activations, **weights}), {}, OPTIONS
+
+
 CASES: dict[str, Case] = {
     "mlp": _exported(models.mlp),  # contractions, log-softmax as a reduction and a map, the fused AdamW
     # norms, rotary views, attention, gathers; one decoder layer, as a second simulates the same kernels
@@ -88,6 +118,7 @@ CASES: dict[str, Case] = {
     **{f"convnet {kind}": _exported(models.small_convnet, adapter=AdapterConfig(kind, rank=2))
        for kind in MEMORY_FLOOR_ADAPTERS},  # each memory-floor adapter's forward, backward and replay
     "gpt2": _zoo("gpt2"),  # LayerNormalization, Gelu, tied embeddings, the causal mask from the exporter
+    "vit attention": _vit_attention,  # Q.K^T of activations, Softmax, .V: a ViT step's attention
     "mlp fura-s": _exported(models.mlp, adapter=AdapterConfig("fura-s", block=16), trainer="es",
                             es=EsConfig(pairs=2, sigma=0.05, seed=1), optimizer=OptimizerConfig("sgd", lr=1.0)),
 }
