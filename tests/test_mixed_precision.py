@@ -78,8 +78,9 @@ def test_fp16_keeps_the_loss_chain_and_the_gradient_of_the_logits_in_fp32(mlp_pa
     logits, are rgba_f32 (were rgba_f16, all but `loss`); the activations before stay half."""
     step, _ = compile_model(mlp_path, str(tmp_path / "half"), "adreno830", "fp16", TrainingOptions(optimizer=ADAMW))
     chain = _loss_chain_formats(str(tmp_path / "half"), "logits")
-    logits_grads = [v.name for n in step.graph if n.metadata_props.get(keys.STAGE) == "backward"
-                    and n.metadata_props.get(keys.GRAD_OF) == "bias2" for v in n.inputs if v.name.startswith("grad/loss/")]
+    bias_rule = [n for n in step.graph if n.metadata_props.get(keys.STAGE) == "backward"
+                 and n.metadata_props.get(keys.GRAD_OF) == "bias2"]
+    logits_grads = [v.name for n in bias_rule for v in n.inputs if v.name.startswith("grad/loss/")]
     assert logits_grads and set(logits_grads) <= set(chain)  # bias2's rule reads the logits' gradient
     assert any("ReduceLogSumExp" in name for name in chain) and len(chain) >= 10, chain
     assert {name for name, texture in chain.items() if texture != "rgba_f32"} == set()

@@ -54,7 +54,8 @@ class EsConfig:
 
     def validate(self) -> None:
         if self.pairs < 1:
-            raise FblcError(f"--pairs {self.pairs} is not a number of antithetic pairs >= 1", "give e.g. --pairs 15 (the paper's)")
+            raise FblcError(f"--pairs {self.pairs} is not a number of antithetic pairs >= 1",
+                            "give e.g. --pairs 15 (the paper's)")
         if not np.isfinite(self.sigma) or self.sigma <= 0:
             raise FblcError(f"--sigma {self.sigma:g} is not a perturbation > 0", "give e.g. --sigma 0.03 (the paper's)")
         if self.reward not in REWARDS:
