@@ -26,13 +26,20 @@ ADAPTER_SITES = ("auto", "all", "pointwise", "linear")
 WIDEST_CHOSEN_BLOCK = 64  # fura-s without --block: the widest power of two tried (fblc.compiler.fura_s)
 DEFAULT_RANK = 2
 
-# fblc.compiler.es: the trainers, ES's rewards and the defaults of EsConfig
+# fblc.compiler.es: the trainers, ES's rewards and the defaults of EsConfig, which reads them here
 TRAINERS = ("backprop", "es")
 REWARDS = ("neg-loss", "accuracy", "external")
 ES_OPTIMIZERS = ("sgd", "adam")
-ES_PAIRS = 4
+#: MobileSpec's FuRA-S settings (its Table A2): 15 antithetic pairs per update (Countdown, MATH, LaMP;
+#: 25 on INT4 models, 16 on Sudoku), relative perturbation mu_rel = 3e-2 and step alpha = 1 in every ES
+#: experiment but per-user LaMP. alpha is fblc's --lr under --es-optimizer sgd (fblc.compiler.es)
+ES_PAIRS = 15
 ES_SIGMA = 3e-2
+ES_SGD_LR = 1.0
 ES_REWARD = "neg-loss"
+#: the source --help names for the ES defaults
+ES_SOURCE = "MobileSpec Table A2"
+LR = 1e-2  # fblc.compiler.optimizers.OptimizerConfig's lr: backprop, and ES's adam
 
 STORAGES = ("auto", "image", "buffer")  # fblc.runtime.local.STORAGES
 LAYOUT_SEARCHES = ("blocks", "traced", "flat")  # fblc.passes.rtile_select.LAYOUT_SEARCHES

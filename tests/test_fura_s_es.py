@@ -290,6 +290,8 @@ def test_an_application_reward_function_scores_the_members_on_the_device_and_in_
     (["--pairs", "2"], "--pairs is an option of --trainer es"),
     (["--adapter", "fura-s", "--rank", "2"], "--rank 2 is given with --adapter fura-s"),
     (["--trainer", "es", "--adapter", "memflora-sg"], "--adapter memflora-sg"),
+    # was ignored: ES stepped with sgd whatever --optimizer said
+    (["--trainer", "es", "--optimizer", "adamw"], "--optimizer is for --trainer backprop; under es use --es-optimizer"),
 ])
 def test_bad_fura_s_and_es_options_are_one_clear_error(tmp_path, capsys, args, message) -> None:
     path = build_mlp(str(tmp_path / "mlp.onnx"))
@@ -297,6 +299,35 @@ def test_bad_fura_s_and_es_options_are_one_clear_error(tmp_path, capsys, args, m
     err = capsys.readouterr().err
     assert message in err and "internal error" not in err
     assert not os.path.exists(tmp_path / "step.onnx")
+
+
+def _parsed_options(*args: str) -> TrainingOptions:
+    from fblc.cli import build_parser
+    from fblc.cli.options import check_values, training_options
+
+    parsed = build_parser().parse_args(["train-graph", "model.onnx", "-o", "step.onnx", *args])
+    check_values(parsed)
+    return training_options(parsed)
+
+
+def test_es_defaults_are_mobilespec_s_and_help_says_so(capsys) -> None:
+    """Under --trainer es without figures: MobileSpec's Table A2 (15 pairs, mu_rel 3e-2, alpha 1; were 4
+    pairs and lr 0.01), and --help names the source; backprop and ZO-Adam keep lr 0.01; given figures win."""
+    es = _parsed_options("--trainer", "es")
+    assert (es.es.pairs, es.es.sigma, es.optimizer.name, es.optimizer.lr) == (15, 3e-2, "sgd", 1.0)
+    assert es.es == EsConfig()  # the CLI's defaults are EsConfig's (fblc.choices)
+    assert _parsed_options("--trainer", "es", "--es-optimizer", "adam").optimizer.lr == 1e-2
+    given = _parsed_options("--trainer", "es", "--lr", "0.5", "--pairs", "3")
+    assert (given.optimizer.lr, given.es.pairs) == (0.5, 3)
+    backprop = _parsed_options()
+    assert (backprop.optimizer.name, backprop.optimizer.lr) == ("sgd", 1e-2)
+    assert _parsed_options("--optimizer", "adamw").optimizer.name == "adamw"
+    with pytest.raises(SystemExit):
+        main(["train-graph", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 15, MobileSpec Table A2)", "(default: 0.03, mu_rel of MobileSpec Table A2)",
+                    "--es-optimizer sgd: 1, the step alpha, MobileSpec Table A2)"):
+        assert default in text, default
 
 
 def test_a_model_without_matmul_or_gemm_has_no_fura_s_site(tmp_path, capsys) -> None:

@@ -1,12 +1,15 @@
 """The fuzzer's seeded run (fblc/tools/fuzz.py), its generator, and the findings it made.
 
-The CI run checks 300 random graphs (2 of them on the local OpenCL device under both layouts) and
-400 broken files in about 30 s; `python -m fblc.tools.fuzz --graphs 3000 ...` is the long run.
+The CI run (CI_GRAPHS random graphs, every CI_DEVICE_EVERY-th of them also on the local OpenCL
+device under both layouts, and CI_MUTATIONS broken files: the figures are stated there alone, and
+README's sentence on it is checked against them) takes about 30 s; `python -m fblc.tools.fuzz
+--graphs 3000 ...` is the long run.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import onnx
@@ -17,12 +20,26 @@ from fblc.errors import ModelLoadError
 from fblc.tools import fuzz
 from fblc.tools.random_graphs import random_graph
 
+CI_GRAPHS, CI_DEVICE_EVERY, CI_MUTATIONS = 200, 100, 300
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
 
 def test_seeded_run_finds_nothing(tmp_path) -> None:
-    summary = fuzz.fuzz(graphs=200, seed=0, device_every=100, mutations=300, workdir=str(tmp_path))
-    assert summary.graphs == 200 and summary.device_graphs == 2 and summary.mutations == 300
+    summary = fuzz.fuzz(graphs=CI_GRAPHS, seed=0, device_every=CI_DEVICE_EVERY, mutations=CI_MUTATIONS,
+                        workdir=str(tmp_path))
+    assert summary.graphs == CI_GRAPHS and summary.mutations == CI_MUTATIONS
+    assert summary.device_graphs == CI_GRAPHS // CI_DEVICE_EVERY
     assert summary.findings == [], "\n".join(str(f) for f in summary.findings)
     assert summary.ops is not None and len(summary.ops) >= 44, sorted(summary.ops)
+
+
+def test_the_readme_states_the_ci_run_s_figures() -> None:
+    """README's "CI runs N graphs (D on the device) and M broken files" is this module's CI run (it said
+    300 and 400 while CI ran 200 and 300)."""
+    text = " ".join(open(README, encoding="utf-8").read().split())
+    stated = re.search(r"CI runs (\d+) graphs \((\d+) on the device\) and (\d+) broken files", text)
+    assert stated, "README no longer states the fuzzer's CI run"
+    assert tuple(map(int, stated.groups())) == (CI_GRAPHS, CI_GRAPHS // CI_DEVICE_EVERY, CI_MUTATIONS)
 
 
 def test_generated_graphs_are_valid_and_differ() -> None:

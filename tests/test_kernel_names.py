@@ -54,13 +54,14 @@ def kernels_of(request, tmp_path_factory) -> str:
     from support import models
 
     from fblc.compiler.adapters import AdapterConfig
+    from fblc.compiler.es import EsConfig
 
     model, directory = request.param, tmp_path_factory.mktemp(request.param)
     exported = {"tresnet": models.tresnet, "llama": lambda d: models.llama(d)[1], "mobilenet_v2": models.mobilenet_v2,
                 "llama-fura-s-es": lambda d: models.llama(d)[0]}[model](str(directory))
     options = TrainingOptions(input_shapes=exported.input_shapes)
-    if model.endswith("-es"):  # the noise kernels
-        options = TrainingOptions(trainer="es", adapter=AdapterConfig(kind="fura-s", block=16))
+    if model.endswith("-es"):  # the noise kernels (4 pairs: the paper's 15 clone the forward 30 times, same kernels)
+        options = TrainingOptions(trainer="es", adapter=AdapterConfig(kind="fura-s", block=16), es=EsConfig(pairs=4))
     bundle = directory / "bundle"
     compile_model(exported.path, str(bundle), "adreno830", "fp32", options)
     return (bundle / "kernels.cl").read_text()

@@ -100,8 +100,9 @@ def test_ftd_taxonomy_golden(attention_path: str) -> None:
     step = lowered(attention_path)
     classes = {n.name: n.metadata_props[keys.FTD] for n in step.graph}
     assert classes["proj_q"] == classes["scores"] == "FTD-D"
-    # split_softmax ran first: the softmax is its row statistic and its map
-    split = {n.op_type: classes[n.name] for n in step.graph if n.name.startswith("softmax/split/")}
+    # split_softmax ran first: the softmax is its row statistic and its map (whose last node keeps its name)
+    split = {n.op_type: classes[n.name] for n in step.graph
+             if n.name == "softmax" or n.name.startswith("softmax/split/")}
     assert split == {"ReduceLogSumExp": "FTI-D", "Sub": "FTI-C", "Exp": "FTD-C"}
     assert classes["heads_q"] == classes["merge"] == "FTI-D"
     assert all(label in ("FTD-D", "FTD-C", "FTI-D", "FTI-C") for label in classes.values())

@@ -56,6 +56,8 @@ def test_golden_split(op: str, split: list[str]) -> None:
     assert lse.attributes["keepdims"].value == 1 and list(lse.inputs[1].const_value.numpy()) == [1]
     assert all(n.metadata_props.get(keys.STAGE) == "backward" for n in graph.graph)
     assert "s" in {v.name for n in graph.graph for v in n.outputs}, "the softmax's output keeps its name"
+    # and its node the softmax's name, which the gradient rules' nodes give as their fblc.grad_of
+    assert next(n for n in graph.graph if "s" in {v.name for v in n.outputs}).name == "sm"
 
 
 def test_a_graph_without_softmax_is_left_alone() -> None:

@@ -38,9 +38,13 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
                              "required for every dynamic dim")
     parser.add_argument("--loss", choices=sorted(choices.LOSSES), default="cross_entropy",
                         help="; ".join(f"{k}: {v}" for k, v in choices.LOSSES.items()) + " (default: cross_entropy)")
-    parser.add_argument("--optimizer", choices=sorted(choices.OPTIMIZERS), default="sgd", help="default: sgd")
+    # default None, not sgd: an --optimizer the user gave with --trainer es is refused (check_values)
+    parser.add_argument("--optimizer", choices=sorted(choices.OPTIMIZERS), default=None,
+                        help="the optimizer of --trainer backprop (ES has --es-optimizer) (default: sgd)")
     if step:
-        parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default: 0.01)")
+        parser.add_argument("--lr", type=float, default=None,
+                            help=f"learning rate (default: {choices.LR:g}; under --trainer es with --es-optimizer "
+                                 f"sgd: {choices.ES_SGD_LR:g}, the step alpha, {choices.ES_SOURCE})")
         parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
         parser.add_argument("--weight-decay", type=float, default=0.0,
                             help="L2 penalty for sgd/adam, decoupled decay for adamw (default: 0)")
@@ -80,10 +84,11 @@ def add_trainer_options(parser: argparse.ArgumentParser) -> None:
                             "forwards per step and no backward (with --adapter fura-s: MobileSpec's FuRA-S) "
                             "(default: backprop)")
     group.add_argument("--pairs", type=int, default=None,
-                       help=f"ES: antithetic perturbation pairs per step (default: {choices.ES_PAIRS})")
+                       help=f"ES: antithetic perturbation pairs per step "
+                            f"(default: {choices.ES_PAIRS}, {choices.ES_SOURCE})")
     group.add_argument("--sigma", type=float, default=None,
                        help=f"ES: perturbation size, relative to the singular values under fura-s "
-                            f"(default: {choices.ES_SIGMA:g})")
+                            f"(default: {choices.ES_SIGMA:g}, mu_rel of {choices.ES_SOURCE})")
     group.add_argument("--reward", choices=choices.REWARDS, default=None,
                        help="ES: neg-loss (minus each member's loss), accuracy (arg-max hits; class labels) or "
                             "external (the application scores each member's output: "
@@ -141,7 +146,9 @@ def training_options(args: argparse.Namespace) -> "object":
     if betas is not None:
         figures.update(beta1=betas[0], beta2=betas[1])
     trainer = getattr(args, "trainer", "backprop")
-    optimizer_name = (getattr(args, "es_optimizer", None) or "sgd") if trainer == "es" else args.optimizer
+    optimizer_name = (getattr(args, "es_optimizer", None) if trainer == "es" else args.optimizer) or "sgd"
+    if figures["lr"] is None and trainer == "es" and optimizer_name == "sgd":
+        figures["lr"] = choices.ES_SGD_LR  # MobileSpec's alpha: ES at Scale's update moves by lr * sigma * direction
     optimizer = OptimizerConfig(name=optimizer_name, **{k: v for k, v in figures.items() if v is not None})
     from fblc.compiler.adapters import AdapterConfig
     from fblc.compiler.es import EsConfig
@@ -198,7 +205,7 @@ LIMITS: dict[str, Limit] = {
                   "use --rank 1 or more (the paper uses 2, 4, 8)"),
     "block": Limit("--block", lambda value: value >= 1, "is not a positive block width", "use e.g. --block 64"),
     "pairs": Limit("--pairs", lambda value: value >= 1, "is not a number of antithetic pairs >= 1",
-                   "give e.g. --pairs 4"),
+                   "give e.g. --pairs 15 (the paper's)"),
     "sigma": Limit("--sigma", lambda value: math.isfinite(value) and value > 0.0, "is not a perturbation > 0",
                    "give e.g. --sigma 0.03 (the paper's)"),
     "seed": Limit("--seed", lambda value: value >= 0, "is not a seed >= 0", "give e.g. --seed 0"),
@@ -228,6 +235,8 @@ def check_values(args: argparse.Namespace) -> None:
     for option, attribute in (("--block", "block"), ("--fura-sites", "fura_sites")):
         if adapter is not None and adapter != "fura-s" and getattr(args, attribute, None) is not None:
             raise FblcError(f"{option} is given with --adapter {adapter}", f"add --adapter fura-s, or drop {option}")
+    if getattr(args, "trainer", "backprop") == "es" and getattr(args, "optimizer", None) is not None:
+        raise FblcError("--optimizer is for --trainer backprop", "under es use --es-optimizer")  # was ignored
     if getattr(args, "trainer", "backprop") != "es":
         for option in ("pairs", "sigma", "reward", "es_optimizer"):
             if getattr(args, option, None) is not None:

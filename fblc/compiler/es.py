@@ -44,15 +44,18 @@ AGREEMENT = 1e-6
 
 @dataclass(frozen=True)
 class EsConfig:
-    pairs: int = 4
-    sigma: float = 3e-2
-    reward: str = "neg-loss"
+    """ES's figures; the defaults are MobileSpec's (fblc.choices says where they come from)."""
+
+    pairs: int = choices.ES_PAIRS
+    sigma: float = choices.ES_SIGMA
+    reward: str = choices.ES_REWARD
     #: seed of the device's Philox noise (fblc.compiler.philox)
     seed: int = 0
 
     def validate(self) -> None:
         if self.pairs < 1:
-            raise FblcError(f"--pairs {self.pairs} is not a number of antithetic pairs >= 1", "give e.g. --pairs 4")
+            raise FblcError(f"--pairs {self.pairs} is not a number of antithetic pairs >= 1",
+                            "give e.g. --pairs 15 (the paper's)")
         if not np.isfinite(self.sigma) or self.sigma <= 0:
             raise FblcError(f"--sigma {self.sigma:g} is not a perturbation > 0", "give e.g. --sigma 0.03 (the paper's)")
         if self.reward not in REWARDS:

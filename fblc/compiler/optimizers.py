@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
+from fblc import choices
 from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter
 
@@ -19,7 +20,7 @@ from fblc.compiler.graph import Emitter
 @dataclass(frozen=True)
 class OptimizerConfig:
     name: str = "sgd"
-    lr: float = 1e-2
+    lr: float = choices.LR
     momentum: float = 0.0
     weight_decay: float = 0.0
     beta1: float = 0.9

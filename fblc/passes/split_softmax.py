@@ -3,7 +3,9 @@
 Rewrite (SPLITS, a table keyed by op type), for Y = op(X, axis):
 - L = ReduceLogSumExp(X, [axis], keepdims=1), the row statistic, once per row;
 - Softmax: Y = Exp(Sub(X, L)); LogSoftmax: Y = Sub(X, L).
-Y keeps its value (name, shape, every reader: the gradient rules, which read Y, are unchanged).
+Y keeps its value (name, shape, every reader: the gradient rules, which read Y, are unchanged),
+and the node that computes Y takes the replaced node's name: the gradient rules' nodes name it as
+their origin (`fblc.grad_of`), which storage_precision follows from the loss's nodes to their gradients.
 
 Why: a row statistic computed inside a per-element kernel is computed again by every
 work-item of the row (a vocabulary of V read V / 4 times per row when V % 4 == 0, V times per
@@ -49,6 +51,7 @@ def _split(graph: ir.Graph, node: ir.Node) -> None:
     y.replace_all_uses_with(result, replace_graph_outputs=True)
     y.name, result.name = f"{name}/split", name
     graph.remove(node, safe=True)
+    result.producer().name = node.name
 
 
 class SplitSoftmax(ContractPass):

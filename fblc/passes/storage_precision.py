@@ -9,9 +9,17 @@ Rewrite: annotations only. Every float value that owns storage (not a view) gets
   metrics). Why: Adam's second moment of a gradient below ~2.4e-4 underflows in half, a
   parameter update smaller than half a half-ulp of the weight is lost, and both make fp16 training
   diverge or stall; an activation rounds to half without harm.
-- an ES step (model metadata `fblc.es`) also keeps in fp32 every value of its `loss` and `es`
-  stages (ES_MASTER_STAGES): the loss and reward chain of the model and of each member, the
-  perturbed parameters theta +/- sigma eps and their noise rows, the z-scores and the direction.
+- the loss chain, under either trainer (LOSS_STAGES): every value its `loss` stage reads or
+  writes, from the model's prediction (the logits) on through LogSoftmax / ReduceLogSumExp and
+  the loss's reductions, and under backprop the first gradients, which the backward computes for
+  those nodes (`fblc.grad_of` a loss node), up to and including the gradient of the logits. Why:
+  half resolves a loss near 5.5 to 2^-8 = 4e-3: with the chain in half textures the first fp16
+  loss of a 37-class classifier whose logits were exact read 10.28125 for fp32's 10.284074, and no
+  fp32/fp16 comparison of losses under 1e-3 meant anything. The cost: a handful of tensors of the
+  logits' size at 4 bytes instead of 2 (a language model's vocabulary makes them its largest).
+- an ES step (model metadata `fblc.es`) also keeps in fp32 every value of its `es` stage
+  (ES_MASTER_STAGES): the perturbed parameters theta +/- sigma eps and their noise rows, the
+  z-scores and the direction, and (loss stage) each member's loss and reward chain.
   Why: ES's signal is the spread of the members' losses, about sigma times the gradient's norm
   (1e-3 of the loss and less), while half resolves a loss near 1.7 to 2^-10 = 1e-3: with the
   loss's reductions in half textures the rewards were rounded to whole half-ulps, their z-scores
@@ -43,10 +51,30 @@ from fblc.passes.rtile_select import state_pairs
 
 #: graph inputs kept in fp32 under mixed precision, by role
 MASTER_ROLES = frozenset({Role.PARAM.value, Role.OPT_STATE.value})
-#: nodes whose values stay fp32 under mixed precision, by stage: the optimizer's inputs and outputs
-MASTER_STAGES: dict[str, tuple[str, ...]] = {"optimizer": ("inputs", "outputs")}
-#: an ES step's as well: the outputs of its loss and ES stages (the module docstring says why)
-ES_MASTER_STAGES: dict[str, tuple[str, ...]] = {**MASTER_STAGES, "loss": ("outputs",), "es": ("outputs",)}
+#: nodes whose values stay fp32 under mixed precision, by stage: the optimizer's inputs and outputs,
+#: and the loss chain's from the logits on (the module docstring says why)
+LOSS_STAGES: dict[str, tuple[str, ...]] = {"loss": ("inputs", "outputs")}
+MASTER_STAGES: dict[str, tuple[str, ...]] = {"optimizer": ("inputs", "outputs"), **LOSS_STAGES}
+#: an ES step's as well: the outputs of its ES stage
+ES_MASTER_STAGES: dict[str, tuple[str, ...]] = {**MASTER_STAGES, "es": ("outputs",)}
+
+
+def loss_gradient_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """The backward's nodes for the loss chain: those a gradient rule emitted for a `loss` stage node,
+    and the sums that join only their results (the gradient of logits that several loss nodes read)."""
+    loss_nodes = {node.name for node in graph if node.metadata_props.get(keys.STAGE) in LOSS_STAGES}
+    chain: list[ir.Node] = []
+    produced: set[int] = set()
+    for node in graph:
+        if node.metadata_props.get(keys.STAGE) != "backward":
+            continue
+        origin = node.metadata_props.get(keys.GRAD_OF)
+        upstream = [v for v in node.inputs if v is not None and v.producer() is not None and is_float(v)]
+        joins_the_chain = origin is None and upstream and all(id(v) in produced for v in upstream)
+        if origin in loss_nodes or joins_the_chain:
+            chain.append(node)
+            produced.update(id(v) for v in node.outputs if v is not None)
+    return chain
 
 
 def master_roots(graph: ir.Graph, stages: Mapping[str, tuple[str, ...]] = MASTER_STAGES) -> set[int]:
@@ -58,6 +86,7 @@ def master_roots(graph: ir.Graph, stages: Mapping[str, tuple[str, ...]] = MASTER
     for node in graph:
         for side in stages.get(node.metadata_props.get(keys.STAGE, ""), ()):
             kept += [v for v in getattr(node, side) if v is not None]
+    kept += [v for node in loss_gradient_nodes(graph) for v in (*node.inputs, *node.outputs) if v is not None]
     return {id(view_root(v)) for v in kept}
 
 
