@@ -202,21 +202,22 @@ def test_a_window_at_a_runtime_shift_is_one_load_in_buffers(tmp_path) -> None:
     texels (window4), buffers load the window from the texel's index (window_f, within the texel of
     slack LocalRunner leaves past each buffer; oclgrind's "shared sums in buffers" checks every access).
     Reads that masks may take outside the tensor are clamped, so their texels keep the shuffle; a
-    cluster's spare last texel (min, past the end at shift 0 only) is the load's slack. T-ResNet's
-    convolutions window both forms too."""
+    cluster's spare last texel (min, past the end at shift 0 only) is the load's slack. A 3x3 conv's rows
+    (two texel columns a work-item) shuffle texels read clamped, and window plain and spare ones."""
     from tests.test_kernels_contraction import OPTIONS, TILE_CASES, write_case
 
-    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
-    path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
-    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    assert re.search(r"= WINDOW\(in\d+, T\d+, T\d+, q\d+( \+ \d+)?, s\d+\);", source)
-    compile_model(models.tresnet(str(tmp_path)).path, str(tmp_path / "tresnet"), "local", "fp32",
-                  TrainingOptions())
-    for bundle in ("bundle", "tresnet"):
-        misreads, forms, windowed = window_misreads(tmp_path / bundle)
+    for name in ("conv3x3_rows_two_columns", "conv_temporal_weight_grad_shared"):
+        nodes, inits, _ = TILE_CASES[name]
+        path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
+        compile_model(path, str(tmp_path / name), "local", "fp32", OPTIONS)
+        source = (tmp_path / name / "kernels.cl").read_text()
+        assert re.search(r"= WINDOW\(in\d+, T\d+, T\d+, q\d+( \+ \d+)?, s\d+\);", source)
+        misreads, forms, windowed = window_misreads(tmp_path / name)
         assert not misreads, misreads
         assert set(forms) == {"plain", "clamp", "min"}, forms  # a new form: make window_misreads see it
         assert windowed["plain"] and windowed["min"], windowed
-    rows = verify_model(path, OPTIONS, target="local", storage="buffer")
+    assert re.search(r"= window4\(T\d+, T\d+, s\d+\);", (tmp_path / "conv3x3_rows_two_columns" / "kernels.cl")
+                     .read_text()), "the rows case should shuffle texels read clamped"
+    rows = verify_model(str(tmp_path / "conv_temporal_weight_grad_shared.onnx"), OPTIONS, target="local",
+                        storage="buffer")
     assert rows and not [r.name for r in rows if not r.ok]
