@@ -165,8 +165,9 @@ def window_misreads(bundle: pathlib.Path) -> tuple[list[str], Counter[str], Coun
     """WINDOW(img, a, b, q, s) is one unaligned load of texels q and q + 1 in buffers, the shuffle of a
     and b in images: the two agree only where a is texel q as read, and b texel q + 1 or, where that
     passes the tensor's last texel, the last (`min(q + 1, last)`: the buffer's load reads LocalRunner's
-    texel of slack there, a past that the kernel leaves unused). Any other form of a read that feeds
-    WINDOW (a clamp to the tensor, a min elsewhere) is a misread: (misreads, texel reads by the form of their index, those that feed a WINDOW likewise)."""
+    texel of slack there, lanes the kernel leaves unused). Any other form of a read that feeds WINDOW
+    (a clamp to the tensor, a min elsewhere) is a misread. (misreads, texel reads by the form of their
+    index, those that feed a WINDOW likewise.)"""
     source = (bundle / "kernels.cl").read_text()
     lines = source.splitlines()
     plan = json.loads((bundle / "plan.json").read_text())
