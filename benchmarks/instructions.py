@@ -1,6 +1,6 @@
 """Instruction counts of one training step under oclgrind, `--layout naive` against `rtile`: device-independent evidence.
 
-    python benchmarks/instructions.py [--models llama,mobilenet_v2] [--target adreno830]
+    python benchmarks/instructions.py [--models llama,mobilenet_v2] [--target adreno830]  (or --models mlp)
 
 Each model is compiled for the target twice (naive and rtile layouts); one step of each bundle
 runs on oclgrind's simulated OpenCL device (`oclgrind --inst-counts`, Debian's `oclgrind`
@@ -10,7 +10,8 @@ integer division and remainder, private-memory loads and stores, and the div/rem
 ratio that index arithmetic costs; the last column is naive / rtile for each figure.
 
 The models are small (oclgrind interprets every work-item): the 2-layer Llama decoder of the
-tests (B=2, T=16) and MobileNetV2 on [1, 3, 32, 32].
+tests (B=2, T=16) and MobileNetV2 on [1, 3, 32, 32]; `mlp`, examples/mlp.py's [8, 32] MLP, is the
+seconds-long case that tests/test_benchmarks.py runs to see the script still works.
 """
 
 from __future__ import annotations
@@ -53,18 +54,32 @@ print("loss", LocalRunner(sys.argv[1], progress=False, storage="image", device_w
 """
 
 
+MODELS = ("mlp", "llama", "mobilenet_v2")
+
+
 def build_models(directory: str, names: list[str]) -> dict[str, tuple[str, dict[str, list[int]]]]:
-    import numpy as np
-    import torch
-    import transformers
-
-    from tests.support import models
-
     built = {}
+    if "mlp" in names:
+        import importlib.util
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        spec = importlib.util.spec_from_file_location("fblc_example_mlp", os.path.join(root, "examples", "mlp.py"))
+        assert spec is not None and spec.loader is not None
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        built["mlp B=8"] = (example.build_mlp(os.path.join(directory, "mlp.onnx")), {})
     if "llama" in names:
+        from tests.support import models
+
         exported, _ = models.llama(directory)
         built["llama 2L B=2 T=16"] = (exported.path, exported.input_shapes)
     if "mobilenet_v2" in names:
+        import numpy as np
+        import torch
+        import transformers
+
+        from tests.support import models
+
         torch.manual_seed(0)
         module = models.logits_only(transformers.MobileNetV2ForImageClassification(
             transformers.MobileNetV2Config(num_labels=10, image_size=32)), "pixel_values").eval()
@@ -94,11 +109,14 @@ def counts_of_one_step(bundle: str) -> Counter[str]:
     return figures
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="llama,mobilenet_v2")
+    parser.add_argument("--models", default="llama,mobilenet_v2", help=f"of {', '.join(MODELS)}")
     parser.add_argument("--target", default="adreno830")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        parser.error(f"--models {','.join(unknown)}: not a model of this benchmark; choose of {', '.join(MODELS)}")
     if shutil.which("oclgrind") is None:
         print("oclgrind is not installed: apt-get install oclgrind (scripts/install_system_packages.sh)",
               file=sys.stderr)
@@ -119,7 +137,8 @@ def main() -> int:
         for figure in list(FIGURES) + ["div/rem per FMA"]:
             if figure == "div/rem per FMA":
                 naive, rtile = (measured[k]["int div/rem"] / max(1, measured[k]["FMAs"]) for k in ("naive", "rtile"))
-                print(f"{name:<26} {figure:<20} {naive:14.3f} {rtile:14.3f} {naive / rtile if rtile else 0:12.2f}")
+                ratio = f"{naive / rtile:12.2f}" if rtile else f"{'-':>12}"
+                print(f"{name:<26} {figure:<20} {naive:14.3f} {rtile:14.3f} {ratio}")
                 continue
             naive, rtile = measured["naive"][figure], measured["rtile"][figure]
             ratio = f"{naive / rtile:12.2f}" if rtile else f"{'-':>12}"

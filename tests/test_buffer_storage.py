@@ -17,6 +17,7 @@ import json
 import pathlib
 import re
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -144,20 +145,80 @@ def test_fblc_run_trains_in_buffers_as_in_images(mlp_bundle, tmp_path, capsys) -
     assert len(losses["image"]) == 2 and np.allclose(losses["buffer"], losses["image"], rtol=1e-6, atol=0), losses
 
 
+def _first_argument(text: str, start: int) -> str:
+    """The C argument that begins at text[start]: up to its first comma outside parentheses."""
+    depth, end = 0, start
+    while depth or text[end] not in ",)":
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    return text[start:end]
+
+
+def _plus(index: str, step: int) -> str:
+    """`index` (a texel variable and its literal offset, as the code generator writes it) plus `step`."""
+    name, sign, offset = re.fullmatch(r"(\w+)(?: ([+-]) (\d+))?", index).groups()  # type: ignore[union-attr]
+    total = (int(offset) if sign == "+" else -int(offset) if sign else 0) + step
+    return name if total == 0 else f"{name} {'+' if total > 0 else '-'} {abs(total)}"
+
+
+def window_misreads(bundle: pathlib.Path) -> tuple[list[str], Counter[str], Counter[str]]:
+    """WINDOW(img, a, b, q, s) is one unaligned load of texels q and q + 1 in buffers, the shuffle of a
+    and b in images: the two agree only where a is texel q as read, and b texel q + 1 or, where that
+    passes the tensor's last texel, the last (`min(q + 1, last)`: the buffer's load reads LocalRunner's
+    texel of slack there, lanes the kernel leaves unused). Any other form of a read that feeds WINDOW
+    (a clamp to the tensor, a min elsewhere) is a misread. (misreads, texel reads by the form of their
+    index, those that feed a WINDOW likewise.)"""
+    source = (bundle / "kernels.cl").read_text()
+    lines = source.splitlines()
+    plan = json.loads((bundle / "plan.json").read_text())
+    texels = {t["id"]: -(-int(np.prod(t["shape"])) // 4) for t in plan["textures"]}
+    misreads: list[str] = []
+    forms: Counter[str] = Counter()
+    windowed: Counter[str] = Counter()
+    for launch in plan["kernels"]:
+        body = "\n".join(lines[launch["lines"][0]:launch["lines"][1]])
+        reads = {}
+        for read in re.finditer(r"const float4 (T\d+) = RD[FI]\((in\d+), PLACE\(", body):
+            index = _first_argument(body, read.end())
+            reads[read.group(1)] = (read.group(2), index)
+            forms[_form(index)] += 1
+        for window in re.finditer(r"WINDOW\((in\d+), (T\d+), (T\d+), ([^,]+), \w+\)", body):
+            arg, a, b, q = window.groups()
+            last = texels[launch["inputs"][int(arg[2:])]] - 1
+            windowed.update(_form(reads[t][1]) for t in (a, b) if t in reads)
+            if reads.get(a) != (arg, q) or reads.get(b) not in [(arg, _plus(q, 1)),
+                                                                 (arg, f"min({_plus(q, 1)}, {last})")]:
+                misreads.append(f"{launch['name']}: {window.group(0)} of {reads.get(a)}, {reads.get(b)}")
+    return misreads, forms, windowed
+
+
+def _form(index: str) -> str:
+    """The function a texel index is clamped with (clamp, min, ...), or "plain"."""
+    call = re.match(r"(\w+)\(", index)
+    return call.group(1) if call else "plain"
+
+
 def test_a_window_at_a_runtime_shift_is_one_load_in_buffers(tmp_path) -> None:
     """A temporal conv's input gradient reads 3-tap weight rows at a runtime shift: images shuffle the two
     texels (window4), buffers load the window from the texel's index (window_f, within the texel of
     slack LocalRunner leaves past each buffer; oclgrind's "shared sums in buffers" checks every access).
-    Reads that masks may take outside the tensor are clamped, so their texels keep the shuffle."""
+    Reads that masks may take outside the tensor are clamped, so their texels keep the shuffle; a
+    cluster's spare last texel (min, past the end at shift 0 only) is the load's slack. A 3x3 conv's rows
+    (two texel columns a work-item) shuffle texels read clamped, and window plain and spare ones."""
     from tests.test_kernels_contraction import OPTIONS, TILE_CASES, write_case
 
-    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
-    path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
-    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    assert re.search(r"= WINDOW\(in\d+, T\d+, T\d+, q\d+( \+ \d+)?, s\d+\);", source)
-    for kernel in source.split("__kernel void ")[1:]:
-        clamped = set(re.findall(r"const float4 (T\d+) = RDF\(in\d+, PLACE\(clamp\(", kernel))
-        assert not clamped & set(re.findall(r"= WINDOW\(in\d+, (T\d+)", kernel)), kernel[:40]
-    rows = verify_model(path, OPTIONS, target="local", storage="buffer")
+    for name in ("conv3x3_rows_two_columns", "conv_temporal_weight_grad_shared"):
+        nodes, inits, _ = TILE_CASES[name]
+        path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
+        compile_model(path, str(tmp_path / name), "local", "fp32", OPTIONS)
+        source = (tmp_path / name / "kernels.cl").read_text()
+        assert re.search(r"= WINDOW\(in\d+, T\d+, T\d+, q\d+( \+ \d+)?, s\d+\);", source)
+        misreads, forms, windowed = window_misreads(tmp_path / name)
+        assert not misreads, misreads
+        assert set(forms) == {"plain", "clamp", "min"}, forms  # a new form: make window_misreads see it
+        assert windowed["plain"] and windowed["min"], windowed
+    assert re.search(r"= window4\(T\d+, T\d+, s\d+\);", (tmp_path / "conv3x3_rows_two_columns" / "kernels.cl")
+                     .read_text()), "the rows case should shuffle texels read clamped"
+    rows = verify_model(str(tmp_path / "conv_temporal_weight_grad_shared.onnx"), OPTIONS, target="local",
+                        storage="buffer")
     assert rows and not [r.name for r in rows if not r.ok]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 
 import numpy as np
 import onnx
@@ -66,6 +67,20 @@ def test_a_wrong_gradient_rule_is_found(monkeypatch, tmp_path) -> None:
     # a Tanh on a side branch (a Concat's) moves the parameters' gradients by less than 1 %
     assert sum(found == ["gradient"] for found in stages) >= len(seeds) // 2, list(zip(seeds, stages))
     assert all(found in ([], ["gradient"]) for found in stages)
+
+
+@pytest.mark.parametrize("findings", [0, 1, 10, 20])
+def test_the_exit_code_is_1_when_any_finding_was_made(findings: int, monkeypatch, tmp_path, capsys) -> None:
+    """Each of 10 graphs finds `findings` // 10 (or one graph finds one): 10 and 20 findings exit 1 too (the
+    summary line "10 findings" contains "0 findings", which the exit code once looked for)."""
+    per_graph = [[fuzz.Finding(seed, "gradient", "planted")] * (findings // 10) for seed in range(10)]
+    if findings == 1:
+        per_graph[3] = [fuzz.Finding(3, "gradient", "planted")]
+    monkeypatch.setattr(fuzz, "check_graph",
+                        lambda seed, workdir, device=False: (types.SimpleNamespace(ops=["Relu"]), per_graph[seed]))
+    code = fuzz.main(["--graphs", "10", "--mutations", "0", "--device-every", "0", "--keep", str(tmp_path)])
+    assert f"broken files: {findings} findings" in capsys.readouterr().out
+    assert code == (1 if findings else 0)
 
 
 def _write(tmp_path, name: str, data: bytes) -> str:

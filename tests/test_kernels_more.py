@@ -9,11 +9,16 @@ axes innermost or not, a ceil_mode window past the padded input or none.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from tests.test_kernels_other import _check, _op_then_loss, _randn
+from fblc.passes.pipeline import TrainingOptions
+from fblc.tools.verify import verify_model
+from tests.test_kernels_other import SGD, _check, _op_then_loss, _randn
 
 
 @pytest.mark.parametrize("shape", [[2, 3, 8], [3, 5]])
@@ -109,6 +114,22 @@ def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[
     _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))
 
 
+def _group_kernels_checked(tmp_path, model: onnx.ModelProto) -> dict[str, bool]:
+    """Whether each kernel of `model`'s adreno830 bundle shares its work across a work-group (a launch of
+    whole groups whose source merges through __local memory), once its step, run on the local device
+    in buffer storage, equals onnxruntime's (test_kernels_other.py's _check does so for `local`)."""
+    path, bundle = str(tmp_path / "model.onnx"), tmp_path / "adreno830"
+    onnx.save(model, path)
+    rows = verify_model(path, TrainingOptions(loss="output", optimizer=SGD), target="adreno830", storage="buffer",
+                        keep_bundle=str(bundle))
+    assert rows and not [r for r in rows if not r.ok], [r for r in rows if not r.ok]
+    plan = json.loads((bundle / "plan.json").read_text())
+    source = (bundle / "kernels.cl").read_text().splitlines()
+    return {k["name"]: k["global_size"][0] % k["local_size"][0] == 0
+            and "barrier(CLK_LOCAL_MEM_FENCE)" in "\n".join(source[k["lines"][0]:k["lines"][1]])
+            for k in plan["kernels"]}
+
+
 @pytest.mark.parametrize("op_type,shape,axes,keepdims", [
     ("ReduceSum", [4, 2000], [1], 1),  # innermost, whole texels: strided texel shares
     ("ReduceSum", [3000, 8], [0], 0),  # an outer axis (a bias gradient over batch x sequence)
@@ -122,29 +143,15 @@ def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[
 def test_long_reductions_are_shared_by_a_work_group(tmp_path, op_type: str, shape: list[int], axes: list[int],
                                                     keepdims: int) -> None:
     """Reductions longer than the serial limit: one work-group per output texel, a tree in __local
-    memory. The kernel must use it (barriers, a launch of whole groups) and equal onnxruntime."""
-    import json
-
-    import onnx
-
-    from fblc.codegen.compile import compile_model
-    from fblc.passes.pipeline import TrainingOptions
-
+    memory. The adreno830 kernel must use it (barriers, a launch of whole groups) and its step, run on
+    the local device, equal onnxruntime."""
     extra = [helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array(axes, np.int64)),
                               name="axes")]
     reduced = {a % len(shape) for a in axes}
     y_shape = [1 if i in reduced else d for i, d in enumerate(shape) if keepdims or i not in reduced]
     op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=keepdims, name="long")
-    model = _op_then_loss(op, y_shape, {"x": _randn(*shape)}, extra=extra)
-    _check(tmp_path, model)
-    onnx.save(model, str(tmp_path / "long.onnx"))
-    compile_model(str(tmp_path / "long.onnx"), str(tmp_path / "bundle"), "adreno830", "fp32",
-                  TrainingOptions(loss="output"))
-    plan = json.loads((tmp_path / "bundle" / "plan.json").read_text())
-    launch = next(k for k in plan["kernels"] if k["name"].endswith(op_type) and k["items"] > 1)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text().splitlines()
-    body = "\n".join(source[launch["lines"][0]:launch["lines"][1]])
-    assert "barrier(CLK_LOCAL_MEM_FENCE)" in body and launch["global_size"][0] % launch["local_size"][0] == 0
+    shared = _group_kernels_checked(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(*shape)}, extra=extra))
+    assert any(is_shared for name, is_shared in shared.items() if name.endswith(op_type)), shared
 
 
 @pytest.mark.parametrize("shape,axis", [([3, 2048], -1), ([2, 5, 600], 1), ([4, 1030], 1)])
@@ -153,24 +160,11 @@ def test_layer_norm_statistics_of_long_rows_are_shared_by_a_work_group(tmp_path,
     """Rows longer than the serial limit: the Mean / InvStdDev kernel runs a work-group per texel of
     rows (two __local merges: the sum, then the centred squares). The bias is offset so that the
     loss, a sum of y * R over thousands of elements, does not cancel to rounding noise."""
-    import json
-
-    import onnx
-
-    from fblc.codegen.compile import compile_model
-    from fblc.passes.pipeline import TrainingOptions
-
     norm_shape = shape[axis % len(shape):]
     op = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y", "mean", "inv"], axis=axis,
                           epsilon=1e-5, name="ln")
     model = _op_then_loss(op, shape, {"x": _randn(*shape, scale=3.0), "scale": _randn(*norm_shape, seed=2),
                                       "bias": _randn(*norm_shape, seed=3) + 5.0})
-    _check(tmp_path, model)
-    onnx.save(model, str(tmp_path / "ln.onnx"))
-    compile_model(str(tmp_path / "ln.onnx"), str(tmp_path / "bundle"), "adreno830", "fp32",
-                  TrainingOptions(loss="output"))
-    plan = json.loads((tmp_path / "bundle" / "plan.json").read_text())
-    stats = [k for k in plan["kernels"] if k["name"].endswith("_stats")]
-    source = (tmp_path / "bundle" / "kernels.cl").read_text().splitlines()
-    assert stats and all("barrier(CLK_LOCAL_MEM_FENCE)" in "\n".join(source[k["lines"][0]:k["lines"][1]])
-                         for k in stats)
+    shared = _group_kernels_checked(tmp_path, model)
+    stats = [is_shared for name, is_shared in shared.items() if name.endswith("_stats")]
+    assert stats and all(stats), shared

@@ -10,6 +10,8 @@ still equal onnxruntime's). Negative: a plan whose work-groups exceed the device
 
 from __future__ import annotations
 
+import os
+import re
 
 import numpy as np
 import pytest
@@ -88,20 +90,68 @@ def test_tiles_per_group_fill_a_wave_with_whole_tiles() -> None:
     assert small.tiles_per_group(16, 36, 8) == 2
 
 
-@pytest.mark.parametrize("target", ["adreno830", "mali-g925", "local"])
-def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, target: str) -> None:
+def _written_group(body: str) -> tuple[int, int, int] | None:
+    """(items, work-items per item, items per work-group) as a group kernel's source deals out its work:
+    `if (t >= items) return;`, the step of its `= lid` loops, its merge tree's first stride (half the
+    group) or its tile merge's `shared[j * group + lid]`, and the items in a group
+    (`get_group_id(0) * tiles + ...`); None for a kernel that uses no work-group (a plain one)."""
+    if "get_group_id(0)" not in body:
+        assert "get_local_id(" not in body and "barrier(" not in body, body[:200]
+        return None
+    items = int(re.findall(r"if \([tg] >= (\d+)\) return;", body)[0])
+    tiles = re.search(r"= get_group_id\(0\) \* (\d+) \+ ", body)
+    groups = {int(step) for step in re.findall(r"\(int \w+ = lid; \w+ < \d+; \w+ \+= (\d+)\)", body)}
+    groups |= {2 * int(half) for half in re.findall(r"for \(int s = (\d+); s > 0; s >>= 1\)", body)}
+    groups |= {int(group) for group in re.findall(r"shared\[j \* (\d+) \+ lid\]", body)}
+    assert len(groups) == 1, (groups, body[:200])
+    return items, groups.pop(), int(tiles.group(1)) if tiles else 1
+
+
+def _shared_tiles_model(folder: str) -> str:
+    from tests.test_kernels_contraction import TILE_CASES, write_case
+
+    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]  # two or four tiles a work-group
+    return write_case(os.path.join(folder, "temporal.onnx"), nodes, inits)
+
+
+def _tresnet64(folder: str) -> str:
     from support import models
 
-    model = models.tresnet(str(tmp_path))
-    bundle = str(tmp_path / "bundle")
-    compile_model(model.path, bundle, target, "fp32", TrainingOptions(input_shapes=model.input_shapes))
-    _, plan = fmt.load_verified(bundle)
+    return models._example("tresnet")(os.path.join(folder, "tresnet64.onnx"), batch=64)
+
+
+#: models with group kernels: T-ResNet B=64 (long reductions, 33 group launches), a shared register tile
+SCHEDULED_MODELS = {"t-resnet B=64": (_tresnet64, TrainingOptions()),
+                    "shared tiles": (_shared_tiles_model, TrainingOptions(loss="output"))}
+
+
+@pytest.mark.parametrize("target", ["adreno830", "mali-g925", "local"])
+def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, target: str) -> None:
+    """A plain kernel: the profile's work-group, its global size padded to whole groups. A group kernel
+    (work-items share __local memory): the work-group its code is written for (the work-items of each
+    item times the items a group holds) and exactly its items' work-items, whole groups, no padding."""
     profile = load_profile(target)
-    padded = 0
-    for launch in plan["kernels"]:
-        assert [launch["global_size"][0], launch["local_size"][0]] == list(profile.launch_size(launch["items"]))
-        padded += launch["global_size"][0] != launch["items"]
-    assert padded > 0, "the test model should exercise padded launches"
+    padded, grouped, tiled = 0, 0, 0
+    for name, (build, options) in SCHEDULED_MODELS.items():
+        bundle = str(tmp_path / name)
+        compile_model(build(str(tmp_path)), bundle, target, "fp32", options)
+        _, plan = fmt.load_verified(bundle)
+        source = (tmp_path / name / fmt.KERNELS).read_text().splitlines()
+        for launch in plan["kernels"]:
+            schedule = [launch["global_size"][0], launch["local_size"][0]]
+            written = _written_group("\n".join(source[launch["lines"][0]:launch["lines"][1]]))
+            if written is None:
+                assert schedule == list(profile.launch_size(launch["items"])), (name, launch["name"])
+                padded += launch["global_size"][0] != launch["items"]
+                continue
+            items, group, tiles = written
+            assert items % tiles == 0 and group * tiles <= profile.max_work_group_size, (name, launch["name"])
+            assert schedule == [items * group, group * tiles] and launch["items"] == items * group, \
+                (name, launch["name"], schedule, launch["items"], written)
+            grouped += 1
+            tiled += tiles > 1
+    assert padded > 0, "the test models should exercise padded launches"
+    assert grouped >= 30 and (tiled > 0 or profile.cpu), (grouped, tiled)
 
 
 def test_padded_work_items_write_nothing(tmp_path) -> None:

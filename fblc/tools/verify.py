@@ -61,11 +61,13 @@ def reference_graph(step: ir.Model, model_path: str, options: TrainingOptions) -
 
 def verify_model(model_path: str, options: TrainingOptions, target: str = "local", dtype: str = "fp32",
                  device: str | None = None, feeds: Mapping[str, np.ndarray] | None = None,
-                 work_dir: str | None = None, storage: str = "image") -> list[Comparison]:
+                 work_dir: str | None = None, storage: str = "image", keep_bundle: str | None = None
+                 ) -> list[Comparison]:
     """Compile, run one step on the device and on onnxruntime, compare every output of the step (the
-    runner's textures held as `storage`: LocalRunner's)."""
+    runner's textures held as `storage`: LocalRunner's). `keep_bundle`: the folder the compiled bundle
+    stays in (its kernels are the ones compared), else a temporary one."""
     with tempfile.TemporaryDirectory(dir=work_dir) as scratch:
-        bundle = os.path.join(scratch, "bundle")
+        bundle = keep_bundle or os.path.join(scratch, "bundle")
         options = replace(options, dtype=dtype)  # the reference steps as the bundle does (loss scale)
         options = with_traced_reads(model_path, target, dtype, options, feeds, device=device)
         step, _ = compile_model(model_path, bundle, target, dtype, options)
