@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -102,7 +103,7 @@ class Scale:
 
 
 QUICK = Scale(decoder_pretrain_steps=1500, digits_pretrain_steps=1000, decoder_length=32, eval_batches=4, steps=40,
-              pairs=4, sweep_steps=20, es_sigmas=(0.01, 0.05), es_lrs=(1.0,), adam_lrs=(1e-3, 1e-2))
+              pairs=4, sweep_steps=20, es_sigmas=(0.01, 0.03, 0.1), es_lrs=(1.0,), adam_lrs=(1e-3, 1e-2))
 
 
 def options(trainer: Trainer, sigma: float | None, lr: float, pairs: int, seed: int) -> TrainingOptions:
@@ -145,6 +146,17 @@ class Evaluator:
         return float(np.mean(losses)), hits / counted if self.task.classifier else float("nan")
 
 
+_EVALUATORS: dict[tuple[str, str, int], Evaluator] = {}
+
+
+def evaluator(task: Task, trainer: Trainer, seed: int, step_options: TrainingOptions) -> Evaluator:
+    """One Evaluator per task, trainer and seed: sigma and lr change the update, not the forward it evaluates."""
+    key = (task.path, trainer.label, seed)
+    if key not in _EVALUATORS:
+        _EVALUATORS[key] = Evaluator(task, step_options)
+    return _EVALUATORS[key]
+
+
 def adapt(task: Task, trainer: Trainer, sigma: float | None, lr: float, scale: Scale, steps: int, seed: int,
           split: str) -> dict[str, float]:
     """One adaptation run on the device: figures before and after on `split`, trained values, device peak,
@@ -154,7 +166,7 @@ def adapt(task: Task, trainer: Trainer, sigma: float | None, lr: float, scale: S
         bundle = os.path.join(folder, "bundle")
         _, report = compile_model(task.path, bundle, "local", "fp32", step_options)
         runner = LocalRunner(bundle, storage="buffer", progress=False)
-        evaluate = Evaluator(task, step_options)
+        evaluate = evaluator(task, trainer, seed, step_options)
         before = evaluate(runner.parameters(), split)
         train = task.batches["train"]
         order = np.random.default_rng(seed).permutation(len(train))
@@ -196,6 +208,17 @@ def sweep(task: Task, trainer: Trainer, scale: Scale, cache: dict) -> dict:
     return cache[key]
 
 
+def setting(chosen: dict, trainer: Trainer, scale: Scale) -> tuple[str, str]:
+    """The chosen sigma and lr as printed, `*` marking a value at its grid's edge (a wider sweep may move it)."""
+    def mark(value: float | None, tried: tuple[float, ...]) -> str:
+        if value is None:
+            return "-"
+        return f"{value:g}{'*' if len(tried) > 1 and value in (min(tried), max(tried)) else ''}"
+
+    lrs = scale.es_lrs if trainer.trainer == "es" else scale.adam_lrs
+    return mark(chosen["sigma"], scale.es_sigmas), mark(chosen["lr"], lrs)
+
+
 def _digest(path: str) -> str:
     with open(path, "rb") as handle:
         return hashlib.sha256(handle.read()).hexdigest()[:16]
@@ -208,7 +231,7 @@ def spread(values: list[float], digits: int = 4) -> str:
     return f"{np.nanmean(array):.{digits}f} +- {np.nanstd(array):.{digits}f}"
 
 
-def rows_for(task: Task, scale: Scale, seeds: int, cache: dict, save: callable) -> list[str]:
+def rows_for(task: Task, scale: Scale, seeds: int, cache: dict, save: Callable[[], None]) -> list[str]:
     rows = []
     for trainer in TRAINERS:
         try:
@@ -221,8 +244,8 @@ def rows_for(task: Task, scale: Scale, seeds: int, cache: dict, save: callable) 
                 for seed in range(seeds)]
         forwards = scale.steps * (2 * scale.pairs + 1) if trainer.trainer == "es" else scale.steps
         accuracy = {k: spread([100 * r[k] for r in runs], 1) for k in ("accuracy before", "accuracy after")}
-        rows.append(f"| {task.name} | {trainer.label} | {chosen['sigma'] if chosen['sigma'] is not None else '-'} | "
-                    f"{chosen['lr']:g} | {runs[0]['values']:,} | {forwards:,}"
+        sigma, lr = setting(chosen, trainer, scale)
+        rows.append(f"| {task.name} | {trainer.label} | {sigma} | {lr} | {runs[0]['values']:,} | {forwards:,}"
                     f"{'' if trainer.trainer == 'es' else ' + backward'} | {runs[0]['device peak'] / 1e6:.2f} | "
                     f"{spread([r['loss before'] for r in runs])} | {spread([r['loss after'] for r in runs])} | "
                     f"{accuracy['accuracy before']} | {accuracy['accuracy after']} | "
@@ -261,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
     print(f"{'quick' if args.quick else 'full'} run: {scale.steps} steps, ES {scale.pairs} pairs, sweep "
           f"{scale.sweep_steps} steps (seed 0, validation loss) over sigma {scale.es_sigmas} x lr {scale.es_lrs} "
-          f"(ES, SGD) and lr {scale.adam_lrs} (backprop, Adam); {args.seeds} seeds, mean +- sd")
+          f"(ES, SGD) and lr {scale.adam_lrs} (backprop, Adam); {args.seeds} seeds, mean +- sd; * a setting at "
+          "its grid's edge")
     print("\n".join(notes))
     print("\n".join(rows))
     return 0

@@ -7,9 +7,10 @@ Data that nobody here wrote and that ships with the machine:
 - scikit-learn's handwritten digits (`sklearn.datasets.load_digits`, 1,797 8 x 8 images inside the
   package): the CNN pretrains on upright digits and adapts to other digits rotated by 45 degrees.
 
-Each model is trained with PyTorch (Adam, lr 3e-3, batch 32) for a given number of steps, exported with torch.onnx.export
-(dynamo, opset 18) at the adaptation batch shape, and cached in the run folder with its data splits,
-so that a rerun skips pretraining.
+Each model is trained with PyTorch (Adam, lr 3e-3, batch 32) for a given number of steps, exported
+with torch.onnx.export (dynamo, opset 18) at the adaptation batch shape and cached in the run folder
+with its held-out figures, so that a rerun skips pretraining; the data splits are drawn again from
+fixed seeds, the same each time.
 """
 
 from __future__ import annotations
@@ -185,13 +186,13 @@ def decoder_task(folder: str, batch: int, length: int, steps: int, eval_batches:
                 "prose held-out": _held_out(model, shifted["test"], loss_of)}
         from tests.support.models import logits_only
 
-        _export(logits_only(model, "input_ids", use_cache=False).eval(), torch.zeros(batch, length, dtype=torch.int64),
-                path)
+        _export(logits_only(model, "input_ids", use_cache=False).eval(),
+                torch.zeros(batch, length, dtype=torch.int64), path)
         _write_json(meta_path, meta)
     meta = json.load(open(meta_path, encoding="utf-8"))
     return Task("decoder", path, "input_ids", shifted, False,
-                {"steps": meta["steps"], "seconds": round(meta["seconds"]), "source loss": meta["code held-out"]["loss"],
-                 "shifted loss": meta["prose held-out"]["loss"]})
+                {"steps": meta["steps"], "seconds": round(meta["seconds"]),
+                 "source loss": meta["code held-out"]["loss"], "shifted loss": meta["prose held-out"]["loss"]})
 
 
 def digits_task(folder: str, batch: int, steps: int) -> Task:
@@ -226,7 +227,8 @@ def digits_task(folder: str, batch: int, steps: int) -> Task:
         _write_json(meta_path, meta)
     meta = json.load(open(meta_path, encoding="utf-8"))
     return Task("digits", path, "pixels", shifted, True,
-                {"steps": meta["steps"], "seconds": round(meta["seconds"]), "source accuracy": meta["upright held-out"]["accuracy"],
+                {"steps": meta["steps"], "seconds": round(meta["seconds"]),
+                 "source accuracy": meta["upright held-out"]["accuracy"],
                  "shifted accuracy": meta["rotated held-out"]["accuracy"]})
 
 
