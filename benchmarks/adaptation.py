@@ -225,7 +225,7 @@ def _digest(path: str) -> str:
 
 
 def spread(values: list[float], digits: int = 4) -> str:
-    """Mean +- standard deviation over the seeds; the mean alone where they agree (before adapting)."""
+    """Mean +- standard deviation over the seeds; the mean alone where they agree to the digits printed."""
     array = np.asarray(values, dtype=float)
     if np.all(np.isnan(array)):
         return ""
