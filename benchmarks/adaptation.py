@@ -93,7 +93,7 @@ class Scale:
     decoder_batch: int = 8
     decoder_length: int = 64
     digits_batch: int = 32
-    eval_batches: int = 16  # decoder validation and test batches (the digits use all 200 + 200 images)
+    eval_batches: int = 16  # decoder validation and test batches (the digits: 6 batches of 32 of each 200 images)
     steps: int = 200
     pairs: int = 8
     sweep_steps: int = 60
