@@ -18,11 +18,43 @@ from fblc.tools import fuzz
 from fblc.tools.random_graphs import random_graph
 
 
+#: the CI run: 64 graphs, every 8th (12.5 %) also on the device, one layout each (drawn, both appear)
+CI_GRAPHS, CI_DEVICE_EVERY, CI_MUTATIONS = 64, 8, 300
+#: what the generator must reach in the CI seed set: the op types the issue named among them
+REQUIRED_OPS = ("Exp", "Log", "Pow", "Clip", "Cast", "Resize", "ConvTranspose", "Split", "Gather", "Softmax",
+                "MatMul", "BatchNormalization", "Conv")
+#: the MODES that matter only on the device, covered by the device graphs themselves
+DEVICE_MODES = ("dtype", "storage", "layout")
+
+
+def _ci_seeds(device: bool) -> list[int]:
+    return [seed for seed in range(CI_GRAPHS) if not device or seed % CI_DEVICE_EVERY == 0]
+
+
 def test_seeded_run_finds_nothing(tmp_path) -> None:
-    summary = fuzz.fuzz(graphs=200, seed=0, device_every=100, mutations=300, workdir=str(tmp_path))
-    assert summary.graphs == 200 and summary.device_graphs == 2 and summary.mutations == 300
+    summary = fuzz.fuzz(graphs=CI_GRAPHS, seed=0, device_every=CI_DEVICE_EVERY, mutations=CI_MUTATIONS,
+                        workdir=str(tmp_path))
+    assert summary.graphs == CI_GRAPHS and summary.mutations == CI_MUTATIONS
+    assert summary.device_graphs == len(_ci_seeds(device=True)) >= CI_GRAPHS // 10
     assert summary.findings == [], "\n".join(str(f) for f in summary.findings)
-    assert summary.ops is not None and len(summary.ops) >= 44, sorted(summary.ops)
+
+
+def test_ci_seed_set_covers_every_op_and_mode() -> None:
+    """Computed from the CI run's graphs: every generator op (and the issue's list) appears, every MODES value
+    in some graph, the device-only ones (dtype, storage, layout) among the device graphs; token graphs with a
+    padding mask and attention over activations are among them."""
+    graphs = {seed: random_graph(seed, conv_site=fuzz.draw_mode(seed)["adapter"] in fuzz.CONV_ADAPTERS)
+              for seed in _ci_seeds(device=False)}
+    used = set().union(*(graph.ops for graph in graphs.values()))
+    assert set(REQUIRED_OPS) <= used, sorted(set(REQUIRED_OPS) - used)
+    for device, names in ((False, [n for n in fuzz.MODES if n not in DEVICE_MODES]), (True, DEVICE_MODES)):
+        drawn = [fuzz.draw_mode(seed) for seed in _ci_seeds(device)]
+        for name in names:
+            assert {mode[name] for mode in drawn} == set(fuzz.MODES[name]), (name, device)
+    kinds = {spec.kind for graph in graphs.values() for spec in graph.inputs}
+    assert kinds == {"float", "ids", "mask"}
+    attention = [seed for seed, graph in graphs.items() if graph.ops.count("MatMul") >= 5 and "Softmax" in graph.ops]
+    assert attention, "no attention block in the CI seed set"
 
 
 def test_generated_graphs_are_valid_and_differ() -> None:
@@ -46,6 +78,7 @@ def test_a_wrong_gradient_rule_is_found(monkeypatch, tmp_path) -> None:
     monkeypatch.setitem(GRADIENTS._entries, "Tanh", five_percent_off)
     seeds = [seed for seed in range(60) if "Tanh" in random_graph(seed).ops]
     stages = [[f.stage for f in fuzz.check_graph(seed, str(tmp_path))[1]] for seed in seeds]
+    stages = [[stage for stage in found if not stage.startswith("mode")] for found in stages]
     # a Tanh on a side branch (a Concat's) moves the parameters' gradients by less than 1 %
     assert sum(found == ["gradient"] for found in stages) >= len(seeds) // 2, list(zip(seeds, stages))
     assert all(found in ([], ["gradient"]) for found in stages)
