@@ -268,16 +268,22 @@ def _flipped(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
     return bytes(data)
 
 
+def _with_inputs(m: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes that read a tensor (not the Constants)."""
+    return [node for node in m.graph.node if node.input]
+
+
 def _dangling(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
     m = _proto(model)
-    node = m.graph.node[int(rng.integers(len(m.graph.node)))]
+    readers = _with_inputs(m)
+    node = readers[int(rng.integers(len(readers)))]
     node.input[int(rng.integers(len(node.input)))] = "no_such_tensor"
     return m.SerializeToString()
 
 
 def _cycle(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
     m = _proto(model)
-    first, last = m.graph.node[0], m.graph.node[len(m.graph.node) - 1]
+    first, last = _with_inputs(m)[0], m.graph.node[len(m.graph.node) - 1]
     first.input[0] = last.output[0]
     return m.SerializeToString()
 

@@ -434,9 +434,8 @@ def _resize(m: _Maker, t: _T, live: list[_T]) -> _T | None:
     return _T(m.op("Resize", [t.name, "", "", m.ints([n, c, *size])], **attrs), (n, c, *size))
 
 
-def _conv_transpose(m: _Maker, t: _T) -> _T | None:
-    """ConvTranspose of the input by constant weights: fblc has no gradient rule for ConvTranspose (a trainable
-    one, or one between a parameter and the loss, is refused), so it only starts a graph, before any parameter."""
+@grower("conv_transpose")
+def _conv_transpose(m: _Maker, t: _T, live: list[_T]) -> _T | None:
     if len(t.shape) != 4:
         return None
     n, c, h, w = t.shape
@@ -446,8 +445,10 @@ def _conv_transpose(m: _Maker, t: _T) -> _T | None:
     size = lambda d: (d - 1) * stride - 2 * pad + k  # noqa: E731
     if size(h) < 1 or size(w) < 1:
         return None
-    weight = m.constant((m.rng.standard_normal((c, out_c // group, k, k)) / np.sqrt(c // group * k)).astype(np.float32))
-    inputs = [t.name, weight] + ([m.constant(np.full(out_c, 0.1, np.float32))] if m.rng.random() < 0.5 else [])
+    weight = m.param((c, out_c // group, k, k), 1 / np.sqrt(c // group * k))
+    # a bias with groups: onnx 1.23's reference evaluator (the fuzzer's float64 forward) adds it wrongly
+    biased = group == 1 and m.rng.random() < 0.5
+    inputs = [t.name, weight] + ([m.param((out_c,), 0.1)] if biased else [])
     out = m.op("ConvTranspose", inputs, kernel_shape=[k, k], strides=[stride, stride], pads=[pad] * 4, group=group)
     return _T(out, (n, out_c, size(h), size(w)))
 
@@ -525,7 +526,7 @@ ELEMENT_TYPES = {"float": TensorProto.FLOAT, "ids": TensorProto.INT64, "mask": T
 
 
 #: growers with parameters, one of which starts every graph
-PARAMETRIC = ("binary", "matmul", "conv")
+PARAMETRIC = ("binary", "matmul", "conv", "conv_transpose")
 
 
 def random_graph(seed: int, depth: tuple[int, int] = (2, 7), conv_site: bool = False) -> RandomGraph:
@@ -538,8 +539,6 @@ def random_graph(seed: int, depth: tuple[int, int] = (2, 7), conv_site: bool = F
     t = STARTS[start](m, batch)
     if conv_site:
         t = _conv_site(m, batch)
-    elif len(t.shape) == 4 and rng.random() < 0.3:
-        t = _conv_transpose(m, t) or t
     live = [t]
     names = sorted(GROWERS)
     for index in range(int(rng.integers(*depth))):
