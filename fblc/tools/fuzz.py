@@ -239,11 +239,14 @@ def check_graph(seed: int, workdir: str, device: bool = False) -> tuple[RandomGr
     return graph, [] if message is None else [Finding(seed, where, message)]
 
 
-#: fp16: (rtol, atol) of an output against the largest magnitude of its reference tensor. Rounding the
-#: activations to half moves every element of a gradient by a fraction of the tensor's scale, not of its own
-#: value: a small element of a sum that cancels misses fblc verify's elementwise 1e-2 (seed 16: 0.0017 on
-#: -0.032 in a gradient whose largest element is 1.04), so the fuzzer judges fp16 by the tensor's scale.
-FP16_SCALED_TOLERANCE = (1e-2, 1e-3)
+#: fp16, by trainer: (rtol, atol) of an output against the largest magnitude of its reference tensor.
+#: Rounding the activations to half moves every element of a gradient by a fraction of the tensor's scale,
+#: not of its own value: a small element of a sum that cancels misses fblc verify's elementwise 1e-2
+#: (seed 16: 0.0017 on -0.032 in a gradient whose largest element is 1.04), so the fuzzer judges fp16 by
+#: the tensor's scale. ES estimates a gradient from member losses that differ by about sigma |g| and divides
+#: by sigma: half activations round those losses by as much (seed 68, MemFLoRA ES: the loss 5.6725 for
+#: 5.6675, the estimate off by 7 % of its scale), so its tolerance is wider.
+FP16_SCALED_TOLERANCE = {"backprop": (1e-2, 1e-3), "es": (1e-1, 1e-3)}
 
 
 def _device_error(path: str, options: TrainingOptions, mode: Mode, feeds: dict[str, np.ndarray],
@@ -268,7 +271,7 @@ def _device_error(path: str, options: TrainingOptions, mode: Mode, feeds: dict[s
         device = {name: runner.read_before_swap(name) for name in reference.last}
     rows = compare(device, reference.last, "fp32")
     if dtype == "fp16":
-        rtol, atol = FP16_SCALED_TOLERANCE
+        rtol, atol = FP16_SCALED_TOLERANCE[mode["trainer"]]
         rows = [replace(row, ok=row.max_abs <= atol + rtol * float(np.abs(reference.last[row.name]).max(initial=0)))
                 if row.name in reference.last else row for row in rows]
     bad = [row for row in rows if not row.ok]
