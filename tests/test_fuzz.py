@@ -44,8 +44,7 @@ def test_ci_seed_set_covers_every_op_and_mode() -> None:
     """Computed from the CI run's graphs: every generator op (and the issue's list) appears, every MODES value
     in some graph, the device-only ones (dtype, storage, layout) among the device graphs; token graphs with a
     padding mask and attention over activations are among them."""
-    graphs = {seed: random_graph(seed, conv_site=fuzz.draw_mode(seed)["adapter"] in fuzz.CONV_ADAPTERS)
-              for seed in _ci_seeds(device=False)}
+    graphs = {seed: fuzz.graph_of(seed) for seed in _ci_seeds(device=False)}
     used = set().union(*(graph.ops for graph in graphs.values()))
     assert set(REQUIRED_OPS) <= used, sorted(set(REQUIRED_OPS) - used)
     for device, names in ((False, [n for n in fuzz.MODES if n not in DEVICE_MODES]), (True, DEVICE_MODES)):
@@ -56,6 +55,9 @@ def test_ci_seed_set_covers_every_op_and_mode() -> None:
     assert kinds == {"float", "ids", "mask"}
     attention = [seed for seed, graph in graphs.items() if graph.ops.count("MatMul") >= 5 and "Softmax" in graph.ops]
     assert attention, "no attention block in the CI seed set"
+    trained_batchnorm = [seed for seed, graph in graphs.items()
+                         if fuzz.draw_mode(seed)["batchnorm"] == "train" and "BatchNormalization" in graph.ops]
+    assert trained_batchnorm and set(trained_batchnorm) & set(_ci_seeds(device=True))
 
 
 def test_generated_graphs_are_valid_and_differ() -> None:
@@ -226,10 +228,27 @@ def test_finding_fp16_step_of_seed_80_compiles(tmp_path) -> None:
     the source kernel's first, 68), but the source reaches it through the first kernel, which spans both."""
     from fblc.codegen.compile import compile_model
 
-    graph = random_graph(80)
-    path = _write(tmp_path, "seed80.onnx", graph.model.SerializeToString())
-    options = fuzz.replace(fuzz.mode_options(fuzz.draw_mode(80)), dtype="fp16")
-    compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp16", options)
+    rng = np.random.default_rng(80)
+    scalar = lambda name: onnx.numpy_helper.from_array(np.array(0.5 + rng.random(), np.float32), name)  # noqa: E731
+    weights = [onnx.numpy_helper.from_array((rng.random((3, 6, 2, 4)) + 0.5).astype(np.float32), "p_0"),
+               scalar("p_6"), scalar("p_10"),
+               onnx.numpy_helper.from_array(rng.standard_normal((4, 48)).astype(np.float32) * 0.1, "p_14"),
+               onnx.numpy_helper.from_array(np.zeros(4, np.float32), "p_15")]
+    make = onnx.helper.make_node
+    nodes = [make("Div", ["x", "p_0"], ["div_1"]), make("Tanh", ["div_1"], ["tanh_2"]),
+             make("Exp", ["tanh_2"], ["exp_3"]),
+             make("Constant", [], ["c_4"], value=onnx.numpy_helper.from_array(np.array(1.5, np.float32), "c_4")),
+             make("Mul", ["exp_3", "exp_3"], ["mul_5"]), make("Add", ["mul_5", "p_6"], ["add_7"]),
+             make("Pow", ["add_7", "c_4"], ["pow_8"]), make("Mul", ["pow_8", "pow_8"], ["mul_9"]),
+             make("Add", ["mul_9", "p_10"], ["add_11"]), make("Log", ["add_11"], ["log_12"]),
+             make("Flatten", ["log_12"], ["flatten_13"], axis=1),
+             make("Gemm", ["flatten_13", "p_14", "p_15"], ["gemm_16"], transB=1)]
+    graph = onnx.helper.make_graph(
+        nodes, "seed80", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6, 2, 4])],
+        [onnx.helper.make_tensor_value_info("gemm_16", onnx.TensorProto.FLOAT, [3, 4])], weights)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    path = _write(tmp_path, "seed80.onnx", model.SerializeToString())
+    compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp16", fuzz.replace(fuzz.OPTIONS, dtype="fp16"))
 
 
 def test_finding_fp16_es_estimate_is_judged_by_its_scale(tmp_path) -> None:

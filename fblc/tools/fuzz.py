@@ -96,6 +96,12 @@ def draw_mode(seed: int) -> Mode:
             return mode
 
 
+def graph_of(seed: int) -> RandomGraph:
+    """Random graph `seed`, fit for its mode: a Conv site for CONV_ADAPTERS, a BatchNorm to train on the batch."""
+    mode = draw_mode(seed)
+    return random_graph(seed, conv_site=mode["adapter"] in CONV_ADAPTERS, batchnorm=mode["batchnorm"] == "train")
+
+
 def mode_options(mode: Mode) -> TrainingOptions:
     """The TrainingOptions of `mode` (dtype, storage and layout are the device stage's)."""
     optimizer = OptimizerConfig(mode["optimizer"], lr=0.01)
@@ -185,7 +191,7 @@ def _gradient_error(forward: _Forward, grads: dict[str, np.ndarray],
 def check_graph(seed: int, workdir: str, device: bool = False) -> tuple[RandomGraph, list[Finding]]:
     """The stages of the module docstring for random graph `seed`, under its mode `draw_mode(seed)`."""
     mode = draw_mode(seed)
-    graph = random_graph(seed, conv_site=mode["adapter"] in CONV_ADAPTERS)
+    graph = graph_of(seed)
     rng = np.random.default_rng(seed + 1_000_003)
     feeds = graph.feeds(rng)
     labels = rng.integers(0, graph.classes, graph.batch).astype(np.int64)

@@ -164,12 +164,19 @@ def _pool(m: Maker, t: Tensor, live: list[Tensor]) -> Tensor | None:
     return Tensor(out, (*t.shape[:2], size(t.shape[2]), size(t.shape[3])))
 
 
+@grower("batchnorm")
+def _batchnorm(m: Maker, t: Tensor, live: list[Tensor]) -> Tensor | None:
+    """BatchNormalization over axis 1 of a rank-3 or rank-4 tensor (eval mode in the file; `batchnorm=train`
+    of the fuzzer's MODES trains it on the batch's statistics)."""
+    if len(t.shape) not in (3, 4):
+        return None
+    c = t.shape[1]
+    stats = [m.param((c,), 0.1), m.param((c,), 0.1), m.param((c,), 0.2), m.param((c,), 0.5, positive=True)]
+    return Tensor(m.op("BatchNormalization", [t.name, *stats]), t.shape)
+
+
 @grower("normalize")
 def _normalize(m: Maker, t: Tensor, live: list[Tensor]) -> Tensor | None:
-    if len(t.shape) == 4 and m.rng.random() < 0.5:
-        c = t.shape[1]
-        stats = [m.param((c,), 0.1), m.param((c,), 0.1), m.param((c,), 0.2), m.param((c,), 0.5, positive=True)]
-        return Tensor(m.op("BatchNormalization", [t.name, *stats]), t.shape)
     if m.rng.random() < 0.5:
         axis = int(m.rng.integers(1, len(t.shape))) if len(t.shape) > 1 else -1
         return Tensor(m.op("Softmax", [t.name], axis=axis), t.shape)
@@ -302,9 +309,11 @@ ELEMENT_TYPES = {"float": TensorProto.FLOAT, "ids": TensorProto.INT64, "mask": T
 PARAMETRIC = ("binary", "matmul", "conv", "conv_transpose")
 
 
-def random_graph(seed: int, depth: tuple[int, int] = (2, 7), conv_site: bool = False) -> RandomGraph:
+def random_graph(seed: int, depth: tuple[int, int] = (2, 7), conv_site: bool = False,
+                 batchnorm: bool = False) -> RandomGraph:
     """One random classifier (see the module docstring); the same seed gives the same graph. `conv_site`: a
-    dense rank-4 input whose first op is a Conv of groups 1 (a site for the Conv adapters)."""
+    dense rank-4 input whose first op is a Conv of groups 1 (a site for the Conv adapters); `batchnorm`: a
+    BatchNormalization right after the start (for a mode that trains it on the batch's statistics)."""
     rng = np.random.default_rng(seed)
     m = Maker(rng)
     batch = int(rng.integers(2, 4))
@@ -312,6 +321,8 @@ def random_graph(seed: int, depth: tuple[int, int] = (2, 7), conv_site: bool = F
     t = STARTS[start](m, batch)
     if conv_site:
         t = _conv_site(m, batch)
+    if batchnorm:
+        t = _batchnorm(m, t if len(t.shape) > 2 else _unsqueezed(m, t)[0], []) or t  # type: ignore[index]
     live = [t]
     names = sorted(GROWERS)
     for index in range(int(rng.integers(*depth))):
@@ -347,4 +358,5 @@ def _conv_site(m: Maker, batch: int) -> Tensor:
     out_c = int(m.rng.integers(2, 7))
     out = m.op("Conv", ["x", m.param((out_c, c, k, k), 1 / np.sqrt(c * k * k)), m.param((out_c,), 0.1)],
                kernel_shape=[k, k], pads=[k // 2] * 4)
-    return Tensor(out, (batch, out_c, *shape[2:]))
+    out = Tensor(out, (batch, out_c, *shape[2:]))
+    return _batchnorm(m, out, []) if m.rng.random() < 0.5 else out  # a Conv-BN site: BatchNorm folded
