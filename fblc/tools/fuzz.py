@@ -52,10 +52,10 @@ from fblc.tools.random_graphs import RandomGraph, random_graph
 
 OPTIONS = TrainingOptions(optimizer=OptimizerConfig("sgd", lr=0.01))
 #: the training modes a graph is checked under, one value of each drawn per graph from its seed; the
-#: last four matter on the device only
+#: last three matter on the device only
 MODES: dict[str, tuple[str, ...]] = {
-    "adapter": tuple(ADAPTERS), "trainer": tuple(TRAINERS), "optimizer": tuple(OPTIMIZERS), "batchnorm": ("eval", "train"),
-    "dtype": ("fp32", "fp16"), "storage": ("image", "buffer"), "layout": tuple(LAYOUTS),
+    "adapter": tuple(ADAPTERS), "trainer": tuple(TRAINERS), "optimizer": tuple(OPTIMIZERS),
+    "batchnorm": ("eval", "train"), "dtype": ("fp32", "fp16"), "storage": ("image", "buffer"), "layout": tuple(LAYOUTS),
 }
 #: combinations fblc refuses by design (an FblcError naming both), drawn again
 REFUSED: list[dict[str, str]] = [{"adapter": "memflora-sg", "trainer": "es"},  # its replay needs the backward
@@ -105,8 +105,9 @@ def graph_of(seed: int) -> RandomGraph:
 def mode_options(mode: Mode) -> TrainingOptions:
     """The TrainingOptions of `mode` (dtype, storage and layout are the device stage's)."""
     optimizer = OptimizerConfig(mode["optimizer"], lr=0.01)
-    return replace(OPTIONS, optimizer=optimizer, adapter=AdapterConfig(mode["adapter"], rank=1), trainer=mode["trainer"],
-                   bn_train=mode["batchnorm"] == "train", layout=mode["layout"])
+    # rank 1: a linear site as narrow as one feature (a Flatten of [N, 1]) takes an adapter too
+    return replace(OPTIONS, optimizer=optimizer, adapter=AdapterConfig(mode["adapter"], rank=1),
+                   trainer=mode["trainer"], bn_train=mode["batchnorm"] == "train", layout=mode["layout"])
 
 
 def _in_float64(model: onnx.ModelProto, params: list[str]) -> onnx.ModelProto:
@@ -434,7 +435,7 @@ def _iterate(argv: list[str] | None) -> Iterator[str]:
     summary = fuzz(args.graphs, args.seed, args.device_every, args.mutations, workdir,
                    progress=lambda line: print(line, flush=True))
     assert summary.ops is not None and summary.findings is not None
-    yield (f"{summary.graphs} graphs ({summary.device_graphs} also on the device, both layouts), "
+    yield (f"{summary.graphs} graphs ({summary.device_graphs} also on the device, in their drawn modes), "
            f"{len(summary.ops)} op types, {summary.mutations} broken files: {len(summary.findings)} findings")
     yield "ops: " + ", ".join(f"{op} {count}" for op, count in sorted(summary.ops.items()))
     assert summary.modes is not None and summary.device_modes is not None
