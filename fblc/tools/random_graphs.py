@@ -323,6 +323,8 @@ def random_graph(seed: int, depth: tuple[int, int] = (2, 7), conv_site: bool = F
         t = _conv_site(m, batch)
     if batchnorm:
         t = _batchnorm(m, t if len(t.shape) > 2 else _unsqueezed(m, t)[0], []) or t  # type: ignore[index]
+    if start == "tokens" and rng.random() < 0.7:  # a transformer's first block: masked attention over the tokens
+        t = GROWERS["attention"](m, t, []) or t
     live = [t]
     names = sorted(GROWERS)
     for index in range(int(rng.integers(*depth))):
