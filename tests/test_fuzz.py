@@ -160,22 +160,26 @@ def test_each_mutation_kind_gives_a_clear_error_or_a_step(kind: str, tmp_path) -
 
 
 def _upsampling_classifier(conv_transpose: bool) -> onnx.ModelProto:
-    """x [2, 2, 3, 3] -> Conv (trainable) -> Resize x2 (nearest, its scales a float initializer) or a trainable
-    ConvTranspose (2 groups, stride 2, pads 1, output_padding 1) to [2, 2, 6, 6] -> Flatten -> Gemm to 3 classes."""
+    """x [2, 2, 3, 3] -> Conv (trainable) -> Resize x2 (nearest, its scales a float initializer) to [2, 2, 6, 6], or a
+    trainable ConvTranspose (2 groups, strides [2, 1], dilations [1, 2], pads [1, 0, 0, 1], output_padding [1, 0])
+    to [2, 2, 7, 6] -> Flatten -> Gemm to 3 classes."""
     rng = np.random.default_rng(0)
-    weights = {"w": rng.standard_normal((2, 2, 1, 1)), "fc": rng.standard_normal((3, 72)) * 0.1,
-               "up": rng.standard_normal((2, 1, 3, 3)) * 0.5, "scales": np.array([1, 1, 2, 2])}
-    upsample = (onnx.helper.make_node("ConvTranspose", ["conv", "up"], ["big"], kernel_shape=[3, 3], strides=[2, 2],
-                                      pads=[1, 1, 1, 1], output_padding=[1, 1], group=2)
-                if conv_transpose else onnx.helper.make_node("Resize", ["conv", "", "scales"], ["big"], mode="nearest"))
+    features = 84 if conv_transpose else 72
+    weights = {"w": rng.standard_normal((2, 2, 1, 1)), "fc": rng.standard_normal((3, features)) * 0.1}
+    if conv_transpose:
+        weights["up"] = rng.standard_normal((2, 1, 3, 3)) * 0.5
+        upsample = onnx.helper.make_node("ConvTranspose", ["conv", "up"], ["big"], kernel_shape=[3, 3], strides=[2, 1],
+                                         dilations=[1, 2], pads=[1, 0, 0, 1], output_padding=[1, 0], group=2)
+    else:
+        weights["scales"] = np.array([1, 1, 2, 2])
+        upsample = onnx.helper.make_node("Resize", ["conv", "", "scales"], ["big"], mode="nearest")
     nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["conv"]), upsample,
              onnx.helper.make_node("Flatten", ["big"], ["flat"]),
              onnx.helper.make_node("Gemm", ["flat", "fc"], ["logits"], transB=1)]
     graph = onnx.helper.make_graph(
         nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2, 3, 3])],
         [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [2, 3])],
-        [onnx.numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()
-         if conv_transpose or k != "up"])
+        [onnx.numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
     return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
 
 
@@ -215,6 +219,16 @@ def test_finding_a_trainable_conv_transpose_trains(tmp_path) -> None:
     forward = fuzz._Forward(model, params, feeds, labels)
     assert np.isclose(float(outputs["loss"]), forward(), rtol=fuzz.LOSS_RTOL)
     assert fuzz._gradient_error(forward, {p: outputs[f"{p}.grad"] for p in params}, rng) is None
+
+
+def test_a_trainable_conv_transpose_steps_on_the_device(tmp_path) -> None:
+    """The new rule's kernels (dX a grouped, dilated Conv of dY; dW the weight-gradient Conv with X and dY swapped)
+    agree with onnxruntime on the local OpenCL device."""
+    from fblc.tools.verify import verify_model
+
+    path = _write(tmp_path, "deconv.onnx", _upsampling_classifier(conv_transpose=True).SerializeToString())
+    rows = verify_model(path, fuzz.OPTIONS, target="adreno830", work_dir=str(tmp_path))
+    assert "up.grad" in {row.name for row in rows} and all(row.ok for row in rows), [r for r in rows if not r.ok]
 
 
 @pytest.mark.xfail(strict=True, raises=nx.NetworkXUnfeasible,
