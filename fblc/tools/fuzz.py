@@ -2,7 +2,7 @@
 
     python -m fblc.tools.fuzz [--graphs 300] [--seed 0] [--device-every 20] [--mutations 200] [--keep DIR]
 
-Each random classifier (fblc/tools/random_graphs.py) goes through four stages, a finding
+Each random classifier (fblc/tools/random_graphs.py) goes through five stages, a finding
 naming the seed and the stage where one fails:
 - `build`: `fblc train-graph`'s pipeline builds the step (every op the generator uses is
   supported, so any error is a finding);
@@ -19,7 +19,8 @@ naming the seed and the stage where one fails:
   is the unperturbed model's; training-mode BatchNorm normalises by the batch instead);
 - `device` (every `--device-every`-th graph): that step's bundle, in the graph's dtype, storage
   and layout (also MODES), runs one step on the local OpenCL device against onnxruntime
-  (fblc.tools.verify, the dtype's tolerances).
+  (fblc.tools.verify's flow; fp32 within its tolerances, fp16 within FP16_SCALED_TOLERANCE of
+  each tensor's largest magnitude).
 Mutations of a valid model file (truncated, bytes flipped, a dangling input, a cycle, a type
 that cannot be, an unknown op, an attribute of the wrong type, an empty graph) must load and
 build into a step or raise an FblcError, a clear error: any other exception is a `crash` finding.
