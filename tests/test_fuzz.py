@@ -271,6 +271,16 @@ FP16_FINDINGS = {"backprop": ("seed16_fura_s_fp16.onnx", 16, (3, 6, 2, 5), 3),
                  "es": ("seed68_memflora_es_fp16.onnx", 68, (2, 3, 5, 6), 4)}
 
 
+def _kept_finding_error(name: str, seed: int, shape: tuple[int, ...], classes: int, tmp_path) -> str | None:
+    """The device stage of kept graph `name` under seed `seed`'s mode, on check_graph's feeds of that seed."""
+    path = os.path.join(os.path.dirname(__file__), "support", "fuzz_findings", name)
+    mode = fuzz.draw_mode(seed)
+    rng = np.random.default_rng(seed + 1_000_003)
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+             "labels": rng.integers(0, classes, shape[0]).astype(np.int64)}
+    return fuzz._device_error(path, fuzz.mode_options(mode), mode, feeds, str(tmp_path))
+
+
 @pytest.mark.parametrize("trainer", sorted(FP16_FINDINGS))
 def test_finding_fp16_outputs_are_judged_by_their_scale(trainer: str, tmp_path) -> None:
     """Findings of a device sweep (every 4th of seeds 0-159), kept in tests/support/fuzz_findings: fp16 outputs
@@ -280,10 +290,16 @@ def test_finding_fp16_outputs_are_judged_by_their_scale(trainer: str, tmp_path) 
     0.025 scale, since half activations round the member losses (5.6725 for 5.6675) by about the sigma |g|
     they differ by. Each now agrees within FP16_SCALED_TOLERANCE[trainer] (and fails the tighter one)."""
     name, seed, shape, classes = FP16_FINDINGS[trainer]
-    path = os.path.join(os.path.dirname(__file__), "support", "fuzz_findings", name)
-    mode = fuzz.draw_mode(seed)
-    assert (mode["trainer"], mode["dtype"]) == (trainer, "fp16")
-    rng = np.random.default_rng(seed + 1_000_003)  # check_graph's feeds of that graph
-    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
-             "labels": rng.integers(0, classes, shape[0]).astype(np.int64)}
-    assert fuzz._device_error(path, fuzz.mode_options(mode), mode, feeds, str(tmp_path)) is None
+    assert (fuzz.draw_mode(seed)["trainer"], fuzz.draw_mode(seed)["dtype"]) == (trainer, "fp16")
+    assert _kept_finding_error(name, seed, shape, classes, tmp_path) is None
+
+
+@pytest.mark.xfail(strict=True, reason="open finding: fp16 gradient of a scalar through Log and LayerNorm")
+def test_finding_fp16_scalar_gradient_through_log_and_layer_norm(tmp_path) -> None:
+    """Open finding (device sweep, seed 276; BatchNorm, Max, BatchNorm, Transpose, Log(x * x + c), LayerNorm,
+    Softmax; backprop fp16, buffer storage, rtile): every output agrees within 1-2 % of its scale except the
+    gradient of the scalar c, -0.0327 on the device for -0.0074 (-0.0126 for -0.0032 with eval-mode BatchNorm):
+    a sum of 441 terms that LayerNorm's gradient (orthogonal to a shift) nearly cancels. Not settled whether half
+    rounding of the terms alone does this or a reduction accumulates in half."""
+    assert (fuzz.draw_mode(276)["trainer"], fuzz.draw_mode(276)["dtype"]) == ("backprop", "fp16")
+    assert _kept_finding_error("seed276_log_layernorm_fp16.onnx", 276, (3, 7, 3, 7), 5, tmp_path) is None
