@@ -1,6 +1,7 @@
 """Which initializers are parameters: the default rule behind the trainable/frozen split.
 
-Default: every float initializer trains, except BatchNormalization running statistics and,
+Default: every float initializer trains, except BatchNormalization running statistics, those
+read only where no gradient flows (Resize's roi and scales: CONSTANT_SLOTS) and,
 in models from torch.onnx's dynamo exporter, tensors the exporter marks as buffers or
 constants (such as rotary `inv_freq`). A tensor that onnxscript's optimizer folded (a
 pre-transposed weight, a conv with BatchNorm fused in, a causal mask, a cos/sin table)
@@ -23,6 +24,11 @@ WEIGHT_SLOTS: dict[str, tuple[int, ...]] = {
     "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (0, 1, 2), "MatMul": (0, 1),
     "BatchNormalization": (1, 2), "LayerNormalization": (1, 2), "Gather": (0,),
 }
+
+
+#: op type -> input slots no gradient flows into (Resize's roi and scales): a float initializer read only there
+#: is a constant, not a parameter that autodiff would refuse to train
+CONSTANT_SLOTS: dict[str, tuple[int, ...]] = {"Resize": (1, 2)}
 
 
 def is_bn_running_stat(value: ir.Value) -> bool:
@@ -74,4 +80,5 @@ def is_parameter_like(value: ir.Value, exporter_kinds: bool) -> bool:
     # fused in keeps the conv weight's name and loses its tags), so both take the slot rule.
     if keys.ONNXSCRIPT_FOLDED_FROM in value.metadata_props or exporter_kinds:
         return any(use.idx in WEIGHT_SLOTS.get(use.node.op_type, ()) for use in value.uses())
-    return True
+    uses = value.uses()
+    return not uses or not all(use.idx in CONSTANT_SLOTS.get(use.node.op_type, ()) for use in uses)

@@ -1,5 +1,5 @@
-"""Gradient rules of the contraction and normalisation ops: MatMul, Gemm, Conv, BatchNorm, LayerNorm,
-InstanceNorm."""
+"""Gradient rules of the contraction and normalisation ops: MatMul, Gemm, Conv, ConvTranspose, BatchNorm,
+LayerNorm, InstanceNorm."""
 
 from __future__ import annotations
 
@@ -87,6 +87,36 @@ def conv_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gr
                   output_padding=transpose_output_padding(window), kernel_shape=list(window.kernel))
     if need[1]:
         dw = conv_weight_grad(e, x, dy, static_shape(w)[0], groups, window)
+    if bias is not None and need[2]:
+        db = e.reduce_sum(dy, [0] + list(range(2, 2 + rank)), keepdims=False)
+    return [dx, dw, db][: len(node.inputs)]
+
+
+@register_gradient("ConvTranspose")
+def conv_transpose_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
+    """ConvTranspose is the adjoint of the Conv from Y's shape to X's with the same weight, strides, dilations
+    and pads: dX is that Conv of dY; dW is that Conv's weight gradient with X and dY in each other's roles."""
+    x, w = node.inputs[0], node.inputs[1]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    if (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET" or attr(node, "output_shape"):
+        raise UnsupportedOpError(f"ConvTranspose '{node.name}' gives its output size by auto_pad or output_shape, "
+                                 "which its gradient rule does not read",
+                                 "export it with explicit pads and output_padding")
+    groups = int(attr(node, "group", 1))
+    spatial_x, spatial_y = static_shape(x)[2:], static_shape(node.outputs[0])[2:]
+    rank = len(spatial_x)
+    kernel = tuple(attr(node, "kernel_shape") or static_shape(w)[2:])
+    pads = list(attr(node, "pads") or [0] * (2 * rank))
+    window = Window(kernel, tuple(attr(node, "strides") or [1] * rank), tuple(attr(node, "dilations") or [1] * rank),
+                    tuple(pads[:rank]), tuple(pads[rank:]), tuple(spatial_y), tuple(spatial_x))
+    dy = dys[0]
+    dx = dw = db = None
+    if need[0]:
+        dx = e.op("Conv", dy, w, group=groups, strides=list(window.strides), dilations=list(window.dilations),
+                  pads=pads, kernel_shape=list(kernel))
+    if need[1]:
+        dw = conv_weight_grad(e, dy, x, static_shape(w)[0], groups, window)
     if bias is not None and need[2]:
         db = e.reduce_sum(dy, [0] + list(range(2, 2 + rank)), keepdims=False)
     return [dx, dw, db][: len(node.inputs)]
