@@ -360,7 +360,8 @@ def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
 def test_conv_transpose_forward(tmp_path) -> None:
     """ConvTranspose as a model op (group, strides, pads, dilations, output_padding) over a data input.
 
-    It has no gradient rule, so its operands are a fed input and a constant; the trained
+    Its operands are a fed input and a constant, so only the forward kernel is under test here (its
+    gradient is the matching Conv in reverse: tests/test_fuzz.py trains a ConvTranspose); the trained
     parameter scales it elementwise.
     """
     rng = np.random.default_rng(5)
