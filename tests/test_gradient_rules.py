@@ -370,6 +370,27 @@ def linalg_cases() -> list[Case]:
         conv("stride-uncovered-1d", rand(1, 2, 8), rand(2, 2, 3), strides=[3]),
     ]
 
+    def conv_transpose(label: str, x: np.ndarray, w: np.ndarray, strides: list[int], pad: int, group: int = 1,
+                       output_padding: list[int] | None = None, dilation: int = 1) -> Case:
+        """ConvTranspose with torch's symmetric padding (ONNX pads [p, p, p, p] = torch padding p)."""
+        rank = x.ndim - 2
+        attributes: dict[str, object] = {"group": group, "strides": strides, "pads": [pad] * 2 * rank,
+                                         "dilations": [dilation] * rank}
+        if output_padding:
+            attributes["output_padding"] = output_padding
+        transpose = F.conv_transpose2d if rank == 2 else F.conv_transpose1d
+        return Case(f"ConvTranspose-{label}", [node("ConvTranspose", ["x", "w", "bias"], **attributes)],
+                    {"x": x, "w": w, "bias": rand(w.shape[1] * group)},
+                    lambda t: transpose(t["x"], t["w"], t["bias"], stride=strides, padding=pad,
+                                        output_padding=output_padding or 0, groups=group, dilation=dilation))
+
+    cases += [
+        conv_transpose("stride2-pad1", rand(2, 3, 4, 4), rand(3, 2, 3, 3), strides=[2, 2], pad=1),
+        conv_transpose("grouped-output-padding", rand(1, 4, 3, 5), rand(4, 3, 3, 2), strides=[2, 3], pad=0,
+                       group=2, output_padding=[1, 2]),
+        conv_transpose("1d-dilation2", rand(2, 2, 6), rand(2, 3, 3), strides=[1], pad=1, dilation=2),
+    ]
+
     def batch_norm(label: str, shape: tuple[int, ...]) -> Case:
         channels = shape[1]
         return Case(f"BatchNormalization-{label}",
