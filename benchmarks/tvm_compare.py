@@ -1,6 +1,7 @@
 """fblc and Apache TVM on the same training steps: compile time, kernels, textures, memory, step time.
 
     python benchmarks/tvm_compare.py [--models mlp,tresnet,mobilenet_v2,llama,vit] [--steps 5] [--no-1b]
+                                     [--tune-trials 4] [--tuning-cache DIR]
 
 Both compilers get fblc's AdamW step of each model as ONNX (`fblc train-graph`; TVM needs no
 autodiff of its own). Per model, one row each:
@@ -13,10 +14,17 @@ autodiff of its own). Per model, one row each:
   (fblc/baselines/opencl_kernels.py);
 - device MB planned: fblc's report.json memory.device_peak (every image of the plan); TVM's memory
   plan (its alloc_storage calls) plus the parameters, optimizer state and batch it holds beside it;
-- step ms on this CPU: TVM's LLVM build, fblc on the local OpenCL device (PoCL) in buffer storage
-  (its fast form on a CPU: benchmarks/step_time.py compares it with images), PyTorch eager,
-  medians of --steps steps after a warm-up;
-- agree: TVM's CPU step against onnxruntime's, every output (fp32 tolerances of fblc verify).
+- step ms on this CPU: TVM's LLVM build untuned (TVM's loops as legalized: no threads, no tiling,
+  no vectors) and tuned (MetaSchedule, --tune-trials trials per fused kernel, for the host CPU by
+  its LLVM name and core count; fblc/baselines/tvm_tuning.py), fblc on the local OpenCL device
+  (PoCL) in buffer storage (its fast form on a CPU: benchmarks/step_time.py compares it with
+  images), PyTorch eager, medians of --steps steps after a warm-up, all in one run; fblc / TVM
+  tuned is the ratio of fblc's step time to the tuned TVM's (under 1: fblc is faster);
+- TVM tuning: the tasks (fused kernels) tuned, the trials each, and the search's time; "cached"
+  where the records of an earlier run of the same step, CPU and budget were reused
+  (--tuning-cache, ~/.cache/fblc/tvm-tuning by default);
+- agree: TVM's CPU step, untuned / tuned, against onnxruntime's, every output (fp32 tolerances of
+  fblc verify).
 Then the Llama-3.2-1B-shaped step's compile time on both sides (weights as inputs, never read):
 fblc's median of 3 compiles (benchmarks/compile_time.py's timing), TVM's import + build of one.
 Targets (issue 18): fblc compiles the 1B-shaped step >= 5x faster than TVM, keeps every stored
@@ -49,6 +57,7 @@ from fblc.compiler.model_io import load_model, save_model_atomically  # noqa: E4
 from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
 from fblc.compiler.reference import ReferenceStep  # noqa: E402
 from fblc.passes.pipeline import TrainingOptions, build_training_graph  # noqa: E402
+from fblc.tools.verify import compare  # noqa: E402
 
 OPTIONS = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=1e-2))
 TARGET_1B_SPEEDUP = 5.0
@@ -63,7 +72,9 @@ class Row:
     tvm_kernels: tuple[int, int, int]
     fblc_mb: float
     tvm_mb: float
-    tvm_ms: float
+    tvm_untuned_ms: float
+    tvm_tuned_ms: float
+    tuning: str  # tasks x trials, search time (or cached)
     fblc_ms: float
     torch_ms: float
     agree: str
@@ -93,7 +104,7 @@ def _vit_case(directory: str) -> Case:
             exported.labels, exported.loss_of)
 
 
-def measure(case: Case, directory: str, steps: int) -> Row:
+def measure(case: Case, directory: str, steps: int, trials: int, tuning_cache: str | None) -> Row:
     name, module, inputs, labels, loss_of = case
     inputs = dict(inputs)
     path = inputs.pop("path")
@@ -116,13 +127,21 @@ def measure(case: Case, directory: str, steps: int) -> Row:
     notes += [f"rewritten for TVM: {r}" for r in comparison.rewrites]
     if comparison.difference:
         notes.append(f"TVM differs from onnxruntime: {comparison.difference}")
+    tuned = tvm.run_tuned_on_cpu(graph, feeds, trials, repeats=steps + 1, cache=tuning_cache)
+    tuned_rows = compare(tuned.outputs, {k: v for k, v in reference.last.items() if k in tuned.outputs}, "fp32")
+    tuned_ok = len(tuned_rows) == len(comparison.rows) and all(row.ok for row in tuned_rows)
+    tuning = (f"{tuned.tasks} x {tuned.trials_per_task}, {tuned.tuning_s:.0f} s"
+              + (" (cached)" if tuned.cached else ""))
+    notes.append(f"TVM tuned for {tuned.target}, cost model {tuned.cost_model}, records in {tuned.records}")
+    notes += [f"tuned TVM differs from onnxruntime on '{row.name}' by up to {row.max_abs:.3g}"
+              for row in tuned_rows if not row.ok]
     (fblc_ms,), _ = fblc_step_ms(path, feeds, os.path.join(directory, "local"), steps, storages=("buffer",))
     torch_ms = torch_step_ms(module, loss_of, steps)
     return Row(name, fblc_compile_s, build.build_s, (fblc_counts.kernels, fblc_counts.data_movement,
                                                      fblc_counts.with_textures),
                (tvm_counts.kernels, tvm_counts.data_movement, tvm_counts.with_textures),
-               report["memory"]["device_peak"] / 1e6, build.planned_bytes / 1e6, comparison.step_ms, fblc_ms, torch_ms,
-               "yes" if comparison.ok else "NO", notes)
+               report["memory"]["device_peak"] / 1e6, build.planned_bytes / 1e6, comparison.step_ms, tuned.step_ms,
+               tuning, fblc_ms, torch_ms, f"{'yes' if comparison.ok else 'NO'} / {'yes' if tuned_ok else 'NO'}", notes)
 
 
 def weightless(step_path: str, out_path: str, limit: int = 1024) -> str:
@@ -162,14 +181,16 @@ def compile_1b(directory: str) -> str:
 
 
 HEADER = ["model", "compile s fblc/TVM", "kernels fblc/TVM", "movement fblc/TVM", "textured fblc/TVM",
-          "device MB fblc/TVM", "step ms TVM-llvm/fblc-pocl-buffers/torch", "TVM = ORT"]
+          "device MB fblc/TVM", "step ms TVM-untuned/TVM-tuned/fblc-pocl-buffers/torch", "fblc / TVM-tuned",
+          "TVM tuning tasks x trials, s", "TVM = ORT untuned/tuned"]
 
 
 def _line(r: Row) -> str:
     return " | ".join([r.model, f"{r.fblc_compile_s:.2f} / {r.tvm_compile_s:.2f}",
                        f"{r.fblc_kernels[0]} / {r.tvm_kernels[0]}", f"{r.fblc_kernels[1]} / {r.tvm_kernels[1]}",
                        f"{r.fblc_kernels[2]} / {r.tvm_kernels[2]}", f"{r.fblc_mb:.2f} / {r.tvm_mb:.2f}",
-                       f"{r.tvm_ms:.1f} / {r.fblc_ms:.1f} / {r.torch_ms:.1f}", r.agree])
+                       f"{r.tvm_untuned_ms:.1f} / {r.tvm_tuned_ms:.1f} / {r.fblc_ms:.1f} / {r.torch_ms:.1f}",
+                       f"{r.fblc_ms / r.tvm_tuned_ms:.2f}", r.tuning, r.agree])
 
 
 def main() -> int:
@@ -177,6 +198,9 @@ def main() -> int:
     parser.add_argument("--models", default="mlp,tresnet,mobilenet_v2,llama,vit")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-1b", action="store_true", help="skip the Llama-3.2-1B-shaped compile times")
+    parser.add_argument("--tune-trials", type=int, default=4,
+                        help="MetaSchedule trials per fused kernel of TVM's tuned CPU build (default 4)")
+    parser.add_argument("--tuning-cache", help="folder of TVM's tuning records (default ~/.cache/fblc/tvm-tuning)")
     args = parser.parse_args()
     names = args.models.split(",")
     rows, skipped = [], []
@@ -189,7 +213,7 @@ def main() -> int:
             print(f"measuring {case[0]} ...", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(dir=directory) as scratch:
                 try:
-                    rows.append(measure(case, scratch, args.steps))
+                    rows.append(measure(case, scratch, args.steps, args.tune_trials, args.tuning_cache))
                 except tvm.TvmBuildError as error:  # TVM cannot build it even without textures: say so
                     skipped.append(f"{case[0]}: skipped, {error.cause}")
                     continue

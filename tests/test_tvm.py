@@ -21,6 +21,7 @@ from fblc.baselines.tvm_rewrites import CPU_TARGET, OPENCL_TARGET, check_rewrite
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.reference import ReferenceStep
+from fblc.errors import FblcError
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from tests.support import models, zoo
 
@@ -132,6 +133,42 @@ def test_a_failed_build_is_bisected_to_its_node(monkeypatch) -> None:
     monkeypatch.delitem(tvm_rewrites.REWRITES, "MaxPool")
     with pytest.raises(tvm.TvmBuildError, match="first failing node 'pool' \\(MaxPool"):
         tvm.run_on_cpu(model, {"x": np.zeros((1, 2, 4, 4), np.float32)})
+
+
+def _tiny_step(directory: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The AdamW step of one Gemm (4 samples, 6 features, 3 classes): few fused kernels to tune."""
+    rng = np.random.default_rng(5)
+    head = helper.make_node("Gemm", ["x", "weight"], ["logits"], name="head", transB=1)
+    path = os.path.join(directory, "gemm.onnx")
+    onnx.save(_model([head], {"x": [4, 6]}, {"logits": (TensorProto.FLOAT, [4, 3])},
+                     {"weight": rng.standard_normal((3, 6)).astype(np.float32)}), path)
+    step_path = os.path.join(directory, "step.onnx")
+    save_model_atomically(build_training_graph(load_model(path), ADAMW), step_path)
+    feeds = {"x": rng.standard_normal((4, 6)).astype(np.float32), "labels": np.array([0, 2, 1, 2], np.int64)}
+    reference = ReferenceStep(step_path)
+    reference.step(dict(feeds))
+    return onnx.load(step_path), feeds, reference.last
+
+
+@pytest.mark.slow  # MetaSchedule's start alone (its tensor intrinsics) takes about 40 s on 2 cores
+def test_tuned_step_equals_onnxruntime_and_its_records_are_reused(tmp_path) -> None:
+    from fblc.tools.verify import compare
+
+    step, feeds, expected = _tiny_step(str(tmp_path))
+    cache = str(tmp_path / "records")
+    first = tvm.run_tuned_on_cpu(step, feeds, trials_per_task=1, cache=cache)
+    rows = compare(first.outputs, {k: v for k, v in expected.items() if k in first.outputs}, "fp32")
+    assert len(rows) == len(step.graph.output) and all(row.ok for row in rows), [r for r in rows if not r.ok]
+    assert not first.cached and first.tasks > 0 and first.trials_per_task == 1
+    assert os.listdir(cache) == [os.path.basename(first.records)]  # the staging folder moved into place
+    again = tvm.run_tuned_on_cpu(step, feeds, trials_per_task=1, cache=cache)
+    assert again.cached and again.records == first.records and again.tuning_s == first.tuning_s
+    assert all(np.array_equal(again.outputs[k], first.outputs[k]) for k in first.outputs)
+
+
+def test_a_tuning_budget_of_no_trials_is_refused() -> None:
+    with pytest.raises(FblcError, match="budget of 0 trials per task tunes nothing"):
+        tvm.run_tuned_on_cpu(onnx.ModelProto(), {}, trials_per_task=0)
 
 
 # --- each rewrite equals the op it replaces, on onnxruntime (no TVM needed) ------------------------

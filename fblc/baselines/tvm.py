@@ -52,6 +52,18 @@ class CpuRun:
 
 
 @dataclass
+class TunedCpuRun(CpuRun):
+    """The step on TVM's CPU build with MetaSchedule's schedules (fblc/baselines/tvm_tuning.py)."""
+    trials_per_task: int
+    tasks: int  # the fused kernels MetaSchedule tuned
+    tuning_s: float  # the search's time, when it ran (a cached tuning's too)
+    cached: bool  # the records came from an earlier run: this one tuned nothing
+    cost_model: str
+    target: str
+    records: str  # the folder of the tuning records
+
+
+@dataclass
 class OpenclBuild:
     source: str
     build_s: float  # TVM's import and build, timed in its process
@@ -93,9 +105,15 @@ def _child(argv: list[str]) -> int:
     kind, model_path, out = argv[0], argv[1], argv[2]
     started = time.perf_counter()
     module = from_onnx(onnx.load(model_path), keep_params_in_input=False)
-    if kind == "cpu":
+    if kind in ("cpu", "cpu-tuned"):
         feeds, repeats = dict(np.load(argv[3])), int(argv[4])
-        executable = tvm.compile(module, target=CPU_TARGET)
+        timing = {}
+        if kind == "cpu":
+            executable = tvm.compile(module, target=CPU_TARGET)
+        else:
+            from fblc.baselines.tvm_tuning import tuned_executable
+
+            executable, timing = tuned_executable(module, onnx.load(model_path), argv[5], int(argv[6]))
         machine = relax.VirtualMachine(executable, tvm.cpu())
         arguments = [tvm.runtime.tensor(np.ascontiguousarray(feeds[p.name])) for p in module["main"].params]
         times, result = [], None
@@ -105,7 +123,7 @@ def _child(argv: list[str]) -> int:
             times.append((time.perf_counter() - begin) * 1e3)
         values = [result] if hasattr(result, "numpy") else list(result)  # one output or a tuple
         np.savez(out, **{f"out{i}": np.asarray(v.numpy()) for i, v in enumerate(values)})
-        timing = {"step_ms": float(np.median(times))}
+        timing["step_ms"] = float(np.median(times))
     else:
         from tvm.relax.backend.adreno import pipeline as adreno
 
@@ -148,7 +166,7 @@ def _run_child(arguments: list[str]) -> subprocess.CompletedProcess[str]:
 
 def _out_path(model_path: str, kind: str) -> str:
     """Where the child writes what it made: the outputs (cpu, .npz) or the OpenCL source (.cl)."""
-    return model_path + (".out.npz" if kind == "cpu" else ".out.cl")
+    return model_path + (".out.npz" if kind.startswith("cpu") else ".out.cl")
 
 
 def _failure(done: subprocess.CompletedProcess[str]) -> str:
@@ -166,7 +184,7 @@ def _build_in_child(model: onnx.ModelProto, kind: str, scratch: str, extra: list
     out = _out_path(path, kind)
     done = _run_child([kind, path, out, *extra])
     if done.returncode != 0:
-        target = CPU_TARGET if kind == "cpu" else extra[0]
+        target = {"cpu": CPU_TARGET, "cpu-tuned": "llvm (host CPU) tuned by MetaSchedule"}.get(kind, extra[0])
         where = first_failing_node(model, kind, scratch, extra) if bisect else "not bisected"
         raise TvmBuildError(f"TVM cannot build the step for {target}: {_failure(done)}; {where}",
                             "the op is TVM's limit, not the model's: add a rewrite to fblc/baselines/tvm_rewrites.py")
@@ -186,6 +204,53 @@ def run_on_cpu(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray], repeats: 
             values = [loaded[f"out{i}"] for i in range(len(loaded.files))]
     names = [o.name for o in model.graph.output]
     return CpuRun(dict(zip(names, values)), rewrites, timing["step_ms"])
+
+
+def default_tuning_cache() -> str:
+    """Where tuning records are kept between runs: $XDG_CACHE_HOME/fblc/tvm-tuning (~/.cache by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fblc", "tvm-tuning")
+
+
+def run_tuned_on_cpu(step: onnx.ModelProto, feeds: Mapping[str, np.ndarray], trials_per_task: int,
+                     repeats: int = 1, cache: str | None = None) -> TunedCpuRun:
+    """The step, prepared for TVM's CPU target, tuned by MetaSchedule for the host CPU with
+    `trials_per_task` trials per fused kernel (records kept in `cache`, reused by a later run of the
+    same step, CPU and budget), built with the best schedules found and run `repeats` times."""
+    if trials_per_task < 1:
+        raise FblcError(f"a tuning budget of {trials_per_task} trials per task tunes nothing",
+                        "give at least 1 (the untuned build is run_on_cpu)")
+    model, rewrites = prepare(step, CPU_TARGET)
+    inputs = _data_inputs(model)
+    with tempfile.TemporaryDirectory(prefix="fblc-tvm-") as scratch:
+        feeds_path = os.path.join(scratch, "feeds.npz")
+        np.savez(feeds_path, **{k: v for k, v in feeds.items() if k in inputs})
+        extra = [feeds_path, str(repeats), os.path.abspath(cache or default_tuning_cache()), str(trials_per_task)]
+        try:  # no bisection: each try would be a tuning
+            out, timing = _build_in_child(model, "cpu-tuned", scratch, extra, bisect=False)
+        except TvmBuildError as error:
+            raise TvmBuildError(error.cause + _serialization_check(),
+                                "compare with TVM's untuned build (run_on_cpu) instead") from None
+        with np.load(out) as loaded:
+            values = [loaded[f"out{i}"] for i in range(len(loaded.files))]
+    names = [o.name for o in model.graph.output]
+    return TunedCpuRun(dict(zip(names, values)), rewrites, timing["step_ms"], timing["trials_per_task"],
+                       timing["tasks"], timing["tuning_s"], timing["cached"], timing["cost_model"], timing["target"],
+                       timing["records"])
+
+
+def _serialization_check() -> str:
+    """'' where TVM can serialize its IR, else why MetaSchedule died: it saves every task's module as
+    JSON, which crashes where apache-tvm-ffi is newer than the apache-tvm build knows (0.1.15 with 0.27)."""
+    probe = "import tvm; tvm.ir.save_json(tvm.tirx.IntImm('int32', 1))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    if done.returncode == 0:
+        return ""
+    from importlib.metadata import version
+
+    return (f" (TVM's IR serialization, which MetaSchedule needs, fails here: {_failure(done)}, with apache-tvm "
+            f"{version('apache-tvm')} and apache-tvm-ffi {version('apache-tvm-ffi')}: "
+            "pip install 'apache-tvm-ffi<0.1.15')")
 
 
 def build_opencl(step: onnx.ModelProto, bisect: bool = True) -> OpenclBuild:
