@@ -332,14 +332,12 @@ def report_fallback(written: str, why: str) -> None:
                         "want it")
 
 
-def report_saved(written: str, why: str, asked: str, quiet: bool, as_json: bool = False) -> None:
-    """After a finished training: report_fallback; else, unless `quiet`, what was written where (on stderr
-    under --json, whose stdout holds only the steps)."""
+def report_saved(written: str, why: str, asked: str, count: int, quiet: bool, as_json: bool = False) -> None:
+    """After a finished training of `count` parameters: report_fallback; else, unless `quiet`, what was written
+    where (on stderr under --json, whose stdout holds only the steps)."""
     report_fallback(written, why)
     if quiet:
         return
-    with np.load(written) as archive:  # reads the zip's directory, not the arrays
-        count = len(archive.files)
     added = f" (.npz added to --save-params '{asked}')" if written != asked else ""
     print(f"saved {count} trained parameter{'s' if count != 1 else ''} ({_size(os.path.getsize(written))}) to "
           f"'{written}'{added}", file=sys.stderr if as_json else sys.stdout, flush=True)

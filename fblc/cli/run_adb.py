@@ -79,7 +79,7 @@ def cmd_run_adb(args: Any) -> int:
               + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
         print(summary(results.losses, seconds, skipped[0], saved[0] if saved else ""))
     if saved:
-        report_saved(*saved, args.save_params, quiet, as_json)
+        report_saved(*saved, args.save_params, len(results.parameters), quiet, as_json)
         note_renamed(manifest, quiet)
     return 0
 

@@ -143,7 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.quiet and not args.json:
         print(summary(losses, seconds, skipped, written))
     if args.save_params:
-        report_saved(written, why, args.save_params, args.quiet, args.json)
+        report_saved(written, why, args.save_params, len(kept.parameters), args.quiet, args.json)
         note_renamed(manifest, args.quiet)
     return 0
 
