@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 from fblc.cli import main
-from fblc.compiler.adapters import ADAPTER_META, AdapterConfig
-from fblc.compiler.fura_s import FURA_META
+from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.reference import onnxruntime_session
 from fblc.compiler.summary import summarize_step, trained_set_source
@@ -29,6 +28,7 @@ from fblc.errors import FblcError
 from fblc.passes.fura_s import FuraS
 from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.pipeline import TrainingOptions, build_training_graph, import_passes, run_passes
+from fblc.compiler import keys
 from tests.conftest import make_model, mlp_proto
 
 
@@ -97,7 +97,7 @@ def test_a_one_channel_stem_is_skipped_and_the_output_and_report_say_why(tmp_pat
 def test_lora_on_linear_layers_skips_the_layer_narrower_than_the_rank() -> None:
     model = _imported(mlp_proto())  # fc1 6 -> 8, fc2 8 -> 3
     MemoryFloor(AdapterConfig("lora", rank=4))(model)
-    meta = json.loads(model.metadata_props[ADAPTER_META])
+    meta = json.loads(model.metadata_props[keys.ADAPTER])
     assert [(s["conv"], s["kind"]) for s in meta["sites"]] == [("fc1", "linear")]
     assert [(s["node"], s["weight"], s["reason"]) for s in meta["skipped"]] == [
         ("fc2", "w2", "--rank 4 is larger than its features (8 in, 3 out)")]
@@ -149,7 +149,7 @@ def test_fura_s_without_block_chooses_one_that_fits_every_layer_of_a_width_32_ml
     path = _width_32_mlp(str(tmp_path / "mlp.onnx"))
     model = _imported(path)
     FuraS(AdapterConfig(kind="fura-s"))(model)
-    meta = json.loads(model.metadata_props[FURA_META])
+    meta = json.loads(model.metadata_props[keys.FURA_S])
     assert meta["block"] == 32 and [s["node"] for s in meta["sites"]] == ["l0", "l1", "l2"]
     assert not meta["skipped_sites"]
     printed, report = _compiled(capsys, path, str(tmp_path / "bundle"), "--adapter", "fura-s")

@@ -19,7 +19,6 @@ from fblc.compiler.index_map import IndexMap, common_digits
 from fblc.compiler.model_io import load_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
-from fblc.passes.tile_remap import REMAP_STATUS
 from fblc.profiles import load_profile
 from fblc.tools.verify import verify_model
 from tests.conftest import make_model
@@ -107,8 +106,8 @@ def _heads_proto(heads: int, dim: int, features: int, batch: int = 2, seq: int =
 
 def _statuses(path: str) -> dict[str, str]:
     step = build_training_graph(load_model(path), OPTIONS, lower=load_profile("local"))
-    return {n.name: n.metadata_props.get(REMAP_STATUS, "") for n in step.graph
-            if n.op_type == "Reshape" and (keys.INDEX_MAP in n.metadata_props or REMAP_STATUS in n.metadata_props)}
+    return {n.name: n.metadata_props.get(keys.REMAP, "") for n in step.graph
+            if n.op_type == "Reshape" and (keys.INDEX_MAP in n.metadata_props or keys.REMAP in n.metadata_props)}
 
 
 # (heads, head dim, features): register tiles of 8 x 8; output columns of 6, per lane, whose

@@ -23,7 +23,7 @@ from fblc.compiler import keys
 from fblc.codegen.compile import compile_model
 from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.es import EsConfig
-from fblc.compiler.fura_s import DELTA, FURA_META
+from fblc.compiler.fura_s import DELTA
 from fblc.compiler.losses import IGNORE_INDEX
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
@@ -52,7 +52,7 @@ def _adapted(path: str, out: str, block: int, delta: np.ndarray | None = None) -
     initializer; returns the site table."""
     model = load_model(path)
     run_passes(model, import_passes(TrainingOptions()) + [FuraS(AdapterConfig(kind="fura-s", block=block))])
-    meta = json.loads(model.metadata_props[FURA_META])
+    meta = json.loads(model.metadata_props[keys.FURA_S])
     if delta is not None:
         import onnx_ir as ir
 

@@ -26,7 +26,6 @@ from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.passes.layout_score import Candidate, Geometry, rank_candidates
 from fblc.passes.rtile_select import RTileSelect, state_pairs
-from fblc.passes.tile_remap import REMAP_STATUS
 from fblc.profiles import load_profile
 from fblc.texel_layout import TexelLayout, mask_layout, pack, rtile_layout, unpack
 from tests.conftest import make_model
@@ -140,7 +139,7 @@ def test_tile_remap_leaves_naive_and_graph_outputs(attention_path: str) -> None:
     outputs = {id(v) for v in step.graph.outputs}
     for n in step.graph:
         if any(id(v) in outputs for v in n.outputs) and n.op_type in ("Transpose", "Reshape"):
-            assert n.metadata_props[REMAP_STATUS] in ("remapped", "kept: graph output (the runtimes read it as "
+            assert n.metadata_props[keys.REMAP] in ("remapped", "kept: graph output (the runtimes read it as "
                                                                   "a plain tensor)")
 
 
@@ -185,7 +184,7 @@ def test_slices_become_views_where_their_readers_add_the_offset(tmp_path) -> Non
     assert maps["slice_lo"] == IndexMap((4, 3, 8), (48, 16, 1), 0)
     assert maps["slice_hi"] == IndexMap((4, 3, 8), (48, 16, 1), 8)  # read by Neg: starts 8 elements in
     assert "slice_mid" not in maps  # read by the MatMul, whose kernel reads strides but no offset
-    assert "no offset" in node(step, "slice_mid").metadata_props[REMAP_STATUS]
+    assert "no offset" in node(step, "slice_mid").metadata_props[keys.REMAP]
     rows = verify_model(str(tmp_path / "rotary.onnx"), OPTIONS)
     assert rows and not [r.name for r in rows if not r.ok]
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from fblc.cli import main
 from fblc.codegen.compile import compile_model
-from fblc.compiler.adapters import ADAPTER_META, AdapterConfig
+from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.es import EsConfig
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optional_state import input_defaults
@@ -33,6 +33,7 @@ from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.pipeline import TrainingOptions, build_training_graph, import_passes, run_passes
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import reference_graph
+from fblc.compiler import keys
 from support import models
 from tests.conftest import make_model, mlp_proto
 
@@ -56,7 +57,7 @@ def _exported(name: str, directory: str) -> models.ExportedModel:
 
 
 def _lora_sites(model: ir.Model) -> list[dict]:
-    return json.loads(model.metadata_props[ADAPTER_META])["sites"]
+    return json.loads(model.metadata_props[keys.ADAPTER])["sites"]
 
 
 # the dynamo exports read their Linear weights through Transpose (llama) or pre-transposed (llama_opt)

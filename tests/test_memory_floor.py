@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 from fblc.compiler import keys
-from fblc.compiler.adapters import ADAPTER_META, SITE_Q, AdapterConfig
+from fblc.compiler.adapters import AdapterConfig
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
@@ -91,8 +91,8 @@ def test_memory_floor_golden_conv_bn_relu6() -> None:
     roles = {name: keys.get_role(v) for name, v in model.graph.initializers.items()}
     assert roles["conv.adapter_U"] == "param" and roles["conv.adapter_P"] == "frozen"
     assert roles["conv.weight"] == "frozen" and "bn.weight" not in roles  # BN folded into s, t
-    assert project.outputs[0].metadata_props[SITE_Q] == "conv"
-    meta = json.loads(model.metadata_props[ADAPTER_META])
+    assert project.outputs[0].metadata_props[keys.ADAPTER_SITE_Q] == "conv"
+    meta = json.loads(model.metadata_props[keys.ADAPTER])
     assert meta["adapter_sites"] == 1 and meta["trainable_params"] == 4 * 2 * 9
     assert meta["sites"][0]["scale"] == "bn" and meta["sites"][0]["activation"] == "relu6"
 
@@ -123,7 +123,7 @@ def test_site_without_batchnorm_takes_unit_scale_and_the_report_says_so() -> Non
     model = imported(conv_bn_relu6_proto(bn=False))
     MemoryFloor(AdapterConfig("memflora", rank=2))(model)
     assert "Mul" not in [n.op_type for n in model.graph]
-    meta = json.loads(model.metadata_props[ADAPTER_META])
+    meta = json.loads(model.metadata_props[keys.ADAPTER])
     assert meta["sites"][0]["scale"] == "1" and meta["sites_without_batchnorm"] == ["conv"]
     assert "a_s = 1" in meta["note"]
 
@@ -159,7 +159,7 @@ def test_depthwise_site_is_frozen_with_batchnorm_folded_and_a_mask() -> None:
     assert MemoryFloor(AdapterConfig("memflora", rank=2))(model).modified
     ops = [n.op_type for n in model.graph]
     assert "BatchNormalization" not in ops and "Clip" not in ops
-    meta = json.loads(model.metadata_props[ADAPTER_META])
+    meta = json.loads(model.metadata_props[keys.ADAPTER])
     assert [s["conv"] for s in meta["sites"]] == ["pw"] and meta["frozen_sites"] == 1
     assert meta["sites"][0]["activation"] == "none"
     dw = next(n for n in model.graph if n.op_type == "Conv" and int(n.attributes["group"].value) == 4)
@@ -168,7 +168,7 @@ def test_depthwise_site_is_frozen_with_batchnorm_folded_and_a_mask() -> None:
     np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
     every = imported(depthwise_pointwise_proto())
     MemoryFloor(AdapterConfig("memflora", rank=2, sites="all"))(every)  # groups > 1 never gets an adapter
-    assert [s["conv"] for s in json.loads(every.metadata_props[ADAPTER_META])["sites"]] == ["pw"]
+    assert [s["conv"] for s in json.loads(every.metadata_props[keys.ADAPTER])["sites"]] == ["pw"]
 
 
 # errors -------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def _step(model: models.ExportedModel, kind: str, folder, seed: int = 0) -> tupl
 
 
 def _projections(step: ir.Model) -> dict[str, np.ndarray]:
-    meta = json.loads(step.metadata_props[ADAPTER_META])
+    meta = json.loads(step.metadata_props[keys.ADAPTER])
     return {s["weight"][: -len(".weight")]: step.graph.initializers[s["P"]].const_value.numpy() for s in meta["sites"]}
 
 
@@ -317,14 +317,14 @@ def test_memflora_backward_reads_only_q_masks_and_the_loss(tresnet) -> None:
         producer = value.producer()
         if value.dtype == ir.DataType.BOOL:
             kinds.add("mask")
-        elif SITE_Q in value.metadata_props:
+        elif keys.ADAPTER_SITE_Q in value.metadata_props:
             kinds.add("q")
             assert list(value.shape)[1] == 2
         else:
             assert producer.metadata_props.get(keys.STAGE) == "loss", value.name
             kinds.add("loss")
     assert kinds == {"mask", "q", "loss"}
-    assert sum(1 for v in saved if SITE_Q in v.metadata_props) == 11  # every conv of T-ResNet
+    assert sum(1 for v in saved if keys.ADAPTER_SITE_Q in v.metadata_props) == 11  # every conv of T-ResNet
 
 
 def test_memflora_sg_projection_gradient_equals_the_full_width_gradient(tresnet, tmp_path) -> None:
@@ -339,7 +339,7 @@ def test_memflora_sg_projection_gradient_equals_the_full_width_gradient(tresnet,
                 np.testing.assert_allclose(reference.last[f"{name}.grad"], want, rtol=RTOL, atol=ATOL, err_msg=name)
                 np.testing.assert_allclose(reference.last[f"{name}.new"], new, rtol=RTOL, atol=ATOL, err_msg=name)
     saved = [v for n in step.graph for v in n.outputs if keys.get_role(v) == "saved"]
-    assert all(v.dtype == ir.DataType.BOOL or SITE_Q in v.metadata_props
+    assert all(v.dtype == ir.DataType.BOOL or keys.ADAPTER_SITE_Q in v.metadata_props
                or v.producer().metadata_props.get(keys.STAGE) == "loss" for v in saved)
 
 
@@ -349,7 +349,7 @@ def test_lora_trains_both_factors_and_saves_the_projection_input(tresnet, tmp_pa
     assert len(trainable) == 22 and all(n.endswith(("adapter_P", "adapter_U")) for n in trainable)
     saved_names = {v.name for n in step.graph for v in n.outputs if keys.get_role(v) == "saved"}
     saved_names |= {v.name for v in step.graph.inputs if keys.get_role(v) == "input"}
-    meta = json.loads(step.metadata_props[ADAPTER_META])
+    meta = json.loads(step.metadata_props[keys.ADAPTER])
     for site in meta["sites"]:  # dP reads x, the full-width input of the down-projection
         assert site["extra"]["x"] in saved_names, site["conv"]
     assert reference.step({**tresnet.inputs, "labels": tresnet.labels}) > 0

@@ -12,11 +12,11 @@ import pytest
 
 from fblc import bundle_format as fmt
 from fblc.compiler import keys
-from fblc.compiler.adapters import SITE_Q, AdapterConfig
+from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.model_io import load_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.values import numel, static_shape
-from fblc.passes.memory_plan import CLASSES, MEMORY_META, MemoryPlanPass, plan_memory
+from fblc.passes.memory_plan import CLASSES, MemoryPlanPass, plan_memory
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.profiles import load_profile
 from tests.test_memory_floor import conv_bn_relu6_proto
@@ -47,7 +47,7 @@ def test_memory_plan_golden_small_memflora_step(tmp_path) -> None:
     path = str(tmp_path / "site.onnx")
     onnx.save(conv_bn_relu6_proto(), path)
     step = step_of(path, "memflora")
-    summary = json.loads(step.metadata_props[MEMORY_META])
+    summary = json.loads(step.metadata_props[keys.MEMORY])
     u = step.graph.initializers["conv.adapter_U"]
     u_bytes = numel(static_shape(u)) * 4
     assert summary["grads"] == u_bytes
@@ -67,14 +67,14 @@ def test_memory_plan_golden_small_memflora_step(tmp_path) -> None:
     assert kinds == ["activation", "bit mask"]
     assert summary["training_state_peak"] <= summary["live_peak"]
     annotated = [v for n in step.graph for v in n.outputs if keys.MEM in v.metadata_props]
-    q = next(v for v in annotated if SITE_Q in v.metadata_props)
+    q = next(v for v in annotated if keys.ADAPTER_SITE_Q in v.metadata_props)
     note = json.loads(q.metadata_props[keys.MEM])
     assert note["class"] == "saved" and note["bytes"] == 2 * 2 * 6 * 5 * 4 and note["live"][0] < note["live"][1]
     assert not MemoryPlanPass()(step).modified  # annotations are stable
 
 
 def test_floor_check_passes_for_memflora_and_sg_and_fails_naming_tensors_for_lora_and_full(tresnet_path) -> None:
-    results = {kind: json.loads(step_of(tresnet_path, kind).metadata_props[MEMORY_META])
+    results = {kind: json.loads(step_of(tresnet_path, kind).metadata_props[keys.MEMORY])
                for kind in ("memflora", "memflora-sg", "lora", "none")}
     assert results["memflora"]["floor_ok"] and results["memflora-sg"]["floor_ok"]
     sg_kept = [e for e in results["memflora-sg"]["floor"]["saved"] if e["kind"] == "dL/dq"]
@@ -91,8 +91,8 @@ def test_floor_check_passes_for_memflora_and_sg_and_fails_naming_tensors_for_lor
 
 def test_tresnet_at_batch_64_meets_the_papers_table_3(tresnet_path) -> None:
     """MemFLoRA r=2, B=64 on T-ResNet: saved <= 0.83 MB and training-state peak <= 3.23 MB (Table 3)."""
-    memflora = json.loads(step_of(tresnet_path, "memflora").metadata_props[MEMORY_META])
-    full = json.loads(step_of(tresnet_path, "none", bn_train=True).metadata_props[MEMORY_META])
+    memflora = json.loads(step_of(tresnet_path, "memflora").metadata_props[keys.MEMORY])
+    full = json.loads(step_of(tresnet_path, "none", bn_train=True).metadata_props[keys.MEMORY])
     assert memflora["saved"] <= 0.83 * MB and memflora["training_state_peak"] <= 3.23 * MB
     assert memflora["optimizer"] <= 0.09 * MB  # Adam state of 10.6 K adapter weights
     assert 1 - memflora["saved"] / full["saved"] >= 0.98
@@ -206,8 +206,6 @@ def _outputs(step: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarr
 def test_batch_tiling_changes_memory_not_numbers(tmp_path, kind) -> None:
     import importlib.util
 
-    from fblc.passes.batch_tile import TILE_META
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("fblc_example_tresnet_bt", os.path.join(root, "examples", "tresnet.py"))
     module = importlib.util.module_from_spec(spec)
@@ -219,8 +217,8 @@ def test_batch_tiling_changes_memory_not_numbers(tmp_path, kind) -> None:
             optimizer=ADAM, tile_bytes=tile, adapter=AdapterConfig(kind, rank=2)), lower=load_profile("local"))
 
     whole, tiled = build(0), build(100_000)  # the largest activation, [4, 128, 60, 1], is 123 KB
-    assert TILE_META not in whole.metadata_props
-    tile = json.loads(tiled.metadata_props[TILE_META])
+    assert keys.BATCH_TILE not in whole.metadata_props
+    tile = json.loads(tiled.metadata_props[keys.BATCH_TILE])
     assert tile["chunks"] == 2 and tile["front_nodes"] > 50
     assert sum(1 for n in tiled.graph if n.op_type == "Concat") >= 1
     rng = np.random.default_rng(5)

@@ -38,7 +38,7 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
     if keys.CLASSES in value.metadata_props:  # class-index labels: the runtimes check the data against these
         entry["classes"], entry["ignore_index"] = int(value.metadata_props[keys.CLASSES]), IGNORE_INDEX
     if keys.INDEX_TABLE in value.metadata_props:  # ids that index a table: checked against its size likewise
-        entry["indexes"] = json.loads(value.metadata_props[keys.INDEX_TABLE])
+        entry["indexes"] = keys.json_of(value.metadata_props, keys.INDEX_TABLE)
     return entry
 
 

@@ -16,7 +16,6 @@ an emitter only checks when it writes the kernel, e.g. AveragePool's ceil_mode):
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -25,8 +24,8 @@ import onnx_ir as ir
 
 from fblc.codegen.kernels import KERNEL_EMITTERS
 from fblc.codegen.plan import kernel_groups
-from fblc.compiler.adapters import (ADAPTER_META, LINEAR_ADAPTERS, MEMORY_FLOOR_ADAPTERS, find_sites,
-                                    select_adapter_sites, select_linear_sites)
+from fblc.compiler.adapters import (LINEAR_ADAPTERS, MEMORY_FLOOR_ADAPTERS, find_sites, select_adapter_sites,
+                                    select_linear_sites)
 from fblc.compiler.autodiff import GRADIENTS, differentiable_nodes, gradient_gaps
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import OpGap, op_label
@@ -40,6 +39,7 @@ from fblc.passes.fuse import FuseKernels
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.pipeline import TrainingOptions, import_passes, layout_passes, run_passes, training_passes
 from fblc.passes.split_softmax import SPLITS
+from fblc.compiler import keys
 
 ADAPTER_KINDS = MEMORY_FLOOR_ADAPTERS
 
@@ -127,7 +127,7 @@ def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Ve
     gaps = gradient_gaps(copy.graph, copy.graph.outputs[0], trainable_params(copy.graph))
     if gaps:
         return Verdict(False, GRADIENTS.error(gaps).cause)
-    meta = json.loads(copy.metadata_props[ADAPTER_META])  # the sites --rank fits, and those it does not
+    meta = keys.json_of(copy.metadata_props, keys.ADAPTER)  # the sites --rank fits, and those it does not
     kinds = Counter(site["kind"] for site in meta["sites"])
     skipped = meta["skipped"]
     found = [f"{count} {kind} site{'s' if count != 1 else ''}" for kind, count in sorted(kinds.items())] + (

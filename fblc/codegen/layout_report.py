@@ -15,7 +15,6 @@ rtile_select's `fblc.layout`) and from the kernels the codegen emitted:
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from typing import Any
 
@@ -26,15 +25,13 @@ from fblc.compiler import keys
 from fblc.compiler.index_map import REMAPPABLE, is_view
 from fblc.compiler.values import numel, static_shape
 from fblc.passes.pipeline import TrainingOptions
-from fblc.passes.rtile_select import CHOICE
-from fblc.passes.tile_remap import REMAP_STATUS
 
 
 def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -> dict[str, Any]:
     graph = model.graph
     movement = [n for n in graph if n.op_type in REMAPPABLE and n.domain == ""]
     kept = [n for n in movement if not is_view(n)]
-    reasons = Counter(n.metadata_props.get(REMAP_STATUS, "naive layout: every data-movement op is a copy")
+    reasons = Counter(n.metadata_props.get(keys.REMAP, "naive layout: every data-movement op is a copy")
                       for n in kept)
     tensors = []
     stored = {t.name: t for t in program.textures}
@@ -42,7 +39,7 @@ def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -
         texture = stored.get(value.name)
         if texture is None or keys.LAYOUT not in value.metadata_props:
             continue
-        choice = json.loads(value.metadata_props.get(CHOICE, "{}"))
+        choice = keys.json_of(value.metadata_props, keys.LAYOUT_CHOICE, {})
         tensors.append({"name": value.name, "shape": list(static_shape(value)),
                         "layout": texture.layout.describe(), "chosen_by": choice.get("how", "flat"),
                         "score": choice.get("score"), "scored_by": choice.get("scored_by"),

@@ -11,7 +11,6 @@ their root's texture.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,9 +92,7 @@ class TextureTable:
         shape = static_shape(value)
         kind = "float" if is_float(value) else "int"
         texels = max(1, -(-numel(shape) // 4))
-        annotated = value.metadata_props.get(keys.LAYOUT)
-        layout = (TexelLayout.from_dict(json.loads(annotated)) if annotated
-                  else flat_layout(texels, self.profile.placement_limits(texels)[0]))
+        layout = keys.layout_of(value) or flat_layout(texels, self.profile.placement_limits(texels)[0])
         self._check_fits(value.name, shape, layout)
         if kind == "float":  # the step's annotation (storage_precision), else the table's --dtype
             storage = value.metadata_props.get(keys.STORAGE)

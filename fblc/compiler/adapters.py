@@ -70,18 +70,6 @@ LINEAR_SITES: dict[str, Callable[[bool], bool]] = {
 #: the adapters that may take a linear site
 LINEAR_ADAPTERS = ("lora",)
 
-#: model metadata: JSON description of the inserted adapter (kind, rank, sites)
-ADAPTER_META = "fblc.adapter"
-#: value metadata on each site's bottleneck q: the site's conv node
-SITE_Q = "fblc.adapter.q"
-#: value metadata on dL/dq (memflora-sg keeps it for the replay): the name of its q
-SITE_DQ = "fblc.adapter.dq"
-#: value metadata on a site's input x: the site's conv node (the replay of memflora-sg recomputes it)
-SITE_X = "fblc.adapter.x"
-#: value metadata on a site input that memflora-sg's replay recomputes: the site's conv node
-REPLAY = "fblc.adapter.replay"
-#: value metadata on a mask: "1"
-MASK = "fblc.adapter.mask"
 
 
 @dataclass(frozen=True)
@@ -347,7 +335,7 @@ def emit_masked_activation(e: Emitter, z: ir.Value, bounds: tuple[float | None, 
         saturated = e.scalar(hi, z)
     else:
         saturated = e.op("Where", e.op("GreaterOrEqual", z, e.scalar(hi, z)), e.scalar(hi, z), e.scalar(lo, z))
-    inside.metadata_props[MASK] = "1"
+    inside.metadata_props[keys.ADAPTER_MASK] = "1"
     y = e.op("Where", inside, z, saturated, name=name)
     return y, inside
 

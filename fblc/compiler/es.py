@@ -36,8 +36,6 @@ NOISE = "noise"
 ITERATION = "es.iteration"
 REWARDS_OUTPUT = "rewards"
 REWARD_MEAN = "reward_mean"
-#: model metadata: JSON of the ES configuration (pairs, sigma, reward, seed, values)
-ES_META = "fblc.es"
 #: rewards that agree to this fraction of their largest magnitude count as equal: z = 0, no step
 AGREEMENT = 1e-6
 

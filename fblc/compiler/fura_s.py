@@ -39,8 +39,6 @@ from fblc.errors import FblcError
 
 #: the trainable vector of every FuRA-S site
 DELTA = "fura_s.delta"
-#: model metadata: JSON description of the FuRA-S sites
-FURA_META = "fblc.fura_s"
 
 
 @dataclass

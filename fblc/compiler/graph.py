@@ -30,7 +30,6 @@ def _attribute(name: str, value: Any) -> ir.Attr:
     return ir.convenience.convert_attribute(name, value)
 
 
-_NAME_COUNTER = "fblc.emitter_names"
 
 
 class Emitter:
@@ -47,8 +46,8 @@ class Emitter:
 
     def _next_number(self) -> int:
         """A number unique within the graph, shared by every Emitter on it (so two emitters never collide)."""
-        number = self.graph.meta.get(_NAME_COUNTER, 0) + 1
-        self.graph.meta[_NAME_COUNTER] = number
+        number = self.graph.meta.get(keys.EMITTER_NAMES, 0) + 1
+        self.graph.meta[keys.EMITTER_NAMES] = number
         return number
 
     def fresh_name(self, hint: str) -> str:

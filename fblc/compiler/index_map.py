@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator
 
 import numpy as np
@@ -211,9 +212,15 @@ def _inner_sizes(digits: list[SubAxis]) -> list[int]:
 
 # which nodes are views ---------------------------------------------------------------------------
 
+@lru_cache(maxsize=8192)
+def _parsed_map(text: str) -> IndexMap:
+    return IndexMap.from_json(text)
+
+
 def index_map_of(node: ir.Node) -> IndexMap | None:
+    """The map tile_remap wrote on `node` (INDEX_MAP), parsed once per distinct text (IndexMap is frozen)."""
     text = node.metadata_props.get(keys.INDEX_MAP)
-    return IndexMap.from_json(text) if text else None
+    return _parsed_map(text) if text else None
 
 
 def is_view(node: ir.Node | None) -> bool:

@@ -1,8 +1,17 @@
-"""Metadata keys that fblc writes on nodes and values (Netron shows node metadata)."""
+"""Metadata keys that fblc writes on models, graphs, nodes and values (Netron shows node metadata).
+
+Every `fblc.*` key is a constant here and nowhere else (tests/test_metadata_keys.py checks the package);
+JSON-valued keys are read through the accessors at the end, which parse each distinct text once.
+"""
 
 from __future__ import annotations
 
 import enum
+import json
+from functools import lru_cache
+from typing import Any, Mapping
+
+from fblc.texel_layout import TexelLayout
 
 FTD = "fblc.ftd"
 #: On a value: its texel layout (TexelLayout JSON) chosen by rtile_select or the texture table.
@@ -13,11 +22,25 @@ LAYOUT_MODE = "fblc.layout_mode"
 LAYOUT_NOTE = "fblc.layout_note"
 #: On a remapped data-movement node: the strided map of its output over its root (index_map.py).
 INDEX_MAP = "fblc.index_map"
+#: On a data-movement node tile_remap looked at: "remapped", or the check that kept it a copy.
+REMAP = "fblc.remap"
+#: On a value: the score table of rtile_select's layout choice (the layout report reads it).
+LAYOUT_CHOICE = "fblc.layout_choice"
 #: On a float storage root: "fp32" or "fp16", the format its texture takes (storage_precision).
 STORAGE = "fblc.storage"
 ROLE = "fblc.role"
+#: On a node: the kernel it belongs to, k<N> in launch order, or "alias" for a view (fuse).
 KERNEL = "fblc.kernel"
+#: On a value that owns a buffer: JSON of its memory class, bytes and live range (memory_plan).
 MEM = "fblc.mem"
+#: On the model: JSON of the memory plan's summary and floor check (memory_plan).
+MEMORY = "fblc.memory"
+#: On the model: JSON of batch_tile's tiling (chunks, front nodes, the cut value, sizes).
+BATCH_TILE = "fblc.batch_tile"
+#: On the model: the parameters the loss does not depend on, comma-separated (build_gradients).
+UNUSED_PARAMS = "fblc.unused_params"
+#: In a graph's `meta` (in memory, never saved): the Emitter's counter of fresh names.
+EMITTER_NAMES = "fblc.emitter_names"
 #: Which pass emitted a node: "forward", "loss", "backward", "es", "optimizer".
 STAGE = "fblc.stage"
 #: For a backward node: the forward node whose gradient rule emitted it.
@@ -28,6 +51,23 @@ CLASSES = "fblc.classes"
 INDEX_TABLE = "fblc.index_table"
 #: On the value the loss is computed from (the model's first output): "1" (ES's accuracy reward reads it).
 PREDICTION = "fblc.prediction"
+
+#: On the model: JSON description of the inserted adapter (kind, rank, sites).
+ADAPTER = "fblc.adapter"
+#: On each adapter site's bottleneck q: the site's conv node.
+ADAPTER_SITE_Q = "fblc.adapter.q"
+#: On dL/dq (memflora-sg keeps it for the replay): the name of its q.
+ADAPTER_SITE_DQ = "fblc.adapter.dq"
+#: On a site's input x: the site's conv node (the replay of memflora-sg recomputes it).
+ADAPTER_SITE_X = "fblc.adapter.x"
+#: On a site input that memflora-sg's replay recomputes: the site's conv node.
+ADAPTER_REPLAY = "fblc.adapter.replay"
+#: On an adapter's mask: "1".
+ADAPTER_MASK = "fblc.adapter.mask"
+#: On the model: JSON description of the FuRA-S sites.
+FURA_S = "fblc.fura_s"
+#: On the model: JSON of the ES configuration (pairs, sigma, reward, seed, values).
+ES = "fblc.es"
 
 #: On the graph: what chose the trained set when an adapter did (its factors, FuRA-S's singular values), as text.
 TRAINED_BY = "fblc.trained_by"
@@ -70,3 +110,29 @@ def set_role(value: "object", role: Role) -> None:
 
 def get_role(value: "object") -> str | None:
     return value.metadata_props.get(ROLE)  # type: ignore[attr-defined]
+
+
+# Typed accessors: each distinct JSON text is parsed once (passes ask for the same layout or map of a
+# value many times), and what they return is shared between callers: read it, never change it.
+
+@lru_cache(maxsize=8192)
+def _layout(text: str) -> TexelLayout:
+    return TexelLayout.from_dict(json.loads(text))
+
+
+def layout_of(value: "object") -> TexelLayout | None:
+    """The texel layout `value` was given (LAYOUT), or None before rtile_select."""
+    text = value.metadata_props.get(LAYOUT)  # type: ignore[attr-defined]
+    return _layout(text) if text else None
+
+
+@lru_cache(maxsize=1024)
+def _parsed(text: str) -> Any:
+    return json.loads(text)
+
+
+def json_of(props: Mapping[str, str], key: str, default: Any = None) -> Any:
+    """The JSON metadata `key` of `props` (a model's, graph's, node's or value's `metadata_props`),
+    parsed once per distinct text and shared: copy it before changing it. `default` when absent."""
+    text = props.get(key)
+    return _parsed(text) if text else default

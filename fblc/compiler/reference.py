@@ -8,7 +8,6 @@ Every later stage (OpenCL kernels, the native runner) is checked against this. T
 
 from __future__ import annotations
 
-import json
 from typing import Mapping
 
 import numpy as np
@@ -18,7 +17,7 @@ import onnxruntime as ort
 
 from fblc.compiler import keys
 from fblc.bundle_format import checked_rewards
-from fblc.compiler.es import ES_META, MEMBER_PREFIX, NOISE, REWARDS_OUTPUT, RewardFunction
+from fblc.compiler.es import MEMBER_PREFIX, NOISE, REWARDS_OUTPUT, RewardFunction
 from fblc.compiler.optional_state import input_defaults
 from fblc.compiler.philox import es_noise
 from fblc.errors import FblcError
@@ -59,7 +58,7 @@ class ReferenceStep:
         self.steps = 0
         metadata = {p.key: p.value for p in model.metadata_props}
         #: an ES step's noise when the caller feeds none: the device's Philox noise of the same step
-        self.noise_seed = int(json.loads(metadata[ES_META])["seed"]) if ES_META in metadata else None
+        self.noise_seed = int(keys.json_of(metadata, keys.ES)["seed"]) if keys.ES in metadata else None
         self.noise_shape = next((list(i.shape) for i in self.session.get_inputs() if i.name == NOISE), None)
 
     def step(self, feeds: Mapping[str, np.ndarray], reward: RewardFunction | None = None) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -11,8 +10,6 @@ from typing import Any
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.adapters import ADAPTER_META
-from fblc.compiler.fura_s import FURA_META
 from fblc.compiler.graph import const_array, numel, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.torch_names import display_name
@@ -142,12 +139,12 @@ def trained_set_lines(graph: ir.Graph, shown: int | None = SHOWN_GROUPS) -> list
 
 def adapter_report(model: ir.Model) -> dict[str, Any] | None:
     """report.json `adapter`: the sites the adapter took and those it skipped with the reason (None without one)."""
-    if ADAPTER_META in model.metadata_props:
-        meta = json.loads(model.metadata_props[ADAPTER_META])
+    if keys.ADAPTER in model.metadata_props:
+        meta = keys.json_of(model.metadata_props, keys.ADAPTER)
         return {"adapter": meta["adapter"], "rank": meta["rank"], "unit": "site",
                 "adapted": [site["conv"] for site in meta["sites"]], "skipped": meta.get("skipped", [])}
-    if FURA_META in model.metadata_props:
-        meta = json.loads(model.metadata_props[FURA_META])
+    if keys.FURA_S in model.metadata_props:
+        meta = keys.json_of(model.metadata_props, keys.FURA_S)
         return {"adapter": meta["adapter"], "block": meta["block"], "block_from": meta.get("block_from", "--block"),
                 "unit": "layer", "adapted": [site["node"] for site in meta["sites"]], "skipped": meta["skipped_sites"]}
     return None
@@ -202,7 +199,7 @@ def summarize_step(model: ir.Model) -> str:
         + f"{stages.get('optimizer', 0)} optimizer; "
         f"saved for the backward: {len(saved)} tensors, {saved_elems:,} values",
     ]
-    unused = model.metadata_props.get("fblc.unused_params")
+    unused = model.metadata_props.get(keys.UNUSED_PARAMS)
     if unused:
         lines.append(f"not trained (the loss does not depend on them): {unused}")
     return "\n".join(lines + adapter_lines(adapter_report(model)) + trained_set_lines(graph))

@@ -34,7 +34,6 @@ from fblc.compiler.graph import Emitter, attr, const_array, static_shape
 from fblc.compiler.values import numel
 from fblc.passes.contracts import ContractPass
 
-TILE_META = "fblc.batch_tile"
 PER_SAMPLE = frozenset({
     "Conv", "Add", "Sub", "Mul", "Div", "Where", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "And",
     "Or", "Not", "Relu", "Clip", "Sigmoid", "Tanh", "Max", "Min", "Sum", "Neg", "Abs", "Sqrt", "Exp", "Identity",
@@ -91,8 +90,9 @@ class BatchTile(ContractPass):
         if not all(self._per_sample(n, batch) for n in front):
             return ir.passes.PassResult(model, False)
         self._rewrite(graph, front, carried, batch_inputs, batch, chunks)
-        model.metadata_props[TILE_META] = json.dumps({"chunks": chunks, "front_nodes": len(front), "cut": carried.name,
-                                                      "largest_bytes": largest, "tile_bytes": self.tile_bytes})
+        model.metadata_props[keys.BATCH_TILE] = json.dumps({"chunks": chunks, "front_nodes": len(front),
+                                                            "cut": carried.name, "largest_bytes": largest,
+                                                            "tile_bytes": self.tile_bytes})
         return ir.passes.PassResult(model, True)
 
     @staticmethod

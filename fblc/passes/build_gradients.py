@@ -22,7 +22,6 @@ from fblc.compiler.keys import Role
 from fblc.compiler.loss_scale import scale_input, unscale
 from fblc.passes.contracts import ContractPass
 
-UNUSED_PARAMS = "fblc.unused_params"
 
 
 def trainable_params(graph: ir.Graph) -> list[ir.Value]:
@@ -55,7 +54,7 @@ class BuildGradients(ContractPass):
             keys.set_role(param, Role.FROZEN)
             graph.inputs.remove(param)
         if unused:
-            model.metadata_props[UNUSED_PARAMS] = ",".join(p.name for p in unused)
+            model.metadata_props[keys.UNUSED_PARAMS] = ",".join(p.name for p in unused)
         seed = scale_input(graph) if self.loss_scale else None
         result = build_backward(graph, loss, list(reaching) + extra, seed)
         naming = Emitter(graph, stage="backward")

@@ -25,8 +25,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.es import (ES_META, EXTERNAL, MEMBER_OUTPUT, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT,
-                              EsConfig, direction, flat_slice, member_forward, param_dependents, z_scores)
+from fblc.compiler.es import (EXTERNAL, MEMBER_OUTPUT, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT, EsConfig,
+                              direction, flat_slice, member_forward, param_dependents, z_scores)
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.passes.build_gradients import trainable_params
@@ -103,6 +103,6 @@ class EsGradients(ContractPass):
             offset += int(np.prod(shape, dtype=np.int64))
         graph.outputs.clear()
         graph.outputs.extend([loss, *reported, mean, *grads, *carried])
-        model.metadata_props[ES_META] = json.dumps({"pairs": config.pairs, "sigma": config.sigma,
+        model.metadata_props[keys.ES] = json.dumps({"pairs": config.pairs, "sigma": config.sigma,
                                                     "reward": config.reward, "seed": config.seed, "values": width})
         return ir.passes.PassResult(model, True)

@@ -19,13 +19,12 @@ false for a step without `noise` (backprop).
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.es import ES_META, ITERATION
+from fblc.compiler.es import ITERATION
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.values import ints_input
@@ -44,7 +43,7 @@ class EsNoise(ContractPass):
         noise = next((v for v in graph.inputs if keys.get_role(v) == Role.NOISE.value), None)
         if noise is None:
             return ir.passes.PassResult(model, False)
-        seed = int(json.loads(model.metadata_props[ES_META])["seed"])
+        seed = int(keys.json_of(model.metadata_props, keys.ES)["seed"])
         width = static_shape(noise)[1]
         counter = ir.Value(name=ITERATION, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.FLOAT),
                            const_value=ir.tensor(np.array(0.0, np.float32), name=ITERATION))

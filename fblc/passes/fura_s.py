@@ -31,8 +31,8 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.adapters import AdapterConfig, new_initializer
-from fblc.compiler.fura_s import (DELTA, FURA_META, block_factors, describe, emit_input_transform, find_fura_sites,
-                                  select_sites, trained_by, weight_in_out)
+from fblc.compiler.fura_s import (DELTA, block_factors, describe, emit_input_transform, find_fura_sites, select_sites,
+                                  trained_by, weight_in_out)
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
 from fblc.passes.contracts import ContractPass
@@ -77,6 +77,6 @@ class FuraS(ContractPass):
                             "blocks": int(values.shape[0]), "rank": int(values.shape[1]), "offset": offset,
                             "values": int(values.size)})
             offset += int(values.size)
-        model.metadata_props[FURA_META] = describe(selection, records, total)
+        model.metadata_props[keys.FURA_S] = describe(selection, records, total)
         graph.metadata_props[keys.TRAINED_BY] = trained_by(len(records), selection.block)
         return ir.passes.PassResult(model, True)

@@ -40,11 +40,10 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.adapters import (ADAPTER_META, MEMORY_FLOOR_ADAPTERS, SITE_Q, SITE_X, AdapterConfig, Site,
-                                    SiteRecord, SkippedSite, activation_name, channel_view, clip_bounds, describe,
-                                    emit_masked_activation, find_sites, folded_affine, new_initializer, rank_misfit,
-                                    rank_refusal, replace_output, select_adapter_sites, select_linear_sites,
-                                    trained_by)
+from fblc.compiler.adapters import (MEMORY_FLOOR_ADAPTERS, AdapterConfig, Site, SiteRecord, SkippedSite,
+                                    activation_name, channel_view, clip_bounds, describe, emit_masked_activation,
+                                    find_sites, folded_affine, new_initializer, rank_misfit, rank_refusal,
+                                    replace_output, select_adapter_sites, select_linear_sites, trained_by)
 from fblc.compiler.fura_s import FuraSite
 from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter, static_shape
@@ -140,7 +139,7 @@ class MemoryFloor(ContractPass):
         for name, value in list(graph.initializers.items()):
             if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
                 graph.initializers.pop(name)
-        model.metadata_props[ADAPTER_META] = describe(config, records, len(sites) - len(chosen), masked, skipped)
+        model.metadata_props[keys.ADAPTER] = describe(config, records, len(sites) - len(chosen), masked, skipped)
         graph.metadata_props[keys.TRAINED_BY] = trained_by(config.kind, len(records))
         return ir.passes.PassResult(model, True)
 
@@ -161,8 +160,9 @@ class MemoryFloor(ContractPass):
         attributes.pop("group", None)
         base = e.op("Conv", x, weight, **attributes)
         q = e.op("Conv", x, p, name=f"{prefix}.adapter_q")
-        q.metadata_props[SITE_Q] = conv.name
-        x.metadata_props[SITE_X] = ",".join(filter(None, [x.metadata_props.get(SITE_X), conv.name]))
+        q.metadata_props[keys.ADAPTER_SITE_Q] = conv.name
+        sites_of_x = [x.metadata_props.get(keys.ADAPTER_SITE_X), conv.name]
+        x.metadata_props[keys.ADAPTER_SITE_X] = ",".join(filter(None, sites_of_x))
         branch = e.op("Conv", q, u, **attributes)
         z = e.op("Add", base, branch)
         if scale is not None:

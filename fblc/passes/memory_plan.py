@@ -47,15 +47,12 @@ import onnx_ir as ir
 
 from fblc import bundle_format as fmt
 from fblc.compiler import keys
-from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
 from fblc.compiler.index_map import is_view, real_readers, view_root, views_of
 from fblc.passes.fuse import ALIAS
-from fblc.texel_layout import TexelLayout
 from fblc.passes.contracts import ContractPass
 
-MEMORY_META = "fblc.memory"
 
 CLASSES = ("weight", "optimizer", "input", "saved", "mask", "grad", "replay", "buffer")
 PERSISTENT = ("weight", "optimizer", "input")
@@ -145,8 +142,7 @@ def _bytes(value: ir.Value) -> int:
     count = numel(static_shape(value))
     dtype = ir.DataType(value.dtype)
     if dtype == ir.DataType.BOOL:
-        annotated = value.metadata_props.get(keys.LAYOUT)
-        layout = TexelLayout.from_dict(json.loads(annotated)) if annotated else None
+        layout = keys.layout_of(value)
         if layout is not None and layout.kind in fmt.MASK_FORMATS:
             return fmt.image_bytes(fmt.MASK_FORMATS[layout.kind], layout.width, layout.height)
         return (count + 7) // 8
@@ -260,9 +256,9 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
                 continue  # lives inside its kernel (registers), or nothing reads it: no texture
             made_in = stages[first] if first < len(stages) else "forward"
             read_in = {stages[r] for r in readers if r < len(stages)}
-            if Role.GRAD.value in roles or SITE_DQ in tags:
+            if Role.GRAD.value in roles or keys.ADAPTER_SITE_DQ in tags:
                 cls = "grad"
-            elif REPLAY in tags:
+            elif keys.ADAPTER_REPLAY in tags:
                 cls = "replay"
             elif made_in in ("forward", "loss") and "backward" in read_in:
                 cls = "mask" if root.dtype == ir.DataType.BOOL else "saved"
@@ -272,8 +268,8 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
         why = ""
         if cls in ("saved", "mask"):
             why = _why_saved(root, made_in)
-        elif cls == "grad" and SITE_DQ in tags:
-            why = f"kept for the replay: dL/d({tags[SITE_DQ]})"
+        elif cls == "grad" and keys.ADAPTER_SITE_DQ in tags:
+            why = f"kept for the replay: dL/d({tags[keys.ADAPTER_SITE_DQ]})"
         buffers.append(Buffer(name=root.name or (names[0] if names else ""), cls=cls, bytes=_bytes(root), first=first,
                               last=last, shape=list(static_shape(root)), dtype=_dtype_name(root),
                               values=names, why=why))
@@ -284,7 +280,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
     timeline = {cls: np.cumsum(t)[:steps] for cls, t in timeline.items()}
     batch = next((static_shape(v)[0] for v in graph.inputs if keys.get_role(v) == Role.INPUT.value
                   and len(static_shape(v)) > 0), 0)
-    adapter = json.loads(model.metadata_props.get(ADAPTER_META, "{}"))
+    adapter = keys.json_of(model.metadata_props, keys.ADAPTER, {})
     rank = int(adapter.get("rank", 0)) if adapter.get("adapter") not in (None, "none") else 0
     return MemoryPlan(buffers, steps, labels, backward_from, optimizer_from, timeline,
                       int(batch), rank, adapter)
@@ -311,8 +307,8 @@ class MemoryPlanPass(ContractPass):
         summary = plan.summary()
         summary["floor"]["saved"] = summary["floor"]["saved"][:200]
         text = json.dumps(summary)
-        if model.metadata_props.get(MEMORY_META) != text:
-            model.metadata_props[MEMORY_META] = text
+        if model.metadata_props.get(keys.MEMORY) != text:
+            model.metadata_props[keys.MEMORY] = text
             modified = True
         return ir.passes.PassResult(model, modified)
 
@@ -324,4 +320,4 @@ def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
         yield from (v for v in node.outputs if v is not None)
 
 
-__all__ = ["Buffer", "MemoryPlan", "MemoryPlanPass", "plan_memory", "MEMORY_META"]
+__all__ = ["Buffer", "MemoryPlan", "MemoryPlanPass", "plan_memory"]

@@ -69,7 +69,6 @@ from fblc.passes.contracts import ContractPass
 
 MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
 STREAM = (Access("stream", 1.0),)
-CHOICE = "fblc.layout_choice"  # on a value: the score table of its choice (the report reads it)
 #: --layout-search: how tensors are scored (flat: not at all, every tensor flat)
 LAYOUT_SEARCHES = choices.LAYOUT_SEARCHES
 ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax",
@@ -187,7 +186,7 @@ class RTileSelect(ContractPass):
                           "relaxed": list(candidate.relaxed)}
                 if candidate.estimate_ms is not None:
                     choice["estimate_ms"] = round(candidate.estimate_ms, 6)
-                modified |= _annotate(value, CHOICE, json.dumps(choice))
+                modified |= _annotate(value, keys.LAYOUT_CHOICE, json.dumps(choice))
         for node in graph:
             described = []
             for out in node.outputs:

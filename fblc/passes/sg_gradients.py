@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fblc.compiler.adapters import SITE_DQ, SITE_Q
 from fblc.compiler.autodiff import BackwardResult
 from fblc.errors import FblcError
 from fblc.compiler.graph import Emitter
 from fblc.passes.build_gradients import BuildGradients
+from fblc.compiler import keys
 
 
 class SgGradients(BuildGradients):
@@ -27,7 +27,7 @@ class SgGradients(BuildGradients):
     name = "sg_gradients"
 
     def extra_targets(self, graph: ir.Graph) -> list[ir.Value]:
-        bottlenecks = [v for n in graph for v in n.outputs if v is not None and SITE_Q in v.metadata_props]
+        bottlenecks = [v for n in graph for v in n.outputs if v is not None and keys.ADAPTER_SITE_Q in v.metadata_props]
         if not bottlenecks:
             raise FblcError("memflora-sg found no adapter bottleneck in the graph",
                             "run memory_floor with --adapter memflora-sg first")
@@ -36,7 +36,7 @@ class SgGradients(BuildGradients):
     def after_backward(self, extra: list[ir.Value], result: BackwardResult, naming: Emitter) -> None:
         for q in extra:
             dq = result.grads[q.name]
-            if dq.producer() is None or SITE_DQ in dq.metadata_props:  # a zero, or shared: own it
+            if dq.producer() is None or keys.ADAPTER_SITE_DQ in dq.metadata_props:  # a zero, or shared: own it
                 dq = naming.op("Identity", dq)
             dq.shape, dq.dtype = q.shape, q.dtype
-            dq.metadata_props[SITE_DQ] = q.name
+            dq.metadata_props[keys.ADAPTER_SITE_DQ] = q.name

@@ -18,13 +18,11 @@ graph has no dL/dq (not memflora-sg).
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.adapters import ADAPTER_META, REPLAY, SITE_DQ, SITE_Q
 from fblc.compiler.graph import Emitter, clone_node, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.optimizers import OPTIMIZERS, OptimizerConfig, StateTensor
@@ -56,15 +54,15 @@ class SgReplay(ContractPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         values = {v.name: v for n in graph for v in n.outputs if v is not None and v.name}
-        dqs = [v for v in values.values() if SITE_DQ in v.metadata_props]
+        dqs = [v for v in values.values() if keys.ADAPTER_SITE_DQ in v.metadata_props]
         if not dqs:
             return ir.passes.PassResult(model, False)
-        sites = {s["conv"]: s for s in json.loads(model.metadata_props[ADAPTER_META])["sites"]}
+        sites = {s["conv"]: s for s in keys.json_of(model.metadata_props, keys.ADAPTER)["sites"]}
         # per site input x (a forward value): the (dq, q) pairs that contract with it
         wanted: dict[int, list[tuple[ir.Value, ir.Value]]] = {}
         x_values: dict[int, ir.Value] = {}
         for dq in dqs:
-            q = values[dq.metadata_props[SITE_DQ]]
+            q = values[dq.metadata_props[keys.ADAPTER_SITE_DQ]]
             producer = q.producer()
             assert producer is not None and producer.op_type == "Conv"
             x = producer.inputs[0]
@@ -76,9 +74,10 @@ class SgReplay(ContractPass):
         partial: dict[str, list[ir.Value]] = {}  # P name -> dP of each chunk
 
         def contract(x_id: int, replayed: ir.Value) -> None:
-            replayed.metadata_props[REPLAY] = ",".join(sorted({q.metadata_props[SITE_Q] for _, q in wanted[x_id]}))
+            convs = {q.metadata_props[keys.ADAPTER_SITE_Q] for _, q in wanted[x_id]}
+            replayed.metadata_props[keys.ADAPTER_REPLAY] = ",".join(sorted(convs))
             for dq, q in wanted[x_id]:
-                site = sites[q.metadata_props[SITE_Q]]
+                site = sites[q.metadata_props[keys.ADAPTER_SITE_Q]]
                 partial.setdefault(site["P"], []).append(self._projection_grad(e, replayed, dq))
 
         for x_id, x in x_values.items():

@@ -41,7 +41,6 @@ import onnx_ir as ir
 
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.compiler import keys
-from fblc.compiler.es import ES_META
 from fblc.compiler.index_map import is_view, view_root
 from fblc.compiler.keys import Role
 from fblc.compiler.values import is_float
@@ -109,7 +108,7 @@ class StoragePrecision(ContractPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        stages = ES_MASTER_STAGES if ES_META in model.metadata_props else MASTER_STAGES
+        stages = ES_MASTER_STAGES if keys.ES in model.metadata_props else MASTER_STAGES
         master = master_roots(graph, stages) if self.dtype == "fp16" else set()
         roots = list(graph.inputs) + list(graph.initializers.values())
         roots += [v for n in graph if not is_view(n) for v in n.outputs if v is not None and v.name]

@@ -40,7 +40,6 @@ from fblc.compiler.index_map import (
 from fblc.compiler.values import static_shape
 from fblc.passes.contracts import ContractPass
 
-REMAP_STATUS = "fblc.remap"
 
 #: Ops whose kernels read every input element through the builder's index composition or
 #: through explicit strides (never by raw texel position), so they accept any strided view.
@@ -148,8 +147,8 @@ class TileRemap(ContractPass):
             if node.op_type not in REMAPPABLE or node.domain != "":
                 continue
             status, mapped = remap_status(node)
-            if node.metadata_props.get(REMAP_STATUS) != status:
-                node.metadata_props[REMAP_STATUS] = status
+            if node.metadata_props.get(keys.REMAP) != status:
+                node.metadata_props[keys.REMAP] = status
                 modified = True
             if mapped is not None and node.metadata_props.get(keys.INDEX_MAP) != mapped:
                 node.metadata_props[keys.INDEX_MAP] = mapped
