@@ -13,16 +13,22 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from fblc.compiler import keys
 from fblc.compiler.model_io import load_model
 from fblc.compiler.reference import ReferenceStep
 from fblc.errors import TrainableSetError
 from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.build_gradients import BuildGradients
 from fblc.passes.contracts import FACTS, ContractPass, check_order
+from fblc.passes.fuse import FuseKernels
+from fblc.passes.memory_plan import MemoryPlanPass
 from fblc.passes.optimizer_step import OptimizerStep
 from fblc.passes.pipeline import (TrainingOptions, build_training_graph, compile_pipeline, import_passes,
                                   run_passes)
 from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.rtile_select import RTileSelect
+from fblc.passes.storage_precision import StoragePrecision
+from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import load_profile
 
 
@@ -88,3 +94,40 @@ def test_the_step_under_the_pass_manager_trains(mlp_path: str, tmp_path) -> None
     batch = {"x": rng.standard_normal((4, 6)).astype(np.float32), "labels": np.array([0, 1, 2, 1])}
     losses = [trainer.step(batch) for _ in range(10)]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("moved,after,fact", [
+    (MemoryPlanPass, FuseKernels, "'memory_plan' requires 'storage precision'.*put storage_precision before"),
+    (MemoryPlanPass, TileRemap, "'memory_plan' requires 'kernels'.*put fuse before"),
+    (StoragePrecision, MemoryPlanPass, "'memory_plan' requires 'storage precision'.*put storage_precision before"),
+    (TileRemap, MemoryPlanPass, "'rtile_select' requires 'index maps'.*put tile_remap before"),
+    (RTileSelect, MemoryPlanPass, "'memory_plan' requires 'layouts'.*put rtile_select before"),
+    (FuseKernels, MemoryPlanPass, "'memory_plan' requires 'kernels'.*put fuse before"),
+])
+def test_lowering_passes_out_of_order_are_refused(moved, after, fact) -> None:
+    """Lowering's facts (index maps, layouts, kernel order, storage precision) make its order checked too."""
+    for layout in ("rtile", "naive"):
+        passes = compile_pipeline(TrainingOptions(layout=layout), load_profile("adreno830"))
+        check_order(passes)
+        kept = [p for p in passes if not isinstance(p, moved)]
+        kept.insert(next(i for i, p in enumerate(kept) if isinstance(p, after)) + 1,
+                    next(p for p in passes if isinstance(p, moved)))
+        with pytest.raises(ir.passes.PreconditionError, match=fact):
+            check_order(kept)
+
+
+def test_lowering_facts_hold_after_the_compile_pipeline_and_name_what_breaks_them(mlp_path: str) -> None:
+    options = TrainingOptions()
+    step = run_passes(load_model(mlp_path), compile_pipeline(options, load_profile("adreno830")))
+    lowering = ("index maps", "layouts", "kernels", "kernel order", "storage precision", "memory plan")
+    assert {name: FACTS[name].problem(step) for name in lowering} == dict.fromkeys(lowering)
+    node = next(n for n in step.graph if n.metadata_props.get(keys.KERNEL, "").startswith("k"))
+    last = max(int(n.metadata_props[keys.KERNEL][1:]) for n in step.graph
+               if n.metadata_props.get(keys.KERNEL, "").startswith("k"))
+    node.metadata_props[keys.KERNEL] = f"k{last + 1}"
+    assert "k" in FACTS["kernel order"].problem(step)
+    stored = next(v for v in step.graph.inputs if keys.STORAGE in v.metadata_props)
+    del stored.metadata_props[keys.STORAGE]
+    assert FACTS["storage precision"].problem(step) == f"'{stored.name}' has no {keys.STORAGE}"
+    with pytest.raises(ir.passes.PreconditionError, match="'memory_plan' requires 'kernel order'"):
+        run_passes(step, [MemoryPlanPass()])

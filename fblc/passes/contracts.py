@@ -16,7 +16,9 @@ from typing import Callable, ClassVar, Sequence
 import onnx_ir as ir
 
 from fblc.compiler import keys
+from fblc.compiler.index_map import REMAPPABLE, index_map_of, is_view, real_producer
 from fblc.compiler.keys import Role
+from fblc.compiler.values import is_float, static_shape
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,61 @@ def _unlabelled(key: str, what: str,
     return problem
 
 
-def _no_layout_mode(model: ir.Model) -> str | None:
-    return None if keys.LAYOUT_MODE in model.graph.metadata_props else f"the graph has no {keys.LAYOUT_MODE}"
+def _storage_roots(graph: ir.Graph) -> list[ir.Value]:
+    """The values that own storage: graph inputs, initializers and the named outputs of nodes that are not views."""
+    roots = list(graph.inputs) + list(graph.initializers.values())
+    return roots + [v for n in graph if not is_view(n) for v in n.outputs if v is not None and v.name]
+
+
+def _no_layout(model: ir.Model) -> str | None:
+    if keys.LAYOUT_MODE not in model.graph.metadata_props:
+        return f"the graph has no {keys.LAYOUT_MODE}"
+    return _first([f"'{v.name}' has no {keys.LAYOUT}" for v in _storage_roots(model.graph)
+                   if keys.LAYOUT not in v.metadata_props])
+
+
+def _undecided_movement(model: ir.Model) -> str | None:
+    """A data-movement node that is neither a view with a map of its output's shape nor a copy with a reason."""
+    for node in model.graph:
+        if node.op_type not in REMAPPABLE or node.domain != "":
+            continue
+        index_map = index_map_of(node)
+        if index_map is None and keys.REMAP not in node.metadata_props:
+            return f"{node.op_type} '{node.name}' has neither {keys.INDEX_MAP} nor {keys.REMAP}"
+        output = node.outputs[0]
+        if index_map is not None and output.shape is not None and index_map.shape != static_shape(output):
+            return (f"{node.op_type} '{node.name}' has a {keys.INDEX_MAP} of shape {list(index_map.shape)} for an "
+                    f"output of shape {list(static_shape(output))}")
+    return None
+
+
+def _unstored_float(model: ir.Model) -> str | None:
+    return _first([f"'{v.name}' has no {keys.STORAGE}" for v in _storage_roots(model.graph)
+                   if v.dtype is not None and is_float(v) and keys.STORAGE not in v.metadata_props])
+
+
+def _launch(node: ir.Node | None) -> int | None:
+    kernel = node.metadata_props.get(keys.KERNEL, "") if node is not None else ""
+    return int(kernel[1:]) if kernel[:1] == "k" and kernel[1:].isdigit() else None
+
+
+def _out_of_order(model: ir.Model) -> str | None:
+    """Kernels not numbered k0..k<N-1>, or a kernel that reads what a later one writes."""
+    launches = {_launch(n) for n in model.graph} - {None}
+    if launches != set(range(len(launches))):
+        missing = sorted(set(range(max(launches, default=-1) + 1)) - launches)
+        return f"the kernels are not numbered k0 to k{len(launches) - 1} (no k{missing[0]})"
+    for node in model.graph:
+        launch = _launch(node)
+        for value in node.inputs:
+            made = _launch(real_producer(value)) if launch is not None and value is not None else None
+            if made is not None and made > launch:  # type: ignore[operator]
+                return f"{node.op_type} '{node.name}' (k{launch}) reads '{value.name}', which k{made} writes later"
+    return None
+
+
+def _no_memory_plan(model: ir.Model) -> str | None:
+    return None if keys.MEMORY in model.metadata_props else f"the model has no {keys.MEMORY}"
 
 
 FACTS: dict[str, Fact] = {
@@ -90,9 +145,17 @@ FACTS: dict[str, Fact] = {
     "gradients": Fact("every trainable parameter P has an output P.grad", "build_gradients", _missing_outputs(".grad")),
     "updates": Fact("every trainable parameter P has an output P.new", "optimizer_step", _missing_outputs(".new")),
     "ftd classes": Fact("every node has an FTD class", "ftd_taxonomy", _unlabelled(keys.FTD, "an FTD class")),
-    "layouts": Fact("the graph records its layout mode", "rtile_select", _no_layout_mode),
+    "index maps": Fact("every data-movement node is a view with a map of its output (fblc.index_map) or a copy "
+                       "with the reason (fblc.remap)", "tile_remap", _undecided_movement),
+    "layouts": Fact("the graph records its layout mode and every stored value its texel layout", "rtile_select",
+                    _no_layout),
     "kernels": Fact("every node belongs to a kernel (or is an alias)", "fuse",
                     _unlabelled(keys.KERNEL, "a kernel", skip=lambda n: n.op_type == "Constant")),
+    "kernel order": Fact("kernels are numbered k0, k1, ... in launch order, and none reads what a later one writes",
+                         "fuse", _out_of_order),
+    "storage precision": Fact("every stored float value has its device format (fblc.storage)", "storage_precision",
+                              _unstored_float),
+    "memory plan": Fact("the model records its memory plan (fblc.memory)", "memory_plan", _no_memory_plan),
 }
 
 

@@ -181,8 +181,8 @@ class FuseKernels(ContractPass):
     """Assign nodes to kernels, fusing elementwise chains with each other and into contraction epilogues (in place)."""
 
     name = "fuse"
-    requires_facts = ("static shapes",)
-    ensures_facts = ("kernels",)
+    requires_facts = ("static shapes", "index maps")
+    ensures_facts = ("kernels", "kernel order")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         nodes = list(model.graph)

@@ -32,8 +32,9 @@ one-bit masks excepted). `floor_ok` is true when none is flagged.
 
 Rewrite: annotations only: `fblc.mem` (JSON: class, bytes, live range) on every value
 that owns a buffer, and the model's `fblc.memory` (JSON summary and floor check).
-Preconditions: the step graph (build_gradients ran); after fuse for the launch order. In
-place; `modified` is true when an annotation changed.
+Preconditions (its contract): fuse's kernels and their launch order (`kernels`, `kernel order`),
+the views (`index maps`), the layouts of masks (`layouts`) and the storage formats (`storage
+precision`); ensures `memory plan`. In place; `modified` is true when an annotation changed.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ class MemoryPlanPass(ContractPass):
     """Annotate buffers with class, size and lifetime; summarise (in place)."""
 
     name = "memory_plan"
-    requires_facts = ("kernels",)
+    requires_facts = ("kernels", "kernel order", "index maps", "layouts", "storage precision")
+    ensures_facts = ("memory plan",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         plan = plan_memory(model)

@@ -231,7 +231,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else []
+    remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else [TileRemap(remap=False)]
     return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + remap
 
 

@@ -151,7 +151,7 @@ class RTileSelect(ContractPass):
     """Choose and annotate each stored tensor's texel layout (in place)."""
 
     name = "rtile_select"
-    requires_facts = ("static shapes",)
+    requires_facts = ("static shapes", "index maps")
     ensures_facts = ("layouts",)
 
     def __init__(self, profile: Profile, mode: str = "rtile", search: str = "blocks",

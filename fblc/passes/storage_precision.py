@@ -29,8 +29,9 @@ Rewrite: annotations only. Every float value that owns storage (not a view) gets
 Kernels accumulate in fp32 whatever the format (`read_imagef` returns float): a format changes
 only the image a tensor lives in. The texture table allocates, and the memory plan counts, by
 this annotation.
-Preconditions: the step graph with its optimizer (`updates`). In place; `modified` is true when
-an annotation changed.
+Preconditions: the step graph with its optimizer (`updates`) and its views decided (`index
+maps`: a view has no storage of its own). Ensures `storage precision`. In place; `modified` is
+true when an annotation changed.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class StoragePrecision(ContractPass):
     """Annotate each float storage root with its device format (in place)."""
 
     name = "storage_precision"
-    requires_facts = ("updates",)
+    requires_facts = ("updates", "index maps")
+    ensures_facts = ("storage precision",)
 
     def __init__(self, dtype: str = "fp32") -> None:
         super().__init__()

@@ -15,8 +15,10 @@ the map. It is remapped when
      `value_maps`); the native runner reads only parameters and the loss, never these.
 Otherwise the node stays an explicit conversion kernel; `fblc.remap` on it says which check
 failed. The backward of MatMul (dX = dY W^T, dW = X^T dY) thus reads W^T and X^T in place.
-Preconditions: static shapes, topologically sorted graph. In place; `modified` is true when
-any annotation changed.
+Under `--layout naive` (`remap=False`) every one stays a copy, `fblc.remap` saying so (NAIVE).
+Preconditions: static shapes, topologically sorted graph. Ensures `index maps`: every
+data-movement node is a view or a copy with its reason. In place; `modified` is true when any
+annotation changed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from fblc.compiler.index_map import (
 )
 from fblc.compiler.values import static_shape
 from fblc.passes.contracts import ContractPass
+
+#: the status of every data-movement node under --layout naive
+NAIVE = "naive layout: every data-movement op is a copy"
 
 
 #: Ops whose kernels read every input element through the builder's index composition or
@@ -139,6 +144,12 @@ class TileRemap(ContractPass):
 
     name = "tile_remap"
     requires_facts = ("static shapes",)
+    ensures_facts = ("index maps",)
+
+    def __init__(self, remap: bool = True) -> None:
+        """`remap` False (--layout naive): every data-movement node stays a copy, labelled so."""
+        super().__init__()
+        self.remap = remap
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -146,7 +157,7 @@ class TileRemap(ContractPass):
         for node in graph:
             if node.op_type not in REMAPPABLE or node.domain != "":
                 continue
-            status, mapped = remap_status(node)
+            status, mapped = remap_status(node) if self.remap else (NAIVE, None)
             if node.metadata_props.get(keys.REMAP) != status:
                 node.metadata_props[keys.REMAP] = status
                 modified = True
