@@ -82,7 +82,7 @@ def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tm
     # an R-Tile texture that outlives the step: the image holds it tiled, the buffer in index order
     name, texture = next((name, plan["textures"][t]) for name, t in plan["values"].items()
                          if plan["textures"][t].get("layout", {}).get("kind") == "rtile"
-                         and len(plan["images"][plan["textures"][t].get("image", t)]["textures"]) == 1
+                         and len(plan["images"][plan["textures"][t]["image"]]["textures"]) == 1
                          and name not in plan["value_maps"]
                          and plan["value_shapes"].get(name, plan["textures"][t]["shape"]) == plan["textures"][t]["shape"])
     buffer = runners["buffer"]

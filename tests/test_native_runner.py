@@ -406,8 +406,8 @@ def test_aarch64_cross_build(tmp_path) -> None:
 
 def test_sizes_that_overflow_and_work_groups_the_device_cannot_run_are_refused(tmp_path, bundle, runner_binary,
                                                                                opencl_env) -> None:
-    """Sizes from plan.json are multiplied with overflow checks; the plan's work-group size is the one
-    launched (a group beyond the device fails naming the kernel, and nothing is written)."""
+    """Sizes from plan.json are multiplied with overflow checks, and every texture must fit the plan image
+    it is bound to; the plan's work-group size is the one launched (a group beyond the device fails naming the kernel, and nothing is written)."""
     data, out = _data(tmp_path, bundle, [batch()]), str(tmp_path / "out")
     os.makedirs(out)
     original = open(os.path.join(bundle, fmt.PLAN)).read()
@@ -418,6 +418,14 @@ def test_sizes_that_overflow_and_work_groups_the_device_cannot_run_are_refused(t
     edit_plan(bundle, huge_shape)
     done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
     assert done.returncode == 2 and "more elements than a size holds" in done.stderr, done.stderr
+    open(os.path.join(bundle, fmt.PLAN), "w").write(original)
+
+    def image_too_narrow(plan: dict) -> None:  # the runner allocates plan.json's images as they are
+        plan["images"][plan["textures"][0]["image"]]["width"] = plan["textures"][0]["width"] + 1
+
+    edit_plan(bundle, image_too_narrow)
+    done = run(runner_binary, bundle, data, out, 1, opencl_env, check=False)
+    assert done.returncode == 2 and "does not fit its image" in done.stderr, done.stderr
     open(os.path.join(bundle, fmt.PLAN), "w").write(original)
 
     def huge_groups(plan: dict) -> None:

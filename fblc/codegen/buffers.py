@@ -20,34 +20,28 @@ import onnx_ir as ir
 
 from fblc import bundle_format as fmt
 from fblc.codegen.plan import Program
+from fblc.codegen.textures import Texture
 
 
-@dataclass(frozen=True)
-class Buffer:
-    texture: int  # texture id
-    format: str
-    width: int
-    height: int
-    first: int  # first kernel that touches it, -1 when none does
-    last: int
-    pinned: bool
-
-    @property
-    def bytes(self) -> int:
-        """What the texture's own image takes: its padded texels (bytes of a mask image)."""
-        return fmt.image_bytes(self.format, self.width, self.height)
+Lifetime = tuple[int, int]  # (first, last) kernel that touches a texture; (-1, -1): none does
 
 
 @dataclass
 class BufferTable:
-    buffers: list[Buffer]  # by texture id
+    """The program's textures with their lifetimes and pins, and the images they share. A texture is the
+    buffer here (its format and padded size are the texture's); the memory plan's buffers
+    (fblc.passes.memory_plan.Buffer) are the step graph's values before they became textures."""
+
+    textures: list[Texture]  # by texture id
+    lifetimes: list[Lifetime]  # by texture id
+    pinned: frozenset[int]
     images: list[dict[str, Any]]  # plan.json's images: format, width, height, textures
     image_of: list[int]  # texture id -> image
 
     @property
     def texture_bytes(self) -> int:
-        """Every texture in an image of its own."""
-        return sum(b.bytes for b in self.buffers)
+        """Every texture in an image of its own: its padded texels (bytes of a mask image)."""
+        return sum(fmt.image_bytes(t.format, t.width, t.height) for t in self.textures)
 
     @property
     def allocated_bytes(self) -> int:
@@ -70,35 +64,37 @@ def buffer_table(model: ir.Model, program: Program) -> BufferTable:
         for texture_id in kernel.outputs + kernel.inputs:
             first_use.setdefault(texture_id, index)
             last_use[texture_id] = index
-    pinned = pinned_textures(model, program)
-    buffers = [Buffer(t.id, t.format, t.width, t.height, first_use.get(t.id, -1), last_use.get(t.id, -1),
-                      t.id in pinned) for t in program.textures]
-    images, image_of = _share_images(buffers)
-    return BufferTable(buffers, images, image_of)
+    lifetimes = [(first_use.get(t.id, -1), last_use.get(t.id, -1)) for t in program.textures]
+    pinned = frozenset(pinned_textures(model, program))
+    images, image_of = _share_images(program.textures, lifetimes, pinned)
+    return BufferTable(program.textures, lifetimes, pinned, images, image_of)
 
 
-def _share_images(buffers: list[Buffer]) -> tuple[list[dict[str, Any]], list[int]]:
+def _share_images(textures: list[Texture], lifetimes: list[Lifetime],
+                  pinned: frozenset[int]) -> tuple[list[dict[str, Any]], list[int]]:
     """(images, texture -> image) by the rule of the module docstring; unused textures keep their own."""
     images: list[dict[str, Any]] = []
-    image_of = [-1] * len(buffers)
+    image_of = [-1] * len(textures)
     free_after: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (format, width) -> [(last use, image)]
-    for buffer in sorted(buffers, key=lambda b: b.first):
-        key = (buffer.format, buffer.width)
-        shareable = not buffer.pinned and buffer.first >= 0
-        candidates = [c for c in free_after.get(key, []) if c[0] < buffer.first] if shareable else []
+    for texture in sorted(textures, key=lambda t: lifetimes[t.id][0]):
+        first, last = lifetimes[texture.id]
+        key = (texture.format, texture.width)
+        shareable = texture.id not in pinned and first >= 0
+        candidates = [c for c in free_after.get(key, []) if c[0] < first] if shareable else []
         # the free image closest in height: the smallest that is tall enough, else the tallest
-        tall = [c for c in candidates if images[c[1]]["height"] >= buffer.height]
+        tall = [c for c in candidates if images[c[1]]["height"] >= texture.height]
         reusable = (min(tall, key=lambda c: images[c[1]]["height"]) if tall
                     else max(candidates, key=lambda c: images[c[1]]["height"], default=None))
         if reusable is not None:
             free_after[key].remove(reusable)
             image = reusable[1]
-            images[image]["height"] = max(images[image]["height"], buffer.height)
+            images[image]["height"] = max(images[image]["height"], texture.height)
         else:
             image = len(images)
-            images.append({"format": buffer.format, "width": buffer.width, "height": buffer.height, "textures": []})
-        images[image]["textures"].append(buffer.texture)
-        image_of[buffer.texture] = image
+            images.append({"format": texture.format, "width": texture.width, "height": texture.height,
+                           "textures": []})
+        images[image]["textures"].append(texture.id)
+        image_of[texture.id] = image
         if shareable:
-            free_after.setdefault(key, []).append((buffer.last, image))
+            free_after.setdefault(key, []).append((last, image))
     return images, image_of

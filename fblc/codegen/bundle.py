@@ -64,10 +64,10 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
         offsets[texture_id] = (len(blob), texels.nbytes)
         blob.extend(texels.tobytes())
     textures = []
-    for texture, buffer in zip(program.textures, table.buffers):
+    for texture, lifetime in zip(program.textures, table.lifetimes):
         entry = {"id": texture.id, "name": texture.name, "values": texture.values, "shape": list(texture.shape),
                  "format": texture.format, "width": texture.width, "height": texture.height,
-                 "lifetime": [buffer.first, buffer.last]}
+                 "lifetime": list(lifetime)}
         if texture.layout.kind != "flat":  # absent: flat, the layout of everything a runtime reads or writes
             entry["layout"] = dataclasses.asdict(texture.layout)
         if texture.id in offsets:

@@ -34,7 +34,7 @@ def memory_object(plan: MemoryPlan, table: BufferTable, plot: str | None = TIMEL
         if name not in result:
             result[name] = value
     result["device_peak"], result["texture_bytes"] = table.allocated_bytes, table.texture_bytes
-    result["allocated_textures"], result["allocated_images"] = len(table.buffers), len(table.images)
+    result["allocated_textures"], result["allocated_images"] = len(table.textures), len(table.images)
     if plan.adapter:
         result["adapter"] = {k: v for k, v in plan.adapter.items() if k != "sites"}
         result["adapter"]["sites"] = [{**{k: s[k] for k in ("conv", "c_in", "c_out", "kernel", "scale", "activation",

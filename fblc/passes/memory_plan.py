@@ -56,7 +56,6 @@ from fblc.passes.contracts import ContractPass
 
 
 CLASSES = ("weight", "optimizer", "input", "saved", "mask", "grad", "replay", "buffer")
-PERSISTENT = ("weight", "optimizer", "input")
 TRAINING_STATE = ("weight", "optimizer", "saved", "mask", "grad", "replay")
 
 

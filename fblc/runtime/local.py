@@ -114,11 +114,11 @@ class LocalRunner:
         self.queue = cl.CommandQueue(self.context, properties=properties)
         self.textures = self.plan["textures"]
         self._check_limits()
-        # textures with disjoint lifetimes share an image (plan "images"; older plans: one image each)
-        specs = self.plan.get("images") or [dict(t, textures=[t["id"]]) for t in self.textures]
+        # textures with disjoint lifetimes share an image: plan.json's images, allocated as they are
+        specs = self.plan["images"]
         self.images = [self._allocate(spec) for spec in specs]
         self._layouts = [self._layout(t) for t in self.textures]  # texture id -> where its texels sit (packing)
-        self.binding = [t.get("image", t["id"]) for t in self.textures]  # texture id -> image (swapped per step)
+        self.binding = [t["image"] for t in self.textures]  # texture id -> image (swapped per step)
         self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
         for texture in self.textures:
             self._initialise(texture)
@@ -249,7 +249,7 @@ class LocalRunner:
             raise KeyError(f"'{name}' lives only during the step: its image is reused by later tensors")
         integer = self.textures[texture_id]["format"] in fmt.INTEGER_FORMATS
         value = self._read(texture_id).astype(np.int64 if integer else np.float32)
-        strided = self.plan.get("value_maps", {}).get(name)
+        strided = self.plan["value_maps"].get(name)
         if strided is not None:  # a remapped transpose or broadcast of its texture's tensor
             flat = value.reshape(-1)
             items = flat.itemsize
@@ -315,7 +315,7 @@ class LocalRunner:
         self.queue.finish()  # waits with the GIL released (a blocking read holds it): the build's progress lines go on
         loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
         self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
-                        for m in self.manifest.get("metrics", [])}
+                        for m in self.manifest["metrics"]}
         for state, new in self.plan["swaps"]:
             self.binding[state], self.binding[new] = self.binding[new], self.binding[state]
         self.steps += 1

@@ -202,6 +202,18 @@ void bundle_load(const char *folder, bundle *out) {
     out->target = xstrdup(target && target->type == JSON_STRING ? target->string : "?");
 
     json_value *plan = parse_file(folder, "plan.json", NULL, NULL);
+    const json_value *images = need(plan, "images", JSON_ARRAY, "plan.json");
+    out->image_count = images->count;
+    out->images = xcalloc(images->count + 1, sizeof *out->images);
+    for (size_t i = 0; i < images->count; ++i) {
+        const json_value *entry = json_at(images, i);
+        image_spec *im = &out->images[i];
+        im->format = format_of_name(need(entry, "format", JSON_STRING, "an image")->string);
+        if (im->format < 0) bad("an image has an unknown format");
+        im->width = need_size(entry, "width", "an image");
+        im->height = need_size(entry, "height", "an image");
+        if (!im->width || !im->height) bad("an image has no texels");
+    }
     const json_value *textures = need(plan, "textures", JSON_ARRAY, "plan.json");
     out->texture_count = textures->count;
     out->textures = xcalloc(textures->count, sizeof *out->textures);
@@ -246,9 +258,17 @@ void bundle_load(const char *folder, bundle *out) {
             if (mul_size(rows, t->c4, "an R-Tile layout is too large") * 4 < t->elements)
                 bad("an R-Tile layout holds fewer elements than its tensor");
         }
-        const json_value *image = json_get(entry, "image");
-        t->image = image ? as_size(image, "a texture's image is bad") : i;
-        if (t->image >= textures->count) bad("a texture names an image the plan does not have");
+        t->image = need_size(entry, "image", "a texture");
+        if (t->image >= out->image_count) bad("a texture names an image the plan does not have");
+        const image_spec *im = &out->images[t->image];
+        if (im->format != t->format || im->width != t->width || im->height < t->height) {
+            char message[512];
+            snprintf(message, sizeof message,
+                     "texture '%.200s' (%s, %zu x %zu) does not fit its image %zu (%s, %zu x %zu)", t->name,
+                     format_name(t->format), t->width, t->height, t->image, format_name(im->format), im->width,
+                     im->height);
+            bad(message);
+        }
         const json_value *init = json_get(entry, "init");
         if (init && init->type == JSON_OBJECT) {
             t->has_init = 1;
@@ -335,9 +355,8 @@ void bundle_load(const char *folder, bundle *out) {
         die(EXIT_USAGE, "'%s' takes its ES rewards from the application (--reward external), which the runner cannot "
             "compute; train it with fblc.runtime.LocalRunner and a reward function, or compile with --reward neg-loss",
             folder_of_error);
-    const json_value *metrics = json_get(manifest, "metrics"); /* absent in bundles before it */
-    if (metrics && metrics->type != JSON_ARRAY) bad("manifest.json's metrics is not a list");
-    out->metric_count = metrics ? metrics->count : 0;
+    const json_value *metrics = need(manifest, "metrics", JSON_ARRAY, "manifest.json");
+    out->metric_count = metrics->count;
     out->metric_names = xcalloc(out->metric_count + 1, sizeof *out->metric_names);
     out->metric_textures = xcalloc(out->metric_count + 1, sizeof *out->metric_textures);
     for (size_t i = 0; i < out->metric_count; ++i) {

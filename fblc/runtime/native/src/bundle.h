@@ -19,12 +19,19 @@ typedef struct {
     size_t elements;         /* product of the tensor shape: the leading scalars that hold the value */
     int has_init;            /* filled from params.bin */
     uint64_t init_offset, init_nbytes;
-    size_t image;            /* the image that holds it: textures with disjoint lifetimes share one */
+    size_t image;            /* the plan image that holds it: textures with disjoint lifetimes share one */
     /* plan.json's R-Tile layout (fblc/texel_layout.py): texel t of the tensor sits at texel_xy(t) */
     int rtile;               /* 0: flat, texel t at (t % width, t / width) */
     size_t c4, tile_h, tile_w4, tile_rows, tile_cols, tiles_per_row;
     int strip, by_columns;
 } texture;
+
+/* One of plan.json's images, which the runner allocates as they are: textures of its format and width
+ * whose lifetimes do not overlap share it, and it is as tall as the tallest of them. */
+typedef struct {
+    int format;              /* FORMAT_* */
+    size_t width, height;    /* texels */
+} image_spec;
 
 /* Image coordinates of texel `t` of texture `tex` (its layout: flat or R-Tile). */
 void texel_xy(const texture *tex, size_t t, size_t *x, size_t *y);
@@ -53,6 +60,8 @@ typedef struct {
     char *target;
     texture *textures;
     size_t texture_count;
+    image_spec *images;      /* plan.json's images */
+    size_t image_count;
     launch *launches;
     size_t launch_count;
     size_t (*swaps)[2];

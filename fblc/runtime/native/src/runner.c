@@ -293,44 +293,31 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
     check_cl(status, "clCreateCommandQueue");
     check_formats(r);
 
-    size_t largest = 0;
-    r->images = xcalloc(b->texture_count, sizeof *r->images);
-    r->binding = xcalloc(b->texture_count, sizeof *r->binding);
-    /* textures of disjoint lifetimes share an image of their format and width, as tall as the tallest */
-    size_t *image_height = xcalloc(b->texture_count, sizeof *image_height);
-    const texture **owner = xcalloc(b->texture_count, sizeof *owner);  /* the first texture of each image */
-    for (size_t i = 0; i < b->texture_count; ++i) {
-        const texture *t = &b->textures[i];
-        if (!owner[t->image]) owner[t->image] = t;
-        if (owner[t->image]->format != t->format || owner[t->image]->width != t->width)
-            die(EXIT_USAGE, "textures '%s' and '%s' share an image but differ in format or width",
-                owner[t->image]->name, t->name);
-        if (t->height > image_height[t->image]) image_height[t->image] = t->height;
-        if (texture_size(t) > largest) largest = texture_size(t);
-    }
-    free(owner);
-    for (size_t i = 0; i < b->texture_count; ++i) {
-        const texture *t = &b->textures[i];
-        r->binding[i] = t->image;
-        if (r->images[t->image]) {  /* shared with an earlier texture */
-            if (t->has_init) write_texture(r, r->images[t->image], t, b->params + t->init_offset, CL_TRUE);
-            continue;
-        }
-        cl_image_format format = image_format(t->format);
+    /* plan.json's images, as the compiler shared them out (bundle_load checked that every texture fits its own) */
+    r->images = xcalloc(b->image_count + 1, sizeof *r->images);
+    for (size_t i = 0; i < b->image_count; ++i) {
+        const image_spec *im = &b->images[i];
+        cl_image_format format = image_format(im->format);
         cl_image_desc desc;
         memset(&desc, 0, sizeof desc);
         desc.image_type = CL_MEM_OBJECT_IMAGE2D;
-        desc.image_width = t->width;
-        desc.image_height = image_height[t->image];
-        r->images[t->image] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
+        desc.image_width = im->width;
+        desc.image_height = im->height;
+        r->images[i] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
         if (status == CL_MEM_OBJECT_ALLOCATION_FAILURE || status == CL_OUT_OF_RESOURCES)
-            die(EXIT_OPENCL, "%s is out of memory for texture '%s' (%zu x %zu) after %zu bytes of textures",
-                device->device_name, t->name, t->width, t->height, r->texture_bytes);
+            die(EXIT_OPENCL, "%s is out of memory for image %zu (%zu x %zu) after %zu bytes of textures",
+                device->device_name, i, im->width, im->height, r->texture_bytes);
         check_cl(status, "clCreateImage");
-        r->texture_bytes += texture_size(t) / t->height * image_height[t->image];
+        r->texture_bytes += im->width * im->height * format_texel_bytes(im->format);
+    }
+    size_t largest = 0;
+    r->binding = xcalloc(b->texture_count, sizeof *r->binding);
+    for (size_t i = 0; i < b->texture_count; ++i) {
+        const texture *t = &b->textures[i];
+        r->binding[i] = t->image;
+        if (texture_size(t) > largest) largest = texture_size(t);
         if (t->has_init) write_texture(r, r->images[t->image], t, b->params + t->init_offset, CL_TRUE);
     }
-    free(image_height);
     r->readback = xmalloc(largest);
     r->metrics = xcalloc(b->metric_count + 1, sizeof *r->metrics);
     r->host_bytes = largest;

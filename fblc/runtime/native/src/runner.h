@@ -17,7 +17,7 @@ typedef struct {
     device_choice device;
     cl_context context;
     cl_command_queue queue;
-    cl_mem *images;          /* one per texture */
+    cl_mem *images;          /* one per plan image */
     size_t *binding;         /* texture id -> index into images; swapped after each step */
     cl_program program;
     cl_kernel *kernels;      /* one per launch (shared between launches of the same function) */
