@@ -119,7 +119,7 @@ def test_the_step_with_a_skipped_layer_gives_pytorchs_loss_and_gradients() -> No
     the step, PyTorch autograd the same layers written out."""
     step = build_training_graph(ir.from_proto(mlp_proto()), TrainingOptions(
         optimizer=OptimizerConfig("sgd", lr=0.1), adapter=AdapterConfig("lora", rank=4)))
-    assert sorted(v.name for v in step.graph.inputs if v.metadata_props.get("fblc.role") == "param") == [
+    assert sorted(v.name for v in step.graph.inputs if keys.get_role(v) == "param") == [
         "w1.adapter_A", "w1.adapter_B"]
     proto = ir.to_proto(step)
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in mlp_proto().graph.initializer}  # fc2 is w2 [8, 3]

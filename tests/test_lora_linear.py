@@ -117,7 +117,7 @@ def test_the_backprop_step_gives_pytorchs_gradients_of_a_and_b(tmp_path_factory,
     exported = _exported(name, str(tmp_path_factory.mktemp("lora_models")))
     step = build_training_graph(load_model(exported.path), TrainingOptions(
         input_shapes=exported.input_shapes, optimizer=SGD, adapter=AdapterConfig("lora", rank=2)))
-    trained = sorted(v.name for v in step.graph.inputs if v.metadata_props.get("fblc.role") == "param")
+    trained = sorted(v.name for v in step.graph.inputs if keys.get_role(v) == "param")
     factors = _factors(step, seed=4)
     assert trained == sorted(factors)  # A and B of every linear layer train, nothing else
     got = _run_step(ir.to_proto(step), {**exported.inputs, "labels": exported.labels, **factors})

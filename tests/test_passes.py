@@ -277,7 +277,7 @@ def test_build_gradients_demotes_parameters_the_loss_ignores() -> None:
     model = imported(proto)
     run_passes(model, [MarkTrainable(), AttachLoss("cross_entropy"), BuildGradients()])
     assert "unused" not in [v.name for v in model.graph.inputs]
-    assert model.metadata_props["fblc.unused_params"] == "unused"
+    assert model.metadata_props[keys.UNUSED_PARAMS] == "unused"
 
 
 def test_shape_rules_agree_with_onnx_inference() -> None:
