@@ -171,3 +171,4 @@ class Kernel:
     #: the work-group size the kernel is written for (its work-items share __local memory), or None:
     #: any size, the target profile's schedule chooses
     group_size: int | None = None
+    ir: object = field(default=None, repr=False, compare=False)  # its KernelIR (fblc.codegen.ir)

@@ -10,14 +10,18 @@ lanes, or the at most two elements of a value constant over blocks of 4 or more 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.cl import broadcast_view_index, div_index, literal, mod_index, view_index
+from fblc.bundle_format import BUFFER_C_TYPES
+from fblc.codegen import ir as kir
+from fblc.codegen.indexing import broadcast_view_index, flat_view_index, index_var
+from fblc.codegen.ir import INT, Block, Expr, Numbering, Statement, const, mod_index
+from fblc.codegen.render.opencl import render_expr
 from fblc.codegen.textures import Texture, TextureTable
-from fblc.compiler.index_map import IndexMap, map_of, row_major_strides, view_root
+from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import const_array, is_float
 
 OUT_INDEX = "o"  # prefix of the output multi-index variables
@@ -25,9 +29,41 @@ FLAT_OUT_INDEX = "i"  # the lane loop's flat index of the output element, from w
 TEXEL_FIRST = "z"  # prefix of the multi-index of the written texel's first element, seen by its hoisted reads
 TEXEL_LAST = "zl"  # the same for its last element (within the tensor)
 
+Apply = Callable[[Expr], Expr]
+
 
 def ctype_of(value: ir.Value) -> str:
     return "float" if is_float(value) else "int"
+
+
+def dtype_of(value: ir.Value) -> kir.DType:
+    return kir.FLOAT if is_float(value) else INT
+
+
+def statements_of(items: Sequence[str | Statement]) -> list[Statement]:
+    """IR statements of a list that may still hold lines of C (emitters not yet ported)."""
+    out: list[Statement] = []
+    for item in items:
+        if isinstance(item, str):
+            if out and isinstance(out[-1], kir.Lines):
+                out[-1] = kir.Lines(out[-1].lines + (item,))
+            else:
+                out.append(kir.Lines((item,)))
+        else:
+            out.append(item)
+    return out
+
+
+def _text(index: str | Expr) -> Expr:
+    return index if isinstance(index, Expr) else kir.Text(f"({index})", INT)
+
+
+def _legacy_apply(apply: str | Apply | None) -> Apply:
+    if apply is None:
+        return lambda e: e
+    if isinstance(apply, str):
+        return lambda e: kir.Text(apply.format(render_expr(e)), kir.FLOAT)
+    return apply
 
 
 class ValueReads:
@@ -37,74 +73,92 @@ class ValueReads:
         self.table = table
         self.out_shape = tuple(out_shape)
         self.in_textures: list[Texture] = []
-        self.texel_reads: list[str] = []  # reads shared by a texel's 4 lanes, before its lane loop
-        self._hoisted: dict[tuple[int, str], str] = {}
+        self.texel_reads: list[str | Statement] = []  # reads shared by a texel's 4 lanes, before its lane loop
+        self._hoisted: dict[tuple[int, str], Expr] = {}
         self._reads_last = False  # a hoisted read needs the texel's last element (TEXEL_LAST)
-        self._splits: dict[int, str] = {}  # block length -> the lanes of a texel in its first block
-        self._counter = 0
+        self._splits: dict[int, kir.Var] = {}  # block length -> the lanes of a texel in its first block
+        self.numbering = Numbering()
 
     def fresh(self, hint: str) -> str:
-        """A new variable name: `hint` and a number."""
-        self._counter += 1
-        return f"{hint}{self._counter}"
+        """A new variable name: `hint` and a number (for emitters that still write C)."""
+        return f"{hint}{self.numbering.next()}"
 
-    def constant_scalar(self, value: ir.Value) -> str | None:
+    @property
+    def hoisted(self) -> Block:
+        return Block(self.numbering, self.texel_reads)  # type: ignore[arg-type]
+
+    def constant_value(self, value: ir.Value) -> kir.Const | None:
         """A literal for a one-element constant; parameters and state (graph inputs) are never inlined."""
         if value.is_graph_input():
             return None
         array = const_array(value)
         if array is not None and array.size == 1:
-            return literal(np.asarray(array).reshape(-1)[0].item(), ctype_of(value))
+            return kir.Const(np.asarray(array).reshape(-1)[0].item(), dtype_of(value))
         return None
+
+    def constant_scalar(self, value: ir.Value) -> str | None:
+        inlined = self.constant_value(value)
+        return None if inlined is None else render_expr(inlined)
+
+    def argument_of(self, role: str, index: int, texture: Texture) -> kir.Argument:
+        kind = "uint" if texture.mask_elements else texture.kind
+        return kir.Argument(role, index, kind, BUFFER_C_TYPES[texture.format], texture.layout)
+
+    def input_argument(self, value: ir.Value) -> tuple[kir.Argument, Texture]:
+        """The texture argument holding `value`'s root (added to the kernel's inputs on first use)."""
+        texture = self.table.of(value)
+        if texture not in self.in_textures:
+            self.in_textures.append(texture)
+        return self.argument_of("in", self.in_textures.index(texture), texture), texture
 
     def argument(self, value: ir.Value) -> tuple[str, Texture]:
         """The texture argument holding `value`, for reads by raw texel position (a plain reading only)."""
         if not map_of(value).contiguous:
             raise AssertionError(f"'{value.name}' is a strided view: read it through load() or strided()")
-        return self._argument(value)
-
-    def _argument(self, value: ir.Value) -> tuple[str, Texture]:
-        texture = self.table.of(value)
-        if texture not in self.in_textures:
-            self.in_textures.append(texture)
-        return f"in{self.in_textures.index(texture)}", texture
+        argument, texture = self.input_argument(value)
+        return argument.name, texture
 
     def strided(self, value: ir.Value) -> tuple[ir.Value, IndexMap]:
         """The tensor that stores `value` and how `value` reads it (a remapped view reads its root)."""
         return view_root(value), map_of(value)
 
-    def load(self, value: ir.Value, index: str) -> str:
-        """C expression: element `index` (flat in `value`'s own shape, C expression) of `value`."""
-        inlined = self.constant_scalar(value)
+    def element(self, value: ir.Value, index: Expr) -> Expr:
+        """Element `index` (flat in `value`'s own shape) of `value`."""
+        inlined = self.constant_value(value)
         if inlined is not None:
             return inlined
         index_map = map_of(value)
         if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
-            index = view_index(index_map, [mod_index(div_index(f"({index})", inner), dim) for dim, inner
-                                           in zip(index_map.shape, row_major_strides(index_map.shape))])
-        arg, texture = self._argument(value)
+            index = flat_view_index(index_map, index)
+        argument, texture = self.input_argument(value)
         per_byte = texture.mask_elements
         if per_byte:  # element i: bit i % per_byte of byte i / per_byte
-            byte = f"({index}) >> {per_byte.bit_length() - 1}"
-            return f"ldm({arg}, ({index}) & {per_byte - 1}, {texture.coord(byte)})"
-        lane = "lane_f" if texture.kind == "float" else "lane_i"
-        return f"{lane}({self.read_texel(arg, texture, f'({index}) >> 2')}, ({index}) & 3)"
+            byte = kir.Load(argument, index >> (per_byte.bit_length() - 1))
+            return kir.Cast(INT, byte.lane(0) >> (index & (per_byte - 1))) & 1
+        return kir.Load(argument, index >> 2).lane(index & 3)
 
-    @staticmethod
-    def read_texel(arg: str, texture: Texture, texel: str) -> str:
-        """C expression: the whole texel `texel` (a C int expression) of argument `arg`. Every read of a
-        texture goes through RDF/RDI, which trace builds record (fblc.runtime.trace)."""
+    def load(self, value: ir.Value, index: str) -> str:
+        """C of element `index` (flat in `value`'s own shape, C) of `value` (emitters that still write C)."""
+        return render_expr(self.element(value, _text(index)))
+
+    def texel(self, argument: kir.Argument, texture: Texture, texel: Expr) -> kir.Load:
+        """The whole texel `texel` of an input. Every read of a texture goes through its Load, which
+        trace builds record (fblc.runtime.trace)."""
         if texture.mask_elements:
             raise AssertionError(f"the mask '{texture.name}' ({texture.format}) has no 4-element texels: read it "
-                                 "through load()")
-        return f"{'RDF' if texture.kind == 'float' else 'RDI'}({arg}, {texture.coord(texel)})"
+                                 "through element()")
+        return kir.Load(argument, texel)
 
-    def load_broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> str:
-        """C expression: `value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`.
+    def read_texel(self, arg: str, texture: Texture, texel: str) -> str:
+        argument = self.argument_of("in", int(arg[2:]), texture)
+        return render_expr(self.texel(argument, texture, _text(texel)))
+
+    def broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> Expr:
+        """`value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`.
 
         In the lane loop, a value whose 4 lanes lie in one texel (the texel's own, or one element
         broadcast along the lanes) is read once per texel, before the lane loop."""
-        inlined = self.constant_scalar(value)
+        inlined = self.constant_value(value)
         if inlined is not None:
             return inlined
         root, index_map = self.strided(value)
@@ -113,30 +167,36 @@ class ValueReads:
             if hoisted is not None:
                 return hoisted
             if index_map.contiguous and tuple(index_map.shape) == self.out_shape:
-                return self.load(root, FLAT_OUT_INDEX)  # the output's own order (a saved mask): no index arithmetic
-        return self.load(root, broadcast_view_index(index_map, out_shape, prefix))
+                return self.element(root, kir.Var(FLAT_OUT_INDEX, 0, INT, FLAT_OUT_INDEX))  # the output's own order
+        return self.element(root, broadcast_view_index(index_map, out_shape, prefix))
 
-    def load_channel(self, value: ir.Value, axis: int = 1, apply: str = "{}") -> str:
-        """C expression, in the lane loop: the 1-D `value` (one element per index of output `axis`,
-        e.g. a conv's bias, BatchNormalization's statistics) at the output element's index there,
-        passed through the C template `apply` ("{}" where the value goes); read, and applied, once per
-        texel where its lanes share one or two elements (BatchNormalization's rsqrt of the variance)."""
-        inlined = self.constant_scalar(value)
+    def load_broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> str:
+        return render_expr(self.broadcast(value, out_shape, prefix))
+
+    def channel(self, value: ir.Value, axis: int = 1, apply: Apply | None = None) -> Expr:
+        """In the lane loop: the 1-D `value` (one element per index of output `axis`, e.g. a conv's bias,
+        BatchNormalization's statistics) at the output element's index there, passed through `apply`;
+        read, and applied, once per texel where its lanes share one or two elements."""
+        applied = _legacy_apply(apply)
+        inlined = self.constant_value(value)
         if inlined is not None:
-            return apply.format(inlined)
+            return applied(inlined)
         root, index_map = self.strided(value)
         trailing = len(self.out_shape) - 1 - axis
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        hoisted = self._texel_read(root, spread, apply)
-        return hoisted if hoisted is not None else apply.format(self.load(value, f"{OUT_INDEX}{axis}"))
+        hoisted = self._texel_read(root, spread, applied, key=repr(apply))
+        return hoisted if hoisted is not None else applied(self.element(value, index_var(OUT_INDEX, axis)))
 
-    def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: str = "{}") -> str | None:
+    def load_channel(self, value: ir.Value, axis: int = 1, apply: str = "{}") -> str:
+        return render_expr(self.channel(value, axis, None if apply == "{}" else apply))  # type: ignore[arg-type]
+
+    def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: Apply | None = None,
+                    key: str = "") -> Expr | None:
         """The lane's element of `root` read through `index_map` (broadcast to the output) from a
-        texel read once per output texel, passed through the C template `apply` (once per element read
-        where blocks of a row share it, _block_read); None when the 4 lanes of an output texel do not
-        map to the 4 lanes of one texel (as they always do when `root` is read in the output's own
-        order), or to one element."""
+        texel read once per output texel, passed through `apply` (once per element read where blocks of
+        a row share it, _block_read); None when the 4 lanes of an output texel do not map to the 4 lanes
+        of one texel (as they always do when `root` is read in the output's own order), or to one element."""
         out = self.out_shape
         texture = self.table.of(root)
         if not out or texture.mask_elements:
@@ -145,7 +205,7 @@ class ValueReads:
         if own:  # the output's own element order, any shape: texel t holds the 4 lanes
             one_element = False
         elif out[-1] % 4:
-            return self._block_read(root, index_map, apply)
+            return self._block_read(root, index_map, apply, key)
         elif index_map.shape and index_map.shape[-1] != 1:  # the lanes' own texel: it must be aligned
             if not index_map.lanes_read_texels():
                 return None
@@ -153,24 +213,22 @@ class ValueReads:
         else:  # broadcast along the rows (a row statistic): one element for all 4 lanes, any alignment
             one_element = True
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
-        key = (id(root), first)
-        if key not in self._hoisted:
-            arg, _ = self._argument(root)
-            name = self.fresh("H")
+        cache = (id(root), repr(first))
+        if cache not in self._hoisted:
+            argument, _ = self.input_argument(root)
             if one_element:
-                self._hoisted[key] = name
-                self.texel_reads.append(f"const {ctype_of(root)} {name} = {self.load(root, first)};")
+                self._hoisted[cache] = self.hoisted.let(self.element(root, first), "H")
             else:
-                vector = "float4" if texture.kind == "float" else "int4"
-                self._hoisted[key] = f"{'lane_f' if texture.kind == 'float' else 'lane_i'}({name}, lane)"
-                self.texel_reads.append(f"const {vector} {name} = {self.read_texel(arg, texture, f'({first}) >> 2')};")
-        return apply.format(self._hoisted[key])
+                texel = self.hoisted.let(self.texel(argument, texture, first >> 2), "H")
+                self._hoisted[cache] = texel.lane(kir.Var("lane", 0, INT, "lane"))
+        value = self._hoisted[cache]
+        return apply(value) if apply else value
 
-    def _block_read(self, root: ir.Value, index_map: IndexMap, apply: str = "{}") -> str | None:
+    def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply | None, key: str) -> Expr | None:
         """The lane's element of `root`, when it is constant over blocks of at least 4 consecutive
         output elements (a per-channel value of a conv's epilogue): a texel's lanes then see at most
         two elements, its first lane's and its last's, read once per texel (the last only when the
-        texel straddles two blocks), each passed through the C template `apply` there. None otherwise."""
+        texel straddles two blocks), each passed through `apply` there. None otherwise."""
         out = self.out_shape
         view = (1,) * (len(out) - len(index_map.shape)) + tuple(index_map.shape)
         block = 1
@@ -179,21 +237,21 @@ class ValueReads:
                 break
             block *= out[axis]
         if block < 4 or block == int(np.prod(out)):
-            return None  # lanes of several elements, or one element for the whole tensor (load() inlines it)
+            return None  # lanes of several elements, or one element for the whole tensor (element() inlines it)
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
-        key = (id(root), f"block {first} {apply}")
-        if key not in self._hoisted:
+        cache = (id(root), f"block {first!r} {key}")
+        if cache not in self._hoisted:
             last = broadcast_view_index(index_map, out, TEXEL_LAST)
+            reads = self.hoisted
             split = self._splits.get(block)
             if split is None:  # one per block length, shared by every value constant over such blocks
-                split = self._splits[block] = self.fresh("n")
-                self.texel_reads.append(f"const int {split} = {block} - {mod_index('(t * 4)', block)};  // lanes in block 1")
-            head, tail = self.fresh("H"), self.fresh("H")
-            ctype = ctype_of(root) if apply == "{}" else "float"  # a template is float math (BatchNorm's rsqrt)
-            head_value, tail_value = (apply.format(self.load(root, index)) for index in (first, last))
+                t = kir.Var("t", 0, INT, "t")
+                split = self._splits[block] = reads.let(const(block) - mod_index(t * 4, block), "n")
+            applied = apply or (lambda e: e)
+            dtype = dtype_of(root) if apply is None else kir.FLOAT  # an applied value is float math (BatchNorm's rsqrt)
+            head = reads.let(applied(self.element(root, first)), "H", dtype)
             # the last lane's element is read only by a texel that straddles two blocks
-            self.texel_reads += [f"const {ctype} {head} = {head_value};",
-                                 f"const {ctype} {tail} = {split} >= 4 ? {head} : {tail_value};"]
-            self._hoisted[key] = f"(lane < {split} ? {head} : {tail})"
+            tail = reads.let(kir.select(split.ge(4), head, applied(self.element(root, last))), "H", dtype)
+            self._hoisted[cache] = kir.select(kir.Var("lane", 0, INT, "lane").lt(split), head, tail)
             self._reads_last = True
-        return self._hoisted[key]
+        return self._hoisted[cache]

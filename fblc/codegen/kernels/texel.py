@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import flat_index
+from fblc.codegen.ir import Statement
 from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form, pair_stride
 from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
 
@@ -146,8 +147,8 @@ class Code:
         self.lines = lines
         self.depth = depth
 
-    def emit(self, *lines: str) -> None:
-        self.lines.extend("  " * self.depth + line for line in lines)
+    def emit(self, *lines: str | Statement) -> None:
+        self.lines.extend("  " * self.depth + line if isinstance(line, str) else line for line in lines)
 
     def open(self, header: str) -> None:
         self.emit(header + " {")

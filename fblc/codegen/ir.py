@@ -1,0 +1,517 @@
+"""The kernel IR: typed values and statements that emitters build and only the renderer turns into C.
+
+An emitter never writes OpenCL C. It builds expressions (`Expr`: constants, variables, arithmetic,
+calls of OpenCL built-ins, texel loads through a texture argument) and statements (declarations,
+assignments, texel stores, loops, conditionals, barriers) into a `Block`, and gets back handles
+(`Var`) to what it declared. `fblc/codegen/render/` names every variable from its kind and number,
+folds single-use values into their one reader and writes the C for a storage.
+
+Nodes compare by structure, so two kernels built alike are equal IR (kernel de-duplication); a
+variable is its kind and its number within its kernel (`Numbering`), not its Python identity.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence, Union
+
+
+@dataclass(frozen=True)
+class DType:
+    """A C scalar or vector type: `scalar` (int, uint, ulong, float, half, uchar) and `lanes` (1, 2, 4, 8)."""
+
+    scalar: str
+    lanes: int = 1
+
+    @property
+    def c_name(self) -> str:
+        return self.scalar if self.lanes == 1 else f"{self.scalar}{self.lanes}"
+
+    @property
+    def is_float(self) -> bool:
+        return self.scalar in ("float", "half")
+
+    def vector(self, lanes: int) -> DType:
+        return DType(self.scalar, lanes)
+
+
+INT, UINT, ULONG, UCHAR = DType("int"), DType("uint"), DType("ulong"), DType("uchar")
+FLOAT, HALF = DType("float"), DType("half")
+FLOAT4, INT4, UINT4, HALF4, FLOAT8 = FLOAT.vector(4), INT.vector(4), UINT.vector(4), HALF.vector(4), FLOAT.vector(8)
+
+#: dtype of an element of a texture kind ("float" / "int"), and of its texel
+ELEMENT_TYPES = {"float": FLOAT, "int": INT}
+TEXEL_TYPES = {"float": FLOAT4, "int": INT4, "uint": UINT4}
+
+Operand = Union["Expr", int, float]
+
+
+class Expr:
+    """An IR expression. Python operators build arithmetic (`a + b`, `a * 2`); comparisons and logic
+    are methods (`a.lt(b)`), since `==` compares IR structure."""
+
+    dtype: DType
+
+    def _binary(self, op: str, other: Operand, swap: bool = False, dtype: DType | None = None) -> Binary:
+        rhs = const(other, self.dtype) if not isinstance(other, Expr) else other
+        lhs, rhs = (rhs, self) if swap else (self, rhs)
+        return Binary(op, lhs, rhs, dtype or _wider(lhs.dtype, rhs.dtype))
+
+    def __add__(self, other: Operand) -> Binary: return self._binary("+", other)
+    def __radd__(self, other: Operand) -> Binary: return self._binary("+", other, swap=True)
+    def __sub__(self, other: Operand) -> Binary: return self._binary("-", other)
+    def __rsub__(self, other: Operand) -> Binary: return self._binary("-", other, swap=True)
+    def __mul__(self, other: Operand) -> Binary: return self._binary("*", other)
+    def __rmul__(self, other: Operand) -> Binary: return self._binary("*", other, swap=True)
+    def __truediv__(self, other: Operand) -> Binary: return self._binary("/", other)
+    def __rtruediv__(self, other: Operand) -> Binary: return self._binary("/", other, swap=True)
+    def __and__(self, other: Operand) -> Binary: return self._binary("&", other)
+    def __or__(self, other: Operand) -> Binary: return self._binary("|", other)
+    def __lshift__(self, other: Operand) -> Binary: return self._binary("<<", other)
+    def __rshift__(self, other: Operand) -> Binary: return self._binary(">>", other)
+    def __neg__(self) -> Unary: return Unary("-", self, self.dtype)
+    def __invert__(self) -> Unary: return Unary("!", self, INT)
+
+    def lt(self, other: Operand) -> Binary: return self._binary("<", other, dtype=INT)
+    def le(self, other: Operand) -> Binary: return self._binary("<=", other, dtype=INT)
+    def gt(self, other: Operand) -> Binary: return self._binary(">", other, dtype=INT)
+    def ge(self, other: Operand) -> Binary: return self._binary(">=", other, dtype=INT)
+    def eq(self, other: Operand) -> Binary: return self._binary("==", other, dtype=INT)
+    def ne(self, other: Operand) -> Binary: return self._binary("!=", other, dtype=INT)
+    def logical_and(self, other: Operand) -> Binary: return self._binary("&&", other, dtype=INT)
+    def logical_or(self, other: Operand) -> Binary: return self._binary("||", other, dtype=INT)
+
+    def __format__(self, spec: str) -> str:
+        """Transition only: the C of this expression inside C an emitter not yet ported still writes."""
+        from fblc.codegen.render.opencl import render_expr
+
+        return render_expr(self)
+
+    def cast(self, dtype: DType) -> Expr:
+        return self if dtype == self.dtype else Cast(dtype, self)
+
+    def lane(self, index: int | Expr) -> Expr:
+        """Lane `index` of a vector (a constant lane: a component; a computed one: a select chain)."""
+        return Lane(self, index if isinstance(index, Expr) else const(index, INT))
+
+
+def _wider(a: DType, b: DType) -> DType:
+    if a.lanes != b.lanes:
+        return a if a.lanes > b.lanes else b
+    order = ("uchar", "int", "uint", "ulong", "half", "float")
+    return a if order.index(a.scalar) >= order.index(b.scalar) else b
+
+
+@dataclass(frozen=True, eq=True)
+class Const(Expr):
+    value: float | int | bool
+    dtype: DType
+
+
+def const(value: float | int | bool, dtype: DType = INT) -> Const:
+    if isinstance(value, float) and not dtype.is_float:
+        dtype = FLOAT
+    return Const(value, dtype)
+
+
+@dataclass(eq=True, unsafe_hash=True)
+class Var(Expr):
+    """A declared value: `kind` names what it holds (the renderer names it kind + number); a fixed
+    `name` only for the names that kernels share with the host or the preamble."""
+
+    kind: str
+    number: int
+    dtype: DType
+    name: str = ""
+    #: read by text the renderer does not see (transition code): never folded away
+    pinned: bool = field(default=False, compare=False, hash=False)
+
+
+@dataclass(frozen=True, eq=True)
+class Binary(Expr):
+    op: str
+    a: Expr
+    b: Expr
+    dtype: DType
+
+
+@dataclass(frozen=True, eq=True)
+class Unary(Expr):
+    op: str
+    a: Expr
+    dtype: DType
+
+
+@dataclass(frozen=True, eq=True)
+class Call(Expr):
+    """An OpenCL built-in or a preamble function: `function` (its name) applied to `args`."""
+
+    function: str
+    args: tuple[Expr, ...]
+    dtype: DType
+
+
+def call(function: str, *args: Operand, dtype: DType | None = None) -> Call:
+    exprs = tuple(a if isinstance(a, Expr) else const(a, FLOAT if isinstance(a, float) else INT) for a in args)
+    return Call(function, exprs, dtype or (exprs[0].dtype if exprs else INT))
+
+
+@dataclass(frozen=True, eq=True)
+class Select(Expr):
+    condition: Expr
+    if_true: Expr
+    if_false: Expr
+    dtype: DType
+
+
+def select(condition: Expr, if_true: Operand, if_false: Operand) -> Select:
+    true = if_true if isinstance(if_true, Expr) else const(if_true, if_false.dtype if isinstance(if_false, Expr) else INT)
+    false = if_false if isinstance(if_false, Expr) else const(if_false, true.dtype)
+    return Select(condition, true, false, _wider(true.dtype, false.dtype))
+
+
+@dataclass(frozen=True, eq=True)
+class Cast(Expr):
+    dtype: DType
+    a: Expr
+
+
+@dataclass(frozen=True, eq=True)
+class Vector(Expr):
+    """A vector built from scalars or smaller vectors, (float4)(a, b, c, d)."""
+
+    dtype: DType
+    parts: tuple[Expr, ...]
+
+
+def vector(dtype: DType, *parts: Operand) -> Vector:
+    return Vector(dtype, tuple(p if isinstance(p, Expr) else const(p, dtype.vector(1)) for p in parts))
+
+
+@dataclass(frozen=True, eq=True)
+class Lane(Expr):
+    vector: Expr
+    index: Expr
+
+    @property
+    def dtype(self) -> DType:  # type: ignore[override]
+        return self.vector.dtype.vector(1)
+
+
+@dataclass(frozen=True, eq=True)
+class Element(Expr):
+    """Element `index` of an array variable (private or __local)."""
+
+    array: Var
+    index: Expr
+
+    @property
+    def dtype(self) -> DType:  # type: ignore[override]
+        return self.array.dtype
+
+
+@dataclass(frozen=True, eq=True)
+class Argument:
+    """A kernel's texture argument: output or input `index`, of a texture (`texture_id`) whose texels
+    have `kind` ("float" / "int" / "uint") and whose place of texel t is `layout` (TexelLayout)."""
+
+    role: str  # "out" or "in"
+    index: int
+    kind: str
+    element: str  # C type of a buffer element (bundle_format.BUFFER_C_TYPES)
+    layout: object = field(compare=True)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
+
+
+@dataclass(frozen=True, eq=True)
+class Load(Expr):
+    """Texel `texel` of texture argument `argument`, a whole 4-lane vector (a mask's byte: lane x)."""
+
+    argument: Argument
+    texel: Expr
+
+    @property
+    def dtype(self) -> DType:  # type: ignore[override]
+        return TEXEL_TYPES[self.argument.kind]
+
+
+@dataclass(frozen=True, eq=True)
+class Text(Expr):
+    """Transition only: C an emitter not yet ported still writes. tests/test_kernel_ir.py counts them."""
+
+    text: str
+    dtype: DType = INT
+
+
+# statements ---------------------------------------------------------------------------------------
+@dataclass(eq=True)
+class Declare:
+    var: Var
+    init: Expr | None = None
+    const: bool = True
+
+
+@dataclass(eq=True)
+class DeclareArray:
+    """An array of `length` elements of var.dtype: private (in registers) or __local (shared by a work-group)."""
+
+    var: Var
+    length: int | Expr
+    init: tuple[Expr, ...] = ()
+    local: bool = False
+
+
+@dataclass(eq=True)
+class Assign:
+    target: Var | Element
+    value: Expr
+    op: str = "="  # "=", "+=", "|=", ... ; "=" on a Var declared non-const
+
+
+@dataclass(eq=True)
+class Store:
+    """Write texel `texel` of output `argument` (a mask's byte: the value's lane x)."""
+
+    argument: Argument
+    texel: Expr
+    value: Expr
+
+
+@dataclass(eq=True)
+class Evaluate:
+    expr: Expr
+
+
+@dataclass(eq=True)
+class For:
+    """for (var = start; var < stop; var += step): `condition` and `step_op` give other forms
+    (a tree's `s > 0; s >>= 1`)."""
+
+    var: Var
+    start: Expr
+    stop: Expr | None
+    body: list[Statement]
+    step: int = 1
+    unroll: bool = False
+    condition: Expr | None = None  # replaces var < stop
+    step_op: str = "+="
+
+
+@dataclass(eq=True)
+class If:
+    condition: Expr
+    then: list[Statement]
+    orelse: list[Statement] = field(default_factory=list)
+
+
+@dataclass(eq=True)
+class Break:
+    pass
+
+
+@dataclass(eq=True)
+class Return:
+    pass
+
+
+@dataclass(eq=True)
+class Barrier:
+    """barrier(CLK_LOCAL_MEM_FENCE): every work-item of the group has written its __local values."""
+
+
+@dataclass(eq=True)
+class Lines:
+    """Transition only: statements of C an emitter not yet ported still writes."""
+
+    lines: tuple[str, ...]
+
+
+Statement = Union[Declare, DeclareArray, Assign, Store, Evaluate, For, If, Break, Return, Barrier, Lines]
+
+
+@dataclass
+class KernelIR:
+    """One __kernel: its name, texture arguments (outputs first) and body."""
+
+    name: str
+    arguments: list[Argument]
+    body: list[Statement]
+
+
+class Numbering:
+    """Variable numbers of one kernel: one counter for every kind, shared with `fresh` names, so a
+    number is unique in the kernel. Numbers start at FIRST_NUMBER, above any axis or output index,
+    so `o123` never meets the fixed name of axis 1 of the output index (`o1`)."""
+
+    FIRST_NUMBER = 100
+
+    def __init__(self) -> None:
+        self.count = self.FIRST_NUMBER - 1
+
+    def next(self) -> int:
+        self.count += 1
+        return self.count
+
+
+class Block:
+    """A list of statements being built, with handles for what it declares; `with` blocks nest."""
+
+    def __init__(self, numbering: Numbering, statements: list[Statement] | None = None) -> None:
+        self.numbering = numbering
+        self.statements: list[Statement] = statements if statements is not None else []
+
+    def var(self, kind: str, dtype: DType, name: str = "") -> Var:
+        return Var(kind, self.numbering.next(), dtype, name)
+
+    def let(self, value: Expr, kind: str = "v", dtype: DType | None = None) -> Var:
+        """A const value computed once: the renderer folds it into its reader when it has one."""
+        var = self.var(kind, dtype or value.dtype)
+        self.statements.append(Declare(var, value if dtype is None else value.cast(dtype)))
+        return var
+
+    def mutable(self, value: Expr | None, kind: str, dtype: DType | None = None, name: str = "") -> Var:
+        """A variable assigned again later (an accumulator)."""
+        assert value is not None or dtype is not None
+        var = self.var(kind, dtype or value.dtype, name)  # type: ignore[union-attr]
+        self.statements.append(Declare(var, value, const=False))
+        return var
+
+    def array(self, kind: str, dtype: DType, length: int | Expr, init: Sequence[Operand] = (),
+              local: bool = False, name: str = "") -> Var:
+        var = self.var(kind, dtype, name)
+        self.statements.append(DeclareArray(var, length, tuple(
+            v if isinstance(v, Expr) else const(v, dtype) for v in init), local))
+        return var
+
+    def assign(self, target: Var | Element, value: Operand, op: str = "=") -> None:
+        self.statements.append(Assign(target, value if isinstance(value, Expr) else const(value, target.dtype), op))
+
+    def store(self, argument: Argument, texel: Expr, value: Expr) -> None:
+        self.statements.append(Store(argument, texel, value))
+
+    def add(self, *statements: Statement) -> None:
+        self.statements.extend(statements)
+
+    @contextmanager
+    def loop(self, kind: str, start: Operand, stop: Operand | None, step: int = 1, unroll: bool = False,
+             condition: Callable[[Var], Expr] | None = None, step_op: str = "+=", name: str = ""
+             ) -> Iterator[tuple[Var, Block]]:
+        """for (kind = start; kind < stop; kind += step), or while `condition(kind)` holds, stepping by `step_op`."""
+        var = self.var(kind, INT, name)
+        body: list[Statement] = []
+        start_expr = start if isinstance(start, Expr) else const(start)
+        stop_expr = stop if isinstance(stop, Expr) or stop is None else const(stop)
+        self.statements.append(For(var, start_expr, stop_expr, body, step, unroll,
+                                   condition(var) if condition else None, step_op))
+        yield var, Block(self.numbering, body)
+
+    @contextmanager
+    def when(self, condition: Expr) -> Iterator[Block]:
+        body: list[Statement] = []
+        self.statements.append(If(condition, body))
+        yield Block(self.numbering, body)
+
+
+def walk_expr(expr: Expr) -> Iterator[Expr]:
+    """`expr` and every expression inside it, parents first."""
+    yield expr
+    for child in children(expr):
+        yield from walk_expr(child)
+
+
+def children(expr: Expr) -> tuple[Expr, ...]:
+    if isinstance(expr, (Binary,)):
+        return (expr.a, expr.b)
+    if isinstance(expr, (Unary, Cast)):
+        return (expr.a,)
+    if isinstance(expr, Call):
+        return expr.args
+    if isinstance(expr, Select):
+        return (expr.condition, expr.if_true, expr.if_false)
+    if isinstance(expr, Vector):
+        return expr.parts
+    if isinstance(expr, Lane):
+        return (expr.vector, expr.index)
+    if isinstance(expr, Element):
+        return (expr.array, expr.index)
+    if isinstance(expr, Load):
+        return (expr.texel,)
+    return ()
+
+
+def statement_exprs(statement: Statement) -> tuple[Expr, ...]:
+    """The expressions a statement reads (its own, not those of nested statements)."""
+    if isinstance(statement, Declare):
+        return (statement.init,) if statement.init is not None else ()
+    if isinstance(statement, DeclareArray):
+        return statement.init + ((statement.length,) if isinstance(statement.length, Expr) else ())
+    if isinstance(statement, Assign):
+        return ((statement.target.index,) if isinstance(statement.target, Element) else ()) + (statement.value,)
+    if isinstance(statement, Store):
+        return (statement.texel, statement.value)
+    if isinstance(statement, Evaluate):
+        return (statement.expr,)
+    if isinstance(statement, For):
+        return tuple(e for e in (statement.start, statement.stop, statement.condition) if e is not None)
+    if isinstance(statement, If):
+        return (statement.condition,)
+    return ()
+
+
+def nested(statement: Statement) -> tuple[list[Statement], ...]:
+    if isinstance(statement, For):
+        return (statement.body,)
+    if isinstance(statement, If):
+        return (statement.then, statement.orelse)
+    return ()
+
+
+def walk(statements: Sequence[Statement]) -> Iterator[Statement]:
+    """Every statement, nested ones included, in program order."""
+    for statement in statements:
+        yield statement
+        for body in nested(statement):
+            yield from walk(body)
+
+
+# index arithmetic -----------------------------------------------------------------------------------
+def div_index(index: Expr, divisor: int) -> Expr:
+    """`index / divisor` for a non-negative int index below 2^31, without a division: a shift for a
+    power of two, else a 64-bit multiply by the divisor's reciprocal and a shift (texel_layout.reciprocal).
+    GPUs have no integer divider, and a driver's compiler need not strength-reduce a division itself."""
+    if divisor == 1:
+        return index
+    if divisor & (divisor - 1) == 0:
+        return index >> (divisor.bit_length() - 1)
+    from fblc.texel_layout import reciprocal
+
+    multiplier, shift = reciprocal(divisor)
+    return Cast(INT, Binary(">>", Binary("*", Cast(ULONG, index), Const(multiplier, UINT), ULONG),
+                            Const(32 + shift, INT), ULONG))
+
+
+def mod_index(index: Expr, modulus: int) -> Expr:
+    """`index % modulus` for a non-negative int index: a mask for a power of two, else the index less
+    `modulus` times its quotient."""
+    if modulus == 1:
+        return const(0)
+    if modulus & (modulus - 1) == 0:
+        return index & (modulus - 1)
+    return index - div_index(index, modulus) * modulus
+
+
+def flat_index(terms: Sequence[tuple[Expr, int]], offset: int = 0) -> Expr:
+    """sum(index * stride) + offset, dropping zero strides."""
+    parts: list[Expr] = [index if stride == 1 else index * stride for index, stride in terms if stride != 0]
+    if offset:
+        parts.append(const(offset))
+    if not parts:
+        return const(0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total

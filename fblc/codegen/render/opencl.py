@@ -1,0 +1,205 @@
+"""The renderer: kernel IR to OpenCL C, the one place that writes C.
+
+It names each variable by its kind and number (`acc12`; the few names shared with the host or
+the preamble are fixed), maps each IR operation to C in one table, and folds a const value read
+exactly once into its reader when that keeps its meaning: the value reads nothing that changes
+(no array element, no variable assigned again) and its reader runs as often as it would
+(the same loop, not a loop inside). Texture reads and writes go through the preamble's
+storage macros (RDF / WRF ... with PLACE), so one text serves image2d_t and buffer storage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+from fblc.codegen import ir
+
+COMPONENTS = "xyzw"
+LANE_FUNCTIONS = {"float": "lane_f", "int": "lane_i", "uint": "lane_i"}
+READS = {"float": "RDF", "int": "RDI", "uint": "RDU"}
+WRITES = {"float": "WRF", "int": "WRI", "uint": "WRU"}
+INDENT = "  "
+
+
+def float_literal(value: float) -> str:
+    if math.isnan(value):
+        return "NAN"
+    if math.isinf(value):
+        return "INFINITY" if value > 0 else "(-INFINITY)"
+    text = repr(float(np.float32(value)))
+    return f"{text}f" if ("." in text or "e" in text) else f"{text}.0f"
+
+
+def literal(value: float | int | bool, dtype: ir.DType) -> str:
+    if dtype.is_float:
+        return float_literal(float(value))
+    if dtype.scalar in ("uint", "ulong"):
+        return f"{int(value)}u"
+    return str(int(value))
+
+
+def name_of(var: ir.Var) -> str:
+    return var.name or f"{var.kind}{var.number}"
+
+
+def coord(argument: ir.Argument, texel: str) -> str:
+    """The int2 place of texel `texel` (C) of a texture argument: its layout's, through PLACE, which
+    buffer storage maps to the index itself."""
+    return f"PLACE({texel}, {argument.layout.c_coord(texel)})"  # type: ignore[attr-defined]
+
+
+class Renderer:
+    """Renders one kernel (or one expression) to C; `folded` holds the values inlined into their reader."""
+
+    def __init__(self, folded: dict[ir.Var, ir.Expr] | None = None) -> None:
+        self.folded = folded or {}
+
+    # expressions --------------------------------------------------------------------------------
+    def expr(self, e: ir.Expr) -> str:
+        return getattr(self, "_" + type(e).__name__)(e)
+
+    def _Const(self, e: ir.Const) -> str:
+        return literal(e.value, e.dtype)
+
+    def _Var(self, e: ir.Var) -> str:
+        if e in self.folded:
+            return self.expr(self.folded[e])
+        return name_of(e)
+
+    def _Binary(self, e: ir.Binary) -> str:
+        return f"({self.expr(e.a)} {e.op} {self.expr(e.b)})"
+
+    def _Unary(self, e: ir.Unary) -> str:
+        return f"({e.op}{self.expr(e.a)})"
+
+    def _Call(self, e: ir.Call) -> str:
+        return f"{e.function}({', '.join(self.expr(a) for a in e.args)})"
+
+    def _Select(self, e: ir.Select) -> str:
+        return f"({self.expr(e.condition)} ? {self.expr(e.if_true)} : {self.expr(e.if_false)})"
+
+    def _Cast(self, e: ir.Cast) -> str:
+        return f"(({e.dtype.c_name}){self.expr(e.a)})"
+
+    def _Vector(self, e: ir.Vector) -> str:
+        return f"({e.dtype.c_name})({', '.join(self.expr(p) for p in e.parts)})"
+
+    def _Lane(self, e: ir.Lane) -> str:
+        vector = self.expr(e.vector)
+        if isinstance(e.index, ir.Const):
+            return f"{vector}.{COMPONENTS[int(e.index.value)]}"
+        return f"{LANE_FUNCTIONS[e.vector.dtype.scalar]}({vector}, {self.expr(e.index)})"
+
+    def _Element(self, e: ir.Element) -> str:
+        return f"{name_of(e.array)}[{self.expr(e.index)}]"
+
+    def _Load(self, e: ir.Load) -> str:
+        return f"{READS[e.argument.kind]}({e.argument.name}, {coord(e.argument, self.expr(e.texel))})"
+
+    def _Text(self, e: ir.Text) -> str:
+        return e.text
+
+    # statements ---------------------------------------------------------------------------------
+    def statements(self, body: Sequence[ir.Statement], depth: int) -> list[str]:
+        return [line for s in body for line in self.statement(s, depth)]
+
+    def statement(self, s: ir.Statement, depth: int) -> list[str]:
+        pad = INDENT * depth
+        if isinstance(s, ir.Declare):
+            if s.var in self.folded:
+                return []
+            init = f" = {self.expr(s.init)}" if s.init is not None else ""
+            return [f"{pad}{'const ' if s.const else ''}{s.var.dtype.c_name} {name_of(s.var)}{init};"]
+        if isinstance(s, ir.DeclareArray):
+            length = self.expr(s.length) if isinstance(s.length, ir.Expr) else str(s.length)
+            init = f" = {{{', '.join(self.expr(v) for v in s.init)}}}" if s.init else ""
+            space = "__local " if s.local else ""
+            return [f"{pad}{space}{s.var.dtype.c_name} {name_of(s.var)}[{length}]{init};"]
+        if isinstance(s, ir.Assign):
+            return [f"{pad}{self.expr(s.target)} {s.op} {self.expr(s.value)};"]
+        if isinstance(s, ir.Store):
+            return [f"{pad}{WRITES[s.argument.kind]}({s.argument.name}, "
+                    f"{coord(s.argument, self.expr(s.texel))}, {self.expr(s.value)});"]
+        if isinstance(s, ir.Evaluate):
+            return [f"{pad}{self.expr(s.expr)};"]
+        if isinstance(s, ir.For):
+            return self._for(s, depth)
+        if isinstance(s, ir.If):
+            lines = [f"{pad}if ({self.expr(s.condition)}) {{"] + self.statements(s.then, depth + 1)
+            if s.orelse:
+                lines += [f"{pad}}} else {{"] + self.statements(s.orelse, depth + 1)
+            return lines + [f"{pad}}}"]
+        if isinstance(s, ir.Lines):
+            return [pad + line for line in s.lines]
+        return [pad + {ir.Break: "break;", ir.Return: "return;",
+                       ir.Barrier: "barrier(CLK_LOCAL_MEM_FENCE);"}[type(s)]]
+
+    def _for(self, s: ir.For, depth: int) -> list[str]:
+        pad, name = INDENT * depth, name_of(s.var)
+        condition = self.expr(s.condition) if s.condition is not None else f"{name} < {self.expr(s.stop)}"
+        step = f"++{name}" if (s.step, s.step_op) == (1, "+=") else f"{name} {s.step_op} {s.step}"
+        head = [f"{pad}#pragma unroll"] if s.unroll else []
+        return head + [f"{pad}for (int {name} = {self.expr(s.start)}; {condition}; {step}) {{"] + \
+            self.statements(s.body, depth + 1) + [f"{pad}}}"]
+
+
+def render_expr(expr: ir.Expr) -> str:
+    """C of one expression, for transition code that still writes C around it: the variables it
+    names are pinned (never folded away), since the renderer cannot see that text read them."""
+    for sub in ir.walk_expr(expr):
+        if isinstance(sub, ir.Var):
+            sub.pinned = True
+    return Renderer().expr(expr)
+
+
+def render_kernel(kernel: ir.KernelIR, params_tail: str = " TRACE_PARAM", prologue: Sequence[str] = ("TRACE_INIT",)
+                  ) -> str:
+    """The __kernel's C: its arguments through the preamble's IMAGE_OUT / IMAGE_IN, then its body."""
+    params = [f"IMAGE_{a.role.upper()}({a.element}, {a.name})" for a in kernel.arguments]
+    folded = foldable(kernel.body)
+    body = [INDENT + line for line in prologue] + Renderer(folded).statements(kernel.body, 1)
+    return "\n".join([f"__kernel void {kernel.name}({', '.join(params)}{params_tail}) {{", *body, "}"])
+
+
+def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:
+    """Const values to inline: read once, by a reader in the same loop, and reading nothing that changes."""
+    changing = {s.var for s in ir.walk(body) if isinstance(s, ir.DeclareArray)
+                or (isinstance(s, ir.Declare) and not s.const)}
+    uses: Counter[ir.Var] = Counter()
+    use_loop: dict[ir.Var, int] = {}
+    decl_loop: dict[ir.Var, int] = {}
+    inits: dict[ir.Var, ir.Expr] = {}
+    loops = 0
+
+    def visit(statements: Sequence[ir.Statement]) -> None:
+        nonlocal loops
+        for s in statements:
+            if isinstance(s, ir.Declare) and s.const and s.init is not None:
+                decl_loop[s.var], inits[s.var] = loops, s.init
+            if isinstance(s, ir.Lines):
+                continue
+            for e in ir.statement_exprs(s):
+                for sub in ir.walk_expr(e):
+                    if isinstance(sub, ir.Var):
+                        uses[sub] += 1
+                        use_loop[sub] = loops
+            inner = isinstance(s, ir.For)
+            loops += inner
+            for block in ir.nested(s):
+                visit(block)
+            loops -= inner
+
+    visit(body)
+    folded = {}
+    for var, init in inits.items():
+        if var.pinned or var.name or uses[var] != 1 or use_loop.get(var) != decl_loop[var]:
+            continue
+        reads = list(ir.walk_expr(init))
+        if any(isinstance(e, (ir.Element, ir.Text)) or (isinstance(e, ir.Var) and e in changing) for e in reads):
+            continue
+        folded[var] = init
+    return folded
