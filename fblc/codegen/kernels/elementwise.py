@@ -18,7 +18,7 @@ from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of, view_root
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, const_array, static_shape
-from fblc.passes.fuse import ELEMENTWISE
+from fblc.compiler.ops import ELEMENTWISE
 
 Operand = Callable[[ir.Value], str]
 Expression = Callable[[KernelBuilder, ir.Node, Operand], str]
