@@ -99,8 +99,9 @@ def test_an_elementwise_row_without_an_expression_fails() -> None:
     registries = {name: set(entries) for name, entries in _real().items()}
     registries["gradients"].add("Tan")
     registries["kernels"].add("Tan")
-    assert mismatches(table, **registries) == [_missing("Tan", f"{TABLE} (kind elementwise)", EXPRESSION_TABLE,
-                                                        "the elementwise kernel would accept it and fail to compile it")]
+    expected = _missing("Tan", f"{TABLE} (kind elementwise)", EXPRESSION_TABLE,
+                        "the elementwise kernel would accept it and fail to compile it")
+    assert mismatches(table, **registries) == [expected]
 
 
 def test_every_named_rule_exists() -> None:

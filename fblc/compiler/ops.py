@@ -186,6 +186,7 @@ OPS: dict[str, Op] = {
     "Abs": _elementwise(D_C, "torch.abs", "same"),
     "Sin": _elementwise(D_C, "torch.sin, rotary embeddings", "same", per_sample=False),
     "Cos": _elementwise(D_C, "torch.cos, rotary embeddings", "same", per_sample=False),
+    "Atan": _elementwise(D_C, "torch.atan, torch.atan2"),
     "Max": _elementwise(D_C, "torch.maximum", "arithmetic"),
     "Min": _elementwise(D_C, "torch.minimum", "arithmetic"),
     "Sum": _elementwise(I_C, "sum of many tensors", "arithmetic"),

@@ -3,7 +3,8 @@
 The loss, backward and optimizer emit thousands of nodes; computing their shapes here, from
 the static shapes of their inputs, spares a whole-graph shape inference after each pass
 (which dominates build time on a 1B-parameter decoder). Every op the emitter may append has
-a rule, named in the op table's `shape` column (fblc/compiler/ops.py); tests check the results against onnx's own shape inference.
+a rule, named in the op table's `shape` column (fblc/compiler/ops.py); tests check the results
+against onnx's own shape inference.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 
 The list of ops (`EXPORTED_OPS`, the op table's `exported` column, fblc/compiler/ops.py) is data:
 what the exporters (dynamo at opset 18 and later, and the legacy TorchScript exporter) write for
-the torch.nn modules and functional ops models use. Every status column comes from the registries (and lower_composites' LOWERINGS table: an op
-rewritten at import is *lowered*) at the time the table is generated, so a new
-gradient rule or kernel shows up by regenerating it; tests/test_op_audit.py fails while
+the torch.nn modules and functional ops models use. Every status column comes from the registries
+(and lower_composites' LOWERINGS table: an op rewritten at import is *lowered*) at the time the
+table is generated, so a new gradient rule or kernel shows up by regenerating it; tests/test_op_audit.py fails while
 docs/OPS.md is stale, and checks that every op a registry holds is in the table (ops fblc
 registers that no exporter list names get a section of their own).
 """

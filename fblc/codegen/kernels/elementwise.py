@@ -54,7 +54,7 @@ def _unary(op_type: str, template: str) -> None:
 for _op, _template in {"Sqrt": "sqrt({a})", "Reciprocal": "(1.0f / {a})", "Neg": "(-{a})", "Exp": "exp({a})",
                        "Log": "log({a})", "Relu": "fmax({a}, 0.0f)", "Sigmoid": "(1.0f / (1.0f + exp(-{a})))",
                        "Tanh": "tanh({a})", "Erf": "erf({a})", "Sin": "sin({a})", "Cos": "cos({a})",
-                       "Not": "(!{a})", "Abs": "fabs({a})", "IsNaN": "isnan({a})"}.items():
+                       "Atan": "atan({a})", "Not": "(!{a})", "Abs": "fabs({a})", "IsNaN": "isnan({a})"}.items():
     _unary(_op, _template)
 
 

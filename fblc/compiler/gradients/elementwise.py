@@ -112,6 +112,11 @@ def _cos(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Neg", e.op("Sin", x))
 
 
+@unary("Atan")
+def _atan(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Reciprocal", e.op("Add", e.scalar(1.0, x), e.op("Mul", x, x)))
+
+
 @unary("HardSwish")
 def _hard_swish(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """y = x * clip(x / 6 + 1/2, 0, 1): slope 0 up to -3, x / 3 + 1/2 strictly between, 1 from 3 on.
