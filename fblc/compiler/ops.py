@@ -73,7 +73,8 @@ STRIDES_FOLDED = Reads.STRIDED | Reads.FOLDED  # MatMul's K loops and the reduct
 # why an op has no gradient rule or no kernel ----------------------------------------------------
 INTEGER_OUTPUTS = "its outputs are integers, booleans or constants: no gradient flows through it"
 LOWERED = "lowered at import (passes/lower_composites.py, LOWERINGS) into ops that have one"
-DEVICE_ONLY = "fblc emits it after the backward (ES noise, sorted row scatters): never differentiated"
+DEVICE_ONLY = ("fblc's own op, emitted after the backward (ES noise, sorted row scatters): never differentiated, "
+               "and onnxruntime lacks it")
 NOT_YET = "not written yet"
 VIEW = "a view: its readers read its input's texture"
 PRELOADED = "preloaded: its value is stored with the parameters"
@@ -94,6 +95,8 @@ class Op:
     shape: str | None = None  # a key of shape_rules.NAMED_RULES
     fuses_into_readers: bool = False  # an elementwise reader computes it per element from its inputs' textures
     remappable: bool = False  # movement tile_remap can turn into an index map (compiler/index_map.compose)
+    weights: tuple[int, ...] = ()  # input slots that hold a layer's weights (compiler/trainable.py)
+    constants: tuple[int, ...] = ()  # input slots no gradient flows into: a float initializer there is a constant
     no_gradient: str = ""
     no_kernel: str = ""
 
@@ -132,16 +135,19 @@ D_D, D_C, I_D, I_C = (Ftd.DEPENDENT_DIVERGENT, Ftd.DEPENDENT_CONSISTENT, Ftd.IND
 OPS: dict[str, Op] = {
     # contractions
     "Conv": Op(Kind.CONTRACTION, D_D, "nn.Conv1d/2d/3d, F.conv2d", per_sample=True, reads=BY_STRIDES, flops="conv",
-               shape="conv"),
-    "ConvTranspose": Op(Kind.CONTRACTION, D_D, "nn.ConvTranspose1d/2d", flops="conv_transpose", shape="conv_transpose"),
+               shape="conv", weights=(1, 2)),
+    "ConvTranspose": Op(Kind.CONTRACTION, D_D, "nn.ConvTranspose1d/2d", flops="conv_transpose", shape="conv_transpose",
+                        weights=(1, 2)),
     "Gemm": Op(Kind.CONTRACTION, D_D, "nn.Linear on 2-D input (legacy exporter)", reads=BY_STRIDES, flops="gemm",
-               shape="gemm"),
+               shape="gemm", weights=(0, 1, 2)),
     "MatMul": Op(Kind.CONTRACTION, D_D, "nn.Linear (dynamo), torch.matmul, @, attention", reads=STRIDES_FOLDED,
-                 flops="matmul", shape="matmul"),
+                 flops="matmul", shape="matmul", weights=(0, 1)),
     "Einsum": _lowered(Kind.CONTRACTION, "torch.einsum"),
     # normalisation
-    "BatchNormalization": Op(Kind.ELEMENTWISE, D_D, "nn.BatchNorm1d/2d", per_sample=True, flops="input"),
-    "LayerNormalization": Op(Kind.NORMALIZATION, D_D, "nn.LayerNorm, F.layer_norm", row_axis=True, flops="input"),
+    "BatchNormalization": Op(Kind.ELEMENTWISE, D_D, "nn.BatchNorm1d/2d", per_sample=True, flops="input",
+                             weights=(1, 2)),
+    "LayerNormalization": Op(Kind.NORMALIZATION, D_D, "nn.LayerNorm, F.layer_norm", row_axis=True, flops="input",
+                             weights=(1, 2)),
     "GroupNormalization": _lowered(Kind.NORMALIZATION, "nn.GroupNorm (dynamo)"),
     "InstanceNormalization": Op(Kind.NORMALIZATION, D_D, "nn.InstanceNorm2d, nn.GroupNorm (legacy)"),
     # activations
@@ -169,7 +175,7 @@ OPS: dict[str, Op] = {
     "AveragePool": Op(Kind.POOLING, D_D, "nn.AvgPool1d/2d", per_sample=True, shape="pool"),
     "GlobalAveragePool": Op(Kind.POOLING, D_D, "nn.AdaptiveAvgPool2d(1)", per_sample=True, flops="input"),
     "GlobalMaxPool": _lowered(Kind.POOLING, "nn.AdaptiveMaxPool2d(1)", per_sample=True),
-    "Resize": Op(Kind.RESAMPLE, I_D, "nn.Upsample, F.interpolate"),
+    "Resize": Op(Kind.RESAMPLE, I_D, "nn.Upsample, F.interpolate", constants=(1, 2)),  # roi, scales
     "DepthToSpace": _lowered(Kind.MOVEMENT, "nn.PixelShuffle (legacy exporter)"),
     "SpaceToDepth": _lowered(Kind.MOVEMENT, "nn.PixelUnshuffle (legacy exporter)"),
     # arithmetic
@@ -214,7 +220,7 @@ OPS: dict[str, Op] = {
     "ArgMax": _index("torch.argmax", no_gradient=INTEGER_OUTPUTS),
     "TopK": _index("torch.topk, mixture-of-experts routing"),
     # indexing
-    "Gather": _index("nn.Embedding, x[:, 0], index_select", reads=BY_STRIDES),
+    "Gather": Op(Kind.INDEXING, I_D, "nn.Embedding, x[:, 0], index_select", reads=BY_STRIDES, weights=(0,)),
     "GatherND": _index("x[..., [i], :], bias tables indexed by constants", reads=BY_STRIDES),
     "GatherElements": _index("torch.gather, F.cross_entropy", "gather_elements", reads=BY_STRIDES),
     "ScatterND": _index("index_put, slice assignment", "scatter", no_gradient=NOT_YET),
