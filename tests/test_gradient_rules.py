@@ -284,6 +284,9 @@ def elementwise_cases() -> list[Case]:
         Case("Clip-trained-bounds", [node("Clip", ["x", "lo", "hi"])], {"x": x, "lo": f32(0.0), "hi": f32(6.0)},
              lambda t: torch.clamp(t["x"], t["lo"], t["hi"])),
     ]
+    # Atan (added by docs/ARCHITECTURE.md's recipe): a stream of its own, so no later case's inputs move
+    wide = np.random.default_rng(38).uniform(-4.0, 4.0, size=(3, 4)).astype(np.float32)
+    cases.append(unary("Atan", torch.atan, wide))
     return cases
 
 

@@ -73,6 +73,13 @@ def test_unary_activation(tmp_path, op_type: str, attributes: dict[str, object],
     _check(tmp_path, _model(op, shape, {"x": x}))
 
 
+def test_atan(tmp_path) -> None:
+    """The op docs/ARCHITECTURE.md's recipe added (a table row, a gradient, an expression): one step
+    against onnxruntime, on a shape whose innermost axis is not a multiple of 4 (per-lane reads)."""
+    op = helper.make_node("Atan", ["x"], ["y"], name="atan")
+    _check(tmp_path, _model(op, [3, 5], {"x": _randn(3, 5, scale=2.5)}))
+
+
 @pytest.mark.parametrize("op_type", ["Softplus", "Mish", "Softsign", "Gelu", "Elu", "Selu", "Celu"])
 def test_large_inputs_stay_finite(tmp_path, op_type: str) -> None:
     """x = +-100 and +-30: log(1 + exp(x)) would be inf in float32 from 89 on; the kernels must give

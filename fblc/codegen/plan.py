@@ -24,7 +24,8 @@ from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
-from fblc.passes.fuse import ALIAS, CONTRACTIONS, kernel_of
+from fblc.compiler.ops import CONTRACTIONS
+from fblc.passes.fuse import ALIAS, kernel_of
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
 

@@ -1,7 +1,8 @@
 """The arithmetic of one node, for the target's time estimates (report.json `estimate`, the layout search).
 
-FLOPS is keyed by op type: a contraction's multiply-adds count two, a reduction or normalisation one
-per input element, any other op one per output element.
+The op table (fblc/compiler/ops.py) names each op's rule, one of FLOP_RULES: a contraction's
+multiply-adds count two, a reduction or normalisation one per input element, any other op one per
+output element.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
+from fblc.compiler.ops import row
 from fblc.compiler.values import attr, numel, static_shape
 
 FlopRule = Callable[[ir.Node], int]
@@ -50,14 +52,14 @@ def _philox_sum(node: ir.Node) -> int:  # the same per texel and member row, plu
     return 22 * _out(node) * static_shape(node.inputs[0])[-1]
 
 
-FLOPS: dict[str, FlopRule] = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose,
-                              "PhiloxNormal": _philox, "PhiloxWeightedSum": _philox_sum,
-                              **{op: _reduction for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2",
-                                                            "ReduceLogSumExp", "LayerNormalization",
-                                                            "BatchNormalization", "GlobalAveragePool")}}
+#: rule name (the op table's `flops` column, fblc/compiler/ops.py) -> the rule
+FLOP_RULES: dict[str, FlopRule] = {"output": _out, "input": _reduction, "matmul": _matmul, "gemm": _gemm,
+                                   "conv": _conv, "conv_transpose": _conv_transpose, "philox": _philox,
+                                   "philox_sum": _philox_sum}
 
 
 def node_flops(node: ir.Node) -> int:
     if not node.outputs or node.outputs[0] is None or node.outputs[0].shape is None:
         return 0
-    return FLOPS.get(node.op_type, _out)(node)
+    entry = row(node.op_type)
+    return FLOP_RULES[entry.flops if entry is not None else "output"](node)

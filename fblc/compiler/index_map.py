@@ -25,10 +25,10 @@ from typing import Callable, Iterator
 import numpy as np
 import onnx_ir as ir
 
-from fblc.compiler import keys
+from fblc.compiler import keys, ops
 from fblc.compiler.values import attr, const_array, numel, slice_bounds, static_shape
 
-ALWAYS_VIEWS = frozenset({"Identity", "Dropout"})
+ALWAYS_VIEWS = ops.ALWAYS_VIEWS  # the op table's views (fblc/compiler/ops.py)
 
 
 def row_major_strides(shape: tuple[int, ...] | list[int]) -> list[int]:
@@ -322,4 +322,5 @@ def compose(node: ir.Node, source: IndexMap) -> IndexMap | None:
     return None
 
 
-REMAPPABLE = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Slice"})
+#: the movement ops `compose` maps (the op table's `remappable`)
+REMAPPABLE = ops.ops_where(lambda entry: entry.remappable)

@@ -3,7 +3,8 @@
 The loss, backward and optimizer emit thousands of nodes; computing their shapes here, from
 the static shapes of their inputs, spares a whole-graph shape inference after each pass
 (which dominates build time on a 1B-parameter decoder). Every op the emitter may append has
-an entry; tests check the results against onnx's own shape inference.
+a rule, named in the op table's `shape` column (fblc/compiler/ops.py); tests check the results
+against onnx's own shape inference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from fblc.compiler.ops import OPS
 from fblc.compiler.registry import OpRegistry
 from fblc.compiler.values import attr, const_array
 
@@ -21,7 +23,14 @@ Result = list[tuple[Shape, ir.DataType]]
 ShapeRule = Callable[[ir.Node, list[Shape], list["ir.DataType"]], Result]
 
 SHAPE_RULES: OpRegistry[ShapeRule] = OpRegistry("shape rule", "add one in fblc/compiler/shape_rules.py")
-shape_rule = SHAPE_RULES.register
+#: rule name (the op table's `shape` column, fblc/compiler/ops.py) -> the rule
+NAMED_RULES: dict[str, ShapeRule] = {}
+
+
+def _named(rule: ShapeRule) -> ShapeRule:
+    """Decorator: `rule` under its function's name without the leading underscore."""
+    NAMED_RULES[rule.__name__.lstrip("_")] = rule
+    return rule
 
 
 def infer_node(node: ir.Node) -> None:
@@ -51,38 +60,37 @@ def _broadcast(shapes: Sequence[Shape]) -> Shape:
     return tuple(out)
 
 
-@shape_rule("Add", "Sub", "Mul", "Div", "Pow", "Sum", "Max", "Min")
+@_named
 def _arithmetic(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast(shapes), dtypes[0])]
 
 
-@shape_rule("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or")
+@_named
 def _comparison(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast(shapes), ir.DataType.BOOL)]
 
 
-@shape_rule("IsNaN")
+@_named
 def _is_nan(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[0], ir.DataType.BOOL)]
 
 
-@shape_rule("Where")
+@_named
 def _where(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast(shapes), dtypes[1])]
 
 
-@shape_rule("Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Identity", "Not", "Relu", "Sigmoid",
-            "Tanh", "Softmax", "LogSoftmax", "Erf", "Abs", "Sign", "Softplus")
+@_named
 def _same(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[0], dtypes[0])]
 
 
-@shape_rule("Cast")
+@_named
 def _cast(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[0], ir.DataType(attr(node, "to")))]
 
 
-@shape_rule("Reshape")
+@_named
 def _reshape(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     target = _ints(node, 1)
     total = int(np.prod(shapes[0], dtype=np.int64))
@@ -93,7 +101,7 @@ def _reshape(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(tuple(target), dtypes[0])]
 
 
-@shape_rule("Unsqueeze")
+@_named
 def _unsqueeze(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     rank = len(shapes[0]) + len(_ints(node, 1))
     axes = sorted(a % rank for a in _ints(node, 1))
@@ -103,13 +111,13 @@ def _unsqueeze(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(tuple(out), dtypes[0])]
 
 
-@shape_rule("Transpose")
+@_named
 def _transpose(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     perm = attr(node, "perm") or list(reversed(range(len(shapes[0]))))
     return [(tuple(shapes[0][p] for p in perm), dtypes[0])]
 
 
-@shape_rule("ReduceSum", "ReduceMean", "ReduceMax", "ReduceLogSumExp")
+@_named
 def _reduce(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     rank = len(shapes[0])
     axes = _ints(node, 1) if len(node.inputs) > 1 and node.inputs[1] is not None else list(range(rank))
@@ -119,17 +127,17 @@ def _reduce(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(tuple(out), dtypes[0])]
 
 
-@shape_rule("Expand")
+@_named
 def _expand(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast([shapes[0], tuple(_ints(node, 1))]), dtypes[0])]
 
 
-@shape_rule("ConstantOfShape")
+@_named
 def _constant_of_shape(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(tuple(_ints(node, 0)), ir.DataType(attr(node, "value").dtype))]
 
 
-@shape_rule("MatMul")
+@_named
 def _matmul(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     a, b = shapes
     a2 = a if len(a) >= 2 else (1,) + a
@@ -142,7 +150,7 @@ def _matmul(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(out, dtypes[0])]
 
 
-@shape_rule("Gemm")
+@_named
 def _gemm(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     a, b = shapes[0], shapes[1]
     rows = a[1] if attr(node, "transA", 0) else a[0]
@@ -150,19 +158,19 @@ def _gemm(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [((rows, cols), dtypes[0])]
 
 
-@shape_rule("PhiloxNormal", "PhiloxWeightedSum")
+@_named
 def _philox_normal(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     """fblc's device-only noise ops (pass es_noise): float32 of their `shape` attribute."""
     return [(tuple(int(d) for d in attr(node, "shape", [])), ir.DataType.FLOAT)]
 
 
-@shape_rule("MergeRuns")
+@_named
 def _merge_runs(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     """fblc's device-only sort step (pass sort_scatter_rows): row numbers and their positions, int64."""
     return [(shapes[0], ir.DataType.INT64), (shapes[0], ir.DataType.INT64)]
 
 
-@shape_rule("ScatterSortedRows")
+@_named
 def _scatter_sorted_rows(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     """The data's shape, or without data (a zero table) its `shape` attribute; the updates' dtype."""
     if node.inputs[0] is None:
@@ -170,24 +178,24 @@ def _scatter_sorted_rows(node: ir.Node, shapes: list[Shape], dtypes: list) -> Re
     return [(shapes[0], dtypes[0])]
 
 
-@shape_rule("ScatterND", "ScatterElements")
+@_named
 def _scatter(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[0], dtypes[0])]
 
 
-@shape_rule("GatherElements")
+@_named
 def _gather_elements(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[1], dtypes[0])]
 
 
-@shape_rule("Pad")
+@_named
 def _pad(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     pads = _ints(node, 1)
     rank = len(shapes[0])
     return [(tuple(d + pads[i] + pads[i + rank] for i, d in enumerate(shapes[0])), dtypes[0])]
 
 
-@shape_rule("Slice")
+@_named
 def _slice(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     rank = len(shapes[0])
     starts, ends = _ints(node, 1), _ints(node, 2)
@@ -199,14 +207,14 @@ def _slice(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(tuple(out), dtypes[0])]
 
 
-@shape_rule("Split")
+@_named
 def _split(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     axis = int(attr(node, "axis", 0)) % len(shapes[0])
     sizes = _ints(node, 1)
     return [(shapes[0][:axis] + (size,) + shapes[0][axis + 1:], dtypes[0]) for size in sizes]
 
 
-@shape_rule("Concat")
+@_named
 def _concat(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     axis = int(attr(node, "axis")) % len(shapes[0])
     total = sum(s[axis] for s in shapes)
@@ -223,7 +231,7 @@ def _window_attrs(node: ir.Node, rank: int) -> tuple[list[int], list[int], list[
             attr(node, "pads") or [0] * (2 * rank))
 
 
-@shape_rule("Conv")
+@_named
 def _conv(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     x, w = shapes[0], shapes[1]
     rank = len(x) - 2
@@ -233,7 +241,7 @@ def _conv(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [((x[0], w[0], *spatial), dtypes[0])]
 
 
-@shape_rule("ConvTranspose")
+@_named
 def _conv_transpose(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     x, w = shapes[0], shapes[1]
     rank = len(x) - 2
@@ -262,7 +270,7 @@ def pool_output_size(size: int, kernel: int, stride: int, dilation: int, pad_beg
     return out
 
 
-@shape_rule("AveragePool", "MaxPool")
+@_named
 def _pool(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     x = shapes[0]
     rank = len(x) - 2
@@ -282,7 +290,12 @@ def _pool(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(out, dtypes[0]), (out, ir.DataType.INT64)][: len(node.outputs)]
 
 
-@shape_rule("CumSum", "Trilu")
+@_named
 def _scan(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     """Scans and masks keep their input's shape and dtype (emitted by their own gradients)."""
     return [(shapes[0], dtypes[0])]
+
+
+for _op_type, _entry in OPS.items():
+    if _entry.shape is not None:
+        SHAPE_RULES.register(_op_type)(NAMED_RULES[_entry.shape])

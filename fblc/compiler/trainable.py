@@ -16,19 +16,17 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.graph import is_float
 from fblc.compiler.keys import Role
+from fblc.compiler.ops import OPS
 from fblc.compiler.torch_names import signature_parameters
 
 BN_RUNNING_STAT_INPUTS = (3, 4)
-#: op type -> input slots that hold weights
-WEIGHT_SLOTS: dict[str, tuple[int, ...]] = {
-    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (0, 1, 2), "MatMul": (0, 1),
-    "BatchNormalization": (1, 2), "LayerNormalization": (1, 2), "Gather": (0,),
-}
+#: op type -> input slots that hold weights (the op table's `weights`, fblc/compiler/ops.py)
+WEIGHT_SLOTS: dict[str, tuple[int, ...]] = {op: entry.weights for op, entry in OPS.items() if entry.weights}
 
 
 #: op type -> input slots no gradient flows into (Resize's roi and scales): a float initializer read only there
-#: is a constant, not a parameter that autodiff would refuse to train
-CONSTANT_SLOTS: dict[str, tuple[int, ...]] = {"Resize": (1, 2)}
+#: is a constant, not a parameter that autodiff would refuse to train (the op table's `constants`)
+CONSTANT_SLOTS: dict[str, tuple[int, ...]] = {op: entry.constants for op, entry in OPS.items() if entry.constants}
 
 
 def is_bn_running_stat(value: ir.Value) -> bool:

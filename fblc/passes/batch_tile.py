@@ -29,17 +29,13 @@ import json
 import numpy as np
 import onnx_ir as ir
 
-from fblc.compiler import keys
+from fblc.compiler import keys, ops
 from fblc.compiler.graph import Emitter, attr, const_array, static_shape
 from fblc.compiler.values import numel
 from fblc.passes.contracts import ContractPass
 
-PER_SAMPLE = frozenset({
-    "Conv", "Add", "Sub", "Mul", "Div", "Where", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "And",
-    "Or", "Not", "Relu", "Clip", "Sigmoid", "Tanh", "Max", "Min", "Sum", "Neg", "Abs", "Sqrt", "Exp", "Identity",
-    "Cast", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Pad", "Erf",
-    "HardSigmoid", "HardSwish", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus", "Mish",
-    "Softsign", "Gelu", "Floor", "Sign", "Ceil", "Round"})
+#: ops that never mix samples (the op table's `per_sample`, fblc/compiler/ops.py)
+PER_SAMPLE = ops.ops_where(lambda entry: entry.per_sample)
 
 
 def _bytes(value: ir.Value) -> int:

@@ -23,23 +23,19 @@ from __future__ import annotations
 import networkx as nx
 import onnx_ir as ir
 
-from fblc.compiler import keys
+from fblc.compiler import keys, ops
 from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import READ_IMAGE_ARGS
 
 ALIAS = "alias"
-ELEMENTWISE = frozenset({
-    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip", "Sigmoid", "Tanh",
-    "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or",
-    "Not", "Max", "Min", "Sum", "BatchNormalization", "IsNaN", "Abs", "HardSigmoid", "HardSwish",
-    "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus", "Mish", "Softsign", "Gelu", "Floor",
-    "Sign", "Ceil", "Round"})
-CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
+#: the op table's vocabulary (fblc/compiler/ops.py): elementwise ops chain, contractions take an epilogue
+ELEMENTWISE = ops.ELEMENTWISE
+CONTRACTIONS = ops.CONTRACTIONS
 #: data movement that an elementwise kernel can compute per element from its inputs' textures (a select
 #: between them, a bounds check): fused into its elementwise readers, never with its own producers
-GATHERS = frozenset({"Concat", "Pad"})
+GATHERS = ops.ops_where(lambda entry: entry.fuses_into_readers)
 
 
 def _kind(node: ir.Node) -> str:

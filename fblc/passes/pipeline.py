@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 import onnx_ir as ir
 
+from fblc.compiler import ops
 from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, AdapterConfig
 from fblc.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
@@ -220,7 +221,7 @@ def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
 
 #: ops that lowering passes write and onnxruntime lacks (es_noise, sort_scatter_rows): a lowered step holding
 #: one is checked against the step graph before lowering (fblc.tools.verify.reference_graph)
-DEVICE_ONLY_OPS = frozenset({"PhiloxNormal", "PhiloxWeightedSum", "MergeRuns", "ScatterSortedRows"})
+DEVICE_ONLY_OPS = ops.ops_where(lambda entry: entry.no_gradient == ops.DEVICE_ONLY)
 
 
 def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:

@@ -48,7 +48,7 @@ import json
 import onnx_ir as ir
 
 from fblc import choices
-from fblc.compiler import keys
+from fblc.compiler import keys, ops
 from fblc.compiler.index_map import IndexMap, is_view, map_of, read_uses, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError
@@ -71,8 +71,8 @@ MIN_TEXELS = 64  # smaller tensors stay flat: one work-group reads them whole
 STREAM = (Access("stream", 1.0),)
 #: --layout-search: how tensors are scored (flat: not at all, every tensor flat)
 LAYOUT_SEARCHES = choices.LAYOUT_SEARCHES
-ROW_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "ReduceSum", "ReduceMean", "ReduceMax",
-                          "ReduceLogSumExp"})
+#: ops that walk one axis as a row (the op table's `row_axis`, fblc/compiler/ops.py)
+ROW_AXIS_OPS = ops.ops_where(lambda entry: entry.row_axis)
 
 
 # access patterns -------------------------------------------------------------------------------

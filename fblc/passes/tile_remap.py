@@ -39,6 +39,7 @@ from fblc.compiler.index_map import (
     view_root,
     views_of,
 )
+from fblc.compiler.ops import Reads, reading
 from fblc.compiler.values import static_shape
 from fblc.passes.contracts import ContractPass
 
@@ -47,26 +48,15 @@ NAIVE = "naive layout: every data-movement op is a copy"
 
 
 #: Ops whose kernels read every input element through the builder's index composition or
-#: through explicit strides (never by raw texel position), so they accept any strided view.
-STRIDED_READERS = frozenset({
-    "MatMul", "Gemm", "Conv", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Log", "Relu", "Clip",
-    "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Where", "Cast", "Equal", "Greater", "Less", "GreaterOrEqual",
-    "LessOrEqual", "And", "Or", "Not", "Max", "Min", "Sum", "IsNaN", "Abs", "HardSigmoid", "HardSwish", "ReduceSum",
-    "ReduceMean", "ReduceMax", "ReduceL2", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus",
-    "Mish", "Softsign", "Gelu", "Floor", "Sign", "Ceil", "Round",
-    "Gather", "GatherElements", "GatherND", "ScatterElements", "Slice", "Concat", "Expand", "Transpose", "Pad"})
-
-
-#: The STRIDED_READERS whose kernels also add a view's offset (a Slice's start): every element through
-#: KernelBuilder.load. The contractions and reductions read their operands by strides alone.
-OFFSET_READERS = STRIDED_READERS - {"MatMul", "Gemm", "Conv", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2",
-                                    "Gather", "GatherElements", "GatherND", "ScatterElements"}
-
-
-#: The readers of a folded view (its axes mixed-radix digits): the kernels that read every element
-#: through KernelBuilder.load (the reductions do where their input is not a plain tensor), and
-#: MatMul, which walks a folded K axis as nested loops.
-FOLDED_READERS = OFFSET_READERS | {"MatMul", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2"}
+#: through explicit strides (never by raw texel position), so they accept any strided view; the
+#: ones that also add a view's offset (a Slice's start: every element through KernelBuilder.load;
+#: the contractions and reductions read their operands by strides alone); the readers of a folded
+#: view (its axes mixed-radix digits: KernelBuilder.load, the reductions where their input is not a
+#: plain tensor, and MatMul, which walks a folded K axis as nested loops). The op table's `reads`
+#: (fblc/compiler/ops.py) says which.
+STRIDED_READERS = reading(Reads.STRIDED)
+OFFSET_READERS = reading(Reads.STRIDED | Reads.OFFSET)
+FOLDED_READERS = reading(Reads.FOLDED)
 
 
 def _reader_maps(value: ir.Value, index_map: IndexMap) -> Iterator[tuple[ir.Node, int, IndexMap | None]]:

@@ -2,11 +2,11 @@
 
     python -m fblc.tools.op_audit > docs/OPS.md
 
-The list of ops (`EXPORTED_OPS`) is data: what the exporters (dynamo at opset 18 and later,
-and the legacy TorchScript exporter) write for the torch.nn modules and functional ops models
-use. Every status column comes from the registries (and lower_composites' LOWERINGS table: an op
-rewritten at import is *lowered*) at the time the table is generated, so a new
-gradient rule or kernel shows up by regenerating it; tests/test_op_audit.py fails while
+The list of ops (`EXPORTED_OPS`, the op table's `exported` column, fblc/compiler/ops.py) is data:
+what the exporters (dynamo at opset 18 and later, and the legacy TorchScript exporter) write for
+the torch.nn modules and functional ops models use. Every status column comes from the registries
+(and lower_composites' LOWERINGS table: an op rewritten at import is *lowered*) at the time the
+table is generated, so a new gradient rule or kernel shows up by regenerating it; tests/test_op_audit.py fails while
 docs/OPS.md is stale, and checks that every op a registry holds is in the table (ops fblc
 registers that no exporter list names get a section of their own).
 """
@@ -21,140 +21,25 @@ import onnx_ir as ir
 from fblc.codegen.kernels import KERNEL_EMITTERS
 from fblc.compiler.autodiff import GRADIENTS
 from fblc.compiler.index_map import ALWAYS_VIEWS
+from fblc.compiler.ops import DATA_DEPENDENT as DATA_DEPENDENT_SHAPE
+from fblc.compiler.ops import INTEGER_OUTPUTS, OPS, PRELOADED, ops_where
 from fblc.compiler.shape_rules import SHAPE_RULES
 from fblc.compiler.shapes import has_shape_inference
 from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS
 from fblc.passes.lower_composites import LOWERINGS
 from fblc.passes.split_softmax import SPLITS
 
-#: (op type, what in PyTorch makes the exporters write it)
-EXPORTED_OPS: tuple[tuple[str, str], ...] = (
-    # contractions
-    ("Conv", "nn.Conv1d/2d/3d, F.conv2d"),
-    ("ConvTranspose", "nn.ConvTranspose1d/2d"),
-    ("Gemm", "nn.Linear on 2-D input (legacy exporter)"),
-    ("MatMul", "nn.Linear (dynamo), torch.matmul, @, attention"),
-    ("Einsum", "torch.einsum"),
-    # normalisation
-    ("BatchNormalization", "nn.BatchNorm1d/2d"),
-    ("LayerNormalization", "nn.LayerNorm, F.layer_norm"),
-    ("GroupNormalization", "nn.GroupNorm (dynamo)"),
-    ("InstanceNormalization", "nn.InstanceNorm2d, nn.GroupNorm (legacy)"),
-    # activations
-    ("Relu", "nn.ReLU, F.relu"),
-    ("LeakyRelu", "nn.LeakyReLU"),
-    ("PRelu", "nn.PReLU"),
-    ("Elu", "nn.ELU"),
-    ("Selu", "nn.SELU"),
-    ("Celu", "nn.CELU"),
-    ("Gelu", "nn.GELU at opset 20 and later (exact and tanh)"),
-    ("Erf", "nn.GELU (exact) before opset 20"),
-    ("Sigmoid", "nn.Sigmoid, nn.SiLU (x * sigmoid(x))"),
-    ("Tanh", "nn.Tanh, GELU with approximate='tanh'"),
-    ("HardSigmoid", "nn.Hardsigmoid"),
-    ("HardSwish", "nn.Hardswish (MobileNetV3)"),
-    ("Softplus", "nn.Softplus, state-space models"),
-    ("Mish", "nn.Mish"),
-    ("Softsign", "nn.Softsign"),
-    ("Clip", "torch.clamp, nn.ReLU6, nn.Hardtanh"),
-    ("Softmax", "nn.Softmax, attention"),
-    ("LogSoftmax", "nn.LogSoftmax, F.cross_entropy"),
-    # pooling and resampling
-    ("MaxPool", "nn.MaxPool1d/2d"),
-    ("AveragePool", "nn.AvgPool1d/2d"),
-    ("GlobalAveragePool", "nn.AdaptiveAvgPool2d(1)"),
-    ("GlobalMaxPool", "nn.AdaptiveMaxPool2d(1)"),
-    ("Resize", "nn.Upsample, F.interpolate"),
-    ("DepthToSpace", "nn.PixelShuffle (legacy exporter)"),
-    ("SpaceToDepth", "nn.PixelUnshuffle (legacy exporter)"),
-    # arithmetic
-    ("Add", "+, biases, residuals"),
-    ("Sub", "-"),
-    ("Mul", "*, scales, gates"),
-    ("Div", "/, attention scaling"),
-    ("Pow", "**, x.pow"),
-    ("Sqrt", "torch.sqrt, norms"),
-    ("Reciprocal", "torch.reciprocal, 1 / x"),
-    ("Exp", "torch.exp"),
-    ("Log", "torch.log"),
-    ("Neg", "-x"),
-    ("Abs", "torch.abs"),
-    ("Sin", "torch.sin, rotary embeddings"),
-    ("Cos", "torch.cos, rotary embeddings"),
-    ("Max", "torch.maximum"),
-    ("Min", "torch.minimum"),
-    ("Sum", "sum of many tensors"),
-    ("Floor", "torch.floor"),
-    ("Sign", "torch.sign"),
-    ("Ceil", "torch.ceil"),
-    ("Round", "torch.round"),
-    # reductions and scans
-    ("ReduceSum", "torch.sum"),
-    ("ReduceMean", "torch.mean, RMSNorm"),
-    ("ReduceMax", "torch.amax, x.max(dim)"),
-    ("ReduceMin", "torch.amin"),
-    ("ReduceL2", "torch.linalg.vector_norm, weight_norm"),
-    ("ReduceLogSumExp", "torch.logsumexp"),
-    ("PhiloxNormal", "not exported: fblc's on-device ES noise (--trainer es, pass es_noise)"),
-    ("PhiloxWeightedSum", "not exported: fblc's on-device ES direction (--trainer es, pass es_noise)"),
-    ("MergeRuns", "not exported: fblc's on-device sort of a long row scatter's rows (pass sort_scatter_rows)"),
-    ("ScatterSortedRows", "not exported: fblc's row scatter over sorted rows (pass sort_scatter_rows)"),
-    ("ReduceProd", "torch.prod"),
-    ("CumSum", "torch.cumsum, position ids"),
-    ("ArgMax", "torch.argmax"),
-    ("TopK", "torch.topk, mixture-of-experts routing"),
-    # indexing
-    ("Gather", "nn.Embedding, x[:, 0], index_select"),
-    ("GatherND", "x[..., [i], :], bias tables indexed by constants"),
-    ("GatherElements", "torch.gather, F.cross_entropy"),
-    ("ScatterND", "index_put, slice assignment"),
-    ("ScatterElements", "torch.scatter"),
-    ("OneHot", "F.one_hot"),
-    ("Where", "torch.where, masked_fill"),
-    ("Trilu", "torch.tril/triu (causal masks)"),
-    ("NonZero", "torch.nonzero, x[mask]"),
-    # data movement
-    ("Reshape", "view, reshape"),
-    ("Transpose", "permute, transpose, .T"),
-    ("Flatten", "nn.Flatten (legacy exporter)"),
-    ("Squeeze", "squeeze"),
-    ("Unsqueeze", "unsqueeze, None indexing"),
-    ("Expand", "expand, broadcast_to"),
-    ("Tile", "Tensor.repeat"),
-    ("Slice", "x[a:b], narrow"),
-    ("Split", "torch.split, chunk"),
-    ("Concat", "torch.cat, torch.stack"),
-    ("Pad", "F.pad, padded convs"),
-    # comparisons, casts and constants
-    ("Equal", "==, masks"),
-    ("Less", "<"),
-    ("LessOrEqual", "<="),
-    ("Greater", ">"),
-    ("GreaterOrEqual", ">="),
-    ("Not", "~, logical_not"),
-    ("And", "&, logical_and"),
-    ("Or", "|, logical_or"),
-    ("IsNaN", "torch.isnan"),
-    ("Cast", ".to(dtype), .float()"),
-    ("Shape", "x.shape, x.size() (dynamic shapes)"),
-    ("ConstantOfShape", "torch.zeros/ones/full of a computed size"),
-    ("Range", "torch.arange"),
-    ("Constant", "literals"),
-    ("Identity", "no-ops the exporter keeps"),
-    ("Dropout", "nn.Dropout (inference mode)"),
-    # recurrent
-    ("LSTM", "nn.LSTM (legacy exporter)"),
-    ("GRU", "nn.GRU (legacy exporter)"),
-)
+#: (op type, what in PyTorch makes the exporters write it): the op table's `exported` column
+EXPORTED_OPS: tuple[tuple[str, str], ...] = tuple((op, entry.exported) for op, entry in OPS.items()
+                                                  if entry.exported is not None)
 
 #: ops whose outputs are integers, booleans or constants: no gradient flows through them, so
 #: none is needed (a float tensor reaching them gets its gradient through other paths)
-NO_GRADIENT_NEEDED = frozenset({
-    "ArgMax", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "IsNaN", "NonZero",
-    "Shape", "ConstantOfShape", "Range", "Constant", "OneHot"})
+NO_GRADIENT_NEEDED = ops_where(lambda entry: entry.no_gradient == INTEGER_OUTPUTS)
 
 #: ops onnx infers shapes for, whose output shape still depends on the data (the import refuses them)
-DATA_DEPENDENT = frozenset({"NonZero"})
+DATA_DEPENDENT = ops_where(lambda entry: entry.no_kernel == DATA_DEPENDENT_SHAPE)
+PRELOADED_OPS = ops_where(lambda entry: entry.no_kernel == PRELOADED)
 
 #: the status of an op that `fblc.passes.lower_composites` rewrites into ops with a rule and a kernel
 LOWERED = "lowered"
@@ -181,7 +66,7 @@ def status(op: str) -> tuple[str, str, str, str, str]:
         gradient = "not needed" if op in NO_GRADIENT_NEEDED else "no"
     if op in ALWAYS_VIEWS:
         kernel = "view"  # reads its input's texture, no kernel
-    elif op == "Constant":
+    elif op in PRELOADED_OPS:
         kernel = "preloaded"
     elif op in SPLITS:
         kernel = "split: ReduceLogSumExp + map"  # fblc.passes.split_softmax, after the gradients

@@ -19,8 +19,8 @@ from fblc.codegen.reads import dtype_of
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, const_array, static_shape
+from fblc.compiler.ops import ELEMENTWISE
 from fblc.errors import UnsupportedOpError
-from fblc.passes.fuse import ELEMENTWISE
 
 Operand = Callable[[ir.Value], Expr]
 Expression = Callable[[KernelBuilder, ir.Node, Operand], Expr]
@@ -61,7 +61,8 @@ for _op, _build in {"Sqrt": lambda a: call("sqrt", a), "Reciprocal": lambda a: f
                     "Exp": lambda a: call("exp", a), "Log": lambda a: call("log", a),
                     "Relu": lambda a: call("fmax", a, f(0.0)), "Sigmoid": lambda a: f(1.0) / (f(1.0) + call("exp", -a)),
                     "Tanh": lambda a: call("tanh", a), "Erf": lambda a: call("erf", a), "Sin": lambda a: call("sin", a),
-                    "Cos": lambda a: call("cos", a), "Not": Expr.__invert__, "Abs": lambda a: call("fabs", a),
+                    "Cos": lambda a: call("cos", a),
+                    "Atan": lambda a: call("atan", a), "Not": Expr.__invert__, "Abs": lambda a: call("fabs", a),
                     "IsNaN": lambda a: call("isnan", a, dtype=INT)}.items():
     unary(_op, _build)
 

@@ -23,14 +23,13 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from fblc.compiler.autodiff import GradRule, register_gradient
+from fblc.compiler.autodiff import register_gradient
+from fblc.compiler.gradients.unary import unary
 from fblc.compiler.graph import Emitter, attr, static_shape
 from fblc.compiler.values import choice_attr
 from fblc.errors import UnsupportedOpError
 
 Grads = Sequence["ir.Value | None"]
-#: (emitter, node, x, y) -> dy/dx, elementwise of x's shape
-LocalDerivative = Callable[[Emitter, ir.Node, ir.Value, ir.Value], ir.Value]
 
 SELU_ALPHA = 1.67326319217681884765625  # the ONNX defaults: torch's constants rounded to float32
 SELU_GAMMA = 1.05070102214813232421875
@@ -52,23 +51,27 @@ def _left_piece(e: Emitter, x: ir.Value, left: ir.Value, right: float) -> ir.Val
     return e.op("Where", e.op("LessOrEqual", x, e.scalar(0.0, x)), left, e.scalar(right, x))
 
 
+@unary("LeakyRelu")
 def _leaky_relu(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """1 for x > 0, alpha from 0 down (torch's leaky_relu_backward: `x > 0 ? dy : dy * alpha`)."""
     alpha = _float(node, "alpha", 0.01)
     return e.op("Where", e.op("Greater", x, e.scalar(0.0, x)), e.scalar(1.0, x), e.scalar(alpha, x))
 
 
+@unary("Elu")
 def _elu(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """alpha exp(x) = y + alpha for x <= 0, 1 above."""
     return _left_piece(e, x, e.op("Add", y, e.scalar(_float(node, "alpha", 1.0), y)), 1.0)
 
 
+@unary("Selu")
 def _selu(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """gamma alpha exp(x) = y + gamma alpha for x <= 0, gamma above."""
     alpha, gamma = _float(node, "alpha", SELU_ALPHA), _float(node, "gamma", SELU_GAMMA)
     return _left_piece(e, x, e.op("Add", y, e.scalar(gamma * alpha, y)), gamma)
 
 
+@unary("Celu")
 def _celu(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """exp(x / alpha) = y / alpha + 1 for x <= 0, 1 above (continuous: 1 at the kink)."""
     alpha = _float(node, "alpha", 1.0)
@@ -79,18 +82,21 @@ def _celu(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return _left_piece(e, x, scaled, 1.0)
 
 
+@unary("ThresholdedRelu")
 def _thresholded_relu(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """1 strictly above alpha, 0 from alpha down (torch's threshold_backward: `x <= t ? 0 : dy`)."""
     alpha = _float(node, "alpha", 1.0)
     return e.op("Where", e.op("Greater", x, e.scalar(alpha, x)), e.scalar(1.0, x), e.scalar(0.0, x))
 
 
+@unary("Softplus")
 def _softplus(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """sigmoid(x), finite for any x. torch's F.softplus (beta 1, threshold 20) takes slope 1 above 20,
     where sigmoid is within 2.1e-9 of 1 and rounds to it in float32: the same values."""
     return e.op("Sigmoid", x)
 
 
+@unary("Mish")
 def _mish(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """t + x sigmoid(x) (1 - t^2), t = tanh(softplus(x)): torch's mish_backward; finite at x = +-100
     (t is 1 or 0 there, and the second term 0)."""
@@ -99,6 +105,7 @@ def _mish(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Add", t, e.op("Mul", e.op("Mul", x, e.op("Sigmoid", x)), sech2))
 
 
+@unary("Softsign")
 def _softsign(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """1 / (1 + |x|)^2 (1 at 0, as torch's autograd through x / (1 + |x|))."""
     denominator = e.op("Add", e.scalar(1.0, x), e.op("Abs", x))
@@ -132,35 +139,15 @@ def _gelu_tanh(e: Emitter, x: ir.Value) -> ir.Value:
 GELU_FORMS: dict[str, Callable[[Emitter, ir.Value], ir.Value]] = {"none": _gelu_exact, "tanh": _gelu_tanh}
 
 
+@unary("Gelu")
 def _gelu(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return GELU_FORMS[choice_attr(node, "approximate", "none", GELU_FORMS, "gradient rule")](e, x)
 
 
+@unary("Abs")
 def _abs(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """sign(x): 0 at 0, as torch's abs backward (sgn)."""
     return e.op("Sign", x)
-
-
-#: op -> its local derivative; the rule is dy * local (one input, one output)
-UNARY: dict[str, LocalDerivative] = {
-    "LeakyRelu": _leaky_relu, "Elu": _elu, "Selu": _selu, "Celu": _celu, "ThresholdedRelu": _thresholded_relu,
-    "Softplus": _softplus, "Mish": _mish, "Softsign": _softsign, "Gelu": _gelu, "Abs": _abs,
-}
-
-
-def _unary_rule(op_type: str, local: LocalDerivative) -> GradRule:
-    """The rule dx = dy * local(x, y) of a one-input, one-output op."""
-
-    def rule(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-        return [e.op("Mul", dys[0], local(e, node, node.inputs[0], node.outputs[0]))]
-
-    rule.__name__ = f"{op_type.lower()}_grad"
-    rule.__doc__ = f"dx = dy * d{op_type}/dx. " + (local.__doc__ or "")
-    return rule
-
-
-for _op_type, _local in UNARY.items():
-    register_gradient(_op_type)(_unary_rule(_op_type, _local))
 
 
 @register_gradient("PRelu")

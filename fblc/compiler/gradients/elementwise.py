@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
+from fblc.compiler.gradients.unary import unary
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, const_array, static_shape
 
@@ -66,65 +67,58 @@ def pow_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gra
     return [da, db]
 
 
-def _unary(op_type: str):
-    def decorate(local_derivative):
-        @register_gradient(op_type)
-        def rule(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-            return [e.op("Mul", dys[0], local_derivative(e, node.inputs[0], node.outputs[0]))]
-
-        rule.__name__ = f"{op_type.lower()}_grad"
-        return rule
-
-    return decorate
-
-
-@_unary("Sqrt")
-def _sqrt(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Sqrt")
+def _sqrt(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Div", e.scalar(0.5, y), y)
 
 
-@_unary("Reciprocal")
-def _reciprocal(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Reciprocal")
+def _reciprocal(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Neg", e.op("Mul", y, y))
 
 
-@_unary("Exp")
-def _exp(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Exp")
+def _exp(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return y
 
 
-@_unary("Log")
-def _log(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Log")
+def _log(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Reciprocal", x)
 
 
-@_unary("Sigmoid")
-def _sigmoid(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Sigmoid")
+def _sigmoid(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Mul", y, e.op("Sub", e.scalar(1.0, y), y))
 
 
-@_unary("Tanh")
-def _tanh(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Tanh")
+def _tanh(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Sub", e.scalar(1.0, y), e.op("Mul", y, y))
 
 
-@_unary("Erf")
-def _erf(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Erf")
+def _erf(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Mul", e.scalar(2.0 / math.sqrt(math.pi), x), e.op("Exp", e.op("Neg", e.op("Mul", x, x))))
 
 
-@_unary("Sin")
-def _sin(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Sin")
+def _sin(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Cos", x)
 
 
-@_unary("Cos")
-def _cos(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Cos")
+def _cos(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     return e.op("Neg", e.op("Sin", x))
 
 
-@_unary("HardSwish")
-def _hard_swish(e: Emitter, x: ir.Value, y: ir.Value) -> ir.Value:
+@unary("Atan")
+def _atan(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
+    return e.op("Reciprocal", e.op("Add", e.scalar(1.0, x), e.op("Mul", x, x)))
+
+
+@unary("HardSwish")
+def _hard_swish(e: Emitter, node: ir.Node, x: ir.Value, y: ir.Value) -> ir.Value:
     """y = x * clip(x / 6 + 1/2, 0, 1): slope 0 up to -3, x / 3 + 1/2 strictly between, 1 from 3 on.
 
     The kinks take the outer pieces, as torch.nn.functional.hardswish's backward does (torch
