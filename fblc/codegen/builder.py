@@ -21,8 +21,12 @@ write stores a whole byte, so the work-item that writes byte b must compute both
 texels pair up among themselves (an even count of consecutive texels from an even one, or a
 2-D tile whose rows are an even number of texels, an even number apart) writes them as they
 come; one of an odd count (one texel, or a conv's 5 or 3 in a row) runs two consecutive items
-in turn (`PAIR`). A 2-D tile of odd columns cannot: its mask falls back to r_mask4
-(TextureTable.to_mask4).
+in turn (`PAIR`). A 2-D tile of odd columns cannot: its schedule stores the mask as r_mask4
+(codegen/schedule.py, decided before any texture exists).
+
+The tile, like the work-group a long reduction takes, is the kernel's `Schedule`, which
+kernels/schedules.py decided before the kernel is built (TextureTable.schedules, by kernel name);
+`finish` records what the kernel used into it (plan.json).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import onnx_ir as ir
 from fblc.bundle_format import BUFFER_C_TYPES, MASK_FORMATS
 from fblc.codegen.cl import Kernel, div_index, index_vars, mod_index
 from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads, ctype_of
+from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
 
@@ -74,12 +79,6 @@ KERNEL_NAMES: dict[str, str] = {
 }
 
 
-def _pairs_texels(columns: int, stride: int) -> bool:
-    """A 2-D tile (rows `stride` texels apart, `columns` texels each) holds both texels of every mask
-    byte it touches: rows of an even number of texels, an even number apart."""
-    return columns % 2 == 0 and stride % 2 == 0
-
-
 class KernelBuilder(ValueReads):
     """Builds one per-element kernel writing `outputs` (all of one shape); reads come from ValueReads."""
 
@@ -102,6 +101,8 @@ class KernelBuilder(ValueReads):
         self.group_size: int | None = None
         self.tiles_per_group = 1  # items (tiles) a group kernel's work-group holds, group_size work-items each
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
+        self.schedule = table.schedules.setdefault(name, Schedule())
+        self.tile_texels(self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride)
 
     # writing the body ------------------------------------------------------------------------
     def emit(self, *lines: str) -> None:
@@ -150,9 +151,21 @@ class KernelBuilder(ValueReads):
 
     def tile_texels(self, rows: int, columns: int, stride: int) -> None:
         """Make each work-item hold a 2-D tile: `rows` rows `stride` texels apart, each of `columns`
-        consecutive texels (stride a multiple of columns)."""
+        consecutive texels (stride a multiple of columns; rows 1 texel apart are consecutive texels)."""
         assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
         self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
+
+    def take_group(self) -> None:
+        """Share each item among the schedule's group_size work-items (a long reduction's work-group)."""
+        size = self.schedule.group_size or 1
+        self.group_size = size if size > 1 else None
+
+    def _record_schedule(self) -> None:
+        """Write what the kernel used into its schedule (plan.json records it)."""
+        schedule, columns = self.schedule, self.item_columns
+        schedule.tile_rows, schedule.tile_columns = self.texels_per_item // columns, columns
+        schedule.tile_stride, schedule.tiles_per_group = self.item_stride, self.tiles_per_group
+        schedule.group_size = self.group_size or 1
 
     @property
     def _first_texel(self) -> str:
@@ -193,11 +206,9 @@ class KernelBuilder(ValueReads):
         assert texels % band == 0, f"{texels} texels in bands of {band}"
         items = self.items
         masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
-        tiled = self.item_stride > self.item_columns  # else the item's texels are consecutive
-        if masks and tiled and not _pairs_texels(self.item_columns, self.item_stride):
-            for texture in masks:  # a byte's two texels lie in two work-items' tiles
-                self.table.to_mask4(texture)
-            masks = []
+        self._record_schedule()
+        assert not masks or pairs_mask_bytes(self.schedule), \
+            f"{self.name}: its tile splits the bytes of mask8 outputs its schedule did not store as r_mask4"
         pair = PAIR if masks and per_item % 2 else 1
         params = [f"IMAGE_OUT({BUFFER_C_TYPES[t.format]}, out{k})" for k, t in enumerate(self.out_textures)]
         params += [f"IMAGE_IN({BUFFER_C_TYPES[t.format]}, in{k})" for k, t in enumerate(self.in_textures)]

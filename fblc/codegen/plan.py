@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -18,6 +19,7 @@ import onnx_ir as ir
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.codegen.cl import PREAMBLE, Kernel
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
+from fblc.codegen.kernels.schedules import decide_schedules, mask4_layouts
 from fblc.codegen.textures import Texture, TextureTable, to_texels
 from fblc.compiler import keys
 from fblc.errors import FblcError, UnsupportedOpError
@@ -41,6 +43,7 @@ class Program:
     value_maps: dict[str, dict[str, object]] = field(default_factory=dict)  # strided views: shape, strides, offset
     source: str = ""
     kernel_lines: dict[str, tuple[int, int]] = field(default_factory=dict)
+    schedules: dict[str, dict[str, object]] = field(default_factory=dict)  # kernel name -> its schedule, as used
 
     def family_counts(self) -> dict[str, int]:
         return dict(Counter(k.family for k in self.kernels))
@@ -75,14 +78,18 @@ def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
     return [g for g in _groups(graph) if g.outputs and g.anchor.op_type != "Constant"]
 
 
-def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True) -> Program:
+def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True,
+          overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Program:
     """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the
-    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone."""
+    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone.
+    Every kernel's schedule is decided first (kernels/schedules.py, `overrides` by kernel name applied)."""
     graph = model.graph
     table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
     kernels: list[Kernel] = []
     groups = kernel_groups(graph)
     gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
+    table.schedules = decide_schedules(table, [g for g in groups if KERNEL_EMITTERS.has(g.anchor)], overrides)
+    table.mask4 = mask4_layouts(table.schedules, table, graph)
     refusals: list[FblcError] = []
     for group in groups:
         if not KERNEL_EMITTERS.has(group.anchor):
@@ -122,7 +129,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
             if not index_map.contiguous:
                 value_maps[node.outputs[0].name] = {"shape": list(index_map.shape), "strides": list(index_map.strides),
                                                     "offset": index_map.offset}
-    program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps)
+    program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps,
+                      schedules={k.name: table.schedules[k.name].record() for k in kernels})
     _assemble_source(program)
     return program
 
