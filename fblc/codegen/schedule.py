@@ -64,6 +64,12 @@ class Schedule:
             return 8
         return 4 if self.accumulator_form in ("texels", "sums") else 1
 
+    def decided(self) -> dict[str, Any]:
+        """The schedule as decided before its kernel is built (None: decided at the reduction)."""
+        return {"tile_rows": self.tile_rows, "tile_columns": self.tile_columns, "tile_stride": self.tile_stride,
+                "group_size": self.group_size, "accumulator_form": self.accumulator_form,
+                "pair_stride": self.pair_stride, "mask4": list(self.mask4)}
+
     def record(self) -> dict[str, Any]:
         """The schedule as plan.json records it."""
         return {"tile_rows": self.tile_rows, "tile_columns": self.tile_columns, "tile_stride": self.tile_stride,

@@ -17,6 +17,8 @@ INDEX_MAP = "fblc.index_map"
 STORAGE = "fblc.storage"
 ROLE = "fblc.role"
 KERNEL = "fblc.kernel"
+#: On a kernel group's anchor node: JSON of its kernels' schedules by kernel name (kernel_schedules).
+SCHEDULE = "fblc.schedule"
 MEM = "fblc.mem"
 #: Which pass emitted a node: "forward", "loss", "backward", "es", "optimizer".
 STAGE = "fblc.stage"

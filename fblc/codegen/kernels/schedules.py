@@ -188,7 +188,8 @@ def decide_schedules(table: TextureTable, groups: list[KernelGroup],
     apply_overrides(schedules, overrides or {}, lambda name, schedule: _refine(table, owners[name], schedule))
     for name, schedule in schedules.items():
         if not pairs_mask_bytes(schedule):  # a byte's two texels would lie in two work-items' tiles
-            schedule.mask4 = tuple(view_root(v).name for v in owners[name].outputs if _layout_kind(v) == "mask8")
+            schedule.mask4 = tuple(view_root(v).name for v in owners[name].outputs  # mask4: kernel_schedules's
+                                   if _layout_kind(v) in ("mask8", "mask4"))
     return schedules
 
 
