@@ -159,7 +159,7 @@ def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping
         groups = [g for g in kernel_groups(graph) if KERNEL_EMITTERS.has(g.anchor)]
         schedules = decide_schedules(table, groups, overrides)
         layouts = mask4_layouts(schedules, table, graph)
-        return ScheduleDecisions({g.anchor.name: _decided(schedules, g) for g in groups},
+        return ScheduleDecisions([(g.anchor, _decided(schedules, g)) for g in groups],
                                  {name: layout.to_json() for name, layout in layouts.items()})
 
     return decide

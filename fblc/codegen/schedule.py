@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fblc.codegen.kernels.accumulators import FORMS, choose_form, float4_count, pair_stride
 from fblc.errors import FblcError
 from fblc.profiles import Profile
-from fblc.profiles.profile import SERIAL_REDUCTION
+from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
 #: the fields a schedule file may name (a kernel's `choices` say which of them it takes)
 OVERRIDABLE = ("tile_rows", "tile_columns", "group_size", "accumulator_form", "pair_stride")
@@ -99,8 +99,6 @@ def pairs_mask_bytes(schedule: Schedule) -> bool:
 def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:
     """Work-items a tile's reduction may be dealt out to: 1, or powers of two within the device's
     max_work_group_size and SHARED_TILE_FLOATS of partials (`lanes` per work-item)."""
-    from fblc.profiles.profile import SHARED_TILE_FLOATS
-
     bound = min(profile.max_work_group_size, SHARED_TILE_FLOATS // max(1, lanes))
     return (1,) + tuple(2 ** k for k in range(1, 16) if 2 ** k <= bound)
 
@@ -114,7 +112,13 @@ def reduction_choices(profile: Profile, lanes: int, masks: bool) -> dict[str, tu
     """The overridable fields of a kernel whose work-item reduces `lanes` outputs together (`masks`: it
     writes saved masks, whose bytes pair texels of two work-items, so it keeps one work-item per tile)."""
     return {"group_size": (1,) if masks else group_choices(profile, lanes),
-            "accumulator_form": form_choices(lanes), "pair_stride": tuple(range(0, max(1, lanes // 8) + 1))}
+            "accumulator_form": form_choices(lanes), "pair_stride": pair_choices(lanes)}
+
+
+def pair_choices(lanes: int) -> tuple[int, ...]:
+    """Float8 pairing strides of `lanes` outputs' float4 accumulators in some form (0: none); which of
+    them pair the form the kernel takes is checked when it is known (resolve_pair)."""
+    return (0,) + tuple(s for s in range(1, lanes // 2 + 1) if lanes % (2 * s) == 0) if lanes % 4 == 0 else (0,)
 
 
 def resolve_group(schedule: Schedule, profile: Profile, serial: int, trips: int, lanes: int, tiles: int,

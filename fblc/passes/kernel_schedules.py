@@ -16,7 +16,7 @@ and the memory plan accounts such masks as r_mask8.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -26,8 +26,8 @@ from fblc.passes.contracts import ContractPass
 
 @dataclass(frozen=True)
 class ScheduleDecisions:
-    #: anchor node name -> JSON of its group's schedules by kernel name
-    schedules: Mapping[str, str] = field(default_factory=dict)
+    #: (a kernel group's anchor node, JSON of its group's schedules by kernel name)
+    schedules: Sequence[tuple[ir.Node, str]] = ()
     #: saved mask value name -> its r_mask4 layout (TexelLayout JSON)
     layouts: Mapping[str, str] = field(default_factory=dict)
 
@@ -50,9 +50,8 @@ class KernelSchedules(ContractPass):
             return ir.passes.PassResult(model, False)
         decisions = self.decide(model)
         modified = False
-        for node in model.graph:
-            text = decisions.schedules.get(node.name)
-            if text is not None and node.metadata_props.get(keys.SCHEDULE) != text:
+        for node, text in decisions.schedules:
+            if node.metadata_props.get(keys.SCHEDULE) != text:
                 node.metadata_props[keys.SCHEDULE] = text
                 modified = True
         values = list(model.graph.inputs) + [v for n in model.graph for v in n.outputs if v is not None]

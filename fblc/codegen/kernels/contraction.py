@@ -314,7 +314,7 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
     assert k_digits is not None, f"{node.name}: K folds differently in its operands (tile_remap keeps such views)"
     (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits
-    (m_rows, a_row), (n_run, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
+    (_, a_row), (n_run, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
     # lanes: 4 consecutive columns n, one stride apart in B
     texel = len(b_shape) >= 2 and lane_axis(b.out_shape) == len(b.out_shape) - 1 and n_run % LANES == 0
     prefix = TEXEL_INDEX if texel else OUT_INDEX

@@ -37,7 +37,6 @@ the input read zero through masks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,23 +45,13 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, div_index, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.conv_tiles import (
-    STATIC_PRODUCTS,
-    batch_count,
-    batch_stride,
-    channel_rows,
-    row_columns,
-    stack_rows,
-    texels_per_item,
-)
+from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
 from fblc.codegen.reads import ValueReads
-from fblc.codegen.schedule import Schedule, consecutive, tile as tile_of
 from fblc.codegen.kernels.contraction import (
     finish_group,
     reduce_guarded,
     reduce_into,
     reduce_lane,
-    row_axis,
     start_builder,
 )
 from fblc.codegen.kernels.texel import (
@@ -247,22 +236,6 @@ def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile
     return Reduction(x, w, blocked, loops, mask, row_mask)
 
 
-def _sums_instead_of_batches(b: ValueReads, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None,
-                             tiled: bool) -> bool:
-    """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
-    (accumulators' "sums" form), rather than take several batch elements (batch_rows, R-Tile codegen's
-    register tile) in texels: the sums must be chosen for the tile alone and cost fewer instructions per
-    product than the batched tile's texels."""
-    def trial(candidate: _Tile) -> Reduction:
-        return _conv_reduction(b, Code([]), cs, prefix, candidate, masked)
-
-    single = trial(tile)
-    if single.accumulator_form(b, tile.lanes) != "sums":
-        return False
-    batched = dataclasses.replace(tile, batches=batch_count(tiled, cs.out_shape, tile.lanes))
-    return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
-
-
 def _block_products(cs: _ConvShape, k: int, lanes: int) -> int:
     """Products of one static block of the reduction over `k` taps along the masked axis (without
     a 2-D tile's row taps): channels x taps, or TAP_BLOCK taps, times the lanes."""
@@ -322,24 +295,6 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
     if axis is not None and axis >= 2:
         return _Tile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)
     return None
-
-
-def spatial_rows(tiled: bool, cs: _ConvShape, tile: _Tile) -> tuple[int, int | None]:
-    """(rows, window axis): under R-Tile codegen a spatial tile whose channels cannot stack (a
-    depthwise conv has one output channel per group) stacks consecutive output positions along the
-    window axis before its own, the first of SPATIAL_ROWS that divides that axis and fits
-    PRIVATE_FLOATS, where its taps overlap (more taps than stride): the tile's rows then share
-    input rows, (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps.
-    (1, None) when none fits, or under the naive layout."""
-    window = cs.window
-    if not tiled or not tile.axis or window.kernel[tile.axis] > TAP_BLOCK:
-        return 1, None
-    y = tile.axis - 1
-    if window.kernel[y] <= window.strides[y]:
-        return 1, None
-    rows, _ = stack_rows(cs.out_shape, 2 + y, tile.lanes,
-                         window.kernel[y] * window.kernel[tile.axis] * min(CHANNEL_BLOCK, cs.cg_in))
-    return (rows, y) if rows > 1 else (1, None)
 
 
 def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list[str]:
@@ -406,38 +361,6 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         acc = reduce_into(b, per_lane, 1)
     add_bias(b, node, acc)
     return finish_group(b, group, acc)
-
-
-def conv_plan(tiled: bool, scratch: ValueReads, node: ir.Node) -> tuple[ConvPlan, Schedule]:
-    """The conv's tile (see the module docstring) and its schedule; `scratch` numbers the names of
-    the trial reductions that weigh a channel tile's accumulator forms (no kernel is built)."""
-    cs = _conv_shape(node)
-    view = _pointwise(cs)
-    texel = FLAT_TEXEL_INDEX if view is not cs else TEXEL_INDEX
-    tile, row = _conv_tile(view), row_axis(view.out_shape, first=2)
-    if tile is not None:
-        per = tile.lanes // LANES
-        schedule = consecutive(per)
-        masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
-        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
-            rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-            if rows > 1:
-                tile.rows, schedule = rows, tile_of(rows, per, stride)
-            else:
-                tile.y_rows, tile.row_axis = spatial_rows(tiled, view, tile)
-                if tile.y_rows > 1:
-                    schedule = tile_of(tile.y_rows, per, stack_rows(view.out_shape, 2 + tile.row_axis, 0, 0)[1])
-        elif not _sums_instead_of_batches(scratch, view, texel, tile, masked, tiled):  # a channel tile
-            tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
-            if tile.batches > 1:
-                schedule = tile_of(tile.batches, per, batch_stride(view.out_shape))
-        return ConvPlan(view, tile, masked, names_taken=scratch._counter, flat=view is not cs), schedule
-    if row is not None:
-        axis, length = row
-        rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
-        schedule = tile_of(rows, columns, stride) if rows > 1 else consecutive(1)
-        return ConvPlan(view, row=(axis, length, rows, step, columns), flat=view is not cs), schedule
-    return ConvPlan(view, flat=view is not cs), consecutive(1)
 
 
 def _pointwise(cs: _ConvShape) -> _ConvShape:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import KernelBuilder, lane_axis
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import Kernel, div_index, mod_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
@@ -33,12 +33,9 @@ from fblc.codegen.kernels.contraction import (
     index_terms,
     reduce_guarded,
     reduce_into,
-    row_axis,
     start_builder,
 )
-from fblc.codegen.kernels.conv import CHANNEL_BLOCK, TAP_BLOCK, add_bias, affine, view_indices
-from fblc.codegen.kernels.conv_tiles import channel_rows, row_columns, stack_rows, texels_per_item
-from fblc.codegen.schedule import Schedule, consecutive, tile as tile_of
+from fblc.codegen.kernels.conv import CHANNEL_BLOCK, add_bias, affine, view_indices
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
@@ -245,43 +242,6 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         b.emit(f"{acc} = {_transpose_per_lane(b, view, Code(b.lines), lane)};")
     add_bias(b, node, acc)
     return finish_group(b, group, acc)
-
-
-def transpose_plan(tiled: bool, node: ir.Node) -> tuple[TransposePlan, Schedule, int]:
-    """The ConvTranspose's tile, its schedule and the lanes its work-item reduces together (0: per lane)."""
-    ts = _transpose_shape(node)
-    view = _pointwise(ts)
-    flat = view is not ts
-    axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
-    if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
-        per = texels_per_item(view.out_shape[axis] // LANES)
-        lanes = LANES * per
-        rows, step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-        schedule, along = (tile_of(rows, per, stride) if rows > 1 else consecutive(per)), None
-        if rows == 1:
-            (rows, step), along, stride = _spatial_rows(tiled, view, axis - 2, lanes)
-            if along is not None:
-                schedule = tile_of(rows, per, stride)
-        return TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes), schedule, lanes * rows
-    if row is not None and _row_stride_fits(view.strides[row[0] - 2], row[1]) and view.kernel[row[0] - 2] <= TAP_BLOCK:
-        axis, length = row
-        count, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
-        schedule = tile_of(count, columns, stride) if count > 1 else consecutive(1)
-        return TransposePlan(view, flat, row=(axis, length, count, step, columns)), schedule, LANES * columns * count
-    return TransposePlan(view, flat), consecutive(1), 0
-
-
-def _spatial_rows(tiled: bool, ts: _TransposeShape, lane: int, lanes: int
-                  ) -> tuple[tuple[int, int], int | None, int]:
-    """((rows, 1), window axis, stride): as conv.spatial_rows, consecutive output positions along the
-    spatial axis before `lane` where output channels cannot stack (a depthwise conv's input
-    gradient), when that axis has stride 1 and several taps: the rows share input rows, `stride`
-    texels apart. ((1, 1), None, 1) where none fits or under naive."""
-    if not tiled or lane == 0 or ts.strides[lane - 1] != 1 or ts.kernel[lane - 1] == 1:
-        return (1, 1), None, 1
-    rows, stride = stack_rows(ts.out_shape, 1 + lane, lanes,
-                              ts.kernel[lane - 1] * ts.kernel[lane] * min(CHANNEL_BLOCK, ts.cg_in))
-    return ((rows, 1), lane - 1, stride) if rows > 1 else ((1, 1), None, 1)
 
 
 def _row_stride_fits(stride: int, length: int) -> bool:

@@ -6,7 +6,10 @@ deciding. Groups without a rule get one texel per work-item. The rules are the d
 made while writing C, moved here unchanged:
 - MatMul / Gemm on their texel path under R-Tile codegen: a tile of the first of TILE_ROWS output rows
   that divides the rows, by TILE_COLUMNS texel columns where the row's texels come in such runs.
-- Conv / ConvTranspose: conv.conv_plan / conv_transpose.transpose_plan (channel, spatial, batch rows).
+- Conv / ConvTranspose (see conv.py's docstring): a channel tile, or a spatial tile or row texels under
+  R-Tile codegen also of 2 to 8 output channels (conv_tiles.channel_rows), else of 2 to 4 output rows
+  where channels cannot stack (_conv_spatial_rows); a channel tile of 2 to 8 batch elements
+  (conv_tiles.batch_count) unless its sums form is cheaper alone (_sums_instead_of_batches).
 - Reductions and row statistics: a work-group per output when the reduced run is long
   (Profile.reduction_group); LayerNormalization's output: the texels of a row (normalize._item_texels).
 Then a schedule file's overrides, and the saved masks whose bytes a 2-D tile splits (r_mask4).
@@ -14,22 +17,30 @@ Then a schedule file's overrides, and the saved masks whose bytes a 2-D tile spl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import onnx_ir as ir
 
-from fblc.codegen.builder import lane_axis
+from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import _root_digits
-from fblc.codegen.kernels.conv import conv_plan
-from fblc.codegen.kernels.conv_transpose import transpose_plan
+from fblc.codegen.kernels.contraction import _root_digits, row_axis
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, _conv_reduction,
+                                       _conv_shape, _conv_tile, _ConvShape, _last_tap_axis, _Tile)
+from fblc.codegen.kernels.conv import _pointwise as _conv_pointwise
+from fblc.codegen.kernels.conv_tiles import (batch_count, batch_stride, channel_rows, row_columns, stack_rows,
+                                             texels_per_item)
+from fblc.codegen.kernels.conv_transpose import TransposePlan, _row_stride_fits, _transpose_shape, _TransposeShape
+from fblc.codegen.kernels.conv_transpose import _pointwise as _transpose_pointwise
+from fblc.codegen.kernels.texel import Code, Reduction
 from fblc.codegen.kernels.normalize import _has_statistics, _item_texels, _layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
-                                   reduction_choices, tile)
+                                   reduction_choices)
+from fblc.codegen.schedule import tile as tile_of
 from fblc.codegen.textures import TextureTable
 from fblc.compiler import keys
 from fblc.compiler.index_map import view_root
@@ -86,7 +97,7 @@ def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column
     tile_rows = next((n for n in TILE_ROWS if rows % n == 0), None)
     if tiled and tile_rows is not None:
         columns = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
-        schedule = tile(tile_rows, columns, row_texels)
+        schedule = tile_of(tile_rows, columns, row_texels)
     else:
         schedule = consecutive(1)
     schedule.choices = {"tile_rows": tuple(n for n in ROW_CHOICES if rows % n == 0),
@@ -129,7 +140,7 @@ def _gemm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
 
 @rule("Conv")
 def _conv(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    plan, schedule = conv_plan(table.tiled, ValueReads(table, static_shape(group.outputs[0])), group.anchor)
+    plan, schedule = _conv_plan(table.tiled, ValueReads(table, static_shape(group.outputs[0])), group.anchor)
     schedule.detail = plan
     lanes = plan.tile.lanes if plan.tile is not None else plan.row[2] * LANES * plan.row[4] if plan.row else 0
     if lanes:
@@ -139,11 +150,114 @@ def _conv(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
 
 @rule("ConvTranspose")
 def _conv_transpose(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    plan, schedule, lanes = transpose_plan(table.tiled, group.anchor)
+    plan, schedule, lanes = _transpose_plan(table.tiled, group.anchor)
     schedule.detail = plan
     if lanes:
         schedule.choices = reduction_choices(table.profile, lanes, _masks(group))
     return {group.name: schedule}
+
+
+def _conv_plan(tiled: bool, scratch: ValueReads, node: ir.Node) -> tuple[ConvPlan, Schedule]:
+    """The conv's tile (see the module docstring) and its schedule; `scratch` numbers the names of
+    the trial reductions that weigh a channel tile's accumulator forms (no kernel is built)."""
+    cs = _conv_shape(node)
+    view = _conv_pointwise(cs)
+    texel = FLAT_TEXEL_INDEX if view is not cs else TEXEL_INDEX
+    tile, row = _conv_tile(view), row_axis(view.out_shape, first=2)
+    if tile is not None:
+        per = tile.lanes // LANES
+        schedule = consecutive(per)
+        masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
+        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
+            rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
+            if rows > 1:
+                tile.rows, schedule = rows, tile_of(rows, per, stride)
+            else:
+                tile.y_rows, tile.row_axis = _conv_spatial_rows(tiled, view, tile)
+                if tile.y_rows > 1:
+                    schedule = tile_of(tile.y_rows, per, stack_rows(view.out_shape, 2 + tile.row_axis, 0, 0)[1])
+        elif not _sums_instead_of_batches(scratch, view, texel, tile, masked, tiled):  # a channel tile
+            tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
+            if tile.batches > 1:
+                schedule = tile_of(tile.batches, per, batch_stride(view.out_shape))
+        return ConvPlan(view, tile, masked, names_taken=scratch._counter, flat=view is not cs), schedule
+    if row is not None:
+        axis, length = row
+        rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
+        schedule = tile_of(rows, columns, stride) if rows > 1 else consecutive(1)
+        return ConvPlan(view, row=(axis, length, rows, step, columns), flat=view is not cs), schedule
+    return ConvPlan(view, flat=view is not cs), consecutive(1)
+
+
+def _sums_instead_of_batches(b: ValueReads, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None,
+                             tiled: bool) -> bool:
+    """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
+    (accumulators' "sums" form), rather than take several batch elements (batch_rows, R-Tile codegen's
+    register tile) in texels: the sums must be chosen for the tile alone and cost fewer instructions per
+    product than the batched tile's texels."""
+    def trial(candidate: _Tile) -> Reduction:
+        return _conv_reduction(b, Code([]), cs, prefix, candidate, masked)
+
+    single = trial(tile)
+    if single.accumulator_form(b, tile.lanes) != "sums":
+        return False
+    batched = dataclasses.replace(tile, batches=batch_count(tiled, cs.out_shape, tile.lanes))
+    return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
+
+
+def _conv_spatial_rows(tiled: bool, cs: _ConvShape, tile: _Tile) -> tuple[int, int | None]:
+    """(rows, window axis): under R-Tile codegen a spatial tile whose channels cannot stack (a
+    depthwise conv has one output channel per group) stacks consecutive output positions along the
+    window axis before its own, the first of SPATIAL_ROWS that divides that axis and fits
+    PRIVATE_FLOATS, where its taps overlap (more taps than stride): the tile's rows then share
+    input rows, (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps.
+    (1, None) when none fits, or under the naive layout."""
+    window = cs.window
+    if not tiled or not tile.axis or window.kernel[tile.axis] > TAP_BLOCK:
+        return 1, None
+    y = tile.axis - 1
+    if window.kernel[y] <= window.strides[y]:
+        return 1, None
+    rows, _ = stack_rows(cs.out_shape, 2 + y, tile.lanes,
+                         window.kernel[y] * window.kernel[tile.axis] * min(CHANNEL_BLOCK, cs.cg_in))
+    return (rows, y) if rows > 1 else (1, None)
+
+
+def _transpose_plan(tiled: bool, node: ir.Node) -> tuple[TransposePlan, Schedule, int]:
+    """The ConvTranspose's tile, its schedule and the lanes its work-item reduces together (0: per lane)."""
+    ts = _transpose_shape(node)
+    view = _transpose_pointwise(ts)
+    flat = view is not ts
+    axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
+    if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
+        per = texels_per_item(view.out_shape[axis] // LANES)
+        lanes = LANES * per
+        rows, step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
+        schedule, along = (tile_of(rows, per, stride) if rows > 1 else consecutive(per)), None
+        if rows == 1:
+            (rows, step), along, stride = _transpose_spatial_rows(tiled, view, axis - 2, lanes)
+            if along is not None:
+                schedule = tile_of(rows, per, stride)
+        return TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes), schedule, lanes * rows
+    if row is not None and _row_stride_fits(view.strides[row[0] - 2], row[1]) and view.kernel[row[0] - 2] <= TAP_BLOCK:
+        axis, length = row
+        count, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
+        schedule = tile_of(count, columns, stride) if count > 1 else consecutive(1)
+        return TransposePlan(view, flat, row=(axis, length, count, step, columns)), schedule, LANES * columns * count
+    return TransposePlan(view, flat), consecutive(1), 0
+
+
+def _transpose_spatial_rows(tiled: bool, ts: _TransposeShape, lane: int, lanes: int
+                  ) -> tuple[tuple[int, int], int | None, int]:
+    """((rows, 1), window axis, stride): as _conv_spatial_rows, consecutive output positions along the
+    spatial axis before `lane` where output channels cannot stack (a depthwise conv's input
+    gradient), when that axis has stride 1 and several taps: the rows share input rows, `stride`
+    texels apart. ((1, 1), None, 1) where none fits or under naive."""
+    if not tiled or lane == 0 or ts.strides[lane - 1] != 1 or ts.kernel[lane - 1] == 1:
+        return (1, 1), None, 1
+    rows, stride = stack_rows(ts.out_shape, 1 + lane, lanes,
+                              ts.kernel[lane - 1] * ts.kernel[lane] * min(CHANNEL_BLOCK, ts.cg_in))
+    return ((rows, 1), lane - 1, stride) if rows > 1 else ((1, 1), None, 1)
 
 
 def _row_group(table: TextureTable, count: int) -> Schedule:
