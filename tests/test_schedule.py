@@ -224,7 +224,7 @@ def _tiled_gemm(program_schedules: dict, op_type: str = "Gemm") -> str:
 
 
 def test_an_edited_schedule_file_changes_the_kernel_and_keeps_its_numbers(tmp_path) -> None:
-    """`fblc compile --schedules FILE`: the Gemm's tile of 4 rows becomes 2 and a MatMul's tile is shared by
+    """`fblc compile --schedules FILE`: the Gemm's tile of 4 rows becomes 1 and a MatMul's tile is shared by
     4 work-items summing scalar lanes (plan.json records both), the Gemm kernel's source differs, and one
     training step gives the default bundle's loss and parameters."""
     path = str(tmp_path / "mlp.onnx")
@@ -235,7 +235,7 @@ def test_an_edited_schedule_file_changes_the_kernel_and_keeps_its_numbers(tmp_pa
     gemm = _tiled_gemm({launch["name"]: launch["schedule"] for launch in plan["kernels"]})
     schedule_file = tmp_path / "schedules.json"
     matmul = _tiled_gemm({launch["name"]: launch["schedule"] for launch in plan["kernels"]}, "MatMul")
-    schedule_file.write_text(json.dumps({gemm: {"tile_rows": 2},
+    schedule_file.write_text(json.dumps({gemm: {"tile_rows": 1},
                                          matmul: {"group_size": 4, "accumulator_form": "lanes", "pair_stride": 0}}))
     compile_model(path, bundles["edited"], "local", "fp32", OPTIONS, schedules=str(schedule_file))
 
@@ -246,7 +246,7 @@ def test_an_edited_schedule_file_changes_the_kernel_and_keeps_its_numbers(tmp_pa
         return launch["schedule"], "\n".join(lines[launch["lines"][0]:launch["lines"][1]])
 
     (default, default_source), (edited, edited_source) = kernel_of(bundles["default"]), kernel_of(bundles["edited"])
-    assert (default["tile_rows"], edited["tile_rows"], edited["texels_per_item"]) == (4, 2, 4)
+    assert (default["tile_rows"], edited["tile_rows"], edited["texels_per_item"]) == (4, 1, 2)
     assert default_source != edited_source
     _, edited_plan = fmt.load_verified(bundles["edited"])
     shared = next(launch for launch in edited_plan["kernels"] if launch["name"] == matmul)
@@ -264,7 +264,7 @@ def test_an_edited_schedule_file_changes_the_kernel_and_keeps_its_numbers(tmp_pa
 
 @pytest.mark.parametrize("op_type, fields, message", [
     ("Gemm", {"tile_height": 2}, r"kernel 'k\d+_Gemm': unknown field 'tile_height'.*tile_rows, tile_columns, group_s"),
-    ("Gemm", {"tile_rows": 3}, r"kernel 'k\d+_Gemm': tile_rows 3 is not valid for it.*choose one of: 1, 2, 4$"),
+    ("Gemm", {"tile_rows": 2}, r"kernel 'k\d+_Gemm': tile_rows 2 is not valid for it.*choose one of: 1, 4$"),
     # the forward Gemm writes the Relu's saved mask, whose bytes pair texels of two work-items
     ("Gemm", {"group_size": 2}, r"group_size 2 is not valid for it.*choose one of: 1$"),
     ("MatMul", {"group_size": 3}, r"group_size 3 is not valid for it.*choose one of: 1, 2, 4, 8, 16, 32, 64, 128$"),
@@ -292,9 +292,9 @@ def test_a_schedule_override_of_a_missing_kernel_or_an_undecided_field_is_refuse
 
 def test_a_profile_schedules_section_applies_and_a_schedule_file_overrides_it(tmp_path) -> None:
     profile = load_profile("local")
-    sectioned = dataclasses.replace(profile, raw={**profile.raw, "schedules": {"k0_Gemm": {"tile_rows": 2,
+    sectioned = dataclasses.replace(profile, raw={**profile.raw, "schedules": {"k0_Gemm": {"tile_rows": 1,
                                                                                           "group_size": 1}}})
-    assert load_overrides(None, sectioned) == {"k0_Gemm": {"tile_rows": 2, "group_size": 1}}
+    assert load_overrides(None, sectioned) == {"k0_Gemm": {"tile_rows": 1, "group_size": 1}}
     schedule_file = tmp_path / "s.json"
     schedule_file.write_text(json.dumps({"k0_Gemm": {"tile_rows": 4}, "k3_MatMul": {"pair_stride": 0}}))
     assert load_overrides(str(schedule_file), sectioned) == {"k0_Gemm": {"tile_rows": 4, "group_size": 1},

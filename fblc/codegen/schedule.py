@@ -71,11 +71,12 @@ class Schedule:
                 "pair_stride": self.pair_stride, "mask4": list(self.mask4)}
 
     def record(self) -> dict[str, Any]:
-        """The schedule as plan.json records it."""
+        """The schedule as plan.json records it, with the values a schedule file may give each field it takes."""
         return {"tile_rows": self.tile_rows, "tile_columns": self.tile_columns, "tile_stride": self.tile_stride,
                 "texels_per_item": self.texels_per_item, "group_size": self.group_size or 1,
                 "tiles_per_group": self.tiles_per_group, "accumulator_form": self.accumulator_form,
-                "pair_stride": self.pair_stride or 0, "vector_width": self.vector_width, "mask4": list(self.mask4)}
+                "pair_stride": self.pair_stride or 0, "vector_width": self.vector_width, "mask4": list(self.mask4),
+                "choices": {key: list(values) for key, values in self.choices.items()}}  # what a file may set
 
 
 def consecutive(texels: int) -> Schedule:

@@ -52,7 +52,9 @@ from fblc.texel_layout import TexelLayout, mask_layout
 LANES = 4
 TILE_ROWS = (8, 4)  # output rows of a contraction's tile, the first that divides the output's rows
 TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile GEMM kernels keep)
-ROW_CHOICES = (1, 2, 4, 8, 16)  # a contraction tile's rows a schedule file may choose
+#: a contraction tile's rows a schedule file may choose: one, or multiples of 4 (the emitters read A's
+#: rows of a tile as whole texels from a row that is a multiple of 4)
+ROW_CHOICES = (1, 4, 8, 16)
 COLUMN_CHOICES = (1, 2, 4)  # its texel columns
 
 @dataclass(frozen=True)
