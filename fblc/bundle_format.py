@@ -11,7 +11,8 @@ A bundle is a directory:
                  sha256 of the manifest file itself with that digest's 64 characters written
                  as zeros, so that an edit of any byte of any file the runtimes read is refused;
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
-                 (kernel name, global/local size, texture arguments), the state swaps after a step;
+                 (kernel name, global/local size, texture arguments, and the schedule its kernel
+                 was built with: optional, for tools), the state swaps after a step;
 - kernels.cl     OpenCL C, one __kernel per launch;
 - params.bin     initial texture contents (parameters, optimizer state, constants), each
                  already in its texture layout;

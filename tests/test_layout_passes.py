@@ -463,14 +463,18 @@ def test_mask_writers_write_whole_bytes_and_the_step_matches_onnxruntime(tmp_pat
     onnx.save(_masked_conv_proto(*shape), path)
     options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("sgd", lr=0.1),
                               adapter=AdapterConfig("memflora", rank=2))
-    _, report = compile_model(path, str(tmp_path / "b"), "local", "fp32", options)
+    step, report = compile_model(path, str(tmp_path / "b"), "local", "fp32", options)
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     masks = [t for t in plan["textures"] if t["format"].startswith("r_mask")]
     assert [t["format"] for t in masks] == formats
+    # the r_mask4 fallback is on the step before its one memory plan: the graph's fblc.mem agrees with report.json
+    planned = {v.name: json.loads(v.metadata_props[keys.MEM])["bytes"] for n in step.graph for v in n.outputs
+               if v is not None and keys.MEM in v.metadata_props}
     for texture in masks:
         per_byte = 8 if texture["format"] == "r_mask8" else 4
         assert texture["layout"]["kind"] == texture["format"][2:]
         assert texture["width"] * texture["height"] == -(-int(np.prod(texture["shape"])) // per_byte)
+        assert planned[texture["name"]] == texture["width"] * texture["height"], texture["name"]
     assert report["memory"]["saved_masks"] == sum(t["width"] * t["height"] for t in masks)
     rows = verify_model(path, options, work_dir=str(tmp_path))
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]

@@ -10,21 +10,30 @@ still equal onnxruntime's). Negative: a plan whose work-groups exceed the device
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
+import tempfile
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 import pytest
 
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.codegen.compile import compile_model
-from fblc.passes.pipeline import TrainingOptions
+from fblc.codegen.plan import lower
+from fblc.codegen.schedule import load_overrides
+from fblc.errors import FblcError
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.profiles import load_profile, shipped_targets
 from fblc.profiles.profile import GROUP_ITEMS
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support.bundles import edit_plan
+from tests.conftest import mlp_proto
 from tests.test_runtime import OPTIONS, elementwise_model
 
 
@@ -193,3 +202,128 @@ def test_a_bundle_without_schedules_still_runs(tmp_path) -> None:
 
     edit_plan(bundle, unschedule)
     assert np.isclose(LocalRunner(bundle).step(batch()), scheduled, rtol=1e-6)
+
+
+# --- schedules as data (codegen/schedule.py, kernels/schedules.py) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp_step() -> ir.Model:
+    """The conftest MLP's fused step for the local target (a Gemm whose tile is 4 rows x 2 texel columns)."""
+    from fblc.compiler.model_io import load_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "mlp.onnx")
+        onnx.save(mlp_proto(), path)
+        return build_training_graph(load_model(path), OPTIONS, lower=load_profile("local"))
+
+
+def _tiled_gemm(program_schedules: dict, op_type: str = "Gemm") -> str:
+    return next(name for name, schedule in program_schedules.items()
+                if name.endswith(f"_{op_type}") and schedule["tile_rows"] == 4)
+
+
+def test_an_edited_schedule_file_changes_the_kernel_and_keeps_its_numbers(tmp_path) -> None:
+    """`fblc compile --schedules FILE`: the Gemm's tile of 4 rows becomes 1 and a MatMul's tile is shared by
+    4 work-items summing scalar lanes (plan.json records both), the Gemm kernel's source differs, and one
+    training step gives the default bundle's loss and parameters."""
+    path = str(tmp_path / "mlp.onnx")
+    onnx.save(mlp_proto(), path)
+    bundles = {name: str(tmp_path / name) for name in ("default", "edited")}
+    compile_model(path, bundles["default"], "local", "fp32", OPTIONS)
+    _, plan = fmt.load_verified(bundles["default"])
+    gemm = _tiled_gemm({launch["name"]: launch["schedule"] for launch in plan["kernels"]})
+    schedule_file = tmp_path / "schedules.json"
+    matmul = _tiled_gemm({launch["name"]: launch["schedule"] for launch in plan["kernels"]}, "MatMul")
+    schedule_file.write_text(json.dumps({gemm: {"tile_rows": 1},
+                                         matmul: {"group_size": 4, "accumulator_form": "lanes", "pair_stride": 0}}))
+    compile_model(path, bundles["edited"], "local", "fp32", OPTIONS, schedules=str(schedule_file))
+
+    def kernel_of(bundle: str) -> tuple[dict, str]:
+        _, plan = fmt.load_verified(bundle)
+        launch = next(launch for launch in plan["kernels"] if launch["name"] == gemm)
+        lines = open(os.path.join(bundle, fmt.KERNELS)).read().splitlines()
+        return launch["schedule"], "\n".join(lines[launch["lines"][0]:launch["lines"][1]])
+
+    (default, default_source), (edited, edited_source) = kernel_of(bundles["default"]), kernel_of(bundles["edited"])
+    assert (default["tile_rows"], edited["tile_rows"], edited["texels_per_item"]) == (4, 1, 2)
+    assert default_source != edited_source
+    _, edited_plan = fmt.load_verified(bundles["edited"])
+    shared = next(launch for launch in edited_plan["kernels"] if launch["name"] == matmul)
+    assert shared["schedule"]["group_size"] == 4 and shared["schedule"]["accumulator_form"] == "lanes"
+    assert shared["local_size"][0] % 4 == 0, shared  # a work-group of whole groups of 4 sharing a tile
+    feeds = {"x": np.random.default_rng(2).standard_normal((4, 6)).astype(np.float32),
+             "labels": np.random.default_rng(3).uniform(0, 1, (4, 3)).astype(np.float32)}
+    runners = {name: LocalRunner(bundle, progress=False) for name, bundle in bundles.items()}
+    losses = {name: runner.step(feeds) for name, runner in runners.items()}
+    assert np.isclose(losses["edited"], losses["default"], rtol=1e-6), losses
+    edited_parameters = runners["edited"].parameters()
+    for name, array in runners["default"].parameters().items():
+        np.testing.assert_allclose(edited_parameters[name], array, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("op_type, fields, message", [
+    ("Gemm", {"tile_height": 2}, r"kernel 'k\d+_Gemm': unknown field 'tile_height'.*tile_rows, tile_columns, group_s"),
+    ("Gemm", {"tile_rows": 2}, r"kernel 'k\d+_Gemm': tile_rows 2 is not valid for it.*choose one of: 1, 4$"),
+    # the forward Gemm writes the Relu's saved mask, whose bytes pair texels of two work-items
+    ("Gemm", {"group_size": 2}, r"group_size 2 is not valid for it.*choose one of: 1$"),
+    ("MatMul", {"group_size": 3}, r"group_size 3 is not valid for it.*choose one of: 1, 2, 4, 8, 16, 32, 64, 128$"),
+    ("MatMul", {"group_size": 256}, r"group_size 256 is not valid for it.*, 128$"),  # 4096 partials / 32 lanes
+    ("Gemm", {"accumulator_form": "vectors"}, r"accumulator_form 'vectors' is not valid.*lanes, texels, sums"),
+    ("Gemm", {"tile_rows": True}, r"tile_rows True is not valid"),
+])
+def test_an_invalid_schedule_override_is_refused_naming_kernel_field_value_and_choices(
+        mlp_step: ir.Model, op_type: str, fields: dict, message: str) -> None:
+    kernel = _tiled_gemm(lower(mlp_step, load_profile("local"), "fp32", with_contents=False).schedules, op_type)
+    with pytest.raises(FblcError, match=message) as refused:
+        lower(mlp_step, load_profile("local"), "fp32", with_contents=False, overrides={kernel: fields})
+    assert kernel in str(refused.value)
+
+
+def test_a_schedule_override_of_a_missing_kernel_or_an_undecided_field_is_refused(mlp_step: ir.Model) -> None:
+    profile = load_profile("local")
+    with pytest.raises(FblcError, match=r"kernel 'k999_Gemm', which this step does not have.*k0_\w+, k1_"):
+        lower(mlp_step, profile, "fp32", with_contents=False, overrides={"k999_Gemm": {"tile_rows": 2}})
+    plain = next(name for name in lower(mlp_step, profile, "fp32", with_contents=False).schedules
+                 if name.endswith(("_Mul", "_Sub")))
+    with pytest.raises(FblcError, match=rf"kernel '{plain}': its schedule has no choice of 'tile_rows'.*takes: none"):
+        lower(mlp_step, profile, "fp32", with_contents=False, overrides={plain: {"tile_rows": 2}})
+
+
+def test_a_profile_schedules_section_applies_and_a_schedule_file_overrides_it(tmp_path) -> None:
+    profile = load_profile("local")
+    sectioned = dataclasses.replace(profile, raw={**profile.raw, "schedules": {"k0_Gemm": {"tile_rows": 1,
+                                                                                          "group_size": 1}}})
+    assert load_overrides(None, sectioned) == {"k0_Gemm": {"tile_rows": 1, "group_size": 1}}
+    schedule_file = tmp_path / "s.json"
+    schedule_file.write_text(json.dumps({"k0_Gemm": {"tile_rows": 4}, "k3_MatMul": {"pair_stride": 0}}))
+    assert load_overrides(str(schedule_file), sectioned) == {"k0_Gemm": {"tile_rows": 4, "group_size": 1},
+                                                            "k3_MatMul": {"pair_stride": 0}}
+    schedule_file.write_text("[1, 2]")
+    with pytest.raises(FblcError, match="schedules must be an object of kernel name"):
+        load_overrides(str(schedule_file), profile)
+
+
+def test_lowering_decides_the_mask4_fallback_without_writing_the_graph(tmp_path) -> None:
+    """A Gemm whose 2-D tile has rows of 3 texels writes its saved mask as r_mask4, decided from its
+    schedule before any texture exists; lowering leaves the step's metadata as it found it."""
+    from fblc.compiler.adapters import AdapterConfig
+    from fblc.compiler.model_io import load_model
+    from fblc.compiler.optimizers import OptimizerConfig
+    from tests.test_layout_passes import _masked_conv_proto
+
+    path = str(tmp_path / "net.onnx")
+    onnx.save(_masked_conv_proto(8, 4, 4, 4, 12), path)
+    options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("sgd", lr=0.1),
+                              adapter=AdapterConfig("memflora", rank=2))
+    step = build_training_graph(load_model(path), options, lower=load_profile("local"))
+
+    def metadata() -> list[dict]:
+        values = list(step.graph.inputs) + [v for n in step.graph for v in n.outputs if v is not None]
+        return [dict(v.metadata_props) for v in values] + [dict(n.metadata_props) for n in step.graph]
+
+    before = metadata()
+    program = lower(step, load_profile("local"), "fp32", with_contents=False)
+    assert metadata() == before
+    assert [t.format for t in program.textures if t.format.startswith("r_mask")] == ["r_mask4", "r_mask4"]
+    assert sum(len(s["mask4"]) for s in program.schedules.values()) == 2

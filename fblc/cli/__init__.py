@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--cache-report", action="store_true",
                           help="simulate the target's texture cache over every kernel's reads (runs the kernels "
                                "traced on the local OpenCL device once; report.json 'cache')")
+    compile_.add_argument("--schedules", metavar="FILE",
+                          help="JSON object of kernel name -> schedule fields to override (tile_rows, tile_columns, "
+                               "group_size, accumulator_form, pair_stride), over the target profile's 'schedules'; "
+                               "plan.json records every kernel's schedule (its launches' 'schedule')")
     compile_.set_defaults(run=cmd_compile)
 
     run = commands.add_parser(

@@ -50,7 +50,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     options = with_traced_reads(args.model, args.target, args.dtype, options)
     with pass_progress(len(compile_pipeline(options, profile)), enabled=not args.quiet) as on_pass:
         _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
-                                  dump_dir=args.dump_dir, on_pass=on_pass, annexes=annexes)
+                                  dump_dir=args.dump_dir, on_pass=on_pass, annexes=annexes,
+                                  schedules=args.schedules)
     if not args.quiet:
         families = ", ".join(f"{count} {family}" for family, count in sorted(report["kernels_per_family"].items()))
         print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "

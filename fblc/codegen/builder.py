@@ -21,8 +21,12 @@ write stores a whole byte, so the work-item that writes byte b must compute both
 texels pair up among themselves (an even count of consecutive texels from an even one, or a
 2-D tile whose rows are an even number of texels, an even number apart) writes them as they
 come; one of an odd count (one texel, or a conv's 5 or 3 in a row) runs two consecutive items
-in turn (`PAIR`). A 2-D tile of odd columns cannot: its mask falls back to r_mask4
-(TextureTable.to_mask4).
+in turn (`PAIR`). A 2-D tile of odd columns cannot: its schedule stores the mask as r_mask4
+(codegen/schedule.py, decided before any texture exists).
+
+The tile, like the work-group a long reduction takes, is the kernel's `Schedule`, which
+kernels/schedules.py decided before the kernel is built (TextureTable.schedules, by kernel name);
+`finish` records what the kernel used into it (plan.json).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_i
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
 from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads, ctype_of, statements_of
 from fblc.codegen.render.opencl import render_expr, render_kernel
+from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
 
@@ -45,12 +50,6 @@ __all__ = ["OUT_INDEX", "TEXEL_INDEX", "KernelBuilder", "ctype_of", "lane_axis"]
 
 TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen by the per-texel prologue
 PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of a mask8 output's texels
-
-
-def _pairs_texels(columns: int, stride: int) -> bool:
-    """A 2-D tile (rows `stride` texels apart, `columns` texels each) holds both texels of every mask
-    byte it touches: rows of an even number of texels, an even number apart."""
-    return columns % 2 == 0 and stride % 2 == 0
 
 
 class KernelBuilder(ValueReads):
@@ -86,6 +85,9 @@ class KernelBuilder(ValueReads):
         self.flat = self.named("i", INT)
         self.lid = self.named("lid", INT)
         self.shared = self.named("shared", kir.FLOAT)
+
+        self.schedule = table.schedules.setdefault(name, Schedule())
+        self.tile_texels(self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride)
 
     def named(self, name: str, dtype: kir.DType) -> Var:
         return Var(name, 0, dtype, name)
@@ -162,9 +164,21 @@ class KernelBuilder(ValueReads):
 
     def tile_texels(self, rows: int, columns: int, stride: int) -> None:
         """Make each work-item hold a 2-D tile: `rows` rows `stride` texels apart, each of `columns`
-        consecutive texels (stride a multiple of columns)."""
+        consecutive texels (stride a multiple of columns; rows 1 texel apart are consecutive texels)."""
         assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
         self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
+
+    def take_group(self) -> None:
+        """Share each item among the schedule's group_size work-items (a long reduction's work-group)."""
+        size = self.schedule.group_size or 1
+        self.group_size = size if size > 1 else None
+
+    def _record_schedule(self) -> None:
+        """Write what the kernel used into its schedule (plan.json records it)."""
+        schedule, columns = self.schedule, self.item_columns
+        schedule.tile_rows, schedule.tile_columns = self.texels_per_item // columns, columns
+        schedule.tile_stride, schedule.tiles_per_group = self.item_stride, self.tiles_per_group
+        schedule.group_size = self.group_size or 1
 
     def _first_texel(self) -> Expr:
         per, stride, columns, g = self.texels_per_item, self.item_stride, self.item_columns, self.g
@@ -211,11 +225,9 @@ class KernelBuilder(ValueReads):
         assert texels % band == 0, f"{texels} texels in bands of {band}"
         items = self.items
         masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
-        tiled = self.item_stride > self.item_columns  # else the item's texels are consecutive
-        if masks and tiled and not _pairs_texels(self.item_columns, self.item_stride):
-            for texture in masks:  # a byte's two texels lie in two work-items' tiles
-                self.table.to_mask4(texture)
-            masks = []
+        self._record_schedule()
+        assert not masks or pairs_mask_bytes(self.schedule), \
+            f"{self.name}: its tile splits the bytes of mask8 outputs its schedule did not store as r_mask4"
         pair = PAIR if masks and per_item % 2 else 1
         arguments = [self.argument_of("out", k, t) for k, t in enumerate(self.out_textures)]
         arguments += [self.argument_of("in", k, t) for k, t in enumerate(self.in_textures)]

@@ -42,16 +42,18 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
     return entry
 
 
-def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int]) -> dict[str, Any]:
-    """A launch of the plan: its kernel, its schedule (the profile's work-group size, the global size
-    padded to whole groups; `items` work-items do work) and its texture arguments."""
+def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int], schedule: dict[str, Any] | None
+            ) -> dict[str, Any]:
+    """A launch of the plan: its kernel, its launch sizes (the profile's work-group size, the global size
+    padded to whole groups; `items` work-items do work), its texture arguments and the schedule its
+    kernel was built with (codegen/schedule.py; readers may ignore it)."""
     if kernel.group_size is not None:  # written for this work-group size: its global size is whole groups
         global_size, group = kernel.global_size, kernel.group_size
     else:
         global_size, group = profile.launch_size(kernel.global_size)
     return {"name": kernel.name, "function": kernel.function, "family": kernel.family, "items": kernel.global_size,
             "global_size": [global_size], "local_size": [group], "outputs": kernel.outputs, "inputs": kernel.inputs,
-            "lines": list(lines)}
+            "lines": list(lines), **({"schedule": schedule} if schedule is not None else {})}
 
 
 def build_documents(model: ir.Model, program: Program, table: BufferTable, profile: Profile, dtype: str,
@@ -75,7 +77,8 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
         entry["image"] = table.image_of[texture.id]
         textures.append(entry)
     plan = {"textures": textures,
-            "kernels": [_launch(k, profile, program.kernel_lines[k.name]) for k in program.kernels],
+            "kernels": [_launch(k, profile, program.kernel_lines[k.name], program.schedules.get(k.name))
+                        for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],
             "values": program.values, "value_shapes": program.value_shapes, "value_maps": program.value_maps}
     graph = model.graph

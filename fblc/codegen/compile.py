@@ -17,11 +17,13 @@ from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.layout_report import layout_object
 from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
 from fblc.bundle_format import FLOAT_FORMATS
-from fblc.codegen.plan import Program, lower
+from fblc.codegen.plan import Program, lower, step_schedules
+from fblc.codegen.schedule import load_overrides
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
 from fblc.compiler.summary import adapter_report, trained_set_source, trained_tensors
 from fblc.compiler.torch_names import manifest_fields
+from fblc.passes.memory_plan import MemoryPlan, MemoryPlanPass
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
 from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
 
@@ -43,8 +45,12 @@ def build_report(model: ir.Model, program: Program, table: BufferTable, seconds:
 
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
                   dump_dir: str | None = None, on_pass: PassHook | None = None,
-                  annexes: Mapping[str, ReportAnnex] | None = None) -> tuple[ir.Model, dict[str, Any]]:
+                  annexes: Mapping[str, ReportAnnex] | None = None, schedules: str | None = None
+                  ) -> tuple[ir.Model, dict[str, Any]]:
     """Compile `model_path` into the bundle `out_dir`; returns the fused step graph and the report.
+
+    `schedules`: a schedule file (codegen/schedule.py: kernel name -> fields) over the kernels' own
+    schedules and the target profile's `schedules` section; plan.json records every kernel's.
 
     `annexes`: more report.json objects by key, each computed from a scratch copy of the finished
     bundle (e.g. `fblc compile --cache-report`'s simulated texture-cache figures, which run the
@@ -56,11 +62,21 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
         raise FblcError(f"target {profile.name} has no fp16 support", "use --dtype fp32")
     started = time.perf_counter()
     options = dataclasses.replace(options, dtype=dtype)
-    step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=on_pass, lower=profile)
-    program = lower(step, profile, dtype)
+    overrides = load_overrides(schedules, profile)
+    plans: list[MemoryPlan] = []
+
+    def observe(index: int, graph_pass: ir.passes.PassBase, model: ir.Model) -> None:
+        if isinstance(graph_pass, MemoryPlanPass) and graph_pass.plan is not None:
+            plans.append(graph_pass.plan)  # the step's one memory plan, which report.json shows too
+        if on_pass is not None:
+            on_pass(index, graph_pass, model)
+
+    step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=observe, lower=profile,
+                                schedules=step_schedules(profile, dtype, overrides))
+    program = lower(step, profile, dtype, overrides=overrides)
     table = buffer_table(step, program)
     report = build_report(step, program, table, time.perf_counter() - started)
-    report["memory"], timeline = memory_report(step, table)
+    report["memory"], timeline = memory_report(plans[-1], table)
     report["layout"] = layout_object(step, program, options)
     report["trained"] = {"chosen_by": trained_set_source(step.graph),
                          "tensors": [{"name": v.name, **manifest_fields(v), "shape": list(v.shape)}

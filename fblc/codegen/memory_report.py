@@ -1,6 +1,6 @@
 """The `memory` object of report.json and the memory-timeline plot of a bundle.
 
-Both come from the memory planner (fblc.passes.memory_plan) run on the fused step graph:
+Both come from the memory plan (fblc.passes.memory_plan) that MemoryPlanPass computed on the fused step:
 the paper's eq. 1 decomposition, the training-state peak, the floor check, and what the
 bundle's textures really take, from the buffer table (fblc.codegen.buffers): `device_peak`, the
 one device-memory figure, the bytes of the images plan.json lists and the runtimes allocate
@@ -16,7 +16,7 @@ import io
 from typing import Any
 
 from fblc.codegen.buffers import BufferTable
-from fblc.passes.memory_plan import CLASSES, MemoryPlan, plan_memory
+from fblc.passes.memory_plan import CLASSES, MemoryPlan
 
 TIMELINE_PLOT = "memory_timeline.png"
 INTEGER_FIELDS = ("weights", "grads", "optimizer", "saved", "buffers", "training_state_peak", "live_peak")
@@ -77,10 +77,9 @@ def timeline_png(plan: MemoryPlan, device_peak: int, title: str = "") -> bytes:
     return buffer.getvalue()
 
 
-def memory_report(model: Any, table: BufferTable) -> tuple[dict[str, Any], bytes]:
-    """(report.json's `memory` object, the timeline PNG) of the fused step graph `model`, with the
-    bundle's allocation from its buffer table."""
-    plan = plan_memory(model)
+def memory_report(plan: MemoryPlan, table: BufferTable) -> tuple[dict[str, Any], bytes]:
+    """(report.json's `memory` object, the timeline PNG) of the step's memory plan (the one MemoryPlanPass
+    computed and put on the graph as `fblc.mem`), with the bundle's allocation from its buffer table."""
     return memory_object(plan, table), timeline_png(plan, table.allocated_bytes)
 
 

@@ -9,8 +9,10 @@ in one error (`kernel_groups` is the set that needs an emitter; `fblc check` rea
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -18,6 +20,8 @@ import onnx_ir as ir
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.codegen.cl import PREAMBLE, Kernel
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
+from fblc.codegen.kernels.schedules import decide_schedules, mask4_layouts
+from fblc.codegen.schedule import Schedule
 from fblc.codegen.textures import Texture, TextureTable, to_texels
 from fblc.compiler import keys
 from fblc.errors import FblcError, UnsupportedOpError
@@ -26,6 +30,7 @@ from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
 from fblc.compiler.ops import CONTRACTIONS
 from fblc.passes.fuse import ALIAS, kernel_of
+from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
 
@@ -42,6 +47,7 @@ class Program:
     value_maps: dict[str, dict[str, object]] = field(default_factory=dict)  # strided views: shape, strides, offset
     source: str = ""
     kernel_lines: dict[str, tuple[int, int]] = field(default_factory=dict)
+    schedules: dict[str, dict[str, object]] = field(default_factory=dict)  # kernel name -> its schedule, as used
 
     def family_counts(self) -> dict[str, int]:
         return dict(Counter(k.family for k in self.kernels))
@@ -76,14 +82,24 @@ def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
     return [g for g in _groups(graph) if g.outputs and g.anchor.op_type != "Constant"]
 
 
-def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True) -> Program:
+def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True,
+          overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Program:
     """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the
-    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone."""
+    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone.
+    Every kernel's schedule is decided first (kernels/schedules.py, `overrides` by kernel name applied)."""
     graph = model.graph
     table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
     kernels: list[Kernel] = []
     groups = kernel_groups(graph)
     gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
+    emitted = [g for g in groups if KERNEL_EMITTERS.has(g.anchor)]
+    table.schedules = decide_schedules(table, emitted, overrides)
+    table.mask4 = mask4_layouts(table.schedules, table, graph)
+    for group in emitted:  # the kernel_schedules pass put these decisions on the step: they must be these
+        recorded = group.anchor.metadata_props.get(keys.SCHEDULE)
+        if recorded is not None and recorded != _decided(table.schedules, group):
+            raise AssertionError(f"{group.name}: the step's schedule {recorded} is not the one lowering decides "
+                                 f"({_decided(table.schedules, group)}): were they given different overrides?")
     refusals: list[FblcError] = []
     for group in groups:
         if not KERNEL_EMITTERS.has(group.anchor):
@@ -123,9 +139,31 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
             if not index_map.contiguous:
                 value_maps[node.outputs[0].name] = {"shape": list(index_map.shape), "strides": list(index_map.strides),
                                                     "offset": index_map.offset}
-    program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps)
+    program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps,
+                      schedules={k.name: table.schedules[k.name].record() for k in kernels})
     _assemble_source(program)
     return program
+
+
+def _decided(schedules: Mapping[str, Schedule], group: KernelGroup) -> str:
+    """JSON of the group's kernels' schedules as decided, before any kernel is built (fblc.schedule)."""
+    return json.dumps({name: schedule.decided() for name, schedule in schedules.items()
+                       if name == group.name or name.startswith(f"{group.name}_")}, sort_keys=True)
+
+
+def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Decide:
+    """The decisions the kernel_schedules pass puts on the fused step: every kernel's schedule (on its
+    group's anchor) and the r_mask4 layouts of the saved masks the schedules split, as lower() decides them."""
+    def decide(model: ir.Model) -> ScheduleDecisions:
+        graph = model.graph
+        table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
+        groups = [g for g in kernel_groups(graph) if KERNEL_EMITTERS.has(g.anchor)]
+        schedules = decide_schedules(table, groups, overrides)
+        layouts = mask4_layouts(schedules, table, graph)
+        return ScheduleDecisions([(g.anchor, _decided(schedules, g)) for g in groups],
+                                 {name: layout.to_json() for name, layout in layouts.items()})
+
+    return decide
 
 
 def _assemble_source(program: Program) -> None:

@@ -12,6 +12,7 @@ their root's texture.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -22,7 +23,10 @@ from fblc.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
 from fblc.compiler.index_map import view_root
 from fblc.profiles import Profile
-from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout, mask_layout, pack
+from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout, pack
+
+if TYPE_CHECKING:
+    from fblc.codegen.schedule import Schedule
 
 
 #: the largest element or lane index a kernel computes: its indices are 32-bit `int`
@@ -77,6 +81,11 @@ class TextureTable:
         self.textures: list[Texture] = []
         self._by_root: dict[int, Texture] = {}
         self._roots: list[ir.Value] = []  # by texture id
+        #: each kernel's schedule by kernel name (kernels/schedules.py), which its builder takes
+        self.schedules: dict[str, Schedule] = {}
+        #: saved masks stored as r_mask4 because a schedule's tile splits their bytes, where the graph's
+        #: layouts do not say so already (a step lowered without the kernel_schedules pass)
+        self.mask4: dict[str, TexelLayout] = {}
 
     def of(self, value: ir.Value) -> Texture:
         root = view_root(value)
@@ -93,6 +102,8 @@ class TextureTable:
         kind = "float" if is_float(value) else "int"
         texels = max(1, -(-numel(shape) // 4))
         layout = keys.layout_of(value) or flat_layout(texels, self.profile.placement_limits(texels)[0])
+        if layout.kind == "mask8" and value.name in self.mask4:
+            layout = self.mask4[value.name]
         self._check_fits(value.name, shape, layout)
         if kind == "float":  # the step's annotation (storage_precision), else the table's --dtype
             storage = value.metadata_props.get(keys.STORAGE)
@@ -116,18 +127,6 @@ class TextureTable:
                 f"tensor '{name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
                 f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
                 f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
-
-    def to_mask4(self, texture: Texture) -> None:
-        """Store the r_mask8 `texture` as r_mask4 (4 bits a byte), for a writer whose work-items
-        cannot write whole bytes of it. Its writer is the first kernel to touch it (kernels are
-        emitted in launch order), so no kernel addresses it as mask8. The root's `fblc.layout` is
-        rewritten too, so that the memory plan of the step accounts the bytes the bundle allocates."""
-        if texture.format != MASK_FORMATS["mask8"]:
-            raise AssertionError(f"texture of '{texture.name}' is {texture.format}, not an r_mask8 texture")
-        texture.layout = mask_layout("mask4", texture.numel, *self.profile.placement_limits(-(-texture.numel // 4)))
-        self._check_fits(texture.name, texture.shape, texture.layout)
-        texture.format = MASK_FORMATS["mask4"]
-        self._roots[texture.id].metadata_props[keys.LAYOUT] = texture.layout.to_json()
 
 
 def to_texels(array: np.ndarray, texture: Texture) -> np.ndarray:

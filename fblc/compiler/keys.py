@@ -31,6 +31,8 @@ STORAGE = "fblc.storage"
 ROLE = "fblc.role"
 #: On a node: the kernel it belongs to, k<N> in launch order, or "alias" for a view (fuse).
 KERNEL = "fblc.kernel"
+#: On a kernel group's anchor node: JSON of its kernels' schedules by kernel name (kernel_schedules).
+SCHEDULE = "fblc.schedule"
 #: On a value that owns a buffer: JSON of its memory class, bytes and live range (memory_plan).
 MEM = "fblc.mem"
 #: On the model: JSON of the memory plan's summary and floor check (memory_plan).

@@ -292,9 +292,10 @@ class MemoryPlanPass(ContractPass):
     name = "memory_plan"
     requires_facts = ("kernels", "kernel order", "index maps", "layouts", "storage precision")
     ensures_facts = ("memory plan",)
+    plan: MemoryPlan | None = None  # the plan of the last step annotated (fblc compile's report.json reads it)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        plan = plan_memory(model)
+        plan = self.plan = plan_memory(model)  # kept for report.json (fblc compile): planned once
         modified = False
         by_name = {b.name: b for b in plan.buffers}
         for value in _all_values(model.graph):

@@ -36,6 +36,7 @@ from fblc.passes.fuse import FuseKernels
 from fblc.passes.fura_s import FuraS
 from fblc.passes.index_ranges import IndexRanges
 from fblc.passes.infer_shapes import InferShapes
+from fblc.passes.kernel_schedules import Decide, KernelSchedules
 from fblc.passes.lower_composites import LowerComposites
 from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.memory_floor import MemoryFloor
@@ -197,12 +198,13 @@ def dump_hook(directory: str) -> PassHook:
 
 
 def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: str | None = None,
-                         on_pass: PassHook | None = None, lower: Profile | None = None) -> ir.Model:
+                         on_pass: PassHook | None = None, lower: Profile | None = None,
+                         schedules: Decide | None = None) -> ir.Model:
     """Import passes, then training passes: the model becomes one training step.
 
     `on_pass(index, pass, model)` runs after each pass (progress display); with `dump_dir`
     every intermediate model is also written there. With `lower` (the target's profile), the
-    lowering passes run too.
+    lowering passes run too, with the kernels' `schedules` (kernel_schedules) where given.
     """
     hooks = [h for h in (dump_hook(dump_dir) if dump_dir else None, on_pass) if h is not None]
 
@@ -210,7 +212,7 @@ def build_training_graph(model: ir.Model, options: TrainingOptions, dump_dir: st
         for hook in hooks:
             hook(index, graph_pass, result)
 
-    passes = compile_pipeline(options, lower) if lower is not None else training_pipeline(options)
+    passes = compile_pipeline(options, lower, schedules) if lower is not None else training_pipeline(options)
     check_order(passes)
     return run_passes(model, passes, after_each=after_each)
 
@@ -236,12 +238,15 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + remap
 
 
-def lowering_passes(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
-    """After the step graph is built: layouts for the target, kernels, memory."""
+def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
+                    ) -> list[ir.passes.PassBase]:
+    """After the step graph is built: layouts for the target, kernels, their schedules (the code
+    generator's decisions, `schedules`, when the caller hands them in: kernel_schedules), memory."""
     return layout_passes(options) + [RTileSelect(profile, options.layout, options.layout_search,
                                                   options.traced_reads), FuseKernels(), StoragePrecision(options.dtype),
-                                                  MemoryPlanPass()]
+                                     KernelSchedules(schedules), MemoryPlanPass()]
 
 
-def compile_pipeline(options: TrainingOptions, profile: Profile) -> list[ir.passes.PassBase]:
-    return training_pipeline(options) + lowering_passes(options, profile)
+def compile_pipeline(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
+                     ) -> list[ir.passes.PassBase]:
+    return training_pipeline(options) + lowering_passes(options, profile, schedules)

@@ -9,7 +9,7 @@ outputs, constants) and tensors that are not [rows, cols] matrices with cols a m
 stay flat (linear addressing; a matrix
 then gets one image row per matrix row, texel_layout.matrix_layout). Boolean tensors the step
 keeps (activation masks saved for the backward) take `mask8`: one bit per element, 8 to a byte
-(the codegen falls back to `mask4` for a writer that cannot write whole bytes). For the others:
+(kernel_schedules stores it as `mask4` for a writer that cannot write whole bytes). For the others:
 - candidates: tile_h x tile_w for tile_h in TILE_ROWS, tile_w in TILE_COLS; `strip` packing
   when a tile row fits a cache line, else `block`; arranged by texel_layout.rtile_layout;
 - pruning: C1 a tile's texels are a multiple of the wave size; C2 a tile row is a multiple of

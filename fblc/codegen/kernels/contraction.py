@@ -26,6 +26,8 @@ from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axi
 from fblc.codegen.cl import Kernel, digit_terms, flat_index, float_literal, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
+from fblc.codegen.reads import ValueReads
+from fblc.codegen.schedule import resolve_group
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
@@ -170,25 +172,20 @@ def reduce_into(b: KernelBuilder, build: Callable[[Code], Reduction], lanes: int
 
 
 def _tile_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | None:
-    """Work-items that share each tile's `reduction` (shared_group), made the builder's schedule; a group
-    smaller than a wave holds several tiles (Profile.tiles_per_group)."""
+    """Work-items that share each tile's `reduction` (a work-group per tile, schedule.resolve_group),
+    made the builder's; a group smaller than a wave holds several tiles (Profile.tiles_per_group).
+    Where one work-item alone would run more than SERIAL_REDUCTION multiply-adds per accumulator: the
+    weight gradients, whose reduction is a whole dY map or batch x sequence. None for a kernel with
+    mask outputs (their bytes pair texels of two work-items), which keeps one work-item per tile."""
     if b.group_size is not None:
         return None
-    b.group_size = shared_group(b, reduction, lanes)
+    masks = any(texture.format in MASK_FORMATS.values() for texture in b.out_textures)
+    tiles = b.out_textures[0].texels * LANES // lanes
+    b.group_size = resolve_group(b.schedule, b.table.profile, reduction.serial(lanes), reduction.shared_loop()[1],
+                                 lanes, tiles, masks)
     if b.group_size is not None:
         b.tiles_per_group = b.table.profile.tiles_per_group(b.group_size, lanes, b.items)
     return b.group_size
-
-
-def shared_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | None:
-    """Work-items that would share each tile's `reduction` (a work-group per tile, Profile.tile_group),
-    where one work-item alone would run more than SERIAL_REDUCTION multiply-adds per accumulator: the
-    weight gradients, whose reduction is a whole dY map or batch x sequence. None for a kernel with
-    mask outputs (their bytes pair texels of two work-items), which keeps one work-item per tile."""
-    if any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
-        return None
-    tiles = b.out_textures[0].texels * LANES // lanes
-    return b.table.profile.tile_group(reduction.serial(lanes), reduction.shared_loop()[1], lanes, tiles)
 
 
 def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]) -> str:
@@ -256,23 +253,6 @@ def _tile_products(steps: range, rows: int, width: int, a_step: int, a_row: int,
                  for r in steps for row in range(rows) for column in range(width))
 
 
-def _tile(b: KernelBuilder, rows: int, column_texels: int | None = None) -> tuple[int, int]:
-    """(output rows, texel columns) per work-item: up to 8 x TILE_COLUMNS texels under R-Tile
-    layouts when the output's rows and texel columns come in such groups (a tile reads each
-    operand texel once for all its rows or columns: the transposed operands of the backward then
-    cost no more than plain ones, and the reads per multiply-add fall with the tile's size),
-    else (1, 1), the conventional per-texel kernel. `rows`, `column_texels`: the runs of rows and of
-    texel columns that the operands step through by one stride (a folded axis's innermost digit)."""
-    tile_rows = next((n for n in TILE_ROWS if rows % n == 0), None)
-    if not b.table.tiled or tile_rows is None:
-        return 1, 1
-    row_texels = b.out_shape[-1] // LANES
-    run = row_texels if column_texels is None else column_texels
-    columns = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
-    b.tile_texels(tile_rows, columns, row_texels)
-    return tile_rows, columns
-
-
 def _texel_terms(terms: Terms, *aligned_vars: str, multiples: dict[str, int] | None = None) -> list[Term]:
     """Terms whose variables in `aligned_vars` are known multiples of 4 (a texel's lanes, a tile's rows),
     and the digit expressions in `multiples` multiples of their value there."""
@@ -297,14 +277,14 @@ def _axis_terms(axes: Sequence[tuple[str, Digits]], var_multiples: dict[str, int
 
 # MatMul / Gemm ----------------------------------------------------------------------------------
 
-def _root_strides(b: KernelBuilder, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[int]]:
+def _root_strides(b: ValueReads, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[int]]:
     """The tensor holding `value` and `value`'s strides in it (`shape`: value's shape, or its 2-D promotion)."""
     root, axes = _root_digits(b, value, shape)
     assert all(len(digits) == 1 for digits in axes), f"folded view '{value.name}' read by a Gemm"
     return root, [digits[0][1] for digits in axes]
 
 
-def _root_digits(b: KernelBuilder, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[Digits]]:
+def _root_digits(b: ValueReads, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[Digits]]:
     """The tensor holding `value` and each axis's digits (extent, stride) in it, outermost first: one
     digit per axis unless the view folds it (`shape`: value's shape, or its 2-D promotion)."""
     root, index_map = b.strided(value)
@@ -315,8 +295,6 @@ def _root_digits(b: KernelBuilder, value: ir.Value, shape: Sequence[int]) -> tup
 
 
 MATMUL_BLOCK = 16  # K steps per static block of the texel-wide path (divided by the tile's rows)
-TILE_ROWS = (8, 4)  # output rows of a tile, the first that divides the output's rows
-TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile GEMM kernels keep)
 
 
 @register_kernel("MatMul")
@@ -336,14 +314,14 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
     assert k_digits is not None, f"{node.name}: K folds differently in its operands (tile_remap keeps such views)"
     (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits
-    (m_rows, a_row), (n_run, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
+    (_, a_row), (n_run, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
     # lanes: 4 consecutive columns n, one stride apart in B
     texel = len(b_shape) >= 2 and lane_axis(b.out_shape) == len(b.out_shape) - 1 and n_run % LANES == 0
     prefix = TEXEL_INDEX if texel else OUT_INDEX
     # output axes of the batch dims, m and n; a missing m or n (1-D operand) is index 0
     m_var = f"{prefix}{nb}" if len(a_shape) >= 2 else "0"
     n_var = f"{prefix}{nb + (1 if len(a_shape) >= 2 else 0)}" if len(b_shape) >= 2 else "0"
-    tile = _tile(b, m_rows, n_run // LANES) if texel and len(a_shape) >= 2 else (1, 1)
+    tile = b.schedule.tile_rows, b.schedule.tile_columns  # kernels/schedules.py: (1, 1) off the texel path
     var_multiples = {n_var: LANES, m_var: tile[0]} if texel else {}
     multiples: dict[str, int] = {}
 
@@ -394,7 +372,7 @@ def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     a_stream = Stream(a_root, index_terms([m_var], [m_dim], [m_stride]), ak_stride)
     b_stream = Stream(b_root, index_terms([n_var], [n_dim], [n_stride]), bk_stride)
     if texel:  # lanes: 4 consecutive columns n, one B' column each
-        tile = _tile(b, m_dim)
+        tile = b.schedule.tile_rows, b.schedule.tile_columns
         aligned = (n_var, m_var) if tile[0] > 1 else (n_var,)
         acc = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
                          Operand(b_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, n_stride, k_dim,

@@ -37,7 +37,6 @@ the input read zero through masks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,21 +45,13 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, div_index, index_vars, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.conv_tiles import (
-    STATIC_PRODUCTS,
-    batch_count,
-    batch_rows,
-    channel_rows,
-    row_columns,
-    stack_rows,
-    texels_per_item,
-)
+from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
+from fblc.codegen.reads import ValueReads
 from fblc.codegen.kernels.contraction import (
     finish_group,
     reduce_guarded,
     reduce_into,
     reduce_lane,
-    row_axis,
     start_builder,
 )
 from fblc.codegen.kernels.texel import (
@@ -157,7 +148,7 @@ class _Tile:
         return self.batches * self.rows * self.y_rows * self.length
 
 
-def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
+def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
                     ) -> Reduction:
     """The conv's reduction over input channels and taps for the lanes of `tile`.
 
@@ -245,29 +236,13 @@ def _conv_reduction(b: KernelBuilder, code: Code, cs: _ConvShape, prefix: str, t
     return Reduction(x, w, blocked, loops, mask, row_mask)
 
 
-def _sums_instead_of_batches(b: KernelBuilder, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
-                             ) -> bool:
-    """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
-    (accumulators' "sums" form), rather than take several batch elements (batch_rows, R-Tile codegen's
-    register tile) in texels: the sums must be chosen for the tile alone and cost fewer instructions per
-    product than the batched tile's texels."""
-    def trial(candidate: _Tile) -> Reduction:
-        return _conv_reduction(b, Code([]), cs, prefix, candidate, masked)
-
-    single = trial(tile)
-    if single.accumulator_form(b, tile.lanes) != "sums":
-        return False
-    batched = dataclasses.replace(tile, batches=batch_count(b, cs.out_shape, tile.lanes))
-    return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
-
-
 def _block_products(cs: _ConvShape, k: int, lanes: int) -> int:
     """Products of one static block of the reduction over `k` taps along the masked axis (without
     a 2-D tile's row taps): channels x taps, or TAP_BLOCK taps, times the lanes."""
     return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
 
 
-def _row_taps(b: KernelBuilder, tile: _Tile, window: Window, var: Callable[[int], str], xs: Sequence[int],
+def _row_taps(b: ValueReads, tile: _Tile, window: Window, var: Callable[[int], str], xs: Sequence[int],
               ws: Sequence[int], x_terms: list[Term], loops: list[Loop], per_row: int
               ) -> tuple[Mask | None, range, bool]:
     """(row mask, row taps enumerated in the products, clamp) of a 2-D tile's `y_rows` along its
@@ -322,24 +297,6 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
     return None
 
 
-def spatial_rows(b: KernelBuilder, cs: _ConvShape, tile: _Tile) -> tuple[int, int | None]:
-    """(rows, window axis): under R-Tile codegen a spatial tile whose channels cannot stack (a
-    depthwise conv has one output channel per group) stacks consecutive output positions along the
-    window axis before its own, the first of SPATIAL_ROWS that divides that axis and fits
-    PRIVATE_FLOATS, where its taps overlap (more taps than stride): the tile's rows then share
-    input rows, (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps.
-    (1, None) when none fits, or under the naive layout."""
-    window = cs.window
-    if not b.table.tiled or not tile.axis or window.kernel[tile.axis] > TAP_BLOCK:
-        return 1, None
-    y = tile.axis - 1
-    if window.kernel[y] <= window.strides[y]:
-        return 1, None
-    rows = stack_rows(b, cs.out_shape, 2 + y, tile.lanes,
-                      window.kernel[y] * window.kernel[tile.axis] * min(CHANNEL_BLOCK, cs.cg_in))
-    return (rows, y) if rows > 1 else (1, None)
-
-
 def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list[str]:
     """Taps t in [low, high) with 0 <= origin + t * d < n."""
     if d == 1:
@@ -357,37 +314,45 @@ def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) ->
     return FLAT_TEXEL_INDEX, FLAT_INDEX
 
 
+@dataclass
+class ConvPlan:
+    """The geometry behind a conv kernel's schedule (kernels/schedules.py decides it): the conv as its
+    kernel sees it (`view`), the tile of its texel-wide path with the window axis whose taps are
+    enumerated (`masked`), or its row path (`row`: axis, length, channel rows, their step, texel
+    columns), or neither (per lane). `names_taken`: the variable names its decision's trial reductions
+    numbered, which the kernel skips so that its text is what it was when it decided while emitting."""
+
+    view: _ConvShape
+    tile: _Tile | None = None
+    masked: int | None = None
+    row: tuple[int, int, int, int, int] | None = None
+    names_taken: int = 0
+    flat: bool = False  # `view` is the conv over its flattened spatial axes (_pointwise)
+
+
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Direct convolution (and the autodiff's weight-gradient form, gradients/linalg.conv_weight_grad)."""
     node = group.anchor
-    cs = _conv_shape(node)
     b = start_builder(table, group, "conv")
-    view = _pointwise(cs)
-    texel, lane = view_indices(b, view.out_shape, view is not cs)
-    tile, row = _conv_tile(view), row_axis(view.out_shape, first=2)
+    plan: ConvPlan = b.schedule.detail
+    view = plan.view
+    for _ in range(plan.names_taken):
+        b.fresh("")
+    texel, lane = view_indices(b, view.out_shape, plan.flat)
 
     def per_lane(code: Code) -> Reduction:
         return _conv_reduction(b, code, view, lane, _Tile(1, 1, None), _last_tap_axis(view))
 
     def texels(tile: _Tile, masked: int | None) -> Callable[[Code], Reduction]:
-        if view is not cs:
+        if plan.flat:
             b.emit_texel(*b.item_index_vars(view.out_shape, texel))
         return lambda code: _conv_reduction(b, code, view, texel, tile, masked)
 
-    if tile is not None:
-        b.texels_per_item = tile.lanes // LANES
-        masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
-        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
-            tile.rows, tile.row_step, _ = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))
-            if tile.rows == 1:
-                tile.y_rows, tile.row_axis = spatial_rows(b, view, tile)
-        elif not _sums_instead_of_batches(b, view, texel, tile, masked):  # a channel tile
-            tile.batches = batch_rows(b, view.out_shape, tile.lanes)
-        acc = reduce_into(b, texels(tile, masked), tile.lanes)
-    elif row is not None:  # texels within one row reduce together, the ones across two per lane
-        axis, length = row
-        rows, step, columns = channel_rows(b, view.out_shape, view.cg_out, row_columns(length))
+    if plan.tile is not None:
+        acc = reduce_into(b, texels(plan.tile, plan.masked), plan.tile.lanes)
+    elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
+        axis, length, rows, step, columns = plan.row
         width = LANES * columns  # positions of a tile row
         acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
                              texels(_Tile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),

@@ -13,8 +13,7 @@ import math
 
 import numpy as np
 
-from fblc.codegen.builder import KernelBuilder
-from fblc.codegen.kernels.texel import LANES
+from fblc.codegen.kernels.accumulators import LANES
 from fblc.profiles.profile import PRIVATE_FLOATS
 
 CHANNEL_ROWS = (8, 4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
@@ -24,39 +23,37 @@ SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels can
 STATIC_PRODUCTS = 1024  # a 2-D tile enumerates its row taps while a block keeps at most this many products
 
 
-def channel_rows(b: KernelBuilder, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
-                 ) -> tuple[int, int, int]:
-    """(rows, row_step, columns): under R-Tile codegen a work-item whose outputs are `columns`
+def channel_rows(tiled: bool, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
+                 ) -> tuple[int, int, int, int]:
+    """(rows, row_step, columns, stride): under R-Tile codegen a work-item whose outputs are `columns`
     consecutive texels of one output channel (the first of `choices` that fits) also computes the
     same positions of rows - 1 more channels, row_step apart (the register tile: the rows share
     every input read). Positions line up with texel columns only every row_step = 4 * columns /
     gcd(plane, 4 * columns) channels, `plane` the elements of a channel; the rows stay within a
     group (cg_out output channels) and within PRIVATE_FLOATS accumulators. A saved mask whose
-    bytes the tile splits falls back to r_mask4 (KernelBuilder.finish): twice the mask's bits,
-    1/16 of the float tensor's, for 1/rows of the input reads. (1, 1, the last choice) when none
-    fits, or under the naive layout: the conventional one-channel kernel."""
+    bytes the tile splits falls back to r_mask4 (codegen.schedule.pairs_mask_bytes): twice the mask's bits,
+    1/16 of the float tensor's, for 1/rows of the input reads; `stride`: texels between the tile's
+    rows. (1, 1, the last choice, 1) when none fits, or under the naive layout: the conventional
+    one-channel kernel."""
     plane = int(np.prod(out_shape[2:]))
-    if b.table.tiled:
+    if tiled:
         for columns in choices:
             step = LANES * columns // math.gcd(plane, LANES * columns)
             stride = step * plane // LANES
             for rows in CHANNEL_ROWS:
                 if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS:
-                    b.tile_texels(rows, columns, stride)
-                    return rows, step, columns
-    return 1, 1, choices[-1]
+                    return rows, step, columns, stride
+    return 1, 1, choices[-1], 1
 
 
-def stack_rows(b: KernelBuilder, out_shape: Sequence[int], axis: int, lanes: int, products: int) -> int:
-    """Output rows along `axis` of `out_shape` that a work-item of `lanes` outputs (whole texels of
-    the axes after it) also computes, made the builder's 2-D tile: the first of SPATIAL_ROWS that
-    divides the axis with rows * `lanes` accumulators within PRIVATE_FLOATS and their `products`
-    each (taps x input channels of a block) within STATIC_PRODUCTS; 1 (no tile) if none does."""
+def stack_rows(out_shape: Sequence[int], axis: int, lanes: int, products: int) -> tuple[int, int]:
+    """(rows, stride): output rows along `axis` of `out_shape` that a work-item of `lanes` outputs (whole
+    texels of the axes after it) also computes, its 2-D tile's rows `stride` texels apart: the first of
+    SPATIAL_ROWS that divides the axis with rows * `lanes` accumulators within PRIVATE_FLOATS and their
+    `products` each (taps x input channels of a block) within STATIC_PRODUCTS; 1 (no tile) if none does."""
     rows = next((rows for rows in SPATIAL_ROWS if out_shape[axis] % rows == 0 and rows * lanes <= PRIVATE_FLOATS
                  and rows * lanes * products <= STATIC_PRODUCTS), 1)
-    if rows > 1:
-        b.tile_texels(rows, b.texels_per_item, int(np.prod(out_shape[axis + 1:])) // LANES)
-    return rows
+    return rows, int(np.prod(out_shape[axis + 1:])) // LANES
 
 
 def row_columns(length: int) -> tuple[int, ...]:
@@ -66,21 +63,17 @@ def row_columns(length: int) -> tuple[int, ...]:
     return (2, 1) if length >= PAIR_ROW else (1,)
 
 
-def batch_rows(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
-    """Batch elements a channel tile's work-item computes under R-Tile codegen (batch_count), made the
-    builder's 2-D tile."""
-    batches = batch_count(b, out_shape, lanes)
-    if batches > 1:
-        b.tile_texels(batches, b.texels_per_item, int(np.prod(out_shape[1:])) // LANES)
-    return batches
+def batch_stride(out_shape: Sequence[int]) -> int:
+    """Texels between the rows of a channel tile's batch elements (batch_count)."""
+    return int(np.prod(out_shape[1:])) // LANES
 
 
-def batch_count(b: KernelBuilder, out_shape: Sequence[int], lanes: int) -> int:
+def batch_count(tiled: bool, out_shape: Sequence[int], lanes: int) -> int:
     """Batch elements a channel tile's work-item of `lanes` outputs would compute under R-Tile codegen (the
     register tile: they share every weight read; the autodiff's weight gradient, whose batch axis is the
     input channels, shares the dY reads), the first of BATCH_ROWS within PRIVATE_FLOATS accumulators (a
     saved mask as in channel_rows); 1 under naive."""
-    if b.table.tiled:
+    if tiled:
         for batches in BATCH_ROWS:
             if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS:
                 return batches

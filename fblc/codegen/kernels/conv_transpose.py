@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import KernelBuilder, lane_axis
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import Kernel, div_index, mod_index, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
@@ -33,11 +33,9 @@ from fblc.codegen.kernels.contraction import (
     index_terms,
     reduce_guarded,
     reduce_into,
-    row_axis,
     start_builder,
 )
-from fblc.codegen.kernels.conv import CHANNEL_BLOCK, TAP_BLOCK, add_bias, affine, view_indices
-from fblc.codegen.kernels.conv_tiles import channel_rows, row_columns, stack_rows, texels_per_item
+from fblc.codegen.kernels.conv import CHANNEL_BLOCK, add_bias, affine, view_indices
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
@@ -198,33 +196,41 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
     return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask, row_mask)
 
 
+@dataclass
+class TransposePlan:
+    """The geometry behind a ConvTranspose kernel's schedule (kernels/schedules.py decides it): the
+    transpose as its kernel sees it (`view`), the lane axis and its (rows, step) of its texel-wide
+    path with the axis its rows stack along (`along`), or its row path (`row`: axis, length, channel
+    rows, their step, texel columns), or neither (per lane)."""
+
+    view: _TransposeShape
+    flat: bool
+    lanes_axis: int | None = None
+    rows: tuple[int, int] = (1, 1)
+    along: int | None = None
+    row: tuple[int, int, int, int, int] | None = None
+    lanes: int = 0  # the texel-wide path's outputs of one row of the tile
+
+
 @register_kernel("ConvTranspose")
 def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Gather form; output_padding only lengthens the (already static) output, so the loops ignore it."""
     node = group.anchor
-    ts = _transpose_shape(node)
     b = start_builder(table, group, "conv")
-    view = _pointwise(ts)
-    texel, lane = view_indices(b, view.out_shape, view is not ts)
-    axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
-    if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
-        b.texels_per_item = texels_per_item(view.out_shape[axis] // LANES)
-        lanes = LANES * b.texels_per_item
-        rows = channel_rows(b, view.out_shape, view.cg_out, (b.texels_per_item,))[:2]
-        along = None
-        if rows[0] == 1:
-            rows, along = _spatial_rows(b, view, axis - 2, lanes)
-        if view is not ts:
+    plan: TransposePlan = b.schedule.detail
+    view = plan.view
+    texel, lane = view_indices(b, view.out_shape, plan.flat)
+    if plan.lanes_axis is not None:
+        axis, lanes, rows, along = plan.lanes_axis, plan.lanes, plan.rows, plan.along
+        if plan.flat:
             b.emit_texel(*b.item_index_vars(view.out_shape, texel))
         acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows,
                                                                along), lanes * rows[0])
-    elif row is not None and _row_stride_fits(view.strides[row[0] - 2], row[1]) and \
-            view.kernel[row[0] - 2] <= TAP_BLOCK:
-        axis, length = row  # texels within one row reduce together, the ones across two per lane
+    elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
+        axis, length, count, step, columns = plan.row
         stride = view.strides[axis - 2]
-        count, step, columns = channel_rows(b, view.out_shape, view.cg_out, row_columns(length))
         width = LANES * columns  # positions of a tile row
-        if view is not ts:
+        if plan.flat:
             b.emit_texel(*b.item_index_vars(view.out_shape, texel))
         acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
                              lambda code: _transpose_reduction(b, view, texel, axis - 2, width, stride,
@@ -236,18 +242,6 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         b.emit(f"{acc} = {_transpose_per_lane(b, view, Code(b.lines), lane)};")
     add_bias(b, node, acc)
     return finish_group(b, group, acc)
-
-
-def _spatial_rows(b: KernelBuilder, ts: _TransposeShape, lane: int, lanes: int) -> tuple[tuple[int, int], int | None]:
-    """((rows, 1), window axis): as conv.spatial_rows, consecutive output positions along the
-    spatial axis before `lane` where output channels cannot stack (a depthwise conv's input
-    gradient), when that axis has stride 1 and several taps: the rows share input rows.
-    ((1, 1), None) where none fits or under naive."""
-    if not b.table.tiled or lane == 0 or ts.strides[lane - 1] != 1 or ts.kernel[lane - 1] == 1:
-        return (1, 1), None
-    rows = stack_rows(b, ts.out_shape, 1 + lane, lanes,
-                      ts.kernel[lane - 1] * ts.kernel[lane] * min(CHANNEL_BLOCK, ts.cg_in))
-    return ((rows, 1), lane - 1) if rows > 1 else ((1, 1), None)
 
 
 def _row_stride_fits(stride: int, length: int) -> bool:

@@ -188,7 +188,7 @@ def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: l
     shape, axis, count = _layer_norm_geometry(node)
     b = KernelBuilder(table, name, FAMILY, outputs)
     b.nodes.append(node.name)
-    b.group_size = table.profile.reduction_group(count)
+    b.take_group()  # kernels/schedules.py: a work-group per row for a long row
     row_start = b.temp("int", _flat(shape, OUT_INDEX, range(axis, len(shape))), "row")
     if b.group_size is not None:
         mean, inv_std = _group_statistics(b, node, row_start)
@@ -221,8 +221,8 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         stat_index = broadcast_index(stat_shape, shape, OUT_INDEX)
         mean = b.temp("float", b.load(node.outputs[1], stat_index), "mean")
         inv_std = b.temp("float", b.load(node.outputs[2], stat_index), "inv")
-    elif count % 4 == 0:  # once per work-item, over the several texels of one row it computes
-        b.texels_per_item = _item_texels(count // 4)
+    elif count % 4 == 0:
+        # once per work-item, over the texels of one row it computes (kernels/schedules.py: _item_texels)
         mean, inv_std = _row_statistics(b, Code(b.texel_lines), node, _flat(shape, TEXEL_INDEX, trailing))
     else:
         row_start = b.temp("int", _flat(shape, OUT_INDEX, trailing), "row")

@@ -165,7 +165,7 @@ def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = KernelBuilder(table, group.name, "reduction", group.outputs)
     b.nodes.append(node.name)
     shape = static_shape(node.inputs[0])
-    b.group_size = table.profile.reduction_group(numel([shape[a] for a in axes]))
+    b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
         acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY", "fmax({a}, {b})")
         return [b.finish([acc.lane])]

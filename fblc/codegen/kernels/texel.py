@@ -38,6 +38,7 @@ from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import flat_index
 from fblc.codegen.ir import Statement
 from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form, pair_stride
+from fblc.codegen.schedule import resolve_form, resolve_pair
 from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
 
 __all__ = ["COMPONENTS", "LANES"]  # the texel's shape, which the kernel modules take from here
@@ -299,8 +300,14 @@ class Reduction:
         if lanes > PRIVATE_FLOATS:
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
-        form = self.accumulator_form(b, lanes)
-        pair = pair_stride(self._sample, form, lanes, b.table.profile.simd_floats)
+        profile, schedule = b.table.profile, b.schedule
+        if lanes % LANES == 0:  # the work-item's reduction (not a row path's per-lane fallback): the schedule's
+            form = resolve_form(schedule, profile, self._sample, lanes, self.serial(lanes))
+            pair = resolve_pair(schedule, profile, self._sample, form, lanes, b.name)
+            schedule.accumulator_form, schedule.pair_stride = form, pair
+        else:
+            form = self.accumulator_form(b, lanes)
+            pair = pair_stride(self._sample, form, lanes, profile.simd_floats)
         target = Accumulators(b.fresh("accv") if form != "lanes" else acc, form, pair)
         code.emit(target.declare(lanes))
         depth = code.depth

@@ -1,0 +1,218 @@
+"""Schedules as data: how a kernel's work is cut up, decided before the kernel is built.
+
+A `Schedule` holds what the emitters used to decide while writing C: the 2-D tile of texels a
+work-item computes (`tile_rows` rows `tile_stride` texels apart, `tile_columns` consecutive texels
+each; rows 1 texel apart are consecutive texels), the work-items that share each item's reduction
+(`group_size`, the split-K of a contraction's tile or a long row's reduction), the items a work-group
+holds (`tiles_per_group`), where a reduction's products sum (`accumulator_form`, accumulators.py)
+and the float8 pairing of its float4 accumulators (`pair_stride`). `kernels/schedules.py` decides
+every kernel group's from the target profile and the group's sizes (SCHEDULE_RULES); a schedule
+file or the profile's `schedules` section overrides fields by kernel name (`apply_overrides`),
+each checked against the kernel's `choices`. The saved masks whose bytes a tile splits between
+work-items fall back to r_mask4 from the schedule (`mask4`), before any texture exists.
+
+Fields left None are decided where the reduction is known (`resolve_group`, `resolve_form`,
+`resolve_pair`: a contraction's serial length and its products come from the reduction it builds),
+by these functions, unless a file fixed them; the builder records what was used (plan.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from fblc.codegen.kernels.accumulators import FORMS, choose_form, float4_count, pair_stride
+from fblc.errors import FblcError
+from fblc.profiles import Profile
+from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
+
+#: the fields a schedule file may name (a kernel's `choices` say which of them it takes)
+OVERRIDABLE = ("tile_rows", "tile_columns", "group_size", "accumulator_form", "pair_stride")
+
+
+@dataclass
+class Schedule:
+    """One kernel's schedule (see the module docstring); `choices`: its overridable fields' valid values."""
+
+    tile_rows: int = 1
+    tile_columns: int = 1
+    tile_stride: int = 1
+    group_size: int | None = None  # None: decided at the reduction; 1: one work-item per item
+    tiles_per_group: int = 1
+    accumulator_form: str | None = None  # None: decided at the reduction (or the kernel has none)
+    pair_stride: int | None = None
+    mask4: tuple[str, ...] = ()  # saved masks this kernel writes as r_mask4 (its tile splits their bytes)
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict, repr=False, compare=False)
+    fixed: frozenset[str] = field(default=frozenset(), repr=False, compare=False)  # fields a file set
+    detail: Any = field(default=None, repr=False, compare=False)  # the family's geometry behind the fields
+
+    @property
+    def texels_per_item(self) -> int:
+        return self.tile_rows * self.tile_columns
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the item's texels are a 2-D tile (rows further apart than a row is long)."""
+        return self.tile_stride > self.tile_columns
+
+    @property
+    def vector_width(self) -> int:
+        """Floats per accumulator variable: 8 paired float4s, 4 float4s, 1 scalar lanes (or no reduction)."""
+        if self.pair_stride:
+            return 8
+        return 4 if self.accumulator_form in ("texels", "sums") else 1
+
+    def decided(self) -> dict[str, Any]:
+        """The schedule as decided before its kernel is built (None: decided at the reduction)."""
+        return {"tile_rows": self.tile_rows, "tile_columns": self.tile_columns, "tile_stride": self.tile_stride,
+                "group_size": self.group_size, "accumulator_form": self.accumulator_form,
+                "pair_stride": self.pair_stride, "mask4": list(self.mask4)}
+
+    def record(self) -> dict[str, Any]:
+        """The schedule as plan.json records it, with the values a schedule file may give each field it takes."""
+        return {"tile_rows": self.tile_rows, "tile_columns": self.tile_columns, "tile_stride": self.tile_stride,
+                "texels_per_item": self.texels_per_item, "group_size": self.group_size or 1,
+                "tiles_per_group": self.tiles_per_group, "accumulator_form": self.accumulator_form,
+                "pair_stride": self.pair_stride or 0, "vector_width": self.vector_width, "mask4": list(self.mask4),
+                "choices": {key: list(values) for key, values in self.choices.items()}}  # what a file may set
+
+
+def consecutive(texels: int) -> Schedule:
+    """A work-item of `texels` consecutive texels."""
+    return Schedule(tile_rows=texels)
+
+
+def tile(rows: int, columns: int, stride: int) -> Schedule:
+    """A work-item's 2-D tile: `rows` rows `stride` texels apart, each `columns` consecutive texels."""
+    assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
+    return Schedule(tile_rows=rows, tile_columns=columns, tile_stride=stride)
+
+
+def pairs_mask_bytes(schedule: Schedule) -> bool:
+    """A work-item's texels hold both texels of every mask byte they touch: consecutive texels (odd
+    counts run two items in turn, KernelBuilder.finish), or a tile whose rows are an even number of
+    texels, an even number apart."""
+    return not schedule.tiled or (schedule.tile_columns % 2 == 0 and schedule.tile_stride % 2 == 0)
+
+
+def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:
+    """Work-items a tile's reduction may be dealt out to: 1, or powers of two within the device's
+    max_work_group_size and SHARED_TILE_FLOATS of partials (`lanes` per work-item)."""
+    bound = min(profile.max_work_group_size, SHARED_TILE_FLOATS // max(1, lanes))
+    return (1,) + tuple(2 ** k for k in range(1, 16) if 2 ** k <= bound)
+
+
+def form_choices(lanes: int) -> tuple[str, ...]:
+    """Accumulator forms of `lanes` outputs: float4 forms need whole texels of them."""
+    return FORMS if lanes % 4 == 0 else ("lanes",)
+
+
+def reduction_choices(profile: Profile, lanes: int, masks: bool) -> dict[str, tuple[Any, ...]]:
+    """The overridable fields of a kernel whose work-item reduces `lanes` outputs together (`masks`: it
+    writes saved masks, whose bytes pair texels of two work-items, so it keeps one work-item per tile)."""
+    return {"group_size": (1,) if masks else group_choices(profile, lanes),
+            "accumulator_form": form_choices(lanes), "pair_stride": pair_choices(lanes)}
+
+
+def pair_choices(lanes: int) -> tuple[int, ...]:
+    """Float8 pairing strides of `lanes` outputs' float4 accumulators in some form (0: none); which of
+    them pair the form the kernel takes is checked when it is known (resolve_pair)."""
+    return (0,) + tuple(s for s in range(1, lanes // 2 + 1) if lanes % (2 * s) == 0) if lanes % 4 == 0 else (0,)
+
+
+def resolve_group(schedule: Schedule, profile: Profile, serial: int, trips: int, lanes: int, tiles: int,
+                  masks: bool) -> int | None:
+    """Work-items sharing each tile's reduction of `serial` multiply-adds per accumulator (its longest
+    dealt loop `trips` long; Profile.tile_group), or the file's group_size; None: one work-item."""
+    if schedule.group_size is not None:
+        return schedule.group_size if schedule.group_size > 1 else None
+    return None if masks else profile.tile_group(serial, trips, lanes, tiles)
+
+
+def resolve_form(schedule: Schedule, profile: Profile, products: Sequence[tuple[int, int, int]], lanes: int,
+                 serial: int) -> str:
+    """The accumulator form (accumulators.choose_form on one block's products), or the file's."""
+    if schedule.accumulator_form is not None and "accumulator_form" in schedule.fixed:
+        return schedule.accumulator_form
+    return choose_form(products, lanes, serial > SERIAL_REDUCTION, profile.cpu, profile.simd_floats)
+
+
+def resolve_pair(schedule: Schedule, profile: Profile, products: Sequence[tuple[int, int, int]], form: str,
+                 lanes: int, kernel: str) -> int:
+    """The float8 pairing stride (accumulators.pair_stride), or the file's, checked against the form's float4s."""
+    if "pair_stride" not in schedule.fixed or schedule.pair_stride is None:
+        return pair_stride(products, form, lanes, profile.simd_floats)
+    stride = schedule.pair_stride
+    count = float4_count(form, lanes) if form != "lanes" else 0
+    valid = [0] + [s for s in range(1, count // 2 + 1) if count % (2 * s) == 0]
+    if stride not in valid:
+        raise FblcError(f"schedule of kernel '{kernel}': pair_stride {stride} does not pair its {count} float4 "
+                        f"accumulators (form '{form}')", f"choose one of: {', '.join(map(str, valid))}")
+    return stride
+
+
+def load_overrides(path: str | None, profile: Profile) -> dict[str, dict[str, Any]]:
+    """Schedule overrides by kernel name: the profile's `schedules` section, then the file's (`fblc compile
+    --schedules FILE`: a JSON object, kernel name -> {field: value}) over it."""
+    overrides = _overrides_object(profile.raw.get("schedules", {}), f"profile '{profile.name}'")
+    if path is None:
+        return overrides
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except OSError as error:
+        raise FblcError(f"cannot read the schedule file '{path}': {error.strerror}", "check the path") from None
+    except json.JSONDecodeError as error:
+        raise FblcError(f"schedule file '{path}' is not JSON: {error}",
+                        'write an object like {"k3_Gemm": {"tile_rows": 2}}') from None
+    for name, fields in _overrides_object(raw, f"schedule file '{path}'").items():
+        overrides[name] = {**overrides.get(name, {}), **fields}
+    return overrides
+
+
+def _overrides_object(raw: Any, source: str) -> dict[str, dict[str, Any]]:
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise FblcError(f"{source}: schedules must be an object of kernel name -> {{field: value}}",
+                        'write an object like {"k3_Gemm": {"tile_rows": 2}}')
+    return {str(name): dict(fields) for name, fields in raw.items()}
+
+
+def apply_overrides(schedules: Mapping[str, Schedule], overrides: Mapping[str, Mapping[str, Any]],
+                    refine: Callable[[str, Schedule], None]) -> None:
+    """Set each override's fields on its kernel's schedule, every one checked first: an unknown kernel,
+    an unknown field, a field the kernel does not take or a value outside its choices is an FblcError
+    naming them and what is valid. `refine(name, schedule)` re-derives what follows from changed fields."""
+    known = [f.name for f in dataclasses.fields(Schedule) if f.name in OVERRIDABLE]
+    for name, fields in overrides.items():
+        schedule = schedules.get(name)
+        if schedule is None:
+            listed = sorted(schedules, key=_launch_order)
+            raise FblcError(f"schedule override for kernel '{name}', which this step does not have",
+                            f"name one of its kernels: {', '.join(listed[:40])}{' ...' if len(listed) > 40 else ''}")
+        for key, value in fields.items():
+            if key not in known:
+                raise FblcError(f"schedule override for kernel '{name}': unknown field '{key}'",
+                                f"the fields are: {', '.join(known)}")
+            valid = schedule.choices.get(key)
+            if valid is None:
+                offered = ", ".join(schedule.choices) or "none"
+                raise FblcError(f"schedule override for kernel '{name}': its schedule has no choice of '{key}'",
+                                f"the fields it takes: {offered}")
+            if isinstance(value, bool) or value not in valid:
+                raise FblcError(f"schedule override for kernel '{name}': {key} {value!r} is not valid for it",
+                                f"choose one of: {', '.join(map(str, valid))}")
+        for key, value in fields.items():
+            setattr(schedule, key, value)
+        schedule.fixed = schedule.fixed | frozenset(fields)
+        refine(name, schedule)
+
+
+def _launch_order(name: str) -> tuple[int, str]:
+    digits = name[1:].split("_", 1)[0]
+    return (int(digits) if digits.isdigit() else 1 << 30, name)
+
+
+__all__ = ["OVERRIDABLE", "Schedule", "apply_overrides", "consecutive", "load_overrides", "pairs_mask_bytes",
+           "reduction_choices", "resolve_form", "resolve_group", "resolve_pair", "tile"]
