@@ -102,7 +102,7 @@ def test_the_step_under_the_pass_manager_trains(mlp_path: str, tmp_path) -> None
     (StoragePrecision, MemoryPlanPass, "'memory_plan' requires 'storage precision'.*put storage_precision before"),
     (TileRemap, MemoryPlanPass, "'rtile_select' requires 'index maps'.*put tile_remap before"),
     (RTileSelect, MemoryPlanPass, "'memory_plan' requires 'layouts'.*put rtile_select before"),
-    (FuseKernels, MemoryPlanPass, "'memory_plan' requires 'kernels'.*put fuse before"),
+    (FuseKernels, MemoryPlanPass, "'kernel_schedules' requires 'kernels'.*put fuse before"),
 ])
 def test_lowering_passes_out_of_order_are_refused(moved, after, fact) -> None:
     """Lowering's facts (index maps, layouts, kernel order, storage precision) make its order checked too."""

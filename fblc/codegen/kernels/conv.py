@@ -337,8 +337,7 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = start_builder(table, group, "conv")
     plan: ConvPlan = b.schedule.detail
     view = plan.view
-    for _ in range(plan.names_taken):
-        b.fresh("")
+    b.numbering.count = max(b.numbering.count, plan.names_taken)
     texel, lane = view_indices(b, view.out_shape, plan.flat)
 
     def per_lane(code: Code) -> Reduction:

@@ -182,7 +182,7 @@ def _conv_plan(tiled: bool, scratch: ValueReads, node: ir.Node) -> tuple[ConvPla
             tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
             if tile.batches > 1:
                 schedule = tile_of(tile.batches, per, batch_stride(view.out_shape))
-        return ConvPlan(view, tile, masked, names_taken=scratch._counter, flat=view is not cs), schedule
+        return ConvPlan(view, tile, masked, names_taken=scratch.numbering.count, flat=view is not cs), schedule
     if row is not None:
         axis, length = row
         rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
