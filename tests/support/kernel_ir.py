@@ -1,0 +1,53 @@
+"""Kernels as IR for codegen tests: compile a model to its kernels (fblc.codegen.ir.KernelIR each) and
+query their structure (loads, loops, barriers, local arrays) instead of matching C text."""
+
+from __future__ import annotations
+
+from typing import Iterator, TypeVar
+
+from fblc.codegen import ir as kir
+from fblc.codegen.cl import Kernel
+from fblc.codegen.plan import lower, step_schedules
+from fblc.codegen.schedule import load_overrides
+from fblc.compiler.model_io import load_model
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from fblc.profiles import load_profile
+
+Node = TypeVar("Node")
+
+
+def lowered_kernels(model_path: str, target: str = "local", dtype: str = "fp32",
+                    options: TrainingOptions = TrainingOptions()) -> list[Kernel]:
+    """The step's kernels as `fblc compile` builds them (each with its `.ir`), in launch order."""
+    import dataclasses
+
+    profile = load_profile(target)
+    options = dataclasses.replace(options, dtype=dtype)
+    overrides = load_overrides(None, profile)
+    step = build_training_graph(load_model(model_path), options, lower=profile,
+                                schedules=step_schedules(profile, dtype, overrides))
+    return lower(step, profile, dtype, overrides=overrides).kernels
+
+
+def statements(kernel: Kernel) -> Iterator[kir.Statement]:
+    """Every statement of the kernel, nested ones included."""
+    assert isinstance(kernel.ir, kir.KernelIR), f"{kernel.name} has no IR"
+    return kir.walk(kernel.ir.body)
+
+
+def expressions(kernel: Kernel) -> Iterator[kir.Expr]:
+    """Every expression the kernel's statements read, sub-expressions included."""
+    for statement in statements(kernel):
+        for expr in kir.statement_exprs(statement):
+            yield from kir.walk_expr(expr)
+
+
+def of_type(kernel: Kernel, node_type: type[Node]) -> list[Node]:
+    """The kernel's statements or expressions of one IR type (kir.Load, kir.For, kir.Barrier...)."""
+    found = [s for s in statements(kernel) if isinstance(s, node_type)]
+    return found + [e for e in expressions(kernel) if isinstance(e, node_type)]
+
+
+def loads_of(kernel: Kernel, argument: str) -> list[kir.Load]:
+    """The kernel's texel reads of argument `argument` ("in0", ...)."""
+    return [e for e in of_type(kernel, kir.Load) if e.argument.name == argument]
