@@ -11,8 +11,6 @@ skipped like padding, and count_include_pad=1 does not count them (`_padded_taps
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
@@ -26,15 +24,6 @@ from fblc.compiler.values import attr, numel, static_shape
 from fblc.compiler.window import Window, window_of
 
 FAMILY = "pooling"
-
-
-@dataclass
-class Taps:
-    """What `open_window` declares: the innermost block (run once per tap inside the input) and the tap's
-    flat input index."""
-
-    inner: Block
-    flat: Var
 
 
 def _needs_bounds(window: Window, axis: int) -> tuple[bool, bool]:
@@ -51,9 +40,10 @@ def _window_start(window: Window, axis: int) -> Expr:
     return o if s == 1 else o * s
 
 
-def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> Taps:
+def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> tuple[Block, Var]:
     """Build the nested tap loops of the current output element into b.body (taps in the padding
-    skipped); the caller builds the per-tap work into the returned inner block."""
+    skipped); returns the innermost block, where the caller builds the per-tap work, and the tap's
+    flat input index."""
     strides = strides_of(static_shape(node.inputs[0]))
     block = b.body
     flat: Expr = block.let(index_var(OUT_INDEX, 0) * strides[0] + index_var(OUT_INDEX, 1) * strides[1], "base")
@@ -71,7 +61,7 @@ def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> Taps:
             with taps.when(inside[0] if len(inside) == 1 else inside[0].logical_and(inside[1])) as within:
                 block = within
         flat = flat + (coord if strides[2 + a] == 1 else coord * strides[2 + a])
-    return Taps(block, block.let(flat, "src"))
+    return block, block.let(flat, "src")
 
 
 def _check_rank(node: ir.Node) -> None:
@@ -107,9 +97,9 @@ def emit_average_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = KernelBuilder.for_group(table, group, FAMILY)
     acc = b.body.mutable(const(0.0, FLOAT), "acc")
     count = b.body.mutable(const(0), "count")
-    taps = open_window(b, node, window)
-    taps.inner.assign(acc, b.element(node.inputs[0], taps.flat), "+=")
-    taps.inner.assign(count, const(1), "+=")
+    tap, flat = open_window(b, node, window)
+    tap.assign(acc, b.element(node.inputs[0], flat), "+=")
+    tap.assign(count, const(1), "+=")
     if not int(attr(node, "count_include_pad", 0)):
         return [b.finish([acc / call("max", count, const(1)).cast(FLOAT)])]
     partial = [(a, _padded_taps(window, a)) for a in range(len(window.kernel))]
@@ -136,11 +126,11 @@ def emit_max_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = KernelBuilder.for_group(table, group, FAMILY)
     best = b.body.mutable(const(float("-inf"), FLOAT), "best")
     where = b.body.mutable(const(-1), "arg")
-    taps = open_window(b, node, window)
-    x = taps.inner.let(b.element(node.inputs[0], taps.flat), "x")
-    with taps.inner.when(x.gt(best).logical_or(where.lt(0))) as better:
+    tap, flat = open_window(b, node, window)
+    x = tap.let(b.element(node.inputs[0], flat), "x")
+    with tap.when(x.gt(best).logical_or(where.lt(0))) as better:
         better.assign(best, x)
-        better.assign(where, taps.flat)
+        better.assign(where, flat)
     index: Expr = where
     if int(attr(node, "storage_order", 0)) and len(x_shape) >= 4:
         # Column-major Indices: the last two spatial axes swap their strides (where >= 0: a window
