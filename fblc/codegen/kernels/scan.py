@@ -40,11 +40,11 @@ def _o(axis: int) -> Var:
     return index_var(OUT_INDEX, axis)
 
 
-def _line(block: Block, shape: tuple[int, ...], axis: int, out_axes: list[int | None]) -> Var:
+def _line(block: Block, shape: tuple[int, ...], axis: int, out_axes: list[int]) -> Var:
     """The flat index in `shape` of the current output element's line start along `axis`;
-    out_axes[k] is the output coordinate that input axis k reads (None: the axis itself)."""
+    out_axes[k] is the output coordinate that input axis k (other than `axis`) reads."""
     strides = strides_of(shape)
-    terms = [(_o(out_axes[k]), strides[k]) for k in range(len(shape)) if k != axis]  # type: ignore[arg-type]
+    terms = [(_o(out_axes[k]), strides[k]) for k in range(len(shape)) if k != axis]
     return block.let(flat_index(terms), "line")
 
 
@@ -118,7 +118,7 @@ def emit_arg_extremum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     better = BETTER[(node.op_type, 1 if int(attr(node, "select_last_index", 0)) else 0)]
     b = KernelBuilder.for_group(table, group, FAMILY)
     body = b.body
-    out_axes: list[int | None] = [k if keepdims else (k if k < axis else k - 1) for k in range(len(shape))]
+    out_axes = [k if keepdims else (k if k < axis else k - 1) for k in range(len(shape))]
     line = _line(body, shape, axis, out_axes)
     best = body.mutable(b.element(x, line), "best")
     at = body.mutable(const(0), "at")
