@@ -68,6 +68,7 @@ class Expr:
     def __rtruediv__(self, other: Operand) -> Binary: return self._binary("/", other, swap=True)
     def __and__(self, other: Operand) -> Binary: return self._binary("&", other)
     def __or__(self, other: Operand) -> Binary: return self._binary("|", other)
+    def __xor__(self, other: Operand) -> Binary: return self._binary("^", other)
     def __lshift__(self, other: Operand) -> Binary: return self._binary("<<", other)
     def __rshift__(self, other: Operand) -> Binary: return self._binary(">>", other)
     def __neg__(self) -> Unary: return Unary("-", self, self.dtype)
@@ -263,6 +264,7 @@ class DeclareArray:
     length: int | Expr
     init: tuple[Expr, ...] = ()
     local: bool = False
+    constant: bool = False  # read-only after its initializer (a table the compiler may put in constant memory)
 
 
 @dataclass(eq=True)
@@ -381,10 +383,10 @@ class Block:
         return var
 
     def array(self, kind: str, dtype: DType, length: int | Expr, init: Sequence[Operand] = (),
-              local: bool = False, name: str = "") -> Var:
+              local: bool = False, name: str = "", constant: bool = False) -> Var:
         var = self.var(kind, dtype, name)
         self.statements.append(DeclareArray(var, length, tuple(
-            v if isinstance(v, Expr) else const(v, dtype) for v in init), local))
+            v if isinstance(v, Expr) else const(v, dtype) for v in init), local, constant))
         return var
 
     def assign(self, target: Var | Element, value: Operand, op: str = "=") -> None:

@@ -117,7 +117,7 @@ class Renderer:
         if isinstance(s, ir.DeclareArray):
             length = self.expr(s.length) if isinstance(s.length, ir.Expr) else str(s.length)
             init = f" = {{{', '.join(self.expr(v) for v in s.init)}}}" if s.init else ""
-            space = "__local " if s.local else ""
+            space = ("__local " if s.local else "") + ("const " if s.constant else "")
             return [f"{pad}{space}{s.var.dtype.c_name} {name_of(s.var)}[{length}]{init};"]
         if isinstance(s, ir.Assign):
             return [f"{pad}{self.expr(s.target)} {s.op} {self.expr(s.value)};"]
