@@ -31,20 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fblc.codegen.ir import (
-    FLOAT,
-    FLOAT4,
-    FLOAT8,
-    Assign,
-    Block,
-    Const,
-    Element,
-    Expr,
-    Lane,
-    Swizzle,
-    Var,
-    Vector,
-    const,
-)
+    FLOAT, FLOAT4, FLOAT8, Assign, Block, Const, Element, Expr, Lane, Swizzle, Var, Vector, const)
 from fblc.profiles.profile import SIMD_SUM_FLOAT4S
 
 LANES = 4

@@ -26,36 +26,12 @@ from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axi
 from fblc.codegen.cl import Kernel, strides_of
 from fblc.codegen.indexing import declare_index, digit_terms, index_var
 from fblc.codegen.ir import (
-    FLOAT,
-    FLOAT4,
-    INT,
-    Block,
-    Break,
-    Declare,
-    Element,
-    Expr,
-    For,
-    If,
-    Var,
-    Vector,
-    call,
-    const,
-    flat_index,
-    select,
-)
+    FLOAT, FLOAT4, INT, Block, Break, Declare, Element, Expr, For, If, Var, Vector, call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
 from fblc.codegen.reads import ValueReads, statements_of
 from fblc.codegen.schedule import resolve_group
-from fblc.codegen.kernels.texel import (
-    LANES,
-    Blocked,
-    Loop,
-    Operand,
-    Product,
-    Reduction,
-    Term,
-)
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import SubAxis, common_digits

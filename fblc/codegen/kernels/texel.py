@@ -36,21 +36,8 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import (
-    FLOAT,
-    FLOAT4,
-    UINT,
-    ArgumentRef,
-    Block,
-    Expr,
-    For,
-    If,
-    Operand as IROperand,
-    Var,
-    call,
-    const,
-    flat_index,
-    select,
-)
+    FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
+    select)
 from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form, pair_stride
 from fblc.codegen.schedule import resolve_form, resolve_pair
 from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
