@@ -275,7 +275,7 @@ class Reduction:
     def shared_loop(self) -> tuple[int | None, int]:
         """(index into loops, or None for the blocked axis's loop; its trips): the loop with the most
         iterations that a work-group can deal out (Reduction.emit's `group`)."""
-        candidates = [(loop.trips, index) for index, loop in enumerate(self.loops) if loop.walk is not None]
+        candidates = [(loop.trips, index) for index, loop in enumerate(self.loops) if loop.walks]
         trips, index = max(candidates, default=(0, None))
         blocks = self._looped // self.blocked.block
         return (None, blocks) if blocks >= trips else (index, trips)
