@@ -41,7 +41,6 @@ FORMS = ("lanes", "texels", "sums")
 PAIRED_SIMD_FLOATS = 8
 
 Operation = tuple[Expr, Expr, Expr]  # (target, x operand, w operand): `target += x * w`
-ACCUMULATOR_TYPES = {"lanes": FLOAT, "texels": FLOAT4, "sums": FLOAT4}
 
 
 class Update(NamedTuple):

@@ -118,8 +118,9 @@ class Loop:
     @staticmethod
     def over(var: Var, start: IROperand, stop: IROperand, x_step: int, w_step: int, trips: int) -> Loop:
         """`for var in [start, stop)`, at most `trips` iterations (stop may be a runtime bound)."""
+        start, stop = (const(bound) if isinstance(bound, int) else bound for bound in (start, stop))
         return Loop([Term(var, x_step)] if x_step else [], [Term(var, w_step)] if w_step else [], trips, var,
-                    _expr(start), _expr(stop), walks=True)
+                    start, stop, walks=True)
 
     def open(self, block: Block, group: int | None = None, lid: Var | None = None) -> Block:
         """Build the loop into `block`; the block its body goes into. With `group`, its iterations are dealt
@@ -134,10 +135,6 @@ class Loop:
             block.add(For(self.var, start, self.stop, body, step))
             block = Block(block.numbering, body)
         return self.enter(block) if self.enter is not None else block
-
-
-def _expr(value: IROperand) -> Expr:
-    return value if isinstance(value, Expr) else const(value)
 
 
 @dataclass
@@ -185,12 +182,8 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
     def texel(index: Expr, spare: bool = False, within: bool = False) -> Var:
         """A texel read; `spare`: the read may pass the tensor's end (a cluster's last texel at shift 0);
         `within`: it never leaves the tensor."""
-        if within:
-            pass
-        elif operand.clamp:
-            index = call("clamp", index, 0, last)
-        elif spare:
-            index = call("min", index, last)
+        if not within and (operand.clamp or spare):
+            index = call("clamp", index, 0, last) if operand.clamp else call("min", index, last)
         return block.let(b.texel(argument, texture, index), "T")
 
     base = index_sum(operand.terms)
