@@ -249,7 +249,8 @@ class Text(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Swizzle(Expr):
-    """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi), a run of components (.yz)."""
+    """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi: 4 lanes from 0 or 4), a run
+    of a float4's components (.yz)."""
 
     vector: Expr
     first: int

@@ -105,12 +105,9 @@ class Renderer:
         return e.text
 
     def _Swizzle(self, e: ir.Swizzle) -> str:
-        lanes = e.vector.dtype.lanes
-        if lanes == 8 and e.count == 4 and e.first % 4 == 0:  # a float8's half
+        if e.vector.dtype.lanes == 8:  # a float8's half
             return f"{self.expr(e.vector)}.{('lo', 'hi')[e.first // e.count]}"
-        if lanes <= 4:
-            return f"{self.expr(e.vector)}.{COMPONENTS[e.first:e.first + e.count]}"
-        return f"{self.expr(e.vector)}.s{''.join(f'{k:x}' for k in range(e.first, e.first + e.count))}"
+        return f"{self.expr(e.vector)}.{COMPONENTS[e.first:e.first + e.count]}"
 
     def _ArgumentRef(self, e: ir.ArgumentRef) -> str:
         return e.argument.name
