@@ -1,4 +1,5 @@
-"""Accumulators: a reduction's products as IR statements in each form (checked by their C), and the cost that picks a form.
+"""Accumulators: a reduction's products as IR statements in each form (checked by their C), and the cost
+that picks a form.
 
 Golden lines for the lanes, texels and sums forms (and a texel whose lanes do not all have a k-th
 product); choose_form on a weight gradient's block and a GEMM's. The kernels that use texels and sums

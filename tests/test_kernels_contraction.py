@@ -202,7 +202,7 @@ def _path(kernel: Any) -> str:
     return "texel" if any(var.name == "u0" for var in declared) else "lane"
 
 
-def _contractions(path: str, target: str = "local", options: TrainingOptions = None) -> list[Any]:  # type: ignore[assignment]
+def _contractions(path: str, target: str = "local", options: TrainingOptions | None = None) -> list[Any]:
     """The step's conv and matmul kernels (each with its IR)."""
     return [k for k in lowered_kernels(path, target, "fp32", options or OPTIONS) if k.family in ("conv", "matmul")]
 
@@ -372,7 +372,8 @@ def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
     assert all(_accumulates(kernel, 32) for kernel in kernels.values())
     for name, x, w, pads in [("odd_height", (1, 4, 5, 8), (4, 1, 3, 3), [1, 1, 1, 1]),
                              ("one_tap", (1, 4, 8, 8), (4, 1, 1, 3), [0, 1, 0, 1])]:
-        assert all(_accumulates(kernel, 8) for kernel in _conv_kernels(tmp_path, name, x, w, group=4, pads=pads).values())
+        kernels = _conv_kernels(tmp_path, name, x, w, group=4, pads=pads)
+        assert all(_accumulates(kernel, 8) for kernel in kernels.values())
 
 
 def test_conv_transpose_forward(tmp_path) -> None:
@@ -504,7 +505,8 @@ def test_a_row_crossing_texels_lanes_reduce_in_a_loop_before_the_unrolled_lane_l
         assert leftover and any(isinstance(s, kir.Assign) and isinstance(s.target, kir.Element)
                                 and s.target.array == leftover[0] for s in kir.walk(fallbacks[0].body))
         inner = list(kir.walk(lane_loop.body))
-        assert not [s for s in inner if isinstance(s, kir.For) and not s.var.name], "a per-lane loop left in the lane loop"
+        per_lane = [s for s in inner if isinstance(s, kir.For) and not s.var.name]
+        assert not per_lane, "a per-lane loop left in the lane loop"
         assert any(isinstance(s, kir.Declare) and isinstance(s.init, kir.Select) and s.init.condition.kind == "whole"
                    and isinstance(s.init.if_false, kir.Element) and s.init.if_false.array == leftover[0]
                    for s in inner)

@@ -73,12 +73,10 @@ class Accumulators:
         if form == "lanes":
             return Accumulators(block.array(kind, FLOAT, lanes, [const(0.0, FLOAT)] * lanes), form, pair)
         count = float4_count(form, lanes)
-        if pair:
-            assert count % (2 * pair) == 0, f"{count} float4s do not pair at stride {pair}"
-            zero8 = Vector(FLOAT8, (const(0.0, FLOAT),))
-            return Accumulators(block.array(kind, FLOAT8, count // 2, [zero8] * (count // 2)), form, pair)
-        zero4 = Vector(FLOAT4, (const(0.0, FLOAT),))
-        return Accumulators(block.array(kind, FLOAT4, count, [zero4] * count), form, pair)
+        assert not pair or count % (2 * pair) == 0, f"{count} float4s do not pair at stride {pair}"
+        dtype, length = (FLOAT8, count // 2) if pair else (FLOAT4, count)
+        zero = Vector(dtype, (const(0.0, FLOAT),))
+        return Accumulators(block.array(kind, dtype, length, [zero] * length), form, pair)
 
     def totals(self, block: Block, lanes: int) -> Var:
         """The array `float acc[lanes]` of each output's total (the accumulators themselves in form lanes)."""
@@ -111,7 +109,8 @@ class Accumulators:
     def add(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()) -> list[Assign]:
         """Statements that add each (lane, x, w) product to its lane; `offsets`, (x, w) element offsets of
         each product, find the runs the sums form adds four at a time."""
-        return [Assign(target, x * w, "+=") for target, x, w in self.operations(terms, offsets)]  # type: ignore[arg-type]
+        operations = self.operations(terms, offsets)
+        return [Assign(target, x * w, "+=") for target, x, w in operations]  # type: ignore[arg-type]
 
     def operations(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()
                    ) -> list[Operation]:

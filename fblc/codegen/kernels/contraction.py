@@ -25,8 +25,8 @@ from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, strides_of
 from fblc.codegen.indexing import declare_index, digit_terms, index_var
-from fblc.codegen.ir import (
-    FLOAT, FLOAT4, INT, Block, Break, Declare, Element, Expr, For, If, Var, Vector, call, const, flat_index, select)
+from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Break, Declare, Element, Expr, For, If, Var, Vector,
+                             call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
 from fblc.codegen.reads import ValueReads, statements_of
@@ -94,23 +94,11 @@ def dot_loop(b: KernelBuilder, acc: Var, count: int | Expr, streams: tuple[Strea
     if isinstance(count, int) and count <= 0:
         return
     pointers = [block.mutable(flat_index(s.terms), "p") for s in streams]
-
-    def step(body: Block, times: int) -> None:
-        for p, s in zip(pointers, streams):
-            body.assign(p, const(times * s.step), "+=")
-
-    def product(body: Block) -> None:
-        body.assign(acc, b.element(streams[0].value, pointers[0]) * b.element(streams[1].value, pointers[1]), "+=")
-
+    product = b.element(streams[0].value, pointers[0]) * b.element(streams[1].value, pointers[1])
     if count == 1:
-        product(block)
+        block.assign(acc, product, "+=")
         return
-    if isinstance(count, Expr):
-        with block.loop("r", 0, count) as (_, body):
-            product(body)
-            step(body, 1)
-        return
-    main = count - count % 4
+    main = count - count % 4 if isinstance(count, int) else 0
     if main:
         vectors: list[Expr] = []
         for p, s in zip(pointers, streams):
@@ -122,11 +110,11 @@ def dot_loop(b: KernelBuilder, acc: Var, count: int | Expr, streams: tuple[Strea
                                                     for k in range(4))))
         with block.loop("r", 0, main, step=4) as (_, body):
             body.assign(acc, call("dot", *vectors, dtype=FLOAT), "+=")
-            step(body, 4)
-    if count % 4:
+            body.add(*(Assign(p, const(4 * s.step), "+=") for p, s in zip(pointers, streams)))
+    if not isinstance(count, int) or count % 4:  # a runtime count, or the scalar tail
         with block.loop("r", main, count) as (_, body):
-            product(body)
-            step(body, 1)
+            body.assign(acc, product, "+=")
+            body.add(*(Assign(p, const(s.step), "+=") for p, s in zip(pointers, streams)))
 
 
 def finish_group(b: KernelBuilder, group: KernelGroup, acc: Expr) -> list[Kernel]:
