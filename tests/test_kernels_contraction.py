@@ -315,8 +315,9 @@ def test_a_wide_simd_cpu_pairs_a_tiles_float4s_into_float8s(target: str, tmp_pat
     nodes, inits, _ = TILE_CASES["conv3x3_weight_grad_tile"]
     path = write_case(str(tmp_path / "conv.onnx"), nodes, inits)
     kernels = _contractions(path, target)
-    paired = [s for k in kernels for s in of_type(k, kir.Assign) if s.op == "+=" and s.target.dtype == kir.FLOAT8
-              and isinstance(s.value, kir.Binary) and isinstance(s.value.a, kir.Vector)]
+    # accv[k] += (float8)(...) * w: a float8 multiply-add of two texels' x
+    paired = [s for k in kernels for s in of_type(k, kir.Assign) if s.op == "+=" and isinstance(s.value, kir.Binary)
+              and isinstance(s.value.a, kir.Vector) and s.value.a.dtype == kir.FLOAT8]
     assert bool(paired) == (target == "local"), target
     # the padded conv's edge taps may read outside the input: their texels are clamped into it, while a
     # texel an unmasked tap reads lies inside wherever the kernel runs and is read as is (fetch's `inside`;
