@@ -248,6 +248,31 @@ class Text(Expr):
     dtype: DType = INT
 
 
+@dataclass(frozen=True, eq=True)
+class Swizzle(Expr):
+    """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi: 4 lanes from 0 or 4), a run
+    of a float4's components (.yz)."""
+
+    vector: Expr
+    first: int
+    count: int
+
+    @property
+    def dtype(self) -> DType:  # type: ignore[override]
+        return self.vector.dtype.vector(self.count)
+
+
+@dataclass(frozen=True, eq=True)
+class ArgumentRef(Expr):
+    """A texture argument handed to a preamble function (WINDOW reads texels of it)."""
+
+    argument: Argument
+
+    @property
+    def dtype(self) -> DType:  # type: ignore[override]
+        return TEXEL_TYPES[self.argument.kind]
+
+
 # statements ---------------------------------------------------------------------------------------
 @dataclass(eq=True)
 class Declare:
@@ -442,6 +467,8 @@ def children(expr: Expr) -> tuple[Expr, ...]:
         return (expr.array, expr.index)
     if isinstance(expr, Load):
         return (expr.texel,)
+    if isinstance(expr, Swizzle):
+        return (expr.vector,)
     return ()
 
 

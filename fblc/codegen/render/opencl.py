@@ -91,7 +91,8 @@ class Renderer:
     def _Lane(self, e: ir.Lane) -> str:
         vector = self.expr(e.vector)
         if isinstance(e.index, ir.Const):
-            return f"{vector}.{COMPONENTS[int(e.index.value)]}"
+            lane = int(e.index.value)
+            return f"{vector}.{COMPONENTS[lane]}" if e.vector.dtype.lanes <= 4 else f"{vector}.s{lane:x}"
         return f"{LANE_FUNCTIONS[e.vector.dtype.scalar]}({vector}, {self.expr(e.index)})"
 
     def _Element(self, e: ir.Element) -> str:
@@ -102,6 +103,14 @@ class Renderer:
 
     def _Text(self, e: ir.Text) -> str:
         return e.text
+
+    def _Swizzle(self, e: ir.Swizzle) -> str:
+        if e.vector.dtype.lanes == 8:  # a float8's half
+            return f"{self.expr(e.vector)}.{('lo', 'hi')[e.first // e.count]}"
+        return f"{self.expr(e.vector)}.{COMPONENTS[e.first:e.first + e.count]}"
+
+    def _ArgumentRef(self, e: ir.ArgumentRef) -> str:
+        return e.argument.name
 
     # statements ---------------------------------------------------------------------------------
     def statements(self, body: Sequence[ir.Statement], depth: int) -> list[str]:
