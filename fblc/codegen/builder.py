@@ -299,7 +299,7 @@ class KernelBuilder(ValueReads):
         pool = self.named("pool", kir.FLOAT)
         kernel.add(kir.Declare(item, group_id * tiles + run), kir.Declare(self.lid, mod_index(local_id, group)),
                    kir.DeclareArray(pool, tiles * floats, local=True),
-                   kir.Lines((f"__local float* shared = pool + {render_expr(run)} * {floats};",)))
+                   kir.Declare(Var("shared", 0, kir.FLOAT.pointer(), "shared"), pool + run * floats))
 
     def _item(self, block: Block, results: Sequence[str | Expr], arguments: list[kir.Argument],
               bytes_: dict[int, Var]) -> None:

@@ -23,6 +23,8 @@ class DType:
 
     scalar: str
     lanes: int = 1
+    #: a pointer into a work-group's local memory (a slice of a larger local array)
+    local_pointer: bool = False
 
     @property
     def c_name(self) -> str:
@@ -34,6 +36,9 @@ class DType:
 
     def vector(self, lanes: int) -> DType:
         return DType(self.scalar, lanes)
+
+    def pointer(self) -> DType:
+        return DType(self.scalar, self.lanes, local_pointer=True)
 
 
 INT, UINT, ULONG, UCHAR = DType("int"), DType("uint"), DType("ulong"), DType("uchar")

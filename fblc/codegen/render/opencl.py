@@ -42,6 +42,10 @@ def literal(value: float | int | bool, dtype: ir.DType) -> str:
     return str(int(value))
 
 
+def type_name(dtype: ir.DType) -> str:
+    return f"__local {dtype.c_name}*" if dtype.local_pointer else dtype.c_name
+
+
 def name_of(var: ir.Var) -> str:
     return var.name or f"{var.kind}{var.number}"
 
@@ -122,7 +126,8 @@ class Renderer:
             if s.var in self.folded:
                 return []
             init = f" = {self.expr(s.init)}" if s.init is not None else ""
-            return [f"{pad}{'const ' if s.const else ''}{s.var.dtype.c_name} {name_of(s.var)}{init};"]
+            return [f"{pad}{'const ' if s.const and not s.var.dtype.local_pointer else ''}{type_name(s.var.dtype)} "
+                    f"{name_of(s.var)}{init};"]
         if isinstance(s, ir.DeclareArray):
             length = self.expr(s.length) if isinstance(s.length, ir.Expr) else str(s.length)
             init = f" = {{{', '.join(self.expr(v) for v in s.init)}}}" if s.init else ""
