@@ -133,6 +133,8 @@ class Renderer:
             if s.orelse:
                 lines += [f"{pad}}} else {{"] + self.statements(s.orelse, depth + 1)
             return lines + [f"{pad}}}"]
+        if isinstance(s, ir.While):
+            return [f"{pad}while ({self.expr(s.condition)}) {{"] + self.statements(s.body, depth + 1) + [f"{pad}}}"]
         if isinstance(s, ir.Lines):
             return [pad + line for line in s.lines]
         return [pad + {ir.Break: "break;", ir.Return: "return;",
@@ -187,7 +189,7 @@ def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:
                     if isinstance(sub, ir.Var):
                         uses[sub] += 1
                         use_loop[sub] = loops
-            inner = isinstance(s, ir.For)
+            inner = isinstance(s, (ir.For, ir.While))
             loops += inner
             for block in ir.nested(s):
                 visit(block)
