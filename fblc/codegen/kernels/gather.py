@@ -20,6 +20,7 @@ reaches these scans when it is a row scatter, a ScatterElements along the data's
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import onnx_ir as ir
@@ -128,17 +129,14 @@ def emit_gather_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
 # scatters ------------------------------------------------------------------------------------------
 
-def _fmax(acc: Expr, u: Expr) -> Expr:
-    return call("fmax" if acc.dtype.is_float else "max", acc, u)
+def _extreme(name: str) -> Combine:
+    """fmax / fmin of floats, max / min of ints."""
+    return lambda acc, u: call(f"f{name}" if acc.dtype.is_float else name, acc, u)
 
 
-def _fmin(acc: Expr, u: Expr) -> Expr:
-    return call("fmin" if acc.dtype.is_float else "min", acc, u)
-
-
-#: reduction attribute -> its fold of an update into the accumulator (fmax/fmin: max/min for ints)
+#: reduction attribute -> its fold of an update into the accumulator
 COMBINES: dict[str, Combine] = {"none": lambda acc, u: u, "add": lambda acc, u: acc + u,
-                                "mul": lambda acc, u: acc * u, "max": _fmax, "min": _fmin}
+                                "mul": lambda acc, u: acc * u, "max": _extreme("max"), "min": _extreme("min")}
 
 
 def combiner(node: ir.Node) -> Combine:
@@ -224,11 +222,11 @@ def texel_of(b: KernelBuilder, value: ir.Value, element: Expr) -> kir.Load:
     return b.texel(argument, texture, start >> 2)
 
 
-def _texel_accumulators(block: Block, per: int, initial: Callable[[Expr], Expr]) -> kir.Var:
-    """`per` float4 accumulators, texel tt's starting from `initial(tt)`."""
+def _texel_accumulators(b: KernelBuilder, block: Block, per: int, data: ir.Value | None, first: Expr) -> kir.Var:
+    """`per` float4 accumulators, the data's texels from element `first` on (None: a zero table)."""
     accs = block.array("acc", FLOAT4, per)
     with block.loop("tt", 0, per) as (tt, init):
-        init.assign(Element(accs, tt), initial(tt))
+        init.assign(Element(accs, tt), kir.vector(FLOAT4, 0.0) if data is None else texel_of(b, data, first + 4 * tt))
     return accs
 
 
@@ -241,10 +239,6 @@ def _fold_texels(block: Block, accs: kir.Var, per: int, combine: Combine, update
 def _lane_of(b: KernelBuilder, accs: kir.Var) -> Expr:
     """In the lane loop: the lane's element of the work-item's float4 accumulators."""
     return Element(accs, b.tt if b.texels_per_item > 1 else const(0)).lane(b.lane)
-
-
-def _zero_texel(tt: Expr) -> Expr:
-    return kir.vector(FLOAT4, 0.0)
 
 
 def _scatter_nd_slices(b: KernelBuilder, node: ir.Node, combine: Combine) -> Kernel:
@@ -262,8 +256,7 @@ def _scatter_nd_slices(b: KernelBuilder, node: ir.Node, combine: Combine) -> Ker
     first = code.let(b.first_element, "first", INT)
     prefix = code.let(first - mod_index(first, slice_size), "prefix")
     within = code.let(first - prefix, "within")
-    accs = _texel_accumulators(code, per, _zero_texel if is_zeros(data) else
-                               lambda tt: texel_of(b, data, first + 4 * tt))
+    accs = _texel_accumulators(b, code, per, None if is_zeros(data) else data, first)
     with code.loop("update", 0, count) as (u, scan):
         target = _update_target(b, scan, node, u)
         with scan.when(target.eq(prefix)) as hit:
@@ -298,11 +291,7 @@ def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kerne
     block = b.body
     line = block.let(flat_index([(_out(k), index_strides[k]) for k in range(rank) if k != axis]), "line", INT)
     if reachable:
-        condition, inside = reachable[0], list[kir.Statement]()
-        for more in reachable[1:]:
-            condition = condition.logical_and(more)
-        block.add(kir.If(condition, inside))
-        block = Block(b.numbering, inside)
+        block = block.either(functools.reduce(Expr.logical_and, reachable))[0]
     with block.loop("j", 0, index_shape[axis]) as (j, scan):
         position = line + (j * index_strides[axis] if index_strides[axis] != 1 else j)
         raw = scan.let(b.element(indices, position), "t", INT)
@@ -368,8 +357,7 @@ def fold_rows(b: KernelBuilder, data: ir.Value | None, updates: ir.Value, combin
     outer = code.let(div_index(row, depth), "outer")
     within = code.let(first - row * inner, "within")
     target = code.let(row - outer * depth, "target")
-    accs = _texel_accumulators(code, per, _zero_texel if data is None else
-                               lambda tt: texel_of(b, data, first + 4 * tt))
+    accs = _texel_accumulators(b, code, per, data, first)
 
     def fold(block: Block, update_row: Expr) -> None:
         _fold_texels(block, accs, per, combine, lambda tt: texel_of(b, updates, update_row + within + 4 * tt))

@@ -9,6 +9,8 @@ into index maps, or under `--layout naive` (the conventional baseline).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
 
@@ -116,15 +118,12 @@ def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         fill = b.element(node.inputs[2], Const(0, INT))
     strides = strides_of(in_shape)
-    inside: Expr | None = None
-    terms: list[tuple[Expr, int]] = []
+    conditions, terms = [], []
     for k, (dim, begin) in enumerate(zip(in_shape, begins)):
-        source = index_var(OUT_INDEX, k) - begin if begin else index_var(OUT_INDEX, k)
-        within = source.ge(0).logical_and(source.lt(dim))
-        inside = within if inside is None else inside.logical_and(within)
+        source: Expr = index_var(OUT_INDEX, k) - begin if begin else index_var(OUT_INDEX, k)
+        conditions.append(source.ge(0).logical_and(source.lt(dim)))
         terms.append((source, strides[k]))
-    assert inside is not None
-    flag = b.body.let(inside, "inside", INT)
+    flag = b.body.let(functools.reduce(Expr.logical_and, conditions), "inside", INT)
     index = b.body.let(select(flag, flat_index(terms), 0), "src", INT)
     return select(flag, b.element(node.inputs[0], index), fill.cast(dtype_of(node.outputs[0])))
 
@@ -163,8 +162,6 @@ def emit_constant_of_shape(table: TextureTable, group: KernelGroup) -> list[Kern
     dtype = dtype_of(node.outputs[0])
     b = _single(table, group)
     return [b.finish([Const(float(number) if dtype.is_float else int(number), dtype)])]
-
-
 
 
 @expression("Concat", "Pad")
