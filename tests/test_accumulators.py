@@ -1,4 +1,5 @@
-"""Accumulators: a reduction's products as C lines in each form, and the cost that picks a form.
+"""Accumulators: a reduction's products as IR statements in each form (checked by their C), and the cost
+that picks a form.
 
 Golden lines for the lanes, texels and sums forms (and a texel whose lanes do not all have a k-th
 product); choose_form on a weight gradient's block and a GEMM's. The kernels that use texels and sums
@@ -7,46 +8,87 @@ product); choose_form on a weight gradient's block and a GEMM's. The kernels tha
 
 import pytest
 
-from fblc.codegen.kernels.accumulators import Accumulators, choose_form, pair_stride
+from fblc.codegen import ir
+from fblc.codegen.kernels.accumulators import Accumulators, choose_form, pair_stride, cost
+from fblc.codegen.render.opencl import Renderer
+
+
+def named(name: str, dtype: ir.DType = ir.FLOAT4) -> ir.Var:
+    return ir.Var(name, 0, dtype, name)
+
+
+def lane(name: str, component: str) -> ir.Expr:
+    return named(name).lane("xyzw".index(component))
+
+
+def scalar(name: str) -> ir.Var:
+    return named(name, ir.FLOAT)
+
+
+def c_of(statements: list) -> list[str]:
+    """The C of the statements (the renderer parenthesises every binary operation)."""
+    return [line.strip() for s in statements for line in Renderer().statement(s, 0)]
+
+
+def accumulators(form: str = "lanes", pair: int = 0, lanes: int = 8) -> Accumulators:
+    dtype = ir.FLOAT if form == "lanes" else ir.FLOAT8 if pair else ir.FLOAT4
+    return Accumulators(named("acc" if form == "lanes" else "accv1", dtype), form, pair)
+
 
 # lane, x, w: a GEMM tile's row (one x times a texel of w), then a conv's window across two texels
-TERMS = [(0, "A.x", "B.x"), (1, "A.x", "B.y"), (2, "A.x", "B.z"), (3, "A.x", "B.w"),
-         (4, "C.y", "D.x"), (5, "C.z", "D.x"), (6, "C.w", "D.x"), (7, "E.x", "D.x")]
+TERMS = [(0, lane("A", "x"), lane("B", "x")), (1, lane("A", "x"), lane("B", "y")), (2, lane("A", "x"), lane("B", "z")),
+         (3, lane("A", "x"), lane("B", "w")), (4, lane("C", "y"), lane("D", "x")), (5, lane("C", "z"), lane("D", "x")),
+         (6, lane("C", "w"), lane("D", "x")), (7, lane("E", "x"), lane("D", "x"))]
 
 
 def test_per_lane_lines_keep_each_lanes_order_lane_by_lane() -> None:
-    terms = [(1, "a1", "w1"), (0, "a0", "w0"), (1, "b1", "v1"), (0, "b0", "v0")]
-    assert Accumulators("acc").add(terms) == ["acc[0] += a0 * w0;", "acc[0] += b0 * v0;",
-                                              "acc[1] += a1 * w1;", "acc[1] += b1 * v1;"]
+    terms = [(1, scalar("a1"), scalar("w1")), (0, scalar("a0"), scalar("w0")), (1, scalar("b1"), scalar("v1")),
+             (0, scalar("b0"), scalar("v0"))]
+    assert c_of(accumulators().add(terms)) == ["acc[0] += (a0 * w0);", "acc[0] += (b0 * v0);",
+                                               "acc[1] += (a1 * w1);", "acc[1] += (b1 * v1);"]
 
 
 def test_four_lanes_products_are_one_float4_multiply_add() -> None:
-    assert Accumulators("accv1", "texels").add(TERMS) == [
-        "accv1[0] += A.x * B;",  # one scalar widens; a texel's own x, y, z, w is the texel
-        "accv1[1] += (float4)(C.yzw, E.x) * D.x;"]  # consecutive components as swizzles
+    assert c_of(accumulators("texels").add(TERMS)) == [
+        "accv1[0] += (A.x * B);",  # one scalar widens; a texel's own x, y, z, w is the texel
+        "accv1[1] += ((float4)(C.yzw, E.x) * D.x);"]  # consecutive components as swizzles
 
 
 def test_a_texel_whose_lanes_lack_a_product_adds_by_component() -> None:
     """Lane 3 has no second product (a masked tap dropped at compile time): the texel's second products
     are added component by component, masked expressions stay whole, and every lane keeps its order."""
-    terms = [(lane, f"(m ? X.{'xyzw'[lane]} : 0.0f)", "W.x") for lane in range(4)]
-    terms += [(lane, f"Y.{'xyzw'[lane]}", "V.y") for lane in range(3)]
-    assert Accumulators("accv1", "texels").add(terms) == [
-        "accv1[0] += (float4)((m ? X.x : 0.0f), (m ? X.y : 0.0f), (m ? X.z : 0.0f), (m ? X.w : 0.0f)) * W.x;",
-        "accv1[0].x += Y.x * V.y;", "accv1[0].y += Y.y * V.y;", "accv1[0].z += Y.z * V.y;"]
+    m = named("m", ir.INT)
+    terms = [(k, ir.select(m, lane("X", "xyzw"[k]), ir.const(0.0, ir.FLOAT)), lane("W", "x")) for k in range(4)]
+    terms += [(k, lane("Y", "xyzw"[k]), lane("V", "y")) for k in range(3)]
+    assert c_of(accumulators("texels").add(terms)) == [
+        "accv1[0] += ((float4)((m ? X.x : 0.0f), (m ? X.y : 0.0f), (m ? X.z : 0.0f), (m ? X.w : 0.0f)) * W.x);",
+        "accv1[0].x += (Y.x * V.y);", "accv1[0].y += (Y.y * V.y);", "accv1[0].z += (Y.z * V.y);"]
 
 
 def test_sums_add_four_steps_of_a_diagonal_as_one_float4_and_the_rest_by_component() -> None:
     """Lane 0 reads x at w + 1 for w = 0..5: w 0..3 are one texel of W times a window of X; w 4 and 5 do
     not fill a texel and add into components x and y. Lane 1's products come out of order and sort."""
-    terms = [(0, f"X{w + 1}", f"W{w}") for w in range(6)] + [(1, f"Y{w}", f"V{w}") for w in (3, 1, 2, 0)]
+    terms = [(0, scalar(f"X{w + 1}"), scalar(f"W{w}")) for w in range(6)]
+    terms += [(1, scalar(f"Y{w}"), scalar(f"V{w}")) for w in (3, 1, 2, 0)]
     offsets = [(w + 1, w) for w in range(6)] + [(w, w) for w in (3, 1, 2, 0)]
-    assert Accumulators("accv1", "sums").add(terms, offsets) == [
-        "accv1[0] += (float4)(X1, X2, X3, X4) * (float4)(W0, W1, W2, W3);",
-        "accv1[0].x += X5 * W4;", "accv1[0].y += X6 * W5;",
-        "accv1[1] += (float4)(Y0, Y1, Y2, Y3) * (float4)(V0, V1, V2, V3);"]
-    assert Accumulators("accv1", "sums").totals("acc", 1) == (
-        "float acc[1] = {(accv1[0].x + accv1[0].y) + (accv1[0].z + accv1[0].w)};")
+    assert c_of(accumulators("sums").add(terms, offsets)) == [
+        "accv1[0] += ((float4)(X1, X2, X3, X4) * (float4)(W0, W1, W2, W3));",
+        "accv1[0].x += (X5 * W4);", "accv1[0].y += (X6 * W5);",
+        "accv1[1] += ((float4)(Y0, Y1, Y2, Y3) * (float4)(V0, V1, V2, V3));"]
+    block = ir.Block(ir.Numbering())
+    accumulators("sums").totals(block, 1)
+    assert c_of(block.statements) == ["float acc100[1] = {((accv1[0].x + accv1[0].y) + (accv1[0].z + accv1[0].w))};"]
+
+
+def test_cost_counts_the_operands_shuffles_build() -> None:
+    """A scalar (widened from memory) and a whole texel cost nothing; a float4 built from components, a
+    float8 built of two texels' halves... each distinct one costs one, shared ones once."""
+    built = ir.vector(ir.FLOAT4, lane("A", "x"), lane("A", "y"), lane("B", "x"), lane("B", "y"))
+    whole8 = ir.Vector(ir.FLOAT8, (named("A"), named("B")))
+    assert cost([(named("acc"), lane("A", "x"), named("B"))]) == 1
+    assert cost([(named("acc"), built, named("B")), (named("acc"), built, lane("A", "x"))]) == 3
+    assert cost([(named("acc"), whole8, scalar("w"))]) == 1
+    assert cost([(named("acc"), ir.Vector(ir.FLOAT8, (named("A"), built)), scalar("w"))]) == 3
 
 
 def _weight_gradient_block(taps: int, rows: int = 4, steps: int = 16) -> list[tuple[int, int, int]]:
@@ -90,27 +132,33 @@ def test_two_float4s_that_share_w_are_one_float8_multiply_add() -> None:
     """Pair stride 1: texels 0 and 1 are float8 0's halves. Their updates by W.x are one float8 multiply-add
     (a scalar w stays one); texel 0's update by W.y has no partner and adds into its half; a component
     update adds into its float8 component."""
-    terms = [(lane, f"X{lane // 4}.{'xyzw'[lane % 4]}", "W.x") for lane in range(8)]
-    terms += [(lane, f"Y.{'xyzw'[lane]}", "W.y") for lane in range(4)] + [(5, "Z.x", "W.z")]
-    accumulators = Accumulators("accv1", "texels", pair=1)
-    assert accumulators.declare(8) == "float8 accv1[1] = {(float8)(0.0f)};"
-    assert accumulators.add(terms) == ["accv1[0] += (float8)(X0, X1) * W.x;", "accv1[0].lo += Y * W.y;",
-                                       "accv1[0].s5 += Z.x * W.z;"]
-    assert accumulators.totals("acc", 8) == (
-        "float acc[8] = {accv1[0].s0, accv1[0].s1, accv1[0].s2, accv1[0].s3, "
-        "accv1[0].s4, accv1[0].s5, accv1[0].s6, accv1[0].s7};")
+    terms = [(k, lane(f"X{k // 4}", "xyzw"[k % 4]), lane("W", "x")) for k in range(8)]
+    terms += [(k, lane("Y", "xyzw"[k]), lane("W", "y")) for k in range(4)] + [(5, lane("Z", "x"), lane("W", "z"))]
+    block = ir.Block(ir.Numbering())
+    declared = Accumulators.declared(block, "accv", "texels", 1, 8)
+    assert c_of(block.statements) == ["float8 accv100[1] = {(float8)(0.0f)};"]
+    paired = accumulators("texels", pair=1)
+    assert c_of(paired.add(terms)) == ["accv1[0] += ((float8)(X0, X1) * W.x);", "accv1[0].lo += (Y * W.y);",
+                                       "accv1[0].s5 += (Z.x * W.z);"]
+    totals = ir.Block(ir.Numbering())
+    declared.totals(totals, 8)
+    assert c_of(totals.statements) == [
+        "float acc100[8] = {accv100[0].s0, accv100[0].s1, accv100[0].s2, accv100[0].s3, "
+        "accv100[0].s4, accv100[0].s5, accv100[0].s6, accv100[0].s7};"]
 
 
 def test_paired_sums_widen_a_shared_w_texel_and_keep_their_float4_totals() -> None:
-    terms = [(lane, f"X{lane}{w}", f"W{w}") for lane in range(2) for w in range(4)]
-    offsets = [(w + lane, w) for lane in range(2) for w in range(4)]
-    accumulators = Accumulators("accv1", "sums", pair=1)
-    assert accumulators.add(terms, offsets) == [
-        "accv1[0] += (float8)((float4)(X00, X01, X02, X03), (float4)(X10, X11, X12, X13)) * "
-        "(float8)((float4)(W0, W1, W2, W3), (float4)(W0, W1, W2, W3));"]
-    assert accumulators.totals("acc", 2) == (
-        "float acc[2] = {(accv1[0].lo.x + accv1[0].lo.y) + (accv1[0].lo.z + accv1[0].lo.w), "
-        "(accv1[0].hi.x + accv1[0].hi.y) + (accv1[0].hi.z + accv1[0].hi.w)};")
+    terms = [(k, scalar(f"X{k}{w}"), scalar(f"W{w}")) for k in range(2) for w in range(4)]
+    offsets = [(w + k, w) for k in range(2) for w in range(4)]
+    paired = accumulators("sums", pair=1)
+    assert c_of(paired.add(terms, offsets)) == [
+        "accv1[0] += ((float8)((float4)(X00, X01, X02, X03), (float4)(X10, X11, X12, X13)) * "
+        "(float8)((float4)(W0, W1, W2, W3), (float4)(W0, W1, W2, W3)));"]
+    block = ir.Block(ir.Numbering())
+    paired.totals(block, 2)
+    assert c_of(block.statements) == [
+        "float acc100[2] = {((accv1[0].lo.x + accv1[0].lo.y) + (accv1[0].lo.z + accv1[0].lo.w)), "
+        "((accv1[0].hi.x + accv1[0].hi.y) + (accv1[0].hi.z + accv1[0].hi.w))};"]
 
 
 def test_pair_stride_pairs_neighbouring_texels_of_a_conv_row_on_a_wide_simd_only() -> None:

@@ -18,12 +18,14 @@ import pathlib
 import re
 import shutil
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
 
 from fblc.bundle_format import BUFFER_C_TYPES, BundleError
 from fblc.cli import main
+from fblc.codegen import ir as kir
 from fblc.codegen.compile import compile_model
 from fblc.compiler.gradients import segment_sum
 from fblc.compiler.optimizers import OptimizerConfig
@@ -32,6 +34,7 @@ from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support import models
 from support.bundles import edit_kernels
+from tests.support.kernel_ir import lowered_kernels, of_type, statements
 from tests.support.oclgrind_steps import CASES
 
 # the MLP, a conv net with BatchNorm, pools and saved masks, shared register tiles; fp16 on the MLP
@@ -145,57 +148,58 @@ def test_fblc_run_trains_in_buffers_as_in_images(mlp_bundle, tmp_path, capsys) -
     assert len(losses["image"]) == 2 and np.allclose(losses["buffer"], losses["image"], rtol=1e-6, atol=0), losses
 
 
-def _first_argument(text: str, start: int) -> str:
-    """The C argument that begins at text[start]: up to its first comma outside parentheses."""
-    depth, end = 0, start
-    while depth or text[end] not in ",)":
-        depth += {"(": 1, ")": -1}.get(text[end], 0)
-        end += 1
-    return text[start:end]
+def _offset(texel: kir.Expr) -> tuple[kir.Expr, int]:
+    """(base, literal offset) of a texel index as fetch builds it: a variable plus or minus a literal."""
+    if isinstance(texel, kir.Binary) and texel.op in "+-" and isinstance(texel.b, kir.Const):
+        return texel.a, int(texel.b.value) * (1 if texel.op == "+" else -1)
+    return texel, 0
 
 
-def _plus(index: str, step: int) -> str:
-    """`index` (a texel variable and its literal offset, as the code generator writes it) plus `step`."""
-    name, sign, offset = re.fullmatch(r"(\w+)(?: ([+-]) (\d+))?", index).groups()  # type: ignore[union-attr]
-    total = (int(offset) if sign == "+" else -int(offset) if sign else 0) + step
-    return name if total == 0 else f"{name} {'+' if total > 0 else '-'} {abs(total)}"
+def _form(texel: kir.Expr) -> str:
+    """The function a texel index is clamped with (clamp, min, ...), or "plain"."""
+    return texel.function if isinstance(texel, kir.Call) else "plain"
 
 
-def window_misreads(bundle: pathlib.Path) -> tuple[list[str], Counter[str], Counter[str]]:
+def window_misreads(kernels: list[Any], texels: dict[int, int]) -> tuple[list[str], Counter[str], Counter[str]]:
     """WINDOW(img, a, b, q, s) is one unaligned load of texels q and q + 1 in buffers, the shuffle of a
     and b in images: the two agree only where a is texel q as read, and b texel q + 1 or, where that
     passes the tensor's last texel, the last (`min(q + 1, last)`: the buffer's load reads LocalRunner's
     texel of slack there, lanes the kernel leaves unused). Any other form of a read that feeds WINDOW
     (a clamp to the tensor, a min elsewhere) is a misread. (misreads, texel reads by the form of their
-    index, those that feed a WINDOW likewise.)"""
-    source = (bundle / "kernels.cl").read_text()
-    lines = source.splitlines()
-    plan = json.loads((bundle / "plan.json").read_text())
-    texels = {t["id"]: -(-int(np.prod(t["shape"])) // 4) for t in plan["textures"]}
+    index, those that feed a WINDOW likewise.) `texels`: each texture's texels, by id."""
     misreads: list[str] = []
     forms: Counter[str] = Counter()
     windowed: Counter[str] = Counter()
-    for launch in plan["kernels"]:
-        body = "\n".join(lines[launch["lines"][0]:launch["lines"][1]])
-        reads = {}
-        for read in re.finditer(r"const float4 (T\d+) = RD[FI]\((in\d+), PLACE\(", body):
-            index = _first_argument(body, read.end())
-            reads[read.group(1)] = (read.group(2), index)
-            forms[_form(index)] += 1
-        for window in re.finditer(r"WINDOW\((in\d+), (T\d+), (T\d+), ([^,]+), \w+\)", body):
-            arg, a, b, q = window.groups()
-            last = texels[launch["inputs"][int(arg[2:])]] - 1
-            windowed.update(_form(reads[t][1]) for t in (a, b) if t in reads)
-            if reads.get(a) != (arg, q) or reads.get(b) not in [(arg, _plus(q, 1)),
-                                                                 (arg, f"min({_plus(q, 1)}, {last})")]:
-                misreads.append(f"{launch['name']}: {window.group(0)} of {reads.get(a)}, {reads.get(b)}")
+    for kernel in kernels:
+        reads = {s.var: s.init for s in statements(kernel)
+                 if isinstance(s, kir.Declare) and s.var.kind == "T" and isinstance(s.init, kir.Load)}
+        forms.update(_form(read.texel) for read in reads.values())
+        for window in of_type(kernel, kir.Call):
+            if window.function != "WINDOW":
+                continue
+            image, a, b, q, _ = window.args
+            last = texels[kernel.inputs[image.argument.index]] - 1
+            read_a, read_b = reads.get(a), reads.get(b)
+            windowed.update(_form(read.texel) for read in (read_a, read_b) if read is not None)
+            base, offset = _offset(q)
+            spare = read_b is not None and isinstance(read_b.texel, kir.Call) and read_b.texel.function == "min" \
+                and _offset(read_b.texel.args[0]) == (base, offset + 1) and read_b.texel.args[1] == kir.const(last)
+            if read_a is None or read_b is None or (read_a.argument, _offset(read_a.texel)) != (image.argument,
+                                                                                             (base, offset)) \
+                    or read_b.argument != image.argument or not (_offset(read_b.texel) == (base, offset + 1) or spare):
+                misreads.append(f"{kernel.name}: {window} of {read_a}, {read_b}")
     return misreads, forms, windowed
 
 
-def _form(index: str) -> str:
-    """The function a texel index is clamped with (clamp, min, ...), or "plain"."""
-    call = re.match(r"(\w+)\(", index)
-    return call.group(1) if call else "plain"
+def _windows(kernels: list[Any], function: str) -> list[kir.Call]:
+    """The calls of `function` (WINDOW, window4) on two texels read into variables, at a runtime shift."""
+    found = []
+    for call in (call for kernel in kernels for call in of_type(kernel, kir.Call) if call.function == function):
+        pair = call.args[1:3] if function == "WINDOW" else call.args[:2]
+        named = [arg.kind if isinstance(arg, kir.Var) else "" for arg in (*pair, call.args[-1])]
+        if named == ["T", "T", "s"]:
+            found.append(call)
+    return found
 
 
 def test_a_window_at_a_runtime_shift_is_one_load_in_buffers(tmp_path) -> None:
@@ -207,18 +211,22 @@ def test_a_window_at_a_runtime_shift_is_one_load_in_buffers(tmp_path) -> None:
     (two texel columns a work-item) shuffle texels read clamped, and window plain and spare ones."""
     from tests.test_kernels_contraction import OPTIONS, TILE_CASES, write_case
 
+    kernels: dict[str, list[Any]] = {}
     for name in ("conv3x3_rows_two_columns", "conv_temporal_weight_grad_shared"):
         nodes, inits, _ = TILE_CASES[name]
         path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
         compile_model(path, str(tmp_path / name), "local", "fp32", OPTIONS)
-        source = (tmp_path / name / "kernels.cl").read_text()
-        assert re.search(r"= WINDOW\(in\d+, T\d+, T\d+, q\d+( \+ \d+)?, s\d+\);", source)
-        misreads, forms, windowed = window_misreads(tmp_path / name)
+        plan = json.loads((tmp_path / name / "plan.json").read_text())
+        texels = {t["id"]: -(-int(np.prod(t["shape"])) // 4) for t in plan["textures"]}
+        kernels[name] = lowered_kernels(path, "local", "fp32", OPTIONS)
+        windows = [call for call in _windows(kernels[name], "WINDOW")
+                   if isinstance(call.args[0], kir.ArgumentRef) and _offset(call.args[3])[0].kind == "q"]
+        assert windows, name
+        misreads, forms, windowed = window_misreads(kernels[name], texels)
         assert not misreads, misreads
         assert set(forms) == {"plain", "clamp", "min"}, forms  # a new form: make window_misreads see it
         assert windowed["plain"] and windowed["min"], windowed
-    assert re.search(r"= window4\(T\d+, T\d+, s\d+\);", (tmp_path / "conv3x3_rows_two_columns" / "kernels.cl")
-                     .read_text()), "the rows case should shuffle texels read clamped"
+    assert _windows(kernels["conv3x3_rows_two_columns"], "window4"), "the rows case should shuffle texels read clamped"
     rows = verify_model(str(tmp_path / "conv_temporal_weight_grad_shared.onnx"), OPTIONS, target="local",
                         storage="buffer")
     assert rows and not [r.name for r in rows if not r.ok]

@@ -13,9 +13,7 @@ code; `test_contraction_paths` checks which path each kernel of a step took.
 from __future__ import annotations
 
 import dataclasses
-import json
 
-import re
 from typing import Any
 
 import numpy as np
@@ -25,12 +23,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("pyopencl")
 
+from fblc.codegen import ir as kir
 from fblc.codegen.compile import compile_model
 from fblc.tools.verify import verify_model
 from fblc.compiler.keys import KERNEL
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.fuse import ALIAS
 from fblc.passes.pipeline import TrainingOptions
+from tests.support.kernel_ir import loads_of, lowered_kernels, of_type, statements
 
 OPTIONS = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1))
 
@@ -178,23 +178,37 @@ def test_contraction_step(name: str, tmp_path) -> None:
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
 
 
-def _role(comment: str, function: str) -> str:
-    if function.endswith("ConvTranspose"):
+def _role(kernel: Any) -> str:
+    if kernel.name.endswith("ConvTranspose"):
         return "dx"
-    grad = comment.startswith("grad/")
-    if function.endswith("_Conv"):
+    grad = kernel.nodes[0].startswith("grad/")
+    if kernel.name.endswith("_Conv"):
         return "dw" if grad else "forward"
     return "grad" if grad else "forward"
 
 
-def _path(body: str) -> str:
-    if "get_group_id(0)" in body:  # a work-group shares each tile's (or texel's) reduction
+def _declared(kernel: Any) -> list[kir.Var]:
+    return [s.var for s in statements(kernel) if isinstance(s, (kir.Declare, kir.DeclareArray))]
+
+
+def _path(kernel: Any) -> str:
+    if any(call.function == "get_group_id" for call in of_type(kernel, kir.Call)):  # a work-group shares each tile
         return "shared"
-    if "const int g = get_global_id(0);" in body:
+    declared = _declared(kernel)
+    if any(var.name == "g" for var in declared):  # a work-item's tile of texels
         return "tile"
-    if "const bool whole" in body:
+    if any(var.kind == "whole" for var in declared):  # texels that do not cross a row reduce texel-wide
         return "row"
-    return "texel" if "const int u0 = " in body else "lane"
+    return "texel" if any(var.name == "u0" for var in declared) else "lane"
+
+
+def _contractions(path: str, target: str = "local", options: TrainingOptions | None = None) -> list[Any]:
+    """The step's conv and matmul kernels (each with its IR)."""
+    return [k for k in lowered_kernels(path, target, "fp32", options or OPTIONS) if k.family in ("conv", "matmul")]
+
+
+def _accumulator_arrays(kernel: Any) -> list[kir.DeclareArray]:
+    return [s for s in statements(kernel) if isinstance(s, kir.DeclareArray) and s.var.kind in ("acc", "accv")]
 
 
 # Under R-Tile layouts a MatMul/Gemm work-item computes an output tile of 8 or 4 rows (whichever divides
@@ -266,14 +280,12 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
     step still equals onnxruntime's (under oclgrind too: test_oclgrind's "shared tiles")."""
     nodes, inits, _ = TILE_CASES[name]
     path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
-    compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", OPTIONS)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    plan = json.loads((tmp_path / "bundle" / "plan.json").read_text())
-    pooled = {m.group(1) for m in re.finditer(r"__kernel void (\w+)\((.*?)\n}\n", source, re.DOTALL)
-              if "__local float pool[" in m.group(2)}
-    assert len(pooled) == 1 and next(iter(pooled)).endswith("_Conv"), pooled
-    assert re.search(r"float4 accv\d+\[\d+\]", source), "a group kernel's partial tile sums in float4 texels"
-    assert {launch["local_size"][0] for launch in plan["kernels"] if launch["function"] in pooled} == {64}
+    kernels = _contractions(path, "adreno830")
+    pooled = [k for k in kernels if any(s.local and s.var.name == "pool" for s in of_type(k, kir.DeclareArray))]
+    assert len(pooled) == 1 and pooled[0].name.endswith("_Conv"), [k.name for k in pooled]
+    assert any(s.var.kind == "accv" and s.var.dtype == kir.FLOAT4 for s in _accumulator_arrays(pooled[0])), \
+        "a group kernel's partial tile sums in float4 texels"
+    assert pooled[0].group_size == 64
     rows = verify_model(path, OPTIONS, target="adreno830")
     assert rows and not [r.name for r in rows if not r.ok]
 
@@ -285,12 +297,11 @@ def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, 
     (accumulators.choose_form); both steps equal onnxruntime's."""
     nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
     path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
-    compile_model(path, str(tmp_path / "bundle"), target, "fp32", OPTIONS)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    # an output's sum of its float4's components (a float4, or a float8's half where sums pair: local)
-    sums = re.search(r"\(accv\d+\[0\](\.lo)?\.x \+ accv\d+\[0\](\.lo)?\.y\) \+ \(accv\d+\[0\](\.lo)?\.z", source)
-    assert (form == "sums") == bool(sums), form
-    assert re.search(r"float[48] accv\d+\[\d+\]", source)
+    arrays = [s for k in _contractions(path, target) for s in _accumulator_arrays(k)]
+    # an output's total: the sum of its float4's components (sums), or a component of a texel (texels)
+    sums = any(s.var.kind == "acc" and s.init and isinstance(s.init[0], kir.Binary) for s in arrays)
+    assert (form == "sums") == sums, form
+    assert any(s.var.kind == "accv" and s.var.dtype.lanes in (4, 8) for s in arrays)
     rows = verify_model(path, OPTIONS, target=target)
     assert rows and not [r.name for r in rows if not r.ok]
 
@@ -303,15 +314,23 @@ def test_a_wide_simd_cpu_pairs_a_tiles_float4s_into_float8s(target: str, tmp_pat
     equal onnxruntime's."""
     nodes, inits, _ = TILE_CASES["conv3x3_weight_grad_tile"]
     path = write_case(str(tmp_path / "conv.onnx"), nodes, inits)
-    compile_model(path, str(tmp_path / "bundle"), target, "fp32", OPTIONS)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    paired = re.search(r"accv\d+\[\d+\] \+= \(float8\)\(", source)
+    kernels = _contractions(path, target)
+    # accv[k] += (float8)(...) * w: a float8 multiply-add of two texels' x
+    paired = [s for k in kernels for s in of_type(k, kir.Assign) if s.op == "+=" and isinstance(s.value, kir.Binary)
+              and isinstance(s.value.a, kir.Vector) and s.value.a.dtype == kir.FLOAT8]
     assert bool(paired) == (target == "local"), target
     # the padded conv's edge taps may read outside the input: their texels are clamped into it, while a
     # texel an unmasked tap reads lies inside wherever the kernel runs and is read as is (fetch's `inside`;
     # oclgrind's "convnet in buffers" checks every such read stays within its buffer)
-    mixed = [body for body in re.findall(r"__kernel void \w+_Conv\(.*?\n}\n", source, re.DOTALL)
-             if re.search(r"RDF\(in0, PLACE\(clamp\(q\d+", body) and re.search(r"RDF\(in0, PLACE\(q\d+", body)]
+    def from_q(texel: kir.Expr) -> bool:  # a texel of fetch's texel-aligned base q (plus a literal)
+        base = texel.a if isinstance(texel, kir.Binary) else texel
+        return isinstance(base, kir.Var) and base.kind == "q"
+
+    def clamped(load: kir.Load) -> bool:
+        return isinstance(load.texel, kir.Call) and load.texel.function == "clamp" and from_q(load.texel.args[0])
+
+    mixed = [k for k in kernels if k.name.endswith("_Conv") and any(map(clamped, loads_of(k, "in0")))
+             and any(from_q(load.texel) for load in loads_of(k, "in0"))]
     assert mixed, "no conv kernel reads both clamped edge texels and unclamped inner ones"
     rows = verify_model(path, OPTIONS, target=target)
     assert rows and not [r.name for r in rows if not r.ok]
@@ -324,22 +343,22 @@ def test_contraction_paths(name: str, tmp_path) -> None:
     nodes, inits, expected = TEXEL_CASES[name] if name in TEXEL_CASES else TILE_CASES[name]
     path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
     layout = "naive" if name in TEXEL_CASES else "rtile"
-    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", dataclasses.replace(OPTIONS, layout=layout))
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
     found: dict[str, set[str]] = {}
-    for match in re.finditer(r"// (conv|matmul): ([^\n]*)\n__kernel void (\w+)\((.*?)\n}", source, re.DOTALL):
-        found.setdefault(_role(match.group(2), match.group(3)), set()).add(_path(match.group(4)))
+    for kernel in _contractions(path, options=dataclasses.replace(OPTIONS, layout=layout)):
+        found.setdefault(_role(kernel), set()).add(_path(kernel))
     assert found == {role: set(paths.split()) for role, paths in expected.items()}
 
 
-def _conv_kernels(tmp_path, name: str, x: tuple[int, ...], w: tuple[int, ...], **attrs: Any) -> dict[str, str]:
+def _conv_kernels(tmp_path, name: str, x: tuple[int, ...], w: tuple[int, ...], **attrs: Any) -> dict[str, Any]:
     """The forward Conv kernel and the input gradient's ConvTranspose kernel of a conv's step, by role."""
     path = write_case(str(tmp_path / f"{name}.onnx"), *conv(x, w, **attrs))
-    compile_model(path, str(tmp_path / name), "local", "fp32", OPTIONS)
-    source = (tmp_path / name / "kernels.cl").read_text()
-    found = re.findall(r"// conv: ([^\n]*)\n(__kernel void \w+_(Conv|ConvTranspose)\(.*?\n})", source, re.DOTALL)
-    return {"dx" if op == "ConvTranspose" else "forward": body for comment, body, op in found
-            if op == "ConvTranspose" or not comment.startswith("grad/")}
+    return {_role(k): k for k in _contractions(path) if _role(k) in ("forward", "dx")}
+
+
+def _accumulates(kernel: Any, lanes: int) -> bool:
+    """Whether the kernel's work-item sums `lanes` outputs: an array of that many float totals."""
+    return any(s.var.kind == "acc" and s.var.dtype == kir.FLOAT and s.length == lanes
+               for s in _accumulator_arrays(kernel))
 
 
 def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
@@ -349,12 +368,13 @@ def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
     no row count divides the height (5), or the kernel does not overlap along it (1 tap), a
     work-item keeps one row."""
     kernels = _conv_kernels(tmp_path, "rows", (1, 4, 8, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1])
-    x_reads = re.findall(r"RDF\((in\d+), ", kernels["forward"])
+    x_reads = [load.argument.name for load in of_type(kernels["forward"], kir.Load)]
     assert x_reads.count(x_reads[0]) == 12
-    assert all("float acc1[32]" in body for body in kernels.values())
+    assert all(_accumulates(kernel, 32) for kernel in kernels.values())
     for name, x, w, pads in [("odd_height", (1, 4, 5, 8), (4, 1, 3, 3), [1, 1, 1, 1]),
                              ("one_tap", (1, 4, 8, 8), (4, 1, 1, 3), [0, 1, 0, 1])]:
-        assert all("float acc1[8]" in body for body in _conv_kernels(tmp_path, name, x, w, group=4, pads=pads).values())
+        kernels = _conv_kernels(tmp_path, name, x, w, group=4, pads=pads)
+        assert all(_accumulates(kernel, 8) for kernel in kernels.values())
 
 
 def test_conv_transpose_forward(tmp_path) -> None:
@@ -460,13 +480,12 @@ def test_a_texels_lane_loop_is_unrolled_unless_the_tensor_ends_inside_it(tmp_pat
     shapes = {"even": ({"a": (8, 20), "b": (20, 8)}, 64), "tail": ({"a": (3, 5), "b": (5, 3)}, 9)}
     for name, (inits, numel) in shapes.items():
         path = write_case(str(tmp_path / f"{name}.onnx"), [_node("MatMul", ["a", "b"])], inits)
-        compile_model(path, str(tmp_path / name), "local", "fp32", OPTIONS)
-        source = (tmp_path / name / "kernels.cl").read_text()
-        forward = re.search(r"// matmul: [^\n]*\n__kernel void \w+_MatMul\(.*?\n}", source, re.DOTALL).group(0)
-        loop = re.search(r"(#pragma unroll\n\s*)?for \(int lane = 0; lane < 4; \+\+lane\) \{", forward)
-        assert loop, forward
-        assert (loop.group(1) is not None) == (name == "even"), forward
-        assert (f"if (i >= {numel}) break;" in forward) == (name == "tail"), forward
+        forward = next(k for k in _contractions(path) if k.name.endswith("_MatMul") and _role(k) == "forward")
+        loop = [s for s in of_type(forward, kir.For) if s.var.name == "lane"]
+        assert len(loop) == 1 and (loop[0].stop, loop[0].step) == (kir.const(4), 1), loop
+        assert loop[0].unroll == (name == "even"), name
+        past = kir.If(kir.Var("i", 0, kir.INT, "i").ge(numel), [kir.Break()])
+        assert (past in loop[0].body) == (name == "tail"), name
         rows = verify_model(path, OPTIONS)
         assert rows and not [r.name for r in rows if not r.ok], name
 
@@ -478,15 +497,20 @@ def test_a_row_crossing_texels_lanes_reduce_in_a_loop_before_the_unrolled_lane_l
     nodes, inits, _ = TEXEL_CASES["conv2d_row_dilated"]
     path = write_case(str(tmp_path / "rows.onnx"), nodes, inits)
     assert_step_matches(path)
-    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    guarded = [body for body in source.split("__kernel void ")[1:] if "const bool whole" in body]
+    guarded = [k for k in _contractions(path) if _path(k) == "row"]
     assert guarded
-    for body in guarded:
-        fallback, _, lane_loop = body.partition("#pragma unroll")
-        assert re.search(r"float fb\d+\[4\] = ", fallback) and "for (int lane = 0; lane < 4; ++lane)" in fallback
-        assert not re.search(r"for \(int [a-z]+\d+ = ", lane_loop), "a per-lane loop left in the lane loop"
-        assert re.search(r"= whole\d+ \? acc\d+\[.*\] : fb\d+\[lane\];", lane_loop)
+    for kernel in guarded:
+        *fallbacks, lane_loop = [s for s in of_type(kernel, kir.For) if s.var.name == "lane"]
+        assert lane_loop.unroll and len(fallbacks) == 1
+        leftover = [s.var for s in of_type(kernel, kir.DeclareArray) if s.var.kind == "fb" and s.length == 4]
+        assert leftover and any(isinstance(s, kir.Assign) and isinstance(s.target, kir.Element)
+                                and s.target.array == leftover[0] for s in kir.walk(fallbacks[0].body))
+        inner = list(kir.walk(lane_loop.body))
+        per_lane = [s for s in inner if isinstance(s, kir.For) and not s.var.name]
+        assert not per_lane, "a per-lane loop left in the lane loop"
+        assert any(isinstance(s, kir.Declare) and isinstance(s.init, kir.Select) and s.init.condition.kind == "whole"
+                   and isinstance(s.init.if_false, kir.Element) and s.init.if_false.array == leftover[0]
+                   for s in inner)
 
 
 def test_a_strided_transposes_per_lane_taps_step_by_the_stride(tmp_path) -> None:
@@ -494,8 +518,10 @@ def test_a_strided_transposes_per_lane_taps_step_by_the_stride(tmp_path) -> None
     tap whose numerator the stride divides and stepping by 2 (1 or 2 of 3 taps, no parity test)."""
     nodes, inits, _ = TEXEL_CASES["conv2d_row_strided_odd"]
     path = write_case(str(tmp_path / "strided.onnx"), nodes, inits)
-    compile_model(path, str(tmp_path / "bundle"), "local", "fp32", OPTIONS)
-    source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    transpose = next(body for body in source.split("__kernel void ")[1:] if body.split("(")[0].endswith("ConvTranspose"))
-    assert len(re.findall(r"for \(int (k\d+) = \(\(o\d \+ 1\) & 1\); \1 < 3; \1 \+= 2\)", transpose)) == 2, transpose
-    assert "& 1) == 0" not in transpose
+    transpose = next(k for k in _contractions(path) if k.name.endswith("ConvTranspose"))
+    stepped = [s for s in of_type(transpose, kir.For) if s.step == 2 and s.stop == kir.const(3)
+               and isinstance(s.start, kir.Binary) and s.start.op == "&" and s.start.b == kir.const(1)]
+    assert len(stepped) == 2, stepped
+    parity = [e for e in of_type(transpose, kir.Binary) if e.op == "==" and isinstance(e.a, kir.Binary)
+              and e.a.op == "&" and e.a.b == kir.const(1)]
+    assert not parity

@@ -95,7 +95,8 @@ def test_a_missing_entry_is_named_with_both_registries(registry: str, op: str, n
 
 def test_an_elementwise_row_without_an_expression_fails() -> None:
     """The bug the table exists for: an op fuse treats as elementwise that the kernel cannot compile."""
-    table = {**ops.OPS, "Tan": ops._elementwise(ops.Ftd.DEPENDENT_CONSISTENT, "torch.tan")}
+    table = {**ops.OPS, "Tan": ops.Op(ops.Kind.ELEMENTWISE, ops.Ftd.DEPENDENT_CONSISTENT, "torch.tan",
+                                      per_sample=True, reads=ops.ANY_VIEW)}
     registries = {name: set(entries) for name, entries in _real().items()}
     registries["gradients"].add("Tan")
     registries["kernels"].add("Tan")

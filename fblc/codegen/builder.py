@@ -31,7 +31,7 @@ kernels/schedules.py decided before the kernel is built (TextureTable.schedules,
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import onnx_ir as ir
 
@@ -45,6 +45,9 @@ from fblc.codegen.render.opencl import render_expr, render_kernel
 from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
+
+if TYPE_CHECKING:
+    from fblc.codegen.kernels import KernelGroup
 
 __all__ = ["OUT_INDEX", "TEXEL_INDEX", "KernelBuilder", "ctype_of", "lane_axis"]
 
@@ -88,6 +91,14 @@ class KernelBuilder(ValueReads):
 
         self.schedule = table.schedules.setdefault(name, Schedule())
         self.tile_texels(self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride)
+
+    @classmethod
+    def for_group(cls, table: TextureTable, group: KernelGroup, family: str) -> KernelBuilder:
+        """The builder of a kernel group's kernel: it writes the group's outputs and records the group's
+        anchor node (plan.json names the nodes a kernel computes); emitters that fuse more record those too."""
+        b = cls(table, group.name, family, group.outputs)
+        b.nodes.append(group.anchor.name)
+        return b
 
     def named(self, name: str, dtype: kir.DType) -> Var:
         return Var(name, 0, dtype, name)

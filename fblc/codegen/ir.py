@@ -68,6 +68,7 @@ class Expr:
     def __rtruediv__(self, other: Operand) -> Binary: return self._binary("/", other, swap=True)
     def __and__(self, other: Operand) -> Binary: return self._binary("&", other)
     def __or__(self, other: Operand) -> Binary: return self._binary("|", other)
+    def __xor__(self, other: Operand) -> Binary: return self._binary("^", other)
     def __lshift__(self, other: Operand) -> Binary: return self._binary("<<", other)
     def __rshift__(self, other: Operand) -> Binary: return self._binary(">>", other)
     def __neg__(self) -> Unary: return Unary("-", self, self.dtype)
@@ -247,6 +248,31 @@ class Text(Expr):
     dtype: DType = INT
 
 
+@dataclass(frozen=True, eq=True)
+class Swizzle(Expr):
+    """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi: 4 lanes from 0 or 4), a run
+    of a float4's components (.yz)."""
+
+    vector: Expr
+    first: int
+    count: int
+
+    @property
+    def dtype(self) -> DType:  # type: ignore[override]
+        return self.vector.dtype.vector(self.count)
+
+
+@dataclass(frozen=True, eq=True)
+class ArgumentRef(Expr):
+    """A texture argument handed to a preamble function (WINDOW reads texels of it)."""
+
+    argument: Argument
+
+    @property
+    def dtype(self) -> DType:  # type: ignore[override]
+        return TEXEL_TYPES[self.argument.kind]
+
+
 # statements ---------------------------------------------------------------------------------------
 @dataclass(eq=True)
 class Declare:
@@ -263,6 +289,7 @@ class DeclareArray:
     length: int | Expr
     init: tuple[Expr, ...] = ()
     local: bool = False
+    constant: bool = False  # read-only after its initializer (a table the compiler may put in constant memory)
 
 
 @dataclass(eq=True)
@@ -389,10 +416,10 @@ class Block:
         return var
 
     def array(self, kind: str, dtype: DType, length: int | Expr, init: Sequence[Operand] = (),
-              local: bool = False, name: str = "") -> Var:
+              local: bool = False, name: str = "", constant: bool = False) -> Var:
         var = self.var(kind, dtype, name)
         self.statements.append(DeclareArray(var, length, tuple(
-            v if isinstance(v, Expr) else const(v, dtype) for v in init), local))
+            v if isinstance(v, Expr) else const(v, dtype) for v in init), local, constant))
         return var
 
     def assign(self, target: Var | Element, value: Operand, op: str = "=") -> None:
@@ -461,6 +488,8 @@ def children(expr: Expr) -> tuple[Expr, ...]:
         return (expr.array, expr.index)
     if isinstance(expr, Load):
         return (expr.texel,)
+    if isinstance(expr, Swizzle):
+        return (expr.vector,)
     return ()
 
 

@@ -85,6 +85,8 @@ DATA_DEPENDENT = "its output shape depends on the data: the import refuses it"
 
 @dataclass(frozen=True)
 class Op:
+    """One op type's row (the helpers below fill the columns its kind implies)."""
+
     kind: Kind
     ftd: Ftd | None  # None: ftd_taxonomy's UNKNOWN_OP_CLASS
     exported: str | None = None  # what in PyTorch makes the exporters write it (None: fblc or rare modules)
@@ -178,7 +180,7 @@ OPS: dict[str, Op] = {
     "Resize": Op(Kind.RESAMPLE, I_D, "nn.Upsample, F.interpolate", constants=(1, 2)),  # roi, scales
     "DepthToSpace": _lowered(Kind.MOVEMENT, "nn.PixelShuffle (legacy exporter)"),
     "SpaceToDepth": _lowered(Kind.MOVEMENT, "nn.PixelUnshuffle (legacy exporter)"),
-    # arithmetic
+    # arithmetic (per_sample=False: batch_tile never listed them; not yet checked there, so kept off)
     "Add": _elementwise(I_C, "+, biases, residuals", "arithmetic"),
     "Sub": _elementwise(I_C, "-", "arithmetic"),
     "Mul": _elementwise(D_C, "*, scales, gates", "arithmetic"),

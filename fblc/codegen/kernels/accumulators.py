@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from fblc.codegen.ir import (
+    FLOAT, FLOAT4, FLOAT8, Assign, Block, Const, Element, Expr, Lane, Swizzle, Var, Vector, const)
 from fblc.profiles.profile import SIMD_SUM_FLOAT4S
 
 LANES = 4
@@ -38,7 +40,7 @@ FORMS = ("lanes", "texels", "sums")
 #: the floats a SIMD register must hold for a work-item's float4 accumulators to pair into float8s
 PAIRED_SIMD_FLOATS = 8
 
-Operation = tuple[str, str, str]  # (target, x operand, w operand): `target += x * w;`
+Operation = tuple[Expr, Expr, Expr]  # (target, x operand, w operand): `target += x * w`
 
 
 class Update(NamedTuple):
@@ -47,17 +49,17 @@ class Update(NamedTuple):
 
     texel: int
     component: int | None
-    x: str
-    w: str
+    x: Expr
+    w: Expr
     x_float4: bool = False
     w_float4: bool = False
 
 
 @dataclass(frozen=True)
 class Accumulators:
-    """Where a reduction of `lanes` outputs sums, in `form` (see the module docstring)."""
+    """Where a reduction of `lanes` outputs sums, in `form` (see the module docstring): the array `array`."""
 
-    name: str
+    array: Var
     form: str = "lanes"
     pair: int = 0  # >0: float4s t and t + pair (t // pair even) are the halves of one float8
 
@@ -65,66 +67,69 @@ class Accumulators:
         assert self.form in FORMS, f"accumulator form {self.form!r} is none of {', '.join(FORMS)}"
         assert not self.pair or self.form != "lanes", "only float4 accumulators pair into float8s"
 
-    def declare(self, lanes: int) -> str:
-        """The declaration of the accumulators of `lanes` outputs, all zero."""
-        if self.form == "lanes":
-            return f"float {self.name}[{lanes}] = {{{', '.join(['0.0f'] * lanes)}}};"
-        count = float4_count(self.form, lanes)
-        if self.pair:
-            assert count % (2 * self.pair) == 0, f"{count} float4s do not pair at stride {self.pair}"
-            return f"float8 {self.name}[{count // 2}] = {{{', '.join(['(float8)(0.0f)'] * (count // 2))}}};"
-        return f"float4 {self.name}[{count}] = {{{', '.join(['(float4)(0.0f)'] * count)}}};"
+    @staticmethod
+    def declared(block: Block, kind: str, form: str, pair: int, lanes: int) -> Accumulators:
+        """The accumulators of `lanes` outputs, declared all zero in `block`."""
+        if form == "lanes":
+            return Accumulators(block.array(kind, FLOAT, lanes, [const(0.0, FLOAT)] * lanes), form, pair)
+        count = float4_count(form, lanes)
+        assert not pair or count % (2 * pair) == 0, f"{count} float4s do not pair at stride {pair}"
+        dtype, length = (FLOAT8, count // 2) if pair else (FLOAT4, count)
+        zero = Vector(dtype, (const(0.0, FLOAT),))
+        return Accumulators(block.array(kind, dtype, length, [zero] * length), form, pair)
 
-    def totals(self, acc: str, lanes: int) -> str | None:
-        """The line declaring `float acc[lanes]`, each output's total (None: the accumulators are that already)."""
+    def totals(self, block: Block, lanes: int) -> Var:
+        """The array `float acc[lanes]` of each output's total (the accumulators themselves in form lanes)."""
         if self.form == "lanes":
-            return None
+            return self.array
         if self.form == "texels":
             values = [self._component(lane // LANES, lane % LANES) for lane in range(lanes)]
         else:
-            values = [f"({sums}.x + {sums}.y) + ({sums}.z + {sums}.w)" for sums in map(self._float4, range(lanes))]
-        return f"float {acc}[{lanes}] = {{{', '.join(values)}}};"
+            values = [(sums.lane(0) + sums.lane(1)) + (sums.lane(2) + sums.lane(3))
+                      for sums in map(self._float4, range(lanes))]
+        return block.array("acc", FLOAT, lanes, values)
 
-    def _float8(self, texel: int) -> tuple[str, int]:
+    def _float8(self, texel: int) -> tuple[Element, int]:
         """(the float8 that holds float4 `texel`, its half: 0 low, 1 high)."""
         pair = self.pair
-        return f"{self.name}[{texel // (2 * pair) * pair + texel % pair}]", texel // pair % 2
+        return Element(self.array, const(texel // (2 * pair) * pair + texel % pair)), texel // pair % 2
 
-    def _float4(self, texel: int) -> str:
+    def _float4(self, texel: int) -> Expr:
         if not self.pair:
-            return f"{self.name}[{texel}]"
-        name, half = self._float8(texel)
-        return f"{name}.{('lo', 'hi')[half]}"
+            return Element(self.array, const(texel))
+        float8, half = self._float8(texel)
+        return Swizzle(float8, LANES * half, LANES)
 
-    def _component(self, texel: int, component: int) -> str:
+    def _component(self, texel: int, component: int) -> Expr:
         if not self.pair:
-            return f"{self.name}[{texel}].{COMPONENTS[component]}"
-        name, half = self._float8(texel)
-        return f"{name}.s{LANES * half + component}"
+            return Element(self.array, const(texel)).lane(component)
+        float8, half = self._float8(texel)
+        return float8.lane(LANES * half + component)
 
-    def add(self, terms: Sequence[tuple[int, str, str]], offsets: Sequence[tuple[int, int]] = ()) -> list[str]:
-        """Lines that add each (lane, x, w) product to its lane; `offsets`, (x, w) element offsets of
+    def add(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()) -> list[Assign]:
+        """Statements that add each (lane, x, w) product to its lane; `offsets`, (x, w) element offsets of
         each product, find the runs the sums form adds four at a time."""
-        return [f"{target} += {x} * {w};" for target, x, w in self.operations(terms, offsets)]
+        operations = self.operations(terms, offsets)
+        return [Assign(target, x * w, "+=") for target, x, w in operations]  # type: ignore[arg-type]
 
-    def operations(self, terms: Sequence[tuple[int, str, str]], offsets: Sequence[tuple[int, int]] = ()
+    def operations(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()
                    ) -> list[Operation]:
         """The multiply-adds of the products, lane by lane, each lane's in their order. Interleaved updates of
         strided accumulators (a stride-2 ConvTranspose's even lanes from one texel's x, y, z, w) crash LLVM
         15's InstCombine in Debian's PoCL 3.1 (ShuffleVectorInst::isIdentityWithPadding)."""
         ordered = sorted(range(len(terms)), key=lambda index: terms[index][0])
         if self.form == "lanes":
-            return [(f"{self.name}[{terms[i][0]}]", terms[i][1], terms[i][2]) for i in ordered]
+            return [(Element(self.array, const(terms[i][0])), terms[i][1], terms[i][2]) for i in ordered]
         updates = self._sums(terms, offsets, ordered) if self.form == "sums" else self._texels(terms, ordered)
         if self.pair:
             return self._paired(updates)
         return [(self._float4(u.texel) if u.component is None else self._component(u.texel, u.component), u.x, u.w)
                 for u in updates]
 
-    def _texels(self, terms: Sequence[tuple[int, str, str]], ordered: list[int]) -> list[Update]:
+    def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], ordered: list[int]) -> list[Update]:
         """The k-th products of a texel's four lanes are one float4 multiply-add; where a lane lacks
         its k-th product, the others add component by component."""
-        per_lane: dict[int, list[tuple[str, str]]] = {}
+        per_lane: dict[int, list[tuple[Expr, Expr]]] = {}
         for index in ordered:
             lane, x, w = terms[index]
             per_lane.setdefault(lane, []).append((x, w))
@@ -168,7 +173,7 @@ class Accumulators:
                        for rest in high.values() for position, u in rest]
         return [operation for _, operation in sorted(operations, key=lambda item: item[0])]
 
-    def _sums(self, terms: Sequence[tuple[int, str, str]], offsets: Sequence[tuple[int, int]],
+    def _sums(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]],
               ordered: list[int]) -> list[Update]:
         """A lane's products along one diagonal (x - w fixed) at four consecutive w from a multiple of 4 are
         one float4 multiply-add (w a whole texel); the others add into component w % 4."""
@@ -203,20 +208,15 @@ def cost(operations: Sequence[Operation]) -> int:
     return len(operations) + len(built)
 
 
-def _built(operand: str) -> list[str]:
-    """`operand` if shuffles or inserts build it, with the halves of a float8 that they build."""
-    if operand.startswith("(float4)("):
-        return [operand]
-    if not operand.startswith("(float8)("):
+def _built(operand: Expr) -> list[Expr]:
+    """`operand` if shuffles or inserts build it (a Vector), with the halves of a float8 that they build;
+    a float8 of two named float4s (whole texels) is not built."""
+    if not isinstance(operand, Vector):
         return []
-    inner, depth, start, halves = operand[len("(float8)("):-1], 0, 0, []
-    for at, char in enumerate(inner + ","):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            halves.append(inner[start:at].strip())
-            start = at + 1
-    parts = [part for half in halves for part in _built(half)]
-    return parts if all(half.isidentifier() for half in halves) else [operand] + parts
+    if operand.dtype.lanes == LANES:
+        return [operand]
+    parts = [part for half in operand.parts for part in _built(half)]
+    return parts if all(isinstance(half, Var) for half in operand.parts) else [operand] + parts
 
 
 def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int, simd_floats: int) -> int:
@@ -233,9 +233,9 @@ def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int,
 
 def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0) -> list[Operation]:
     """The operations of a block of (lane, x offset, w offset) `products` in `form` (paired at `pair`),
-    each element a stand-in C expression read from texel-aligned bases (what the costs compare)."""
+    each element a stand-in read from texel-aligned bases (what the costs compare)."""
     terms = [(lane, _element("X", x), _element("W", w)) for lane, x, w in products]
-    return Accumulators("a", form, pair).operations(terms, [(x, w) for _, x, w in products])
+    return Accumulators(Var("a", 0, FLOAT4), form, pair).operations(terms, [(x, w) for _, x, w in products])
 
 
 def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
@@ -263,36 +263,37 @@ def float4_count(form: str, lanes: int) -> int:
     return lanes // LANES if form == "texels" else lanes
 
 
-def _element(tensor: str, offset: int) -> str:
-    """A stand-in C expression for element `offset` of a tensor read from a texel-aligned base."""
-    return f"{tensor}{offset >> 2}".replace("-", "_") + f".{COMPONENTS[offset & 3]}"
+def _element(tensor: str, offset: int) -> Expr:
+    """A stand-in for element `offset` of a tensor read from a texel-aligned base: a lane of its texel."""
+    return Var(tensor, offset >> 2, FLOAT4).lane(offset & 3)
 
 
-def float8_of(low: str, low_float4: bool, high: str, high_float4: bool) -> str:
+def float8_of(low: Expr, low_float4: bool, high: Expr, high_float4: bool) -> Expr:
     """Two halves as a float8: a scalar that is both halves as itself (OpenCL widens it), else each half a
     float4 (a scalar widened)."""
     if low == high and not low_float4:
         return low
-    halves = [half if is_float4 else f"(float4)({half})"
-              for half, is_float4 in ((low, low_float4), (high, high_float4))]
-    return f"(float8)({', '.join(halves)})"
+    return Vector(FLOAT8, tuple(half if is_float4 else Vector(FLOAT4, (half,))
+                                for half, is_float4 in ((low, low_float4), (high, high_float4))))
 
 
-def float4_of(values: Sequence[str]) -> str:
-    """Four scalar C expressions as a float4: the scalar when all four are one (OpenCL widens it), a
-    texel's name for its own x, y, z, w, swizzles for runs of one texel's consecutive components."""
+def float4_of(values: Sequence[Expr]) -> Expr:
+    """Four scalars as a float4: the scalar when all four are one (OpenCL widens it), a texel itself for
+    its own x, y, z, w, swizzles for runs of one texel's consecutive components."""
     if len(set(values)) == 1:
         return values[0]
-    parts: list[list[str]] = []  # [texel or expression, its components]
+    parts: list[tuple[Expr, list[int]]] = []  # (texel or scalar, its components)
     for value in values:
-        name, dot, component = value.rpartition(".")
-        if not (dot and component in COMPONENTS and name.isidentifier()):
-            parts.append([value, ""])
-        elif (parts and parts[-1][0] == name and parts[-1][1]
-              and COMPONENTS.find(parts[-1][1][-1]) + 1 == COMPONENTS.find(component)):
-            parts[-1][1] += component
+        texel = value.vector if isinstance(value, Lane) and isinstance(value.index, Const) else None
+        if not isinstance(texel, Var):
+            parts.append((value, []))
+            continue
+        component = int(value.index.value)  # type: ignore[union-attr]
+        if parts and parts[-1][0] == texel and parts[-1][1] and parts[-1][1][-1] + 1 == component:
+            parts[-1][1].append(component)
         else:
-            parts.append([name, component])
-    if len(parts) == 1 and parts[0][1] == COMPONENTS:
+            parts.append((texel, [component]))
+    if len(parts) == 1 and parts[0][1] == list(range(LANES)):
         return parts[0][0]
-    return f"(float4)({', '.join(f'{name}.{components}' if components else name for name, components in parts)})"
+    return Vector(FLOAT4, tuple(part if not components else part.lane(components[0]) if len(components) == 1
+                                else Swizzle(part, components[0], len(components)) for part, components in parts))

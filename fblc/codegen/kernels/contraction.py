@@ -23,28 +23,23 @@ import onnx_ir as ir
 
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
-from fblc.codegen.cl import Kernel, digit_terms, flat_index, float_literal, index_vars, strides_of
+from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.indexing import declare_index, digit_terms, index_var
+from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Break, Declare, Element, Expr, For, If, Var, Vector,
+                             call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
-from fblc.codegen.reads import ValueReads
+from fblc.codegen.reads import ValueReads, statements_of
 from fblc.codegen.schedule import resolve_group
-from fblc.codegen.kernels.texel import (
-    LANES,
-    Blocked,
-    Code,
-    Loop,
-    Operand,
-    Product,
-    Reduction,
-    Term,
-)
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import SubAxis, common_digits
 from fblc.compiler.values import attr, is_float, static_shape
 
-Terms = list[tuple[str, int]]
+Terms = list[tuple[Expr, int]]
 Digits = list[SubAxis]  # an axis's (extent, stride) digits, outermost first (IndexMap.sub_axes)
+Build = Callable[[Block], Reduction]  # builds a Reduction, its index values declared into the block
 
 
 @dataclass
@@ -52,7 +47,7 @@ class Stream:
     """An operand walked by a reduction: element `base + r * step` for r = 0, 1, ..."""
 
     value: ir.Value
-    terms: Terms  # base index as (C expression, literal stride); expressions must be ints
+    terms: Terms  # base index as (int expression, literal stride)
     step: int
 
     def aligned(self) -> bool:
@@ -60,7 +55,7 @@ class Stream:
         return self.step == 1 and all(stride % 4 == 0 for _, stride in self.terms)
 
 
-def index_terms(variables: Sequence[str], dims: Sequence[int], strides: Sequence[int]) -> Terms:
+def index_terms(variables: Sequence[Expr], dims: Sequence[int], strides: Sequence[int]) -> Terms:
     """Index terms, dropping axes of extent 1 (their index is always 0)."""
     return [(var, stride) for var, dim, stride in zip(variables, dims, strides) if dim != 1]
 
@@ -87,49 +82,42 @@ def _check_float(node: ir.Node) -> None:
                                      "only float contractions have kernels; cast the operands to float")
 
 
-def dot_loop(b: KernelBuilder, acc: str, count: int | str, streams: tuple[Stream, Stream], indent: str = "") -> None:
-    """Emit `acc += sum_r a[r] * w[r]` over `count` steps of the two streams.
+def dot_loop(b: KernelBuilder, acc: Var, count: int | Expr, streams: tuple[Stream, Stream],
+             block: Block | None = None) -> None:
+    """Build `acc += sum_r a[r] * w[r]` over `count` steps of the two streams into `block` (the lane loop's).
 
     A literal count is unrolled by 4 into float4 dot products; an aligned stream fills its
     float4 with one texel read, the other with four element reads; a scalar tail covers count % 4.
-    A runtime count (a C expression, e.g. the in-bounds taps of a border pixel) is a plain loop.
+    A runtime count (e.g. the in-bounds taps of a border pixel) is a plain loop.
     """
+    block = block if block is not None else b.body
     if isinstance(count, int) and count <= 0:
         return
-    pointers = [b.fresh("p") for _ in streams]
-    lines = [f"int {p} = {flat_index(s.terms)};" for p, s in zip(pointers, streams)]
-    product = f"{acc} += {b.load(streams[0].value, pointers[0])} * {b.load(streams[1].value, pointers[1])};"
+    pointers = [block.mutable(flat_index(s.terms), "p") for s in streams]
+    product = b.element(streams[0].value, pointers[0]) * b.element(streams[1].value, pointers[1])
     if count == 1:
-        b.emit(*(indent + line for line in lines + [product]))
+        block.assign(acc, product, "+=")
         return
-    steps = " ".join(f"{p} += {s.step};" for p, s in zip(pointers, streams))
-    r = b.fresh("r")
-    if isinstance(count, str):
-        lines += [f"for (int {r} = 0; {r} < {count}; ++{r}) {{", f"  {product}", f"  {steps}", "}"]
-        b.emit(*(indent + line for line in ["{"] + ["  " + line for line in lines] + ["}"]))
-        return
-    main = count - count % 4
+    main = count - count % 4 if isinstance(count, int) else 0
     if main:
-        vectors = []
+        vectors: list[Expr] = []
         for p, s in zip(pointers, streams):
-            if s.aligned() and b.constant_scalar(s.value) is None:
-                arg, texture = b.argument(s.value)
-                vectors.append(b.read_texel(arg, texture, f"{p} >> 2"))
+            if s.aligned() and b.constant_value(s.value) is None:
+                argument, texture = b.input_argument(s.value)
+                vectors.append(b.texel(argument, texture, p >> 2))
             else:
-                parts = [b.load(s.value, p if k == 0 else f"{p} + {k * s.step}") for k in range(4)]
-                vectors.append(f"(float4)({', '.join(parts)})")
-        steps4 = " ".join(f"{p} += {4 * s.step};" for p, s in zip(pointers, streams))
-        lines += [f"for (int {r} = 0; {r} < {main}; {r} += 4) {{",
-                  f"  {acc} += dot({vectors[0]}, {vectors[1]});",
-                  f"  {steps4}",
-                  "}"]
-    if count % 4:
-        tail = b.fresh("r")
-        lines += [f"for (int {tail} = {main}; {tail} < {count}; ++{tail}) {{", f"  {product}", f"  {steps}", "}"]
-    b.emit(*(indent + line for line in ["{"] + ["  " + line for line in lines] + ["}"]))
+                vectors.append(Vector(FLOAT4, tuple(b.element(s.value, p if k == 0 else p + k * s.step)
+                                                    for k in range(4))))
+        with block.loop("r", 0, main, step=4) as (_, body):
+            body.assign(acc, call("dot", *vectors, dtype=FLOAT), "+=")
+            body.add(*(Assign(p, const(4 * s.step), "+=") for p, s in zip(pointers, streams)))
+    if not isinstance(count, int) or count % 4:  # a runtime count, or the scalar tail
+        with block.loop("r", main, count) as (_, body):
+            body.assign(acc, product, "+=")
+            body.add(*(Assign(p, const(s.step), "+=") for p, s in zip(pointers, streams)))
 
 
-def finish_group(b: KernelBuilder, group: KernelGroup, acc: str) -> list[Kernel]:
+def finish_group(b: KernelBuilder, group: KernelGroup, acc: Expr) -> list[Kernel]:
     """Apply the fused epilogue to `acc` and write every value the rest of the step reads."""
     env = evaluate_chain(b, group.nodes[1:], {id(group.anchor.outputs[0]): acc})
     return [b.finish([env[id(v)] for v in group.outputs])]
@@ -142,33 +130,26 @@ def start_builder(table: TextureTable, group: KernelGroup, family: str) -> Kerne
     return b
 
 
-def zero_acc(b: KernelBuilder) -> str:
+def zero_acc(b: KernelBuilder) -> Var:
     """A per-lane accumulator starting at 0 (the per-lane code paths)."""
-    acc = b.fresh("acc")
-    b.emit(f"float {acc} = 0.0f;")
-    return acc
+    return b.body.mutable(const(0.0, FLOAT), "acc")
 
 
-def reduce_into(b: KernelBuilder, build: Callable[[Code], Reduction], lanes: int = LANES) -> str:
-    """Emit the Reduction `build` makes: in the per-texel prologue for the lanes of a work-item
+def reduce_into(b: KernelBuilder, build: Build, lanes: int = LANES) -> Expr:
+    """Build the Reduction `build` makes: in the per-texel prologue for the lanes of a work-item
     (4 * b.texels_per_item), in the lane loop for 1.
 
-    Returns the name of the lane's accumulator in the lane loop, where the epilogue runs.
+    Returns the lane's accumulator in the lane loop, where the epilogue runs.
     """
     if lanes == 1:
-        acc = b.fresh("acc")
-        b.emit(f"float {acc} = {reduce_lane(b, Code(b.lines), build)};")
-        return acc
-    code = Code(b.texel_lines)
-    accs = b.fresh("acc")
-    reduction = build(code)
+        return b.body.let(reduce_lane(b, b.body, build), "acc")
+    prologue = b.prologue
+    reduction = build(prologue)
     group = _tile_group(b, reduction, lanes)
-    reduction.emit(b, code, accs, lanes, group=group)
+    accs = reduction.emit(b, prologue, lanes, group=group)
     if group:
-        code.emit(*b.merge_tiles_across_group(accs, lanes))
-    acc = b.fresh("acc")
-    b.emit(f"float {acc} = {accs}[{b.item_lane}];")
-    return acc
+        prologue.add(*b.merge_tiles_across_group(accs, lanes))
+    return b.body.let(Element(accs, b.lane_of_item), "acc")
 
 
 def _tile_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | None:
@@ -188,50 +169,49 @@ def _tile_group(b: KernelBuilder, reduction: Reduction, lanes: int) -> int | Non
     return b.group_size
 
 
-def reduce_lane(b: KernelBuilder, code: Code, build: Callable[[Code], Reduction]) -> str:
-    """Emit, in the lane loop, the one-lane Reduction `build` makes; C expression of its sum."""
-    reduction = build(code)
-    accs = b.fresh("acc")
-    reduction.emit(b, code, accs, 1)
-    return f"{accs}[0]"
+def reduce_lane(b: KernelBuilder, block: Block, build: Build) -> Expr:
+    """Build, into `block` of the lane loop, the one-lane Reduction `build` makes; its sum."""
+    reduction = build(block)
+    return Element(reduction.emit(b, block, 1), const(0))
 
 
-def reduce_guarded(b: KernelBuilder, guard: str, build: Callable[[Code], Reduction],
-                   fallback: Callable[[Code], str], lanes: int = LANES) -> str:
+def reduce_guarded(b: KernelBuilder, guard: Expr, build: Build, fallback: Callable[[Block], Expr],
+                   lanes: int = LANES) -> Expr:
     """Work-items whose texels meet `guard` (e.g. they do not cross the end of a row) reduce their
     `lanes` (4 * b.texels_per_item) together in the per-texel prologue; the others per lane, with
-    the code `fallback` emits, in a loop of their own before the lane loop (b.lane_fallback): kept
-    out of the unrolled lane loop, the rare lanes' loops and index arithmetic stay one copy, away
-    from the registers of the texel-wide path (MobileNetV2's row kernels ran 5-25 % faster).
+    what `fallback` builds into the block it gets, in a loop of their own before the lane loop
+    (b.lane_fallback): kept out of the unrolled lane loop, the rare lanes' loops and index arithmetic
+    stay one copy, away from the registers of the texel-wide path (MobileNetV2's row kernels ran 5-25 %
+    faster).
 
-    Returns the name of the lane's accumulator in the lane loop, where the epilogue runs.
+    Returns the lane's accumulator in the lane loop, where the epilogue runs.
     """
-    code = Code(b.texel_lines)
-    whole, accs, acc, leftover = b.fresh("whole"), b.fresh("acc"), b.fresh("acc"), b.fresh("fb")
-    code.emit(f"const bool {whole} = {guard};")
-    build(code).emit(b, code, accs, lanes, whole)
-    prelude = list(b.lines)  # the lane loop's own index variables so far (a flattened view's)
-    lane = Code(b.lane_fallback)
-    lane.emit(f"float {leftover}[4] = {{0.0f, 0.0f, 0.0f, 0.0f}};")
-    lane.open(f"if (!{whole})")
-    lane.open("for (int lane = 0; lane < 4; ++lane)")
+    prologue = b.prologue
+    whole = prologue.let(guard, "whole")
+    accs = build(prologue).emit(b, prologue, lanes, whole)
+    prelude = statements_of(b.lines)  # the lane loop's own index variables so far (a flattened view's)
+    outside = Block(b.numbering, b.lane_fallback)  # type: ignore[arg-type]
+    leftover = outside.array("fb", FLOAT, LANES, [const(0.0, FLOAT)] * LANES)
+    lane_body: list = []
+    outside.add(If(~whole, [For(b.lane, const(0), const(LANES), lane_body)]))
+    lane = Block(b.numbering, lane_body)
     numel = b.out_textures[0].numel
-    lane.emit("const int i = t * 4 + lane;", *([f"if (i >= {numel}) break;"] if numel % LANES else []),
-              *index_vars(b.out_shape, "i", OUT_INDEX), *prelude)
-    lane_loop, b.lines = b.lines, b.lane_fallback  # what the fallback emits through b goes here too
+    lane.add(Declare(b.flat, b.t * 4 + b.lane))
+    if numel % LANES:
+        lane.add(If(b.flat.ge(numel), [Break()]))
+    declare_index(lane, b.out_shape, b.flat, OUT_INDEX)
+    lane.add(*prelude)
+    lane_loop, b.lines = b.lines, lane_body  # what the fallback builds through b goes here too
     try:
         value = fallback(lane)
     finally:
         b.lines = lane_loop
-    lane.emit(f"{leftover}[lane] = {value};")
-    lane.close()
-    lane.close()
-    b.emit(f"float {acc} = {whole} ? {accs}[{b.item_lane}] : {leftover}[lane];")
-    return acc
+    lane.assign(Element(leftover, b.lane), value)
+    return b.body.let(select(whole, Element(accs, b.lane_of_item), Element(leftover, b.lane)), "acc")
 
 
 def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: int, w_lane: int, k: int,
-               tile: tuple[int, int] = (1, 1), a_row: int = 0, loops: Sequence[Loop] = ()) -> str:
+               tile: tuple[int, int] = (1, 1), a_row: int = 0, loops: Sequence[Loop] = ()) -> Expr:
     """acc[row, column] = sum_r A'[row, r] * B'[r, column] in blocks of steps along K, over the
     work-item's tile of `tile` = (rows, texel columns) outputs (`a_row`: A's stride between rows;
     `loops`: the outer digits of a folded K, around the blocks, which walk its innermost `k` steps)."""
@@ -242,7 +222,7 @@ def _texel_dot(b: KernelBuilder, a: Operand, a_step: int, w: Operand, w_step: in
 
     block = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
     blocked = Blocked(k, block, a_step, w_step, 0, products)
-    return reduce_into(b, lambda code: Reduction(a, w, blocked, list(loops)), rows * LANES * columns)
+    return reduce_into(b, lambda _: Reduction(a, w, blocked, list(loops)), rows * LANES * columns)
 
 
 @functools.lru_cache(maxsize=256)
@@ -253,14 +233,15 @@ def _tile_products(steps: range, rows: int, width: int, a_step: int, a_row: int,
                  for r in steps for row in range(rows) for column in range(width))
 
 
-def _texel_terms(terms: Terms, *aligned_vars: str, multiples: dict[str, int] | None = None) -> list[Term]:
+def _texel_terms(terms: Terms, *aligned_vars: Expr, multiples: dict[Expr, int] | None = None) -> list[Term]:
     """Terms whose variables in `aligned_vars` are known multiples of 4 (a texel's lanes, a tile's rows),
     and the digit expressions in `multiples` multiples of their value there."""
     known = {var: LANES for var in aligned_vars} | (multiples or {})
     return [Term(var, stride, known.get(var, 1)) for var, stride in terms]
 
 
-def _axis_terms(axes: Sequence[tuple[str, Digits]], var_multiples: dict[str, int], multiples: dict[str, int]) -> Terms:
+def _axis_terms(axes: Sequence[tuple[Expr, Digits]], var_multiples: dict[Expr, int], multiples: dict[Expr, int]
+                ) -> Terms:
     """Index terms of the axes (index variable, digits), dropping axes of extent 1. A folded axis
     gives a term per digit; its innermost digit `v % e` is a multiple of gcd(multiple of v, e),
     recorded in `multiples` for the texel path's alignment (`var_multiples`: what each v is a multiple of)."""
@@ -319,34 +300,36 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     texel = len(b_shape) >= 2 and lane_axis(b.out_shape) == len(b.out_shape) - 1 and n_run % LANES == 0
     prefix = TEXEL_INDEX if texel else OUT_INDEX
     # output axes of the batch dims, m and n; a missing m or n (1-D operand) is index 0
-    m_var = f"{prefix}{nb}" if len(a_shape) >= 2 else "0"
-    n_var = f"{prefix}{nb + (1 if len(a_shape) >= 2 else 0)}" if len(b_shape) >= 2 else "0"
+    m_var = index_var(prefix, nb) if len(a_shape) >= 2 else const(0)
+    n_var = index_var(prefix, nb + (1 if len(a_shape) >= 2 else 0)) if len(b_shape) >= 2 else const(0)
     tile = b.schedule.tile_rows, b.schedule.tile_columns  # kernels/schedules.py: (1, 1) off the texel path
-    var_multiples = {n_var: LANES, m_var: tile[0]} if texel else {}
-    multiples: dict[str, int] = {}
+    var_multiples: dict[Expr, int] = {n_var: LANES, m_var: tile[0]} if texel else {}
+    multiples: dict[Expr, int] = {}
 
-    def base(axes: list[Digits], shape2: tuple[int, ...], kept: str, kept_axis: int) -> Terms:
+    def base(axes: list[Digits], shape2: tuple[int, ...], kept: Expr, kept_axis: int) -> Terms:
         """Index terms over the batch dims and the kept matrix axis."""
         lead = nb - (len(shape2) - 2)
-        indexed = [(f"{prefix}{lead + k}", axes[k]) for k in range(len(shape2) - 2)] + [(kept, axes[kept_axis])]
+        indexed = [(index_var(prefix, lead + k), axes[k]) for k in range(len(shape2) - 2)] + [(kept, axes[kept_axis])]
         return _axis_terms(indexed, var_multiples, multiples)
 
     a_terms, w_terms = base(a_axes, a2, m_var, -2), base(w_axes, b2, n_var, -1)
-    loop_vars = [b.fresh("kd") for _ in a_outer]
+    loop_vars = [b.body.var("kd", INT) for _ in a_outer]
     if texel:
         aligned = (n_var, m_var) if tile[0] > 1 else (n_var,)
-        loops = [Loop.over(var, "0", str(extent), a_stride, w_stride, extent)
+        loops = [Loop.over(var, 0, extent, a_stride, w_stride, extent)
                  for var, (extent, a_stride), (_, w_stride) in zip(loop_vars, a_outer, w_outer)]
-        acc = _texel_dot(b, Operand(a_root, _texel_terms(a_terms, *aligned, multiples=multiples)), a_step,
-                         Operand(w_root, _texel_terms(w_terms, *aligned, multiples=multiples)), w_step, w_lane,
-                         k_inner, tile, a_row, loops)
+        acc: Expr = _texel_dot(b, Operand(a_root, _texel_terms(a_terms, *aligned, multiples=multiples)), a_step,
+                               Operand(w_root, _texel_terms(w_terms, *aligned, multiples=multiples)), w_step, w_lane,
+                               k_inner, tile, a_row, loops)
     else:
         acc = zero_acc(b)
+        block = b.body
         for var, (extent, a_stride), (_, w_stride) in zip(loop_vars, a_outer, w_outer):
-            b.emit(f"for (int {var} = 0; {var} < {extent}; ++{var}) {{")
+            body: list = []
+            block.add(For(var, const(0), const(extent), body))
+            block = Block(b.numbering, body)
             a_terms, w_terms = a_terms + [(var, a_stride)], w_terms + [(var, w_stride)]
-        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)))
-        b.emit(*["}"] * len(loop_vars))
+        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), block)
     return finish_group(b, group, acc)
 
 
@@ -362,7 +345,8 @@ def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     k_dim = a_shape[0] if trans_a else a_shape[1]
     b = start_builder(table, group, "matmul")
     texel = lane_axis(b.out_shape) == 1
-    m_var, n_var = (f"{TEXEL_INDEX}0", f"{TEXEL_INDEX}1") if texel else (f"{OUT_INDEX}0", f"{OUT_INDEX}1")
+    prefix = TEXEL_INDEX if texel else OUT_INDEX
+    m_var, n_var = index_var(prefix, 0), index_var(prefix, 1)
     # A' [M, K]: element (m, k) is A[k, m] when transposed; B' [K, N]: (k, n) is B[n, k] when transposed
     a_root, (a_s0, a_s1) = _root_strides(b, a, a_shape)
     b_root, (b_s0, b_s1) = _root_strides(b, w, b_shape)
@@ -374,16 +358,14 @@ def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if texel:  # lanes: 4 consecutive columns n, one B' column each
         tile = b.schedule.tile_rows, b.schedule.tile_columns
         aligned = (n_var, m_var) if tile[0] > 1 else (n_var,)
-        acc = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
-                         Operand(b_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, n_stride, k_dim,
-                         tile, m_stride)
+        acc: Expr = _texel_dot(b, Operand(a_root, _texel_terms(a_stream.terms, *aligned)), a_stream.step,
+                               Operand(b_root, _texel_terms(b_stream.terms, *aligned)), b_stream.step, n_stride,
+                               k_dim, tile, m_stride)
     else:
         acc = zero_acc(b)
         dot_loop(b, acc, k_dim, (a_stream, b_stream))
-    result = acc if alpha == 1.0 else f"{float_literal(alpha)} * {acc}"
+    result = acc if alpha == 1.0 else const(alpha, FLOAT) * acc
     if c is not None and beta != 0.0:
-        c_value = b.load_broadcast(c, b.out_shape)
-        result = f"{result} + {c_value}" if beta == 1.0 else f"{result} + {float_literal(beta)} * {c_value}"
-    if result != acc:
-        b.emit(f"{acc} = {result};")
-    return finish_group(b, group, acc)
+        c_value = b.broadcast(c, b.out_shape)
+        result = result + c_value if beta == 1.0 else result + const(beta, FLOAT) * c_value
+    return finish_group(b, group, result)

@@ -57,7 +57,6 @@ from fblc.codegen.kernels.contraction import (
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
-    Code,
     Loop,
     Mask,
     Operand,

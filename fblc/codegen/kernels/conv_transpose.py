@@ -39,7 +39,6 @@ from fblc.codegen.kernels.conv import CHANNEL_BLOCK, add_bias, affine, view_indi
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
-    Code,
     Loop,
     Mask,
     Operand,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import Kernel
+from fblc.codegen.ir import FLOAT, INT, UINT, Block, Element, Expr, Var, call, const
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.philox import MULTIPLIERS, ROUNDS, WEYL, seed_key
@@ -25,62 +26,60 @@ from fblc.compiler.values import attr, static_shape
 
 FAMILY = "random"
 #: 2^-24: a 24-bit integer to a float in [0, 1), exactly
-UNIT = "5.9604644775390625e-08f"
+UNIT = const(2.0 ** -24, FLOAT)
+TWO_PI = const(6.283185307179586, FLOAT)
 
 
-def _builder(table: TextureTable, group: KernelGroup) -> KernelBuilder:
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(group.anchor.name)
-    return b
+def _u(value: int) -> Expr:
+    return const(value, UINT)
 
 
-def _normals(b: KernelBuilder, seed: int, iteration: str, row: str) -> tuple[list[str], str]:
-    """Lines that leave texel t's four normals of member row `row` (a C expression) in a float[4]; its name."""
+def _normals(block: Block, t: Var, seed: int, iteration: Expr, row: Expr) -> Var:
+    """Build into `block` texel t's four normals of member row `row`, left in a float[4]; returns it."""
     key_low, key_high = seed_key(seed)
-    c = [b.fresh("c") for _ in range(4)]
-    k0, k1, step, hi0, hi1, mixed0, mixed2 = (b.fresh(h) for h in ("k", "k", "step", "hi", "hi", "w", "w"))
-    normal = b.fresh("noise")
-    lines = [
-        f"uint {c[0]} = (uint)t, {c[1]} = (uint)({iteration}), {c[2]} = (uint)({row}), {c[3]} = 0u;",
-        f"uint {k0} = {key_low}u, {k1} = {key_high}u;",
-        f"for (int {step} = 0; {step} < {ROUNDS}; ++{step}) {{",
-        f"  if ({step}) {{ {k0} += {WEYL[0]}u; {k1} += {WEYL[1]}u; }}",
-        f"  const uint {hi0} = mul_hi({MULTIPLIERS[0]}u, {c[0]}), {hi1} = mul_hi({MULTIPLIERS[1]}u, {c[2]});",
-        f"  {c[0]} *= {MULTIPLIERS[0]}u; {c[2]} *= {MULTIPLIERS[1]}u;",
-        f"  const uint {mixed0} = {hi1} ^ {c[1]} ^ {k0}, {mixed2} = {hi0} ^ {c[3]} ^ {k1};",
-        f"  {c[3]} = {c[0]}; {c[1]} = {c[2]}; {c[0]} = {mixed0}; {c[2]} = {mixed2};",
-        "}",
-        f"float {normal}[4];",
-    ]
+    c = [block.mutable(word.cast(UINT), "c") for word in (t, iteration, row, _u(0))]
+    k0, k1 = block.mutable(_u(key_low), "k"), block.mutable(_u(key_high), "k")
+    with block.loop("step", 0, ROUNDS) as (step, rounds):
+        with rounds.when(step.ne(0)) as bump:
+            bump.assign(k0, _u(WEYL[0]), "+=")
+            bump.assign(k1, _u(WEYL[1]), "+=")
+        hi0 = rounds.let(call("mul_hi", _u(MULTIPLIERS[0]), c[0]), "hi")
+        hi1 = rounds.let(call("mul_hi", _u(MULTIPLIERS[1]), c[2]), "hi")
+        rounds.assign(c[0], _u(MULTIPLIERS[0]), "*=")
+        rounds.assign(c[2], _u(MULTIPLIERS[1]), "*=")
+        mixed0 = rounds.let(hi1 ^ c[1] ^ k0, "w")
+        mixed2 = rounds.let(hi0 ^ c[3] ^ k1, "w")
+        for target, value in ((c[3], c[0]), (c[1], c[2]), (c[0], mixed0), (c[2], mixed2)):
+            rounds.assign(target, value)
+    normal = block.array("noise", FLOAT, 4)
     for lane, (radius_word, angle_word) in ((0, (c[0], c[1])), (2, (c[2], c[3]))):
-        radius, angle = b.fresh("radius"), b.fresh("angle")
-        lines += [f"const float {radius} = sqrt(-2.0f * log((float)(({radius_word} >> 8) + 1u) * {UNIT}));",
-                  f"const float {angle} = 6.283185307179586f * ((float)({angle_word} >> 8) * {UNIT});",
-                  f"{normal}[{lane}] = {radius} * cos({angle});",
-                  f"{normal}[{lane + 1}] = {radius} * sin({angle});"]
-    return lines, normal
+        uniform = ((radius_word >> 8) + 1).cast(FLOAT) * UNIT
+        radius = block.let(call("sqrt", const(-2.0, FLOAT) * call("log", uniform)), "radius")
+        angle = block.let(TWO_PI * ((angle_word >> 8).cast(FLOAT) * UNIT), "angle")
+        block.assign(Element(normal, const(lane)), radius * call("cos", angle))
+        block.assign(Element(normal, const(lane + 1)), radius * call("sin", angle))
+    return normal
 
 
 @register_kernel("PhiloxNormal")
 def emit_philox_normal(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
-    b = _builder(table, group)
-    lines, normal = _normals(b, int(attr(node, "seed", 0)), b.load(node.inputs[0], "0"), str(int(attr(node, "row", 0))))
-    b.emit_texel(*lines)
-    return [b.finish([f"{normal}[lane]"])]
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    iteration = b.element(node.inputs[0], const(0))
+    normal = _normals(b.prologue, b.t, int(attr(node, "seed", 0)), iteration, const(int(attr(node, "row", 0)), INT))
+    return [b.finish([Element(normal, b.lane)])]
 
 
 @register_kernel("PhiloxWeightedSum")
 def emit_philox_weighted_sum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     weights, iteration = node.inputs[0], node.inputs[1]
-    b = _builder(table, group)
-    row, total, weight, k = b.fresh("row"), b.fresh("total"), b.fresh("weight"), b.fresh("k")
-    lines, normal = _normals(b, int(attr(node, "seed", 0)), b.load(iteration, "0"), row)
-    b.emit_texel(f"float {total}[4] = {{0.0f, 0.0f, 0.0f, 0.0f}};",
-                 f"for (int {row} = 0; {row} < {static_shape(weights)[-1]}; ++{row}) {{",
-                 *[f"  {line}" for line in lines],
-                 f"  const float {weight} = {b.load(weights, row)};",
-                 f"  for (int {k} = 0; {k} < 4; ++{k}) {total}[{k}] += {weight} * {normal}[{k}];",
-                 "}")
-    return [b.finish([f"{total}[lane]"])]
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    prologue = b.prologue
+    total = prologue.array("total", FLOAT, 4, (0.0,) * 4)
+    with prologue.loop("row", 0, static_shape(weights)[-1]) as (row, member):
+        normal = _normals(member, b.t, int(attr(node, "seed", 0)), b.element(iteration, const(0)), row)
+        weight = member.let(b.element(weights, row), "weight")
+        with member.loop("k", 0, 4) as (k, lanes):
+            lanes.assign(Element(total, k), weight * Element(normal, k), "+=")
+    return [b.finish([Element(total, b.lane)])]

@@ -32,7 +32,6 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, broadcast_index, flat_index, float_literal, strides_of
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.texel import Code
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import map_of
@@ -53,6 +52,26 @@ def _flat(shape: tuple[int, ...], prefix: str, zero: Sequence[int] = ()) -> str:
 def _item_texels(texels: int) -> int:
     """Texels of one row a work-item computes: all of them, or the largest divisor up to ITEM_TEXELS."""
     return max(d for d in range(1, min(texels, ITEM_TEXELS) + 1) if texels % d == 0)
+
+
+class Code:
+    """Lines appended to a kernel body (per-texel prologue or lane loop) with C block nesting
+    (transition: until this module builds IR)."""
+
+    def __init__(self, lines: list, depth: int = 0) -> None:
+        self.lines = lines
+        self.depth = depth
+
+    def emit(self, *lines: object) -> None:
+        self.lines.extend("  " * self.depth + line if isinstance(line, str) else line for line in lines)
+
+    def open(self, header: str) -> None:
+        self.emit(header + " {")
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        self.emit("}")
 
 
 @dataclass

@@ -11,12 +11,12 @@ skipped like padding, and count_include_pad=1 does not count them (`_padded_taps
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, div_index, float_literal, strides_of
+from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.indexing import index_var
+from fblc.codegen.ir import FLOAT, Block, Expr, Var, call, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
@@ -24,15 +24,6 @@ from fblc.compiler.values import attr, numel, static_shape
 from fblc.compiler.window import Window, window_of
 
 FAMILY = "pooling"
-
-
-@dataclass
-class Taps:
-    """C names produced by `open_window`: per spatial axis the input coordinate, and the flat input index."""
-
-    coords: list[str]
-    flat: str
-    closing: list[str]  # lines that close the loops, in order
 
 
 def _needs_bounds(window: Window, axis: int) -> tuple[bool, bool]:
@@ -43,39 +34,34 @@ def _needs_bounds(window: Window, axis: int) -> tuple[bool, bool]:
     return begin > 0, (o - 1) * s - begin + (k - 1) * d >= n
 
 
-def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> Taps:
-    """Emit the nested tap loops of the current output element; the caller emits the body then `closing`."""
-    x_shape = static_shape(node.inputs[0])
-    strides = strides_of(x_shape)
-    spatial = len(window.kernel)
-    base = b.temp("int", f"{OUT_INDEX}0 * {strides[0]} + {OUT_INDEX}1 * {strides[1]}", "base")
-    coords: list[str] = []
-    flat = base
-    closing: list[str] = []
-    for a in range(spatial):
-        tap, coord = b.fresh("k"), b.fresh("p")
-        start = f"{OUT_INDEX}{2 + a}" if window.strides[a] == 1 else f"{OUT_INDEX}{2 + a} * {window.strides[a]}"
+def _window_start(window: Window, axis: int) -> Expr:
+    """The current output element's first tap on spatial `axis`, before padding."""
+    o, s = index_var(OUT_INDEX, 2 + axis), window.strides[axis]
+    return o if s == 1 else o * s
+
+
+def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> tuple[Block, Var]:
+    """Build the nested tap loops of the current output element into b.body (taps in the padding
+    skipped); returns the innermost block, where the caller builds the per-tap work, and the tap's
+    flat input index."""
+    strides = strides_of(static_shape(node.inputs[0]))
+    block = b.body
+    flat: Expr = block.let(index_var(OUT_INDEX, 0) * strides[0] + index_var(OUT_INDEX, 1) * strides[1], "base")
+    for a in range(len(window.kernel)):
+        start = _window_start(window, a)
         if window.pads_begin[a]:
-            start = f"{start} - {window.pads_begin[a]}"
-        step = tap if window.dilations[a] == 1 else f"{tap} * {window.dilations[a]}"
-        indent = "  " * a
-        b.emit(f"{indent}for (int {tap} = 0; {tap} < {window.kernel[a]}; ++{tap}) {{",
-               f"{indent}  const int {coord} = {start} + {step};")
+            start = start - window.pads_begin[a]
+        with block.loop("k", 0, window.kernel[a]) as (tap, taps):
+            pass  # the loop's body is built below, as deep as the window has axes
+        coord = taps.let(start + (tap if window.dilations[a] == 1 else tap * window.dilations[a]), "p")
         low, high = _needs_bounds(window, a)
-        tests = ([f"{coord} < 0"] if low else []) + ([f"{coord} >= {window.in_spatial[a]}"] if high else [])
-        if tests:
-            b.emit(f"{indent}  if ({' || '.join(tests)}) continue;")
-        term = coord if strides[2 + a] == 1 else f"{coord} * {strides[2 + a]}"
-        flat = f"{flat} + {term}"
-        coords.append(coord)
-        closing.insert(0, f"{indent}}}")
-    name = b.fresh("src")
-    b.emit(f"{'  ' * spatial}const int {name} = {flat};")
-    return Taps(coords, name, closing)
-
-
-def _inner(window: Window) -> str:
-    return "  " * len(window.kernel)
+        inside = ([coord.ge(0)] if low else []) + ([coord.lt(window.in_spatial[a])] if high else [])
+        block = taps
+        if inside:
+            with taps.when(inside[0] if len(inside) == 1 else inside[0].logical_and(inside[1])) as within:
+                block = within
+        flat = flat + (coord if strides[2 + a] == 1 else coord * strides[2 + a])
+    return block, block.let(flat, "src")
 
 
 def _check_rank(node: ir.Node) -> None:
@@ -84,9 +70,9 @@ def _check_rank(node: ir.Node) -> None:
                                  f"{list(static_shape(node.inputs[0]))}", "reshape the input to N x C x spatial")
 
 
-def _padded_taps(window: Window, axis: int) -> str | None:
-    """C int: taps of the current window on `axis` inside the padded input, or None when that is
-    the kernel size for every window (always, without ceil_mode).
+def _padded_taps(window: Window, axis: int) -> Expr | None:
+    """Taps of the current window on `axis` inside the padded input, or None when that is the kernel
+    size for every window (always, without ceil_mode).
 
     With ceil_mode the last window may run past the end padding; count_include_pad=1 then divides
     by the taps inside [-pads_begin, n + pads_end) only, as onnxruntime and torch do (and as
@@ -97,9 +83,8 @@ def _padded_taps(window: Window, axis: int) -> str | None:
     room = n + window.pads_begin[axis] + window.pads_end[axis]  # padded length; window o starts at o * s
     if (o - 1) * s + (k - 1) * d + 1 <= room:
         return None
-    start = f"{OUT_INDEX}{2 + axis}" if s == 1 else f"{OUT_INDEX}{2 + axis} * {s}"
-    left = f"({room} - {start})"
-    return f"min({k}, {left})" if d == 1 else f"min({k}, {div_index(f'({left} + {d - 1})', d)})"
+    left = const(room) - _window_start(window, axis)
+    return call("min", const(k), left if d == 1 else div_index(left + (d - 1), d))
 
 
 @register_kernel("AveragePool")
@@ -109,22 +94,23 @@ def emit_average_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     _check_rank(node)
     window = window_of(node)
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
-    acc, count = b.fresh("acc"), b.fresh("count")
-    b.emit(f"float {acc} = 0.0f;", f"int {count} = 0;")
-    taps = open_window(b, node, window)
-    b.emit(f"{_inner(window)}{acc} += {b.load(node.inputs[0], taps.flat)};",
-           f"{_inner(window)}++{count};", *taps.closing)
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    acc = b.body.mutable(const(0.0, FLOAT), "acc")
+    count = b.body.mutable(const(0), "count")
+    tap, flat = open_window(b, node, window)
+    tap.assign(acc, b.element(node.inputs[0], flat), "+=")
+    tap.assign(count, const(1), "+=")
     if not int(attr(node, "count_include_pad", 0)):
-        return [b.finish([f"({acc} / (float)max({count}, 1))"])]
+        return [b.finish([acc / call("max", count, const(1)).cast(FLOAT)])]
     partial = [(a, _padded_taps(window, a)) for a in range(len(window.kernel))]
     full = numel([window.kernel[a] for a, taps_on_axis in partial if taps_on_axis is None])
     factors = [t for _, t in partial if t is not None]
     if not factors:
-        return [b.finish([f"({acc} / {float_literal(float(full))})"])]
-    divisor = b.temp("int", " * ".join(([str(full)] if full != 1 else []) + factors), "div")
-    return [b.finish([f"({acc} / (float){divisor})"])]
+        return [b.finish([acc / const(float(full), FLOAT)])]
+    product = factors[0] if full == 1 else const(full) * factors[0]
+    for factor in factors[1:]:
+        product = product * factor
+    return [b.finish([acc / b.body.let(product, "div").cast(FLOAT)])]
 
 
 @register_kernel("MaxPool")
@@ -137,22 +123,20 @@ def emit_max_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     _check_rank(node)
     window = window_of(node)
     x_shape = static_shape(node.inputs[0])
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
-    best, where = b.fresh("best"), b.fresh("arg")
-    b.emit(f"float {best} = -INFINITY;", f"int {where} = -1;")
-    taps = open_window(b, node, window)
-    inner = _inner(window)
-    b.emit(f"{inner}const float x = {b.load(node.inputs[0], taps.flat)};",
-           f"{inner}if (x > {best} || {where} < 0) {{ {best} = x; {where} = {taps.flat}; }}", *taps.closing)
-    index = where
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    best = b.body.mutable(const(float("-inf"), FLOAT), "best")
+    where = b.body.mutable(const(-1), "arg")
+    tap, flat = open_window(b, node, window)
+    x = tap.let(b.element(node.inputs[0], flat), "x")
+    with tap.when(x.gt(best).logical_or(where.lt(0))) as better:
+        better.assign(best, x)
+        better.assign(where, flat)
+    index: Expr = where
     if int(attr(node, "storage_order", 0)) and len(x_shape) >= 4:
-        # Column-major Indices: the last two spatial axes swap their strides.
+        # Column-major Indices: the last two spatial axes swap their strides (where >= 0: a window
+        # always holds a tap of the input).
         h, w = x_shape[-2], x_shape[-1]
-        plane = b.temp("int", f"{where} - {where} % {h * w}", "plane")
-        within = f"({where} % {h * w})"
-        index = f"({plane} + ({within} % {w}) * {h} + {within} / {w})"
-    results = []
-    for out in group.outputs:
-        results.append(best if out is node.outputs[0] else index)
-    return [b.finish(results)]
+        within = mod_index(where, h * w)
+        plane = b.body.let(where - within, "plane")
+        index = plane + mod_index(within, w) * h + div_index(within, w)
+    return [b.finish([best if out is node.outputs[0] else index for out in group.outputs])]

@@ -19,9 +19,12 @@ from itertools import product
 
 import numpy as np
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel, div_index, flat_index, float_literal, strides_of
+from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.indexing import index_var
+from fblc.codegen.ir import FLOAT, INT, DType, Element, Expr, const, div_index, flat_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.reads import dtype_of
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.resize_taps import AxisTaps, resize_taps
 from fblc.compiler.values import static_shape
@@ -31,21 +34,15 @@ FAMILY = "resample"
 MAX_TABLE = 8192  # output coordinates of one axis the tables may hold
 
 
-def _table(b: KernelBuilder, ctype: str, values: np.ndarray, hint: str) -> str:
-    """A private constant array in the per-work-item prologue; returns its name."""
-    name = b.fresh(hint)
-    if ctype == "float":
-        body = ", ".join(float_literal(float(v)) for v in values)
-    else:
-        body = ", ".join(str(int(v)) for v in values)
-    b.emit_texel(f"const {ctype} {name}[{len(values)}] = {{{body}}};")
-    return name
+def _table(b: KernelBuilder, dtype: DType, values: np.ndarray, kind: str, o: Expr) -> Expr:
+    """Entry `o` of a private constant array declared in the per-work-item prologue."""
+    entries = [float(v) if dtype == FLOAT else int(v) for v in values]
+    return Element(b.prologue.array(kind, dtype, len(entries), entries, constant=True), o)
 
 
-def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[str, str | None]]:
-    """(coordinate, weight) C expressions of the taps of the current output element along the axis
-    (weight None: 1)."""
-    o = f"{OUT_INDEX}{taps.axis}"
+def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[Expr, Expr | None]]:
+    """(coordinate, weight) of the taps of the current output element along the axis (weight None: 1)."""
+    o = index_var(OUT_INDEX, taps.axis)
     factor = taps.repeat_factor()
     if factor is not None:
         return [(div_index(o, factor), None)]
@@ -53,13 +50,12 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
         raise UnsupportedOpError(f"Resize node '{node_name}': axis {taps.axis} has {taps.size_out} outputs, past the "
                                  f"{MAX_TABLE} of the kernel's tap tables",
                                  "resize by an integer factor with nearest, or in smaller steps")
-    first = f"{_table(b, 'int', taps.first, 'rf')}[{o}]"
+    first = _table(b, INT, taps.first, "rf", o)
     if taps.nearest:
         return [(first, None)]
-    reads = [(first, f"{_table(b, 'float', taps.w_first, 'wf')}[{o}]")]
+    reads: list[tuple[Expr, Expr | None]] = [(first, _table(b, FLOAT, taps.w_first, "wf", o))]
     if np.any(taps.w_second):
-        reads.append((f"{_table(b, 'int', taps.second, 'rs')}[{o}]",
-                      f"{_table(b, 'float', taps.w_second, 'ws')}[{o}]"))
+        reads.append((_table(b, INT, taps.second, "rs", o), _table(b, FLOAT, taps.w_second, "ws", o)))
     return reads
 
 
@@ -70,15 +66,15 @@ def emit_resize(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     x = node.inputs[0]
     shape = static_shape(x)
     taps = {t.axis: t for t in resize_taps(node)}
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
-    per_axis = [_axis_reads(b, taps[a], node.name) if a in taps else [(f"{OUT_INDEX}{a}", None)]
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    per_axis = [_axis_reads(b, taps[a], node.name) if a in taps else [(index_var(OUT_INDEX, a), None)]
                 for a in range(len(shape))]
     strides = strides_of(shape)
-    acc = b.fresh("acc")
-    b.emit(f"{ctype_of(node.outputs[0])} {acc} = 0;")
+    acc = b.body.mutable(const(0, dtype_of(node.outputs[0])), "acc")
     for choice in product(*per_axis):
-        value = b.load(x, flat_index([(coordinate, stride) for (coordinate, _), stride in zip(choice, strides)]))
-        weights = [w for _, w in choice if w is not None]
-        b.emit(f"{acc} += {' * '.join(weights + [value])};")
+        value = b.element(x, flat_index([(coordinate, stride) for (coordinate, _), stride in zip(choice, strides)]))
+        term: Expr | None = None
+        for weight in [w for _, w in choice if w is not None] + [value]:
+            term = weight if term is None else term * weight
+        b.body.assign(acc, term, "+=")  # type: ignore[arg-type]
     return [b.finish([acc])]

@@ -18,32 +18,38 @@ literals); no two work-items write the same element, so nothing races.
 
 from __future__ import annotations
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel, flat_index, strides_of
+from typing import Callable
+
+from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.indexing import index_var
+from fblc.codegen.ir import INT, Block, Expr, Var, const, flat_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.reads import dtype_of
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import attr, ints_input, static_shape
 from fblc.errors import UnsupportedOpError
 
 FAMILY = "scan"
+#: ArgMax / ArgMin: when an element replaces the extremum so far (select_last_index: on ties too)
+BETTER: dict[tuple[str, int], Callable[[Expr, Expr], Expr]] = {
+    ("ArgMax", 0): Expr.gt, ("ArgMax", 1): Expr.ge, ("ArgMin", 0): Expr.lt, ("ArgMin", 1): Expr.le}
 
 
-def _single(table: TextureTable, group: KernelGroup) -> KernelBuilder:
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(group.anchor.name)
-    return b
+def _o(axis: int) -> Var:
+    return index_var(OUT_INDEX, axis)
 
 
-def _line(b: KernelBuilder, shape: tuple[int, ...], axis: int, out_axes: list[int | None]) -> str:
-    """A temp: the flat index in `shape` of the current output element's line start along `axis`;
-    out_axes[k] is the output coordinate that input axis k reads (None: the axis itself)."""
+def _line(block: Block, shape: tuple[int, ...], axis: int, out_axes: list[int]) -> Var:
+    """The flat index in `shape` of the current output element's line start along `axis`;
+    out_axes[k] is the output coordinate that input axis k (other than `axis`) reads."""
     strides = strides_of(shape)
-    terms = [(f"{OUT_INDEX}{out_axes[k]}", strides[k]) for k in range(len(shape)) if k != axis]
-    return b.temp("int", flat_index(terms), "line")
+    terms = [(_o(out_axes[k]), strides[k]) for k in range(len(shape)) if k != axis]
+    return block.let(flat_index(terms), "line")
 
 
-def _at(line: str, j: str, stride: int) -> str:
-    return f"{line} + {j}" if stride == 1 else f"{line} + {j} * {stride}"
+def _at(line: Expr, j: Expr, stride: int) -> Expr:
+    return line + j if stride == 1 else line + j * stride
 
 
 @register_kernel("CumSum")
@@ -57,15 +63,16 @@ def emit_cumsum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     axis = axis_input[0] % len(shape)
     n, stride = shape[axis], strides_of(shape)[axis]
     exclusive, reverse = int(attr(node, "exclusive", 0)), int(attr(node, "reverse", 0))
-    b = _single(table, group)
-    line = _line(b, shape, axis, list(range(len(shape))))
-    o, acc, j = f"{OUT_INDEX}{axis}", b.fresh("acc"), b.fresh("j")
-    loops = {(0, 0): f"for (int {j} = 0; {j} <= {o}; ++{j})",
-             (1, 0): f"for (int {j} = 0; {j} < {o}; ++{j})",
-             (0, 1): f"for (int {j} = {n - 1}; {j} >= {o}; --{j})",
-             (1, 1): f"for (int {j} = {n - 1}; {j} > {o}; --{j})"}
-    b.emit(f"{ctype_of(node.outputs[0])} {acc} = 0;",
-           f"{loops[(exclusive, reverse)]} {acc} += {b.load(x, _at(line, j, stride))};")
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    body, o = b.body, _o(axis)
+    line = _line(body, shape, axis, list(range(len(shape))))
+    acc = body.mutable(const(0, dtype_of(node.outputs[0])), "acc")
+    # (exclusive, reverse) -> the scan's first index, whether it stays in, and its step
+    start, within, step = {(0, 0): (0, lambda j: j.le(o), "+="), (1, 0): (0, lambda j: j.lt(o), "+="),
+                           (0, 1): (n - 1, lambda j: j.ge(o), "-="),
+                           (1, 1): (n - 1, lambda j: j.gt(o), "-=")}[(exclusive, reverse)]
+    with body.loop("j", start, None, condition=within, step_op=step) as (j, scan):
+        scan.assign(acc, b.element(x, _at(line, j, stride)), "+=")
     return [b.finish([acc])]
 
 
@@ -75,12 +82,12 @@ def emit_trilu(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     x = node.inputs[0]
     rank = len(static_shape(x))
     k = (ints_input(node, 1, "k") or [0])[0] if len(node.inputs) > 1 else 0
-    b = _single(table, group)
-    column_minus_row = f"({OUT_INDEX}{rank - 1} - {OUT_INDEX}{rank - 2})"
-    keep = f"{column_minus_row} >= {k}" if int(attr(node, "upper", 1)) else f"{column_minus_row} <= {k}"
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    column_minus_row = _o(rank - 1) - _o(rank - 2)
+    keep = column_minus_row.ge(k) if int(attr(node, "upper", 1)) else column_minus_row.le(k)
     strides = strides_of(static_shape(x))
-    value = b.load(x, flat_index([(f"{OUT_INDEX}{a}", strides[a]) for a in range(rank)]))
-    return [b.finish([f"(({keep}) ? {value} : 0)"])]
+    value = b.element(x, flat_index([(_o(a), strides[a]) for a in range(rank)]))
+    return [b.finish([select(keep, value, const(0, value.dtype))])]
 
 
 @register_kernel("OneHot")
@@ -90,13 +97,14 @@ def emit_one_hot(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis", -1)) % len(out_shape)
     depth = out_shape[axis]
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, FAMILY)
     index_shape = static_shape(indices)
     strides = strides_of(index_shape)
-    terms = [(f"{OUT_INDEX}{a if a < axis else a + 1}", strides[a]) for a in range(len(index_shape))]
-    raw = b.temp("int", f"(int)({b.load(indices, flat_index(terms))})", "idx")
-    wrapped = b.temp("int", f"{raw} < 0 ? {raw} + {depth} : {raw}", "idx")
-    return [b.finish([f"({wrapped} == {OUT_INDEX}{axis} ? {b.load(values, '1')} : {b.load(values, '0')})"])]
+    terms = [(_o(a if a < axis else a + 1), strides[a]) for a in range(len(index_shape))]
+    raw = b.body.let(b.element(indices, flat_index(terms)).cast(INT), "idx")
+    wrapped = b.body.let(select(raw.lt(0), raw + depth, raw), "idx")
+    on, off = b.element(values, const(1)), b.element(values, const(0))
+    return [b.finish([select(wrapped.eq(_o(axis)), on, off)])]
 
 
 @register_kernel("ArgMax", "ArgMin")
@@ -107,19 +115,18 @@ def emit_arg_extremum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     axis = int(attr(node, "axis", 0)) % len(shape)
     keepdims = int(attr(node, "keepdims", 1))
     n, stride = shape[axis], strides_of(shape)[axis]
-    better = ">" if node.op_type == "ArgMax" else "<"
-    if int(attr(node, "select_last_index", 0)):
-        better += "="
-    b = _single(table, group)
+    better = BETTER[(node.op_type, 1 if int(attr(node, "select_last_index", 0)) else 0)]
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    body = b.body
     out_axes = [k if keepdims else (k if k < axis else k - 1) for k in range(len(shape))]
-    line = _line(b, shape, axis, out_axes)
-    best, at, j, v = b.fresh("best"), b.fresh("at"), b.fresh("j"), b.fresh("v")
-    b.emit(f"{ctype_of(x)} {best} = {b.load(x, line)};",
-           f"int {at} = 0;",
-           f"for (int {j} = 1; {j} < {n}; ++{j}) {{",
-           f"  const {ctype_of(x)} {v} = {b.load(x, _at(line, j, stride))};",
-           f"  if ({v} {better} {best}) {{ {best} = {v}; {at} = {j}; }}",
-           "}")
+    line = _line(body, shape, axis, out_axes)
+    best = body.mutable(b.element(x, line), "best")
+    at = body.mutable(const(0), "at")
+    with body.loop("j", 1, n) as (j, walk):
+        v = walk.let(b.element(x, _at(line, j, stride)), "v")
+        with walk.when(better(v, best)) as found:
+            found.assign(best, v)
+            found.assign(at, j)
     return [b.finish([at])]
 
 
@@ -131,27 +138,24 @@ def emit_topk(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     shape = static_shape(x)
     axis = int(attr(node, "axis", -1)) % len(shape)
     n, stride = shape[axis], strides_of(shape)[axis]
-    b = _single(table, group)
-    line = _line(b, shape, axis, list(range(len(shape))))
-    value, at, step, i, w, taken, last, last_at = (b.fresh(h) for h in (
-        "value", "at", "step", "i", "w", "taken", "last", "lastat"))
-    ctype = ctype_of(x)
-    ahead = ">" if int(attr(node, "largest", 1)) else "<"
-    before_pick = f"({w} {ahead} {value} || ({w} == {value} && {i} < {at}))"  # w, i precede the pick so far
-    behind = "<" if ahead == ">" else ">"
-    after_last = f"({w} {behind} {last} || ({w} == {last} && {i} > {last_at}))"  # w, i follow the last pick
-    b.emit(f"{ctype} {value} = 0;",
-           f"int {at} = -1;",
-           f"for (int {step} = 0; {step} <= {OUT_INDEX}{axis}; ++{step}) {{",
-           f"  const {ctype} {last} = {value};",
-           f"  const int {last_at} = {at};",
-           f"  bool {taken} = false;",
-           f"  for (int {i} = 0; {i} < {n}; ++{i}) {{",
-           f"    const {ctype} {w} = {b.load(x, _at(line, i, stride))};",
-           f"    if (({step} == 0 || {after_last}) && (!{taken} || {before_pick})) {{",
-           f"      {value} = {w}; {at} = {i}; {taken} = true;",
-           "    }",
-           "  }",
-           "}")
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    body = b.body
+    line = _line(body, shape, axis, list(range(len(shape))))
+    largest = int(attr(node, "largest", 1))
+    ahead, behind = (Expr.gt, Expr.lt) if largest else (Expr.lt, Expr.gt)
+    value = body.mutable(const(0, dtype_of(x)), "value")
+    at = body.mutable(const(-1), "at")
+    with body.loop("step", 0, None, condition=lambda step: step.le(_o(axis))) as (step, ranks):
+        last = ranks.let(value, "last")
+        last_at = ranks.let(at, "lastat")
+        taken = ranks.mutable(const(0), "taken")
+        with ranks.loop("i", 0, n) as (i, walk):
+            w = walk.let(b.element(x, _at(line, i, stride)), "w")
+            before_pick = ahead(w, value).logical_or(w.eq(value).logical_and(i.lt(at)))  # w, i precede the pick
+            after_last = behind(w, last).logical_or(w.eq(last).logical_and(i.gt(last_at)))  # w, i follow the last
+            with walk.when(step.eq(0).logical_or(after_last).logical_and((~taken).logical_or(before_pick))) as pick:
+                pick.assign(value, w)
+                pick.assign(at, i)
+                pick.assign(taken, const(1))
     results = {id(node.outputs[0]): value, id(node.outputs[1]): at}
     return [b.finish([results[id(out)] for out in b.outputs])]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 import onnx_ir as ir
 
 from fblc.codegen.builder import TEXEL_INDEX, lane_axis
+from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.contraction import _root_digits, row_axis
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, _conv_reduction,
@@ -34,7 +35,7 @@ from fblc.codegen.kernels.conv_tiles import (batch_count, batch_stride, channel_
                                              texels_per_item)
 from fblc.codegen.kernels.conv_transpose import TransposePlan, _row_stride_fits, _transpose_shape, _TransposeShape
 from fblc.codegen.kernels.conv_transpose import _pointwise as _transpose_pointwise
-from fblc.codegen.kernels.texel import Code, Reduction
+from fblc.codegen.kernels.texel import Reduction
 from fblc.codegen.kernels.normalize import _has_statistics, _item_texels, _layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
 from fblc.codegen.reads import ValueReads
@@ -198,7 +199,7 @@ def _sums_instead_of_batches(b: ValueReads, cs: _ConvShape, prefix: str, tile: _
     register tile) in texels: the sums must be chosen for the tile alone and cost fewer instructions per
     product than the batched tile's texels."""
     def trial(candidate: _Tile) -> Reduction:
-        return _conv_reduction(b, Code([]), cs, prefix, candidate, masked)
+        return _conv_reduction(b, Block(b.numbering), cs, prefix, candidate, masked)
 
     single = trial(tile)
     if single.accumulator_form(b, tile.lanes) != "sums":

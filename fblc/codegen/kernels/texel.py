@@ -35,8 +35,9 @@ from typing import NamedTuple
 import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
-from fblc.codegen.cl import flat_index
-from fblc.codegen.ir import Statement
+from fblc.codegen.ir import (
+    FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
+    select)
 from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form, pair_stride
 from fblc.codegen.schedule import resolve_form, resolve_pair
 from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
@@ -46,15 +47,15 @@ __all__ = ["COMPONENTS", "LANES"]  # the texel's shape, which the kernel modules
 
 @dataclass(frozen=True)
 class Term:
-    """`expr * coeff` in a runtime index, `expr` being a C int expression that is a multiple of `multiple`."""
+    """`expr * coeff` in a runtime index, `expr` being an int expression that is a multiple of `multiple`."""
 
-    expr: str
+    expr: Expr
     coeff: int
     multiple: int = 1
 
 
-def c_sum(terms: Sequence[Term]) -> str:
-    return flat_index([(t.expr, t.coeff) for t in terms])
+def index_sum(terms: Sequence[Term], offset: int = 0) -> Expr:
+    return flat_index([(t.expr, t.coeff) for t in terms], offset)
 
 
 def aligned(terms: Sequence[Term]) -> bool:
@@ -99,29 +100,41 @@ class Mask:
 
 @dataclass
 class Loop:
-    """Lines around the blocks (a runtime loop, a guard: each line ending in '{' opens a C block)
-    and the terms they add to the X and W indices. `trips`: the most iterations it runs; `walk`:
-    (var, start, stop) of a plain counted loop, which a work-group can share (Reduction.emit)."""
+    """A runtime loop around the blocks, `for var in [start, stop) by step` (no var: none), and what its
+    iterations `enter` before the blocks (a guard; it returns the block the blocks go into); the terms it
+    adds to the X and W indices. `trips`: the most iterations it runs; `walks`: a plain counted loop,
+    which a work-group can share (Reduction.emit)."""
 
-    lines: list[str]
     x_terms: list[Term]
     w_terms: list[Term]
     trips: int = 1
-    walk: tuple[str, str, str] | None = None
+    var: Var | None = None
+    start: Expr = const(0)
+    stop: Expr | None = None
+    step: int = 1
+    enter: Callable[[Block], Block] | None = None
+    walks: bool = False
 
     @staticmethod
-    def over(var: str, start: str, stop: str, x_step: int, w_step: int, trips: int) -> Loop:
+    def over(var: Var, start: IROperand, stop: IROperand, x_step: int, w_step: int, trips: int) -> Loop:
         """`for var in [start, stop)`, at most `trips` iterations (stop may be a runtime bound)."""
-        return Loop([f"for (int {var} = {start}; {var} < {stop}; ++{var}) {{"],
-                    [Term(var, x_step)] if x_step else [], [Term(var, w_step)] if w_step else [],
-                    trips, (var, start, stop))
+        start, stop = (const(bound) if isinstance(bound, int) else bound for bound in (start, stop))
+        return Loop([Term(var, x_step)] if x_step else [], [Term(var, w_step)] if w_step else [], trips, var,
+                    start, stop, walks=True)
 
-    def shared(self, group: int) -> list[str]:
-        """The loop's lines with its iterations dealt round-robin to the `group` work-items (`lid`)."""
-        assert self.walk is not None, "only a counted loop is shared"
-        var, start, stop = self.walk
-        first = "lid" if start == "0" else f"{start} + lid"
-        return [f"for (int {var} = {first}; {var} < {stop}; {var} += {group}) {{"]
+    def open(self, block: Block, group: int | None = None, lid: Var | None = None) -> Block:
+        """Build the loop into `block`; the block its body goes into. With `group`, its iterations are dealt
+        round-robin to the `group` work-items of the group (`lid`)."""
+        if self.var is not None:
+            start, step = self.start, self.step
+            if group is not None:
+                assert self.walks and lid is not None, "only a counted loop is shared"
+                start = lid if start == const(0) else start + lid
+                step = group
+            body: list = []
+            block.add(For(self.var, start, self.stop, body, step))
+            block = Block(block.numbering, body)
+        return self.enter(block) if self.enter is not None else block
 
 
 @dataclass
@@ -141,31 +154,6 @@ class Blocked:
     products: Callable[[range], Sequence[Product]]
 
 
-class Code:
-    """Lines appended to a kernel body (per-texel prologue or lane loop) with C block nesting."""
-
-    def __init__(self, lines: list[str], depth: int = 0) -> None:
-        self.lines = lines
-        self.depth = depth
-
-    def emit(self, *lines: str | Statement) -> None:
-        self.lines.extend("  " * self.depth + line if isinstance(line, str) else line for line in lines)
-
-    def open(self, header: str) -> None:
-        self.emit(header + " {")
-        self.depth += 1
-
-    def close(self) -> None:
-        self.depth -= 1
-        self.emit("}")
-
-
-def _window(arg: str, a: str, b: str, index: str, shift: str) -> str:
-    """Elements shift..shift+3 of the 8 in texels a, b (texels `index` and `index` + 1 of `arg`; shift in
-    0..3, known only at runtime): a shuffle of the two in images, one unaligned load in buffers."""
-    return f"WINDOW({arg}, {a}, {b}, {index}, {shift})"
-
-
 def _clusters(offsets: list[int]) -> list[list[int]]:
     """Sorted offsets split where a gap would leave a whole texel unread."""
     groups: list[list[int]] = []
@@ -177,87 +165,80 @@ def _clusters(offsets: list[int]) -> list[list[int]]:
     return groups
 
 
-def fetch(b: KernelBuilder, code: Code, operand: Operand, offsets: Iterable[int],
-          inside: Iterable[int] = ()) -> dict[int, str]:
-    """Read each offset of `operand` once; C expressions of the values by offset. Offsets in `inside`
-    (read by unmasked products) lie in the tensor wherever the kernel runs: a texel that holds one is
-    read unclamped even where the operand's masked reads are clamped."""
+def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[int],
+          inside: Iterable[int] = ()) -> dict[int, Expr]:
+    """Read each offset of `operand` once; its values by offset. Offsets in `inside` (read by unmasked
+    products) lie in the tensor wherever the kernel runs: a texel that holds one is read unclamped even
+    where the operand's masked reads are clamped."""
     wanted = sorted({offset + operand.offset for offset in offsets})
     inside_offsets = {offset + operand.offset for offset in inside}
     inside_texels = {offset >> 2 for offset in inside_offsets}
-    inlined = b.constant_scalar(operand.value)
+    inlined = b.constant_value(operand.value)
     if inlined is not None:
         return {offset - operand.offset: inlined for offset in wanted}
-    arg, texture = b.argument(operand.value)
+    argument, texture = b.input_argument(operand.value)
     last = texture.texels - 1
 
-    def texel(index: str, spare: bool = False, within: bool = False) -> str:
+    def texel(index: Expr, spare: bool = False, within: bool = False) -> Var:
         """A texel read; `spare`: the read may pass the tensor's end (a cluster's last texel at shift 0);
         `within`: it never leaves the tensor."""
-        if within:
-            return b.read_texel(arg, texture, index)
-        if operand.clamp:
-            index = f"clamp({index}, 0, {last})"
-        elif spare:
-            index = f"min({index}, {last})"
-        return b.read_texel(arg, texture, index)
+        if not within and (operand.clamp or spare):
+            index = call("clamp", index, 0, last) if operand.clamp else call("min", index, last)
+        return block.let(b.texel(argument, texture, index), "T")
 
-    base = c_sum(operand.terms)
-    values: dict[int, str] = {}
+    base = index_sum(operand.terms)
+    values: dict[int, Expr] = {}
     if aligned(operand.terms):  # texel and lane of every offset are literals
-        q = b.fresh("q")
-        code.emit(f"const int {q} = ({base}) >> 2;")
-        names: dict[int, str] = {}
+        q = block.let(base >> 2, "q")
+        texels: dict[int, Var] = {}
         for offset in wanted:
             k = offset >> 2  # floor, also for negative offsets
-            if k not in names:
-                names[k] = b.fresh("T")
-                code.emit(f"const float4 {names[k]} = {texel(_plus(q, k), within=k in inside_texels)};")
-            values[offset] = f"{names[k]}.{COMPONENTS[offset & 3]}"
+            if k not in texels:
+                texels[k] = texel(_plus(q, k), within=k in inside_texels)
+            values[offset] = texels[k].lane(offset & 3)
         return {offset - operand.offset: value for offset, value in values.items()}
     for cluster in _clusters(wanted):
         low, span = cluster[0], cluster[-1] - cluster[0] + 1
         count = ((span + 2) >> 2) + 1  # texels that cover `span` elements at any shift
         if count >= len(cluster):  # sparse: element reads are no more
             for offset in cluster:
-                index = _plus(base, offset) if base != "0" else str(offset)
+                index = _plus(base, offset)
                 if operand.clamp:
-                    index = f"clamp({index}, 0, {texture.numel - 1})"
-                values[offset] = b.fresh("E")  # named: several lanes share it
-                code.emit(f"const float {values[offset]} = {b.load(operand.value, index)};")
+                    index = call("clamp", index, 0, texture.numel - 1)
+                values[offset] = block.let(b.element(operand.value, index), "E")  # named: several lanes share it
             continue
-        start, q, shift = b.fresh("e"), b.fresh("q"), b.fresh("s")
-        code.emit(f"const int {start} = {_plus(base, low)};",
-                  f"const int {q} = {start} >> 2, {shift} = {start} & 3;")
-        texels = [b.fresh("T") for _ in range(count)]
+        start = block.let(_plus(base, low), "e")
+        q, shift = block.let(start >> 2, "q"), block.let(start & 3, "s")
         # at any shift, texel k holds element low + 4k: where that one lies inside, so does the texel
         within = [low + 4 * k in inside_offsets for k in range(count)]
-        code.emit(*(f"const float4 {name} = {texel(_plus(q, k), k == count - 1, within[k])};"
-                    for k, name in enumerate(texels)))
-        windows: dict[int, str] = {}
+        texels_read = [texel(_plus(q, k), k == count - 1, within[k]) for k in range(count)]
+        windows: dict[int, Var] = {}
         for offset in cluster:
             m, lane = (offset - low) >> 2, (offset - low) & 3
             if m + 1 < count:
                 if m not in windows:
-                    windows[m] = b.fresh("W")
-                    # texels read clamped may not be neighbours in memory: shuffle those
-                    window = (f"window4({texels[m]}, {texels[m + 1]}, {shift})"
+                    # texels read clamped may not be neighbours in memory: shuffle those; else WINDOW: a
+                    # shuffle of the two in images, one unaligned load in buffers
+                    pair = texels_read[m], texels_read[m + 1]
+                    window = (call("window4", *pair, shift, dtype=FLOAT4)
                               if operand.clamp and not (within[m] and within[m + 1])
-                              else _window(arg, texels[m], texels[m + 1], _plus(q, m), shift))
-                    code.emit(f"const float4 {windows[m]} = {window};")
-                values[offset] = f"{windows[m]}.{COMPONENTS[lane]}"
+                              else call("WINDOW", ArgumentRef(argument), *pair, _plus(q, m), shift, dtype=FLOAT4))
+                    windows[m] = block.let(window, "W")
+                values[offset] = windows[m].lane(lane)
             else:  # the last texel alone holds it: shift + lane < 4
-                values[offset] = f"lane_f({texels[m]}, {shift} + {lane})"
+                values[offset] = texels_read[m].lane(_plus(shift, lane))
     return {offset - operand.offset: value for offset, value in values.items()}
 
 
-def _plus(expression: str, offset: int) -> str:
+def _plus(expression: Expr, offset: int) -> Expr:
     if offset == 0:
         return expression
-    return f"{expression} {'+' if offset > 0 else '-'} {abs(offset)}"
+    if expression == const(0):
+        return const(offset)
+    return expression + offset if offset > 0 else expression - (-offset)
 
 
-def _shifted(terms: list[Term], var: str, step: int, multiple: int) -> list[Term]:
+def _shifted(terms: list[Term], var: Var, step: int, multiple: int) -> list[Term]:
     return terms + [Term(var, step, multiple)] if step else terms
 
 
@@ -287,16 +268,16 @@ class Reduction:
     def shared_loop(self) -> tuple[int | None, int]:
         """(index into loops, or None for the blocked axis's loop; its trips): the loop with the most
         iterations that a work-group can deal out (Reduction.emit's `group`)."""
-        candidates = [(loop.trips, index) for index, loop in enumerate(self.loops) if loop.walk is not None]
+        candidates = [(loop.trips, index) for index, loop in enumerate(self.loops) if loop.walks]
         trips, index = max(candidates, default=(0, None))
         blocks = self._looped // self.blocked.block
         return (None, blocks) if blocks >= trips else (index, trips)
 
-    def emit(self, b: KernelBuilder, code: Code, acc: str, lanes: int, guard: str | None = None,
-             group: int | None = None) -> None:
-        """Declare `float acc[lanes]` and accumulate into it (only where `guard` holds, if given).
-        With `group`, the work-items of a work-group (`lid`) share `shared_loop()`, each its
-        every group-th iteration, and hold partial sums."""
+    def emit(self, b: KernelBuilder, block: Block, lanes: int, guard: Expr | None = None,
+             group: int | None = None) -> Var:
+        """Accumulate into `lanes` accumulators (only where `guard` holds, if given); the array `float
+        acc[lanes]` of their totals. With `group`, the work-items of a work-group (`lid`) share
+        `shared_loop()`, each its every group-th iteration, and hold partial sums."""
         if lanes > PRIVATE_FLOATS:
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
@@ -308,47 +289,41 @@ class Reduction:
         else:
             form = self.accumulator_form(b, lanes)
             pair = pair_stride(self._sample, form, lanes, profile.simd_floats)
-        target = Accumulators(b.fresh("accv") if form != "lanes" else acc, form, pair)
-        code.emit(target.declare(lanes))
-        depth = code.depth
-        code.open(f"if ({guard})" if guard else "")  # the loops' and blocks' names stay local
+        target = Accumulators.declared(block, "accv" if form != "lanes" else "acc", form, pair, lanes)
+        inner = block
+        if guard is not None:
+            body: list = []
+            block.add(If(guard, body))
+            inner = Block(block.numbering, body)
         shared = self.shared_loop()[0] if group else -1  # -1: no loop is dealt out
         blocks_dealt = group is not None and shared is None
         x_terms, w_terms = list(self.x.terms), list(self.w.terms)
         for index, loop in enumerate(self.loops):
-            for line in loop.shared(group) + loop.lines[1:] if group and index == shared else loop.lines:
-                if line.endswith("{"):
-                    code.open(line[:-1].rstrip())
-                else:
-                    code.emit(line)
+            inner = loop.open(inner, group, b.lid) if group and index == shared else loop.open(inner)
             x_terms += loop.x_terms
             w_terms += loop.w_terms
         axis, main = self.blocked, self._looped
         if main:
-            var = b.fresh("blk")
-            if blocks_dealt:
-                code.open(f"for (int {var} = lid * {axis.block}; {var} < {main}; {var} += {group * axis.block})")
-            else:
-                code.open(f"for (int {var} = 0; {var} < {main}; {var} += {axis.block})")
-            mask = None
-            if self.mask is not None:
-                mask = Mask(_shifted(self.mask.terms, var, axis.position_step, axis.block), self.mask.low,
-                            self.mask.high + (main - axis.block) * axis.position_step, self.mask.extent)
-            self._block(b, code, target, axis.products(range(axis.block)),
-                        self.x.moved(_shifted(x_terms, var, axis.x_step, axis.block)),
-                        self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
-            code.close()
+            start, step = (b.lid * axis.block, group * axis.block) if blocks_dealt else (const(0), axis.block)
+            with inner.loop("blk", start, main, step=step) as (var, body_block):
+                mask = None
+                if self.mask is not None:
+                    mask = Mask(_shifted(self.mask.terms, var, axis.position_step, axis.block), self.mask.low,
+                                self.mask.high + (main - axis.block) * axis.position_step, self.mask.extent)
+                self._block(b, body_block, target, axis.products(range(axis.block)),
+                            self.x.moved(_shifted(x_terms, var, axis.x_step, axis.block)),
+                            self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
         if main < axis.extent:
             rest = axis.products(range(main, axis.extent))
-            # a block scope of its own (names do not clash with the loop's); one work-item's share when dealt out
-            code.open(f"if (lid == {group - 1})" if blocks_dealt else "")
-            self._block(b, code, target, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask, self.row_mask)
-            code.close()
-        while code.depth > depth:
-            code.close()
-        totals = target.totals(acc, lanes)
-        if totals:
-            code.emit(totals)
+            # one work-item's share when dealt out
+            if blocks_dealt:
+                with inner.when(b.lid.eq(group - 1)) as last:  # type: ignore[operator]
+                    self._block(b, last, target, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask,
+                                self.row_mask)
+            else:
+                self._block(b, inner, target, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask,
+                            self.row_mask)
+        return target.totals(block, lanes)
 
     def accumulator_form(self, b: KernelBuilder, lanes: int) -> str:
         """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
@@ -365,16 +340,15 @@ class Reduction:
         return [(p.lane, p.x, p.w) for p in self.blocked.products(range(min(self.blocked.block, self.blocked.extent)))]
 
     @staticmethod
-    def _block(b: KernelBuilder, code: Code, acc: Accumulators, products: Sequence[Product], x: Operand, w: Operand,
-               mask: Mask | None, row_mask: Mask | None = None) -> None:
+    def _block(b: KernelBuilder, block: Block, acc: Accumulators, products: Sequence[Product], x: Operand,
+               w: Operand, mask: Mask | None, row_mask: Mask | None = None) -> None:
         """One static block: drop products that are always out of range, mask the ones that may be."""
         if mask is None and row_mask is None:  # every product counts (contractions): the common case, kept lean
-            xs, ws = fetch(b, code, x, (p.x for p in products)), fetch(b, code, w, (p.w for p in products))
-            code.emit(*acc.add([(p.lane, xs[p.x], ws[p.w]) for p in products], [(p.x, p.w) for p in products]))
+            xs, ws = fetch(b, block, x, (p.x for p in products)), fetch(b, block, w, (p.w for p in products))
+            block.add(*acc.add([(p.lane, xs[p.x], ws[p.w]) for p in products], [(p.x, p.w) for p in products]))
             return
         axes = [(axis, m) for axis, m in enumerate((mask, row_mask)) if m is not None]
-        positions = {axis: b.fresh("P") for axis, _ in axes[:1]}  # the row mask's is named where needed
-        conditions: dict[tuple[int, int], str] = {}  # (axis, offset) -> C condition
+        conditions: dict[tuple[int, int], tuple[int, bool, bool, int]] = {}  # (axis, offset) -> what to test
         kept: list[tuple[Product, tuple[tuple[int, int], ...]]] = []
         for product in products:
             keys: list[tuple[int, int]] = []
@@ -384,34 +358,31 @@ class Reduction:
                 if high < 0 or low >= m.extent:
                     break
                 if low < 0 or high >= m.extent:
-                    if (axis, offset) not in conditions:
-                        if axis not in positions:
-                            positions[axis] = b.fresh("P")
-                        conditions[axis, offset] = _condition(_plus(positions[axis], offset), low < 0,
-                                                              high >= m.extent, m.extent)
+                    conditions.setdefault((axis, offset), (offset, low < 0, high >= m.extent, m.extent))
                     keys.append((axis, offset))
             else:
                 kept.append((product, tuple(keys)))
         if not kept:
             return
-        for axis, position in positions.items():
-            if any(key[0] == axis for key in conditions):
-                code.emit(f"const int {position} = {c_sum((mask, row_mask)[axis].terms)};")  # type: ignore[union-attr]
-        named: dict[tuple[tuple[int, int], ...], str] = {}
-        for key, condition in conditions.items():
-            named[(key,)] = b.fresh("m")
-            code.emit(f"const bool {named[(key,)]} = {condition};")
+        positions = {axis: block.let(index_sum((mask, row_mask)[axis].terms), "P")  # type: ignore[union-attr]
+                     for axis, _ in axes if any(key[0] == axis for key in conditions)}
+        named: dict[tuple[tuple[int, int], ...], Expr] = {}
+        for key, (offset, low, high, extent) in conditions.items():
+            named[(key,)] = block.let(_condition(_plus(positions[key[0]], offset), low, high, extent), "m")
         for _, keys in kept:
             if len(keys) > 1 and keys not in named:
-                named[keys] = b.fresh("m")
-                code.emit(f"const bool {named[keys]} = {' && '.join(named[(key,)] for key in keys)};")
-        xs = fetch(b, code, x, (p.x for p, _ in kept), inside=(p.x for p, keys in kept if not keys))
-        ws = fetch(b, code, w, (p.w for p, _ in kept))
-        code.emit(*acc.add([(product.lane, f"({named[keys]} ? {xs[product.x]} : 0.0f)" if keys else xs[product.x],
-                             ws[product.w]) for product, keys in kept], [(p.x, p.w) for p, _ in kept]))
+                both = named[(keys[0],)]
+                for key in keys[1:]:
+                    both = both.logical_and(named[(key,)])
+                named[keys] = block.let(both, "m")
+        xs = fetch(b, block, x, (p.x for p, _ in kept), inside=(p.x for p, keys in kept if not keys))
+        ws = fetch(b, block, w, (p.w for p, _ in kept))
+        block.add(*acc.add([(product.lane, select(named[keys], xs[product.x], const(0.0, FLOAT)) if keys
+                             else xs[product.x], ws[product.w]) for product, keys in kept],
+                           [(p.x, p.w) for p, _ in kept]))
 
 
-def _condition(position: str, low: bool, high: bool, extent: int) -> str:
+def _condition(position: Expr, low: bool, high: bool, extent: int) -> Expr:
     if low and high:
-        return f"(uint)({position}) < {extent}u"
-    return f"{position} >= 0" if low else f"{position} < {extent}"
+        return position.cast(UINT).lt(const(extent, UINT))
+    return position.ge(0) if low else position.lt(extent)

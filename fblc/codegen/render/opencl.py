@@ -91,7 +91,8 @@ class Renderer:
     def _Lane(self, e: ir.Lane) -> str:
         vector = self.expr(e.vector)
         if isinstance(e.index, ir.Const):
-            return f"{vector}.{COMPONENTS[int(e.index.value)]}"
+            lane = int(e.index.value)
+            return f"{vector}.{COMPONENTS[lane]}" if e.vector.dtype.lanes <= 4 else f"{vector}.s{lane:x}"
         return f"{LANE_FUNCTIONS[e.vector.dtype.scalar]}({vector}, {self.expr(e.index)})"
 
     def _Element(self, e: ir.Element) -> str:
@@ -102,6 +103,14 @@ class Renderer:
 
     def _Text(self, e: ir.Text) -> str:
         return e.text
+
+    def _Swizzle(self, e: ir.Swizzle) -> str:
+        if e.vector.dtype.lanes == 8:  # a float8's half
+            return f"{self.expr(e.vector)}.{('lo', 'hi')[e.first // e.count]}"
+        return f"{self.expr(e.vector)}.{COMPONENTS[e.first:e.first + e.count]}"
+
+    def _ArgumentRef(self, e: ir.ArgumentRef) -> str:
+        return e.argument.name
 
     def condition(self, e: ir.Expr) -> str:
         """A condition inside `if (..)` / `while (..)`: without the parentheses of its comparison, which
@@ -125,7 +134,7 @@ class Renderer:
         if isinstance(s, ir.DeclareArray):
             length = self.expr(s.length) if isinstance(s.length, ir.Expr) else str(s.length)
             init = f" = {{{', '.join(self.expr(v) for v in s.init)}}}" if s.init else ""
-            space = "__local " if s.local else ""
+            space = ("__local " if s.local else "") + ("const " if s.constant else "")
             return [f"{pad}{space}{s.var.dtype.c_name} {name_of(s.var)}[{length}]{init};"]
         if isinstance(s, ir.Assign):
             return [f"{pad}{self.expr(s.target)} {s.op} {self.expr(s.value)};"]
