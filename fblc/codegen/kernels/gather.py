@@ -77,8 +77,7 @@ def emit_gather(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     index_shape = static_shape(indices)
     axis = _axis(node, len(data_shape))
     q = len(index_shape)
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
+    b = KernelBuilder.for_group(table, group, FAMILY)
     index_terms = [(_out(axis + k), stride) for k, stride in enumerate(strides_of(index_shape))]
     row = _wrapped(b, b.element(indices, flat_index(index_terms)), data_shape[axis])
     strides = strides_of(data_shape)
@@ -96,8 +95,7 @@ def emit_gather_elements(table: TextureTable, group: KernelGroup) -> list[Kernel
     data_shape = static_shape(data)
     index_shape = static_shape(indices)
     axis = _axis(node, len(data_shape))
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
+    b = KernelBuilder.for_group(table, group, FAMILY)
     along = _wrapped(b, b.element(indices, own_index(index_shape)), data_shape[axis])
     strides = strides_of(data_shape)
     terms = [(along if k == axis else _out(k), strides[k]) for k in range(len(data_shape))]
@@ -115,8 +113,7 @@ def emit_gather_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     data_shape, index_shape = static_shape(data), static_shape(indices)
     batch, k = int(attr(node, "batch_dims", 0)), index_shape[-1]
     lead = len(index_shape) - 1  # output axes that index the tuples
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
+    b = KernelBuilder.for_group(table, group, FAMILY)
     index_strides, strides = strides_of(index_shape), strides_of(data_shape)
     tuple_start = flat_index([(_out(j), index_strides[j]) for j in range(lead)])
     terms: list[tuple[Expr, int]] = [(_out(j), strides[j]) for j in range(batch)]
@@ -169,8 +166,7 @@ def emit_scatter_nd(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     slice_size = numel(data_shape[depth:])
     strides = strides_of(data_shape)
     combine = combiner(node)
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
+    b = KernelBuilder.for_group(table, group, FAMILY)
     if (count and dtype_of(node.outputs[0]).is_float and slice_size % 4 == 0 and whole_texels(b, data)
             and whole_texels(b, updates)):
         return [_scatter_nd_slices(b, node, combine)]
@@ -278,8 +274,7 @@ def emit_scatter_elements(table: TextureTable, group: KernelGroup) -> list[Kerne
     rank = len(data_shape)
     axis = _axis(node, rank)
     combine = combiner(node)
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
+    b = KernelBuilder.for_group(table, group, FAMILY)
     if _row_scatter(b, node):
         return [_scatter_elements_rows(b, node, combine)]
     acc = start_accumulator(b, node)

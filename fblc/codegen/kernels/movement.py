@@ -27,19 +27,13 @@ from fblc.compiler.index_map import IndexMap
 from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
 
 
-def _single(table: TextureTable, group: KernelGroup, family: str = "movement") -> KernelBuilder:
-    b = KernelBuilder(table, group.name, family, group.outputs)
-    b.nodes.append(group.anchor.name)
-    return b
-
-
 @register_kernel("Transpose")
 def emit_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     in_shape = static_shape(node.inputs[0])
     perm = attr(node, "perm") or list(reversed(range(len(in_shape))))
     strides = strides_of(in_shape)
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     index = flat_index([(index_var(OUT_INDEX, k), strides[axis]) for k, axis in enumerate(perm)])
     return [b.finish([b.element(node.inputs[0], index)])]
 
@@ -47,14 +41,14 @@ def emit_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 @register_kernel("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 def emit_reshape_copy(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """A reshape that is not an index map: a copy (row-major order is unchanged)."""
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     return [b.finish([b.element(group.anchor.inputs[0], b.flat)])]
 
 
 @register_kernel("Expand")
 def emit_expand(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     index = broadcast_view_index(IndexMap.identity(static_shape(node.inputs[0])), b.out_shape, OUT_INDEX)
     return [b.finish([b.element(node.inputs[0], index)])]
 
@@ -97,7 +91,7 @@ def emit_split(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 def emit_pad(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
         return emit_elementwise(table, group)
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     return [b.finish([pad_value(b, group.anchor)])]
 
 
@@ -132,7 +126,7 @@ def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
 def emit_concat(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
         return emit_elementwise(table, group)
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     return [b.finish([concat_value(b, group.anchor)])]
 
 
@@ -160,7 +154,7 @@ def emit_constant_of_shape(table: TextureTable, group: KernelGroup) -> list[Kern
     fill = attr(node, "value")
     number = np.asarray(fill.numpy()).reshape(-1)[0].item() if fill is not None else 0
     dtype = dtype_of(node.outputs[0])
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     return [b.finish([Const(float(number) if dtype.is_float else int(number), dtype)])]
 
 

@@ -40,8 +40,7 @@ def emit_merge_runs(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     positions = node.inputs[1] if len(node.inputs) > 1 else None
     count = static_shape(keys)[1]
     run, depth = int(attr(node, "run")), int(attr(node, "depth"))
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
+    b = KernelBuilder.for_group(table, group, FAMILY)
     body = b.body
     line = body.let(index_var(OUT_INDEX, 0) * count, "line", INT)
 
@@ -93,8 +92,7 @@ def emit_scatter_sorted_rows(table: TextureTable, group: KernelGroup) -> list[Ke
     groups, count = static_shape(keys)
     dtype = dtype_of(node.outputs[0])
     combine = combiner(node)
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
+    b = KernelBuilder.for_group(table, group, FAMILY)
 
     def sorted_updates(block: Block, outer: Expr, target: Expr, fold: FoldRow) -> None:
         """The binary search for target's first update, then a loop over its run of equal row numbers."""
