@@ -216,10 +216,6 @@ class KernelBuilder(ValueReads):
         return self.t * 4 if self.texels_per_item == 1 else self._first_texel() * 4
 
     @property
-    def item_first(self) -> str:
-        return render_expr(self.first_element)
-
-    @property
     def lane_of_item(self) -> Expr:
         """In the lane loop: the lane's index among the work-item's 4 * texels_per_item outputs."""
         return self.lane if self.texels_per_item == 1 else self.tt * 4 + self.lane

@@ -102,12 +102,6 @@ def float_literal(value: float) -> str:
     return f"{text}f" if ("." in text or "e" in text) else f"{text}.0f"
 
 
-def literal(value: float | int | bool, ctype: str) -> str:
-    if ctype == "float":
-        return float_literal(float(value))
-    return str(int(value))
-
-
 def index_vars(shape: Sequence[int], flat: str, prefix: str) -> list[str]:
     """Statements declaring `prefix0..` as the multi-index of flat index `flat` (non-negative) in `shape`."""
     lines = []

@@ -356,13 +356,21 @@ class Barrier:
 
 
 @dataclass(eq=True)
+class While:
+    """while (condition) { body }: a loop whose trip count the data decides (a binary search)."""
+
+    condition: Expr
+    body: list[Statement]
+
+
+@dataclass(eq=True)
 class Lines:
     """Transition only: statements of C an emitter not yet ported still writes."""
 
     lines: tuple[str, ...]
 
 
-Statement = Union[Declare, DeclareArray, Assign, Store, Evaluate, For, If, Break, Return, Barrier, Lines]
+Statement = Union[Declare, DeclareArray, Assign, Store, Evaluate, For, If, Break, Return, Barrier, While, Lines]
 
 
 @dataclass
@@ -447,6 +455,19 @@ class Block:
         self.statements.append(If(condition, body))
         yield Block(self.numbering, body)
 
+    def either(self, condition: Expr) -> tuple[Block, Block]:
+        """if (condition) {..} else {..}: the two blocks to build into."""
+        then: list[Statement] = []
+        orelse: list[Statement] = []
+        self.statements.append(If(condition, then, orelse))
+        return Block(self.numbering, then), Block(self.numbering, orelse)
+
+    @contextmanager
+    def repeat_while(self, condition: Expr) -> Iterator[Block]:
+        body: list[Statement] = []
+        self.statements.append(While(condition, body))
+        yield Block(self.numbering, body)
+
 
 def walk_expr(expr: Expr) -> Iterator[Expr]:
     """`expr` and every expression inside it, parents first."""
@@ -491,13 +512,13 @@ def statement_exprs(statement: Statement) -> tuple[Expr, ...]:
         return (statement.expr,)
     if isinstance(statement, For):
         return tuple(e for e in (statement.start, statement.stop, statement.condition) if e is not None)
-    if isinstance(statement, If):
+    if isinstance(statement, (If, While)):
         return (statement.condition,)
     return ()
 
 
 def nested(statement: Statement) -> tuple[list[Statement], ...]:
-    if isinstance(statement, For):
+    if isinstance(statement, (For, While)):
         return (statement.body,)
     if isinstance(statement, If):
         return (statement.then, statement.orelse)

@@ -9,22 +9,22 @@ into index maps, or under `--layout naive` (the conventional baseline).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel, broadcast_index, flat_index, literal, strides_of
+from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.indexing import broadcast_view_index, index_var
+from fblc.codegen.ir import INT, Const, Expr, flat_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import Operand, emit_elementwise, expression
 from fblc.codegen.textures import TextureTable
+from fblc.codegen.reads import dtype_of
 from fblc.errors import UnsupportedOpError
+from fblc.compiler.index_map import IndexMap
 from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
-
-
-def _single(table: TextureTable, group: KernelGroup, family: str = "movement") -> KernelBuilder:
-    b = KernelBuilder(table, group.name, family, group.outputs)
-    b.nodes.append(group.anchor.name)
-    return b
 
 
 @register_kernel("Transpose")
@@ -33,24 +33,24 @@ def emit_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     in_shape = static_shape(node.inputs[0])
     perm = attr(node, "perm") or list(reversed(range(len(in_shape))))
     strides = strides_of(in_shape)
-    b = _single(table, group)
-    index = flat_index([(f"{OUT_INDEX}{k}", strides[axis]) for k, axis in enumerate(perm)])
-    return [b.finish([b.load(node.inputs[0], index)])]
+    b = KernelBuilder.for_group(table, group, "movement")
+    index = flat_index([(index_var(OUT_INDEX, k), strides[axis]) for k, axis in enumerate(perm)])
+    return [b.finish([b.element(node.inputs[0], index)])]
 
 
 @register_kernel("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 def emit_reshape_copy(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """A reshape that is not an index map: a copy (row-major order is unchanged)."""
-    b = _single(table, group)
-    return [b.finish([b.load(group.anchor.inputs[0], "i")])]
+    b = KernelBuilder.for_group(table, group, "movement")
+    return [b.finish([b.element(group.anchor.inputs[0], b.flat)])]
 
 
 @register_kernel("Expand")
 def emit_expand(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
-    b = _single(table, group)
-    index = broadcast_index(static_shape(node.inputs[0]), b.out_shape, OUT_INDEX)
-    return [b.finish([b.load(node.inputs[0], index)])]
+    b = KernelBuilder.for_group(table, group, "movement")
+    index = broadcast_view_index(IndexMap.identity(static_shape(node.inputs[0])), b.out_shape, OUT_INDEX)
+    return [b.finish([b.element(node.inputs[0], index)])]
 
 
 def _slice_kernel(table: TextureTable, name: str, source: ir.Value, output: ir.Value, starts: list[int],
@@ -59,9 +59,9 @@ def _slice_kernel(table: TextureTable, name: str, source: ir.Value, output: ir.V
     b.nodes.append(node_name)
     strides = strides_of(static_shape(source))
     offset = sum(start * stride for start, stride in zip(starts, strides))
-    index = flat_index([(f"{OUT_INDEX}{k}", step * stride) for k, (step, stride) in enumerate(zip(steps, strides))],
-                       offset)
-    return b.finish([b.load(source, index)])
+    index = flat_index([(index_var(OUT_INDEX, k), step * stride)
+                        for k, (step, stride) in enumerate(zip(steps, strides))], offset)
+    return b.finish([b.element(source, index)])
 
 
 @register_kernel("Slice")
@@ -91,12 +91,12 @@ def emit_split(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 def emit_pad(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
         return emit_elementwise(table, group)
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     return [b.finish([pad_value(b, group.anchor)])]
 
 
-def pad_value(b: KernelBuilder, node: ir.Node) -> str:
-    """C, in the lane loop of a kernel shaped like the Pad's output: its element (constant mode)."""
+def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
+    """In the lane loop of a kernel shaped like the Pad's output: its element (constant mode)."""
     mode = attr(node, "mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     if mode != "constant":
@@ -108,44 +108,42 @@ def pad_value(b: KernelBuilder, node: ir.Node) -> str:
     begins = [0] * rank
     for k, axis in enumerate(axes):
         begins[axis % rank] = pads[k]
-    fill = "0"
+    fill: Expr = Const(0, INT)
     if len(node.inputs) > 2 and node.inputs[2] is not None:
-        fill = b.load(node.inputs[2], "0")
+        fill = b.element(node.inputs[2], Const(0, INT))
     strides = strides_of(in_shape)
     conditions, terms = [], []
     for k, (dim, begin) in enumerate(zip(in_shape, begins)):
-        source = f"({OUT_INDEX}{k} - {begin})" if begin else f"{OUT_INDEX}{k}"
-        conditions.append(f"{source} >= 0 && {source} < {dim}")
+        source: Expr = index_var(OUT_INDEX, k) - begin if begin else index_var(OUT_INDEX, k)
+        conditions.append(source.ge(0).logical_and(source.lt(dim)))
         terms.append((source, strides[k]))
-    inside = b.temp("int", " && ".join(conditions), "inside")
-    index = b.temp("int", f"{inside} ? ({flat_index(terms)}) : 0", "src")
-    value = b.load(node.inputs[0], index)
-    return f"({inside} ? {value} : ({ctype_of(node.outputs[0])}){fill})"
+    flag = b.body.let(functools.reduce(Expr.logical_and, conditions), "inside", INT)
+    index = b.body.let(select(flag, flat_index(terms), 0), "src", INT)
+    return select(flag, b.element(node.inputs[0], index), fill.cast(dtype_of(node.outputs[0])))
 
 
 @register_kernel("Concat")
 def emit_concat(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
         return emit_elementwise(table, group)
-    b = _single(table, group)
+    b = KernelBuilder.for_group(table, group, "movement")
     return [b.finish([concat_value(b, group.anchor)])]
 
 
-def concat_value(b: KernelBuilder, node: ir.Node) -> str:
-    """C, in the lane loop of a kernel shaped like the Concat's output: its element, read from the input
+def concat_value(b: KernelBuilder, node: ir.Node) -> Expr:
+    """In the lane loop of a kernel shaped like the Concat's output: its element, read from the input
     whose range along the axis holds it."""
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis")) % len(out_shape)
-    result = b.fresh("v")
-    b.emit(f"{ctype_of(node.outputs[0])} {result} = 0;")
-    start = 0
+    dtype = dtype_of(node.outputs[0])
+    result = b.body.mutable(Const(0, dtype), "v")
+    along, start = index_var(OUT_INDEX, axis), 0
     for value in node.inputs:
         shape = static_shape(value)
-        strides = strides_of(shape)
-        terms = [(f"({OUT_INDEX}{k} - {start})" if k == axis and start else f"{OUT_INDEX}{k}", stride)
-                 for k, stride in enumerate(strides)]
-        b.emit(f"if ({OUT_INDEX}{axis} >= {start} && {OUT_INDEX}{axis} < {start + shape[axis]}) "
-               f"{result} = {b.load(value, flat_index(terms))};")
+        terms = [(along - start if k == axis and start else index_var(OUT_INDEX, k), stride)
+                 for k, stride in enumerate(strides_of(shape))]
+        with b.body.when(along.ge(start).logical_and(along.lt(start + shape[axis]))) as inside:
+            inside.assign(result, b.element(value, flat_index(terms)))
         start += shape[axis]
     return result
 
@@ -155,14 +153,13 @@ def emit_constant_of_shape(table: TextureTable, group: KernelGroup) -> list[Kern
     node = group.anchor
     fill = attr(node, "value")
     number = np.asarray(fill.numpy()).reshape(-1)[0].item() if fill is not None else 0
-    b = _single(table, group)
-    return [b.finish([literal(number, ctype_of(node.outputs[0]))])]
-
-
+    dtype = dtype_of(node.outputs[0])
+    b = KernelBuilder.for_group(table, group, "movement")
+    return [b.finish([Const(float(number) if dtype.is_float else int(number), dtype)])]
 
 
 @expression("Concat", "Pad")
-def _fused_gather(b: KernelBuilder, node: ir.Node, operand: Operand) -> str:
+def _fused_gather(b: KernelBuilder, node: ir.Node, operand: Operand) -> Expr:
     """Fused into an elementwise chain (fuse.GATHERS), a Concat or Pad is one more expression of it: its
     inputs come from textures, never from the chain (fuse keeps their producers out)."""
     return concat_value(b, node) if node.op_type == "Concat" else pad_value(b, node)

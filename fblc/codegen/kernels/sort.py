@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder, ctype_of
-from fblc.codegen.cl import Kernel, div_index
+from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.cl import Kernel
+from fblc.codegen.indexing import index_var
+from fblc.codegen.ir import INT, Block, Break, Expr, Var, call, const, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.gather import combine_template, fold_rows, own_index, start_accumulator, whole_texels
+from fblc.codegen.kernels.gather import FoldRow, combiner, fold_rows, own_index, start_accumulator, whole_texels
+from fblc.codegen.reads import dtype_of
 from fblc.compiler.index_map import is_zeros
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import attr, numel, static_shape
@@ -37,44 +40,45 @@ def emit_merge_runs(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     positions = node.inputs[1] if len(node.inputs) > 1 else None
     count = static_shape(keys)[1]
     run, depth = int(attr(node, "run")), int(attr(node, "depth"))
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
-    line = b.temp("int", f"{OUT_INDEX}0 * {count}", "line")
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    body = b.body
+    line = body.let(index_var(OUT_INDEX, 0) * count, "line", INT)
 
-    def key(at: str) -> str:
-        raw = b.load(keys, f"{line} + {at}")
-        return raw if positions is not None else f"wrap_row({raw}, {depth})"
+    def key(at: Expr) -> Expr:
+        raw = b.element(keys, line + at)
+        return raw if positions is not None else call("wrap_row", raw, depth, dtype=INT)
 
-    start, na, nb, k, lo, hi, mid, j, src = (b.fresh(h) for h in ("start", "na", "nb", "k", "lo", "hi", "mid", "j",
-                                                                    "src"))
-    b.emit(f"const int {start} = {div_index(f'{OUT_INDEX}1', 2 * run)} * {2 * run};",
-           f"const int {na} = min({run}, {count} - {start});",
-           f"const int {nb} = clamp({count} - {start} - {run}, 0, {run});",
-           f"const int {k} = {OUT_INDEX}1 - {start};",
-           f"int {lo} = max(0, {k} - {nb}), {hi} = min({k}, {na});",
-           f"while ({lo} < {hi}) {{  // is the left run's element {mid} among the first {k}?",
-           f"  const int {mid} = ({lo} + {hi}) >> 1;",
-           f"  if ({key(f'{start} + {mid}')} <= {key(f'{start} + {na} + {k} - 1 - {mid}')}) {lo} = {mid} + 1;",
-           f"  else {hi} = {mid};",
-           "}",
-           f"const int {j} = {k} - {lo};",
-           f"const int {src} = ({lo} < {na} && ({j} >= {nb} || {key(f'{start} + {lo}')} <= "
-           f"{key(f'{start} + {na} + {j}')})) ? {start} + {lo} : {start} + {na} + {j};")
-    position = src if positions is None else b.load(positions, f"{line} + {src}")
+    column = index_var(OUT_INDEX, 1)
+    start = body.let(div_index(column, 2 * run) * (2 * run), "start")
+    na = body.let(call("min", run, const(count) - start), "na")
+    nb = body.let(call("clamp", const(count) - start - run, 0, run), "nb")
+    k = body.let(column - start, "k")
+    lo = body.mutable(call("max", 0, k - nb), "lo")
+    hi = body.mutable(call("min", k, na), "hi")
+    with body.repeat_while(lo.lt(hi)) as search:  # is the left run's element mid among the first k?
+        mid = search.let((lo + hi) >> 1, "mid")
+        left, right = search.either(key(start + mid).le(key(start + na + k - 1 - mid)))
+        left.assign(lo, mid + 1)
+        right.assign(hi, mid)
+    j = body.let(k - lo, "j")
+    from_left = lo.lt(na).logical_and(j.ge(nb).logical_or(key(start + lo).le(key(start + na + j))))
+    src = body.let(select(from_left, start + lo, start + na + j), "src")
+    position = src if positions is None else b.element(positions, line + src)
     results = {id(node.outputs[0]): key(src), id(node.outputs[1]): position}
     return [b.finish([results[id(out)] for out in b.outputs])]
 
 
-def _first_update(b: KernelBuilder, keys: ir.Value, line: str, target: str) -> tuple[list[str], str]:
-    """(C, its variable): C declaring the first index of `line` (a C expression) whose sorted row number is
-    not below `target`: a binary search, log2(N) reads."""
+def _first_update(b: KernelBuilder, block: Block, keys: ir.Value, line: Expr, target: Expr) -> Var:
+    """Declare in `block` the first index of `line` whose sorted row number is not below `target`:
+    a binary search, log2(N) reads."""
     count = static_shape(keys)[1]
-    lo, hi, mid = b.fresh("lo"), b.fresh("hi"), b.fresh("mid")
-    return [f"int {lo} = 0, {hi} = {count};",
-            f"while ({lo} < {hi}) {{",
-            f"  const int {mid} = ({lo} + {hi}) >> 1;",
-            f"  if ({b.load(keys, f'{line} + {mid}')} < {target}) {lo} = {mid} + 1; else {hi} = {mid};",
-            "}"], lo
+    lo, hi = block.mutable(const(0), "lo"), block.mutable(const(count), "hi")
+    with block.repeat_while(lo.lt(hi)) as search:
+        mid = search.let((lo + hi) >> 1, "mid")
+        below, above = search.either(b.element(keys, line + mid).lt(target))
+        below.assign(lo, mid + 1)
+        above.assign(hi, mid)
+    return lo
 
 
 @register_kernel("ScatterSortedRows")
@@ -86,34 +90,30 @@ def emit_scatter_sorted_rows(table: TextureTable, group: KernelGroup) -> list[Ke
     axis = int(attr(node, "axis", 0)) % len(data_shape)
     depth, inner = data_shape[axis], numel(data_shape[axis + 1:])
     groups, count = static_shape(keys)
-    ctype = ctype_of(node.outputs[0])
-    combine = combine_template(node, ctype)
-    b = KernelBuilder(table, group.name, FAMILY, group.outputs)
-    b.nodes.append(node.name)
-    base = b.fresh("base")
+    dtype = dtype_of(node.outputs[0])
+    combine = combiner(node)
+    b = KernelBuilder.for_group(table, group, FAMILY)
 
-    def sorted_updates(outer: str, target: str) -> tuple[list[str], str]:
+    def sorted_updates(block: Block, outer: Expr, target: Expr, fold: FoldRow) -> None:
         """The binary search for target's first update, then a loop over its run of equal row numbers."""
-        line = f"{outer} * {count}" if groups > 1 else "0"
-        search, u = _first_update(b, keys, line, target)
-        return [*search,
-                f"for (; {u} < {count}; ++{u}) {{",
-                f"  if ({b.load(keys, f'{line} + {u}')} != {target}) break;",
-                f"  const int {base} = ({outer} * {count} + {b.load(positions, f'{line} + {u}')}) * {inner};"], base
+        line = outer * count if groups > 1 else const(0)
+        first = _first_update(b, block, keys, line, target)
+        with block.loop("u", first, count) as (u, run):
+            with run.when(b.element(keys, line + u).ne(target)) as past:
+                past.add(Break())
+            fold(run, run.let((outer * count + b.element(positions, line + u)) * inner, "base"))
 
-    if (ctype == "float" and inner % 4 == 0 and (data is None or whole_texels(b, data))
-            and whole_texels(b, updates)):
+    if dtype.is_float and inner % 4 == 0 and (data is None or whole_texels(b, data)) and whole_texels(b, updates):
         return [fold_rows(b, data, updates, combine, depth, inner, sorted_updates)]
-    element, row, outer, target, acc = (b.fresh(h) for h in ("element", "row", "outer", "target", "acc"))
-    b.emit(f"const int {element} = {own_index(data_shape)};",
-           f"const int {row} = {div_index(element, inner)};",
-           f"const int {outer} = {div_index(row, depth)};",
-           f"const int {target} = {row} - {outer} * {depth};")
-    if data is None:
-        b.emit(f"{ctype} {acc} = 0;")
-    else:
-        start_accumulator(b, node, acc)
-    loop, update_row = sorted_updates(outer, target)
-    within = f"{element} - {row} * {inner}"
-    b.emit(*loop, f"  {acc} = {combine.format(acc=acc, u=b.load(updates, f'{update_row} + {within}'))};", "}")
+    body = b.body
+    element = body.let(own_index(data_shape), "element", INT)
+    row = body.let(div_index(element, inner), "row")
+    outer = body.let(div_index(row, depth), "outer")
+    target = body.let(row - outer * depth, "target")
+    acc = body.mutable(const(0, dtype), "acc") if data is None else start_accumulator(b, node)
+
+    def fold(block: Block, update_row: Expr) -> None:
+        block.assign(acc, combine(acc, b.element(updates, update_row + (element - row * inner))))
+
+    sorted_updates(body, outer, target, fold)
     return [b.finish([acc])]

@@ -116,6 +116,14 @@ class Renderer:
     def _ArgumentRef(self, e: ir.ArgumentRef) -> str:
         return e.argument.name
 
+    def condition(self, e: ir.Expr) -> str:
+        """A condition inside `if (..)` / `while (..)`: without the parentheses of its comparison, which
+        clang reports around an `==` (-Wparentheses-equality) as compiler output."""
+        while isinstance(e, ir.Var) and e in self.folded:
+            e = self.folded[e]
+        text = self.expr(e)
+        return text[1:-1] if isinstance(e, ir.Binary) else text
+
     # statements ---------------------------------------------------------------------------------
     def statements(self, body: Sequence[ir.Statement], depth: int) -> list[str]:
         return [line for s in body for line in self.statement(s, depth)]
@@ -143,10 +151,12 @@ class Renderer:
         if isinstance(s, ir.For):
             return self._for(s, depth)
         if isinstance(s, ir.If):
-            lines = [f"{pad}if ({self.expr(s.condition)}) {{"] + self.statements(s.then, depth + 1)
+            lines = [f"{pad}if ({self.condition(s.condition)}) {{"] + self.statements(s.then, depth + 1)
             if s.orelse:
                 lines += [f"{pad}}} else {{"] + self.statements(s.orelse, depth + 1)
             return lines + [f"{pad}}}"]
+        if isinstance(s, ir.While):
+            return [f"{pad}while ({self.condition(s.condition)}) {{"] + self.statements(s.body, depth + 1) + [f"{pad}}}"]
         if isinstance(s, ir.Lines):
             return [pad + line for line in s.lines]
         return [pad + {ir.Break: "break;", ir.Return: "return;",
@@ -201,7 +211,7 @@ def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:
                     if isinstance(sub, ir.Var):
                         uses[sub] += 1
                         use_loop[sub] = loops
-            inner = isinstance(s, ir.For)
+            inner = isinstance(s, (ir.For, ir.While))
             loops += inner
             for block in ir.nested(s):
                 visit(block)
