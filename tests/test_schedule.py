@@ -22,11 +22,10 @@ import pytest
 
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
-from fblc.codegen import compile as compile_module
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.compile import compile_model
-from fblc.codegen.plan import Program, lower
+from fblc.codegen.plan import lower
 from fblc.codegen.schedule import load_overrides
 from fblc.errors import FblcError
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
@@ -35,7 +34,7 @@ from fblc.profiles.profile import GROUP_ITEMS
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support.bundles import edit_plan
-from support.kernel_ir import of_type
+from support.kernel_ir import keep_lowered, of_type
 from tests.conftest import mlp_proto
 from tests.test_runtime import OPTIONS, elementwise_model
 
@@ -159,16 +158,10 @@ def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, monkeypatch, targe
     padded, grouped, tiled = 0, 0, 0
     for name, (build, options) in SCHEDULED_MODELS.items():
         bundle = str(tmp_path / name)
-        programs: list[Program] = []
-
-        def lower_kept(*args, **kwargs) -> Program:  # the bundle's kernels, with their IR
-            programs.append(lower(*args, **kwargs))
-            return programs[-1]
-
-        monkeypatch.setattr(compile_module, "lower", lower_kept)
+        kept = keep_lowered(monkeypatch)  # the bundle's kernels, with their IR
         compile_model(build(str(tmp_path)), bundle, target, "fp32", options)
         _, plan = fmt.load_verified(bundle)
-        kernels = {kernel.name: kernel for kernel in programs[-1].kernels}
+        kernels = kept[-1]
         for launch in plan["kernels"]:
             schedule = [launch["global_size"][0], launch["local_size"][0]]
             written = _written_group(kernels[launch["name"]])
