@@ -16,8 +16,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+from fblc.codegen import ir as kir
 from fblc.passes.pipeline import TrainingOptions
 from fblc.tools.verify import verify_model
+from support.kernel_ir import keep_lowered, of_type
 from tests.test_kernels_other import SGD, _check, _op_then_loss, _randn
 
 
@@ -114,19 +116,19 @@ def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[
     _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))
 
 
-def _group_kernels_checked(tmp_path, model: onnx.ModelProto) -> dict[str, bool]:
+def _group_kernels_checked(tmp_path, monkeypatch, model: onnx.ModelProto) -> dict[str, bool]:
     """Whether each kernel of `model`'s adreno830 bundle shares its work across a work-group (a launch of
-    whole groups whose source merges through __local memory), once its step, run on the local device
+    whole groups whose IR merges through __local memory: barriers), once its step, run on the local device
     in buffer storage, equals onnxruntime's (test_kernels_other.py's _check does so for `local`)."""
     path, bundle = str(tmp_path / "model.onnx"), tmp_path / "adreno830"
     onnx.save(model, path)
+    kept = keep_lowered(monkeypatch)
     rows = verify_model(path, TrainingOptions(loss="output", optimizer=SGD), target="adreno830", storage="buffer",
                         keep_bundle=str(bundle))
     assert rows and not [r for r in rows if not r.ok], [r for r in rows if not r.ok]
     plan = json.loads((bundle / "plan.json").read_text())
-    source = (bundle / "kernels.cl").read_text().splitlines()
-    return {k["name"]: k["global_size"][0] % k["local_size"][0] == 0
-            and "barrier(CLK_LOCAL_MEM_FENCE)" in "\n".join(source[k["lines"][0]:k["lines"][1]])
+    kernels = kept[-1]  # the adreno830 bundle's (compiled last)
+    return {k["name"]: k["global_size"][0] % k["local_size"][0] == 0 and bool(of_type(kernels[k["name"]], kir.Barrier))
             for k in plan["kernels"]}
 
 
@@ -140,7 +142,7 @@ def _group_kernels_checked(tmp_path, model: onnx.ModelProto) -> dict[str, bool]:
     ("ReduceSum", [4, 3, 25, 15], [0, 2, 3], 1),
     ("ReduceSum", [600, 3, 5], [0, 2], 1),  # runs of 5, shorter than the group: the 600 runs are dealt out
 ])
-def test_long_reductions_are_shared_by_a_work_group(tmp_path, op_type: str, shape: list[int], axes: list[int],
+def test_long_reductions_are_shared_by_a_work_group(tmp_path, monkeypatch, op_type: str, shape: list[int], axes: list[int],
                                                     keepdims: int) -> None:
     """Reductions longer than the serial limit: one work-group per output texel, a tree in __local
     memory. The adreno830 kernel must use it (barriers, a launch of whole groups) and its step, run on
@@ -150,12 +152,12 @@ def test_long_reductions_are_shared_by_a_work_group(tmp_path, op_type: str, shap
     reduced = {a % len(shape) for a in axes}
     y_shape = [1 if i in reduced else d for i, d in enumerate(shape) if keepdims or i not in reduced]
     op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=keepdims, name="long")
-    shared = _group_kernels_checked(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(*shape)}, extra=extra))
+    shared = _group_kernels_checked(tmp_path, monkeypatch, _op_then_loss(op, y_shape, {"x": _randn(*shape)}, extra=extra))
     assert any(is_shared for name, is_shared in shared.items() if name.endswith(op_type)), shared
 
 
 @pytest.mark.parametrize("shape,axis", [([3, 2048], -1), ([2, 5, 600], 1), ([4, 1030], 1)])
-def test_layer_norm_statistics_of_long_rows_are_shared_by_a_work_group(tmp_path, shape: list[int],
+def test_layer_norm_statistics_of_long_rows_are_shared_by_a_work_group(tmp_path, monkeypatch, shape: list[int],
                                                                         axis: int) -> None:
     """Rows longer than the serial limit: the Mean / InvStdDev kernel runs a work-group per texel of
     rows (two __local merges: the sum, then the centred squares). The bias is offset so that the
@@ -165,6 +167,6 @@ def test_layer_norm_statistics_of_long_rows_are_shared_by_a_work_group(tmp_path,
                           epsilon=1e-5, name="ln")
     model = _op_then_loss(op, shape, {"x": _randn(*shape, scale=3.0), "scale": _randn(*norm_shape, seed=2),
                                       "bias": _randn(*norm_shape, seed=3) + 5.0})
-    shared = _group_kernels_checked(tmp_path, model)
+    shared = _group_kernels_checked(tmp_path, monkeypatch, model)
     stats = [is_shared for name, is_shared in shared.items() if name.endswith("_stats")]
     assert stats and all(stats), shared

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import tempfile
 
 import numpy as np
@@ -23,6 +22,8 @@ import pytest
 
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
+from fblc.codegen import ir as kir
+from fblc.codegen.cl import Kernel
 from fblc.codegen.compile import compile_model
 from fblc.codegen.plan import lower
 from fblc.codegen.schedule import load_overrides
@@ -33,6 +34,7 @@ from fblc.profiles.profile import GROUP_ITEMS
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support.bundles import edit_plan
+from support.kernel_ir import keep_lowered, of_type
 from tests.conftest import mlp_proto
 from tests.test_runtime import OPTIONS, elementwise_model
 
@@ -99,21 +101,34 @@ def test_tiles_per_group_fill_a_wave_with_whole_tiles() -> None:
     assert small.tiles_per_group(16, 36, 8) == 2
 
 
-def _written_group(body: str) -> tuple[int, int, int] | None:
-    """(items, work-items per item, items per work-group) as a group kernel's source deals out its work:
-    `if (t >= items) return;`, the step of its `= lid` loops, its merge tree's first stride (half the
-    group) or its tile merge's `shared[j * group + lid]`, and the items in a group
-    (`get_group_id(0) * tiles + ...`); None for a kernel that uses no work-group (a plain one)."""
-    if "get_group_id(0)" not in body:
-        assert "get_local_id(" not in body and "barrier(" not in body, body[:200]
+def _written_group(kernel: Kernel) -> tuple[int, int, int] | None:
+    """(items, work-items per item, items per work-group) as a group kernel's IR deals out its work: its
+    `if (item >= items) return`, the step of its loops from `lid`, its merge tree's first stride (half the
+    group) or its tile merge's `shared[j * group + lid]`, and the items in a work-group (its item
+    `get_group_id(0) * tiles + ...`); its __local floats hold whole groups of every item. None for a kernel
+    that uses no work-group (a plain one)."""
+    calls = {e.function for e in of_type(kernel, kir.Call)}
+    transition = " ".join(line for s in of_type(kernel, kir.Lines) for line in s.lines)  # C not yet ported
+    if "get_group_id" not in calls:
+        assert "get_local_id" not in calls and not of_type(kernel, kir.Barrier), kernel.name
+        assert "get_local_id(" not in transition and "barrier(" not in transition, kernel.name
         return None
-    items = int(re.findall(r"if \([tg] >= (\d+)\) return;", body)[0])
-    tiles = re.search(r"= get_group_id\(0\) \* (\d+) \+ ", body)
-    groups = {int(step) for step in re.findall(r"\(int \w+ = lid; \w+ < \d+; \w+ \+= (\d+)\)", body)}
-    groups |= {2 * int(half) for half in re.findall(r"for \(int s = (\d+); s > 0; s >>= 1\)", body)}
-    groups |= {int(group) for group in re.findall(r"shared\[j \* (\d+) \+ lid\]", body)}
-    assert len(groups) == 1, (groups, body[:200])
-    return items, groups.pop(), int(tiles.group(1)) if tiles else 1
+    items = [s.condition.b.value for s in kernel.ir.body if isinstance(s, kir.If) and s.then == [kir.Return()]
+             and isinstance(s.condition, kir.Binary) and s.condition.op == ">=" and isinstance(s.condition.b, kir.Const)]
+    tiles = [e.a.b.value for e in of_type(kernel, kir.Binary) if e.op == "+" and isinstance(e.a, kir.Binary)
+             and e.a.op == "*" and isinstance(e.a.a, kir.Call) and e.a.a.function == "get_group_id"]
+    loops = of_type(kernel, kir.For)
+    groups = {loop.step for loop in loops if isinstance(loop.start, kir.Var) and loop.start.name == "lid"}
+    groups |= {2 * loop.start.value for loop in loops if loop.step_op == ">>=" and isinstance(loop.start, kir.Const)}
+    groups |= {e.index.a.b.value for e in of_type(kernel, kir.Element) if e.array.name == "shared"
+               and isinstance(e.index, kir.Binary) and e.index.op == "+" and isinstance(e.index.b, kir.Var)
+               and e.index.b.name == "lid" and isinstance(e.index.a, kir.Binary) and e.index.a.op == "*"
+               and isinstance(e.index.a.b, kir.Const)}
+    assert len(items) == 1 and len(tiles) <= 1 and len(groups) == 1, (kernel.name, items, tiles, groups)
+    group, per_group = groups.pop(), tiles[0] if tiles else 1
+    local = [s.length for s in of_type(kernel, kir.DeclareArray) if s.local]
+    assert len(local) == 1 and local[0] % (group * per_group) == 0, (kernel.name, local, group, per_group)
+    return items[0], group, per_group
 
 
 def _shared_tiles_model(folder: str) -> str:
@@ -135,7 +150,7 @@ SCHEDULED_MODELS = {"t-resnet B=64": (_tresnet64, TrainingOptions()),
 
 
 @pytest.mark.parametrize("target", ["adreno830", "mali-g925", "local"])
-def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, target: str) -> None:
+def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, monkeypatch, target: str) -> None:
     """A plain kernel: the profile's work-group, its global size padded to whole groups. A group kernel
     (work-items share __local memory): the work-group its code is written for (the work-items of each
     item times the items a group holds) and exactly its items' work-items, whole groups, no padding."""
@@ -143,12 +158,13 @@ def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, target: str) -> No
     padded, grouped, tiled = 0, 0, 0
     for name, (build, options) in SCHEDULED_MODELS.items():
         bundle = str(tmp_path / name)
+        kept = keep_lowered(monkeypatch)  # the bundle's kernels, with their IR
         compile_model(build(str(tmp_path)), bundle, target, "fp32", options)
         _, plan = fmt.load_verified(bundle)
-        source = (tmp_path / name / fmt.KERNELS).read_text().splitlines()
+        kernels = kept[-1]
         for launch in plan["kernels"]:
             schedule = [launch["global_size"][0], launch["local_size"][0]]
-            written = _written_group("\n".join(source[launch["lines"][0]:launch["lines"][1]]))
+            written = _written_group(kernels[launch["name"]])
             if written is None:
                 assert schedule == list(profile.launch_size(launch["items"])), (name, launch["name"])
                 padded += launch["global_size"][0] != launch["items"]

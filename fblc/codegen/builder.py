@@ -125,30 +125,22 @@ class KernelBuilder(ValueReads):
         value = expression if isinstance(expression, Expr) else kir.Text(expression, kir.ELEMENT_TYPES[ctype])
         return render_expr(self.body.let(value, hint, kir.ELEMENT_TYPES[ctype]))
 
-    def merge_across_group(self, acc: str | Var, merge: str | Callable[[Expr, Expr], Expr] = "{a} + {b}",
+    def merge_across_group(self, acc: Var | kir.Lane, merge: Callable[[Expr, Expr], Expr] = lambda a, b: a + b,
                            prologue: bool = False) -> None:
-        """Join every work-item's partial `acc` (a float) with `merge` (of two partials) in a tree in
-        __local memory; afterwards every work-item of the group holds the result. Only in a group
-        kernel (`group_size`), where every work-item reaches the barriers; in the per-texel prologue
-        with `prologue`."""
+        """Join every work-item's partial `acc` (a float, or a lane of a float4) with `merge` (of two
+        partials) in a tree in __local memory; afterwards every work-item of the group holds the result.
+        Only in a group kernel (`group_size`), where every work-item reaches the barriers; in the
+        per-texel prologue with `prologue`."""
         assert self.group_size is not None, "a merge across the group needs a group kernel"
         block = self.prologue if prologue else self.body
-        partial: Var | kir.Text = acc if isinstance(acc, Var) else kir.Text(acc, kir.FLOAT)
         mine = kir.Element(self.shared, self.lid)
-        block.assign(mine, partial)
+        block.assign(mine, acc)
         block.add(kir.Barrier())
         with block.loop("s", self.group_size // 2, None, condition=lambda s: s.gt(0), step_op=">>=") as (s, tree):
             with tree.when(self.lid.lt(s)) as half:
-                other = kir.Element(self.shared, self.lid + s)
-                if isinstance(merge, str):
-                    half.assign(mine, kir.Text(merge.format(a=render_expr(mine), b=render_expr(other)), kir.FLOAT))
-                else:
-                    half.assign(mine, merge(mine, other))
+                half.assign(mine, merge(mine, kir.Element(self.shared, self.lid + s)))
             tree.add(kir.Barrier())
-        if isinstance(partial, Var):
-            block.assign(partial, kir.Element(self.shared, const(0)))
-        else:
-            block.add(kir.Lines((f"{acc} = shared[0];",)))
+        block.assign(acc, kir.Element(self.shared, const(0)))
         block.add(kir.Barrier())  # shared is free again for the next merge
 
     def merge_tiles_across_group(self, acc: str | Var, lanes: int) -> list[Statement]:

@@ -299,7 +299,7 @@ class DeclareArray:
 
 @dataclass(eq=True)
 class Assign:
-    target: Var | Element
+    target: Var | Element | Lane  # a Lane: a constant lane of a vector variable (acc.x)
     value: Expr
     op: str = "="  # "=", "+=", "|=", ... ; "=" on a Var declared non-const
 
@@ -427,7 +427,7 @@ class Block:
             v if isinstance(v, Expr) else const(v, dtype) for v in init), local, constant))
         return var
 
-    def assign(self, target: Var | Element, value: Operand, op: str = "=") -> None:
+    def assign(self, target: Var | Element | Lane, value: Operand, op: str = "=") -> None:
         self.statements.append(Assign(target, value if isinstance(value, Expr) else const(value, target.dtype), op))
 
     def store(self, argument: Argument, texel: Expr, value: Expr) -> None:

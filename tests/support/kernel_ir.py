@@ -51,3 +51,19 @@ def of_type(kernel: Kernel, node_type: type[Node]) -> list[Node]:
 def loads_of(kernel: Kernel, argument: str) -> list[kir.Load]:
     """The kernel's texel reads of argument `argument` ("in0", ...)."""
     return [e for e in of_type(kernel, kir.Load) if e.argument.name == argument]
+
+
+def keep_lowered(monkeypatch) -> list[dict[str, Kernel]]:  # type: ignore[no-untyped-def]
+    """From now on in the test, the kernels (each with its `.ir`) of every bundle compile_model writes, by
+    kernel name, one dict per compile in order: the bundle's own kernels, without compiling it twice."""
+    from fblc.codegen import compile as compile_module
+
+    kept: list[dict[str, Kernel]] = []
+
+    def lower_kept(*args, **kwargs):  # type: ignore[no-untyped-def]
+        program = lower(*args, **kwargs)
+        kept.append({kernel.name: kernel for kernel in program.kernels})
+        return program
+
+    monkeypatch.setattr(compile_module, "lower", lower_kept)
+    return kept

@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, broadcast_index, flat_index, float_literal, strides_of
+from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.indexing import broadcast_view_index, index_var
+from fblc.codegen.ir import FLOAT, FLOAT4, Argument, Block, Element, Expr, Var, call, const, flat_index, vector
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.errors import UnsupportedOpError
-from fblc.compiler.index_map import map_of
+from fblc.compiler.index_map import IndexMap, map_of
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.profiles.profile import PRIVATE_FLOATS
 
@@ -43,10 +45,10 @@ ROW_CACHE = PRIVATE_FLOATS // 4  # texels of a row a work-item keeps in private 
 ITEM_TEXELS = 64  # most texels of one row a work-item computes
 
 
-def _flat(shape: tuple[int, ...], prefix: str, zero: Sequence[int] = ()) -> str:
+def _flat(shape: tuple[int, ...], prefix: str, zero: Sequence[int] = ()) -> Expr:
     """Flat index of the multi-index `prefix0, prefix1..` with the coordinates on `zero` set to 0."""
     strides = strides_of(shape)
-    return flat_index([(f"{prefix}{k}", strides[k]) for k in range(len(shape)) if k not in zero])
+    return flat_index([(index_var(prefix, k), strides[k]) for k in range(len(shape)) if k not in zero])
 
 
 def _item_texels(texels: int) -> int:
@@ -78,51 +80,39 @@ class Code:
 class _Row:
     """Texels k = 0..count-1 of `x` from flat element `first`, read whole: one row of 4 * count elements.
 
-    The first pass over a row of at most ROW_CACHE texels copies it into the private array
-    `cache`; the later passes read the copy. A strided view (no raw texture of its own) is read
-    as four elements per texel.
+    The first pass over a row of at most ROW_CACHE texels copies it into a private array; the later
+    passes read the copy. A strided view (no raw texture of its own) is read as four elements per texel.
     """
 
     b: KernelBuilder
-    code: Code
     x: ir.Value
-    first: str  # C int expression, a multiple of 4
+    first: Expr  # a multiple of 4
     count: int
-    cache: str | None = None
-    _texture: tuple[str, Texture] | None = field(default=None, init=False)  # (argument, texture) for raw reads
-    _filled: bool = field(default=False, init=False)
+    _texture: tuple[Argument, Texture] | None = field(default=None, init=False)  # for raw reads
+    _cache: Var | None = field(default=None, init=False)  # the private copy, once made
 
     def __post_init__(self) -> None:
-        if self.count <= ROW_CACHE:
-            self.cache = self.b.fresh("row")
         if map_of(self.x).contiguous:  # a strided view is read element by element, through its map
-            self._texture = self.b.argument(self.x)
+            self._texture = self.b.input_argument(self.x)
 
-    def read(self, k: str) -> str:
-        """float4 C expression: texel `k` (a C int expression) read from the tensor."""
+    def read(self, k: Expr) -> Expr:
+        """Texel `k` read from the tensor."""
         if self._texture is not None:
-            arg, texture = self._texture
-            return self.b.read_texel(arg, texture, f"(({self.first}) >> 2) + ({k})")
-        index = f"({self.first}) + 4 * ({k})"
-        return f"(float4)({', '.join(self.b.load(self.x, f'{index} + {j}') for j in range(4))})"
+            argument, texture = self._texture
+            return self.b.texel(argument, texture, (self.first >> 2) + k)
+        index = self.first + 4 * k
+        return vector(FLOAT4, *(self.b.element(self.x, index + j) for j in range(4)))
 
-    def texel(self, k: str) -> str:
-        """Texel `k` as the latest pass left it: the private copy once made."""
-        return f"{self.cache}[{k}]" if self._filled else self.read(k)
-
-    def loop(self, body: Callable[[str, str], list[str]]) -> None:
-        """for each texel k: `body(texel, k)`; the first pass makes the private copy."""
-        k, v = self.b.fresh("k"), self.b.fresh("x")
-        copy = self.cache is not None and not self._filled
-        if copy:
-            self.code.emit(f"float4 {self.cache}[{self.count}];")
-        self.code.open(f"for (int {k} = 0; {k} < {self.count}; ++{k})")
-        self.code.emit(f"const float4 {v} = {self.read(k) if copy else self.texel(k)};")
-        if copy:
-            self.code.emit(f"{self.cache}[{k}] = {v};")
-        self.code.emit(*body(v, k))
-        self.code.close()
-        self._filled = self._filled or copy
+    def loop(self, block: Block, body: Callable[[Block, Expr], None]) -> None:
+        """for each texel: `body(loop body, texel)`; the first pass over a short row makes the private copy."""
+        copy = self._cache is None and self.count <= ROW_CACHE
+        cache = block.array("row", FLOAT4, self.count) if copy else self._cache
+        with block.loop("k", 0, self.count) as (k, each):
+            texel = each.let(self.read(k) if cache is None or copy else Element(cache, k), "x")
+            if copy:
+                each.assign(Element(cache, k), texel)
+            body(each, texel)
+        self._cache = cache
 
 
 # LayerNormalization --------------------------------------------------------------------------------
@@ -141,9 +131,19 @@ def _layer_norm_geometry(node: ir.Node) -> tuple[tuple[int, ...], int, int]:
     return shape, axis, numel(shape[axis:])
 
 
-def _row_statistics(b: KernelBuilder, code: Code, node: ir.Node, row_start: str) -> tuple[str, str]:
-    """Mean and 1/sqrt(var + eps) of the contiguous row starting at flat index `row_start`,
-    emitted into `code` (the lane loop or the per-texel prologue).
+def _constants(node: ir.Node) -> tuple[Expr, Expr]:
+    """(epsilon, elements per row) as float literals."""
+    _, _, count = _layer_norm_geometry(node)
+    return const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
+
+
+def _lanes_sum(v: Expr) -> Expr:
+    return v.lane(0) + v.lane(1) + v.lane(2) + v.lane(3)
+
+
+def _row_statistics(b: KernelBuilder, block: Block, node: ir.Node, row_start: Expr) -> tuple[Var, Var]:
+    """Mean and 1/sqrt(var + eps) of the contiguous row starting at flat index `row_start`, built into
+    `block` (the lane loop or the per-texel prologue).
 
     Two passes (mean, then centred squares) rather than E[x^2] - E[x]^2, which cancels badly
     when the mean is large next to the spread. A row of whole texels (its length a multiple of
@@ -151,54 +151,49 @@ def _row_statistics(b: KernelBuilder, code: Code, node: ir.Node, row_start: str)
     """
     x = node.inputs[0]
     _, _, count = _layer_norm_geometry(node)
-    epsilon = float_literal(float(attr(node, "epsilon", 1e-5)))
-    n = float_literal(float(count))
-    total, centred, mean, inv_std = b.fresh("sum"), b.fresh("sq"), b.fresh("mean"), b.fresh("inv")
+    epsilon, n = _constants(node)
     if count % 4 == 0:
-        row = _Row(b, code, x, row_start, count // 4)
-        code.emit(f"float4 {total} = (float4)(0.0f);")
-        row.loop(lambda v, k: [f"{total} += {v};"])
-        code.emit(f"const float {mean} = ({total}.x + {total}.y + {total}.z + {total}.w) / {n};",
-                  f"float4 {centred} = (float4)(0.0f);")
-        row.loop(lambda v, k: [f"{centred} += ({v} - {mean}) * ({v} - {mean});"])
-        code.emit(f"const float {inv_std} = rsqrt(({centred}.x + {centred}.y + {centred}.z + {centred}.w) / {n}"
-                  f" + {epsilon});")
-        return mean, inv_std
-    r = b.fresh("r")
-    code.emit(f"float {total} = 0.0f;",
-              f"for (int {r} = 0; {r} < {count}; ++{r}) {total} += {b.load(x, f'{row_start} + {r}')};",
-              f"const float {mean} = {total} / {n};",
-              f"float {centred} = 0.0f;",
-              f"for (int {r} = 0; {r} < {count}; ++{r}) {{",
-              f"  const float d = {b.load(x, f'{row_start} + {r}')} - {mean};",
-              f"  {centred} += d * d;",
-              "}",
-              f"const float {inv_std} = rsqrt({centred} / {n} + {epsilon});")
-    return mean, inv_std
+        row = _Row(b, x, row_start, count // 4)
+        total = block.mutable(vector(FLOAT4, 0.0), "sum")
+        row.loop(block, lambda each, v: each.assign(total, v, "+="))
+        mean = block.let(_lanes_sum(total) / n, "mean")
+        centred = block.mutable(vector(FLOAT4, 0.0), "sq")
+        row.loop(block, lambda each, v: each.assign(centred, (v - mean) * (v - mean), "+="))
+        return mean, block.let(call("rsqrt", _lanes_sum(centred) / n + epsilon), "inv")
+    total = block.mutable(const(0.0, FLOAT), "sum")
+    with block.loop("r", 0, count) as (r, each):
+        each.assign(total, b.element(x, row_start + r), "+=")
+    mean = block.let(total / n, "mean")
+    centred = block.mutable(const(0.0, FLOAT), "sq")
+    with block.loop("r", 0, count) as (r, each):
+        d = each.let(b.element(x, row_start + r) - mean, "d")
+        each.assign(centred, d * d, "+=")
+    return mean, block.let(call("rsqrt", centred / n + epsilon), "inv")
 
 
 def _has_statistics(node: ir.Node) -> bool:
     return len(node.outputs) >= 3 and all(o is not None and o.name for o in node.outputs[1:3])
 
 
-def _group_statistics(b: KernelBuilder, node: ir.Node, row_start: str) -> tuple[str, str]:
+def _group_statistics(b: KernelBuilder, node: ir.Node, row_start: Expr) -> tuple[Var, Var]:
     """`_row_statistics` shared by the work-group (`b.group_size`): each work-item folds every
     group_size-th element of the row, then the group merges the sums (mean first, then the
     centred squares) in __local memory."""
     x = node.inputs[0]
     _, _, count = _layer_norm_geometry(node)
-    epsilon = float_literal(float(attr(node, "epsilon", 1e-5)))
-    n = float_literal(float(count))
-    total, centred, mean, inv_std, r = (b.fresh(h) for h in ("sum", "sq", "mean", "inv", "r"))
-    loop = f"for (int {r} = lid; {r} < {count}; {r} += {b.group_size})"
-    b.emit(f"float {total} = 0.0f;", f"{loop} {total} += {b.load(x, f'{row_start} + {r}')};")
+    epsilon, n = _constants(node)
+    body = b.body
+    total = body.mutable(const(0.0, FLOAT), "sum")
+    with body.loop("r", b.lid, count, step=b.group_size) as (r, each):
+        each.assign(total, b.element(x, row_start + r), "+=")
     b.merge_across_group(total)
-    b.emit(f"const float {mean} = {total} / {n};", f"float {centred} = 0.0f;",
-           f"{loop} {{", f"  const float d = {b.load(x, f'{row_start} + {r}')} - {mean};",
-           f"  {centred} += d * d;", "}")
+    mean = body.let(total / n, "mean")
+    centred = body.mutable(const(0.0, FLOAT), "sq")
+    with body.loop("r", b.lid, count, step=b.group_size) as (r, each):
+        d = each.let(b.element(x, row_start + r) - mean, "d")
+        each.assign(centred, d * d, "+=")
     b.merge_across_group(centred)
-    b.emit(f"const float {inv_std} = rsqrt({centred} / {n} + {epsilon});")
-    return mean, inv_std
+    return mean, body.let(call("rsqrt", centred / n + epsilon), "inv")
 
 
 def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: list[ir.Value]) -> Kernel:
@@ -208,11 +203,11 @@ def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: l
     b = KernelBuilder(table, name, FAMILY, outputs)
     b.nodes.append(node.name)
     b.take_group()  # kernels/schedules.py: a work-group per row for a long row
-    row_start = b.temp("int", _flat(shape, OUT_INDEX, range(axis, len(shape))), "row")
+    row_start = b.body.let(_flat(shape, OUT_INDEX, range(axis, len(shape))), "row")
     if b.group_size is not None:
         mean, inv_std = _group_statistics(b, node, row_start)
     else:
-        mean, inv_std = _row_statistics(b, Code(b.lines), node, row_start)
+        mean, inv_std = _row_statistics(b, b.body, node, row_start)
     return b.finish([mean if out is node.outputs[1] else inv_std for out in outputs])
 
 
@@ -235,26 +230,24 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = KernelBuilder(table, group.name, FAMILY, [y])
     b.nodes.append(node.name)
     trailing = range(axis, len(shape))
+
+    def broadcast(v: ir.Value) -> Expr:
+        """`v` at the current element, numpy-broadcast to the input's shape."""
+        return b.element(v, broadcast_view_index(IndexMap.identity(static_shape(v)), shape, OUT_INDEX))
+
     if statistics:
-        stat_shape = static_shape(node.outputs[1])
-        stat_index = broadcast_index(stat_shape, shape, OUT_INDEX)
-        mean = b.temp("float", b.load(node.outputs[1], stat_index), "mean")
-        inv_std = b.temp("float", b.load(node.outputs[2], stat_index), "inv")
+        mean, inv_std = b.body.let(broadcast(node.outputs[1]), "mean"), b.body.let(broadcast(node.outputs[2]), "inv")
     elif count % 4 == 0:
         # once per work-item, over the texels of one row it computes (kernels/schedules.py: _item_texels)
-        mean, inv_std = _row_statistics(b, Code(b.texel_lines), node, _flat(shape, TEXEL_INDEX, trailing))
+        mean, inv_std = _row_statistics(b, b.prologue, node, _flat(shape, TEXEL_INDEX, trailing))
     else:
-        row_start = b.temp("int", _flat(shape, OUT_INDEX, trailing), "row")
-        mean, inv_std = _row_statistics(b, Code(b.lines), node, row_start)
-    own = b.load(x, _flat(shape, OUT_INDEX))
+        row_start = b.body.let(_flat(shape, OUT_INDEX, trailing), "row")
+        mean, inv_std = _row_statistics(b, b.body, node, row_start)
+    own = b.element(x, _flat(shape, OUT_INDEX))
 
-    def affine(v: ir.Value) -> str:
+    def affine(v: ir.Value) -> Expr:
         """Scale or B at the current element: per channel, or broadcast over the normalised axes."""
-        if node.op_type == "InstanceNormalization":
-            return b.load(v, f"{OUT_INDEX}1")
-        return b.load(v, broadcast_index(static_shape(v), shape, OUT_INDEX))
+        return b.element(v, index_var(OUT_INDEX, 1)) if node.op_type == "InstanceNormalization" else broadcast(v)
 
-    result = f"(({own} - {mean}) * {inv_std} * {affine(scale)}"
-    if bias is not None:
-        result += f" + {affine(bias)}"
-    return kernels + [b.finish([result + ")"])]
+    result = (own - mean) * inv_std * affine(scale)
+    return kernels + [b.finish([result + affine(bias) if bias is not None else result])]

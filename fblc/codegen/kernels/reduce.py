@@ -17,17 +17,23 @@ the maximum, then the sum of exp(x - maximum).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, div_index, flat_index, mod_index, strides_of
+from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.indexing import index_var
+from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Var, call, const, div_index, flat_index, mod_index, \
+    select, vector
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.texel import COMPONENTS
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
+
+Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator; also (partial, partial)
 
 
 def reduced_axes(node: ir.Node) -> list[int]:
@@ -44,11 +50,11 @@ def reduced_axes(node: ir.Node) -> list[int]:
 
 @dataclass(frozen=True)
 class Folded:
-    """A reduction's result: `name` as later fold templates refer to it (a float4 when the fold ran
-    texel-wise in the per-texel prologue), `lane` as the lane loop reads it."""
+    """A reduction's result: `value` as a later fold reads it (a float4 when the fold ran texel-wise
+    in the per-texel prologue), `lane` as the lane loop reads it."""
 
-    name: str
-    lane: str
+    value: Var
+    lane: Expr
 
 
 def texel_wise(b: KernelBuilder, shape: tuple[int, ...], axes: list[int]) -> bool:
@@ -69,92 +75,87 @@ def _suffix_run(shape: list[int], axes: list[int]) -> tuple[int, int]:
     return axis + 1, run if axis < len(shape) - 1 else 0
 
 
-def _loop_index(r: str, sizes: list[int], strides: list[int]) -> str:
-    """C index of step `r` of a loop over `sizes` (row-major) whose axes move by `strides`."""
+def _loop_index(r: Expr, sizes: list[int], strides: list[int]) -> Expr:
+    """Index of step `r` of a loop over `sizes` (row-major) whose axes move by `strides`."""
     loop_strides = strides_of(sizes)
     terms = []
     for k, (size, stride) in enumerate(zip(sizes, strides)):
         part = div_index(r, loop_strides[k])
-        if k > 0:
-            part = mod_index(part, size)
-        terms.append((part, stride))
+        terms.append((mod_index(part, size) if k > 0 else part, stride))
     return flat_index(terms)
 
 
-def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: str,
-                   start: str, merge: str = "{a} + {b}", **earlier: Folded) -> Folded:
-    """C that folds `source` over `axes` for the current output element.
+def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Combine,
+                   start: float, merge: Combine = lambda p, q: p + q) -> Folded:
+    """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`.
 
-    `combine` is a C template over `acc` and `x` (e.g. "acc + x") and the `earlier` folds by
-    keyword; `merge` joins two partial accumulators `a` and `b`. With `b.group_size` the
-    group's work-items fold every group_size-th step from their `lid`, then merge their
-    partials in a tree in __local memory.
+    `merge` joins two partial accumulators. With `b.group_size` the group's work-items fold every
+    group_size-th step from their `lid`, then merge their partials in a tree in __local memory.
     """
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
     count = numel([shape[a] for a in axes])
-    acc, r = b.fresh("acc"), b.fresh("r")
     group = b.group_size
-    first, step = ("lid", str(group)) if group else ("0", "1")
-    names = {key: fold.name for key, fold in earlier.items()}
-    whole_texels = b.constant_scalar(source) is None and map_of(source).contiguous
+    first, step = (b.lid, group) if group else (const(0), 1)
+    whole_texels = b.constant_value(source) is None and map_of(source).contiguous
 
-    def base_of(prefix: str) -> str:
-        return flat_index([(f"{prefix}{a if keepdims else kept.index(a)}", strides[a]) for a in kept])
+    def base_of(prefix: str) -> Expr:
+        return flat_index([(index_var(prefix, a if keepdims else kept.index(a)), strides[a]) for a in kept])
 
     if whole_texels and texel_wise(b, shape, axes):  # in the prologue, from the texel's first element
-        arg, texture = b.argument(source)
-        offset = _loop_index(r, [shape[a] for a in axes], [strides[a] // 4 for a in axes])
-        b.emit_texel(f"float4 {acc} = (float4)({start});",
-                     f"for (int {r} = {first}; {r} < {count}; {r} += {step}) {{",
-                     f"  const float4 x = {b.read_texel(arg, texture, f'(({base_of(TEXEL_INDEX)}) >> 2) + {offset}')};",
-                     f"  {acc} = {combine.format(acc=acc, **names)};",
-                     "}")
+        prologue = b.prologue
+        argument, texture = b.input_argument(source)
+        acc = prologue.mutable(vector(FLOAT4, const(start, FLOAT)), "acc")
+        with prologue.loop("r", first, count, step=step) as (r, fold):
+            offset = _loop_index(r, [shape[a] for a in axes], [strides[a] // 4 for a in axes])
+            x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + offset), "x")
+            fold.assign(acc, combine(acc, x))
         if group:
-            for lane in COMPONENTS:
-                b.merge_across_group(f"{acc}.{lane}", merge, prologue=True)
-        return Folded(acc, f"lane_f({acc}, lane)")
-    base = b.temp("int", base_of(OUT_INDEX), "base")
+            for lane in range(4):
+                b.merge_across_group(acc.lane(lane), merge, prologue=True)
+        return Folded(acc, acc.lane(b.lane))
+    body = b.body
+    base = body.let(base_of(OUT_INDEX), "base")
+    acc = body.mutable(const(start, FLOAT), "acc")
     suffix, run = _suffix_run(shape, axes)
     if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes folded in turn
         outer = [a for a in axes if a < suffix]
         sizes, texel_strides = [shape[a] for a in outer] + [run // 4], [strides[a] // 4 for a in outer] + [1]
-        arg, texture = b.argument(source)
-        texel = b.read_texel(arg, texture, f"({base} >> 2) + {_loop_index(r, sizes, texel_strides)}")
-        b.emit(f"float {acc} = {start};",
-               f"for (int {r} = {first}; {r} < {count // 4}; {r} += {step}) {{",
-               f"  const float4 v = {texel};",
-               *(f"  {{ const float x = v.{lane}; {acc} = {combine.format(acc=acc, **names)}; }}"
-                 for lane in COMPONENTS),
-               "}")
+        argument, texture = b.input_argument(source)
+        with body.loop("r", first, count // 4, step=step) as (r, fold):
+            v = fold.let(b.texel(argument, texture, (base >> 2) + _loop_index(r, sizes, texel_strides)), "v")
+            for lane in range(4):
+                fold.assign(acc, combine(acc, fold.let(v.lane(lane), "x")))
     elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
         outer = [a for a in axes if a < suffix]
-        inner = b.fresh("ri")
         deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
-        inner_first, inner_step = (first, step) if deal_inner else ("0", "1")
-        row = base
-        b.emit(f"float {acc} = {start};")
-        if outer:  # a loop over the runs (one run alone needs none)
-            row = b.fresh("row")
-            outer_first, outer_step = ("0", "1") if deal_inner else (first, step)
-            offset = _loop_index(r, [shape[a] for a in outer], [strides[a] for a in outer])
-            b.emit(f"for (int {r} = {outer_first}; {r} < {count // run}; {r} += {outer_step}) {{",
-                   f"const int {row} = {base} + {offset};")
-        b.emit(f"for (int {inner} = {inner_first}; {inner} < {run}; {inner} += {inner_step}) {{",
-               f"  const float x = {b.load(source, f'{row} + {inner}')};",
-               f"  {acc} = {combine.format(acc=acc, **names)};",
-               "}", *(["}"] if outer else []))
+        inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
+        if not outer:  # one run alone needs no loop over the runs
+            _fold_run(body, b, source, base, run, acc, combine, inner_first, inner_step)
+        else:
+            outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
+            with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
+                row = runs.let(base + _loop_index(r, [shape[a] for a in outer], [strides[a] for a in outer]), "row")
+                _fold_run(runs, b, source, row, run, acc, combine, inner_first, inner_step)
     else:
-        index = _loop_index(r, [shape[a] for a in axes], [strides[a] for a in axes])
-        b.emit(f"float {acc} = {start};",
-               f"for (int {r} = {first}; {r} < {count}; {r} += {step}) {{",
-               f"  const float x = {b.load(source, f'{base} + {index}' if axes else base)};",
-               f"  {acc} = {combine.format(acc=acc, **names)};",
-               "}")
+        with body.loop("r", first, count, step=step) as (r, fold):
+            index = base + _loop_index(r, [shape[a] for a in axes], [strides[a] for a in axes]) if axes else base
+            fold.assign(acc, combine(acc, fold.let(b.element(source, index), "x")))
     if group:
         b.merge_across_group(acc, merge)
     return Folded(acc, acc)
+
+
+def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: int, acc: Var, combine: Combine,
+              first: Expr, step: int) -> None:
+    """acc = combine(acc, x) over the `run` consecutive elements of `source` from flat index `row`."""
+    with block.loop("ri", first, run, step=step) as (inner, fold):
+        fold.assign(acc, combine(acc, fold.let(b.element(source, row + inner), "x")))
+
+
+def _fmax(a: Expr, x: Expr) -> Expr:
+    return call("fmax", a, x)
 
 
 @register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
@@ -165,20 +166,20 @@ def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = KernelBuilder(table, group.name, "reduction", group.outputs)
     b.nodes.append(node.name)
     shape = static_shape(node.inputs[0])
+    source = node.inputs[0]
     b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
-        acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY", "fmax({a}, {b})")
-        return [b.finish([acc.lane])]
+        return [b.finish([reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax).lane])]
     if node.op_type == "ReduceLogSumExp":  # max first: exp(x - max) cannot overflow
-        peak = reduction_loop(b, node.inputs[0], axes, keepdims, "fmax({acc}, x)", "-INFINITY", "fmax({a}, {b})")
-        total = reduction_loop(b, node.inputs[0], axes, keepdims, "{acc} + exp(x - {peak})", "0.0f", peak=peak)
+        peak = reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax)
+        total = reduction_loop(b, source, axes, keepdims, lambda a, x: a + call("exp", x - peak.value), 0.0)
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
-        return [b.finish([f"({peak.lane} == -INFINITY ? -INFINITY : {peak.lane} + log({total.lane}))"])]
+        none = const(-math.inf, FLOAT)
+        return [b.finish([select(peak.lane.eq(none), none, peak.lane + call("log", total.lane))])]
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
-        acc = reduction_loop(b, node.inputs[0], axes, keepdims, "fma(x, x, {acc})", "0.0f")
-        return [b.finish([f"sqrt({acc.lane})"])]
-    acc = reduction_loop(b, node.inputs[0], axes, keepdims, "{acc} + x", "0.0f").lane
+        acc = reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0)
+        return [b.finish([call("sqrt", acc.lane)])]
+    total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0).lane
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
-        count = numel([shape[a] for a in axes]) or 1
-        acc = f"({acc} / {float(count)}f)"
-    return [b.finish([acc])]
+        total_lane = total_lane / const(float(numel([shape[a] for a in axes]) or 1), FLOAT)
+    return [b.finish([total_lane])]
