@@ -159,7 +159,6 @@ def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile
     the lanes share. `prefix` names the index variables of the tile's first output.
     """
     window, xs, ws = cs.window, cs.xs, cs.ws
-
     block = Block(b.numbering, code.lines)  # type: ignore[arg-type]
 
     def var(axis: int) -> str:
@@ -407,6 +406,5 @@ def affine(index: Expr, scale: int, offset: int) -> Expr:
 
 
 def c_name(expr: Expr) -> str:
-    """Transition only: texel.py's Term, Loop and Mask still take C (a variable's name, an index); this
-    gives them an IR expression's, pinned so the renderer keeps the variables that C reads."""
+    """Transition only: the C of `expr` for texel.py's Term, Loop and Mask, which still take C (pins its variables)."""
     return format(expr)

@@ -17,6 +17,7 @@ input gradient), the aligned path stacks output rows of a stride-1 axis instead 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -129,10 +130,7 @@ def _transpose_taps(block: Block, ts: _TransposeShape, prefix: str, axis: int) -
     if (length - 1 + pad) // s >= n:
         conditions.append(numerator.lt(n * s))
     if conditions:
-        condition = conditions[0]
-        for more in conditions[1:]:
-            condition = condition.logical_and(more)
-        with block.when(condition) as block:
+        with block.when(functools.reduce(lambda a, b: a.logical_and(b), conditions)) as block:
             pass
     source = block.let(div_index(numerator, s), "y") if s > 1 else numerator
     return block, tap, source
