@@ -26,7 +26,6 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import Kernel
-from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, Block, Expr, Var, const, div_index, mod_index
 from fblc.codegen.reads import statements_of
@@ -54,6 +53,7 @@ from fblc.codegen.kernels.texel import (
     Term,
 )
 from fblc.codegen.textures import TextureTable
+from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
 
 
