@@ -43,7 +43,9 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
-from fblc.codegen.cl import Kernel, div_index, index_vars, strides_of
+from fblc.codegen.cl import Kernel
+from fblc.codegen.indexing import declare_index, index_var
+from fblc.codegen.ir import FLOAT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
 from fblc.codegen.reads import ValueReads
@@ -65,7 +67,7 @@ from fblc.codegen.kernels.texel import (
     Term,
 )
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.index_map import map_of, view_root
+from fblc.compiler.index_map import map_of, row_major_strides as strides_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
 from fblc.profiles.profile import PRIVATE_FLOATS
@@ -156,15 +158,16 @@ def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile
     the lanes share. `prefix` names the index variables of the tile's first output.
     """
     window, xs, ws = cs.window, cs.xs, cs.ws
+    block = Block(b.numbering, code.lines)  # type: ignore[arg-type]
 
     def var(axis: int) -> str:
-        return f"{prefix}{axis}"
+        return c_name(index_var(prefix, axis))
 
     x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     group_rows = cs.groups > 1 and cs.cg_out == 1  # each of a channel tile's rows is a group of its own
     if cs.groups > 1:
-        group = div_index(var(1), cs.cg_out)
-        x_terms.append(Term(group, cs.cg_in * xs[1], tile.rows if group_rows else 1))
+        group = div_index(index_var(prefix, 1), cs.cg_out)
+        x_terms.append(Term(c_name(group), cs.cg_in * xs[1], tile.rows if group_rows else 1))
     first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
     w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
@@ -183,14 +186,12 @@ def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile
                 tap = b.fresh("k")
                 loops.append(Loop.over(tap, "0", str(high - low), d * x_step, w_step, high - low))
             continue
-        origin = b.fresh("y")
-        code.emit(f"const int {origin} = {affine(var(2 + axis), s, -pad)};")
-        x_terms.append(Term(origin, x_step))
+        origin = block.let(affine(index_var(prefix, 2 + axis), s, -pad), "y")
+        x_terms.append(Term(c_name(origin), x_step))
         tap = b.fresh("k")
         if pad > 0 or (o - 1) * s - pad + (k - 1) * d >= n:
-            low, high = b.fresh("lo"), b.fresh("hi")
-            code.emit(*_tap_range(origin, low, high, k, d, n))
-            loops.append(Loop.over(tap, low, high, d * x_step, w_step, k))
+            low, high = _tap_range(block, origin, k, d, n)
+            loops.append(Loop.over(tap, c_name(low), c_name(high), d * x_step, w_step, k))
         elif k > 1:
             loops.append(Loop.over(tap, "0", str(k), d * x_step, w_step, k))
     if masked is None:  # no spatial taps to block: only channels
@@ -296,20 +297,20 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
     return None
 
 
-def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list[str]:
-    """Taps t in [low, high) with 0 <= origin + t * d < n."""
+def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, Var]:
+    """(low, high) declared in `block`: the taps t in [low, high) with 0 <= origin + t * d < n."""
     if d == 1:
-        return [f"const int {low} = max(0, -{origin});", f"const int {high} = min({k}, {n} - {origin});"]
+        return block.let(call("max", 0, -origin), "lo"), block.let(call("min", k, n - origin), "hi")
     # the numerators as non-negative indices (div_index); a non-positive one gives high 0, an empty range
-    return [f"const int {low} = {origin} < 0 ? {div_index(f'(-{origin} + {d - 1})', d)} : 0;",
-            f"const int {high} = min({k}, {div_index(f'max(0, {n} - {origin} + {d - 1})', d)});"]
+    low = block.let(select(origin.lt(0), div_index(-origin + (d - 1), d), 0), "lo")
+    return low, block.let(call("min", k, div_index(call("max", 0, n - origin + (d - 1)), d)), "hi")
 
 
 def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) -> tuple[str, str]:
     """(texel, lane) index-variable prefixes; a flattened view declares its own lane variables."""
     if not flattened:
         return TEXEL_INDEX, OUT_INDEX
-    b.emit(*index_vars(out_shape, "i", FLAT_INDEX))
+    declare_index(b.body, out_shape, b.flat, FLAT_INDEX)
     return FLAT_TEXEL_INDEX, FLAT_INDEX
 
 
@@ -352,7 +353,7 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length, rows, step, columns = plan.row
         width = LANES * columns  # positions of a tile row
-        acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
+        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
                              texels(_Tile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),
                              lambda code: reduce_lane(b, code, per_lane), rows * width)
     else:
@@ -391,12 +392,18 @@ def _last_tap_axis(cs: _ConvShape) -> int | None:
     return taps[-1] if taps else None
 
 
-def add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
+def add_bias(b: KernelBuilder, node: ir.Node, acc: str | Var) -> None:
+    """acc += the conv's bias at the output channel (`acc`: named by contraction.py while it writes C)."""
     if len(node.inputs) > 2 and node.inputs[2] is not None:
-        b.emit(f"{acc} += {b.load_channel(node.inputs[2])};")
+        b.body.assign(acc if isinstance(acc, Var) else b.named(acc, FLOAT), b.channel(node.inputs[2]), "+=")
 
 
-def affine(var: str, scale: int, offset: int) -> str:
-    """`var * scale + offset` as C, without the no-op parts."""
-    text = var if scale == 1 else f"{var} * {scale}"
-    return text if offset == 0 else f"{text} {'+' if offset > 0 else '-'} {abs(offset)}"
+def affine(index: Expr, scale: int, offset: int) -> Expr:
+    """`index * scale + offset`, without the no-op parts."""
+    scaled = index if scale == 1 else index * scale
+    return scaled if offset == 0 else (scaled + offset if offset > 0 else scaled - (-offset))
+
+
+def c_name(expr: Expr) -> str:
+    """Transition only: the C of `expr` for texel.py's Term, Loop and Mask, which still take C (pins its variables)."""
+    return format(expr)

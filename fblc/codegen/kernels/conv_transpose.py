@@ -17,6 +17,7 @@ input gradient), the aligned path stacks output rows of a stride-1 axis instead 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,11 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
-from fblc.codegen.cl import Kernel, div_index, mod_index, strides_of
+from fblc.codegen.cl import Kernel
+from fblc.codegen.indexing import index_var
+from fblc.codegen.ir import FLOAT, Block, Expr, Var, const, div_index, mod_index
+from fblc.codegen.reads import statements_of
+from fblc.codegen.render.opencl import render_opening
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
     Stream,
@@ -35,7 +40,7 @@ from fblc.codegen.kernels.contraction import (
     reduce_into,
     start_builder,
 )
-from fblc.codegen.kernels.conv import CHANNEL_BLOCK, add_bias, affine, view_indices
+from fblc.codegen.kernels.conv import CHANNEL_BLOCK, add_bias, affine, c_name, view_indices
 from fblc.codegen.kernels.texel import (
     LANES,
     Blocked,
@@ -47,6 +52,7 @@ from fblc.codegen.kernels.texel import (
     Term,
 )
 from fblc.codegen.textures import TextureTable
+from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
 
 
@@ -97,39 +103,36 @@ def _transpose_shape(node: ir.Node) -> _TransposeShape:
                            strides, dilations, pads)
 
 
-def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: int) -> tuple[list[str], str, str]:
-    """Lines entering the taps of spatial `axis` that hit an input pixel; the tap and input index variables.
+def _transpose_taps(block: Block, ts: _TransposeShape, prefix: str, axis: int) -> tuple[Block, Expr | None, Expr]:
+    """Enter, in `block`, the taps of spatial `axis` that hit an input pixel: (the block inside, the
+    tap (None: one tap), the input index).
 
-    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n. The lines
-    open a tap loop (when k > 1) and an `if` on the conditions that can fail; every line
-    ending in '{' opens a C block. Without dilation the loop walks only the taps t = o + pad
-    (mod s), whose numerator s divides: a stride-2 transpose's 3 taps are 1 or 2.
+    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n: a tap loop (when
+    k > 1) and an `if` on the conditions that can fail. Without dilation the loop walks only the
+    taps t = o + pad (mod s), whose numerator s divides: a stride-2 transpose's 3 taps are 1 or 2.
     """
     k, s, d = ts.kernel[axis], ts.strides[axis], ts.dilations[axis]
     n, pad, length = ts.x_shape[2 + axis], ts.pads[axis], ts.out_shape[2 + axis]
-    shifted = f"({affine(f'{prefix}{2 + axis}', 1, pad)})" if pad else f"{prefix}{2 + axis}"
-    lines: list[str] = []
-    tap, numerator = "0", shifted
+    shifted = affine(index_var(prefix, 2 + axis), 1, pad)
+    tap: Var | None = None
+    numerator: Expr = shifted
     stepped = s > 1 and d == 1 and k > 1  # o + pad >= 0: its remainder is the first tap
     if k > 1:
-        tap, numerator = b.fresh("k"), b.fresh("q")
-        first, step = (mod_index(shifted, s), s) if stepped else ("0", 1)
-        lines += [f"for (int {tap} = {first}; {tap} < {k}; {tap} += {step}) {{",
-                  f"const int {numerator} = {shifted} - {affine(tap, d, 0)};"]
+        first, step = (mod_index(shifted, s), s) if stepped else (const(0), 1)
+        with block.loop("k", first, k, step=step) as (tap, block):
+            numerator = block.let(shifted - affine(tap, d, 0), "q")
     conditions = []
     if pad - (k - 1) * d < 0:
-        conditions.append(f"{numerator} >= 0")
+        conditions.append(numerator.ge(0))
     if s > 1 and not stepped:
-        conditions.append(f"{mod_index(numerator, s)} == 0")  # after '>= 0': a non-negative index
+        conditions.append(mod_index(numerator, s).eq(0))  # after '>= 0': a non-negative index
     if (length - 1 + pad) // s >= n:
-        conditions.append(f"{numerator} < {n * s}")
+        conditions.append(numerator.lt(n * s))
     if conditions:
-        lines.append(f"if ({' && '.join(conditions)}) {{")
-    source = numerator
-    if s > 1:
-        source = b.fresh("y")
-        lines.append(f"const int {source} = {div_index(numerator, s)};")
-    return lines, tap, source
+        with block.when(functools.reduce(lambda a, b: a.logical_and(b), conditions)) as block:
+            pass
+    source = block.let(div_index(numerator, s), "y") if s > 1 else numerator
+    return block, tap, source
 
 
 def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: int, lanes: int, multiple: int,
@@ -142,26 +145,29 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
     taps are unrolled too (_spatial_rows); lane = row * lanes + position."""
     count, row_step = rows
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    g = div_index(f"{u}1", ts.cg_out)
-    x_terms = ([Term(f"{u}0", xs[0])] if ts.x_shape[0] > 1 else []) + (
+    channel = index_var(u, 1)
+    g = c_name(div_index(channel, ts.cg_out))
+    x_terms = ([Term(c_name(index_var(u, 0)), xs[0])] if ts.x_shape[0] > 1 else []) + (
         [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
-        [Term(mod_index(f"{u}1", ts.cg_out) if ts.groups > 1 else f"{u}1", ws[1])] if ts.cg_out > 1 else [])
+        [Term(c_name(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel), ws[1])] if ts.cg_out > 1 else [])
     loops = []
     for axis in range(len(ts.kernel)):
         if axis not in (lane, row_axis):
-            lines, tap, source = _transpose_taps(b, ts, u, axis)
-            loops.append(Loop(lines, [Term(source, xs[2 + axis])] if ts.x_shape[2 + axis] > 1 else [],
-                              [Term(tap, ws[2 + axis])] if tap != "0" else [], ts.kernel[axis]))
+            nest = Block(b.numbering)
+            _, tap, source = _transpose_taps(nest, ts, u, axis)
+            loops.append(Loop(render_opening(nest.statements),
+                              [Term(c_name(source), xs[2 + axis])] if ts.x_shape[2 + axis] > 1 else [],
+                              [Term(c_name(tap), ws[2 + axis])] if tap is not None else [], ts.kernel[axis]))
     k, s, d = ts.kernel[lane], ts.strides[lane], ts.dilations[lane]
     n, pad, length = ts.x_shape[2 + lane], ts.pads[lane], ts.out_shape[2 + lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
-    origin = div_index(f"{u}{2 + lane}", s)  # o / s: a multiple of multiple / s
+    origin = c_name(div_index(index_var(u, 2 + lane), s))  # o / s: a multiple of multiple / s
     x_terms.append(Term(origin, x_step, multiple // s))
     mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
     row_mask, row_taps = None, [(0, 0)]  # (input row from the output row, W offset) of each row tap
     if row_axis is not None:
-        first, k_y, d_y = f"{u}{2 + row_axis}", ts.kernel[row_axis], ts.dilations[row_axis]
+        first, k_y, d_y = c_name(index_var(u, 2 + row_axis)), ts.kernel[row_axis], ts.dilations[row_axis]
         row_mask = Mask([Term(first, 1, count)], 0, ts.out_shape[2 + row_axis] - count, ts.x_shape[2 + row_axis])
         x_terms.append(Term(first, xs[2 + row_axis], count))
         row_taps = [(ts.pads[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
@@ -231,14 +237,12 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         width = LANES * columns  # positions of a tile row
         if plan.flat:
             b.emit_texel(*b.item_index_vars(view.out_shape, texel))
-        acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
+        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
                              lambda code: _transpose_reduction(b, view, texel, axis - 2, width, stride,
                                                                (count, step)),
                              lambda code: _transpose_per_lane(b, view, code, lane), width * count)
     else:
-        acc = b.fresh("acc")
-        b.emit(f"float {acc} = 0.0f;")
-        b.emit(f"{acc} = {_transpose_per_lane(b, view, Code(b.lines), lane)};")
+        acc = _transpose_per_lane(b, view, Code(b.lines), lane)
     add_bias(b, node, acc)
     return finish_group(b, group, acc)
 
@@ -259,30 +263,28 @@ def _pointwise(ts: _TransposeShape) -> _TransposeShape:
                            ts.groups, ts.cg_in, ts.cg_out, (1,), (1,), (1,), [0])
 
 
-def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape, code: Code, o: str) -> str:
+def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape, code: Code, o: str) -> Var:
     """One lane, one output element: guarded tap loops around a dot product over input channels.
 
-    Emits into `code` (in the lane loop; `o` names the output index variables); returns the sum's name.
+    Builds into `code`'s statements (in the lane loop; `o` names the output index variables); returns the sum.
     """
-    acc = b.fresh("acc")
-    code.emit(f"float {acc} = 0.0f;")
+    block = Block(b.numbering, code.lines)  # type: ignore[arg-type]
+    acc = block.mutable(const(0.0, FLOAT), "acc")
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    g = div_index(f"{o}1", ts.cg_out) if ts.groups > 1 else "0"
-    local = mod_index(f"{o}1", ts.cg_out) if ts.groups > 1 else f"{o}1"
-    x_terms = index_terms([f"{o}0", g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
+    channel = index_var(o, 1)
+    g = c_name(div_index(channel, ts.cg_out)) if ts.groups > 1 else "0"
+    local = c_name(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel)
+    x_terms = index_terms([c_name(index_var(o, 0)), g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
     w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ws[0], ws[1]])
-    depth = code.depth
     for axis in range(len(ts.kernel)):
-        lines, tap, source = _transpose_taps(b, ts, o, axis)
-        for line in lines:
-            if line.endswith("{"):
-                code.open(line[:-1].rstrip())
-            else:
-                code.emit(line)
-        if tap != "0":
-            w_terms.append((tap, ws[2 + axis]))
-        x_terms += index_terms([source], [ts.x_shape[2 + axis]], [xs[2 + axis]])
-    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, xs[1]), Stream(ts.w, w_terms, ws[0])), "  " * code.depth)
-    while code.depth > depth:
-        code.close()
+        block, tap, source = _transpose_taps(block, ts, o, axis)
+        if tap is not None:
+            w_terms.append((c_name(tap), ws[2 + axis]))
+        x_terms += index_terms([c_name(source)], [ts.x_shape[2 + axis]], [xs[2 + axis]])
+    lane_loop, b.lines = b.lines, []  # dot_loop (contraction.py) still emits C through b
+    try:
+        dot_loop(b, c_name(acc), ts.cg_in, (Stream(ts.x, x_terms, xs[1]), Stream(ts.w, w_terms, ws[0])))
+        block.add(*statements_of(b.lines))
+    finally:
+        b.lines = lane_loop
     return acc
