@@ -107,11 +107,11 @@ def _written_group(body: str) -> tuple[int, int, int] | None:
     if "get_group_id(0)" not in body:
         assert "get_local_id(" not in body and "barrier(" not in body, body[:200]
         return None
-    items = int(re.findall(r"if \([tg] >= (\d+)\) return;", body)[0])
-    tiles = re.search(r"= get_group_id\(0\) \* (\d+) \+ ", body)
+    items = int(re.findall(r"if \(\(?[tg] >= (\d+)\)?\) \{?\s*return;", body)[0])
+    tiles = re.search(r"get_group_id\(0\) \* (\d+)\)? \+ ", body)
     groups = {int(step) for step in re.findall(r"\(int \w+ = lid; \w+ < \d+; \w+ \+= (\d+)\)", body)}
-    groups |= {2 * int(half) for half in re.findall(r"for \(int s = (\d+); s > 0; s >>= 1\)", body)}
-    groups |= {int(group) for group in re.findall(r"shared\[j \* (\d+) \+ lid\]", body)}
+    groups |= {2 * int(half) for _, half in re.findall(r"for \(int (s\w*) = (\d+); \(?\1 > 0\)?; \1 >>= 1\)", body)}
+    groups |= {int(group) for group in re.findall(r"shared\[\(*j\w* \* (\d+)\)? \+ lid\]", body)}
     assert len(groups) == 1, (groups, body[:200])
     return items, groups.pop(), int(tiles.group(1)) if tiles else 1
 
