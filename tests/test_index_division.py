@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fblc.codegen.cl import PREAMBLE
+from fblc.codegen.render.preamble import PREAMBLE
 from fblc.texel_layout import TexelLayout, div_index, mod_index, reciprocal
 
 DIVISORS = [3, 5, 6, 7, 9, 36, 96, 160, 960, 1000, 2304, 12544, 65535, 65537, 999_999_937, 2**31 - 1]

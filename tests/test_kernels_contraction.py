@@ -362,11 +362,11 @@ def _accumulates(kernel: Any, lanes: int) -> bool:
 
 
 def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
-    """A depthwise 3x3 conv over 8x8 maps: a work-item computes 4 output rows of 8 (32 accumulators)
-    and reads each of the 6 input rows they see once, 2 texels each: 12 reads of x where 4 rows
+    """A depthwise 3x3 conv over 8x8 maps: a work-item computes 4 output rows of 8 (32 accumulators, 8
+    texels) and reads each of the 6 input rows they see once, 2 texels each: 12 reads of x where 4 rows
     apart would read 3 rows each, 24; its input gradient (a ConvTranspose) takes the same tile. Where
     no row count divides the height (5), or the kernel does not overlap along it (1 tap), a
-    work-item keeps one row."""
+    work-item keeps one row (2 texels)."""
     kernels = _conv_kernels(tmp_path, "rows", (1, 4, 8, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1])
     x_reads = [load.argument.name for load in of_type(kernels["forward"], kir.Load)]
     assert x_reads.count(x_reads[0]) == 12

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 _DEFINITION = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)\s*\{")
-#: fblc's texture argument macros (fblc/codegen/cl.py's preamble) and what they declare on a phone
+#: fblc's texture argument macros (fblc/codegen/render/preamble.py) and what they declare on a phone
 _IMAGE_ARGUMENT = re.compile(r"\bIMAGE_(IN|OUT)\(\s*\w+\s*,\s*(\w+)\s*\)")
 _ACCESS = {"IN": "read_only", "OUT": "write_only"}
 #: ops that only move or copy elements, by either compiler's spelling (lower case; multi-word first)

@@ -18,9 +18,11 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.bundle_format import FLOAT_FORMATS
-from fblc.codegen.cl import PREAMBLE, Kernel
+from fblc.codegen.cl import Kernel
+from fblc.codegen import ir as kir
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.kernels.schedules import decide_schedules, mask4_layouts
+from fblc.codegen.render.source import assemble_source
 from fblc.codegen.schedule import Schedule
 from fblc.codegen.textures import Texture, TextureTable, to_texels
 from fblc.compiler import keys
@@ -141,7 +143,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
                                                     "offset": index_map.offset}
     program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps,
                       schedules={k.name: table.schedules[k.name].record() for k in kernels})
-    _assemble_source(program)
+    share_kernels(program.kernels)
+    program.source, program.kernel_lines = assemble_source(program.kernels, [t.layout for t in program.textures])
     return program
 
 
@@ -166,29 +169,19 @@ def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping
     return decide
 
 
-def _assemble_source(program: Program) -> None:
-    """kernels.cl: one __kernel per distinct body; launches of identical bodies share it.
+def share_kernels(kernels: list[Kernel]) -> None:
+    """Set each kernel's `function`: its own name, or that of the first kernel with equal IR (the same
+    arguments and body; names aside), whose __kernel its launches then share.
 
     Optimizer updates and backward pieces of same-shaped tensors repeat exactly; building each
     once shortens the OpenCL compile, which on some drivers dominates start-up.
     """
-    lines = PREAMBLE.splitlines()
-    rtile = {t.layout.c_function: t.layout for t in program.textures if t.layout.kind == "rtile"}
-    lines += [line for name in sorted(rtile) for line in rtile[name].c_definition().splitlines()]
-    arguments = max((len(k.inputs) for k in program.kernels), default=0)
-    lines += ["#ifdef FBLC_TRACE"] + [f"#define ARG_in{k} {k}" for k in range(arguments)] + ["#endif"]
-    by_body: dict[str, str] = {}
-    for kernel in program.kernels:
-        body = kernel.source.replace(f"void {kernel.name}(", "void KERNEL(", 1)
-        shared = by_body.get(body)
-        if shared is not None:
-            kernel.function = shared
-            program.kernel_lines[kernel.name] = program.kernel_lines[shared]
-            continue
-        by_body[body] = kernel.function = kernel.name
-        start = len(lines) + 1
-        lines.append(f"// {kernel.family}: {', '.join(kernel.nodes)}"[:400])
-        lines.extend(kernel.source.splitlines())
-        program.kernel_lines[kernel.name] = (start, len(lines))
-        lines.append("")
-    program.source = "\n".join(lines) + "\n"
+    firsts: dict[tuple[kir.Argument, ...], list[Kernel]] = {}
+    for kernel in kernels:
+        body = kernel.ir
+        assert isinstance(body, kir.KernelIR), f"{kernel.name} has no IR"
+        alike = firsts.setdefault(tuple(body.arguments), [])
+        first = next((k for k in alike if k.ir.body == body.body), None)  # type: ignore[attr-defined]
+        if first is None:
+            alike.append(kernel)
+        kernel.function = (first or kernel).name

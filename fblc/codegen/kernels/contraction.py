@@ -29,7 +29,7 @@ from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Break, Declare, 
                              call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
-from fblc.codegen.reads import ValueReads, statements_of
+from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import resolve_group
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
@@ -189,7 +189,7 @@ def reduce_guarded(b: KernelBuilder, guard: Expr, build: Build, fallback: Callab
     prologue = b.prologue
     whole = prologue.let(guard, "whole")
     accs = build(prologue).emit(b, prologue, lanes, whole)
-    prelude = statements_of(b.lines)  # the lane loop's own index variables so far (a flattened view's)
+    prelude = list(b.lines)  # the lane loop's own index variables so far (a flattened view's)
     outside = Block(b.numbering, b.lane_fallback)  # type: ignore[arg-type]
     leftover = outside.array("fb", FLOAT, LANES, [const(0.0, FLOAT)] * LANES)
     lane_body: list = []

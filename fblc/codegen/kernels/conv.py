@@ -43,7 +43,9 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
-from fblc.codegen.cl import Kernel, div_index, index_vars, strides_of
+from fblc.codegen.cl import Kernel
+from fblc.codegen.indexing import declare_index, index_var
+from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
 from fblc.codegen.reads import ValueReads
@@ -65,7 +67,7 @@ from fblc.codegen.kernels.texel import (
     Term,
 )
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.index_map import map_of, view_root
+from fblc.compiler.index_map import map_of, row_major_strides as strides_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
 from fblc.profiles.profile import PRIVATE_FLOATS
@@ -147,23 +149,24 @@ class _Tile:
         return self.batches * self.rows * self.y_rows * self.length
 
 
-def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
+def _conv_reduction(b: ValueReads, block: Block, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
                     ) -> Reduction:
     """The conv's reduction over input channels and taps for the lanes of `tile`.
 
     `masked` is the window axis whose taps are enumerated in static blocks, with masks at its
     borders (the tile's axis when it has one); the other axes loop over their tap ranges, which
-    the lanes share. `prefix` names the index variables of the tile's first output.
+    the lanes share. `prefix` names the index variables of the tile's first output; the tap ranges and
+    origins are declared into `block`.
     """
     window, xs, ws = cs.window, cs.xs, cs.ws
 
-    def var(axis: int) -> str:
-        return f"{prefix}{axis}"
+    def var(axis: int) -> Var:
+        return index_var(prefix, axis)
 
     x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     group_rows = cs.groups > 1 and cs.cg_out == 1  # each of a channel tile's rows is a group of its own
     if cs.groups > 1:
-        group = div_index(var(1), cs.cg_out)
+        group = div_index(index_var(prefix, 1), cs.cg_out)
         x_terms.append(Term(group, cs.cg_in * xs[1], tile.rows if group_rows else 1))
     first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
     w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
@@ -180,19 +183,16 @@ def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile
             x_offset += -pad * x_step + low * d * x_step
             w_offset += low * w_step
             if high - low > 1:
-                tap = b.fresh("k")
-                loops.append(Loop.over(tap, "0", str(high - low), d * x_step, w_step, high - low))
+                loops.append(Loop.over(block.var("k", INT), 0, high - low, d * x_step, w_step, high - low))
             continue
-        origin = b.fresh("y")
-        code.emit(f"const int {origin} = {affine(var(2 + axis), s, -pad)};")
+        origin = block.let(affine(index_var(prefix, 2 + axis), s, -pad), "y")
         x_terms.append(Term(origin, x_step))
-        tap = b.fresh("k")
+        tap = block.var("k", INT)
         if pad > 0 or (o - 1) * s - pad + (k - 1) * d >= n:
-            low, high = b.fresh("lo"), b.fresh("hi")
-            code.emit(*_tap_range(origin, low, high, k, d, n))
+            low, high = _tap_range(block, origin, k, d, n)
             loops.append(Loop.over(tap, low, high, d * x_step, w_step, k))
         elif k > 1:
-            loops.append(Loop.over(tap, "0", str(k), d * x_step, w_step, k))
+            loops.append(Loop.over(tap, 0, k, d * x_step, w_step, k))
     if masked is None:  # no spatial taps to block: only channels
         k, s, d, pad, x_step, w_step, n = 1, 1, 1, 0, 0, 0, 1
         mask = Mask([], 0, 0, 1)
@@ -205,7 +205,7 @@ def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile
         pad = window.pads_begin[masked]
         x_step, w_step = xs[2 + masked], ws[2 + masked]
     per_row = _block_products(cs, k, tile.lanes)
-    row_mask, row_taps, clamp_rows = _row_taps(b, tile, window, var, xs, ws, x_terms, loops, per_row)
+    row_mask, row_taps, clamp_rows = _row_taps(block, tile, window, var, xs, ws, x_terms, loops, per_row)
     clamp = clamp or clamp_rows
     y = tile.row_axis
 
@@ -229,7 +229,7 @@ def _conv_reduction(b: ValueReads, code: Code, cs: _ConvShape, prefix: str, tile
             product(lane, c, t, r) for c in channels for r in row_taps for t in range(k) for lane in lanes])
     else:
         if cs.cg_in > 1:
-            loops.append(Loop.over(b.fresh("c"), "0", str(cs.cg_in), xs[1], ws[1], cs.cg_in))
+            loops.append(Loop.over(block.var("c", INT), 0, cs.cg_in, xs[1], ws[1], cs.cg_in))
         blocked = Blocked(k, TAP_BLOCK, d * x_step, w_step, d, lambda taps: [
             product(lane, 0, t, r) for t in taps for r in row_taps for lane in lanes])
     return Reduction(x, w, blocked, loops, mask, row_mask)
@@ -241,7 +241,7 @@ def _block_products(cs: _ConvShape, k: int, lanes: int) -> int:
     return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
 
 
-def _row_taps(b: ValueReads, tile: _Tile, window: Window, var: Callable[[int], str], xs: Sequence[int],
+def _row_taps(block: Block, tile: _Tile, window: Window, var: Callable[[int], Var], xs: Sequence[int],
               ws: Sequence[int], x_terms: list[Term], loops: list[Loop], per_row: int
               ) -> tuple[Mask | None, range, bool]:
     """(row mask, row taps enumerated in the products, clamp) of a 2-D tile's `y_rows` along its
@@ -255,15 +255,15 @@ def _row_taps(b: ValueReads, tile: _Tile, window: Window, var: Callable[[int], s
     mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
     if k * per_row <= STATIC_PRODUCTS:
         return mask, range(k), clamp
-    tap = b.fresh("k")
-    loops.append(Loop.over(tap, "0", str(k), d * xs[2 + y], ws[2 + y], k))
+    tap = block.var("k", INT)
+    loops.append(Loop.over(tap, 0, k, d * xs[2 + y], ws[2 + y], k))
     return Mask(mask.terms + [Term(tap, d)], mask.low, mask.high + (k - 1) * d, mask.extent), range(1), clamp
 
 
-def _tap_mask(window: Window, axis: int, first: str, walked: int, multiple: int, x_terms: list[Term],
+def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int, x_terms: list[Term],
               x_step: int) -> tuple[Mask, bool]:
     """(mask, clamp) of window axis `axis` whose taps are enumerated: the positions of the tile's
-    `walked` outputs along it start at C variable `first` (a multiple of `multiple`), which joins
+    `walked` outputs along it start at index variable `first` (a multiple of `multiple`), which joins
     `x_terms` unless the tile covers the whole axis; clamp: the masked reads may leave the input."""
     k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
     n, pad, length = window.in_spatial[axis], window.pads_begin[axis], window.out_spatial[axis]
@@ -296,20 +296,20 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
     return None
 
 
-def _tap_range(origin: str, low: str, high: str, k: int, d: int, n: int) -> list[str]:
-    """Taps t in [low, high) with 0 <= origin + t * d < n."""
+def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, Var]:
+    """(low, high) declared in `block`: the taps t in [low, high) with 0 <= origin + t * d < n."""
     if d == 1:
-        return [f"const int {low} = max(0, -{origin});", f"const int {high} = min({k}, {n} - {origin});"]
+        return block.let(call("max", 0, -origin), "lo"), block.let(call("min", k, n - origin), "hi")
     # the numerators as non-negative indices (div_index); a non-positive one gives high 0, an empty range
-    return [f"const int {low} = {origin} < 0 ? {div_index(f'(-{origin} + {d - 1})', d)} : 0;",
-            f"const int {high} = min({k}, {div_index(f'max(0, {n} - {origin} + {d - 1})', d)});"]
+    low = block.let(select(origin.lt(0), div_index(-origin + (d - 1), d), 0), "lo")
+    return low, block.let(call("min", k, div_index(call("max", 0, n - origin + (d - 1)), d)), "hi")
 
 
 def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) -> tuple[str, str]:
     """(texel, lane) index-variable prefixes; a flattened view declares its own lane variables."""
     if not flattened:
         return TEXEL_INDEX, OUT_INDEX
-    b.emit(*index_vars(out_shape, "i", FLAT_INDEX))
+    declare_index(b.body, out_shape, b.flat, FLAT_INDEX)
     return FLAT_TEXEL_INDEX, FLAT_INDEX
 
 
@@ -339,26 +339,25 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b.numbering.count = max(b.numbering.count, plan.names_taken)
     texel, lane = view_indices(b, view.out_shape, plan.flat)
 
-    def per_lane(code: Code) -> Reduction:
-        return _conv_reduction(b, code, view, lane, _Tile(1, 1, None), _last_tap_axis(view))
+    def per_lane(block: Block) -> Reduction:
+        return _conv_reduction(b, block, view, lane, _Tile(1, 1, None), _last_tap_axis(view))
 
-    def texels(tile: _Tile, masked: int | None) -> Callable[[Code], Reduction]:
+    def texels(tile: _Tile, masked: int | None) -> Callable[[Block], Reduction]:
         if plan.flat:
-            b.emit_texel(*b.item_index_vars(view.out_shape, texel))
-        return lambda code: _conv_reduction(b, code, view, texel, tile, masked)
+            b.declare_item_index(b.prologue, view.out_shape, texel)
+        return lambda block: _conv_reduction(b, block, view, texel, tile, masked)
 
     if plan.tile is not None:
         acc = reduce_into(b, texels(plan.tile, plan.masked), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length, rows, step, columns = plan.row
         width = LANES * columns  # positions of a tile row
-        acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
+        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
                              texels(_Tile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),
-                             lambda code: reduce_lane(b, code, per_lane), rows * width)
+                             lambda block: reduce_lane(b, block, per_lane), rows * width)
     else:
         acc = reduce_into(b, per_lane, 1)
-    add_bias(b, node, acc)
-    return finish_group(b, group, acc)
+    return finish_group(b, group, add_bias(b, node, acc))
 
 
 def _pointwise(cs: _ConvShape) -> _ConvShape:
@@ -391,12 +390,15 @@ def _last_tap_axis(cs: _ConvShape) -> int | None:
     return taps[-1] if taps else None
 
 
-def add_bias(b: KernelBuilder, node: ir.Node, acc: str) -> None:
+def add_bias(b: KernelBuilder, node: ir.Node, acc: Expr) -> Expr:
+    """`acc` plus the conv's bias at the output channel, if it has one."""
     if len(node.inputs) > 2 and node.inputs[2] is not None:
-        b.emit(f"{acc} += {b.load_channel(node.inputs[2])};")
+        return acc + b.channel(node.inputs[2])
+    return acc
 
 
-def affine(var: str, scale: int, offset: int) -> str:
-    """`var * scale + offset` as C, without the no-op parts."""
-    text = var if scale == 1 else f"{var} * {scale}"
-    return text if offset == 0 else f"{text} {'+' if offset > 0 else '-'} {abs(offset)}"
+def affine(index: Expr, scale: int, offset: int) -> Expr:
+    """`index * scale + offset`, without the no-op parts."""
+    scaled = index if scale == 1 else index * scale
+    return scaled if offset == 0 else (scaled + offset if offset > 0 else scaled - (-offset))
+

@@ -17,6 +17,7 @@ input gradient), the aligned path stacks output rows of a stride-1 axis instead 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
-from fblc.codegen.cl import Kernel, div_index, mod_index, strides_of
+from fblc.codegen.cl import Kernel
+from fblc.codegen.indexing import index_var
+from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (
     Stream,
@@ -47,6 +50,7 @@ from fblc.codegen.kernels.texel import (
     Term,
 )
 from fblc.codegen.textures import TextureTable
+from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
 
 
@@ -97,39 +101,45 @@ def _transpose_shape(node: ir.Node) -> _TransposeShape:
                            strides, dilations, pads)
 
 
-def _transpose_taps(b: KernelBuilder, ts: _TransposeShape, prefix: str, axis: int) -> tuple[list[str], str, str]:
-    """Lines entering the taps of spatial `axis` that hit an input pixel; the tap and input index variables.
+def _transpose_taps(block: Block, ts: _TransposeShape, prefix: str, axis: int) -> Loop:
+    """The taps of spatial `axis` that hit an input pixel, as a loop whose X term is the input index
+    and whose W term is the tap (none: one tap); its variables are numbered by `block`.
 
-    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n. The lines
-    open a tap loop (when k > 1) and an `if` on the conditions that can fail; every line
-    ending in '{' opens a C block. Without dilation the loop walks only the taps t = o + pad
-    (mod s), whose numerator s divides: a stride-2 transpose's 3 taps are 1 or 2.
+    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n: a tap loop (when
+    k > 1) whose iterations enter an `if` on the conditions that can fail. Without dilation the loop
+    walks only the taps t = o + pad (mod s), whose numerator s divides: a stride-2 transpose's 3 taps
+    are 1 or 2.
     """
     k, s, d = ts.kernel[axis], ts.strides[axis], ts.dilations[axis]
     n, pad, length = ts.x_shape[2 + axis], ts.pads[axis], ts.out_shape[2 + axis]
-    shifted = f"({affine(f'{prefix}{2 + axis}', 1, pad)})" if pad else f"{prefix}{2 + axis}"
-    lines: list[str] = []
-    tap, numerator = "0", shifted
+    shifted = affine(index_var(prefix, 2 + axis), 1, pad)
     stepped = s > 1 and d == 1 and k > 1  # o + pad >= 0: its remainder is the first tap
-    if k > 1:
-        tap, numerator = b.fresh("k"), b.fresh("q")
-        first, step = (mod_index(shifted, s), s) if stepped else ("0", 1)
-        lines += [f"for (int {tap} = {first}; {tap} < {k}; {tap} += {step}) {{",
-                  f"const int {numerator} = {shifted} - {affine(tap, d, 0)};"]
-    conditions = []
-    if pad - (k - 1) * d < 0:
-        conditions.append(f"{numerator} >= 0")
-    if s > 1 and not stepped:
-        conditions.append(f"{mod_index(numerator, s)} == 0")  # after '>= 0': a non-negative index
-    if (length - 1 + pad) // s >= n:
-        conditions.append(f"{numerator} < {n * s}")
-    if conditions:
-        lines.append(f"if ({' && '.join(conditions)}) {{")
-    source = numerator
-    if s > 1:
-        source = b.fresh("y")
-        lines.append(f"const int {source} = {div_index(numerator, s)};")
-    return lines, tap, source
+    tap = block.var("k", INT) if k > 1 else None
+    numerator: Expr = block.var("q", INT) if tap is not None else shifted
+    source: Expr = block.var("y", INT) if s > 1 else numerator
+
+    def enter(inner: Block) -> Block:
+        if tap is not None:
+            inner.add(Declare(numerator, shifted - affine(tap, d, 0)))  # type: ignore[arg-type]
+        conditions = []
+        if pad - (k - 1) * d < 0:
+            conditions.append(numerator.ge(0))
+        if s > 1 and not stepped:
+            conditions.append(mod_index(numerator, s).eq(0))  # after '>= 0': a non-negative index
+        if (length - 1 + pad) // s >= n:
+            conditions.append(numerator.lt(n * s))
+        if conditions:
+            body: list = []
+            inner.add(If(functools.reduce(lambda a, b: a.logical_and(b), conditions), body))
+            inner = Block(inner.numbering, body)
+        if s > 1:
+            inner.add(Declare(source, div_index(numerator, s)))  # type: ignore[arg-type]
+        return inner
+
+    first, step = (mod_index(shifted, s), s) if stepped else (const(0), 1)
+    x_terms = [Term(source, strides_of(ts.x_shape)[2 + axis])] if ts.x_shape[2 + axis] > 1 else []
+    w_terms = [Term(tap, strides_of(ts.w_shape)[2 + axis])] if tap is not None else []
+    return Loop(x_terms, w_terms, k, tap, first, const(k), step, enter)
 
 
 def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: int, lanes: int, multiple: int,
@@ -142,26 +152,23 @@ def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: in
     taps are unrolled too (_spatial_rows); lane = row * lanes + position."""
     count, row_step = rows
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    g = div_index(f"{u}1", ts.cg_out)
-    x_terms = ([Term(f"{u}0", xs[0])] if ts.x_shape[0] > 1 else []) + (
+    channel = index_var(u, 1)
+    g = div_index(channel, ts.cg_out)
+    x_terms = ([Term(index_var(u, 0), xs[0])] if ts.x_shape[0] > 1 else []) + (
         [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
-        [Term(mod_index(f"{u}1", ts.cg_out) if ts.groups > 1 else f"{u}1", ws[1])] if ts.cg_out > 1 else [])
-    loops = []
-    for axis in range(len(ts.kernel)):
-        if axis not in (lane, row_axis):
-            lines, tap, source = _transpose_taps(b, ts, u, axis)
-            loops.append(Loop(lines, [Term(source, xs[2 + axis])] if ts.x_shape[2 + axis] > 1 else [],
-                              [Term(tap, ws[2 + axis])] if tap != "0" else [], ts.kernel[axis]))
+        [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1])] if ts.cg_out > 1 else [])
+    scratch = Block(b.numbering)  # numbers the tap loops' variables
+    loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(ts.kernel)) if axis not in (lane, row_axis)]
     k, s, d = ts.kernel[lane], ts.strides[lane], ts.dilations[lane]
     n, pad, length = ts.x_shape[2 + lane], ts.pads[lane], ts.out_shape[2 + lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
-    origin = div_index(f"{u}{2 + lane}", s)  # o / s: a multiple of multiple / s
+    origin = div_index(index_var(u, 2 + lane), s)  # o / s: a multiple of multiple / s
     x_terms.append(Term(origin, x_step, multiple // s))
     mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
     row_mask, row_taps = None, [(0, 0)]  # (input row from the output row, W offset) of each row tap
     if row_axis is not None:
-        first, k_y, d_y = f"{u}{2 + row_axis}", ts.kernel[row_axis], ts.dilations[row_axis]
+        first, k_y, d_y = index_var(u, 2 + row_axis), ts.kernel[row_axis], ts.dilations[row_axis]
         row_mask = Mask([Term(first, 1, count)], 0, ts.out_shape[2 + row_axis] - count, ts.x_shape[2 + row_axis])
         x_terms.append(Term(first, xs[2 + row_axis], count))
         row_taps = [(ts.pads[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
@@ -222,25 +229,22 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     if plan.lanes_axis is not None:
         axis, lanes, rows, along = plan.lanes_axis, plan.lanes, plan.rows, plan.along
         if plan.flat:
-            b.emit_texel(*b.item_index_vars(view.out_shape, texel))
-        acc = reduce_into(b, lambda code: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows,
+            b.declare_item_index(b.prologue, view.out_shape, texel)
+        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows,
                                                                along), lanes * rows[0])
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length, count, step, columns = plan.row
         stride = view.strides[axis - 2]
         width = LANES * columns  # positions of a tile row
         if plan.flat:
-            b.emit_texel(*b.item_index_vars(view.out_shape, texel))
-        acc = reduce_guarded(b, f"{texel}{axis} <= {length - width}",
-                             lambda code: _transpose_reduction(b, view, texel, axis - 2, width, stride,
-                                                               (count, step)),
-                             lambda code: _transpose_per_lane(b, view, code, lane), width * count)
+            b.declare_item_index(b.prologue, view.out_shape, texel)
+        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
+                             lambda _: _transpose_reduction(b, view, texel, axis - 2, width, stride,
+                                                            (count, step)),
+                             lambda block: _transpose_per_lane(b, view, block, lane), width * count)
     else:
-        acc = b.fresh("acc")
-        b.emit(f"float {acc} = 0.0f;")
-        b.emit(f"{acc} = {_transpose_per_lane(b, view, Code(b.lines), lane)};")
-    add_bias(b, node, acc)
-    return finish_group(b, group, acc)
+        acc = _transpose_per_lane(b, view, b.body, lane)
+    return finish_group(b, group, add_bias(b, node, acc))
 
 
 def _row_stride_fits(stride: int, length: int) -> bool:
@@ -259,30 +263,22 @@ def _pointwise(ts: _TransposeShape) -> _TransposeShape:
                            ts.groups, ts.cg_in, ts.cg_out, (1,), (1,), (1,), [0])
 
 
-def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape, code: Code, o: str) -> str:
+def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape, block: Block, o: str) -> Var:
     """One lane, one output element: guarded tap loops around a dot product over input channels.
 
-    Emits into `code` (in the lane loop; `o` names the output index variables); returns the sum's name.
+    Builds into `block` (in the lane loop; `o` names the output index variables); returns the sum.
     """
-    acc = b.fresh("acc")
-    code.emit(f"float {acc} = 0.0f;")
+    acc = block.mutable(const(0.0, FLOAT), "acc")
     xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
-    g = div_index(f"{o}1", ts.cg_out) if ts.groups > 1 else "0"
-    local = mod_index(f"{o}1", ts.cg_out) if ts.groups > 1 else f"{o}1"
-    x_terms = index_terms([f"{o}0", g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
+    channel = index_var(o, 1)
+    g = div_index(channel, ts.cg_out) if ts.groups > 1 else const(0)
+    local = mod_index(channel, ts.cg_out) if ts.groups > 1 else channel
+    x_terms = index_terms([index_var(o, 0), g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
     w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ws[0], ws[1]])
-    depth = code.depth
     for axis in range(len(ts.kernel)):
-        lines, tap, source = _transpose_taps(b, ts, o, axis)
-        for line in lines:
-            if line.endswith("{"):
-                code.open(line[:-1].rstrip())
-            else:
-                code.emit(line)
-        if tap != "0":
-            w_terms.append((tap, ws[2 + axis]))
-        x_terms += index_terms([source], [ts.x_shape[2 + axis]], [xs[2 + axis]])
-    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, xs[1]), Stream(ts.w, w_terms, ws[0])), "  " * code.depth)
-    while code.depth > depth:
-        code.close()
+        taps = _transpose_taps(block, ts, o, axis)
+        block = taps.open(block)
+        w_terms += [(term.expr, term.coeff) for term in taps.w_terms]
+        x_terms += [(term.expr, term.coeff) for term in taps.x_terms]
+    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, xs[1]), Stream(ts.w, w_terms, ws[0])), block)
     return acc

@@ -180,6 +180,18 @@ def render_expr(expr: ir.Expr) -> str:
     return Renderer().expr(expr)
 
 
+def render_opening(nest: Sequence[ir.Statement]) -> list[str]:
+    """Transition only: C lines opening a nest of loops and conditionals whose last statement at each
+    level is the next level (texel.py's Loop.lines, where a line ending in '{' opens a block), for
+    emitters whose loops texel.py still writes as C. The variables C after it reads are pinned there."""
+    closers, inner = 0, list(nest)
+    while inner and isinstance(inner[-1], (ir.For, ir.If)):
+        closers += 1
+        inner = inner[-1].body if isinstance(inner[-1], ir.For) else inner[-1].then
+    lines = Renderer().statements(nest, 0)
+    return [line.strip() for line in lines[:len(lines) - closers]]
+
+
 def render_kernel(kernel: ir.KernelIR, params_tail: str = " TRACE_PARAM", prologue: Sequence[str] = ("TRACE_INIT",)
                   ) -> str:
     """The __kernel's C: its arguments through the preamble's IMAGE_OUT / IMAGE_IN, then its body."""

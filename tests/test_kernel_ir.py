@@ -1,0 +1,117 @@
+"""The kernel IR and its renderer, without building kernels: which values the renderer folds into
+their reader, kernel de-duplication by equal IR, and ratchets on the C text left outside the renderer."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+from fblc.codegen import ir as kir
+from fblc.codegen.cl import Kernel
+from fblc.codegen.ir import FLOAT, INT, Block, Numbering, const
+from fblc.codegen.plan import share_kernels
+from fblc.codegen.render.opencl import foldable, render_kernel
+from fblc.texel_layout import flat_layout
+
+CODEGEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fblc", "codegen")
+
+#: string literals holding C in fblc/codegen outside the renderer, and uses of the transition nodes
+#: ir.Text / ir.Lines: at most these many (the ports lower them; all ported, both are 0)
+C_LITERALS = 301
+TRANSITION_NODES = 14
+
+#: what a C fragment looks like (the regex of /work/shared/tools/ctext.py)
+C_TEXT = re.compile(r"read_image|write_image|__kernel|__local|__global|barrier\(|vload|vstore|"
+                    r"\b(?:float|half|int|uint)[248]?\s+\w+\s*(?:=|\[|;)|;\s*(?:$|\\n)|\{\s*(?:$|\\n)|\bfor\s*\(")
+
+
+def _argument(role: str, index: int) -> kir.Argument:
+    return kir.Argument(role, index, "float", "float4", flat_layout(4, 64))
+
+
+def _scale_kernel(name: str, factor: float) -> kir.KernelIR:
+    """out0[t] = in0[t] * factor: a kernel built the same way whatever its name."""
+    block = Block(Numbering())
+    t = block.let(kir.call("get_global_id", 0, dtype=INT), "t")
+    value = block.let(kir.Load(_argument("in", 0), t) * factor, "v")
+    block.store(_argument("out", 0), t, value)
+    return kir.KernelIR(name, [_argument("out", 0), _argument("in", 0)], block.statements)
+
+
+def test_a_value_read_once_folds_into_its_reader() -> None:
+    block = Block(Numbering())
+    x = block.let(kir.call("get_global_id", 0, dtype=INT), "x")
+    once = block.let(x * 2 + 1, "once")
+    block.store(_argument("out", 0), x, kir.vector(kir.FLOAT4, once.cast(FLOAT), 0.0, 0.0, 0.0))
+    folded = foldable(block.statements)
+    assert folded.get(once) == x * 2 + 1
+    assert x not in folded  # read twice
+    text = render_kernel(kir.KernelIR("k", [_argument("out", 0)], block.statements))
+    assert "once" not in text and "((x100 * 2) + 1)" in text, text
+
+
+def test_a_value_read_twice_in_a_deeper_loop_or_reading_what_changes_stays() -> None:
+    block = Block(Numbering())
+    twice = block.let(kir.call("get_global_id", 0, dtype=INT), "twice")
+    hoisted = block.let(twice * 3, "hoisted")  # read once, but inside a loop: computed once, not per trip
+    acc = block.mutable(const(0.0, FLOAT), "acc")
+    array = block.array("a", FLOAT, 4, (0.0,) * 4)
+    of_acc = block.let(acc + 1.0, "ofacc")  # reads a variable assigned again later
+    of_array = block.let(kir.Element(array, const(1)) * 2.0, "ofarray")  # reads an array element
+    with block.loop("k", 0, 4) as (k, body):
+        body.assign(acc, (hoisted + k).cast(FLOAT), "+=")
+    block.assign(kir.Element(array, twice), of_acc + of_array)
+    folded = foldable(block.statements)
+    assert not {twice, hoisted, of_acc, of_array} & set(folded), folded
+
+
+def test_kernels_built_alike_are_equal_ir_and_share_one_function() -> None:
+    same, other = _scale_kernel("k1", 2.0), _scale_kernel("k2", 2.0)
+    different = _scale_kernel("k3", 3.0)
+    assert (same.arguments, same.body) == (other.arguments, other.body)
+    assert same.body != different.body
+    kernels = [Kernel(ir.name, "elementwise", render_kernel(ir), 1, ir=ir) for ir in (same, other, different)]
+    share_kernels(kernels)
+    assert [k.function for k in kernels] == ["k1", "k1", "k3"]
+
+
+def _sources() -> list[tuple[str, ast.Module]]:
+    found = []
+    for directory, _, files in os.walk(CODEGEN):
+        for name in files:
+            path = os.path.join(directory, name)
+            if name.endswith(".py") and "render" not in os.path.relpath(path, CODEGEN):
+                with open(path) as handle:
+                    found.append((path, ast.parse(handle.read())))
+    return found
+
+
+def _c_literals(tree: ast.Module) -> int:
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return sum(1 for node in ast.walk(tree) if id(node) not in docstrings and isinstance(node, ast.Constant)
+               and isinstance(node.value, str) and C_TEXT.search(node.value))
+
+
+def _transition_nodes(tree: ast.Module) -> int:
+    return sum(1 for node in ast.walk(tree)
+               if (isinstance(node, ast.Attribute) and node.attr in ("Text", "Lines"))
+               or (isinstance(node, ast.Name) and node.id in ("Text", "Lines") and isinstance(node.ctx, ast.Load)))
+
+
+def test_c_text_outside_the_renderer_only_shrinks() -> None:
+    """Emitters build IR; only fblc/codegen/render writes C. Lower the constants as ports land."""
+    counts = {path: _c_literals(tree) for path, tree in _sources()}
+    total = sum(counts.values())
+    worst = sorted(counts.items(), key=lambda item: -item[1])[:5]
+    assert total <= C_LITERALS, f"{total} string literals of C outside fblc/codegen/render (at most {C_LITERALS}): {worst}"
+
+
+def test_transition_nodes_only_shrink() -> None:
+    """ir.Text and ir.Lines carry C from emitters not yet ported; ir.py defines them, the renderer reads them."""
+    counts = {path: _transition_nodes(tree) for path, tree in _sources() if not path.endswith(os.sep + "ir.py")}
+    total = sum(counts.values())
+    assert total <= TRANSITION_NODES, f"{total} uses of ir.Text / ir.Lines (at most {TRANSITION_NODES}): " \
+        f"{sorted((p, n) for p, n in counts.items() if n)}"
