@@ -108,10 +108,8 @@ def _written_group(kernel: Kernel) -> tuple[int, int, int] | None:
     `get_group_id(0) * tiles + ...`); its __local floats hold whole groups of every item. None for a kernel
     that uses no work-group (a plain one)."""
     calls = {e.function for e in of_type(kernel, kir.Call)}
-    transition = " ".join(line for s in of_type(kernel, kir.Lines) for line in s.lines)  # C not yet ported
     if "get_group_id" not in calls:
         assert "get_local_id" not in calls and not of_type(kernel, kir.Barrier), kernel.name
-        assert "get_local_id(" not in transition and "barrier(" not in transition, kernel.name
         return None
     items = [s.condition.b.value for s in kernel.ir.body if isinstance(s, kir.If) and s.then == [kir.Return()]
              and isinstance(s.condition, kir.Binary) and s.condition.op == ">=" and isinstance(s.condition.b, kir.Const)]

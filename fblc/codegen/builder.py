@@ -40,8 +40,8 @@ from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
-from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads, ctype_of, statements_of
-from fblc.codegen.render.opencl import render_expr, render_kernel
+from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads, ctype_of
+from fblc.codegen.render.opencl import render_kernel
 from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
@@ -59,7 +59,7 @@ class KernelBuilder(ValueReads):
     """Builds one per-element kernel writing `outputs` (all of one shape); reads come from ValueReads.
 
     Its statement lists (`lines`: the lane loop's body, `texel_lines`: the per-texel prologue,
-    `lane_fallback`) hold IR statements; a string there is C from an emitter not yet ported to the IR."""
+    `lane_fallback`) hold IR statements."""
 
     def __init__(self, table: TextureTable, name: str, family: str, outputs: Sequence[ir.Value]) -> None:
         super().__init__(table, static_shape(outputs[0]))
@@ -67,10 +67,10 @@ class KernelBuilder(ValueReads):
         self.family = family
         self.outputs = list(outputs)
         self.out_textures = [table.of(v) for v in self.outputs]
-        self.lines: list[str | Statement] = []
-        self.texel_lines: list[str | Statement] = []  # the per-texel prologue, before the lane loop
+        self.lines: list[Statement] = []
+        self.texel_lines: list[Statement] = []  # the per-texel prologue, before the lane loop
         #: per output texel, just before its lane loop: the lanes a guarded reduction leaves (reduce_guarded)
-        self.lane_fallback: list[str | Statement] = []
+        self.lane_fallback: list[Statement] = []
         self.texels_per_item = 1  # texels a work-item computes (its prologue covers them all)
         self.item_stride = 1  # texels between a work-item's consecutive rows of texels
         self.item_columns = 1  # consecutive texels per row of a work-item's tile (item_stride > 1)
@@ -114,17 +114,6 @@ class KernelBuilder(ValueReads):
         return Block(self.numbering, self.texel_lines)  # type: ignore[arg-type]
 
     # writing the body ------------------------------------------------------------------------
-    def emit(self, *lines: str | Statement) -> None:
-        self.lines.extend(lines)
-
-    def emit_texel(self, *lines: str | Statement) -> None:
-        """Append to the per-texel prologue (run once per work-item, before the lane loop)."""
-        self.texel_lines.extend(lines)
-
-    def temp(self, ctype: str, expression: str | Expr, hint: str = "v") -> str:
-        value = expression if isinstance(expression, Expr) else kir.Text(expression, kir.ELEMENT_TYPES[ctype])
-        return render_expr(self.body.let(value, hint, kir.ELEMENT_TYPES[ctype]))
-
     def merge_across_group(self, acc: Var | kir.Lane, merge: Callable[[Expr, Expr], Expr] = lambda a, b: a + b,
                            prologue: bool = False) -> None:
         """Join every work-item's partial `acc` (a float, or a lane of a float4) with `merge` (of two
@@ -143,14 +132,13 @@ class KernelBuilder(ValueReads):
         block.assign(acc, kir.Element(self.shared, const(0)))
         block.add(kir.Barrier())  # shared is free again for the next merge
 
-    def merge_tiles_across_group(self, acc: str | Var, lanes: int) -> list[Statement]:
-        """Statements that sum the work-items' partial tiles `acc[lanes]` (a reduction the group dealt
+    def merge_tiles_across_group(self, array: Var, lanes: int) -> list[Statement]:
+        """Statements that sum the work-items' partial tiles `array[lanes]` (a reduction the group dealt
         out) through __local memory: each work-item stores its partials, work-item j sums accumulator j's
         (and every group_size-th after it) in work-item order, then every work-item reads the totals."""
         group = self.group_size
         assert group is not None, "a merge across the group needs a group kernel"
         self.shared_floats = max(self.shared_floats, group * lanes)
-        array = acc if isinstance(acc, Var) else Var("acc", 0, kir.FLOAT, acc)
         out = Block(self.numbering)
         with out.loop("j", 0, lanes) as (j, store):
             store.assign(kir.Element(self.shared, j * group + self.lid), kir.Element(array, j))
@@ -212,11 +200,7 @@ class KernelBuilder(ValueReads):
         """In the lane loop: the lane's index among the work-item's 4 * texels_per_item outputs."""
         return self.lane if self.texels_per_item == 1 else self.tt * 4 + self.lane
 
-    @property
-    def item_lane(self) -> str:
-        return render_expr(self.lane_of_item)
-
-    def finish(self, results: Sequence[str | Expr]) -> Kernel:
+    def finish(self, results: Sequence[Expr]) -> Kernel:
         """The kernel whose lane computes `results[k]` for output k."""
         texels = self.out_textures[0].texels
         per_item = self.texels_per_item
@@ -289,10 +273,10 @@ class KernelBuilder(ValueReads):
                    kir.DeclareArray(pool, tiles * floats, local=True),
                    kir.Declare(Var("shared", 0, kir.FLOAT.pointer(), "shared"), pool + run * floats))
 
-    def _item(self, block: Block, results: Sequence[str | Expr], arguments: list[kir.Argument],
+    def _item(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
               bytes_: dict[int, Var]) -> None:
         """One item (t or g declared): its per-texel prologue, then each of its texels."""
-        prologue = statements_of(self.texel_lines)
+        prologue = list(self.texel_lines)
         if self.texels_per_item == 1:  # the prologue covers texel t
             if prologue:
                 self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
@@ -312,13 +296,6 @@ class KernelBuilder(ValueReads):
                 own_first = Block(self.numbering)
                 declare_row_index(own_first, self.out_shape, row, column, TEXEL_FIRST)
             self._texel(texel, results, arguments, bytes_, own_first)
-
-    def item_index_vars(self, shape: Sequence[int], prefix: str) -> list[Statement]:
-        """Statements declaring `prefix0..` as the multi-index in `shape` (the output's, or a view of it
-        in the same element order) of the work-item's first element."""
-        block = Block(self.numbering)
-        self.declare_item_index(block, shape, prefix)
-        return block.statements
 
     def declare_item_index(self, block: Block, shape: Sequence[int], prefix: str) -> list[Var]:
         """Declare `prefix0..` as the multi-index in `shape` of the work-item's first element: from the
@@ -341,7 +318,7 @@ class KernelBuilder(ValueReads):
             return self.g * (per // columns), const(0)
         return div_index(self.g, across) * (per // columns), mod_index(self.g, across) * (4 * columns)
 
-    def _texel(self, block: Block, results: Sequence[str | Expr], arguments: list[kir.Argument],
+    def _texel(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
                bytes_: dict[int, Var], own_first: Block | None = None) -> None:
         """Texel t: the lane loop computing `results` and the writes of every output (`own_first`: the
         statements declaring its first element's multi-index, when cheaper than from t)."""
@@ -364,8 +341,8 @@ class KernelBuilder(ValueReads):
         if self.texel_reads:
             if self._reads_last:
                 declare_index(block, self.out_shape, kir.call("min", t * 4 + 3, out_numel - 1), TEXEL_LAST)
-            block.add(*statements_of(self.texel_reads))
-        block.add(*statements_of(self.lane_fallback))
+            block.add(*self.texel_reads)
+        block.add(*self.lane_fallback)
         # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
         # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
         tail = out_numel % 4 != 0
@@ -380,10 +357,9 @@ class KernelBuilder(ValueReads):
                     body.add(kir.Declare(self.named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
             else:
                 declare_index(body, self.out_shape, self.flat, OUT_INDEX)
-            body.add(*statements_of(self.lines))
+            body.add(*self.lines)
             for k, result in enumerate(results):
-                value = result if isinstance(result, Expr) else kir.Text(result, lane_results[k].dtype)
-                body.assign(kir.Element(lane_results[k], lane), value)
+                body.assign(kir.Element(lane_results[k], lane), result)
         for k, texture in enumerate(self.out_textures):
             lanes_of = [kir.Element(lane_results[k], const(lane)) for lane in range(4)]
             argument = arguments[k]

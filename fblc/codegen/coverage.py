@@ -203,7 +203,7 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
         kernel_gaps = _forward_kernel_gaps(forward)
         detail = "the training step cannot be built, so its backward is not known"
         if kernel_gaps:
-            detail = f"{KERNEL_EMITTERS.error(kernel_gaps).cause} (in the forward); {detail}"
+            detail = f"{KERNEL_EMITTERS.error(kernel_gaps).cause} (in the forward), and {detail}"
         runs = Verdict(False, detail)
     missing_kernels = {g.op for g in kernel_gaps}
     rows = _rows(forward, imported, gradient, lambda node: _kernel_status(node, missing_kernels))

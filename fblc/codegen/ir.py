@@ -89,10 +89,7 @@ class Expr:
     def logical_or(self, other: Operand) -> Binary: return self._binary("||", other, dtype=INT)
 
     def __format__(self, spec: str) -> str:
-        """Transition only: the C of this expression inside C an emitter not yet ported still writes."""
-        from fblc.codegen.render.opencl import render_expr
-
-        return render_expr(self)
+        raise TypeError("an IR expression is not C text: build IR with it (the renderer writes the C)")
 
     def cast(self, dtype: DType) -> Expr:
         return self if dtype == self.dtype else Cast(dtype, self)
@@ -130,8 +127,6 @@ class Var(Expr):
     number: int
     dtype: DType
     name: str = ""
-    #: read by text the renderer does not see (transition code): never folded away
-    pinned: bool = field(default=False, compare=False, hash=False)
 
 
 @dataclass(frozen=True, eq=True)
@@ -246,14 +241,6 @@ class Load(Expr):
 
 
 @dataclass(frozen=True, eq=True)
-class Text(Expr):
-    """Transition only: C an emitter not yet ported still writes. tests/test_kernel_ir.py counts them."""
-
-    text: str
-    dtype: DType = INT
-
-
-@dataclass(frozen=True, eq=True)
 class Swizzle(Expr):
     """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi: 4 lanes from 0 or 4), a run
     of a float4's components (.yz)."""
@@ -363,14 +350,7 @@ class While:
     body: list[Statement]
 
 
-@dataclass(eq=True)
-class Lines:
-    """Transition only: statements of C an emitter not yet ported still writes."""
-
-    lines: tuple[str, ...]
-
-
-Statement = Union[Declare, DeclareArray, Assign, Store, Evaluate, For, If, Break, Return, Barrier, While, Lines]
+Statement = Union[Declare, DeclareArray, Assign, Store, Evaluate, For, If, Break, Return, Barrier, While]
 
 
 @dataclass

@@ -66,7 +66,7 @@ def layout_summary(layout: dict[str, Any], top: int = 12) -> str:
     """The readable version `fblc compile --report` prints."""
     search = f" (search {layout['search']})" if "search" in layout else ""
     lines = [f"layout {layout['mode']}{search}: data-movement ops {layout['data_movement_before']} before remapping, "
-             f"{layout['data_movement_after']} after; {layout['conversion_kernels']} conversion kernels; "
+             f"{layout['data_movement_after']} after, {layout['conversion_kernels']} conversion kernels, "
              f"{layout['movement_kernels']} movement kernels ("
              + ", ".join(f"{count} {op}" for op, count in sorted(layout["movement_kernels_by_op"].items())) + ")",
              "  by op (before, after): " + ", ".join(f"{op} {b}->{a}" for op, (b, a) in

@@ -19,7 +19,6 @@ from fblc.bundle_format import BUFFER_C_TYPES
 from fblc.codegen import ir as kir
 from fblc.codegen.indexing import broadcast_view_index, flat_view_index, index_var
 from fblc.codegen.ir import INT, Block, Expr, Numbering, Statement, const, mod_index
-from fblc.codegen.render.opencl import render_expr
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import const_array, is_float
@@ -40,32 +39,6 @@ def dtype_of(value: ir.Value) -> kir.DType:
     return kir.FLOAT if is_float(value) else INT
 
 
-def statements_of(items: Sequence[str | Statement]) -> list[Statement]:
-    """IR statements of a list that may still hold lines of C (emitters not yet ported)."""
-    out: list[Statement] = []
-    for item in items:
-        if isinstance(item, str):
-            if out and isinstance(out[-1], kir.Lines):
-                out[-1] = kir.Lines(out[-1].lines + (item,))
-            else:
-                out.append(kir.Lines((item,)))
-        else:
-            out.append(item)
-    return out
-
-
-def _text(index: str | Expr) -> Expr:
-    return index if isinstance(index, Expr) else kir.Text(f"({index})", INT)
-
-
-def _legacy_apply(apply: str | Apply | None) -> Apply:
-    if apply is None:
-        return lambda e: e
-    if isinstance(apply, str):
-        return lambda e: kir.Text(apply.format(render_expr(e)), kir.FLOAT)
-    return apply
-
-
 class ValueReads:
     """The texture arguments a kernel reads and the reads it hoists out of its lane loop."""
 
@@ -73,15 +46,11 @@ class ValueReads:
         self.table = table
         self.out_shape = tuple(out_shape)
         self.in_textures: list[Texture] = []
-        self.texel_reads: list[str | Statement] = []  # reads shared by a texel's 4 lanes, before its lane loop
+        self.texel_reads: list[Statement] = []  # reads shared by a texel's 4 lanes, before its lane loop
         self._hoisted: dict[tuple[int, str], Expr] = {}
         self._reads_last = False  # a hoisted read needs the texel's last element (TEXEL_LAST)
         self._splits: dict[int, kir.Var] = {}  # block length -> the lanes of a texel in its first block
         self.numbering = Numbering()
-
-    def fresh(self, hint: str) -> str:
-        """A new variable name: `hint` and a number (for emitters that still write C)."""
-        return f"{hint}{self.numbering.next()}"
 
     @property
     def hoisted(self) -> Block:
@@ -96,10 +65,6 @@ class ValueReads:
             return kir.Const(np.asarray(array).reshape(-1)[0].item(), dtype_of(value))
         return None
 
-    def constant_scalar(self, value: ir.Value) -> str | None:
-        inlined = self.constant_value(value)
-        return None if inlined is None else render_expr(inlined)
-
     def argument_of(self, role: str, index: int, texture: Texture) -> kir.Argument:
         kind = "uint" if texture.mask_elements else texture.kind
         return kir.Argument(role, index, kind, BUFFER_C_TYPES[texture.format], texture.layout)
@@ -110,13 +75,6 @@ class ValueReads:
         if texture not in self.in_textures:
             self.in_textures.append(texture)
         return self.argument_of("in", self.in_textures.index(texture), texture), texture
-
-    def argument(self, value: ir.Value) -> tuple[str, Texture]:
-        """The texture argument holding `value`, for reads by raw texel position (a plain reading only)."""
-        if not map_of(value).contiguous:
-            raise AssertionError(f"'{value.name}' is a strided view: read it through load() or strided()")
-        argument, texture = self.input_argument(value)
-        return argument.name, texture
 
     def strided(self, value: ir.Value) -> tuple[ir.Value, IndexMap]:
         """The tensor that stores `value` and how `value` reads it (a remapped view reads its root)."""
@@ -137,10 +95,6 @@ class ValueReads:
             return kir.Cast(INT, byte.lane(0) >> (index & (per_byte - 1))) & 1
         return kir.Load(argument, index >> 2).lane(index & 3)
 
-    def load(self, value: ir.Value, index: str) -> str:
-        """C of element `index` (flat in `value`'s own shape, C) of `value` (emitters that still write C)."""
-        return render_expr(self.element(value, _text(index)))
-
     def texel(self, argument: kir.Argument, texture: Texture, texel: Expr) -> kir.Load:
         """The whole texel `texel` of an input. Every read of a texture goes through its Load, which
         trace builds record (fblc.runtime.trace)."""
@@ -148,10 +102,6 @@ class ValueReads:
             raise AssertionError(f"the mask '{texture.name}' ({texture.format}) has no 4-element texels: read it "
                                  "through element()")
         return kir.Load(argument, texel)
-
-    def read_texel(self, arg: str, texture: Texture, texel: str) -> str:
-        argument = self.argument_of("in", int(arg[2:]), texture)
-        return render_expr(self.texel(argument, texture, _text(texel)))
 
     def broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> Expr:
         """`value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`.
@@ -170,14 +120,11 @@ class ValueReads:
                 return self.element(root, kir.Var(FLAT_OUT_INDEX, 0, INT, FLAT_OUT_INDEX))  # the output's own order
         return self.element(root, broadcast_view_index(index_map, out_shape, prefix))
 
-    def load_broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> str:
-        return render_expr(self.broadcast(value, out_shape, prefix))
-
     def channel(self, value: ir.Value, axis: int = 1, apply: Apply | None = None) -> Expr:
         """In the lane loop: the 1-D `value` (one element per index of output `axis`, e.g. a conv's bias,
         BatchNormalization's statistics) at the output element's index there, passed through `apply`;
         read, and applied, once per texel where its lanes share one or two elements."""
-        applied = _legacy_apply(apply)
+        applied = apply or (lambda e: e)
         inlined = self.constant_value(value)
         if inlined is not None:
             return applied(inlined)
@@ -185,11 +132,9 @@ class ValueReads:
         trailing = len(self.out_shape) - 1 - axis
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        hoisted = self._texel_read(root, spread, applied, key=repr(apply))
+        key = repr(applied(kir.Var("x", 0, kir.FLOAT, "x")))  # one hoisted read per value and applied formula
+        hoisted = self._texel_read(root, spread, applied, key=key)
         return hoisted if hoisted is not None else applied(self.element(value, index_var(OUT_INDEX, axis)))
-
-    def load_channel(self, value: ir.Value, axis: int = 1, apply: str = "{}") -> str:
-        return render_expr(self.channel(value, axis, None if apply == "{}" else apply))  # type: ignore[arg-type]
 
     def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: Apply | None = None,
                     key: str = "") -> Expr | None:

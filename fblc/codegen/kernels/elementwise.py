@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import Kernel
-from fblc.codegen.ir import FLOAT, INT, Expr, Text, call, const, select
+from fblc.codegen.ir import FLOAT, INT, Expr, call, const, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.reads import dtype_of
 from fblc.codegen.textures import TextureTable
@@ -151,9 +151,6 @@ def _batch_norm(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
 def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, Expr]) -> dict[int, Expr]:
     """Build the chain into `b`'s lane loop; `env` maps value ids already computed to their values (updated)."""
     out_shape = b.out_shape
-    for key, known in env.items():  # an accumulator named by an emitter not yet ported to the IR
-        if isinstance(known, str):
-            env[key] = Text(known, FLOAT)
 
     def operand(value: ir.Value) -> Expr:
         if id(value) in env:
@@ -170,8 +167,6 @@ def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, Ex
                                      f"supported: {', '.join(sorted(EXPRESSIONS))}")
         b.nodes.append(node.name)
         value = build(b, node, operand)
-        if isinstance(value, str):  # an emitter not yet ported to the IR
-            value = Text(value, dtype_of(node.outputs[0]))
         env[id(node.outputs[0])] = b.body.let(value, "v", dtype_of(node.outputs[0]))
     return env
 

@@ -56,26 +56,6 @@ def _item_texels(texels: int) -> int:
     return max(d for d in range(1, min(texels, ITEM_TEXELS) + 1) if texels % d == 0)
 
 
-class Code:
-    """Lines appended to a kernel body (per-texel prologue or lane loop) with C block nesting
-    (transition: until this module builds IR)."""
-
-    def __init__(self, lines: list, depth: int = 0) -> None:
-        self.lines = lines
-        self.depth = depth
-
-    def emit(self, *lines: object) -> None:
-        self.lines.extend("  " * self.depth + line if isinstance(line, str) else line for line in lines)
-
-    def open(self, header: str) -> None:
-        self.emit(header + " {")
-        self.depth += 1
-
-    def close(self) -> None:
-        self.depth -= 1
-        self.emit("}")
-
-
 @dataclass
 class _Row:
     """Texels k = 0..count-1 of `x` from flat element `first`, read whole: one row of 4 * count elements.

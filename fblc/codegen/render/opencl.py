@@ -105,9 +105,6 @@ class Renderer:
     def _Load(self, e: ir.Load) -> str:
         return f"{READS[e.argument.kind]}({e.argument.name}, {coord(e.argument, self.expr(e.texel))})"
 
-    def _Text(self, e: ir.Text) -> str:
-        return e.text
-
     def _Swizzle(self, e: ir.Swizzle) -> str:
         if e.vector.dtype.lanes == 8:  # a float8's half
             return f"{self.expr(e.vector)}.{('lo', 'hi')[e.first // e.count]}"
@@ -157,8 +154,6 @@ class Renderer:
             return lines + [f"{pad}}}"]
         if isinstance(s, ir.While):
             return [f"{pad}while ({self.condition(s.condition)}) {{"] + self.statements(s.body, depth + 1) + [f"{pad}}}"]
-        if isinstance(s, ir.Lines):
-            return [pad + line for line in s.lines]
         return [pad + {ir.Break: "break;", ir.Return: "return;",
                        ir.Barrier: "barrier(CLK_LOCAL_MEM_FENCE);"}[type(s)]]
 
@@ -169,27 +164,6 @@ class Renderer:
         head = [f"{pad}#pragma unroll"] if s.unroll else []
         return head + [f"{pad}for (int {name} = {self.expr(s.start)}; {condition}; {step}) {{"] + \
             self.statements(s.body, depth + 1) + [f"{pad}}}"]
-
-
-def render_expr(expr: ir.Expr) -> str:
-    """C of one expression, for transition code that still writes C around it: the variables it
-    names are pinned (never folded away), since the renderer cannot see that text read them."""
-    for sub in ir.walk_expr(expr):
-        if isinstance(sub, ir.Var):
-            sub.pinned = True
-    return Renderer().expr(expr)
-
-
-def render_opening(nest: Sequence[ir.Statement]) -> list[str]:
-    """Transition only: C lines opening a nest of loops and conditionals whose last statement at each
-    level is the next level (texel.py's Loop.lines, where a line ending in '{' opens a block), for
-    emitters whose loops texel.py still writes as C. The variables C after it reads are pinned there."""
-    closers, inner = 0, list(nest)
-    while inner and isinstance(inner[-1], (ir.For, ir.If)):
-        closers += 1
-        inner = inner[-1].body if isinstance(inner[-1], ir.For) else inner[-1].then
-    lines = Renderer().statements(nest, 0)
-    return [line.strip() for line in lines[:len(lines) - closers]]
 
 
 def render_kernel(kernel: ir.KernelIR, params_tail: str = " TRACE_PARAM", prologue: Sequence[str] = ("TRACE_INIT",)
@@ -216,8 +190,6 @@ def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:
         for s in statements:
             if isinstance(s, ir.Declare) and s.const and s.init is not None:
                 decl_loop[s.var], inits[s.var] = loops, s.init
-            if isinstance(s, ir.Lines):
-                continue
             for e in ir.statement_exprs(s):
                 for sub in ir.walk_expr(e):
                     if isinstance(sub, ir.Var):
@@ -232,10 +204,10 @@ def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:
     visit(body)
     folded = {}
     for var, init in inits.items():
-        if var.pinned or var.name or uses[var] != 1 or use_loop.get(var) != decl_loop[var]:
+        if var.name or uses[var] != 1 or use_loop.get(var) != decl_loop[var]:
             continue
         reads = list(ir.walk_expr(init))
-        if any(isinstance(e, (ir.Element, ir.Text)) or (isinstance(e, ir.Var) and e in changing) for e in reads):
+        if any(isinstance(e, ir.Element) or (isinstance(e, ir.Var) and e in changing) for e in reads):
             continue
         folded[var] = init
     return folded
