@@ -40,7 +40,7 @@ from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
-from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads, ctype_of
+from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads
 from fblc.codegen.render.opencl import render_kernel
 from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
@@ -49,7 +49,7 @@ from fblc.compiler.values import static_shape
 if TYPE_CHECKING:
     from fblc.codegen.kernels import KernelGroup
 
-__all__ = ["OUT_INDEX", "TEXEL_INDEX", "KernelBuilder", "ctype_of", "lane_axis"]
+__all__ = ["OUT_INDEX", "TEXEL_INDEX", "KernelBuilder", "lane_axis"]
 
 TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen by the per-texel prologue
 PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of a mask8 output's texels

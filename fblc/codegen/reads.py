@@ -31,10 +31,6 @@ TEXEL_LAST = "zl"  # the same for its last element (within the tensor)
 Apply = Callable[[Expr], Expr]
 
 
-def ctype_of(value: ir.Value) -> str:
-    return "float" if is_float(value) else "int"
-
-
 def dtype_of(value: ir.Value) -> kir.DType:
     return kir.FLOAT if is_float(value) else INT
 
