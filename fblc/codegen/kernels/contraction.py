@@ -260,12 +260,12 @@ def _axis_terms(axes: Sequence[tuple[Expr, Digits]], var_multiples: dict[Expr, i
 
 def _root_strides(b: ValueReads, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[int]]:
     """The tensor holding `value` and `value`'s strides in it (`shape`: value's shape, or its 2-D promotion)."""
-    root, axes = _root_digits(b, value, shape)
+    root, axes = root_digits(b, value, shape)
     assert all(len(digits) == 1 for digits in axes), f"folded view '{value.name}' read by a Gemm"
     return root, [digits[0][1] for digits in axes]
 
 
-def _root_digits(b: ValueReads, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[Digits]]:
+def root_digits(b: ValueReads, value: ir.Value, shape: Sequence[int]) -> tuple[ir.Value, list[Digits]]:
     """The tensor holding `value` and each axis's digits (extent, stride) in it, outermost first: one
     digit per axis unless the view folds it (`shape`: value's shape, or its 2-D promotion)."""
     root, index_map = b.strided(value)
@@ -291,7 +291,7 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     b = start_builder(table, group, "matmul")
     # a remapped view (W^T, X^T of the backward) is walked in its root with the view's strides; a
     # folded K axis (heads merged after a transpose) is walked as a loop per outer digit
-    (a_root, a_axes), (w_root, w_axes) = _root_digits(b, a, a2), _root_digits(b, w, b2)
+    (a_root, a_axes), (w_root, w_axes) = root_digits(b, a, a2), root_digits(b, w, b2)
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
     assert k_digits is not None, f"{node.name}: K folds differently in its operands (tile_remap keeps such views)"
     (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits

@@ -79,7 +79,7 @@ CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of 
 
 
 @dataclass
-class _ConvShape:
+class ConvShape:
     x: ir.Value
     w: ir.Value
     x_shape: tuple[int, ...]
@@ -102,12 +102,12 @@ class _ConvShape:
         return list(self.w_strides) if self.w_strides else strides_of(self.w_shape)
 
 
-def _conv_shape(node: ir.Node) -> _ConvShape:
+def conv_shape(node: ir.Node) -> ConvShape:
     x, w = node.inputs[0], node.inputs[1]
     x_shape, w_shape = static_shape(x), static_shape(w)
     groups = int(attr(node, "group", 1))
     (x_root, x_map), (w_root, w_map) = (view_root(x), map_of(x)), (view_root(w), map_of(w))
-    return _ConvShape(x_root, w_root, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[1],
+    return ConvShape(x_root, w_root, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[1],
                       w_shape[0] // groups, window_of(node, tuple(w_shape[2:])), x_map.strides, w_map.strides)
 
 
@@ -123,7 +123,7 @@ def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
 
 
 @dataclass
-class _Tile:
+class ConvTile:
     """The outputs of one work-item: `rows` consecutive output channels x `y_rows` consecutive
     positions along window axis `row_axis` (a 2-D tile) x `length` consecutive positions along window
     axis `axis` (None: no spatial axis varies), lane = (row * y_rows + y_row) * length + position.
@@ -149,7 +149,7 @@ class _Tile:
         return self.batches * self.rows * self.y_rows * self.length
 
 
-def _conv_reduction(b: ValueReads, block: Block, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None
+def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None
                     ) -> Reduction:
     """The conv's reduction over input channels and taps for the lanes of `tile`.
 
@@ -235,13 +235,13 @@ def _conv_reduction(b: ValueReads, block: Block, cs: _ConvShape, prefix: str, ti
     return Reduction(x, w, blocked, loops, mask, row_mask)
 
 
-def _block_products(cs: _ConvShape, k: int, lanes: int) -> int:
+def _block_products(cs: ConvShape, k: int, lanes: int) -> int:
     """Products of one static block of the reduction over `k` taps along the masked axis (without
     a 2-D tile's row taps): channels x taps, or TAP_BLOCK taps, times the lanes."""
     return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
 
 
-def _row_taps(block: Block, tile: _Tile, window: Window, var: Callable[[int], Var], xs: Sequence[int],
+def _row_taps(block: Block, tile: ConvTile, window: Window, var: Callable[[int], Var], xs: Sequence[int],
               ws: Sequence[int], x_terms: list[Term], loops: list[Loop], per_row: int
               ) -> tuple[Mask | None, range, bool]:
     """(row mask, row taps enumerated in the products, clamp) of a 2-D tile's `y_rows` along its
@@ -275,13 +275,13 @@ def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int,
     return mask, pad > 0 or mask.high + (walked - 1) * s - pad + (k - 1) * d >= n
 
 
-def _conv_tile(cs: _ConvShape) -> _Tile | None:
+def conv_tile(cs: ConvShape) -> ConvTile | None:
     """The channel or spatial tile for a conv output (see the module docstring), or None."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     if cs.cg_out % LANES == 0 and len(spatial) <= 1:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
         if length <= CHANNEL_TILE_LENGTH:
-            return _Tile(LANES, length, spatial[0] if spatial else None)
+            return ConvTile(LANES, length, spatial[0] if spatial else None)
     stacks = cs.cg_out % LANES == 0 or (cs.cg_out == 1 and cs.out_shape[1] % LANES == 0)  # a depthwise one
     if stacks and len(spatial) == 2:  # a weight gradient's k x k taps: 4 channels' maps are consecutive texels
         y, x = spatial
@@ -289,10 +289,10 @@ def _conv_tile(cs: _ConvShape) -> _Tile | None:
         lanes = LANES * out_y * out_x
         if (k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= PRIVATE_FLOATS
                 and _block_products(cs, k, lanes) <= STATIC_PRODUCTS):
-            return _Tile(LANES, out_x, x, y_rows=out_y, row_axis=y)
+            return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y)
     axis = lane_axis(cs.out_shape)
     if axis is not None and axis >= 2:
-        return _Tile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)
+        return ConvTile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)
     return None
 
 
@@ -321,12 +321,12 @@ class ConvPlan:
     columns), or neither (per lane). `names_taken`: the variable names its decision's trial reductions
     numbered, which the kernel skips so that its text is what it was when it decided while emitting."""
 
-    view: _ConvShape
-    tile: _Tile | None = None
+    view: ConvShape
+    tile: ConvTile | None = None
     masked: int | None = None
     row: tuple[int, int, int, int, int] | None = None
     names_taken: int = 0
-    flat: bool = False  # `view` is the conv over its flattened spatial axes (_pointwise)
+    flat: bool = False  # `view` is the conv over its flattened spatial axes (flattened_pointwise)
 
 
 @register_kernel("Conv")
@@ -340,12 +340,12 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     texel, lane = view_indices(b, view.out_shape, plan.flat)
 
     def per_lane(block: Block) -> Reduction:
-        return _conv_reduction(b, block, view, lane, _Tile(1, 1, None), _last_tap_axis(view))
+        return conv_reduction(b, block, view, lane, ConvTile(1, 1, None), last_tap_axis(view))
 
-    def texels(tile: _Tile, masked: int | None) -> Callable[[Block], Reduction]:
+    def texels(tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
         if plan.flat:
             b.declare_item_index(b.prologue, view.out_shape, texel)
-        return lambda block: _conv_reduction(b, block, view, texel, tile, masked)
+        return lambda block: conv_reduction(b, block, view, texel, tile, masked)
 
     if plan.tile is not None:
         acc = reduce_into(b, texels(plan.tile, plan.masked), plan.tile.lanes)
@@ -353,14 +353,14 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         axis, length, rows, step, columns = plan.row
         width = LANES * columns  # positions of a tile row
         acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
-                             texels(_Tile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),
+                             texels(ConvTile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),
                              lambda block: reduce_lane(b, block, per_lane), rows * width)
     else:
         acc = reduce_into(b, per_lane, 1)
     return finish_group(b, group, add_bias(b, node, acc))
 
 
-def _pointwise(cs: _ConvShape) -> _ConvShape:
+def flattened_pointwise(cs: ConvShape) -> ConvShape:
     """The conv over its flattened spatial axes when they walk together, or `cs` itself.
 
     A 1x1 conv with stride 1 and no padding (output pixel = input pixel: a longer row for the
@@ -381,11 +381,11 @@ def _pointwise(cs: _ConvShape) -> _ConvShape:
         flat, kernel, out = Window((size,), (1,), (1,), (0,), (0,), (size,), (1,)), size, 1
     else:
         return cs
-    return _ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], kernel), (*cs.out_shape[:2], out),
+    return ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], kernel), (*cs.out_shape[:2], out),
                       cs.groups, cs.cg_in, cs.cg_out, flat, (*cs.xs[:2], x_spatial), (*cs.ws[:2], w_spatial))
 
 
-def _last_tap_axis(cs: _ConvShape) -> int | None:
+def last_tap_axis(cs: ConvShape) -> int | None:
     taps = [axis for axis, k in enumerate(cs.window.kernel) if k > 1]
     return taps[-1] if taps else None
 

@@ -73,7 +73,7 @@ def _transpose_pads_begin(node: ir.Node, in_spatial: Sequence[int], out_spatial:
 
 
 @dataclass
-class _TransposeShape:
+class TransposeShape:
     x: ir.Value
     w: ir.Value
     x_shape: tuple[int, ...]
@@ -88,7 +88,7 @@ class _TransposeShape:
     pads: list[int]
 
 
-def _transpose_shape(node: ir.Node) -> _TransposeShape:
+def transpose_shape(node: ir.Node) -> TransposeShape:
     x, w = node.inputs[0], node.inputs[1]
     x_shape, w_shape, y_shape = static_shape(x), static_shape(w), static_shape(node.outputs[0])
     groups = int(attr(node, "group", 1))
@@ -97,11 +97,11 @@ def _transpose_shape(node: ir.Node) -> _TransposeShape:
     strides = tuple(attr(node, "strides") or [1] * rank)
     dilations = tuple(attr(node, "dilations") or [1] * rank)
     pads = _transpose_pads_begin(node, x_shape[2:], y_shape[2:], kernel, strides, dilations)
-    return _TransposeShape(x, w, x_shape, w_shape, y_shape, groups, w_shape[0] // groups, w_shape[1], kernel,
+    return TransposeShape(x, w, x_shape, w_shape, y_shape, groups, w_shape[0] // groups, w_shape[1], kernel,
                            strides, dilations, pads)
 
 
-def _transpose_taps(block: Block, ts: _TransposeShape, prefix: str, axis: int) -> Loop:
+def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) -> Loop:
     """The taps of spatial `axis` that hit an input pixel, as a loop whose X term is the input index
     and whose W term is the tap (none: one tap); its variables are numbered by `block`.
 
@@ -142,7 +142,7 @@ def _transpose_taps(block: Block, ts: _TransposeShape, prefix: str, axis: int) -
     return Loop(x_terms, w_terms, k, tap, first, const(k), step, enter)
 
 
-def _transpose_reduction(b: KernelBuilder, ts: _TransposeShape, u: str, lane: int, lanes: int, multiple: int,
+def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int, lanes: int, multiple: int,
                          rows: tuple[int, int] = (1, 1), row_axis: int | None = None) -> Reduction:
     """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple
     of `multiple` (the stride divides it, so which taps a lane takes is a literal): input channels
@@ -209,7 +209,7 @@ class TransposePlan:
     path with the axis its rows stack along (`along`), or its row path (`row`: axis, length, channel
     rows, their step, texel columns), or neither (per lane)."""
 
-    view: _TransposeShape
+    view: TransposeShape
     flat: bool
     lanes_axis: int | None = None
     rows: tuple[int, int] = (1, 1)
@@ -247,23 +247,23 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     return finish_group(b, group, add_bias(b, node, acc))
 
 
-def _row_stride_fits(stride: int, length: int) -> bool:
+def row_stride_fits(stride: int, length: int) -> bool:
     """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel then starts
     at a multiple of the stride (4t - r * length is one when the stride divides 4 and the length),
     so which taps a lane takes is a literal, as on the aligned path."""
     return LANES % stride == 0 and length % stride == 0
 
 
-def _pointwise(ts: _TransposeShape) -> _TransposeShape:
+def flattened_pointwise(ts: TransposeShape) -> TransposeShape:
     """A 1x1 ConvTranspose with stride 1 and no padding over the flattened spatial axes, or `ts`."""
     if len(ts.kernel) < 2 or any(k != 1 for k in ts.kernel) or any(s != 1 for s in ts.strides) or any(ts.pads):
         return ts
     size = int(np.prod(ts.x_shape[2:]))
-    return _TransposeShape(ts.x, ts.w, (*ts.x_shape[:2], size), (*ts.w_shape[:2], 1), (*ts.out_shape[:2], size),
+    return TransposeShape(ts.x, ts.w, (*ts.x_shape[:2], size), (*ts.w_shape[:2], 1), (*ts.out_shape[:2], size),
                            ts.groups, ts.cg_in, ts.cg_out, (1,), (1,), (1,), [0])
 
 
-def _transpose_per_lane(b: KernelBuilder, ts: _TransposeShape, block: Block, o: str) -> Var:
+def _transpose_per_lane(b: KernelBuilder, ts: TransposeShape, block: Block, o: str) -> Var:
     """One lane, one output element: guarded tap loops around a dot product over input channels.
 
     Builds into `block` (in the lane loop; `o` names the output index variables); returns the sum.

@@ -51,7 +51,7 @@ def _flat(shape: tuple[int, ...], prefix: str, zero: Sequence[int] = ()) -> Expr
     return flat_index([(index_var(prefix, k), strides[k]) for k in range(len(shape)) if k not in zero])
 
 
-def _item_texels(texels: int) -> int:
+def item_texels(texels: int) -> int:
     """Texels of one row a work-item computes: all of them, or the largest divisor up to ITEM_TEXELS."""
     return max(d for d in range(1, min(texels, ITEM_TEXELS) + 1) if texels % d == 0)
 
@@ -97,7 +97,7 @@ class _Row:
 
 # LayerNormalization --------------------------------------------------------------------------------
 
-def _layer_norm_geometry(node: ir.Node) -> tuple[tuple[int, ...], int, int]:
+def layer_norm_geometry(node: ir.Node) -> tuple[tuple[int, ...], int, int]:
     """(input shape, first normalised axis, elements per normalised row); InstanceNormalization
     normalises every [n, c] plane, the axes from 2 on."""
     shape = static_shape(node.inputs[0])
@@ -113,7 +113,7 @@ def _layer_norm_geometry(node: ir.Node) -> tuple[tuple[int, ...], int, int]:
 
 def _constants(node: ir.Node) -> tuple[Expr, Expr]:
     """(epsilon, elements per row) as float literals."""
-    _, _, count = _layer_norm_geometry(node)
+    _, _, count = layer_norm_geometry(node)
     return const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
 
 
@@ -130,7 +130,7 @@ def _row_statistics(b: KernelBuilder, block: Block, node: ir.Node, row_start: Ex
     4, so its start is one too) is read four elements per read.
     """
     x = node.inputs[0]
-    _, _, count = _layer_norm_geometry(node)
+    _, _, count = layer_norm_geometry(node)
     epsilon, n = _constants(node)
     if count % 4 == 0:
         row = _Row(b, x, row_start, count // 4)
@@ -151,7 +151,7 @@ def _row_statistics(b: KernelBuilder, block: Block, node: ir.Node, row_start: Ex
     return mean, block.let(call("rsqrt", centred / n + epsilon), "inv")
 
 
-def _has_statistics(node: ir.Node) -> bool:
+def has_statistics(node: ir.Node) -> bool:
     return len(node.outputs) >= 3 and all(o is not None and o.name for o in node.outputs[1:3])
 
 
@@ -160,7 +160,7 @@ def _group_statistics(b: KernelBuilder, node: ir.Node, row_start: Expr) -> tuple
     group_size-th element of the row, then the group merges the sums (mean first, then the
     centred squares) in __local memory."""
     x = node.inputs[0]
-    _, _, count = _layer_norm_geometry(node)
+    _, _, count = layer_norm_geometry(node)
     epsilon, n = _constants(node)
     body = b.body
     total = body.mutable(const(0.0, FLOAT), "sum")
@@ -179,7 +179,7 @@ def _group_statistics(b: KernelBuilder, node: ir.Node, row_start: Expr) -> tuple
 def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: list[ir.Value]) -> Kernel:
     """Mean and/or InvStdDev (shape: the input's with the normalised axes as 1), one lane per row,
     or one work-group per texel of rows when a row is longer than the serial limit."""
-    shape, axis, count = _layer_norm_geometry(node)
+    shape, axis, count = layer_norm_geometry(node)
     b = KernelBuilder(table, name, FAMILY, outputs)
     b.nodes.append(node.name)
     b.take_group()  # kernels/schedules.py: a work-group per row for a long row
@@ -198,9 +198,9 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     x, scale = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
-    shape, axis, count = _layer_norm_geometry(node)
+    shape, axis, count = layer_norm_geometry(node)
     kernels: list[Kernel] = []
-    statistics = _has_statistics(node)
+    statistics = has_statistics(node)
     if statistics:
         # Both are written (even one nothing reads) so that the Y kernel can read them back.
         kernels.append(_statistics_kernel(table, f"{group.name}_stats", node, list(node.outputs[1:3])))
@@ -218,7 +218,7 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if statistics:
         mean, inv_std = b.body.let(broadcast(node.outputs[1]), "mean"), b.body.let(broadcast(node.outputs[2]), "inv")
     elif count % 4 == 0:
-        # once per work-item, over the texels of one row it computes (kernels/schedules.py: _item_texels)
+        # once per work-item, over the texels of one row it computes (kernels/schedules.py: item_texels)
         mean, inv_std = _row_statistics(b, b.prologue, node, _flat(shape, TEXEL_INDEX, trailing))
     else:
         row_start = b.body.let(_flat(shape, OUT_INDEX, trailing), "row")

@@ -27,16 +27,16 @@ import onnx_ir as ir
 from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import _root_digits, row_axis
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, _conv_reduction,
-                                       _conv_shape, _conv_tile, _ConvShape, _last_tap_axis, _Tile)
-from fblc.codegen.kernels.conv import _pointwise as _conv_pointwise
+from fblc.codegen.kernels.contraction import root_digits, row_axis
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, conv_reduction,
+                                       conv_shape, conv_tile, ConvShape, last_tap_axis, ConvTile)
+from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.conv_tiles import (batch_count, batch_stride, channel_rows, row_columns, stack_rows,
                                              texels_per_item)
-from fblc.codegen.kernels.conv_transpose import TransposePlan, _row_stride_fits, _transpose_shape, _TransposeShape
-from fblc.codegen.kernels.conv_transpose import _pointwise as _transpose_pointwise
+from fblc.codegen.kernels.conv_transpose import TransposePlan, row_stride_fits, transpose_shape, TransposeShape
+from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.texel import Reduction
-from fblc.codegen.kernels.normalize import _has_statistics, _item_texels, _layer_norm_geometry
+from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
@@ -123,7 +123,7 @@ def _matmul(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
     out_shape = static_shape(group.outputs[0])
     reads = ValueReads(table, out_shape)
-    (_, a_axes), (_, w_axes) = _root_digits(reads, a, a2), _root_digits(reads, w, b2)
+    (_, a_axes), (_, w_axes) = root_digits(reads, a, a2), root_digits(reads, w, b2)
     (m_rows, _), (n_run, _) = a_axes[-2][-1], w_axes[-1][-1]
     texel = len(b_shape) >= 2 and lane_axis(out_shape) == len(out_shape) - 1 and n_run % LANES == 0
     if not (texel and len(a_shape) >= 2):
@@ -163,14 +163,14 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> dict[str, Schedu
 def _conv_plan(tiled: bool, scratch: ValueReads, node: ir.Node) -> tuple[ConvPlan, Schedule]:
     """The conv's tile (see the module docstring) and its schedule; `scratch` numbers the names of
     the trial reductions that weigh a channel tile's accumulator forms (no kernel is built)."""
-    cs = _conv_shape(node)
-    view = _conv_pointwise(cs)
+    cs = conv_shape(node)
+    view = flattened_conv(cs)
     texel = FLAT_TEXEL_INDEX if view is not cs else TEXEL_INDEX
-    tile, row = _conv_tile(view), row_axis(view.out_shape, first=2)
+    tile, row = conv_tile(view), row_axis(view.out_shape, first=2)
     if tile is not None:
         per = tile.lanes // LANES
         schedule = consecutive(per)
-        masked = tile.axis if tile.axis is not None else _last_tap_axis(view)
+        masked = tile.axis if tile.axis is not None else last_tap_axis(view)
         if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
             rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
             if rows > 1:
@@ -192,14 +192,14 @@ def _conv_plan(tiled: bool, scratch: ValueReads, node: ir.Node) -> tuple[ConvPla
     return ConvPlan(view, flat=view is not cs), consecutive(1)
 
 
-def _sums_instead_of_batches(b: ValueReads, cs: _ConvShape, prefix: str, tile: _Tile, masked: int | None,
+def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
                              tiled: bool) -> bool:
     """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
     (accumulators' "sums" form), rather than take several batch elements (batch_rows, R-Tile codegen's
     register tile) in texels: the sums must be chosen for the tile alone and cost fewer instructions per
     product than the batched tile's texels."""
-    def trial(candidate: _Tile) -> Reduction:
-        return _conv_reduction(b, Block(b.numbering), cs, prefix, candidate, masked)
+    def trial(candidate: ConvTile) -> Reduction:
+        return conv_reduction(b, Block(b.numbering), cs, prefix, candidate, masked)
 
     single = trial(tile)
     if single.accumulator_form(b, tile.lanes) != "sums":
@@ -208,7 +208,7 @@ def _sums_instead_of_batches(b: ValueReads, cs: _ConvShape, prefix: str, tile: _
     return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
 
 
-def _conv_spatial_rows(tiled: bool, cs: _ConvShape, tile: _Tile) -> tuple[int, int | None]:
+def _conv_spatial_rows(tiled: bool, cs: ConvShape, tile: ConvTile) -> tuple[int, int | None]:
     """(rows, window axis): under R-Tile codegen a spatial tile whose channels cannot stack (a
     depthwise conv has one output channel per group) stacks consecutive output positions along the
     window axis before its own, the first of SPATIAL_ROWS that divides that axis and fits
@@ -228,8 +228,8 @@ def _conv_spatial_rows(tiled: bool, cs: _ConvShape, tile: _Tile) -> tuple[int, i
 
 def _transpose_plan(tiled: bool, node: ir.Node) -> tuple[TransposePlan, Schedule, int]:
     """The ConvTranspose's tile, its schedule and the lanes its work-item reduces together (0: per lane)."""
-    ts = _transpose_shape(node)
-    view = _transpose_pointwise(ts)
+    ts = transpose_shape(node)
+    view = flattened_transpose(ts)
     flat = view is not ts
     axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
     if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
@@ -242,7 +242,7 @@ def _transpose_plan(tiled: bool, node: ir.Node) -> tuple[TransposePlan, Schedule
             if along is not None:
                 schedule = tile_of(rows, per, stride)
         return TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes), schedule, lanes * rows
-    if row is not None and _row_stride_fits(view.strides[row[0] - 2], row[1]) and view.kernel[row[0] - 2] <= TAP_BLOCK:
+    if row is not None and row_stride_fits(view.strides[row[0] - 2], row[1]) and view.kernel[row[0] - 2] <= TAP_BLOCK:
         axis, length = row
         count, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
         schedule = tile_of(count, columns, stride) if count > 1 else consecutive(1)
@@ -250,7 +250,7 @@ def _transpose_plan(tiled: bool, node: ir.Node) -> tuple[TransposePlan, Schedule
     return TransposePlan(view, flat), consecutive(1), 0
 
 
-def _transpose_spatial_rows(tiled: bool, ts: _TransposeShape, lane: int, lanes: int
+def _transpose_spatial_rows(tiled: bool, ts: TransposeShape, lane: int, lanes: int
                   ) -> tuple[tuple[int, int], int | None, int]:
     """((rows, 1), window axis, stride): as _conv_spatial_rows, consecutive output positions along the
     spatial axis before `lane` where output channels cannot stack (a depthwise conv's input
@@ -282,10 +282,10 @@ def _reduce(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
 @rule("LayerNormalization", "InstanceNormalization")
 def _layer_norm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     node = group.anchor
-    _, _, count = _layer_norm_geometry(node)
-    if _has_statistics(node):
+    _, _, count = layer_norm_geometry(node)
+    if has_statistics(node):
         return {f"{group.name}_stats": _row_group(table, count), group.name: consecutive(1)}
-    return {group.name: consecutive(_item_texels(count // 4) if count % 4 == 0 else 1)}
+    return {group.name: consecutive(item_texels(count // 4) if count % 4 == 0 else 1)}
 
 
 def decide_schedules(table: TextureTable, groups: list[KernelGroup],
