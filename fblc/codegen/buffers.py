@@ -1,9 +1,7 @@
-"""The buffer table: every texture of a program with its format, padded size and lifetime, and
-the images they share. One table, read by the memory report (`allocated_bytes`), by plan.json
-(`textures[].lifetime`, `textures[].image`, `images`) and so by both runtimes, which allocate
-exactly plan.json's images and bind each texture to its image.
+"""The buffer table: every texture of a program with its lifetime, and the images they share. One
+table, read by the memory report (`allocated_bytes`), by plan.json (`textures[].lifetime`,
+`textures[].image`, `images`) and so by both runtimes, which allocate exactly plan.json's images.
 
-A texture's lifetime is [first kernel, last kernel] that reads or writes it ([-1, -1]: none).
 Pinned textures keep an image of their own: the runtimes read or write them (graph inputs and
 outputs, the loss), they carry initial data (parameters, constants) or state across steps (the
 swapped pairs). The others share: textures of one format and width whose lifetimes do not
@@ -22,26 +20,23 @@ from fblc import bundle_format as fmt
 from fblc.codegen.plan import Program
 from fblc.codegen.textures import Texture
 
-
-Lifetime = tuple[int, int]  # (first, last) kernel that touches a texture; (-1, -1): none does
+Lifetime = tuple[int, int]  # (first, last) kernel that reads or writes a texture; (-1, -1): none does
 
 
 @dataclass
 class BufferTable:
-    """The program's textures with their lifetimes and pins, and the images they share. A texture is the
-    buffer here (its format and padded size are the texture's); the memory plan's buffers
-    (fblc.passes.memory_plan.Buffer) are the step graph's values before they became textures."""
+    """A texture is the buffer here; the memory plan's buffers (fblc.passes.memory_plan.Buffer) are
+    the step graph's values before they became textures."""
 
     textures: list[Texture]  # by texture id
     lifetimes: list[Lifetime]  # by texture id
-    pinned: frozenset[int]
     images: list[dict[str, Any]]  # plan.json's images: format, width, height, textures
     image_of: list[int]  # texture id -> image
 
     @property
     def texture_bytes(self) -> int:
-        """Every texture in an image of its own: its padded texels (bytes of a mask image)."""
-        return sum(fmt.image_bytes(t.format, t.width, t.height) for t in self.textures)
+        """Every texture in an image of its own."""
+        return sum(t.image_bytes for t in self.textures)
 
     @property
     def allocated_bytes(self) -> int:
@@ -49,25 +44,17 @@ class BufferTable:
         return sum(fmt.image_bytes(i["format"], i["width"], i["height"]) for i in self.images)
 
 
-def pinned_textures(model: ir.Model, program: Program) -> set[int]:
-    """Textures the runtimes touch or that outlive a step (see the module docstring)."""
-    graph = model.graph
-    pinned = set(program.initial) | {t for pair in program.swaps for t in pair} | {program.values["loss"]}
-    return pinned | {program.values[v.name] for v in list(graph.inputs) + list(graph.outputs)
-                     if v.name in program.values}
-
-
 def buffer_table(model: ir.Model, program: Program) -> BufferTable:
-    first_use: dict[int, int] = {}
-    last_use: dict[int, int] = {}
+    uses: dict[int, list[int]] = {}  # texture id -> the kernels that read or write it
     for index, kernel in enumerate(program.kernels):
         for texture_id in kernel.outputs + kernel.inputs:
-            first_use.setdefault(texture_id, index)
-            last_use[texture_id] = index
-    lifetimes = [(first_use.get(t.id, -1), last_use.get(t.id, -1)) for t in program.textures]
-    pinned = frozenset(pinned_textures(model, program))
+            uses.setdefault(texture_id, []).append(index)
+    lifetimes = [(uses[t.id][0], uses[t.id][-1]) if t.id in uses else (-1, -1) for t in program.textures]
+    outside = list(model.graph.inputs) + list(model.graph.outputs)
+    pinned = frozenset(set(program.initial) | {t for pair in program.swaps for t in pair} | {program.values["loss"]}
+                       | {program.values[v.name] for v in outside if v.name in program.values})
     images, image_of = _share_images(program.textures, lifetimes, pinned)
-    return BufferTable(program.textures, lifetimes, pinned, images, image_of)
+    return BufferTable(program.textures, lifetimes, images, image_of)
 
 
 def _share_images(textures: list[Texture], lifetimes: list[Lifetime],

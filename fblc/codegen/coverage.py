@@ -1,24 +1,17 @@
 """What fblc supports of a model, found without compiling it: the analysis behind `fblc check`.
 
-It runs the passes only as far as each question needs, and asks the registries the same way
-the compiler would, so that a model `check` passes also compiles (up to the attribute limits
-an emitter only checks when it writes the kernel, e.g. AveragePool's ceil_mode):
-
-- import: the import passes; when shape inference fails, every node whose shape stays unknown
-  (`shapes.shape_gaps`, which the pass's error also names);
-- gradients: the training passes up to autodiff; the nodes between a trainable parameter and the
-  loss need a rule (`autodiff.gradient_gaps`), then the backward is built to find the nodes a rule
-  refuses;
-- device: the step's layout and fusion passes (not the layout search, which needs a target); every
-  kernel group's anchor needs an emitter (`plan.kernel_groups`), as in `lower`;
-- adapters: their sites (`adapters.find_sites`), and the gradient rules their step needs, on a copy.
+It runs the passes only as far as each question needs (import; the training passes up to autodiff,
+then the backward; the step's layout and fusion, without the layout search, which needs a target;
+each adapter's passes on a copy), and asks the registries the same way the compiler would, so that
+a model `check` passes also compiles (up to the attribute limits an emitter only checks when it
+writes the kernel, e.g. AveragePool's ceil_mode).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Mapping
 
 import onnx_ir as ir
 
@@ -40,8 +33,6 @@ from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.pipeline import TrainingOptions, import_passes, layout_passes, run_passes, training_passes
 from fblc.passes.split_softmax import SPLITS
 from fblc.compiler import keys
-
-ADAPTER_KINDS = MEMORY_FLOOR_ADAPTERS
 
 
 @dataclass(frozen=True)
@@ -82,16 +73,6 @@ def _split_at_gradients(passes: list[ir.passes.PassBase]) -> tuple[list[ir.passe
     return passes[:index], passes[index:]
 
 
-def _copy(model: ir.Model) -> ir.Model:
-    """A deep copy (the adapters rewrite the graph); value metadata (roles) survives the round trip."""
-    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
-
-
-def _layout(node: ir.Node) -> str:
-    found = FTD_CLASSES.get(node, None)
-    return found.value if found is not None else f"{UNKNOWN_OP_CLASS.value} (default)"
-
-
 def _kernel_status(node: ir.Node, missing: set[str]) -> str:
     if op_label(node) in missing:
         return "missing"
@@ -119,7 +100,7 @@ def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Ve
         pointwise = " and a 1x1 kernel" if options.adapter.sites == "pointwise" else ""
         return Verdict(False, f"no Conv with groups == 1{pointwise}" + (
             ", no MatMul/Gemm with a constant weight" if kind in LINEAR_ADAPTERS else ""))
-    copy = _copy(model)
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # value metadata (roles) survives
     try:
         run_passes(copy, _split_at_gradients(training_passes(adapted))[0])
     except FblcError as error:  # e.g. a rank larger than a site's channels, --bn-train
@@ -136,16 +117,16 @@ def _adapter_verdict(model: ir.Model, options: TrainingOptions, kind: str) -> Ve
     return Verdict(True, ", ".join(filter(None, found)))
 
 
-def _rows(nodes: list[ir.Node], imported: Callable[[str], str], gradient: Callable[[str], str],
-          kernel: Callable[[ir.Node], str]) -> list[OpRow]:
+def _rows(nodes: list[ir.Node], imported: Mapping[str, str], gradient: Mapping[str, str],
+          missing_kernels: set[str]) -> list[OpRow]:
+    """A row per op type, in the order of its first node; an op neither table names imports, needs no gradient."""
+    counts = Counter(op_label(node) for node in nodes)
     first: dict[str, ir.Node] = {}
-    counts: dict[str, int] = {}
     for node in nodes:
-        label = op_label(node)
-        first.setdefault(label, node)
-        counts[label] = counts.get(label, 0) + 1
-    return [OpRow(label, counts[label], imported(label), gradient(label), kernel(node), _layout(node))
-            for label, node in first.items()]
+        first.setdefault(op_label(node), node)
+    return [OpRow(label, counts[label], imported.get(label, "ok"), gradient.get(label, "not needed"),
+                  _kernel_status(node, missing_kernels), layout.value if (layout := FTD_CLASSES.get(node, None))
+                  is not None else f"{UNKNOWN_OP_CLASS.value} (default)") for label, node in first.items()]
 
 
 def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
@@ -160,20 +141,15 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
             break  # what follows needs static shapes
     forward = list(model.graph)
     found = shape_gaps(model)
-    no_rule = {g.op for g in found.no_rule}
-    dynamic = {g.op for g in found.data_dependent}
-
-    def imported(label: str) -> str:
-        return "no shape rule" if label in no_rule else "data-dependent" if label in dynamic else "ok"
-
+    imported = {**dict.fromkeys((g.op for g in found.data_dependent), "data-dependent"),
+                **dict.fromkeys((g.op for g in found.no_rule), "no shape rule")}
     if found:  # the training passes need static shapes: say what the tables hold, need unknown
-        missing_kernels = {g.op for g in _forward_kernel_gaps(forward)}
-        rows = _rows(forward, imported, lambda label: "has rule" if label in GRADIENTS else "no rule",
-                     lambda node: _kernel_status(node, missing_kernels))
+        rules = {label: "has rule" if label in GRADIENTS else "no rule" for label in map(op_label, forward)}
+        rows = _rows(forward, imported, rules, {g.op for g in _forward_kernel_gaps(forward)})
         blocked = Verdict(False, "not analysed: the training step needs every shape static")
         return Coverage(rows, Verdict(False, shape_error(found).cause), blocked, blocked,
-                        {kind: blocked for kind in ADAPTER_KINDS})
-    adapters = {kind: _adapter_verdict(model, options, kind) for kind in ADAPTER_KINDS}
+                        {kind: blocked for kind in MEMORY_FLOOR_ADAPTERS})
+    adapters = {kind: _adapter_verdict(model, options, kind) for kind in MEMORY_FLOOR_ADAPTERS}
 
     before, after = _split_at_gradients(training_passes(options))
     run_passes(model, before)
@@ -189,11 +165,8 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
     except UnsupportedOpError as error:  # every op without a rule, and every node a rule refuses
         trains = Verdict(False, error.cause)
         refused = set(error.ops) - missing
-
-    def gradient(label: str) -> str:
-        return ("missing" if label in missing else "refused" if label in refused
-                else "yes" if label in needed else "not needed")
-
+    gradient = {**dict.fromkeys(needed, "yes"), **dict.fromkeys(refused, "refused"),
+                **dict.fromkeys(missing, "missing")}
     if trains.ok:
         groups = kernel_groups(run_passes(model, layout_passes(options) + [FuseKernels()]).graph)
         kernel_gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
@@ -201,10 +174,8 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
                 Verdict(True, f"every one of the step's {len(groups)} kernels has an emitter"))
     else:  # no step: the forward's nodes are all that is known to need a kernel
         kernel_gaps = _forward_kernel_gaps(forward)
-        detail = "the training step cannot be built, so its backward is not known"
-        if kernel_gaps:
-            detail = f"{KERNEL_EMITTERS.error(kernel_gaps).cause} (in the forward), and {detail}"
-        runs = Verdict(False, detail)
-    missing_kernels = {g.op for g in kernel_gaps}
-    rows = _rows(forward, imported, gradient, lambda node: _kernel_status(node, missing_kernels))
+        unknown = "the training step cannot be built, so its backward is not known"
+        runs = Verdict(False, f"{KERNEL_EMITTERS.error(kernel_gaps).cause} (in the forward), and {unknown}"
+                       if kernel_gaps else unknown)
+    rows = _rows(forward, imported, gradient, {g.op for g in kernel_gaps})
     return Coverage(rows, Verdict(True, f"{len(forward)} nodes, every shape static"), trains, runs, adapters, trained)

@@ -1,16 +1,11 @@
 """The `layout` object of report.json: data movement before and after remapping, tiles and scores.
 
 Read from the annotations of the lowered step graph (tile_remap's `fblc.remap` and index maps,
-rtile_select's `fblc.layout`) and from the kernels the codegen emitted:
-- data_movement_before: Transpose/Reshape/Flatten/Squeeze/Unsqueeze/Expand nodes of the step,
-  each a copy kernel in the conventional baseline;
-- data_movement_after: those that still run as a kernel;
-- conversion_kernels: emitted kernels that compute a kept data-movement node (a remap check
-  failed, or `--layout naive`): they exist only to change how a tensor is laid out;
-- movement_kernels, movement_kernels_by_op: every emitted kernel of the movement family (also
-  Slice, Pad, Concat, Split, Gather copies), by the op of its first node;
-- kept: why each kept node could not be remapped; tensors: every stored tensor's layout;
-- search (rtile): how the layouts were chosen (--layout-search).
+rtile_select's `fblc.layout` and `fblc.layout_choice`) and from the kernels the codegen emitted. The
+data-movement ops (Transpose, Reshape, Flatten, Squeeze, Unsqueeze, Expand) are each a copy kernel in
+the conventional baseline; those kept (a remap check failed, or `--layout naive`) still run as one,
+a conversion kernel that exists only to change how a tensor is laid out. The movement kernels are
+every emitted kernel of the movement family (also Slice, Pad, Concat, Split, Gather copies).
 """
 
 from __future__ import annotations
@@ -31,34 +26,31 @@ def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -
     graph = model.graph
     movement = [n for n in graph if n.op_type in REMAPPABLE and n.domain == ""]
     kept = [n for n in movement if not is_view(n)]
-    reasons = Counter(n.metadata_props.get(keys.REMAP, "naive layout: every data-movement op is a copy")
-                      for n in kept)
-    tensors = []
+    before, after = Counter(n.op_type for n in movement), Counter(n.op_type for n in kept)
     stored = {t.name: t for t in program.textures}
+    tensors = []
     for value in list(graph.inputs) + [v for n in graph for v in n.outputs if v is not None]:
-        texture = stored.get(value.name)
-        if texture is None or keys.LAYOUT not in value.metadata_props:
-            continue
-        choice = keys.json_of(value.metadata_props, keys.LAYOUT_CHOICE, {})
-        tensors.append({"name": value.name, "shape": list(static_shape(value)),
-                        "layout": texture.layout.describe(), "chosen_by": choice.get("how", "flat"),
-                        "score": choice.get("score"), "scored_by": choice.get("scored_by"),
-                        "relaxed": choice.get("relaxed", []),
-                        **({"estimate_ms": choice["estimate_ms"]} if "estimate_ms" in choice else {})})
+        if value.name in stored and keys.LAYOUT in value.metadata_props:
+            choice = keys.json_of(value.metadata_props, keys.LAYOUT_CHOICE, {})
+            tensors.append({"name": value.name, "shape": list(static_shape(value)),
+                            "layout": stored[value.name].layout.describe(), "chosen_by": choice.get("how", "flat"),
+                            "score": choice.get("score"), "scored_by": choice.get("scored_by"),
+                            "relaxed": choice.get("relaxed", []),
+                            **{key: choice[key] for key in ("estimate_ms",) if key in choice}})
     kept_names = {n.name for n in kept}
     op_of = {n.name: n.op_type for n in graph}
     movers = [k for k in program.kernels if k.family == "movement"]
-    kinds = Counter("rtile" if t.layout.kind == "rtile" else "flat" for t in program.textures)
-    ftd = Counter(n.metadata_props.get(keys.FTD, "?") for n in graph)
     search = {"search": options.layout_search} if options.layout == "rtile" else {}
     return {"mode": options.layout, **search, "data_movement_before": len(movement), "data_movement_after": len(kept),
             "conversion_kernels": sum(1 for k in program.kernels if kept_names.intersection(k.nodes)),
             "movement_kernels": len(movers),
             "movement_kernels_by_op": dict(Counter(op_of.get(k.nodes[0], "?") for k in movers if k.nodes)),
-            "data_movement_by_op": {op: [sum(1 for n in movement if n.op_type == op),
-                                         sum(1 for n in kept if n.op_type == op)]
-                                    for op in sorted({n.op_type for n in movement})},
-            "kept": dict(reasons), "textures_by_layout": dict(kinds), "ftd_classes": dict(ftd),
+            "data_movement_by_op": {op: [before[op], after[op]] for op in sorted(before)},
+            "kept": dict(Counter(n.metadata_props.get(keys.REMAP, "naive layout: every data-movement op is a copy")
+                                 for n in kept)),
+            "textures_by_layout": dict(Counter("rtile" if t.layout.kind == "rtile" else "flat"
+                                               for t in program.textures)),
+            "ftd_classes": dict(Counter(n.metadata_props.get(keys.FTD, "?") for n in graph)),
             "kernels_per_family": program.family_counts(), "tensors": tensors}
 
 
@@ -71,20 +63,17 @@ def layout_summary(layout: dict[str, Any], top: int = 12) -> str:
              + ", ".join(f"{count} {op}" for op, count in sorted(layout["movement_kernels_by_op"].items())) + ")",
              "  by op (before, after): " + ", ".join(f"{op} {b}->{a}" for op, (b, a) in
                                                     layout["data_movement_by_op"].items())]
-    for reason, count in layout["kept"].items():
-        lines.append(f"  kept {count}: {reason}")
+    lines += [f"  kept {count}: {reason}" for reason, count in layout["kept"].items()]
     lines.append("  textures: " + ", ".join(f"{count} {kind}" for kind, count in layout["textures_by_layout"].items())
                  + "; FTD classes: " + ", ".join(f"{count} {c}" for c, count in sorted(layout["ftd_classes"].items())))
     lines.append("  kernels per family: " + ", ".join(f"{count} {family}" for family, count in
                                                       sorted(layout["kernels_per_family"].items())))
-    tiled = [t for t in layout["tensors"] if t["score"] is not None]
-    tiled.sort(key=lambda t: -numel(t["shape"]))
+    tiled = sorted((t for t in layout["tensors"] if t["score"] is not None), key=lambda t: -numel(t["shape"]))
     if tiled:
         lines.append(f"  {'tensor':<44} {'shape':<18} {'score':>8}  layout (chosen by)")
-        for t in tiled[:top]:
-            lines.append(f"  {t['name'][:44]:<44} {str(t['shape']):<18} {t['score']:8.3f}  {t['layout']} "
-                         f"({t['chosen_by']}{'; relaxed ' + ','.join(t['relaxed']) if t['relaxed'] else ''})")
+        lines += [f"  {t['name'][:44]:<44} {str(t['shape']):<18} {t['score']:8.3f}  {t['layout']} "
+                  f"({t['chosen_by']}{'; relaxed ' + ','.join(t['relaxed']) if t['relaxed'] else ''})"
+                  for t in tiled[:top]]
         if len(tiled) > top:
             lines.append(f"  ... {len(tiled) - top} more scored tensors in report.json")
     return "\n".join(lines)
-

@@ -17,14 +17,14 @@ from typing import Any, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from fblc.bundle_format import FLOAT_FORMATS
+from fblc.bundle_format import FLOAT_FORMATS, NUMPY_DTYPES
 from fblc.codegen.cl import Kernel
 from fblc.codegen import ir as kir
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.kernels.schedules import decide_schedules, mask4_layouts
 from fblc.codegen.render.source import assemble_source
 from fblc.codegen.schedule import Schedule
-from fblc.codegen.textures import Texture, TextureTable, to_texels
+from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler import keys
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import mark_refusal
@@ -35,7 +35,7 @@ from fblc.passes.fuse import ALIAS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
-
+from fblc.texel_layout import pack
 
 
 @dataclass
@@ -55,8 +55,11 @@ class Program:
         return dict(Counter(k.family for k in self.kernels))
 
 
-def _groups(graph: ir.Graph) -> list[KernelGroup]:
-    """The fuse pass's kernels in launch order (k0, k1, ...), each with the values others read."""
+def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
+    """The fuse pass's groups in launch order (k0, k1, ...) that launch kernels, so need their anchor's
+    emitter: not views (`alias`), not a group nothing reads (e.g. an unused optional output), not a
+    Constant (its texture is preloaded). Members after the anchor are elementwise ops its emitter writes
+    as expressions; a group's outputs are the values others read."""
     members: dict[str, list[ir.Node]] = {}
     for node in graph:
         kernel = kernel_of(node)
@@ -67,80 +70,66 @@ def _groups(graph: ir.Graph) -> list[KernelGroup]:
     graph_outputs = {id(v) for v in graph.outputs}
     groups = []
     for kernel in sorted(members, key=lambda k: int(k[1:])):
-        nodes = members[kernel]
-        anchor = next((n for n in nodes if n.op_type in CONTRACTIONS), nodes[0])
-        nodes = [anchor] + [n for n in nodes if n is not anchor]
+        anchor = next((n for n in members[kernel] if n.op_type in CONTRACTIONS), members[kernel][0])
+        nodes = [anchor] + [n for n in members[kernel] if n is not anchor]
         inside = {id(n) for n in nodes}
-        outputs = [v for n in nodes for v in n.outputs
-                   if v is not None and v.name and (id(v) in graph_outputs or any(id(u.node) not in inside for u in v.uses()))]
-        groups.append(KernelGroup(f"{kernel}_{anchor.op_type}", nodes, outputs))
+        outputs = [v for n in nodes for v in n.outputs if v is not None and v.name
+                   and (id(v) in graph_outputs or any(id(u.node) not in inside for u in v.uses()))]
+        if outputs and anchor.op_type != "Constant":
+            groups.append(KernelGroup(f"{kernel}_{anchor.op_type}", nodes, outputs))
     return groups
 
 
-def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
-    """The fused groups that launch kernels, so need their anchor's emitter: not views (`alias`),
-    not a group nothing reads (e.g. an unused optional output), not a Constant (its texture is
-    preloaded). Members after the anchor are elementwise ops its emitter writes as expressions."""
-    return [g for g in _groups(graph) if g.outputs and g.anchor.op_type != "Constant"]
+def _scheduled_table(graph: ir.Graph, profile: Profile, dtype: str, groups: list[KernelGroup],
+                     overrides: Mapping[str, Mapping[str, Any]] | None) -> TextureTable:
+    """The step's texture table with the schedules of `groups` (the emitted ones) decided, `overrides` by
+    kernel name applied (kernels/schedules.py), and the r_mask4 layouts of the saved masks they split."""
+    table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
+    table.schedules = decide_schedules(table, groups, overrides)
+    table.mask4 = mask4_layouts(table.schedules, table, graph)
+    return table
 
 
 def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True,
           overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Program:
     """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the
-    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone.
-    Every kernel's schedule is decided first (kernels/schedules.py, `overrides` by kernel name applied)."""
+    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone."""
     graph = model.graph
-    table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
-    kernels: list[Kernel] = []
     groups = kernel_groups(graph)
-    gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
     emitted = [g for g in groups if KERNEL_EMITTERS.has(g.anchor)]
-    table.schedules = decide_schedules(table, emitted, overrides)
-    table.mask4 = mask4_layouts(table.schedules, table, graph)
+    table = _scheduled_table(graph, profile, dtype, emitted, overrides)
     for group in emitted:  # the kernel_schedules pass put these decisions on the step: they must be these
         recorded = group.anchor.metadata_props.get(keys.SCHEDULE)
         if recorded is not None and recorded != _decided(table.schedules, group):
             raise AssertionError(f"{group.name}: the step's schedule {recorded} is not the one lowering decides "
                                  f"({_decided(table.schedules, group)}): were they given different overrides?")
+    kernels: list[Kernel] = []
     refusals: list[FblcError] = []
-    for group in groups:
-        if not KERNEL_EMITTERS.has(group.anchor):
-            continue  # in `gaps`
+    for group in emitted:
         try:
             kernels.extend(KERNEL_EMITTERS.lookup(group.anchor)(table, group))
         except UnsupportedOpError as refusal:  # e.g. an attribute the emitter does not handle; find the others too
             refusals.append(mark_refusal(refusal, group.anchor))
+    gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
     if gaps or refusals:
         raise KERNEL_EMITTERS.error(gaps, refusals)
     for value in list(graph.inputs) + list(graph.outputs) + list(graph.initializers.values()):
         table.of(value)
-    values: dict[str, int] = {}
-    for texture in table.textures:
-        for name in texture.values:
-            values[name] = texture.id
-    value_shapes = {v.name: list(static_shape(v)) for n in graph for v in n.outputs if v is not None and v.name in values}
-    value_shapes.update({v.name: list(static_shape(v)) for v in list(graph.inputs) + list(graph.initializers.values())})
-    initial: dict[int, np.ndarray] = {}
+    values = {name: texture.id for texture in table.textures for name in texture.values}
+    named = [v for n in graph for v in n.outputs if v is not None and v.name in values]
+    value_shapes = {v.name: list(static_shape(v)) for v in [*named, *graph.inputs, *graph.initializers.values()]}
     roots = {v.name: v for v in graph.initializers.values()}
     roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
-    for texture in table.textures if with_contents else []:
-        root = roots.get(texture.name)
-        if root is not None:
-            array = const_array(root)
-            if array is not None:
-                initial[texture.id] = to_texels(array, texture)
+    initial = {t.id: pack(array, t.layout, np.dtype(NUMPY_DTYPES[t.format])) for t in table.textures
+               if with_contents and t.name in roots and (array := const_array(roots[t.name])) is not None}
     swaps = [(values[state.name], values[update.name]) for state, update in state_pairs(graph)]
     for state, new in swaps:  # the next step reads the .new image through the state's layout
         if table.textures[state].layout != table.textures[new].layout:
             raise AssertionError(f"'{table.textures[state].name}' and '{table.textures[new].name}' swap images after "
                                  "a step but were given different layouts")
-    value_maps = {}
-    for node in graph:
-        if is_view(node) and node.outputs[0].name in values:
-            index_map = map_of(node.outputs[0])
-            if not index_map.contiguous:
-                value_maps[node.outputs[0].name] = {"shape": list(index_map.shape), "strides": list(index_map.strides),
-                                                    "offset": index_map.offset}
+    maps = {n.outputs[0].name: map_of(n.outputs[0]) for n in graph if is_view(n) and n.outputs[0].name in values}
+    value_maps = {name: {"shape": list(m.shape), "strides": list(m.strides), "offset": m.offset}
+                  for name, m in maps.items() if not m.contiguous}  # strided views
     program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps,
                       schedules={k.name: table.schedules[k.name].record() for k in kernels})
     share_kernels(program.kernels)
@@ -158,24 +147,18 @@ def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping
     """The decisions the kernel_schedules pass puts on the fused step: every kernel's schedule (on its
     group's anchor) and the r_mask4 layouts of the saved masks the schedules split, as lower() decides them."""
     def decide(model: ir.Model) -> ScheduleDecisions:
-        graph = model.graph
-        table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
-        groups = [g for g in kernel_groups(graph) if KERNEL_EMITTERS.has(g.anchor)]
-        schedules = decide_schedules(table, groups, overrides)
-        layouts = mask4_layouts(schedules, table, graph)
-        return ScheduleDecisions([(g.anchor, _decided(schedules, g)) for g in groups],
-                                 {name: layout.to_json() for name, layout in layouts.items()})
+        groups = [g for g in kernel_groups(model.graph) if KERNEL_EMITTERS.has(g.anchor)]
+        table = _scheduled_table(model.graph, profile, dtype, groups, overrides)
+        return ScheduleDecisions([(g.anchor, _decided(table.schedules, g)) for g in groups],
+                                 {name: layout.to_json() for name, layout in table.mask4.items()})
 
     return decide
 
 
 def share_kernels(kernels: list[Kernel]) -> None:
     """Set each kernel's `function`: its own name, or that of the first kernel with equal IR (the same
-    arguments and body; names aside), whose __kernel its launches then share.
-
-    Optimizer updates and backward pieces of same-shaped tensors repeat exactly; building each
-    once shortens the OpenCL compile, which on some drivers dominates start-up.
-    """
+    arguments and body; names aside), whose __kernel its launches then share. Optimizer updates and backward
+    pieces of same-shaped tensors repeat exactly: building each once shortens the OpenCL compile."""
     firsts: dict[tuple[kir.Argument, ...], list[Kernel]] = {}
     for kernel in kernels:
         body = kernel.ir

@@ -1,12 +1,8 @@
-"""Textures: which values get one, and where their texels sit.
+"""Textures: which values get one, where their texels sit, and in which image format.
 
-Element i of a tensor sits in lane i % 4 of texel i // 4; where texel t sits in the image is
-the value's layout (`fblc.layout`, written by rtile_select; flat when absent, see
-fblc/texel_layout.py). Float tensors use RGBA float, or half where storage_precision stored them
-in fp16 (`fblc.storage`, --dtype fp16); integer and
-boolean tensors use RGBA int32, except the boolean tensors rtile_select gives a mask layout
-(saved masks: r_mask8, one bit per element). Views (remapped data movement, Identity) read
-their root's texture.
+Element i of a tensor sits in lane i % 4 of texel i // 4; where texel t sits in the image is the value's
+layout (`fblc.layout`, written by rtile_select; flat when absent, see fblc/texel_layout.py). Views
+(remapped data movement, Identity) read their root's texture.
 """
 
 from __future__ import annotations
@@ -14,16 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import onnx_ir as ir
 
-from fblc.bundle_format import FLOAT_FORMATS, MASK_FORMATS, NUMPY_DTYPES
+from fblc.bundle_format import FLOAT_FORMATS, MASK_FORMATS, image_bytes
 from fblc.compiler import keys
 from fblc.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
 from fblc.compiler.index_map import view_root
 from fblc.profiles import Profile
-from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout, pack
+from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout
 
 if TYPE_CHECKING:
     from fblc.codegen.schedule import Schedule
@@ -70,6 +65,11 @@ class Texture:
         """Elements per image byte of an r_mask texture (8 or 4); 0 for the others."""
         return MASK_ELEMENTS.get(self.layout.kind, 0)
 
+    @property
+    def image_bytes(self) -> int:
+        """Its image's bytes: the padded texels in its format (bytes of a mask image)."""
+        return image_bytes(self.format, self.width, self.height)
+
 
 class TextureTable:
     """Texture per value root, with the target's image limits checked."""
@@ -80,7 +80,6 @@ class TextureTable:
         self.tiled = tiled  # R-Tile codegen (--layout rtile): kernels compute 2-D output tiles
         self.textures: list[Texture] = []
         self._by_root: dict[int, Texture] = {}
-        self._roots: list[ir.Value] = []  # by texture id
         #: each kernel's schedule by kernel name (kernels/schedules.py), which its builder takes
         self.schedules: dict[str, Schedule] = {}
         #: saved masks stored as r_mask4 because a schedule's tile splits their bytes, where the graph's
@@ -89,46 +88,35 @@ class TextureTable:
 
     def of(self, value: ir.Value) -> Texture:
         root = view_root(value)
-        texture = self._by_root.get(id(root))
-        if texture is None:
-            texture = self._new(root)
-            self._by_root[id(root)] = texture
+        texture = self._by_root.get(id(root)) or self._new(root)
         if value.name not in texture.values:
             texture.values.append(value.name)
         return texture
 
     def _new(self, value: ir.Value) -> Texture:
+        """The texture of root `value`, refused where the kernels' indices or the target's images cannot hold it."""
         shape = static_shape(value)
         kind = "float" if is_float(value) else "int"
         texels = max(1, -(-numel(shape) // 4))
         layout = keys.layout_of(value) or flat_layout(texels, self.profile.placement_limits(texels)[0])
         if layout.kind == "mask8" and value.name in self.mask4:
             layout = self.mask4[value.name]
-        self._check_fits(value.name, shape, layout)
+        if max(numel(shape), layout.width * layout.height * 4) > MAX_INDEX:
+            raise FblcError(
+                f"tensor '{value.name}' {list(shape)} has {numel(shape):,} elements in a {layout.width} x "
+                f"{layout.height} texture, beyond the {MAX_INDEX:,} that the kernels' 32-bit int indices address",
+                "use a smaller batch or sequence (--input-shape)")
+        if layout.height > self.profile.image2d_max_height or layout.width > self.profile.image2d_max_width:
+            raise FblcError(
+                f"tensor '{value.name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
+                f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
+                f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
         if kind == "float":  # the step's annotation (storage_precision), else the table's --dtype
             storage = value.metadata_props.get(keys.STORAGE)
             texture_format = FLOAT_FORMATS[storage] if storage else self.float_format
         else:
-            texture_format = MASK_FORMATS.get(layout.kind, "rgba_i32")
+            texture_format = MASK_FORMATS.get(layout.kind, "rgba_i32")  # saved masks: bits of an r_mask image
         texture = Texture(len(self.textures), value.name, shape, kind, texture_format, layout)
         self.textures.append(texture)
-        self._roots.append(value)
+        self._by_root[id(value)] = texture
         return texture
-
-    def _check_fits(self, name: str, shape: tuple[int, ...], layout: TexelLayout) -> None:
-        elements = numel(shape)
-        if max(elements, layout.width * layout.height * 4) > MAX_INDEX:
-            raise FblcError(
-                f"tensor '{name}' {list(shape)} has {elements:,} elements in a {layout.width} x {layout.height} "
-                f"texture, beyond the {MAX_INDEX:,} that the kernels' 32-bit int indices address",
-                "use a smaller batch or sequence (--input-shape)")
-        if layout.height > self.profile.image2d_max_height or layout.width > self.profile.image2d_max_width:
-            raise FblcError(
-                f"tensor '{name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
-                f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
-                f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
-
-
-def to_texels(array: np.ndarray, texture: Texture) -> np.ndarray:
-    """`array` laid out as `texture` stores it: width * height * 4 values, zero padding."""
-    return pack(array, texture.layout, np.dtype(NUMPY_DTYPES[texture.format]))
