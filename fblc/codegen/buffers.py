@@ -1,12 +1,10 @@
-"""The buffer table: every texture of a program with its lifetime, and the images they share. One
-table, read by the memory report (`allocated_bytes`), by plan.json (`textures[].lifetime`,
-`textures[].image`, `images`) and so by both runtimes, which allocate exactly plan.json's images.
+"""The buffer table: every texture of a program with its lifetime, and the images they share, as the
+memory report (`allocated_bytes`) and plan.json (`images`, which both runtimes allocate) give them.
 
-Pinned textures keep an image of their own: the runtimes read or write them (graph inputs and
-outputs, the loss), they carry initial data (parameters, constants) or state across steps (the
-swapped pairs). The others share: textures of one format and width whose lifetimes do not
-overlap take one image, as tall as the tallest of them (a texture's texels sit at the same
-places in a taller image of its width), each taking the free image closest in height.
+Pinned textures keep an image of their own: the runtimes read or write them (graph inputs and outputs,
+the loss), they carry initial data (parameters, constants) or state across steps (the swapped pairs).
+The others share: textures of one format and width whose lifetimes do not overlap take one image, as
+tall as the tallest of them (a texture's texels sit at the same places in a taller image of its width).
 """
 
 from __future__ import annotations
@@ -45,33 +43,27 @@ class BufferTable:
 
 
 def buffer_table(model: ir.Model, program: Program) -> BufferTable:
+    """The program's textures with their lifetimes and the images they share by the rule of the module
+    docstring (unused textures keep an image of their own)."""
     uses: dict[int, list[int]] = {}  # texture id -> the kernels that read or write it
     for index, kernel in enumerate(program.kernels):
         for texture_id in kernel.outputs + kernel.inputs:
             uses.setdefault(texture_id, []).append(index)
     lifetimes = [(uses[t.id][0], uses[t.id][-1]) if t.id in uses else (-1, -1) for t in program.textures]
     outside = list(model.graph.inputs) + list(model.graph.outputs)
-    pinned = frozenset(set(program.initial) | {t for pair in program.swaps for t in pair} | {program.values["loss"]}
-                       | {program.values[v.name] for v in outside if v.name in program.values})
-    images, image_of = _share_images(program.textures, lifetimes, pinned)
-    return BufferTable(program.textures, lifetimes, images, image_of)
-
-
-def _share_images(textures: list[Texture], lifetimes: list[Lifetime],
-                  pinned: frozenset[int]) -> tuple[list[dict[str, Any]], list[int]]:
-    """(images, texture -> image) by the rule of the module docstring; unused textures keep their own."""
+    pinned = (set(program.initial) | {t for pair in program.swaps for t in pair} | {program.values["loss"]}
+              | {program.values[v.name] for v in outside if v.name in program.values})
     images: list[dict[str, Any]] = []
-    image_of = [-1] * len(textures)
+    image_of = [-1] * len(program.textures)
     free_after: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (format, width) -> [(last use, image)]
-    for texture in sorted(textures, key=lambda t: lifetimes[t.id][0]):
+    for texture in sorted(program.textures, key=lambda t: lifetimes[t.id][0]):
         first, last = lifetimes[texture.id]
         key = (texture.format, texture.width)
         shareable = texture.id not in pinned and first >= 0
         candidates = [c for c in free_after.get(key, []) if c[0] < first] if shareable else []
         # the free image closest in height: the smallest that is tall enough, else the tallest
-        tall = [c for c in candidates if images[c[1]]["height"] >= texture.height]
-        reusable = (min(tall, key=lambda c: images[c[1]]["height"]) if tall
-                    else max(candidates, key=lambda c: images[c[1]]["height"], default=None))
+        reusable = min(candidates, default=None, key=lambda c: (images[c[1]]["height"] < texture.height,
+                                                                abs(images[c[1]]["height"] - texture.height)))
         if reusable is not None:
             free_after[key].remove(reusable)
             image = reusable[1]
@@ -84,4 +76,4 @@ def _share_images(textures: list[Texture], lifetimes: list[Lifetime],
         image_of[texture.id] = image
         if shareable:
             free_after.setdefault(key, []).append((last, image))
-    return images, image_of
+    return BufferTable(program.textures, lifetimes, images, image_of)

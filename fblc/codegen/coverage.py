@@ -23,7 +23,6 @@ from fblc.compiler.autodiff import GRADIENTS, differentiable_nodes, gradient_gap
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import OpGap, op_label
 from fblc.compiler.index_map import ALWAYS_VIEWS
-from fblc.compiler.keys import Role
 from fblc.compiler.shapes import shape_error, shape_gaps
 from fblc.compiler.summary import role_counts, skipped_site_label, trained_set_lines
 from fblc.passes.build_gradients import BuildGradients, trainable_params
@@ -160,7 +159,7 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
     refused: set[str] = set()
     try:
         run_passes(model, after)
-        tensors, elements = role_counts(model.graph).get(Role.PARAM.value, (0, 0))
+        tensors, elements = role_counts(model.graph).get(keys.Role.PARAM.value, (0, 0))
         trains = Verdict(True, f"{tensors} trainable tensor{'s' if tensors != 1 else ''}, {elements:,} parameters")
     except UnsupportedOpError as error:  # every op without a rule, and every node a rule refuses
         trains = Verdict(False, error.cause)

@@ -1,11 +1,9 @@
 """The `estimate` object of report.json: each kernel's time on the target, from its profile alone.
 
-An estimate, not a measurement: a kernel takes max(flops / peak, bytes / bandwidth) plus the launch
-overhead, and the step the sum of its kernels (they run one after another). A fused group's flops
-count at its first kernel; its bytes are every texture it reads, once (a perfect texture cache,
-unless `fblc compile --cache-report`'s simulated misses replace them), and every texture it writes,
-at their formats' padded image sizes. `benchmarks/estimate_check.py` compares the estimate's ranking
-of kernels with per-kernel times measured on the local device.
+An estimate, not a measurement: max(flops / peak, bytes / bandwidth) plus the launch overhead per kernel,
+their sum per step. Reads count every texture once (a perfect texture cache) unless `fblc compile
+--cache-report`'s simulated misses replace them; `benchmarks/estimate_check.py` compares the estimate's
+ranking of kernels with per-kernel times measured on the local device.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
     block_texels = profile.tex_block_width * profile.tex_block_height
     kernels, total = [], 0.0
     for kernel in program.kernels:
-        flops = group_flops.pop(kernel.name.split("_", 1)[0], 0)
+        flops = group_flops.pop(kernel.name.split("_", 1)[0], 0)  # counted once, at the group's first kernel
         written = sum(program.textures[t].image_bytes for t in kernel.outputs)
         read = sum(program.textures[t].image_bytes for t in set(kernel.inputs))
         if kernel.name in misses:  # simulated misses of the traced kernel: whole blocks of 16-byte texels

@@ -1,11 +1,9 @@
 """The `layout` object of report.json: data movement before and after remapping, tiles and scores.
 
-Read from the annotations of the lowered step graph (tile_remap's `fblc.remap` and index maps,
-rtile_select's `fblc.layout` and `fblc.layout_choice`) and from the kernels the codegen emitted. The
-data-movement ops (Transpose, Reshape, Flatten, Squeeze, Unsqueeze, Expand) are each a copy kernel in
-the conventional baseline; those kept (a remap check failed, or `--layout naive`) still run as one,
-a conversion kernel that exists only to change how a tensor is laid out. The movement kernels are
-every emitted kernel of the movement family (also Slice, Pad, Concat, Split, Gather copies).
+Read from the lowered step's annotations (tile_remap's `fblc.remap` and index maps, rtile_select's
+`fblc.layout`) and the emitted kernels. A data-movement op is a copy kernel in the conventional
+baseline; one kept (a remap check failed, or `--layout naive`) runs as a conversion kernel, which only
+changes how a tensor is laid out.
 """
 
 from __future__ import annotations

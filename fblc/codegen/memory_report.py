@@ -1,12 +1,8 @@
-"""The `memory` object of report.json and the memory-timeline plot of a bundle.
-
-Both come from the memory plan (fblc.passes.memory_plan) that MemoryPlanPass computed on the fused step:
-the paper's eq. 1 decomposition, the training-state peak, the floor check, and what the bundle's
-textures really take, from the buffer table (fblc.codegen.buffers): `device_peak`, the one
-device-memory figure, the bytes of the images plan.json lists and the runtimes allocate;
-`texture_bytes`, every texture with an image of its own; `live_peak`, the planner's lower bound
-(every buffer freed after its last reader, nothing padded; saved masks at 1 bit per element, as
-their r_mask8 images store them).
+"""The `memory` object of report.json and the memory-timeline plot of a bundle, from the step's memory
+plan (fblc.passes.memory_plan: eq. 1's decomposition, the training-state peak, the floor check) and the
+buffer table (fblc.codegen.buffers). `device_peak` is the one device-memory figure: the images plan.json
+lists and the runtimes allocate; `texture_bytes` gives every texture an image of its own; `live_peak` is
+the planner's lower bound (every buffer freed after its last reader, nothing padded).
 """
 
 from __future__ import annotations
@@ -39,34 +35,28 @@ def memory_report(plan: MemoryPlan, table: BufferTable) -> tuple[dict[str, Any],
         result["adapter"]["sites"] = [{**{k: s[k] for k in ADAPTER_SITE_FIELDS}, "kind": s.get("kind", "conv")}
                                       for s in plan.adapter.get("sites", [])]
     result["timeline_plot"] = TIMELINE_PLOT
-    return result, timeline_png(plan, table.allocated_bytes)
+    return result, timeline_png(plan, result)
 
 
-def timeline_png(plan: MemoryPlan, device_peak: int) -> bytes:
+def timeline_png(plan: MemoryPlan, memory: dict[str, Any]) -> bytes:
     """A stacked area plot of live bytes per class over the launches of one step (like MemFLoRA's figure 4)."""
-    import matplotlib
+    from matplotlib.figure import Figure  # the object API: no pyplot state, no backend to select
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.6), dpi=110)
+    fig = Figure(figsize=(10, 4.6), dpi=110)
+    ax = fig.subplots()
     layers = [(label, color, plan.timeline[cls] / 1e6) for cls, label, color in LAYERS if plan.timeline[cls].any()]
     ax.stackplot(range(plan.steps), *[values for _, _, values in layers], labels=[label for label, _, _ in layers],
                  colors=[color for _, color, _ in layers], linewidth=0)
-    summary = plan.summary()
     for at, text in ((plan.backward_from, "backward"), (plan.optimizer_from, "optimizer")):
         if at >= 0:
             ax.axvline(at, color="black", linewidth=0.8, linestyle="--")
             ax.text(at, ax.get_ylim()[1] * 0.99, f"{text} ", va="top", ha="right", fontsize=8)
-    ax.set_xlabel("kernel launch")
-    ax.set_ylabel("live memory [MB]")
-    ax.set_xlim(0, max(plan.steps - 1, 1))
-    ax.set_title(f"device {device_peak / 1e6:.2f} MB allocated, training-state peak "
-                 f"{summary['training_state_peak'] / 1e6:.2f} MB, saved {summary['saved'] / 1e6:.2f} MB", fontsize=10)
+    ax.set(xlabel="kernel launch", ylabel="live memory [MB]", xlim=(0, max(plan.steps - 1, 1)))
+    ax.set_title(f"device {memory['device_peak'] / 1e6:.2f} MB allocated, training-state peak "
+                 f"{memory['training_state_peak'] / 1e6:.2f} MB, saved {memory['saved'] / 1e6:.2f} MB", fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncol=len(layers), frameon=False)
     # fixed margins: tight_layout's text measuring pass was a third of a small model's compile
     fig.subplots_adjust(left=0.08, right=0.98, top=0.92, bottom=0.2)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
-    plt.close(fig)
     return buffer.getvalue()

@@ -1,17 +1,15 @@
 """Lowering a fused step graph to kernels and a plan: texture per value, launches in order.
 
-Input: the training-step graph after the `fuse` pass (every node carries `fblc.kernel`).
-Output: a `Program`: the kernels (OpenCL C), the textures with their initial contents, the
-launch order, and the state swaps that make the `.new` outputs the next step's inputs.
-Every kernel group whose anchor has no emitter, and every group an emitter refuses, is named
-in one error (`kernel_groups` is the set that needs an emitter; `fblc check` reads it too).
+The step (after the `fuse` pass: every node carries `fblc.kernel`) becomes a `Program`: the kernels, the
+textures with their initial contents, the launch order, and the state swaps that make the `.new` outputs
+the next step's inputs. Every group without an emitter, or that its emitter refuses, is named in one error.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -46,10 +44,10 @@ class Program:
     values: dict[str, int]  # every named value -> texture id
     value_shapes: dict[str, list[int]]  # every named value -> its own shape (a view's differs from its texture's)
     swaps: list[tuple[int, int]]  # (state texture, its .new texture) after each step
-    value_maps: dict[str, dict[str, object]] = field(default_factory=dict)  # strided views: shape, strides, offset
-    source: str = ""
-    kernel_lines: dict[str, tuple[int, int]] = field(default_factory=dict)
-    schedules: dict[str, dict[str, object]] = field(default_factory=dict)  # kernel name -> its schedule, as used
+    value_maps: dict[str, dict[str, object]]  # strided views: shape, strides, offset
+    source: str
+    kernel_lines: dict[str, tuple[int, int]]
+    schedules: dict[str, dict[str, object]]  # kernel name -> its schedule, as used
 
     def family_counts(self) -> dict[str, int]:
         return dict(Counter(k.family for k in self.kernels))
@@ -130,11 +128,10 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     maps = {n.outputs[0].name: map_of(n.outputs[0]) for n in graph if is_view(n) and n.outputs[0].name in values}
     value_maps = {name: {"shape": list(m.shape), "strides": list(m.strides), "offset": m.offset}
                   for name, m in maps.items() if not m.contiguous}  # strided views
-    program = Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps=value_maps,
-                      schedules={k.name: table.schedules[k.name].record() for k in kernels})
-    share_kernels(program.kernels)
-    program.source, program.kernel_lines = assemble_source(program.kernels, [t.layout for t in program.textures])
-    return program
+    share_kernels(kernels)
+    source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
+    return Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps, source, kernel_lines,
+                   {k.name: table.schedules[k.name].record() for k in kernels})
 
 
 def _decided(schedules: Mapping[str, Schedule], group: KernelGroup) -> str:

@@ -111,11 +111,9 @@ class TextureTable:
                 f"tensor '{value.name}' {list(shape)} needs a {layout.width} x {layout.height} texture, beyond "
                 f"{self.profile.name}'s image limit of {self.profile.image2d_max_width} x "
                 f"{self.profile.image2d_max_height}", "use a smaller batch or sequence, or a target with larger images")
-        if kind == "float":  # the step's annotation (storage_precision), else the table's --dtype
-            storage = value.metadata_props.get(keys.STORAGE)
-            texture_format = FLOAT_FORMATS[storage] if storage else self.float_format
-        else:
-            texture_format = MASK_FORMATS.get(layout.kind, "rgba_i32")  # saved masks: bits of an r_mask image
+        storage = value.metadata_props.get(keys.STORAGE)  # storage_precision's annotation, else the table's --dtype
+        texture_format = ((FLOAT_FORMATS[storage] if storage else self.float_format) if kind == "float"
+                          else MASK_FORMATS.get(layout.kind, "rgba_i32"))  # saved masks: bits of an r_mask image
         texture = Texture(len(self.textures), value.name, shape, kind, texture_format, layout)
         self.textures.append(texture)
         self._by_root[id(value)] = texture
