@@ -105,7 +105,7 @@ def main() -> int:
         runner = args.runner or build_runner(os.path.join(directory, "runner-build"))
         for label, bundle, feeds in build_cases(directory, args.models.split(",")):
             walls, kernels, submits, launches = python_overheads(bundle, feeds, args.steps)
-            results = run_runner(runner, bundle, [feeds], args.steps + 1, env=env)
+            results = run_runner(runner, bundle, [feeds], args.steps + 1, env=env, kernel_times=True)
             native = list(zip(results.step_ms[1:], results.kernel_ms[1:]))
             rows.append((label, launches,
                          statistics.median(submits), statistics.median(w - k for w, k in zip(walls, kernels)),

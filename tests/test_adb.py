@@ -123,7 +123,7 @@ def test_push_then_run_trains_on_the_device_like_the_local_run(tmp_path, bundle,
     assert fmt.load_verified(remote)  # the device's copy is intact
 
     code = main(["run", bundle, "--device", f"adb:{phone.serial}", "--steps", "4", "--data", data, "--json",
-                 "--save-params", saved, "--results", results, "--runner", runner_binary])
+                 "--save-params", saved, "--results", results, "--runner", runner_binary, "--kernel-times"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "pushed" not in out.out  # the device's copy was current
@@ -146,7 +146,7 @@ def test_push_then_run_trains_on_the_device_like_the_local_run(tmp_path, bundle,
                  "--runner", runner_binary]) == 0
     text = capsys.readouterr().out
     assert f"training {bundle} on {phone.serial}" in text and "cached program" in text
-    assert "step    2  loss" in text and "ms per step" in text
+    assert "step    2  loss" in text and "ms per step" in text and "--kernel-times" in text  # untimed kernels
 
 
 def test_run_pushes_a_missing_or_changed_bundle_by_itself(tmp_path, bundle, phone, runner_binary,  # noqa: F811

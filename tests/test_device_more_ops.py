@@ -4,7 +4,8 @@
 GroupNorm with one group per channel (exported as Reshape, InstanceNormalization, Reshape),
 AvgPool2d(3, 2, ceil_mode=True) (its last window runs past the input, so ceil_mode stays), a
 squeeze-excitation gate through HardSigmoid, F.normalize (ReduceL2 over activations) and a
-weight-normalised classifier (ReduceL2 over a parameter, as `linalg_vector_norm` writes it).
+weight-normalised classifier (ReduceL2 over a parameter, as `linalg_vector_norm` writes it), and
+a global max pool in the gate.
 
 The legacy exporter (opset 17, converted to 18 on load) and the dynamo exporter (opset 18) both
 write every op of the list; both with their constant folding off, which would fold the weight norm
@@ -59,7 +60,8 @@ class HardNormNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.hardswish(self.inorm(self.conv(x)))
         h = self.pool(self.gnorm(h))
-        gate = F.hardsigmoid(self.squeeze(h.mean((2, 3))))
+        # adaptive_max_pool2d(h, 1): a whole-plane MaxPool (legacy) or ReduceMax (dynamo), each with its own rule
+        gate = F.hardsigmoid(self.squeeze(h.mean((2, 3)) + F.adaptive_max_pool2d(h, 1).flatten(1)))
         h = F.normalize(h.mean((2, 3)) * gate, dim=1)
         w = self.g * self.v / torch.linalg.vector_norm(self.v, dim=1, keepdim=True)
         return h @ w.T + self.bias

@@ -296,6 +296,7 @@ def linalg_cases() -> list[Case]:
                         ("batched", rand(2, 3, 4), rand(2, 4, 5)),
                         ("broadcast-batch", rand(2, 1, 3, 4), rand(3, 4, 5)),
                         ("rhs-2d-broadcast", rand(2, 3, 4), rand(4, 5)),
+                        ("rhs-2d-batch-1", rand(1, 3, 4), rand(4, 5)),
                         ("lhs-1d", rand(4), rand(2, 4, 5)),
                         ("rhs-1d", rand(2, 3, 4), rand(4)),
                         ("both-1d", rand(4), rand(4))]:
@@ -673,6 +674,30 @@ def test_op_without_rule_names_op_node_and_supported_ops(tmp_path) -> None:
     assert "Cosh" in message and "cosh_on_path" in message
     for op_type in supported_ops():
         assert op_type in message
+
+
+@pytest.mark.parametrize("x_shape", [(2, 3, 4), (1, 3, 4), (2, 2, 3, 4)])
+def test_weight_gradient_of_batched_matmul_sums_inside_the_contraction(tmp_path, x_shape) -> None:
+    """x [.., M, K] @ W [K, N]: dW is one MatMul over the batch folded into rows, never a [batch, K, N]
+    MatMul reduced (or, at batch 1, copied) afterwards."""
+    case = Case("MatMul-weight", [node("MatMul", ["x", "w"])], {"w": rand(4, 5)}, lambda t: t["x"] @ t["w"],
+                consts={"x": rand(*x_shape)})
+    step = onnx.load(_step(_model(case, _upstream(case, (*x_shape[:-1], 5))), tmp_path))
+    producers = {out: n.op_type for n in step.graph.node for out in n.output}
+    assert not [n.name for n in step.graph.node if n.op_type == "ReduceSum" and producers.get(n.input[0]) == "MatMul"]
+
+
+def test_global_max_pool_gradient_needs_no_plane_squared_constant(tmp_path) -> None:
+    """GlobalMaxPool's gradient routes dY by the argmax with constants of one plane's size (the general
+    MaxPool rule's one-hot tap kernels would be C x P^2)."""
+    x = rand(2, 3, 16, 16)
+    case = Case("GlobalMaxPool-size", [node("GlobalMaxPool", ["x"])], {"x": x},
+                lambda t: t["x"].amax(dim=(2, 3), keepdim=True))
+    step = onnx.load(_step(_model(case, _upstream(case, (2, 3, 1, 1))), tmp_path))
+    sizes = [int(np.prod(t.dims)) for t in step.graph.initializer]
+    sizes += [int(np.prod(a.t.dims)) for n in step.graph.node if n.op_type == "Constant" for a in n.attribute
+              if a.name == "value"]
+    assert max(sizes) <= x.size, f"largest constant {max(sizes)} elements; the input has {x.size}"
 
 
 def test_training_mode_dropout_is_refused(tmp_path) -> None:

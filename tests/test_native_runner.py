@@ -89,7 +89,7 @@ def compare_with_local(bundle: str, feeds: list[dict[str, np.ndarray]], steps: i
     expected = [local.step(feeds[s % len(feeds)]) for s in range(steps)]
     # LocalRunner first, the runner without its program cache: PoCL then compiles every kernel once for both
     # (fetching a program binary for the cache makes PoCL compile all kernels again; the cache has its own test)
-    native = run_runner(runner_binary, bundle, feeds, steps, env=env, cache=False)
+    native = run_runner(runner_binary, bundle, feeds, steps, env=env, cache=False, kernel_times=True)
     np.testing.assert_allclose(native.losses, expected, rtol=1e-5)
     reference = local.parameters()
     assert list(native.parameters) == list(reference)
@@ -213,6 +213,7 @@ def test_program_binary_is_cached_next_to_the_bundle(tmp_path, bundle, runner_bi
     first = run_runner(runner_binary, bundle, feeds, 2, env=opencl_env)
     cache = os.path.join(bundle, "kernels.cache")
     assert not first.program["from_cache"] and os.path.isfile(cache)
+    assert first.kernel_ms is None and not first.kernels  # no profiling queue unless --kernel-times
     second = run_runner(runner_binary, bundle, feeds, 2, env=opencl_env)
     assert second.program["from_cache"] and second.losses == first.losses
     with open(cache, "r+b") as handle:  # a damaged cache is rebuilt, never trusted

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--runner", metavar="PATH",
                      help="with adb: the native runner binary for the phone (default: $FBLC_RUNNER, else the README's "
                           "build folders)")
+    run.add_argument("--kernel-times", action="store_true",
+                     help="with adb: time each kernel on the device (a profiling queue, which slows some drivers)")
     run.add_argument("--results", metavar="FILE.json",
                      help="with adb: write the runner's results (losses, step and per-kernel times, bytes allocated)")
     run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))

@@ -56,7 +56,7 @@ def cmd_run_adb(args: Any) -> int:
     started = time.perf_counter()
     try:
         results = run_on_device(adb, serial, args.bundle, cut, args.steps, runner=getattr(args, "runner", None),
-                                on_line=on_line, say=say)
+                                on_line=on_line, say=say, kernel_times=getattr(args, "kernel_times", False))
     except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
         raise KeyboardInterrupt(f"after {done[0]} of {args.steps} steps on {serial}; nothing saved (the runner "
                                 "hands the parameters over only at the end of its run)") from None
@@ -71,12 +71,15 @@ def cmd_run_adb(args: Any) -> int:
         raise FblcError(f"{failure}; {kept}", DIVERGED_REMEDY)
     if not quiet and not as_json:
         steps = len(results.step_ms)
-        kernel = sum(results.kernel_ms[1:]) / max(1, steps - 1) if steps > 1 else results.kernel_ms[0]
         wall = sum(results.step_ms[1:]) / max(1, steps - 1) if steps > 1 else results.step_ms[0]
-        top = sorted(results.kernels, key=lambda k: -k["total_ms"])[:3]
-        print(f"kernels {kernel:.2f} ms of {wall:.2f} ms per step (after the first); textures "
-              f"{results.bytes_allocated['textures'] / 2**20:.1f} MiB; slowest: "
-              + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
+        textures = f"textures {results.bytes_allocated['textures'] / 2**20:.1f} MiB"
+        if results.kernel_ms is None:
+            print(f"{wall:.2f} ms per step (after the first); {textures} (--kernel-times: each kernel's time)")
+        else:
+            kernel = sum(results.kernel_ms[1:]) / max(1, steps - 1) if steps > 1 else results.kernel_ms[0]
+            top = sorted(results.kernels, key=lambda k: -k["total_ms"])[:3]
+            print(f"kernels {kernel:.2f} ms of {wall:.2f} ms per step (after the first); {textures}; slowest: "
+                  + ", ".join(f"{k['name']} {k['mean_ms']:.2f} ms" for k in top))
         print(summary(results.losses, seconds, skipped[0], saved[0] if saved else ""))
     if saved:
         report_saved(*saved, args.save_params, len(results.parameters), quiet, as_json)

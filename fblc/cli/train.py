@@ -113,6 +113,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                             "holds every texture as an image2d_t", "drop --storage, or run on a local device")
 
         return cmd_run_adb(args)
+    if getattr(args, "kernel_times", False):
+        raise FblcError("--kernel-times times the kernels of the native runner on a phone (--device adb:SERIAL)",
+                        "drop --kernel-times here; on this machine, benchmarks/estimate_check.py times each kernel")
     # the manifest (its own digest) and the data are checked before the runner builds its kernels (a minute
     # and more for a large model); the runner checks the other files' checksums
     manifest = fmt.load_manifest(args.bundle)

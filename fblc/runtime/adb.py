@@ -285,8 +285,9 @@ def cmd_push(args: Any) -> int:
 # --- run --------------------------------------------------------------------------------------------------
 def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], steps: int, runner: str | None = None,
                   on_line: Callable[[dict[str, Any]], None] = lambda line: None, say: Say = lambda line: None,
-                  ) -> RunnerResults:
-    """Push if needed, train `steps` steps on the device, pull and return the results."""
+                  kernel_times: bool = False) -> RunnerResults:
+    """Push if needed, train `steps` steps on the device, pull and return the results (each kernel's device
+    time only with `kernel_times`)."""
     manifest, plan = fmt.load_verified(bundle)
     remote = remote_dir(bundle)
     runner_path = choose_runner(adb, serial, runner)
@@ -300,8 +301,9 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
         adb.shell(serial, f"mkdir -p {_quote(run_dir)}")
         try:
             adb.push(serial, [data], f"{run_dir}/data.bin", what="the data")
-            stream_runner(adb, serial, remote, f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}",
-                          on_line)
+            timed = " --kernel-times" if kernel_times else ""
+            stream_runner(adb, serial, remote,
+                          f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}{timed}", on_line)
             pulled = os.path.join(local, "results")
             os.makedirs(pulled)
             adb.pull(serial, [f"{run_dir}/{RESULTS}", f"{run_dir}/{PARAMS_OUT}"], pulled)

@@ -33,7 +33,6 @@ def matmul_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> 
     dy = dys[0]
     if static_shape(node.outputs[0]) != out2:
         dy = e.reshape(dy, out2)
-    rank = len(out2)
     a_view = a if a2 == a_shape else e.reshape(a, a2)
     b_view = b if b2 == b_shape else e.reshape(b, b2)
     da = db = None
@@ -41,12 +40,25 @@ def matmul_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> 
         full = e.op("MatMul", dy, _swap_last_two(e, b_view, len(b2)))
         da = e.unbroadcast(full, tuple(batch) + a2[-2:], a2)
         da = da if a2 == a_shape else e.reshape(da, a_shape)
-    if need[1]:
+    if need[1] and len(b2) == 2 and batch and tuple(a2[:-2]) == tuple(batch):
+        db = _weight_grad_over_rows(e, a_view, dy, a2, out2)
+        db = db if b2 == b_shape else e.reshape(db, b_shape)
+    elif need[1]:
         full = e.op("MatMul", _swap_last_two(e, a_view, len(a2)), dy)
         db = e.unbroadcast(full, tuple(batch) + b2[-2:], b2)
         db = db if b2 == b_shape else e.reshape(db, b_shape)
-    del rank
     return [da, db]
+
+
+def _weight_grad_over_rows(e: Emitter, a: ir.Value, dy: ir.Value, a_shape: Sequence[int],
+                           out_shape: Sequence[int]) -> ir.Value:
+    """dB of Y = A B for a 2-D B under batched A: A's batch axes are more rows, so dB = A'^T dY' with
+    A' = A as [rows, K] and dY' = dY as [rows, N]. One contraction that sums over the batch as it goes:
+    no [batch, K, N] temporary reduced afterwards (at batch 1 that reduction was a copy)."""
+    rows = int(np.prod(a_shape[:-1]))
+    flat_a = e.reshape(a, [rows, a_shape[-1]])
+    flat_dy = e.reshape(dy, [rows, out_shape[-1]])
+    return e.op("MatMul", _swap_last_two(e, flat_a, 2), flat_dy)
 
 
 @register_gradient("Gemm")

@@ -116,6 +116,8 @@ def max_pool_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -
     out, taps = list(window.out_spatial), int(np.prod(window.kernel))
     plane = int(np.prod(window.in_spatial))
     base = (np.arange(batch * channels, dtype=np.int64) * plane).reshape(batch, channels, *[1] * len(out))
+    if _whole_plane(window):
+        return [_whole_plane_grad(e, e.op("Sub", indices, e.const(base)), dys[0], static_shape(x))]
     local = e.reshape(e.op("Sub", indices, e.const(base)), [batch, channels, 1, *out])
     routes = e.op("Equal", local, e.const(tap_positions(window).reshape(1, 1, taps, *out)))
     shares = e.op("Where", routes, e.reshape(dys[0], [batch, channels, 1, *out]), e.scalar(0.0, x))
@@ -128,3 +130,17 @@ def max_pool_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -
               strides=list(grown.strides), dilations=list(grown.dilations), pads=grown.pads,
               output_padding=transpose_output_padding(grown), kernel_shape=list(grown.kernel))
     return [dx]
+
+
+def _whole_plane(window: Window) -> bool:
+    """One window over the whole unpadded plane: GlobalMaxPool as lower_composites writes it."""
+    return (all(o == 1 for o in window.out_spatial) and tuple(window.kernel) == tuple(window.in_spatial)
+            and not any(window.pads_begin) and not any(window.pads_end))
+
+
+def _whole_plane_grad(e: Emitter, local: ir.Value, dy: ir.Value, x_shape: Sequence[int]) -> ir.Value:
+    """dX = dY where the plane position is the window's argmax, else 0: linear in the plane, with a
+    constant of its positions only (the one-hot tap kernels of the general rule would be C x P^2)."""
+    spatial = list(x_shape[2:])
+    positions = np.arange(int(np.prod(spatial)), dtype=np.int64).reshape(1, 1, *spatial)
+    return e.op("Where", e.op("Equal", local, e.const(positions)), dy, e.scalar(0.0, dy))

@@ -166,9 +166,9 @@ class RunnerResults:
 
     losses: list[float]
     step_ms: list[float]
-    kernel_ms: list[float]                # device time of all kernels, per step
+    kernel_ms: list[float] | None         # device time of all kernels, per step (None: run without kernel_times)
     submit_ms: list[float]                # host time of the uploads and launches, per step
-    kernels: list[dict[str, Any]]         # per launch: name, function, calls, total_ms, mean_ms, min_ms
+    kernels: list[dict[str, Any]]         # per launch: name, function, calls, total_ms, mean_ms, min_ms (if timed)
     bytes_allocated: dict[str, int]
     device: dict[str, str]
     program: dict[str, Any]
@@ -188,7 +188,7 @@ def read_results(folder: str) -> RunnerResults:
     for entry in raw["parameters"]:
         start, count = entry["offset"] // 4, entry["nbytes"] // 4
         parameters[entry["name"]] = blob[start:start + count].reshape(entry["shape"]).copy()
-    return RunnerResults(raw["losses"], raw["step_ms"], raw["kernel_ms"], raw["submit_ms"], raw["kernels"],
+    return RunnerResults(raw["losses"], raw["step_ms"], raw.get("kernel_ms"), raw["submit_ms"], raw["kernels"],
                          raw["bytes_allocated"], raw["device"], raw["program"], parameters, raw)
 
 
@@ -245,8 +245,9 @@ def pyopencl_build_options() -> dict[str, str]:
 
 def run_runner(runner: str, bundle: str, batches: Sequence[Mapping[str, np.ndarray]], steps: int,
                device: str | None = None, cache: bool = True, env: Mapping[str, str] | None = None,
-               echo: bool = False) -> RunnerResults:
-    """Train `bundle` for `steps` steps with the native runner on this machine; the results."""
+               echo: bool = False, kernel_times: bool = False) -> RunnerResults:
+    """Train `bundle` for `steps` steps with the native runner on this machine; the results (each kernel's
+    device time only with `kernel_times`: a profiling queue)."""
     manifest, plan = fmt.load_verified(bundle)
     with tempfile.TemporaryDirectory(prefix="fblc-native-") as work:
         data = os.path.join(work, "data.bin")
@@ -256,6 +257,8 @@ def run_runner(runner: str, bundle: str, batches: Sequence[Mapping[str, np.ndarr
             command += ["--device", device]
         if not cache:
             command.append("--no-cache")
+        if kernel_times:
+            command.append("--kernel-times")
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, **(env or {})})
         if echo:

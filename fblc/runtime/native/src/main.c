@@ -1,6 +1,6 @@
 /* fblc-runner: train with an fblc bundle on an OpenCL device, without Python.
  *
- *   fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--quiet]
+ *   fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--kernel-times] [--quiet]
  *   fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]
  *   fblc-runner --devices
  *   fblc-runner --version
@@ -13,8 +13,8 @@
  * stdout: one JSON object per line: first {"device": ...}, then {"step": s, "loss": ..., "ms": ...}, with the
  * bundle's metrics (ES's "reward_mean") after the loss.
  * DIR receives params.bin (the trained parameters, float32, manifest order) and results.json (losses,
- * step times, the host time of each step's uploads and launches, per-kernel device times from profiling
- * events, bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
+ * step times, the host time of each step's uploads and launches, with --kernel-times per-kernel device times
+ * from profiling events (a profiling queue costs time on some drivers: off unless asked), bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
  * results.json last, and only when every step ran.
  * Errors: one line "fblc-runner: error: ..." on stderr and exit codes from util.h.
  *
@@ -36,7 +36,7 @@
 #include "runner.h"
 #include "util.h"
 
-#define RUNNER_VERSION "1"
+#define RUNNER_VERSION "2"
 #define DATA_MAGIC "FBLCDAT1"
 
 static volatile sig_atomic_t interrupted = 0;
@@ -47,7 +47,8 @@ static void on_signal(int signal_number) {
 }
 
 static void usage(void) {
-    fputs("usage: fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--quiet]\n"
+    fputs("usage: fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--kernel-times]\n"
+          "                   [--quiet]\n"
           "       fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]\n"
           "       fblc-runner --devices | --version\n", stderr);
     exit(EXIT_USAGE);
@@ -153,7 +154,7 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
     size_t text_length = 0;
     FILE *out = open_memstream(&text, &text_length);
     if (!out) die(EXIT_INTERNAL, "open_memstream failed");
-    fprintf(out, "{\n \"format\": \"fblc-runner-results\", \"version\": 1, \"runner_version\": \"%s\",\n \"bundle\": ",
+    fprintf(out, "{\n \"format\": \"fblc-runner-results\", \"version\": 2, \"runner_version\": \"%s\",\n \"bundle\": ",
             RUNNER_VERSION);
     json_write_string(out, b->folder);
     fprintf(out, ", \"target\": ");
@@ -177,11 +178,12 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
     fputs(",\n \"step_ms\": ", out);
     write_list(out, t->step_ms, steps);
     fputs(",\n \"kernel_ms\": ", out);
-    write_list(out, t->kernel_ms, steps);
+    if (r->kernel_times) write_list(out, t->kernel_ms, steps);
+    else fputs("null", out);
     fputs(",\n \"submit_ms\": ", out);
     write_list(out, t->submit_ms, steps);
     fputs(",\n \"kernels\": [", out);
-    for (size_t k = 0; k < b->launch_count; ++k) {
+    for (size_t k = 0; r->kernel_times && k < b->launch_count; ++k) {
         double sum = t->launch_total[k], least = t->launch_min[k];
         fprintf(out, "%s\n  {\"name\": ", k ? "," : "");
         json_write_string(out, b->launches[k].name);
@@ -228,7 +230,7 @@ static void interrupted_exit(void) {
 int main(int argc, char **argv) {
     const char *bundle_dir = NULL, *data_path = NULL, *out_dir = NULL, *device_spec = NULL, *plan_path = NULL;
     long steps = -1;
-    int use_cache = 1, quiet = 0, list = 0;
+    int use_cache = 1, quiet = 0, list = 0, kernel_times = 0;
     for (int i = 1; i < argc; ++i) {
         const char *arg = argv[i];
         if (strcmp(arg, "--version") == 0) {
@@ -237,6 +239,7 @@ int main(int argc, char **argv) {
         } else if (strcmp(arg, "--devices") == 0) list = 1;
         else if (strcmp(arg, "--no-cache") == 0) use_cache = 0;
         else if (strcmp(arg, "--quiet") == 0) quiet = 1;
+        else if (strcmp(arg, "--kernel-times") == 0) kernel_times = 1;
         else if (i + 1 < argc && strcmp(arg, "--data") == 0) data_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--profile") == 0) plan_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--out") == 0) out_dir = argv[++i];
@@ -256,7 +259,7 @@ int main(int argc, char **argv) {
         device_list();
         return 0;
     }
-    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache)
+    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache || kernel_times)
                   : (!bundle_dir || !data_path || !out_dir || steps < 1))
         usage();
 
@@ -284,7 +287,7 @@ int main(int argc, char **argv) {
     device_choice device;
     device_select(device_spec, &device);
     runner r;
-    runner_setup(&r, &b, &device, use_cache);
+    runner_setup(&r, &b, &device, use_cache, kernel_times);
     if (interrupted) interrupted_exit();
 
     if (!quiet) {

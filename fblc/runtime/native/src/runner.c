@@ -281,15 +281,16 @@ static void build_program(runner *r, int use_cache) {
 
 /* --- setup and steps ------------------------------------------------------------------------------------ */
 
-void runner_setup(runner *r, const bundle *b, const device_choice *device, int use_cache) {
+void runner_setup(runner *r, const bundle *b, const device_choice *device, int use_cache, int kernel_times) {
     memset(r, 0, sizeof *r);
     r->b = b;
+    r->kernel_times = kernel_times;
     r->device = *device;
     check_limits(r);
     cl_int status;
     r->context = cl.CreateContext(NULL, 1, &device->device, NULL, NULL, &status);
     check_cl(status, "clCreateContext");
-    r->queue = cl.CreateCommandQueue(r->context, device->device, CL_QUEUE_PROFILING_ENABLE, &status);
+    r->queue = cl.CreateCommandQueue(r->context, device->device, kernel_times ? CL_QUEUE_PROFILING_ENABLE : 0, &status);
     check_cl(status, "clCreateCommandQueue");
     check_formats(r);
 
@@ -371,7 +372,7 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
                      "clSetKernelArg");
         const size_t *local = l->local_size[0] ? l->local_size : NULL;
         cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, local, 0,
-                                                NULL, &r->events[i]);
+                                                NULL, r->kernel_times ? &r->events[i] : NULL);
         if (status == CL_INVALID_WORK_GROUP_SIZE && local)
             die(EXIT_OPENCL, "launching kernel '%s' failed: %s cannot run it in work-groups of %zu (%s); compile for a "
                 "target with a smaller max_work_group_size", l->name, r->device.device_name, l->local_size[0],
@@ -382,7 +383,7 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
     r->submit_ms = now_ms() - started;
     double loss = read_scalar(r, b->loss_texture);
     for (size_t i = 0; i < b->metric_count; ++i) r->metrics[i] = read_scalar(r, b->metric_textures[i]);
-    for (size_t i = 0; i < b->launch_count; ++i) {
+    for (size_t i = 0; r->kernel_times && i < b->launch_count; ++i) {
         cl_ulong start = 0, end = 0;
         if (cl.GetEventProfilingInfo(r->events[i], CL_PROFILING_COMMAND_START, sizeof start, &start, NULL) !=
                 CL_SUCCESS ||

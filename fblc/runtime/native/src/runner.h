@@ -21,7 +21,8 @@ typedef struct {
     size_t *binding;         /* texture id -> index into images; swapped after each step */
     cl_program program;
     cl_kernel *kernels;      /* one per launch (shared between launches of the same function) */
-    cl_event *events;        /* one per launch of the current step */
+    cl_event *events;        /* one per launch of the current step, when kernel_times */
+    int kernel_times;        /* a profiling queue: each launch's device time (queues without it run leaner) */
     void **staging;          /* one host buffer per data input, zero padded to the texture */
     unsigned char *readback; /* large enough for any texture */
     size_t texture_bytes;    /* device memory in textures */
@@ -40,12 +41,12 @@ void device_select(const char *spec, device_choice *out);
 void device_list(void); /* one JSON object per line */
 
 /* Create textures (filled from params.bin), build or load the program (cache in the bundle folder unless
- * `use_cache` is 0), create kernels. */
-void runner_setup(runner *r, const bundle *b, const device_choice *device, int use_cache);
+ * `use_cache` is 0), create kernels; a profiling queue only with `kernel_times`. */
+void runner_setup(runner *r, const bundle *b, const device_choice *device, int use_cache, int kernel_times);
 
 /* One step: upload `inputs` (one pointer per manifest input, already in the texture's element type),
- * launch every kernel, read the loss, swap states. `kernel_ms` (launch_count entries) receives the
- * device time of each launch. Returns the loss. */
+ * launch every kernel, read the loss, swap states. With kernel_times, `kernel_ms` (launch_count entries)
+ * receives the device time of each launch. Returns the loss. */
 double runner_step(runner *r, const void *const *inputs, double *kernel_ms);
 
 /* The parameter `index` as float32 (its tensor's elements) into `out`. */
