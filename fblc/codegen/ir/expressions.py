@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
+__all__ = ["DType", "INT", "UINT", "ULONG", "UCHAR", "FLOAT", "HALF", "FLOAT4", "INT4", "UINT4", "HALF4", "FLOAT8",
+           "ELEMENT_TYPES", "TEXEL_TYPES", "Operand", "Expr", "Const", "const", "as_expr", "Var", "Binary", "Unary",
+           "Call", "call", "Select", "select", "Cast", "Vector", "vector", "Lane", "Element", "Argument", "Load",
+           "Swizzle", "ArgumentRef", "div_index", "mod_index", "flat_index"]
+
 
 @dataclass(frozen=True)
 class DType:
@@ -48,7 +53,7 @@ class Expr:
     dtype: DType
 
     def _binary(self, op: str, other: Operand, swap: bool = False, dtype: DType | None = None) -> Binary:
-        rhs = const(other, self.dtype) if not isinstance(other, Expr) else other
+        rhs = as_expr(other, self.dtype)
         lhs, rhs = (rhs, self) if swap else (self, rhs)
         return Binary(op, lhs, rhs, dtype or _wider(lhs.dtype, rhs.dtype))
 
@@ -85,7 +90,7 @@ class Expr:
 
     def lane(self, index: int | Expr) -> Expr:
         """Lane `index` of a vector (a constant lane: a component; a computed one: a select chain)."""
-        return Lane(self, index if isinstance(index, Expr) else const(index, INT))
+        return Lane(self, as_expr(index))
 
 
 def _wider(a: DType, b: DType) -> DType:
@@ -95,19 +100,23 @@ def _wider(a: DType, b: DType) -> DType:
     return a if order.index(a.scalar) >= order.index(b.scalar) else b
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Const(Expr):
     value: float | int | bool
     dtype: DType
 
 
 def const(value: float | int | bool, dtype: DType = INT) -> Const:
-    if isinstance(value, float) and not dtype.is_float:
-        dtype = FLOAT
-    return Const(value, dtype)
+    """A constant of `dtype`; a Python float makes a float constant whatever `dtype` says."""
+    return Const(value, FLOAT if isinstance(value, float) and not dtype.is_float else dtype)
 
 
-@dataclass(eq=True, unsafe_hash=True)
+def as_expr(value: Operand, dtype: DType = INT) -> Expr:
+    """`value` itself if an expression, else a constant of `dtype` (as `const`)."""
+    return value if isinstance(value, Expr) else const(value, dtype)
+
+
+@dataclass(unsafe_hash=True)
 class Var(Expr):
     """A declared value: `kind` names what it holds (the renderer names it kind + number); a fixed
     `name` only for the names that kernels share with the host or the preamble."""
@@ -118,7 +127,7 @@ class Var(Expr):
     name: str = ""
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Binary(Expr):
     op: str
     a: Expr
@@ -126,14 +135,14 @@ class Binary(Expr):
     dtype: DType
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Unary(Expr):
     op: str
     a: Expr
     dtype: DType
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Call(Expr):
     """An OpenCL built-in or a preamble function: `function` (its name) applied to `args`."""
 
@@ -143,11 +152,11 @@ class Call(Expr):
 
 
 def call(function: str, *args: Operand, dtype: DType | None = None) -> Call:
-    exprs = tuple(a if isinstance(a, Expr) else const(a, FLOAT if isinstance(a, float) else INT) for a in args)
+    exprs = tuple(as_expr(a) for a in args)
     return Call(function, exprs, dtype or (exprs[0].dtype if exprs else INT))
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Select(Expr):
     condition: Expr
     if_true: Expr
@@ -156,18 +165,18 @@ class Select(Expr):
 
 
 def select(condition: Expr, if_true: Operand, if_false: Operand) -> Select:
-    true = if_true if isinstance(if_true, Expr) else const(if_true, if_false.dtype if isinstance(if_false, Expr) else INT)
-    false = if_false if isinstance(if_false, Expr) else const(if_false, true.dtype)
+    true = as_expr(if_true, if_false.dtype if isinstance(if_false, Expr) else INT)
+    false = as_expr(if_false, true.dtype)
     return Select(condition, true, false, _wider(true.dtype, false.dtype))
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Cast(Expr):
     dtype: DType
     a: Expr
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Vector(Expr):
     """A vector built from scalars or smaller vectors, (float4)(a, b, c, d)."""
 
@@ -176,10 +185,10 @@ class Vector(Expr):
 
 
 def vector(dtype: DType, *parts: Operand) -> Vector:
-    return Vector(dtype, tuple(p if isinstance(p, Expr) else const(p, dtype.vector(1)) for p in parts))
+    return Vector(dtype, tuple(as_expr(p, dtype.vector(1)) for p in parts))
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Lane(Expr):
     vector: Expr
     index: Expr
@@ -189,7 +198,7 @@ class Lane(Expr):
         return self.vector.dtype.vector(1)
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Element(Expr):
     """Element `index` of an array variable (private or __local)."""
 
@@ -201,7 +210,7 @@ class Element(Expr):
         return self.array.dtype
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Argument:
     """A kernel's texture argument: output or input `index`, of a texture (`texture_id`) whose texels
     have `kind` ("float" / "int" / "uint") and whose place of texel t is `layout` (TexelLayout)."""
@@ -217,7 +226,7 @@ class Argument:
         return f"{self.role}{self.index}"
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Load(Expr):
     """Texel `texel` of texture argument `argument`, a whole 4-lane vector (a mask's byte: lane x)."""
 
@@ -229,7 +238,7 @@ class Load(Expr):
         return TEXEL_TYPES[self.argument.kind]
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Swizzle(Expr):
     """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi: 4 lanes from 0 or 4), a run
     of a float4's components (.yz)."""
@@ -243,7 +252,7 @@ class Swizzle(Expr):
         return self.vector.dtype.vector(self.count)
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class ArgumentRef(Expr):
     """A texture argument handed to a preamble function (WINDOW reads texels of it)."""
 
@@ -283,11 +292,5 @@ def mod_index(index: Expr, modulus: int) -> Expr:
 def flat_index(terms: Sequence[tuple[Expr, int]], offset: int = 0) -> Expr:
     """sum(index * stride) + offset, dropping zero strides."""
     parts: list[Expr] = [index if stride == 1 else index * stride for index, stride in terms if stride != 0]
-    if offset:
-        parts.append(const(offset))
-    if not parts:
-        return const(0)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
+    parts += [const(offset)] if offset else []
+    return sum(parts[1:], parts[0]) if parts else const(0)
