@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union, dataclass_transform
+
+from fblc.texel_layout import reciprocal
 
 __all__ = ["DType", "INT", "UINT", "ULONG", "UCHAR", "FLOAT", "HALF", "FLOAT4", "INT4", "UINT4", "HALF4", "FLOAT8",
            "ELEMENT_TYPES", "TEXEL_TYPES", "Operand", "Expr", "Const", "const", "as_expr", "Var", "Binary", "Unary",
@@ -46,41 +48,39 @@ TEXEL_TYPES = {"float": FLOAT4, "int": INT4, "uint": UINT4}
 Operand = Union["Expr", int, float]
 
 
-class Expr:
-    """An IR expression. Python operators build arithmetic (`a + b`, `a * 2`); comparisons and logic
-    are methods (`a.lt(b)`), since `==` compares IR structure."""
-
-    dtype: DType
-
-    def _binary(self, op: str, other: Operand, swap: bool = False, dtype: DType | None = None) -> Binary:
+def _operator(op: str, swap: bool = False, dtype: DType | None = None) -> Callable[[Expr, Operand], Binary]:
+    """An Expr method building `self op other` (swapped: `other op self`), of `dtype` or the wider operand type."""
+    def method(self: Expr, other: Operand) -> Binary:
         rhs = as_expr(other, self.dtype)
         lhs, rhs = (rhs, self) if swap else (self, rhs)
         return Binary(op, lhs, rhs, dtype or _wider(lhs.dtype, rhs.dtype))
+    return method
 
-    def __add__(self, other: Operand) -> Binary: return self._binary("+", other)
-    def __radd__(self, other: Operand) -> Binary: return self._binary("+", other, swap=True)
-    def __sub__(self, other: Operand) -> Binary: return self._binary("-", other)
-    def __rsub__(self, other: Operand) -> Binary: return self._binary("-", other, swap=True)
-    def __mul__(self, other: Operand) -> Binary: return self._binary("*", other)
-    def __rmul__(self, other: Operand) -> Binary: return self._binary("*", other, swap=True)
-    def __truediv__(self, other: Operand) -> Binary: return self._binary("/", other)
-    def __rtruediv__(self, other: Operand) -> Binary: return self._binary("/", other, swap=True)
-    def __and__(self, other: Operand) -> Binary: return self._binary("&", other)
-    def __or__(self, other: Operand) -> Binary: return self._binary("|", other)
-    def __xor__(self, other: Operand) -> Binary: return self._binary("^", other)
-    def __lshift__(self, other: Operand) -> Binary: return self._binary("<<", other)
-    def __rshift__(self, other: Operand) -> Binary: return self._binary(">>", other)
-    def __neg__(self) -> Unary: return Unary("-", self, self.dtype)
-    def __invert__(self) -> Unary: return Unary("!", self, INT)
 
-    def lt(self, other: Operand) -> Binary: return self._binary("<", other, dtype=INT)
-    def le(self, other: Operand) -> Binary: return self._binary("<=", other, dtype=INT)
-    def gt(self, other: Operand) -> Binary: return self._binary(">", other, dtype=INT)
-    def ge(self, other: Operand) -> Binary: return self._binary(">=", other, dtype=INT)
-    def eq(self, other: Operand) -> Binary: return self._binary("==", other, dtype=INT)
-    def ne(self, other: Operand) -> Binary: return self._binary("!=", other, dtype=INT)
-    def logical_and(self, other: Operand) -> Binary: return self._binary("&&", other, dtype=INT)
-    def logical_or(self, other: Operand) -> Binary: return self._binary("||", other, dtype=INT)
+@dataclass_transform(frozen_default=True)
+class Expr:
+    """An IR expression. Python operators build arithmetic (`a + b`, `a * 2`); comparisons and logic
+    are methods (`a.lt(b)`), since `==` compares IR structure: every kind of expression is a dataclass,
+    frozen unless its class says `frozen=False`, compared and hashed by its fields."""
+
+    dtype: DType
+
+    def __init_subclass__(cls, frozen: bool = True) -> None:
+        dataclass(frozen=frozen, unsafe_hash=True)(cls)
+
+    __add__, __radd__ = _operator("+"), _operator("+", swap=True)
+    __sub__, __rsub__ = _operator("-"), _operator("-", swap=True)
+    __mul__, __rmul__ = _operator("*"), _operator("*", swap=True)
+    __truediv__, __rtruediv__ = _operator("/"), _operator("/", swap=True)
+    __and__, __or__, __xor__, __lshift__, __rshift__ = (_operator(op) for op in ("&", "|", "^", "<<", ">>"))
+    lt, le, gt, ge, eq, ne = (_operator(op, dtype=INT) for op in ("<", "<=", ">", ">=", "==", "!="))
+    logical_and, logical_or = _operator("&&", dtype=INT), _operator("||", dtype=INT)
+
+    def __neg__(self) -> Unary:
+        return Unary("-", self, self.dtype)
+
+    def __invert__(self) -> Unary:
+        return Unary("!", self, INT)
 
     def __format__(self, spec: str) -> str:
         raise TypeError("an IR expression is not C text: build IR with it (the renderer writes the C)")
@@ -100,7 +100,6 @@ def _wider(a: DType, b: DType) -> DType:
     return a if order.index(a.scalar) >= order.index(b.scalar) else b
 
 
-@dataclass(frozen=True)
 class Const(Expr):
     value: float | int | bool
     dtype: DType
@@ -116,8 +115,7 @@ def as_expr(value: Operand, dtype: DType = INT) -> Expr:
     return value if isinstance(value, Expr) else const(value, dtype)
 
 
-@dataclass(unsafe_hash=True)
-class Var(Expr):
+class Var(Expr, frozen=False):
     """A declared value: `kind` names what it holds (the renderer names it kind + number); a fixed
     `name` only for the names that kernels share with the host or the preamble."""
 
@@ -127,7 +125,6 @@ class Var(Expr):
     name: str = ""
 
 
-@dataclass(frozen=True)
 class Binary(Expr):
     op: str
     a: Expr
@@ -135,14 +132,12 @@ class Binary(Expr):
     dtype: DType
 
 
-@dataclass(frozen=True)
 class Unary(Expr):
     op: str
     a: Expr
     dtype: DType
 
 
-@dataclass(frozen=True)
 class Call(Expr):
     """An OpenCL built-in or a preamble function: `function` (its name) applied to `args`."""
 
@@ -156,7 +151,6 @@ def call(function: str, *args: Operand, dtype: DType | None = None) -> Call:
     return Call(function, exprs, dtype or (exprs[0].dtype if exprs else INT))
 
 
-@dataclass(frozen=True)
 class Select(Expr):
     condition: Expr
     if_true: Expr
@@ -170,13 +164,11 @@ def select(condition: Expr, if_true: Operand, if_false: Operand) -> Select:
     return Select(condition, true, false, _wider(true.dtype, false.dtype))
 
 
-@dataclass(frozen=True)
 class Cast(Expr):
     dtype: DType
     a: Expr
 
 
-@dataclass(frozen=True)
 class Vector(Expr):
     """A vector built from scalars or smaller vectors, (float4)(a, b, c, d)."""
 
@@ -188,7 +180,6 @@ def vector(dtype: DType, *parts: Operand) -> Vector:
     return Vector(dtype, tuple(as_expr(p, dtype.vector(1)) for p in parts))
 
 
-@dataclass(frozen=True)
 class Lane(Expr):
     vector: Expr
     index: Expr
@@ -198,7 +189,6 @@ class Lane(Expr):
         return self.vector.dtype.vector(1)
 
 
-@dataclass(frozen=True)
 class Element(Expr):
     """Element `index` of an array variable (private or __local)."""
 
@@ -212,21 +202,20 @@ class Element(Expr):
 
 @dataclass(frozen=True)
 class Argument:
-    """A kernel's texture argument: output or input `index`, of a texture (`texture_id`) whose texels
+    """A kernel's texture argument: output or input `index`, of a texture whose texels
     have `kind` ("float" / "int" / "uint") and whose place of texel t is `layout` (TexelLayout)."""
 
     role: str  # "out" or "in"
     index: int
     kind: str
     element: str  # C type of a buffer element (bundle_format.BUFFER_C_TYPES)
-    layout: object = field(compare=True)
+    layout: object
 
     @property
     def name(self) -> str:
         return f"{self.role}{self.index}"
 
 
-@dataclass(frozen=True)
 class Load(Expr):
     """Texel `texel` of texture argument `argument`, a whole 4-lane vector (a mask's byte: lane x)."""
 
@@ -238,7 +227,6 @@ class Load(Expr):
         return TEXEL_TYPES[self.argument.kind]
 
 
-@dataclass(frozen=True)
 class Swizzle(Expr):
     """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi: 4 lanes from 0 or 4), a run
     of a float4's components (.yz)."""
@@ -252,7 +240,6 @@ class Swizzle(Expr):
         return self.vector.dtype.vector(self.count)
 
 
-@dataclass(frozen=True)
 class ArgumentRef(Expr):
     """A texture argument handed to a preamble function (WINDOW reads texels of it)."""
 
@@ -272,8 +259,6 @@ def div_index(index: Expr, divisor: int) -> Expr:
         return index
     if divisor & (divisor - 1) == 0:
         return index >> (divisor.bit_length() - 1)
-    from fblc.texel_layout import reciprocal
-
     multiplier, shift = reciprocal(divisor)
     return Cast(INT, Binary(">>", Binary("*", Cast(ULONG, index), Const(multiplier, UINT), ULONG),
                             Const(32 + shift, INT), ULONG))

@@ -12,7 +12,6 @@ __all__ = ["Declare", "DeclareArray", "Assign", "Store", "Evaluate", "For", "If"
            "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs", "nested", "walk"]
 
 
-# statements ---------------------------------------------------------------------------------------
 @dataclass
 class Declare:
     var: Var
@@ -111,9 +110,8 @@ class KernelIR:
 
 @dataclass(eq=False)
 class Numbering:
-    """Variable numbers of one kernel: one counter for every kind, shared with `fresh` names, so a
-    number is unique in the kernel. Numbers start at FIRST_NUMBER, above any axis or output index,
-    so `o123` never meets the fixed name of axis 1 of the output index (`o1`)."""
+    """Variable numbers of one kernel: one counter for every kind, so a number is unique in the kernel. Numbers
+    start at FIRST_NUMBER, above any axis or output index: `o123` never meets axis 1 of the output index (`o1`)."""
 
     FIRST_NUMBER: ClassVar[int] = 100
     count: int = FIRST_NUMBER - 1  # the last number handed out
