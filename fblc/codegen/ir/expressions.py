@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union, dataclass_transform
+
+from fblc.texel_layout import reciprocal
+
+__all__ = ["DType", "INT", "UINT", "ULONG", "UCHAR", "FLOAT", "HALF", "FLOAT4", "INT4", "UINT4", "HALF4", "FLOAT8",
+           "ELEMENT_TYPES", "TEXEL_TYPES", "Operand", "Expr", "Const", "const", "as_expr", "Var", "Binary", "Unary",
+           "Call", "call", "Select", "select", "Cast", "Vector", "vector", "Lane", "Element", "Argument", "Load",
+           "Swizzle", "ArgumentRef", "div_index", "mod_index", "flat_index"]
 
 
 @dataclass(frozen=True)
@@ -41,41 +48,39 @@ TEXEL_TYPES = {"float": FLOAT4, "int": INT4, "uint": UINT4}
 Operand = Union["Expr", int, float]
 
 
+def _operator(op: str, swap: bool = False, dtype: DType | None = None) -> Callable[[Expr, Operand], Binary]:
+    """An Expr method building `self op other` (swapped: `other op self`), of `dtype` or the wider operand type."""
+    def method(self: Expr, other: Operand) -> Binary:
+        rhs = as_expr(other, self.dtype)
+        lhs, rhs = (rhs, self) if swap else (self, rhs)
+        return Binary(op, lhs, rhs, dtype or _wider(lhs.dtype, rhs.dtype))
+    return method
+
+
+@dataclass_transform(frozen_default=True)
 class Expr:
     """An IR expression. Python operators build arithmetic (`a + b`, `a * 2`); comparisons and logic
-    are methods (`a.lt(b)`), since `==` compares IR structure."""
+    are methods (`a.lt(b)`), since `==` compares IR structure: every kind of expression is a dataclass,
+    frozen unless its class says `frozen=False`, compared and hashed by its fields."""
 
     dtype: DType
 
-    def _binary(self, op: str, other: Operand, swap: bool = False, dtype: DType | None = None) -> Binary:
-        rhs = const(other, self.dtype) if not isinstance(other, Expr) else other
-        lhs, rhs = (rhs, self) if swap else (self, rhs)
-        return Binary(op, lhs, rhs, dtype or _wider(lhs.dtype, rhs.dtype))
+    def __init_subclass__(cls, frozen: bool = True) -> None:
+        dataclass(frozen=frozen, unsafe_hash=True)(cls)
 
-    def __add__(self, other: Operand) -> Binary: return self._binary("+", other)
-    def __radd__(self, other: Operand) -> Binary: return self._binary("+", other, swap=True)
-    def __sub__(self, other: Operand) -> Binary: return self._binary("-", other)
-    def __rsub__(self, other: Operand) -> Binary: return self._binary("-", other, swap=True)
-    def __mul__(self, other: Operand) -> Binary: return self._binary("*", other)
-    def __rmul__(self, other: Operand) -> Binary: return self._binary("*", other, swap=True)
-    def __truediv__(self, other: Operand) -> Binary: return self._binary("/", other)
-    def __rtruediv__(self, other: Operand) -> Binary: return self._binary("/", other, swap=True)
-    def __and__(self, other: Operand) -> Binary: return self._binary("&", other)
-    def __or__(self, other: Operand) -> Binary: return self._binary("|", other)
-    def __xor__(self, other: Operand) -> Binary: return self._binary("^", other)
-    def __lshift__(self, other: Operand) -> Binary: return self._binary("<<", other)
-    def __rshift__(self, other: Operand) -> Binary: return self._binary(">>", other)
-    def __neg__(self) -> Unary: return Unary("-", self, self.dtype)
-    def __invert__(self) -> Unary: return Unary("!", self, INT)
+    __add__, __radd__ = _operator("+"), _operator("+", swap=True)
+    __sub__, __rsub__ = _operator("-"), _operator("-", swap=True)
+    __mul__, __rmul__ = _operator("*"), _operator("*", swap=True)
+    __truediv__, __rtruediv__ = _operator("/"), _operator("/", swap=True)
+    __and__, __or__, __xor__, __lshift__, __rshift__ = (_operator(op) for op in ("&", "|", "^", "<<", ">>"))
+    lt, le, gt, ge, eq, ne = (_operator(op, dtype=INT) for op in ("<", "<=", ">", ">=", "==", "!="))
+    logical_and, logical_or = _operator("&&", dtype=INT), _operator("||", dtype=INT)
 
-    def lt(self, other: Operand) -> Binary: return self._binary("<", other, dtype=INT)
-    def le(self, other: Operand) -> Binary: return self._binary("<=", other, dtype=INT)
-    def gt(self, other: Operand) -> Binary: return self._binary(">", other, dtype=INT)
-    def ge(self, other: Operand) -> Binary: return self._binary(">=", other, dtype=INT)
-    def eq(self, other: Operand) -> Binary: return self._binary("==", other, dtype=INT)
-    def ne(self, other: Operand) -> Binary: return self._binary("!=", other, dtype=INT)
-    def logical_and(self, other: Operand) -> Binary: return self._binary("&&", other, dtype=INT)
-    def logical_or(self, other: Operand) -> Binary: return self._binary("||", other, dtype=INT)
+    def __neg__(self) -> Unary:
+        return Unary("-", self, self.dtype)
+
+    def __invert__(self) -> Unary:
+        return Unary("!", self, INT)
 
     def __format__(self, spec: str) -> str:
         raise TypeError("an IR expression is not C text: build IR with it (the renderer writes the C)")
@@ -85,7 +90,7 @@ class Expr:
 
     def lane(self, index: int | Expr) -> Expr:
         """Lane `index` of a vector (a constant lane: a component; a computed one: a select chain)."""
-        return Lane(self, index if isinstance(index, Expr) else const(index, INT))
+        return Lane(self, as_expr(index))
 
 
 def _wider(a: DType, b: DType) -> DType:
@@ -95,20 +100,22 @@ def _wider(a: DType, b: DType) -> DType:
     return a if order.index(a.scalar) >= order.index(b.scalar) else b
 
 
-@dataclass(frozen=True, eq=True)
 class Const(Expr):
     value: float | int | bool
     dtype: DType
 
 
 def const(value: float | int | bool, dtype: DType = INT) -> Const:
-    if isinstance(value, float) and not dtype.is_float:
-        dtype = FLOAT
-    return Const(value, dtype)
+    """A constant of `dtype`; a Python float makes a float constant whatever `dtype` says."""
+    return Const(value, FLOAT if isinstance(value, float) and not dtype.is_float else dtype)
 
 
-@dataclass(eq=True, unsafe_hash=True)
-class Var(Expr):
+def as_expr(value: Operand, dtype: DType = INT) -> Expr:
+    """`value` itself if an expression, else a constant of `dtype` (as `const`)."""
+    return value if isinstance(value, Expr) else const(value, dtype)
+
+
+class Var(Expr, frozen=False):
     """A declared value: `kind` names what it holds (the renderer names it kind + number); a fixed
     `name` only for the names that kernels share with the host or the preamble."""
 
@@ -118,7 +125,6 @@ class Var(Expr):
     name: str = ""
 
 
-@dataclass(frozen=True, eq=True)
 class Binary(Expr):
     op: str
     a: Expr
@@ -126,14 +132,12 @@ class Binary(Expr):
     dtype: DType
 
 
-@dataclass(frozen=True, eq=True)
 class Unary(Expr):
     op: str
     a: Expr
     dtype: DType
 
 
-@dataclass(frozen=True, eq=True)
 class Call(Expr):
     """An OpenCL built-in or a preamble function: `function` (its name) applied to `args`."""
 
@@ -143,11 +147,10 @@ class Call(Expr):
 
 
 def call(function: str, *args: Operand, dtype: DType | None = None) -> Call:
-    exprs = tuple(a if isinstance(a, Expr) else const(a, FLOAT if isinstance(a, float) else INT) for a in args)
+    exprs = tuple(as_expr(a) for a in args)
     return Call(function, exprs, dtype or (exprs[0].dtype if exprs else INT))
 
 
-@dataclass(frozen=True, eq=True)
 class Select(Expr):
     condition: Expr
     if_true: Expr
@@ -156,18 +159,16 @@ class Select(Expr):
 
 
 def select(condition: Expr, if_true: Operand, if_false: Operand) -> Select:
-    true = if_true if isinstance(if_true, Expr) else const(if_true, if_false.dtype if isinstance(if_false, Expr) else INT)
-    false = if_false if isinstance(if_false, Expr) else const(if_false, true.dtype)
+    true = as_expr(if_true, if_false.dtype if isinstance(if_false, Expr) else INT)
+    false = as_expr(if_false, true.dtype)
     return Select(condition, true, false, _wider(true.dtype, false.dtype))
 
 
-@dataclass(frozen=True, eq=True)
 class Cast(Expr):
     dtype: DType
     a: Expr
 
 
-@dataclass(frozen=True, eq=True)
 class Vector(Expr):
     """A vector built from scalars or smaller vectors, (float4)(a, b, c, d)."""
 
@@ -176,10 +177,9 @@ class Vector(Expr):
 
 
 def vector(dtype: DType, *parts: Operand) -> Vector:
-    return Vector(dtype, tuple(p if isinstance(p, Expr) else const(p, dtype.vector(1)) for p in parts))
+    return Vector(dtype, tuple(as_expr(p, dtype.vector(1)) for p in parts))
 
 
-@dataclass(frozen=True, eq=True)
 class Lane(Expr):
     vector: Expr
     index: Expr
@@ -189,7 +189,6 @@ class Lane(Expr):
         return self.vector.dtype.vector(1)
 
 
-@dataclass(frozen=True, eq=True)
 class Element(Expr):
     """Element `index` of an array variable (private or __local)."""
 
@@ -201,23 +200,22 @@ class Element(Expr):
         return self.array.dtype
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Argument:
-    """A kernel's texture argument: output or input `index`, of a texture (`texture_id`) whose texels
+    """A kernel's texture argument: output or input `index`, of a texture whose texels
     have `kind` ("float" / "int" / "uint") and whose place of texel t is `layout` (TexelLayout)."""
 
     role: str  # "out" or "in"
     index: int
     kind: str
     element: str  # C type of a buffer element (bundle_format.BUFFER_C_TYPES)
-    layout: object = field(compare=True)
+    layout: object
 
     @property
     def name(self) -> str:
         return f"{self.role}{self.index}"
 
 
-@dataclass(frozen=True, eq=True)
 class Load(Expr):
     """Texel `texel` of texture argument `argument`, a whole 4-lane vector (a mask's byte: lane x)."""
 
@@ -229,7 +227,6 @@ class Load(Expr):
         return TEXEL_TYPES[self.argument.kind]
 
 
-@dataclass(frozen=True, eq=True)
 class Swizzle(Expr):
     """Lanes first .. first + count - 1 of a vector: a float8's half (.lo / .hi: 4 lanes from 0 or 4), a run
     of a float4's components (.yz)."""
@@ -243,7 +240,6 @@ class Swizzle(Expr):
         return self.vector.dtype.vector(self.count)
 
 
-@dataclass(frozen=True, eq=True)
 class ArgumentRef(Expr):
     """A texture argument handed to a preamble function (WINDOW reads texels of it)."""
 
@@ -263,8 +259,6 @@ def div_index(index: Expr, divisor: int) -> Expr:
         return index
     if divisor & (divisor - 1) == 0:
         return index >> (divisor.bit_length() - 1)
-    from fblc.texel_layout import reciprocal
-
     multiplier, shift = reciprocal(divisor)
     return Cast(INT, Binary(">>", Binary("*", Cast(ULONG, index), Const(multiplier, UINT), ULONG),
                             Const(32 + shift, INT), ULONG))
@@ -283,11 +277,5 @@ def mod_index(index: Expr, modulus: int) -> Expr:
 def flat_index(terms: Sequence[tuple[Expr, int]], offset: int = 0) -> Expr:
     """sum(index * stride) + offset, dropping zero strides."""
     parts: list[Expr] = [index if stride == 1 else index * stride for index, stride in terms if stride != 0]
-    if offset:
-        parts.append(const(offset))
-    if not parts:
-        return const(0)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
+    parts += [const(offset)] if offset else []
+    return sum(parts[1:], parts[0]) if parts else const(0)

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, Union
+from typing import Callable, ClassVar, Iterator, Sequence, Union
+
+from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
+
+__all__ = ["Declare", "DeclareArray", "Assign", "Store", "Evaluate", "For", "If", "Break", "Return", "Barrier", "While",
+           "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs", "nested", "walk"]
 
 
-from fblc.codegen.ir.expressions import (INT, Argument, Binary, Call, Cast, DType, Element, Expr, Lane, Load, Operand,
-                                         Select, Swizzle, Unary, Var, Vector, const)
-
-
-# statements ---------------------------------------------------------------------------------------
-@dataclass(eq=True)
+@dataclass
 class Declare:
     var: Var
     init: Expr | None = None
     const: bool = True
 
 
-@dataclass(eq=True)
+@dataclass
 class DeclareArray:
     """An array of `length` elements of var.dtype: private (in registers) or __local (shared by a work-group)."""
 
@@ -30,14 +30,14 @@ class DeclareArray:
     constant: bool = False  # read-only after its initializer (a table the compiler may put in constant memory)
 
 
-@dataclass(eq=True)
+@dataclass
 class Assign:
     target: Var | Element | Lane  # a Lane: a constant lane of a vector variable (acc.x)
     value: Expr
     op: str = "="  # "=", "+=", "|=", ... ; "=" on a Var declared non-const
 
 
-@dataclass(eq=True)
+@dataclass
 class Store:
     """Write texel `texel` of output `argument` (a mask's byte: the value's lane x)."""
 
@@ -46,12 +46,12 @@ class Store:
     value: Expr
 
 
-@dataclass(eq=True)
+@dataclass
 class Evaluate:
     expr: Expr
 
 
-@dataclass(eq=True)
+@dataclass
 class For:
     """for (var = start; var < stop; var += step): `condition` and `step_op` give other forms
     (a tree's `s > 0; s >>= 1`)."""
@@ -66,29 +66,29 @@ class For:
     step_op: str = "+="
 
 
-@dataclass(eq=True)
+@dataclass
 class If:
     condition: Expr
     then: list[Statement]
     orelse: list[Statement] = field(default_factory=list)
 
 
-@dataclass(eq=True)
+@dataclass
 class Break:
     pass
 
 
-@dataclass(eq=True)
+@dataclass
 class Return:
     pass
 
 
-@dataclass(eq=True)
+@dataclass
 class Barrier:
     """barrier(CLK_LOCAL_MEM_FENCE): every work-item of the group has written its __local values."""
 
 
-@dataclass(eq=True)
+@dataclass
 class While:
     """while (condition) { body }: a loop whose trip count the data decides (a binary search)."""
 
@@ -108,27 +108,25 @@ class KernelIR:
     body: list[Statement]
 
 
+@dataclass(eq=False)
 class Numbering:
-    """Variable numbers of one kernel: one counter for every kind, shared with `fresh` names, so a
-    number is unique in the kernel. Numbers start at FIRST_NUMBER, above any axis or output index,
-    so `o123` never meets the fixed name of axis 1 of the output index (`o1`)."""
+    """Variable numbers of one kernel: one counter for every kind, so a number is unique in the kernel. Numbers
+    start at FIRST_NUMBER, above any axis or output index: `o123` never meets axis 1 of the output index (`o1`)."""
 
-    FIRST_NUMBER = 100
-
-    def __init__(self) -> None:
-        self.count = self.FIRST_NUMBER - 1
+    FIRST_NUMBER: ClassVar[int] = 100
+    count: int = FIRST_NUMBER - 1  # the last number handed out
 
     def next(self) -> int:
         self.count += 1
         return self.count
 
 
+@dataclass(eq=False)
 class Block:
     """A list of statements being built, with handles for what it declares; `with` blocks nest."""
 
-    def __init__(self, numbering: Numbering, statements: list[Statement] | None = None) -> None:
-        self.numbering = numbering
-        self.statements: list[Statement] = statements if statements is not None else []
+    numbering: Numbering
+    statements: list[Statement] = field(default_factory=list)
 
     def var(self, kind: str, dtype: DType, name: str = "") -> Var:
         return Var(kind, self.numbering.next(), dtype, name)
@@ -149,12 +147,11 @@ class Block:
     def array(self, kind: str, dtype: DType, length: int | Expr, init: Sequence[Operand] = (),
               local: bool = False, name: str = "", constant: bool = False) -> Var:
         var = self.var(kind, dtype, name)
-        self.statements.append(DeclareArray(var, length, tuple(
-            v if isinstance(v, Expr) else const(v, dtype) for v in init), local, constant))
+        self.statements.append(DeclareArray(var, length, tuple(as_expr(v, dtype) for v in init), local, constant))
         return var
 
     def assign(self, target: Var | Element | Lane, value: Operand, op: str = "=") -> None:
-        self.statements.append(Assign(target, value if isinstance(value, Expr) else const(value, target.dtype), op))
+        self.statements.append(Assign(target, as_expr(value, target.dtype), op))
 
     def store(self, argument: Argument, texel: Expr, value: Expr) -> None:
         self.statements.append(Store(argument, texel, value))
@@ -168,79 +165,50 @@ class Block:
              ) -> Iterator[tuple[Var, Block]]:
         """for (kind = start; kind < stop; kind += step), or while `condition(kind)` holds, stepping by `step_op`."""
         var = self.var(kind, INT, name)
-        body: list[Statement] = []
-        start_expr = start if isinstance(start, Expr) else const(start)
-        stop_expr = stop if isinstance(stop, Expr) or stop is None else const(stop)
-        self.statements.append(For(var, start_expr, stop_expr, body, step, unroll,
-                                   condition(var) if condition else None, step_op))
-        yield var, Block(self.numbering, body)
+        self.statements.append(each := For(var, as_expr(start), None if stop is None else as_expr(stop), [], step,
+                                           unroll, condition(var) if condition else None, step_op))
+        yield var, Block(self.numbering, each.body)
 
     @contextmanager
     def when(self, condition: Expr) -> Iterator[Block]:
-        body: list[Statement] = []
-        self.statements.append(If(condition, body))
-        yield Block(self.numbering, body)
+        yield self.either(condition)[0]
 
     def either(self, condition: Expr) -> tuple[Block, Block]:
         """if (condition) {..} else {..}: the two blocks to build into."""
-        then: list[Statement] = []
-        orelse: list[Statement] = []
-        self.statements.append(If(condition, then, orelse))
-        return Block(self.numbering, then), Block(self.numbering, orelse)
+        self.statements.append(branch := If(condition, [], []))
+        return Block(self.numbering, branch.then), Block(self.numbering, branch.orelse)
 
     @contextmanager
     def repeat_while(self, condition: Expr) -> Iterator[Block]:
-        body: list[Statement] = []
-        self.statements.append(While(condition, body))
-        yield Block(self.numbering, body)
+        self.statements.append(loop := While(condition, []))
+        yield Block(self.numbering, loop.body)
 
 
 def walk_expr(expr: Expr) -> Iterator[Expr]:
-    """`expr` and every expression inside it, parents first."""
+    """`expr` and every expression inside it, parents first: those among its fields (vars), and in its tuples of
+    expressions (call arguments, vector parts)."""
     yield expr
-    for child in children(expr):
-        yield from walk_expr(child)
+    for value in vars(expr).values():
+        if isinstance(value, Expr):
+            yield from walk_expr(value)
+        elif isinstance(value, tuple):
+            for child in value:
+                yield from walk_expr(child)
 
 
-def children(expr: Expr) -> tuple[Expr, ...]:
-    if isinstance(expr, (Binary,)):
-        return (expr.a, expr.b)
-    if isinstance(expr, (Unary, Cast)):
-        return (expr.a,)
-    if isinstance(expr, Call):
-        return expr.args
-    if isinstance(expr, Select):
-        return (expr.condition, expr.if_true, expr.if_false)
-    if isinstance(expr, Vector):
-        return expr.parts
-    if isinstance(expr, Lane):
-        return (expr.vector, expr.index)
-    if isinstance(expr, Element):
-        return (expr.array, expr.index)
-    if isinstance(expr, Load):
-        return (expr.texel,)
-    if isinstance(expr, Swizzle):
-        return (expr.vector,)
-    return ()
+#: the fields of a statement that hold the expressions it reads (an Assign's to an Element: its index too)
+_READS: dict[type, tuple[str, ...]] = {
+    Declare: ("init",), DeclareArray: ("init", "length"), Assign: ("value",), Store: ("texel", "value"),
+    Evaluate: ("expr",), For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",)}
 
 
 def statement_exprs(statement: Statement) -> tuple[Expr, ...]:
     """The expressions a statement reads (its own, not those of nested statements)."""
-    if isinstance(statement, Declare):
-        return (statement.init,) if statement.init is not None else ()
-    if isinstance(statement, DeclareArray):
-        return statement.init + ((statement.length,) if isinstance(statement.length, Expr) else ())
-    if isinstance(statement, Assign):
-        return ((statement.target.index,) if isinstance(statement.target, Element) else ()) + (statement.value,)
-    if isinstance(statement, Store):
-        return (statement.texel, statement.value)
-    if isinstance(statement, Evaluate):
-        return (statement.expr,)
-    if isinstance(statement, For):
-        return tuple(e for e in (statement.start, statement.stop, statement.condition) if e is not None)
-    if isinstance(statement, (If, While)):
-        return (statement.condition,)
-    return ()
+    target = getattr(statement, "target", None)
+    reads = [target.index] if isinstance(target, Element) else []
+    for value in (getattr(statement, name) for name in _READS.get(type(statement), ())):
+        reads.extend(value if isinstance(value, tuple) else (value,) if isinstance(value, Expr) else ())
+    return tuple(reads)
 
 
 def nested(statement: Statement) -> tuple[list[Statement], ...]:
@@ -257,5 +225,3 @@ def walk(statements: Sequence[Statement]) -> Iterator[Statement]:
         yield statement
         for body in nested(statement):
             yield from walk(body)
-
-
