@@ -1,23 +1,20 @@
 """How a reduction's products reach a work-item's accumulators: three forms, and the cost that picks one.
 
 - "lanes": `float acc[lanes]`, a scalar multiply-add per product (PoCL's SLP vectorizer packs them).
-- "texels": `float4 acc[lanes / 4]`, output lane l in component l % 4 of texel l / 4. The k-th products
-  of a texel's four lanes are one float4 multiply-add, with swizzles where their operands are not one texel.
-- "sums": `float4 acc[lanes]`, one float4 per output whose components sum every fourth step of its
-  reduction. Where both operands run along the reduction axis (a weight gradient's X and dY rows), four
-  consecutive steps are one multiply-add of a window of X and a whole texel of dY, every output that
-  reads the same window sharing it. The components are added once, at the end.
+- "texels": `float4 acc[lanes / 4]`, lane l in component l % 4 of texel l / 4: the k-th products of a
+  texel's four lanes are one float4 multiply-add (swizzles where their operands are not one texel).
+- "sums": `float4 acc[lanes]`, whose components sum every fourth step: where both operands run along the
+  reduction (a weight gradient's X and dY rows), four steps are one multiply-add of a window of X, which
+  the outputs share, and a whole texel of dY. The components are added once, at the end.
 
-Texels and sums serve the reductions longer than SERIAL_REDUCTION (the weight gradients). Sums are for a
-CPU, whose float4 is one SIMD register: there every distinct swizzle is a shuffle instruction, and
-`choose_form` takes the cheaper of texels and sums (`cost`) within SIMD_SUM_FLOAT4S float4s. On a GPU a
-swizzle only names registers and sums would take four times the registers, so texels stay.
+Texels and sums serve reductions longer than SERIAL_REDUCTION. Sums are for a CPU, whose float4 is one SIMD
+register and every distinct swizzle a shuffle: `choose_form` takes the cheaper form (`cost`) within
+SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle only names registers and sums take 4x the registers.
 
-Where a SIMD register holds 8 floats or more (Profile.simd_floats: AVX2, AVX-512), float4s t and t + pair
-are the halves of one float8, and two multiply-adds of a pair's halves that share an operand (a conv row's
-scalar weight, a GEMM row's scalar of A) are one float8 multiply-add (`pair_stride` picks the cheapest
-pairing). Such a CPU takes texels or sums for short reductions too: explicit float4s and float8s beat what
-its SLP vectorizer packs from scalar lanes.
+Where a SIMD register holds 8 floats or more (Profile.simd_floats), float4s t and t + pair are the halves of
+a float8, and two multiply-adds of its halves that share an operand (a conv row's scalar weight, a GEMM
+row's scalar of A) are one (`pair_stride` picks the cheapest pairing). Such a CPU takes texels or sums for
+short reductions too: explicit float4s and float8s beat what its SLP vectorizer packs.
 """
 
 from __future__ import annotations
@@ -98,7 +95,8 @@ class Accumulators:
     def add(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()) -> list[Assign]:
         """Statements that add each (lane, x, w) product to its lane; `offsets`, (x, w) element offsets of
         each product, find the runs the sums form adds four at a time."""
-        return [Assign(target, x * w, "+=") for target, x, w in self.operations(terms, offsets)]  # type: ignore
+        return [Assign(target, x * w, "+=")  # type: ignore[arg-type]
+                for target, x, w in self.operations(terms, offsets)]
 
     def operations(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()
                    ) -> list[Operation]:
@@ -108,10 +106,8 @@ class Accumulators:
         ordered = sorted(range(len(terms)), key=lambda index: terms[index][0])
         if self.form == "lanes":
             return [(Element(self.array, const(terms[i][0])), terms[i][1], terms[i][2]) for i in ordered]
-        updates = self._sums(terms, offsets, ordered) if self.form == "sums" else self._texels(terms, ordered)
-        if self.pair:
-            return self._paired(updates)
-        return [(self._float4(u.texel, u.component), u.x, u.w) for u in updates]
+        sums = self.form == "sums"
+        return self._paired(self._sums(terms, offsets, ordered) if sums else self._texels(terms, ordered))
 
     def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], ordered: list[int]) -> list[Update]:
         """The k-th products of a texel's four lanes are one float4 multiply-add; where a lane lacks
@@ -125,35 +121,32 @@ class Accumulators:
             for k in range(max(len(run) for run in runs)):
                 if all(k < len(run) for run in runs):
                     updates.append(_whole(texel, [run[k] for run in runs]))
-                    continue
-                updates += [Update(texel, component, run[k][0], run[k][1]) for component, run in enumerate(runs)
-                            if k < len(run)]
+                else:
+                    updates += [Update(texel, component, *run[k]) for component, run in enumerate(runs) if k < len(run)]
         return updates
 
     def _paired(self, updates: list[Update]) -> list[Operation]:
-        """Float8 multiply-adds: a low half's whole update and its high half's first unmatched whole update
-        by the same w or the same x are one, at the low half's place in the order; every other update adds
-        into its half or its component at its own place."""
-        operations: list[tuple[int, Operation]] = []
+        """The updates' multiply-adds. Paired, a low half's whole update and its high half's first unmatched
+        whole update by the same w or the same x are one float8 multiply-add, at the low half's place in the
+        order; every other update adds into its float4 or its component at its own place."""
+        def whole(u: Update, high: int) -> bool:
+            return bool(self.pair) and u.component is None and u.texel // self.pair % 2 == high
+
         high: dict[int, list[tuple[int, Update]]] = {}  # a high half's whole updates, with their positions
         for position, u in enumerate(updates):
-            if u.component is not None:
-                operations.append((position, (self._float4(u.texel, u.component), u.x, u.w)))
-            elif u.texel // self.pair % 2:
+            if whole(u, 1):
                 high.setdefault(u.texel, []).append((position, u))
+        float8s: dict[int, Operation] = {}  # by the position of the low half's update
+        absorbed: set[int] = set()  # the positions of the high halves' updates that joined one
         for position, u in enumerate(updates):
-            if u.component is not None or u.texel // self.pair % 2:
-                continue
-            partner = high.get(u.texel + self.pair, [])
+            partner = high.get(u.texel + self.pair, []) if whole(u, 0) else []
             match = next((k for k, (_, other) in enumerate(partner) if other.w == u.w or other.x == u.x), None)
-            if match is None:
-                operations.append((position, (self._float4(u.texel), u.x, u.w)))
-                continue
-            _, other = partner.pop(match)
-            operations.append((position, (self._float8(u.texel)[0], float8_of(u.x, other.x), float8_of(u.w, other.w))))
-        operations += [(position, (self._float4(u.texel), u.x, u.w))
-                       for rest in high.values() for position, u in rest]
-        return [operation for _, operation in sorted(operations, key=lambda item: item[0])]
+            if match is not None:
+                high_position, other = partner.pop(match)
+                absorbed.add(high_position)
+                float8s[position] = (self._float8(u.texel)[0], float8_of(u.x, other.x), float8_of(u.w, other.w))
+        return [float8s.get(position, (self._float4(u.texel, u.component), u.x, u.w))
+                for position, u in enumerate(updates) if position not in absorbed]
 
     def _sums(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]],
               ordered: list[int]) -> list[Update]:
@@ -170,12 +163,10 @@ class Accumulators:
             while at < len(indices):
                 run = indices[at:at + LANES]
                 x0, w0 = offsets[run[0]]
-                if w0 % LANES == 0 and [offsets[i] for i in run] == [(x0 + k, w0 + k) for k in range(LANES)]:
-                    updates.append(_whole(lane, [terms[i][1:] for i in run]))
-                    at += LANES
-                    continue
-                updates.append(Update(lane, w0 % LANES, terms[run[0]][1], terms[run[0]][2]))
-                at += 1
+                whole = w0 % LANES == 0 and [offsets[i] for i in run] == [(x0 + k, w0 + k) for k in range(LANES)]
+                updates.append(_whole(lane, [terms[i][1:] for i in run]) if whole
+                               else Update(lane, w0 % LANES, *terms[run[0]][1:]))
+                at += LANES if whole else 1
         return updates
 
 

@@ -50,10 +50,6 @@ class Stream:
     terms: Terms  # base index as (int expression, literal stride)
     step: int
 
-    def aligned(self) -> bool:
-        """True when every base is a multiple of 4 and the walk is contiguous: one texel holds 4 steps."""
-        return self.step == 1 and all(stride % 4 == 0 for _, stride in self.terms)
-
 
 def index_terms(variables: Sequence[Expr], dims: Sequence[int], strides: Sequence[int]) -> Terms:
     """Index terms, dropping axes of extent 1 (their index is always 0)."""
@@ -71,34 +67,28 @@ def row_axis(shape: Sequence[int], first: int = 0) -> tuple[int, int] | None:
     return None
 
 
-def dot_loop(b: KernelBuilder, acc: Var, count: int | Expr, streams: tuple[Stream, Stream], block: Block) -> None:
-    """Build `acc += sum_r a[r] * w[r]` over `count` steps of the two streams into `block` (the lane loop's).
-
-    A literal count is unrolled by 4 into float4 dot products; an aligned stream fills its
-    float4 with one texel read, the other with four element reads; a scalar tail covers count % 4.
-    A runtime count (e.g. the in-bounds taps of a border pixel) is a plain loop.
-    """
-    if isinstance(count, int) and count <= 0:
-        return
+def dot_loop(b: KernelBuilder, acc: Var, count: int, streams: tuple[Stream, Stream], block: Block) -> None:
+    """Build `acc += sum_r a[r] * w[r]` over `count` steps of the two streams into `block` (the lane loop's):
+    unrolled by 4 into float4 dot products, a scalar loop for the rest."""
     pointers = [block.mutable(flat_index(s.terms), "p") for s in streams]
     product = b.element(streams[0].value, pointers[0]) * b.element(streams[1].value, pointers[1])
     if count == 1:
         block.assign(acc, product, "+=")
         return
-    main = count - count % 4 if isinstance(count, int) else 0
+    main = count - count % 4
     if main:
         vectors: list[Expr] = []
         for p, s in zip(pointers, streams):
-            if s.aligned() and b.constant_value(s.value) is None:
-                argument, texture = b.input_argument(s.value)
-                vectors.append(b.texel(argument, texture, p >> 2))
+            # contiguous from multiples of 4: its float4 is one texel read, else four element reads
+            if s.step == 1 and all(stride % 4 == 0 for _, stride in s.terms) and b.constant_value(s.value) is None:
+                vectors.append(b.texel(*b.input_argument(s.value), p >> 2))
             else:
                 vectors.append(Vector(FLOAT4, tuple(b.element(s.value, p if k == 0 else p + k * s.step)
                                                     for k in range(4))))
         with block.loop("r", 0, main, step=4) as (_, body):
             body.assign(acc, call("dot", *vectors, dtype=FLOAT), "+=")
             body.add(*(Assign(p, const(4 * s.step), "+=") for p, s in zip(pointers, streams)))
-    if not isinstance(count, int) or count % 4:  # a runtime count, or the scalar tail
+    if count % 4:
         with block.loop("r", main, count) as (_, body):
             body.assign(acc, product, "+=")
             body.add(*(Assign(p, const(s.step), "+=") for p, s in zip(pointers, streams)))
@@ -123,13 +113,9 @@ def start_builder(table: TextureTable, group: KernelGroup, family: str) -> Kerne
 
 def reduce_into(b: KernelBuilder, build: Build, lanes: int = LANES) -> Expr:
     """Build the Reduction `build` makes: in the per-texel prologue for the lanes of a work-item
-    (4 * b.texels_per_item), in the lane loop for 1; the lane's accumulator in the lane loop.
-
-    Where one work-item alone would run more than SERIAL_REDUCTION multiply-adds per accumulator (the
-    weight gradients, whose reduction is a whole dY map or batch x sequence) a work-group shares each
-    tile (schedule.resolve_group; a group smaller than a wave holds several tiles, Profile.tiles_per_group),
-    unless the kernel has mask outputs: their bytes pair texels of two work-items.
-    """
+    (4 * b.texels_per_item), in the lane loop for 1; the lane's accumulator in the lane loop. A reduction
+    longer than SERIAL_REDUCTION per accumulator (a weight gradient's) takes a work-group per tile
+    (schedule.resolve_group), unless the kernel has mask outputs: their bytes pair texels of two work-items."""
     if lanes == 1:
         return b.body.let(reduce_lane(b, b.body, build), "acc")
     prologue, profile = b.prologue, b.table.profile
@@ -153,11 +139,10 @@ def reduce_lane(b: KernelBuilder, block: Block, build: Build) -> Expr:
 def reduce_guarded(b: KernelBuilder, guard: Expr, build: Build, fallback: Callable[[Block], Expr],
                    lanes: int = LANES) -> Expr:
     """Work-items whose texels meet `guard` (e.g. they do not cross the end of a row) reduce their
-    `lanes` together in the per-texel prologue; the others per lane, with what `fallback` builds into
-    the block it gets, in a loop of their own before the lane loop (b.lane_fallback): kept out of the
-    unrolled lane loop, the rare lanes' code stays one copy, away from the registers of the texel-wide
-    path (MobileNetV2's row kernels ran 5-25 % faster). The lane's accumulator in the lane loop.
-    """
+    `lanes` together in the per-texel prologue; the others per lane, with what `fallback` builds into the
+    block it gets, in a loop before the lane loop (b.lane_fallback): out of the unrolled lane loop, the rare
+    lanes' code stays one copy, away from the texel-wide path's registers (MobileNetV2's row kernels ran
+    5-25 % faster). The lane's accumulator in the lane loop."""
     prologue = b.prologue
     whole = prologue.let(guard, "whole")
     accs = build(prologue).emit(b, prologue, lanes, whole)
@@ -180,22 +165,6 @@ def _tile_products(steps: range, rows: int, width: int, a_step: int, a_row: int,
     """The products of a tile's block (cached, so immutable: a model's layers repeat the same contractions)."""
     return tuple(Product(row * width + column, r * a_step + row * a_row, r * w_step + column * w_lane)
                  for r in steps for row in range(rows) for column in range(width))
-
-
-def _axis_terms(axes: Sequence[tuple[Expr, Digits]], var_multiples: dict[Expr, int], multiples: dict[Expr, int]
-                ) -> Terms:
-    """Index terms of the axes (index variable, digits), dropping axes of extent 1. A folded axis
-    gives a term per digit; its innermost digit `v % e` is a multiple of gcd(multiple of v, e),
-    recorded in `multiples` for the texel path's alignment (`var_multiples`: what each v is a multiple of)."""
-    terms: Terms = []
-    for var, digits in axes:
-        if np.prod([extent for extent, _ in digits]) == 1:
-            continue
-        parts = digit_terms(var, digits)
-        if len(parts) > 1:
-            multiples[parts[-1][0]] = int(np.gcd(var_multiples.get(var, 1), digits[-1][0]))
-        terms += parts
-    return terms
 
 
 # MatMul / Gemm ----------------------------------------------------------------------------------
@@ -231,10 +200,16 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     multiples: dict[Expr, int] = {}
 
     def base(axes: list[Digits], kept: Expr, kept_axis: int) -> Terms:
-        """Index terms over the batch axes and the kept matrix axis."""
-        lead = batch - (len(axes) - 2)
-        indexed = [(index_var(prefix, lead + k), axes[k]) for k in range(len(axes) - 2)] + [(kept, axes[kept_axis])]
-        return _axis_terms(indexed, var_multiples, multiples)
+        """Index terms over the batch axes and the kept matrix axis, dropping axes of extent 1. A folded
+        axis gives a term per digit; its innermost digit `v % e` is a multiple of gcd(multiple of v, e)."""
+        terms: Terms = []
+        indexed = [(index_var(prefix, batch - len(axes) + 2 + k), axes[k]) for k in range(len(axes) - 2)]
+        for var, digits in indexed + [(kept, axes[kept_axis])]:
+            if np.prod([extent for extent, _ in digits]) != 1:
+                terms += digit_terms(var, digits)
+                if len(digits) > 1:
+                    multiples[terms[-1][0]] = int(np.gcd(var_multiples.get(var, 1), digits[-1][0]))
+        return terms
 
     a_terms, w_terms = base(a_axes, m_var, -2), base(w_axes, n_var, -1)
     loops = [Loop.over(b.body.var("kd", INT), 0, extent, a_stride, w_stride, extent)
@@ -251,9 +226,9 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     # what the index variables are multiples of: the texel's lanes, the tile's rows, folded axes' digits
     known = {n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) | multiples
     width = LANES * columns
-    block = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
-    blocked = Blocked(k_inner, block, a_step, w_step, 0,
-                      lambda steps: _tile_products(steps, rows, width, a_step, a_row, w_step, w_lane))
+    steps = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
+    blocked = Blocked(k_inner, steps, a_step, w_step, 0,
+                      lambda indices: _tile_products(indices, rows, width, a_step, a_row, w_step, w_lane))
     a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])
                             for root, terms in ((a_root, a_terms), (w_root, w_terms)))
     return reduce_into(b, lambda _: Reduction(a_operand, w_operand, blocked, loops), rows * width)

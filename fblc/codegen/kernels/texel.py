@@ -68,9 +68,6 @@ class Operand:
     offset: int = 0  # a literal part of the base, added to every offset
     clamp: bool = False  # masked offsets may leave the tensor: keep texel reads inside it
 
-    def moved(self, terms: list[Term]) -> Operand:
-        return Operand(self.value, terms, self.offset, self.clamp)
-
 
 class Product(NamedTuple):
     """acc[lane] += X[x] * W[w], zero where `position` (along the masked axis) or `row_position` (along
@@ -95,10 +92,9 @@ class Mask:
 
 @dataclass
 class Loop:
-    """A runtime loop around the blocks, `for var in [start, stop) by step` (no var: none), and what its
-    iterations `enter` before the blocks (a guard; it returns the block the blocks go into); the terms it
-    adds to the X and W indices. `trips`: the most iterations it runs; `walks`: a plain counted loop,
-    which a work-group can share (Reduction.emit)."""
+    """A runtime loop around the blocks, `for var in [start, stop) by step` (no var: none), adding its terms
+    to the X and W indices; its iterations `enter` a guard first (it returns the block the blocks go into).
+    `trips`: the most iterations it runs; `walks`: a counted loop, which a work-group can share."""
 
     x_terms: list[Term]
     w_terms: list[Term]
@@ -183,8 +179,7 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
         if count >= len(cluster):  # sparse: element reads are no more
             for offset in cluster:
                 index = _plus(base, offset)
-                if operand.clamp:
-                    index = call("clamp", index, 0, texture.numel - 1)
+                index = call("clamp", index, 0, texture.numel - 1) if operand.clamp else index
                 values[offset] = block.let(b.element(operand.value, index), "E")  # named: several lanes share it
             continue
         start = block.let(_plus(base, low), "e")
@@ -241,9 +236,8 @@ class Reduction:
     @property
     def _looped(self) -> int:
         """The blocked axis's elements that its loop walks in whole blocks (0: one static block, no loop)."""
-        axis = self.blocked
-        main = axis.extent - axis.extent % axis.block
-        return main if main > axis.block else 0
+        main = self.blocked.extent - self.blocked.extent % self.blocked.block
+        return main if main > self.blocked.block else 0
 
     def shared_loop(self) -> tuple[int | None, int]:
         """(index into loops, or None for the blocked axis's loop; its trips): the loop with the most
@@ -286,21 +280,21 @@ class Reduction:
                     self.mask, terms=_shifted(self.mask.terms, var, axis.position_step, axis.block),
                     high=self.mask.high + (main - axis.block) * axis.position_step)
                 self._block(b, body_block, target, axis.products(range(axis.block)),
-                            self.x.moved(_shifted(x_terms, var, axis.x_step, axis.block)),
-                            self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
+                            replace(self.x, terms=_shifted(x_terms, var, axis.x_step, axis.block)),
+                            replace(self.w, terms=_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
         if main < axis.extent:  # the rest, one work-item's share when the blocks are dealt out
             rest = inner
             if blocks_dealt:
                 rest = Block(inner.numbering)
                 inner.add(If(b.lid.eq(group - 1), rest.statements))  # type: ignore[operator]
-            self._block(b, rest, target, axis.products(range(main, axis.extent)), self.x.moved(x_terms),
-                        self.w.moved(w_terms), self.mask, self.row_mask)
+            self._block(b, rest, target, axis.products(range(main, axis.extent)), replace(self.x, terms=x_terms),
+                        replace(self.w, terms=w_terms), self.mask, self.row_mask)
         return target.totals(block, lanes)
 
     def accumulator_form(self, b: KernelBuilder, lanes: int) -> str:
         """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
-        profile = b.table.profile
-        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, profile.cpu, profile.simd_floats)
+        cpu, simd_floats = b.table.profile.cpu, b.table.profile.simd_floats
+        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, cpu, simd_floats)
 
     def cost(self, form: str) -> float:
         """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""
