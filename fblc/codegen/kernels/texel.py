@@ -14,10 +14,7 @@ Products whose position along a padded axis falls outside the input read zero th
 border texels need no per-lane tap ranges; products always outside are dropped at compile time.
 Only the reads of masked products that may leave the tensor are clamped (a texel an unmasked
 product reads lies inside; unclamped neighbours are what a CPU's compiler merges into wider loads).
-
-A reduction too long for one work-item (Reduction.serial past SERIAL_REDUCTION) is dealt out to a
-work-group: its longest counted loop (Reduction.shared_loop) takes every group-th iteration from
-the work-item's `lid`, and the caller merges the partial tiles.
+A reduction too long for one work-item (past SERIAL_REDUCTION) is dealt out to a work-group (Reduction.emit).
 """
 
 from __future__ import annotations
