@@ -1,16 +1,15 @@
-"""Accumulators: a reduction's products as IR statements in each form (checked by their C), and the cost
+"""Accumulators: a reduction's products as IR statements in each form (checked as IR nodes), and the cost
 that picks a form.
 
-Golden lines for the lanes, texels and sums forms (and a texel whose lanes do not all have a k-th
-product); choose_form on a weight gradient's block and a GEMM's. The kernels that use texels and sums
-(a work-group's shared tile) are checked against onnxruntime in test_kernels_contraction (the
-"shared" cases) and under oclgrind ("shared tiles")."""
+The multiply-adds of the lanes, texels and sums forms (and a texel whose lanes do not all have a k-th
+product), paired float8s and the totals; choose_form on a weight gradient's block and a GEMM's. The
+kernels that use texels and sums (a work-group's shared tile) are checked against onnxruntime in
+test_kernels_contraction (the "shared" cases) and under oclgrind ("shared tiles")."""
 
 import pytest
 
 from fblc.codegen import ir
 from fblc.codegen.kernels.accumulators import Accumulators, choose_form, pair_stride, cost
-from fblc.codegen.render.opencl import Renderer
 
 
 def named(name: str, dtype: ir.DType = ir.FLOAT4) -> ir.Var:
@@ -25,14 +24,35 @@ def scalar(name: str) -> ir.Var:
     return named(name, ir.FLOAT)
 
 
-def c_of(statements: list) -> list[str]:
-    """The C of the statements (the renderer parenthesises every binary operation)."""
-    return [line.strip() for s in statements for line in Renderer().statement(s, 0)]
+def float4(*parts: ir.Expr) -> ir.Vector:
+    return ir.Vector(ir.FLOAT4, parts)
 
 
-def accumulators(form: str = "lanes", pair: int = 0, lanes: int = 8) -> Accumulators:
+def mad(target: ir.Expr, x: ir.Expr, w: ir.Expr) -> ir.Assign:
+    """`target += x * w`."""
+    return ir.Assign(target, x * w, "+=")  # type: ignore[arg-type]
+
+
+def at(accumulators: Accumulators, index: int) -> ir.Element:
+    return ir.Element(accumulators.array, ir.const(index))
+
+
+def accumulators(form: str = "lanes", pair: int = 0) -> Accumulators:
     dtype = ir.FLOAT if form == "lanes" else ir.FLOAT8 if pair else ir.FLOAT4
     return Accumulators(named("acc" if form == "lanes" else "accv1", dtype), form, pair)
+
+
+def totals(accumulators: Accumulators, lanes: int) -> tuple[ir.Expr, ...]:
+    """The initial values of the `float acc[lanes]` array of totals (declared into a block of its own)."""
+    block = ir.Block(ir.Numbering())
+    array = accumulators.totals(block, lanes)
+    assert block.statements == [ir.DeclareArray(array, lanes, block.statements[0].init)] and array.dtype == ir.FLOAT
+    return block.statements[0].init
+
+
+def sum_of(float4_value: ir.Expr) -> ir.Expr:
+    """A sums accumulator's total: its components added pairwise."""
+    return ((float4_value.lane(0) + float4_value.lane(1)) + (float4_value.lane(2) + float4_value.lane(3)))
 
 
 # lane, x, w: a GEMM tile's row (one x times a texel of w), then a conv's window across two texels
@@ -41,28 +61,33 @@ TERMS = [(0, lane("A", "x"), lane("B", "x")), (1, lane("A", "x"), lane("B", "y")
          (6, lane("C", "w"), lane("D", "x")), (7, lane("E", "x"), lane("D", "x"))]
 
 
-def test_per_lane_lines_keep_each_lanes_order_lane_by_lane() -> None:
+def test_per_lane_multiply_adds_keep_each_lanes_order_lane_by_lane() -> None:
     terms = [(1, scalar("a1"), scalar("w1")), (0, scalar("a0"), scalar("w0")), (1, scalar("b1"), scalar("v1")),
              (0, scalar("b0"), scalar("v0"))]
-    assert c_of(accumulators().add(terms)) == ["acc[0] += (a0 * w0);", "acc[0] += (b0 * v0);",
-                                               "acc[1] += (a1 * w1);", "acc[1] += (b1 * v1);"]
+    acc = accumulators()
+    assert acc.add(terms) == [mad(at(acc, 0), scalar("a0"), scalar("w0")), mad(at(acc, 0), scalar("b0"), scalar("v0")),
+                              mad(at(acc, 1), scalar("a1"), scalar("w1")), mad(at(acc, 1), scalar("b1"), scalar("v1"))]
+    block = ir.Block(ir.Numbering())
+    assert acc.totals(block, 2) is acc.array and not block.statements  # the lanes are their own totals
 
 
 def test_four_lanes_products_are_one_float4_multiply_add() -> None:
-    assert c_of(accumulators("texels").add(TERMS)) == [
-        "accv1[0] += (A.x * B);",  # one scalar widens; a texel's own x, y, z, w is the texel
-        "accv1[1] += ((float4)(C.yzw, E.x) * D.x);"]  # consecutive components as swizzles
+    acc = accumulators("texels")
+    assert acc.add(TERMS) == [
+        mad(at(acc, 0), lane("A", "x"), named("B")),  # one scalar widens; a texel's own x, y, z, w is the texel
+        mad(at(acc, 1), float4(ir.Swizzle(named("C"), 1, 3), lane("E", "x")), lane("D", "x"))]  # runs swizzle
 
 
 def test_a_texel_whose_lanes_lack_a_product_adds_by_component() -> None:
     """Lane 3 has no second product (a masked tap dropped at compile time): the texel's second products
     are added component by component, masked expressions stay whole, and every lane keeps its order."""
     m = named("m", ir.INT)
-    terms = [(k, ir.select(m, lane("X", "xyzw"[k]), ir.const(0.0, ir.FLOAT)), lane("W", "x")) for k in range(4)]
+    masked = [ir.select(m, lane("X", "xyzw"[k]), ir.const(0.0, ir.FLOAT)) for k in range(4)]
+    terms = [(k, masked[k], lane("W", "x")) for k in range(4)]
     terms += [(k, lane("Y", "xyzw"[k]), lane("V", "y")) for k in range(3)]
-    assert c_of(accumulators("texels").add(terms)) == [
-        "accv1[0] += ((float4)((m ? X.x : 0.0f), (m ? X.y : 0.0f), (m ? X.z : 0.0f), (m ? X.w : 0.0f)) * W.x);",
-        "accv1[0].x += (Y.x * V.y);", "accv1[0].y += (Y.y * V.y);", "accv1[0].z += (Y.z * V.y);"]
+    acc = accumulators("texels")
+    assert acc.add(terms) == [mad(at(acc, 0), float4(*masked), lane("W", "x"))] + [
+        mad(at(acc, 0).lane(k), lane("Y", "xyzw"[k]), lane("V", "y")) for k in range(3)]
 
 
 def test_sums_add_four_steps_of_a_diagonal_as_one_float4_and_the_rest_by_component() -> None:
@@ -71,13 +96,15 @@ def test_sums_add_four_steps_of_a_diagonal_as_one_float4_and_the_rest_by_compone
     terms = [(0, scalar(f"X{w + 1}"), scalar(f"W{w}")) for w in range(6)]
     terms += [(1, scalar(f"Y{w}"), scalar(f"V{w}")) for w in (3, 1, 2, 0)]
     offsets = [(w + 1, w) for w in range(6)] + [(w, w) for w in (3, 1, 2, 0)]
-    assert c_of(accumulators("sums").add(terms, offsets)) == [
-        "accv1[0] += ((float4)(X1, X2, X3, X4) * (float4)(W0, W1, W2, W3));",
-        "accv1[0].x += (X5 * W4);", "accv1[0].y += (X6 * W5);",
-        "accv1[1] += ((float4)(Y0, Y1, Y2, Y3) * (float4)(V0, V1, V2, V3));"]
-    block = ir.Block(ir.Numbering())
-    accumulators("sums").totals(block, 1)
-    assert c_of(block.statements) == ["float acc100[1] = {((accv1[0].x + accv1[0].y) + (accv1[0].z + accv1[0].w))};"]
+
+    def run(name: str, first: int) -> ir.Vector:
+        return float4(*(scalar(f"{name}{k}") for k in range(first, first + 4)))
+
+    acc = accumulators("sums")
+    assert acc.add(terms, offsets) == [
+        mad(at(acc, 0), run("X", 1), run("W", 0)), mad(at(acc, 0).lane(0), scalar("X5"), scalar("W4")),
+        mad(at(acc, 0).lane(1), scalar("X6"), scalar("W5")), mad(at(acc, 1), run("Y", 0), run("V", 0))]
+    assert totals(acc, 1) == (sum_of(at(acc, 0)),)
 
 
 def test_cost_counts_the_operands_shuffles_build() -> None:
@@ -136,29 +163,24 @@ def test_two_float4s_that_share_w_are_one_float8_multiply_add() -> None:
     terms += [(k, lane("Y", "xyzw"[k]), lane("W", "y")) for k in range(4)] + [(5, lane("Z", "x"), lane("W", "z"))]
     block = ir.Block(ir.Numbering())
     declared = Accumulators.declared(block, "accv", "texels", 1, 8)
-    assert c_of(block.statements) == ["float8 accv100[1] = {(float8)(0.0f)};"]
+    zero8 = ir.Vector(ir.FLOAT8, (ir.const(0.0, ir.FLOAT),))
+    assert block.statements == [ir.DeclareArray(declared.array, 1, (zero8,))] and declared.array.dtype == ir.FLOAT8
     paired = accumulators("texels", pair=1)
-    assert c_of(paired.add(terms)) == ["accv1[0] += ((float8)(X0, X1) * W.x);", "accv1[0].lo += (Y * W.y);",
-                                       "accv1[0].s5 += (Z.x * W.z);"]
-    totals = ir.Block(ir.Numbering())
-    declared.totals(totals, 8)
-    assert c_of(totals.statements) == [
-        "float acc100[8] = {accv100[0].s0, accv100[0].s1, accv100[0].s2, accv100[0].s3, "
-        "accv100[0].s4, accv100[0].s5, accv100[0].s6, accv100[0].s7};"]
+    assert paired.add(terms) == [mad(at(paired, 0), ir.Vector(ir.FLOAT8, (named("X0"), named("X1"))), lane("W", "x")),
+                                 mad(ir.Swizzle(at(paired, 0), 0, 4), named("Y"), lane("W", "y")),
+                                 mad(at(paired, 0).lane(5), lane("Z", "x"), lane("W", "z"))]
+    assert totals(declared, 8) == tuple(at(declared, 0).lane(k) for k in range(8))
 
 
 def test_paired_sums_widen_a_shared_w_texel_and_keep_their_float4_totals() -> None:
     terms = [(k, scalar(f"X{k}{w}"), scalar(f"W{w}")) for k in range(2) for w in range(4)]
     offsets = [(w + k, w) for k in range(2) for w in range(4)]
     paired = accumulators("sums", pair=1)
-    assert c_of(paired.add(terms, offsets)) == [
-        "accv1[0] += ((float8)((float4)(X00, X01, X02, X03), (float4)(X10, X11, X12, X13)) * "
-        "(float8)((float4)(W0, W1, W2, W3), (float4)(W0, W1, W2, W3)));"]
-    block = ir.Block(ir.Numbering())
-    paired.totals(block, 2)
-    assert c_of(block.statements) == [
-        "float acc100[2] = {((accv1[0].lo.x + accv1[0].lo.y) + (accv1[0].lo.z + accv1[0].lo.w)), "
-        "((accv1[0].hi.x + accv1[0].hi.y) + (accv1[0].hi.z + accv1[0].hi.w))};"]
+    xs = [float4(*(scalar(f"X{k}{w}") for w in range(4))) for k in range(2)]
+    ws = float4(*(scalar(f"W{w}") for w in range(4)))
+    assert paired.add(terms, offsets) == [mad(at(paired, 0), ir.Vector(ir.FLOAT8, tuple(xs)),
+                                              ir.Vector(ir.FLOAT8, (ws, ws)))]
+    assert totals(paired, 2) == tuple(sum_of(ir.Swizzle(at(paired, 0), 4 * half, 4)) for half in range(2))
 
 
 def test_pair_stride_pairs_neighbouring_texels_of_a_conv_row_on_a_wide_simd_only() -> None:

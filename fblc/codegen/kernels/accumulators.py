@@ -1,27 +1,20 @@
 """How a reduction's products reach a work-item's accumulators: three forms, and the cost that picks one.
 
 - "lanes": `float acc[lanes]`, a scalar multiply-add per product (PoCL's SLP vectorizer packs them).
-- "texels": `float4 acc[lanes / 4]`, output lane l in component l % 4 of texel l / 4. The k-th products
-  of a texel's four lanes are one float4 multiply-add, with swizzles where their operands are not one
-  texel (a window of X across two texels, four lanes' different W elements).
-- "sums": `float4 acc[lanes]`, one float4 per output whose components sum every fourth step of its
-  reduction. Where both operands run along the reduction axis (a weight gradient's X and dY rows), four
-  consecutive steps are one multiply-add of a window of X and a whole texel of dY; every output that
-  reads the same window shares it. The components are added once, at the end.
+- "texels": `float4 acc[lanes / 4]`, lane l in component l % 4 of texel l / 4: the k-th products of a
+  texel's four lanes are one float4 multiply-add (swizzles where their operands are not one texel).
+- "sums": `float4 acc[lanes]`, whose components sum every fourth step: where both operands run along the
+  reduction (a weight gradient's X and dY rows), four steps are one multiply-add of a window of X, which
+  the outputs share, and a whole texel of dY. The components are added once, at the end.
 
-Texels and sums serve the reductions longer than SERIAL_REDUCTION (the weight gradients; a GPU's
-work-group deals them out, a CPU's work-item runs them alone, Profile.tile_group). Sums are for a CPU
-(Profile.cpu), whose float4 is one SIMD register: there every distinct swizzle is a shuffle
-instruction, and `choose_form` takes the cheaper of texels and sums by multiply-adds, distinct
-swizzled operands and texel loads, within SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle only names
-registers and sums would take four times the registers, so texels stay.
+Texels and sums serve reductions longer than SERIAL_REDUCTION. Sums are for a CPU, whose float4 is one SIMD
+register and every distinct swizzle a shuffle: `choose_form` takes the cheaper form (`cost`) within
+SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle only names registers and sums take 4x the registers.
 
-Where a work-item's SIMD register holds 8 floats or more (Profile.simd_floats: AVX2, AVX-512), texels
-and sums pair their float4s: float4s t and t + pair are the halves of one float8, and two multiply-adds
-of a pair's halves that share an operand are one float8 multiply-add (`pair_stride` picks the pairing
-that costs least). A register tile's neighbouring texels share one (a conv row's scalar weight, a GEMM
-row's scalar of A), so the float8 is 8 consecutive outputs. Such a CPU takes texels or sums for short
-reductions too: explicit float4s and float8s beat what its SLP vectorizer packs from scalar lanes.
+Where a SIMD register holds 8 floats or more (Profile.simd_floats), float4s t and t + pair are the halves of
+a float8, and two multiply-adds of its halves that share an operand (a conv row's scalar weight, a GEMM
+row's scalar of A) are one (`pair_stride` picks the cheapest pairing). Such a CPU takes texels or sums for
+short reductions too: explicit float4s and float8s beat what its SLP vectorizer packs.
 """
 
 from __future__ import annotations
@@ -35,7 +28,6 @@ from fblc.codegen.ir import (
 from fblc.profiles.profile import SIMD_SUM_FLOAT4S
 
 LANES = 4
-COMPONENTS = "xyzw"
 FORMS = ("lanes", "texels", "sums")
 #: the floats a SIMD register must hold for a work-item's float4 accumulators to pair into float8s
 PAIRED_SIMD_FLOATS = 8
@@ -44,15 +36,13 @@ Operation = tuple[Expr, Expr, Expr]  # (target, x operand, w operand): `target +
 
 
 class Update(NamedTuple):
-    """`x * w` added to float4 accumulator `texel` (its `component`, or all four: None); whether x and w are
-    float4s (float4_of of different values) or scalars that OpenCL widens."""
+    """`x * w` added to float4 accumulator `texel` (its `component`, or all four: None); x and w are float4s
+    or scalars that OpenCL widens."""
 
     texel: int
     component: int | None
     x: Expr
     w: Expr
-    x_float4: bool = False
-    w_float4: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,7 +73,7 @@ class Accumulators:
         if self.form == "lanes":
             return self.array
         if self.form == "texels":
-            values = [self._component(lane // LANES, lane % LANES) for lane in range(lanes)]
+            values = [self._float4(lane // LANES, lane % LANES) for lane in range(lanes)]
         else:
             values = [(sums.lane(0) + sums.lane(1)) + (sums.lane(2) + sums.lane(3))
                       for sums in map(self._float4, range(lanes))]
@@ -94,23 +84,19 @@ class Accumulators:
         pair = self.pair
         return Element(self.array, const(texel // (2 * pair) * pair + texel % pair)), texel // pair % 2
 
-    def _float4(self, texel: int) -> Expr:
+    def _float4(self, texel: int, component: int | None = None) -> Expr:
+        """Float4 accumulator `texel`, or its `component`."""
         if not self.pair:
-            return Element(self.array, const(texel))
+            whole = Element(self.array, const(texel))
+            return whole if component is None else whole.lane(component)
         float8, half = self._float8(texel)
-        return Swizzle(float8, LANES * half, LANES)
-
-    def _component(self, texel: int, component: int) -> Expr:
-        if not self.pair:
-            return Element(self.array, const(texel)).lane(component)
-        float8, half = self._float8(texel)
-        return float8.lane(LANES * half + component)
+        return Swizzle(float8, LANES * half, LANES) if component is None else float8.lane(LANES * half + component)
 
     def add(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()) -> list[Assign]:
         """Statements that add each (lane, x, w) product to its lane; `offsets`, (x, w) element offsets of
         each product, find the runs the sums form adds four at a time."""
-        operations = self.operations(terms, offsets)
-        return [Assign(target, x * w, "+=") for target, x, w in operations]  # type: ignore[arg-type]
+        return [Assign(target, x * w, "+=")  # type: ignore[arg-type]
+                for target, x, w in self.operations(terms, offsets)]
 
     def operations(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()
                    ) -> list[Operation]:
@@ -120,58 +106,47 @@ class Accumulators:
         ordered = sorted(range(len(terms)), key=lambda index: terms[index][0])
         if self.form == "lanes":
             return [(Element(self.array, const(terms[i][0])), terms[i][1], terms[i][2]) for i in ordered]
-        updates = self._sums(terms, offsets, ordered) if self.form == "sums" else self._texels(terms, ordered)
-        if self.pair:
-            return self._paired(updates)
-        return [(self._float4(u.texel) if u.component is None else self._component(u.texel, u.component), u.x, u.w)
-                for u in updates]
+        sums = self.form == "sums"
+        return self._paired(self._sums(terms, offsets, ordered) if sums else self._texels(terms, ordered))
 
     def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], ordered: list[int]) -> list[Update]:
         """The k-th products of a texel's four lanes are one float4 multiply-add; where a lane lacks
         its k-th product, the others add component by component."""
         per_lane: dict[int, list[tuple[Expr, Expr]]] = {}
         for index in ordered:
-            lane, x, w = terms[index]
-            per_lane.setdefault(lane, []).append((x, w))
+            per_lane.setdefault(terms[index][0], []).append(terms[index][1:])
         updates: list[Update] = []
         for texel in sorted({lane // LANES for lane in per_lane}):
             runs = [per_lane.get(texel * LANES + component, []) for component in range(LANES)]
             for k in range(max(len(run) for run in runs)):
                 if all(k < len(run) for run in runs):
-                    xs, ws = zip(*(run[k] for run in runs))
-                    updates.append(Update(texel, None, float4_of(xs), float4_of(ws), len(set(xs)) > 1,
-                                          len(set(ws)) > 1))
-                    continue
-                updates += [Update(texel, component, run[k][0], run[k][1]) for component, run in enumerate(runs)
-                            if k < len(run)]
+                    updates.append(_whole(texel, [run[k] for run in runs]))
+                else:
+                    updates += [Update(texel, component, *run[k]) for component, run in enumerate(runs) if k < len(run)]
         return updates
 
     def _paired(self, updates: list[Update]) -> list[Operation]:
-        """Float8 multiply-adds: a low half's whole update and its high half's first unmatched whole update
-        by the same w or the same x are one, at the low half's place in the order; every other update adds
-        into its half or its component at its own place."""
-        operations: list[tuple[int, Operation]] = []
+        """The updates' multiply-adds. Paired, a low half's whole update and its high half's first unmatched
+        whole update by the same w or the same x are one float8 multiply-add, at the low half's place in the
+        order; every other update adds into its float4 or its component at its own place."""
+        def whole(u: Update, high: int) -> bool:
+            return bool(self.pair) and u.component is None and u.texel // self.pair % 2 == high
+
         high: dict[int, list[tuple[int, Update]]] = {}  # a high half's whole updates, with their positions
         for position, u in enumerate(updates):
-            if u.component is not None:
-                operations.append((position, (self._component(u.texel, u.component), u.x, u.w)))
-            elif u.texel // self.pair % 2:
+            if whole(u, 1):
                 high.setdefault(u.texel, []).append((position, u))
+        float8s: dict[int, Operation] = {}  # by the position of the low half's update
+        absorbed: set[int] = set()  # the positions of the high halves' updates that joined one
         for position, u in enumerate(updates):
-            if u.component is not None or u.texel // self.pair % 2:
-                continue
-            partner = high.get(u.texel + self.pair, [])
+            partner = high.get(u.texel + self.pair, []) if whole(u, 0) else []
             match = next((k for k, (_, other) in enumerate(partner) if other.w == u.w or other.x == u.x), None)
-            if match is None:
-                operations.append((position, (self._float4(u.texel), u.x, u.w)))
-                continue
-            _, other = partner.pop(match)
-            operations.append((position, (self._float8(u.texel)[0],
-                                          float8_of(u.x, u.x_float4, other.x, other.x_float4),
-                                          float8_of(u.w, u.w_float4, other.w, other.w_float4))))
-        operations += [(position, (self._float4(u.texel), u.x, u.w))
-                       for rest in high.values() for position, u in rest]
-        return [operation for _, operation in sorted(operations, key=lambda item: item[0])]
+            if match is not None:
+                high_position, other = partner.pop(match)
+                absorbed.add(high_position)
+                float8s[position] = (self._float8(u.texel)[0], float8_of(u.x, other.x), float8_of(u.w, other.w))
+        return [float8s.get(position, (self._float4(u.texel, u.component), u.x, u.w))
+                for position, u in enumerate(updates) if position not in absorbed]
 
     def _sums(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]],
               ordered: list[int]) -> list[Update]:
@@ -188,15 +163,17 @@ class Accumulators:
             while at < len(indices):
                 run = indices[at:at + LANES]
                 x0, w0 = offsets[run[0]]
-                if w0 % LANES == 0 and [offsets[i] for i in run] == [(x0 + k, w0 + k) for k in range(LANES)]:
-                    xs, ws = [terms[i][1] for i in run], [terms[i][2] for i in run]
-                    updates.append(Update(lane, None, float4_of(xs), float4_of(ws), len(set(xs)) > 1,
-                                          len(set(ws)) > 1))
-                    at += LANES
-                    continue
-                updates.append(Update(lane, w0 % LANES, terms[run[0]][1], terms[run[0]][2]))
-                at += 1
+                whole = w0 % LANES == 0 and [offsets[i] for i in run] == [(x0 + k, w0 + k) for k in range(LANES)]
+                updates.append(_whole(lane, [terms[i][1:] for i in run]) if whole
+                               else Update(lane, w0 % LANES, *terms[run[0]][1:]))
+                at += LANES if whole else 1
         return updates
+
+
+def _whole(texel: int, products: Sequence[tuple[Expr, Expr]]) -> Update:
+    """Four (x, w) products as one float4 multiply-add into accumulator `texel`."""
+    xs, ws = zip(*products)
+    return Update(texel, None, float4_of(xs), float4_of(ws))
 
 
 def cost(operations: Sequence[Operation]) -> int:
@@ -234,7 +211,10 @@ def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int,
 def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0) -> list[Operation]:
     """The operations of a block of (lane, x offset, w offset) `products` in `form` (paired at `pair`),
     each element a stand-in read from texel-aligned bases (what the costs compare)."""
-    terms = [(lane, _element("X", x), _element("W", w)) for lane, x, w in products]
+    def element(tensor: str, offset: int) -> Expr:  # a lane of the texel holding it
+        return Var(tensor, offset >> 2, FLOAT4).lane(offset & 3)
+
+    terms = [(lane, element("X", x), element("W", w)) for lane, x, w in products]
     return Accumulators(Var("a", 0, FLOAT4), form, pair).operations(terms, [(x, w) for _, x, w in products])
 
 
@@ -263,18 +243,12 @@ def float4_count(form: str, lanes: int) -> int:
     return lanes // LANES if form == "texels" else lanes
 
 
-def _element(tensor: str, offset: int) -> Expr:
-    """A stand-in for element `offset` of a tensor read from a texel-aligned base: a lane of its texel."""
-    return Var(tensor, offset >> 2, FLOAT4).lane(offset & 3)
-
-
-def float8_of(low: Expr, low_float4: bool, high: Expr, high_float4: bool) -> Expr:
-    """Two halves as a float8: a scalar that is both halves as itself (OpenCL widens it), else each half a
-    float4 (a scalar widened)."""
-    if low == high and not low_float4:
+def float8_of(low: Expr, high: Expr) -> Expr:
+    """Two halves (float4s or scalars) as a float8: a scalar that is both halves as itself (OpenCL widens
+    it), else each half a float4 (a scalar widened)."""
+    if low == high and low.dtype.lanes == 1:
         return low
-    return Vector(FLOAT8, tuple(half if is_float4 else Vector(FLOAT4, (half,))
-                                for half, is_float4 in ((low, low_float4), (high, high_float4))))
+    return Vector(FLOAT8, tuple(half if half.dtype.lanes == LANES else Vector(FLOAT4, (half,)) for half in (low, high)))
 
 
 def float4_of(values: Sequence[Expr]) -> Expr:

@@ -1,27 +1,20 @@
 """Texel-wide reductions: a work-item's lanes reduce together and share their reads.
 
 On PoCL (and on mobile GPUs) a `read_imagef` is the cost of a contraction: ~10-15 ns on the
-CPU device, where the multiply-add is nearly free. Per-lane code reads two elements per
-multiply-add. Here a work-item computes all its lanes (the 4 elements of its texel, or of
-several consecutive texels, see KernelBuilder.texels_per_item) in one pass over the
-reduction, in static blocks: for each block it lists the products it needs, as
-(lane, offset into X, offset into W, position) with literal offsets from a runtime base
-index, fetches every distinct element once (whole texels where the offsets are close: one
-read gives four consecutive elements) and accumulates per lane in fp32.
+CPU device, where the multiply-add is nearly free; per-lane code reads two elements per
+multiply-add. Here a work-item computes all its lanes (KernelBuilder.texels_per_item texels)
+in one pass over the reduction, in static blocks: each block lists its products with literal
+offsets from a runtime base index, fetches every distinct element once (whole texels where the
+offsets are close) and accumulates per lane in fp32.
 
-Where the base index is known to be a multiple of 4 (the strides and the loop steps are)
-the texels and lanes of every offset are literals; otherwise a cluster of offsets is read
-as the texels that can cover it and the elements are picked by the runtime shift.
+Where the base index is a known multiple of 4 the texel and lane of every offset are literals;
+otherwise a cluster of offsets is read as the texels that can cover it, picked by the runtime shift.
 
-Products whose position (along a padded axis) falls outside the input read zero through a
-mask, so border texels need no per-lane tap ranges; products always outside are dropped at
-compile time, and reads the masked ones make out of the tensor are clamped into it: only
-those, since a texel that an unmasked product reads lies in the tensor wherever the kernel runs
-(unclamped neighbours are also what a CPU's compiler merges into wider loads).
-
-A reduction too long for one work-item (Reduction.serial past SERIAL_REDUCTION) is dealt out to
-a work-group: its longest counted loop (Reduction.shared_loop) takes every group-th iteration
-from the work-item's `lid`, and the caller merges the partial tiles.
+Products whose position along a padded axis falls outside the input read zero through a mask, so
+border texels need no per-lane tap ranges; products always outside are dropped at compile time.
+Only the reads of masked products that may leave the tensor are clamped (a texel an unmasked
+product reads lies inside; unclamped neighbours are what a CPU's compiler merges into wider loads).
+A reduction too long for one work-item (past SERIAL_REDUCTION) is dealt out to a work-group (Reduction.emit).
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import onnx_ir as ir
@@ -38,11 +31,11 @@ from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import (
     FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
     select)
-from fblc.codegen.kernels.accumulators import COMPONENTS, LANES, Accumulators, block_cost, choose_form, pair_stride
+from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost, choose_form
 from fblc.codegen.schedule import resolve_form, resolve_pair
 from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
 
-__all__ = ["COMPONENTS", "LANES"]  # the texel's shape, which the kernel modules take from here
+__all__ = ["LANES"]  # the texel's width, which the kernel modules take from here
 
 
 @dataclass(frozen=True)
@@ -72,14 +65,10 @@ class Operand:
     offset: int = 0  # a literal part of the base, added to every offset
     clamp: bool = False  # masked offsets may leave the tensor: keep texel reads inside it
 
-    def moved(self, terms: list[Term]) -> Operand:
-        return Operand(self.value, terms, self.offset, self.clamp)
-
 
 class Product(NamedTuple):
     """acc[lane] += X[x] * W[w], zero where `position` (along the masked axis) or `row_position` (along
-    the row mask's axis) is outside the input.
-    (A tuple: a tile's block lists hundreds of them, for every contraction of the step.)"""
+    the row mask's axis) is outside the input (a tuple: a block lists hundreds of them)."""
 
     lane: int
     x: int
@@ -100,10 +89,9 @@ class Mask:
 
 @dataclass
 class Loop:
-    """A runtime loop around the blocks, `for var in [start, stop) by step` (no var: none), and what its
-    iterations `enter` before the blocks (a guard; it returns the block the blocks go into); the terms it
-    adds to the X and W indices. `trips`: the most iterations it runs; `walks`: a plain counted loop,
-    which a work-group can share (Reduction.emit)."""
+    """A runtime loop around the blocks, `for var in [start, stop) by step` (no var: none), adding its terms
+    to the X and W indices; its iterations `enter` a guard first (it returns the block the blocks go into).
+    `trips`: the most iterations it runs; `walks`: a counted loop, which a work-group can share."""
 
     x_terms: list[Term]
     w_terms: list[Term]
@@ -129,22 +117,18 @@ class Loop:
             start, step = self.start, self.step
             if group is not None:
                 assert self.walks and lid is not None, "only a counted loop is shared"
-                start = lid if start == const(0) else start + lid
-                step = group
-            body: list = []
-            block.add(For(self.var, start, self.stop, body, step))
-            block = Block(block.numbering, body)
+                start, step = (lid if start == const(0) else start + lid), group
+            body = Block(block.numbering)
+            block.add(For(self.var, start, self.stop, body.statements, step))
+            block = body
         return self.enter(block) if self.enter is not None else block
 
 
 @dataclass
 class Blocked:
-    """The reduction axis walked in static blocks of `block` (a loop over whole blocks, then the rest).
-
-    `products(indices)` lists the products of those axis indices, offsets counted from the
-    bases with the axis at 0; inside the loop the block start moves X, W and the mask position
-    by the steps.
-    """
+    """The reduction axis walked in static blocks of `block` (a loop over whole blocks, then the rest):
+    `products(indices)` lists the products of those axis indices, offsets counted from the bases with
+    the axis at 0; in the loop the block start moves X, W and the mask position by the steps."""
 
     extent: int
     block: int
@@ -152,17 +136,6 @@ class Blocked:
     w_step: int
     position_step: int
     products: Callable[[range], Sequence[Product]]
-
-
-def _clusters(offsets: list[int]) -> list[list[int]]:
-    """Sorted offsets split where a gap would leave a whole texel unread."""
-    groups: list[list[int]] = []
-    for offset in offsets:
-        if groups and offset - groups[-1][-1] <= 4:
-            groups[-1].append(offset)
-        else:
-            groups.append([offset])
-    return groups
 
 
 def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[int],
@@ -180,31 +153,30 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
     last = texture.texels - 1
 
     def texel(index: Expr, spare: bool = False, within: bool = False) -> Var:
-        """A texel read; `spare`: the read may pass the tensor's end (a cluster's last texel at shift 0);
-        `within`: it never leaves the tensor."""
+        # spare: the read may pass the tensor's end (a cluster's last texel at shift 0); within: it never leaves it
         if not within and (operand.clamp or spare):
             index = call("clamp", index, 0, last) if operand.clamp else call("min", index, last)
         return block.let(b.texel(argument, texture, index), "T")
 
     base = index_sum(operand.terms)
-    values: dict[int, Expr] = {}
-    if aligned(operand.terms):  # texel and lane of every offset are literals
+    if aligned(operand.terms):  # texel and lane of every offset are literals (>> 2 floors negative offsets too)
         q = block.let(base >> 2, "q")
-        texels: dict[int, Var] = {}
-        for offset in wanted:
-            k = offset >> 2  # floor, also for negative offsets
-            if k not in texels:
-                texels[k] = texel(_plus(q, k), within=k in inside_texels)
-            values[offset] = texels[k].lane(offset & 3)
-        return {offset - operand.offset: value for offset, value in values.items()}
-    for cluster in _clusters(wanted):
+        texels = {k: texel(_plus(q, k), within=k in inside_texels) for k in sorted({offset >> 2 for offset in wanted})}
+        return {offset - operand.offset: texels[offset >> 2].lane(offset & 3) for offset in wanted}
+    clusters: list[list[int]] = []  # the offsets split where a gap would leave a whole texel unread
+    for offset in wanted:
+        if clusters and offset - clusters[-1][-1] <= 4:
+            clusters[-1].append(offset)
+        else:
+            clusters.append([offset])
+    values: dict[int, Expr] = {}
+    for cluster in clusters:
         low, span = cluster[0], cluster[-1] - cluster[0] + 1
         count = ((span + 2) >> 2) + 1  # texels that cover `span` elements at any shift
         if count >= len(cluster):  # sparse: element reads are no more
             for offset in cluster:
                 index = _plus(base, offset)
-                if operand.clamp:
-                    index = call("clamp", index, 0, texture.numel - 1)
+                index = call("clamp", index, 0, texture.numel - 1) if operand.clamp else index
                 values[offset] = block.let(b.element(operand.value, index), "E")  # named: several lanes share it
             continue
         start = block.let(_plus(base, low), "e")
@@ -261,9 +233,8 @@ class Reduction:
     @property
     def _looped(self) -> int:
         """The blocked axis's elements that its loop walks in whole blocks (0: one static block, no loop)."""
-        axis = self.blocked
-        main = axis.extent - axis.extent % axis.block
-        return main if main > axis.block else 0
+        main = self.blocked.extent - self.blocked.extent % self.blocked.block
+        return main if main > self.blocked.block else 0
 
     def shared_loop(self) -> tuple[int | None, int]:
         """(index into loops, or None for the blocked axis's loop; its trips): the loop with the most
@@ -286,49 +257,41 @@ class Reduction:
             form = resolve_form(schedule, profile, self._sample, lanes, self.serial(lanes))
             pair = resolve_pair(schedule, profile, self._sample, form, lanes, b.name)
             schedule.accumulator_form, schedule.pair_stride = form, pair
-        else:
-            form = self.accumulator_form(b, lanes)
-            pair = pair_stride(self._sample, form, lanes, profile.simd_floats)
+        else:  # what choose_form and pair_stride give lanes that are no whole texels
+            form, pair = "lanes", 0
         target = Accumulators.declared(block, "accv" if form != "lanes" else "acc", form, pair, lanes)
-        inner = block
+        inner = block if guard is None else Block(block.numbering)
         if guard is not None:
-            body: list = []
-            block.add(If(guard, body))
-            inner = Block(block.numbering, body)
+            block.add(If(guard, inner.statements))
         shared = self.shared_loop()[0] if group else -1  # -1: no loop is dealt out
         blocks_dealt = group is not None and shared is None
         x_terms, w_terms = list(self.x.terms), list(self.w.terms)
         for index, loop in enumerate(self.loops):
-            inner = loop.open(inner, group, b.lid) if group and index == shared else loop.open(inner)
-            x_terms += loop.x_terms
-            w_terms += loop.w_terms
+            inner = loop.open(inner, group if index == shared else None, b.lid)
+            x_terms, w_terms = x_terms + loop.x_terms, w_terms + loop.w_terms
         axis, main = self.blocked, self._looped
         if main:
             start, step = (b.lid * axis.block, group * axis.block) if blocks_dealt else (const(0), axis.block)
             with inner.loop("blk", start, main, step=step) as (var, body_block):
-                mask = None
-                if self.mask is not None:
-                    mask = Mask(_shifted(self.mask.terms, var, axis.position_step, axis.block), self.mask.low,
-                                self.mask.high + (main - axis.block) * axis.position_step, self.mask.extent)
+                mask = None if self.mask is None else replace(
+                    self.mask, terms=_shifted(self.mask.terms, var, axis.position_step, axis.block),
+                    high=self.mask.high + (main - axis.block) * axis.position_step)
                 self._block(b, body_block, target, axis.products(range(axis.block)),
-                            self.x.moved(_shifted(x_terms, var, axis.x_step, axis.block)),
-                            self.w.moved(_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
-        if main < axis.extent:
-            rest = axis.products(range(main, axis.extent))
-            # one work-item's share when dealt out
+                            replace(self.x, terms=_shifted(x_terms, var, axis.x_step, axis.block)),
+                            replace(self.w, terms=_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
+        if main < axis.extent:  # the rest, one work-item's share when the blocks are dealt out
+            rest = inner
             if blocks_dealt:
-                with inner.when(b.lid.eq(group - 1)) as last:  # type: ignore[operator]
-                    self._block(b, last, target, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask,
-                                self.row_mask)
-            else:
-                self._block(b, inner, target, rest, self.x.moved(x_terms), self.w.moved(w_terms), self.mask,
-                            self.row_mask)
+                rest = Block(inner.numbering)
+                inner.add(If(b.lid.eq(group - 1), rest.statements))  # type: ignore[operator]
+            self._block(b, rest, target, axis.products(range(main, axis.extent)), replace(self.x, terms=x_terms),
+                        replace(self.w, terms=w_terms), self.mask, self.row_mask)
         return target.totals(block, lanes)
 
     def accumulator_form(self, b: KernelBuilder, lanes: int) -> str:
         """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
-        profile = b.table.profile
-        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, profile.cpu, profile.simd_floats)
+        cpu, simd_floats = b.table.profile.cpu, b.table.profile.simd_floats
+        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, cpu, simd_floats)
 
     def cost(self, form: str) -> float:
         """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""
@@ -343,10 +306,6 @@ class Reduction:
     def _block(b: KernelBuilder, block: Block, acc: Accumulators, products: Sequence[Product], x: Operand,
                w: Operand, mask: Mask | None, row_mask: Mask | None = None) -> None:
         """One static block: drop products that are always out of range, mask the ones that may be."""
-        if mask is None and row_mask is None:  # every product counts (contractions): the common case, kept lean
-            xs, ws = fetch(b, block, x, (p.x for p in products)), fetch(b, block, w, (p.w for p in products))
-            block.add(*acc.add([(p.lane, xs[p.x], ws[p.w]) for p in products], [(p.x, p.w) for p in products]))
-            return
         axes = [(axis, m) for axis, m in enumerate((mask, row_mask)) if m is not None]
         conditions: dict[tuple[int, int], tuple[int, bool, bool, int]] = {}  # (axis, offset) -> what to test
         kept: list[tuple[Product, tuple[tuple[int, int], ...]]] = []
@@ -366,16 +325,14 @@ class Reduction:
             return
         positions = {axis: block.let(index_sum((mask, row_mask)[axis].terms), "P")  # type: ignore[union-attr]
                      for axis, _ in axes if any(key[0] == axis for key in conditions)}
-        named: dict[tuple[tuple[int, int], ...], Expr] = {}
-        for key, (offset, low, high, extent) in conditions.items():
-            named[(key,)] = block.let(_condition(_plus(positions[key[0]], offset), low, high, extent), "m")
+        named: dict[tuple[tuple[int, int], ...], Expr] = {
+            (key,): block.let(_condition(_plus(positions[key[0]], offset), low, high, extent), "m")
+            for key, (offset, low, high, extent) in conditions.items()}
         for _, keys in kept:
             if len(keys) > 1 and keys not in named:
-                both = named[(keys[0],)]
-                for key in keys[1:]:
-                    both = both.logical_and(named[(key,)])
-                named[keys] = block.let(both, "m")
-        xs = fetch(b, block, x, (p.x for p, _ in kept), inside=(p.x for p, keys in kept if not keys))
+                named[keys] = block.let(functools.reduce(Expr.logical_and, (named[(key,)] for key in keys)), "m")
+        # without masks (MatMul, Gemm) no read is marked inside: a cluster's spare texel keeps its end clamp
+        xs = fetch(b, block, x, (p.x for p, _ in kept), inside=(p.x for p, keys in kept if not keys) if axes else ())
         ws = fetch(b, block, w, (p.w for p, _ in kept))
         block.add(*acc.add([(product.lane, select(named[keys], xs[product.x], const(0.0, FLOAT)) if keys
                              else xs[product.x], ws[product.w]) for product, keys in kept],
