@@ -22,6 +22,7 @@ from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
 #: the fields a schedule file may name (a kernel's `choices` say which of them it takes)
 OVERRIDABLE = ("tile_rows", "tile_columns", "group_size", "accumulator_form", "pair_stride")
+EXAMPLE = 'write an object like {"k3_Gemm": {"tile_rows": 2}}'
 
 
 @dataclass
@@ -82,9 +83,8 @@ def pairs_mask_bytes(schedule: Schedule) -> bool:
     """A work-item's texels hold both texels of every mask byte they touch: consecutive texels (odd counts
     run two items in turn, KernelBuilder.finish), or a 2-D tile's rows of an even number of texels, an even
     number apart."""
-    if schedule.tile_stride <= schedule.tile_columns:  # not a 2-D tile: its rows are consecutive texels
-        return True
-    return schedule.tile_columns % 2 == 0 and schedule.tile_stride % 2 == 0
+    columns, stride = schedule.tile_columns, schedule.tile_stride
+    return stride <= columns or (columns % 2 == 0 and stride % 2 == 0)  # stride <= columns: no 2-D tile
 
 
 def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:
@@ -151,8 +151,7 @@ def load_overrides(path: str | None, profile: Profile) -> dict[str, dict[str, An
     except OSError as error:
         raise FblcError(f"cannot read the schedule file '{path}': {error.strerror}", "check the path") from None
     except json.JSONDecodeError as error:
-        raise FblcError(f"schedule file '{path}' is not JSON: {error}",
-                        'write an object like {"k3_Gemm": {"tile_rows": 2}}') from None
+        raise FblcError(f"schedule file '{path}' is not JSON: {error}", EXAMPLE) from None
     for name, fields in _overrides_object(raw, f"schedule file '{path}'").items():
         overrides[name] = {**overrides.get(name, {}), **fields}
     return overrides
@@ -160,8 +159,7 @@ def load_overrides(path: str | None, profile: Profile) -> dict[str, dict[str, An
 
 def _overrides_object(raw: Any, source: str) -> dict[str, dict[str, Any]]:
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-        raise FblcError(f"{source}: schedules must be an object of kernel name -> {{field: value}}",
-                        'write an object like {"k3_Gemm": {"tile_rows": 2}}')
+        raise FblcError(f"{source}: schedules must be an object of kernel name -> {{field: value}}", EXAMPLE)
     return {str(name): dict(fields) for name, fields in raw.items()}
 
 
@@ -198,6 +196,3 @@ def _launch_order(name: str) -> tuple[int, str]:
     digits = name[1:].split("_", 1)[0]
     return (int(digits) if digits.isdigit() else 1 << 30, name)
 
-
-__all__ = ["OVERRIDABLE", "Schedule", "apply_overrides", "consecutive", "load_overrides", "pairs_mask_bytes",
-           "reduction_choices", "resolve_form", "resolve_group", "resolve_pair", "tile"]

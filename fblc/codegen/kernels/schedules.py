@@ -1,25 +1,17 @@
 """Every kernel group's schedule (fblc/codegen/schedule.py), decided before any kernel is built.
 
-One rule per anchor op type (SCHEDULE_RULES) turns the group's sizes and the target profile into its
-kernels' `Schedule`s by kernel name, which the emitters take (KernelBuilder.schedule); groups without a
-rule get one texel per work-item. A family whose work-item reduces several outputs together offers its
-reduction's fields as choices (`_reducing`). The rules, the decisions the emitters made while writing C:
-- MatMul / Gemm on their texel path under R-Tile codegen: a tile of the first of TILE_ROWS output rows
-  that divides the rows, by TILE_COLUMNS texel columns where the row's texels come in such runs.
-- Conv / ConvTranspose (see conv.py's docstring): a channel tile, or a spatial tile or row texels under
-  R-Tile codegen also of 2 to 8 output channels (conv_tiles.channel_rows), else of 2 to 4 output rows
-  where channels cannot stack (_stacked_rows); a channel tile of 2 to 8 batch elements
-  (conv_tiles.batch_count) unless its sums form is cheaper alone (_sums_instead_of_batches).
-- Reductions and row statistics: a work-group per output when the reduced run is long
-  (Profile.reduction_group); LayerNormalization's output: the texels of a row (normalize.item_texels).
-Then a schedule file's overrides, and the saved masks whose bytes a 2-D tile splits (r_mask4).
+SCHEDULE_RULES: per anchor op type, the group's kernels' `Schedule`s by kernel name from its sizes and
+the target profile (else one texel per work-item), which the emitters take (KernelBuilder.schedule). A
+family whose work-item reduces outputs together (`_reducing`: MatMul, Gemm, Conv, ConvTranspose) offers
+its reduction's fields as choices and hands its emitter its geometry (`detail`: ConvPlan, TransposePlan).
+Contractions take R-Tile tiles (_contraction_tile), convs the register tiles of conv_tiles.py, long
+reductions a work-group per output (Profile.reduction_group). Then a schedule file's overrides, and the
+saved masks whose bytes a 2-D tile splits (r_mask4).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import onnx_ir as ir
@@ -58,13 +50,6 @@ ROW_CHOICES = (1, 4, 8, 16)
 COLUMN_CHOICES = (1, 2, 4)  # its texel columns
 
 
-@dataclass(frozen=True)
-class ContractionTile:
-    """A MatMul's or Gemm's tile geometry: its rows are whole output rows (`row_texels`) apart."""
-
-    row_texels: int
-
-
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
 #: a reducing family's decision: (schedule, its geometry for the emitter, outputs reduced together; 0: per lane)
 Reducing = Callable[[TextureTable, KernelGroup], tuple[Schedule, Any, int]]
@@ -72,12 +57,8 @@ Reducing = Callable[[TextureTable, KernelGroup], tuple[Schedule, Any, int]]
 
 def _saved_masks(group: KernelGroup) -> list[ir.Value]:
     """The group's outputs that are saved masks (whose bytes pair texels of two work-items)."""
-    return [value for value in group.outputs if _layout_kind(value) in ("mask8", "mask4")]
-
-
-def _layout_kind(value: ir.Value) -> str:
-    annotated = view_root(value).metadata_props.get(keys.LAYOUT)
-    return json.loads(annotated).get("kind", "flat") if annotated else "flat"
+    return [value for value in group.outputs
+            if keys.json_of(view_root(value).metadata_props, keys.LAYOUT, {}).get("kind") in ("mask8", "mask4")]
 
 
 def _reducing(decide: Reducing) -> Rule:
@@ -93,7 +74,7 @@ def _reducing(decide: Reducing) -> Rule:
 
 
 def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column_texels: int | None
-                      ) -> tuple[Schedule, ContractionTile, int]:
+                      ) -> tuple[Schedule, None, int]:
     """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts where the output's rows and
     texel columns come in such groups (a tile reads each operand texel once for all its rows or columns),
     else one texel. `rows`, `column_texels`: the runs of rows and texel columns the operands step through
@@ -108,7 +89,7 @@ def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column
         schedule = consecutive(1)
     schedule.choices = {"tile_rows": tuple(n for n in ROW_CHOICES if rows % n == 0),
                         "tile_columns": tuple(n for n in COLUMN_CHOICES if row_texels % n == 0 and run % n == 0)}
-    return schedule, ContractionTile(row_texels), LANES * schedule.texels_per_item
+    return schedule, None, LANES * schedule.texels_per_item
 
 
 def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
@@ -146,9 +127,9 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
         masked = tile.axis if tile.axis is not None else last_tap_axis(view)
         if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
             rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-            x, (kernel, strides) = tile.axis, (view.window.kernel, view.window.strides)
+            x, kernel = tile.axis, view.window.kernel
             # channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
-            if rows == 1 and tiled and x and kernel[x] <= TAP_BLOCK and kernel[x - 1] > strides[x - 1]:
+            if rows == 1 and tiled and x and kernel[x] <= TAP_BLOCK and kernel[x - 1] > view.window.strides[x - 1]:
                 tile.y_rows, tile.row_axis, stride = _stacked_rows(view, kernel, x, tile.lanes)
             tile.rows = rows
             schedule = tile_of(rows * tile.y_rows, per, stride)  # channel rows or stacked rows (or neither)
@@ -271,9 +252,10 @@ def decide_schedules(table: TextureTable, groups: list[KernelGroup],
 def _refine(table: TextureTable, group: KernelGroup, schedule: Schedule) -> None:
     """What follows from a schedule file's fields: a contraction tile's rows stay whole output rows apart,
     and its accumulators within PRIVATE_FLOATS."""
-    if not isinstance(schedule.detail, ContractionTile):
+    if "tile_rows" not in schedule.choices:  # not a contraction's tile (_contraction_tile)
         return
-    schedule.tile_stride = schedule.detail.row_texels if schedule.texels_per_item > 1 else 1
+    row_texels = static_shape(group.outputs[0])[-1] // LANES
+    schedule.tile_stride = row_texels if schedule.texels_per_item > 1 else 1
     lanes = LANES * schedule.texels_per_item
     if lanes > PRIVATE_FLOATS:
         raise FblcError(f"schedule of kernel '{group.name}': a tile of {schedule.tile_rows} x {schedule.tile_columns} "
