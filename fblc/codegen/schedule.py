@@ -6,7 +6,8 @@ apart, `tile_columns` consecutive texels each), the work-items sharing each item
 (`accumulator_form`, accumulators.py) and the float8 pairing of its float4 accumulators (`pair_stride`).
 kernels/schedules.py decides them; a schedule file or the profile's `schedules` section overrides fields
 by kernel name (`apply_overrides`), each checked against the kernel's `choices`. Fields left None are
-decided at the reduction (`resolve_*`) unless a file fixed them; the builder records what was used.
+decided where the reduction's length and products are known (`resolve_*`) unless a file fixed them; the
+builder records what was used (plan.json).
 """
 
 from __future__ import annotations
