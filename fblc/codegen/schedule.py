@@ -1,24 +1,17 @@
 """Schedules as data: how a kernel's work is cut up, decided before the kernel is built.
 
-A `Schedule` holds what the emitters used to decide while writing C: the 2-D tile of texels a
-work-item computes (`tile_rows` rows `tile_stride` texels apart, `tile_columns` consecutive texels
-each; rows 1 texel apart are consecutive texels), the work-items that share each item's reduction
-(`group_size`, the split-K of a contraction's tile or a long row's reduction), the items a work-group
-holds (`tiles_per_group`), where a reduction's products sum (`accumulator_form`, accumulators.py)
-and the float8 pairing of its float4 accumulators (`pair_stride`). `kernels/schedules.py` decides
-every kernel group's from the target profile and the group's sizes (SCHEDULE_RULES); a schedule
-file or the profile's `schedules` section overrides fields by kernel name (`apply_overrides`),
-each checked against the kernel's `choices`. The saved masks whose bytes a tile splits between
-work-items fall back to r_mask4 from the schedule (`mask4`), before any texture exists.
-
-Fields left None are decided where the reduction is known (`resolve_group`, `resolve_form`,
-`resolve_pair`: a contraction's serial length and its products come from the reduction it builds),
-by these functions, unless a file fixed them; the builder records what was used (plan.json).
+A `Schedule` holds the 2-D tile of texels a work-item computes (`tile_rows` rows `tile_stride` texels
+apart, `tile_columns` consecutive texels each), the work-items sharing each item's reduction
+(`group_size`), the items a work-group holds (`tiles_per_group`), where a reduction's products sum
+(`accumulator_form`, accumulators.py) and the float8 pairing of its float4 accumulators (`pair_stride`).
+kernels/schedules.py decides them; a schedule file or the profile's `schedules` section overrides fields
+by kernel name (`apply_overrides`), each checked against the kernel's `choices`. Fields left None are
+decided where the reduction's length and products are known (`resolve_*`) unless a file fixed them; the
+builder records what was used (plan.json).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -30,6 +23,7 @@ from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
 #: the fields a schedule file may name (a kernel's `choices` say which of them it takes)
 OVERRIDABLE = ("tile_rows", "tile_columns", "group_size", "accumulator_form", "pair_stride")
+EXAMPLE = 'write an object like {"k3_Gemm": {"tile_rows": 2}}'
 
 
 @dataclass
@@ -53,16 +47,9 @@ class Schedule:
         return self.tile_rows * self.tile_columns
 
     @property
-    def tiled(self) -> bool:
-        """Whether the item's texels are a 2-D tile (rows further apart than a row is long)."""
-        return self.tile_stride > self.tile_columns
-
-    @property
     def vector_width(self) -> int:
         """Floats per accumulator variable: 8 paired float4s, 4 float4s, 1 scalar lanes (or no reduction)."""
-        if self.pair_stride:
-            return 8
-        return 4 if self.accumulator_form in ("texels", "sums") else 1
+        return 8 if self.pair_stride else 4 if self.accumulator_form in ("texels", "sums") else 1
 
     def decided(self) -> dict[str, Any]:
         """The schedule as decided before its kernel is built (None: decided at the reduction)."""
@@ -85,16 +72,20 @@ def consecutive(texels: int) -> Schedule:
 
 
 def tile(rows: int, columns: int, stride: int) -> Schedule:
-    """A work-item's 2-D tile: `rows` rows `stride` texels apart, each `columns` consecutive texels."""
+    """A work-item's 2-D tile: `rows` rows `stride` texels apart, each `columns` consecutive texels
+    (one row: `columns` consecutive texels)."""
+    if rows == 1:
+        return consecutive(columns)
     assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
     return Schedule(tile_rows=rows, tile_columns=columns, tile_stride=stride)
 
 
 def pairs_mask_bytes(schedule: Schedule) -> bool:
-    """A work-item's texels hold both texels of every mask byte they touch: consecutive texels (odd
-    counts run two items in turn, KernelBuilder.finish), or a tile whose rows are an even number of
-    texels, an even number apart."""
-    return not schedule.tiled or (schedule.tile_columns % 2 == 0 and schedule.tile_stride % 2 == 0)
+    """A work-item's texels hold both texels of every mask byte they touch: consecutive texels (odd counts
+    run two items in turn, KernelBuilder.finish), or a 2-D tile's rows of an even number of texels, an even
+    number apart."""
+    columns, stride = schedule.tile_columns, schedule.tile_stride
+    return stride <= columns or (columns % 2 == 0 and stride % 2 == 0)  # stride <= columns: no 2-D tile
 
 
 def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:
@@ -104,22 +95,18 @@ def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:
     return (1,) + tuple(2 ** k for k in range(1, 16) if 2 ** k <= bound)
 
 
-def form_choices(lanes: int) -> tuple[str, ...]:
-    """Accumulator forms of `lanes` outputs: float4 forms need whole texels of them."""
-    return FORMS if lanes % 4 == 0 else ("lanes",)
-
-
 def reduction_choices(profile: Profile, lanes: int, masks: bool) -> dict[str, tuple[Any, ...]]:
     """The overridable fields of a kernel whose work-item reduces `lanes` outputs together (`masks`: it
-    writes saved masks, whose bytes pair texels of two work-items, so it keeps one work-item per tile)."""
+    writes saved masks, whose bytes pair texels of two work-items, so it keeps one work-item per tile).
+    Float4 forms need whole texels; which pairings suit the form taken is checked at it (resolve_pair)."""
     return {"group_size": (1,) if masks else group_choices(profile, lanes),
-            "accumulator_form": form_choices(lanes), "pair_stride": pair_choices(lanes)}
+            "accumulator_form": FORMS if lanes % 4 == 0 else ("lanes",),
+            "pair_stride": _pairings(lanes) if lanes % 4 == 0 else (0,)}
 
 
-def pair_choices(lanes: int) -> tuple[int, ...]:
-    """Float8 pairing strides of `lanes` outputs' float4 accumulators in some form (0: none); which of
-    them pair the form the kernel takes is checked when it is known (resolve_pair)."""
-    return (0,) + tuple(s for s in range(1, lanes // 2 + 1) if lanes % (2 * s) == 0) if lanes % 4 == 0 else (0,)
+def _pairings(count: int) -> tuple[int, ...]:
+    """Strides that pair `count` accumulators two by two (0: no pairing)."""
+    return (0,) + tuple(s for s in range(1, count // 2 + 1) if count % (2 * s) == 0)
 
 
 def resolve_group(schedule: Schedule, profile: Profile, serial: int, trips: int, lanes: int, tiles: int,
@@ -146,7 +133,7 @@ def resolve_pair(schedule: Schedule, profile: Profile, products: Sequence[tuple[
         return pair_stride(products, form, lanes, profile.simd_floats)
     stride = schedule.pair_stride
     count = float4_count(form, lanes) if form != "lanes" else 0
-    valid = [0] + [s for s in range(1, count // 2 + 1) if count % (2 * s) == 0]
+    valid = _pairings(count)
     if stride not in valid:
         raise FblcError(f"schedule of kernel '{kernel}': pair_stride {stride} does not pair its {count} float4 "
                         f"accumulators (form '{form}')", f"choose one of: {', '.join(map(str, valid))}")
@@ -165,8 +152,7 @@ def load_overrides(path: str | None, profile: Profile) -> dict[str, dict[str, An
     except OSError as error:
         raise FblcError(f"cannot read the schedule file '{path}': {error.strerror}", "check the path") from None
     except json.JSONDecodeError as error:
-        raise FblcError(f"schedule file '{path}' is not JSON: {error}",
-                        'write an object like {"k3_Gemm": {"tile_rows": 2}}') from None
+        raise FblcError(f"schedule file '{path}' is not JSON: {error}", EXAMPLE) from None
     for name, fields in _overrides_object(raw, f"schedule file '{path}'").items():
         overrides[name] = {**overrides.get(name, {}), **fields}
     return overrides
@@ -174,8 +160,7 @@ def load_overrides(path: str | None, profile: Profile) -> dict[str, dict[str, An
 
 def _overrides_object(raw: Any, source: str) -> dict[str, dict[str, Any]]:
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-        raise FblcError(f"{source}: schedules must be an object of kernel name -> {{field: value}}",
-                        'write an object like {"k3_Gemm": {"tile_rows": 2}}')
+        raise FblcError(f"{source}: schedules must be an object of kernel name -> {{field: value}}", EXAMPLE)
     return {str(name): dict(fields) for name, fields in raw.items()}
 
 
@@ -184,7 +169,6 @@ def apply_overrides(schedules: Mapping[str, Schedule], overrides: Mapping[str, M
     """Set each override's fields on its kernel's schedule, every one checked first: an unknown kernel,
     an unknown field, a field the kernel does not take or a value outside its choices is an FblcError
     naming them and what is valid. `refine(name, schedule)` re-derives what follows from changed fields."""
-    known = [f.name for f in dataclasses.fields(Schedule) if f.name in OVERRIDABLE]
     for name, fields in overrides.items():
         schedule = schedules.get(name)
         if schedule is None:
@@ -192,9 +176,9 @@ def apply_overrides(schedules: Mapping[str, Schedule], overrides: Mapping[str, M
             raise FblcError(f"schedule override for kernel '{name}', which this step does not have",
                             f"name one of its kernels: {', '.join(listed[:40])}{' ...' if len(listed) > 40 else ''}")
         for key, value in fields.items():
-            if key not in known:
+            if key not in OVERRIDABLE:
                 raise FblcError(f"schedule override for kernel '{name}': unknown field '{key}'",
-                                f"the fields are: {', '.join(known)}")
+                                f"the fields are: {', '.join(OVERRIDABLE)}")
             valid = schedule.choices.get(key)
             if valid is None:
                 offered = ", ".join(schedule.choices) or "none"
@@ -213,6 +197,3 @@ def _launch_order(name: str) -> tuple[int, str]:
     digits = name[1:].split("_", 1)[0]
     return (int(digits) if digits.isdigit() else 1 << 30, name)
 
-
-__all__ = ["OVERRIDABLE", "Schedule", "apply_overrides", "consecutive", "load_overrides", "pairs_mask_bytes",
-           "reduction_choices", "resolve_form", "resolve_group", "resolve_pair", "tile"]

@@ -2,18 +2,19 @@
 
 A work-item's outputs are `columns` consecutive texels of one output row; these choose how many
 more rows it also computes, each sharing the work-item's reads: rows of other output channels
-(channel_rows), of other batch elements (batch_rows), or of the next output positions along the
-axis before (stack_rows, where channels cannot stack), within PRIVATE_FLOATS accumulators.
+(channel_rows), of other batch elements (batch_count), or of the next output positions along the
+axis before (stack_rows, where channels cannot stack), within PRIVATE_FLOATS accumulators. A saved
+mask whose bytes such a tile splits falls back to r_mask4 (schedule.pairs_mask_bytes): twice the
+mask's bits, 1/16 of the float tensor's, for 1/rows of the input reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import math
-
-import numpy as np
+from collections.abc import Sequence
 
 from fblc.codegen.kernels.accumulators import LANES
+from fblc.compiler.values import numel
 from fblc.profiles.profile import PRIVATE_FLOATS
 
 CHANNEL_ROWS = (8, 4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
@@ -25,17 +26,12 @@ STATIC_PRODUCTS = 1024  # a 2-D tile enumerates its row taps while a block keeps
 
 def channel_rows(tiled: bool, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
                  ) -> tuple[int, int, int, int]:
-    """(rows, row_step, columns, stride): under R-Tile codegen a work-item whose outputs are `columns`
-    consecutive texels of one output channel (the first of `choices` that fits) also computes the
-    same positions of rows - 1 more channels, row_step apart (the register tile: the rows share
-    every input read). Positions line up with texel columns only every row_step = 4 * columns /
-    gcd(plane, 4 * columns) channels, `plane` the elements of a channel; the rows stay within a
-    group (cg_out output channels) and within PRIVATE_FLOATS accumulators. A saved mask whose
-    bytes the tile splits falls back to r_mask4 (codegen.schedule.pairs_mask_bytes): twice the mask's bits,
-    1/16 of the float tensor's, for 1/rows of the input reads; `stride`: texels between the tile's
-    rows. (1, 1, the last choice, 1) when none fits, or under the naive layout: the conventional
-    one-channel kernel."""
-    plane = int(np.prod(out_shape[2:]))
+    """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
+    (the first of `choices` that fits) also computes the same positions of rows - 1 more channels of its
+    group (cg_out), row_step apart: positions line up with texel columns only every 4 * columns /
+    gcd(plane, 4 * columns) channels. Its rows are `stride` texels apart. (1, 1, the last choice, 1)
+    where none fits, or under naive: one channel."""
+    plane = numel(out_shape[2:])
     if tiled:
         for columns in choices:
             step = LANES * columns // math.gcd(plane, LANES * columns)
@@ -47,37 +43,26 @@ def channel_rows(tiled: bool, out_shape: Sequence[int], cg_out: int, choices: Se
 
 
 def stack_rows(out_shape: Sequence[int], axis: int, lanes: int, products: int) -> tuple[int, int]:
-    """(rows, stride): output rows along `axis` of `out_shape` that a work-item of `lanes` outputs (whole
-    texels of the axes after it) also computes, its 2-D tile's rows `stride` texels apart: the first of
-    SPATIAL_ROWS that divides the axis with rows * `lanes` accumulators within PRIVATE_FLOATS and their
-    `products` each (taps x input channels of a block) within STATIC_PRODUCTS; 1 (no tile) if none does."""
+    """(rows, stride): output rows along `axis` that a work-item of `lanes` outputs also computes, `stride`
+    texels apart: the first of SPATIAL_ROWS that divides the axis with rows * `lanes` accumulators within
+    PRIVATE_FLOATS and their `products` each (taps x input channels of a block) within STATIC_PRODUCTS."""
     rows = next((rows for rows in SPATIAL_ROWS if out_shape[axis] % rows == 0 and rows * lanes <= PRIVATE_FLOATS
                  and rows * lanes * products <= STATIC_PRODUCTS), 1)
-    return rows, int(np.prod(out_shape[axis + 1:])) // LANES
+    return rows, numel(out_shape[axis + 1:]) // LANES
 
 
 def row_columns(length: int) -> tuple[int, ...]:
-    """Texel columns a work-item may take along a row of `length` that is no multiple of 4: two
-    (whole bytes of a saved mask, more lanes sharing the weights) where rows are long enough that
-    most pairs lie within one, else one."""
+    """Texel columns a work-item may take along a row of `length` that is no multiple of 4: two (whole
+    bytes of a saved mask, more lanes sharing the weights) where most pairs lie within one row."""
     return (2, 1) if length >= PAIR_ROW else (1,)
 
 
-def batch_stride(out_shape: Sequence[int]) -> int:
-    """Texels between the rows of a channel tile's batch elements (batch_count)."""
-    return int(np.prod(out_shape[1:])) // LANES
-
-
 def batch_count(tiled: bool, out_shape: Sequence[int], lanes: int) -> int:
-    """Batch elements a channel tile's work-item of `lanes` outputs would compute under R-Tile codegen (the
-    register tile: they share every weight read; the autodiff's weight gradient, whose batch axis is the
-    input channels, shares the dY reads), the first of BATCH_ROWS within PRIVATE_FLOATS accumulators (a
-    saved mask as in channel_rows); 1 under naive."""
-    if tiled:
-        for batches in BATCH_ROWS:
-            if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS:
-                return batches
-    return 1
+    """Batch elements a channel tile's work-item of `lanes` outputs computes under R-Tile codegen (they share
+    every weight read; the weight gradient's batch axis is the input channels, sharing the dY reads): the
+    first of BATCH_ROWS within PRIVATE_FLOATS accumulators; 1 under naive."""
+    fits = [batches for batches in BATCH_ROWS if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS]
+    return fits[0] if tiled and fits else 1
 
 
 def texels_per_item(texels: int) -> int:

@@ -1,26 +1,18 @@
 """Every kernel group's schedule (fblc/codegen/schedule.py), decided before any kernel is built.
 
-One rule per anchor op type (SCHEDULE_RULES) turns the group's sizes and the target profile into the
-kernels' `Schedule`s, by kernel name; the emitters then take them (KernelBuilder.schedule) instead of
-deciding. Groups without a rule get one texel per work-item. The rules are the decisions the emitters
-made while writing C, moved here unchanged:
-- MatMul / Gemm on their texel path under R-Tile codegen: a tile of the first of TILE_ROWS output rows
-  that divides the rows, by TILE_COLUMNS texel columns where the row's texels come in such runs.
-- Conv / ConvTranspose (see conv.py's docstring): a channel tile, or a spatial tile or row texels under
-  R-Tile codegen also of 2 to 8 output channels (conv_tiles.channel_rows), else of 2 to 4 output rows
-  where channels cannot stack (_conv_spatial_rows); a channel tile of 2 to 8 batch elements
-  (conv_tiles.batch_count) unless its sums form is cheaper alone (_sums_instead_of_batches).
-- Reductions and row statistics: a work-group per output when the reduced run is long
-  (Profile.reduction_group); LayerNormalization's output: the texels of a row (normalize._item_texels).
-Then a schedule file's overrides, and the saved masks whose bytes a 2-D tile splits (r_mask4).
+SCHEDULE_RULES: per anchor op type, the group's kernels' `Schedule`s by kernel name from its sizes and
+the target profile (else one texel per work-item), which the emitters take (KernelBuilder.schedule). A
+family whose work-item reduces outputs together (`_reducing`: MatMul, Gemm, Conv, ConvTranspose) offers
+its reduction's fields as choices and hands its emitter its geometry (`detail`: ConvPlan, TransposePlan).
+Contractions take R-Tile tiles (_contraction_tile), convs the register tiles of conv_tiles.py, long
+reductions a work-group per output (Profile.reduction_group). Then a schedule file's overrides, and the
+saved masks whose bytes a 2-D tile splits (r_mask4).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -28,16 +20,15 @@ from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.contraction import root_digits, row_axis
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, conv_reduction,
-                                       conv_shape, conv_tile, ConvShape, last_tap_axis, ConvTile)
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, ConvShape, ConvTile,
+                                       conv_reduction, conv_shape, conv_tile, last_tap_axis)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
-from fblc.codegen.kernels.conv_tiles import (batch_count, batch_stride, channel_rows, row_columns, stack_rows,
-                                             texels_per_item)
-from fblc.codegen.kernels.conv_transpose import TransposePlan, row_stride_fits, transpose_shape, TransposeShape
+from fblc.codegen.kernels.conv_tiles import batch_count, channel_rows, row_columns, stack_rows, texels_per_item
+from fblc.codegen.kernels.conv_transpose import TransposePlan, TransposeShape, row_stride_fits, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
-from fblc.codegen.kernels.texel import Reduction
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
+from fblc.codegen.kernels.texel import Reduction
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
                                    reduction_choices)
@@ -58,43 +49,36 @@ TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile 
 ROW_CHOICES = (1, 4, 8, 16)
 COLUMN_CHOICES = (1, 2, 4)  # its texel columns
 
-@dataclass(frozen=True)
-class ContractionTile:
-    """A MatMul's or Gemm's tile geometry: its rows are whole output rows (`row_texels`) apart."""
-
-    row_texels: int
-
 
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
-SCHEDULE_RULES: dict[str, Rule] = {}
+#: a reducing family's decision: (schedule, its geometry for the emitter, outputs reduced together; 0: per lane)
+Reducing = Callable[[TextureTable, KernelGroup], tuple[Schedule, Any, int]]
 
 
-def rule(*op_types: str) -> Callable[[Rule], Rule]:
-    def register(function: Rule) -> Rule:
-        for op_type in op_types:
-            SCHEDULE_RULES[op_type] = function
-        return function
-
-    return register
+def _saved_masks(group: KernelGroup) -> list[ir.Value]:
+    """The group's outputs that are saved masks (whose bytes pair texels of two work-items)."""
+    return [value for value in group.outputs
+            if keys.json_of(view_root(value).metadata_props, keys.LAYOUT, {}).get("kind") in ("mask8", "mask4")]
 
 
-def _masks(group: KernelGroup) -> bool:
-    """Whether the group writes a saved mask (whose bytes pair texels of two work-items)."""
-    return any(_layout_kind(value) in ("mask8", "mask4") for value in group.outputs)
+def _reducing(decide: Reducing) -> Rule:
+    """The rule of a family whose work-item reduces outputs together: their reduction's fields are choices."""
+    def rule(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
+        schedule, detail, lanes = decide(table, group)
+        schedule.detail = detail
+        if lanes:
+            schedule.choices.update(reduction_choices(table.profile, lanes, bool(_saved_masks(group))))
+        return {group.name: schedule}
+
+    return rule
 
 
-def _layout_kind(value: ir.Value) -> str:
-    annotated = view_root(value).metadata_props.get(keys.LAYOUT)
-    return json.loads(annotated).get("kind", "flat") if annotated else "flat"
-
-
-def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column_texels: int | None) -> Schedule:
-    """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts when the output's rows and
-    texel columns come in such groups (a tile reads each operand texel once for all its rows or columns: the
-    transposed operands of the backward then cost no more than plain ones, and the reads per multiply-add
-    fall with the tile's size), else one texel, the conventional per-texel kernel. `rows`, `column_texels`:
-    the runs of rows and of texel columns that the operands step through by one stride (a folded axis's
-    innermost digit); the tile's rows are whole output rows apart."""
+def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column_texels: int | None
+                      ) -> tuple[Schedule, None, int]:
+    """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts where the output's rows and
+    texel columns come in such groups (a tile reads each operand texel once for all its rows or columns),
+    else one texel. `rows`, `column_texels`: the runs of rows and texel columns the operands step through
+    by one stride (a folded axis's innermost digit); the tile's rows are whole output rows apart."""
     row_texels = out_shape[-1] // LANES
     run = row_texels if column_texels is None else column_texels
     tile_rows = next((n for n in TILE_ROWS if rows % n == 0), None)
@@ -105,19 +89,11 @@ def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column
         schedule = consecutive(1)
     schedule.choices = {"tile_rows": tuple(n for n in ROW_CHOICES if rows % n == 0),
                         "tile_columns": tuple(n for n in COLUMN_CHOICES if row_texels % n == 0 and run % n == 0)}
-    schedule.detail = ContractionTile(row_texels)
-    return schedule
+    return schedule, None, LANES * schedule.texels_per_item
 
 
-def _with_reduction_choices(table: TextureTable, group: KernelGroup, schedule: Schedule) -> Schedule:
-    schedule.choices.update(reduction_choices(table.profile, LANES * schedule.texels_per_item, _masks(group)))
-    return schedule
-
-
-@rule("MatMul")
-def _matmul(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    node = group.anchor
-    a, w = node.inputs
+def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
+    a, w = group.anchor.inputs
     a_shape, b_shape = static_shape(a), static_shape(w)
     a2 = a_shape if len(a_shape) >= 2 else (1, a_shape[0])
     b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
@@ -127,45 +103,23 @@ def _matmul(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     (m_rows, _), (n_run, _) = a_axes[-2][-1], w_axes[-1][-1]
     texel = len(b_shape) >= 2 and lane_axis(out_shape) == len(out_shape) - 1 and n_run % LANES == 0
     if not (texel and len(a_shape) >= 2):
-        return {group.name: consecutive(1)}
-    return {group.name: _with_reduction_choices(
-        table, group, _contraction_tile(table.tiled, out_shape, m_rows, n_run // LANES))}
+        return consecutive(1), None, 0
+    return _contraction_tile(table.tiled, out_shape, m_rows, n_run // LANES)
 
 
-@rule("Gemm")
-def _gemm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
+def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
     out_shape = static_shape(group.outputs[0])
     if lane_axis(out_shape) != 1:
-        return {group.name: consecutive(1)}
-    return {group.name: _with_reduction_choices(table, group,
-                                                _contraction_tile(table.tiled, out_shape, out_shape[0], None))}
+        return consecutive(1), None, 0
+    return _contraction_tile(table.tiled, out_shape, out_shape[0], None)
 
 
-@rule("Conv")
-def _conv(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    plan, schedule = _conv_plan(table.tiled, ValueReads(table, static_shape(group.outputs[0])), group.anchor)
-    schedule.detail = plan
-    lanes = plan.tile.lanes if plan.tile is not None else plan.row[2] * LANES * plan.row[4] if plan.row else 0
-    if lanes:
-        schedule.choices = reduction_choices(table.profile, lanes, _masks(group))
-    return {group.name: schedule}
-
-
-@rule("ConvTranspose")
-def _conv_transpose(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    plan, schedule, lanes = _transpose_plan(table.tiled, group.anchor)
-    schedule.detail = plan
-    if lanes:
-        schedule.choices = reduction_choices(table.profile, lanes, _masks(group))
-    return {group.name: schedule}
-
-
-def _conv_plan(tiled: bool, scratch: ValueReads, node: ir.Node) -> tuple[ConvPlan, Schedule]:
-    """The conv's tile (see the module docstring) and its schedule; `scratch` numbers the names of
-    the trial reductions that weigh a channel tile's accumulator forms (no kernel is built)."""
-    cs = conv_shape(node)
+def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
+    """The conv's tile (see the module docstring) as the ConvPlan its emitter follows."""
+    scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
+    tiled, cs = table.tiled, conv_shape(group.anchor)
     view = flattened_conv(cs)
-    texel = FLAT_TEXEL_INDEX if view is not cs else TEXEL_INDEX
+    flat = view is not cs
     tile, row = conv_tile(view), row_axis(view.out_shape, first=2)
     if tile is not None:
         per = tile.lanes // LANES
@@ -173,31 +127,28 @@ def _conv_plan(tiled: bool, scratch: ValueReads, node: ir.Node) -> tuple[ConvPla
         masked = tile.axis if tile.axis is not None else last_tap_axis(view)
         if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
             rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-            if rows > 1:
-                tile.rows, schedule = rows, tile_of(rows, per, stride)
-            else:
-                tile.y_rows, tile.row_axis = _conv_spatial_rows(tiled, view, tile)
-                if tile.y_rows > 1:
-                    schedule = tile_of(tile.y_rows, per, stack_rows(view.out_shape, 2 + tile.row_axis, 0, 0)[1])
-        elif not _sums_instead_of_batches(scratch, view, texel, tile, masked, tiled):  # a channel tile
+            x, kernel = tile.axis, view.window.kernel
+            # channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
+            if rows == 1 and tiled and x and kernel[x] <= TAP_BLOCK and kernel[x - 1] > view.window.strides[x - 1]:
+                tile.y_rows, tile.row_axis, stride = _stacked_rows(view, kernel, x, tile.lanes)
+            tile.rows = rows
+            schedule = tile_of(rows * tile.y_rows, per, stride)  # channel rows or stacked rows (or neither)
+        elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if flat else TEXEL_INDEX, tile, masked,
+                                          tiled):  # a channel tile
             tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
-            if tile.batches > 1:
-                schedule = tile_of(tile.batches, per, batch_stride(view.out_shape))
-        return ConvPlan(view, tile, masked, names_taken=scratch.numbering.count, flat=view is not cs), schedule
+            schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
+        return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count, flat=flat), tile.lanes
     if row is not None:
-        axis, length = row
-        rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
-        schedule = tile_of(rows, columns, stride) if rows > 1 else consecutive(1)
-        return ConvPlan(view, row=(axis, length, rows, step, columns), flat=view is not cs), schedule
-    return ConvPlan(view, flat=view is not cs), consecutive(1)
+        row_plan, schedule, lanes = _row_texels(tiled, view, row)
+        return schedule, ConvPlan(view, row=row_plan, flat=flat), lanes
+    return consecutive(1), ConvPlan(view, flat=flat), 0
 
 
 def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
                              tiled: bool) -> bool:
     """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
-    (accumulators' "sums" form), rather than take several batch elements (batch_rows, R-Tile codegen's
-    register tile) in texels: the sums must be chosen for the tile alone and cost fewer instructions per
-    product than the batched tile's texels."""
+    (the "sums" form), rather than take several in texels (batch_count): the sums must be chosen for the
+    tile alone and cost fewer instructions per product than the batched tile's texels."""
     def trial(candidate: ConvTile) -> Reduction:
         return conv_reduction(b, Block(b.numbering), cs, prefix, candidate, masked)
 
@@ -208,59 +159,44 @@ def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: Co
     return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
 
 
-def _conv_spatial_rows(tiled: bool, cs: ConvShape, tile: ConvTile) -> tuple[int, int | None]:
-    """(rows, window axis): under R-Tile codegen a spatial tile whose channels cannot stack (a
-    depthwise conv has one output channel per group) stacks consecutive output positions along the
-    window axis before its own, the first of SPATIAL_ROWS that divides that axis and fits
-    PRIVATE_FLOATS, where its taps overlap (more taps than stride): the tile's rows then share
-    input rows, (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps.
-    (1, None) when none fits, or under the naive layout."""
-    window = cs.window
-    if not tiled or not tile.axis or window.kernel[tile.axis] > TAP_BLOCK:
-        return 1, None
-    y = tile.axis - 1
-    if window.kernel[y] <= window.strides[y]:
-        return 1, None
-    rows, _ = stack_rows(cs.out_shape, 2 + y, tile.lanes,
-                         window.kernel[y] * window.kernel[tile.axis] * min(CHANNEL_BLOCK, cs.cg_in))
-    return (rows, y) if rows > 1 else (1, None)
-
-
-def _transpose_plan(tiled: bool, node: ir.Node) -> tuple[TransposePlan, Schedule, int]:
-    """The ConvTranspose's tile, its schedule and the lanes its work-item reduces together (0: per lane)."""
-    ts = transpose_shape(node)
+def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, TransposePlan, int]:
+    """The ConvTranspose's tile (see conv_transpose.py's docstring) as the TransposePlan its emitter follows."""
+    tiled, ts = table.tiled, transpose_shape(group.anchor)
     view = flattened_transpose(ts)
     flat = view is not ts
     axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
     if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
         per = texels_per_item(view.out_shape[axis] // LANES)
-        lanes = LANES * per
+        lanes, x = LANES * per, axis - 2
         rows, step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-        schedule, along = (tile_of(rows, per, stride) if rows > 1 else consecutive(per)), None
-        if rows == 1:
-            (rows, step), along, stride = _transpose_spatial_rows(tiled, view, axis - 2, lanes)
-            if along is not None:
-                schedule = tile_of(rows, per, stride)
-        return TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes), schedule, lanes * rows
+        along = None
+        # channels cannot stack (a depthwise conv's input gradient): rows along a stride-1 axis before
+        if rows == 1 and tiled and x > 0 and view.strides[x - 1] == 1 and view.kernel[x - 1] != 1:
+            rows, along, stride = _stacked_rows(view, view.kernel, x, lanes)
+        plan = TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes)
+        return tile_of(rows, per, stride), plan, lanes * rows
     if row is not None and row_stride_fits(view.strides[row[0] - 2], row[1]) and view.kernel[row[0] - 2] <= TAP_BLOCK:
-        axis, length = row
-        count, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
-        schedule = tile_of(count, columns, stride) if count > 1 else consecutive(1)
-        return TransposePlan(view, flat, row=(axis, length, count, step, columns)), schedule, LANES * columns * count
-    return TransposePlan(view, flat), consecutive(1), 0
+        row_plan, schedule, lanes = _row_texels(tiled, view, row)
+        return schedule, TransposePlan(view, flat, row=row_plan), lanes
+    return consecutive(1), TransposePlan(view, flat), 0
 
 
-def _transpose_spatial_rows(tiled: bool, ts: TransposeShape, lane: int, lanes: int
-                  ) -> tuple[tuple[int, int], int | None, int]:
-    """((rows, 1), window axis, stride): as _conv_spatial_rows, consecutive output positions along the
-    spatial axis before `lane` where output channels cannot stack (a depthwise conv's input
-    gradient), when that axis has stride 1 and several taps: the rows share input rows, `stride`
-    texels apart. ((1, 1), None, 1) where none fits or under naive."""
-    if not tiled or lane == 0 or ts.strides[lane - 1] != 1 or ts.kernel[lane - 1] == 1:
-        return (1, 1), None, 1
-    rows, stride = stack_rows(ts.out_shape, 1 + lane, lanes,
-                              ts.kernel[lane - 1] * ts.kernel[lane] * min(CHANNEL_BLOCK, ts.cg_in))
-    return ((rows, 1), lane - 1, stride) if rows > 1 else ((1, 1), None, 1)
+def _stacked_rows(view: ConvShape | TransposeShape, kernel: Sequence[int], x: int, lanes: int
+                  ) -> tuple[int, int | None, int]:
+    """(rows, window axis, stride): under R-Tile codegen a spatial tile of `lanes` outputs along window axis
+    `x` whose channels cannot stack also computes the next output positions along the axis before
+    (conv_tiles.stack_rows), its tile's rows `stride` texels apart; they share input rows, (rows - 1) *
+    stride + (taps - 1) * dilation + 1 of them read instead of rows * taps. (1, None, 1) when none fits."""
+    rows, stride = stack_rows(view.out_shape, 1 + x, lanes, kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in))
+    return (rows, x - 1, stride) if rows > 1 else (1, None, 1)
+
+
+def _row_texels(tiled: bool, view: ConvShape | TransposeShape, row: tuple[int, int]
+                ) -> tuple[tuple[int, int, int, int, int], Schedule, int]:
+    """A row path's (axis, length, channel rows, their step, texel columns), its schedule and its lanes."""
+    axis, length = row
+    rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
+    return (axis, length, rows, step, columns), tile_of(rows, columns, stride), LANES * columns * rows
 
 
 def _row_group(table: TextureTable, count: int) -> Schedule:
@@ -272,20 +208,24 @@ def _row_group(table: TextureTable, count: int) -> Schedule:
     return schedule
 
 
-@rule("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
 def _reduce(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    node = group.anchor
-    shape = static_shape(node.inputs[0])
-    return {group.name: _row_group(table, numel([shape[a] for a in reduced_axes(node)]))}
+    shape = static_shape(group.anchor.inputs[0])
+    return {group.name: _row_group(table, numel([shape[a] for a in reduced_axes(group.anchor)]))}
 
 
-@rule("LayerNormalization", "InstanceNormalization")
 def _layer_norm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    node = group.anchor
-    _, _, count = layer_norm_geometry(node)
-    if has_statistics(node):
+    _, _, count = layer_norm_geometry(group.anchor)
+    if has_statistics(group.anchor):
         return {f"{group.name}_stats": _row_group(table, count), group.name: consecutive(1)}
     return {group.name: consecutive(item_texels(count // 4) if count % 4 == 0 else 1)}
+
+
+REDUCE_OPS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
+SCHEDULE_RULES: dict[str, Rule] = {
+    "MatMul": _reducing(_matmul), "Gemm": _reducing(_gemm), "Conv": _reducing(_conv),
+    "ConvTranspose": _reducing(_conv_transpose), **dict.fromkeys(REDUCE_OPS, _reduce),
+    "LayerNormalization": _layer_norm, "InstanceNormalization": _layer_norm,
+}
 
 
 def decide_schedules(table: TextureTable, groups: list[KernelGroup],
@@ -305,24 +245,24 @@ def decide_schedules(table: TextureTable, groups: list[KernelGroup],
     apply_overrides(schedules, overrides or {}, lambda name, schedule: _refine(table, owners[name], schedule))
     for name, schedule in schedules.items():
         if not pairs_mask_bytes(schedule):  # a byte's two texels would lie in two work-items' tiles
-            schedule.mask4 = tuple(view_root(v).name for v in owners[name].outputs  # mask4: kernel_schedules's
-                                   if _layout_kind(v) in ("mask8", "mask4"))
+            schedule.mask4 = tuple(view_root(value).name for value in _saved_masks(owners[name]))
     return schedules
 
 
 def _refine(table: TextureTable, group: KernelGroup, schedule: Schedule) -> None:
     """What follows from a schedule file's fields: a contraction tile's rows stay whole output rows apart,
     and its accumulators within PRIVATE_FLOATS."""
-    if not isinstance(schedule.detail, ContractionTile):
+    if "tile_rows" not in schedule.choices:  # not a contraction's tile (_contraction_tile)
         return
-    schedule.tile_stride = schedule.detail.row_texels if schedule.texels_per_item > 1 else 1
+    row_texels = static_shape(group.outputs[0])[-1] // LANES
+    schedule.tile_stride = row_texels if schedule.texels_per_item > 1 else 1
     lanes = LANES * schedule.texels_per_item
     if lanes > PRIVATE_FLOATS:
         raise FblcError(f"schedule of kernel '{group.name}': a tile of {schedule.tile_rows} x {schedule.tile_columns} "
                         f"texels holds {lanes} accumulators, more than the {PRIVATE_FLOATS} a work-item keeps",
                         f"choose tile_rows x tile_columns x 4 <= {PRIVATE_FLOATS}")
     group_size = schedule.group_size or 1
-    if group_size not in reduction_choices(table.profile, lanes, _masks(group))["group_size"]:
+    if group_size not in reduction_choices(table.profile, lanes, bool(_saved_masks(group)))["group_size"]:
         raise FblcError(f"schedule of kernel '{group.name}': group_size {group_size} does not fit a tile of "
                         f"{lanes} accumulators", "choose a smaller group_size or tile")
 
@@ -331,12 +271,8 @@ def mask4_layouts(schedules: Mapping[str, Schedule], table: TextureTable, graph:
     """The r_mask4 layouts of the saved masks the schedules store that way, by value name."""
     wanted = {name for schedule in schedules.values() for name in schedule.mask4}
     layouts = {}
-    for value in _values(graph):
-        if value.name in wanted and value.name not in layouts:
+    for value in [*graph.inputs, *graph.initializers.values(), *(v for n in graph for v in n.outputs)]:
+        if value is not None and value.name in wanted and value.name not in layouts:
             count = numel(static_shape(value))
             layouts[value.name] = mask_layout("mask4", count, *table.profile.placement_limits(-(-count // 4)))
     return layouts
-
-
-def _values(graph: ir.Graph) -> list[ir.Value]:
-    return list(graph.inputs) + list(graph.initializers.values()) + [v for n in graph for v in n.outputs if v is not None]
