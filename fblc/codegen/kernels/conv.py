@@ -1,43 +1,36 @@
 """Conv kernels: a work-item's lanes reduce together (texel.py) where the output layout allows it.
 
-The texture layout decides which outputs a work-item holds: 4 * texels_per_item consecutive
-flat elements. Tiles, by preference:
-- channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every
-  other spatial extent 1). The autodiff's weight-gradient Conv (gradients/linalg.py: X viewed
-  [Cg_in, N, ...] whose 'weights' are dY maps and whose output rows are kernel taps) lands
-  here: the 4 rows share the X window, each reads its own dY row. A 2-D weight gradient's
-  channel tile takes the whole k x k map (4 channels' taps are 4 * k * k consecutive elements):
-  the dY rows are a loop under a row mask, the k rows of taps read X rows side by side. A
-  depthwise conv's weight gradient (one output channel per group) takes it too, its 4 rows 4
-  groups, each reading its own X channel.
-- spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a
-  multiple of 4 (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read
-  their inputs, consecutive or strided elements of one input row, as whole texels.
-- row texels: an innermost axis of another length >= ROW_MIN (rows of 7, 15, 30...): a texel
-  within one row reduces like a spatial tile of 4 (at a runtime alignment), a texel across
-  two rows per lane.
-- per lane: each lane reduces alone in the builder's lane loop, the same blocked reduction
-  along the last spatial axis that has taps (contiguous taps read as texels).
-Under R-Tile codegen (--layout rtile) a work-item holds a register tile, rows of the builder's
-2-D tile: a spatial tile or row texels also the same positions of 2, 4 or 8 output channels
-(channel_rows; their rows share every input read, so a pointwise conv reads each input texel
-once per 4 output channels), a channel tile those of 2 to 8 batch elements (batch_rows; the
-weight gradient's batch axis is X's channels). A spatial tile whose channels cannot stack (a
-depthwise conv has one output channel per group) stacks 2 to 4 output rows of the axis before its
-own instead (spatial_rows): their taps along it are enumerated too, under a second mask, so the
-rows read each input row they share once. Under --layout naive, one channel per item.
-A 1x1 conv with stride 1 and no padding, and a conv whose output pixel sees its whole input
-(a 1x1 conv's weight gradient), are seen over their flattened spatial axes first. Input
-channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled, or, for
-more than TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the other spatial axes loop
-over their in-bounds tap range, which the lanes share. Along the unrolled axis, taps outside
-the input read zero through masks.
+The texture layout decides which outputs a work-item holds: 4 * texels_per_item consecutive flat elements.
+Tiles, by preference:
+- channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every other spatial
+  extent 1). The autodiff's weight-gradient Conv (gradients/linalg.py: X viewed [Cg_in, N, ...] whose 'weights'
+  are dY maps and whose output rows are kernel taps) lands here: the 4 rows share the X window, each reads its
+  own dY row. A 2-D weight gradient's channel tile takes the whole k x k map (4 channels' taps are 4 * k * k
+  consecutive elements): the dY rows are a loop under a row mask, the k rows of taps read X rows side by side.
+  A depthwise conv's weight gradient (one output channel per group) takes it too, its 4 rows 4 groups.
+- spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a multiple of 4
+  (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read their inputs as whole texels.
+- row texels: an innermost axis of another length >= ROW_MIN (rows of 7, 15, 30...): a texel within one row
+  reduces like a spatial tile of 4 (at a runtime alignment), a texel across two rows per lane.
+- per lane: each lane reduces alone in the builder's lane loop (contiguous taps read as texels).
+Under R-Tile codegen (--layout rtile) a work-item holds a register tile: a spatial tile or row texels also the
+same positions of 2, 4 or 8 output channels (channel_rows: their rows share every input read), a channel tile
+those of 2 to 8 batch elements (batch_rows). A spatial tile whose channels cannot stack (depthwise) stacks 2 to
+4 output rows of the axis before its own instead (spatial_rows), their taps along it enumerated under a second
+mask, so the rows read each input row they share once. Under --layout naive, one channel per item.
+A 1x1 conv with stride 1 and no padding, and a conv whose output pixel sees its whole input (a 1x1 conv's
+weight gradient), are seen over their flattened spatial axes first. Input channels go in blocks of 4 with the
+taps of the tiled (or last) spatial axis unrolled, masked at the input's borders, or, beyond TAP_BLOCK taps (dY
+rows), the taps go in blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes
+share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import onnx_ir as ir
@@ -49,25 +42,10 @@ from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
 from fblc.codegen.reads import ValueReads
-from fblc.codegen.kernels.contraction import (
-    finish_group,
-    reduce_guarded,
-    reduce_into,
-    reduce_lane,
-    start_builder,
-)
-from fblc.codegen.kernels.texel import (
-    LANES,
-    Blocked,
-    Loop,
-    Mask,
-    Operand,
-    Product,
-    Reduction,
-    Term,
-)
+from fblc.codegen.kernels.contraction import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.index_map import map_of, row_major_strides as strides_of, view_root
+from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
 from fblc.profiles.profile import PRIVATE_FLOATS
@@ -80,6 +58,9 @@ CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of 
 
 @dataclass
 class ConvShape:
+    """A Conv (or ConvTranspose) as its kernel reads it: x and w at strides xs and ws in the tensors that store
+    them (a remapped view reads its root in place); the window runs from x's spatial axes to the output's."""
+
     x: ir.Value
     w: ir.Value
     x_shape: tuple[int, ...]
@@ -89,26 +70,19 @@ class ConvShape:
     cg_in: int
     cg_out: int
     window: Window
-    # strides of x and w in the tensors that store them (a remapped view reads its root in place)
-    x_strides: tuple[int, ...] | None = None
-    w_strides: tuple[int, ...] | None = None
+    xs: tuple[int, ...]
+    ws: tuple[int, ...]
 
-    @property
-    def xs(self) -> list[int]:
-        return list(self.x_strides) if self.x_strides else strides_of(self.x_shape)
 
-    @property
-    def ws(self) -> list[int]:
-        return list(self.w_strides) if self.w_strides else strides_of(self.w_shape)
+Shape = TypeVar("Shape", bound=ConvShape)
 
 
 def conv_shape(node: ir.Node) -> ConvShape:
     x, w = node.inputs[0], node.inputs[1]
-    x_shape, w_shape = static_shape(x), static_shape(w)
-    groups = int(attr(node, "group", 1))
-    (x_root, x_map), (w_root, w_map) = (view_root(x), map_of(x)), (view_root(w), map_of(w))
-    return ConvShape(x_root, w_root, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[1],
-                      w_shape[0] // groups, window_of(node, tuple(w_shape[2:])), x_map.strides, w_map.strides)
+    x_shape, w_shape, groups = static_shape(x), static_shape(w), int(attr(node, "group", 1))
+    return ConvShape(view_root(x), view_root(w), x_shape, w_shape, static_shape(node.outputs[0]), groups,
+                     w_shape[1], w_shape[0] // groups, window_of(node, tuple(w_shape[2:])), map_of(x).strides,
+                     map_of(w).strides)
 
 
 def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
@@ -127,10 +101,7 @@ class ConvTile:
     """The outputs of one work-item: `rows` consecutive output channels x `y_rows` consecutive
     positions along window axis `row_axis` (a 2-D tile) x `length` consecutive positions along window
     axis `axis` (None: no spatial axis varies), lane = (row * y_rows + y_row) * length + position.
-
-    The first position is a multiple of `multiple` (default: `length`; 1 for a guarded texel,
-    which may start anywhere in its row).
-    """
+    The first position is a multiple of `multiple` (default: `length`; 1 for a guarded texel)."""
 
     rows: int
     length: int
@@ -159,17 +130,13 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
     origins are declared into `block`.
     """
     window, xs, ws = cs.window, cs.xs, cs.ws
-
-    def var(axis: int) -> Var:
-        return index_var(prefix, axis)
-
-    x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
+    x_terms = [Term(index_var(prefix, 0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     group_rows = cs.groups > 1 and cs.cg_out == 1  # each of a channel tile's rows is a group of its own
     if cs.groups > 1:
         group = div_index(index_var(prefix, 1), cs.cg_out)
         x_terms.append(Term(group, cs.cg_in * xs[1], tile.rows if group_rows else 1))
     first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
-    w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
+    w_terms = [Term(index_var(prefix, 1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
     for axis in range(len(window.in_spatial)):
         if axis in (masked, tile.row_axis):
@@ -194,19 +161,15 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
         elif k > 1:
             loops.append(Loop.over(tap, 0, k, d * x_step, w_step, k))
     if masked is None:  # no spatial taps to block: only channels
-        k, s, d, pad, x_step, w_step, n = 1, 1, 1, 0, 0, 0, 1
-        mask = Mask([], 0, 0, 1)
-        clamp = False
+        (k, s, d, pad, x_step, w_step), mask, clamp = (1, 1, 1, 0, 0, 0), Mask([], 0, 0, 1), False
     else:
         walked = tile.length if masked == tile.axis else 1  # positions the tile covers along it
-        mask, clamp = _tap_mask(window, masked, var(2 + masked), walked,
+        mask, clamp = _tap_mask(window, masked, index_var(prefix, 2 + masked), walked,
                                 tile.multiple if masked == tile.axis else 1, x_terms, xs[2 + masked])
         k, s, d = window.kernel[masked], window.strides[masked], window.dilations[masked]
-        pad = window.pads_begin[masked]
-        x_step, w_step = xs[2 + masked], ws[2 + masked]
-    per_row = _block_products(cs, k, tile.lanes)
-    row_mask, row_taps, clamp_rows = _row_taps(block, tile, window, var, xs, ws, x_terms, loops, per_row)
-    clamp = clamp or clamp_rows
+        pad, x_step, w_step = window.pads_begin[masked], xs[2 + masked], ws[2 + masked]
+    row_mask, row_taps, clamp_rows = _row_taps(block, tile, window, prefix, xs, ws, x_terms, loops,
+                                               _block_products(cs, k, tile.lanes))
     y = tile.row_axis
 
     def product(lane: int, channel: int, tap: int, row_tap: int) -> Product:
@@ -221,7 +184,7 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
         row_position = y_row * window.strides[y] + row_tap * window.dilations[y] - window.pads_begin[y]
         return Product(lane, x_at + row_position * xs[2 + y], w_at + row_tap * ws[2 + y], position, row_position)
 
-    x = Operand(cs.x, x_terms, x_offset, clamp)
+    x = Operand(cs.x, x_terms, x_offset, clamp or clamp_rows)
     w = Operand(cs.w, w_terms, w_offset)
     lanes = range(tile.lanes)
     if k <= TAP_BLOCK:
@@ -241,9 +204,8 @@ def _block_products(cs: ConvShape, k: int, lanes: int) -> int:
     return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
 
 
-def _row_taps(block: Block, tile: ConvTile, window: Window, var: Callable[[int], Var], xs: Sequence[int],
-              ws: Sequence[int], x_terms: list[Term], loops: list[Loop], per_row: int
-              ) -> tuple[Mask | None, range, bool]:
+def _row_taps(block: Block, tile: ConvTile, window: Window, prefix: str, xs: Sequence[int], ws: Sequence[int],
+              x_terms: list[Term], loops: list[Loop], per_row: int) -> tuple[Mask | None, range, bool]:
     """(row mask, row taps enumerated in the products, clamp) of a 2-D tile's `y_rows` along its
     row_axis. The taps along it are enumerated where the block stays within STATIC_PRODUCTS
     (`per_row` products per tap): rows then read each input row they share once. Otherwise (a weight
@@ -252,7 +214,7 @@ def _row_taps(block: Block, tile: ConvTile, window: Window, var: Callable[[int],
     if y is None:
         return None, range(1), False
     k, d = window.kernel[y], window.dilations[y]
-    mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
+    mask, clamp = _tap_mask(window, y, index_var(prefix, 2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
     if k * per_row <= STATIC_PRODUCTS:
         return mask, range(k), clamp
     tap = block.var("k", INT)
@@ -305,11 +267,14 @@ def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, 
     return low, block.let(call("min", k, div_index(call("max", 0, n - origin + (d - 1)), d)), "hi")
 
 
-def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) -> tuple[str, str]:
-    """(texel, lane) index-variable prefixes; a flattened view declares its own lane variables."""
-    if not flattened:
+def view_indices(b: KernelBuilder, out_shape: Sequence[int], flat: bool, texels: bool) -> tuple[str, str]:
+    """(texel, lane) index-variable prefixes. A flattened view declares its own lane variables, and its
+    texel's where a texel-wide path (`texels`) reads them."""
+    if not flat:
         return TEXEL_INDEX, OUT_INDEX
     declare_index(b.body, out_shape, b.flat, FLAT_INDEX)
+    if texels:
+        b.declare_item_index(b.prologue, out_shape, FLAT_TEXEL_INDEX)
     return FLAT_TEXEL_INDEX, FLAT_INDEX
 
 
@@ -332,35 +297,31 @@ class ConvPlan:
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Direct convolution (and the autodiff's weight-gradient form, gradients/linalg.conv_weight_grad)."""
-    node = group.anchor
     b = start_builder(table, group, "conv")
     plan: ConvPlan = b.schedule.detail
     view = plan.view
     b.numbering.count = max(b.numbering.count, plan.names_taken)
-    texel, lane = view_indices(b, view.out_shape, plan.flat)
+    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.tile is not None or plan.row is not None)
 
     def per_lane(block: Block) -> Reduction:
         return conv_reduction(b, block, view, lane, ConvTile(1, 1, None), last_tap_axis(view))
 
     def texels(tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
-        if plan.flat:
-            b.declare_item_index(b.prologue, view.out_shape, texel)
         return lambda block: conv_reduction(b, block, view, texel, tile, masked)
 
     if plan.tile is not None:
         acc = reduce_into(b, texels(plan.tile, plan.masked), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length, rows, step, columns = plan.row
-        width = LANES * columns  # positions of a tile row
-        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
-                             texels(ConvTile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),
-                             lambda block: reduce_lane(b, block, per_lane), rows * width)
+        tile = ConvTile(rows, LANES * columns, axis - 2, multiple=1, row_step=step)  # a row of 4 * columns
+        acc = reduce_guarded(b, index_var(texel, axis).le(length - tile.length),  # type: ignore[arg-type]
+                             texels(tile, axis - 2), lambda block: reduce_lane(b, block, per_lane), tile.lanes)
     else:
         acc = reduce_into(b, per_lane, 1)
-    return finish_group(b, group, add_bias(b, node, acc))
+    return finish_group(b, group, add_bias(b, group.anchor, acc))
 
 
-def flattened_pointwise(cs: ConvShape) -> ConvShape:
+def flattened_pointwise(cs: Shape) -> Shape:
     """The conv over its flattened spatial axes when they walk together, or `cs` itself.
 
     A 1x1 conv with stride 1 and no padding (output pixel = input pixel: a longer row for the
@@ -381,8 +342,9 @@ def flattened_pointwise(cs: ConvShape) -> ConvShape:
         flat, kernel, out = Window((size,), (1,), (1,), (0,), (0,), (size,), (1,)), size, 1
     else:
         return cs
-    return ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], kernel), (*cs.out_shape[:2], out),
-                      cs.groups, cs.cg_in, cs.cg_out, flat, (*cs.xs[:2], x_spatial), (*cs.ws[:2], w_spatial))
+    return dataclasses.replace(cs, x_shape=(*cs.x_shape[:2], size), w_shape=(*cs.w_shape[:2], kernel),
+                               out_shape=(*cs.out_shape[:2], out), window=flat, xs=(*cs.xs[:2], x_spatial),
+                               ws=(*cs.ws[:2], w_spatial))
 
 
 def last_tap_axis(cs: ConvShape) -> int | None:
@@ -401,4 +363,3 @@ def affine(index: Expr, scale: int, offset: int) -> Expr:
     """`index * scale + offset`, without the no-op parts."""
     scaled = index if scale == 1 else index * scale
     return scaled if offset == 0 else (scaled + offset if offset > 0 else scaled - (-offset))
-
