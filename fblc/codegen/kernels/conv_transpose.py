@@ -3,14 +3,11 @@
 Output pixel o sums x[i] * w[t] over the taps t with i * s = o + pad - t * d, 0 <= i < n.
 Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis is spatial with a length % 4 == 0
 and its stride divides 4: a work-item's lanes (4 to 20) are consecutive positions along it, whose taps (which lane
-takes which tap is then a literal) share the weights and read their inputs as whole texels; input channels go in
-blocks of 4. Rows of another length >= ROW_MIN at a stride that divides 4 and the length (row_stride_fits): the
-texels within one row do the same, the ones across two rows run per lane. Per lane: guarded tap loops around a
-dot product over input channels. A 1x1 ConvTranspose with stride 1 and no padding is seen over its flattened
-spatial axes first. Under R-Tile codegen the texel-wide paths compute the same positions of 2, 4 or 8 output
-channels too (conv_tiles.channel_rows): they share the dY reads, and their weights lie side by side in W [C_in,
-C_out / group, k...]; where channels cannot stack (a depthwise conv's input gradient), the aligned path stacks
-output rows of a stride-1 axis instead (kernels/schedules.py decides).
+takes which tap is then a literal) share the weights and read their inputs as whole texels. Rows of another
+length >= ROW_MIN (row_stride_fits): the texels within one row do the same, the ones across two rows run per
+lane. Under R-Tile codegen the texel-wide paths compute the same positions of 2, 4 or 8 output channels too
+(their weights lie side by side in W [C_in, C_out / group, k...]), or where channels cannot stack (a depthwise
+conv's input gradient) of output rows along a stride-1 axis (kernels/schedules.py decides).
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ from fblc.compiler.window import Window, window_of
 
 
 class TransposeShape(ConvShape):
-    """A ConvTranspose as its kernel reads it: x [N, C_in, ...], w [C_in, C_out / group, k...], the window from
-    x's spatial axes to the output's (pads_begin as in the ONNX spec; kernels/schedules.py reads `kernel` and
-    `strides`)."""
+    """A ConvTranspose as its kernel reads it: x [N, C_in, ...], w [C_in, C_out / group, k...]; the window runs
+    from x's spatial axes to the output's (kernels/schedules.py reads its `kernel` and `strides`)."""
 
     @property
     def kernel(self) -> tuple[int, ...]:
@@ -74,14 +70,10 @@ def transpose_shape(node: ir.Node) -> TransposeShape:
 
 
 def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) -> Loop:
-    """The taps of spatial `axis` that hit an input pixel, as a loop whose X term is the input index
-    and whose W term is the tap (none: one tap); its variables are numbered by `block`.
-
-    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n: a tap loop (when
-    k > 1) whose iterations enter an `if` on the conditions that can fail. Without dilation the loop
-    walks only the taps t = o + pad (mod s), whose numerator s divides: a stride-2 transpose's 3 taps
-    are 1 or 2.
-    """
+    """The taps of spatial `axis` that hit an input pixel, as a loop (when k > 1; its variables numbered by `block`)
+    whose iterations enter an `if` on the conditions that can fail, X term the input index, W term the tap.
+    Without dilation it walks only the taps t = o + pad (mod s), whose numerator s divides: a stride-2
+    transpose's 3 taps are 1 or 2."""
     window = ts.window
     k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
     n, pad, length = window.in_spatial[axis], window.pads_begin[axis], window.out_spatial[axis]
@@ -117,12 +109,11 @@ def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) ->
 
 def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int, lanes: int, multiple: int,
                          rows: tuple[int, int] = (1, 1), row_axis: int | None = None) -> Reduction:
-    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple
-    of `multiple` (the stride divides it, so which taps a lane takes is a literal): input channels
-    in blocks of 4, taps unrolled. `u` names the index variables of the first output; `rows` =
-    (count, step): the same positions of that many output channels, step apart (conv_tiles.channel_rows),
-    or with `row_axis` (a stride-1 spatial axis) that many consecutive positions along it, whose
-    taps are unrolled too; lane = row * lanes + position."""
+    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple of `multiple`
+    (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index variables):
+    input channels in blocks of 4, taps unrolled. `rows` = (count, step): the same positions of that many output
+    channels, step apart, or with `row_axis` (a stride-1 spatial axis) as many consecutive positions along it,
+    whose taps are unrolled too; lane = row * lanes + position."""
     count, row_step = rows
     window, xs, ws = ts.window, ts.xs, ts.ws
     channel = index_var(u, 1)
@@ -147,8 +138,7 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
         row_taps = [(window.pads_begin[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
 
     def product(row: int, lane_index: int, x: int, w: int, position: int, row_tap: int) -> Product:
-        """Tile row `row`: the same position of output channel row * row_step, or with `row_axis`
-        the next output position along it (input row row + row_tap)."""
+        """Tile row `row`: output channel row * row_step, or with `row_axis` input row row + row_tap."""
         if row_axis is None:
             return Product(row * lanes + lane_index, x, w + row * row_step * ws[1], position)
         at = row + row_tap
@@ -170,10 +160,9 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
 
 @dataclass
 class TransposePlan:
-    """The geometry behind a ConvTranspose kernel's schedule (kernels/schedules.py decides it): the
-    transpose as its kernel sees it (`view`), the lane axis and its (rows, step) of its texel-wide
-    path with the axis its rows stack along (`along`), or its row path (`row`: axis, length, channel
-    rows, their step, texel columns), or neither (per lane)."""
+    """The geometry behind a ConvTranspose kernel's schedule (kernels/schedules.py decides it): the transpose as its
+    kernel sees it (`view`), the lane axis and (rows, step) of its texel-wide path with the axis its rows stack
+    along (`along`), or its row path (`row`: as ConvPlan's), or neither (per lane)."""
 
     view: TransposeShape
     flat: bool
@@ -192,9 +181,9 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     view = plan.view
     texel, lane = view_indices(b, view.out_shape, plan.flat, plan.lanes_axis is not None or plan.row is not None)
     if plan.lanes_axis is not None:
-        axis, lanes, rows, along = plan.lanes_axis, plan.lanes, plan.rows, plan.along
-        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows,
-                                                               along), lanes * rows[0])
+        axis, lanes = plan.lanes_axis - 2, plan.lanes
+        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, axis, lanes, lanes, plan.rows, plan.along),
+                          lanes * plan.rows[0])
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length, count, step, columns = plan.row
         width = LANES * columns  # positions of a tile row
@@ -208,9 +197,8 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
 
 
 def row_stride_fits(stride: int, length: int) -> bool:
-    """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel then starts
-    at a multiple of the stride (4t - r * length is one when the stride divides 4 and the length),
-    so which taps a lane takes is a literal, as on the aligned path."""
+    """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel starts at a multiple of the
+    stride (4t - r * length is one when the stride divides 4 and the length): which taps a lane takes is a literal."""
     return LANES % stride == 0 and length % stride == 0
 
 
