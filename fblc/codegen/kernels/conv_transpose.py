@@ -136,19 +136,14 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
         row_mask = Mask([Term(first, 1, count)], 0, window.out_spatial[row_axis] - count, window.in_spatial[row_axis])
         x_terms.append(Term(first, xs[2 + row_axis], count))
         row_taps = [(window.pads_begin[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
-
-    def product(row: int, lane_index: int, x: int, w: int, position: int, row_tap: int) -> Product:
-        """Tile row `row`: output channel row * row_step, or with `row_axis` input row row + row_tap."""
-        if row_axis is None:
-            return Product(row * lanes + lane_index, x, w + row * row_step * ws[1], position)
-        at = row + row_tap
-        return Product(row * lanes + lane_index, x + at * xs[2 + row_axis], w, position, at)
+    # the next tile row: row_step output channels on, or with row_axis the next output row (row_position)
+    row_x, row_w = (xs[2 + row_axis], 0) if row_axis is not None else (0, row_step * ws[1])
 
     def products(channels: range) -> list[Product]:  # o + v must be a multiple of s
-        return [product(row, lane_index, c * xs[1] + (v // s) * x_step, c * ws[0] + t * w_step + w_row, v // s,
-                        row_tap)
-                for c in channels for row_tap, w_row in row_taps for t in range(k) for lane_index in range(lanes)
-                for v in (lane_index + pad - t * d,) if v % s == 0 for row in range(count)]
+        return [Product(row * lanes + i, c * xs[1] + (v // s) * x_step + (row + row_tap) * row_x,
+                        c * ws[0] + t * w_step + w_row + row * row_w, v // s, row + row_tap)
+                for c in channels for row_tap, w_row in row_taps for t in range(k) for i in range(lanes)
+                for v in (i + pad - t * d,) if v % s == 0 for row in range(count)]
 
     first_channel = products(range(1))
     positions, rows_at = [p.position for p in first_channel], [p.row_position for p in first_channel]
