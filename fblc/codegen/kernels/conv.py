@@ -126,8 +126,7 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
         x_step, w_step = xs[2 + axis], ws[2 + axis]
         if o == 1:  # a static origin and tap range
             low, high = max(0, -(-pad // d)), min(k, (n - 1 + pad) // d + 1)
-            x_offset += -pad * x_step + low * d * x_step
-            w_offset += low * w_step
+            x_offset, w_offset = x_offset + (low * d - pad) * x_step, w_offset + low * w_step
             if high - low > 1:
                 loops.append(Loop.over(block.var("k", INT), 0, high - low, d * x_step, w_step, high - low))
             continue
@@ -193,9 +192,8 @@ def _block_products(cs: ConvShape, k: int, lanes: int) -> int:
 
 def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int, x_terms: list[Term],
               x_step: int) -> tuple[Mask, bool]:
-    """(mask, clamp) of window axis `axis` whose taps are enumerated: the positions of the tile's
-    `walked` outputs along it start at index variable `first` (a multiple of `multiple`), which joins
-    `x_terms` unless the tile covers the whole axis; clamp: the masked reads may leave the input."""
+    """(mask, clamp: the masked reads may leave the input) of window axis `axis` whose taps are enumerated: the
+    tile's `walked` outputs along it start at `first` (a multiple of `multiple`; it joins `x_terms`)."""
     k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
     n, pad, length = window.in_spatial[axis], window.pads_begin[axis], window.out_spatial[axis]
     if length == walked:  # the tile starts at position 0

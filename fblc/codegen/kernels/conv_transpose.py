@@ -102,9 +102,8 @@ def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) ->
         return inner
 
     first, step = (mod_index(shifted, s), s) if stepped else (const(0), 1)
-    x_terms = [Term(source, ts.xs[2 + axis])] if n > 1 else []
-    w_terms = [Term(tap, ts.ws[2 + axis])] if tap is not None else []
-    return Loop(x_terms, w_terms, k, tap, first, const(k), step, enter)
+    return Loop([Term(source, ts.xs[2 + axis])] if n > 1 else [],
+                [Term(tap, ts.ws[2 + axis])] if tap is not None else [], k, tap, first, const(k), step, enter)
 
 
 def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int, lanes: int, multiple: int,
