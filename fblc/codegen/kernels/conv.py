@@ -1,43 +1,30 @@
 """Conv kernels: a work-item's lanes reduce together (texel.py) where the output layout allows it.
 
-The texture layout decides which outputs a work-item holds: 4 * texels_per_item consecutive
-flat elements. Tiles, by preference:
-- channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every
-  other spatial extent 1). The autodiff's weight-gradient Conv (gradients/linalg.py: X viewed
-  [Cg_in, N, ...] whose 'weights' are dY maps and whose output rows are kernel taps) lands
-  here: the 4 rows share the X window, each reads its own dY row. A 2-D weight gradient's
-  channel tile takes the whole k x k map (4 channels' taps are 4 * k * k consecutive elements):
-  the dY rows are a loop under a row mask, the k rows of taps read X rows side by side. A
-  depthwise conv's weight gradient (one output channel per group) takes it too, its 4 rows 4
-  groups, each reading its own X channel.
-- spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a
-  multiple of 4 (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read
-  their inputs, consecutive or strided elements of one input row, as whole texels.
-- row texels: an innermost axis of another length >= ROW_MIN (rows of 7, 15, 30...): a texel
-  within one row reduces like a spatial tile of 4 (at a runtime alignment), a texel across
-  two rows per lane.
-- per lane: each lane reduces alone in the builder's lane loop, the same blocked reduction
-  along the last spatial axis that has taps (contiguous taps read as texels).
-Under R-Tile codegen (--layout rtile) a work-item holds a register tile, rows of the builder's
-2-D tile: a spatial tile or row texels also the same positions of 2, 4 or 8 output channels
-(channel_rows; their rows share every input read, so a pointwise conv reads each input texel
-once per 4 output channels), a channel tile those of 2 to 8 batch elements (batch_rows; the
-weight gradient's batch axis is X's channels). A spatial tile whose channels cannot stack (a
-depthwise conv has one output channel per group) stacks 2 to 4 output rows of the axis before its
-own instead (spatial_rows): their taps along it are enumerated too, under a second mask, so the
-rows read each input row they share once. Under --layout naive, one channel per item.
-A 1x1 conv with stride 1 and no padding, and a conv whose output pixel sees its whole input
-(a 1x1 conv's weight gradient), are seen over their flattened spatial axes first. Input
-channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled, or, for
-more than TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the other spatial axes loop
-over their in-bounds tap range, which the lanes share. Along the unrolled axis, taps outside
-the input read zero through masks.
+A work-item holds 4 * texels_per_item consecutive flat outputs (the texture layout decides). Tiles, by
+preference (conv_tile; kernels/schedules.py adds the register tiles):
+- channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every other spatial extent
+  1), where the autodiff's weight-gradient Conv lands (gradients/linalg.py: X viewed [Cg_in, N, ...], dY maps as
+  its 'weights', kernel taps as its output rows): the 4 rows share the X window, each reads its own dY row. A 2-D
+  weight gradient's tile takes the whole k x k map, its dY rows a loop under a row mask; a depthwise conv's
+  weight gradient takes it too, its 4 rows 4 groups.
+- spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a multiple of 4
+  (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read their inputs as whole texels.
+- row texels: an innermost axis of another length >= ROW_MIN: a texel within one row reduces like a spatial tile
+  of 4 (at a runtime alignment), a texel across two rows per lane.
+- per lane: each lane reduces alone in the builder's lane loop.
+Under R-Tile codegen a work-item's register tile adds rows: 2 to 8 output channels or batch elements, or 2 to 4
+output rows of the axis before a depthwise spatial tile's own (their taps enumerated under a row mask: the rows
+read each input row they share once). Input channels go in blocks of 4 with the taps of the tiled (or last)
+spatial axis unrolled and masked at the input's borders, or, beyond TAP_BLOCK taps (dY rows), the taps go in
+blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import onnx_ir as ir
@@ -49,25 +36,10 @@ from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
 from fblc.codegen.reads import ValueReads
-from fblc.codegen.kernels.contraction import (
-    finish_group,
-    reduce_guarded,
-    reduce_into,
-    reduce_lane,
-    start_builder,
-)
-from fblc.codegen.kernels.texel import (
-    LANES,
-    Blocked,
-    Loop,
-    Mask,
-    Operand,
-    Product,
-    Reduction,
-    Term,
-)
+from fblc.codegen.kernels.contraction import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.index_map import map_of, row_major_strides as strides_of, view_root
+from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
 from fblc.profiles.profile import PRIVATE_FLOATS
@@ -76,10 +48,14 @@ FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwi
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
+Shape = TypeVar("Shape", bound="ConvShape")  # flattened_pointwise keeps conv_transpose's TransposeShape
 
 
 @dataclass
 class ConvShape:
+    """A Conv (or ConvTranspose) as its kernel reads it: x and w at strides xs and ws in the tensors that store
+    them (a remapped view reads its root in place); the window runs from x's spatial axes to the output's."""
+
     x: ir.Value
     w: ir.Value
     x_shape: tuple[int, ...]
@@ -89,48 +65,29 @@ class ConvShape:
     cg_in: int
     cg_out: int
     window: Window
-    # strides of x and w in the tensors that store them (a remapped view reads its root in place)
-    x_strides: tuple[int, ...] | None = None
-    w_strides: tuple[int, ...] | None = None
-
-    @property
-    def xs(self) -> list[int]:
-        return list(self.x_strides) if self.x_strides else strides_of(self.x_shape)
-
-    @property
-    def ws(self) -> list[int]:
-        return list(self.w_strides) if self.w_strides else strides_of(self.w_shape)
+    xs: tuple[int, ...]
+    ws: tuple[int, ...]
 
 
 def conv_shape(node: ir.Node) -> ConvShape:
     x, w = node.inputs[0], node.inputs[1]
-    x_shape, w_shape = static_shape(x), static_shape(w)
-    groups = int(attr(node, "group", 1))
-    (x_root, x_map), (w_root, w_map) = (view_root(x), map_of(x)), (view_root(w), map_of(w))
-    return ConvShape(x_root, w_root, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[1],
-                      w_shape[0] // groups, window_of(node, tuple(w_shape[2:])), x_map.strides, w_map.strides)
+    x_shape, w_shape, groups = static_shape(x), static_shape(w), int(attr(node, "group", 1))
+    return ConvShape(view_root(x), view_root(w), x_shape, w_shape, static_shape(node.outputs[0]), groups,
+                     w_shape[1], w_shape[0] // groups, window_of(node, tuple(w_shape[2:])), map_of(x).strides,
+                     map_of(w).strides)
 
 
 def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
     """The stride of `shape`'s axes read as one axis, or None when they are not contiguous with each other."""
-    axes = [(dim, stride) for dim, stride in zip(shape, strides) if dim != 1]
-    if not axes:
-        return 1
-    for (_, outer), (dim, inner) in zip(axes, axes[1:]):
-        if outer != inner * dim:
-            return None
-    return axes[-1][1]
+    merged = IndexMap(tuple(shape), tuple(strides)).reshaped((int(np.prod(shape)),))
+    return None if merged is None or merged.folded else merged.strides[0] or 1
 
 
 @dataclass
 class ConvTile:
-    """The outputs of one work-item: `rows` consecutive output channels x `y_rows` consecutive
-    positions along window axis `row_axis` (a 2-D tile) x `length` consecutive positions along window
-    axis `axis` (None: no spatial axis varies), lane = (row * y_rows + y_row) * length + position.
-
-    The first position is a multiple of `multiple` (default: `length`; 1 for a guarded texel,
-    which may start anywhere in its row).
-    """
+    """The outputs of one work-item: `rows` output channels x `y_rows` consecutive positions along window axis
+    `row_axis` (a 2-D tile) x `length` consecutive positions along window axis `axis` (None: no spatial axis
+    varies) from a multiple of `multiple` (default `length`), lane = (row * y_rows + y_row) * length + position."""
 
     rows: int
     length: int
@@ -151,37 +108,25 @@ class ConvTile:
 
 def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None
                     ) -> Reduction:
-    """The conv's reduction over input channels and taps for the lanes of `tile`.
-
-    `masked` is the window axis whose taps are enumerated in static blocks, with masks at its
-    borders (the tile's axis when it has one); the other axes loop over their tap ranges, which
-    the lanes share. `prefix` names the index variables of the tile's first output; the tap ranges and
-    origins are declared into `block`.
-    """
+    """The conv's reduction over input channels and taps for the lanes of `tile` (`prefix` names the index
+    variables of its first output): the taps of window axis `masked` (the tile's axis when it has one) in static
+    blocks, masked at its borders; the other axes loop over their tap ranges (declared into `block`)."""
     window, xs, ws = cs.window, cs.xs, cs.ws
-
-    def var(axis: int) -> Var:
-        return index_var(prefix, axis)
-
-    x_terms = [Term(var(0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
+    x_terms = [Term(index_var(prefix, 0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     group_rows = cs.groups > 1 and cs.cg_out == 1  # each of a channel tile's rows is a group of its own
     if cs.groups > 1:
         group = div_index(index_var(prefix, 1), cs.cg_out)
         x_terms.append(Term(group, cs.cg_in * xs[1], tile.rows if group_rows else 1))
     first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
-    w_terms = [Term(var(1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
+    w_terms = [Term(index_var(prefix, 1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
-    for axis in range(len(window.in_spatial)):
-        if axis in (masked, tile.row_axis):
-            continue
+    for axis in (axis for axis in range(len(window.in_spatial)) if axis not in (masked, tile.row_axis)):
         k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
         n, o, pad = window.in_spatial[axis], window.out_spatial[axis], window.pads_begin[axis]
         x_step, w_step = xs[2 + axis], ws[2 + axis]
         if o == 1:  # a static origin and tap range
-            low = max(0, -(-pad // d))
-            high = min(k, (n - 1 + pad) // d + 1)
-            x_offset += -pad * x_step + low * d * x_step
-            w_offset += low * w_step
+            low, high = max(0, -(-pad // d)), min(k, (n - 1 + pad) // d + 1)
+            x_offset, w_offset = x_offset + (low * d - pad) * x_step, w_offset + low * w_step
             if high - low > 1:
                 loops.append(Loop.over(block.var("k", INT), 0, high - low, d * x_step, w_step, high - low))
             continue
@@ -194,20 +139,26 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
         elif k > 1:
             loops.append(Loop.over(tap, 0, k, d * x_step, w_step, k))
     if masked is None:  # no spatial taps to block: only channels
-        k, s, d, pad, x_step, w_step, n = 1, 1, 1, 0, 0, 0, 1
-        mask = Mask([], 0, 0, 1)
-        clamp = False
+        (k, s, d, pad, x_step, w_step), mask, clamp = (1, 1, 1, 0, 0, 0), Mask([], 0, 0, 1), False
     else:
         walked = tile.length if masked == tile.axis else 1  # positions the tile covers along it
-        mask, clamp = _tap_mask(window, masked, var(2 + masked), walked,
+        mask, clamp = _tap_mask(window, masked, index_var(prefix, 2 + masked), walked,
                                 tile.multiple if masked == tile.axis else 1, x_terms, xs[2 + masked])
         k, s, d = window.kernel[masked], window.strides[masked], window.dilations[masked]
-        pad = window.pads_begin[masked]
-        x_step, w_step = xs[2 + masked], ws[2 + masked]
-    per_row = _block_products(cs, k, tile.lanes)
-    row_mask, row_taps, clamp_rows = _row_taps(block, tile, window, var, xs, ws, x_terms, loops, per_row)
-    clamp = clamp or clamp_rows
-    y = tile.row_axis
+        pad, x_step, w_step = window.pads_begin[masked], xs[2 + masked], ws[2 + masked]
+    y, row_mask, row_taps, clamp_rows = tile.row_axis, None, range(1), False
+    if y is not None:  # a 2-D tile's y_rows: their taps enumerated while a block stays within STATIC_PRODUCTS (the
+        # rows then read each input row they share once), else (a weight gradient's dY rows) a loop, masked per tap
+        k_y, d_y = window.kernel[y], window.dilations[y]
+        row_mask, clamp_rows = _tap_mask(window, y, index_var(prefix, 2 + y), tile.y_rows, tile.y_rows, x_terms,
+                                         xs[2 + y])
+        if k_y * _block_products(cs, k, tile.lanes) <= STATIC_PRODUCTS:
+            row_taps = range(k_y)
+        else:
+            tap = block.var("k", INT)
+            loops.append(Loop.over(tap, 0, k_y, d_y * xs[2 + y], ws[2 + y], k_y))
+            row_mask = Mask(row_mask.terms + [Term(tap, d_y)], row_mask.low, row_mask.high + (k_y - 1) * d_y,
+                            row_mask.extent)
 
     def product(lane: int, channel: int, tap: int, row_tap: int) -> Product:
         batch, rest = divmod(lane, tile.rows * tile.y_rows * tile.length)
@@ -221,8 +172,6 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
         row_position = y_row * window.strides[y] + row_tap * window.dilations[y] - window.pads_begin[y]
         return Product(lane, x_at + row_position * xs[2 + y], w_at + row_tap * ws[2 + y], position, row_position)
 
-    x = Operand(cs.x, x_terms, x_offset, clamp)
-    w = Operand(cs.w, w_terms, w_offset)
     lanes = range(tile.lanes)
     if k <= TAP_BLOCK:
         blocked = Blocked(cs.cg_in, min(CHANNEL_BLOCK, cs.cg_in), xs[1], ws[1], 0, lambda channels: [
@@ -232,39 +181,19 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
             loops.append(Loop.over(block.var("c", INT), 0, cs.cg_in, xs[1], ws[1], cs.cg_in))
         blocked = Blocked(k, TAP_BLOCK, d * x_step, w_step, d, lambda taps: [
             product(lane, 0, t, r) for t in taps for r in row_taps for lane in lanes])
-    return Reduction(x, w, blocked, loops, mask, row_mask)
+    return Reduction(Operand(cs.x, x_terms, x_offset, clamp or clamp_rows), Operand(cs.w, w_terms, w_offset),
+                     blocked, loops, mask, row_mask)
 
 
 def _block_products(cs: ConvShape, k: int, lanes: int) -> int:
-    """Products of one static block of the reduction over `k` taps along the masked axis (without
-    a 2-D tile's row taps): channels x taps, or TAP_BLOCK taps, times the lanes."""
+    """Products of one static block over `k` taps along the masked axis, without a 2-D tile's row taps."""
     return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
-
-
-def _row_taps(block: Block, tile: ConvTile, window: Window, var: Callable[[int], Var], xs: Sequence[int],
-              ws: Sequence[int], x_terms: list[Term], loops: list[Loop], per_row: int
-              ) -> tuple[Mask | None, range, bool]:
-    """(row mask, row taps enumerated in the products, clamp) of a 2-D tile's `y_rows` along its
-    row_axis. The taps along it are enumerated where the block stays within STATIC_PRODUCTS
-    (`per_row` products per tap): rows then read each input row they share once. Otherwise (a weight
-    gradient's dY rows) they are a loop over every tap, the rows masked at the input's borders."""
-    y = tile.row_axis
-    if y is None:
-        return None, range(1), False
-    k, d = window.kernel[y], window.dilations[y]
-    mask, clamp = _tap_mask(window, y, var(2 + y), tile.y_rows, tile.y_rows, x_terms, xs[2 + y])
-    if k * per_row <= STATIC_PRODUCTS:
-        return mask, range(k), clamp
-    tap = block.var("k", INT)
-    loops.append(Loop.over(tap, 0, k, d * xs[2 + y], ws[2 + y], k))
-    return Mask(mask.terms + [Term(tap, d)], mask.low, mask.high + (k - 1) * d, mask.extent), range(1), clamp
 
 
 def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int, x_terms: list[Term],
               x_step: int) -> tuple[Mask, bool]:
-    """(mask, clamp) of window axis `axis` whose taps are enumerated: the positions of the tile's
-    `walked` outputs along it start at index variable `first` (a multiple of `multiple`), which joins
-    `x_terms` unless the tile covers the whole axis; clamp: the masked reads may leave the input."""
+    """(mask, clamp: the masked reads may leave the input) of window axis `axis` whose taps are enumerated: the
+    tile's `walked` outputs along it start at `first` (a multiple of `multiple`; it joins `x_terms`)."""
     k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
     n, pad, length = window.in_spatial[axis], window.pads_begin[axis], window.out_spatial[axis]
     if length == walked:  # the tile starts at position 0
@@ -305,21 +234,23 @@ def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, 
     return low, block.let(call("min", k, div_index(call("max", 0, n - origin + (d - 1)), d)), "hi")
 
 
-def view_indices(b: KernelBuilder, out_shape: Sequence[int], flattened: bool) -> tuple[str, str]:
-    """(texel, lane) index-variable prefixes; a flattened view declares its own lane variables."""
-    if not flattened:
+def view_indices(b: KernelBuilder, out_shape: Sequence[int], flat: bool, texels: bool) -> tuple[str, str]:
+    """(texel, lane) index-variable prefixes. A flattened view declares its own lane variables, and its
+    texel's where a texel-wide path (`texels`) reads them."""
+    if not flat:
         return TEXEL_INDEX, OUT_INDEX
     declare_index(b.body, out_shape, b.flat, FLAT_INDEX)
+    if texels:
+        b.declare_item_index(b.prologue, out_shape, FLAT_TEXEL_INDEX)
     return FLAT_TEXEL_INDEX, FLAT_INDEX
 
 
 @dataclass
 class ConvPlan:
-    """The geometry behind a conv kernel's schedule (kernels/schedules.py decides it): the conv as its
-    kernel sees it (`view`), the tile of its texel-wide path with the window axis whose taps are
-    enumerated (`masked`), or its row path (`row`: axis, length, channel rows, their step, texel
-    columns), or neither (per lane). `names_taken`: the variable names its decision's trial reductions
-    numbered, which the kernel skips so that its text is what it was when it decided while emitting."""
+    """The geometry behind a conv kernel's schedule (kernels/schedules.py decides it): the conv as its kernel sees
+    it (`view`), the tile of its texel-wide path with the window axis whose taps are enumerated (`masked`), or its
+    row path (`row`: axis, length, channel rows, their step, texel columns), or neither (per lane). `names_taken`:
+    the names its trial reductions numbered, which the kernel skips (its text is then what was weighed)."""
 
     view: ConvShape
     tile: ConvTile | None = None
@@ -332,41 +263,33 @@ class ConvPlan:
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Direct convolution (and the autodiff's weight-gradient form, gradients/linalg.conv_weight_grad)."""
-    node = group.anchor
     b = start_builder(table, group, "conv")
     plan: ConvPlan = b.schedule.detail
     view = plan.view
     b.numbering.count = max(b.numbering.count, plan.names_taken)
-    texel, lane = view_indices(b, view.out_shape, plan.flat)
+    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.tile is not None or plan.row is not None)
 
-    def per_lane(block: Block) -> Reduction:
-        return conv_reduction(b, block, view, lane, ConvTile(1, 1, None), last_tap_axis(view))
+    def reduction(prefix: str, tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
+        return lambda block: conv_reduction(b, block, view, prefix, tile, masked)
 
-    def texels(tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
-        if plan.flat:
-            b.declare_item_index(b.prologue, view.out_shape, texel)
-        return lambda block: conv_reduction(b, block, view, texel, tile, masked)
-
+    per_lane = reduction(lane, ConvTile(1, 1, None), last_tap_axis(view))
     if plan.tile is not None:
-        acc = reduce_into(b, texels(plan.tile, plan.masked), plan.tile.lanes)
+        acc = reduce_into(b, reduction(texel, plan.tile, plan.masked), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length, rows, step, columns = plan.row
-        width = LANES * columns  # positions of a tile row
-        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
-                             texels(ConvTile(rows, width, axis - 2, multiple=1, row_step=step), axis - 2),
-                             lambda block: reduce_lane(b, block, per_lane), rows * width)
+        tile = ConvTile(rows, LANES * columns, axis - 2, multiple=1, row_step=step)  # a row of 4 * columns
+        acc = reduce_guarded(b, index_var(texel, axis).le(length - tile.length),  # type: ignore[arg-type]
+                             reduction(texel, tile, axis - 2), lambda block: reduce_lane(b, block, per_lane),
+                             tile.lanes)
     else:
         acc = reduce_into(b, per_lane, 1)
-    return finish_group(b, group, add_bias(b, node, acc))
+    return finish_group(b, group, add_bias(b, group.anchor, acc))
 
 
-def flattened_pointwise(cs: ConvShape) -> ConvShape:
-    """The conv over its flattened spatial axes when they walk together, or `cs` itself.
-
-    A 1x1 conv with stride 1 and no padding (output pixel = input pixel: a longer row for the
-    lanes) and a conv whose one output pixel sees the whole input (a 1x1 conv's weight
-    gradient, whose kernel is the dY map: one contiguous run of taps) flatten.
-    """
+def flattened_pointwise(cs: Shape) -> Shape:
+    """The conv over its flattened spatial axes when they walk together, or `cs` itself: a 1x1 conv with stride
+    1 and no padding (output pixel = input pixel: a longer row for the lanes) and a conv whose one output pixel
+    sees the whole input (a 1x1 conv's weight gradient, whose kernel is the dY map: one run of taps)."""
     window = cs.window
     if len(window.kernel) < 2 or any(window.pads):
         return cs
@@ -381,24 +304,21 @@ def flattened_pointwise(cs: ConvShape) -> ConvShape:
         flat, kernel, out = Window((size,), (1,), (1,), (0,), (0,), (size,), (1,)), size, 1
     else:
         return cs
-    return ConvShape(cs.x, cs.w, (*cs.x_shape[:2], size), (*cs.w_shape[:2], kernel), (*cs.out_shape[:2], out),
-                      cs.groups, cs.cg_in, cs.cg_out, flat, (*cs.xs[:2], x_spatial), (*cs.ws[:2], w_spatial))
+    return dataclasses.replace(cs, x_shape=(*cs.x_shape[:2], size), w_shape=(*cs.w_shape[:2], kernel),
+                               out_shape=(*cs.out_shape[:2], out), window=flat, xs=(*cs.xs[:2], x_spatial),
+                               ws=(*cs.ws[:2], w_spatial))
 
 
 def last_tap_axis(cs: ConvShape) -> int | None:
-    taps = [axis for axis, k in enumerate(cs.window.kernel) if k > 1]
-    return taps[-1] if taps else None
+    return max((axis for axis, k in enumerate(cs.window.kernel) if k > 1), default=None)
 
 
 def add_bias(b: KernelBuilder, node: ir.Node, acc: Expr) -> Expr:
     """`acc` plus the conv's bias at the output channel, if it has one."""
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
-        return acc + b.channel(node.inputs[2])
-    return acc
+    return acc + b.channel(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else acc
 
 
 def affine(index: Expr, scale: int, offset: int) -> Expr:
     """`index * scale + offset`, without the no-op parts."""
     scaled = index if scale == 1 else index * scale
     return scaled if offset == 0 else (scaled + offset if offset > 0 else scaled - (-offset))
-

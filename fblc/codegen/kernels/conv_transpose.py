@@ -1,27 +1,21 @@
 """ConvTranspose kernels (Conv's input gradient, AveragePool's gradient), in gather form.
 
 Output pixel o sums x[i] * w[t] over the taps t with i * s = o + pad - t * d, 0 <= i < n.
-Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis is spatial
-with a length % 4 == 0 and its stride divides 4: a work-item's lanes (4 to 20) are
-consecutive positions along it, whose taps (which lane takes which tap is then a literal)
-share the weights and read their inputs as whole texels; input channels go in blocks of 4.
-Rows of another length >= ROW_MIN at a stride that divides 4 and the length (every texel then
-starts at a multiple of the stride): the texels within one row do the same, the ones across
-two rows run per lane. Per lane: guarded tap loops around a dot product over
-input channels. A 1x1 ConvTranspose with stride 1 and no padding is seen over its flattened
-spatial axes first. Under R-Tile codegen the texel-wide paths compute the same positions of 2,
-4 or 8 output channels too (conv_tiles.channel_rows): they share the dY reads, and their weights lie
-side by side in W [C_in, C_out / group, k...]; where channels cannot stack (a depthwise conv's
-input gradient), the aligned path stacks output rows of a stride-1 axis instead (_spatial_rows).
+Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis is spatial with a length % 4 == 0
+and its stride divides 4: a work-item's lanes (4 to 20) are consecutive positions along it, whose taps (which lane
+takes which tap is then a literal) share the weights and read their inputs as whole texels. Rows of another
+length >= ROW_MIN (row_stride_fits): the texels within one row do the same, the ones across two rows run per
+lane. Under R-Tile codegen the texel-wide paths compute the same positions of 2, 4 or 8 output channels too
+(their weights lie side by side in W [C_in, C_out / group, k...]), or where channels cannot stack (a depthwise
+conv's input gradient) of output rows along a stride-1 axis (kernels/schedules.py decides).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
@@ -29,89 +23,60 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.contraction import (
-    Stream,
-    dot_loop,
-    finish_group,
-    index_terms,
-    reduce_guarded,
-    reduce_into,
-    start_builder,
-)
-from fblc.codegen.kernels.conv import CHANNEL_BLOCK, add_bias, affine, view_indices
-from fblc.codegen.kernels.texel import (
-    LANES,
-    Blocked,
-    Loop,
-    Mask,
-    Operand,
-    Product,
-    Reduction,
-    Term,
-)
+from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, reduce_guarded,
+                                              reduce_into, start_builder)
+from fblc.codegen.kernels.conv import CHANNEL_BLOCK, ConvShape, add_bias, affine, view_indices
+from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
+from fblc.compiler.window import Window, window_of
 
 
-def _transpose_pads_begin(node: ir.Node, in_spatial: Sequence[int], out_spatial: Sequence[int],
-                          kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
-    """Leading pads of a ConvTranspose: explicit `pads`, or derived from the output size as the ONNX spec says."""
-    rank = len(in_spatial)
+class TransposeShape(ConvShape):
+    """A ConvTranspose as its kernel reads it: x [N, C_in, ...], w [C_in, C_out / group, k...]; the window runs
+    from x's spatial axes to the output's (kernels/schedules.py reads its `kernel` and `strides`)."""
+
+    @property
+    def kernel(self) -> tuple[int, ...]:
+        return self.window.kernel
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self.window.strides
+
+
+def _transpose_window(node: ir.Node) -> Window:
+    """window_of's window, with the pads of a ConvTranspose whose output size decides them (SAME_UPPER,
+    SAME_LOWER or an output_shape) derived as the ONNX spec says."""
+    window = window_of(node)
     auto_pad = attr(node, "auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad == "VALID":
-        return [0] * rank
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER") or attr(node, "output_shape") is not None:
-        output_padding = attr(node, "output_padding") or [0] * rank
-        begins = []
-        for n, o, k, s, d, extra in zip(in_spatial, out_spatial, kernel, strides, dilations, output_padding):
-            total = s * (n - 1) + extra + (k - 1) * d + 1 - o
-            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
-        return begins
-    return list((attr(node, "pads") or [0] * (2 * rank))[:rank])
-
-
-@dataclass
-class TransposeShape:
-    x: ir.Value
-    w: ir.Value
-    x_shape: tuple[int, ...]
-    w_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    groups: int
-    cg_in: int
-    cg_out: int
-    kernel: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    pads: list[int]
+    if auto_pad == "VALID" or (auto_pad not in ("SAME_UPPER", "SAME_LOWER") and attr(node, "output_shape") is None):
+        return window
+    output_padding = attr(node, "output_padding") or [0] * len(window.kernel)
+    totals = [s * (n - 1) + extra + (k - 1) * d + 1 - o for n, o, k, s, d, extra in zip(
+        window.in_spatial, window.out_spatial, window.kernel, window.strides, window.dilations, output_padding)]
+    begins = tuple(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2 for total in totals)
+    return dataclasses.replace(window, pads_begin=begins, pads_end=tuple(t - b for t, b in zip(totals, begins)))
 
 
 def transpose_shape(node: ir.Node) -> TransposeShape:
     x, w = node.inputs[0], node.inputs[1]
-    x_shape, w_shape, y_shape = static_shape(x), static_shape(w), static_shape(node.outputs[0])
-    groups = int(attr(node, "group", 1))
-    rank = len(x_shape) - 2
-    kernel = tuple(attr(node, "kernel_shape") or w_shape[2:])
-    strides = tuple(attr(node, "strides") or [1] * rank)
-    dilations = tuple(attr(node, "dilations") or [1] * rank)
-    pads = _transpose_pads_begin(node, x_shape[2:], y_shape[2:], kernel, strides, dilations)
-    return TransposeShape(x, w, x_shape, w_shape, y_shape, groups, w_shape[0] // groups, w_shape[1], kernel,
-                           strides, dilations, pads)
+    x_shape, w_shape, groups = static_shape(x), static_shape(w), int(attr(node, "group", 1))
+    return TransposeShape(x, w, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[0] // groups,
+                          w_shape[1], _transpose_window(node), tuple(strides_of(x_shape)), tuple(strides_of(w_shape)))
 
 
 def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) -> Loop:
-    """The taps of spatial `axis` that hit an input pixel, as a loop whose X term is the input index
-    and whose W term is the tap (none: one tap); its variables are numbered by `block`.
-
-    The output pixel o gets x[i] * w[t] for i * s = o + pad - t * d, 0 <= i < n: a tap loop (when
-    k > 1) whose iterations enter an `if` on the conditions that can fail. Without dilation the loop
-    walks only the taps t = o + pad (mod s), whose numerator s divides: a stride-2 transpose's 3 taps
-    are 1 or 2.
-    """
-    k, s, d = ts.kernel[axis], ts.strides[axis], ts.dilations[axis]
-    n, pad, length = ts.x_shape[2 + axis], ts.pads[axis], ts.out_shape[2 + axis]
+    """The taps of spatial `axis` that hit an input pixel, as a loop (when k > 1; its variables numbered by `block`)
+    whose iterations enter an `if` on the conditions that can fail, X term the input index, W term the tap.
+    Without dilation it walks only the taps t = o + pad (mod s), whose numerator s divides: a stride-2
+    transpose's 3 taps are 1 or 2."""
+    window = ts.window
+    k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
+    n, pad, length = window.in_spatial[axis], window.pads_begin[axis], window.out_spatial[axis]
     shifted = affine(index_var(prefix, 2 + axis), 1, pad)
     stepped = s > 1 and d == 1 and k > 1  # o + pad >= 0: its remainder is the first tap
     tap = block.var("k", INT) if k > 1 else None
@@ -137,21 +102,19 @@ def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) ->
         return inner
 
     first, step = (mod_index(shifted, s), s) if stepped else (const(0), 1)
-    x_terms = [Term(source, strides_of(ts.x_shape)[2 + axis])] if ts.x_shape[2 + axis] > 1 else []
-    w_terms = [Term(tap, strides_of(ts.w_shape)[2 + axis])] if tap is not None else []
-    return Loop(x_terms, w_terms, k, tap, first, const(k), step, enter)
+    return Loop([Term(source, ts.xs[2 + axis])] if n > 1 else [],
+                [Term(tap, ts.ws[2 + axis])] if tap is not None else [], k, tap, first, const(k), step, enter)
 
 
 def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int, lanes: int, multiple: int,
                          rows: tuple[int, int] = (1, 1), row_axis: int | None = None) -> Reduction:
-    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple
-    of `multiple` (the stride divides it, so which taps a lane takes is a literal): input channels
-    in blocks of 4, taps unrolled. `u` names the index variables of the first output; `rows` =
-    (count, step): the same positions of that many output channels, step apart (conv_tiles.channel_rows),
-    or with `row_axis` (a stride-1 spatial axis) that many consecutive positions along it, whose
-    taps are unrolled too (_spatial_rows); lane = row * lanes + position."""
+    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple of `multiple`
+    (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index variables):
+    input channels in blocks of 4, taps unrolled. `rows` = (count, step): the same positions of that many output
+    channels, step apart, or with `row_axis` (a stride-1 spatial axis) as many consecutive positions along it,
+    whose taps are unrolled too; lane = row * lanes + position."""
     count, row_step = rows
-    xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
+    window, xs, ws = ts.window, ts.xs, ts.ws
     channel = index_var(u, 1)
     g = div_index(channel, ts.cg_out)
     x_terms = ([Term(index_var(u, 0), xs[0])] if ts.x_shape[0] > 1 else []) + (
@@ -160,39 +123,26 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
         [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1])] if ts.cg_out > 1 else [])
     scratch = Block(b.numbering)  # numbers the tap loops' variables
     loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(ts.kernel)) if axis not in (lane, row_axis)]
-    k, s, d = ts.kernel[lane], ts.strides[lane], ts.dilations[lane]
-    n, pad, length = ts.x_shape[2 + lane], ts.pads[lane], ts.out_shape[2 + lane]
+    k, s, d = window.kernel[lane], window.strides[lane], window.dilations[lane]
+    n, pad, length = window.in_spatial[lane], window.pads_begin[lane], window.out_spatial[lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
     origin = div_index(index_var(u, 2 + lane), s)  # o / s: a multiple of multiple / s
     x_terms.append(Term(origin, x_step, multiple // s))
     mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
     row_mask, row_taps = None, [(0, 0)]  # (input row from the output row, W offset) of each row tap
     if row_axis is not None:
-        first, k_y, d_y = index_var(u, 2 + row_axis), ts.kernel[row_axis], ts.dilations[row_axis]
-        row_mask = Mask([Term(first, 1, count)], 0, ts.out_shape[2 + row_axis] - count, ts.x_shape[2 + row_axis])
+        first, k_y, d_y = index_var(u, 2 + row_axis), window.kernel[row_axis], window.dilations[row_axis]
+        row_mask = Mask([Term(first, 1, count)], 0, window.out_spatial[row_axis] - count, window.in_spatial[row_axis])
         x_terms.append(Term(first, xs[2 + row_axis], count))
-        row_taps = [(ts.pads[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
+        row_taps = [(window.pads_begin[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
+    # the next tile row: row_step output channels on, or with row_axis the next output row (row_position)
+    row_x, row_w = (xs[2 + row_axis], 0) if row_axis is not None else (0, row_step * ws[1])
 
-    def product(row: int, lane_index: int, x: int, w: int, position: int, row_tap: int) -> Product:
-        """Tile row `row`: the same position of output channel row * row_step, or with `row_axis`
-        the next output position along it (input row row + row_tap)."""
-        if row_axis is None:
-            return Product(row * lanes + lane_index, x, w + row * row_step * ws[1], position)
-        at = row + row_tap
-        return Product(row * lanes + lane_index, x + at * xs[2 + row_axis], w, position, at)
-
-    def products(channels: range) -> list[Product]:
-        found = []
-        for c in channels:
-            for row_tap, w_row in row_taps:
-                for t in range(k):
-                    for lane_index in range(lanes):
-                        v = lane_index + pad - t * d  # o + v must be a multiple of s
-                        if v % s == 0:
-                            found += [product(row, lane_index, c * xs[1] + (v // s) * x_step,
-                                              c * ws[0] + t * w_step + w_row, v // s, row_tap)
-                                      for row in range(count)]
-        return found
+    def products(channels: range) -> list[Product]:  # o + v must be a multiple of s
+        return [Product(row * lanes + i, c * xs[1] + (v // s) * x_step + (row + row_tap) * row_x,
+                        c * ws[0] + t * w_step + w_row + row * row_w, v // s, row + row_tap)
+                for c in channels for row_tap, w_row in row_taps for t in range(k) for i in range(lanes)
+                for v in (i + pad - t * d,) if v % s == 0 for row in range(count)]
 
     first_channel = products(range(1))
     positions, rows_at = [p.position for p in first_channel], [p.row_position for p in first_channel]
@@ -204,10 +154,9 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
 
 @dataclass
 class TransposePlan:
-    """The geometry behind a ConvTranspose kernel's schedule (kernels/schedules.py decides it): the
-    transpose as its kernel sees it (`view`), the lane axis and its (rows, step) of its texel-wide
-    path with the axis its rows stack along (`along`), or its row path (`row`: axis, length, channel
-    rows, their step, texel columns), or neither (per lane)."""
+    """The geometry behind a ConvTranspose kernel's schedule (kernels/schedules.py decides it): the transpose as its
+    kernel sees it (`view`), the lane axis and (rows, step) of its texel-wide path with the axis its rows stack
+    along (`along`), or its row path (`row`: as ConvPlan's), or neither (per lane)."""
 
     view: TransposeShape
     flat: bool
@@ -221,64 +170,51 @@ class TransposePlan:
 @register_kernel("ConvTranspose")
 def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Gather form; output_padding only lengthens the (already static) output, so the loops ignore it."""
-    node = group.anchor
     b = start_builder(table, group, "conv")
     plan: TransposePlan = b.schedule.detail
     view = plan.view
-    texel, lane = view_indices(b, view.out_shape, plan.flat)
+    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.lanes_axis is not None or plan.row is not None)
     if plan.lanes_axis is not None:
-        axis, lanes, rows, along = plan.lanes_axis, plan.lanes, plan.rows, plan.along
-        if plan.flat:
-            b.declare_item_index(b.prologue, view.out_shape, texel)
-        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, axis - 2, lanes, lanes, rows,
-                                                               along), lanes * rows[0])
+        axis, lanes = plan.lanes_axis - 2, plan.lanes
+        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, axis, lanes, lanes, plan.rows, plan.along),
+                          lanes * plan.rows[0])
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         axis, length, count, step, columns = plan.row
-        stride = view.strides[axis - 2]
         width = LANES * columns  # positions of a tile row
-        if plan.flat:
-            b.declare_item_index(b.prologue, view.out_shape, texel)
         acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
-                             lambda _: _transpose_reduction(b, view, texel, axis - 2, width, stride,
+                             lambda _: _transpose_reduction(b, view, texel, axis - 2, width, view.strides[axis - 2],
                                                             (count, step)),
                              lambda block: _transpose_per_lane(b, view, block, lane), width * count)
     else:
         acc = _transpose_per_lane(b, view, b.body, lane)
-    return finish_group(b, group, add_bias(b, node, acc))
+    return finish_group(b, group, add_bias(b, group.anchor, acc))
 
 
 def row_stride_fits(stride: int, length: int) -> bool:
-    """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel then starts
-    at a multiple of the stride (4t - r * length is one when the stride divides 4 and the length),
-    so which taps a lane takes is a literal, as on the aligned path."""
+    """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel starts at a multiple of the
+    stride (4t - r * length is one when the stride divides 4 and the length): which taps a lane takes is a literal."""
     return LANES % stride == 0 and length % stride == 0
 
 
 def flattened_pointwise(ts: TransposeShape) -> TransposeShape:
-    """A 1x1 ConvTranspose with stride 1 and no padding over the flattened spatial axes, or `ts`."""
-    if len(ts.kernel) < 2 or any(k != 1 for k in ts.kernel) or any(s != 1 for s in ts.strides) or any(ts.pads):
-        return ts
-    size = int(np.prod(ts.x_shape[2:]))
-    return TransposeShape(ts.x, ts.w, (*ts.x_shape[:2], size), (*ts.w_shape[:2], 1), (*ts.out_shape[:2], size),
-                           ts.groups, ts.cg_in, ts.cg_out, (1,), (1,), (1,), [0])
+    """A 1x1 ConvTranspose with stride 1 and no padding over its flattened spatial axes (as conv.py flattens
+    one), or `ts`: a transpose's whole-window taps are no contiguous run of taps."""
+    return flattened_conv(ts) if all(k == 1 for k in ts.kernel) and all(s == 1 for s in ts.strides) else ts
 
 
 def _transpose_per_lane(b: KernelBuilder, ts: TransposeShape, block: Block, o: str) -> Var:
-    """One lane, one output element: guarded tap loops around a dot product over input channels.
-
-    Builds into `block` (in the lane loop; `o` names the output index variables); returns the sum.
-    """
+    """One lane, one output element (`o` names its index variables; in the lane loop's `block`): guarded
+    tap loops around a dot product over input channels; returns the sum."""
     acc = block.mutable(const(0.0, FLOAT), "acc")
-    xs, ws = strides_of(ts.x_shape), strides_of(ts.w_shape)
     channel = index_var(o, 1)
     g = div_index(channel, ts.cg_out) if ts.groups > 1 else const(0)
     local = mod_index(channel, ts.cg_out) if ts.groups > 1 else channel
-    x_terms = index_terms([index_var(o, 0), g], [ts.x_shape[0], ts.groups], [xs[0], ts.cg_in * xs[1]])
-    w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ws[0], ws[1]])
+    x_terms = index_terms([index_var(o, 0), g], [ts.x_shape[0], ts.groups], [ts.xs[0], ts.cg_in * ts.xs[1]])
+    w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ts.ws[0], ts.ws[1]])
     for axis in range(len(ts.kernel)):
         taps = _transpose_taps(block, ts, o, axis)
         block = taps.open(block)
         w_terms += [(term.expr, term.coeff) for term in taps.w_terms]
         x_terms += [(term.expr, term.coeff) for term in taps.x_terms]
-    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, xs[1]), Stream(ts.w, w_terms, ws[0])), block)
+    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, ts.xs[1]), Stream(ts.w, w_terms, ts.ws[0])), block)
     return acc
