@@ -15,7 +15,7 @@ target row per update): a work-item folds a few texels of one row and reads each
 number once for all of them. A scatter of more than SORTED_SCATTER_UPDATES updates a line never
 reaches these scans when it is a row scatter, a ScatterElements along the data's last axis
 (GatherElements' gradient) or a ScatterND of k-tuples: pass sort_scatter_rows sorts its rows first
-(kernels in sort.py).
+(kernels in sort.py). `lane_kernel` is the start-up of the data kernels' one-kernel emitters.
 """
 
 from __future__ import annotations
