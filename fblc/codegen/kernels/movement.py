@@ -10,6 +10,7 @@ into index maps, or under `--layout naive` (the conventional baseline).
 from __future__ import annotations
 
 import functools
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -20,79 +21,63 @@ from fblc.codegen.indexing import broadcast_view_index, index_var
 from fblc.codegen.ir import INT, Const, Expr, flat_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import Operand, emit_elementwise, expression
+from fblc.codegen.kernels.gather import lane_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.codegen.reads import dtype_of
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import IndexMap
 from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
 
+FAMILY = "movement"
+#: (builder, node) -> the flat index in the node's input of the output element the lane computes
+IndexMapOf = Callable[[KernelBuilder, ir.Node], Expr]
 
-@register_kernel("Transpose")
-def emit_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+
+def _slice_index(shape: tuple[int, ...], starts: Sequence[int], steps: Sequence[int]) -> Expr:
+    """The element of an input of `shape` that the output element of a slice (starts, steps per axis) reads."""
+    strides = strides_of(shape)
+    offset = sum(start * stride for start, stride in zip(starts, strides))
+    return flat_index([(index_var(OUT_INDEX, k), step * stride)
+                       for k, (step, stride) in enumerate(zip(steps, strides))], offset)
+
+
+def _transpose(b: KernelBuilder, node: ir.Node) -> Expr:
     in_shape = static_shape(node.inputs[0])
     perm = attr(node, "perm") or list(reversed(range(len(in_shape))))
     strides = strides_of(in_shape)
-    b = KernelBuilder.for_group(table, group, "movement")
-    index = flat_index([(index_var(OUT_INDEX, k), strides[axis]) for k, axis in enumerate(perm)])
-    return [b.finish([b.element(node.inputs[0], index)])]
+    return flat_index([(index_var(OUT_INDEX, k), strides[axis]) for k, axis in enumerate(perm)])
 
 
-@register_kernel("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-def emit_reshape_copy(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    """A reshape that is not an index map: a copy (row-major order is unchanged)."""
-    b = KernelBuilder.for_group(table, group, "movement")
-    return [b.finish([b.element(group.anchor.inputs[0], b.flat)])]
+INDEX_MAPS: dict[str, IndexMapOf] = {
+    "Transpose": _transpose,
+    "Slice": lambda b, node: _slice_index(static_shape(node.inputs[0]), *slice_bounds(node)[::2]),  # starts, steps
+    "Expand": lambda b, node: broadcast_view_index(IndexMap.identity(static_shape(node.inputs[0])), b.out_shape,
+                                                   OUT_INDEX),
+    # a reshape that is not an index map: a copy (row-major order is unchanged)
+    **dict.fromkeys(("Reshape", "Flatten", "Squeeze", "Unsqueeze"), lambda b, node: b.flat)}
 
 
-@register_kernel("Expand")
-def emit_expand(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
-    b = KernelBuilder.for_group(table, group, "movement")
-    index = broadcast_view_index(IndexMap.identity(static_shape(node.inputs[0])), b.out_shape, OUT_INDEX)
-    return [b.finish([b.element(node.inputs[0], index)])]
-
-
-def _slice_kernel(table: TextureTable, name: str, source: ir.Value, output: ir.Value, starts: list[int],
-                  steps: list[int], node_name: str) -> Kernel:
-    b = KernelBuilder(table, name, "movement", [output])
-    b.nodes.append(node_name)
-    strides = strides_of(static_shape(source))
-    offset = sum(start * stride for start, stride in zip(starts, strides))
-    index = flat_index([(index_var(OUT_INDEX, k), step * stride)
-                        for k, (step, stride) in enumerate(zip(steps, strides))], offset)
-    return b.finish([b.element(source, index)])
-
-
-@register_kernel("Slice")
-def emit_slice(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
-    starts, _, steps = slice_bounds(node)
-    return [_slice_kernel(table, group.name, node.inputs[0], node.outputs[0], starts, steps, node.name)]
+@lane_kernel(FAMILY, *INDEX_MAPS)
+def emit_index_map(b: KernelBuilder, node: ir.Node) -> list[Expr]:
+    """Each output element reads one input element, through the op's INDEX_MAPS."""
+    return [b.element(node.inputs[0], INDEX_MAPS[node.op_type](b, node))]
 
 
 @register_kernel("Split")
 def emit_split(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """One slice kernel per output read outside the group."""
     node = group.anchor
     shape = static_shape(node.inputs[0])
     axis = int(attr(node, "axis", 0)) % len(shape)
     kernels, start = [], 0
     for k, output in enumerate(node.outputs):
-        size = static_shape(output)[axis]
         if output in group.outputs:
-            starts = [start if a == axis else 0 for a in range(len(shape))]
-            kernels.append(_slice_kernel(table, f"{group.name}_{k}", node.inputs[0], output, starts,
-                                         [1] * len(shape), node.name))
-        start += size
+            b = KernelBuilder(table, f"{group.name}_{k}", FAMILY, [output])
+            b.nodes.append(node.name)
+            index = _slice_index(shape, [start if a == axis else 0 for a in range(len(shape))], [1] * len(shape))
+            kernels.append(b.finish([b.element(node.inputs[0], index)]))
+        start += static_shape(output)[axis]
     return kernels
-
-
-@register_kernel("Pad")
-def emit_pad(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
-        return emit_elementwise(table, group)
-    b = KernelBuilder.for_group(table, group, "movement")
-    return [b.finish([pad_value(b, group.anchor)])]
 
 
 def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
@@ -105,29 +90,14 @@ def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
     rank = len(in_shape)
     pads = ints_input(node, 1, "pads") or [0] * (2 * rank)
     axes = ints_input(node, 3, "axes") or list(range(rank))
-    begins = [0] * rank
-    for k, axis in enumerate(axes):
-        begins[axis % rank] = pads[k]
-    fill: Expr = Const(0, INT)
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
-        fill = b.element(node.inputs[2], Const(0, INT))
-    strides = strides_of(in_shape)
-    conditions, terms = [], []
-    for k, (dim, begin) in enumerate(zip(in_shape, begins)):
-        source: Expr = index_var(OUT_INDEX, k) - begin if begin else index_var(OUT_INDEX, k)
-        conditions.append(source.ge(0).logical_and(source.lt(dim)))
-        terms.append((source, strides[k]))
-    flag = b.body.let(functools.reduce(Expr.logical_and, conditions), "inside", INT)
-    index = b.body.let(select(flag, flat_index(terms), 0), "src", INT)
+    begins = {axis % rank: pads[k] for k, axis in enumerate(axes)}
+    has_fill = len(node.inputs) > 2 and node.inputs[2] is not None
+    fill = b.element(node.inputs[2], Const(0, INT)) if has_fill else Const(0, INT)
+    sources = [index_var(OUT_INDEX, k) - begins[k] if begins.get(k) else index_var(OUT_INDEX, k) for k in range(rank)]
+    inside = [source.ge(0).logical_and(source.lt(dim)) for source, dim in zip(sources, in_shape)]
+    flag = b.body.let(functools.reduce(Expr.logical_and, inside), "inside", INT)
+    index = b.body.let(select(flag, flat_index(list(zip(sources, strides_of(in_shape)))), 0), "src", INT)
     return select(flag, b.element(node.inputs[0], index), fill.cast(dtype_of(node.outputs[0])))
-
-
-@register_kernel("Concat")
-def emit_concat(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
-        return emit_elementwise(table, group)
-    b = KernelBuilder.for_group(table, group, "movement")
-    return [b.finish([concat_value(b, group.anchor)])]
 
 
 def concat_value(b: KernelBuilder, node: ir.Node) -> Expr:
@@ -135,8 +105,7 @@ def concat_value(b: KernelBuilder, node: ir.Node) -> Expr:
     whose range along the axis holds it."""
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis")) % len(out_shape)
-    dtype = dtype_of(node.outputs[0])
-    result = b.body.mutable(Const(0, dtype), "v")
+    result = b.body.mutable(Const(0, dtype_of(node.outputs[0])), "v")
     along, start = index_var(OUT_INDEX, axis), 0
     for value in node.inputs:
         shape = static_shape(value)
@@ -148,18 +117,28 @@ def concat_value(b: KernelBuilder, node: ir.Node) -> Expr:
     return result
 
 
-@register_kernel("ConstantOfShape")
-def emit_constant_of_shape(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
-    fill = attr(node, "value")
-    number = np.asarray(fill.numpy()).reshape(-1)[0].item() if fill is not None else 0
-    dtype = dtype_of(node.outputs[0])
-    b = KernelBuilder.for_group(table, group, "movement")
-    return [b.finish([Const(float(number) if dtype.is_float else int(number), dtype)])]
+#: op type -> its element, in the lane loop of a kernel (its own, or a fused chain's) shaped like its output
+GATHERED: dict[str, IndexMapOf] = {"Concat": concat_value, "Pad": pad_value}
 
 
-@expression("Concat", "Pad")
+@register_kernel(*GATHERED)
+def emit_gathered(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    if len(group.nodes) > 1:  # fused into the elementwise chain that reads it (fuse.GATHERS)
+        return emit_elementwise(table, group)
+    b = KernelBuilder.for_group(table, group, FAMILY)
+    return [b.finish([GATHERED[group.anchor.op_type](b, group.anchor)])]
+
+
+@expression(*GATHERED)
 def _fused_gather(b: KernelBuilder, node: ir.Node, operand: Operand) -> Expr:
     """Fused into an elementwise chain (fuse.GATHERS), a Concat or Pad is one more expression of it: its
     inputs come from textures, never from the chain (fuse keeps their producers out)."""
-    return concat_value(b, node) if node.op_type == "Concat" else pad_value(b, node)
+    return GATHERED[node.op_type](b, node)
+
+
+@lane_kernel(FAMILY, "ConstantOfShape")
+def emit_constant_of_shape(b: KernelBuilder, node: ir.Node) -> list[Expr]:
+    fill = attr(node, "value")
+    number = np.asarray(fill.numpy()).reshape(-1)[0].item() if fill is not None else 0
+    dtype = dtype_of(node.outputs[0])
+    return [Const(float(number) if dtype.is_float else int(number), dtype)]

@@ -16,11 +16,11 @@ numpy's bit for bit; the normals differ by the device's rounding of log, sqrt, s
 
 from __future__ import annotations
 
+import onnx_ir as ir
+
 from fblc.codegen.builder import KernelBuilder
-from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import FLOAT, INT, UINT, Block, Element, Expr, Var, call, const
-from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.textures import TextureTable
+from fblc.codegen.kernels.gather import lane_kernel
 from fblc.compiler.philox import MULTIPLIERS, ROUNDS, WEYL, seed_key
 from fblc.compiler.values import attr, static_shape
 
@@ -61,20 +61,16 @@ def _normals(block: Block, t: Var, seed: int, iteration: Expr, row: Expr) -> Var
     return normal
 
 
-@register_kernel("PhiloxNormal")
-def emit_philox_normal(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
-    b = KernelBuilder.for_group(table, group, FAMILY)
+@lane_kernel(FAMILY, "PhiloxNormal")
+def emit_philox_normal(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     iteration = b.element(node.inputs[0], const(0))
     normal = _normals(b.prologue, b.t, int(attr(node, "seed", 0)), iteration, const(int(attr(node, "row", 0)), INT))
-    return [b.finish([Element(normal, b.lane)])]
+    return [Element(normal, b.lane)]
 
 
-@register_kernel("PhiloxWeightedSum")
-def emit_philox_weighted_sum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+@lane_kernel(FAMILY, "PhiloxWeightedSum")
+def emit_philox_weighted_sum(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     weights, iteration = node.inputs[0], node.inputs[1]
-    b = KernelBuilder.for_group(table, group, FAMILY)
     prologue = b.prologue
     total = prologue.array("total", FLOAT, 4, (0.0,) * 4)
     with prologue.loop("row", 0, static_shape(weights)[-1]) as (row, member):
@@ -82,4 +78,4 @@ def emit_philox_weighted_sum(table: TextureTable, group: KernelGroup) -> list[Ke
         weight = member.let(b.element(weights, row), "weight")
         with member.loop("k", 0, 4) as (k, lanes):
             lanes.assign(Element(total, k), weight * Element(normal, k), "+=")
-    return [b.finish([Element(total, b.lane)])]
+    return [Element(total, b.lane)]

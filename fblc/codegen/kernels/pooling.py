@@ -11,14 +11,16 @@ skipped like padding, and count_include_pad=1 does not count them (`_padded_taps
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.cl import strides_of
 from fblc.codegen.indexing import index_var
-from fblc.codegen.ir import FLOAT, Block, Expr, Var, call, const, div_index, mod_index
-from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.textures import TextureTable
+from fblc.codegen.ir import FLOAT, Block, Expr, Var, call, const, div_index, flat_index, mod_index
+from fblc.codegen.kernels.gather import lane_kernel
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.compiler.window import Window, window_of
@@ -26,18 +28,16 @@ from fblc.compiler.window import Window, window_of
 FAMILY = "pooling"
 
 
-def _needs_bounds(window: Window, axis: int) -> tuple[bool, bool]:
-    """Whether a tap on `axis` can fall before the input start / past its end."""
-    n, o = window.in_spatial[axis], window.out_spatial[axis]
-    k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
-    begin = window.pads_begin[axis]
-    return begin > 0, (o - 1) * s - begin + (k - 1) * d >= n
+def _window(node: ir.Node) -> Window:
+    if len(static_shape(node.inputs[0])) < 3:
+        raise UnsupportedOpError(f"{node.op_type} (node '{node.name}') needs an input [N, C, spatial...], got "
+                                 f"{list(static_shape(node.inputs[0]))}", "reshape the input to N x C x spatial")
+    return window_of(node)
 
 
 def _window_start(window: Window, axis: int) -> Expr:
     """The current output element's first tap on spatial `axis`, before padding."""
-    o, s = index_var(OUT_INDEX, 2 + axis), window.strides[axis]
-    return o if s == 1 else o * s
+    return flat_index([(index_var(OUT_INDEX, 2 + axis), window.strides[axis])])
 
 
 def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> tuple[Block, Var]:
@@ -47,27 +47,20 @@ def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> tuple[Block,
     strides = strides_of(static_shape(node.inputs[0]))
     block = b.body
     flat: Expr = block.let(index_var(OUT_INDEX, 0) * strides[0] + index_var(OUT_INDEX, 1) * strides[1], "base")
-    for a in range(len(window.kernel)):
-        start = _window_start(window, a)
-        if window.pads_begin[a]:
-            start = start - window.pads_begin[a]
-        with block.loop("k", 0, window.kernel[a]) as (tap, taps):
+    for a, (n, k, d, begin) in enumerate(zip(window.in_spatial, window.kernel, window.dilations, window.pads_begin)):
+        start = _window_start(window, a) - begin if begin else _window_start(window, a)
+        with block.loop("k", 0, k) as (tap, taps):
             pass  # the loop's body is built below, as deep as the window has axes
-        coord = taps.let(start + (tap if window.dilations[a] == 1 else tap * window.dilations[a]), "p")
-        low, high = _needs_bounds(window, a)
-        inside = ([coord.ge(0)] if low else []) + ([coord.lt(window.in_spatial[a])] if high else [])
+        coord = taps.let(start + flat_index([(tap, d)]), "p")
+        # whether a tap can fall before the input's start / past its end
+        low, high = begin > 0, (window.out_spatial[a] - 1) * window.strides[a] - begin + (k - 1) * d >= n
+        inside = ([coord.ge(0)] if low else []) + ([coord.lt(n)] if high else [])
         block = taps
         if inside:
-            with taps.when(inside[0] if len(inside) == 1 else inside[0].logical_and(inside[1])) as within:
+            with taps.when(functools.reduce(Expr.logical_and, inside)) as within:
                 block = within
-        flat = flat + (coord if strides[2 + a] == 1 else coord * strides[2 + a])
+        flat = flat + flat_index([(coord, strides[2 + a])])
     return block, block.let(flat, "src")
-
-
-def _check_rank(node: ir.Node) -> None:
-    if len(static_shape(node.inputs[0])) < 3:
-        raise UnsupportedOpError(f"{node.op_type} (node '{node.name}') needs an input [N, C, spatial...], got "
-                                 f"{list(static_shape(node.inputs[0]))}", "reshape the input to N x C x spatial")
 
 
 def _padded_taps(window: Window, axis: int) -> Expr | None:
@@ -87,43 +80,35 @@ def _padded_taps(window: Window, axis: int) -> Expr | None:
     return call("min", const(k), left if d == 1 else div_index(left + (d - 1), d))
 
 
-@register_kernel("AveragePool")
-def emit_average_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+@lane_kernel(FAMILY, "AveragePool")
+def emit_average_pool(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     """Mean over the window; the divisor is the taps inside the input (count_include_pad=0) or
     inside the padded input (1): the kernel size, except for a ceil_mode window past the end."""
-    node = group.anchor
-    _check_rank(node)
-    window = window_of(node)
-    b = KernelBuilder.for_group(table, group, FAMILY)
+    window = _window(node)
     acc = b.body.mutable(const(0.0, FLOAT), "acc")
     count = b.body.mutable(const(0), "count")
     tap, flat = open_window(b, node, window)
     tap.assign(acc, b.element(node.inputs[0], flat), "+=")
     tap.assign(count, const(1), "+=")
     if not int(attr(node, "count_include_pad", 0)):
-        return [b.finish([acc / call("max", count, const(1)).cast(FLOAT)])]
+        return [acc / call("max", count, const(1)).cast(FLOAT)]
     partial = [(a, _padded_taps(window, a)) for a in range(len(window.kernel))]
     full = numel([window.kernel[a] for a, taps_on_axis in partial if taps_on_axis is None])
     factors = [t for _, t in partial if t is not None]
     if not factors:
-        return [b.finish([acc / const(float(full), FLOAT)])]
-    product = factors[0] if full == 1 else const(full) * factors[0]
-    for factor in factors[1:]:
-        product = product * factor
-    return [b.finish([acc / b.body.let(product, "div").cast(FLOAT)])]
+        return [acc / const(float(full), FLOAT)]
+    product = functools.reduce(operator.mul, factors[1:], factors[0] if full == 1 else const(full) * factors[0])
+    return [acc / b.body.let(product, "div").cast(FLOAT)]
 
 
-@register_kernel("MaxPool")
-def emit_max_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+@lane_kernel(FAMILY, "MaxPool")
+def emit_max_pool(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     """Maximum over the window and, when read, its flat position in the unpadded input (ONNX Indices).
 
     Ties keep the first tap in row-major window order, as onnxruntime does; padding never wins.
     """
-    node = group.anchor
-    _check_rank(node)
-    window = window_of(node)
+    window = _window(node)
     x_shape = static_shape(node.inputs[0])
-    b = KernelBuilder.for_group(table, group, FAMILY)
     best = b.body.mutable(const(float("-inf"), FLOAT), "best")
     where = b.body.mutable(const(-1), "arg")
     tap, flat = open_window(b, node, window)
@@ -139,4 +124,4 @@ def emit_max_pool(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         within = mod_index(where, h * w)
         plane = b.body.let(where - within, "plane")
         index = plane + mod_index(within, w) * h + div_index(within, w)
-    return [b.finish([best if out is node.outputs[0] else index for out in group.outputs])]
+    return [best if out is node.outputs[0] else index for out in b.outputs]

@@ -15,17 +15,19 @@ compilers may place in constant memory). Tables past MAX_TABLE entries an axis a
 
 from __future__ import annotations
 
+import functools
+import operator
 from itertools import product
 
 import numpy as np
+import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.cl import strides_of
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, DType, Element, Expr, const, div_index, flat_index
-from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.kernels.gather import lane_kernel
 from fblc.codegen.reads import dtype_of
-from fblc.codegen.textures import TextureTable
 from fblc.compiler.resize_taps import AxisTaps, resize_taps
 from fblc.compiler.values import static_shape
 from fblc.errors import UnsupportedOpError
@@ -59,22 +61,17 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
     return reads
 
 
-@register_kernel("Resize")
-def emit_resize(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+@lane_kernel(FAMILY, "Resize")
+def emit_resize(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     """out[o] = sum over tap choices c of prod_a w_a(c) * x[coordinates c] (see the module docstring)."""
-    node = group.anchor
     x = node.inputs[0]
     shape = static_shape(x)
     taps = {t.axis: t for t in resize_taps(node)}
-    b = KernelBuilder.for_group(table, group, FAMILY)
     per_axis = [_axis_reads(b, taps[a], node.name) if a in taps else [(index_var(OUT_INDEX, a), None)]
                 for a in range(len(shape))]
     strides = strides_of(shape)
     acc = b.body.mutable(const(0, dtype_of(node.outputs[0])), "acc")
     for choice in product(*per_axis):
         value = b.element(x, flat_index([(coordinate, stride) for (coordinate, _), stride in zip(choice, strides)]))
-        term: Expr | None = None
-        for weight in [w for _, w in choice if w is not None] + [value]:
-            term = weight if term is None else term * weight
-        b.body.assign(acc, term, "+=")  # type: ignore[arg-type]
-    return [b.finish([acc])]
+        b.body.assign(acc, functools.reduce(operator.mul, [w for _, w in choice if w is not None] + [value]), "+=")
+    return [acc]

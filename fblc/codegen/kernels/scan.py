@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+import onnx_ir as ir
+
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.cl import strides_of
 from fblc.codegen.indexing import index_var
-from fblc.codegen.ir import INT, Block, Expr, Var, const, flat_index, select
-from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.ir import INT, Expr, Var, const, flat_index, select
+from fblc.codegen.kernels.gather import lane_kernel, own_index, wrap
 from fblc.codegen.reads import dtype_of
-from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import attr, ints_input, static_shape
 from fblc.errors import UnsupportedOpError
 
@@ -34,115 +35,93 @@ FAMILY = "scan"
 #: ArgMax / ArgMin: when an element replaces the extremum so far (select_last_index: on ties too)
 BETTER: dict[tuple[str, int], Callable[[Expr, Expr], Expr]] = {
     ("ArgMax", 0): Expr.gt, ("ArgMax", 1): Expr.ge, ("ArgMin", 0): Expr.lt, ("ArgMin", 1): Expr.le}
+#: element j of a line (no j: its first)
+Reader = Callable[..., Expr]
 
 
 def _o(axis: int) -> Var:
     return index_var(OUT_INDEX, axis)
 
 
-def _line(block: Block, shape: tuple[int, ...], axis: int, out_axes: list[int]) -> Var:
-    """The flat index in `shape` of the current output element's line start along `axis`;
-    out_axes[k] is the output coordinate that input axis k (other than `axis`) reads."""
-    strides = strides_of(shape)
-    terms = [(_o(out_axes[k]), strides[k]) for k in range(len(shape)) if k != axis]
-    return block.let(flat_index(terms), "line")
-
-
-def _at(line: Expr, j: Expr, stride: int) -> Expr:
-    return line + j if stride == 1 else line + j * stride
-
-
-@register_kernel("CumSum")
-def emit_cumsum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
-    x = node.inputs[0]
+def _line(b: KernelBuilder, x: ir.Value, axis: int, out_axes: list[int] | None = None) -> tuple[int, Reader]:
+    """(length, Reader) of x's line along `axis` through the current output element, whose start
+    it declares in b.body; out_axes[k] is the output coordinate that input axis k (other than `axis`) reads."""
     shape = static_shape(x)
+    strides = strides_of(shape)
+    axes = out_axes or list(range(len(shape)))
+    line = b.body.let(flat_index([(_o(axes[k]), strides[k]) for k in range(len(shape)) if k != axis]), "line")
+    return shape[axis], lambda j=None: b.element(x, line if j is None else line + flat_index([(j, strides[axis])]))
+
+
+@lane_kernel(FAMILY, "CumSum")
+def emit_cumsum(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     axis_input = ints_input(node, 1, "axis")
     if not axis_input:
         raise UnsupportedOpError(f"CumSum node '{node.name}' has no constant axis", "export with a fixed dim")
-    axis = axis_input[0] % len(shape)
-    n, stride = shape[axis], strides_of(shape)[axis]
+    axis = axis_input[0] % len(static_shape(node.inputs[0]))
     exclusive, reverse = int(attr(node, "exclusive", 0)), int(attr(node, "reverse", 0))
-    b = KernelBuilder.for_group(table, group, FAMILY)
-    body, o = b.body, _o(axis)
-    line = _line(body, shape, axis, list(range(len(shape))))
-    acc = body.mutable(const(0, dtype_of(node.outputs[0])), "acc")
+    o = _o(axis)
+    n, element = _line(b, node.inputs[0], axis)
+    acc = b.body.mutable(const(0, dtype_of(node.outputs[0])), "acc")
     # (exclusive, reverse) -> the scan's first index, whether it stays in, and its step
     start, within, step = {(0, 0): (0, lambda j: j.le(o), "+="), (1, 0): (0, lambda j: j.lt(o), "+="),
                            (0, 1): (n - 1, lambda j: j.ge(o), "-="),
                            (1, 1): (n - 1, lambda j: j.gt(o), "-=")}[(exclusive, reverse)]
-    with body.loop("j", start, None, condition=within, step_op=step) as (j, scan):
-        scan.assign(acc, b.element(x, _at(line, j, stride)), "+=")
-    return [b.finish([acc])]
+    with b.body.loop("j", start, None, condition=within, step_op=step) as (j, scan):
+        scan.assign(acc, element(j), "+=")
+    return [acc]
 
 
-@register_kernel("Trilu")
-def emit_trilu(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+@lane_kernel(FAMILY, "Trilu")
+def emit_trilu(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     x = node.inputs[0]
     rank = len(static_shape(x))
     k = (ints_input(node, 1, "k") or [0])[0] if len(node.inputs) > 1 else 0
-    b = KernelBuilder.for_group(table, group, FAMILY)
     column_minus_row = _o(rank - 1) - _o(rank - 2)
     keep = column_minus_row.ge(k) if int(attr(node, "upper", 1)) else column_minus_row.le(k)
-    strides = strides_of(static_shape(x))
-    value = b.element(x, flat_index([(_o(a), strides[a]) for a in range(rank)]))
-    return [b.finish([select(keep, value, const(0, value.dtype))])]
+    value = b.element(x, own_index(static_shape(x)))
+    return [select(keep, value, const(0, value.dtype))]
 
 
-@register_kernel("OneHot")
-def emit_one_hot(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+@lane_kernel(FAMILY, "OneHot")
+def emit_one_hot(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     indices, _, values = node.inputs[:3]
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis", -1)) % len(out_shape)
-    depth = out_shape[axis]
-    b = KernelBuilder.for_group(table, group, FAMILY)
     index_shape = static_shape(indices)
     strides = strides_of(index_shape)
     terms = [(_o(a if a < axis else a + 1), strides[a]) for a in range(len(index_shape))]
     raw = b.body.let(b.element(indices, flat_index(terms)).cast(INT), "idx")
-    wrapped = b.body.let(select(raw.lt(0), raw + depth, raw), "idx")
+    wrapped = b.body.let(wrap(raw, out_shape[axis]), "idx")
     on, off = b.element(values, const(1)), b.element(values, const(0))
-    return [b.finish([select(wrapped.eq(_o(axis)), on, off)])]
+    return [select(wrapped.eq(_o(axis)), on, off)]
 
 
-@register_kernel("ArgMax", "ArgMin")
-def emit_arg_extremum(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
-    x = node.inputs[0]
-    shape = static_shape(x)
-    axis = int(attr(node, "axis", 0)) % len(shape)
+@lane_kernel(FAMILY, "ArgMax", "ArgMin")
+def emit_arg_extremum(b: KernelBuilder, node: ir.Node) -> list[Expr]:
+    rank = len(static_shape(node.inputs[0]))
+    axis = int(attr(node, "axis", 0)) % rank
     keepdims = int(attr(node, "keepdims", 1))
-    n, stride = shape[axis], strides_of(shape)[axis]
     better = BETTER[(node.op_type, 1 if int(attr(node, "select_last_index", 0)) else 0)]
-    b = KernelBuilder.for_group(table, group, FAMILY)
-    body = b.body
-    out_axes = [k if keepdims else (k if k < axis else k - 1) for k in range(len(shape))]
-    line = _line(body, shape, axis, out_axes)
-    best = body.mutable(b.element(x, line), "best")
-    at = body.mutable(const(0), "at")
-    with body.loop("j", 1, n) as (j, walk):
-        v = walk.let(b.element(x, _at(line, j, stride)), "v")
+    n, element = _line(b, node.inputs[0], axis, [k if keepdims or k < axis else k - 1 for k in range(rank)])
+    best = b.body.mutable(element(), "best")
+    at = b.body.mutable(const(0), "at")
+    with b.body.loop("j", 1, n) as (j, walk):
+        v = walk.let(element(j), "v")
         with walk.when(better(v, best)) as found:
             found.assign(best, v)
             found.assign(at, j)
-    return [b.finish([at])]
+    return [at]
 
 
-@register_kernel("TopK")
-def emit_topk(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+@lane_kernel(FAMILY, "TopK")
+def emit_topk(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     """Values and indices from one kernel: output r along the axis is the element of rank r."""
-    node = group.anchor
     x = node.inputs[0]
-    shape = static_shape(x)
-    axis = int(attr(node, "axis", -1)) % len(shape)
-    n, stride = shape[axis], strides_of(shape)[axis]
-    b = KernelBuilder.for_group(table, group, FAMILY)
+    axis = int(attr(node, "axis", -1)) % len(static_shape(x))
+    n, element = _line(b, x, axis)
+    ahead, behind = (Expr.gt, Expr.lt) if int(attr(node, "largest", 1)) else (Expr.lt, Expr.gt)
     body = b.body
-    line = _line(body, shape, axis, list(range(len(shape))))
-    largest = int(attr(node, "largest", 1))
-    ahead, behind = (Expr.gt, Expr.lt) if largest else (Expr.lt, Expr.gt)
     value = body.mutable(const(0, dtype_of(x)), "value")
     at = body.mutable(const(-1), "at")
     with body.loop("step", 0, None, condition=lambda step: step.le(_o(axis))) as (step, ranks):
@@ -150,7 +129,7 @@ def emit_topk(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         last_at = ranks.let(at, "lastat")
         taken = ranks.mutable(const(0), "taken")
         with ranks.loop("i", 0, n) as (i, walk):
-            w = walk.let(b.element(x, _at(line, i, stride)), "w")
+            w = walk.let(element(i), "w")
             before_pick = ahead(w, value).logical_or(w.eq(value).logical_and(i.lt(at)))  # w, i precede the pick
             after_last = behind(w, last).logical_or(w.eq(last).logical_and(i.gt(last_at)))  # w, i follow the last
             with walk.when(step.eq(0).logical_or(after_last).logical_and((~taken).logical_or(before_pick))) as pick:
@@ -158,4 +137,4 @@ def emit_topk(table: TextureTable, group: KernelGroup) -> list[Kernel]:
                 pick.assign(at, i)
                 pick.assign(taken, const(1))
     results = {id(node.outputs[0]): value, id(node.outputs[1]): at}
-    return [b.finish([results[id(out)] for out in b.outputs])]
+    return [results[id(out)] for out in b.outputs]

@@ -17,30 +17,39 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import INT, Block, Break, Expr, Var, call, const, div_index, select
-from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.gather import FoldRow, combiner, fold_rows, own_index, start_accumulator, whole_texels
-from fblc.codegen.reads import dtype_of
+from fblc.codegen.kernels.gather import (FoldRow, combiner, fold_rows, lane_kernel, own_index, start_accumulator,
+                                         texel_rows)
 from fblc.compiler.index_map import is_zeros
-from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import attr, numel, static_shape
 
 FAMILY = "sort"
 
 
-@register_kernel("MergeRuns")
-def emit_merge_runs(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+def _bisect(block: Block, lo: Expr, hi: Expr, below: Callable[[Expr], Expr]) -> Var:
+    """Declare `lo` and `hi` in `block` and narrow them, by binary search, to the first index in [lo, hi)
+    where `below(index)` fails (all before it pass); returns the variable lo."""
+    first, last = block.mutable(lo, "lo"), block.mutable(hi, "hi")
+    with block.repeat_while(first.lt(last)) as search:
+        mid = search.let((first + last) >> 1, "mid")
+        left, right = search.either(below(mid))
+        left.assign(first, mid + 1)
+        right.assign(last, mid)
+    return first
+
+
+@lane_kernel(FAMILY, "MergeRuns")
+def emit_merge_runs(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     keys = node.inputs[0]
     positions = node.inputs[1] if len(node.inputs) > 1 else None
     count = static_shape(keys)[1]
     run, depth = int(attr(node, "run")), int(attr(node, "depth"))
-    b = KernelBuilder.for_group(table, group, FAMILY)
     body = b.body
     line = body.let(index_var(OUT_INDEX, 0) * count, "line", INT)
 
@@ -53,67 +62,46 @@ def emit_merge_runs(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     na = body.let(call("min", run, const(count) - start), "na")
     nb = body.let(call("clamp", const(count) - start - run, 0, run), "nb")
     k = body.let(column - start, "k")
-    lo = body.mutable(call("max", 0, k - nb), "lo")
-    hi = body.mutable(call("min", k, na), "hi")
-    with body.repeat_while(lo.lt(hi)) as search:  # is the left run's element mid among the first k?
-        mid = search.let((lo + hi) >> 1, "mid")
-        left, right = search.either(key(start + mid).le(key(start + na + k - 1 - mid)))
-        left.assign(lo, mid + 1)
-        right.assign(hi, mid)
+    lo = _bisect(body, call("max", 0, k - nb), call("min", k, na),  # the left run's elements among the first k
+                 lambda mid: key(start + mid).le(key(start + na + k - 1 - mid)))
     j = body.let(k - lo, "j")
     from_left = lo.lt(na).logical_and(j.ge(nb).logical_or(key(start + lo).le(key(start + na + j))))
     src = body.let(select(from_left, start + lo, start + na + j), "src")
     position = src if positions is None else b.element(positions, line + src)
     results = {id(node.outputs[0]): key(src), id(node.outputs[1]): position}
-    return [b.finish([results[id(out)] for out in b.outputs])]
+    return [results[id(out)] for out in b.outputs]
 
 
-def _first_update(b: KernelBuilder, block: Block, keys: ir.Value, line: Expr, target: Expr) -> Var:
-    """Declare in `block` the first index of `line` whose sorted row number is not below `target`:
-    a binary search, log2(N) reads."""
-    count = static_shape(keys)[1]
-    lo, hi = block.mutable(const(0), "lo"), block.mutable(const(count), "hi")
-    with block.repeat_while(lo.lt(hi)) as search:
-        mid = search.let((lo + hi) >> 1, "mid")
-        below, above = search.either(b.element(keys, line + mid).lt(target))
-        below.assign(lo, mid + 1)
-        above.assign(hi, mid)
-    return lo
-
-
-@register_kernel("ScatterSortedRows")
-def emit_scatter_sorted_rows(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+@lane_kernel(FAMILY, "ScatterSortedRows")
+def emit_scatter_sorted_rows(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     data, keys, positions, updates = node.inputs[:4]  # no data: a zero table (sort_scatter_rows)
     data = None if data is None or is_zeros(data) else data
     data_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis", 0)) % len(data_shape)
     depth, inner = data_shape[axis], numel(data_shape[axis + 1:])
     groups, count = static_shape(keys)
-    dtype = dtype_of(node.outputs[0])
     combine = combiner(node)
-    b = KernelBuilder.for_group(table, group, FAMILY)
 
     def sorted_updates(block: Block, outer: Expr, target: Expr, fold: FoldRow) -> None:
         """The binary search for target's first update, then a loop over its run of equal row numbers."""
         line = outer * count if groups > 1 else const(0)
-        first = _first_update(b, block, keys, line, target)
+        first = _bisect(block, const(0), const(count), lambda mid: b.element(keys, line + mid).lt(target))
         with block.loop("u", first, count) as (u, run):
             with run.when(b.element(keys, line + u).ne(target)) as past:
                 past.add(Break())
             fold(run, run.let((outer * count + b.element(positions, line + u)) * inner, "base"))
 
-    if dtype.is_float and inner % 4 == 0 and (data is None or whole_texels(b, data)) and whole_texels(b, updates):
+    if texel_rows(b, node, data, updates, inner):
         return [fold_rows(b, data, updates, combine, depth, inner, sorted_updates)]
     body = b.body
     element = body.let(own_index(data_shape), "element", INT)
     row = body.let(div_index(element, inner), "row")
     outer = body.let(div_index(row, depth), "outer")
     target = body.let(row - outer * depth, "target")
-    acc = body.mutable(const(0, dtype), "acc") if data is None else start_accumulator(b, node)
+    acc = start_accumulator(b, node)
 
     def fold(block: Block, update_row: Expr) -> None:
         block.assign(acc, combine(acc, b.element(updates, update_row + (element - row * inner))))
 
     sorted_updates(body, outer, target, fold)
-    return [b.finish([acc])]
+    return [acc]
