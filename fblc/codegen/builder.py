@@ -1,36 +1,26 @@
 """KernelBuilder: what every kernel emitter writes through.
 
-Its reads of values (texture arguments, texel reads through RDF/RDI, inlined one-element
-constants) are ValueReads' (`reads.py`); it collects the per-lane body and wraps it into the
-per-element kernel skeleton: arguments declared through IMAGE_OUT / IMAGE_IN with their format's
-texel type and written through WRF / WRI / WRU (`cl.py`'s preamble: image2d_t, or buffers under
-FBLC_BUFFERS).
+Its reads of values are ValueReads' (`reads.py`); it collects the per-lane body and wraps it into the
+per-element kernel skeleton, whose arguments and writes are `cl.py`'s preamble's (IMAGE_OUT / IMAGE_IN,
+WRF / WRI / WRU: image2d_t, or buffers under FBLC_BUFFERS).
 
-A kernel may also have a per-texel prologue (`emit_texel`): code run once per work-item,
-before the lane loop, that sees the multi-index of the texel's first element as `u0, u1..`
-(TEXEL_INDEX). Contractions use it to compute all four lanes' reductions together, sharing
-the reads the lanes have in common, and leave only their epilogue to the lane loop. With
-`texels_per_item` > 1 a work-item covers that many consecutive texels: the prologue computes
-all their elements (indexed by `item_lane` in the lane loop) and each texel is then written
-as usual. With `item_stride` s > 1 a work-item holds a 2-D tile of the output: rows s texels
-apart, each of `item_columns` consecutive texels.
+A kernel may also have a per-texel prologue (`prologue`): code run once per work-item, before the lane
+loop, that sees the multi-index of the texel's first element as `u0, u1..` (TEXEL_INDEX). Contractions
+compute all four lanes' reductions there, sharing the reads the lanes have in common. A work-item may
+hold a tile, its kernel's `Schedule` (kernels/schedules.py decides it before the kernel is built;
+`finish` records what the kernel used, for plan.json): `texels_per_item` consecutive texels, or with
+`item_stride` s > 1 rows s texels apart of `item_columns` consecutive texels each.
 
-An r_mask8 output (a saved mask, 8 elements a byte) takes two texels per byte, and an image
-write stores a whole byte, so the work-item that writes byte b must compute both its texels,
-2b and 2b + 1: it ORs their nibbles and writes the byte after the odd one. A work-item whose
-texels pair up among themselves (an even count of consecutive texels from an even one, or a
-2-D tile whose rows are an even number of texels, an even number apart) writes them as they
-come; one of an odd count (one texel, or a conv's 5 or 3 in a row) runs two consecutive items
-in turn (`PAIR`). A 2-D tile of odd columns cannot: its schedule stores the mask as r_mask4
-(codegen/schedule.py, decided before any texture exists).
-
-The tile, like the work-group a long reduction takes, is the kernel's `Schedule`, which
-kernels/schedules.py decided before the kernel is built (TextureTable.schedules, by kernel name);
-`finish` records what the kernel used into it (plan.json).
+An r_mask8 output (8 elements a byte) takes two texels per byte, and an image write stores a whole
+byte, so the work-item that writes byte b computes both texels 2b and 2b + 1: it ORs their nibbles and
+writes the byte after the odd one. A work-item of an odd count of texels runs two items in turn (`PAIR`);
+a 2-D tile of odd columns cannot, so its schedule stores the mask as r_mask4 (codegen/schedule.py).
 """
 
 from __future__ import annotations
 
+import operator
+from functools import reduce
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import onnx_ir as ir
@@ -56,10 +46,7 @@ PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of
 
 
 class KernelBuilder(ValueReads):
-    """Builds one per-element kernel writing `outputs` (all of one shape); reads come from ValueReads.
-
-    Its statement lists (`lines`: the lane loop's body, `texel_lines`: the per-texel prologue,
-    `lane_fallback`) hold IR statements."""
+    """Builds one per-element kernel writing `outputs` (all of one shape); reads come from ValueReads."""
 
     def __init__(self, table: TextureTable, name: str, family: str, outputs: Sequence[ir.Value]) -> None:
         super().__init__(table, static_shape(outputs[0]))
@@ -67,13 +54,10 @@ class KernelBuilder(ValueReads):
         self.family = family
         self.outputs = list(outputs)
         self.out_textures = [table.of(v) for v in self.outputs]
-        self.lines: list[Statement] = []
+        self.lines: list[Statement] = []  # the lane loop's body
         self.texel_lines: list[Statement] = []  # the per-texel prologue, before the lane loop
         #: per output texel, just before its lane loop: the lanes a guarded reduction leaves (reduce_guarded)
         self.lane_fallback: list[Statement] = []
-        self.texels_per_item = 1  # texels a work-item computes (its prologue covers them all)
-        self.item_stride = 1  # texels between a work-item's consecutive rows of texels
-        self.item_columns = 1  # consecutive texels per row of a work-item's tile (item_stride > 1)
         self.nodes: list[str] = []
         #: work-items that cooperate on each output texel, or tile of texels (a work-group: `lid` its
         #: local id; the group's results go out from work-item 0), or None: one work-item per texel
@@ -81,16 +65,14 @@ class KernelBuilder(ValueReads):
         self.tiles_per_group = 1  # items (tiles) a group kernel's work-group holds, group_size work-items each
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
         # the skeleton's variables, named for the emitters that still write C around them
-        self.t = self.named("t", INT)
-        self.g = self.named("g", INT)
-        self.tt = self.named("tt", INT)
-        self.lane = self.named("lane", INT)
-        self.flat = self.named("i", INT)
-        self.lid = self.named("lid", INT)
-        self.shared = self.named("shared", kir.FLOAT)
-
+        self.t, self.g, self.tt, self.lane, self.flat, self.lid = (
+            _named(var, INT) for var in ("t", "g", "tt", "lane", "i", "lid"))
+        self.shared = _named("shared", kir.FLOAT)
         self.schedule = table.schedules.setdefault(name, Schedule())
-        self.tile_texels(self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride)
+        # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
+        rows, columns, stride = self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride
+        assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
+        self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
 
     @classmethod
     def for_group(cls, table: TextureTable, group: KernelGroup, family: str) -> KernelBuilder:
@@ -99,9 +81,6 @@ class KernelBuilder(ValueReads):
         b = cls(table, group.name, family, group.outputs)
         b.nodes.append(group.anchor.name)
         return b
-
-    def named(self, name: str, dtype: kir.DType) -> Var:
-        return Var(name, 0, dtype, name)
 
     @property
     def body(self) -> Block:
@@ -126,8 +105,7 @@ class KernelBuilder(ValueReads):
         block.assign(mine, acc)
         block.add(kir.Barrier())
         with block.loop("s", self.group_size // 2, None, condition=lambda s: s.gt(0), step_op=">>=") as (s, tree):
-            with tree.when(self.lid.lt(s)) as half:
-                half.assign(mine, merge(mine, kir.Element(self.shared, self.lid + s)))
+            tree.add(kir.If(self.lid.lt(s), [kir.Assign(mine, merge(mine, kir.Element(self.shared, self.lid + s)))]))
             tree.add(kir.Barrier())
         block.assign(acc, kir.Element(self.shared, const(0)))
         block.add(kir.Barrier())  # shared is free again for the next merge
@@ -153,23 +131,10 @@ class KernelBuilder(ValueReads):
             read.assign(kir.Element(array, j), kir.Element(self.shared, j * group))
         return out.statements
 
-    def tile_texels(self, rows: int, columns: int, stride: int) -> None:
-        """Make each work-item hold a 2-D tile: `rows` rows `stride` texels apart, each of `columns`
-        consecutive texels (stride a multiple of columns; rows 1 texel apart are consecutive texels)."""
-        assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
-        self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
-
     def take_group(self) -> None:
         """Share each item among the schedule's group_size work-items (a long reduction's work-group)."""
         size = self.schedule.group_size or 1
         self.group_size = size if size > 1 else None
-
-    def _record_schedule(self) -> None:
-        """Write what the kernel used into its schedule (plan.json records it)."""
-        schedule, columns = self.schedule, self.item_columns
-        schedule.tile_rows, schedule.tile_columns = self.texels_per_item // columns, columns
-        schedule.tile_stride, schedule.tiles_per_group = self.item_stride, self.tiles_per_group
-        schedule.group_size = self.group_size or 1
 
     def _first_texel(self) -> Expr:
         per, stride, columns, g = self.texels_per_item, self.item_stride, self.item_columns, self.g
@@ -202,49 +167,41 @@ class KernelBuilder(ValueReads):
 
     def finish(self, results: Sequence[Expr]) -> Kernel:
         """The kernel whose lane computes `results[k]` for output k."""
-        texels = self.out_textures[0].texels
-        per_item = self.texels_per_item
-        band = per_item // self.item_columns * self.item_stride  # texels in a band of the tiles' rows
+        texels, per_item, columns = self.out_textures[0].texels, self.texels_per_item, self.item_columns
+        band = per_item // columns * self.item_stride  # texels in a band of the tiles' rows
         assert texels % band == 0, f"{texels} texels in bands of {band}"
-        items = self.items
+        items, group, schedule = self.items, self.group_size, self.schedule
         masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
-        self._record_schedule()
-        assert not masks or pairs_mask_bytes(self.schedule), \
+        schedule.tile_rows, schedule.tile_columns = per_item // columns, columns  # what it used, for plan.json
+        schedule.tile_stride, schedule.tiles_per_group = self.item_stride, self.tiles_per_group
+        schedule.group_size = group or 1
+        assert not masks or pairs_mask_bytes(schedule), \
             f"{self.name}: its tile splits the bytes of mask8 outputs its schedule did not store as r_mask4"
         pair = PAIR if masks and per_item % 2 else 1
         arguments = [self.argument_of("out", k, t) for k, t in enumerate(self.out_textures)]
         arguments += [self.argument_of("in", k, t) for k, t in enumerate(self.in_textures)]
         kernel = Block(self.numbering)
         item = self.t if per_item == 1 else self.g  # the item's index: its texel, or its place among the items
-        group = self.group_size
+        launched = item if pair == 1 else _named("wi", INT)  # what a work-item is: an item, or a pair of them
+        launches = -(-items // pair)
         if group is not None:  # group_size work-items per item: every branch below is uniform in them
             assert pair == 1 and not masks, "group kernels write float texels"
             self._group_header(kernel, item)
-            with kernel.when(item.ge(items)) as done:
-                done.add(kir.Return())
-            item_block = kernel
-        elif pair == 1:
-            kernel.add(kir.Declare(item, kir.call("get_global_id", 0, dtype=INT)))
-            with kernel.when(item.ge(items)) as done:
-                done.add(kir.Return())
-            item_block = kernel
         else:
-            wi = self.named("wi", INT)
-            kernel.add(kir.Declare(wi, kir.call("get_global_id", 0, dtype=INT)))
-            with kernel.when(wi.ge(-(-items // pair))) as done:
-                done.add(kir.Return())
-        bytes_ = {k: self.named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
+            kernel.add(kir.Declare(launched, kir.call("get_global_id", 0, dtype=INT)))
+        kernel.add(kir.If(launched.ge(launches), [kir.Return()]))
+        bytes_ = {k: _named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
         for byte in bytes_.values():
             kernel.add(kir.Declare(byte, const(0, UINT), const=False))
+        item_block = kernel
         if pair > 1:
             with kernel.loop("sub", 0, PAIR, name="sub") as (sub, item_block):
-                item_block.add(kir.Declare(item, self.named("wi", INT) * pair + sub))
+                item_block.add(kir.Declare(item, launched * pair + sub))
                 if items % pair:
-                    with item_block.when(item.ge(items)) as past:
-                        past.add(kir.Break())
+                    item_block.add(kir.If(item.ge(items), [kir.Break()]))
         self._item(item_block, results, arguments, bytes_)
         body = kir.KernelIR(self.name, arguments, kernel.statements)
-        return Kernel(self.name, self.family, render_kernel(body), items * group if group else -(-items // pair),
+        return Kernel(self.name, self.family, render_kernel(body), items * group if group else launches,
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
                       nodes=list(self.nodes), group_size=group * self.tiles_per_group if group else None, ir=body)
 
@@ -268,23 +225,20 @@ class KernelBuilder(ValueReads):
                        kir.DeclareArray(self.shared, floats, local=True))
             return
         run = div_index(local_id, group)
-        pool = self.named("pool", kir.FLOAT)
+        pool = _named("pool", kir.FLOAT)
         kernel.add(kir.Declare(item, group_id * tiles + run), kir.Declare(self.lid, mod_index(local_id, group)),
                    kir.DeclareArray(pool, tiles * floats, local=True),
-                   kir.Declare(Var("shared", 0, kir.FLOAT.pointer(), "shared"), pool + run * floats))
+                   kir.Declare(_named("shared", kir.FLOAT.pointer()), pool + run * floats))
 
     def _item(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
               bytes_: dict[int, Var]) -> None:
         """One item (t or g declared): its per-texel prologue, then each of its texels."""
-        prologue = list(self.texel_lines)
-        if self.texels_per_item == 1:  # the prologue covers texel t
-            if prologue:
-                self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
-                block.add(*prologue)
+        if self.texel_lines or self.texels_per_item > 1:  # the prologue sees its first texel's index
+            self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
+            block.add(*self.texel_lines)
+        if self.texels_per_item == 1:
             self._texel(block, results, arguments, bytes_)
             return
-        self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
-        block.add(*prologue)
         rows = self._tile_rows(self.out_shape)
         with block.loop("tt", 0, self.texels_per_item, name="tt") as (tt, texel):
             texel.add(kir.Declare(self.t, self._first_texel() + self._tile_step()))
@@ -323,11 +277,8 @@ class KernelBuilder(ValueReads):
         """Texel t: the lane loop computing `results` and the writes of every output (`own_first`: the
         statements declaring its first element's multi-index, when cheaper than from t)."""
         out_numel, texels = self.out_textures[0].numel, self.out_textures[0].texels
-        lane_results = []
-        for k, texture in enumerate(self.out_textures):
-            dtype = kir.ELEMENT_TYPES[texture.kind]
-            lane_results.append(self.named(f"r{k}", dtype))
-            block.add(kir.DeclareArray(lane_results[-1], 4, (const(0, dtype),) * 4))
+        lane_results = [_named(f"r{k}", kir.ELEMENT_TYPES[t.kind]) for k, t in enumerate(self.out_textures)]
+        block.add(*(kir.DeclareArray(r, 4, (const(0, r.dtype),) * 4) for r in lane_results))
         # a texel within one row of the lane axis: its lanes' indices are its first element's, plus the
         # lane along that axis (one division per axis per texel, not per lane)
         lanes = lane_axis(self.out_shape)
@@ -349,12 +300,11 @@ class KernelBuilder(ValueReads):
         with block.loop("lane", 0, 4, unroll=not tail, name="lane") as (lane, body):
             body.add(kir.Declare(self.flat, t * 4 + lane))
             if tail:
-                with body.when(self.flat.ge(out_numel)) as past:
-                    past.add(kir.Break())
+                body.add(kir.If(self.flat.ge(out_numel), [kir.Break()]))
             if in_one_row:
                 for axis in range(len(self.out_shape)):
-                    first = self.named(f"{TEXEL_FIRST}{axis}", INT)
-                    body.add(kir.Declare(self.named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
+                    first = _named(f"{TEXEL_FIRST}{axis}", INT)
+                    body.add(kir.Declare(_named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
             else:
                 declare_index(body, self.out_shape, self.flat, OUT_INDEX)
             body.add(*self.lines)
@@ -364,7 +314,7 @@ class KernelBuilder(ValueReads):
             lanes_of = [kir.Element(lane_results[k], const(lane)) for lane in range(4)]
             argument = arguments[k]
             if texture.format in (MASK_FORMATS["mask8"], MASK_FORMATS["mask4"]):
-                bits = _or_all([lanes_of[lane].ne(0) << lane for lane in range(4)])  # lane l: bit l
+                bits = reduce(operator.or_, [lanes_of[lane].ne(0) << lane for lane in range(4)])  # lane l: bit l
                 if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
                     byte = bytes_[k]
                     block.assign(byte, kir.Cast(UINT, bits) << ((t & 1) * 4), "|=")
@@ -375,17 +325,11 @@ class KernelBuilder(ValueReads):
                 else:  # the texel's 4 booleans as the low bits of byte t
                     block.store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0))
                 continue
-            value = kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of))
-            if self.group_size is not None:  # a group kernel's texel goes out from its work-item 0
-                with block.when(self.lid.eq(0)) as first:
-                    first.store(argument, t, value)
-            else:
-                block.store(argument, t, value)
+            store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
+            # a group kernel's texel goes out from its work-item 0
+            block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)
 
 
-
-def _or_all(parts: Sequence[Expr]) -> Expr:
-    total = parts[0]
-    for part in parts[1:]:
-        total = total | part
-    return total
+def _named(name: str, dtype: kir.DType) -> Var:
+    """A skeleton variable: a fixed name, no number."""
+    return Var(name, 0, dtype, name)
