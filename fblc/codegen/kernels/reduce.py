@@ -34,9 +34,7 @@ def reduced_axes(node: ir.Node) -> list[int]:
     rank = len(static_shape(node.inputs[0]))
     if node.op_type == "GlobalAveragePool":
         return list(range(2, rank))
-    axes = ints_input(node, 1, "axes") if len(node.inputs) > 1 else None
-    if axes is None:
-        axes = attr(node, "axes")
+    axes = (ints_input(node, 1, "axes") if len(node.inputs) > 1 else None) or attr(node, "axes")
     if not axes:
         return [] if attr(node, "noop_with_empty_axes", 0) else list(range(rank))
     return sorted(a % rank for a in axes)
@@ -67,11 +65,6 @@ def _suffix_run(shape: list[int], axes: list[int]) -> tuple[int, int]:
     return axis + 1, run if axis < len(shape) - 1 else 0
 
 
-def _loop_index(r: Expr, sizes: list[int], strides: list[int]) -> Expr:
-    """Index of step `r` of a loop over `sizes` (row-major) whose axes move by `strides`."""
-    return flat_index(digit_terms(r, list(zip(sizes, strides))))
-
-
 def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Combine,
                    start: float, merge: Combine = lambda p, q: p + q) -> Folded:
     """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`. With
@@ -79,7 +72,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
-    count = numel([static_shape(source)[a] for a in axes])
+    count = numel([shape[a] for a in axes])
     group = b.group_size
     first, step = (b.lid, group) if group else (const(0), 1)
     whole_texels = b.constant_value(source) is None and map_of(source).contiguous
@@ -87,13 +80,16 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     def base_of(prefix: str) -> Expr:
         return flat_index([(index_var(prefix, a if keepdims else kept.index(a)), strides[a]) for a in kept])
 
+    def step_index(r: Expr, loop_axes: list[int], unit: int = 1) -> Expr:
+        """Index (in `unit`s) of step `r` of a row-major loop over `loop_axes`."""
+        return flat_index(digit_terms(r, [(shape[a], strides[a] // unit) for a in loop_axes]))
+
     if whole_texels and texel_wise(b, shape, axes):  # in the prologue, from the texel's first element
         prologue = b.prologue
         argument, texture = b.input_argument(source)
         acc = prologue.mutable(vector(FLOAT4, const(start, FLOAT)), "acc")
         with prologue.loop("r", first, count, step=step) as (r, fold):
-            offset = _loop_index(r, [shape[a] for a in axes], [strides[a] // 4 for a in axes])
-            x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + offset), "x")
+            x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4)), "x")
             fold.assign(acc, combine(acc, x))
         if group:
             for lane in range(4):
@@ -105,10 +101,10 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     suffix, run = _suffix_run(shape, axes)
     outer = [a for a in axes if a < suffix]
     if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes folded in turn
-        sizes, texel_strides = [shape[a] for a in outer] + [run // 4], [strides[a] // 4 for a in outer] + [1]
         argument, texture = b.input_argument(source)
         with body.loop("r", first, count // 4, step=step) as (r, fold):
-            v = fold.let(b.texel(argument, texture, (base >> 2) + _loop_index(r, sizes, texel_strides)), "v")
+            texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
+            v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
             for lane in range(4):
                 fold.assign(acc, combine(acc, fold.let(v.lane(lane), "x")))
     elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
@@ -119,11 +115,11 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         else:
             outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
             with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
-                row = runs.let(base + _loop_index(r, [shape[a] for a in outer], [strides[a] for a in outer]), "row")
+                row = runs.let(base + step_index(r, outer), "row")
                 _fold_run(runs, b, source, row, run, acc, combine, inner_first, inner_step)
     else:
         with body.loop("r", first, count, step=step) as (r, fold):
-            index = base + _loop_index(r, [shape[a] for a in axes], [strides[a] for a in axes]) if axes else base
+            index = base + step_index(r, axes) if axes else base
             fold.assign(acc, combine(acc, fold.let(b.element(source, index), "x")))
     if group:
         b.merge_across_group(acc, merge)
