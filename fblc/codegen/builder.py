@@ -92,13 +92,11 @@ class KernelBuilder(ValueReads):
         """The per-texel prologue (run once per work-item, before the lane loop), to build IR into."""
         return Block(self.numbering, self.texel_lines)  # type: ignore[arg-type]
 
-    # writing the body ------------------------------------------------------------------------
     def merge_across_group(self, acc: Var | kir.Lane, merge: Callable[[Expr, Expr], Expr] = lambda a, b: a + b,
                            prologue: bool = False) -> None:
-        """Join every work-item's partial `acc` (a float, or a lane of a float4) with `merge` (of two
-        partials) in a tree in __local memory; afterwards every work-item of the group holds the result.
-        Only in a group kernel (`group_size`), where every work-item reaches the barriers; in the
-        per-texel prologue with `prologue`."""
+        """Join every work-item's partial `acc` (a float, or a lane of a float4) with `merge` in a tree in
+        __local memory, in the lane loop or the per-texel `prologue`; then every work-item holds the result.
+        Only in a group kernel's uniform code: every work-item must reach the barriers."""
         assert self.group_size is not None, "a merge across the group needs a group kernel"
         block = self.prologue if prologue else self.body
         mine = kir.Element(self.shared, self.lid)
@@ -211,10 +209,9 @@ class KernelBuilder(ValueReads):
         return self.out_textures[0].texels // self.texels_per_item
 
     def _group_header(self, kernel: Block, item: Var) -> None:
-        """A group kernel's item `item`, its work-item's `lid` among the item's group_size and the item's
-        __local `shared` floats. With tiles_per_group > 1 the work-group's consecutive runs of group_size
-        work-items hold consecutive items, each with its own slice of the group's __local `pool`, so
-        the merges index `shared` alike; every work-group holds whole items (their count divides items)."""
+        """A group kernel's `item`, its work-item's `lid` and the item's __local `shared` floats; with
+        tiles_per_group > 1, consecutive runs of group_size work-items hold consecutive items, each
+        with its own slice of the group's __local `pool`, so the merges index `shared` alike."""
         group, tiles = self.group_size, self.tiles_per_group
         assert group is not None and self.items % tiles == 0, f"{self.items} items in groups of {tiles}"
         floats = max(group, self.shared_floats)
@@ -252,9 +249,7 @@ class KernelBuilder(ValueReads):
             self._texel(texel, results, arguments, bytes_, own_first)
 
     def declare_item_index(self, block: Block, shape: Sequence[int], prefix: str) -> list[Var]:
-        """Declare `prefix0..` as the multi-index in `shape` of the work-item's first element: from the
-        item's place in the grid of tiles where a tile's rows are rows of the shape's lane axis, else by
-        dividing its flat index."""
+        """Declare `prefix0..` as the multi-index in `shape` of the work-item's first element."""
         rows = self._tile_rows(shape)
         if rows is None:
             return declare_index(block, shape, self.first_element, prefix)
@@ -313,21 +308,18 @@ class KernelBuilder(ValueReads):
         for k, texture in enumerate(self.out_textures):
             lanes_of = [kir.Element(lane_results[k], const(lane)) for lane in range(4)]
             argument = arguments[k]
-            if texture.format in (MASK_FORMATS["mask8"], MASK_FORMATS["mask4"]):
-                bits = reduce(operator.or_, [lanes_of[lane].ne(0) << lane for lane in range(4)])  # lane l: bit l
-                if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
-                    byte = bytes_[k]
-                    block.assign(byte, kir.Cast(UINT, bits) << ((t & 1) * 4), "|=")
-                    odd = t & 1 if texels % 2 == 0 else (t & 1).logical_or(t.eq(texels - 1))  # an odd count's last byte
-                    with block.when(odd) as full:
-                        full.store(argument, t >> 1, kir.vector(kir.UINT4, byte, 0, 0, 0))
-                        full.assign(byte, const(0, UINT))
-                else:  # the texel's 4 booleans as the low bits of byte t
-                    block.store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0))
-                continue
-            store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
-            # a group kernel's texel goes out from its work-item 0
-            block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)
+            bits = reduce(operator.or_, [lanes_of[lane].ne(0) << lane for lane in range(4)])  # a mask's: lane l, bit l
+            if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
+                byte = bytes_[k]
+                block.assign(byte, kir.Cast(UINT, bits) << ((t & 1) * 4), "|=")
+                odd = t & 1 if texels % 2 == 0 else (t & 1).logical_or(t.eq(texels - 1))  # an odd count's last byte
+                block.add(kir.If(odd, [kir.Store(argument, t >> 1, kir.vector(kir.UINT4, byte, 0, 0, 0)),
+                                       kir.Assign(byte, const(0, UINT))]))
+            elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
+                block.store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0))
+            else:  # a group kernel's texel goes out from its work-item 0
+                store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
+                block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)
 
 
 def _named(name: str, dtype: kir.DType) -> Var:

@@ -126,10 +126,8 @@ def _where(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
 
 @expression("Cast")
 def _cast(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-    value = x(node.inputs[0])
-    if node.outputs[0].dtype == ir.DataType.BOOL:
-        return value.ne(0)
-    return value.cast(dtype_of(node.outputs[0]))
+    value, out = x(node.inputs[0]), node.outputs[0]
+    return value.ne(0) if out.dtype == ir.DataType.BOOL else value.cast(dtype_of(out))
 
 
 @expression("BatchNormalization")

@@ -137,16 +137,6 @@ def has_statistics(node: ir.Node) -> bool:
     return len(node.outputs) >= 3 and all(o is not None and o.name for o in node.outputs[1:3])
 
 
-def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: list[ir.Value]) -> Kernel:
-    """Mean and/or InvStdDev (shape: the input's with the normalised axes as 1), one lane per row,
-    or one work-group per texel of rows when a row is longer than the serial limit."""
-    b = KernelBuilder(table, name, FAMILY, outputs)
-    b.nodes.append(node.name)
-    b.take_group()  # kernels/schedules.py: a work-group per row for a long row
-    mean, inv_std = _row_statistics(b, node)
-    return b.finish([mean if out is node.outputs[1] else inv_std for out in outputs])
-
-
 @register_kernel("LayerNormalization", "InstanceNormalization")
 def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Y = (X - mean) * inv_std * Scale + B over the trailing axes from `axis` (from 2, Scale and B
@@ -157,9 +147,11 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     shape, _, count = layer_norm_geometry(node)
     kernels: list[Kernel] = []
     statistics = has_statistics(node)
-    if statistics:
-        # Both are written (even one nothing reads) so that the Y kernel can read them back.
-        kernels.append(_statistics_kernel(table, f"{group.name}_stats", node, list(node.outputs[1:3])))
+    if statistics:  # both written (even one nothing reads) so that the Y kernel can read them back
+        stats = KernelBuilder(table, f"{group.name}_stats", FAMILY, list(node.outputs[1:3]))
+        stats.nodes.append(node.name)
+        stats.take_group()  # kernels/schedules.py: a work-group per row for a long row
+        kernels.append(stats.finish(list(_row_statistics(stats, node))))
     y = node.outputs[0]
     if y not in group.outputs:
         return kernels

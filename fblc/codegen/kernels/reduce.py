@@ -49,13 +49,6 @@ class Folded:
     lane: Expr
 
 
-def texel_wise(b: KernelBuilder, shape: tuple[int, ...], axes: list[int]) -> bool:
-    """True when each output texel's four lanes fold four consecutive source elements, one whole texel
-    per step: the kept axes after the last reduced one (a bias gradient's channels) are a multiple of 4 long."""
-    inner = numel(shape[axes[-1] + 1:]) if axes else 0
-    return inner > 0 and inner % 4 == 0 and b.texels_per_item == 1
-
-
 def _suffix_run(shape: list[int], axes: list[int]) -> tuple[int, int]:
     """(first axis, elements) of the longest run of trailing source axes that are all reduced
     (elements 0: the last axis is kept)."""
@@ -84,7 +77,10 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         """Index (in `unit`s) of step `r` of a row-major loop over `loop_axes`."""
         return flat_index(digit_terms(r, [(shape[a], strides[a] // unit) for a in loop_axes]))
 
-    if whole_texels and texel_wise(b, shape, axes):  # in the prologue, from the texel's first element
+    inner = numel(shape[axes[-1] + 1:]) if axes else 0
+    # texel-wise, when the kept axes after the last reduced one (a bias gradient's channels) are a multiple of
+    # 4 long: each texel's lanes fold 4 consecutive elements, one texel per step, in the per-texel prologue
+    if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
         prologue = b.prologue
         argument, texture = b.input_argument(source)
         acc = prologue.mutable(vector(FLOAT4, const(start, FLOAT)), "acc")
