@@ -131,8 +131,7 @@ class KernelBuilder(ValueReads):
 
     def take_group(self) -> None:
         """Share each item among the schedule's group_size work-items (a long reduction's work-group)."""
-        size = self.schedule.group_size or 1
-        self.group_size = size if size > 1 else None
+        self.group_size = self.schedule.group_size if (self.schedule.group_size or 1) > 1 else None
 
     def _first_texel(self) -> Expr:
         per, stride, columns, g = self.texels_per_item, self.item_stride, self.item_columns, self.g

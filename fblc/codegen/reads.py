@@ -33,6 +33,10 @@ def dtype_of(value: ir.Value) -> kir.DType:
     return kir.FLOAT if is_float(value) else INT
 
 
+def _same(value: Expr) -> Expr:
+    return value
+
+
 class ValueReads:
     """The texture arguments a kernel reads and the reads it hoists out of its lane loop."""
 
@@ -109,23 +113,21 @@ class ValueReads:
                 return self.element(root, kir.Var(FLAT_OUT_INDEX, 0, INT, FLAT_OUT_INDEX))  # the output's own order
         return self.element(root, broadcast_view_index(index_map, out_shape, prefix))
 
-    def channel(self, value: ir.Value, axis: int = 1, apply: Apply | None = None) -> Expr:
-        """In the lane loop: the 1-D `value` (one element per index of output `axis`: a conv's bias) at
-        the output element's index there, passed through `apply`; once per texel where it can (_texel_read)."""
-        applied = apply or (lambda e: e)
+    def channel(self, value: ir.Value, apply: Apply = _same) -> Expr:
+        """In the lane loop: the 1-D `value` (one element per channel, output axis 1: a conv's bias) at the
+        output element's channel, passed through `apply`; once per texel where it can (_texel_read)."""
         inlined = self.constant_value(value)
         if inlined is not None:
-            return applied(inlined)
+            return apply(inlined)
         root, index_map = self.strided(value)
-        trailing = len(self.out_shape) - 1 - axis
+        trailing = len(self.out_shape) - 2  # the axes after the channel's
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        key = repr(applied(kir.Var("x", 0, kir.FLOAT, "x")))  # one hoisted read per value and applied formula
-        hoisted = self._texel_read(root, spread, applied, key=key)
-        return hoisted if hoisted is not None else applied(self.element(value, index_var(OUT_INDEX, axis)))
+        key = repr(apply(kir.Var("x", 0, kir.FLOAT, "x")))  # one hoisted read per value and applied formula
+        hoisted = self._texel_read(root, spread, apply, key=key)
+        return hoisted if hoisted is not None else apply(self.element(value, index_var(OUT_INDEX, 1)))
 
-    def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: Apply | None = None,
-                    key: str = "") -> Expr | None:
+    def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: Apply = _same, key: str = "") -> Expr | None:
         """The lane's element of `root` read through `index_map` (broadcast to the output), passed
         through `apply`, from a texel read once per output texel (or _block_read's elements); None when
         an output texel's 4 lanes map neither to the 4 lanes of one texel nor to one element."""
@@ -150,10 +152,9 @@ class ValueReads:
             else:
                 texel = self.hoisted.let(self.texel(argument, texture, first >> 2), "H")
                 self._hoisted[cache] = texel.lane(kir.Var("lane", 0, INT, "lane"))
-        value = self._hoisted[cache]
-        return apply(value) if apply else value
+        return apply(self._hoisted[cache])
 
-    def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply | None, key: str) -> Expr | None:
+    def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:
         """The lane's element of `root` when it is constant over blocks of at least 4 consecutive output
         elements (a conv's per-channel epilogue): a texel's lanes see at most two, its first lane's and
         (when it straddles two blocks) its last's, read and passed through `apply` once per texel."""
@@ -175,11 +176,10 @@ class ValueReads:
             if split is None:  # one per block length, shared by every value constant over such blocks
                 t = kir.Var("t", 0, INT, "t")
                 split = self._splits[block] = reads.let(const(block) - mod_index(t * 4, block), "n")
-            applied = apply or (lambda e: e)
-            dtype = dtype_of(root) if apply is None else kir.FLOAT  # an applied value is float math (BatchNorm's rsqrt)
-            head = reads.let(applied(self.element(root, first)), "H", dtype)
+            dtype = dtype_of(root) if apply is _same else kir.FLOAT  # an applied value is float math (BN's rsqrt)
+            head = reads.let(apply(self.element(root, first)), "H", dtype)
             # the last lane's element is read only by a texel that straddles two blocks
-            tail = reads.let(kir.select(split.ge(4), head, applied(self.element(root, last))), "H", dtype)
+            tail = reads.let(kir.select(split.ge(4), head, apply(self.element(root, last))), "H", dtype)
             self._hoisted[cache] = kir.select(kir.Var("lane", 0, INT, "lane").lt(split), head, tail)
             self._reads_last = True
         return self._hoisted[cache]

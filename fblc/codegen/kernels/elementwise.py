@@ -8,7 +8,7 @@ own shape to the kernel's. Contraction kernels reuse `evaluate_chain` for their 
 from __future__ import annotations
 
 import operator
-from functools import reduce
+from functools import partial, reduce
 from typing import Callable, Sequence
 
 import onnx_ir as ir
@@ -59,16 +59,14 @@ for _op, _build in {"Add": Expr.__add__, "Sub": Expr.__sub__, "Mul": Expr.__mul_
                     "LessOrEqual": Expr.le, "And": Expr.logical_and, "Or": Expr.logical_or}.items():
     binary(_op, _build)
 
-for _op, _build in {"Reciprocal": lambda a: f(1.0) / a, "Neg": Expr.__neg__, "Not": Expr.__invert__,
-                    "Relu": lambda a: call("fmax", a, f(0.0)), "Sigmoid": lambda a: f(1.0) / (f(1.0) + call("exp", -a)),
-                    "IsNaN": lambda a: call("isnan", a, dtype=INT)}.items():
-    unary(_op, _build)
-
 #: ops that are one OpenCL function of their input (ONNX Round is half to even, as rint in the default rounding mode)
 FUNCTIONS = {"Sqrt": "sqrt", "Exp": "exp", "Log": "log", "Tanh": "tanh", "Erf": "erf", "Sin": "sin", "Cos": "cos",
              "Atan": "atan", "Abs": "fabs", "Floor": "floor", "Ceil": "ceil", "Round": "rint"}
-for _op, _function in FUNCTIONS.items():
-    unary(_op, lambda a, function=_function: call(function, a))
+for _op, _build in {"Reciprocal": lambda a: f(1.0) / a, "Neg": Expr.__neg__, "Not": Expr.__invert__,
+                    "Relu": lambda a: call("fmax", a, f(0.0)), "Sigmoid": lambda a: f(1.0) / (f(1.0) + call("exp", -a)),
+                    "IsNaN": lambda a: call("isnan", a, dtype=INT),
+                    **{op: partial(call, function) for op, function in FUNCTIONS.items()}}.items():
+    unary(_op, _build)
 
 
 @expression("Pow")
