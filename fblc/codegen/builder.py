@@ -28,7 +28,7 @@ import onnx_ir as ir
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
-from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, mod_index
+from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, flat_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
 from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads
 from fblc.codegen.render.opencl import render_kernel
@@ -134,14 +134,10 @@ class KernelBuilder(ValueReads):
         self.group_size = self.schedule.group_size if (self.schedule.group_size or 1) > 1 else None
 
     def _first_texel(self) -> Expr:
-        per, stride, columns, g = self.texels_per_item, self.item_stride, self.item_columns, self.g
-        if stride == 1:
-            return g * per
-        across = stride // columns  # tiles side by side in a band of the tile's rows
-        if across == 1:
-            return g * (per // columns * stride)
-        corner = mod_index(g, across) * columns if columns > 1 else mod_index(g, across)
-        return div_index(g, across) * (per // columns * stride) + corner
+        columns, g = self.item_columns, self.g
+        across = self.item_stride // columns  # tiles side by side in a band of the tile's rows
+        band = self.texels_per_item // columns * self.item_stride  # texels in the band
+        return g * band if across == 1 else flat_index([(div_index(g, across), band), (mod_index(g, across), columns)])
 
     def _tile_step(self) -> Expr:
         """Texel tt of the work-item's tile (row-major over rows and columns), from its first."""
@@ -241,7 +237,7 @@ class KernelBuilder(ValueReads):
             own_first = None
             if rows is not None:  # texel tt of the tile: its row and column follow from the tile's
                 columns = self.item_columns
-                row = rows[0] + (div_index(tt, columns) if columns > 1 else tt)
+                row = rows[0] + div_index(tt, columns)
                 column = rows[1] + mod_index(tt, columns) * 4 if columns > 1 else rows[1]
                 own_first = Block(self.numbering)
                 declare_row_index(own_first, self.out_shape, row, column, TEXEL_FIRST)

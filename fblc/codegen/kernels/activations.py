@@ -34,6 +34,13 @@ def softplus(value: Expr) -> Expr:
     return call("fmax", value, f(0.0)) + call("log1p", call("exp", -call("fabs", value)))
 
 
+#: opset 20's Gelu: 0.5 x (1 + erf(x / sqrt 2)), or approximate='tanh': 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+GELU_FORMS: dict[str, Callable[[Expr], Expr]] = {
+    "none": lambda v: f(0.5) * v * (f(1.0) + call("erf", v * f(math.sqrt(0.5)))),
+    "tanh": lambda v: f(0.5) * v * (f(1.0) + call(
+        "tanh", f(math.sqrt(2.0 / math.pi)) * call("fma", f(0.044715) * v * v, v, v))),
+}
+
 Activation = Callable[[ir.Node, Expr, Operand], Expr]
 #: op -> its activation of `v` (its input as a named value, so it can be read twice)
 ACTIVATIONS: dict[str, Activation] = {
@@ -49,6 +56,7 @@ ACTIVATIONS: dict[str, Activation] = {
         float(attr(node, "gamma", SELU_GAMMA)) * float(attr(node, "alpha", SELU_ALPHA))) * call("expm1", v)),
     "Celu": lambda node, v, x: select(v.gt(f(0.0)), v, _alpha(node, 1.0) * call(
         "expm1", v * f(1.0 / float(attr(node, "alpha", 1.0))))),
+    "Gelu": lambda node, v, x: GELU_FORMS[choice_attr(node, "approximate", "none", GELU_FORMS, "kernel")](v),
 }
 
 
@@ -58,21 +66,6 @@ def _activation(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
         raise UnsupportedOpError(f"Celu with alpha 0 (node '{node.name}') is undefined (it divides by alpha)",
                                  "use an alpha other than 0", ops=["Celu"])
     return ACTIVATIONS[node.op_type](node, b.body.let(x(node.inputs[0]), node.op_type.lower(), FLOAT), x)
-
-
-GELU_FORMS: dict[str, Callable[[Expr], Expr]] = {
-    "none": lambda v: f(0.5) * v * (f(1.0) + call("erf", v * f(math.sqrt(0.5)))),
-    "tanh": lambda v: f(0.5) * v * (f(1.0) + call(
-        "tanh", f(math.sqrt(2.0 / math.pi)) * call("fma", f(0.044715) * v * v, v, v))),
-}
-
-
-@expression("Gelu")
-def _gelu(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-    """Opset 20's Gelu: 0.5 x (1 + erf(x / sqrt 2)), or with approximate='tanh'
-    0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
-    form = GELU_FORMS[choice_attr(node, "approximate", "none", GELU_FORMS, "kernel")]
-    return form(b.body.let(x(node.inputs[0]), "gelu", FLOAT))
 
 
 @expression("Sign")

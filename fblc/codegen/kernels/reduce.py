@@ -78,8 +78,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         return flat_index(digit_terms(r, [(shape[a], strides[a] // unit) for a in loop_axes]))
 
     inner = numel(shape[axes[-1] + 1:]) if axes else 0
-    # texel-wise, when the kept axes after the last reduced one (a bias gradient's channels) are a multiple of
-    # 4 long: each texel's lanes fold 4 consecutive elements, one texel per step, in the per-texel prologue
+    # texel-wise (the module docstring), in the per-texel prologue
     if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
         prologue = b.prologue
         argument, texture = b.input_argument(source)
