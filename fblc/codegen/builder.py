@@ -234,14 +234,12 @@ class KernelBuilder(ValueReads):
         rows = self._tile_rows(self.out_shape)
         with block.loop("tt", 0, self.texels_per_item, name="tt") as (tt, texel):
             texel.add(kir.Declare(self.t, self._first_texel() + self._tile_step()))
-            own_first = None
+            first_row = None
             if rows is not None:  # texel tt of the tile: its row and column follow from the tile's
                 columns = self.item_columns
-                row = rows[0] + div_index(tt, columns)
-                column = rows[1] + mod_index(tt, columns) * 4 if columns > 1 else rows[1]
-                own_first = Block(self.numbering)
-                declare_row_index(own_first, self.out_shape, row, column, TEXEL_FIRST)
-            self._texel(texel, results, arguments, bytes_, own_first)
+                first_row = (rows[0] + div_index(tt, columns), rows[1] + mod_index(tt, columns) * 4 if columns > 1
+                             else rows[1])
+            self._texel(texel, results, arguments, bytes_, first_row)
 
     def declare_item_index(self, block: Block, shape: Sequence[int], prefix: str) -> list[Var]:
         """Declare `prefix0..` as the multi-index in `shape` of the work-item's first element."""
@@ -263,9 +261,9 @@ class KernelBuilder(ValueReads):
         return div_index(self.g, across) * (per // columns), mod_index(self.g, across) * (4 * columns)
 
     def _texel(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
-               bytes_: dict[int, Var], own_first: Block | None = None) -> None:
-        """Texel t: the lane loop computing `results` and the writes of every output (`own_first`: the
-        statements declaring its first element's multi-index, when cheaper than from t)."""
+               bytes_: dict[int, Var], first_row: tuple[Expr, Expr] | None = None) -> None:
+        """Texel t: the lane loop computing `results` and the writes of every output (`first_row`: its
+        first element's row and column, when its multi-index is cheaper from them than from t)."""
         out_numel, texels = self.out_textures[0].numel, self.out_textures[0].texels
         lane_results = [_named(f"r{k}", kir.ELEMENT_TYPES[t.kind]) for k, t in enumerate(self.out_textures)]
         block.add(*(kir.DeclareArray(r, 4, (const(0, r.dtype),) * 4) for r in lane_results))
@@ -275,8 +273,8 @@ class KernelBuilder(ValueReads):
         in_one_row = lanes is not None
         t = self.t
         if self.texel_reads or in_one_row:
-            if own_first is not None:
-                block.add(*own_first.statements)
+            if first_row is not None:
+                declare_row_index(block, self.out_shape, *first_row, TEXEL_FIRST)
             else:
                 declare_index(block, self.out_shape, t * 4, TEXEL_FIRST)
         if self.texel_reads:

@@ -78,8 +78,7 @@ class ValueReads:
 
     def element(self, value: ir.Value, index: Expr) -> Expr:
         """Element `index` (flat in `value`'s own shape) of `value`."""
-        inlined = self.constant_value(value)
-        if inlined is not None:
+        if (inlined := self.constant_value(value)) is not None:
             return inlined
         index_map = map_of(value)
         if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
@@ -101,8 +100,7 @@ class ValueReads:
     def broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> Expr:
         """`value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`; in the lane
         loop read once per texel where its 4 lanes lie in one texel (_texel_read)."""
-        inlined = self.constant_value(value)
-        if inlined is not None:
+        if (inlined := self.constant_value(value)) is not None:
             return inlined
         root, index_map = self.strided(value)
         if prefix == OUT_INDEX and tuple(out_shape) == tuple(self.out_shape):
@@ -116,8 +114,7 @@ class ValueReads:
     def channel(self, value: ir.Value, apply: Apply = _same) -> Expr:
         """In the lane loop: the 1-D `value` (one element per channel, output axis 1: a conv's bias) at the
         output element's channel, passed through `apply`; once per texel where it can (_texel_read)."""
-        inlined = self.constant_value(value)
-        if inlined is not None:
+        if (inlined := self.constant_value(value)) is not None:
             return apply(inlined)
         root, index_map = self.strided(value)
         trailing = len(self.out_shape) - 2  # the axes after the channel's
