@@ -184,8 +184,7 @@ class KernelBuilder(ValueReads):
             kernel.add(kir.Declare(launched, kir.call("get_global_id", 0, dtype=INT)))
         kernel.add(kir.If(launched.ge(launches), [kir.Return()]))
         bytes_ = {k: _named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
-        for byte in bytes_.values():
-            kernel.add(kir.Declare(byte, const(0, UINT), const=False))
+        kernel.add(*(kir.Declare(byte, const(0, UINT), const=False) for byte in bytes_.values()))
         item_block = kernel
         if pair > 1:
             with kernel.loop("sub", 0, PAIR, name="sub") as (sub, item_block):
@@ -210,8 +209,7 @@ class KernelBuilder(ValueReads):
         group, tiles = self.group_size, self.tiles_per_group
         assert group is not None and self.items % tiles == 0, f"{self.items} items in groups of {tiles}"
         floats = max(group, self.shared_floats)
-        local_id = kir.call("get_local_id", 0, dtype=INT)
-        group_id = kir.call("get_group_id", 0, dtype=INT)
+        local_id, group_id = kir.call("get_local_id", 0, dtype=INT), kir.call("get_group_id", 0, dtype=INT)
         if tiles == 1:
             kernel.add(kir.Declare(item, group_id), kir.Declare(self.lid, local_id),
                        kir.DeclareArray(self.shared, floats, local=True))

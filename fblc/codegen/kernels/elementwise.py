@@ -68,6 +68,8 @@ for _op, _build in {"Reciprocal": lambda a: f(1.0) / a, "Neg": Expr.__neg__, "No
                     **{op: partial(call, function) for op, function in FUNCTIONS.items()}}.items():
     unary(_op, _build)
 
+expression("Where")(lambda b, node, x: select(x(node.inputs[0]), x(node.inputs[1]), x(node.inputs[2])))
+
 
 @expression("Pow")
 def _pow(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
@@ -115,11 +117,6 @@ def _clip(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
         if len(node.inputs) > k and node.inputs[k] is not None:
             result = call(function, result, x(node.inputs[k]))
     return result
-
-
-@expression("Where")
-def _where(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-    return select(x(node.inputs[0]), x(node.inputs[1]), x(node.inputs[2]))
 
 
 @expression("Cast")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import onnx_ir as ir
@@ -28,6 +29,7 @@ from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
 
 Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator; also (partial, partial)
+_fmax: Combine = partial(call, "fmax")
 
 
 def reduced_axes(node: ir.Node) -> list[int]:
@@ -126,10 +128,6 @@ def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: 
     """acc = combine(acc, x) over the `run` consecutive elements of `source` from flat index `row`."""
     with block.loop("ri", first, run, step=step) as (inner, fold):
         fold.assign(acc, combine(acc, fold.let(b.element(source, row + inner), "x")))
-
-
-def _fmax(a: Expr, x: Expr) -> Expr:
-    return call("fmax", a, x)
 
 
 @register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
