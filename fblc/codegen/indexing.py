@@ -45,10 +45,8 @@ def declare_row_index(block: Block, shape: Sequence[int], row: Expr, column: Exp
     rows of its lane axis (the axes after it have length 1)."""
     axis = lane_axis(shape)
     assert axis is not None
-    names = declare_index(block, shape[:axis], row, prefix)
-    for k in range(axis, len(shape)):
-        names.append(index_var(prefix, k))
-        block.add(kir.Declare(names[-1], column if k == axis else const(0)))
+    names = declare_index(block, shape[:axis], row, prefix) + [index_var(prefix, k) for k in range(axis, len(shape))]
+    block.add(*(kir.Declare(name, column if k == axis else const(0)) for k, name in enumerate(names) if k >= axis))
     return names
 
 
