@@ -1,8 +1,5 @@
-"""KernelBuilder: what every kernel emitter writes through.
-
-Its reads of values are ValueReads' (`reads.py`); it collects the per-lane body and wraps it into the
-per-element kernel skeleton, whose arguments and writes are `cl.py`'s preamble's (IMAGE_OUT / IMAGE_IN,
-WRF / WRI / WRU: image2d_t, or buffers under FBLC_BUFFERS).
+"""KernelBuilder: what every kernel emitter writes through. Its reads are ValueReads' (`reads.py`); it
+collects the per-lane body and wraps it into the per-element kernel skeleton.
 
 A kernel may also have a per-texel prologue (`prologue`): code run once per work-item, before the lane
 loop, that sees the multi-index of the texel's first element as `u0, u1..` (TEXEL_INDEX). Contractions

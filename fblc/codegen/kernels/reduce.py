@@ -51,15 +51,6 @@ class Folded:
     lane: Expr
 
 
-def _suffix_run(shape: list[int], axes: list[int]) -> tuple[int, int]:
-    """(first axis, elements) of the longest run of trailing source axes that are all reduced
-    (elements 0: the last axis is kept)."""
-    run, axis = 1, len(shape) - 1
-    while axis >= 0 and axis in axes:
-        run, axis = run * shape[axis], axis - 1
-    return axis + 1, run if axis < len(shape) - 1 else 0
-
-
 def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Combine,
                    start: float, merge: Combine = lambda p, q: p + q) -> Folded:
     """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`. With
@@ -95,7 +86,10 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     body = b.body
     base = body.let(base_of(OUT_INDEX), "base")
     acc = body.mutable(const(start, FLOAT), "acc")
-    suffix, run = _suffix_run(shape, axes)
+    suffix = len(shape)  # the first of the trailing axes that are all reduced
+    while suffix > 0 and suffix - 1 in axes:
+        suffix -= 1
+    run = numel(shape[suffix:]) if suffix < len(shape) else 0  # the run of their elements (0: the last axis is kept)
     outer = [a for a in axes if a < suffix]
     if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes folded in turn
         argument, texture = b.input_argument(source)
