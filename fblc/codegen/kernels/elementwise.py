@@ -155,8 +155,7 @@ def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, Ex
             raise UnsupportedOpError(f"no elementwise expression for op {node.op_type} (node '{node.name}')",
                                      f"supported: {', '.join(sorted(EXPRESSIONS))}")
         b.nodes.append(node.name)
-        value = build(b, node, operand)
-        env[id(node.outputs[0])] = b.body.let(value, "v", dtype_of(node.outputs[0]))
+        env[id(node.outputs[0])] = b.body.let(build(b, node, operand), "v", dtype_of(node.outputs[0]))
     return env
 
 
