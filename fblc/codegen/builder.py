@@ -1,36 +1,23 @@
-"""KernelBuilder: what every kernel emitter writes through.
+"""KernelBuilder: what every kernel emitter writes through. Its reads are ValueReads' (`reads.py`); it
+collects the per-lane body and wraps it into the per-element kernel skeleton.
 
-Its reads of values (texture arguments, texel reads through RDF/RDI, inlined one-element
-constants) are ValueReads' (`reads.py`); it collects the per-lane body and wraps it into the
-per-element kernel skeleton: arguments declared through IMAGE_OUT / IMAGE_IN with their format's
-texel type and written through WRF / WRI / WRU (`cl.py`'s preamble: image2d_t, or buffers under
-FBLC_BUFFERS).
+A kernel may also have a per-texel prologue (`prologue`): code run once per work-item, before the lane
+loop, that sees the multi-index of the texel's first element as `u0, u1..` (TEXEL_INDEX). Contractions
+compute all four lanes' reductions there, sharing the reads the lanes have in common. A work-item may
+hold a tile, its kernel's `Schedule` (kernels/schedules.py decides it before the kernel is built;
+`finish` records what the kernel used, for plan.json): `texels_per_item` consecutive texels, or with
+`item_stride` s > 1 rows s texels apart of `item_columns` consecutive texels each.
 
-A kernel may also have a per-texel prologue (`emit_texel`): code run once per work-item,
-before the lane loop, that sees the multi-index of the texel's first element as `u0, u1..`
-(TEXEL_INDEX). Contractions use it to compute all four lanes' reductions together, sharing
-the reads the lanes have in common, and leave only their epilogue to the lane loop. With
-`texels_per_item` > 1 a work-item covers that many consecutive texels: the prologue computes
-all their elements (indexed by `item_lane` in the lane loop) and each texel is then written
-as usual. With `item_stride` s > 1 a work-item holds a 2-D tile of the output: rows s texels
-apart, each of `item_columns` consecutive texels.
-
-An r_mask8 output (a saved mask, 8 elements a byte) takes two texels per byte, and an image
-write stores a whole byte, so the work-item that writes byte b must compute both its texels,
-2b and 2b + 1: it ORs their nibbles and writes the byte after the odd one. A work-item whose
-texels pair up among themselves (an even count of consecutive texels from an even one, or a
-2-D tile whose rows are an even number of texels, an even number apart) writes them as they
-come; one of an odd count (one texel, or a conv's 5 or 3 in a row) runs two consecutive items
-in turn (`PAIR`). A 2-D tile of odd columns cannot: its schedule stores the mask as r_mask4
-(codegen/schedule.py, decided before any texture exists).
-
-The tile, like the work-group a long reduction takes, is the kernel's `Schedule`, which
-kernels/schedules.py decided before the kernel is built (TextureTable.schedules, by kernel name);
-`finish` records what the kernel used into it (plan.json).
+An r_mask8 output (8 elements a byte) takes two texels per byte, and an image write stores a whole
+byte, so the work-item that writes byte b computes both texels 2b and 2b + 1: it ORs their nibbles and
+writes the byte after the odd one. A work-item of an odd count of texels runs two items in turn (`PAIR`);
+a 2-D tile of odd columns cannot, so its schedule stores the mask as r_mask4 (codegen/schedule.py).
 """
 
 from __future__ import annotations
 
+import operator
+from functools import reduce
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import onnx_ir as ir
@@ -38,7 +25,7 @@ import onnx_ir as ir
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
-from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, mod_index
+from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, flat_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
 from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads
 from fblc.codegen.render.opencl import render_kernel
@@ -56,10 +43,7 @@ PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of
 
 
 class KernelBuilder(ValueReads):
-    """Builds one per-element kernel writing `outputs` (all of one shape); reads come from ValueReads.
-
-    Its statement lists (`lines`: the lane loop's body, `texel_lines`: the per-texel prologue,
-    `lane_fallback`) hold IR statements."""
+    """Builds one per-element kernel writing `outputs` (all of one shape); reads come from ValueReads."""
 
     def __init__(self, table: TextureTable, name: str, family: str, outputs: Sequence[ir.Value]) -> None:
         super().__init__(table, static_shape(outputs[0]))
@@ -67,13 +51,10 @@ class KernelBuilder(ValueReads):
         self.family = family
         self.outputs = list(outputs)
         self.out_textures = [table.of(v) for v in self.outputs]
-        self.lines: list[Statement] = []
+        self.lines: list[Statement] = []  # the lane loop's body
         self.texel_lines: list[Statement] = []  # the per-texel prologue, before the lane loop
         #: per output texel, just before its lane loop: the lanes a guarded reduction leaves (reduce_guarded)
         self.lane_fallback: list[Statement] = []
-        self.texels_per_item = 1  # texels a work-item computes (its prologue covers them all)
-        self.item_stride = 1  # texels between a work-item's consecutive rows of texels
-        self.item_columns = 1  # consecutive texels per row of a work-item's tile (item_stride > 1)
         self.nodes: list[str] = []
         #: work-items that cooperate on each output texel, or tile of texels (a work-group: `lid` its
         #: local id; the group's results go out from work-item 0), or None: one work-item per texel
@@ -81,16 +62,14 @@ class KernelBuilder(ValueReads):
         self.tiles_per_group = 1  # items (tiles) a group kernel's work-group holds, group_size work-items each
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
         # the skeleton's variables, named for the emitters that still write C around them
-        self.t = self.named("t", INT)
-        self.g = self.named("g", INT)
-        self.tt = self.named("tt", INT)
-        self.lane = self.named("lane", INT)
-        self.flat = self.named("i", INT)
-        self.lid = self.named("lid", INT)
-        self.shared = self.named("shared", kir.FLOAT)
-
+        self.t, self.g, self.tt, self.lane, self.flat, self.lid = (
+            _named(var, INT) for var in ("t", "g", "tt", "lane", "i", "lid"))
+        self.shared = _named("shared", kir.FLOAT)
         self.schedule = table.schedules.setdefault(name, Schedule())
-        self.tile_texels(self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride)
+        # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
+        rows, columns, stride = self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride
+        assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
+        self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
 
     @classmethod
     def for_group(cls, table: TextureTable, group: KernelGroup, family: str) -> KernelBuilder:
@@ -99,9 +78,6 @@ class KernelBuilder(ValueReads):
         b = cls(table, group.name, family, group.outputs)
         b.nodes.append(group.anchor.name)
         return b
-
-    def named(self, name: str, dtype: kir.DType) -> Var:
-        return Var(name, 0, dtype, name)
 
     @property
     def body(self) -> Block:
@@ -113,21 +89,18 @@ class KernelBuilder(ValueReads):
         """The per-texel prologue (run once per work-item, before the lane loop), to build IR into."""
         return Block(self.numbering, self.texel_lines)  # type: ignore[arg-type]
 
-    # writing the body ------------------------------------------------------------------------
     def merge_across_group(self, acc: Var | kir.Lane, merge: Callable[[Expr, Expr], Expr] = lambda a, b: a + b,
                            prologue: bool = False) -> None:
-        """Join every work-item's partial `acc` (a float, or a lane of a float4) with `merge` (of two
-        partials) in a tree in __local memory; afterwards every work-item of the group holds the result.
-        Only in a group kernel (`group_size`), where every work-item reaches the barriers; in the
-        per-texel prologue with `prologue`."""
+        """Join every work-item's partial `acc` (a float, or a lane of a float4) with `merge` in a tree in
+        __local memory, in the lane loop or the per-texel `prologue`; then every work-item holds the result.
+        Only in a group kernel's uniform code: every work-item must reach the barriers."""
         assert self.group_size is not None, "a merge across the group needs a group kernel"
         block = self.prologue if prologue else self.body
         mine = kir.Element(self.shared, self.lid)
         block.assign(mine, acc)
         block.add(kir.Barrier())
         with block.loop("s", self.group_size // 2, None, condition=lambda s: s.gt(0), step_op=">>=") as (s, tree):
-            with tree.when(self.lid.lt(s)) as half:
-                half.assign(mine, merge(mine, kir.Element(self.shared, self.lid + s)))
+            tree.add(kir.If(self.lid.lt(s), [kir.Assign(mine, merge(mine, kir.Element(self.shared, self.lid + s)))]))
             tree.add(kir.Barrier())
         block.assign(acc, kir.Element(self.shared, const(0)))
         block.add(kir.Barrier())  # shared is free again for the next merge
@@ -153,33 +126,15 @@ class KernelBuilder(ValueReads):
             read.assign(kir.Element(array, j), kir.Element(self.shared, j * group))
         return out.statements
 
-    def tile_texels(self, rows: int, columns: int, stride: int) -> None:
-        """Make each work-item hold a 2-D tile: `rows` rows `stride` texels apart, each of `columns`
-        consecutive texels (stride a multiple of columns; rows 1 texel apart are consecutive texels)."""
-        assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
-        self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
-
     def take_group(self) -> None:
         """Share each item among the schedule's group_size work-items (a long reduction's work-group)."""
-        size = self.schedule.group_size or 1
-        self.group_size = size if size > 1 else None
-
-    def _record_schedule(self) -> None:
-        """Write what the kernel used into its schedule (plan.json records it)."""
-        schedule, columns = self.schedule, self.item_columns
-        schedule.tile_rows, schedule.tile_columns = self.texels_per_item // columns, columns
-        schedule.tile_stride, schedule.tiles_per_group = self.item_stride, self.tiles_per_group
-        schedule.group_size = self.group_size or 1
+        self.group_size = self.schedule.group_size if (self.schedule.group_size or 1) > 1 else None
 
     def _first_texel(self) -> Expr:
-        per, stride, columns, g = self.texels_per_item, self.item_stride, self.item_columns, self.g
-        if stride == 1:
-            return g * per
-        across = stride // columns  # tiles side by side in a band of the tile's rows
-        if across == 1:
-            return g * (per // columns * stride)
-        corner = mod_index(g, across) * columns if columns > 1 else mod_index(g, across)
-        return div_index(g, across) * (per // columns * stride) + corner
+        columns, g = self.item_columns, self.g
+        across = self.item_stride // columns  # tiles side by side in a band of the tile's rows
+        band = self.texels_per_item // columns * self.item_stride  # texels in the band
+        return g * band if across == 1 else flat_index([(div_index(g, across), band), (mod_index(g, across), columns)])
 
     def _tile_step(self) -> Expr:
         """Texel tt of the work-item's tile (row-major over rows and columns), from its first."""
@@ -202,49 +157,40 @@ class KernelBuilder(ValueReads):
 
     def finish(self, results: Sequence[Expr]) -> Kernel:
         """The kernel whose lane computes `results[k]` for output k."""
-        texels = self.out_textures[0].texels
-        per_item = self.texels_per_item
-        band = per_item // self.item_columns * self.item_stride  # texels in a band of the tiles' rows
+        texels, per_item, columns = self.out_textures[0].texels, self.texels_per_item, self.item_columns
+        band = per_item // columns * self.item_stride  # texels in a band of the tiles' rows
         assert texels % band == 0, f"{texels} texels in bands of {band}"
-        items = self.items
+        items, group, schedule = self.items, self.group_size, self.schedule
         masks = [t for t in self.out_textures if t.format == MASK_FORMATS["mask8"]]
-        self._record_schedule()
-        assert not masks or pairs_mask_bytes(self.schedule), \
+        schedule.tile_rows, schedule.tile_columns = per_item // columns, columns  # what it used, for plan.json
+        schedule.tile_stride, schedule.tiles_per_group = self.item_stride, self.tiles_per_group
+        schedule.group_size = group or 1
+        assert not masks or pairs_mask_bytes(schedule), \
             f"{self.name}: its tile splits the bytes of mask8 outputs its schedule did not store as r_mask4"
         pair = PAIR if masks and per_item % 2 else 1
         arguments = [self.argument_of("out", k, t) for k, t in enumerate(self.out_textures)]
         arguments += [self.argument_of("in", k, t) for k, t in enumerate(self.in_textures)]
         kernel = Block(self.numbering)
         item = self.t if per_item == 1 else self.g  # the item's index: its texel, or its place among the items
-        group = self.group_size
+        launched = item if pair == 1 else _named("wi", INT)  # what a work-item is: an item, or a pair of them
+        launches = -(-items // pair)
         if group is not None:  # group_size work-items per item: every branch below is uniform in them
             assert pair == 1 and not masks, "group kernels write float texels"
             self._group_header(kernel, item)
-            with kernel.when(item.ge(items)) as done:
-                done.add(kir.Return())
-            item_block = kernel
-        elif pair == 1:
-            kernel.add(kir.Declare(item, kir.call("get_global_id", 0, dtype=INT)))
-            with kernel.when(item.ge(items)) as done:
-                done.add(kir.Return())
-            item_block = kernel
         else:
-            wi = self.named("wi", INT)
-            kernel.add(kir.Declare(wi, kir.call("get_global_id", 0, dtype=INT)))
-            with kernel.when(wi.ge(-(-items // pair))) as done:
-                done.add(kir.Return())
-        bytes_ = {k: self.named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
-        for byte in bytes_.values():
-            kernel.add(kir.Declare(byte, const(0, UINT), const=False))
+            kernel.add(kir.Declare(launched, kir.call("get_global_id", 0, dtype=INT)))
+        kernel.add(kir.If(launched.ge(launches), [kir.Return()]))
+        bytes_ = {k: _named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
+        kernel.add(*(kir.Declare(byte, const(0, UINT), const=False) for byte in bytes_.values()))
+        item_block = kernel
         if pair > 1:
             with kernel.loop("sub", 0, PAIR, name="sub") as (sub, item_block):
-                item_block.add(kir.Declare(item, self.named("wi", INT) * pair + sub))
+                item_block.add(kir.Declare(item, launched * pair + sub))
                 if items % pair:
-                    with item_block.when(item.ge(items)) as past:
-                        past.add(kir.Break())
+                    item_block.add(kir.If(item.ge(items), [kir.Break()]))
         self._item(item_block, results, arguments, bytes_)
         body = kir.KernelIR(self.name, arguments, kernel.statements)
-        return Kernel(self.name, self.family, render_kernel(body), items * group if group else -(-items // pair),
+        return Kernel(self.name, self.family, render_kernel(body), items * group if group else launches,
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
                       nodes=list(self.nodes), group_size=group * self.tiles_per_group if group else None, ir=body)
 
@@ -254,53 +200,44 @@ class KernelBuilder(ValueReads):
         return self.out_textures[0].texels // self.texels_per_item
 
     def _group_header(self, kernel: Block, item: Var) -> None:
-        """A group kernel's item `item`, its work-item's `lid` among the item's group_size and the item's
-        __local `shared` floats. With tiles_per_group > 1 the work-group's consecutive runs of group_size
-        work-items hold consecutive items, each with its own slice of the group's __local `pool`, so
-        the merges index `shared` alike; every work-group holds whole items (their count divides items)."""
+        """A group kernel's `item`, its work-item's `lid` and the item's __local `shared` floats; with
+        tiles_per_group > 1, consecutive runs of group_size work-items hold consecutive items, each
+        with its own slice of the group's __local `pool`, so the merges index `shared` alike."""
         group, tiles = self.group_size, self.tiles_per_group
         assert group is not None and self.items % tiles == 0, f"{self.items} items in groups of {tiles}"
         floats = max(group, self.shared_floats)
-        local_id = kir.call("get_local_id", 0, dtype=INT)
-        group_id = kir.call("get_group_id", 0, dtype=INT)
+        local_id, group_id = kir.call("get_local_id", 0, dtype=INT), kir.call("get_group_id", 0, dtype=INT)
         if tiles == 1:
             kernel.add(kir.Declare(item, group_id), kir.Declare(self.lid, local_id),
                        kir.DeclareArray(self.shared, floats, local=True))
             return
         run = div_index(local_id, group)
-        pool = self.named("pool", kir.FLOAT)
+        pool = _named("pool", kir.FLOAT)
         kernel.add(kir.Declare(item, group_id * tiles + run), kir.Declare(self.lid, mod_index(local_id, group)),
                    kir.DeclareArray(pool, tiles * floats, local=True),
-                   kir.Declare(Var("shared", 0, kir.FLOAT.pointer(), "shared"), pool + run * floats))
+                   kir.Declare(_named("shared", kir.FLOAT.pointer()), pool + run * floats))
 
     def _item(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
               bytes_: dict[int, Var]) -> None:
         """One item (t or g declared): its per-texel prologue, then each of its texels."""
-        prologue = list(self.texel_lines)
-        if self.texels_per_item == 1:  # the prologue covers texel t
-            if prologue:
-                self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
-                block.add(*prologue)
+        if self.texel_lines or self.texels_per_item > 1:  # the prologue sees its first texel's index
+            self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
+            block.add(*self.texel_lines)
+        if self.texels_per_item == 1:
             self._texel(block, results, arguments, bytes_)
             return
-        self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
-        block.add(*prologue)
         rows = self._tile_rows(self.out_shape)
         with block.loop("tt", 0, self.texels_per_item, name="tt") as (tt, texel):
             texel.add(kir.Declare(self.t, self._first_texel() + self._tile_step()))
-            own_first = None
+            first_row = None
             if rows is not None:  # texel tt of the tile: its row and column follow from the tile's
                 columns = self.item_columns
-                row = rows[0] + (div_index(tt, columns) if columns > 1 else tt)
-                column = rows[1] + mod_index(tt, columns) * 4 if columns > 1 else rows[1]
-                own_first = Block(self.numbering)
-                declare_row_index(own_first, self.out_shape, row, column, TEXEL_FIRST)
-            self._texel(texel, results, arguments, bytes_, own_first)
+                first_row = (rows[0] + div_index(tt, columns), rows[1] + mod_index(tt, columns) * 4 if columns > 1
+                             else rows[1])
+            self._texel(texel, results, arguments, bytes_, first_row)
 
     def declare_item_index(self, block: Block, shape: Sequence[int], prefix: str) -> list[Var]:
-        """Declare `prefix0..` as the multi-index in `shape` of the work-item's first element: from the
-        item's place in the grid of tiles where a tile's rows are rows of the shape's lane axis, else by
-        dividing its flat index."""
+        """Declare `prefix0..` as the multi-index in `shape` of the work-item's first element."""
         rows = self._tile_rows(shape)
         if rows is None:
             return declare_index(block, shape, self.first_element, prefix)
@@ -319,23 +256,20 @@ class KernelBuilder(ValueReads):
         return div_index(self.g, across) * (per // columns), mod_index(self.g, across) * (4 * columns)
 
     def _texel(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
-               bytes_: dict[int, Var], own_first: Block | None = None) -> None:
-        """Texel t: the lane loop computing `results` and the writes of every output (`own_first`: the
-        statements declaring its first element's multi-index, when cheaper than from t)."""
+               bytes_: dict[int, Var], first_row: tuple[Expr, Expr] | None = None) -> None:
+        """Texel t: the lane loop computing `results` and the writes of every output (`first_row`: its
+        first element's row and column, when its multi-index is cheaper from them than from t)."""
         out_numel, texels = self.out_textures[0].numel, self.out_textures[0].texels
-        lane_results = []
-        for k, texture in enumerate(self.out_textures):
-            dtype = kir.ELEMENT_TYPES[texture.kind]
-            lane_results.append(self.named(f"r{k}", dtype))
-            block.add(kir.DeclareArray(lane_results[-1], 4, (const(0, dtype),) * 4))
+        lane_results = [_named(f"r{k}", kir.ELEMENT_TYPES[t.kind]) for k, t in enumerate(self.out_textures)]
+        block.add(*(kir.DeclareArray(r, 4, (const(0, r.dtype),) * 4) for r in lane_results))
         # a texel within one row of the lane axis: its lanes' indices are its first element's, plus the
         # lane along that axis (one division per axis per texel, not per lane)
         lanes = lane_axis(self.out_shape)
         in_one_row = lanes is not None
         t = self.t
         if self.texel_reads or in_one_row:
-            if own_first is not None:
-                block.add(*own_first.statements)
+            if first_row is not None:
+                declare_row_index(block, self.out_shape, *first_row, TEXEL_FIRST)
             else:
                 declare_index(block, self.out_shape, t * 4, TEXEL_FIRST)
         if self.texel_reads:
@@ -349,12 +283,11 @@ class KernelBuilder(ValueReads):
         with block.loop("lane", 0, 4, unroll=not tail, name="lane") as (lane, body):
             body.add(kir.Declare(self.flat, t * 4 + lane))
             if tail:
-                with body.when(self.flat.ge(out_numel)) as past:
-                    past.add(kir.Break())
+                body.add(kir.If(self.flat.ge(out_numel), [kir.Break()]))
             if in_one_row:
                 for axis in range(len(self.out_shape)):
-                    first = self.named(f"{TEXEL_FIRST}{axis}", INT)
-                    body.add(kir.Declare(self.named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
+                    first = _named(f"{TEXEL_FIRST}{axis}", INT)
+                    body.add(kir.Declare(_named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
             else:
                 declare_index(body, self.out_shape, self.flat, OUT_INDEX)
             body.add(*self.lines)
@@ -363,29 +296,20 @@ class KernelBuilder(ValueReads):
         for k, texture in enumerate(self.out_textures):
             lanes_of = [kir.Element(lane_results[k], const(lane)) for lane in range(4)]
             argument = arguments[k]
-            if texture.format in (MASK_FORMATS["mask8"], MASK_FORMATS["mask4"]):
-                bits = _or_all([lanes_of[lane].ne(0) << lane for lane in range(4)])  # lane l: bit l
-                if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
-                    byte = bytes_[k]
-                    block.assign(byte, kir.Cast(UINT, bits) << ((t & 1) * 4), "|=")
-                    odd = t & 1 if texels % 2 == 0 else (t & 1).logical_or(t.eq(texels - 1))  # an odd count's last byte
-                    with block.when(odd) as full:
-                        full.store(argument, t >> 1, kir.vector(kir.UINT4, byte, 0, 0, 0))
-                        full.assign(byte, const(0, UINT))
-                else:  # the texel's 4 booleans as the low bits of byte t
-                    block.store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0))
-                continue
-            value = kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of))
-            if self.group_size is not None:  # a group kernel's texel goes out from its work-item 0
-                with block.when(self.lid.eq(0)) as first:
-                    first.store(argument, t, value)
-            else:
-                block.store(argument, t, value)
+            bits = reduce(operator.or_, [lanes_of[lane].ne(0) << lane for lane in range(4)])  # a mask's: lane l, bit l
+            if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
+                byte = bytes_[k]
+                block.assign(byte, kir.Cast(UINT, bits) << ((t & 1) * 4), "|=")
+                odd = t & 1 if texels % 2 == 0 else (t & 1).logical_or(t.eq(texels - 1))  # an odd count's last byte
+                block.add(kir.If(odd, [kir.Store(argument, t >> 1, kir.vector(kir.UINT4, byte, 0, 0, 0)),
+                                       kir.Assign(byte, const(0, UINT))]))
+            elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
+                block.store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0))
+            else:  # a group kernel's texel goes out from its work-item 0
+                store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
+                block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)
 
 
-
-def _or_all(parts: Sequence[Expr]) -> Expr:
-    total = parts[0]
-    for part in parts[1:]:
-        total = total | part
-    return total
+def _named(name: str, dtype: kir.DType) -> Var:
+    """A skeleton variable: a fixed name, no number."""
+    return Var(name, 0, dtype, name)

@@ -1,10 +1,5 @@
-"""Kernel: one __kernel of a bundle, as the emitters hand it to the plan (its IR, its rendered source,
-launch size and texture arguments).
-
-Every kernel has one work-item per output texel (or tile of texels, or work-group per item);
-shapes, strides and texture widths are compile-time literals. `strides_of` is the row-major
-strides every emitter indexes with.
-"""
+"""Kernel: one __kernel of a bundle as the emitters hand it to the plan; `strides_of`: the row-major
+strides every emitter indexes with (shapes, strides and texture widths are compile-time literals)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Index arithmetic in the kernel IR: multi-indices from flat ones, flat indices into (strided) views.
 
-Every division and remainder is by a compile-time constant (ir.div_index / ir.mod_index: shifts
-and reciprocal multiplies). A kernel's multi-index variables have fixed names, `prefix` and axis
-(`o0, o1..` for the output element), which emitters not yet ported to the IR still write around.
+Every division and remainder is by a compile-time constant (ir.div_index / ir.mod_index: shifts and
+reciprocal multiplies). Multi-index variables have fixed names, `prefix` and axis (`o0, o1..`: the output's).
 """
 
 from __future__ import annotations
@@ -13,16 +12,12 @@ import numpy as np
 
 from fblc.codegen import ir as kir
 from fblc.codegen.ir import INT, Block, Expr, Var, const, div_index, flat_index, mod_index
-from fblc.compiler.index_map import IndexMap, row_major_strides
+from fblc.compiler.index_map import IndexMap
 
 
 def index_var(prefix: str, axis: int) -> Var:
     """Axis `axis` of the multi-index named `prefix` (declared by declare_index)."""
     return Var(prefix, 0, INT, f"{prefix}{axis}")
-
-
-def index_vars(prefix: str, rank: int) -> list[Var]:
-    return [index_var(prefix, axis) for axis in range(rank)]
 
 
 def lane_axis(shape: Sequence[int]) -> int | None:
@@ -34,17 +29,13 @@ def lane_axis(shape: Sequence[int]) -> int | None:
 
 
 def unflatten(shape: Sequence[int], flat: Expr) -> list[Expr]:
-    """The multi-index of flat index `flat` (non-negative) in `shape`."""
-    indices = []
-    for axis, (dim, stride) in enumerate(zip(shape, row_major_strides(tuple(shape)))):
-        index = div_index(flat, stride)
-        indices.append(mod_index(index, dim) if axis > 0 else index)
-    return indices
+    """The multi-index of flat index `flat` (non-negative) in `shape`: its mixed-radix digits."""
+    return [index for index, _ in digit_terms(flat, [(dim, 1) for dim in shape])]
 
 
 def declare_index(block: Block, shape: Sequence[int], flat: Expr, prefix: str) -> list[Var]:
     """Declare `prefix0..` as the multi-index of flat index `flat` (non-negative) in `shape`."""
-    names = index_vars(prefix, len(shape))
+    names = [index_var(prefix, axis) for axis in range(len(shape))]
     block.add(*(kir.Declare(name, index) for name, index in zip(names, unflatten(shape, flat))))
     return names
 
@@ -54,10 +45,8 @@ def declare_row_index(block: Block, shape: Sequence[int], row: Expr, column: Exp
     rows of its lane axis (the axes after it have length 1)."""
     axis = lane_axis(shape)
     assert axis is not None
-    names = declare_index(block, shape[:axis], row, prefix)
-    for k in range(axis, len(shape)):
-        names.append(index_var(prefix, k))
-        block.add(kir.Declare(names[-1], column if k == axis else const(0)))
+    names = declare_index(block, shape[:axis], row, prefix) + [index_var(prefix, k) for k in range(axis, len(shape))]
+    block.add(*(kir.Declare(name, column if k == axis else const(0)) for k, name in enumerate(names) if k >= axis))
     return names
 
 

@@ -1,11 +1,9 @@
 """ValueReads: how a kernel reads the values it is given, the half of KernelBuilder that reads.
 
-A value is read as a literal (a one-element constant), as one element of its texture
-(`load`: RDF/RDI of the element's texel, then its lane; a strided view unflattens the index
-and applies its root's strides) or, in the lane loop, from a texel read once per output texel
-before the lane loop (`texel_reads`): the lanes' own texel, one element broadcast along the
-lanes, or the at most two elements of a value constant over blocks of 4 or more output elements
-(a conv's per-channel epilogue).
+A value is read as a literal (a one-element constant), as one element of its texture (a strided view
+unflattens the index and applies its root's strides) or, in the lane loop, from a texel read once per
+output texel before the lane loop (`texel_reads`): the lanes' own texel, one element broadcast along the
+lanes, or the at most two elements of a value constant over blocks of 4 or more output elements.
 """
 
 from __future__ import annotations
@@ -35,6 +33,10 @@ def dtype_of(value: ir.Value) -> kir.DType:
     return kir.FLOAT if is_float(value) else INT
 
 
+def _same(value: Expr) -> Expr:
+    return value
+
+
 class ValueReads:
     """The texture arguments a kernel reads and the reads it hoists out of its lane loop."""
 
@@ -54,12 +56,10 @@ class ValueReads:
 
     def constant_value(self, value: ir.Value) -> kir.Const | None:
         """A literal for a one-element constant; parameters and state (graph inputs) are never inlined."""
-        if value.is_graph_input():
+        array = None if value.is_graph_input() else const_array(value)
+        if array is None or array.size != 1:
             return None
-        array = const_array(value)
-        if array is not None and array.size == 1:
-            return kir.Const(np.asarray(array).reshape(-1)[0].item(), dtype_of(value))
-        return None
+        return kir.Const(np.asarray(array).reshape(-1)[0].item(), dtype_of(value))
 
     def argument_of(self, role: str, index: int, texture: Texture) -> kir.Argument:
         kind = "uint" if texture.mask_elements else texture.kind
@@ -78,8 +78,7 @@ class ValueReads:
 
     def element(self, value: ir.Value, index: Expr) -> Expr:
         """Element `index` (flat in `value`'s own shape) of `value`."""
-        inlined = self.constant_value(value)
-        if inlined is not None:
+        if (inlined := self.constant_value(value)) is not None:
             return inlined
         index_map = map_of(value)
         if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
@@ -92,20 +91,16 @@ class ValueReads:
         return kir.Load(argument, index >> 2).lane(index & 3)
 
     def texel(self, argument: kir.Argument, texture: Texture, texel: Expr) -> kir.Load:
-        """The whole texel `texel` of an input. Every read of a texture goes through its Load, which
-        trace builds record (fblc.runtime.trace)."""
+        """The whole texel `texel` of an input (trace builds record every Load: fblc.runtime.trace)."""
         if texture.mask_elements:
             raise AssertionError(f"the mask '{texture.name}' ({texture.format}) has no 4-element texels: read it "
                                  "through element()")
         return kir.Load(argument, texel)
 
     def broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> Expr:
-        """`value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`.
-
-        In the lane loop, a value whose 4 lanes lie in one texel (the texel's own, or one element
-        broadcast along the lanes) is read once per texel, before the lane loop."""
-        inlined = self.constant_value(value)
-        if inlined is not None:
+        """`value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`; in the lane
+        loop read once per texel where its 4 lanes lie in one texel (_texel_read)."""
+        if (inlined := self.constant_value(value)) is not None:
             return inlined
         root, index_map = self.strided(value)
         if prefix == OUT_INDEX and tuple(out_shape) == tuple(self.out_shape):
@@ -116,43 +111,35 @@ class ValueReads:
                 return self.element(root, kir.Var(FLAT_OUT_INDEX, 0, INT, FLAT_OUT_INDEX))  # the output's own order
         return self.element(root, broadcast_view_index(index_map, out_shape, prefix))
 
-    def channel(self, value: ir.Value, axis: int = 1, apply: Apply | None = None) -> Expr:
-        """In the lane loop: the 1-D `value` (one element per index of output `axis`, e.g. a conv's bias,
-        BatchNormalization's statistics) at the output element's index there, passed through `apply`;
-        read, and applied, once per texel where its lanes share one or two elements."""
-        applied = apply or (lambda e: e)
-        inlined = self.constant_value(value)
-        if inlined is not None:
-            return applied(inlined)
+    def channel(self, value: ir.Value, apply: Apply = _same) -> Expr:
+        """In the lane loop: the 1-D `value` (one element per channel, output axis 1: a conv's bias) at the
+        output element's channel, passed through `apply`; once per texel where it can (_texel_read)."""
+        if (inlined := self.constant_value(value)) is not None:
+            return apply(inlined)
         root, index_map = self.strided(value)
-        trailing = len(self.out_shape) - 1 - axis
+        trailing = len(self.out_shape) - 2  # the axes after the channel's
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        key = repr(applied(kir.Var("x", 0, kir.FLOAT, "x")))  # one hoisted read per value and applied formula
-        hoisted = self._texel_read(root, spread, applied, key=key)
-        return hoisted if hoisted is not None else applied(self.element(value, index_var(OUT_INDEX, axis)))
+        key = repr(apply(kir.Var("x", 0, kir.FLOAT, "x")))  # one hoisted read per value and applied formula
+        hoisted = self._texel_read(root, spread, apply, key=key)
+        return hoisted if hoisted is not None else apply(self.element(value, index_var(OUT_INDEX, 1)))
 
-    def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: Apply | None = None,
-                    key: str = "") -> Expr | None:
-        """The lane's element of `root` read through `index_map` (broadcast to the output) from a
-        texel read once per output texel, passed through `apply` (once per element read where blocks of
-        a row share it, _block_read); None when the 4 lanes of an output texel do not map to the 4 lanes
-        of one texel (as they always do when `root` is read in the output's own order), or to one element."""
+    def _texel_read(self, root: ir.Value, index_map: IndexMap, apply: Apply = _same, key: str = "") -> Expr | None:
+        """The lane's element of `root` read through `index_map` (broadcast to the output), passed
+        through `apply`, from a texel read once per output texel (or _block_read's elements); None when
+        an output texel's 4 lanes map neither to the 4 lanes of one texel nor to one element."""
         out = self.out_shape
         texture = self.table.of(root)
         if not out or texture.mask_elements:
             return None
         own = index_map.contiguous and tuple(index_map.shape) == tuple(out)  # an optimizer's operands
-        if own:  # the output's own element order, any shape: texel t holds the 4 lanes
-            one_element = False
-        elif out[-1] % 4:
+        if not own and out[-1] % 4:
             return self._block_read(root, index_map, apply, key)
-        elif index_map.shape and index_map.shape[-1] != 1:  # the lanes' own texel: it must be aligned
-            if not index_map.lanes_read_texels():
-                return None
-            one_element = False
-        else:  # broadcast along the rows (a row statistic): one element for all 4 lanes, any alignment
-            one_element = True
+        # else the lanes' own texel (own order: texel t; else it must be aligned), or, broadcast along
+        # the rows (a row statistic), one element for all 4 lanes, any alignment
+        one_element = not own and (not index_map.shape or index_map.shape[-1] == 1)
+        if not own and not one_element and not index_map.lanes_read_texels():
+            return None
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
         cache = (id(root), repr(first))
         if cache not in self._hoisted:
@@ -162,14 +149,12 @@ class ValueReads:
             else:
                 texel = self.hoisted.let(self.texel(argument, texture, first >> 2), "H")
                 self._hoisted[cache] = texel.lane(kir.Var("lane", 0, INT, "lane"))
-        value = self._hoisted[cache]
-        return apply(value) if apply else value
+        return apply(self._hoisted[cache])
 
-    def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply | None, key: str) -> Expr | None:
-        """The lane's element of `root`, when it is constant over blocks of at least 4 consecutive
-        output elements (a per-channel value of a conv's epilogue): a texel's lanes then see at most
-        two elements, its first lane's and its last's, read once per texel (the last only when the
-        texel straddles two blocks), each passed through `apply` there. None otherwise."""
+    def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:
+        """The lane's element of `root` when it is constant over blocks of at least 4 consecutive output
+        elements (a conv's per-channel epilogue): a texel's lanes see at most two, its first lane's and
+        (when it straddles two blocks) its last's, read and passed through `apply` once per texel."""
         out = self.out_shape
         view = (1,) * (len(out) - len(index_map.shape)) + tuple(index_map.shape)
         block = 1
@@ -188,11 +173,10 @@ class ValueReads:
             if split is None:  # one per block length, shared by every value constant over such blocks
                 t = kir.Var("t", 0, INT, "t")
                 split = self._splits[block] = reads.let(const(block) - mod_index(t * 4, block), "n")
-            applied = apply or (lambda e: e)
-            dtype = dtype_of(root) if apply is None else kir.FLOAT  # an applied value is float math (BatchNorm's rsqrt)
-            head = reads.let(applied(self.element(root, first)), "H", dtype)
+            dtype = dtype_of(root) if apply is _same else kir.FLOAT  # an applied value is float math (BN's rsqrt)
+            head = reads.let(apply(self.element(root, first)), "H", dtype)
             # the last lane's element is read only by a texel that straddles two blocks
-            tail = reads.let(kir.select(split.ge(4), head, applied(self.element(root, last))), "H", dtype)
+            tail = reads.let(kir.select(split.ge(4), head, apply(self.element(root, last))), "H", dtype)
             self._hoisted[cache] = kir.select(kir.Var("lane", 0, INT, "lane").lt(split), head, tail)
             self._reads_last = True
         return self._hoisted[cache]

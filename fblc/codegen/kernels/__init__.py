@@ -7,6 +7,7 @@ rest of the step reads) and returns the OpenCL kernels that compute them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Callable
 
 import onnx_ir as ir
@@ -30,23 +31,14 @@ class KernelGroup:
 Emitter = Callable[[TextureTable, KernelGroup], list[Kernel]]
 
 
+#: the modules whose emitters register themselves on import
+EMITTER_MODULES = ("activations", "contraction", "conv", "conv_transpose", "elementwise", "gather", "movement",
+                   "noise", "normalize", "pooling", "reduce", "resample", "scan", "sort")
+
+
 def _load_emitters() -> None:
-    from fblc.codegen.kernels import (  # noqa: F401
-        activations,
-        contraction,
-        conv,
-        conv_transpose,
-        elementwise,
-        gather,
-        movement,
-        noise,
-        normalize,
-        pooling,
-        reduce,
-        resample,
-        scan,
-        sort,
-    )
+    for module in EMITTER_MODULES:
+        import_module(f"fblc.codegen.kernels.{module}")
 
 
 KERNEL_EMITTERS: OpRegistry[Emitter] = OpRegistry(

@@ -1,14 +1,10 @@
-"""Elementwise expressions of activations: LeakyRelu, PRelu, Elu, Selu, Celu, ThresholdedRelu,
-Softplus, Mish, Softsign, Gelu (exact and tanh), and Floor, Ceil, Round and Sign.
+"""Elementwise expressions of activations: LeakyRelu, PRelu, Elu, Selu, Celu, ThresholdedRelu, Softplus,
+Mish, Softsign, Gelu (exact and tanh) and Sign; they join elementwise.py's table (`expression`), so they
+fuse into elementwise chains and contraction epilogues like any elementwise op.
 
-They join elementwise.py's table (`expression`), so they fuse into elementwise chains and
-contraction epilogues like any other elementwise op (fblc/passes/fuse.py lists them in
-ELEMENTWISE); the kernel package imports this module when it loads its emitters.
-
-An activation reads its input as one named value (`b.body.let`), so its load or sub-expression
-runs once however often the formula names it. Softplus is written log1p(exp(-|x|)) + max(x, 0),
-which neither overflows nor loses the small values for any x (log(1 + exp(x)) is inf from x = 89
-in float32); Mish uses the same form.
+An activation reads its input as one named value (`b.body.let`), so its load runs once however often
+the formula names it. Softplus is log1p(exp(-|x|)) + max(x, 0), which neither overflows (log(1 + exp(x))
+is inf from x = 89 in float32) nor loses small values; Mish uses the same form.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import FLOAT, Expr, call, select
-from fblc.codegen.kernels.elementwise import Operand, expression, f, unary
+from fblc.codegen.kernels.elementwise import Operand, expression, f
 from fblc.codegen.reads import dtype_of
 from fblc.compiler.values import attr, choice_attr
 from fblc.errors import UnsupportedOpError
@@ -38,6 +34,13 @@ def softplus(value: Expr) -> Expr:
     return call("fmax", value, f(0.0)) + call("log1p", call("exp", -call("fabs", value)))
 
 
+#: opset 20's Gelu: 0.5 x (1 + erf(x / sqrt 2)), or approximate='tanh': 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+GELU_FORMS: dict[str, Callable[[Expr], Expr]] = {
+    "none": lambda v: f(0.5) * v * (f(1.0) + call("erf", v * f(math.sqrt(0.5)))),
+    "tanh": lambda v: f(0.5) * v * (f(1.0) + call(
+        "tanh", f(math.sqrt(2.0 / math.pi)) * call("fma", f(0.044715) * v * v, v, v))),
+}
+
 Activation = Callable[[ir.Node, Expr, Operand], Expr]
 #: op -> its activation of `v` (its input as a named value, so it can be read twice)
 ACTIVATIONS: dict[str, Activation] = {
@@ -53,47 +56,16 @@ ACTIVATIONS: dict[str, Activation] = {
         float(attr(node, "gamma", SELU_GAMMA)) * float(attr(node, "alpha", SELU_ALPHA))) * call("expm1", v)),
     "Celu": lambda node, v, x: select(v.gt(f(0.0)), v, _alpha(node, 1.0) * call(
         "expm1", v * f(1.0 / float(attr(node, "alpha", 1.0))))),
+    "Gelu": lambda node, v, x: GELU_FORMS[choice_attr(node, "approximate", "none", GELU_FORMS, "kernel")](v),
 }
 
 
-def _activation(activation: Activation) -> Callable[[KernelBuilder, ir.Node, Operand], Expr]:
-    def build(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-        if node.op_type == "Celu" and float(attr(node, "alpha", 1.0)) == 0.0:
-            raise UnsupportedOpError(f"Celu with alpha 0 (node '{node.name}') is undefined (it divides by alpha)",
-                                     "use an alpha other than 0", ops=["Celu"])
-        return activation(node, b.body.let(x(node.inputs[0]), node.op_type.lower(), FLOAT), x)
-
-    return build
-
-
-for _op, _activation_of in ACTIVATIONS.items():
-    expression(_op)(_activation(_activation_of))
-
-
-def _gelu_exact(value: Expr) -> Expr:
-    return f(0.5) * value * (f(1.0) + call("erf", value * f(math.sqrt(0.5))))
-
-
-def _gelu_tanh(value: Expr) -> Expr:
-    inner = f(math.sqrt(2.0 / math.pi)) * call("fma", f(0.044715) * value * value, value, value)
-    return f(0.5) * value * (f(1.0) + call("tanh", inner))
-
-
-GELU_FORMS = {"none": _gelu_exact, "tanh": _gelu_tanh}
-
-
-@expression("Gelu")
-def _gelu(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-    """Opset 20's Gelu: 0.5 x (1 + erf(x / sqrt 2)), or with approximate='tanh'
-    0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
-    form = GELU_FORMS[choice_attr(node, "approximate", "none", GELU_FORMS, "kernel")]
-    return form(b.body.let(x(node.inputs[0]), "gelu", FLOAT))
-
-
-#: rounding: ONNX Round is half to even, as OpenCL's rint in the default rounding mode
-ROUNDINGS = {"Floor": "floor", "Ceil": "ceil", "Round": "rint"}
-for _op, _function in ROUNDINGS.items():
-    unary(_op, lambda a, function=_function: call(function, a))
+@expression(*ACTIVATIONS)
+def _activation(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
+    if node.op_type == "Celu" and float(attr(node, "alpha", 1.0)) == 0.0:
+        raise UnsupportedOpError(f"Celu with alpha 0 (node '{node.name}') is undefined (it divides by alpha)",
+                                 "use an alpha other than 0", ops=["Celu"])
+    return ACTIVATIONS[node.op_type](node, b.body.let(x(node.inputs[0]), node.op_type.lower(), FLOAT), x)
 
 
 @expression("Sign")

@@ -7,6 +7,8 @@ own shape to the kernel's. Contraction kernels reuse `evaluate_chain` for their 
 
 from __future__ import annotations
 
+import operator
+from functools import partial, reduce
 from typing import Callable, Sequence
 
 import onnx_ir as ir
@@ -57,14 +59,16 @@ for _op, _build in {"Add": Expr.__add__, "Sub": Expr.__sub__, "Mul": Expr.__mul_
                     "LessOrEqual": Expr.le, "And": Expr.logical_and, "Or": Expr.logical_or}.items():
     binary(_op, _build)
 
-for _op, _build in {"Sqrt": lambda a: call("sqrt", a), "Reciprocal": lambda a: f(1.0) / a, "Neg": Expr.__neg__,
-                    "Exp": lambda a: call("exp", a), "Log": lambda a: call("log", a),
+#: ops that are one OpenCL function of their input (ONNX Round is half to even, as rint in the default rounding mode)
+FUNCTIONS = {"Sqrt": "sqrt", "Exp": "exp", "Log": "log", "Tanh": "tanh", "Erf": "erf", "Sin": "sin", "Cos": "cos",
+             "Atan": "atan", "Abs": "fabs", "Floor": "floor", "Ceil": "ceil", "Round": "rint"}
+for _op, _build in {"Reciprocal": lambda a: f(1.0) / a, "Neg": Expr.__neg__, "Not": Expr.__invert__,
                     "Relu": lambda a: call("fmax", a, f(0.0)), "Sigmoid": lambda a: f(1.0) / (f(1.0) + call("exp", -a)),
-                    "Tanh": lambda a: call("tanh", a), "Erf": lambda a: call("erf", a), "Sin": lambda a: call("sin", a),
-                    "Cos": lambda a: call("cos", a),
-                    "Atan": lambda a: call("atan", a), "Not": Expr.__invert__, "Abs": lambda a: call("fabs", a),
-                    "IsNaN": lambda a: call("isnan", a, dtype=INT)}.items():
+                    "IsNaN": lambda a: call("isnan", a, dtype=INT),
+                    **{op: partial(call, function) for op, function in FUNCTIONS.items()}}.items():
     unary(_op, _build)
+
+expression("Where")(lambda b, node, x: select(x(node.inputs[0]), x(node.inputs[1]), x(node.inputs[2])))
 
 
 @expression("Pow")
@@ -73,12 +77,8 @@ def _pow(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
     base = x(node.inputs[0])
     if exponent is not None and exponent.size == 1:
         value = float(exponent.reshape(-1)[0])
-        if value == 2.0:
-            return base * base
-        if value == 1.0:
-            return base
-        if value == 0.5:
-            return call("sqrt", base)
+        if value in (2.0, 1.0, 0.5):
+            return {2.0: base * base, 1.0: base, 0.5: call("sqrt", base)}[value]
         if value.is_integer():
             return call("pown", base, const(int(value)))
     return call("pow", base, x(node.inputs[1]).cast(FLOAT))
@@ -104,36 +104,25 @@ EXTREMES = {("Max", "float"): "fmax", ("Min", "float"): "fmin", ("Max", "int"): 
 @expression("Max", "Min", "Sum")
 def _variadic(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
     operands = [x(v) for v in node.inputs]
-    result = operands[0]
-    for operand in operands[1:]:
-        if node.op_type == "Sum":
-            result = result + operand
-        else:
-            result = call(EXTREMES[node.op_type, dtype_of(node.outputs[0]).scalar], result, operand)
-    return result
+    if node.op_type == "Sum":
+        return reduce(operator.add, operands)
+    function = EXTREMES[node.op_type, dtype_of(node.outputs[0]).scalar]
+    return reduce(lambda a, b: call(function, a, b), operands)
 
 
 @expression("Clip")
 def _clip(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
     result = x(node.inputs[0])
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        result = call("fmax", result, x(node.inputs[1]))
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
-        result = call("fmin", result, x(node.inputs[2]))
+    for k, function in ((1, "fmax"), (2, "fmin")):  # the bounds min and max, either absent
+        if len(node.inputs) > k and node.inputs[k] is not None:
+            result = call(function, result, x(node.inputs[k]))
     return result
-
-
-@expression("Where")
-def _where(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-    return select(x(node.inputs[0]), x(node.inputs[1]), x(node.inputs[2]))
 
 
 @expression("Cast")
 def _cast(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-    value = x(node.inputs[0])
-    if node.outputs[0].dtype == ir.DataType.BOOL:
-        return value.ne(0)
-    return value.cast(dtype_of(node.outputs[0]))
+    value, out = x(node.inputs[0]), node.outputs[0]
+    return value.ne(0) if out.dtype == ir.DataType.BOOL else value.cast(dtype_of(out))
 
 
 @expression("BatchNormalization")
@@ -166,8 +155,7 @@ def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, Ex
             raise UnsupportedOpError(f"no elementwise expression for op {node.op_type} (node '{node.name}')",
                                      f"supported: {', '.join(sorted(EXPRESSIONS))}")
         b.nodes.append(node.name)
-        value = build(b, node, operand)
-        env[id(node.outputs[0])] = b.body.let(value, "v", dtype_of(node.outputs[0]))
+        env[id(node.outputs[0])] = b.body.let(build(b, node, operand), "v", dtype_of(node.outputs[0]))
     return env
 
 

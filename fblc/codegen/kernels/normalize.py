@@ -1,25 +1,15 @@
-"""Normalisation kernels: LayerNormalization, InstanceNormalization.
+"""Normalisation kernels: LayerNormalization, InstanceNormalization (LayerNormalization over the spatial
+axes, from 2, with a per-channel scale and bias, and never statistic outputs).
 
-A lane needs statistics of its whole row (mean and variance). Computed per lane, that is a
-pass over the row for every element: O(T^2) reads for a row of T. So:
-
-- in a training step (Mean and InvStdDev are outputs: the backward reads them), a statistics
-  kernel launched first computes them, one lane per row (a work-group per texel of rows when a
-  row is longer than the profile's serial limit), and the Y kernel reads them back; the
-  statistics have one element per row while Y has one per element, so they cannot share a
-  kernel (the builder writes outputs of one shape);
-- without those outputs, where the normalised axes are a row of whole texels (a multiple of 4
-  long), the Y kernel computes them once per work-item, in the builder's per-texel prologue,
-  over several texels of one row; otherwise per lane.
-
-A row of at most ROW_CACHE texels is read once, into private memory, and the second pass
-reads the copy (ROW_CACHE keeps it within PRIVATE_FLOATS). Softmax and LogSoftmax have no
-kernel here: split_softmax makes them a ReduceLogSumExp (reduce.py) and an elementwise map.
-
-InstanceNormalization is LayerNormalization over the spatial axes (axis 2) with a per-channel
-scale and bias, and never has statistic outputs: its Y kernel computes them itself.
-
-All statistics accumulate in float whatever the storage type (`read_imagef` returns float).
+A lane needs statistics of its whole row (mean and variance); computed per lane, that is O(T^2) reads
+for a row of T. So in a training step (Mean and InvStdDev are outputs: the backward reads them) a
+statistics kernel launched first computes them, one lane per row (a work-group per texel of rows when a
+row is longer than the profile's serial limit), and the Y kernel reads them back (the builder writes
+outputs of one shape, so they cannot share a kernel). Without those outputs, where the normalised axes
+are a row of whole texels, the Y kernel computes them once per work-item, in its per-texel prologue,
+over several texels of one row; otherwise per lane. A row of at most ROW_CACHE texels is read once,
+into private memory. Softmax and LogSoftmax have no kernel here: split_softmax makes them a
+ReduceLogSumExp (reduce.py) and an elementwise map. Statistics accumulate in float whatever the storage.
 """
 
 from __future__ import annotations
@@ -32,9 +22,9 @@ import onnx_ir as ir
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, strides_of
 from fblc.codegen.indexing import broadcast_view_index, index_var
-from fblc.codegen.ir import FLOAT, FLOAT4, Argument, Block, Element, Expr, Var, call, const, flat_index, vector
+from fblc.codegen.ir import FLOAT, FLOAT4, Block, Element, Expr, Var, call, const, flat_index, vector
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.textures import Texture, TextureTable
+from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import IndexMap, map_of
 from fblc.compiler.values import attr, numel, static_shape
@@ -59,29 +49,20 @@ def item_texels(texels: int) -> int:
 @dataclass
 class _Row:
     """Texels k = 0..count-1 of `x` from flat element `first`, read whole: one row of 4 * count elements.
-
-    The first pass over a row of at most ROW_CACHE texels copies it into a private array; the later
-    passes read the copy. A strided view (no raw texture of its own) is read as four elements per texel.
-    """
+    The first pass over a row of at most ROW_CACHE texels copies it into a private array the later passes read."""
 
     b: KernelBuilder
     x: ir.Value
     first: Expr  # a multiple of 4
     count: int
-    _texture: tuple[Argument, Texture] | None = field(default=None, init=False)  # for raw reads
     _cache: Var | None = field(default=None, init=False)  # the private copy, once made
 
-    def __post_init__(self) -> None:
-        if map_of(self.x).contiguous:  # a strided view is read element by element, through its map
-            self._texture = self.b.input_argument(self.x)
-
     def read(self, k: Expr) -> Expr:
-        """Texel `k` read from the tensor."""
-        if self._texture is not None:
-            argument, texture = self._texture
+        """Texel `k` read from the tensor (a strided view, with no texture of its own: element by element)."""
+        if map_of(self.x).contiguous:
+            argument, texture = self.b.input_argument(self.x)
             return self.b.texel(argument, texture, (self.first >> 2) + k)
-        index = self.first + 4 * k
-        return vector(FLOAT4, *(self.b.element(self.x, index + j) for j in range(4)))
+        return vector(FLOAT4, *(self.b.element(self.x, self.first + 4 * k + j) for j in range(4)))
 
     def loop(self, block: Block, body: Callable[[Block, Expr], None]) -> None:
         """for each texel: `body(loop body, texel)`; the first pass over a short row makes the private copy."""
@@ -111,28 +92,24 @@ def layer_norm_geometry(node: ir.Node) -> tuple[tuple[int, ...], int, int]:
     return shape, axis, numel(shape[axis:])
 
 
-def _constants(node: ir.Node) -> tuple[Expr, Expr]:
-    """(epsilon, elements per row) as float literals."""
-    _, _, count = layer_norm_geometry(node)
-    return const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
-
-
 def _lanes_sum(v: Expr) -> Expr:
     return v.lane(0) + v.lane(1) + v.lane(2) + v.lane(3)
 
 
-def _row_statistics(b: KernelBuilder, block: Block, node: ir.Node, row_start: Expr) -> tuple[Var, Var]:
-    """Mean and 1/sqrt(var + eps) of the contiguous row starting at flat index `row_start`, built into
-    `block` (the lane loop or the per-texel prologue).
-
-    Two passes (mean, then centred squares) rather than E[x^2] - E[x]^2, which cancels badly
-    when the mean is large next to the spread. A row of whole texels (its length a multiple of
-    4, so its start is one too) is read four elements per read.
-    """
+def _row_statistics(b: KernelBuilder, node: ir.Node, prologue: bool = False) -> tuple[Var, Var]:
+    """Mean and 1/sqrt(var + eps) of the row of the lane's element (or with `prologue`, in the per-texel
+    prologue, of the work-item's first element): two passes (mean, then centred squares) rather than
+    E[x^2] - E[x]^2, which cancels badly when the mean is large next to the spread. A row of whole
+    texels is read four elements per read; in a group kernel (`b.group_size`) each work-item folds every
+    group_size-th element and the group merges the sums in __local memory."""
     x = node.inputs[0]
-    _, _, count = layer_norm_geometry(node)
-    epsilon, n = _constants(node)
-    if count % 4 == 0:
+    shape, axis, count = layer_norm_geometry(node)
+    trailing = range(axis, len(shape))
+    block = b.prologue if prologue else b.body
+    row_start = _flat(shape, TEXEL_INDEX, trailing) if prologue else block.let(_flat(shape, OUT_INDEX, trailing), "row")
+    epsilon, n = const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
+    group = b.group_size
+    if count % 4 == 0 and group is None:
         row = _Row(b, x, row_start, count // 4)
         total = block.mutable(vector(FLOAT4, 0.0), "sum")
         row.loop(block, lambda each, v: each.assign(total, v, "+="))
@@ -140,55 +117,24 @@ def _row_statistics(b: KernelBuilder, block: Block, node: ir.Node, row_start: Ex
         centred = block.mutable(vector(FLOAT4, 0.0), "sq")
         row.loop(block, lambda each, v: each.assign(centred, (v - mean) * (v - mean), "+="))
         return mean, block.let(call("rsqrt", _lanes_sum(centred) / n + epsilon), "inv")
+    first, step = (b.lid, group) if group else (0, 1)
     total = block.mutable(const(0.0, FLOAT), "sum")
-    with block.loop("r", 0, count) as (r, each):
+    with block.loop("r", first, count, step=step) as (r, each):
         each.assign(total, b.element(x, row_start + r), "+=")
+    if group:
+        b.merge_across_group(total)
     mean = block.let(total / n, "mean")
     centred = block.mutable(const(0.0, FLOAT), "sq")
-    with block.loop("r", 0, count) as (r, each):
+    with block.loop("r", first, count, step=step) as (r, each):
         d = each.let(b.element(x, row_start + r) - mean, "d")
         each.assign(centred, d * d, "+=")
+    if group:
+        b.merge_across_group(centred)
     return mean, block.let(call("rsqrt", centred / n + epsilon), "inv")
 
 
 def has_statistics(node: ir.Node) -> bool:
     return len(node.outputs) >= 3 and all(o is not None and o.name for o in node.outputs[1:3])
-
-
-def _group_statistics(b: KernelBuilder, node: ir.Node, row_start: Expr) -> tuple[Var, Var]:
-    """`_row_statistics` shared by the work-group (`b.group_size`): each work-item folds every
-    group_size-th element of the row, then the group merges the sums (mean first, then the
-    centred squares) in __local memory."""
-    x = node.inputs[0]
-    _, _, count = layer_norm_geometry(node)
-    epsilon, n = _constants(node)
-    body = b.body
-    total = body.mutable(const(0.0, FLOAT), "sum")
-    with body.loop("r", b.lid, count, step=b.group_size) as (r, each):
-        each.assign(total, b.element(x, row_start + r), "+=")
-    b.merge_across_group(total)
-    mean = body.let(total / n, "mean")
-    centred = body.mutable(const(0.0, FLOAT), "sq")
-    with body.loop("r", b.lid, count, step=b.group_size) as (r, each):
-        d = each.let(b.element(x, row_start + r) - mean, "d")
-        each.assign(centred, d * d, "+=")
-    b.merge_across_group(centred)
-    return mean, body.let(call("rsqrt", centred / n + epsilon), "inv")
-
-
-def _statistics_kernel(table: TextureTable, name: str, node: ir.Node, outputs: list[ir.Value]) -> Kernel:
-    """Mean and/or InvStdDev (shape: the input's with the normalised axes as 1), one lane per row,
-    or one work-group per texel of rows when a row is longer than the serial limit."""
-    shape, axis, count = layer_norm_geometry(node)
-    b = KernelBuilder(table, name, FAMILY, outputs)
-    b.nodes.append(node.name)
-    b.take_group()  # kernels/schedules.py: a work-group per row for a long row
-    row_start = b.body.let(_flat(shape, OUT_INDEX, range(axis, len(shape))), "row")
-    if b.group_size is not None:
-        mean, inv_std = _group_statistics(b, node, row_start)
-    else:
-        mean, inv_std = _row_statistics(b, b.body, node, row_start)
-    return b.finish([mean if out is node.outputs[1] else inv_std for out in outputs])
 
 
 @register_kernel("LayerNormalization", "InstanceNormalization")
@@ -198,18 +144,19 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     x, scale = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
-    shape, axis, count = layer_norm_geometry(node)
+    shape, _, count = layer_norm_geometry(node)
     kernels: list[Kernel] = []
     statistics = has_statistics(node)
-    if statistics:
-        # Both are written (even one nothing reads) so that the Y kernel can read them back.
-        kernels.append(_statistics_kernel(table, f"{group.name}_stats", node, list(node.outputs[1:3])))
+    if statistics:  # both written (even one nothing reads) so that the Y kernel can read them back
+        stats = KernelBuilder(table, f"{group.name}_stats", FAMILY, list(node.outputs[1:3]))
+        stats.nodes.append(node.name)
+        stats.take_group()  # kernels/schedules.py: a work-group per row for a long row
+        kernels.append(stats.finish(list(_row_statistics(stats, node))))
     y = node.outputs[0]
     if y not in group.outputs:
         return kernels
     b = KernelBuilder(table, group.name, FAMILY, [y])
     b.nodes.append(node.name)
-    trailing = range(axis, len(shape))
 
     def broadcast(v: ir.Value) -> Expr:
         """`v` at the current element, numpy-broadcast to the input's shape."""
@@ -217,12 +164,8 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     if statistics:
         mean, inv_std = b.body.let(broadcast(node.outputs[1]), "mean"), b.body.let(broadcast(node.outputs[2]), "inv")
-    elif count % 4 == 0:
-        # once per work-item, over the texels of one row it computes (kernels/schedules.py: item_texels)
-        mean, inv_std = _row_statistics(b, b.prologue, node, _flat(shape, TEXEL_INDEX, trailing))
-    else:
-        row_start = b.body.let(_flat(shape, OUT_INDEX, trailing), "row")
-        mean, inv_std = _row_statistics(b, b.body, node, row_start)
+    else:  # a row of whole texels: once per work-item, over the texels of one row it computes (item_texels)
+        mean, inv_std = _row_statistics(b, node, prologue=count % 4 == 0)
     own = b.element(x, _flat(shape, OUT_INDEX))
 
     def affine(v: ir.Value) -> Expr:

@@ -1,48 +1,42 @@
 """Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, ReduceLogSumExp, GlobalAveragePool.
 
-One work-item per output texel loops over the reduced elements of its four lanes (their count
-and strides are literals). When the innermost reduced axes are a run of whole texels (the last
-axes, a multiple of 4 long, of a plain tensor: rows, a BatchNorm gradient's maps) the loop reads
-whole texels and folds their four lanes. When the kept axes after the last reduced one are a
-multiple of 4 long (bias gradients, sums over the batch) the four lanes fold four consecutive
-elements together: one texel read per step, in the per-texel prologue, where a per-lane fold
-would read the same texel four times. Other trailing reduced runs (a BatchNorm gradient's maps of
-49 x 30) loop over the runs, then along each, so index arithmetic comes once per run. A
-reduction longer than the profile's serial limit (bias and norm-weight gradients over batch x
-sequence, global pools of large maps) is shared by a work-group per output texel: each
-work-item folds a strided share, and the partials merge in a tree in __local memory.
-ReduceLogSumExp (also what split_softmax turns a softmax's row statistics into) folds twice:
-the maximum, then the sum of exp(x - maximum).
+One work-item per output texel loops over the reduced elements of its four lanes (count and strides
+literals). Where the innermost reduced axes are a run of whole texels (rows, a BatchNorm gradient's maps)
+the loop reads whole texels and folds their lanes; where the kept axes after the last reduced one are a
+multiple of 4 long (bias gradients, sums over the batch) the four lanes fold four consecutive elements:
+one texel read per step, in the per-texel prologue. Other trailing reduced runs loop over the runs, then
+along each, so index arithmetic comes once per run. A reduction longer than the profile's serial limit
+is shared by a work-group per output texel whose partials merge in a tree in __local memory.
+ReduceLogSumExp (also split_softmax's softmax statistics) folds the maximum, then the sum of exp(x - max).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import index_var
-from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Var, call, const, div_index, flat_index, mod_index, \
-    select, vector
+from fblc.codegen.indexing import digit_terms, index_var
+from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Var, call, const, flat_index, select, vector
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
 
 Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator; also (partial, partial)
+_fmax: Combine = partial(call, "fmax")
 
 
 def reduced_axes(node: ir.Node) -> list[int]:
     rank = len(static_shape(node.inputs[0]))
     if node.op_type == "GlobalAveragePool":
         return list(range(2, rank))
-    axes = ints_input(node, 1, "axes") if len(node.inputs) > 1 else None
-    if axes is None:
-        axes = attr(node, "axes")
+    axes = (ints_input(node, 1, "axes") if len(node.inputs) > 1 else None) or attr(node, "axes")
     if not axes:
         return [] if attr(node, "noop_with_empty_axes", 0) else list(range(rank))
     return sorted(a % rank for a in axes)
@@ -57,41 +51,10 @@ class Folded:
     lane: Expr
 
 
-def texel_wise(b: KernelBuilder, shape: tuple[int, ...], axes: list[int]) -> bool:
-    """True when each output texel's four lanes fold four consecutive source elements at every
-    step: the kept axes after the last reduced one (a bias gradient's channels, a batch sum's
-    features) are a multiple of 4 long, so the fold reads one whole texel per step instead of
-    four texels per lane."""
-    inner = numel(shape[axes[-1] + 1:]) if axes else 0
-    return inner > 0 and inner % 4 == 0 and b.texels_per_item == 1
-
-
-def _suffix_run(shape: list[int], axes: list[int]) -> tuple[int, int]:
-    """(first axis, elements) of the longest run of trailing source axes that are all reduced
-    (elements 0: the last axis is kept)."""
-    run, axis = 1, len(shape) - 1
-    while axis >= 0 and axis in axes:
-        run, axis = run * shape[axis], axis - 1
-    return axis + 1, run if axis < len(shape) - 1 else 0
-
-
-def _loop_index(r: Expr, sizes: list[int], strides: list[int]) -> Expr:
-    """Index of step `r` of a loop over `sizes` (row-major) whose axes move by `strides`."""
-    loop_strides = strides_of(sizes)
-    terms = []
-    for k, (size, stride) in enumerate(zip(sizes, strides)):
-        part = div_index(r, loop_strides[k])
-        terms.append((mod_index(part, size) if k > 0 else part, stride))
-    return flat_index(terms)
-
-
 def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Combine,
                    start: float, merge: Combine = lambda p, q: p + q) -> Folded:
-    """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`.
-
-    `merge` joins two partial accumulators. With `b.group_size` the group's work-items fold every
-    group_size-th step from their `lid`, then merge their partials in a tree in __local memory.
-    """
+    """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`. With
+    `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials."""
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
@@ -103,13 +66,18 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     def base_of(prefix: str) -> Expr:
         return flat_index([(index_var(prefix, a if keepdims else kept.index(a)), strides[a]) for a in kept])
 
-    if whole_texels and texel_wise(b, shape, axes):  # in the prologue, from the texel's first element
+    def step_index(r: Expr, loop_axes: list[int], unit: int = 1) -> Expr:
+        """Index (in `unit`s) of step `r` of a row-major loop over `loop_axes`."""
+        return flat_index(digit_terms(r, [(shape[a], strides[a] // unit) for a in loop_axes]))
+
+    inner = numel(shape[axes[-1] + 1:]) if axes else 0
+    # texel-wise (the module docstring), in the per-texel prologue
+    if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
         prologue = b.prologue
         argument, texture = b.input_argument(source)
         acc = prologue.mutable(vector(FLOAT4, const(start, FLOAT)), "acc")
         with prologue.loop("r", first, count, step=step) as (r, fold):
-            offset = _loop_index(r, [shape[a] for a in axes], [strides[a] // 4 for a in axes])
-            x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + offset), "x")
+            x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4)), "x")
             fold.assign(acc, combine(acc, x))
         if group:
             for lane in range(4):
@@ -118,17 +86,19 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     body = b.body
     base = body.let(base_of(OUT_INDEX), "base")
     acc = body.mutable(const(start, FLOAT), "acc")
-    suffix, run = _suffix_run(shape, axes)
+    suffix = len(shape)  # the first of the trailing axes that are all reduced
+    while suffix > 0 and suffix - 1 in axes:
+        suffix -= 1
+    run = numel(shape[suffix:]) if suffix < len(shape) else 0  # the run of their elements (0: the last axis is kept)
+    outer = [a for a in axes if a < suffix]
     if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes folded in turn
-        outer = [a for a in axes if a < suffix]
-        sizes, texel_strides = [shape[a] for a in outer] + [run // 4], [strides[a] // 4 for a in outer] + [1]
         argument, texture = b.input_argument(source)
         with body.loop("r", first, count // 4, step=step) as (r, fold):
-            v = fold.let(b.texel(argument, texture, (base >> 2) + _loop_index(r, sizes, texel_strides)), "v")
+            texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
+            v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
             for lane in range(4):
                 fold.assign(acc, combine(acc, fold.let(v.lane(lane), "x")))
     elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
-        outer = [a for a in axes if a < suffix]
         deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
         inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
         if not outer:  # one run alone needs no loop over the runs
@@ -136,11 +106,11 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         else:
             outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
             with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
-                row = runs.let(base + _loop_index(r, [shape[a] for a in outer], [strides[a] for a in outer]), "row")
+                row = runs.let(base + step_index(r, outer), "row")
                 _fold_run(runs, b, source, row, run, acc, combine, inner_first, inner_step)
     else:
         with body.loop("r", first, count, step=step) as (r, fold):
-            index = base + _loop_index(r, [shape[a] for a in axes], [strides[a] for a in axes]) if axes else base
+            index = base + step_index(r, axes) if axes else base
             fold.assign(acc, combine(acc, fold.let(b.element(source, index), "x")))
     if group:
         b.merge_across_group(acc, merge)
@@ -154,18 +124,12 @@ def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: 
         fold.assign(acc, combine(acc, fold.let(b.element(source, row + inner), "x")))
 
 
-def _fmax(a: Expr, x: Expr) -> Expr:
-    return call("fmax", a, x)
-
-
 @register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
 def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     node = group.anchor
     axes = reduced_axes(node)
     keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
-    b = KernelBuilder(table, group.name, "reduction", group.outputs)
-    b.nodes.append(node.name)
-    shape = static_shape(node.inputs[0])
+    b = KernelBuilder.for_group(table, group, "reduction")
     source = node.inputs[0]
     b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
@@ -181,5 +145,5 @@ def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         return [b.finish([call("sqrt", acc.lane)])]
     total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0).lane
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
-        total_lane = total_lane / const(float(numel([shape[a] for a in axes]) or 1), FLOAT)
+        total_lane = total_lane / const(float(numel([static_shape(source)[a] for a in axes]) or 1), FLOAT)
     return [b.finish([total_lane])]
