@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 from fblc.cli.options import training_options
 
 if TYPE_CHECKING:  # the analysis imports the whole compiler: only when the command runs
-    from fblc.codegen.coverage import Coverage
+    from fblc.tools.coverage import Coverage
 
 COLUMNS = ("op", "nodes", "import", "gradient", "kernel", "layout class")
 
@@ -50,7 +50,7 @@ def report(model_path: str, coverage: Coverage) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from fblc.codegen.coverage import check_model
+    from fblc.tools.coverage import check_model
     from fblc.compiler.model_io import load_model
 
     coverage = check_model(load_model(args.model), training_options(args))
