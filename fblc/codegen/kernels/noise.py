@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import FLOAT, INT, UINT, Block, Element, Expr, Var, call, const
-from fblc.codegen.kernels.gather import lane_kernel
+from fblc.codegen.kernels import lane_kernel
 from fblc.compiler.philox import MULTIPLIERS, ROUNDS, WEYL, seed_key
 from fblc.compiler.values import attr, static_shape
 

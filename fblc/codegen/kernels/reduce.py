@@ -20,11 +20,10 @@ from typing import Callable
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.cl import strides_of
 from fblc.codegen.indexing import digit_terms, index_var
 from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Var, call, const, flat_index, select, vector
-from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.textures import TextureTable
+from fblc.codegen.kernels import lane_kernel
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
 
@@ -124,26 +123,23 @@ def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: 
         fold.assign(acc, combine(acc, fold.let(b.element(source, row + inner), "x")))
 
 
-@register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
-def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+@lane_kernel("reduction", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
+def emit_reduce(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     axes = reduced_axes(node)
     keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
-    b = KernelBuilder.for_group(table, group, "reduction")
     source = node.inputs[0]
     b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
-        return [b.finish([reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax).lane])]
+        return [reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax).lane]
     if node.op_type == "ReduceLogSumExp":  # max first: exp(x - max) cannot overflow
         peak = reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax)
         total = reduction_loop(b, source, axes, keepdims, lambda a, x: a + call("exp", x - peak.value), 0.0)
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
         none = const(-math.inf, FLOAT)
-        return [b.finish([select(peak.lane.eq(none), none, peak.lane + call("log", total.lane))])]
+        return [select(peak.lane.eq(none), none, peak.lane + call("log", total.lane))]
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
-        acc = reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0)
-        return [b.finish([call("sqrt", acc.lane)])]
+        return [call("sqrt", reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0).lane)]
     total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0).lane
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
         total_lane = total_lane / const(float(numel([static_shape(source)[a] for a in axes]) or 1), FLOAT)
-    return [b.finish([total_lane])]
+    return [total_lane]

@@ -22,11 +22,10 @@ from itertools import product
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import strides_of
-from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, DType, Element, Expr, const, div_index, flat_index
-from fblc.codegen.kernels.gather import lane_kernel
+from fblc.codegen.kernels import lane_kernel, out_axis
 from fblc.codegen.reads import dtype_of
 from fblc.compiler.resize_taps import AxisTaps, resize_taps
 from fblc.compiler.values import static_shape
@@ -44,7 +43,7 @@ def _table(b: KernelBuilder, dtype: DType, values: np.ndarray, kind: str, o: Exp
 
 def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[Expr, Expr | None]]:
     """(coordinate, weight) of the taps of the current output element along the axis (weight None: 1)."""
-    o = index_var(OUT_INDEX, taps.axis)
+    o = out_axis(taps.axis)
     factor = taps.repeat_factor()
     if factor is not None:
         return [(div_index(o, factor), None)]
@@ -67,7 +66,7 @@ def emit_resize(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     x = node.inputs[0]
     shape = static_shape(x)
     taps = {t.axis: t for t in resize_taps(node)}
-    per_axis = [_axis_reads(b, taps[a], node.name) if a in taps else [(index_var(OUT_INDEX, a), None)]
+    per_axis = [_axis_reads(b, taps[a], node.name) if a in taps else [(out_axis(a), None)]
                 for a in range(len(shape))]
     strides = strides_of(shape)
     acc = b.body.mutable(const(0, dtype_of(node.outputs[0])), "acc")
