@@ -2,9 +2,8 @@
 Mish, Softsign, Gelu (exact and tanh) and Sign; they join elementwise.py's table (`expression`), so they
 fuse into elementwise chains and contraction epilogues like any elementwise op.
 
-An activation reads its input as one named value (`b.body.let`), so its load runs once however often
-the formula names it. Softplus is log1p(exp(-|x|)) + max(x, 0), which neither overflows (log(1 + exp(x))
-is inf from x = 89 in float32) nor loses small values; Mish uses the same form.
+Softplus is log1p(exp(-|x|)) + max(x, 0), which neither overflows (log(1 + exp(x)) is inf from x = 89
+in float32) nor loses small values; Mish uses the same form.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Indexed reads and writes: Gather, GatherElements, GatherND, ScatterND, ScatterElements.
 
-Gathers are per-element index maps: each lane reads its index (GatherND: its k-tuple), wraps a
-negative one, clamps it into range (an out-of-range read of an image is undefined on a GPU; ONNX calls such an
-index an error anyway) and reads the data element.
-
-Scatters are written the other way round, as gathers over the updates: each lane owns one
-output element, starts from the data element and folds in every update that targets it, in
-update order. No two work-items write the same texel, so there are no atomics and the result
-is deterministic (float addition in a fixed order, unlike an atomic scatter-add); with
-reduction "none" the last update wins, as in onnxruntime. ScatterND scans all updates per
-element; ScatterElements only scans the updates on its own line along `axis`, the only ones
-that can reach it. Both have a whole-texel path for the row scatters of gather gradients (one
-target row per update): a work-item folds a few texels of one row and reads each update's row
-number once for all of them. A scatter of more than SORTED_SCATTER_UPDATES updates a line never
-reaches these scans when it is a row scatter, a ScatterElements along the data's last axis
-(GatherElements' gradient) or a ScatterND of k-tuples: pass sort_scatter_rows sorts its rows first
-(kernels in sort.py).
+A lane owns one output element: a gather reads through its (wrapped, clamped) index; a scatter is a gather
+over the updates, with no atomics and in update order (deterministic sums); docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Normalisation kernels: LayerNormalization, InstanceNormalization (LayerNormalization over the spatial
 axes, from 2, with a per-channel scale and bias, and never statistic outputs).
 
-A lane needs statistics of its whole row (mean and variance); computed per lane, that is O(T^2) reads
-for a row of T. So in a training step (Mean and InvStdDev are outputs: the backward reads them) a
-statistics kernel launched first computes them, one lane per row (a work-group per texel of rows when a
-row is longer than the profile's serial limit), and the Y kernel reads them back (the builder writes
-outputs of one shape, so they cannot share a kernel). Without those outputs, where the normalised axes
-are a row of whole texels, the Y kernel computes them once per work-item, in its per-texel prologue,
-over several texels of one row; otherwise per lane. A row of at most ROW_CACHE texels is read once,
-into private memory. Softmax and LogSoftmax have no kernel here: split_softmax makes them a
-ReduceLogSumExp (reduce.py) and an elementwise map. Statistics accumulate in float whatever the storage.
+Row statistics come from a statistics kernel when they are outputs (a training step), else once per
+work-item in the Y kernel's prologue (rows of whole texels) or per lane; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Windowed pooling kernels: AveragePool and MaxPool (with its optional Indices output).
 
-Each lane owns one output element [n, c, *spatial] and walks its window with nested loops
-whose bounds, strides, dilations and pads are literals (from `window_of`, so auto_pad is
-already resolved). Taps that fall in the padding are skipped; the bounds test is left out on
-axes where no window can leave the input. MaxPool's Indices has Y's shape, so the same kernel
-writes both (one pass over the window gives the maximum and where it is). With ceil_mode the
-last window may run past the padded input (the output shape says so); its taps there are
-skipped like padding, and count_include_pad=1 does not count them (`_padded_taps`).
+Each lane owns one output element and walks its window with literal loops, skipping taps in the padding
+(or past a ceil_mode end); MaxPool writes Y and Indices from one pass; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations

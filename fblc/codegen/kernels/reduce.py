@@ -1,13 +1,7 @@
 """Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, ReduceLogSumExp, GlobalAveragePool.
 
-One work-item per output texel loops over the reduced elements of its four lanes (count and strides
-literals). Where the innermost reduced axes are a run of whole texels (rows, a BatchNorm gradient's maps)
-the loop reads whole texels and folds their lanes; where the kept axes after the last reduced one are a
-multiple of 4 long (bias gradients, sums over the batch) the four lanes fold four consecutive elements:
-one texel read per step, in the per-texel prologue. Other trailing reduced runs loop over the runs, then
-along each, so index arithmetic comes once per run. A reduction longer than the profile's serial limit
-is shared by a work-group per output texel whose partials merge in a tree in __local memory.
-ReduceLogSumExp (also split_softmax's softmax statistics) folds the maximum, then the sum of exp(x - max).
+One work-item per output texel (a work-group past the serial limit) folds the reduced elements, whole
+texels where the axes allow; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations

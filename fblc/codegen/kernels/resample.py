@@ -1,16 +1,7 @@
-"""Resize (nearest and linear): a gather kernel over constant per-axis taps.
+"""Resize (nearest and linear): a gather kernel over constant per-axis taps (fblc/compiler/resize_taps.py).
 
-Each output element reads, along every resized axis, one (nearest) or two (linear) input
-coordinates with constant weights (fblc/compiler/resize_taps.py computes them once, in the float32
-arithmetic onnxruntime uses), and sums the 2^k products of its k linear axes' taps; unresized
-axes read their own coordinate. A direct gather, not the separable matmul the gradient uses
-(fblc/compiler/gradients/resample.py): one pass, O(2^k) reads an element instead of O(in) per axis.
-
-The taps are literals: an integer upsampling by s reads coordinate o / s; any other axis reads
-its coordinate and weights from private `const` tables (one entry per output coordinate, declared
-once per work-item in the prologue; read-only arrays with constant initializers, which OpenCL
-compilers may place in constant memory). Tables past MAX_TABLE entries an axis are refused
-(UnsupportedOpError) rather than compiled into a huge kernel.
+Taps are literals (an integer upsampling) or private `const` tables of at most MAX_TABLE entries an axis;
+docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
@@ -62,7 +53,7 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
 
 @lane_kernel(FAMILY, "Resize")
 def emit_resize(b: KernelBuilder, node: ir.Node) -> list[Expr]:
-    """out[o] = sum over tap choices c of prod_a w_a(c) * x[coordinates c] (see the module docstring)."""
+    """out[o] = sum over tap choices c of prod_a w_a(c) * x[coordinates c]."""
     x = node.inputs[0]
     shape = static_shape(x)
     taps = {t.axis: t for t in resize_taps(node)}

@@ -1,19 +1,7 @@
 """Scans, masks and selections along one axis: CumSum, Trilu, OneHot, ArgMax, ArgMin, TopK.
 
-Each lane owns one output element and loops over its line along the axis (extents and strides are
-literals); no two work-items write the same element, so nothing races.
-
-- CumSum: the prefix (suffix when reverse; without the element itself when exclusive) summed in
-  onnxruntime's order, from the start of the scan.
-- Trilu: the element, or 0 off the kept side of diagonal k (upper: col - row >= k, lower: <= k).
-- OneHot: `on` where the coordinate along `axis` is the (wrapped) index, else `off`.
-- ArgMax / ArgMin: the first extremum of the line (the last with select_last_index).
-- TopK: output r along the axis is the line's element of rank r in the order (value, greater
-  first for largest; ties: the lower index first, as in onnxruntime). The lane walks the order
-  from its head: each pass over the line picks the first element after the previous pick, so
-  rank r costs (r + 1) n reads, a line's k outputs O(k^2 n): linear in n for the small k of
-  routing and beams (counting each candidate's rank was O(n^2) per output). sorted=0 leaves the
-  order to the runtime: it runs sorted too.
+Each lane owns one output element and loops over its line along the axis (literal extents and strides), in
+onnxruntime's order and tie rules; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Sorted row scatters (pass sort_scatter_rows): MergeRuns and ScatterSortedRows, fblc's device-only ops.
 
-- MergeRuns(keys [G, N], positions [G, N] or none; run, depth) -> (keys', positions'): each line of
-  N row numbers is made of sorted runs of `run`; output r of a line is element r of the stable merge
-  of its pair of runs (the left run wins ties, so equal rows keep their update order). Its work-item
-  finds how many of its first r come from the left run by a binary search along the merge path
-  (log2(run) reads of each run), then reads its element. Without positions it is the first pass:
-  keys are wrapped (a negative row counts from the end of `depth`) and a position is its own index.
-- ScatterSortedRows(data or none, keys, positions, updates; axis, reduction[, shape]): ScatterElements
-  of whole rows whose row numbers are sorted (without data, into zeros of `shape`). A work-item of
-  target row d binary-searches the first update of d (log2(N) reads) and folds d's updates in
-  sorted order, which is update order: the sums of the unsorted kernel (gather.py) and
-  onnxruntime, bit for bit, without scanning the other rows' updates.
-  Like gather.py's row scatter, a work-item owns a few whole texels of a row when the rows are whole
-  float texels, else one element per lane.
+MergeRuns merges pairs of sorted runs of row numbers (a merge-path binary search per output); ScatterSortedRows
+folds each target row's updates in update order, bit for bit the sums of gather.py's unsorted kernel;
+docs/ARCHITECTURE.md §2 (`sort_scatter_rows`) and §3.
 """
 
 from __future__ import annotations
