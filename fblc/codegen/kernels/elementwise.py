@@ -128,15 +128,13 @@ def _batch_norm(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
 
 def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, Expr]) -> dict[int, Expr]:
     """Build the chain into `b`'s lane loop; `env` maps value ids already computed to their values (updated)."""
-    out_shape = b.out_shape
-
     def operand(value: ir.Value) -> Expr:
         if id(value) in env:
             return env[id(value)]
         root = view_root(value)
-        if id(root) in env and static_shape(value) == out_shape and map_of(value).contiguous:
+        if id(root) in env and static_shape(value) == b.out_shape and map_of(value).contiguous:
             return env[id(root)]  # a same-shape view of a value this kernel computes: never read it back
-        return b.broadcast(value, out_shape)
+        return b.broadcast(value, b.out_shape)
 
     for node in nodes:
         build = EXPRESSIONS.get(node.op_type)

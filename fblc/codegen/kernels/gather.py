@@ -78,8 +78,7 @@ def _gather_nd(b: KernelBuilder, node: ir.Node, data_shape: Shape, index_shape: 
     indices, index_strides = node.inputs[1], strides_of(index_shape)
     start = flat_index([(out_axis(j), index_strides[j]) for j in range(lead)])
     entries = [_wrapped(b, b.element(indices, start + j if j else start), data_shape[batch + j]) for j in range(k)]
-    trailing = [out_axis(lead + t) for t in range(len(data_shape) - batch - k)]
-    return [out_axis(j) for j in range(batch)] + entries + trailing
+    return [out_axis(j) for j in range(batch)] + entries + [out_axis(t) for t in range(lead, len(b.out_shape))]
 
 
 GATHERS: dict[str, Coordinates] = {"Gather": _gather, "GatherElements": _gather_elements, "GatherND": _gather_nd}
@@ -108,8 +107,7 @@ def combiner(node: ir.Node) -> Combine:
 
 def start_accumulator(b: KernelBuilder, node: ir.Node) -> kir.Var:
     """The accumulator holding the data element (a literal 0 for a zero table, or no data)."""
-    data = node.inputs[0]
-    dtype = dtype_of(node.outputs[0])
+    data, dtype = node.inputs[0], dtype_of(node.outputs[0])
     zeros = data is None or is_zeros(data)
     return b.body.mutable(const(0, dtype) if zeros else b.element(data, own_index(static_shape(data))), "acc", dtype)
 
@@ -170,8 +168,7 @@ def emit_scatter_nd(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     data, indices, updates = node.inputs[:3]
     data_shape, index_shape = static_shape(data), static_shape(indices)
     depth, count = index_shape[-1], numel(index_shape[:-1])
-    slice_size = numel(data_shape[depth:])
-    strides = strides_of(data_shape)
+    slice_size, strides = numel(data_shape[depth:]), strides_of(data_shape)
     combine = combiner(node)
 
     def target_of(block: Block, u: Expr) -> kir.Var:

@@ -1,10 +1,8 @@
 """Data-movement kernels: Transpose, Reshape and its kin, Expand, Slice, Pad, Concat, Split, ConstantOfShape.
 
-Each output element reads one input element through an index map computed from the
-output's multi-index. A Concat or constant Pad that fuse merged into the elementwise chain
-reading it is computed there, element by element, by the same code (an expression of that
-chain). Transposes, reshapes and broadcasts run here only where tile_remap could not turn them
-into index maps, or under `--layout naive` (the conventional baseline).
+Each output element reads one input element through an index map of the output's multi-index; a Concat
+or constant Pad fused into an elementwise chain is an expression of that chain, by the same code. Movement
+runs here only where tile_remap left a copy (docs/ARCHITECTURE.md §2), or under `--layout naive`.
 """
 
 from __future__ import annotations

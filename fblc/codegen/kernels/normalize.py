@@ -153,11 +153,10 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         mean, inv_std = b.body.let(broadcast(node.outputs[1]), "mean"), b.body.let(broadcast(node.outputs[2]), "inv")
     else:  # a row of whole texels: once per work-item, over the texels of one row it computes (item_texels)
         mean, inv_std = _row_statistics(b, node, prologue=count % 4 == 0)
-    own = b.element(x, own_index(shape))
 
     def affine(v: ir.Value) -> Expr:
         """Scale or B at the current element: per channel, or broadcast over the normalised axes."""
         return b.element(v, out_axis(1)) if node.op_type == "InstanceNormalization" else broadcast(v)
 
-    result = (own - mean) * inv_std * affine(scale)
+    result = (b.element(x, own_index(shape)) - mean) * inv_std * affine(scale)
     return kernels + [b.finish([result + affine(bias) if bias is not None else result])]

@@ -29,7 +29,7 @@ def reduced_axes(node: ir.Node) -> list[int]:
     rank = len(static_shape(node.inputs[0]))
     if node.op_type == "GlobalAveragePool":
         return list(range(2, rank))
-    axes = (ints_input(node, 1, "axes") if len(node.inputs) > 1 else None) or attr(node, "axes")
+    axes = ints_input(node, 1, "axes") or attr(node, "axes")
     if not axes:
         return [] if attr(node, "noop_with_empty_axes", 0) else list(range(rank))
     return sorted(a % rank for a in axes)
@@ -64,7 +64,8 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         return flat_index(digit_terms(r, [(shape[a], strides[a] // unit) for a in loop_axes]))
 
     inner = numel(shape[axes[-1] + 1:]) if axes else 0
-    # texel-wise (the module docstring), in the per-texel prologue
+    # kept axes after the reduced ones a multiple of 4 long: the 4 lanes fold 4 consecutive elements, one
+    # texel read per step, in the per-texel prologue
     if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
         prologue = b.prologue
         argument, texture = b.input_argument(source)

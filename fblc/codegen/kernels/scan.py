@@ -60,7 +60,7 @@ def emit_cumsum(b: KernelBuilder, node: ir.Node) -> list[Expr]:
 def emit_trilu(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     x = node.inputs[0]
     rank = len(static_shape(x))
-    k = (ints_input(node, 1, "k") or [0])[0] if len(node.inputs) > 1 else 0
+    k = (ints_input(node, 1, "k") or [0])[0]
     column_minus_row = out_axis(rank - 1) - out_axis(rank - 2)
     keep = column_minus_row.ge(k) if int(attr(node, "upper", 1)) else column_minus_row.le(k)
     value = b.element(x, own_index(static_shape(x)))
@@ -72,9 +72,7 @@ def emit_one_hot(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     indices, _, values = node.inputs[:3]
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis", -1)) % len(out_shape)
-    index_shape = static_shape(indices)
-    strides = strides_of(index_shape)
-    terms = [(out_axis(a if a < axis else a + 1), strides[a]) for a in range(len(index_shape))]
+    terms = [(out_axis(a if a < axis else a + 1), stride) for a, stride in enumerate(strides_of(static_shape(indices)))]
     raw = b.body.let(b.element(indices, flat_index(terms)).cast(INT), "idx")
     wrapped = b.body.let(wrap(raw, out_shape[axis]), "idx")
     on, off = b.element(values, const(1)), b.element(values, const(0))
