@@ -2,9 +2,8 @@
 Mish, Softsign, Gelu (exact and tanh) and Sign; they join elementwise.py's table (`expression`), so they
 fuse into elementwise chains and contraction epilogues like any elementwise op.
 
-An activation reads its input as one named value (`b.body.let`), so its load runs once however often
-the formula names it. Softplus is log1p(exp(-|x|)) + max(x, 0), which neither overflows (log(1 + exp(x))
-is inf from x = 89 in float32) nor loses small values; Mish uses the same form.
+Softplus is log1p(exp(-|x|)) + max(x, 0), which neither overflows (log(1 + exp(x)) is inf from x = 89
+in float32) nor loses small values; Mish uses the same form.
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ GELU_FORMS: dict[str, Callable[[Expr], Expr]] = {
         "tanh", f(math.sqrt(2.0 / math.pi)) * call("fma", f(0.044715) * v * v, v, v))),
 }
 
-Activation = Callable[[ir.Node, Expr, Operand], Expr]
 #: op -> its activation of `v` (its input as a named value, so it can be read twice)
-ACTIVATIONS: dict[str, Activation] = {
+ACTIVATIONS: dict[str, Callable[[ir.Node, Expr, Operand], Expr]] = {
     "LeakyRelu": lambda node, v, x: select(v.gt(f(0.0)), v, _alpha(node, 0.01) * v),
     # the slope is read with broadcasting (per channel for nn.PReLU's [C, 1, 1])
     "PRelu": lambda node, v, x: select(v.gt(f(0.0)), v, x(node.inputs[1]) * v),

@@ -1,8 +1,8 @@
 """Fused elementwise kernels: a chain of elementwise ops evaluated per output element.
 
-Each op is an IR expression from one table (`expression`; one-input and two-input ops by `unary`
-and `binary`); inputs that come from outside the chain are read with numpy broadcasting from their
-own shape to the kernel's. Contraction kernels reuse `evaluate_chain` for their epilogue.
+Each op is an IR expression from one table (`expression`; ops that read each input once by `of_operands`);
+inputs that come from outside the chain are read with numpy broadcasting from their own shape to the
+kernel's. Contraction kernels reuse `evaluate_chain` for their epilogue.
 """
 
 from __future__ import annotations
@@ -40,13 +40,9 @@ def expression(*op_types: str) -> Callable[[Expression], Expression]:
     return decorate
 
 
-def unary(op_type: str, build: Callable[[Expr], Expr]) -> None:
-    """An op of one input whose expression reads it once."""
-    expression(op_type)(lambda b, node, x: build(x(node.inputs[0])))
-
-
-def binary(op_type: str, build: Callable[[Expr, Expr], Expr]) -> None:
-    expression(op_type)(lambda b, node, x: build(x(node.inputs[0]), x(node.inputs[1])))
+def of_operands(op_type: str, build: Callable[..., Expr]) -> None:
+    """An op whose expression is `build` of its inputs, each read once."""
+    expression(op_type)(lambda b, node, x: build(*(x(v) for v in node.inputs)))
 
 
 def f(value: float) -> Expr:
@@ -54,21 +50,17 @@ def f(value: float) -> Expr:
     return const(float(value), FLOAT)
 
 
-for _op, _build in {"Add": Expr.__add__, "Sub": Expr.__sub__, "Mul": Expr.__mul__, "Div": Expr.__truediv__,
-                    "Equal": Expr.eq, "Greater": Expr.gt, "Less": Expr.lt, "GreaterOrEqual": Expr.ge,
-                    "LessOrEqual": Expr.le, "And": Expr.logical_and, "Or": Expr.logical_or}.items():
-    binary(_op, _build)
-
 #: ops that are one OpenCL function of their input (ONNX Round is half to even, as rint in the default rounding mode)
 FUNCTIONS = {"Sqrt": "sqrt", "Exp": "exp", "Log": "log", "Tanh": "tanh", "Erf": "erf", "Sin": "sin", "Cos": "cos",
              "Atan": "atan", "Abs": "fabs", "Floor": "floor", "Ceil": "ceil", "Round": "rint"}
-for _op, _build in {"Reciprocal": lambda a: f(1.0) / a, "Neg": Expr.__neg__, "Not": Expr.__invert__,
+for _op, _build in {"Add": Expr.__add__, "Sub": Expr.__sub__, "Mul": Expr.__mul__, "Div": Expr.__truediv__,
+                    "Equal": Expr.eq, "Greater": Expr.gt, "Less": Expr.lt, "GreaterOrEqual": Expr.ge,
+                    "LessOrEqual": Expr.le, "And": Expr.logical_and, "Or": Expr.logical_or, "Where": select,
+                    "Reciprocal": lambda a: f(1.0) / a, "Neg": Expr.__neg__, "Not": Expr.__invert__,
                     "Relu": lambda a: call("fmax", a, f(0.0)), "Sigmoid": lambda a: f(1.0) / (f(1.0) + call("exp", -a)),
                     "IsNaN": lambda a: call("isnan", a, dtype=INT),
                     **{op: partial(call, function) for op, function in FUNCTIONS.items()}}.items():
-    unary(_op, _build)
-
-expression("Where")(lambda b, node, x: select(x(node.inputs[0]), x(node.inputs[1]), x(node.inputs[2])))
+    of_operands(_op, _build)
 
 
 @expression("Pow")
@@ -97,17 +89,14 @@ def _hard_swish(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
     return value * call("clamp", call("fma", value, f(1.0 / 6.0), f(0.5)), f(0.0), f(1.0))
 
 
-#: Max / Min: by element type
-EXTREMES = {("Max", "float"): "fmax", ("Min", "float"): "fmin", ("Max", "int"): "max", ("Min", "int"): "min"}
+def extreme(name: str) -> Callable[[Expr, Expr], Expr]:
+    """max or min (`name`) of two values: fmax / fmin of floats."""
+    return lambda a, c: call(f"f{name}" if a.dtype.is_float else name, a, c)
 
 
 @expression("Max", "Min", "Sum")
 def _variadic(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
-    operands = [x(v) for v in node.inputs]
-    if node.op_type == "Sum":
-        return reduce(operator.add, operands)
-    function = EXTREMES[node.op_type, dtype_of(node.outputs[0]).scalar]
-    return reduce(lambda a, b: call(function, a, b), operands)
+    return reduce(operator.add if node.op_type == "Sum" else extreme(node.op_type.lower()), [x(v) for v in node.inputs])
 
 
 @expression("Clip")
@@ -139,15 +128,13 @@ def _batch_norm(b: KernelBuilder, node: ir.Node, x: Operand) -> Expr:
 
 def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, Expr]) -> dict[int, Expr]:
     """Build the chain into `b`'s lane loop; `env` maps value ids already computed to their values (updated)."""
-    out_shape = b.out_shape
-
     def operand(value: ir.Value) -> Expr:
         if id(value) in env:
             return env[id(value)]
         root = view_root(value)
-        if id(root) in env and static_shape(value) == out_shape and map_of(value).contiguous:
+        if id(root) in env and static_shape(value) == b.out_shape and map_of(value).contiguous:
             return env[id(root)]  # a same-shape view of a value this kernel computes: never read it back
-        return b.broadcast(value, out_shape)
+        return b.broadcast(value, b.out_shape)
 
     for node in nodes:
         build = EXPRESSIONS.get(node.op_type)

@@ -1,21 +1,7 @@
 """Indexed reads and writes: Gather, GatherElements, GatherND, ScatterND, ScatterElements.
 
-Gathers are per-element index maps: each lane reads its index (GatherND: its k-tuple), wraps a
-negative one, clamps it into range (an out-of-range read of an image is undefined on a GPU; ONNX calls such an
-index an error anyway) and reads the data element.
-
-Scatters are written the other way round, as gathers over the updates: each lane owns one
-output element, starts from the data element and folds in every update that targets it, in
-update order. No two work-items write the same texel, so there are no atomics and the result
-is deterministic (float addition in a fixed order, unlike an atomic scatter-add); with
-reduction "none" the last update wins, as in onnxruntime. ScatterND scans all updates per
-element; ScatterElements only scans the updates on its own line along `axis`, the only ones
-that can reach it. Both have a whole-texel path for the row scatters of gather gradients (one
-target row per update): a work-item folds a few texels of one row and reads each update's row
-number once for all of them. A scatter of more than SORTED_SCATTER_UPDATES updates a line never
-reaches these scans when it is a row scatter, a ScatterElements along the data's last axis
-(GatherElements' gradient) or a ScatterND of k-tuples: pass sort_scatter_rows sorts its rows first
-(kernels in sort.py). `lane_kernel` is the start-up of the data kernels' one-kernel emitters.
+A lane owns one output element: a gather reads through its (wrapped, clamped) index; a scatter is a gather
+over the updates, with no atomics and in update order (deterministic sums); docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
@@ -26,23 +12,19 @@ from typing import Callable
 import onnx_ir as ir
 
 from fblc.codegen import ir as kir
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import index_var
+from fblc.codegen.builder import KernelBuilder
+from fblc.codegen.cl import strides_of
 from fblc.codegen.ir import FLOAT4, INT, Block, Element, Expr, call, const, div_index, flat_index, mod_index, select
-from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.kernels import lane_kernel, out_axis, own_index
+from fblc.codegen.kernels.elementwise import extreme
 from fblc.codegen.reads import dtype_of
-from fblc.codegen.textures import TextureTable
-from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import is_zeros, row_major_strides
-from fblc.compiler.values import attr, numel, static_shape
+from fblc.compiler.values import attr, choice_attr, numel, static_shape
 from fblc.passes.sort_scatter_rows import expanded_rows
 
 FAMILY = "gather"
 SLICE_TEXELS = 16  # the most texels of one target slice a work-item folds together
 
-#: (builder of a group's kernel, its anchor node) -> the lane's results, one per output of the group
-LaneResults = Callable[[KernelBuilder, ir.Node], list[Expr]]
 #: a reduction's fold of update `u` into accumulator `acc`
 Combine = Callable[[Expr, Expr], Expr]
 Shape = tuple[int, ...]
@@ -56,26 +38,8 @@ FoldRow = Callable[[Block, Expr], None]
 UpdateRows = Callable[[Block, Expr, Expr, FoldRow], None]
 
 
-def lane_kernel(family: str, *op_types: str) -> Callable[[LaneResults], LaneResults]:
-    """Register for `op_types` the emitter of one per-element kernel of `family` (the kernel modules'
-    common start-up and finish), whose lane results the decorated function builds."""
-    def decorate(build: LaneResults) -> LaneResults:
-        def emit(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-            b = KernelBuilder.for_group(table, group, family)
-            return [b.finish(build(b, group.anchor))]
-
-        register_kernel(*op_types)(emit)
-        return build
-
-    return decorate
-
-
 def _axis(node: ir.Node, rank: int) -> int:
     return int(attr(node, "axis", 0)) % max(rank, 1)
-
-
-def _out(axis: int) -> kir.Var:
-    return index_var(OUT_INDEX, axis)
 
 
 def wrap(raw: Expr, size: int) -> Expr:
@@ -89,24 +53,19 @@ def _wrapped(b: KernelBuilder, raw: Expr, size: int) -> kir.Var:
     return b.body.let(call("clamp", wrap(value, size), 0, size - 1, dtype=INT), "idx")
 
 
-def own_index(shape: Shape) -> Expr:
-    """Flat index of the current output element in a tensor of the output's shape."""
-    return flat_index([(_out(k), stride) for k, stride in enumerate(strides_of(shape))])
-
-
 def _gather(b: KernelBuilder, node: ir.Node, data_shape: Shape, index_shape: Shape) -> list[Expr]:
     """out[i_0..i_{a-1}, j.., k..] = data[i.., indices[j..], k..] (j: the indices' coordinates)."""
     axis, q = _axis(node, len(data_shape)), len(index_shape)
-    index_terms = [(_out(axis + k), stride) for k, stride in enumerate(strides_of(index_shape))]
+    index_terms = [(out_axis(axis + k), stride) for k, stride in enumerate(strides_of(index_shape))]
     row = _wrapped(b, b.element(node.inputs[1], flat_index(index_terms)), data_shape[axis])
-    return [_out(k) for k in range(axis)] + [row] + [_out(k + q - 1) for k in range(axis + 1, len(data_shape))]
+    return [out_axis(k) for k in range(axis)] + [row] + [out_axis(k + q - 1) for k in range(axis + 1, len(data_shape))]
 
 
 def _gather_elements(b: KernelBuilder, node: ir.Node, data_shape: Shape, index_shape: Shape) -> list[Expr]:
     """out[i] = data[i with coordinate `axis` replaced by indices[i]]."""
     axis = _axis(node, len(data_shape))
     along = _wrapped(b, b.element(node.inputs[1], own_index(index_shape)), data_shape[axis])
-    return [along if k == axis else _out(k) for k in range(len(data_shape))]
+    return [along if k == axis else out_axis(k) for k in range(len(data_shape))]
 
 
 def _gather_nd(b: KernelBuilder, node: ir.Node, data_shape: Shape, index_shape: Shape) -> list[Expr]:
@@ -117,9 +76,9 @@ def _gather_nd(b: KernelBuilder, node: ir.Node, data_shape: Shape, index_shape: 
     batch, k = int(attr(node, "batch_dims", 0)), index_shape[-1]
     lead = len(index_shape) - 1  # output axes that index the tuples
     indices, index_strides = node.inputs[1], strides_of(index_shape)
-    start = flat_index([(_out(j), index_strides[j]) for j in range(lead)])
+    start = flat_index([(out_axis(j), index_strides[j]) for j in range(lead)])
     entries = [_wrapped(b, b.element(indices, start + j if j else start), data_shape[batch + j]) for j in range(k)]
-    return [_out(j) for j in range(batch)] + entries + [_out(lead + t) for t in range(len(data_shape) - batch - k)]
+    return [out_axis(j) for j in range(batch)] + entries + [out_axis(t) for t in range(lead, len(b.out_shape))]
 
 
 GATHERS: dict[str, Coordinates] = {"Gather": _gather, "GatherElements": _gather_elements, "GatherND": _gather_nd}
@@ -136,30 +95,19 @@ def emit_gather(b: KernelBuilder, node: ir.Node) -> list[Expr]:
 
 # scatters ------------------------------------------------------------------------------------------
 
-def _extreme(name: str) -> Combine:
-    """fmax / fmin of floats, max / min of ints."""
-    return lambda acc, u: call(f"f{name}" if acc.dtype.is_float else name, acc, u)
-
-
 #: reduction attribute -> its fold of an update into the accumulator
 COMBINES: dict[str, Combine] = {"none": lambda acc, u: u, "add": lambda acc, u: acc + u,
-                                "mul": lambda acc, u: acc * u, "max": _extreme("max"), "min": _extreme("min")}
+                                "mul": lambda acc, u: acc * u, "max": extreme("max"), "min": extreme("min")}
 
 
 def combiner(node: ir.Node) -> Combine:
     """The fold of the node's reduction."""
-    reduction = attr(node, "reduction", "none")
-    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    if reduction not in COMBINES:
-        raise UnsupportedOpError(f"{node.op_type} reduction '{reduction}' (node '{node.name}') has no kernel",
-                                 f"supported reductions: {', '.join(COMBINES)}")
-    return COMBINES[reduction]
+    return COMBINES[choice_attr(node, "reduction", "none", COMBINES, "kernel")]
 
 
 def start_accumulator(b: KernelBuilder, node: ir.Node) -> kir.Var:
     """The accumulator holding the data element (a literal 0 for a zero table, or no data)."""
-    data = node.inputs[0]
-    dtype = dtype_of(node.outputs[0])
+    data, dtype = node.inputs[0], dtype_of(node.outputs[0])
     zeros = data is None or is_zeros(data)
     return b.body.mutable(const(0, dtype) if zeros else b.element(data, own_index(static_shape(data))), "acc", dtype)
 
@@ -220,8 +168,7 @@ def emit_scatter_nd(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     data, indices, updates = node.inputs[:3]
     data_shape, index_shape = static_shape(data), static_shape(indices)
     depth, count = index_shape[-1], numel(index_shape[:-1])
-    slice_size = numel(data_shape[depth:])
-    strides = strides_of(data_shape)
+    slice_size, strides = numel(data_shape[depth:]), strides_of(data_shape)
     combine = combiner(node)
 
     def target_of(block: Block, u: Expr) -> kir.Var:
@@ -247,8 +194,8 @@ def emit_scatter_nd(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     if count == 0:
         return [acc]
     body = b.body
-    prefix = body.let(flat_index([(_out(k), strides[k]) for k in range(depth)]), "prefix", INT)
-    within = body.let(flat_index([(_out(k), strides[k]) for k in range(depth, len(data_shape))]), "within", INT)
+    prefix = body.let(flat_index([(out_axis(k), strides[k]) for k in range(depth)]), "prefix", INT)
+    within = body.let(flat_index([(out_axis(k), strides[k]) for k in range(depth, len(data_shape))]), "within", INT)
     with body.loop("u", 0, count) as (u, scan):
         with scan.when(target_of(scan, u).eq(prefix)) as hit:
             hit.assign(acc, combine(acc, b.element(updates, u * slice_size + within if slice_size > 1 else u)))
@@ -264,8 +211,7 @@ def emit_scatter_elements(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     (sort_scatter_rows.expanded_rows) of whole float texels go as `fold_rows` (the lane path reads the
     row numbers once per element: the gradient of a 32k-row embedding N * 32k * width times)."""
     data, indices, updates = node.inputs[:3]
-    data_shape = static_shape(data)
-    index_shape = static_shape(indices)
+    data_shape, index_shape = static_shape(data), static_shape(indices)
     rank = len(data_shape)
     axis = _axis(node, rank)
     combine = combiner(node)
@@ -285,15 +231,15 @@ def emit_scatter_elements(b: KernelBuilder, node: ir.Node) -> list[Expr]:
         return [acc]
     index_strides = strides_of(index_shape)
     # Indices may be smaller than data off `axis`: elements outside their extent get no update.
-    reachable = [_out(k).lt(index_shape[k]) for k in range(rank) if k != axis and index_shape[k] < data_shape[k]]
+    reachable = [out_axis(k).lt(index_shape[k]) for k in range(rank) if k != axis and index_shape[k] < data_shape[k]]
     block = b.body
-    line = block.let(flat_index([(_out(k), index_strides[k]) for k in range(rank) if k != axis]), "line", INT)
+    line = block.let(flat_index([(out_axis(k), index_strides[k]) for k in range(rank) if k != axis]), "line", INT)
     if reachable:
         block = block.either(functools.reduce(Expr.logical_and, reachable))[0]
     with block.loop("j", 0, count) as (j, scan):
         position = line + (j * index_strides[axis] if index_strides[axis] != 1 else j)
         raw = scan.let(b.element(indices, position), "t", INT)
-        with scan.when(wrap(raw, depth).eq(_out(axis))) as hit:
+        with scan.when(wrap(raw, depth).eq(out_axis(axis))) as hit:
             hit.assign(acc, combine(acc, b.element(updates, position)))
     return [acc]
 

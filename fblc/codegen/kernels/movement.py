@@ -1,10 +1,8 @@
 """Data-movement kernels: Transpose, Reshape and its kin, Expand, Slice, Pad, Concat, Split, ConstantOfShape.
 
-Each output element reads one input element through an index map computed from the
-output's multi-index. A Concat or constant Pad that fuse merged into the elementwise chain
-reading it is computed there, element by element, by the same code (an expression of that
-chain). Transposes, reshapes and broadcasts run here only where tile_remap could not turn them
-into index maps, or under `--layout naive` (the conventional baseline).
+Each output element reads one input element through an index map of the output's multi-index; a Concat
+or constant Pad fused into an elementwise chain is an expression of that chain, by the same code. Movement
+runs here only where tile_remap left a copy (docs/ARCHITECTURE.md §2), or under `--layout naive`.
 """
 
 from __future__ import annotations
@@ -17,16 +15,14 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import broadcast_view_index, index_var
+from fblc.codegen.indexing import broadcast_view_index
 from fblc.codegen.ir import INT, Const, Expr, flat_index, select
-from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.kernels import KernelGroup, lane_kernel, out_axis, register_kernel
 from fblc.codegen.kernels.elementwise import Operand, emit_elementwise, expression
-from fblc.codegen.kernels.gather import lane_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.codegen.reads import dtype_of
-from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import IndexMap
-from fblc.compiler.values import attr, ints_input, slice_bounds, static_shape
+from fblc.compiler.values import attr, choice_attr, ints_input, slice_bounds, static_shape
 
 FAMILY = "movement"
 #: (builder, node) -> the flat index in the node's input of the output element the lane computes
@@ -37,15 +33,14 @@ def _slice_index(shape: tuple[int, ...], starts: Sequence[int], steps: Sequence[
     """The element of an input of `shape` that the output element of a slice (starts, steps per axis) reads."""
     strides = strides_of(shape)
     offset = sum(start * stride for start, stride in zip(starts, strides))
-    return flat_index([(index_var(OUT_INDEX, k), step * stride)
-                       for k, (step, stride) in enumerate(zip(steps, strides))], offset)
+    return flat_index([(out_axis(k), step * stride) for k, (step, stride) in enumerate(zip(steps, strides))], offset)
 
 
 def _transpose(b: KernelBuilder, node: ir.Node) -> Expr:
     in_shape = static_shape(node.inputs[0])
     perm = attr(node, "perm") or list(reversed(range(len(in_shape))))
     strides = strides_of(in_shape)
-    return flat_index([(index_var(OUT_INDEX, k), strides[axis]) for k, axis in enumerate(perm)])
+    return flat_index([(out_axis(k), strides[axis]) for k, axis in enumerate(perm)])
 
 
 INDEX_MAPS: dict[str, IndexMapOf] = {
@@ -82,10 +77,7 @@ def emit_split(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
 def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
     """In the lane loop of a kernel shaped like the Pad's output: its element (constant mode)."""
-    mode = attr(node, "mode", "constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode != "constant":
-        raise UnsupportedOpError(f"Pad mode '{mode}' (node '{node.name}') has no kernel", "use constant padding")
+    choice_attr(node, "mode", "constant", ("constant",), "kernel")
     in_shape = static_shape(node.inputs[0])
     rank = len(in_shape)
     pads = ints_input(node, 1, "pads") or [0] * (2 * rank)
@@ -93,7 +85,7 @@ def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
     begins = {axis % rank: pads[k] for k, axis in enumerate(axes)}
     has_fill = len(node.inputs) > 2 and node.inputs[2] is not None
     fill = b.element(node.inputs[2], Const(0, INT)) if has_fill else Const(0, INT)
-    sources = [index_var(OUT_INDEX, k) - begins[k] if begins.get(k) else index_var(OUT_INDEX, k) for k in range(rank)]
+    sources = [out_axis(k) - begins[k] if begins.get(k) else out_axis(k) for k in range(rank)]
     inside = [source.ge(0).logical_and(source.lt(dim)) for source, dim in zip(sources, in_shape)]
     flag = b.body.let(functools.reduce(Expr.logical_and, inside), "inside", INT)
     index = b.body.let(select(flag, flat_index(list(zip(sources, strides_of(in_shape)))), 0), "src", INT)
@@ -106,10 +98,10 @@ def concat_value(b: KernelBuilder, node: ir.Node) -> Expr:
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis")) % len(out_shape)
     result = b.body.mutable(Const(0, dtype_of(node.outputs[0])), "v")
-    along, start = index_var(OUT_INDEX, axis), 0
+    along, start = out_axis(axis), 0
     for value in node.inputs:
         shape = static_shape(value)
-        terms = [(along - start if k == axis and start else index_var(OUT_INDEX, k), stride)
+        terms = [(along - start if k == axis and start else out_axis(k), stride)
                  for k, stride in enumerate(strides_of(shape))]
         with b.body.when(along.ge(start).logical_and(along.lt(start + shape[axis]))) as inside:
             inside.assign(result, b.element(value, flat_index(terms)))

@@ -1,17 +1,7 @@
-"""Counter-based random numbers on the device: the noise of evolution strategies.
+"""Counter-based random numbers on the device: the noise of evolution strategies (pass es_noise).
 
-Pass es_noise puts these where the ONNX step reads its `noise` input [P, D], so no noise crosses
-the bus and no [P, D] tensor is stored (attribute `seed`; input 0 the iteration count, which
-lives on the device):
-
-- PhiloxNormal(iteration) -> [1, D]: member row `row` of the noise, made where it is read;
-- PhiloxWeightedSum(weights [1, P], iteration) -> [1, D]: sum_i weights[i] * noise row i (the ES
-  direction), each row made again inside the kernel.
-
-Output texel t of row i is one Philox4x32-10 call on counter (t, iteration, i, 0) under key
-(seed low, seed high) and two Box-Muller pairs, exactly as `fblc.compiler.philox.es_noise`
-computes it: the words are integer arithmetic (mul_hi and a 32-bit product), so they equal
-numpy's bit for bit; the normals differ by the device's rounding of log, sqrt, sin and cos.
+PhiloxNormal makes member row `row` of the noise where it is read; PhiloxWeightedSum sums weighted rows, each
+made again in the kernel; both as `fblc.compiler.philox.es_noise` computes them; docs/ARCHITECTURE.md §2.
 """
 
 from __future__ import annotations
@@ -20,7 +10,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import FLOAT, INT, UINT, Block, Element, Expr, Var, call, const
-from fblc.codegen.kernels.gather import lane_kernel
+from fblc.codegen.kernels import lane_kernel
 from fblc.compiler.philox import MULTIPLIERS, ROUNDS, WEYL, seed_key
 from fblc.compiler.values import attr, static_shape
 

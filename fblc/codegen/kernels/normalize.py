@@ -1,29 +1,22 @@
 """Normalisation kernels: LayerNormalization, InstanceNormalization (LayerNormalization over the spatial
 axes, from 2, with a per-channel scale and bias, and never statistic outputs).
 
-A lane needs statistics of its whole row (mean and variance); computed per lane, that is O(T^2) reads
-for a row of T. So in a training step (Mean and InvStdDev are outputs: the backward reads them) a
-statistics kernel launched first computes them, one lane per row (a work-group per texel of rows when a
-row is longer than the profile's serial limit), and the Y kernel reads them back (the builder writes
-outputs of one shape, so they cannot share a kernel). Without those outputs, where the normalised axes
-are a row of whole texels, the Y kernel computes them once per work-item, in its per-texel prologue,
-over several texels of one row; otherwise per lane. A row of at most ROW_CACHE texels is read once,
-into private memory. Softmax and LogSoftmax have no kernel here: split_softmax makes them a
-ReduceLogSumExp (reduce.py) and an elementwise map. Statistics accumulate in float whatever the storage.
+Row statistics come from a statistics kernel when they are outputs (a training step), else once per
+work-item in the Y kernel's prologue (rows of whole texels) or per lane; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import broadcast_view_index, index_var
-from fblc.codegen.ir import FLOAT, FLOAT4, Block, Element, Expr, Var, call, const, flat_index, vector
-from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.cl import Kernel
+from fblc.codegen.indexing import broadcast_view_index
+from fblc.codegen.ir import FLOAT, FLOAT4, Block, Element, Expr, Var, call, const, vector
+from fblc.codegen.kernels import KernelGroup, out_axis, own_index, register_kernel
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import IndexMap, map_of
@@ -33,12 +26,6 @@ from fblc.profiles.profile import PRIVATE_FLOATS
 FAMILY = "normalization"
 ROW_CACHE = PRIVATE_FLOATS // 4  # texels of a row a work-item keeps in private memory
 ITEM_TEXELS = 64  # most texels of one row a work-item computes
-
-
-def _flat(shape: tuple[int, ...], prefix: str, zero: Sequence[int] = ()) -> Expr:
-    """Flat index of the multi-index `prefix0, prefix1..` with the coordinates on `zero` set to 0."""
-    strides = strides_of(shape)
-    return flat_index([(index_var(prefix, k), strides[k]) for k in range(len(shape)) if k not in zero])
 
 
 def item_texels(texels: int) -> int:
@@ -106,7 +93,7 @@ def _row_statistics(b: KernelBuilder, node: ir.Node, prologue: bool = False) -> 
     shape, axis, count = layer_norm_geometry(node)
     trailing = range(axis, len(shape))
     block = b.prologue if prologue else b.body
-    row_start = _flat(shape, TEXEL_INDEX, trailing) if prologue else block.let(_flat(shape, OUT_INDEX, trailing), "row")
+    row_start = own_index(shape, trailing, TEXEL_INDEX) if prologue else block.let(own_index(shape, trailing), "row")
     epsilon, n = const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
     group = b.group_size
     if count % 4 == 0 and group is None:
@@ -166,11 +153,10 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         mean, inv_std = b.body.let(broadcast(node.outputs[1]), "mean"), b.body.let(broadcast(node.outputs[2]), "inv")
     else:  # a row of whole texels: once per work-item, over the texels of one row it computes (item_texels)
         mean, inv_std = _row_statistics(b, node, prologue=count % 4 == 0)
-    own = b.element(x, _flat(shape, OUT_INDEX))
 
     def affine(v: ir.Value) -> Expr:
         """Scale or B at the current element: per channel, or broadcast over the normalised axes."""
-        return b.element(v, index_var(OUT_INDEX, 1)) if node.op_type == "InstanceNormalization" else broadcast(v)
+        return b.element(v, out_axis(1)) if node.op_type == "InstanceNormalization" else broadcast(v)
 
-    result = (own - mean) * inv_std * affine(scale)
+    result = (b.element(x, own_index(shape)) - mean) * inv_std * affine(scale)
     return kernels + [b.finish([result + affine(bias) if bias is not None else result])]

@@ -1,12 +1,7 @@
 """Windowed pooling kernels: AveragePool and MaxPool (with its optional Indices output).
 
-Each lane owns one output element [n, c, *spatial] and walks its window with nested loops
-whose bounds, strides, dilations and pads are literals (from `window_of`, so auto_pad is
-already resolved). Taps that fall in the padding are skipped; the bounds test is left out on
-axes where no window can leave the input. MaxPool's Indices has Y's shape, so the same kernel
-writes both (one pass over the window gives the maximum and where it is). With ceil_mode the
-last window may run past the padded input (the output shape says so); its taps there are
-skipped like padding, and count_include_pad=1 does not count them (`_padded_taps`).
+Each lane owns one output element and walks its window with literal loops, skipping taps in the padding
+(or past a ceil_mode end); MaxPool writes Y and Indices from one pass; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
@@ -16,11 +11,10 @@ import operator
 
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import strides_of
-from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, Block, Expr, Var, call, const, div_index, flat_index, mod_index
-from fblc.codegen.kernels.gather import lane_kernel
+from fblc.codegen.kernels import lane_kernel, out_axis
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.compiler.window import Window, window_of
@@ -37,7 +31,7 @@ def _window(node: ir.Node) -> Window:
 
 def _window_start(window: Window, axis: int) -> Expr:
     """The current output element's first tap on spatial `axis`, before padding."""
-    return flat_index([(index_var(OUT_INDEX, 2 + axis), window.strides[axis])])
+    return flat_index([(out_axis(2 + axis), window.strides[axis])])
 
 
 def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> tuple[Block, Var]:
@@ -46,7 +40,7 @@ def open_window(b: KernelBuilder, node: ir.Node, window: Window) -> tuple[Block,
     flat input index."""
     strides = strides_of(static_shape(node.inputs[0]))
     block = b.body
-    flat: Expr = block.let(index_var(OUT_INDEX, 0) * strides[0] + index_var(OUT_INDEX, 1) * strides[1], "base")
+    flat: Expr = block.let(out_axis(0) * strides[0] + out_axis(1) * strides[1], "base")
     for a, (n, k, d, begin) in enumerate(zip(window.in_spatial, window.kernel, window.dilations, window.pads_begin)):
         start = _window_start(window, a) - begin if begin else _window_start(window, a)
         with block.loop("k", 0, k) as (tap, taps):

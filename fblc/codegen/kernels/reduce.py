@@ -1,13 +1,7 @@
 """Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, ReduceLogSumExp, GlobalAveragePool.
 
-One work-item per output texel loops over the reduced elements of its four lanes (count and strides
-literals). Where the innermost reduced axes are a run of whole texels (rows, a BatchNorm gradient's maps)
-the loop reads whole texels and folds their lanes; where the kept axes after the last reduced one are a
-multiple of 4 long (bias gradients, sums over the batch) the four lanes fold four consecutive elements:
-one texel read per step, in the per-texel prologue. Other trailing reduced runs loop over the runs, then
-along each, so index arithmetic comes once per run. A reduction longer than the profile's serial limit
-is shared by a work-group per output texel whose partials merge in a tree in __local memory.
-ReduceLogSumExp (also split_softmax's softmax statistics) folds the maximum, then the sum of exp(x - max).
+One work-item per output texel (a work-group past the serial limit) folds the reduced elements, whole
+texels where the axes allow; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
@@ -20,11 +14,10 @@ from typing import Callable
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import Kernel, strides_of
+from fblc.codegen.cl import strides_of
 from fblc.codegen.indexing import digit_terms, index_var
 from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Var, call, const, flat_index, select, vector
-from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.textures import TextureTable
+from fblc.codegen.kernels import lane_kernel
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
 
@@ -36,7 +29,7 @@ def reduced_axes(node: ir.Node) -> list[int]:
     rank = len(static_shape(node.inputs[0]))
     if node.op_type == "GlobalAveragePool":
         return list(range(2, rank))
-    axes = (ints_input(node, 1, "axes") if len(node.inputs) > 1 else None) or attr(node, "axes")
+    axes = ints_input(node, 1, "axes") or attr(node, "axes")
     if not axes:
         return [] if attr(node, "noop_with_empty_axes", 0) else list(range(rank))
     return sorted(a % rank for a in axes)
@@ -71,7 +64,8 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         return flat_index(digit_terms(r, [(shape[a], strides[a] // unit) for a in loop_axes]))
 
     inner = numel(shape[axes[-1] + 1:]) if axes else 0
-    # texel-wise (the module docstring), in the per-texel prologue
+    # kept axes after the reduced ones a multiple of 4 long: the 4 lanes fold 4 consecutive elements, one
+    # texel read per step, in the per-texel prologue
     if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
         prologue = b.prologue
         argument, texture = b.input_argument(source)
@@ -124,26 +118,23 @@ def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: 
         fold.assign(acc, combine(acc, fold.let(b.element(source, row + inner), "x")))
 
 
-@register_kernel("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
-def emit_reduce(table: TextureTable, group: KernelGroup) -> list[Kernel]:
-    node = group.anchor
+@lane_kernel("reduction", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
+def emit_reduce(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     axes = reduced_axes(node)
     keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
-    b = KernelBuilder.for_group(table, group, "reduction")
     source = node.inputs[0]
     b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
-        return [b.finish([reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax).lane])]
+        return [reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax).lane]
     if node.op_type == "ReduceLogSumExp":  # max first: exp(x - max) cannot overflow
         peak = reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax)
         total = reduction_loop(b, source, axes, keepdims, lambda a, x: a + call("exp", x - peak.value), 0.0)
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
         none = const(-math.inf, FLOAT)
-        return [b.finish([select(peak.lane.eq(none), none, peak.lane + call("log", total.lane))])]
+        return [select(peak.lane.eq(none), none, peak.lane + call("log", total.lane))]
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
-        acc = reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0)
-        return [b.finish([call("sqrt", acc.lane)])]
+        return [call("sqrt", reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0).lane)]
     total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0).lane
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
         total_lane = total_lane / const(float(numel([static_shape(source)[a] for a in axes]) or 1), FLOAT)
-    return [b.finish([total_lane])]
+    return [total_lane]

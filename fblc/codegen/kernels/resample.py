@@ -1,16 +1,7 @@
-"""Resize (nearest and linear): a gather kernel over constant per-axis taps.
+"""Resize (nearest and linear): a gather kernel over constant per-axis taps (fblc/compiler/resize_taps.py).
 
-Each output element reads, along every resized axis, one (nearest) or two (linear) input
-coordinates with constant weights (fblc/compiler/resize_taps.py computes them once, in the float32
-arithmetic onnxruntime uses), and sums the 2^k products of its k linear axes' taps; unresized
-axes read their own coordinate. A direct gather, not the separable matmul the gradient uses
-(fblc/compiler/gradients/resample.py): one pass, O(2^k) reads an element instead of O(in) per axis.
-
-The taps are literals: an integer upsampling by s reads coordinate o / s; any other axis reads
-its coordinate and weights from private `const` tables (one entry per output coordinate, declared
-once per work-item in the prologue; read-only arrays with constant initializers, which OpenCL
-compilers may place in constant memory). Tables past MAX_TABLE entries an axis are refused
-(UnsupportedOpError) rather than compiled into a huge kernel.
+Taps are literals (an integer upsampling) or private `const` tables of at most MAX_TABLE entries an axis;
+docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
@@ -22,11 +13,10 @@ from itertools import product
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import strides_of
-from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, DType, Element, Expr, const, div_index, flat_index
-from fblc.codegen.kernels.gather import lane_kernel
+from fblc.codegen.kernels import lane_kernel, out_axis
 from fblc.codegen.reads import dtype_of
 from fblc.compiler.resize_taps import AxisTaps, resize_taps
 from fblc.compiler.values import static_shape
@@ -44,7 +34,7 @@ def _table(b: KernelBuilder, dtype: DType, values: np.ndarray, kind: str, o: Exp
 
 def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[Expr, Expr | None]]:
     """(coordinate, weight) of the taps of the current output element along the axis (weight None: 1)."""
-    o = index_var(OUT_INDEX, taps.axis)
+    o = out_axis(taps.axis)
     factor = taps.repeat_factor()
     if factor is not None:
         return [(div_index(o, factor), None)]
@@ -63,11 +53,11 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
 
 @lane_kernel(FAMILY, "Resize")
 def emit_resize(b: KernelBuilder, node: ir.Node) -> list[Expr]:
-    """out[o] = sum over tap choices c of prod_a w_a(c) * x[coordinates c] (see the module docstring)."""
+    """out[o] = sum over tap choices c of prod_a w_a(c) * x[coordinates c]."""
     x = node.inputs[0]
     shape = static_shape(x)
     taps = {t.axis: t for t in resize_taps(node)}
-    per_axis = [_axis_reads(b, taps[a], node.name) if a in taps else [(index_var(OUT_INDEX, a), None)]
+    per_axis = [_axis_reads(b, taps[a], node.name) if a in taps else [(out_axis(a), None)]
                 for a in range(len(shape))]
     strides = strides_of(shape)
     acc = b.body.mutable(const(0, dtype_of(node.outputs[0])), "acc")

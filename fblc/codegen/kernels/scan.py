@@ -1,19 +1,7 @@
 """Scans, masks and selections along one axis: CumSum, Trilu, OneHot, ArgMax, ArgMin, TopK.
 
-Each lane owns one output element and loops over its line along the axis (extents and strides are
-literals); no two work-items write the same element, so nothing races.
-
-- CumSum: the prefix (suffix when reverse; without the element itself when exclusive) summed in
-  onnxruntime's order, from the start of the scan.
-- Trilu: the element, or 0 off the kept side of diagonal k (upper: col - row >= k, lower: <= k).
-- OneHot: `on` where the coordinate along `axis` is the (wrapped) index, else `off`.
-- ArgMax / ArgMin: the first extremum of the line (the last with select_last_index).
-- TopK: output r along the axis is the line's element of rank r in the order (value, greater
-  first for largest; ties: the lower index first, as in onnxruntime). The lane walks the order
-  from its head: each pass over the line picks the first element after the previous pick, so
-  rank r costs (r + 1) n reads, a line's k outputs O(k^2 n): linear in n for the small k of
-  routing and beams (counting each candidate's rank was O(n^2) per output). sorted=0 leaves the
-  order to the runtime: it runs sorted too.
+Each lane owns one output element and loops over its line along the axis (literal extents and strides), in
+onnxruntime's order and tie rules; docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
@@ -22,11 +10,11 @@ from typing import Callable
 
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.cl import strides_of
-from fblc.codegen.indexing import index_var
-from fblc.codegen.ir import INT, Expr, Var, const, flat_index, select
-from fblc.codegen.kernels.gather import lane_kernel, own_index, wrap
+from fblc.codegen.ir import INT, Expr, const, flat_index, select
+from fblc.codegen.kernels import lane_kernel, out_axis, own_index
+from fblc.codegen.kernels.gather import wrap
 from fblc.codegen.reads import dtype_of
 from fblc.compiler.values import attr, ints_input, static_shape
 from fblc.errors import UnsupportedOpError
@@ -39,17 +27,13 @@ BETTER: dict[tuple[str, int], Callable[[Expr, Expr], Expr]] = {
 Reader = Callable[..., Expr]
 
 
-def _o(axis: int) -> Var:
-    return index_var(OUT_INDEX, axis)
-
-
 def _line(b: KernelBuilder, x: ir.Value, axis: int, out_axes: list[int] | None = None) -> tuple[int, Reader]:
     """(length, Reader) of x's line along `axis` through the current output element, whose start
     it declares in b.body; out_axes[k] is the output coordinate that input axis k (other than `axis`) reads."""
     shape = static_shape(x)
     strides = strides_of(shape)
     axes = out_axes or list(range(len(shape)))
-    line = b.body.let(flat_index([(_o(axes[k]), strides[k]) for k in range(len(shape)) if k != axis]), "line")
+    line = b.body.let(flat_index([(out_axis(axes[k]), strides[k]) for k in range(len(shape)) if k != axis]), "line")
     return shape[axis], lambda j=None: b.element(x, line if j is None else line + flat_index([(j, strides[axis])]))
 
 
@@ -60,7 +44,7 @@ def emit_cumsum(b: KernelBuilder, node: ir.Node) -> list[Expr]:
         raise UnsupportedOpError(f"CumSum node '{node.name}' has no constant axis", "export with a fixed dim")
     axis = axis_input[0] % len(static_shape(node.inputs[0]))
     exclusive, reverse = int(attr(node, "exclusive", 0)), int(attr(node, "reverse", 0))
-    o = _o(axis)
+    o = out_axis(axis)
     n, element = _line(b, node.inputs[0], axis)
     acc = b.body.mutable(const(0, dtype_of(node.outputs[0])), "acc")
     # (exclusive, reverse) -> the scan's first index, whether it stays in, and its step
@@ -76,8 +60,8 @@ def emit_cumsum(b: KernelBuilder, node: ir.Node) -> list[Expr]:
 def emit_trilu(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     x = node.inputs[0]
     rank = len(static_shape(x))
-    k = (ints_input(node, 1, "k") or [0])[0] if len(node.inputs) > 1 else 0
-    column_minus_row = _o(rank - 1) - _o(rank - 2)
+    k = (ints_input(node, 1, "k") or [0])[0]
+    column_minus_row = out_axis(rank - 1) - out_axis(rank - 2)
     keep = column_minus_row.ge(k) if int(attr(node, "upper", 1)) else column_minus_row.le(k)
     value = b.element(x, own_index(static_shape(x)))
     return [select(keep, value, const(0, value.dtype))]
@@ -88,13 +72,11 @@ def emit_one_hot(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     indices, _, values = node.inputs[:3]
     out_shape = static_shape(node.outputs[0])
     axis = int(attr(node, "axis", -1)) % len(out_shape)
-    index_shape = static_shape(indices)
-    strides = strides_of(index_shape)
-    terms = [(_o(a if a < axis else a + 1), strides[a]) for a in range(len(index_shape))]
+    terms = [(out_axis(a if a < axis else a + 1), stride) for a, stride in enumerate(strides_of(static_shape(indices)))]
     raw = b.body.let(b.element(indices, flat_index(terms)).cast(INT), "idx")
     wrapped = b.body.let(wrap(raw, out_shape[axis]), "idx")
     on, off = b.element(values, const(1)), b.element(values, const(0))
-    return [select(wrapped.eq(_o(axis)), on, off)]
+    return [select(wrapped.eq(out_axis(axis)), on, off)]
 
 
 @lane_kernel(FAMILY, "ArgMax", "ArgMin")
@@ -124,7 +106,7 @@ def emit_topk(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     body = b.body
     value = body.mutable(const(0, dtype_of(x)), "value")
     at = body.mutable(const(-1), "at")
-    with body.loop("step", 0, None, condition=lambda step: step.le(_o(axis))) as (step, ranks):
+    with body.loop("step", 0, None, condition=lambda step: step.le(out_axis(axis))) as (step, ranks):
         last = ranks.let(value, "last")
         last_at = ranks.let(at, "lastat")
         taken = ranks.mutable(const(0), "taken")
@@ -136,5 +118,4 @@ def emit_topk(b: KernelBuilder, node: ir.Node) -> list[Expr]:
                 pick.assign(value, w)
                 pick.assign(at, i)
                 pick.assign(taken, const(1))
-    results = {id(node.outputs[0]): value, id(node.outputs[1]): at}
-    return [results[id(out)] for out in b.outputs]
+    return [value if out is node.outputs[0] else at for out in b.outputs]

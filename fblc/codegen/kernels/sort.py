@@ -1,18 +1,8 @@
 """Sorted row scatters (pass sort_scatter_rows): MergeRuns and ScatterSortedRows, fblc's device-only ops.
 
-- MergeRuns(keys [G, N], positions [G, N] or none; run, depth) -> (keys', positions'): each line of
-  N row numbers is made of sorted runs of `run`; output r of a line is element r of the stable merge
-  of its pair of runs (the left run wins ties, so equal rows keep their update order). Its work-item
-  finds how many of its first r come from the left run by a binary search along the merge path
-  (log2(run) reads of each run), then reads its element. Without positions it is the first pass:
-  keys are wrapped (a negative row counts from the end of `depth`) and a position is its own index.
-- ScatterSortedRows(data or none, keys, positions, updates; axis, reduction[, shape]): ScatterElements
-  of whole rows whose row numbers are sorted (without data, into zeros of `shape`). A work-item of
-  target row d binary-searches the first update of d (log2(N) reads) and folds d's updates in
-  sorted order, which is update order: the sums of the unsorted kernel (gather.py) and
-  onnxruntime, bit for bit, without scanning the other rows' updates.
-  Like gather.py's row scatter, a work-item owns a few whole texels of a row when the rows are whole
-  float texels, else one element per lane.
+MergeRuns merges pairs of sorted runs of row numbers (a merge-path binary search per output); ScatterSortedRows
+folds each target row's updates in update order, bit for bit the sums of gather.py's unsorted kernel;
+docs/ARCHITECTURE.md §2 (`sort_scatter_rows`) and §3.
 """
 
 from __future__ import annotations
@@ -21,11 +11,10 @@ from typing import Callable
 
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
-from fblc.codegen.indexing import index_var
+from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import INT, Block, Break, Expr, Var, call, const, div_index, select
-from fblc.codegen.kernels.gather import (FoldRow, combiner, fold_rows, lane_kernel, own_index, start_accumulator,
-                                         texel_rows)
+from fblc.codegen.kernels import lane_kernel, out_axis, own_index
+from fblc.codegen.kernels.gather import FoldRow, combiner, fold_rows, start_accumulator, texel_rows
 from fblc.compiler.index_map import is_zeros
 from fblc.compiler.values import attr, numel, static_shape
 
@@ -51,13 +40,13 @@ def emit_merge_runs(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     count = static_shape(keys)[1]
     run, depth = int(attr(node, "run")), int(attr(node, "depth"))
     body = b.body
-    line = body.let(index_var(OUT_INDEX, 0) * count, "line", INT)
+    line = body.let(out_axis(0) * count, "line", INT)
 
     def key(at: Expr) -> Expr:
         raw = b.element(keys, line + at)
         return raw if positions is not None else call("wrap_row", raw, depth, dtype=INT)
 
-    column = index_var(OUT_INDEX, 1)
+    column = out_axis(1)
     start = body.let(div_index(column, 2 * run) * (2 * run), "start")
     na = body.let(call("min", run, const(count) - start), "na")
     nb = body.let(call("clamp", const(count) - start - run, 0, run), "nb")
@@ -68,8 +57,7 @@ def emit_merge_runs(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     from_left = lo.lt(na).logical_and(j.ge(nb).logical_or(key(start + lo).le(key(start + na + j))))
     src = body.let(select(from_left, start + lo, start + na + j), "src")
     position = src if positions is None else b.element(positions, line + src)
-    results = {id(node.outputs[0]): key(src), id(node.outputs[1]): position}
-    return [results[id(out)] for out in b.outputs]
+    return [key(src) if out is node.outputs[0] else position for out in b.outputs]
 
 
 @lane_kernel(FAMILY, "ScatterSortedRows")
