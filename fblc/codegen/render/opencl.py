@@ -4,8 +4,9 @@ It names each variable by its kind and number (`acc12`; the few names shared wit
 the preamble are fixed), maps each IR operation to C in one table, and folds a const value read
 exactly once into its reader when that keeps its meaning: the value reads nothing that changes
 (no array element, no variable assigned again) and its reader runs as often as it would
-(the same loop, not a loop inside). Texture reads and writes go through the preamble's
-storage macros (RDF / WRF ... with PLACE), so one text serves image2d_t and buffer storage.
+(the same loop, not a loop inside). Texture arguments, reads and writes are a storage's
+(ImageStorage: image2d_t at the texture layout's coordinate, kernels.cl; BufferStorage: __global
+buffers indexed by the texel, kernels.buffer.cl): one kernel IR renders to either.
 """
 
 from __future__ import annotations
@@ -17,11 +18,20 @@ from typing import Sequence
 import numpy as np
 
 from fblc.codegen import ir
+from fblc.codegen.render.preamble import BUFFER_PREAMBLE, PREAMBLE
 
 COMPONENTS = "xyzw"
 LANE_FUNCTIONS = {"float": "lane_f", "int": "lane_i", "uint": "lane_i"}
-READS = {"float": "RDF", "int": "RDI", "uint": "RDU"}
-WRITES = {"float": "WRF", "int": "WRI", "uint": "WRU"}
+IMAGE_SUFFIXES = {"float": "f", "int": "i", "uint": "ui"}  # read_imagef, write_imageui...
+#: a texel's read and write in a buffer, by the buffer's element type (bundle_format.BUFFER_C_TYPES): fp16
+#: storage holds 4 halfs a texel, a mask a byte a texel (lane x of the uint4 an image read gives)
+BUFFER_LOADS = {"float4": "{a}[{t}]", "int4": "{a}[{t}]", "half": "vload_half4({t}, {a})",
+                "uchar": "(uint4)({a}[{t}], 0u, 0u, 0u)"}
+BUFFER_STORES = {"float4": "{a}[{t}] = {v}", "int4": "{a}[{t}] = {v}", "half": "vstore_half4_rte({v}, {t}, {a})",
+                 "uchar": "{a}[{t}] = (uchar)(({v}).x)"}
+#: elements s..s+3 from texel q of a float buffer: one unaligned load (LocalRunner leaves a texel of slack)
+BUFFER_WINDOWS = {"float4": "vload4(0, (__global const float*){a} + {q} * 4 + {s})",
+                  "half": "vload_half4(0, {a} + {q} * 4 + {s})"}
 INDENT = "  "
 
 
@@ -50,17 +60,61 @@ def name_of(var: ir.Var) -> str:
     return var.name or f"{var.kind}{var.number}"
 
 
+class ImageStorage:
+    """Textures as image2d_t, what phones run (kernels.cl): texel t of an argument sits at its layout's int2
+    coordinate (TexelLayout.c_coord); under FBLC_TRACE each read also records it (NOTE, fblc.runtime.trace)."""
+
+    preamble, places, params_tail, prologue = PREAMBLE, True, " TRACE_PARAM", ("TRACE_INIT",)
+
+    def parameter(self, a: ir.Argument) -> str:
+        return f"{'read_only' if a.role == 'in' else 'write_only'} image2d_t {a.name}"
+
+    def load(self, a: ir.Argument, texel: str) -> str:
+        return f"read_image{IMAGE_SUFFIXES[a.kind]}({a.name}, SMP, NOTE({a.index}, {coord(a, texel)}))"
+
+    def store(self, a: ir.Argument, texel: str, value: str) -> str:
+        return f"write_image{IMAGE_SUFFIXES[a.kind]}({a.name}, {coord(a, texel)}, {value})"
+
+    def window(self, a: ir.Argument, first: str, second: str, q: str, s: str) -> str:
+        """window4 of texels q and q + 1 of `a`, already read as `first` and `second`."""
+        return f"window4({first}, {second}, {s})"
+
+
+class BufferStorage:
+    """Textures as __global buffers of their texels in index order (kernels.buffer.cl, LocalRunner's storage
+    "buffer": a CPU's OpenCL images are software): texel t is element t, whatever the layout."""
+
+    preamble, places, params_tail, prologue = BUFFER_PREAMBLE, False, "", ()
+
+    def parameter(self, a: ir.Argument) -> str:
+        return f"__global {'const ' if a.role == 'in' else ''}{a.element}* restrict {a.name}"
+
+    def load(self, a: ir.Argument, texel: str) -> str:
+        return BUFFER_LOADS[a.element].format(a=a.name, t=texel)
+
+    def store(self, a: ir.Argument, texel: str, value: str) -> str:
+        return BUFFER_STORES[a.element].format(a=a.name, t=texel, v=value)
+
+    def window(self, a: ir.Argument, first: str, second: str, q: str, s: str) -> str:
+        return BUFFER_WINDOWS[a.element].format(a=a.name, q=q, s=s)
+
+
+Storage = ImageStorage | BufferStorage
+IMAGE, BUFFER = ImageStorage(), BufferStorage()
+
+
 def coord(argument: ir.Argument, texel: str) -> str:
-    """The int2 place of texel `texel` (C) of a texture argument: its layout's, through PLACE, which
-    buffer storage maps to the index itself."""
-    return f"PLACE({texel}, {argument.layout.c_coord(texel)})"  # type: ignore[attr-defined]
+    """The int2 place of texel `texel` (C) of an image argument: its layout's."""
+    return argument.layout.c_coord(texel)  # type: ignore[attr-defined,no-any-return]
 
 
 class Renderer:
-    """Renders one kernel (or one expression) to C; `folded` holds the values inlined into their reader."""
+    """Renders one kernel (or one expression) to C for `storage`; `folded` holds the values inlined into
+    their reader."""
 
-    def __init__(self, folded: dict[ir.Var, ir.Expr] | None = None) -> None:
+    def __init__(self, folded: dict[ir.Var, ir.Expr] | None = None, storage: Storage = IMAGE) -> None:
         self.folded = folded or {}
+        self.storage = storage
 
     # expressions --------------------------------------------------------------------------------
     def expr(self, e: ir.Expr) -> str:
@@ -81,6 +135,8 @@ class Renderer:
         return f"({e.op}{self.expr(e.a)})"
 
     def _Call(self, e: ir.Call) -> str:
+        if e.function == "WINDOW":  # elements s..s+3 of texels q, q + 1 (emitters' texel windows)
+            return self.storage.window(e.args[0].argument, *map(self.expr, e.args[1:]))  # type: ignore[attr-defined]
         return f"{e.function}({', '.join(self.expr(a) for a in e.args)})"
 
     def _Select(self, e: ir.Select) -> str:
@@ -103,7 +159,7 @@ class Renderer:
         return f"{name_of(e.array)}[{self.expr(e.index)}]"
 
     def _Load(self, e: ir.Load) -> str:
-        return f"{READS[e.argument.kind]}({e.argument.name}, {coord(e.argument, self.expr(e.texel))})"
+        return self.storage.load(e.argument, self.expr(e.texel))
 
     def _Swizzle(self, e: ir.Swizzle) -> str:
         if e.vector.dtype.lanes == 8:  # a float8's half
@@ -141,8 +197,7 @@ class Renderer:
         if isinstance(s, ir.Assign):
             return [f"{pad}{self.expr(s.target)} {s.op} {self.expr(s.value)};"]
         if isinstance(s, ir.Store):
-            return [f"{pad}{WRITES[s.argument.kind]}({s.argument.name}, "
-                    f"{coord(s.argument, self.expr(s.texel))}, {self.expr(s.value)});"]
+            return [f"{pad}{self.storage.store(s.argument, self.expr(s.texel), self.expr(s.value))};"]
         if isinstance(s, ir.Evaluate):
             return [f"{pad}{self.expr(s.expr)};"]
         if isinstance(s, ir.For):
@@ -166,13 +221,12 @@ class Renderer:
             self.statements(s.body, depth + 1) + [f"{pad}}}"]
 
 
-def render_kernel(kernel: ir.KernelIR, params_tail: str = " TRACE_PARAM", prologue: Sequence[str] = ("TRACE_INIT",)
-                  ) -> str:
-    """The __kernel's C: its arguments through the preamble's IMAGE_OUT / IMAGE_IN, then its body."""
-    params = [f"IMAGE_{a.role.upper()}({a.element}, {a.name})" for a in kernel.arguments]
-    folded = foldable(kernel.body)
-    body = [INDENT + line for line in prologue] + Renderer(folded).statements(kernel.body, 1)
-    return "\n".join([f"__kernel void {kernel.name}({', '.join(params)}{params_tail}) {{", *body, "}"])
+def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE) -> str:
+    """The __kernel's C for `storage`: its texture arguments, then its body."""
+    params = ", ".join(storage.parameter(a) for a in kernel.arguments)
+    body = [INDENT + line for line in storage.prologue] + Renderer(foldable(kernel.body), storage).statements(
+        kernel.body, 1)
+    return "\n".join([f"__kernel void {kernel.name}({params}{storage.params_tail}) {{", *body, "}"])
 
 
 def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:
