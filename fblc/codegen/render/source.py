@@ -27,7 +27,9 @@ def assemble_source(kernels: Sequence[Kernel], layouts: Sequence[TexelLayout], s
             continue
         start = len(lines) + 1
         lines.append(f"// {kernel.family}: {', '.join(kernel.nodes)}"[:COMMENT_LENGTH])
-        lines.extend(render_kernel(kernel.ir, storage).splitlines())  # type: ignore[arg-type]
+        # image storage: the kernel as its emitter rendered it (builder.py), the same text
+        source = kernel.source if storage is IMAGE else render_kernel(kernel.ir, storage)  # type: ignore[arg-type]
+        lines.extend(source.splitlines())
         spans[kernel.name] = (start, len(lines))
         lines.append("")
     return "\n".join(lines) + "\n", spans
