@@ -16,10 +16,8 @@ from fblc.codegen.estimate import estimate_object
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.layout_report import layout_object
 from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
-from fblc.bundle_format import BUFFER_KERNELS, FLOAT_FORMATS
+from fblc.bundle_format import FLOAT_FORMATS
 from fblc.codegen.plan import Program, lower, step_schedules
-from fblc.codegen.render.opencl import BUFFER
-from fblc.codegen.render.source import assemble_source
 from fblc.codegen.schedule import load_overrides
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
@@ -86,9 +84,7 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     adapter = adapter_report(step)
     if adapter is not None:
         report["adapter"] = adapter
-    buffer_source, buffer_lines = assemble_source(program.kernels, [t.layout for t in program.textures], BUFFER)
-    manifest, plan, params = build_documents(step, program, table, profile, dtype, report, buffer_lines)
-    buffer_file = {BUFFER_KERNELS: buffer_source.encode()}  # kernels.cl is program.source (image storage)
+    manifest, plan, params, buffer_file = build_documents(step, program, table, profile, dtype, report)
     if annexes:
         with tempfile.TemporaryDirectory() as scratch:
             draft = os.path.join(scratch, "bundle")
