@@ -13,7 +13,10 @@ A bundle is a directory:
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
                  (kernel name, global/local size, texture arguments, and the schedule its kernel
                  was built with: optional, for tools), the state swaps after a step;
-- kernels.cl     OpenCL C, one __kernel per launch;
+- kernels.cl     OpenCL C, one __kernel per launch, its textures image2d_t (what phones run);
+- kernels.buffer.cl  the same kernels, their textures __global buffers of texels in index order
+                 (LocalRunner's storage "buffer"); plan.json's launches give each kernel's lines in
+                 both files (`lines`, `buffer_lines`);
 - params.bin     initial texture contents (parameters, optimizer state, constants), each
                  already in its texture layout;
 - report.json    what the compiler did (kernels per family, textures, bytes).
@@ -38,9 +41,10 @@ FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 KERNELS = "kernels.cl"
+BUFFER_KERNELS = "kernels.buffer.cl"
 PARAMS = "params.bin"
 REPORT = "report.json"
-CHECKSUMMED = (PLAN, KERNELS, PARAMS, REPORT)
+CHECKSUMMED = (PLAN, KERNELS, BUFFER_KERNELS, PARAMS, REPORT)
 #: the manifest's digest of itself (see the module docstring); the native runner finds it as this does
 MANIFEST_DIGEST = "manifest_sha256"
 _UNSEALED = "0" * 64

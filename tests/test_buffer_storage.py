@@ -1,20 +1,20 @@
-"""LocalRunner's storage "buffer": the same kernels.cl built with FBLC_BUFFERS, every texture's texels
-held in index order in a __global buffer (PLACE maps a texel's layout coordinate to its index), for
-a CPU's OpenCL whose images are software.
+"""LocalRunner's storage "buffer": the bundle's kernels.buffer.cl, the kernels of kernels.cl rendered with
+every texture's texels held in index order in a __global buffer (a texel's address is its index, not its
+layout's coordinate), for a CPU's OpenCL whose images are software.
 
-Golden: each kernel argument is declared through IMAGE_IN / IMAGE_OUT with the C type of its
-texture's format, which both storages expand, and every texel address goes through PLACE; an
-R-Tile parameter's buffer holds its texels in index order. Numeric: one step in buffer storage equals
+Golden: each kernel argument of kernels.buffer.cl is a buffer of the C type of its texture's format,
+each of kernels.cl an image2d_t; plan.json's `lines` and `buffer_lines` are each kernel's lines in the
+two files; an R-Tile parameter's buffer holds its texels in index order. Numeric: one step in buffer storage equals
 onnxruntime's (fp32 and fp16 textures, saved masks, integer ids, shared register tiles, images
 shared by textures of disjoint lifetimes), and three steps (the P / P.new swap) equal the image
-storage's losses. Negative: an unknown storage, and buffers asked of a phone's native runner.
+storage's losses. Negative: an unknown storage, a bundle without kernels.buffer.cl (an earlier fblc's),
+and buffers asked of a phone's native runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import re
 import shutil
 from collections import Counter
@@ -33,7 +33,6 @@ from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support import models
-from support.bundles import edit_kernels
 from tests.support.kernel_ir import lowered_kernels, of_type, statements
 from tests.support.oclgrind_steps import CASES
 
@@ -66,18 +65,24 @@ def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tm
     exported = models.mlp(str(tmp_path))
     bundle = str(tmp_path / "bundle")
     compile_model(exported.path, bundle, "adreno830", "fp16", TrainingOptions(input_shapes=exported.input_shapes))
-    source = open(f"{bundle}/kernels.cl").read()
+    images, buffers = (open(f"{bundle}/{name}").read() for name in ("kernels.cl", "kernels.buffer.cl"))
     plan = json.load(open(f"{bundle}/plan.json"))
     formats = [t["format"] for t in plan["textures"]]
     assert {"rgba_f16", "rgba_i32", "r_mask8"} <= set(formats), "the test model should have every kind of texture"
     for launch in plan["kernels"]:
-        header = re.search(rf"__kernel void {launch['function']}\((.*?) TRACE_PARAM\)", source).group(1)
-        declared = re.findall(r"IMAGE_(OUT|IN)\((\w+), (\w+)\)", header)
-        expected = [("OUT", BUFFER_C_TYPES[formats[t]], f"out{k}") for k, t in enumerate(launch["outputs"])]
-        expected += [("IN", BUFFER_C_TYPES[formats[t]], f"in{k}") for k, t in enumerate(launch["inputs"])]
-        assert declared == expected, launch["name"]
-    addresses = re.findall(r"\b(?:RDF|RDI|WRF|WRI|WRU)\((\w+), (\w+)\(", source)
-    assert addresses and {place for _, place in addresses} == {"PLACE"}, "a texel address that buffers would not map"
+        for source, key, access in ((images, "lines", r"(read|write)_only image2d_t"),
+                                    (buffers, "buffer_lines", r"__global (const )?(\w+)\* restrict")):
+            first, last = launch[key]
+            function = source.splitlines()[first:last]  # after the comment line: the __kernel .. its closing }
+            assert function[0].startswith(f"__kernel void {launch['function']}(") and function[-1] == "}", key
+            declared = re.findall(rf"{access} (\w+)", function[0])
+            assert [d[-1] for d in declared] == [f"out{k}" for k in range(len(launch["outputs"]))] + \
+                [f"in{k}" for k in range(len(launch["inputs"]))], launch["name"]
+            if key == "buffer_lines":  # outputs writable, inputs const, each of its format's C type
+                assert [d[:2] for d in declared] == [("", BUFFER_C_TYPES[formats[t]]) for t in launch["outputs"]] + \
+                    [("const ", BUFFER_C_TYPES[formats[t]]) for t in launch["inputs"]], launch["name"]
+    # buffers address a texel by its index: no image call, sampler or layout coordinate is left
+    assert not re.search(r"image2d_t|read_image|write_image|SMP|TEXEL_P2|RTILE_|NOTE\(", buffers)
     batch = {**exported.inputs, "labels": exported.labels}
     runners = {storage: LocalRunner(bundle, storage=storage, progress=False) for storage in ("image", "buffer")}
     losses = {storage: _three_steps(runner, batch) for storage, runner in runners.items()}
@@ -111,20 +116,11 @@ def mlp_bundle(tmp_path_factory) -> tuple[models.ExportedModel, str]:
 def test_an_unknown_storage_buffers_on_a_phone_or_an_old_bundle_are_refused(mlp_bundle, tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="storage 'texture': choose one of auto, image, buffer"):
         LocalRunner(str(tmp_path), storage="texture")
-    exported, compiled = mlp_bundle
+    _, compiled = mlp_bundle
     bundle = tmp_path / "bundle"
     shutil.copytree(compiled, bundle)
-    source = (bundle / "kernels.cl").read_text()  # as a bundle of an earlier fblc declared its arguments
-    source = re.sub(r"IMAGE_OUT\(\w+, (out\d+)\)", r"write_only image2d_t \1", source)
-    edit_kernels(str(bundle), re.sub(r"IMAGE_IN\(\w+, (in\d+)\)", r"read_only image2d_t \1", source))
-    with pytest.raises(BundleError, match="compiled before buffer storage"):
-        LocalRunner(str(bundle), storage="buffer", progress=False)
-    feeds = {**exported.inputs, "labels": exported.labels}
-    assert LocalRunner(str(bundle), progress=False, storage="image").step(feeds) > 0
-    # an earlier fblc's buffers held texels at their image coordinates: its preamble defines no PLACE
-    source = (pathlib.Path(compiled) / "kernels.cl").read_text()
-    edit_kernels(str(bundle), source.replace("#define PLACE(", "#define COORDINATE("))
-    with pytest.raises(BundleError, match="compiled before buffer storage"):
+    (bundle / "kernels.buffer.cl").unlink()  # as a bundle of an earlier fblc, which built kernels.cl for buffers
+    with pytest.raises(BundleError, match="kernels.buffer.cl is missing; compile the bundle again"):
         LocalRunner(str(bundle), storage="buffer", progress=False)
     data = tmp_path / "data.npz"
     np.savez(data, x=np.zeros((1, 1), np.float32))
@@ -161,7 +157,7 @@ def _form(texel: kir.Expr) -> str:
 
 
 def window_misreads(kernels: list[Any], texels: dict[int, int]) -> tuple[list[str], Counter[str], Counter[str]]:
-    """WINDOW(img, a, b, q, s) is one unaligned load of texels q and q + 1 in buffers, the shuffle of a
+    """WINDOW(img, a, b, q, s) is one unaligned load of texels q and q + 1 in buffers (BufferStorage), the shuffle of a
     and b in images: the two agree only where a is texel q as read, and b texel q + 1 or, where that
     passes the tensor's last texel, the last (`min(q + 1, last)`: the buffer's load reads LocalRunner's
     texel of slack there, lanes the kernel leaves unused). Any other form of a read that feeds WINDOW
@@ -204,7 +200,7 @@ def _windows(kernels: list[Any], function: str) -> list[kir.Call]:
 
 def test_a_window_at_a_runtime_shift_is_one_load_in_buffers(tmp_path) -> None:
     """A temporal conv's input gradient reads 3-tap weight rows at a runtime shift: images shuffle the two
-    texels (window4), buffers load the window from the texel's index (window_f, within the texel of
+    texels (window4), buffers load the window from the texel's index (a vload4, within the texel of
     slack LocalRunner leaves past each buffer; oclgrind's "shared sums in buffers" checks every access).
     Reads that masks may take outside the tensor are clamped, so their texels keep the shuffle; a
     cluster's spare last texel (min, past the end at shift 0 only) is the load's slack. A 3x3 conv's rows

@@ -498,7 +498,7 @@ def test_saved_masks_are_mask8_textures_the_runtime_allocates_as_planned(tmp_pat
     assert masks and all(t["layout"]["kind"] == "mask8" for t in masks)
     assert not [t for t in plan["textures"] if t["format"] == "r_mask4"]
     assert [t["width"] * t["height"] for t in masks] == [-(-int(np.prod(t["shape"])) // 8) for t in masks]
-    assert re.search(r"WRU\(out0, [^;]*\(t >> 1\b", (tmp_path / "b" / "kernels.cl").read_text())  # byte t/2
+    assert re.search(r"write_imageui\(out0, [^;]*\(t >> 1\b", (tmp_path / "b" / "kernels.cl").read_text())  # byte t/2
     runner = LocalRunner(str(tmp_path / "b"), storage="image")
     mask_images = {t["image"] for t in masks}
     allocated = sum(int(runner.images[i].get_info(runner.cl.mem_info.SIZE)) for i in mask_images)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,15 +91,19 @@ def test_corrupt_or_other_version_bundles_are_refused(bundle) -> None:
         LocalRunner(bundle)
 
 
-def test_a_kernel_that_fails_to_build_is_named_with_the_compiler_log(bundle) -> None:
+@pytest.mark.parametrize("storage, source, lines", [("image", fmt.KERNELS, "lines"),
+                                                    ("buffer", fmt.BUFFER_KERNELS, "buffer_lines")])
+def test_a_kernel_that_fails_to_build_is_named_with_the_compiler_log(bundle, storage, source, lines) -> None:
+    """The kernel and its line in the source of the runner's storage (plan.json's `lines` or `buffer_lines`)."""
     plan = json.load(open(os.path.join(bundle, fmt.PLAN)))
-    victim = plan["kernels"][2]["name"]
-    _rewrite(bundle, fmt.KERNELS, lambda data: data.replace(f"void {victim}(".encode(),
-                                                            f"void {victim}(undeclared_type z, ".encode()))
-    rechecksum(bundle, fmt.KERNELS)
+    victim = plan["kernels"][2]
+    _rewrite(bundle, source, lambda data: data.replace(f"void {victim['function']}(".encode(),
+                                                       f"void {victim['function']}(undeclared_type z, ".encode()))
+    rechecksum(bundle, source)
     with pytest.raises(KernelBuildError) as error:
-        LocalRunner(bundle)
-    assert f"'{victim}'" in str(error.value) and "undeclared_type" in str(error.value)
+        LocalRunner(bundle, storage=storage)
+    line = int(re.search(rf"'{victim['name']}' \({re.escape(source)} line (\d+)\)", str(error.value)).group(1))
+    assert victim[lines][0] <= line <= victim[lines][1] and "undeclared_type" in str(error.value)
 
 
 def test_data_files_with_missing_or_misshaped_arrays_list_what_is_expected(tmp_path, bundle, capsys) -> None:

@@ -16,6 +16,8 @@ from fblc import __version__, bundle_format as fmt
 from fblc.codegen.buffers import BufferTable
 from fblc.codegen.cl import Kernel
 from fblc.codegen.plan import Program
+from fblc.codegen.render.opencl import BUFFER
+from fblc.codegen.render.source import assemble_source
 from fblc.compiler import keys
 from fblc.errors import FblcError
 from fblc.paths import mode_for, parents_made, write_error
@@ -42,23 +44,26 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
     return entry
 
 
-def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int], schedule: dict[str, Any] | None
-            ) -> dict[str, Any]:
+def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int], buffer_lines: tuple[int, int],
+            schedule: dict[str, Any] | None) -> dict[str, Any]:
     """A launch of the plan: its kernel, its launch sizes (the profile's work-group size, the global size
-    padded to whole groups; `items` work-items do work), its texture arguments and the schedule its
-    kernel was built with (codegen/schedule.py; readers may ignore it)."""
+    padded to whole groups; `items` work-items do work), its texture arguments, its kernel's lines in kernels.cl
+    and kernels.buffer.cl, and the schedule its kernel was built with (codegen/schedule.py; readers may ignore it)."""
     if kernel.group_size is not None:  # written for this work-group size: its global size is whole groups
         global_size, group = kernel.global_size, kernel.group_size
     else:
         global_size, group = profile.launch_size(kernel.global_size)
     return {"name": kernel.name, "function": kernel.function, "family": kernel.family, "items": kernel.global_size,
             "global_size": [global_size], "local_size": [group], "outputs": kernel.outputs, "inputs": kernel.inputs,
-            "lines": list(lines), **({"schedule": schedule} if schedule is not None else {})}
+            "lines": list(lines), "buffer_lines": list(buffer_lines),
+            **({"schedule": schedule} if schedule is not None else {})}
 
 
 def build_documents(model: ir.Model, program: Program, table: BufferTable, profile: Profile, dtype: str,
-                    report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bytes]:
-    """(manifest without checksums, plan, params.bin contents); textures, lifetimes and images from `table`."""
+                    report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bytes, dict[str, bytes]]:
+    """(manifest without checksums, plan, params.bin contents, {kernels.buffer.cl: its text}); textures,
+    lifetimes and images from `table`. kernels.cl is program.source, the kernels in image storage."""
+    buffer_source, buffer_lines = assemble_source(program.kernels, [t.layout for t in program.textures], BUFFER)
     blob = bytearray()
     offsets: dict[int, tuple[int, int]] = {}
     for texture_id, texels in sorted(program.initial.items()):
@@ -77,7 +82,8 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
         entry["image"] = table.image_of[texture.id]
         textures.append(entry)
     plan = {"textures": textures,
-            "kernels": [_launch(k, profile, program.kernel_lines[k.name], program.schedules.get(k.name))
+            "kernels": [_launch(k, profile, program.kernel_lines[k.name], buffer_lines[k.name],
+                                program.schedules.get(k.name))
                         for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],
             "values": program.values, "value_shapes": program.value_shapes, "value_maps": program.value_maps}
@@ -111,14 +117,14 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
             "texture": texture, "count": int(static_shape(rewards)[0]),
             "launch": next(i for i, k in enumerate(program.kernels) if texture in k.inputs),
             "members": [_tensor_entry(v, program) for v in graph.outputs if v.name.startswith(MEMBER_PREFIX)]}
-    return manifest, plan, bytes(blob)
+    return manifest, plan, bytes(blob), {fmt.BUFFER_KERNELS: buffer_source.encode()}
 
 
 def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], source: str, params: bytes,
                  report: dict[str, Any], extra: dict[str, bytes] | None = None) -> None:
     """Write the bundle to `out_dir` atomically: a half-written bundle never exists under that name.
 
-    `extra`: more files (the memory-timeline plot), checksummed in the manifest like the others.
+    `extra`: more files (kernels.buffer.cl, the memory-timeline plot), checksummed in the manifest like the others.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FblcError(f"-o '{out_dir}' is an existing file, not a bundle folder",

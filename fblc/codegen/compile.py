@@ -84,13 +84,14 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     adapter = adapter_report(step)
     if adapter is not None:
         report["adapter"] = adapter
-    manifest, plan, params = build_documents(step, program, table, profile, dtype, report)
+    manifest, plan, params, buffer_file = build_documents(step, program, table, profile, dtype, report)
     if annexes:
         with tempfile.TemporaryDirectory() as scratch:
             draft = os.path.join(scratch, "bundle")
-            write_bundle(draft, manifest, plan, program.source, params, report)
+            write_bundle(draft, manifest, plan, program.source, params, report, extra=buffer_file)
             for key, annex in annexes.items():
                 report[key] = annex(draft, step)
     report["estimate"] = estimate_object(step, program, profile, report.get("cache"))
-    write_bundle(out_dir, manifest, plan, program.source, params, report, extra={TIMELINE_PLOT: timeline})
+    write_bundle(out_dir, manifest, plan, program.source, params, report,
+                 extra={**buffer_file, TIMELINE_PLOT: timeline})
     return step, report

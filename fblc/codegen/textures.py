@@ -46,11 +46,6 @@ class Texture:
     def height(self) -> int:
         return self.layout.height
 
-    def coord(self, texel: str) -> str:
-        """OpenCL C int2 image coordinate of texel index `texel` (a C expression): its layout's, through
-        PLACE, which buffer storage (FBLC_BUFFERS) maps to the index itself."""
-        return f"PLACE({texel}, {self.layout.c_coord(texel)})"
-
     @property
     def numel(self) -> int:
         return numel(self.shape)

@@ -1,10 +1,10 @@
 """What the first run of a bundle waits for: its kernels being compiled, said on stderr.
 
 PoCL (the local CPU device) compiles in two stages. clBuildProgram runs the OpenCL C front end
-over the whole kernels.cl (a few seconds); then the first launch of each kernel generates and
+over the whole kernel source (a few seconds); then the first launch of each kernel generates and
 compiles its work-group function for that launch's local size (0.1-0.5 s each, serially: PoCL
 holds one compiler lock per process). Both land in PoCL's kernel cache, so a later run of the
-same kernels.cl on the same device loads them in well under a second. pyopencl keeps no cache
+same kernel source on the same device loads them in well under a second. pyopencl keeps no cache
 of its own for PoCL (it leaves caching to the driver); for other drivers it caches the
 binaries of clBuildProgram, which then does all the compiling.
 

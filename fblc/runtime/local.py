@@ -100,15 +100,17 @@ class LocalRunner:
         self.bundle = bundle
         self.manifest, self.plan = fmt.load_verified(bundle)
         self.device = select_device(device)
-        #: "image": every texture an image2d_t, as on a phone; "buffer": the same texels in index order in a
-        #: __global buffer (kernels.cl built with FBLC_BUFFERS), for a device whose images are software
+        #: "image": every texture an image2d_t, as on a phone (kernels.cl); "buffer": the same texels in index
+        #: order in a __global buffer (kernels.buffer.cl), for a device whose images are software
         #: (a CPU's OpenCL: PoCL reads a texel through a library call that stops vectorization), where
         #: a texel's address is its index, not its layout's coordinate (which on a phone serves the texture cache)
         self.storage, self.storage_reason = choose_storage(storage, self.device)
         #: why the kernels are built with -cl-opt-disable and outside pyopencl's binary cache ("": they are not)
         self.unoptimised_reason = unoptimised_reason(self.device) if device_workarounds else ""
-        self.build_options = (list(build_options) + (["-DFBLC_BUFFERS"] if self.storage == "buffer" else [])
-                              + (["-cl-opt-disable"] if self.unoptimised_reason else []))
+        #: the bundle's kernel source for the storage, and its key of each launch's lines there (plan.json)
+        self.kernels_file, self._lines_key = ((fmt.BUFFER_KERNELS, "buffer_lines") if self.storage == "buffer"
+                                              else (fmt.KERNELS, "lines"))
+        self.build_options = list(build_options) + (["-cl-opt-disable"] if self.unoptimised_reason else [])
         self.context = cl.Context([self.device])
         properties = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
         self.queue = cl.CommandQueue(self.context, properties=properties)
@@ -166,7 +168,7 @@ class LocalRunner:
     def _allocate(self, spec: dict[str, Any]) -> Any:
         cl = self.cl
         if self.storage == "buffer":
-            # a texel of slack: a window at a runtime shift (kernels.cl's window_f) loads up to 3 elements past
+            # a texel of slack: a window at a runtime shift (a vload4 in kernels.buffer.cl) loads up to 3 elements past
             # the texel that holds the tensor's last element
             return cl.Buffer(self.context, cl.mem_flags.READ_WRITE,
                              fmt.image_bytes(spec["format"], spec["width"], spec["height"]) + WINDOW_SLACK_BYTES)
@@ -183,13 +185,8 @@ class LocalRunner:
 
     def _build(self) -> Any:
         cl = self.cl
-        with open(os.path.join(self.bundle, fmt.KERNELS), encoding="utf-8") as handle:
+        with open(os.path.join(self.bundle, self.kernels_file), encoding="utf-8") as handle:
             source = handle.read()
-        if self.storage == "buffer" and (re.search(r"__kernel void \w+\([^)]*image2d_t", source)
-                                         or "#define PLACE(" not in source):
-            raise BundleError(f"'{self.bundle}' was compiled before buffer storage as this fblc runs it: its kernels "
-                              "declare image2d_t arguments only, or address texels by image coordinates (no PLACE)",
-                              "compile it again with this fblc, or run it with storage image")
         program = cl.Program(self.context, source)
         try:
             return program.build(options=["-cl-std=CL1.2", *self.build_options],
@@ -204,8 +201,8 @@ class LocalRunner:
         if match:
             line = int(match.group(1))
             for kernel in self.plan["kernels"]:
-                if kernel["lines"][0] <= line <= kernel["lines"][1]:
-                    return f"'{kernel['name']}' (kernels.cl line {line})"
+                if kernel[self._lines_key][0] <= line <= kernel[self._lines_key][1]:
+                    return f"'{kernel['name']}' ({self.kernels_file} line {line})"
         return "(see the log)"
 
     # texture I/O -------------------------------------------------------------------------------

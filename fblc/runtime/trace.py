@@ -1,8 +1,9 @@
 """Which texels a kernel's work-items read: the bundle's own kernels, built with -DFBLC_TRACE.
 
-Every texel read in kernels.cl goes through the RDF/RDI macros of the preamble. Built with
-FBLC_TRACE they also record (argument, x, y) into a buffer, in each work-item's issue order, up
-to CAPACITY reads per work-item (the count goes on). The tracer runs one work-group at a time
+Every texel read in kernels.cl (image storage) places its coordinate through the preamble's NOTE.
+Built with FBLC_TRACE it also records (argument, x, y) into a buffer, in each work-item's issue order,
+up to CAPACITY reads per work-item (the count goes on): the texel's place in its layout, which the
+texture cache sees, so the tracer holds its textures as images on any device. The tracer runs one work-group at a time
 (a global offset and the launch's own work-group size from plan.json) on the local OpenCL device,
 so the groups it records are the ones the schedule launches; call `step(feeds)`
 first, so the textures hold what a training step reads (gathers read where the data says). The texture-cache model (fblc.profiles.cache_model) replays
@@ -52,7 +53,8 @@ class ReadTracer(LocalRunner):
             group_size = max(group_of(launch) for launch in json.load(handle)["kernels"])
         # silent: it never steps, so the first-step report of its kernel build would never end
         super().__init__(bundle, device, build_options=(TRACE_DEFINE, f"-DFBLC_TRACE_CAPACITY={CAPACITY}",
-                                                        f"-DFBLC_TRACE_ITEMS={group_size}"), progress=False)
+                                                        f"-DFBLC_TRACE_ITEMS={group_size}"), progress=False,
+                         storage="image")
         cl = self.cl
         self.group_size = group_size  # the largest work-group of the plan: the trace buffers hold one
         self._trace = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, group_size * CAPACITY * 16)

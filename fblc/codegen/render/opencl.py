@@ -4,24 +4,25 @@ It names each variable by its kind and number (`acc12`; the few names shared wit
 the preamble are fixed), maps each IR operation to C in one table, and folds a const value read
 exactly once into its reader when that keeps its meaning: the value reads nothing that changes
 (no array element, no variable assigned again) and its reader runs as often as it would
-(the same loop, not a loop inside). Texture reads and writes go through the preamble's
-storage macros (RDF / WRF ... with PLACE), so one text serves image2d_t and buffer storage.
+(the same loop, not a loop inside). Texture arguments, reads and writes are a Storage's templates
+(IMAGE: image2d_t at the layout's coordinate, kernels.cl; BUFFER: __global buffers indexed by the
+texel, kernels.buffer.cl): one kernel IR renders to either.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from fblc.codegen import ir
+from fblc.codegen.render.preamble import BUFFER_PREAMBLE, PREAMBLE
 
 COMPONENTS = "xyzw"
 LANE_FUNCTIONS = {"float": "lane_f", "int": "lane_i", "uint": "lane_i"}
-READS = {"float": "RDF", "int": "RDI", "uint": "RDU"}
-WRITES = {"float": "WRF", "int": "WRI", "uint": "WRU"}
 INDENT = "  "
 
 
@@ -50,17 +51,54 @@ def name_of(var: ir.Var) -> str:
     return var.name or f"{var.kind}{var.number}"
 
 
-def coord(argument: ir.Argument, texel: str) -> str:
-    """The int2 place of texel `texel` (C) of a texture argument: its layout's, through PLACE, which
-    buffer storage maps to the index itself."""
-    return f"PLACE({texel}, {argument.layout.c_coord(texel)})"  # type: ignore[attr-defined]
+@dataclass(frozen=True)
+class Storage:
+    """How a kernel source holds textures: C templates of an argument's declaration (by role) and of a texel's
+    read, write and window (by the argument's `key` field) of the argument's name {a}, number {i}, element type
+    {e}, the texel's place {t}, the value {v}; a window's texels q, q + 1 as read {first}, {second}, and {q}, {s}."""
+
+    preamble: str
+    places: bool  # texel t at its layout's int2 coordinate (TexelLayout.c_coord), else at index t
+    key: str
+    parameters: dict[str, str]
+    loads: dict[str, str]
+    stores: dict[str, str]
+    windows: dict[str, str]
+    params_tail: str = ""  # after the arguments, and the body's first lines (the trace's, in image storage)
+    prologue: tuple[str, ...] = ()
+
+
+IMAGE_SUFFIXES = {"float": "f", "int": "i", "uint": "ui"}  # read_imagef, write_imageui...
+#: image2d_t textures, what phones run (kernels.cl); under FBLC_TRACE each read also records its place (NOTE)
+IMAGE = Storage(PREAMBLE, True, "kind", {"in": "read_only image2d_t {a}", "out": "write_only image2d_t {a}"},
+                {k: f"read_image{s}({{a}}, SMP, NOTE({{i}}, {{t}}))" for k, s in IMAGE_SUFFIXES.items()},
+                {k: f"write_image{s}({{a}}, {{t}}, {{v}})" for k, s in IMAGE_SUFFIXES.items()},
+                {"float": "window4({first}, {second}, {s})"}, " TRACE_PARAM", ("TRACE_INIT",))
+#: __global buffers of texels in index order (kernels.buffer.cl: LocalRunner's storage "buffer", for a CPU's OpenCL,
+#: whose images are software), by element type: fp16 4 halfs a texel, a mask a byte (lane x of an image's uint4)
+BUFFER = Storage(BUFFER_PREAMBLE, False, "element",
+                 {"in": "__global const {e}* restrict {a}", "out": "__global {e}* restrict {a}"},
+                 {"float4": "{a}[{t}]", "int4": "{a}[{t}]", "half": "vload_half4({t}, {a})",
+                  "uchar": "(uint4)({a}[{t}], 0u, 0u, 0u)"},
+                 {"float4": "{a}[{t}] = {v}", "int4": "{a}[{t}] = {v}", "half": "vstore_half4_rte({v}, {t}, {a})",
+                  "uchar": "{a}[{t}] = (uchar)(({v}).x)"},
+                 # one unaligned load (LocalRunner leaves a texel of slack past each buffer)
+                 {"float4": "vload4(0, (__global const float*){a} + {q} * 4 + {s})",
+                  "half": "vload_half4(0, {a} + {q} * 4 + {s})"})
 
 
 class Renderer:
-    """Renders one kernel (or one expression) to C; `folded` holds the values inlined into their reader."""
+    """Renders one kernel (or one expression) to C for `storage`; `folded` holds the values inlined into
+    their reader."""
 
-    def __init__(self, folded: dict[ir.Var, ir.Expr] | None = None) -> None:
+    def __init__(self, folded: dict[ir.Var, ir.Expr] | None = None, storage: Storage = IMAGE) -> None:
         self.folded = folded or {}
+        self.storage = storage
+
+    def texture(self, templates: dict[str, str], a: ir.Argument, texel: str = "", **more: str) -> str:
+        """The storage's C of `templates` for argument `a` at texel index `texel` (C)."""
+        place = a.layout.c_coord(texel) if self.storage.places and texel else texel  # type: ignore[attr-defined]
+        return templates[getattr(a, self.storage.key)].format(a=a.name, i=a.index, t=place, **more)
 
     # expressions --------------------------------------------------------------------------------
     def expr(self, e: ir.Expr) -> str:
@@ -81,6 +119,9 @@ class Renderer:
         return f"({e.op}{self.expr(e.a)})"
 
     def _Call(self, e: ir.Call) -> str:
+        if e.function == "WINDOW":  # an emitter's texel window: WINDOW(argument, first, second, q, s)
+            parts = dict(zip(("first", "second", "q", "s"), map(self.expr, e.args[1:])))
+            return self.texture(self.storage.windows, e.args[0].argument, **parts)  # type: ignore[attr-defined]
         return f"{e.function}({', '.join(self.expr(a) for a in e.args)})"
 
     def _Select(self, e: ir.Select) -> str:
@@ -103,7 +144,7 @@ class Renderer:
         return f"{name_of(e.array)}[{self.expr(e.index)}]"
 
     def _Load(self, e: ir.Load) -> str:
-        return f"{READS[e.argument.kind]}({e.argument.name}, {coord(e.argument, self.expr(e.texel))})"
+        return self.texture(self.storage.loads, e.argument, self.expr(e.texel))
 
     def _Swizzle(self, e: ir.Swizzle) -> str:
         if e.vector.dtype.lanes == 8:  # a float8's half
@@ -141,8 +182,7 @@ class Renderer:
         if isinstance(s, ir.Assign):
             return [f"{pad}{self.expr(s.target)} {s.op} {self.expr(s.value)};"]
         if isinstance(s, ir.Store):
-            return [f"{pad}{WRITES[s.argument.kind]}({s.argument.name}, "
-                    f"{coord(s.argument, self.expr(s.texel))}, {self.expr(s.value)});"]
+            return [f"{pad}{self.texture(self.storage.stores, s.argument, self.expr(s.texel), v=self.expr(s.value))};"]
         if isinstance(s, ir.Evaluate):
             return [f"{pad}{self.expr(s.expr)};"]
         if isinstance(s, ir.For):
@@ -153,7 +193,7 @@ class Renderer:
                 lines += [f"{pad}}} else {{"] + self.statements(s.orelse, depth + 1)
             return lines + [f"{pad}}}"]
         if isinstance(s, ir.While):
-            return [f"{pad}while ({self.condition(s.condition)}) {{"] + self.statements(s.body, depth + 1) + [f"{pad}}}"]
+            return [f"{pad}while ({self.condition(s.condition)}) {{", *self.statements(s.body, depth + 1), f"{pad}}}"]
         return [pad + {ir.Break: "break;", ir.Return: "return;",
                        ir.Barrier: "barrier(CLK_LOCAL_MEM_FENCE);"}[type(s)]]
 
@@ -166,13 +206,12 @@ class Renderer:
             self.statements(s.body, depth + 1) + [f"{pad}}}"]
 
 
-def render_kernel(kernel: ir.KernelIR, params_tail: str = " TRACE_PARAM", prologue: Sequence[str] = ("TRACE_INIT",)
-                  ) -> str:
-    """The __kernel's C: its arguments through the preamble's IMAGE_OUT / IMAGE_IN, then its body."""
-    params = [f"IMAGE_{a.role.upper()}({a.element}, {a.name})" for a in kernel.arguments]
-    folded = foldable(kernel.body)
-    body = [INDENT + line for line in prologue] + Renderer(folded).statements(kernel.body, 1)
-    return "\n".join([f"__kernel void {kernel.name}({', '.join(params)}{params_tail}) {{", *body, "}"])
+def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE) -> str:
+    """The __kernel's C for `storage`: its texture arguments, then its body."""
+    params = ", ".join(storage.parameters[a.role].format(a=a.name, e=a.element) for a in kernel.arguments)
+    body = [INDENT + line for line in storage.prologue] + Renderer(foldable(kernel.body), storage).statements(
+        kernel.body, 1)
+    return "\n".join([f"__kernel void {kernel.name}({params}{storage.params_tail}) {{", *body, "}"])
 
 
 def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:
