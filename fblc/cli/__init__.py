@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_ = commands.add_parser(
         "compile", help="compile MODEL's training step into a bundle of OpenCL kernels for a target GPU",
         description="Build MODEL's training step, fuse it into OpenCL image2d_t kernels for --target and write a "
-                    "bundle folder (manifest.json, plan.json, kernels.cl, params.bin, report.json).")
+                    "bundle folder (manifest.json, plan.json, kernels.cl, kernels.buffer.cl, params.bin, report.json).")
     add_training_options(compile_)
     add_target_options(compile_)
     compile_.add_argument("-o", "--output", required=True, metavar="OUT", help="bundle folder to write")

@@ -58,8 +58,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{report['distinct_kernels']} distinct kernels ({report['kernels']} launches: {families}), "
               f"{report['textures']} textures, "
               f"{report['texture_bytes'] / 1e6:.1f} MB of textures")
-        print(f"wrote bundle {args.output.rstrip('/') or '/'}/ (manifest.json, plan.json, kernels.cl, params.bin, "
-              f"report.json)")
+        print(f"wrote bundle {args.output.rstrip('/') or '/'}/ (manifest.json, plan.json, kernels.cl, "
+              f"kernels.buffer.cl, params.bin, report.json)")
         from fblc.compiler.summary import adapter_lines
 
         trained = report["trained"]["tensors"]
