@@ -1,9 +1,4 @@
-"""Textures: which values get one, where their texels sit, and in which image format.
-
-Element i of a tensor sits in lane i % 4 of texel i // 4; where texel t sits in the image is the value's
-layout (`fblc.layout`, written by rtile_select; flat when absent, see fblc/texel_layout.py). Views
-(remapped data movement, Identity) read their root's texture.
-"""
+"""Textures: which values get one, where their texels sit, and in which image format (docs/ARCHITECTURE.md §3)."""
 
 from __future__ import annotations
 
@@ -45,11 +40,6 @@ class Texture:
     @property
     def height(self) -> int:
         return self.layout.height
-
-    def coord(self, texel: str) -> str:
-        """OpenCL C int2 image coordinate of texel index `texel` (a C expression): its layout's, through
-        PLACE, which buffer storage (FBLC_BUFFERS) maps to the index itself."""
-        return f"PLACE({texel}, {self.layout.c_coord(texel)})"
 
     @property
     def numel(self) -> int:
