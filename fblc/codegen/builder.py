@@ -264,8 +264,7 @@ class KernelBuilder(ValueReads):
         block.add(*(kir.DeclareArray(r, 4, (const(0, r.dtype),) * 4) for r in lane_results))
         # a texel within one row of the lane axis: its lanes' indices are its first element's, plus the
         # lane along that axis (one division per axis per texel, not per lane)
-        lanes = lane_axis(self.out_shape)
-        in_one_row = lanes is not None
+        in_one_row = lane_axis(self.out_shape) is not None
         t = self.t
         if self.texel_reads or in_one_row:
             if first_row is not None:
@@ -279,17 +278,8 @@ class KernelBuilder(ValueReads):
         block.add(*self.lane_fallback)
         # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
         # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
-        tail = out_numel % 4 != 0
-        with block.loop("lane", 0, 4, unroll=not tail, name="lane") as (lane, body):
-            body.add(kir.Declare(self.flat, t * 4 + lane))
-            if tail:
-                body.add(kir.If(self.flat.ge(out_numel), [kir.Break()]))
-            if in_one_row:
-                for axis in range(len(self.out_shape)):
-                    first = _named(f"{TEXEL_FIRST}{axis}", INT)
-                    body.add(kir.Declare(_named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
-            else:
-                declare_index(body, self.out_shape, self.flat, OUT_INDEX)
+        with block.loop("lane", 0, 4, unroll=out_numel % 4 == 0, name="lane") as (lane, body):
+            self.lane_header(body, lane, in_one_row)
             body.add(*self.lines)
             for k, result in enumerate(results):
                 body.assign(kir.Element(lane_results[k], lane), result)
@@ -308,6 +298,20 @@ class KernelBuilder(ValueReads):
             else:  # a group kernel's texel goes out from its work-item 0
                 store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
                 block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)
+
+    def lane_header(self, block: Block, lane: Var, in_one_row: bool = False) -> None:
+        """The lane loop's header: the lane's flat output index (`i` = t * 4 + `lane`), a break past the tensor's
+        end, and its output multi-index (`in_one_row`: the texel's first element's (TEXEL_FIRST) plus the lane)."""
+        numel, lanes = self.out_textures[0].numel, lane_axis(self.out_shape)
+        block.add(kir.Declare(self.flat, self.t * 4 + lane))
+        if numel % 4:
+            block.add(kir.If(self.flat.ge(numel), [kir.Break()]))
+        if not in_one_row:
+            declare_index(block, self.out_shape, self.flat, OUT_INDEX)
+            return
+        for axis in range(len(self.out_shape)):
+            first = _named(f"{TEXEL_FIRST}{axis}", INT)
+            block.add(kir.Declare(_named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
 
 
 def _named(name: str, dtype: kir.DType) -> Var:
