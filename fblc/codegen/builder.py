@@ -1,12 +1,9 @@
-"""KernelBuilder: what every kernel emitter writes through. Its reads are ValueReads' (`reads.py`); it
-collects the per-lane body and wraps it into the per-element kernel skeleton.
+"""KernelBuilder: the kernel skeleton every emitter fills (docs/ARCHITECTURE.md §3); its reads are ValueReads'.
 
-A kernel may also have a per-texel prologue (`prologue`): code run once per work-item, before the lane
-loop, that sees the multi-index of the texel's first element as `u0, u1..` (TEXEL_INDEX). Contractions
-compute all four lanes' reductions there, sharing the reads the lanes have in common. A work-item may
-hold a tile, its kernel's `Schedule` (kernels/schedules.py decides it before the kernel is built;
-`finish` records what the kernel used, for plan.json): `texels_per_item` consecutive texels, or with
-`item_stride` s > 1 rows s texels apart of `item_columns` consecutive texels each.
+Its per-texel prologue (`prologue`) runs once per work-item, before the lane loop, and sees the multi-index of the
+texel's first element as `u0, u1..` (TEXEL_INDEX): contractions compute all four lanes' reductions there, sharing
+the reads the lanes have in common. A work-item's tile (its `Schedule`; `finish` records what the kernel used) is
+`texels_per_item` consecutive texels, or with `item_stride` s > 1 rows s texels apart of `item_columns` texels each.
 
 An r_mask8 output (8 elements a byte) takes two texels per byte, and an image write stores a whole
 byte, so the work-item that writes byte b computes both texels 2b and 2b + 1: it ORs their nibbles and

@@ -1,8 +1,6 @@
-"""Lowering a fused step graph to kernels and a plan: texture per value, launches in order.
-
-The step (after the `fuse` pass: every node carries `fblc.kernel`) becomes a `Program`: the kernels, the
-textures with their initial contents, the launch order, and the state swaps that make the `.new` outputs
-the next step's inputs. Every group without an emitter, or that its emitter refuses, is named in one error.
+"""Lowering a fused step graph (every node carries `fblc.kernel`) to a `Program`: the kernels, the textures with
+their initial contents, the launch order, and the state swaps that make the `.new` outputs the next step's inputs
+(docs/ARCHITECTURE.md §3). Every group without an emitter, or that its emitter refuses, is named in one error.
 """
 
 from __future__ import annotations

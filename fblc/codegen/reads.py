@@ -1,9 +1,7 @@
-"""ValueReads: how a kernel reads the values it is given, the half of KernelBuilder that reads.
-
-A value is read as a literal (a one-element constant), as one element of its texture (a strided view
-unflattens the index and applies its root's strides) or, in the lane loop, from a texel read once per
-output texel before the lane loop (`texel_reads`): the lanes' own texel, one element broadcast along the
-lanes, or the at most two elements of a value constant over blocks of 4 or more output elements.
+"""ValueReads: how a kernel reads the values it is given, the half of KernelBuilder that reads: a literal (a
+one-element constant), one element of its texture (a strided view applies its root's strides) or, in the lane
+loop, a read hoisted to once per output texel (`texel_reads`): the lanes' own texel, one element broadcast along
+the lanes, or the at most two elements of a value constant over blocks of 4 or more output elements.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """report.json's `estimate`, `memory` and `layout` objects and their readable summaries (docs/ARCHITECTURE.md §3).
 
-`estimate`: each kernel's time on the target from its profile alone, max(flops / peak, bytes / bandwidth) plus
-the launch overhead, summed per step. Reads count every texture once (a perfect texture cache) unless `fblc
-compile --cache-report`'s simulated misses replace them; `benchmarks/estimate_check.py` compares its ranking of
-kernels with per-kernel times measured on the local device.
-`memory` and the memory-timeline plot: the step's memory plan (fblc.passes.memory_plan: eq. 1's decomposition,
-the training-state peak, the floor check) with the buffer table (fblc.codegen.buffers). `device_peak` is the one
-device-memory figure: the images plan.json lists and the runtimes allocate; `texture_bytes` gives every texture
-an image of its own; `live_peak` is the planner's lower bound (every buffer freed after its last reader).
-`layout`: data movement before and after remapping, tiles and scores, from the lowered step's annotations
-(tile_remap's `fblc.remap` and index maps, rtile_select's `fblc.layout`) and the kernels. A data-movement op is a
-copy kernel in the conventional baseline; one kept (a remap check failed, or `--layout naive`) runs as a
-conversion kernel, which only changes how a tensor is laid out.
+`estimate` is the target profile's roofline, not a measurement: reads count every texture once (a perfect texture
+cache) unless `--cache-report`'s simulated misses replace them; `benchmarks/estimate_check.py` compares its
+ranking of kernels with per-kernel times measured on the local device. `memory` (and the timeline plot) joins the
+step's memory plan (fblc.passes.memory_plan) and the buffer table (fblc.codegen.buffers): `device_peak`, the images
+the runtimes allocate; `texture_bytes`, every texture in an image of its own; `live_peak`, the planner's lower
+bound. `layout` is read from the step's annotations (tile_remap's `fblc.remap` and index maps, rtile_select's
+`fblc.layout`): a data-movement op kept (a remap check failed, or `--layout naive`) runs as a conversion kernel,
+which only changes how a tensor is laid out; the conventional baseline would copy every one.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, ClassVar, Iterator, Sequence, Union
 
 from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
@@ -73,19 +73,10 @@ class If:
     orelse: list[Statement] = field(default_factory=list)
 
 
-@dataclass
-class Break:
-    pass
-
-
-@dataclass
-class Return:
-    pass
-
-
-@dataclass
-class Barrier:
-    """barrier(CLK_LOCAL_MEM_FENCE): every work-item of the group has written its __local values."""
+#: the statements without fields: `break;`, `return;` and barrier(CLK_LOCAL_MEM_FENCE), where every work-item
+#: of the group has written its __local values
+Break, Return, Barrier = (make_dataclass(name, (), namespace={"__module__": __name__})
+                          for name in ("Break", "Return", "Barrier"))
 
 
 @dataclass
