@@ -212,7 +212,7 @@ class KernelBuilder(ValueReads):
         pool = _named("pool", kir.FLOAT)
         kernel.add(kir.Declare(item, group_id * tiles + run), kir.Declare(self.lid, mod_index(local_id, group)),
                    kir.DeclareArray(pool, tiles * floats, local=True),
-                   kir.Declare(_named("shared", kir.FLOAT.pointer()), pool + run * floats))
+                   kir.Declare(_named("shared", kir.DType("float", local_pointer=True)), pool + run * floats))
 
     def _item(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
               bytes_: dict[int, Var]) -> None:

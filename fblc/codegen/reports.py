@@ -3,7 +3,7 @@
 `estimate` is the target profile's roofline, not a measurement: reads count every texture once (a perfect texture
 cache) unless `--cache-report`'s simulated misses replace them; `benchmarks/estimate_check.py` compares its
 ranking of kernels with per-kernel times measured on the local device. `memory` (and the timeline plot) joins the
-step's memory plan (fblc.passes.memory_plan) and the buffer table (fblc.codegen.buffers): `device_peak`, the images
+step's memory plan (fblc.passes.memory_plan) and the buffer table (plan.buffer_table): `device_peak`, the images
 the runtimes allocate; `texture_bytes`, every texture in an image of its own; `live_peak`, the planner's lower
 bound. `layout` is read from the step's annotations (tile_remap's `fblc.remap` and index maps, rtile_select's
 `fblc.layout`): a data-movement op kept (a remap check failed, or `--layout naive`) runs as a conversion kernel,
@@ -19,8 +19,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fblc.codegen.buffers import BufferTable
-from fblc.codegen.plan import Program, kernel_groups
+from fblc.codegen.plan import BufferTable, Program, kernel_groups
 from fblc.compiler import keys
 from fblc.compiler.flops import node_flops
 from fblc.compiler.index_map import REMAPPABLE, is_view

@@ -33,9 +33,6 @@ class DType:
     def vector(self, lanes: int) -> DType:
         return DType(self.scalar, lanes)
 
-    def pointer(self) -> DType:
-        return DType(self.scalar, self.lanes, local_pointer=True)
-
 
 INT, UINT, ULONG, UCHAR = DType("int"), DType("uint"), DType("ulong"), DType("uchar")
 FLOAT, HALF = DType("float"), DType("half")
