@@ -247,10 +247,9 @@ class KernelBuilder(ValueReads):
         axis = lane_axis(shape)
         if per == 1 or stride == 1 or axis is None or shape[axis] != 4 * stride:
             return None
-        across = stride // columns
-        if across == 1:
-            return self.g * (per // columns), const(0)
-        return div_index(self.g, across) * (per // columns), mod_index(self.g, across) * (4 * columns)
+        across = stride // columns  # tiles side by side in a band of the tile's rows
+        column = mod_index(self.g, across) * (4 * columns) if across > 1 else const(0)
+        return div_index(self.g, across) * (per // columns), column
 
     def _texel(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
                bytes_: dict[int, Var], first_row: tuple[Expr, Expr] | None = None) -> None:
