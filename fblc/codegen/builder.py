@@ -290,7 +290,7 @@ class KernelBuilder(ValueReads):
                 block.add(kir.If(odd, [kir.Store(argument, t >> 1, kir.vector(kir.UINT4, byte, 0, 0, 0)),
                                        kir.Assign(byte, const(0, UINT))]))
             elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
-                block.store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0))
+                block.add(kir.Store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0)))
             else:  # a group kernel's texel goes out from its work-item 0
                 store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
                 block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)

@@ -144,9 +144,6 @@ class Block:
     def assign(self, target: Var | Element | Lane, value: Operand, op: str = "=") -> None:
         self.statements.append(Assign(target, as_expr(value, target.dtype), op))
 
-    def store(self, argument: Argument, texel: Expr, value: Expr) -> None:
-        self.statements.append(Store(argument, texel, value))
-
     def add(self, *statements: Statement) -> None:
         self.statements.extend(statements)
 
@@ -192,6 +189,9 @@ _READS: dict[type, tuple[str, ...]] = {
     Declare: ("init",), DeclareArray: ("init", "length"), Assign: ("value",), Store: ("texel", "value"),
     Evaluate: ("expr",), For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",)}
 
+#: the fields of a statement that hold the statements nested in it
+_BODIES: dict[type, tuple[str, ...]] = {For: ("body",), While: ("body",), If: ("then", "orelse")}
+
 
 def statement_exprs(statement: Statement) -> tuple[Expr, ...]:
     """The expressions a statement reads (its own, not those of nested statements)."""
@@ -203,11 +203,8 @@ def statement_exprs(statement: Statement) -> tuple[Expr, ...]:
 
 
 def nested(statement: Statement) -> tuple[list[Statement], ...]:
-    if isinstance(statement, (For, While)):
-        return (statement.body,)
-    if isinstance(statement, If):
-        return (statement.then, statement.orelse)
-    return ()
+    """The statement lists inside a statement: a loop's body, an if's branches."""
+    return tuple(getattr(statement, name) for name in _BODIES.get(type(statement), ()))
 
 
 def walk(statements: Sequence[Statement]) -> Iterator[Statement]:
