@@ -226,11 +226,9 @@ class KernelBuilder(ValueReads):
         rows = self._tile_rows(self.out_shape)
         with block.loop("tt", 0, self.texels_per_item, name="tt") as (tt, texel):
             texel.add(kir.Declare(self.t, self._first_texel() + self._tile_step()))
-            first_row = None
-            if rows is not None:  # texel tt of the tile: its row and column follow from the tile's
-                columns = self.item_columns
-                first_row = (rows[0] + div_index(tt, columns), rows[1] + mod_index(tt, columns) * 4 if columns > 1
-                             else rows[1])
+            columns = self.item_columns  # texel tt of the tile: its row and column follow from the tile's
+            first_row = None if rows is None else (rows[0] + div_index(tt, columns),
+                                                   rows[1] + mod_index(tt, columns) * 4 if columns > 1 else rows[1])
             self._texel(texel, results, arguments, bytes_, first_row)
 
     def declare_item_index(self, block: Block, shape: Sequence[int], prefix: str) -> list[Var]:
