@@ -58,9 +58,6 @@ class KernelBuilder(ValueReads):
         self.group_size: int | None = None
         self.tiles_per_group = 1  # items (tiles) a group kernel's work-group holds, group_size work-items each
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
-        # the skeleton's variables, named for the emitters that still write C around them
-        self.t, self.g, self.tt, self.lane, self.flat, self.lid = (
-            _named(var, INT) for var in ("t", "g", "tt", "lane", "i", "lid"))
         self.shared = _named("shared", kir.FLOAT)
         self.schedule = table.schedules.setdefault(name, Schedule())
         # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
