@@ -1,4 +1,4 @@
-"""report.json's `estimate`: each kernel's time on the target from its profile (fblc.codegen.estimate).
+"""report.json's `estimate`: each kernel's time on the target from its profile (fblc.codegen.reports).
 
 Golden FLOP counts of the contractions and their gradients; the step is the sum of its kernels;
 the roofline follows the profile (a faster peak never makes a kernel slower, and a compute-bound
@@ -47,7 +47,7 @@ def test_conv_flops_count_input_channels_and_taps(tmp_path) -> None:
 
 
 def test_a_faster_peak_never_slows_a_kernel(tmp_path) -> None:
-    from fblc.codegen.estimate import estimate_object
+    from fblc.codegen.reports import estimate_object
     from fblc.codegen.plan import lower
 
     step, report = _compiled(tmp_path, [_node("MatMul", ["a", "b"])], {"a": (64, 256), "b": (256, 64)})

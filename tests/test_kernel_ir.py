@@ -31,7 +31,7 @@ def _scale_kernel(name: str, factor: float) -> kir.KernelIR:
     block = Block(Numbering())
     t = block.let(kir.call("get_global_id", 0, dtype=INT), "t")
     value = block.let(kir.Load(_argument("in", 0), t) * factor, "v")
-    block.store(_argument("out", 0), t, value)
+    block.add(kir.Store(_argument("out", 0), t, value))
     return kir.KernelIR(name, [_argument("out", 0), _argument("in", 0)], block.statements)
 
 
@@ -39,7 +39,7 @@ def test_a_value_read_once_folds_into_its_reader() -> None:
     block = Block(Numbering())
     x = block.let(kir.call("get_global_id", 0, dtype=INT), "x")
     once = block.let(x * 2 + 1, "once")
-    block.store(_argument("out", 0), x, kir.vector(kir.FLOAT4, once.cast(FLOAT), 0.0, 0.0, 0.0))
+    block.add(kir.Store(_argument("out", 0), x, kir.vector(kir.FLOAT4, once.cast(FLOAT), 0.0, 0.0, 0.0)))
     folded = foldable(block.statements)
     assert folded.get(once) == x * 2 + 1
     assert x not in folded  # read twice

@@ -75,11 +75,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   f"'{largest['name']}', {largest['width']} x {largest['height']}); the bundle runs only on devices "
                   f"with images that large (report.json beyond_portable_edge lists them)")
         if args.report:
-            from fblc.codegen.layout_report import layout_summary
+            from fblc.codegen.reports import estimate_summary, layout_summary
 
             print(layout_summary(report["layout"]))
-            from fblc.codegen.estimate import estimate_summary
-
             print(estimate_summary(report["estimate"]))
         if "cache" in report:
             from fblc.tools.cache_report import cache_summary

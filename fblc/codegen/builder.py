@@ -1,12 +1,9 @@
-"""KernelBuilder: what every kernel emitter writes through. Its reads are ValueReads' (`reads.py`); it
-collects the per-lane body and wraps it into the per-element kernel skeleton.
+"""KernelBuilder: the kernel skeleton every emitter fills (docs/ARCHITECTURE.md §3); its reads are ValueReads'.
 
-A kernel may also have a per-texel prologue (`prologue`): code run once per work-item, before the lane
-loop, that sees the multi-index of the texel's first element as `u0, u1..` (TEXEL_INDEX). Contractions
-compute all four lanes' reductions there, sharing the reads the lanes have in common. A work-item may
-hold a tile, its kernel's `Schedule` (kernels/schedules.py decides it before the kernel is built;
-`finish` records what the kernel used, for plan.json): `texels_per_item` consecutive texels, or with
-`item_stride` s > 1 rows s texels apart of `item_columns` consecutive texels each.
+Its per-texel prologue (`prologue`) runs once per work-item, before the lane loop, and sees the multi-index of the
+texel's first element as `u0, u1..` (TEXEL_INDEX): contractions compute all four lanes' reductions there, sharing
+the reads the lanes have in common. A work-item's tile (its `Schedule`; `finish` records what the kernel used) is
+`texels_per_item` consecutive texels, or with `item_stride` s > 1 rows s texels apart of `item_columns` texels each.
 
 An r_mask8 output (8 elements a byte) takes two texels per byte, and an image write stores a whole
 byte, so the work-item that writes byte b computes both texels 2b and 2b + 1: it ORs their nibbles and
@@ -61,9 +58,6 @@ class KernelBuilder(ValueReads):
         self.group_size: int | None = None
         self.tiles_per_group = 1  # items (tiles) a group kernel's work-group holds, group_size work-items each
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
-        # the skeleton's variables, named for the emitters that still write C around them
-        self.t, self.g, self.tt, self.lane, self.flat, self.lid = (
-            _named(var, INT) for var in ("t", "g", "tt", "lane", "i", "lid"))
         self.shared = _named("shared", kir.FLOAT)
         self.schedule = table.schedules.setdefault(name, Schedule())
         # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
@@ -215,7 +209,7 @@ class KernelBuilder(ValueReads):
         pool = _named("pool", kir.FLOAT)
         kernel.add(kir.Declare(item, group_id * tiles + run), kir.Declare(self.lid, mod_index(local_id, group)),
                    kir.DeclareArray(pool, tiles * floats, local=True),
-                   kir.Declare(_named("shared", kir.FLOAT.pointer()), pool + run * floats))
+                   kir.Declare(_named("shared", kir.DType("float", local_pointer=True)), pool + run * floats))
 
     def _item(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
               bytes_: dict[int, Var]) -> None:
@@ -229,11 +223,9 @@ class KernelBuilder(ValueReads):
         rows = self._tile_rows(self.out_shape)
         with block.loop("tt", 0, self.texels_per_item, name="tt") as (tt, texel):
             texel.add(kir.Declare(self.t, self._first_texel() + self._tile_step()))
-            first_row = None
-            if rows is not None:  # texel tt of the tile: its row and column follow from the tile's
-                columns = self.item_columns
-                first_row = (rows[0] + div_index(tt, columns), rows[1] + mod_index(tt, columns) * 4 if columns > 1
-                             else rows[1])
+            columns = self.item_columns  # texel tt of the tile: its row and column follow from the tile's
+            first_row = None if rows is None else (rows[0] + div_index(tt, columns),
+                                                   rows[1] + mod_index(tt, columns) * 4 if columns > 1 else rows[1])
             self._texel(texel, results, arguments, bytes_, first_row)
 
     def declare_item_index(self, block: Block, shape: Sequence[int], prefix: str) -> list[Var]:
@@ -250,10 +242,9 @@ class KernelBuilder(ValueReads):
         axis = lane_axis(shape)
         if per == 1 or stride == 1 or axis is None or shape[axis] != 4 * stride:
             return None
-        across = stride // columns
-        if across == 1:
-            return self.g * (per // columns), const(0)
-        return div_index(self.g, across) * (per // columns), mod_index(self.g, across) * (4 * columns)
+        across = stride // columns  # tiles side by side in a band of the tile's rows
+        column = mod_index(self.g, across) * (4 * columns) if across > 1 else const(0)
+        return div_index(self.g, across) * (per // columns), column
 
     def _texel(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
                bytes_: dict[int, Var], first_row: tuple[Expr, Expr] | None = None) -> None:
@@ -264,8 +255,7 @@ class KernelBuilder(ValueReads):
         block.add(*(kir.DeclareArray(r, 4, (const(0, r.dtype),) * 4) for r in lane_results))
         # a texel within one row of the lane axis: its lanes' indices are its first element's, plus the
         # lane along that axis (one division per axis per texel, not per lane)
-        lanes = lane_axis(self.out_shape)
-        in_one_row = lanes is not None
+        in_one_row = lane_axis(self.out_shape) is not None
         t = self.t
         if self.texel_reads or in_one_row:
             if first_row is not None:
@@ -279,17 +269,8 @@ class KernelBuilder(ValueReads):
         block.add(*self.lane_fallback)
         # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
         # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
-        tail = out_numel % 4 != 0
-        with block.loop("lane", 0, 4, unroll=not tail, name="lane") as (lane, body):
-            body.add(kir.Declare(self.flat, t * 4 + lane))
-            if tail:
-                body.add(kir.If(self.flat.ge(out_numel), [kir.Break()]))
-            if in_one_row:
-                for axis in range(len(self.out_shape)):
-                    first = _named(f"{TEXEL_FIRST}{axis}", INT)
-                    body.add(kir.Declare(_named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
-            else:
-                declare_index(body, self.out_shape, self.flat, OUT_INDEX)
+        with block.loop("lane", 0, 4, unroll=out_numel % 4 == 0, name="lane") as (lane, body):
+            self.lane_header(body, lane, in_one_row)
             body.add(*self.lines)
             for k, result in enumerate(results):
                 body.assign(kir.Element(lane_results[k], lane), result)
@@ -304,10 +285,24 @@ class KernelBuilder(ValueReads):
                 block.add(kir.If(odd, [kir.Store(argument, t >> 1, kir.vector(kir.UINT4, byte, 0, 0, 0)),
                                        kir.Assign(byte, const(0, UINT))]))
             elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
-                block.store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0))
+                block.add(kir.Store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0)))
             else:  # a group kernel's texel goes out from its work-item 0
                 store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
                 block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)
+
+    def lane_header(self, block: Block, lane: Var, in_one_row: bool = False) -> None:
+        """The lane loop's header: the lane's flat output index (`i` = t * 4 + `lane`), a break past the tensor's
+        end, and its output multi-index (`in_one_row`: the texel's first element's (TEXEL_FIRST) plus the lane)."""
+        numel, lanes = self.out_textures[0].numel, lane_axis(self.out_shape)
+        block.add(kir.Declare(self.flat, self.t * 4 + lane))
+        if numel % 4:
+            block.add(kir.If(self.flat.ge(numel), [kir.Break()]))
+        if not in_one_row:
+            declare_index(block, self.out_shape, self.flat, OUT_INDEX)
+            return
+        for axis in range(len(self.out_shape)):
+            first = _named(f"{TEXEL_FIRST}{axis}", INT)
+            block.add(kir.Declare(_named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
 
 
 def _named(name: str, dtype: kir.DType) -> Var:

@@ -1,9 +1,7 @@
-"""ValueReads: how a kernel reads the values it is given, the half of KernelBuilder that reads.
-
-A value is read as a literal (a one-element constant), as one element of its texture (a strided view
-unflattens the index and applies its root's strides) or, in the lane loop, from a texel read once per
-output texel before the lane loop (`texel_reads`): the lanes' own texel, one element broadcast along the
-lanes, or the at most two elements of a value constant over blocks of 4 or more output elements.
+"""ValueReads: how a kernel reads the values it is given, the half of KernelBuilder that reads: a literal (a
+one-element constant), one element of its texture (a strided view applies its root's strides) or, in the lane
+loop, a read hoisted to once per output texel (`texel_reads`): the lanes' own texel, one element broadcast along
+the lanes, or the at most two elements of a value constant over blocks of 4 or more output elements.
 """
 
 from __future__ import annotations
@@ -49,6 +47,9 @@ class ValueReads:
         self._reads_last = False  # a hoisted read needs the texel's last element (TEXEL_LAST)
         self._splits: dict[int, kir.Var] = {}  # block length -> the lanes of a texel in its first block
         self.numbering = Numbering()
+        # the kernel skeleton's variables (KernelBuilder declares them): fixed names, no number
+        self.t, self.g, self.tt, self.lane, self.flat, self.lid = (
+            kir.Var(name, 0, INT, name) for name in ("t", "g", "tt", "lane", FLAT_OUT_INDEX, "lid"))
 
     @property
     def hoisted(self) -> Block:
@@ -108,7 +109,7 @@ class ValueReads:
             if hoisted is not None:
                 return hoisted
             if index_map.contiguous and tuple(index_map.shape) == self.out_shape:
-                return self.element(root, kir.Var(FLAT_OUT_INDEX, 0, INT, FLAT_OUT_INDEX))  # the output's own order
+                return self.element(root, self.flat)  # the output's own order
         return self.element(root, broadcast_view_index(index_map, out_shape, prefix))
 
     def channel(self, value: ir.Value, apply: Apply = _same) -> Expr:
@@ -148,7 +149,7 @@ class ValueReads:
                 self._hoisted[cache] = self.hoisted.let(self.element(root, first), "H")
             else:
                 texel = self.hoisted.let(self.texel(argument, texture, first >> 2), "H")
-                self._hoisted[cache] = texel.lane(kir.Var("lane", 0, INT, "lane"))
+                self._hoisted[cache] = texel.lane(self.lane)
         return apply(self._hoisted[cache])
 
     def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:
@@ -171,12 +172,11 @@ class ValueReads:
             reads = self.hoisted
             split = self._splits.get(block)
             if split is None:  # one per block length, shared by every value constant over such blocks
-                t = kir.Var("t", 0, INT, "t")
-                split = self._splits[block] = reads.let(const(block) - mod_index(t * 4, block), "n")
+                split = self._splits[block] = reads.let(const(block) - mod_index(self.t * 4, block), "n")
             dtype = dtype_of(root) if apply is _same else kir.FLOAT  # an applied value is float math (BN's rsqrt)
             head = reads.let(apply(self.element(root, first)), "H", dtype)
             # the last lane's element is read only by a texel that straddles two blocks
             tail = reads.let(kir.select(split.ge(4), head, apply(self.element(root, last))), "H", dtype)
-            self._hoisted[cache] = kir.select(kir.Var("lane", 0, INT, "lane").lt(split), head, tail)
+            self._hoisted[cache] = kir.select(self.lane.lt(split), head, tail)
             self._reads_last = True
         return self._hoisted[cache]

@@ -1,9 +1,4 @@
-"""Textures: which values get one, where their texels sit, and in which image format.
-
-Element i of a tensor sits in lane i % 4 of texel i // 4; where texel t sits in the image is the value's
-layout (`fblc.layout`, written by rtile_select; flat when absent, see fblc/texel_layout.py). Views
-(remapped data movement, Identity) read their root's texture.
-"""
+"""Textures: which values get one, where their texels sit, and in which image format (docs/ARCHITECTURE.md §3)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The kernel IR: typed values and statements that emitters build and only the renderer turns into C.
-
-An emitter never writes OpenCL C. It builds expressions (`Expr`: constants, variables, arithmetic,
-calls of OpenCL built-ins, texel loads through a texture argument) and statements (declarations,
-assignments, texel stores, loops, conditionals, barriers) into a `Block`, and gets back handles
-(`Var`) to what it declared. `fblc/codegen/render/` names every variable from its kind and number,
-folds single-use values into their one reader and writes the C for a storage.
-
-Nodes compare by structure, so two kernels built alike are equal IR (kernel de-duplication); a
-variable is its kind and its number within its kernel (`Numbering`), not its Python identity.
+"""The kernel IR: typed values and statements that emitters build and only the renderer turns into C
+(docs/ARCHITECTURE.md §3). Nodes compare by structure, so two kernels built alike are equal IR (kernel
+de-duplication); a variable is its kind and its number within its kernel (`Numbering`), not its Python identity.
 """
 
 from fblc.codegen.ir import expressions, statements

@@ -33,9 +33,6 @@ class DType:
     def vector(self, lanes: int) -> DType:
         return DType(self.scalar, lanes)
 
-    def pointer(self) -> DType:
-        return DType(self.scalar, self.lanes, local_pointer=True)
-
 
 INT, UINT, ULONG, UCHAR = DType("int"), DType("uint"), DType("ulong"), DType("uchar")
 FLOAT, HALF = DType("float"), DType("half")
@@ -183,10 +180,7 @@ def vector(dtype: DType, *parts: Operand) -> Vector:
 class Lane(Expr):
     vector: Expr
     index: Expr
-
-    @property
-    def dtype(self) -> DType:  # type: ignore[override]
-        return self.vector.dtype.vector(1)
+    dtype = property(lambda self: self.vector.dtype.vector(1))  # type: ignore[assignment]
 
 
 class Element(Expr):
@@ -194,10 +188,7 @@ class Element(Expr):
 
     array: Var
     index: Expr
-
-    @property
-    def dtype(self) -> DType:  # type: ignore[override]
-        return self.array.dtype
+    dtype = property(lambda self: self.array.dtype)  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -221,10 +212,7 @@ class Load(Expr):
 
     argument: Argument
     texel: Expr
-
-    @property
-    def dtype(self) -> DType:  # type: ignore[override]
-        return TEXEL_TYPES[self.argument.kind]
+    dtype = property(lambda self: TEXEL_TYPES[self.argument.kind])  # type: ignore[assignment]
 
 
 class Swizzle(Expr):
@@ -234,20 +222,14 @@ class Swizzle(Expr):
     vector: Expr
     first: int
     count: int
-
-    @property
-    def dtype(self) -> DType:  # type: ignore[override]
-        return self.vector.dtype.vector(self.count)
+    dtype = property(lambda self: self.vector.dtype.vector(self.count))  # type: ignore[assignment]
 
 
 class ArgumentRef(Expr):
     """A texture argument handed to a preamble function (WINDOW reads texels of it)."""
 
     argument: Argument
-
-    @property
-    def dtype(self) -> DType:  # type: ignore[override]
-        return TEXEL_TYPES[self.argument.kind]
+    dtype = property(lambda self: TEXEL_TYPES[self.argument.kind])  # type: ignore[assignment]
 
 
 # index arithmetic -----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, ClassVar, Iterator, Sequence, Union
 
 from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
@@ -73,19 +73,10 @@ class If:
     orelse: list[Statement] = field(default_factory=list)
 
 
-@dataclass
-class Break:
-    pass
-
-
-@dataclass
-class Return:
-    pass
-
-
-@dataclass
-class Barrier:
-    """barrier(CLK_LOCAL_MEM_FENCE): every work-item of the group has written its __local values."""
+#: the statements without fields: `break;`, `return;` and barrier(CLK_LOCAL_MEM_FENCE), where every work-item
+#: of the group has written its __local values
+Break, Return, Barrier = (make_dataclass(name, (), namespace={"__module__": __name__})
+                          for name in ("Break", "Return", "Barrier"))
 
 
 @dataclass
@@ -153,9 +144,6 @@ class Block:
     def assign(self, target: Var | Element | Lane, value: Operand, op: str = "=") -> None:
         self.statements.append(Assign(target, as_expr(value, target.dtype), op))
 
-    def store(self, argument: Argument, texel: Expr, value: Expr) -> None:
-        self.statements.append(Store(argument, texel, value))
-
     def add(self, *statements: Statement) -> None:
         self.statements.extend(statements)
 
@@ -201,6 +189,9 @@ _READS: dict[type, tuple[str, ...]] = {
     Declare: ("init",), DeclareArray: ("init", "length"), Assign: ("value",), Store: ("texel", "value"),
     Evaluate: ("expr",), For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",)}
 
+#: the fields of a statement that hold the statements nested in it
+_BODIES: dict[type, tuple[str, ...]] = {For: ("body",), While: ("body",), If: ("then", "orelse")}
+
 
 def statement_exprs(statement: Statement) -> tuple[Expr, ...]:
     """The expressions a statement reads (its own, not those of nested statements)."""
@@ -212,11 +203,8 @@ def statement_exprs(statement: Statement) -> tuple[Expr, ...]:
 
 
 def nested(statement: Statement) -> tuple[list[Statement], ...]:
-    if isinstance(statement, (For, While)):
-        return (statement.body,)
-    if isinstance(statement, If):
-        return (statement.then, statement.orelse)
-    return ()
+    """The statement lists inside a statement: a loop's body, an if's branches."""
+    return tuple(getattr(statement, name) for name in _BODIES.get(type(statement), ()))
 
 
 def walk(statements: Sequence[Statement]) -> Iterator[Statement]:
