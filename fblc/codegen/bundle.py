@@ -13,9 +13,8 @@ from typing import Any
 import onnx_ir as ir
 
 from fblc import __version__, bundle_format as fmt
-from fblc.codegen.buffers import BufferTable
 from fblc.codegen.cl import Kernel
-from fblc.codegen.plan import Program
+from fblc.codegen.plan import BufferTable, Program
 from fblc.codegen.render.opencl import BUFFER
 from fblc.codegen.render.source import assemble_source
 from fblc.compiler import keys

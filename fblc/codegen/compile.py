@@ -11,13 +11,10 @@ from typing import Any, Callable, Mapping
 import onnx_ir as ir
 
 
-from fblc.codegen.buffers import BufferTable, buffer_table
-from fblc.codegen.estimate import estimate_object
 from fblc.codegen.bundle import build_documents, write_bundle
-from fblc.codegen.layout_report import layout_object
-from fblc.codegen.memory_report import TIMELINE_PLOT, memory_report
 from fblc.bundle_format import FLOAT_FORMATS
-from fblc.codegen.plan import Program, lower, step_schedules
+from fblc.codegen.plan import BufferTable, Program, buffer_table, lower, step_schedules
+from fblc.codegen.reports import TIMELINE_PLOT, estimate_object, layout_object, memory_report
 from fblc.codegen.schedule import load_overrides
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model

@@ -7,7 +7,7 @@ the distinct cache blocks they touch give each walk's efficiency. Given the read
 really make (traced on a device: fblc.tools.traced_layouts), `rescore_traced` replays those
 through the best candidates and the texture-cache model (fblc.profiles.cache_model: sets, ways,
 LRU). Either way the fetched blocks enter each kernel's time on the target (`kernel_ms`,
-codegen.estimate's max(arithmetic, bytes over bandwidth)), and the least estimated time decides.
+codegen.reports (estimate)'s max(arithmetic, bytes over bandwidth)), and the least estimated time decides.
 (Re-scoring the synthetic walks with the cache model changed no choice on any model: a wave's
 eight steps never fill the L1.) Images stay within profiles.placement_limits.
 """
@@ -30,7 +30,7 @@ TILE_COLS = (4, 8, 16, 32, 64, 128)  # elements
 MAX_PADDING = 0.10
 WAVE_STEPS = 8  # lockstep steps of a wave that the score replays
 FOLD_WIDTHS = tuple(2 ** k for k in range(3, 15))  # image widths a flat tensor may fold to, 8 .. 16384 texels
-TEXEL_BYTES = 16  # a fetched block's texels, as codegen.estimate counts them
+TEXEL_BYTES = 16  # a fetched block's texels, as codegen.reports (estimate) counts them
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def gflops_factor(layout: TexelLayout, wave: int) -> float:
 
 class Access(NamedTuple):
     """How one kernel (a tensor's writer, or one of its readers) walks the tensor, and what else it costs
-    on the target (codegen.estimate's terms; 0 where unknown)."""
+    on the target (codegen.reports (estimate)'s terms; 0 where unknown)."""
 
     pattern: str  # stream, rows or columns
     weight: float  # the elements it moves
@@ -119,7 +119,7 @@ ELEMENT_BYTES = 4  # fp32 (the layouts are chosen before storage precision halve
 
 
 def kernel_ms(compute_ms: float, other_ms: float, fetched_bytes: float, geometry: Geometry) -> float:
-    """A kernel's estimated time on the target, as codegen.estimate counts it: max(arithmetic, bytes over
+    """A kernel's estimated time on the target, as codegen.reports (estimate) counts it: max(arithmetic, bytes over
     bandwidth), its bytes `other_ms`' worth plus the `fetched_bytes` of the tensor being placed."""
     return max(compute_ms, other_ms + fetched_bytes / (geometry.bandwidth_gbps * 1e6))
 
@@ -127,7 +127,7 @@ def kernel_ms(compute_ms: float, other_ms: float, fetched_bytes: float, geometry
 def access_estimate(layout: TexelLayout, accesses: Sequence[Access], rows: int, texel_cols: int,
                     geometry: Geometry) -> float:
     """The estimated ms of the kernels in `accesses` with the tensor in `layout`: each takes
-    max(arithmetic, bytes over bandwidth) (codegen.estimate), its bytes of this tensor those of the
+    max(arithmetic, bytes over bandwidth) (codegen.reports (estimate)), its bytes of this tensor those of the
     blocks its walk fetches (block_efficiency), so a kernel bound by its arithmetic adds the same time
     whatever the layout."""
     return sum(kernel_ms(a.compute_ms, a.other_ms,
@@ -244,7 +244,7 @@ def traced_estimate(layout: TexelLayout, streams: Sequence[TracedStream], geomet
 
     The cache model replays each work-group's prefix (flushed before each, as cache_model.simulate
     does), scaled to its launch; a launch's reads of the tensor are its missed blocks. Each launch
-    then takes codegen.estimate's time, max(arithmetic, bytes over bandwidth), so a layout that saves
+    then takes codegen.reports (estimate)'s time, max(arithmetic, bytes over bandwidth), so a layout that saves
     misses in a launch bound by its arithmetic saves nothing. Efficiency: texels read over texels fetched."""
     cache = TextureCache(geometry.cache)
     block = geometry.block_width * geometry.block_height

@@ -25,7 +25,7 @@ MemFLoRA defines it: max over the step of weights + optimizer + live saved + liv
 (+ live replay buffers), workspaces excluded; `live_peak`: max over the step of every live
 allocation (inputs and temporaries included), the least an allocator that frees each buffer after
 its last reader needs (a lower bound: what the bundle allocates, images shared by textures of one
-format and width, is the buffer table's, fblc.codegen.buffers, reported as `memory.device_peak`). The floor check lists every saved tensor with its bytes and why it
+format and width, is the buffer table's, fblc.codegen.plan.buffer_table, reported as `memory.device_peak`). The floor check lists every saved tensor with its bytes and why it
 is kept, and flags any whose size grows with the layer width: a full-precision activation read
 by the backward whose channel axis is wider than the adapter rank (the loss's own inputs and
 one-bit masks excepted). `floor_ok` is true when none is flagged.

@@ -98,7 +98,7 @@ def access_pattern(reader: ir.Node, slot: int, view: IndexMap) -> str:
 
 
 def _node_costs(node: ir.Node | None, skip: ir.Value, geometry: Geometry) -> tuple[float, float]:
-    """(arithmetic ms, ms of its other tensors' bytes) of `node` on the target (codegen.estimate's terms,
+    """(arithmetic ms, ms of its other tensors' bytes) of `node` on the target (codegen.reports (estimate)'s terms,
     per node before fusion), leaving out `skip`, the tensor being placed."""
     if node is None:
         return 0.0, 0.0

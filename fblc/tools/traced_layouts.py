@@ -49,7 +49,7 @@ class LaunchCost(NamedTuple):
 
 
 def launch_costs(report: Mapping[str, Any], target: str) -> dict[str, LaunchCost]:
-    """The target's estimate of each launch of a compiled bundle (codegen.estimate), by kernel name."""
+    """The target's estimate of each launch of a compiled bundle (codegen.reports (estimate)), by kernel name."""
     profile = load_profile(target)
     per_byte = 1.0 / (profile.bandwidth_gbps * 1e6)
     return {k["kernel"]: LaunchCost(k["flops"] / (profile.peak_gflops * 1e6), k["bytes"] * per_byte, per_byte)

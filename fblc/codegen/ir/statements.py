@@ -8,7 +8,7 @@ from typing import Callable, ClassVar, Iterator, Sequence, Union
 
 from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
 
-__all__ = ["Declare", "DeclareArray", "Assign", "Store", "Evaluate", "For", "If", "Break", "Return", "Barrier", "While",
+__all__ = ["Declare", "DeclareArray", "Assign", "Store", "For", "If", "Break", "Return", "Barrier", "While",
            "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs", "nested", "walk"]
 
 
@@ -47,11 +47,6 @@ class Store:
 
 
 @dataclass
-class Evaluate:
-    expr: Expr
-
-
-@dataclass
 class For:
     """for (var = start; var < stop; var += step): `condition` and `step_op` give other forms
     (a tree's `s > 0; s >>= 1`)."""
@@ -87,7 +82,7 @@ class While:
     body: list[Statement]
 
 
-Statement = Union[Declare, DeclareArray, Assign, Store, Evaluate, For, If, Break, Return, Barrier, While]
+Statement = Union[Declare, DeclareArray, Assign, Store, For, If, Break, Return, Barrier, While]
 
 
 @dataclass
@@ -187,7 +182,7 @@ def walk_expr(expr: Expr) -> Iterator[Expr]:
 #: the fields of a statement that hold the expressions it reads (an Assign's to an Element: its index too)
 _READS: dict[type, tuple[str, ...]] = {
     Declare: ("init",), DeclareArray: ("init", "length"), Assign: ("value",), Store: ("texel", "value"),
-    Evaluate: ("expr",), For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",)}
+    For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",)}
 
 #: the fields of a statement that hold the statements nested in it
 _BODIES: dict[type, tuple[str, ...]] = {For: ("body",), While: ("body",), If: ("then", "orelse")}

@@ -47,7 +47,7 @@ EMITTER_MODULES = ("activations", "contraction", "conv", "conv_transpose", "elem
 
 def _load_emitters() -> None:
     for module in EMITTER_MODULES:
-        import_module(f"fblc.codegen.kernels.{module}")
+        import_module(f".{module}", __name__)
 
 
 KERNEL_EMITTERS: OpRegistry[Emitter] = OpRegistry(

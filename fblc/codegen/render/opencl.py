@@ -183,8 +183,6 @@ class Renderer:
             return [f"{pad}{self.expr(s.target)} {s.op} {self.expr(s.value)};"]
         if isinstance(s, ir.Store):
             return [f"{pad}{self.texture(self.storage.stores, s.argument, self.expr(s.texel), v=self.expr(s.value))};"]
-        if isinstance(s, ir.Evaluate):
-            return [f"{pad}{self.expr(s.expr)};"]
         if isinstance(s, ir.For):
             return self._for(s, depth)
         if isinstance(s, ir.If):

@@ -1,2 +1,0 @@
-"""Moved to fblc.codegen.reports: remove with compile.py's import of it."""
-from fblc.codegen.reports import layout_object  # noqa: F401
