@@ -179,6 +179,18 @@ def root_digits(b: ValueReads, value: ir.Value, shape: Sequence[int]) -> tuple[i
     return root, [[(dim, stride)] for dim, stride in zip(shape, strides_of(shape))]
 
 
+def matmul_operands(b: ValueReads, node: ir.Node) -> tuple[tuple[ir.Value, list[Digits]], ...]:
+    """A MatMul's A' and B' as root_digits gives them: a 1-D A is a row [1, K], a 1-D B a column [K, 1]."""
+    a_shape, b_shape = (static_shape(value) for value in node.inputs)
+    return (root_digits(b, node.inputs[0], a_shape if len(a_shape) >= 2 else (1, a_shape[0])),
+            root_digits(b, node.inputs[1], b_shape if len(b_shape) >= 2 else (b_shape[0], 1)))
+
+
+def texel_columns(out_shape: Sequence[int], w_axes: list[Digits], has_n: bool = True) -> bool:
+    """Whether a texel's lanes are 4 consecutive output columns n, one stride apart in B' (the texel-wide path)."""
+    return has_n and lane_axis(out_shape) == len(out_shape) - 1 and w_axes[-1][-1][0] % LANES == 0
+
+
 def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Value, list[Digits]], batch: int,
               has_m: bool = True, has_n: bool = True) -> Expr:
     """The lane's sum over K of A'[..., m, k] * B'[k, n] for output [batch axes..., m, n] (a missing m or n,
@@ -189,9 +201,8 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
     assert k_digits is not None, f"{b.name}: K folds differently in its operands (tile_remap keeps such views)"
     (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits
-    (_, a_row), (n_run, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
-    # lanes: 4 consecutive columns n, one stride apart in B
-    texel = has_n and lane_axis(b.out_shape) == len(b.out_shape) - 1 and n_run % LANES == 0
+    (_, a_row), (_, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
+    texel = texel_columns(b.out_shape, w_axes, has_n)
     prefix = TEXEL_INDEX if texel else OUT_INDEX
     m_var = index_var(prefix, batch) if has_m else const(0)
     n_var = index_var(prefix, batch + has_m) if has_n else const(0)
@@ -237,13 +248,10 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
 @register_kernel("MatMul")
 def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """numpy matmul: batch dims broadcast, a 1-D A is a row [1, K], a 1-D B a column [K, 1]."""
-    a, w = group.anchor.inputs
-    a_shape, b_shape = static_shape(a), static_shape(w)
-    a2 = a_shape if len(a_shape) >= 2 else (1, a_shape[0])
-    b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
     b = start_builder(table, group, "matmul")
-    batch = len(np.broadcast_shapes(a2[:-2], b2[:-2]))
-    acc = _contract(b, root_digits(b, a, a2), root_digits(b, w, b2), batch, len(a_shape) >= 2, len(b_shape) >= 2)
+    a, w = matmul_operands(b, group.anchor)
+    ranks = [len(static_shape(value)) for value in group.anchor.inputs]
+    acc = _contract(b, a, w, max(len(a[1]), len(w[1])) - 2, ranks[0] >= 2, ranks[1] >= 2)
     return finish_group(b, group, acc)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import onnx_ir as ir
@@ -48,7 +47,6 @@ FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwi
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
-Shape = TypeVar("Shape", bound="ConvShape")  # flattened_pointwise keeps conv_transpose's TransposeShape
 
 
 @dataclass
@@ -286,7 +284,7 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     return finish_group(b, group, add_bias(b, group.anchor, acc))
 
 
-def flattened_pointwise(cs: Shape) -> Shape:
+def flattened_pointwise(cs: ConvShape) -> ConvShape:
     """The conv over its flattened spatial axes when they walk together, or `cs` itself: a 1x1 conv with stride
     1 and no padding (output pixel = input pixel: a longer row for the lanes) and a conv whose one output pixel
     sees the whole input (a 1x1 conv's weight gradient, whose kernel is the dY map: one run of taps)."""

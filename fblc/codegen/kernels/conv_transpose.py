@@ -4,7 +4,7 @@ Output pixel o sums x[i] * w[t] over the taps t with i * s = o + pad - t * d, 0 
 Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis is spatial with a length % 4 == 0
 and its stride divides 4: a work-item's lanes (4 to 20) are consecutive positions along it, whose taps (which lane
 takes which tap is then a literal) share the weights and read their inputs as whole texels. Rows of another
-length >= ROW_MIN (row_stride_fits): the texels within one row do the same, the ones across two rows run per
+length >= ROW_MIN (texels_fit): the texels within one row do the same, the ones across two rows run per
 lane. Under R-Tile codegen the texel-wide paths compute the same positions of 2, 4 or 8 output channels too
 (their weights lie side by side in W [C_in, C_out / group, k...]), or where channels cannot stack (a depthwise
 conv's input gradient) of output rows along a stride-1 axis (kernels/schedules.py decides).
@@ -25,26 +25,13 @@ from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, di
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, reduce_guarded,
                                               reduce_into, start_builder)
-from fblc.codegen.kernels.conv import CHANNEL_BLOCK, ConvShape, add_bias, affine, view_indices
+from fblc.codegen.kernels.conv import CHANNEL_BLOCK, TAP_BLOCK, ConvShape, add_bias, affine, view_indices
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
-
-
-class TransposeShape(ConvShape):
-    """A ConvTranspose as its kernel reads it: x [N, C_in, ...], w [C_in, C_out / group, k...]; the window runs
-    from x's spatial axes to the output's (kernels/schedules.py reads its `kernel` and `strides`)."""
-
-    @property
-    def kernel(self) -> tuple[int, ...]:
-        return self.window.kernel
-
-    @property
-    def strides(self) -> tuple[int, ...]:
-        return self.window.strides
 
 
 def _transpose_window(node: ir.Node) -> Window:
@@ -62,14 +49,15 @@ def _transpose_window(node: ir.Node) -> Window:
     return dataclasses.replace(window, pads_begin=begins, pads_end=tuple(t - b for t, b in zip(totals, begins)))
 
 
-def transpose_shape(node: ir.Node) -> TransposeShape:
+def transpose_shape(node: ir.Node) -> ConvShape:
+    """A ConvTranspose as its kernel reads it: x [N, C_in, ...], w [C_in, C_out / group, k...]."""
     x, w = node.inputs[0], node.inputs[1]
     x_shape, w_shape, groups = static_shape(x), static_shape(w), int(attr(node, "group", 1))
-    return TransposeShape(x, w, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[0] // groups,
+    return ConvShape(x, w, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[0] // groups,
                           w_shape[1], _transpose_window(node), tuple(strides_of(x_shape)), tuple(strides_of(w_shape)))
 
 
-def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) -> Loop:
+def _transpose_taps(block: Block, ts: ConvShape, prefix: str, axis: int) -> Loop:
     """The taps of spatial `axis` that hit an input pixel, as a loop (when k > 1; its variables numbered by `block`)
     whose iterations enter an `if` on the conditions that can fail, X term the input index, W term the tap.
     Without dilation it walks only the taps t = o + pad (mod s), whose numerator s divides: a stride-2
@@ -106,7 +94,7 @@ def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) ->
                 [Term(tap, ts.ws[2 + axis])] if tap is not None else [], k, tap, first, const(k), step, enter)
 
 
-def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int, lanes: int, multiple: int,
+def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, lane: int, lanes: int, multiple: int,
                          rows: tuple[int, int] = (1, 1), row_axis: int | None = None) -> Reduction:
     """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple of `multiple`
     (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index variables):
@@ -122,7 +110,7 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
         [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1])] if ts.cg_out > 1 else [])
     scratch = Block(b.numbering)  # numbers the tap loops' variables
-    loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(ts.kernel)) if axis not in (lane, row_axis)]
+    loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(window.kernel)) if axis not in (lane, row_axis)]
     k, s, d = window.kernel[lane], window.strides[lane], window.dilations[lane]
     n, pad, length = window.in_spatial[lane], window.pads_begin[lane], window.out_spatial[lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
@@ -158,7 +146,7 @@ class TransposePlan:
     kernel sees it (`view`), the lane axis and (rows, step) of its texel-wide path with the axis its rows stack
     along (`along`), or its row path (`row`: as ConvPlan's), or neither (per lane)."""
 
-    view: TransposeShape
+    view: ConvShape
     flat: bool
     lanes_axis: int | None = None
     rows: tuple[int, int] = (1, 1)
@@ -182,7 +170,7 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
         axis, length, count, step, columns = plan.row
         width = LANES * columns  # positions of a tile row
         acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
-                             lambda _: _transpose_reduction(b, view, texel, axis - 2, width, view.strides[axis - 2],
+                             lambda _: _transpose_reduction(b, view, texel, axis - 2, width, view.window.strides[axis - 2],
                                                             (count, step)),
                              lambda block: _transpose_per_lane(b, view, block, lane), width * count)
     else:
@@ -190,19 +178,22 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     return finish_group(b, group, add_bias(b, group.anchor, acc))
 
 
-def row_stride_fits(stride: int, length: int) -> bool:
-    """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel starts at a multiple of the
-    stride (4t - r * length is one when the stride divides 4 and the length): which taps a lane takes is a literal."""
-    return LANES % stride == 0 and length % stride == 0
+def texels_fit(ts: ConvShape, axis: int) -> bool:
+    """Whether lanes along output `axis` (whose length 4 divides, or a row path's) may reduce texel-wide: the
+    stride divides 4 and the length, so every texel starts at a multiple of it (4t - r * length is one) and
+    which taps a lane takes is a literal; the taps, at most TAP_BLOCK, unroll."""
+    stride = ts.window.strides[axis - 2]
+    return LANES % stride == 0 and ts.out_shape[axis] % stride == 0 and ts.window.kernel[axis - 2] <= TAP_BLOCK
 
 
-def flattened_pointwise(ts: TransposeShape) -> TransposeShape:
+def flattened_pointwise(ts: ConvShape) -> ConvShape:
     """A 1x1 ConvTranspose with stride 1 and no padding over its flattened spatial axes (as conv.py flattens
     one), or `ts`: a transpose's whole-window taps are no contiguous run of taps."""
-    return flattened_conv(ts) if all(k == 1 for k in ts.kernel) and all(s == 1 for s in ts.strides) else ts
+    pointwise = all(k == 1 for k in ts.window.kernel) and all(s == 1 for s in ts.window.strides)
+    return flattened_conv(ts) if pointwise else ts
 
 
-def _transpose_per_lane(b: KernelBuilder, ts: TransposeShape, block: Block, o: str) -> Var:
+def _transpose_per_lane(b: KernelBuilder, ts: ConvShape, block: Block, o: str) -> Var:
     """One lane, one output element (`o` names its index variables; in the lane loop's `block`): guarded
     tap loops around a dot product over input channels; returns the sum."""
     acc = block.mutable(const(0.0, FLOAT), "acc")
@@ -211,7 +202,7 @@ def _transpose_per_lane(b: KernelBuilder, ts: TransposeShape, block: Block, o: s
     local = mod_index(channel, ts.cg_out) if ts.groups > 1 else channel
     x_terms = index_terms([index_var(o, 0), g], [ts.x_shape[0], ts.groups], [ts.xs[0], ts.cg_in * ts.xs[1]])
     w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ts.ws[0], ts.ws[1]])
-    for axis in range(len(ts.kernel)):
+    for axis in range(len(ts.window.kernel)):
         taps = _transpose_taps(block, ts, o, axis)
         block = taps.open(block)
         w_terms += [(term.expr, term.coeff) for term in taps.w_terms]

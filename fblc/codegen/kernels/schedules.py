@@ -12,19 +12,19 @@ saved masks whose bytes a 2-D tile splits (r_mask4).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import onnx_ir as ir
 
 from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import root_digits, row_axis
+from fblc.codegen.kernels.contraction import matmul_operands, row_axis, texel_columns
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, ConvShape, ConvTile,
                                        conv_reduction, conv_shape, conv_tile, last_tap_axis)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.conv_tiles import batch_count, channel_rows, row_columns, stack_rows, texels_per_item
-from fblc.codegen.kernels.conv_transpose import TransposePlan, TransposeShape, row_stride_fits, transpose_shape
+from fblc.codegen.kernels.conv_transpose import TransposePlan, texels_fit, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
@@ -93,18 +93,12 @@ def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column
 
 
 def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
-    a, w = group.anchor.inputs
-    a_shape, b_shape = static_shape(a), static_shape(w)
-    a2 = a_shape if len(a_shape) >= 2 else (1, a_shape[0])
-    b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
     out_shape = static_shape(group.outputs[0])
-    reads = ValueReads(table, out_shape)
-    (_, a_axes), (_, w_axes) = root_digits(reads, a, a2), root_digits(reads, w, b2)
-    (m_rows, _), (n_run, _) = a_axes[-2][-1], w_axes[-1][-1]
-    texel = len(b_shape) >= 2 and lane_axis(out_shape) == len(out_shape) - 1 and n_run % LANES == 0
-    if not (texel and len(a_shape) >= 2):
+    (_, a_axes), (_, w_axes) = matmul_operands(ValueReads(table, out_shape), group.anchor)
+    a_rank, b_rank = (len(static_shape(value)) for value in group.anchor.inputs)
+    if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
         return consecutive(1), None, 0
-    return _contraction_tile(table.tiled, out_shape, m_rows, n_run // LANES)
+    return _contraction_tile(table.tiled, out_shape, a_axes[-2][-1][0], w_axes[-1][-1][0] // LANES)
 
 
 def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
@@ -130,7 +124,7 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
             x, kernel = tile.axis, view.window.kernel
             # channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
             if rows == 1 and tiled and x and kernel[x] <= TAP_BLOCK and kernel[x - 1] > view.window.strides[x - 1]:
-                tile.y_rows, tile.row_axis, stride = _stacked_rows(view, kernel, x, tile.lanes)
+                tile.y_rows, tile.row_axis, stride = _stacked_rows(view, x, tile.lanes)
             tile.rows = rows
             schedule = tile_of(rows * tile.y_rows, per, stride)  # channel rows or stacked rows (or neither)
         elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if flat else TEXEL_INDEX, tile, masked,
@@ -164,34 +158,34 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, 
     tiled, ts = table.tiled, transpose_shape(group.anchor)
     view = flattened_transpose(ts)
     flat = view is not ts
-    axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
-    if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
+    axis, row, window = lane_axis(view.out_shape), row_axis(view.out_shape, first=2), view.window
+    if axis is not None and axis >= 2 and texels_fit(view, axis):
         per = texels_per_item(view.out_shape[axis] // LANES)
         lanes, x = LANES * per, axis - 2
         rows, step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
         along = None
         # channels cannot stack (a depthwise conv's input gradient): rows along a stride-1 axis before
-        if rows == 1 and tiled and x > 0 and view.strides[x - 1] == 1 and view.kernel[x - 1] != 1:
-            rows, along, stride = _stacked_rows(view, view.kernel, x, lanes)
+        if rows == 1 and tiled and x > 0 and window.strides[x - 1] == 1 and window.kernel[x - 1] != 1:
+            rows, along, stride = _stacked_rows(view, x, lanes)
         plan = TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes)
         return tile_of(rows, per, stride), plan, lanes * rows
-    if row is not None and row_stride_fits(view.strides[row[0] - 2], row[1]) and view.kernel[row[0] - 2] <= TAP_BLOCK:
+    if row is not None and texels_fit(view, row[0]):
         row_plan, schedule, lanes = _row_texels(tiled, view, row)
         return schedule, TransposePlan(view, flat, row=row_plan), lanes
     return consecutive(1), TransposePlan(view, flat), 0
 
 
-def _stacked_rows(view: ConvShape | TransposeShape, kernel: Sequence[int], x: int, lanes: int
-                  ) -> tuple[int, int | None, int]:
+def _stacked_rows(view: ConvShape, x: int, lanes: int) -> tuple[int, int | None, int]:
     """(rows, window axis, stride): under R-Tile codegen a spatial tile of `lanes` outputs along window axis
     `x` whose channels cannot stack also computes the next output positions along the axis before
     (conv_tiles.stack_rows), its tile's rows `stride` texels apart; they share input rows, (rows - 1) *
     stride + (taps - 1) * dilation + 1 of them read instead of rows * taps. (1, None, 1) when none fits."""
+    kernel = view.window.kernel
     rows, stride = stack_rows(view.out_shape, 1 + x, lanes, kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in))
     return (rows, x - 1, stride) if rows > 1 else (1, None, 1)
 
 
-def _row_texels(tiled: bool, view: ConvShape | TransposeShape, row: tuple[int, int]
+def _row_texels(tiled: bool, view: ConvShape, row: tuple[int, int]
                 ) -> tuple[tuple[int, int, int, int, int], Schedule, int]:
     """A row path's (axis, length, channel rows, their step, texel columns), its schedule and its lanes."""
     axis, length = row
