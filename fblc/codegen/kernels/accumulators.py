@@ -1,20 +1,11 @@
-"""How a reduction's products reach a work-item's accumulators: three forms, and the cost that picks one.
+"""How a reduction's products reach a work-item's accumulators: three forms, and the cost that picks one
+(docs/ARCHITECTURE.md §3, "A long reduction's work-item").
 
 - "lanes": `float acc[lanes]`, a scalar multiply-add per product (PoCL's SLP vectorizer packs them).
-- "texels": `float4 acc[lanes / 4]`, lane l in component l % 4 of texel l / 4: the k-th products of a
-  texel's four lanes are one float4 multiply-add (swizzles where their operands are not one texel).
-- "sums": `float4 acc[lanes]`, whose components sum every fourth step: where both operands run along the
-  reduction (a weight gradient's X and dY rows), four steps are one multiply-add of a window of X, which
-  the outputs share, and a whole texel of dY. The components are added once, at the end.
-
-Texels and sums serve reductions longer than SERIAL_REDUCTION. Sums are for a CPU, whose float4 is one SIMD
-register and every distinct swizzle a shuffle: `choose_form` takes the cheaper form (`cost`) within
-SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle only names registers and sums take 4x the registers.
-
-Where a SIMD register holds 8 floats or more (Profile.simd_floats), float4s t and t + pair are the halves of
-a float8, and two multiply-adds of its halves that share an operand (a conv row's scalar weight, a GEMM
-row's scalar of A) are one (`pair_stride` picks the cheapest pairing). Such a CPU takes texels or sums for
-short reductions too: explicit float4s and float8s beat what its SLP vectorizer packs.
+- "texels": `float4 acc[lanes / 4]`, lane l in component l % 4 of texel l / 4 (swizzles where the k-th
+  products of a texel's four lanes are not one texel's).
+- "sums": `float4 acc[lanes]`, whose components sum every fourth step, added once at the end.
+Paired (`pair_stride`), float4s t and t + pair are the halves of a float8.
 """
 
 from __future__ import annotations
@@ -202,10 +193,14 @@ def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int,
     SIMD register holds fewer than PAIRED_SIMD_FLOATS floats."""
     if form == "lanes" or simd_floats < PAIRED_SIMD_FLOATS:
         return 0
-    count = float4_count(form, lanes)
-    strides = [stride for stride in range(1, count // 2 + 1) if count % (2 * stride) == 0]
-    costs = {stride: cost(_stand_in_operations(products, form, stride)) for stride in [0] + strides}
+    costs = {stride: cost(_stand_in_operations(products, form, stride))
+             for stride in pairings(float4_count(form, lanes))}
     return min(costs, key=lambda stride: (costs[stride], stride))
+
+
+def pairings(count: int) -> tuple[int, ...]:
+    """Strides that pair `count` float4 accumulators two by two (0: no pairing)."""
+    return (0,) + tuple(s for s in range(1, count // 2 + 1) if count % (2 * s) == 0)
 
 
 def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0) -> list[Operation]:

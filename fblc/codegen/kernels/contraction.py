@@ -50,6 +50,10 @@ class Stream:
     terms: Terms  # base index as (int expression, literal stride)
     step: int
 
+    def extended(self, terms: Sequence[Term]) -> Stream:
+        """The stream with a loop's terms added to its base."""
+        return Stream(self.value, self.terms + [(term.expr, term.coeff) for term in terms], self.step)
+
 
 def index_terms(variables: Sequence[Expr], dims: Sequence[int], strides: Sequence[int]) -> Terms:
     """Index terms, dropping axes of extent 1 (their index is always 0)."""
@@ -67,9 +71,14 @@ def row_axis(shape: Sequence[int], first: int = 0) -> tuple[int, int] | None:
     return None
 
 
-def dot_loop(b: KernelBuilder, acc: Var, count: int, streams: tuple[Stream, Stream], block: Block) -> None:
-    """Build `acc += sum_r a[r] * w[r]` over `count` steps of the two streams into `block` (the lane loop's):
-    unrolled by 4 into float4 dot products, a scalar loop for the rest."""
+def dot_loop(b: KernelBuilder, acc: Var, count: int, streams: tuple[Stream, Stream], block: Block,
+             loops: Sequence[Loop] = ()) -> None:
+    """Build `acc += sum_r a[r] * w[r]` over `count` steps of the two streams into `block` (the lane loop's),
+    inside `loops`, each adding its terms to the streams' bases: unrolled by 4 into float4 dot products, a
+    scalar loop for the rest."""
+    for loop in loops:
+        block = loop.open(block)
+        streams = (streams[0].extended(loop.x_terms), streams[1].extended(loop.w_terms))
     pointers = [block.mutable(flat_index(s.terms), "p") for s in streams]
     product = b.element(streams[0].value, pointers[0]) * b.element(streams[1].value, pointers[1])
     if count == 1:
@@ -227,12 +236,7 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
              for (extent, a_stride), (_, w_stride) in zip(a_outer, w_outer)]
     if not texel:
         acc = b.body.mutable(const(0.0, FLOAT), "acc")
-        block = b.body
-        for loop in loops:
-            block = loop.open(block)
-            a_terms += [(term.expr, term.coeff) for term in loop.x_terms]
-            w_terms += [(term.expr, term.coeff) for term in loop.w_terms]
-        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), block)
+        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), b.body, loops)
         return acc
     # what the index variables are multiples of: the texel's lanes, the tile's rows, folded axes' digits
     known = {n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) | multiples

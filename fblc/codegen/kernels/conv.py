@@ -12,11 +12,10 @@ preference (conv_tile; kernels/schedules.py adds the register tiles):
 - row texels: an innermost axis of another length >= ROW_MIN: a texel within one row reduces like a spatial tile
   of 4 (at a runtime alignment), a texel across two rows per lane.
 - per lane: each lane reduces alone in the builder's lane loop.
-Under R-Tile codegen a work-item's register tile adds rows: 2 to 8 output channels or batch elements, or 2 to 4
-output rows of the axis before a depthwise spatial tile's own (their taps enumerated under a row mask: the rows
-read each input row they share once). Input channels go in blocks of 4 with the taps of the tiled (or last)
-spatial axis unrolled and masked at the input's borders, or, beyond TAP_BLOCK taps (dY rows), the taps go in
-blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share.
+Under R-Tile codegen a work-item's register tile adds rows (docs/ARCHITECTURE.md §3, "Under `--layout rtile`").
+Input channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled and masked at the
+input's borders, or, beyond TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the other spatial axes loop
+over their in-bounds tap range, which the lanes share.
 """
 
 from __future__ import annotations
@@ -245,15 +244,15 @@ def view_indices(b: KernelBuilder, out_shape: Sequence[int], flat: bool, texels:
 
 @dataclass
 class ConvPlan:
-    """The geometry behind a conv kernel's schedule (kernels/schedules.py decides it): the conv as its kernel sees
-    it (`view`), the tile of its texel-wide path with the window axis whose taps are enumerated (`masked`), or its
-    row path (`row`: axis, length, channel rows, their step, texel columns), or neither (per lane). `names_taken`:
-    the names its trial reductions numbered, which the kernel skips (its text is then what was weighed)."""
+    """The geometry behind a Conv or ConvTranspose kernel's schedule (kernels/schedules.py decides it): the conv as
+    its kernel sees it (`view`), the tile of its texel-wide path with the window axis whose taps are enumerated
+    (`masked`), or of its row path (`row`), or neither (per lane). `names_taken`: the names a conv's trial
+    reductions numbered, which the kernel skips (its text is then what was weighed)."""
 
     view: ConvShape
     tile: ConvTile | None = None
     masked: int | None = None
-    row: tuple[int, int, int, int, int] | None = None
+    row: ConvTile | None = None
     names_taken: int = 0
     flat: bool = False  # `view` is the conv over its flattened spatial axes (flattened_pointwise)
 
@@ -274,14 +273,17 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if plan.tile is not None:
         acc = reduce_into(b, reduction(texel, plan.tile, plan.masked), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
-        axis, length, rows, step, columns = plan.row
-        tile = ConvTile(rows, LANES * columns, axis - 2, multiple=1, row_step=step)  # a row of 4 * columns
-        acc = reduce_guarded(b, index_var(texel, axis).le(length - tile.length),  # type: ignore[arg-type]
-                             reduction(texel, tile, axis - 2), lambda block: reduce_lane(b, block, per_lane),
-                             tile.lanes)
+        acc = reduce_guarded(b, within_row(view, texel, plan.row), reduction(texel, plan.row, plan.row.axis),
+                             lambda block: reduce_lane(b, block, per_lane), plan.row.lanes)
     else:
         acc = reduce_into(b, per_lane, 1)
     return finish_group(b, group, add_bias(b, group.anchor, acc))
+
+
+def within_row(cs: ConvShape, prefix: str, tile: ConvTile) -> Expr:
+    """Whether a row path's tile (its first output's index variables named by `prefix`) ends within its row."""
+    axis = 2 + tile.axis  # type: ignore[operator]
+    return index_var(prefix, axis).le(cs.out_shape[axis] - tile.length)  # type: ignore[return-value]
 
 
 def flattened_pointwise(cs: ConvShape) -> ConvShape:

@@ -1,11 +1,7 @@
-"""Register-tile shapes of the conv kernels (conv.py, conv_transpose.py) under R-Tile codegen.
-
-A work-item's outputs are `columns` consecutive texels of one output row; these choose how many
-more rows it also computes, each sharing the work-item's reads: rows of other output channels
-(channel_rows), of other batch elements (batch_count), or of the next output positions along the
-axis before (stack_rows, where channels cannot stack), within PRIVATE_FLOATS accumulators. A saved
-mask whose bytes such a tile splits falls back to r_mask4 (schedule.pairs_mask_bytes): twice the
-mask's bits, 1/16 of the float tensor's, for 1/rows of the input reads.
+"""Register-tile shapes of the conv kernels (conv.py, conv_transpose.py) under R-Tile codegen (docs/ARCHITECTURE.md
+§3, "Under `--layout rtile`"), within PRIVATE_FLOATS accumulators. A saved mask whose bytes such a tile splits
+falls back to r_mask4 (schedule.pairs_mask_bytes): twice the mask's bits, 1/16 of the float tensor's, for 1/rows
+of the input reads.
 """
 
 from __future__ import annotations
@@ -18,7 +14,9 @@ from fblc.compiler.values import numel
 from fblc.profiles.profile import PRIVATE_FLOATS
 
 CHANNEL_ROWS = (8, 4, 2)  # output channels of a register tile, the first that fits (R-Tile codegen)
-PAIR_ROW = 16  # rows at least this long take tiles of two texel columns on the row path
+#: rows at least this long (no multiple of 4) take tiles of two texel columns on the row path: whole bytes of a
+#: saved mask, more lanes sharing the weights, where most pairs lie within one row
+PAIR_ROW = 16
 BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
 SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels cannot stack (R-Tile codegen)
 STATIC_PRODUCTS = 1024  # a 2-D tile enumerates its row taps while a block keeps at most this many products
@@ -49,12 +47,6 @@ def stack_rows(out_shape: Sequence[int], axis: int, lanes: int, products: int) -
     rows = next((rows for rows in SPATIAL_ROWS if out_shape[axis] % rows == 0 and rows * lanes <= PRIVATE_FLOATS
                  and rows * lanes * products <= STATIC_PRODUCTS), 1)
     return rows, numel(out_shape[axis + 1:]) // LANES
-
-
-def row_columns(length: int) -> tuple[int, ...]:
-    """Texel columns a work-item may take along a row of `length` that is no multiple of 4: two (whole
-    bytes of a saved mask, more lanes sharing the weights) where most pairs lie within one row."""
-    return (2, 1) if length >= PAIR_ROW else (1,)
 
 
 def batch_count(tiled: bool, out_shape: Sequence[int], lanes: int) -> int:

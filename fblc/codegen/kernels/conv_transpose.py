@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import onnx_ir as ir
 
@@ -25,7 +24,8 @@ from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, di
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, reduce_guarded,
                                               reduce_into, start_builder)
-from fblc.codegen.kernels.conv import CHANNEL_BLOCK, TAP_BLOCK, ConvShape, add_bias, affine, view_indices
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvPlan, ConvShape, ConvTile, add_bias, affine,
+                                       view_indices, within_row)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
@@ -94,14 +94,15 @@ def _transpose_taps(block: Block, ts: ConvShape, prefix: str, axis: int) -> Loop
                 [Term(tap, ts.ws[2 + axis])] if tap is not None else [], k, tap, first, const(k), step, enter)
 
 
-def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, lane: int, lanes: int, multiple: int,
-                         rows: tuple[int, int] = (1, 1), row_axis: int | None = None) -> Reduction:
-    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple of `multiple`
-    (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index variables):
-    input channels in blocks of 4, taps unrolled. `rows` = (count, step): the same positions of that many output
-    channels, step apart, or with `row_axis` (a stride-1 spatial axis) as many consecutive positions along it,
-    whose taps are unrolled too; lane = row * lanes + position."""
-    count, row_step = rows
+def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, tile: ConvTile) -> Reduction:
+    """Texel-wide ConvTranspose, the `length` consecutive outputs of `tile` along its spatial `axis` from a multiple of
+    its `multiple` (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index
+    variables): input channels in blocks of 4, taps unrolled. Its rows: the same positions of output channels
+    `row_step` apart, or with `row_axis` (a stride-1 spatial axis) consecutive positions along it, whose taps are
+    unrolled too; lane = row * length + position."""
+    lane, lanes, multiple, row_axis = tile.axis, tile.length, tile.multiple, tile.row_axis
+    assert lane is not None, "a transpose's tile runs along a spatial axis"
+    count, row_step = tile.rows * tile.y_rows, tile.row_step
     window, xs, ws = ts.window, ts.xs, ts.ws
     channel = index_var(u, 1)
     g = div_index(channel, ts.cg_out)
@@ -110,7 +111,8 @@ def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, lane: int, lan
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
         [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1])] if ts.cg_out > 1 else [])
     scratch = Block(b.numbering)  # numbers the tap loops' variables
-    loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(window.kernel)) if axis not in (lane, row_axis)]
+    loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(window.kernel))
+             if axis not in (lane, row_axis)]
     k, s, d = window.kernel[lane], window.strides[lane], window.dilations[lane]
     n, pad, length = window.in_spatial[lane], window.pads_begin[lane], window.out_spatial[lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
@@ -140,39 +142,19 @@ def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, lane: int, lan
     return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask, row_mask)
 
 
-@dataclass
-class TransposePlan:
-    """The geometry behind a ConvTranspose kernel's schedule (kernels/schedules.py decides it): the transpose as its
-    kernel sees it (`view`), the lane axis and (rows, step) of its texel-wide path with the axis its rows stack
-    along (`along`), or its row path (`row`: as ConvPlan's), or neither (per lane)."""
-
-    view: ConvShape
-    flat: bool
-    lanes_axis: int | None = None
-    rows: tuple[int, int] = (1, 1)
-    along: int | None = None
-    row: tuple[int, int, int, int, int] | None = None
-    lanes: int = 0  # the texel-wide path's outputs of one row of the tile
-
-
 @register_kernel("ConvTranspose")
 def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Gather form; output_padding only lengthens the (already static) output, so the loops ignore it."""
     b = start_builder(table, group, "conv")
-    plan: TransposePlan = b.schedule.detail
+    plan: ConvPlan = b.schedule.detail
     view = plan.view
-    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.lanes_axis is not None or plan.row is not None)
-    if plan.lanes_axis is not None:
-        axis, lanes = plan.lanes_axis - 2, plan.lanes
-        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, axis, lanes, lanes, plan.rows, plan.along),
-                          lanes * plan.rows[0])
+    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.tile is not None or plan.row is not None)
+    if plan.tile is not None:
+        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, plan.tile), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
-        axis, length, count, step, columns = plan.row
-        width = LANES * columns  # positions of a tile row
-        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
-                             lambda _: _transpose_reduction(b, view, texel, axis - 2, width, view.window.strides[axis - 2],
-                                                            (count, step)),
-                             lambda block: _transpose_per_lane(b, view, block, lane), width * count)
+        row = plan.row
+        acc = reduce_guarded(b, within_row(view, texel, row), lambda _: _transpose_reduction(b, view, texel, row),
+                             lambda block: _transpose_per_lane(b, view, block, lane), row.lanes)
     else:
         acc = _transpose_per_lane(b, view, b.body, lane)
     return finish_group(b, group, add_bias(b, group.anchor, acc))
@@ -202,10 +184,6 @@ def _transpose_per_lane(b: KernelBuilder, ts: ConvShape, block: Block, o: str) -
     local = mod_index(channel, ts.cg_out) if ts.groups > 1 else channel
     x_terms = index_terms([index_var(o, 0), g], [ts.x_shape[0], ts.groups], [ts.xs[0], ts.cg_in * ts.xs[1]])
     w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ts.ws[0], ts.ws[1]])
-    for axis in range(len(ts.window.kernel)):
-        taps = _transpose_taps(block, ts, o, axis)
-        block = taps.open(block)
-        w_terms += [(term.expr, term.coeff) for term in taps.w_terms]
-        x_terms += [(term.expr, term.coeff) for term in taps.x_terms]
-    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, ts.xs[1]), Stream(ts.w, w_terms, ts.ws[0])), block)
+    loops = [_transpose_taps(block, ts, o, axis) for axis in range(len(ts.window.kernel))]
+    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, ts.xs[1]), Stream(ts.w, w_terms, ts.ws[0])), block, loops)
     return acc

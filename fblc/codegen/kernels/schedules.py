@@ -1,12 +1,7 @@
-"""Every kernel group's schedule (fblc/codegen/schedule.py), decided before any kernel is built.
-
-SCHEDULE_RULES: per anchor op type, the group's kernels' `Schedule`s by kernel name from its sizes and
-the target profile (else one texel per work-item), which the emitters take (KernelBuilder.schedule). A
-family whose work-item reduces outputs together (`_reducing`: MatMul, Gemm, Conv, ConvTranspose) offers
-its reduction's fields as choices and hands its emitter its geometry (`detail`: ConvPlan, TransposePlan).
-Contractions take R-Tile tiles (_contraction_tile), convs the register tiles of conv_tiles.py, long
-reductions a work-group per output (Profile.reduction_group). Then a schedule file's overrides, and the
-saved masks whose bytes a 2-D tile splits (r_mask4).
+"""Every kernel group's schedule (fblc/codegen/schedule.py), decided before any kernel is built (docs/ARCHITECTURE.md
+§3, "Schedules are data"): SCHEDULE_RULES by anchor op type, else one texel per work-item. A family whose work-item
+reduces outputs together (`_reducing`: MatMul, Gemm, Conv, ConvTranspose) offers its reduction's fields as choices
+and hands its emitter its geometry (`detail`: ConvPlan).
 """
 
 from __future__ import annotations
@@ -23,8 +18,8 @@ from fblc.codegen.kernels.contraction import matmul_operands, row_axis, texel_co
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, ConvShape, ConvTile,
                                        conv_reduction, conv_shape, conv_tile, last_tap_axis)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
-from fblc.codegen.kernels.conv_tiles import batch_count, channel_rows, row_columns, stack_rows, texels_per_item
-from fblc.codegen.kernels.conv_transpose import TransposePlan, texels_fit, transpose_shape
+from fblc.codegen.kernels.conv_tiles import PAIR_ROW, batch_count, channel_rows, stack_rows, texels_per_item
+from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
@@ -133,8 +128,8 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
             schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
         return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count, flat=flat), tile.lanes
     if row is not None:
-        row_plan, schedule, lanes = _row_texels(tiled, view, row)
-        return schedule, ConvPlan(view, row=row_plan, flat=flat), lanes
+        tile, schedule = _row_texels(tiled, view, row, 1)
+        return schedule, ConvPlan(view, row=tile, flat=flat), tile.lanes
     return consecutive(1), ConvPlan(view, flat=flat), 0
 
 
@@ -153,26 +148,24 @@ def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: Co
     return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
 
 
-def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, TransposePlan, int]:
-    """The ConvTranspose's tile (see conv_transpose.py's docstring) as the TransposePlan its emitter follows."""
+def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
+    """The ConvTranspose's tile (see conv_transpose.py's docstring) as the ConvPlan its emitter follows."""
     tiled, ts = table.tiled, transpose_shape(group.anchor)
     view = flattened_transpose(ts)
     flat = view is not ts
     axis, row, window = lane_axis(view.out_shape), row_axis(view.out_shape, first=2), view.window
     if axis is not None and axis >= 2 and texels_fit(view, axis):
-        per = texels_per_item(view.out_shape[axis] // LANES)
-        lanes, x = LANES * per, axis - 2
+        per, x = texels_per_item(view.out_shape[axis] // LANES), axis - 2
         rows, step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-        along = None
+        tile = ConvTile(rows, LANES * per, x, row_step=step)
         # channels cannot stack (a depthwise conv's input gradient): rows along a stride-1 axis before
         if rows == 1 and tiled and x > 0 and window.strides[x - 1] == 1 and window.kernel[x - 1] != 1:
-            rows, along, stride = _stacked_rows(view, x, lanes)
-        plan = TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes)
-        return tile_of(rows, per, stride), plan, lanes * rows
+            tile.y_rows, tile.row_axis, stride = _stacked_rows(view, x, tile.lanes)
+        return tile_of(rows * tile.y_rows, per, stride), ConvPlan(view, tile, flat=flat), tile.lanes
     if row is not None and texels_fit(view, row[0]):
-        row_plan, schedule, lanes = _row_texels(tiled, view, row)
-        return schedule, TransposePlan(view, flat, row=row_plan), lanes
-    return consecutive(1), TransposePlan(view, flat), 0
+        tile, schedule = _row_texels(tiled, view, row, window.strides[row[0] - 2])
+        return schedule, ConvPlan(view, row=tile, flat=flat), tile.lanes
+    return consecutive(1), ConvPlan(view, flat=flat), 0
 
 
 def _stacked_rows(view: ConvShape, x: int, lanes: int) -> tuple[int, int | None, int]:
@@ -185,12 +178,12 @@ def _stacked_rows(view: ConvShape, x: int, lanes: int) -> tuple[int, int | None,
     return (rows, x - 1, stride) if rows > 1 else (1, None, 1)
 
 
-def _row_texels(tiled: bool, view: ConvShape, row: tuple[int, int]
-                ) -> tuple[tuple[int, int, int, int, int], Schedule, int]:
-    """A row path's (axis, length, channel rows, their step, texel columns), its schedule and its lanes."""
+def _row_texels(tiled: bool, view: ConvShape, row: tuple[int, int], multiple: int) -> tuple[ConvTile, Schedule]:
+    """A row path's tile (its texels start at a multiple of `multiple`) and schedule."""
     axis, length = row
-    rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
-    return (axis, length, rows, step, columns), tile_of(rows, columns, stride), LANES * columns * rows
+    choices = (2, 1) if length >= PAIR_ROW else (1,)
+    rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, choices)
+    return ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step), tile_of(rows, columns, stride)
 
 
 def _row_group(table: TextureTable, count: int) -> Schedule:
