@@ -114,14 +114,10 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
         per = tile.lanes // LANES
         schedule = consecutive(per)
         masked = tile.axis if tile.axis is not None else last_tap_axis(view)
-        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
-            rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-            x, kernel = tile.axis, view.window.kernel
-            # channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
-            if rows == 1 and tiled and x and kernel[x] <= TAP_BLOCK and kernel[x - 1] > view.window.strides[x - 1]:
-                tile.y_rows, tile.row_axis, stride = _stacked_rows(view, x, tile.lanes)
-            tile.rows = rows
-            schedule = tile_of(rows * tile.y_rows, per, stride)  # channel rows or stacked rows (or neither)
+        if tile.rows == 1:  # a spatial tile
+            # where channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
+            k, s = view.window.kernel, view.window.strides
+            schedule = _spatial_rows(tiled, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1])
         elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if flat else TEXEL_INDEX, tile, masked,
                                           tiled):  # a channel tile
             tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
@@ -155,27 +151,29 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, 
     flat = view is not ts
     axis, row, window = lane_axis(view.out_shape), row_axis(view.out_shape, first=2), view.window
     if axis is not None and axis >= 2 and texels_fit(view, axis):
-        per, x = texels_per_item(view.out_shape[axis] // LANES), axis - 2
-        rows, step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-        tile = ConvTile(rows, LANES * per, x, row_step=step)
-        # channels cannot stack (a depthwise conv's input gradient): rows along a stride-1 axis before
-        if rows == 1 and tiled and x > 0 and window.strides[x - 1] == 1 and window.kernel[x - 1] != 1:
-            tile.y_rows, tile.row_axis, stride = _stacked_rows(view, x, tile.lanes)
-        return tile_of(rows * tile.y_rows, per, stride), ConvPlan(view, tile, flat=flat), tile.lanes
+        tile = ConvTile(1, LANES * texels_per_item(view.out_shape[axis] // LANES), axis - 2)
+        # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
+        schedule = _spatial_rows(tiled, view, tile, lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1)
+        return schedule, ConvPlan(view, tile, flat=flat), tile.lanes
     if row is not None and texels_fit(view, row[0]):
         tile, schedule = _row_texels(tiled, view, row, window.strides[row[0] - 2])
         return schedule, ConvPlan(view, row=tile, flat=flat), tile.lanes
     return consecutive(1), ConvPlan(view, flat=flat), 0
 
 
-def _stacked_rows(view: ConvShape, x: int, lanes: int) -> tuple[int, int | None, int]:
-    """(rows, window axis, stride): under R-Tile codegen a spatial tile of `lanes` outputs along window axis
-    `x` whose channels cannot stack also computes the next output positions along the axis before
-    (conv_tiles.stack_rows), its tile's rows `stride` texels apart; they share input rows, (rows - 1) *
-    stride + (taps - 1) * dilation + 1 of them read instead of rows * taps. (1, None, 1) when none fits."""
-    kernel = view.window.kernel
-    rows, stride = stack_rows(view.out_shape, 1 + x, lanes, kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in))
-    return (rows, x - 1, stride) if rows > 1 else (1, None, 1)
+def _spatial_rows(tiled: bool, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
+    """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
+    output channels (conv_tiles.channel_rows), or where none stack and `stacks(window axis)`, the next output
+    positions along the axis before (conv_tiles.stack_rows), `stride` texels apart: they share input rows,
+    (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps."""
+    x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
+    tile.rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
+    if tile.rows == 1 and tiled and x and stacks(x):
+        rows, stride = stack_rows(view.out_shape, 1 + x, tile.lanes,
+                                  kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in))
+        if rows > 1:
+            tile.y_rows, tile.row_axis = rows, x - 1
+    return tile_of(tile.rows * tile.y_rows, per, stride)
 
 
 def _row_texels(tiled: bool, view: ConvShape, row: tuple[int, int], multiple: int) -> tuple[ConvTile, Schedule]:
