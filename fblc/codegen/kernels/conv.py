@@ -32,7 +32,6 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import declare_index, index_var
 from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.kernels.contraction import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
@@ -46,6 +45,7 @@ FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwi
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
+STATIC_PRODUCTS = 1024  # a 2-D tile enumerates its row taps while a block keeps at most this many products
 
 
 @dataclass
@@ -220,6 +220,11 @@ def conv_tile(cs: ConvShape) -> ConvTile | None:
     if axis is not None and axis >= 2:
         return ConvTile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)
     return None
+
+
+def texels_per_item(texels: int) -> int:
+    """Texels a work-item of a spatial tile covers: the most (up to 5) that divide a row of `texels`."""
+    return next(n for n in (5, 4, 3, 2, 1) if texels % n == 0)
 
 
 def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, Var]:

@@ -7,7 +7,8 @@ and hands its emitter its geometry (`detail`: ConvPlan).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+import math
+from typing import Any, Callable, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -15,15 +16,15 @@ from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.contraction import matmul_operands, row_axis, texel_columns
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, ConvShape, ConvTile,
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
+                                       ConvTile, texels_per_item,
                                        conv_reduction, conv_shape, conv_tile, last_tap_axis)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
-from fblc.codegen.kernels.conv_tiles import PAIR_ROW, batch_count, channel_rows, stack_rows, texels_per_item
 from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
-from fblc.codegen.kernels.texel import Reduction
+from fblc.codegen.kernels.texel import LANES, Reduction
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
                                    reduction_choices)
@@ -36,13 +37,21 @@ from fblc.errors import FblcError, UnsupportedOpError
 from fblc.profiles.profile import PRIVATE_FLOATS, REDUCTION_GROUP
 from fblc.texel_layout import TexelLayout, mask_layout
 
-LANES = 4
 TILE_ROWS = (8, 4)  # output rows of a contraction's tile, the first that divides the output's rows
 TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile GEMM kernels keep)
 #: a contraction tile's rows a schedule file may choose: one, or multiples of 4 (the emitters read A's
 #: rows of a tile as whole texels from a row that is a multiple of 4)
 ROW_CHOICES = (1, 4, 8, 16)
 COLUMN_CHOICES = (1, 2, 4)  # its texel columns
+# A conv's register tile (R-Tile codegen; docs/ARCHITECTURE.md §3, "Under `--layout rtile`") within PRIVATE_FLOATS
+# accumulators. A saved mask whose bytes it splits falls back to r_mask4 (schedule.pairs_mask_bytes): twice the
+# mask's bits, 1/16 of the float tensor's, for 1/rows of the input reads.
+CHANNEL_ROWS = (8, 4, 2)  # output channels of a conv's register tile, the first that fits
+BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
+SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels cannot stack
+#: rows at least this long (no multiple of 4) take tiles of two texel columns on the row path: whole bytes of a
+#: saved mask, more lanes sharing the weights, where most pairs lie within one row
+PAIR_ROW = 16
 
 
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
@@ -163,17 +172,44 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, 
 
 def _spatial_rows(tiled: bool, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
     """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
-    output channels (conv_tiles.channel_rows), or where none stack and `stacks(window axis)`, the next output
-    positions along the axis before (conv_tiles.stack_rows), `stride` texels apart: they share input rows,
+    output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
+    along the axis before, `stride` texels apart: the first of SPATIAL_ROWS that divides it within PRIVATE_FLOATS
+    accumulators and STATIC_PRODUCTS products (taps x input channels) per block. They share input rows,
     (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps."""
     x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
     tile.rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
     if tile.rows == 1 and tiled and x and stacks(x):
-        rows, stride = stack_rows(view.out_shape, 1 + x, tile.lanes,
-                                  kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in))
-        if rows > 1:
-            tile.y_rows, tile.row_axis = rows, x - 1
+        products = tile.lanes * kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in)
+        tile.y_rows = next((rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
+                            and rows * tile.lanes <= PRIVATE_FLOATS and rows * products <= STATIC_PRODUCTS), 1)
+        tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
     return tile_of(tile.rows * tile.y_rows, per, stride)
+
+
+def channel_rows(tiled: bool, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
+                 ) -> tuple[int, int, int, int]:
+    """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
+    (the first of `choices` that fits) also computes the same positions of rows - 1 more channels of its
+    group (cg_out), row_step apart: positions line up with texel columns only every 4 * columns /
+    gcd(plane, 4 * columns) channels. Its rows are `stride` texels apart. (1, 1, the last choice, 1)
+    where none fits, or under naive: one channel."""
+    plane = numel(out_shape[2:])
+    if tiled:
+        for columns in choices:
+            step = LANES * columns // math.gcd(plane, LANES * columns)
+            stride = step * plane // LANES
+            for rows in CHANNEL_ROWS:
+                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS:
+                    return rows, step, columns, stride
+    return 1, 1, choices[-1], 1
+
+
+def batch_count(tiled: bool, out_shape: Sequence[int], lanes: int) -> int:
+    """Batch elements a channel tile's work-item of `lanes` outputs computes under R-Tile codegen (they share
+    every weight read; the weight gradient's batch axis is the input channels, sharing the dY reads): the
+    first of BATCH_ROWS within PRIVATE_FLOATS accumulators; 1 under naive."""
+    fits = [batches for batches in BATCH_ROWS if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS]
+    return fits[0] if tiled and fits else 1
 
 
 def _row_texels(tiled: bool, view: ConvShape, row: tuple[int, int], multiple: int) -> tuple[ConvTile, Schedule]:
