@@ -34,7 +34,7 @@ from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.kernels.contraction import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
-from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term, plus
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import attr, static_shape
@@ -64,6 +64,7 @@ class ConvShape:
     window: Window
     xs: tuple[int, ...]
     ws: tuple[int, ...]
+    flat: bool = False  # the conv over its flattened spatial axes (flattened_pointwise)
 
 
 def conv_shape(node: ir.Node) -> ConvShape:
@@ -236,15 +237,18 @@ def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, 
     return low, block.let(call("min", k, div_index(call("max", 0, n - origin + (d - 1)), d)), "hi")
 
 
-def view_indices(b: KernelBuilder, out_shape: Sequence[int], flat: bool, texels: bool) -> tuple[str, str]:
-    """(texel, lane) index-variable prefixes. A flattened view declares its own lane variables, and its
-    texel's where a texel-wide path (`texels`) reads them."""
-    if not flat:
-        return TEXEL_INDEX, OUT_INDEX
-    declare_index(b.body, out_shape, b.flat, FLAT_INDEX)
-    if texels:
-        b.declare_item_index(b.prologue, out_shape, FLAT_TEXEL_INDEX)
-    return FLAT_TEXEL_INDEX, FLAT_INDEX
+def start_conv(table: TextureTable, group: KernelGroup) -> tuple[KernelBuilder, ConvPlan, str, str]:
+    """A Conv's or ConvTranspose's builder, its plan, and its (texel, lane) index-variable prefixes. A flattened
+    view declares its own lane variables, and its texel's where a texel-wide path reads them."""
+    b = start_builder(table, group, "conv")
+    plan: ConvPlan = b.schedule.detail
+    b.numbering.count = max(b.numbering.count, plan.names_taken)
+    if not plan.view.flat:
+        return b, plan, TEXEL_INDEX, OUT_INDEX
+    declare_index(b.body, plan.view.out_shape, b.flat, FLAT_INDEX)
+    if plan.tile is not None or plan.row is not None:
+        b.declare_item_index(b.prologue, plan.view.out_shape, FLAT_TEXEL_INDEX)
+    return b, plan, FLAT_TEXEL_INDEX, FLAT_INDEX
 
 
 @dataclass
@@ -259,17 +263,13 @@ class ConvPlan:
     masked: int | None = None
     row: ConvTile | None = None
     names_taken: int = 0
-    flat: bool = False  # `view` is the conv over its flattened spatial axes (flattened_pointwise)
 
 
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Direct convolution (and the autodiff's weight-gradient form, gradients/linalg.conv_weight_grad)."""
-    b = start_builder(table, group, "conv")
-    plan: ConvPlan = b.schedule.detail
+    b, plan, texel, lane = start_conv(table, group)
     view = plan.view
-    b.numbering.count = max(b.numbering.count, plan.names_taken)
-    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.tile is not None or plan.row is not None)
 
     def reduction(prefix: str, tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
         return lambda block: conv_reduction(b, block, view, prefix, tile, masked)
@@ -311,7 +311,7 @@ def flattened_pointwise(cs: ConvShape) -> ConvShape:
         return cs
     return dataclasses.replace(cs, x_shape=(*cs.x_shape[:2], size), w_shape=(*cs.w_shape[:2], kernel),
                                out_shape=(*cs.out_shape[:2], out), window=flat, xs=(*cs.xs[:2], x_spatial),
-                               ws=(*cs.ws[:2], w_spatial))
+                               ws=(*cs.ws[:2], w_spatial), flat=True)
 
 
 def last_tap_axis(cs: ConvShape) -> int | None:
@@ -325,5 +325,4 @@ def add_bias(b: KernelBuilder, node: ir.Node, acc: Expr) -> Expr:
 
 def affine(index: Expr, scale: int, offset: int) -> Expr:
     """`index * scale + offset`, without the no-op parts."""
-    scaled = index if scale == 1 else index * scale
-    return scaled if offset == 0 else (scaled + offset if offset > 0 else scaled - (-offset))
+    return plus(index if scale == 1 else index * scale, offset)

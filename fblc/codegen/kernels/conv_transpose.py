@@ -22,10 +22,9 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, reduce_guarded,
-                                              reduce_into, start_builder)
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvPlan, ConvShape, ConvTile, add_bias, affine,
-                                       view_indices, within_row)
+from fblc.codegen.kernels.contraction import Stream, dot_loop, finish_group, index_terms, reduce_guarded, reduce_into
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile, add_bias, affine, start_conv,
+                                       within_row)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
@@ -145,10 +144,8 @@ def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, tile: ConvTile
 @register_kernel("ConvTranspose")
 def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Gather form; output_padding only lengthens the (already static) output, so the loops ignore it."""
-    b = start_builder(table, group, "conv")
-    plan: ConvPlan = b.schedule.detail
+    b, plan, texel, lane = start_conv(table, group)
     view = plan.view
-    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.tile is not None or plan.row is not None)
     if plan.tile is not None:
         acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, plan.tile), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane

@@ -115,9 +115,7 @@ def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
 def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
     """The conv's tile (see the module docstring) as the ConvPlan its emitter follows."""
     scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
-    tiled, cs = table.tiled, conv_shape(group.anchor)
-    view = flattened_conv(cs)
-    flat = view is not cs
+    tiled, view = table.tiled, flattened_conv(conv_shape(group.anchor))
     tile, row = conv_tile(view), row_axis(view.out_shape, first=2)
     if tile is not None:
         per = tile.lanes // LANES
@@ -127,15 +125,15 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
             # where channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
             k, s = view.window.kernel, view.window.strides
             schedule = _spatial_rows(tiled, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1])
-        elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if flat else TEXEL_INDEX, tile, masked,
+        elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX, tile, masked,
                                           tiled):  # a channel tile
             tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
             schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
-        return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count, flat=flat), tile.lanes
+        return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count), tile.lanes
     if row is not None:
         tile, schedule = _row_texels(tiled, view, row, 1)
-        return schedule, ConvPlan(view, row=tile, flat=flat), tile.lanes
-    return consecutive(1), ConvPlan(view, flat=flat), 0
+        return schedule, ConvPlan(view, row=tile), tile.lanes
+    return consecutive(1), ConvPlan(view), 0
 
 
 def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
@@ -155,19 +153,17 @@ def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: Co
 
 def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
     """The ConvTranspose's tile (see conv_transpose.py's docstring) as the ConvPlan its emitter follows."""
-    tiled, ts = table.tiled, transpose_shape(group.anchor)
-    view = flattened_transpose(ts)
-    flat = view is not ts
+    tiled, view = table.tiled, flattened_transpose(transpose_shape(group.anchor))
     axis, row, window = lane_axis(view.out_shape), row_axis(view.out_shape, first=2), view.window
     if axis is not None and axis >= 2 and texels_fit(view, axis):
         tile = ConvTile(1, LANES * texels_per_item(view.out_shape[axis] // LANES), axis - 2)
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
         schedule = _spatial_rows(tiled, view, tile, lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1)
-        return schedule, ConvPlan(view, tile, flat=flat), tile.lanes
+        return schedule, ConvPlan(view, tile), tile.lanes
     if row is not None and texels_fit(view, row[0]):
         tile, schedule = _row_texels(tiled, view, row, window.strides[row[0] - 2])
-        return schedule, ConvPlan(view, row=tile, flat=flat), tile.lanes
-    return consecutive(1), ConvPlan(view, flat=flat), 0
+        return schedule, ConvPlan(view, row=tile), tile.lanes
+    return consecutive(1), ConvPlan(view), 0
 
 
 def _spatial_rows(tiled: bool, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
