@@ -94,21 +94,20 @@ class Accumulators:
         """The multiply-adds of the products, lane by lane, each lane's in their order. Interleaved updates of
         strided accumulators (a stride-2 ConvTranspose's even lanes from one texel's x, y, z, w) crash LLVM
         15's InstCombine in Debian's PoCL 3.1 (ShuffleVectorInst::isIdentityWithPadding)."""
-        ordered = sorted(range(len(terms)), key=lambda index: terms[index][0])
+        by_lane: dict[int, list[int]] = {}  # each lane's products in their order, lanes in order
+        for index in sorted(range(len(terms)), key=lambda index: terms[index][0]):
+            by_lane.setdefault(terms[index][0], []).append(index)
         if self.form == "lanes":
-            return [(Element(self.array, const(terms[i][0])), terms[i][1], terms[i][2]) for i in ordered]
+            return [(Element(self.array, const(lane)), *terms[i][1:]) for lane, run in by_lane.items() for i in run]
         sums = self.form == "sums"
-        return self._paired(self._sums(terms, offsets, ordered) if sums else self._texels(terms, ordered))
+        return self._paired(self._sums(terms, offsets, by_lane) if sums else self._texels(terms, by_lane))
 
-    def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], ordered: list[int]) -> list[Update]:
+    def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], by_lane: dict[int, list[int]]) -> list[Update]:
         """The k-th products of a texel's four lanes are one float4 multiply-add; where a lane lacks
         its k-th product, the others add component by component."""
-        per_lane: dict[int, list[tuple[Expr, Expr]]] = {}
-        for index in ordered:
-            per_lane.setdefault(terms[index][0], []).append(terms[index][1:])
         updates: list[Update] = []
-        for texel in sorted({lane // LANES for lane in per_lane}):
-            runs = [per_lane.get(texel * LANES + component, []) for component in range(LANES)]
+        for texel in sorted({lane // LANES for lane in by_lane}):
+            runs = [[terms[i][1:] for i in by_lane.get(texel * LANES + component, [])] for component in range(LANES)]
             for k in range(max(len(run) for run in runs)):
                 if all(k < len(run) for run in runs):
                     updates.append(_whole(texel, [run[k] for run in runs]))
@@ -140,16 +139,13 @@ class Accumulators:
                 for position, u in enumerate(updates) if position not in absorbed]
 
     def _sums(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]],
-              ordered: list[int]) -> list[Update]:
+              by_lane: dict[int, list[int]]) -> list[Update]:
         """A lane's products along one diagonal (x - w fixed) at four consecutive w from a multiple of 4 are
         one float4 multiply-add (w a whole texel); the others add into component w % 4."""
         assert len(offsets) == len(terms), "the sums form needs each product's (x, w) offsets"
         updates: list[Update] = []
-        by_lane: dict[int, list[int]] = {}
-        for index in ordered:
-            by_lane.setdefault(terms[index][0], []).append(index)
         for lane, indices in by_lane.items():
-            indices.sort(key=lambda i: (offsets[i][0] - offsets[i][1], offsets[i][1]))
+            indices = sorted(indices, key=lambda i: (offsets[i][0] - offsets[i][1], offsets[i][1]))
             at = 0
             while at < len(indices):
                 run = indices[at:at + LANES]

@@ -64,11 +64,9 @@ def row_axis(shape: Sequence[int], first: int = 0) -> tuple[int, int] | None:
     """(axis, length) of the innermost non-unit axis when a texel's 4 lanes usually lie within one
     of its rows but not always (length >= ROW_MIN, not a multiple of 4); None if not, or if the
     axis is before `first`."""
-    for axis in reversed(range(len(shape))):
-        if shape[axis] != 1:
-            ok = axis >= first and shape[axis] >= ROW_MIN and shape[axis] % LANES != 0
-            return (axis, shape[axis]) if ok else None
-    return None
+    axis = max((axis for axis, extent in enumerate(shape) if extent != 1), default=-1)
+    ok = axis >= max(first, 0) and shape[axis] >= ROW_MIN and shape[axis] % LANES != 0
+    return (axis, shape[axis]) if ok else None
 
 
 def dot_loop(b: KernelBuilder, acc: Var, count: int, streams: tuple[Stream, Stream], block: Block,

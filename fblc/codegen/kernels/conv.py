@@ -4,9 +4,8 @@ A work-item holds 4 * texels_per_item consecutive flat outputs (the texture layo
 preference (conv_tile; kernels/schedules.py adds the register tiles):
 - channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every other spatial extent
   1), where the autodiff's weight-gradient Conv lands (gradients/linalg.py: X viewed [Cg_in, N, ...], dY maps as
-  its 'weights', kernel taps as its output rows): the 4 rows share the X window, each reads its own dY row. A 2-D
-  weight gradient's tile takes the whole k x k map, its dY rows a loop under a row mask; a depthwise conv's
-  weight gradient takes it too, its 4 rows 4 groups.
+  its 'weights', kernel taps as its output rows): the 4 rows share the X window, each reads its own dY row (a
+  2-D weight gradient's whole k x k map: docs/ARCHITECTURE.md §3).
 - spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a multiple of 4
   (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read their inputs as whole texels.
 - row texels: an innermost axis of another length >= ROW_MIN: a texel within one row reduces like a spatial tile

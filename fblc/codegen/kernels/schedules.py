@@ -17,8 +17,7 @@ from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.contraction import matmul_operands, row_axis, texel_columns
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
-                                       ConvTile, texels_per_item,
-                                       conv_reduction, conv_shape, conv_tile, last_tap_axis)
+                                       ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, texels_per_item)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
