@@ -261,11 +261,10 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Y = alpha * A' B' + beta * C, A' = A^T when transA (B' likewise); C broadcasts to [M, N]."""
     node = group.anchor
-    a, w = node.inputs[0], node.inputs[1]
     c = node.inputs[2] if len(node.inputs) > 2 else None
     alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
     b = start_builder(table, group, "matmul")
-    (a_root, a_axes), (w_root, w_axes) = root_digits(b, a, static_shape(a)), root_digits(b, w, static_shape(w))
+    (a_root, a_axes), (w_root, w_axes) = (root_digits(b, value, static_shape(value)) for value in node.inputs[:2])
     result = _contract(b, (a_root, a_axes[::-1] if attr(node, "transA", 0) else a_axes),
                        (w_root, w_axes[::-1] if attr(node, "transB", 0) else w_axes), 0)
     if alpha != 1.0:
