@@ -5,9 +5,8 @@ Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis 
 and its stride divides 4: a work-item's lanes (4 to 20) are consecutive positions along it, whose taps (which lane
 takes which tap is then a literal) share the weights and read their inputs as whole texels. Rows of another
 length >= ROW_MIN (texels_fit): the texels within one row do the same, the ones across two rows run per
-lane. Under R-Tile codegen the texel-wide paths compute the same positions of 2, 4 or 8 output channels too
-(their weights lie side by side in W [C_in, C_out / group, k...]), or where channels cannot stack (a depthwise
-conv's input gradient) of output rows along a stride-1 axis (kernels/schedules.py decides).
+lane. Under R-Tile codegen the register tiles of docs/ARCHITECTURE.md §3 ("Under `--layout rtile`"): output
+channels' weights lie side by side in W [C_in, C_out / group, k...].
 """
 
 from __future__ import annotations
