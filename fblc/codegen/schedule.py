@@ -1,13 +1,6 @@
-"""Schedules as data: how a kernel's work is cut up, decided before the kernel is built.
-
-A `Schedule` holds the 2-D tile of texels a work-item computes (`tile_rows` rows `tile_stride` texels
-apart, `tile_columns` consecutive texels each), the work-items sharing each item's reduction
-(`group_size`), the items a work-group holds (`tiles_per_group`), where a reduction's products sum
-(`accumulator_form`, accumulators.py) and the float8 pairing of its float4 accumulators (`pair_stride`).
-kernels/schedules.py decides them; a schedule file or the profile's `schedules` section overrides fields
-by kernel name (`apply_overrides`), each checked against the kernel's `choices`. Fields left None are
-decided where the reduction's length and products are known (`resolve_*`) unless a file fixed them; the
-builder records what was used (plan.json).
+"""Schedules as data: how a kernel's work is cut up, decided before the kernel is built (docs/ARCHITECTURE.md §3,
+"Schedules are data"). Fields left None are decided where the reduction's length and products are known
+(`resolve_*`) unless a schedule file fixed them (`apply_overrides`); the builder records what was used (plan.json).
 """
 
 from __future__ import annotations
@@ -16,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from fblc.codegen.kernels.accumulators import FORMS, choose_form, float4_count, pair_stride
+from fblc.codegen.kernels.accumulators import FORMS, choose_form, float4_count, pair_stride, pairings
 from fblc.errors import FblcError
 from fblc.profiles import Profile
 from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
@@ -101,12 +94,7 @@ def reduction_choices(profile: Profile, lanes: int, masks: bool) -> dict[str, tu
     Float4 forms need whole texels; which pairings suit the form taken is checked at it (resolve_pair)."""
     return {"group_size": (1,) if masks else group_choices(profile, lanes),
             "accumulator_form": FORMS if lanes % 4 == 0 else ("lanes",),
-            "pair_stride": _pairings(lanes) if lanes % 4 == 0 else (0,)}
-
-
-def _pairings(count: int) -> tuple[int, ...]:
-    """Strides that pair `count` accumulators two by two (0: no pairing)."""
-    return (0,) + tuple(s for s in range(1, count // 2 + 1) if count % (2 * s) == 0)
+            "pair_stride": pairings(lanes) if lanes % 4 == 0 else (0,)}
 
 
 def resolve_group(schedule: Schedule, profile: Profile, serial: int, trips: int, lanes: int, tiles: int,
@@ -133,7 +121,7 @@ def resolve_pair(schedule: Schedule, profile: Profile, products: Sequence[tuple[
         return pair_stride(products, form, lanes, profile.simd_floats)
     stride = schedule.pair_stride
     count = float4_count(form, lanes) if form != "lanes" else 0
-    valid = _pairings(count)
+    valid = pairings(count)
     if stride not in valid:
         raise FblcError(f"schedule of kernel '{kernel}': pair_stride {stride} does not pair its {count} float4 "
                         f"accumulators (form '{form}')", f"choose one of: {', '.join(map(str, valid))}")

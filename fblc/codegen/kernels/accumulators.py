@@ -1,20 +1,11 @@
-"""How a reduction's products reach a work-item's accumulators: three forms, and the cost that picks one.
+"""How a reduction's products reach a work-item's accumulators: three forms, and the cost that picks one
+(docs/ARCHITECTURE.md §3, "A long reduction's work-item").
 
 - "lanes": `float acc[lanes]`, a scalar multiply-add per product (PoCL's SLP vectorizer packs them).
-- "texels": `float4 acc[lanes / 4]`, lane l in component l % 4 of texel l / 4: the k-th products of a
-  texel's four lanes are one float4 multiply-add (swizzles where their operands are not one texel).
-- "sums": `float4 acc[lanes]`, whose components sum every fourth step: where both operands run along the
-  reduction (a weight gradient's X and dY rows), four steps are one multiply-add of a window of X, which
-  the outputs share, and a whole texel of dY. The components are added once, at the end.
-
-Texels and sums serve reductions longer than SERIAL_REDUCTION. Sums are for a CPU, whose float4 is one SIMD
-register and every distinct swizzle a shuffle: `choose_form` takes the cheaper form (`cost`) within
-SIMD_SUM_FLOAT4S float4s. On a GPU a swizzle only names registers and sums take 4x the registers.
-
-Where a SIMD register holds 8 floats or more (Profile.simd_floats), float4s t and t + pair are the halves of
-a float8, and two multiply-adds of its halves that share an operand (a conv row's scalar weight, a GEMM
-row's scalar of A) are one (`pair_stride` picks the cheapest pairing). Such a CPU takes texels or sums for
-short reductions too: explicit float4s and float8s beat what its SLP vectorizer packs.
+- "texels": `float4 acc[lanes / 4]`, lane l in component l % 4 of texel l / 4 (swizzles where the k-th
+  products of a texel's four lanes are not one texel's).
+- "sums": `float4 acc[lanes]`, whose components sum every fourth step, added once at the end.
+Paired (`pair_stride`), float4s t and t + pair are the halves of a float8.
 """
 
 from __future__ import annotations
@@ -103,21 +94,20 @@ class Accumulators:
         """The multiply-adds of the products, lane by lane, each lane's in their order. Interleaved updates of
         strided accumulators (a stride-2 ConvTranspose's even lanes from one texel's x, y, z, w) crash LLVM
         15's InstCombine in Debian's PoCL 3.1 (ShuffleVectorInst::isIdentityWithPadding)."""
-        ordered = sorted(range(len(terms)), key=lambda index: terms[index][0])
+        by_lane: dict[int, list[int]] = {}  # each lane's products in their order, lanes in order
+        for index in sorted(range(len(terms)), key=lambda index: terms[index][0]):
+            by_lane.setdefault(terms[index][0], []).append(index)
         if self.form == "lanes":
-            return [(Element(self.array, const(terms[i][0])), terms[i][1], terms[i][2]) for i in ordered]
+            return [(Element(self.array, const(lane)), *terms[i][1:]) for lane, run in by_lane.items() for i in run]
         sums = self.form == "sums"
-        return self._paired(self._sums(terms, offsets, ordered) if sums else self._texels(terms, ordered))
+        return self._paired(self._sums(terms, offsets, by_lane) if sums else self._texels(terms, by_lane))
 
-    def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], ordered: list[int]) -> list[Update]:
+    def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], by_lane: dict[int, list[int]]) -> list[Update]:
         """The k-th products of a texel's four lanes are one float4 multiply-add; where a lane lacks
         its k-th product, the others add component by component."""
-        per_lane: dict[int, list[tuple[Expr, Expr]]] = {}
-        for index in ordered:
-            per_lane.setdefault(terms[index][0], []).append(terms[index][1:])
         updates: list[Update] = []
-        for texel in sorted({lane // LANES for lane in per_lane}):
-            runs = [per_lane.get(texel * LANES + component, []) for component in range(LANES)]
+        for texel in sorted({lane // LANES for lane in by_lane}):
+            runs = [[terms[i][1:] for i in by_lane.get(texel * LANES + component, [])] for component in range(LANES)]
             for k in range(max(len(run) for run in runs)):
                 if all(k < len(run) for run in runs):
                     updates.append(_whole(texel, [run[k] for run in runs]))
@@ -149,16 +139,13 @@ class Accumulators:
                 for position, u in enumerate(updates) if position not in absorbed]
 
     def _sums(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]],
-              ordered: list[int]) -> list[Update]:
+              by_lane: dict[int, list[int]]) -> list[Update]:
         """A lane's products along one diagonal (x - w fixed) at four consecutive w from a multiple of 4 are
         one float4 multiply-add (w a whole texel); the others add into component w % 4."""
         assert len(offsets) == len(terms), "the sums form needs each product's (x, w) offsets"
         updates: list[Update] = []
-        by_lane: dict[int, list[int]] = {}
-        for index in ordered:
-            by_lane.setdefault(terms[index][0], []).append(index)
         for lane, indices in by_lane.items():
-            indices.sort(key=lambda i: (offsets[i][0] - offsets[i][1], offsets[i][1]))
+            indices = sorted(indices, key=lambda i: (offsets[i][0] - offsets[i][1], offsets[i][1]))
             at = 0
             while at < len(indices):
                 run = indices[at:at + LANES]
@@ -202,10 +189,14 @@ def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int,
     SIMD register holds fewer than PAIRED_SIMD_FLOATS floats."""
     if form == "lanes" or simd_floats < PAIRED_SIMD_FLOATS:
         return 0
-    count = float4_count(form, lanes)
-    strides = [stride for stride in range(1, count // 2 + 1) if count % (2 * stride) == 0]
-    costs = {stride: cost(_stand_in_operations(products, form, stride)) for stride in [0] + strides}
+    costs = {stride: cost(_stand_in_operations(products, form, stride))
+             for stride in pairings(float4_count(form, lanes))}
     return min(costs, key=lambda stride: (costs[stride], stride))
+
+
+def pairings(count: int) -> tuple[int, ...]:
+    """Strides that pair `count` float4 accumulators two by two (0: no pairing)."""
+    return (0,) + tuple(s for s in range(1, count // 2 + 1) if count % (2 * s) == 0)
 
 
 def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0) -> list[Operation]:

@@ -50,6 +50,10 @@ class Stream:
     terms: Terms  # base index as (int expression, literal stride)
     step: int
 
+    def extended(self, terms: Sequence[Term]) -> Stream:
+        """The stream with a loop's terms added to its base."""
+        return Stream(self.value, self.terms + [(term.expr, term.coeff) for term in terms], self.step)
+
 
 def index_terms(variables: Sequence[Expr], dims: Sequence[int], strides: Sequence[int]) -> Terms:
     """Index terms, dropping axes of extent 1 (their index is always 0)."""
@@ -60,16 +64,19 @@ def row_axis(shape: Sequence[int], first: int = 0) -> tuple[int, int] | None:
     """(axis, length) of the innermost non-unit axis when a texel's 4 lanes usually lie within one
     of its rows but not always (length >= ROW_MIN, not a multiple of 4); None if not, or if the
     axis is before `first`."""
-    for axis in reversed(range(len(shape))):
-        if shape[axis] != 1:
-            ok = axis >= first and shape[axis] >= ROW_MIN and shape[axis] % LANES != 0
-            return (axis, shape[axis]) if ok else None
-    return None
+    axis = max((axis for axis, extent in enumerate(shape) if extent != 1), default=-1)
+    ok = axis >= max(first, 0) and shape[axis] >= ROW_MIN and shape[axis] % LANES != 0
+    return (axis, shape[axis]) if ok else None
 
 
-def dot_loop(b: KernelBuilder, acc: Var, count: int, streams: tuple[Stream, Stream], block: Block) -> None:
-    """Build `acc += sum_r a[r] * w[r]` over `count` steps of the two streams into `block` (the lane loop's):
-    unrolled by 4 into float4 dot products, a scalar loop for the rest."""
+def dot_loop(b: KernelBuilder, acc: Var, count: int, streams: tuple[Stream, Stream], block: Block,
+             loops: Sequence[Loop] = ()) -> None:
+    """Build `acc += sum_r a[r] * w[r]` over `count` steps of the two streams into `block` (the lane loop's),
+    inside `loops`, each adding its terms to the streams' bases: unrolled by 4 into float4 dot products, a
+    scalar loop for the rest."""
+    for loop in loops:
+        block = loop.open(block)
+        streams = (streams[0].extended(loop.x_terms), streams[1].extended(loop.w_terms))
     pointers = [block.mutable(flat_index(s.terms), "p") for s in streams]
     product = b.element(streams[0].value, pointers[0]) * b.element(streams[1].value, pointers[1])
     if count == 1:
@@ -179,6 +186,18 @@ def root_digits(b: ValueReads, value: ir.Value, shape: Sequence[int]) -> tuple[i
     return root, [[(dim, stride)] for dim, stride in zip(shape, strides_of(shape))]
 
 
+def matmul_operands(b: ValueReads, node: ir.Node) -> tuple[tuple[ir.Value, list[Digits]], ...]:
+    """A MatMul's A' and B' as root_digits gives them: a 1-D A is a row [1, K], a 1-D B a column [K, 1]."""
+    a_shape, b_shape = (static_shape(value) for value in node.inputs)
+    return (root_digits(b, node.inputs[0], a_shape if len(a_shape) >= 2 else (1, a_shape[0])),
+            root_digits(b, node.inputs[1], b_shape if len(b_shape) >= 2 else (b_shape[0], 1)))
+
+
+def texel_columns(out_shape: Sequence[int], w_axes: list[Digits], has_n: bool = True) -> bool:
+    """Whether a texel's lanes are 4 consecutive output columns n, one stride apart in B' (the texel-wide path)."""
+    return has_n and lane_axis(out_shape) == len(out_shape) - 1 and w_axes[-1][-1][0] % LANES == 0
+
+
 def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Value, list[Digits]], batch: int,
               has_m: bool = True, has_n: bool = True) -> Expr:
     """The lane's sum over K of A'[..., m, k] * B'[k, n] for output [batch axes..., m, n] (a missing m or n,
@@ -189,9 +208,8 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
     assert k_digits is not None, f"{b.name}: K folds differently in its operands (tile_remap keeps such views)"
     (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits
-    (_, a_row), (n_run, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
-    # lanes: 4 consecutive columns n, one stride apart in B
-    texel = has_n and lane_axis(b.out_shape) == len(b.out_shape) - 1 and n_run % LANES == 0
+    (_, a_row), (_, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
+    texel = texel_columns(b.out_shape, w_axes, has_n)
     prefix = TEXEL_INDEX if texel else OUT_INDEX
     m_var = index_var(prefix, batch) if has_m else const(0)
     n_var = index_var(prefix, batch + has_m) if has_n else const(0)
@@ -216,12 +234,7 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
              for (extent, a_stride), (_, w_stride) in zip(a_outer, w_outer)]
     if not texel:
         acc = b.body.mutable(const(0.0, FLOAT), "acc")
-        block = b.body
-        for loop in loops:
-            block = loop.open(block)
-            a_terms += [(term.expr, term.coeff) for term in loop.x_terms]
-            w_terms += [(term.expr, term.coeff) for term in loop.w_terms]
-        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), block)
+        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), b.body, loops)
         return acc
     # what the index variables are multiples of: the texel's lanes, the tile's rows, folded axes' digits
     known = {n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) | multiples
@@ -237,13 +250,10 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
 @register_kernel("MatMul")
 def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """numpy matmul: batch dims broadcast, a 1-D A is a row [1, K], a 1-D B a column [K, 1]."""
-    a, w = group.anchor.inputs
-    a_shape, b_shape = static_shape(a), static_shape(w)
-    a2 = a_shape if len(a_shape) >= 2 else (1, a_shape[0])
-    b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
     b = start_builder(table, group, "matmul")
-    batch = len(np.broadcast_shapes(a2[:-2], b2[:-2]))
-    acc = _contract(b, root_digits(b, a, a2), root_digits(b, w, b2), batch, len(a_shape) >= 2, len(b_shape) >= 2)
+    a, w = matmul_operands(b, group.anchor)
+    ranks = [len(static_shape(value)) for value in group.anchor.inputs]
+    acc = _contract(b, a, w, max(len(a[1]), len(w[1])) - 2, ranks[0] >= 2, ranks[1] >= 2)
     return finish_group(b, group, acc)
 
 
@@ -251,11 +261,10 @@ def emit_matmul(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 def emit_gemm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Y = alpha * A' B' + beta * C, A' = A^T when transA (B' likewise); C broadcasts to [M, N]."""
     node = group.anchor
-    a, w = node.inputs[0], node.inputs[1]
     c = node.inputs[2] if len(node.inputs) > 2 else None
     alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
     b = start_builder(table, group, "matmul")
-    (a_root, a_axes), (w_root, w_axes) = root_digits(b, a, static_shape(a)), root_digits(b, w, static_shape(w))
+    (a_root, a_axes), (w_root, w_axes) = (root_digits(b, value, static_shape(value)) for value in node.inputs[:2])
     result = _contract(b, (a_root, a_axes[::-1] if attr(node, "transA", 0) else a_axes),
                        (w_root, w_axes[::-1] if attr(node, "transB", 0) else w_axes), 0)
     if alpha != 1.0:

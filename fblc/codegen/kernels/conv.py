@@ -4,19 +4,17 @@ A work-item holds 4 * texels_per_item consecutive flat outputs (the texture layo
 preference (conv_tile; kernels/schedules.py adds the register tiles):
 - channel tile: 4 consecutive output channels x a whole short spatial row (at most 8; every other spatial extent
   1), where the autodiff's weight-gradient Conv lands (gradients/linalg.py: X viewed [Cg_in, N, ...], dY maps as
-  its 'weights', kernel taps as its output rows): the 4 rows share the X window, each reads its own dY row. A 2-D
-  weight gradient's tile takes the whole k x k map, its dY rows a loop under a row mask; a depthwise conv's
-  weight gradient takes it too, its 4 rows 4 groups.
+  its 'weights', kernel taps as its output rows): the 4 rows share the X window, each reads its own dY row (a
+  2-D weight gradient's whole k x k map: docs/ARCHITECTURE.md §3).
 - spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a multiple of 4
   (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read their inputs as whole texels.
 - row texels: an innermost axis of another length >= ROW_MIN: a texel within one row reduces like a spatial tile
   of 4 (at a runtime alignment), a texel across two rows per lane.
 - per lane: each lane reduces alone in the builder's lane loop.
-Under R-Tile codegen a work-item's register tile adds rows: 2 to 8 output channels or batch elements, or 2 to 4
-output rows of the axis before a depthwise spatial tile's own (their taps enumerated under a row mask: the rows
-read each input row they share once). Input channels go in blocks of 4 with the taps of the tiled (or last)
-spatial axis unrolled and masked at the input's borders, or, beyond TAP_BLOCK taps (dY rows), the taps go in
-blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share.
+Under R-Tile codegen a work-item's register tile adds rows (docs/ARCHITECTURE.md §3, "Under `--layout rtile`").
+Input channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled and masked at the
+input's borders, or, beyond TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the other spatial axes loop
+over their in-bounds tap range, which the lanes share.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import onnx_ir as ir
@@ -34,10 +31,9 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import declare_index, index_var
 from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.conv_tiles import STATIC_PRODUCTS, texels_per_item
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.kernels.contraction import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
-from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term, plus
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import attr, static_shape
@@ -48,7 +44,7 @@ FLAT_TEXEL_INDEX, FLAT_INDEX = "f", "h"  # index prefixes of a flattened pointwi
 TAP_BLOCK = 16  # taps per static block when the masked axis has more than that (dY rows of a weight gradient)
 CHANNEL_BLOCK = 4  # input channels per static block when the taps are unrolled
 CHANNEL_TILE_LENGTH = 8  # the longest spatial row of a channel tile (4 rows of it per work-item)
-Shape = TypeVar("Shape", bound="ConvShape")  # flattened_pointwise keeps conv_transpose's TransposeShape
+STATIC_PRODUCTS = 1024  # a 2-D tile enumerates its row taps while a block keeps at most this many products
 
 
 @dataclass
@@ -67,6 +63,7 @@ class ConvShape:
     window: Window
     xs: tuple[int, ...]
     ws: tuple[int, ...]
+    flat: bool = False  # the conv over its flattened spatial axes (flattened_pointwise)
 
 
 def conv_shape(node: ir.Node) -> ConvShape:
@@ -225,6 +222,11 @@ def conv_tile(cs: ConvShape) -> ConvTile | None:
     return None
 
 
+def texels_per_item(texels: int) -> int:
+    """Texels a work-item of a spatial tile covers: the most (up to 5) that divide a row of `texels`."""
+    return next(n for n in (5, 4, 3, 2, 1) if texels % n == 0)
+
+
 def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, Var]:
     """(low, high) declared in `block`: the taps t in [low, high) with 0 <= origin + t * d < n."""
     if d == 1:
@@ -234,40 +236,39 @@ def _tap_range(block: Block, origin: Var, k: int, d: int, n: int) -> tuple[Var, 
     return low, block.let(call("min", k, div_index(call("max", 0, n - origin + (d - 1)), d)), "hi")
 
 
-def view_indices(b: KernelBuilder, out_shape: Sequence[int], flat: bool, texels: bool) -> tuple[str, str]:
-    """(texel, lane) index-variable prefixes. A flattened view declares its own lane variables, and its
-    texel's where a texel-wide path (`texels`) reads them."""
-    if not flat:
-        return TEXEL_INDEX, OUT_INDEX
-    declare_index(b.body, out_shape, b.flat, FLAT_INDEX)
-    if texels:
-        b.declare_item_index(b.prologue, out_shape, FLAT_TEXEL_INDEX)
-    return FLAT_TEXEL_INDEX, FLAT_INDEX
+def start_conv(table: TextureTable, group: KernelGroup) -> tuple[KernelBuilder, ConvPlan, str, str]:
+    """A Conv's or ConvTranspose's builder, its plan, and its (texel, lane) index-variable prefixes. A flattened
+    view declares its own lane variables, and its texel's where a texel-wide path reads them."""
+    b = start_builder(table, group, "conv")
+    plan: ConvPlan = b.schedule.detail
+    b.numbering.count = max(b.numbering.count, plan.names_taken)
+    if not plan.view.flat:
+        return b, plan, TEXEL_INDEX, OUT_INDEX
+    declare_index(b.body, plan.view.out_shape, b.flat, FLAT_INDEX)
+    if plan.tile is not None or plan.row is not None:
+        b.declare_item_index(b.prologue, plan.view.out_shape, FLAT_TEXEL_INDEX)
+    return b, plan, FLAT_TEXEL_INDEX, FLAT_INDEX
 
 
 @dataclass
 class ConvPlan:
-    """The geometry behind a conv kernel's schedule (kernels/schedules.py decides it): the conv as its kernel sees
-    it (`view`), the tile of its texel-wide path with the window axis whose taps are enumerated (`masked`), or its
-    row path (`row`: axis, length, channel rows, their step, texel columns), or neither (per lane). `names_taken`:
-    the names its trial reductions numbered, which the kernel skips (its text is then what was weighed)."""
+    """The geometry behind a Conv or ConvTranspose kernel's schedule (kernels/schedules.py decides it): the conv as
+    its kernel sees it (`view`), the tile of its texel-wide path with the window axis whose taps are enumerated
+    (`masked`), or of its row path (`row`), or neither (per lane). `names_taken`: the names a conv's trial
+    reductions numbered, which the kernel skips (its text is then what was weighed)."""
 
     view: ConvShape
     tile: ConvTile | None = None
     masked: int | None = None
-    row: tuple[int, int, int, int, int] | None = None
+    row: ConvTile | None = None
     names_taken: int = 0
-    flat: bool = False  # `view` is the conv over its flattened spatial axes (flattened_pointwise)
 
 
 @register_kernel("Conv")
 def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Direct convolution (and the autodiff's weight-gradient form, gradients/linalg.conv_weight_grad)."""
-    b = start_builder(table, group, "conv")
-    plan: ConvPlan = b.schedule.detail
+    b, plan, texel, lane = start_conv(table, group)
     view = plan.view
-    b.numbering.count = max(b.numbering.count, plan.names_taken)
-    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.tile is not None or plan.row is not None)
 
     def reduction(prefix: str, tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
         return lambda block: conv_reduction(b, block, view, prefix, tile, masked)
@@ -276,17 +277,20 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if plan.tile is not None:
         acc = reduce_into(b, reduction(texel, plan.tile, plan.masked), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
-        axis, length, rows, step, columns = plan.row
-        tile = ConvTile(rows, LANES * columns, axis - 2, multiple=1, row_step=step)  # a row of 4 * columns
-        acc = reduce_guarded(b, index_var(texel, axis).le(length - tile.length),  # type: ignore[arg-type]
-                             reduction(texel, tile, axis - 2), lambda block: reduce_lane(b, block, per_lane),
-                             tile.lanes)
+        acc = reduce_guarded(b, within_row(view, texel, plan.row), reduction(texel, plan.row, plan.row.axis),
+                             lambda block: reduce_lane(b, block, per_lane), plan.row.lanes)
     else:
         acc = reduce_into(b, per_lane, 1)
     return finish_group(b, group, add_bias(b, group.anchor, acc))
 
 
-def flattened_pointwise(cs: Shape) -> Shape:
+def within_row(cs: ConvShape, prefix: str, tile: ConvTile) -> Expr:
+    """Whether a row path's tile (its first output's index variables named by `prefix`) ends within its row."""
+    axis = 2 + tile.axis  # type: ignore[operator]
+    return index_var(prefix, axis).le(cs.out_shape[axis] - tile.length)  # type: ignore[return-value]
+
+
+def flattened_pointwise(cs: ConvShape) -> ConvShape:
     """The conv over its flattened spatial axes when they walk together, or `cs` itself: a 1x1 conv with stride
     1 and no padding (output pixel = input pixel: a longer row for the lanes) and a conv whose one output pixel
     sees the whole input (a 1x1 conv's weight gradient, whose kernel is the dY map: one run of taps)."""
@@ -306,7 +310,7 @@ def flattened_pointwise(cs: Shape) -> Shape:
         return cs
     return dataclasses.replace(cs, x_shape=(*cs.x_shape[:2], size), w_shape=(*cs.w_shape[:2], kernel),
                                out_shape=(*cs.out_shape[:2], out), window=flat, xs=(*cs.xs[:2], x_spatial),
-                               ws=(*cs.ws[:2], w_spatial))
+                               ws=(*cs.ws[:2], w_spatial), flat=True)
 
 
 def last_tap_axis(cs: ConvShape) -> int | None:
@@ -320,5 +324,4 @@ def add_bias(b: KernelBuilder, node: ir.Node, acc: Expr) -> Expr:
 
 def affine(index: Expr, scale: int, offset: int) -> Expr:
     """`index * scale + offset`, without the no-op parts."""
-    scaled = index if scale == 1 else index * scale
-    return scaled if offset == 0 else (scaled + offset if offset > 0 else scaled - (-offset))
+    return plus(index if scale == 1 else index * scale, offset)

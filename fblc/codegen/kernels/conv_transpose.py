@@ -4,17 +4,15 @@ Output pixel o sums x[i] * w[t] over the taps t with i * s = o + pad - t * d, 0 
 Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis is spatial with a length % 4 == 0
 and its stride divides 4: a work-item's lanes (4 to 20) are consecutive positions along it, whose taps (which lane
 takes which tap is then a literal) share the weights and read their inputs as whole texels. Rows of another
-length >= ROW_MIN (row_stride_fits): the texels within one row do the same, the ones across two rows run per
-lane. Under R-Tile codegen the texel-wide paths compute the same positions of 2, 4 or 8 output channels too
-(their weights lie side by side in W [C_in, C_out / group, k...]), or where channels cannot stack (a depthwise
-conv's input gradient) of output rows along a stride-1 axis (kernels/schedules.py decides).
+length >= ROW_MIN (texels_fit): the texels within one row do the same, the ones across two rows run per
+lane. Under R-Tile codegen the register tiles of docs/ARCHITECTURE.md §3 ("Under `--layout rtile`"): output
+channels' weights lie side by side in W [C_in, C_out / group, k...].
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import onnx_ir as ir
 
@@ -23,28 +21,15 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, reduce_guarded,
-                                              reduce_into, start_builder)
-from fblc.codegen.kernels.conv import CHANNEL_BLOCK, ConvShape, add_bias, affine, view_indices
+from fblc.codegen.kernels.contraction import Stream, dot_loop, finish_group, index_terms, reduce_guarded, reduce_into
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile, add_bias, affine, start_conv,
+                                       within_row)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
-
-
-class TransposeShape(ConvShape):
-    """A ConvTranspose as its kernel reads it: x [N, C_in, ...], w [C_in, C_out / group, k...]; the window runs
-    from x's spatial axes to the output's (kernels/schedules.py reads its `kernel` and `strides`)."""
-
-    @property
-    def kernel(self) -> tuple[int, ...]:
-        return self.window.kernel
-
-    @property
-    def strides(self) -> tuple[int, ...]:
-        return self.window.strides
 
 
 def _transpose_window(node: ir.Node) -> Window:
@@ -62,14 +47,15 @@ def _transpose_window(node: ir.Node) -> Window:
     return dataclasses.replace(window, pads_begin=begins, pads_end=tuple(t - b for t, b in zip(totals, begins)))
 
 
-def transpose_shape(node: ir.Node) -> TransposeShape:
+def transpose_shape(node: ir.Node) -> ConvShape:
+    """A ConvTranspose as its kernel reads it: x [N, C_in, ...], w [C_in, C_out / group, k...]."""
     x, w = node.inputs[0], node.inputs[1]
     x_shape, w_shape, groups = static_shape(x), static_shape(w), int(attr(node, "group", 1))
-    return TransposeShape(x, w, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[0] // groups,
+    return ConvShape(x, w, x_shape, w_shape, static_shape(node.outputs[0]), groups, w_shape[0] // groups,
                           w_shape[1], _transpose_window(node), tuple(strides_of(x_shape)), tuple(strides_of(w_shape)))
 
 
-def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) -> Loop:
+def _transpose_taps(block: Block, ts: ConvShape, prefix: str, axis: int) -> Loop:
     """The taps of spatial `axis` that hit an input pixel, as a loop (when k > 1; its variables numbered by `block`)
     whose iterations enter an `if` on the conditions that can fail, X term the input index, W term the tap.
     Without dilation it walks only the taps t = o + pad (mod s), whose numerator s divides: a stride-2
@@ -106,14 +92,15 @@ def _transpose_taps(block: Block, ts: TransposeShape, prefix: str, axis: int) ->
                 [Term(tap, ts.ws[2 + axis])] if tap is not None else [], k, tap, first, const(k), step, enter)
 
 
-def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int, lanes: int, multiple: int,
-                         rows: tuple[int, int] = (1, 1), row_axis: int | None = None) -> Reduction:
-    """Texel-wide ConvTranspose, `lanes` consecutive outputs along spatial `lane` from a multiple of `multiple`
-    (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index variables):
-    input channels in blocks of 4, taps unrolled. `rows` = (count, step): the same positions of that many output
-    channels, step apart, or with `row_axis` (a stride-1 spatial axis) as many consecutive positions along it,
-    whose taps are unrolled too; lane = row * lanes + position."""
-    count, row_step = rows
+def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, tile: ConvTile) -> Reduction:
+    """Texel-wide ConvTranspose, the `length` consecutive outputs of `tile` along its spatial `axis` from a multiple of
+    its `multiple` (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index
+    variables): input channels in blocks of 4, taps unrolled. Its rows: the same positions of output channels
+    `row_step` apart, or with `row_axis` (a stride-1 spatial axis) consecutive positions along it, whose taps are
+    unrolled too; lane = row * length + position."""
+    lane, lanes, multiple, row_axis = tile.axis, tile.length, tile.multiple, tile.row_axis
+    assert lane is not None, "a transpose's tile runs along a spatial axis"
+    count, row_step = tile.rows * tile.y_rows, tile.row_step
     window, xs, ws = ts.window, ts.xs, ts.ws
     channel = index_var(u, 1)
     g = div_index(channel, ts.cg_out)
@@ -122,7 +109,8 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
         [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1])] if ts.cg_out > 1 else [])
     scratch = Block(b.numbering)  # numbers the tap loops' variables
-    loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(ts.kernel)) if axis not in (lane, row_axis)]
+    loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(window.kernel))
+             if axis not in (lane, row_axis)]
     k, s, d = window.kernel[lane], window.strides[lane], window.dilations[lane]
     n, pad, length = window.in_spatial[lane], window.pads_begin[lane], window.out_spatial[lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
@@ -152,57 +140,38 @@ def _transpose_reduction(b: KernelBuilder, ts: TransposeShape, u: str, lane: int
     return Reduction(Operand(ts.x, x_terms, 0, clamp), Operand(ts.w, w_terms), blocked, loops, mask, row_mask)
 
 
-@dataclass
-class TransposePlan:
-    """The geometry behind a ConvTranspose kernel's schedule (kernels/schedules.py decides it): the transpose as its
-    kernel sees it (`view`), the lane axis and (rows, step) of its texel-wide path with the axis its rows stack
-    along (`along`), or its row path (`row`: as ConvPlan's), or neither (per lane)."""
-
-    view: TransposeShape
-    flat: bool
-    lanes_axis: int | None = None
-    rows: tuple[int, int] = (1, 1)
-    along: int | None = None
-    row: tuple[int, int, int, int, int] | None = None
-    lanes: int = 0  # the texel-wide path's outputs of one row of the tile
-
-
 @register_kernel("ConvTranspose")
 def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """Gather form; output_padding only lengthens the (already static) output, so the loops ignore it."""
-    b = start_builder(table, group, "conv")
-    plan: TransposePlan = b.schedule.detail
+    b, plan, texel, lane = start_conv(table, group)
     view = plan.view
-    texel, lane = view_indices(b, view.out_shape, plan.flat, plan.lanes_axis is not None or plan.row is not None)
-    if plan.lanes_axis is not None:
-        axis, lanes = plan.lanes_axis - 2, plan.lanes
-        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, axis, lanes, lanes, plan.rows, plan.along),
-                          lanes * plan.rows[0])
+    if plan.tile is not None:
+        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, plan.tile), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
-        axis, length, count, step, columns = plan.row
-        width = LANES * columns  # positions of a tile row
-        acc = reduce_guarded(b, index_var(texel, axis).le(length - width),  # type: ignore[arg-type]
-                             lambda _: _transpose_reduction(b, view, texel, axis - 2, width, view.strides[axis - 2],
-                                                            (count, step)),
-                             lambda block: _transpose_per_lane(b, view, block, lane), width * count)
+        row = plan.row
+        acc = reduce_guarded(b, within_row(view, texel, row), lambda _: _transpose_reduction(b, view, texel, row),
+                             lambda block: _transpose_per_lane(b, view, block, lane), row.lanes)
     else:
         acc = _transpose_per_lane(b, view, b.body, lane)
     return finish_group(b, group, add_bias(b, group.anchor, acc))
 
 
-def row_stride_fits(stride: int, length: int) -> bool:
-    """A row path along an axis of `length` (no multiple of 4) at `stride`: every texel starts at a multiple of the
-    stride (4t - r * length is one when the stride divides 4 and the length): which taps a lane takes is a literal."""
-    return LANES % stride == 0 and length % stride == 0
+def texels_fit(ts: ConvShape, axis: int) -> bool:
+    """Whether lanes along output `axis` (whose length 4 divides, or a row path's) may reduce texel-wide: the
+    stride divides 4 and the length, so every texel starts at a multiple of it (4t - r * length is one) and
+    which taps a lane takes is a literal; the taps, at most TAP_BLOCK, unroll."""
+    stride = ts.window.strides[axis - 2]
+    return LANES % stride == 0 and ts.out_shape[axis] % stride == 0 and ts.window.kernel[axis - 2] <= TAP_BLOCK
 
 
-def flattened_pointwise(ts: TransposeShape) -> TransposeShape:
+def flattened_pointwise(ts: ConvShape) -> ConvShape:
     """A 1x1 ConvTranspose with stride 1 and no padding over its flattened spatial axes (as conv.py flattens
     one), or `ts`: a transpose's whole-window taps are no contiguous run of taps."""
-    return flattened_conv(ts) if all(k == 1 for k in ts.kernel) and all(s == 1 for s in ts.strides) else ts
+    pointwise = all(k == 1 for k in ts.window.kernel) and all(s == 1 for s in ts.window.strides)
+    return flattened_conv(ts) if pointwise else ts
 
 
-def _transpose_per_lane(b: KernelBuilder, ts: TransposeShape, block: Block, o: str) -> Var:
+def _transpose_per_lane(b: KernelBuilder, ts: ConvShape, block: Block, o: str) -> Var:
     """One lane, one output element (`o` names its index variables; in the lane loop's `block`): guarded
     tap loops around a dot product over input channels; returns the sum."""
     acc = block.mutable(const(0.0, FLOAT), "acc")
@@ -211,10 +180,6 @@ def _transpose_per_lane(b: KernelBuilder, ts: TransposeShape, block: Block, o: s
     local = mod_index(channel, ts.cg_out) if ts.groups > 1 else channel
     x_terms = index_terms([index_var(o, 0), g], [ts.x_shape[0], ts.groups], [ts.xs[0], ts.cg_in * ts.xs[1]])
     w_terms = index_terms([g, local], [ts.groups, ts.cg_out], [ts.cg_in * ts.ws[0], ts.ws[1]])
-    for axis in range(len(ts.kernel)):
-        taps = _transpose_taps(block, ts, o, axis)
-        block = taps.open(block)
-        w_terms += [(term.expr, term.coeff) for term in taps.w_terms]
-        x_terms += [(term.expr, term.coeff) for term in taps.x_terms]
-    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, ts.xs[1]), Stream(ts.w, w_terms, ts.ws[0])), block)
+    loops = [_transpose_taps(block, ts, o, axis) for axis in range(len(ts.window.kernel))]
+    dot_loop(b, acc, ts.cg_in, (Stream(ts.x, x_terms, ts.xs[1]), Stream(ts.w, w_terms, ts.ws[0])), block, loops)
     return acc

@@ -1,17 +1,13 @@
-"""Every kernel group's schedule (fblc/codegen/schedule.py), decided before any kernel is built.
-
-SCHEDULE_RULES: per anchor op type, the group's kernels' `Schedule`s by kernel name from its sizes and
-the target profile (else one texel per work-item), which the emitters take (KernelBuilder.schedule). A
-family whose work-item reduces outputs together (`_reducing`: MatMul, Gemm, Conv, ConvTranspose) offers
-its reduction's fields as choices and hands its emitter its geometry (`detail`: ConvPlan, TransposePlan).
-Contractions take R-Tile tiles (_contraction_tile), convs the register tiles of conv_tiles.py, long
-reductions a work-group per output (Profile.reduction_group). Then a schedule file's overrides, and the
-saved masks whose bytes a 2-D tile splits (r_mask4).
+"""Every kernel group's schedule (fblc/codegen/schedule.py), decided before any kernel is built (docs/ARCHITECTURE.md
+§3, "Schedules are data"): SCHEDULE_RULES by anchor op type, else one texel per work-item. A family whose work-item
+reduces outputs together (`_reducing`: MatMul, Gemm, Conv, ConvTranspose) offers its reduction's fields as choices
+and hands its emitter its geometry (`detail`: ConvPlan).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import onnx_ir as ir
@@ -19,16 +15,15 @@ import onnx_ir as ir
 from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import root_digits, row_axis
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvPlan, ConvShape, ConvTile,
-                                       conv_reduction, conv_shape, conv_tile, last_tap_axis)
+from fblc.codegen.kernels.contraction import matmul_operands, row_axis, texel_columns
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
+                                       ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, texels_per_item)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
-from fblc.codegen.kernels.conv_tiles import batch_count, channel_rows, row_columns, stack_rows, texels_per_item
-from fblc.codegen.kernels.conv_transpose import TransposePlan, TransposeShape, row_stride_fits, transpose_shape
+from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
-from fblc.codegen.kernels.texel import Reduction
+from fblc.codegen.kernels.texel import LANES, Reduction
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
                                    reduction_choices)
@@ -41,13 +36,21 @@ from fblc.errors import FblcError, UnsupportedOpError
 from fblc.profiles.profile import PRIVATE_FLOATS, REDUCTION_GROUP
 from fblc.texel_layout import TexelLayout, mask_layout
 
-LANES = 4
 TILE_ROWS = (8, 4)  # output rows of a contraction's tile, the first that divides the output's rows
 TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile GEMM kernels keep)
 #: a contraction tile's rows a schedule file may choose: one, or multiples of 4 (the emitters read A's
 #: rows of a tile as whole texels from a row that is a multiple of 4)
 ROW_CHOICES = (1, 4, 8, 16)
 COLUMN_CHOICES = (1, 2, 4)  # its texel columns
+# A conv's register tile (R-Tile codegen; docs/ARCHITECTURE.md §3, "Under `--layout rtile`") within PRIVATE_FLOATS
+# accumulators. A saved mask whose bytes it splits falls back to r_mask4 (schedule.pairs_mask_bytes): twice the
+# mask's bits, 1/16 of the float tensor's, for 1/rows of the input reads.
+CHANNEL_ROWS = (8, 4, 2)  # output channels of a conv's register tile, the first that fits
+BATCH_ROWS = (8, 4, 2)  # batch elements of a channel tile's register tile, the first that fits
+SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels cannot stack
+#: rows at least this long (no multiple of 4) take tiles of two texel columns on the row path: whole bytes of a
+#: saved mask, more lanes sharing the weights, where most pairs lie within one row
+PAIR_ROW = 16
 
 
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
@@ -93,18 +96,12 @@ def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column
 
 
 def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
-    a, w = group.anchor.inputs
-    a_shape, b_shape = static_shape(a), static_shape(w)
-    a2 = a_shape if len(a_shape) >= 2 else (1, a_shape[0])
-    b2 = b_shape if len(b_shape) >= 2 else (b_shape[0], 1)
     out_shape = static_shape(group.outputs[0])
-    reads = ValueReads(table, out_shape)
-    (_, a_axes), (_, w_axes) = root_digits(reads, a, a2), root_digits(reads, w, b2)
-    (m_rows, _), (n_run, _) = a_axes[-2][-1], w_axes[-1][-1]
-    texel = len(b_shape) >= 2 and lane_axis(out_shape) == len(out_shape) - 1 and n_run % LANES == 0
-    if not (texel and len(a_shape) >= 2):
+    (_, a_axes), (_, w_axes) = matmul_operands(ValueReads(table, out_shape), group.anchor)
+    a_rank, b_rank = (len(static_shape(value)) for value in group.anchor.inputs)
+    if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
         return consecutive(1), None, 0
-    return _contraction_tile(table.tiled, out_shape, m_rows, n_run // LANES)
+    return _contraction_tile(table.tiled, out_shape, a_axes[-2][-1][0], w_axes[-1][-1][0] // LANES)
 
 
 def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
@@ -117,31 +114,25 @@ def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
 def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
     """The conv's tile (see the module docstring) as the ConvPlan its emitter follows."""
     scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
-    tiled, cs = table.tiled, conv_shape(group.anchor)
-    view = flattened_conv(cs)
-    flat = view is not cs
+    tiled, view = table.tiled, flattened_conv(conv_shape(group.anchor))
     tile, row = conv_tile(view), row_axis(view.out_shape, first=2)
     if tile is not None:
         per = tile.lanes // LANES
         schedule = consecutive(per)
         masked = tile.axis if tile.axis is not None else last_tap_axis(view)
-        if tile.rows == 1:  # a spatial tile: under R-Tile codegen, of several output channels, or rows
-            rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-            x, kernel = tile.axis, view.window.kernel
-            # channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
-            if rows == 1 and tiled and x and kernel[x] <= TAP_BLOCK and kernel[x - 1] > view.window.strides[x - 1]:
-                tile.y_rows, tile.row_axis, stride = _stacked_rows(view, kernel, x, tile.lanes)
-            tile.rows = rows
-            schedule = tile_of(rows * tile.y_rows, per, stride)  # channel rows or stacked rows (or neither)
-        elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if flat else TEXEL_INDEX, tile, masked,
+        if tile.rows == 1:  # a spatial tile
+            # where channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
+            k, s = view.window.kernel, view.window.strides
+            schedule = _spatial_rows(tiled, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1])
+        elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX, tile, masked,
                                           tiled):  # a channel tile
             tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
             schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
-        return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count, flat=flat), tile.lanes
+        return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count), tile.lanes
     if row is not None:
-        row_plan, schedule, lanes = _row_texels(tiled, view, row)
-        return schedule, ConvPlan(view, row=row_plan, flat=flat), lanes
-    return consecutive(1), ConvPlan(view, flat=flat), 0
+        tile, schedule = _row_texels(tiled, view, row, 1)
+        return schedule, ConvPlan(view, row=tile), tile.lanes
+    return consecutive(1), ConvPlan(view), 0
 
 
 def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
@@ -159,44 +150,69 @@ def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: Co
     return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
 
 
-def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, TransposePlan, int]:
-    """The ConvTranspose's tile (see conv_transpose.py's docstring) as the TransposePlan its emitter follows."""
-    tiled, ts = table.tiled, transpose_shape(group.anchor)
-    view = flattened_transpose(ts)
-    flat = view is not ts
-    axis, row = lane_axis(view.out_shape), row_axis(view.out_shape, first=2)
-    if axis is not None and axis >= 2 and LANES % view.strides[axis - 2] == 0 and view.kernel[axis - 2] <= TAP_BLOCK:
-        per = texels_per_item(view.out_shape[axis] // LANES)
-        lanes, x = LANES * per, axis - 2
-        rows, step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-        along = None
-        # channels cannot stack (a depthwise conv's input gradient): rows along a stride-1 axis before
-        if rows == 1 and tiled and x > 0 and view.strides[x - 1] == 1 and view.kernel[x - 1] != 1:
-            rows, along, stride = _stacked_rows(view, view.kernel, x, lanes)
-        plan = TransposePlan(view, flat, axis, (rows, step), along, lanes=lanes)
-        return tile_of(rows, per, stride), plan, lanes * rows
-    if row is not None and row_stride_fits(view.strides[row[0] - 2], row[1]) and view.kernel[row[0] - 2] <= TAP_BLOCK:
-        row_plan, schedule, lanes = _row_texels(tiled, view, row)
-        return schedule, TransposePlan(view, flat, row=row_plan), lanes
-    return consecutive(1), TransposePlan(view, flat), 0
+def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
+    """The ConvTranspose's tile (see conv_transpose.py's docstring) as the ConvPlan its emitter follows."""
+    tiled, view = table.tiled, flattened_transpose(transpose_shape(group.anchor))
+    axis, row, window = lane_axis(view.out_shape), row_axis(view.out_shape, first=2), view.window
+    if axis is not None and axis >= 2 and texels_fit(view, axis):
+        tile = ConvTile(1, LANES * texels_per_item(view.out_shape[axis] // LANES), axis - 2)
+        # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
+        schedule = _spatial_rows(tiled, view, tile, lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1)
+        return schedule, ConvPlan(view, tile), tile.lanes
+    if row is not None and texels_fit(view, row[0]):
+        tile, schedule = _row_texels(tiled, view, row, window.strides[row[0] - 2])
+        return schedule, ConvPlan(view, row=tile), tile.lanes
+    return consecutive(1), ConvPlan(view), 0
 
 
-def _stacked_rows(view: ConvShape | TransposeShape, kernel: Sequence[int], x: int, lanes: int
-                  ) -> tuple[int, int | None, int]:
-    """(rows, window axis, stride): under R-Tile codegen a spatial tile of `lanes` outputs along window axis
-    `x` whose channels cannot stack also computes the next output positions along the axis before
-    (conv_tiles.stack_rows), its tile's rows `stride` texels apart; they share input rows, (rows - 1) *
-    stride + (taps - 1) * dilation + 1 of them read instead of rows * taps. (1, None, 1) when none fits."""
-    rows, stride = stack_rows(view.out_shape, 1 + x, lanes, kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in))
-    return (rows, x - 1, stride) if rows > 1 else (1, None, 1)
+def _spatial_rows(tiled: bool, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
+    """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
+    output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
+    along the axis before, `stride` texels apart: the first of SPATIAL_ROWS that divides it within PRIVATE_FLOATS
+    accumulators and STATIC_PRODUCTS products (taps x input channels) per block. They share input rows,
+    (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps."""
+    x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
+    tile.rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
+    if tile.rows == 1 and tiled and x and stacks(x):
+        products = tile.lanes * kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in)
+        tile.y_rows = next((rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
+                            and rows * tile.lanes <= PRIVATE_FLOATS and rows * products <= STATIC_PRODUCTS), 1)
+        tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
+    return tile_of(tile.rows * tile.y_rows, per, stride)
 
 
-def _row_texels(tiled: bool, view: ConvShape | TransposeShape, row: tuple[int, int]
-                ) -> tuple[tuple[int, int, int, int, int], Schedule, int]:
-    """A row path's (axis, length, channel rows, their step, texel columns), its schedule and its lanes."""
+def channel_rows(tiled: bool, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
+                 ) -> tuple[int, int, int, int]:
+    """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
+    (the first of `choices` that fits) also computes the same positions of rows - 1 more channels of its
+    group (cg_out), row_step apart: positions line up with texel columns only every 4 * columns /
+    gcd(plane, 4 * columns) channels. Its rows are `stride` texels apart. (1, 1, the last choice, 1)
+    where none fits, or under naive: one channel."""
+    plane = numel(out_shape[2:])
+    if tiled:
+        for columns in choices:
+            step = LANES * columns // math.gcd(plane, LANES * columns)
+            stride = step * plane // LANES
+            for rows in CHANNEL_ROWS:
+                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS:
+                    return rows, step, columns, stride
+    return 1, 1, choices[-1], 1
+
+
+def batch_count(tiled: bool, out_shape: Sequence[int], lanes: int) -> int:
+    """Batch elements a channel tile's work-item of `lanes` outputs computes under R-Tile codegen (they share
+    every weight read; the weight gradient's batch axis is the input channels, sharing the dY reads): the
+    first of BATCH_ROWS within PRIVATE_FLOATS accumulators; 1 under naive."""
+    fits = [batches for batches in BATCH_ROWS if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS]
+    return fits[0] if tiled and fits else 1
+
+
+def _row_texels(tiled: bool, view: ConvShape, row: tuple[int, int], multiple: int) -> tuple[ConvTile, Schedule]:
+    """A row path's tile (its texels start at a multiple of `multiple`) and schedule."""
     axis, length = row
-    rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, row_columns(length))
-    return (axis, length, rows, step, columns), tile_of(rows, columns, stride), LANES * columns * rows
+    choices = (2, 1) if length >= PAIR_ROW else (1,)
+    rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, choices)
+    return ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step), tile_of(rows, columns, stride)
 
 
 def _row_group(table: TextureTable, count: int) -> Schedule:

@@ -31,9 +31,9 @@ from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import (
     FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
     select)
-from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost, choose_form
-from fblc.codegen.schedule import resolve_form, resolve_pair
-from fblc.profiles.profile import PRIVATE_FLOATS, SERIAL_REDUCTION
+from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost
+from fblc.codegen.schedule import Schedule, resolve_form, resolve_pair
+from fblc.profiles.profile import PRIVATE_FLOATS
 
 __all__ = ["LANES"]  # the texel's width, which the kernel modules take from here
 
@@ -49,11 +49,6 @@ class Term:
 
 def index_sum(terms: Sequence[Term], offset: int = 0) -> Expr:
     return flat_index([(t.expr, t.coeff) for t in terms], offset)
-
-
-def aligned(terms: Sequence[Term]) -> bool:
-    """True when the index is a multiple of 4 whatever the runtime values."""
-    return all((t.coeff * t.multiple) % 4 == 0 for t in terms)
 
 
 @dataclass
@@ -159,9 +154,10 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
         return block.let(b.texel(argument, texture, index), "T")
 
     base = index_sum(operand.terms)
-    if aligned(operand.terms):  # texel and lane of every offset are literals (>> 2 floors negative offsets too)
+    # a base that is a multiple of 4 whatever the runtime values: the texel and lane of every offset are literals
+    if all((t.coeff * t.multiple) % 4 == 0 for t in operand.terms):  # (>> 2 floors negative offsets too)
         q = block.let(base >> 2, "q")
-        texels = {k: texel(_plus(q, k), within=k in inside_texels) for k in sorted({offset >> 2 for offset in wanted})}
+        texels = {k: texel(plus(q, k), within=k in inside_texels) for k in sorted({offset >> 2 for offset in wanted})}
         return {offset - operand.offset: texels[offset >> 2].lane(offset & 3) for offset in wanted}
     clusters: list[list[int]] = []  # the offsets split where a gap would leave a whole texel unread
     for offset in wanted:
@@ -175,15 +171,15 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
         count = ((span + 2) >> 2) + 1  # texels that cover `span` elements at any shift
         if count >= len(cluster):  # sparse: element reads are no more
             for offset in cluster:
-                index = _plus(base, offset)
+                index = plus(base, offset)
                 index = call("clamp", index, 0, texture.numel - 1) if operand.clamp else index
                 values[offset] = block.let(b.element(operand.value, index), "E")  # named: several lanes share it
             continue
-        start = block.let(_plus(base, low), "e")
+        start = block.let(plus(base, low), "e")
         q, shift = block.let(start >> 2, "q"), block.let(start & 3, "s")
         # at any shift, texel k holds element low + 4k: where that one lies inside, so does the texel
         within = [low + 4 * k in inside_offsets for k in range(count)]
-        texels_read = [texel(_plus(q, k), k == count - 1, within[k]) for k in range(count)]
+        texels_read = [texel(plus(q, k), k == count - 1, within[k]) for k in range(count)]
         windows: dict[int, Var] = {}
         for offset in cluster:
             m, lane = (offset - low) >> 2, (offset - low) & 3
@@ -194,15 +190,16 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
                     pair = texels_read[m], texels_read[m + 1]
                     window = (call("window4", *pair, shift, dtype=FLOAT4)
                               if operand.clamp and not (within[m] and within[m + 1])
-                              else call("WINDOW", ArgumentRef(argument), *pair, _plus(q, m), shift, dtype=FLOAT4))
+                              else call("WINDOW", ArgumentRef(argument), *pair, plus(q, m), shift, dtype=FLOAT4))
                     windows[m] = block.let(window, "W")
                 values[offset] = windows[m].lane(lane)
             else:  # the last texel alone holds it: shift + lane < 4
-                values[offset] = texels_read[m].lane(_plus(shift, lane))
+                values[offset] = texels_read[m].lane(plus(shift, lane))
     return {offset - operand.offset: value for offset, value in values.items()}
 
 
-def _plus(expression: Expr, offset: int) -> Expr:
+def plus(expression: Expr, offset: int) -> Expr:
+    """`expression + offset`, without the no-op parts."""
     if offset == 0:
         return expression
     if expression == const(0):
@@ -254,7 +251,7 @@ class Reduction:
                                  "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
         profile, schedule = b.table.profile, b.schedule
         if lanes % LANES == 0:  # the work-item's reduction (not a row path's per-lane fallback): the schedule's
-            form = resolve_form(schedule, profile, self._sample, lanes, self.serial(lanes))
+            form = self.accumulator_form(b, lanes, schedule)
             pair = resolve_pair(schedule, profile, self._sample, form, lanes, b.name)
             schedule.accumulator_form, schedule.pair_stride = form, pair
         else:  # what choose_form and pair_stride give lanes that are no whole texels
@@ -277,21 +274,19 @@ class Reduction:
                     self.mask, terms=_shifted(self.mask.terms, var, axis.position_step, axis.block),
                     high=self.mask.high + (main - axis.block) * axis.position_step)
                 self._block(b, body_block, target, axis.products(range(axis.block)),
-                            replace(self.x, terms=_shifted(x_terms, var, axis.x_step, axis.block)),
-                            replace(self.w, terms=_shifted(w_terms, var, axis.w_step, axis.block)), mask, self.row_mask)
+                            _shifted(x_terms, var, axis.x_step, axis.block),
+                            _shifted(w_terms, var, axis.w_step, axis.block), mask)
         if main < axis.extent:  # the rest, one work-item's share when the blocks are dealt out
             rest = inner
             if blocks_dealt:
                 rest = Block(inner.numbering)
                 inner.add(If(b.lid.eq(group - 1), rest.statements))  # type: ignore[operator]
-            self._block(b, rest, target, axis.products(range(main, axis.extent)), replace(self.x, terms=x_terms),
-                        replace(self.w, terms=w_terms), self.mask, self.row_mask)
+            self._block(b, rest, target, axis.products(range(main, axis.extent)), x_terms, w_terms, self.mask)
         return target.totals(block, lanes)
 
-    def accumulator_form(self, b: KernelBuilder, lanes: int) -> str:
-        """The form of the `lanes` accumulators (accumulators.choose_form), judged on one block's products."""
-        cpu, simd_floats = b.table.profile.cpu, b.table.profile.simd_floats
-        return choose_form(self._sample, lanes, self.serial(lanes) > SERIAL_REDUCTION, cpu, simd_floats)
+    def accumulator_form(self, b: KernelBuilder, lanes: int, schedule: Schedule | None = None) -> str:
+        """The form of the `lanes` accumulators, judged on one block's products (schedule.resolve_form)."""
+        return resolve_form(schedule or Schedule(), b.table.profile, self._sample, lanes, self.serial(lanes))
 
     def cost(self, form: str) -> float:
         """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""
@@ -302,10 +297,11 @@ class Reduction:
         """(lane, x, w) of one block's products (the form and the cost each judge them; listed once)."""
         return [(p.lane, p.x, p.w) for p in self.blocked.products(range(min(self.blocked.block, self.blocked.extent)))]
 
-    @staticmethod
-    def _block(b: KernelBuilder, block: Block, acc: Accumulators, products: Sequence[Product], x: Operand,
-               w: Operand, mask: Mask | None, row_mask: Mask | None = None) -> None:
-        """One static block: drop products that are always out of range, mask the ones that may be."""
+    def _block(self, b: KernelBuilder, block: Block, acc: Accumulators, products: Sequence[Product],
+               x_terms: list[Term], w_terms: list[Term], mask: Mask | None) -> None:
+        """One static block (the operands' bases at the terms): drop products that are always out of range, mask
+        the ones that may be."""
+        x, w, row_mask = replace(self.x, terms=x_terms), replace(self.w, terms=w_terms), self.row_mask
         axes = [(axis, m) for axis, m in enumerate((mask, row_mask)) if m is not None]
         conditions: dict[tuple[int, int], tuple[int, bool, bool, int]] = {}  # (axis, offset) -> what to test
         kept: list[tuple[Product, tuple[tuple[int, int], ...]]] = []
@@ -326,7 +322,7 @@ class Reduction:
         positions = {axis: block.let(index_sum((mask, row_mask)[axis].terms), "P")  # type: ignore[union-attr]
                      for axis, _ in axes if any(key[0] == axis for key in conditions)}
         named: dict[tuple[tuple[int, int], ...], Expr] = {
-            (key,): block.let(_condition(_plus(positions[key[0]], offset), low, high, extent), "m")
+            (key,): block.let(_condition(plus(positions[key[0]], offset), low, high, extent), "m")
             for key, (offset, low, high, extent) in conditions.items()}
         for _, keys in kept:
             if len(keys) > 1 and keys not in named:
