@@ -240,7 +240,7 @@ __kernel void matmul2_kernel(__global float* a, __global float* b) { }
 __kernel void k7_Transpose(__read_only image2d_t x, __write_only image2d_t y) { }
 __kernel void k8_Gemm(__read_only image2d_t x, __read_only image2d_t w, __write_only image2d_t y) { }
 __kernel void fused_transpose_relu_kernel(__global float* a) { }
-__kernel void k9_Conv(IMAGE_OUT(float4, out0), IMAGE_IN(half, in0) TRACE_PARAM) { }
+__kernel void k9_Conv(write_only image2d_t out0, read_only image2d_t in0 TRACE_PARAM) { }
 """
     assert [k.name for k in kernels(source)][:2] == ["fused_reshape3_transpose2_kernel", "matmul2_kernel"]
     assert kernels(source)[-1].arguments == ("write_only image2d_t out0", "read_only image2d_t in0 TRACE_PARAM")

@@ -1,9 +1,7 @@
 """Kernels of an OpenCL source, counted the same way for fblc's kernels.cl and TVM's generated code.
 
 A kernel is a `__kernel void NAME(ARGS) {` definition (declarations without a body are not);
-it uses textures when an argument is an `image2d_t` (fblc declares its arguments through
-IMAGE_IN / IMAGE_OUT, read here as the image2d_t they are unless built for buffer storage);
-it moves data when every op its name
+it uses textures when an argument is an `image2d_t`; it moves data when every op its name
 lists is a data-movement op (MOVEMENT_OPS). Both compilers name a kernel after the ops in it:
 fblc `k12_Transpose`, TVM `fused_reshape3_transpose2_kernel` or `te_layout_transform_kernel`.
 """
@@ -14,9 +12,6 @@ import re
 from dataclasses import dataclass
 
 _DEFINITION = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)\s*\{")
-#: fblc's texture argument macros (fblc/codegen/render/preamble.py) and what they declare on a phone
-_IMAGE_ARGUMENT = re.compile(r"\bIMAGE_(IN|OUT)\(\s*\w+\s*,\s*(\w+)\s*\)")
-_ACCESS = {"IN": "read_only", "OUT": "write_only"}
 #: ops that only move or copy elements, by either compiler's spelling (lower case; multi-word first)
 MOVEMENT_OPS = ("layout_transform", "broadcast_to", "expand_dims", "strided_slice", "dynamic_strided_slice",
                 "transpose", "reshape", "expand", "concatenate", "concat", "split", "slice", "squeeze",
@@ -54,7 +49,6 @@ class KernelCounts:
 def kernels(source: str) -> list[Kernel]:
     """Every kernel defined in `source`, once each, in order."""
     found: dict[str, Kernel] = {}
-    source = _IMAGE_ARGUMENT.sub(lambda m: f"{_ACCESS[m.group(1)]} image2d_t {m.group(2)}", source)
     for match in _DEFINITION.finditer(source):
         arguments = tuple(a.strip() for a in match.group(2).split(",") if a.strip())
         found.setdefault(match.group(1), Kernel(match.group(1), arguments))

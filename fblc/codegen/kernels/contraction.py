@@ -21,8 +21,8 @@ import onnx_ir as ir
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import declare_index, digit_terms, index_var
-from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Break, Declare, Element, Expr, For, If, Var, Vector,
+from fblc.codegen.indexing import digit_terms, index_var
+from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Element, Expr, For, If, Var, Vector,
                              call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
@@ -155,11 +155,8 @@ def reduce_guarded(b: KernelBuilder, guard: Expr, build: Build, fallback: Callab
     accs = build(prologue).emit(b, prologue, lanes, whole)
     outside = Block(b.numbering, b.lane_fallback)  # type: ignore[arg-type]
     leftover = outside.array("fb", FLOAT, LANES, [const(0.0, FLOAT)] * LANES)
-    lane = Block(b.numbering, [Declare(b.flat, b.t * 4 + b.lane)])
-    numel = b.out_textures[0].numel
-    if numel % LANES:
-        lane.add(If(b.flat.ge(numel), [Break()]))
-    declare_index(lane, b.out_shape, b.flat, OUT_INDEX)
+    lane = Block(b.numbering)
+    b.lane_header(lane, b.lane)
     lane.add(*b.lines)  # the lane loop's own index variables so far (a flattened view's)
     lane.assign(Element(leftover, b.lane), fallback(lane))
     outside.add(If(~whole, [For(b.lane, const(0), const(LANES), lane.statements)]))
