@@ -148,7 +148,8 @@ def test_adb_runs_that_diverge_are_errors_and_their_parameters_not_saved(bundle,
     manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))
     finite = {p["name"]: np.ones(p["shape"], np.float32) for p in manifest["parameters"]}
 
-    def run_on_device(adb, serial, bundle, batches, steps, runner=None, on_line=None, say=None) -> RunnerResults:
+    def run_on_device(adb, serial, bundle, batches, steps, runner=None, on_line=None, say=None,
+                      kernel_times=False) -> RunnerResults:
         for step, loss in enumerate(losses, start=1):
             on_line({"step": step, "loss": loss, "ms": 1.0})
         parameters = {name: value * (math.nan if math.isnan(losses[-1]) else 1) for name, value in finite.items()}

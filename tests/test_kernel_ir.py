@@ -67,7 +67,7 @@ def test_kernels_built_alike_are_equal_ir_and_share_one_function() -> None:
     different = _scale_kernel("k3", 3.0)
     assert (same.arguments, same.body) == (other.arguments, other.body)
     assert same.body != different.body
-    kernels = [Kernel(ir.name, "elementwise", render_kernel(ir), 1, ir=ir) for ir in (same, other, different)]
+    kernels = [Kernel(ir.name, "elementwise", ir, 1) for ir in (same, other, different)]
     share_kernels(kernels)
     assert [k.function for k in kernels] == ["k1", "k1", "k3"]
 

@@ -25,7 +25,6 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, flat_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
 from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads
-from fblc.codegen.render.opencl import render_kernel
 from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
@@ -184,9 +183,9 @@ class KernelBuilder(ValueReads):
                     item_block.add(kir.If(item.ge(items), [kir.Break()]))
         self._item(item_block, results, arguments, bytes_)
         body = kir.KernelIR(self.name, arguments, kernel.statements)
-        return Kernel(self.name, self.family, render_kernel(body), items * group if group else launches,
+        return Kernel(self.name, self.family, body, items * group if group else launches,
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
-                      nodes=list(self.nodes), group_size=group * self.tiles_per_group if group else None, ir=body)
+                      nodes=list(self.nodes), group_size=group * self.tiles_per_group if group else None)
 
     @property
     def items(self) -> int:

@@ -4,7 +4,10 @@ strides every emitter indexes with (shapes, strides and texture widths are compi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from fblc.codegen import ir as kir
+from fblc.codegen.render.opencl import render_kernel
 from fblc.compiler.index_map import row_major_strides as strides_of
 
 __all__ = ["Kernel", "strides_of"]
@@ -12,11 +15,11 @@ __all__ = ["Kernel", "strides_of"]
 
 @dataclass
 class Kernel:
-    """One __kernel: its source, launch size and texture arguments (outputs first)."""
+    """One __kernel: its IR, launch size and texture arguments (outputs first)."""
 
     name: str
     family: str
-    source: str
+    ir: kir.KernelIR = field(repr=False, compare=False)
     global_size: int
     outputs: list[int] = field(default_factory=list)  # texture ids
     inputs: list[int] = field(default_factory=list)
@@ -25,4 +28,9 @@ class Kernel:
     #: the work-group size the kernel is written for (its work-items share __local memory), or None:
     #: any size, the target profile's schedule chooses
     group_size: int | None = None
-    ir: object = field(default=None, repr=False, compare=False)  # its KernelIR (fblc.codegen.ir)
+
+    @cached_property
+    def source(self) -> str:
+        """Its __kernel in image storage, rendered when first asked (a kernel that an identical one
+        replaces never is)."""
+        return render_kernel(self.ir)
