@@ -204,11 +204,11 @@ class Renderer:
             self.statements(s.body, depth + 1) + [f"{pad}}}"]
 
 
-def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE) -> str:
-    """The __kernel's C for `storage`: its texture arguments, then its body."""
+def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE, folds: dict[ir.Var, ir.Expr] | None = None) -> str:
+    """The __kernel's C for `storage`: its texture arguments, then its body (`folds`: its `foldable`, if known)."""
     params = ", ".join(storage.parameters[a.role].format(a=a.name, e=a.element) for a in kernel.arguments)
-    body = [INDENT + line for line in storage.prologue] + Renderer(foldable(kernel.body), storage).statements(
-        kernel.body, 1)
+    folds = foldable(kernel.body) if folds is None else folds
+    body = [INDENT + line for line in storage.prologue] + Renderer(folds, storage).statements(kernel.body, 1)
     return "\n".join([f"__kernel void {kernel.name}({params}{storage.params_tail}) {{", *body, "}"])
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from fblc.codegen.cl import Kernel
-from fblc.codegen.render.opencl import IMAGE, Storage, render_kernel
+from fblc.codegen.render.opencl import IMAGE, Storage
 from fblc.texel_layout import TexelLayout
 
 COMMENT_LENGTH = 400  # a fused group's comment names its nodes: long ones are cut
@@ -28,7 +28,7 @@ def assemble_source(kernels: Sequence[Kernel], layouts: Sequence[TexelLayout], s
         start = len(lines) + 1
         lines.append(f"// {kernel.family}: {', '.join(kernel.nodes)}"[:COMMENT_LENGTH])
         # image storage: the kernel as its emitter rendered it (builder.py), the same text
-        source = kernel.source if storage is IMAGE else render_kernel(kernel.ir, storage)  # type: ignore[arg-type]
+        source = kernel.source if storage is IMAGE else kernel.render(storage)
         lines.extend(source.splitlines())
         spans[kernel.name] = (start, len(lines))
         lines.append("")
