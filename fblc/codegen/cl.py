@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from fblc.codegen import ir as kir
-from fblc.codegen.render.opencl import IMAGE, Storage, foldable, render_kernel
+from fblc.codegen.render.opencl import Storage, foldable, render_kernel
 from fblc.compiler.index_map import row_major_strides as strides_of
 
 __all__ = ["Kernel", "strides_of"]
@@ -29,14 +29,9 @@ class Kernel:
     #: any size, the target profile's schedule chooses
     group_size: int | None = None
 
-    @cached_property
-    def source(self) -> str:
-        """Its __kernel in image storage, rendered when first asked (a kernel that an identical one
-        replaces never is)."""
-        return self.render(IMAGE)
-
     def render(self, storage: Storage) -> str:
-        """Its __kernel in `storage`; the values the renderer folds are found once for every storage."""
+        """Its __kernel in `storage`, rendered when first asked (a kernel that an identical one replaces
+        never is); the values the renderer folds are found once for every storage."""
         return render_kernel(self.ir, storage, self._folds)
 
     @cached_property

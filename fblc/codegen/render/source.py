@@ -27,9 +27,7 @@ def assemble_source(kernels: Sequence[Kernel], layouts: Sequence[TexelLayout], s
             continue
         start = len(lines) + 1
         lines.append(f"// {kernel.family}: {', '.join(kernel.nodes)}"[:COMMENT_LENGTH])
-        # image storage: the kernel as its emitter rendered it (builder.py), the same text
-        source = kernel.source if storage is IMAGE else kernel.render(storage)
-        lines.extend(source.splitlines())
+        lines.extend(kernel.render(storage).splitlines())
         spans[kernel.name] = (start, len(lines))
         lines.append("")
     return "\n".join(lines) + "\n", spans

@@ -40,12 +40,11 @@ def matmul_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> 
         full = e.op("MatMul", dy, _swap_last_two(e, b_view, len(b2)))
         da = e.unbroadcast(full, tuple(batch) + a2[-2:], a2)
         da = da if a2 == a_shape else e.reshape(da, a_shape)
-    if need[1] and len(b2) == 2 and batch and tuple(a2[:-2]) == tuple(batch):
-        db = _weight_grad_over_rows(e, a_view, dy, a2, out2)
-        db = db if b2 == b_shape else e.reshape(db, b_shape)
-    elif need[1]:
-        full = e.op("MatMul", _swap_last_two(e, a_view, len(a2)), dy)
-        db = e.unbroadcast(full, tuple(batch) + b2[-2:], b2)
+    if need[1]:
+        if len(b2) == 2 and batch and tuple(a2[:-2]) == tuple(batch):
+            db = _weight_grad_over_rows(e, a_view, dy, a2, out2)
+        else:
+            db = e.unbroadcast(e.op("MatMul", _swap_last_two(e, a_view, len(a2)), dy), tuple(batch) + b2[-2:], b2)
         db = db if b2 == b_shape else e.reshape(db, b_shape)
     return [da, db]
 

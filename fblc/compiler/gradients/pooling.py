@@ -116,9 +116,10 @@ def max_pool_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -
     out, taps = list(window.out_spatial), int(np.prod(window.kernel))
     plane = int(np.prod(window.in_spatial))
     base = (np.arange(batch * channels, dtype=np.int64) * plane).reshape(batch, channels, *[1] * len(out))
+    local = e.op("Sub", indices, e.const(base))
     if _whole_plane(window):
-        return [_whole_plane_grad(e, e.op("Sub", indices, e.const(base)), dys[0], static_shape(x))]
-    local = e.reshape(e.op("Sub", indices, e.const(base)), [batch, channels, 1, *out])
+        return [_whole_plane_grad(e, local, dys[0], static_shape(x))]
+    local = e.reshape(local, [batch, channels, 1, *out])
     routes = e.op("Equal", local, e.const(tap_positions(window).reshape(1, 1, taps, *out)))
     shares = e.op("Where", routes, e.reshape(dys[0], [batch, channels, 1, *out]), e.scalar(0.0, x))
     stacked = e.reshape(shares, [batch, channels * taps, *out])
