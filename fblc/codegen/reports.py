@@ -29,6 +29,7 @@ from fblc.passes.pipeline import TrainingOptions
 from fblc.profiles import Profile
 from fblc.profiles.profile import LAUNCH_OVERHEAD_US
 
+
 def estimate_object(model: ir.Model, program: Program, profile: Profile,
                     cache: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """report.json's `estimate`, from the profile's peak, bandwidth and launch overhead."""
