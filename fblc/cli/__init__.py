@@ -23,6 +23,7 @@ from fblc.cli.check import add_command as add_check_command
 from fblc.cli.options import add_storage_option, add_training_options, check_values
 from fblc.paths import escape_undecodable_names
 from fblc.cli.profiles import add_commands as add_profile_commands
+from fblc.cli.tune import add_command as add_tune_command
 from fblc.errors import BundleError, FblcError
 
 Command = Callable[[argparse.Namespace], int]
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "An adb server that the listing had to start is stopped again.")
     devices.set_defaults(run=deferred("fblc.cli.train", "cmd_devices"))
     add_profile_commands(commands)
+    add_tune_command(commands)
 
     for sub in commands.choices.values():
         sub.add_argument("--debug", action="store_true", help="show tracebacks of errors")

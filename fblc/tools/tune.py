@@ -133,15 +133,16 @@ def candidates(shape: KernelShape, limit: int) -> list[dict[str, Any]]:
 
 
 def tune(model: str, options: TrainingOptions, target: str, dtype: str, make_bench: Callable[[Any], Bench],
-         output: str, budget_s: float, pattern: str | None = None, limit: int = CANDIDATES, say: Say = print
-         ) -> TuneResult:
+         output: str, budget_s: float, pattern: str | None = None, limit: int = CANDIDATES, say: Say = print,
+         dump_dir: str | None = None) -> TuneResult:
     """Tune `model`'s kernel shapes for `target` on the bench `make_bench(feeds)` gives (feeds: a random batch
-    of the step's inputs) and write the tuned profile to `output` (see the module docstring)."""
+    of the step's inputs) and write the tuned profile to `output` (see the module docstring); `dump_dir`: the
+    default compile's pass dumps."""
     started = time.perf_counter()
     base = copy.deepcopy(load_profile(target).raw)
     with tempfile.TemporaryDirectory(prefix="fblc-tune-") as scratch:
         compiler = _Compiler(model, options, dtype, base, scratch)
-        step, plan = compiler.compile({}, "default")
+        step, plan = compiler.compile({}, "default", dump_dir=dump_dir)
         shapes = tunable_shapes(plan, pattern)
         if not shapes:
             raise FblcError(f"no kernel of '{model}' {'matching ' + repr(pattern) + ' ' if pattern else ''}has a "
@@ -189,8 +190,8 @@ class _Compiler:
     def bundle(self, label: str) -> str:
         return os.path.join(self.scratch, label)
 
-    def compile(self, entries: dict[str, dict[str, Any]], label: str,
-                profile: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    def compile(self, entries: dict[str, dict[str, Any]], label: str, profile: dict[str, Any] | None = None,
+                dump_dir: str | None = None) -> tuple[Any, dict[str, Any]]:
         if profile is None:
             profile = copy.deepcopy(self.base)
             kept = {k: v for k, v in profile.get("schedules", {}).items() if not is_shape_key(k)}
@@ -199,7 +200,8 @@ class _Compiler:
         path = os.path.join(self.scratch, f"{label}.json")
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(profile, handle)
-        step, _ = compile_model(self.model, self.bundle(label), path, self.dtype, self.options)
+        step, _ = compile_model(self.model, self.bundle(label), path, self.dtype, self.options,
+                                dump_dir=dump_dir)
         with open(os.path.join(self.bundle(label), "plan.json"), encoding="utf-8") as handle:
             return step, json.load(handle)
 
