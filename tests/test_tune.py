@@ -105,8 +105,13 @@ def test_the_tolerance_takes_reassociation_and_refuses_more() -> None:
     forward, backward = terms.sum(axis=1), terms[:, ::-1].sum(axis=1)  # the same sums, another order
     assert difference(forward, backward, "rgba_f32") == ""
     wrong = forward.copy()
-    wrong[3] += 0.01 * np.abs(forward).max()
+    wrong[3] += 0.01 * np.abs(forward).max()  # a term of the sum lost, or one more
     assert "max abs difference" in difference(forward, wrong, "rgba_f32")
+    cancelling = np.concatenate([terms, -terms[:, rng.permutation(4096)]], axis=1)  # sums ~0: rounding left
+    first, second = cancelling.sum(axis=1), cancelling[:, ::-1].sum(axis=1)
+    assert difference(first, second, "rgba_f32") != ""  # against the result alone, rounding looks like an error
+    assert difference(first, second, "rgba_f32", inputs_scale=float(np.abs(terms).max())) == ""
+    assert difference(first, second + 0.01, "rgba_f32", inputs_scale=float(np.abs(terms).max())) != ""
     mask = (forward > 0).astype(np.int64)
     assert difference(mask, 1 - mask, "r_mask8").startswith(f"{mask.size} of {mask.size} elements differ")
 

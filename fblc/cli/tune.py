@@ -67,9 +67,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not args.quiet:
         tuned = [s for s in result.shapes if s.best]
         default, after = result.step_ms
-        print(f"tuned {len(tuned)} of {len(result.shapes)} kernel shapes on {result.device} in {result.seconds:.1f} s: "
-              f"their kernels {default:.3f} -> {after:.3f} ms per step ({default / max(after, 1e-9):.2f}x); wrote "
-              f"{args.output} (compile with --target {args.output})")
+        timed = (f"; the tuned kernels {sum(result.default_ms[k] for k in result.tuned_kernels):.3f} -> "
+                 f"{sum(result.tuned_ms[k] for k in result.tuned_kernels):.3f} ms, all {len(result.default_ms)} "
+                 f"tunable launches {default:.3f} -> {after:.3f} ms per step, default -> tuned bundle"
+                 if tuned else " (every default kept)")
+        print(f"tuned {len(tuned)} of {len(result.shapes)} kernel shapes on {result.device} in {result.seconds:.1f} s"
+              f"{timed}; wrote {args.output} (compile with --target {args.output})")
     return 0
 
 

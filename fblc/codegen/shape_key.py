@@ -38,20 +38,28 @@ from fblc.compiler.values import const_array
 #: integer constants up to this many elements enter the key by their contents (axes, shapes, pads)
 SMALL_CONSTANT = 16
 MASK_KINDS = ("mask8", "mask4")
+#: the suffixes of the further kernels a group may launch (kernels/schedules.py: LayerNormalization's statistics)
+SUFFIXES = ("_stats",)
 
-def shape_key(group: KernelGroup, kernel: str, float_format: str, tiled: bool) -> tuple[str, str]:
-    """(the shape key of `kernel`, one of `group`'s kernels, and a readable description: op, shapes)."""
+def shape_key(group: KernelGroup, kernel: str, float_format: str, tiled: bool) -> str:
+    """The shape key of `kernel`, one of `group`'s kernels (see the module docstring)."""
     anchor = group.anchor
     suffix = kernel[len(group.name):]  # "" or "_stats"
-    inputs = [_value(v) for v in anchor.inputs]
-    outputs = [_value(v) for v in group.outputs]
     document = {"op": [anchor.domain, anchor.op_type, suffix],
                 "attributes": {name: _attribute(attr) for name, attr in sorted(anchor.attributes.items())},
-                "inputs": inputs, "outputs": outputs, "format": float_format, "tiled": tiled}
+                "inputs": [_value(v) for v in anchor.inputs], "outputs": [_value(v) for v in group.outputs],
+                "format": float_format, "tiled": tiled}
     digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
-    shapes = " ".join(str(v["shape"]) if v else "-" for v in inputs).replace(" ", "").replace("]", "] ")
-    described = f"{anchor.op_type}{suffix} {shapes.strip()} -> {' '.join(str(v['shape']) for v in outputs)}"
-    return f"{anchor.op_type}{suffix}{SHAPE_SEPARATOR}{digest}", described.replace(", ", ",")
+    return f"{anchor.op_type}{suffix}{SHAPE_SEPARATOR}{digest}"
+
+
+def describe(group: KernelGroup, kernel: str) -> str:
+    """"Gemm [8,32] [64,32] [64] -> [8,64]": the kernel's op, its anchor's input shapes, its outputs' shapes."""
+    def shapes(values: list[ir.Value | None]) -> str:
+        return " ".join("-" if v is None or v.shape is None else str(list(v.shape)).replace(" ", "") for v in values)
+
+    return f"{group.anchor.op_type}{kernel[len(group.name):]} {shapes(list(group.anchor.inputs))} -> " \
+           f"{shapes(list(group.outputs))}"
 
 
 def _value(value: ir.Value | None) -> dict[str, Any] | None:

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from fblc.codegen.compile import compile_model
+from fblc.codegen.plan import kernel_groups
 from fblc.codegen.schedule import OVERRIDABLE, is_shape_key
+from fblc.codegen.shape_key import SUFFIXES, describe
 from fblc.compiler.reference import random_feeds
 from fblc.errors import FblcError
 from fblc.paths import write_atomically
@@ -36,8 +38,10 @@ from fblc.profiles import load_profile
 from fblc.profiles.profile import PRIVATE_FLOATS
 from fblc.runtime.tune import Measurement
 
-#: a candidate must be this much faster than the default to replace it (timing noise of repeated runs)
+#: a candidate must be this much faster than the default to replace it, and by MIN_GAIN_MS at least (timing
+#: noise of repeated runs; a device's event timer ticks in microseconds)
 NOISE = 0.03
+MIN_GAIN_MS = 0.001
 #: candidates per kernel shape, its default included (fblc tune --candidates)
 CANDIDATES = 6
 #: group sizes tried: powers of four from 1 (the rest of group_choices' powers of two add little)
@@ -69,7 +73,8 @@ class KernelShape:
         measured = [(ms, i) for i, ms in enumerate(self.ms) if ms is not None and i not in self.dropped]
         fastest = min(measured) if measured else (None, 0)
         default = self.ms[0] if self.ms else None
-        return fastest[1] if default is not None and fastest[0] < default * (1 - NOISE) else 0
+        gain = default - fastest[0] if default is not None and fastest[0] is not None else 0.0
+        return fastest[1] if gain > max(NOISE * default, MIN_GAIN_MS) else 0
 
 
 @dataclass
@@ -77,12 +82,23 @@ class TuneResult:
     shapes: list[KernelShape]
     device: str
     profile: dict[str, Any]
-    step_ms: tuple[float, float]  # the tunable kernels' time per step: default, tuned
+    default_ms: dict[str, float]  # each tunable launch's time in the default bundle
+    tuned_ms: dict[str, float]  # in the bundle compiled for the tuned profile
     seconds: float
 
+    @property
+    def step_ms(self) -> tuple[float, float]:
+        """The tunable launches' time per step: default bundle, tuned bundle."""
+        return sum(self.default_ms.values()), sum(self.tuned_ms.values())
 
-def tunable_shapes(plan: dict[str, Any], pattern: str | None) -> list[KernelShape]:
-    """The plan's kernels with schedule choices (matching `pattern` by kernel name or shape key), by shape."""
+    @property
+    def tuned_kernels(self) -> list[str]:
+        return [name for shape in self.shapes if shape.best for name in shape.kernels]
+
+
+def tunable_shapes(plan: dict[str, Any], pattern: str | None, described: dict[str, str]) -> list[KernelShape]:
+    """The plan's kernels with schedule choices (matching `pattern` by kernel name or shape key), by shape;
+    `described`: kernel name -> what it computes (shape_key.describe)."""
     found: dict[str, KernelShape] = {}
     matcher = re.compile(pattern) if pattern else None
     for launch in plan["kernels"]:
@@ -93,17 +109,9 @@ def tunable_shapes(plan: dict[str, Any], pattern: str | None) -> list[KernelShap
             continue
         if key not in found:
             default = {k: schedule[k] for k in OVERRIDABLE if k in schedule}
-            found[key] = KernelShape(key, _described(plan, launch, key), [], choices, default)
+            found[key] = KernelShape(key, described.get(launch["name"], key), [], choices, default)
         found[key].kernels.append(launch["name"])
     return list(found.values())
-
-
-def _described(plan: dict[str, Any], launch: dict[str, Any], key: str) -> str:
-    """"Gemm [8,32] [64,32] -> [8,64]": the kernel's op and the shapes of the textures it reads and writes."""
-    def shapes(ids: list[int]) -> str:
-        return " ".join(str(plan["textures"][i]["shape"]).replace(" ", "") for i in ids)
-
-    return f"{key.split('/')[0]} {shapes(launch['inputs'])} -> {shapes(launch['outputs'])}"
 
 
 def candidates(shape: KernelShape, limit: int) -> list[dict[str, Any]]:
@@ -143,7 +151,7 @@ def tune(model: str, options: TrainingOptions, target: str, dtype: str, make_ben
     with tempfile.TemporaryDirectory(prefix="fblc-tune-") as scratch:
         compiler = _Compiler(model, options, dtype, base, scratch)
         step, plan = compiler.compile({}, "default", dump_dir=dump_dir)
-        shapes = tunable_shapes(plan, pattern)
+        shapes = tunable_shapes(plan, pattern, descriptions(step))
         if not shapes:
             raise FblcError(f"no kernel of '{model}' {'matching ' + repr(pattern) + ' ' if pattern else ''}has a "
                             "schedule with choices to tune", "tune a model with MatMul, Gemm, Conv, ConvTranspose or "
@@ -177,8 +185,8 @@ def tune(model: str, options: TrainingOptions, target: str, dtype: str, make_ben
             raise FblcError(f"the tuned bundle's kernels differ from the default's: {final.whole or final.rejected}",
                             "report this: every tuned schedule passed the same check alone")
     write_atomically(output, lambda out: out.write((json.dumps(profile, indent=1) + "\n").encode()))
-    totals = (sum(default.times[k] for k in watched), sum(final.times[k] for k in watched))
-    return TuneResult(shapes, bench.device_name, profile, totals, time.perf_counter() - started)
+    return TuneResult(shapes, bench.device_name, profile, {k: default.times[k] for k in sorted(watched)},
+                      {k: final.times[k] for k in sorted(watched)}, time.perf_counter() - started)
 
 
 class _Compiler:
@@ -213,7 +221,13 @@ def _round(compiler: _Compiler, bench: Bench, shapes: list[KernelShape], index: 
         entries = {s.key: s.candidates[index] for s in live}
         owner = {name: s for s in live for name in s.kernels}
         try:
-            compiler.compile(entries, f"round{index}")
+            _, plan = compiler.compile(entries, f"round{index}")
+            ignored = _not_taken(plan, live, index)
+            if ignored:  # measuring them would time the default again
+                live = [s for s in live if s not in ignored]
+                owner = {name: s for s in live for name in s.kernels}
+            if not live:
+                return
             measured = bench.measure(compiler.bundle(f"round{index}"), set(owner))
         except Exception as error:  # the compiler or the device refused a candidate: drop it, retry the others
             if not isinstance(error, FblcError) and type(error).__name__ not in ("KernelBuildError", "BundleError",
@@ -237,6 +251,30 @@ def _round(compiler: _Compiler, bench: Bench, shapes: list[KernelShape], index: 
         return
 
 
+def descriptions(step: Any) -> dict[str, str]:
+    """Kernel name -> "Gemm [8,32] [64,32] -> [8,64]" for every kernel group of the fused step."""
+    found = {}
+    for group in kernel_groups(step.graph):
+        for suffix in ("", *SUFFIXES):
+            found[group.name + suffix] = describe(group, group.name + suffix)
+    return found
+
+
+def _not_taken(plan: dict[str, Any], shapes: list[KernelShape], index: int) -> set[KernelShape]:
+    """The shapes whose kernels compiled without their index-th candidate's values (a choice the kernel's
+    emitter does not follow there), each dropped with the reason."""
+    schedules = {launch["name"]: launch["schedule"] for launch in plan["kernels"]}
+    found = set()
+    for shape in shapes:
+        for name in shape.kernels:
+            lost = {k: schedules[name].get(k) for k, v in shape.candidates[index].items() if schedules[name].get(k) != v}
+            if lost:
+                shape.dropped[index] = f"kernel '{name}' compiled with {_fields(lost)} instead: it does not take this value"
+                found.add(shape)
+                break
+    return found
+
+
 def _fields(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items()) or "default"
 
@@ -247,7 +285,8 @@ def _outcome_line(shape: KernelShape) -> str:
     best, default = shape.best, shape.ms[0] or 0.0
     result = (f"keeps {_fields(shape.candidates[best])}: {default:.3f} -> {shape.ms[best]:.3f} ms "
               f"({default / max(shape.ms[best] or default, 1e-9):.2f}x)" if best else "keeps the default")
-    return f"{shape.description} x{len(shape.kernels)} [{shape.key}]: {result}; tried (ms) {tried}"
+    reasons = "".join(f"\n  dropped {_fields(shape.candidates[i])}: {why}" for i, why in sorted(shape.dropped.items()))
+    return f"{shape.description} x{len(shape.kernels)} [{shape.key}]: {result}; tried (ms) {tried}{reasons}"
 
 
 def tuned_profile(base: dict[str, Any], shapes: list[KernelShape], device: str) -> dict[str, Any]:

@@ -259,7 +259,7 @@ def decide_schedules(table: TextureTable, groups: list[KernelGroup],
                 pass
         schedules.update(decided)
         owners.update({name: group for name in decided})
-    shapes = {name: shape_key(owners[name], name, table.float_format, table.tiled)[0] for name in schedules}
+    shapes = {name: shape_key(owners[name], name, table.float_format, table.tiled) for name in schedules}
     apply_overrides(schedules, overrides or {}, lambda name, schedule: _refine(table, owners[name], schedule), shapes)
     for name, schedule in schedules.items():
         if not pairs_mask_bytes(schedule):  # a byte's two texels would lie in two work-items' tiles
