@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="simulate the target's texture cache over every kernel's reads (runs the kernels "
                                "traced on the local OpenCL device once; report.json 'cache')")
     compile_.add_argument("--schedules", metavar="FILE",
-                          help="JSON object of kernel name -> schedule fields to override (tile_rows, tile_columns, "
-                               "group_size, accumulator_form, pair_stride), over the target profile's 'schedules'; "
-                               "plan.json records every kernel's schedule (its launches' 'schedule')")
+                          help="JSON object of kernel name (k3_Gemm) or kernel shape key (plan.json's 'shape_key', "
+                               "e.g. Gemm/0123456789abcdef: every kernel of that shape) -> schedule fields to override "
+                               "(tile_rows, tile_columns, group_size, accumulator_form, pair_stride), over the target "
+                               "profile's 'schedules' (which 'fblc tune' writes); plan.json records every kernel's "
+                               "schedule (its launches' 'schedule')")
     compile_.set_defaults(run=cmd_compile)
 
     run = commands.add_parser(
