@@ -95,7 +95,9 @@ def _bench_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         if args.storage == "buffer":
             raise FblcError("--storage buffer is for a local OpenCL device: the native runner on a phone holds every "
                             "texture as an image2d_t", "drop --storage")
-        serial = device[len("adb:"):] or None
+        from fblc.runtime.adb import Adb
+
+        serial = Adb().choose(device[len("adb:"):] or None)  # no adb, no device, an unknown serial: fail before compiling
         return lambda feeds: AdbBench(feeds, serial, args.dtype, runner=args.runner, repeats=args.repeats)
     if device != "local" and not device.startswith("opencl:"):
         raise FblcError(f"unknown --device '{device}'", "give local, opencl:P:D (see 'fblc devices') or adb:SERIAL")
