@@ -97,7 +97,8 @@ def _bench_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             "texture as an image2d_t", "drop --storage")
         from fblc.runtime.adb import Adb
 
-        serial = Adb().choose(device[len("adb:"):] or None)  # no adb, no device, an unknown serial: fail before compiling
+        # no adb, no device, an unknown serial: the error comes before any compile
+        serial = Adb().choose(device[len("adb:"):] or None)
         return lambda feeds: AdbBench(feeds, serial, args.dtype, runner=args.runner, repeats=args.repeats)
     if device != "local" and not device.startswith("opencl:"):
         raise FblcError(f"unknown --device '{device}'", "give local, opencl:P:D (see 'fblc devices') or adb:SERIAL")

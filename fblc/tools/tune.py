@@ -31,6 +31,7 @@ from fblc.codegen.plan import kernel_groups
 from fblc.codegen.schedule import OVERRIDABLE, is_shape_key
 from fblc.codegen.shape_key import SUFFIXES, describe
 from fblc.compiler.reference import random_feeds
+from fblc.bundle_format import BundleError
 from fblc.errors import FblcError
 from fblc.paths import write_atomically
 from fblc.passes.pipeline import TrainingOptions
@@ -44,7 +45,8 @@ NOISE = 0.03
 MIN_GAIN_MS = 0.001
 #: candidates per kernel shape, its default included (fblc tune --candidates)
 CANDIDATES = 6
-#: group sizes tried: powers of four from 1 (the rest of group_choices' powers of two add little)
+#: group sizes tried: the powers of GROUP_STEP among a kernel's choices (1, 4, 16, 64, 256: the powers of two
+#: between them move a time by less than the noise while doubling the rounds)
 GROUP_STEP = 4
 KERNEL_IN_ERROR = re.compile(r"kernel (?:shape '[^']*' \()?'(k\d+_[A-Za-z0-9_]+)'")
 Say = Callable[[str], None]
@@ -126,7 +128,7 @@ def candidates(shape: KernelShape, limit: int) -> list[dict[str, Any]]:
         tiles.sort(key=lambda t: abs(t[0] * t[1] - default["tile_rows"] * default["tile_columns"]))
         per_field.append([{"tile_rows": r, "tile_columns": c} for r, c in tiles])
     if "group_size" in choices:
-        spread = [g for g in choices["group_size"] if g & (g - 1) == 0 and (g.bit_length() - 1) % 2 == 0]
+        spread = [g for g in choices["group_size"] if g in {GROUP_STEP ** k for k in range(8)}]
         per_field.append([{"group_size": g} for g in spread if g != default.get("group_size")])
     for name in ("accumulator_form", "pair_stride"):
         if name in choices:
@@ -172,11 +174,14 @@ def tune(model: str, options: TrainingOptions, target: str, dtype: str, make_ben
             if time.perf_counter() - started > budget_s:
                 say(f"stopped before round {index + 1} of {rounds}: the --budget-s of {budget_s:g} s is spent")
                 break
-            _round(compiler, bench, [s for s in shapes if index < len(s.candidates)], index, say)
+            trying = [s for s in shapes if index < len(s.candidates)]
+            _round(compiler, bench, trying, index)
             # the default timed again after each round, each kernel keeping its fastest: a candidate must beat the
             # default at its best, whatever the load of the machine when either ran
             default = Measurement(_fastest(default, bench.measure(compiler.bundle("default"), ()), watched))
-            say(f"round {index + 1}/{rounds} done ({time.perf_counter() - started:.1f} s)")
+            dropped = sum(index in s.dropped for s in trying)
+            say(f"round {index + 1}/{rounds}: {len(trying)} kernel shapes, {len(trying) - dropped} measured, "
+                f"{dropped} dropped ({time.perf_counter() - started:.1f} s)")
         for shape in shapes:
             shape.ms[0] = sum(default.times[k] for k in shape.kernels)
         for shape in shapes:
@@ -225,7 +230,7 @@ class _Compiler:
             return step, json.load(handle)
 
 
-def _round(compiler: _Compiler, bench: Bench, shapes: list[KernelShape], index: int, say: Say) -> None:
+def _round(compiler: _Compiler, bench: Bench, shapes: list[KernelShape], index: int) -> None:
     """Compile and measure round `index` (each shape's index-th candidate); drop what fails, retry the rest."""
     live = list(shapes)
     while live:
@@ -240,10 +245,7 @@ def _round(compiler: _Compiler, bench: Bench, shapes: list[KernelShape], index: 
             if not live:
                 return
             measured = bench.measure(compiler.bundle(f"round{index}"), set(owner))
-        except Exception as error:  # the compiler or the device refused a candidate: drop it, retry the others
-            if not isinstance(error, FblcError) and type(error).__name__ not in ("KernelBuildError", "BundleError",
-                                                                               "AdbError", "RunnerFailed"):
-                raise
+        except (FblcError, BundleError) as error:  # the compiler or the device refused a candidate: drop it, retry
             text = error.one_line() if isinstance(error, FblcError) else str(error).splitlines()[0]
             blamed = {owner[m] for m in KERNEL_IN_ERROR.findall(text) if m in owner} or set(live)
             for shape in blamed:
@@ -252,7 +254,7 @@ def _round(compiler: _Compiler, bench: Bench, shapes: list[KernelShape], index: 
             continue
         if measured.whole and len(live) > 1:  # no kernel named: try the shapes one by one
             for shape in live:
-                _round(compiler, bench, [shape], index, say)
+                _round(compiler, bench, [shape], index)
             return
         for shape in live:
             problems = [measured.rejected[k] for k in shape.kernels if k in measured.rejected]
@@ -278,9 +280,10 @@ def _not_taken(plan: dict[str, Any], shapes: list[KernelShape], index: int) -> s
     found = set()
     for shape in shapes:
         for name in shape.kernels:
-            lost = {k: schedules[name].get(k) for k, v in shape.candidates[index].items() if schedules[name].get(k) != v}
+            lost = {k: schedules[name].get(k) for k, v in shape.candidates[index].items()
+                    if schedules[name].get(k) != v}
             if lost:
-                shape.dropped[index] = f"kernel '{name}' compiled with {_fields(lost)} instead: it does not take this value"
+                shape.dropped[index] = f"kernel '{name}' compiled with {_fields(lost)} instead: it does not take it"
                 found.add(shape)
                 break
     return found
