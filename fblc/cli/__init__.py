@@ -23,6 +23,7 @@ from fblc.cli.check import add_command as add_check_command
 from fblc.cli.options import add_storage_option, add_training_options, check_values
 from fblc.paths import escape_undecodable_names
 from fblc.cli.profiles import add_commands as add_profile_commands
+from fblc.cli.tune import add_command as add_tune_command
 from fblc.errors import BundleError, FblcError
 
 Command = Callable[[argparse.Namespace], int]
@@ -73,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="simulate the target's texture cache over every kernel's reads (runs the kernels "
                                "traced on the local OpenCL device once; report.json 'cache')")
     compile_.add_argument("--schedules", metavar="FILE",
-                          help="JSON object of kernel name -> schedule fields to override (tile_rows, tile_columns, "
-                               "group_size, accumulator_form, pair_stride), over the target profile's 'schedules'; "
-                               "plan.json records every kernel's schedule (its launches' 'schedule')")
+                          help="JSON object of kernel name (k3_Gemm) or kernel shape key (plan.json's 'shape_key', "
+                               "e.g. Gemm/0123456789abcdef: every kernel of that shape) -> schedule fields to override "
+                               "(tile_rows, tile_columns, group_size, accumulator_form, pair_stride), over the target "
+                               "profile's 'schedules' (which 'fblc tune' writes); plan.json records every kernel's "
+                               "schedule (its launches' 'schedule')")
     compile_.set_defaults(run=cmd_compile)
 
     run = commands.add_parser(
@@ -132,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "An adb server that the listing had to start is stopped again.")
     devices.set_defaults(run=deferred("fblc.cli.train", "cmd_devices"))
     add_profile_commands(commands)
+    add_tune_command(commands)
 
     for sub in commands.choices.values():
         sub.add_argument("--debug", action="store_true", help="show tracebacks of errors")

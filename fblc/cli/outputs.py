@@ -70,6 +70,7 @@ OUTPUTS: dict[str, dict[str, Output]] = {
     "run": {"save_params": Output("--save-params", "file", False, "trained.npz", written=params_path),
             "results": Output("--results", "file", False, "results.json", refused=_results_refused)},
     "profile": {"output": Output("-o", "file", False, "profile.json")},
+    "tune": {"output": Output("-o", "file", False, "tuned_profile.json"), "dump_dir": DUMPS},
 }
 MODEL = Input("the model", "model")
 TARGET = Input("the --target profile", "profile")
@@ -81,6 +82,7 @@ INPUTS: dict[str, dict[str, Input]] = {
     "verify": {"model": MODEL, "target": TARGET},
     "run": {"bundle": Input("the bundle", "bundle"), "data": Input("the --data file", "file"), "runner": RUNNER},
     "profile": {"runner": RUNNER, "show": Input("the --show profile", "file")},
+    "tune": {"model": MODEL, "target": TARGET, "runner": RUNNER},
 }
 
 

@@ -12,11 +12,16 @@ from typing import Any, Callable, Mapping, Sequence
 from fblc.codegen.kernels.accumulators import FORMS, choose_form, float4_count, pair_stride, pairings
 from fblc.errors import FblcError
 from fblc.profiles import Profile
-from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
+from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS, SOURCE_KINDS
 
 #: the fields a schedule file may name (a kernel's `choices` say which of them it takes)
 OVERRIDABLE = ("tile_rows", "tile_columns", "group_size", "accumulator_form", "pair_stride")
-EXAMPLE = 'write an object like {"k3_Gemm": {"tile_rows": 2}}'
+SHAPE_SEPARATOR = "/"  # in a shape key (codegen/shape_key.py), never in a kernel name (k12_Conv)
+#: what an entry may say about itself besides its fields: where its values came from (`fblc tune` writes
+#: "measured: fblc tune DATE DEVICE"), the kernel shape it is for, the times that chose it
+ABOUT = ("source", "shape", "measured_ms")
+EXAMPLE = ('write an object like {"k3_Gemm": {"tile_rows": 2}} (by kernel name) or {"Gemm/0123456789abcdef": '
+           '{"tile_rows": 2, "source": "measured: ..."}} (by the shape_key plan.json records)')
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Schedule:
     mask4: tuple[str, ...] = ()  # saved masks this kernel writes as r_mask4 (its tile splits their bytes)
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict, repr=False, compare=False)
     fixed: frozenset[str] = field(default=frozenset(), repr=False, compare=False)  # fields a file set
+    shape_key: str = field(default="", repr=False, compare=False)  # codegen/shape_key.py: what decides the kernel
     detail: Any = field(default=None, repr=False, compare=False)  # the family's geometry behind the fields
 
     @property
@@ -56,7 +62,8 @@ class Schedule:
                 "texels_per_item": self.texels_per_item, "group_size": self.group_size or 1,
                 "tiles_per_group": self.tiles_per_group, "accumulator_form": self.accumulator_form,
                 "pair_stride": self.pair_stride or 0, "vector_width": self.vector_width, "mask4": list(self.mask4),
-                "choices": {key: list(values) for key, values in self.choices.items()}}  # what a file may set
+                "choices": {key: list(values) for key, values in self.choices.items()},  # what a file may set
+                "shape_key": self.shape_key}
 
 
 def consecutive(texels: int) -> Schedule:
@@ -128,10 +135,24 @@ def resolve_pair(schedule: Schedule, profile: Profile, products: Sequence[tuple[
     return stride
 
 
+def is_shape_key(name: str) -> bool:
+    """Whether a schedules entry is keyed by kernel shape (codegen/shape_key.py: "Gemm/<digest>"), not by name."""
+    return SHAPE_SEPARATOR in name
+
+
 def load_overrides(path: str | None, profile: Profile) -> dict[str, dict[str, Any]]:
-    """Schedule overrides by kernel name: the profile's `schedules` section, then the file's (`fblc compile
-    --schedules FILE`: a JSON object, kernel name -> {field: value}) over it."""
-    overrides = _overrides_object(profile.raw.get("schedules", {}), f"profile '{profile.name}'")
+    """Schedule overrides by kernel name or kernel shape key: the profile's `schedules` section (a shape's
+    entry says where its values came from in `source`, like every figure), then the file's (`fblc compile
+    --schedules FILE`: a JSON object, kernel name or shape key -> {field: value}) over it."""
+    where = f"profile '{profile.name}'"
+    raw_profile = profile.raw.get("schedules", {})
+    overrides = _overrides_object(raw_profile, where)
+    for key, fields in raw_profile.items():
+        source = fields.get("source") if isinstance(fields, dict) else None
+        if is_shape_key(str(key)) and not (isinstance(source, str) and source.startswith(SOURCE_KINDS)):
+            raise FblcError(f"{where}: schedules entry '{key}' has source {source!r}",
+                            f"give it a source starting with one of: {', '.join(SOURCE_KINDS)} (fblc tune writes "
+                            "'measured: fblc tune DATE DEVICE')")
     if path is None:
         return overrides
     try:
@@ -147,33 +168,56 @@ def load_overrides(path: str | None, profile: Profile) -> dict[str, dict[str, An
 
 
 def _overrides_object(raw: Any, source: str) -> dict[str, dict[str, Any]]:
+    """The entries' fields by kernel name or shape key (what an entry says about itself, ABOUT, left out)."""
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
         raise FblcError(f"{source}: schedules must be an object of kernel name -> {{field: value}}", EXAMPLE)
-    return {str(name): dict(fields) for name, fields in raw.items()}
+    return {str(name): {k: v for k, v in fields.items() if k not in ABOUT} for name, fields in raw.items()}
+
+
+def by_kernel(overrides: Mapping[str, Mapping[str, Any]], shape_keys: Mapping[str, str]
+              ) -> dict[str, tuple[dict[str, Any], str]]:
+    """Each kernel's overrides and what gave them ("kernel 'k3_Gemm'" or "kernel shape 'Gemm/...'
+    (kernel 'k3_Gemm')"): its shape's entry (`shape_keys`: kernel name -> shape key), then its name's over
+    it. A shape no kernel of this step has is skipped (a profile's entries serve every model); an unknown
+    kernel name is an FblcError naming the kernels there are."""
+    found: dict[str, tuple[dict[str, Any], str]] = {}
+    for name, key in shape_keys.items():
+        if key in overrides:
+            found[name] = (dict(overrides[key]), f"kernel shape '{key}' (kernel '{name}')")
+    for name, fields in overrides.items():
+        if is_shape_key(name):
+            continue
+        if name not in shape_keys:
+            listed = sorted(shape_keys, key=_launch_order)
+            raise FblcError(f"schedule override for kernel '{name}', which this step does not have",
+                            f"name one of its kernels: {', '.join(listed[:40])}{' ...' if len(listed) > 40 else ''}")
+        shaped = found.get(name, ({}, ""))[0]
+        found[name] = ({**shaped, **fields}, f"kernel '{name}'")
+    return found
 
 
 def apply_overrides(schedules: Mapping[str, Schedule], overrides: Mapping[str, Mapping[str, Any]],
-                    refine: Callable[[str, Schedule], None]) -> None:
-    """Set each override's fields on its kernel's schedule, every one checked first: an unknown kernel,
-    an unknown field, a field the kernel does not take or a value outside its choices is an FblcError
-    naming them and what is valid. `refine(name, schedule)` re-derives what follows from changed fields."""
-    for name, fields in overrides.items():
-        schedule = schedules.get(name)
-        if schedule is None:
-            listed = sorted(schedules, key=_launch_order)
-            raise FblcError(f"schedule override for kernel '{name}', which this step does not have",
-                            f"name one of its kernels: {', '.join(listed[:40])}{' ...' if len(listed) > 40 else ''}")
+                    refine: Callable[[str, Schedule], None], shape_keys: Mapping[str, str] | None = None) -> None:
+    """Set each override's fields on its kernel's schedule (by name, or by shape key: `shape_keys`, kernel
+    name -> key, also recorded on the schedules), every one checked first: an unknown kernel, an unknown
+    field, a field the kernel does not take or a value outside its choices is an FblcError naming them and
+    what is valid. `refine(name, schedule)` re-derives what follows from changed fields."""
+    keys = dict(shape_keys) if shape_keys is not None else {name: "" for name in schedules}
+    for name, key in keys.items():
+        schedules[name].shape_key = key
+    for name, (fields, given) in by_kernel(overrides, keys).items():
+        schedule = schedules[name]
         for key, value in fields.items():
             if key not in OVERRIDABLE:
-                raise FblcError(f"schedule override for kernel '{name}': unknown field '{key}'",
+                raise FblcError(f"schedule override for {given}: unknown field '{key}'",
                                 f"the fields are: {', '.join(OVERRIDABLE)}")
             valid = schedule.choices.get(key)
             if valid is None:
                 offered = ", ".join(schedule.choices) or "none"
-                raise FblcError(f"schedule override for kernel '{name}': its schedule has no choice of '{key}'",
+                raise FblcError(f"schedule override for {given}: its schedule has no choice of '{key}'",
                                 f"the fields it takes: {offered}")
             if isinstance(value, bool) or value not in valid:
-                raise FblcError(f"schedule override for kernel '{name}': {key} {value!r} is not valid for it",
+                raise FblcError(f"schedule override for {given}: {key} {value!r} is not valid for it",
                                 f"choose one of: {', '.join(map(str, valid))}")
         for key, value in fields.items():
             setattr(schedule, key, value)

@@ -28,6 +28,7 @@ from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
                                    reduction_choices)
 from fblc.codegen.schedule import tile as tile_of
+from fblc.codegen.shape_key import shape_key
 from fblc.codegen.textures import TextureTable
 from fblc.compiler import keys
 from fblc.compiler.index_map import view_root
@@ -258,7 +259,8 @@ def decide_schedules(table: TextureTable, groups: list[KernelGroup],
                 pass
         schedules.update(decided)
         owners.update({name: group for name in decided})
-    apply_overrides(schedules, overrides or {}, lambda name, schedule: _refine(table, owners[name], schedule))
+    shapes = {name: shape_key(owners[name], name, table.float_format, table.tiled) for name in schedules}
+    apply_overrides(schedules, overrides or {}, lambda name, schedule: _refine(table, owners[name], schedule), shapes)
     for name, schedule in schedules.items():
         if not pairs_mask_bytes(schedule):  # a byte's two texels would lie in two work-items' tiles
             schedule.mask4 = tuple(view_root(value).name for value in _saved_masks(owners[name]))
