@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from fblc.codegen import ir
-from fblc.codegen.render.preamble import BUFFER_PREAMBLE, PREAMBLE
+from fblc.codegen.render.preamble import BUFFER_PREAMBLE, PREAMBLE, REAL_IMAGE_PREAMBLE, REAL_PREAMBLE
 
 COMPONENTS = "xyzw"
 LANE_FUNCTIONS = {"float": "lane_f", "int": "lane_i", "uint": "lane_i", "real": "lane_r"}
@@ -68,6 +68,7 @@ class Storage:
     windows: dict[str, str]
     params_tail: str = ""  # after the arguments, and the body's first lines (the trace's, in image storage)
     prologue: tuple[str, ...] = ()
+    real_preamble: str = REAL_PREAMBLE  # what a source with half kernels adds to `preamble`
 
 
 #: read_imagef, write_imageui...; read_imager / write_imager: the preamble's read_imageh where real is half
@@ -77,7 +78,7 @@ IMAGE = Storage(PREAMBLE, True, "kind", {"in": "read_only image2d_t {a}", "out":
                 {k: f"read_image{s}({{a}}, SMP, NOTE({{i}}, {{t}}))" for k, s in IMAGE_SUFFIXES.items()},
                 {k: f"write_image{s}({{a}}, {{t}}, {{v}})" for k, s in IMAGE_SUFFIXES.items()},
                 {"float": "window4({first}, {second}, {s})", "real": "window4_r({first}, {second}, {s})"},
-                " TRACE_PARAM", ("TRACE_INIT",))
+                " TRACE_PARAM", ("TRACE_INIT",), REAL_IMAGE_PREAMBLE)
 #: __global buffers of texels in index order (kernels.buffer.cl: LocalRunner's storage "buffer", for a CPU's OpenCL,
 #: whose images are software), by element type: fp16 4 halfs a texel, a mask a byte (lane x of an image's uint4);
 #: a half kernel's ("real:" element) converts each texel it reads to real4 and each it writes back

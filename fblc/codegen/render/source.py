@@ -8,7 +8,6 @@ from typing import Sequence
 
 from fblc.codegen.cl import Kernel
 from fblc.codegen.render.opencl import IMAGE, Storage
-from fblc.codegen.render.preamble import REAL_PREAMBLE
 from fblc.texel_layout import TexelLayout
 
 COMMENT_LENGTH = 400  # a fused group's comment names its nodes: long ones are cut
@@ -20,7 +19,7 @@ def assemble_source(kernels: Sequence[Kernel], layouts: Sequence[TexelLayout], s
     is another's (an identical one, plan.share_kernels) is written once, under the first's name."""
     lines = storage.preamble.splitlines()
     if any(a.kind == "real" for kernel in kernels for a in kernel.ir.arguments):
-        lines += REAL_PREAMBLE.splitlines()
+        lines += storage.real_preamble.splitlines()
     rtile = {layout.c_function: layout for layout in layouts if layout.kind == "rtile" and storage.places}
     lines += [line for name in sorted(rtile) for line in rtile[name].c_definition().splitlines()]
     spans: dict[str, tuple[int, int]] = {}
