@@ -9,7 +9,8 @@ Emitters build float IR; `half_arithmetic` retypes a finished kernel (codegen/pl
   fp32 textures (passes/storage_precision.py), so the kernels that read and write them (the optimizer update,
   the loss) stay all-float.
 - It reads as half (read_imageh) its half textures and the parameters, whose half copy is what it multiplies
-  by; any other fp32 texture it reads (the loss chain's gradient of the logits, a loss scale) stays float.
+  by; any other fp32 texture it reads (the loss chain's gradient of the logits, a loss scale) stays float,
+  and so do the parameters of a kernel that reads one (their products would be widened to meet it anyway).
 - A value computed once (an elementwise chain, a reduction's products, a normalization) takes the type of
   its operands: real where they are all real, float where any is float (the real ones widened).
 - Every accumulator, a variable assigned after it is declared (sums, running max / min, register tiles,
@@ -210,9 +211,12 @@ def half_arithmetic(kernel: KernelIR, parameters: Iterable[int] = ()) -> KernelI
     texture; `parameters`: the indices of its inputs that hold parameters (fp32 masters it reads as half)."""
     if not computes_in_half(kernel):
         return kernel
-    read_as_half = set(parameters)
+    inputs = [a for a in kernel.arguments if a.role == "in" and a.kind == "float"]
+    masters = {a.index for a in inputs if a.element != HALF_ELEMENT} & set(parameters)
+    if any(a.element != HALF_ELEMENT and a.index not in masters for a in inputs):
+        masters = set()  # another fp32 input keeps the arithmetic float: a half copy of a parameter would only lose
     arguments = {a: replace(a, kind="real") for a in kernel.arguments if a.kind == "float" and (
-        a.role == "out" or a.element == HALF_ELEMENT or a.index in read_as_half)}
+        a.role == "out" or a.element == HALF_ELEMENT or a.index in masters)}
     retype = _Retype(arguments)
     body = retype.statements(kernel.body)
     return KernelIR(kernel.name, [arguments.get(a, a) for a in kernel.arguments], body)
