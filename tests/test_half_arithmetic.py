@@ -110,7 +110,16 @@ def _clang_errors(source_path: str, fp16: bool) -> str:
     return result.stderr if result.returncode or "warning" in result.stderr else ""
 
 
-@pytest.mark.parametrize("name", ["mlp", "tresnet"])
+#: the models whose fp16 kernels clang builds: the conv net's families (strided, depthwise, pointwise, grouped
+#: convolutions and their gradients, BatchNorm on batch statistics, both pools, a Linear head) in the suite; the
+#: T-ResNet and the Llama decoder (norms, attention, gathers, rotary views) under `-m slow` for the suite's time
+CLANG_MODELS = {"convnet": (models.small_convnet, TrainingOptions(bn_train=True)),
+                "tresnet": (models.tresnet, TrainingOptions()),
+                "llama": (lambda directory: models.llama(directory)[0], TrainingOptions())}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "convnet" else [])
+                                  for n in CLANG_MODELS])
 def test_clang_builds_every_half_kernel_with_and_without_cl_khr_fp16(name: str, tmp_path) -> None:
     """Each fp16 adreno830 bundle's kernels.cl and kernels.buffer.cl, which hold half kernels, type-check in
     clang-15 (OpenCL C 2.0) with cl_khr_fp16 (real is half: read_imageh, half built-ins, half4 vectors) and
@@ -119,9 +128,9 @@ def test_clang_builds_every_half_kernel_with_and_without_cl_khr_fp16(name: str, 
         if os.environ.get("FBLC_CI") == "1":
             pytest.fail(f"{CLANG} is missing (FBLC_CI=1: .ci/run should have installed it)")
         pytest.skip(f"{CLANG} is missing (apt-get install clang-15): half kernels are built by no compiler here")
-    exported = {"mlp": models.mlp, "tresnet": models.tresnet}[name](str(tmp_path))
+    build, options = CLANG_MODELS[name]
     bundle = str(tmp_path / "bundle")
-    compile_model(exported.path, bundle, "adreno830", "fp16", TrainingOptions())
+    compile_model(build(str(tmp_path)).path, bundle, "adreno830", "fp16", options)
     for source in ("kernels.cl", "kernels.buffer.cl"):
         path = os.path.join(bundle, source)
         assert "typedef half real;" in open(path).read(), f"{source} has no half kernel"
