@@ -45,7 +45,8 @@ REAL4 = REAL.vector(4)
 
 #: dtype of an element of a texture kind ("float" / "int"), and of its texel
 ELEMENT_TYPES = {"float": FLOAT, "int": INT}
-TEXEL_TYPES = {"float": FLOAT4, "int": INT4, "uint": UINT4, "real": REAL4}  # "real": a float texture a half kernel reads
+#: ("real": a float texture that a half kernel reads and writes)
+TEXEL_TYPES = {"float": FLOAT4, "int": INT4, "uint": UINT4, "real": REAL4}
 
 Operand = Union["Expr", int, float]
 

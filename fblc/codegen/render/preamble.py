@@ -1,6 +1,7 @@
 """The OpenCL preambles the kernel sources start with: the helper functions kernels call (lane_f,
-window4...), in a source with half kernels the `real` type and its helpers (REAL_PREAMBLE), and in kernels.cl (image storage) the sampler, TEXEL_P2 of the layouts' coordinates and the
-trace hooks (TRACE_PARAM, TRACE_INIT, NOTE: fblc.runtime.trace builds kernels.cl with FBLC_TRACE)."""
+window4...), in a source with half kernels the `real` type and its helpers (REAL_PREAMBLE), and in
+kernels.cl (image storage) the sampler, TEXEL_P2 of the layouts' coordinates and the trace hooks
+(TRACE_PARAM, TRACE_INIT, NOTE: fblc.runtime.trace builds kernels.cl with FBLC_TRACE)."""
 
 from fblc.bundle_format import HALF_BUILD_OPTION
 

@@ -1,6 +1,7 @@
 """A kernel source of the bundle for one storage (kernels.cl: images; kernels.buffer.cl: buffers): its
-preamble (with the `real` type where a kernel computes in half), in image storage the R-Tile layouts' coordinate functions, and one __kernel per distinct kernel
-(Kernel.function) rendered from its IR, each after a comment naming what it computes."""
+preamble (with the `real` type where a kernel computes in half), in image storage the R-Tile layouts'
+coordinate functions, and one __kernel per distinct kernel (Kernel.function) rendered from its IR, each after a
+comment naming what it computes."""
 
 from __future__ import annotations
 
