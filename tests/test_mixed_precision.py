@@ -18,6 +18,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from fblc.bundle_format import HALF_BUILD_OPTION
 from fblc.codegen.compile import compile_model
 from fblc.compiler import keys
 from fblc.compiler.loss_scale import INITIAL_SCALE
@@ -189,6 +190,9 @@ def test_an_overflowing_scale_on_the_device_skips_the_step_and_halves(tmp_path) 
     bundle = str(tmp_path / "bundle")
     compile_model(path, bundle, "adreno830", "fp16", TrainingOptions(optimizer=ADAMW))
     runner = LocalRunner(bundle, progress=False, storage="image")
+    # its half kernels compute in half exactly where the device lists cl_khr_fp16 (the preamble's `real`)
+    options = runner.program.get_build_info(runner.device, runner.cl.program_build_info.OPTIONS)
+    assert (HALF_BUILD_OPTION in options.split()) == ("cl_khr_fp16" in runner.device.extensions.split()), options
     scale = next(s for s in runner.manifest["states"] if s["name"] == "loss_scale")
     runner.upload(scale["texture"], np.array([2.0**24], np.float32))
     before = runner.parameters()
