@@ -144,3 +144,23 @@ def test_a_source_without_half_kernels_has_no_real_preamble(mlp_path) -> None:
     kernels = lowered_kernels(mlp_path, "local", "fp16")
     source, _ = assemble_source(kernels, [])
     assert "typedef half real;" not in source
+
+
+def test_arithmetic_counts_static_and_executed() -> None:
+    """Golden: `acc += a * b` in a loop of 8: statically one real product and one float sum; a launch of 10
+    work-items executes each 80 times; a loop of run-time length counts once."""
+    half = kir.Argument("in", 0, "float", "half", None)
+    out = kir.Argument("out", 0, "float", "half", None)
+
+    def body(b: kir.Block) -> None:
+        acc = b.mutable(kir.const(0.0, kir.FLOAT), "acc", kir.FLOAT)
+        with b.loop("k", 0, 8) as (k, inner):
+            x = inner.let(kir.Load(half, k), "x")
+            inner.assign(acc, x.lane(0) * x.lane(1), "+=")
+        with b.loop("r", 0, kir.Load(half, kir.const(0)).lane(0).cast(kir.INT)) as (_, runtime):
+            runtime.assign(acc, acc * 2.0)
+        b.add(kir.Store(out, kir.const(0), kir.vector(kir.FLOAT4, acc)))
+
+    kernel = half_arithmetic(_kernel(body, [out, half]))
+    assert arithmetic_counts([kernel]) == {"real": 1, "float": 2}
+    assert arithmetic_counts([(kernel, 10)]) == {"real": 80, "float": 90}

@@ -31,7 +31,7 @@ from fblc.codegen.ir.expressions import (
     TEXEL_TYPES, Argument, ArgumentRef, Binary, Call, Cast, Const, DType, Element, Expr, Lane, Load, Select,
     Swizzle, Unary, Var, Vector)
 from fblc.codegen.ir.statements import (
-    Assign, Declare, DeclareArray, For, If, KernelIR, Statement, Store, While, statement_exprs, walk, walk_expr)
+    Assign, Declare, DeclareArray, For, If, KernelIR, Statement, Store, While, nested, statement_exprs, walk_expr)
 
 __all__ = ["half_arithmetic", "computes_in_half", "arithmetic_counts", "HALF_FUNCTIONS"]
 
@@ -222,19 +222,36 @@ def half_arithmetic(kernel: KernelIR, parameters: Iterable[int] = ()) -> KernelI
     return KernelIR(kernel.name, [arguments.get(a, a) for a in kernel.arguments], body)
 
 
-def arithmetic_counts(kernels: Iterable[KernelIR]) -> dict[str, int]:
-    """Static float arithmetic of `kernels` (each +, -, *, / and HALF_FUNCTIONS call, and each compound
-    assignment, once per lane of its type): {"real": in the arithmetic type, "float": in float}. A kernel's
-    loops are counted once: a share of the code, not of the FLOPs."""
+def arithmetic_counts(kernels: Iterable[KernelIR | tuple[KernelIR, int]]) -> dict[str, int]:
+    """Float arithmetic of `kernels` (each +, -, *, / and HALF_FUNCTIONS call, and each compound assignment, once
+    per lane of its type): {"real": in the arithmetic type, "float": in float}. A bare KernelIR counts its code
+    once (static); a (KernelIR, work-items) pair counts what a launch executes: each operation times the trip
+    counts of its loops whose bounds are literals (a loop of run-time length, rare, counts once) and the items."""
     counts = {"real": 0, "float": 0}
-    for kernel in kernels:
-        for statement in walk(kernel.body):
-            if isinstance(statement, Assign) and statement.op != "=" and statement.target.dtype.is_float:
-                counts["float"] += statement.target.dtype.lanes  # accumulators are float
-            for root in statement_exprs(statement):
-                for e in walk_expr(root):
-                    arithmetic = (isinstance(e, Binary) and e.op in ARITHMETIC) or (
-                        isinstance(e, Unary) and e.op == "-") or (isinstance(e, Call) and e.function in HALF_FUNCTIONS)
-                    if arithmetic and _floating(e):
-                        counts["real" if e.dtype.scalar == "real" else "float"] += e.dtype.lanes
+    for entry in kernels:
+        kernel, items = entry if isinstance(entry, tuple) else (entry, 0)
+        _count(kernel.body, max(items, 1), counts, weighted=items > 0)
     return counts
+
+
+def _count(body: Sequence[Statement], weight: int, counts: dict[str, int], weighted: bool) -> None:
+    for statement in body:
+        if isinstance(statement, Assign) and statement.op != "=" and statement.target.dtype.is_float:
+            counts["float"] += weight * statement.target.dtype.lanes  # accumulators are float
+        for root in statement_exprs(statement):
+            for e in walk_expr(root):
+                arithmetic = (isinstance(e, Binary) and e.op in ARITHMETIC) or (
+                    isinstance(e, Unary) and e.op == "-") or (isinstance(e, Call) and e.function in HALF_FUNCTIONS)
+                if arithmetic and _floating(e):
+                    counts["real" if e.dtype.scalar == "real" else "float"] += weight * e.dtype.lanes
+        inner = weight * _trips(statement) if weighted and isinstance(statement, For) else weight
+        for nested_body in nested(statement):
+            _count(nested_body, inner, counts, weighted)
+
+
+def _trips(loop: For) -> int:
+    """A loop's trip count where its bounds are literals, else 1."""
+    if isinstance(loop.start, Const) and isinstance(loop.stop, Const) and loop.condition is None and \
+            loop.step_op == "+=":
+        return max(0, -(-(int(loop.stop.value) - int(loop.start.value)) // loop.step))
+    return 1
