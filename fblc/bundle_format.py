@@ -71,6 +71,10 @@ MASK_FORMATS = {"mask8": "r_mask8", "mask4": "r_mask4"}
 #: the image format of a float tensor stored at each precision (`--dtype`, fblc.storage)
 FLOAT_FORMATS = {"fp32": "rgba_f32", "fp16": "rgba_f16"}
 INTEGER_FORMATS = ("rgba_i32", *MASK_FORMATS.values())  # read back as integers
+#: the build option a runtime gives a device that lists cl_khr_fp16: the kernels.cl preamble then makes the half
+#: kernels' `real` half (else float; a compiler's own cl_khr_fp16 macro is not enough: oclgrind 21.10 defines it
+#: without read_imageh). The native runner's runner.c defines the same (HALF_OPTION)
+HALF_BUILD_OPTION = "-DFBLC_HALF"
 
 
 def image_bytes(image_format: str, width: int, height: int) -> int:

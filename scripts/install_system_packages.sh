@@ -11,9 +11,11 @@
 #   chromium chromium-driver       open a pass dump in Netron in headless Chromium (tests/test_netron_dump.py)
 #   oclgrind                       a simulated OpenCL device that checks accesses and races (tests/test_oclgrind.py)
 #                                  and counts instructions (benchmarks/instructions.py)
+#   clang-15                       builds the half kernels no local device runs (cl_khr_fp16:
+#                                  tests/test_half_arithmetic.py; pocl-opencl-icd pulls it in too)
 set -euo pipefail
 PACKAGES=(cmake make gcc libc6-dev ocl-icd-libopencl1 pocl-opencl-icd adb gcc-aarch64-linux-gnu libc6-dev-arm64-cross
-          chromium chromium-driver oclgrind)
+          chromium chromium-driver oclgrind clang-15)
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
 $SUDO apt-get update -qq

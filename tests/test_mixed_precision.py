@@ -18,6 +18,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from fblc.bundle_format import HALF_BUILD_OPTION
 from fblc.codegen.compile import compile_model
 from fblc.compiler import keys
 from fblc.compiler.loss_scale import INITIAL_SCALE
@@ -30,6 +31,7 @@ from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.passes.storage_precision import StoragePrecision
 from fblc.profiles.profile import READ_IMAGE_ARGS
 from fblc.runtime.local import LocalRunner
+from fblc.runtime.opencl import select_device
 from tests.conftest import make_model, mlp_proto
 from tests.support import zoo
 
@@ -188,6 +190,9 @@ def test_an_overflowing_scale_on_the_device_skips_the_step_and_halves(tmp_path) 
     bundle = str(tmp_path / "bundle")
     compile_model(path, bundle, "adreno830", "fp16", TrainingOptions(optimizer=ADAMW))
     runner = LocalRunner(bundle, progress=False, storage="image")
+    # its half kernels compute in half exactly where the device lists cl_khr_fp16 (the preamble's `real`)
+    options = runner.program.get_build_info(runner.device, runner.cl.program_build_info.OPTIONS)
+    assert (HALF_BUILD_OPTION in options.split()) == ("cl_khr_fp16" in runner.device.extensions.split()), options
     scale = next(s for s in runner.manifest["states"] if s["name"] == "loss_scale")
     runner.upload(scale["texture"], np.array([2.0**24], np.float32))
     before = runner.parameters()
@@ -243,7 +248,25 @@ def test_fp16_training_follows_fp32_for_50_adamw_steps(arch: str, lr: float, tmp
     """The issue's divergence (fp16 NaN from step 8 on a tiny GPT-2 at lr 3e-3): with fp32 masters and
     a loss scale, 50 AdamW steps of a transformer and of a CNN end within 2 % of fp32's loss, with no
     step skipped (the runner's `skipped` metric, as README says), the loss chain in fp32 textures
-    (plan.json), and the loss fell. Prints the figures README's mixed precision section quotes."""
+    (plan.json), and the loss fell. Prints the figures README's mixed precision section quotes.
+    adreno830's fp16 kernels compute in half where the device has cl_khr_fp16 (codegen/ir/precision.py);
+    on PoCL, which lacks it, their `real` is float: the next test is the one that must run half arithmetic."""
+    _fp16_follows_fp32(arch, lr, tmp_path)
+
+
+@pytest.mark.parametrize("arch,lr", [("gpt2", 3e-3), ("resnet", 1e-4)])
+def test_half_arithmetic_follows_fp32_for_50_adamw_steps(arch: str, lr: float, tmp_path) -> None:
+    """The same 50 steps where the device has cl_khr_fp16, so adreno830's fp16 kernels compute in half (real
+    is half: read_imageh, half products, float accumulators): within 2 % of fp32's loss. Skipped on a device
+    without the extension (PoCL, oclgrind), where `real` is float and half arithmetic is unverified."""
+    device = select_device()
+    if "cl_khr_fp16" not in device.extensions.split():
+        pytest.skip(f"{device.name.strip()} has no cl_khr_fp16: the half kernels would run their float fallback")
+    _fp16_follows_fp32(arch, lr, tmp_path)
+
+
+def _fp16_follows_fp32(arch: str, lr: float, tmp_path) -> None:
+    """50 AdamW steps of zoo model `arch` in fp32 and fp16 (adreno830) on the local device: see the tests above."""
     model = zoo.build(zoo.BY_NAME[arch], str(tmp_path))
     feeds = {**model.inputs, "labels": model.labels}
     curves, skipped = {}, {}
@@ -259,6 +282,8 @@ def test_fp16_training_follows_fp32_for_50_adamw_steps(arch: str, lr: float, tmp
     fp32, fp16 = curves["fp32"], curves["fp16"]
     print(f"{arch}: fp32 {fp32[0]:.5f} -> {fp32[-1]:.5f}, fp16 {fp16[0]:.5f} -> {fp16[-1]:.5f}, "
           f"{skipped['fp16']:g} fp16 steps skipped")
+    source = open(os.path.join(str(tmp_path / "fp16"), "kernels.cl")).read()
+    assert "typedef half real;" in source, "adreno830's fp16 bundle has no kernel computing in half"
     prediction = onnx.load(model.path, load_external_data=False).graph.output[0].name
     chain = _loss_chain_formats(str(tmp_path / "fp16"), prediction)
     assert prediction in chain and {name for name, texture in chain.items() if texture != "rgba_f32"} == set()

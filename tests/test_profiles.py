@@ -40,7 +40,9 @@ def _local() -> dict:
     (lambda p: p["figures"]["tex_block_width"].update(value=3), "tex_block_width is 3: a texture-cache block side is a power of two"),
     (lambda p: p["figures"]["l2_bytes"].update(value=1024), "l2_bytes 1024 is smaller than l1_bytes"),
     (lambda p: p["figures"]["wave_size"].update(value=-8), "'wave_size' (work-items per wave / warp / subgroup) is -8: it must be positive"),
-    (lambda p: p["figures"]["fp16"].update(value="yes"), "'fp16' (half-precision textures and arithmetic) must be true or false"),
+    (lambda p: p["figures"]["fp16"].update(value="yes"),
+     "'fp16' (cl_khr_fp16: kernels compute in half under --dtype fp16; half textures need no figure) must be "
+     "true or false"),
     (lambda p: p["figures"]["peak_gflops"].update(source="trust me"), "'peak_gflops' has source 'trust me'; it must start with one of"),
     (lambda p: p.pop("gpu"), "'gpu' is missing or empty"),
 ], ids=["missing", "block-not-power-of-two", "l2-below-l1", "negative", "bool", "no-provenance", "no-gpu"])

@@ -17,6 +17,7 @@ import onnx_ir as ir
 from fblc.bundle_format import FLOAT_FORMATS, NUMPY_DTYPES, image_bytes
 from fblc.codegen.cl import Kernel
 from fblc.codegen import ir as kir
+from fblc.codegen.ir.precision import half_arithmetic
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.kernels.schedules import decide_schedules, mask4_layouts
 from fblc.codegen.render.source import assemble_source
@@ -127,10 +128,21 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     maps = {n.outputs[0].name: map_of(n.outputs[0]) for n in graph if is_view(n) and n.outputs[0].name in values}
     value_maps = {name: {"shape": list(m.shape), "strides": list(m.strides), "offset": m.offset}
                   for name, m in maps.items() if not m.contiguous}  # strided views
+    if dtype == "fp16" and profile.fp16:
+        compute_in_half(kernels, table, graph)
     share_kernels(kernels)
     source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
     return Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps, source, kernel_lines,
                    {k.name: table.schedules[k.name].record() for k in kernels})
+
+
+def compute_in_half(kernels: list[Kernel], table: TextureTable, graph: ir.Graph) -> None:
+    """Each kernel that writes only half textures computes in half, reading the parameters as half too
+    (codegen/ir/precision.py): under --dtype fp16 for a target with cl_khr_fp16 (its profile's `fp16`)."""
+    parameters = {v.name for v in graph.inputs if keys.get_role(v) == keys.Role.PARAM.value}
+    held = {t.id for t in table.textures if t.name in parameters}
+    for kernel in kernels:
+        kernel.ir = half_arithmetic(kernel.ir, [k for k, texture in enumerate(kernel.inputs) if texture in held])
 
 
 def _decided(schedules: Mapping[str, Schedule], group: KernelGroup) -> str:

@@ -26,9 +26,11 @@ Rewrite: annotations only. Every float value that owns storage (not a view) gets
   were rounding noise (an iteration whose spread was 4e-4 moved delta 45 degrees off the fp32
   step's direction, cos 0.70) and the step's `loss` read 1.73828125 for 1.73812. The members' forwards,
   the bulk of the work, stay in half.
-Kernels accumulate in fp32 whatever the format (`read_imagef` returns float): a format changes
-only the image a tensor lives in. The texture table allocates, and the memory plan counts, by
-this annotation.
+A format changes the image a tensor lives in; what the kernels compute in follows from it: on a
+target whose profile has cl_khr_fp16 (`fp16`), a kernel whose float textures written (or read) are
+all half computes in half, its accumulators in float (codegen/ir/precision.py); elsewhere every
+kernel computes in float (`read_imagef` converts). The texture table allocates, and the memory plan
+counts, by this annotation.
 Preconditions: the step graph with its optimizer (`updates`) and its views decided (`index
 maps`: a view has no storage of its own). Ensures `storage precision`. In place; `modified` is
 true when an annotation changed.

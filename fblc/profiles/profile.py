@@ -24,7 +24,7 @@ FIGURES: dict[str, tuple[type, str]] = {
     "image2d_max_height": (int, "texels"),
     "wave_size": (int, "work-items per wave / warp / subgroup"),
     "max_work_group_size": (int, "work-items"),
-    "fp16": (bool, "half-precision textures and arithmetic"),
+    "fp16": (bool, "cl_khr_fp16: kernels compute in half under --dtype fp16; half textures need no figure"),
     "cpu": (bool, "a CPU: a work-item's float4 is one SIMD register, a work-group's items run in turn on one core"),
     "simd_floats": (int, "floats one SIMD instruction of a work-item takes (CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT)"),
     "tex_block_width": (int, "texels per texture-cache block, horizontally"),

@@ -189,7 +189,8 @@ class LocalRunner:
             source = handle.read()
         program = cl.Program(self.context, source)
         try:
-            return program.build(options=["-cl-std=CL1.2", *self.build_options],
+            half = [fmt.HALF_BUILD_OPTION] if "cl_khr_fp16" in self.device.extensions.split() else []
+            return program.build(options=["-cl-std=CL1.2", *half, *self.build_options],
                                  cache_dir=False if self.unoptimised_reason else None)
         except cl.RuntimeError as error:
             log = program.get_build_info(self.device, cl.program_build_info.LOG) or str(error)

@@ -8,6 +8,7 @@ from typing import Callable, Sequence, Union, dataclass_transform
 from fblc.texel_layout import reciprocal
 
 __all__ = ["DType", "INT", "UINT", "ULONG", "UCHAR", "FLOAT", "HALF", "FLOAT4", "INT4", "UINT4", "HALF4", "FLOAT8",
+           "REAL", "REAL4",
            "ELEMENT_TYPES", "TEXEL_TYPES", "Operand", "Expr", "Const", "const", "as_expr", "Var", "Binary", "Unary",
            "Call", "call", "Select", "select", "Cast", "Vector", "vector", "Lane", "Element", "Argument", "Load",
            "Swizzle", "ArgumentRef", "div_index", "mod_index", "flat_index"]
@@ -15,7 +16,9 @@ __all__ = ["DType", "INT", "UINT", "ULONG", "UCHAR", "FLOAT", "HALF", "FLOAT4", 
 
 @dataclass(frozen=True)
 class DType:
-    """A C scalar or vector type: `scalar` (int, uint, ulong, float, half, uchar) and `lanes` (1, 2, 4, 8)."""
+    """A C scalar or vector type: `scalar` (int, uint, ulong, float, half, uchar, real) and `lanes` (1, 2, 4, 8).
+    `real` is a half kernel's arithmetic type (codegen/ir/precision.py): the preamble makes it `half` where the
+    device has cl_khr_fp16 and `float` elsewhere, so one source runs on both."""
 
     scalar: str
     lanes: int = 1
@@ -28,7 +31,7 @@ class DType:
 
     @property
     def is_float(self) -> bool:
-        return self.scalar in ("float", "half")
+        return self.scalar in ("float", "half", "real")
 
     def vector(self, lanes: int) -> DType:
         return DType(self.scalar, lanes)
@@ -37,10 +40,13 @@ class DType:
 INT, UINT, ULONG, UCHAR = DType("int"), DType("uint"), DType("ulong"), DType("uchar")
 FLOAT, HALF = DType("float"), DType("half")
 FLOAT4, INT4, UINT4, HALF4, FLOAT8 = FLOAT.vector(4), INT.vector(4), UINT.vector(4), HALF.vector(4), FLOAT.vector(8)
+REAL = DType("real")
+REAL4 = REAL.vector(4)
 
 #: dtype of an element of a texture kind ("float" / "int"), and of its texel
 ELEMENT_TYPES = {"float": FLOAT, "int": INT}
-TEXEL_TYPES = {"float": FLOAT4, "int": INT4, "uint": UINT4}
+#: ("real": a float texture that a half kernel reads and writes)
+TEXEL_TYPES = {"float": FLOAT4, "int": INT4, "uint": UINT4, "real": REAL4}
 
 Operand = Union["Expr", int, float]
 
@@ -93,7 +99,7 @@ class Expr:
 def _wider(a: DType, b: DType) -> DType:
     if a.lanes != b.lanes:
         return a if a.lanes > b.lanes else b
-    order = ("uchar", "int", "uint", "ulong", "half", "float")
+    order = ("uchar", "int", "uint", "ulong", "half", "real", "float")
     return a if order.index(a.scalar) >= order.index(b.scalar) else b
 
 
@@ -194,7 +200,8 @@ class Element(Expr):
 @dataclass(frozen=True)
 class Argument:
     """A kernel's texture argument: output or input `index`, of a texture whose texels
-    have `kind` ("float" / "int" / "uint") and whose place of texel t is `layout` (TexelLayout)."""
+    have `kind` ("float" / "int" / "uint"; "real": a float texture a half kernel reads and writes in its
+    arithmetic type) and whose place of texel t is `layout` (TexelLayout)."""
 
     role: str  # "out" or "in"
     index: int
@@ -205,6 +212,12 @@ class Argument:
     @property
     def name(self) -> str:
         return f"{self.role}{self.index}"
+
+    @property
+    def stored_as(self) -> str:
+        """Its buffer element type, and "real:" before it where a half kernel converts its texels (the key of
+        buffer storage's templates)."""
+        return f"real:{self.element}" if self.kind == "real" else self.element
 
 
 class Load(Expr):

@@ -19,10 +19,10 @@ from typing import Sequence
 import numpy as np
 
 from fblc.codegen import ir
-from fblc.codegen.render.preamble import BUFFER_PREAMBLE, PREAMBLE
+from fblc.codegen.render.preamble import BUFFER_PREAMBLE, PREAMBLE, REAL_IMAGE_PREAMBLE, REAL_PREAMBLE
 
 COMPONENTS = "xyzw"
-LANE_FUNCTIONS = {"float": "lane_f", "int": "lane_i", "uint": "lane_i"}
+LANE_FUNCTIONS = {"float": "lane_f", "int": "lane_i", "uint": "lane_i", "real": "lane_r"}
 INDENT = "  "
 
 
@@ -36,6 +36,8 @@ def float_literal(value: float) -> str:
 
 
 def literal(value: float | int | bool, dtype: ir.DType) -> str:
+    if dtype.scalar == "real":  # a float literal would widen half arithmetic to float (and a half vector refuses it)
+        return f"((real){float_literal(float(value))})"
     if dtype.is_float:
         return float_literal(float(value))
     if dtype.scalar in ("uint", "ulong"):
@@ -66,25 +68,32 @@ class Storage:
     windows: dict[str, str]
     params_tail: str = ""  # after the arguments, and the body's first lines (the trace's, in image storage)
     prologue: tuple[str, ...] = ()
+    real_preamble: str = REAL_PREAMBLE  # what a source with half kernels adds to `preamble`
 
 
-IMAGE_SUFFIXES = {"float": "f", "int": "i", "uint": "ui"}  # read_imagef, write_imageui...
+#: read_imagef, write_imageui...; read_imager / write_imager: the preamble's read_imageh where real is half
+IMAGE_SUFFIXES = {"float": "f", "int": "i", "uint": "ui", "real": "r"}
 #: image2d_t textures, what phones run (kernels.cl); under FBLC_TRACE each read also records its place (NOTE)
 IMAGE = Storage(PREAMBLE, True, "kind", {"in": "read_only image2d_t {a}", "out": "write_only image2d_t {a}"},
                 {k: f"read_image{s}({{a}}, SMP, NOTE({{i}}, {{t}}))" for k, s in IMAGE_SUFFIXES.items()},
                 {k: f"write_image{s}({{a}}, {{t}}, {{v}})" for k, s in IMAGE_SUFFIXES.items()},
-                {"float": "window4({first}, {second}, {s})"}, " TRACE_PARAM", ("TRACE_INIT",))
+                {"float": "window4({first}, {second}, {s})", "real": "window4_r({first}, {second}, {s})"},
+                " TRACE_PARAM", ("TRACE_INIT",), REAL_IMAGE_PREAMBLE)
 #: __global buffers of texels in index order (kernels.buffer.cl: LocalRunner's storage "buffer", for a CPU's OpenCL,
-#: whose images are software), by element type: fp16 4 halfs a texel, a mask a byte (lane x of an image's uint4)
-BUFFER = Storage(BUFFER_PREAMBLE, False, "element",
+#: whose images are software), by element type: fp16 4 halfs a texel, a mask a byte (lane x of an image's uint4);
+#: a half kernel's ("real:" element) converts each texel it reads to real4 and each it writes back
+_BUFFER_LOADS = {"float4": "{a}[{t}]", "half": "vload_half4({t}, {a})"}
+_BUFFER_STORES = {"float4": "{a}[{t}] = {v}", "half": "vstore_half4_rte({v}, {t}, {a})"}
+# one unaligned load (LocalRunner leaves a texel of slack past each buffer)
+_BUFFER_WINDOWS = {"float4": "vload4(0, (__global const float*){a} + {q} * 4 + {s})",
+                   "half": "vload_half4(0, {a} + {q} * 4 + {s})"}
+BUFFER = Storage(BUFFER_PREAMBLE, False, "stored_as",
                  {"in": "__global const {e}* restrict {a}", "out": "__global {e}* restrict {a}"},
-                 {"float4": "{a}[{t}]", "int4": "{a}[{t}]", "half": "vload_half4({t}, {a})",
-                  "uchar": "(uint4)({a}[{t}], 0u, 0u, 0u)"},
-                 {"float4": "{a}[{t}] = {v}", "int4": "{a}[{t}] = {v}", "half": "vstore_half4_rte({v}, {t}, {a})",
-                  "uchar": "{a}[{t}] = (uchar)(({v}).x)"},
-                 # one unaligned load (LocalRunner leaves a texel of slack past each buffer)
-                 {"float4": "vload4(0, (__global const float*){a} + {q} * 4 + {s})",
-                  "half": "vload_half4(0, {a} + {q} * 4 + {s})"})
+                 {**_BUFFER_LOADS, "int4": "{a}[{t}]", "uchar": "(uint4)({a}[{t}], 0u, 0u, 0u)",
+                  **{f"real:{e}": f"convert_real4({load})" for e, load in _BUFFER_LOADS.items()}},
+                 {**_BUFFER_STORES, "int4": "{a}[{t}] = {v}", "uchar": "{a}[{t}] = (uchar)(({v}).x)",
+                  **{f"real:{e}": store.replace("{v}", "convert_float4({v})") for e, store in _BUFFER_STORES.items()}},
+                 {**_BUFFER_WINDOWS, **{f"real:{e}": f"convert_real4({w})" for e, w in _BUFFER_WINDOWS.items()}})
 
 
 class Renderer:
@@ -128,6 +137,8 @@ class Renderer:
         return f"({self.expr(e.condition)} ? {self.expr(e.if_true)} : {self.expr(e.if_false)})"
 
     def _Cast(self, e: ir.Cast) -> str:
+        if e.dtype.lanes > 1 and e.a.dtype.lanes == e.dtype.lanes:  # vectors convert by function, not by C cast
+            return f"convert_{e.dtype.c_name}({self.expr(e.a)})"
         return f"(({e.dtype.c_name}){self.expr(e.a)})"
 
     def _Vector(self, e: ir.Vector) -> str:

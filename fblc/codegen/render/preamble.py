@@ -1,6 +1,11 @@
 """The OpenCL preambles the kernel sources start with: the helper functions kernels call (lane_f,
-window4...), and in kernels.cl (image storage) the sampler, TEXEL_P2 of the layouts' coordinates and the
-trace hooks (TRACE_PARAM, TRACE_INIT, NOTE: fblc.runtime.trace builds kernels.cl with FBLC_TRACE)."""
+window4...), in a source with half kernels the `real` type and its helpers (REAL_PREAMBLE), and in
+kernels.cl (image storage) the sampler, TEXEL_P2 of the layouts' coordinates and the trace hooks
+(TRACE_PARAM, TRACE_INIT, NOTE: fblc.runtime.trace builds kernels.cl with FBLC_TRACE)."""
+
+from fblc.bundle_format import HALF_BUILD_OPTION
+
+HALF_MACRO = HALF_BUILD_OPTION.removeprefix("-D")  # what a runtime defines for a device with cl_khr_fp16
 
 HELPERS = """\
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
@@ -14,6 +19,45 @@ inline float4 window4(float4 a, float4 b, int s) {
   if (s == 2) return (float4)(a.zw, b.xy);
   return (float4)(a.w, b.xyz);
 }
+"""
+
+#: what a source with half kernels (codegen/ir/precision.py) adds to its preamble
+REAL_PREAMBLE = """\
+// real: the arithmetic type of the kernels fblc wrote for half (--dtype fp16 on a target whose profile has
+// cl_khr_fp16): half where the runtime found cl_khr_fp16 among the device's extensions (it builds with
+// -D""" + HALF_MACRO + """), float elsewhere, so one source runs on both
+#if defined(""" + HALF_MACRO + """) && defined(cl_khr_fp16)
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+typedef half real;
+typedef half4 real4;
+typedef half8 real8;
+#define convert_real4 convert_half4
+#define convert_real8 convert_half8
+#else
+typedef float real;
+typedef float4 real4;
+typedef float8 real8;
+#define convert_real4 convert_float4
+#define convert_real8 convert_float8
+#endif
+inline real lane_r(real4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
+inline real4 window4_r(real4 a, real4 b, int s) {
+  if (s == 0) return a;
+  if (s == 1) return (real4)(a.yzw, b.x);
+  if (s == 2) return (real4)(a.zw, b.xy);
+  return (real4)(a.w, b.xyz);
+}
+"""
+
+#: and an image source's: its reads and writes of real texels
+REAL_IMAGE_PREAMBLE = REAL_PREAMBLE + """\
+#if defined(""" + HALF_MACRO + """) && defined(cl_khr_fp16)
+#define read_imager read_imageh
+#define write_imager write_imageh
+#else
+#define read_imager read_imagef
+#define write_imager write_imagef
+#endif
 """
 
 PREAMBLE = """\

@@ -1,6 +1,7 @@
 """A kernel source of the bundle for one storage (kernels.cl: images; kernels.buffer.cl: buffers): its
-preamble, in image storage the R-Tile layouts' coordinate functions, and one __kernel per distinct kernel
-(Kernel.function) rendered from its IR, each after a comment naming what it computes."""
+preamble (with the `real` type where a kernel computes in half), in image storage the R-Tile layouts'
+coordinate functions, and one __kernel per distinct kernel (Kernel.function) rendered from its IR, each after a
+comment naming what it computes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def assemble_source(kernels: Sequence[Kernel], layouts: Sequence[TexelLayout], s
     """(the source, each kernel's (first, last) line of its function there). A kernel whose `function`
     is another's (an identical one, plan.share_kernels) is written once, under the first's name."""
     lines = storage.preamble.splitlines()
+    if any(a.kind == "real" for kernel in kernels for a in kernel.ir.arguments):
+        lines += storage.real_preamble.splitlines()
     rtile = {layout.c_function: layout for layout in layouts if layout.kind == "rtile" and storage.places}
     lines += [line for name in sorted(rtile) for line in rtile[name].c_definition().splitlines()]
     spans: dict[str, tuple[int, int]] = {}

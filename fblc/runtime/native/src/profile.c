@@ -114,7 +114,7 @@ static void build(profiler *p) {
     cl_int status;
     p->program = cl.CreateProgramWithSource(p->context, 1, &source, &length, &status);
     check_cl(status, "clCreateProgramWithSource");
-    status = cl.BuildProgram(p->program, 1, &p->device.device, build_options(), NULL, NULL);
+    status = cl.BuildProgram(p->program, 1, &p->device.device, build_options(p->device.device), NULL, NULL);
     if (status == CL_BUILD_PROGRAM_FAILURE) die_with_build_log(p);
     check_cl(status, "clBuildProgram");
     size_t count = p->kernels_json->count;

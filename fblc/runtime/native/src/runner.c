@@ -9,13 +9,34 @@
 #include "util.h"
 
 #define BUILD_OPTIONS "-cl-std=CL1.2"
+/* a device with cl_khr_fp16 builds the bundle's half kernels in half (the kernels' `real`; without it, float) */
+#define HALF_OPTION "-DFBLC_HALF"
 #define MAX_OPTIONS 1024
 
-const char *build_options(void) {
+/* whether `device` lists cl_khr_fp16 among its extensions (a whole word of the list) */
+static int has_fp16(cl_device_id device) {
+    size_t size = 0;
+    if (cl.GetDeviceInfo(device, CL_DEVICE_EXTENSIONS, 0, NULL, &size) != CL_SUCCESS) return 0;
+    char *extensions = xcalloc(size + 1, 1);
+    int found = 0;
+    if (cl.GetDeviceInfo(device, CL_DEVICE_EXTENSIONS, size, extensions, NULL) == CL_SUCCESS) {
+        const char *name = "cl_khr_fp16", *at = extensions;
+        size_t length = strlen(name);
+        while (!found && (at = strstr(at, name)) != NULL) {
+            found = (at == extensions || at[-1] == ' ') && (at[length] == ' ' || at[length] == '\0');
+            at += length;
+        }
+    }
+    free(extensions);
+    return found;
+}
+
+const char *build_options(cl_device_id device) {
     static char options[MAX_OPTIONS];
     const char *extra = getenv("FBLC_CL_BUILD_OPTIONS");
-    if (extra && *extra) snprintf(options, sizeof options, "%s %s", BUILD_OPTIONS, extra);
-    else snprintf(options, sizeof options, "%s", BUILD_OPTIONS);
+    const char *half = has_fp16(device) ? " " HALF_OPTION : "";
+    if (extra && *extra) snprintf(options, sizeof options, "%s%s %s", BUILD_OPTIONS, half, extra);
+    else snprintf(options, sizeof options, "%s%s", BUILD_OPTIONS, half);
     return options;
 }
 #define CACHE_FILE "kernels.cache"
@@ -187,7 +208,7 @@ static void check_limits(runner *r) {
 /* --- the program ---------------------------------------------------------------------------------------- */
 
 static char *cache_key(runner *r) {
-    const char *options = build_options();
+    const char *options = build_options(r->device.device);
     size_t size = 256 + strlen(options) + strlen(r->device.platform_name) + strlen(r->device.device_name) +
                   strlen(r->device.device_version) + strlen(r->device.driver_version) + sizeof r->b->kernels_sha256;
     char *key = xmalloc(size);
@@ -226,7 +247,7 @@ static int load_cached_program(runner *r, const char *path, const char *key) {
             cl_program program = cl.CreateProgramWithBinary(r->context, 1, &r->device.device, &binary_length, &binary,
                                                             &binary_status, &status);
             if (status == CL_SUCCESS && binary_status == CL_SUCCESS &&
-                cl.BuildProgram(program, 1, &r->device.device, build_options(), NULL, NULL) == CL_SUCCESS) {
+                cl.BuildProgram(program, 1, &r->device.device, build_options(r->device.device), NULL, NULL) == CL_SUCCESS) {
                 r->program = program;
                 ok = 1;
             } else if (status == CL_SUCCESS) {
@@ -269,7 +290,7 @@ static void build_program(runner *r, int use_cache) {
         size_t length = r->b->kernels_length;
         r->program = cl.CreateProgramWithSource(r->context, 1, &source, &length, &status);
         check_cl(status, "clCreateProgramWithSource");
-        status = cl.BuildProgram(r->program, 1, &r->device.device, build_options(), NULL, NULL);
+        status = cl.BuildProgram(r->program, 1, &r->device.device, build_options(r->device.device), NULL, NULL);
         if (status == CL_BUILD_PROGRAM_FAILURE) die_with_build_log(r, r->program);
         check_cl(status, "clBuildProgram");
         if (use_cache) save_program(r, path, key);

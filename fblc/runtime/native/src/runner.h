@@ -33,8 +33,9 @@ typedef struct {
     double *metrics;         /* the bundle's metrics after the last step, one per b->metric_names */
 } runner;
 
-/* "-cl-std=CL1.2", then $FBLC_CL_BUILD_OPTIONS if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
-const char *build_options(void);
+/* "-cl-std=CL1.2", "-DFBLC_HALF" where `device` has cl_khr_fp16 (LocalRunner's too), then $FBLC_CL_BUILD_OPTIONS
+ * if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
+const char *build_options(cl_device_id device);
 
 /* "P:D" or NULL for the first device with image support (what `fblc run --device local` takes). */
 void device_select(const char *spec, device_choice *out);
