@@ -109,14 +109,14 @@ def _row_statistics(b: KernelBuilder, node: ir.Node, prologue: bool = False) -> 
     with block.loop("r", first, count, step=step) as (r, each):
         each.assign(total, b.element(x, row_start + r), "+=")
     if group:
-        b.merge_across_group(total)
+        b.merge_across_group([total])
     mean = block.let(total / n, "mean")
     centred = block.mutable(const(0.0, FLOAT), "sq")
     with block.loop("r", first, count, step=step) as (r, each):
         d = each.let(b.element(x, row_start + r) - mean, "d")
         each.assign(centred, d * d, "+=")
     if group:
-        b.merge_across_group(centred)
+        b.merge_across_group([centred])
     return mean, block.let(call("rsqrt", centred / n + epsilon), "inv")
 
 

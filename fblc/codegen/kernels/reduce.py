@@ -21,7 +21,7 @@ from fblc.codegen.kernels import lane_kernel
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
 
-Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator; also (partial, partial)
+Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator
 _fmax: Combine = partial(call, "fmax")
 
 
@@ -45,9 +45,9 @@ class Folded:
 
 
 def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Combine,
-                   start: float, merge: Combine = lambda p, q: p + q) -> Folded:
+                   start: float, merge: str = "add") -> Folded:
     """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`. With
-    `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials."""
+    `b.group_size` the work-items fold every group_size-th step, then `merge` (builder.MERGES) joins their partials."""
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
@@ -73,9 +73,8 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         with prologue.loop("r", first, count, step=step) as (r, fold):
             x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4)), "x")
             fold.assign(acc, combine(acc, x))
-        if group:
-            for lane in range(4):
-                b.merge_across_group(acc.lane(lane), merge, prologue=True)
+        if group:  # the four outputs' partials in one merge
+            b.merge_across_group([acc.lane(lane) for lane in range(4)], merge, prologue=True)
         return Folded(acc, acc.lane(b.lane))
     body = b.body
     base = body.let(base_of(OUT_INDEX), "base")
@@ -107,7 +106,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
             index = base + step_index(r, axes) if axes else base
             fold.assign(acc, combine(acc, fold.let(b.element(source, index), "x")))
     if group:
-        b.merge_across_group(acc, merge)
+        b.merge_across_group([acc], merge)
     return Folded(acc, acc)
 
 
@@ -125,9 +124,9 @@ def emit_reduce(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     source = node.inputs[0]
     b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
-        return [reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax).lane]
+        return [reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max").lane]
     if node.op_type == "ReduceLogSumExp":  # max first: exp(x - max) cannot overflow
-        peak = reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax)
+        peak = reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max")
         total = reduction_loop(b, source, axes, keepdims, lambda a, x: a + call("exp", x - peak.value), 0.0)
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
         none = const(-math.inf, FLOAT)

@@ -2,7 +2,18 @@
 window4...), and in kernels.cl (image storage) the sampler, TEXEL_P2 of the layouts' coordinates and the
 trace hooks (TRACE_PARAM, TRACE_INIT, NOTE: fblc.runtime.trace builds kernels.cl with FBLC_TRACE)."""
 
-HELPERS = """\
+#: FBLC_SUBGROUPS where the device compiler has sub-group built-ins (cl_khr_subgroups, or OpenCL C 3.0's
+#: feature): group reductions then merge within sub-groups first (ir.WithFeature; the __local tree otherwise)
+FEATURE_TESTS = """\
+#if defined(cl_khr_subgroups) || defined(__opencl_c_subgroups)
+#define FBLC_SUBGROUPS
+#endif
+#ifdef cl_khr_subgroups
+#pragma OPENCL EXTENSION cl_khr_subgroups : enable
+#endif
+"""
+
+HELPERS = FEATURE_TESTS + """\
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int wrap_row(int r, int n) { return r < 0 ? r + n : r; }  // ONNX: a negative index counts from the end
