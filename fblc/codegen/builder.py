@@ -119,7 +119,7 @@ class KernelBuilder(ValueReads):
         out.add(kir.Barrier())
         while live > TREE_FAN_IN:
             live //= TREE_FAN_IN
-            joins = [kir.Assign(self._partial(v, lid), reduce(two, [self._partial(v, lid + k * live)
+            joins = [kir.Assign(self._partial(v, lid), reduce(two, [self._partial(v, lid + k * live if k else lid)
                                                                     for k in range(TREE_FAN_IN)]))
                      for v in range(len(accs))]
             out.add(kir.If(lid.lt(live), joins), kir.Barrier())
