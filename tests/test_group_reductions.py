@@ -129,3 +129,19 @@ def test_a_shared_tile_merges_in_odd_pitch_rows_and_work_item_0_writes() -> None
         assert local.length == kernel.group_size * (lanes | 1), (local.length, lanes)
         assert _stores_outside_work_item_0(kernel.ir.body) == 0, kernel.name
         assert all(s.unroll for s in statements(kernel) if isinstance(s, kir.For) and s.var.name == "tt")
+
+
+@pytest.mark.parametrize("version,extensions,standard", [
+    ("OpenCL 3.0 PoCL HSTR: pthread-x86_64", "cl_khr_fp64 cl_khr_global_int32_base_atomics", "-cl-std=CL1.2"),
+    ("OpenCL 3.0 Adreno(TM) 830", "cl_khr_fp16 cl_khr_subgroups cl_qcom_reqd_sub_group_size", "-cl-std=CL3.0"),
+    ("OpenCL 2.0 v1.r26p0", "cl_khr_subgroups cl_arm_printf", "-cl-std=CL2.0"),
+    ("OpenCL 1.2 (Oclgrind 21.10)", "cl_khr_subgroups", "-cl-std=CL1.2")])
+def test_kernels_build_as_opencl_c_2_or_3_only_on_a_device_with_sub_groups(version: str, extensions: str,
+                                                                         standard: str) -> None:
+    """LocalRunner builds with OpenCL C 1.2, which every target compiles, except on an OpenCL 2.x / 3.x device
+    that lists cl_khr_subgroups: its compiler then declares the sub-group built-ins FBLC_SUBGROUPS calls."""
+    from types import SimpleNamespace
+
+    from fblc.runtime.local import language_standard
+
+    assert language_standard(SimpleNamespace(version=version, extensions=extensions)) == standard
