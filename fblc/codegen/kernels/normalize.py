@@ -46,6 +46,7 @@ class _Row:
     count: int
     start: Expr = field(default_factory=lambda: const(0))
     step: int = 1
+    cache_limit: int = ROW_CACHE  # the most texels its private copy may take
     _cache: Var | None = field(default=None, init=False)  # the private copy, once made
 
     @property
@@ -62,7 +63,7 @@ class _Row:
     def loop(self, block: Block, body: Callable[[Block, Expr], None]) -> None:
         """for each texel of the share: `body(loop body, texel)`; the first pass over a short share makes the
         private copy."""
-        copy = self._cache is None and self.slots <= ROW_CACHE
+        copy = self._cache is None and self.slots <= self.cache_limit
         cache = block.array("row", FLOAT4, self.slots) if copy else self._cache
         with block.loop("m", 0, self.slots) as (m, each):
             k = m if self.step == 1 else self.start + m * self.step
@@ -139,6 +140,36 @@ def _row_statistics(b: KernelBuilder, node: ir.Node, prologue: bool = False) -> 
     return mean, block.let(call("rsqrt", centred / n + epsilon), "inv")
 
 
+def _texel_statistics(b: KernelBuilder, node: ir.Node) -> tuple[Expr, Expr]:
+    """_row_statistics of a group kernel's rows of whole texels, for the 4 rows of a statistics texel at once
+    in the per-texel prologue: each work-item folds its share of each row, and each merge joins the 4 rows'
+    partials together (one tree for 4 rows, not 4; the texel is then work-item 0's to write). A lane past
+    the last row repeats it, so that every work-item reaches every barrier."""
+    x, (_, _, count), group = node.inputs[0], layer_norm_geometry(node), b.group_size
+    assert group is not None and count % 4 == 0
+    rows, block = numel(static_shape(node.outputs[1])), b.prologue
+    epsilon, n = const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
+    shares = []
+    for lane in range(4):
+        row = b.first_element + lane if rows % 4 == 0 else call("min", b.first_element + lane, rows - 1)
+        shares.append(_Row(b, x, block.let(row * count, "row"), count // 4, b.lid, group, ROW_CACHE // 4))
+
+    def merged(fold: Callable[[int, Expr], Expr]) -> list[Var]:
+        """Each row k's sum of fold(k, texel) over its share, its lanes added, joined across the group."""
+        totals = []
+        for k, share in enumerate(shares):
+            acc = block.mutable(vector(FLOAT4, 0.0), "sum")
+            share.loop(block, lambda each, v: each.assign(acc, fold(k, v), "+="))  # noqa: B023 (called at once)
+            totals.append(block.mutable(_lanes_sum(acc), "total"))
+        b.merge_across_group(totals, prologue=True)
+        return totals
+
+    means = [block.let(total / n, "mean") for total in merged(lambda k, v: v)]
+    squares = merged(lambda k, v: (v - means[k]) * (v - means[k]))
+    inverses = [block.let(call("rsqrt", square / n + epsilon), "inv") for square in squares]
+    return vector(FLOAT4, *means).lane(b.lane), vector(FLOAT4, *inverses).lane(b.lane)
+
+
 def has_statistics(node: ir.Node) -> bool:
     return len(node.outputs) >= 3 and all(o is not None and o.name for o in node.outputs[1:3])
 
@@ -157,7 +188,8 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         stats = KernelBuilder(table, f"{group.name}_stats", FAMILY, list(node.outputs[1:3]))
         stats.nodes.append(node.name)
         stats.take_group()  # kernels/schedules.py: a work-group per row for a long row
-        kernels.append(stats.finish(list(_row_statistics(stats, node))))
+        whole = stats.group_size is not None and count % 4 == 0
+        kernels.append(stats.finish(list(_texel_statistics(stats, node) if whole else _row_statistics(stats, node))))
     y = node.outputs[0]
     if y not in group.outputs:
         return kernels
