@@ -56,15 +56,22 @@ def test_group_merges_take_a_4_way_tree_and_sub_groups_where_the_profile_has_the
     """Every merge of the statistics and LogSumExp kernels: a tree of log4(group) levels (6 barriers of a
     128-item group's binary tree become 3), with the sub-group built-ins beside it (2 barriers) where the
     profile's `subgroups` figure says so (adreno830), and the tree alone where it does not (PoCL's local).
-    Only work-item 0 writes; LogSumExp reads its row once (one loop over it, not a max pass and a sum pass)."""
+    Each merge joins the 4 rows of an output texel at once; only work-item 0 writes; LogSumExp reads each row
+    once (one loop over it, not a max pass and a sum pass)."""
     kernels = {k.name: k for k in lowered_kernels(rows_model, target, options=OPTIONS) if k.group_size}
     names = {name.split("_", 1)[1] for name in kernels}
     assert {"LayerNormalization_stats", "ReduceLogSumExp"} <= names, names
     for kernel in kernels.values():
+        # two merges (sum, centred squares; max, rescaled sums) or one (the gradient's ReduceMeans), each
+        # joining the texel's 4 rows at once
+        merges = 2 if kernel.name.endswith(("_stats", "LogSumExp")) else 1
         features = [s for s in statements(kernel) if isinstance(s, kir.WithFeature)]
         if not sub_groups:
             assert not features, kernel.name
+            barriers = sum(isinstance(s, kir.Barrier) for s in statements(kernel))
+            assert barriers == merges * _tree_barriers(kernel.group_size), (kernel.name, barriers)
             continue
+        assert len(features) == merges, kernel.name
         assert features, kernel.name
         for feature in features:
             tree = sum(isinstance(s, kir.Barrier) for s in kir.walk(feature.orelse))
@@ -76,7 +83,7 @@ def test_group_merges_take_a_4_way_tree_and_sub_groups_where_the_profile_has_the
         assert _stores_outside_work_item_0(kernel.ir.body) == 0, kernel.name
     lse = next(k for k in kernels.values() if k.name.endswith("ReduceLogSumExp"))
     dealt = [s for s in statements(lse) if isinstance(s, kir.For) and s.step == lse.group_size]
-    assert len(dealt) == 1, len(dealt)  # the loop that deals the row out to the group
+    assert len(dealt) == 4, len(dealt)  # one loop dealing out each of the texel's rows, not a max and a sum pass
 
 
 def test_the_group_size_is_in_the_source_as_the_plan_launches_it_and_the_sub_group_path_type_checks(

@@ -104,35 +104,54 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         if group:  # the four outputs' partials in one merge
             join([[acc.lane(lane) for lane in range(4)] for acc in accs], True)
         return Folded(tuple(accs), tuple(acc.lane(b.lane) for acc in accs))
-    body = b.body
-    base = body.let(base_of(OUT_INDEX), "base")
-    accs = [body.mutable(const(st, FLOAT), "acc") for st in starts]
     suffix = len(shape)  # the first of the trailing axes that are all reduced
     while suffix > 0 and suffix - 1 in axes:
         suffix -= 1
     run = numel(shape[suffix:]) if suffix < len(shape) else 0  # the run of their elements (0: the last axis is kept)
     outer = [a for a in axes if a < suffix]
-    if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes folded in turn
-        argument, texture = b.input_argument(source)
-        with body.loop("r", first, count // 4, step=step) as (r, fold):
-            texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
-            v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
-            for lane in range(4):
-                fold_in(fold, accs, fold.let(v.lane(lane), "x"))
-    elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
-        deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
-        inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
-        if not outer:  # one run alone needs no loop over the runs
-            _fold_run(body, b, source, base, run, accs, fold_in, inner_first, inner_step)
+
+    def fold_row(body: Block, base: Expr, accs: list[Var]) -> None:
+        """Fold the reduced elements of the output whose first reduced element is `base` into `accs`."""
+        if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes in turn
+            argument, texture = b.input_argument(source)
+            with body.loop("r", first, count // 4, step=step) as (r, fold):
+                texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
+                v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
+                for lane in range(4):
+                    fold_in(fold, accs, fold.let(v.lane(lane), "x"))
+        elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
+            deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
+            inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
+            if not outer:  # one run alone needs no loop over the runs
+                _fold_run(body, b, source, base, run, accs, fold_in, inner_first, inner_step)
+            else:
+                outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
+                with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
+                    row = runs.let(base + step_index(r, outer), "row")
+                    _fold_run(runs, b, source, row, run, accs, fold_in, inner_first, inner_step)
         else:
-            outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
-            with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
-                row = runs.let(base + step_index(r, outer), "row")
-                _fold_run(runs, b, source, row, run, accs, fold_in, inner_first, inner_step)
-    else:
-        with body.loop("r", first, count, step=step) as (r, fold):
-            index = base + step_index(r, axes) if axes else base
-            fold_in(fold, accs, fold.let(b.element(source, index), "x"))
+            with body.loop("r", first, count, step=step) as (r, fold):
+                index = base + step_index(r, axes) if axes else base
+                fold_in(fold, accs, fold.let(b.element(source, index), "x"))
+
+    if group and b.texels_per_item == 1:  # the texel's 4 outputs in the prologue, their partials in one merge
+        prologue, outputs = b.prologue, numel([shape[a] for a in kept])
+        lanes = []
+        for lane in range(4):  # a lane past the last output keeps its starts (every lane reaches the merge)
+            lanes.append([prologue.mutable(const(st, FLOAT), "acc") for st in starts])
+            if lane >= outputs:  # past the end in every texel
+                continue
+            out = prologue.let(b.first_element + lane, "out")
+            fold_row(prologue if outputs % 4 == 0 else prologue.either(out.lt(outputs))[0],
+                     step_index(out, kept), lanes[-1])
+        live = lanes[:min(4, outputs)]
+        join([[each[k] for each in live] for k in range(len(starts))], True)
+        texels = [prologue.let(vector(FLOAT4, *(each[k] for each in lanes)), "acc") for k in range(len(starts))]
+        return Folded(tuple(texels), tuple(texel.lane(b.lane) for texel in texels))
+    body = b.body
+    base = body.let(base_of(OUT_INDEX), "base")
+    accs = [body.mutable(const(st, FLOAT), "acc") for st in starts]
+    fold_row(body, base, accs)
     if group:
         join([[acc] for acc in accs], False)
     return Folded(tuple(accs), tuple(accs))
