@@ -76,9 +76,10 @@ def _shared_sums(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOp
 
 
 def _group_reductions(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
-    """Rows of 2048, past SERIAL_REDUCTION: LayerNorm's statistics (whole texels, a private copy of each
-    work-item's share), the one-pass LogSumExp (max, then rescaled sums) and the gradients' ReduceMeans, each
-    a work-group per output texel merging in its __local tree (oclgrind has no sub-groups)."""
+    """2 rows of 1100, past SERIAL_REDUCTION: LayerNorm's statistics (whole texels, a private copy of each
+    work-item's share: 275 texels over 64 work-items, some shares one shorter), the one-pass LogSumExp (max,
+    then rescaled sums) and the gradients' ReduceMeans, each a work-group per output texel (2 of its 4 lanes
+    past the last row) merging in its __local tree (oclgrind has no sub-groups)."""
     from onnx import helper
 
     from tests.test_kernels_contraction import OPTIONS, write_case
@@ -87,7 +88,7 @@ def _group_reductions(directory: str) -> tuple[str, dict[str, np.ndarray], Train
              helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("axes", 7, [1], [1])),
              helper.make_node("ReduceLogSumExp", ["n", "axes"], ["y"], keepdims=1)]
     path = os.path.join(directory, "group_reductions.onnx")
-    return write_case(path, nodes, {"x": (4, 2048), "scale": (2048,), "bias": (2048,)}), {}, OPTIONS
+    return write_case(path, nodes, {"x": (2, 1100), "scale": (1100,), "bias": (1100,)}), {}, OPTIONS
 
 
 def _vit_attention(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
