@@ -330,7 +330,7 @@ def check_measured_profile(path: str) -> dict:
     the four patterns at positive rates, and its geometry is one a cache can have. Returns its document."""
     profile = load_profile(path)
     for figure in ("tex_block_width", "tex_block_height", "l1_bytes", "bandwidth_gbps", "peak_gflops", "wave_size",
-                   "image2d_max_width", "max_work_group_size", "l2_bytes", "cpu", "simd_floats"):
+                   "image2d_max_width", "max_work_group_size", "l2_bytes", "cpu", "simd_floats", "subgroups"):
         assert profile.sources[figure].startswith("measured"), (figure, profile.sources[figure])
     rates = profile.raw["measurements"]["pattern_reads_per_second"]
     assert set(rates) == set(PATTERNS) and all(rates[p] and all(v > 0 for v in rates[p].values()) for p in PATTERNS)

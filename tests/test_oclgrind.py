@@ -78,8 +78,8 @@ def test_oclgrind_reports_a_write_past_the_end_and_a_race() -> None:
 
 #: cases left to `-m slow` for the suite's time (the conv net, the embedding and the shared tiles cover their
 #: kernel families, the Llama decoder's attention runs under -m slow; MemFLoRA's adapter covers LoRA's and
-#: shares its backward with MemFLoRA-SG's)
-SLOW_CASES = {"resnet", "gpt2", "llama", "convnet lora", "convnet memflora-sg"}
+#: shares its backward with MemFLoRA-SG's; the group reductions' images cover their __local merges)
+SLOW_CASES = {"resnet", "gpt2", "llama", "convnet lora", "convnet memflora-sg", "group reductions in buffers"}
 
 
 #: cases run as a user runs them (test_the_runner_builds_unoptimised_and_uncached_on_oclgrind)

@@ -36,6 +36,10 @@ __all__ = ["OUT_INDEX", "TEXEL_INDEX", "KernelBuilder", "lane_axis"]
 
 TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen by the per-texel prologue
 PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of a mask8 output's texels
+TREE_FAN_IN = 4  # partials a work-item joins per level of a group's __local tree
+#: how a group joins its work-items' partials: the join of two (the __local tree's) and the sub-group built-in
+MERGES: dict[str, tuple[Callable[[Expr, Expr], Expr], str]] = {
+    "add": (operator.add, "sub_group_reduce_add"), "max": (lambda a, b: kir.call("fmax", a, b), "sub_group_reduce_max")}
 
 
 class KernelBuilder(ValueReads):
@@ -58,6 +62,7 @@ class KernelBuilder(ValueReads):
         self.tiles_per_group = 1  # items (tiles) a group kernel's work-group holds, group_size work-items each
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
         self.shared = _named("shared", kir.FLOAT)
+        self._one_writer = False  # a group kernel's texels computed and written by work-item 0 alone (`_item`)
         self.schedule = table.schedules.setdefault(name, Schedule())
         # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
         rows, columns, stride = self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride
@@ -82,41 +87,89 @@ class KernelBuilder(ValueReads):
         """The per-texel prologue (run once per work-item, before the lane loop), to build IR into."""
         return Block(self.numbering, self.texel_lines)  # type: ignore[arg-type]
 
-    def merge_across_group(self, acc: Var | kir.Lane, merge: Callable[[Expr, Expr], Expr] = lambda a, b: a + b,
-                           prologue: bool = False) -> None:
-        """Join every work-item's partial `acc` (a float, or a lane of a float4) with `merge` in a tree in
-        __local memory, in the lane loop or the per-texel `prologue`; then every work-item holds the result.
-        Only in a group kernel's uniform code: every work-item must reach the barriers."""
-        assert self.group_size is not None, "a merge across the group needs a group kernel"
+    def merge_across_group(self, accs: Sequence[Var | kir.Lane], merge: str = "add", prologue: bool = False) -> None:
+        """Join every work-item's partials `accs` (floats, or lanes of a float4: all of them with one set of
+        barriers) by `merge` (MERGES), in the lane loop or the per-texel `prologue`; then every work-item holds
+        the results. Where the profile says the device has sub-groups, each sub-group joins its partials with a
+        sub-group built-in and the group only its sub-groups' results; the __local tree is the fallback in the
+        same source (a device compiler without them takes it). Only in a group kernel's uniform code: every
+        work-item must reach the barriers (and the sub-group built-ins)."""
+        assert self.group_size is not None and self.tiles_per_group == 1, "a merge across one item's group"
+        self.shared_floats = max(self.shared_floats, len(accs) * self.group_size)
         block = self.prologue if prologue else self.body
-        mine = kir.Element(self.shared, self.lid)
-        block.assign(mine, acc)
-        block.add(kir.Barrier())
-        with block.loop("s", self.group_size // 2, None, condition=lambda s: s.gt(0), step_op=">>=") as (s, tree):
-            tree.add(kir.If(self.lid.lt(s), [kir.Assign(mine, merge(mine, kir.Element(self.shared, self.lid + s)))]))
-            tree.add(kir.Barrier())
-        block.assign(acc, kir.Element(self.shared, const(0)))
-        block.add(kir.Barrier())  # shared is free again for the next merge
+        tree = self._merge_tree(accs, MERGES[merge][0])
+        if self.table.profile.subgroups:
+            block.add(kir.WithFeature("subgroups", self._merge_sub_groups(accs, merge), tree))
+        else:
+            block.add(*tree)
+
+    def _partial(self, value: int, slot: Expr) -> kir.Element:
+        """The __local slot of partial `slot` of merged value `value`: a value's partials are consecutive
+        words, so consecutive work-items touch consecutive words (no bank conflicts)."""
+        assert self.group_size is not None
+        return kir.Element(self.shared, slot + value * self.group_size if value else slot)
+
+    def _merge_tree(self, accs: Sequence[Var | kir.Lane], two: Callable[[Expr, Expr], Expr]) -> list[Statement]:
+        """The __local tree: each level joins TREE_FAN_IN partials a work-item (log4 of the group's
+        barriers, not log2), down to at most TREE_FAN_IN partials, which every work-item then joins itself."""
+        out, lid, live = Block(self.numbering), self.lid, self.group_size
+        assert live is not None and live & (live - 1) == 0, f"a tree over {live} work-items"
+        for v, acc in enumerate(accs):
+            out.assign(self._partial(v, lid), acc)
+        out.add(kir.Barrier())
+        while live > TREE_FAN_IN:
+            live //= TREE_FAN_IN
+            joins = [kir.Assign(self._partial(v, lid), reduce(two, [self._partial(v, lid + k * live if k else lid)
+                                                                    for k in range(TREE_FAN_IN)]))
+                     for v in range(len(accs))]
+            out.add(kir.If(lid.lt(live), joins), kir.Barrier())
+        for v, acc in enumerate(accs):
+            out.assign(acc, reduce(two, [self._partial(v, const(k)) for k in range(live)]))
+        out.add(kir.Barrier())  # shared is free again for the next merge
+        return out.statements
+
+    def _merge_sub_groups(self, accs: Sequence[Var | kir.Lane], merge: str) -> list[Statement]:
+        """Each sub-group joins its work-items' partials (a sub-group built-in), its first work-item stores
+        them, and every work-item joins the group's few sub-group results: two barriers whatever the size."""
+        two, built_in = MERGES[merge]
+        out = Block(self.numbering)
+        for acc in accs:  # assigned in place: a value folded into the `if` below would leave the built-in
+            out.assign(acc, kir.call(built_in, acc, dtype=kir.FLOAT))  # to some work-items only
+        sub_group = kir.call("get_sub_group_id", dtype=INT)
+        out.add(kir.If(kir.call("get_sub_group_local_id", dtype=INT).eq(0),
+                       [kir.Assign(self._partial(v, sub_group), acc) for v, acc in enumerate(accs)]))
+        out.add(kir.Barrier())
+        count = out.let(kir.call("get_num_sub_groups", dtype=INT), "subs")
+        for v, acc in enumerate(accs):
+            out.assign(acc, self._partial(v, const(0)))
+        with out.loop("j", 1, count) as (j, join):
+            for v, acc in enumerate(accs):
+                join.assign(acc, two(acc, self._partial(v, j)))
+        out.add(kir.Barrier())  # shared is free again for the next merge
+        return out.statements
 
     def merge_tiles_across_group(self, array: Var, lanes: int) -> list[Statement]:
         """Statements that sum the work-items' partial tiles `array[lanes]` (a reduction the group dealt
-        out) through __local memory: each work-item stores its partials, work-item j sums accumulator j's
-        (and every group_size-th after it) in work-item order, then every work-item reads the totals."""
+        out) through __local memory: each work-item stores its partials as a row of `pitch` words, work-item j
+        sums column j (and every group_size-th after it) in work-item order into the column's first word, and
+        work-item 0, the one that writes the tile (`finish`), reads the totals. The pitch is odd, so the rows'
+        stores and the columns' sums both touch distinct banks across consecutive work-items."""
         group = self.group_size
         assert group is not None, "a merge across the group needs a group kernel"
-        self.shared_floats = max(self.shared_floats, group * lanes)
+        pitch = lanes | 1
+        self.shared_floats = max(self.shared_floats, group * pitch)
         out = Block(self.numbering)
-        with out.loop("j", 0, lanes) as (j, store):
-            store.assign(kir.Element(self.shared, j * group + self.lid), kir.Element(array, j))
+        with out.loop("j", 0, lanes, unroll=True) as (j, store):
+            store.assign(kir.Element(self.shared, self.lid * pitch + j), kir.Element(array, j))
         out.add(kir.Barrier())
         with out.loop("j", self.lid, lanes, step=group) as (j, sums):
             total = sums.mutable(const(0.0, kir.FLOAT), "total")
             with sums.loop("part", 0, group) as (part, terms):
-                terms.assign(total, kir.Element(self.shared, j * group + part), "+=")
-            sums.assign(kir.Element(self.shared, j * group), total)
+                terms.assign(total, kir.Element(self.shared, part * pitch + j), "+=")
+            sums.assign(kir.Element(self.shared, j), total)  # column j is work-item j's alone
         out.add(kir.Barrier())
-        with out.loop("j", 0, lanes) as (j, read):
-            read.assign(kir.Element(array, j), kir.Element(self.shared, j * group))
+        with out.loop("j", 0, lanes, unroll=True) as (j, read):
+            read.assign(kir.Element(array, j), kir.Element(self.shared, j))
         return out.statements
 
     def take_group(self) -> None:
@@ -182,7 +235,7 @@ class KernelBuilder(ValueReads):
                 if items % pair:
                     item_block.add(kir.If(item.ge(items), [kir.Break()]))
         self._item(item_block, results, arguments, bytes_)
-        body = kir.KernelIR(self.name, arguments, kernel.statements)
+        body = kir.KernelIR(self.name, arguments, kernel.statements, group * self.tiles_per_group if group else None)
         return Kernel(self.name, self.family, body, items * group if group else launches,
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
                       nodes=list(self.nodes), group_size=group * self.tiles_per_group if group else None)
@@ -212,15 +265,27 @@ class KernelBuilder(ValueReads):
 
     def _item(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument],
               bytes_: dict[int, Var]) -> None:
-        """One item (t or g declared): its per-texel prologue, then each of its texels."""
+        """One item (t or g declared): its per-texel prologue, then each of its texels. In a group kernel
+        whose texels need no more merges, what follows the prologue's last merge is work-item 0's alone."""
         if self.texel_lines or self.texels_per_item > 1:  # the prologue sees its first texel's index
             self.declare_item_index(block, self.out_shape, TEXEL_INDEX)
             block.add(*self.texel_lines)
+        if self.group_size is not None and not _merges(self.lines + self.lane_fallback + self.texel_reads):
+            merged = max((k for k, s in enumerate(block.statements) if _merges([s])), default=-1) + 1
+            writer = kir.If(self.lid.eq(0), block.statements[merged:])
+            del block.statements[merged:]
+            block.add(writer)
+            block = Block(self.numbering, writer.then)
+            self._one_writer = True
         if self.texels_per_item == 1:
             self._texel(block, results, arguments, bytes_)
             return
         rows = self._tile_rows(self.out_shape)
-        with block.loop("tt", 0, self.texels_per_item, name="tt") as (tt, texel):
+        # unrolled on a GPU, the tile's accumulators are indexed by constants (acc[tt * 4 + lane]) and stay in
+        # registers, where an array indexed at run time spills to device memory (Mali's guide); a CPU's private
+        # array is cached stack memory, and unrolled tiles cost PoCL a fifth more build time (T-ResNet 8.6 -> 10.5 s)
+        unroll = not self.table.profile.cpu
+        with block.loop("tt", 0, self.texels_per_item, unroll=unroll, name="tt") as (tt, texel):
             texel.add(kir.Declare(self.t, self._first_texel() + self._tile_step()))
             columns = self.item_columns  # texel tt of the tile: its row and column follow from the tile's
             first_row = None if rows is None else (rows[0] + div_index(tt, columns),
@@ -287,7 +352,8 @@ class KernelBuilder(ValueReads):
                 block.add(kir.Store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0)))
             else:  # a group kernel's texel goes out from its work-item 0
                 store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
-                block.add(kir.If(self.lid.eq(0), [store]) if self.group_size is not None else store)
+                several = self.group_size is not None and not self._one_writer
+                block.add(kir.If(self.lid.eq(0), [store]) if several else store)
 
     def lane_header(self, block: Block, lane: Var, in_one_row: bool = False) -> None:
         """The lane loop's header: the lane's flat output index (`i` = t * 4 + `lane`), a break past the tensor's
@@ -302,6 +368,11 @@ class KernelBuilder(ValueReads):
         for axis in range(len(self.out_shape)):
             first = _named(f"{TEXEL_FIRST}{axis}", INT)
             block.add(kir.Declare(_named(f"{OUT_INDEX}{axis}", INT), first + lane if axis == lanes else first))
+
+
+def _merges(statements: Sequence[Statement]) -> bool:
+    """Whether the statements hold a group's merge (a barrier, or a sub-group built-in's choice)."""
+    return any(isinstance(s, (kir.Barrier, kir.WithFeature)) for s in kir.walk(statements))
 
 
 def _named(name: str, dtype: kir.DType) -> Var:

@@ -27,6 +27,7 @@ FIGURES: dict[str, tuple[type, str]] = {
     "fp16": (bool, "cl_khr_fp16: kernels compute in half under --dtype fp16; half textures need no figure"),
     "cpu": (bool, "a CPU: a work-item's float4 is one SIMD register, a work-group's items run in turn on one core"),
     "simd_floats": (int, "floats one SIMD instruction of a work-item takes (CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT)"),
+    "subgroups": (bool, "sub-group built-ins (cl_khr_subgroups): group reductions merge within sub-groups first"),
     "tex_block_width": (int, "texels per texture-cache block, horizontally"),
     "tex_block_height": (int, "texels per texture-cache block, vertically"),
     "line_bytes": (int, "bytes per cache line"),
@@ -88,6 +89,7 @@ class Profile:
     fp16: bool
     cpu: bool
     simd_floats: int
+    subgroups: bool
     tex_block_width: int
     tex_block_height: int
     line_bytes: int

@@ -299,6 +299,8 @@ def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
     if "simd_floats" in device:
         figures["simd_floats"] = {"value": max(1, int(device["simd_floats"])),
                                   "source": f"{queried} (native float vector width)"}
+    if "subgroups" in device:  # runners built before extensions were recorded keep local.json's estimate
+        figures["subgroups"] = {"value": bool(device["subgroups"]), "source": f"{queried} (cl_khr_subgroups in its extensions)"}
     patterns = {p: row for p, row in patterns.items() if row}
     document = {
         "name": name, "vendor": device["vendor"] or "unknown", "gpu": gpu, "opencl_version": device["version"],

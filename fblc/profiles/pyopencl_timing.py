@@ -117,4 +117,5 @@ def device_facts(device: Any) -> dict[str, Any]:
             "max_compute_units": int(device.max_compute_units),
             "max_clock_frequency": int(device.max_clock_frequency),
             "fp16": "cl_khr_fp16" in device.extensions.split(), "cpu": bool(device.type & cl.device_type.CPU),
-            "simd_floats": int(device.native_vector_width_float)}
+            "simd_floats": int(device.native_vector_width_float),
+            "subgroups": "cl_khr_subgroups" in device.extensions.split()}

@@ -71,6 +71,18 @@ def unoptimised_reason(device: Any) -> str:
 
 
 #: how a runner holds its textures (LocalRunner's `storage`); auto: chosen for the device (choose_storage)
+def language_standard(device: Any) -> str:
+    """The -cl-std the kernels build with: OpenCL C 1.2, which every device fblc targets compiles, or on a
+    device with sub-groups (cl_khr_subgroups) of OpenCL 2.x / 3.x that version's, whose compilers declare the
+    sub-group built-ins the group reductions call (FBLC_SUBGROUPS: clang defines cl_khr_subgroups only from
+    OpenCL C 2.0). The native runner chooses alike (runner.c, language_standard)."""
+    version = re.match(r"OpenCL (\d+)\.", str(device.version))
+    major = int(version.group(1)) if version else 1
+    if "cl_khr_subgroups" not in str(device.extensions).split() or major < 2:
+        return "-cl-std=CL1.2"
+    return "-cl-std=CL3.0" if major >= 3 else "-cl-std=CL2.0"
+
+
 STORAGES = choices.STORAGES
 WINDOW_SLACK_BYTES = 16  # one fp32 texel past every buffer (see _allocate)
 
@@ -190,7 +202,7 @@ class LocalRunner:
         program = cl.Program(self.context, source)
         try:
             half = [fmt.HALF_BUILD_OPTION] if "cl_khr_fp16" in self.device.extensions.split() else []
-            return program.build(options=["-cl-std=CL1.2", *half, *self.build_options],
+            return program.build(options=[language_standard(self.device), *half, *self.build_options],
                                  cache_dir=False if self.unoptimised_reason else None)
         except cl.RuntimeError as error:
             log = program.get_build_info(self.device, cl.program_build_info.LOG) or str(error)

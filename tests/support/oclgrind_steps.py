@@ -75,6 +75,22 @@ def _shared_sums(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOp
     return write_case(path, nodes, inits), {}, OPTIONS
 
 
+def _group_reductions(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
+    """2 rows of 1100, past SERIAL_REDUCTION: LayerNorm's statistics (whole texels, a private copy of each
+    work-item's share: 275 texels over 64 work-items, some shares one shorter), the one-pass LogSumExp (max,
+    then rescaled sums) and the gradients' ReduceMeans, each a work-group per output texel (2 of its 4 lanes
+    past the last row) merging in its __local tree (oclgrind has no sub-groups)."""
+    from onnx import helper
+
+    from tests.test_kernels_contraction import OPTIONS, write_case
+
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["n"], axis=-1, epsilon=1e-5),
+             helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("axes", 7, [1], [1])),
+             helper.make_node("ReduceLogSumExp", ["n", "axes"], ["y"], keepdims=1)]
+    path = os.path.join(directory, "group_reductions.onnx")
+    return write_case(path, nodes, {"x": (2, 1100), "scale": (1100,), "bias": (1100,)}), {}, OPTIONS
+
+
 def _vit_attention(directory: str) -> tuple[str, dict[str, np.ndarray], TrainingOptions]:
     """A ViT's self-attention as torch's dynamo exporter writes it (2 images of 4 patches and a class token, 2
     heads of 4): Q and the transposed K each scaled by d**-0.25 (K^T materialised, read along its tokens by the
@@ -112,6 +128,7 @@ CASES: dict[str, Case] = {
     "embedding": _embedding,
     "shared tiles": _shared_tiles,
     "shared sums": _shared_sums,
+    "group reductions": _group_reductions,
     "resnet": _exported(models.resnet_legacy),  # convolutions, BatchNorm, the MaxPool stem, residuals, GAP
     # depthwise, pointwise, grouped and strided convolutions, BatchNorm on batch statistics, both pools
     "convnet": _exported(models.small_convnet, bn_train=True, optimizer=OptimizerConfig("sgd", lr=0.01, momentum=0.9)),
@@ -126,7 +143,7 @@ CASES: dict[str, Case] = {
 
 #: cases that run again in LocalRunner's buffer storage, where oclgrind reports a read past the end of a
 #: texture's buffer (it cannot for an image): every conv, pool and mask path, the gathers and row scatters
-IN_BUFFERS = {f"{name} in buffers": name for name in ("convnet", "embedding", "shared sums")}
+IN_BUFFERS = {f"{name} in buffers": name for name in ("convnet", "embedding", "shared sums", "group reductions")}
 CASES.update({case: CASES[name] for case, name in IN_BUFFERS.items()})
 #: cases compiled for the local target (a CPU's profile) rather than adreno830
 LOCAL_TARGET = {"shared sums", "shared sums in buffers"}

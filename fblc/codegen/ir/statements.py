@@ -9,7 +9,8 @@ from typing import Callable, ClassVar, Iterator, Sequence, Union
 from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
 
 __all__ = ["Declare", "DeclareArray", "Assign", "Store", "For", "If", "Break", "Return", "Barrier", "While",
-           "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs", "nested", "walk"]
+           "WithFeature", "FEATURES", "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs",
+           "nested", "walk"]
 
 
 @dataclass
@@ -82,16 +83,33 @@ class While:
     body: list[Statement]
 
 
-Statement = Union[Declare, DeclareArray, Assign, Store, For, If, Break, Return, Barrier, While]
+@dataclass
+class WithFeature:
+    """`then` where the device compiler offers an optional OpenCL feature (FEATURES: "subgroups", the
+    sub-group built-ins of cl_khr_subgroups), `orelse` where it does not: the choice is the device
+    compiler's (a preprocessor test), so one source runs on devices with and without it."""
+
+    feature: str
+    then: list[Statement]
+    orelse: list[Statement]
+
+
+#: the optional features a WithFeature may test
+FEATURES = ("subgroups",)
+
+Statement = Union[Declare, DeclareArray, Assign, Store, For, If, Break, Return, Barrier, While, WithFeature]
 
 
 @dataclass
 class KernelIR:
-    """One __kernel: its name, texture arguments (outputs first) and body."""
+    """One __kernel: its name, texture arguments (outputs first) and body; `group_size`: the one work-group
+    size it is written for (its work-items share __local memory; the renderer states it as
+    reqd_work_group_size, and the plan launches it so), or None: any."""
 
     name: str
     arguments: list[Argument]
     body: list[Statement]
+    group_size: int | None = None
 
 
 @dataclass(eq=False)
@@ -185,7 +203,8 @@ _READS: dict[type, tuple[str, ...]] = {
     For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",)}
 
 #: the fields of a statement that hold the statements nested in it
-_BODIES: dict[type, tuple[str, ...]] = {For: ("body",), While: ("body",), If: ("then", "orelse")}
+_BODIES: dict[type, tuple[str, ...]] = {For: ("body",), While: ("body",), If: ("then", "orelse"),
+                                        WithFeature: ("then", "orelse")}
 
 
 def statement_exprs(statement: Statement) -> tuple[Expr, ...]:

@@ -35,14 +35,23 @@ def item_texels(texels: int) -> int:
 
 @dataclass
 class _Row:
-    """Texels k = 0..count-1 of `x` from flat element `first`, read whole: one row of 4 * count elements.
-    The first pass over a row of at most ROW_CACHE texels copies it into a private array the later passes read."""
+    """Texels k = 0..count-1 of `x` from flat element `first`, read whole: one row of 4 * count elements, or
+    in a group kernel the work-item's share of it, texels `start`, `start + step`... (`slots` of them, the
+    last one past the row's end for some work-items when `step` does not divide `count`). The first pass
+    over a share of at most ROW_CACHE texels copies it into a private array the later passes read."""
 
     b: KernelBuilder
     x: ir.Value
     first: Expr  # a multiple of 4
     count: int
+    start: Expr = field(default_factory=lambda: const(0))
+    step: int = 1
+    cache_limit: int = ROW_CACHE  # the most texels its private copy may take
     _cache: Var | None = field(default=None, init=False)  # the private copy, once made
+
+    @property
+    def slots(self) -> int:
+        return -(-self.count // self.step)
 
     def read(self, k: Expr) -> Expr:
         """Texel `k` read from the tensor (a strided view, with no texture of its own: element by element)."""
@@ -52,13 +61,17 @@ class _Row:
         return vector(FLOAT4, *(self.b.element(self.x, self.first + 4 * k + j) for j in range(4)))
 
     def loop(self, block: Block, body: Callable[[Block, Expr], None]) -> None:
-        """for each texel: `body(loop body, texel)`; the first pass over a short row makes the private copy."""
-        copy = self._cache is None and self.count <= ROW_CACHE
-        cache = block.array("row", FLOAT4, self.count) if copy else self._cache
-        with block.loop("k", 0, self.count) as (k, each):
-            texel = each.let(self.read(k) if cache is None or copy else Element(cache, k), "x")
+        """for each texel of the share: `body(loop body, texel)`; the first pass over a short share makes the
+        private copy."""
+        copy = self._cache is None and self.slots <= self.cache_limit
+        cache = block.array("row", FLOAT4, self.slots) if copy else self._cache
+        with block.loop("m", 0, self.slots) as (m, each):
+            k = m if self.step == 1 else self.start + m * self.step
+            if self.count % self.step:  # the work-items whose share is one texel shorter skip its last slot
+                each = each.either(k.lt(self.count))[0]
+            texel = each.let(self.read(k) if cache is None or copy else Element(cache, m), "x")
             if copy:
-                each.assign(Element(cache, k), texel)
+                each.assign(Element(cache, m), texel)
             body(each, texel)
         self._cache = cache
 
@@ -87,8 +100,9 @@ def _row_statistics(b: KernelBuilder, node: ir.Node, prologue: bool = False) -> 
     """Mean and 1/sqrt(var + eps) of the row of the lane's element (or with `prologue`, in the per-texel
     prologue, of the work-item's first element): two passes (mean, then centred squares) rather than
     E[x^2] - E[x]^2, which cancels badly when the mean is large next to the spread. A row of whole
-    texels is read four elements per read; in a group kernel (`b.group_size`) each work-item folds every
-    group_size-th element and the group merges the sums in __local memory."""
+    texels is read four elements per read, once: the second pass reads a private copy where it fits
+    (ROW_CACHE). In a group kernel (`b.group_size`) each work-item folds every group_size-th texel (or
+    element, of a row of partial texels) and the group merges the sums (KernelBuilder.merge_across_group)."""
     x = node.inputs[0]
     shape, axis, count = layer_norm_geometry(node)
     trailing = range(axis, len(shape))
@@ -96,28 +110,64 @@ def _row_statistics(b: KernelBuilder, node: ir.Node, prologue: bool = False) -> 
     row_start = own_index(shape, trailing, TEXEL_INDEX) if prologue else block.let(own_index(shape, trailing), "row")
     epsilon, n = const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
     group = b.group_size
-    if count % 4 == 0 and group is None:
-        row = _Row(b, x, row_start, count // 4)
+    if count % 4 == 0:  # whole texels: each read once (a group's work-items each keep their share)
+        row = _Row(b, x, row_start, count // 4, *((b.lid, group) if group else ()))
         total = block.mutable(vector(FLOAT4, 0.0), "sum")
         row.loop(block, lambda each, v: each.assign(total, v, "+="))
-        mean = block.let(_lanes_sum(total) / n, "mean")
+        total_sum = block.mutable(_lanes_sum(total), "total") if group else _lanes_sum(total)
+        if group:
+            b.merge_across_group([total_sum])
+        mean = block.let(total_sum / n, "mean")
         centred = block.mutable(vector(FLOAT4, 0.0), "sq")
         row.loop(block, lambda each, v: each.assign(centred, (v - mean) * (v - mean), "+="))
-        return mean, block.let(call("rsqrt", _lanes_sum(centred) / n + epsilon), "inv")
+        centred_sum = block.mutable(_lanes_sum(centred), "total") if group else _lanes_sum(centred)
+        if group:
+            b.merge_across_group([centred_sum])
+        return mean, block.let(call("rsqrt", centred_sum / n + epsilon), "inv")
     first, step = (b.lid, group) if group else (0, 1)
     total = block.mutable(const(0.0, FLOAT), "sum")
     with block.loop("r", first, count, step=step) as (r, each):
         each.assign(total, b.element(x, row_start + r), "+=")
     if group:
-        b.merge_across_group(total)
+        b.merge_across_group([total])
     mean = block.let(total / n, "mean")
     centred = block.mutable(const(0.0, FLOAT), "sq")
     with block.loop("r", first, count, step=step) as (r, each):
         d = each.let(b.element(x, row_start + r) - mean, "d")
         each.assign(centred, d * d, "+=")
     if group:
-        b.merge_across_group(centred)
+        b.merge_across_group([centred])
     return mean, block.let(call("rsqrt", centred / n + epsilon), "inv")
+
+
+def _texel_statistics(b: KernelBuilder, node: ir.Node) -> tuple[Expr, Expr]:
+    """_row_statistics of a group kernel's rows of whole texels, for the 4 rows of a statistics texel at once
+    in the per-texel prologue: each work-item folds its share of each row, and each merge joins the 4 rows'
+    partials together (one tree for 4 rows, not 4; the texel is then work-item 0's to write). A lane past
+    the last row repeats it, so that every work-item reaches every barrier."""
+    x, (_, _, count), group = node.inputs[0], layer_norm_geometry(node), b.group_size
+    assert group is not None and count % 4 == 0
+    rows, block = numel(static_shape(node.outputs[1])), b.prologue
+    epsilon, n = const(float(attr(node, "epsilon", 1e-5)), FLOAT), const(float(count), FLOAT)
+    shares = []
+    for lane in range(4):
+        row = b.first_element + lane if rows % 4 == 0 else call("min", b.first_element + lane, rows - 1)
+        shares.append(_Row(b, x, block.let(row * count, "row"), count // 4, b.lid, group, ROW_CACHE // 4))
+
+    def merged(fold: Callable[[int, Expr], Expr]) -> list[Var]:
+        """Each row k's sum of fold(k, texel) over its share, its lanes added, joined across the group."""
+        totals = []
+        for k, share in enumerate(shares):
+            acc = block.mutable(vector(FLOAT4, 0.0), "sum")
+            share.loop(block, lambda each, v: each.assign(acc, fold(k, v), "+="))  # noqa: B023 (called at once)
+            totals.append(block.mutable(_lanes_sum(acc), "total"))
+        b.merge_across_group(totals, prologue=True)
+        return totals
+
+    means = [block.let(total / n, "mean") for total in merged(lambda k, v: v)]
+    squares = merged(lambda k, v: (v - means[k]) * (v - means[k]))
+    inverses = [block.let(call("rsqrt", square / n + epsilon), "inv") for square in squares]
+    return vector(FLOAT4, *means).lane(b.lane), vector(FLOAT4, *inverses).lane(b.lane)
 
 
 def has_statistics(node: ir.Node) -> bool:
@@ -138,7 +188,8 @@ def emit_layer_norm(table: TextureTable, group: KernelGroup) -> list[Kernel]:
         stats = KernelBuilder(table, f"{group.name}_stats", FAMILY, list(node.outputs[1:3]))
         stats.nodes.append(node.name)
         stats.take_group()  # kernels/schedules.py: a work-group per row for a long row
-        kernels.append(stats.finish(list(_row_statistics(stats, node))))
+        whole = stats.group_size is not None and count % 4 == 0
+        kernels.append(stats.finish(list(_texel_statistics(stats, node) if whole else _row_statistics(stats, node))))
     y = node.outputs[0]
     if y not in group.outputs:
         return kernels

@@ -9,19 +9,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Union
 
 import onnx_ir as ir
 
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import strides_of
 from fblc.codegen.indexing import digit_terms, index_var
-from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Var, call, const, flat_index, select, vector
+from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Lane, Var, call, const, flat_index, select, vector
 from fblc.codegen.kernels import lane_kernel
 from fblc.compiler.index_map import map_of
 from fblc.compiler.values import attr, ints_input, numel, static_shape
 
-Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator; also (partial, partial)
+Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator
 _fmax: Combine = partial(call, "fmax")
 
 
@@ -37,17 +37,31 @@ def reduced_axes(node: ir.Node) -> list[int]:
 
 @dataclass(frozen=True)
 class Folded:
-    """A reduction's result: `value` as a later fold reads it (a float4 when the fold ran texel-wise
-    in the per-texel prologue), `lane` as the lane loop reads it."""
+    """A reduction's result, per accumulator: `values` as a later fold reads them (float4s when the fold ran
+    texel-wise in the per-texel prologue), `lanes` as the lane loop reads them; `value`, `lane`: the first's."""
 
-    value: Var
-    lane: Expr
+    values: tuple[Var, ...]
+    lanes: tuple[Expr, ...]
+
+    @property
+    def value(self) -> Var:
+        return self.values[0]
+
+    @property
+    def lane(self) -> Expr:
+        return self.lanes[0]
 
 
-def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Combine,
-                   start: float, merge: Combine = lambda p, q: p + q) -> Folded:
-    """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`. With
-    `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials."""
+#: how a group joins partials of several accumulators ([the work-item's partials of each], prologue)
+GroupMerge = Callable[[KernelBuilder, list[list[Union[Var, Lane]]], bool], None]
+
+
+def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Callable,
+                   start: float | tuple[float, ...], merge: str | GroupMerge = "add") -> Folded:
+    """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`, or with a
+    tuple of starts, several accumulators at once (`combine(block, accs, x)` gives their new values). With
+    `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials: a
+    builder.MERGES name (one accumulator), or a GroupMerge."""
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
@@ -55,6 +69,20 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     group = b.group_size
     first, step = (b.lid, group) if group else (const(0), 1)
     whole_texels = b.constant_value(source) is None and map_of(source).contiguous
+    starts = start if isinstance(start, tuple) else (start,)
+
+    def fold_in(block: Block, accs: list[Var], x: Expr) -> None:
+        """accs = combine(accs, x), every new value computed from the old ones."""
+        new = combine(accs[0], x) if len(accs) == 1 else combine(block, tuple(accs), x)
+        news = [block.let(v, "n") for v in new] if isinstance(new, tuple) else [new]
+        for acc, value in zip(accs, news):
+            block.assign(acc, value)
+
+    def join(partials: list[list[Var | Lane]], prologue: bool) -> None:
+        if isinstance(merge, str):
+            b.merge_across_group([p for each in partials for p in each], merge, prologue)
+        else:
+            merge(b, partials, prologue)
 
     def base_of(prefix: str) -> Expr:
         return flat_index([(index_var(prefix, a if keepdims else kept.index(a)), strides[a]) for a in kept])
@@ -69,53 +97,92 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
         prologue = b.prologue
         argument, texture = b.input_argument(source)
-        acc = prologue.mutable(vector(FLOAT4, const(start, FLOAT)), "acc")
+        accs = [prologue.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts]
         with prologue.loop("r", first, count, step=step) as (r, fold):
             x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4)), "x")
-            fold.assign(acc, combine(acc, x))
-        if group:
-            for lane in range(4):
-                b.merge_across_group(acc.lane(lane), merge, prologue=True)
-        return Folded(acc, acc.lane(b.lane))
-    body = b.body
-    base = body.let(base_of(OUT_INDEX), "base")
-    acc = body.mutable(const(start, FLOAT), "acc")
+            fold_in(fold, accs, x)
+        if group:  # the four outputs' partials in one merge
+            join([[acc.lane(lane) for lane in range(4)] for acc in accs], True)
+        return Folded(tuple(accs), tuple(acc.lane(b.lane) for acc in accs))
     suffix = len(shape)  # the first of the trailing axes that are all reduced
     while suffix > 0 and suffix - 1 in axes:
         suffix -= 1
     run = numel(shape[suffix:]) if suffix < len(shape) else 0  # the run of their elements (0: the last axis is kept)
     outer = [a for a in axes if a < suffix]
-    if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes folded in turn
-        argument, texture = b.input_argument(source)
-        with body.loop("r", first, count // 4, step=step) as (r, fold):
-            texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
-            v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
-            for lane in range(4):
-                fold.assign(acc, combine(acc, fold.let(v.lane(lane), "x")))
-    elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
-        deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
-        inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
-        if not outer:  # one run alone needs no loop over the runs
-            _fold_run(body, b, source, base, run, acc, combine, inner_first, inner_step)
+
+    def fold_row(body: Block, base: Expr, accs: list[Var]) -> None:
+        """Fold the reduced elements of the output whose first reduced element is `base` into `accs`."""
+        if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes in turn
+            argument, texture = b.input_argument(source)
+            with body.loop("r", first, count // 4, step=step) as (r, fold):
+                texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
+                v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
+                for lane in range(4):
+                    fold_in(fold, accs, fold.let(v.lane(lane), "x"))
+        elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
+            deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
+            inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
+            if not outer:  # one run alone needs no loop over the runs
+                _fold_run(body, b, source, base, run, accs, fold_in, inner_first, inner_step)
+            else:
+                outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
+                with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
+                    row = runs.let(base + step_index(r, outer), "row")
+                    _fold_run(runs, b, source, row, run, accs, fold_in, inner_first, inner_step)
         else:
-            outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
-            with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
-                row = runs.let(base + step_index(r, outer), "row")
-                _fold_run(runs, b, source, row, run, acc, combine, inner_first, inner_step)
-    else:
-        with body.loop("r", first, count, step=step) as (r, fold):
-            index = base + step_index(r, axes) if axes else base
-            fold.assign(acc, combine(acc, fold.let(b.element(source, index), "x")))
+            with body.loop("r", first, count, step=step) as (r, fold):
+                index = base + step_index(r, axes) if axes else base
+                fold_in(fold, accs, fold.let(b.element(source, index), "x"))
+
+    if group and b.texels_per_item == 1:  # the texel's 4 outputs in the prologue, their partials in one merge
+        prologue, outputs = b.prologue, numel([shape[a] for a in kept])
+        lanes = []
+        for lane in range(4):  # a lane past the last output keeps its starts (every lane reaches the merge)
+            lanes.append([prologue.mutable(const(st, FLOAT), "acc") for st in starts])
+            if lane >= outputs:  # past the end in every texel
+                continue
+            out = prologue.let(b.first_element + lane, "out")
+            fold_row(prologue if outputs % 4 == 0 else prologue.either(out.lt(outputs))[0],
+                     step_index(out, kept), lanes[-1])
+        live = lanes[:min(4, outputs)]
+        join([[each[k] for each in live] for k in range(len(starts))], True)
+        texels = [prologue.let(vector(FLOAT4, *(each[k] for each in lanes)), "acc") for k in range(len(starts))]
+        return Folded(tuple(texels), tuple(texel.lane(b.lane) for texel in texels))
+    body = b.body
+    base = body.let(base_of(OUT_INDEX), "base")
+    accs = [body.mutable(const(st, FLOAT), "acc") for st in starts]
+    fold_row(body, base, accs)
     if group:
-        b.merge_across_group(acc, merge)
-    return Folded(acc, acc)
+        join([[acc] for acc in accs], False)
+    return Folded(tuple(accs), tuple(accs))
 
 
-def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: int, acc: Var, combine: Combine,
-              first: Expr, step: int) -> None:
-    """acc = combine(acc, x) over the `run` consecutive elements of `source` from flat index `row`."""
+def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: int, accs: list[Var],
+              fold_in: Callable[[Block, list[Var], Expr], None], first: Expr, step: int) -> None:
+    """Fold the `run` consecutive elements of `source` from flat index `row` into `accs`."""
     with block.loop("ri", first, run, step=step) as (inner, fold):
-        fold.assign(acc, combine(acc, fold.let(b.element(source, row + inner), "x")))
+        fold_in(fold, accs, fold.let(b.element(source, row + inner), "x"))
+
+
+def _log_sum_exp_step(block: Block, accs: tuple[Expr, ...], x: Expr) -> tuple[Expr, Expr]:
+    """One element into a running (max m, sum s of exp(x - m)): one pass over the row, one exp an element.
+    The smaller of m and x enters as exp(smaller - larger); `fmin(.., 0)` makes that exp(0) = 1 where both
+    are -inf (NaN otherwise), and a later finite x scales that sum by exp(-inf) = 0."""
+    peak, total = accs
+    larger = block.let(call("fmax", peak, x), "hi")
+    scale = block.let(call("exp", call("fmin", call("fmin", peak, x) - larger, const(0.0, FLOAT))), "e")
+    return larger, select(x.gt(peak), total * scale + const(1.0, FLOAT), total + scale)
+
+
+def _merge_log_sum_exp(b: KernelBuilder, partials: list[list[Var | Lane]], prologue: bool) -> None:
+    """Join the work-items' (max, sum) pairs: the group's max, then each sum rescaled to it and added."""
+    peaks, totals = partials
+    block = b.prologue if prologue else b.body
+    own = [block.let(peak, "own") for peak in peaks]  # a peak's partial, before the merge replaces it
+    b.merge_across_group(peaks, "max", prologue)
+    for mine, peak, total in zip(own, peaks, totals):  # a partial already at the max keeps its sum (-inf's too)
+        block.assign(total, select(mine.eq(peak), total, total * call("exp", mine - peak)))
+    b.merge_across_group(totals, "add", prologue)
 
 
 @lane_kernel("reduction", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
@@ -125,13 +192,13 @@ def emit_reduce(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     source = node.inputs[0]
     b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
-        return [reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax).lane]
-    if node.op_type == "ReduceLogSumExp":  # max first: exp(x - max) cannot overflow
-        peak = reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, _fmax)
-        total = reduction_loop(b, source, axes, keepdims, lambda a, x: a + call("exp", x - peak.value), 0.0)
+        return [reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max").lane]
+    if node.op_type == "ReduceLogSumExp":  # exp(x - running max): cannot overflow, the row read once
+        peak, total = reduction_loop(b, source, axes, keepdims, _log_sum_exp_step, (-math.inf, 0.0),
+                                     _merge_log_sum_exp).lanes
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
         none = const(-math.inf, FLOAT)
-        return [select(peak.lane.eq(none), none, peak.lane + call("log", total.lane))]
+        return [select(peak.eq(none), none, peak + call("log", total))]
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
         return [call("sqrt", reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0).lane)]
     total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0).lane

@@ -24,6 +24,8 @@ from fblc.codegen.render.preamble import BUFFER_PREAMBLE, PREAMBLE, REAL_IMAGE_P
 COMPONENTS = "xyzw"
 LANE_FUNCTIONS = {"float": "lane_f", "int": "lane_i", "uint": "lane_i", "real": "lane_r"}
 INDENT = "  "
+#: the preamble's macro that says an optional feature (ir.FEATURES) is there (preamble.FEATURE_TESTS)
+FEATURE_MACROS = {"subgroups": "FBLC_SUBGROUPS"}
 
 
 def float_literal(value: float) -> str:
@@ -201,6 +203,9 @@ class Renderer:
             if s.orelse:
                 lines += [f"{pad}}} else {{"] + self.statements(s.orelse, depth + 1)
             return lines + [f"{pad}}}"]
+        if isinstance(s, ir.WithFeature):  # the device compiler's choice: preprocessor lines
+            return [f"{pad}#ifdef {FEATURE_MACROS[s.feature]}", *self.statements(s.then, depth),
+                    f"{pad}#else", *self.statements(s.orelse, depth), f"{pad}#endif"]
         if isinstance(s, ir.While):
             return [f"{pad}while ({self.condition(s.condition)}) {{", *self.statements(s.body, depth + 1), f"{pad}}}"]
         return [pad + {ir.Break: "break;", ir.Return: "return;",
@@ -220,7 +225,9 @@ def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE, folds: dict[ir.
     params = ", ".join(storage.parameters[a.role].format(a=a.name, e=a.element) for a in kernel.arguments)
     folds = foldable(kernel.body) if folds is None else folds
     body = [INDENT + line for line in storage.prologue] + Renderer(folds, storage).statements(kernel.body, 1)
-    return "\n".join([f"__kernel void {kernel.name}({params}{storage.params_tail}) {{", *body, "}"])
+    # a kernel written for one work-group size says so: the driver may then size registers and __local for it
+    size = f"__attribute__((reqd_work_group_size({kernel.group_size}, 1, 1))) " if kernel.group_size else ""
+    return "\n".join([f"{size}__kernel void {kernel.name}({params}{storage.params_tail}) {{", *body, "}"])
 
 
 def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:

@@ -7,7 +7,18 @@ from fblc.bundle_format import HALF_BUILD_OPTION
 
 HALF_MACRO = HALF_BUILD_OPTION.removeprefix("-D")  # what a runtime defines for a device with cl_khr_fp16
 
-HELPERS = """\
+#: FBLC_SUBGROUPS where the device compiler has sub-group built-ins (cl_khr_subgroups, or OpenCL C 3.0's
+#: feature): group reductions then merge within sub-groups first (ir.WithFeature; the __local tree otherwise)
+FEATURE_TESTS = """\
+#if defined(cl_khr_subgroups) || defined(__opencl_c_subgroups)
+#define FBLC_SUBGROUPS
+#endif
+#ifdef cl_khr_subgroups
+#pragma OPENCL EXTENSION cl_khr_subgroups : enable
+#endif
+"""
+
+HELPERS = FEATURE_TESTS + """\
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int wrap_row(int r, int n) { return r < 0 ? r + n : r; }  // ONNX: a negative index counts from the end

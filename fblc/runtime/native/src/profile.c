@@ -114,7 +114,7 @@ static void build(profiler *p) {
     cl_int status;
     p->program = cl.CreateProgramWithSource(p->context, 1, &source, &length, &status);
     check_cl(status, "clCreateProgramWithSource");
-    status = cl.BuildProgram(p->program, 1, &p->device.device, build_options(p->device.device), NULL, NULL);
+    status = cl.BuildProgram(p->program, 1, &p->device.device, build_options(&p->device), NULL, NULL);
     if (status == CL_BUILD_PROGRAM_FAILURE) die_with_build_log(p);
     check_cl(status, "clBuildProgram");
     size_t count = p->kernels_json->count;
@@ -310,13 +310,13 @@ static void write_device(FILE *out, const profiler *p) {
             p->device.image_max_width, p->device.image_max_height, p->max_work_group_size);
     fprintf(out, "  \"global_mem_cache_size\": %llu, \"global_mem_cacheline_size\": %llu, \"global_mem_size\": %llu, "
                  "\"local_mem_size\": %llu,\n  \"max_compute_units\": %llu, \"max_clock_frequency\": %llu, "
-                 "\"fp16\": %s, \"cpu\": %s, \"simd_floats\": %llu},\n",
+                 "\"fp16\": %s, \"cpu\": %s, \"simd_floats\": %llu, \"subgroups\": %s},\n",
             device_ulong(d, CL_DEVICE_GLOBAL_MEM_CACHE_SIZE), device_uint(d, CL_DEVICE_GLOBAL_MEM_CACHELINE_SIZE),
             device_ulong(d, CL_DEVICE_GLOBAL_MEM_SIZE), device_ulong(d, CL_DEVICE_LOCAL_MEM_SIZE),
             device_uint(d, CL_DEVICE_MAX_COMPUTE_UNITS), device_uint(d, CL_DEVICE_MAX_CLOCK_FREQUENCY),
             strstr(extensions, "cl_khr_fp16 ") ? "true" : "false",
             device_ulong(d, CL_DEVICE_TYPE) & CL_DEVICE_TYPE_CPU ? "true" : "false",
-            device_uint(d, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT));
+            device_uint(d, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT), strstr(extensions, "cl_khr_subgroups ") ? "true" : "false");
     free(extensions);
 }
 

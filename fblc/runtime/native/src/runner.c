@@ -8,19 +8,18 @@
 #include "json.h"
 #include "util.h"
 
-#define BUILD_OPTIONS "-cl-std=CL1.2"
 /* a device with cl_khr_fp16 builds the bundle's half kernels in half (the kernels' `real`; without it, float) */
 #define HALF_OPTION "-DFBLC_HALF"
 #define MAX_OPTIONS 1024
 
-/* whether `device` lists cl_khr_fp16 among its extensions (a whole word of the list) */
-static int has_fp16(cl_device_id device) {
+/* whether `device` lists the extension `name` (a whole word of its extension list) */
+static int has_extension(cl_device_id device, const char *name) {
     size_t size = 0;
     if (cl.GetDeviceInfo(device, CL_DEVICE_EXTENSIONS, 0, NULL, &size) != CL_SUCCESS) return 0;
     char *extensions = xcalloc(size + 1, 1);
     int found = 0;
     if (cl.GetDeviceInfo(device, CL_DEVICE_EXTENSIONS, size, extensions, NULL) == CL_SUCCESS) {
-        const char *name = "cl_khr_fp16", *at = extensions;
+        const char *at = extensions;
         size_t length = strlen(name);
         while (!found && (at = strstr(at, name)) != NULL) {
             found = (at == extensions || at[-1] == ' ') && (at[length] == ' ' || at[length] == '\0');
@@ -31,14 +30,25 @@ static int has_fp16(cl_device_id device) {
     return found;
 }
 
-const char *build_options(cl_device_id device) {
+const char *build_options(const device_choice *device) {
     static char options[MAX_OPTIONS];
     const char *extra = getenv("FBLC_CL_BUILD_OPTIONS");
-    const char *half = has_fp16(device) ? " " HALF_OPTION : "";
-    if (extra && *extra) snprintf(options, sizeof options, "%s%s %s", BUILD_OPTIONS, half, extra);
-    else snprintf(options, sizeof options, "%s%s", BUILD_OPTIONS, half);
+    const char *half = has_extension(device->device, "cl_khr_fp16") ? " " HALF_OPTION : "";
+    if (extra && *extra) snprintf(options, sizeof options, "%s%s %s", device->language_standard, half, extra);
+    else snprintf(options, sizeof options, "%s%s", device->language_standard, half);
     return options;
 }
+
+/* OpenCL C 1.2, which every device fblc targets compiles, or on a device with sub-groups (cl_khr_subgroups) of
+   OpenCL 2.x / 3.x that version's, whose compilers declare the sub-group built-ins the group reductions call
+   (FBLC_SUBGROUPS); as fblc.runtime.local.language_standard */
+static void language_standard(cl_device_id device, const char *version, char *out, size_t size) {
+    int major = 1;
+    sscanf(version, "OpenCL %d.", &major);
+    int sub_groups = has_extension(device, "cl_khr_subgroups");
+    snprintf(out, size, "-cl-std=%s", !sub_groups || major < 2 ? "CL1.2" : major >= 3 ? "CL3.0" : "CL2.0");
+}
+
 #define CACHE_FILE "kernels.cache"
 #define CACHE_MAGIC "FBLCBIN1"
 
@@ -88,6 +98,7 @@ static void describe(cl_platform_id platform, cl_device_id device, device_choice
     device_string(device, CL_DEVICE_NAME, out->device_name, sizeof out->device_name);
     device_string(device, CL_DEVICE_VERSION, out->device_version, sizeof out->device_version);
     device_string(device, CL_DRIVER_VERSION, out->driver_version, sizeof out->driver_version);
+    language_standard(device, out->device_version, out->language_standard, sizeof out->language_standard);
     check_cl(cl.GetDeviceInfo(device, CL_DEVICE_IMAGE2D_MAX_WIDTH, sizeof out->image_max_width, &out->image_max_width,
                               NULL), "clGetDeviceInfo(IMAGE2D_MAX_WIDTH)");
     check_cl(cl.GetDeviceInfo(device, CL_DEVICE_IMAGE2D_MAX_HEIGHT, sizeof out->image_max_height,
@@ -208,7 +219,7 @@ static void check_limits(runner *r) {
 /* --- the program ---------------------------------------------------------------------------------------- */
 
 static char *cache_key(runner *r) {
-    const char *options = build_options(r->device.device);
+    const char *options = build_options(&r->device);
     size_t size = 256 + strlen(options) + strlen(r->device.platform_name) + strlen(r->device.device_name) +
                   strlen(r->device.device_version) + strlen(r->device.driver_version) + sizeof r->b->kernels_sha256;
     char *key = xmalloc(size);
@@ -247,7 +258,7 @@ static int load_cached_program(runner *r, const char *path, const char *key) {
             cl_program program = cl.CreateProgramWithBinary(r->context, 1, &r->device.device, &binary_length, &binary,
                                                             &binary_status, &status);
             if (status == CL_SUCCESS && binary_status == CL_SUCCESS &&
-                cl.BuildProgram(program, 1, &r->device.device, build_options(r->device.device), NULL, NULL) == CL_SUCCESS) {
+                cl.BuildProgram(program, 1, &r->device.device, build_options(&r->device), NULL, NULL) == CL_SUCCESS) {
                 r->program = program;
                 ok = 1;
             } else if (status == CL_SUCCESS) {
@@ -290,7 +301,7 @@ static void build_program(runner *r, int use_cache) {
         size_t length = r->b->kernels_length;
         r->program = cl.CreateProgramWithSource(r->context, 1, &source, &length, &status);
         check_cl(status, "clCreateProgramWithSource");
-        status = cl.BuildProgram(r->program, 1, &r->device.device, build_options(r->device.device), NULL, NULL);
+        status = cl.BuildProgram(r->program, 1, &r->device.device, build_options(&r->device), NULL, NULL);
         if (status == CL_BUILD_PROGRAM_FAILURE) die_with_build_log(r, r->program);
         check_cl(status, "clBuildProgram");
         if (use_cache) save_program(r, path, key);

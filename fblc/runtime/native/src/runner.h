@@ -9,6 +9,7 @@ typedef struct {
     cl_platform_id platform;
     cl_device_id device;
     char platform_name[256], device_name[256], device_version[256], driver_version[256];
+    char language_standard[16]; /* -cl-std=CL1.2, or the device's OpenCL 2.0 / 3.0 where it has sub-groups */
     size_t image_max_width, image_max_height;
 } device_choice;
 
@@ -33,9 +34,9 @@ typedef struct {
     double *metrics;         /* the bundle's metrics after the last step, one per b->metric_names */
 } runner;
 
-/* "-cl-std=CL1.2", "-DFBLC_HALF" where `device` has cl_khr_fp16 (LocalRunner's too), then $FBLC_CL_BUILD_OPTIONS
- * if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
-const char *build_options(cl_device_id device);
+/* the device's -cl-std (device_choice.language_standard), "-DFBLC_HALF" where the device has cl_khr_fp16
+   (LocalRunner's too), then $FBLC_CL_BUILD_OPTIONS if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
+const char *build_options(const device_choice *device);
 
 /* "P:D" or NULL for the first device with image support (what `fblc run --device local` takes). */
 void device_select(const char *spec, device_choice *out);
