@@ -461,10 +461,12 @@ def bundle_figures(bundle: str, resident_items: int) -> dict[str, Any]:
             "bytes": estimate["bytes"], "step_ms": estimate["step_ms"], "flops": estimate["flops"]}
 
 
-def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp32", options: Any = None
-                    ) -> tuple[Figures, dict[str, Any]]:
+def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp32", options: Any = None,
+                    resident_items: int | None = None) -> tuple[Figures, dict[str, Any]]:
     """Compile `model_path` into `bundle` for `target` and give (the kernels' Figures, bundle_figures with
-    `device_items` and `device_items_from`). `options`: TrainingOptions (default: fblc compile's)."""
+    `device_items` and `device_items_from`). `options`: TrainingOptions (default: fblc compile's);
+    `resident_items`: the device's size to count small launches against (default: device_items of the
+    target's profile as this fblc has it; give one to compare two versions of fblc alike)."""
     import fblc.codegen.compile as compile_module
     from fblc.passes.pipeline import TrainingOptions
     from fblc.profiles import load_profile
@@ -481,6 +483,6 @@ def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp3
         compile_module.compile_model(model_path, bundle, target, dtype, options or TrainingOptions())
     finally:
         compile_module.lower = lower  # type: ignore[assignment]
-    resident, how = device_items(load_profile(target))
+    resident, how = device_items(load_profile(target)) if resident_items is None else (resident_items, "given")
     return program_figures(programs[-1].kernels), {**bundle_figures(bundle, resident), "device_items": resident,
                                                    "device_items_from": how}
