@@ -35,12 +35,15 @@ def test_instruction_counts_print_a_table_of_both_layouts(capsys) -> None:
         assert row, line
         figure, naive, rtile, ratio = row.groups()
         rows[figure] = (float(naive.replace(",", "")), float(rtile.replace(",", "")), ratio)
-    assert list(rows) == list(instructions.FIGURES) + ["div/rem per FMA"], lines
+    assert list(rows) == list(instructions.FIGURES) + list(instructions.RATIOS), lines
     naive_fmas, rtile_fmas, _ = rows["FMAs"]
     assert naive_fmas == rtile_fmas and MLP_FORWARD_MACS <= rtile_fmas <= 4 * MLP_FORWARD_MACS, rows["FMAs"]
     for figure in ("image reads", "image writes", "float add/mul/div"):
         naive, rtile, ratio = rows[figure]
         assert naive > 0 and rtile > 0 and float(ratio) == pytest.approx(naive / rtile, abs=0.006), (figure, ratio)
+    for layout in (0, 1):  # a ratio row is its two figures' quotient (printed to 3 decimals)
+        assert rows["image reads per FMA"][layout] == pytest.approx(
+            rows["image reads"][layout] / rows["FMAs"][layout], abs=0.0006), rows
 
 
 def _hand_made_kernel() -> Any:
