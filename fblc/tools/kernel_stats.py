@@ -39,6 +39,7 @@ CHANNELS: dict[str, int] = {"uint": 1}
 #: calls that move lanes, not arithmetic
 LANE_MOVES = frozenset({"WINDOW", "window4", "lane_f", "lane_i", "wrap_row"})
 WINDOWS = frozenset({"WINDOW", "window4"})
+CONVERSIONS = ("convert_", "as_")  # type conversions and reinterpretations, not arithmetic
 ARITHMETIC = frozenset({"+", "-", "*", "/"})
 #: device size when the profile has no compute_units / waves_per_unit (estimated: issue 39's reading of
 #: adreno830, 6 shader processors of 4 resident 64-wide waves, 1536 work-items; applied to every target)
@@ -390,7 +391,7 @@ def _is_arithmetic(e: ir.Expr) -> bool:
         return e.op in ARITHMETIC
     if isinstance(e, ir.Unary):
         return e.op == "-"
-    return isinstance(e, ir.Call) and e.function not in LANE_MOVES
+    return isinstance(e, ir.Call) and e.function not in LANE_MOVES and not e.function.startswith(CONVERSIONS)
 
 
 def _block_figures(body: Sequence[ir.Statement], use: LaneUse, weight: float, loops: frozenset[Any],
