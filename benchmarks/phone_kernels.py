@@ -5,8 +5,8 @@
 
 Each model is exported once (here), then compiled for each target by both versions of fblc: the base revision
 checked out into a temporary git worktree (as benchmarks/before_after.py does) and this tree, each in its own
-process. The figures come from fblc/tools/kernel_stats.py (this tree's, loaded by path into both processes, so
-both sides are measured alike), from the kernel IR of every launch and the bundle's plan.json and report.json:
+process. The figures come from fblc/tools/kernel_stats.py and lane_use.py (this tree's, loaded by path into both
+processes, so both sides are measured alike), from the kernel IR of every launch and the bundle's plan.json and report.json:
 
 - whole/site, whole/step: the fraction of texel fetches that use every channel of their texel (all four lanes
   of an RGBA texel), counted once per read site of every launch (site), and weighted by how often each site runs
@@ -39,14 +39,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MODELS = ("mobilenet_v2", "llama", "tresnet")
-STATS = os.path.join(ROOT, "fblc", "tools", "kernel_stats.py")
+TOOLS = os.path.join(ROOT, "fblc", "tools")  # kernel_stats.py and lane_use.py, which measure both sides
 
 #: run in each side's checkout (its fblc first on the path): compile each job, print its figures as one JSON line
 DRIVER = """
-import importlib.util, json, sys, traceback
-spec = importlib.util.spec_from_file_location("phone_kernel_stats", sys.argv[1])
-stats = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-spec.loader.exec_module(stats)
+import importlib.util, json, os, sys
+import fblc.tools
+for name in ("lane_use", "kernel_stats"):  # this tree's modules, under their own names (kernel_stats imports lane_use)
+    spec = importlib.util.spec_from_file_location(f"fblc.tools.{name}", os.path.join(sys.argv[1], f"{name}.py"))
+    stats = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(stats)
 from fblc.passes.pipeline import TrainingOptions
 for job in json.loads(sys.argv[2]):
     try:
@@ -97,7 +99,7 @@ def export_models(directory: str, names: list[str]) -> dict[str, tuple[str, dict
 def measure(tree: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each job's figures, compiled by the fblc of checkout `tree`."""
     environment = dict(os.environ, PYTHONPATH=tree)
-    done = subprocess.run([sys.executable, "-c", DRIVER, STATS, json.dumps(jobs)], cwd=tree, env=environment,
+    done = subprocess.run([sys.executable, "-c", DRIVER, TOOLS, json.dumps(jobs)], cwd=tree, env=environment,
                           capture_output=True, text=True)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or len(results) != len(jobs):

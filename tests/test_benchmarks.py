@@ -108,13 +108,13 @@ def test_kernel_stats_bounds_loop_trips_and_reads_a_bundle(tmp_path) -> None:
     import types
 
     from fblc.codegen import ir as kir
-    from fblc.tools import kernel_stats
+    from fblc.tools import kernel_stats, lane_use
 
     y = kir.Var("y", 1, kir.INT)
     window = kir.For(kir.Var("k", 2, kir.INT), kir.call("max", 0, -y), kir.call("min", 3, 97 - y), [])
     tree = kir.For(kir.Var("s", 3, kir.INT), kir.const(32), None, [], 1, condition=kir.Var("s", 3, kir.INT).gt(0),
                    step_op=">>=")
-    assert kernel_stats.trip_count(window, {}) == 3 and kernel_stats.trip_count(tree, {}) == 6
+    assert lane_use.trip_count(window, {}) == 3 and lane_use.trip_count(tree, {}) == 6
     (tmp_path / "plan.json").write_text(json.dumps({"kernels": [{"name": "k0", "items": 100},
                                                                {"name": "k1", "items": 5000}]}))
     (tmp_path / "report.json").write_text(json.dumps({"estimate": {
