@@ -5,12 +5,14 @@
 
 Each model is exported once (here), then compiled for each target by both versions of fblc: the base revision
 checked out into a temporary git worktree (as benchmarks/before_after.py does) and this tree, each in its own
-process. The figures come from fblc/tools/kernel_stats.py and lane_use.py (this tree's, loaded by path into both
-processes, so both sides are measured alike), from the kernel IR of every launch and the bundle's plan.json and report.json:
+process. The figures come from fblc/tools/kernel_stats.py (with lane_use.py and item_values.py: this tree's,
+loaded by path into both processes, so both sides are measured alike), from the kernel IR of every launch and the bundle's plan.json and report.json:
 
 - whole/site, whole/step: the fraction of texel fetches that use every channel of their texel (all four lanes
   of an RGBA texel), counted once per read site of every launch (site), and weighted by how often each site runs
-  per step: work-items times the trip counts of its loops (step);
+  per step (step): per work-item, the trips of its loops and the branches its ifs take where the IR's integer
+  prologue gives them (from get_global_id), interval bounds of the trips elsewhere, an if's heavier branch where
+  its condition depends on data or a loop variable;
 - launches: kernel launches per step (plan.json);
 - small FLOP %: the share of the step's FLOPs (report.json estimate.kernels[*].flops) in launches with fewer
   work-items (plan.json items) than the device holds at once: compute_units x waves_per_unit x wave_size of the
@@ -39,13 +41,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MODELS = ("mobilenet_v2", "llama", "tresnet")
-TOOLS = os.path.join(ROOT, "fblc", "tools")  # kernel_stats.py and lane_use.py, which measure both sides
+TOOLS = os.path.join(ROOT, "fblc", "tools")  # kernel_stats.py, lane_use.py and item_values.py measure both sides
 
 #: run in each side's checkout (its fblc first on the path): compile each job, print its figures as one JSON line
 DRIVER = """
 import importlib.util, json, os, sys
 import fblc.tools
-for name in ("lane_use", "kernel_stats"):  # this tree's modules, under their own names (kernel_stats imports lane_use)
+for name in ("item_values", "lane_use", "kernel_stats"):  # this tree's modules, under their own names (imported
+    # in this order by kernel_stats)
     spec = importlib.util.spec_from_file_location(f"fblc.tools.{name}", os.path.join(sys.argv[1], f"{name}.py"))
     stats = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(stats)

@@ -50,10 +50,11 @@ def test_instruction_counts_print_a_table_of_both_layouts(capsys) -> None:
 
 
 def _hand_made_kernel() -> Any:
-    """Six texel fetches, three of which use their whole texel: `whole` (stored as a float4), the middle texel
-    of two windows at one shift, and `every` (its lanes picked by a 4-trip loop inside its scope); `one` gives
-    only .y, the outer window texels one side of a window each. Float lane-operations: the float4 product (4),
-    `acc +=` (1, 4 trips); half: a product and `hacc +=` (2, in a 3-trip loop)."""
+    """Seven texel fetches, four of which use their whole texel: `whole` (stored as a float4), the middle texel
+    of two windows at one shift, `every` (its lanes picked by a 4-trip loop inside its scope) and the one stored
+    by work-items 0..2 alone; `one` gives only .y, the outer window texels one side of a window each. Float
+    lane-operations: the float4 product (4), `acc +=` (1, 4 trips); half: a product and `hacc +=` (2, in a
+    3-trip loop)."""
     from fblc.codegen import ir as kir
     from fblc.texel_layout import flat_layout
 
@@ -78,23 +79,25 @@ def _hand_made_kernel() -> Any:
         product = body.let(kir.Binary("*", kir.Cast(kir.HALF, kir.Lane(windows[0], kir.const(0))),
                                       kir.Cast(kir.HALF, kir.Lane(windows[1], kir.const(0))), kir.HALF), "p")
         body.assign(hacc, product, "+=")
+    with block.when(t.lt(3)) as edge:  # work-items 0, 1, 2 of 10 take it
+        edge.add(kir.Store(argument("out", 2), t, kir.Load(argument("in", 0), t + 1)))
     block.add(kir.Store(argument("out", 0), t, whole * 2.0))
     block.add(kir.Store(argument("out", 1), t, kir.vector(kir.FLOAT4, acc, kir.Lane(one, kir.const(1)),
                                                           kir.Cast(kir.FLOAT, hacc), 0.0)))
-    return kir.KernelIR("hand_made", [argument("out", 0), argument("out", 1)] +
+    return kir.KernelIR("hand_made", [argument("out", n) for n in range(3)] +
                         [argument("in", n) for n in range(4)], block.statements)
 
 
 def test_kernel_stats_counts_whole_texel_fetches_and_half_arithmetic_of_a_hand_made_kernel() -> None:
     """fblc.tools.kernel_stats (benchmarks/phone_kernels.py's figures) on a kernel whose answers are counted by
-    hand (_hand_made_kernel): per site 3 of 6 fetches whole; per step over 10 work-items 50 of 120 (the three
-    window texels run 3 times); arithmetic 80 float and 60 half lane-operations per step."""
+    hand (_hand_made_kernel): per site 4 of 7 fetches whole; per step over 10 work-items 53 of 123 (the three
+    window texels run 3 times, the if's fetch 3 times); arithmetic 80 float and 60 half lane-operations per step."""
     from fblc.tools import kernel_stats
 
     figures = kernel_stats.kernel_figures(_hand_made_kernel(), items=10)
-    assert (figures.fetches, figures.whole_fetches) == (6, 3)
-    assert (figures.fetch_runs, figures.whole_fetch_runs) == (120, 50)
-    assert figures.whole_share(weighted=True) == pytest.approx(50 / 120)
+    assert (figures.fetches, figures.whole_fetches) == (7, 4)
+    assert (figures.fetch_runs, figures.whole_fetch_runs) == (123, 53)
+    assert figures.whole_share(weighted=True) == pytest.approx(53 / 123)
     assert dict(figures.ops) == {"float": 5, "half": 2}
     assert dict(figures.op_runs) == {"float": 80, "half": 60}
     assert figures.half_share() == pytest.approx(60 / 140) and figures.unbounded_loops == 0

@@ -4,20 +4,25 @@ From the kernel IR of every launch (fblc/codegen/ir; `Program.kernels[*].ir`, wh
 
 - texel fetches and how many of them use every channel of their texel (all four lanes of an RGBA texel; the one
   channel of a mask's r_mask image), the lanes a fetch's readers use as fblc/tools/lane_use.py finds them;
-- float arithmetic by scalar type (lane-operations: a float4 add is 4), so the share computed in `half`.
+- float arithmetic by scalar type (lane-operations: a float4 add is 4), so the share computed in `half` (or
+  `real`, a half kernel's type that is half wherever the device has cl_khr_fp16).
 
 Each figure is given per site (`static`: every Load and every operation of every launch once) and per step
-(`runs`: times work-items times the trip counts of the loops around it). Trip counts come from interval bounds of
-a loop's start and stop (`max(0, a) .. min(3, b)`: at most 3; a strided `lid .. n step 64`: n / 64); a loop
-without bounds counts once and is counted in `unbounded_loops`. An `if` without `else` counts as taken; of an
-if/else, the branch with more weighted work counts (a work-item runs one), both count for `static`.
+(`runs`). Runs are counted per work-item (item_values.py): an `if` whose condition the kernel's integer prologue
+gives (from get_global_id) weighs each branch by the work-items that take it (a conv's per-lane edge path runs at
+row ends only), a loop whose start and stop it gives runs each work-item's own trips. Elsewhere (a condition on
+data or on a loop variable) an `if` without `else` counts as taken and of an if/else the branch with more work
+(both count for `static`), and a loop's trips come from interval bounds of its start and stop
+(`max(0, a) .. min(3, b)`: 3; a strided `lid .. n step 64`: n / 64): upper estimates; a loop without bounds
+counts once (`unbounded_loops`). On examples/mlp.py's step the runs of image reads are oclgrind's within 1 %
+(benchmarks/instructions.py prints both).
 
 From the bundle (plan.json, report.json's `estimate`): launches per step, the share of the step's FLOPs in launches
 with fewer work-items than the device holds at once (`device_items`), bytes moved and the step estimate.
 
-Used by benchmarks/phone_kernels.py and benchmarks/instructions.py. phone_kernels also runs this module and
-lane_use.py against an older fblc, loaded by path: they import only fblc.codegen.ir, fblc.codegen.compile's
-`lower` and the profile loader, which every version since the kernel IR (41fc349) has.
+Used by benchmarks/phone_kernels.py and benchmarks/instructions.py. phone_kernels also runs this module,
+lane_use.py and item_values.py against an older fblc, loaded by path: they import only fblc.codegen.ir,
+fblc.codegen.compile's `lower` and the profile loader, which every version since the kernel IR (41fc349) has.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 from fblc.codegen import ir
-from fblc.tools.lane_use import (UNBOUNDED, Bounds, Demand, LaneUse, bounds, lanes_used, statement_demands,
-                                  trip_count, var_key)
+from fblc.tools.item_values import INTEGERS, Items, Unknown, evaluate, per_item
+from fblc.tools.lane_use import (FLOATS, UNBOUNDED, Bounds, Demand, LaneUse, bounds, children, lanes_used,
+                                  statement_demands, trip_count, var_key)
 
 #: channels of a texel by the Load's texture kind: an r_mask image (kind "uint", read as lane x) holds one
 CHANNELS: dict[str, int] = {"uint": 1}
@@ -38,6 +46,9 @@ CHANNELS: dict[str, int] = {"uint": 1}
 LANE_MOVES = frozenset({"WINDOW", "window4", "lane_f", "lane_i", "wrap_row"})
 CONVERSIONS = ("convert_", "as_")  # type conversions and reinterpretations, not arithmetic
 ARITHMETIC = frozenset({"+", "-", "*", "/"})
+#: float scalar types that are half on a target with cl_khr_fp16: `half`, and `real`, the type a half kernel
+#: computes in where the same source also builds without the extension (then float: a device the target is not)
+HALF_TYPES = ("half", "real")
 #: device size when the profile has no compute_units / waves_per_unit (estimated: issue 39's reading of
 #: adreno830, 6 shader processors of 4 resident 64-wide waves, 1536 work-items; applied to every target)
 FALLBACK_COMPUTE_UNITS = 6
@@ -73,10 +84,10 @@ class Figures:
         return whole / every if every else 1.0
 
     def half_share(self, weighted: bool = True) -> float:
-        """Fraction of float arithmetic (lane-operations) computed in half."""
+        """Fraction of float arithmetic (lane-operations) computed in half (HALF_TYPES)."""
         ops = self.op_runs if weighted else self.ops
-        total = ops["half"] + ops["float"]
-        return ops["half"] / total if total else 0.0
+        total = sum(ops.values())
+        return sum(ops[scalar] for scalar in HALF_TYPES) / total if total else 0.0
 
 
 def _scaled(figures: Figures, factor: float) -> Figures:
@@ -86,10 +97,33 @@ def _scaled(figures: Figures, factor: float) -> Figures:
                    Counter({k: v * factor for k, v in figures.op_runs.items()}), figures.unbounded_loops)
 
 # one kernel -------------------------------------------------------------------------------------
-def kernel_figures(kernel: ir.KernelIR, items: int) -> Figures:
-    """The figures of one launch of `kernel` over `items` work-items."""
+def kernel_figures(kernel: ir.KernelIR, items: int, group_size: int | None = None) -> Figures:
+    """The figures of one launch of `kernel` over `items` work-items (in groups of `group_size` where the
+    kernel is written for one: Kernel.group_size)."""
     use = LaneUse(kernel.body)
-    return _block_figures(kernel.body, use, float(max(items, 1)), frozenset(), {})
+    walk = _Walk(use, Items(items, group_size), {}, {})
+    return _block_figures(kernel.body, walk, per_item(1.0, walk.items), frozenset())
+
+
+@dataclass
+class _Walk:
+    """What a kernel's walk knows: its lane use, its work-items, the interval bounds (lane_use.bounds) and the
+    per-work-item values (item_values.evaluate) of its int variables by var_key."""
+
+    use: LaneUse
+    items: Items
+    env: dict[Any, Bounds]
+    values: dict[Any, Any]
+
+    def branch(self) -> _Walk:
+        return _Walk(self.use, self.items, dict(self.env), dict(self.values))
+
+    def known(self, e: ir.Expr) -> np.ndarray | None:
+        """`e`'s value for every work-item, or None where it cannot be known."""
+        try:
+            return per_item(evaluate(e, self.values, self.items, var_key), self.items)
+        except (Unknown, TypeError, ValueError, OverflowError):
+            return None
 
 
 def _expr_figures(e: ir.Expr, demand: Demand, use: LaneUse, weight: float, loops: frozenset[Any],
@@ -104,11 +138,15 @@ def _expr_figures(e: ir.Expr, demand: Demand, use: LaneUse, weight: float, loops
         figures.lanes_fetched_runs += weight * lanes * 4 / channels
 
     use.push(e, demand, loops, on_load)
-    for sub in ir.walk_expr(e):
-        if _is_arithmetic(sub):
-            lanes = max(1, sub.dtype.lanes)
-            figures.ops[sub.dtype.scalar] += lanes
-            figures.op_runs[sub.dtype.scalar] += lanes * weight
+    pending = [e]
+    while pending:  # float arithmetic, skipping the subtrees of index arithmetic
+        sub = pending.pop()
+        if use.flags(sub) & FLOATS:
+            if _is_arithmetic(sub):
+                lanes = max(1, sub.dtype.lanes)
+                figures.ops[sub.dtype.scalar] += lanes
+                figures.op_runs[sub.dtype.scalar] += lanes * weight
+            pending.extend(children(sub))
 
 
 def _is_arithmetic(e: ir.Expr) -> bool:
@@ -121,35 +159,66 @@ def _is_arithmetic(e: ir.Expr) -> bool:
     return isinstance(e, ir.Call) and e.function not in LANE_MOVES and not e.function.startswith(CONVERSIONS)
 
 
-def _block_figures(body: Sequence[ir.Statement], use: LaneUse, weight: float, loops: frozenset[Any],
-                   env: dict[Any, Bounds]) -> Figures:
-    figures = Figures()
+def _returns(block: Sequence[ir.Statement]) -> bool:
+    return any(isinstance(s, ir.Return) for s in block)
+
+
+def _block_figures(body: Sequence[ir.Statement], walk: _Walk, weights: np.ndarray, loops: frozenset[Any]) -> Figures:
+    """The figures of `body`, run `weights[i]` times by work-item i."""
+    figures, weight = Figures(), float(weights.sum())
     for s in body:
-        for expr, demand in statement_demands(s, use):
-            _expr_figures(expr, demand, use, weight, loops, figures)
+        for expr, demand in statement_demands(s, walk.use):
+            _expr_figures(expr, demand, walk.use, weight, loops, figures)
         if isinstance(s, ir.Assign) and s.op != "=" and s.value.dtype.is_float and s.op[:-1] in ARITHMETIC:
             lanes = max(1, s.value.dtype.lanes)
             figures.ops[s.value.dtype.scalar] += lanes
             figures.op_runs[s.value.dtype.scalar] += lanes * weight
         if isinstance(s, ir.Declare) and s.const and s.init is not None:
-            env[var_key(s.var)] = bounds(s.init, env)
+            walk.env[var_key(s.var)] = bounds(s.init, walk.env)
+            value = walk.known(s.init) if s.var.dtype.scalar in INTEGERS and s.var.dtype.lanes == 1 else None
+            if value is not None:
+                walk.values[var_key(s.var)] = value
+            else:  # a name declared again (an epilogue's `t` in its tile loop) is no longer the outer one
+                walk.values.pop(var_key(s.var), None)
         if isinstance(s, ir.For):
-            trips = trip_count(s, env)
-            start, stop = bounds(s.start, env), bounds(s.stop, env) if s.stop is not None else UNBOUNDED
-            env[var_key(s.var)] = (start[0], None if stop[1] is None else stop[1] - 1)
-            inner = _block_figures(s.body, use, weight * (1 if trips is None else trips), loops | {var_key(s.var)}, env)
-            inner.unbounded_loops += trips is None
-            figures.add(inner)
+            figures.add(_loop_figures(s, walk, weights, loops))
         elif isinstance(s, ir.While):
-            inner = _block_figures(s.body, use, weight, loops, env)
+            inner = _block_figures(s.body, walk, weights, loops)
             inner.unbounded_loops += 1
             figures.add(inner)
         elif isinstance(s, ir.If):
-            then = _block_figures(s.then, use, weight, loops, dict(env))
-            orelse = _block_figures(s.orelse, use, weight, loops, dict(env))
+            taken = walk.known(s.condition)
+            if taken is not None:  # each work-item runs the branch its condition picks
+                mask = taken != 0
+                figures.add(_block_figures(s.then, walk.branch(), weights * mask, loops))
+                figures.add(_block_figures(s.orelse, walk.branch(), weights * ~mask, loops))
+                if _returns(s.then) or _returns(s.orelse):  # the work-items that returned run nothing after
+                    weights = weights * (~mask if _returns(s.then) else mask)
+                    weight = float(weights.sum())
+                continue
+            then = _block_figures(s.then, walk.branch(), weights, loops)
+            orelse = _block_figures(s.orelse, walk.branch(), weights, loops)
             heavier, lighter = (then, orelse) if then.weight >= orelse.weight else (orelse, then)
             figures.add(heavier).add(_scaled(lighter, 0.0))  # static sites of both; the runs of one
     return figures
+
+
+def _loop_figures(loop: ir.For, walk: _Walk, weights: np.ndarray, loops: frozenset[Any]) -> Figures:
+    """A loop's figures: its body run each work-item's own trips where its start and stop are known per
+    work-item, else the trips of their interval bounds (an upper estimate), else once (`unbounded_loops`)."""
+    start, stop = bounds(loop.start, walk.env), bounds(loop.stop, walk.env) if loop.stop is not None else UNBOUNDED
+    item_trips: np.ndarray | None = None
+    if loop.condition is None and loop.step_op == "+=" and loop.step > 0 and loop.stop is not None:
+        first, last = walk.known(loop.start), walk.known(loop.stop)
+        if first is not None and last is not None:
+            item_trips = np.maximum(0, np.ceil((last - first) / loop.step))
+    trips = trip_count(loop, walk.env)
+    walk.env[var_key(loop.var)] = (start[0], None if stop[1] is None else stop[1] - 1)
+    walk.values.pop(var_key(loop.var), None)
+    inner_weights = weights * (item_trips if item_trips is not None else (1 if trips is None else trips))
+    inner = _block_figures(loop.body, walk, inner_weights, loops | {var_key(loop.var)})
+    inner.unbounded_loops += item_trips is None and trips is None
+    return inner
 
 
 def program_figures(kernels: Iterable[Any]) -> Figures:
@@ -157,7 +226,7 @@ def program_figures(kernels: Iterable[Any]) -> Figures:
     e.g. `Program.kernels` of fblc.codegen.plan."""
     total = Figures()
     for kernel in kernels:
-        total.add(kernel_figures(kernel.ir, kernel.global_size))
+        total.add(kernel_figures(kernel.ir, kernel.global_size, getattr(kernel, "group_size", None)))
     return total
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 from fblc.codegen import ir
 
 WINDOWS = frozenset({"WINDOW", "window4"})
+VECTORS, FLOATS = 1, 2  # LaneUse.flags
 UNBOUNDED = (None, None)
 
 
@@ -118,7 +119,7 @@ def trip_count(loop: ir.For, env: dict[Any, Bounds]) -> int | None:
 
 
 # which lanes of each value its readers use ---------------------------------------------------------
-def _children(e: ir.Expr) -> Iterable[ir.Expr]:
+def children(e: ir.Expr) -> Iterable[ir.Expr]:
     for value in vars(e).values():
         if isinstance(value, ir.Expr):
             yield value
@@ -139,10 +140,23 @@ class LaneUse:
         self.declared_in: dict[Any, frozenset[Any]] = {}  # the loops around a variable's declaration
         self.trips: dict[Any, int | None] = {}  # loop variable -> its loop's trips
         self.inits: dict[Any, ir.Expr] = {}  # const variable -> its value
+        self._flags: dict[int, int] = {}  # id(expression) -> VECTORS | FLOATS of its subtree
         self.changed = True
         while self.changed:
             self.changed = False
             self._statements(body, frozenset(), {})
+
+    def flags(self, e: ir.Expr) -> int:
+        """VECTORS where `e`'s subtree reads a texel or a vector variable (its lanes matter), FLOATS where it
+        holds a float value (arithmetic to count); neither for index arithmetic, which is most of a kernel."""
+        found = self._flags.get(id(e))
+        if found is None:
+            found = (VECTORS if isinstance(e, ir.Load) or (isinstance(e, (ir.Var, ir.Element)) and e.dtype.lanes > 1)
+                     else 0) | (FLOATS if e.dtype.is_float else 0)
+            for child in children(e):
+                found |= self.flags(child)
+            self._flags[id(e)] = found
+        return found
 
     def of(self, var: ir.Var) -> Demand:
         return self.demand.get(var_key(var), frozenset())
@@ -174,6 +188,8 @@ class LaneUse:
     def push(self, e: ir.Expr, demand: Demand, loops: frozenset[Any],
              on_load: Callable[[ir.Load, Demand], None] | None = None) -> None:
         """Hand `demand` (lanes of `e` its reader uses) down `e`; `on_load` sees each Load with its demand."""
+        if not self.flags(e) & VECTORS:  # no texel and no vector below: scalar demands decide no fetch's lanes
+            return
         if isinstance(e, ir.Load):
             if on_load is not None:
                 on_load(e, demand)
@@ -221,7 +237,7 @@ class LaneUse:
                 if other is not first and other is not second:
                     self.push(other, _all(other), loops, on_load)
             return
-        for child in _children(e):
+        for child in children(e):
             # lane-wise: a vector operand gives the lanes its result's reader uses; a scalar, or a vector that a
             # scalar is computed from (dot, a comparison's condition), all of its lanes
             same = child.dtype.lanes == e.dtype.lanes and child.dtype.lanes > 1 and not isinstance(e, ir.ArgumentRef)
