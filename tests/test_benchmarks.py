@@ -1,6 +1,8 @@
 """The benchmark scripts still run: each on its smallest case, its table checked for figures that can be.
 
-benchmarks/instructions.py on examples/mlp.py's MLP (two steps under oclgrind, about 3 s).
+benchmarks/instructions.py on examples/mlp.py's MLP (two steps under oclgrind, about 3 s), with
+fblc/tools/kernel_stats.py's image reads from the IR against oclgrind's; kernel_stats (benchmarks/phone_kernels.py's
+figures) on a hand-made kernel and bundle whose answers are counted by hand.
 """
 
 from __future__ import annotations
