@@ -25,7 +25,9 @@ def var_key(var: ir.Var) -> Any:
     """A variable's identity: its C name (an emitter may build a fixed-name variable, `lane`, more than once)."""
     return var.name or (var.kind, var.number)
 
+
 Demand = frozenset  # of lane numbers, "dyn" (one lane chosen at run time), ("wf"|"ws", shift) window operands
+
 
 # interval bounds of int expressions --------------------------------------------------------------
 Bounds = tuple  # (lo, hi), either None where unknown
@@ -159,6 +161,10 @@ class LaneUse:
         return found
 
     def of(self, var: ir.Var) -> Demand:
+        """The lanes of `var` its readers use (a scalar's one lane: what it holds is read, and scalar readers
+        are not followed, see flags)."""
+        if var.dtype.lanes <= 1:
+            return frozenset({0})
         return self.demand.get(var_key(var), frozenset())
 
     def _note(self, var: ir.Var, demand: Demand) -> None:
