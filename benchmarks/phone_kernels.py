@@ -13,6 +13,8 @@ loaded by path into both processes, so both sides are measured alike), from the 
   per step (step): per work-item, the trips of its loops and the branches its ifs take where the IR's integer
   prologue gives them (from get_global_id), interval bounds of the trips elsewhere, an if's heavier branch where
   its condition depends on data or a loop variable;
+- est. runs %: the share of whole/step's fetch runs counted under upper estimates (a condition on data or on a
+  loop variable, trips from interval bounds): the rest are exact for the kernels' integer prologue;
 - launches: kernel launches per step (plan.json);
 - small FLOP %: the share of the step's FLOPs (report.json estimate.kernels[*].flops) in launches with fewer
   work-items (plan.json items) than the device holds at once: compute_units x waves_per_unit x wave_size of the
@@ -59,6 +61,7 @@ for job in json.loads(sys.argv[2]):
                                                 TrainingOptions(input_shapes=job["shapes"]),
                                                 job["resident_items"])
         result = {"whole_site": figures.whole_share(False), "whole_step": figures.whole_share(True),
+                  "estimated": figures.estimated_fetch_runs / figures.fetch_runs if figures.fetch_runs else 0.0,
                   "fetches": figures.fetches, "fetch_runs": figures.fetch_runs, "half": figures.half_share(),
                   "unbounded_loops": figures.unbounded_loops, **bundle}
     except Exception as error:  # a version that cannot compile a case: its row says so, the others still run
@@ -111,6 +114,7 @@ def measure(tree: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 COLUMNS = (("whole/site", "whole_site", "{:.3f}"), ("whole/step", "whole_step", "{:.3f}"),
+           ("est. runs %", "estimated", "{:.1%}"),
            ("launches", "launches", "{:d}"), ("small FLOP %", "small_flop_share", "{:.1%}"),
            ("half %", "half", "{:.1%}"), ("MB/step", "bytes", "{:.1f}"), ("est ms", "step_ms", "{:.3f}"))
 

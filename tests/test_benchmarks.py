@@ -52,9 +52,10 @@ def test_instruction_counts_print_a_table_of_both_layouts(capsys) -> None:
 
 
 def _hand_made_kernel() -> Any:
-    """Seven texel fetches, four of which use their whole texel: `whole` (stored as a float4), the middle texel
+    """Eight texel fetches, four of which use their whole texel: `whole` (stored as a float4), the middle texel
     of two windows at one shift, `every` (its lanes picked by a 4-trip loop inside its scope) and the one stored
-    by work-items 0..2 alone; `one` gives only .y, the outer window texels one side of a window each. Float
+    by work-items 0..2 alone; `one` gives only .y, the outer window texels one side of a window each, the one in
+    a `?:` branch that work-items 0..3 take only .x. Float
     lane-operations: the float4 product (4), `acc +=` (1, 4 trips); half: a product and `hacc +=` (2, in a
     3-trip loop)."""
     from fblc.codegen import ir as kir
@@ -84,25 +85,28 @@ def _hand_made_kernel() -> Any:
     with block.when(t.lt(3)) as edge:  # work-items 0, 1, 2 of 10 take it
         edge.add(kir.Store(argument("out", 2), t, kir.Load(argument("in", 0), t + 1)))
     block.add(kir.Store(argument("out", 0), t, whole * 2.0))
+    chosen = kir.select(t.lt(4), kir.Lane(kir.Load(argument("in", 1), t + 2), kir.const(0)), 0.0)  # fetched by 0..3
     block.add(kir.Store(argument("out", 1), t, kir.vector(kir.FLOAT4, acc, kir.Lane(one, kir.const(1)),
-                                                          kir.Cast(kir.FLOAT, hacc), 0.0)))
+                                                          kir.Cast(kir.FLOAT, hacc), chosen)))
     return kir.KernelIR("hand_made", [argument("out", n) for n in range(3)] +
                         [argument("in", n) for n in range(4)], block.statements)
 
 
 def test_kernel_stats_counts_whole_texel_fetches_and_half_arithmetic_of_a_hand_made_kernel() -> None:
     """fblc.tools.kernel_stats (benchmarks/phone_kernels.py's figures) on a kernel whose answers are counted by
-    hand (_hand_made_kernel): per site 4 of 7 fetches whole; per step over 10 work-items 53 of 123 (the three
-    window texels run 3 times, the if's fetch 3 times); arithmetic 80 float and 60 half lane-operations per step."""
+    hand (_hand_made_kernel): per site 4 of 8 fetches whole; per step over 10 work-items 53 of 127 (the three
+    window texels run 3 times, the if's fetch 3 times, the ?:'s 4 times); arithmetic 80 float and 60 half
+    lane-operations per step."""
     from fblc.tools import kernel_stats
 
     figures = kernel_stats.kernel_figures(_hand_made_kernel(), items=10)
-    assert (figures.fetches, figures.whole_fetches) == (7, 4)
-    assert (figures.fetch_runs, figures.whole_fetch_runs) == (123, 53)
-    assert figures.whole_share(weighted=True) == pytest.approx(53 / 123)
+    assert (figures.fetches, figures.whole_fetches) == (8, 4)
+    assert (figures.fetch_runs, figures.whole_fetch_runs) == (127, 53)
+    assert figures.whole_share(weighted=True) == pytest.approx(53 / 127)
     assert dict(figures.ops) == {"float": 5, "half": 2}
     assert dict(figures.op_runs) == {"float": 80, "half": 60}
     assert figures.half_share() == pytest.approx(60 / 140) and figures.unbounded_loops == 0
+    assert figures.estimated_fetch_runs == 0  # constant loops and conditions on the work-item: all exact
 
 
 def test_kernel_stats_bounds_loop_trips_and_reads_a_bundle(tmp_path) -> None:

@@ -14,8 +14,9 @@ row ends only), a loop whose start and stop it gives runs each work-item's own t
 data or on a loop variable) an `if` without `else` counts as taken and of an if/else the branch with more work
 (both count for `static`), and a loop's trips come from interval bounds of its start and stop
 (`max(0, a) .. min(3, b)`: 3; a strided `lid .. n step 64`: n / 64): upper estimates; a loop without bounds
-counts once (`unbounded_loops`). On examples/mlp.py's step the runs of image reads are oclgrind's within 1 %
-(benchmarks/instructions.py prints both).
+counts once (`unbounded_loops`); `estimated_fetch_runs` are the fetch runs counted under such estimates. Against
+oclgrind's image reads of one step (benchmarks/instructions.py prints both): examples/mlp.py +0.2 % (naive) and
++0.6 % (rtile); MobileNetV2 [1,3,32,32] +2.0 % and +6.2 %, within its 0.69M / 0.57M estimated runs.
 
 From the bundle (plan.json, report.json's `estimate`): launches per step, the share of the step's FLOPs in launches
 with fewer work-items than the device holds at once (`device_items`), bytes moved and the step estimate.
@@ -37,8 +38,8 @@ import numpy as np
 
 from fblc.codegen import ir
 from fblc.tools.item_values import INTEGERS, Items, Unknown, evaluate, per_item
-from fblc.tools.lane_use import (FLOATS, UNBOUNDED, Bounds, Demand, LaneUse, bounds, children, lanes_used,
-                                  statement_demands, trip_count, var_key)
+from fblc.tools.lane_use import (FLOATS, UNBOUNDED, Bounds, Demand, LaneUse, LoadVisitor, bounds, children,
+                                  lanes_used, statement_demands, trip_count, var_key)
 
 #: channels of a texel by the Load's texture kind: an r_mask image (kind "uint", read as lane x) holds one
 CHANNELS: dict[str, int] = {"uint": 1}
@@ -64,6 +65,9 @@ class Figures:
     fetch_runs: float = 0.0
     whole_fetch_runs: float = 0.0
     lanes_fetched_runs: float = 0.0  # lanes used, summed over fetch runs
+    #: fetch runs counted under upper estimates: an if whose condition depends on data or a loop variable, a loop
+    #: whose trips come from interval bounds (the rest are exact for the work-items' prologue values)
+    estimated_fetch_runs: float = 0.0
     ops: Counter[str] = field(default_factory=Counter)  # static lane-operations by scalar type
     op_runs: Counter[str] = field(default_factory=Counter)  # per step
     unbounded_loops: int = 0
@@ -93,7 +97,8 @@ class Figures:
 def _scaled(figures: Figures, factor: float) -> Figures:
     """`figures` with its weighted fields times `factor` (static ones as they are)."""
     return Figures(figures.fetches, figures.whole_fetches, figures.fetch_runs * factor,
-                   figures.whole_fetch_runs * factor, figures.lanes_fetched_runs * factor, Counter(figures.ops),
+                   figures.whole_fetch_runs * factor, figures.lanes_fetched_runs * factor,
+                   figures.estimated_fetch_runs * factor, Counter(figures.ops),
                    Counter({k: v * factor for k, v in figures.op_runs.items()}), figures.unbounded_loops)
 
 # one kernel -------------------------------------------------------------------------------------
@@ -126,17 +131,34 @@ class _Walk:
             return None
 
 
-def _expr_figures(e: ir.Expr, demand: Demand, use: LaneUse, weight: float, loops: frozenset[Any],
-                  figures: Figures) -> None:
-    def on_load(load: ir.Load, wanted: Demand) -> None:
-        channels = CHANNELS.get(load.argument.kind, 4)
-        lanes, whole = lanes_used(wanted, channels)
-        figures.fetches += 1
-        figures.whole_fetches += whole
-        figures.fetch_runs += weight
-        figures.whole_fetch_runs += weight * whole
-        figures.lanes_fetched_runs += weight * lanes * 4 / channels
+class _Fetches(LoadVisitor):
+    """Counts the fetches of one statement, run `weights[i]` times by work-item i, into `figures`."""
 
+    def __init__(self, figures: Figures, walk: _Walk, weights: np.ndarray) -> None:
+        self.figures, self.walk, self.weights, self.weight = figures, walk, weights, float(weights.sum())
+
+    def load(self, load: ir.Load, demand: Demand) -> None:
+        channels = CHANNELS.get(load.argument.kind, 4)
+        lanes, whole = lanes_used(demand, channels)
+        runs = self.weight * self.share
+        self.figures.fetches += 1
+        self.figures.whole_fetches += whole
+        self.figures.fetch_runs += runs
+        self.figures.whole_fetch_runs += runs * whole
+        self.figures.lanes_fetched_runs += runs * lanes * 4 / channels
+
+    def branch_shares(self, select: ir.Select) -> tuple[float, float] | None:
+        taken = self.walk.known(select.condition)
+        if taken is None or not self.weight:
+            return None
+        share = float((self.weights * (taken != 0)).sum()) / self.weight
+        return share, 1.0 - share
+
+
+def _expr_figures(e: ir.Expr, demand: Demand, walk: _Walk, weights: np.ndarray, loops: frozenset[Any],
+                  figures: Figures) -> None:
+    use, weight = walk.use, float(weights.sum())
+    on_load = _Fetches(figures, walk, weights)
     use.push(e, demand, loops, on_load)
     pending = [e]
     while pending:  # float arithmetic, skipping the subtrees of index arithmetic
@@ -168,7 +190,7 @@ def _block_figures(body: Sequence[ir.Statement], walk: _Walk, weights: np.ndarra
     figures, weight = Figures(), float(weights.sum())
     for s in body:
         for expr, demand in statement_demands(s, walk.use):
-            _expr_figures(expr, demand, walk.use, weight, loops, figures)
+            _expr_figures(expr, demand, walk, weights, loops, figures)
         if isinstance(s, ir.Assign) and s.op != "=" and s.value.dtype.is_float and s.op[:-1] in ARITHMETIC:
             lanes = max(1, s.value.dtype.lanes)
             figures.ops[s.value.dtype.scalar] += lanes
@@ -199,6 +221,7 @@ def _block_figures(body: Sequence[ir.Statement], walk: _Walk, weights: np.ndarra
             then = _block_figures(s.then, walk.branch(), weights, loops)
             orelse = _block_figures(s.orelse, walk.branch(), weights, loops)
             heavier, lighter = (then, orelse) if then.weight >= orelse.weight else (orelse, then)
+            heavier.estimated_fetch_runs = heavier.fetch_runs
             figures.add(heavier).add(_scaled(lighter, 0.0))  # static sites of both; the runs of one
     return figures
 
@@ -218,6 +241,8 @@ def _loop_figures(loop: ir.For, walk: _Walk, weights: np.ndarray, loops: frozens
     inner_weights = weights * (item_trips if item_trips is not None else (1 if trips is None else trips))
     inner = _block_figures(loop.body, walk, inner_weights, loops | {var_key(loop.var)})
     inner.unbounded_loops += item_trips is None and trips is None
+    if item_trips is None and not (start[0] == start[1] and stop[0] == stop[1] and loop.condition is None):
+        inner.estimated_fetch_runs = inner.fetch_runs  # interval bounds (or once): an upper estimate
     return inner
 
 

@@ -133,6 +133,20 @@ def _all(e: ir.Expr) -> Demand:
     return frozenset(range(max(1, e.dtype.lanes)))
 
 
+class LoadVisitor:
+    """What LaneUse.push reports the fetches it meets to: each Load with the lanes its readers use, at `share` of
+    its statement's runs (a Load in one branch of a `?:` runs where that branch is taken: `branch_shares`)."""
+
+    share: float = 1.0
+
+    def load(self, load: ir.Load, demand: Demand) -> None:
+        raise NotImplementedError
+
+    def branch_shares(self, select: ir.Select) -> tuple[float, float] | None:
+        """The shares of runs that take `select`'s true and false branches, or None: unknown (both counted)."""
+        return None
+
+
 class LaneUse:
     """The lanes of every variable its readers use, for one kernel (to a fixed point over its statements)."""
 
@@ -191,14 +205,13 @@ class LaneUse:
                 for block in ir.nested(s):
                     self._statements(block, loops, env)
 
-    def push(self, e: ir.Expr, demand: Demand, loops: frozenset[Any],
-             on_load: Callable[[ir.Load, Demand], None] | None = None) -> None:
+    def push(self, e: ir.Expr, demand: Demand, loops: frozenset[Any], on_load: LoadVisitor | None = None) -> None:
         """Hand `demand` (lanes of `e` its reader uses) down `e`; `on_load` sees each Load with its demand."""
         if not self.flags(e) & VECTORS:  # no texel and no vector below: scalar demands decide no fetch's lanes
             return
         if isinstance(e, ir.Load):
             if on_load is not None:
-                on_load(e, demand)
+                on_load.load(e, demand)
             self.push(e.texel, frozenset({0}), loops, on_load)
             return
         if isinstance(e, ir.Var):
@@ -226,6 +239,14 @@ class LaneUse:
                 self.push(part, frozenset(lane - offset for lane in demand
                                           if isinstance(lane, int) and offset <= lane < offset + width), loops, on_load)
                 offset += width
+            return
+        if isinstance(e, ir.Select) and on_load is not None:  # a ?: evaluates one branch: each at its share
+            self.push(e.condition, _all(e.condition), loops, on_load)
+            shares, outer = on_load.branch_shares(e), on_load.share
+            for branch, share in zip((e.if_true, e.if_false), shares or (1.0, 1.0)):
+                on_load.share = outer * share
+                self.push(branch, demand, loops, on_load)
+            on_load.share = outer
             return
         if isinstance(e, ir.Call) and e.function in WINDOWS:
             operands = e.args[1:] if e.function == "WINDOW" else e.args
