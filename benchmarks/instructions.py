@@ -6,8 +6,11 @@ Each model is compiled for the target twice (naive and rtile layouts); one step 
 runs on oclgrind's simulated OpenCL device (`oclgrind --inst-counts`, Debian's `oclgrind`
 package), which counts every LLVM instruction each kernel executes. The table sums them per
 step: image reads and writes, FMAs (llvm.fmuladd and fma calls), other float arithmetic,
-integer division and remainder, private-memory loads and stores, and the div/rem per FMA
-ratio that index arithmetic costs; the last column is naive / rtile for each figure.
+integer division and remainder, private-memory loads and stores, the div/rem per FMA ratio
+that index arithmetic costs, and image reads per FMA (texel fetches per multiply-add: what
+whole-texel reads lower); the last column is naive / rtile for each figure. The row "image reads,
+IR" is fblc/tools/kernel_stats.py's count of the same step's texel fetches from the kernel IR, which
+benchmarks/phone_kernels.py reports without running anything: it should be oclgrind's within a few %.
 
 The models are small (oclgrind interprets every work-item): the 2-layer Llama decoder of the
 tests (B=2, T=16) and MobileNetV2 on [1, 3, 32, 32]; `mlp`, examples/mlp.py's [8, 32] MLP, is the
@@ -27,7 +30,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fblc.codegen.compile import compile_model  # noqa: E402
+from fblc.tools.kernel_stats import compile_figures  # noqa: E402
 from fblc.passes.pipeline import TrainingOptions  # noqa: E402
 
 #: figure -> how an oclgrind instruction line (its opcode text) counts toward it
@@ -41,6 +44,13 @@ FIGURES: dict[str, re.Pattern[str]] = {
     "private stores": re.compile(r"^store private"),
 }
 LINE = re.compile(r"^\s*(\d+) - (.+)$")
+#: the image reads of a step as fblc/tools/kernel_stats.py counts them from the kernel IR (sites times work-items
+#: times loop trips, an if's heavier branch), beside oclgrind's count: the check of that estimate
+IR_READS = "image reads, IR"
+#: ratio rows after the figures: name -> (numerator, denominator figure); image reads per FMA is what
+#: whole-texel reads lower (issue 39: a fetch that feeds four multiply-adds, not one)
+RATIOS: dict[str, tuple[str, str]] = {"div/rem per FMA": ("int div/rem", "FMAs"),
+                                      "image reads per FMA": ("image reads", "FMAs")}
 
 ONE_STEP = """
 import sys, numpy as np
@@ -127,16 +137,19 @@ def main(argv: list[str] | None = None) -> int:
             measured = {}
             for layout in ("naive", "rtile"):
                 bundle = os.path.join(directory, f"{os.path.basename(path)}.{layout}")
-                compile_model(path, bundle, args.target, "fp32", TrainingOptions(input_shapes=shapes, layout=layout))
+                figures, _ = compile_figures(path, bundle, args.target, "fp32",
+                                             TrainingOptions(input_shapes=shapes, layout=layout))
                 measured[layout] = counts_of_one_step(bundle)
+                measured[layout][IR_READS] = round(figures.fetch_runs)
                 print(f"  measured {name} {layout}", file=sys.stderr)
             rows.append((name, measured))
     print(f"one training step under oclgrind, compiled for {args.target}")
     print(f"{'model':<26} {'figure':<20} {'naive':>14} {'rtile':>14} {'naive/rtile':>12}")
     for name, measured in rows:
-        for figure in list(FIGURES) + ["div/rem per FMA"]:
-            if figure == "div/rem per FMA":
-                naive, rtile = (measured[k]["int div/rem"] / max(1, measured[k]["FMAs"]) for k in ("naive", "rtile"))
+        for figure in list(FIGURES) + [IR_READS] + list(RATIOS):
+            if figure in RATIOS:
+                over, under = RATIOS[figure]
+                naive, rtile = (measured[k][over] / max(1, measured[k][under]) for k in ("naive", "rtile"))
                 ratio = f"{naive / rtile:12.2f}" if rtile else f"{'-':>12}"
                 print(f"{name:<26} {figure:<20} {naive:14.3f} {rtile:14.3f} {ratio}")
                 continue

@@ -146,6 +146,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", default="mlp,tresnet,mobilenet_v2,resnet,llama")
+    parser.add_argument("--target", default="local", help="the profile the bundles are compiled for (default: local; "
+                        "benchmarks/gpu_check.sh runs a phone target's kernels on a GPU)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []
@@ -154,7 +156,7 @@ def main() -> int:
             path = inputs.pop("path")
             feeds = {**inputs, "labels": labels}
             bundle = os.path.join(directory, os.path.basename(path) + ".bundle")
-            report = compile_bundle(path, bundle)
+            report = compile_bundle(path, bundle, target=args.target)
             ms = interleaved_ms({**{storage: runner_stepper(LocalRunner(bundle, storage=storage), feeds)
                                     for storage in ("image", "buffer")},
                                  "torch": torch_stepper(module.train(False), loss_of)}, args.steps)
