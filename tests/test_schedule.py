@@ -65,13 +65,37 @@ def test_a_long_tile_reduction_is_shared_by_a_group_within_its_loop_and_local_me
     from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
     profile = load_profile("adreno830")
-    assert profile.tile_group(SERIAL_REDUCTION, 56, 36, 8) is None
+    assert profile.tile_group(SERIAL_REDUCTION, 56, 36, profile.device_items) is None  # its tiles fill the device
     assert profile.tile_group(3136, 56, 36, 8) == 32  # a stem's 3x3 weight gradient: 56 dY rows
     assert profile.tile_group(3136, 1, 36, 8) is None
     assert profile.tile_group(2000, 500, 64, 8) == min(GROUP_ITEMS, SHARED_TILE_FLOATS // 64)
     assert profile.tile_group(3136, 56, 36, 100_000) == 32  # a GPU shares however many tiles there are
     small = type(profile)(**{**profile.__dict__, "max_work_group_size": 16})
     assert small.tile_group(3136, 56, 36, 8) == 16
+
+
+def test_a_short_reduction_is_shared_only_where_its_items_leave_the_device_idle() -> None:
+    """On a GPU a reduction within SERIAL_REDUCTION takes the least power-of-two group whose work-items fill
+    the device (compute_units x waves_per_unit x wave_size), each keeping SPLIT_STEPS steps or more; none
+    where its items fill the device alone, or on a CPU (whose speed rules are CPU_BUSY_TILES'). The 730
+    and the 830 differ in size, so their groups do."""
+    from fblc.profiles.profile import SPLIT_STEPS
+
+    a830, a730, local = load_profile("adreno830"), load_profile("adreno730"), load_profile("local")
+    assert (a830.device_items, a730.device_items) == (6 * 4 * 64, 4 * 4 * 64)
+    assert a830.tile_group(512, 64, 64, 320) == 8  # 320 tiles: 4 make 1280 work-items, under 1536
+    assert a730.tile_group(512, 64, 64, 320) == 4  # 1280 fill the 730's 1024
+    assert a830.tile_group(512, 64, 64, a830.device_items) is None
+    assert a830.tile_group(512, 2, 64, 320) == 2  # at most one work-item per iteration of the dealt loop
+    assert a830.tile_group(4 * SPLIT_STEPS, 64, 16, 1) == 4  # each work-item still takes SPLIT_STEPS
+    assert a830.tile_group(2 * SPLIT_STEPS - 1, 64, 16, 1) is None  # too short to split
+    assert local.tile_group(512, 64, 64, 1) is None
+    # a reduction's work-items per output texel likewise; a long one's as before, however many outputs
+    assert a830.reduction_group(2048, 10 ** 6) == 128 and a830.reduction_group(10 ** 5, 1) == 256
+    assert a830.reduction_group(1000, 4) == 32 and a830.reduction_group(1000, 600) == 4  # 1000 // 16: 62
+    assert a830.reduction_group(1000, a830.device_items) is None and local.reduction_group(1000, 4) is None
+    assert load_profile("mali-g925").reduction_group(1000, 24) == 32  # 24 x 32 = 768, its size
+    assert a830.reduction_group(40, 1) == 2 and a830.reduction_group(2 * SPLIT_STEPS - 1, 1) is None
 
 
 def test_a_cpu_shares_a_tile_reduction_only_where_its_tiles_are_too_few_to_keep_it_busy() -> None:
