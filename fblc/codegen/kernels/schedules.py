@@ -59,26 +59,32 @@ class TileBudget:
     """What a kernel's register tile is chosen within: R-Tile codegen or not (`tiled`: under naive, one texel
     row), the target's accumulators per work-item (`private`: Profile.private_floats), the work-items the
     device runs at once (`device_items`; 0 on a CPU, whose tiles keep their own rules), the kernel's output
-    texels, and whether its reduction may be dealt out to a work-group (`splits`: no saved masks)."""
+    texels, whether it writes saved masks (`masks`: a work-item of an odd number of texels then takes two
+    tiles, KernelBuilder.finish) and whether its reduction may be dealt out to a work-group (`splits`)."""
 
     tiled: bool
     private: int
     device_items: int
     texels: int
+    masks: bool
     splits: bool
 
     @staticmethod
     def of(table: TextureTable, group: KernelGroup) -> "TileBudget":
-        profile = table.profile
+        profile, masks = table.profile, bool(_saved_masks(group))
         return TileBudget(table.tiled, profile.private_floats, 0 if profile.cpu else profile.device_items,
-                          -(-numel(static_shape(group.outputs[0])) // LANES), not _saved_masks(group))
+                          -(-numel(static_shape(group.outputs[0])) // LANES), masks, not masks)
 
     def pick(self, candidates: Sequence[T], texels_per_item: Callable[[T], int]) -> T:
         """Of `candidates` (largest tile first; each within `private`), the first whose items fill the device;
         where none does, the first if the reduction may be split (a work-group per tile then fills it and
         the tile keeps its register reuse: Profile.tile_group), else the last (the most work-items)."""
+        def work_items(candidate: T) -> int:
+            per = texels_per_item(candidate)
+            return self.texels // (2 * per if self.masks and per % 2 else per)
+
         if self.device_items:
-            filling = [c for c in candidates if self.texels // texels_per_item(c) >= self.device_items]
+            filling = [c for c in candidates if work_items(c) >= self.device_items]
             if filling:
                 return filling[0]
             if not self.splits:
@@ -155,6 +161,8 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
     budget, view = TileBudget.of(table, group), flattened_conv(conv_shape(group.anchor))
     tile, row = conv_tile(view, budget.private), row_axis(view.out_shape, first=2)
     if tile is not None:
+        if tile.rows == 1:  # a spatial tile: its texels along the row by the device's size
+            tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile.axis), multiple=0)
         per = tile.lanes // LANES
         schedule = consecutive(per)
         masked = tile.axis if tile.axis is not None else last_tap_axis(view)
@@ -193,7 +201,7 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, 
     budget, view = TileBudget.of(table, group), flattened_transpose(transpose_shape(group.anchor))
     axis, row, window = lane_axis(view.out_shape), row_axis(view.out_shape, first=2), view.window
     if axis is not None and axis >= 2 and texels_fit(view, axis):
-        tile = ConvTile(1, LANES * texels_per_item(view.out_shape[axis] // LANES), axis - 2)
+        tile = ConvTile(1, LANES * _spatial_texels(budget, view, axis - 2), axis - 2)
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
         schedule = _spatial_rows(budget, view, tile,
                                  lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1)
@@ -203,6 +211,14 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, 
                                      window.strides[row[0] - 2])
         return schedule, ConvPlan(view, row=tile), tile.lanes
     return consecutive(1), ConvPlan(view), 0
+
+
+def _spatial_texels(budget: TileBudget, view: ConvShape, axis: int | None) -> int:
+    """Texels along window axis `axis` a spatial tile's work-item covers: of the counts up to
+    conv.texels_per_item's (the most, up to 5, that divide a row) that divide the row, TileBudget.pick's."""
+    row = view.out_shape[2 + axis] // LANES if axis is not None else 1
+    most = texels_per_item(row)
+    return budget.pick([n for n in range(most, 0, -1) if row % n == 0], lambda n: n)
 
 
 def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
