@@ -141,15 +141,14 @@ class Profile:
         return -(-max(items, 1) // group) * group, group
 
     def reduction_group(self, count: int, outputs: int = 0) -> int | None:
-        """Work-items that share a reduction of `count` elements into each of `outputs` items (a power of two,
-        whole waves when the device allows, within max_work_group_size), or None: one work-item each. A long
-        reduction (past SERIAL_REDUCTION) takes up to REDUCTION_GROUP; on a GPU a shorter one whose items
-        leave the device idle (Profile.fills_device) takes what fills it, each work-item still folding
-        SPLIT_STEPS elements or more."""
-        bound = min(REDUCTION_GROUP, self.max_work_group_size, count // 16)
+        """Work-items that share a reduction of `count` elements into each of `outputs` items (a power of
+        two within max_work_group_size), or None: one work-item each. A long reduction (past
+        SERIAL_REDUCTION) takes up to REDUCTION_GROUP, each work-item folding 16 elements or more; on a GPU
+        a shorter one whose items leave the device idle takes what fills it (Profile.filling_group), each
+        work-item still folding SPLIT_STEPS elements or more: a group under a wave where the items are that
+        few (its idle lanes cost less than an idle device)."""
         if count > SERIAL_REDUCTION:
-            return _power_of_two_group(bound)
-        # under a wave where the items are that few: its idle lanes cost less than an idle device
+            return _power_of_two_group(min(REDUCTION_GROUP, self.max_work_group_size, count // 16))
         return self.filling_group(outputs, min(REDUCTION_GROUP, self.max_work_group_size, count // SPLIT_STEPS))
 
     def filling_group(self, items: int, bound: int) -> int | None:

@@ -52,6 +52,7 @@ SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels can
 #: rows at least this long (no multiple of 4) take tiles of two texel columns on the row path: whole bytes of a
 #: saved mask, more lanes sharing the weights, where most pairs lie within one row
 PAIR_ROW = 16
+T = TypeVar("T")  # a candidate tile
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,6 @@ class TileBudget:
         return candidates[0]
 
 
-T = TypeVar("T")
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
 #: a reducing family's decision: (schedule, its geometry for the emitter, outputs reduced together; 0: per lane)
 Reducing = Callable[[TextureTable, KernelGroup], tuple[Schedule, Any, int]]
