@@ -45,7 +45,8 @@ def _local() -> dict:
      "true or false"),
     (lambda p: p["figures"]["peak_gflops"].update(source="trust me"), "'peak_gflops' has source 'trust me'; it must start with one of"),
     (lambda p: p.pop("gpu"), "'gpu' is missing or empty"),
-], ids=["missing", "block-not-power-of-two", "l2-below-l1", "negative", "bool", "no-provenance", "no-gpu"])
+    (lambda p: p["figures"]["private_floats"].update(value=96), "private_floats is 96: a work-item's accumulators are whole float4s, 4 to 64"),
+], ids=["missing", "block-not-power-of-two", "l2-below-l1", "negative", "bool", "no-provenance", "no-gpu", "private"])
 def test_bad_profiles_are_refused_with_what_to_fix(edit, message: str) -> None:
     document = copy.deepcopy(_local())
     edit(document)
@@ -96,6 +97,7 @@ def test_profile_measures_the_local_device_and_compiles_for_it(measured, tmp_pat
     out = measured
     profile = load_profile(out)
     assert profile.sources["tex_block_width"].startswith("measured")
+    assert profile.sources["compute_units"].startswith("measured") and profile.device_items >= profile.wave_size
     measured = profile.raw["measurements"]["pattern_reads_per_second"]
     assert set(measured) == {"row-major", "column-major", "block-4", "block-8"}
     assert all(rate > 0 for row in measured.values() for rate in row.values())
@@ -147,7 +149,8 @@ def _timings(plan: dict, knee_x: int = 8, knee_y: int = 2, fitting_blocks: int =
         launches.append({"id": launch["id"], "seconds": seconds})
     return {"format": RESULTS_FORMAT, "version": FORMAT_VERSION, "backend": "synthetic", "seconds": 1.0,
             "device": {"name": "Synthetic GPU", "vendor": "Nobody", "version": "OpenCL 3.0", "image2d_max_width": 16384,
-                       "image2d_max_height": 8192, "max_work_group_size": 256, "global_mem_cache_size": 1 << 20},
+                       "image2d_max_height": 8192, "max_work_group_size": 256, "global_mem_cache_size": 1 << 20,
+                       "max_compute_units": 2, "max_clock_frequency": 390},
             "kernels": {"pattern_read": {"work_group_size": 32, "preferred_work_group_size_multiple": 32}},
             "launches": launches}
 
@@ -164,6 +167,12 @@ def test_one_interpretation_of_raw_timings_for_every_backend() -> None:
     assert profile.l1_bytes == 512 * 8 * 16 and profile.l2_bytes == 1 << 20
     assert (profile.bandwidth_gbps, profile.peak_gflops, profile.wave_size) == (20.0, 100.0, 32)
     assert (profile.image2d_max_width, profile.image2d_max_height, profile.max_work_group_size) == (16384, 8192, 256)
+    # 100 GFLOP/s at 390 MHz: 128 lanes, over 2 compute units of 32-wide waves
+    assert (profile.compute_units, profile.waves_per_unit, profile.device_items) == (2, 2, 128)
+    assert profile.sources["waves_per_unit"].startswith("measured") and "128 lanes" in profile.sources["waves_per_unit"]
+    older = _timings(plan)  # a runner that reports neither: local.json's estimates stay
+    del older["device"]["max_compute_units"], older["device"]["max_clock_frequency"]
+    assert parse_profile(interpret(plan, older, "older"), "older").sources["compute_units"].startswith("estimated")
     relative = document["measurements"]["relative_to_column_major"]
     assert relative["row-major"] == {"8": 4.0, "16": 4.0, "32": 4.0, "64": 4.0}
     assert list(relative["block-8"]) == ["8", "16", "32"]

@@ -65,13 +65,37 @@ def test_a_long_tile_reduction_is_shared_by_a_group_within_its_loop_and_local_me
     from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
     profile = load_profile("adreno830")
-    assert profile.tile_group(SERIAL_REDUCTION, 56, 36, 8) is None
+    assert profile.tile_group(SERIAL_REDUCTION, 56, 36, profile.device_items) is None  # its tiles fill the device
     assert profile.tile_group(3136, 56, 36, 8) == 32  # a stem's 3x3 weight gradient: 56 dY rows
     assert profile.tile_group(3136, 1, 36, 8) is None
     assert profile.tile_group(2000, 500, 64, 8) == min(GROUP_ITEMS, SHARED_TILE_FLOATS // 64)
     assert profile.tile_group(3136, 56, 36, 100_000) == 32  # a GPU shares however many tiles there are
     small = type(profile)(**{**profile.__dict__, "max_work_group_size": 16})
     assert small.tile_group(3136, 56, 36, 8) == 16
+
+
+def test_a_short_reduction_is_shared_only_where_its_items_leave_the_device_idle() -> None:
+    """On a GPU a reduction within SERIAL_REDUCTION takes the least power-of-two group whose work-items fill
+    the device (compute_units x waves_per_unit x wave_size), each keeping SPLIT_STEPS steps or more; none
+    where its items fill the device alone, or on a CPU (whose speed rules are CPU_BUSY_TILES'). The 730
+    and the 830 differ in size, so their groups do."""
+    from fblc.profiles.profile import SPLIT_STEPS
+
+    a830, a730, local = load_profile("adreno830"), load_profile("adreno730"), load_profile("local")
+    assert (a830.device_items, a730.device_items) == (6 * 4 * 64, 4 * 4 * 64)
+    assert a830.tile_group(512, 64, 64, 320) == 8  # 320 tiles: 4 make 1280 work-items, under 1536
+    assert a730.tile_group(512, 64, 64, 320) == 4  # 1280 fill the 730's 1024
+    assert a830.tile_group(512, 64, 64, a830.device_items) is None
+    assert a830.tile_group(512, 2, 64, 320) == 2  # at most one work-item per iteration of the dealt loop
+    assert a830.tile_group(4 * SPLIT_STEPS, 64, 16, 1) == 4  # each work-item still takes SPLIT_STEPS
+    assert a830.tile_group(2 * SPLIT_STEPS - 1, 64, 16, 1) is None  # too short to split
+    assert local.tile_group(512, 64, 64, 1) is None
+    # a reduction's work-items per output texel likewise; a long one's as before, however many outputs
+    assert a830.reduction_group(2048, 10 ** 6) == 128 and a830.reduction_group(10 ** 5, 1) == 256
+    assert a830.reduction_group(1000, 4) == 32 and a830.reduction_group(1000, 600) == 4  # 1000 // 16: 62
+    assert a830.reduction_group(1000, a830.device_items) is None and local.reduction_group(1000, 4) is None
+    assert load_profile("mali-g925").reduction_group(1000, 24) == 32  # 24 x 32 = 768, its size
+    assert a830.reduction_group(40, 1) == 2 and a830.reduction_group(2 * SPLIT_STEPS - 1, 1) is None
 
 
 def test_a_cpu_shares_a_tile_reduction_only_where_its_tiles_are_too_few_to_keep_it_busy() -> None:
@@ -341,3 +365,38 @@ def test_lowering_decides_the_mask4_fallback_without_writing_the_graph(tmp_path)
     assert metadata() == before
     assert [t.format for t in program.textures if t.format.startswith("r_mask")] == ["r_mask4", "r_mask4"]
     assert sum(len(s["mask4"]) for s in program.schedules.values()) == 2
+
+
+def test_a_contraction_too_small_for_the_device_is_split_until_it_fills_it(tmp_path) -> None:
+    """A MatMul [64, 256] x [256, 128] under R-Tile: 128 tiles of 8 x 8 outputs, K = 256 (a work-item keeps
+    SPLIT_STEPS = 16 of it, so up to 16 work-items a tile). The 830 (1536 work-items at once) deals each tile
+    to 16, the 730 (1024) to 8, the CPU to none; the 830's step equals onnxruntime's."""
+    from tests.test_kernels_contraction import OPTIONS as STEP, _contractions, _node, write_case
+
+    path = write_case(str(tmp_path / "matmul.onnx"), [_node("MatMul", ["a", "b"])], {"a": (64, 256), "b": (256, 128)})
+
+    forward = {target: next(k for k in _contractions(path, target) if k.name.endswith("_MatMul") and k.global_size >= 128)
+               for target in ("adreno830", "adreno730", "local")}  # the forward MatMul (before its gradients')
+    assert [kernel.group_size for kernel in forward.values()] == [64, 64, None]  # whole waves of tiles
+    assert [kernel.global_size for kernel in forward.values()] == [128 * 16, 128 * 8, 128]
+    rows = verify_model(path, STEP, target="adreno830", work_dir=str(tmp_path))
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_device_s_size() -> None:
+    """TileBudget: a contraction's tile keeps the target's private_floats accumulators (Mali's 32: 8 x 4
+    outputs; Adreno's 64: 8 x 8); the largest tile whose work-items fill the device, else the largest where
+    a work-group may split its reduction, else (saved masks) the smallest, for the most work-items."""
+    from fblc.codegen.kernels.schedules import TileBudget, _contraction_tile
+
+    def tile(private: int, device: int, texels: int, masks: bool = False) -> tuple[int, int]:
+        budget = TileBudget(True, private, device, texels, masks, not masks)
+        schedule = _contraction_tile(budget, (texels // 32 * 8, 128), texels // 32 * 8, None)[0]
+        return schedule.tile_rows, schedule.tile_columns
+
+    assert load_profile("mali-g925").private_floats == 32 and load_profile("adreno830").private_floats == 64
+    assert tile(64, 0, 2048) == (8, 2) and tile(32, 0, 2048) == (8, 1)  # a CPU: the largest that fits
+    assert tile(64, 1536, 32768) == (8, 2)  # 2048 tiles of 16 texels fill 1536 work-items
+    assert tile(64, 1536, 16384) == (8, 1)  # 16 texels make 1024 tiles, 8 make 2048
+    assert tile(64, 1536, 2048) == (8, 2)  # none fills: a work-group per tile will
+    assert tile(64, 1536, 2048, masks=True) == (4, 1)  # none fills and none may split: the most work-items

@@ -36,6 +36,9 @@ FIGURES: dict[str, tuple[type, str]] = {
     "l2_bytes": (int, "L2 capacity, bytes"),
     "bandwidth_gbps": (float, "DRAM bandwidth, GB/s"),
     "peak_gflops": (float, "fp32 peak, GFLOP/s"),
+    "compute_units": (int, "compute units: shader processors / cores (CL_DEVICE_MAX_COMPUTE_UNITS)"),
+    "waves_per_unit": (int, "waves a compute unit runs at once: its fp32 lanes / wave_size"),
+    "private_floats": (int, "accumulator floats a work-item keeps in registers at full occupancy (a tile's limit)"),
 }
 #: The image edge, in texels, that every OpenCL device fblc targets allows: the PoCL that pip installs
 #: (pocl-binary-distribution 3.0), oclgrind and most phone drivers stop at 8192 x 8192, while some
@@ -47,11 +50,16 @@ PORTABLE_IMAGE_EDGE = 8192
 GROUP_ITEMS = 64
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
+#: the fewest steps (elements, or multiply-adds per accumulator) each work-item of a group keeps when a
+#: shorter reduction is shared only to fill the device: below it the merge through __local memory (a
+#: barrier per tree level) costs about what the split saves
+SPLIT_STEPS = 16
 #: the most updates a row scatter's target row scans one by one; a longer line of updates is sorted by
 #: row number first (pass sort_scatter_rows: log2(N) merge launches, then a binary search per row)
 SORTED_SCATTER_UPDATES = 64
-#: the floats one work-item's accumulators may take: an 8 x 8 tile, what mobile GEMM kernels keep in
-#: registers (Adreno's and Mali's guides: more spills to private memory, which is device memory)
+#: the floats one work-item's accumulators may take at most, on any target: an 8 x 8 tile, what mobile GEMM
+#: kernels keep in registers (Adreno's and Mali's guides: more spills to private memory, which is device
+#: memory). A target's own limit is its `private_floats` figure (Profile.private_floats), at most this.
 PRIVATE_FLOATS = 64
 #: the float4 partial sums a work-item keeps where its float4 is one SIMD register (a `cpu` profile):
 #: of the 32 vector registers of x86-64 with AVX-512 or of arm64, the rest hold a block's operands
@@ -98,12 +106,25 @@ class Profile:
     l2_bytes: int
     bandwidth_gbps: float
     peak_gflops: float
+    compute_units: int
+    waves_per_unit: int
+    private_floats: int
     sources: dict[str, str]
     raw: dict[str, Any]
 
     @property
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.raw, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def device_items(self) -> int:
+        """Work-items the device runs at once: a launch of fewer leaves compute units (or lanes) idle."""
+        return self.compute_units * self.waves_per_unit * self.wave_size
+
+    def fills_device(self, items: int) -> bool:
+        """Whether a launch of `items` work-items keeps the device busy alone. A CPU (PoCL) counts as
+        filled: its speed rules are its own (CPU_BUSY_TILES; a work-group's items run in turn on one core)."""
+        return self.cpu or items >= self.device_items
 
     @property
     def l1_sets(self) -> int:
@@ -121,22 +142,43 @@ class Profile:
         group = max(1, min(waves * self.wave_size, self.max_work_group_size))
         return -(-max(items, 1) // group) * group, group
 
-    def reduction_group(self, count: int) -> int | None:
-        """Work-items that share a reduction of `count` elements (a power of two, whole waves when
-        the device allows, within max_work_group_size), or None: short enough for one work-item."""
-        if count <= SERIAL_REDUCTION:
+    def reduction_group(self, count: int, outputs: int = 0) -> int | None:
+        """Work-items that share a reduction of `count` elements into each of `outputs` items (a power of
+        two within max_work_group_size), or None: one work-item each. A long reduction (past
+        SERIAL_REDUCTION) takes up to REDUCTION_GROUP, each work-item folding 16 elements or more; on a GPU
+        a shorter one whose items leave the device idle takes what fills it (Profile.filling_group), each
+        work-item still folding SPLIT_STEPS elements or more: a group under a wave where the items are that
+        few (its idle lanes cost less than an idle device)."""
+        if count > SERIAL_REDUCTION:
+            return _power_of_two_group(min(REDUCTION_GROUP, self.max_work_group_size, count // 16))
+        return self.filling_group(outputs, min(REDUCTION_GROUP, self.max_work_group_size, count // SPLIT_STEPS))
+
+    def filling_group(self, items: int, bound: int) -> int | None:
+        """Work-items per item that make `items` items fill the device: the least power of two that does,
+        within `bound` (its largest power of two where none does); None where the items fill it alone (or on
+        a CPU: Profile.fills_device) or no split fits `bound`."""
+        if items <= 0 or self.fills_device(items):
             return None
-        return _power_of_two_group(min(REDUCTION_GROUP, self.max_work_group_size, count // 16))
+        cap = _power_of_two_group(bound)
+        if cap is None:
+            return None
+        group = 2
+        while group < cap and items * group < self.device_items:
+            group *= 2
+        return group
 
     def tile_group(self, serial: int, trips: int, lanes: int, tiles: int) -> int | None:
         """Work-items that share a register tile's reduction of `serial` multiply-adds per accumulator
-        (`lanes` accumulators, `tiles` tiles) whose longest loop runs `trips` times, or None: short
-        enough for one work-item, or a CPU's tiles that keep it busy alone (CPU_BUSY_TILES). A power of
-        two, up to GROUP_ITEMS (a group's whole waves), at most one per iteration of that loop, within
-        max_work_group_size and SHARED_TILE_FLOATS of partials."""
-        if serial <= SERIAL_REDUCTION or (self.cpu and tiles >= CPU_BUSY_TILES):
-            return None
-        return _power_of_two_group(min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes))
+        (`lanes` accumulators, `tiles` tiles) whose longest loop runs `trips` times, or None: one work-item
+        a tile. A power of two, up to GROUP_ITEMS (a group's whole waves), at most one per iteration of that
+        loop, within max_work_group_size and SHARED_TILE_FLOATS of partials: the most of them for a reduction
+        past SERIAL_REDUCTION (unless a CPU's tiles keep it busy alone: CPU_BUSY_TILES); on a GPU, for a
+        shorter one whose tiles leave the device idle, what fills it (Profile.filling_group), each work-item
+        still taking SPLIT_STEPS multiply-adds per accumulator or more."""
+        bound = min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes)
+        if serial > SERIAL_REDUCTION:
+            return None if self.cpu and tiles >= CPU_BUSY_TILES else _power_of_two_group(bound)
+        return self.filling_group(tiles, min(bound, serial // SPLIT_STEPS))
 
     def tiles_per_group(self, group: int, lanes: int, tiles: int) -> int:
         """Register tiles one work-group holds when a tile's `group` work-items (Profile.tile_group) fill
@@ -227,6 +269,9 @@ def _check_possible(v: dict[str, Any], path: str) -> None:
         raise _fail(path, f"l1_bytes {v['l1_bytes']} cannot hold {v['l1_ways']} ways of {block_bytes}-byte blocks")
     if v["l2_bytes"] < v["l1_bytes"]:
         raise _fail(path, f"l2_bytes {v['l2_bytes']} is smaller than l1_bytes {v['l1_bytes']}")
+    if not 4 <= v["private_floats"] <= PRIVATE_FLOATS or v["private_floats"] % 4:
+        raise _fail(path, f"private_floats is {v['private_floats']}: a work-item's accumulators are whole float4s, "
+                          f"4 to {PRIVATE_FLOATS} floats")
     if v["wave_size"] > v["max_work_group_size"]:
         raise _fail(path, f"wave_size {v['wave_size']} exceeds max_work_group_size {v['max_work_group_size']}")
 

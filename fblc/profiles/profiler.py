@@ -245,6 +245,24 @@ def _timed(plan: Plan, results: Results) -> list[tuple[dict[str, Any], float | N
     return timed
 
 
+def _device_size(device: dict[str, Any], wave: int, gflops: float, queried: str, measured: str
+                 ) -> dict[str, dict[str, Any]]:
+    """compute_units as the driver reports them, and waves_per_unit from the measured fp32 peak: the lanes
+    that run at once (GFLOP/s over 2 flops an FMA at the reported clock) per compute unit, in waves."""
+    units = int(device.get("max_compute_units", 0))
+    if units <= 0:  # a runner that does not report it: local.json's estimate stays
+        return {}
+    figures = {"compute_units": {"value": units, "source": f"{queried} (max compute units)"}}
+    clock_mhz = int(device.get("max_clock_frequency", 0))
+    if clock_mhz > 0 and gflops > 0:
+        lanes = gflops * 1e3 / (2 * clock_mhz)
+        figures["waves_per_unit"] = {
+            "value": max(1, round(lanes / (units * wave))),
+            "source": f"{measured}: float4 FMA peak / (2 x {clock_mhz} MHz) = {lanes:.0f} lanes "
+                      f"over {units} units of {wave}-wide waves"}
+    return figures
+
+
 def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
     """The profile document (valid for parse_profile) that `results`, the timings of `plan`, show."""
     timed = _timed(plan, results)
@@ -294,6 +312,7 @@ def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
         "bandwidth_gbps": {"value": round(bandwidth, 2), "source": f"{measured}: row-major image stream"},
         "peak_gflops": {"value": round(gflops, 1), "source": f"{measured}: float4 FMA loop"},
     })
+    figures.update(_device_size(device, figures["wave_size"]["value"], gflops, queried, measured))
     if "cpu" in device:  # runners built before the device type was recorded keep local.json's estimate
         figures["cpu"] = {"value": bool(device["cpu"]), "source": f"{queried} (device type)"}
     if "simd_floats" in device:

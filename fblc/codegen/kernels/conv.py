@@ -201,8 +201,9 @@ def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int,
     return mask, pad > 0 or mask.high + (walked - 1) * s - pad + (k - 1) * d >= n
 
 
-def conv_tile(cs: ConvShape) -> ConvTile | None:
-    """The channel or spatial tile for a conv output (see the module docstring), or None."""
+def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS) -> ConvTile | None:
+    """The channel or spatial tile for a conv output (see the module docstring), or None; a 2-D weight
+    gradient's tile within `private` accumulators (the target's Profile.private_floats)."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     if cs.cg_out % LANES == 0 and len(spatial) <= 1:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
@@ -213,7 +214,7 @@ def conv_tile(cs: ConvShape) -> ConvTile | None:
         y, x = spatial
         out_y, out_x, k = cs.out_shape[2 + y], cs.out_shape[2 + x], cs.window.kernel[x]
         lanes = LANES * out_y * out_x
-        if (k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= PRIVATE_FLOATS
+        if (k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= private
                 and _block_products(cs, k, lanes) <= STATIC_PRODUCTS):
             return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y)
     axis = lane_axis(cs.out_shape)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import onnx_ir as ir
 
@@ -52,6 +53,45 @@ SPATIAL_ROWS = (4, 3, 2)  # output rows of a 2-D spatial tile where channels can
 #: rows at least this long (no multiple of 4) take tiles of two texel columns on the row path: whole bytes of a
 #: saved mask, more lanes sharing the weights, where most pairs lie within one row
 PAIR_ROW = 16
+T = TypeVar("T")  # a candidate tile
+
+
+@dataclass(frozen=True)
+class TileBudget:
+    """What a kernel's register tile is chosen within: R-Tile codegen or not (`tiled`: under naive, one texel
+    row), the target's accumulators per work-item (`private`: Profile.private_floats), the work-items the
+    device runs at once (`device_items`; 0 on a CPU, whose tiles keep their own rules), the kernel's output
+    texels, whether it writes saved masks (`masks`: a work-item of an odd number of texels then takes two
+    tiles, KernelBuilder.finish) and whether its reduction may be dealt out to a work-group (`splits`)."""
+
+    tiled: bool
+    private: int
+    device_items: int
+    texels: int
+    masks: bool
+    splits: bool
+
+    @staticmethod
+    def of(table: TextureTable, group: KernelGroup) -> "TileBudget":
+        profile, masks = table.profile, bool(_saved_masks(group))
+        return TileBudget(table.tiled, profile.private_floats, 0 if profile.cpu else profile.device_items,
+                          -(-numel(static_shape(group.outputs[0])) // LANES), masks, not masks)
+
+    def pick(self, candidates: Sequence[T], texels_per_item: Callable[[T], int]) -> T:
+        """Of `candidates` (largest tile first; each within `private`), the first whose items fill the device;
+        where none does, the first if the reduction may be split (a work-group per tile then fills it and
+        the tile keeps its register reuse: Profile.tile_group), else the last (the most work-items)."""
+        def work_items(candidate: T) -> int:
+            per = texels_per_item(candidate)
+            return self.texels // (2 * per if self.masks and per % 2 else per)
+
+        if self.device_items:
+            filling = [c for c in candidates if work_items(c) >= self.device_items]
+            if filling:
+                return filling[0]
+            if not self.splits:
+                return candidates[-1]
+        return candidates[0]
 
 
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
@@ -77,17 +117,21 @@ def _reducing(decide: Reducing) -> Rule:
     return rule
 
 
-def _contraction_tile(tiled: bool, out_shape: tuple[int, ...], rows: int, column_texels: int | None
+def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int, column_texels: int | None
                       ) -> tuple[Schedule, None, int]:
     """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts where the output's rows and
     texel columns come in such groups (a tile reads each operand texel once for all its rows or columns),
-    else one texel. `rows`, `column_texels`: the runs of rows and texel columns the operands step through
-    by one stride (a folded axis's innermost digit); the tile's rows are whole output rows apart."""
+    within the target's accumulators and by the device's size (TileBudget.pick), else one texel. `rows`,
+    `column_texels`: the runs of rows and texel columns the operands step through by one stride (a folded
+    axis's innermost digit); the tile's rows are whole output rows apart."""
     row_texels = out_shape[-1] // LANES
     run = row_texels if column_texels is None else column_texels
-    tile_rows = next((n for n in TILE_ROWS if rows % n == 0), None)
-    if tiled and tile_rows is not None:
-        columns = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
+    wide = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
+    tiles = [(n, c) for n in TILE_ROWS for c in sorted({wide, 1}, reverse=True)
+             if rows % n == 0 and n * c * LANES <= budget.private]
+    if budget.tiled and tiles:
+        tiles.sort(key=lambda tile: -tile[0] * tile[1])  # the largest first; of equal ones, more rows
+        tile_rows, columns = budget.pick(tiles, lambda tile: tile[0] * tile[1])
         schedule = tile_of(tile_rows, columns, row_texels)
     else:
         schedule = consecutive(1)
@@ -102,42 +146,44 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
     a_rank, b_rank = (len(static_shape(value)) for value in group.anchor.inputs)
     if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
         return consecutive(1), None, 0
-    return _contraction_tile(table.tiled, out_shape, a_axes[-2][-1][0], w_axes[-1][-1][0] // LANES)
+    return _contraction_tile(TileBudget.of(table, group), out_shape, a_axes[-2][-1][0], w_axes[-1][-1][0] // LANES)
 
 
 def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
     out_shape = static_shape(group.outputs[0])
     if lane_axis(out_shape) != 1:
         return consecutive(1), None, 0
-    return _contraction_tile(table.tiled, out_shape, out_shape[0], None)
+    return _contraction_tile(TileBudget.of(table, group), out_shape, out_shape[0], None)
 
 
 def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
     """The conv's tile (see the module docstring) as the ConvPlan its emitter follows."""
     scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
-    tiled, view = table.tiled, flattened_conv(conv_shape(group.anchor))
-    tile, row = conv_tile(view), row_axis(view.out_shape, first=2)
+    budget, view = TileBudget.of(table, group), flattened_conv(conv_shape(group.anchor))
+    tile, row = conv_tile(view, budget.private), row_axis(view.out_shape, first=2)
     if tile is not None:
+        if tile.rows == 1:  # a spatial tile: its texels along the row by the device's size
+            tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile.axis), multiple=0)
         per = tile.lanes // LANES
         schedule = consecutive(per)
         masked = tile.axis if tile.axis is not None else last_tap_axis(view)
         if tile.rows == 1:  # a spatial tile
             # where channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
             k, s = view.window.kernel, view.window.strides
-            schedule = _spatial_rows(tiled, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1])
+            schedule = _spatial_rows(budget, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1])
         elif not _sums_instead_of_batches(scratch, view, FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX, tile, masked,
-                                          tiled):  # a channel tile
-            tile.batches = batch_count(tiled, view.out_shape, tile.lanes)
+                                          budget):  # a channel tile
+            tile.batches = batch_count(budget, view.out_shape, tile.lanes)
             schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
         return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count), tile.lanes
     if row is not None:
-        tile, schedule = _row_texels(tiled, view, row, 1)
+        tile, schedule = _row_texels(dataclasses.replace(budget, splits=False), view, row, 1)
         return schedule, ConvPlan(view, row=tile), tile.lanes
     return consecutive(1), ConvPlan(view), 0
 
 
 def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
-                             tiled: bool) -> bool:
+                             budget: TileBudget) -> bool:
     """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
     (the "sums" form), rather than take several in texels (batch_count): the sums must be chosen for the
     tile alone and cost fewer instructions per product than the batched tile's texels."""
@@ -147,79 +193,92 @@ def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: Co
     single = trial(tile)
     if single.accumulator_form(b, tile.lanes) != "sums":
         return False
-    batched = dataclasses.replace(tile, batches=batch_count(tiled, cs.out_shape, tile.lanes))
+    batched = dataclasses.replace(tile, batches=batch_count(budget, cs.out_shape, tile.lanes))
     return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
 
 
 def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
     """The ConvTranspose's tile (see conv_transpose.py's docstring) as the ConvPlan its emitter follows."""
-    tiled, view = table.tiled, flattened_transpose(transpose_shape(group.anchor))
+    budget, view = TileBudget.of(table, group), flattened_transpose(transpose_shape(group.anchor))
     axis, row, window = lane_axis(view.out_shape), row_axis(view.out_shape, first=2), view.window
     if axis is not None and axis >= 2 and texels_fit(view, axis):
-        tile = ConvTile(1, LANES * texels_per_item(view.out_shape[axis] // LANES), axis - 2)
+        tile = ConvTile(1, LANES * _spatial_texels(budget, view, axis - 2), axis - 2)
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
-        schedule = _spatial_rows(tiled, view, tile, lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1)
+        schedule = _spatial_rows(budget, view, tile,
+                                 lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1)
         return schedule, ConvPlan(view, tile), tile.lanes
     if row is not None and texels_fit(view, row[0]):
-        tile, schedule = _row_texels(tiled, view, row, window.strides[row[0] - 2])
+        tile, schedule = _row_texels(dataclasses.replace(budget, splits=False), view, row,
+                                     window.strides[row[0] - 2])
         return schedule, ConvPlan(view, row=tile), tile.lanes
     return consecutive(1), ConvPlan(view), 0
 
 
-def _spatial_rows(tiled: bool, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
+def _spatial_texels(budget: TileBudget, view: ConvShape, axis: int | None) -> int:
+    """Texels along window axis `axis` a spatial tile's work-item covers: of the counts up to
+    conv.texels_per_item's (the most, up to 5, that divide a row) that divide the row, TileBudget.pick's."""
+    row = view.out_shape[2 + axis] // LANES if axis is not None else 1
+    most = texels_per_item(row)
+    return budget.pick([n for n in range(most, 0, -1) if row % n == 0], lambda n: n)
+
+
+def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
     """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
     output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
-    along the axis before, `stride` texels apart: the first of SPATIAL_ROWS that divides it within PRIVATE_FLOATS
-    accumulators and STATIC_PRODUCTS products (taps x input channels) per block. They share input rows,
-    (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps."""
+    along the axis before, `stride` texels apart: of SPATIAL_ROWS that divide it within the target's accumulators
+    and STATIC_PRODUCTS products (taps x input channels) per block, the one TileBudget.pick takes. They share
+    input rows, (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps."""
     x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
-    tile.rows, tile.row_step, _, stride = channel_rows(tiled, view.out_shape, view.cg_out, (per,))
-    if tile.rows == 1 and tiled and x and stacks(x):
+    tile.rows, tile.row_step, _, stride = channel_rows(budget, view.out_shape, view.cg_out, (per,))
+    if tile.rows == 1 and budget.tiled and x and stacks(x):
         products = tile.lanes * kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in)
-        tile.y_rows = next((rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
-                            and rows * tile.lanes <= PRIVATE_FLOATS and rows * products <= STATIC_PRODUCTS), 1)
+        fits = [rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
+                and rows * tile.lanes <= budget.private and rows * products <= STATIC_PRODUCTS]
+        tile.y_rows = budget.pick([*fits, 1], lambda rows: rows * per)
         tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
     return tile_of(tile.rows * tile.y_rows, per, stride)
 
 
-def channel_rows(tiled: bool, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
+def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
                  ) -> tuple[int, int, int, int]:
     """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
-    (the first of `choices` that fits) also computes the same positions of rows - 1 more channels of its
+    (of `choices`, largest first) also computes the same positions of rows - 1 more channels of its
     group (cg_out), row_step apart: positions line up with texel columns only every 4 * columns /
-    gcd(plane, 4 * columns) channels. Its rows are `stride` texels apart. (1, 1, the last choice, 1)
-    where none fits, or under naive: one channel."""
+    gcd(plane, 4 * columns) channels. Its rows are `stride` texels apart. Of the ones within the target's
+    accumulators, TileBudget.pick's; (1, 1, the last choice, 1) where none fits, or under naive: one channel."""
     plane = numel(out_shape[2:])
-    if tiled:
+    fits = []
+    if budget.tiled:
         for columns in choices:
             step = LANES * columns // math.gcd(plane, LANES * columns)
             stride = step * plane // LANES
-            for rows in CHANNEL_ROWS:
-                if cg_out % (rows * step) == 0 and rows * columns * LANES <= PRIVATE_FLOATS:
-                    return rows, step, columns, stride
-    return 1, 1, choices[-1], 1
+            fits += [(rows, step, columns, stride) for rows in CHANNEL_ROWS
+                     if cg_out % (rows * step) == 0 and rows * columns * LANES <= budget.private]
+    return budget.pick([*fits, (1, 1, choices[-1], 1)], lambda tile: tile[0] * tile[2])
 
 
-def batch_count(tiled: bool, out_shape: Sequence[int], lanes: int) -> int:
+def batch_count(budget: TileBudget, out_shape: Sequence[int], lanes: int) -> int:
     """Batch elements a channel tile's work-item of `lanes` outputs computes under R-Tile codegen (they share
-    every weight read; the weight gradient's batch axis is the input channels, sharing the dY reads): the
-    first of BATCH_ROWS within PRIVATE_FLOATS accumulators; 1 under naive."""
-    fits = [batches for batches in BATCH_ROWS if out_shape[0] % batches == 0 and batches * lanes <= PRIVATE_FLOATS]
-    return fits[0] if tiled and fits else 1
+    every weight read; the weight gradient's batch axis is the input channels, sharing the dY reads): of
+    BATCH_ROWS within the target's accumulators, TileBudget.pick's; 1 under naive."""
+    fits = [batches for batches in BATCH_ROWS if out_shape[0] % batches == 0 and batches * lanes <= budget.private]
+    return budget.pick([*fits, 1], lambda batches: batches * lanes // LANES) if budget.tiled else 1
 
 
-def _row_texels(tiled: bool, view: ConvShape, row: tuple[int, int], multiple: int) -> tuple[ConvTile, Schedule]:
+def _row_texels(budget: TileBudget, view: ConvShape, row: tuple[int, int], multiple: int
+                ) -> tuple[ConvTile, Schedule]:
     """A row path's tile (its texels start at a multiple of `multiple`) and schedule."""
     axis, length = row
     choices = (2, 1) if length >= PAIR_ROW else (1,)
-    rows, step, columns, stride = channel_rows(tiled, view.out_shape, view.cg_out, choices)
+    rows, step, columns, stride = channel_rows(budget, view.out_shape, view.cg_out, choices)
     return ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step), tile_of(rows, columns, stride)
 
 
-def _row_group(table: TextureTable, count: int) -> Schedule:
-    """One output per work-item, or a work-group per output for a reduction of `count` elements."""
+def _row_group(table: TextureTable, count: int, output: ir.Value) -> Schedule:
+    """One output texel of `output` per work-item, or a work-group per texel for a reduction of `count`
+    elements that is long or whose texels alone leave the device idle (Profile.reduction_group)."""
     schedule = consecutive(1)
-    schedule.group_size = table.profile.reduction_group(count) or 1
+    schedule.group_size = table.profile.reduction_group(count, -(-numel(static_shape(output)) // LANES)) or 1
     bound = min(REDUCTION_GROUP, table.profile.max_work_group_size)
     schedule.choices = {"group_size": tuple(g for g in group_choices(table.profile, 1) if g <= bound)}
     return schedule
@@ -227,13 +286,13 @@ def _row_group(table: TextureTable, count: int) -> Schedule:
 
 def _reduce(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     shape = static_shape(group.anchor.inputs[0])
-    return {group.name: _row_group(table, numel([shape[a] for a in reduced_axes(group.anchor)]))}
+    return {group.name: _row_group(table, numel([shape[a] for a in reduced_axes(group.anchor)]), group.outputs[0])}
 
 
 def _layer_norm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     _, _, count = layer_norm_geometry(group.anchor)
     if has_statistics(group.anchor):
-        return {f"{group.name}_stats": _row_group(table, count), group.name: consecutive(1)}
+        return {f"{group.name}_stats": _row_group(table, count, group.anchor.outputs[1]), group.name: consecutive(1)}
     return {group.name: consecutive(item_texels(count // 4) if count % 4 == 0 else 1)}
 
 
