@@ -55,8 +55,9 @@ class Program:
 def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
     """The fuse pass's groups in launch order (k0, k1, ...) that launch kernels, so need their anchor's
     emitter: not views (`alias`), not a group nothing reads (e.g. an unused optional output), not a
-    Constant (its texture is preloaded). Members after the anchor are elementwise ops its emitter writes
-    as expressions; a group's outputs are the values others read."""
+    Constant (its texture is preloaded). The anchor is the group's contraction or (first) reduction; the
+    members after it are sibling reductions and elementwise ops its emitter writes as expressions; a
+    group's outputs are the values others read."""
     members: dict[str, list[ir.Node]] = {}
     for node in graph:
         kernel = kernel_of(node)

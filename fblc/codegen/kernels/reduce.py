@@ -1,7 +1,9 @@
 """Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, ReduceLogSumExp, GlobalAveragePool.
 
 One work-item per output texel (a work-group past the serial limit) folds the reduced elements, whole
-texels where the axes allow; docs/ARCHITECTURE.md §3.
+texels where the axes allow; docs/ARCHITECTURE.md §3. A kernel folds every sibling reduction of its group
+(passes/fuse.py: one input shape, axes and output shape) in turn, then evaluates the group's elementwise
+epilogue on their results, as a contraction does (an optimizer update of a gradient summed over the batch).
 """
 
 from __future__ import annotations

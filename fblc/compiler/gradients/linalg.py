@@ -17,6 +17,10 @@ from fblc.compiler.window import Window, transpose_output_padding, window_of
 Grads = Sequence["ir.Value | None"]
 
 
+#: elements of an image texel (RGBA), along a conv output's channels where its kernel shares reads across them
+RGBA = 4
+
+
 def _swap_last_two(e: Emitter, x: ir.Value, rank: int) -> ir.Value:
     perm = list(range(rank - 2)) + [rank - 1, rank - 2]
     return e.op("Transpose", x, perm=perm)
@@ -154,11 +158,12 @@ def conv_weight_grad(e: Emitter, x: ir.Value, dy: ir.Value, c_out: int, groups: 
                             perm=[3, 0, 2, 1] + trailing), [cg_in, apart * groups * inside, *spatial])
     kernels = e.reshape(e.op("Transpose", e.reshape(dy, [apart, inside, groups, cg_out, *window.out_spatial]),
                              perm=[0, 2, 3, 1] + trailing), [apart * groups * cg_out, inside, *window.out_spatial])
-    if groups == 1 and all(k == 1 for k in window.kernel) and all(s == 1 for s in window.strides) \
-            and not any(window.pads):
-        # pointwise: dW[co, ci] = sum over n, p of dY[n, co, p] * X[n, ci, p] is symmetric in X and dY, so dY is
-        # the conv's input and X its kernels, and dW comes out in the weight's own order (the optimizer's
-        # update joins the conv's epilogue: no transpose between them)
+    pointwise = all(k == 1 for k in window.kernel) and all(s == 1 for s in window.strides) and not any(window.pads)
+    if groups == 1 and pointwise and (cg_in % RGBA == 0 or c_out % RGBA):
+        # dW[co, ci] = sum over n, p of dY[n, co, p] * X[n, ci, p] is symmetric in X and dY, so dY is the conv's
+        # input and X its kernels, and dW comes out in the weight's own order (the optimizer's update joins the
+        # conv's epilogue: no transpose between them). Only where its output channels (ci) fill whole texels
+        # as often as the other order's (co) do: a texel's 4 outputs then share their reads of dY and X.
         return e.op("Conv", kernels, x_view, strides=[1] * rank, dilations=[1] * rank, pads=[0] * (2 * rank))
     correlated = e.op("Conv", x_view, kernels, group=apart * groups, strides=list(window.dilations),
                       dilations=list(window.strides), pads=window.pads)
