@@ -423,6 +423,11 @@ def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
     assert report["kernels"] < computing
     assert len(_forward_kernels(step, ("Conv", "BatchNormalization", "Relu"))) == 1, "Conv+BN+Relu: one kernel"
     assert report["kernels_per_family"]["conv"] == 3  # forward, dX (ConvTranspose), dW (grouped Conv)
+    # BatchNorm's dgamma and dbeta: sibling sums over N, H, W in one reduction kernel, their updates its epilogue
+    made = {v.name: n.metadata_props.get(KERNEL) for n in step.graph for v in n.outputs}
+    assert len({made[f"{p}.{s}"] for p in ("scale", "bias") for s in ("grad", "new")}) == 1, made
+    reductions = {n.metadata_props[KERNEL] for n in step.graph if n.op_type.startswith("Reduce")}
+    assert report["kernels_per_family"]["reduction"] == len(reductions) == 2, reductions  # and the loss's mean
     # rows of 5: a texel's lanes see one or two channels, whose 1 / sqrt(var + eps) is taken once each before
     # the lane loop (ValueReads.load_channel's `apply`), not once per lane
     forward = next(body for body in (tmp_path / "bundle" / "kernels.cl").read_text().split("__kernel ") if "rsqrt" in body)

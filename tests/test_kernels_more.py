@@ -170,3 +170,18 @@ def test_layer_norm_statistics_of_long_rows_are_shared_by_a_work_group(tmp_path,
     shared = _group_kernels_checked(tmp_path, monkeypatch, model)
     stats = [is_shared for name, is_shared in shared.items() if name.endswith("_stats")]
     assert stats and all(stats), shared
+
+
+def test_a_long_reductions_epilogue_that_saves_a_mask_runs_without_a_work_group(tmp_path, monkeypatch) -> None:
+    """m = ReduceMean over 1028 (a work-group's length), c = m > lo in its epilogue, y = Where(c, x, hi): the
+    backward reads c, so the reduction kernel writes it as a saved mask, whose bytes pair texels of two
+    items; a group kernel cannot (builder.finish), so this one takes no work-group, and its step (the
+    epilogue, the mask, the updates fused into the gradient sums) equals onnxruntime's."""
+    extra = [helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([1], np.int64)),
+                              name="axes"),
+             helper.make_node("ReduceMean", ["x", "axes"], ["m"], keepdims=1, name="mean"),
+             helper.make_node("Greater", ["m", "lo"], ["c"], name="above")]
+    op = helper.make_node("Where", ["c", "x", "hi"], ["y"], name="pick")
+    inits = {"x": _randn(2, 1028), "lo": np.array(-0.01, np.float32), "hi": np.array(0.01, np.float32)}
+    shared = _group_kernels_checked(tmp_path, monkeypatch, _op_then_loss(op, [2, 1028], inits, extra=extra))
+    assert [is_shared for name, is_shared in shared.items() if name.endswith("_ReduceMean")] == [False], shared

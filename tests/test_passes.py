@@ -297,3 +297,63 @@ def test_shape_rules_agree_with_onnx_inference() -> None:
                 assert expect.elem_type == int(value.dtype), value.name
                 compared += 1
     assert compared > 50
+
+
+def _kernels_of_outputs(options: TrainingOptions) -> tuple[dict[str, str | None], list[list[str]]]:
+    """The MLP's step through fuse: the kernel that makes each `.grad` / `.new` output, and the kernels
+    that hold optimizer nodes only (launches of their own)."""
+    from fblc.passes.pipeline import compile_pipeline
+    from fblc.profiles.profile import load_profile
+
+    model = run_passes(ir.from_proto(mlp_proto()), compile_pipeline(options, load_profile("adreno830")))
+    kernels: dict[str, list[ir.Node]] = {}
+    made: dict[str, str | None] = {}
+    for node in model.graph:
+        kernel = node.metadata_props.get(keys.KERNEL)
+        made.update({v.name: kernel for v in node.outputs})
+        if kernel not in (None, "alias"):
+            kernels.setdefault(kernel, []).append(node)
+    alone = [[n.op_type for n in nodes] for nodes in kernels.values()
+             if all(n.metadata_props.get(keys.STAGE) == "optimizer" for n in nodes)]
+    return {v.name: made.get(v.name) for v in model.graph.outputs}, alone
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fuse_joins_each_update_to_the_kernel_of_its_gradient(optimizer: str) -> None:
+    """Golden: every parameter's update (SGD with momentum, AdamW with its two moments) is computed in the
+    kernel that makes its gradient (Gemm and MatMul epilogues, the bias sums' reduction kernels): `P.grad`,
+    `P.new` and its state's `.new` come from one kernel; only Adam's once-per-step scalars launch alone.
+    Negative: under dynamic loss scaling every update waits for the finite check over all gradients, so
+    none joins its gradient's kernel."""
+    config = OptimizerConfig(optimizer, weight_decay=0.1, momentum=0.9 if optimizer == "sgd" else 0.0)
+    made, alone = _kernels_of_outputs(TrainingOptions(optimizer=config))
+    states = {"sgd": ["momentum"], "adamw": ["exp_avg", "exp_avg_sq"]}[optimizer]
+    for param in ("w1", "b1", "w2", "b2"):
+        group = {made[f"{param}.grad"], made[f"{param}.new"], *(made[f"{param}.{s}.new"] for s in states)}
+        assert len(group) == 1 and None not in group, (param, group)
+    assert alone == ([] if optimizer == "sgd" else [["Add", "Pow", "Sub", "Pow", "Sub", "Div", "Sqrt", "Reciprocal"]])
+    gated, _ = _kernels_of_outputs(TrainingOptions(optimizer=config, dtype="fp16", loss_scale="dynamic"))
+    assert all(gated[f"{p}.grad"] != gated[f"{p}.new"] for p in ("w1", "b1", "w2", "b2")), gated
+
+
+def test_fuse_sees_a_path_through_a_kernel_that_spans_the_graph() -> None:
+    """Kernel X = {x1 = Exp(a), x2 = x1 + s^T} spans the graph; g = ReduceSum(x1) lies wholly before
+    s = Sigmoid(b), and t = s + g. Merging s with t would close the cycle s -> X -> g -> t, though every
+    node of g comes before s (the node-position pruning fuse had missed it: NetworkXUnfeasible); kernel
+    levels see it, so s and t stay apart and the kernels have a launch order."""
+    from fblc.passes.fuse import FuseKernels
+    from fblc.passes.tile_remap import TileRemap
+
+    nodes = [helper.make_node("Exp", ["a"], ["x1"], name="x1"),
+             helper.make_node("ReduceSum", ["x1", "axes"], ["g"], name="g", keepdims=1),
+             helper.make_node("Sigmoid", ["b"], ["s"], name="s"),
+             helper.make_node("Transpose", ["s"], ["st"], name="st", perm=[1, 0]),
+             helper.make_node("Add", ["x1", "st"], ["x2"], name="x2"),
+             helper.make_node("Add", ["s", "g"], ["t"], name="t")]
+    square = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 4]) for n in ("a", "b", "x2", "t")]
+    step = TileRemap()(InferShapes()(ir.serde.deserialize_model(make_model(
+        nodes, square[:2], square[2:], {"axes": np.array([0], np.int64)}))).model).model
+    FuseKernels()(step)
+    kernel = {n.name: n.metadata_props[keys.KERNEL] for n in step.graph}
+    assert kernel["x1"] == kernel["x2"] and kernel["st"] == "alias", kernel
+    assert len({kernel["s"], kernel["t"], kernel["g"], kernel["x1"]}) == 4, kernel

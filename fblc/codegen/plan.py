@@ -29,7 +29,7 @@ from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
 from fblc.compiler.ops import CONTRACTIONS
-from fblc.passes.fuse import ALIAS, kernel_of
+from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
@@ -56,8 +56,9 @@ class Program:
 def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
     """The fuse pass's groups in launch order (k0, k1, ...) that launch kernels, so need their anchor's
     emitter: not views (`alias`), not a group nothing reads (e.g. an unused optional output), not a
-    Constant (its texture is preloaded). Members after the anchor are elementwise ops its emitter writes
-    as expressions; a group's outputs are the values others read."""
+    Constant (its texture is preloaded). The anchor is the group's contraction or (first) reduction; the
+    members after it are sibling reductions and elementwise ops its emitter writes as expressions; a
+    group's outputs are the values others read."""
     members: dict[str, list[ir.Node]] = {}
     for node in graph:
         kernel = kernel_of(node)
@@ -68,7 +69,8 @@ def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
     graph_outputs = {id(v) for v in graph.outputs}
     groups = []
     for kernel in sorted(members, key=lambda k: int(k[1:])):
-        anchor = next((n for n in members[kernel] if n.op_type in CONTRACTIONS), members[kernel][0])
+        anchor = next((n for n in members[kernel] if n.op_type in CONTRACTIONS or n.op_type in REDUCTIONS),
+                      members[kernel][0])
         nodes = [anchor] + [n for n in members[kernel] if n is not anchor]
         inside = {id(n) for n in nodes}
         outputs = [v for n in nodes for v in n.outputs if v is not None and v.name

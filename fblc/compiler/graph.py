@@ -116,6 +116,8 @@ class Emitter:
         lead = len(grad_shape) - len(target_shape)
         axes = list(range(lead))
         axes += [lead + i for i, d in enumerate(target_shape) if d == 1 and grad_shape[lead + i] != 1]
+        if all(axis < lead for axis in axes):  # the sum is of the target's shape: no reshape after it, so an
+            return self.reduce_sum(grad, axes, keepdims=False)  # elementwise reader (an update) joins its kernel
         summed = self.reduce_sum(grad, axes, keepdims=True)
         return self.reshape(summed, target_shape)
 

@@ -3,16 +3,19 @@
 Rewrite: writes `fblc.kernel` = `k<N>` on every node that runs in a kernel (N is the launch
 order), and `alias` on views (Identity, and data movement that tile_remap turned into index
 maps) that read their root's texture. Two kernels merge when both are elementwise chains (or one is a
-contraction, MatMul/Gemm/Conv/ConvTranspose, and the other only feeds its epilogue), their
+contraction, MatMul/Gemm/Conv/ConvTranspose, or a reduction, and the other only feeds its epilogue), their
 outputs have the same shape (one work-item per output element serves both), the consumer reads
 the producer's output in its own order (directly, or through a view that keeps the order), and no third
 kernel lies between them (merging would form a cycle), and the merged kernel reads at most
 READ_IMAGE_ARGS textures (a sum over every parameter's gradient stays within what OpenCL guarantees). An elementwise node tries to merge
 with the kernels of all its inputs, so chains over parameters and optimizer state (Adam's
-moment updates) become one kernel. A Concat or constant Pad (GATHERS) merges into the
+moment updates) become one kernel, and an optimizer update joins the kernel that makes its gradient (a weight
+gradient's conv, a reduction over the batch): no launch of its own. Sibling reductions (one input shape, the same
+reduced axes and output shape: BatchNorm's dgamma and dbeta) whose inputs one kernel makes, or that read one
+input, fold in one kernel, each in turn per output element. A Concat or constant Pad (GATHERS) merges into the
 elementwise chain that reads it, which then computes it per element from its inputs' textures
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
-contraction or with a kernel that makes one of its inputs (it reads them at other elements than
+contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
 its own). Every other op runs alone. Kernels are numbered in a
 topological order. Preconditions: static shapes; topologically sorted graph. In place;
 `modified` is true when any annotation changed.
@@ -25,6 +28,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys, ops
 from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers, view_root
+from fblc.compiler.gradients import reduce as reduce_rules
 from fblc.compiler.values import attr, static_shape
 from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import READ_IMAGE_ARGS
@@ -36,6 +40,23 @@ CONTRACTIONS = ops.CONTRACTIONS
 #: data movement that an elementwise kernel can compute per element from its inputs' textures (a select
 #: between them, a bounds check): fused into its elementwise readers, never with its own producers
 GATHERS = ops.ops_where(lambda entry: entry.fuses_into_readers)
+#: reductions whose kernel (codegen/kernels/reduce.py) folds several sibling reductions and takes an elementwise
+#: epilogue, like a contraction's: a gradient reduced over the batch and its optimizer update in one launch
+REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool"})
+#: kinds of kernel that an elementwise epilogue can join but never a prologue: their anchors fold their inputs
+ANCHORED = ("contraction", "reduction")
+
+
+def reduced_axes(node: ir.Node) -> list[int]:
+    """The axes reduction `node` folds (GlobalAveragePool: every spatial axis)."""
+    if node.op_type == "GlobalAveragePool":
+        return list(range(2, len(static_shape(node.inputs[0]))))
+    return reduce_rules.reduced_axes(node)
+
+
+def reduction_signature(node: ir.Node) -> tuple:
+    """What sibling reductions in one kernel share: input shape, reduced axes, output shape (one schedule)."""
+    return static_shape(node.inputs[0]), tuple(reduced_axes(node)), static_shape(node.outputs[0])
 
 
 def _kind(node: ir.Node) -> str:
@@ -43,6 +64,8 @@ def _kind(node: ir.Node) -> str:
         return "elementwise"
     if node.op_type in CONTRACTIONS:
         return "contraction"
+    if node.op_type in REDUCTIONS and len(node.outputs) == 1:
+        return "reduction"
     mode = attr(node, "mode", "constant")
     if node.op_type in GATHERS and (mode.decode() if isinstance(mode, bytes) else mode) == "constant":
         return "gather"
@@ -69,6 +92,10 @@ class _Groups:
         self.reads: dict[int, set[int]] = {}  # group -> the textures (view roots) its nodes read
         self.writes: dict[int, set[int]] = {}  # group -> the values its nodes make
         self.gathers: dict[int, list[ir.Node]] = {}  # group -> its Concat / Pad nodes
+        self.anchors: dict[int, list[ir.Node]] = {}  # group -> the contraction or reductions it is built around
+        self.signature: dict[int, tuple] = {}  # a reduction group -> what a sibling reduction must share
+        #: group -> a level above every kernel it reads (longest path from the graph's inputs), kept by merge
+        self.level: dict[int, int] = {}
 
     def add(self, node: ir.Node) -> int:
         key = id(node)
@@ -77,9 +104,12 @@ class _Groups:
         self.span[key] = (self.position[key], self.position[key])
         self.kind[key] = _kind(node)
         self.gathers[key] = [node] if self.kind[key] == "gather" else []
+        self.anchors[key] = [node] if self.kind[key] in ANCHORED else []
+        self.signature[key] = reduction_signature(node) if self.kind[key] == "reduction" else ()
         self.shape[key] = static_shape(node.outputs[0])
         self.reads[key] = {id(view_root(v)) for v in node.inputs if v is not None}
         self.writes[key] = {id(v) for v in node.outputs if v is not None}
+        self.level[key] = 1 + max((self.level[g] for g in self.predecessors(key)), default=0)
         return key
 
     def textures_read(self, a: int, b: int) -> int:
@@ -119,14 +149,15 @@ class _Groups:
     def reaches_through_third(self, source: int, target: int) -> bool:
         """A path source -> X -> ... -> target with X another kernel (merging would make a cycle).
 
-        Searched backwards from target: only kernels that end after source begins can lie on it."""
-        limit = self.first(source)
+        Searched backwards from target: only kernels of a level above source's can lie on it (the levels,
+        not the nodes' positions: a kernel that spans the graph links nodes that no node path links)."""
+        limit = self.level[source]
         frontier = [g for g in self.predecessors(target) if g != source]
         seen = set(frontier)
         while frontier:
             group = frontier.pop()
-            if self.last(group) < limit:
-                continue  # every node before source's first: source cannot feed it
+            if self.level[group] <= limit:
+                continue  # source is no ancestor of it
             for predecessor in self.predecessors(group):
                 if predecessor == source:
                     return True
@@ -135,32 +166,46 @@ class _Groups:
                     frontier.append(predecessor)
         return False
 
+    def siblings(self, node: ir.Node) -> list[int]:
+        """Kernels that may hold a sibling of reduction `node`: the readers of the kernel that makes its
+        input (BatchNorm's dgamma and dbeta reduce two outputs of one kernel), or of its input itself."""
+        source = node.inputs[0]
+        producer = real_producer(source) if source is not None else None
+        if producer is not None and self.of(producer) is not None:
+            found = self.successors(self.of(producer))  # type: ignore[arg-type]
+        else:
+            found = {self.of(reader) for reader in real_readers(view_root(source))} if source is not None else set()
+        own = self.of(node)
+        return sorted((g for g in found if g is not None and g != own and self.kind[g] == "reduction"),
+                      key=self.first)
+
     def can_merge(self, a: int, b: int) -> bool:
         if a == b or "single" in (self.kind[a], self.kind[b]) or self.shape[a] != self.shape[b]:
             return False
-        if self.kind[a] == self.kind[b] == "contraction":
-            return False
+        if self.kind[a] in ANCHORED and self.kind[b] in ANCHORED and not (
+                self.kind[a] == self.kind[b] == "reduction" and self.signature[a] == self.signature[b]):
+            return False  # two contractions, or reductions of different extents (each has its own schedule)
         if self.gathers[a] or self.gathers[b]:  # a gather reads its inputs' textures at other elements
-            if "contraction" in (self.kind[a], self.kind[b]):
+            if self.kind[a] in ANCHORED or self.kind[b] in ANCHORED:
                 return False
             if any(self.of(producer) in (a, b) for gather in self.gathers[a] + self.gathers[b]
                    for producer in self.producers[id(gather)]):
                 return False
-        for contraction, other in ((a, b), (b, a)):
-            if self.kind[contraction] == "contraction":
-                anchor = self.members[contraction][0]
-                if any(self.of(producer) == other for producer in self.producers[id(anchor)]):
-                    return False  # the other kernel would be the anchor's prologue
+        for anchored, other in ((a, b), (b, a)):
+            if any(self.of(producer) == other for anchor in self.anchors[anchored]
+                   for producer in self.producers[id(anchor)]):
+                return False  # the other kernel would be an anchor's prologue
         if self.textures_read(a, b) > READ_IMAGE_ARGS:
             return False
         return not self.reaches_through_third(a, b) and not self.reaches_through_third(b, a)
 
     def merge(self, a: int, b: int) -> int:
-        keep, gone = (a, b) if self.kind[a] == "contraction" or self.kind[b] != "contraction" else (b, a)
+        keep, gone = (a, b) if self.kind[a] in ANCHORED or self.kind[b] not in ANCHORED else (b, a)
         self.root[gone] = keep
-        anchor = self.members[keep][0] if self.kind[keep] == "contraction" else None
+        self.anchors[keep] += self.anchors.pop(gone)
+        anchors = {id(n) for n in self.anchors[keep]}
         merged = sorted(self.members[keep] + self.members.pop(gone),
-                        key=lambda n: (n is not anchor, self.position[id(n)]))
+                        key=lambda n: (id(n) not in anchors, self.position[id(n)]))
         self.members[keep] = merged
         (a_first, a_last), (b_first, b_last) = self.span[keep], self.span.pop(gone)
         self.span[keep] = (min(a_first, b_first), max(a_last, b_last))
@@ -168,9 +213,21 @@ class _Groups:
         self.writes[keep] |= self.writes.pop(gone)
         self.reads[keep] -= self.writes[keep]
         self.gathers[keep] += self.gathers.pop(gone)
-        for table in (self.kind, self.shape):
+        self.level[keep] = max(self.level[keep], self.level.pop(gone))
+        for table in (self.kind, self.shape, self.signature):
             table.pop(gone)
+        self._raise_levels(keep)
         return keep
+
+    def _raise_levels(self, group: int) -> None:
+        """Lift the kernels after `group` above it (a merge may have raised it above a successor's level)."""
+        stack = [group]
+        while stack:
+            lower = stack.pop()
+            for successor in self.successors(lower):
+                if self.level[successor] <= self.level[lower]:
+                    self.level[successor] = self.level[lower] + 1
+                    stack.append(successor)
 
 
 class FuseKernels(ContractPass):
@@ -187,6 +244,11 @@ class FuseKernels(ContractPass):
             if is_view(node):
                 continue
             group = groups.add(node)
+            if groups.kind[group] == "reduction":
+                for sibling in groups.siblings(node):
+                    if groups.can_merge(groups.find(sibling), group):
+                        group = groups.merge(groups.find(sibling), group)
+                continue
             if groups.kind[group] != "elementwise":
                 continue
             for value in node.inputs:

@@ -1,7 +1,9 @@
 """Reduction kernels: ReduceSum, ReduceMean, ReduceMax, ReduceL2, ReduceLogSumExp, GlobalAveragePool.
 
 One work-item per output texel (a work-group past the serial limit) folds the reduced elements, whole
-texels where the axes allow; docs/ARCHITECTURE.md §3.
+texels where the axes allow; docs/ARCHITECTURE.md §3. A kernel folds every sibling reduction of its group
+(passes/fuse.py: one input shape, axes and output shape) in turn, then evaluates the group's elementwise
+epilogue on their results, as a contraction does (an optimizer update of a gradient summed over the batch).
 """
 
 from __future__ import annotations
@@ -13,26 +15,21 @@ from typing import Callable, Union
 
 import onnx_ir as ir
 
+from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
-from fblc.codegen.cl import strides_of
+from fblc.codegen.cl import Kernel, strides_of
 from fblc.codegen.indexing import digit_terms, index_var
 from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Lane, Var, call, const, flat_index, select, vector
-from fblc.codegen.kernels import lane_kernel
+from fblc.codegen.kernels import KernelGroup, register_kernel
+from fblc.codegen.kernels.elementwise import evaluate_chain
+from fblc.codegen.reads import dtype_of
+from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of
-from fblc.compiler.values import attr, ints_input, numel, static_shape
+from fblc.compiler.values import attr, numel, static_shape
+from fblc.passes.fuse import REDUCTIONS, reduced_axes
 
 Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator
 _fmax: Combine = partial(call, "fmax")
-
-
-def reduced_axes(node: ir.Node) -> list[int]:
-    rank = len(static_shape(node.inputs[0]))
-    if node.op_type == "GlobalAveragePool":
-        return list(range(2, rank))
-    axes = ints_input(node, 1, "axes") or attr(node, "axes")
-    if not axes:
-        return [] if attr(node, "noop_with_empty_axes", 0) else list(range(rank))
-    return sorted(a % rank for a in axes)
 
 
 @dataclass(frozen=True)
@@ -185,23 +182,40 @@ def _merge_log_sum_exp(b: KernelBuilder, partials: list[list[Var | Lane]], prolo
     b.merge_across_group(totals, "add", prologue)
 
 
-@lane_kernel("reduction", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
-def emit_reduce(b: KernelBuilder, node: ir.Node) -> list[Expr]:
+def reduction_lane(b: KernelBuilder, node: ir.Node) -> Expr:
+    """The lane's result of reduction `node` (its fold loops built into `b`)."""
     axes = reduced_axes(node)
     keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
     source = node.inputs[0]
-    b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
     if node.op_type == "ReduceMax":
-        return [reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max").lane]
+        return reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max").lane
     if node.op_type == "ReduceLogSumExp":  # exp(x - running max): cannot overflow, the row read once
         peak, total = reduction_loop(b, source, axes, keepdims, _log_sum_exp_step, (-math.inf, 0.0),
                                      _merge_log_sum_exp).lanes
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
         none = const(-math.inf, FLOAT)
-        return [select(peak.eq(none), none, peak + call("log", total))]
+        return select(peak.eq(none), none, peak + call("log", total))
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
-        return [call("sqrt", reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0).lane)]
+        return call("sqrt", reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0).lane)
     total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0).lane
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
         total_lane = total_lane / const(float(numel([static_shape(source)[a] for a in axes]) or 1), FLOAT)
-    return [total_lane]
+    return total_lane
+
+
+@register_kernel(*sorted(REDUCTIONS))
+def emit_reductions(table: TextureTable, group: KernelGroup) -> list[Kernel]:
+    """One kernel for a group's sibling reductions (one signature: passes/fuse.py), each folded in turn
+    for the output element, then the elementwise epilogue that reads them (an optimizer update)."""
+    b = KernelBuilder.for_group(table, group, "reduction")
+    b.take_group()  # kernels/schedules.py: a work-group per output for a long reduction
+    if any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
+        b.group_size = None  # an epilogue's saved mask: its bytes pair texels of two items (builder.py), no group
+    reductions = [n for n in group.nodes if n.op_type in REDUCTIONS]
+    env: dict[int, Expr] = {}
+    for node in reductions:
+        if node is not group.anchor:
+            b.nodes.append(node.name)
+        env[id(node.outputs[0])] = b.body.let(reduction_lane(b, node), "red", dtype_of(node.outputs[0]))
+    env = evaluate_chain(b, [n for n in group.nodes if n.op_type not in REDUCTIONS], env)
+    return [b.finish([env[id(v)] for v in group.outputs])]

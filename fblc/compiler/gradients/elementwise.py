@@ -59,8 +59,14 @@ def pow_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gra
     y, dy = node.outputs[0], dys[0]
     da = db = None
     if need[0]:
-        exponent = p if p.dtype == x.dtype else e.op("Cast", p, to=x.dtype)
-        x_pow = e.op("Pow", x, e.op("Sub", exponent, e.scalar(1.0, x)))
+        known = None if p.is_graph_input() else const_array(p)
+        if known is not None:  # p - 1 now: a Sub of constants would be a launch of one work-item
+            dtype = ir.DataType(x.dtype).numpy()
+            exponent, lowered = e.const(known.astype(dtype)), e.const((known - 1).astype(dtype))
+        else:
+            exponent = p if p.dtype == x.dtype else e.op("Cast", p, to=x.dtype)
+            lowered = e.op("Sub", exponent, e.scalar(1.0, x))
+        x_pow = e.op("Pow", x, lowered)
         da = _to_input(e, node, 0, e.op("Mul", dy, e.op("Mul", exponent, x_pow)))
     if need[1]:
         db = _to_input(e, node, 1, e.op("Mul", dy, e.op("Mul", y, e.op("Log", x))))

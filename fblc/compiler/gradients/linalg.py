@@ -11,9 +11,14 @@ import onnx_ir as ir
 from fblc.compiler.autodiff import register_gradient
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.values import const_array
 from fblc.compiler.window import Window, transpose_output_padding, window_of
 
 Grads = Sequence["ir.Value | None"]
+
+
+#: elements of an image texel (RGBA), along a conv output's channels where its kernel shares reads across them
+RGBA = 4
 
 
 def _swap_last_two(e: Emitter, x: ir.Value, rank: int) -> ir.Value:
@@ -153,17 +158,36 @@ def conv_weight_grad(e: Emitter, x: ir.Value, dy: ir.Value, c_out: int, groups: 
                             perm=[3, 0, 2, 1] + trailing), [cg_in, apart * groups * inside, *spatial])
     kernels = e.reshape(e.op("Transpose", e.reshape(dy, [apart, inside, groups, cg_out, *window.out_spatial]),
                              perm=[0, 2, 3, 1] + trailing), [apart * groups * cg_out, inside, *window.out_spatial])
+    pointwise = all(k == 1 for k in window.kernel) and all(s == 1 for s in window.strides) and not any(window.pads)
+    if groups == 1 and pointwise and (cg_in % RGBA == 0 or c_out % RGBA):
+        # dW[co, ci] = sum over n, p of dY[n, co, p] * X[n, ci, p] is symmetric in X and dY, so dY is the conv's
+        # input and X its kernels, and dW comes out in the weight's own order (the optimizer's update joins the
+        # conv's epilogue: no transpose between them). Only where its output channels (ci) fill whole texels
+        # as often as the other order's (co) do: a texel's 4 outputs then share their reads of dY and X.
+        return e.op("Conv", kernels, x_view, strides=[1] * rank, dilations=[1] * rank, pads=[0] * (2 * rank))
     correlated = e.op("Conv", x_view, kernels, group=apart * groups, strides=list(window.dilations),
                       dilations=list(window.strides), pads=window.pads)
     k_full = [(size + pb + pe - s * (o - 1) - 1) // d + 1 for size, pb, pe, s, o, d in
               zip(spatial, window.pads_begin, window.pads_end, window.strides, window.out_spatial, window.dilations)]
     per_group = e.reshape(correlated, [cg_in, apart, groups, cg_out, *k_full])
-    summed = e.reduce_sum(per_group, [1], keepdims=False) if apart > 1 else e.reshape(
-        per_group, [cg_in, groups, cg_out, *k_full])
-    dw = e.reshape(e.op("Transpose", summed, perm=[1, 2, 0] + list(range(3, 3 + rank))), [c_out, cg_in, *k_full])
+    taps = list(range(4, 4 + rank))
+    if apart > 1:  # summed over n in the weight's own order: the optimizer's update joins the sum's kernel
+        dw = e.reduce_sum(e.reshape(e.op("Transpose", per_group, perm=[2, 3, 0, 1] + taps),
+                                    [c_out, cg_in, apart, *k_full]), [2], keepdims=False)
+    else:
+        dw = e.reshape(e.op("Transpose", per_group, perm=[2, 3, 0, 1] + taps), [c_out, cg_in, *k_full])
     if list(k_full) != list(window.kernel):
         dw = e.op("Slice", dw, e.ints([0] * rank), e.ints(list(window.kernel)), e.ints(list(range(2, 2 + rank))))
     return dw
+
+
+def _inverse_std(e: Emitter, var: ir.Value, epsilon: float) -> ir.Value:
+    """1 / sqrt(var + epsilon); computed here when `var` is a constant (eval mode's running variance, not a
+    step input), so that the step has no kernel for it."""
+    known = None if var.is_graph_input() else const_array(var)
+    if known is not None and np.issubdtype(known.dtype, np.floating):
+        return e.const((1.0 / np.sqrt(known.astype(np.float64) + epsilon)).astype(known.dtype))
+    return e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, e.scalar(epsilon, var))))
 
 
 def _channel_view(e: Emitter, vector: ir.Value, channels: int, rank: int) -> ir.Value:
@@ -180,12 +204,13 @@ def batch_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool])
     rank = len(static_shape(x))
     channels = static_shape(x)[1]
     epsilon = float(attr(node, "epsilon", 1e-5))
-    inv_std = e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, e.scalar(epsilon, var))))
+    inv_std = _inverse_std(e, var, epsilon)
     dy = dys[0]
     reduce_axes = [0] + list(range(2, rank))
     dx = dscale = dbias = None
-    if need[0]:
-        dx = e.op("Mul", dy, _channel_view(e, e.op("Mul", scale, inv_std), channels, rank))
+    if need[0]:  # two per-element products: a [C] product of its own would be a launch of C work-items
+        dx = e.op("Mul", e.op("Mul", dy, _channel_view(e, scale, channels, rank)),
+                  _channel_view(e, inv_std, channels, rank))
     if need[1]:
         x_hat = e.op("Mul", e.op("Sub", x, _channel_view(e, mean, channels, rank)),
                      _channel_view(e, inv_std, channels, rank))

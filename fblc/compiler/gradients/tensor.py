@@ -7,6 +7,7 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from fblc.compiler import keys
 from fblc.compiler.autodiff import register_gradient
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.gradients.segment_sum import constant_rows, segment_sum, tuple_rows, wrap_rows
@@ -26,7 +27,44 @@ def view_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gr
 def transpose_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
     rank = len(static_shape(node.inputs[0]))
     perm = attr(node, "perm") or list(reversed(range(rank)))
-    return [e.op("Transpose", dys[0], perm=[int(i) for i in np.argsort(perm)])]
+    inverse = [int(i) for i in np.argsort(perm)]
+    swapped = _transposed_product(e, dys[0], inverse) if dys[0] is not None else None
+    return [swapped if swapped is not None else e.op("Transpose", dys[0], perm=inverse)]
+
+
+def _transposed_product(e: Emitter, dy: ir.Value, perm: list[int]) -> ir.Value | None:
+    """(A B)^T as B^T A^T when `dy` is a 2-D MatMul that only this transpose reads (the weight gradient of
+    `x @ W.T`, nn.Linear as MatMul): the product comes out in the weight's own order, so the optimizer's
+    update joins the MatMul's epilogue instead of reading it through a transpose; the first MatMul goes."""
+    product = dy.producer()
+    if (perm != [1, 0] or product is None or product.op_type != "MatMul" or dy.uses() or dy.is_graph_output()
+            or product.metadata_props.get(keys.STAGE) != e.stage
+            or any(len(static_shape(v)) != 2 for v in product.inputs)):
+        return None
+    a, b = product.inputs
+    swapped = e.op("MatMul", _transposed(e, b), _transposed(e, a))
+    _remove_unused(e.graph, product)
+    return swapped
+
+
+def _transposed(e: Emitter, matrix: ir.Value) -> ir.Value:
+    """matrix^T: the input of a transpose that made it, else a new Transpose (a view of it)."""
+    maker = matrix.producer()
+    if maker is not None and maker.op_type == "Transpose" and list(attr(maker, "perm") or [1, 0]) == [1, 0]:
+        return maker.inputs[0]  # type: ignore[return-value]
+    return e.op("Transpose", matrix, perm=[1, 0])
+
+
+def _remove_unused(graph: ir.Graph, node: ir.Node) -> None:
+    """Remove `node` and then every node of its stage that only it read."""
+    stage = node.metadata_props.get(keys.STAGE)
+    inputs = [v for v in node.inputs if v is not None]
+    graph.remove(node, safe=True)
+    for value in inputs:
+        maker = value.producer()
+        if (maker is not None and maker.metadata_props.get(keys.STAGE) == stage and not value.uses()
+                and not value.is_graph_output() and all(not o.uses() for o in maker.outputs)):
+            _remove_unused(graph, maker)
 
 
 @register_gradient("Expand")
