@@ -53,6 +53,7 @@ from fblc.passes.split_views import SplitViews
 from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.tile_remap import TileRemap
+from fblc.passes.transposed_products import TransposedProducts
 from fblc.profiles import Profile
 
 
@@ -234,8 +235,10 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else [TileRemap(remap=False)]
-    return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + remap
+    tiled = options.layout == "rtile"
+    remap = [SplitViews(), TileRemap()] if tiled else [TileRemap(remap=False)]
+    products = [TransposedProducts()] if tiled else []  # its Transposes must be views, which only rtile maps
+    return [EsNoise(), SplitSoftmax(), SortScatterRows(), *products, FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
