@@ -208,7 +208,9 @@ def _category(anchor: Any, family: str) -> str:
         return f"{family}:{anchor.op_type}"
     group = anchor.attributes["group"].value if "group" in anchor.attributes else 1
     kind = "depthwise" if group > 1 else "1x1" if all(k == 1 for k in static_shape(anchor.inputs[1])[2:]) else "kxk"
-    weight_gradient = anchor.op_type == "Conv" and "grad" in (anchor.inputs[1].name or "")
+    weights = anchor.inputs[1].producer()  # a weight gradient's 'weights' are dY, an input gradient's a packing
+    weight_gradient = anchor.op_type == "Conv" and weights is not None and weights.op_type != "Transpose" \
+        and "grad" in (anchor.inputs[1].name or "")
     return f"{anchor.op_type}:{kind}{':wgrad' if weight_gradient else ''}"
 
 

@@ -52,6 +52,7 @@ from fblc.passes.split_softmax import SplitSoftmax
 from fblc.passes.split_views import SplitViews
 from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
+from fblc.passes.pointwise_transposes import PointwiseTransposes
 from fblc.passes.tile_remap import TileRemap
 from fblc.passes.transposed_products import TransposedProducts
 from fblc.profiles import Profile
@@ -238,7 +239,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     tiled = options.layout == "rtile"
     remap = [SplitViews(), TileRemap()] if tiled else [TileRemap(remap=False)]
     products = [TransposedProducts()] if tiled else []  # its Transposes must be views, which only rtile maps
-    return [EsNoise(), SplitSoftmax(), SortScatterRows(), *products, FtdTaxonomy()] + remap
+    return [EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), *products, FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
