@@ -22,11 +22,14 @@ from fblc.passes.transposed_products import TransposedProducts
 TOLERANCE = 1e-5  # fp32 both sides: the same products, summed in the same order
 
 
-def _model(x_shape: list[int], dy_shape: list[int], perm: list[int], extra_reader: bool = False) -> onnx.ModelProto:
-    """y = Transpose(MatMul(Transpose(x), dy), perm) (+ z = Neg(p) when `extra_reader`)."""
+def _model(x_shape: list[int], dy_shape: list[int], perm: list[int], extra_reader: bool = False,
+           transposed_x: bool = True) -> onnx.ModelProto:
+    """y = Transpose(MatMul(Transpose(x), dy), perm) (+ z = Neg(p) when `extra_reader`; x itself, given as its
+    transpose's shape, where not `transposed_x`)."""
     rank = len(x_shape)
     swap = [*range(rank - 2), rank - 1, rank - 2]
-    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=swap, name="xt"),
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=swap, name="xt") if transposed_x
+             else helper.make_node("Identity", ["x"], ["xt"], name="xt"),
              helper.make_node("MatMul", ["xt", "dy"], ["p"], name="product"),
              helper.make_node("Transpose", ["p"], ["y"], perm=perm, name="grad")]
     y_shape = [([*x_shape[:-2], x_shape[-1], dy_shape[-1]])[i] for i in perm]
@@ -34,7 +37,8 @@ def _model(x_shape: list[int], dy_shape: list[int], perm: list[int], extra_reade
     if extra_reader:
         nodes.append(helper.make_node("Neg", ["p"], ["z"], name="other"))
         outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
-    graph = helper.make_graph(nodes, "transposed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+    x_given = x_shape if transposed_x else [*x_shape[:-2], x_shape[-1], x_shape[-2]]
+    graph = helper.make_graph(nodes, "transposed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_given),
                                                     helper.make_tensor_value_info("dy", TensorProto.FLOAT, dy_shape)],
                               outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
@@ -66,8 +70,10 @@ def test_golden_a_transposed_weight_gradient_is_computed_in_its_own_order() -> N
     assert all(n.metadata_props.get(keys.STAGE) == "backward" for n in graph.graph)
 
 
-def test_a_product_read_elsewhere_or_a_batch_axis_move_stays() -> None:
-    for model in (_model([32, 64], [32, 128], [1, 0], extra_reader=True), _model([2, 8, 4], [2, 8, 12], [1, 0, 2])):
+def test_a_product_read_elsewhere_a_batch_axis_move_or_more_transposes_stay() -> None:
+    """...and a product whose operands are no transposes: two new Transposes for one (copies under naive)."""
+    for model in (_model([32, 64], [32, 128], [1, 0], extra_reader=True), _model([2, 8, 4], [2, 8, 12], [1, 0, 2]),
+                  _model([32, 64], [32, 128], [1, 0], transposed_x=False)):
         graph, modified = _rewrite(model)
         assert not modified and [n.op_type for n in graph.graph].count("MatMul") == 1
         assert next(n for n in graph.graph if n.op_type == "MatMul").name == "product"

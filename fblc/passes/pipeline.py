@@ -236,10 +236,9 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    tiled = options.layout == "rtile"
-    remap = [SplitViews(), TileRemap()] if tiled else [TileRemap(remap=False)]
-    products = [TransposedProducts()] if tiled else []  # its Transposes must be views, which only rtile maps
-    return [EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), *products, FtdTaxonomy()] + remap
+    remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else [TileRemap(remap=False)]
+    return [EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), TransposedProducts(),
+            FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None

@@ -6,11 +6,12 @@ itself where A (or B) is already a swap Transpose of X (the autodiff's X^T of dW
 this shape for every weight used transposed (a Linear's y = x W^T: dW = (x^T dY)^T): tile_remap would make Y a
 strided view of P whose readers (the optimizer update, elementwise) fetch one lane of a texel per element,
 where the rewritten product writes Y in its own order and reads its operands in place (MatMul reads strided
-operands as whole texels). Applied only where tile_remap will map every new Transpose as a view (the same
-check, `remap_status`), so no copy kernel is added; else the graph is left as it was.
+operands as whole texels). Applied only where it adds no more Transposes than it removes and tile_remap's check
+(`remap_status`) would map each new one as a view, so under rtile no copy kernel is added and under naive
+(every Transpose a copy) there are no more of them; both layouts get the same graph.
 Y keeps its value (name, shape, readers); P and its Transpose go when nothing else reads them. Preconditions:
-static shapes; run under the rtile layout before ftd_taxonomy (which labels the new nodes) and tile_remap.
-In place; `modified` when a product was rewritten.
+static shapes; run before ftd_taxonomy (which labels the new nodes) and tile_remap. In place; `modified` when a
+product was rewritten.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _candidate(node: ir.Node) -> ir.Node | None:
 
 
 def _rewritten(graph: ir.Graph, transpose: ir.Node, product: ir.Node) -> bool:
-    """Y = MatMul(B', A') in place of Y = Transpose(MatMul(A, B)) when its new Transposes all remap; True if so."""
+    """Y = MatMul(B', A') in place of Y = Transpose(MatMul(A, B)) where the module docstring's rule allows; True
+    if so."""
     e = Emitter(graph, stage=transpose.metadata_props.get(keys.STAGE, "backward"))
     e.anchor, e.prefix = transpose, f"{transpose.name}/swapped"
     e.origin = transpose.metadata_props.get(keys.GRAD_OF)
@@ -67,8 +69,11 @@ def _rewritten(graph: ir.Graph, transpose: ir.Node, product: ir.Node) -> bool:
     result = e.op("MatMul", swapped(b), swapped(a))  # type: ignore[arg-type]
     added.append(result.producer())  # type: ignore[arg-type]
     target = transpose.outputs[0]
-    if static_shape(result) != static_shape(target) or any(
-            remap_status(node)[0] != "remapped" for node in added if node.op_type == "Transpose"):
+    removed = 1 + sum(1 for operand in (a, b) if operand is not None and operand.producer() is not None
+                      and _swaps_last_two(operand.producer()) and len(operand.uses()) == 1)  # read only by P
+    transposes = [node for node in added if node.op_type == "Transpose"]
+    if len(transposes) > removed or static_shape(result) != static_shape(target) or any(
+            remap_status(node)[0] != "remapped" for node in transposes):
         for node in reversed(added):  # undo: nothing reads them yet
             graph.remove(node, safe=True)
         return False
