@@ -463,7 +463,9 @@ def _half_images() -> bool:
                for f in formats)
 
 
-@pytest.mark.parametrize("name", ["matmul_3d_broadcast", "conv2d_strided_asym_pads", "conv_depthwise_rows_dilated"])
+# conv2d_bias_1x1: its input gradient a Conv over a packed transposed W (pointwise_transposes), kept fp32
+@pytest.mark.parametrize("name", ["matmul_3d_broadcast", "conv2d_strided_asym_pads", "conv_depthwise_rows_dilated",
+                                  "conv2d_bias_1x1"])
 def test_contraction_step_fp16(name: str, tmp_path) -> None:
     """Half textures, fp32 accumulation: within the fp16 tolerance of verify."""
     if not _half_images():

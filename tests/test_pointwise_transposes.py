@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 from fblc.compiler import keys
 from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes
 from fblc.passes.pointwise_transposes import PointwiseTransposes
+from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tile_remap import PACKED, TileRemap
 
 TOLERANCE = 1e-5  # fp32 both sides: the same products over the input channels
@@ -81,3 +82,16 @@ def test_the_conv_equals_the_transpose(dy_shape: list[int], w_shape: list[int]) 
                                     providers=["CPUExecutionProvider"]).run(["dx"], feeds)[0]
 
     np.testing.assert_allclose(run(ir.to_proto(graph)), run(model), rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_a_packing_of_a_master_weight_keeps_its_format() -> None:
+    """Under --dtype fp16 the parameters stay fp32 (storage_precision): so does W's packed copy, which the
+    input gradient now reads instead of W; a packing of an activation is half like it."""
+    graph, _ = _rewrite(_model([2, 16, 3, 5], [16, 8, 1, 1]))
+    TileRemap()(graph)
+    transpose = next(n for n in graph.graph if n.op_type == "Transpose")
+    StoragePrecision("fp16").call(graph)
+    assert transpose.outputs[0].metadata_props[keys.STORAGE] == "fp16"
+    keys.set_role(next(v for v in graph.graph.inputs if v.name == "w"), keys.Role.PARAM)
+    StoragePrecision("fp16").call(graph)
+    assert transpose.outputs[0].metadata_props[keys.STORAGE] == "fp32"
