@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
@@ -95,3 +96,15 @@ def test_a_packing_of_a_master_weight_keeps_its_format() -> None:
     keys.set_role(next(v for v in graph.graph.inputs if v.name == "w"), keys.Role.PARAM)
     StoragePrecision("fp16").call(graph)
     assert transpose.outputs[0].metadata_props[keys.STORAGE] == "fp32"
+
+
+def test_a_frozen_weight_is_packed_at_compile_time() -> None:
+    """A constant W (frozen: no graph input) becomes a transposed initializer; no Transpose runs per step."""
+    model = _model([2, 16, 3, 5], [16, 8, 1, 1])
+    w = np.random.default_rng(5).standard_normal((16, 8, 1, 1)).astype(np.float32)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(w, "w"))
+    del model.graph.input[1]
+    graph, modified = _rewrite(model)
+    assert modified and [n.op_type for n in graph.graph] == ["Conv"]
+    packed = graph.graph.node(0).inputs[1]
+    np.testing.assert_array_equal(packed.const_value.numpy(), w.transpose(1, 0, 2, 3))
