@@ -52,7 +52,9 @@ from fblc.passes.split_softmax import SplitSoftmax
 from fblc.passes.split_views import SplitViews
 from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
+from fblc.passes.pointwise_transposes import PointwiseTransposes
 from fblc.passes.tile_remap import TileRemap
+from fblc.passes.transposed_products import TransposedProducts
 from fblc.profiles import Profile
 
 
@@ -235,7 +237,8 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
     remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else [TileRemap(remap=False)]
-    return [EsNoise(), SplitSoftmax(), SortScatterRows(), FtdTaxonomy()] + remap
+    return [EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), TransposedProducts(),
+            FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None

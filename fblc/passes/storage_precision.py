@@ -50,6 +50,7 @@ from fblc.compiler.values import is_float
 from fblc.errors import FblcError
 from fblc.passes.contracts import ContractPass
 from fblc.passes.rtile_select import state_pairs
+from fblc.passes.tile_remap import PACKED
 
 #: graph inputs kept in fp32 under mixed precision, by role
 MASTER_ROLES = frozenset({Role.PARAM.value, Role.OPT_STATE.value})
@@ -89,7 +90,10 @@ def master_roots(graph: ir.Graph, stages: Mapping[str, tuple[str, ...]] = MASTER
         for side in stages.get(node.metadata_props.get(keys.STAGE, ""), ()):
             kept += [v for v in getattr(node, side) if v is not None]
     kept += [v for node in loss_gradient_nodes(graph) for v in (*node.inputs, *node.outputs) if v is not None]
-    return {id(view_root(v)) for v in kept}
+    roots = {id(view_root(v)) for v in kept}
+    # a copy of a master tensor packed in the order its reader wants (pointwise_transposes) is that tensor again
+    return roots | {id(node.outputs[0]) for node in graph if node.metadata_props.get(keys.REMAP) == PACKED
+                    and id(view_root(node.inputs[0])) in roots}
 
 
 def storage_of(value: ir.Value) -> str:

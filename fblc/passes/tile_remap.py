@@ -54,6 +54,9 @@ NAIVE = "naive layout: every data-movement op is a copy"
 #: view (its axes mixed-radix digits: KernelBuilder.load, the reductions where their input is not a
 #: plain tensor, and MatMul, which walks a folded K axis as nested loops). The op table's `reads`
 #: (fblc/compiler/ops.py) says which.
+#: the `fblc.remap` a pass gives a data-movement node that must stay a copy: a packing of a tensor in the order
+#: its reader wants (pointwise_transposes' transposed weights), which as a view would be read as strided as before
+PACKED = "kept: a packing for its reader (a copy on purpose)"
 STRIDED_READERS = reading(Reads.STRIDED)
 OFFSET_READERS = reading(Reads.STRIDED | Reads.OFFSET)
 FOLDED_READERS = reading(Reads.FOLDED)
@@ -145,7 +148,7 @@ class TileRemap(ContractPass):
         graph = model.graph
         modified = False
         for node in graph:
-            if node.op_type not in REMAPPABLE or node.domain != "":
+            if node.op_type not in REMAPPABLE or node.domain != "" or node.metadata_props.get(keys.REMAP) == PACKED:
                 continue
             status, mapped = remap_status(node) if self.remap else (NAIVE, None)
             if node.metadata_props.get(keys.REMAP) != status:

@@ -1,0 +1,93 @@
+"""pointwise_transposes: a 1x1 ConvTranspose over planes that texels straddle becomes a Conv with W packed transposed.
+
+Rewrite: dX = ConvTranspose(dY, W) with W [C_in, C_out, 1, ..] (group 1, stride 1, no padding, dilation or
+output padding, no bias: a 1x1 Conv's input gradient) becomes dX = Conv(dY, Wt), Wt = Transpose(W) [C_out,
+C_in, 1, ..] kept a copy (tile_remap.PACKED): the weights packed the way this reader wants them. A frozen W
+(a constant, not a trained graph input) is packed at compile time instead: Wt is a new initializer.
+Why: a texel holds 4 consecutive elements of the last axis. The transposed kernel sums over C_in with a tile of
+output channels; it reads W[c, o..o+3] as one texel only where its tile's rows are consecutive channels, which
+needs each channel's plane to be a whole number of texels (plane % 4 == 0: kernels/schedules.channel_rows).
+Otherwise (MobileNetV2 at 97 x 60: planes 49 x 30 and 25 x 15) its rows are 4 channels apart and every weight
+fetch keeps one float of four: 6 % of that step's texel fetches. The Conv reads Wt[o, c..c+3], whole texels
+along its reduction, whatever the plane; the copy is one launch of C_in * C_out elements per step (W trains),
+against weight reads repeated by every work-item (a frozen W's costs nothing per step).
+dX keeps its value (name, shape, readers). Preconditions: static shapes; run before ftd_taxonomy (which labels
+the new nodes) and tile_remap (which keeps the packed Transpose a copy). In place; `modified` when one was
+rewritten.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler import keys
+from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.values import const_array
+from fblc.passes.contracts import ContractPass
+from fblc.passes.tile_remap import PACKED
+
+LANES = 4  # elements per texel
+
+
+def _pointwise(node: ir.Node) -> bool:
+    """Whether `node` is a 1x1 ConvTranspose that is a plain channel contraction whose planes texels straddle."""
+    if node.op_type != "ConvTranspose" or node.domain != "" or len(node.inputs) < 2 or None in node.inputs[:2]:
+        return False
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        return False  # a bias: the Conv would add it too, but no autodiff input gradient has one
+    w_shape, y_shape = static_shape(node.inputs[1]), static_shape(node.outputs[0])
+    spatial = len(w_shape) - 2
+    plain = [1] * spatial
+
+    def ints(name: str, default: list[int]) -> list[int]:
+        value = attr(node, name, None)
+        return default if value is None else list(value)
+
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    return (spatial >= 1 and int(attr(node, "group", 1)) == 1 and list(w_shape[2:]) == plain
+            and auto_pad in ("NOTSET", "VALID") and attr(node, "output_shape", None) is None
+            and ints("strides", plain) == plain and ints("dilations", plain) == plain
+            and ints("pads", [0] * 2 * spatial) == [0] * 2 * spatial
+            and ints("output_padding", [0] * spatial) == [0] * spatial
+            and math.prod(y_shape[2:]) % LANES != 0)
+
+
+def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
+    e = Emitter(graph, stage=node.metadata_props.get(keys.STAGE, "backward"))
+    e.anchor, e.prefix = node, f"{node.name}/packed"
+    e.origin = node.metadata_props.get(keys.GRAD_OF)
+    dy, w = node.inputs[0], node.inputs[1]
+    rank = len(static_shape(w))
+    perm = [1, 0, *range(2, rank)]
+    frozen = None if w.is_graph_input() else const_array(w)  # a trained weight is a graph input (its role PARAM)
+    if frozen is not None:  # packed once, at compile time
+        packed = e.const(np.ascontiguousarray(frozen.transpose(perm)))
+    else:  # packed each step, by a copy kernel
+        packed = e.op("Transpose", w, perm=perm)
+        packed.producer().metadata_props[keys.REMAP] = PACKED  # type: ignore[union-attr]
+    dx = e.op("Conv", dy, packed, kernel_shape=[1] * (rank - 2))
+    target = node.outputs[0]
+    target.replace_all_uses_with(dx, replace_graph_outputs=True)
+    name = target.name
+    target.name, dx.name = f"{name}/transposed", name
+    dx.metadata_props.update(target.metadata_props)
+    graph.remove(node, safe=True)
+
+
+class PointwiseTransposes(ContractPass):
+    """Turn 1x1 ConvTransposes over planes texels straddle into Convs reading a transposed copy of W (in place)."""
+
+    name = "pointwise_transposes"
+    requires_facts = ("static shapes",)
+    ensures_facts = ("static shapes",)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        nodes = [node for node in graph if _pointwise(node)]
+        for node in nodes:
+            _rewrite(graph, node)
+        return ir.passes.PassResult(model, bool(nodes))
