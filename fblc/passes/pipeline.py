@@ -54,7 +54,6 @@ from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.pointwise_transposes import PointwiseTransposes
 from fblc.passes.tile_remap import TileRemap
-from fblc.passes.transposed_products import TransposedProducts
 from fblc.profiles import Profile
 
 
@@ -237,8 +236,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
     remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else [TileRemap(remap=False)]
-    return [EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), TransposedProducts(),
-            FtdTaxonomy()] + remap
+    return [EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
