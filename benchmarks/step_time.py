@@ -60,14 +60,9 @@ def build_cases(directory: str, names: list[str]) -> list[Case]:
         cases.append(_classification("t-resnet B=64", path, models.TorchTResNet.from_onnx(path),
                                      rng.standard_normal((64, 97, 60, 1)).astype(np.float32), 17))
     if "mobilenet_v2" in names:
-        import transformers
-
-        torch.manual_seed(0)
-        module = models.logits_only(transformers.MobileNetV2ForImageClassification(
-            transformers.MobileNetV2Config(num_labels=17, image_size=97)), "pixel_values").eval()
         x = rng.standard_normal((8, 3, 97, 60)).astype(np.float32)
         path = os.path.join(directory, "mobilenet_v2.onnx")
-        models._quiet_dynamo_export(module, (torch.from_numpy(x),)).save(path)
+        module = models.export_mobilenet_v2(path, x, num_labels=17, image_size=97)
         cases.append(_classification("mobilenetv2 [8,3,97,60]", path, module, x, 17, "pixel_values"))
     if "resnet" in names:  # a MaxPool stem (7x7 conv, 3x3 pool): its backward was quadratic until the gather form
         import transformers

@@ -340,13 +340,6 @@ def emit_masked_activation(e: Emitter, z: ir.Value, bounds: tuple[float | None, 
     return y, inside
 
 
-def replace_output(old: ir.Value, new: ir.Value) -> None:
-    """Consumers and graph outputs read `new`, which takes `old`'s name (dumps stay readable)."""
-    name = old.name
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
-    old.name, new.name = f"{name}/replaced", name
-
-
 #: what of each memory-floor adapter trains, and what the step does with the rest
 TRAINED_FACTORS = {"lora": ("both factors of the branch", ""), "memflora": ("the factor U", " (P stays fixed)"),
                    "memflora-sg": ("the factor U", " (P trains by replay)")}

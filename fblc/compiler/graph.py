@@ -139,3 +139,11 @@ def clone_node(e: Emitter, node: ir.Node, mapping: dict[int, ir.Value], stage: s
     for old, new in zip(node.outputs, clone.outputs):
         mapping[id(old)] = new
     return clone
+
+
+def replace_output(old: ir.Value, new: ir.Value, suffix: str = "replaced") -> None:
+    """Consumers and graph outputs read `new`, which takes `old`'s name (dumps stay readable); `old` keeps
+    it with `/suffix` (what replaced it)."""
+    name = old.name
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name, new.name = f"{name}/{suffix}", name

@@ -43,10 +43,10 @@ from fblc.compiler import keys
 from fblc.compiler.adapters import (MEMORY_FLOOR_ADAPTERS, AdapterConfig, Site, SiteRecord, SkippedSite,
                                     activation_name, channel_view, clip_bounds, describe, emit_masked_activation,
                                     find_sites, folded_affine, new_initializer, rank_misfit, rank_refusal,
-                                    replace_output, select_adapter_sites, select_linear_sites, trained_by)
+                                    select_adapter_sites, select_linear_sites, trained_by)
 from fblc.compiler.fura_s import FuraSite
 from fblc.errors import FblcError
-from fblc.compiler.graph import Emitter, static_shape
+from fblc.compiler.graph import Emitter, replace_output, static_shape
 from fblc.compiler.keys import Role
 from fblc.passes.contracts import ContractPass
 

@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.graph import Emitter, attr, replace_output, static_shape
 from fblc.compiler.values import const_array
 from fblc.passes.contracts import ContractPass
 from fblc.passes.tile_remap import PACKED
@@ -71,9 +71,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
         packed.producer().metadata_props[keys.REMAP] = PACKED  # type: ignore[union-attr]
     dx = e.op("Conv", dy, packed, kernel_shape=[1] * (rank - 2))
     target = node.outputs[0]
-    target.replace_all_uses_with(dx, replace_graph_outputs=True)
-    name = target.name
-    target.name, dx.name = f"{name}/transposed", name
+    replace_output(target, dx, "transposed")
     dx.metadata_props.update(target.metadata_props)
     graph.remove(node, safe=True)
 

@@ -36,7 +36,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.gradients.segment_sum import tuple_rows
-from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.graph import Emitter, attr, replace_output, static_shape
 from fblc.compiler.index_map import is_zeros
 from fblc.compiler.values import numel
 from fblc.passes.contracts import ContractPass
@@ -164,9 +164,7 @@ def _sort(graph: ir.Graph, node: ir.Node, scatter: RowScatter) -> None:
     if rows_shape != data_shape:
         result = e.reshape(result, list(data_shape))
     y, unread = node.outputs[0], [indices.producer(), data.producer() if zeros else None]
-    name = y.name
-    y.replace_all_uses_with(result, replace_graph_outputs=True)
-    y.name, result.name = f"{name}/unsorted", name
+    replace_output(y, result, "unsorted")
     graph.remove(node, safe=True)
     for producer in unread:  # the broadcast row numbers, the zero table: removed unless another node reads them
         if producer is not None and not any(out.uses() or out.is_graph_output() for out in producer.outputs):

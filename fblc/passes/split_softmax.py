@@ -26,7 +26,7 @@ from typing import Callable
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.graph import Emitter, attr, static_shape
+from fblc.compiler.graph import Emitter, attr, replace_output, static_shape
 from fblc.passes.contracts import ContractPass
 
 #: (emitter before the node, X, L) -> the value that becomes Y
@@ -47,9 +47,7 @@ def _split(graph: ir.Graph, node: ir.Node) -> None:
     rank = len(static_shape(x))
     lse = emitter.op("ReduceLogSumExp", x, emitter.ints([int(attr(node, "axis", -1)) % rank]), keepdims=1)
     result = SPLITS[node.op_type](emitter, x, lse)
-    name = y.name
-    y.replace_all_uses_with(result, replace_graph_outputs=True)
-    y.name, result.name = f"{name}/split", name
+    replace_output(y, result, "split")
     graph.remove(node, safe=True)
     result.producer().name = node.name
 

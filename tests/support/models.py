@@ -154,6 +154,17 @@ def _quiet_dynamo_export(module: torch.nn.Module, args: tuple[torch.Tensor, ...]
 
 
 @session_cached
+def export_mobilenet_v2(path: str, pixels: np.ndarray, num_labels: int, image_size: int) -> torch.nn.Module:
+    """HF MobileNetV2 (torch seed 0, default BatchNorm) exported by dynamo on `pixels` to `path`; the module."""
+    import transformers
+
+    torch.manual_seed(0)
+    module = logits_only(transformers.MobileNetV2ForImageClassification(
+        transformers.MobileNetV2Config(num_labels=num_labels, image_size=image_size)), "pixel_values").eval()
+    _quiet_dynamo_export(module, (torch.from_numpy(pixels),)).save(path)
+    return module
+
+
 def mobilenet_v2(directory: str) -> ExportedModel:
     """HF MobileNetV2 (17 classes, image 97) on [2, 3, 97, 60], dynamo export, BN kept."""
     import transformers
