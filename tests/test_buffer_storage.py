@@ -74,7 +74,9 @@ def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tm
                                     (buffers, "buffer_lines", r"__global (const )?(\w+)\* restrict")):
             first, last = launch[key]
             function = source.splitlines()[first:last]  # after the comment line: the __kernel .. its closing }
-            assert function[0].startswith(f"__kernel void {launch['function']}(") and function[-1] == "}", key
+            # a group kernel states its work-group size first (reqd_work_group_size: plan.json's local_size)
+            group = rf"__attribute__\(\(reqd_work_group_size\({launch['local_size'][0]}, 1, 1\)\)\) "
+            assert re.match(rf"({group})?__kernel void {launch['function']}\(", function[0]) and function[-1] == "}", key
             declared = re.findall(rf"{access} (\w+)", function[0])
             assert [d[-1] for d in declared] == [f"out{k}" for k in range(len(launch["outputs"]))] + \
                 [f"in{k}" for k in range(len(launch["inputs"]))], launch["name"]
