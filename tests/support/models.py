@@ -153,7 +153,6 @@ def _quiet_dynamo_export(module: torch.nn.Module, args: tuple[torch.Tensor, ...]
 # --- transformers models ---------------------------------------------------------------------
 
 
-@session_cached
 def export_mobilenet_v2(path: str, pixels: np.ndarray, num_labels: int, image_size: int) -> torch.nn.Module:
     """HF MobileNetV2 (torch seed 0, default BatchNorm) exported by dynamo on `pixels` to `path`; the module."""
     import transformers
@@ -165,6 +164,7 @@ def export_mobilenet_v2(path: str, pixels: np.ndarray, num_labels: int, image_si
     return module
 
 
+@session_cached
 def mobilenet_v2(directory: str) -> ExportedModel:
     """HF MobileNetV2 (17 classes, image 97) on [2, 3, 97, 60], dynamo export, BN kept."""
     import transformers
