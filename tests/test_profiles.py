@@ -28,6 +28,9 @@ def test_shipped_profiles_load_and_every_figure_says_where_it_came_from(capsys) 
     assert main(["targets"]) == 0
     out = capsys.readouterr().out
     assert "adreno830" in out and "mali-g925" in out and "8x4" in out
+    # what the device holds at once: adreno830's 6 units x 4 waves x 64 (a figure change moves it)
+    row = next(line for line in out.splitlines() if line.startswith("adreno830"))
+    assert f" {load_profile('adreno830').device_items} " in row and " 1536 " in row
 
 
 def _local() -> dict:

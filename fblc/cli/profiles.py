@@ -15,14 +15,18 @@ from fblc.errors import FblcError
 def cmd_targets(args: argparse.Namespace) -> int:
     from fblc.profiles import load_profile, shipped_targets
 
-    print(f"{'target':<12} {'GPU':<40} {'image max':>13} {'wave':>5} {'block':>6} {'L1 KiB':>7} {'L2 KiB':>7} "
-          f"{'GB/s':>6} {'GFLOP/s':>8}  measured figures")
+    print(f"{'target':<12} {'GPU':<40} {'image max':>13} {'wave':>5} {'units':>5} {'holds':>6} {'block':>6} "
+          f"{'L1 KiB':>7} {'L2 KiB':>7} {'GB/s':>6} {'GFLOP/s':>8}  {'half':<4} {'subgr':<5} measured figures")
+    yes_no = {True: "yes", False: "no"}
     for name in shipped_targets():
         p = load_profile(name)
         measured = sum(source.startswith("measured") for source in p.sources.values())
         print(f"{p.name:<12} {p.gpu[:40]:<40} {p.image2d_max_width:>6}x{p.image2d_max_height:<6} {p.wave_size:>5} "
-              f"{p.tex_block_width:>3}x{p.tex_block_height:<2} {p.l1_bytes // 1024:>7} {p.l2_bytes // 1024:>7} "
-              f"{p.bandwidth_gbps:>6.1f} {p.peak_gflops:>8.0f}  {measured}/{len(p.sources)}")
+              f"{p.compute_units:>5} {p.device_items:>6} {p.tex_block_width:>3}x{p.tex_block_height:<2} "
+              f"{p.l1_bytes // 1024:>7} {p.l2_bytes // 1024:>7} {p.bandwidth_gbps:>6.1f} {p.peak_gflops:>8.0f}  "
+              f"{yes_no[p.fp16]:<4} {yes_no[p.subgroups]:<5} {measured}/{len(p.sources)}")
+    print("units: compute units; holds: work-items the device runs at once (units x waves per unit x wave); "
+          "half: cl_khr_fp16 arithmetic; subgr: cl_khr_subgroups")
     print("every figure's source: fblc/profiles/targets/<target>.json; 'fblc profile' measures a device")
     return 0
 
