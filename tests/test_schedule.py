@@ -388,12 +388,18 @@ def test_a_contraction_too_small_for_the_device_is_split_until_it_fills_it(tmp_p
 def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_device_s_size() -> None:
     """TileBudget: a contraction's tile keeps the target's private_floats accumulators (Mali's 32: 8 x 4
     outputs; Adreno's 64: 8 x 8); the largest tile whose work-items fill the device, else the largest where
-    a work-group may split its reduction, else (saved masks) the smallest, for the most work-items."""
+    a work-group may split its reduction, else (saved masks) the smallest, for the most work-items. Told the
+    reduction's length K (the 830's Profile.tile_group on contraction.tile_reduction), the largest whose tiles
+    x group fill the device, else one texel where that fills it or comes closest (a short K splits little)."""
+    from fblc.codegen.kernels.contraction import tile_reduction
     from fblc.codegen.kernels.schedules import TileBudget, _contraction_tile
 
-    def tile(private: int, device: int, texels: int, masks: bool = False) -> tuple[int, int]:
+    profile = load_profile("adreno830")
+
+    def tile(private: int, device: int, texels: int, masks: bool = False, k: int = 0) -> tuple[int, int]:
         budget = TileBudget(True, private, device, texels, masks, not masks)
-        schedule = _contraction_tile(budget, (texels // 32 * 8, 128), texels // 32 * 8, None)[0]
+        split = (lambda t, tiles: profile.tile_group(*tile_reduction([(k, 1)], *t), 4 * t[0] * t[1], tiles)) if k else None
+        schedule = _contraction_tile(budget, (texels // 32 * 8, 128), texels // 32 * 8, None, split)[0]
         return schedule.tile_rows, schedule.tile_columns
 
     assert load_profile("mali-g925").private_floats == 32 and load_profile("adreno830").private_floats == 64
@@ -402,3 +408,9 @@ def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_devi
     assert tile(64, 1536, 16384) == (8, 1)  # 16 texels make 1024 tiles, 8 make 2048
     assert tile(64, 1536, 2048) == (8, 2)  # none fills: a work-group per tile will
     assert tile(64, 1536, 2048, masks=True) == (4, 1)  # none fills and none may split: the most work-items
+    assert profile.device_items == 1536
+    assert tile(64, 1536, 2048, k=256) == (8, 2)  # 128 tiles of 16 texels x 16 work-items each fill it
+    assert tile(64, 1536, 2048, k=64) == (4, 1)  # K = 64 splits 4 ways: 512 tiles of 4 texels x 4 fill it ...
+    assert tile(64, 1536, 512, k=64) == (1, 1)  # ... 512 texels: only one texel a tile (x 4 = 2048) fills it
+    assert tile(64, 1536, 512, k=32) == (1, 1)  # nothing fills: 512 x 2 comes closest (Llama's K of 32)
+    assert tile(64, 0, 512, k=32) == (8, 2)  # a CPU keeps the largest tile

@@ -12,6 +12,7 @@ read B' four columns at a time. Otherwise one lane computes one element with `do
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -190,6 +191,23 @@ def matmul_operands(b: ValueReads, node: ir.Node) -> tuple[tuple[ir.Value, list[
             root_digits(b, node.inputs[1], b_shape if len(b_shape) >= 2 else (b_shape[0], 1)))
 
 
+def block_steps(rows: int, columns: int) -> int:
+    """K steps per static block of the texel-wide path for a tile of `rows` x `columns` texels."""
+    return max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
+
+
+def tile_reduction(k_digits: Digits, rows: int, columns: int) -> tuple[int, int]:
+    """(multiply-adds per accumulator, iterations of the loop a work-group may deal out) of the texel-wide
+    path's reduction over K cut into `k_digits` (outermost first) for a tile of `rows` x `columns` texels,
+    as Reduction.serial and Reduction.shared_loop count them: the outer digits' loops and the blocks of
+    block_steps along the innermost one."""
+    *outer, (k_inner, _) = k_digits
+    steps = block_steps(rows, columns)
+    looped = k_inner - k_inner % steps
+    return k_inner * math.prod(extent for extent, _ in outer), max([extent for extent, _ in outer]
+                                                                    + [looped // steps if looped > steps else 0])
+
+
 def texel_columns(out_shape: Sequence[int], w_axes: list[Digits], has_n: bool = True) -> bool:
     """Whether a texel's lanes are 4 consecutive output columns n, one stride apart in B' (the texel-wide path)."""
     return has_n and lane_axis(out_shape) == len(out_shape) - 1 and w_axes[-1][-1][0] % LANES == 0
@@ -236,7 +254,7 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     # what the index variables are multiples of: the texel's lanes, the tile's rows, folded axes' digits
     known = {n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) | multiples
     width = LANES * columns
-    steps = max(LANES, MATMUL_BLOCK // (rows * columns)) if rows * columns > 1 else MATMUL_BLOCK
+    steps = block_steps(rows, columns)
     blocked = Blocked(k_inner, steps, a_step, w_step, 0,
                       lambda indices: _tile_products(indices, rows, width, a_step, a_row, w_step, w_lane))
     a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])

@@ -16,7 +16,7 @@ import onnx_ir as ir
 from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import matmul_operands, row_axis, texel_columns
+from fblc.codegen.kernels.contraction import Digits, matmul_operands, row_axis, texel_columns, tile_reduction
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
                                        ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, texels_per_item)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
@@ -32,8 +32,8 @@ from fblc.codegen.schedule import tile as tile_of
 from fblc.codegen.shape_key import shape_key
 from fblc.codegen.textures import TextureTable
 from fblc.compiler import keys
-from fblc.compiler.index_map import view_root
-from fblc.compiler.values import numel, static_shape
+from fblc.compiler.index_map import common_digits, view_root
+from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.profiles.profile import PRIVATE_FLOATS, REDUCTION_GROUP
 from fblc.texel_layout import TexelLayout, mask_layout
@@ -77,13 +77,22 @@ class TileBudget:
         return TileBudget(table.tiled, profile.private_floats, 0 if profile.cpu else profile.device_items,
                           -(-numel(static_shape(group.outputs[0])) // LANES), masks, not masks)
 
-    def pick(self, candidates: Sequence[T], texels_per_item: Callable[[T], int]) -> T:
+    def pick(self, candidates: Sequence[T], texels_per_item: Callable[[T], int],
+             group: Callable[[T, int], int | None] | None = None, fallback: Sequence[T] = ()) -> T:
         """Of `candidates` (largest tile first; each within `private`), the first whose items fill the device;
-        where none does, the first if the reduction may be split (a work-group per tile then fills it and
-        the tile keeps its register reuse: Profile.tile_group), else the last (the most work-items)."""
+        where none does and the reduction may be split: with `group` (the work-items that would share a
+        candidate's reduction given its tiles: Profile.tile_group, capped by the reduction's length and
+        loop), the first whose tiles x group fill it, then of the `fallback` tiles (smaller ones, without
+        register reuse), else of all the one that comes closest (of equals, the larger tile); without it,
+        the first (a work-group per tile is assumed to fill it and the tile keeps its register reuse).
+        Where it may not be split, the last candidate (the most work-items)."""
         def work_items(candidate: T) -> int:
             per = texels_per_item(candidate)
             return self.texels // (2 * per if self.masks and per % 2 else per)
+
+        def launched(candidate: T) -> int:
+            tiles = work_items(candidate)
+            return tiles * ((group(candidate, tiles) or 1) if group is not None else 1)
 
         if self.device_items:
             filling = [c for c in candidates if work_items(c) >= self.device_items]
@@ -91,6 +100,10 @@ class TileBudget:
                 return filling[0]
             if not self.splits:
                 return candidates[-1]
+            if group is not None:
+                everything = [*candidates, *fallback]
+                split = [c for c in everything if launched(c) >= self.device_items]
+                return split[0] if split else max(everything, key=launched)
         return candidates[0]
 
 
@@ -117,13 +130,18 @@ def _reducing(decide: Reducing) -> Rule:
     return rule
 
 
-def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int, column_texels: int | None
-                      ) -> tuple[Schedule, None, int]:
+#: the work-items that would share a contraction tile's reduction, given the tile and its count of tiles
+Split = Callable[[tuple[int, int], int], int | None]
+
+
+def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int, column_texels: int | None,
+                      split: Split | None = None) -> tuple[Schedule, None, int]:
     """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts where the output's rows and
     texel columns come in such groups (a tile reads each operand texel once for all its rows or columns),
-    within the target's accumulators and by the device's size (TileBudget.pick), else one texel. `rows`,
-    `column_texels`: the runs of rows and texel columns the operands step through by one stride (a folded
-    axis's innermost digit); the tile's rows are whole output rows apart."""
+    within the target's accumulators and by the device's size (TileBudget.pick, told by `split` the
+    work-group each tile's reduction would really get, with one texel as the last resort), else one
+    texel. `rows`, `column_texels`: the runs of rows and texel columns the operands step through by one
+    stride (a folded axis's innermost digit); the tile's rows are whole output rows apart."""
     row_texels = out_shape[-1] // LANES
     run = row_texels if column_texels is None else column_texels
     wide = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
@@ -131,7 +149,7 @@ def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int,
              if rows % n == 0 and n * c * LANES <= budget.private]
     if budget.tiled and tiles:
         tiles.sort(key=lambda tile: -tile[0] * tile[1])  # the largest first; of equal ones, more rows
-        tile_rows, columns = budget.pick(tiles, lambda tile: tile[0] * tile[1])
+        tile_rows, columns = budget.pick(tiles, lambda tile: tile[0] * tile[1], split, [(1, 1)] if split else ())
         schedule = tile_of(tile_rows, columns, row_texels)
     else:
         schedule = consecutive(1)
@@ -140,20 +158,35 @@ def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int,
     return schedule, None, LANES * schedule.texels_per_item
 
 
+def _tile_split(table: TextureTable, group: KernelGroup, k_digits: Digits | None) -> Split | None:
+    """What Profile.tile_group deals a tile's reduction over K (cut into `k_digits`, outermost first) out
+    to (contraction.tile_reduction: its length and the loop a group shares); None where that is unknown or
+    its tiles may not be split (saved masks)."""
+    profile = table.profile
+    if k_digits is None or _saved_masks(group):
+        return None
+    return lambda tile, tiles: profile.tile_group(*tile_reduction(k_digits, *tile), LANES * tile[0] * tile[1], tiles)
+
+
 def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
     out_shape = static_shape(group.outputs[0])
     (_, a_axes), (_, w_axes) = matmul_operands(ValueReads(table, out_shape), group.anchor)
     a_rank, b_rank = (len(static_shape(value)) for value in group.anchor.inputs)
     if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
         return consecutive(1), None, 0
-    return _contraction_tile(TileBudget.of(table, group), out_shape, a_axes[-2][-1][0], w_axes[-1][-1][0] // LANES)
+    k_digits = common_digits([a_axes[-1], w_axes[-2]])
+    return _contraction_tile(TileBudget.of(table, group), out_shape, a_axes[-2][-1][0], w_axes[-1][-1][0] // LANES,
+                             _tile_split(table, group, k_digits[0] if k_digits else None))
 
 
 def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
     out_shape = static_shape(group.outputs[0])
     if lane_axis(out_shape) != 1:
         return consecutive(1), None, 0
-    return _contraction_tile(TileBudget.of(table, group), out_shape, out_shape[0], None)
+    a_shape = static_shape(group.anchor.inputs[0])
+    k = a_shape[0] if attr(group.anchor, "transA", 0) else a_shape[1]
+    return _contraction_tile(TileBudget.of(table, group), out_shape, out_shape[0], None,
+                             _tile_split(table, group, [(k, 1)]))
 
 
 def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
