@@ -121,7 +121,8 @@ class ValueReads:
         trailing = len(self.out_shape) - 2  # the axes after the channel's
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        key = repr(apply(kir.Var("x", 0, kir.FLOAT, "x")))  # one hoisted read per value and applied formula
+        # one hoisted read per value and applied formula; unapplied, the key of broadcast()'s reads, which share it
+        key = "" if apply is _same else repr(apply(kir.Var("x", 0, kir.FLOAT, "x")))
         hoisted = self._texel_read(root, spread, apply, key=key)
         return hoisted if hoisted is not None else apply(self.element(value, index_var(OUT_INDEX, 1)))
 
@@ -155,7 +156,8 @@ class ValueReads:
     def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:
         """The lane's element of `root` when it is constant over blocks of at least 4 consecutive output
         elements (a conv's per-channel epilogue): a texel's lanes see at most two, its first lane's and
-        (when it straddles two blocks) its last's, read and passed through `apply` once per texel."""
+        (when it straddles two blocks) its last's, read and passed through `apply` once per texel; one, its
+        first lane's, where the block length is a multiple of 4 (no texel straddles)."""
         out = self.out_shape
         view = (1,) * (len(out) - len(index_map.shape)) + tuple(index_map.shape)
         block = 1
@@ -167,6 +169,10 @@ class ValueReads:
             return None  # lanes of several elements, or one element for the whole tensor (element() inlines it)
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
         cache = (id(root), f"block {first!r} {key}")
+        if cache not in self._hoisted and block % 4 == 0:
+            # blocks start at multiples of 4, as texels do: a texel lies in one block, its first lane's element
+            dtype = dtype_of(root) if apply is _same else kir.FLOAT
+            self._hoisted[cache] = self.hoisted.let(apply(self.element(root, first)), "H", dtype)
         if cache not in self._hoisted:
             last = broadcast_view_index(index_map, out, TEXEL_LAST)
             reads = self.hoisted
