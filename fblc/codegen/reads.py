@@ -150,6 +150,10 @@ class ValueReads:
         one_element = not own and (not index_map.shape or index_map.shape[-1] == 1)
         if not own and not one_element and not index_map.lanes_read_texels():
             return None
+        if one_element and self.run_texels > 1:  # once per run of a tile's texels where blocks hold a run
+            per_run = self._block_read(root, index_map, apply, key)
+            if per_run is not None:
+                return per_run
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
         cache = (id(root), repr(first))
         if cache not in self._hoisted:
