@@ -24,7 +24,7 @@ from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, flat_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
-from fblc.codegen.reads import OUT_INDEX, TEXEL_FIRST, TEXEL_LAST, ValueReads
+from fblc.codegen.reads import OUT_INDEX, RUN_FIRST, RUN_LAST, TEXEL_FIRST, TEXEL_LAST, ValueReads
 from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
@@ -68,6 +68,8 @@ class KernelBuilder(ValueReads):
         rows, columns, stride = self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride
         assert stride % columns == 0, f"a tile of {columns} texel columns in rows {stride} texels apart"
         self.texels_per_item, self.item_columns, self.item_stride = rows * columns, columns, stride
+        # consecutive texels of a tile: the whole tile where its rows are whole, else each row's columns
+        self.run_texels = self.texels_per_item if stride == columns else columns
 
     @classmethod
     def for_group(cls, table: TextureTable, group: KernelGroup, family: str) -> KernelBuilder:
@@ -285,12 +287,36 @@ class KernelBuilder(ValueReads):
         # registers, where an array indexed at run time spills to device memory (Mali's guide); a CPU's private
         # array is cached stack memory, and unrolled tiles cost PoCL a fifth more build time (T-ResNet 8.6 -> 10.5 s)
         unroll = not self.table.profile.cpu
+        if self.run_reads:
+            self._runs(block, results, arguments, bytes_, rows, unroll)
+            return
         with block.loop("tt", 0, self.texels_per_item, unroll=unroll, name="tt") as (tt, texel):
             texel.add(kir.Declare(self.t, self._first_texel() + self._tile_step()))
             columns = self.item_columns  # texel tt of the tile: its row and column follow from the tile's
             first_row = None if rows is None else (rows[0] + div_index(tt, columns),
                                                    rows[1] + mod_index(tt, columns) * 4 if columns > 1 else rows[1])
             self._texel(texel, results, arguments, bytes_, first_row)
+
+    def _runs(self, block: Block, results: Sequence[Expr], arguments: list[kir.Argument], bytes_: dict[int, Var],
+              rows: tuple[Expr, Expr] | None, unroll: bool) -> None:
+        """The tile's texels run by run (run_texels consecutive texels: a row's columns, or the whole tile
+        when its rows are whole), each run's `run_reads` (per-channel values) once before its texels."""
+        per, run_texels, columns = self.texels_per_item, self.run_texels, self.item_columns
+        run_step = self.item_stride if run_texels < per else 0  # run r: row r of the tile
+        out_numel = self.out_textures[0].numel
+        with block.loop("rr", 0, per // run_texels, unroll=unroll, name="rr") as (rr, run):
+            run.add(kir.Declare(self.tr, self._first_texel() + rr * run_step))
+            declare_index(run, self.out_shape, self.tr * 4, RUN_FIRST)
+            if self._reads_run_last:
+                last = kir.call("min", self.tr * 4 + (4 * run_texels - 1), out_numel - 1)
+                declare_index(run, self.out_shape, last, RUN_LAST)
+            run.add(*self.run_reads)
+            with run.loop("tc", 0, run_texels, unroll=unroll, name="tc") as (tc, texel):
+                tt = self.tt
+                texel.add(kir.Declare(tt, rr * run_texels + tc), kir.Declare(self.t, self.tr + tc))
+                first_row = None if rows is None else (rows[0] + div_index(tt, columns),
+                                                       rows[1] + mod_index(tt, columns) * 4 if columns > 1 else rows[1])
+                self._texel(texel, results, arguments, bytes_, first_row)
 
     def declare_item_index(self, block: Block, shape: Sequence[int], prefix: str) -> list[Var]:
         """Declare `prefix0..` as the multi-index in `shape` of the work-item's first element."""

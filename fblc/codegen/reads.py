@@ -23,6 +23,8 @@ OUT_INDEX = "o"  # prefix of the output multi-index variables
 FLAT_OUT_INDEX = "i"  # the lane loop's flat index of the output element, from which the OUT_INDEX variables come
 TEXEL_FIRST = "z"  # prefix of the multi-index of the written texel's first element, seen by its hoisted reads
 TEXEL_LAST = "zl"  # the same for its last element (within the tensor)
+RUN_FIRST = "rz"  # the same for the first element of a tile's run of consecutive texels (KernelBuilder.run_texels)
+RUN_LAST = "rzl"  # and for the run's last element (within the tensor)
 
 Apply = Callable[[Expr], Expr]
 
@@ -46,10 +48,16 @@ class ValueReads:
         self._hoisted: dict[tuple[int, str], Expr] = {}
         self._reads_last = False  # a hoisted read needs the texel's last element (TEXEL_LAST)
         self._splits: dict[int, kir.Var] = {}  # block length -> the lanes of a texel in its first block
+        #: a tile's runs of consecutive texels (KernelBuilder sets it): per-block values are read once per run
+        #: (`run_reads`, before the run's texels, at the run's first texel `tr`) where blocks are that long
+        self.run_texels = 1
+        self.run_reads: list[Statement] = []
+        self._run_splits: dict[int, kir.Var] = {}  # block length -> the elements of a run in its first block
+        self._reads_run_last = False  # a run read needs the run's last element (RUN_LAST)
         self.numbering = Numbering()
         # the kernel skeleton's variables (KernelBuilder declares them): fixed names, no number
-        self.t, self.g, self.tt, self.lane, self.flat, self.lid = (
-            kir.Var(name, 0, INT, name) for name in ("t", "g", "tt", "lane", FLAT_OUT_INDEX, "lid"))
+        self.t, self.g, self.tt, self.lane, self.flat, self.lid, self.tr = (
+            kir.Var(name, 0, INT, name) for name in ("t", "g", "tt", "lane", FLAT_OUT_INDEX, "lid", "tr"))
 
     @property
     def hoisted(self) -> Block:
@@ -121,7 +129,8 @@ class ValueReads:
         trailing = len(self.out_shape) - 2  # the axes after the channel's
         spread = IndexMap(tuple(index_map.shape) + (1,) * trailing, tuple(index_map.strides) + (0,) * trailing,
                           index_map.offset, index_map.folds + ((),) * trailing if index_map.folded else ())
-        key = repr(apply(kir.Var("x", 0, kir.FLOAT, "x")))  # one hoisted read per value and applied formula
+        # one hoisted read per value and applied formula; unapplied, the key of broadcast()'s reads, which share it
+        key = "" if apply is _same else repr(apply(kir.Var("x", 0, kir.FLOAT, "x")))
         hoisted = self._texel_read(root, spread, apply, key=key)
         return hoisted if hoisted is not None else apply(self.element(value, index_var(OUT_INDEX, 1)))
 
@@ -141,6 +150,10 @@ class ValueReads:
         one_element = not own and (not index_map.shape or index_map.shape[-1] == 1)
         if not own and not one_element and not index_map.lanes_read_texels():
             return None
+        if one_element and self.run_texels > 1:  # once per run of a tile's texels where blocks hold a run
+            per_run = self._block_read(root, index_map, apply, key)
+            if per_run is not None:
+                return per_run
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
         cache = (id(root), repr(first))
         if cache not in self._hoisted:
@@ -155,7 +168,8 @@ class ValueReads:
     def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:
         """The lane's element of `root` when it is constant over blocks of at least 4 consecutive output
         elements (a conv's per-channel epilogue): a texel's lanes see at most two, its first lane's and
-        (when it straddles two blocks) its last's, read and passed through `apply` once per texel."""
+        (when it straddles two blocks) its last's, read and passed through `apply` once per texel; one, its
+        first lane's, where the block length is a multiple of 4 (no texel straddles)."""
         out = self.out_shape
         view = (1,) * (len(out) - len(index_map.shape)) + tuple(index_map.shape)
         block = 1
@@ -165,8 +179,14 @@ class ValueReads:
             block *= out[axis]
         if block < 4 or block == int(np.prod(out)):
             return None  # lanes of several elements, or one element for the whole tensor (element() inlines it)
+        if self.run_texels > 1 and block >= 4 * self.run_texels:
+            return self._run_read(root, index_map, apply, key, block)
         first = broadcast_view_index(index_map, out, TEXEL_FIRST)
         cache = (id(root), f"block {first!r} {key}")
+        if cache not in self._hoisted and block % 4 == 0:
+            # blocks start at multiples of 4, as texels do: a texel lies in one block, its first lane's element
+            dtype = dtype_of(root) if apply is _same else kir.FLOAT
+            self._hoisted[cache] = self.hoisted.let(apply(self.element(root, first)), "H", dtype)
         if cache not in self._hoisted:
             last = broadcast_view_index(index_map, out, TEXEL_LAST)
             reads = self.hoisted
@@ -179,4 +199,31 @@ class ValueReads:
             tail = reads.let(kir.select(split.ge(4), head, apply(self.element(root, last))), "H", dtype)
             self._hoisted[cache] = kir.select(self.lane.lt(split), head, tail)
             self._reads_last = True
+        return self._hoisted[cache]
+
+    def _run_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str, block: int) -> Expr:
+        """_block_read once per run of `run_texels` consecutive texels of a tile, not per texel: blocks at
+        least as long as the run give its elements at most two values, its first element's and (when it
+        straddles two blocks) its last's; one where blocks are multiples of the run's elements (runs start
+        at multiples of them: KernelBuilder's tiles are aligned to their runs)."""
+        out, span = self.out_shape, 4 * self.run_texels
+        first = broadcast_view_index(index_map, out, RUN_FIRST)
+        cache = (id(root), f"run {first!r} {key}")
+        if cache in self._hoisted:
+            return self._hoisted[cache]
+        reads = Block(self.numbering, self.run_reads)  # type: ignore[arg-type]
+        dtype = dtype_of(root) if apply is _same else kir.FLOAT  # an applied value is float math (BN's rsqrt)
+        head = reads.let(apply(self.element(root, first)), "H", dtype)
+        if block % span == 0:
+            self._hoisted[cache] = head
+            return head
+        split = self._run_splits.get(block)
+        if split is None:  # one per block length, shared by every value constant over such blocks
+            split = self._run_splits[block] = reads.let(const(block) - mod_index(self.tr * 4, block), "n")
+        last = broadcast_view_index(index_map, out, RUN_LAST)
+        # the last element's value is read only by a run that straddles two blocks
+        tail = reads.let(kir.select(split.ge(span), head, apply(self.element(root, last))), "H", dtype)
+        within = (self.t - self.tr) * 4 + self.lane  # the lane's element among the run's
+        self._hoisted[cache] = kir.select(within.lt(split), head, tail)
+        self._reads_run_last = True
         return self._hoisted[cache]
