@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from fblc.profiles import load_profile
+
 #: multiply-adds of the MLP's forward pass, [8, 32] through 32 -> 64 -> 64 -> 10
 MLP_FORWARD_MACS = 8 * (32 * 64 + 64 * 64 + 64 * 10)
 
@@ -112,9 +114,8 @@ def test_kernel_stats_counts_whole_texel_fetches_and_half_arithmetic_of_a_hand_m
 def test_kernel_stats_bounds_loop_trips_and_reads_a_bundle(tmp_path) -> None:
     """A loop's trips from interval bounds (`max(0, -y) .. min(3, 97 - y)`: 3; a tree's `s = 32; s > 0;
     s >>= 1`: 6); the bundle figures from a hand-made plan.json and report.json; the device's size from the
-    profile's compute_units and waves_per_unit where it has them."""
+    profile's compute_units x waves_per_unit x wave_size."""
     import json
-    import types
 
     from fblc.codegen import ir as kir
     from fblc.tools import kernel_stats, lane_use
@@ -132,8 +133,4 @@ def test_kernel_stats_bounds_loop_trips_and_reads_a_bundle(tmp_path) -> None:
     figures = kernel_stats.bundle_figures(str(tmp_path), resident_items=1536)
     assert figures == {"launches": 2, "small_launches": 1, "small_flop_share": 0.3, "bytes": 64, "step_ms": 0.5,
                        "flops": 100}
-    sized = types.SimpleNamespace(compute_units=6, waves_per_unit=4, wave_size=64)
-    assert kernel_stats.device_items(sized)[0] == 1536
-    unsized = types.SimpleNamespace(wave_size=16)
-    items, how = kernel_stats.device_items(unsized)
-    assert items == kernel_stats.FALLBACK_COMPUTE_UNITS * kernel_stats.FALLBACK_WAVES_PER_UNIT * 16 and "estimated" in how
+    assert kernel_stats.device_items(load_profile("adreno830")) == (1536, "profile (6 units x 4 waves x 64)")

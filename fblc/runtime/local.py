@@ -83,6 +83,13 @@ def language_standard(device: Any) -> str:
     return "-cl-std=CL3.0" if major >= 3 else "-cl-std=CL2.0"
 
 
+def device_build_options(device: Any) -> list[str]:
+    """What the device decides of the kernels' build: its -cl-std (language_standard), then -DFBLC_HALF where
+    it lists cl_khr_fp16 (a half kernel's `real` is then half). The native runner's build_options alike."""
+    half = [fmt.HALF_BUILD_OPTION] if "cl_khr_fp16" in str(device.extensions).split() else []
+    return [language_standard(device), *half]
+
+
 STORAGES = choices.STORAGES
 WINDOW_SLACK_BYTES = 16  # one fp32 texel past every buffer (see _allocate)
 
@@ -201,8 +208,7 @@ class LocalRunner:
             source = handle.read()
         program = cl.Program(self.context, source)
         try:
-            half = [fmt.HALF_BUILD_OPTION] if "cl_khr_fp16" in self.device.extensions.split() else []
-            return program.build(options=[language_standard(self.device), *half, *self.build_options],
+            return program.build(options=[*device_build_options(self.device), *self.build_options],
                                  cache_dir=False if self.unoptimised_reason else None)
         except cl.RuntimeError as error:
             log = program.get_build_info(self.device, cl.program_build_info.LOG) or str(error)

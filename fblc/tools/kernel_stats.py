@@ -37,6 +37,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from fblc.codegen import ir
+from fblc.profiles import Profile
 from fblc.tools.item_values import INTEGERS, Items, Unknown, evaluate, per_item
 from fblc.tools.lane_use import (FLOATS, UNBOUNDED, Bounds, Demand, LaneUse, LoadVisitor, bounds, children,
                                   lanes_used, statement_demands, trip_count, var_key)
@@ -50,10 +51,6 @@ ARITHMETIC = frozenset({"+", "-", "*", "/"})
 #: float scalar types that are half on a target with cl_khr_fp16: `half`, and `real`, the type a half kernel
 #: computes in where the same source also builds without the extension (then float: a device the target is not)
 HALF_TYPES = ("half", "real")
-#: device size when the profile has no compute_units / waves_per_unit (estimated: issue 39's reading of
-#: adreno830, 6 shader processors of 4 resident 64-wide waves, 1536 work-items; applied to every target)
-FALLBACK_COMPUTE_UNITS = 6
-FALLBACK_WAVES_PER_UNIT = 4
 
 
 @dataclass
@@ -256,15 +253,10 @@ def program_figures(kernels: Iterable[Any]) -> Figures:
 
 
 # the bundle -------------------------------------------------------------------------------------
-def device_items(profile: Any) -> tuple[int, str]:
-    """(work-items the device holds at once, how that was found): compute_units x waves_per_unit x wave_size
-    from the profile, or this module's estimate where the profile has no such figure."""
-    units, waves = getattr(profile, "compute_units", None), getattr(profile, "waves_per_unit", None)
-    how = f"profile ({units} units x {waves} waves x {profile.wave_size})"
-    if not units or not waves:
-        units, waves = units or FALLBACK_COMPUTE_UNITS, waves or FALLBACK_WAVES_PER_UNIT
-        how = f"estimated ({units} units x {waves} waves; the profile has no compute_units/waves_per_unit)"
-    return int(units) * int(waves) * int(profile.wave_size), how
+def device_items(profile: Profile) -> tuple[int, str]:
+    """(work-items the device holds at once: Profile.device_items, how the profile makes it up)."""
+    return profile.device_items, f"profile ({profile.compute_units} units x {profile.waves_per_unit} waves x " \
+                                 f"{profile.wave_size})"
 
 
 def bundle_figures(bundle: str, resident_items: int) -> dict[str, Any]:
