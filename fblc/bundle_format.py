@@ -12,7 +12,9 @@ A bundle is a directory:
                  as zeros, so that an edit of any byte of any file the runtimes read is refused;
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
                  (kernel name, global/local size, texture arguments, and the schedule its kernel
-                 was built with: optional, for tools), the state swaps after a step;
+                 was built with: optional, for tools), the state swaps after a step, and under dynamic
+                 loss scaling `swaps_if_finite` {flag, pairs}: pairs swapped only after a step whose
+                 flag texture (the metric `skipped`) reads 0 (fblc.passes.commit_if_finite);
 - kernels.cl     OpenCL C, one __kernel per launch, its textures image2d_t (what phones run);
 - kernels.buffer.cl  the same kernels, their textures __global buffers of texels in index order
                  (LocalRunner's storage "buffer"); plan.json's launches give each kernel's lines in
@@ -36,8 +38,9 @@ import numpy as np
 from fblc.errors import BundleError  # kept as fmt.BundleError: the runtimes raise it and its subclasses
 
 FORMAT_NAME = "fblc-bundle"
-#: 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures; 4: manifest_sha256
-FORMAT_VERSION = 4
+#: 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures; 4: manifest_sha256;
+#: 5: plan.json `swaps_if_finite` (a runtime that ignored it would never commit those states)
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 KERNELS = "kernels.cl"

@@ -212,6 +212,46 @@ def test_an_overflowing_scale_on_the_device_skips_the_step_and_halves(tmp_path) 
     assert any(not np.array_equal(value, before[name]) for name, value in runner.parameters().items())
 
 
+def test_a_skipped_step_commits_no_state_and_a_finite_one_gives_the_step_graphs(mlp_path, tmp_path) -> None:
+    """commit_if_finite, golden: the lowered step has no Where on the non-finite flag but the loss scale's,
+    every parameter's and optimizer state's `.new` is marked for a finite commit (plan.json
+    `swaps_if_finite`), the loss scale's two are swapped always. Numeric, PoCL in buffer storage (images:
+    the test above; fp32 storage, so the step is the step graph's to rounding): a finite step's `.new`
+    states are onnxruntime's; after a step with an inf scale (gradients NaN) every marked state reads as
+    before, under its own name and its `.new` one, while the good-step count resets."""
+    options = TrainingOptions(optimizer=ADAMW, loss_scale="dynamic")
+    step, _ = compile_model(mlp_path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    gates = [n for n in step.graph if n.op_type == "Where"
+             and n.inputs[0] is next(v for v in step.graph.outputs if v.name == "skipped").producer().inputs[0]]
+    assert sorted(v.name for n in gates for v in n.outputs) == ["loss_scale.good_steps.new", "loss_scale.new"]
+    plan = json.load(open(tmp_path / "bundle" / "plan.json"))
+    named = {texture["id"]: texture["values"] for texture in plan["textures"]}
+    gated = {name for _, new in plan["swaps_if_finite"]["pairs"] for name in named[new] if name.endswith(".new")}
+    assert {"w1.new", "b2.new", "w1.exp_avg.new", "w2.exp_avg_sq.new", "optimizer.step.new"} <= gated
+    assert not any(name.startswith("loss_scale") for name in gated)
+    assert "skipped" in named[plan["swaps_if_finite"]["flag"]]
+
+    feeds = _mlp_feeds(step)
+    reference = _run(build_training_graph(load_model(mlp_path), options), feeds, str(tmp_path / "step.onnx"))
+    runner = LocalRunner(str(tmp_path / "bundle"), progress=False, storage="buffer")
+    runner.step(feeds)
+    assert runner.metrics["skipped"] == 0.0
+    states = [s["name"] for s in runner.manifest["parameters"] + runner.manifest["states"]]
+    for name in states:
+        np.testing.assert_allclose(runner.read_before_swap(f"{name}.new"), reference[f"{name}.new"], rtol=1e-4,
+                                   atol=1e-6, err_msg=name)
+    before = {name: runner.read(name) for name in states}
+    scale = next(s for s in runner.manifest["states"] if s["name"] == "loss_scale")
+    runner.upload(scale["texture"], np.array([np.inf], np.float32))
+    runner.step(feeds)
+    assert runner.metrics["skipped"] == 1.0
+    assert runner.read("loss_scale.good_steps") == 0 and before["loss_scale.good_steps"] == 1
+    for name in states:
+        if not name.startswith("loss_scale"):
+            np.testing.assert_array_equal(runner.read(name), before[name], err_msg=name)
+            np.testing.assert_array_equal(runner.read_before_swap(f"{name}.new"), before[name], err_msg=name)
+
+
 def test_fuse_keeps_a_sum_over_many_gradients_within_the_read_image_limit(tmp_path) -> None:
     """A tree of scalar Adds over 300 inputs (the finite check over every parameter's gradient)
     would fuse into one kernel reading 300 images; each kernel reads at most READ_IMAGE_ARGS."""

@@ -84,7 +84,8 @@ def run(runner: str, bundle: str, data: str, out: str, steps: int, env: dict[str
 
 
 def compare_with_local(bundle: str, feeds: list[dict[str, np.ndarray]], steps: int, runner_binary: str,
-                       env: dict[str, str]) -> None:
+                       env: dict[str, str]) -> LocalRunner:
+    """The runner's losses, parameters, bytes and launches are LocalRunner's (returned, after its steps)."""
     local = LocalRunner(bundle, storage="image")  # images, as the runner holds them
     expected = [local.step(feeds[s % len(feeds)]) for s in range(steps)]
     # LocalRunner first, the runner without its program cache: PoCL then compiles every kernel once for both
@@ -103,6 +104,7 @@ def compare_with_local(bundle: str, feeds: list[dict[str, np.ndarray]], steps: i
     assert [k["name"] for k in native.kernels] == [k["name"] for k in kernels]
     assert all(k["calls"] == steps and k["total_ms"] >= 0 for k in native.kernels)
     assert sum(native.kernel_ms) > 0 and len(native.step_ms) == steps
+    return local
 
 
 @pytest.fixture
@@ -124,9 +126,15 @@ def _classifier_feeds(shape: tuple[int, ...], classes: int, batches: int) -> lis
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_mlp_trains_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env, dtype) -> None:
+    """fp16 (dynamic loss scaling): the third batch holds an inf, so that step is skipped and the runner,
+    like LocalRunner, commits none of its updates (plan.json swaps_if_finite)."""
     path = build_mlp(str(tmp_path / "mlp.onnx"), batch=8, in_features=12, hidden=(16, 16), classes=5)
     compile_model(path, str(tmp_path / "mlp"), "adreno830", dtype, CROSS_ENTROPY)
-    compare_with_local(str(tmp_path / "mlp"), _classifier_feeds((8, 12), 5, 2), 3, runner_binary, opencl_env)
+    feeds = _classifier_feeds((8, 12), 5, 3 if dtype == "fp16" else 2)
+    if dtype == "fp16":
+        feeds[2]["x"][0, 0] = np.inf  # its gradients are NaN
+    local = compare_with_local(str(tmp_path / "mlp"), feeds, 3, runner_binary, opencl_env)
+    assert local.metrics.get("skipped") == (1.0 if dtype == "fp16" else None), local.metrics
 
 
 def test_fura_s_es_bundle_trains_as_with_the_python_runtime_and_reports_its_reward(tmp_path, runner_binary,

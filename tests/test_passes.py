@@ -299,13 +299,14 @@ def test_shape_rules_agree_with_onnx_inference() -> None:
     assert compared > 50
 
 
-def _kernels_of_outputs(options: TrainingOptions) -> tuple[dict[str, str | None], list[list[str]]]:
-    """The MLP's step through fuse: the kernel that makes each `.grad` / `.new` output, and the kernels
-    that hold optimizer nodes only (launches of their own)."""
+def _kernels_of_outputs(options: TrainingOptions, leave_out: str = "") -> tuple[dict[str, str | None], list[list[str]]]:
+    """The MLP's step through fuse (without the pass named `leave_out`): the kernel that makes each `.grad` /
+    `.new` output, and the kernels that hold optimizer nodes only (launches of their own)."""
     from fblc.passes.pipeline import compile_pipeline
     from fblc.profiles.profile import load_profile
 
-    model = run_passes(ir.from_proto(mlp_proto()), compile_pipeline(options, load_profile("adreno830")))
+    passes = [p for p in compile_pipeline(options, load_profile("adreno830")) if getattr(p, "name", "") != leave_out]
+    model = run_passes(ir.from_proto(mlp_proto()), passes)
     kernels: dict[str, list[ir.Node]] = {}
     made: dict[str, str | None] = {}
     for node in model.graph:
@@ -323,8 +324,9 @@ def test_fuse_joins_each_update_to_the_kernel_of_its_gradient(optimizer: str) ->
     """Golden: every parameter's update (SGD with momentum, AdamW with its two moments) is computed in the
     kernel that makes its gradient (Gemm and MatMul epilogues, the bias sums' reduction kernels): `P.grad`,
     `P.new` and its state's `.new` come from one kernel; only Adam's once-per-step scalars launch alone.
-    Negative: under dynamic loss scaling every update waits for the finite check over all gradients, so
-    none joins its gradient's kernel."""
+    Under dynamic loss scaling too: commit_if_finite leaves the skipped step's updates uncommitted instead of
+    gating them on the finite check. Negative: without it every update waits for the check over all gradients,
+    so none joins its gradient's kernel."""
     config = OptimizerConfig(optimizer, weight_decay=0.1, momentum=0.9 if optimizer == "sgd" else 0.0)
     made, alone = _kernels_of_outputs(TrainingOptions(optimizer=config))
     states = {"sgd": ["momentum"], "adamw": ["exp_avg", "exp_avg_sq"]}[optimizer]
@@ -332,7 +334,12 @@ def test_fuse_joins_each_update_to_the_kernel_of_its_gradient(optimizer: str) ->
         group = {made[f"{param}.grad"], made[f"{param}.new"], *(made[f"{param}.{s}.new"] for s in states)}
         assert len(group) == 1 and None not in group, (param, group)
     assert alone == ([] if optimizer == "sgd" else [["Add", "Pow", "Sub", "Pow", "Sub", "Div", "Sqrt", "Reciprocal"]])
-    gated, _ = _kernels_of_outputs(TrainingOptions(optimizer=config, dtype="fp16", loss_scale="dynamic"))
+    scaled = TrainingOptions(optimizer=config, dtype="fp16", loss_scale="dynamic")
+    committed, _ = _kernels_of_outputs(scaled)
+    for param in ("w1", "b1", "w2", "b2"):
+        group = {committed[f"{param}.grad"], committed[f"{param}.new"], *(committed[f"{param}.{s}.new"] for s in states)}
+        assert len(group) == 1 and None not in group, (param, group)
+    gated, _ = _kernels_of_outputs(scaled, leave_out="commit_if_finite")
     assert all(gated[f"{p}.grad"] != gated[f"{p}.new"] for p in ("w1", "b1", "w2", "b2")), gated
 
 

@@ -85,6 +85,9 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                                 program.schedules.get(k.name))
                         for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],
+            **({"swaps_if_finite": {"flag": program.finite_flag,
+                                    "pairs": [list(pair) for pair in program.finite_swaps]}}
+               if program.finite_swaps else {}),
             "values": program.values, "value_shapes": program.value_shapes, "value_maps": program.value_maps}
     graph = model.graph
     data_inputs = [v for v in graph.inputs if keys.get_role(v) in (Role.INPUT.value, Role.LABEL.value)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -24,6 +24,7 @@ from fblc.codegen.render.source import assemble_source
 from fblc.codegen.schedule import Schedule
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler import keys
+from fblc.compiler.loss_scale import SKIPPED
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.index_map import is_view, map_of
@@ -31,6 +32,7 @@ from fblc.compiler.values import const_array, static_shape
 from fblc.compiler.ops import CONTRACTIONS
 from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
+from fblc.passes.commit_if_finite import COMMIT, FINITE
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
 from fblc.texel_layout import pack
@@ -48,6 +50,9 @@ class Program:
     source: str
     kernel_lines: dict[str, tuple[int, int]]
     schedules: dict[str, dict[str, object]]  # kernel name -> its schedule, as used
+    #: (state, .new) pairs swapped only after a step whose `finite_flag` texture (the metric `skipped`) reads 0
+    finite_swaps: list[tuple[int, int]] = field(default_factory=list)
+    finite_flag: int | None = None
 
     def family_counts(self) -> dict[str, int]:
         return dict(Counter(k.family for k in self.kernels))
@@ -122,7 +127,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
     initial = {t.id: pack(array, t.layout, np.dtype(NUMPY_DTYPES[t.format])) for t in table.textures
                if with_contents and t.name in roots and (array := const_array(roots[t.name])) is not None}
-    swaps = [(values[state.name], values[update.name]) for state, update in state_pairs(graph)]
+    pairs = state_pairs(graph)
+    swaps = [(values[state.name], values[update.name]) for state, update in pairs]
     for state, new in swaps:  # the next step reads the .new image through the state's layout
         if table.textures[state].layout != table.textures[new].layout:
             raise AssertionError(f"'{table.textures[state].name}' and '{table.textures[new].name}' swap images after "
@@ -134,8 +140,12 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
         compute_in_half(kernels, table, graph)
     share_kernels(kernels)
     source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
-    return Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps, source, kernel_lines,
-                   {k.name: table.schedules[k.name].record() for k in kernels})
+    committed = {o.name for o in graph.outputs if o.metadata_props.get(COMMIT) == FINITE}  # commit_if_finite
+    gated = [f"{state.name}.new" in committed for state, _ in pairs]
+    return Program(kernels, table.textures, initial, values, value_shapes,
+                   [pair for pair, g in zip(swaps, gated) if not g], value_maps, source, kernel_lines,
+                   {k.name: table.schedules[k.name].record() for k in kernels},
+                   [pair for pair, g in zip(swaps, gated) if g], values[SKIPPED] if any(gated) else None)
 
 
 def compute_in_half(kernels: list[Kernel], table: TextureTable, graph: ir.Graph) -> None:
@@ -217,7 +227,8 @@ def buffer_table(model: ir.Model, program: Program) -> BufferTable:
             uses.setdefault(texture_id, []).append(index)
     lifetimes = [(uses[t.id][0], uses[t.id][-1]) if t.id in uses else (-1, -1) for t in program.textures]
     outside = list(model.graph.inputs) + list(model.graph.outputs)
-    pinned = (set(program.initial) | {t for pair in program.swaps for t in pair} | {program.values["loss"]}
+    pinned = (set(program.initial) | {t for pair in program.swaps + program.finite_swaps for t in pair}
+              | {program.values["loss"]}
               | {program.values[v.name] for v in outside if v.name in program.values})
     images: list[dict[str, Any]] = []
     image_of = [-1] * len(program.textures)

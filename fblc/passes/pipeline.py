@@ -23,6 +23,7 @@ from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
 from fblc.passes.bn_batch_stats import BatchNormBatchStats
 from fblc.passes.build_gradients import BuildGradients
+from fblc.passes.commit_if_finite import CommitIfFinite
 from fblc.passes.contracts import check_order
 from fblc.passes.classify_initializers import ClassifyInitializers
 from fblc.passes.eliminate_noops import EliminateNoops
@@ -236,7 +237,7 @@ def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
     remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else [TileRemap(remap=False)]
-    return [EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), FtdTaxonomy()] + remap
+    return [CommitIfFinite(), EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None

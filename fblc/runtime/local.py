@@ -166,6 +166,7 @@ class LocalRunner:
         self.steps = 0
         #: the manifest's metrics (ES's reward_mean) after the last step, by name
         self.metrics: dict[str, float] = {}
+        self.swapped: list[list[int]] = []  # the (state, .new) pairs the last step swapped
 
     # setup -------------------------------------------------------------------------------------
     def _check_limits(self) -> None:
@@ -275,11 +276,24 @@ class LocalRunner:
         shape = self.plan["value_shapes"].get(name, value.shape)  # a view has its own shape: a reshape of
         return value.reshape(-1)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)  # its root, or a prefix
 
+    def committed_swaps(self) -> list[list[int]]:
+        """The (state, .new) pairs to swap after the step just run: every one of plan.json's `swaps`, and those of
+        `swaps_if_finite` when its flag (the metric `skipped`) reads 0: a skipped step's updates stay in `.new`."""
+        gated = self.plan.get("swaps_if_finite")
+        if gated is None or float(self._read(gated["flag"]).reshape(-1)[0]) != 0.0:
+            return self.plan["swaps"]
+        return self.plan["swaps"] + gated["pairs"]
+
     def read_before_swap(self, name: str) -> np.ndarray:
-        """A tensor as the last step computed it: `.new` outputs and states read through the swap."""
-        swapped = {new: state for state, new in self.plan["swaps"]}
-        swapped.update({state: new for state, new in self.plan["swaps"]})
+        """A tensor as the last step made it: `.new` outputs and states read through the swap. A state the
+        last step did not commit (skipped by loss scaling) reads as itself under its `.new` name too."""
         texture_id = self.plan["values"][name]
+        kept = {new: state for state, new in self.plan.get("swaps_if_finite", {}).get("pairs", [])
+                if [state, new] not in self.swapped}
+        if self.steps and texture_id in kept:
+            return self.read(name[: -len(".new")]) if name.endswith(".new") else self.read(name)
+        swapped = {new: state for state, new in self.swapped}
+        swapped.update({state: new for state, new in self.swapped})
         if self.steps and texture_id in swapped:
             self.binding[texture_id], self.binding[swapped[texture_id]] = (self.binding[swapped[texture_id]],
                                                                              self.binding[texture_id])
@@ -332,7 +346,8 @@ class LocalRunner:
         loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
         self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
                         for m in self.manifest["metrics"]}
-        for state, new in self.plan["swaps"]:
+        self.swapped = self.committed_swaps()
+        for state, new in self.swapped:
             self.binding[state], self.binding[new] = self.binding[new], self.binding[state]
         self.steps += 1
         if self.steps == 1:

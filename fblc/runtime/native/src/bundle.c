@@ -71,6 +71,21 @@ static size_t as_size(const json_value *value, const char *where) {
     return (size_t)value->number;
 }
 
+/* plan.json's (state, .new) texture pairs */
+static size_t (*read_swaps(const json_value *swaps, size_t texture_count, size_t *count))[2] {
+    size_t (*pairs)[2] = xcalloc(swaps->count ? swaps->count : 1, sizeof *pairs);
+    *count = swaps->count;
+    for (size_t i = 0; i < swaps->count; ++i) {
+        const json_value *pair = json_at(swaps, i);
+        if (!pair || pair->type != JSON_ARRAY || pair->count != 2) bad("a swap is not a pair of texture ids");
+        for (int k = 0; k < 2; ++k) {
+            pairs[i][k] = as_size(json_at(pair, (size_t)k), "a swap is not a pair of texture ids");
+            if (pairs[i][k] >= texture_count) bad("a swap names a texture the plan does not have");
+        }
+    }
+    return pairs;
+}
+
 /* a * b, or the bundle is refused: sizes come from JSON, and a wrapped product would pass the checks below */
 static size_t mul_size(size_t a, size_t b, const char *where) {
     if (b != 0 && a > SIZE_MAX / b) bad(where);
@@ -318,16 +333,15 @@ void bundle_load(const char *folder, bundle *out) {
         }
     }
 
-    const json_value *swaps = need(plan, "swaps", JSON_ARRAY, "plan.json");
-    out->swap_count = swaps->count;
-    out->swaps = xcalloc(swaps->count, sizeof *out->swaps);
-    for (size_t i = 0; i < swaps->count; ++i) {
-        const json_value *pair = json_at(swaps, i);
-        if (!pair || pair->type != JSON_ARRAY || pair->count != 2) bad("a swap is not a pair of texture ids");
-        for (int k = 0; k < 2; ++k) {
-            out->swaps[i][k] = as_size(json_at(pair, (size_t)k), "a swap is not a pair of texture ids");
-            if (out->swaps[i][k] >= out->texture_count) bad("a swap names a texture the plan does not have");
-        }
+    out->swaps = read_swaps(need(plan, "swaps", JSON_ARRAY, "plan.json"), out->texture_count, &out->swap_count);
+    /* under dynamic loss scaling: pairs swapped only after a step whose flag texture (metric `skipped`) reads 0 */
+    const json_value *gated = json_get(plan, "swaps_if_finite");
+    out->finite_flag = SIZE_MAX;
+    if (gated) {
+        out->finite_flag = as_size(need(gated, "flag", JSON_NUMBER, "swaps_if_finite"), "bad swaps_if_finite flag");
+        if (out->finite_flag >= out->texture_count) bad("swaps_if_finite names a texture the plan does not have");
+        out->finite_swaps = read_swaps(need(gated, "pairs", JSON_ARRAY, "swaps_if_finite"), out->texture_count,
+                                       &out->finite_swap_count);
     }
 
     const json_value *inputs = need(manifest, "inputs", JSON_ARRAY, "manifest.json");

@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 #define FBLC_FORMAT_NAME "fblc-bundle"
-#define FBLC_FORMAT_VERSION 4
+#define FBLC_FORMAT_VERSION 5
 
 /* R uint8 masks: MASK8 holds 8 elements a byte (bit i & 7 of byte i >> 3), MASK4 4 (its fallback) */
 enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2, FORMAT_MASK4 = 3, FORMAT_MASK8 = 4, FORMAT_COUNT };
@@ -66,6 +66,9 @@ typedef struct {
     size_t launch_count;
     size_t (*swaps)[2];
     size_t swap_count;
+    size_t (*finite_swaps)[2]; /* swapped only after a step whose finite_flag texture reads 0 (loss scaling) */
+    size_t finite_swap_count;
+    size_t finite_flag;        /* SIZE_MAX: none */
     tensor *inputs;
     size_t input_count;
     tensor *parameters;

@@ -1,6 +1,7 @@
 #include "runner.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -387,6 +388,15 @@ static double read_scalar(runner *r, size_t texture_id) {
     return value;
 }
 
+/* the next step reads each pair's .new texture as its state */
+static void swap(runner *r, size_t (*pairs)[2], size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+        size_t state = pairs[i][0], fresh = pairs[i][1], kept = r->binding[state];
+        r->binding[state] = r->binding[fresh];
+        r->binding[fresh] = kept;
+    }
+}
+
 double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
     const bundle *b = r->b;
     double started = now_ms();
@@ -425,11 +435,9 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
         cl.ReleaseEvent(r->events[i]);
         r->events[i] = NULL;
     }
-    for (size_t i = 0; i < b->swap_count; ++i) {
-        size_t state = b->swaps[i][0], fresh = b->swaps[i][1], kept = r->binding[state];
-        r->binding[state] = r->binding[fresh];
-        r->binding[fresh] = kept;
-    }
+    swap(r, b->swaps, b->swap_count);
+    /* a step loss scaling skipped leaves its updates in the .new textures: the states stay as they were */
+    if (b->finite_flag != SIZE_MAX && read_scalar(r, b->finite_flag) == 0.0) swap(r, b->finite_swaps, b->finite_swap_count);
     return loss;
 }
 
