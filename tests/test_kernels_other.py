@@ -225,3 +225,28 @@ def test_reductions(tmp_path, op_type: str, shape: list[int], axes: list[int]) -
     model = _op_then_loss(op, out, {"x": _randn(*shape, scale=2.0)}, extra=[
         helper.make_node("Constant", [], ["axes"], value=axes_init, name="axes")])
     _check(tmp_path, model)
+
+
+def test_total_reductions_of_three_shapes_in_one_kernel(tmp_path) -> None:
+    """Sums over whole tensors of 15, 2,560 and 7 elements (the finite check's form: fuse folds total
+    reductions of one stage in one kernel, the longest deciding its work-group, schedules.py) and their sum:
+    the step, gradients and updates equal onnxruntime's (verify's tolerance), in image storage (buffer storage
+    runs such a kernel in test_mixed_precision's skipped-step test)."""
+    target, storage = "adreno830", "image"
+    from fblc.codegen.compile import compile_model
+
+    rng = np.random.default_rng(5)
+    shapes = {"a": (3, 5), "b": (40, 64), "c": (7,)}
+    nodes = [helper.make_node("ReduceSum", [x], [f"s{x}"], keepdims=0) for x in shapes]
+    nodes += [helper.make_node("Add", ["sa", "sb"], ["ab"]), helper.make_node("Mul", ["ab", "sc"], ["y"]),
+              helper.make_node("Mul", ["y", "y"], ["out"])]
+    path = str(tmp_path / "totals.onnx")
+    onnx.save(make_model(nodes, [], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])],
+                         {x: rng.standard_normal(s).astype(np.float32) * 0.1 for x, s in shapes.items()}), path)
+    options = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1))
+    step, _ = compile_model(path, str(tmp_path / "bundle"), target, "fp32", options)
+    sums = {n.metadata_props["fblc.kernel"] for n in step.graph if n.op_type == "ReduceSum"
+            and n.inputs[0].name in shapes}
+    assert len(sums) == 1, sums
+    rows = verify_model(path, options, target=target, storage=storage)
+    assert rows and all(r.ok for r in rows), [(r.name, r.max_abs) for r in rows if not r.ok]

@@ -213,7 +213,8 @@ def test_an_overflowing_scale_on_the_device_skips_the_step_and_halves(tmp_path) 
 
 
 def test_a_skipped_step_commits_no_state_and_a_finite_one_gives_the_step_graphs(mlp_path, tmp_path) -> None:
-    """commit_if_finite, golden: the lowered step has no Where on the non-finite flag but the loss scale's,
+    """commit_if_finite, golden: the lowered step has no Where on the non-finite flag but the loss scale's (in
+    the one kernel of the finite check),
     every parameter's and optimizer state's `.new` is marked for a finite commit (plan.json
     `swaps_if_finite`), the loss scale's two are swapped always. Numeric, PoCL in buffer storage (images:
     the test above; fp32 storage, so the step is the step graph's to rounding): a finite step's `.new`
@@ -224,6 +225,12 @@ def test_a_skipped_step_commits_no_state_and_a_finite_one_gives_the_step_graphs(
     gates = [n for n in step.graph if n.op_type == "Where"
              and n.inputs[0] is next(v for v in step.graph.outputs if v.name == "skipped").producer().inputs[0]]
     assert sorted(v.name for n in gates for v in n.outputs) == ["loss_scale.good_steps.new", "loss_scale.new"]
+    # the finite check: each gradient's total sum (fuse: total reductions of one stage fold in one kernel), their
+    # sum and the loss scale's update in one launch
+    grads = {v.name for v in step.graph.outputs if v.name.endswith(".grad")}
+    probes = [n for n in step.graph if n.op_type == "ReduceSum" and n.inputs[0].name in grads]
+    assert len(probes) == len(grads) == 4
+    assert {n.metadata_props[keys.KERNEL] for n in probes} == {gates[0].metadata_props[keys.KERNEL]}
     plan = json.load(open(tmp_path / "bundle" / "plan.json"))
     named = {texture["id"]: texture["values"] for texture in plan["textures"]}
     gated = {name for _, new in plan["swaps_if_finite"]["pairs"] for name in named[new] if name.endswith(".new")}

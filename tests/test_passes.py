@@ -364,3 +364,29 @@ def test_fuse_sees_a_path_through_a_kernel_that_spans_the_graph() -> None:
     kernel = {n.name: n.metadata_props[keys.KERNEL] for n in step.graph}
     assert kernel["x1"] == kernel["x2"] and kernel["st"] == "alias", kernel
     assert len({kernel["s"], kernel["t"], kernel["g"], kernel["x1"]}) == 4, kernel
+
+
+def test_fuse_folds_total_reductions_of_one_stage_whatever_their_inputs() -> None:
+    """Golden: sums over whole tensors of three shapes in one stage (the finite check's, one per gradient) fold
+    in one kernel with the Adds of their results. Negative: one of another stage (the loss's) keeps its own,
+    and so does a reduction that keeps an axis."""
+    from fblc.passes.fuse import FuseKernels
+    from fblc.passes.tile_remap import TileRemap
+
+    shapes = {"a": [3, 5], "b": [7], "c": [2, 2, 6], "d": [4, 4]}
+    nodes = [helper.make_node("ReduceSum", [x], [f"s{x}"], name=f"s{x}", keepdims=0) for x in "abc"]
+    nodes += [helper.make_node("ReduceSum", ["d"], ["sd"], name="sd", keepdims=0),
+              helper.make_node("ReduceSum", ["d", "axes"], ["rows"], name="rows", keepdims=0),
+              helper.make_node("Add", ["sa", "sb"], ["ab"], name="ab"),
+              helper.make_node("Add", ["ab", "sc"], ["abc"], name="abc")]
+    model = make_model(nodes, [helper.make_tensor_value_info(x, TensorProto.FLOAT, s) for x, s in shapes.items()],
+                       [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("abc", []), ("sd", []),
+                                                                                      ("rows", [4]))],
+                       {"axes": np.array([1], np.int64)})
+    step = TileRemap()(InferShapes()(ir.serde.deserialize_model(model)).model).model
+    for node in step.graph:
+        node.metadata_props[keys.STAGE] = "loss" if node.name == "sd" else "optimizer"
+    FuseKernels()(step)
+    kernel = {n.name: n.metadata_props[keys.KERNEL] for n in step.graph}
+    assert kernel["sa"] == kernel["sb"] == kernel["sc"] == kernel["ab"] == kernel["abc"], kernel
+    assert len({kernel["sa"], kernel["sd"], kernel["rows"]}) == 3, kernel

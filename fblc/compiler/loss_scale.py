@@ -57,11 +57,14 @@ def scale_input(graph: ir.Graph) -> ir.Value:
 
 
 def unscale(graph: ir.Graph, grads: list[ir.Value], scale: ir.Value) -> list[ir.Value]:
-    """Each gradient of the scaled loss times 1 / scale, in the optimizer stage (so stored in fp32:
-    1 / scale is far below half's range once the scale has grown)."""
+    """Each gradient of the scaled loss over the scale, in the optimizer stage (so stored in fp32). A Div
+    reading the scale, not a Mul by one Reciprocal: each joins its gradient's kernel and 1 / scale needs no
+    launch of its own (the scale is a power of two: both are exact). A gradient of another type than the
+    scale's is multiplied by 1 / scale cast to it (the scale itself may lie beyond half's range)."""
     e = Emitter(graph, stage="optimizer")
-    inverse = e.op("Reciprocal", scale)
-    return [e.op("Mul", g, inverse if g.dtype == scale.dtype else e.op("Cast", inverse, to=g.dtype)) for g in grads]
+    inverse = None if all(g.dtype == scale.dtype for g in grads) else e.op("Reciprocal", scale)
+    return [e.op("Div", g, scale) if g.dtype == scale.dtype else e.op("Mul", g, e.op("Cast", inverse, to=g.dtype))
+            for g in grads]
 
 
 def _tree_sum(e: Emitter, values: list[ir.Value]) -> ir.Value:

@@ -12,7 +12,9 @@ with the kernels of all its inputs, so chains over parameters and optimizer stat
 moment updates) become one kernel, and an optimizer update joins the kernel that makes its gradient (a weight
 gradient's conv, a reduction over the batch): no launch of its own. Sibling reductions (one input shape, the same
 reduced axes and output shape: BatchNorm's dgamma and dbeta) whose inputs one kernel makes, or that read one
-input, fold in one kernel, each in turn per output element. A Concat or constant Pad (GATHERS) merges into the
+input, fold in one kernel, each in turn per output element; so do total reductions (one output element) of one
+stage whatever their inputs (the finite check's sum of each parameter's gradient), each joining the last such
+kernel while it reads at most READ_IMAGE_ARGS textures. A Concat or constant Pad (GATHERS) merges into the
 elementwise chain that reads it, which then computes it per element from its inputs' textures
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
 contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
@@ -29,7 +31,7 @@ import onnx_ir as ir
 from fblc.compiler import keys, ops
 from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers, view_root
 from fblc.compiler.gradients import reduce as reduce_rules
-from fblc.compiler.values import attr, static_shape
+from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import READ_IMAGE_ARGS
 
@@ -54,9 +56,18 @@ def reduced_axes(node: ir.Node) -> list[int]:
     return reduce_rules.reduced_axes(node)
 
 
+#: the signature's mark of a total reduction (one output element: a sum over a whole tensor)
+TOTAL = "total"
+
+
 def reduction_signature(node: ir.Node) -> tuple:
-    """What sibling reductions in one kernel share: input shape, reduced axes, output shape (one schedule)."""
-    return static_shape(node.inputs[0]), tuple(reduced_axes(node)), static_shape(node.outputs[0])
+    """What sibling reductions in one kernel share: input shape, reduced axes, output shape (one schedule). Total
+    reductions of one stage share only their output: the kernel folds each input whole in turn, whatever its
+    shape (the finite check over every parameter's gradient: one kernel for up to READ_IMAGE_ARGS of them)."""
+    out = static_shape(node.outputs[0])
+    if numel(out) == 1:
+        return TOTAL, node.metadata_props.get(keys.STAGE, ""), out
+    return static_shape(node.inputs[0]), tuple(reduced_axes(node)), out
 
 
 def _kind(node: ir.Node) -> str:
@@ -240,14 +251,19 @@ class FuseKernels(ContractPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         nodes = list(model.graph)
         groups = _Groups(nodes)
+        totals: dict[tuple, int] = {}  # a total reduction's signature -> the last kernel that holds one
         for node in nodes:
             if is_view(node):
                 continue
             group = groups.add(node)
             if groups.kind[group] == "reduction":
-                for sibling in groups.siblings(node):
+                signature = groups.signature[group]
+                last = [totals[signature]] if signature[0] == TOTAL and signature in totals else []
+                for sibling in groups.siblings(node) + last:
                     if groups.can_merge(groups.find(sibling), group):
                         group = groups.merge(groups.find(sibling), group)
+                if signature[0] == TOTAL:
+                    totals[signature] = group
                 continue
             if groups.kind[group] != "elementwise":
                 continue

@@ -23,7 +23,7 @@ from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
-from fblc.codegen.kernels.reduce import reduced_axes
+from fblc.codegen.kernels.reduce import REDUCTIONS, reduced_axes
 from fblc.codegen.kernels.texel import LANES, Reduction
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
@@ -318,8 +318,10 @@ def _row_group(table: TextureTable, count: int, output: ir.Value) -> Schedule:
 
 
 def _reduce(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
-    shape = static_shape(group.anchor.inputs[0])
-    return {group.name: _row_group(table, numel([shape[a] for a in reduced_axes(group.anchor)]), group.outputs[0])}
+    """Sibling reductions fold alike but total ones (passes/fuse.py), whose inputs differ: the longest decides."""
+    counts = [numel([static_shape(n.inputs[0])[a] for a in reduced_axes(n)]) for n in group.nodes
+              if n.op_type in REDUCTIONS]
+    return {group.name: _row_group(table, max(counts), group.outputs[0])}
 
 
 def _layer_norm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
