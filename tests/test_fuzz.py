@@ -320,12 +320,16 @@ def test_finding_fp16_outputs_are_judged_by_their_scale(trainer: str, tmp_path) 
     assert _kept_finding_error(name, seed, shape, classes, tmp_path) is None
 
 
-@pytest.mark.xfail(strict=True, reason="open finding: fp16 gradient of a scalar through Log and LayerNorm")
 def test_finding_fp16_scalar_gradient_through_log_and_layer_norm(tmp_path) -> None:
-    """Open finding (device sweep, seed 276; BatchNorm, Max, BatchNorm, Transpose, Log(x * x + c), LayerNorm,
-    Softmax; backprop fp16, buffer storage, rtile): every output agrees within 1-2 % of its scale except the
-    gradient of the scalar c, -0.0327 on the device for -0.0074 (-0.0126 for -0.0032 with eval-mode BatchNorm):
-    a sum of 441 terms that LayerNorm's gradient (orthogonal to a shift) nearly cancels. Not settled whether half
-    rounding of the terms alone does this or a reduction accumulates in half."""
+    """Finding (device sweep, seed 276; BatchNorm, Max, BatchNorm, Transpose, Log(x * x + c), LayerNorm,
+    Softmax; backprop fp16, buffer storage, rtile): the gradient of the scalar c, a sum of 441 terms that
+    LayerNorm's gradient (orthogonal to a shift of its row) nearly cancels, read -0.0320 on the device for
+    -0.0074. Cause: half storage of the row statistics (LayerNorm's mean, the backward's row means), whose
+    rounding shifts a whole row at once (onnxruntime with only the half textures rounded gave -0.0301;
+    PoCL computes in float); storage_precision now keeps statistics in fp32: -0.0070, within tolerance.
+    Left, and not a fault: p_18.new, the Adam step of LayerNorm's bias p_18, whose gradient is exactly zero
+    (the Softmax runs along an axis the bias is constant on): Adam scales its rounding noise (half's 1e-5,
+    fp32's 1e-9, against eps 1e-8) to a step of lr with either sign."""
     assert (fuzz.draw_mode(276)["trainer"], fuzz.draw_mode(276)["dtype"]) == ("backprop", "fp16")
-    assert _kept_finding_error("seed276_log_layernorm_fp16.onnx", 276, (3, 7, 3, 7), 5, tmp_path) is None
+    error = _kept_finding_error("seed276_log_layernorm_fp16.onnx", 276, (3, 7, 3, 7), 5, tmp_path)
+    assert error is not None and error.startswith("1 of 50 outputs differ") and "worst 'p_18.new'" in error, error

@@ -67,6 +67,29 @@ def test_fp16_keeps_parameters_gradients_and_optimizer_state_in_fp32(mlp_path, t
     assert any(v.metadata_props.get(keys.STORAGE) == "fp16" for n in step.graph for v in n.outputs)
 
 
+def test_fp16_keeps_row_statistics_in_fp32() -> None:
+    """Golden: under --dtype fp16 LayerNorm's mean and inverse standard deviation and every reduction's
+    result (its backward's row means among them) are stored fp32, LayerNorm's Y half (storage_precision's
+    STATISTICS; the numbers: test_fuzz's seed-276 finding). Negative: fp32 everywhere under --dtype fp32."""
+    from fblc.passes.pipeline import compile_pipeline, run_passes
+    from fblc.profiles.profile import load_profile
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n", "mean", "inv"], axis=-1),
+             helper.make_node("Tanh", ["n"], ["t"]), helper.make_node("ReduceSum", ["t"], ["y"], keepdims=0)]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 12])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                       {"g": rng.standard_normal(12).astype(np.float32), "b": np.zeros(12, np.float32)})
+    for dtype in ("fp16", "fp32"):
+        options = TrainingOptions(loss="output", dtype=dtype, loss_scale="none")
+        step = run_passes(ir.serde.deserialize_model(model), compile_pipeline(options, load_profile("adreno830")))
+        stored = {v.name: v.metadata_props.get(keys.STORAGE) for n in step.graph for v in n.outputs if v is not None}
+        statistics = [v.name for n in step.graph if n.op_type.startswith("Reduce")
+                      or n.op_type == "LayerNormalization" for v in n.outputs[n.op_type == "LayerNormalization":]]
+        assert len(statistics) >= 4 and {stored[name] for name in statistics} == {"fp32"}, stored
+        assert stored["n"] == ("fp16" if dtype == "fp16" else "fp32")
+
+
 def _loss_chain_formats(bundle: str, prediction: str) -> dict[str, str]:
     """plan.json's formats of the loss chain: the prediction, the loss stage's values (named loss...)
     and the gradients the backward computes for them (grad/loss/...), the logits' gradient among them."""

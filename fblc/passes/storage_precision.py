@@ -17,6 +17,14 @@ Rewrite: annotations only. Every float value that owns storage (not a view) gets
   loss of a 37-class classifier whose logits were exact read 10.28125 for fp32's 10.284074, and no
   fp32/fp16 comparison of losses under 1e-3 meant anything. The cost: a handful of tensors of the
   logits' size at 4 bytes instead of 2 (a language model's vocabulary makes them its largest).
+- statistics (STATISTICS): every reduction's result (a mean, a sum, a maximum over some axes) and
+  LayerNormalization's mean and inverse standard deviation. Why: every element of its row reads a
+  row's statistic back, so its half rounding (2^-11 of it) does not average out but moves the whole
+  row at once, and a backward orthogonal to such a shift (LayerNorm's) leaves a sum that cancels
+  nearly to zero off by that much: fuzz seed 276, Log(x * x + c) then LayerNorm, gave the gradient of
+  the scalar c as -0.0320 for fp32's -0.0074 (onnxruntime with only the half textures rounded: -0.0301,
+  so storage, not arithmetic); with statistics in fp32 it is within the fp16 tolerance. They are one
+  value a row: fp32 costs a few bytes.
 - an ES step (model metadata `fblc.es`) also keeps in fp32 every value of its `es` stage
   (ES_MASTER_STAGES): the perturbed parameters theta +/- sigma eps and their noise rows, the
   z-scores and the direction, and (loss stage) each member's loss and reward chain.
@@ -49,6 +57,7 @@ from fblc.compiler.keys import Role
 from fblc.compiler.values import is_float
 from fblc.errors import FblcError
 from fblc.passes.contracts import ContractPass
+from fblc.passes.fuse import REDUCTIONS
 from fblc.passes.rtile_select import state_pairs
 from fblc.passes.tile_remap import PACKED
 
@@ -60,6 +69,9 @@ LOSS_STAGES: dict[str, tuple[str, ...]] = {"loss": ("inputs", "outputs")}
 MASTER_STAGES: dict[str, tuple[str, ...]] = {"optimizer": ("inputs", "outputs"), **LOSS_STAGES}
 #: an ES step's as well: the outputs of its ES stage
 ES_MASTER_STAGES: dict[str, tuple[str, ...]] = {**MASTER_STAGES, "es": ("outputs",)}
+#: statistics kept in fp32 under mixed precision: op -> the index of its first output that is one (a
+#: reduction's result; LayerNormalization's mean and inverse standard deviation, not its Y)
+STATISTICS: dict[str, int] = {**dict.fromkeys(REDUCTIONS, 0), "LayerNormalization": 1}
 
 
 def loss_gradient_nodes(graph: ir.Graph) -> list[ir.Node]:
@@ -90,6 +102,8 @@ def master_roots(graph: ir.Graph, stages: Mapping[str, tuple[str, ...]] = MASTER
         for side in stages.get(node.metadata_props.get(keys.STAGE, ""), ()):
             kept += [v for v in getattr(node, side) if v is not None]
     kept += [v for node in loss_gradient_nodes(graph) for v in (*node.inputs, *node.outputs) if v is not None]
+    kept += [v for node in graph if node.op_type in STATISTICS for v in node.outputs[STATISTICS[node.op_type]:]
+             if v is not None]
     roots = {id(view_root(v)) for v in kept}
     # a copy of a master tensor packed in the order its reader wants (pointwise_transposes) is that tensor again
     return roots | {id(node.outputs[0]) for node in graph if node.metadata_props.get(keys.REMAP) == PACKED
