@@ -3,12 +3,13 @@
 Rewrite (when the step has the state input `loss_scale`, which build_gradients adds under
 mixed precision; fblc.compiler.loss_scale): `skipped` = some element of some `P.grad` is inf or
 NaN; the optimizer reads `Where(skipped, 0, P.grad)` instead of `P.grad` (a skipped step's
-gradient is no number to use), so its kernels depend on the check: fuse then keeps each
-parameter's update out of its gradient kernel's epilogue and the gating Where inside the update's
-kernel, and no `.proposed` state is stored (the graph is sorted again); every state output `X.new` becomes `Where(skipped, X, X.new)` (parameters, optimizer
+gradient is no number to use; the graph is sorted again); every state output `X.new` becomes
+`Where(skipped, X, X.new)` (parameters, optimizer
 state, the step count, BatchNorm statistics); the scale halves on a skipped step and doubles
 after GROWTH_INTERVAL finite ones (state `loss_scale.good_steps`); the metrics `skipped` and
 `scale` (the loss scale this step's backward used) are reported beside the loss.
+This is the step graph's meaning (train-graph, onnxruntime); lowering hands the gates to the runtimes
+(commit_if_finite), so that each update still joins its gradient's kernel.
 Preconditions: the optimizer's updates (`updates`). Without `loss_scale` nothing changes
 (`modified` false). In place.
 """
