@@ -61,14 +61,19 @@ def test_a_small_device_limit_caps_the_group() -> None:
 
 def test_a_long_tile_reduction_is_shared_by_a_group_within_its_loop_and_local_memory() -> None:
     """Profile.tile_group: a register tile whose reduction passes SERIAL_REDUCTION per accumulator takes
-    a power-of-two group, at most one work-item per iteration of the loop it deals out, GROUP_ITEMS,
-    the device's limit and SHARED_TILE_FLOATS of partials; a short reduction or a single trip, none."""
+    a power-of-two group, within GROUP_ITEMS, the device's limit, SHARED_TILE_FLOATS of partials and the
+    loop it deals out: one work-item per iteration, or where those leave a GPU idle, the least power of two
+    that gives each work-item one iteration at most (Profile.loop_group); a short reduction or a single
+    trip, none."""
     from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
-    profile = load_profile("adreno830")
+    profile, local = load_profile("adreno830"), load_profile("local")
     assert profile.tile_group(SERIAL_REDUCTION, 56, 36, profile.device_items) is None  # its tiles fill the device
-    assert profile.tile_group(3136, 56, 36, 8) == 32  # a stem's 3x3 weight gradient: 56 dY rows
+    assert profile.tile_group(3136, 56, 36, 8) == 64  # a stem's 3x3 weight gradient: 56 dY rows, 8 x 32 idle
+    assert profile.tile_group(3136, 56, 36, 100) == 32  # 100 x 32 fill it: no idle work-items
+    assert local.tile_group(3136, 56, 36, 8) == 32  # a CPU: one work-item per iteration
     assert profile.tile_group(3136, 1, 36, 8) is None
+    assert profile.loop_group(0, 8) == 0 and profile.loop_group(3, 8) == 4 and profile.loop_group(3, 10 ** 4) == 2
     assert profile.tile_group(2000, 500, 64, 8) == min(GROUP_ITEMS, SHARED_TILE_FLOATS // 64)
     assert profile.tile_group(3136, 56, 36, 100_000) == 32  # a GPU shares however many tiles there are
     small = type(profile)(**{**profile.__dict__, "max_work_group_size": 16})

@@ -99,10 +99,12 @@ def reduction_choices(profile: Profile, lanes: int, masks: bool, trips: int | No
                       ) -> dict[str, tuple[Any, ...]]:
     """The overridable fields of a kernel whose work-item reduces `lanes` outputs together (`masks`: it
     writes saved masks, whose bytes pair texels of two work-items, so it keeps one work-item per tile;
-    `trips`, where known: the iterations of the loop a work-group deals out, one at least per work-item, 0
-    where there is none to deal). Float4 forms need whole texels; the pairings offered here suit some form,
-    the ones of the form taken replace them when the kernel is built (offered_pairings)."""
-    groups = (1,) if masks else tuple(g for g in group_choices(profile, lanes) if trips is None or g <= max(1, trips))
+    `trips`, where known: the iterations of the loop a work-group deals out, 0 where there is none; a group
+    takes up to the least power of two that leaves each work-item one iteration, as Profile.loop_group).
+    Float4 forms need whole texels; the pairings offered here suit some form, the ones of the form taken
+    replace them when the kernel is built (offered_pairings)."""
+    groups = (1,) if masks else tuple(g for g in group_choices(profile, lanes) if trips is None or g < 2 * trips
+                                      or g == 1)
     return {"group_size": groups, "accumulator_form": FORMS if lanes % 4 == 0 else ("lanes",),
             "pair_stride": pairings(lanes) if lanes % 4 == 0 else (0,)}
 
