@@ -253,8 +253,9 @@ def _tile_group(table: TextureTable, group: KernelGroup, reduction: Callable[[Co
 
 
 def _group_sizes(table: TextureTable, group: KernelGroup, tile: ConvTile, reduction: Reduction) -> tuple[int, ...]:
-    """The group sizes a conv `tile` whose `reduction` the emitter builds may take: up to one work-item per
-    iteration of the loop a group deals out (schedule.reduction_choices; 1 where it has none)."""
+    """The group sizes a conv `tile` whose `reduction` the emitter builds may take: up to the least power of two
+    that leaves each work-item one iteration of the loop a group deals out (schedule.reduction_choices; 1 where
+    it has none: more work-items would change nothing but their idle merge)."""
     trips = reduction.shared_loop()[1]
     return reduction_choices(table.profile, tile.lanes, bool(_saved_masks(group)), trips)["group_size"]
 
