@@ -275,11 +275,15 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_shared", "conv_depthwise_weight_grad_shared"])
 def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> None:
-    """For adreno830 (64-wide waves) the weight gradient's 32 work-items a tile fill half a wave: its
-    work-groups hold two tiles, each merging in its own slice of the group's __local pool, and the
-    step still equals onnxruntime's (under oclgrind too: test_oclgrind's "shared tiles"). (Its forward and input
-    gradient, whose few outputs leave the device idle, share their shorter reductions too: Profile.tile_group.)"""
-    nodes, inits, _ = TILE_CASES[name]
+    """For adreno830 (64-wide waves) the weight gradient over 32 dY rows takes 32 work-items a tile, one
+    per row, half a wave: its work-groups hold two tiles, each merging in its own slice of the group's
+    __local pool, and the step still equals onnxruntime's. (TILE_CASES' 40 rows take 64 work-items a
+    tile, each one row at most, where their few tiles leave the device idle (Profile.loop_group): one tile
+    a group; under oclgrind too, test_oclgrind's "shared tiles". Its forward and input gradient, whose
+    few outputs leave the device idle, share their shorter reductions too: Profile.tile_group.)"""
+    x, w, attributes = {"conv3x3_weight_grad_shared": ((1, 4, 32, 36), (8, 4, 3, 3), {}),
+                        "conv_depthwise_weight_grad_shared": ((1, 8, 32, 40), (8, 1, 3, 3), {"group": 8})}[name]
+    nodes, inits = conv(x, w, pads=[1, 1, 1, 1], **attributes)
     path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
     kernels = _contractions(path, "adreno830")
     pooled = [k for k in kernels if any(s.local and s.var.name == "pool" for s in of_type(k, kir.DeclareArray))]

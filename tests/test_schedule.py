@@ -25,8 +25,9 @@ from fblc.bundle_format import BundleError
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.compile import compile_model
-from fblc.codegen.plan import lower
+from fblc.codegen.plan import lower, step_schedules
 from fblc.codegen.schedule import load_overrides
+from fblc.compiler.model_io import load_model
 from fblc.errors import FblcError
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.profiles import load_profile, shipped_targets
@@ -60,14 +61,19 @@ def test_a_small_device_limit_caps_the_group() -> None:
 
 def test_a_long_tile_reduction_is_shared_by_a_group_within_its_loop_and_local_memory() -> None:
     """Profile.tile_group: a register tile whose reduction passes SERIAL_REDUCTION per accumulator takes
-    a power-of-two group, at most one work-item per iteration of the loop it deals out, GROUP_ITEMS,
-    the device's limit and SHARED_TILE_FLOATS of partials; a short reduction or a single trip, none."""
+    a power-of-two group, within GROUP_ITEMS, the device's limit, SHARED_TILE_FLOATS of partials and the
+    loop it deals out: one work-item per iteration, or where those leave a GPU idle, the least power of two
+    that gives each work-item one iteration at most (Profile.loop_group); a short reduction or a single
+    trip, none."""
     from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS
 
-    profile = load_profile("adreno830")
+    profile, local = load_profile("adreno830"), load_profile("local")
     assert profile.tile_group(SERIAL_REDUCTION, 56, 36, profile.device_items) is None  # its tiles fill the device
-    assert profile.tile_group(3136, 56, 36, 8) == 32  # a stem's 3x3 weight gradient: 56 dY rows
+    assert profile.tile_group(3136, 56, 36, 8) == 64  # a stem's 3x3 weight gradient: 56 dY rows, 8 x 32 idle
+    assert profile.tile_group(3136, 56, 36, 100) == 32  # 100 x 32 fill it: no idle work-items
+    assert local.tile_group(3136, 56, 36, 8) == 32  # a CPU: one work-item per iteration
     assert profile.tile_group(3136, 1, 36, 8) is None
+    assert profile.loop_group(0, 8) == 0 and profile.loop_group(3, 8) == 4 and profile.loop_group(3, 10 ** 4) == 2
     assert profile.tile_group(2000, 500, 64, 8) == min(GROUP_ITEMS, SHARED_TILE_FLOATS // 64)
     assert profile.tile_group(3136, 56, 36, 100_000) == 32  # a GPU shares however many tiles there are
     small = type(profile)(**{**profile.__dict__, "max_work_group_size": 16})
@@ -385,6 +391,24 @@ def test_a_contraction_too_small_for_the_device_is_split_until_it_fills_it(tmp_p
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
 
 
+def test_a_conv_tile_sees_the_split_its_reduction_really_gets(tmp_path) -> None:
+    """A Conv X [8, 2, 128] * W [512, 2, 128] (a pointwise weight gradient's form): channel tiles of 4 output
+    channels x B batch elements, 128 taps in 8 blocks of 16, so at most 8 work-items share a tile. 8 batch
+    elements (128 tiles x 8 = 1024 work-items) leave the 830's 1536 idle; the tile is chosen knowing that:
+    4 batch elements, 256 tiles x 8 = 2048 work-items. The CPU keeps the largest tile (128 work-items); the
+    830's step equals onnxruntime's."""
+    from tests.test_kernels_contraction import OPTIONS as STEP, _contractions, _node, write_case
+
+    path = write_case(str(tmp_path / "conv.onnx"), [_node("Conv", ["x", "w"])], {"x": (8, 2, 128), "w": (512, 2, 128)})
+    forward = {target: next(k for k in _contractions(path, target) if k.name == "k1_Conv")
+               for target in ("adreno830", "local")}
+    assert load_profile("adreno830").device_items == 1536
+    assert [kernel.global_size for kernel in forward.values()] == [256 * 8, 128]
+    assert forward["adreno830"].group_size == 64  # 8 tiles a group, 8 work-items each
+    rows = verify_model(path, STEP, target="adreno830", work_dir=str(tmp_path))
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
 def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_device_s_size() -> None:
     """TileBudget: a contraction's tile keeps the target's private_floats accumulators (Mali's 32: 8 x 4
     outputs; Adreno's 64: 8 x 8); the largest tile whose work-items fill the device, else the largest where
@@ -414,3 +438,35 @@ def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_devi
     assert tile(64, 1536, 512, k=64) == (1, 1)  # ... 512 texels: only one texel a tile (x 4 = 2048) fills it
     assert tile(64, 1536, 512, k=32) == (1, 1)  # nothing fills: 512 x 2 comes closest (Llama's K of 32)
     assert tile(64, 0, 512, k=32) == (8, 2)  # a CPU keeps the largest tile
+
+
+@pytest.mark.parametrize("target", ["adreno830", "local"])
+def test_every_offered_schedule_value_changes_the_kernel_or_is_its_default(tmp_path, target: str) -> None:
+    """plan.json's `choices` offer only values the kernel's emitter follows (fblc tune tries each): set
+    alone on its kernel, every value other than the one taken changes the kernel's source, and compiles.
+    A step with a row-path conv (width 7: reduce_guarded, no group to share it) and its input gradient,
+    a channel-tile weight gradient, MatMuls and a reduction; on a CPU the float4 forms offer pairings."""
+    from fblc.codegen.render.opencl import IMAGE
+    from tests.test_kernels_contraction import OPTIONS as STEP, _node, write_case
+
+    path = write_case(str(tmp_path / "m.onnx"), [_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
+                                                 _node("MatMul", ["c", "m"])],
+                      {"x": (2, 8, 6, 7), "w": (8, 8, 3, 3), "m": (7, 8)})
+    profile = load_profile(target)
+
+    def program(overrides: dict[str, dict[str, object]]) -> object:
+        step = build_training_graph(load_model(path), STEP, lower=profile,
+                                    schedules=step_schedules(profile, "fp32", overrides))
+        return lower(step, profile, "fp32", with_contents=False, overrides=overrides)
+
+    default = program({})
+    sources = {kernel.name: kernel.render(IMAGE) for kernel in default.kernels}
+    offered = {name: [(key, value) for key, values in schedule["choices"].items() for value in values
+                      if value != schedule[key]] for name, schedule in default.schedules.items()}
+    assert offered["k0_Conv"] and not [v for k, v in offered["k0_Conv"] if k == "group_size"]  # the row path
+    unchanged = []
+    for index in range(max(map(len, offered.values()))):  # as fblc tune's rounds: one value per kernel
+        chosen = {name: dict([values[index]]) for name, values in offered.items() if index < len(values)}
+        built = {kernel.name: kernel.render(IMAGE) for kernel in program(chosen).kernels}
+        unchanged += [(name, fields) for name, fields in chosen.items() if built[name] == sources[name]]
+    assert not unchanged

@@ -95,13 +95,23 @@ def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:
     return (1,) + tuple(2 ** k for k in range(1, 16) if 2 ** k <= bound)
 
 
-def reduction_choices(profile: Profile, lanes: int, masks: bool) -> dict[str, tuple[Any, ...]]:
+def reduction_choices(profile: Profile, lanes: int, masks: bool, trips: int | None = None
+                      ) -> dict[str, tuple[Any, ...]]:
     """The overridable fields of a kernel whose work-item reduces `lanes` outputs together (`masks`: it
-    writes saved masks, whose bytes pair texels of two work-items, so it keeps one work-item per tile).
-    Float4 forms need whole texels; which pairings suit the form taken is checked at it (resolve_pair)."""
-    return {"group_size": (1,) if masks else group_choices(profile, lanes),
-            "accumulator_form": FORMS if lanes % 4 == 0 else ("lanes",),
+    writes saved masks, whose bytes pair texels of two work-items, so it keeps one work-item per tile;
+    `trips`, where known: the iterations of the loop a work-group deals out, 0 where there is none; a group
+    takes up to the least power of two that leaves each work-item one iteration, as Profile.loop_group).
+    Float4 forms need whole texels; the pairings offered here suit some form, the ones of the form taken
+    replace them when the kernel is built (offered_pairings)."""
+    groups = (1,) if masks else tuple(g for g in group_choices(profile, lanes) if trips is None or g < 2 * trips
+                                      or g == 1)
+    return {"group_size": groups, "accumulator_form": FORMS if lanes % 4 == 0 else ("lanes",),
             "pair_stride": pairings(lanes) if lanes % 4 == 0 else (0,)}
+
+
+def offered_pairings(form: str, lanes: int) -> tuple[int, ...]:
+    """The pair_stride values a kernel of `lanes` accumulators in `form` takes (resolve_pair refuses the others)."""
+    return pairings(float4_count(form, lanes)) if form != "lanes" else (0,)
 
 
 def resolve_group(schedule: Schedule, profile: Profile, serial: int, trips: int, lanes: int, tiles: int,
@@ -126,9 +136,8 @@ def resolve_pair(schedule: Schedule, profile: Profile, products: Sequence[tuple[
     """The float8 pairing stride (accumulators.pair_stride), or the file's, checked against the form's float4s."""
     if "pair_stride" not in schedule.fixed or schedule.pair_stride is None:
         return pair_stride(products, form, lanes, profile.simd_floats)
-    stride = schedule.pair_stride
-    count = float4_count(form, lanes) if form != "lanes" else 0
-    valid = pairings(count)
+    stride, count = schedule.pair_stride, float4_count(form, lanes) if form != "lanes" else 0
+    valid = offered_pairings(form, lanes)
     if stride not in valid:
         raise FblcError(f"schedule of kernel '{kernel}': pair_stride {stride} does not pair its {count} float4 "
                         f"accumulators (form '{form}')", f"choose one of: {', '.join(map(str, valid))}")

@@ -170,15 +170,26 @@ class Profile:
     def tile_group(self, serial: int, trips: int, lanes: int, tiles: int) -> int | None:
         """Work-items that share a register tile's reduction of `serial` multiply-adds per accumulator
         (`lanes` accumulators, `tiles` tiles) whose longest loop runs `trips` times, or None: one work-item
-        a tile. A power of two, up to GROUP_ITEMS (a group's whole waves), at most one per iteration of that
-        loop, within max_work_group_size and SHARED_TILE_FLOATS of partials: the most of them for a reduction
-        past SERIAL_REDUCTION (unless a CPU's tiles keep it busy alone: CPU_BUSY_TILES); on a GPU, for a
-        shorter one whose tiles leave the device idle, what fills it (Profile.filling_group), each work-item
-        still taking SPLIT_STEPS multiply-adds per accumulator or more."""
-        bound = min(GROUP_ITEMS, self.max_work_group_size, trips, SHARED_TILE_FLOATS // lanes)
+        a tile. A power of two, up to GROUP_ITEMS (a group's whole waves), within max_work_group_size,
+        SHARED_TILE_FLOATS of partials and the loop's share (Profile.loop_group): the most of them for a
+        reduction past SERIAL_REDUCTION (unless a CPU's tiles keep it busy alone: CPU_BUSY_TILES); on a GPU,
+        for a shorter one whose tiles leave the device idle, what fills it (Profile.filling_group), each
+        work-item still taking SPLIT_STEPS multiply-adds per accumulator or more."""
+        bound = min(GROUP_ITEMS, self.max_work_group_size, self.loop_group(trips, tiles), SHARED_TILE_FLOATS // lanes)
         if serial > SERIAL_REDUCTION:
             return None if self.cpu and tiles >= CPU_BUSY_TILES else _power_of_two_group(bound)
         return self.filling_group(tiles, min(bound, serial // SPLIT_STEPS))
+
+    def loop_group(self, trips: int, tiles: int) -> int:
+        """The most work-items that may deal out a loop of `trips` iterations of each of `tiles` tiles: one
+        per iteration (the largest power of two within `trips`), or where those leave a GPU idle, the least
+        power of two that gives each work-item one iteration at most: its slowest work-item sets a group's
+        time, and the idle ones cost only their part of the merge, where a busy device would lose their
+        slots (a CPU runs a group's work-items in turn: one per iteration). 0: no loop to deal out."""
+        most = _power_of_two_group(trips) or (1 if trips >= 1 else 0)
+        if most < trips and not self.fills_device(tiles * most):
+            return 2 * most
+        return most
 
     def tiles_per_group(self, group: int, lanes: int, tiles: int) -> int:
         """Register tiles one work-group holds when a tile's `group` work-items (Profile.tile_group) fill

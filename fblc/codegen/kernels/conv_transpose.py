@@ -26,6 +26,7 @@ from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvShape, Conv
                                        within_row)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
+from fblc.codegen.reads import ValueReads
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
@@ -92,7 +93,7 @@ def _transpose_taps(block: Block, ts: ConvShape, prefix: str, axis: int) -> Loop
                 [Term(tap, ts.ws[2 + axis])] if tap is not None else [], k, tap, first, const(k), step, enter)
 
 
-def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, tile: ConvTile) -> Reduction:
+def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, tile: ConvTile) -> Reduction:
     """Texel-wide ConvTranspose, the `length` consecutive outputs of `tile` along its spatial `axis` from a multiple of
     its `multiple` (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index
     variables): input channels in blocks of 4, taps unrolled. Its rows: the same positions of output channels
@@ -146,10 +147,10 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     b, plan, texel, lane = start_conv(table, group)
     view = plan.view
     if plan.tile is not None:
-        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, plan.tile), plan.tile.lanes)
+        acc = reduce_into(b, lambda _: transpose_reduction(b, view, texel, plan.tile), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         row = plan.row
-        acc = reduce_guarded(b, within_row(view, texel, row), lambda _: _transpose_reduction(b, view, texel, row),
+        acc = reduce_guarded(b, within_row(view, texel, row), lambda _: transpose_reduction(b, view, texel, row),
                              lambda block: _transpose_per_lane(b, view, block, lane), row.lanes)
     else:
         acc = _transpose_per_lane(b, view, b.body, lane)

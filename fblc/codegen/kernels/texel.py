@@ -32,7 +32,7 @@ from fblc.codegen.ir import (
     FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
     select)
 from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost
-from fblc.codegen.schedule import Schedule, resolve_form, resolve_pair
+from fblc.codegen.schedule import Schedule, offered_pairings, resolve_form, resolve_pair
 from fblc.profiles.profile import PRIVATE_FLOATS
 
 __all__ = ["LANES"]  # the texel's width, which the kernel modules take from here
@@ -254,6 +254,8 @@ class Reduction:
             form = self.accumulator_form(b, lanes, schedule)
             pair = resolve_pair(schedule, profile, self._sample, form, lanes, b.name)
             schedule.accumulator_form, schedule.pair_stride = form, pair
+            if "pair_stride" in schedule.choices:  # plan.json offers the pairings of the form taken
+                schedule.choices["pair_stride"] = offered_pairings(form, lanes)
         else:  # what choose_form and pair_stride give lanes that are no whole texels
             form, pair = "lanes", 0
         target = Accumulators.declared(block, "accv" if form != "lanes" else "acc", form, pair, lanes)
