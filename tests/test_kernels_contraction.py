@@ -554,3 +554,22 @@ def test_a_strided_transposes_per_lane_taps_step_by_the_stride(tmp_path) -> None
     parity = [e for e in of_type(transpose, kir.Binary) if e.op == "==" and isinstance(e.a, kir.Binary)
               and e.a.op == "&" and e.a.b == kir.const(1)]
     assert not parity
+
+
+@pytest.mark.parametrize("storage", ["image", "buffer"])
+def test_a_packed_weights_transpose_takes_4x4_blocks_where_they_fill_the_device(storage: str, tmp_path) -> None:
+    """pointwise_transposes' per-step copy W^T moves the lanes' axis: for adreno830 a work-item takes a 4 x 4
+    block, 4 whole texels of W for 4 texels of W^T, where its items fill the device (W^T of 128 x 192: 1536
+    blocks, adreno830's 1536 work-items), and one texel (4 reads of one lane each) where they would not (W^T of
+    8 x 16); both steps equal onnxruntime's, in image and in buffer storage (the blocks: on the CPU target
+    too, test_contraction_step's conv_pointwise_rows_odd_plane; fp16: conv2d_bias_1x1's)."""
+    for x, w, per_item in [((1, 128, 3, 5), (192, 128, 1, 1), 4), ((2, 8, 3, 5), (16, 8, 1, 1), 1)]:
+        path = write_case(str(tmp_path / f"packed{w[0]}.onnx"), *conv(x, w))
+        copy = next(k for k in lowered_kernels(path, "adreno830", options=OPTIONS) if k.name.endswith("_Transpose"))
+        lane_loop = next(s for s in of_type(copy, kir.For) if s.var.name == "lane")
+        in_lane_loop = [e for s in kir.walk(lane_loop.body) for e in kir.statement_exprs(s)
+                        for e in kir.walk_expr(e) if isinstance(e, kir.Load)]
+        assert (copy.global_size, len(of_type(copy, kir.Load)), len(in_lane_loop)) == (
+            (w[0] * w[1] // 4 // per_item, 4, 0) if per_item == 4 else (w[0] * w[1] // 4, 1, 1))
+        rows = verify_model(path, OPTIONS, target="adreno830", storage=storage)
+        assert rows and not [r.name for r in rows if not r.ok]
