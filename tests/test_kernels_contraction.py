@@ -234,6 +234,10 @@ TILE_CASES = {
     "conv_grouped_rows": (*conv((1, 8, 5, 8), (16, 4, 3, 3), group=2, pads=[1, 1, 1, 1]),
                           {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv_channel_tile_batches": (*conv((8, 4, 1, 6), (8, 4, 1, 3)), {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # a 1x1 conv over planes of whole texels: its input gradient stays a ConvTranspose, whose tile rows are
+    # consecutive channels, a pair of lanes of one W texel (test_a_tiles_channel_pairs_read_one_texel_of_w)
+    "conv_pointwise_transpose_pairs": (*conv((1, 8, 6, 8), (8, 8, 1, 1)), {"forward": "tile", "dx": "tile",
+                                                                           "dw": "tile"}),
     # depthwise: one channel per group, so a tile stacks output rows instead (4, 3 or 2 that divide the
     # height), which share their input rows; padded, strided, dilated and asymmetric windows
     "conv_depthwise_rows": (*conv((2, 4, 8, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1], bias=True),
@@ -558,3 +562,53 @@ def test_a_strided_transposes_per_lane_taps_step_by_the_stride(tmp_path) -> None
     parity = [e for e in of_type(transpose, kir.Binary) if e.op == "==" and isinstance(e.a, kir.Binary)
               and e.a.op == "&" and e.a.b == kir.const(1)]
     assert not parity
+
+
+@pytest.mark.parametrize("storage", ["image", "buffer"])
+def test_a_packed_weights_transpose_takes_4x4_blocks_where_they_fill_the_device(storage: str, tmp_path) -> None:
+    """pointwise_transposes' per-step copy W^T moves the lanes' axis: for adreno830 a work-item takes a 4 x 4
+    block, 4 whole texels of W for 4 texels of W^T, where its items fill the device (W^T of 128 x 192: 1536
+    blocks, adreno830's 1536 work-items), and one texel (4 reads of one lane each) where they would not (W^T of
+    8 x 16); both steps equal onnxruntime's, in image and in buffer storage (the blocks: on the CPU target
+    too, test_contraction_step's conv_pointwise_rows_odd_plane; fp16: conv2d_bias_1x1's)."""
+    for x, w, per_item in [((1, 128, 3, 5), (192, 128, 1, 1), 4), ((2, 8, 3, 5), (16, 8, 1, 1), 1)]:
+        path = write_case(str(tmp_path / f"packed{w[0]}.onnx"), *conv(x, w))
+        copy = next(k for k in lowered_kernels(path, "adreno830", options=OPTIONS) if k.name.endswith("_Transpose"))
+        lane_loop = next(s for s in of_type(copy, kir.For) if s.var.name == "lane")
+        in_lane_loop = [e for s in kir.walk(lane_loop.body) for e in kir.statement_exprs(s)
+                        for e in kir.walk_expr(e) if isinstance(e, kir.Load)]
+        assert (copy.global_size, len(of_type(copy, kir.Load)), len(in_lane_loop)) == (
+            (w[0] * w[1] // 4 // per_item, 4, 0) if per_item == 4 else (w[0] * w[1] // 4, 1, 1))
+        rows = verify_model(path, OPTIONS, target="adreno830", storage=storage)
+        assert rows and not [r.name for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize("target", ["local", "adreno830", "mali-g925"])
+def test_a_tiles_channel_pairs_read_one_texel_of_w(target: str, tmp_path) -> None:
+    """The input gradient of conv_pointwise_transpose_pairs (a ConvTranspose of W [8, 8, 1, 1]) takes 2 rows of
+    consecutive channels: the first is even, so at each of a block's 4 input channels their 2 weights lie in
+    one texel of W at a runtime shift of 0 or 2 (texel.fetch): 4 reads of W a block, not 8 (its numbers:
+    test_tiled_contraction_step)."""
+    nodes, inits, _ = TILE_CASES["conv_pointwise_transpose_pairs"]
+    path = write_case(str(tmp_path / "pairs.onnx"), nodes, inits)
+    transpose = next(k for k in _contractions(path, target) if k.name.endswith("ConvTranspose"))
+    assert len(loads_of(transpose, "in1")) == 4
+    assert not [e for e in of_type(transpose, kir.Call) if e.function in ("WINDOW", "window4")]
+
+
+def test_a_saved_mask_is_read_once_per_texel(tmp_path) -> None:
+    """The MLP's ReLU gradients read their saved r_mask8 masks in the output's own order: one byte per
+    output texel before the lane loop (its nibble's bits per lane), none in the lane loop (numbers:
+    test_buffer_storage's and test_oclgrind's steps of the MLP and the conv net, which read them so)."""
+    from tests.support import models
+
+    exported = models.mlp(str(tmp_path))
+    options = dataclasses.replace(OPTIONS, input_shapes=exported.input_shapes, loss="cross_entropy")
+    readers = [k for k in lowered_kernels(exported.path, "adreno830", options=options)
+               if any(a.kind == "uint" and a.role == "in" for a in k.ir.arguments)]
+    assert readers
+    for kernel in readers:
+        lane_loops = [s for s in of_type(kernel, kir.For) if s.var.name == "lane"]
+        in_lane_loops = [e for loop in lane_loops for s in kir.walk(loop.body) for top in kir.statement_exprs(s)
+                         for e in kir.walk_expr(top) if isinstance(e, kir.Load) and e.argument.kind == "uint"]
+        assert not in_lane_loops, kernel.name

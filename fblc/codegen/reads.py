@@ -140,9 +140,9 @@ class ValueReads:
         an output texel's 4 lanes map neither to the 4 lanes of one texel nor to one element."""
         out = self.out_shape
         texture = self.table.of(root)
-        if not out or texture.mask_elements:
-            return None
         own = index_map.contiguous and tuple(index_map.shape) == tuple(out)  # an optimizer's operands
+        if not out or texture.mask_elements:
+            return self._mask_bits(root, texture) if out and own else None
         if not own and out[-1] % 4:
             return self._block_read(root, index_map, apply, key)
         # else the lanes' own texel (own order: texel t; else it must be aligned), or, broadcast along
@@ -164,6 +164,18 @@ class ValueReads:
                 texel = self.hoisted.let(self.texel(argument, texture, first >> 2), "H")
                 self._hoisted[cache] = texel.lane(self.lane)
         return apply(self._hoisted[cache])
+
+    def _mask_bits(self, root: ir.Value, texture: Texture) -> Expr:
+        """The lane's element of a saved mask read in the output's own order (an activation's gradient):
+        a texel's 4 elements are 4 bits of one byte (r_mask8: nibble t & 1 of byte t >> 1; r_mask4: byte t),
+        read once per output texel, not once per lane."""
+        cache = (id(root), "mask bits")
+        if cache not in self._hoisted:
+            argument, _ = self.input_argument(root)
+            per_byte, first = texture.mask_elements, self.t * 4
+            byte = self.hoisted.let(kir.Load(argument, first >> (per_byte.bit_length() - 1)).lane(0), "H")
+            self._hoisted[cache] = byte >> (first & (per_byte - 1))  # the texel's nibble in the low bits
+        return kir.Cast(INT, self._hoisted[cache] >> self.lane) & 1
 
     def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:
         """The lane's element of `root` when it is constant over blocks of at least 4 consecutive output

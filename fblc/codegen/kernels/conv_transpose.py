@@ -107,8 +107,12 @@ def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, ti
     g = div_index(channel, ts.cg_out)
     x_terms = ([Term(index_var(u, 0), xs[0])] if ts.x_shape[0] > 1 else []) + (
         [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
+    # the first row's channel is a multiple of the rows where they are consecutive (channel_rows: cg_out too),
+    # so a pair of rows reads one texel of W's channels (texel.fetch)
+    first_channel = tile.rows if row_step == 1 and row_axis is None else 1
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
-        [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1])] if ts.cg_out > 1 else [])
+        [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1], first_channel)]
+        if ts.cg_out > 1 else [])
     scratch = Block(b.numbering)  # numbers the tap loops' variables
     loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(window.kernel))
              if axis not in (lane, row_axis)]

@@ -3,28 +3,35 @@
 Each output element reads one input element through an index map of the output's multi-index; a Concat
 or constant Pad fused into an elementwise chain is an expression of that chain, by the same code. Movement
 runs here only where tile_remap left a copy (docs/ARCHITECTURE.md §2), or under `--layout naive`.
+
+A Transpose that moves the axis a texel's lanes walk (TransposeBlock: a weight's per-step W^T copy of
+pass pointwise_transposes, a [M, K] -> [K, M]) reads each output texel's 4 lanes from 4 input texels, one
+lane of each. Under R-Tile codegen its work-item takes a 4 x 4 block instead (kernels/schedules.py): 4
+output texels along the axis fed by the input's lanes, read as 4 whole input texels, each lane used once.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-from fblc.codegen.builder import OUT_INDEX, KernelBuilder
+from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import broadcast_view_index
+from fblc.codegen.indexing import broadcast_view_index, index_var, lane_axis
 from fblc.codegen.ir import INT, Const, Expr, flat_index, select
 from fblc.codegen.kernels import KernelGroup, lane_kernel, out_axis, register_kernel
 from fblc.codegen.kernels.elementwise import Operand, emit_elementwise, expression
 from fblc.codegen.textures import TextureTable
 from fblc.codegen.reads import dtype_of
-from fblc.compiler.index_map import IndexMap
-from fblc.compiler.values import attr, choice_attr, ints_input, slice_bounds, static_shape
+from fblc.compiler.index_map import IndexMap, map_of
+from fblc.compiler.values import attr, choice_attr, ints_input, numel, slice_bounds, static_shape
 
 FAMILY = "movement"
+LANES = 4  # elements of a texel
 #: (builder, node) -> the flat index in the node's input of the output element the lane computes
 IndexMapOf = Callable[[KernelBuilder, ir.Node], Expr]
 
@@ -43,6 +50,55 @@ def _transpose(b: KernelBuilder, node: ir.Node) -> Expr:
     return flat_index([(out_axis(k), strides[axis]) for k, axis in enumerate(perm)])
 
 
+@dataclass(frozen=True)
+class TransposeBlock:
+    """A Transpose whose output lanes (axis `out_lanes`, the innermost non-unit one) come from input axis
+    `perm[out_lanes]`, not from the input's lanes (axis `in_lanes`), which land on output axis `rows_axis`:
+    4 consecutive positions along `rows_axis` (output texels `stride` apart) are the 4 lanes of one input
+    texel for every output lane."""
+
+    perm: tuple[int, ...]
+    in_lanes: int
+    out_lanes: int
+    rows_axis: int
+    stride: int
+
+
+def transpose_block(node: ir.Node) -> TransposeBlock | None:
+    """The 4 x 4 block geometry of a Transpose node (see TransposeBlock), or None where its lanes stay on one
+    axis, an axis's length is no multiple of 4 or it reads a strided view of its input."""
+    if node.op_type != "Transpose":
+        return None
+    x = node.inputs[0]
+    in_shape, out_shape = static_shape(x), static_shape(node.outputs[0])
+    perm = tuple(attr(node, "perm") or reversed(range(len(in_shape))))
+    in_lanes, out_lanes = lane_axis(in_shape), lane_axis(out_shape)
+    if in_lanes is None or out_lanes is None or perm[out_lanes] == in_lanes or not map_of(x).contiguous:
+        return None
+    rows_axis = perm.index(in_lanes)  # before out_lanes: out_lanes is the innermost non-unit axis
+    return TransposeBlock(perm, in_lanes, out_lanes, rows_axis, numel(out_shape[rows_axis + 1:]) // LANES)
+
+
+def _block_transposed(b: KernelBuilder, node: ir.Node, block: TransposeBlock) -> Expr:
+    """The lane's element of a work-item's 4 x 4 block (its tile: 4 texels `stride` apart): output texel tt,
+    lane l is lane tt of input texel l, the 4 of them read once in the per-texel prologue."""
+    x = node.inputs[0]
+    argument, texture = b.input_argument(x)
+    strides = strides_of(static_shape(x))
+    first = [index_var(TEXEL_INDEX, k) for k in range(len(block.perm))]  # the block's first output element
+    source: list[Expr] = [Const(0, INT)] * len(strides)
+    for k, axis in enumerate(block.perm):
+        source[axis] = first[k]  # the input's lanes at the block's first row along rows_axis (a multiple of 4)
+    texels = []
+    for lane in range(LANES):
+        at = list(source)
+        at[block.perm[block.out_lanes]] = first[block.out_lanes] + lane
+        texels.append(b.prologue.let(b.texel(argument, texture, flat_index(list(zip(at, strides))) >> 2), "T"))
+    picked = functools.reduce(lambda rest, k: select(b.lane.eq(k), texels[k], rest), range(LANES - 2, -1, -1),
+                              texels[-1])
+    return picked.lane(b.tt)
+
+
 INDEX_MAPS: dict[str, IndexMapOf] = {
     "Transpose": _transpose,
     "Slice": lambda b, node: _slice_index(static_shape(node.inputs[0]), *slice_bounds(node)[::2]),  # starts, steps
@@ -54,7 +110,11 @@ INDEX_MAPS: dict[str, IndexMapOf] = {
 
 @lane_kernel(FAMILY, *INDEX_MAPS)
 def emit_index_map(b: KernelBuilder, node: ir.Node) -> list[Expr]:
-    """Each output element reads one input element, through the op's INDEX_MAPS."""
+    """Each output element reads one input element, through the op's INDEX_MAPS; a Transpose's work-item
+    of a 4 x 4 block (kernels/schedules.py) reads whole texels (_block_transposed)."""
+    block = transpose_block(node)
+    if block is not None and (b.texels_per_item, b.item_columns, b.item_stride) == (LANES, 1, block.stride):
+        return [_block_transposed(b, node, block)]
     return [b.element(node.inputs[0], INDEX_MAPS[node.op_type](b, node))]
 
 

@@ -22,6 +22,7 @@ from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_P
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_reduction, transpose_shape
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
+from fblc.codegen.kernels.movement import transpose_block
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import REDUCTIONS, reduced_axes
 from fblc.codegen.kernels.texel import LANES, Reduction
@@ -402,11 +403,24 @@ def _layer_norm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     return {group.name: consecutive(item_texels(count // 4) if count % 4 == 0 else 1)}
 
 
+def _transpose(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
+    """A lone Transpose that moves the lanes' axis (movement.TransposeBlock): under R-Tile codegen a 4 x 4
+    block per work-item, 4 whole input texels for 4 output texels instead of one lane of 16, where its
+    items still fill the device (nothing to split: else one texel each); floats only (a mask's texel is no
+    4 elements)."""
+    block = transpose_block(group.anchor) if len(group.nodes) == 1 else None
+    values = (group.anchor.inputs[0], group.anchor.outputs[0])
+    if block is None or not table.tiled or any(table.of(value).mask_elements for value in values):
+        return {group.name: consecutive(1)}
+    budget = dataclasses.replace(TileBudget.of(table, group), splits=False)
+    return {group.name: tile_of(budget.pick([LANES, 1], lambda rows: rows), 1, block.stride)}
+
+
 REDUCE_OPS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool")
 SCHEDULE_RULES: dict[str, Rule] = {
     "MatMul": _reducing(_matmul), "Gemm": _reducing(_gemm), "Conv": _reducing(_conv),
     "ConvTranspose": _reducing(_conv_transpose), **dict.fromkeys(REDUCE_OPS, _reduce),
-    "LayerNormalization": _layer_norm, "InstanceNormalization": _layer_norm,
+    "LayerNormalization": _layer_norm, "InstanceNormalization": _layer_norm, "Transpose": _transpose,
 }
 
 

@@ -154,8 +154,10 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
         return block.let(b.texel(argument, texture, index), "T")
 
     base = index_sum(operand.terms)
-    # a base that is a multiple of 4 whatever the runtime values: the texel and lane of every offset are literals
-    if all((t.coeff * t.multiple) % 4 == 0 for t in operand.terms):  # (>> 2 floors negative offsets too)
+    # the base is a multiple of `aligned` (1, 2 or 4) whatever the runtime values
+    aligned = functools.reduce(math.gcd, [t.coeff * t.multiple for t in operand.terms], LANES)
+    # a base that is a multiple of 4: the texel and lane of every offset are literals
+    if aligned == LANES:  # (>> 2 floors negative offsets too)
         q = block.let(base >> 2, "q")
         texels = {k: texel(plus(q, k), within=k in inside_texels) for k in sorted({offset >> 2 for offset in wanted})}
         return {offset - operand.offset: texels[offset >> 2].lane(offset & 3) for offset in wanted}
@@ -168,7 +170,11 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
     values: dict[int, Expr] = {}
     for cluster in clusters:
         low, span = cluster[0], cluster[-1] - cluster[0] + 1
-        count = ((span + 2) >> 2) + 1  # texels that cover `span` elements at any shift
+        # texels that cover `span` elements at any shift of its first: the base's multiples of `aligned` leave
+        # it shifts low, low + aligned, .. (mod 4) only (2-row tiles of consecutive channels: a pair of lanes
+        # of one texel, one read, not two)
+        most = max(shift for shift in range(LANES) if (shift - low) % aligned == 0)
+        count = ((most + span - 1) >> 2) + 1
         if count >= len(cluster):  # sparse: element reads are no more
             for offset in cluster:
                 index = plus(base, offset)
