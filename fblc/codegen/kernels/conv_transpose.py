@@ -106,8 +106,12 @@ def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, tile: ConvTile
     g = div_index(channel, ts.cg_out)
     x_terms = ([Term(index_var(u, 0), xs[0])] if ts.x_shape[0] > 1 else []) + (
         [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
+    # consecutive output channels (row_step 1) start at a multiple of the rows (channel_rows: cg_out is one of
+    # rows * row_step), so their weights, side by side in W, are whole texels at literal lanes, not windows
+    first_channel = count if row_step == 1 and row_axis is None else 1
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
-        [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1])] if ts.cg_out > 1 else [])
+        [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1], first_channel)]
+        if ts.cg_out > 1 else [])
     scratch = Block(b.numbering)  # numbers the tap loops' variables
     loops = [_transpose_taps(scratch, ts, u, axis) for axis in range(len(window.kernel))
              if axis not in (lane, row_axis)]
