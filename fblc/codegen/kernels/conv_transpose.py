@@ -13,23 +13,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import onnx_ir as ir
 
-from fblc.codegen.builder import KernelBuilder
+from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction import Stream, dot_loop, finish_group, index_terms, reduce_guarded, reduce_into
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile, add_bias, affine, start_conv,
-                                       within_row)
+from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, TAP_BLOCK, ConvShape, ConvTile, add_bias,
+                                       affine, start_conv, within_row)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
+from fblc.codegen.reads import ValueReads
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
+
+
+#: the work-group a transpose's channel rows (rows, row_step, columns, stride) would share its reduction in, given its
+#: tiles (weight_texel_split)
+ChannelSplit = Callable[[tuple[int, int, int, int], int], int | None]
 
 
 def _transpose_window(node: ir.Node) -> Window:
@@ -92,7 +99,7 @@ def _transpose_taps(block: Block, ts: ConvShape, prefix: str, axis: int) -> Loop
                 [Term(tap, ts.ws[2 + axis])] if tap is not None else [], k, tap, first, const(k), step, enter)
 
 
-def _transpose_reduction(b: KernelBuilder, ts: ConvShape, u: str, tile: ConvTile) -> Reduction:
+def transpose_reduction(b: ValueReads, ts: ConvShape, u: str, tile: ConvTile) -> Reduction:
     """Texel-wide ConvTranspose, the `length` consecutive outputs of `tile` along its spatial `axis` from a multiple of
     its `multiple` (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index
     variables): input channels in blocks of 4, taps unrolled. Its rows: the same positions of output channels
@@ -150,14 +157,33 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     b, plan, texel, lane = start_conv(table, group)
     view = plan.view
     if plan.tile is not None:
-        acc = reduce_into(b, lambda _: _transpose_reduction(b, view, texel, plan.tile), plan.tile.lanes)
+        acc = reduce_into(b, lambda _: transpose_reduction(b, view, texel, plan.tile), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         row = plan.row
-        acc = reduce_guarded(b, within_row(view, texel, row), lambda _: _transpose_reduction(b, view, texel, row),
+        acc = reduce_guarded(b, within_row(view, texel, row), lambda _: transpose_reduction(b, view, texel, row),
                              lambda block: _transpose_per_lane(b, view, block, lane), row.lanes)
     else:
         acc = _transpose_per_lane(b, view, b.body, lane)
     return finish_group(b, group, add_bias(b, group.anchor, acc))
+
+
+def weight_texel_split(table: TextureTable, group: KernelGroup, view: ConvShape, axis: int) -> ChannelSplit | None:
+    """Where a transpose's output channels have their weights side by side in W [C_in, C_out / group] (a
+    pointwise one: ws[1] = 1), what Profile.tile_group deals the reduction of a tile of `rows` consecutive
+    channels x `columns` texels out to (the emitter's Reduction, built as a trial): channel_rows then takes
+    rows by 4, whose weights are whole texels, and fills the device by sharing their reduction rather than
+    by one-lane weight reads (schedules.channel_rows). None where the weights are apart."""
+    if view.ws[1] != 1 or view.cg_out % LANES:
+        return None
+    scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
+    prefix = FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX
+
+    def split(tile: tuple[int, int, int, int], tiles: int) -> int | None:
+        rows, step, columns, _ = tile
+        lanes = rows * columns * LANES
+        trial = transpose_reduction(scratch, view, prefix, ConvTile(rows, LANES * columns, axis - 2, row_step=step))
+        return table.profile.tile_group(trial.serial(lanes), trial.shared_loop()[1], lanes, tiles)
+    return split
 
 
 def texels_fit(ts: ConvShape, axis: int) -> bool:

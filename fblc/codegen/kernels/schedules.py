@@ -20,7 +20,7 @@ from fblc.codegen.kernels.contraction import Digits, matmul_operands, row_axis, 
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
                                        ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, texels_per_item)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
-from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_shape
+from fblc.codegen.kernels.conv_transpose import ChannelSplit, texels_fit, transpose_shape, weight_texel_split
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
 from fblc.codegen.kernels.reduce import reduced_axes
@@ -238,7 +238,8 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, 
         tile = ConvTile(1, LANES * _spatial_texels(budget, view, axis - 2), axis - 2)
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
         schedule = _spatial_rows(budget, view, tile,
-                                 lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1)
+                                 lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1,
+                                 None if _saved_masks(group) else weight_texel_split(table, group, view, axis))
         return schedule, ConvPlan(view, tile), tile.lanes
     if row is not None and texels_fit(view, row[0]):
         tile, schedule = _row_texels(dataclasses.replace(budget, splits=False), view, row,
@@ -255,14 +256,15 @@ def _spatial_texels(budget: TileBudget, view: ConvShape, axis: int | None) -> in
     return budget.pick([n for n in range(most, 0, -1) if row % n == 0], lambda n: n)
 
 
-def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool]) -> Schedule:
+def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool],
+                  split: ChannelSplit | None = None) -> Schedule:
     """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
     output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
     along the axis before, `stride` texels apart: of SPATIAL_ROWS that divide it within the target's accumulators
     and STATIC_PRODUCTS products (taps x input channels) per block, the one TileBudget.pick takes. They share
     input rows, (rows - 1) * stride + (taps - 1) * dilation + 1 of them read instead of rows * taps."""
     x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
-    tile.rows, tile.row_step, _, stride = channel_rows(budget, view.out_shape, view.cg_out, (per,))
+    tile.rows, tile.row_step, _, stride = channel_rows(budget, view.out_shape, view.cg_out, (per,), split)
     if tile.rows == 1 and budget.tiled and x and stacks(x):
         products = tile.lanes * kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in)
         fits = [rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
@@ -272,13 +274,16 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
     return tile_of(tile.rows * tile.y_rows, per, stride)
 
 
-def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int]
-                 ) -> tuple[int, int, int, int]:
+def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int],
+                 split: ChannelSplit | None = None) -> tuple[int, int, int, int]:
     """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
     (of `choices`, largest first) also computes the same positions of rows - 1 more channels of its
     group (cg_out), row_step apart: positions line up with texel columns only every 4 * columns /
     gcd(plane, 4 * columns) channels. Its rows are `stride` texels apart. Of the ones within the target's
-    accumulators, TileBudget.pick's; (1, 1, the last choice, 1) where none fits, or under naive: one channel."""
+    accumulators, TileBudget.pick's; (1, 1, the last choice, 1) where none fits, or under naive: one channel.
+    With `split` (conv_transpose.weight_texel_split: the rows' weights are side by side), rows by 4 of consecutive channels come
+    first, sharing their reduction in a work-group where their tiles alone leave the device idle, the other
+    tiles the fallback."""
     plane = numel(out_shape[2:])
     fits = []
     if budget.tiled:
@@ -287,7 +292,11 @@ def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choi
             stride = step * plane // LANES
             fits += [(rows, step, columns, stride) for rows in CHANNEL_ROWS
                      if cg_out % (rows * step) == 0 and rows * columns * LANES <= budget.private]
-    return budget.pick([*fits, (1, 1, choices[-1], 1)], lambda tile: tile[0] * tile[2])
+    rest = [*fits, (1, 1, choices[-1], 1)]
+    whole = [fit for fit in fits if fit[1] == 1 and fit[0] % LANES == 0]
+    if split is not None and whole and budget.splits:
+        return budget.pick(whole, lambda tile: tile[0] * tile[2], split, [fit for fit in rest if fit not in whole])
+    return budget.pick(rest, lambda tile: tile[0] * tile[2])
 
 
 def batch_count(budget: TileBudget, out_shape: Sequence[int], lanes: int) -> int:
