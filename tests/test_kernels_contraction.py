@@ -612,3 +612,19 @@ def test_a_saved_mask_is_read_once_per_texel(tmp_path) -> None:
         in_lane_loops = [e for loop in lane_loops for s in kir.walk(loop.body) for top in kir.statement_exprs(s)
                          for e in kir.walk_expr(top) if isinstance(e, kir.Load) and e.argument.kind == "uint"]
         assert not in_lane_loops, kernel.name
+
+
+def test_a_pointwise_input_gradient_reads_its_weights_as_whole_texels(tmp_path) -> None:
+    """A 1x1 conv's input gradient dX [8, 160, 4, 2] (2,560 texels) reads W [128, 160] along its output
+    channels, whose weights lie side by side: its work-item takes rows of consecutive output channels by 4
+    (a multiple of 4 apart from channel 0), so every weight read is a whole texel at literal lanes, on a GPU
+    too, where one row a work-item would fill the adreno830 (1,536 work-items) alone: there the rows'
+    reduction (128) is shared by a work-group instead. Every fetch uses its 4 lanes. (Such kernels' numbers:
+    test_device_models' MobileNetV2 for adreno830, whose pointwise input gradients take these tiles.)"""
+    from fblc.tools.kernel_stats import kernel_figures
+
+    path = write_case(str(tmp_path / "pointwise_dx.onnx"), *conv((8, 160, 4, 2), (128, 160, 1, 1)))
+    for target in ("adreno830", "local"):
+        dx = next(k for k in _contractions(path, target) if _role(k) == "dx")
+        assert kernel_figures(dx.ir, dx.global_size, dx.group_size).whole_share(True) == 1.0, target
+        assert (dx.group_size is not None) == (target == "adreno830"), target  # the CPU keeps its tiles whole

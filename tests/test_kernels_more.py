@@ -185,3 +185,21 @@ def test_a_long_reductions_epilogue_that_saves_a_mask_runs_without_a_work_group(
     inits = {"x": _randn(2, 1028), "lo": np.array(-0.01, np.float32), "hi": np.array(0.01, np.float32)}
     shared = _group_kernels_checked(tmp_path, monkeypatch, _op_then_loss(op, [2, 1028], inits, extra=extra))
     assert [is_shared for name, is_shared in shared.items() if name.endswith("_ReduceMean")] == [False], shared
+
+
+def test_a_run_of_no_multiple_of_4_is_read_as_whole_texels(tmp_path) -> None:
+    """BatchNorm's gradient sums [4, 3, 25, 15] over all but the channels: 12 runs of 375 elements, each
+    starting anywhere in a texel. Its kernel reads each texel of a run once, its lanes in turn (those of a
+    run's end texels outside it skipped), 95 a run (375 elements at the worst alignment): 1,140 reads and the
+    fused loss's read of R, not 4,500 element reads."""
+    from fblc.tools.kernel_stats import kernel_figures
+    from support.kernel_ir import lowered_kernels
+
+    axes = helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([0, 2, 3], np.int64)))
+    op = helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1, name="bn_sum")
+    path = str(tmp_path / "runs.onnx")
+    onnx.save(_op_then_loss(op, [1, 3, 1, 1], {"x": _randn(4, 3, 25, 15)}, extra=[axes]), path)
+    for target in ("adreno830", "local"):
+        kernel = next(k for k in lowered_kernels(path, target, options=TrainingOptions(loss="output", optimizer=SGD))
+                      if "bn_sum" in k.nodes)
+        assert kernel_figures(kernel.ir, kernel.global_size, kernel.group_size).fetch_runs == 12 * 95 + 1, target

@@ -107,8 +107,9 @@ def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, ti
     g = div_index(channel, ts.cg_out)
     x_terms = ([Term(index_var(u, 0), xs[0])] if ts.x_shape[0] > 1 else []) + (
         [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
-    # the first row's channel is a multiple of the rows where they are consecutive (channel_rows: cg_out too),
-    # so a pair of rows reads one texel of W's channels (texel.fetch)
+    # consecutive output channels (row_step 1) start at a multiple of the rows (channel_rows: cg_out is one of
+    # rows * row_step), so their weights, side by side in W, are whole texels (or pairs of lanes of one: texel.fetch)
+    # at literal lanes, not windows
     first_channel = tile.rows if row_step == 1 and row_axis is None else 1
     w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
         [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1], first_channel)]
@@ -159,6 +160,13 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     else:
         acc = _transpose_per_lane(b, view, b.body, lane)
     return finish_group(b, group, add_bias(b, group.anchor, acc))
+
+
+def weights_side_by_side(view: ConvShape) -> bool:
+    """Whether a transpose's consecutive output channels have their weights side by side in W [C_in, C_out / group]
+    (a pointwise one: ws[1] = 1), so a tile of rows by 4 of them reads whole weight texels (schedules.channel_rows
+    puts those first)."""
+    return view.ws[1] == 1 and view.cg_out % LANES == 0
 
 
 def texels_fit(ts: ConvShape, axis: int) -> bool:

@@ -156,9 +156,26 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
 
 def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: int, accs: list[Var],
               fold_in: Callable[[Block, list[Var], Expr], None], first: Expr, step: int) -> None:
-    """Fold the `run` consecutive elements of `source` from flat index `row` into `accs`."""
-    with block.loop("ri", first, run, step=step) as (inner, fold):
-        fold_in(fold, accs, fold.let(b.element(source, row + inner), "x"))
+    """Fold the `run` consecutive elements of `source` from flat index `row` into `accs` (the `first`, `first +
+    step`.. of their texels): the texels that cover them, each read once and its lanes folded in turn, but for
+    the lanes of the two end texels that lie outside the run (a run of no multiple of 4, such as a channel's
+    map in BatchNorm's gradient sums, starts anywhere in a texel). One element a read was 4 reads a texel."""
+    argument, texture = b.input_argument(source)
+    if texture.mask_elements:  # a mask's bits have no texels to read whole
+        with block.loop("ri", first, run, step=step) as (inner, fold):
+            fold_in(fold, accs, fold.let(b.element(source, row + inner), "x"))
+        return
+    # a static count (the most texels a run covers, at its worst alignment: a compiler and kernel_stats know its
+    # trips); a texel past the tensor's end, which only the last run can meet, is read clamped and folds nothing
+    span, last = (run + 6) // 4, texture.texels - 1
+    start, end = block.let(row >> 2, "q"), block.let(row + run, "end")
+    with block.loop("ri", first, span, step=step) as (inner, fold):
+        at = fold.let(start + inner, "q")
+        texel = fold.let(b.texel(argument, texture, call("min", at, last)), "v")
+        for lane in range(4):
+            element = at * 4 + lane
+            with fold.when(element.ge(row).logical_and(element.lt(end))) as inside:
+                fold_in(inside, accs, inside.let(texel.lane(lane), "x"))
 
 
 def _log_sum_exp_step(block: Block, accs: tuple[Expr, ...], x: Expr) -> tuple[Expr, Expr]:

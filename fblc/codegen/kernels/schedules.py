@@ -20,7 +20,7 @@ from fblc.codegen.kernels.contraction import Digits, matmul_operands, row_axis, 
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
                                        ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, texels_per_item)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
-from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_reduction, transpose_shape
+from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_reduction, transpose_shape, weights_side_by_side
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.movement import transpose_block
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
@@ -293,7 +293,8 @@ def _conv_transpose(table: TextureTable, group: KernelGroup) -> tuple[Schedule, 
         tile = ConvTile(1, LANES * _spatial_texels(budget, view, ConvTile(1, LANES, axis - 2), split), axis - 2)
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
         schedule = _spatial_rows(budget, view, tile,
-                                 lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1, split)
+                                 lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1, split,
+                                 weights_side_by_side(view))
         schedule.choices["group_size"] = _group_sizes(table, group, tile,
                                                       transpose_reduction(scratch, view, prefix, tile))
         return schedule, ConvPlan(view, tile), tile.lanes
@@ -317,7 +318,7 @@ def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, split: 
 
 
 def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool],
-                  split: TileSplit | None = None) -> Schedule:
+                  split: TileSplit | None = None, whole_rows: bool = False) -> Schedule:
     """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
     output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
     along the axis before, `stride` texels apart: of SPATIAL_ROWS that divide it within the target's accumulators
@@ -327,7 +328,7 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
     x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
     tile.rows, tile.row_step, _, stride = channel_rows(
         budget, view.out_shape, view.cg_out, (per,),
-        _tiles_of(split, lambda rows: dataclasses.replace(tile, rows=rows[0], row_step=rows[1])))
+        _tiles_of(split, lambda rows: dataclasses.replace(tile, rows=rows[0], row_step=rows[1])), whole_rows)
     if tile.rows == 1 and budget.tiled and x and stacks(x):
         products = tile.lanes * kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in)
         fits = [rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
@@ -339,14 +340,17 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
 
 
 def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int],
-                 group: Callable[[tuple[int, int, int, int], int], int | None] | None = None
-                 ) -> tuple[int, int, int, int]:
+                 group: Callable[[tuple[int, int, int, int], int], int | None] | None = None,
+                 whole_rows: bool = False) -> tuple[int, int, int, int]:
     """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
     (of `choices`, largest first) also computes the same positions of rows - 1 more channels of its
     group (cg_out), row_step apart: positions line up with texel columns only every 4 * columns /
     gcd(plane, 4 * columns) channels. Its rows are `stride` texels apart. Of the ones within the target's
     accumulators, TileBudget.pick's (`group`: the work-group a candidate's reduction would get); (1, 1, the
-    last choice, 1) where none fits, or under naive: one channel."""
+    last choice, 1) where none fits, or under naive: one channel. With `whole_rows` (a pointwise transpose:
+    consecutive channels' weights side by side in W) rows by 4 of consecutive channels, whose weights are whole
+    texels, come first, sharing their reduction in a work-group where their tiles alone leave the device idle;
+    the other tiles are the fallback."""
     plane = numel(out_shape[2:])
     fits = []
     if budget.tiled:
@@ -355,7 +359,11 @@ def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choi
             stride = step * plane // LANES
             fits += [(rows, step, columns, stride) for rows in CHANNEL_ROWS
                      if cg_out % (rows * step) == 0 and rows * columns * LANES <= budget.private]
-    return budget.pick([*fits, (1, 1, choices[-1], 1)], lambda tile: tile[0] * tile[2], group)
+    rest = [*fits, (1, 1, choices[-1], 1)]
+    whole = [fit for fit in fits if fit[1] == 1 and fit[0] % LANES == 0] if whole_rows else []
+    if whole and group is not None and budget.splits:
+        return budget.pick(whole, lambda tile: tile[0] * tile[2], group, [fit for fit in rest if fit not in whole])
+    return budget.pick(rest, lambda tile: tile[0] * tile[2], group)
 
 
 def batch_count(budget: TileBudget, out_shape: Sequence[int], tile: ConvTile, split: TileSplit | None = None) -> int:
