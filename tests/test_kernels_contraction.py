@@ -248,6 +248,12 @@ TILE_CASES = {
     # dilated by 2)
     "conv3x3_weight_grad_tile": (*conv((2, 4, 18, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
                                  {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # a last stage's dY map (2 x 2) smaller than its 3 x 3 taps: the same tile (was per lane); and dY rows of
+    # 16 under a batch of 4 (4 x 16 x 36 products a block of 4 channels: blocks of 1 keep it within STATIC_PRODUCTS)
+    "conv3x3_weight_grad_small_map": (*conv((4, 8, 2, 2), (8, 8, 3, 3), pads=[1, 1, 1, 1]),
+                                      {"forward": "tile", "dx": "lane", "dw": "tile"}),
+    "conv3x3_weight_grad_channel_blocks": (*conv((4, 4, 6, 16), (4, 4, 3, 3), pads=[1, 1, 1, 1]),
+                                           {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_batch_shared": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
                                          {"forward": "tile", "dx": "tile", "dw": "shared"}),
     "conv3x3_weight_grad_tile_strided": (*conv((1, 3, 34, 36), (8, 3, 3, 3), strides=[2, 2], pads=[1, 0, 1, 1]),

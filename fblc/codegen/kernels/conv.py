@@ -32,7 +32,8 @@ from fblc.codegen.indexing import declare_index, index_var
 from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.reads import ValueReads
-from fblc.codegen.kernels.contraction import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
+from fblc.codegen.kernels.contraction import (finish_group, reduce_guarded, reduce_into, reduce_lane, row_axis,
+                                              start_builder)
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term, plus
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
@@ -94,6 +95,8 @@ class ConvTile:
     batches: int = 1  # consecutive batch elements (the R-Tile register tile of a channel tile)
     y_rows: int = 1  # consecutive positions along row_axis
     row_axis: int | None = None
+    channels: int = CHANNEL_BLOCK  # input channels per static block (fewer where a block's products would pass
+    # STATIC_PRODUCTS: a weight gradient's long dY rows times its whole k x k map)
 
     def __post_init__(self) -> None:
         self.multiple = self.multiple or self.length
@@ -149,7 +152,7 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
         k_y, d_y = window.kernel[y], window.dilations[y]
         row_mask, clamp_rows = _tap_mask(window, y, index_var(prefix, 2 + y), tile.y_rows, tile.y_rows, x_terms,
                                          xs[2 + y])
-        if k_y * _block_products(cs, k, tile.lanes) <= STATIC_PRODUCTS:
+        if k_y * _block_products(cs, k, tile.lanes, tile.channels) <= STATIC_PRODUCTS:
             row_taps = range(k_y)
         else:
             tap = block.var("k", INT)
@@ -171,7 +174,7 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
 
     lanes = range(tile.lanes)
     if k <= TAP_BLOCK:
-        blocked = Blocked(cs.cg_in, min(CHANNEL_BLOCK, cs.cg_in), xs[1], ws[1], 0, lambda channels: [
+        blocked = Blocked(cs.cg_in, min(tile.channels, cs.cg_in), xs[1], ws[1], 0, lambda channels: [
             product(lane, c, t, r) for c in channels for r in row_taps for t in range(k) for lane in lanes])
     else:
         if cs.cg_in > 1:
@@ -182,9 +185,10 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
                      blocked, loops, mask, row_mask)
 
 
-def _block_products(cs: ConvShape, k: int, lanes: int) -> int:
-    """Products of one static block over `k` taps along the masked axis, without a 2-D tile's row taps."""
-    return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
+def _block_products(cs: ConvShape, k: int, lanes: int, channels: int = CHANNEL_BLOCK) -> int:
+    """Products of one static block of `channels` input channels over `k` taps along the masked axis, without
+    a 2-D tile's row taps."""
+    return (min(channels, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
 
 
 def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int, x_terms: list[Term],
@@ -214,9 +218,12 @@ def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS) -> ConvTile | None:
         y, x = spatial
         out_y, out_x, k = cs.out_shape[2 + y], cs.out_shape[2 + x], cs.window.kernel[x]
         lanes = LANES * out_y * out_x
-        if (k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= private
-                and _block_products(cs, k, lanes) <= STATIC_PRODUCTS):
-            return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y)
+        # rows wider than the kernel take the spatial or row path below, unless too short for both (a weight
+        # gradient whose dY map is smaller than its taps: a last stage's 2 x 2 under 3 x 3 taps)
+        short = lane_axis(cs.out_shape) is None and row_axis(cs.out_shape, first=2) is None
+        channels = next((c for c in (CHANNEL_BLOCK, 2, 1) if _block_products(cs, k, lanes, c) <= STATIC_PRODUCTS), 0)
+        if (k > out_x or short) and out_x <= CHANNEL_TILE_LENGTH and lanes <= private and channels:
+            return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y, channels=channels)
     axis = lane_axis(cs.out_shape)
     if axis is not None and axis >= 2:
         return ConvTile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)
