@@ -76,8 +76,8 @@ def write_case(path: str, nodes: list[onnx.NodeProto], inits: dict[str, tuple[in
     return path
 
 
-def assert_step_matches(path: str, dtype: str = "fp32") -> None:
-    rows = verify_model(path, OPTIONS, dtype=dtype)
+def assert_step_matches(path: str, dtype: str = "fp32", storage: str = "image") -> None:
+    rows = verify_model(path, OPTIONS, dtype=dtype, storage=storage)
     assert rows, "verify compared nothing"
     bad = [r for r in rows if not r.ok]
     assert not bad, "\n".join(f"{r.name}: max_abs {r.max_abs:.3g} max_rel {r.max_rel:.3g}" for r in bad)
@@ -218,6 +218,9 @@ TILE_CASES = {
     "matmul_tile": ([_node("MatMul", ["a", "b"])], {"a": (8, 20), "b": (20, 8)}, {"forward": "tile", "grad": "tile"}),
     "matmul_tile_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 4, 12), "b": (2, 12, 8)},
                             {"forward": "tile", "grad": "tile"}),
+    # M = 6 rows (no multiple of 4) under a weight without a batch: the tile's rows run over A's batch x M (12)
+    "matmul_tile_merged_rows": ([_node("MatMul", ["a", "b"])], {"a": (2, 6, 12), "b": (12, 8)},
+                                {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
                           {"a": (20, 8), "b": (20, 8), "c": (8, 8)}, {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
@@ -277,6 +280,14 @@ TILE_CASES = {
 def test_tiled_contraction_step(name: str, tmp_path) -> None:
     nodes, inits, _ = TILE_CASES[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+
+
+@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows"])
+def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
+    """Tiles that were per lane until issue 39's unseen models (a conv weight gradient's blocks of fewer
+    channels, a MatMul's rows across A's batch), in buffer storage too."""
+    nodes, inits, _ = TILE_CASES[name]
+    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
 
 
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_shared", "conv_depthwise_weight_grad_shared"])
