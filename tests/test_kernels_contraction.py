@@ -290,6 +290,16 @@ def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
 
 
+def test_a_new_weight_gradient_tile_that_leaves_a_gpu_idle_stays_per_lane(tmp_path) -> None:
+    """The 2-D weight-gradient tile of a dY map smaller than its taps: on the CPU (local) taken, for adreno830,
+    whose 1,536 work-items its 32 tiles would leave idle, per lane as before (conv.conv_tile's device_items)."""
+    nodes, inits, _ = TILE_CASES["conv3x3_weight_grad_small_map"]
+    path = write_case(str(tmp_path / "small_map.onnx"), nodes, inits)
+    paths = {target: {_path(k) for k in _contractions(path, target) if _role(k) == "dw"}
+             for target in ("local", "adreno830")}
+    assert paths == {"local": {"tile"}, "adreno830": {"lane"}}
+
+
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_shared", "conv_depthwise_weight_grad_shared"])
 def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> None:
     """For adreno830 (64-wide waves) the weight gradient's 32 work-items a tile fill half a wave: its

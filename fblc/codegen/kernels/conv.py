@@ -205,9 +205,11 @@ def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int,
     return mask, pad > 0 or mask.high + (walked - 1) * s - pad + (k - 1) * d >= n
 
 
-def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS) -> ConvTile | None:
+def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int = 0) -> ConvTile | None:
     """The channel or spatial tile for a conv output (see the module docstring), or None; a 2-D weight
-    gradient's tile within `private` accumulators (the target's Profile.private_floats)."""
+    gradient's tile within `private` accumulators (the target's Profile.private_floats). Where its taps
+    outnumber dY's row or its channels go in blocks of fewer than 4, only if its tiles fill the device
+    (`device_items`: Profile.device_items, 0 on a CPU): a GPU keeps those per lane, where they fill it."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     if cs.cg_out % LANES == 0 and len(spatial) <= 1:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
@@ -222,7 +224,10 @@ def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS) -> ConvTile | None:
         # gradient whose dY map is smaller than its taps: a last stage's 2 x 2 under 3 x 3 taps)
         short = lane_axis(cs.out_shape) is None and row_axis(cs.out_shape, first=2) is None
         channels = next((c for c in (CHANNEL_BLOCK, 2, 1) if _block_products(cs, k, lanes, c) <= STATIC_PRODUCTS), 0)
-        if (k > out_x or short) and out_x <= CHANNEL_TILE_LENGTH and lanes <= private and channels:
+        fills = int(np.prod(cs.out_shape)) // lanes >= device_items
+        whole_blocks = k > out_x and channels == CHANNEL_BLOCK
+        if (whole_blocks or (k > out_x or short) and channels and fills) and out_x <= CHANNEL_TILE_LENGTH \
+                and lanes <= private:
             return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y, channels=channels)
     axis = lane_axis(cs.out_shape)
     if axis is not None and axis >= 2:

@@ -195,7 +195,7 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
     """The conv's tile (see the module docstring) as the ConvPlan its emitter follows."""
     scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
     budget, view = TileBudget.of(table, group), flattened_conv(conv_shape(group.anchor))
-    tile, row = conv_tile(view, budget.private), row_axis(view.out_shape, first=2)
+    tile, row = conv_tile(view, budget.private, budget.device_items), row_axis(view.out_shape, first=2)
     if tile is not None:
         if tile.rows == 1:  # a spatial tile: its texels along the row by the device's size
             tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile.axis), multiple=0)
