@@ -12,9 +12,9 @@ preference (conv_tile; kernels/schedules.py adds the register tiles):
   of 4 (at a runtime alignment), a texel across two rows per lane.
 - per lane: each lane reduces alone in the builder's lane loop.
 Under R-Tile codegen a work-item's register tile adds rows (docs/ARCHITECTURE.md §3, "Under `--layout rtile`").
-Input channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled and masked at the
-input's borders, or, beyond TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the other spatial axes loop
-over their in-bounds tap range, which the lanes share.
+Input channels go in blocks of 4 (2 or 1 where a 2-D tile's block would pass STATIC_PRODUCTS) with the taps of
+the tiled (or last) spatial axis unrolled and masked at the input's borders, or, beyond TAP_BLOCK taps (dY rows),
+the taps go in blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share.
 """
 
 from __future__ import annotations
