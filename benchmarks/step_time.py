@@ -1,12 +1,12 @@
 """Median training-step time: fblc's OpenCL bundle on the local device vs a PyTorch eager step, same model and batch.
 
     python benchmarks/step_time.py [--steps 5] [--models benchmarks|unseen|all|mlp,resnet4,bert,...]
-        [--storages image,buffer] [--base-tree DIR]
+        [--storages image,buffer] [--threads N] [--statistic median|min] [--base-tree DIR]
 
 Both sides run forward, cross-entropy loss, backward and AdamW on this CPU: fblc through its
 kernels on PoCL (the local OpenCL device), PyTorch eagerly with its own threads. The table
-gives the median of `--steps` steps after one warm-up step, and fblc's time over PyTorch's. The
-sides take their steps in turn, round by round (interleaved_ms), so each ratio compares the same
+gives the median (`--statistic min`: the least) of `--steps` steps after one warm-up step, and fblc's
+time over PyTorch's. The sides take their steps in turn, round by round (interleaved_ms), so each ratio compares the same
 minutes of a shared machine, whose speed drifts.
 A benchmark, not a test: no threshold. fblc's kernels read image2d textures, which PoCL serves
 through a library call per texel read that also keeps its compiler from vectorising a kernel across
@@ -174,8 +174,9 @@ def torch_stepper(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], 
     return step
 
 
-def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle: bool = True) -> dict[str, float]:
-    """The median ms of each of `steppers` over `steps` rounds, after a warm-up call of each (the OpenCL
+def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle: bool = True,
+                   statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """The median (`statistic`) ms of each of `steppers` over `steps` rounds, after a warm-up call of each (the OpenCL
     JIT, PyTorch's first allocations). Each round gives every stepper its turn, so a drift in a shared
     machine's speed reaches every side alike (this one's moved 30 % between runs). With `settle` a turn
     is two calls and times the second: the previous side's worker threads still spin a while after it
@@ -190,7 +191,7 @@ def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle
             started = time.perf_counter()
             step()
             times[name].append((time.perf_counter() - started) * 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: statistic(values) for name, values in times.items()}
 
 
 def torch_step_ms(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor], steps: int) -> float:
@@ -243,6 +244,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of each side: PyTorch's "
                         "and PoCL's (POCL_MAX_PTHREAD_COUNT); 1 keeps a shared machine's load from stalling "
                         "PyTorch's spinning OpenMP workers (default: the CPU count)")
+    parser.add_argument("--statistic", choices=("median", "min"), default="median", help="of each side's steps: "
+                        "min is the least disturbed by other work on a shared machine")
     args = parser.parse_args()
     os.environ["POCL_MAX_PTHREAD_COUNT"] = str(args.threads)  # read when PoCL's device starts: before any runner
     storages = args.storages.split(",")
@@ -265,7 +268,8 @@ def main() -> int:
                     kernels[side] = len(json.load(plan)["kernels"])  # launches per step
                 steppers.update({(side, storage): runner_stepper(LocalRunner(bundle, storage=storage), feeds)
                                  for storage in storages})
-            ms = interleaved_ms({**steppers, "torch": torch_stepper(module.train(False), loss_of)}, args.steps)
+            ms = interleaved_ms({**steppers, "torch": torch_stepper(module.train(False), loss_of)}, args.steps,
+                                statistic=min if args.statistic == "min" else statistics.median)
             for side, _ in sides:
                 label = f"{name} {side}".strip()
                 rows.append((label, [ms[(side, storage)] for storage in storages], ms["torch"], kernels[side]))
