@@ -1,7 +1,8 @@
 """Median training-step time: fblc's OpenCL bundle on the local device vs a PyTorch eager step, same model and batch.
 
     python benchmarks/step_time.py [--steps 5] [--models benchmarks|unseen|all|mlp,resnet4,bert,...]
-        [--storages image,buffer] [--threads N] [--statistic median|min] [--base-tree DIR]
+        [--storages image,buffer] [--threads N] [--statistic median|min] [--clock wall|cpu]
+        [--base-tree DIR]
 
 Both sides run forward, cross-entropy loss, backward and AdamW on this CPU: fblc through its
 kernels on PoCL (the local OpenCL device), PyTorch eagerly with its own threads. The table
@@ -175,7 +176,8 @@ def torch_stepper(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], 
 
 
 def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle: bool = True,
-                   statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+                   statistic: Callable[[list[float]], float] = statistics.median,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """The median (`statistic`) ms of each of `steppers` over `steps` rounds, after a warm-up call of each (the OpenCL
     JIT, PyTorch's first allocations). Each round gives every stepper its turn, so a drift in a shared
     machine's speed reaches every side alike (this one's moved 30 % between runs). With `settle` a turn
@@ -188,9 +190,9 @@ def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle
         for name, step in steppers.items():
             if settle:
                 step()
-            started = time.perf_counter()
+            started = clock()
             step()
-            times[name].append((time.perf_counter() - started) * 1e3)
+            times[name].append((clock() - started) * 1e3)
     return {name: statistic(values) for name, values in times.items()}
 
 
@@ -246,6 +248,8 @@ def main() -> int:
                         "PyTorch's spinning OpenMP workers (default: the CPU count)")
     parser.add_argument("--statistic", choices=("median", "min"), default="median", help="of each side's steps: "
                         "min is the least disturbed by other work on a shared machine")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time "
+                        "(all its threads: PoCL's and PyTorch's workers), which a loaded machine's waits do not inflate")
     args = parser.parse_args()
     os.environ["POCL_MAX_PTHREAD_COUNT"] = str(args.threads)  # read when PoCL's device starts: before any runner
     storages = args.storages.split(",")
@@ -269,7 +273,8 @@ def main() -> int:
                 steppers.update({(side, storage): runner_stepper(LocalRunner(bundle, storage=storage), feeds)
                                  for storage in storages})
             ms = interleaved_ms({**steppers, "torch": torch_stepper(module.train(False), loss_of)}, args.steps,
-                                statistic=min if args.statistic == "min" else statistics.median)
+                                statistic=min if args.statistic == "min" else statistics.median,
+                                clock=time.process_time if args.clock == "cpu" else time.perf_counter)
             for side, _ in sides:
                 label = f"{name} {side}".strip()
                 rows.append((label, [ms[(side, storage)] for storage in storages], ms["torch"], kernels[side]))
