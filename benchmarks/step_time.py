@@ -1,11 +1,13 @@
 """Median training-step time: fblc's OpenCL bundle on the local device vs a PyTorch eager step, same model and batch.
 
-    python benchmarks/step_time.py [--steps 5] [--models mlp,tresnet,mobilenet_v2,resnet,llama]
+    python benchmarks/step_time.py [--steps 5] [--models benchmarks|unseen|all|mlp,resnet4,bert,...]
+        [--storages image,buffer] [--threads N] [--statistic median|min] [--clock wall|cpu]
+        [--base-tree DIR]
 
 Both sides run forward, cross-entropy loss, backward and AdamW on this CPU: fblc through its
 kernels on PoCL (the local OpenCL device), PyTorch eagerly with its own threads. The table
-gives the median of `--steps` steps after one warm-up step, and fblc's time over PyTorch's. The
-sides take their steps in turn, round by round (interleaved_ms), so each ratio compares the same
+gives the median (`--statistic min`: the least) of `--steps` steps after one warm-up step, and fblc's
+time over PyTorch's. The sides take their steps in turn, round by round (interleaved_ms), so each ratio compares the same
 minutes of a shared machine, whose speed drifts.
 A benchmark, not a test: no threshold. fblc's kernels read image2d textures, which PoCL serves
 through a library call per texel read that also keeps its compiler from vectorising a kernel across
@@ -13,13 +15,22 @@ work-items; PyTorch runs oneDNN's vectorised convolutions and GEMMs on the same 
 bundle runs twice: with image2d_t textures, as on a phone, and with LocalRunner's storage "buffer"
 (the same kernels, each texture's texels in index order in a __global buffer), the form a CPU's
 OpenCL runs fast.
+
+`--models unseen` adds architectures that are in no other benchmark and that no schedule was tuned for
+(UNSEEN: transformers configs with random weights, exported by torch.onnx.export as tests/support/zoo.py
+does; nothing is downloaded): two convolutional nets (a four-stage ResNet, a ConvNeXt) and two transformers
+(a BERT encoder, a GPT-2 decoder) plus a ViT. `--base-tree DIR` (a checkout of another revision, e.g. a
+`git worktree`) compiles each model there as well and times its bundle beside this tree's in the same rounds
+(both run by this tree's LocalRunner): the before -> after of a kernel change, interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +56,76 @@ def _classification(name: str, path: str, module: torch.nn.Module, x: np.ndarray
     tensor, target = torch.from_numpy(x), torch.from_numpy(labels)
     return (name, module, {input_name: x, "path": path}, labels,
             lambda m: torch.nn.functional.cross_entropy(m(tensor), target))
+
+
+#: the script's own models (the default set, `--models benchmarks`)
+BENCHMARKS = ("mlp", "tresnet", "mobilenet_v2", "resnet", "llama")
+
+#: architectures in no other benchmark (`--models unseen`): name -> row label, transformers model class, its
+#: config (random weights under torch.manual_seed(0); hidden sizes a phone app might train), input and batch.
+#: The ResNet is the issue's "model in no benchmark" (four stages, batch 4, 64 x 64).
+UNSEEN: dict[str, tuple[str, str, dict, str, tuple[int, ...]]] = {
+    "resnet4": ("resnet 4 stages [4,3,64,64]", "ResNetForImageClassification",
+                dict(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], layer_type="basic",
+                     num_labels=10), "pixel_values", (4, 3, 64, 64)),
+    "convnext": ("convnext 4 stages [4,3,64,64]", "ConvNextForImageClassification",
+                 dict(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], num_labels=10), "pixel_values",
+                 (4, 3, 64, 64)),
+    "bert": ("bert 2L h128 [4,64]", "BertForSequenceClassification",
+             dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                  num_labels=10), "input_ids", (4, 64)),
+    "gpt2": ("gpt2 2L h128 [4,64]", "GPT2LMHeadModel",
+             dict(vocab_size=512, n_embd=128, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "input_ids", (4, 64)),
+    "vit": ("vit 2L h128 [4,3,64,64]", "ViTForImageClassification",
+            dict(image_size=64, patch_size=8, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=10),
+            "pixel_values", (4, 3, 64, 64)),
+}
+GROUPS = {"benchmarks": BENCHMARKS, "unseen": tuple(UNSEEN), "all": BENCHMARKS + tuple(UNSEEN)}
+
+
+def model_names(spec: str) -> list[str]:
+    """`--models`: names and group names (GROUPS), comma-separated, in order, each once."""
+    names: list[str] = []
+    for item in spec.split(","):
+        for name in GROUPS.get(item, (item,)):
+            if name not in BENCHMARKS + tuple(UNSEEN):
+                raise SystemExit(f"--models: no model '{name}'; choose from {', '.join(GROUPS)}, "
+                                 f"{', '.join(BENCHMARKS + tuple(UNSEEN))}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def unseen_case(name: str, directory: str) -> Case:
+    """UNSEEN[name] built, exported (dynamo, no optimizer: BatchNorm stays) and paired with its torch loss."""
+    import transformers
+
+    from tests.support import zoo
+
+    label, model_class, config, input_name, shape = UNSEEN[name]
+    torch.manual_seed(0)
+    config_class = model_class.replace("ForImageClassification", "").replace("ForSequenceClassification", "")
+    config_class = {"GPT2LMHeadModel": "GPT2"}.get(config_class, config_class) + "Config"
+    module = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+    fixed = {"use_cache": False} if "LMHead" in model_class else {}
+    module = zoo.logits_of(zoo.randomize_constant_parameters(module, seed=1), (input_name,), **fixed).eval()
+    rng = np.random.default_rng(0)
+    x = (rng.integers(3, config["vocab_size"], shape).astype(np.int64) if input_name == "input_ids"
+         else rng.standard_normal(shape).astype(np.float32))
+    inputs = {input_name: x}
+    with torch.no_grad():
+        logits = module(torch.from_numpy(x))
+    if logits.dim() == 3:  # a causal LM: the next token at every position but the last
+        labels = np.full_like(x, models.IGNORE_INDEX)
+        labels[:, :-1] = x[:, 1:]
+    else:
+        labels = rng.integers(0, logits.shape[-1], shape[0]).astype(np.int64)
+    path = os.path.join(directory, f"{name}.onnx")
+    zoo.export(module, inputs, "dynamo", path)
+    return label, module, {**inputs, "path": path}, labels, zoo.cross_entropy_loss(inputs, labels)
 
 
 def build_cases(directory: str, names: list[str]) -> list[Case]:
@@ -79,6 +160,7 @@ def build_cases(directory: str, names: list[str]) -> list[Case]:
         ids = exported.inputs["input_ids"]
         cases.append(("llama 2L B=2 T=16", exported.module, {"input_ids": ids, "path": exported.path},
                       exported.labels, exported.loss_of))
+    cases += [unseen_case(name, directory) for name in names if name in UNSEEN]
     return cases
 
 
@@ -93,8 +175,10 @@ def torch_stepper(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], 
     return step
 
 
-def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle: bool = True) -> dict[str, float]:
-    """The median ms of each of `steppers` over `steps` rounds, after a warm-up call of each (the OpenCL
+def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle: bool = True,
+                   statistic: Callable[[list[float]], float] = statistics.median,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """The median (`statistic`) ms of each of `steppers` over `steps` rounds, after a warm-up call of each (the OpenCL
     JIT, PyTorch's first allocations). Each round gives every stepper its turn, so a drift in a shared
     machine's speed reaches every side alike (this one's moved 30 % between runs). With `settle` a turn
     is two calls and times the second: the previous side's worker threads still spin a while after it
@@ -106,10 +190,10 @@ def interleaved_ms(steppers: dict[str, Callable[[], object]], steps: int, settle
         for name, step in steppers.items():
             if settle:
                 step()
-            started = time.perf_counter()
+            started = clock()
             step()
-            times[name].append((time.perf_counter() - started) * 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
+            times[name].append((clock() - started) * 1e3)
+    return {name: statistic(values) for name, values in times.items()}
 
 
 def torch_step_ms(module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor], steps: int) -> float:
@@ -137,31 +221,71 @@ def fblc_step_ms(path: str, feeds: dict[str, np.ndarray], bundle: str, steps: in
     return [medians[storage] for storage in storages], report
 
 
+def compile_elsewhere(tree: str, path: str, bundle: str, target: str) -> None:
+    """compile_bundle run by the fblc of checkout `tree` (another revision), in its own process."""
+    code = ("import sys; from fblc.codegen.compile import compile_model; "
+            "from fblc.compiler.optimizers import OptimizerConfig; from fblc.passes.pipeline import TrainingOptions; "
+            "compile_model(sys.argv[1], sys.argv[2], sys.argv[3], 'fp32', TrainingOptions(loss='cross_entropy', "
+            "optimizer=OptimizerConfig('adamw', lr=1e-3, weight_decay=1e-2), layout='rtile'))")
+    done = subprocess.run([sys.executable, "-c", code, path, bundle, target], cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": tree})
+    if done.returncode != 0:
+        raise SystemExit(f"compiling {path} in {tree} failed:\n{done.stderr[-3000:]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--models", default="mlp,tresnet,mobilenet_v2,resnet,llama")
+    parser.add_argument("--models", default="benchmarks", help="comma-separated model names or groups: "
+                        f"{', '.join(f'{g} ({len(n)})' for g, n in GROUPS.items())}; models: "
+                        f"{', '.join(BENCHMARKS + tuple(UNSEEN))}")
+    parser.add_argument("--storages", default="image,buffer", help="LocalRunner storages to time (image, buffer)")
+    parser.add_argument("--base-tree", help="a checkout of another revision: its bundles are timed too ('before')")
     parser.add_argument("--target", default="local", help="the profile the bundles are compiled for (default: local; "
                         "benchmarks/gpu_check.sh runs a phone target's kernels on a GPU)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of each side: PyTorch's "
+                        "and PoCL's (POCL_MAX_PTHREAD_COUNT); 1 keeps a shared machine's load from stalling "
+                        "PyTorch's spinning OpenMP workers (default: the CPU count)")
+    parser.add_argument("--statistic", choices=("median", "min"), default="median", help="of each side's steps: "
+                        "min is the least disturbed by other work on a shared machine")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time "
+                        "(all its threads: PoCL's and PyTorch's workers), which a loaded machine's waits do not inflate")
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    os.environ["POCL_MAX_PTHREAD_COUNT"] = str(args.threads)  # read when PoCL's device starts: before any runner
+    storages = args.storages.split(",")
+    sides = ([("before", args.base_tree)] if args.base_tree else []) + [("", None)]
+    torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
-        for name, module, inputs, labels, loss_of in build_cases(directory, args.models.split(",")):
+        for name, module, inputs, labels, loss_of in build_cases(directory, model_names(args.models)):
             path = inputs.pop("path")
             feeds = {**inputs, "labels": labels}
-            bundle = os.path.join(directory, os.path.basename(path) + ".bundle")
-            report = compile_bundle(path, bundle, target=args.target)
-            ms = interleaved_ms({**{storage: runner_stepper(LocalRunner(bundle, storage=storage), feeds)
-                                    for storage in ("image", "buffer")},
-                                 "torch": torch_stepper(module.train(False), loss_of)}, args.steps)
-            rows.append((name, ms["image"], ms["buffer"], ms["torch"], report["kernels"]))
+            steppers: dict[str, Callable[[], object]] = {}
+            kernels = {}
+            for side, tree in sides:
+                bundle = os.path.join(directory, f"{os.path.basename(path)}.{side or 'this'}.bundle")
+                if tree:
+                    compile_elsewhere(tree, path, bundle, args.target)
+                else:
+                    compile_bundle(path, bundle, target=args.target)
+                with open(os.path.join(bundle, "plan.json")) as plan:
+                    kernels[side] = len(json.load(plan)["kernels"])  # launches per step
+                steppers.update({(side, storage): runner_stepper(LocalRunner(bundle, storage=storage), feeds)
+                                 for storage in storages})
+            ms = interleaved_ms({**steppers, "torch": torch_stepper(module.train(False), loss_of)}, args.steps,
+                                statistic=min if args.statistic == "min" else statistics.median,
+                                clock=time.process_time if args.clock == "cpu" else time.perf_counter)
+            for side, _ in sides:
+                label = f"{name} {side}".strip()
+                rows.append((label, [ms[(side, storage)] for storage in storages], ms["torch"], kernels[side]))
             print(f"  measured {name}", file=sys.stderr)
-    print(f"{'model':<26} {'fblc image ms':>14} {'fblc buffer ms':>15} {'PyTorch ms':>11} {'image / torch':>14} "
-          f"{'buffer / torch':>15} {'kernels':>8}")
-    for name, image_ms, buffer_ms, torch_ms, kernels in rows:
-        print(f"{name:<26} {image_ms:14.1f} {buffer_ms:15.1f} {torch_ms:11.1f} {image_ms / torch_ms:14.2f} "
-              f"{buffer_ms / torch_ms:15.2f} {kernels:8d}")
+    fblc_heads = [f"fblc {storage} ms" for storage in storages]
+    ratio_heads = [f"{storage} / torch" for storage in storages]
+    print(f"{'model':<34} " + " ".join(f"{h:>15}" for h in fblc_heads) + f" {'PyTorch ms':>11} "
+          + " ".join(f"{h:>15}" for h in ratio_heads) + f" {'kernels':>8}")
+    for label, fblc_ms, torch_ms, kernels in rows:
+        print(f"{label:<34} " + " ".join(f"{v:15.1f}" for v in fblc_ms) + f" {torch_ms:11.1f} "
+              + " ".join(f"{v / torch_ms:15.2f}" for v in fblc_ms) + f" {kernels:8d}")
     return 0
 
 

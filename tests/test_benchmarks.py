@@ -134,3 +134,15 @@ def test_kernel_stats_bounds_loop_trips_and_reads_a_bundle(tmp_path) -> None:
     assert figures == {"launches": 2, "small_launches": 1, "small_flop_share": 0.3, "bytes": 64, "step_ms": 0.5,
                        "flops": 100}
     assert kernel_stats.device_items(load_profile("adreno830")) == (1536, "profile (6 units x 4 waves x 64)")
+
+
+def test_step_time_names_its_model_groups() -> None:
+    """benchmarks/step_time.py --models: group names expand in order (the benchmarks' own five, then the
+    architectures in no other benchmark), each model once; an unknown name is refused with the choices."""
+    from benchmarks import step_time
+
+    assert step_time.model_names("all") == list(step_time.BENCHMARKS) + list(step_time.UNSEEN)
+    assert step_time.model_names("gpt2,unseen") == ["gpt2", "resnet4", "convnext", "bert", "vit"]
+    assert {"resnet4", "convnext", "bert", "gpt2", "vit"} <= set(step_time.UNSEEN)
+    with pytest.raises(SystemExit, match="no model 'resnet9'.*unseen"):
+        step_time.model_names("mlp,resnet9")

@@ -76,8 +76,8 @@ def write_case(path: str, nodes: list[onnx.NodeProto], inits: dict[str, tuple[in
     return path
 
 
-def assert_step_matches(path: str, dtype: str = "fp32") -> None:
-    rows = verify_model(path, OPTIONS, dtype=dtype)
+def assert_step_matches(path: str, dtype: str = "fp32", storage: str = "image") -> None:
+    rows = verify_model(path, OPTIONS, dtype=dtype, storage=storage)
     assert rows, "verify compared nothing"
     bad = [r for r in rows if not r.ok]
     assert not bad, "\n".join(f"{r.name}: max_abs {r.max_abs:.3g} max_rel {r.max_rel:.3g}" for r in bad)
@@ -218,6 +218,9 @@ TILE_CASES = {
     "matmul_tile": ([_node("MatMul", ["a", "b"])], {"a": (8, 20), "b": (20, 8)}, {"forward": "tile", "grad": "tile"}),
     "matmul_tile_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 4, 12), "b": (2, 12, 8)},
                             {"forward": "tile", "grad": "tile"}),
+    # M = 6 rows (no multiple of 4) under a weight without a batch: the tile's rows run over A's batch x M (12)
+    "matmul_tile_merged_rows": ([_node("MatMul", ["a", "b"])], {"a": (2, 6, 12), "b": (12, 8)},
+                                {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
                           {"a": (20, 8), "b": (20, 8), "c": (8, 8)}, {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
@@ -252,6 +255,12 @@ TILE_CASES = {
     # dilated by 2)
     "conv3x3_weight_grad_tile": (*conv((2, 4, 18, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
                                  {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # a last stage's dY map (2 x 2) smaller than its 3 x 3 taps: the same tile (was per lane); and dY rows of
+    # 16 under a batch of 4 (4 x 16 x 36 products a block of 4 channels: blocks of 1 keep it within STATIC_PRODUCTS)
+    "conv3x3_weight_grad_small_map": (*conv((4, 8, 2, 2), (8, 8, 3, 3), pads=[1, 1, 1, 1]),
+                                      {"forward": "tile", "dx": "lane", "dw": "tile"}),
+    "conv3x3_weight_grad_channel_blocks": (*conv((4, 4, 6, 16), (4, 4, 3, 3), pads=[1, 1, 1, 1]),
+                                           {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_batch_shared": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
                                          {"forward": "tile", "dx": "tile", "dw": "shared"}),
     "conv3x3_weight_grad_tile_strided": (*conv((1, 3, 34, 36), (8, 3, 3, 3), strides=[2, 2], pads=[1, 0, 1, 1]),
@@ -275,6 +284,24 @@ TILE_CASES = {
 def test_tiled_contraction_step(name: str, tmp_path) -> None:
     nodes, inits, _ = TILE_CASES[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+
+
+@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows"])
+def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
+    """Tiles that were per lane until issue 39's unseen models (a conv weight gradient's blocks of fewer
+    channels, a MatMul's rows across A's batch), in buffer storage too."""
+    nodes, inits, _ = TILE_CASES[name]
+    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
+
+
+def test_a_new_weight_gradient_tile_that_leaves_a_gpu_idle_stays_per_lane(tmp_path) -> None:
+    """The 2-D weight-gradient tile of a dY map smaller than its taps: on the CPU (local) taken, for adreno830,
+    whose 1,536 work-items its 32 tiles would leave idle, per lane as before (conv.conv_tile's device_items)."""
+    nodes, inits, _ = TILE_CASES["conv3x3_weight_grad_small_map"]
+    path = write_case(str(tmp_path / "small_map.onnx"), nodes, inits)
+    paths = {target: {_path(k) for k in _contractions(path, target) if _role(k) == "dw"}
+             for target in ("local", "adreno830")}
+    assert paths == {"local": {"tile"}, "adreno830": {"lane"}}
 
 
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_shared", "conv_depthwise_weight_grad_shared"])

@@ -208,6 +208,20 @@ def tile_reduction(k_digits: Digits, rows: int, columns: int) -> tuple[int, int]
                                                                     + [looped // steps if looped > steps else 0])
 
 
+def merged_rows(a_axes: list[Digits], w_axes: list[Digits]) -> int | None:
+    """The rows of A' over its batch axes and M as one run, where a tile of whole rows cannot take M alone
+    (M % 4 != 0: a ViT's 65 tokens) and B' has no batch of its own (a weight: [4, 65, 128] @ [128, 512] is
+    [260, 128] @ [128, 512]): the run's length where its digits are one stride apart each, else None."""
+    rows = a_axes[-2][-1][0]
+    if len(a_axes) < 3 or rows % LANES == 0 or any(extent != 1 for axis in w_axes[:-2] for extent, _ in axis):
+        return None
+    digits = [digit for axis in a_axes[:-1] for digit in axis if digit[0] != 1]  # outermost first
+    for (_, outer_stride), (inner, inner_stride) in zip(digits, digits[1:]):
+        if outer_stride != inner * inner_stride:
+            return None
+    return math.prod(extent for extent, _ in digits)
+
+
 def texel_columns(out_shape: Sequence[int], w_axes: list[Digits], has_n: bool = True) -> bool:
     """Whether a texel's lanes are 4 consecutive output columns n, one stride apart in B' (the texel-wide path)."""
     return has_n and lane_axis(out_shape) == len(out_shape) - 1 and w_axes[-1][-1][0] % LANES == 0
@@ -245,6 +259,13 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
         return terms
 
     a_terms, w_terms = base(a_axes, m_var, -2), base(w_axes, n_var, -1)
+    if texel and has_m and rows > 1 and merged_rows(a_axes, w_axes):  # a tile's rows may cross A's batch axes:
+        # A's row is the output's flat row over them (the builder declares the multi-index from it)
+        batch_vars = [index_var(prefix, batch - len(a_axes) + 2 + k) for k in range(len(a_axes) - 2)]
+        extents = [math.prod(extent for extent, _ in axis) for axis in a_axes[:-1]]
+        flat_row = flat_index([(var, math.prod(extents[k + 1:])) for k, var in enumerate([*batch_vars, m_var])])
+        a_terms = [(flat_row, a_row)]
+        multiples[flat_row] = LANES  # the tile's first row: a multiple of its rows (4, 8 or 16)
     loops = [Loop.over(b.body.var("kd", INT), 0, extent, a_stride, w_stride, extent)
              for (extent, a_stride), (_, w_stride) in zip(a_outer, w_outer)]
     if not texel:

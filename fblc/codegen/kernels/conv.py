@@ -12,9 +12,9 @@ preference (conv_tile; kernels/schedules.py adds the register tiles):
   of 4 (at a runtime alignment), a texel across two rows per lane.
 - per lane: each lane reduces alone in the builder's lane loop.
 Under R-Tile codegen a work-item's register tile adds rows (docs/ARCHITECTURE.md §3, "Under `--layout rtile`").
-Input channels go in blocks of 4 with the taps of the tiled (or last) spatial axis unrolled and masked at the
-input's borders, or, beyond TAP_BLOCK taps (dY rows), the taps go in blocks of 16; the other spatial axes loop
-over their in-bounds tap range, which the lanes share.
+Input channels go in blocks of 4 (2 or 1 where a 2-D tile's block would pass STATIC_PRODUCTS) with the taps of
+the tiled (or last) spatial axis unrolled and masked at the input's borders, or, beyond TAP_BLOCK taps (dY rows),
+the taps go in blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from fblc.codegen.indexing import declare_index, index_var
 from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.reads import ValueReads
-from fblc.codegen.kernels.contraction import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
+from fblc.codegen.kernels.contraction import (finish_group, reduce_guarded, reduce_into, reduce_lane, row_axis,
+                                              start_builder)
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term, plus
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
@@ -94,6 +95,8 @@ class ConvTile:
     batches: int = 1  # consecutive batch elements (the R-Tile register tile of a channel tile)
     y_rows: int = 1  # consecutive positions along row_axis
     row_axis: int | None = None
+    channels: int = CHANNEL_BLOCK  # input channels per static block (fewer where a block's products would pass
+    # STATIC_PRODUCTS: a weight gradient's long dY rows times its whole k x k map)
 
     def __post_init__(self) -> None:
         self.multiple = self.multiple or self.length
@@ -149,7 +152,7 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
         k_y, d_y = window.kernel[y], window.dilations[y]
         row_mask, clamp_rows = _tap_mask(window, y, index_var(prefix, 2 + y), tile.y_rows, tile.y_rows, x_terms,
                                          xs[2 + y])
-        if k_y * _block_products(cs, k, tile.lanes) <= STATIC_PRODUCTS:
+        if k_y * _block_products(cs, k, tile.lanes, tile.channels) <= STATIC_PRODUCTS:
             row_taps = range(k_y)
         else:
             tap = block.var("k", INT)
@@ -171,7 +174,7 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
 
     lanes = range(tile.lanes)
     if k <= TAP_BLOCK:
-        blocked = Blocked(cs.cg_in, min(CHANNEL_BLOCK, cs.cg_in), xs[1], ws[1], 0, lambda channels: [
+        blocked = Blocked(cs.cg_in, min(tile.channels, cs.cg_in), xs[1], ws[1], 0, lambda channels: [
             product(lane, c, t, r) for c in channels for r in row_taps for t in range(k) for lane in lanes])
     else:
         if cs.cg_in > 1:
@@ -182,9 +185,10 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
                      blocked, loops, mask, row_mask)
 
 
-def _block_products(cs: ConvShape, k: int, lanes: int) -> int:
-    """Products of one static block over `k` taps along the masked axis, without a 2-D tile's row taps."""
-    return (min(CHANNEL_BLOCK, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
+def _block_products(cs: ConvShape, k: int, lanes: int, channels: int = CHANNEL_BLOCK) -> int:
+    """Products of one static block of `channels` input channels over `k` taps along the masked axis, without
+    a 2-D tile's row taps."""
+    return (min(channels, cs.cg_in) * k if k <= TAP_BLOCK else TAP_BLOCK) * lanes
 
 
 def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int, x_terms: list[Term],
@@ -201,9 +205,11 @@ def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int,
     return mask, pad > 0 or mask.high + (walked - 1) * s - pad + (k - 1) * d >= n
 
 
-def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS) -> ConvTile | None:
+def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int = 0) -> ConvTile | None:
     """The channel or spatial tile for a conv output (see the module docstring), or None; a 2-D weight
-    gradient's tile within `private` accumulators (the target's Profile.private_floats)."""
+    gradient's tile within `private` accumulators (the target's Profile.private_floats). Where its taps
+    outnumber dY's row or its channels go in blocks of fewer than 4, only if its tiles fill the device
+    (`device_items`: Profile.device_items, 0 on a CPU): a GPU keeps those per lane, where they fill it."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     if cs.cg_out % LANES == 0 and len(spatial) <= 1:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
@@ -214,9 +220,15 @@ def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS) -> ConvTile | None:
         y, x = spatial
         out_y, out_x, k = cs.out_shape[2 + y], cs.out_shape[2 + x], cs.window.kernel[x]
         lanes = LANES * out_y * out_x
-        if (k > out_x and out_x <= CHANNEL_TILE_LENGTH and lanes <= private
-                and _block_products(cs, k, lanes) <= STATIC_PRODUCTS):
-            return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y)
+        # rows wider than the kernel take the spatial or row path below, unless too short for both (a weight
+        # gradient whose dY map is smaller than its taps: a last stage's 2 x 2 under 3 x 3 taps)
+        short = lane_axis(cs.out_shape) is None and row_axis(cs.out_shape, first=2) is None
+        channels = next((c for c in (CHANNEL_BLOCK, 2, 1) if _block_products(cs, k, lanes, c) <= STATIC_PRODUCTS), 0)
+        fills = int(np.prod(cs.out_shape)) // lanes >= device_items
+        whole_blocks = k > out_x and channels == CHANNEL_BLOCK
+        if (whole_blocks or (k > out_x or short) and channels and fills) and out_x <= CHANNEL_TILE_LENGTH \
+                and lanes <= private:
+            return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y, channels=channels)
     axis = lane_axis(cs.out_shape)
     if axis is not None and axis >= 2:
         return ConvTile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)

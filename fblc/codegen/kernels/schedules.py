@@ -16,7 +16,8 @@ import onnx_ir as ir
 from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import Digits, matmul_operands, row_axis, texel_columns, tile_reduction
+from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, row_axis, texel_columns,
+                                              tile_reduction)
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
                                        ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, texels_per_item)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
@@ -178,7 +179,8 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
     if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
         return consecutive(1), None, 0
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
-    return _contraction_tile(TileBudget.of(table, group), out_shape, a_axes[-2][-1][0], w_axes[-1][-1][0] // LANES,
+    rows = merged_rows(a_axes, w_axes) or a_axes[-2][-1][0]
+    return _contraction_tile(TileBudget.of(table, group), out_shape, rows, w_axes[-1][-1][0] // LANES,
                              _tile_split(table, group, k_digits[0] if k_digits else None))
 
 
@@ -196,7 +198,7 @@ def _conv(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, 
     """The conv's tile (see the module docstring) as the ConvPlan its emitter follows."""
     scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
     budget, view = TileBudget.of(table, group), flattened_conv(conv_shape(group.anchor))
-    tile, row = conv_tile(view, budget.private), row_axis(view.out_shape, first=2)
+    tile, row = conv_tile(view, budget.private, budget.device_items), row_axis(view.out_shape, first=2)
     prefix = FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX
 
     def masked_of(candidate: ConvTile) -> int | None:
