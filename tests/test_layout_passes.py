@@ -468,7 +468,7 @@ MASK_WRITERS = {  # case -> (batch, channels, height, width, hidden), the format
     "conv over row texels (rows of 7), a prologue per texel": ((1, 3, 3, 7, 0), ["r_mask8"]),
     "conv spatial tile of 5 texels, 9 items: pairs, the last alone": ((1, 3, 3, 20, 0), ["r_mask8"]),
     "conv channel tile of 6 texels": ((1, 8, 1, 6, 0), ["r_mask8"]),
-    # the conv's register tile of 4 channels splits its mask's bytes: r_mask4 (kernels/schedules.channel_rows)
+    # the conv's register tile of 4 channels splits its mask's bytes: r_mask4 (kernels/conv_schedules.channel_rows)
     "gemm 2-D tile, 2 texel columns": ((8, 4, 4, 4, 16), ["r_mask4", "r_mask8"]),
     "gemm 2-D tile, rows of 3 texels: the r_mask4 fallback": ((8, 4, 4, 4, 12), ["r_mask4", "r_mask4"]),
 }

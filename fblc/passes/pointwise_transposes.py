@@ -6,7 +6,7 @@ C_in, 1, ..] kept a copy (tile_remap.PACKED): the weights packed the way this re
 (a constant, not a trained graph input) is packed at compile time instead: Wt is a new initializer.
 Why: a texel holds 4 consecutive elements of the last axis. The transposed kernel sums over C_in with a tile of
 output channels; it reads W[c, o..o+3] as one texel only where its tile's rows are consecutive channels, which
-needs each channel's plane to be a whole number of texels (plane % 4 == 0: kernels/schedules.channel_rows).
+needs each channel's plane to be a whole number of texels (plane % 4 == 0: kernels/conv_schedules.channel_rows).
 Otherwise (MobileNetV2 at 97 x 60: planes 49 x 30 and 25 x 15) its rows are 4 channels apart and every weight
 fetch keeps one float of four: 6 % of that step's texel fetches. The Conv reads Wt[o, c..c+3], whole texels
 along its reduction, whatever the plane; the copy is one launch of C_in * C_out elements per step (W trains),

@@ -164,7 +164,7 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
 
 def weights_side_by_side(view: ConvShape) -> bool:
     """Whether a transpose's consecutive output channels have their weights side by side in W [C_in, C_out / group]
-    (a pointwise one: ws[1] = 1), so a tile of rows by 4 of them reads whole weight texels (schedules.channel_rows
+    (a pointwise one: ws[1] = 1), so a tile of rows by 4 of them reads whole weight texels (conv_schedules.channel_rows
     puts those first)."""
     return view.ws[1] == 1 and view.cg_out % LANES == 0
 

@@ -1,0 +1,75 @@
+"""The register-tile budget every reducing family's schedule is chosen within (kernels/schedules.py,
+kernels/conv_schedules.py): the target's accumulators per work-item against the work-items the device holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import onnx_ir as ir
+
+from fblc.codegen.kernels import KernelGroup
+from fblc.codegen.kernels.texel import LANES
+from fblc.codegen.textures import TextureTable
+from fblc.compiler import keys
+from fblc.compiler.index_map import view_root
+from fblc.compiler.values import numel, static_shape
+
+T = TypeVar("T")  # a candidate tile
+
+
+@dataclass(frozen=True)
+class TileBudget:
+    """What a kernel's register tile is chosen within: R-Tile codegen or not (`tiled`: under naive, one texel
+    row), the target's accumulators per work-item (`private`: Profile.private_floats), the work-items the
+    device runs at once (`device_items`; 0 on a CPU, whose tiles keep their own rules), the kernel's output
+    texels, whether it writes saved masks (`masks`: a work-item of an odd number of texels then takes two
+    tiles, KernelBuilder.finish) and whether its reduction may be dealt out to a work-group (`splits`)."""
+
+    tiled: bool
+    private: int
+    device_items: int
+    texels: int
+    masks: bool
+    splits: bool
+
+    @staticmethod
+    def of(table: TextureTable, group: KernelGroup) -> "TileBudget":
+        profile, masks = table.profile, bool(saved_masks(group))
+        return TileBudget(table.tiled, profile.private_floats, 0 if profile.cpu else profile.device_items,
+                          -(-numel(static_shape(group.outputs[0])) // LANES), masks, not masks)
+
+    def pick(self, candidates: Sequence[T], texels_per_item: Callable[[T], int],
+             group: Callable[[T, int], int | None] | None = None, fallback: Sequence[T] = ()) -> T:
+        """Of `candidates` (largest tile first; each within `private`), the first whose items fill the device;
+        where none does and the reduction may be split: with `group` (the work-items that would share a
+        candidate's reduction given its tiles: Profile.tile_group, capped by the reduction's length and
+        loop), the first whose tiles x group fill it, then of the `fallback` tiles (smaller ones, without
+        register reuse), else of all the one that comes closest (of equals, the larger tile); without it,
+        the first (a work-group per tile is assumed to fill it and the tile keeps its register reuse).
+        Where it may not be split, the last candidate (the most work-items)."""
+        def work_items(candidate: T) -> int:
+            per = texels_per_item(candidate)
+            return self.texels // (2 * per if self.masks and per % 2 else per)
+
+        def launched(candidate: T) -> int:
+            tiles = work_items(candidate)
+            return tiles * ((group(candidate, tiles) or 1) if group is not None else 1)
+
+        if self.device_items:
+            filling = [c for c in candidates if work_items(c) >= self.device_items]
+            if filling:
+                return filling[0]
+            if not self.splits:
+                return candidates[-1]
+            if group is not None:
+                everything = [*candidates, *fallback]
+                split = [c for c in everything if launched(c) >= self.device_items]
+                return split[0] if split else max(everything, key=launched)
+        return candidates[0]
+
+
+def saved_masks(group: KernelGroup) -> list[ir.Value]:
+    """The group's outputs that are saved masks (whose bytes pair texels of two work-items)."""
+    return [value for value in group.outputs
+            if keys.json_of(view_root(value).metadata_props, keys.LAYOUT, {}).get("kind") in ("mask8", "mask4")]
