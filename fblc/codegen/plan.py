@@ -32,7 +32,7 @@ from fblc.compiler.values import const_array, static_shape
 from fblc.compiler.ops import CONTRACTIONS
 from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
-from fblc.passes.commit_if_finite import COMMIT, FINITE
+from fblc.passes.commit_if_finite import FINITE
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
 from fblc.texel_layout import pack
@@ -140,7 +140,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
         compute_in_half(kernels, table, graph)
     share_kernels(kernels)
     source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
-    committed = {o.name for o in graph.outputs if o.metadata_props.get(COMMIT) == FINITE}  # commit_if_finite
+    committed = {o.name for o in graph.outputs if o.metadata_props.get(keys.COMMIT) == FINITE}  # commit_if_finite
     gated = [f"{state.name}.new" in committed for state, _ in pairs]
     return Program(kernels, table.textures, initial, values, value_shapes,
                    [pair for pair, g in zip(swaps, gated) if not g], value_maps, source, kernel_lines,

@@ -14,6 +14,9 @@ from typing import Any, Mapping
 from fblc.texel_layout import TexelLayout
 
 FTD = "fblc.ftd"
+#: On a state output under dynamic loss scaling: "finite" where the runtimes swap it only after a finite step
+#: (commit_if_finite; plan.json swaps_if_finite).
+COMMIT = "fblc.commit"
 #: On a value: its texel layout (TexelLayout JSON) chosen by rtile_select or the texture table.
 LAYOUT = "fblc.layout"
 #: On the graph: the layout mode the step was lowered under ("rtile" or "naive").

@@ -30,7 +30,6 @@ from fblc.compiler.loss_scale import SKIPPED
 from fblc.passes.contracts import ContractPass
 
 #: value metadata on a `.new` output: the runtimes swap it in only after a finite step
-COMMIT = "fblc.commit"
 FINITE = "finite"
 
 
@@ -79,7 +78,7 @@ class CommitIfFinite(ContractPass):
             new.name = f"{name}/gated"
             proposed.name = name
             keys.set_role(proposed, Role(role))
-            proposed.metadata_props[COMMIT] = FINITE
+            proposed.metadata_props[keys.COMMIT] = FINITE
             outputs[index] = proposed
             gates.append(gate)
         for node in list(graph):
