@@ -249,6 +249,13 @@ TILE_CASES = {
                                     {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv_depthwise_rows_dilated": (*conv((1, 4, 10, 12), (4, 1, 3, 5), group=4, dilations=[2, 1],
                                           pads=[1, 2, 3, 2]), {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # depthwise where no output rows stack (height 5; a row path's width 6): the same positions of 4 or 8
+    # consecutive channels from a multiple of 4 (their weights and bias whole texels), in the forward and the
+    # input gradient (a stride-2 one, whose transpose keeps its row taps a loop)
+    "conv_depthwise_channel_rows": (*conv((2, 8, 5, 8), (8, 1, 3, 3), group=8, pads=[1, 1, 1, 1], bias=True),
+                                    {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    "conv_depthwise_channel_rows_strided": (*conv((1, 8, 12, 12), (8, 1, 3, 3), group=8, strides=[2, 2],
+                                                  pads=[1, 1, 1, 1]), {"forward": "tile", "dx": "tile", "dw": "tile"}),
     # a 3x3 weight gradient over dY maps wider than TAP_BLOCK: 4 channels' 3x3 taps per work-item (36
     # lanes), the dY rows a loop under a row mask; the batch inside it, alone (2 x 360) or with a
     # run past SERIAL_REDUCTION (4 x 400) shared by a work-group per tile, and a strided conv's (dY taps
@@ -402,16 +409,21 @@ def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
     """A depthwise 3x3 conv over 8x8 maps: a work-item computes 4 output rows of 8 (32 accumulators, 8
     texels) and reads each of the 6 input rows they see once, 2 texels each: 12 reads of x where 4 rows
     apart would read 3 rows each, 24; its input gradient (a ConvTranspose) takes the same tile. Where
-    no row count divides the height (5), or the kernel does not overlap along it (1 tap), a
-    work-item keeps one row (2 texels)."""
+    no row count divides the height (5), or the kernel does not overlap along it (1 tap), a work-item
+    takes the same positions of 4 consecutive channels from a multiple of 4 instead (32 accumulators too):
+    their 4 x 3 x 3 (4 x 1 x 3) weights are 9 (3) whole texels, which a tile of one channel would read as
+    windows over 2 texels per tap row."""
     kernels = _conv_kernels(tmp_path, "rows", (1, 4, 8, 8), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1])
     x_reads = [load.argument.name for load in of_type(kernels["forward"], kir.Load)]
     assert x_reads.count(x_reads[0]) == 12
     assert all(_accumulates(kernel, 32) for kernel in kernels.values())
-    for name, x, w, pads in [("odd_height", (1, 4, 5, 8), (4, 1, 3, 3), [1, 1, 1, 1]),
-                             ("one_tap", (1, 4, 8, 8), (4, 1, 1, 3), [0, 1, 0, 1])]:
+    for name, x, w, pads, w_texels in [("odd_height", (1, 4, 5, 8), (4, 1, 3, 3), [1, 1, 1, 1], 9),
+                                       ("one_tap", (1, 4, 8, 8), (4, 1, 1, 3), [0, 1, 0, 1], 3)]:
         kernels = _conv_kernels(tmp_path, name, x, w, group=4, pads=pads)
-        assert all(_accumulates(kernel, 8) for kernel in kernels.values())
+        assert all(_accumulates(kernel, 32) for kernel in kernels.values()), name
+        for kernel in kernels.values():
+            reads = [load.argument.name for load in of_type(kernel, kir.Load)]
+            assert reads.count("in1") == w_texels, (name, kernel.name, reads)
 
 
 def test_conv_transpose_forward(tmp_path) -> None:

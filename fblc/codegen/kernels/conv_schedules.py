@@ -61,14 +61,15 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
         if tile.rows == 1:  # a spatial tile
             # where channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
             k, s = view.window.kernel, view.window.strides
-            schedule = _spatial_rows(budget, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1], split)
+            schedule = _spatial_rows(budget, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1], split,
+                                     across_groups=depthwise(view))
         elif not _sums_instead_of_batches(scratch, view, prefix, tile, masked, budget, split):  # a channel tile
             tile.batches = batch_count(budget, view.out_shape, tile, split)
             schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
         schedule.choices["group_size"] = _group_sizes(table, group, tile, trial(tile))
         return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count), tile.lanes
     if row is not None:
-        tile, schedule = _row_texels(dataclasses.replace(budget, splits=False), view, row, 1)
+        tile, schedule = _row_texels(dataclasses.replace(budget, splits=False), view, row, 1, depthwise(view))
         schedule.choices["group_size"] = (1,)  # its reduction is its texels' own (reduce_guarded)
         return schedule, ConvPlan(view, row=tile), tile.lanes
     return consecutive(1), ConvPlan(view), 0
@@ -140,13 +141,13 @@ def conv_transpose_schedule(table: TextureTable, group: KernelGroup) -> tuple[Sc
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
         schedule = _spatial_rows(budget, view, tile,
                                  lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1, split,
-                                 weights_side_by_side(view))
+                                 weights_side_by_side(view), depthwise(view), transposed=True)
         schedule.choices["group_size"] = _group_sizes(table, group, tile,
                                                       transpose_reduction(scratch, view, prefix, tile))
         return schedule, ConvPlan(view, tile), tile.lanes
     if row is not None and texels_fit(view, row[0]):
         tile, schedule = _row_texels(dataclasses.replace(budget, splits=False), view, row,
-                                     window.strides[row[0] - 2])
+                                     window.strides[row[0] - 2], depthwise(view), transposed=True)
         schedule.choices["group_size"] = (1,)  # its reduction is its texels' own (reduce_guarded)
         return schedule, ConvPlan(view, row=tile), tile.lanes
     return consecutive(1), ConvPlan(view), 0
@@ -164,17 +165,22 @@ def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, split: 
 
 
 def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool],
-                  split: TileSplit | None = None, whole_rows: bool = False) -> Schedule:
+                  split: TileSplit | None = None, whole_rows: bool = False, across_groups: bool = False,
+                  transposed: bool = False) -> Schedule:
     """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
     output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
     along the axis before, `stride` texels apart: of SPATIAL_ROWS that divide it within the target's accumulators
     and STATIC_PRODUCTS products (taps x input channels) per block, the one TileBudget.pick takes (told by
     `split` the work-group each would really get). They share input rows, (rows - 1) * stride + (taps - 1) *
-    dilation + 1 of them read instead of rows * taps."""
+    dilation + 1 of them read instead of rows * taps. With `across_groups` (a depthwise conv) where no output
+    rows stack, rows by 4 of consecutive channels instead (channel_rows), whose weights are whole texels."""
     x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
-    tile.rows, tile.row_step, _, stride = channel_rows(
-        budget, view.out_shape, view.cg_out, (per,),
-        _tiles_of(split, lambda rows: dataclasses.replace(tile, rows=rows[0], row_step=rows[1])), whole_rows)
+
+    def rows_of(across: bool) -> tuple[int, int, int, int]:
+        return channel_rows(budget, view.out_shape, view.cg_out, (per,), _tiles_of(
+            split, lambda rows: dataclasses.replace(tile, rows=rows[0], row_step=rows[1])), whole_rows, across)
+
+    tile.rows, tile.row_step, _, stride = rows_of(False)
     if tile.rows == 1 and budget.tiled and x and stacks(x):
         products = tile.lanes * kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in)
         fits = [rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
@@ -182,12 +188,29 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
         tile.y_rows = budget.pick([*fits, 1], lambda rows: rows * per, _tiles_of(
             split, lambda rows: dataclasses.replace(tile, y_rows=rows, row_axis=x - 1 if rows > 1 else None)))
         tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
+    if across_groups and tile.y_rows == 1:
+        tile.rows, tile.row_step, _, stride = rows_of(True)
+        _enumerate_row_taps(view, tile, transposed)
     return tile_of(tile.rows * tile.y_rows, per, stride)
+
+
+def _enumerate_row_taps(view: ConvShape, tile: ConvTile, transposed: bool) -> None:
+    """Give a depthwise tile of rows by 4 consecutive channels the window axis before its own as `row_axis` (one
+    position along it): its taps are then enumerated in the block, not looped, so the rows' k x k weights are
+    rows * k * k consecutive floats from a multiple of 4 (whole texels at literal lanes) where the block stays
+    within STATIC_PRODUCTS (a ConvTranspose's row taps, conv_transpose.transpose_reduction, only at stride 1)."""
+    x, kernel = tile.axis, view.window.kernel
+    if tile.rows % LANES or not x or kernel[x - 1] == 1 or kernel[x] > TAP_BLOCK:
+        return
+    if transposed and view.window.strides[x - 1] != 1:
+        return
+    if kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in) * tile.lanes <= STATIC_PRODUCTS:
+        tile.row_axis = x - 1
 
 
 def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int],
                  group: Callable[[tuple[int, int, int, int], int], int | None] | None = None,
-                 whole_rows: bool = False) -> tuple[int, int, int, int]:
+                 whole_rows: bool = False, across_groups: bool = False) -> tuple[int, int, int, int]:
     """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
     (of `choices`, largest first) also computes the same positions of rows - 1 more channels of its
     group (cg_out), row_step apart: positions line up with texel columns only every 4 * columns /
@@ -196,10 +219,18 @@ def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choi
     last choice, 1) where none fits, or under naive: one channel. With `whole_rows` (a pointwise transpose:
     consecutive channels' weights side by side in W) rows by 4 of consecutive channels, whose weights are whole
     texels, come first, sharing their reduction in a work-group where their tiles alone leave the device idle;
-    the other tiles are the fallback."""
+    the other tiles are the fallback. With `across_groups` (a depthwise conv: one output channel a group) rows
+    by 4 of consecutive channels from a multiple of 4, one group each: they share no input reads, but their
+    weights and per-channel values are whole texels; only where positions line up with texel columns
+    (row_step 1)."""
     plane = numel(out_shape[2:])
     fits = []
-    if budget.tiled:
+    if budget.tiled and across_groups:
+        for columns in choices:
+            if plane % (LANES * columns) == 0:
+                fits += [(rows, 1, columns, plane // LANES) for rows in CHANNEL_ROWS if rows % LANES == 0
+                         and out_shape[1] % rows == 0 and rows * columns * LANES <= budget.private]
+    elif budget.tiled:
         for columns in choices:
             step = LANES * columns // math.gcd(plane, LANES * columns)
             stride = step * plane // LANES
@@ -224,10 +255,19 @@ def batch_count(budget: TileBudget, out_shape: Sequence[int], tile: ConvTile, sp
                        ) if budget.tiled else 1
 
 
-def _row_texels(budget: TileBudget, view: ConvShape, row: tuple[int, int], multiple: int
-                ) -> tuple[ConvTile, Schedule]:
+def depthwise(view: ConvShape) -> bool:
+    """Whether each output channel of the conv is a group of its own (a depthwise conv)."""
+    return view.groups > 1 and view.cg_out == 1
+
+
+def _row_texels(budget: TileBudget, view: ConvShape, row: tuple[int, int], multiple: int,
+                across_groups: bool = False, transposed: bool = False) -> tuple[ConvTile, Schedule]:
     """A row path's tile (its texels start at a multiple of `multiple`) and schedule."""
     axis, length = row
     choices = (2, 1) if length >= PAIR_ROW else (1,)
-    rows, step, columns, stride = channel_rows(budget, view.out_shape, view.cg_out, choices)
-    return ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step), tile_of(rows, columns, stride)
+    rows, step, columns, stride = channel_rows(budget, view.out_shape, view.cg_out, choices,
+                                               across_groups=across_groups)
+    tile = ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step)
+    if across_groups:
+        _enumerate_row_taps(view, tile, transposed)
+    return tile, tile_of(rows, columns, stride)

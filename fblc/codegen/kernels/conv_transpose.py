@@ -101,17 +101,20 @@ def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, ti
     unrolled too; lane = row * length + position."""
     lane, lanes, multiple, row_axis = tile.axis, tile.length, tile.multiple, tile.row_axis
     assert lane is not None, "a transpose's tile runs along a spatial axis"
-    count, row_step = tile.rows * tile.y_rows, tile.row_step
+    y_rows, row_step = tile.y_rows, tile.row_step
     window, xs, ws = ts.window, ts.xs, ts.ws
     channel = index_var(u, 1)
     g = div_index(channel, ts.cg_out)
+    # a depthwise tile's rows are consecutive groups from a multiple of the rows (channel_rows' across_groups)
+    across = ts.groups > 1 and ts.cg_out == 1 and tile.rows > 1
+    first_group = tile.rows if across else 1
     x_terms = ([Term(index_var(u, 0), xs[0])] if ts.x_shape[0] > 1 else []) + (
-        [Term(g, ts.cg_in * xs[1])] if ts.groups > 1 else [])
+        [Term(g, ts.cg_in * xs[1], first_group)] if ts.groups > 1 else [])
     # consecutive output channels (row_step 1) start at a multiple of the rows (channel_rows: cg_out is one of
     # rows * row_step), so their weights, side by side in W, are whole texels (or pairs of lanes of one: texel.fetch)
     # at literal lanes, not windows
     first_channel = tile.rows if row_step == 1 and row_axis is None else 1
-    w_terms = ([Term(g, ts.cg_in * ws[0])] if ts.groups > 1 else []) + (
+    w_terms = ([Term(g, ts.cg_in * ws[0], first_group)] if ts.groups > 1 else []) + (
         [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1], first_channel)]
         if ts.cg_out > 1 else [])
     scratch = Block(b.numbering)  # numbers the tap loops' variables
@@ -126,17 +129,21 @@ def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, ti
     row_mask, row_taps = None, [(0, 0)]  # (input row from the output row, W offset) of each row tap
     if row_axis is not None:
         first, k_y, d_y = index_var(u, 2 + row_axis), window.kernel[row_axis], window.dilations[row_axis]
-        row_mask = Mask([Term(first, 1, count)], 0, window.out_spatial[row_axis] - count, window.in_spatial[row_axis])
-        x_terms.append(Term(first, xs[2 + row_axis], count))
+        row_mask = Mask([Term(first, 1, y_rows)], 0, window.out_spatial[row_axis] - y_rows,
+                        window.in_spatial[row_axis])
+        x_terms.append(Term(first, xs[2 + row_axis], y_rows))
         row_taps = [(window.pads_begin[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
-    # the next tile row: row_step output channels on, or with row_axis the next output row (row_position)
-    row_x, row_w = (xs[2 + row_axis], 0) if row_axis is not None else (0, row_step * ws[1])
+    # the next output row along row_axis (row_position); the next tile row: row_step output channels on, or
+    # with `across` the next group
+    row_x = xs[2 + row_axis] if row_axis is not None else 0
+    channel_x, channel_w = (ts.cg_in * xs[1], ts.cg_in * ws[0]) if across else (0, row_step * ws[1])
 
     def products(channels: range) -> list[Product]:  # o + v must be a multiple of s
-        return [Product(row * lanes + i, c * xs[1] + (v // s) * x_step + (row + row_tap) * row_x,
-                        c * ws[0] + t * w_step + w_row + row * row_w, v // s, row + row_tap)
+        return [Product((row * y_rows + y_row) * lanes + i,
+                        c * xs[1] + row * channel_x + (v // s) * x_step + (y_row + row_tap) * row_x,
+                        c * ws[0] + row * channel_w + t * w_step + w_row, v // s, y_row + row_tap)
                 for c in channels for row_tap, w_row in row_taps for t in range(k) for i in range(lanes)
-                for v in (i + pad - t * d,) if v % s == 0 for row in range(count)]
+                for v in (i + pad - t * d,) if v % s == 0 for row in range(tile.rows) for y_row in range(y_rows)]
 
     first_channel = products(range(1))
     positions, rows_at = [p.position for p in first_channel], [p.row_position for p in first_channel]
