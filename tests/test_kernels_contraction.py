@@ -98,7 +98,7 @@ CASES = {
     "matmul_1d_2d": ([_node("MatMul", ["a", "b"])], {"a": (6,), "b": (6, 4)}),
     "matmul_2d_1d_odd_k": ([_node("MatMul", ["a", "b"])], {"a": (3, 5), "b": (5,)}),  # K % 4 != 0: scalar tail
     "gemm_trans_alpha_beta": ([_node("Gemm", ["a", "b", "c"], transA=1, transB=1, alpha=0.5, beta=2.0)],
-                              {"a": (8, 3), "b": (5, 8), "c": (5,)}),
+                              {"a": (8, 3), "b": (7, 8), "c": (7,)}),  # rows of 7: B^T's columns K apart
     "gemm_plain_column_c": ([_node("Gemm", ["a", "b", "c"])], {"a": (4, 6), "b": (6, 3), "c": (4, 1)}),
     "conv2d": conv((2, 3, 6, 6), (4, 3, 3, 3)),
     "conv2d_strided_asym_pads": conv((1, 2, 7, 6), (3, 2, 3, 2), strides=[2, 2], pads=[1, 0, 0, 1]),
