@@ -121,6 +121,17 @@ def test_activation_fused_after_matmul(tmp_path, op_type: str, attributes: dict[
     _check(tmp_path, model)
 
 
+def test_exact_gelu_after_a_matmul_in_buffers(tmp_path) -> None:
+    """Exact Gelu (the preamble's erf_rational, as Erf's) in a MatMul's epilogue, in buffer storage too:
+    onnxruntime's numbers (test_unary_activation and test_activation_fused_after_matmul: image storage)."""
+    extra = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc")]
+    op = helper.make_node("Gelu", ["h"], ["y"], name="act")
+    path = str(tmp_path / "model.onnx")
+    onnx.save(_model(op, [6, 12], {"x": _randn(6, 8, scale=2.0), "w": _randn(8, 12, seed=2)}, extra=extra), path)
+    rows = verify_model(path, TrainingOptions(loss="output", optimizer=SGD), storage="buffer")
+    assert rows and not [r for r in rows if not r.ok], [r for r in rows if not r.ok]
+
+
 @pytest.mark.parametrize("ops", [["Floor"], ["Floor", "Sign"], ["Ceil"], ["Round"]], ids=_ids)
 def test_floor_and_sign(tmp_path, ops: list[str]) -> None:
     """Rounding ops on the model input x (random normal feeds): y = w * f(x), whose backward reads

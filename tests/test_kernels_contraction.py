@@ -98,7 +98,7 @@ CASES = {
     "matmul_1d_2d": ([_node("MatMul", ["a", "b"])], {"a": (6,), "b": (6, 4)}),
     "matmul_2d_1d_odd_k": ([_node("MatMul", ["a", "b"])], {"a": (3, 5), "b": (5,)}),  # K % 4 != 0: scalar tail
     "gemm_trans_alpha_beta": ([_node("Gemm", ["a", "b", "c"], transA=1, transB=1, alpha=0.5, beta=2.0)],
-                              {"a": (8, 3), "b": (5, 8), "c": (5,)}),
+                              {"a": (8, 3), "b": (7, 8), "c": (7,)}),  # rows of 7: B^T's columns K apart
     "gemm_plain_column_c": ([_node("Gemm", ["a", "b", "c"])], {"a": (4, 6), "b": (6, 3), "c": (4, 1)}),
     "conv2d": conv((2, 3, 6, 6), (4, 3, 3, 3)),
     "conv2d_strided_asym_pads": conv((1, 2, 7, 6), (3, 2, 3, 2), strides=[2, 2], pads=[1, 0, 0, 1]),
@@ -165,6 +165,9 @@ TEXEL_CASES = {
                      {"forward": "texel", "grad": "texel"}),
     "matmul_texel_k36_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 36), "b": (36, 4)},
                                  {"forward": "texel", "grad": "texel"}),
+    # attention's scores over 7 tokens (N % 4 != 0, batched B): texels within a row of scores reduce texel-wide
+    "matmul_attention_rows": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 7, 8), "b": (2, 3, 8, 7)},
+                              {"forward": "row", "grad": "row texel"}),
     "gemm_texel_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
                            {"a": (3, 20), "b": (8, 20), "c": (8,)}, {"forward": "texel", "grad": "texel"}),
     "gemm_texel_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
@@ -293,11 +296,13 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
 
 
-@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows"])
+@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows",
+                                  "matmul_attention_rows"])
 def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
-    """Tiles that were per lane until issue 39's unseen models (a conv weight gradient's blocks of fewer
-    channels, a MatMul's rows across A's batch), in buffer storage too."""
-    nodes, inits, _ = TILE_CASES[name]
+    """Tiles and texel-wide rows that were per lane until issue 39's unseen models (a conv weight gradient's
+    blocks of fewer channels, a MatMul's rows across A's batch, attention's rows of 7 scores), in buffer storage
+    too (whose row texels read B' with unaligned vload4s)."""
+    nodes, inits, _ = (TILE_CASES | TEXEL_CASES)[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
 
 
@@ -539,12 +544,12 @@ def _half_images() -> bool:
 
 # conv2d_bias_1x1: its input gradient a Conv over a packed transposed W (pointwise_transposes), kept fp32
 @pytest.mark.parametrize("name", ["matmul_3d_broadcast", "conv2d_strided_asym_pads", "conv_depthwise_rows_dilated",
-                                  "conv2d_bias_1x1"])
+                                  "conv2d_bias_1x1", "matmul_attention_rows"])
 def test_contraction_step_fp16(name: str, tmp_path) -> None:
     """Half textures, fp32 accumulation: within the fp16 tolerance of verify."""
     if not _half_images():
         pytest.skip("this OpenCL device has no RGBA half-float images")
-    nodes, inits = CASES[name] if name in CASES else TILE_CASES[name][:2]
+    nodes, inits = CASES[name] if name in CASES else (TILE_CASES | TEXEL_CASES)[name][:2]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), dtype="fp16")
 
 

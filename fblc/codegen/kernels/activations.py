@@ -35,7 +35,7 @@ def softplus(value: Expr) -> Expr:
 
 #: opset 20's Gelu: 0.5 x (1 + erf(x / sqrt 2)), or approximate='tanh': 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 GELU_FORMS: dict[str, Callable[[Expr], Expr]] = {
-    "none": lambda v: f(0.5) * v * (f(1.0) + call("erf", v * f(math.sqrt(0.5)))),
+    "none": lambda v: f(0.5) * v * (f(1.0) + call("erf_rational", v * f(math.sqrt(0.5)), dtype=FLOAT)),
     "tanh": lambda v: f(0.5) * v * (f(1.0) + call(
         "tanh", f(math.sqrt(2.0 / math.pi)) * call("fma", f(0.044715) * v * v, v, v))),
 }

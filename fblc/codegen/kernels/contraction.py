@@ -6,7 +6,10 @@ are evaluated on it and every value in `group.outputs` is written.
 
 Texel-wide (texel.py) when N, the output's innermost axis, is a multiple of 4: a texel's
 lanes are 4 consecutive columns, so they share A's row (read once, as texels along K) and
-read B' four columns at a time. Otherwise one lane computes one element with `dot_loop`.
+read B' four columns at a time. When N is not a multiple of 4 but at least ROW_MIN (attention's
+scores over 65 tokens), the texels within one output row take that path too, B' read at an unaligned
+column, and the few that cross a row compute per lane (reduce_guarded). Otherwise one lane computes
+one element with `dot_loop`.
 """
 
 from __future__ import annotations
@@ -239,48 +242,72 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits
     (_, a_row), (_, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
     texel = texel_columns(b.out_shape, w_axes, has_n)
-    prefix = TEXEL_INDEX if texel else OUT_INDEX
-    m_var = index_var(prefix, batch) if has_m else const(0)
-    n_var = index_var(prefix, batch + has_m) if has_n else const(0)
+    # N % 4 != 0 (a ViT's 65 tokens): texels within one output row reduce their 4 columns together, the
+    # few that cross a row per lane (reduce_guarded); the schedule keeps such a kernel at one texel per item
+    row = None if texel or not (has_m and has_n) or b.schedule.texels_per_item != 1 else row_axis(b.out_shape)
+    if row is not None and row[0] != len(b.out_shape) - 1:
+        row = None
     rows, columns = b.schedule.tile_rows, b.schedule.tile_columns  # kernels/schedules.py: 1 off the texel path
-    var_multiples: dict[Expr, int] = {n_var: LANES, m_var: rows} if texel else {}
-    multiples: dict[Expr, int] = {}
 
-    def base(axes: list[Digits], kept: Expr, kept_axis: int) -> Terms:
-        """Index terms over the batch axes and the kept matrix axis, dropping axes of extent 1. A folded
-        axis gives a term per digit; its innermost digit `v % e` is a multiple of gcd(multiple of v, e)."""
-        terms: Terms = []
-        indexed = [(index_var(prefix, batch - len(axes) + 2 + k), axes[k]) for k in range(len(axes) - 2)]
-        for var, digits in indexed + [(kept, axes[kept_axis])]:
-            if np.prod([extent for extent, _ in digits]) != 1:
-                terms += digit_terms(var, digits)
-                if len(digits) > 1:
-                    multiples[terms[-1][0]] = int(np.gcd(var_multiples.get(var, 1), digits[-1][0]))
-        return terms
+    def operand_terms(prefix: str, tiled: bool) -> tuple[Terms, Terms, dict[Expr, int], Expr, Expr]:
+        """A' and B' base terms for the output index named by `prefix`, what the index variables are multiples
+        of (`tiled`: n the texel's first column, m the tile's first row), and the m and n variables."""
+        m_var = index_var(prefix, batch) if has_m else const(0)
+        n_var = index_var(prefix, batch + has_m) if has_n else const(0)
+        var_multiples: dict[Expr, int] = {n_var: LANES, m_var: rows} if tiled else {}
+        multiples: dict[Expr, int] = {}
 
-    a_terms, w_terms = base(a_axes, m_var, -2), base(w_axes, n_var, -1)
-    if texel and has_m and rows > 1 and merged_rows(a_axes, w_axes):  # a tile's rows may cross A's batch axes:
-        # A's row is the output's flat row over them (the builder declares the multi-index from it)
-        batch_vars = [index_var(prefix, batch - len(a_axes) + 2 + k) for k in range(len(a_axes) - 2)]
-        extents = [math.prod(extent for extent, _ in axis) for axis in a_axes[:-1]]
-        flat_row = flat_index([(var, math.prod(extents[k + 1:])) for k, var in enumerate([*batch_vars, m_var])])
-        a_terms = [(flat_row, a_row)]
-        multiples[flat_row] = LANES  # the tile's first row: a multiple of its rows (4, 8 or 16)
-    loops = [Loop.over(b.body.var("kd", INT), 0, extent, a_stride, w_stride, extent)
-             for (extent, a_stride), (_, w_stride) in zip(a_outer, w_outer)]
-    if not texel:
-        acc = b.body.mutable(const(0.0, FLOAT), "acc")
-        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), b.body, loops)
+        def base(axes: list[Digits], kept: Expr, kept_axis: int) -> Terms:
+            """Index terms over the batch axes and the kept matrix axis, dropping axes of extent 1. A folded
+            axis gives a term per digit; its innermost digit `v % e` is a multiple of gcd(multiple of v, e)."""
+            terms: Terms = []
+            indexed = [(index_var(prefix, batch - len(axes) + 2 + k), axes[k]) for k in range(len(axes) - 2)]
+            for var, digits in indexed + [(kept, axes[kept_axis])]:
+                if np.prod([extent for extent, _ in digits]) != 1:
+                    terms += digit_terms(var, digits)
+                    if len(digits) > 1:
+                        multiples[terms[-1][0]] = int(np.gcd(var_multiples.get(var, 1), digits[-1][0]))
+            return terms
+
+        a_terms, w_terms = base(a_axes, m_var, -2), base(w_axes, n_var, -1)
+        if tiled and has_m and rows > 1 and merged_rows(a_axes, w_axes):  # a tile's rows may cross A's batch axes:
+            # A's row is the output's flat row over them (the builder declares the multi-index from it)
+            batch_vars = [index_var(prefix, batch - len(a_axes) + 2 + k) for k in range(len(a_axes) - 2)]
+            extents = [math.prod(extent for extent, _ in axis) for axis in a_axes[:-1]]
+            flat_row = flat_index([(var, math.prod(extents[k + 1:])) for k, var in enumerate([*batch_vars, m_var])])
+            a_terms = [(flat_row, a_row)]
+            multiples[flat_row] = LANES  # the tile's first row: a multiple of its rows (4, 8 or 16)
+        return a_terms, w_terms, multiples, m_var, n_var
+
+    def k_loops() -> list[Loop]:
+        return [Loop.over(b.body.var("kd", INT), 0, extent, a_stride, w_stride, extent)
+                for (extent, a_stride), (_, w_stride) in zip(a_outer, w_outer)]
+
+    def per_lane(block: Block) -> Expr:
+        """The lane's own dot product (prefix OUT_INDEX) built into `block`: its accumulator."""
+        a_terms, w_terms, _, _, _ = operand_terms(OUT_INDEX, False)
+        acc = block.mutable(const(0.0, FLOAT), "acc")
+        dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), block,
+                 k_loops())
         return acc
+
+    if not texel and row is None:
+        return per_lane(b.body)
+    a_terms, w_terms, multiples, m_var, n_var = operand_terms(TEXEL_INDEX, texel)
     # what the index variables are multiples of: the texel's lanes, the tile's rows, folded axes' digits
-    known = {n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) | multiples
+    known = ({n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) if texel else {}) | multiples
     width = LANES * columns
     steps = block_steps(rows, columns)
     blocked = Blocked(k_inner, steps, a_step, w_step, 0,
                       lambda indices: _tile_products(indices, rows, width, a_step, a_row, w_step, w_lane))
     a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])
                             for root, terms in ((a_root, a_terms), (w_root, w_terms)))
-    return reduce_into(b, lambda _: Reduction(a_operand, w_operand, blocked, loops), rows * width)
+    def build(_: Block) -> Reduction:
+        return Reduction(a_operand, w_operand, blocked, k_loops())
+
+    if row is not None:  # texels within one row reduce together, the ones across two per lane
+        return reduce_guarded(b, n_var.le(row[1] - LANES), build, per_lane)
+    return reduce_into(b, build, rows * width)
 
 
 @register_kernel("MatMul")

@@ -21,6 +21,23 @@ FEATURE_TESTS = """\
 HELPERS = FEATURE_TESTS + """\
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
+// erf(a) within 5e-7 (absolute and relative, tests/test_erf_rational.py) as a rational function of odd degree
+// 13 over even degree 8 on [-4, 4], where |erf| rounds to 1 beyond (Eigen's generic_fast_erf_float): a
+// dozen multiply-adds and a division, where a library erf takes ~30x as long on PoCL (GELU's epilogues)
+inline float erf_rational(float a) {
+  const float x = clamp(a, -4.0f, 4.0f), x2 = x * x;
+  float p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
+  p = x2 * p - 2.10102402082508e-06f;
+  p = x2 * p - 5.69250639462346e-05f;
+  p = x2 * p - 7.34990630326855e-04f;
+  p = x2 * p - 2.95459980854025e-03f;
+  p = x2 * p - 1.60960333262415e-02f;
+  float q = x2 * -1.45660718464996e-05f - 2.13374055278905e-04f;
+  q = x2 * q - 1.68282697438203e-03f;
+  q = x2 * q - 7.37332916720468e-03f;
+  q = x2 * q - 1.42647390514189e-02f;
+  return isnan(a) ? a : x * p / q;  // clamp would turn a NaN into -1
+}
 inline int wrap_row(int r, int n) { return r < 0 ? r + n : r; }  // ONNX: a negative index counts from the end
 // elements s..s+3 of the 8 in texels a, b (s in 0..3, known at run time). Branches, not a chain of
 // ?: over vector literals, which oclgrind's compiler got wrong (a conv's sums changed)
