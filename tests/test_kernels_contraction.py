@@ -258,7 +258,11 @@ TILE_CASES = {
     # a last stage's dY map (2 x 2) smaller than its 3 x 3 taps: the same tile (was per lane); and dY rows of
     # 16 under a batch of 4 (4 x 16 x 36 products a block of 4 channels: blocks of 1 keep it within STATIC_PRODUCTS)
     "conv3x3_weight_grad_small_map": (*conv((4, 8, 2, 2), (8, 8, 3, 3), pads=[1, 1, 1, 1]),
-                                      {"forward": "tile", "dx": "lane", "dw": "tile"}),
+                                      {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # its input gradient: a plane tile (whole 2 x 2 planes of 8 channels, was per lane); a strided conv's over
+    # planes of 3 x 5 (rows neither of 4 texels nor of ROW_MIN): 4 channels' planes, 60 lanes
+    "conv3x3_transpose_plane_strided": (*conv((2, 4, 3, 5), (8, 4, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
+                                        {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_channel_blocks": (*conv((4, 4, 6, 16), (4, 4, 3, 3), pads=[1, 1, 1, 1]),
                                            {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_batch_shared": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
@@ -286,10 +290,11 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
 
 
-@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows"])
+@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows",
+                                  "conv3x3_weight_grad_small_map"])
 def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
     """Tiles that were per lane until issue 39's unseen models (a conv weight gradient's blocks of fewer
-    channels, a MatMul's rows across A's batch), in buffer storage too."""
+    channels, a MatMul's rows across A's batch, an input gradient's plane tile), in buffer storage too."""
     nodes, inits, _ = TILE_CASES[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
 
