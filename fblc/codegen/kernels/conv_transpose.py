@@ -122,18 +122,24 @@ def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, ti
     k, s, d = window.kernel[lane], window.strides[lane], window.dilations[lane]
     n, pad, length = window.in_spatial[lane], window.pads_begin[lane], window.out_spatial[lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
-    origin = div_index(index_var(u, 2 + lane), s)  # o / s: a multiple of multiple / s (0 on a whole axis)
-    x_terms.append(Term(origin, x_step, max(1, multiple // s)))
-    mask = Mask([Term(origin, 1, max(1, multiple // s))], 0, (length - lanes) // s, n)
+    origin = div_index(index_var(u, 2 + lane), s)  # o / s: a multiple of multiple / s
+    if lanes == length:  # a plane tile walks the whole axis from 0: no runtime term (its reads' texels literals)
+        mask = Mask([], 0, 0, n)
+    else:
+        x_terms.append(Term(origin, x_step, multiple // s))
+        mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
     row_mask, row_taps, row_x, s_y = None, [(0, 0)], 0, 1  # (input row's numerator from the output row, W offset)
     if row_axis is not None:  # consecutive output rows from a multiple of y_rows: the tap's input row is
         # (row + pad - t * d) / s, a literal where the stride is 1 or the tile covers the whole axis (first is 0)
         first, k_y, d_y = index_var(u, 2 + row_axis), window.kernel[row_axis], window.dilations[row_axis]
         s_y = window.strides[row_axis]
         assert s_y == 1 or y_rows == window.out_spatial[row_axis], "a strided row axis is walked whole"
-        row_mask = Mask([Term(first, 1, y_rows)], 0, window.out_spatial[row_axis] - y_rows,
-                        window.in_spatial[row_axis])
-        x_terms.append(Term(first, xs[2 + row_axis], y_rows))
+        if y_rows == window.out_spatial[row_axis]:  # walked whole from 0, as the lane axis above
+            row_mask = Mask([], 0, 0, window.in_spatial[row_axis])
+        else:
+            row_mask = Mask([Term(first, 1, y_rows)], 0, window.out_spatial[row_axis] - y_rows,
+                            window.in_spatial[row_axis])
+            x_terms.append(Term(first, xs[2 + row_axis], y_rows))
         row_taps = [(window.pads_begin[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
         row_x = xs[2 + row_axis]
 
