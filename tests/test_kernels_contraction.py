@@ -263,6 +263,9 @@ TILE_CASES = {
     # planes of 3 x 5 (rows neither of 4 texels nor of ROW_MIN): 4 channels' planes, 60 lanes
     "conv3x3_transpose_plane_strided": (*conv((2, 4, 3, 5), (8, 4, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
                                         {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # a depthwise one's over 4 x 2 planes (MobileNetV2's last maps): one channel's plane, 2 texels read at literal lanes
+    "conv_depthwise_transpose_plane": (*conv((2, 8, 4, 2), (8, 1, 3, 3), group=8, pads=[1, 1, 1, 1]),
+                                       {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_channel_blocks": (*conv((4, 4, 6, 16), (4, 4, 3, 3), pads=[1, 1, 1, 1]),
                                            {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_batch_shared": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
