@@ -268,7 +268,14 @@ TILE_CASES = {
     # a last stage's dY map (2 x 2) smaller than its 3 x 3 taps: the same tile (was per lane); and dY rows of
     # 16 under a batch of 4 (4 x 16 x 36 products a block of 4 channels: blocks of 1 keep it within STATIC_PRODUCTS)
     "conv3x3_weight_grad_small_map": (*conv((4, 8, 2, 2), (8, 8, 3, 3), pads=[1, 1, 1, 1]),
-                                      {"forward": "tile", "dx": "lane", "dw": "tile"}),
+                                      {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # its input gradient: a plane tile (whole 2 x 2 planes of 8 channels, was per lane); a strided conv's over
+    # planes of 3 x 5 (rows neither of 4 texels nor of ROW_MIN): 4 channels' planes, 60 lanes
+    "conv3x3_transpose_plane_strided": (*conv((2, 4, 3, 5), (8, 4, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
+                                        {"forward": "tile", "dx": "tile", "dw": "tile"}),
+    # a depthwise one's over 4 x 2 planes (MobileNetV2's last maps): one channel's plane, 2 texels read at literal lanes
+    "conv_depthwise_transpose_plane": (*conv((2, 8, 4, 2), (8, 1, 3, 3), group=8, pads=[1, 1, 1, 1]),
+                                       {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_channel_blocks": (*conv((4, 4, 6, 16), (4, 4, 3, 3), pads=[1, 1, 1, 1]),
                                            {"forward": "tile", "dx": "tile", "dw": "tile"}),
     "conv3x3_weight_grad_batch_shared": (*conv((4, 4, 20, 20), (8, 4, 3, 3), pads=[1, 1, 1, 1]),
@@ -297,11 +304,11 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows",
-                                  "matmul_attention_rows"])
+                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map"])
 def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
     """Tiles and texel-wide rows that were per lane until issue 39's unseen models (a conv weight gradient's
-    blocks of fewer channels, a MatMul's rows across A's batch, attention's rows of 7 scores), in buffer storage
-    too (whose row texels read B' with unaligned vload4s)."""
+    blocks of fewer channels, a MatMul's rows across A's batch, attention's rows of 7 scores, an input
+    gradient's plane tile), in buffer storage too (whose row texels read B' with unaligned vload4s)."""
     nodes, inits, _ = (TILE_CASES | TEXEL_CASES)[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
 

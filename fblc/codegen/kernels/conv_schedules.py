@@ -26,6 +26,7 @@ from fblc.codegen.schedule import Schedule, consecutive, reduction_choices
 from fblc.codegen.schedule import tile as tile_of
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import numel, static_shape
+from fblc.compiler.window import Window
 
 # A conv's register tile (R-Tile codegen; docs/ARCHITECTURE.md §3, "Under `--layout rtile`") within PRIVATE_FLOATS
 # accumulators. A saved mask whose bytes it splits falls back to r_mask4 (schedule.pairs_mask_bytes): twice the
@@ -150,7 +151,51 @@ def conv_transpose_schedule(table: TextureTable, group: KernelGroup) -> tuple[Sc
                                      window.strides[row[0] - 2], depthwise(view), transposed=True)
         schedule.choices["group_size"] = (1,)  # its reduction is its texels' own (reduce_guarded)
         return schedule, ConvPlan(view, row=tile), tile.lanes
+    scratch = ValueReads(table, static_shape(group.outputs[0]))
+    prefix = FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX
+    split = _tile_group(table, group, lambda candidate: transpose_reduction(scratch, view, prefix, candidate))
+    tile = plane_tile(budget, view, split)
+    if tile is not None:
+        schedule = consecutive(tile.lanes // LANES)
+        schedule.choices["group_size"] = _group_sizes(table, group, tile,
+                                                      transpose_reduction(scratch, view, prefix, tile))
+        return schedule, ConvPlan(view, tile, names_taken=scratch.numbering.count), tile.lanes
     return consecutive(1), ConvPlan(view), 0
+
+
+def _taps_hit(window: Window, axis: int) -> int:
+    """(output position, tap) pairs of a transpose's window axis `axis` that read an input pixel."""
+    k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
+    n, pad = window.in_spatial[axis], window.pads_begin[axis]
+    return sum(1 for o in range(window.out_spatial[axis]) for t in range(k)
+               for v in (o + pad - t * d,) if v % s == 0 and 0 <= v // s < n)
+
+
+def plane_tile(budget: TileBudget, view: ConvShape, split: TileSplit | None = None) -> ConvTile | None:
+    """A transpose's plane tile, where its output rows take neither a spatial tile nor the row path (planes
+    smaller than a texel row: a last stage's 2 x 2 maps; strides that do not divide 4): a work-item computes the
+    whole output planes of `rows` consecutive channels of one batch element (consecutive texels: rows x plane
+    elements, a multiple of 4), every lane's taps literals, the input planes read as whole texels. Of CHANNEL_ROWS
+    (and 1) whose elements are whole texels, within the target's accumulators and STATIC_PRODUCTS products (of
+    taps that hit, x input channels) per block, TileBudget.pick's (told by `split` the work-group each would
+    really get); the fewest under naive. None where no plane fits (or more than two axes vary)."""
+    window, spatial = view.window, len(view.window.kernel)
+    if not 1 <= spatial <= 2 or any(k > TAP_BLOCK for k in window.kernel):
+        return None
+    plane, hits = numel(view.out_shape[2:]), math.prod(_taps_hit(window, axis) for axis in range(spatial))
+    x, y = spatial - 1, (spatial - 2 if spatial == 2 else None)
+    channels = min(CHANNEL_BLOCK, view.cg_in)
+    fits = [rows for rows in (*CHANNEL_ROWS, 1) if view.cg_out % rows == 0 and rows * plane % LANES == 0
+            and rows * plane <= budget.private and rows * hits * channels <= STATIC_PRODUCTS]
+    if not fits:
+        return None
+
+    def tile(rows: int) -> ConvTile:
+        return ConvTile(rows, view.out_shape[2 + x], x, y_rows=view.out_shape[2 + y] if y is not None else 1,
+                        row_axis=y)
+
+    rows = budget.pick(fits, lambda rows: rows * plane // LANES, _tiles_of(split, tile)) if budget.tiled else fits[-1]
+    return tile(rows)
 
 
 def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, split: TileSplit | None = None) -> int:

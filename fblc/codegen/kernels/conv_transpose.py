@@ -5,7 +5,8 @@ Texel-wide (see texel.py and conv.py) when the output's innermost non-unit axis 
 and its stride divides 4: a work-item's lanes (4 to 20) are consecutive positions along it, whose taps (which lane
 takes which tap is then a literal) share the weights and read their inputs as whole texels. Rows of another
 length >= ROW_MIN (texels_fit): the texels within one row do the same, the ones across two rows run per
-lane. Under R-Tile codegen the register tiles of docs/ARCHITECTURE.md §3 ("Under `--layout rtile`"): output
+lane. Output planes too small for either (a last stage's 2 x 2 maps) or whose axes do not fit: a plane tile, whole
+planes of consecutive output channels (conv_schedules.plane_tile), every lane's taps literals. Under R-Tile codegen the register tiles of docs/ARCHITECTURE.md §3 ("Under `--layout rtile`"): output
 channels' weights lie side by side in W [C_in, C_out / group, k...].
 """
 
@@ -97,23 +98,24 @@ def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, ti
     """Texel-wide ConvTranspose, the `length` consecutive outputs of `tile` along its spatial `axis` from a multiple of
     its `multiple` (the stride divides it: which taps a lane takes is a literal; `u` names the first output's index
     variables): input channels in blocks of 4, taps unrolled. Its rows: the same positions of output channels
-    `row_step` apart, or with `row_axis` (a stride-1 spatial axis) consecutive positions along it, whose taps are
-    unrolled too; lane = row * length + position."""
+    `row_step` apart, and/or with `row_axis` (a stride-1 spatial axis, or any axis the tile walks whole: a plane
+    tile) consecutive positions along it, whose taps are unrolled too; lane = (row * y_rows + y_row) * length +
+    position."""
     lane, lanes, multiple, row_axis = tile.axis, tile.length, tile.multiple, tile.row_axis
     assert lane is not None, "a transpose's tile runs along a spatial axis"
-    y_rows, row_step = tile.y_rows, tile.row_step
+    rows, y_rows, row_step = tile.rows, tile.y_rows, tile.row_step
     window, xs, ws = ts.window, ts.xs, ts.ws
     channel = index_var(u, 1)
     g = div_index(channel, ts.cg_out)
     # a depthwise tile's rows are consecutive groups from a multiple of the rows (channel_rows' across_groups)
-    across = ts.groups > 1 and ts.cg_out == 1 and tile.rows > 1
+    across = ts.groups > 1 and ts.cg_out == 1 and rows > 1
     first_group = tile.rows if across else 1
     x_terms = ([Term(index_var(u, 0), xs[0])] if ts.x_shape[0] > 1 else []) + (
         [Term(g, ts.cg_in * xs[1], first_group)] if ts.groups > 1 else [])
     # consecutive output channels (row_step 1) start at a multiple of the rows (channel_rows: cg_out is one of
-    # rows * row_step), so their weights, side by side in W, are whole texels (or pairs of lanes of one: texel.fetch)
-    # at literal lanes, not windows
-    first_channel = tile.rows if row_step == 1 and row_axis is None else 1
+    # rows * row_step; a plane tile's whole planes), so their weights, side by side in W, are whole texels (or
+    # pairs of lanes of one: texel.fetch) at literal lanes, not windows
+    first_channel = rows if row_step == 1 else 1
     w_terms = ([Term(g, ts.cg_in * ws[0], first_group)] if ts.groups > 1 else []) + (
         [Term(mod_index(channel, ts.cg_out) if ts.groups > 1 else channel, ws[1], first_channel)]
         if ts.cg_out > 1 else [])
@@ -124,26 +126,35 @@ def transpose_reduction(b: KernelBuilder | ValueReads, ts: ConvShape, u: str, ti
     n, pad, length = window.in_spatial[lane], window.pads_begin[lane], window.out_spatial[lane]
     x_step, w_step = xs[2 + lane], ws[2 + lane]
     origin = div_index(index_var(u, 2 + lane), s)  # o / s: a multiple of multiple / s
-    x_terms.append(Term(origin, x_step, multiple // s))
-    mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
-    row_mask, row_taps = None, [(0, 0)]  # (input row from the output row, W offset) of each row tap
-    if row_axis is not None:
+    if lanes == length:  # a plane tile walks the whole axis from 0: no runtime term (its reads' texels literals)
+        mask = Mask([], 0, 0, n)
+    else:
+        x_terms.append(Term(origin, x_step, multiple // s))
+        mask = Mask([Term(origin, 1, multiple // s)], 0, (length - lanes) // s, n)
+    row_mask, row_taps, row_x, s_y = None, [(0, 0)], 0, 1  # (input row's numerator from the output row, W offset)
+    if row_axis is not None:  # consecutive output rows from a multiple of y_rows: the tap's input row is
+        # (row + pad - t * d) / s, a literal where the stride is 1 or the tile covers the whole axis (first is 0)
         first, k_y, d_y = index_var(u, 2 + row_axis), window.kernel[row_axis], window.dilations[row_axis]
-        row_mask = Mask([Term(first, 1, y_rows)], 0, window.out_spatial[row_axis] - y_rows,
-                        window.in_spatial[row_axis])
-        x_terms.append(Term(first, xs[2 + row_axis], y_rows))
+        s_y = window.strides[row_axis]
+        assert s_y == 1 or y_rows == window.out_spatial[row_axis], "a strided row axis is walked whole"
+        if y_rows == window.out_spatial[row_axis]:  # walked whole from 0, as the lane axis above
+            row_mask = Mask([], 0, 0, window.in_spatial[row_axis])
+        else:
+            row_mask = Mask([Term(first, 1, y_rows)], 0, window.out_spatial[row_axis] - y_rows,
+                            window.in_spatial[row_axis])
+            x_terms.append(Term(first, xs[2 + row_axis], y_rows))
         row_taps = [(window.pads_begin[row_axis] - t * d_y, t * ws[2 + row_axis]) for t in range(k_y)]
-    # the next output row along row_axis (row_position); the next tile row: row_step output channels on, or
-    # with `across` the next group
-    row_x = xs[2 + row_axis] if row_axis is not None else 0
+        row_x = xs[2 + row_axis]
+    # the next tile row: row_step output channels on, or with `across` the next group
     channel_x, channel_w = (ts.cg_in * xs[1], ts.cg_in * ws[0]) if across else (0, row_step * ws[1])
 
-    def products(channels: range) -> list[Product]:  # o + v must be a multiple of s
+    def products(channels: range) -> list[Product]:  # o + v must be a multiple of s (and of s_y along rows)
         return [Product((row * y_rows + y_row) * lanes + i,
-                        c * xs[1] + row * channel_x + (v // s) * x_step + (y_row + row_tap) * row_x,
-                        c * ws[0] + row * channel_w + t * w_step + w_row, v // s, y_row + row_tap)
+                        c * xs[1] + row * channel_x + (v // s) * x_step + (y_row + row_tap) // s_y * row_x,
+                        c * ws[0] + row * channel_w + t * w_step + w_row, v // s, (y_row + row_tap) // s_y)
                 for c in channels for row_tap, w_row in row_taps for t in range(k) for i in range(lanes)
-                for v in (i + pad - t * d,) if v % s == 0 for row in range(tile.rows) for y_row in range(y_rows)]
+                for v in (i + pad - t * d,) if v % s == 0 for row in range(rows) for y_row in range(y_rows)
+                if (y_row + row_tap) % s_y == 0]
 
     first_channel = products(range(1))
     positions, rows_at = [p.position for p in first_channel], [p.row_position for p in first_channel]
