@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 from fblc.bundle_format import HALF_BUILD_OPTION
 from fblc.codegen.compile import compile_model
 from fblc.compiler import keys
+from fblc.compiler.index_map import view_root
 from fblc.compiler.loss_scale import INITIAL_SCALE
 from fblc.compiler.model_io import load_model
 from fblc.compiler.optimizers import OptimizerConfig
@@ -88,6 +89,33 @@ def test_fp16_keeps_row_statistics_in_fp32() -> None:
                       or n.op_type == "LayerNormalization" for v in n.outputs[n.op_type == "LayerNormalization":]]
         assert len(statistics) >= 4 and {stored[name] for name in statistics} == {"fp32"}, stored
         assert stored["n"] == ("fp16" if dtype == "fp16" else "fp32")
+
+
+def test_fp16_keeps_a_weight_gradient_that_is_moved_into_place_in_fp32() -> None:
+    """Golden: a strided conv's weight gradient is a wider map that a Slice (after a Reshape view) cuts to the
+    kernel's taps; under --dtype fp16 that map is stored fp32 like the parameter gradient it becomes (in half
+    it would round, or overflow under the loss scale). Negative: the activation gradient feeding it stays half,
+    and everything is fp32 under --dtype fp32."""
+    from fblc.passes.pipeline import compile_pipeline, run_passes
+    from fblc.profiles.profile import load_profile
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], group=8, strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Tanh", ["c"], ["t"]), helper.make_node("ReduceSum", ["t"], ["y"], keepdims=0)]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 12, 12])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                       {"w": rng.standard_normal((8, 1, 3, 3)).astype(np.float32)})
+    for dtype in ("fp16", "fp32"):
+        options = TrainingOptions(loss="output", dtype=dtype)
+        step = run_passes(ir.serde.deserialize_model(model), compile_pipeline(options, load_profile("adreno830")))
+        producers = {v.name: n for n in step.graph for v in n.outputs if v is not None}
+        moved = [n for n in step.graph if n.op_type == "Slice" and n.metadata_props.get(keys.STAGE) == "backward"]
+        assert moved, "the strided conv's weight gradient is no longer sliced: find another case"
+        wide = view_root(moved[0].inputs[0])
+        assert producers[wide.name].op_type == "Conv" and wide.metadata_props.get(keys.STORAGE) == "fp32", dtype
+        activation_gradient = producers[wide.name].inputs[1]
+        assert view_root(activation_gradient).metadata_props.get(keys.STORAGE) == (
+            "fp16" if dtype == "fp16" else "fp32")
 
 
 def _loss_chain_formats(bundle: str, prediction: str) -> dict[str, str]:

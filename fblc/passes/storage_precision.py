@@ -5,8 +5,9 @@ Rewrite: annotations only. Every float value that owns storage (not a view) gets
 - under `--dtype fp16`, "fp16" (half textures) for activations, the values the backward saves
   and the activation gradients, and "fp32" for the master copy of training: the parameters and
   their `.new`, the optimizer state and its `.new`, every value the optimizer stage reads or
-  writes (the parameter gradients it consumes), and every step output (the loss, `.grad`,
-  metrics). Why: Adam's second moment of a gradient below ~2.4e-4 underflows in half, a
+  writes (the parameter gradients it consumes), a tensor that only data movement turns into one of
+  those (a strided conv's weight gradient: a wider map sliced to the taps), and every step output
+  (the loss, `.grad`, metrics). Why: Adam's second moment of a gradient below ~2.4e-4 underflows in half, a
   parameter update smaller than half a half-ulp of the weight is lost, and both make fp16 training
   diverge or stall; an activation rounds to half without harm.
 - the loss chain, under either trainer (LOSS_STAGES): every value its `loss` stage reads or
@@ -52,7 +53,7 @@ import onnx_ir as ir
 
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.compiler import keys
-from fblc.compiler.index_map import is_view, view_root
+from fblc.compiler.index_map import REMAPPABLE, is_view, view_root
 from fblc.compiler.keys import Role
 from fblc.compiler.values import is_float
 from fblc.errors import FblcError
@@ -105,6 +106,20 @@ def master_roots(graph: ir.Graph, stages: Mapping[str, tuple[str, ...]] = MASTER
     kept += [v for node in graph if node.op_type in STATISTICS for v in node.outputs[STATISTICS[node.op_type]:]
              if v is not None]
     roots = {id(view_root(v)) for v in kept}
+    # a tensor that only data movement turns into a master value is that value before it moves (a strided conv's
+    # weight gradient is a wider map sliced to the kernel's taps): in half it would round, or overflow under
+    # the loss scale, what the master keeps in fp32
+    def moves_into_masters(value: ir.Value) -> bool:  # every reader moves it into a master (through views too)
+        readers = [use.node for use in value.uses()]
+        return bool(readers) and all(
+            node.op_type in REMAPPABLE and (moves_into_masters(node.outputs[0]) if is_view(node)
+                                            else id(view_root(node.outputs[0])) in roots) for node in readers)
+
+    for node in reversed(list(graph)):
+        if node.op_type in REMAPPABLE and not is_view(node) and id(view_root(node.outputs[0])) in roots:
+            source = view_root(node.inputs[0])
+            if is_float(source) and moves_into_masters(source):
+                roots.add(id(source))
     # a copy of a master tensor packed in the order its reader wants (pointwise_transposes) is that tensor again
     return roots | {id(node.outputs[0]) for node in graph if node.metadata_props.get(keys.REMAP) == PACKED
                     and id(view_root(node.inputs[0])) in roots}
