@@ -14,12 +14,6 @@ A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
   work-item both texels of each byte (fblc.codegen.builder). The image is sized in bytes.
 - mask4: mask8's fallback for a writer whose work-items cannot cover whole bytes (a 2-D tile of
   odd texel columns): byte t holds texel t's 4 elements in its low bits, 2 bits per element.
-- c4 (channel-packed, NC4HW4): the elements of a tensor [outer.., C, plane..] in the order
-  (outer, C/4, plane, c % 4), C padded to a multiple of 4 with zero lanes: texel t holds 4 consecutive
-  channels at one position, so a kernel reading channels (a conv's input block, a per-channel value)
-  reads whole texels. Texels are placed flat; `locate` gives an element's texel and lane (every other
-  kind keeps element i at lane i % 4 of texel i / 4). Not chosen by any pass yet: codegen reads and
-  writes and the native runner do not know it (see `locate`).
 - rtile (R-Tile): the tensor is a matrix [rows, cols] (cols = its last axis, a
   multiple of 4, so a texel never spans two rows) cut into tiles of tile_h rows x tile_w
   elements. Intra-tile packing `strip` lays a tile's rows side by side in one texel row (for
@@ -76,7 +70,7 @@ def mod_index(index: str, modulus: int) -> str:
 
 @dataclass(frozen=True)
 class TexelLayout:
-    kind: str  # "flat", "rtile", "c4", or a mask kind (MASK_ELEMENTS)
+    kind: str  # "flat", "rtile", or a mask kind (MASK_ELEMENTS)
     width: int  # image width, texels
     height: int
     rows: int = 1
@@ -86,8 +80,6 @@ class TexelLayout:
     packing: str = "block"  # "strip" or "block"
     arrangement: str = "rows"  # "rows" or "columns"
     tiles_per_row: int = 1
-    channels: int = 0  # c4: the channel axis's length (C)
-    plane: int = 0  # c4: elements per channel map (the product of the axes after C)
 
     # geometry -----------------------------------------------------------------------------------
     @property
@@ -100,16 +92,6 @@ class TexelLayout:
         return -(-self.rows // self.tile_h), -(-(self.cols // 4) // self.tile_texels_w)
 
     @property
-    def texels(self) -> int:
-        """Texels the layout places (a c4 layout's padded channels included); 0 for a flat or mask one,
-        which places whatever its tensor needs."""
-        if self.kind == "c4":
-            return self.rows * -(-self.channels // 4) * self.plane
-        if self.kind == "rtile":
-            return self.rows * (self.cols // 4)
-        return 0
-
-    @property
     def tile_footprint(self) -> tuple[int, int]:
         """(width, height) in texels of one placed tile."""
         if self.packing == "strip":
@@ -119,7 +101,7 @@ class TexelLayout:
     def coords(self, texels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(x, y) of texel indices `texels` (numpy, vectorised); of byte indices under a mask kind."""
         t = np.asarray(texels, dtype=np.int64)
-        if self.kind in FLAT_PLACED:
+        if self.kind == "flat" or self.kind in MASK_ELEMENTS:
             return t % self.width, t // self.width
         c4, tw4, th = self.cols // 4, self.tile_texels_w, self.tile_h
         ntr, ntc = self.tile_grid
@@ -134,7 +116,7 @@ class TexelLayout:
     def c_coord(self, texel: str) -> str:
         """OpenCL C int2 of the texel index expression `texel` (a byte index under a mask kind; every
         other figure a literal)."""
-        if self.kind in FLAT_PLACED:
+        if self.kind == "flat" or self.kind in MASK_ELEMENTS:
             if self.height == 1:  # one image row: the index is the column, no division
                 return f"(int2)({texel}, 0)"
             if self.width & (self.width - 1) == 0:  # a power of two: shift and mask
@@ -172,10 +154,6 @@ class TexelLayout:
             return f"{self.kind} ({MASK_ELEMENTS[self.kind]} mask bits per byte); image {self.width}x{self.height}"
         if self.kind == "flat":
             return f"flat; image {self.width}x{self.height}"
-        if self.kind == "c4":
-            padding = self.width * self.height - self.texels
-            return (f"c4 ({self.rows} x {self.channels} channels x {self.plane}, channels by 4 per texel); image "
-                    f"{self.width}x{self.height}, padding {padding} texels")
         padding = self.width * self.height - self.rows * self.cols // 4
         return (f"rtile {self.tile_h}x{self.tile_w} {self.packing}, tiles by {self.arrangement}; matrix "
                 f"{self.rows}x{self.cols}; image {self.width}x{self.height}, padding {padding} texels")
@@ -189,16 +167,9 @@ class TexelLayout:
         return cls(**data)
 
 
-#: the fields only a c4 layout has (left out of the others' JSON, which stays what it was before them)
-C4_FIELDS = ("channels", "plane")
-#: kinds whose texel (byte) t sits at (t % width, t / width)
-FLAT_PLACED = ("flat", "c4", *MASK_ELEMENTS)
-
-
 @lru_cache(maxsize=4096)
 def _json_of(layout: TexelLayout) -> str:
-    fields = {key: value for key, value in vars(layout).items() if layout.kind == "c4" or key not in C4_FIELDS}
-    return json.dumps(fields, separators=(",", ":"))
+    return json.dumps(vars(layout), separators=(",", ":"))
 
 
 def flat_layout(texels: int, max_width: int) -> TexelLayout:
@@ -241,30 +212,6 @@ def matrix_layout(shape: tuple[int, ...], max_width: int, max_height: int) -> Te
     return flat_layout(texels, max_width)
 
 
-def c4_layout(shape: tuple[int, ...], axis: int, max_width: int) -> TexelLayout:
-    """The c4 layout of a tensor of `shape` packed by 4 along `axis` (its channels), placed flat in rows of at
-    most `max_width` texels; `rows` counts the positions before the channel axis (a batch)."""
-    if not 0 <= axis < len(shape) or shape[axis] < 1:
-        raise ValueError(f"a c4 layout packs an axis of the tensor; axis {axis} of shape {list(shape)} is none")
-    outer, plane = math.prod(shape[:axis]), math.prod(shape[axis + 1:])
-    probe = TexelLayout("c4", 1, 1, rows=outer, channels=shape[axis], plane=plane)
-    placed = flat_layout(probe.texels, max_width)
-    return TexelLayout("c4", placed.width, placed.height, rows=outer, channels=shape[axis], plane=plane)
-
-
-def locate(layout: TexelLayout, elements: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(texel, lane) of the tensor's row-major element indices `elements` (numpy, vectorised): where a
-    reader or a writer finds each element. Only c4 moves elements between texels (channels by 4); every
-    other kind keeps element i at lane i % 4 of texel i / 4 (a mask's texel is a nibble of its image)."""
-    i = np.asarray(elements, dtype=np.int64)
-    if layout.kind != "c4":
-        return i >> 2, i & 3
-    position = i % layout.plane
-    outer, channel = np.divmod(i // layout.plane, layout.channels)
-    blocks = -(-layout.channels // 4)
-    return (outer * blocks + channel // 4) * layout.plane + position, channel & 3
-
-
 def rtile_layout(rows: int, cols: int, tile_h: int, tile_w: int, packing: str, max_width: int) -> TexelLayout:
     """The R-Tile layout of a [rows, cols] matrix with the given tile, arranged as section 6 says."""
     probe = TexelLayout("rtile", 1, 1, rows, cols, tile_h, tile_w, packing)
@@ -281,16 +228,6 @@ def rtile_layout(rows: int, cols: int, tile_h: int, tile_w: int, packing: str, m
 def _positions(layout: TexelLayout, texels: int) -> np.ndarray:
     x, y = layout.coords(np.arange(texels))
     return y * layout.width + x
-
-
-@lru_cache(maxsize=256)
-def _c4_places(layout: TexelLayout, count: int) -> np.ndarray:
-    """The image positions (texel * 4 + lane) of a c4 tensor's `count` elements, row-major."""
-    if count != layout.rows * layout.channels * layout.plane:
-        raise ValueError(f"a c4 layout of {layout.rows} x {layout.channels} x {layout.plane} elements holds no "
-                         f"tensor of {count}")
-    texel, lane = locate(layout, np.arange(count))
-    return texel * 4 + lane
 
 
 def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
@@ -312,10 +249,6 @@ def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
         image = np.zeros(layout.width * layout.height * 4, dtype=dtype)
         image[: logical.size] = logical
         return image
-    if layout.kind == "c4":  # placed flat: an element's texel and lane are its place in the image
-        image = np.zeros(layout.width * layout.height * 4, dtype=dtype)
-        image[_c4_places(layout, values.size)] = logical[: values.size]
-        return image
     image = np.zeros((layout.width * layout.height, 4), dtype=dtype)
     image[_positions(layout, texels)] = logical.reshape(-1, 4)
     return image.reshape(-1)
@@ -330,7 +263,5 @@ def unpack(image: np.ndarray, layout: TexelLayout, count: int) -> np.ndarray:
         return ((data[:, None] >> np.arange(per_byte, dtype=np.uint8)) & 1).reshape(-1)[:count]
     if layout.kind == "flat":
         return flat[:count]
-    if layout.kind == "c4":
-        return flat[_c4_places(layout, count)]
     texels = -(-count // 4)
     return flat.reshape(-1, 4)[_positions(layout, texels)].reshape(-1)[:count]

@@ -27,7 +27,7 @@ from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.passes.layout_score import Candidate, Geometry, rank_candidates
 from fblc.passes.rtile_select import RTileSelect, state_pairs
 from fblc.profiles import load_profile
-from fblc.texel_layout import TexelLayout, c4_layout, flat_layout, locate, mask_layout, pack, rtile_layout, unpack
+from fblc.texel_layout import TexelLayout, mask_layout, pack, rtile_layout, unpack
 from tests.conftest import make_model
 
 B, T, H, D = 2, 8, 4, 4
@@ -348,30 +348,6 @@ def test_texel_layout_round_trip(tile: tuple[int, int, str]) -> None:
     assert x.max() < layout.width and y.max() < layout.height
     data = np.arange(rows * cols, dtype=np.float32)
     assert np.array_equal(unpack(pack(data, layout, np.float32), layout, data.size), data)
-
-
-def test_c4_layout_packs_channels_by_four_and_the_others_keep_element_order() -> None:
-    """c4 (NC4HW4): [N, C, H, W] as [N, C/4 (padded), H, W, 4] with zero lanes for the padded channels,
-    against numpy's transpose; flat and R-Tile layouts keep element i at lane i % 4 of texel i / 4 and
-    their JSON (plan.json) has no c4 fields."""
-    shape = (2, 6, 3, 5)
-    data = np.arange(1, np.prod(shape) + 1, dtype=np.float32).reshape(shape)
-    layout = c4_layout(shape, 1, max_width=7)
-    padded = np.concatenate([data, np.zeros((2, 2, 3, 5), np.float32)], axis=1)  # C 6 -> 8
-    expected = padded.reshape(2, 2, 4, 3, 5).transpose(0, 1, 3, 4, 2).reshape(-1)
-    image = pack(data, layout, np.float32)
-    assert layout.texels == 2 * 2 * 15 and (layout.width, layout.height) == (7, 9)
-    assert np.array_equal(image[: expected.size], expected) and not image[expected.size:].any()
-    assert np.array_equal(unpack(image, layout, data.size), data.reshape(-1))
-    texel, lane = locate(layout, np.arange(data.size))
-    assert np.array_equal(image[texel * 4 + lane], data.reshape(-1))
-    assert TexelLayout.from_dict(json.loads(layout.to_json())) == layout
-    for other in (flat_layout(45, 8), rtile_layout(6, 16, 2, 8, "block", 8)):
-        texel, lane = locate(other, np.arange(90))
-        assert np.array_equal(texel, np.arange(90) // 4) and np.array_equal(lane, np.arange(90) % 4)
-        assert "channels" not in json.loads(other.to_json())
-    with pytest.raises(ValueError, match="holds no tensor"):
-        pack(np.zeros(7), layout, np.float32)
 
 
 def test_rtile_select_is_stable(attention_path: str) -> None:

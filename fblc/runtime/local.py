@@ -8,7 +8,6 @@ step reads the updated parameters without a copy.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import sys
@@ -256,8 +255,6 @@ class LocalRunner:
                   else TexelLayout("flat", texture["width"], texture["height"]))
         if self.storage == "image":
             return layout
-        if layout.kind == "c4":  # its element order is its own in a buffer too; only the placement is flat
-            return dataclasses.replace(layout, width=layout.width * layout.height, height=1)
         return TexelLayout(layout.kind if layout.kind in MASK_ELEMENTS else "flat", layout.width * layout.height, 1)
 
     def read(self, name: str) -> np.ndarray:
