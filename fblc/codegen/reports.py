@@ -35,7 +35,7 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
                     cache: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """report.json's `estimate`: each launch's time by the profile's roofline (fblc.profiles.roofline: occupancy,
     half rate, texture and DRAM bytes, launch cost) from what the compiler knows of its work without reading
-    its kernel: its nodes' FLOPs (in half where every float texture it writes is half and the target computes
+    its kernel: its nodes' FLOPs, as fused multiply-adds (in half where every float texture it writes is half and the target computes
     in half), each texture it reads fetched once, whole texels, and the bytes it writes. A lower bound of the
     kernel-IR estimate (fblc/tools/kernel_stats.py: every fetch and lane-operation the kernel runs)."""
     # by the fuse pass's kernel id (k12): a group's kernels are named k12_Op, k12_Op_stats...
@@ -52,8 +52,9 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
         formats = {program.textures[t].format for t in kernel.outputs} - set(INTEGER_FORMATS)
         half = profile.fp16 and formats == {FLOAT_FORMATS["fp16"]}
         launched, group = kernel.launch(profile)
-        time = launch_time(profile, LaunchWork(kernel.global_size, launched, group, 0 if half else flops,
-                                               flops if half else 0, read, read + written))
+        slots = flops / 2  # every flop in a fused multiply-add: the fewest issue slots its nodes take
+        time = launch_time(profile, LaunchWork(kernel.global_size, launched, group, 0 if half else slots,
+                                               slots if half else 0, read, read + written))
         kernels.append({"kernel": kernel.name, "family": kernel.family, "flops": flops, "bytes": read + written,
                         "ms": round(time.ms, 6), "bound": time.bound, "lanes": round(time.lane_share, 4),
                         "half": half})

@@ -3,11 +3,12 @@ benchmarks/phone_kernels.py's kernel-IR estimate. An estimate, never a measureme
 
 A launch takes the longest of three times, plus the profile's `launch_us`:
 
-- arithmetic: its lane-operations at the peak rate (`peak_gflops` counts an FMA as two, as a lane-operation
-  count of `a * b + c` does), half ones `half_rate` times faster, at the share of the device's lanes its waves
-  occupy (occupancy: a launch of fewer waves than the device runs at once leaves lanes idle). The lanes of a
-  wave whose work-items returned early, or that its work-group leaves empty (a group of 8 work-items in a
-  wave of 64), issue with it: the operations are scaled from the work-items that work to the waves' lanes;
+- arithmetic: its issue slots (lane-instructions: an add, a multiply, a fused multiply-add, a min, each one
+  slot a lane) at one a lane a clock, half ones `half_rate` times faster, at the share of the device's lanes
+  its waves occupy (occupancy: a launch of fewer waves than the device runs at once leaves lanes idle). The
+  lanes of a wave whose work-items returned early, or that its work-group leaves empty (a group of 8 work-items
+  in a wave of 64), issue with it: the slots are scaled from the work-items that work to the waves' lanes.
+  A transcendental (exp, rsqrt) counts one slot, though special-function units run them slower;
 - texture fetches: the bytes of every texel fetched, whole (a fetch that uses one lane of an RGBA fp32 texel
   still moves its 16 bytes), at `texture_bytes_per_clock` from each compute unit its work-groups reach;
 - DRAM: the bytes read from and written to memory, at `bandwidth_gbps`.
@@ -33,8 +34,8 @@ class LaunchWork:
     items: int
     launched: int
     group: int
-    float_ops: float  # fp32 lane-operations (a float4 add is 4)
-    half_ops: float  # lane-operations in half (at half_rate where the device has it)
+    float_slots: float  # fp32 issue slots, lane-instructions (a float4 add is 4; a fused multiply-add 1 a lane)
+    half_slots: float  # issue slots in half (at half_rate where the device has it)
     fetched_bytes: float  # whole texels fetched through the texture units
     dram_bytes: float  # read from and written to DRAM
 
@@ -76,10 +77,10 @@ def launch_time(profile: Any, work: LaunchWork) -> LaunchTime:
     wave_count = waves(profile, work.launched, work.group)
     lanes = wave_count * profile.wave_size  # lanes its waves hold, working or not
     lane_share = min(1.0, lanes / profile.device_items)
-    issued = lanes / max(1, work.items)  # each working item's operations issue for its wave's idle lanes too
+    issued = lanes / max(1, work.items)  # each working item's slots issue for its wave's idle lanes too
     half_rate = profile.half_rate if profile.fp16 else 1.0
-    lane_ops_per_ms = profile.peak_gflops * 1e6 * lane_share
-    compute_ms = issued * (work.float_ops + work.half_ops / half_rate) / lane_ops_per_ms
+    slots_per_ms = profile.device_items * clock_hz(profile) / 1e3 * lane_share
+    compute_ms = issued * (work.float_slots + work.half_slots / half_rate) / slots_per_ms
     groups = max(1, math.ceil(work.launched / max(1, work.group)))
     unit_share = min(1.0, groups / profile.compute_units)
     fetch_per_ms = profile.texture_bytes_per_clock * profile.compute_units * unit_share * clock_hz(profile) / 1e3

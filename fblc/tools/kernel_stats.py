@@ -72,6 +72,9 @@ class Figures:
     estimated_fetch_runs: float = 0.0
     ops: Counter[str] = field(default_factory=Counter)  # static lane-operations by scalar type
     op_runs: Counter[str] = field(default_factory=Counter)  # per step
+    #: lane-operations of products an add or subtract takes as its operand (`acc += a * b`), per step by scalar
+    #: type: the two run as one fused multiply-add, so a step's issue slots are op_runs less these
+    fused_runs: Counter[str] = field(default_factory=Counter)
     unbounded_loops: int = 0
 
     def add(self, other: Figures) -> Figures:
@@ -101,7 +104,8 @@ def _scaled(figures: Figures, factor: float) -> Figures:
     return Figures(figures.fetches, figures.whole_fetches, figures.fetch_runs * factor,
                    figures.whole_fetch_runs * factor, figures.lanes_fetched_runs * factor,
                    figures.fetched_bytes_runs * factor, figures.estimated_fetch_runs * factor, Counter(figures.ops),
-                   Counter({k: v * factor for k, v in figures.op_runs.items()}), figures.unbounded_loops)
+                   Counter({k: v * factor for k, v in figures.op_runs.items()}),
+                   Counter({k: v * factor for k, v in figures.fused_runs.items()}), figures.unbounded_loops)
 
 # one kernel -------------------------------------------------------------------------------------
 def kernel_figures(kernel: ir.KernelIR, items: int, group_size: int | None = None) -> Figures:
@@ -171,6 +175,8 @@ def _expr_figures(e: ir.Expr, demand: Demand, walk: _Walk, weights: np.ndarray, 
                 lanes = max(1, sub.dtype.lanes)
                 figures.ops[sub.dtype.scalar] += lanes
                 figures.op_runs[sub.dtype.scalar] += lanes * weight
+                if isinstance(sub, ir.Binary) and sub.op in ("+", "-"):
+                    _fuse(figures, next((x for x in (sub.a, sub.b) if _is_product(x)), None), weight)
             pending.extend(children(sub))
 
 
@@ -182,6 +188,16 @@ def _is_arithmetic(e: ir.Expr) -> bool:
     if isinstance(e, ir.Unary):
         return e.op == "-"
     return isinstance(e, ir.Call) and e.function not in LANE_MOVES and not e.function.startswith(CONVERSIONS)
+
+
+def _is_product(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Binary) and e.op == "*" and e.dtype.is_float
+
+
+def _fuse(figures: Figures, product: ir.Expr | None, weight: float) -> None:
+    """Count `product`, an operand of an add, as fused into it (Figures.fused_runs)."""
+    if product is not None:
+        figures.fused_runs[product.dtype.scalar] += max(1, product.dtype.lanes) * weight
 
 
 def _returns(block: Sequence[ir.Statement]) -> bool:
@@ -198,6 +214,8 @@ def _block_figures(body: Sequence[ir.Statement], walk: _Walk, weights: np.ndarra
             lanes = max(1, s.value.dtype.lanes)
             figures.ops[s.value.dtype.scalar] += lanes
             figures.op_runs[s.value.dtype.scalar] += lanes * weight
+            if s.op in ("+=", "-=") and _is_product(s.value):
+                _fuse(figures, s.value, weight)
         if isinstance(s, ir.Declare) and s.const and s.init is not None:
             walk.env[var_key(s.var)] = bounds(s.init, walk.env)
             value = walk.known(s.init) if s.var.dtype.scalar in INTEGERS and s.var.dtype.lanes == 1 else None
@@ -267,16 +285,17 @@ def launch_figures(kernels: Iterable[Any]) -> dict[str, Figures]:
 def ir_estimate(launches: dict[str, Figures], plan: dict[str, Any], estimate: dict[str, Any],
                 profile: Any) -> dict[str, Any]:
     """The step's time on `profile` by its roofline (fblc.profiles.roofline) from what each launch's kernel
-    IR runs: its lane-operations (wasted lanes included: a float4 add is 4), half ones where their type is
-    half (HALF_TYPES), the whole texels it fetches, its launch size from plan.json and its DRAM bytes from
+    IR runs: its lane-operations (wasted lanes included: a float4 add is 4) less the products fused into an
+    add (Figures.fused_runs), half ones where their type is half (HALF_TYPES), the whole texels it fetches, its launch size from plan.json and its DRAM bytes from
     report.json's `estimate` (each texture once). Gives `ir_step_ms` and the launches each bound counts."""
     sizes = {k["name"]: (k["items"], k["global_size"][0], k["local_size"][0]) for k in plan["kernels"]}
     dram = {k["kernel"]: k["bytes"] for k in estimate["kernels"]}
     total, bounds = 0.0, Counter()
     for name, figures in launches.items():
         items, launched, group = sizes[name]
-        half = sum(figures.op_runs[scalar] for scalar in HALF_TYPES)
-        time = launch_time(profile, LaunchWork(items, launched, group, sum(figures.op_runs.values()) - half, half,
+        slots = figures.op_runs - figures.fused_runs  # a fused multiply-add issues once
+        half = sum(slots[scalar] for scalar in HALF_TYPES)
+        time = launch_time(profile, LaunchWork(items, launched, group, sum(slots.values()) - half, half,
                                                figures.fetched_bytes_runs, dram.get(name, 0)))
         total += time.ms
         bounds[time.bound] += 1
