@@ -149,7 +149,8 @@ def print_table(base: str, rows: list[tuple[str, str, dict[str, dict[str, Any]]]
     for model, target, sides in rows:
         for side in ("before", "after"):
             fp32, fp16 = sides.get(f"{side} fp32"), sides.get(f"{side} fp16")
-            cells = [cell(fp16 if key in HALF_KEYS else fp32, HALF_KEYS.get(key, key), form) for _, key, form in COLUMNS]
+            cells = [cell(fp16 if key in HALF_KEYS else fp32, HALF_KEYS.get(key, key), form)
+                     for _, key, form in COLUMNS]
             print(f"{model:<24} {target:<10} {side:<7}" + "".join(f" {c:>12}" for c in cells))
         ratios = []
         for _, key, _ in COLUMNS:

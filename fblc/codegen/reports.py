@@ -35,9 +35,10 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
                     cache: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """report.json's `estimate`: each launch's time by the profile's roofline (fblc.profiles.roofline: occupancy,
     half rate, texture and DRAM bytes, launch cost) from what the compiler knows of its work without reading
-    its kernel: its nodes' FLOPs, as fused multiply-adds (in half where every float texture it writes is half and the target computes
-    in half), each texture it reads fetched once, whole texels, and the bytes it writes. A lower bound of the
-    kernel-IR estimate (fblc/tools/kernel_stats.py: every fetch and lane-operation the kernel runs)."""
+    its kernel: its nodes' FLOPs, as fused multiply-adds (in half where every float texture it writes is half
+    and the target computes in half), each texture it reads fetched once, whole texels, and the bytes it
+    writes. A lower bound of the kernel-IR estimate (fblc/tools/kernel_stats.py ir_estimate: every fetch and
+    lane-operation the kernel runs); counting those here would double a compile's time."""
     # by the fuse pass's kernel id (k12): a group's kernels are named k12_Op, k12_Op_stats...
     group_flops = {g.name.split("_", 1)[0]: sum(node_flops(n) for n in g.nodes) for g in kernel_groups(model.graph)}
     misses = {k["kernel"]: k["misses"] for k in cache["kernels"]} if cache else {}

@@ -287,7 +287,8 @@ def _check_possible(v: dict[str, Any], path: str) -> None:
         raise _fail(path, f"private_floats is {v['private_floats']}: a work-item's accumulators are whole float4s, "
                           f"4 to {PRIVATE_FLOATS} floats")
     if not 1 <= v["half_rate"] <= 4:
-        raise _fail(path, f"half_rate is {v['half_rate']}: half arithmetic runs 1 to 4 times the fp32 rate (1: as float)")
+        raise _fail(path, f"half_rate is {v['half_rate']}: half arithmetic runs 1 to 4 times the fp32 rate "
+                          "(1: as float)")
     if v["wave_size"] > v["max_work_group_size"]:
         raise _fail(path, f"wave_size {v['wave_size']} exceeds max_work_group_size {v['max_work_group_size']}")
 
