@@ -76,10 +76,11 @@ class TileBudget:
         return candidates[0]
 
     def fetch_time(self, items: int, fetches: float) -> float:
-        """A launch's time in texel fetches of one work-item (`fetches` each, `items` of them): the rounds of
-        device_items it takes times one work-item's fetches. A phone GPU's texture units, not its ALUs,
-        bound a contraction that reads one texel per output texel and K step; an idle lane costs nothing
-        that a further round would not (the merge of a split reduction is left out: a few barriers)."""
+        """A launch's time in texel fetches (`items` work-items of `fetches` each): the rounds of device_items
+        it takes times one work-item's fetches, so a launch under device_items takes one round whatever
+        lanes it leaves idle. A model: a phone GPU's texture units, not its ALUs, bound a contraction that
+        reads a texel per output texel and K step; the multiply-adds and a split reduction's merge (a few
+        barriers) are left out."""
         return -(-items // self.device_items) * fetches
 
 
