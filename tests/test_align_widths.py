@@ -104,6 +104,16 @@ def test_an_unsafe_op_reads_the_real_columns() -> None:
     assert sqrt.inputs[0].producer().op_type == "Slice" and list(sqrt.outputs[0].shape)[-1] == 15
 
 
+def test_an_input_along_the_width_keeps_the_op_narrow() -> None:
+    """A bias of 15 columns broadcast to the map cannot meet 16: the Add reads the real columns."""
+    model = _block(15)
+    model.graph.node[1].op_type, model.graph.node[1].input[:] = "Add", ["a", "row"]
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones(15, np.float32), "row"))
+    graph, _ = _aligned(model)
+    add = next(n for n in graph.graph if n.op_type == "Add")
+    assert add.inputs[0].producer().op_type == "Slice" and list(add.outputs[0].shape)[-1] == 15
+
+
 @pytest.mark.parametrize("strides", [[1, 1], [1, 2]])  # [1, 2]: 15 -> 8 columns, whole already: only reads widen
 def test_the_step_equals_the_unaligned_one(strides: list[int]) -> None:
     """Forward and gradients: the extra columns add exactly nothing (their gradients are zero)."""

@@ -183,8 +183,8 @@ def _widen_elementwise(graph: ir.Graph, node: ir.Node, wide: Wide) -> bool:
             wide_width = static_shape(inputs[-1])[-1]
             continue
         shape = static_shape(value) if value is not None else ()
-        if node.op_type != "BatchNormalization" and len(shape) == len(out_shape) and shape[-1] != 1:
-            return False  # a full-width input as the model has it: the op stays narrow and reads the Slice
+        if node.op_type != "BatchNormalization" and shape and shape[-1] != 1:
+            return False  # an input along the width as the model has it: the op stays narrow and reads the Slice
         inputs.append(value)
     wide_value = _rebuilt(graph, node, inputs, list(node.attributes.values()), wide_width)
     _replace_by_view(graph, node, wide_value, width, wide)
