@@ -178,7 +178,13 @@ class IndexMap:
         if last % 4:  # texels straddle root rows: the view must keep the whole last axis as one axis
             return any(s == 1 and d == last and not (self.folds and self.folds[k])
                        for k, (d, s) in enumerate(zip(self.shape, self.strides)))
-        return any(s == 1 and self.inner_extent(k) % 4 == 0 for k, s in enumerate(self.strides))
+        if any(s == 1 and self.inner_extent(k) % 4 == 0 for k, s in enumerate(self.strides)):
+            return True
+        # rows cut short at their end (a Slice [.., :W] of rows of whole texels: passes/align_widths): every row
+        # of the view starts on a texel, so a texel's elements in the view are a run along its innermost axis
+        return (not self.folded and self.strides[-1] == 1 and self.offset % 4 == 0
+                and all(s % 4 == 0 and (s == 0 or s >= self.shape[-1])
+                        for d, s in zip(self.shape[:-1], self.strides[:-1]) if d != 1))
 
 
 def common_digits(axes: list[list[SubAxis]]) -> list[list[SubAxis]] | None:

@@ -19,6 +19,7 @@ from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.es import TRAINERS, EsConfig
 from fblc.compiler.loss_scale import uses_loss_scale
 from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.align_widths import AlignWidths
 from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
 from fblc.passes.bn_batch_stats import BatchNormBatchStats
@@ -142,6 +143,7 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         MemoryFloor(options.adapter, options.bn_train),
         FuraS(options.adapter),
         BatchTile(tile_bytes(options)),
+    ] + ([AlignWidths()] if options.layout == "rtile" else []) + [
         MarkTrainable(options.train, options.freeze),
         AttachLoss(options.loss),
         _gradient_pass(options),
