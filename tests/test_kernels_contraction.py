@@ -224,6 +224,10 @@ TILE_CASES = {
     # M = 6 rows (no multiple of 4) under a weight without a batch: the tile's rows run over A's batch x M (12)
     "matmul_tile_merged_rows": ([_node("MatMul", ["a", "b"])], {"a": (2, 6, 12), "b": (12, 8)},
                                 {"forward": "tile", "grad": "tile"}),
+    # M = 7 rows under a batched B' (attention's P @ V over 65 tokens), which no tile of rows may cross:
+    # one row of 4 texel columns (16 outputs; its input gradient's rows of 2 texels: 2 columns)
+    "matmul_tile_one_row_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 7, 8), "b": (2, 3, 8, 16)},
+                                    {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
                           {"a": (20, 8), "b": (20, 8), "c": (8, 8)}, {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
@@ -304,11 +308,12 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows",
-                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map"])
+                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map",
+                                  "matmul_tile_one_row_batched"])
 def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
     """Tiles and texel-wide rows that were per lane until issue 39's unseen models (a conv weight gradient's
     blocks of fewer channels, a MatMul's rows across A's batch, attention's rows of 7 scores, an input
-    gradient's plane tile), in buffer storage too (whose row texels read B' with unaligned vload4s)."""
+    gradient's plane tile, a one-row tile under a batched B'), in buffer storage too (whose row texels read B' with unaligned vload4s)."""
     nodes, inits, _ = (TILE_CASES | TEXEL_CASES)[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
 
