@@ -569,16 +569,22 @@ def test_a_texels_lane_loop_is_unrolled_unless_the_tensor_ends_inside_it(tmp_pat
     """A texel's lane loop runs 4 times: unrolled (#pragma unroll) it indexes its accumulators and
     results by constants, which the compiler keeps in registers (on PoCL the MLP's AdamW-fused weight
     gradients ran 1.4x faster). A tensor whose element count is no multiple of 4 ends inside its last
-    texel: that loop keeps its break and is not unrolled (LLVM warns it cannot unroll an early exit)."""
-    shapes = {"even": ({"a": (8, 20), "b": (20, 8)}, 64), "tail": ({"a": (3, 5), "b": (5, 3)}, 9)}
-    for name, (inits, numel) in shapes.items():
-        path = write_case(str(tmp_path / f"{name}.onnx"), [_node("MatMul", ["a", "b"])], inits)
-        forward = next(k for k in _contractions(path) if k.name.endswith("_MatMul") and _role(k) == "forward")
+    texel: that loop keeps its break and is not unrolled (LLVM warns it cannot unroll an early exit).
+    A MatMul's whole texels need no loop: their lanes are one float4 (tests/test_texel_wide.py)."""
+    cases = {"even": ([_node("Conv", ["x", "w"], pads=[1, 1, 1, 1])], {"x": (1, 2, 4, 4), "w": (4, 2, 3, 3)}, 64),
+             "tail": ([_node("MatMul", ["a", "b"])], {"a": (3, 5), "b": (5, 3)}, 9),
+             "float4": ([_node("MatMul", ["a", "b"])], {"a": (8, 20), "b": (20, 8)}, 64)}
+    for name, (nodes, inits, numel) in cases.items():
+        path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
+        forward = next(k for k in _contractions(path) if _role(k) == "forward")
         loop = [s for s in of_type(forward, kir.For) if s.var.name == "lane"]
-        assert len(loop) == 1 and (loop[0].stop, loop[0].step) == (kir.const(4), 1), loop
-        assert loop[0].unroll == (name == "even"), name
-        past = kir.If(kir.Var("i", 0, kir.INT, "i").ge(numel), [kir.Break()])
-        assert (past in loop[0].body) == (name == "tail"), name
+        if name == "float4":
+            assert not loop, name
+        else:
+            assert len(loop) == 1 and (loop[0].stop, loop[0].step) == (kir.const(4), 1), loop
+            assert loop[0].unroll == (name == "even"), name
+            past = kir.If(kir.Var("i", 0, kir.INT, "i").ge(numel), [kir.Break()])
+            assert (past in loop[0].body) == (name == "tail"), name
         rows = verify_model(path, OPTIONS)
         assert rows and not [r.name for r in rows if not r.ok], name
 
