@@ -74,5 +74,10 @@ def test_a_lanes_own_index_leaves_the_loop_per_lane() -> None:
     flat = block.let(lane * 3, "i")
     value = kir.Cast(kir.FLOAT, flat) * 2.0
     assert vectorize(lane, block.statements, [value], kir.Block(numbering)) is None
+    # an emitter's own Var of a lane index's fixed name (o3) is that index too: a per-lane read stays per lane
+    header = kir.Block(numbering)
+    header.add(kir.Declare(kir.Var("o3", 0, kir.INT, "o3"), lane + 1))
+    read = kir.Lane(kir.Load(kir.Argument("in", 0, "float", "float4", None), kir.Var("o", 3, kir.INT, "o3") >> 2), lane)
+    assert vectorize(lane, header.statements, [read * 2.0], kir.Block(numbering)) is None
     scaled = kir.Element(kir.Var("acc", 1, kir.FLOAT), lane) * 2.0  # an array's lane: its float4 form
     assert vectorize(lane, [], [scaled], kir.Block(numbering)) is not None

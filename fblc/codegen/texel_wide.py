@@ -40,12 +40,13 @@ class _Scalar(Exception):
 class _Lanes:
     def __init__(self, lane: Var, block: s.Block) -> None:
         self.lane, self.block = lane, block
-        self.vectors: dict[Var, Var] = {}  # a lane variable -> its float4 (or int4) form
-        self.scalar: set[Var] = set()  # lane variables with no float4 form
+        # by the name the source gives a variable: emitters may each make their own Var of a fixed name (o3)
+        self.vectors: dict[str, Var] = {}  # a lane variable -> its float4 form
+        self.scalar: set[str] = set()  # lane variables with no float4 form
 
     def varies(self, expr: Expr) -> bool:
         """Whether `expr` differs between lanes."""
-        return any(_is(x, self.lane) or x in self.vectors or x in self.scalar
+        return any(_is(x, self.lane) or _name(x) in self.vectors or _name(x) in self.scalar
                    for x in s.walk_expr(expr) if isinstance(x, Var))
 
     def lanes(self, expr: Expr) -> Expr:
@@ -55,12 +56,12 @@ class _Lanes:
                 raise _Scalar
             return expr
         if isinstance(expr, Var):
-            if expr in self.vectors:
-                return self.vectors[expr]
+            if _name(expr) in self.vectors:
+                return self.vectors[_name(expr)]
             raise _Scalar
         if isinstance(expr, e.Element) and expr.array.dtype == FLOAT and not self.varies(expr.array):
             index = expr.index
-            if any(x in self.vectors or x in self.scalar for x in s.walk_expr(index) if isinstance(x, Var)):
+            if any(_name(x) in self.vectors or _name(x) in self.scalar for x in s.walk_expr(index) if isinstance(x, Var)):
                 raise _Scalar
             return e.Vector(FLOAT4, tuple(e.Element(expr.array, _substitute(index, self.lane, k)) for k in range(4)))
         if isinstance(expr, e.Lane) and _is(expr.index, self.lane) and expr.vector.dtype == FLOAT4 \
@@ -88,14 +89,19 @@ class _Lanes:
         try:
             value = self.lanes(init)
         except _Scalar:
-            self.scalar.add(var)  # an error only where a result needs it
+            self.scalar.add(_name(var))  # an error only where a result needs it
             return
-        self.vectors[var] = self.block.let(value, var.kind, value.dtype)
+        self.vectors[_name(var)] = self.block.let(value, var.kind, value.dtype)
+
+
+def _name(var: Var) -> str:
+    """The variable's name in the source (render/opencl.py name_of)."""
+    return var.name or f"{var.kind}{var.number}"
 
 
 def _is(expr: Expr, lane: Var) -> bool:
     """Whether `expr` is the lane variable (the loop's and the reads' own declaration of it share its name)."""
-    return isinstance(expr, Var) and expr.name == lane.name and expr.kind == lane.kind
+    return isinstance(expr, Var) and _name(expr) == _name(lane)
 
 
 def _wide(expr: Expr) -> Expr:
