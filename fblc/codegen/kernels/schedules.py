@@ -40,7 +40,7 @@ ROW_CHOICES = (1, 4, 8, 16)
 COLUMN_CHOICES = (1, 2, 4)  # its texel columns
 #: texel columns of a one-row tile, taken where no tile of TILE_ROWS rows divides the output's rows (M = 65
 #: tokens under a batched B', which no tile may cross): each A element read once for 16 columns (ViT's
-#: attention MatMuls on PoCL: 0.8-1.0 -> 0.26-0.43 ms; 2 columns gave 0.5-0.6)
+#: attention MatMuls on PoCL: 0.8-1.0 -> 0.26-0.43 ms; its MatMuls in all 25.2 -> 20.3 ms, with 2 columns 21.6)
 ROW_TILE_COLUMNS = (4, 2)
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
 #: a reducing family's decision: (schedule, its geometry for the emitter, outputs reduced together; 0: per lane)
