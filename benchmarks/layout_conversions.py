@@ -43,7 +43,6 @@ from fblc.passes.layout_score import (  # noqa: E402
 )
 from fblc.passes.pipeline import TrainingOptions  # noqa: E402
 from fblc.profiles import load_profile  # noqa: E402
-from fblc.profiles.profile import LAUNCH_OVERHEAD_US  # noqa: E402
 from fblc.tools.traced_layouts import trace_reads  # noqa: E402
 
 OPTIONS = TrainingOptions(loss="cross_entropy", layout_search="traced",
@@ -69,7 +68,7 @@ def compare(streams: list[TracedStream], shape: tuple[int, ...], target: str) ->
     cost = [[traced_estimate(c.layout, [s for s in streams if s.kernel == k], geometry)[0] for k in launches]
             for c in layouts]
     joint = min(sum(row) for row in cost)
-    copy_ms = 2 * int(np.prod(shape)) * 4 / (profile.bandwidth_gbps * 1e6) + LAUNCH_OVERHEAD_US * 1e-3
+    copy_ms = 2 * int(np.prod(shape)) * 4 / (profile.bandwidth_gbps * 1e6) + profile.launch_us * 1e-3
     split = min((sum(min(a, b) for a, b in zip(cost[i], cost[j])) + copy_ms
                  for i, j in itertools.permutations(range(len(layouts)), 2)), default=joint)
     return joint, split

@@ -20,7 +20,12 @@ loaded by path into both processes, so both sides are measured alike), from the 
   work-items (plan.json items) than the device holds at once: compute_units x waves_per_unit x wave_size of the
   profile, or kernel_stats' stated estimate where the profile has no such figures (the header line says which);
 - half %: the share of float arithmetic (lane-operations per step) computed in half, compiled with --dtype fp16;
-- MB/step and est ms: report.json's estimate of bytes moved and of the step's time (from the profile, not measured).
+- MB/step and est ms: report.json's estimate of bytes moved and of the step's time (from the profile, not measured:
+  fblc.profiles.roofline on the nodes' FLOPs and each texture read once);
+- IR est ms (fp32) and fp16 IR ms (--dtype fp16): the same roofline on what each launch's kernel IR runs (its
+  lane-operations, wasted lanes included, half ones at the profile's half_rate, and every whole texel it fetches:
+  kernel_stats.ir_estimate), this tree's profile figures for both sides;
+- fp16 launch: launches per step compiled with --dtype fp16.
 
 The models: MobileNetV2 [8, 3, 97, 60] (17 classes, exported as benchmarks/step_time.py does), the Llama decoder
 of the tests (2 layers, hidden 64) at B=4, T=128, and T-ResNet B=64 (examples/tresnet.py, as step_time.py).
@@ -44,14 +49,20 @@ sys.path.insert(0, ROOT)
 
 MODELS = ("mobilenet_v2", "llama", "tresnet")
 TOOLS = os.path.join(ROOT, "fblc", "tools")  # kernel_stats.py, lane_use.py and item_values.py measure both sides
+PROFILES = os.path.join(ROOT, "fblc", "profiles")  # and roofline.py, with this tree's profile figures
+#: the profile figures fblc.profiles.roofline reads (this tree's, given to both sides)
+RATES = ("peak_gflops", "device_items", "wave_size", "fp16", "half_rate", "compute_units", "texture_bytes_per_clock",
+         "bandwidth_gbps", "launch_us")
 
 #: run in each side's checkout (its fblc first on the path): compile each job, print its figures as one JSON line
 DRIVER = """
-import importlib.util, json, os, sys
-import fblc.tools
-for name in ("item_values", "lane_use", "kernel_stats"):  # this tree's modules, under their own names (imported
-    # in this order by kernel_stats)
-    spec = importlib.util.spec_from_file_location(f"fblc.tools.{name}", os.path.join(sys.argv[1], f"{name}.py"))
+import importlib.util, json, os, sys, types
+import fblc.tools, fblc.profiles
+for module, path in (("fblc.profiles.roofline", os.path.join(sys.argv[3], "roofline.py")),
+                     *((f"fblc.tools.{name}", os.path.join(sys.argv[1], f"{name}.py"))
+                       for name in ("item_values", "lane_use", "kernel_stats"))):  # this tree's modules, under
+    # their own names (imported in this order by kernel_stats)
+    spec = importlib.util.spec_from_file_location(module, path)
     stats = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(stats)
 from fblc.passes.pipeline import TrainingOptions
@@ -59,7 +70,7 @@ for job in json.loads(sys.argv[2]):
     try:
         figures, bundle = stats.compile_figures(job["model"], job["bundle"], job["target"], job["dtype"],
                                                 TrainingOptions(input_shapes=job["shapes"]),
-                                                job["resident_items"])
+                                                job["resident_items"], types.SimpleNamespace(**job["rates"]))
         result = {"whole_site": figures.whole_share(False), "whole_step": figures.whole_share(True),
                   "estimated": figures.estimated_fetch_runs / figures.fetch_runs if figures.fetch_runs else 0.0,
                   "fetches": figures.fetches, "fetch_runs": figures.fetch_runs, "half": figures.half_share(),
@@ -102,7 +113,7 @@ def export_models(directory: str, names: list[str]) -> dict[str, tuple[str, dict
 def measure(tree: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each job's figures, compiled by the fblc of checkout `tree`."""
     environment = dict(os.environ, PYTHONPATH=tree)
-    done = subprocess.run([sys.executable, "-c", DRIVER, TOOLS, json.dumps(jobs)], cwd=tree, env=environment,
+    done = subprocess.run([sys.executable, "-c", DRIVER, TOOLS, json.dumps(jobs), PROFILES], cwd=tree, env=environment,
                           capture_output=True, text=True)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or len(results) != len(jobs):
@@ -113,7 +124,13 @@ def measure(tree: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 COLUMNS = (("whole/site", "whole_site", "{:.3f}"), ("whole/step", "whole_step", "{:.3f}"),
            ("est. runs %", "estimated", "{:.1%}"),
            ("launches", "launches", "{:d}"), ("small FLOP %", "small_flop_share", "{:.1%}"),
-           ("half %", "half", "{:.1%}"), ("MB/step", "bytes", "{:.1f}"), ("est ms", "step_ms", "{:.3f}"))
+           ("half %", "half", "{:.1%}"), ("MB/step", "bytes", "{:.1f}"), ("est ms", "step_ms", "{:.3f}"),
+           ("IR est ms", "ir_step_ms", "{:.3f}"), ("fp16 IR ms", "fp16_ir_step_ms", "{:.3f}"),
+           ("fp16 launch", "fp16_launches", "{:d}"))
+
+
+#: columns taken from the --dtype fp16 compile: column key -> its figure
+HALF_KEYS = {"half": "half", "fp16_ir_step_ms": "ir_step_ms", "fp16_launches": "launches"}
 
 
 def cell(result: dict[str, Any] | None, key: str, form: str) -> str:
@@ -132,12 +149,14 @@ def print_table(base: str, rows: list[tuple[str, str, dict[str, dict[str, Any]]]
     for model, target, sides in rows:
         for side in ("before", "after"):
             fp32, fp16 = sides.get(f"{side} fp32"), sides.get(f"{side} fp16")
-            cells = [cell(fp16 if key == "half" else fp32, key, form) for _, key, form in COLUMNS]
+            cells = [cell(fp16 if key in HALF_KEYS else fp32, HALF_KEYS.get(key, key), form)
+                     for _, key, form in COLUMNS]
             print(f"{model:<24} {target:<10} {side:<7}" + "".join(f" {c:>12}" for c in cells))
         ratios = []
         for _, key, _ in COLUMNS:
-            dtype = "fp16" if key == "half" else "fp32"
+            dtype = "fp16" if key in HALF_KEYS else "fp32"
             old, new = sides.get(f"before {dtype}"), sides.get(f"after {dtype}")
+            key = HALF_KEYS.get(key, key)
             ok = old and new and "error" not in old and "error" not in new and old[key]
             ratios.append(f"{new[key] / old[key]:.3f}" if ok else "-")  # type: ignore[index]
         print(f"{model:<24} {target:<10} {'a/b':<7}" + "".join(f" {r:>12}" for r in ratios))
@@ -161,12 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     from fblc.tools.kernel_stats import device_items
 
     resident = {target: device_items(load_profile(target)) for target in targets}  # this tree's, for both sides
+    rates = {target: {name: getattr(load_profile(target), name) for name in RATES} for target in targets}
     sizes = {target: f"{items} work-items, {how}" for target, (items, how) in resident.items()}
     with tempfile.TemporaryDirectory() as scratch:
         exported = export_models(scratch, names)
         print("  exported " + ", ".join(exported), file=sys.stderr)
         jobs = [{"name": name, "model": path, "shapes": shapes, "target": target, "dtype": dtype,
-                 "resident_items": resident[target][0]}
+                 "resident_items": resident[target][0], "rates": rates[target]}
                 for name, (path, shapes) in exported.items() for target in targets for dtype in ("fp32", "fp16")]
         base = os.path.join(scratch, "base")
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", base, args.base], check=True)

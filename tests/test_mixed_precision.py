@@ -24,6 +24,7 @@ from fblc.compiler import keys
 from fblc.compiler.index_map import view_root
 from fblc.compiler.loss_scale import INITIAL_SCALE
 from fblc.compiler.model_io import load_model
+from fblc.compiler.values import static_shape as static_shape_of
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.errors import FblcError
 from fblc.passes.fuse import FuseKernels
@@ -308,6 +309,70 @@ def test_a_skipped_step_commits_no_state_and_a_finite_one_gives_the_step_graphs(
         if not name.startswith("loss_scale"):
             np.testing.assert_array_equal(runner.read(name), before[name], err_msg=name)
             np.testing.assert_array_equal(runner.read_before_swap(f"{name}.new"), before[name], err_msg=name)
+
+
+def test_the_finite_check_reads_a_norms_scale_and_bias_gradients_summed_in_the_kernel_that_makes_them(
+        tmp_path) -> None:
+    """Golden (skip_nonfinite.read_together): LayerNormalization's scale and bias (one forward node, one
+    shape) are probed as ReduceSum(Add(s.grad, b.grad)); the Add joins the kernel that makes both gradients,
+    so the finite check's kernel reads neither of them, one texture for the pair. Negative: the MatMul's
+    weight, of its own shape, is probed whole. Numeric (PoCL, buffer storage): a step with an inf scale is
+    skipped and leaves every parameter and state bit-equal."""
+    from tests.test_kernels_contraction import _node, write_case
+
+    nodes = [_node("MatMul", ["x", "w"], "h"), _node("LayerNormalization", ["h", "s", "b"], "y", axis=-1)]
+    path = write_case(str(tmp_path / "norm.onnx"), nodes, {"x": (4, 8), "w": (8, 8), "s": (8,), "b": (8,)})
+    options = TrainingOptions(loss="output", optimizer=ADAMW, loss_scale="dynamic")
+    step, _ = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    outputs = {v.name: v for v in step.graph.outputs}
+    probes = {n.inputs[0].name: n for n in step.graph if n.op_type == "ReduceSum" and n.inputs[0].producer() and (
+        n.inputs[0].name.endswith(".grad") or n.inputs[0].producer().op_type == "Add")
+        and n.metadata_props.get(keys.STAGE) == "optimizer" and not static_shape_of(n.outputs[0])}
+    pair = next(n.inputs[0].producer() for n in probes.values() if not n.inputs[0].name.endswith(".grad"))
+    assert {v.name for v in pair.inputs} == {"s.grad", "b.grad"}
+    assert "w.grad" in probes and "x.grad" in probes and "s.grad" not in probes and "b.grad" not in probes
+    kernel = pair.metadata_props[keys.KERNEL]
+    assert outputs["s.grad"].producer().metadata_props[keys.KERNEL] == kernel
+    assert outputs["b.grad"].producer().metadata_props[keys.KERNEL] == kernel
+    check = next(iter(probes.values())).metadata_props[keys.KERNEL]
+    read = {v.name for n in step.graph if n.metadata_props.get(keys.KERNEL) == check for v in n.inputs if v}
+    assert {"s.grad", "b.grad"}.isdisjoint(read) and {"w.grad", pair.outputs[0].name} <= read
+    runner = LocalRunner(str(tmp_path / "bundle"), progress=False, storage="buffer")  # PoCL: a skipped step
+    names = [s["name"] for s in runner.manifest["parameters"] + runner.manifest["states"]]
+    before = {name: runner.read(name) for name in names}
+    scale = next(s for s in runner.manifest["states"] if s["name"] == "loss_scale")
+    runner.upload(scale["texture"], np.array([np.inf], np.float32))
+    runner.step({})
+    assert runner.metrics["skipped"] == 1.0
+    for name in names:
+        if not name.startswith("loss_scale"):
+            np.testing.assert_array_equal(runner.read(name), before[name], err_msg=name)
+
+
+def test_a_gradient_summed_with_another_still_makes_the_check_see_its_nonfinite_element() -> None:
+    """loss_scale.not_finite over a pair summed elementwise, on onnxruntime: a NaN or inf in either one, or
+    inf and -inf that cancel into NaN, is not finite; finite ones are."""
+    from fblc.compiler.graph import Emitter
+    from fblc.compiler.loss_scale import not_finite
+
+    values = [ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+              for name, shape in (("a", [4]), ("b", [4]), ("c", [3]))]
+    graph = ir.Graph(values, [], nodes=[], name="check", opset_imports={"": 18})
+    flag = not_finite(Emitter(graph, stage="optimizer"), values, [values[:2]])
+    flag.name = "flag"
+    graph.outputs.append(flag)
+    assert sum(n.op_type == "ReduceSum" for n in graph) == 2  # the pair once, c alone
+    session = ort.InferenceSession(ir.to_proto(ir.Model(graph, ir_version=9)).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+
+    def check(a: list[float], b: list[float], c: list[float]) -> bool:
+        feeds = {"a": np.array(a, np.float32), "b": np.array(b, np.float32), "c": np.array(c, np.float32)}
+        return bool(session.run(None, feeds)[0])
+
+    assert not check([1, 2, 3, 4], [-1, 5, 6, 7], [1, 2, 3])
+    assert check([1, 2, 3, 4], [1, np.nan, 3, 4], [1, 2, 3])
+    assert check([1, 2, np.inf, 4], [1, 2, -np.inf, 4], [1, 2, 3])
+    assert check([1, 2, 3, 4], [1, 2, 3, 4], [np.inf, 2, 3])
 
 
 def test_fuse_keeps_a_sum_over_many_gradients_within_the_read_image_limit(tmp_path) -> None:

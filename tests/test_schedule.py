@@ -440,6 +440,36 @@ def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_devi
     assert tile(64, 0, 512, k=32) == (8, 2)  # a CPU keeps the largest tile
 
 
+def test_where_no_tile_fills_the_device_the_tile_that_fetches_least_in_its_rounds_wins() -> None:
+    """TileBudget.pick told a tile's texel fetches per K step (contraction.tile_fetches): where no tile fills
+    the 830 alone, the candidate whose rounds of 1536 work-items times one work-item's fetches are fewest,
+    not the one that fills it by reading a texel per output texel (Llama B=2 T=16's MatMuls: 2.5x the
+    reads). A reads K along lanes (a forward MatMul) or M along lanes (X^T of a weight gradient)."""
+    from fblc.codegen.kernels.contraction import tile_fetches, tile_reduction
+    from fblc.codegen.kernels.schedules import TileBudget, _contraction_tile
+
+    profile = load_profile("adreno830")
+    forward, transposed = tile_fetches(1, 64, 128, 1), tile_fetches(128, 1, 128, 1)
+    assert (forward((1, 1)), forward((4, 1)), forward((8, 2))) == (1.25, 2.0, 4.0)
+    assert (transposed((1, 1)), transposed((4, 1)), transposed((8, 2))) == (2.0, 2.0, 4.0)
+    assert tile_fetches(1, 64, 1, 64)((4, 2)) == 3.0 and tile_fetches(64, 64, 64, 64)((4, 1)) == 8.0
+
+    def tile(texels: int, k: int, fetches=forward) -> tuple[int, int]:
+        budget = TileBudget(True, 64, profile.device_items, texels, False, True)
+        split = lambda t, tiles: profile.tile_group(*tile_reduction([(k, 1)], *t), 4 * t[0] * t[1], tiles)  # noqa: E731
+        schedule = _contraction_tile(budget, (texels // 32 * 8, 128), texels // 32 * 8, None, split, fetches)[0]
+        return schedule.tile_rows, schedule.tile_columns
+
+    # 1024 texels, K = 64: one texel a tile fills the 830 only split (1024 x 2, two rounds of 1.25 x 32 fetches);
+    # 4 x 1 tiles split 4 ways (1024 work-items, one round of 2 x 16) fetch least
+    assert tile(1024, 64) == (4, 1)
+    assert tile(512, 64) == (4, 1)  # 1 x 1: 2048 items, 2 rounds of 1.25 x 16; 4 x 1: 512 items, 1 round of 2 x 16
+    assert tile(512, 32) == (1, 1)  # both one round: 1.25 x 16 fetches against 2 x 16
+    assert tile(512, 32, transposed) == (4, 1)  # X^T: one lane of each A texel, 2 x 16 either way: the larger tile
+    assert tile(2048, 32, transposed) == (4, 1)  # 2048 x 1 texels: two rounds of 2 x 32; 512 x 2: one of 2 x 16
+    assert tile(32768, 256) == (8, 2)  # a tile that fills the device alone is unchanged
+
+
 @pytest.mark.parametrize("target", ["adreno830", "local"])
 def test_every_offered_schedule_value_changes_the_kernel_or_is_its_default(tmp_path, target: str) -> None:
     """plan.json's `choices` offer only values the kernel's emitter follows (fblc tune tries each): set

@@ -48,10 +48,7 @@ def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int], buffer_lin
     """A launch of the plan: its kernel, its launch sizes (the profile's work-group size, the global size
     padded to whole groups; `items` work-items do work), its texture arguments, its kernel's lines in kernels.cl
     and kernels.buffer.cl, and the schedule its kernel was built with (codegen/schedule.py; readers may ignore it)."""
-    if kernel.group_size is not None:  # written for this work-group size: its global size is whole groups
-        global_size, group = kernel.global_size, kernel.group_size
-    else:
-        global_size, group = profile.launch_size(kernel.global_size)
+    global_size, group = kernel.launch(profile)
     return {"name": kernel.name, "function": kernel.function, "family": kernel.family, "items": kernel.global_size,
             "global_size": [global_size], "local_size": [group], "outputs": kernel.outputs, "inputs": kernel.inputs,
             "lines": list(lines), "buffer_lines": list(buffer_lines),

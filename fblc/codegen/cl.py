@@ -9,6 +9,7 @@ from functools import cached_property
 from fblc.codegen import ir as kir
 from fblc.codegen.render.opencl import Storage, foldable, render_kernel
 from fblc.compiler.index_map import row_major_strides as strides_of
+from fblc.profiles import Profile
 
 __all__ = ["Kernel", "strides_of"]
 
@@ -28,6 +29,13 @@ class Kernel:
     #: the work-group size the kernel is written for (its work-items share __local memory), or None:
     #: any size, the target profile's schedule chooses
     group_size: int | None = None
+
+    def launch(self, profile: Profile) -> tuple[int, int]:
+        """(global size, work-group size) it launches with: its own group size (whole groups), else the
+        profile's (Profile.launch_size)."""
+        if self.group_size is not None:
+            return self.global_size, self.group_size
+        return profile.launch_size(self.global_size)
 
     def render(self, storage: Storage) -> str:
         """Its __kernel in `storage`, rendered when first asked (a kernel that an identical one replaces

@@ -19,6 +19,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from fblc.bundle_format import FLOAT_FORMATS, INTEGER_FORMATS
 from fblc.codegen.plan import BufferTable, Program, kernel_groups
 from fblc.compiler import keys
 from fblc.compiler.flops import node_flops
@@ -27,12 +28,17 @@ from fblc.compiler.values import numel, static_shape
 from fblc.passes.memory_plan import MemoryPlan
 from fblc.passes.pipeline import TrainingOptions
 from fblc.profiles import Profile
-from fblc.profiles.profile import LAUNCH_OVERHEAD_US
+from fblc.profiles.roofline import LaunchWork, launch_time
 
 
 def estimate_object(model: ir.Model, program: Program, profile: Profile,
                     cache: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """report.json's `estimate`, from the profile's peak, bandwidth and launch overhead."""
+    """report.json's `estimate`: each launch's time by the profile's roofline (fblc.profiles.roofline: occupancy,
+    half rate, texture and DRAM bytes, launch cost) from what the compiler knows of its work without reading
+    its kernel: its nodes' FLOPs, as fused multiply-adds (in half where every float texture it writes is half
+    and the target computes in half), each texture it reads fetched once, whole texels, and the bytes it
+    writes. A lower bound of the kernel-IR estimate (fblc/tools/kernel_stats.py ir_estimate: every fetch and
+    lane-operation the kernel runs); counting those here would double a compile's time."""
     # by the fuse pass's kernel id (k12): a group's kernels are named k12_Op, k12_Op_stats...
     group_flops = {g.name.split("_", 1)[0]: sum(node_flops(n) for n in g.nodes) for g in kernel_groups(model.graph)}
     misses = {k["kernel"]: k["misses"] for k in cache["kernels"]} if cache else {}
@@ -44,14 +50,19 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
         read = sum(program.textures[t].image_bytes for t in set(kernel.inputs))
         if kernel.name in misses:  # simulated misses of the traced kernel: whole blocks of 16-byte texels
             read = misses[kernel.name] * block_texels * 16
-        compute_ms = flops / (profile.peak_gflops * 1e6)
-        memory_ms = (read + written) / (profile.bandwidth_gbps * 1e6)
-        work_ms, launch_ms = max(compute_ms, memory_ms), LAUNCH_OVERHEAD_US * 1e-3
-        bound = "launch" if launch_ms > work_ms else "compute" if compute_ms >= memory_ms else "memory"
+        formats = {program.textures[t].format for t in kernel.outputs} - set(INTEGER_FORMATS)
+        half = profile.fp16 and formats == {FLOAT_FORMATS["fp16"]}
+        launched, group = kernel.launch(profile)
+        slots = flops / 2  # every flop in a fused multiply-add: the fewest issue slots its nodes take
+        time = launch_time(profile, LaunchWork(kernel.global_size, launched, group, 0 if half else slots,
+                                               slots if half else 0, read, read + written))
         kernels.append({"kernel": kernel.name, "family": kernel.family, "flops": flops, "bytes": read + written,
-                        "ms": round(work_ms + launch_ms, 6), "bound": bound})
-        total += work_ms + launch_ms
-    return {"kind": "estimate from the target profile (peak_gflops, bandwidth_gbps, launch overhead), not measured",
+                        "ms": round(time.ms, 6), "bound": time.bound, "lanes": round(time.lane_share, 4),
+                        "half": half})
+        total += time.ms
+    return {"kind": "estimate from the target profile (fblc.profiles.roofline: peak_gflops at the lanes a launch "
+                    "occupies, half_rate, texture_bytes_per_clock, bandwidth_gbps, launch_us), not measured; "
+                    "work: the nodes' FLOPs, each texture read once",
             "profile": profile.name, "reads": "simulated cache misses" if misses else "each texture once",
             "step_ms": round(total, 4), "flops": sum(k["flops"] for k in kernels),
             "bytes": sum(k["bytes"] for k in kernels), "kernels": kernels}

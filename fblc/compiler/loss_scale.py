@@ -74,14 +74,27 @@ def _tree_sum(e: Emitter, values: list[ir.Value]) -> ir.Value:
     return values[0]
 
 
-def not_finite(e: Emitter, grads: list[ir.Value]) -> ir.Value:
+def not_finite(e: Emitter, grads: list[ir.Value], together: list[list[ir.Value]] | None = None) -> ir.Value:
     """A boolean scalar: some element of `grads` is inf or NaN. The sum of every element is then inf
     or NaN too (a finite gradient's sum stays far below fp32's 3.4e38), and sum * 0 is NaN exactly
-    then; the reductions read the gradients where they are, nothing of their size is made."""
-    probes = [e.op("ReduceSum", g, keepdims=0) for g in grads]
+    then; the reductions read the gradients where they are, nothing of their size is made. Each list of
+    `together` (gradients of one shape, of `grads`) is summed elementwise first and reduced once: the sum of
+    every element is the same, and the elementwise Add joins the kernel that makes them all (BatchNorm's
+    dgamma and dbeta), so the check reads one texture of theirs, not each (it reads at most READ_IMAGE_ARGS
+    a launch)."""
+    summed = {id(g) for group in together or [] for g in group}
+    probes = [e.op("ReduceSum", _elementwise_sum(e, group), keepdims=0) for group in together or []]
+    probes += [e.op("ReduceSum", g, keepdims=0) for g in grads if id(g) not in summed]
     probes = [p if p.dtype == ir.DataType.FLOAT else e.op("Cast", p, to=ir.DataType.FLOAT) for p in probes]
     total = _tree_sum(e, probes)
     return e.op("IsNaN", e.op("Mul", total, e.scalar(0.0, total)))
+
+
+def _elementwise_sum(e: Emitter, values: list[ir.Value]) -> ir.Value:
+    total = values[0]
+    for value in values[1:]:
+        total = e.op("Add", total, value)
+    return total
 
 
 def next_scale(e: Emitter, graph: ir.Graph, scale: ir.Value, skipped: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:

@@ -2,7 +2,9 @@
 
 Rewrite (when the step has the state input `loss_scale`, which build_gradients adds under
 mixed precision; fblc.compiler.loss_scale): `skipped` = some element of some `P.grad` is inf or
-NaN; the optimizer reads `Where(skipped, 0, P.grad)` instead of `P.grad` (a skipped step's
+NaN (loss_scale.not_finite: the gradients of parameters of one shape that one forward node reads,
+a norm's scale and bias, are summed elementwise in the kernel that makes them and reduced once:
+`read_together`); the optimizer reads `Where(skipped, 0, P.grad)` instead of `P.grad` (a skipped step's
 gradient is no number to use; the graph is sorted again); every state output `X.new` becomes
 `Where(skipped, X, X.new)` (parameters, optimizer
 state, the step count, BatchNorm statistics); the scale halves on a skipped step and doubles
@@ -28,6 +30,28 @@ from fblc.passes.optimizer_step import name_output
 SCALE_METRIC = "scale"
 
 
+def read_together(graph: ir.Graph, grads: list[ir.Value]) -> list[list[ir.Value]]:
+    """Gradients the finite check sums elementwise before it reduces them (loss_scale.not_finite): those of
+    parameters of one shape that one forward node reads (BatchNorm's or LayerNorm's scale and bias), whose
+    gradients sibling reductions make in one kernel. Each parameter in one list at most."""
+    parameter_of = {g.name[: -len(".grad")]: g for g in grads if g.name.endswith(".grad")}
+    inputs = {v.name: v for v in graph.inputs if v.name in parameter_of}
+    together, taken = [], set()
+    for node in graph:
+        if node.metadata_props.get(keys.STAGE, "forward") != "forward":
+            continue
+        by_shape: dict[tuple, list[ir.Value]] = {}
+        for value in node.inputs:
+            if value is not None and value.name in inputs and value.name not in taken and value.shape is not None:
+                by_shape.setdefault(tuple(value.shape), []).append(value)
+        for group in by_shape.values():
+            names = list(dict.fromkeys(v.name for v in group))
+            if len(names) > 1:
+                taken.update(names)
+                together.append([parameter_of[name] for name in names])
+    return together
+
+
 class SkipNonfinite(ContractPass):
     """Gate every state update on finite gradients and update the loss scale (in place)."""
 
@@ -45,7 +69,7 @@ class SkipNonfinite(ContractPass):
         grads = [v for v in graph.outputs if keys.get_role(v) == Role.GRAD.value]
         optimizer_uses = {id(g): [u for u in g.uses() if u.node.metadata_props.get(keys.STAGE) == "optimizer"]
                           for g in grads}
-        skipped = not_finite(e, grads)
+        skipped = not_finite(e, grads, read_together(graph, grads))
         for grad in grads:
             held = e.op("Where", skipped, e.scalar(0.0, grad), grad)
             for node, index in optimizer_uses[id(grad)]:

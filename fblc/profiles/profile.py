@@ -39,6 +39,9 @@ FIGURES: dict[str, tuple[type, str]] = {
     "compute_units": (int, "compute units: shader processors / cores (CL_DEVICE_MAX_COMPUTE_UNITS)"),
     "waves_per_unit": (int, "waves a compute unit runs at once: its fp32 lanes / wave_size"),
     "private_floats": (int, "accumulator floats a work-item keeps in registers at full occupancy (a tile's limit)"),
+    "half_rate": (float, "half arithmetic throughput over fp32's (lane-operations a clock; 1: half computes as float)"),
+    "launch_us": (float, "host-to-GPU cost of one kernel launch in an in-order queue, microseconds"),
+    "texture_bytes_per_clock": (int, "bytes a compute unit's texture L1 returns a clock (whole texels)"),
 }
 #: The image edge, in texels, that every OpenCL device fblc targets allows: the PoCL that pip installs
 #: (pocl-binary-distribution 3.0), oclgrind and most phone drivers stop at 8192 x 8192, while some
@@ -77,9 +80,6 @@ CPU_BUSY_TILES = 16 * GROUP_ITEMS
 #: the __local memory a work-group's merge of partial register tiles may take (its accumulators times
 #: its work-items, in floats): half of the 32 KiB that Adreno's and Mali's OpenCL drivers give a group
 SHARED_TILE_FLOATS = 4096
-#: host-to-GPU cost of one kernel launch in an in-order queue, for report.json's estimate (estimated:
-#: mobile OpenCL drivers take a few to tens of microseconds per enqueue; no profile measures it yet)
-LAUNCH_OVERHEAD_US = 10.0
 SOURCE_KINDS = ("measured", "vendor documentation:", "paper:", "estimated")
 TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
 
@@ -109,6 +109,9 @@ class Profile:
     compute_units: int
     waves_per_unit: int
     private_floats: int
+    half_rate: float
+    launch_us: float
+    texture_bytes_per_clock: int
     sources: dict[str, str]
     raw: dict[str, Any]
 
@@ -283,6 +286,9 @@ def _check_possible(v: dict[str, Any], path: str) -> None:
     if not 4 <= v["private_floats"] <= PRIVATE_FLOATS or v["private_floats"] % 4:
         raise _fail(path, f"private_floats is {v['private_floats']}: a work-item's accumulators are whole float4s, "
                           f"4 to {PRIVATE_FLOATS} floats")
+    if not 1 <= v["half_rate"] <= 4:
+        raise _fail(path, f"half_rate is {v['half_rate']}: half arithmetic runs 1 to 4 times the fp32 rate "
+                          "(1: as float)")
     if v["wave_size"] > v["max_work_group_size"]:
         raise _fail(path, f"wave_size {v['wave_size']} exceeds max_work_group_size {v['max_work_group_size']}")
 

@@ -38,12 +38,16 @@ import numpy as np
 
 from fblc.codegen import ir
 from fblc.profiles import Profile
+from fblc.profiles.roofline import LaunchWork, launch_time
 from fblc.tools.item_values import INTEGERS, Items, Unknown, evaluate, per_item
 from fblc.tools.lane_use import (FLOATS, UNBOUNDED, Bounds, Demand, LaneUse, LoadVisitor, bounds, children,
                                   lanes_used, statement_demands, trip_count, var_key)
 
 #: channels of a texel by the Load's texture kind: an r_mask image (kind "uint", read as lane x) holds one
 CHANNELS: dict[str, int] = {"uint": 1}
+#: bytes of one texel by the C element type of a Load's texture (its format's: bundle_format.BUFFER_C_TYPES);
+#: a fetch moves its whole texel whatever lanes its readers use
+TEXEL_BYTES: dict[str, int] = {"float4": 16, "int4": 16, "half": 8, "uchar": 1}
 #: calls that move lanes, not arithmetic
 LANE_MOVES = frozenset({"WINDOW", "window4", "lane_f", "lane_i", "wrap_row"})
 CONVERSIONS = ("convert_", "as_")  # type conversions and reinterpretations, not arithmetic
@@ -62,11 +66,15 @@ class Figures:
     fetch_runs: float = 0.0
     whole_fetch_runs: float = 0.0
     lanes_fetched_runs: float = 0.0  # lanes used, summed over fetch runs
+    fetched_bytes_runs: float = 0.0  # bytes of the whole texels fetched, summed over fetch runs
     #: fetch runs counted under upper estimates: an if whose condition depends on data or a loop variable, a loop
     #: whose trips come from interval bounds (the rest are exact for the work-items' prologue values)
     estimated_fetch_runs: float = 0.0
     ops: Counter[str] = field(default_factory=Counter)  # static lane-operations by scalar type
     op_runs: Counter[str] = field(default_factory=Counter)  # per step
+    #: lane-operations of products an add or subtract takes as its operand (`acc += a * b`), per step by scalar
+    #: type: the two run as one fused multiply-add, so a step's issue slots are op_runs less these
+    fused_runs: Counter[str] = field(default_factory=Counter)
     unbounded_loops: int = 0
 
     def add(self, other: Figures) -> Figures:
@@ -95,8 +103,9 @@ def _scaled(figures: Figures, factor: float) -> Figures:
     """`figures` with its weighted fields times `factor` (static ones as they are)."""
     return Figures(figures.fetches, figures.whole_fetches, figures.fetch_runs * factor,
                    figures.whole_fetch_runs * factor, figures.lanes_fetched_runs * factor,
-                   figures.estimated_fetch_runs * factor, Counter(figures.ops),
-                   Counter({k: v * factor for k, v in figures.op_runs.items()}), figures.unbounded_loops)
+                   figures.fetched_bytes_runs * factor, figures.estimated_fetch_runs * factor, Counter(figures.ops),
+                   Counter({k: v * factor for k, v in figures.op_runs.items()}),
+                   Counter({k: v * factor for k, v in figures.fused_runs.items()}), figures.unbounded_loops)
 
 # one kernel -------------------------------------------------------------------------------------
 def kernel_figures(kernel: ir.KernelIR, items: int, group_size: int | None = None) -> Figures:
@@ -143,6 +152,7 @@ class _Fetches(LoadVisitor):
         self.figures.fetch_runs += runs
         self.figures.whole_fetch_runs += runs * whole
         self.figures.lanes_fetched_runs += runs * lanes * 4 / channels
+        self.figures.fetched_bytes_runs += runs * TEXEL_BYTES[load.argument.element]
 
     def branch_shares(self, select: ir.Select) -> tuple[float, float] | None:
         taken = self.walk.known(select.condition)
@@ -165,6 +175,8 @@ def _expr_figures(e: ir.Expr, demand: Demand, walk: _Walk, weights: np.ndarray, 
                 lanes = max(1, sub.dtype.lanes)
                 figures.ops[sub.dtype.scalar] += lanes
                 figures.op_runs[sub.dtype.scalar] += lanes * weight
+                if isinstance(sub, ir.Binary) and sub.op in ("+", "-"):
+                    _fuse(figures, next((x for x in (sub.a, sub.b) if _is_product(x)), None), weight)
             pending.extend(children(sub))
 
 
@@ -176,6 +188,16 @@ def _is_arithmetic(e: ir.Expr) -> bool:
     if isinstance(e, ir.Unary):
         return e.op == "-"
     return isinstance(e, ir.Call) and e.function not in LANE_MOVES and not e.function.startswith(CONVERSIONS)
+
+
+def _is_product(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Binary) and e.op == "*" and e.dtype.is_float
+
+
+def _fuse(figures: Figures, product: ir.Expr | None, weight: float) -> None:
+    """Count `product`, an operand of an add, as fused into it (Figures.fused_runs)."""
+    if product is not None:
+        figures.fused_runs[product.dtype.scalar] += max(1, product.dtype.lanes) * weight
 
 
 def _returns(block: Sequence[ir.Statement]) -> bool:
@@ -192,6 +214,8 @@ def _block_figures(body: Sequence[ir.Statement], walk: _Walk, weights: np.ndarra
             lanes = max(1, s.value.dtype.lanes)
             figures.ops[s.value.dtype.scalar] += lanes
             figures.op_runs[s.value.dtype.scalar] += lanes * weight
+            if s.op in ("+=", "-=") and _is_product(s.value):
+                _fuse(figures, s.value, weight)
         if isinstance(s, ir.Declare) and s.const and s.init is not None:
             walk.env[var_key(s.var)] = bounds(s.init, walk.env)
             value = walk.known(s.init) if s.var.dtype.scalar in INTEGERS and s.var.dtype.lanes == 1 else None
@@ -247,9 +271,35 @@ def program_figures(kernels: Iterable[Any]) -> Figures:
     """The figures of a step's launches: objects with `.ir` (KernelIR) and `.global_size` (work-items),
     e.g. `Program.kernels` of fblc.codegen.plan."""
     total = Figures()
-    for kernel in kernels:
-        total.add(kernel_figures(kernel.ir, kernel.global_size, getattr(kernel, "group_size", None)))
+    for figures in launch_figures(kernels).values():
+        total.add(figures)
     return total
+
+
+def launch_figures(kernels: Iterable[Any]) -> dict[str, Figures]:
+    """Each launch's figures by kernel name (program_figures' kernels)."""
+    return {kernel.name: kernel_figures(kernel.ir, kernel.global_size, getattr(kernel, "group_size", None))
+            for kernel in kernels}
+
+
+def ir_estimate(launches: dict[str, Figures], plan: dict[str, Any], estimate: dict[str, Any],
+                profile: Any) -> dict[str, Any]:
+    """The step's time on `profile` by its roofline (fblc.profiles.roofline) from what each launch's kernel
+    IR runs: its lane-operations (wasted lanes included: a float4 add is 4) less the products fused into an
+    add (Figures.fused_runs), half ones where their type is half (HALF_TYPES), the whole texels it fetches, its launch size from plan.json and its DRAM bytes from
+    report.json's `estimate` (each texture once). Gives `ir_step_ms` and the launches each bound counts."""
+    sizes = {k["name"]: (k["items"], k["global_size"][0], k["local_size"][0]) for k in plan["kernels"]}
+    dram = {k["kernel"]: k["bytes"] for k in estimate["kernels"]}
+    total, bounds = 0.0, Counter()
+    for name, figures in launches.items():
+        items, launched, group = sizes[name]
+        slots = figures.op_runs - figures.fused_runs  # a fused multiply-add issues once
+        half = sum(slots[scalar] for scalar in HALF_TYPES)
+        time = launch_time(profile, LaunchWork(items, launched, group, sum(slots.values()) - half, half,
+                                               figures.fetched_bytes_runs, dram.get(name, 0)))
+        total += time.ms
+        bounds[time.bound] += 1
+    return {"ir_step_ms": total, "ir_bounds": dict(bounds)}
 
 
 # the bundle -------------------------------------------------------------------------------------
@@ -276,11 +326,12 @@ def bundle_figures(bundle: str, resident_items: int) -> dict[str, Any]:
 
 
 def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp32", options: Any = None,
-                    resident_items: int | None = None) -> tuple[Figures, dict[str, Any]]:
+                    resident_items: int | None = None, profile: Any = None) -> tuple[Figures, dict[str, Any]]:
     """Compile `model_path` into `bundle` for `target` and give (the kernels' Figures, bundle_figures with
     `device_items` and `device_items_from`). `options`: TrainingOptions (default: fblc compile's);
     `resident_items`: the device's size to count small launches against (default: device_items of the
-    target's profile as this fblc has it; give one to compare two versions of fblc alike)."""
+    target's profile as this fblc has it; give one to compare two versions of fblc alike); `profile`: the
+    figures ir_estimate takes (default: the target's profile; give one to compare two versions alike)."""
     import fblc.codegen.compile as compile_module
     from fblc.passes.pipeline import TrainingOptions
     from fblc.profiles import load_profile
@@ -298,5 +349,13 @@ def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp3
     finally:
         compile_module.lower = lower  # type: ignore[assignment]
     resident, how = device_items(load_profile(target)) if resident_items is None else (resident_items, "given")
-    return program_figures(programs[-1].kernels), {**bundle_figures(bundle, resident), "device_items": resident,
-                                                   "device_items_from": how}
+    launches = launch_figures(programs[-1].kernels)
+    with open(os.path.join(bundle, "plan.json")) as handle:
+        plan = json.load(handle)
+    with open(os.path.join(bundle, "report.json")) as handle:
+        estimate = ir_estimate(launches, plan, json.load(handle)["estimate"], profile or load_profile(target))
+    total = Figures()
+    for figures in launches.values():
+        total.add(figures)
+    return total, {**bundle_figures(bundle, resident), **estimate, "device_items": resident,
+                   "device_items_from": how}

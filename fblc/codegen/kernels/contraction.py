@@ -211,6 +211,20 @@ def tile_reduction(k_digits: Digits, rows: int, columns: int) -> tuple[int, int]
                                                                     + [looped // steps if looped > steps else 0])
 
 
+def tile_fetches(a_step: int, a_row: int, w_step: int, w_lane: int) -> Callable[[tuple[int, int]], float]:
+    """Texel fetches per K step of a (rows, texel columns) tile on the texel-wide path, given the strides of
+    K and M in A's root (`a_step`, `a_row`) and of K and N in B's (`w_step`, `w_lane`); a stride of 1 is
+    the axis a texel's 4 lanes run along. A's texel holds 4 steps of a row (K along lanes), or 4 of the
+    tile's rows (M along lanes: a one-row tile uses one lane of each), else one element; B's holds a
+    texel column (N along lanes) or 4 steps of a column (K along lanes), else one element."""
+    def fetches(tile: tuple[int, int]) -> float:
+        rows, columns = tile
+        a = rows / LANES if a_step == 1 else max(1.0, rows / LANES) if a_row == 1 else float(rows)
+        return a + columns * (1 if 1 in (w_lane, w_step) else LANES)
+
+    return fetches
+
+
 def merged_rows(a_axes: list[Digits], w_axes: list[Digits]) -> int | None:
     """The rows of A' over its batch axes and M as one run, where a tile of whole rows cannot take M alone
     (M % 4 != 0: a ViT's 65 tokens) and B' has no batch of its own (a weight: [4, 65, 128] @ [128, 512] is

@@ -13,7 +13,8 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import lane_axis
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import Digits, matmul_operands, merged_rows, texel_columns, tile_reduction
+from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, texel_columns, tile_fetches,
+                                               tile_reduction)
 from fblc.codegen.kernels.conv_schedules import conv_schedule, conv_transpose_schedule
 from fblc.codegen.kernels.movement import transpose_block
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
@@ -66,13 +67,17 @@ Split = Callable[[tuple[int, int], int], int | None]
 
 
 def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int, column_texels: int | None,
-                      split: Split | None = None) -> tuple[Schedule, None, int]:
+                      split: Split | None = None,
+                      fetches: Callable[[tuple[int, int]], float] | None = None) -> tuple[Schedule, None, int]:
     """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts where the output's rows and
     texel columns come in such groups (a tile reads each operand texel once for all its rows or columns),
     within the target's accumulators and by the device's size (TileBudget.pick, told by `split` the
     work-group each tile's reduction would really get, with one texel as the last resort); where no such
-    group of rows exists, one row of ROW_TILE_COLUMNS texels; else one texel. `rows`, `column_texels`: the runs of rows and texel columns the operands step through by one
-    stride (a folded axis's innermost digit); the tile's rows are whole output rows apart."""
+    group of rows exists, one row of ROW_TILE_COLUMNS texels; else one texel. `rows`, `column_texels`: the
+    runs of rows and texel columns the operands step through by one stride (a folded axis's innermost digit);
+    the tile's rows are whole output rows apart. `fetches`: a tile's texel fetches per K step
+    (contraction.tile_fetches), by which split tiles and one texel per item are weighed where no tile fills
+    the device alone (TileBudget.pick)."""
     row_texels = out_shape[-1] // LANES
     run = row_texels if column_texels is None else column_texels
     wide = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
@@ -82,7 +87,8 @@ def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int,
         tiles = [(1, c) for c in ROW_TILE_COLUMNS if row_texels % c == 0 and run % c == 0 and c * LANES <= budget.private]
     if budget.tiled and tiles:
         tiles.sort(key=lambda tile: -tile[0] * tile[1])  # the largest first; of equal ones, more rows
-        tile_rows, columns = budget.pick(tiles, lambda tile: tile[0] * tile[1], split, [(1, 1)] if split else ())
+        tile_rows, columns = budget.pick(tiles, lambda tile: tile[0] * tile[1], split, [(1, 1)] if split else (),
+                                         fetches)
         # one row: `columns` texel columns as _contract reads them (tile_of would make them rows)
         schedule = (tile_of(tile_rows, columns, row_texels) if tile_rows > 1
                     else Schedule(tile_rows=1, tile_columns=columns, tile_stride=row_texels))
@@ -114,8 +120,10 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
         return consecutive(1), None, 0
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
     rows = merged_rows(a_axes, w_axes) or a_axes[-2][-1][0]
+    fetches = None if k_digits is None else tile_fetches(k_digits[0][-1][1], a_axes[-2][-1][1],
+                                                         k_digits[1][-1][1], w_axes[-1][-1][1])
     return _contraction_tile(TileBudget.of(table, group), out_shape, rows, w_axes[-1][-1][0] // LANES,
-                             _tile_split(table, group, k_digits[0] if k_digits else None))
+                             _tile_split(table, group, k_digits[0] if k_digits else None), fetches)
 
 
 def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
@@ -123,9 +131,12 @@ def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
     if lane_axis(out_shape) != 1:
         return consecutive(1), None, 0
     a_shape = static_shape(group.anchor.inputs[0])
-    k = a_shape[0] if attr(group.anchor, "transA", 0) else a_shape[1]
+    trans_a, trans_b = attr(group.anchor, "transA", 0), attr(group.anchor, "transB", 0)
+    k = a_shape[0] if trans_a else a_shape[1]
+    m, n = out_shape
+    fetches = tile_fetches(m if trans_a else 1, 1 if trans_a else k, 1 if trans_b else n, k if trans_b else 1)
     return _contraction_tile(TileBudget.of(table, group), out_shape, out_shape[0], None,
-                             _tile_split(table, group, [(k, 1)]))
+                             _tile_split(table, group, [(k, 1)]), fetches)
 
 
 def _row_group(table: TextureTable, count: int, output: ir.Value) -> Schedule:

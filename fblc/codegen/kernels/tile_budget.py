@@ -40,14 +40,18 @@ class TileBudget:
                           -(-numel(static_shape(group.outputs[0])) // LANES), masks, not masks)
 
     def pick(self, candidates: Sequence[T], texels_per_item: Callable[[T], int],
-             group: Callable[[T, int], int | None] | None = None, fallback: Sequence[T] = ()) -> T:
+             group: Callable[[T, int], int | None] | None = None, fallback: Sequence[T] = (),
+             fetches: Callable[[T], float] | None = None) -> T:
         """Of `candidates` (largest tile first; each within `private`), the first whose items fill the device;
         where none does and the reduction may be split: with `group` (the work-items that would share a
         candidate's reduction given its tiles: Profile.tile_group, capped by the reduction's length and
         loop), the first whose tiles x group fill it, then of the `fallback` tiles (smaller ones, without
         register reuse), else of all the one that comes closest (of equals, the larger tile); without it,
         the first (a work-group per tile is assumed to fill it and the tile keeps its register reuse).
-        Where it may not be split, the last candidate (the most work-items)."""
+        With `fetches` too (a candidate's texel fetches per step of its reduction), of all the one that
+        fetches least in its slowest work-item (TileBudget.fetch_time): a smaller launch with register reuse
+        beats one that fills the device by reading each texel for one output. Where it may not be split,
+        the last candidate (the most work-items)."""
         def work_items(candidate: T) -> int:
             per = texels_per_item(candidate)
             return self.texels // (2 * per if self.masks and per % 2 else per)
@@ -64,9 +68,20 @@ class TileBudget:
                 return candidates[-1]
             if group is not None:
                 everything = [*candidates, *fallback]
+                if fetches is not None:  # min keeps the first (larger) of equal ones
+                    return min(everything, key=lambda c: self.fetch_time(
+                        launched(c), fetches(c) / (group(c, work_items(c)) or 1)))
                 split = [c for c in everything if launched(c) >= self.device_items]
                 return split[0] if split else max(everything, key=launched)
         return candidates[0]
+
+    def fetch_time(self, items: int, fetches: float) -> float:
+        """A launch's time in texel fetches (`items` work-items of `fetches` each): the rounds of device_items
+        it takes times one work-item's fetches, so a launch under device_items takes one round whatever
+        lanes it leaves idle. A model: a phone GPU's texture units, not its ALUs, bound a contraction that
+        reads a texel per output texel and K step; the multiply-adds and a split reduction's merge (a few
+        barriers) are left out."""
+        return -(-items // self.device_items) * fetches
 
 
 def saved_masks(group: KernelGroup) -> list[ir.Value]:
