@@ -224,6 +224,10 @@ TILE_CASES = {
     # M = 6 rows (no multiple of 4) under a weight without a batch: the tile's rows run over A's batch x M (12)
     "matmul_tile_merged_rows": ([_node("MatMul", ["a", "b"])], {"a": (2, 6, 12), "b": (12, 8)},
                                 {"forward": "tile", "grad": "tile"}),
+    # M = 7 rows under a batched B' (attention's P @ V over 65 tokens), which no tile of rows may cross:
+    # one row of 4 texel columns (16 outputs; its input gradient's rows of 2 texels: 2 columns)
+    "matmul_tile_one_row_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 7, 8), "b": (2, 3, 8, 16)},
+                                    {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
                           {"a": (20, 8), "b": (20, 8), "c": (8, 8)}, {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
@@ -304,11 +308,12 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows",
-                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map"])
+                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map",
+                                  "matmul_tile_one_row_batched"])
 def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
     """Tiles and texel-wide rows that were per lane until issue 39's unseen models (a conv weight gradient's
     blocks of fewer channels, a MatMul's rows across A's batch, attention's rows of 7 scores, an input
-    gradient's plane tile), in buffer storage too (whose row texels read B' with unaligned vload4s)."""
+    gradient's plane tile, a one-row tile under a batched B'), in buffer storage too (whose row texels read B' with unaligned vload4s)."""
     nodes, inits, _ = (TILE_CASES | TEXEL_CASES)[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
 
@@ -564,16 +569,22 @@ def test_a_texels_lane_loop_is_unrolled_unless_the_tensor_ends_inside_it(tmp_pat
     """A texel's lane loop runs 4 times: unrolled (#pragma unroll) it indexes its accumulators and
     results by constants, which the compiler keeps in registers (on PoCL the MLP's AdamW-fused weight
     gradients ran 1.4x faster). A tensor whose element count is no multiple of 4 ends inside its last
-    texel: that loop keeps its break and is not unrolled (LLVM warns it cannot unroll an early exit)."""
-    shapes = {"even": ({"a": (8, 20), "b": (20, 8)}, 64), "tail": ({"a": (3, 5), "b": (5, 3)}, 9)}
-    for name, (inits, numel) in shapes.items():
-        path = write_case(str(tmp_path / f"{name}.onnx"), [_node("MatMul", ["a", "b"])], inits)
-        forward = next(k for k in _contractions(path) if k.name.endswith("_MatMul") and _role(k) == "forward")
+    texel: that loop keeps its break and is not unrolled (LLVM warns it cannot unroll an early exit).
+    A MatMul's whole texels need no loop: their lanes are one float4 (tests/test_texel_wide.py)."""
+    cases = {"even": ([_node("Conv", ["x", "w"], pads=[1, 1, 1, 1])], {"x": (1, 2, 4, 4), "w": (4, 2, 3, 3)}, 64),
+             "tail": ([_node("MatMul", ["a", "b"])], {"a": (3, 5), "b": (5, 3)}, 9),
+             "float4": ([_node("MatMul", ["a", "b"])], {"a": (8, 20), "b": (20, 8)}, 64)}
+    for name, (nodes, inits, numel) in cases.items():
+        path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
+        forward = next(k for k in _contractions(path) if _role(k) == "forward")
         loop = [s for s in of_type(forward, kir.For) if s.var.name == "lane"]
-        assert len(loop) == 1 and (loop[0].stop, loop[0].step) == (kir.const(4), 1), loop
-        assert loop[0].unroll == (name == "even"), name
-        past = kir.If(kir.Var("i", 0, kir.INT, "i").ge(numel), [kir.Break()])
-        assert (past in loop[0].body) == (name == "tail"), name
+        if name == "float4":
+            assert not loop, name
+        else:
+            assert len(loop) == 1 and (loop[0].stop, loop[0].step) == (kir.const(4), 1), loop
+            assert loop[0].unroll == (name == "even"), name
+            past = kir.If(kir.Var("i", 0, kir.INT, "i").ge(numel), [kir.Break()])
+            assert (past in loop[0].body) == (name == "tail"), name
         rows = verify_model(path, OPTIONS)
         assert rows and not [r.name for r in rows if not r.ok], name
 

@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen import ir as kir
+from fblc.codegen import texel_wide
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, flat_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
@@ -342,10 +343,12 @@ class KernelBuilder(ValueReads):
         first element's row and column, when its multi-index is cheaper from them than from t)."""
         out_numel, texels = self.out_textures[0].numel, self.out_textures[0].texels
         lane_results = [_named(f"r{k}", kir.ELEMENT_TYPES[t.kind]) for k, t in enumerate(self.out_textures)]
-        block.add(*(kir.DeclareArray(r, 4, (const(0, r.dtype),) * 4) for r in lane_results))
         # a texel within one row of the lane axis: its lanes' indices are its first element's, plus the
         # lane along that axis (one division per axis per texel, not per lane)
         in_one_row = lane_axis(self.out_shape) is not None
+        wide = texel_wide.texel_form(self, results, in_one_row)
+        if wide is None:
+            block.add(*(kir.DeclareArray(r, 4, (const(0, r.dtype),) * 4) for r in lane_results))
         t = self.t
         if self.texel_reads or in_one_row:
             if first_row is not None:
@@ -357,13 +360,16 @@ class KernelBuilder(ValueReads):
                 declare_index(block, self.out_shape, kir.call("min", t * 4 + 3, out_numel - 1), TEXEL_LAST)
             block.add(*self.texel_reads)
         block.add(*self.lane_fallback)
-        # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
-        # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
-        with block.loop("lane", 0, 4, unroll=out_numel % 4 == 0, name="lane") as (lane, body):
-            self.lane_header(body, lane, in_one_row)
-            body.add(*self.lines)
-            for k, result in enumerate(results):
-                body.assign(kir.Element(lane_results[k], lane), result)
+        if wide is not None:
+            block.add(*wide[0])
+        else:
+            # unrolled, the loop indexes r<k> and the accumulators by constants, which stay in registers; a
+            # tensor that ends inside its last texel keeps the loop and its early exit (which LLVM cannot unroll)
+            with block.loop("lane", 0, 4, unroll=out_numel % 4 == 0, name="lane") as (lane, body):
+                self.lane_header(body, lane, in_one_row)
+                body.add(*self.lines)
+                for k, result in enumerate(results):
+                    body.assign(kir.Element(lane_results[k], lane), result)
         for k, texture in enumerate(self.out_textures):
             lanes_of = [kir.Element(lane_results[k], const(lane)) for lane in range(4)]
             argument = arguments[k]
@@ -377,7 +383,8 @@ class KernelBuilder(ValueReads):
             elif texture.format == MASK_FORMATS["mask4"]:  # the texel's 4 booleans as the low bits of byte t
                 block.add(kir.Store(argument, t, kir.vector(kir.UINT4, bits, 0, 0, 0)))
             else:  # a group kernel's texel goes out from its work-item 0
-                store = kir.Store(argument, t, kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of)))
+                value = wide[1][k] if wide else kir.Vector(kir.TEXEL_TYPES[texture.kind], tuple(lanes_of))
+                store = kir.Store(argument, t, value)
                 several = self.group_size is not None and not self._one_writer
                 block.add(kir.If(self.lid.eq(0), [store]) if several else store)
 

@@ -39,6 +39,10 @@ TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile 
 #: rows of a tile as whole texels from a row that is a multiple of 4)
 ROW_CHOICES = (1, 4, 8, 16)
 COLUMN_CHOICES = (1, 2, 4)  # its texel columns
+#: texel columns of a one-row tile, taken where no tile of TILE_ROWS rows divides the output's rows (M = 65
+#: tokens under a batched B', which no tile may cross): each A element read once for 16 columns (ViT's
+#: attention MatMuls on PoCL: 0.8-1.0 -> 0.26-0.43 ms; its MatMuls in all 25.2 -> 20.3 ms, with 2 columns 21.6)
+ROW_TILE_COLUMNS = (4, 2)
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
 #: a reducing family's decision: (schedule, its geometry for the emitter, outputs reduced together; 0: per lane)
 Reducing = Callable[[TextureTable, KernelGroup], tuple[Schedule, Any, int]]
@@ -68,21 +72,26 @@ def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int,
     """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts where the output's rows and
     texel columns come in such groups (a tile reads each operand texel once for all its rows or columns),
     within the target's accumulators and by the device's size (TileBudget.pick, told by `split` the
-    work-group each tile's reduction would really get, with one texel as the last resort), else one
-    texel. `rows`, `column_texels`: the runs of rows and texel columns the operands step through by one
-    stride (a folded axis's innermost digit); the tile's rows are whole output rows apart. `fetches`: a
-    tile's texel fetches per K step (contraction.tile_fetches), by which split tiles and one texel per item
-    are weighed where no tile fills the device alone (TileBudget.pick)."""
+    work-group each tile's reduction would really get, with one texel as the last resort); where no such
+    group of rows exists, one row of ROW_TILE_COLUMNS texels; else one texel. `rows`, `column_texels`: the
+    runs of rows and texel columns the operands step through by one stride (a folded axis's innermost digit);
+    the tile's rows are whole output rows apart. `fetches`: a tile's texel fetches per K step
+    (contraction.tile_fetches), by which split tiles and one texel per item are weighed where no tile fills
+    the device alone (TileBudget.pick)."""
     row_texels = out_shape[-1] // LANES
     run = row_texels if column_texels is None else column_texels
     wide = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
     tiles = [(n, c) for n in TILE_ROWS for c in sorted({wide, 1}, reverse=True)
              if rows % n == 0 and n * c * LANES <= budget.private]
+    if not tiles:
+        tiles = [(1, c) for c in ROW_TILE_COLUMNS if row_texels % c == 0 and run % c == 0 and c * LANES <= budget.private]
     if budget.tiled and tiles:
         tiles.sort(key=lambda tile: -tile[0] * tile[1])  # the largest first; of equal ones, more rows
         tile_rows, columns = budget.pick(tiles, lambda tile: tile[0] * tile[1], split, [(1, 1)] if split else (),
                                          fetches)
-        schedule = tile_of(tile_rows, columns, row_texels)
+        # one row: `columns` texel columns as _contract reads them (tile_of would make them rows)
+        schedule = (tile_of(tile_rows, columns, row_texels) if tile_rows > 1
+                    else Schedule(tile_rows=1, tile_columns=columns, tile_stride=row_texels))
     else:
         schedule = consecutive(1)
     # one field at a time (as fblc tune varies them): each offered value within the accumulators with the other's
