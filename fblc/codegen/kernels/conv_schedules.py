@@ -235,17 +235,20 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
         tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
     if across_groups and tile.y_rows == 1:
         tile.rows, tile.row_step, _, stride = rows_of(True)
-        _enumerate_row_taps(view, tile, transposed)
+        if budget.tiled:
+            _enumerate_row_taps(view, tile, transposed)
     return tile_of(tile.rows * tile.y_rows, per, stride)
 
 
 def _enumerate_row_taps(view: ConvShape, tile: ConvTile, transposed: bool) -> None:
-    """Give a depthwise tile of rows by 4 consecutive channels the window axis before its own as `row_axis` (one
-    position along it): its taps are then enumerated in the block, not looped, so the rows' k x k weights are
-    rows * k * k consecutive floats from a multiple of 4 (whole texels at literal lanes) where the block stays
-    within STATIC_PRODUCTS (a ConvTranspose's row taps, conv_transpose.transpose_reduction, only at stride 1)."""
+    """Give a depthwise tile the window axis before its own as `row_axis` (one position along it): its taps are
+    then enumerated in the block, not looped, so a row's k x k weights are one run of k * k consecutive floats,
+    where the block stays within STATIC_PRODUCTS (a ConvTranspose's row taps, conv_transpose.transpose_reduction,
+    only at stride 1). Rows by 4 consecutive channels from a multiple of 4 read them as whole texels at literal
+    lanes; one channel (a plane that is no multiple of the tile: 25 x 15) as the run's covering texels once, its
+    middle ones whole (texel.fetch), not two texels per tap row at each trip of a loop over the rows."""
     x, kernel = tile.axis, view.window.kernel
-    if tile.rows % LANES or not x or kernel[x - 1] == 1 or kernel[x] > TAP_BLOCK:
+    if not x or kernel[x - 1] == 1 or kernel[x] > TAP_BLOCK:
         return
     if transposed and view.window.strides[x - 1] != 1:
         return
@@ -313,6 +316,6 @@ def _row_texels(budget: TileBudget, view: ConvShape, row: tuple[int, int], multi
     rows, step, columns, stride = channel_rows(budget, view.out_shape, view.cg_out, choices,
                                                across_groups=across_groups)
     tile = ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step)
-    if across_groups:
+    if across_groups and budget.tiled:
         _enumerate_row_taps(view, tile, transposed)
     return tile, tile_of(rows, columns, stride)
