@@ -286,9 +286,9 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     def reduction(prefix: str, tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
         return lambda block: conv_reduction(b, block, view, prefix, tile, masked)
 
-    # a depthwise row path's rows taps enumerated (conv_schedules._enumerate_row_taps): its lanes' too, each
-    # lane's k x k weights one run read once, not two texels per tap row
-    row_axis = plan.row.row_axis if plan.row is not None and plan.row.rows == 1 else None
+    # a row path's row taps enumerated (conv_schedules._enumerate_row_taps): its lanes' too, each lane's
+    # weights of a block of channels one run read once, not two texels per channel and tap row
+    row_axis = plan.row.row_axis if plan.row is not None else None
     per_lane = reduction(lane, ConvTile(1, 1, None, row_axis=row_axis), last_tap_axis(view))
     if plan.tile is not None:
         acc = reduce_into(b, reduction(texel, plan.tile, plan.masked), plan.tile.lanes)

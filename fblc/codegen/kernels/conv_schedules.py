@@ -235,25 +235,31 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
         tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
     if across_groups and tile.y_rows == 1:
         tile.rows, tile.row_step, _, stride = rows_of(True)
-        if budget.tiled:
-            _enumerate_row_taps(view, tile, transposed)
+    if budget.tiled and tile.y_rows == 1:
+        _enumerate_row_taps(view, tile, transposed)
     return tile_of(tile.rows * tile.y_rows, per, stride)
 
 
 def _enumerate_row_taps(view: ConvShape, tile: ConvTile, transposed: bool) -> None:
-    """Give a depthwise tile the window axis before its own as `row_axis` (one position along it): its taps are
-    then enumerated in the block, not looped, so a row's k x k weights are one run of k * k consecutive floats,
-    where the block stays within STATIC_PRODUCTS (a ConvTranspose's row taps, conv_transpose.transpose_reduction,
-    only at stride 1). Rows by 4 consecutive channels from a multiple of 4 read them as whole texels at literal
-    lanes; one channel (a plane that is no multiple of the tile: 25 x 15) as the run's covering texels once, its
-    middle ones whole (texel.fetch), not two texels per tap row at each trip of a loop over the rows."""
+    """Give a tile of one position along the window axis before its own that axis as `row_axis`: its taps are
+    then enumerated in the block, not looped, so a row's weights for a block of input channels are one run
+    (channels x k x k consecutive floats) read once, not two texels per channel at every trip of a loop over
+    the tap rows. Rows by 4 consecutive channels of a depthwise conv from a multiple of 4 read them as whole
+    texels at literal lanes; one channel (a plane no tile of consecutive channels lines up with: 25 x 15) or
+    rows `row_step` apart as each run's covering texels, the middle ones whole (texel.fetch). Input channels
+    go in blocks of 4, 2 or 1, the first within STATIC_PRODUCTS (none fits: the loop stays). A ConvTranspose
+    only where depthwise and at stride 1 along the row axis (conv_transpose.transpose_reduction's row taps,
+    blocks of 4)."""
     x, kernel = tile.axis, view.window.kernel
     if not x or kernel[x - 1] == 1 or kernel[x] > TAP_BLOCK:
         return
-    if transposed and view.window.strides[x - 1] != 1:
+    if transposed and (view.window.strides[x - 1] != 1 or not depthwise(view)):
         return
-    if kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in) * tile.lanes <= STATIC_PRODUCTS:
-        tile.row_axis = x - 1
+    products = kernel[x - 1] * kernel[x] * tile.lanes
+    blocks = (CHANNEL_BLOCK,) if transposed else (CHANNEL_BLOCK, 2, 1)
+    channels = next((c for c in blocks if products * min(c, view.cg_in) <= STATIC_PRODUCTS), 0)
+    if channels:
+        tile.row_axis, tile.channels = x - 1, channels
 
 
 def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int],
@@ -316,6 +322,6 @@ def _row_texels(budget: TileBudget, view: ConvShape, row: tuple[int, int], multi
     rows, step, columns, stride = channel_rows(budget, view.out_shape, view.cg_out, choices,
                                                across_groups=across_groups)
     tile = ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step)
-    if across_groups and budget.tiled:
+    if budget.tiled:
         _enumerate_row_taps(view, tile, transposed)
     return tile, tile_of(rows, columns, stride)
