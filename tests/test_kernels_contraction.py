@@ -597,6 +597,22 @@ def test_a_depthwise_row_paths_weights_are_one_run_read_once(tmp_path) -> None:
     assert_step_matches(path)
 
 
+def test_a_tile_of_consecutive_channels_reads_its_per_channel_values_as_whole_texels(tmp_path) -> None:
+    """A depthwise tile of 8 consecutive channels from a multiple of 8 (planes of 5 x 8: whole texels): its bias,
+    one element per channel, is 2 whole texels read once in the work-item's prologue, each texel's value a lane
+    of one of them, not one texel per tile row for one lane (test_tiled_contraction_step runs the case)."""
+    nodes, inits, _ = TILE_CASES["conv_depthwise_channel_rows"]
+    path = write_case(str(tmp_path / "dw_bias.onnx"), nodes, inits)
+    forward = next(k for k in _contractions(path) if _role(k) == "forward")
+    assert _path(forward) == "tile"
+    texels = next(s for s in of_type(forward, kir.For) if s.var.name == "tt")
+    bias = [load for load in of_type(forward, kir.Load) if load.argument.name == "in2"]
+    assert len(bias) == 2, bias
+    inside = [e for s in kir.walk(texels.body) for expr in kir.statement_exprs(s) for e in kir.walk_expr(expr)
+              if isinstance(e, kir.Load) and e.argument.name == "in2"]
+    assert not inside, inside
+
+
 def test_a_row_crossing_texels_lanes_reduce_in_a_loop_before_the_unrolled_lane_loop(tmp_path) -> None:
     """Rows of 11: most texels reduce texel-wide; a texel that crosses a row's end reduces its lanes one by
     one in a loop of their own before the lane loop (reduce_guarded), so the unrolled lane loop holds
