@@ -291,7 +291,7 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
 
     # a row path's row taps enumerated (conv_schedules._enumerate_row_taps): its lanes' too, each lane's
     # weights of a block of channels one run read once, not two texels per channel and tap row
-    row_axis = plan.row.row_axis if plan.row is not None else None
+    row_axis = plan.row.row_axis if plan.row is not None and not b.table.profile.cpu else None
     per_lane = reduction(lane, ConvTile(1, 1, None, row_axis=row_axis), last_tap_axis(view))
     if plan.tile is not None:
         acc = reduce_into(b, reduction(texel, plan.tile, plan.masked), plan.tile.lanes)

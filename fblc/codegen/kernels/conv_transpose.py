@@ -209,7 +209,8 @@ def _lane_fallback(b: KernelBuilder, ts: ConvShape, row: ConvTile, o: str) -> Ca
     path enumerates a depthwise transpose's row taps (stride 1 along both axes: conv_schedules._enumerate_row_taps)
     a one-lane tile of the same taps, whose k x k weights are one run read once as its covering texels; else
     the guarded tap loops, one weight element per tap."""
-    if row.row_axis is None or row.rows != 1 or ts.window.strides[row.axis] != 1:  # type: ignore[index]
+    stride = ts.window.strides[row.axis]  # type: ignore[index]
+    if row.row_axis is None or row.rows != 1 or stride != 1 or b.table.profile.cpu:  # a CPU keeps its loops
         return lambda block: _transpose_per_lane(b, ts, block, o)
     lane = ConvTile(1, 1, row.axis, row_axis=row.row_axis)
     return lambda block: reduce_lane(b, block, lambda _: transpose_reduction(b, ts, o, lane))
