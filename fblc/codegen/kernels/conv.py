@@ -15,7 +15,7 @@ Under R-Tile codegen a work-item's register tile adds rows (docs/ARCHITECTURE.md
 Input channels go in blocks of 4 (2 or 1 where a 2-D tile's block would pass STATIC_PRODUCTS) with the taps of
 the tiled (or last) spatial axis unrolled and masked at the input's borders, or, beyond TAP_BLOCK taps (dY rows),
 the taps go in blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share,
-except the axis before the tiled one where the tile spans one position of it and the block stays within
+except, on a GPU, the axis before the tiled one where the tile spans one position of it and the block stays within
 STATIC_PRODUCTS (conv_schedules._enumerate_row_taps): its taps are enumerated and masked too, so a block's
 weights are one run (channels x k x k) read once rather than two texels per channel at every tap-row trip.
 """
