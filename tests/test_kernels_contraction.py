@@ -589,6 +589,45 @@ def test_a_texels_lane_loop_is_unrolled_unless_the_tensor_ends_inside_it(tmp_pat
         assert rows and not [r.name for r in rows if not r.ok], name
 
 
+def test_a_depthwise_row_paths_weights_are_one_run_read_once(tmp_path) -> None:
+    """A depthwise 3x3 conv over 5 x 7 planes (no multiple of 4: no tile of consecutive channels lines up
+    with texels; rows of 7 take the row path): its forward and stride-1 input gradient enumerate the row
+    taps instead of looping over them, in the texel-wide path and in the lanes of texels that cross a row,
+    so a channel's 9 weights are one run read once as the 3 texels that cover it (the middle one whole),
+    not 2 texels at every trip of a loop over the tap rows, for a GPU (a CPU keeps its loops); the step equals
+    onnxruntime's."""
+    nodes, inits = conv((2, 4, 5, 7), (4, 1, 3, 3), group=4, pads=[1, 1, 1, 1], bias=True)
+    path = write_case(str(tmp_path / "dw_rows.onnx"), nodes, inits)
+    kernels = {_role(k): k for k in _contractions(path, "adreno830") if _role(k) in ("forward", "dx")}
+    assert set(kernels) == {"forward", "dx"}
+    for kernel in kernels.values():
+        assert _path(kernel) == "row", kernel.name
+        taps = [s for s in of_type(kernel, kir.For) if s.var.kind == "k"]
+        assert not taps, (kernel.name, "a loop over the taps")
+        reads = [load.argument.name for load in of_type(kernel, kir.Load)]
+        assert reads.count("in1") == 6, (kernel.name, reads)  # 3 texels in each of the two paths
+    local = [k for k in _contractions(path) if _role(k) == "forward"]
+    assert [s for s in of_type(local[0], kir.For) if s.var.kind == "k"], "a CPU's taps stay a loop"
+    rows = verify_model(path, OPTIONS, target="adreno830")
+    assert rows and all(r.ok for r in rows), [(r.name, r.max_abs) for r in rows if not r.ok]
+
+
+def test_a_tile_of_consecutive_channels_reads_its_per_channel_values_as_whole_texels(tmp_path) -> None:
+    """A depthwise tile of 8 consecutive channels from a multiple of 8 (planes of 5 x 8: whole texels): its bias,
+    one element per channel, is 2 whole texels read once in the work-item's prologue, each texel's value a lane
+    of one of them, not one texel per tile row for one lane (test_tiled_contraction_step runs the case)."""
+    nodes, inits, _ = TILE_CASES["conv_depthwise_channel_rows"]
+    path = write_case(str(tmp_path / "dw_bias.onnx"), nodes, inits)
+    forward = next(k for k in _contractions(path) if _role(k) == "forward")
+    assert _path(forward) == "tile"
+    texels = next(s for s in of_type(forward, kir.For) if s.var.name == "tt")
+    bias = [load for load in of_type(forward, kir.Load) if load.argument.name == "in2"]
+    assert len(bias) == 2, bias
+    inside = [e for s in kir.walk(texels.body) for expr in kir.statement_exprs(s) for e in kir.walk_expr(expr)
+              if isinstance(e, kir.Load) and e.argument.name == "in2"]
+    assert not inside, inside
+
+
 def test_a_row_crossing_texels_lanes_reduce_in_a_loop_before_the_unrolled_lane_loop(tmp_path) -> None:
     """Rows of 11: most texels reduce texel-wide; a texel that crosses a row's end reduces its lanes one by
     one in a loop of their own before the lane loop (reduce_guarded), so the unrolled lane loop holds

@@ -25,7 +25,7 @@ from fblc.codegen import texel_wide
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, flat_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
-from fblc.codegen.reads import OUT_INDEX, RUN_FIRST, RUN_LAST, TEXEL_FIRST, TEXEL_LAST, ValueReads
+from fblc.codegen.reads import ITEM_FIRST, OUT_INDEX, RUN_FIRST, RUN_LAST, TEXEL_FIRST, TEXEL_LAST, ValueReads
 from fblc.codegen.schedule import Schedule, pairs_mask_bytes
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OUT_INDEX", "TEXEL_INDEX", "KernelBuilder", "lane_axis"]
 
-TEXEL_INDEX = "u"  # prefix of the multi-index of a texel's first element, seen by the per-texel prologue
+TEXEL_INDEX = ITEM_FIRST  # prefix of the multi-index of a texel's (a tile's) first element, seen by its prologue
 PAIR = 2  # items a work-item runs in turn when one alone holds an odd number of a mask8 output's texels
 TREE_FAN_IN = 4  # partials a work-item joins per level of a group's __local tree
 #: how a group joins its work-items' partials: the join of two (the __local tree's) and the sub-group built-in

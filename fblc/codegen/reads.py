@@ -25,6 +25,7 @@ TEXEL_FIRST = "z"  # prefix of the multi-index of the written texel's first elem
 TEXEL_LAST = "zl"  # the same for its last element (within the tensor)
 RUN_FIRST = "rz"  # the same for the first element of a tile's run of consecutive texels (KernelBuilder.run_texels)
 RUN_LAST = "rzl"  # and for the run's last element (within the tensor)
+ITEM_FIRST = "u"  # the multi-index of a work-item's first element (KernelBuilder's TEXEL_INDEX), in its prologue
 
 Apply = Callable[[Expr], Expr]
 
@@ -51,6 +52,10 @@ class ValueReads:
         #: a tile's runs of consecutive texels (KernelBuilder sets it): per-block values are read once per run
         #: (`run_reads`, before the run's texels, at the run's first texel `tr`) where blocks are that long
         self.run_texels = 1
+        #: a tile's texels and their rows `item_stride` texels apart (KernelBuilder sets them), and its prologue
+        self.texels_per_item, self.item_columns, self.item_stride = 1, 1, 1
+        self.texel_lines: list[Statement] = []
+        self._item_texels: dict[tuple[int, str], list[kir.Var]] = {}  # _channel_texels' reads by value and tile
         self.run_reads: list[Statement] = []
         self._run_splits: dict[int, kir.Var] = {}  # block length -> the elements of a run in its first block
         self._reads_run_last = False  # a run read needs the run's last element (RUN_LAST)
@@ -143,6 +148,9 @@ class ValueReads:
         own = index_map.contiguous and tuple(index_map.shape) == tuple(out)  # an optimizer's operands
         if not out or texture.mask_elements:
             return self._mask_bits(root, texture) if out and own else None
+        whole = None if own else self._channel_texels(root, index_map, apply, key)
+        if whole is not None:
+            return whole
         if not own and out[-1] % 4:
             return self._block_read(root, index_map, apply, key)
         # else the lanes' own texel (own order: texel t; else it must be aligned), or, broadcast along
@@ -211,6 +219,43 @@ class ValueReads:
             tail = reads.let(kir.select(split.ge(4), head, apply(self.element(root, last))), "H", dtype)
             self._hoisted[cache] = kir.select(self.lane.lt(split), head, tail)
             self._reads_last = True
+        return self._hoisted[cache]
+
+    def _channel_texels(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:
+        """The lane's per-channel value (one element per output channel: a conv's epilogue) where the
+        tile's rows are whole planes of consecutive channels from a multiple of 4 (rows by 4 or 8, `item_stride`
+        texels a plane: conv_schedules.channel_rows' row_step 1): the rows' values are rows / 4 whole texels,
+        read once per work-item in its prologue, the texel's value a lane of one of them, not one texel per row
+        for one lane. None elsewhere (and for a value whose channels are not consecutive elements from a
+        multiple of 4)."""
+        out, per, columns = self.out_shape, self.texels_per_item, self.item_columns
+        rows = per // columns
+        if per == 1 or rows % 4 or len(out) < 3 or 4 * self.item_stride != np.prod(out[2:]) or out[1] % rows:
+            return None
+        lead = len(out) - len(index_map.shape)
+        varying = [axis for axis, size in enumerate(index_map.shape) if size != 1]
+        if index_map.folded or varying != [1 - lead] or index_map.strides[1 - lead] != 1 or index_map.offset % 4:
+            return None
+        dtype = dtype_of(root) if apply is _same else kir.FLOAT  # an applied value is float math (BN's rsqrt)
+        first = broadcast_view_index(index_map, out, TEXEL_FIRST)
+        cache = (id(root), f"channel texels {first!r} {key}")
+        if cache in self._hoisted:
+            return self._hoisted[cache]
+        item = broadcast_view_index(index_map, out, ITEM_FIRST)  # the tile's first channel's element
+        texels_key = (id(root), repr(item))
+        if texels_key not in self._item_texels:
+            argument, texture = self.input_argument(root)
+            prologue = Block(self.numbering, self.texel_lines)
+            q = prologue.let(item >> 2, "q")
+            self._item_texels[texels_key] = [prologue.let(self.texel(argument, texture, q + k if k else q), "H")
+                                             for k in range(rows // 4)]
+        texels, reads = self._item_texels[texels_key], self.hoisted
+        texel: Expr = texels[-1]
+        if len(texels) > 1:  # the one that holds the texel's channel
+            which = reads.let((first - item) >> 2, "j")
+            for k in reversed(range(len(texels) - 1)):
+                texel = kir.select(which.eq(k), texels[k], texel)
+        self._hoisted[cache] = reads.let(apply(texel.lane(first & 3)), "H", dtype)
         return self._hoisted[cache]
 
     def _run_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str, block: int) -> Expr:

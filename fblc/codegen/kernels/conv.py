@@ -14,7 +14,10 @@ preference (conv_tile; kernels/schedules.py adds the register tiles):
 Under R-Tile codegen a work-item's register tile adds rows (docs/ARCHITECTURE.md §3, "Under `--layout rtile`").
 Input channels go in blocks of 4 (2 or 1 where a 2-D tile's block would pass STATIC_PRODUCTS) with the taps of
 the tiled (or last) spatial axis unrolled and masked at the input's borders, or, beyond TAP_BLOCK taps (dY rows),
-the taps go in blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share.
+the taps go in blocks of 16; the other spatial axes loop over their in-bounds tap range, which the lanes share,
+except, on a GPU, the axis before the tiled one where the tile spans one position of it and the block stays within
+STATIC_PRODUCTS (conv_schedules._enumerate_row_taps): its taps are enumerated and masked too, so a block's
+weights are one run (channels x k x k) read once rather than two texels per channel at every tap-row trip.
 """
 
 from __future__ import annotations
@@ -286,7 +289,10 @@ def emit_conv(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     def reduction(prefix: str, tile: ConvTile, masked: int | None) -> Callable[[Block], Reduction]:
         return lambda block: conv_reduction(b, block, view, prefix, tile, masked)
 
-    per_lane = reduction(lane, ConvTile(1, 1, None), last_tap_axis(view))
+    # a row path's row taps enumerated (conv_schedules._enumerate_row_taps): its lanes' too, each lane's
+    # weights of a block of channels one run read once, not two texels per channel and tap row
+    row_axis = plan.row.row_axis if plan.row is not None and not b.table.profile.cpu else None
+    per_lane = reduction(lane, ConvTile(1, 1, None, row_axis=row_axis), last_tap_axis(view))
     if plan.tile is not None:
         acc = reduce_into(b, reduction(texel, plan.tile, plan.masked), plan.tile.lanes)
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane

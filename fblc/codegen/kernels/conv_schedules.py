@@ -235,22 +235,35 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
         tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
     if across_groups and tile.y_rows == 1:
         tile.rows, tile.row_step, _, stride = rows_of(True)
-        _enumerate_row_taps(view, tile, transposed)
+    if budget.tiled and tile.y_rows == 1:
+        _enumerate_row_taps(view, tile, transposed, budget.device_items > 0)
     return tile_of(tile.rows * tile.y_rows, per, stride)
 
 
-def _enumerate_row_taps(view: ConvShape, tile: ConvTile, transposed: bool) -> None:
-    """Give a depthwise tile of rows by 4 consecutive channels the window axis before its own as `row_axis` (one
-    position along it): its taps are then enumerated in the block, not looped, so the rows' k x k weights are
-    rows * k * k consecutive floats from a multiple of 4 (whole texels at literal lanes) where the block stays
-    within STATIC_PRODUCTS (a ConvTranspose's row taps, conv_transpose.transpose_reduction, only at stride 1)."""
+def _enumerate_row_taps(view: ConvShape, tile: ConvTile, transposed: bool, gpu: bool) -> None:
+    """Give a tile of one position along the window axis before its own that axis as `row_axis`: its taps are
+    then enumerated in the block, not looped, so a row's weights for a block of input channels are one run
+    (channels x k x k consecutive floats) read once, not two texels per channel at every trip of a loop over
+    the tap rows. Rows by 4 consecutive channels of a depthwise conv from a multiple of 4 read them as whole
+    texels at literal lanes; one channel (a plane no tile of consecutive channels lines up with: 25 x 15) or
+    rows `row_step` apart as each run's covering texels, the middle ones whole (texel.fetch). Input channels
+    go in blocks of 4, 2 or 1, the first within STATIC_PRODUCTS (none fits: the loop stays). A ConvTranspose
+    only where depthwise and at stride 1 along the row axis (conv_transpose.transpose_reduction's row taps,
+    blocks of 4). On a CPU (`gpu` False) only the depthwise rows by 4: its loops skip the taps outside the input
+    at the borders, where masks read and zero them, and its reads are cached loads, not texel fetches (ResNet-4
+    [4,3,64,64] in buffers on PoCL took 8 % longer with the other tiles' taps enumerated)."""
     x, kernel = tile.axis, view.window.kernel
-    if tile.rows % LANES or not x or kernel[x - 1] == 1 or kernel[x] > TAP_BLOCK:
+    if not x or kernel[x - 1] == 1 or kernel[x] > TAP_BLOCK:
         return
-    if transposed and view.window.strides[x - 1] != 1:
+    if not gpu and not (depthwise(view) and tile.rows % LANES == 0):
         return
-    if kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in) * tile.lanes <= STATIC_PRODUCTS:
-        tile.row_axis = x - 1
+    if transposed and (view.window.strides[x - 1] != 1 or not depthwise(view)):
+        return
+    products = kernel[x - 1] * kernel[x] * tile.lanes
+    blocks = (CHANNEL_BLOCK,) if transposed else (CHANNEL_BLOCK, 2, 1)
+    channels = next((c for c in blocks if products * min(c, view.cg_in) <= STATIC_PRODUCTS), 0)
+    if channels:
+        tile.row_axis, tile.channels = x - 1, channels
 
 
 def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int],
@@ -313,6 +326,6 @@ def _row_texels(budget: TileBudget, view: ConvShape, row: tuple[int, int], multi
     rows, step, columns, stride = channel_rows(budget, view.out_shape, view.cg_out, choices,
                                                across_groups=across_groups)
     tile = ConvTile(rows, LANES * columns, axis - 2, multiple, row_step=step)
-    if across_groups:
-        _enumerate_row_taps(view, tile, transposed)
+    if budget.tiled:
+        _enumerate_row_taps(view, tile, transposed, budget.device_items > 0)
     return tile, tile_of(rows, columns, stride)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import onnx_ir as ir
 
@@ -22,7 +23,8 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.contraction import Stream, dot_loop, finish_group, index_terms, reduce_guarded, reduce_into
+from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, reduce_guarded, reduce_into,
+                                              reduce_lane)
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile, add_bias, affine, start_conv,
                                        within_row)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
@@ -174,7 +176,7 @@ def emit_conv_transpose(table: TextureTable, group: KernelGroup) -> list[Kernel]
     elif plan.row is not None:  # texels within one row reduce together, the ones across two per lane
         row = plan.row
         acc = reduce_guarded(b, within_row(view, texel, row), lambda _: transpose_reduction(b, view, texel, row),
-                             lambda block: _transpose_per_lane(b, view, block, lane), row.lanes)
+                             _lane_fallback(b, view, row, lane), row.lanes)
     else:
         acc = _transpose_per_lane(b, view, b.body, lane)
     return finish_group(b, group, add_bias(b, group.anchor, acc))
@@ -200,6 +202,18 @@ def flattened_pointwise(ts: ConvShape) -> ConvShape:
     one), or `ts`: a transpose's whole-window taps are no contiguous run of taps."""
     pointwise = all(k == 1 for k in ts.window.kernel) and all(s == 1 for s in ts.window.strides)
     return flattened_conv(ts) if pointwise else ts
+
+
+def _lane_fallback(b: KernelBuilder, ts: ConvShape, row: ConvTile, o: str) -> Callable[[Block], Expr]:
+    """What a row path's lanes across two rows reduce with (`o` names their index variables): where the row
+    path enumerates a depthwise transpose's row taps (stride 1 along both axes: conv_schedules._enumerate_row_taps)
+    a one-lane tile of the same taps, whose k x k weights are one run read once as its covering texels; else
+    the guarded tap loops, one weight element per tap."""
+    stride = ts.window.strides[row.axis]  # type: ignore[index]
+    if row.row_axis is None or row.rows != 1 or stride != 1 or b.table.profile.cpu:  # a CPU keeps its loops
+        return lambda block: _transpose_per_lane(b, ts, block, o)
+    lane = ConvTile(1, 1, row.axis, row_axis=row.row_axis)
+    return lambda block: reduce_lane(b, block, lambda _: transpose_reduction(b, ts, o, lane))
 
 
 def _transpose_per_lane(b: KernelBuilder, ts: ConvShape, block: Block, o: str) -> Var:
