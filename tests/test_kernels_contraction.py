@@ -323,6 +323,23 @@ def test_a_new_weight_gradient_tile_that_leaves_a_gpu_idle_stays_per_lane(tmp_pa
     assert paths == {"local": {"tile"}, "adreno830": {"lane"}}
 
 
+@pytest.mark.parametrize("x, w, written", [((4, 8, 12, 1), (8, 8, 3, 1), True), ((2, 3, 6, 6), (8, 3, 3, 3), False)])
+def test_a_weight_gradient_is_written_in_the_weights_order_and_its_update_joins_it(
+        x: tuple[int, ...], w: tuple[int, ...], written: bool, tmp_path) -> None:
+    """Golden: a conv weight gradient whose input channels fill whole texels (C_in % 4 == 0) is written in W's
+    own order [C_out, C_in, k..] (linalg.conv_weight_grad, keys.WRITTEN_BY_PRODUCER; conv.swapped_tile: rows of
+    output channels, each consecutive input channels' taps), so W's update joins its kernel, and the step equals
+    onnxruntime's in buffer storage. Negative: 3 input channels keep the [C_in, C_out, k..] conv that a
+    transposed view reorders, and the update, reading it across texels, stays a kernel of its own."""
+    nodes, inits = conv(x, w, pads=[1, 0, 1, 0] if x[3] == 1 else [1, 1, 1, 1])
+    path = write_case(str(tmp_path / "dw.onnx"), nodes, inits)
+    dw = [k for k in _contractions(path) if _role(k) == "dw"]
+    assert len(dw) == 1 and _path(dw[0]) == "tile", [(k.name, _path(k)) for k in dw]
+    assert any(not node.startswith("grad/") for node in dw[0].nodes) == written, dw[0].nodes
+    if written:
+        assert_step_matches(path, storage="buffer")
+
+
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_shared", "conv_depthwise_weight_grad_shared"])
 def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> None:
     """For adreno830 (64-wide waves) the weight gradient over 32 dY rows takes 32 work-items a tile, one
@@ -337,7 +354,8 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
     path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
     kernels = _contractions(path, "adreno830")
     pooled = [k for k in kernels if any(s.local and s.var.name == "pool" for s in of_type(k, kir.DeclareArray))]
-    weight_grads = [k for k in pooled if k.name.endswith("_Conv") and all(n.startswith("grad/") for n in k.nodes)]
+    # the weight gradient's conv, its update in its epilogue (written in W's own order: linalg.conv_weight_grad)
+    weight_grads = [k for k in pooled if k.name.endswith("_Conv") and k.nodes[0].startswith("grad/")]
     assert len(weight_grads) == 1, [(k.name, k.nodes) for k in pooled]
     assert any(s.var.kind == "accv" and s.var.dtype == kir.FLOAT4 for s in _accumulator_arrays(weight_grads[0])), \
         "a group kernel's partial tile sums in float4 texels"

@@ -139,16 +139,21 @@ class TileRemap(ContractPass):
     requires_facts = ("static shapes",)
     ensures_facts = ("index maps",)
 
-    def __init__(self, remap: bool = True) -> None:
-        """`remap` False (--layout naive): every data-movement node stays a copy, labelled so."""
+    def __init__(self, remap: bool = True, written_in_place: bool = False) -> None:
+        """`remap` False (--layout naive): every data-movement node stays a copy, labelled so.
+        `written_in_place`: a Transpose marked keys.WRITTEN_BY_PRODUCER (a conv weight gradient in W's own
+        order) stays so, for the kernel of its input to write; otherwise it is remapped like any other (on
+        a GPU target: lowering_passes)."""
         super().__init__()
         self.remap = remap
+        self.written_in_place = written_in_place
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
         for node in graph:
-            if node.op_type not in REMAPPABLE or node.domain != "" or node.metadata_props.get(keys.REMAP) == PACKED:
+            kept = (PACKED, keys.WRITTEN_BY_PRODUCER) if self.written_in_place else (PACKED,)
+            if node.op_type not in REMAPPABLE or node.domain != "" or node.metadata_props.get(keys.REMAP) in kept:
                 continue
             status, mapped = remap_status(node) if self.remap else (NAIVE, None)
             if node.metadata_props.get(keys.REMAP) != status:
