@@ -330,12 +330,15 @@ def test_a_weight_gradient_is_written_in_the_weights_order_and_its_update_joins_
     own order [C_out, C_in, k..] (linalg.conv_weight_grad, keys.WRITTEN_BY_PRODUCER; conv.swapped_tile: rows of
     output channels, each consecutive input channels' taps), so W's update joins its kernel, and the step equals
     onnxruntime's in buffer storage. Negative: 3 input channels keep the [C_in, C_out, k..] conv that a
-    transposed view reorders, and the update, reading it across texels, stays a kernel of its own."""
+    transposed view reorders, and the update, reading it across texels, stays a kernel of its own; so does a GPU
+    target (adreno830: not a `cpu` profile, pipeline.layout_passes), whose channel tile keeps its half arithmetic."""
     nodes, inits = conv(x, w, pads=[1, 0, 1, 0] if x[3] == 1 else [1, 1, 1, 1])
     path = write_case(str(tmp_path / "dw.onnx"), nodes, inits)
     dw = [k for k in _contractions(path) if _role(k) == "dw"]
     assert len(dw) == 1 and _path(dw[0]) == "tile", [(k.name, _path(k)) for k in dw]
     assert any(not node.startswith("grad/") for node in dw[0].nodes) == written, dw[0].nodes
+    gpu = [k for k in _contractions(path, "adreno830") if _role(k) == "dw"]
+    assert len(gpu) == 1 and all(node.startswith("grad/") for node in gpu[0].nodes), gpu[0].nodes
     if written:
         assert_step_matches(path, storage="buffer")
 
@@ -368,8 +371,9 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
 def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, tmp_path) -> None:
     """A shared weight gradient whose 3 taps mix two channels in a texel keeps a float4 sum per output
     along T where the target's float4 is one SIMD register (local: PoCL on the CPU), texels on a GPU
-    (accumulators.choose_form); both steps equal onnxruntime's."""
-    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
+    (accumulators.choose_form); both steps equal onnxruntime's. (6 input channels: 8 would write the gradient
+    in W's own order on the CPU, whose tile's texels are one output channel's: written_in_the_weights_order.)"""
+    nodes, inits = conv((8, 6, 160, 1), (8, 6, 3, 1), pads=[1, 0, 1, 0])
     path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
     arrays = [s for k in _contractions(path, target) for s in _accumulator_arrays(k)]
     # an output's total: the sum of its float4's components (sums), or a component of a texel (texels)
