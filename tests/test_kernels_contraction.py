@@ -323,19 +323,21 @@ def test_a_new_weight_gradient_tile_that_leaves_a_gpu_idle_stays_per_lane(tmp_pa
     assert paths == {"local": {"tile"}, "adreno830": {"lane"}}
 
 
-@pytest.mark.parametrize("x, w, written", [((4, 8, 12, 1), (8, 8, 3, 1), True), ((2, 3, 6, 6), (8, 3, 3, 3), False)])
+@pytest.mark.parametrize("x, w, written", [((4, 8, 12, 1), (8, 8, 3, 1), True), ((2, 3, 6, 6), (8, 3, 3, 3), False),
+                                           ((8, 8, 300, 1), (8, 8, 3, 1), False)])
 def test_a_weight_gradient_is_written_in_the_weights_order_and_its_update_joins_it(
         x: tuple[int, ...], w: tuple[int, ...], written: bool, tmp_path) -> None:
     """Golden: a conv weight gradient whose input channels fill whole texels (C_in % 4 == 0) is written in W's
     own order [C_out, C_in, k..] (linalg.conv_weight_grad, keys.WRITTEN_BY_PRODUCER; conv.swapped_tile: rows of
     output channels, each consecutive input channels' taps), so W's update joins its kernel, and the step equals
     onnxruntime's in buffer storage. Negative: 3 input channels keep the [C_in, C_out, k..] conv that a
-    transposed view reorders, and the update, reading it across texels, stays a kernel of its own; so does a GPU
-    target (adreno830: not a `cpu` profile, pipeline.layout_passes), whose channel tile keeps its half arithmetic."""
+    transposed view reorders, and the update, reading it across texels, stays a kernel of its own; so does a
+    reduction of 8 x 300 products per output (past WRITTEN_WEIGHT_GRADIENT_REDUCTION: T-ResNet's channel tile is
+    faster) and a GPU target (adreno830: not a `cpu` profile), whose channel tile keeps its half arithmetic."""
     nodes, inits = conv(x, w, pads=[1, 0, 1, 0] if x[3] == 1 else [1, 1, 1, 1])
     path = write_case(str(tmp_path / "dw.onnx"), nodes, inits)
     dw = [k for k in _contractions(path) if _role(k) == "dw"]
-    assert len(dw) == 1 and _path(dw[0]) == "tile", [(k.name, _path(k)) for k in dw]
+    assert len(dw) == 1 and (_path(dw[0]) == "tile" or not written), [(k.name, _path(k)) for k in dw]
     assert any(not node.startswith("grad/") for node in dw[0].nodes) == written, dw[0].nodes
     gpu = [k for k in _contractions(path, "adreno830") if _role(k) == "dw"]
     assert len(gpu) == 1 and all(node.startswith("grad/") for node in gpu[0].nodes), gpu[0].nodes

@@ -56,6 +56,7 @@ from fblc.passes.tie_weights import TieWeights
 from fblc.passes.pointwise_transposes import PointwiseTransposes
 from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import Profile
+from fblc.profiles.profile import WRITTEN_WEIGHT_GRADIENT_REDUCTION
 
 
 @dataclass(frozen=True)
@@ -231,16 +232,18 @@ DEVICE_ONLY_OPS = ops.ops_where(lambda entry: entry.no_gradient == ops.DEVICE_ON
 def layout_passes(options: TrainingOptions, cpu: bool = False) -> list[ir.passes.PassBase]:
     """After the step graph is built, the target-independent part: the ops kernels run, their
     FTD classes, data movement as index maps (rtile). `cpu` (the target profile's `cpu` figure): a conv
-    weight gradient is written in W's own order by its conv, whose kernel W's update joins (on PoCL the
-    update then reads no gradient across texels: benchmarks/step_time.py); a GPU target keeps its channel
-    tile, its half arithmetic under fp16 and its whole-texel fetches (benchmarks/phone_kernels.py)."""
+    weight gradient over a short reduction (WRITTEN_WEIGHT_GRADIENT_REDUCTION) is written in W's own order
+    by its conv, whose kernel W's update joins (on PoCL the update then reads no gradient across texels);
+    a GPU target keeps its channel tile, its half arithmetic under fp16 and its whole-texel fetches
+    (benchmarks/phone_kernels.py)."""
+    written = WRITTEN_WEIGHT_GRADIENT_REDUCTION if cpu else 0
     if options.layout not in LAYOUTS:
         raise FblcError(f"unknown layout '{options.layout}'", f"choose one of: {', '.join(LAYOUTS)}")
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    remap = ([SplitViews(), TileRemap(written_in_place=cpu)] if options.layout == "rtile"
-             else [TileRemap(remap=False, written_in_place=cpu)])
+    remap = ([SplitViews(), TileRemap(written_reduction=written)] if options.layout == "rtile"
+             else [TileRemap(remap=False, written_reduction=written)])
     return [CommitIfFinite(), EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), FtdTaxonomy()] + remap
 
 

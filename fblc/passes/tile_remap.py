@@ -40,7 +40,7 @@ from fblc.compiler.index_map import (
     views_of,
 )
 from fblc.compiler.ops import Reads, reading
-from fblc.compiler.values import static_shape
+from fblc.compiler.values import numel, static_shape
 from fblc.passes.contracts import ContractPass
 
 #: the status of every data-movement node under --layout naive
@@ -139,21 +139,29 @@ class TileRemap(ContractPass):
     requires_facts = ("static shapes",)
     ensures_facts = ("index maps",)
 
-    def __init__(self, remap: bool = True, written_in_place: bool = False) -> None:
+    def __init__(self, remap: bool = True, written_reduction: int = 0) -> None:
         """`remap` False (--layout naive): every data-movement node stays a copy, labelled so.
-        `written_in_place`: a Transpose marked keys.WRITTEN_BY_PRODUCER (a conv weight gradient in W's own
-        order) stays so, for the kernel of its input to write; otherwise it is remapped like any other (on
-        a GPU target: lowering_passes)."""
+        `written_reduction`: a Transpose marked keys.WRITTEN_BY_PRODUCER (a conv weight gradient in W's own
+        order) whose conv reduces at most this many products per output stays so, for that conv's kernel to
+        write; otherwise it is remapped like any other (0, a GPU target: pipeline.layout_passes)."""
         super().__init__()
         self.remap = remap
-        self.written_in_place = written_in_place
+        self.written_reduction = written_reduction
+
+    def written_in_place(self, node: ir.Node) -> bool:
+        """Whether `node` stays a Transpose that the kernel of its input writes (see __init__)."""
+        if node.metadata_props.get(keys.REMAP) != keys.WRITTEN_BY_PRODUCER:
+            return False
+        producer = node.inputs[0].producer() if node.inputs[0] is not None else None
+        kernels = producer.inputs[1] if producer is not None and len(producer.inputs) > 1 else None
+        return kernels is not None and numel(static_shape(kernels)[1:]) <= self.written_reduction
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
         for node in graph:
-            kept = (PACKED, keys.WRITTEN_BY_PRODUCER) if self.written_in_place else (PACKED,)
-            if node.op_type not in REMAPPABLE or node.domain != "" or node.metadata_props.get(keys.REMAP) in kept:
+            if node.op_type not in REMAPPABLE or node.domain != "" or node.metadata_props.get(keys.REMAP) == PACKED \
+                    or self.written_in_place(node):
                 continue
             status, mapped = remap_status(node) if self.remap else (NAIVE, None)
             if node.metadata_props.get(keys.REMAP) != status:
