@@ -10,7 +10,9 @@ kernel lies between them (merging would form a cycle), and the merged kernel rea
 READ_IMAGE_ARGS textures (a sum over every parameter's gradient stays within what OpenCL guarantees). An elementwise node tries to merge
 with the kernels of all its inputs, so chains over parameters and optimizer state (Adam's
 moment updates) become one kernel, and an optimizer update joins the kernel that makes its gradient (a weight
-gradient's conv, a reduction over the batch): no launch of its own. Sibling reductions (one input shape, the same
+gradient's conv, a reduction over the batch): no launch of its own. A Transpose marked keys.WRITTEN_BY_PRODUCER
+(a conv weight gradient in W's own order, kept by tile_remap on CPU targets) joins the conv that makes its input,
+whose kernel then runs over the Transpose's elements (written_by, adopt). Sibling reductions (one input shape, the same
 reduced axes and output shape: BatchNorm's dgamma and dbeta) whose inputs one kernel makes, or that read one
 input, fold in one kernel, each in turn per output element; so do total reductions (one output element) of one
 stage whatever their inputs (the finite check's sum of each parameter's gradient), each joining the last such
