@@ -14,7 +14,8 @@ the map. It is remapped when
      the backward wrote transposed) is read by the local runtime through its map (plan.json
      `value_maps`); the native runner reads only parameters and the loss, never these.
 A Transpose marked keys.WRITTEN_BY_PRODUCER stays one for its conv's kernel to write (fuse) where
-`written_reduction` allows (pipeline.layout_passes: CPU targets). Otherwise the node stays an explicit conversion kernel; `fblc.remap` on it says which check
+`written_reduction` allows (pipeline.layout_passes: CPU targets). Otherwise the node stays an explicit
+conversion kernel; `fblc.remap` on it says which check
 failed. The backward of MatMul (dX = dY W^T, dW = X^T dY) thus reads W^T and X^T in place.
 Under `--layout naive` (`remap=False`) every one stays a copy, `fblc.remap` saying so (NAIVE).
 Preconditions: static shapes, topologically sorted graph. Ensures `index maps`: every
