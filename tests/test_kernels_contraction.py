@@ -328,6 +328,28 @@ def test_a_new_weight_gradient_tile_that_leaves_a_gpu_idle_stays_per_lane(tmp_pa
     assert paths == {"local": {"tile"}, "adreno830": {"lane"}}
 
 
+@pytest.mark.parametrize("x, w, written", [((4, 8, 12, 1), (8, 8, 3, 1), True), ((2, 3, 6, 6), (8, 3, 3, 3), False),
+                                           ((8, 8, 300, 1), (8, 8, 3, 1), False)])
+def test_a_weight_gradient_is_written_in_the_weights_order_and_its_update_joins_it(
+        x: tuple[int, ...], w: tuple[int, ...], written: bool, tmp_path) -> None:
+    """Golden: a conv weight gradient whose input channels fill whole texels (C_in % 4 == 0) is written in W's
+    own order [C_out, C_in, k..] (linalg.conv_weight_grad, keys.WRITTEN_BY_PRODUCER; conv.swapped_tile: rows of
+    output channels, each consecutive input channels' taps), so W's update joins its kernel, and the step equals
+    onnxruntime's in buffer storage. Negative: 3 input channels keep the [C_in, C_out, k..] conv that a
+    transposed view reorders, and the update, reading it across texels, stays a kernel of its own; so does a
+    reduction of 8 x 300 products per output (past WRITTEN_WEIGHT_GRADIENT_REDUCTION: T-ResNet's channel tile is
+    faster) and a GPU target (adreno830: not a `cpu` profile), whose channel tile keeps its half arithmetic."""
+    nodes, inits = conv(x, w, pads=[1, 0, 1, 0] if x[3] == 1 else [1, 1, 1, 1])
+    path = write_case(str(tmp_path / "dw.onnx"), nodes, inits)
+    dw = [k for k in _contractions(path) if _role(k) == "dw"]
+    assert len(dw) == 1 and (_path(dw[0]) == "tile" or not written), [(k.name, _path(k)) for k in dw]
+    assert any(not node.startswith("grad/") for node in dw[0].nodes) == written, dw[0].nodes
+    gpu = [k for k in _contractions(path, "adreno830") if _role(k) == "dw"]
+    assert len(gpu) == 1 and all(node.startswith("grad/") for node in gpu[0].nodes), gpu[0].nodes
+    if written:
+        assert_step_matches(path, storage="buffer")
+
+
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_shared", "conv_depthwise_weight_grad_shared"])
 def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> None:
     """For adreno830 (64-wide waves) the weight gradient over 32 dY rows takes 32 work-items a tile, one
@@ -342,7 +364,8 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
     path = write_case(str(tmp_path / f"{name}.onnx"), nodes, inits)
     kernels = _contractions(path, "adreno830")
     pooled = [k for k in kernels if any(s.local and s.var.name == "pool" for s in of_type(k, kir.DeclareArray))]
-    weight_grads = [k for k in pooled if k.name.endswith("_Conv") and all(n.startswith("grad/") for n in k.nodes)]
+    # the weight gradient's conv, its update in its epilogue (written in W's own order: linalg.conv_weight_grad)
+    weight_grads = [k for k in pooled if k.name.endswith("_Conv") and k.nodes[0].startswith("grad/")]
     assert len(weight_grads) == 1, [(k.name, k.nodes) for k in pooled]
     assert any(s.var.kind == "accv" and s.var.dtype == kir.FLOAT4 for s in _accumulator_arrays(weight_grads[0])), \
         "a group kernel's partial tile sums in float4 texels"
@@ -355,8 +378,9 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
 def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, tmp_path) -> None:
     """A shared weight gradient whose 3 taps mix two channels in a texel keeps a float4 sum per output
     along T where the target's float4 is one SIMD register (local: PoCL on the CPU), texels on a GPU
-    (accumulators.choose_form); both steps equal onnxruntime's."""
-    nodes, inits, _ = TILE_CASES["conv_temporal_weight_grad_shared"]
+    (accumulators.choose_form); both steps equal onnxruntime's. (6 input channels: 8 would write the gradient
+    in W's own order on the CPU, whose tile's texels are one output channel's: written_in_the_weights_order.)"""
+    nodes, inits = conv((8, 6, 160, 1), (8, 6, 3, 1), pads=[1, 0, 1, 0])
     path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
     arrays = [s for k in _contractions(path, target) for s in _accumulator_arrays(k)]
     # an output's total: the sum of its float4's components (sums), or a component of a texel (texels)

@@ -27,6 +27,9 @@ LAYOUT_NOTE = "fblc.layout_note"
 INDEX_MAP = "fblc.index_map"
 #: On a data-movement node tile_remap looked at: "remapped", or the check that kept it a copy.
 REMAP = "fblc.remap"
+#: REMAP's value on a Transpose that the kernel making its input writes in the Transpose's order (a conv weight
+#: gradient in W's own order: gradients/linalg.conv_weight_grad): neither a view nor a kernel of its own
+WRITTEN_BY_PRODUCER = "kept: written in this order by the kernel that makes its input"
 #: On a value: the score table of rtile_select's layout choice (the layout report reads it).
 LAYOUT_CHOICE = "fblc.layout_choice"
 #: On a float storage root: "fp32" or "fp16", the format its texture takes (storage_precision).

@@ -10,7 +10,9 @@ kernel lies between them (merging would form a cycle), and the merged kernel rea
 READ_IMAGE_ARGS textures (a sum over every parameter's gradient stays within what OpenCL guarantees). An elementwise node tries to merge
 with the kernels of all its inputs, so chains over parameters and optimizer state (Adam's
 moment updates) become one kernel, and an optimizer update joins the kernel that makes its gradient (a weight
-gradient's conv, a reduction over the batch): no launch of its own. Sibling reductions (one input shape, the same
+gradient's conv, a reduction over the batch): no launch of its own. A Transpose marked keys.WRITTEN_BY_PRODUCER
+(a conv weight gradient in W's own order, kept by tile_remap on CPU targets) joins the conv that makes its input,
+whose kernel then runs over the Transpose's elements (written_by, adopt). Sibling reductions (one input shape, the same
 reduced axes and output shape: BatchNorm's dgamma and dbeta) whose inputs one kernel makes, or that read one
 input, fold in one kernel, each in turn per output element; so do total reductions (one output element) of one
 stage whatever their inputs (the finite check's sum of each parameter's gradient), each joining the last such
@@ -81,6 +83,18 @@ def _kind(node: ir.Node) -> str:
     if node.op_type in GATHERS and (mode.decode() if isinstance(mode, bytes) else mode) == "constant":
         return "gather"
     return "single"
+
+
+def written_by(node: ir.Node) -> ir.Node | None:
+    """The contraction whose kernel writes `node`'s output in `node`'s order (keys.WRITTEN_BY_PRODUCER: a conv
+    weight gradient in W's own order), or None: `node`'s input must be that contraction's output, read by `node`
+    alone."""
+    if node.metadata_props.get(keys.REMAP) != keys.WRITTEN_BY_PRODUCER or node.inputs[0] is None:
+        return None
+    source = node.inputs[0]
+    producer = source.producer()
+    alone = len(list(source.uses())) == 1 and not source.is_graph_output()
+    return producer if producer is not None and producer.op_type in CONTRACTIONS and alone else None
 
 
 def kernel_of(node: ir.Node) -> str | None:
@@ -230,6 +244,14 @@ class _Groups:
         self._raise_levels(keep)
         return keep
 
+    def adopt(self, producer: int, written: int) -> int:
+        """Merge `written`, a Transpose that `producer`'s kernel writes in its order, into that kernel: its
+        work-items then run over the Transpose's elements (its epilogue and readers see that shape)."""
+        shape = self.shape[written]
+        keep = self.merge(producer, written)
+        self.shape[keep] = shape
+        return keep
+
     def _raise_levels(self, group: int) -> None:
         """Lift the kernels after `group` above it (a merge may have raised it above a successor's level)."""
         stack = [group]
@@ -256,6 +278,10 @@ class FuseKernels(ContractPass):
             if is_view(node):
                 continue
             group = groups.add(node)
+            written = written_by(node)
+            if written is not None and groups.of(written) is not None:
+                groups.adopt(groups.of(written), group)  # type: ignore[arg-type]
+                continue
             if groups.kind[group] == "reduction":
                 signature = groups.signature[group]
                 last = [totals[signature]] if signature[0] == TOTAL and signature in totals else []

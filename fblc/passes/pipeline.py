@@ -57,6 +57,7 @@ from fblc.passes.tie_weights import TieWeights
 from fblc.passes.pointwise_transposes import PointwiseTransposes
 from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import Profile
+from fblc.profiles.profile import WRITTEN_WEIGHT_GRADIENT_REDUCTION
 
 
 @dataclass(frozen=True)
@@ -230,15 +231,21 @@ def training_pipeline(options: TrainingOptions) -> list[ir.passes.PassBase]:
 DEVICE_ONLY_OPS = ops.ops_where(lambda entry: entry.no_gradient == ops.DEVICE_ONLY)
 
 
-def layout_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
+def layout_passes(options: TrainingOptions, cpu: bool = False) -> list[ir.passes.PassBase]:
     """After the step graph is built, the target-independent part: the ops kernels run, their
-    FTD classes, data movement as index maps (rtile)."""
+    FTD classes, data movement as index maps (rtile). `cpu` (the target profile's `cpu` figure): a conv
+    weight gradient over a short reduction (WRITTEN_WEIGHT_GRADIENT_REDUCTION) is written in W's own order
+    by its conv, whose kernel W's update joins (on PoCL the update then reads no gradient across texels);
+    a GPU target keeps its channel tile, its half arithmetic under fp16 and its whole-texel fetches
+    (benchmarks/phone_kernels.py)."""
+    written = WRITTEN_WEIGHT_GRADIENT_REDUCTION if cpu else 0
     if options.layout not in LAYOUTS:
         raise FblcError(f"unknown layout '{options.layout}'", f"choose one of: {', '.join(LAYOUTS)}")
     if options.layout_search not in LAYOUT_SEARCHES:
         raise FblcError(f"unknown layout search '{options.layout_search}'",
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
-    remap = [SplitViews(), TileRemap()] if options.layout == "rtile" else [TileRemap(remap=False)]
+    remap = ([SplitViews(), TileRemap(written_reduction=written)] if options.layout == "rtile"
+             else [TileRemap(remap=False, written_reduction=written)])
     return [CommitIfFinite(), EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), FtdTaxonomy()] + remap
 
 
@@ -246,7 +253,7 @@ def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decid
                     ) -> list[ir.passes.PassBase]:
     """After the step graph is built: layouts for the target, kernels, their schedules (the code
     generator's decisions, `schedules`, when the caller hands them in: kernel_schedules), memory."""
-    return layout_passes(options) + [RTileSelect(profile, options.layout, options.layout_search,
+    return layout_passes(options, profile.cpu) + [RTileSelect(profile, options.layout, options.layout_search,
                                                   options.traced_reads), FuseKernels(), StoragePrecision(options.dtype),
                                      KernelSchedules(schedules), MemoryPlanPass()]
 

@@ -13,7 +13,9 @@ the map. It is remapped when
      element (a Slice), every one also adds that offset (OFFSET_READERS). A strided graph output (a weight gradient that
      the backward wrote transposed) is read by the local runtime through its map (plan.json
      `value_maps`); the native runner reads only parameters and the loss, never these.
-Otherwise the node stays an explicit conversion kernel; `fblc.remap` on it says which check
+A Transpose marked keys.WRITTEN_BY_PRODUCER stays one for its conv's kernel to write (fuse) where
+`written_reduction` allows (pipeline.layout_passes: CPU targets). Otherwise the node stays an explicit
+conversion kernel; `fblc.remap` on it says which check
 failed. The backward of MatMul (dX = dY W^T, dW = X^T dY) thus reads W^T and X^T in place.
 Under `--layout naive` (`remap=False`) every one stays a copy, `fblc.remap` saying so (NAIVE).
 Preconditions: static shapes, topologically sorted graph. Ensures `index maps`: every
@@ -40,7 +42,7 @@ from fblc.compiler.index_map import (
     views_of,
 )
 from fblc.compiler.ops import Reads, reading
-from fblc.compiler.values import static_shape
+from fblc.compiler.values import numel, static_shape
 from fblc.passes.contracts import ContractPass
 
 #: the status of every data-movement node under --layout naive
@@ -139,16 +141,29 @@ class TileRemap(ContractPass):
     requires_facts = ("static shapes",)
     ensures_facts = ("index maps",)
 
-    def __init__(self, remap: bool = True) -> None:
-        """`remap` False (--layout naive): every data-movement node stays a copy, labelled so."""
+    def __init__(self, remap: bool = True, written_reduction: int = 0) -> None:
+        """`remap` False (--layout naive): every data-movement node stays a copy, labelled so.
+        `written_reduction`: a Transpose marked keys.WRITTEN_BY_PRODUCER (a conv weight gradient in W's own
+        order) whose conv reduces at most this many products per output stays so, for that conv's kernel to
+        write; otherwise it is remapped like any other (0, a GPU target: pipeline.layout_passes)."""
         super().__init__()
         self.remap = remap
+        self.written_reduction = written_reduction
+
+    def written_in_place(self, node: ir.Node) -> bool:
+        """Whether `node` stays a Transpose that the kernel of its input writes (see __init__)."""
+        if node.metadata_props.get(keys.REMAP) != keys.WRITTEN_BY_PRODUCER:
+            return False
+        producer = node.inputs[0].producer() if node.inputs[0] is not None else None
+        kernels = producer.inputs[1] if producer is not None and len(producer.inputs) > 1 else None
+        return kernels is not None and numel(static_shape(kernels)[1:]) <= self.written_reduction
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
         for node in graph:
-            if node.op_type not in REMAPPABLE or node.domain != "" or node.metadata_props.get(keys.REMAP) == PACKED:
+            if node.op_type not in REMAPPABLE or node.domain != "" or node.metadata_props.get(keys.REMAP) == PACKED \
+                    or self.written_in_place(node):
                 continue
             status, mapped = remap_status(node) if self.remap else (NAIVE, None)
             if node.metadata_props.get(keys.REMAP) != status:

@@ -53,6 +53,12 @@ PORTABLE_IMAGE_EDGE = 8192
 GROUP_ITEMS = 64
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
+#: the longest reduction per weight element (batch x dY map: the weight-gradient conv's kernel) whose weight
+#: gradient a `cpu` target's conv writes in W's own order, so that the optimizer's update joins it (passes/
+#: tile_remap.py): measured on PoCL (benchmarks/step_time.py --threads 1 --clock cpu, 2 runs each): the
+#: transformers ResNet-4, reductions of 16 to 1,024, took 12-14 % less per step; T-ResNet B=64, 3,840, 3-7 %
+#: more, its channel tile sharing each x window across 4 output channels where the written tile shares fewer
+WRITTEN_WEIGHT_GRADIENT_REDUCTION = 2048
 #: the fewest steps (elements, or multiply-adds per accumulator) each work-item of a group keeps when a
 #: shorter reduction is shared only to fill the device: below it the merge through __local memory (a
 #: barrier per tree level) costs about what the split saves

@@ -6,6 +6,8 @@ preference (conv_tile; kernels/schedules.py adds the register tiles):
   1), where the autodiff's weight-gradient Conv lands (gradients/linalg.py: X viewed [Cg_in, N, ...], dY maps as
   its 'weights', kernel taps as its output rows): the 4 rows share the X window, each reads its own dY row (a
   2-D weight gradient's whole k x k map: docs/ARCHITECTURE.md §3).
+- swapped tile (swapped_tile): the weight-gradient Conv written in W's own order [C_out, C_in, k..] on a CPU target
+  (keys.WRITTEN_BY_PRODUCER): rows of output channels, each consecutive input channels' taps; W's update joins it.
 - spatial tile: 4 to 20 consecutive positions along the innermost axis when its length is a multiple of 4
   (T-ResNet's [N, C, T, 1], image widths): the lanes share the weights and read their inputs as whole texels.
 - row texels: an innermost axis of another length >= ROW_MIN: a texel within one row reduces like a spatial tile
@@ -39,6 +41,7 @@ from fblc.codegen.kernels.contraction import (finish_group, reduce_guarded, redu
                                               start_builder)
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term, plus
 from fblc.codegen.textures import TextureTable
+from fblc.compiler import keys
 from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.window import Window, window_of
@@ -68,14 +71,29 @@ class ConvShape:
     xs: tuple[int, ...]
     ws: tuple[int, ...]
     flat: bool = False  # the conv over its flattened spatial axes (flattened_pointwise)
+    swapped: bool = False  # written [C, N, ..] (out_shape in that order): a weight gradient in W's own order
 
 
-def conv_shape(node: ir.Node) -> ConvShape:
+def conv_shape(node: ir.Node, swapped: bool = False) -> ConvShape:
+    """`node` as its kernel reads it; `swapped`: its kernel writes the output with axes 0 and 1 exchanged
+    (written_swapped)."""
     x, w = node.inputs[0], node.inputs[1]
     x_shape, w_shape, groups = static_shape(x), static_shape(w), int(attr(node, "group", 1))
-    return ConvShape(view_root(x), view_root(w), x_shape, w_shape, static_shape(node.outputs[0]), groups,
+    out_shape = static_shape(node.outputs[0])
+    if swapped:
+        out_shape = (out_shape[1], out_shape[0], *out_shape[2:])
+    return ConvShape(view_root(x), view_root(w), x_shape, w_shape, out_shape, groups,
                      w_shape[1], w_shape[0] // groups, window_of(node, tuple(w_shape[2:])), map_of(x).strides,
-                     map_of(w).strides)
+                     map_of(w).strides, swapped=swapped)
+
+
+def written_swapped(group: KernelGroup) -> bool:
+    """Whether the conv of `group` writes its output as the Transpose of its axes 0 and 1 that the group holds
+    (keys.WRITTEN_BY_PRODUCER, fuse.written_by: a weight gradient in W's own order), its work-items then
+    running over that Transpose's elements."""
+    output = group.anchor.outputs[0]
+    return any(node.metadata_props.get(keys.REMAP) == keys.WRITTEN_BY_PRODUCER and node.inputs[0] is output
+               for node in group.nodes[1:])
 
 
 def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
@@ -115,13 +133,15 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
     variables of its first output): the taps of window axis `masked` (the tile's axis when it has one) in static
     blocks, masked at its borders; the other axes loop over their tap ranges (declared into `block`)."""
     window, xs, ws = cs.window, cs.xs, cs.ws
-    x_terms = [Term(index_var(prefix, 0), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
+    n_axis, c_axis = (1, 0) if cs.swapped else (0, 1)  # the output axes of x's batch and of w's channels
+    x_terms = [Term(index_var(prefix, n_axis), xs[0], tile.batches)] if cs.x_shape[0] > 1 else []
     group_rows = cs.groups > 1 and cs.cg_out == 1  # each of a channel tile's rows is a group of its own
     if cs.groups > 1:
+        assert not cs.swapped, "a grouped conv is never written swapped (gradients/linalg.conv_weight_grad)"
         group = div_index(index_var(prefix, 1), cs.cg_out)
         x_terms.append(Term(group, cs.cg_in * xs[1], tile.rows if group_rows else 1))
     first_channel = tile.rows if tile.row_step == 1 else 1  # the first row's channel is a multiple of it
-    w_terms = [Term(index_var(prefix, 1), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
+    w_terms = [Term(index_var(prefix, c_axis), ws[0], first_channel)] if cs.w_shape[0] > 1 else []
     x_offset, w_offset, loops = 0, 0, []
     for axis in (axis for axis in range(len(window.in_spatial)) if axis not in (masked, tile.row_axis)):
         k, s, d = window.kernel[axis], window.strides[axis], window.dilations[axis]
@@ -164,8 +184,12 @@ def conv_reduction(b: ValueReads, block: Block, cs: ConvShape, prefix: str, tile
                             row_mask.extent)
 
     def product(lane: int, channel: int, tap: int, row_tap: int) -> Product:
-        batch, rest = divmod(lane, tile.rows * tile.y_rows * tile.length)
-        row, rest = divmod(rest, tile.y_rows * tile.length)
+        if cs.swapped:  # written [C, N, ..]: a row (output channel) holds its batch elements' taps
+            row, rest = divmod(lane, tile.batches * tile.y_rows * tile.length)
+            batch, rest = divmod(rest, tile.y_rows * tile.length)
+        else:
+            batch, rest = divmod(lane, tile.rows * tile.y_rows * tile.length)
+            row, rest = divmod(rest, tile.y_rows * tile.length)
         y_row, step = divmod(rest, tile.length)
         position = (step * s if masked == tile.axis else 0) + tap * d - pad
         x_at = batch * xs[0] + (row * cs.cg_in if group_rows else 0) * xs[1] + channel * xs[1] + position * x_step
@@ -236,6 +260,43 @@ def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int = 
     if axis is not None and axis >= 2:
         return ConvTile(1, LANES * texels_per_item(cs.out_shape[axis] // LANES), axis - 2)
     return None
+
+
+SWAPPED_ROWS = (4, 2, 1)  # output channels of a swapped conv's tile, the first that fits (they share x's reads)
+SWAPPED_BATCHES = (8, 4, 2, 1)  # its input channels (x's batch elements), the most that fit with those rows
+
+
+def swapped_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int = 0) -> ConvTile | None:
+    """The tile of a conv written swapped (a weight gradient in W's own order [C_out, C_in, taps]): `rows`
+    output channels (one row of the schedule's 2-D tile each), each `batches` consecutive input channels (x's
+    batch axis, from a multiple of it) x every tap, consecutive outputs in that order filling whole texels. The
+    rows share each x window, the batches and taps each dY row (the conv's weights). The most rows, then batches,
+    within `private` accumulators whose tiles fill the device (`device_items`, 0 on a CPU); None (per lane)
+    where none fits or the taps' last axis is longer than a channel tile's row."""
+    spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
+    taps = int(np.prod(cs.out_shape[2:]))
+    if len(spatial) > 2 or (spatial and cs.out_shape[2 + spatial[-1]] > CHANNEL_TILE_LENGTH):
+        return None
+    fits = [(rows, batches) for rows in SWAPPED_ROWS for batches in SWAPPED_BATCHES
+            if cs.out_shape[0] % rows == 0 and cs.out_shape[1] % batches == 0 and (batches * taps) % LANES == 0
+            and rows * batches * taps <= private]
+    if not fits:
+        return None
+    rows, batches = next((fit for fit in fits if int(np.prod(cs.out_shape)) // (fit[0] * fit[1] * taps)
+                          >= device_items), fits[-1])
+    if not spatial:
+        return ConvTile(rows, 1, None, batches=batches)
+    x = spatial[-1]
+    if len(spatial) == 1:
+        return ConvTile(rows, cs.out_shape[2 + x], x, batches=batches)
+    y = spatial[0]
+    lanes = rows * batches * taps
+    channels = next((c for c in (CHANNEL_BLOCK, 2, 1)
+                     if _block_products(cs, cs.window.kernel[x], lanes, c) <= STATIC_PRODUCTS), 0)
+    if not channels:
+        return None
+    return ConvTile(rows, cs.out_shape[2 + x], x, batches=batches, y_rows=cs.out_shape[2 + y], row_axis=y,
+                    channels=channels)
 
 
 def texels_per_item(texels: int) -> int:

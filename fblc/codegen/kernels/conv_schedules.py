@@ -15,7 +15,8 @@ from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.contraction import row_axis
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
-                                       ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, texels_per_item)
+                                       ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, swapped_tile,
+                                       texels_per_item, written_swapped)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_reduction, transpose_shape, weights_side_by_side
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
@@ -42,8 +43,11 @@ PAIR_ROW = 16
 def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
     """The conv's tile (see the module docstring) as the ConvPlan its emitter follows."""
     scratch = ValueReads(table, static_shape(group.outputs[0]))  # numbers the names of the trial reductions
-    budget, view = TileBudget.of(table, group), flattened_conv(conv_shape(group.anchor))
-    tile, row = conv_tile(view, budget.private, budget.device_items), row_axis(view.out_shape, first=2)
+    budget, view = TileBudget.of(table, group), flattened_conv(conv_shape(group.anchor, written_swapped(group)))
+    if view.swapped:  # a weight gradient written in W's own order: its own tile, or per lane
+        tile, row = swapped_tile(view, budget.private, budget.device_items), None
+    else:
+        tile, row = conv_tile(view, budget.private, budget.device_items), row_axis(view.out_shape, first=2)
     prefix = FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX
 
     def masked_of(candidate: ConvTile) -> int | None:
@@ -53,6 +57,11 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
         return conv_reduction(scratch, Block(scratch.numbering), view, prefix, candidate, masked_of(candidate))
 
     split = _tile_group(table, group, trial)
+    if tile is not None and view.swapped:
+        per_row = tile.lanes // tile.rows // LANES  # a row (output channel) of C_in x taps: stride apart
+        schedule = tile_of(tile.rows, per_row, numel(view.out_shape[1:]) // LANES)
+        schedule.choices["group_size"] = _group_sizes(table, group, tile, trial(tile))
+        return schedule, ConvPlan(view, tile, masked_of(tile), names_taken=scratch.numbering.count), tile.lanes
     if tile is not None:
         if tile.rows == 1:  # a spatial tile: its texels along the row by the device's size
             tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile, split), multiple=0)

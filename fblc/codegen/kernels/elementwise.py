@@ -19,6 +19,7 @@ from fblc.codegen.ir import FLOAT, INT, Expr, call, const, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.reads import dtype_of
 from fblc.codegen.textures import TextureTable
+from fblc.compiler import keys
 from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, const_array, static_shape
 from fblc.compiler.ops import ELEMENTWISE
@@ -155,6 +156,10 @@ def evaluate_chain(b: KernelBuilder, nodes: Sequence[ir.Node], env: dict[int, Ex
         return b.broadcast(value, b.out_shape)
 
     for node in nodes:
+        if node.metadata_props.get(keys.REMAP) == keys.WRITTEN_BY_PRODUCER \
+                and id(node.inputs[0]) in env:  # the kernel computes its elements in this Transpose's order
+            env[id(node.outputs[0])] = env[id(node.inputs[0])]
+            continue
         build = EXPRESSIONS.get(node.op_type)
         if build is None:
             raise UnsupportedOpError(f"no elementwise expression for op {node.op_type} (node '{node.name}')",

@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from fblc.compiler import keys
 from fblc.compiler.autodiff import register_gradient
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, static_shape
@@ -169,12 +170,18 @@ def conv_weight_grad(e: Emitter, x: ir.Value, dy: ir.Value, c_out: int, groups: 
                       dilations=list(window.strides), pads=window.pads)
     k_full = [(size + pb + pe - s * (o - 1) - 1) // d + 1 for size, pb, pe, s, o, d in
               zip(spatial, window.pads_begin, window.pads_end, window.strides, window.out_spatial, window.dilations)]
-    per_group = e.reshape(correlated, [cg_in, apart, groups, cg_out, *k_full])
-    taps = list(range(4, 4 + rank))
-    if apart > 1:  # summed over n in the weight's own order: the optimizer's update joins the sum's kernel
+    if groups == 1 and cg_in % RGBA == 0:
+        # [cg_in, c_out, k..] to W's own order [c_out, cg_in, k..]: the conv's kernel writes it in that order
+        # (keys.WRITTEN_BY_PRODUCER; its tile then takes 4 consecutive input channels), so the optimizer's update
+        # reads it in its own order and joins that kernel's epilogue, where a view would be read one lane per fetch
+        dw = e.op("Transpose", correlated, perm=[1, 0] + list(range(2, 2 + rank)))
+        dw.producer().metadata_props[keys.REMAP] = keys.WRITTEN_BY_PRODUCER  # type: ignore[union-attr]
+    elif apart > 1:  # summed over n in the weight's own order: the optimizer's update joins the sum's kernel
+        per_group, taps = e.reshape(correlated, [cg_in, apart, groups, cg_out, *k_full]), list(range(4, 4 + rank))
         dw = e.reduce_sum(e.reshape(e.op("Transpose", per_group, perm=[2, 3, 0, 1] + taps),
                                     [c_out, cg_in, apart, *k_full]), [2], keepdims=False)
     else:
+        per_group, taps = e.reshape(correlated, [cg_in, apart, groups, cg_out, *k_full]), list(range(4, 4 + rank))
         dw = e.reshape(e.op("Transpose", per_group, perm=[2, 3, 0, 1] + taps), [c_out, cg_in, *k_full])
     if list(k_full) != list(window.kernel):
         dw = e.op("Slice", dw, e.ints([0] * rank), e.ints(list(window.kernel)), e.ints(list(range(2, 2 + rank))))
