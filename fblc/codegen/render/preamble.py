@@ -18,40 +18,33 @@ FEATURE_TESTS = """\
 #endif
 """
 
+def _erf_rational(name: str, vector: str, nan_pick: str) -> str:
+    """erf(a) within 5e-7 (absolute and relative, tests/test_erf_rational.py) as a rational function of odd
+    degree 13 over even degree 8 on [-4, 4], where |erf| rounds to 1 beyond (Eigen's generic_fast_erf_float):
+    a dozen multiply-adds and a division, where a library erf takes ~30x as long on PoCL (GELU's epilogues).
+    One source for float and float4 (codegen/texel_wide.py), so the two cannot drift apart."""
+    return f"""inline {vector} {name}({vector} a) {{
+  const {vector} x = clamp(a, -4.0f, 4.0f), x2 = x * x;
+  {vector} p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
+  p = x2 * p - 2.10102402082508e-06f;
+  p = x2 * p - 5.69250639462346e-05f;
+  p = x2 * p - 7.34990630326855e-04f;
+  p = x2 * p - 2.95459980854025e-03f;
+  p = x2 * p - 1.60960333262415e-02f;
+  {vector} q = x2 * -1.45660718464996e-05f - 2.13374055278905e-04f;
+  q = x2 * q - 1.68282697438203e-03f;
+  q = x2 * q - 7.37332916720468e-03f;
+  q = x2 * q - 1.42647390514189e-02f;
+  return {nan_pick};  // clamp would turn a NaN into -1
+}}
+"""
+
+
 HELPERS = FEATURE_TESTS + """\
 inline float lane_f(float4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
 inline int lane_i(int4 v, int l) { return l == 0 ? v.x : l == 1 ? v.y : l == 2 ? v.z : v.w; }
-// erf(a) within 5e-7 (absolute and relative, tests/test_erf_rational.py) as a rational function of odd degree
-// 13 over even degree 8 on [-4, 4], where |erf| rounds to 1 beyond (Eigen's generic_fast_erf_float): a
-// dozen multiply-adds and a division, where a library erf takes ~30x as long on PoCL (GELU's epilogues)
-inline float erf_rational(float a) {
-  const float x = clamp(a, -4.0f, 4.0f), x2 = x * x;
-  float p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
-  p = x2 * p - 2.10102402082508e-06f;
-  p = x2 * p - 5.69250639462346e-05f;
-  p = x2 * p - 7.34990630326855e-04f;
-  p = x2 * p - 2.95459980854025e-03f;
-  p = x2 * p - 1.60960333262415e-02f;
-  float q = x2 * -1.45660718464996e-05f - 2.13374055278905e-04f;
-  q = x2 * q - 1.68282697438203e-03f;
-  q = x2 * q - 7.37332916720468e-03f;
-  q = x2 * q - 1.42647390514189e-02f;
-  return isnan(a) ? a : x * p / q;  // clamp would turn a NaN into -1
-}
-inline float4 erf_rational4(float4 a) {  // erf_rational of each lane (codegen/texel_wide.py)
-  const float4 x = clamp(a, -4.0f, 4.0f), x2 = x * x;
-  float4 p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
-  p = x2 * p - 2.10102402082508e-06f;
-  p = x2 * p - 5.69250639462346e-05f;
-  p = x2 * p - 7.34990630326855e-04f;
-  p = x2 * p - 2.95459980854025e-03f;
-  p = x2 * p - 1.60960333262415e-02f;
-  float4 q = x2 * -1.45660718464996e-05f - 2.13374055278905e-04f;
-  q = x2 * q - 1.68282697438203e-03f;
-  q = x2 * q - 7.37332916720468e-03f;
-  q = x2 * q - 1.42647390514189e-02f;
-  return select(x * p / q, a, isnan(a));
-}
+""" + _erf_rational("erf_rational", "float", "isnan(a) ? a : x * p / q") \
+    + _erf_rational("erf_rational4", "float4", "select(x * p / q, a, isnan(a))") + """\
 inline int wrap_row(int r, int n) { return r < 0 ? r + n : r; }  // ONNX: a negative index counts from the end
 // elements s..s+3 of the 8 in texels a, b (s in 0..3, known at run time). Branches, not a chain of
 // ?: over vector literals, which oclgrind's compiler got wrong (a conv's sums changed)
