@@ -74,6 +74,17 @@ def test_golden_a_block_at_width_15_runs_at_16() -> None:
     assert output.metadata_props.get("fblc.remap") == "remapped"
 
 
+def test_nodes_without_names_get_unique_ones() -> None:
+    """Exporters may leave nodes unnamed: the widened nodes' names must still be unique (onnxruntime refuses
+    a model with two nodes of one name)."""
+    model = _block(15)
+    for node in model.graph.node:
+        node.name = ""
+    graph, modified = _aligned(model)
+    names = [n.name for n in graph.graph]
+    assert modified and len(set(names)) == len(names), names
+
+
 @pytest.mark.parametrize("width,attributes", [
     (16, {}),  # whole texels already
     (7, {}),  # 8 columns would add a 7th of the work

@@ -92,7 +92,9 @@ def _rebuilt(graph: ir.Graph, node: ir.Node, inputs: list[ir.Value | None], attr
     op's), else of the shape its rule infers (a Conv's)."""
     old = node.outputs[0]
     output = ir.Value(name=f"{old.name}/wide", type=old.type)
-    wide = ir.Node(node.domain, node.op_type, inputs, attributes, outputs=[output], name=f"{node.name}/wide")
+    namer = Emitter(graph, stage=node.metadata_props.get(keys.STAGE, "forward"))
+    namer.prefix = node.name or node.op_type  # a node may have no name: the Emitter's number keeps names unique
+    wide = ir.Node(node.domain, node.op_type, inputs, attributes, outputs=[output], name=namer.fresh_name("wide"))
     wide.metadata_props.update(node.metadata_props)
     graph.insert_before(node, wide)
     if width is None:
