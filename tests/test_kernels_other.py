@@ -53,6 +53,18 @@ def test_softmax(tmp_path, op_type: str, axis: int) -> None:
     _check(tmp_path, _op_then_loss(op, [3, 5, 6], {"x": _randn(3, 5, 6, scale=2.0)}))
 
 
+@pytest.mark.parametrize("shape", [[2, 3, 16], [2, 3, 10]])
+def test_softmax_masked_rows(tmp_path, shape: list[int]) -> None:
+    """Rows with -inf entries (an attention mask): reduce.py folds a row's texels into float4 (max, sum) pairs,
+    a lane outside the row as -inf, and joins the components. Here whole components of a row are -inf (columns
+    1 and 2 mod 4), and one row has a single finite entry; onnxruntime's softmax is the reference."""
+    x = _randn(*shape, scale=3.0)
+    x[..., 1::4] = x[..., 2::4] = -np.inf
+    x[1, 2, 1:] = -np.inf
+    op = helper.make_node("Softmax", ["x"], ["y"], axis=-1, name="sm")
+    _check(tmp_path, _op_then_loss(op, shape, {"x": x}))
+
+
 def _step_on_device(tmp_path, model: onnx.ModelProto, name: str) -> tuple[float, np.ndarray]:
     """(loss, value `name`) after one step on PoCL of `model`, which has no inputs."""
     from fblc.codegen.compile import compile_model

@@ -81,3 +81,55 @@ def test_a_lanes_own_index_leaves_the_loop_per_lane() -> None:
     assert vectorize(lane, header.statements, [read * 2.0], kir.Block(numbering)) is None
     scaled = kir.Element(kir.Var("acc", 1, kir.FLOAT), lane) * 2.0  # an array's lane: its float4 form
     assert vectorize(lane, [], [scaled], kir.Block(numbering)) is not None
+
+
+# a lane-varying select and its saved mask: Where(x > c, exp(x), x / 2) between two MatMuls (a half kernel under
+# fp16: it reads and writes activations), whose backward reads the comparison's bits
+SELECT = [_node("MatMul", ["a", "b"], "x"), _node("Greater", ["x", "c"], "g"), _node("Exp", ["x"], "e"),
+          _node("Mul", ["x", "half"], "h"), _node("Where", ["g", "e", "h"], "w"), _node("MatMul", ["w", "d"], "y")]
+
+
+def _select_case(tmp_path) -> str:
+    import numpy as np
+
+    return write_case(str(tmp_path / "select.onnx"), SELECT, {"a": (4, 8), "b": (8, 8), "c": (8,), "d": (8, 4),
+                                                                 "half": np.array(0.5, np.float32)})
+
+
+def _select_kernel(path: str, target: str = "local", dtype: str = "fp32"):
+    kernels = lowered_kernels(path, target, dtype, OPTIONS)
+    return next(k for k in kernels if any(isinstance(e, kir.Binary) and e.op == ">" for e in expressions(k)))
+
+
+def test_a_comparison_mask_and_select_are_computed_on_float4s(tmp_path) -> None:
+    """The forward kernel's comparison is one int4, its Where a float4 select and its saved mask's bits the
+    int4's lanes: no lane loop; the trained step (the backward reads the mask) equals onnxruntime's."""
+    path = _select_case(tmp_path)
+    kernel = _select_kernel(path)
+    compared = [e for e in expressions(kernel) if isinstance(e, kir.Binary) and e.op == ">"]
+    assert not _lane_loops(kernel) and compared and all(e.dtype == kir.INT4 for e in compared)
+    assert_step_matches(path, storage="buffer")
+
+
+def test_a_half_kernels_float4_select_builds_in_clang(tmp_path) -> None:
+    """Under --dtype fp16 on adreno830 the int4 condition selects between float4s (precision.py), never half4s:
+    both sources type-check in clang-15 with cl_khr_fp16 and without it."""
+    if shutil.which(CLANG) is None:
+        pytest.skip(f"{CLANG} is missing: the half source is not type-checked")
+    path = _select_case(tmp_path)
+    assert not _lane_loops(_select_kernel(path, "adreno830", "fp16"))
+    bundle = str(tmp_path / "bundle")
+    compile_model(path, bundle, "adreno830", "fp16", OPTIONS)
+    for source in ("kernels.cl", "kernels.buffer.cl"):
+        for fp16 in (True, False):
+            assert not _clang_errors(os.path.join(bundle, source), fp16)
+
+
+def test_a_comparison_in_arithmetic_leaves_the_loop_per_lane() -> None:
+    """A float4 comparison is -1 where a scalar one is 1: one that arithmetic meets stays per lane."""
+    numbering = kir.Numbering()
+    lane = kir.Var("lane", 0, kir.INT, "lane")
+    x = kir.Element(kir.Var("acc", 1, kir.FLOAT), lane)
+    compared = x.gt(kir.const(0.0, kir.FLOAT))
+    assert vectorize(lane, [], [kir.select(compared, x, 0.0)], kir.Block(numbering)) is not None
+    assert vectorize(lane, [], [kir.Cast(kir.FLOAT, compared) * x], kir.Block(numbering)) is None

@@ -371,7 +371,8 @@ class KernelBuilder(ValueReads):
                 for k, result in enumerate(results):
                     body.assign(kir.Element(lane_results[k], lane), result)
         for k, texture in enumerate(self.out_textures):
-            lanes_of = [kir.Element(lane_results[k], const(lane)) for lane in range(4)]
+            lanes_of = [wide[1][k].lane(lane) if wide else kir.Element(lane_results[k], const(lane))
+                        for lane in range(4)]
             argument = arguments[k]
             bits = reduce(operator.or_, [lanes_of[lane].ne(0) << lane for lane in range(4)])  # a mask's: lane l, bit l
             if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both

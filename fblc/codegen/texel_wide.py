@@ -7,7 +7,14 @@ a scalar `exp` or `erf_rational` cost PoCL about 5-7 ns an element there against
 (BERT's FFN MatMul with GELU 1.59 -> 0.78 ms, its twin without GELU 0.64 ms). On a GPU the float4 form is the
 same arithmetic, in a texel's registers (a half kernel's retyping, codegen/ir/precision.py, comes after and
 meets float4s as it meets floats). Anything else (a lane's own index, a per-lane read, an integer value, a
-lane-varying condition, a statement other than a declaration) leaves the loop per lane: `vectorize` answers None.
+statement other than a declaration) leaves the loop per lane: `vectorize` answers None.
+
+Comparisons and IS_PREDICATES of float4s give int4s, whose true is -1 where a scalar's is 1: such a value may only
+select (a lane-varying Select: OpenCL's vector ?: takes each lane by its condition's sign bit) or be a mask
+output (stored as `lane != 0`); no arithmetic or cast meets it. A half kernel's select of a vector condition
+computes its values in float (codegen/ir/precision.py), so an int4 condition never meets half4 values.
+Elementwise kernels take the form too: Softmax's exp(x - lse) with its IsNaN mask and Where was a scalar exp
+per element at about 8 ns (GPT-2's 0.26 ms per launch).
 """
 
 from __future__ import annotations
@@ -15,22 +22,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from fblc.bundle_format import MASK_FORMATS
-from fblc.codegen.ir import FLOAT, FLOAT4, INT, Expr, Var
+from fblc.codegen.ir import FLOAT, FLOAT4, INT, INT4, Expr, Var
 from fblc.codegen.ir import expressions as e
 from fblc.codegen.ir import statements as s
 
 if TYPE_CHECKING:
     from fblc.codegen.builder import KernelBuilder
 
-#: families whose lane loop takes float4 arithmetic where it can: the contractions' epilogues
-FAMILIES = ("matmul",)
+#: families whose lane loop takes float4 arithmetic where it can: the contractions' epilogues, elementwise maps
+FAMILIES = ("matmul", "elementwise")
 
-#: float functions that take a float4 lane by lane as they take a float (name in the float4 form); no
-#: comparisons: a float4's is an int4, which a half kernel's real4 select (codegen/ir/precision.py) may not take
+#: float functions that take a float4 lane by lane as they take a float (name in the float4 form)
 FUNCTIONS = {name: name for name in ("exp", "log", "sqrt", "tanh", "sin", "cos", "atan", "fabs", "floor", "ceil",
                                      "rint", "fmax", "fmin", "clamp")}
 FUNCTIONS["erf_rational"] = "erf_rational4"  # the preamble's float4 form
 ARITHMETIC = ("+", "-", "*", "/")
+COMPARISONS = ("<", ">", "<=", ">=", "==", "!=")
+#: predicates of a float that give an int4 (true -1) for a float4
+IS_PREDICATES = ("isnan", "isinf", "isfinite")
 
 
 class _Scalar(Exception):
@@ -74,8 +83,17 @@ class _Lanes:
         if isinstance(expr, e.Call) and expr.function in FUNCTIONS and expr.dtype == FLOAT \
                 and all(a.dtype == FLOAT for a in expr.args):
             return e.Call(FUNCTIONS[expr.function], tuple(_wide(self.lanes(a)) for a in expr.args), FLOAT4)
-        if isinstance(expr, e.Select) and expr.dtype == FLOAT and not self.varies(expr.condition):
-            return e.Select(expr.condition, _wide(self.lanes(expr.if_true)), _wide(self.lanes(expr.if_false)), FLOAT4)
+        if isinstance(expr, e.Binary) and expr.op in COMPARISONS and expr.dtype == INT \
+                and expr.a.dtype == FLOAT and expr.b.dtype == FLOAT:
+            return e.Binary(expr.op, _wide(self.lanes(expr.a)), _wide(self.lanes(expr.b)), INT4)
+        if isinstance(expr, e.Call) and expr.function in IS_PREDICATES and expr.dtype == INT \
+                and len(expr.args) == 1 and expr.args[0].dtype == FLOAT:
+            return e.Call(expr.function, (_wide(self.lanes(expr.args[0])),), INT4)
+        if isinstance(expr, e.Select) and expr.dtype == FLOAT:
+            condition = self.lanes(expr.condition) if self.varies(expr.condition) else expr.condition
+            if condition.dtype not in (INT, INT4):
+                raise _Scalar
+            return e.Select(condition, _wide(self.lanes(expr.if_true)), _wide(self.lanes(expr.if_false)), FLOAT4)
         raise _Scalar
 
     def declare(self, statement: s.Statement) -> None:
@@ -131,17 +149,21 @@ def vectorize(lane: Var, statements: Sequence[s.Statement], results: Sequence[Ex
         vectors = [_wide(lanes.lanes(result)) for result in results]
     except _Scalar:
         return None
-    return vectors if all(v.dtype == FLOAT4 for v in vectors) else None
+    return vectors
 
 
 def texel_form(b: KernelBuilder, results: Sequence[Expr], in_one_row: bool) -> tuple[list[s.Statement], list[Expr]] | None:
-    """The lane loop of builder `b`'s texel as float4 arithmetic: its statements and each result's float4, for a
-    family of FAMILIES whose outputs are float textures the tensor fills whole; else None (the loop per lane)."""
+    """The lane loop of builder `b`'s texel as float4 arithmetic: its statements and each result's float4 (an
+    int4 for a mask: its lanes' truth), for a family of FAMILIES whose outputs are float textures or masks the
+    tensor fills whole; else None (the loop per lane)."""
+    masks = [t.format in MASK_FORMATS.values() for t in b.out_textures]
     if b.family not in FAMILIES or b.out_textures[0].numel % 4 or any(
-            t.kind != "float" or t.format in MASK_FORMATS.values() for t in b.out_textures):
+            t.kind != "float" and not mask for t, mask in zip(b.out_textures, masks)):
         return None
     lane = Var("lane", 0, INT, "lane")
     header, wide = s.Block(b.numbering), s.Block(b.numbering)
     b.lane_header(header, lane, in_one_row)
     vectors = vectorize(lane, [*header.statements, *b.lines], results, wide)
-    return None if vectors is None else (wide.statements, vectors)
+    if vectors is None or any(v.dtype != (INT4 if mask else FLOAT4) for v, mask in zip(vectors, masks)):
+        return None
+    return wide.statements, vectors

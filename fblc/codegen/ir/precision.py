@@ -18,8 +18,9 @@ Emitters build float IR; `half_arithmetic` retypes a finished kernel (codegen/pl
   (2^-11 each), 3 % already at K = 64. Its products arrive in half; a run of up to HALF_RUN (4: one texel's
   lanes) added to one accumulator in a row is summed in half first and widened once.
 - A literal takes its partner's type; a cast keeps its target (an index converted to float stays float:
-  half holds integers exactly only up to 2048); built-ins outside HALF_FUNCTIONS, and comparisons of
-  vectors (a half4 comparison yields short4), get their operands back in float.
+  half holds integers exactly only up to 2048); built-ins outside HALF_FUNCTIONS, comparisons of
+  vectors (a half4 comparison yields short4) and the values a vector condition selects between get their
+  operands back in float.
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ class _Retype:
         return Call(e.function, tuple(_as(new, old.dtype.scalar) for new, old in zip(args, e.args)), e.dtype)
 
     def _Select(self, e: Select) -> Expr:
-        (if_true, if_false), scalar = self._meet([self.expr(e.if_true), self.expr(e.if_false)])
+        # a vector condition is an int4 (a float4 comparison's): its values float4, as ?: wants their lanes as wide
+        (if_true, if_false), scalar = self._meet([self.expr(e.if_true), self.expr(e.if_false)],
+                                                 vector_in_float=e.condition.dtype.lanes > 1)
         return Select(self.expr(e.condition), if_true, if_false, _retyped(e.dtype, scalar))
 
     def _Cast(self, e: Cast) -> Expr:

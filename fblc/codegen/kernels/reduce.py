@@ -33,6 +33,17 @@ _fmax: Combine = partial(call, "fmax")
 
 
 @dataclass(frozen=True)
+class TexelFold:
+    """How a fold runs a row's texels whole: float4 accumulators (component c folds the row's elements at c
+    mod 4) that `join` turns into the scalar accumulators; a lane outside the row enters as `neutral`, the
+    element that folds nothing. Worth it where the combine is dear per element (an exp: PoCL vectorizes a
+    float4 exp, not a chain of scalar ones)."""
+
+    neutral: float
+    join: Callable[[Block, tuple[Var, ...]], tuple[Expr, ...]]
+
+
+@dataclass(frozen=True)
 class Folded:
     """A reduction's result, per accumulator: `values` as a later fold reads them (float4s when the fold ran
     texel-wise in the per-texel prologue), `lanes` as the lane loop reads them; `value`, `lane`: the first's."""
@@ -54,11 +65,13 @@ GroupMerge = Callable[[KernelBuilder, list[list[Union[Var, Lane]]], bool], None]
 
 
 def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Callable,
-                   start: float | tuple[float, ...], merge: str | GroupMerge = "add") -> Folded:
+                   start: float | tuple[float, ...], merge: str | GroupMerge = "add",
+                   texel_fold: TexelFold | None = None) -> Folded:
     """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`, or with a
     tuple of starts, several accumulators at once (`combine(block, accs, x)` gives their new values). With
     `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials: a
-    builder.MERGES name (one accumulator), or a GroupMerge."""
+    builder.MERGES name (one accumulator), or a GroupMerge. With `texel_fold`, a row whose trailing reduced
+    run is contiguous folds whole texels into float4 accumulators (combine takes float4s too)."""
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
@@ -108,24 +121,37 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     outer = [a for a in axes if a < suffix]
 
     def fold_row(body: Block, base: Expr, accs: list[Var]) -> None:
-        """Fold the reduced elements of the output whose first reduced element is `base` into `accs`."""
+        """Fold the reduced elements of the output whose first reduced element is `base` into `accs` (at
+        their starts)."""
         if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes in turn
             argument, texture = b.input_argument(source)
+            texel_accs = [body.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts] if texel_fold else []
             with body.loop("r", first, count // 4, step=step) as (r, fold):
                 texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
                 v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
-                for lane in range(4):
-                    fold_in(fold, accs, fold.let(v.lane(lane), "x"))
+                if texel_fold:
+                    fold_in(fold, texel_accs, v)
+                else:
+                    for lane in range(4):
+                        fold_in(fold, accs, fold.let(v.lane(lane), "x"))
+            if texel_fold:
+                for acc, value in zip(accs, texel_fold.join(body, tuple(texel_accs))):
+                    body.assign(acc, value)
         elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
             deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
             inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
+            wide = texel_fold if texel_fold and not b.input_argument(source)[1].mask_elements else None
+            targets = [body.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts] if wide else accs
             if not outer:  # one run alone needs no loop over the runs
-                _fold_run(body, b, source, base, run, accs, fold_in, inner_first, inner_step)
+                _fold_run(body, b, source, base, run, targets, fold_in, inner_first, inner_step, wide)
             else:
                 outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
                 with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
                     row = runs.let(base + step_index(r, outer), "row")
-                    _fold_run(runs, b, source, row, run, accs, fold_in, inner_first, inner_step)
+                    _fold_run(runs, b, source, row, run, targets, fold_in, inner_first, inner_step, wide)
+            if wide:
+                for acc, value in zip(accs, wide.join(body, tuple(targets))):
+                    body.assign(acc, value)
         else:
             with body.loop("r", first, count, step=step) as (r, fold):
                 index = base + step_index(r, axes) if axes else base
@@ -155,11 +181,13 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
 
 
 def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: int, accs: list[Var],
-              fold_in: Callable[[Block, list[Var], Expr], None], first: Expr, step: int) -> None:
+              fold_in: Callable[[Block, list[Var], Expr], None], first: Expr, step: int,
+              texel_fold: TexelFold | None = None) -> None:
     """Fold the `run` consecutive elements of `source` from flat index `row` into `accs` (the `first`, `first +
     step`.. of their texels): the texels that cover them, each read once and its lanes folded in turn, but for
     the lanes of the two end texels that lie outside the run (a run of no multiple of 4, such as a channel's
-    map in BatchNorm's gradient sums, starts anywhere in a texel). One element a read was 4 reads a texel."""
+    map in BatchNorm's gradient sums, starts anywhere in a texel). One element a read was 4 reads a texel.
+    With `texel_fold` the texel folds whole into float4 `accs`, its lanes outside the run as the neutral element."""
     argument, texture = b.input_argument(source)
     if texture.mask_elements:  # a mask's bits have no texels to read whole
         with block.loop("ri", first, run, step=step) as (inner, fold):
@@ -172,6 +200,12 @@ def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: 
     with block.loop("ri", first, span, step=step) as (inner, fold):
         at = fold.let(start + inner, "q")
         texel = fold.let(b.texel(argument, texture, call("min", at, last)), "v")
+        if texel_fold:
+            inside = [(at * 4 + lane).ge(row).logical_and((at * 4 + lane).lt(end)) for lane in range(4)]
+            neutral = const(texel_fold.neutral, FLOAT)
+            fold_in(fold, accs, fold.let(vector(FLOAT4, *(select(inside[lane], texel.lane(lane), neutral)
+                                                           for lane in range(4))), "x"))
+            return
         for lane in range(4):
             element = at * 4 + lane
             with fold.when(element.ge(row).logical_and(element.lt(end))) as inside:
@@ -186,6 +220,21 @@ def _log_sum_exp_step(block: Block, accs: tuple[Expr, ...], x: Expr) -> tuple[Ex
     larger = block.let(call("fmax", peak, x), "hi")
     scale = block.let(call("exp", call("fmin", call("fmin", peak, x) - larger, const(0.0, FLOAT))), "e")
     return larger, select(x.gt(peak), total * scale + const(1.0, FLOAT), total + scale)
+
+
+def _join_log_sum_exp(block: Block, accs: tuple[Var, ...]) -> tuple[Expr, Expr]:
+    """The (max, sum) of a row from its float4 (max, sum) pairs, one per component: the components' max, each
+    sum rescaled to it (one float4 exp) and added. A component at the max keeps its sum, -inf's included."""
+    peaks, totals = accs
+    peak = block.let(call("fmax", call("fmax", peaks.lane(0), peaks.lane(1)),
+                          call("fmax", peaks.lane(2), peaks.lane(3))), "hi")
+    scaled = block.let(select(peaks.eq(peak), totals, totals * call("exp", peaks - peak)), "s")
+    return peak, (scaled.lane(0) + scaled.lane(1)) + (scaled.lane(2) + scaled.lane(3))
+
+
+#: -inf folds nothing into a (max, sum) pair: fmax keeps the max, and its exp(-inf - max) adds 0 (while the max is
+#: -inf too it adds 1, which a later finite element or the join scales by exp(-inf) = 0)
+LOG_SUM_EXP_TEXELS = TexelFold(-math.inf, _join_log_sum_exp)
 
 
 def _merge_log_sum_exp(b: KernelBuilder, partials: list[list[Var | Lane]], prologue: bool) -> None:
@@ -208,7 +257,7 @@ def reduction_lane(b: KernelBuilder, node: ir.Node) -> Expr:
         return reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max").lane
     if node.op_type == "ReduceLogSumExp":  # exp(x - running max): cannot overflow, the row read once
         peak, total = reduction_loop(b, source, axes, keepdims, _log_sum_exp_step, (-math.inf, 0.0),
-                                     _merge_log_sum_exp).lanes
+                                     _merge_log_sum_exp, LOG_SUM_EXP_TEXELS).lanes
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
         none = const(-math.inf, FLOAT)
         return select(peak.eq(none), none, peak + call("log", total))
