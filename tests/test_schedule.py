@@ -501,3 +501,19 @@ def test_every_offered_schedule_value_changes_the_kernel_or_is_its_default(tmp_p
         built = {kernel.name: kernel.render(IMAGE) for kernel in program(chosen).kernels}
         unchanged += [(name, fields) for name, fields in chosen.items() if built[name] == sources[name]]
     assert not unchanged
+
+
+def test_a_conv_reduction_s_fetches_are_counted_as_texel_fetch_reads_them() -> None:
+    """texel.texel_reads, by which Reduction.fetches weighs conv tiles (conv_schedules._tile_group): from a base
+    that is a multiple of 4 one read per distinct texel; from any other base each cluster's covering texels
+    (a run of 4 from a base of multiples of 2: 2 texels at shift 0 or 2), or one per element where those are no
+    fewer (a lone element: 1, not 2)."""
+    from fblc.codegen.ir import const
+    from fblc.codegen.kernels.texel import Term, texel_reads
+
+    aligned, odd, even = [Term(const(0), 4)], [Term(const(0), 1)], [Term(const(0), 2)]
+    assert texel_reads([0, 1, 2, 3, 4, 9], aligned) == 3  # texels 0, 1, 2
+    assert texel_reads([0, 1, 2, 3], even) == 2 and texel_reads([0, 1, 2, 3], odd) == 2
+    assert texel_reads([0, 1, 2, 3, 4, 5, 6, 7], odd) == 3
+    assert texel_reads([0], odd) == 1 and texel_reads([0, 20], odd) == 2  # sparse: element reads
+    assert texel_reads([0, 8], [Term(const(0), 1, 4)]) == 2  # a multiple of 4 through the term's multiple
