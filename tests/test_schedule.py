@@ -393,17 +393,18 @@ def test_a_contraction_too_small_for_the_device_is_split_until_it_fills_it(tmp_p
 
 def test_a_conv_tile_sees_the_split_its_reduction_really_gets(tmp_path) -> None:
     """A Conv X [8, 2, 128] * W [512, 2, 128] (a pointwise weight gradient's form): channel tiles of 4 output
-    channels x B batch elements, 128 taps in 8 blocks of 16, so at most 8 work-items share a tile. 8 batch
-    elements (128 tiles x 8 = 1024 work-items) leave the 830's 1536 idle; the tile is chosen knowing that:
-    4 batch elements, 256 tiles x 8 = 2048 work-items. The CPU keeps the largest tile (128 work-items); the
-    830's step equals onnxruntime's."""
+    channels x B batch elements, 128 taps in 8 blocks of 16, so at most 8 work-items share a tile. No tile fills
+    the 830's 1536 work-items alone, so the tile is chosen by texel fetches x rounds knowing that split: 8 batch
+    elements (128 tiles x 8 = 1024 work-items, one round) read each weight texel for 8 of them, where 4 (256 x 8
+    = 2048, two rounds) would read every weight texel twice as often. The CPU keeps the largest tile (128
+    work-items); the 830's step equals onnxruntime's."""
     from tests.test_kernels_contraction import OPTIONS as STEP, _contractions, _node, write_case
 
     path = write_case(str(tmp_path / "conv.onnx"), [_node("Conv", ["x", "w"])], {"x": (8, 2, 128), "w": (512, 2, 128)})
     forward = {target: next(k for k in _contractions(path, target) if k.name == "k1_Conv")
                for target in ("adreno830", "local")}
     assert load_profile("adreno830").device_items == 1536
-    assert [kernel.global_size for kernel in forward.values()] == [256 * 8, 128]
+    assert [kernel.global_size for kernel in forward.values()] == [128 * 8, 128]
     assert forward["adreno830"].group_size == 64  # 8 tiles a group, 8 work-items each
     rows = verify_model(path, STEP, target="adreno830", work_dir=str(tmp_path))
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
@@ -500,3 +501,19 @@ def test_every_offered_schedule_value_changes_the_kernel_or_is_its_default(tmp_p
         built = {kernel.name: kernel.render(IMAGE) for kernel in program(chosen).kernels}
         unchanged += [(name, fields) for name, fields in chosen.items() if built[name] == sources[name]]
     assert not unchanged
+
+
+def test_a_conv_reduction_s_fetches_are_counted_as_texel_fetch_reads_them() -> None:
+    """texel.texel_reads, by which Reduction.fetches weighs conv tiles (conv_schedules._tile_group): from a base
+    that is a multiple of 4 one read per distinct texel; from any other base each cluster's covering texels
+    (a run of 4 from a base of multiples of 2: 2 texels at shift 0 or 2), or one per element where those are no
+    fewer (a lone element: 1, not 2)."""
+    from fblc.codegen.ir import const
+    from fblc.codegen.kernels.texel import Term, texel_reads
+
+    aligned, odd, even = [Term(const(0), 4)], [Term(const(0), 1)], [Term(const(0), 2)]
+    assert texel_reads([0, 1, 2, 3, 4, 9], aligned) == 3  # texels 0, 1, 2
+    assert texel_reads([0, 1, 2, 3], even) == 2 and texel_reads([0, 1, 2, 3], odd) == 2
+    assert texel_reads([0, 1, 2, 3, 4, 5, 6, 7], odd) == 3
+    assert texel_reads([0], odd) == 1 and texel_reads([0, 20], odd) == 2  # sparse: element reads
+    assert texel_reads([0, 8], [Term(const(0), 1, 4)]) == 2  # a multiple of 4 through the term's multiple

@@ -56,7 +56,7 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
     def trial(candidate: ConvTile) -> Reduction:
         return conv_reduction(scratch, Block(scratch.numbering), view, prefix, candidate, masked_of(candidate))
 
-    split = _tile_group(table, group, trial)
+    split, fetches = _tile_group(table, group, trial)
     if tile is not None and view.swapped:
         per_row = tile.lanes // tile.rows // LANES  # a row (output channel) of C_in x taps: stride apart
         schedule = tile_of(tile.rows, per_row, numel(view.out_shape[1:]) // LANES)
@@ -64,17 +64,18 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
         return schedule, ConvPlan(view, tile, masked_of(tile), names_taken=scratch.numbering.count), tile.lanes
     if tile is not None:
         if tile.rows == 1:  # a spatial tile: its texels along the row by the device's size
-            tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile, split), multiple=0)
+            tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile, split, fetches),
+                                       multiple=0)
         per = tile.lanes // LANES
         schedule = consecutive(per)
         masked = masked_of(tile)
         if tile.rows == 1:  # a spatial tile
             # where channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
             k, s = view.window.kernel, view.window.strides
-            schedule = _spatial_rows(budget, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1], split,
-                                     across_groups=depthwise(view))
-        elif not _sums_instead_of_batches(scratch, view, prefix, tile, masked, budget, split):  # a channel tile
-            tile.batches = batch_count(budget, view.out_shape, tile, split)
+            schedule = _spatial_rows(budget, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1],
+                                     (split, fetches), across_groups=depthwise(view))
+        elif not _sums_instead_of_batches(scratch, view, prefix, tile, masked, budget, (split, fetches)):
+            tile.batches = batch_count(budget, view.out_shape, tile, (split, fetches))  # a channel tile
             schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
         schedule.choices["group_size"] = _group_sizes(table, group, tile, trial(tile))
         return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count), tile.lanes
@@ -87,27 +88,36 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
 
 #: the work-items that would share a conv tile's reduction, given the tile and its count of tiles
 TileSplit = Callable[[ConvTile, int], int | None]
+#: a conv tile's texel fetches over its reduction in one work-item alone (Reduction.fetches)
+TileFetches = Callable[[ConvTile], float]
+#: what TileBudget.pick weighs a conv tile by where none fills the device: (TileSplit, TileFetches), or None
+Weighing = tuple[TileSplit, TileFetches] | tuple[None, None]
 
 
 def _tile_group(table: TextureTable, group: KernelGroup, reduction: Callable[[ConvTile], Reduction]
-                ) -> TileSplit | None:
+                ) -> Weighing:
     """What Profile.tile_group deals a conv tile's reduction (`reduction`: a trial one for a candidate tile, its
-    multiply-adds per accumulator and the loop a group shares) out to, as reduce_into will; None where its tiles
-    may not be split (saved masks) or on a CPU (whose tiles keep their own rules: TileBudget)."""
+    multiply-adds per accumulator and the loop a group shares) out to, as reduce_into will, and the texel fetches
+    of that reduction in one work-item (by which TileBudget.pick weighs tiles where none fills the device: a
+    larger tile with its reduction split reads each texel for more outputs); (None, None) where its tiles may
+    not be split (saved masks) or on a CPU (whose tiles keep their own rules: TileBudget)."""
     profile = table.profile
     if saved_masks(group) or profile.cpu:
-        return None
-    known: dict[tuple[Any, ...], tuple[int, int]] = {}
+        return None, None
+    known: dict[tuple[Any, ...], tuple[int, int, float]] = {}
 
-    def split(tile: ConvTile, tiles: int) -> int | None:
+    def trial(tile: ConvTile) -> tuple[int, int, float]:
         key = dataclasses.astuple(tile)
         if key not in known:
-            trial = reduction(tile)
-            known[key] = (trial.serial(tile.lanes), trial.shared_loop()[1])
-        serial, trips = known[key]
+            reduced = reduction(tile)
+            known[key] = (reduced.serial(tile.lanes), reduced.shared_loop()[1], reduced.fetches())
+        return known[key]
+
+    def split(tile: ConvTile, tiles: int) -> int | None:
+        serial, trips, _ = trial(tile)
         return profile.tile_group(serial, trips, tile.lanes, tiles)
 
-    return split
+    return split, lambda tile: trial(tile)[2]
 
 
 def _group_sizes(table: TextureTable, group: KernelGroup, tile: ConvTile, reduction: Reduction) -> tuple[int, ...]:
@@ -124,8 +134,17 @@ def _tiles_of(split: TileSplit | None, tile_of_candidate: Callable[[T], ConvTile
     return None if split is None else lambda candidate, tiles: split(tile_of_candidate(candidate), tiles)
 
 
+def _picking(budget: TileBudget, candidates: Sequence[T], texels_per_item: Callable[[T], int],
+             weighing: Weighing, tile_of_candidate: Callable[[T], ConvTile], fallback: Sequence[T] = ()) -> T:
+    """TileBudget.pick of conv tile candidates (`tile_of_candidate` makes their conv tiles), weighed by the
+    work-group each would get and its fetches (`weighing`: _tile_group's)."""
+    split, fetches = weighing
+    return budget.pick(candidates, texels_per_item, _tiles_of(split, tile_of_candidate), fallback,
+                       None if fetches is None else lambda candidate: fetches(tile_of_candidate(candidate)))
+
+
 def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
-                             budget: TileBudget, split: TileSplit | None = None) -> bool:
+                             budget: TileBudget, weighing: Weighing = (None, None)) -> bool:
     """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
     (the "sums" form), rather than take several in texels (batch_count): the sums must be chosen for the
     tile alone and cost fewer instructions per product than the batched tile's texels."""
@@ -135,7 +154,7 @@ def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: Co
     single = trial(tile)
     if single.accumulator_form(b, tile.lanes) != "sums":
         return False
-    batched = dataclasses.replace(tile, batches=batch_count(budget, cs.out_shape, tile, split))
+    batched = dataclasses.replace(tile, batches=batch_count(budget, cs.out_shape, tile, weighing))
     return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
 
 
@@ -146,11 +165,11 @@ def conv_transpose_schedule(table: TextureTable, group: KernelGroup) -> tuple[Sc
     if axis is not None and axis >= 2 and texels_fit(view, axis):
         scratch = ValueReads(table, static_shape(group.outputs[0]))
         prefix = FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX
-        split = _tile_group(table, group, lambda candidate: transpose_reduction(scratch, view, prefix, candidate))
-        tile = ConvTile(1, LANES * _spatial_texels(budget, view, ConvTile(1, LANES, axis - 2), split), axis - 2)
+        weighing = _tile_group(table, group, lambda candidate: transpose_reduction(scratch, view, prefix, candidate))
+        tile = ConvTile(1, LANES * _spatial_texels(budget, view, ConvTile(1, LANES, axis - 2), *weighing), axis - 2)
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
         schedule = _spatial_rows(budget, view, tile,
-                                 lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1, split,
+                                 lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1, weighing,
                                  weights_side_by_side(view), depthwise(view), transposed=True)
         schedule.choices["group_size"] = _group_sizes(table, group, tile,
                                                       transpose_reduction(scratch, view, prefix, tile))
@@ -162,8 +181,8 @@ def conv_transpose_schedule(table: TextureTable, group: KernelGroup) -> tuple[Sc
         return schedule, ConvPlan(view, row=tile), tile.lanes
     scratch = ValueReads(table, static_shape(group.outputs[0]))
     prefix = FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX
-    split = _tile_group(table, group, lambda candidate: transpose_reduction(scratch, view, prefix, candidate))
-    tile = plane_tile(budget, view, split)
+    tile = plane_tile(budget, view, _tile_group(table, group,
+                                                lambda candidate: transpose_reduction(scratch, view, prefix, candidate)))
     if tile is not None:
         schedule = consecutive(tile.lanes // LANES)
         schedule.choices["group_size"] = _group_sizes(table, group, tile,
@@ -180,7 +199,7 @@ def _taps_hit(window: Window, axis: int) -> int:
                for v in (o + pad - t * d,) if v % s == 0 and 0 <= v // s < n)
 
 
-def plane_tile(budget: TileBudget, view: ConvShape, split: TileSplit | None = None) -> ConvTile | None:
+def plane_tile(budget: TileBudget, view: ConvShape, weighing: Weighing = (None, None)) -> ConvTile | None:
     """A transpose's plane tile, where its output rows take neither a spatial tile nor the row path (planes
     smaller than a texel row: a last stage's 2 x 2 maps; strides that do not divide 4): a work-item computes the
     whole output planes of `rows` consecutive channels of one batch element (consecutive texels: rows x plane
@@ -203,23 +222,24 @@ def plane_tile(budget: TileBudget, view: ConvShape, split: TileSplit | None = No
         return ConvTile(rows, view.out_shape[2 + x], x, y_rows=view.out_shape[2 + y] if y is not None else 1,
                         row_axis=y)
 
-    rows = budget.pick(fits, lambda rows: rows * plane // LANES, _tiles_of(split, tile)) if budget.tiled else fits[-1]
+    rows = _picking(budget, fits, lambda rows: rows * plane // LANES, weighing, tile) if budget.tiled else fits[-1]
     return tile(rows)
 
 
-def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, split: TileSplit | None = None) -> int:
+def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, split: TileSplit | None = None,
+                    fetches: TileFetches | None = None) -> int:
     """Texels along window axis `tile.axis` a spatial tile's work-item covers: of the counts up to
     conv.texels_per_item's (the most, up to 5, that divide a row) that divide the row, TileBudget.pick's,
     told by `split` the work-group each would really get."""
     axis = tile.axis
     row = view.out_shape[2 + axis] // LANES if axis is not None else 1
     most = texels_per_item(row)
-    return budget.pick([n for n in range(most, 0, -1) if row % n == 0], lambda n: n,
-                       _tiles_of(split, lambda n: dataclasses.replace(tile, length=LANES * n, multiple=0)))
+    return _picking(budget, [n for n in range(most, 0, -1) if row % n == 0], lambda n: n, (split, fetches),
+                    lambda n: dataclasses.replace(tile, length=LANES * n, multiple=0))
 
 
 def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool],
-                  split: TileSplit | None = None, whole_rows: bool = False, across_groups: bool = False,
+                  weighing: Weighing = (None, None), whole_rows: bool = False, across_groups: bool = False,
                   transposed: bool = False) -> Schedule:
     """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
     output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
@@ -231,16 +251,16 @@ def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: C
     x, per, kernel = tile.axis, tile.length // LANES, view.window.kernel
 
     def rows_of(across: bool) -> tuple[int, int, int, int]:
-        return channel_rows(budget, view.out_shape, view.cg_out, (per,), _tiles_of(
-            split, lambda rows: dataclasses.replace(tile, rows=rows[0], row_step=rows[1])), whole_rows, across)
+        return channel_rows(budget, view.out_shape, view.cg_out, (per,), weighing,
+                            lambda rows: dataclasses.replace(tile, rows=rows[0], row_step=rows[1]), whole_rows, across)
 
     tile.rows, tile.row_step, _, stride = rows_of(False)
     if tile.rows == 1 and budget.tiled and x and stacks(x):
         products = tile.lanes * kernel[x - 1] * kernel[x] * min(CHANNEL_BLOCK, view.cg_in)
         fits = [rows for rows in SPATIAL_ROWS if view.out_shape[1 + x] % rows == 0
                 and rows * tile.lanes <= budget.private and rows * products <= STATIC_PRODUCTS]
-        tile.y_rows = budget.pick([*fits, 1], lambda rows: rows * per, _tiles_of(
-            split, lambda rows: dataclasses.replace(tile, y_rows=rows, row_axis=x - 1 if rows > 1 else None)))
+        tile.y_rows = _picking(budget, [*fits, 1], lambda rows: rows * per, weighing,
+                               lambda rows: dataclasses.replace(tile, y_rows=rows, row_axis=x - 1 if rows > 1 else None))
         tile.row_axis, stride = (x - 1 if tile.y_rows > 1 else None), numel(view.out_shape[2 + x:]) // LANES
     if across_groups and tile.y_rows == 1:
         tile.rows, tile.row_step, _, stride = rows_of(True)
@@ -276,7 +296,8 @@ def _enumerate_row_taps(view: ConvShape, tile: ConvTile, transposed: bool, gpu: 
 
 
 def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int],
-                 group: Callable[[tuple[int, int, int, int], int], int | None] | None = None,
+                 weighing: Weighing = (None, None),
+                 tile_of_rows: Callable[[tuple[int, int, int, int]], ConvTile] | None = None,
                  whole_rows: bool = False, across_groups: bool = False) -> tuple[int, int, int, int]:
     """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
     (of `choices`, largest first) also computes the same positions of rows - 1 more channels of its
@@ -305,21 +326,24 @@ def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choi
                      if cg_out % (rows * step) == 0 and rows * columns * LANES <= budget.private]
     rest = [*fits, (1, 1, choices[-1], 1)]
     whole = [fit for fit in fits if fit[1] == 1 and fit[0] % LANES == 0] if whole_rows else []
-    if whole and group is not None and budget.splits:
-        return budget.pick(whole, lambda tile: tile[0] * tile[2], group, [fit for fit in rest if fit not in whole])
-    return budget.pick(rest, lambda tile: tile[0] * tile[2], group)
+    if tile_of_rows is None:  # nothing to weigh them by
+        weighing, tile_of_rows = (None, None), lambda rows: ConvTile(rows[0], LANES * rows[2], None)
+    if whole and weighing[0] is not None and budget.splits:
+        return _picking(budget, whole, lambda tile: tile[0] * tile[2], weighing, tile_of_rows,
+                        [fit for fit in rest if fit not in whole])
+    return _picking(budget, rest, lambda tile: tile[0] * tile[2], weighing, tile_of_rows)
 
 
-def batch_count(budget: TileBudget, out_shape: Sequence[int], tile: ConvTile, split: TileSplit | None = None) -> int:
+def batch_count(budget: TileBudget, out_shape: Sequence[int], tile: ConvTile,
+                weighing: Weighing = (None, None)) -> int:
     """Batch elements a channel `tile`'s work-item computes under R-Tile codegen (they share every weight read;
     the weight gradient's batch axis is the input channels, sharing the dY reads): of BATCH_ROWS within the
     target's accumulators, TileBudget.pick's (told by `split` the work-group each would really get); 1 under
     naive."""
     lanes = tile.lanes // tile.batches
     fits = [batches for batches in BATCH_ROWS if out_shape[0] % batches == 0 and batches * lanes <= budget.private]
-    return budget.pick([*fits, 1], lambda batches: batches * lanes // LANES,
-                       _tiles_of(split, lambda batches: dataclasses.replace(tile, batches=batches))
-                       ) if budget.tiled else 1
+    return _picking(budget, [*fits, 1], lambda batches: batches * lanes // LANES, weighing,
+                    lambda batches: dataclasses.replace(tile, batches=batches)) if budget.tiled else 1
 
 
 def depthwise(view: ConvShape) -> bool:

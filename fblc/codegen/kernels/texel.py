@@ -161,20 +161,9 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
         q = block.let(base >> 2, "q")
         texels = {k: texel(plus(q, k), within=k in inside_texels) for k in sorted({offset >> 2 for offset in wanted})}
         return {offset - operand.offset: texels[offset >> 2].lane(offset & 3) for offset in wanted}
-    clusters: list[list[int]] = []  # the offsets split where a gap would leave a whole texel unread
-    for offset in wanted:
-        if clusters and offset - clusters[-1][-1] <= 4:
-            clusters[-1].append(offset)
-        else:
-            clusters.append([offset])
     values: dict[int, Expr] = {}
-    for cluster in clusters:
-        low, span = cluster[0], cluster[-1] - cluster[0] + 1
-        # texels that cover `span` elements at any shift of its first: the base's multiples of `aligned` leave
-        # it shifts low, low + aligned, .. (mod 4) only (2-row tiles of consecutive channels: a pair of lanes
-        # of one texel, one read, not two)
-        most = max(shift for shift in range(LANES) if (shift - low) % aligned == 0)
-        count = ((most + span - 1) >> 2) + 1
+    for cluster in _clusters(wanted):
+        low, count = cluster[0], _covering(cluster, aligned)
         if count >= len(cluster):  # sparse: element reads are no more
             for offset in cluster:
                 index = plus(base, offset)
@@ -202,6 +191,37 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
             else:  # the last texel alone holds it: shift + lane < 4
                 values[offset] = texels_read[m].lane(plus(shift, lane))
     return {offset - operand.offset: value for offset, value in values.items()}
+
+
+def _clusters(wanted: Sequence[int]) -> list[list[int]]:
+    """Sorted offsets split where a gap would leave a whole texel unread."""
+    clusters: list[list[int]] = []
+    for offset in wanted:
+        if clusters and offset - clusters[-1][-1] <= 4:
+            clusters[-1].append(offset)
+        else:
+            clusters.append([offset])
+    return clusters
+
+
+def _covering(cluster: Sequence[int], aligned: int) -> int:
+    """Texels that cover a cluster's span at any shift of its first offset from a base that is a multiple of
+    `aligned`: the base's multiples leave it shifts low, low + aligned, .. (mod 4) only (2-row tiles of
+    consecutive channels: a pair of lanes of one texel, one read, not two)."""
+    low, span = cluster[0], cluster[-1] - cluster[0] + 1
+    most = max(shift for shift in range(LANES) if (shift - low) % aligned == 0)
+    return ((most + span - 1) >> 2) + 1
+
+
+def texel_reads(offsets: Iterable[int], terms: Sequence[Term]) -> int:
+    """The reads `fetch` makes of `offsets` (the operand's own offset added) from a base of `terms`: one per
+    distinct texel where the base is a multiple of 4, else per cluster its covering texels or, where those
+    are no fewer, one per element."""
+    wanted = sorted(set(offsets))
+    aligned = functools.reduce(math.gcd, [t.coeff * t.multiple for t in terms], LANES)
+    if aligned == LANES:
+        return len({offset >> 2 for offset in wanted})
+    return sum(min(_covering(cluster, aligned), len(cluster)) for cluster in _clusters(wanted))
 
 
 def plus(expression: Expr, offset: int) -> Expr:
@@ -291,6 +311,29 @@ class Reduction:
                 inner.add(If(b.lid.eq(group - 1), rest.statements))  # type: ignore[operator]
             self._block(b, rest, target, axis.products(range(main, axis.extent)), x_terms, w_terms, self.mask)
         return target.totals(block, lanes)
+
+    def fetches(self) -> float:
+        """Texel reads of X and W one work-item makes over the whole reduction as `emit` builds it alone (no
+        work-group): each block's distinct texels (texel_reads; the products a mask drops at a border and
+        constant operands counted too) times the blocks and the outer loops' most trips. The cost of a tile
+        on a GPU whose texture units bound it (TileBudget.fetch_time)."""
+        axis, main = self.blocked, self._looped
+        x_terms = self.x.terms + [t for loop in self.loops for t in loop.x_terms]
+        w_terms = self.w.terms + [t for loop in self.loops for t in loop.w_terms]
+
+        def reads(indices: range, x: list[Term], w: list[Term]) -> int:
+            products = axis.products(indices)
+            return (texel_reads((p.x + self.x.offset for p in products), x)
+                    + texel_reads((p.w + self.w.offset for p in products), w))
+
+        total = 0
+        if main:
+            # the block loop's variable: only its multiples matter (the alignment of the bases)
+            x_walk, w_walk = ([Term(const(0), step, axis.block)] if step else [] for step in (axis.x_step, axis.w_step))
+            total += main // axis.block * reads(range(axis.block), x_terms + x_walk, w_terms + w_walk)
+        if main < axis.extent:
+            total += reads(range(main, axis.extent), x_terms, w_terms)
+        return float(total * math.prod(loop.trips for loop in self.loops))
 
     def accumulator_form(self, b: KernelBuilder, lanes: int, schedule: Schedule | None = None) -> str:
         """The form of the `lanes` accumulators, judged on one block's products (schedule.resolve_form)."""
