@@ -48,10 +48,11 @@ def _local() -> dict:
      "true or false"),
     (lambda p: p["figures"]["peak_gflops"].update(source="trust me"), "'peak_gflops' has source 'trust me'; it must start with one of"),
     (lambda p: p.pop("gpu"), "'gpu' is missing or empty"),
-    (lambda p: p["figures"]["private_floats"].update(value=96), "private_floats is 96: a work-item's accumulators are whole float4s, 4 to 64"),
+    (lambda p: p["figures"]["private_floats"].update(value=132), "private_floats is 132: a work-item's accumulators are whole float4s, 4 to 128 floats on a CPU"),
+    (lambda p: p["figures"]["cpu"].update(value=False), "private_floats is 128: a work-item's accumulators are whole float4s, 4 to 64 floats on a GPU"),
     (lambda p: p["figures"]["half_rate"].update(value=8.0), "half_rate is 8.0: half arithmetic runs 1 to 4 times"),
 ], ids=["missing", "block-not-power-of-two", "l2-below-l1", "negative", "bool", "no-provenance", "no-gpu", "private",
-        "half-rate"])
+        "private-gpu", "half-rate"])
 def test_bad_profiles_are_refused_with_what_to_fix(edit, message: str) -> None:
     document = copy.deepcopy(_local())
     edit(document)

@@ -66,10 +66,21 @@ SPLIT_STEPS = 16
 #: the most updates a row scatter's target row scans one by one; a longer line of updates is sorted by
 #: row number first (pass sort_scatter_rows: log2(N) merge launches, then a binary search per row)
 SORTED_SCATTER_UPDATES = 64
-#: the floats one work-item's accumulators may take at most, on any target: an 8 x 8 tile, what mobile GEMM
+#: the floats one work-item's accumulators may take at most on a GPU target: an 8 x 8 tile, what mobile GEMM
 #: kernels keep in registers (Adreno's and Mali's guides: more spills to private memory, which is device
 #: memory). A target's own limit is its `private_floats` figure (Profile.private_floats), at most this.
 PRIVATE_FLOATS = 64
+#: the same limit on a `cpu` profile: a work-item there runs alone in a core's 32 SIMD registers (x86-64 with
+#: AVX-512, arm64), not beside hundreds of others in a shared register file; 128 floats are 16 float8s, half
+#: of them, the rest holding a block's operands (private_limit)
+CPU_PRIVATE_FLOATS = 128
+
+
+def private_limit(cpu: bool) -> int:
+    """The most accumulator floats a work-item may keep on a CPU (`cpu`) or GPU target."""
+    return CPU_PRIVATE_FLOATS if cpu else PRIVATE_FLOATS
+
+
 #: the float4 partial sums a work-item keeps where its float4 is one SIMD register (a `cpu` profile):
 #: of the 32 vector registers of x86-64 with AVX-512 or of arm64, the rest hold a block's operands
 SIMD_SUM_FLOAT4S = 24
@@ -289,9 +300,10 @@ def _check_possible(v: dict[str, Any], path: str) -> None:
         raise _fail(path, f"l1_bytes {v['l1_bytes']} cannot hold {v['l1_ways']} ways of {block_bytes}-byte blocks")
     if v["l2_bytes"] < v["l1_bytes"]:
         raise _fail(path, f"l2_bytes {v['l2_bytes']} is smaller than l1_bytes {v['l1_bytes']}")
-    if not 4 <= v["private_floats"] <= PRIVATE_FLOATS or v["private_floats"] % 4:
+    limit = private_limit(v["cpu"])
+    if not 4 <= v["private_floats"] <= limit or v["private_floats"] % 4:
         raise _fail(path, f"private_floats is {v['private_floats']}: a work-item's accumulators are whole float4s, "
-                          f"4 to {PRIVATE_FLOATS} floats")
+                          f"4 to {limit} floats on a {'CPU' if v['cpu'] else 'GPU'} target")
     if not 1 <= v["half_rate"] <= 4:
         raise _fail(path, f"half_rate is {v['half_rate']}: half arithmetic runs 1 to 4 times the fp32 rate "
                           "(1: as float)")

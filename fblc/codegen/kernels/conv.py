@@ -271,15 +271,21 @@ def swapped_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int
     output channels (one row of the schedule's 2-D tile each), each `batches` consecutive input channels (x's
     batch axis, from a multiple of it) x every tap, consecutive outputs in that order filling whole texels. The
     rows share each x window, the batches and taps each dY row (the conv's weights). The most rows, then batches,
-    within `private` accumulators whose tiles fill the device (`device_items`, 0 on a CPU); None (per lane)
-    where none fits or the taps' last axis is longer than a channel tile's row."""
+    within `private` accumulators whose tiles fill the device (`device_items`, 0 on a CPU), a 2-D one's only
+    with a block of input channels within STATIC_PRODUCTS; None (per lane) where none fits or the taps' last
+    axis is longer than a channel tile's row."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     taps = int(np.prod(cs.out_shape[2:]))
     if len(spatial) > 2 or (spatial and cs.out_shape[2 + spatial[-1]] > CHANNEL_TILE_LENGTH):
         return None
+
+    def blocks(lanes: int) -> int:  # input channels of a 2-D tile's static block within STATIC_PRODUCTS, or 0
+        return next((c for c in (CHANNEL_BLOCK, 2, 1) if _block_products(cs, cs.window.kernel[spatial[-1]], lanes, c)
+                     <= STATIC_PRODUCTS), 0) if len(spatial) == 2 else 1
+
     fits = [(rows, batches) for rows in SWAPPED_ROWS for batches in SWAPPED_BATCHES
             if cs.out_shape[0] % rows == 0 and cs.out_shape[1] % batches == 0 and (batches * taps) % LANES == 0
-            and rows * batches * taps <= private]
+            and rows * batches * taps <= private and blocks(rows * batches * taps)]
     if not fits:
         return None
     rows, batches = next((fit for fit in fits if int(np.prod(cs.out_shape)) // (fit[0] * fit[1] * taps)
@@ -290,13 +296,8 @@ def swapped_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int
     if len(spatial) == 1:
         return ConvTile(rows, cs.out_shape[2 + x], x, batches=batches)
     y = spatial[0]
-    lanes = rows * batches * taps
-    channels = next((c for c in (CHANNEL_BLOCK, 2, 1)
-                     if _block_products(cs, cs.window.kernel[x], lanes, c) <= STATIC_PRODUCTS), 0)
-    if not channels:
-        return None
     return ConvTile(rows, cs.out_shape[2 + x], x, batches=batches, y_rows=cs.out_shape[2 + y], row_axis=y,
-                    channels=channels)
+                    channels=blocks(rows * batches * taps))
 
 
 def texels_per_item(texels: int) -> int:

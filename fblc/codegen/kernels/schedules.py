@@ -30,7 +30,7 @@ from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import common_digits, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError, UnsupportedOpError
-from fblc.profiles.profile import PRIVATE_FLOATS, REDUCTION_GROUP
+from fblc.profiles.profile import REDUCTION_GROUP, private_limit
 from fblc.texel_layout import TexelLayout, mask_layout
 
 TILE_ROWS = (8, 4)  # output rows of a contraction's tile, the first that divides the output's rows
@@ -208,16 +208,17 @@ def decide_schedules(table: TextureTable, groups: list[KernelGroup],
 
 def _refine(table: TextureTable, group: KernelGroup, schedule: Schedule) -> None:
     """What follows from a schedule file's fields: a contraction tile's rows stay whole output rows apart,
-    and its accumulators within PRIVATE_FLOATS."""
+    and its accumulators within profile.private_limit."""
     if "tile_rows" not in schedule.choices:  # not a contraction's tile (_contraction_tile)
         return
     row_texels = static_shape(group.outputs[0])[-1] // LANES
     schedule.tile_stride = row_texels if schedule.texels_per_item > 1 else 1
     lanes = LANES * schedule.texels_per_item
-    if lanes > PRIVATE_FLOATS:
+    limit = private_limit(table.profile.cpu)
+    if lanes > limit:
         raise FblcError(f"schedule of kernel '{group.name}': a tile of {schedule.tile_rows} x {schedule.tile_columns} "
-                        f"texels holds {lanes} accumulators, more than the {PRIVATE_FLOATS} a work-item keeps",
-                        f"choose tile_rows x tile_columns x 4 <= {PRIVATE_FLOATS}")
+                        f"texels holds {lanes} accumulators, more than the {limit} a work-item keeps",
+                        f"choose tile_rows x tile_columns x 4 <= {limit}")
     group_size = schedule.group_size or 1
     if group_size not in reduction_choices(table.profile, lanes, bool(saved_masks(group)))["group_size"]:
         raise FblcError(f"schedule of kernel '{group.name}': group_size {group_size} does not fit a tile of "

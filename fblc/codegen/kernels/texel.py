@@ -33,7 +33,7 @@ from fblc.codegen.ir import (
     select)
 from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost
 from fblc.codegen.schedule import Schedule, offered_pairings, resolve_form, resolve_pair
-from fblc.profiles.profile import PRIVATE_FLOATS
+from fblc.profiles.profile import private_limit
 
 __all__ = ["LANES"]  # the texel's width, which the kernel modules take from here
 
@@ -272,10 +272,11 @@ class Reduction:
         """Accumulate into `lanes` accumulators (only where `guard` holds, if given); the array `float
         acc[lanes]` of their totals. With `group`, the work-items of a work-group (`lid`) share
         `shared_loop()`, each its every group-th iteration, and hold partial sums."""
-        if lanes > PRIVATE_FLOATS:
-            raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the {PRIVATE_FLOATS} "
-                                 "floats a work-item keeps in registers (fblc.profiles.profile.PRIVATE_FLOATS)")
         profile, schedule = b.table.profile, b.schedule
+        if lanes > private_limit(profile.cpu):
+            raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the "
+                                 f"{private_limit(profile.cpu)} floats a work-item keeps in registers "
+                                 "(fblc.profiles.profile.private_limit)")
         if lanes % LANES == 0:  # the work-item's reduction (not a row path's per-lane fallback): the schedule's
             form = self.accumulator_form(b, lanes, schedule)
             pair = resolve_pair(schedule, profile, self._sample, form, lanes, b.name)
