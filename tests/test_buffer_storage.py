@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 from collections import Counter
@@ -34,7 +33,7 @@ from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support import models
-from tests.support.kernel_ir import lowered_kernels, of_type, statements
+from tests.support.kernel_ir import lowered_kernels, of_type, profile_with, statements
 from tests.support.oclgrind_steps import CASES
 
 # the MLP, a conv net with BatchNorm, pools and saved masks, shared register tiles; fp16 on the MLP
@@ -213,14 +212,9 @@ def test_a_window_at_a_runtime_shift_is_one_load_in_buffers(tmp_path) -> None:
     (two texel columns a work-item) shuffle texels read clamped, and window plain and spare ones. Under the
     local profile at a GPU's 64 accumulator floats: its own 128 give the temporal case wider tiles whose
     weight rows start at whole texels."""
-    from fblc.profiles.profile import TARGETS_DIR
     from tests.test_kernels_contraction import OPTIONS, TILE_CASES, write_case
 
-    document = json.loads(open(os.path.join(TARGETS_DIR, "local.json"), encoding="utf-8").read())
-    document["figures"]["private_floats"]["value"] = 64
-    target = str(tmp_path / "local64.json")
-    with open(target, "w", encoding="utf-8") as handle:
-        json.dump(document, handle)
+    target = profile_with(str(tmp_path), "local", private_floats=64)
     kernels: dict[str, list[Any]] = {}
     for name in ("conv3x3_rows_two_columns", "conv_temporal_weight_grad_shared"):
         nodes, inits, _ = TILE_CASES[name]

@@ -67,3 +67,21 @@ def keep_lowered(monkeypatch) -> list[dict[str, Kernel]]:  # type: ignore[no-unt
 
     monkeypatch.setattr(compile_module, "lower", lower_kept)
     return kept
+
+
+def profile_with(directory: str, target: str, **figures: object) -> str:
+    """A copy of a shipped target profile with some figures' values changed, written under `directory`:
+    its path, which `--target` and load_profile take (e.g. the local CPU at a GPU's 64 accumulator floats)."""
+    import json
+    import os
+
+    from fblc.profiles.profile import TARGETS_DIR
+
+    with open(os.path.join(TARGETS_DIR, f"{target}.json"), encoding="utf-8") as handle:
+        document = json.load(handle)
+    for name, value in figures.items():
+        document["figures"][name]["value"] = value
+    path = os.path.join(directory, f"{target}-{'-'.join(f'{k}{v}' for k, v in figures.items())}.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(document, handle)
+    return path
