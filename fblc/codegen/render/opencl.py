@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -71,6 +71,9 @@ class Storage:
     params_tail: str = ""  # after the arguments, and the body's first lines (the trace's, in image storage)
     prologue: tuple[str, ...] = ()
     real_preamble: str = REAL_PREAMBLE  # what a source with half kernels adds to `preamble`
+    #: element {x} of an argument read as its own scalar where the storage addresses elements (a buffer's floats):
+    #: lane x & 3 of texel x >> 2 without loading the texel and picking its lane at run time (lane_f)
+    elements: dict[str, str] = field(default_factory=dict)
 
 
 #: read_imagef, write_imageui...; read_imager / write_imager: the preamble's read_imageh where real is half
@@ -95,7 +98,13 @@ BUFFER = Storage(BUFFER_PREAMBLE, False, "stored_as",
                   **{f"real:{e}": f"convert_real4({load})" for e, load in _BUFFER_LOADS.items()}},
                  {**_BUFFER_STORES, "int4": "{a}[{t}] = {v}", "uchar": "{a}[{t}] = (uchar)(({v}).x)",
                   **{f"real:{e}": store.replace("{v}", "convert_float4({v})") for e, store in _BUFFER_STORES.items()}},
-                 {**_BUFFER_WINDOWS, **{f"real:{e}": f"convert_real4({w})" for e, w in _BUFFER_WINDOWS.items()}})
+                 {**_BUFFER_WINDOWS, **{f"real:{e}": f"convert_real4({w})" for e, w in _BUFFER_WINDOWS.items()}},
+                 elements={"float4": "((__global const float*){a})[{x}]"})
+
+
+def _split(e: ir.Expr, op: str, value: int) -> bool:
+    """Whether `e` is `x op value` (an element index's texel, x >> 2, or lane, x & 3)."""
+    return isinstance(e, ir.Binary) and e.op == op and isinstance(e.b, ir.Const) and e.b.value == value
 
 
 class Renderer:
@@ -147,11 +156,27 @@ class Renderer:
         return f"({e.dtype.c_name})({', '.join(self.expr(p) for p in e.parts)})"
 
     def _Lane(self, e: ir.Lane) -> str:
+        element = self._element_read(e)
+        if element is not None:
+            return element
         vector = self.expr(e.vector)
         if isinstance(e.index, ir.Const):
             lane = int(e.index.value)
             return f"{vector}.{COMPONENTS[lane]}" if e.vector.dtype.lanes <= 4 else f"{vector}.s{lane:x}"
         return f"{LANE_FUNCTIONS[e.vector.dtype.scalar]}({vector}, {self.expr(e.index)})"
+
+    def _element_read(self, e: ir.Lane) -> str | None:
+        """`Lane(Load(a, x >> 2), x & 3)` as the storage's element read of x, where it has one."""
+        vector = e.vector
+        while isinstance(vector, ir.Var) and vector in self.folded:
+            vector = self.folded[vector]
+        if not (isinstance(vector, ir.Load) and _split(vector.texel, ">>", 2) and _split(e.index, "&", 3)):
+            return None
+        template = self.storage.elements.get(getattr(vector.argument, self.storage.key))
+        x = self.expr(vector.texel.a)  # type: ignore[attr-defined]
+        if template is None or x != self.expr(e.index.a):  # type: ignore[attr-defined]
+            return None
+        return template.format(a=vector.argument.name, x=x)
 
     def _Element(self, e: ir.Element) -> str:
         return f"{name_of(e.array)}[{self.expr(e.index)}]"
