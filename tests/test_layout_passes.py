@@ -506,3 +506,24 @@ def test_saved_masks_are_mask8_textures_the_runtime_allocates_as_planned(tmp_pat
         assert allocated == report["memory"]["saved_masks"] == sum(t["width"] * t["height"] for t in masks)
     rows = verify_model(path, options)
     assert rows and all(r.ok for r in rows)
+
+
+def test_a_mask_writing_conv_too_small_for_the_gpu_takes_the_tile_that_fetches_least(tmp_path) -> None:
+    """A forward conv that writes a saved mask may not split its reduction (one work-item a tile), so where no
+    tile fills the 830 (8 x 8 x 8 outputs: 128 texels) TileBudget.pick weighs its tiles by their fetches: a
+    2 x 2 tile of texels (each input window read for 4 output texels, the mask's bytes whole in each
+    work-item) rather than a texel a work-item, which fetched over 3x the texels. The step, run on the local
+    device with the 830's kernels, equals onnxruntime's."""
+    from fblc.compiler.adapters import AdapterConfig
+
+    path = str(tmp_path / "net.onnx")
+    onnx.save(_masked_conv_proto(1, 8, 8, 8), path)
+    options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("sgd", lr=0.1),
+                              adapter=AdapterConfig("memflora", rank=2))
+    rows = verify_model(path, options, target="adreno830", work_dir=str(tmp_path), keep_bundle=str(tmp_path / "b"))
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    masks = {k for k, t in enumerate(plan["textures"]) if t["format"].startswith("r_mask")}
+    writers = [k for k in plan["kernels"] if k["family"] == "conv" and masks & set(k["outputs"])]
+    assert [t["format"] for t in plan["textures"] if t["format"].startswith("r_mask")] == ["r_mask8"]
+    assert [(k["schedule"]["texels_per_item"], k["items"]) for k in writers] == [(4, 32)]

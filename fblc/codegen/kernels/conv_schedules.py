@@ -99,10 +99,11 @@ def _tile_group(table: TextureTable, group: KernelGroup, reduction: Callable[[Co
     """What Profile.tile_group deals a conv tile's reduction (`reduction`: a trial one for a candidate tile, its
     multiply-adds per accumulator and the loop a group shares) out to, as reduce_into will, and the texel fetches
     of that reduction in one work-item (by which TileBudget.pick weighs tiles where none fills the device: a
-    larger tile with its reduction split reads each texel for more outputs); (None, None) where its tiles may
-    not be split (saved masks) or on a CPU (whose tiles keep their own rules: TileBudget)."""
+    larger tile with its reduction split reads each texel for more outputs); (None, fetches) where its tiles may
+    not be split (saved masks: one work-item a tile, weighed by its fetches alone); (None, None) on a CPU (whose
+    tiles keep their own rules: TileBudget)."""
     profile = table.profile
-    if saved_masks(group) or profile.cpu:
+    if profile.cpu:
         return None, None
     known: dict[tuple[Any, ...], tuple[int, int, float]] = {}
 
@@ -117,7 +118,7 @@ def _tile_group(table: TextureTable, group: KernelGroup, reduction: Callable[[Co
         serial, trips, _ = trial(tile)
         return profile.tile_group(serial, trips, tile.lanes, tiles)
 
-    return split, lambda tile: trial(tile)[2]
+    return None if saved_masks(group) else split, lambda tile: trial(tile)[2]
 
 
 def _group_sizes(table: TextureTable, group: KernelGroup, tile: ConvTile, reduction: Reduction) -> tuple[int, ...]:

@@ -50,11 +50,15 @@ class TileBudget:
         the first (a work-group per tile is assumed to fill it and the tile keeps its register reuse).
         With `fetches` too (a candidate's texel fetches per step of its reduction), of all the one that
         fetches least in its slowest work-item (TileBudget.fetch_time): a smaller launch with register reuse
-        beats one that fills the device by reading each texel for one output. Where it may not be split,
-        the last candidate (the most work-items)."""
+        beats one that fills the device by reading each texel for one output. Where it may not be split (saved
+        masks: one work-item a tile), with `fetches` the candidate that fetches least in its slowest work-item
+        (a larger tile reads each texel for more outputs where its fewer work-items still take one round),
+        without them the last candidate (the most work-items)."""
+        def paired(candidate: T) -> int:  # tiles a work-item runs in turn: 2 where a mask byte spans two
+            return 2 if self.masks and texels_per_item(candidate) % 2 else 1
+
         def work_items(candidate: T) -> int:
-            per = texels_per_item(candidate)
-            return self.texels // (2 * per if self.masks and per % 2 else per)
+            return self.texels // (paired(candidate) * texels_per_item(candidate))
 
         def launched(candidate: T) -> int:
             tiles = work_items(candidate)
@@ -64,8 +68,10 @@ class TileBudget:
             filling = [c for c in candidates if work_items(c) >= self.device_items]
             if filling:
                 return filling[0]
-            if not self.splits:
-                return candidates[-1]
+            if not self.splits:  # one work-item a tile: the fewest fetches in its slowest one (or the most items)
+                if fetches is None:
+                    return candidates[-1]
+                return min(candidates, key=lambda c: self.fetch_time(work_items(c), paired(c) * fetches(c)))
             if group is not None:
                 everything = [*candidates, *fallback]
                 if fetches is not None:  # min keeps the first (larger) of equal ones
