@@ -66,10 +66,14 @@ def clock_hz(profile: Any) -> float:
     return profile.peak_gflops * 1e9 / (2 * profile.device_items)
 
 
+def work_groups(launched: int, group: int) -> int:
+    """Work-groups of a launch of `launched` work-items in groups of `group` (at least one)."""
+    return max(1, math.ceil(launched / max(1, group)))
+
+
 def waves(profile: Any, launched: int, group: int) -> int:
     """Waves of a launch: each work-group takes whole waves (a group smaller than a wave fills one alone)."""
-    groups = max(1, math.ceil(launched / max(1, group)))
-    return groups * math.ceil(max(1, group) / profile.wave_size)
+    return work_groups(launched, group) * math.ceil(max(1, group) / profile.wave_size)
 
 
 def launch_time(profile: Any, work: LaunchWork) -> LaunchTime:
@@ -81,8 +85,7 @@ def launch_time(profile: Any, work: LaunchWork) -> LaunchTime:
     half_rate = profile.half_rate if profile.fp16 else 1.0
     slots_per_ms = profile.device_items * clock_hz(profile) / 1e3 * lane_share
     compute_ms = issued * (work.float_slots + work.half_slots / half_rate) / slots_per_ms
-    groups = max(1, math.ceil(work.launched / max(1, work.group)))
-    unit_share = min(1.0, groups / profile.compute_units)
+    unit_share = min(1.0, work_groups(work.launched, work.group) / profile.compute_units)
     fetch_per_ms = profile.texture_bytes_per_clock * profile.compute_units * unit_share * clock_hz(profile) / 1e3
     return LaunchTime(compute_ms, work.fetched_bytes / fetch_per_ms, work.dram_bytes / (profile.bandwidth_gbps * 1e6),
                       profile.launch_us * 1e-3, lane_share, unit_share)
