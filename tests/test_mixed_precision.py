@@ -186,7 +186,6 @@ def test_the_memory_report_counts_half_textures_at_two_bytes(mlp_path, tmp_path)
     assert memory["fp16"]["saved_activations"] < memory["fp32"]["saved_activations"]
     assert "fp16 2" in memory["fp16"]["accounting"]
     for dtype in ("fp32", "fp16"):  # what the runtime allocates (PoCL: no row padding, no images over buffers)
-        assert memory[dtype]["device_peak"] == memory[dtype]["arena_bytes"], dtype  # adreno830 has them
         runner = LocalRunner(str(tmp_path / dtype), progress=False, storage="image")
         if "portable" in runner.device.platform.name.lower():
             assert runner.allocated_bytes == memory[dtype]["shared_image_bytes"], dtype

@@ -205,7 +205,8 @@ class BufferTable:
     images: list[dict[str, Any]]  # plan.json's images: format, width, height, textures
     image_of: list[int]  # texture id -> image
     arena: Arena
-    arena_images: bool  # the target makes images over the arena (its profile's image2d_from_buffer)
+    arena_images: bool  # image storage makes its images over the arena (the target can, and it is the smaller)
+    buffers: bool  # the target runs buffer storage (a `cpu` profile: LocalRunner's storage "auto" there)
 
     @property
     def texture_bytes(self) -> int:
@@ -219,9 +220,9 @@ class BufferTable:
 
     @property
     def allocated_bytes(self) -> int:
-        """What the runtimes allocate on the target in image storage: the arena where its images can be made over
-        a buffer, else the shared images."""
-        return self.arena.bytes if self.arena_images else self.shared_image_bytes
+        """What the runtimes allocate on the target in the storage they use there: the arena in buffers (a CPU) or
+        where images can be made over a buffer, else the shared images."""
+        return self.arena.bytes if self.buffers or self.arena_images else self.shared_image_bytes
 
 
 def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferTable:
@@ -266,4 +267,8 @@ def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferT
     whole = (0, max(len(program.kernels) - 1, 0))
     arena = pack_arena(program.textures, [whole if t.id in pinned or lifetimes[t.id][0] < 0 else lifetimes[t.id]
                                           for t in program.textures], profile)
-    return BufferTable(program.textures, lifetimes, images, image_of, arena, profile.image2d_from_buffer)
+    table = BufferTable(program.textures, lifetimes, images, image_of, arena, False, profile.cpu)
+    # images over the arena where the target makes them and they take less than the shared images (a small step's
+    # slots, each aligned and with a window's slack, can take more)
+    table.arena_images = profile.image2d_from_buffer and arena.bytes < table.shared_image_bytes
+    return table
