@@ -246,3 +246,33 @@ def test_batch_tiling_changes_memory_not_numbers(tmp_path, kind) -> None:
     before, after = plan_memory(whole).summary(), plan_memory(tiled).summary()
     assert after["saved"] == before["saved"] and after["floor_ok"]
     assert after["live_peak"] < before["live_peak"]
+
+
+def test_a_runner_makes_images_over_the_arena_only_where_the_device_and_the_plan_allow() -> None:
+    """LocalRunner's choice (arena_problem): buffers take the arena where the device's sub-buffer alignment divides
+    the plan's; images also need cl_khr_image2d_from_buffer, a plan whose slots were made for images and rows at
+    the device's pitch alignment; anything else falls back to the shared images, saying why."""
+    pytest.importorskip("pyopencl")
+    from types import SimpleNamespace
+
+    from fblc.runtime.local import IMAGE_BASE_ADDRESS_ALIGNMENT, IMAGE_PITCH_ALIGNMENT, arena_problem, overlapping
+
+    textures = [{"id": 0, "format": "rgba_f32", "offset": 0, "slot": 1024, "pitch": 128},
+                {"id": 1, "format": "r_mask8", "offset": 0, "slot": 256, "pitch": 64},
+                {"id": 2, "format": "rgba_f16", "offset": 1024, "slot": 512, "pitch": 64}]
+    plan = {"arena": {"bytes": 1536, "alignment": 256, "images": True}, "textures": textures}
+
+    def device(extensions: str, base_bits: int = 1024, pitch: int = 4, base: int = 4) -> SimpleNamespace:
+        info = {IMAGE_PITCH_ALIGNMENT: pitch, IMAGE_BASE_ADDRESS_ALIGNMENT: base}
+        return SimpleNamespace(name="gpu ", extensions=extensions, mem_base_addr_align=base_bits, get_info=info.get)
+
+    phone = device("cl_khr_fp16 cl_khr_image2d_from_buffer")
+    assert arena_problem(plan, phone, "image") == arena_problem(plan, phone, "buffer") == ""
+    assert "lacks cl_khr_image2d_from_buffer" in arena_problem(plan, device("cl_khr_fp16"), "image")
+    assert arena_problem(plan, device("cl_khr_fp16"), "buffer") == ""
+    assert "aligns sub-buffers to 512 bytes" in arena_problem(plan, device("", base_bits=4096), "buffer")
+    assert "rgba_f32" in arena_problem(plan, device("cl_khr_image2d_from_buffer", pitch=16), "image")
+    assert "without images over buffers" in arena_problem({**plan, "arena": {**plan["arena"], "images": False}},
+                                                          phone, "image")
+    assert "no arena" in arena_problem({"textures": textures}, phone, "buffer")
+    assert overlapping(textures) == {0, 1}

@@ -90,6 +90,10 @@ def device_build_options(device: Any) -> list[str]:
     return [language_standard(device), *half]
 
 
+#: clGetDeviceInfo's queries of cl_khr_image2d_from_buffer (CL_DEVICE_IMAGE_PITCH_ALIGNMENT_KHR, ..._BASE_ADDRESS_...)
+IMAGE_PITCH_ALIGNMENT, IMAGE_BASE_ADDRESS_ALIGNMENT = 0x104A, 0x104B
+
+
 def arena_problem(plan: Mapping[str, Any], device: Any, storage: str) -> str:
     """Why a runner with `storage` on `device` cannot bind the textures to views of plan.json's arena (codegen/
     arena.py), "" where it can: buffers need a sub-buffer origin the device allows at every offset; images also
@@ -109,8 +113,10 @@ def arena_problem(plan: Mapping[str, Any], device: Any, storage: str) -> str:
         return f"{name} lacks cl_khr_image2d_from_buffer"
     if not arena.get("images"):
         return "the bundle was compiled for a target without images over buffers (its profile's image2d_from_buffer)"
-    pixels = max(device.get_info(cl.device_info.IMAGE_PITCH_ALIGNMENT),
-                 device.get_info(cl.device_info.IMAGE_BASE_ADDRESS_ALIGNMENT), 1)
+    try:  # pyopencl names neither query: their values from cl_khr_image2d_from_buffer
+        pixels = max(device.get_info(IMAGE_PITCH_ALIGNMENT), device.get_info(IMAGE_BASE_ADDRESS_ALIGNMENT), 1)
+    except cl.Error:  # a wrapper or driver that answers neither: LocalRunner tries to make the images, else falls back
+        return ""
     texels = {t["format"]: fmt.TEXEL_BYTES[t["format"]] for t in plan["textures"]}
     strict = [f for f, size in texels.items() if arena["alignment"] % (pixels * size)
               or any(t["pitch"] % (pixels * size) for t in plan["textures"] if t["format"] == f)]
@@ -178,7 +184,12 @@ class LocalRunner:
         self.arena_reason = arena_problem(self.plan, self.device, self.storage)
         if not self.arena_reason:  # one buffer; each texture a view of its slot (image or sub-buffer)
             self.arena = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, self.plan["arena"]["bytes"])
-            self.images = [self._view(t) for t in self.textures]
+            try:
+                self.images = [self._view(t) for t in self.textures]
+            except cl.Error as error:  # e.g. a row pitch the driver refuses, where it did not say its alignment
+                self.arena_reason = f"{self.device.name.strip()} refused a view of the arena: {error}"
+                self.arena.release()
+        if not self.arena_reason:
             self.binding = [t["id"] for t in self.textures]  # texture id -> its view (swapped per step)
             self._shared = overlapping(self.textures)
             allocations = [self.arena]
