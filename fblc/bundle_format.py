@@ -80,6 +80,11 @@ INTEGER_FORMATS = ("rgba_i32", *MASK_FORMATS.values())  # read back as integers
 HALF_BUILD_OPTION = "-DFBLC_HALF"
 
 
+#: bytes past a texture's texels in buffer storage: a window at a runtime shift (a vload4 in kernels.buffer.cl)
+#: loads up to 3 elements past the texel that holds the tensor's last element (one fp32 texel of slack)
+WINDOW_SLACK_BYTES = 16
+
+
 def image_bytes(image_format: str, width: int, height: int) -> int:
     """Device bytes of a width x height image of a plan texture format (the one formula: compile's
     report, the memory plan's masks and both runtimes' allocations agree through it)."""

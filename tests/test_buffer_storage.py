@@ -30,7 +30,7 @@ from fblc.codegen.compile import compile_model
 from fblc.compiler.gradients import segment_sum
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
-from fblc.runtime.local import LocalRunner
+from fblc.runtime.local import LocalRunner, overlapping
 from fblc.texel_layout import flat_layout
 from fblc.tools.verify import verify_model
 from support import models
@@ -65,7 +65,7 @@ def test_integer_ids_and_their_sorted_scatter_in_buffers(monkeypatch, tmp_path) 
 def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tmp_path) -> None:
     exported = models.mlp(str(tmp_path))
     bundle = str(tmp_path / "bundle")
-    compile_model(exported.path, bundle, "adreno830", "fp16", TrainingOptions(input_shapes=exported.input_shapes))
+    _, report = compile_model(exported.path, bundle, "adreno830", "fp16", TrainingOptions(input_shapes=exported.input_shapes))
     images, buffers = (open(f"{bundle}/{name}").read() for name in ("kernels.cl", "kernels.buffer.cl"))
     plan = json.load(open(f"{bundle}/plan.json"))
     formats = [t["format"] for t in plan["textures"]]
@@ -93,6 +93,16 @@ def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tm
     runners = {storage: LocalRunner(bundle, storage=storage, progress=False) for storage in ("image", "buffer")}
     losses = {storage: _three_steps(runner, batch) for storage, runner in runners.items()}
     assert np.allclose(losses["buffer"], losses["image"], rtol=1e-6, atol=0), losses
+    # buffers: one arena, each texture a sub-buffer of its slot, textures of disjoint lifetimes sharing bytes;
+    # images here (no cl_khr_image2d_from_buffer on PoCL or oclgrind): the images shared by format and width
+    memory = report["memory"]
+    assert runners["buffer"].allocated_bytes == memory["arena_bytes"] == plan["arena"]["bytes"]
+    assert runners["buffer"].allocated_images == 1 and overlapping(plan["textures"])
+    if "cl_khr_image2d_from_buffer" not in runners["image"].device.extensions:
+        assert "cl_khr_image2d_from_buffer" in runners["image"].arena_reason
+        assert runners["image"].allocated_images == len(plan["images"])
+        if "portable" in runners["image"].device.platform.name.lower():  # PoCL: an image takes exactly its texels
+            assert runners["image"].allocated_bytes == memory["shared_image_bytes"]
     # an R-Tile texture that outlives the step: the image holds it tiled, the buffer in index order
     name, texture = next((name, plan["textures"][t]) for name, t in plan["values"].items()
                          if plan["textures"][t].get("layout", {}).get("kind") == "rtile"

@@ -76,6 +76,9 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
         if texture.id in offsets:
             entry["init"] = {"offset": offsets[texture.id][0], "nbytes": offsets[texture.id][1]}
         entry["image"] = table.image_of[texture.id]
+        entry["offset"], entry["slot"] = table.arena.offsets[texture.id], table.arena.slots[texture.id]
+        if table.arena_images:
+            entry["pitch"] = table.arena.pitches[texture.id]
         textures.append(entry)
     plan = {"textures": textures,
             "kernels": [_launch(k, profile, program.kernel_lines[k.name], buffer_lines[k.name],
@@ -91,6 +94,7 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
     params = [v for v in graph.inputs if keys.get_role(v) == Role.PARAM.value]
     states = [v for v in graph.inputs if keys.get_role(v) == Role.OPT_STATE.value]
     plan["images"] = table.images
+    plan["arena"] = table.arena.plan_object(table.arena_images)
 
     def with_init(value: ir.Value) -> dict[str, Any]:
         entry = _tensor_entry(value, program)

@@ -70,7 +70,7 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=observe, lower=profile,
                                 schedules=step_schedules(profile, dtype, overrides))
     program = lower(step, profile, dtype, overrides=overrides)
-    table = buffer_table(step, program)
+    table = buffer_table(step, program, profile)
     report = build_report(step, program, table, time.perf_counter() - started)
     report["memory"], timeline = memory_report(plans[-1], table)
     report["layout"] = layout_object(step, program, options)

@@ -15,6 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.bundle_format import FLOAT_FORMATS, NUMPY_DTYPES, image_bytes
+from fblc.codegen.arena import Arena, Lifetime, pack_arena
 from fblc.codegen.cl import Kernel
 from fblc.codegen import ir as kir
 from fblc.codegen.ir.precision import half_arithmetic
@@ -190,19 +191,22 @@ def share_kernels(kernels: list[Kernel]) -> None:
         kernel.function = (first or kernel).name
 
 
-Lifetime = tuple[int, int]  # (first, last) kernel that reads or writes a texture; (-1, -1): none does
-
-
 @dataclass
 class BufferTable:
-    """Every texture of a program with its lifetime, and the images they share, as the memory report
-    (`allocated_bytes`) and plan.json (`images`, which both runtimes allocate) give them. A texture is the buffer
-    here; the memory plan's buffers (fblc.passes.memory_plan.Buffer) are the step graph's values before."""
+    """Every texture of a program with its lifetime, where the runtimes put it, and the bytes they allocate, as
+    the memory report and plan.json give them: the arena (codegen/arena.py: every texture at an offset of one
+    buffer, what buffer storage and, on a target with cl_khr_image2d_from_buffer, image storage allocate) and the
+    shared images (`images`: textures of one format and width with disjoint lifetimes in one image, what image
+    storage allocates on a device without the extension). A texture is the buffer here; the memory plan's
+    buffers (fblc.passes.memory_plan.Buffer) are the step graph's values before."""
 
     textures: list[Texture]  # by texture id
     lifetimes: list[Lifetime]  # by texture id
     images: list[dict[str, Any]]  # plan.json's images: format, width, height, textures
     image_of: list[int]  # texture id -> image
+    arena: Arena
+    arena_images: bool  # image storage makes its images over the arena (the target can, and it is the smaller)
+    buffers: bool  # the target runs buffer storage (a `cpu` profile: LocalRunner's storage "auto" there)
 
     @property
     def texture_bytes(self) -> int:
@@ -210,17 +214,28 @@ class BufferTable:
         return sum(t.image_bytes for t in self.textures)
 
     @property
-    def allocated_bytes(self) -> int:
-        """What the runtimes allocate: the shared images."""
+    def shared_image_bytes(self) -> int:
+        """The shared images' bytes: what image storage allocates without cl_khr_image2d_from_buffer."""
         return sum(image_bytes(i["format"], i["width"], i["height"]) for i in self.images)
 
+    @property
+    def allocated_bytes(self) -> int:
+        """What the runtimes allocate on the target in the storage they use there: the arena in buffers (a CPU) or
+        where images can be made over a buffer, else the shared images."""
+        return self.arena.bytes if self.buffers or self.arena_images else self.shared_image_bytes
 
-def buffer_table(model: ir.Model, program: Program) -> BufferTable:
-    """The program's textures with their lifetimes and the images they share. Pinned textures keep an image of
-    their own: the runtimes read or write them (graph inputs and outputs, the loss), they carry initial data
-    (parameters, constants) or state across steps (the swapped pairs), or no kernel uses them. The others share:
-    textures of one format and width whose lifetimes do not overlap take one image, as tall as the tallest of
-    them (a texture's texels sit at the same places in a taller image of its width)."""
+
+def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferTable:
+    """The program's textures with their lifetimes, the images they share and their places in the arena.
+    Pinned textures keep an image of their own and the whole step in the arena: the runtimes read or write them
+    (graph inputs and outputs, the loss), they carry initial data (parameters, constants) or state across steps
+    (the swapped pairs), or no kernel uses them. The others share: in the arena, any two whose lifetimes do not
+    overlap; among the images, textures of one format and width whose lifetimes do not overlap take one image,
+    as tall as the tallest of them (a texture's texels sit at the same places in a taller image of its width).
+    Sharing by format alone, in images as wide and tall as their largest texture, would also be valid (no kernel
+    reads an image's size, and the sampler's CLK_ADDRESS_NONE makes no edge read defined) but took more: for
+    MemFLoRA MobileNetV2 B=64 a greedy by first use gave 228-238 MiB against 97 MiB, a small texture taking a
+    wider free image that same-width ones then lacked."""
     uses: dict[int, list[int]] = {}  # texture id -> the kernels that read or write it
     for index, kernel in enumerate(program.kernels):
         for texture_id in kernel.outputs + kernel.inputs:
@@ -253,4 +268,11 @@ def buffer_table(model: ir.Model, program: Program) -> BufferTable:
         image_of[texture.id] = image
         if shareable:
             free_after.setdefault(key, []).append((last, image))
-    return BufferTable(program.textures, lifetimes, images, image_of)
+    whole = (0, max(len(program.kernels) - 1, 0))
+    arena = pack_arena(program.textures, [whole if t.id in pinned or lifetimes[t.id][0] < 0 else lifetimes[t.id]
+                                          for t in program.textures], profile)
+    table = BufferTable(program.textures, lifetimes, images, image_of, arena, False, profile.cpu)
+    # images over the arena where the target makes them and they take less than the shared images (a small step's
+    # slots, each aligned and with a window's slack, can take more)
+    table.arena_images = profile.image2d_from_buffer and arena.bytes < table.shared_image_bytes
+    return table

@@ -3,9 +3,13 @@
 `estimate` is the target profile's roofline, not a measurement: reads count every texture once (a perfect texture
 cache) unless `--cache-report`'s simulated misses replace them; `benchmarks/estimate_check.py` compares its
 ranking of kernels with per-kernel times measured on the local device. `memory` (and the timeline plot) joins the
-step's memory plan (fblc.passes.memory_plan) and the buffer table (plan.buffer_table): `device_peak`, the images
-the runtimes allocate; `texture_bytes`, every texture in an image of its own; `live_peak`, the planner's lower
-bound. `layout` is read from the step's annotations (tile_remap's `fblc.remap` and index maps, rtile_select's
+step's memory plan (fblc.passes.memory_plan) and the buffer table (plan.buffer_table): `device_peak`, what the
+runtimes allocate on the target in the storage they use there (`device_storage`: buffers on a CPU, else images):
+`arena_bytes`, one buffer that every texture is a view of, in buffers, or in images where the target has
+cl_khr_image2d_from_buffer and the arena is the smaller (`arena_images`); else `shared_image_bytes`, the images
+that textures of one format and width share; `arena_live_bytes` is
+the most arena bytes live at one launch; `texture_bytes`, every texture in an image of its own; `live_peak`, the
+planner's lower bound. `layout` is read from the step's annotations (tile_remap's `fblc.remap` and index maps, rtile_select's
 `fblc.layout`): a data-movement op kept (a remap check failed, or `--layout naive`) runs as a conversion kernel,
 which only changes how a tensor is laid out; the conventional baseline would copy every one.
 """
@@ -94,6 +98,9 @@ def memory_report(plan: MemoryPlan, table: BufferTable) -> tuple[dict[str, Any],
     summary = plan.summary()
     result = {**summary, **{name: int(summary[name]) for name in INTEGER_FIELDS}, "floor_ok": bool(summary["floor_ok"]),
               "device_peak": table.allocated_bytes, "texture_bytes": table.texture_bytes,
+              "arena_bytes": table.arena.bytes, "arena_live_bytes": table.arena.live_bytes,
+              "shared_image_bytes": table.shared_image_bytes, "arena_images": table.arena_images,
+              "device_storage": "buffer" if table.buffers else "image",
               "allocated_textures": len(table.textures), "allocated_images": len(table.images)}
     if plan.adapter:
         result["adapter"] = {k: v for k, v in plan.adapter.items() if k != "sites"}

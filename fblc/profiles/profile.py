@@ -42,6 +42,12 @@ FIGURES: dict[str, tuple[type, str]] = {
     "half_rate": (float, "half arithmetic throughput over fp32's (lane-operations a clock; 1: half computes as float)"),
     "launch_us": (float, "host-to-GPU cost of one kernel launch in an in-order queue, microseconds"),
     "texture_bytes_per_clock": (int, "bytes a compute unit's texture L1 returns a clock (whole texels)"),
+    "image2d_from_buffer": (bool, "cl_khr_image2d_from_buffer: images over sub-ranges of one arena buffer, so textures "
+                                  "of any format and size share device memory (codegen/arena.py)"),
+    "image_pitch_alignment": (int, "bytes an image-over-buffer's row pitch and start are multiples of "
+                                   "(CL_DEVICE_IMAGE_PITCH_ALIGNMENT, CL_DEVICE_IMAGE_BASE_ADDRESS_ALIGNMENT: pixels, "
+                                   "the larger, times the widest texel a bundle's images have)"),
+    "base_address_alignment": (int, "bytes a sub-buffer's origin is a multiple of (CL_DEVICE_MEM_BASE_ADDR_ALIGN / 8)"),
 }
 #: The image edge, in texels, that every OpenCL device fblc targets allows: the PoCL that pip installs
 #: (pocl-binary-distribution 3.0), oclgrind and most phone drivers stop at 8192 x 8192, while some
@@ -129,6 +135,9 @@ class Profile:
     half_rate: float
     launch_us: float
     texture_bytes_per_clock: int
+    image2d_from_buffer: bool
+    image_pitch_alignment: int
+    base_address_alignment: int
     sources: dict[str, str]
     raw: dict[str, Any]
 

@@ -90,8 +90,52 @@ def device_build_options(device: Any) -> list[str]:
     return [language_standard(device), *half]
 
 
+#: clGetDeviceInfo's queries of cl_khr_image2d_from_buffer (CL_DEVICE_IMAGE_PITCH_ALIGNMENT_KHR, ..._BASE_ADDRESS_...)
+IMAGE_PITCH_ALIGNMENT, IMAGE_BASE_ADDRESS_ALIGNMENT = 0x104A, 0x104B
+
+
+def arena_problem(plan: Mapping[str, Any], device: Any, storage: str) -> str:
+    """Why a runner with `storage` on `device` cannot bind the textures to views of plan.json's arena (codegen/
+    arena.py), "" where it can: buffers need a sub-buffer origin the device allows at every offset; images also
+    need cl_khr_image2d_from_buffer, a plan that made its slots for images, and the device's pitch alignment."""
+    import pyopencl as cl
+
+    arena = plan.get("arena")
+    if arena is None:
+        return "the bundle has no arena"
+    name = device.name.strip()
+    if arena["alignment"] % max(1, device.mem_base_addr_align // 8):
+        return (f"{name} aligns sub-buffers to {device.mem_base_addr_align // 8} bytes, the plan's arena to "
+                f"{arena['alignment']}")
+    if storage == "buffer":
+        return ""
+    if "cl_khr_image2d_from_buffer" not in str(device.extensions).split():
+        return f"{name} lacks cl_khr_image2d_from_buffer"
+    if not arena.get("images"):
+        return "the bundle was compiled for a target without images over buffers (its profile's image2d_from_buffer)"
+    try:  # pyopencl names neither query: their values from cl_khr_image2d_from_buffer
+        pixels = max(device.get_info(IMAGE_PITCH_ALIGNMENT), device.get_info(IMAGE_BASE_ADDRESS_ALIGNMENT), 1)
+    except cl.Error:  # a wrapper or driver that answers neither: LocalRunner tries to make the images, else falls back
+        return ""
+    texels = {t["format"]: fmt.TEXEL_BYTES[t["format"]] for t in plan["textures"]}
+    strict = [f for f, size in texels.items() if arena["alignment"] % (pixels * size)
+              or any(t["pitch"] % (pixels * size) for t in plan["textures"] if t["format"] == f)]
+    if strict:
+        return f"{name} aligns image rows to {pixels} pixels, more than the plan's {', '.join(strict)} rows have"
+    return ""
+
+
+def overlapping(textures: Sequence[Mapping[str, Any]]) -> set[int]:
+    """The textures whose arena slot shares bytes with another's (their lifetimes in a step are disjoint)."""
+    start = np.array([t["offset"] for t in textures], dtype=np.int64)
+    end = start + np.array([t["slot"] for t in textures], dtype=np.int64)
+    overlap = (start[:, None] < end[None, :]) & (start[None, :] < end[:, None])
+    np.fill_diagonal(overlap, False)
+    return {textures[i]["id"] for i in np.flatnonzero(overlap.any(axis=1))}
+
+
 STORAGES = choices.STORAGES
-WINDOW_SLACK_BYTES = 16  # one fp32 texel past every buffer (see _allocate)
+WINDOW_SLACK_BYTES = fmt.WINDOW_SLACK_BYTES  # one fp32 texel past every buffer (see _allocate)
 
 
 class LocalRunner:
@@ -135,17 +179,32 @@ class LocalRunner:
         self.queue = cl.CommandQueue(self.context, properties=properties)
         self.textures = self.plan["textures"]
         self._check_limits()
-        # textures with disjoint lifetimes share an image: plan.json's images, allocated as they are
-        specs = self.plan["images"]
-        self.images = [self._allocate(spec) for spec in specs]
+        #: why the textures are not views of plan.json's arena ("": they are), e.g. images on a device without
+        #: cl_khr_image2d_from_buffer, which then take plan.json's images, shared by one format and width
+        self.arena_reason = arena_problem(self.plan, self.device, self.storage)
+        if not self.arena_reason:  # one buffer; each texture a view of its slot (image or sub-buffer)
+            self.arena = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, self.plan["arena"]["bytes"])
+            try:
+                self.images = [self._view(t) for t in self.textures]
+            except cl.Error as error:  # e.g. a row pitch the driver refuses, where it did not say its alignment
+                self.arena_reason = f"{self.device.name.strip()} refused a view of the arena: {error}"
+                self.arena.release()
+        if not self.arena_reason:
+            self.binding = [t["id"] for t in self.textures]  # texture id -> its view (swapped per step)
+            self._shared = overlapping(self.textures)
+            allocations = [self.arena]
+        else:  # textures with disjoint lifetimes share an image: plan.json's images, allocated as they are
+            specs = self.plan["images"]
+            self.images = [self._allocate(spec) for spec in specs]
+            self.binding = [t["image"] for t in self.textures]  # texture id -> image (swapped per step)
+            self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
+            allocations = self.images
         self._layouts = [self._layout(t) for t in self.textures]  # texture id -> where its texels sit (packing)
-        self.binding = [t["image"] for t in self.textures]  # texture id -> image (swapped per step)
-        self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
         for texture in self.textures:
             self._initialise(texture)
-        #: device memory this runner allocated, as the OpenCL driver reports each image's size (bytes)
-        self.allocated_bytes = sum(int(image.get_info(cl.mem_info.SIZE)) for image in self.images)
-        self.allocated_images = len(self.images)
+        #: device memory this runner allocated, as the OpenCL driver reports each allocation's size (bytes)
+        self.allocated_bytes = sum(int(memory.get_info(cl.mem_info.SIZE)) for memory in allocations)
+        self.allocated_images = len(allocations)
         names = sorted({k["function"] for k in self.plan["kernels"]})
         say = _to_stderr if progress is True else progress or None
         platform = self.device.platform.name.strip()
@@ -194,6 +253,20 @@ class LocalRunner:
                              fmt.image_bytes(spec["format"], spec["width"], spec["height"]) + WINDOW_SLACK_BYTES)
         return cl.create_image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, spec["format"]),
                                shape=(spec["width"], spec["height"]))
+
+    def _view(self, texture: dict[str, Any]) -> Any:
+        """The texture's slot of the arena: a sub-buffer, or in image storage an image over it
+        (cl_khr_image2d_from_buffer) with the plan's row pitch."""
+        cl = self.cl
+        region = self.arena.get_sub_region(texture["offset"], texture["slot"])
+        if self.storage == "buffer":
+            return region
+        desc = cl.ImageDescriptor()
+        desc.image_type = cl.mem_object_type.IMAGE2D
+        desc.shape = (texture["width"], texture["height"])
+        desc.pitches = (texture["pitch"],)
+        desc.buffer = region
+        return cl.Image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, texture["format"]), desc=desc)
 
     def _initialise(self, texture: dict[str, Any]) -> None:
         init = texture.get("init")

@@ -229,6 +229,14 @@ void bundle_load(const char *folder, bundle *out) {
         im->height = need_size(entry, "height", "an image");
         if (!im->width || !im->height) bad("an image has no texels");
     }
+    /* the arena's images (cl_khr_image2d_from_buffer), where the target made them; the runner checks the device */
+    const json_value *arena = json_get(plan, "arena");
+    const json_value *arena_images = arena && arena->type == JSON_OBJECT ? json_get(arena, "images") : NULL;
+    if (arena_images && arena_images->type == JSON_BOOL && arena_images->number != 0) {
+        out->arena_bytes = need_size(arena, "bytes", "the arena");
+        out->arena_alignment = need_size(arena, "alignment", "the arena");
+        if (!out->arena_alignment) bad("the arena has no alignment");
+    }
     const json_value *textures = need(plan, "textures", JSON_ARRAY, "plan.json");
     out->texture_count = textures->count;
     out->textures = xcalloc(textures->count, sizeof *out->textures);
@@ -283,6 +291,15 @@ void bundle_load(const char *folder, bundle *out) {
                      format_name(t->format), t->width, t->height, t->image, format_name(im->format), im->width,
                      im->height);
             bad(message);
+        }
+        if (out->arena_bytes) {
+            t->offset = need_size(entry, "offset", "a texture");
+            t->slot = need_size(entry, "slot", "a texture");
+            t->pitch = need_size(entry, "pitch", "a texture");
+            if (t->slot > out->arena_bytes || t->offset > out->arena_bytes - t->slot || t->offset % out->arena_alignment)
+                bad("a texture's slot lies outside the arena or off its alignment");
+            if (t->pitch < t->width * format_texel_bytes(t->format) || t->pitch * t->height > t->slot)
+                bad("a texture's image rows do not fit its slot of the arena");
         }
         const json_value *init = json_get(entry, "init");
         if (init && init->type == JSON_OBJECT) {

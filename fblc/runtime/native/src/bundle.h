@@ -20,6 +20,8 @@ typedef struct {
     int has_init;            /* filled from params.bin */
     uint64_t init_offset, init_nbytes;
     size_t image;            /* the plan image that holds it: textures with disjoint lifetimes share one */
+    size_t offset, slot;     /* its bytes in plan.json's arena (codegen/arena.py) */
+    size_t pitch;            /* row pitch (bytes) of the image made over its slot; 0: the plan made none */
     /* plan.json's R-Tile layout (fblc/texel_layout.py): texel t of the tensor sits at texel_xy(t) */
     int rtile;               /* 0: flat, texel t at (t % width, t / width) */
     size_t c4, tile_h, tile_w4, tile_rows, tile_cols, tiles_per_row;
@@ -62,6 +64,8 @@ typedef struct {
     size_t texture_count;
     image_spec *images;      /* plan.json's images */
     size_t image_count;
+    size_t arena_bytes;      /* plan.json's arena: 0 when it has none or made no images over it */
+    size_t arena_alignment;  /* every texture's offset is a multiple of it */
     launch *launches;
     size_t launch_count;
     size_t (*swaps)[2];

@@ -44,6 +44,7 @@ static const char *load_symbols(void *handle) {
     LOAD(CreateContext);
     LOAD(CreateCommandQueue);
     LOAD(CreateBuffer);
+    LOAD(CreateSubBuffer);
     LOAD(GetSupportedImageFormats);
     LOAD(CreateImage);
     LOAD(CreateProgramWithSource);

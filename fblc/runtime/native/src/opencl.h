@@ -18,6 +18,7 @@ typedef struct {
                                             cl_int *);
     cl_command_queue (CL_API_CALL *CreateCommandQueue)(cl_context, cl_device_id, cl_command_queue_properties, cl_int *);
     cl_mem (CL_API_CALL *CreateBuffer)(cl_context, cl_mem_flags, size_t, void *, cl_int *);
+    cl_mem (CL_API_CALL *CreateSubBuffer)(cl_mem, cl_mem_flags, cl_buffer_create_type, const void *, cl_int *);
     cl_int (CL_API_CALL *GetSupportedImageFormats)(cl_context, cl_mem_flags, cl_mem_object_type, cl_uint,
                                                    cl_image_format *, cl_uint *);
     cl_mem (CL_API_CALL *CreateImage)(cl_context, cl_mem_flags, const cl_image_format *, const cl_image_desc *, void *,

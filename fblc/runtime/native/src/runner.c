@@ -314,6 +314,58 @@ static void build_program(runner *r, int use_cache) {
 
 /* --- setup and steps ------------------------------------------------------------------------------------ */
 
+/* cl_khr_image2d_from_buffer's device queries (CL_DEVICE_IMAGE_PITCH_ALIGNMENT_KHR, ..._BASE_ADDRESS_...) */
+#define IMAGE_PITCH_ALIGNMENT 0x104A
+#define IMAGE_BASE_ADDRESS_ALIGNMENT 0x104B
+
+/* Why the runner cannot make the plan's images over one arena on this device (NULL: it can), as LocalRunner's
+   arena_problem: the extension, sub-buffer origins at the plan's alignment, image rows at the device's pitch. */
+static const char *arena_problem(const runner *r) {
+    const bundle *b = r->b;
+    if (!b->arena_bytes) return "the plan made no images over an arena";
+    if (!has_extension(r->device.device, "cl_khr_image2d_from_buffer")) return "no cl_khr_image2d_from_buffer";
+    cl_uint base_bits = 0, pitch = 0, base = 0;
+    if (cl.GetDeviceInfo(r->device.device, CL_DEVICE_MEM_BASE_ADDR_ALIGN, sizeof base_bits, &base_bits, NULL) != CL_SUCCESS
+        || cl.GetDeviceInfo(r->device.device, IMAGE_PITCH_ALIGNMENT, sizeof pitch, &pitch, NULL) != CL_SUCCESS
+        || cl.GetDeviceInfo(r->device.device, IMAGE_BASE_ADDRESS_ALIGNMENT, sizeof base, &base, NULL) != CL_SUCCESS)
+        return "the device does not say its alignments";
+    if (base_bits < 8 || b->arena_alignment % (base_bits / 8)) return "sub-buffer origins more aligned than the plan's";
+    size_t pixels = pitch > base ? pitch : base;
+    for (size_t i = 0; i < b->texture_count; ++i) {
+        size_t row = (pixels ? pixels : 1) * format_texel_bytes(b->textures[i].format);
+        if (b->textures[i].pitch % row || b->arena_alignment % row) return "image rows more aligned than the plan's";
+    }
+    return NULL;
+}
+
+/* One buffer of the plan's arena bytes; each texture an image over its slot (a sub-buffer), at the plan's pitch. */
+static void allocate_arena(runner *r) {
+    const bundle *b = r->b;
+    cl_int status;
+    cl_mem arena = cl.CreateBuffer(r->context, CL_MEM_READ_WRITE, b->arena_bytes, NULL, &status);
+    if (status == CL_MEM_OBJECT_ALLOCATION_FAILURE || status == CL_OUT_OF_RESOURCES)
+        die(EXIT_OPENCL, "%s is out of memory for the arena of %zu bytes", r->device.device_name, b->arena_bytes);
+    check_cl(status, "clCreateBuffer (the arena)");
+    r->images = xcalloc(b->texture_count + 1, sizeof *r->images);
+    for (size_t i = 0; i < b->texture_count; ++i) {
+        const texture *t = &b->textures[i];
+        cl_buffer_region region = {t->offset, t->slot};
+        cl_mem slot = cl.CreateSubBuffer(arena, CL_MEM_READ_WRITE, CL_BUFFER_CREATE_TYPE_REGION, &region, &status);
+        check_cl(status, "clCreateSubBuffer (a texture's slot of the arena)");
+        cl_image_format format = image_format(t->format);
+        cl_image_desc desc;
+        memset(&desc, 0, sizeof desc);
+        desc.image_type = CL_MEM_OBJECT_IMAGE2D;
+        desc.image_width = t->width;
+        desc.image_height = t->height;
+        desc.image_row_pitch = t->pitch;
+        desc.buffer = slot;
+        r->images[i] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
+        check_cl(status, "clCreateImage (an image over the arena, cl_khr_image2d_from_buffer)");
+    }
+    r->texture_bytes = b->arena_bytes;
+}
+
 void runner_setup(runner *r, const bundle *b, const device_choice *device, int use_cache, int kernel_times) {
     memset(r, 0, sizeof *r);
     r->b = b;
@@ -327,9 +379,16 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
     check_cl(status, "clCreateCommandQueue");
     check_formats(r);
 
-    /* plan.json's images, as the compiler shared them out (bundle_load checked that every texture fits its own) */
-    r->images = xcalloc(b->image_count + 1, sizeof *r->images);
-    for (size_t i = 0; i < b->image_count; ++i) {
+    const char *why = arena_problem(r);
+    if (!why) {
+        allocate_arena(r);
+    } else if (b->arena_bytes) {
+        fprintf(stderr, "fblc-runner: the plan's images over one arena are not made here (%s): textures of one format "
+                        "and width share images instead\n", why);
+    }
+    /* else plan.json's images, as the compiler shared them out (bundle_load checked that every texture fits its own) */
+    r->images = why ? xcalloc(b->image_count + 1, sizeof *r->images) : r->images;
+    for (size_t i = 0; why && i < b->image_count; ++i) {
         const image_spec *im = &b->images[i];
         cl_image_format format = image_format(im->format);
         cl_image_desc desc;
@@ -348,9 +407,9 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
     r->binding = xcalloc(b->texture_count, sizeof *r->binding);
     for (size_t i = 0; i < b->texture_count; ++i) {
         const texture *t = &b->textures[i];
-        r->binding[i] = t->image;
+        r->binding[i] = why ? t->image : i;
         if (texture_size(t) > largest) largest = texture_size(t);
-        if (t->has_init) write_texture(r, r->images[t->image], t, b->params + t->init_offset, CL_TRUE);
+        if (t->has_init) write_texture(r, r->images[r->binding[i]], t, b->params + t->init_offset, CL_TRUE);
     }
     r->readback = xmalloc(largest);
     r->metrics = xcalloc(b->metric_count + 1, sizeof *r->metrics);
