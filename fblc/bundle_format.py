@@ -39,8 +39,9 @@ from fblc.errors import BundleError  # kept as fmt.BundleError: the runtimes rai
 
 FORMAT_NAME = "fblc-bundle"
 #: 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures; 4: manifest_sha256;
-#: 5: plan.json `swaps_if_finite` (a runtime that ignored it would never commit those states)
-FORMAT_VERSION = 5
+#: 5: plan.json `swaps_if_finite` (a runtime that ignored it would never commit those states); 6: plan.json `loops`
+#: (ES members in a loop: a runtime that ignored it would run one member)
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 KERNELS = "kernels.cl"

@@ -397,6 +397,23 @@ static void swap(runner *r, size_t (*pairs)[2], size_t count) {
     }
 }
 
+/* launch `i` of the plan with its textures as bound now; its event kept for kernel_ms when `timed` */
+static void enqueue_launch(runner *r, size_t i, int timed) {
+    const launch *l = &r->b->launches[i];
+    for (size_t a = 0; a < l->argument_count; ++a)
+        check_cl(cl.SetKernelArg(r->kernels[i], (cl_uint)a, sizeof(cl_mem), &r->images[r->binding[l->arguments[a]]]),
+                 "clSetKernelArg");
+    const size_t *local = l->local_size[0] ? l->local_size : NULL;
+    cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, local, 0,
+                                            NULL, r->kernel_times && timed ? &r->events[i] : NULL);
+    if (status == CL_INVALID_WORK_GROUP_SIZE && local)
+        die(EXIT_OPENCL, "launching kernel '%s' failed: %s cannot run it in work-groups of %zu (%s); compile for a "
+            "target with a smaller max_work_group_size", l->name, r->device.device_name, l->local_size[0],
+            opencl_error(status));
+    if (status != CL_SUCCESS)
+        die(EXIT_OPENCL, "launching kernel '%s' failed: %s (%d)", l->name, opencl_error(status), (int)status);
+}
+
 double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
     const bundle *b = r->b;
     double started = now_ms();
@@ -407,20 +424,20 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
         memcpy(r->staging[i], inputs[i], input->elements * format_element_bytes(t->format));
         write_texture(r, r->images[r->binding[input->texture]], t, r->staging[i], CL_FALSE);
     }
-    for (size_t i = 0; i < b->launch_count; ++i) {
-        const launch *l = &b->launches[i];
-        for (size_t a = 0; a < l->argument_count; ++a)
-            check_cl(cl.SetKernelArg(r->kernels[i], (cl_uint)a, sizeof(cl_mem), &r->images[r->binding[l->arguments[a]]]),
-                     "clSetKernelArg");
-        const size_t *local = l->local_size[0] ? l->local_size : NULL;
-        cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, local, 0,
-                                                NULL, r->kernel_times ? &r->events[i] : NULL);
-        if (status == CL_INVALID_WORK_GROUP_SIZE && local)
-            die(EXIT_OPENCL, "launching kernel '%s' failed: %s cannot run it in work-groups of %zu (%s); compile for a "
-                "target with a smaller max_work_group_size", l->name, r->device.device_name, l->local_size[0],
-                opencl_error(status));
-        if (status != CL_SUCCESS)
-            die(EXIT_OPENCL, "launching kernel '%s' failed: %s (%d)", l->name, opencl_error(status), (int)status);
+    size_t next_loop = 0;
+    for (size_t i = 0; i < b->launch_count;) {
+        if (next_loop < b->loop_count && b->loops[next_loop].begin == i) {
+            /* a loop: its launches `count` times, the carried pairs swapped after each repetition; the timed
+             * events are the last repetition's (a launch's kernel_ms is one repetition) */
+            const loop_spec *l = &b->loops[next_loop++];
+            for (size_t repetition = 0; repetition < l->count; ++repetition) {
+                for (size_t k = l->begin; k < l->end; ++k) enqueue_launch(r, k, repetition + 1 == l->count);
+                swap(r, l->swaps, l->swap_count);
+            }
+            i = l->end;
+            continue;
+        }
+        enqueue_launch(r, i++, 1);
     }
     r->submit_ms = now_ms() - started;
     double loss = read_scalar(r, b->loss_texture);
