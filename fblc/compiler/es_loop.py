@@ -45,15 +45,24 @@ def carried_input(graph: ir.Graph, name: str, initial: np.ndarray, before: ir.Va
     return value
 
 
-def member_perturbation(e: Emitter, member: ir.Value, noise: ir.Value, sigma: float) -> tuple[ir.Value, ir.Value]:
-    """(member m's noise row [D], its signed sigma): row m of `noise` [P, D] for m < P, row m - P after."""
+def member_perturbation(e: Emitter, member: ir.Value, noise: ir.Value, sigma: float
+                        ) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(member m's noise row [D], its signed sigma, the counter's next value): row m of `noise` [P, D] for m < P,
+    row m - P after; the next value m + 1, or 0 after member 2P - 1, is computed from the row and the half so
+    that fuse makes one kernel of the three scalars."""
     pairs, width = static_shape(noise)
     first_half = e.op("Less", member, e.scalar(pairs, member))
     row = e.op("Where", first_half, member, e.op("Sub", member, e.scalar(pairs, member)))
     index = e.op("Cast", e.reshape(row, [1, 1]), to=ir.DataType.INT64)
     rows = e.op("Expand", index, e.ints([1, width]))  # GatherElements' indices: the row in every column
     eps = e.reshape(e.op("GatherElements", noise, rows, axis=0), [width])
-    return eps, e.op("Where", first_half, e.scalar(sigma, member), e.scalar(-sigma, member))
+    scale = e.op("Where", first_half, e.scalar(sigma, member), e.scalar(-sigma, member))
+    after = e.op("Add", row, e.scalar(1.0, member))
+    minus = e.op("Where", e.op("Less", after, e.scalar(pairs, member)), e.op("Add", after, e.scalar(pairs, member)),
+                 e.scalar(0.0, member))
+    following = e.op("Where", first_half, after, minus, name=member.name + NEXT)
+    keys.set_role(following, keys.Role.CARRIED)
+    return eps, scale, following
 
 
 def next_rewards(e: Emitter, member: ir.Value, reward: ir.Value, rewards: ir.Value) -> ir.Value:
@@ -61,15 +70,6 @@ def next_rewards(e: Emitter, member: ir.Value, reward: ir.Value, rewards: ir.Val
     count = static_shape(rewards)[0]
     slots = e.const(np.arange(count, dtype=np.float32))
     following = e.op("Where", e.op("Equal", slots, member), reward, rewards, name=rewards.name + NEXT)
-    keys.set_role(following, keys.Role.CARRIED)
-    return following
-
-
-def next_member(e: Emitter, member: ir.Value, count: int) -> ir.Value:
-    """m + 1, or 0 after member count - 1: the counter starts every step at 0."""
-    after = e.op("Add", member, e.scalar(1.0, member))
-    following = e.op("Where", e.op("Less", after, e.scalar(count, member)), after, e.scalar(0.0, member),
-                     name=member.name + NEXT)
     keys.set_role(following, keys.Role.CARRIED)
     return following
 

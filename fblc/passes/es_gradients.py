@@ -27,8 +27,7 @@ import onnx_ir as ir
 from fblc.compiler import keys
 from fblc.compiler.es import (EXTERNAL, MEMBER_OUTPUT, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT, EsConfig,
                               direction, flat_slice, member_forward, param_dependents, perturbed_forward, z_scores)
-from fblc.compiler.es_loop import (CARRIED_REWARDS, MEMBER, carried_input, member_perturbation, next_member,
-                                   next_rewards)
+from fblc.compiler.es_loop import CARRIED_REWARDS, MEMBER, carried_input, member_perturbation, next_rewards
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.passes.build_gradients import trainable_params
@@ -81,10 +80,10 @@ def _looped_members(e: Emitter, graph: ir.Graph, forward: list[ir.Node], params:
     member = carried_input(graph, MEMBER, np.zeros((), np.float32), noise)
     filled = carried_input(graph, CARRIED_REWARDS, np.zeros(count, np.float32), noise)
     e.prefix = "es/member"
-    eps, scale = member_perturbation(e, member, noise, config.sigma)
+    eps, scale, following_member = member_perturbation(e, member, noise, config.sigma)
     member_loss, member_prediction = perturbed_forward(e, forward, params, eps, scale, [loss, prediction])
     reward = e.reshape(REWARD_BUILDERS[config.reward](e, member_loss, member_prediction, labels), [1])
-    following = [next_rewards(e, member, reward, filled), next_member(e, member, count)]
+    following = [next_rewards(e, member, reward, filled), following_member]
     e.prefix = "es"
     reward_vector = e.op("Identity", filled, name=REWARDS_OUTPUT)
     keys.set_role(reward_vector, Role.METRIC)

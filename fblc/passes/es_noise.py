@@ -35,9 +35,15 @@ from fblc.passes.contracts import ContractPass
 
 def _row_index(indices: ir.Value) -> ir.Value:
     """The row a member loop's GatherElements reads (fblc.compiler.es_loop.member_perturbation): its indices are
-    the row index [1, 1] expanded over the columns; PhiloxNormal reads element 0 of whatever it is given."""
+    the row expanded over the columns, an int64 Cast of the float row where the counter makes it, which
+    PhiloxNormal reads as it is (a float row index is exact); PhiloxNormal reads element 0 of what it is given."""
     spread = indices.producer()
-    return spread.inputs[0] if spread is not None and spread.op_type == "Expand" else indices
+    row = spread.inputs[0] if spread is not None and spread.op_type == "Expand" else indices
+    cast = row.producer() if row is not None else None
+    if cast is not None and cast.op_type == "Cast" and cast.inputs[0] is not None \
+            and cast.inputs[0].dtype == ir.DataType.FLOAT:
+        return cast.inputs[0]
+    return row
 
 
 class EsNoise(ContractPass):
@@ -78,9 +84,10 @@ class EsNoise(ContractPass):
             reader.outputs[0].replace_all_uses_with(made)
             indices = reader.inputs[1]
             graph.remove(reader, safe=True)
-            spread = indices.producer() if indices is not None else None
-            if spread is not None and spread.op_type == "Expand" and not indices.uses():
-                graph.remove(spread, safe=True)  # the row's Expand over the columns, read by nothing now
+            while indices is not None and not indices.uses() and indices not in graph.outputs \
+                    and (made_it := indices.producer()) is not None and made_it.op_type in ("Expand", "Cast"):
+                indices = made_it.inputs[0]  # the row's Expand over the columns, its Cast: read by nothing now
+                graph.remove(made_it, safe=True)
         graph.inputs.remove(noise)
         e.anchor = None
         after = e.op("Add", counter, e.scalar(1.0, counter), name=f"{ITERATION}.new")
