@@ -254,6 +254,15 @@ class BufferTable:
         return sum(image_bytes(i["format"], i["width"], i["height"]) for i in self.images)
 
 
+def through_loops(lifetimes: list[Lifetime], loops: list[Loop]) -> list[Lifetime]:
+    """`lifetimes` with each texture that a loop's body reads and a launch before the loop made living until the
+    loop's last launch: every repetition reads it, not only the first (no texture may take its image before)."""
+    for loop in loops:
+        lifetimes = [(first, max(last, loop.end - 1)) if first < loop.begin <= last else (first, last)
+                     for first, last in lifetimes]
+    return lifetimes
+
+
 def buffer_table(model: ir.Model, program: Program) -> BufferTable:
     """The program's textures with their lifetimes and the images they share. Pinned textures keep an image of
     their own: the runtimes read or write them (graph inputs and outputs, the loss), they carry initial data
@@ -265,9 +274,7 @@ def buffer_table(model: ir.Model, program: Program) -> BufferTable:
         for texture_id in kernel.outputs + kernel.inputs:
             uses.setdefault(texture_id, []).append(index)
     lifetimes = [(uses[t.id][0], uses[t.id][-1]) if t.id in uses else (-1, -1) for t in program.textures]
-    for loop in program.loops:  # what a loop's body reads of the launches before it lives until its last repetition
-        lifetimes = [(first, max(last, loop.end - 1)) if first < loop.begin <= last else (first, last)
-                     for first, last in lifetimes]
+    lifetimes = through_loops(lifetimes, program.loops)
     carried = {t for loop in program.loops for pair in loop.swaps for t in pair}
     outside = list(model.graph.inputs) + list(model.graph.outputs)
     pinned = (set(program.initial) | {t for pair in program.swaps + program.finite_swaps for t in pair} | carried

@@ -13,6 +13,11 @@ reward (`--reward`), the outputs `rewards` [2P] and `reward_mean` (role `metric`
 Member m's nodes are named `es/member_<m>/...`. Nothing is saved for a backward: member m's
 activations are dead once its reward is made.
 
+With EsConfig.loop (`fblc compile`, not `fblc train-graph`) and a reward the step computes, the members are one
+copy, `es/member/...`, indexed by the member counter a loop of the kernel plan carries (fblc.compiler.es_loop):
+the graph inputs `es.member` and `es.rewards` (role `carried`) and outputs `es.member.next`, `es.rewards.next`;
+`rewards` is then `es.rewards` as the loop leaves it, and the model's `fblc.es` gains `loop`: 2P (else 0).
+
 Preconditions: attach_loss ran; parameters are graph inputs with role `param`. In place.
 Errors: pairs < 1, sigma <= 0, an unknown reward; `accuracy` without class labels.
 """
