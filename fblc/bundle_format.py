@@ -14,7 +14,10 @@ A bundle is a directory:
                  (kernel name, global/local size, texture arguments, and the schedule its kernel
                  was built with: optional, for tools), the state swaps after a step, and under dynamic
                  loss scaling `swaps_if_finite` {flag, pairs}: pairs swapped only after a step whose
-                 flag texture (the metric `skipped`) reads 0 (fblc.passes.commit_if_finite);
+                 flag texture (the metric `skipped`) reads 0 (fblc.passes.commit_if_finite); an ES step's
+                 `loops` [{begin, end, count, swaps}]: launches begin..end-1 run `count` times, the
+                 (carried, next) texture pairs of `swaps` exchanged after each repetition (ES members in a
+                 loop, fblc.compiler.es_loop);
 - kernels.cl     OpenCL C, one __kernel per launch, its textures image2d_t (what phones run);
 - kernels.buffer.cl  the same kernels, their textures __global buffers of texels in index order
                  (LocalRunner's storage "buffer"); plan.json's launches give each kernel's lines in

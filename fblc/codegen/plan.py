@@ -1,6 +1,6 @@
 """Lowering a fused step graph (every node carries `fblc.kernel`) to a `Program`: the kernels, the textures with
-their initial contents, the launch order, and the state swaps that make the `.new` outputs the next step's inputs
-(docs/ARCHITECTURE.md §3). Every group without an emitter, or that its emitter refuses, is named in one error.
+their initial contents, the launch order, the state swaps that make the `.new` outputs the next step's inputs, and
+the loop an ES step repeats its members' launches in (docs/ARCHITECTURE.md §3; fblc.compiler.es_loop). Every group without an emitter, or that its emitter refuses, is named in one error.
 `buffer_table` then gives each texture its lifetime and the image it shares (plan.json's `images`, §4).
 """
 
