@@ -31,7 +31,7 @@ ReportAnnex = Callable[[str, ir.Model], Any]
 
 def launches_per_step(program: Program) -> int:
     """The launches a step enqueues: the plan's, its loops' bodies as often as they repeat."""
-    return len(program.kernels) + sum((loop.count - 1) * (loop.end - loop.begin) for loop in program.loops)
+    return sum(program.repetitions(index) for index in range(len(program.kernels)))
 
 
 def build_report(model: ir.Model, program: Program, table: BufferTable, seconds: float) -> dict[str, Any]:

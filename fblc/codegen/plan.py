@@ -88,6 +88,10 @@ class Program:
     #: swapped after every repetition (ES members in a loop: fblc.compiler.es_loop)
     loops: list[Loop] = field(default_factory=list)
 
+    def repetitions(self, index: int) -> int:
+        """How often a step runs launch `index`: its loop's count, else once."""
+        return next((loop.count for loop in self.loops if loop.begin <= index < loop.end), 1)
+
     def family_counts(self) -> dict[str, int]:
         return dict(Counter(k.family for k in self.kernels))
 
