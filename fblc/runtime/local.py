@@ -135,6 +135,7 @@ class LocalRunner:
         self.queue = cl.CommandQueue(self.context, properties=properties)
         self.textures = self.plan["textures"]
         self._check_limits()
+        self._check_loops()
         # textures with disjoint lifetimes share an image: plan.json's images, allocated as they are
         specs = self.plan["images"]
         self.images = [self._allocate(spec) for spec in specs]
@@ -184,6 +185,15 @@ class LocalRunner:
                 raise BundleError(f"launch '{launch['name']}' has work-groups of {group} work-items, beyond "
                                   f"{self.device.name}'s {most}; compile for a target with this device's limits "
                                   "(--target local)")
+
+    def _check_loops(self) -> None:
+        """plan.json's loops (ES members): each a range of launches after the previous one, repeated at least once."""
+        after = 0
+        for loop in self.plan.get("loops", []):
+            if not after <= loop["begin"] < loop["end"] <= len(self.plan["kernels"]) or loop["count"] < 1:
+                raise BundleError(f"'{self.bundle}' is not a valid fblc bundle: a loop of plan.json is not a range of "
+                                  "launches after the previous loop, repeated at least once; compile the bundle again")
+            after = loop["end"]
 
     def _allocate(self, spec: dict[str, Any]) -> Any:
         cl = self.cl
