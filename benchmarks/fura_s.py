@@ -3,7 +3,8 @@
     python benchmarks/fura_s.py [--iterations 40] [--pairs 8] [--target adreno830] [--large]
 
 Table 1 (memory): for each model and trainer, the trainable values and report.json's planned
-device peak (`memory.device_peak`) of the compiled bundle, its kernels and compile time (with
+device peak (`memory.device_peak`) of the compiled bundle, its kernels (the plan's launches; an ES step's members
+are one forward its loop repeats) and the launches a step enqueues, and compile time (with
 `--large` also the Llama-3.2-1B-shaped decoder of benchmarks/llama_shaped.py, batch 1, T=256);
 "n/a" where the adapter has no site (MemFLoRA adapts Conv layers, FuRA-S MatMul/Gemm layers, LoRA
 Conv layers, or MatMul/Gemm layers in a model without an eligible conv).
@@ -66,8 +67,8 @@ def memory_table(directory: str, target: str, large: bool = False) -> list[str]:
 
         cases.append(("llama-3.2-1B-shaped B=1 T=256", build_llama_shaped(os.path.join(directory, "llama1b.onnx")),
                       list(LARGE_TRAINERS)))
-    rows = ["| model | trainer | trainable values | device peak MB | kernels | compile s |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| model | trainer | trainable values | device peak MB | kernels | launches / step | compile s |",
+            "|---|---|---|---|---|---|---|"]
     for name, path, trainers in cases:
         for trainer in trainers:
             started = time.perf_counter()
@@ -75,11 +76,11 @@ def memory_table(directory: str, target: str, large: bool = False) -> list[str]:
                 _, report = compile_model(path, os.path.join(directory, "bundle"), target, "fp32",
                                           TRAINERS[trainer]({}))
             except FblcError as error:
-                rows.append(f"| {name} | {trainer} | n/a ({error.cause[:70]}) | | | |")
+                rows.append(f"| {name} | {trainer} | n/a ({error.cause[:70]}) | | | | |")
                 continue
             values = sum(int(np.prod(t["shape"])) for t in report["trained"]["tensors"])
             rows.append(f"| {name} | {trainer} | {values:,} | {report['memory']['device_peak'] / 1e6:.2f} | "
-                        f"{report['kernels']} | {time.perf_counter() - started:.1f} |")
+                        f"{report['kernels']} | {report['launches_per_step']} | {time.perf_counter() - started:.1f} |")
             print(f"  {name}: {trainer}", file=sys.stderr, flush=True)
     return rows
 

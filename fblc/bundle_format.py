@@ -14,7 +14,10 @@ A bundle is a directory:
                  (kernel name, global/local size, texture arguments, and the schedule its kernel
                  was built with: optional, for tools), the state swaps after a step, and under dynamic
                  loss scaling `swaps_if_finite` {flag, pairs}: pairs swapped only after a step whose
-                 flag texture (the metric `skipped`) reads 0 (fblc.passes.commit_if_finite);
+                 flag texture (the metric `skipped`) reads 0 (fblc.passes.commit_if_finite); an ES step's
+                 `loops` [{begin, end, count, swaps}]: launches begin..end-1 run `count` times, the
+                 (carried, next) texture pairs of `swaps` exchanged after each repetition (ES members in a
+                 loop, fblc.compiler.es_loop);
 - kernels.cl     OpenCL C, one __kernel per launch, its textures image2d_t (what phones run);
 - kernels.buffer.cl  the same kernels, their textures __global buffers of texels in index order
                  (LocalRunner's storage "buffer"); plan.json's launches give each kernel's lines in
@@ -39,8 +42,9 @@ from fblc.errors import BundleError  # kept as fmt.BundleError: the runtimes rai
 
 FORMAT_NAME = "fblc-bundle"
 #: 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures; 4: manifest_sha256;
-#: 5: plan.json `swaps_if_finite` (a runtime that ignored it would never commit those states)
-FORMAT_VERSION = 5
+#: 5: plan.json `swaps_if_finite` (a runtime that ignored it would never commit those states); 6: plan.json `loops`
+#: (ES members in a loop: a runtime that ignored it would run one member)
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 KERNELS = "kernels.cl"

@@ -169,19 +169,28 @@ def test_the_device_trains_as_the_onnx_step_with_the_same_philox_noise(tmp_path)
     seed and step. Iteration 1's loss is the model's own; over 20 iterations on one batch it falls."""
     path, feeds, options = _mlp_es(tmp_path)
     step, report = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
-    assert report["kernels_per_family"].get("random") == 2 * 4 + 1  # a row per member, the direction's sum
+    # the members are one forward the plan's loop repeats 8 times: one row kernel, the direction's sum
+    assert report["kernels_per_family"].get("random") == 2
+    [loop] = json.load(open(tmp_path / "bundle" / "plan.json"))["loops"]
+    assert loop["count"] == 8 and report["launches_per_step"] == report["kernels"] + 7 * (loop["end"] - loop["begin"])
     assert not any(n.op_type == "Slice" and n.inputs[0].name == "noise" for n in step.graph)
     save_model_atomically(reference_graph(step, path, options), str(tmp_path / "step.onnx"))
     reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
                                                                                progress=False, storage="image")
     width = sum(int(np.prod(p["shape"])) for p in runner.manifest["parameters"])
-    for row in (0, 3):  # a row's image is reused once its member is done: read it right after its kernel
-        texture = runner.plan["values"][f"es/noise_row_{row}"]
-        made_by = next(i for i, k in enumerate(runner.plan["kernels"]) if texture in k["outputs"])
-        for index in range(made_by + 1):
+    texture = runner.plan["values"]["es/noise_row"]
+    made_by = next(i for i, k in enumerate(runner.plan["kernels"]) if texture in k["outputs"])
+    launches, made = runner.launch_sequence(), 0
+    for member, row in ((0, 0), (3, 3), (7, 3)):  # +eps_1, +eps_4, -eps_4: read right after the row's kernel
+        for index in launches:
             runner.launch(index)
+            made += index == made_by
+            if made == member + 1:
+                break
         np.testing.assert_allclose(runner._read(texture).reshape(-1)[:width], es_noise(11, 0, (4, width))[row],
                                    atol=1e-5)
+    for index in launches:  # the rest of the loop: its member counter is back at 0 for the step below
+        runner.launch(index)
     assert runner.step(feeds) == pytest.approx(_cross_entropy(_session(path).run(None, {"x": feeds["x"]})[0],
                                                                feeds["labels"]), rel=1e-5)
     reference.step(feeds)

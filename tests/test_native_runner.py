@@ -159,6 +159,17 @@ def test_fura_s_es_bundle_trains_as_with_the_python_runtime_and_reports_its_rewa
     done = run(runner_binary, str(tmp_path / "es"), data, str(tmp_path / "out"), 2, opencl_env)
     lines = [json.loads(line) for line in done.stdout.splitlines() if '"step"' in line]
     assert [sorted(line) for line in lines] == [["loss", "ms", "reward_mean", "step"]] * 2
+    # the members are one forward the plan's loop repeats: a loop past the last launch is refused by both runtimes
+    plan["loops"][0]["end"] = len(plan["kernels"]) + 1
+    with open(tmp_path / "es" / fmt.PLAN, "w") as handle:
+        json.dump(plan, handle)
+    manifest["checksums"][fmt.PLAN] = fmt.sha256_of(str(tmp_path / "es" / fmt.PLAN))
+    with open(tmp_path / "es" / fmt.MANIFEST, "wb") as handle:
+        handle.write(fmt.sealed_manifest({k: v for k, v in manifest.items() if k != fmt.MANIFEST_DIGEST}))
+    refused = run(runner_binary, str(tmp_path / "es"), data, str(tmp_path / "out"), 1, opencl_env, check=False)
+    assert refused.returncode == 2 and "a loop of plan.json is not a range of launches" in refused.stderr
+    with pytest.raises(fmt.BundleError, match="a loop of plan.json is not a range of launches"):
+        LocalRunner(str(tmp_path / "es"), progress=False)
     external = dataclasses.replace(options, es=EsConfig(pairs=2, reward="external"))
     compile_model(path, str(tmp_path / "external"), "adreno830", "fp32", external)
     refused = run(runner_binary, str(tmp_path / "external"), data, str(tmp_path / "out"), 1, opencl_env, check=False)

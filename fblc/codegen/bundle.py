@@ -85,6 +85,7 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                                 program.schedules.get(k.name))
                         for k in program.kernels],
             "swaps": [list(pair) for pair in program.swaps],
+            **({"loops": [loop.to_json() for loop in program.loops]} if program.loops else {}),
             **({"swaps_if_finite": {"flag": program.finite_flag,
                                     "pairs": [list(pair) for pair in program.finite_swaps]}}
                if program.finite_swaps else {}),

@@ -29,11 +29,17 @@ from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
 ReportAnnex = Callable[[str, ir.Model], Any]
 
 
+def launches_per_step(program: Program) -> int:
+    """The launches a step enqueues: the plan's, its loops' bodies as often as they repeat."""
+    return sum(program.repetitions(index) for index in range(len(program.kernels)))
+
+
 def build_report(model: ir.Model, program: Program, table: BufferTable, seconds: float) -> dict[str, Any]:
     beyond = [{"name": t.name, "width": t.width, "height": t.height} for t in program.textures
               if max(t.width, t.height) > PORTABLE_IMAGE_EDGE]
     return {"compile_seconds": round(seconds, 3), "step_nodes": len(model.graph),
-            "kernels": len(program.kernels), "distinct_kernels": len({k.function for k in program.kernels}),
+            "kernels": len(program.kernels), "launches_per_step": launches_per_step(program),
+            "distinct_kernels": len({k.function for k in program.kernels}),
             "kernels_per_family": program.family_counts(),
             "textures": len(program.textures), "texture_bytes": table.texture_bytes,
             "initial_bytes": sum(a.nbytes for a in program.initial.values()),

@@ -1,6 +1,6 @@
 """Lowering a fused step graph (every node carries `fblc.kernel`) to a `Program`: the kernels, the textures with
-their initial contents, the launch order, and the state swaps that make the `.new` outputs the next step's inputs
-(docs/ARCHITECTURE.md §3). Every group without an emitter, or that its emitter refuses, is named in one error.
+their initial contents, the launch order, the state swaps that make the `.new` outputs the next step's inputs, and
+the loop an ES step repeats its members' launches in (docs/ARCHITECTURE.md §3; fblc.compiler.es_loop). Every group without an emitter, or that its emitter refuses, is named in one error.
 `buffer_table` then gives each texture its lifetime and the image it shares (plan.json's `images`, §4).
 """
 
@@ -28,6 +28,7 @@ from fblc.compiler import keys
 from fblc.compiler.loss_scale import SKIPPED
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import mark_refusal
+from fblc.compiler.es_loop import BODY, carried_pairs
 from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
 from fblc.compiler.ops import CONTRACTIONS
@@ -37,6 +38,36 @@ from fblc.passes.commit_if_finite import FINITE
 from fblc.passes.rtile_select import state_pairs
 from fblc.profiles import Profile
 from fblc.texel_layout import pack
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Launches [begin, end) of the plan, run `count` times in a row; after each repetition the runtimes swap
+    the textures of every (carried, next) pair in `swaps`, so the next repetition reads what this one made."""
+
+    begin: int
+    end: int
+    count: int
+    swaps: tuple[tuple[int, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"begin": self.begin, "end": self.end, "count": self.count, "swaps": [list(p) for p in self.swaps]}
+
+
+def loop_of(graph: ir.Graph, count: int, group_kernels: list[tuple[KernelGroup, range]],
+            values: Mapping[str, int]) -> list[Loop]:
+    """The plan's loop over the kernels of the groups in the loop's body (keys.LOOP_PHASE, pass es_loop): one
+    range of launches, repeated `count` times; [] for a step without one."""
+    body = [index for group, kernels in group_kernels if group.anchor.metadata_props.get(keys.LOOP_PHASE) == BODY
+            for index in kernels]
+    if not body:
+        return []
+    if body != list(range(body[0], body[-1] + 1)):
+        raise AssertionError(f"the loop's kernels {body} are not one range of launches: did fuse order them?")
+    if count < 1:
+        raise AssertionError(f"a step with a loop body repeats it {count} times")
+    swaps = tuple((values[carried.name], values[following.name]) for carried, following in carried_pairs(graph))
+    return [Loop(body[0], body[-1] + 1, count, swaps)]
 
 
 @dataclass
@@ -54,6 +85,13 @@ class Program:
     #: (state, .new) pairs swapped only after a step whose `finite_flag` texture (the metric `skipped`) reads 0
     finite_swaps: list[tuple[int, int]] = field(default_factory=list)
     finite_flag: int | None = None
+    #: plan.json's `loops`: launches [begin, end) run `count` times, each carried (texture, next texture) pair
+    #: swapped after every repetition (ES members in a loop: fblc.compiler.es_loop)
+    loops: list[Loop] = field(default_factory=list)
+
+    def repetitions(self, index: int) -> int:
+        """How often a step runs launch `index`: its loop's count, else once."""
+        return next((loop.count for loop in self.loops if loop.begin <= index < loop.end), 1)
 
     def family_counts(self) -> dict[str, int]:
         return dict(Counter(k.family for k in self.kernels))
@@ -111,9 +149,12 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
                                  f"({_decided(table.schedules, group)}): were they given different overrides?")
     kernels: list[Kernel] = []
     refusals: list[FblcError] = []
+    group_kernels: list[tuple[KernelGroup, range]] = []  # each group's launches
     for group in emitted:
         try:
+            start = len(kernels)
             kernels.extend(KERNEL_EMITTERS.lookup(group.anchor)(table, group))
+            group_kernels.append((group, range(start, len(kernels))))
         except UnsupportedOpError as refusal:  # e.g. an attribute the emitter does not handle; find the others too
             refusals.append(mark_refusal(refusal, group.anchor))
     gaps = KERNEL_EMITTERS.missing(g.anchor for g in groups)
@@ -146,7 +187,9 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     return Program(kernels, table.textures, initial, values, value_shapes,
                    [pair for pair, g in zip(swaps, gated) if not g], value_maps, source, kernel_lines,
                    {k.name: table.schedules[k.name].record() for k in kernels},
-                   [pair for pair, g in zip(swaps, gated) if g], values[SKIPPED] if any(gated) else None)
+                   [pair for pair, g in zip(swaps, gated) if g], values[SKIPPED] if any(gated) else None,
+                   loop_of(graph, int(keys.json_of(model.metadata_props, keys.ES, {}).get("loop", 0)), group_kernels,
+                           values))
 
 
 def compute_in_half(kernels: list[Kernel], table: TextureTable, graph: ir.Graph) -> None:
@@ -225,6 +268,15 @@ class BufferTable:
         return self.arena.bytes if self.buffers or self.arena_images else self.shared_image_bytes
 
 
+def through_loops(lifetimes: list[Lifetime], loops: list[Loop]) -> list[Lifetime]:
+    """`lifetimes` with each texture that a loop's body reads and a launch before the loop made living until the
+    loop's last launch: every repetition reads it, not only the first (no texture may take its image before)."""
+    for loop in loops:
+        lifetimes = [(first, max(last, loop.end - 1)) if first < loop.begin <= last else (first, last)
+                     for first, last in lifetimes]
+    return lifetimes
+
+
 def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferTable:
     """The program's textures with their lifetimes, the images they share and their places in the arena.
     Pinned textures keep an image of their own and the whole step in the arena: the runtimes read or write them
@@ -241,8 +293,10 @@ def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferT
         for texture_id in kernel.outputs + kernel.inputs:
             uses.setdefault(texture_id, []).append(index)
     lifetimes = [(uses[t.id][0], uses[t.id][-1]) if t.id in uses else (-1, -1) for t in program.textures]
+    lifetimes = through_loops(lifetimes, program.loops)
+    carried = {t for loop in program.loops for pair in loop.swaps for t in pair}
     outside = list(model.graph.inputs) + list(model.graph.outputs)
-    pinned = (set(program.initial) | {t for pair in program.swaps + program.finite_swaps for t in pair}
+    pinned = (set(program.initial) | {t for pair in program.swaps + program.finite_swaps for t in pair} | carried
               | {program.values["loss"]}
               | {program.values[v.name] for v in outside if v.name in program.values})
     images: list[dict[str, Any]] = []

@@ -37,7 +37,8 @@ from fblc.profiles.roofline import LaunchWork, launch_time
 
 def estimate_object(model: ir.Model, program: Program, profile: Profile,
                     cache: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """report.json's `estimate`: each launch's time by the profile's roofline (fblc.profiles.roofline: occupancy,
+    """report.json's `estimate`: each launch's time in a step (a loop's launches: all `repeats`) by the profile's
+    roofline (fblc.profiles.roofline: occupancy,
     half rate, texture and DRAM bytes, launch cost) from what the compiler knows of its work without reading
     its kernel: its nodes' FLOPs, as fused multiply-adds (in half where every float texture it writes is half
     and the target computes in half), each texture it reads fetched once, whole texels, and the bytes it
@@ -48,7 +49,7 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
     misses = {k["kernel"]: k["misses"] for k in cache["kernels"]} if cache else {}
     block_texels = profile.tex_block_width * profile.tex_block_height
     kernels, total = [], 0.0
-    for kernel in program.kernels:
+    for index, kernel in enumerate(program.kernels):
         flops = group_flops.pop(kernel.name.split("_", 1)[0], 0)  # counted once, at the group's first kernel
         written = sum(program.textures[t].image_bytes for t in kernel.outputs)
         read = sum(program.textures[t].image_bytes for t in set(kernel.inputs))
@@ -60,10 +61,12 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
         slots = flops / 2  # every flop in a fused multiply-add: the fewest issue slots its nodes take
         time = launch_time(profile, LaunchWork(kernel.global_size, launched, group, 0 if half else slots,
                                                slots if half else 0, read, read + written))
-        kernels.append({"kernel": kernel.name, "family": kernel.family, "flops": flops, "bytes": read + written,
-                        "ms": round(time.ms, 6), "bound": time.bound, "lanes": round(time.lane_share, 4),
-                        "half": half})
-        total += time.ms
+        repeats = program.repetitions(index)  # a loop's launches (ES members) run once per repetition
+        kernels.append({"kernel": kernel.name, "family": kernel.family, "flops": flops * repeats,
+                        "bytes": (read + written) * repeats, "ms": round(time.ms * repeats, 6), "bound": time.bound,
+                        "lanes": round(time.lane_share, 4), "half": half,
+                        **({"repeats": repeats} if repeats > 1 else {})})
+        total += time.ms * repeats
     return {"kind": "estimate from the target profile (fblc.profiles.roofline: peak_gflops at the lanes a launch "
                     "occupies, half_rate, texture_bytes_per_clock, bandwidth_gbps, launch_us), not measured; "
                     "work: the nodes' FLOPs, each texture read once",

@@ -49,6 +49,9 @@ class EsConfig:
     reward: str = choices.ES_REWARD
     #: seed of the device's Philox noise (fblc.compiler.philox)
     seed: int = 0
+    #: build the 2P members as one member forward that a loop of the kernel plan repeats (fblc.compiler.es_loop;
+    #: `fblc compile` sets it), not 2P copies (the ONNX step onnxruntime checks: `fblc train-graph`)
+    loop: bool = False
 
     def validate(self) -> None:
         if self.pairs < 1:
@@ -117,11 +120,18 @@ def member_forward(e: Emitter, forward: list[ir.Node], params: list[ir.Value], n
     """`outputs` of the forward at theta + sign * sigma * noise[row]: a copy of the nodes that read a
     parameter, the rest shared."""
     eps = noise_row(e, noise, row)
+    return perturbed_forward(e, forward, params, eps, e.scalar(sign * sigma, params[0]), outputs)
+
+
+def perturbed_forward(e: Emitter, forward: list[ir.Node], params: list[ir.Value], eps: ir.Value, scale: ir.Value,
+                      outputs: list[ir.Value]) -> list[ir.Value]:
+    """`outputs` of the forward at theta + scale * eps (eps [D], scale a scalar value): a copy of the nodes that
+    read a parameter, the rest shared."""
     mapping: dict[int, ir.Value] = {}
     offset = 0
     for param in params:
         shape = static_shape(param)
-        step = e.op("Mul", flat_slice(e, eps, offset, shape), e.scalar(sign * sigma, param))
+        step = e.op("Mul", flat_slice(e, eps, offset, shape), scale)
         mapping[id(param)] = e.op("Add", param, step)
         offset += int(np.prod(shape, dtype=np.int64))
     for node in forward:

@@ -76,6 +76,11 @@ ADAPTER_MASK = "fblc.adapter.mask"
 FURA_S = "fblc.fura_s"
 #: On the model: JSON of the ES configuration (pairs, sigma, reward, seed, values).
 ES = "fblc.es"
+#: On a graph input that a loop of the kernel plan carries (ES members in a loop, fblc.compiler.es_loop): the
+#: name of the graph output that becomes its value for the next repetition (the runtimes swap the two textures).
+LOOP_CARRIED = "fblc.loop_carried"
+#: On a node (pass es_loop): "before", "body" or "after" the plan's loop; fuse merges no two kernels of different ones.
+LOOP_PHASE = "fblc.loop_phase"
 
 #: On the graph: what chose the trained set when an adapter did (its factors, FuRA-S's singular values), as text.
 TRAINED_BY = "fblc.trained_by"
@@ -110,6 +115,9 @@ class Role(str, enum.Enum):
     METRIC = "metric"
     #: ES rewards the application computes (--reward external): an input uploaded mid-step
     REWARD = "reward"
+    #: what a loop of the kernel plan carries (ES members in a loop, fblc.compiler.es_loop): the graph input and
+    #: the output that is its next value (LOOP_CARRIED)
+    CARRIED = "carried"
 
 
 def set_role(value: "object", role: Role) -> None:

@@ -13,6 +13,11 @@ reward (`--reward`), the outputs `rewards` [2P] and `reward_mean` (role `metric`
 Member m's nodes are named `es/member_<m>/...`. Nothing is saved for a backward: member m's
 activations are dead once its reward is made.
 
+With EsConfig.loop (`fblc compile`, not `fblc train-graph`) and a reward the step computes, the members are one
+copy, `es/member/...`, indexed by the member counter a loop of the kernel plan carries (fblc.compiler.es_loop):
+the graph inputs `es.member` and `es.rewards` (role `carried`) and outputs `es.member.next`, `es.rewards.next`;
+`rewards` is then `es.rewards` as the loop leaves it, and the model's `fblc.es` gains `loop`: 2P (else 0).
+
 Preconditions: attach_loss ran; parameters are graph inputs with role `param`. In place.
 Errors: pairs < 1, sigma <= 0, an unknown reward; `accuracy` without class labels.
 """
@@ -26,7 +31,8 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.es import (EXTERNAL, MEMBER_OUTPUT, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT, EsConfig,
-                              direction, flat_slice, member_forward, param_dependents, z_scores)
+                              direction, flat_slice, member_forward, param_dependents, perturbed_forward, z_scores)
+from fblc.compiler.es_loop import CARRIED_REWARDS, MEMBER, carried_input, member_perturbation, next_rewards
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.passes.build_gradients import trainable_params
@@ -39,6 +45,54 @@ def _prediction(graph: ir.Graph) -> ir.Value | None:
             if value.metadata_props.get(keys.PREDICTION):
                 return value
     return next((v for v in graph.inputs if v.metadata_props.get(keys.PREDICTION)), None)
+
+
+def _unrolled_members(e: Emitter, graph: ir.Graph, forward: list[ir.Node], params: list[ir.Value], noise: ir.Value,
+                      config: EsConfig, loss: ir.Value, prediction: ir.Value, labels: ir.Value | None
+                      ) -> tuple[ir.Value, list[ir.Value]]:
+    """2P copies of the member forward: (the rewards [2P], the outputs that report them)."""
+    rewards, members = [], []
+    for sign in (1.0, -1.0):
+        for row in range(config.pairs):
+            member = len(rewards) + len(members) + 1
+            e.prefix = f"es/member_{member}"  # the member's perturbation, forward copy and reward
+            member_loss, member_prediction = member_forward(e, forward, params, noise, row, sign, config.sigma,
+                                                            [loss, prediction])
+            if config.reward == EXTERNAL:
+                members.append(e.op("Identity", member_prediction, name=MEMBER_OUTPUT.format(member)))
+                keys.set_role(members[-1], Role.METRIC)
+            else:
+                reward = REWARD_BUILDERS[config.reward](e, member_loss, member_prediction, labels)
+                rewards.append(e.reshape(reward, [1]))
+    e.prefix = "es"
+    if config.reward != EXTERNAL:
+        reward_vector = e.op("Concat", *rewards, axis=0, name=REWARDS_OUTPUT)
+        keys.set_role(reward_vector, Role.METRIC)
+        return reward_vector, [reward_vector]
+    reward_vector = ir.Value(name=REWARDS_OUTPUT, shape=ir.Shape([2 * config.pairs]),
+                             type=ir.TensorType(ir.DataType.FLOAT))
+    keys.set_role(reward_vector, Role.REWARD)
+    graph.inputs.insert(graph.inputs.index(noise), reward_vector)
+    return reward_vector, members
+
+
+def _looped_members(e: Emitter, graph: ir.Graph, forward: list[ir.Node], params: list[ir.Value], noise: ir.Value,
+                    config: EsConfig, loss: ir.Value, prediction: ir.Value, labels: ir.Value | None,
+                    carried: list[ir.Value]) -> tuple[ir.Value, list[ir.Value]]:
+    """One member forward indexed by the counter the plan's loop carries (fblc.compiler.es_loop): (the rewards
+    [2P] after the loop, `carried` with the loop's next values added)."""
+    count = 2 * config.pairs
+    member = carried_input(graph, MEMBER, np.zeros((), np.float32), noise)
+    filled = carried_input(graph, CARRIED_REWARDS, np.zeros(count, np.float32), noise)
+    e.prefix = "es/member"
+    eps, scale, following_member = member_perturbation(e, member, noise, config.sigma)
+    member_loss, member_prediction = perturbed_forward(e, forward, params, eps, scale, [loss, prediction])
+    reward = e.reshape(REWARD_BUILDERS[config.reward](e, member_loss, member_prediction, labels), [1])
+    following = [next_rewards(e, member, reward, filled), following_member]
+    e.prefix = "es"
+    reward_vector = e.op("Identity", filled, name=REWARDS_OUTPUT)
+    keys.set_role(reward_vector, Role.METRIC)
+    return reward_vector, carried + following
 
 
 class EsGradients(ContractPass):
@@ -67,30 +121,14 @@ class EsGradients(ContractPass):
         labels = next((v for v in graph.inputs if keys.get_role(v) == Role.LABEL.value), None)
         forward = param_dependents(graph, params)
         e = Emitter(graph, stage="es")
-        rewards, members = [], []
-        for sign in (1.0, -1.0):
-            for row in range(config.pairs):
-                member = len(rewards) + len(members) + 1
-                e.prefix = f"es/member_{member}"  # the member's perturbation, forward copy and reward
-                member_loss, member_prediction = member_forward(e, forward, params, noise, row, sign, config.sigma,
-                                                                [loss, prediction])
-                if config.reward == EXTERNAL:
-                    members.append(e.op("Identity", member_prediction, name=MEMBER_OUTPUT.format(member)))
-                    keys.set_role(members[-1], Role.METRIC)
-                else:
-                    reward = REWARD_BUILDERS[config.reward](e, member_loss, member_prediction, labels)
-                    rewards.append(e.reshape(reward, [1]))
-        e.prefix = "es"
-        if config.reward == EXTERNAL:
-            reward_vector = ir.Value(name=REWARDS_OUTPUT, shape=ir.Shape([2 * config.pairs]),
-                                     type=ir.TensorType(ir.DataType.FLOAT))
-            keys.set_role(reward_vector, Role.REWARD)
-            graph.inputs.insert(graph.inputs.index(noise), reward_vector)
-            reported = members
-        else:
-            reward_vector = e.op("Concat", *rewards, axis=0, name=REWARDS_OUTPUT)
-            keys.set_role(reward_vector, Role.METRIC)
+        looped = config.loop and config.reward != EXTERNAL  # an external reward reads every member's output
+        if looped:
+            reward_vector, carried = _looped_members(e, graph, forward, params, noise, config, loss, prediction,
+                                                     labels, carried)
             reported = [reward_vector]
+        else:
+            reward_vector, reported = _unrolled_members(e, graph, forward, params, noise, config, loss, prediction,
+                                                        labels)
         mean = e.op("ReduceMean", reward_vector, keepdims=0, name=REWARD_MEAN)
         keys.set_role(mean, Role.METRIC)
         estimate = e.op("Mul", direction(e, z_scores(e, reward_vector), noise), e.scalar(-config.sigma, noise))
@@ -104,5 +142,6 @@ class EsGradients(ContractPass):
         graph.outputs.clear()
         graph.outputs.extend([loss, *reported, mean, *grads, *carried])
         model.metadata_props[keys.ES] = json.dumps({"pairs": config.pairs, "sigma": config.sigma,
-                                                    "reward": config.reward, "seed": config.seed, "values": width})
+                                                    "reward": config.reward, "seed": config.seed, "values": width,
+                                                    "loop": 2 * config.pairs if looped else 0})
         return ir.passes.PassResult(model, True)

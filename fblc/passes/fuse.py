@@ -20,8 +20,8 @@ kernel while it reads at most READ_IMAGE_ARGS textures. A Concat or constant Pad
 elementwise chain that reads it, which then computes it per element from its inputs' textures
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
 contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
-its own). Every other op runs alone. Kernels are numbered in a
-topological order. Preconditions: static shapes; topologically sorted graph. In place;
+its own). Every other op runs alone. No kernel holds nodes of two phases of a loop (before, body, after:
+pass es_loop). Kernels are numbered in a topological order. Preconditions: static shapes; topologically sorted graph. In place;
 `modified` is true when any annotation changed.
 """
 
@@ -150,6 +150,10 @@ class _Groups:
     def of(self, node: ir.Node) -> int | None:
         return self.find(id(node)) if id(node) in self.root else None
 
+    def phase(self, group: int) -> str | None:
+        """Before, in or after the plan's loop (keys.LOOP_PHASE, pass es_loop); None in a step with no loop."""
+        return self.members[group][0].metadata_props.get(keys.LOOP_PHASE)
+
     def first(self, group: int) -> int:
         return self.span[group][0]
 
@@ -207,6 +211,8 @@ class _Groups:
     def can_merge(self, a: int, b: int) -> bool:
         if a == b or "single" in (self.kind[a], self.kind[b]) or self.shape[a] != self.shape[b]:
             return False
+        if self.phase(a) != self.phase(b):
+            return False  # one runs in a loop's body, the other before or after it (es_loop)
         if self.kind[a] in ANCHORED and self.kind[b] in ANCHORED and not (
                 self.kind[a] == self.kind[b] == "reduction" and self.signature[a] == self.signature[b]):
             return False  # two contractions, or reductions of different extents (each has its own schedule)

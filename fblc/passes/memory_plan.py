@@ -48,6 +48,7 @@ import onnx_ir as ir
 
 from fblc import bundle_format as fmt
 from fblc.compiler import keys
+from fblc.compiler.es_loop import BODY
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
 from fblc.compiler.index_map import is_view, real_readers, view_root, views_of
@@ -227,6 +228,8 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
             if value is not None and value.shape is not None:
                 add(value)
     graph_outputs = {id(view_root(v)) for v in graph.outputs}
+    body = [index[id(n)] for n in graph if n.metadata_props.get(keys.LOOP_PHASE) == BODY and id(n) in index]
+    loop = (min(body), max(body)) if body else None  # the launches a loop repeats (es_loop)
     backward_from = next((k for k, stage in enumerate(stages) if stage == "backward"), -1)
     optimizer_from = next((k for k, stage in enumerate(stages) if stage == "optimizer"), -1)
     buffers: list[Buffer] = []
@@ -265,6 +268,8 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
             else:
                 cls = "buffer"
             last = last_step if key in graph_outputs else max(readers + [first])
+            if loop is not None and first < loop[0] <= last:  # read by a loop's body: live until its last repetition
+                last = max(last, loop[1])
         why = ""
         if cls in ("saved", "mask"):
             why = _why_saved(root, made_in)

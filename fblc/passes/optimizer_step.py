@@ -82,6 +82,7 @@ class OptimizerStep(ContractPass):
             assert state.new is not None, f"optimizer left state {state.name} without an update"
             outputs.append(name_output(e, state.new, f"{state.name}.new", Role.OPT_STATE))
         outputs += carried
+        outputs += [v for v in graph.outputs if keys.get_role(v) == Role.CARRIED.value]  # a loop's (es_loop)
         for state in shared_states:  # inputs in the order of the outputs: shared state after per-parameter state
             assert state.value is not None
             graph.inputs.remove(state.value)

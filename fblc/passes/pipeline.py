@@ -6,6 +6,7 @@ step. With a dump directory every pass's result is written as `NN_<pass>.onnx`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from fblc.passes.contracts import check_order
 from fblc.passes.classify_initializers import ClassifyInitializers
 from fblc.passes.eliminate_noops import EliminateNoops
 from fblc.passes.es_gradients import EsGradients
+from fblc.passes.es_loop import EsLoop
 from fblc.passes.es_noise import EsNoise
 from fblc.passes.fix_input_shapes import FixInputShapes
 from fblc.passes.fold_constants import FoldConstants
@@ -254,10 +256,13 @@ def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decid
     """After the step graph is built: layouts for the target, kernels, their schedules (the code
     generator's decisions, `schedules`, when the caller hands them in: kernel_schedules), memory."""
     return layout_passes(options, profile.cpu) + [RTileSelect(profile, options.layout, options.layout_search,
-                                                  options.traced_reads), FuseKernels(), StoragePrecision(options.dtype),
+                                                  options.traced_reads), EsLoop(), FuseKernels(), StoragePrecision(options.dtype),
                                      KernelSchedules(schedules), MemoryPlanPass()]
 
 
 def compile_pipeline(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
                      ) -> list[ir.passes.PassBase]:
-    return training_pipeline(options) + lowering_passes(options, profile, schedules)
+    """The training pipeline, then lowering; ES members as one forward that the kernel plan's loop repeats
+    (fblc.compiler.es_loop), where `training_pipeline` alone (the ONNX step onnxruntime checks) unrolls them."""
+    looped = dataclasses.replace(options, es=dataclasses.replace(options.es, loop=True))
+    return training_pipeline(looped) + lowering_passes(options, profile, schedules)

@@ -2,8 +2,8 @@
 
 It reads only the bundle (manifest, plan, kernels, params) and knows nothing about ONNX.
 Textures are created once; each step uploads the data inputs, launches the kernels in plan
-order, reads the loss, then swaps each state texture with its `.new` texture, so the next
-step reads the updated parameters without a copy.
+order (a loop of the plan's launches as often as it repeats: ES members in a loop), reads the loss, then swaps
+each state texture with its `.new` texture, so the next step reads the updated parameters without a copy.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -179,6 +179,7 @@ class LocalRunner:
         self.queue = cl.CommandQueue(self.context, properties=properties)
         self.textures = self.plan["textures"]
         self._check_limits()
+        self._check_loops()
         #: why the textures are not views of plan.json's arena ("": they are), e.g. images on a device without
         #: cl_khr_image2d_from_buffer, which then take plan.json's images, shared by one format and width
         self.arena_reason = arena_problem(self.plan, self.device, self.storage)
@@ -243,6 +244,15 @@ class LocalRunner:
                 raise BundleError(f"launch '{launch['name']}' has work-groups of {group} work-items, beyond "
                                   f"{self.device.name}'s {most}; compile for a target with this device's limits "
                                   "(--target local)")
+
+    def _check_loops(self) -> None:
+        """plan.json's loops (ES members): each a range of launches after the previous one, repeated at least once."""
+        after = 0
+        for loop in self.plan.get("loops", []):
+            if not after <= loop["begin"] < loop["end"] <= len(self.plan["kernels"]) or loop["count"] < 1:
+                raise BundleError(f"'{self.bundle}' is not a valid fblc bundle: a loop of plan.json is not a range of "
+                                  "launches after the previous loop, repeated at least once; compile the bundle again")
+            after = loop["end"]
 
     def _allocate(self, spec: dict[str, Any]) -> Any:
         cl = self.cl
@@ -409,11 +419,11 @@ class LocalRunner:
             if reward is None:
                 raise BundleError("this ES bundle takes its rewards from the application (--reward external); "
                                   "pass step(feeds, reward=fn), fn mapping the members' outputs to their rewards")
-            for index in range(external["launch"]):
+            for index in self.launch_sequence(0, external["launch"]):
                 self.launch(index)
             outputs = [self.read(member["name"]) for member in external["members"]]
             self.upload(external["texture"], fmt.checked_rewards(reward(outputs), external["count"]))
-            for index in range(external["launch"], len(self.kernels)):
+            for index in self.launch_sequence(external["launch"]):
                 self.launch(index)
         self.queue.finish()  # waits with the GIL released (a blocking read holds it): the build's progress lines go on
         loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
@@ -428,7 +438,32 @@ class LocalRunner:
         return loss
 
     def run_kernels(self) -> list[Any]:
-        return [self.launch(index) for index in range(len(self.kernels))]
+        """Enqueue the step's launches in plan order, each loop's body as often as it repeats (launch_sequence);
+        their events."""
+        return [self.launch(index) for index in self.launch_sequence()]
+
+    def launch_sequence(self, start: int = 0, stop: int | None = None) -> Iterator[int]:
+        """The plan's launch indices start..stop in the order a step enqueues them, as it goes: a loop of plan.json
+        (ES members in a loop) repeats its launches `count` times and, after each repetition, swaps the textures
+        of its carried pairs (the next repetition reads what this one made). A loop must lie inside or outside
+        start..stop."""
+        stop = len(self.kernels) if stop is None else stop
+        loops = {loop["begin"]: loop for loop in self.plan.get("loops", [])}
+        index = start
+        while index < stop:
+            loop = loops.get(index)
+            if loop is None:
+                yield index
+                index += 1
+                continue
+            if loop["end"] > stop:
+                raise BundleError(f"launches {start}..{stop} end inside the loop over launches "
+                                  f"{loop['begin']}..{loop['end']}")
+            for _ in range(loop["count"]):
+                yield from range(loop["begin"], loop["end"])
+                for carried, following in loop["swaps"]:
+                    self.binding[carried], self.binding[following] = self.binding[following], self.binding[carried]
+            index = loop["end"]
 
     def launch(self, index: int, offset: int = 0, size: int | None = None) -> Any:
         """Enqueue launch `index` of the plan with its schedule (work-items offset..offset+size, whole

@@ -1,6 +1,7 @@
 """Counter-based random numbers on the device: the noise of evolution strategies (pass es_noise).
 
-PhiloxNormal makes member row `row` of the noise where it is read; PhiloxWeightedSum sums weighted rows, each
+PhiloxNormal makes member row `row` (or the row its second input holds: ES members in a loop) of the noise where
+it is read; PhiloxWeightedSum sums weighted rows, each
 made again in the kernel; both as `fblc.compiler.philox.es_noise` computes them; docs/ARCHITECTURE.md §2.
 """
 
@@ -54,7 +55,9 @@ def _normals(block: Block, t: Var, seed: int, iteration: Expr, row: Expr) -> Var
 @lane_kernel(FAMILY, "PhiloxNormal")
 def emit_philox_normal(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     iteration = b.element(node.inputs[0], const(0))
-    normal = _normals(b.prologue, b.t, int(attr(node, "seed", 0)), iteration, const(int(attr(node, "row", 0)), INT))
+    # the row: a second input (a member loop's row index, es_loop), else the `row` attribute
+    row = b.element(node.inputs[1], const(0)) if len(node.inputs) > 1 else const(int(attr(node, "row", 0)), INT)
+    normal = _normals(b.prologue, b.t, int(attr(node, "seed", 0)), iteration, row)
     return [Element(normal, b.lane)]
 
 

@@ -86,6 +86,28 @@ static size_t (*read_swaps(const json_value *swaps, size_t texture_count, size_t
     return pairs;
 }
 
+/* plan.json's optional loops: each a range of launches after the previous loop, repeated `count` >= 1 times */
+static void read_loops(const json_value *loops, bundle *out) {
+    if (!loops) return;
+    if (loops->type != JSON_ARRAY) bad("plan.json's loops is not a list");
+    out->loop_count = loops->count;
+    out->loops = xcalloc(loops->count ? loops->count : 1, sizeof *out->loops);
+    size_t after = 0; /* the first launch the next loop may begin at */
+    for (size_t i = 0; i < loops->count; ++i) {
+        const json_value *entry = json_at(loops, i);
+        if (!entry || entry->type != JSON_OBJECT) bad("a loop of plan.json is not an object");
+        loop_spec *l = &out->loops[i];
+        l->begin = need_size(entry, "begin", "a loop");
+        l->end = need_size(entry, "end", "a loop");
+        l->count = need_size(entry, "count", "a loop");
+        if (l->begin < after || l->end <= l->begin || l->end > out->launch_count || l->count < 1)
+            bad("a loop of plan.json is not a range of launches after the previous loop, repeated at least once");
+        after = l->end;
+        const json_value *swaps = need(entry, "swaps", JSON_ARRAY, "a loop");
+        l->swaps = read_swaps(swaps, out->texture_count, &l->swap_count);
+    }
+}
+
 /* a * b, or the bundle is refused: sizes come from JSON, and a wrapped product would pass the checks below */
 static size_t mul_size(size_t a, size_t b, const char *where) {
     if (b != 0 && a > SIZE_MAX / b) bad(where);
@@ -351,6 +373,7 @@ void bundle_load(const char *folder, bundle *out) {
     }
 
     out->swaps = read_swaps(need(plan, "swaps", JSON_ARRAY, "plan.json"), out->texture_count, &out->swap_count);
+    read_loops(json_get(plan, "loops"), out);
     /* under dynamic loss scaling: pairs swapped only after a step whose flag texture (metric `skipped`) reads 0 */
     const json_value *gated = json_get(plan, "swaps_if_finite");
     out->finite_flag = SIZE_MAX;

@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 #define FBLC_FORMAT_NAME "fblc-bundle"
-#define FBLC_FORMAT_VERSION 5
+#define FBLC_FORMAT_VERSION 6
 
 /* R uint8 masks: MASK8 holds 8 elements a byte (bit i & 7 of byte i >> 3), MASK4 4 (its fallback) */
 enum { FORMAT_F32 = 0, FORMAT_F16 = 1, FORMAT_I32 = 2, FORMAT_MASK4 = 3, FORMAT_MASK8 = 4, FORMAT_COUNT };
@@ -49,6 +49,14 @@ typedef struct {
     long first_line, last_line; /* where it is in kernels.cl (0 if unknown) */
 } launch;
 
+/* plan.json's loops: launches [begin, end) run `count` times in a row; after each repetition the (carried, next)
+ * texture pairs in `swaps` swap images, so the next repetition reads what this one made (ES members in a loop) */
+typedef struct {
+    size_t begin, end, count;
+    size_t (*swaps)[2];
+    size_t swap_count;
+} loop_spec;
+
 typedef struct {
     char *name;
     size_t texture;
@@ -70,6 +78,8 @@ typedef struct {
     size_t launch_count;
     size_t (*swaps)[2];
     size_t swap_count;
+    loop_spec *loops;        /* in launch order, none overlapping */
+    size_t loop_count;
     size_t (*finite_swaps)[2]; /* swapped only after a step whose finite_flag texture reads 0 (loss scaling) */
     size_t finite_swap_count;
     size_t finite_flag;        /* SIZE_MAX: none */

@@ -427,7 +427,11 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
                 b->launches[i].function);
         check_cl(status, "clCreateKernel");
     }
-    r->events = xcalloc(b->launch_count, sizeof *r->events);
+    r->enqueued = b->launch_count; /* a loop's launches once per repetition */
+    for (size_t k = 0; k < b->loop_count; ++k)
+        r->enqueued += (b->loops[k].count - 1) * (b->loops[k].end - b->loops[k].begin);
+    r->events = xcalloc(r->enqueued, sizeof *r->events);
+    r->event_launch = xcalloc(r->enqueued, sizeof *r->event_launch);
     r->staging = xcalloc(b->input_count, sizeof *r->staging);
     for (size_t i = 0; i < b->input_count; ++i)
     {
@@ -456,6 +460,24 @@ static void swap(runner *r, size_t (*pairs)[2], size_t count) {
     }
 }
 
+/* launch `i` of the plan with its textures as bound now, the step's `n`th enqueued; its event kept for kernel_ms */
+static void enqueue_launch(runner *r, size_t i, size_t n) {
+    const launch *l = &r->b->launches[i];
+    for (size_t a = 0; a < l->argument_count; ++a)
+        check_cl(cl.SetKernelArg(r->kernels[i], (cl_uint)a, sizeof(cl_mem), &r->images[r->binding[l->arguments[a]]]),
+                 "clSetKernelArg");
+    const size_t *local = l->local_size[0] ? l->local_size : NULL;
+    cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, local, 0,
+                                            NULL, r->kernel_times ? &r->events[n] : NULL);
+    r->event_launch[n] = i;
+    if (status == CL_INVALID_WORK_GROUP_SIZE && local)
+        die(EXIT_OPENCL, "launching kernel '%s' failed: %s cannot run it in work-groups of %zu (%s); compile for a "
+            "target with a smaller max_work_group_size", l->name, r->device.device_name, l->local_size[0],
+            opencl_error(status));
+    if (status != CL_SUCCESS)
+        die(EXIT_OPENCL, "launching kernel '%s' failed: %s (%d)", l->name, opencl_error(status), (int)status);
+}
+
 double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
     const bundle *b = r->b;
     double started = now_ms();
@@ -466,33 +488,33 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
         memcpy(r->staging[i], inputs[i], input->elements * format_element_bytes(t->format));
         write_texture(r, r->images[r->binding[input->texture]], t, r->staging[i], CL_FALSE);
     }
-    for (size_t i = 0; i < b->launch_count; ++i) {
-        const launch *l = &b->launches[i];
-        for (size_t a = 0; a < l->argument_count; ++a)
-            check_cl(cl.SetKernelArg(r->kernels[i], (cl_uint)a, sizeof(cl_mem), &r->images[r->binding[l->arguments[a]]]),
-                     "clSetKernelArg");
-        const size_t *local = l->local_size[0] ? l->local_size : NULL;
-        cl_int status = cl.EnqueueNDRangeKernel(r->queue, r->kernels[i], l->work_dim, NULL, l->global_size, local, 0,
-                                                NULL, r->kernel_times ? &r->events[i] : NULL);
-        if (status == CL_INVALID_WORK_GROUP_SIZE && local)
-            die(EXIT_OPENCL, "launching kernel '%s' failed: %s cannot run it in work-groups of %zu (%s); compile for a "
-                "target with a smaller max_work_group_size", l->name, r->device.device_name, l->local_size[0],
-                opencl_error(status));
-        if (status != CL_SUCCESS)
-            die(EXIT_OPENCL, "launching kernel '%s' failed: %s (%d)", l->name, opencl_error(status), (int)status);
+    size_t next_loop = 0, n = 0;
+    for (size_t i = 0; i < b->launch_count;) {
+        if (next_loop < b->loop_count && b->loops[next_loop].begin == i) {
+            /* a loop: its launches `count` times, the carried pairs swapped after each repetition */
+            const loop_spec *l = &b->loops[next_loop++];
+            for (size_t repetition = 0; repetition < l->count; ++repetition) {
+                for (size_t k = l->begin; k < l->end; ++k) enqueue_launch(r, k, n++);
+                swap(r, l->swaps, l->swap_count);
+            }
+            i = l->end;
+            continue;
+        }
+        enqueue_launch(r, i++, n++);
     }
     r->submit_ms = now_ms() - started;
     double loss = read_scalar(r, b->loss_texture);
     for (size_t i = 0; i < b->metric_count; ++i) r->metrics[i] = read_scalar(r, b->metric_textures[i]);
-    for (size_t i = 0; r->kernel_times && i < b->launch_count; ++i) {
+    for (size_t i = 0; r->kernel_times && i < b->launch_count; ++i) kernel_ms[i] = 0.0;
+    for (size_t e = 0; r->kernel_times && e < n; ++e) { /* a launch's time: all its repetitions' */
         cl_ulong start = 0, end = 0;
-        if (cl.GetEventProfilingInfo(r->events[i], CL_PROFILING_COMMAND_START, sizeof start, &start, NULL) !=
+        if (cl.GetEventProfilingInfo(r->events[e], CL_PROFILING_COMMAND_START, sizeof start, &start, NULL) !=
                 CL_SUCCESS ||
-            cl.GetEventProfilingInfo(r->events[i], CL_PROFILING_COMMAND_END, sizeof end, &end, NULL) != CL_SUCCESS)
+            cl.GetEventProfilingInfo(r->events[e], CL_PROFILING_COMMAND_END, sizeof end, &end, NULL) != CL_SUCCESS)
             start = end = 0;
-        kernel_ms[i] = end > start ? (double)(end - start) * 1e-6 : 0.0;
-        cl.ReleaseEvent(r->events[i]);
-        r->events[i] = NULL;
+        kernel_ms[r->event_launch[e]] += end > start ? (double)(end - start) * 1e-6 : 0.0;
+        cl.ReleaseEvent(r->events[e]);
+        r->events[e] = NULL;
     }
     swap(r, b->swaps, b->swap_count);
     /* a step loss scaling skipped leaves its updates in the .new textures: the states stay as they were */

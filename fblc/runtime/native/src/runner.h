@@ -22,7 +22,9 @@ typedef struct {
     size_t *binding;         /* texture id -> index into images; swapped after each step */
     cl_program program;
     cl_kernel *kernels;      /* one per launch (shared between launches of the same function) */
-    cl_event *events;        /* one per launch of the current step, when kernel_times */
+    cl_event *events;        /* one per launch the current step enqueues (a loop's once a repetition), when kernel_times */
+    size_t *event_launch;    /* the plan's launch of each event */
+    size_t enqueued;         /* launches a step enqueues */
     int kernel_times;        /* a profiling queue: each launch's device time (queues without it run leaner) */
     void **staging;          /* one host buffer per data input, zero padded to the texture */
     unsigned char *readback; /* large enough for any texture */
