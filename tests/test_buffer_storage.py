@@ -173,8 +173,8 @@ def _form(texel: kir.Expr) -> str:
 
 
 def window_misreads(kernels: list[Any], texels: dict[int, int]) -> tuple[list[str], Counter[str], Counter[str]]:
-    """WINDOW(img, a, b, q, s) is one unaligned load of texels q and q + 1 in buffers (BufferStorage), the shuffle of a
-    and b in images: the two agree only where a is texel q as read, and b texel q + 1 or, where that
+    """WINDOW(img, a, b, q, x, s) is one unaligned load of texels q and q + 1 in buffers (BufferStorage, at element
+    x = q * 4 + s), the shuffle of a and b in images: the two agree only where a is texel q as read, and b texel q + 1 or, where that
     passes the tensor's last texel, the last (`min(q + 1, last)`: the buffer's load reads LocalRunner's
     texel of slack there, lanes the kernel leaves unused). Any other form of a read that feeds WINDOW
     (a clamp to the tensor, a min elsewhere) is a misread. (misreads, texel reads by the form of their
@@ -189,7 +189,7 @@ def window_misreads(kernels: list[Any], texels: dict[int, int]) -> tuple[list[st
         for window in of_type(kernel, kir.Call):
             if window.function != "WINDOW":
                 continue
-            image, a, b, q, _ = window.args
+            image, a, b, q, _, _ = window.args  # the fifth: the element q * 4 + s (the buffer load's)
             last = texels[kernel.inputs[image.argument.index]] - 1
             read_a, read_b = reads.get(a), reads.get(b)
             windowed.update(_form(read.texel) for read in (read_a, read_b) if read is not None)

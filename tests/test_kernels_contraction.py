@@ -229,6 +229,11 @@ TILE_CASES = {
     # one row of 4 texel columns (16 outputs; its input gradient's rows of 2 texels: 2 columns)
     "matmul_tile_one_row_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 7, 8), "b": (2, 3, 8, 16)},
                                     {"forward": "tile", "grad": "tile"}),
+    # attention's scores over 14 tokens (N % 4 != 0) under 8 batch matrices: a row path's tile of 4 texels 14 apart
+    # (the same columns of rows 4 apart: texels 0-1 of a matrix's rows 0-1 reduce as a tile, the others texel by
+    # texel or, crossing a row, per lane); B's gradient [2, 4, 8, 14] has rows of 8 tokens: tiles of 2 rows
+    "matmul_attention_rows_apart": ([_node("MatMul", ["a", "b"])], {"a": (2, 4, 14, 8), "b": (2, 4, 8, 14)},
+                                    {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_a": ([_node("Gemm", ["a", "b", "c"], transA=1, beta=2.0)],
                           {"a": (20, 8), "b": (20, 8), "c": (8, 8)}, {"forward": "tile", "grad": "tile"}),
     "gemm_tile_trans_b": ([_node("Gemm", ["a", "b", "c"], transB=1, alpha=0.5)],
@@ -310,7 +315,7 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows",
                                   "matmul_attention_rows", "conv3x3_weight_grad_small_map",
-                                  "matmul_tile_one_row_batched"])
+                                  "matmul_tile_one_row_batched", "matmul_attention_rows_apart"])
 def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
     """Tiles and texel-wide rows that were per lane until issue 39's unseen models (a conv weight gradient's
     blocks of fewer channels, a MatMul's rows across A's batch, attention's rows of 7 scores, an input

@@ -133,3 +133,21 @@ def test_a_comparison_in_arithmetic_leaves_the_loop_per_lane() -> None:
     compared = x.gt(kir.const(0.0, kir.FLOAT))
     assert vectorize(lane, [], [kir.select(compared, x, 0.0)], kir.Block(numbering)) is not None
     assert vectorize(lane, [], [kir.Cast(kir.FLOAT, compared) * x], kir.Block(numbering)) is None
+
+
+def test_a_lanes_comparison_with_a_shared_integer_is_an_int4_condition() -> None:
+    """Where a texel crosses the end of a row of N % 4 != 0 elements (Softmax over 65 tokens), a lane takes its
+    row's value or the next row's by `lane < n`: the lanes' indices (int4)(0, 1, 2, 3) compared with n in every
+    lane, an int4 that selects between float4s. Negative: a comparison of a lane-varying integer other than the
+    lane itself (o3, its own index) stays per lane."""
+    numbering = kir.Numbering()
+    lane = kir.Var("lane", 0, kir.INT, "lane")
+    n = kir.Var("n", 7, kir.INT)
+    x = kir.Element(kir.Var("acc", 1, kir.FLOAT), lane)
+    wide = kir.Block(numbering)
+    vectors = vectorize(lane, [], [kir.select(lane.lt(n), x, x * 2.0)], wide)
+    assert vectors is not None and isinstance(vectors[0], kir.Select) and vectors[0].condition.dtype == kir.INT4
+    assert vectors[0].condition.a == kir.Vector(kir.INT4, tuple(kir.const(k) for k in range(4)))
+    header = kir.Block(numbering)
+    index = header.let(lane + 1, "o")
+    assert vectorize(lane, header.statements, [kir.select(index.lt(n), x, x * 2.0)], kir.Block(numbering)) is None

@@ -6,8 +6,9 @@ Why: a contraction's epilogue (GELU's erf_rational, its derivative's exp) ran pe
 a scalar `exp` or `erf_rational` cost PoCL about 5-7 ns an element there against under 1 ns on float4s
 (BERT's FFN MatMul with GELU 1.59 -> 0.78 ms, its twin without GELU 0.64 ms). On a GPU the float4 form is the
 same arithmetic, in a texel's registers (a half kernel's retyping, codegen/ir/precision.py, comes after and
-meets float4s as it meets floats). Anything else (a lane's own index, a per-lane read, an integer value, a
-statement other than a declaration) leaves the loop per lane: `vectorize` answers None.
+meets float4s as it meets floats). Anything else (a lane's own index but in a comparison with an integer the
+lanes share, a per-lane read, an integer value, a statement other than a declaration) leaves the loop per lane:
+`vectorize` answers None.
 
 Comparisons and IS_PREDICATES of float4s give int4s, whose true is -1 where a scalar's is 1: such a value may only
 select (a lane-varying Select: OpenCL's vector ?: takes each lane by its condition's sign bit) or be a mask
@@ -40,6 +41,9 @@ ARITHMETIC = ("+", "-", "*", "/")
 COMPARISONS = ("<", ">", "<=", ">=", "==", "!=")
 #: predicates of a float that give an int4 (true -1) for a float4
 IS_PREDICATES = ("isnan", "isinf", "isfinite")
+#: the lane variable as an int4: a comparison of it with an integer the lanes share (`lane < n`, where a texel
+#: crosses the end of a row of N % 4 != 0 elements: attention over 65 tokens) is an int4 condition
+LANE_INDICES = e.Vector(INT4, tuple(e.const(k) for k in range(4)))
 
 
 class _Scalar(Exception):
@@ -86,6 +90,9 @@ class _Lanes:
         if isinstance(expr, e.Binary) and expr.op in COMPARISONS and expr.dtype == INT \
                 and expr.a.dtype == FLOAT and expr.b.dtype == FLOAT:
             return e.Binary(expr.op, _wide(self.lanes(expr.a)), _wide(self.lanes(expr.b)), INT4)
+        if isinstance(expr, e.Binary) and expr.op in COMPARISONS and expr.dtype == INT \
+                and INT == expr.a.dtype == expr.b.dtype and self._lane_or_fixed(expr.a) and self._lane_or_fixed(expr.b):
+            return e.Binary(expr.op, self._int_lanes(expr.a), self._int_lanes(expr.b), INT4)
         if isinstance(expr, e.Call) and expr.function in IS_PREDICATES and expr.dtype == INT \
                 and len(expr.args) == 1 and expr.args[0].dtype == FLOAT:
             return e.Call(expr.function, (_wide(self.lanes(expr.args[0])),), INT4)
@@ -95,6 +102,14 @@ class _Lanes:
                 raise _Scalar
             return e.Select(condition, _wide(self.lanes(expr.if_true)), _wide(self.lanes(expr.if_false)), FLOAT4)
         raise _Scalar
+
+    def _lane_or_fixed(self, expr: Expr) -> bool:
+        """Whether `expr` is the lane variable itself or an integer the same for all four lanes."""
+        return _is(expr, self.lane) or not self.varies(expr)
+
+    def _int_lanes(self, expr: Expr) -> Expr:
+        """An int4 of `expr` (_lane_or_fixed): the lanes' own indices 0..3, or the value in every lane."""
+        return LANE_INDICES if _is(expr, self.lane) else e.Vector(INT4, (expr,))
 
     def declare(self, statement: s.Statement) -> None:
         """A statement of the lane loop: a declaration gets its float4 form where it varies by lane."""

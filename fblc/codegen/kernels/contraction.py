@@ -8,8 +8,9 @@ Texel-wide (texel.py) when N, the output's innermost axis, is a multiple of 4: a
 lanes are 4 consecutive columns, so they share A's row (read once, as texels along K) and
 read B' four columns at a time. When N is not a multiple of 4 but at least ROW_MIN (attention's
 scores over 65 tokens), the texels within one output row take that path too, B' read at an unaligned
-column, and the few that cross a row compute per lane (reduce_guarded). Otherwise one lane computes
-one element with `dot_loop`.
+column, and the few that cross a row compute per lane (reduce_guarded); a work-item may take a tile of
+texels N apart (the same columns of rows 4 apart, which share each B' window: reduce_rows_apart).
+Otherwise one lane computes one element with `dot_loop`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import onnx_ir as ir
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder, lane_axis
 from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import digit_terms, index_var
+from fblc.codegen.indexing import declare_index, digit_terms, index_var
 from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Element, Expr, For, If, Var, Vector,
                              call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
-from fblc.codegen.reads import ValueReads
-from fblc.codegen.schedule import resolve_group
+from fblc.codegen.reads import TEXEL_ALONE, ValueReads
+from fblc.codegen.schedule import Schedule, resolve_group
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
@@ -147,6 +148,41 @@ def reduce_lane(b: KernelBuilder, block: Block, build: Build) -> Expr:
     return Element(build(block).emit(b, block, 1), const(0))
 
 
+def rows_apart(schedule: Schedule, out_shape: Sequence[int]) -> bool:
+    """Whether a row path's work-item takes a tile of texels N apart (N = the row's length, out_shape[-1], not a
+    multiple of 4): the same columns of rows LANES apart, whose texels start at the same place in their rows."""
+    return schedule.tile_rows > 1 and schedule.tile_columns == 1 and schedule.tile_stride == out_shape[-1]
+
+
+def reduce_rows_apart(b: KernelBuilder, guard: Expr, build: Build, texel_guard: Expr, build_texel: Build,
+                      fallback: Callable[[Block], Expr]) -> Expr:
+    """A row path's tile of texels N apart (rows_apart): where `guard` holds (its texels lie within their rows and
+    one batch matrix) they reduce together in the prologue, each B' window read once for the tile's rows;
+    else each texel on its own before the lane loop: the one-texel row path where `texel_guard` holds (its
+    index as TEXEL_ALONE), per lane (`fallback`) where the texel crosses a row. The lane's accumulator."""
+    prologue, schedule = b.prologue, b.schedule
+    whole = prologue.let(guard, "whole")
+    accs = build(prologue).emit(b, prologue, LANES * b.texels_per_item, whole)
+    decided = schedule.accumulator_form, schedule.pair_stride  # the tile's, which plan.json records
+    outside = Block(b.numbering, b.lane_fallback)  # type: ignore[arg-type]
+    leftover = outside.array("fb", FLOAT, LANES, [const(0.0, FLOAT)] * LANES)
+    alone = Block(b.numbering)
+    declare_index(alone, b.out_shape, b.t * 4, TEXEL_ALONE)
+    within = alone.let(texel_guard, "within")
+    own = build_texel(alone).emit(b, alone, LANES, within)
+    schedule.accumulator_form, schedule.pair_stride = decided
+    copy = Block(b.numbering)
+    copy.assign(Element(leftover, b.lane), Element(own, b.lane))
+    lane = Block(b.numbering)
+    b.lane_header(lane, b.lane)
+    lane.add(*b.lines)  # the lane loop's own index variables so far (a flattened view's)
+    lane.assign(Element(leftover, b.lane), fallback(lane))
+    alone.add(If(within, [For(b.lane, const(0), const(LANES), copy.statements)]),
+              If(~within, [For(b.lane, const(0), const(LANES), lane.statements)]))
+    outside.add(If(~whole, alone.statements))
+    return b.body.let(select(whole, Element(accs, b.lane_of_item), Element(leftover, b.lane)), "acc")
+
+
 def reduce_guarded(b: KernelBuilder, guard: Expr, build: Build, fallback: Callable[[Block], Expr],
                    lanes: int = LANES) -> Expr:
     """Work-items whose texels meet `guard` (e.g. they do not cross the end of a row) reduce their
@@ -258,7 +294,8 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     texel = texel_columns(b.out_shape, w_axes, has_n)
     # N % 4 != 0 (a ViT's 65 tokens): texels within one output row reduce their 4 columns together, the
     # few that cross a row per lane (reduce_guarded); the schedule keeps such a kernel at one texel per item
-    row = None if texel or not (has_m and has_n) or b.schedule.texels_per_item != 1 else row_axis(b.out_shape)
+    single = b.schedule.texels_per_item == 1 or rows_apart(b.schedule, b.out_shape)
+    row = None if texel or not (has_m and has_n) or not single else row_axis(b.out_shape)
     if row is not None and row[0] != len(b.out_shape) - 1:
         row = None
     rows, columns = b.schedule.tile_rows, b.schedule.tile_columns  # kernels/schedules.py: 1 off the texel path
@@ -310,18 +347,26 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     a_terms, w_terms, multiples, m_var, n_var = operand_terms(TEXEL_INDEX, texel)
     # what the index variables are multiples of: the texel's lanes, the tile's rows, folded axes' digits
     known = ({n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) if texel else {}) | multiples
-    width = LANES * columns
-    steps = block_steps(rows, columns)
-    blocked = Blocked(k_inner, steps, a_step, w_step, 0,
-                      lambda indices: _tile_products(indices, rows, width, a_step, a_row, w_step, w_lane))
-    a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])
-                            for root, terms in ((a_root, a_terms), (w_root, w_terms)))
-    def build(_: Block) -> Reduction:
-        return Reduction(a_operand, w_operand, blocked, k_loops())
+    def builder(a_terms: Terms, w_terms: Terms, rows: int, row_step: int) -> Build:
+        """The Reduction of a tile of `rows` rows `row_step` of A's rows apart from the operands' base terms."""
+        width, steps = LANES * columns, block_steps(rows, columns)
+        blocked = Blocked(k_inner, steps, a_step, w_step, 0,
+                          lambda indices: _tile_products(indices, rows, width, a_step, row_step * a_row, w_step,
+                                                         w_lane))
+        a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])
+                                for root, terms in ((a_root, a_terms), (w_root, w_terms)))
+        return lambda _: Reduction(a_operand, w_operand, blocked, k_loops())
 
+    if row is not None and rows > 1:  # a tile of rows LANES apart within one row and batch, else texel by texel
+        alone_a, alone_w, _, _, alone_n = operand_terms(TEXEL_ALONE, False)
+        last_row = b.out_shape[-2] - 1 - LANES * (rows - 1)
+        return reduce_rows_apart(b, n_var.le(row[1] - LANES).logical_and(m_var.le(last_row)),
+                                 builder(a_terms, w_terms, rows, LANES), alone_n.le(row[1] - LANES),
+                                 builder(alone_a, alone_w, 1, 1), per_lane)
+    build = builder(a_terms, w_terms, rows, 1)
     if row is not None:  # texels within one row reduce together, the ones across two per lane
         return reduce_guarded(b, n_var.le(row[1] - LANES), build, per_lane)
-    return reduce_into(b, build, rows * width)
+    return reduce_into(b, build, rows * LANES * columns)
 
 
 @register_kernel("MatMul")

@@ -13,8 +13,8 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import lane_axis
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, texel_columns, tile_fetches,
-                                               tile_reduction)
+from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, row_axis, texel_columns,
+                                               tile_fetches, tile_reduction)
 from fblc.codegen.kernels.conv_schedules import conv_schedule, conv_transpose_schedule
 from fblc.codegen.kernels.movement import transpose_block
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
@@ -43,6 +43,10 @@ COLUMN_CHOICES = (1, 2, 4)  # its texel columns
 #: tokens under a batched B', which no tile may cross): each A element read once for 16 columns (ViT's
 #: attention MatMuls on PoCL: 0.8-1.0 -> 0.26-0.43 ms; its MatMuls in all 25.2 -> 20.3 ms, with 2 columns 21.6)
 ROW_TILE_COLUMNS = (4, 2)
+#: rows of a row path's tile (N % 4 != 0: texels N apart, the same columns of rows 4 apart, which share each of
+#: B's windows; contraction.reduce_rows_apart), largest first, where its bands of rows divide the output's
+#: texels (ViT's attention on PoCL buffers, one launch: Q K^T 0.33 -> 0.29 ms, dK^T 0.44 -> 0.21 ms)
+ROWS_APART = (4, 2)
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
 #: a reducing family's decision: (schedule, its geometry for the emitter, outputs reduced together; 0: per lane)
 Reducing = Callable[[TextureTable, KernelGroup], tuple[Schedule, Any, int]]
@@ -116,14 +120,37 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
     out_shape = static_shape(group.outputs[0])
     (_, a_axes), (_, w_axes) = matmul_operands(ValueReads(table, out_shape), group.anchor)
     a_rank, b_rank = (len(static_shape(value)) for value in group.anchor.inputs)
-    if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
-        return consecutive(1), None, 0
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
-    rows = merged_rows(a_axes, w_axes) or a_axes[-2][-1][0]
     fetches = None if k_digits is None else tile_fetches(k_digits[0][-1][1], a_axes[-2][-1][1],
                                                          k_digits[1][-1][1], w_axes[-1][-1][1])
+    if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
+        # a row path's tile shares B's windows along N; where K runs along B's lanes (dO V^T) a texel reads
+        # whole texels of B already, and the tile measured slower (ViT's on PoCL: 0.30 -> 0.45 ms)
+        windows = k_digits is not None and k_digits[1][-1][1] != 1
+        row_path = (_rows_apart(table, group, out_shape, fetches) if a_rank >= 2 and b_rank >= 2 and windows
+                    else consecutive(1))
+        return row_path, None, 0
+    rows = merged_rows(a_axes, w_axes) or a_axes[-2][-1][0]
     return _contraction_tile(TileBudget.of(table, group), out_shape, rows, w_axes[-1][-1][0] // LANES,
                              _tile_split(table, group, k_digits[0] if k_digits else None), fetches)
+
+
+def _rows_apart(table: TextureTable, group: KernelGroup, out_shape: tuple[int, ...],
+                fetches: Callable[[tuple[int, int]], float] | None) -> Schedule:
+    """A row path's tile (contraction.rows_apart) under R-Tile layouts: ROWS_APART rows where a band of 4 x rows
+    rows of N elements (rows x N texels) divides the output's texels and a batch matrix's rows hold such a tile,
+    by the device's size (TileBudget.pick: one texel a work-item where the tiles would leave it idle and
+    fetch no less); else one texel."""
+    row, budget = row_axis(out_shape), TileBudget.of(table, group)
+    if row is None or row[0] != len(out_shape) - 1 or not budget.tiled:
+        return consecutive(1)
+    n, m = out_shape[-1], out_shape[-2]
+    tiles = [(r, 1) for r in ROWS_APART if budget.texels % (r * n) == 0 and LANES * (r - 1) < m
+             and r * LANES <= budget.private]
+    if not tiles:
+        return consecutive(1)
+    rows, _ = dataclasses.replace(budget, splits=False).pick([*tiles, (1, 1)], lambda tile: tile[0], fetches=fetches)
+    return Schedule(tile_rows=rows, tile_columns=1, tile_stride=n) if rows > 1 else consecutive(1)
 
 
 def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:

@@ -185,7 +185,8 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
                     pair = texels_read[m], texels_read[m + 1]
                     window = (call("window4", *pair, shift, dtype=FLOAT4)
                               if operand.clamp and not (within[m] and within[m + 1])
-                              else call("WINDOW", ArgumentRef(argument), *pair, plus(q, m), shift, dtype=FLOAT4))
+                              else call("WINDOW", ArgumentRef(argument), *pair, plus(q, m), plus(start, 4 * m), shift,
+                                         dtype=FLOAT4))
                     windows[m] = block.let(window, "W")
                 values[offset] = windows[m].lane(lane)
             else:  # the last texel alone holds it: shift + lane < 4
