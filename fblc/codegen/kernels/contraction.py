@@ -30,6 +30,7 @@ from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Element, Expr, F
                              call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
+from fblc.codegen.kernels.accumulators import VECTOR_TEXELS
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import resolve_group
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term
@@ -317,7 +318,7 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])
                             for root, terms in ((a_root, a_terms), (w_root, w_terms)))
     def build(_: Block) -> Reduction:
-        return Reduction(a_operand, w_operand, blocked, k_loops())
+        return Reduction(a_operand, w_operand, blocked, k_loops(), widest=VECTOR_TEXELS[-1])
 
     if row is not None:  # texels within one row reduce together, the ones across two per lane
         return reduce_guarded(b, n_var.le(row[1] - LANES), build, per_lane)
