@@ -226,8 +226,8 @@ def vector_texels(products: Sequence[tuple[int, int, int]], form: str, lanes: in
 
 def _gathers(operations: Sequence[Operation]) -> bool:
     """Whether a wider-than-float4 operand has a part gathered from lanes of several texels (B read along K):
-    PoCL's float16 of four gathered float4s took more shuffles than its multiply-adds saved (GPT-2's
-    Q.K^T-shaped MatMuls 0.51 -> 0.59 ms), which `cost` does not see."""
+    PoCL's float16 of four gathered float4s took more shuffles than its multiply-adds saved (a GPT-2
+    MatMul that reads its B along K, k46: 0.51 -> 0.59 ms), which `cost` does not see."""
     return any(isinstance(part, Vector) and len(part.parts) > 1 for _, x, w in operations for operand in (x, w)
                if isinstance(operand, Vector) and operand.dtype.lanes > LANES for part in operand.parts)
 
