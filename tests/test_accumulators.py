@@ -9,7 +9,7 @@ test_kernels_contraction (the "shared" cases) and under oclgrind ("shared tiles"
 import pytest
 
 from fblc.codegen import ir
-from fblc.codegen.kernels.accumulators import Accumulators, choose_form, pair_stride, cost
+from fblc.codegen.kernels.accumulators import Accumulators, choose_form, cost, pair_stride, vector_texels
 
 
 def named(name: str, dtype: ir.DType = ir.FLOAT4) -> ir.Var:
@@ -195,3 +195,20 @@ def test_pair_stride_pairs_neighbouring_texels_of_a_conv_row_on_a_wide_simd_only
     assert pair_stride(gemm_row, "texels", 8, simd_floats=8) == 1
     diagonal = [(lane, 4 * (lane // 4) + k, 4 * (lane // 4) + k) for k in range(4) for lane in range(8)]
     assert pair_stride(diagonal, "texels", 8, simd_floats=8) == 0
+
+
+def test_a_gemm_rows_four_texels_are_one_float16_where_a_register_holds_16_floats() -> None:
+    """A GEMM tile row of 4 texels shares A's scalar: grouped by four at stride 1 (one float16 multiply-add,
+    one AVX-512 instruction) where a register holds 16 floats and the reduction allows four (a contraction's);
+    float8s below that. B read along K (a float4 of w gathers lanes of four texels) keeps float8s or none."""
+    row = [(lane, k, k * 16 + lane) for k in range(4) for lane in range(16)]  # x broadcast, w 4 texels
+    assert vector_texels(row, "texels", 16, simd_floats=16, widest=4) == (4, 1)
+    assert vector_texels(row, "texels", 16, simd_floats=8, widest=4) == (2, 1)
+    assert vector_texels(row, "texels", 16, simd_floats=16, widest=2) == (2, 1)
+    gathered = [(lane, k, lane * 4 + k) for k in range(4) for lane in range(16)]
+    assert vector_texels(gathered, "texels", 16, simd_floats=16, widest=4)[0] == 2
+    quads = Accumulators(ir.Var("accv", 0, ir.FLOAT.vector(16), "accv"), "texels", 1, 4)
+    terms = [(k, scalar("A"), lane(f"B{k // 4}", "xyzw"[k % 4])) for k in range(16)]
+    whole = ir.Vector(ir.FLOAT.vector(16), tuple(named(f"B{t}") for t in range(4)))
+    assert quads.add(terms) == [mad(at(quads, 0), scalar("A"), whole)]
+    assert totals(quads, 16) == tuple(at(quads, 0).lane(k) for k in range(16))

@@ -427,6 +427,22 @@ def test_a_wide_simd_cpu_pairs_a_tiles_float4s_into_float8s(target: str, tmp_pat
     assert rows and not [r.name for r in rows if not r.ok]
 
 
+@pytest.mark.parametrize("target", ["local", "adreno830"])
+def test_a_16_float_simd_cpu_takes_a_gemm_tiles_row_as_one_float16(target: str, tmp_path) -> None:
+    """Where a SIMD register holds 16 floats (local: AVX-512), a MatMul tile is 8 rows x 4 texels and each row
+    one float16 accumulator (a multiply-add per A element and K step); the input gradient, whose B is read
+    along K (gathered lanes), keeps float8s or float4s; a GPU keeps tiles of 2 texels. The step equals
+    onnxruntime's."""
+    path = write_case(str(tmp_path / "matmul.onnx"), [_node("MatMul", ["a", "b"])], {"a": (8, 12), "b": (12, 16)})
+    kernels = _contractions(path, target)
+    widths = {k.name: {s.var.dtype.lanes for s in _accumulator_arrays(k) if s.var.kind == "accv"} for k in kernels}
+    assert any(16 in lanes for lanes in widths.values()) == (target == "local"), widths
+    assert not all(16 in lanes for lanes in widths.values()), widths
+    if target == "local":
+        rows = verify_model(path, OPTIONS, target=target)
+        assert rows and not [r.name for r in rows if not r.ok]
+
+
 @pytest.mark.parametrize("name", sorted(TEXEL_CASES) + sorted(TILE_CASES))
 def test_contraction_paths(name: str, tmp_path) -> None:
     """Each contraction kernel of the step takes the texel-wide path its output layout allows:

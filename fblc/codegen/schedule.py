@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from fblc.codegen.kernels.accumulators import FORMS, choose_form, float4_count, pair_stride, pairings
+from fblc.codegen.kernels.accumulators import FORMS, choose_form, float4_count, pairings, vector_texels
 from fblc.errors import FblcError
 from fblc.profiles import Profile
 from fblc.profiles.profile import SERIAL_REDUCTION, SHARED_TILE_FLOATS, SOURCE_KINDS
@@ -35,6 +35,7 @@ class Schedule:
     tiles_per_group: int = 1
     accumulator_form: str | None = None  # None: decided at the reduction (or the kernel has none)
     pair_stride: int | None = None
+    pair_width: int = 2  # float4s a paired accumulator vector holds: 2 (float8) or 4 (float16), set with pair_stride
     mask4: tuple[str, ...] = ()  # saved masks this kernel writes as r_mask4 (its tile splits their bytes)
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict, repr=False, compare=False)
     fixed: frozenset[str] = field(default=frozenset(), repr=False, compare=False)  # fields a file set
@@ -47,8 +48,8 @@ class Schedule:
 
     @property
     def vector_width(self) -> int:
-        """Floats per accumulator variable: 8 paired float4s, 4 float4s, 1 scalar lanes (or no reduction)."""
-        return 8 if self.pair_stride else 4 if self.accumulator_form in ("texels", "sums") else 1
+        """Floats per accumulator variable: 8 or 16 grouped float4s, 4 float4s, 1 scalar lanes (or no reduction)."""
+        return 4 * self.pair_width if self.pair_stride else 4 if self.accumulator_form in ("texels", "sums") else 1
 
     def decided(self) -> dict[str, Any]:
         """The schedule as decided before its kernel is built (None: decided at the reduction)."""
@@ -132,16 +133,18 @@ def resolve_form(schedule: Schedule, profile: Profile, products: Sequence[tuple[
 
 
 def resolve_pair(schedule: Schedule, profile: Profile, products: Sequence[tuple[int, int, int]], form: str,
-                 lanes: int, kernel: str) -> int:
-    """The float8 pairing stride (accumulators.pair_stride), or the file's, checked against the form's float4s."""
+                 lanes: int, kernel: str, widest: int = 2) -> tuple[int, int]:
+    """(the pairing stride, float4s a vector: accumulators.vector_texels up to `widest`), or the file's stride
+    (float8s), checked against the form's float4s."""
     if "pair_stride" not in schedule.fixed or schedule.pair_stride is None:
-        return pair_stride(products, form, lanes, profile.simd_floats)
+        width, stride = vector_texels(products, form, lanes, profile.simd_floats, widest)
+        return stride, width
     stride, count = schedule.pair_stride, float4_count(form, lanes) if form != "lanes" else 0
     valid = offered_pairings(form, lanes)
     if stride not in valid:
         raise FblcError(f"schedule of kernel '{kernel}': pair_stride {stride} does not pair its {count} float4 "
                         f"accumulators (form '{form}')", f"choose one of: {', '.join(map(str, valid))}")
-    return stride
+    return stride, 2
 
 
 def is_shape_key(name: str) -> bool:

@@ -5,7 +5,9 @@
 - "texels": `float4 acc[lanes / 4]`, lane l in component l % 4 of texel l / 4 (swizzles where the k-th
   products of a texel's four lanes are not one texel's).
 - "sums": `float4 acc[lanes]`, whose components sum every fourth step, added once at the end.
-Paired (`pair_stride`), float4s t and t + pair are the halves of a float8.
+Paired (`pair_stride`), float4s t and t + pair are the halves of a float8; grouped by four (`width` 4, where a
+contraction's SIMD register holds 16 floats: AVX-512), float4s t, t + pair, t + 2 pair, t + 3 pair are the
+quarters of a float16 (one zmm register: PoCL's GEMM tiles 82 -> 141 GFLOP/s on AVX-512, gemm 256x128x512).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fblc.codegen.ir import (
-    FLOAT, FLOAT4, FLOAT8, Assign, Block, Const, Element, Expr, Lane, Swizzle, Var, Vector, const)
+    FLOAT, FLOAT4, Assign, Block, Const, Element, Expr, Lane, Swizzle, Var, Vector, const)
 from fblc.profiles.profile import SIMD_SUM_FLOAT4S
 
 LANES = 4
 FORMS = ("lanes", "texels", "sums")
 #: the floats a SIMD register must hold for a work-item's float4 accumulators to pair into float8s
 PAIRED_SIMD_FLOATS = 8
+#: float4s one accumulator vector may group: two (a float8), four (a float16) where the register holds 16 floats
+VECTOR_TEXELS = (2, 4)
 
 Operation = tuple[Expr, Expr, Expr]  # (target, x operand, w operand): `target += x * w`
 
@@ -43,21 +47,23 @@ class Accumulators:
     array: Var
     form: str = "lanes"
     pair: int = 0  # >0: float4s t and t + pair (t // pair even) are the halves of one float8
+    width: int = 2  # float4s a paired vector holds (VECTOR_TEXELS): t + k * pair is its k-th quarter at 4
 
     def __post_init__(self) -> None:
         assert self.form in FORMS, f"accumulator form {self.form!r} is none of {', '.join(FORMS)}"
         assert not self.pair or self.form != "lanes", "only float4 accumulators pair into float8s"
+        assert self.width in VECTOR_TEXELS, f"{self.width} float4s a vector: choose one of {VECTOR_TEXELS}"
 
     @staticmethod
-    def declared(block: Block, kind: str, form: str, pair: int, lanes: int) -> Accumulators:
-        """The accumulators of `lanes` outputs, declared all zero in `block`."""
+    def declared(block: Block, kind: str, form: str, pair: int, lanes: int, width: int = 2) -> Accumulators:
+        """The accumulators of `lanes` outputs, declared all zero in `block` (paired: `width` float4s a vector)."""
         if form == "lanes":
             return Accumulators(block.array(kind, FLOAT, lanes, [const(0.0, FLOAT)] * lanes), form, pair)
         count = float4_count(form, lanes)
-        assert not pair or count % (2 * pair) == 0, f"{count} float4s do not pair at stride {pair}"
-        dtype, length = (FLOAT8, count // 2) if pair else (FLOAT4, count)
+        assert not pair or count % (width * pair) == 0, f"{count} float4s do not group by {width} at stride {pair}"
+        dtype, length = (FLOAT.vector(LANES * width), count // width) if pair else (FLOAT4, count)
         zero = Vector(dtype, (const(0.0, FLOAT),))
-        return Accumulators(block.array(kind, dtype, length, [zero] * length), form, pair)
+        return Accumulators(block.array(kind, dtype, length, [zero] * length), form, pair, width)
 
     def totals(self, block: Block, lanes: int) -> Var:
         """The array `float acc[lanes]` of each output's total (the accumulators themselves in form lanes)."""
@@ -70,18 +76,18 @@ class Accumulators:
                       for sums in map(self._float4, range(lanes))]
         return block.array("acc", FLOAT, lanes, values)
 
-    def _float8(self, texel: int) -> tuple[Element, int]:
-        """(the float8 that holds float4 `texel`, its half: 0 low, 1 high)."""
-        pair = self.pair
-        return Element(self.array, const(texel // (2 * pair) * pair + texel % pair)), texel // pair % 2
+    def _vector(self, texel: int) -> tuple[Element, int]:
+        """(the float8 or float16 that holds float4 `texel`, its part: 0 low .. width - 1)."""
+        pair, width = self.pair, self.width
+        return Element(self.array, const(texel // (width * pair) * pair + texel % pair)), texel // pair % width
 
     def _float4(self, texel: int, component: int | None = None) -> Expr:
         """Float4 accumulator `texel`, or its `component`."""
         if not self.pair:
             whole = Element(self.array, const(texel))
             return whole if component is None else whole.lane(component)
-        float8, half = self._float8(texel)
-        return Swizzle(float8, LANES * half, LANES) if component is None else float8.lane(LANES * half + component)
+        vector, part = self._vector(texel)
+        return Swizzle(vector, LANES * part, LANES) if component is None else vector.lane(LANES * part + component)
 
     def add(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()) -> list[Assign]:
         """Statements that add each (lane, x, w) product to its lane; `offsets`, (x, w) element offsets of
@@ -116,26 +122,33 @@ class Accumulators:
         return updates
 
     def _paired(self, updates: list[Update]) -> list[Operation]:
-        """The updates' multiply-adds. Paired, a low half's whole update and its high half's first unmatched
-        whole update by the same w or the same x are one float8 multiply-add, at the low half's place in the
-        order; every other update adds into its float4 or its component at its own place."""
-        def whole(u: Update, high: int) -> bool:
-            return bool(self.pair) and u.component is None and u.texel // self.pair % 2 == high
+        """The updates' multiply-adds. Paired, a low part's whole update and, of each higher part of its
+        vector, the first unmatched whole update by the same w or the same x as it are one float8 (float16)
+        multiply-add, at the low part's place in the order, where every part has one; every other update adds
+        into its float4 or its component at its own place."""
+        def part(u: Update) -> int | None:
+            return u.texel // self.pair % self.width if self.pair and u.component is None else None
 
-        high: dict[int, list[tuple[int, Update]]] = {}  # a high half's whole updates, with their positions
+        higher: dict[int, list[tuple[int, Update]]] = {}  # a higher part's whole updates, with their positions
         for position, u in enumerate(updates):
-            if whole(u, 1):
-                high.setdefault(u.texel, []).append((position, u))
-        float8s: dict[int, Operation] = {}  # by the position of the low half's update
-        absorbed: set[int] = set()  # the positions of the high halves' updates that joined one
+            if part(u):
+                higher.setdefault(u.texel, []).append((position, u))
+        vectors: dict[int, Operation] = {}  # by the position of the low part's update
+        absorbed: set[int] = set()  # the positions of the higher parts' updates that joined one
         for position, u in enumerate(updates):
-            partner = high.get(u.texel + self.pair, []) if whole(u, 0) else []
-            match = next((k for k, (_, other) in enumerate(partner) if other.w == u.w or other.x == u.x), None)
-            if match is not None:
-                high_position, other = partner.pop(match)
-                absorbed.add(high_position)
-                float8s[position] = (self._float8(u.texel)[0], float8_of(u.x, other.x), float8_of(u.w, other.w))
-        return [float8s.get(position, (self._float4(u.texel, u.component), u.x, u.w))
+            if part(u) != 0:
+                continue
+            partners = [higher.get(u.texel + k * self.pair, []) for k in range(1, self.width)]
+            matches = [next((k for k, (_, other) in enumerate(partner) if other.w == u.w or other.x == u.x), None)
+                       for partner in partners]
+            if None in matches:
+                continue
+            others = [partner.pop(match) for partner, match in zip(partners, matches)]  # type: ignore[call-overload]
+            absorbed.update(high_position for high_position, _ in others)
+            group = [u] + [other for _, other in others]
+            vectors[position] = (self._vector(u.texel)[0], vector_of([g.x for g in group]),
+                                 vector_of([g.w for g in group]))
+        return [vectors.get(position, (self._float4(u.texel, u.component), u.x, u.w))
                 for position, u in enumerate(updates) if position not in absorbed]
 
     def _sums(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]],
@@ -183,30 +196,56 @@ def _built(operand: Expr) -> list[Expr]:
     return parts if all(isinstance(half, Var) for half in operand.parts) else [operand] + parts
 
 
-def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int, simd_floats: int) -> int:
-    """The stride that pairs float4 accumulators into float8s at least cost (`cost` of one block of
-    (lane, x offset, w offset) `products`), or 0: no pairing is cheaper, the form has no float4s, or a
-    SIMD register holds fewer than PAIRED_SIMD_FLOATS floats."""
-    if form == "lanes" or simd_floats < PAIRED_SIMD_FLOATS:
+def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int, simd_floats: int,
+                width: int = 2) -> int:
+    """The stride that groups float4 accumulators `width` by `width` into float8s (float16s) at least cost
+    (`cost` of one block of (lane, x offset, w offset) `products`), or 0: no grouping is cheaper, the form
+    has no float4s, or a SIMD register holds fewer than `width` float4s (PAIRED_SIMD_FLOATS at least)."""
+    if form == "lanes" or simd_floats < max(PAIRED_SIMD_FLOATS, LANES * width):
         return 0
-    costs = {stride: cost(_stand_in_operations(products, form, stride))
-             for stride in pairings(float4_count(form, lanes))}
+    costs = {stride: cost(_stand_in_operations(products, form, stride, width))
+             for stride in pairings(float4_count(form, lanes), width)}
     return min(costs, key=lambda stride: (costs[stride], stride))
 
 
-def pairings(count: int) -> tuple[int, ...]:
-    """Strides that pair `count` float4 accumulators two by two (0: no pairing)."""
-    return (0,) + tuple(s for s in range(1, count // 2 + 1) if count % (2 * s) == 0)
+def vector_texels(products: Sequence[tuple[int, int, int]], form: str, lanes: int, simd_floats: int,
+                  widest: int) -> tuple[int, int]:
+    """(float4s per accumulator vector, their stride: pair_stride) of the VECTOR_TEXELS up to `widest` that
+    costs least (`cost`; of equals the wider: a float16 multiply-add is one AVX-512 instruction); (2, 0) where
+    grouping costs more than none."""
+    options = [(width, pair_stride(products, form, lanes, simd_floats, width))
+               for width in VECTOR_TEXELS if width <= widest]
+    grouped = [(cost(operations), -width, stride) for width, stride in options if stride
+               for operations in [_stand_in_operations(products, form, stride, width)]
+               if width == 2 or not _gathers(operations)]
+    if not grouped:
+        return 2, 0
+    _, negative, stride = min(grouped)
+    return -negative, stride
 
 
-def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0) -> list[Operation]:
-    """The operations of a block of (lane, x offset, w offset) `products` in `form` (paired at `pair`),
-    each element a stand-in read from texel-aligned bases (what the costs compare)."""
+def _gathers(operations: Sequence[Operation]) -> bool:
+    """Whether a wider-than-float4 operand has a part gathered from lanes of several texels (B read along K):
+    PoCL's float16 of four gathered float4s took more shuffles than its multiply-adds saved (a GPT-2
+    MatMul that reads its B along K, k46: 0.51 -> 0.59 ms), which `cost` does not see."""
+    return any(isinstance(part, Vector) and len(part.parts) > 1 for _, x, w in operations for operand in (x, w)
+               if isinstance(operand, Vector) and operand.dtype.lanes > LANES for part in operand.parts)
+
+
+def pairings(count: int, width: int = 2) -> tuple[int, ...]:
+    """Strides that group `count` float4 accumulators `width` by `width` (0: no grouping)."""
+    return (0,) + tuple(s for s in range(1, count // width + 1) if count % (width * s) == 0)
+
+
+def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0,
+                         width: int = 2) -> list[Operation]:
+    """The operations of a block of (lane, x offset, w offset) `products` in `form` (grouped `width` by `width`
+    at `pair`), each element a stand-in read from texel-aligned bases (what the costs compare)."""
     def element(tensor: str, offset: int) -> Expr:  # a lane of the texel holding it
         return Var(tensor, offset >> 2, FLOAT4).lane(offset & 3)
 
     terms = [(lane, element("X", x), element("W", w)) for lane, x, w in products]
-    return Accumulators(Var("a", 0, FLOAT4), form, pair).operations(terms, [(x, w) for _, x, w in products])
+    return Accumulators(Var("a", 0, FLOAT4), form, pair, width).operations(terms, [(x, w) for _, x, w in products])
 
 
 def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
@@ -234,12 +273,13 @@ def float4_count(form: str, lanes: int) -> int:
     return lanes // LANES if form == "texels" else lanes
 
 
-def float8_of(low: Expr, high: Expr) -> Expr:
-    """Two halves (float4s or scalars) as a float8: a scalar that is both halves as itself (OpenCL widens
-    it), else each half a float4 (a scalar widened)."""
-    if low == high and low.dtype.lanes == 1:
-        return low
-    return Vector(FLOAT8, tuple(half if half.dtype.lanes == LANES else Vector(FLOAT4, (half,)) for half in (low, high)))
+def vector_of(parts: Sequence[Expr]) -> Expr:
+    """Float4s or scalars as the parts of a float8 (two) or float16 (four): a scalar that is every part as
+    itself (OpenCL widens it), else each part a float4 (a scalar widened)."""
+    if len(set(parts)) == 1 and parts[0].dtype.lanes == 1:
+        return parts[0]
+    return Vector(FLOAT.vector(LANES * len(parts)),
+                  tuple(part if part.dtype.lanes == LANES else Vector(FLOAT4, (part,)) for part in parts))
 
 
 def float4_of(values: Sequence[Expr]) -> Expr:

@@ -31,6 +31,7 @@ from fblc.codegen.ir import (FLOAT, FLOAT4, INT, Assign, Block, Element, Expr, F
                              call, const, flat_index, select)
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import evaluate_chain
+from fblc.codegen.kernels.accumulators import VECTOR_TEXELS
 from fblc.codegen.reads import TEXEL_ALONE, ValueReads
 from fblc.codegen.schedule import Schedule, resolve_group
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term
@@ -355,7 +356,7 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
                                                          w_lane))
         a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])
                                 for root, terms in ((a_root, a_terms), (w_root, w_terms)))
-        return lambda _: Reduction(a_operand, w_operand, blocked, k_loops())
+        return lambda _: Reduction(a_operand, w_operand, blocked, k_loops(), widest=VECTOR_TEXELS[-1])
 
     if row is not None and rows > 1:  # a tile of rows LANES apart within one row and batch, else texel by texel
         alone_a, alone_w, _, _, alone_n = operand_terms(TEXEL_ALONE, False)

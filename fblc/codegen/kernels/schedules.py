@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import lane_axis
 from fblc.codegen.kernels import KernelGroup
+from fblc.codegen.kernels.accumulators import VECTOR_TEXELS
 from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, row_axis, texel_columns,
                                                tile_fetches, tile_reduction)
 from fblc.codegen.kernels.conv_schedules import conv_schedule, conv_transpose_schedule
@@ -30,7 +31,7 @@ from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import common_digits, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError, UnsupportedOpError
-from fblc.profiles.profile import REDUCTION_GROUP, private_limit
+from fblc.profiles.profile import REDUCTION_GROUP, Profile, private_limit
 from fblc.texel_layout import TexelLayout, mask_layout
 
 TILE_ROWS = (8, 4)  # output rows of a contraction's tile, the first that divides the output's rows
@@ -70,10 +71,20 @@ def _reducing(decide: Reducing) -> Rule:
 Split = Callable[[tuple[int, int], int], int | None]
 
 
+def tile_columns(profile: Profile) -> int:
+    """Texel columns of a contraction's tile: TILE_COLUMNS, or where a SIMD register holds four texels (AVX-512:
+    simd_floats 16) that many: each row's outputs one float16 accumulator (accumulators.VECTOR_TEXELS), one
+    multiply-add per A element and K step (PoCL, one thread: GPT-2 2L h128's 40 contraction launches 13.0 ->
+    11.0 ms a step)."""
+    widest = VECTOR_TEXELS[-1]
+    return widest if profile.simd_floats >= LANES * widest else TILE_COLUMNS
+
+
 def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int, column_texels: int | None,
                       split: Split | None = None,
-                      fetches: Callable[[tuple[int, int]], float] | None = None) -> tuple[Schedule, None, int]:
-    """A contraction's tile: up to 8 x TILE_COLUMNS texels under R-Tile layouts where the output's rows and
+                      fetches: Callable[[tuple[int, int]], float] | None = None,
+                      columns: int = TILE_COLUMNS) -> tuple[Schedule, None, int]:
+    """A contraction's tile: up to 8 x `columns` (tile_columns) texels, else 8 x TILE_COLUMNS, under R-Tile layouts where the output's rows and
     texel columns come in such groups (a tile reads each operand texel once for all its rows or columns),
     within the target's accumulators and by the device's size (TileBudget.pick, told by `split` the
     work-group each tile's reduction would really get, with one texel as the last resort); where no such
@@ -84,7 +95,7 @@ def _contraction_tile(budget: TileBudget, out_shape: tuple[int, ...], rows: int,
     the device alone (TileBudget.pick)."""
     row_texels = out_shape[-1] // LANES
     run = row_texels if column_texels is None else column_texels
-    wide = TILE_COLUMNS if row_texels % TILE_COLUMNS == 0 and run % TILE_COLUMNS == 0 else 1
+    wide = next((c for c in (columns, TILE_COLUMNS) if row_texels % c == 0 and run % c == 0), 1)
     tiles = [(n, c) for n in TILE_ROWS for c in sorted({wide, 1}, reverse=True)
              if rows % n == 0 and n * c * LANES <= budget.private]
     if not tiles:
@@ -132,7 +143,8 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
         return row_path, None, 0
     rows = merged_rows(a_axes, w_axes) or a_axes[-2][-1][0]
     return _contraction_tile(TileBudget.of(table, group), out_shape, rows, w_axes[-1][-1][0] // LANES,
-                             _tile_split(table, group, k_digits[0] if k_digits else None), fetches)
+                             _tile_split(table, group, k_digits[0] if k_digits else None), fetches,
+                             tile_columns(table.profile))
 
 
 def _rows_apart(table: TextureTable, group: KernelGroup, out_shape: tuple[int, ...],
@@ -163,7 +175,7 @@ def _gemm(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int]:
     m, n = out_shape
     fetches = tile_fetches(m if trans_a else 1, 1 if trans_a else k, 1 if trans_b else n, k if trans_b else 1)
     return _contraction_tile(TileBudget.of(table, group), out_shape, out_shape[0], None,
-                             _tile_split(table, group, [(k, 1)]), fetches)
+                             _tile_split(table, group, [(k, 1)]), fetches, tile_columns(table.profile))
 
 
 def _row_group(table: TextureTable, count: int, output: ir.Value) -> Schedule:

@@ -248,6 +248,9 @@ class Reduction:
     loops: list[Loop] = field(default_factory=list)  # outermost first
     mask: Mask | None = None
     row_mask: Mask | None = None  # a second padded axis, enumerated in the products (a 2-D spatial tile)
+    #: float4 accumulators one vector may group (accumulators.VECTOR_TEXELS): 4 (a float16) for a contraction's
+    #: tile, whose rows share each operand vector; 2 elsewhere (convs keep float8s, measured there)
+    widest: int = 2
 
     def serial(self, lanes: int) -> int:
         """Multiply-adds per accumulator, which one work-item runs in turn (runtime tap ranges counted whole)."""
@@ -280,13 +283,13 @@ class Reduction:
                                  "(fblc.profiles.profile.private_limit)")
         if lanes % LANES == 0:  # the work-item's reduction (not a row path's per-lane fallback): the schedule's
             form = self.accumulator_form(b, lanes, schedule)
-            pair = resolve_pair(schedule, profile, self._sample, form, lanes, b.name)
-            schedule.accumulator_form, schedule.pair_stride = form, pair
+            pair, width = resolve_pair(schedule, profile, self._sample, form, lanes, b.name, self.widest)
+            schedule.accumulator_form, schedule.pair_stride, schedule.pair_width = form, pair, width
             if "pair_stride" in schedule.choices:  # plan.json offers the pairings of the form taken
                 schedule.choices["pair_stride"] = offered_pairings(form, lanes)
         else:  # what choose_form and pair_stride give lanes that are no whole texels
-            form, pair = "lanes", 0
-        target = Accumulators.declared(block, "accv" if form != "lanes" else "acc", form, pair, lanes)
+            form, pair, width = "lanes", 0, 2
+        target = Accumulators.declared(block, "accv" if form != "lanes" else "acc", form, pair, lanes, width)
         inner = block if guard is None else Block(block.numbering)
         if guard is not None:
             block.add(If(guard, inner.statements))

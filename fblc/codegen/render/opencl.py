@@ -187,8 +187,10 @@ class Renderer:
         return self.texture(self.storage.loads, e.argument, self.expr(e.texel))
 
     def _Swizzle(self, e: ir.Swizzle) -> str:
-        if e.vector.dtype.lanes == 8:  # a float8's half
+        if e.vector.dtype.lanes == 8 and e.count == 4:  # a float8's half
             return f"{self.expr(e.vector)}.{('lo', 'hi')[e.first // e.count]}"
+        if e.vector.dtype.lanes > 4:  # a float16's quarter: .s0123, .s4567, .s89ab, .scdef
+            return f"{self.expr(e.vector)}.s{''.join(f'{lane:x}' for lane in range(e.first, e.first + e.count))}"
         return f"{self.expr(e.vector)}.{COMPONENTS[e.first:e.first + e.count]}"
 
     def _ArgumentRef(self, e: ir.ArgumentRef) -> str:
