@@ -191,6 +191,33 @@ def test_compile_writes_the_memory_object_and_plot_and_the_runtime_allocates_the
                                rtol=1e-4, atol=1e-6)
 
 
+def test_memflora_under_a_gpu_tile_saves_its_floor_and_no_more(tmp_path) -> None:
+    """MemFLoRA keeps q = P x (r x H x W x B values a site) and one bit per masked element, nothing more, also
+    where a GPU's conv tile splits a mask's consecutive texels between work-items (adreno830: the depthwise
+    conv's tile of 8 channels, planes of 7 texels apart): its bytes then pair the tile's rows (mask_pair_stride
+    7), where they once fell back to r_mask4 at two bits an element (MobileNetV2 B=64: 8.64 -> 9.40 MiB saved)."""
+    from fblc.codegen.compile import compile_model
+    from tests.test_memory_floor import inverted_residual_proto
+
+    path = str(tmp_path / "block.onnx")
+    onnx.save(inverted_residual_proto(), path)  # x [2, 8, 7, 4], expand to 16
+    options = TrainingOptions(optimizer=ADAM, adapter=AdapterConfig("memflora", rank=2))
+    step, report = compile_model(path, str(tmp_path / "b"), "adreno830", "fp32", options)
+    memory = report["memory"]
+    saved = [e for e in memory["floor"]["saved"] if not e["why"].startswith("loss")]
+    masks = [e for e in saved if e["kind"] == "bit mask"]
+    values = [e for e in saved if e["kind"] == "activation"]
+    assert sorted(e["shape"] for e in masks) == [[2, 16, 7, 4]] * 2  # the two ReLU6s
+    assert sorted(e["shape"] for e in values) == [[2, 2, 7, 4]] * 2  # q of the two sites: B x r x H x W
+    assert [e["bytes"] for e in masks] == [2 * 16 * 7 * 4 // 8] * 2
+    assert [e["bytes"] for e in values] == [2 * 2 * 7 * 4 * 4] * 2
+    loss_side = sum(e["bytes"] for e in memory["floor"]["saved"] if e["why"].startswith("loss"))
+    assert memory["saved"] == 2 * (2 * 16 * 7 * 4 // 8) + 2 * (2 * 2 * 7 * 4 * 4) + loss_side
+    plan = json.load(open(tmp_path / "b" / fmt.PLAN))
+    pairs = sorted(t["layout"].get("mask_pair_stride", 1) for t in plan["textures"] if t["format"].startswith("r_mask"))
+    assert pairs == [1, 7]  # the case this test is for: one writer's tile pairs its rows 7 texels apart
+
+
 # batch_tile ---------------------------------------------------------------------------------------
 
 def _outputs(step: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
