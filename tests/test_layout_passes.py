@@ -504,8 +504,31 @@ def test_mask_writers_write_whole_bytes_and_the_step_matches_onnxruntime(tmp_pat
         assert texture["width"] * texture["height"] == -(-int(np.prod(texture["shape"])) // per_byte)
         assert planned[texture["name"]] == texture["width"] * texture["height"], texture["name"]
     assert report["memory"]["saved_masks"] == sum(t["width"] * t["height"] for t in masks)
-    rows = verify_model(path, options, work_dir=str(tmp_path))
+    bundle = str(tmp_path / "verified")
+    rows = verify_model(path, options, work_dir=str(tmp_path), keep_bundle=bundle)
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+    if any(t["layout"].get("mask_pair_stride", 1) != 1 for t in masks):  # bytes pairing rows: read back as written
+        _assert_masks_read_back(path, bundle, shape, masks)
+
+
+def _assert_masks_read_back(path: str, bundle: str, shape: tuple[int, ...], masks: list[dict]) -> None:
+    """The masks the device wrote, unpacked on the host through their layouts (LocalRunner.read), are the
+    forward's own: conv output > 0 (mask 'conv/...') and hidden Gemm output > 0 (mask 'relu_fc/...')."""
+    import onnxruntime as ort
+
+    from fblc.runtime.local import LocalRunner
+
+    batch, _, height, width, _ = shape
+    x = np.random.default_rng(3).standard_normal((batch, 3, height, width)).astype(np.float32)
+    model = onnx.load(path)
+    model.graph.output.extend([helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("c", "h")])
+    conv, hidden = ort.InferenceSession(model.SerializeToString()).run(["c", "h"], {"x": x})
+    runner = LocalRunner(bundle, storage="image")
+    runner.step({"x": x, "labels": np.zeros(batch, np.int64)})
+    for texture in masks:
+        expected = (conv if texture["name"].startswith("conv/") else hidden) > 0
+        assert np.array_equal(runner.read(texture["name"]).reshape(expected.shape).astype(bool), expected), \
+            texture["name"]
 
 
 def test_saved_masks_are_mask8_textures_the_runtime_allocates_as_planned(tmp_path) -> None:
