@@ -14,10 +14,11 @@ A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
   work-item both texels of each byte (fblc.codegen.builder). The image is sized in bytes.
   With `mask_pair_stride` P > 1 a byte pairs texels P apart instead: texel t is nibble (t / P) & 1
   of byte (t / 2P) * P + t % P (P = 1: the consecutive pairing above), for a writer whose 2-D tile
-  holds rows P texels apart (rows 2j and 2j + 1 share their bytes) where P is odd, so consecutive
-  texels lie in two work-items: still one bit per element, no r_mask4 fallback.
-- mask4: mask8's fallback for a writer whose work-items cannot cover whole bytes (a 2-D tile of
-  odd texel columns): byte t holds texel t's 4 elements in its low bits, 2 bits per element.
+  holds an even number of rows P texels apart (rows 2j and 2j + 1 share their bytes) where its
+  consecutive texels lie in two work-items: still one bit per element, no r_mask4 fallback.
+- mask4: mask8's fallback for a writer whose work-items cannot cover whole bytes either way (a 2-D
+  tile of an odd number of rows whose consecutive texels lie in two work-items): byte t holds
+  texel t's 4 elements in its low bits, 2 bits per element.
 - rtile (R-Tile): the tensor is a matrix [rows, cols] (cols = its last axis, a
   multiple of 4, so a texel never spans two rows) cut into tiles of tile_h rows x tile_w
   elements. Intra-tile packing `strip` lays a tile's rows side by side in one texel row (for

@@ -93,10 +93,11 @@ def pairs_mask_bytes(schedule: Schedule) -> bool:
 
 def pairs_rows(schedule: Schedule) -> int:
     """The stride P of the texels a mask8 byte pairs that every work-item of `schedule` holds both of where
-    consecutive texels lie in two (pairs_mask_bytes false): rows 2j and 2j + 1 of a 2-D tile of one texel
-    column and an even number of rows (its bands start at multiples of 2P); 0 where the tile has none."""
+    consecutive texels lie in two (pairs_mask_bytes false): rows 2j and 2j + 1 of a 2-D tile of an even number
+    of rows (its bands of rows x P texels start at multiples of 2P, its columns at offsets below P); 0 where the
+    tile has none (an odd number of rows, or no 2-D tile)."""
     columns, rows, stride = schedule.tile_columns, schedule.tile_rows, schedule.tile_stride
-    return stride if columns == 1 and rows % 2 == 0 and stride > 1 else 0
+    return stride if rows % 2 == 0 and stride > columns else 0
 
 
 def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:
