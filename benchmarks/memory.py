@@ -5,8 +5,8 @@
 For each model and method fblc builds the training step (`--adapter none --bn-train`, the
 paper's full fine-tuning with train-mode BatchNorm; `none` with eval-mode BatchNorm as an
 extra row; `lora`, `memflora`, `memflora-sg`, all at r = 2), fuses it into kernels and runs
-its memory planner; every figure comes from that plan (fp32, masks at one bit, lifetimes over
-the kernel launch order). Models: MobileNetV2 from a transformers config (17 classes, random
+its memory planner; every figure comes from that plan (fp32, masks at the images the target's
+kernel tiles write: one bit an element, lifetimes over the kernel launch order), as report.json's. Models: MobileNetV2 from a transformers config (17 classes, random
 weights, BatchNormalization kept, exported once by torch.onnx with a dynamic batch) on
 [B, 3, 97, 60], and T-ResNet (examples/tresnet.py) on [B, 97, 60, 1]. Beside each entry
 stands the paper's (Table 3, Opportunity-shaped input; its LoRA rows are LoRA-C, a different
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fblc.compiler.adapters import AdapterConfig  # noqa: E402
 from fblc.compiler.model_io import load_model  # noqa: E402
+from fblc.codegen.plan import step_schedules  # noqa: E402
 from fblc.profiles import load_profile  # noqa: E402
 from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
 from fblc.passes.memory_plan import plan_memory  # noqa: E402
@@ -55,6 +56,7 @@ PAPER = {
 JETSON_B64 = {"tresnet": {"Full FT": 66.20, "LoRA": 64.08, "MemFLoRA": 19.43},
               "mobilenet_v2": {"Full FT": 673.39, "LoRA": 601.45, "MemFLoRA": 95.43}}
 NAMES = {"tresnet": "T-ResNet", "mobilenet_v2": "MobileNetV2"}
+TARGET = "adreno830"  # the profile whose kernel schedules decide the saved masks' images (--target)
 
 
 def export_models(directory: str, names: list[str]) -> dict[str, tuple[str, str, tuple[int, ...]]]:
@@ -89,17 +91,20 @@ def export_models(directory: str, names: list[str]) -> dict[str, tuple[str, str,
 
 
 def measure(path: str, input_name: str, shape: tuple[int, ...], adapter: str, bn_train: bool, rank: int,
-            tile_bytes: int = -1) -> dict[str, Any]:
+            tile_bytes: int = -1, target: str = TARGET) -> dict[str, Any]:
     options = TrainingOptions(input_shapes={input_name: shape}, bn_train=bn_train,
                               optimizer=OptimizerConfig(name="adam", lr=1e-3, weight_decay=5e-4),
                               adapter=AdapterConfig(adapter, rank=rank), tile_bytes=tile_bytes)
-    step = build_training_graph(load_model(path), options, lower=load_profile("local"))
+    profile = load_profile(target)
+    # with the target's kernel schedules, as `fblc compile` lowers: a saved mask takes the image its writer's
+    # tile allows (report.json's figures, not a plan that assumes every mask at one bit)
+    step = build_training_graph(load_model(path), options, lower=profile, schedules=step_schedules(profile, "fp32"))
     summary = plan_memory(step).summary()
     summary.pop("floor", None)
     return summary
 
 
-def run(names: list[str], batches: list[int], rank: int) -> dict[str, Any]:
+def run(names: list[str], batches: list[int], rank: int, target: str = TARGET) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fblc-memory-") as directory:
         started = time.perf_counter()
@@ -112,12 +117,14 @@ def run(names: list[str], batches: list[int], rank: int) -> dict[str, Any]:
                 results[name][method] = {}
                 for batch in batches:
                     started = time.perf_counter()
-                    figures = measure(path.format(batch=batch), input_name, (batch, *sample), adapter, bn_train, rank)
+                    figures = measure(path.format(batch=batch), input_name, (batch, *sample), adapter, bn_train, rank,
+                                      target=target)
                     results[name][method][batch] = figures
                     print(f"{NAMES[name]} {method} B={batch}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
             last = batches[-1]
             results[name]["MemFLoRA, no batch tiling"] = {last: measure(path.format(batch=last), input_name,
-                                                                          (last, *sample), "memflora", False, rank, 0)}
+                                                                          (last, *sample), "memflora", False, rank, 0,
+                                                                          target)}
     return results
 
 
@@ -194,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--rank", type=int, default=2)
     parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    parser.add_argument("--target", default=TARGET,
+                        help=f"profile whose kernel schedules lower the steps (the masks' images follow the tiles; "
+                             f"default: {TARGET})")
     args = parser.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     batches = [int(b) for b in args.batches.split(",")]
-    results = run(names, batches, args.rank)
+    results = run(names, batches, args.rank, args.target)
     print(table(results, batches))
     checks = targets(results)
     if checks:

@@ -12,8 +12,13 @@ A tensor's elements are numbered row-major; texel t holds elements 4t..4t+3.
   MemFLoRA code packs its masks (32x less than int32). Texel t (elements 4t..4t+3) is then the
   low (t even) or high (t odd) nibble of byte t >> 1, so a kernel writes whole bytes by giving a
   work-item both texels of each byte (fblc.codegen.builder). The image is sized in bytes.
-- mask4: mask8's fallback for a writer whose work-items cannot cover whole bytes (a 2-D tile of
-  odd texel columns): byte t holds texel t's 4 elements in its low bits, 2 bits per element.
+  With `mask_pair_stride` P > 1 a byte pairs texels P apart instead: texel t is nibble (t / P) & 1
+  of byte (t / 2P) * P + t % P (P = 1: the consecutive pairing above), for a writer whose 2-D tile
+  holds an even number of rows P texels apart (rows 2j and 2j + 1 share their bytes) where its
+  consecutive texels lie in two work-items: still one bit per element, no r_mask4 fallback.
+- mask4: mask8's fallback for a writer whose work-items cannot cover whole bytes either way (a 2-D
+  tile of an odd number of rows whose consecutive texels lie in two work-items): byte t holds
+  texel t's 4 elements in its low bits, 2 bits per element.
 - rtile (R-Tile): the tensor is a matrix [rows, cols] (cols = its last axis, a
   multiple of 4, so a texel never spans two rows) cut into tiles of tile_h rows x tile_w
   elements. Intra-tile packing `strip` lays a tile's rows side by side in one texel row (for
@@ -80,6 +85,7 @@ class TexelLayout:
     packing: str = "block"  # "strip" or "block"
     arrangement: str = "rows"  # "rows" or "columns"
     tiles_per_row: int = 1
+    mask_pair_stride: int = 1  # mask8: texels apart the two nibbles of a byte lie (see the module docstring)
 
     # geometry -----------------------------------------------------------------------------------
     @property
@@ -151,7 +157,8 @@ class TexelLayout:
 
     def describe(self) -> str:
         if self.kind in MASK_ELEMENTS:
-            return f"{self.kind} ({MASK_ELEMENTS[self.kind]} mask bits per byte); image {self.width}x{self.height}"
+            paired = f", bytes pair texels {self.mask_pair_stride} apart" if self.mask_pair_stride != 1 else ""
+            return f"{self.kind} ({MASK_ELEMENTS[self.kind]} mask bits per byte{paired}); image {self.width}x{self.height}"
         if self.kind == "flat":
             return f"flat; image {self.width}x{self.height}"
         padding = self.width * self.height - self.rows * self.cols // 4
@@ -169,7 +176,8 @@ class TexelLayout:
 
 @lru_cache(maxsize=4096)
 def _json_of(layout: TexelLayout) -> str:
-    return json.dumps(vars(layout), separators=(",", ":"))
+    fields = {k: v for k, v in vars(layout).items() if k != "mask_pair_stride" or v != 1}  # unpaired: as before
+    return json.dumps(fields, separators=(",", ":"))
 
 
 def flat_layout(texels: int, max_width: int) -> TexelLayout:
@@ -177,15 +185,34 @@ def flat_layout(texels: int, max_width: int) -> TexelLayout:
     return TexelLayout("flat", width, -(-texels // width))
 
 
-def mask_layout(kind: str, count: int, max_width: int, max_height: int) -> TexelLayout:
+def mask_layout(kind: str, count: int, max_width: int, max_height: int, pair_stride: int = 1) -> TexelLayout:
     """The image of a `count`-element boolean tensor under mask `kind`: its ceil(count / elements
-    per byte) bytes laid flat, in an image of exactly that size when a width divides it (so a mask
-    costs its bits and nothing more), else in rows of `max_width`, the last padded."""
+    per byte) bytes laid flat (mask8 bytes pairing texels `pair_stride` apart: mask_bytes), in an
+    image of exactly that size when a width divides it (so a mask costs its bits and nothing more),
+    else in rows of `max_width`, the last padded."""
     if kind not in MASK_ELEMENTS:
         raise ValueError(f"unknown mask kind '{kind}'; one of: {', '.join(MASK_ELEMENTS)}")
-    size = max(1, -(-count // MASK_ELEMENTS[kind]))
+    if pair_stride != 1 and kind != "mask8":
+        raise ValueError(f"a {kind} byte holds one texel: it pairs none {pair_stride} apart")
+    size = max(1, mask_bytes(kind, -(-count // 4), pair_stride))
     width = _dividing_width(size, max_width, max_height)
-    return TexelLayout(kind, width, -(-size // width))
+    return TexelLayout(kind, width, -(-size // width), mask_pair_stride=pair_stride)
+
+
+def mask_bytes(kind: str, texels: int, pair_stride: int = 1) -> int:
+    """Bytes of a mask of `texels` 4-element texels: one a texel (mask4), one a pair (mask8), the pairs of
+    each run of 2 * pair_stride texels filling pair_stride bytes (a last partial run its own share)."""
+    if kind == "mask4":
+        return texels
+    runs, rest = divmod(texels, 2 * pair_stride)
+    return runs * pair_stride + min(rest, pair_stride)
+
+
+def mask_byte_of(texels: np.ndarray, pair_stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """(byte, nibble) of mask8 texel indices `texels` (numpy): texel t is nibble (t / P) & 1 of byte
+    (t / 2P) * P + t % P, P = pair_stride (P = 1: nibble t & 1 of byte t >> 1)."""
+    t = np.asarray(texels, dtype=np.int64)
+    return t // (2 * pair_stride) * pair_stride + t % pair_stride, (t // pair_stride) & 1
 
 
 @lru_cache(maxsize=1024)
@@ -234,6 +261,14 @@ def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
     """`array` as its image's RGBA texels, row by row (height * width * 4 values, zero padding)."""
     values = np.asarray(array).reshape(-1)
     texels = -(-values.size // 4)
+    if layout.kind in MASK_ELEMENTS and layout.mask_pair_stride != 1:  # nibbles of bytes pairing texels P apart
+        bits = np.zeros(texels * 4, dtype=np.uint8)
+        bits[: values.size] = values != 0
+        nibbles = (bits.reshape(-1, 4) << np.arange(4, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+        byte, nibble = mask_byte_of(np.arange(texels), layout.mask_pair_stride)
+        image = np.zeros(layout.width * layout.height, dtype=np.uint8)
+        np.bitwise_or.at(image, byte, (nibbles << (4 * nibble)).astype(np.uint8))
+        return image.astype(dtype)
     if layout.kind in MASK_ELEMENTS:
         per_byte = MASK_ELEMENTS[layout.kind]
         bits = np.zeros(-(-values.size // per_byte) * per_byte, dtype=np.uint8)
@@ -257,6 +292,10 @@ def pack(array: np.ndarray, layout: TexelLayout, dtype: Any) -> np.ndarray:
 def unpack(image: np.ndarray, layout: TexelLayout, count: int) -> np.ndarray:
     """The first `count` elements, row-major, of an image packed by `pack`."""
     flat = np.asarray(image).reshape(-1)
+    if layout.kind in MASK_ELEMENTS and layout.mask_pair_stride != 1:
+        byte, nibble = mask_byte_of(np.arange(-(-count // 4)), layout.mask_pair_stride)
+        nibbles = (flat.astype(np.uint8)[byte] >> (4 * nibble).astype(np.uint8)) & 15
+        return ((nibbles[:, None] >> np.arange(4, dtype=np.uint8)) & 1).reshape(-1)[:count]
     if layout.kind in MASK_ELEMENTS:
         per_byte = MASK_ELEMENTS[layout.kind]
         data = flat[: -(-count // per_byte)].astype(np.uint8)

@@ -159,3 +159,43 @@ def test_rows_cut_short_keep_whole_texels() -> None:
     assert not IndexMap((2, 3, 15), (48, 16, 1), offset=1).packs_whole_texels((2, 3, 16))
     assert not IndexMap((2, 3, 15), (42, 14, 1)).packs_whole_texels((2, 3, 14))
     assert not IndexMap((2, 3, 15), (48, 12, 1)).packs_whole_texels((2, 4, 12))
+
+
+@pytest.mark.parametrize("adapter", ["memflora", "memflora-sg"])
+def test_adapter_projections_stay_narrow_and_every_site_trains(adapter: str) -> None:
+    """An adapter's q = P x keeps the model's width (15) where its site's convs run at 16: the backward saves r x H x
+    W x B values, not W rounded up, and memflora-sg, which finds q by its tag, trains P at every site (a widened q
+    lost the tag, and its site's P its gradient); the aligned step equals the unaligned one in onnxruntime."""
+    from fblc.compiler import keys
+    from fblc.compiler.adapters import AdapterConfig
+
+    model = _block(15)
+    rng = np.random.default_rng(8)
+    feeds = {"x": rng.standard_normal((2, 4, 5, 15)).astype(np.float32)}
+    steps = {}
+    for label, layout in (("aligned", "rtile"), ("plain", "naive")):
+        options = TrainingOptions(loss="mse", layout=layout, adapter=AdapterConfig(adapter, rank=2))
+        steps[label] = run_passes(ir.from_proto(model), training_pipeline(options))
+    aligned = steps["aligned"]
+    assert [n for n in aligned.graph if "/wide_" in n.name]
+    qs = [v for n in aligned.graph for v in n.outputs if v is not None and keys.ADAPTER_SITE_Q in v.metadata_props]
+    assert len(qs) == 2 and all(list(q.shape) == [2, 2, 5, 15] for q in qs)  # expand's and project's, narrow
+    names = [v.name for v in steps["plain"].graph.outputs if v.name == "loss" or v.name.endswith(".grad")]
+    assert sorted(n for n in names if "adapter_P" in n) == (
+        sorted(f"{site}.adapter_P.grad" for site in ("w1", "w3")) if adapter == "memflora-sg" else [])
+    assert {v.name for v in aligned.graph.outputs} >= set(names)
+    feed = dict(feeds)
+    for step in steps.values():
+        for value in step.graph.inputs:
+            if value.name not in feed and value.shape is not None:
+                source = step.graph.initializers.get(value.name)
+                shape = [int(d) for d in value.shape]
+                if "adapter_U" in value.name:  # nonzero, so that q's gradient (U^T dL/dz) and P's are
+                    feed[value.name] = rng.standard_normal(shape).astype(np.float32)
+                elif source is not None and source.const_value is not None:
+                    feed[value.name] = source.const_value.numpy()
+                else:
+                    feed[value.name] = np.full(shape, 0.5, np.float32)
+    for name, a, b in zip(names, _run(ir.to_proto(aligned), feed, names), _run(ir.to_proto(steps["plain"]), feed, names)):
+        assert name == "loss" or "adapter" not in name or np.abs(b).max() > 1e-3, name  # a gradient that can differ
+        np.testing.assert_allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE, err_msg=name)

@@ -416,6 +416,27 @@ def test_mask8_packs_eight_booleans_per_byte_lsb_first() -> None:
     assert mask_layout("mask8", 8 * 4099, 4096, 4096).width == 4096  # 4099 is prime: rows of 4096, padded
 
 
+def test_mask8_bytes_pairing_texels_three_apart_hold_rows_2j_and_2j_plus_1() -> None:
+    """mask_pair_stride P = 3: texel t is nibble (t / 3) & 1 of byte (t / 6) * 3 + t % 3, so bytes 0..2 hold
+    texels 0..2 (low) and 3..5 (high), bytes 3..5 texels 6..8 and 9..11; still ceil(n / 8) bytes; pack and
+    unpack agree with that map (the runtimes read and write saved masks through them)."""
+    mask = np.zeros(48, bool)  # 12 texels
+    mask[[0, 13, 14, 47]] = True  # texel 0 lane 0, texel 3 lanes 1 and 2, texel 11 lane 3
+    layout = mask_layout("mask8", mask.size, 16, 16, pair_stride=3)
+    assert (layout.kind, layout.width, layout.height, layout.mask_pair_stride) == ("mask8", 6, 1, 3)
+    image = pack(mask, layout, np.uint8)
+    assert image.tolist() == [0b1 | 0b0110 << 4, 0, 0, 0, 0, 0b1000 << 4]
+    assert np.array_equal(unpack(image, layout, mask.size), mask.astype(np.uint8))
+    assert TexelLayout.from_dict(json.loads(layout.to_json())) == layout
+    assert "mask_pair_stride" not in mask_layout("mask8", mask.size, 16, 16).to_json()  # unpaired: as before
+    random = np.random.default_rng(1).random(7 * 4 * 10) > 0.5  # 70 texels in runs of 14
+    paired = mask_layout("mask8", random.size, 64, 64, pair_stride=7)
+    assert paired.width * paired.height == random.size // 8
+    assert np.array_equal(unpack(pack(random, paired, np.uint8), paired, random.size), random.astype(np.uint8))
+    with pytest.raises(ValueError, match="pairs none"):
+        mask_layout("mask4", mask.size, 16, 16, pair_stride=3)
+
+
 def _masked_conv_proto(batch: int, channels: int, height: int, width: int, hidden: int = 0) -> onnx.ModelProto:
     """x [batch, 3, height, width] -> Conv 3x3 (pads 1) -> Relu -> GlobalAveragePool -> Flatten [-> Gemm
     -> Relu -> Gemm]: under MemFLoRA every Relu saves a mask, written by the kernel that computes it."""
@@ -439,23 +460,25 @@ def _masked_conv_proto(batch: int, channels: int, height: int, width: int, hidde
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, classes])], inits)
 
 
-MASK_WRITERS = {  # case -> (batch, channels, height, width, hidden), the formats of the masks
-    "per-lane conv, 7 texels: pairs of 1-texel items, the last alone": ((1, 3, 3, 3, 0), ["r_mask8"]),
-    "conv over row texels (rows of 7), a prologue per texel": ((1, 3, 3, 7, 0), ["r_mask8"]),
-    "conv spatial tile of 5 texels, 9 items: pairs, the last alone": ((1, 3, 3, 20, 0), ["r_mask8"]),
-    "conv channel tile of 6 texels": ((1, 8, 1, 6, 0), ["r_mask8"]),
-    # the conv's register tile of 4 channels splits its mask's bytes: r_mask4 (kernels/conv_schedules.channel_rows)
-    "gemm 2-D tile, 2 texel columns": ((8, 4, 4, 4, 16), ["r_mask4", "r_mask8"]),
-    "gemm 2-D tile, rows of 3 texels: the r_mask4 fallback": ((8, 4, 4, 4, 12), ["r_mask4", "r_mask4"]),
+MASK_WRITERS = {  # case -> (batch, channels, height, width, hidden), the (format, byte pair stride) of the masks
+    "per-lane conv, 7 texels: pairs of 1-texel items, the last alone": ((1, 3, 3, 3, 0), [("r_mask8", 1)]),
+    "conv over row texels (rows of 7), a prologue per texel": ((1, 3, 3, 7, 0), [("r_mask8", 1)]),
+    "conv spatial tile of 5 texels, 9 items: pairs, the last alone": ((1, 3, 3, 20, 0), [("r_mask8", 1)]),
+    "conv channel tile of 6 texels": ((1, 8, 1, 6, 0), [("r_mask8", 1)]),
+    # the conv's register tile of 4 channels splits consecutive texels (rows of 1 texel, 4 apart): its mask's bytes
+    # pair the tile's rows 2j and 2j + 1 (mask_pair_stride 4), one bit an element as ever, where it was r_mask4
+    "gemm 2-D tile, 2 texel columns": ((8, 4, 4, 4, 16), [("r_mask8", 4), ("r_mask8", 1)]),
+    # and the Gemm's 2-D tile of rows of 3 texels too (stride 3, odd): bytes pair texels 3 apart
+    "gemm 2-D tile, rows of 3 texels: bytes pairing its rows": ((8, 4, 4, 4, 12), [("r_mask8", 4), ("r_mask8", 3)]),
 }
 
 
 @pytest.mark.parametrize("case", list(MASK_WRITERS))
 def test_mask_writers_write_whole_bytes_and_the_step_matches_onnxruntime(tmp_path, case: str) -> None:
     """Each way a kernel covers its texels (one, a row's 5, a channel tile, 2-D tiles) writes its
-    saved mask in whole bytes (r_mask8) or falls back to r_mask4; the memory plan accounts the
-    images the bundle allocates; the MemFLoRA step (whose adapter gradients go through the masks)
-    equals onnxruntime's."""
+    saved mask in whole bytes of one bit an element (r_mask8; a 2-D tile whose consecutive texels lie in
+    two work-items, in bytes pairing its rows); the memory plan accounts the images the bundle
+    allocates; the MemFLoRA step (whose adapter gradients go through the masks) equals onnxruntime's."""
     from fblc.compiler.adapters import AdapterConfig
 
     shape, formats = MASK_WRITERS[case]
@@ -466,8 +489,13 @@ def test_mask_writers_write_whole_bytes_and_the_step_matches_onnxruntime(tmp_pat
     step, report = compile_model(path, str(tmp_path / "b"), "local", "fp32", options)
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     masks = [t for t in plan["textures"] if t["format"].startswith("r_mask")]
-    assert [t["format"] for t in masks] == formats
-    # the r_mask4 fallback is on the step before its one memory plan: the graph's fblc.mem agrees with report.json
+    assert [(t["format"], t["layout"].get("mask_pair_stride", 1)) for t in masks] == formats
+    writers = {name: k["schedule"] for k in plan["kernels"] for name in k["schedule"].get("paired_masks", [])}
+    for texture in masks:  # bytes pair texels P apart only where the writer's tile has rows P apart
+        pair = texture["layout"].get("mask_pair_stride", 1)
+        assert pair == 1 or (writers[texture["name"]]["tile_stride"], writers[texture["name"]]["tile_columns"]) \
+            == (pair, 1)
+    # the mask layouts are on the step before its one memory plan: the graph's fblc.mem agrees with report.json
     planned = {v.name: json.loads(v.metadata_props[keys.MEM])["bytes"] for n in step.graph for v in n.outputs
                if v is not None and keys.MEM in v.metadata_props}
     for texture in masks:
@@ -476,8 +504,31 @@ def test_mask_writers_write_whole_bytes_and_the_step_matches_onnxruntime(tmp_pat
         assert texture["width"] * texture["height"] == -(-int(np.prod(texture["shape"])) // per_byte)
         assert planned[texture["name"]] == texture["width"] * texture["height"], texture["name"]
     assert report["memory"]["saved_masks"] == sum(t["width"] * t["height"] for t in masks)
-    rows = verify_model(path, options, work_dir=str(tmp_path))
+    bundle = str(tmp_path / "verified")
+    rows = verify_model(path, options, work_dir=str(tmp_path), keep_bundle=bundle)
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+    if any(t["layout"].get("mask_pair_stride", 1) != 1 for t in masks):  # bytes pairing rows: read back as written
+        _assert_masks_read_back(path, bundle, shape, masks)
+
+
+def _assert_masks_read_back(path: str, bundle: str, shape: tuple[int, ...], masks: list[dict]) -> None:
+    """The masks the device wrote, unpacked on the host through their layouts (LocalRunner.read), are the
+    forward's own: conv output > 0 (mask 'conv/...') and hidden Gemm output > 0 (mask 'relu_fc/...')."""
+    import onnxruntime as ort
+
+    from fblc.runtime.local import LocalRunner
+
+    batch, _, height, width, _ = shape
+    x = np.random.default_rng(3).standard_normal((batch, 3, height, width)).astype(np.float32)
+    model = onnx.load(path)
+    model.graph.output.extend([helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("c", "h")])
+    conv, hidden = ort.InferenceSession(model.SerializeToString()).run(["c", "h"], {"x": x})
+    runner = LocalRunner(bundle, storage="image")
+    runner.step({"x": x, "labels": np.zeros(batch, np.int64)})
+    for texture in masks:
+        expected = (conv if texture["name"].startswith("conv/") else hidden) > 0
+        assert np.array_equal(runner.read(texture["name"]).reshape(expected.shape).astype(bool), expected), \
+            texture["name"]
 
 
 def test_saved_masks_are_mask8_textures_the_runtime_allocates_as_planned(tmp_path) -> None:

@@ -152,6 +152,34 @@ def depthwise_pointwise_proto() -> onnx.ModelProto:
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6])], inits)
 
 
+def inverted_residual_proto(batch: int = 2, channels: int = 8, expand: int = 16, height: int = 7,
+                            width: int = 4) -> onnx.ModelProto:
+    """MobileNetV2's inverted residual at its last maps (7 x 4: a row is one texel, a plane 7): 1x1 expand -> BN ->
+    ReLU6 -> depthwise 3x3 -> BN -> ReLU6 -> 1x1 project -> BN -> pool; two adapter sites (expand, project)."""
+    rng = np.random.default_rng(9)
+    inits = {"ex.weight": 0.3 * rng.standard_normal((expand, channels, 1, 1)), "dw.weight": 0.3 * rng.standard_normal(
+        (expand, 1, 3, 3)), "pr.weight": 0.3 * rng.standard_normal((channels, expand, 1, 1)), "lo": np.array(0.0),
+        "hi": np.array(6.0)}
+    nodes, last = [], "x"
+    for name, groups, out, activation in (("ex", 1, expand, True), ("dw", expand, expand, True), ("pr", 1, channels, False)):
+        pads = [1, 1, 1, 1] if groups > 1 else [0, 0, 0, 0]
+        nodes.append(helper.make_node("Conv", [last, f"{name}.weight"], [f"{name}.c"], pads=pads, group=groups, name=name))
+        inits.update({f"{name}.bn.weight": rng.uniform(0.5, 1.5, out), f"{name}.bn.bias": rng.normal(0, 0.1, out),
+                      f"{name}.bn.mean": rng.normal(0, 0.1, out), f"{name}.bn.var": rng.uniform(0.5, 1.5, out)})
+        nodes.append(helper.make_node("BatchNormalization", [f"{name}.c"] + [f"{name}.bn.{k}" for k in
+                                                                            ("weight", "bias", "mean", "var")],
+                                      [f"{name}.b"], name=f"{name}.bn"))
+        last = f"{name}.b"
+        if activation:
+            nodes.append(helper.make_node("Clip", [last, "lo", "hi"], [f"{name}.a"], name=f"{name}.relu6"))
+            last = f"{name}.a"
+    nodes += [helper.make_node("GlobalAveragePool", [last], ["p"], name="pool"),
+              helper.make_node("Flatten", ["p"], ["y"], name="flatten")]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, channels, height, width])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, channels])],
+                      {k: np.asarray(v, np.float32) for k, v in inits.items()})
+
+
 def test_depthwise_site_is_frozen_with_batchnorm_folded_and_a_mask() -> None:
     x = np.random.default_rng(0).standard_normal((2, 4, 6, 5)).astype(np.float32)
     (expected,) = run_onnx(imported(depthwise_pointwise_proto()), {"x": x})

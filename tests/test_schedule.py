@@ -350,9 +350,11 @@ def test_a_profile_schedules_section_applies_and_a_schedule_file_overrides_it(tm
         load_overrides(str(schedule_file), profile)
 
 
-def test_lowering_decides_the_mask4_fallback_without_writing_the_graph(tmp_path) -> None:
-    """A Gemm whose 2-D tile has rows of 3 texels writes its saved mask as r_mask4, decided from its
-    schedule before any texture exists; lowering leaves the step's metadata as it found it."""
+def test_lowering_decides_the_byte_pairing_of_split_masks_without_writing_the_graph(tmp_path) -> None:
+    """A Gemm whose 2-D tile has rows of 3 texels (and a conv whose channel tile has rows 4 texels apart) splits
+    consecutive texels between work-items: its saved mask's bytes pair the tile's rows instead (r_mask8,
+    mask_pair_stride = tile_stride), decided from its schedule before any texture exists; lowering leaves the
+    step's metadata as it found it."""
     from fblc.compiler.adapters import AdapterConfig
     from fblc.compiler.model_io import load_model
     from fblc.compiler.optimizers import OptimizerConfig
@@ -371,8 +373,12 @@ def test_lowering_decides_the_mask4_fallback_without_writing_the_graph(tmp_path)
     before = metadata()
     program = lower(step, load_profile("local"), "fp32", with_contents=False)
     assert metadata() == before
-    assert [t.format for t in program.textures if t.format.startswith("r_mask")] == ["r_mask4", "r_mask4"]
-    assert sum(len(s["mask4"]) for s in program.schedules.values()) == 2
+    masks = [t for t in program.textures if t.format.startswith("r_mask")]
+    assert [(t.format, t.layout.mask_pair_stride) for t in masks] == [("r_mask8", 4), ("r_mask8", 3)]
+    assert [t.width * t.height for t in masks] == [-(-t.numel // 8) for t in masks]  # one bit an element
+    paired = {name: s for s in program.schedules.values() for name in s["paired_masks"]}
+    assert [paired[t.name]["tile_stride"] for t in masks] == [4, 3]
+    assert not any(s["mask4"] for s in program.schedules.values())
 
 
 def test_a_contraction_too_small_for_the_device_is_split_until_it_fills_it(tmp_path) -> None:

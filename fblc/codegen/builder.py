@@ -8,7 +8,9 @@ the reads the lanes have in common. A work-item's tile (its `Schedule`; `finish`
 An r_mask8 output (8 elements a byte) takes two texels per byte, and an image write stores a whole
 byte, so the work-item that writes byte b computes both texels 2b and 2b + 1: it ORs their nibbles and
 writes the byte after the odd one. A work-item of an odd count of texels runs two items in turn (`PAIR`);
-a 2-D tile of odd columns cannot, so its schedule stores the mask as r_mask4 (codegen/schedule.py).
+a 2-D tile of an even number of rows P texels apart whose consecutive texels lie in two work-items writes bytes
+that pair its rows 2j and 2j + 1 instead (the mask's layout says P, texel_layout; a byte accumulates per column);
+a tile of an odd number of such rows stores the mask as r_mask4 (codegen/schedule.py).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from fblc.codegen import texel_wide
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import INT, UINT, Block, Expr, Statement, Var, const, div_index, flat_index, mod_index
 from fblc.codegen.indexing import declare_index, declare_row_index, lane_axis
-from fblc.codegen.reads import ITEM_FIRST, OUT_INDEX, RUN_FIRST, RUN_LAST, TEXEL_FIRST, TEXEL_LAST, ValueReads
-from fblc.codegen.schedule import Schedule, pairs_mask_bytes
+from fblc.codegen.reads import (ITEM_FIRST, OUT_INDEX, RUN_FIRST, RUN_LAST, TEXEL_FIRST, TEXEL_LAST, ValueReads,
+                                mask_position)
+from fblc.codegen.schedule import Schedule, pairs_mask_bytes, pairs_rows
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.values import static_shape
 
@@ -214,9 +217,12 @@ class KernelBuilder(ValueReads):
         schedule.tile_rows, schedule.tile_columns = per_item // columns, columns  # what it used, for plan.json
         schedule.tile_stride, schedule.tiles_per_group = self.item_stride, self.tiles_per_group
         schedule.group_size = group or 1
-        assert not masks or pairs_mask_bytes(schedule), \
+        consecutive = [m for m in masks if m.layout.mask_pair_stride == 1]
+        assert not consecutive or pairs_mask_bytes(schedule), \
             f"{self.name}: its tile splits the bytes of mask8 outputs its schedule did not store as r_mask4"
-        pair = PAIR if masks and per_item % 2 else 1
+        assert all(pairs_rows(schedule) == m.layout.mask_pair_stride for m in masks if m not in consecutive), \
+            f"{self.name}: its tile's rows are not the texels its mask8 outputs' bytes pair"
+        pair = PAIR if consecutive and per_item % 2 else 1
         arguments = [self.argument_of("out", k, t) for k, t in enumerate(self.out_textures)]
         arguments += [self.argument_of("in", k, t) for k, t in enumerate(self.in_textures)]
         kernel = Block(self.numbering)
@@ -230,7 +236,10 @@ class KernelBuilder(ValueReads):
             kernel.add(kir.Declare(launched, kir.call("get_global_id", 0, dtype=INT)))
         kernel.add(kir.If(launched.ge(launches), [kir.Return()]))
         bytes_ = {k: _named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
-        kernel.add(*(kir.Declare(byte, const(0, UINT), const=False) for byte in bytes_.values()))
+        for k, byte in bytes_.items():  # bytes pairing the rows of a tile of several columns: one a column
+            paired = self.out_textures[k].layout.mask_pair_stride != 1 and columns > 1
+            kernel.add(kir.DeclareArray(byte, columns, (const(0, UINT),) * columns) if paired
+                       else kir.Declare(byte, const(0, UINT), const=False))
         item_block = kernel
         if pair > 1:
             with kernel.loop("sub", 0, PAIR, name="sub") as (sub, item_block):
@@ -375,7 +384,16 @@ class KernelBuilder(ValueReads):
                         for lane in range(4)]
             argument = arguments[k]
             bits = reduce(operator.or_, [lanes_of[lane].ne(0) << lane for lane in range(4)])  # a mask's: lane l, bit l
-            if texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
+            if texture.format == MASK_FORMATS["mask8"] and texture.layout.mask_pair_stride != 1:
+                # bytes pairing the tile's rows P apart (reads.mask_position): written after the odd row's texel,
+                # one byte a column of the tile (its texels run row by row)
+                byte, (at, shift) = bytes_[k], mask_position(texture, t)
+                if self.item_columns > 1:
+                    byte = kir.Element(byte, mod_index(self.tt, self.item_columns))
+                block.assign(byte, kir.Cast(UINT, bits) << shift, "|=")
+                block.add(kir.If(shift.ne(0), [kir.Store(argument, at, kir.vector(kir.UINT4, byte, 0, 0, 0)),
+                                               kir.Assign(byte, const(0, UINT))]))
+            elif texture.format == MASK_FORMATS["mask8"]:  # texel t: nibble t & 1 of byte t >> 1, written after both
                 byte = bytes_[k]
                 block.assign(byte, kir.Cast(UINT, bits) << ((t & 1) * 4), "|=")
                 odd = t & 1 if texels % 2 == 0 else (t & 1).logical_or(t.eq(texels - 1))  # an odd count's last byte

@@ -20,7 +20,7 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen import ir as kir
 from fblc.codegen.ir.precision import half_arithmetic
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
-from fblc.codegen.kernels.schedules import decide_schedules, mask4_layouts
+from fblc.codegen.kernels.schedules import decide_schedules, mask_layouts
 from fblc.codegen.render.source import assemble_source
 from fblc.codegen.schedule import Schedule
 from fblc.codegen.textures import Texture, TextureTable
@@ -127,10 +127,11 @@ def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
 def _scheduled_table(graph: ir.Graph, profile: Profile, dtype: str, groups: list[KernelGroup],
                      overrides: Mapping[str, Mapping[str, Any]] | None) -> TextureTable:
     """The step's texture table with the schedules of `groups` (the emitted ones) decided, `overrides` by
-    kernel name applied (kernels/schedules.py), and the r_mask4 layouts of the saved masks they split."""
+    kernel name applied (kernels/schedules.py), and the layouts of the saved masks whose bytes they split
+    (r_mask4, or r_mask8 bytes pairing their tiles' rows)."""
     table = TextureTable(profile, FLOAT_FORMATS[dtype], tiled=graph.metadata_props.get(keys.LAYOUT_MODE) == "rtile")
     table.schedules = decide_schedules(table, groups, overrides)
-    table.mask4 = mask4_layouts(table.schedules, table, graph)
+    table.mask_layouts = mask_layouts(table.schedules, table, graph)
     return table
 
 
@@ -209,12 +210,13 @@ def _decided(schedules: Mapping[str, Schedule], group: KernelGroup) -> str:
 
 def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Decide:
     """The decisions the kernel_schedules pass puts on the fused step: every kernel's schedule (on its
-    group's anchor) and the r_mask4 layouts of the saved masks the schedules split, as lower() decides them."""
+    group's anchor) and the layouts of the saved masks whose bytes the schedules split, as lower() decides
+    them."""
     def decide(model: ir.Model) -> ScheduleDecisions:
         groups = [g for g in kernel_groups(model.graph) if KERNEL_EMITTERS.has(g.anchor)]
         table = _scheduled_table(model.graph, profile, dtype, groups, overrides)
         return ScheduleDecisions([(g.anchor, _decided(table.schedules, g)) for g in groups],
-                                 {name: layout.to_json() for name, layout in table.mask4.items()})
+                                 {name: layout.to_json() for name, layout in table.mask_layouts.items()})
 
     return decide
 

@@ -14,7 +14,7 @@ import onnx_ir as ir
 from fblc.bundle_format import BUFFER_C_TYPES
 from fblc.codegen import ir as kir
 from fblc.codegen.indexing import broadcast_view_index, flat_view_index, index_var
-from fblc.codegen.ir import INT, Block, Expr, Numbering, Statement, const, mod_index
+from fblc.codegen.ir import INT, Block, Expr, Numbering, Statement, const, div_index, mod_index
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import const_array, is_float
@@ -33,6 +33,14 @@ Apply = Callable[[Expr], Expr]
 
 def dtype_of(value: ir.Value) -> kir.DType:
     return kir.FLOAT if is_float(value) else INT
+
+
+def mask_position(texture: Texture, texel: Expr) -> tuple[Expr, Expr]:
+    """(byte, shift) of mask8 `texel`'s 4 bits in a mask whose bytes pair texels P = mask_pair_stride apart:
+    byte (t / 2P) * P + t % P, its high nibble where (t / P) is odd (texel_layout.mask_byte_of)."""
+    pair = texture.layout.mask_pair_stride
+    byte = div_index(texel, 2 * pair) * pair + mod_index(texel, pair)
+    return byte, (div_index(texel, pair) & 1) << 2
 
 
 def _same(value: Expr) -> Expr:
@@ -100,6 +108,9 @@ class ValueReads:
             index = flat_view_index(index_map, index)
         argument, texture = self.input_argument(value)
         per_byte = texture.mask_elements
+        if per_byte and texture.layout.mask_pair_stride != 1:  # element i: lane i & 3 of texel i >> 2's nibble
+            byte, shift = mask_position(texture, index >> 2)
+            return kir.Cast(INT, kir.Load(argument, byte).lane(0) >> (shift + (index & 3))) & 1
         if per_byte:  # element i: bit i % per_byte of byte i / per_byte
             byte = kir.Load(argument, index >> (per_byte.bit_length() - 1))
             return kir.Cast(INT, byte.lane(0) >> (index & (per_byte - 1))) & 1
@@ -182,8 +193,13 @@ class ValueReads:
         if cache not in self._hoisted:
             argument, _ = self.input_argument(root)
             per_byte, first = texture.mask_elements, self.t * 4
-            byte = self.hoisted.let(kir.Load(argument, first >> (per_byte.bit_length() - 1)).lane(0), "H")
-            self._hoisted[cache] = byte >> (first & (per_byte - 1))  # the texel's nibble in the low bits
+            if texture.layout.mask_pair_stride != 1:  # bytes pairing texels P apart (mask_position)
+                at, shift = mask_position(texture, self.t)
+                byte = self.hoisted.let(kir.Load(argument, at).lane(0), "H")
+                self._hoisted[cache] = byte >> shift
+            else:
+                byte = self.hoisted.let(kir.Load(argument, first >> (per_byte.bit_length() - 1)).lane(0), "H")
+                self._hoisted[cache] = byte >> (first & (per_byte - 1))  # the texel's nibble in the low bits
         return kir.Cast(INT, self._hoisted[cache] >> self.lane) & 1
 
     def _block_read(self, root: ir.Value, index_map: IndexMap, apply: Apply, key: str) -> Expr | None:

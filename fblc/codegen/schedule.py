@@ -37,6 +37,8 @@ class Schedule:
     pair_stride: int | None = None
     pair_width: int = 2  # float4s a paired accumulator vector holds: 2 (float8) or 4 (float16), set with pair_stride
     mask4: tuple[str, ...] = ()  # saved masks this kernel writes as r_mask4 (its tile splits their bytes)
+    #: saved masks this kernel writes as r_mask8 whose bytes pair its tile's rows, tile_stride apart (pairs_rows)
+    paired_masks: tuple[str, ...] = ()
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict, repr=False, compare=False)
     fixed: frozenset[str] = field(default=frozenset(), repr=False, compare=False)  # fields a file set
     shape_key: str = field(default="", repr=False, compare=False)  # codegen/shape_key.py: what decides the kernel
@@ -55,7 +57,7 @@ class Schedule:
         """The schedule as decided before its kernel is built (None: decided at the reduction)."""
         return {"tile_rows": self.tile_rows, "tile_columns": self.tile_columns, "tile_stride": self.tile_stride,
                 "group_size": self.group_size, "accumulator_form": self.accumulator_form,
-                "pair_stride": self.pair_stride, "mask4": list(self.mask4)}
+                "pair_stride": self.pair_stride, "mask4": list(self.mask4), "paired_masks": list(self.paired_masks)}
 
     def record(self) -> dict[str, Any]:
         """The schedule as plan.json records it, with the values a schedule file may give each field it takes."""
@@ -63,6 +65,7 @@ class Schedule:
                 "texels_per_item": self.texels_per_item, "group_size": self.group_size or 1,
                 "tiles_per_group": self.tiles_per_group, "accumulator_form": self.accumulator_form,
                 "pair_stride": self.pair_stride or 0, "vector_width": self.vector_width, "mask4": list(self.mask4),
+                "paired_masks": list(self.paired_masks),
                 "choices": {key: list(values) for key, values in self.choices.items()},  # what a file may set
                 "shape_key": self.shape_key}
 
@@ -87,6 +90,15 @@ def pairs_mask_bytes(schedule: Schedule) -> bool:
     number apart."""
     columns, stride = schedule.tile_columns, schedule.tile_stride
     return stride <= columns or (columns % 2 == 0 and stride % 2 == 0)  # stride <= columns: no 2-D tile
+
+
+def pairs_rows(schedule: Schedule) -> int:
+    """The stride P of the texels a mask8 byte pairs that every work-item of `schedule` holds both of where
+    consecutive texels lie in two (pairs_mask_bytes false): rows 2j and 2j + 1 of a 2-D tile of an even number
+    of rows (its bands of rows x P texels start at multiples of 2P, its columns at offsets below P); 0 where the
+    tile has none (an odd number of rows, or no 2-D tile)."""
+    columns, rows, stride = schedule.tile_columns, schedule.tile_rows, schedule.tile_stride
+    return stride if rows % 2 == 0 and stride > columns else 0
 
 
 def group_choices(profile: Profile, lanes: int) -> tuple[int, ...]:

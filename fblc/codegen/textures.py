@@ -72,9 +72,10 @@ class TextureTable:
         self._by_root: dict[int, Texture] = {}
         #: each kernel's schedule by kernel name (kernels/schedules.py), which its builder takes
         self.schedules: dict[str, Schedule] = {}
-        #: saved masks stored as r_mask4 because a schedule's tile splits their bytes, where the graph's
-        #: layouts do not say so already (a step lowered without the kernel_schedules pass)
-        self.mask4: dict[str, TexelLayout] = {}
+        #: saved masks stored as r_mask4, or as r_mask8 with bytes pairing a tile's rows, because a schedule's
+        #: tile splits their consecutive texels, where the graph's layouts do not say so already (a step lowered
+        #: without the kernel_schedules pass)
+        self.mask_layouts: dict[str, TexelLayout] = {}
 
     def of(self, value: ir.Value) -> Texture:
         root = view_root(value)
@@ -89,8 +90,8 @@ class TextureTable:
         kind = "float" if is_float(value) else "int"
         texels = max(1, -(-numel(shape) // 4))
         layout = keys.layout_of(value) or flat_layout(texels, self.profile.placement_limits(texels)[0])
-        if layout.kind == "mask8" and value.name in self.mask4:
-            layout = self.mask4[value.name]
+        if layout.kind == "mask8" and value.name in self.mask_layouts:
+            layout = self.mask_layouts[value.name]
         if max(numel(shape), layout.width * layout.height * 4) > MAX_INDEX:
             raise FblcError(
                 f"tensor '{value.name}' {list(shape)} has {numel(shape):,} elements in a {layout.width} x "

@@ -13,6 +13,11 @@ W4 wide, through
     producer's kernel), so its real outputs read zeros past W as before. (Reading the Slice view instead would
     be correct too, but the Slice's gradient, a Pad, then splits the backward's elementwise chain: a launch
     and a map more per such conv.)
+An adapter's rank-r projection q = P x (memory_floor's, tagged keys.ADAPTER_SITE_Q) is not widened: it reads
+x's Slice view and keeps the model's width, and the conv of U after it, reading a value as the model has it, takes
+right padding like any Conv above and writes the wide delta its site adds. q is what the backward saves (MemFLoRA's
+floor: r x H x W x B values, not W rounded up) and what memflora-sg finds by its tag (a widened q was a new value
+without it: those sites' P stopped training); a rank-r output is a small share of the site's work.
 The extra columns hold finite numbers nobody reads as output: every step output, loss and non-widened reader
 sees the Slice. Their gradients are exactly zero (a Slice's gradient is a Pad with zeros, the mask's a Mul by
 it, and each op on the way back multiplies by a finite derivative), so weight and bias gradients sum nothing
@@ -133,8 +138,8 @@ def _masked(graph: ir.Graph, before: ir.Node, real: ir.Value, wide: Wide, masks:
 
 def _widen_conv(graph: ir.Graph, node: ir.Node, wide: Wide, masks: Wide) -> bool:
     window = _conv_window(node)
-    if window is None:
-        return False
+    if window is None or keys.ADAPTER_SITE_Q in node.outputs[0].metadata_props:
+        return False  # an adapter's q = P x stays as the model has it (the module docstring says why)
     extent, stride, begin, end, spatial = window
     x = node.inputs[0]
     assert x is not None

@@ -338,7 +338,9 @@ class LocalRunner:
                   else TexelLayout("flat", texture["width"], texture["height"]))
         if self.storage == "image":
             return layout
-        return TexelLayout(layout.kind if layout.kind in MASK_ELEMENTS else "flat", layout.width * layout.height, 1)
+        if layout.kind in MASK_ELEMENTS:  # its bytes in a row, paired as in the image (mask_pair_stride)
+            return TexelLayout(layout.kind, layout.width * layout.height, 1, mask_pair_stride=layout.mask_pair_stride)
+        return TexelLayout("flat", layout.width * layout.height, 1)
 
     def read(self, name: str) -> np.ndarray:
         """Any tensor of the step by its ONNX value name (loss, P.grad, parameters...), as it is now."""

@@ -24,7 +24,7 @@ from fblc.codegen.kernels.texel import LANES
 from fblc.codegen.kernels.tile_budget import TileBudget, saved_masks
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group_choices, pairs_mask_bytes,
-                                   reduction_choices)
+                                   pairs_rows, reduction_choices)
 from fblc.codegen.schedule import tile as tile_of
 from fblc.codegen.shape_key import shape_key
 from fblc.codegen.textures import TextureTable
@@ -32,7 +32,7 @@ from fblc.compiler.index_map import common_digits, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.profiles.profile import REDUCTION_GROUP, Profile, private_limit
-from fblc.texel_layout import TexelLayout, mask_layout
+from fblc.texel_layout import TexelLayout, mask_bytes, mask_layout
 
 TILE_ROWS = (8, 4)  # output rows of a contraction's tile, the first that divides the output's rows
 TILE_COLUMNS = 2  # texels: a tile is 8 x 8 outputs (64 accumulators, as mobile GEMM kernels keep)
@@ -240,8 +240,15 @@ def decide_schedules(table: TextureTable, groups: list[KernelGroup],
     shapes = {name: shape_key(owners[name], name, table.float_format, table.tiled) for name in schedules}
     apply_overrides(schedules, overrides or {}, lambda name, schedule: _refine(table, owners[name], schedule), shapes)
     for name, schedule in schedules.items():
-        if not pairs_mask_bytes(schedule):  # a byte's two texels would lie in two work-items' tiles
-            schedule.mask4 = tuple(view_root(value).name for value in saved_masks(owners[name]))
+        if pairs_mask_bytes(schedule):
+            continue
+        # a byte's two consecutive texels would lie in two work-items' tiles: bytes that pair the tile's rows
+        # (one bit per element still), else r_mask4 (two)
+        masks = tuple(view_root(value).name for value in saved_masks(owners[name]))
+        if pairs_rows(schedule):
+            schedule.paired_masks = masks
+        else:
+            schedule.mask4 = masks
     return schedules
 
 
@@ -264,12 +271,17 @@ def _refine(table: TextureTable, group: KernelGroup, schedule: Schedule) -> None
                         f"{lanes} accumulators", "choose a smaller group_size or tile")
 
 
-def mask4_layouts(schedules: Mapping[str, Schedule], table: TextureTable, graph: ir.Graph) -> dict[str, TexelLayout]:
-    """The r_mask4 layouts of the saved masks the schedules store that way, by value name."""
-    wanted = {name for schedule in schedules.values() for name in schedule.mask4}
+def mask_layouts(schedules: Mapping[str, Schedule], table: TextureTable, graph: ir.Graph) -> dict[str, TexelLayout]:
+    """The layouts of the saved masks whose writers' tiles split consecutive texels, by value name: r_mask4, or
+    r_mask8 with bytes pairing the tile's rows (mask_pair_stride: its tile_stride)."""
+    wanted = {name: ("mask4", 1) for schedule in schedules.values() for name in schedule.mask4}
+    wanted.update({name: ("mask8", schedule.tile_stride) for schedule in schedules.values()
+                   for name in schedule.paired_masks})
     layouts = {}
     for value in [*graph.inputs, *graph.initializers.values(), *(v for n in graph for v in n.outputs)]:
         if value is not None and value.name in wanted and value.name not in layouts:
+            kind, pair = wanted[value.name]
             count = numel(static_shape(value))
-            layouts[value.name] = mask_layout("mask4", count, *table.profile.placement_limits(-(-count // 4)))
+            limits = table.profile.placement_limits(mask_bytes(kind, -(-count // 4), pair))
+            layouts[value.name] = mask_layout(kind, count, *limits, pair_stride=pair)
     return layouts
