@@ -57,6 +57,10 @@ def test_golden_a_pointwise_input_gradient_reads_its_weights_packed() -> None:
 
 @pytest.mark.parametrize("dy_shape,w_shape,attributes", [
     ([2, 16, 4, 5], [16, 8, 1, 1], {}),  # a plane of 20: whole texels, the transposed kernel's rows are consecutive
+    # planes of 1 and 2 (a last stage's 1 x 1 map): a texel holds whole planes of consecutive channels, whose
+    # weights lie side by side in W: the ConvTranspose reads them as whole texels without a copy of W^T
+    ([2, 16, 1, 1], [16, 8, 1, 1], {}),
+    ([2, 16, 1, 2], [16, 8, 1, 1], {}),
     ([2, 16, 3, 5], [16, 8, 1, 1], {"strides": [2, 2]}),
     ([2, 16, 3, 5], [16, 4, 1, 1], {"group": 2}),
     ([2, 16, 3, 5], [16, 8, 1, 1], {"pads": [0, 1, 0, 1]}),

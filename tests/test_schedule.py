@@ -447,6 +447,30 @@ def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_devi
     assert tile(64, 0, 512, k=32) == (8, 2)  # a CPU keeps the largest tile
 
 
+def test_of_the_tiles_that_fill_the_device_the_roofline_takes_the_fastest() -> None:
+    """TileBudget.pick told a conv tile's fetches and multiply-adds on a GPU weighs the first tile that fills
+    the device and the larger ones before it by the 830's roofline (fblc/profiles/roofline.py): MobileNetV2
+    [1,3,32,32]'s 16 -> 96 1x1 conv (6,144 output texels, 16 products an output) fills the 830 with one channel
+    of 4 texels a work-item (1,536 items, 68 fetches each) but is bound by the texture units; 4 channels (384
+    items of 80 fetches) fetch a quarter of the bytes at a quarter of the lanes, and win. Where the arithmetic
+    bounds it (few fetches), the tile that fills the device stays; without the figures, the first that fills."""
+    from fblc.codegen.kernels.tile_budget import TileBudget
+
+    profile = load_profile("adreno830")
+    budget = TileBudget(True, 64, profile.device_items, 6144, False, True, profile)
+
+    def pick(fetches: dict[int, float], weighed: bool = True) -> int:
+        return budget.pick([4, 2, 1], lambda rows: rows * 4, fetches=fetches.get if weighed else None,
+                           work=(lambda rows: rows * 4 * 4 * 16) if weighed else None)
+
+    texture_bound = {4: 80.0, 2: 72.0, 1: 68.0}
+    assert pick(texture_bound) == 4 and pick(texture_bound, weighed=False) == 1
+    assert budget.roofline_ms(384, 1, 80.0, 1024.0) < budget.roofline_ms(1536, 1, 68.0, 256.0)
+    assert pick({4: 4.0, 2: 2.0, 1: 1.0}) == 1  # compute-bound: the occupancy of 1,536 work-items wins
+    cpu = dataclasses.replace(budget, device_items=0, profile=None)
+    assert cpu.pick([4, 2, 1], lambda rows: rows * 4, fetches=texture_bound.get, work=lambda rows: 1.0) == 4
+
+
 def test_where_no_tile_fills_the_device_the_tile_that_fetches_least_in_its_rounds_wins() -> None:
     """TileBudget.pick told a tile's texel fetches per K step (contraction.tile_fetches): where no tile fills
     the 830 alone, the candidate whose rounds of 1536 work-items times one work-item's fetches are fewest,

@@ -8,7 +8,9 @@ Why: a texel holds 4 consecutive elements of the last axis. The transposed kerne
 output channels; it reads W[c, o..o+3] as one texel only where its tile's rows are consecutive channels, which
 needs each channel's plane to be a whole number of texels (plane % 4 == 0: kernels/conv_schedules.channel_rows).
 Otherwise (MobileNetV2 at 97 x 60: planes 49 x 30 and 25 x 15) its rows are 4 channels apart and every weight
-fetch keeps one float of four: 6 % of that step's texel fetches. The Conv reads Wt[o, c..c+3], whole texels
+fetch keeps one float of four: 6 % of that step's texel fetches. A plane of 1 or 2 is left alone: a texel then
+holds whole planes of consecutive channels, whose weights the ConvTranspose's lanes read side by side in W
+(MobileNetV2 [1,3,32,32]: its 1 x 1 maps' 7 copies were 0.38M of 4.79M image reads a step). The Conv reads Wt[o, c..c+3], whole texels
 along its reduction, whatever the plane; the copy is one launch of C_in * C_out elements per step (W trains),
 against weight reads repeated by every work-item (a frozen W's costs nothing per step).
 dX keeps its value (name, shape, readers). Preconditions: static shapes; run before ftd_taxonomy (which labels
@@ -53,7 +55,14 @@ def _pointwise(node: ir.Node) -> bool:
             and ints("strides", plain) == plain and ints("dilations", plain) == plain
             and ints("pads", [0] * 2 * spatial) == [0] * 2 * spatial
             and ints("output_padding", [0] * spatial) == [0] * spatial
-            and math.prod(y_shape[2:]) % LANES != 0)
+            and _straddled(math.prod(y_shape[2:])))
+
+
+def _straddled(plane: int) -> bool:
+    """Whether texels straddle channel planes of `plane` elements: neither whole texels per plane nor whole
+    planes per texel (a plane of 1 or 2: a last stage's 1 x 1 map, whose texel holds consecutive channels that
+    the ConvTranspose's lanes read side by side in W, as whole texels, without a copy)."""
+    return plane % LANES != 0 and LANES % plane != 0
 
 
 def _rewrite(graph: ir.Graph, node: ir.Node) -> None:

@@ -235,8 +235,11 @@ def _tap_mask(window: Window, axis: int, first: Var, walked: int, multiple: int,
 def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int = 0) -> ConvTile | None:
     """The channel or spatial tile for a conv output (see the module docstring), or None; a 2-D weight
     gradient's tile within `private` accumulators (the target's Profile.private_floats). Where its taps
-    outnumber dY's row or its channels go in blocks of fewer than 4, only if its tiles fill the device
-    (`device_items`: Profile.device_items, 0 on a CPU): a GPU keeps those per lane, where they fill it."""
+    outnumber dY's row (or dY's map is smaller than its taps) in whole blocks of 4 input channels, always: per
+    lane a GPU would read 1.5 texels per multiply-add, the tile whole texels of 4 channels' maps, its padding
+    taps dropped (MobileNetV2 [1,3,32,32]'s depthwise weight gradients on 2 x 2 and 1 x 1 maps: 0.2M image reads
+    fewer a step). Where its channels go in blocks of fewer than 4, only if its tiles fill the device (`device_items`: Profile.device_items, 0 on a CPU): a GPU keeps those
+    per lane, where they fill it."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     if cs.cg_out % LANES == 0 and len(spatial) <= 1:
         length = cs.out_shape[2 + spatial[0]] if spatial else 1
@@ -252,7 +255,7 @@ def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int = 
         short = lane_axis(cs.out_shape) is None and row_axis(cs.out_shape, first=2) is None
         channels = next((c for c in (CHANNEL_BLOCK, 2, 1) if _block_products(cs, k, lanes, c) <= STATIC_PRODUCTS), 0)
         fills = int(np.prod(cs.out_shape)) // lanes >= device_items
-        whole_blocks = k > out_x and channels == CHANNEL_BLOCK
+        whole_blocks = (k > out_x or short) and channels == CHANNEL_BLOCK
         if (whole_blocks or (k > out_x or short) and channels and fills) and out_x <= CHANNEL_TILE_LENGTH \
                 and lanes <= private:
             return ConvTile(LANES, out_x, x, y_rows=out_y, row_axis=y, channels=channels)

@@ -56,7 +56,7 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
     def trial(candidate: ConvTile) -> Reduction:
         return conv_reduction(scratch, Block(scratch.numbering), view, prefix, candidate, masked_of(candidate))
 
-    split, fetches = _tile_group(table, group, trial)
+    weighing = _tile_group(table, group, trial)
     if tile is not None and view.swapped:
         per_row = tile.lanes // tile.rows // LANES  # a row (output channel) of C_in x taps: stride apart
         schedule = tile_of(tile.rows, per_row, numel(view.out_shape[1:]) // LANES)
@@ -64,7 +64,7 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
         return schedule, ConvPlan(view, tile, masked_of(tile), names_taken=scratch.numbering.count), tile.lanes
     if tile is not None:
         if tile.rows == 1:  # a spatial tile: its texels along the row by the device's size
-            tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile, split, fetches),
+            tile = dataclasses.replace(tile, length=LANES * _spatial_texels(budget, view, tile, weighing),
                                        multiple=0)
         per = tile.lanes // LANES
         schedule = consecutive(per)
@@ -73,9 +73,9 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
             # where channels cannot stack (a depthwise conv): rows along the axis before, where its taps overlap
             k, s = view.window.kernel, view.window.strides
             schedule = _spatial_rows(budget, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1],
-                                     (split, fetches), across_groups=depthwise(view))
-        elif not _sums_instead_of_batches(scratch, view, prefix, tile, masked, budget, (split, fetches)):
-            tile.batches = batch_count(budget, view.out_shape, tile, (split, fetches))  # a channel tile
+                                     weighing, across_groups=depthwise(view))
+        elif not _sums_instead_of_batches(scratch, view, prefix, tile, masked, budget, weighing):
+            tile.batches = batch_count(budget, view.out_shape, tile, weighing)  # a channel tile
             schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
         schedule.choices["group_size"] = _group_sizes(table, group, tile, trial(tile))
         return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count), tile.lanes
@@ -90,21 +90,26 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
 TileSplit = Callable[[ConvTile, int], int | None]
 #: a conv tile's texel fetches over its reduction in one work-item alone (Reduction.fetches)
 TileFetches = Callable[[ConvTile], float]
-#: what TileBudget.pick weighs a conv tile by where none fills the device: (TileSplit, TileFetches), or None
-Weighing = tuple[TileSplit, TileFetches] | tuple[None, None]
+#: a conv tile's multiply-adds in one work-item alone (its accumulators times their serial products)
+TileWork = Callable[[ConvTile], float]
+#: what TileBudget.pick weighs a conv tile by: (TileSplit, TileFetches, TileWork), the split None where its tiles
+#: may not be split; all None on a CPU
+Weighing = tuple[TileSplit | None, TileFetches | None, TileWork | None]
+NO_WEIGHING: Weighing = (None, None, None)
 
 
 def _tile_group(table: TextureTable, group: KernelGroup, reduction: Callable[[ConvTile], Reduction]
                 ) -> Weighing:
     """What Profile.tile_group deals a conv tile's reduction (`reduction`: a trial one for a candidate tile, its
-    multiply-adds per accumulator and the loop a group shares) out to, as reduce_into will, and the texel fetches
+    multiply-adds per accumulator and the loop a group shares) out to, as reduce_into will, the texel fetches
     of that reduction in one work-item (by which TileBudget.pick weighs tiles where none fills the device: a
-    larger tile with its reduction split reads each texel for more outputs); (None, fetches) where its tiles may
-    not be split (saved masks: one work-item a tile, weighed by its fetches alone); (None, None) on a CPU (whose
-    tiles keep their own rules: TileBudget)."""
+    larger tile with its reduction split reads each texel for more outputs) and its multiply-adds (with the
+    fetches, the roofline that weighs tiles that fill it); the split None where its tiles may not be split
+    (saved masks: one work-item a tile, weighed by its fetches alone); all None on a CPU (whose tiles keep
+    their own rules: TileBudget)."""
     profile = table.profile
     if profile.cpu:
-        return None, None
+        return NO_WEIGHING
     known: dict[tuple[Any, ...], tuple[int, int, float]] = {}
 
     def trial(tile: ConvTile) -> tuple[int, int, float]:
@@ -118,7 +123,8 @@ def _tile_group(table: TextureTable, group: KernelGroup, reduction: Callable[[Co
         serial, trips, _ = trial(tile)
         return profile.tile_group(serial, trips, tile.lanes, tiles)
 
-    return None if saved_masks(group) else split, lambda tile: trial(tile)[2]
+    return (None if saved_masks(group) else split, lambda tile: trial(tile)[2],
+            lambda tile: float(trial(tile)[0] * tile.lanes))
 
 
 def _group_sizes(table: TextureTable, group: KernelGroup, tile: ConvTile, reduction: Reduction) -> tuple[int, ...]:
@@ -139,13 +145,14 @@ def _picking(budget: TileBudget, candidates: Sequence[T], texels_per_item: Calla
              weighing: Weighing, tile_of_candidate: Callable[[T], ConvTile], fallback: Sequence[T] = ()) -> T:
     """TileBudget.pick of conv tile candidates (`tile_of_candidate` makes their conv tiles), weighed by the
     work-group each would get and its fetches (`weighing`: _tile_group's)."""
-    split, fetches = weighing
+    split, fetches, work = weighing
     return budget.pick(candidates, texels_per_item, _tiles_of(split, tile_of_candidate), fallback,
-                       None if fetches is None else lambda candidate: fetches(tile_of_candidate(candidate)))
+                       None if fetches is None else lambda candidate: fetches(tile_of_candidate(candidate)),
+                       None if work is None else lambda candidate: work(tile_of_candidate(candidate)))
 
 
 def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
-                             budget: TileBudget, weighing: Weighing = (None, None)) -> bool:
+                             budget: TileBudget, weighing: Weighing = NO_WEIGHING) -> bool:
     """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
     (the "sums" form), rather than take several in texels (batch_count): the sums must be chosen for the
     tile alone and cost fewer instructions per product than the batched tile's texels."""
@@ -167,7 +174,7 @@ def conv_transpose_schedule(table: TextureTable, group: KernelGroup) -> tuple[Sc
         scratch = ValueReads(table, static_shape(group.outputs[0]))
         prefix = FLAT_TEXEL_INDEX if view.flat else TEXEL_INDEX
         weighing = _tile_group(table, group, lambda candidate: transpose_reduction(scratch, view, prefix, candidate))
-        tile = ConvTile(1, LANES * _spatial_texels(budget, view, ConvTile(1, LANES, axis - 2), *weighing), axis - 2)
+        tile = ConvTile(1, LANES * _spatial_texels(budget, view, ConvTile(1, LANES, axis - 2), weighing), axis - 2)
         # where channels cannot stack (a depthwise conv's input gradient) rows along a stride-1 axis before
         schedule = _spatial_rows(budget, view, tile,
                                  lambda x: window.strides[x - 1] == 1 and window.kernel[x - 1] != 1, weighing,
@@ -200,7 +207,7 @@ def _taps_hit(window: Window, axis: int) -> int:
                for v in (o + pad - t * d,) if v % s == 0 and 0 <= v // s < n)
 
 
-def plane_tile(budget: TileBudget, view: ConvShape, weighing: Weighing = (None, None)) -> ConvTile | None:
+def plane_tile(budget: TileBudget, view: ConvShape, weighing: Weighing = NO_WEIGHING) -> ConvTile | None:
     """A transpose's plane tile, where its output rows take neither a spatial tile nor the row path (planes
     smaller than a texel row: a last stage's 2 x 2 maps; strides that do not divide 4): a work-item computes the
     whole output planes of `rows` consecutive channels of one batch element (consecutive texels: rows x plane
@@ -227,20 +234,19 @@ def plane_tile(budget: TileBudget, view: ConvShape, weighing: Weighing = (None, 
     return tile(rows)
 
 
-def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, split: TileSplit | None = None,
-                    fetches: TileFetches | None = None) -> int:
+def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, weighing: Weighing = NO_WEIGHING) -> int:
     """Texels along window axis `tile.axis` a spatial tile's work-item covers: of the counts up to
     conv.texels_per_item's (the most, up to 5, that divide a row) that divide the row, TileBudget.pick's,
     told by `split` the work-group each would really get."""
     axis = tile.axis
     row = view.out_shape[2 + axis] // LANES if axis is not None else 1
     most = texels_per_item(row)
-    return _picking(budget, [n for n in range(most, 0, -1) if row % n == 0], lambda n: n, (split, fetches),
+    return _picking(budget, [n for n in range(most, 0, -1) if row % n == 0], lambda n: n, weighing,
                     lambda n: dataclasses.replace(tile, length=LANES * n, multiple=0))
 
 
 def _spatial_rows(budget: TileBudget, view: ConvShape, tile: ConvTile, stacks: Callable[[int], bool],
-                  weighing: Weighing = (None, None), whole_rows: bool = False, across_groups: bool = False,
+                  weighing: Weighing = NO_WEIGHING, whole_rows: bool = False, across_groups: bool = False,
                   transposed: bool = False) -> Schedule:
     """The schedule of a spatial tile, whose rows it sets: under R-Tile codegen, the same positions of several
     output channels (channel_rows), or where none stack and `stacks(window axis x)`, the next output positions
@@ -297,7 +303,7 @@ def _enumerate_row_taps(view: ConvShape, tile: ConvTile, transposed: bool, gpu: 
 
 
 def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choices: Sequence[int],
-                 weighing: Weighing = (None, None),
+                 weighing: Weighing = NO_WEIGHING,
                  tile_of_rows: Callable[[tuple[int, int, int, int]], ConvTile] | None = None,
                  whole_rows: bool = False, across_groups: bool = False) -> tuple[int, int, int, int]:
     """(rows, row_step, columns, stride): a work-item of `columns` consecutive texels of one output channel
@@ -328,7 +334,7 @@ def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choi
     rest = [*fits, (1, 1, choices[-1], 1)]
     whole = [fit for fit in fits if fit[1] == 1 and fit[0] % LANES == 0] if whole_rows else []
     if tile_of_rows is None:  # nothing to weigh them by
-        weighing, tile_of_rows = (None, None), lambda rows: ConvTile(rows[0], LANES * rows[2], None)
+        weighing, tile_of_rows = NO_WEIGHING, lambda rows: ConvTile(rows[0], LANES * rows[2], None)
     if whole and weighing[0] is not None and budget.splits:
         return _picking(budget, whole, lambda tile: tile[0] * tile[2], weighing, tile_of_rows,
                         [fit for fit in rest if fit not in whole])
@@ -336,7 +342,7 @@ def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choi
 
 
 def batch_count(budget: TileBudget, out_shape: Sequence[int], tile: ConvTile,
-                weighing: Weighing = (None, None)) -> int:
+                weighing: Weighing = NO_WEIGHING) -> int:
     """Batch elements a channel `tile`'s work-item computes under R-Tile codegen (they share every weight read;
     the weight gradient's batch axis is the input channels, sharing the dY reads): of BATCH_ROWS within the
     target's accumulators, TileBudget.pick's (told by `split` the work-group each would really get); 1 under

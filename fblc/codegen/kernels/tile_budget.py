@@ -4,9 +4,11 @@ kernels/conv_schedules.py): the target's accumulators per work-item against the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import onnx_ir as ir
+
+from fblc.bundle_format import TEXEL_BYTES
 
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.texel import LANES
@@ -14,6 +16,7 @@ from fblc.codegen.textures import TextureTable
 from fblc.compiler import keys
 from fblc.compiler.index_map import view_root
 from fblc.compiler.values import numel, static_shape
+from fblc.profiles.roofline import LaunchWork, launch_time
 
 T = TypeVar("T")  # a candidate tile
 
@@ -24,7 +27,9 @@ class TileBudget:
     row), the target's accumulators per work-item (`private`: Profile.private_floats), the work-items the
     device runs at once (`device_items`; 0 on a CPU, whose tiles keep their own rules), the kernel's output
     texels, whether it writes saved masks (`masks`: a work-item of an odd number of texels then takes two
-    tiles, KernelBuilder.finish) and whether its reduction may be dealt out to a work-group (`splits`)."""
+    tiles, KernelBuilder.finish) and whether its reduction may be dealt out to a work-group (`splits`); on a
+    GPU the target's profile (`profile`: its roofline weighs tiles that fill the device, TileBudget.pick) and
+    the bytes of a texel fetched (`texel_bytes`)."""
 
     tiled: bool
     private: int
@@ -32,17 +37,25 @@ class TileBudget:
     texels: int
     masks: bool
     splits: bool
+    profile: Any = None
+    texel_bytes: int = TEXEL_BYTES["rgba_f32"]
 
     @staticmethod
     def of(table: TextureTable, group: KernelGroup) -> "TileBudget":
         profile, masks = table.profile, bool(saved_masks(group))
         return TileBudget(table.tiled, profile.private_floats, 0 if profile.cpu else profile.device_items,
-                          -(-numel(static_shape(group.outputs[0])) // LANES), masks, not masks)
+                          -(-numel(static_shape(group.outputs[0])) // LANES), masks, not masks,
+                          None if profile.cpu else profile,
+                          TEXEL_BYTES[table.float_format])
 
     def pick(self, candidates: Sequence[T], texels_per_item: Callable[[T], int],
              group: Callable[[T, int], int | None] | None = None, fallback: Sequence[T] = (),
-             fetches: Callable[[T], float] | None = None) -> T:
+             fetches: Callable[[T], float] | None = None, work: Callable[[T], float] | None = None) -> T:
         """Of `candidates` (largest tile first; each within `private`), the first whose items fill the device;
+        told `fetches` and `work` too (a candidate's multiply-adds in one work-item alone) on a GPU, of it and
+        the larger ones before it the one the roofline times fastest (TileBudget.roofline_ms): a larger tile
+        reads each texel for more outputs, and its fewer work-items cost occupancy only where the arithmetic,
+        not the texture units, bounds the launch;
         where none does and the reduction may be split: with `group` (the work-items that would share a
         candidate's reduction given its tiles: Profile.tile_group, capped by the reduction's length and
         loop), the first whose tiles x group fill it, then of the `fallback` tiles (smaller ones, without
@@ -67,7 +80,13 @@ class TileBudget:
         if self.device_items:
             filling = [c for c in candidates if work_items(c) >= self.device_items]
             if filling:
-                return filling[0]
+                if fetches is None or work is None or self.profile is None:
+                    return filling[0]
+                larger = candidates[:candidates.index(filling[0]) + 1]
+                # of equal times the one of more work-items (resident waves hide latency, which the roofline omits)
+                return min(reversed(larger), key=lambda c: self.roofline_ms(
+                    work_items(c), (group(c, work_items(c)) or 1) if group is not None else 1,
+                    paired(c) * fetches(c), paired(c) * work(c)))
             if not self.splits:  # one work-item a tile: the fewest fetches in its slowest one (or the most items)
                 if fetches is None:
                     return candidates[-1]
@@ -80,6 +99,16 @@ class TileBudget:
                 split = [c for c in everything if launched(c) >= self.device_items]
                 return split[0] if split else max(everything, key=launched)
         return candidates[0]
+
+    def roofline_ms(self, items: int, group: int, fetches: float, work: float) -> float:
+        """The time fblc/profiles/roofline.py gives a launch of `items` tiles whose reduction `group` work-items
+        share, each tile's `fetches` texel fetches and `work` multiply-adds (one issue slot a lane each): the
+        slower of the arithmetic at the occupancy its waves give and the texture units' bytes. DRAM and the
+        launch cost the same whatever the tile, and a split's merge is left out."""
+        launched = items * group
+        padded, local = self.profile.launch_size(launched)
+        return launch_time(self.profile, LaunchWork(launched, padded, local, items * work, 0.0,
+                                                    items * fetches * self.texel_bytes, 0.0)).ms
 
     def fetch_time(self, items: int, fetches: float) -> float:
         """A launch's time in texel fetches (`items` work-items of `fetches` each): the rounds of device_items
