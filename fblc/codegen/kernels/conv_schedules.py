@@ -151,18 +151,17 @@ def _sums_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, mas
     """The batch elements of a channel tile whose outputs sum float4s along the reduction (the "sums" form),
     or None where it takes batch elements in texels instead (batch_count). The sums must be chosen for the tile
     alone; then the most batch elements (BATCH_ROWS, they share every weight read: a weight gradient's dY rows)
-    whose outputs the sums form still holds (SIMD_SUM_FLOAT4S float4s, 4 floats each within the target's
-    accumulators), if they cost fewer instructions per product (loads included) than the batched tile's
-    texels. A weight gradient of 3 taps on a CPU: 2 batch elements of 4 channels x 3 taps, each dY texel read
-    once for 24 outputs, not 12 (T-ResNet B=64 on PoCL: its image reads per step 265M -> 243M, its buffer step
-    faster too)."""
+    whose outputs the sums form still holds (accumulators.sum_float4s), if they cost fewer instructions per
+    product (loads included) than the batched tile's texels. A weight gradient of 3 or 5 taps on a CPU of
+    float8 registers: 2 batch elements of 4 channels x the taps, each dY texel read once for twice the outputs
+    (T-ResNet B=64 on PoCL: fewer texel reads per step and a faster step in images and in buffers)."""
     def trial(candidate: ConvTile) -> Reduction:
         return conv_reduction(b, Block(b.numbering), cs, prefix, candidate, masked)
 
     if trial(tile).accumulator_form(b, tile.lanes) != "sums":
         return None
     sums = [dataclasses.replace(tile, batches=n) for n in BATCH_ROWS  # R-Tile codegen only (naive: one element)
-            if budget.tiled and cs.out_shape[0] % n == 0 and n * tile.lanes * LANES <= budget.private]
+            if budget.tiled and cs.out_shape[0] % n == 0 and n * tile.lanes <= budget.private]
     single = next((c for c in sums if trial(c).accumulator_form(b, c.lanes) == "sums"), tile)
     batched = dataclasses.replace(tile, batches=batch_count(budget, cs.out_shape, tile, weighing))
     if batched.batches == 1 or trial(single).cost("sums") < trial(batched).cost("texels"):
