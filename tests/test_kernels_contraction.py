@@ -393,8 +393,9 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
 def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, tmp_path) -> None:
     """A shared weight gradient whose 3 taps mix two channels in a texel keeps a float4 sum per output
     along T where the target's float4 is one SIMD register (local: PoCL on the CPU), texels on a GPU
-    (accumulators.choose_form); both steps equal onnxruntime's. (6 input channels: 8 would write the gradient
-    in W's own order on the CPU, whose tile's texels are one output channel's: written_in_the_weights_order.)"""
+    (accumulators.choose_form), two batch elements to a tile where the sums hold them; both steps equal
+    onnxruntime's. (6 input channels: 8 would write the gradient in W's own order on the CPU, whose tile's
+    texels are one output channel's: written_in_the_weights_order.)"""
     nodes, inits = conv((8, 6, 160, 1), (8, 6, 3, 1), pads=[1, 0, 1, 0])
     path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
     arrays = [s for k in _contractions(path, target) for s in _accumulator_arrays(k)]
@@ -402,6 +403,8 @@ def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, 
     sums = any(s.var.kind == "acc" and s.init and isinstance(s.init[0], kir.Binary) for s in arrays)
     assert (form == "sums") == sums, form
     assert any(s.var.kind == "accv" and s.var.dtype.lanes in (4, 8) for s in arrays)
+    if form == "sums":  # 2 batch elements x 4 channels x 3 taps, sharing each dY texel (conv_schedules._sums_batches)
+        assert any(s.var.kind == "acc" and len(s.init) == 24 for s in arrays), [len(s.init) for s in arrays]
     rows = verify_model(path, OPTIONS, target=target)
     assert rows and not [r.name for r in rows if not r.ok]
 

@@ -90,6 +90,12 @@ def private_limit(cpu: bool) -> int:
 #: the float4 partial sums a work-item keeps where its float4 is one SIMD register (a `cpu` profile):
 #: of the 32 vector registers of x86-64 with AVX-512 or of arm64, the rest hold a block's operands
 SIMD_SUM_FLOAT4S = 24
+#: the same where a SIMD register holds two float4s (simd_floats >= 8: the sums pair into float8s): 20 of the
+#: 32 registers. Measured on PoCL (x86-64, AVX-512; one thread, process CPU time, min of 5): T-ResNet B=64's
+#: 5-tap weight gradients, 2 batch elements x 4 channels x 5 taps in float8 sums instead of 4 x 5 (each dY
+#: texel read for 40 outputs, not 20), 15.0 -> 11.6 ms in buffers, 114 -> 75 ms in images; MobileNetV2
+#: [8,3,97,60]'s step in buffers 157 -> 140 ms, its 8-channel tiles summing float8s instead of texels
+PAIRED_SUM_FLOAT4S = 40
 #: the most images one kernel reads: OpenCL 1.2's least CL_DEVICE_MAX_READ_IMAGE_ARGS, what every
 #: device takes (the fuse pass merges elementwise chains only within it)
 READ_IMAGE_ARGS = 128

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from fblc.codegen.ir import (
     FLOAT, FLOAT4, Assign, Block, Const, Element, Expr, Lane, Swizzle, Var, Vector, const)
-from fblc.profiles.profile import SIMD_SUM_FLOAT4S
+from fblc.profiles.profile import PAIRED_SUM_FLOAT4S, SIMD_SUM_FLOAT4S
 
 LANES = 4
 FORMS = ("lanes", "texels", "sums")
@@ -263,9 +263,15 @@ def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool
     `simd_floats` floats; see the module docstring."""
     if lanes % LANES or not (long or simd_floats >= PAIRED_SIMD_FLOATS):
         return "lanes"
-    if not cpu or lanes > SIMD_SUM_FLOAT4S:
+    if not cpu or lanes > sum_float4s(simd_floats):
         return "texels"
     return min(("texels", "sums"), key=lambda form: block_cost(products, form))
+
+
+def sum_float4s(simd_floats: int) -> int:
+    """The most float4 partial sums (the "sums" form) a CPU work-item keeps whose SIMD register holds
+    `simd_floats` floats: two to a register where they pair into float8s (pair_stride)."""
+    return PAIRED_SUM_FLOAT4S if simd_floats >= PAIRED_SIMD_FLOATS else SIMD_SUM_FLOAT4S
 
 
 def float4_count(form: str, lanes: int) -> int:

@@ -74,9 +74,11 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
             k, s = view.window.kernel, view.window.strides
             schedule = _spatial_rows(budget, view, tile, lambda x: k[x] <= TAP_BLOCK and k[x - 1] > s[x - 1],
                                      weighing, across_groups=depthwise(view))
-        elif not _sums_instead_of_batches(scratch, view, prefix, tile, masked, budget, weighing):
-            tile.batches = batch_count(budget, view.out_shape, tile, weighing)  # a channel tile
-            schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
+        else:  # a channel tile: batch elements in texels (batch_count) or as many as the sums form holds
+            sums = _sums_batches(scratch, view, prefix, tile, masked, budget, weighing)
+            tile.batches = sums or batch_count(budget, view.out_shape, tile, weighing)
+            if sums is None or sums > 1:
+                schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
         schedule.choices["group_size"] = _group_sizes(table, group, tile, trial(tile))
         return schedule, ConvPlan(view, tile, masked, names_taken=scratch.numbering.count), tile.lanes
     if row is not None:
@@ -151,19 +153,27 @@ def _picking(budget: TileBudget, candidates: Sequence[T], texels_per_item: Calla
                        None if work is None else lambda candidate: work(tile_of_candidate(candidate)))
 
 
-def _sums_instead_of_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
-                             budget: TileBudget, weighing: Weighing = NO_WEIGHING) -> bool:
-    """Whether a channel tile keeps one batch element, its outputs summing float4s along the reduction
-    (the "sums" form), rather than take several in texels (batch_count): the sums must be chosen for the
-    tile alone and cost fewer instructions per product than the batched tile's texels."""
+def _sums_batches(b: ValueReads, cs: ConvShape, prefix: str, tile: ConvTile, masked: int | None,
+                  budget: TileBudget, weighing: Weighing = NO_WEIGHING) -> int | None:
+    """The batch elements of a channel tile whose outputs sum float4s along the reduction (the "sums" form),
+    or None where it takes batch elements in texels instead (batch_count). The sums must be chosen for the tile
+    alone; then the most batch elements (BATCH_ROWS, they share every weight read: a weight gradient's dY rows)
+    whose outputs the sums form still holds (accumulators.sum_float4s), if they cost fewer instructions per
+    product (loads included) than the batched tile's texels. A weight gradient of 3 or 5 taps on a CPU of
+    float8 registers: 2 batch elements of 4 channels x the taps, each dY texel read once for twice the outputs
+    (T-ResNet B=64 on PoCL: fewer texel reads per step and a faster step in images and in buffers)."""
     def trial(candidate: ConvTile) -> Reduction:
         return conv_reduction(b, Block(b.numbering), cs, prefix, candidate, masked)
 
-    single = trial(tile)
-    if single.accumulator_form(b, tile.lanes) != "sums":
-        return False
+    if trial(tile).accumulator_form(b, tile.lanes) != "sums":
+        return None
+    sums = [dataclasses.replace(tile, batches=n) for n in BATCH_ROWS  # R-Tile codegen only (naive: one element)
+            if budget.tiled and cs.out_shape[0] % n == 0 and n * tile.lanes <= budget.private]
+    single = next((c for c in sums if trial(c).accumulator_form(b, c.lanes) == "sums"), tile)
     batched = dataclasses.replace(tile, batches=batch_count(budget, cs.out_shape, tile, weighing))
-    return batched.batches == 1 or single.cost("sums") < trial(batched).cost("texels")
+    if batched.batches == 1 or trial(single).cost("sums") < trial(batched).cost("texels"):
+        return single.batches
+    return None
 
 
 def conv_transpose_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, ConvPlan, int]:
