@@ -36,6 +36,7 @@ from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
 from fblc.passes.commit_if_finite import FINITE
 from fblc.passes.rtile_select import state_pairs
+from fblc.passes.storage_precision import storage_of
 from fblc.profiles import Profile
 from fblc.texel_layout import pack
 
@@ -66,7 +67,12 @@ def loop_of(graph: ir.Graph, count: int, group_kernels: list[tuple[KernelGroup, 
         raise AssertionError(f"the loop's kernels {body} are not one range of launches: did fuse order them?")
     if count < 1:
         raise AssertionError(f"a step with a loop body repeats it {count} times")
-    swaps = tuple((values[carried.name], values[following.name]) for carried, following in carried_pairs(graph))
+    pairs = carried_pairs(graph)
+    mismatched = [carried.name for carried, following in pairs if storage_of(carried) != storage_of(following)]
+    if mismatched:
+        raise AssertionError(f"loop-carried {mismatched} and their next values differ in storage format: a swap "
+                             f"would read one as the other")
+    swaps = tuple((values[carried.name], values[following.name]) for carried, following in pairs)
     return [Loop(body[0], body[-1] + 1, count, swaps)]
 
 

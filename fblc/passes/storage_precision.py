@@ -62,8 +62,9 @@ from fblc.passes.fuse import REDUCTIONS
 from fblc.passes.rtile_select import state_pairs
 from fblc.passes.tile_remap import PACKED
 
-#: graph inputs kept in fp32 under mixed precision, by role
-MASTER_ROLES = frozenset({Role.PARAM.value, Role.OPT_STATE.value})
+#: graph inputs kept in fp32 under mixed precision, by role: parameters, optimizer state, and a loop's carried
+#: values (ES's member counter and rewards), which swap with their next values, graph outputs and so fp32
+MASTER_ROLES = frozenset({Role.PARAM.value, Role.OPT_STATE.value, Role.CARRIED.value})
 #: nodes whose values stay fp32 under mixed precision, by stage: the optimizer's inputs and outputs,
 #: and the loss chain's from the logits on (the module docstring says why)
 LOSS_STAGES: dict[str, tuple[str, ...]] = {"loss": ("inputs", "outputs")}
