@@ -30,7 +30,8 @@ from fblc.codegen.compile import compile_model
 from fblc.compiler.gradients import segment_sum
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
-from fblc.runtime.local import LocalRunner, overlapping
+from fblc.runtime.device_memory import overlapping
+from fblc.runtime.local import LocalRunner
 from fblc.texel_layout import flat_layout
 from fblc.tools.verify import verify_model
 from support import models

@@ -292,7 +292,7 @@ def test_a_runner_makes_images_over_the_arena_only_where_the_device_and_the_plan
     pytest.importorskip("pyopencl")
     from types import SimpleNamespace
 
-    from fblc.runtime.local import IMAGE_BASE_ADDRESS_ALIGNMENT, IMAGE_PITCH_ALIGNMENT, arena_problem, overlapping
+    from fblc.runtime.device_memory import IMAGE_BASE_ADDRESS_ALIGNMENT, IMAGE_PITCH_ALIGNMENT, arena_problem, overlapping
 
     textures = [{"id": 0, "format": "rgba_f32", "offset": 0, "slot": 1024, "pitch": 128},
                 {"id": 1, "format": "r_mask8", "offset": 0, "slot": 256, "pitch": 64},

@@ -19,6 +19,7 @@ from fblc import choices
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.runtime.build_progress import BuildProgress
+from fblc.runtime.device_memory import allocate_textures
 from fblc.runtime.feeds import index_problem
 from fblc.runtime.opencl import select_device
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack, unpack
@@ -49,11 +50,6 @@ def choose_storage(storage: str, device: Any) -> tuple[str, str]:
         return "buffer", (f"{name} is a CPU, whose OpenCL images are software: buffers run the same kernels "
                           "several times faster")
     return "image", f"{name} is not a CPU: textures as images, as on a phone"
-
-
-def _image_format(cl: Any, name: str) -> Any:
-    order, channel = fmt.TEXTURE_FORMATS[name]
-    return cl.ImageFormat(getattr(cl.channel_order, order), getattr(cl.channel_type, channel))
 
 
 #: OpenCL platforms whose kernels LocalRunner builds with -cl-opt-disable and outside pyopencl's binary cache,
@@ -90,52 +86,7 @@ def device_build_options(device: Any) -> list[str]:
     return [language_standard(device), *half]
 
 
-#: clGetDeviceInfo's queries of cl_khr_image2d_from_buffer (CL_DEVICE_IMAGE_PITCH_ALIGNMENT_KHR, ..._BASE_ADDRESS_...)
-IMAGE_PITCH_ALIGNMENT, IMAGE_BASE_ADDRESS_ALIGNMENT = 0x104A, 0x104B
-
-
-def arena_problem(plan: Mapping[str, Any], device: Any, storage: str) -> str:
-    """Why a runner with `storage` on `device` cannot bind the textures to views of plan.json's arena (codegen/
-    arena.py), "" where it can: buffers need a sub-buffer origin the device allows at every offset; images also
-    need cl_khr_image2d_from_buffer, a plan that made its slots for images, and the device's pitch alignment."""
-    import pyopencl as cl
-
-    arena = plan.get("arena")
-    if arena is None:
-        return "the bundle has no arena"
-    name = device.name.strip()
-    if arena["alignment"] % max(1, device.mem_base_addr_align // 8):
-        return (f"{name} aligns sub-buffers to {device.mem_base_addr_align // 8} bytes, the plan's arena to "
-                f"{arena['alignment']}")
-    if storage == "buffer":
-        return ""
-    if "cl_khr_image2d_from_buffer" not in str(device.extensions).split():
-        return f"{name} lacks cl_khr_image2d_from_buffer"
-    if not arena.get("images"):
-        return "the bundle was compiled for a target without images over buffers (its profile's image2d_from_buffer)"
-    try:  # pyopencl names neither query: their values from cl_khr_image2d_from_buffer
-        pixels = max(device.get_info(IMAGE_PITCH_ALIGNMENT), device.get_info(IMAGE_BASE_ADDRESS_ALIGNMENT), 1)
-    except cl.Error:  # a wrapper or driver that answers neither: LocalRunner tries to make the images, else falls back
-        return ""
-    texels = {t["format"]: fmt.TEXEL_BYTES[t["format"]] for t in plan["textures"]}
-    strict = [f for f, size in texels.items() if arena["alignment"] % (pixels * size)
-              or any(t["pitch"] % (pixels * size) for t in plan["textures"] if t["format"] == f)]
-    if strict:
-        return f"{name} aligns image rows to {pixels} pixels, more than the plan's {', '.join(strict)} rows have"
-    return ""
-
-
-def overlapping(textures: Sequence[Mapping[str, Any]]) -> set[int]:
-    """The textures whose arena slot shares bytes with another's (their lifetimes in a step are disjoint)."""
-    start = np.array([t["offset"] for t in textures], dtype=np.int64)
-    end = start + np.array([t["slot"] for t in textures], dtype=np.int64)
-    overlap = (start[:, None] < end[None, :]) & (start[None, :] < end[:, None])
-    np.fill_diagonal(overlap, False)
-    return {textures[i]["id"] for i in np.flatnonzero(overlap.any(axis=1))}
-
-
 STORAGES = choices.STORAGES
-WINDOW_SLACK_BYTES = fmt.WINDOW_SLACK_BYTES  # one fp32 texel past every buffer (see _allocate)
 
 
 class LocalRunner:
@@ -180,32 +131,19 @@ class LocalRunner:
         self.textures = self.plan["textures"]
         self._check_limits()
         self._check_loops()
+        memory = allocate_textures(cl, self.context, self.device, self.plan, self.storage)
         #: why the textures are not views of plan.json's arena ("": they are), e.g. images on a device without
         #: cl_khr_image2d_from_buffer, which then take plan.json's images, shared by one format and width
-        self.arena_reason = arena_problem(self.plan, self.device, self.storage)
-        if not self.arena_reason:  # one buffer; each texture a view of its slot (image or sub-buffer)
-            self.arena = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, self.plan["arena"]["bytes"])
-            try:
-                self.images = [self._view(t) for t in self.textures]
-            except cl.Error as error:  # e.g. a row pitch the driver refuses, where it did not say its alignment
-                self.arena_reason = f"{self.device.name.strip()} refused a view of the arena: {error}"
-                self.arena.release()
-        if not self.arena_reason:
-            self.binding = [t["id"] for t in self.textures]  # texture id -> its view (swapped per step)
-            self._shared = overlapping(self.textures)
-            allocations = [self.arena]
-        else:  # textures with disjoint lifetimes share an image: plan.json's images, allocated as they are
-            specs = self.plan["images"]
-            self.images = [self._allocate(spec) for spec in specs]
-            self.binding = [t["image"] for t in self.textures]  # texture id -> image (swapped per step)
-            self._shared = {t["id"] for t in self.textures if len(specs[self.binding[t["id"]]]["textures"]) > 1}
-            allocations = self.images
+        self.arena_reason = memory.arena_reason
+        self.images = memory.images
+        self.binding = memory.binding  # texture id -> its image or view (swapped per step)
+        self._shared = memory.shared
         self._layouts = [self._layout(t) for t in self.textures]  # texture id -> where its texels sit (packing)
         for texture in self.textures:
             self._initialise(texture)
         #: device memory this runner allocated, as the OpenCL driver reports each allocation's size (bytes)
-        self.allocated_bytes = sum(int(memory.get_info(cl.mem_info.SIZE)) for memory in allocations)
-        self.allocated_images = len(allocations)
+        self.allocated_bytes = sum(int(part.get_info(cl.mem_info.SIZE)) for part in memory.allocations)
+        self.allocated_images = len(memory.allocations)
         names = sorted({k["function"] for k in self.plan["kernels"]})
         say = _to_stderr if progress is True else progress or None
         platform = self.device.platform.name.strip()
@@ -253,30 +191,6 @@ class LocalRunner:
                 raise BundleError(f"'{self.bundle}' is not a valid fblc bundle: a loop of plan.json is not a range of "
                                   "launches after the previous loop, repeated at least once; compile the bundle again")
             after = loop["end"]
-
-    def _allocate(self, spec: dict[str, Any]) -> Any:
-        cl = self.cl
-        if self.storage == "buffer":
-            # a texel of slack: a window at a runtime shift (a vload4 in kernels.buffer.cl) loads up to 3 elements past
-            # the texel that holds the tensor's last element
-            return cl.Buffer(self.context, cl.mem_flags.READ_WRITE,
-                             fmt.image_bytes(spec["format"], spec["width"], spec["height"]) + WINDOW_SLACK_BYTES)
-        return cl.create_image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, spec["format"]),
-                               shape=(spec["width"], spec["height"]))
-
-    def _view(self, texture: dict[str, Any]) -> Any:
-        """The texture's slot of the arena: a sub-buffer, or in image storage an image over it
-        (cl_khr_image2d_from_buffer) with the plan's row pitch."""
-        cl = self.cl
-        region = self.arena.get_sub_region(texture["offset"], texture["slot"])
-        if self.storage == "buffer":
-            return region
-        desc = cl.ImageDescriptor()
-        desc.image_type = cl.mem_object_type.IMAGE2D
-        desc.shape = (texture["width"], texture["height"])
-        desc.pitches = (texture["pitch"],)
-        desc.buffer = region
-        return cl.Image(self.context, cl.mem_flags.READ_WRITE, _image_format(cl, texture["format"]), desc=desc)
 
     def _initialise(self, texture: dict[str, Any]) -> None:
         init = texture.get("init")

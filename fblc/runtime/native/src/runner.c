@@ -339,6 +339,21 @@ static const char *arena_problem(const runner *r) {
 }
 
 /* One buffer of the plan's arena bytes; each texture an image over its slot (a sub-buffer), at the plan's pitch. */
+/* A 2-D image of `format`, `width` x `height` texels: over `buffer` at `row_pitch` bytes a row
+ * (cl_khr_image2d_from_buffer) where `buffer` is given, else of its own. */
+static cl_mem create_image(runner *r, int format, size_t width, size_t height, size_t row_pitch, cl_mem buffer,
+                           cl_int *status) {
+    cl_image_format image = image_format(format);
+    cl_image_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.image_type = CL_MEM_OBJECT_IMAGE2D;
+    desc.image_width = width;
+    desc.image_height = height;
+    desc.image_row_pitch = row_pitch;
+    desc.buffer = buffer;
+    return cl.CreateImage(r->context, CL_MEM_READ_WRITE, &image, &desc, NULL, status);
+}
+
 static void allocate_arena(runner *r) {
     const bundle *b = r->b;
     cl_int status;
@@ -352,15 +367,7 @@ static void allocate_arena(runner *r) {
         cl_buffer_region region = {t->offset, t->slot};
         cl_mem slot = cl.CreateSubBuffer(arena, CL_MEM_READ_WRITE, CL_BUFFER_CREATE_TYPE_REGION, &region, &status);
         check_cl(status, "clCreateSubBuffer (a texture's slot of the arena)");
-        cl_image_format format = image_format(t->format);
-        cl_image_desc desc;
-        memset(&desc, 0, sizeof desc);
-        desc.image_type = CL_MEM_OBJECT_IMAGE2D;
-        desc.image_width = t->width;
-        desc.image_height = t->height;
-        desc.image_row_pitch = t->pitch;
-        desc.buffer = slot;
-        r->images[i] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
+        r->images[i] = create_image(r, t->format, t->width, t->height, t->pitch, slot, &status);
         check_cl(status, "clCreateImage (an image over the arena, cl_khr_image2d_from_buffer)");
     }
     r->texture_bytes = b->arena_bytes;
@@ -390,13 +397,7 @@ void runner_setup(runner *r, const bundle *b, const device_choice *device, int u
     r->images = why ? xcalloc(b->image_count + 1, sizeof *r->images) : r->images;
     for (size_t i = 0; why && i < b->image_count; ++i) {
         const image_spec *im = &b->images[i];
-        cl_image_format format = image_format(im->format);
-        cl_image_desc desc;
-        memset(&desc, 0, sizeof desc);
-        desc.image_type = CL_MEM_OBJECT_IMAGE2D;
-        desc.image_width = im->width;
-        desc.image_height = im->height;
-        r->images[i] = cl.CreateImage(r->context, CL_MEM_READ_WRITE, &format, &desc, NULL, &status);
+        r->images[i] = create_image(r, im->format, im->width, im->height, 0, NULL, &status);
         if (status == CL_MEM_OBJECT_ALLOCATION_FAILURE || status == CL_OUT_OF_RESOURCES)
             die(EXIT_OPENCL, "%s is out of memory for image %zu (%zu x %zu) after %zu bytes of textures",
                 device->device_name, i, im->width, im->height, r->texture_bytes);
