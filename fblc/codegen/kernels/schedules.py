@@ -140,7 +140,7 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
         # a row path's tile shares B's windows along N; where K runs along B's lanes (dO V^T) a texel reads
         # whole texels of B already, and the tile measured slower (ViT's on PoCL: 0.30 -> 0.45 ms)
         windows = k_digits is not None and k_digits[1][-1][1] != 1
-        row_path = (_rows_apart(table, group, out_shape, fetches) if a_rank >= 2 and b_rank >= 2 and windows
+        row_path = (_rows_apart(table, group, out_shape, a_axes[-2], fetches) if a_rank >= 2 and b_rank >= 2 and windows
                     else consecutive(1))
         return row_path, None, 0
     rows = merged_rows(a_axes, w_axes) or a_axes[-2][-1][0]
@@ -149,10 +149,12 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
                              tile_columns(table.profile))
 
 
-def _rows_apart(table: TextureTable, group: KernelGroup, out_shape: tuple[int, ...],
+def _rows_apart(table: TextureTable, group: KernelGroup, out_shape: tuple[int, ...], a_rows: Digits,
                 fetches: Callable[[tuple[int, int]], float] | None) -> Schedule:
     """A row path's tile (contraction.rows_apart) under R-Tile layouts: ROWS_APART rows where a band of 4 x rows
     rows of N elements (rows x N texels) divides the output's texels and a batch matrix's rows hold such a tile,
+    and A's rows 4 apart are 4 row strides apart (a folded row axis, heads merged after a transpose, only where
+    its innermost digit holds whole bands: rows 4 apart would otherwise fall in another head),
     by the device's size (TileBudget.pick: one texel a work-item where the tiles would leave it idle and
     fetch no less); else one texel."""
     row, budget = row_axis(out_shape), TileBudget.of(table, group)
@@ -160,6 +162,7 @@ def _rows_apart(table: TextureTable, group: KernelGroup, out_shape: tuple[int, .
         return consecutive(1)
     n, m = out_shape[-1], out_shape[-2]
     tiles = [(r, 1) for r in ROWS_APART if budget.texels % (r * n) == 0 and LANES * (r - 1) < m
+             and (len(a_rows) == 1 or a_rows[-1][0] % (LANES * r) == 0)
              and r * LANES <= budget.private]
     if not tiles:
         return consecutive(1)
