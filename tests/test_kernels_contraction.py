@@ -225,6 +225,12 @@ TILE_CASES = {
     # M = 6 rows (no multiple of 4) under a weight without a batch: the tile's rows run over A's batch x M (12)
     "matmul_tile_merged_rows": ([_node("MatMul", ["a", "b"])], {"a": (2, 6, 12), "b": (12, 8)},
                                 {"forward": "tile", "grad": "tile"}),
+    # heads merged back ([2, 2, 6, 4] -> [2, 6, 8]: a ViT's o_proj over 65 tokens) under a weight: A's rows are 4
+    # apart within a batch element and 48 across, no one stride: a tile's 4 rows each from their own base
+    "matmul_tile_heads_rows": ([_node("Transpose", ["a"], "at", perm=[0, 2, 1, 3]),
+                                _node("Reshape", ["at", "shape"], "ar"), _node("MatMul", ["ar", "b"])],
+                               {"a": (2, 2, 6, 4), "shape": np.array([2, 6, 8], np.int64), "b": (8, 8)},
+                               {"forward": "tile", "grad": "tile"}),
     # M = 7 rows under a batched B' (attention's P @ V over 65 tokens), which no tile of rows may cross:
     # one row of 4 texel columns (16 outputs; its input gradient's rows of 2 texels: 2 columns)
     "matmul_tile_one_row_batched": ([_node("MatMul", ["a", "b"])], {"a": (2, 3, 7, 8), "b": (2, 3, 8, 16)},
@@ -313,7 +319,7 @@ def test_tiled_contraction_step(name: str, tmp_path) -> None:
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
 
 
-@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows",
+@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
                                   "matmul_attention_rows", "conv3x3_weight_grad_small_map",
                                   "matmul_tile_one_row_batched", "matmul_attention_rows_apart"])
 def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
@@ -322,6 +328,17 @@ def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
     gradient's plane tile, a one-row tile under a batched B'), in buffer storage too (whose row texels read B' with unaligned vload4s)."""
     nodes, inits, _ = (TILE_CASES | TEXEL_CASES)[name]
     assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
+
+
+def test_a_tiles_rows_of_heads_merged_back_read_a_from_their_own_bases(tmp_path) -> None:
+    """A MatMul over heads merged back ([2, 2, 6, 4] -> [2, 6, 8]) under a weight: M = 6 takes no tile of whole
+    rows and A's rows over the batch are no one stride apart, yet its 12 rows take 4-row tiles (was one row of
+    texels), each row of A from its own base (texel.Operand.rows); its gradient's dY rows are one stride apart:
+    one base. (Numbers: test_tiled_contraction_step[matmul_tile_heads_rows] and its buffer case.)"""
+    nodes, inits, _ = TILE_CASES["matmul_tile_heads_rows"]
+    kernels = _contractions(write_case(str(tmp_path / "heads.onnx"), nodes, inits))
+    bases = {_role(k): [v for v in _declared(k) if v.kind == "ar"] for k in kernels}
+    assert len(bases["forward"]) == 4 and not bases["grad"], bases
 
 
 def test_a_weight_gradient_tile_of_a_map_smaller_than_its_taps_is_taken_on_a_gpu_too(tmp_path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,7 @@ from fblc.codegen.kernels.elementwise import evaluate_chain
 from fblc.codegen.kernels.accumulators import VECTOR_TEXELS
 from fblc.codegen.reads import TEXEL_ALONE, ValueReads
 from fblc.codegen.schedule import Schedule, resolve_group
-from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term
+from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term, plus
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.index_map import SubAxis, common_digits
@@ -265,15 +266,24 @@ def tile_fetches(a_step: int, a_row: int, w_step: int, w_lane: int) -> Callable[
 def merged_rows(a_axes: list[Digits], w_axes: list[Digits]) -> int | None:
     """The rows of A' over its batch axes and M as one run, where a tile of whole rows cannot take M alone
     (M % 4 != 0: a ViT's 65 tokens) and B' has no batch of its own (a weight: [4, 65, 128] @ [128, 512] is
-    [260, 128] @ [128, 512]): the run's length where its digits are one stride apart each, else None."""
+    [260, 128] @ [128, 512]): the run's length, else None. Where its digits are not one stride apart each
+    (heads split: [4, 65, 4, 32] rows 64 apart within a batch, 8320 across), a tile's rows each get their
+    own base (row_digits, texel.Operand.rows)."""
     rows = a_axes[-2][-1][0]
     if len(a_axes) < 3 or rows % LANES == 0 or any(extent != 1 for axis in w_axes[:-2] for extent, _ in axis):
         return None
-    digits = [digit for axis in a_axes[:-1] for digit in axis if digit[0] != 1]  # outermost first
-    for (_, outer_stride), (inner, inner_stride) in zip(digits, digits[1:]):
-        if outer_stride != inner * inner_stride:
-            return None
-    return math.prod(extent for extent, _ in digits)
+    return math.prod(extent for extent, _ in row_digits(a_axes))
+
+
+def row_digits(a_axes: list[Digits]) -> Digits:
+    """The digits (extent, stride) of A's rows over its batch axes and M, outermost first (extents of 1 left out)."""
+    return [digit for axis in a_axes[:-1] for digit in axis if digit[0] != 1]
+
+
+def one_stride(digits: Digits) -> bool:
+    """Whether mixed-radix `digits` (outermost first) step through their run by one stride."""
+    return all(outer_stride == inner * inner_stride
+               for (_, outer_stride), (inner, inner_stride) in zip(digits, digits[1:]))
 
 
 def texel_columns(out_shape: Sequence[int], w_axes: list[Digits], has_n: bool = True) -> bool:
@@ -301,9 +311,10 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
         row = None
     rows, columns = b.schedule.tile_rows, b.schedule.tile_columns  # kernels/schedules.py: 1 off the texel path
 
-    def operand_terms(prefix: str, tiled: bool) -> tuple[Terms, Terms, dict[Expr, int], Expr, Expr]:
+    def operand_terms(prefix: str, tiled: bool) -> tuple[Terms, Terms, dict[Expr, int], Expr, Expr, list[Expr]]:
         """A' and B' base terms for the output index named by `prefix`, what the index variables are multiples
-        of (`tiled`: n the texel's first column, m the tile's first row), and the m and n variables."""
+        of (`tiled`: n the texel's first column, m the tile's first row), the m and n variables, and where a
+        tile's rows of A are no one stride apart, each row's own base (else none)."""
         m_var = index_var(prefix, batch) if has_m else const(0)
         n_var = index_var(prefix, batch + has_m) if has_n else const(0)
         var_multiples: dict[Expr, int] = {n_var: LANES, m_var: rows} if tiled else {}
@@ -322,14 +333,19 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
             return terms
 
         a_terms, w_terms = base(a_axes, m_var, -2), base(w_axes, n_var, -1)
+        a_rows: list[Expr] = []
         if tiled and has_m and rows > 1 and merged_rows(a_axes, w_axes):  # a tile's rows may cross A's batch axes:
             # A's row is the output's flat row over them (the builder declares the multi-index from it)
             batch_vars = [index_var(prefix, batch - len(a_axes) + 2 + k) for k in range(len(a_axes) - 2)]
             extents = [math.prod(extent for extent, _ in axis) for axis in a_axes[:-1]]
             flat_row = flat_index([(var, math.prod(extents[k + 1:])) for k, var in enumerate([*batch_vars, m_var])])
-            a_terms = [(flat_row, a_row)]
-            multiples[flat_row] = LANES  # the tile's first row: a multiple of its rows (4, 8 or 16)
-        return a_terms, w_terms, multiples, m_var, n_var
+            digits = row_digits(a_axes)
+            if one_stride(digits):
+                a_terms = [(flat_row, a_row)]
+                multiples[flat_row] = LANES  # the tile's first row: a multiple of its rows (4, 8 or 16)
+            else:  # each row of the tile its own base: its digits of the flat row, no stride stepping through them
+                a_terms, a_rows = [], [flat_index(digit_terms(plus(flat_row, row), digits)) for row in range(rows)]
+        return a_terms, w_terms, multiples, m_var, n_var, a_rows
 
     def k_loops() -> list[Loop]:
         return [Loop.over(b.body.var("kd", INT), 0, extent, a_stride, w_stride, extent)
@@ -337,7 +353,7 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
 
     def per_lane(block: Block) -> Expr:
         """The lane's own dot product (prefix OUT_INDEX) built into `block`: its accumulator."""
-        a_terms, w_terms, _, _, _ = operand_terms(OUT_INDEX, False)
+        a_terms, w_terms, _, _, _, _ = operand_terms(OUT_INDEX, False)
         acc = block.mutable(const(0.0, FLOAT), "acc")
         dot_loop(b, acc, k_inner, (Stream(a_root, a_terms, a_step), Stream(w_root, w_terms, w_step)), block,
                  k_loops())
@@ -345,26 +361,36 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
 
     if not texel and row is None:
         return per_lane(b.body)
-    a_terms, w_terms, multiples, m_var, n_var = operand_terms(TEXEL_INDEX, texel)
+    a_terms, w_terms, multiples, m_var, n_var, a_rows = operand_terms(TEXEL_INDEX, texel)
     # what the index variables are multiples of: the texel's lanes, the tile's rows, folded axes' digits
     known = ({n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) if texel else {}) | multiples
-    def builder(a_terms: Terms, w_terms: Terms, rows: int, row_step: int) -> Build:
-        """The Reduction of a tile of `rows` rows `row_step` of A's rows apart from the operands' base terms."""
+    def builder(a_terms: Terms, w_terms: Terms, rows: int, row_step: int, a_rows: Sequence[Expr] = ()) -> Build:
+        """The Reduction of a tile of `rows` rows `row_step` of A's rows apart from the operands' base terms, or
+        where `a_rows` gives them, each row of A from its own base (texel.Operand.rows: offsets a span apart)."""
         width, steps = LANES * columns, block_steps(rows, columns)
+        span = 1 << (k_inner * a_step + LANES).bit_length() if a_rows else 0  # past any offset within a row
         blocked = Blocked(k_inner, steps, a_step, w_step, 0,
-                          lambda indices: _tile_products(indices, rows, width, a_step, row_step * a_row, w_step,
-                                                         w_lane))
+                          lambda indices: _tile_products(indices, rows, width, a_step, span or row_step * a_row,
+                                                         w_step, w_lane))
         a_operand, w_operand = (Operand(root, [Term(var, stride, known.get(var, 1)) for var, stride in terms])
                                 for root, terms in ((a_root, a_terms), (w_root, w_terms)))
-        return lambda _: Reduction(a_operand, w_operand, blocked, k_loops(), widest=VECTOR_TEXELS[-1])
+        # a row's base: a multiple of its digits' strides (of 4 where all are: whole texels along K)
+        multiple = functools.reduce(math.gcd, [stride for _, stride in row_digits(a_axes)], LANES) if a_rows else 1
+
+        def build(block: Block) -> Reduction:
+            bases = tuple(Term(block.let(base, "ar"), 1, multiple) for base in a_rows)
+            a_tile = dataclasses.replace(a_operand, rows=bases, row_span=span)
+            return Reduction(a_tile, w_operand, blocked, k_loops(), widest=VECTOR_TEXELS[-1])
+
+        return build
 
     if row is not None and rows > 1:  # a tile of rows LANES apart within one row and batch, else texel by texel
-        alone_a, alone_w, _, _, alone_n = operand_terms(TEXEL_ALONE, False)
+        alone_a, alone_w, _, _, alone_n, _ = operand_terms(TEXEL_ALONE, False)
         last_row = b.out_shape[-2] - 1 - LANES * (rows - 1)
         return reduce_rows_apart(b, n_var.le(row[1] - LANES).logical_and(m_var.le(last_row)),
                                  builder(a_terms, w_terms, rows, LANES), alone_n.le(row[1] - LANES),
                                  builder(alone_a, alone_w, 1, 1), per_lane)
-    build = builder(a_terms, w_terms, rows, 1)
+    build = builder(a_terms, w_terms, rows, 1, a_rows)
     if row is not None:  # texels within one row reduce together, the ones across two per lane
         return reduce_guarded(b, n_var.le(row[1] - LANES), build, per_lane)
     return reduce_into(b, build, rows * LANES * columns)

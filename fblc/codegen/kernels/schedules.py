@@ -14,8 +14,8 @@ import onnx_ir as ir
 from fblc.codegen.builder import lane_axis
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.accumulators import VECTOR_TEXELS
-from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, row_axis, texel_columns,
-                                               tile_fetches, tile_reduction)
+from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, one_stride, row_axis,
+                                               row_digits, texel_columns, tile_fetches, tile_reduction)
 from fblc.codegen.kernels.conv_schedules import conv_schedule, conv_transpose_schedule
 from fblc.codegen.kernels.movement import transpose_block
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
@@ -132,8 +132,10 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
     (_, a_axes), (_, w_axes) = matmul_operands(ValueReads(table, out_shape), group.anchor)
     a_rank, b_rank = (len(static_shape(value)) for value in group.anchor.inputs)
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
-    fetches = None if k_digits is None else tile_fetches(k_digits[0][-1][1], a_axes[-2][-1][1],
-                                                         k_digits[1][-1][1], w_axes[-1][-1][1])
+    # rows each from their own base (merged rows no one stride apart) share no texel of A: as if rows were far apart
+    a_row = 0 if merged_rows(a_axes, w_axes) and not one_stride(row_digits(a_axes)) else a_axes[-2][-1][1]
+    fetches = None if k_digits is None else tile_fetches(k_digits[0][-1][1], a_row, k_digits[1][-1][1],
+                                                         w_axes[-1][-1][1])
     if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
         # a row path's tile shares B's windows along N; where K runs along B's lanes (dO V^T) a texel reads
         # whole texels of B already, and the tile measured slower (ViT's on PoCL: 0.30 -> 0.45 ms)

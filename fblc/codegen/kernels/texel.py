@@ -59,6 +59,20 @@ class Operand:
     terms: list[Term]
     offset: int = 0  # a literal part of the base, added to every offset
     clamp: bool = False  # masked offsets may leave the tensor: keep texel reads inside it
+    #: a tile's rows each at its own base (rows of A that no one stride steps through: a heads-split view's
+    #: rows across the batch): offset // row_span is the row, whose term is added to `terms`
+    rows: tuple[Term, ...] = ()
+    row_span: int = 0
+
+    def by_row(self, offsets: Iterable[int]) -> dict[int, tuple[Operand, list[int]]]:
+        """Offsets split by the row whose base they are counted from: (the row's operand, offsets within it)."""
+        split: dict[int, tuple[Operand, list[int]]] = {}
+        for offset in offsets:
+            row = offset // self.row_span
+            if row not in split:
+                split[row] = replace(self, terms=[*self.terms, self.rows[row]], rows=(), row_span=0), []
+            split[row][1].append(offset - row * self.row_span)
+        return split
 
 
 class Product(NamedTuple):
@@ -138,6 +152,13 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
     """Read each offset of `operand` once; its values by offset. Offsets in `inside` (read by unmasked
     products) lie in the tensor wherever the kernel runs: a texel that holds one is read unclamped even
     where the operand's masked reads are clamped."""
+    if operand.rows:  # each row from its own base (Operand.rows)
+        inside = set(inside)
+        span, values = operand.row_span, {}
+        for row, (one, row_offsets) in operand.by_row(offsets).items():
+            got = fetch(b, block, one, row_offsets, [o - row * span for o in inside if o // span == row])
+            values.update({offset + row * span: value for offset, value in got.items()})
+        return values
     wanted = sorted({offset + operand.offset for offset in offsets})
     inside_offsets = {offset + operand.offset for offset in inside}
     inside_texels = {offset >> 2 for offset in inside_offsets}
@@ -328,8 +349,10 @@ class Reduction:
 
         def reads(indices: range, x: list[Term], w: list[Term]) -> int:
             products = axis.products(indices)
-            return (texel_reads((p.x + self.x.offset for p in products), x)
-                    + texel_reads((p.w + self.w.offset for p in products), w))
+            x_reads = (sum(texel_reads((o + self.x.offset for o in offsets), [*x, one.terms[-1]])
+                           for one, offsets in self.x.by_row(p.x for p in products).values()) if self.x.rows
+                       else texel_reads((p.x + self.x.offset for p in products), x))
+            return x_reads + texel_reads((p.w + self.w.offset for p in products), w)
 
         total = 0
         if main:
