@@ -1,0 +1,278 @@
+"""In-place state updates: a state's `.new` written into the state's own texture where that is provably safe, so
+the pair needs no second texture and no swap after the step (docs/ARCHITECTURE.md §4).
+
+A (state, .new) pair keeps two textures swapped after every step while the update reads the old value. The
+update can write over the state instead when
+- one launch writes `.new`, and no later launch reads the state (nothing else needs the old value),
+- in that launch each work-item reads the state only at the texel it writes `.new` at, and reads it before it
+  writes (checked on the kernel IR: every read of the state and every write of `.new` index the same texel, an
+  affine function of one global id with a non-zero coefficient, so no two work-items share a texel; no loop
+  holds both a read and a write, so no work-item reads its own new value; no window read of the state),
+- both textures have one format and layout (the next step reads the new value through the state's layout).
+Pairs gated by the finite check (plan.json `swaps_if_finite`: a skipped step must keep the old value) and
+the carried pairs of a loop (ES members) keep their two textures: the caller passes only the ungated pairs.
+
+The kernel then takes the state's texture as an input and as an output: buffer storage binds the one buffer
+to both pointers (C pointers may alias: the kernels have no `restrict`); image storage binds one image to a
+read_only and a write_only argument, which OpenCL 1.2 leaves undefined (§5.3.2.2 of OpenCL 2.0 makes
+read_write images for this); every work-item reads its texel before it writes it and no other work-item
+touches it, which PoCL and oclgrind run as written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from fblc.codegen import ir as kir
+from fblc.codegen.cl import Kernel
+from fblc.codegen.ir.expressions import Argument, ArgumentRef, Binary, Call, Cast, Const, Expr, Load, Var
+from fblc.codegen.textures import Texture
+
+Affine = tuple  # sorted ((atom, coefficient) ...), the non-zero terms of an _affine form
+
+
+Atom = tuple  # ("1", 0) the constant, ("gid", axis) a global id, ("shr"/"and", form, k) an inexact shift or mask
+
+
+def _affine(expr: Expr, declared: dict[str, Any]) -> dict[Atom, int] | None:
+    """`expr` as {atom: coefficient}: an integer combination of the global ids (("gid", axis)), the constant
+    (("1", 0)) and the quotients and remainders of such forms by powers of two; None where it is not such a form
+    (then nothing is proved). (x >> k) * 2^k + (x & (2^k - 1)) folds back into x: a tile's row and column
+    put together again."""
+    if isinstance(expr, Const) and isinstance(expr.value, int) and not isinstance(expr.value, bool):
+        return {("1", 0): int(expr.value)}
+    if isinstance(expr, Call) and expr.function == "get_global_id" and len(expr.args) == 1 \
+            and isinstance(expr.args[0], Const):
+        return {("gid", int(expr.args[0].value)): 1}
+    if isinstance(expr, Var):
+        key = _name(expr)
+        if key in declared and isinstance(declared[key], kir.For):  # a loop's variable: an atom of its own
+            return {("loop", key): 1}
+        init = declared.get(key)
+        return None if init is None else _affine(init, declared)
+    if isinstance(expr, Cast) and not expr.dtype.is_float and expr.dtype.lanes == 1:
+        return _affine(expr.a, declared)
+    if not isinstance(expr, Binary):
+        return None
+    a, b = _affine(expr.a, declared), _affine(expr.b, declared)
+    if a is None or b is None:
+        return None
+    constant_b = set(b) <= {("1", 0)}
+    if expr.op in ("+", "-"):
+        sign = 1 if expr.op == "+" else -1
+        return _fold({k: a.get(k, 0) + sign * b.get(k, 0) for k in a.keys() | b.keys()})
+    if expr.op == "*" and (constant_b or set(a) <= {("1", 0)}):
+        factor, form = (b.get(("1", 0), 0), a) if constant_b else (a.get(("1", 0), 0), b)
+        return {k: v * factor for k, v in form.items()}
+    if expr.op == ">>" and constant_b:
+        shift = b.get(("1", 0), 0)
+        if all(v % (1 << shift) == 0 for v in a.values()):  # exact
+            return {k: v >> shift for k, v in a.items()}
+        return {("shr", _frozen(a), shift): 1}
+    if expr.op == "&" and constant_b:
+        mask = b.get(("1", 0), 0)
+        if mask >= 0 and mask & (mask + 1) == 0:  # 2^k - 1: the remainder by 2^k
+            return {("and", _frozen(a), mask.bit_length()): 1}
+    return None
+
+
+def _name(var: Var) -> str:
+    """The variable's name in the rendered C (the renderer's rule): what tells two variables apart there."""
+    return var.name or f"{var.kind}{var.number}"
+
+
+def _declared(statements: Sequence[kir.Statement]) -> dict[str, Any]:
+    """Each const variable's value and each loop's `For`, by the name the renderer gives the variable; a name
+    declared twice (shadowed in a nested scope) is left out, so nothing is proved through it."""
+    inits: dict[str, list[Any]] = {}
+    for statement in kir.walk(statements):
+        if isinstance(statement, (kir.Declare, kir.DeclareArray, kir.For)):
+            var = statement.var
+            init = statement if isinstance(statement, kir.For) else \
+                statement.init if isinstance(statement, kir.Declare) and statement.const else None
+            inits.setdefault(_name(var), []).append(init)
+    return {key: found[0] for key, found in inits.items() if len(found) == 1 and found[0] is not None}
+
+
+def _frozen(form: dict[Atom, int]) -> tuple:
+    return tuple(sorted((k, v) for k, v in form.items() if v != 0))
+
+
+def _fold(form: dict[Atom, int]) -> dict[Atom, int]:
+    """`form` with each c * 2^k * (x >> k) + c * (x & (2^k - 1)) replaced by c * x."""
+    for atom in [k for k in form if k[0] == "shr"]:
+        remainder = ("and", atom[1], atom[2])
+        scale = form.get(remainder, 0)
+        if scale and form.get(atom, 0) == scale << atom[2]:
+            form = {k: v for k, v in form.items() if k not in (atom, remainder)}
+            for k, v in atom[1]:
+                form[k] = form.get(k, 0) + scale * v
+    return form
+
+
+def _form(expr: Expr, declared: dict[str, Any]) -> Affine | None:
+    form = _affine(expr, declared)
+    return None if form is None else _frozen(form)
+
+
+def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = ()
+              ) -> Iterator[tuple[kir.Statement, tuple[int, ...], Expr]]:
+    """(statement, the ids of the loops around it, each expression it reads or writes) in program order."""
+    for statement in statements:
+        exprs = kir.statement_exprs(statement)
+        for expr in exprs:
+            for inner in kir.walk_expr(expr):
+                yield statement, loops, inner
+        inside = loops + (id(statement),) if isinstance(statement, (kir.For, kir.While)) else loops
+        for body in kir.nested(statement):
+            yield from _accesses(body, inside)
+
+
+def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument) -> bool:
+    """Whether every work-item of `body` reads input `state` only at the texel it writes output `new` at,
+    before it writes it, and no two work-items share that texel (the module docstring's conditions)."""
+    declared = _declared(body.body)
+    forms: set[Affine | None] = set()
+    reads: list[tuple[int, tuple[int, ...]]] = []
+    writes: list[tuple[int, tuple[int, ...]]] = []
+    for order, (statement, loops, expr) in enumerate(_accesses(body.body)):
+        if isinstance(expr, ArgumentRef) and expr.argument == state:
+            return False  # a window read: neighbouring texels
+        if isinstance(expr, Load) and expr.argument == state:
+            forms.add(_form(expr.texel, declared))
+            reads.append((order, loops))
+    for order, statement in enumerate(kir.walk(body.body)):
+        if isinstance(statement, kir.Store) and statement.argument == new:
+            forms.add(_form(statement.texel, declared))
+            writes.append((order, ()))
+    if not writes or len(forms) != 1:
+        return False
+    form = next(iter(forms))
+    if form is None or not _injective(form, declared):
+        return False  # two work-items (or two repetitions of a loop) could share a texel
+    # reads before writes, and no loop around both a read and a write unless its repetitions touch other texels
+    indexed = {id(declared[atom[1]]) for atom, _ in form if atom[0] == "loop"}
+    write_loops = _write_loops(body.body, new) - indexed
+    return not any(set(loops) & write_loops for _, loops in reads) and _reads_before_writes(body.body, state, new)
+
+
+def _span(atom: Atom, declared: dict[str, Any]) -> int | None:
+    """The largest minus the smallest value `atom` takes, or None: unbounded (a global id, a quotient)."""
+    if atom[0] == "and":
+        return (1 << atom[2]) - 1
+    if atom[0] == "loop":
+        loop = declared[atom[1]]
+        if loop.condition is None and loop.step_op == "+=" and loop.step > 0 and isinstance(loop.start, Const) \
+                and isinstance(loop.stop, Const):
+            return max(int(loop.stop.value) - 1 - int(loop.start.value), 0)
+    return None
+
+
+def _injective(form: Affine, declared: dict[str, Any]) -> bool:
+    """Whether the texel index `form` takes different values for different work-items and loop repetitions: its
+    terms are the digits of a mixed-radix number (each coefficient above the span of the smaller terms, only
+    the largest unbounded), and its atoms determine every global id in it (the id itself, or its quotient and
+    remainder by one power of two)."""
+    terms = sorted((coefficient, atom) for atom, coefficient in form if atom[0] != "1")
+    below = 0
+    for position, (coefficient, atom) in enumerate(terms):
+        span = _span(atom, declared)
+        if coefficient <= below or (span is None and position != len(terms) - 1):
+            return False
+        below += coefficient * (span or 0)
+    atoms = {atom for _, atom in terms}
+    ids = {atom[1] for atom in atoms if atom[0] == "gid"}
+    for atom in atoms:
+        if atom[0] in ("shr", "and"):
+            inner = atom[1]
+            if len(inner) != 1 or inner[0][0][0] != "gid" or inner[0][1] <= 0:
+                return False
+            other = ("and" if atom[0] == "shr" else "shr", inner, atom[2])
+            if other not in atoms and inner[0][0] not in ids:
+                return False
+    return bool(terms) and any(atom[0] in ("gid", "shr", "and") for atom in atoms)
+
+
+def _write_loops(statements: Sequence[kir.Statement], new: Argument, loops: tuple[int, ...] = ()) -> set[int]:
+    """The ids of the loops around any write of `new`."""
+    found: set[int] = set()
+    for statement in statements:
+        if isinstance(statement, kir.Store) and statement.argument == new:
+            found |= set(loops)
+        inside = loops + (id(statement),) if isinstance(statement, (kir.For, kir.While)) else loops
+        for body in kir.nested(statement):
+            found |= _write_loops(body, new, inside)
+    return found
+
+
+def _reads_before_writes(statements: Sequence[kir.Statement], state: Argument, new: Argument) -> bool:
+    """Whether, in program order, no read of `state` follows a write of `new`."""
+    written = False
+    for statement in kir.walk(statements):
+        if isinstance(statement, kir.Store) and statement.argument == new:
+            written = True
+        elif written and any(isinstance(e, Load) and e.argument == state
+                             for expr in kir.statement_exprs(statement) for e in kir.walk_expr(expr)):
+            return False
+    return True
+
+
+def in_place_pairs(kernels: Sequence[Kernel], textures: Sequence[Texture], pairs: Sequence[tuple[int, int]],
+                   kept: set[int], looped: set[int]) -> list[tuple[int, int]]:
+    """The (state, .new) texture pairs of `pairs` whose update can write over the state; `kept`: textures that
+    must keep their own texture whatever (a loop's carried pairs); `looped`: the launches a loop repeats (a
+    repetition would read the new value where it wants the old)."""
+    writers: dict[int, list[int]] = {}
+    last_read: dict[int, int] = {}
+    for index, kernel in enumerate(kernels):
+        for texture in kernel.outputs:
+            writers.setdefault(texture, []).append(index)
+        for texture in kernel.inputs:
+            last_read[texture] = index
+    chosen = []
+    for state, new in pairs:
+        if state in kept or new in kept or len(writers.get(new, [])) != 1 or writers.get(state):
+            continue
+        if textures[state].format != textures[new].format or textures[state].layout != textures[new].layout:
+            continue
+        writer = writers[new][0]
+        update = kernels[writer]
+        if last_read.get(state, -1) != writer or new in update.inputs or writer in looped:
+            continue  # a later launch reads the old state (or the update does not read it at all)
+        if update.inputs.count(state) != 1 or update.outputs.count(new) != 1:
+            continue
+        arguments = {(a.role, a.index): a for a in update.ir.arguments}
+        state_argument = arguments.get(("in", update.inputs.index(state)))
+        new_argument = arguments.get(("out", update.outputs.index(new)))
+        if state_argument is not None and new_argument is not None \
+                and updates_in_place(update.ir, state_argument, new_argument):
+            chosen.append((state, new))
+    return chosen
+
+
+def merge_textures(kernels: list[Kernel], textures: list[Texture], values: dict[str, int],
+                   initial: dict[int, np.ndarray], merged: Sequence[tuple[int, int]]) -> list[int]:
+    """Make each `.new` of `merged` its state's texture: its writer's output and its values go to the state, its
+    texture goes, and the textures are numbered again. Rewrites the arguments in place; returns old id -> new id
+    (-1: gone) for the caller's other tables."""
+    into = {new: state for state, new in merged}
+    kept = [t for t in textures if t.id not in into]
+    renumber = [-1] * len(textures)
+    for position, texture in enumerate(kept):
+        renumber[texture.id] = position
+    for new, state in into.items():
+        renumber[new] = renumber[state]
+        textures[state].values.extend(v for v in textures[new].values if v not in textures[state].values)
+    for kernel in kernels:
+        kernel.outputs = [renumber[t] for t in kernel.outputs]
+        kernel.inputs = [renumber[t] for t in kernel.inputs]
+    for name in values:
+        values[name] = renumber[values[name]]
+    moved = {renumber[t]: array for t, array in initial.items()}
+    initial.clear()
+    initial.update(moved)
+    textures[:] = [replace(t, id=renumber[t.id]) for t in kept]
+    return renumber
