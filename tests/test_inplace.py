@@ -10,12 +10,13 @@ import os
 from fblc.codegen import ir as kir
 from fblc.codegen.compile import compile_model
 from fblc.codegen.inplace import updates_in_place
-from fblc.codegen.ir.expressions import FLOAT4, INT, Binary, Call, Const, Load, Var
+from fblc.codegen.ir.expressions import FLOAT4, INT, Binary, Call, Const, Load, Var, div_index
 from fblc.passes.pipeline import TrainingOptions
 from fblc.texel_layout import flat_layout
 from tests.test_runtime import OPTIONS, elementwise_model
 
 LAYOUT = flat_layout(64, 64)
+ITEMS = 60  # work-items of the launch
 STATE, NEW = (kir.Argument("in", 0, "float", "float", LAYOUT), kir.Argument("out", 0, "float", "float", LAYOUT))
 
 
@@ -30,16 +31,21 @@ def _update(read_at, write_at, loop: bool = False) -> kir.KernelIR:
 
 def test_an_update_reading_its_own_texel_is_in_place_and_a_neighbours_is_not() -> None:
     itself = lambda g: g  # noqa: E731
-    assert updates_in_place(_update(itself, itself), STATE, NEW)
-    # a tile's row and column put together again: ((g >> 3) * 8 + (g & 7)) is g
+    assert updates_in_place(_update(itself, itself), STATE, NEW, ITEMS)
+    assert not updates_in_place(_update(itself, itself), STATE, NEW)  # launch size unknown: nothing proved
+    # a tile's row and column put together again: ((g >> 3) * 8 + (g & 7)) is g, and (g / 5) * 5 + g % 5 with
+    # the division a reciprocal multiply (ir.div_index)
     rejoined = lambda g: Binary("+", Binary("*", Binary(">>", g, Const(3, INT), INT), Const(8, INT), INT),  # noqa: E731
                                 Binary("&", g, Const(7, INT), INT), INT)
-    assert updates_in_place(_update(rejoined, itself), STATE, NEW)
+    assert updates_in_place(_update(rejoined, itself), STATE, NEW, ITEMS)
+    fifths = lambda g: Binary("+", Binary("*", div_index(g, 5), Const(5, INT), INT),  # noqa: E731
+                              Binary("-", g, Binary("*", div_index(g, 5), Const(5, INT), INT), INT), INT)
+    assert updates_in_place(_update(fifths, itself), STATE, NEW, ITEMS)
     # negative: a neighbour's texel, another work-item's; two work-items on one texel; a repetition re-reading
-    assert not updates_in_place(_update(lambda g: Binary("+", g, Const(1, INT), INT), itself), STATE, NEW)
+    assert not updates_in_place(_update(lambda g: Binary("+", g, Const(1, INT), INT), itself), STATE, NEW, ITEMS)
     half = lambda g: Binary(">>", g, Const(1, INT), INT)  # noqa: E731
-    assert not updates_in_place(_update(half, half), STATE, NEW)
-    assert not updates_in_place(_update(itself, itself, loop=True), STATE, NEW)
+    assert not updates_in_place(_update(half, half), STATE, NEW, ITEMS)
+    assert not updates_in_place(_update(itself, itself, loop=True), STATE, NEW, ITEMS)
 
 
 def _plan(tmp_path, name: str, options: TrainingOptions) -> tuple[dict, dict[str, int]]:

@@ -30,18 +30,21 @@ from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir.expressions import Argument, ArgumentRef, Binary, Call, Cast, Const, Expr, Load, Var
 from fblc.codegen.textures import Texture
+from fblc.texel_layout import reciprocal
 
 Affine = tuple  # sorted ((atom, coefficient) ...), the non-zero terms of an _affine form
 
 
-Atom = tuple  # ("1", 0) the constant, ("gid", axis) a global id, ("shr"/"and", form, k) an inexact shift or mask
+Atom = tuple  # ("1", 0) the constant, ("gid", axis), ("loop", name), ("div", form, divisor)
 
 
 def _affine(expr: Expr, declared: dict[str, Any]) -> dict[Atom, int] | None:
-    """`expr` as {atom: coefficient}: an integer combination of the global ids (("gid", axis)), the constant
-    (("1", 0)) and the quotients and remainders of such forms by powers of two; None where it is not such a form
-    (then nothing is proved). (x >> k) * 2^k + (x & (2^k - 1)) folds back into x: a tile's row and column
-    put together again."""
+    """`expr` as {atom: coefficient}: an integer combination of the global ids (("gid", axis)), the loops'
+    variables, the constant (("1", 0)) and the floor quotients and remainders of such forms by constants (a
+    shift, a mask of low bits, the reciprocal multiply of ir.div_index); None where it is not such a form (then
+    nothing is proved). Every index here is non-negative (the kernels' indices are), so floors nest,
+    (x / a) / b is x / (a b), and a remainder is x - d (x / d): d (x / d) + x % d is x again, a tile's row and
+    column put together."""
     if isinstance(expr, Const) and isinstance(expr.value, int) and not isinstance(expr.value, bool):
         return {("1", 0): int(expr.value)}
     if isinstance(expr, Call) and expr.function == "get_global_id" and len(expr.args) == 1 \
@@ -54,7 +57,11 @@ def _affine(expr: Expr, declared: dict[str, Any]) -> dict[Atom, int] | None:
         init = declared.get(key)
         return None if init is None else _affine(init, declared)
     if isinstance(expr, Cast) and not expr.dtype.is_float and expr.dtype.lanes == 1:
-        return _affine(expr.a, declared)
+        divided = _reciprocal_division(expr.a)
+        if divided is not None:
+            form = _affine(divided[0], declared)
+            return None if form is None else _divide(form, divided[1])
+        return _affine(expr.a, declared) if expr.dtype.scalar in ("int", "uint", "ulong") else None
     if not isinstance(expr, Binary):
         return None
     a, b = _affine(expr.a, declared), _affine(expr.b, declared)
@@ -63,20 +70,46 @@ def _affine(expr: Expr, declared: dict[str, Any]) -> dict[Atom, int] | None:
     constant_b = set(b) <= {("1", 0)}
     if expr.op in ("+", "-"):
         sign = 1 if expr.op == "+" else -1
-        return _fold({k: a.get(k, 0) + sign * b.get(k, 0) for k in a.keys() | b.keys()})
+        return _clean({k: a.get(k, 0) + sign * b.get(k, 0) for k in a.keys() | b.keys()})
     if expr.op == "*" and (constant_b or set(a) <= {("1", 0)}):
         factor, form = (b.get(("1", 0), 0), a) if constant_b else (a.get(("1", 0), 0), b)
         return {k: v * factor for k, v in form.items()}
     if expr.op == ">>" and constant_b:
-        shift = b.get(("1", 0), 0)
-        if all(v % (1 << shift) == 0 for v in a.values()):  # exact
-            return {k: v >> shift for k, v in a.items()}
-        return {("shr", _frozen(a), shift): 1}
+        return _divide(a, 1 << b.get(("1", 0), 0))
     if expr.op == "&" and constant_b:
         mask = b.get(("1", 0), 0)
-        if mask >= 0 and mask & (mask + 1) == 0:  # 2^k - 1: the remainder by 2^k
-            return {("and", _frozen(a), mask.bit_length()): 1}
+        if mask >= 0 and mask & (mask + 1) == 0:  # 2^k - 1: the remainder by 2^k, x - 2^k (x / 2^k)
+            return _clean({k: a.get(k, 0) - (mask + 1) * _divide(a, mask + 1).get(k, 0)
+                           for k in a.keys() | _divide(a, mask + 1).keys()})
     return None
+
+
+def _reciprocal_division(expr: Expr) -> tuple[Expr, int] | None:
+    """(x, d) where `expr` is ((ulong)x * m) >> (32 + s) with (m, s) the reciprocal of d (ir.div_index's
+    division), else None."""
+    if not (isinstance(expr, Binary) and expr.op == ">>" and isinstance(expr.b, Const)
+            and isinstance(expr.a, Binary) and expr.a.op == "*" and isinstance(expr.a.b, Const)
+            and isinstance(expr.a.a, Cast)):
+        return None
+    multiplier, shift = int(expr.a.b.value), int(expr.b.value) - 32
+    if multiplier <= 0 or shift < 0:
+        return None
+    divisor = round((1 << (32 + shift)) / multiplier)
+    return (expr.a.a.a, divisor) if divisor >= 2 and reciprocal(divisor) == (multiplier, shift) else None
+
+
+def _divide(form: dict[Atom, int], divisor: int) -> dict[Atom, int]:
+    """The floor quotient of non-negative `form` by `divisor`: exact where every coefficient is a multiple of it,
+    a quotient of a quotient nested into one, else an atom."""
+    if divisor == 1:
+        return form
+    if all(v % divisor == 0 for v in form.values()):
+        return {k: v // divisor for k, v in form.items()}
+    terms = [(k, v) for k, v in form.items() if v != 0]
+    if len(terms) == 1 and terms[0][1] == 1 and terms[0][0][0] == "div":
+        inner = terms[0][0]
+        return {("div", inner[1], inner[2] * divisor): 1}
+    return {("div", _frozen(form), divisor): 1}
 
 
 def _name(var: Var) -> str:
@@ -101,21 +134,13 @@ def _frozen(form: dict[Atom, int]) -> tuple:
     return tuple(sorted((k, v) for k, v in form.items() if v != 0))
 
 
-def _fold(form: dict[Atom, int]) -> dict[Atom, int]:
-    """`form` with each c * 2^k * (x >> k) + c * (x & (2^k - 1)) replaced by c * x."""
-    for atom in [k for k in form if k[0] == "shr"]:
-        remainder = ("and", atom[1], atom[2])
-        scale = form.get(remainder, 0)
-        if scale and form.get(atom, 0) == scale << atom[2]:
-            form = {k: v for k, v in form.items() if k not in (atom, remainder)}
-            for k, v in atom[1]:
-                form[k] = form.get(k, 0) + scale * v
-    return form
-
-
 def _form(expr: Expr, declared: dict[str, Any]) -> Affine | None:
     form = _affine(expr, declared)
     return None if form is None else _frozen(form)
+
+
+def _clean(form: dict[Atom, int]) -> dict[Atom, int]:
+    return {k: v for k, v in form.items() if v != 0}
 
 
 def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = ()
@@ -131,9 +156,10 @@ def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = ()
             yield from _accesses(body, inside)
 
 
-def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument) -> bool:
+def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: int | None = None) -> bool:
     """Whether every work-item of `body` reads input `state` only at the texel it writes output `new` at,
-    before it writes it, and no two work-items share that texel (the module docstring's conditions)."""
+    before it writes it, and no two work-items share that texel (the module docstring's conditions);
+    `items`: the launch's work-items, where known."""
     declared = _declared(body.body)
     forms: set[Affine | None] = set()
     reads: list[tuple[int, tuple[int, ...]]] = []
@@ -151,49 +177,59 @@ def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument) -> bool
     if not writes or len(forms) != 1:
         return False
     form = next(iter(forms))
-    if form is None or not _injective(form, declared):
+    if form is None or not _injective(form, declared, items):
         return False  # two work-items (or two repetitions of a loop) could share a texel
     # reads before writes, and no loop around both a read and a write unless its repetitions touch other texels
-    indexed = {id(declared[atom[1]]) for atom, _ in form if atom[0] == "loop"}
+    # the loops whose variable the (injective) index holds, alone or as a quotient and remainder
+    indexed = {id(declared[base[1]]) for base in _bases(form) if base[0] == "loop"}
     write_loops = _write_loops(body.body, new) - indexed
     return not any(set(loops) & write_loops for _, loops in reads) and _reads_before_writes(body.body, state, new)
 
 
-def _span(atom: Atom, declared: dict[str, Any]) -> int | None:
-    """The largest minus the smallest value `atom` takes, or None: unbounded (a global id, a quotient)."""
-    if atom[0] == "and":
-        return (1 << atom[2]) - 1
-    if atom[0] == "loop":
-        loop = declared[atom[1]]
-        if loop.condition is None and loop.step_op == "+=" and loop.step > 0 and isinstance(loop.start, Const) \
-                and isinstance(loop.stop, Const):
-            return max(int(loop.stop.value) - 1 - int(loop.start.value), 0)
+#: the most (work-item, loop repetition) points whose texels _injective enumerates; beyond, nothing is proved
+MAX_POINTS = 1 << 22
+
+
+def _loop_values(loop: kir.For) -> np.ndarray | None:
+    """The values a loop's variable takes, where its bounds are constants."""
+    if loop.condition is None and loop.step_op == "+=" and loop.step > 0 and isinstance(loop.start, Const) \
+            and isinstance(loop.stop, Const):
+        return np.arange(int(loop.start.value), int(loop.stop.value), loop.step, dtype=np.int64)
     return None
 
 
-def _injective(form: Affine, declared: dict[str, Any]) -> bool:
-    """Whether the texel index `form` takes different values for different work-items and loop repetitions: its
-    terms are the digits of a mixed-radix number (each coefficient above the span of the smaller terms, only
-    the largest unbounded), and its atoms determine every global id in it (the id itself, or its quotient and
-    remainder by one power of two)."""
-    terms = sorted((coefficient, atom) for atom, coefficient in form if atom[0] != "1")
-    below = 0
-    for position, (coefficient, atom) in enumerate(terms):
-        span = _span(atom, declared)
-        if coefficient <= below or (span is None and position != len(terms) - 1):
-            return False
-        below += coefficient * (span or 0)
-    atoms = {atom for _, atom in terms}
-    ids = {atom[1] for atom in atoms if atom[0] == "gid"}
-    for atom in atoms:
-        if atom[0] in ("shr", "and"):
-            inner = atom[1]
-            if len(inner) != 1 or inner[0][0][0] != "gid" or inner[0][1] <= 0:
-                return False
-            other = ("and" if atom[0] == "shr" else "shr", inner, atom[2])
-            if other not in atoms and inner[0][0] not in ids:
-                return False
-    return bool(terms) and any(atom[0] in ("gid", "shr", "and") for atom in atoms)
+def _bases(form: Affine) -> set[Atom]:
+    """The global ids and loop variables `form` holds, inside quotients too."""
+    found: set[Atom] = set()
+    for atom, _ in form:
+        found |= _bases(atom[1]) if atom[0] == "div" else {atom} if atom[0] != "1" else set()
+    return found
+
+
+def _evaluate(form: Affine, values: dict[Atom, np.ndarray]) -> np.ndarray:
+    total = np.zeros(1, dtype=np.int64)
+    for atom, coefficient in form:
+        term = (np.ones(1, dtype=np.int64) if atom[0] == "1" else
+                _evaluate(atom[1], values) // atom[2] if atom[0] == "div" else values[atom])
+        total = total + coefficient * term
+    return total
+
+
+def _injective(form: Affine, declared: dict[str, Any], items: int | None) -> bool:
+    """Whether the texel index `form` takes different values at every work-item (global id 0 .. items - 1: a
+    kernel returns beyond its items, else its outputs would race already) and loop repetition: enumerated over
+    all of them (a superset of the points that run: a loop may break early), where they are few enough."""
+    bases = sorted(_bases(form))
+    if items is None or any(b[0] == "gid" and b[1] != 0 for b in bases):
+        return False
+    ranges = [np.arange(items, dtype=np.int64) if b[0] == "gid" else _loop_values(declared[b[1]]) for b in bases]
+    if any(r is None for r in ranges) or int(np.prod([len(r) for r in ranges], dtype=np.float64)) > MAX_POINTS:
+        return False
+    grids = np.meshgrid(*ranges, indexing="ij") if ranges else []
+    values = {b: g.reshape(-1) for b, g in zip(bases, grids)}
+    texels = _evaluate(form, values)
+    points = int(np.prod([len(r) for r in ranges])) if ranges else 1
+    return ("gid", 0) in values and len(np.unique(np.broadcast_to(texels, (points,)))) == points
 
 
 def _write_loops(statements: Sequence[kir.Statement], new: Argument, loops: tuple[int, ...] = ()) -> set[int]:
@@ -248,7 +284,7 @@ def in_place_pairs(kernels: Sequence[Kernel], textures: Sequence[Texture], pairs
         state_argument = arguments.get(("in", update.inputs.index(state)))
         new_argument = arguments.get(("out", update.outputs.index(new)))
         if state_argument is not None and new_argument is not None \
-                and updates_in_place(update.ir, state_argument, new_argument):
+                and updates_in_place(update.ir, state_argument, new_argument, update.global_size):
             chosen.append((state, new))
     return chosen
 
