@@ -47,9 +47,9 @@ def _affine(expr: Expr, declared: dict[str, Any]) -> dict[Atom, int] | None:
     column put together."""
     if isinstance(expr, Const) and isinstance(expr.value, int) and not isinstance(expr.value, bool):
         return {("1", 0): int(expr.value)}
-    if isinstance(expr, Call) and expr.function == "get_global_id" and len(expr.args) == 1 \
+    if isinstance(expr, Call) and expr.function in WORK_ITEM_IDS and len(expr.args) == 1 \
             and isinstance(expr.args[0], Const):
-        return {("gid", int(expr.args[0].value)): 1}
+        return {(WORK_ITEM_IDS[expr.function], int(expr.args[0].value)): 1}
     if isinstance(expr, Var):
         key = _name(expr)
         if key in declared and isinstance(declared[key], kir.For):  # a loop's variable: an atom of its own
@@ -143,51 +143,66 @@ def _clean(form: dict[Atom, int]) -> dict[Atom, int]:
     return {k: v for k, v in form.items() if v != 0}
 
 
-def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = ()
-              ) -> Iterator[tuple[kir.Statement, tuple[int, ...], Expr]]:
-    """(statement, the ids of the loops around it, each expression it reads or writes) in program order."""
+Guard = tuple  # the conditions of the Ifs whose then-branch holds an access
+
+
+def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = (), guards: Guard = ()
+              ) -> Iterator[tuple[kir.Statement, tuple[int, ...], Guard, Expr]]:
+    """(statement, the ids of the loops around it, the conditions of the Ifs it is in the then-branch of, each
+    expression it reads or writes, a Store's target texel too) in program order."""
     for statement in statements:
-        exprs = kir.statement_exprs(statement)
-        for expr in exprs:
+        for expr in kir.statement_exprs(statement):
             for inner in kir.walk_expr(expr):
-                yield statement, loops, inner
+                yield statement, loops, guards, inner
         inside = loops + (id(statement),) if isinstance(statement, (kir.For, kir.While)) else loops
+        if isinstance(statement, kir.If):
+            yield from _accesses(statement.then, inside, guards + (statement.condition,))
+            yield from _accesses(statement.orelse, inside, guards)
+            continue
         for body in kir.nested(statement):
-            yield from _accesses(body, inside)
+            yield from _accesses(body, inside, guards)
 
 
-def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: int | None = None) -> bool:
+def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: int | None = None,
+                     group_size: int | None = None) -> bool:
     """Whether every work-item of `body` reads input `state` only at the texel it writes output `new` at,
     before it writes it, and no two work-items share that texel (the module docstring's conditions);
-    `items`: the launch's work-items, where known."""
+    `items`: the launch's work-items and `group_size` its work-group's, where known."""
     declared = _declared(body.body)
     forms: set[Affine | None] = set()
-    reads: list[tuple[int, tuple[int, ...]]] = []
-    writes: list[tuple[int, tuple[int, ...]]] = []
-    for order, (statement, loops, expr) in enumerate(_accesses(body.body)):
+    reads: list[tuple[int, ...]] = []  # the loops around each read
+    guards: list[Guard] = []  # each access's
+    writes = 0
+    for statement, loops, guard, expr in _accesses(body.body):
         if isinstance(expr, ArgumentRef) and expr.argument == state:
             return False  # a window read: neighbouring texels
         if isinstance(expr, Load) and expr.argument == state:
             forms.add(_form(expr.texel, declared))
-            reads.append((order, loops))
-    for order, statement in enumerate(kir.walk(body.body)):
-        if isinstance(statement, kir.Store) and statement.argument == new:
+            reads.append(loops)
+            guards.append(guard)
+        if isinstance(statement, kir.Store) and statement.argument == new and expr is statement.texel:
             forms.add(_form(statement.texel, declared))
-            writes.append((order, ()))
+            guards.append(guard)
+            writes += 1
     if not writes or len(forms) != 1:
         return False
     form = next(iter(forms))
-    if form is None or not _injective(form, declared, items):
+    if form is None or not _injective(form, declared, items, group_size, guards):
         return False  # two work-items (or two repetitions of a loop) could share a texel
     # reads before writes, and no loop around both a read and a write unless its repetitions touch other texels
-    # the loops whose variable the (injective) index holds, alone or as a quotient and remainder
+    # (the loops whose variable the injective index holds, alone or in quotients)
     indexed = {id(declared[base[1]]) for base in _bases(form) if base[0] == "loop"}
     write_loops = _write_loops(body.body, new) - indexed
-    return not any(set(loops) & write_loops for _, loops in reads) and _reads_before_writes(body.body, state, new)
+    return not any(set(loops) & write_loops for loops in reads) and _reads_before_writes(body.body, state, new)
 
 
 #: the most (work-item, loop repetition) points whose texels _injective enumerates; beyond, nothing is proved
 MAX_POINTS = 1 << 22
+#: the work-item ids (axis 0) a texel index may hold
+WORK_ITEM_IDS = {"get_global_id": "gid", "get_group_id": "group", "get_local_id": "lid"}
+#: comparisons a guard may make (others: assumed true, which only adds points)
+COMPARISONS = {"==": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
+               ">=": np.greater_equal}
 
 
 def _loop_values(loop: kir.For) -> np.ndarray | None:
@@ -199,7 +214,7 @@ def _loop_values(loop: kir.For) -> np.ndarray | None:
 
 
 def _bases(form: Affine) -> set[Atom]:
-    """The global ids and loop variables `form` holds, inside quotients too."""
+    """The work-item ids and loop variables `form` holds, inside quotients too."""
     found: set[Atom] = set()
     for atom, _ in form:
         found |= _bases(atom[1]) if atom[0] == "div" else {atom} if atom[0] != "1" else set()
@@ -215,21 +230,44 @@ def _evaluate(form: Affine, values: dict[Atom, np.ndarray]) -> np.ndarray:
     return total
 
 
-def _injective(form: Affine, declared: dict[str, Any], items: int | None) -> bool:
-    """Whether the texel index `form` takes different values at every work-item (global id 0 .. items - 1: a
-    kernel returns beyond its items, else its outputs would race already) and loop repetition: enumerated over
-    all of them (a superset of the points that run: a loop may break early), where they are few enough."""
+def _holds(guard: Guard, declared: dict[str, Any], values: dict[Atom, np.ndarray], points: int) -> np.ndarray:
+    """Where every condition of `guard` it can evaluate holds (a comparison of two forms of `values`' atoms)."""
+    mask = np.ones(points, dtype=bool)
+    for condition in guard:
+        if isinstance(condition, Binary) and condition.op in COMPARISONS:
+            a, b = _form(condition.a, declared), _form(condition.b, declared)
+            if a is not None and b is not None and (_bases(a) | _bases(b)) <= set(values):
+                mask &= np.broadcast_to(COMPARISONS[condition.op](_evaluate(a, values), _evaluate(b, values)),
+                                        (points,))
+    return mask
+
+
+def _injective(form: Affine, declared: dict[str, Any], items: int | None, group_size: int | None,
+               guards: Sequence[Guard]) -> bool:
+    """Whether the texel index `form` takes different values at every work-item and loop repetition that makes
+    an access (its guards hold there): enumerated over the launch's work-items (a kernel returns beyond its
+    items, else its outputs would race already) and the loops' values (a loop may break early: more points
+    than run, which only makes the proof harder), where they are few enough."""
     bases = sorted(_bases(form))
-    if items is None or any(b[0] == "gid" and b[1] != 0 for b in bases):
+    work_items = [b for b in bases if b[0] in WORK_ITEM_IDS.values()]
+    if not items or not work_items or any(b[1] != 0 for b in work_items) or \
+            (any(b[0] != "gid" for b in work_items) and not group_size):
         return False
-    ranges = [np.arange(items, dtype=np.int64) if b[0] == "gid" else _loop_values(declared[b[1]]) for b in bases]
-    if any(r is None for r in ranges) or int(np.prod([len(r) for r in ranges], dtype=np.float64)) > MAX_POINTS:
+    size = -(-items // group_size) * group_size if group_size else items
+    loops = [b for b in bases if b[0] == "loop"]
+    ranges = [np.arange(size, dtype=np.int64)] + [_loop_values(declared[b[1]]) for b in loops]
+    if any(r is None for r in ranges) or float(np.prod([len(r) for r in ranges], dtype=np.float64)) > MAX_POINTS:
         return False
-    grids = np.meshgrid(*ranges, indexing="ij") if ranges else []
-    values = {b: g.reshape(-1) for b, g in zip(bases, grids)}
-    texels = _evaluate(form, values)
-    points = int(np.prod([len(r) for r in ranges])) if ranges else 1
-    return ("gid", 0) in values and len(np.unique(np.broadcast_to(texels, (points,)))) == points
+    grids = [g.reshape(-1) for g in np.meshgrid(*ranges, indexing="ij")]
+    values = dict(zip(loops, grids[1:]))
+    values.update({("gid", 0): grids[0], ("group", 0): grids[0] // (group_size or 1),
+                   ("lid", 0): grids[0] % (group_size or 1)})
+    points = len(grids[0])
+    accessed = np.zeros(points, dtype=bool)
+    for guard in guards:
+        accessed |= _holds(guard, declared, values, points)
+    texels = np.broadcast_to(_evaluate(form, values), (points,))[accessed]
+    return len(np.unique(texels)) == len(texels)
 
 
 def _write_loops(statements: Sequence[kir.Statement], new: Argument, loops: tuple[int, ...] = ()) -> set[int]:
@@ -247,12 +285,11 @@ def _write_loops(statements: Sequence[kir.Statement], new: Argument, loops: tupl
 def _reads_before_writes(statements: Sequence[kir.Statement], state: Argument, new: Argument) -> bool:
     """Whether, in program order, no read of `state` follows a write of `new`."""
     written = False
-    for statement in kir.walk(statements):
-        if isinstance(statement, kir.Store) and statement.argument == new:
-            written = True
-        elif written and any(isinstance(e, Load) and e.argument == state
-                             for expr in kir.statement_exprs(statement) for e in kir.walk_expr(expr)):
+    for statement in kir.walk(statements):  # a statement reads what it reads before it writes
+        if written and any(isinstance(e, Load) and e.argument == state
+                           for expr in kir.statement_exprs(statement) for e in kir.walk_expr(expr)):
             return False
+        written = written or isinstance(statement, kir.Store) and statement.argument == new
     return True
 
 
@@ -284,7 +321,8 @@ def in_place_pairs(kernels: Sequence[Kernel], textures: Sequence[Texture], pairs
         state_argument = arguments.get(("in", update.inputs.index(state)))
         new_argument = arguments.get(("out", update.outputs.index(new)))
         if state_argument is not None and new_argument is not None \
-                and updates_in_place(update.ir, state_argument, new_argument, update.global_size):
+                and updates_in_place(update.ir, state_argument, new_argument, update.global_size,
+                                     update.group_size):
             chosen.append((state, new))
     return chosen
 
