@@ -169,6 +169,7 @@ def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: 
     before it writes it, and no two work-items share that texel (the module docstring's conditions);
     `items`: the launch's work-items and `group_size` its work-group's, where known."""
     declared = _declared(body.body)
+    holders = _holders(body.body, state)
     forms: set[Affine | None] = set()
     reads: list[tuple[int, ...]] = []  # the loops around each read
     guards: list[Guard] = []  # each access's
@@ -178,8 +179,9 @@ def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: 
             return False  # a window read: neighbouring texels
         if isinstance(expr, Load) and expr.argument == state:
             forms.add(_form(expr.texel, declared))
-            reads.append(loops)
             guards.append(guard)
+        if isinstance(expr, Load) and expr.argument == state or isinstance(expr, Var) and _name(expr) in holders:
+            reads.append(loops)
         if isinstance(statement, kir.Store) and statement.argument == new and expr is statement.texel:
             forms.add(_form(statement.texel, declared))
             guards.append(guard)
@@ -193,7 +195,20 @@ def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: 
     # (the loops whose variable the injective index holds, alone or in quotients)
     indexed = {id(declared[base[1]]) for base in _bases(form) if base[0] == "loop"}
     write_loops = _write_loops(body.body, new) - indexed
-    return not any(set(loops) & write_loops for loops in reads) and _reads_before_writes(body.body, state, new)
+    return not any(set(loops) & write_loops for loops in reads) and \
+        _reads_before_writes(body.body, state, new, holders)
+
+
+def _holders(statements: Sequence[kir.Statement], state: Argument) -> set[str]:
+    """The const variables whose value holds a read of `state`: the renderer may fold such a read into the
+    variable's reader (render.opencl.foldable), so each use counts as a read there."""
+    held: set[str] = set()
+    for statement in kir.walk(statements):
+        if isinstance(statement, kir.Declare) and statement.init is not None and any(
+                isinstance(e, Load) and e.argument == state or isinstance(e, Var) and _name(e) in held
+                for e in kir.walk_expr(statement.init)):
+            held.add(_name(statement.var))
+    return held
 
 
 #: the most (work-item, loop repetition) points whose texels _injective enumerates; beyond, nothing is proved
@@ -282,11 +297,13 @@ def _write_loops(statements: Sequence[kir.Statement], new: Argument, loops: tupl
     return found
 
 
-def _reads_before_writes(statements: Sequence[kir.Statement], state: Argument, new: Argument) -> bool:
-    """Whether, in program order, no read of `state` follows a write of `new`."""
+def _reads_before_writes(statements: Sequence[kir.Statement], state: Argument, new: Argument,
+                         holders: set[str]) -> bool:
+    """Whether, in program order, no read of `state` (or use of a variable holding one) follows a write of
+    `new`."""
     written = False
     for statement in kir.walk(statements):  # a statement reads what it reads before it writes
-        if written and any(isinstance(e, Load) and e.argument == state
+        if written and any(isinstance(e, Load) and e.argument == state or isinstance(e, Var) and _name(e) in holders
                            for expr in kir.statement_exprs(statement) for e in kir.walk_expr(expr)):
             return False
         written = written or isinstance(statement, kir.Store) and statement.argument == new

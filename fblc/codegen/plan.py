@@ -193,6 +193,10 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
                   for name, m in maps.items() if not m.contiguous}  # strided views
     if dtype == "fp16" and profile.fp16:
         compute_in_half(kernels, table, graph)
+    for kernel in kernels:  # an update in place reads and writes one texture: its two arguments alias
+        both = set(kernel.inputs) & set(kernel.outputs)
+        kernel.ir.aliased = frozenset([f"in{k}" for k, t in enumerate(kernel.inputs) if t in both]
+                                      + [f"out{k}" for k, t in enumerate(kernel.outputs) if t in both])
     share_kernels(kernels)
     source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
     loops = loop_of(graph, int(keys.json_of(model.metadata_props, keys.ES, {}).get("loop", 0)), group_kernels, values)
@@ -233,11 +237,11 @@ def share_kernels(kernels: list[Kernel]) -> None:
     """Set each kernel's `function`: its own name, or that of the first kernel with equal IR (the same
     arguments and body; names aside), whose __kernel its launches then share. Optimizer updates and backward
     pieces of same-shaped tensors repeat exactly: building each once shortens the OpenCL compile."""
-    firsts: dict[tuple[kir.Argument, ...], list[Kernel]] = {}
+    firsts: dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]] = {}
     for kernel in kernels:
         body = kernel.ir
         assert isinstance(body, kir.KernelIR), f"{kernel.name} has no IR"
-        alike = firsts.setdefault(tuple(body.arguments), [])
+        alike = firsts.setdefault((tuple(body.arguments), body.aliased), [])
         first = next((k for k in alike if k.ir.body == body.body), None)  # type: ignore[attr-defined]
         if first is None:
             alike.append(kernel)
