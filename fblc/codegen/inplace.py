@@ -2,21 +2,27 @@
 the pair needs no second texture and no swap after the step (docs/ARCHITECTURE.md §4).
 
 A (state, .new) pair keeps two textures swapped after every step while the update reads the old value. The
-update can write over the state instead when
-- one launch writes `.new`, and no later launch reads the state (nothing else needs the old value),
-- in that launch each work-item reads the state only at the texel it writes `.new` at, and reads it before it
-  writes (checked on the kernel IR: every read of the state and every write of `.new` index the same texel, an
-  affine function of one global id with a non-zero coefficient, so no two work-items share a texel; no loop
-  holds both a read and a write, so no work-item reads its own new value; no window read of the state),
+update writes over the state instead when
+- one launch writes `.new`, reads the state, and is the last launch that reads it (nothing after needs the
+  old value), outside any plan loop;
+- in that launch every read of the state and every write of `.new` index one texel, the same integer form
+  of the work-item ids and loop variables (quotients and remainders of shifts, masks and reciprocal
+  divisions folded: a tile's row and column put back together), and that form takes a different value at
+  every work-item and loop repetition that makes an access (enumerated over the launch's work-items and
+  the loops' values, each access's If guards masking the points: a group reduction's lane 0), so no
+  work-item reads a texel another writes; no read of the state (or use of a variable holding one, which
+  the renderer may fold there) follows a write of `.new`, and a loop around both repeats over other texels,
+  so no work-item reads its own new value; no window read of the state;
 - both textures have one format and layout (the next step reads the new value through the state's layout).
 Pairs gated by the finite check (plan.json `swaps_if_finite`: a skipped step must keep the old value) and
 the carried pairs of a loop (ES members) keep their two textures: the caller passes only the ungated pairs.
+A form the proof cannot read (an index it has no rule for) keeps the pair: the proof only ever refuses.
 
 The kernel then takes the state's texture as an input and as an output: buffer storage binds the one buffer
-to both pointers (C pointers may alias: the kernels have no `restrict`); image storage binds one image to a
-read_only and a write_only argument, which OpenCL 1.2 leaves undefined (§5.3.2.2 of OpenCL 2.0 makes
-read_write images for this); every work-item reads its texel before it writes it and no other work-item
-touches it, which PoCL and oclgrind run as written.
+to both pointers, whose `restrict` the renderer drops (KernelIR.aliased); image storage binds one image to
+a read_only and a write_only argument, which OpenCL 1.2 leaves undefined (OpenCL 2.0's read_write images are
+the defined form); every work-item reads its texel before it writes it and no other work-item touches it,
+which PoCL and oclgrind run as written.
 """
 
 from __future__ import annotations
@@ -348,7 +354,7 @@ def merge_textures(kernels: list[Kernel], textures: list[Texture], values: dict[
                    initial: dict[int, np.ndarray], merged: Sequence[tuple[int, int]]) -> list[int]:
     """Make each `.new` of `merged` its state's texture: its writer's output and its values go to the state, its
     texture goes, and the textures are numbered again. Rewrites the arguments in place; returns old id -> new id
-    (-1: gone) for the caller's other tables."""
+    (a merged `.new`'s: its state's) for the caller's other tables."""
     into = {new: state for state, new in merged}
     kept = [t for t in textures if t.id not in into]
     renumber = [-1] * len(textures)
