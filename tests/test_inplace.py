@@ -47,7 +47,7 @@ def test_an_update_reading_its_own_texel_is_in_place_and_a_neighbours_is_not() -
     assert not updates_in_place(_update(half, half), STATE, NEW, ITEMS)
     assert not updates_in_place(_update(itself, itself, loop=True), STATE, NEW, ITEMS)
     # a variable holding the read, used after the write: the renderer may fold the read into that use
-    g, held = Var("g", 0, INT, "g"), Var("h", 1, FLOAT4, "h")
+    g, held = Var("g", 0, INT, "g"), Var("h", 101, FLOAT4)  # unnamed: foldable
     late = [kir.Declare(g, Call("get_global_id", (Const(0, INT),), INT)), kir.Declare(held, Load(STATE, g)),
             kir.Store(NEW, g, Const(1.0, FLOAT4.vector(1))), kir.Store(NEW, g, held)]
     assert not updates_in_place(kir.KernelIR("late", [NEW, STATE], late), STATE, NEW, ITEMS)

@@ -34,6 +34,7 @@ import numpy as np
 
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
+from fblc.codegen.render.opencl import foldable
 from fblc.codegen.ir.expressions import Argument, ArgumentRef, Binary, Call, Cast, Const, Expr, Load, Var
 from fblc.codegen.textures import Texture
 from fblc.texel_layout import reciprocal
@@ -206,11 +207,12 @@ def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: 
 
 
 def _holders(statements: Sequence[kir.Statement], state: Argument) -> set[str]:
-    """The const variables whose value holds a read of `state`: the renderer may fold such a read into the
-    variable's reader (render.opencl.foldable), so each use counts as a read there."""
+    """The const variables the renderer folds into their one reader (render.opencl.foldable) whose value holds
+    a read of `state`: the read happens at that use, not at the declaration."""
+    folded = foldable(statements)
     held: set[str] = set()
     for statement in kir.walk(statements):
-        if isinstance(statement, kir.Declare) and statement.init is not None and any(
+        if isinstance(statement, kir.Declare) and statement.var in folded and statement.init is not None and any(
                 isinstance(e, Load) and e.argument == state or isinstance(e, Var) and _name(e) in held
                 for e in kir.walk_expr(statement.init)):
             held.add(_name(statement.var))
