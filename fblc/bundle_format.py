@@ -12,7 +12,9 @@ A bundle is a directory:
                  as zeros, so that an edit of any byte of any file the runtimes read is refused;
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
                  (kernel name, global/local size, texture arguments, and the schedule its kernel
-                 was built with: optional, for tools), the state swaps after a step, and under dynamic
+                 was built with: optional, for tools), the state swaps after a step (a state updated
+                 in place, fblc.codegen.inplace, has none: its `.new` value names the state's own
+                 texture, which a launch both reads and writes), and under dynamic
                  loss scaling `swaps_if_finite` {flag, pairs}: pairs swapped only after a step whose
                  flag texture (the metric `skipped`) reads 0 (fblc.passes.commit_if_finite); an ES step's
                  `loops` [{begin, end, count, swaps}]: launches begin..end-1 run `count` times, the

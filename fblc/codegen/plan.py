@@ -17,6 +17,7 @@ import onnx_ir as ir
 from fblc.bundle_format import FLOAT_FORMATS, NUMPY_DTYPES, image_bytes
 from fblc.codegen.arena import Arena, Lifetime, pack_arena
 from fblc.codegen.cl import Kernel
+from fblc.codegen.inplace import in_place_pairs, merge_textures
 from fblc.codegen import ir as kir
 from fblc.codegen.ir.precision import half_arithmetic
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
@@ -182,21 +183,32 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
         if table.textures[state].layout != table.textures[new].layout:
             raise AssertionError(f"'{table.textures[state].name}' and '{table.textures[new].name}' swap images after "
                                  "a step but were given different layouts")
+    committed = {o.name for o in graph.outputs if o.metadata_props.get(keys.COMMIT) == FINITE}  # commit_if_finite
+    gated = [f"{state.name}.new" in committed for state, _ in pairs]
+    finite_swaps = [pair for pair, g in zip(swaps, gated) if g]  # a skipped step keeps the old value: two textures
+    swaps = [pair for pair, g in zip(swaps, gated) if not g]
+    loops = loop_of(graph, int(keys.json_of(model.metadata_props, keys.ES, {}).get("loop", 0)), group_kernels, values)
+    in_place = in_place_pairs(kernels, table.textures, swaps, {t for loop in loops for pair in loop.swaps for t in pair},
+                              {index for loop in loops for index in range(loop.begin, loop.end)})
+    if in_place:  # the update writes over the state: one texture, no swap
+        renumber = merge_textures(kernels, table.textures, values, initial, in_place)
+        swaps = [(renumber[s], renumber[n]) for s, n in swaps if (s, n) not in in_place]
+        finite_swaps = [(renumber[s], renumber[n]) for s, n in finite_swaps]
     maps = {n.outputs[0].name: map_of(n.outputs[0]) for n in graph if is_view(n) and n.outputs[0].name in values}
     value_maps = {name: {"shape": list(m.shape), "strides": list(m.strides), "offset": m.offset}
                   for name, m in maps.items() if not m.contiguous}  # strided views
     if dtype == "fp16" and profile.fp16:
         compute_in_half(kernels, table, graph)
+    for kernel in kernels:  # an update in place reads and writes one texture: its two arguments alias
+        both = set(kernel.inputs) & set(kernel.outputs)
+        kernel.ir.aliased = frozenset([f"in{k}" for k, t in enumerate(kernel.inputs) if t in both]
+                                      + [f"out{k}" for k, t in enumerate(kernel.outputs) if t in both])
     share_kernels(kernels)
     source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
-    committed = {o.name for o in graph.outputs if o.metadata_props.get(keys.COMMIT) == FINITE}  # commit_if_finite
-    gated = [f"{state.name}.new" in committed for state, _ in pairs]
-    return Program(kernels, table.textures, initial, values, value_shapes,
-                   [pair for pair, g in zip(swaps, gated) if not g], value_maps, source, kernel_lines,
-                   {k.name: table.schedules[k.name].record() for k in kernels},
-                   [pair for pair, g in zip(swaps, gated) if g], values[SKIPPED] if any(gated) else None,
-                   loop_of(graph, int(keys.json_of(model.metadata_props, keys.ES, {}).get("loop", 0)), group_kernels,
-                           values))
+    loops = loop_of(graph, int(keys.json_of(model.metadata_props, keys.ES, {}).get("loop", 0)), group_kernels, values)
+    return Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps, source, kernel_lines,
+                   {k.name: table.schedules[k.name].record() for k in kernels}, finite_swaps,
+                   values[SKIPPED] if finite_swaps else None, loops)
 
 
 def compute_in_half(kernels: list[Kernel], table: TextureTable, graph: ir.Graph) -> None:
@@ -231,11 +243,11 @@ def share_kernels(kernels: list[Kernel]) -> None:
     """Set each kernel's `function`: its own name, or that of the first kernel with equal IR (the same
     arguments and body; names aside), whose __kernel its launches then share. Optimizer updates and backward
     pieces of same-shaped tensors repeat exactly: building each once shortens the OpenCL compile."""
-    firsts: dict[tuple[kir.Argument, ...], list[Kernel]] = {}
+    firsts: dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]] = {}
     for kernel in kernels:
         body = kernel.ir
         assert isinstance(body, kir.KernelIR), f"{kernel.name} has no IR"
-        alike = firsts.setdefault(tuple(body.arguments), [])
+        alike = firsts.setdefault((tuple(body.arguments), body.aliased), [])
         first = next((k for k in alike if k.ir.body == body.body), None)  # type: ignore[attr-defined]
         if first is None:
             alike.append(kernel)

@@ -3,7 +3,8 @@
 It reads only the bundle (manifest, plan, kernels, params) and knows nothing about ONNX.
 Textures are created once; each step uploads the data inputs, launches the kernels in plan
 order (a loop of the plan's launches as often as it repeats: ES members in a loop), reads the loss, then swaps
-each state texture with its `.new` texture, so the next step reads the updated parameters without a copy.
+each state texture with its `.new` texture, so the next step reads the updated parameters without a copy (a
+state updated in place has no `.new` texture of its own and no swap: plan.json names the state's texture).
 """
 
 from __future__ import annotations

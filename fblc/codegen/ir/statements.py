@@ -110,6 +110,8 @@ class KernelIR:
     arguments: list[Argument]
     body: list[Statement]
     group_size: int | None = None
+    #: the arguments one launch binds to one texture (an update in place, codegen/inplace.py): no `restrict`
+    aliased: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)

@@ -249,9 +249,16 @@ class Renderer:
             self.statements(s.body, depth + 1) + [f"{pad}}}"]
 
 
+def _parameter(storage: Storage, a: ir.Argument, aliased: frozenset[str]) -> str:
+    """Argument `a` in the kernel's signature; without `restrict` where the launch binds another argument's
+    texture to it too (an update in place): C may not assume two aliasing pointers apart."""
+    text = storage.parameters[a.role].format(a=a.name, e=a.element)
+    return text.replace(" restrict", "") if a.name in aliased else text
+
+
 def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE, folds: dict[ir.Var, ir.Expr] | None = None) -> str:
     """The __kernel's C for `storage`: its texture arguments, then its body (`folds`: its `foldable`, if known)."""
-    params = ", ".join(storage.parameters[a.role].format(a=a.name, e=a.element) for a in kernel.arguments)
+    params = ", ".join(_parameter(storage, a, kernel.aliased) for a in kernel.arguments)
     folds = foldable(kernel.body) if folds is None else folds
     body = [INDENT + line for line in storage.prologue] + Renderer(folds, storage).statements(kernel.body, 1)
     # a kernel written for one work-group size says so: the driver may then size registers and __local for it

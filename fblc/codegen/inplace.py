@@ -1,0 +1,377 @@
+"""In-place state updates: a state's `.new` written into the state's own texture where that is provably safe, so
+the pair needs no second texture and no swap after the step (docs/ARCHITECTURE.md §4).
+
+A (state, .new) pair keeps two textures swapped after every step while the update reads the old value. The
+update writes over the state instead when
+- one launch writes `.new`, reads the state, and is the last launch that reads it (nothing after needs the
+  old value), outside any plan loop;
+- in that launch every read of the state and every write of `.new` index one texel, the same integer form
+  of the work-item ids and loop variables (quotients and remainders of shifts, masks and reciprocal
+  divisions folded: a tile's row and column put back together), and that form takes a different value at
+  every work-item and loop repetition that makes an access (enumerated over the launch's work-items and
+  the loops' values, each access's If guards masking the points: a group reduction's lane 0), so no
+  work-item reads a texel another writes; no read of the state (or use of a variable holding one, which
+  the renderer may fold there) follows a write of `.new`, and a loop around both repeats over other texels,
+  so no work-item reads its own new value; no window read of the state;
+- both textures have one format and layout (the next step reads the new value through the state's layout).
+Pairs gated by the finite check (plan.json `swaps_if_finite`: a skipped step must keep the old value) and
+the carried pairs of a loop (ES members) keep their two textures: the caller passes only the ungated pairs.
+A form the proof cannot read (an index it has no rule for) keeps the pair: the proof only ever refuses.
+
+The kernel then takes the state's texture as an input and as an output: buffer storage binds the one buffer
+to both pointers, whose `restrict` the renderer drops (KernelIR.aliased); image storage binds one image to
+a read_only and a write_only argument, which OpenCL 1.2 leaves undefined (OpenCL 2.0's read_write images are
+the defined form); every work-item reads its texel before it writes it and no other work-item touches it,
+which PoCL and oclgrind run as written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from fblc.codegen import ir as kir
+from fblc.codegen.cl import Kernel
+from fblc.codegen.render.opencl import foldable
+from fblc.codegen.ir.expressions import Argument, ArgumentRef, Binary, Call, Cast, Const, Expr, Load, Var
+from fblc.codegen.textures import Texture
+from fblc.texel_layout import reciprocal
+
+Affine = tuple  # sorted ((atom, coefficient) ...), the non-zero terms of an _affine form
+
+
+Atom = tuple  # ("1", 0) the constant, ("gid", axis), ("loop", name), ("div", form, divisor)
+
+
+def _affine(expr: Expr, declared: dict[str, Any]) -> dict[Atom, int] | None:
+    """`expr` as {atom: coefficient}: an integer combination of the global ids (("gid", axis)), the loops'
+    variables, the constant (("1", 0)) and the floor quotients and remainders of such forms by constants (a
+    shift, a mask of low bits, the reciprocal multiply of ir.div_index); None where it is not such a form (then
+    nothing is proved). Every index here is non-negative (the kernels' indices are), so floors nest,
+    (x / a) / b is x / (a b), and a remainder is x - d (x / d): d (x / d) + x % d is x again, a tile's row and
+    column put together."""
+    if isinstance(expr, Const) and isinstance(expr.value, int) and not isinstance(expr.value, bool):
+        return {("1", 0): int(expr.value)}
+    if isinstance(expr, Call) and expr.function in WORK_ITEM_IDS and len(expr.args) == 1 \
+            and isinstance(expr.args[0], Const):
+        return {(WORK_ITEM_IDS[expr.function], int(expr.args[0].value)): 1}
+    if isinstance(expr, Var):
+        key = _name(expr)
+        if key in declared and isinstance(declared[key], kir.For):  # a loop's variable: an atom of its own
+            return {("loop", key): 1}
+        init = declared.get(key)
+        return None if init is None else _affine(init, declared)
+    if isinstance(expr, Cast) and not expr.dtype.is_float and expr.dtype.lanes == 1:
+        divided = _reciprocal_division(expr.a)
+        if divided is not None:
+            form = _affine(divided[0], declared)
+            return None if form is None else _divide(form, divided[1])
+        return _affine(expr.a, declared) if expr.dtype.scalar in ("int", "uint", "ulong") else None
+    if not isinstance(expr, Binary):
+        return None
+    a, b = _affine(expr.a, declared), _affine(expr.b, declared)
+    if a is None or b is None:
+        return None
+    constant_b = set(b) <= {("1", 0)}
+    if expr.op in ("+", "-"):
+        sign = 1 if expr.op == "+" else -1
+        return _clean({k: a.get(k, 0) + sign * b.get(k, 0) for k in a.keys() | b.keys()})
+    if expr.op == "*" and (constant_b or set(a) <= {("1", 0)}):
+        factor, form = (b.get(("1", 0), 0), a) if constant_b else (a.get(("1", 0), 0), b)
+        return {k: v * factor for k, v in form.items()}
+    if expr.op == ">>" and constant_b:
+        return _divide(a, 1 << b.get(("1", 0), 0))
+    if expr.op == "&" and constant_b:
+        mask = b.get(("1", 0), 0)
+        if mask >= 0 and mask & (mask + 1) == 0:  # 2^k - 1: the remainder by 2^k, x - 2^k (x / 2^k)
+            return _clean({k: a.get(k, 0) - (mask + 1) * _divide(a, mask + 1).get(k, 0)
+                           for k in a.keys() | _divide(a, mask + 1).keys()})
+    return None
+
+
+def _reciprocal_division(expr: Expr) -> tuple[Expr, int] | None:
+    """(x, d) where `expr` is ((ulong)x * m) >> (32 + s) with (m, s) the reciprocal of d (ir.div_index's
+    division), else None."""
+    if not (isinstance(expr, Binary) and expr.op == ">>" and isinstance(expr.b, Const)
+            and isinstance(expr.a, Binary) and expr.a.op == "*" and isinstance(expr.a.b, Const)
+            and isinstance(expr.a.a, Cast)):
+        return None
+    multiplier, shift = int(expr.a.b.value), int(expr.b.value) - 32
+    if multiplier <= 0 or shift < 0:
+        return None
+    divisor = round((1 << (32 + shift)) / multiplier)
+    return (expr.a.a.a, divisor) if divisor >= 2 and reciprocal(divisor) == (multiplier, shift) else None
+
+
+def _divide(form: dict[Atom, int], divisor: int) -> dict[Atom, int]:
+    """The floor quotient of non-negative `form` by `divisor`: exact where every coefficient is a multiple of it,
+    a quotient of a quotient nested into one, else an atom."""
+    if divisor == 1:
+        return form
+    if all(v % divisor == 0 for v in form.values()):
+        return {k: v // divisor for k, v in form.items()}
+    terms = [(k, v) for k, v in form.items() if v != 0]
+    if len(terms) == 1 and terms[0][1] == 1 and terms[0][0][0] == "div":
+        inner = terms[0][0]
+        return {("div", inner[1], inner[2] * divisor): 1}
+    return {("div", _frozen(form), divisor): 1}
+
+
+def _name(var: Var) -> str:
+    """The variable's name in the rendered C (the renderer's rule): what tells two variables apart there."""
+    return var.name or f"{var.kind}{var.number}"
+
+
+def _declared(statements: Sequence[kir.Statement]) -> dict[str, Any]:
+    """Each const variable's value and each loop's `For`, by the name the renderer gives the variable; a name
+    declared twice (shadowed in a nested scope) is left out, so nothing is proved through it."""
+    inits: dict[str, list[Any]] = {}
+    for statement in kir.walk(statements):
+        if isinstance(statement, (kir.Declare, kir.DeclareArray, kir.For)):
+            var = statement.var
+            init = statement if isinstance(statement, kir.For) else \
+                statement.init if isinstance(statement, kir.Declare) and statement.const else None
+            inits.setdefault(_name(var), []).append(init)
+    return {key: found[0] for key, found in inits.items() if len(found) == 1 and found[0] is not None}
+
+
+def _frozen(form: dict[Atom, int]) -> tuple:
+    return tuple(sorted((k, v) for k, v in form.items() if v != 0))
+
+
+def _form(expr: Expr, declared: dict[str, Any]) -> Affine | None:
+    form = _affine(expr, declared)
+    return None if form is None else _frozen(form)
+
+
+def _clean(form: dict[Atom, int]) -> dict[Atom, int]:
+    return {k: v for k, v in form.items() if v != 0}
+
+
+Guard = tuple  # the conditions of the Ifs whose then-branch holds an access
+
+
+def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = (), guards: Guard = ()
+              ) -> Iterator[tuple[kir.Statement, tuple[int, ...], Guard, Expr]]:
+    """(statement, the ids of the loops around it, the conditions of the Ifs it is in the then-branch of, each
+    expression it reads or writes, a Store's target texel too) in program order."""
+    for statement in statements:
+        for expr in kir.statement_exprs(statement):
+            for inner in kir.walk_expr(expr):
+                yield statement, loops, guards, inner
+        inside = loops + (id(statement),) if isinstance(statement, (kir.For, kir.While)) else loops
+        if isinstance(statement, kir.If):
+            yield from _accesses(statement.then, inside, guards + (statement.condition,))
+            yield from _accesses(statement.orelse, inside, guards)
+            continue
+        for body in kir.nested(statement):
+            yield from _accesses(body, inside, guards)
+
+
+def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: int | None = None,
+                     group_size: int | None = None) -> bool:
+    """Whether every work-item of `body` reads input `state` only at the texel it writes output `new` at,
+    before it writes it, and no two work-items share that texel (the module docstring's conditions);
+    `items`: the launch's work-items and `group_size` its work-group's, where known."""
+    declared = _declared(body.body)
+    holders = _holders(body.body, state)
+    forms: set[Affine | None] = set()
+    reads: list[tuple[int, ...]] = []  # the loops around each read
+    guards: list[Guard] = []  # each access's
+    writes = 0
+    for statement, loops, guard, expr in _accesses(body.body):
+        if isinstance(expr, ArgumentRef) and expr.argument == state:
+            return False  # a window read: neighbouring texels
+        if isinstance(expr, Load) and expr.argument == state:
+            forms.add(_form(expr.texel, declared))
+            guards.append(guard)
+        if isinstance(expr, Load) and expr.argument == state or isinstance(expr, Var) and _name(expr) in holders:
+            reads.append(loops)
+        if isinstance(statement, kir.Store) and statement.argument == new and expr is statement.texel:
+            forms.add(_form(statement.texel, declared))
+            guards.append(guard)
+            writes += 1
+    if not writes or len(forms) != 1:
+        return False
+    form = next(iter(forms))
+    if form is None or not _injective(form, declared, items, group_size, guards):
+        return False  # two work-items (or two repetitions of a loop) could share a texel
+    # reads before writes, and no loop around both a read and a write unless its repetitions touch other texels
+    # (the loops whose variable the injective index holds, alone or in quotients)
+    indexed = {id(declared[base[1]]) for base in _bases(form) if base[0] == "loop"}
+    write_loops = _write_loops(body.body, new) - indexed
+    return not any(set(loops) & write_loops for loops in reads) and \
+        _reads_before_writes(body.body, state, new, holders)
+
+
+def _holders(statements: Sequence[kir.Statement], state: Argument) -> set[str]:
+    """The const variables the renderer folds into their one reader (render.opencl.foldable) whose value holds
+    a read of `state`: the read happens at that use, not at the declaration."""
+    folded = foldable(statements)
+    held: set[str] = set()
+    for statement in kir.walk(statements):
+        if isinstance(statement, kir.Declare) and statement.var in folded and statement.init is not None and any(
+                isinstance(e, Load) and e.argument == state or isinstance(e, Var) and _name(e) in held
+                for e in kir.walk_expr(statement.init)):
+            held.add(_name(statement.var))
+    return held
+
+
+#: the most (work-item, loop repetition) points whose texels _injective enumerates; beyond, nothing is proved
+MAX_POINTS = 1 << 22
+#: the work-item ids (axis 0) a texel index may hold
+WORK_ITEM_IDS = {"get_global_id": "gid", "get_group_id": "group", "get_local_id": "lid"}
+#: comparisons a guard may make (others: assumed true, which only adds points)
+COMPARISONS = {"==": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
+               ">=": np.greater_equal}
+
+
+def _loop_values(loop: kir.For) -> np.ndarray | None:
+    """The values a loop's variable takes, where its bounds are constants."""
+    if loop.condition is None and loop.step_op == "+=" and loop.step > 0 and isinstance(loop.start, Const) \
+            and isinstance(loop.stop, Const):
+        return np.arange(int(loop.start.value), int(loop.stop.value), loop.step, dtype=np.int64)
+    return None
+
+
+def _bases(form: Affine) -> set[Atom]:
+    """The work-item ids and loop variables `form` holds, inside quotients too."""
+    found: set[Atom] = set()
+    for atom, _ in form:
+        found |= _bases(atom[1]) if atom[0] == "div" else {atom} if atom[0] != "1" else set()
+    return found
+
+
+def _evaluate(form: Affine, values: dict[Atom, np.ndarray]) -> np.ndarray:
+    total = np.zeros(1, dtype=np.int64)
+    for atom, coefficient in form:
+        term = (np.ones(1, dtype=np.int64) if atom[0] == "1" else
+                _evaluate(atom[1], values) // atom[2] if atom[0] == "div" else values[atom])
+        total = total + coefficient * term
+    return total
+
+
+def _holds(guard: Guard, declared: dict[str, Any], values: dict[Atom, np.ndarray], points: int) -> np.ndarray:
+    """Where every condition of `guard` it can evaluate holds (a comparison of two forms of `values`' atoms)."""
+    mask = np.ones(points, dtype=bool)
+    for condition in guard:
+        if isinstance(condition, Binary) and condition.op in COMPARISONS:
+            a, b = _form(condition.a, declared), _form(condition.b, declared)
+            if a is not None and b is not None and (_bases(a) | _bases(b)) <= set(values):
+                mask &= np.broadcast_to(COMPARISONS[condition.op](_evaluate(a, values), _evaluate(b, values)),
+                                        (points,))
+    return mask
+
+
+def _injective(form: Affine, declared: dict[str, Any], items: int | None, group_size: int | None,
+               guards: Sequence[Guard]) -> bool:
+    """Whether the texel index `form` takes different values at every work-item and loop repetition that makes
+    an access (its guards hold there): enumerated over the launch's work-items (a kernel returns beyond its
+    items, else its outputs would race already) and the loops' values (a loop may break early: more points
+    than run, which only makes the proof harder), where they are few enough."""
+    bases = sorted(_bases(form))
+    work_items = [b for b in bases if b[0] in WORK_ITEM_IDS.values()]
+    if not items or not work_items or any(b[1] != 0 for b in work_items) or \
+            (any(b[0] != "gid" for b in work_items) and not group_size):
+        return False
+    size = -(-items // group_size) * group_size if group_size else items
+    loops = [b for b in bases if b[0] == "loop"]
+    ranges = [np.arange(size, dtype=np.int64)] + [_loop_values(declared[b[1]]) for b in loops]
+    if any(r is None for r in ranges) or float(np.prod([len(r) for r in ranges], dtype=np.float64)) > MAX_POINTS:
+        return False
+    grids = [g.reshape(-1) for g in np.meshgrid(*ranges, indexing="ij")]
+    values = dict(zip(loops, grids[1:]))
+    values.update({("gid", 0): grids[0], ("group", 0): grids[0] // (group_size or 1),
+                   ("lid", 0): grids[0] % (group_size or 1)})
+    points = len(grids[0])
+    accessed = np.zeros(points, dtype=bool)
+    for guard in guards:
+        accessed |= _holds(guard, declared, values, points)
+    texels = np.broadcast_to(_evaluate(form, values), (points,))[accessed]
+    return len(np.unique(texels)) == len(texels)
+
+
+def _write_loops(statements: Sequence[kir.Statement], new: Argument, loops: tuple[int, ...] = ()) -> set[int]:
+    """The ids of the loops around any write of `new`."""
+    found: set[int] = set()
+    for statement in statements:
+        if isinstance(statement, kir.Store) and statement.argument == new:
+            found |= set(loops)
+        inside = loops + (id(statement),) if isinstance(statement, (kir.For, kir.While)) else loops
+        for body in kir.nested(statement):
+            found |= _write_loops(body, new, inside)
+    return found
+
+
+def _reads_before_writes(statements: Sequence[kir.Statement], state: Argument, new: Argument,
+                         holders: set[str]) -> bool:
+    """Whether, in program order, no read of `state` (or use of a variable holding one) follows a write of
+    `new`."""
+    written = False
+    for statement in kir.walk(statements):  # a statement reads what it reads before it writes
+        if written and any(isinstance(e, Load) and e.argument == state or isinstance(e, Var) and _name(e) in holders
+                           for expr in kir.statement_exprs(statement) for e in kir.walk_expr(expr)):
+            return False
+        written = written or isinstance(statement, kir.Store) and statement.argument == new
+    return True
+
+
+def in_place_pairs(kernels: Sequence[Kernel], textures: Sequence[Texture], pairs: Sequence[tuple[int, int]],
+                   kept: set[int], looped: set[int]) -> list[tuple[int, int]]:
+    """The (state, .new) texture pairs of `pairs` whose update can write over the state; `kept`: textures that
+    must keep their own texture whatever (a loop's carried pairs); `looped`: the launches a loop repeats (a
+    repetition would read the new value where it wants the old)."""
+    writers: dict[int, list[int]] = {}
+    last_read: dict[int, int] = {}
+    for index, kernel in enumerate(kernels):
+        for texture in kernel.outputs:
+            writers.setdefault(texture, []).append(index)
+        for texture in kernel.inputs:
+            last_read[texture] = index
+    chosen = []
+    for state, new in pairs:
+        if state in kept or new in kept or len(writers.get(new, [])) != 1 or writers.get(state):
+            continue
+        if textures[state].format != textures[new].format or textures[state].layout != textures[new].layout:
+            continue
+        writer = writers[new][0]
+        update = kernels[writer]
+        if last_read.get(state, -1) != writer or new in update.inputs or writer in looped:
+            continue  # a later launch reads the old state (or the update does not read it at all)
+        if update.inputs.count(state) != 1 or update.outputs.count(new) != 1:
+            continue
+        arguments = {(a.role, a.index): a for a in update.ir.arguments}
+        state_argument = arguments.get(("in", update.inputs.index(state)))
+        new_argument = arguments.get(("out", update.outputs.index(new)))
+        if state_argument is not None and new_argument is not None \
+                and updates_in_place(update.ir, state_argument, new_argument, update.global_size,
+                                     update.group_size):
+            chosen.append((state, new))
+    return chosen
+
+
+def merge_textures(kernels: list[Kernel], textures: list[Texture], values: dict[str, int],
+                   initial: dict[int, np.ndarray], merged: Sequence[tuple[int, int]]) -> list[int]:
+    """Make each `.new` of `merged` its state's texture: its writer's output and its values go to the state, its
+    texture goes, and the textures are numbered again. Rewrites the arguments in place; returns old id -> new id
+    (a merged `.new`'s: its state's) for the caller's other tables."""
+    into = {new: state for state, new in merged}
+    kept = [t for t in textures if t.id not in into]
+    renumber = [-1] * len(textures)
+    for position, texture in enumerate(kept):
+        renumber[texture.id] = position
+    for new, state in into.items():
+        renumber[new] = renumber[state]
+        textures[state].values.extend(v for v in textures[new].values if v not in textures[state].values)
+    for kernel in kernels:
+        kernel.outputs = [renumber[t] for t in kernel.outputs]
+        kernel.inputs = [renumber[t] for t in kernel.inputs]
+    for name in values:
+        values[name] = renumber[values[name]]
+    moved = {renumber[t]: array for t, array in initial.items()}
+    initial.clear()
+    initial.update(moved)
+    textures[:] = [replace(t, id=renumber[t.id]) for t in kept]
+    return renumber
