@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -194,6 +194,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
         renumber = merge_textures(kernels, table.textures, values, initial, in_place)
         swaps = [(renumber[s], renumber[n]) for s, n in swaps if (s, n) not in in_place]
         finite_swaps = [(renumber[s], renumber[n]) for s, n in finite_swaps]
+        loops = [replace(loop, swaps=tuple((renumber[c], renumber[n]) for c, n in loop.swaps)) for loop in loops]
     maps = {n.outputs[0].name: map_of(n.outputs[0]) for n in graph if is_view(n) and n.outputs[0].name in values}
     value_maps = {name: {"shape": list(m.shape), "strides": list(m.strides), "offset": m.offset}
                   for name, m in maps.items() if not m.contiguous}  # strided views
@@ -205,7 +206,6 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
                                       + [f"out{k}" for k, t in enumerate(kernel.outputs) if t in both])
     share_kernels(kernels)
     source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
-    loops = loop_of(graph, int(keys.json_of(model.metadata_props, keys.ES, {}).get("loop", 0)), group_kernels, values)
     return Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps, source, kernel_lines,
                    {k.name: table.schedules[k.name].record() for k in kernels}, finite_swaps,
                    values[SKIPPED] if finite_swaps else None, loops)
