@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
+from fblc.compiler.weight_data import equal_data, value_range
 from fblc.passes.contracts import ContractPass
 
 
@@ -31,21 +32,24 @@ def _is_generated(value: ir.Value) -> bool:
     return "::" in name or keys.ONNXSCRIPT_FOLDED_FROM in value.metadata_props
 
 
-def _bucket(array: np.ndarray) -> tuple[object, ...] | None:
-    """A key equal for a tensor and its transpose; None for tensors that must not tie."""
-    if array.ndim not in (1, 2) or array.size < 2 or array.dtype.kind != "f":
+def _bucket(tensor: ir.TensorProtocol) -> tuple[object, ...] | None:
+    """A key equal for a tensor and its transpose; None for tensors that must not tie. Reads the data piece by
+    piece (weight_data): a model's weights are never all in memory at once."""
+    shape = tuple(tensor.shape.numpy())
+    if len(shape) not in (1, 2) or int(np.prod(shape)) < 2 or not tensor.dtype.is_floating_point():
         return None
-    low, high = array.min(), array.max()
+    low, high = value_range(tensor)
     if not low < high:  # constant-valued (or NaN): equal by coincidence, never tie
         return None
-    return (tuple(sorted(array.shape)), array.dtype.str, low.item(), high.item())
+    return (tuple(sorted(shape)), tensor.dtype, low, high)
 
 
-def _relation(canonical: np.ndarray, other: np.ndarray) -> str | None:
+def _relation(canonical: ir.TensorProtocol, other: ir.TensorProtocol) -> str | None:
     """'same' or 'transposed' when `other` is `canonical` bit for bit, plain or transposed."""
-    if other.shape == canonical.shape and np.array_equal(other, canonical):
+    if tuple(other.shape) == tuple(canonical.shape) and equal_data(canonical, other, transposed=False):
         return "same"
-    if other.ndim == 2 and other.shape == canonical.shape[::-1] and np.array_equal(other, canonical.T):
+    if len(other.shape) == 2 and tuple(other.shape) == tuple(canonical.shape)[::-1] \
+            and equal_data(canonical, other, transposed=True):
         return "transposed"
     return None
 
@@ -57,15 +61,14 @@ class TieWeights(ContractPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        buckets: dict[tuple[object, ...], list[tuple[ir.Value, np.ndarray]]] = defaultdict(list)
+        buckets: dict[tuple[object, ...], list[tuple[ir.Value, ir.TensorProtocol]]] = defaultdict(list)
         for value in graph.initializers.values():
             if keys.get_role(value) != Role.PARAM.value or value.const_value is None or value.is_graph_output() \
                     or value.is_graph_input():
                 continue  # graph inputs and outputs are named interfaces
-            array = value.const_value.numpy()
-            key = _bucket(array)
+            key = _bucket(value.const_value)
             if key is not None:
-                buckets[key].append((value, array))
+                buckets[key].append((value, value.const_value))
         modified = False
         for members in buckets.values():
             if len(members) < 2:
