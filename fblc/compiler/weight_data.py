@@ -11,7 +11,9 @@ lazily made optimizer state) are read as they are.
 
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 from typing import Iterator
 
 import numpy as np
@@ -83,8 +85,46 @@ def flat_pieces(mapped: MappedConstant, budget: int = PIECE_BYTES) -> Iterator[n
         mapped.drop()
 
 
+def is_hole(tensor: ir.TensorProtocol) -> bool:
+    """Whether the tensor is external data lying wholly in a hole of a sparse file (all zeros, as the
+    filesystem reads a hole), found by lseek(SEEK_DATA) without reading it."""
+    if not isinstance(tensor, ir.ExternalTensor) or tensor.nbytes == 0 or not hasattr(os, "SEEK_DATA"):
+        return False
+    start = tensor.offset or 0
+    try:
+        with open(tensor.path, "rb") as handle:
+            return os.lseek(handle.fileno(), start, os.SEEK_DATA) >= start + tensor.nbytes
+    except OSError as error:  # ENXIO: no data past `start`; EINVAL etc.: the filesystem cannot say
+        return error.errno == errno.ENXIO
+
+
+SAMPLES = 61  # elements a fingerprint reads
+
+
+def fingerprint(tensor: ir.TensorProtocol) -> bytes:
+    """A few elements at fixed places, equal for a 1-D or 2-D tensor and its transpose (so for any two
+    tensors that are equal, plain or transposed): reads SAMPLES elements, not the tensor."""
+    with MappedConstant(tensor) as mapped:
+        array = mapped.array
+        if array.ndim == 2:
+            oriented = array if array.shape[0] <= array.shape[1] else array.T
+            rows, cols = oriented.shape
+            k = np.arange(SAMPLES)
+            i, j = k * 7919 % rows, k * 104729 % cols
+            if rows == cols:  # a square matrix and its transpose: the pair (V[i, j], V[j, i]) in sorted order
+                picked = np.sort(np.stack([oriented[i, j], oriented[j, i]]), axis=0)
+            else:
+                picked = oriented[i, j]
+        else:
+            flat = array.reshape(-1)
+            picked = flat[np.arange(SAMPLES) * 7919 % max(1, flat.size)] if flat.size else flat
+        return np.ascontiguousarray(picked + np.zeros((), picked.dtype)).tobytes()  # -0.0 as 0.0: equal values
+
+
 def value_range(tensor: ir.TensorProtocol) -> tuple[float, float]:
     """(min, max) of a float tensor, read piece by piece; NaN where it holds a NaN (as numpy's min and max)."""
+    if is_hole(tensor):
+        return 0.0, 0.0
     low, high = np.inf, -np.inf
     with MappedConstant(tensor) as mapped:
         for piece in flat_pieces(mapped):
