@@ -116,7 +116,8 @@ def main() -> int:
     args.repeats = args.repeats or (1 if args.end_to_end else 5)
     adapter = args.adapter or ("lora" if args.end_to_end else "none")
     options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=1e-4, weight_decay=0.01),
-                              layout=args.layout, adapter=AdapterConfig(adapter, rank=args.rank))
+                              layout=args.layout,
+                              adapter=AdapterConfig(adapter, rank=args.rank) if adapter != "none" else AdapterConfig())
     if args.end_to_end:
         return end_to_end(args, options)
     with tempfile.TemporaryDirectory() as directory:
