@@ -144,5 +144,11 @@ def test_compile_with_the_traced_layout_search_says_so_and_reports_it(tmp_path, 
     assert "tracing the reads of the step's kernels" in stderr
     assert "layout rtile (search traced)" in stdout
     with open(os.path.join(out, "report.json"), encoding="utf-8") as handle:
-        layout = json.load(handle)["layout"]
-    assert layout["search"] == "traced"
+        report = json.load(handle)
+    assert report["layout"]["search"] == "traced"
+    # the stages' seconds, the disk write of params.bin apart; its checksum, hashed as it was written, holds
+    assert list(report["timings"]) == ["read_model", "passes", "codegen", "buffer_table", "reports", "write_params",
+                                      "write_params_cpu"]
+    assert all(seconds >= 0 for seconds in report["timings"].values())
+    from fblc.bundle_format import load_verified
+    load_verified(out)

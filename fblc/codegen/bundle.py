@@ -8,12 +8,14 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import onnx_ir as ir
 
 from fblc import __version__, bundle_format as fmt
 from fblc.codegen.cl import Kernel
+from fblc.codegen.params import ParamsFile
 from fblc.codegen.plan import BufferTable, Program
 from fblc.codegen.render.opencl import BUFFER
 from fblc.codegen.render.source import assemble_source
@@ -27,7 +29,9 @@ from fblc.compiler.torch_names import manifest_fields
 from fblc.compiler.values import static_shape
 from fblc.profiles import Profile
 
-ALIGN = 64  # bytes; every texture's initial data starts on this boundary in params.bin
+#: report.json `timings` keys: the seconds spent writing params.bin (packing and hashing the weights included),
+#: and the process's CPU seconds in them (the rest is waiting for the disk)
+WRITE_PARAMS, WRITE_PARAMS_CPU = "write_params", "write_params_cpu"
 
 
 def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
@@ -56,16 +60,12 @@ def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int], buffer_lin
 
 
 def build_documents(model: ir.Model, program: Program, table: BufferTable, profile: Profile, dtype: str,
-                    report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bytes, dict[str, bytes]]:
-    """(manifest without checksums, plan, params.bin contents, {kernels.buffer.cl: its text}); textures,
+                    report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], ParamsFile, dict[str, bytes]]:
+    """(manifest without checksums, plan, params.bin to be written, {kernels.buffer.cl: its text}); textures,
     lifetimes and images from `table`. kernels.cl is program.source, the kernels in image storage."""
     buffer_source, buffer_lines = assemble_source(program.kernels, [t.layout for t in program.textures], BUFFER)
-    blob = bytearray()
-    offsets: dict[int, tuple[int, int]] = {}
-    for texture_id, texels in sorted(program.initial.items()):
-        blob.extend(b"\0" * (-len(blob) % ALIGN))
-        offsets[texture_id] = (len(blob), texels.nbytes)
-        blob.extend(texels.tobytes())
+    params_file = ParamsFile(program.initial)
+    offsets = params_file.offsets
     textures = []
     for texture, lifetime in zip(program.textures, table.lifetimes):
         entry = {"id": texture.id, "name": texture.name, "values": texture.values, "shape": list(texture.shape),
@@ -121,13 +121,15 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
             "texture": texture, "count": int(static_shape(rewards)[0]),
             "launch": next(i for i, k in enumerate(program.kernels) if texture in k.inputs),
             "members": [_tensor_entry(v, program) for v in graph.outputs if v.name.startswith(MEMBER_PREFIX)]}
-    return manifest, plan, bytes(blob), {fmt.BUFFER_KERNELS: buffer_source.encode()}
+    return manifest, plan, params_file, {fmt.BUFFER_KERNELS: buffer_source.encode()}
 
 
-def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], source: str, params: bytes,
-                 report: dict[str, Any], extra: dict[str, bytes] | None = None) -> None:
+def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], source: str,
+                 params: bytes | ParamsFile, report: dict[str, Any], extra: dict[str, bytes] | None = None) -> None:
     """Write the bundle to `out_dir` atomically: a half-written bundle never exists under that name.
 
+    `params`: params.bin's bytes, or a ParamsFile, written piece by piece (first, so that report.json's
+    `timings` can say how long it took: WRITE_PARAMS).
     `extra`: more files (kernels.buffer.cl, the memory-timeline plot), checksummed in the manifest like the others.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -141,19 +143,35 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
         raise write_error("the bundle", out_dir, error) from None
 
 
+def _write_params(path: str, params: bytes | ParamsFile, report: dict[str, Any]) -> str:
+    """Write params.bin to `path`; returns its sha256. A ParamsFile's seconds go to report["timings"]."""
+    started, cpu = time.perf_counter(), time.process_time()
+    with open(path, "wb") as handle:
+        if isinstance(params, ParamsFile):
+            digest = params.write(handle)
+            report.setdefault("timings", {}).update({WRITE_PARAMS: round(time.perf_counter() - started, 3),
+                                                     WRITE_PARAMS_CPU: round(time.process_time() - cpu, 3)})
+            return digest
+        handle.write(params)
+    return fmt.sha256_of(path)
+
+
 def _write_in(parent: str, out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], source: str,
-              params: bytes, report: dict[str, Any], extra: dict[str, bytes]) -> None:
+              params: bytes | ParamsFile, report: dict[str, Any], extra: dict[str, bytes]) -> None:
     """write_bundle's work in `parent`, which exists: a staging folder, then the renames; OSError if it fails,
     with the previous bundle in place."""
     staging = tempfile.mkdtemp(prefix=".fblc-bundle-", dir=parent)
     previous: str | None = None
     try:
-        files = {fmt.PLAN: json.dumps(plan, indent=1).encode(), fmt.KERNELS: source.encode(), fmt.PARAMS: params,
+        checksums = {fmt.PARAMS: _write_params(os.path.join(staging, fmt.PARAMS), params, report)}
+        files = {fmt.PLAN: json.dumps(plan, indent=1).encode(), fmt.KERNELS: source.encode(),
                  fmt.REPORT: json.dumps(report, indent=2).encode(), **extra}
         for name, data in files.items():
             with open(os.path.join(staging, name), "wb") as handle:
                 handle.write(data)
-        manifest = dict(manifest, checksums={name: fmt.sha256_of(os.path.join(staging, name)) for name in files})
+        checksums.update({name: fmt.sha256_of(os.path.join(staging, name)) for name in files})
+        manifest = dict(manifest, checksums={name: checksums[name] for name in [fmt.PLAN, fmt.KERNELS, fmt.PARAMS,
+                                                                              fmt.REPORT, *extra]})
         with open(os.path.join(staging, fmt.MANIFEST), "wb") as handle:
             handle.write(fmt.sealed_manifest(manifest))
         os.chmod(staging, mode_for(out_dir, folder=True))  # mkdtemp's 0700: the umask's, or the replaced bundle's

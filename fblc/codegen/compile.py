@@ -42,7 +42,7 @@ def build_report(model: ir.Model, program: Program, table: BufferTable, seconds:
             "distinct_kernels": len({k.function for k in program.kernels}),
             "kernels_per_family": program.family_counts(),
             "textures": len(program.textures), "texture_bytes": table.texture_bytes,
-            "initial_bytes": sum(a.nbytes for a in program.initial.values()),
+            "initial_bytes": sum(contents.nbytes for contents in program.initial.values()),
             "portable_image_edge": PORTABLE_IMAGE_EDGE, "beyond_portable_edge": beyond}
 
 
@@ -73,10 +73,16 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
         if on_pass is not None:
             on_pass(index, graph_pass, model)
 
-    step = build_training_graph(load_model(model_path), options, dump_dir=dump_dir, on_pass=observe, lower=profile,
+    marks = [("start", started)]
+    model = load_model(model_path)
+    marks.append(("read_model", time.perf_counter()))
+    step = build_training_graph(model, options, dump_dir=dump_dir, on_pass=observe, lower=profile,
                                 schedules=step_schedules(profile, dtype, overrides))
+    marks.append(("passes", time.perf_counter()))
     program = lower(step, profile, dtype, overrides=overrides)
+    marks.append(("codegen", time.perf_counter()))
     table = buffer_table(step, program, profile)
+    marks.append(("buffer_table", time.perf_counter()))
     report = build_report(step, program, table, time.perf_counter() - started)
     report["memory"], timeline = memory_report(plans[-1], table)
     report["layout"] = layout_object(step, program, options)
@@ -94,6 +100,8 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
             for key, annex in annexes.items():
                 report[key] = annex(draft, step)
     report["estimate"] = estimate_object(step, program, profile, report.get("cache"))
-    write_bundle(out_dir, manifest, plan, program.source, params, report,
+    marks.append(("reports", time.perf_counter()))
+    report["timings"] = {name: round(end - begin, 3) for (_, begin), (name, end) in zip(marks, marks[1:])}
+    write_bundle(out_dir, manifest, plan, program.source, params, report,  # adds timings' WRITE_PARAMS
                  extra={**buffer_file, TIMELINE_PLOT: timeline})
     return step, report

@@ -34,6 +34,7 @@ import numpy as np
 
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
+from fblc.codegen.params import TextureContents
 from fblc.codegen.render.opencl import foldable
 from fblc.codegen.ir.expressions import Argument, ArgumentRef, Binary, Call, Cast, Const, Expr, Load, Var
 from fblc.codegen.textures import Texture
@@ -353,7 +354,7 @@ def in_place_pairs(kernels: Sequence[Kernel], textures: Sequence[Texture], pairs
 
 
 def merge_textures(kernels: list[Kernel], textures: list[Texture], values: dict[str, int],
-                   initial: dict[int, np.ndarray], merged: Sequence[tuple[int, int]]) -> list[int]:
+                   initial: dict[int, TextureContents], merged: Sequence[tuple[int, int]]) -> list[int]:
     """Make each `.new` of `merged` its state's texture: its writer's output and its values go to the state, its
     texture goes, and the textures are numbered again. Rewrites the arguments in place; returns old id -> new id
     (a merged `.new`'s: its state's) for the caller's other tables."""

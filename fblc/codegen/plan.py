@@ -18,6 +18,7 @@ from fblc.bundle_format import FLOAT_FORMATS, NUMPY_DTYPES, image_bytes
 from fblc.codegen.arena import Arena, Lifetime, pack_arena
 from fblc.codegen.cl import Kernel
 from fblc.codegen.inplace import in_place_pairs, merge_textures
+from fblc.codegen.params import PackedConstant, TextureContents
 from fblc.codegen import ir as kir
 from fblc.codegen.ir.precision import half_arithmetic
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
@@ -31,7 +32,8 @@ from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.es_loop import BODY, carried_pairs
 from fblc.compiler.index_map import is_view, map_of
-from fblc.compiler.values import const_array, static_shape
+from fblc.compiler.values import static_shape
+from fblc.compiler.weight_data import constant_tensor
 from fblc.compiler.ops import CONTRACTIONS
 from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
@@ -39,7 +41,6 @@ from fblc.passes.commit_if_finite import FINITE
 from fblc.passes.rtile_select import state_pairs
 from fblc.passes.storage_precision import storage_of
 from fblc.profiles import Profile
-from fblc.texel_layout import pack
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def loop_of(graph: ir.Graph, count: int, group_kernels: list[tuple[KernelGroup, 
 class Program:
     kernels: list[Kernel]
     textures: list[Texture]
-    initial: dict[int, np.ndarray]  # texture id -> texels
+    initial: dict[int, TextureContents]  # texture id -> its initial texels (given piece by piece: codegen/params.py)
     values: dict[str, int]  # every named value -> texture id
     value_shapes: dict[str, list[int]]  # every named value -> its own shape (a view's differs from its texture's)
     swaps: list[tuple[int, int]]  # (state texture, its .new texture) after each step
@@ -175,8 +176,9 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     value_shapes = {v.name: list(static_shape(v)) for v in [*named, *graph.inputs, *graph.initializers.values()]}
     roots = {v.name: v for v in graph.initializers.values()}
     roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
-    initial = {t.id: pack(array, t.layout, np.dtype(NUMPY_DTYPES[t.format])) for t in table.textures
-               if with_contents and t.name in roots and (array := const_array(roots[t.name])) is not None}
+    initial: dict[int, TextureContents] = {  # packed as params.bin is written, never all in memory
+        t.id: PackedConstant(roots[t.name], t.layout, np.dtype(NUMPY_DTYPES[t.format])) for t in table.textures
+        if with_contents and t.name in roots and constant_tensor(roots[t.name]) is not None}
     pairs = state_pairs(graph)
     swaps = [(values[state.name], values[update.name]) for state, update in pairs]
     for state, new in swaps:  # the next step reads the .new image through the state's layout

@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
+from fblc.compiler.weight_data import equal_data, fingerprint, value_range
 from fblc.passes.contracts import ContractPass
 
 
@@ -31,21 +32,48 @@ def _is_generated(value: ir.Value) -> bool:
     return "::" in name or keys.ONNXSCRIPT_FOLDED_FROM in value.metadata_props
 
 
-def _bucket(array: np.ndarray) -> tuple[object, ...] | None:
-    """A key equal for a tensor and its transpose; None for tensors that must not tie."""
-    if array.ndim not in (1, 2) or array.size < 2 or array.dtype.kind != "f":
+def _shape_key(tensor: ir.TensorProtocol) -> tuple[object, ...] | None:
+    """A key equal for a tensor and its transpose, from its shape and type alone; None for tensors that never
+    tie (neither a vector nor a matrix, a single element, not floating point)."""
+    shape = tuple(tensor.shape.numpy())
+    if len(shape) not in (1, 2) or int(np.prod(shape)) < 2 or not tensor.dtype.is_floating_point():
         return None
-    low, high = array.min(), array.max()
-    if not low < high:  # constant-valued (or NaN): equal by coincidence, never tie
-        return None
-    return (tuple(sorted(array.shape)), array.dtype.str, low.item(), high.item())
+    return (tuple(sorted(shape)), tensor.dtype)
 
 
-def _relation(canonical: np.ndarray, other: np.ndarray) -> str | None:
+def _not_constant(tensor: ir.TensorProtocol) -> bool:
+    """False for a constant-valued tensor (or one with a NaN), which never ties: two can be equal by coincidence."""
+    low, high = value_range(tensor)
+    return low < high
+
+
+def _buckets(candidates: list[tuple[ir.Value, ir.TensorProtocol]]) -> list[list[tuple[ir.Value, ir.TensorProtocol]]]:
+    """Groups of tensors that may be equal (plain or transposed), each of two or more, none constant-valued.
+
+    Narrowed in steps that read ever more: by shape, then by a fingerprint of a few elements, then by the
+    values' range (a whole read, piece by piece: weight_data), so that a model without ties reads almost
+    nothing of its weights."""
+    groups: list[list[tuple[ir.Value, ir.TensorProtocol]]] = [candidates]
+    for key in (_shape_key, fingerprint):
+        split: list[list[tuple[ir.Value, ir.TensorProtocol]]] = []
+        for group in groups:
+            keyed: dict[object, list[tuple[ir.Value, ir.TensorProtocol]]] = defaultdict(list)
+            for member in group:
+                found = key(member[1])
+                if found is not None:
+                    keyed[found].append(member)
+            split.extend(g for g in keyed.values() if len(g) > 1)
+        groups = split
+    narrowed = [[member for member in group if _not_constant(member[1])] for group in groups]
+    return [group for group in narrowed if len(group) > 1]
+
+
+def _relation(canonical: ir.TensorProtocol, other: ir.TensorProtocol) -> str | None:
     """'same' or 'transposed' when `other` is `canonical` bit for bit, plain or transposed."""
-    if other.shape == canonical.shape and np.array_equal(other, canonical):
+    if tuple(other.shape) == tuple(canonical.shape) and equal_data(canonical, other, transposed=False):
         return "same"
-    if other.ndim == 2 and other.shape == canonical.shape[::-1] and np.array_equal(other, canonical.T):
+    if len(other.shape) == 2 and tuple(other.shape) == tuple(canonical.shape)[::-1] \
+            and equal_data(canonical, other, transposed=True):
         return "transposed"
     return None
 
@@ -57,19 +85,11 @@ class TieWeights(ContractPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        buckets: dict[tuple[object, ...], list[tuple[ir.Value, np.ndarray]]] = defaultdict(list)
-        for value in graph.initializers.values():
-            if keys.get_role(value) != Role.PARAM.value or value.const_value is None or value.is_graph_output() \
-                    or value.is_graph_input():
-                continue  # graph inputs and outputs are named interfaces
-            array = value.const_value.numpy()
-            key = _bucket(array)
-            if key is not None:
-                buckets[key].append((value, array))
+        candidates = [(value, value.const_value) for value in graph.initializers.values()
+                      if keys.get_role(value) == Role.PARAM.value and value.const_value is not None
+                      and not value.is_graph_output() and not value.is_graph_input()]  # inputs, outputs: named
         modified = False
-        for members in buckets.values():
-            if len(members) < 2:
-                continue
+        for members in _buckets(candidates):
             members.sort(key=lambda member: _is_generated(member[0]))  # stable: named ones first
             remaining = list(members)
             while remaining:

@@ -1,0 +1,168 @@
+"""params.bin: each texture's initial contents, packed into its layout and written through a bounded buffer.
+
+`lower` records what a texture starts with as `TextureContents` (an object that gives its bytes piece by
+piece), never the packed array: a 1B-parameter model's weights are never whole in host memory. The
+writer asks each texture in turn for its bytes (`pieces`), so whatever makes them (a constant packed into
+its texel layout here; a quantizer's packed codes elsewhere) plugs in with the same two members.
+
+`PackedConstant` packs a constant the way texel_layout.pack does, byte for byte, without its copies:
+a flat layout is the elements in order then zeros; an R-Tile layout is written by windows of whole image
+rows, each texel of a window gathered from the source texel that texel_layout.coords places there (the
+inverse of coords, computed per window). The source is read through weight_data.MappedConstant, whose
+pages are handed back after each window where the windows walk the source in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator, Protocol
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc.compiler.weight_data import PIECE_BYTES, MappedConstant, constant_tensor, flat_pieces
+from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack
+
+ALIGN = 64  # bytes; every texture's initial data starts on this boundary in params.bin
+
+
+class TextureContents(Protocol):
+    """A texture's initial contents: `nbytes` in all, given as consecutive pieces (each bounded in size)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def pieces(self) -> Iterator[np.ndarray]: ...
+
+
+def image_elements(layout: TexelLayout) -> int:
+    """Elements of the packed image (texel_layout.pack's length): bytes of a mask, 4 a texel otherwise."""
+    return layout.width * layout.height * (1 if layout.kind in MASK_ELEMENTS else 4)
+
+
+@dataclass(frozen=True)
+class PackedConstant:
+    """The constant `value` (an initializer or a Constant's output) packed into `layout` as `dtype`."""
+
+    value: ir.Value
+    layout: TexelLayout
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return image_elements(self.layout) * self.dtype.itemsize
+
+    def array(self) -> np.ndarray:
+        """The whole packed image (texel_layout.pack), for small contents and tests."""
+        return np.concatenate([np.zeros(0, self.dtype), *(piece.reshape(-1) for piece in self.pieces())])
+
+    def pieces(self, budget: int = PIECE_BYTES) -> Iterator[np.ndarray]:
+        tensor = constant_tensor(self.value)
+        if tensor is None:
+            raise AssertionError(f"'{self.value.name}' has no constant contents to pack")
+        with MappedConstant(tensor) as mapped:
+            if self.layout.kind in MASK_ELEMENTS or self.nbytes <= budget:  # small, or bits: pack whole
+                yield pack(mapped.array, self.layout, self.dtype)
+            elif self.layout.kind == "flat":
+                yield from self._flat(mapped, budget)
+            else:
+                yield from self._rtile(mapped, budget)
+
+    def _flat(self, mapped: MappedConstant, budget: int) -> Iterator[np.ndarray]:
+        written = 0
+        with np.errstate(over="ignore"):  # fp16: float32's -3.4e38 mask fill becomes -inf, as pack makes it
+            for piece in flat_pieces(mapped, budget):
+                yield piece.astype(self.dtype, copy=False)  # the mapping's own bytes where the format is theirs
+                written += piece.size
+        total = image_elements(self.layout)
+        step = max(1, budget // self.dtype.itemsize)
+        for start in range(written, total, step):  # the last texel's and rows' padding
+            yield np.zeros(min(step, total - start), self.dtype)
+
+    def _rtile(self, mapped: MappedConstant, budget: int) -> Iterator[np.ndarray]:
+        layout = self.layout
+        texels = mapped.array.reshape(-1, 4)  # R-Tile: the last axis is a multiple of 4, whole texels
+        rows_at_once = max(1, budget // (layout.width * 4 * self.dtype.itemsize))
+        in_order = layout.arrangement == "rows"  # windows walk the source rows in order: drop as we go
+        with np.errstate(over="ignore"):
+            for y0 in range(0, layout.height, rows_at_once):
+                y1 = min(layout.height, y0 + rows_at_once)
+                source = source_texels(layout, y0, y1)
+                window = np.zeros(((y1 - y0) * layout.width, 4), self.dtype)
+                placed = source >= 0
+                window[placed] = texels[source[placed]].astype(self.dtype)
+                yield window.reshape(-1)
+                if in_order:
+                    mapped.drop()
+
+
+def source_texels(layout: TexelLayout, y0: int, y1: int) -> np.ndarray:
+    """For each texel of image rows [y0, y1) of an R-Tile `layout`, row-major, the source texel that
+    layout.coords places there, or -1 for padding: coords inverted."""
+    tw4, th = layout.tile_texels_w, layout.tile_h
+    ntr, ntc = layout.tile_grid
+    y, x = np.divmod(np.arange(y0 * layout.width, y1 * layout.width, dtype=np.int64), layout.width)
+    if layout.packing == "strip":
+        gx, inside = np.divmod(x, th * tw4)
+        ir_, iq = np.divmod(inside, tw4)
+        gy = y
+    else:
+        gx, iq = np.divmod(x, tw4)
+        gy, ir_ = np.divmod(y, th)
+    tile = gy * layout.tiles_per_row + gx
+    if layout.arrangement == "columns":
+        tc, tr = np.divmod(tile, ntr)
+    else:
+        tr, tc = np.divmod(tile, ntc)
+    r, q = tr * th + ir_, tc * tw4 + iq
+    c4 = layout.cols // 4
+    placed = (gx < layout.tiles_per_row) & (tile < ntr * ntc) & (r < layout.rows) & (q < c4)
+    return np.where(placed, r * c4 + q, -1)
+
+
+def params_offsets(contents: dict[int, TextureContents]) -> dict[int, tuple[int, int]]:
+    """texture id -> (offset, nbytes) in params.bin: in id order, each start aligned to ALIGN."""
+    offsets: dict[int, tuple[int, int]] = {}
+    end = 0
+    for texture_id, content in sorted(contents.items()):
+        end += -end % ALIGN
+        offsets[texture_id] = (end, content.nbytes)
+        end += content.nbytes
+    return offsets
+
+
+@dataclass
+class ParamsFile:
+    """params.bin to be written: each texture's contents at its offset (params_offsets)."""
+
+    contents: dict[int, TextureContents]
+
+    @property
+    def offsets(self) -> dict[int, tuple[int, int]]:
+        return params_offsets(self.contents)
+
+    def write(self, handle: BinaryIO) -> str:
+        """Write the file's bytes to `handle`, one piece at a time; returns their sha256 (hex). A thread writes
+        each piece while this one hashes it (both release the GIL); the next piece is made only when both are
+        done with this one (it may be a view of a weight's memory mapping, dropped when the next is read)."""
+        digest = hashlib.sha256()
+        written = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="fblc-params") as writer:
+
+            def put(data: bytes | memoryview) -> None:
+                nonlocal written
+                pending = writer.submit(handle.write, data)
+                digest.update(data)
+                pending.result()
+                written += len(data)
+
+            for texture_id, (offset, nbytes) in sorted(self.offsets.items()):
+                put(b"\0" * (offset - written))
+                start = written
+                for piece in self.contents[texture_id].pieces():
+                    put(memoryview(np.ascontiguousarray(piece)).cast("B"))
+                if written - start != nbytes:
+                    raise AssertionError(f"texture {texture_id}'s contents gave {written - start} bytes, not {nbytes}")
+        return digest.hexdigest()
