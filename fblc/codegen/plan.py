@@ -32,6 +32,7 @@ from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.es_loop import BODY, carried_pairs
 from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
+from fblc.compiler.quantize import pack_words
 from fblc.compiler.ops import CONTRACTIONS
 from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
@@ -175,7 +176,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     value_shapes = {v.name: list(static_shape(v)) for v in [*named, *graph.inputs, *graph.initializers.values()]}
     roots = {v.name: v for v in graph.initializers.values()}
     roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
-    initial = {t.id: pack(array, t.layout, np.dtype(NUMPY_DTYPES[t.format])) for t in table.textures
+    initial = {t.id: pack(pack_words(array, t.packed_bits).view(np.int32) if t.packed_bits else array, t.layout,
+                          np.dtype(NUMPY_DTYPES[t.format])) for t in table.textures
                if with_contents and t.name in roots and (array := const_array(roots[t.name])) is not None}
     pairs = state_pairs(graph)
     swaps = [(values[state.name], values[update.name]) for state, update in pairs]

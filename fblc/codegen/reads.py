@@ -15,6 +15,7 @@ from fblc.bundle_format import BUFFER_C_TYPES
 from fblc.codegen import ir as kir
 from fblc.codegen.indexing import broadcast_view_index, flat_view_index, index_var
 from fblc.codegen.ir import INT, Block, Expr, Numbering, Statement, const, div_index, mod_index
+from fblc.compiler.quantize import INT_FORMATS
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
 from fblc.compiler.values import const_array, is_float
@@ -45,6 +46,20 @@ def mask_position(texture: Texture, texel: Expr) -> tuple[Expr, Expr]:
 
 def _same(value: Expr) -> Expr:
     return value
+
+
+def packed_element(argument: kir.Argument, bits: int, signed: bool, index: Expr) -> Expr:
+    """Element `index` of a packed integer texture (fblc.compiler.quantize.pack_words): bits
+    [bits * (i % n), ...) of word i / n, n = 32 / bits; a signed one's sign bit spread by shifting it to bit 31
+    (as uint, where a left shift is defined) and back (an int's right shift keeps the sign)."""
+    per_word = 32 // bits
+    word_index = index >> (per_word.bit_length() - 1)
+    word = kir.Load(argument, word_index >> 2).lane(word_index & 3)
+    shift = (index & (per_word - 1)) * bits
+    if signed:
+        top = kir.Cast(kir.UINT, word) << (32 - bits - shift)
+        return kir.Cast(INT, top) >> (32 - bits)
+    return (word >> shift) & ((1 << bits) - 1)
 
 
 class ValueReads:
@@ -107,6 +122,8 @@ class ValueReads:
         if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
             index = flat_view_index(index_map, index)
         argument, texture = self.input_argument(value)
+        if texture.packed_bits:
+            return packed_element(argument, texture.packed_bits, INT_FORMATS[value.dtype].signed, index)
         per_byte = texture.mask_elements
         if per_byte and texture.layout.mask_pair_stride != 1:  # element i: lane i & 3 of texel i >> 2's nibble
             byte, shift = mask_position(texture, index >> 2)

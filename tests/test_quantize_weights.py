@@ -1,0 +1,105 @@
+"""Quantized frozen weights (issue 40, part 1): the quantize_weights pass, the packed layout, DequantizeLinear.
+
+Golden: with LoRA, every frozen MatMul/Gemm weight becomes DequantizeLinear(q, scale) with groups along its
+reduction axis; the adapter's factors and trainable weights stay float. Negative: nothing frozen, nothing
+quantized; a bad group size is refused. Numeric: the quantization error and the packing against numpy; a model
+that arrives quantized (blocked int4, per-axis uint8 with zero points) runs its step on PoCL against
+onnxruntime on that same graph (tests/test_kernels_other.py's harness: rtol 1e-4, atol 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fblc.compiler import keys
+from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.model_io import load_model
+from fblc.compiler.quantize import WeightFormat, dequantize, pack_words, quantize, relative_error
+from fblc.errors import FblcError
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from tests.conftest import mlp_proto
+from tests.test_kernels_other import _check, _randn
+
+
+def _step(tmp_path, weights: WeightFormat, adapter: str = "lora") -> ir.Model:
+    path = str(tmp_path / "mlp.onnx")
+    onnx.save(mlp_proto(), path)
+    options = TrainingOptions(adapter=AdapterConfig(kind=adapter, rank=2, sites="linear") if adapter != "none"
+                              else AdapterConfig(), weights=weights)
+    return build_training_graph(load_model(path), options)
+
+
+def test_lora_frozen_weights_become_groups(tmp_path) -> None:
+    model = _step(tmp_path, WeightFormat("int4", group=4))
+    graph = model.graph
+    dequantized = {n.name: n for n in graph if n.op_type == "DequantizeLinear"}
+    assert sorted(dequantized) == ["w1.dequantize", "w2.dequantize"]
+    # w1 [8, 6] is Gemm's transB operand: K is its axis 1 (groups 4, 2); w2 [8, 3] is MatMul's B: K axis 0
+    w1, w2 = (dequantized[f"{w}.dequantize"] for w in ("w1", "w2"))
+    assert (w1.attributes["axis"].value, w1.attributes["block_size"].value) == (1, 4)
+    assert (w2.attributes["axis"].value, w2.attributes["block_size"].value) == (0, 4)
+    assert w1.inputs[0].dtype == ir.DataType.INT4 and list(w1.inputs[1].shape) == [8, 2]
+    assert w1.inputs[1].metadata_props[keys.STORAGE] == "fp16"
+    assert "w1" not in graph.initializers and model.opset_imports[""] == 21
+    factors = [v for v in graph.initializers.values() if keys.ADAPTER_FACTOR in v.metadata_props]
+    assert factors and all(v.dtype == ir.DataType.FLOAT for v in factors)
+    records = {r["weight"]: r for r in json.loads(model.metadata_props[keys.QUANTIZED])}
+    w = mlp_proto().graph.initializer[0]
+    assert w.name == "w1"
+    array = numpy_helper.to_array(w)
+    q, scale = quantize(array, 1, 4, ir.DataType.INT4)
+    assert records["w1"]["error"] == pytest.approx(relative_error(array, dequantize(q, scale, None, 1, 4)))
+    assert 0.0 < records["w1"]["error"] < 0.2
+
+
+def test_fp16_weights_cast(tmp_path) -> None:
+    graph = _step(tmp_path, WeightFormat("fp16")).graph
+    casts = [n for n in graph if n.op_type == "Cast" and n.name.endswith(".cast")]
+    assert len(casts) == 2 and all(n.inputs[0].dtype == ir.DataType.FLOAT16 for n in casts)
+
+
+def test_trainable_weights_never_quantized(tmp_path) -> None:
+    graph = _step(tmp_path, WeightFormat("int8"), adapter="none").graph
+    assert not any(n.op_type == "DequantizeLinear" for n in graph)
+    with pytest.raises(FblcError, match="weight-group"):
+        WeightFormat("int8", group=0).validate()
+
+
+def test_quantize_pack_and_error() -> None:
+    w = _randn(64, 24, seed=3)
+    for dtype, bound in ((ir.DataType.INT8, 0.01), (ir.DataType.INT4, 0.15)):
+        q, scale = quantize(w, 0, 32, dtype)
+        assert scale.shape == (2, 24) and np.array_equal(scale, scale.astype(np.float16).astype(np.float32))
+        assert relative_error(w, dequantize(q, scale, None, 0, 32)) < bound
+    words = pack_words(np.array([1, -1, 2, -8, 7, 0, 0, 0, 3], np.int8), 4)
+    assert words.tolist() == [0x000782F1, 0x3]
+
+
+def test_quantized_import_matches_onnxruntime(tmp_path) -> None:
+    """y = x DQ(q1) (int4, blocks of 16 along K) then DQ(q2) per axis (uint8, zero points): the step on PoCL."""
+    w1, w2 = _randn(32, 12, seed=3), _randn(12, 8, seed=4)
+    q1, s1 = quantize(w1, 0, 16, ir.DataType.INT4)
+    s2 = (np.abs(w2).max(axis=0) / 100).astype(np.float32)
+    z2 = np.arange(120, 128, dtype=np.uint8)
+    q2 = np.clip(np.rint(w2 / s2) + z2, 0, 255).astype(np.uint8)
+    nodes = [helper.make_node("DequantizeLinear", ["q1", "s1"], ["w1"], axis=0, block_size=16, name="dq1"),
+             helper.make_node("DequantizeLinear", ["q2", "s2", "z2"], ["w2"], axis=1, name="dq2"),
+             helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2"),
+             helper.make_node("Mul", ["y", "R"], ["yr"], name="mul"),
+             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0, name="sum")]
+    inits = [numpy_helper.from_array(_randn(4, 32), "x"), numpy_helper.from_array(_randn(4, 8, seed=1), "R"),
+             helper.make_tensor("q1", TensorProto.INT4, q1.shape, q1.astype(np.int8).reshape(-1).tolist()),
+             numpy_helper.from_array(s1, "s1"), numpy_helper.from_array(q2, "q2"), numpy_helper.from_array(s2, "s2"),
+             numpy_helper.from_array(z2, "z2")]
+    graph = helper.make_graph(nodes, "quantized", [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.checker.check_model(model)
+    _check(tmp_path, model)
