@@ -81,25 +81,57 @@ def test_quantize_pack_and_error() -> None:
     assert words.tolist() == [0x000782F1, 0x3]
 
 
+def _nbits_weight(n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' B bytes [n, blocks, block / 2] (4 bits, low nibble first), scales [n * blocks], zero point
+    bytes, and the dequantized W [n, k] by numpy."""
+    grouped = _randn(n, k, seed=5).reshape(n, k // block, block)
+    scale = (np.abs(grouped).max(axis=-1) / 7).astype(np.float32)
+    zero = np.random.default_rng(6).integers(6, 11, size=(n, k // block)).astype(np.uint8)
+    q = np.clip(np.rint(grouped / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    zero_bytes = (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+    return packed, scale.reshape(-1), zero_bytes, ((q - zero[..., None].astype(np.float32)) * scale[..., None]
+                                                   ).reshape(n, k)
+
+
 def test_quantized_import_matches_onnxruntime(tmp_path) -> None:
-    """y = x DQ(q1) (int4, blocks of 16 along K) then DQ(q2) per axis (uint8, zero points): the step on PoCL."""
-    w1, w2 = _randn(32, 12, seed=3), _randn(12, 8, seed=4)
-    q1, s1 = quantize(w1, 0, 16, ir.DataType.INT4)
-    s2 = (np.abs(w2).max(axis=0) / 100).astype(np.float32)
-    z2 = np.arange(120, 128, dtype=np.uint8)
-    q2 = np.clip(np.rint(w2 / s2) + z2, 0, 255).astype(np.uint8)
-    nodes = [helper.make_node("DequantizeLinear", ["q1", "s1"], ["w1"], axis=0, block_size=16, name="dq1"),
-             helper.make_node("DequantizeLinear", ["q2", "s2", "z2"], ["w2"], axis=1, name="dq2"),
-             helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-             helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2"),
+    """A model that arrives quantized: h = x MatMulNBits(W0) (onnxruntime's 4 bits, blocks of 16, uint8 zero
+    points), then DQ(q1) per axis (uint8, zero points, the last axis), then DQ(q2) signed int4 in blocks of 4
+    along K (axis 0). onnxruntime's own MatMulNBits (and DequantizeLinear) equal numpy's dequantized product; the lowering keeps B's
+    bytes (its packed words are B); the step on PoCL equals onnxruntime on the lowered graph."""
+    from fblc.compiler.model_io import save_model_atomically
+    from fblc.compiler.reference import onnxruntime_session
+    from fblc.passes.pipeline import import_passes, run_passes
+
+    packed, scales, zeros, w0 = _nbits_weight(12, 32, 16)
+    w1, w2 = _randn(12, 8, seed=4), _randn(8, 6, seed=3)
+    s1 = (np.abs(w1).max(axis=0) / 100).astype(np.float32)
+    z1 = np.arange(120, 128, dtype=np.uint8)
+    q1 = np.clip(np.rint(w1 / s1) + z1, 0, 255).astype(np.uint8)
+    q2, s2 = quantize(w2, 0, 4, ir.DataType.INT4)
+    nodes = [helper.make_node("MatMulNBits", ["x", "B", "scales", "zeros"], ["h0"], domain="com.microsoft", K=32,
+                              N=12, bits=4, block_size=16, name="nbits"),
+             helper.make_node("DequantizeLinear", ["q1", "s1", "z1"], ["w1"], axis=1, name="dq1"),
+             helper.make_node("DequantizeLinear", ["q2", "s2"], ["w2"], axis=0, block_size=4, name="dq2"),
+             helper.make_node("MatMul", ["h0", "w1"], ["h1"], name="mm1"),
+             helper.make_node("MatMul", ["h1", "w2"], ["y"], name="mm2"),
              helper.make_node("Mul", ["y", "R"], ["yr"], name="mul"),
              helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0, name="sum")]
-    inits = [numpy_helper.from_array(_randn(4, 32), "x"), numpy_helper.from_array(_randn(4, 8, seed=1), "R"),
-             helper.make_tensor("q1", TensorProto.INT4, q1.shape, q1.astype(np.int8).reshape(-1).tolist()),
-             numpy_helper.from_array(s1, "s1"), numpy_helper.from_array(q2, "q2"), numpy_helper.from_array(s2, "s2"),
-             numpy_helper.from_array(z2, "z2")]
+    arrays = {"x": _randn(4, 32), "R": _randn(4, 6, seed=1), "B": packed, "scales": scales, "zeros": zeros,
+              "q1": q1, "s1": s1, "z1": z1, "s2": s2}
+    inits = [numpy_helper.from_array(v, k) for k, v in arrays.items()]
+    inits.append(helper.make_tensor("q2", TensorProto.INT4, q2.shape, q2.astype(np.int8).reshape(-1).tolist()))
     graph = helper.make_graph(nodes, "quantized", [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
                               initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    onnx.checker.check_model(model)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    session = onnxruntime_session(model)  # its int4 DequantizeLinear not fused into int8 arithmetic (reference.py)
+    deq1 = dequantize(q1, s1, z1, 1, 0)
+    expected = ((arrays["x"] @ w0.T @ deq1 @ dequantize(q2, s2, None, 0, 4)) * arrays["R"]).sum()
+    assert session.run(None, {})[0] == pytest.approx(float(expected), rel=1e-4, abs=1e-4)
+    path = str(tmp_path / "quantized.onnx")
+    save_model_atomically(ir.serde.deserialize_model(model), path)
+    lowered = run_passes(load_model(path), import_passes(TrainingOptions()))
+    kept = lowered.graph.initializers["B.q"]
+    assert kept.dtype == ir.DataType.UINT4 and keys.get_role(kept) == "frozen"
+    assert pack_words(kept.const_value.numpy(), 4).view(np.uint8).tobytes() == packed.tobytes()
     _check(tmp_path, model)

@@ -34,7 +34,7 @@ from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import const_array, static_shape
 from fblc.compiler.quantize import pack_words
 from fblc.compiler.ops import CONTRACTIONS
-from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
+from fblc.passes.fuse import ALIAS, IN_READERS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
 from fblc.passes.commit_if_finite import FINITE
 from fblc.passes.rtile_select import state_pairs
@@ -116,7 +116,7 @@ def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
         kernel = kernel_of(node)
         if kernel is None:
             raise ValueError(f"node '{node.name}' has no {keys.KERNEL}; run the fuse pass first")
-        if kernel != ALIAS:
+        if kernel not in (ALIAS, IN_READERS):
             members.setdefault(kernel, []).append(node)
     graph_outputs = {id(v) for v in graph.outputs}
     groups = []

@@ -13,6 +13,7 @@ from fblc.errors import FblcError
 from fblc.compiler.values import is_float, numel, static_shape
 from fblc.compiler.index_map import view_root
 from fblc.compiler.quantize import INT_FORMATS, packed_words
+from fblc.passes.fuse import IN_READERS
 from fblc.profiles import Profile
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, flat_layout
 
@@ -36,6 +37,10 @@ class Texture:
     #: bits per element of a packed integer tensor (a DequantizeLinear's int4/int8 data: fblc.compiler.quantize
     #: packs 32 / bits of them a 32-bit word, 4 words a texel); 0 for the others
     packed_bits: int = 0
+    #: a weight its contraction readers dequantize as they load it (fuse.IN_READERS): this DequantizeLinear, and
+    #: the texture is no texture (id -1, in no table, allocated nowhere): texel t is elements 4t..4t+3 of the
+    #: weight in row-major order, computed from the packed integers and scales (reads.ValueReads.texel)
+    dequantized: ir.Node | None = None
 
     @property
     def width(self) -> int:
@@ -92,13 +97,27 @@ class TextureTable:
         #: tile splits their consecutive texels, where the graph's layouts do not say so already (a step lowered
         #: without the kernel_schedules pass)
         self.mask_layouts: dict[str, TexelLayout] = {}
+        self._dequantized: dict[int, Texture] = {}
 
     def of(self, value: ir.Value) -> Texture:
         root = view_root(value)
+        producer = root.producer()
+        if producer is not None and producer.metadata_props.get(keys.KERNEL) == IN_READERS:
+            return self._dequantized_in_readers(root, producer)
         texture = self._by_root.get(id(root)) or self._new(root)
         if value.name not in texture.values:
             texture.values.append(value.name)
         return texture
+
+    def _dequantized_in_readers(self, root: ir.Value, node: ir.Node) -> Texture:
+        """The stand-in texture of a weight dequantized where its readers load it (Texture.dequantized)."""
+        if id(root) not in self._dequantized:
+            shape = static_shape(root)
+            texels = max(1, -(-numel(shape) // 4))
+            layout = flat_layout(texels, self.profile.placement_limits(texels)[0])
+            self._dequantized[id(root)] = Texture(-1, root.name, shape, "float", self.float_format, layout,
+                                                  [root.name], dequantized=node)
+        return self._dequantized[id(root)]
 
     def _new(self, value: ir.Value) -> Texture:
         """The texture of root `value`, refused where the kernels' indices or the target's images cannot hold it."""
