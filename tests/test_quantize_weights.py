@@ -58,10 +58,14 @@ def test_lora_frozen_weights_become_groups(tmp_path) -> None:
     assert 0.0 < records["w1"]["error"] < 0.2
 
 
-def test_fp16_weights_cast(tmp_path) -> None:
+def test_fp16_weights_in_half_textures(tmp_path) -> None:
     graph = _step(tmp_path, WeightFormat("fp16")).graph
-    casts = [n for n in graph if n.op_type == "Cast" and n.name.endswith(".cast")]
-    assert len(casts) == 2 and all(n.inputs[0].dtype == ir.DataType.FLOAT16 for n in casts)
+    w1 = graph.initializers["w1"]
+    assert w1.metadata_props[keys.STORAGE] == "fp16" and keys.QUANTIZED in w1.metadata_props
+    values = w1.const_value.numpy()
+    assert np.array_equal(values, values.astype(np.float16).astype(np.float32))
+    assert not any(n.op_type == "DequantizeLinear" for n in graph)
+    assert {use.node.op_type for use in w1.uses()} <= {"Gemm", "MatMul", "Transpose"}  # no Cast, no copy
 
 
 def test_trainable_weights_never_quantized(tmp_path) -> None:
@@ -135,3 +139,20 @@ def test_quantized_import_matches_onnxruntime(tmp_path) -> None:
     assert kept.dtype == ir.DataType.UINT4 and keys.get_role(kept) == "frozen"
     assert pack_words(kept.const_value.numpy(), 4).view(np.uint8).tobytes() == packed.tobytes()
     _check(tmp_path, model)
+
+
+def test_fura_s_svd_takes_the_dequantized_weight(tmp_path) -> None:
+    """FuRA-S's R spans the row space of each block of the weight the device holds: deq(q(W)) [3, 8] at block 8,
+    rank 3 (R R^T projects; the float W's R would leave deq(W)'s quantization error outside its span)."""
+    path = str(tmp_path / "mlp.onnx")
+    onnx.save(mlp_proto(), path)
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=8, fura_sites="fc2"),
+                              weights=WeightFormat("int4", group=4))
+    graph = build_training_graph(load_model(path), options).graph
+    right = graph.initializers["w2.fura_R"].const_value.numpy()[0]  # [8, 3]
+    w2 = numpy_helper.to_array(mlp_proto().graph.initializer[2])  # [8, 3]: MatMul's B, K on axis 0
+    q, scale = quantize(w2, 0, 4, ir.DataType.INT4)
+    stored = dequantize(q, scale, None, 0, 4).T  # [3, 8]
+    assert np.allclose(stored @ right @ right.T, stored, atol=1e-5)
+    assert not np.allclose(w2.T @ right @ right.T, w2.T, atol=1e-3)
+    assert any(n.op_type == "DequantizeLinear" for n in graph)

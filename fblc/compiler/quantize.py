@@ -124,3 +124,16 @@ def pack_words(q: np.ndarray, bits: int) -> np.ndarray:
 def packed_words(count: int, bits: int) -> int:
     """32-bit words that hold `count` packed elements of `bits` bits."""
     return -(-count * bits // 32)
+
+
+def stored_values(w: np.ndarray, axis: int, weights: WeightFormat) -> np.ndarray:
+    """The values the device computes with for frozen weight `w` (reduction axis `axis`) under `weights`:
+    deq(q(w)) for int8/int4, w rounded to fp16 for fp16, w itself for fp32 (float32)."""
+    w = np.asarray(w, np.float32)
+    if weights.weights == "fp16":
+        return w.astype(np.float16).astype(np.float32)
+    if not weights.quantized:
+        return w
+    group = group_of(w.shape[axis], weights.group)
+    q, scale = quantize(w, axis, group, STORED_AS[weights.weights])
+    return dequantize(q, scale, None, axis, group)

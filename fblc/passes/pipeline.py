@@ -148,7 +148,7 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
         BatchNormBatchStats(options.bn_train),
         MemoryFloor(options.adapter, options.bn_train),
-        FuraS(options.adapter),
+        FuraS(options.adapter, options.weights),
         BatchTile(tile_bytes(options)),
     ] + ([AlignWidths()] if options.layout == "rtile" else []) + [
         MarkTrainable(options.train, options.freeze),

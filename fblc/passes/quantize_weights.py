@@ -4,8 +4,9 @@ Rewrite, with --weights int8|int4: each `frozen` float 2-D initializer W that is
 of MatMul or Gemm (directly, or through Transpose perm [1, 0]: the dynamo exporter's Linear) becomes
 DequantizeLinear(q, scale, axis=a, block_size=g) (opset 21) in W's place: q the signed integers
 (fblc.compiler.quantize, groups of --weight-group along the reduction axis a), scale float32 values that fp16
-holds exactly, stored as fp16 on the device (`fblc.storage`). With --weights fp16: W becomes an fp16 initializer
-and a Cast to float. Never a trainable weight (role `param`) and never an adapter's factor (LoRA A/B,
+holds exactly, stored as fp16 on the device (`fblc.storage`). With --weights fp16: W's values are rounded to fp16
+(still a float tensor, so the graph and onnxruntime compute with what the device holds) and stored in a half
+texture, which its contractions read as any float texture: no Cast, no float copy. Never a trainable weight (role `param`) and never an adapter's factor (LoRA A/B,
 MemFLoRA P/U, FuRA-S R: `fblc.adapter_factor`, set where adapters make them). Each quantized weight's
 relative Frobenius error ||W - deq(q)|| / ||W|| is recorded in the model metadata (`fblc.quantized`), which
 report.json gives. The default domain's opset rises to 21 where it was lower (the blocked form).
@@ -105,12 +106,12 @@ class QuantizeWeights(ContractPass):
             if axis is None:
                 continue
             w = np.asarray(weight.const_value.numpy(), np.float32)  # type: ignore[union-attr]
-            if self.weights.weights == "fp16":
-                half = _initializer(graph, f"{weight.name}.fp16", ir.tensor(w.astype(np.float16)), weight.name, "fp16")
-                _replace(graph, weight, ir.node("Cast", [half], {"to": ir.DataType.FLOAT}, name=f"{weight.name}.cast",
-                                                num_outputs=1))
+            if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
+                half = w.astype(np.float16).astype(np.float32)
+                weight.const_value = ir.tensor(half, name=weight.name)
+                weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
                 records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
-                                "error": relative_error(w, w.astype(np.float16))})
+                                "error": relative_error(w, half)})
                 continue
             dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
             q, scale = quantize(w, axis, group, dtype)
