@@ -257,9 +257,8 @@ OPS: dict[str, Op] = {
     "Or": _compare("|, logical_or"),
     "IsNaN": _elementwise(I_C, "torch.isnan", "is_nan", per_sample=False, no_gradient=INTEGER_OUTPUTS),
     "Cast": _elementwise(I_C, ".to(dtype), .float()", "cast"),
-    "DequantizeLinear": Op(Kind.INDEXING, I_D, "not exported for training: quantized models (onnxruntime's quantizer), "
-                           "--weights int4/int8 (pass quantize_weights)", shape="dequantize", constants=(1, 2),
-                           no_gradient=QUANTIZED),
+    # quantized models (onnxruntime's quantizer; MatMulNBits lowers to it) and --weights int4/int8 (quantize_weights)
+    "DequantizeLinear": Op(Kind.INDEXING, I_D, None, shape="dequantize", constants=(1, 2), no_gradient=QUANTIZED),
     "Shape": Op(Kind.CONSTANT, None, "x.shape, x.size() (dynamic shapes)", no_gradient=INTEGER_OUTPUTS,
                 no_kernel=SHAPE_ARITHMETIC),
     "ConstantOfShape": Op(Kind.CONSTANT, I_C, "torch.zeros/ones/full of a computed size", shape="constant_of_shape",
