@@ -13,7 +13,7 @@ import onnx_ir as ir
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import FLOAT, Expr, const
 from fblc.codegen.kernels import lane_kernel, out_axis, own_index
-from fblc.codegen.reads import dequantize_parameter_index
+from fblc.codegen.packed import dequantize_parameter_index
 from fblc.compiler.values import static_shape
 
 FAMILY = "dequantize"
