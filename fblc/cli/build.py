@@ -125,3 +125,11 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
                              "the local OpenCL device recording what they read; those reads through the target's "
                              "cache model decide: a longer compile, fewer misses), flat (no tiles, kernels as under "
                              "rtile: an ablation) (default: blocks)")
+    parser.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="fp32",
+                        help="storage of the frozen MatMul/Gemm weights (never trainable ones or adapter factors): "
+                             "int8/int4 signed integers in groups of --weight-group along the reduction axis, one "
+                             "fp16 scale a group, packed 4 or 8 a 32-bit word and dequantized on the device "
+                             "(ONNX DequantizeLinear, opset 21); fp16 half weights cast to float (default: fp32, "
+                             "as the model stores them)")
+    parser.add_argument("--weight-group", type=int, default=32, metavar="N",
+                        help="--weights int8/int4: elements per scale along the reduction axis (default: 32)")

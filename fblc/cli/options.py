@@ -170,7 +170,17 @@ def training_options(args: argparse.Namespace) -> "object":
                            tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
                            layout=getattr(args, "layout", "rtile"),
                            layout_search=getattr(args, "layout_search", "blocks"),
-                           dtype=getattr(args, "dtype", "fp32"), loss_scale=getattr(args, "loss_scale", "auto"))
+                           dtype=getattr(args, "dtype", "fp32"), loss_scale=getattr(args, "loss_scale", "auto"),
+                           weights=weight_format(args))
+
+
+def weight_format(args: argparse.Namespace) -> "object":
+    """--weights and --weight-group (a command without them: fp32, the model's own weights)."""
+    from fblc.compiler.quantize import DEFAULT_GROUP, WeightFormat
+
+    weights = WeightFormat(getattr(args, "weights", "fp32"), getattr(args, "weight_group", DEFAULT_GROUP))
+    weights.validate()
+    return weights
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from fblc.bundle_format import FLOAT_FORMATS
 from fblc.codegen.plan import BufferTable, Program, buffer_table, lower, step_schedules
 from fblc.codegen.reports import TIMELINE_PLOT, estimate_object, layout_object, memory_report
 from fblc.codegen.schedule import load_overrides
+from fblc.codegen.weight_report import weights_report
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
 from fblc.compiler.summary import adapter_report, trained_set_source, trained_tensors
@@ -89,6 +90,8 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report["trained"] = {"chosen_by": trained_set_source(step.graph),
                          "tensors": [{"name": v.name, **manifest_fields(v), "shape": list(v.shape)}
                                      for v in trained_tensors(step.graph)]}
+    report["weights"] = weights_report(step, program, report["memory"], options.weights.weights,
+                                       options.weights.group)
     adapter = adapter_report(step)
     if adapter is not None:
         report["adapter"] = adapter

@@ -22,6 +22,7 @@ from typing import BinaryIO, Iterator, Protocol
 import numpy as np
 import onnx_ir as ir
 
+from fblc.compiler.quantize import pack_words
 from fblc.compiler.weight_data import PIECE_BYTES, MappedConstant, constant_tensor, flat_pieces
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack
 
@@ -49,6 +50,8 @@ class PackedConstant:
     value: ir.Value
     layout: TexelLayout
     dtype: np.dtype
+    #: int4/int8 elements packed 8 or 4 to a 32-bit word (Texture.packed_bits; 0: stored as they are)
+    packed_bits: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +66,9 @@ class PackedConstant:
         if tensor is None:
             raise AssertionError(f"'{self.value.name}' has no constant contents to pack")
         with MappedConstant(tensor) as mapped:
-            if self.layout.kind in MASK_ELEMENTS or self.nbytes <= budget:  # small, or bits: pack whole
+            if self.packed_bits:  # a quantized weight: its words, an eighth or a quarter of a float copy
+                yield pack(pack_words(mapped.array, self.packed_bits).view(np.int32), self.layout, self.dtype)
+            elif self.layout.kind in MASK_ELEMENTS or self.nbytes <= budget:  # small, or bits: pack whole
                 yield pack(mapped.array, self.layout, self.dtype)
             elif self.layout.kind == "flat":
                 yield from self._flat(mapped, budget)

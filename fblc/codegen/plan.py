@@ -35,7 +35,7 @@ from fblc.compiler.index_map import is_view, map_of
 from fblc.compiler.values import static_shape
 from fblc.compiler.weight_data import constant_tensor
 from fblc.compiler.ops import CONTRACTIONS
-from fblc.passes.fuse import ALIAS, REDUCTIONS, kernel_of
+from fblc.passes.fuse import ALIAS, IN_READERS, REDUCTIONS, kernel_of
 from fblc.passes.kernel_schedules import Decide, ScheduleDecisions
 from fblc.passes.commit_if_finite import FINITE
 from fblc.passes.rtile_select import state_pairs
@@ -116,7 +116,7 @@ def kernel_groups(graph: ir.Graph) -> list[KernelGroup]:
         kernel = kernel_of(node)
         if kernel is None:
             raise ValueError(f"node '{node.name}' has no {keys.KERNEL}; run the fuse pass first")
-        if kernel != ALIAS:
+        if kernel not in (ALIAS, IN_READERS):
             members.setdefault(kernel, []).append(node)
     graph_outputs = {id(v) for v in graph.outputs}
     groups = []
@@ -177,7 +177,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     roots = {v.name: v for v in graph.initializers.values()}
     roots.update({n.outputs[0].name: n.outputs[0] for n in graph if n.op_type == "Constant"})
     initial: dict[int, TextureContents] = {  # packed as params.bin is written, never all in memory
-        t.id: PackedConstant(roots[t.name], t.layout, np.dtype(NUMPY_DTYPES[t.format])) for t in table.textures
+        t.id: PackedConstant(roots[t.name], t.layout, np.dtype(NUMPY_DTYPES[t.format]), t.packed_bits) for t in table.textures
         if with_contents and t.name in roots and constant_tensor(roots[t.name]) is not None}
     pairs = state_pairs(graph)
     swaps = [(values[state.name], values[update.name]) for state, update in pairs]

@@ -14,10 +14,13 @@ import onnx_ir as ir
 from fblc.bundle_format import BUFFER_C_TYPES
 from fblc.codegen import ir as kir
 from fblc.codegen.indexing import broadcast_view_index, flat_view_index, index_var
+from fblc.codegen.cl import strides_of
 from fblc.codegen.ir import INT, Block, Expr, Numbering, Statement, const, div_index, mod_index
+from fblc.codegen.packed import dequantize_parameter_index, packed_element, unpack
+from fblc.compiler.quantize import INT_FORMATS
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler.index_map import IndexMap, map_of, view_root
-from fblc.compiler.values import const_array, is_float
+from fblc.compiler.values import attr, const_array, is_float, numel, static_shape
 
 OUT_INDEX = "o"  # prefix of the output multi-index variables
 FLAT_OUT_INDEX = "i"  # the lane loop's flat index of the output element, from which the OUT_INDEX variables come
@@ -89,8 +92,11 @@ class ValueReads:
         return kir.Argument(role, index, kind, BUFFER_C_TYPES[texture.format], texture.layout)
 
     def input_argument(self, value: ir.Value) -> tuple[kir.Argument, Texture]:
-        """The texture argument holding `value`'s root (added to the kernel's inputs on first use)."""
+        """The texture argument holding `value`'s root (added to the kernel's inputs on first use); for a weight
+        dequantized as it is loaded (Texture.dequantized), a stand-in that no read uses (texel, element)."""
         texture = self.table.of(value)
+        if texture.dequantized is not None:
+            return kir.Argument("in", -1, "float", BUFFER_C_TYPES[texture.format], texture.layout), texture
         if texture not in self.in_textures:
             self.in_textures.append(texture)
         return self.argument_of("in", self.in_textures.index(texture), texture), texture
@@ -107,6 +113,10 @@ class ValueReads:
         if not index_map.contiguous:  # a strided view: unflatten, then apply the root strides
             index = flat_view_index(index_map, index)
         argument, texture = self.input_argument(value)
+        if texture.dequantized is not None:
+            return self.dequantized(texture.dequantized, index)
+        if texture.packed_bits:
+            return packed_element(argument, texture.packed_bits, INT_FORMATS[value.dtype].signed, index)
         per_byte = texture.mask_elements
         if per_byte and texture.layout.mask_pair_stride != 1:  # element i: lane i & 3 of texel i >> 2's nibble
             byte, shift = mask_position(texture, index >> 2)
@@ -121,7 +131,61 @@ class ValueReads:
         if texture.mask_elements:
             raise AssertionError(f"the mask '{texture.name}' ({texture.format}) has no 4-element texels: read it "
                                  "through element()")
+        if texture.dequantized is not None:  # elements 4t..4t+3 of the weight, dequantized in registers
+            return self.dequantized_texel(texture.dequantized, texel)
         return kir.Load(argument, texel)
+
+    def dequantized_texel(self, node: ir.Node, texel: Expr) -> Expr:
+        """Elements 4t..4t+3 of DequantizeLinear `node`'s output where they lie in one row (the last axis a
+        multiple of 4) and its data is packed: one word read (they are 16 or 32 consecutive bits), and one scale
+        where they share it (a group along the last axis, or per channel of another) or four consecutive ones
+        (groups along another axis); else element by element."""
+        data, scale = node.inputs[0], node.inputs[1]
+        zero_point = node.inputs[2] if len(node.inputs) > 2 else None
+        shape, parameter_shape = static_shape(data), static_shape(scale)
+        argument, texture = self.input_argument(data)
+        rank, per_tensor = len(shape), not parameter_shape or all(d == 1 for d in parameter_shape)
+        axis = int(attr(node, "axis", 1)) % max(rank, 1)
+        block, per_axis = int(attr(node, "block_size", 0)), len(parameter_shape) == 1 and not per_tensor
+        last = axis == rank - 1
+        shared = per_tensor or (per_axis and not last) or (not per_axis and last and block % 4 == 0)
+        consecutive = not per_tensor and ((per_axis and last) or (not per_axis and not last))
+        if not shape or shape[-1] % 4 or not texture.packed_bits or not (shared or consecutive):
+            return kir.Vector(kir.FLOAT4, tuple(self.dequantized(node, texel * 4 + k) for k in range(4)))
+        bits, signed = texture.packed_bits, INT_FORMATS[data.dtype].signed
+        start = texel * (4 * bits)  # the first element's first bit
+        word_index = start >> 5
+        word = kir.Load(argument, word_index >> 2).lane(word_index & 3)
+        coordinates = self.coordinates(shape, texel * 4)
+        first = dequantize_parameter_index(node, coordinates)
+        top = numel(parameter_shape) - 1
+        values = []
+        for k in range(4):
+            at = const(0) if first is None else kir.call("min", first if shared else first + k, top, dtype=INT)
+            q = unpack(word, bits, signed, (start & 31) + k * bits).cast(kir.FLOAT)
+            if zero_point is not None:
+                q = q - self.element(zero_point, at).cast(kir.FLOAT)
+            values.append(q * self.element(scale, at).cast(kir.FLOAT))
+        return kir.Vector(kir.FLOAT4, tuple(values))
+
+    @staticmethod
+    def coordinates(shape: Sequence[int], index: Expr) -> list[Expr]:
+        """The multi-index of row-major element `index` of a tensor of `shape`."""
+        return [mod_index(div_index(index, stride), extent) if k else div_index(index, stride)
+                for k, (stride, extent) in enumerate(zip(strides_of(shape), shape))]
+
+    def dequantized(self, node: ir.Node, index: Expr) -> Expr:
+        """Element `index` (row-major) of DequantizeLinear `node`'s output, (q - zero point) * scale, from its packed
+        integers and its scale's texture: the float weight is never stored. The parameter index is clamped:
+        a texel read past the weight's last element (clamped reads of a tile's edge) stays inside the scales."""
+        data, scale = node.inputs[0], node.inputs[1]
+        zero_point = node.inputs[2] if len(node.inputs) > 2 else None
+        at = dequantize_parameter_index(node, self.coordinates(static_shape(data), index))
+        at = const(0) if at is None else kir.call("min", at, numel(static_shape(scale)) - 1, dtype=INT)
+        q = self.element(data, index).cast(kir.FLOAT)
+        if zero_point is not None:
+            q = q - self.element(zero_point, at).cast(kir.FLOAT)
+        return q * self.element(scale, at).cast(kir.FLOAT)
 
     def broadcast(self, value: ir.Value, out_shape: Sequence[int], prefix: str = OUT_INDEX) -> Expr:
         """`value` numpy-broadcast to `out_shape`, at the multi-index `prefix0, prefix1..`; in the lane

@@ -304,12 +304,15 @@ def folded_affine(site: Site) -> tuple[np.ndarray | None, np.ndarray | None]:
     return scale.astype(np.float32), shift.astype(np.float32)
 
 
-def new_initializer(graph: ir.Graph, name: str, array: np.ndarray, role: Role) -> ir.Value:
+def new_initializer(graph: ir.Graph, name: str, array: np.ndarray, role: Role, factor: bool = True) -> ir.Value:
+    """A new initializer; `factor`: an adapter's own tensor (not a base weight folded anew), never quantized."""
     if name in graph.initializers:
         raise FblcError(f"the model already has a tensor named '{name}'", "rename it before adding an adapter")
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      const_value=ir.tensor(array, name=name))
     keys.set_role(value, role)
+    if factor:
+        value.metadata_props[keys.ADAPTER_FACTOR] = "1"  # never quantized (passes/quantize_weights.py)
     graph.register_initializer(value)
     return value
 

@@ -62,6 +62,11 @@ PREDICTION = "fblc.prediction"
 
 #: On the model: JSON description of the inserted adapter (kind, rank, sites).
 ADAPTER = "fblc.adapter"
+#: On an initializer an adapter made (LoRA A/B, MemFLoRA P/U, FuRA-S R): never quantized (quantize_weights).
+ADAPTER_FACTOR = "fblc.adapter_factor"
+#: On the model: JSON list of the weights quantize_weights rewrote (name, format, group, relative error);
+#: on a DequantizeLinear/Cast output it made: the weight's name.
+QUANTIZED = "fblc.quantized"
 #: On each adapter site's bottleneck q: the site's conv node.
 ADAPTER_SITE_Q = "fblc.adapter.q"
 #: On dL/dq (memflora-sg keeps it for the replay): the name of its q.

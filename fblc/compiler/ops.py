@@ -81,6 +81,8 @@ PRELOADED = "preloaded: its value is stored with the parameters"
 SPLIT = "split after the gradients (passes/split_softmax.py) into ReduceLogSumExp and an elementwise map"
 SHAPE_ARITHMETIC = "shape arithmetic: folded into constants at import for static shapes"
 DATA_DEPENDENT = "its output shape depends on the data: the import refuses it"
+QUANTIZED = ("dequantizes frozen integer weights (--weights int4/int8, or a quantized import): its inputs are "
+             "constants, no gradient flows into them")
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,8 @@ OPS: dict[str, Op] = {
     "Or": _compare("|, logical_or"),
     "IsNaN": _elementwise(I_C, "torch.isnan", "is_nan", per_sample=False, no_gradient=INTEGER_OUTPUTS),
     "Cast": _elementwise(I_C, ".to(dtype), .float()", "cast"),
+    # quantized models (onnxruntime's quantizer; MatMulNBits lowers to it) and --weights int4/int8 (quantize_weights)
+    "DequantizeLinear": Op(Kind.INDEXING, I_D, None, shape="dequantize", constants=(1, 2), no_gradient=QUANTIZED),
     "Shape": Op(Kind.CONSTANT, None, "x.shape, x.size() (dynamic shapes)", no_gradient=INTEGER_OUTPUTS,
                 no_kernel=SHAPE_ARITHMETIC),
     "ConstantOfShape": Op(Kind.CONSTANT, I_C, "torch.zeros/ones/full of a computed size", shape="constant_of_shape",

@@ -29,6 +29,10 @@ def onnxruntime_session(model: onnx.ModelProto | str) -> ort.InferenceSession:
     """An onnxruntime CPU session of a model (a proto or a file), quiet about what a step does by design."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # a step's state inputs are also initializers, by design
+    # quantized weights (DequantizeLinear, --weights int4/int8) as written: onnxruntime's default fuses a blocked
+    # int4 DequantizeLinear and its MatMul into MatMulNBits at accuracy level 4, which rounds the activations to
+    # int8 (0.3 % off a small model's loss), and the device dequantizes the weights alone
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 

@@ -91,6 +91,12 @@ def _cast(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
 
 
 @_named
+def _dequantize(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    """The data's shape in the scale's float type (DequantizeLinear's output_dtype unset)."""
+    return [(shapes[0], dtypes[1])]
+
+
+@_named
 def _reshape(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     target = _ints(node, 1)
     total = int(np.prod(shapes[0], dtype=np.int64))

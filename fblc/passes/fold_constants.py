@@ -40,9 +40,10 @@ def _is_constant(value: ir.Value | None) -> bool:
 
 def _should_fold(node: ir.Node) -> bool | None:
     """onnxscript's folding decision for `node` (None: its default rules), asked only when every
-    input is constant: never through a weight; always for ConstantOfShape, which the default
-    rules skip. fblc has no size limit (above), so a large fill folds like any other constant."""
-    if _reads_param(node):
+    input is constant: never through a weight, nor a DequantizeLinear (a quantized weight stays packed until its
+    kernel reads it); always for ConstantOfShape, which the default rules skip. fblc has no size limit (above), so
+    a large fill folds like any other constant."""
+    if _reads_param(node) or (node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx")):
         return False
     if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx"):
         return True

@@ -31,11 +31,18 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.adapters import AdapterConfig, new_initializer
-from fblc.compiler.fura_s import (DELTA, block_factors, describe, emit_input_transform, find_fura_sites, select_sites,
-                                  trained_by, weight_in_out)
+from fblc.compiler.fura_s import (DELTA, FuraSite, block_factors, describe, emit_input_transform, find_fura_sites,
+                                  select_sites, trained_by)
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
+from fblc.compiler.quantize import WeightFormat, stored_values
 from fblc.passes.contracts import ContractPass
+
+
+def stored_in_out(site: FuraSite, weights: WeightFormat) -> np.ndarray:
+    """weight_in_out of the values --weights stores (the stored W's reduction axis: 1 when read transposed)."""
+    stored = stored_values(site.weight.const_value.numpy(), 1 if site.transposed else 0, weights)  # type: ignore
+    return np.asarray(stored.T if site.transposed else stored, np.float64)
 
 
 class FuraS(ContractPass):
@@ -45,9 +52,10 @@ class FuraS(ContractPass):
     requires_facts = ("static shapes",)
     ensures_facts = ("static shapes",)
 
-    def __init__(self, config: AdapterConfig) -> None:
+    def __init__(self, config: AdapterConfig, weights: WeightFormat | None = None) -> None:
         super().__init__()
         self.config = config
+        self.weights = weights or WeightFormat()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         config = self.config
@@ -59,7 +67,9 @@ class FuraS(ContractPass):
         for value in graph.initializers.values():
             if keys.get_role(value) == Role.PARAM.value:
                 keys.set_role(value, Role.FROZEN)
-        factors = [block_factors(weight_in_out(site), selection.block) for site in chosen]
+        # the SVD of the weight the device computes with (--weights: dequantized, quantize_weights), so that
+        # W'_k = L_k diag(s_k (1 + delta_k)) R_k^T holds for it
+        factors = [block_factors(stored_in_out(site, self.weights), selection.block) for site in chosen]
         total = sum(int(values.size) for _, values in factors)
         delta = new_initializer(graph, DELTA, np.zeros(total, np.float32), Role.PARAM)
         e = Emitter(graph, stage="forward")

@@ -31,13 +31,16 @@ import networkx as nx
 import onnx_ir as ir
 
 from fblc.compiler import keys, ops
-from fblc.compiler.index_map import is_view, map_of, real_producer, real_readers, view_root
+from fblc.compiler.index_map import is_view, map_of, read_uses, real_producer, real_readers, view_root
 from fblc.compiler.gradients import reduce as reduce_rules
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import READ_IMAGE_ARGS
 
 ALIAS = "alias"
+#: keys.KERNEL of a DequantizeLinear that every reader, a MatMul or Gemm reading it as B, dequantizes as it
+#: loads (codegen/reads.py): no kernel of its own, no texture for its float tensor
+IN_READERS = "in_readers"
 #: the op table's vocabulary (fblc/compiler/ops.py): elementwise ops chain, contractions take an epilogue
 ELEMENTWISE = ops.ELEMENTWISE
 CONTRACTIONS = ops.CONTRACTIONS
@@ -95,6 +98,21 @@ def written_by(node: ir.Node) -> ir.Node | None:
     producer = source.producer()
     alone = len(list(source.uses())) == 1 and not source.is_graph_output()
     return producer if producer is not None and producer.op_type in CONTRACTIONS and alone else None
+
+
+def dequantized_in_readers(node: ir.Node) -> bool:
+    """Whether `node` is a DequantizeLinear whose data only contractions read, each as its B operand (directly
+    or through views: the backward's W^T): they dequantize the elements they load, so the float weight never
+    exists in memory. Any other reader (an elementwise op, a Gather, a step output) gets the materialising
+    kernel (codegen/kernels/dequantize.py)."""
+    if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
+        return False
+    uses = [use for _, use in read_uses(node.outputs[0])]
+    return bool(uses) and all(use.node.op_type in CONTRACTION_B and use.idx == 1 for use in uses)
+
+
+#: the contractions whose kernels read a B operand through ValueReads (element / texel), which dequantizes
+CONTRACTION_B = frozenset({"MatMul", "Gemm"})
 
 
 def kernel_of(node: ir.Node) -> str | None:
@@ -280,8 +298,9 @@ class FuseKernels(ContractPass):
         nodes = list(model.graph)
         groups = _Groups(nodes)
         totals: dict[tuple, int] = {}  # a total reduction's signature -> the last kernel that holds one
+        in_readers = {id(n) for n in nodes if dequantized_in_readers(n)}
         for node in nodes:
-            if is_view(node):
+            if is_view(node) or id(node) in in_readers:
                 continue
             group = groups.add(node)
             written = written_by(node)
@@ -306,7 +325,7 @@ class FuseKernels(ContractPass):
                 if other is not None and groups.can_merge(other, group):
                     group = groups.merge(other, group)
         order = self._launch_order(groups)
-        assignment = {id(n): ALIAS for n in nodes if is_view(n)}
+        assignment = {id(n): ALIAS for n in nodes if is_view(n)} | {key: IN_READERS for key in in_readers}
         for index, group in enumerate(order):
             for node in groups.members[group]:
                 assignment[id(node)] = f"k{index}"

@@ -21,6 +21,8 @@ Rewrites (`LOWERINGS`, a table keyed by op type; every result has the node's out
   of a tie (the first in row-major order, as MaxPool's Indices; the legacy exporter writes that
   module as this very MaxPool), where ReduceMax's rule splits a tie equally (as torch.amax does;
   the dynamo exporter writes the module as ReduceMax, and fblc then follows torch.amax).
+- com.microsoft MatMulNBits (onnxruntime's 4/8-bit weights): DequantizeLinear of the packed bytes kept as
+  they are, Transpose, MatMul, Add of the bias (`fblc.passes.matmul_nbits`); the opset rises to 21.
 - ReduceMin (float): Neg(ReduceMax(Neg X)) over the same axes and keepdims. ReduceMax's rule
   splits a tie's gradient equally, as torch.amin does (what the exporters write ReduceMin for).
   noop_with_empty_axes without axes: X itself (through an Identity). Integer inputs stay.
@@ -48,6 +50,7 @@ from fblc.compiler.shapes import infer_shapes
 from fblc.errors import ShapeError, UnsupportedOpError
 from fblc.passes.contracts import ContractPass
 from fblc.passes.einsum_lowering import lower_einsum
+from fblc.passes.matmul_nbits import DOMAIN as NBITS_DOMAIN, drop_unread, lower_matmul_nbits
 
 #: (emitter placed before the node, the node, the model's default-domain opset) -> the value that
 #: replaces the node's output, or None to leave the node as it is
@@ -188,8 +191,21 @@ LOWERINGS: dict[str, Lowering] = {
 }
 
 
+def _matmul_nbits(e: Emitter, node: ir.Node, opset: int) -> ir.Value:
+    return lower_matmul_nbits(e, node)
+
+
+#: (domain, op type) -> its lowering, for ops of other domains than ONNX's
+DOMAIN_LOWERINGS: dict[tuple[str, str], Lowering] = {
+    (NBITS_DOMAIN, "MatMulNBits"): Lowering(_matmul_nbits, "DequantizeLinear (blocked, opset 21), Transpose, MatMul, "
+                                            "Add", "g_idx, float zero points, bits other than 4 and 8 are refused"),
+}
+
+
 def lowering_of(node: ir.Node) -> Lowering | None:
-    return LOWERINGS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    if node.domain in ("", "ai.onnx"):
+        return LOWERINGS.get(node.op_type)
+    return DOMAIN_LOWERINGS.get((node.domain, node.op_type))
 
 
 def _inputs_static(node: ir.Node) -> bool:
@@ -218,6 +234,7 @@ class LowerComposites(ContractPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         pending = [n for n in graph if lowering_of(n) is not None]
+        lowered_inputs = {v.name for n in pending for v in n.inputs if v is not None and v.name}
         opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 18)))
         emitter = Emitter(graph, stage="forward")
         modified = False
@@ -235,4 +252,7 @@ class LowerComposites(ContractPass):
                     _replace(emitter, node, value)
                     modified = True
             pending = [n for n in pending if n not in ready]
+        drop_unread(graph, lowered_inputs)
+        if any(n.op_type == "DequantizeLinear" and "block_size" in n.attributes for n in graph) and opset < 21:
+            model.opset_imports[""] = 21  # a MatMulNBits lowered: blocked DequantizeLinear is opset 21
         return ir.passes.PassResult(model, modified)

@@ -224,8 +224,9 @@ class MemoryFloor(ContractPass):
             w = weight.const_value.numpy() if weight.const_value is not None else None
             assert w is not None, "find_sites keeps only convs with constant weights"
             folded = (w * scale.reshape([-1] + [1] * (w.ndim - 1))).astype(np.float32)
-            weight = new_initializer(graph, f"{weight.name}.bn_folded", folded, Role.FROZEN)
-            bias = new_initializer(graph, f"{_weight_prefix(conv.inputs[1])}.bias_bn_folded", shift, Role.FROZEN)
+            weight = new_initializer(graph, f"{weight.name}.bn_folded", folded, Role.FROZEN, factor=False)
+            bias = new_initializer(graph, f"{_weight_prefix(conv.inputs[1])}.bias_bn_folded", shift, Role.FROZEN,
+                                   factor=False)
         z = e.op("Conv", x, weight, bias, **_attributes(conv)) if bias is not None else e.op("Conv", x, weight,
                                                                                             **_attributes(conv))
         bounds = clip_bounds(site.act) if site.act is not None else None

@@ -52,7 +52,7 @@ from fblc.compiler.es_loop import BODY
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
 from fblc.compiler.index_map import is_view, real_readers, view_root, views_of
-from fblc.passes.fuse import ALIAS
+from fblc.passes.fuse import ALIAS, IN_READERS
 from fblc.passes.contracts import ContractPass
 
 
@@ -235,6 +235,8 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
     buffers: list[Buffer] = []
     for key, root in roots.items():
         producer = root.producer()
+        if producer is not None and producer.metadata_props.get(keys.KERNEL) == IN_READERS:
+            continue  # a weight its contractions dequantize as they load it: never stored (fuse.IN_READERS)
         names = members[key]
         role = keys.get_role(root)
         views = views_of(root)

@@ -20,6 +20,7 @@ from fblc.compiler.model_io import save_model_atomically
 from fblc.compiler.es import TRAINERS, EsConfig
 from fblc.compiler.loss_scale import uses_loss_scale
 from fblc.compiler.optimizers import OptimizerConfig
+from fblc.compiler.quantize import WeightFormat
 from fblc.passes.align_widths import AlignWidths
 from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
@@ -57,6 +58,7 @@ from fblc.passes.split_views import SplitViews
 from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.pointwise_transposes import PointwiseTransposes
+from fblc.passes.quantize_weights import QuantizeWeights
 from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import Profile
 from fblc.profiles.profile import WRITTEN_WEIGHT_GRADIENT_REDUCTION
@@ -88,6 +90,8 @@ class TrainingOptions:
     dtype: str = "fp32"
     #: "auto" (dynamic under --dtype fp16 with backpropagation), "dynamic" or "none" (fblc.compiler.loss_scale)
     loss_scale: str = "auto"
+    #: --weights / --weight-group: the frozen contraction weights' storage (passes/quantize_weights.py)
+    weights: WeightFormat = field(default_factory=WeightFormat)
 
 
 LAYOUTS = ("rtile", "naive")
@@ -144,10 +148,11 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
         BatchNormBatchStats(options.bn_train),
         MemoryFloor(options.adapter, options.bn_train),
-        FuraS(options.adapter),
+        FuraS(options.adapter, options.weights),
         BatchTile(tile_bytes(options)),
     ] + ([AlignWidths()] if options.layout == "rtile" else []) + [
         MarkTrainable(options.train, options.freeze),
+        QuantizeWeights(options.weights),
         AttachLoss(options.loss),
         _gradient_pass(options),
         OptimizerStep(options.optimizer),

@@ -154,6 +154,8 @@ class StoragePrecision(ContractPass):
         for value in roots:
             if value.dtype is None or not is_float(value):
                 continue
+            if value.const_value is not None and keys.QUANTIZED in value.metadata_props:
+                continue  # quantize_weights chose its storage: an fp16 scale, a half weight
             storage = "fp32" if self.dtype == "fp32" or id(value) in master else "fp16"
             if value.metadata_props.get(keys.STORAGE) != storage:
                 value.metadata_props[keys.STORAGE] = storage

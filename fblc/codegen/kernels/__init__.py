@@ -41,7 +41,7 @@ LaneResults = Callable[["KernelBuilder", ir.Node], list[Expr]]
 
 
 #: the modules whose emitters register themselves on import
-EMITTER_MODULES = ("activations", "contraction", "conv", "conv_transpose", "elementwise", "gather", "movement",
+EMITTER_MODULES = ("activations", "contraction", "conv", "conv_transpose", "dequantize", "elementwise", "gather", "movement",
                    "noise", "normalize", "pooling", "reduce", "resample", "scan", "sort")
 
 

@@ -205,7 +205,8 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
                     # shuffle of the two in images, one unaligned load in buffers
                     pair = texels_read[m], texels_read[m + 1]
                     window = (call("window4", *pair, shift, dtype=FLOAT4)
-                              if operand.clamp and not (within[m] and within[m + 1])
+                              if (operand.clamp and not (within[m] and within[m + 1])) or texture.dequantized
+                              is not None  # dequantized in registers: no texture to load a window from
                               else call("WINDOW", ArgumentRef(argument), *pair, plus(q, m), plus(start, 4 * m), shift,
                                          dtype=FLOAT4))
                     windows[m] = block.let(window, "W")

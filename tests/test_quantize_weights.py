@@ -1,0 +1,158 @@
+"""Quantized frozen weights (issue 40, part 1): the quantize_weights pass, the packed layout, DequantizeLinear.
+
+Golden: with LoRA, every frozen MatMul/Gemm weight becomes DequantizeLinear(q, scale) with groups along its
+reduction axis; the adapter's factors and trainable weights stay float. Negative: nothing frozen, nothing
+quantized; a bad group size is refused. Numeric: the quantization error and the packing against numpy; a model
+that arrives quantized (blocked int4, per-axis uint8 with zero points) runs its step on PoCL against
+onnxruntime on that same graph (tests/test_kernels_other.py's harness: rtol 1e-4, atol 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fblc.compiler import keys
+from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.model_io import load_model
+from fblc.compiler.quantize import WeightFormat, dequantize, pack_words, quantize, relative_error
+from fblc.errors import FblcError
+from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from tests.conftest import mlp_proto
+from tests.test_kernels_other import _check, _randn
+
+
+def _step(tmp_path, weights: WeightFormat, adapter: str = "lora") -> ir.Model:
+    path = str(tmp_path / "mlp.onnx")
+    onnx.save(mlp_proto(), path)
+    options = TrainingOptions(adapter=AdapterConfig(kind=adapter, rank=2, sites="linear") if adapter != "none"
+                              else AdapterConfig(), weights=weights)
+    return build_training_graph(load_model(path), options)
+
+
+def test_lora_frozen_weights_become_groups(tmp_path) -> None:
+    model = _step(tmp_path, WeightFormat("int4", group=4))
+    graph = model.graph
+    dequantized = {n.name: n for n in graph if n.op_type == "DequantizeLinear"}
+    assert sorted(dequantized) == ["w1.dequantize", "w2.dequantize"]
+    # w1 [8, 6] is Gemm's transB operand: K is its axis 1 (groups 4, 2); w2 [8, 3] is MatMul's B: K axis 0
+    w1, w2 = (dequantized[f"{w}.dequantize"] for w in ("w1", "w2"))
+    assert (w1.attributes["axis"].value, w1.attributes["block_size"].value) == (1, 4)
+    assert (w2.attributes["axis"].value, w2.attributes["block_size"].value) == (0, 4)
+    assert w1.inputs[0].dtype == ir.DataType.INT4 and list(w1.inputs[1].shape) == [8, 2]
+    assert w1.inputs[1].metadata_props[keys.STORAGE] == "fp16"
+    assert "w1" not in graph.initializers and model.opset_imports[""] == 21
+    factors = [v for v in graph.initializers.values() if keys.ADAPTER_FACTOR in v.metadata_props]
+    assert factors and all(v.dtype == ir.DataType.FLOAT for v in factors)
+    records = {r["weight"]: r for r in json.loads(model.metadata_props[keys.QUANTIZED])}
+    w = mlp_proto().graph.initializer[0]
+    assert w.name == "w1"
+    array = numpy_helper.to_array(w)
+    q, scale = quantize(array, 1, 4, ir.DataType.INT4)
+    assert records["w1"]["error"] == pytest.approx(relative_error(array, dequantize(q, scale, None, 1, 4)))
+    assert 0.0 < records["w1"]["error"] < 0.2
+
+
+def test_fp16_weights_in_half_textures(tmp_path) -> None:
+    graph = _step(tmp_path, WeightFormat("fp16")).graph
+    w1 = graph.initializers["w1"]
+    assert w1.metadata_props[keys.STORAGE] == "fp16" and keys.QUANTIZED in w1.metadata_props
+    values = w1.const_value.numpy()
+    assert np.array_equal(values, values.astype(np.float16).astype(np.float32))
+    assert not any(n.op_type == "DequantizeLinear" for n in graph)
+    assert {use.node.op_type for use in w1.uses()} <= {"Gemm", "MatMul", "Transpose"}  # no Cast, no copy
+
+
+def test_trainable_weights_never_quantized(tmp_path) -> None:
+    graph = _step(tmp_path, WeightFormat("int8"), adapter="none").graph
+    assert not any(n.op_type == "DequantizeLinear" for n in graph)
+    with pytest.raises(FblcError, match="weight-group"):
+        WeightFormat("int8", group=0).validate()
+
+
+def test_quantize_pack_and_error() -> None:
+    w = _randn(64, 24, seed=3)
+    for dtype, bound in ((ir.DataType.INT8, 0.01), (ir.DataType.INT4, 0.15)):
+        q, scale = quantize(w, 0, 32, dtype)
+        assert scale.shape == (2, 24) and np.array_equal(scale, scale.astype(np.float16).astype(np.float32))
+        assert relative_error(w, dequantize(q, scale, None, 0, 32)) < bound
+    words = pack_words(np.array([1, -1, 2, -8, 7, 0, 0, 0, 3], np.int8), 4)
+    assert words.tolist() == [0x000782F1, 0x3]
+
+
+def _nbits_weight(n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' B bytes [n, blocks, block / 2] (4 bits, low nibble first), scales [n * blocks], zero point
+    bytes, and the dequantized W [n, k] by numpy."""
+    grouped = _randn(n, k, seed=5).reshape(n, k // block, block)
+    scale = (np.abs(grouped).max(axis=-1) / 7).astype(np.float32)
+    zero = np.random.default_rng(6).integers(6, 11, size=(n, k // block)).astype(np.uint8)
+    q = np.clip(np.rint(grouped / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    zero_bytes = (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+    return packed, scale.reshape(-1), zero_bytes, ((q - zero[..., None].astype(np.float32)) * scale[..., None]
+                                                   ).reshape(n, k)
+
+
+def test_quantized_import_matches_onnxruntime(tmp_path) -> None:
+    """A model that arrives quantized: h = x MatMulNBits(W0) (onnxruntime's 4 bits, blocks of 16, uint8 zero
+    points), then DQ(q1) per axis (uint8, zero points, the last axis), then DQ(q2) signed int4 in blocks of 4
+    along K (axis 0). onnxruntime's own MatMulNBits (and DequantizeLinear) equal numpy's dequantized product; the lowering keeps B's
+    bytes (its packed words are B); the step on PoCL equals onnxruntime on the lowered graph."""
+    from fblc.compiler.model_io import save_model_atomically
+    from fblc.compiler.reference import onnxruntime_session
+    from fblc.passes.pipeline import import_passes, run_passes
+
+    packed, scales, zeros, w0 = _nbits_weight(12, 32, 16)
+    w1, w2 = _randn(12, 8, seed=4), _randn(8, 6, seed=3)
+    s1 = (np.abs(w1).max(axis=0) / 100).astype(np.float32)
+    z1 = np.arange(120, 128, dtype=np.uint8)
+    q1 = np.clip(np.rint(w1 / s1) + z1, 0, 255).astype(np.uint8)
+    q2, s2 = quantize(w2, 0, 4, ir.DataType.INT4)
+    nodes = [helper.make_node("MatMulNBits", ["x", "B", "scales", "zeros"], ["h0"], domain="com.microsoft", K=32,
+                              N=12, bits=4, block_size=16, name="nbits"),
+             helper.make_node("DequantizeLinear", ["q1", "s1", "z1"], ["w1"], axis=1, name="dq1"),
+             helper.make_node("DequantizeLinear", ["q2", "s2"], ["w2"], axis=0, block_size=4, name="dq2"),
+             helper.make_node("MatMul", ["h0", "w1"], ["h1"], name="mm1"),
+             helper.make_node("MatMul", ["h1", "w2"], ["y"], name="mm2"),
+             helper.make_node("Mul", ["y", "R"], ["yr"], name="mul"),
+             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0, name="sum")]
+    arrays = {"x": _randn(4, 32), "R": _randn(4, 6, seed=1), "B": packed, "scales": scales, "zeros": zeros,
+              "q1": q1, "s1": s1, "z1": z1, "s2": s2}
+    inits = [numpy_helper.from_array(v, k) for k, v in arrays.items()]
+    inits.append(helper.make_tensor("q2", TensorProto.INT4, q2.shape, q2.astype(np.int8).reshape(-1).tolist()))
+    graph = helper.make_graph(nodes, "quantized", [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    session = onnxruntime_session(model)  # its int4 DequantizeLinear not fused into int8 arithmetic (reference.py)
+    deq1 = dequantize(q1, s1, z1, 1, 0)
+    expected = ((arrays["x"] @ w0.T @ deq1 @ dequantize(q2, s2, None, 0, 4)) * arrays["R"]).sum()
+    assert session.run(None, {})[0] == pytest.approx(float(expected), rel=1e-4, abs=1e-4)
+    path = str(tmp_path / "quantized.onnx")
+    save_model_atomically(ir.serde.deserialize_model(model), path)
+    lowered = run_passes(load_model(path), import_passes(TrainingOptions()))
+    kept = lowered.graph.initializers["B.q"]
+    assert kept.dtype == ir.DataType.UINT4 and keys.get_role(kept) == "frozen"
+    assert pack_words(kept.const_value.numpy(), 4).view(np.uint8).tobytes() == packed.tobytes()
+    _check(tmp_path, model)
+
+
+def test_fura_s_svd_takes_the_dequantized_weight(tmp_path) -> None:
+    """FuRA-S's R spans the row space of each block of the weight the device holds: deq(q(W)) [3, 8] at block 8,
+    rank 3 (R R^T projects; the float W's R would leave deq(W)'s quantization error outside its span)."""
+    path = str(tmp_path / "mlp.onnx")
+    onnx.save(mlp_proto(), path)
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=8, fura_sites="fc2"),
+                              weights=WeightFormat("int4", group=4))
+    graph = build_training_graph(load_model(path), options).graph
+    right = graph.initializers["w2.fura_R"].const_value.numpy()[0]  # [8, 3]
+    w2 = numpy_helper.to_array(mlp_proto().graph.initializer[2])  # [8, 3]: MatMul's B, K on axis 0
+    q, scale = quantize(w2, 0, 4, ir.DataType.INT4)
+    stored = dequantize(q, scale, None, 0, 4).T  # [3, 8]
+    assert np.allclose(stored @ right @ right.T, stored, atol=1e-5)
+    assert not np.allclose(w2.T @ right @ right.T, w2.T, atol=1e-3)
+    assert any(n.op_type == "DequantizeLinear" for n in graph)
