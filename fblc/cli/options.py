@@ -38,6 +38,10 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
                              "required for every dynamic dim")
     parser.add_argument("--loss", choices=sorted(choices.LOSSES), default="cross_entropy",
                         help="; ".join(f"{k}: {v}" for k, v in choices.LOSSES.items()) + " (default: cross_entropy)")
+    parser.add_argument("--loss-chunk", type=int, default=-1, metavar="COLUMNS",
+                        help="cross_entropy over a MatMul's logits in vocabulary chunks of COLUMNS classes, forward "
+                             "and backward, so the [tokens, vocabulary] logits never exist whole (0: off; default -1: "
+                             "chunks of 8192 where the vocabulary has 16384 classes or more)")
     # default None, not sgd: an --optimizer the user gave with --trainer es is refused (check_values)
     parser.add_argument("--optimizer", choices=sorted(choices.OPTIMIZERS), default=None,
                         help="the optimizer of --trainer backprop (ES has --es-optimizer) (default: sgd)")
@@ -170,7 +174,8 @@ def training_options(args: argparse.Namespace) -> "object":
                            tile_bytes=-1 if tile_mb is None else int(tile_mb * 1e6),
                            layout=getattr(args, "layout", "rtile"),
                            layout_search=getattr(args, "layout_search", "blocks"),
-                           dtype=getattr(args, "dtype", "fp32"), loss_scale=getattr(args, "loss_scale", "auto"))
+                           dtype=getattr(args, "dtype", "fp32"), loss_scale=getattr(args, "loss_scale", "auto"),
+                           loss_chunk=getattr(args, "loss_chunk", -1))
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,8 @@ LIMITS: dict[str, Limit] = {
                  "give e.g. --eps 1e-8"),
     "tile_mb": Limit("--tile-mb", _finite_at_least(0.0), "is not a finite size >= 0",
                      "give a size in MB, or 0 to turn batch tiling off"),
+    "loss_chunk": Limit("--loss-chunk", lambda value: value >= -1, "is not a number of columns >= 0 (or -1: auto)",
+                        "give e.g. --loss-chunk 8192, or 0 to compute the loss over the whole vocabulary"),
     "rank": Limit("--rank", lambda value: value >= 1, "is not a positive rank",
                   "use --rank 1 or more (the paper uses 2, 4, 8)"),
     "block": Limit("--block", lambda value: value >= 1, "is not a positive block width", "use e.g. --block 64"),

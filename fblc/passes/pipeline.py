@@ -25,6 +25,7 @@ from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
 from fblc.passes.bn_batch_stats import BatchNormBatchStats
 from fblc.passes.build_gradients import BuildGradients
+from fblc.passes.chunk_loss import ChunkLoss
 from fblc.passes.commit_if_finite import CommitIfFinite
 from fblc.passes.contracts import check_order
 from fblc.passes.classify_initializers import ClassifyInitializers
@@ -88,6 +89,9 @@ class TrainingOptions:
     dtype: str = "fp32"
     #: "auto" (dynamic under --dtype fp16 with backpropagation), "dynamic" or "none" (fblc.compiler.loss_scale)
     loss_scale: str = "auto"
+    #: chunk_loss: the cross-entropy over vocabulary chunks of this many columns; -1 auto (8192 where the
+    #: vocabulary has >= 16384 classes), 0 off
+    loss_chunk: int = -1
 
 
 LAYOUTS = ("rtile", "naive")
@@ -150,6 +154,7 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         MarkTrainable(options.train, options.freeze),
         AttachLoss(options.loss),
         _gradient_pass(options),
+    ] + ([ChunkLoss(options.loss_chunk, options.loss)] if options.trainer == "backprop" else []) + [
         OptimizerStep(options.optimizer),
     ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else []) + (
         [SkipNonfinite()] if loss_scaled(options) else [])
