@@ -16,7 +16,8 @@ the MatMul and the loss go, their exits (dX, dW, by shape) read the chunked grad
 Options: `chunk` (TrainingOptions.loss_chunk): columns per chunk, 0 off, -1 auto (AUTO_CHUNK columns
 where V >= AUTO_FROM). Only the cross-entropy over a MatMul's logits that nothing else reads is chunked;
 any other loss or shape leaves the graph unchanged (`modified` false, the reason in `self.skipped`).
-Preconditions: the gradient pass ran (backprop; seed 1 or the state `loss_scale`). In place.
+Preconditions: attach_loss ran; after the gradient pass (backprop: seed 1 or the state `loss_scale`)
+where there is one. In place.
 """
 
 from __future__ import annotations
@@ -153,8 +154,10 @@ class ChunkLoss(ContractPass):
     """Cross-entropy over vocabulary chunks, forward and backward (in place)."""
 
     name = "chunk_loss"
-    requires_facts = ("static shapes", "loss", "gradients")
-    ensures_facts = ("static shapes", "loss", "gradients")
+    #: after the gradient pass where there is one (its backward of the head is replaced); without one (a
+    #: forward-only step) only the forward is chunked
+    requires_facts = ("static shapes", "loss")
+    ensures_facts = ("static shapes", "loss")
 
     def __init__(self, chunk: int = -1, loss: str = "cross_entropy") -> None:
         super().__init__()
@@ -193,12 +196,13 @@ class ChunkLoss(ContractPass):
         forward.anchor = head.identity
         stats = _chunked_forward(forward, head, rows, vocabulary, columns)
         head.identity.replace_input_with(0, stats.loss)
-        grad = Emitter(graph, stage="backward")
-        grad.anchor = backward[0] if backward else None
-        seed = next((v for v in graph.inputs if v.name == SCALE), None) or grad.scalar(1.0, stats.loss)
-        grads = _chunked_backward(grad, head, stats, seed, rows, vocabulary, columns, wanted)
-        for value in exits:
-            _take_place(value, grads[shapes[static_shape(value)]])
+        if exits:
+            grad = Emitter(graph, stage="backward")
+            grad.anchor = backward[0]
+            seed = next((v for v in graph.inputs if v.name == SCALE), None) or grad.scalar(1.0, stats.loss)
+            grads = _chunked_backward(grad, head, stats, seed, rows, vocabulary, columns, wanted)
+            for value in exits:
+                _take_place(value, grads[shapes[static_shape(value)]])
         graph.remove(backward, safe=True)
         _drop_unused(graph, [*head.loss_nodes, *head_nodes])
         for value in [stats.lse, stats.weights, stats.count, stats.labels, *(t.x for t in head.terms),
