@@ -42,6 +42,11 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
                         help="cross_entropy over a MatMul's logits in vocabulary chunks of COLUMNS classes, forward "
                              "and backward, so the [tokens, vocabulary] logits never exist whole (0: off; default -1: "
                              "chunks of 8192 where the vocabulary has 16384 classes or more)")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="MB",
+                        help="the device memory the step may use, in MB (1e6 bytes): where its live peak is larger, "
+                             "layers of the forward are recomputed in the backward (checkpointing), the layers that "
+                             "free the most saved bytes per FLOP first; the compile fails, naming what it reached, "
+                             "where that is not enough (default: no budget)")
     # default None, not sgd: an --optimizer the user gave with --trainer es is refused (check_values)
     parser.add_argument("--optimizer", choices=sorted(choices.OPTIMIZERS), default=None,
                         help="the optimizer of --trainer backprop (ES has --es-optimizer) (default: sgd)")
@@ -175,7 +180,8 @@ def training_options(args: argparse.Namespace) -> "object":
                            layout=getattr(args, "layout", "rtile"),
                            layout_search=getattr(args, "layout_search", "blocks"),
                            dtype=getattr(args, "dtype", "fp32"), loss_scale=getattr(args, "loss_scale", "auto"),
-                           loss_chunk=getattr(args, "loss_chunk", -1))
+                           loss_chunk=getattr(args, "loss_chunk", -1),
+                           device_memory=int((getattr(args, "device_memory", None) or 0) * 1e6))
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,8 @@ LIMITS: dict[str, Limit] = {
                      "give a size in MB, or 0 to turn batch tiling off"),
     "loss_chunk": Limit("--loss-chunk", lambda value: value >= -1, "is not a number of columns >= 0 (or -1: auto)",
                         "give e.g. --loss-chunk 8192, or 0 to compute the loss over the whole vocabulary"),
+    "device_memory": Limit("--device-memory", lambda value: math.isfinite(value) and value > 0.0,
+                           "is not a size in MB > 0", "give e.g. --device-memory 1000 (MB), or leave it out for no budget"),
     "rank": Limit("--rank", lambda value: value >= 1, "is not a positive rank",
                   "use --rank 1 or more (the paper uses 2, 4, 8)"),
     "block": Limit("--block", lambda value: value >= 1, "is not a positive block width", "use e.g. --block 64"),
