@@ -77,8 +77,15 @@ def find_layers(graph: ir.Graph) -> list[Layer]:
             producer = None if value is None else value.producer()
             if producer is not None and id(producer) in position and producer.op_type != "Constant":
                 last_read[id(value)] = max(last_read.get(id(value), -1), position[id(node)])
+    # the data inputs are activations too: a layer that reads one beside another value is no cut
+    pending = set()
+    for value in graph.inputs:
+        if keys.get_role(value) == Role.INPUT.value:
+            reads = [position[id(r)] for r, _ in value.uses() if id(r) in position]
+            if reads:
+                last_read[id(value)] = max(reads)
+                pending.add(id(value))
     layers: list[Layer] = []
-    pending: set[int] = set()
     start = 0
     for i, node in enumerate(forward):
         pending.update(id(o) for o in node.outputs if o is not None and id(o) in last_read)
