@@ -118,7 +118,8 @@ def _find_head(graph: ir.Graph) -> _Head | str:
     labels = next((v for v in graph.inputs if v.name == LABELS), None)
     if labels is None:
         return "the loss takes no labels"
-    logits = next((o for n in graph for o in n.outputs if o is not None and o.metadata_props.get(keys.PREDICTION)), None)
+    logits = next((o for n in graph for o in n.outputs if o is not None and o.metadata_props.get(keys.PREDICTION)),
+                  None)
     if logits is None:
         return "no value is marked as the model's prediction"
     loss_nodes = [n for n in graph if n.metadata_props.get(keys.STAGE) == "loss" and n is not identity]
@@ -141,7 +142,9 @@ def _backward_of(graph: ir.Graph, forward: list[ir.Node]) -> list[ir.Node]:
     owned = [n for n in graph if n.metadata_props.get(keys.STAGE) == "backward"
              and n.metadata_props.get(keys.GRAD_OF) in origins]
     made = {id(o) for n in owned for o in n.outputs}
-    for node in graph:  # graph order: a Sum is met after the values it joins  # a Sum of contributions carries no origin: it is ours where all it joins is ours
+    # a Sum of contributions carries no origin: it is ours where all it joins is ours (graph order: a Sum is
+    # met after the values it joins)
+    for node in graph:
         if node.op_type == "Sum" and node.metadata_props.get(keys.STAGE) == "backward" and \
                 keys.GRAD_OF not in node.metadata_props and all(id(v) in made for v in node.inputs):
             owned.append(node)

@@ -30,6 +30,10 @@ is kept, and flags any whose size grows with the layer width: a full-precision a
 by the backward whose channel axis is wider than the adapter rank (the loss's own inputs and
 one-bit masks excepted). `floor_ok` is true when none is flagged.
 
+With a budget (`--device-memory`, which pass recompute chose layers against) a live peak over it is refused
+(FblcError naming the peak, the budget and the state that no recomputation frees); the summary carries
+recompute's choices (`recompute`: layers, FLOPs added).
+
 Rewrite: annotations only: `fblc.mem` (JSON: class, bytes, live range) on every value
 that owns a buffer, and the model's `fblc.memory` (JSON summary and floor check).
 Preconditions (its contract): fuse's kernels and their launch order (`kernels`, `kernel order`),
@@ -342,7 +346,8 @@ def check_budget(plan: MemoryPlan, budget: int) -> None:
     at = plan.labels[int(np.argmax(plan.live(CLASSES)))] if plan.steps else ""
     raise FblcError(f"the step needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), over --device-memory "
                     f"{budget / 1e6:.4g} MB: that is the floor with {layers} layers recomputed in the backward, the "
-                    f"most checkpointing can do here (weights, gradients and optimizer state alone: {state / 1e6:.4g} MB)",
+                    f"most checkpointing can do here (weights, gradients and optimizer state alone: "
+                    f"{state / 1e6:.4g} MB)",
                     "raise --device-memory, or need less: --adapter lora (frozen weights, no full gradients), "
                     "--dtype fp16, a smaller batch or sequence (--input-shape), --loss-chunk for a large vocabulary")
 
