@@ -38,6 +38,15 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
                              "required for every dynamic dim")
     parser.add_argument("--loss", choices=sorted(choices.LOSSES), default="cross_entropy",
                         help="; ".join(f"{k}: {v}" for k, v in choices.LOSSES.items()) + " (default: cross_entropy)")
+    parser.add_argument("--loss-chunk", type=int, default=-1, metavar="COLUMNS",
+                        help="cross_entropy over a MatMul's logits in vocabulary chunks of COLUMNS classes, forward "
+                             "and backward, so the [tokens, vocabulary] logits never exist whole (0: off; default -1: "
+                             "chunks of 8192 where the vocabulary has 16384 classes or more)")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="MB",
+                        help="the device memory the step may use, in MB (1e6 bytes): where its live peak is larger, "
+                             "layers of the forward are recomputed in the backward (checkpointing), the layers that "
+                             "free the most saved bytes per FLOP first; the compile fails, naming what it reached, "
+                             "where that is not enough (default: no budget)")
     # default None, not sgd: an --optimizer the user gave with --trainer es is refused (check_values)
     parser.add_argument("--optimizer", choices=sorted(choices.OPTIMIZERS), default=None,
                         help="the optimizer of --trainer backprop (ES has --es-optimizer) (default: sgd)")
@@ -171,7 +180,9 @@ def training_options(args: argparse.Namespace) -> "object":
                            layout=getattr(args, "layout", "rtile"),
                            layout_search=getattr(args, "layout_search", "blocks"),
                            dtype=getattr(args, "dtype", "fp32"), loss_scale=getattr(args, "loss_scale", "auto"),
-                           weights=weight_format(args))
+                           weights=weight_format(args),
+                           loss_chunk=getattr(args, "loss_chunk", -1),
+                           device_memory=int((getattr(args, "device_memory", None) or 0) * 1e6))
 
 
 def weight_format(args: argparse.Namespace) -> "object":
@@ -211,6 +222,11 @@ LIMITS: dict[str, Limit] = {
                  "give e.g. --eps 1e-8"),
     "tile_mb": Limit("--tile-mb", _finite_at_least(0.0), "is not a finite size >= 0",
                      "give a size in MB, or 0 to turn batch tiling off"),
+    "loss_chunk": Limit("--loss-chunk", lambda value: value >= -1, "is not a number of columns >= 0 (or -1: auto)",
+                        "give e.g. --loss-chunk 8192, or 0 to compute the loss over the whole vocabulary"),
+    "device_memory": Limit("--device-memory", lambda value: math.isfinite(value) and value > 0.0,
+                           "is not a size in MB > 0",
+                           "give e.g. --device-memory 1000 (MB), or leave it out for no budget"),
     "rank": Limit("--rank", lambda value: value >= 1, "is not a positive rank",
                   "use --rank 1 or more (the paper uses 2, 4, 8)"),
     "block": Limit("--block", lambda value: value >= 1, "is not a positive block width", "use e.g. --block 64"),

@@ -30,6 +30,10 @@ is kept, and flags any whose size grows with the layer width: a full-precision a
 by the backward whose channel axis is wider than the adapter rank (the loss's own inputs and
 one-bit masks excepted). `floor_ok` is true when none is flagged.
 
+With a budget (`--device-memory`, which pass recompute chose layers against) a live peak over it is refused
+(FblcError naming the peak, the budget and the state that no recomputation frees); the summary carries
+recompute's choices (`recompute`: layers, FLOPs added).
+
 Rewrite: annotations only: `fblc.mem` (JSON: class, bytes, live range) on every value
 that owns a buffer, and the model's `fblc.memory` (JSON summary and floor check).
 Preconditions (its contract): fuse's kernels and their launch order (`kernels`, `kernel order`),
@@ -54,6 +58,9 @@ from fblc.compiler.values import numel, static_shape
 from fblc.compiler.index_map import is_view, real_readers, view_root, views_of
 from fblc.passes.fuse import ALIAS, IN_READERS
 from fblc.passes.contracts import ContractPass
+from fblc.errors import FblcError
+
+RECOMPUTE = "fblc.recompute"  # the model's summary of pass recompute (fblc.passes.recompute)
 
 
 CLASSES = ("weight", "optimizer", "input", "saved", "mask", "grad", "replay", "buffer")
@@ -84,6 +91,8 @@ class MemoryPlan:
     batch: int
     rank: int
     adapter: dict[str, Any]
+    #: pass recompute's summary (budget, estimates, layers recomputed, FLOPs added); empty without a budget
+    recompute: dict[str, Any] = field(default_factory=dict)
 
     def total(self, cls: str) -> int:
         return sum(b.bytes for b in self.buffers if b.cls == cls)
@@ -114,6 +123,7 @@ class MemoryPlan:
             "accounting": "float tensors at the bytes of their storage (fp32 4, fp16 2 per element), masks bit-packed at 1 bit per element (their r_mask8 "
                           "images); lifetimes over the kernel launch order, freed after their last reader",
             "floor": floor,
+            **({"recompute": self.recompute} if self.recompute else {}),
         }
 
     def floor_check(self) -> dict[str, Any]:
@@ -290,7 +300,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
     adapter = keys.json_of(model.metadata_props, keys.ADAPTER, {})
     rank = int(adapter.get("rank", 0)) if adapter.get("adapter") not in (None, "none") else 0
     return MemoryPlan(buffers, steps, labels, backward_from, optimizer_from, timeline,
-                      int(batch), rank, adapter)
+                      int(batch), rank, adapter, keys.json_of(model.metadata_props, RECOMPUTE, {}))
 
 
 class MemoryPlanPass(ContractPass):
@@ -301,8 +311,14 @@ class MemoryPlanPass(ContractPass):
     ensures_facts = ("memory plan",)
     plan: MemoryPlan | None = None  # the plan of the last step annotated (fblc compile's report.json reads it)
 
+    def __init__(self, budget: int = 0) -> None:
+        super().__init__()
+        self.budget = budget  # --device-memory in bytes (pass recompute chose against it); 0: none
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         plan = self.plan = plan_memory(model)  # kept for report.json (fblc compile): planned once
+        if self.budget > 0:
+            check_budget(plan, self.budget)
         modified = False
         by_name = {b.name: b for b in plan.buffers}
         for value in _all_values(model.graph):
@@ -320,6 +336,22 @@ class MemoryPlanPass(ContractPass):
             model.metadata_props[keys.MEMORY] = text
             modified = True
         return ir.passes.PassResult(model, modified)
+
+
+def check_budget(plan: MemoryPlan, budget: int) -> None:
+    """Refuse a step whose live peak exceeds --device-memory after recompute did what it could."""
+    peak = int(plan.live(CLASSES).max(initial=0))
+    if peak <= budget:
+        return
+    state = int(plan.live(("weight", "optimizer", "grad")).max(initial=0))
+    layers = len(plan.recompute.get("layers", []))
+    at = plan.labels[int(np.argmax(plan.live(CLASSES)))] if plan.steps else ""
+    raise FblcError(f"the step needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), over --device-memory "
+                    f"{budget / 1e6:.4g} MB: that is the floor with {layers} layers recomputed in the backward, the "
+                    f"most checkpointing can do here (weights, gradients and optimizer state alone: "
+                    f"{state / 1e6:.4g} MB)",
+                    "raise --device-memory, or need less: --adapter lora (frozen weights, no full gradients), "
+                    "--dtype fp16, a smaller batch or sequence (--input-shape), --loss-chunk for a large vocabulary")
 
 
 def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:

@@ -26,6 +26,7 @@ from fblc.passes.attach_loss import AttachLoss
 from fblc.passes.batch_tile import BatchTile
 from fblc.passes.bn_batch_stats import BatchNormBatchStats
 from fblc.passes.build_gradients import BuildGradients
+from fblc.passes.chunk_loss import ChunkLoss
 from fblc.passes.commit_if_finite import CommitIfFinite
 from fblc.passes.contracts import check_order
 from fblc.passes.classify_initializers import ClassifyInitializers
@@ -47,6 +48,7 @@ from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.memory_plan import MemoryPlanPass
 from fblc.passes.optimizer_step import OptimizerStep
+from fblc.passes.recompute import Recompute
 from fblc.passes.layout_score import TracedReads
 from fblc.passes.rtile_select import LAYOUT_SEARCHES, RTileSelect
 from fblc.passes.sg_gradients import SgGradients
@@ -92,6 +94,12 @@ class TrainingOptions:
     loss_scale: str = "auto"
     #: --weights / --weight-group: the frozen contraction weights' storage (passes/quantize_weights.py)
     weights: WeightFormat = field(default_factory=WeightFormat)
+    #: chunk_loss: the cross-entropy over vocabulary chunks of this many columns; -1 auto (8192 where the
+    #: vocabulary has >= 16384 classes), 0 off
+    loss_chunk: int = -1
+    #: --device-memory in bytes: recompute picks layers to recompute in the backward until the live peak fits;
+    #: the memory plan checks it (0: no budget)
+    device_memory: int = 0
 
 
 LAYOUTS = ("rtile", "naive")
@@ -155,9 +163,11 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         QuantizeWeights(options.weights),
         AttachLoss(options.loss),
         _gradient_pass(options),
+    ] + ([ChunkLoss(options.loss_chunk, options.loss)] if options.trainer == "backprop" else []) + [
         OptimizerStep(options.optimizer),
     ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else []) + (
-        [SkipNonfinite()] if loss_scaled(options) else [])
+        [SkipNonfinite()] if loss_scaled(options) else []) + (
+        [Recompute(options.device_memory)] if options.trainer == "backprop" and options.device_memory > 0 else [])
 
 
 PassHook = Callable[[int, ir.passes.PassBase, ir.Model], None]
@@ -262,7 +272,7 @@ def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decid
     generator's decisions, `schedules`, when the caller hands them in: kernel_schedules), memory."""
     return layout_passes(options, profile.cpu) + [RTileSelect(profile, options.layout, options.layout_search,
                                                   options.traced_reads), EsLoop(), FuseKernels(), StoragePrecision(options.dtype),
-                                     KernelSchedules(schedules), MemoryPlanPass()]
+                                     KernelSchedules(schedules), MemoryPlanPass(options.device_memory)]
 
 
 def compile_pipeline(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
