@@ -140,6 +140,13 @@ def test_sums_are_only_for_long_reductions_on_a_cpu_within_the_register_budget()
     assert choose_form(_weight_gradient_block(7), 28, long=True, cpu=True) == "texels"  # 28 float4s
     gemm = [(lane, k, k * 8 + lane) for k in range(16) for lane in range(8)]  # x broadcast, w a texel row
     assert choose_form(gemm, 8, long=True, cpu=True) == "texels"
+    # a 4 x 16 tile that reads B along K (x = A[row, k], w = B[column, k]): its 64 sums exceed the 40 float4s
+    # of float8 halves, but grouped four to a float16 take 16 registers, where a vector may hold four
+    along_k = [(row * 16 + column, row * 64 + k, column * 64 + k) for k in range(4) for row in range(4)
+               for column in range(16)]
+    assert choose_form(along_k, 64, long=True, cpu=True, simd_floats=16, widest=4) == "sums"
+    assert choose_form(along_k, 64, long=True, cpu=True, simd_floats=16) == "texels"  # float8s: 32 registers
+    assert choose_form(along_k, 64, long=True, cpu=True, simd_floats=8, widest=4) == "texels"  # a ymm CPU
 
 
 def test_a_short_reduction_takes_float4s_only_where_they_pair_into_float8s() -> None:

@@ -460,13 +460,16 @@ def test_a_wide_simd_cpu_pairs_a_tiles_float4s_into_float8s(target: str, tmp_pat
 def test_a_16_float_simd_cpu_takes_a_gemm_tiles_row_as_one_float16(target: str, tmp_path) -> None:
     """Where a SIMD register holds 16 floats (local: AVX-512), a MatMul tile is 8 rows x 4 texels and each row
     one float16 accumulator (a multiply-add per A element and K step); a GPU keeps tiles of 2 texels. The step
-    equals onnxruntime's. (The input gradient reads B along K: its 32 float4 sums along K (the sums form, up to
-    PAIRED_SUM_FLOAT4S on such a CPU) group four to a float16 too; a float16 gathered from lanes of several
-    texels is refused, which test_accumulators' unit test checks.)"""
-    path = write_case(str(tmp_path / "matmul.onnx"), [_node("MatMul", ["a", "b"])], {"a": (8, 12), "b": (12, 16)})
+    equals onnxruntime's. (The input gradient reads B along K: its 4 x 4 texel tile's 64 float4 sums along K
+    (the sums form) group four to a float16 too, 16 registers as PAIRED_SUM_FLOAT4S's 40 float8 halves are
+    20 (accumulators.sum_float4s); a float16 gathered from lanes of several texels is refused, which
+    test_accumulators' unit test checks.)"""
+    path = write_case(str(tmp_path / "matmul.onnx"), [_node("MatMul", ["a", "b"])], {"a": (4, 16), "b": (16, 16)})
     kernels = _contractions(path, target)
     widths = {k.name: {s.var.dtype.lanes for s in _accumulator_arrays(k) if s.var.kind == "accv"} for k in kernels}
     assert any(16 in lanes for lanes in widths.values()) == (target == "local"), widths
+    sums = [k.name for k in kernels for s in _accumulator_arrays(k) if s.var.dtype.lanes == 16 and s.length == 16]
+    assert bool(sums) == (target == "local"), widths  # 64 float4 sums in 16 float16s
     if target == "local":
         rows = verify_model(path, OPTIONS, target=target)
         assert rows and not [r.name for r in rows if not r.ok]

@@ -137,11 +137,12 @@ def resolve_group(schedule: Schedule, profile: Profile, serial: int, trips: int,
 
 
 def resolve_form(schedule: Schedule, profile: Profile, products: Sequence[tuple[int, int, int]], lanes: int,
-                 serial: int) -> str:
-    """The accumulator form (accumulators.choose_form on one block's products), or the file's."""
+                 serial: int, widest: int = 2) -> str:
+    """The accumulator form (accumulators.choose_form on one block's products, float4s grouped up to `widest`
+    to a vector), or the file's."""
     if schedule.accumulator_form is not None and "accumulator_form" in schedule.fixed:
         return schedule.accumulator_form
-    return choose_form(products, lanes, serial > SERIAL_REDUCTION, profile.cpu, profile.simd_floats)
+    return choose_form(products, lanes, serial > SERIAL_REDUCTION, profile.cpu, profile.simd_floats, widest)
 
 
 def resolve_pair(schedule: Schedule, profile: Profile, products: Sequence[tuple[int, int, int]], form: str,

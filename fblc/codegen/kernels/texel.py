@@ -366,7 +366,8 @@ class Reduction:
 
     def accumulator_form(self, b: KernelBuilder, lanes: int, schedule: Schedule | None = None) -> str:
         """The form of the `lanes` accumulators, judged on one block's products (schedule.resolve_form)."""
-        return resolve_form(schedule or Schedule(), b.table.profile, self._sample, lanes, self.serial(lanes))
+        return resolve_form(schedule or Schedule(), b.table.profile, self._sample, lanes, self.serial(lanes),
+                            self.widest)
 
     def cost(self, form: str) -> float:
         """Instructions per product of one block in accumulator `form` (accumulators.block_cost)."""
