@@ -16,6 +16,9 @@ from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
 from tests.support import models
 
+#: the kernels as a user's run builds them, optimised (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("optimised_kernel_builds")
+
 MODELS = {
     "mlp": models.mlp,
     "tresnet": models.tresnet,

@@ -57,6 +57,7 @@ def bundle(tmp_path) -> str:
     return out
 
 
+@pytest.mark.usefixtures("optimised_kernel_builds")  # in-place state updates as a user's optimised build runs them
 def test_bundle_files_and_several_steps_match_onnxruntime(tmp_path, bundle) -> None:
     assert {fmt.MANIFEST, fmt.PLAN, fmt.KERNELS, fmt.PARAMS, fmt.REPORT} <= set(os.listdir(bundle))
     manifest = json.load(open(os.path.join(bundle, fmt.MANIFEST)))

@@ -230,14 +230,15 @@ def pocl_wheel_environment(state_dir: str | None = None) -> dict[str, str]:
 
 
 def pyopencl_build_options() -> dict[str, str]:
-    """{"FBLC_CL_BUILD_OPTIONS": ...}: the options pyopencl adds to LocalRunner's build (its include path),
-    so that the runner's clBuildProgram matches LocalRunner's and PoCL's kernel cache serves both.
-    They change no kernel (fblc's kernels include nothing); they only save a second compile. {} if unknown."""
+    """{"FBLC_CL_BUILD_OPTIONS": ...}: the options pyopencl adds to LocalRunner's build (its include path, which
+    changes no kernel: fblc's kernels include nothing; then what PYOPENCL_BUILD_OPTIONS forces on every build,
+    e.g. the test suite's -cl-opt-disable), so that the runner's clBuildProgram matches LocalRunner's and PoCL's
+    kernel cache serves both. {} if unknown."""
     try:
         import pyopencl
 
         options = list(getattr(pyopencl, "_DEFAULT_BUILD_OPTIONS", [])) + list(
-            getattr(pyopencl, "_DEFAULT_INCLUDE_OPTIONS", []))
+            getattr(pyopencl, "_DEFAULT_INCLUDE_OPTIONS", [])) + os.environ.get("PYOPENCL_BUILD_OPTIONS", "").split()
     except ImportError:
         return {}
     return {"FBLC_CL_BUILD_OPTIONS": " ".join(options)} if options else {}
