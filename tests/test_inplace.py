@@ -96,3 +96,11 @@ def test_an_update_moves_after_a_later_reader_of_the_old_state_where_nothing_bet
     assert [k.name for k in kernels] == ["k1_update", "k2_other", "k3_reader"]
     kernels = launches(between_writes=3)  # a plan loop between: its launch range would shift
     assert in_place_pairs(kernels, textures, [(0, 1)], set(), {1}) == [] and kernels[0].name == "k1_update"
+    # two weights each read by the other's gradient (y = a @ b): a's update goes after b's, which then may not
+    # move after a's (it would read a overwritten): b keeps its pair
+    kernels = [Kernel("k4_a_grad", "matmul", update, ITEMS, outputs=[1], inputs=[0, 4, 2]),  # the state first: in0
+               Kernel("k5_b_grad", "matmul", update, ITEMS, outputs=[3], inputs=[2, 0, 4])]
+    pairs = [(0, 1), (2, 3)]
+    textures = [Texture(t, f"t{t}", (ITEMS,), "float", "rgba_f32", LAYOUT) for t in range(5)]
+    assert in_place_pairs(kernels, textures, pairs, set(), set()) == [(0, 1)]
+    assert [k.name for k in kernels] == ["k5_b_grad", "k4_a_grad"]

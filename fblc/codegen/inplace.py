@@ -318,13 +318,18 @@ def _reads_before_writes(statements: Sequence[kir.Statement], state: Argument, n
     return True
 
 
-def _movable_after(kernels: Sequence[Kernel], writer: int, last: int, looped: set[int]) -> bool:
+def _movable_after(kernels: Sequence[Kernel], writer: int, last: int, looped: set[int], merged: dict[int, int]
+                   ) -> bool:
     """Whether launch `writer` may run right after launch `last` (> writer) instead: no launch between reads,
     or writes, what it writes, nor writes what it reads, and no plan loop lies there (its launch range would
-    shift)."""
-    written, read = set(kernels[writer].outputs), set(kernels[writer].inputs)
-    return not any(index in looped or written & (set(kernels[index].inputs) | set(kernels[index].outputs))
-                   or read & set(kernels[index].outputs) for index in range(writer, last + 1) if index != writer)
+    shift). `merged`: the `.new` textures already chosen to write over their states (.new -> state), which
+    write their state then."""
+    def textures(ids: list[int]) -> set[int]:
+        return {merged.get(t, t) for t in ids}
+
+    written, read = textures(kernels[writer].outputs), textures(kernels[writer].inputs)
+    return not any(index in looped or written & (textures(kernels[index].inputs) | textures(kernels[index].outputs))
+                   or read & textures(kernels[index].outputs) for index in range(writer, last + 1) if index != writer)
 
 
 def in_place_pairs(kernels: list[Kernel], textures: Sequence[Texture], pairs: Sequence[tuple[int, int]],
@@ -358,7 +363,7 @@ def in_place_pairs(kernels: list[Kernel], textures: Sequence[Texture], pairs: Se
             continue
         last = readers[-1]
         if last != writer:  # a later launch reads the old state: the update goes after it, where it may
-            if not _movable_after(kernels, writer, last, looped):
+            if not _movable_after(kernels, writer, last, looped, {n: s for s, n in chosen}):
                 continue
             kernels.insert(last, kernels.pop(writer))
         chosen.append((state, new))
