@@ -131,6 +131,33 @@ def test_one_es_step_is_the_numpy_update_of_the_members_rewards(tmp_path) -> Non
     np.testing.assert_allclose(got[f"{DELTA}.new"], delta + lr * sigma * direction, rtol=1e-4, atol=2e-5)
 
 
+def test_the_accuracy_reward_is_each_members_share_of_right_labels(tmp_path) -> None:
+    """--reward accuracy: ArgMax over the classes (its shape rule), counted against the labels that are not
+    ignored; each member's reward is numpy's accuracy of onnxruntime's logits at that member's delta."""
+    exported = models.mlp(str(tmp_path))
+    pairs, sigma = 2, 0.5
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
+                              es=EsConfig(pairs=pairs, sigma=sigma, reward="accuracy"),
+                              optimizer=OptimizerConfig("sgd", lr=1.0))
+    save_model_atomically(build_training_graph(load_model(exported.path), options), str(tmp_path / "step.onnx"))
+    width = _adapted(exported.path, str(tmp_path / "probe.onnx"), BLOCK)["trainable_params"]
+    noise = np.random.default_rng(3).standard_normal((pairs, width)).astype(np.float32)
+    labels = exported.labels.copy()
+    labels[0] = IGNORE_INDEX  # not counted
+    session = _session(str(tmp_path / "step.onnx"))
+    got = dict(zip([o.name for o in session.get_outputs()],
+                   session.run(None, {**exported.inputs, "labels": labels, "noise": noise,
+                                      DELTA: np.zeros(width, np.float32)})))
+
+    def accuracy(d: np.ndarray) -> float:
+        _adapted(exported.path, str(tmp_path / "member.onnx"), BLOCK, d)
+        logits = _session(str(tmp_path / "member.onnx")).run(None, exported.inputs)[0]
+        return float((logits.argmax(-1) == labels)[labels != IGNORE_INDEX].mean())
+
+    expected = [accuracy(s * sigma * noise[i]) for s in (1, -1) for i in range(pairs)]
+    np.testing.assert_allclose(got["rewards"], expected, rtol=1e-6)
+
+
 def test_equal_rewards_move_nothing(tmp_path) -> None:
     """sigma so small that every member's loss rounds alike: the z-scores are 0, not rounding noise."""
     exported = models.mlp(str(tmp_path))

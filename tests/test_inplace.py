@@ -9,8 +9,10 @@ import os
 
 from fblc.codegen import ir as kir
 from fblc.codegen.compile import compile_model
-from fblc.codegen.inplace import updates_in_place
+from fblc.codegen.cl import Kernel
+from fblc.codegen.inplace import in_place_pairs, updates_in_place
 from fblc.codegen.ir.expressions import FLOAT4, INT, Binary, Call, Const, Load, Var, div_index
+from fblc.codegen.textures import Texture
 from fblc.passes.pipeline import TrainingOptions
 from fblc.texel_layout import flat_layout
 from tests.test_runtime import OPTIONS, elementwise_model
@@ -72,3 +74,33 @@ def test_an_ungated_update_has_no_swap_and_a_gated_one_keeps_its_pair(tmp_path) 
     for state in ("w", "b", "w.exp_avg"):  # a skipped step must keep the old value: two textures, swapped
         assert [texture_of[state], texture_of[f"{state}.new"]] in pairs and \
             texture_of[state] != texture_of[f"{state}.new"], state
+
+
+def test_an_update_moves_after_a_later_reader_of_the_old_state_where_nothing_between_depends_on_it() -> None:
+    """An input gradient that reads a weight after the weight gradient's kernel wrote its update (SGD fused
+    there): the update goes after that reader, and writes over the weight. Where a launch between writes what
+    the update reads, it stays, and keeps its pair."""
+    textures = [Texture(t, f"t{t}", (ITEMS,), "float", "rgba_f32", LAYOUT) for t in range(4)]
+    update = _update(lambda g: g, lambda g: g)
+
+    def launches(between_writes: int) -> list[Kernel]:  # 0: the state, 1: its .new, 2: the gradient
+        return [Kernel("k1_update", "elementwise", update, ITEMS, outputs=[1], inputs=[0, 2]),
+                Kernel("k2_other", "elementwise", update, ITEMS, outputs=[between_writes], inputs=[3]),
+                Kernel("k3_reader", "elementwise", update, ITEMS, outputs=[3], inputs=[0])]
+
+    kernels = launches(between_writes=3)
+    assert in_place_pairs(kernels, textures, [(0, 1)], set(), set()) == [(0, 1)]
+    assert [k.name for k in kernels] == ["k2_other", "k3_reader", "k1_update"]
+    kernels = launches(between_writes=2)  # writes the update's input: it must run before
+    assert in_place_pairs(kernels, textures, [(0, 1)], set(), set()) == []
+    assert [k.name for k in kernels] == ["k1_update", "k2_other", "k3_reader"]
+    kernels = launches(between_writes=3)  # a plan loop between: its launch range would shift
+    assert in_place_pairs(kernels, textures, [(0, 1)], set(), {1}) == [] and kernels[0].name == "k1_update"
+    # two weights each read by the other's gradient (y = a @ b): a's update goes after b's, which then may not
+    # move after a's (it would read a overwritten): b keeps its pair
+    kernels = [Kernel("k4_a_grad", "matmul", update, ITEMS, outputs=[1], inputs=[0, 4, 2]),  # the state first: in0
+               Kernel("k5_b_grad", "matmul", update, ITEMS, outputs=[3], inputs=[2, 0, 4])]
+    pairs = [(0, 1), (2, 3)]
+    textures = [Texture(t, f"t{t}", (ITEMS,), "float", "rgba_f32", LAYOUT) for t in range(5)]
+    assert in_place_pairs(kernels, textures, pairs, set(), set()) == [(0, 1)]
+    assert [k.name for k in kernels] == ["k5_b_grad", "k4_a_grad"]

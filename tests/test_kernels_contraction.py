@@ -225,6 +225,11 @@ TILE_CASES = {
     # M = 6 rows (no multiple of 4) under a weight without a batch: the tile's rows run over A's batch x M (12)
     "matmul_tile_merged_rows": ([_node("MatMul", ["a", "b"])], {"a": (2, 6, 12), "b": (12, 8)},
                                 {"forward": "tile", "grad": "tile"}),
+    # M = 1 (FuRA-S's block rows, x L of [B*T, 1, 1, K] @ [1, K, N]): the tile's rows are A's batch rows, a row
+    # stride apart, not M's (extent 1, stride 0: every row read row 0, `fblc verify` of llama FuRA-S ES)
+    "matmul_tile_merged_rows_m1": ([_node("Reshape", ["a", "shape"], "ar"), _node("MatMul", ["ar", "b"])],
+                                   {"a": (2, 4, 12), "shape": np.array([8, 1, 1, 12], np.int64), "b": (1, 12, 8)},
+                                   {"forward": "tile", "grad": "tile"}),
     # heads merged back ([2, 2, 6, 4] -> [2, 6, 8]: a ViT's o_proj over 65 tokens) under a weight: A's rows are 4
     # apart within a batch element and 48 across, no one stride: a tile's 4 rows each from their own base
     "matmul_tile_heads_rows": ([_node("Transpose", ["a"], "at", perm=[0, 2, 1, 3]),

@@ -155,9 +155,14 @@ def test_the_buffer_table_shares_images_only_between_disjoint_lifetimes(tmp_path
     # the arena: textures whose lifetimes overlap (pinned ones: the whole step) hold disjoint aligned slots big
     # enough for their texels and a window's slack; the local target runs buffers, which allocate the arena,
     # within 10 % of the planner's live peak (issue 40)
+    # a data input is free after its last reader, an output (a gradient, the loss) holds nothing before its writer
     last = len(plan["kernels"]) - 1
-    span = {t["id"]: (0, last) if t["id"] in pinned or t["lifetime"][0] < 0 else tuple(t["lifetime"])
+    inputs, outputs = ({e["texture"] for e in manifest[key]} for key in ("inputs", "outputs"))
+    kept = pinned - (inputs ^ outputs)
+    span = {t["id"]: (0, last) if t["id"] in kept or t["lifetime"][0] < 0 else (0, t["lifetime"][1])
+            if t["id"] in inputs else (t["lifetime"][0], last) if t["id"] in outputs else tuple(t["lifetime"])
             for t in plan["textures"]}
+    assert any(span[t] != (0, last) for t in inputs) and any(span[t] != (0, last) for t in outputs)
     alignment = plan["arena"]["alignment"]
     for t in plan["textures"]:
         assert t["offset"] % alignment == 0 and t["offset"] + t["slot"] <= plan["arena"]["bytes"]

@@ -319,37 +319,55 @@ def _reads_before_writes(statements: Sequence[kir.Statement], state: Argument, n
     return True
 
 
-def in_place_pairs(kernels: Sequence[Kernel], textures: Sequence[Texture], pairs: Sequence[tuple[int, int]],
+def _movable_after(kernels: Sequence[Kernel], writer: int, last: int, looped: set[int], merged: dict[int, int]
+                   ) -> bool:
+    """Whether launch `writer` may run right after launch `last` (> writer) instead: no launch between reads,
+    or writes, what it writes, nor writes what it reads, and no plan loop lies there (its launch range would
+    shift). `merged`: the `.new` textures already chosen to write over their states (.new -> state), which
+    write their state then."""
+    def textures(ids: list[int]) -> set[int]:
+        return {merged.get(t, t) for t in ids}
+
+    written, read = textures(kernels[writer].outputs), textures(kernels[writer].inputs)
+    return not any(index in looped or written & (textures(kernels[index].inputs) | textures(kernels[index].outputs))
+                   or read & textures(kernels[index].outputs) for index in range(writer, last + 1) if index != writer)
+
+
+def in_place_pairs(kernels: list[Kernel], textures: Sequence[Texture], pairs: Sequence[tuple[int, int]],
                    kept: set[int], looped: set[int]) -> list[tuple[int, int]]:
     """The (state, .new) texture pairs of `pairs` whose update can write over the state; `kept`: textures that
     must keep their own texture whatever (a loop's carried pairs); `looped`: the launches a loop repeats (a
-    repetition would read the new value where it wants the old)."""
-    writers: dict[int, list[int]] = {}
-    last_read: dict[int, int] = {}
-    for index, kernel in enumerate(kernels):
-        for texture in kernel.outputs:
-            writers.setdefault(texture, []).append(index)
-        for texture in kernel.inputs:
-            last_read[texture] = index
+    repetition would read the new value where it wants the old). An update that a later launch's read of the old
+    state follows (an input gradient reading a weight whose update the weight gradient's kernel makes) moves after
+    that reader where nothing between depends on it: `kernels` is reordered then (in place)."""
     chosen = []
     for state, new in pairs:
-        if state in kept or new in kept or len(writers.get(new, [])) != 1 or writers.get(state):
+        if state in kept or new in kept:
             continue
         if textures[state].format != textures[new].format or textures[state].layout != textures[new].layout:
             continue
-        writer = writers[new][0]
+        writers = [index for index, kernel in enumerate(kernels) if new in kernel.outputs]
+        readers = [index for index, kernel in enumerate(kernels) if state in kernel.inputs]
+        if len(writers) != 1 or any(state in kernel.outputs for kernel in kernels) or not readers:
+            continue
+        writer = writers[0]
         update = kernels[writer]
-        if last_read.get(state, -1) != writer or new in update.inputs or writer in looped:
-            continue  # a later launch reads the old state (or the update does not read it at all)
+        if new in update.inputs or writer in looped or state not in update.inputs:
+            continue
         if update.inputs.count(state) != 1 or update.outputs.count(new) != 1:
             continue
         arguments = {(a.role, a.index): a for a in update.ir.arguments}
         state_argument = arguments.get(("in", update.inputs.index(state)))
         new_argument = arguments.get(("out", update.outputs.index(new)))
-        if state_argument is not None and new_argument is not None \
-                and updates_in_place(update.ir, state_argument, new_argument, update.global_size,
-                                     update.group_size):
-            chosen.append((state, new))
+        if state_argument is None or new_argument is None \
+                or not updates_in_place(update.ir, state_argument, new_argument, update.global_size, update.group_size):
+            continue
+        last = readers[-1]
+        if last != writer:  # a later launch reads the old state: the update goes after it, where it may
+            if not _movable_after(kernels, writer, last, looped, {n: s for s, n in chosen}):
+                continue
+            kernels.insert(last, kernels.pop(writer))
+        chosen.append((state, new))
     return chosen
 
 

@@ -299,6 +299,36 @@ def through_loops(lifetimes: list[Lifetime], loops: list[Loop]) -> list[Lifetime
     return lifetimes
 
 
+#: graph inputs the runtimes upload before every step (not state that persists across steps)
+DATA_ROLES = (keys.Role.INPUT.value, keys.Role.LABEL.value)
+
+
+def arena_lifetimes(model: ir.Model, program: Program, lifetimes: list[Lifetime], pinned: set[int]) -> list[Lifetime]:
+    """Each texture's launches in the arena: its own, but a pinned texture holds its bytes from the step's start
+    (uploaded before it) to its end (read after it), except that a step's data input (uploaded before every
+    step) is free after its last reader and an output that is no state (a gradient, the loss, read after the
+    step) holds nothing before its writer. States, parameters and constants keep the whole step."""
+    end = max(len(program.kernels) - 1, 0)
+    data = {program.values[v.name] for v in model.graph.inputs
+            if v.name in program.values and keys.get_role(v) in DATA_ROLES}
+    kept = (set(program.initial) | {t for pair in program.swaps + program.finite_swaps for t in pair}
+            | {t for loop in program.loops for pair in loop.swaps for t in pair}
+            | {program.values[v.name] for v in model.graph.inputs if v.name in program.values} - data)
+    outputs = {program.values[v.name] for v in model.graph.outputs if v.name in program.values} | {program.values["loss"]}
+    result = []
+    for texture in program.textures:
+        first, last = lifetimes[texture.id]
+        if first < 0 or texture.id in kept or texture.id in data and texture.id in outputs:
+            result.append((0, end))
+        elif texture.id in data:
+            result.append((0, last))
+        elif texture.id in outputs:
+            result.append((first, end))
+        else:
+            result.append((0, end) if texture.id in pinned else (first, last))
+    return result
+
+
 def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferTable:
     """The program's textures with their lifetimes, the images they share and their places in the arena.
     Pinned textures keep an image of their own and the whole step in the arena: the runtimes read or write them
@@ -344,9 +374,7 @@ def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferT
         image_of[texture.id] = image
         if shareable:
             free_after.setdefault(key, []).append((last, image))
-    whole = (0, max(len(program.kernels) - 1, 0))
-    arena = pack_arena(program.textures, [whole if t.id in pinned or lifetimes[t.id][0] < 0 else lifetimes[t.id]
-                                          for t in program.textures], profile)
+    arena = pack_arena(program.textures, arena_lifetimes(model, program, lifetimes, pinned), profile)
     table = BufferTable(program.textures, lifetimes, images, image_of, arena, False, profile.cpu)
     # images over the arena where the target makes them and they take less than the shared images (a small step's
     # slots, each aligned and with a window's slack, can take more)

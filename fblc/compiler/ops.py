@@ -221,7 +221,7 @@ OPS: dict[str, Op] = {
                             "sort_scatter_rows)", shape="scatter_sorted_rows", no_gradient=DEVICE_ONLY),
     "ReduceProd": Op(Kind.REDUCTION, None, "torch.prod", no_gradient=NOT_YET, no_kernel=NOT_YET),
     "CumSum": Op(Kind.SCAN, I_D, "torch.cumsum, position ids", shape="scan"),
-    "ArgMax": _index("torch.argmax", no_gradient=INTEGER_OUTPUTS),
+    "ArgMax": _index("torch.argmax", "arg_reduce", no_gradient=INTEGER_OUTPUTS),
     "TopK": _index("torch.topk, mixture-of-experts routing"),
     # indexing
     "Gather": Op(Kind.INDEXING, I_D, "nn.Embedding, x[:, 0], index_select", reads=BY_STRIDES, weights=(0,)),

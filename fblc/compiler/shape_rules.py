@@ -134,6 +134,16 @@ def _reduce(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
 
 
 @_named
+def _arg_reduce(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    """ArgMax: the index along one axis (default 0), kept as a 1 where keepdims (default 1), int64."""
+    rank = len(shapes[0])
+    axis = int(attr(node, "axis", 0)) % max(rank, 1)
+    keep = int(attr(node, "keepdims", 1))
+    out = [1 if i == axis else d for i, d in enumerate(shapes[0]) if keep or i != axis]
+    return [(tuple(out), ir.DataType.INT64)]
+
+
+@_named
 def _expand(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(_broadcast([shapes[0], tuple(_ints(node, 1))]), dtypes[0])]
 

@@ -6,8 +6,9 @@ share the buffer of the value they look at. Without fuse annotations, the node o
 Each buffer (a value that owns storage) gets a class, a size and a lifetime [first, last]
 in launch indices:
 - `weight`: initializers, Constant outputs, parameters (trainable and frozen), BatchNorm
-  running statistics; `optimizer`: optimizer state read by the optimizer stage; `input`: data
-  inputs and labels. These live over the whole step.
+  running statistics; `optimizer`: optimizer state read by the optimizer stage. These live over
+  the whole step. `input`: data inputs and labels, uploaded before every step: from its start to
+  their last reader.
 - `saved`: forward values the backward reads (role `saved`); `mask` is a saved bool tensor,
   bit-packed at one bit per element (MemFLoRA's bit mask).
 - `grad`: parameter gradients, and the dL/dq that memflora-sg keeps per site until its replay;
@@ -44,8 +45,8 @@ precision`); ensures `memory plan`. In place; `modified` is true when an annotat
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Collection, Iterable
 
 import numpy as np
 import onnx_ir as ir
@@ -93,6 +94,16 @@ class MemoryPlan:
     adapter: dict[str, Any]
     #: pass recompute's summary (budget, estimates, layers recomputed, FLOPs added); empty without a budget
     recompute: dict[str, Any] = field(default_factory=dict)
+
+    def updated_in_place(self, names: Collection[str]) -> MemoryPlan:
+        """This plan where the updates of `names` (`.new` values) write over their states (codegen/inplace.py
+        decides it from the kernels, after this pass): such a `.new` takes no buffer of its own, its bytes are its
+        state's, live the whole step. What the runtimes allocate, so `live_peak` and `device_peak` count alike."""
+        merged = set(names)
+        kept = [b for b in self.buffers if not merged & set(b.values or [b.name])]
+        if len(kept) == len(self.buffers):
+            return self
+        return replace(self, buffers=kept, timeline=_timeline(kept, self.steps))
 
     def total(self, cls: str) -> int:
         return sum(b.bytes for b in self.buffers if b.cls == cls)
@@ -264,6 +275,9 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
             else:
                 cls = "weight"
             first, last = 0, last_step
+            readers = [index[id(n)] for n in real_readers(root) if id(n) in index]
+            if cls == "input" and readers and key not in graph_outputs:  # uploaded before every step: free after
+                last = max(readers) if loop is None or max(readers) < loop[0] else max(max(readers), loop[1])
         else:
             first = index.get(id(producer), 0)
             readers = [index[id(n)] for n in real_readers(root) if id(n) in index]
@@ -290,17 +304,22 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
         buffers.append(Buffer(name=root.name or (names[0] if names else ""), cls=cls, bytes=_bytes(root), first=first,
                               last=last, shape=list(static_shape(root)), dtype=_dtype_name(root),
                               values=names, why=why))
-    timeline = {cls: np.zeros(steps + 1, np.int64) for cls in CLASSES}
-    for b in buffers:
-        timeline[b.cls][b.first] += b.bytes
-        timeline[b.cls][b.last + 1] -= b.bytes
-    timeline = {cls: np.cumsum(t)[:steps] for cls, t in timeline.items()}
+    timeline = _timeline(buffers, steps)
     batch = next((static_shape(v)[0] for v in graph.inputs if keys.get_role(v) == Role.INPUT.value
                   and len(static_shape(v)) > 0), 0)
     adapter = keys.json_of(model.metadata_props, keys.ADAPTER, {})
     rank = int(adapter.get("rank", 0)) if adapter.get("adapter") not in (None, "none") else 0
     return MemoryPlan(buffers, steps, labels, backward_from, optimizer_from, timeline,
                       int(batch), rank, adapter, keys.json_of(model.metadata_props, RECOMPUTE, {}))
+
+
+def _timeline(buffers: list[Buffer], steps: int) -> dict[str, np.ndarray]:
+    """class -> the bytes of its buffers live at each launch."""
+    timeline = {cls: np.zeros(steps + 1, np.int64) for cls in CLASSES}
+    for b in buffers:
+        timeline[b.cls][b.first] += b.bytes
+        timeline[b.cls][b.last + 1] -= b.bytes
+    return {cls: np.cumsum(t)[:steps] for cls, t in timeline.items()}
 
 
 class MemoryPlanPass(ContractPass):

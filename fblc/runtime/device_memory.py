@@ -62,11 +62,17 @@ def arena_problem(plan: Mapping[str, Any], device: Any, storage: str) -> str:
 
 
 def overlapping(textures: Sequence[Mapping[str, Any]]) -> set[int]:
-    """The textures whose arena slot shares bytes with another's (their lifetimes in a step are disjoint)."""
+    """The textures whose arena slot another texture uses after their first use in a step (lifetimes disjoint):
+    their values are gone after the step. A texture whose slot only earlier ones used (an output such as a
+    gradient, which holds its slot from its writer to the step's end) keeps its value until the next step."""
     start = np.array([t["offset"] for t in textures], dtype=np.int64)
     end = start + np.array([t["slot"] for t in textures], dtype=np.int64)
     overlap = (start[:, None] < end[None, :]) & (start[None, :] < end[:, None])
     np.fill_diagonal(overlap, False)
+    if all("lifetime" in t for t in textures):
+        first = np.array([t["lifetime"][0] for t in textures], dtype=np.int64)
+        last = np.array([t["lifetime"][1] for t in textures], dtype=np.int64)
+        overlap &= ~((last[None, :] < first[:, None]) & (last[None, :] >= 0))  # only used before: harmless
     return {textures[i]["id"] for i in np.flatnonzero(overlap.any(axis=1))}
 
 

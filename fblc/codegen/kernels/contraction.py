@@ -302,6 +302,8 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     assert k_digits is not None, f"{b.name}: K folds differently in its operands (tile_remap keeps such views)"
     (*a_outer, (k_inner, a_step)), (*w_outer, (_, w_step)) = k_digits
     (_, a_row), (_, w_lane) = a_axes[-2][-1], w_axes[-1][-1]  # innermost digits: one stride apart
+    if merged_rows(a_axes, w_axes) and row_digits(a_axes):  # a tile's rows run over batch x M: consecutive rows are
+        a_row = row_digits(a_axes)[-1][1]  # its innermost digit of more than one row apart (M = 1: a batch axis's)
     texel = texel_columns(b.out_shape, w_axes, has_n)
     # N % 4 != 0 (a ViT's 65 tokens): texels within one output row reduce their 4 columns together, the
     # few that cross a row per lane (reduce_guarded); the schedule keeps such a kernel at one texel per item

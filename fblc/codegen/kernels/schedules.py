@@ -133,7 +133,8 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
     a_rank, b_rank = (len(static_shape(value)) for value in group.anchor.inputs)
     k_digits = common_digits([a_axes[-1], w_axes[-2]])
     # rows each from their own base (merged rows no one stride apart) share no texel of A: as if rows were far apart
-    a_row = 0 if merged_rows(a_axes, w_axes) and not one_stride(row_digits(a_axes)) else a_axes[-2][-1][1]
+    merged = merged_rows(a_axes, w_axes) and row_digits(a_axes)  # rows over batch x M: their innermost real digit
+    a_row = (0 if not one_stride(row_digits(a_axes)) else row_digits(a_axes)[-1][1]) if merged else a_axes[-2][-1][1]
     fetches = None if k_digits is None else tile_fetches(k_digits[0][-1][1], a_row, k_digits[1][-1][1],
                                                          w_axes[-1][-1][1])
     if not (a_rank >= 2 and texel_columns(out_shape, w_axes, b_rank >= 2)):
