@@ -299,7 +299,7 @@ def launch_estimates(launches: dict[str, Figures], plan: dict[str, Any], estimat
         time = launch_time(profile, LaunchWork(kernel["items"], kernel["global_size"][0], kernel["local_size"][0],
                                                sum(slots.values()) - half, half, figures.fetched_bytes_runs,
                                                dram.get(name, 0)))
-        rows.append({"kernel": name, "family": kernel["family"], "items": kernel["items"], "ms": time.ms,
+        rows.append({"kernel": name, "family": kernel.get("family", ""), "items": kernel["items"], "ms": time.ms,
                      "bound": time.bound, "slots": float(sum(slots.values())),
                      "fetched_bytes": float(figures.fetched_bytes_runs), "dram_bytes": dram.get(name, 0),
                      "lanes": time.lane_share})
