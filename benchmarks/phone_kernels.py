@@ -1,7 +1,7 @@
 """Phone-GPU figures of the kernels fblc compiles, before (a git revision) and after (this tree), in one table; no GPU.
 
     python benchmarks/phone_kernels.py [--base 41fc349] [--models mobilenet_v2,llama,tresnet]
-                                       [--targets adreno830,mali-g925]
+                                       [--targets adreno830,mali-g925] [--kernels N]
 
 Each model is exported once (here), then compiled for each target by both versions of fblc: the base revision
 checked out into a temporary git worktree (as benchmarks/before_after.py does) and this tree, each in its own
@@ -26,6 +26,11 @@ loaded by path into both processes, so both sides are measured alike), from the 
   lane-operations, wasted lanes included, half ones at the profile's half_rate, and every whole texel it fetches:
   kernel_stats.ir_estimate), this tree's profile figures for both sides;
 - fp16 launch: launches per step compiled with --dtype fp16.
+
+With `--kernels N`, after the table: each model and target's N launches of the largest IR estimate (fp32), before
+and after, with what sets their time (kernel_stats.launch_estimates): family, work-items, ms, bound (launch,
+compute, fetch: the texture units, memory: DRAM), lane-operations (M slots), MB of whole texels fetched, MB read
+and written in DRAM; then the IR estimate summed by family. Where the step's time goes, kernel by kernel.
 
 The models: MobileNetV2 [8, 3, 97, 60] (17 classes, exported as benchmarks/step_time.py does), the Llama decoder
 of the tests (2 layers, hidden 64) at B=4, T=128, and T-ResNet B=64 (examples/tresnet.py, as step_time.py).
@@ -166,11 +171,34 @@ def print_table(base: str, rows: list[tuple[str, str, dict[str, dict[str, Any]]]
                 print(f"  {model} {target} {name}: did not compile: {result['error']}")
 
 
+def print_kernels(rows: list[tuple[str, str, dict[str, dict[str, Any]]]], top: int) -> None:
+    """Each model and target's `top` launches by IR estimate (fp32), before and after, and the sums by family."""
+    for model, target, sides in rows:
+        for side in ("before", "after"):
+            result = sides.get(f"{side} fp32")
+            if not result or "error" in result:
+                continue
+            kernels = result["ir_kernels"]
+            families: dict[str, float] = {}
+            for kernel in kernels:
+                families[kernel["family"]] = families.get(kernel["family"], 0.0) + kernel["ms"]
+            print(f"\n{model} {target} {side}: IR est {result['ir_step_ms']:.3f} ms over {len(kernels)} launches; "
+                  + ", ".join(f"{family} {ms:.3f}" for family, ms in sorted(families.items(), key=lambda f: -f[1])))
+            print(f"  {'kernel':<22} {'family':<12} {'items':>7} {'ms':>7} {'bound':<8} {'M slots':>8} "
+                  f"{'fetch MB':>9} {'DRAM MB':>8}")
+            for kernel in sorted(kernels, key=lambda k: -k["ms"])[:top]:
+                print(f"  {kernel['kernel'][:22]:<22} {kernel['family'][:12]:<12} {kernel['items']:>7} "
+                      f"{kernel['ms']:>7.3f} {kernel['bound']:<8} {kernel['slots'] / 1e6:>8.2f} "
+                      f"{kernel['fetched_bytes'] / 1e6:>9.2f} {kernel['dram_bytes'] / 1e6:>8.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="41fc349", help="the git revision to compare against (before)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--targets", default="adreno830,mali-g925")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list each model and target's N launches of the largest IR estimate")
     args = parser.parse_args(argv)
     names, targets = args.models.split(","), args.targets.split(",")
     unknown = sorted(set(names) - set(MODELS))
@@ -199,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  measured {side}", file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base], check=False)
-    print_table(args.base, [(model, target, sides) for (model, target), sides in results.items()], sizes)
+    table = [(model, target, sides) for (model, target), sides in results.items()]
+    print_table(args.base, table, sizes)
+    if args.kernels:
+        print_kernels(table, args.kernels)
     return 0
 
 

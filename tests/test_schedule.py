@@ -416,6 +416,25 @@ def test_a_conv_tile_sees_the_split_its_reduction_really_gets(tmp_path) -> None:
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
 
 
+def test_a_pointwise_weight_gradient_on_small_maps_takes_two_texels_of_channels(tmp_path) -> None:
+    """A 1 x 1 Conv X [4, 128, 2, 2] * W [512, 128, 1, 1]: its weight gradient (a Conv whose 'batch' is W's 512
+    output channels, 128 outputs each, reducing over N x H x W = 16: 4 texels) has no spatial extent, so its
+    channel tile may take 8 output channels (two texels) where 4 took one (conv_schedules.
+    channel_rows_and_batches): 4 channels x 8 batch elements fill the 830 (2,048 tiles), 8 x 8 do not (1,024),
+    and the roofline takes 8 x 8, whose x texels each serve 8 channels: per work-item 4 K texels x (8 dY + 8 x
+    texels) and W's 16 texels for its SGD update, 81,920 fetches a step where 4 x 8 made 2,048 x (4 x (4 + 8) +
+    8) = 114,688. The 830's step equals onnxruntime's."""
+    from fblc.tools.kernel_stats import kernel_figures
+    from tests.test_kernels_contraction import OPTIONS as STEP, _contractions, _node, write_case
+
+    path = write_case(str(tmp_path / "conv.onnx"), [_node("Conv", ["x", "w"])], {"x": (4, 128, 2, 2), "w": (512, 128, 1, 1)})
+    gradient = next(k for k in _contractions(path, "adreno830") if k.name == "k5_Conv")
+    assert gradient.global_size == 512 * 128 // 4 // 16
+    assert kernel_figures(gradient.ir, gradient.global_size, gradient.group_size).fetch_runs == 1024 * (4 * 16 + 16)
+    rows = verify_model(path, STEP, target="adreno830", work_dir=str(tmp_path))
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
 def test_a_register_tile_is_chosen_within_the_target_s_registers_and_by_the_device_s_size() -> None:
     """TileBudget: a contraction's tile keeps the target's private_floats accumulators (Mali's 32: 8 x 4
     outputs; Adreno's 64: 8 x 8); the largest tile whose work-items fill the device, else the largest where

@@ -282,24 +282,37 @@ def launch_figures(kernels: Iterable[Any]) -> dict[str, Figures]:
             for kernel in kernels}
 
 
-def ir_estimate(launches: dict[str, Figures], plan: dict[str, Any], estimate: dict[str, Any],
-                profile: Any) -> dict[str, Any]:
-    """The step's time on `profile` by its roofline (fblc.profiles.roofline) from what each launch's kernel
-    IR runs: its lane-operations (wasted lanes included: a float4 add is 4) less the products fused into an
-    add (Figures.fused_runs), half ones where their type is half (HALF_TYPES), the whole texels it fetches, its launch size from plan.json and its DRAM bytes from
-    report.json's `estimate` (each texture once). Gives `ir_step_ms` and the launches each bound counts."""
-    sizes = {k["name"]: (k["items"], k["global_size"][0], k["local_size"][0]) for k in plan["kernels"]}
+def launch_estimates(launches: dict[str, Figures], plan: dict[str, Any], estimate: dict[str, Any],
+                     profile: Any) -> list[dict[str, Any]]:
+    """Each launch's time on `profile` by its roofline (fblc.profiles.roofline) from what its kernel IR runs: its
+    lane-operations (wasted lanes included: a float4 add is 4) less the products fused into an add
+    (Figures.fused_runs), half ones where their type is half (HALF_TYPES), the whole texels it fetches, its launch
+    size from plan.json and its DRAM bytes from report.json's `estimate` (each texture once). One row a launch, in
+    launch order: name, family, items, ms, bound and what makes it up (the step estimate's breakdown)."""
+    kernels = {k["name"]: k for k in plan["kernels"]}
     dram = {k["kernel"]: k["bytes"] for k in estimate["kernels"]}
-    total, bounds = 0.0, Counter()
+    rows = []
     for name, figures in launches.items():
-        items, launched, group = sizes[name]
+        kernel = kernels[name]
         slots = figures.op_runs - figures.fused_runs  # a fused multiply-add issues once
         half = sum(slots[scalar] for scalar in HALF_TYPES)
-        time = launch_time(profile, LaunchWork(items, launched, group, sum(slots.values()) - half, half,
-                                               figures.fetched_bytes_runs, dram.get(name, 0)))
-        total += time.ms
-        bounds[time.bound] += 1
-    return {"ir_step_ms": total, "ir_bounds": dict(bounds)}
+        time = launch_time(profile, LaunchWork(kernel["items"], kernel["global_size"][0], kernel["local_size"][0],
+                                               sum(slots.values()) - half, half, figures.fetched_bytes_runs,
+                                               dram.get(name, 0)))
+        rows.append({"kernel": name, "family": kernel.get("family", ""), "items": kernel["items"], "ms": time.ms,
+                     "bound": time.bound, "slots": float(sum(slots.values())),
+                     "fetched_bytes": float(figures.fetched_bytes_runs), "dram_bytes": dram.get(name, 0),
+                     "lanes": time.lane_share})
+    return rows
+
+
+def ir_estimate(launches: dict[str, Figures], plan: dict[str, Any], estimate: dict[str, Any],
+                profile: Any) -> dict[str, Any]:
+    """The step's time on `profile` from what each launch's kernel IR runs (launch_estimates' sum): gives
+    `ir_step_ms`, the launches each bound counts (`ir_bounds`) and the launches themselves (`ir_kernels`)."""
+    rows = launch_estimates(launches, plan, estimate, profile)
+    return {"ir_step_ms": sum(row["ms"] for row in rows), "ir_bounds": dict(Counter(row["bound"] for row in rows)),
+            "ir_kernels": rows}
 
 
 # the bundle -------------------------------------------------------------------------------------

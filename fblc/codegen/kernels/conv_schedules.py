@@ -76,7 +76,11 @@ def conv_schedule(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Co
                                      weighing, across_groups=depthwise(view))
         else:  # a channel tile: batch elements in texels (batch_count) or as many as the sums form holds
             sums = _sums_batches(scratch, view, prefix, tile, masked, budget, weighing)
-            tile.batches = sums or batch_count(budget, view.out_shape, tile, weighing)
+            if sums is None:
+                tile = channel_rows_and_batches(budget, view, tile, weighing)
+                per = tile.lanes // tile.batches // LANES
+            else:
+                tile.batches = sums
             if sums is None or sums > 1:
                 schedule = tile_of(tile.batches, per, numel(view.out_shape[1:]) // LANES)  # one batch element apart
         schedule.choices["group_size"] = _group_sizes(table, group, tile, trial(tile))
@@ -349,6 +353,31 @@ def channel_rows(budget: TileBudget, out_shape: Sequence[int], cg_out: int, choi
         return _picking(budget, whole, lambda tile: tile[0] * tile[2], weighing, tile_of_rows,
                         [fit for fit in rest if fit not in whole])
     return _picking(budget, rest, lambda tile: tile[0] * tile[2], weighing, tile_of_rows)
+
+
+#: output channels of a channel tile without a spatial extent (a 1 x 1 map: a pointwise weight gradient whose dY and
+#: x maps are the last stage's), largest first: 8 is two texels of channels sharing each x texel of the reduction
+WIDE_CHANNEL_ROWS = (2 * LANES, LANES)
+
+
+def channel_rows_and_batches(budget: TileBudget, view: ConvShape, tile: ConvTile,
+                             weighing: Weighing = NO_WEIGHING) -> ConvTile:
+    """A channel tile's output channels and batch elements (batch_count's), where its outputs have no spatial
+    extent and a GPU weighs tiles (`weighing`): of WIDE_CHANNEL_ROWS that divide the conv's channel groups, each
+    with its own batch count, TileBudget.pick's. Its rows share each x texel and its batch elements each weight
+    texel: 8 rows x 8 batches read 16 texels per 4 reduction steps for 64 outputs where 4 x 8 read 12 for 32
+    (MobileNetV2's last-stage 1 x 1 weight gradients: a third fewer texels fetched per step). Only where 4 rows
+    fill the device: else 8 would share their reduction in a work-group, reading more in all. A row of outputs
+    (tile.length > 1) keeps 4 rows; so does a CPU, and R-Tile codegen off."""
+    wide = [rows for rows in WIDE_CHANNEL_ROWS if view.cg_out % rows == 0]
+    if tile.length > 1 or not budget.tiled or weighing[1] is None or len(wide) < 2:
+        return dataclasses.replace(tile, batches=batch_count(budget, view.out_shape, tile, weighing))
+    candidates = [dataclasses.replace(tile, rows=rows) for rows in wide]
+    candidates = [c for c in (dataclasses.replace(c, batches=batch_count(budget, view.out_shape, c, weighing))
+                              for c in candidates) if c.lanes <= budget.private]
+    if budget.texels // (candidates[-1].lanes // LANES) < budget.device_items:  # 4 rows leave the device idle:
+        return candidates[-1]  # 8 would take a work-group's split, whose partial reads the roofline does not weigh
+    return _picking(budget, candidates, lambda c: c.lanes // LANES, weighing, lambda c: c)
 
 
 def batch_count(budget: TileBudget, out_shape: Sequence[int], tile: ConvTile,
