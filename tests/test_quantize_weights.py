@@ -156,3 +156,59 @@ def test_fura_s_svd_takes_the_dequantized_weight(tmp_path) -> None:
     assert np.allclose(stored @ right @ right.T, stored, atol=1e-5)
     assert not np.allclose(w2.T @ right @ right.T, w2.T, atol=1e-3)
     assert any(n.op_type == "DequantizeLinear" for n in graph)
+
+
+def _tied_embedding_proto() -> onnx.ModelProto:
+    """ids [2, 6] -> Gather(E [20, 16]) -> MatMul(W [16, 16]) -> MatMul(E^T): the LM head tied to the embedding
+    (as Llama's and GPT-2's), loss = sum(logits * R)."""
+    from tests.conftest import make_model
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"], axis=0, name="embed"),
+             helper.make_node("MatMul", ["h", "W"], ["h2"], name="fc"),
+             helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0], name="tied"),
+             helper.make_node("MatMul", ["h2", "Et"], ["logits"], name="head"),
+             helper.make_node("Mul", ["logits", "R"], ["lr"], name="mul"),
+             helper.make_node("ReduceSum", ["lr"], ["loss"], keepdims=0, name="sum")]
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 6])
+    return make_model(nodes, [ids], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                      {"E": _randn(20, 16, seed=7), "W": _randn(16, 16, seed=8, scale=0.3),
+                       "R": _randn(2, 6, 20, seed=9)})
+
+
+def test_tied_embedding_table_quantized(tmp_path) -> None:
+    """Golden: a table read by a Gather and (through Transpose) as the head's B becomes one DequantizeLinear,
+    grouped along the hidden axis (the head's K, each gathered row's own groups), dequantized in both readers
+    (the step test: no dequantize kernel); no gradient of the frozen table. Negative: a table
+    some other op reads too stays float."""
+    path = str(tmp_path / "tied.onnx")
+    onnx.save(_tied_embedding_proto(), path)
+    options = TrainingOptions(loss="output", adapter=AdapterConfig(kind="lora", rank=2, sites="linear"),
+                              weights=WeightFormat("int4", group=8))
+    graph = build_training_graph(load_model(path), options).graph
+    table = next(n for n in graph if n.name == "E.dequantize")
+    assert (table.attributes["axis"].value, table.attributes["block_size"].value) == (1, 8)
+    assert list(table.inputs[1].shape) == [20, 2] and "E" not in graph.initializers
+    assert {use.node.name for use in table.outputs[0].uses()} == {"embed", "tied"}  # the Gather, the head's E^T
+    assert not any(n.op_type in ("ScatterND", "ScatterElements") for n in graph)  # no embedding gradient
+
+    proto = _tied_embedding_proto()
+    proto.graph.node.append(helper.make_node("Relu", ["E"], ["E_relu"], name="other"))
+    proto.graph.output.append(helper.make_tensor_value_info("E_relu", TensorProto.FLOAT, [20, 16]))
+    onnx.save(proto, path)
+    graph = build_training_graph(load_model(path), options).graph
+    assert "E" in graph.initializers and not any(n.name == "E.dequantize" for n in graph)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_tied_embedding_step_matches_onnxruntime(tmp_path, weights: str) -> None:
+    """Numeric: the LoRA step (forward and backward: the head's input gradient reads E too) on PoCL equals
+    onnxruntime on the same quantized step graph (rtol 1e-4, atol 1e-5: tools/verify.compare)."""
+    from fblc.tools.verify import verify_model
+    path = str(tmp_path / "tied.onnx")
+    onnx.save(_tied_embedding_proto(), path)
+    bundle = str(tmp_path / "bundle")
+    options = TrainingOptions(loss="output", adapter=AdapterConfig(kind="lora", rank=2, sites="linear"),
+                              weights=WeightFormat(weights, group=8))
+    rows = verify_model(path, options, keep_bundle=bundle)
+    assert rows and not [r for r in rows if not r.ok]
+    plan = json.loads(open(f"{bundle}/plan.json").read())
+    assert not any(k["family"] == "dequantize" for k in plan["kernels"])  # dequantized in registers

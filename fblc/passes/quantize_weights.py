@@ -1,9 +1,11 @@
-"""quantize_weights: store frozen MatMul/Gemm weights as int8/int4 groups or fp16 (--weights).
+"""quantize_weights: store frozen MatMul/Gemm weights and Gather tables as int8/int4 groups or fp16 (--weights).
 
 Rewrite, with --weights int8|int4: each `frozen` float 2-D initializer W that is read only as the B operand
-of MatMul or Gemm (directly, or through Transpose perm [1, 0]: the dynamo exporter's Linear) becomes
+of MatMul or Gemm (directly, or through Transpose perm [1, 0]: the dynamo exporter's Linear) or as a Gather's
+table (an embedding; a tied LM head reads it as both) becomes
 DequantizeLinear(q, scale, axis=a, block_size=g) (opset 21) in W's place: q the signed integers
-(fblc.compiler.quantize, groups of --weight-group along the reduction axis a), scale float32 values that fp16
+(fblc.compiler.quantize, groups of --weight-group along the contractions' reduction axis a, or for a table only
+gathered, along its rows: a gathered row dequantizes from its own words and scales), scale float32 values that fp16
 holds exactly, stored as fp16 on the device (`fblc.storage`). With --weights fp16: W's values are rounded to fp16
 (still a float tensor, so the graph and onnxruntime compute with what the device holds) and stored in a half
 texture, which its contractions read as any float texture: no Cast, no float copy. Never a trainable weight (role `param`) and never an adapter's factor (LoRA A/B,
@@ -47,15 +49,29 @@ def _reduction_axis(use: ir.Usage) -> int | None:
     return 1 if transposed else 0
 
 
+def _gathered_axis(use: ir.Usage) -> int | None:
+    """The axis of the stored 2-D table that a Gather reading it as its data (input 0) keeps whole: the row of an
+    embedding (Gather axis 0 keeps axis 1), so that each gathered row dequantizes from its own words and scales;
+    else None."""
+    node = use.node
+    if node.op_type != "Gather" or node.domain != "" or use.idx != 0:
+        return None
+    return 1 - int(attr(node, "axis", 0)) % 2
+
+
 def _candidate(value: ir.Value) -> int | None:
-    """The reduction axis of a frozen float weight that only contractions read as B; else None."""
+    """The axis the groups of a frozen float weight run along, where only contractions (as B) and Gathers (as
+    the table) read it: the contractions' reduction axis (one for all), else the gathered rows' axis (a Gather
+    dequantizes any grouping element by element: a tied embedding / LM head takes the head's); else None."""
     if keys.get_role(value) != Role.FROZEN.value or value.const_value is None or ADAPTER_FACTOR in value.metadata_props:
         return None
     if value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or len(static_shape(value)) != 2:
         return None
     if value.is_graph_input() or value.is_graph_output() or not value.uses():
         return None
-    axes = {_reduction_axis(use) for use in value.uses()}
+    gathers = [use for use in value.uses() if _gathered_axis(use) is not None]
+    contractions = [use for use in value.uses() if _gathered_axis(use) is None]
+    axes = {_reduction_axis(use) for use in contractions} or {_gathered_axis(use) for use in gathers}
     return axes.pop() if len(axes) == 1 and None not in axes else None
 
 
@@ -86,7 +102,7 @@ def _replace(graph: ir.Graph, weight: ir.Value, node: ir.Node) -> None:
 
 
 class QuantizeWeights(ContractPass):
-    """Frozen contraction weights in --weights' storage (in place)."""
+    """Frozen contraction weights and Gather tables in --weights' storage (in place)."""
 
     name = "quantize_weights"
     requires_facts = ("trainable inputs",)
