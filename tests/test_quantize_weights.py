@@ -10,6 +10,7 @@ onnxruntime on that same graph (tests/test_kernels_other.py's harness: rtol 1e-4
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -83,6 +84,21 @@ def test_quantize_pack_and_error() -> None:
         assert relative_error(w, dequantize(q, scale, None, 0, 32)) < bound
     words = pack_words(np.array([1, -1, 2, -8, 7, 0, 0, 0, 3], np.int8), 4)
     assert words.tolist() == [0x000782F1, 0x3]
+
+
+def test_quantize_in_slices_equals_whole(monkeypatch) -> None:
+    """The pass quantizes a large table a slice of whole groups at a time (bounded host memory): the same q,
+    scales and relative error as quantize() of the whole, for groups along either axis and ragged slices."""
+    from fblc.passes import quantize_weights
+    monkeypatch.setattr(quantize_weights, "SLICE_ELEMENTS", 100)
+    w = _randn(37, 50, seed=2)
+    for axis, dtype in ((0, ir.DataType.INT4), (1, ir.DataType.INT8)):
+        q, scale, error = quantize_weights._quantize_in_slices(w, axis, 8, dtype)
+        whole_q, whole_scale = quantize(w, axis, 8, dtype)
+        assert np.array_equal(q, whole_q) and np.array_equal(scale, whole_scale)
+        assert error == pytest.approx(relative_error(w, dequantize(whole_q, whole_scale, None, axis, 8)), rel=1e-9)
+    half = w.astype(np.float16).astype(np.float32)
+    assert quantize_weights._relative_error_in_slices(w, half) == pytest.approx(relative_error(w, half), rel=1e-9)
 
 
 def _nbits_weight(n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -189,6 +205,10 @@ def test_tied_embedding_table_quantized(tmp_path) -> None:
     assert list(table.inputs[1].shape) == [20, 2] and "E" not in graph.initializers
     assert {use.node.name for use in table.outputs[0].uses()} == {"embed", "tied"}  # the Gather, the head's E^T
     assert not any(n.op_type in ("ScatterND", "ScatterElements") for n in graph)  # no embedding gradient
+
+    fp16 = build_training_graph(load_model(path), replace(options, weights=WeightFormat("fp16"))).graph
+    table = fp16.initializers["E"]  # rounded to fp16, a half texture both readers read: no Cast, no copy
+    assert table.metadata_props[keys.STORAGE] == "fp16" and {u.node.name for u in table.uses()} == {"embed", "tied"}
 
     proto = _tied_embedding_proto()
     proto.graph.node.append(helper.make_node("Relu", ["E"], ["E_relu"], name="other"))

@@ -24,12 +24,13 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
-from fblc.compiler.quantize import STORED_AS, WeightFormat, group_of, quantize, dequantize, relative_error
+from fblc.compiler.quantize import INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize
 from fblc.compiler.values import attr, static_shape
 from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
 BLOCKED_OPSET = 21  # DequantizeLinear's block_size
+SLICE_ELEMENTS = 1 << 22  # elements of a weight quantized at once (_quantize_in_slices: bounded host memory)
 
 
 def _reduction_axis(use: ir.Usage) -> int | None:
@@ -101,6 +102,47 @@ def _replace(graph: ir.Graph, weight: ir.Value, node: ir.Node) -> None:
     graph.initializers.pop(weight.name)
 
 
+def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
+                        ) -> tuple[np.ndarray, np.ndarray, float]:
+    """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
+    at a time: a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB in float32) is quantized with
+    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory)."""
+    other = 1 - axis
+    step = max(1, SLICE_ELEMENTS // max(1, w.shape[axis]))
+    q = np.empty(w.shape, INT_FORMATS[dtype].numpy)
+    scale_shape = list(w.shape)
+    scale_shape[axis] = -(-w.shape[axis] // group)
+    scale = np.empty(scale_shape, np.float32)
+    squared_norm = squared_error = 0.0
+    for start in range(0, w.shape[other], step):
+        part = (slice(None),) * other + (slice(start, start + step),)
+        values = np.asarray(w[part], np.float32)
+        q[part], scale[part] = quantize(values, axis, group, dtype)
+        values64 = values.astype(np.float64)
+        squared_norm += float(np.square(values64).sum())
+        squared_error += float(np.square(values64 - dequantize(q[part], scale[part], None, axis, group)).sum())
+    return q, scale, (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+
+
+def _relative_error_in_slices(w: np.ndarray, approx: np.ndarray) -> float:
+    """relative_error(w, approx), SLICE_ELEMENTS at a time (its float64 copies bounded)."""
+    rows = max(1, SLICE_ELEMENTS // max(1, w.shape[-1]))
+    squared_norm = squared_error = 0.0
+    for start in range(0, w.shape[0], rows):
+        values = np.asarray(w[start:start + rows], np.float64)
+        squared_norm += float(np.square(values).sum())
+        squared_error += float(np.square(values - approx[start:start + rows]).sum())
+    return (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+
+
+def _release(tensor: object) -> None:
+    """Unmap an external-data tensor that was read (onnx_ir's ExternalTensor maps its whole file and holds the
+    pages it read until released: a 1B decoder's weights would stay resident, 6 GB)."""
+    release = getattr(tensor, "release", None)
+    if callable(release):
+        release()
+
+
 class QuantizeWeights(ContractPass):
     """Frozen contraction weights and Gather tables in --weights' storage (in place)."""
 
@@ -121,24 +163,29 @@ class QuantizeWeights(ContractPass):
             axis = _candidate(weight)
             if axis is None:
                 continue
-            w = np.asarray(weight.const_value.numpy(), np.float32)  # type: ignore[union-attr]
+            source = weight.const_value
+            w = np.asarray(source.numpy(), np.float32)  # type: ignore[union-attr]
             if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
                 half = w.astype(np.float16).astype(np.float32)
                 weight.const_value = ir.tensor(half, name=weight.name)
                 weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
                 records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
-                                "error": relative_error(w, half)})
+                                "error": _relative_error_in_slices(w, half)})
+                del w
+                _release(source)
                 continue
             dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-            q, scale = quantize(w, axis, group, dtype)
+            q, scale, error = _quantize_in_slices(w, axis, group, dtype)
+            del w
+            weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
+            _release(source)
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
             scale_value = _initializer(graph, f"{weight.name}.scale", ir.tensor(scale), weight.name, "fp16")
             _replace(graph, weight, ir.node("DequantizeLinear", [q_value, scale_value],
                                             {"axis": axis, "block_size": group}, name=f"{weight.name}.dequantize",
                                             num_outputs=1))
-            records.append({"weight": weight.name, "shape": list(w.shape), "format": self.weights.weights,
-                            "axis": axis, "group": group,
-                            "error": relative_error(w, dequantize(q, scale, None, axis, group))})
+            records.append({"weight": weight.name, "shape": list(q.shape), "format": self.weights.weights,
+                            "axis": axis, "group": group, "error": error})
         if not records:
             return ir.passes.PassResult(model, False)
         if self.weights.quantized and model.opset_imports.get("", BLOCKED_OPSET) < BLOCKED_OPSET:
