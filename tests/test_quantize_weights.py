@@ -10,6 +10,7 @@ onnxruntime on that same graph (tests/test_kernels_other.py's harness: rtol 1e-4
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -85,6 +86,21 @@ def test_quantize_pack_and_error() -> None:
     assert words.tolist() == [0x000782F1, 0x3]
 
 
+def test_quantize_in_slices_equals_whole(monkeypatch) -> None:
+    """The pass quantizes a large table a slice of whole groups at a time (bounded host memory): the same q,
+    scales and relative error as quantize() of the whole, for groups along either axis and ragged slices."""
+    from fblc.passes import quantize_weights
+    monkeypatch.setattr(quantize_weights, "SLICE_ELEMENTS", 100)
+    w = _randn(37, 50, seed=2)
+    for axis, dtype in ((0, ir.DataType.INT4), (1, ir.DataType.INT8)):
+        q, scale, error = quantize_weights._quantize_in_slices(w, axis, 8, dtype)
+        whole_q, whole_scale = quantize(w, axis, 8, dtype)
+        assert np.array_equal(q, whole_q) and np.array_equal(scale, whole_scale)
+        assert error == pytest.approx(relative_error(w, dequantize(whole_q, whole_scale, None, axis, 8)), rel=1e-9)
+    half = w.astype(np.float16).astype(np.float32)
+    assert quantize_weights._relative_error_in_slices(w, half) == pytest.approx(relative_error(w, half), rel=1e-9)
+
+
 def _nbits_weight(n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """MatMulNBits' B bytes [n, blocks, block / 2] (4 bits, low nibble first), scales [n * blocks], zero point
     bytes, and the dequantized W [n, k] by numpy."""
@@ -156,3 +172,64 @@ def test_fura_s_svd_takes_the_dequantized_weight(tmp_path) -> None:
     assert np.allclose(stored @ right @ right.T, stored, atol=1e-5)
     assert not np.allclose(w2.T @ right @ right.T, w2.T, atol=1e-3)
     assert any(n.op_type == "DequantizeLinear" for n in graph)
+
+
+def _tied_embedding_proto() -> onnx.ModelProto:
+    """ids [2, 6] -> Gather(E [20, 16]) -> MatMul(W [16, 16]) -> MatMul(E^T): the LM head tied to the embedding
+    (as Llama's and GPT-2's), loss = sum(logits * R)."""
+    from tests.conftest import make_model
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"], axis=0, name="embed"),
+             helper.make_node("MatMul", ["h", "W"], ["h2"], name="fc"),
+             helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0], name="tied"),
+             helper.make_node("MatMul", ["h2", "Et"], ["logits"], name="head"),
+             helper.make_node("Mul", ["logits", "R"], ["lr"], name="mul"),
+             helper.make_node("ReduceSum", ["lr"], ["loss"], keepdims=0, name="sum")]
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 6])
+    return make_model(nodes, [ids], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                      {"E": _randn(20, 16, seed=7), "W": _randn(16, 16, seed=8, scale=0.3),
+                       "R": _randn(2, 6, 20, seed=9)})
+
+
+def test_tied_embedding_table_quantized(tmp_path) -> None:
+    """Golden: a table read by a Gather and (through Transpose) as the head's B becomes one DequantizeLinear,
+    grouped along the hidden axis (the head's K, each gathered row's own groups), dequantized in both readers
+    (the step test: no dequantize kernel); no gradient of the frozen table. Negative: a table
+    some other op reads too stays float."""
+    path = str(tmp_path / "tied.onnx")
+    onnx.save(_tied_embedding_proto(), path)
+    options = TrainingOptions(loss="output", adapter=AdapterConfig(kind="lora", rank=2, sites="linear"),
+                              weights=WeightFormat("int4", group=8))
+    graph = build_training_graph(load_model(path), options).graph
+    table = next(n for n in graph if n.name == "E.dequantize")
+    assert (table.attributes["axis"].value, table.attributes["block_size"].value) == (1, 8)
+    assert list(table.inputs[1].shape) == [20, 2] and "E" not in graph.initializers
+    assert {use.node.name for use in table.outputs[0].uses()} == {"embed", "tied"}  # the Gather, the head's E^T
+    # no embedding gradient (full fine-tuning builds one: grad/embed/..., a one-hot MatMul or a scatter)
+    assert not any(n.name.startswith("grad/embed/") or n.op_type in ("ScatterND", "ScatterElements") for n in graph)
+
+    fp16 = build_training_graph(load_model(path), replace(options, weights=WeightFormat("fp16"))).graph
+    table = fp16.initializers["E"]  # rounded to fp16, a half texture both readers read: no Cast, no copy
+    assert table.metadata_props[keys.STORAGE] == "fp16" and {u.node.name for u in table.uses()} == {"embed", "tied"}
+
+    proto = _tied_embedding_proto()
+    proto.graph.node.append(helper.make_node("Relu", ["E"], ["E_relu"], name="other"))
+    proto.graph.output.append(helper.make_tensor_value_info("E_relu", TensorProto.FLOAT, [20, 16]))
+    onnx.save(proto, path)
+    graph = build_training_graph(load_model(path), options).graph
+    assert "E" in graph.initializers and not any(n.name == "E.dequantize" for n in graph)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_tied_embedding_step_matches_onnxruntime(tmp_path, weights: str) -> None:
+    """Numeric: the LoRA step (forward and backward: the head's input gradient reads E too) on PoCL equals
+    onnxruntime on the same quantized step graph (rtol 1e-4, atol 1e-5: tools/verify.compare)."""
+    from fblc.tools.verify import verify_model
+    path = str(tmp_path / "tied.onnx")
+    onnx.save(_tied_embedding_proto(), path)
+    bundle = str(tmp_path / "bundle")
+    options = TrainingOptions(loss="output", adapter=AdapterConfig(kind="lora", rank=2, sites="linear"),
+                              weights=WeightFormat(weights, group=8))
+    rows = verify_model(path, options, keep_bundle=bundle)
+    assert rows and not [r for r in rows if not r.ok]
+    plan = json.loads(open(f"{bundle}/plan.json").read())
+    assert not any(k["family"] == "dequantize" for k in plan["kernels"])  # dequantized in registers

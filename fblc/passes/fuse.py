@@ -102,17 +102,22 @@ def written_by(node: ir.Node) -> ir.Node | None:
 
 def dequantized_in_readers(node: ir.Node) -> bool:
     """Whether `node` is a DequantizeLinear whose data only contractions read, each as its B operand (directly
-    or through views: the backward's W^T): they dequantize the elements they load, so the float weight never
-    exists in memory. Any other reader (an elementwise op, a Gather, a step output) gets the materialising
+    or through views: the backward's W^T), and Gathers as their table (an embedding, tied to an LM head): they
+    dequantize the elements they load, so the float weight never exists in memory. Any other reader (an
+    elementwise op, GatherElements, a step output) gets the materialising
     kernel (codegen/kernels/dequantize.py)."""
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
         return False
     uses = [use for _, use in read_uses(node.outputs[0])]
-    return bool(uses) and all(use.node.op_type in CONTRACTION_B and use.idx == 1 for use in uses)
+    return bool(uses) and all((use.node.op_type, use.idx) in DEQUANTIZING_READS and use.node.domain in ("", "ai.onnx")
+                              for use in uses)
 
 
 #: the contractions whose kernels read a B operand through ValueReads (element / texel), which dequantizes
 CONTRACTION_B = frozenset({"MatMul", "Gemm"})
+#: (op, input) whose kernels read that input through ValueReads.element / texel, which dequantize a packed
+#: weight in registers: a contraction's B, a Gather's table (kernels/gather.py: an embedding row)
+DEQUANTIZING_READS = frozenset({(op, 1) for op in CONTRACTION_B} | {("Gather", 0)})
 
 
 def kernel_of(node: ir.Node) -> str | None:

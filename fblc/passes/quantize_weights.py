@@ -1,9 +1,11 @@
-"""quantize_weights: store frozen MatMul/Gemm weights as int8/int4 groups or fp16 (--weights).
+"""quantize_weights: store frozen MatMul/Gemm weights and Gather tables as int8/int4 groups or fp16 (--weights).
 
 Rewrite, with --weights int8|int4: each `frozen` float 2-D initializer W that is read only as the B operand
-of MatMul or Gemm (directly, or through Transpose perm [1, 0]: the dynamo exporter's Linear) becomes
+of MatMul or Gemm (directly, or through Transpose perm [1, 0]: the dynamo exporter's Linear) or as a Gather's
+table (an embedding; a tied LM head reads it as both) becomes
 DequantizeLinear(q, scale, axis=a, block_size=g) (opset 21) in W's place: q the signed integers
-(fblc.compiler.quantize, groups of --weight-group along the reduction axis a), scale float32 values that fp16
+(fblc.compiler.quantize, groups of --weight-group along the contractions' reduction axis a, or for a table only
+gathered, along its rows: a gathered row dequantizes from its own words and scales), scale float32 values that fp16
 holds exactly, stored as fp16 on the device (`fblc.storage`). With --weights fp16: W's values are rounded to fp16
 (still a float tensor, so the graph and onnxruntime compute with what the device holds) and stored in a half
 texture, which its contractions read as any float texture: no Cast, no float copy. Never a trainable weight (role `param`) and never an adapter's factor (LoRA A/B,
@@ -22,12 +24,13 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
-from fblc.compiler.quantize import STORED_AS, WeightFormat, group_of, quantize, dequantize, relative_error
+from fblc.compiler.quantize import INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize
 from fblc.compiler.values import attr, static_shape
 from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
 BLOCKED_OPSET = 21  # DequantizeLinear's block_size
+SLICE_ELEMENTS = 1 << 22  # elements of a weight quantized at once (_quantize_in_slices: bounded host memory)
 
 
 def _reduction_axis(use: ir.Usage) -> int | None:
@@ -47,15 +50,29 @@ def _reduction_axis(use: ir.Usage) -> int | None:
     return 1 if transposed else 0
 
 
+def _gathered_axis(use: ir.Usage) -> int | None:
+    """The axis of the stored 2-D table that a Gather reading it as its data (input 0) keeps whole: the row of an
+    embedding (Gather axis 0 keeps axis 1), so that each gathered row dequantizes from its own words and scales;
+    else None."""
+    node = use.node
+    if node.op_type != "Gather" or node.domain != "" or use.idx != 0:
+        return None
+    return 1 - int(attr(node, "axis", 0)) % 2
+
+
 def _candidate(value: ir.Value) -> int | None:
-    """The reduction axis of a frozen float weight that only contractions read as B; else None."""
+    """The axis the groups of a frozen float weight run along, where only contractions (as B) and Gathers (as
+    the table) read it: the contractions' reduction axis (one for all), else the gathered rows' axis (a Gather
+    dequantizes any grouping element by element: a tied embedding / LM head takes the head's); else None."""
     if keys.get_role(value) != Role.FROZEN.value or value.const_value is None or ADAPTER_FACTOR in value.metadata_props:
         return None
     if value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or len(static_shape(value)) != 2:
         return None
     if value.is_graph_input() or value.is_graph_output() or not value.uses():
         return None
-    axes = {_reduction_axis(use) for use in value.uses()}
+    gathers = [use for use in value.uses() if _gathered_axis(use) is not None]
+    contractions = [use for use in value.uses() if _gathered_axis(use) is None]
+    axes = {_reduction_axis(use) for use in contractions} or {_gathered_axis(use) for use in gathers}
     return axes.pop() if len(axes) == 1 and None not in axes else None
 
 
@@ -85,8 +102,49 @@ def _replace(graph: ir.Graph, weight: ir.Value, node: ir.Node) -> None:
     graph.initializers.pop(weight.name)
 
 
+def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
+                        ) -> tuple[np.ndarray, np.ndarray, float]:
+    """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
+    at a time: a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB in float32) is quantized with
+    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory)."""
+    other = 1 - axis
+    step = max(1, SLICE_ELEMENTS // max(1, w.shape[axis]))
+    q = np.empty(w.shape, INT_FORMATS[dtype].numpy)
+    scale_shape = list(w.shape)
+    scale_shape[axis] = -(-w.shape[axis] // group)
+    scale = np.empty(scale_shape, np.float32)
+    squared_norm = squared_error = 0.0
+    for start in range(0, w.shape[other], step):
+        part = (slice(None),) * other + (slice(start, start + step),)
+        values = np.asarray(w[part], np.float32)
+        q[part], scale[part] = quantize(values, axis, group, dtype)
+        values64 = values.astype(np.float64)
+        squared_norm += float(np.square(values64).sum())
+        squared_error += float(np.square(values64 - dequantize(q[part], scale[part], None, axis, group)).sum())
+    return q, scale, (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+
+
+def _relative_error_in_slices(w: np.ndarray, approx: np.ndarray) -> float:
+    """relative_error(w, approx), SLICE_ELEMENTS at a time (its float64 copies bounded)."""
+    rows = max(1, SLICE_ELEMENTS // max(1, w.shape[-1]))
+    squared_norm = squared_error = 0.0
+    for start in range(0, w.shape[0], rows):
+        values = np.asarray(w[start:start + rows], np.float64)
+        squared_norm += float(np.square(values).sum())
+        squared_error += float(np.square(values - approx[start:start + rows]).sum())
+    return (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+
+
+def _release(tensor: object) -> None:
+    """Unmap an external-data tensor that was read (onnx_ir's ExternalTensor maps its whole file and holds the
+    pages it read until released: a 1B decoder's weights would stay resident, 6 GB)."""
+    release = getattr(tensor, "release", None)
+    if callable(release):
+        release()
+
+
 class QuantizeWeights(ContractPass):
-    """Frozen contraction weights in --weights' storage (in place)."""
+    """Frozen contraction weights and Gather tables in --weights' storage (in place)."""
 
     name = "quantize_weights"
     requires_facts = ("trainable inputs",)
@@ -105,24 +163,29 @@ class QuantizeWeights(ContractPass):
             axis = _candidate(weight)
             if axis is None:
                 continue
-            w = np.asarray(weight.const_value.numpy(), np.float32)  # type: ignore[union-attr]
+            source = weight.const_value
+            w = np.asarray(source.numpy(), np.float32)  # type: ignore[union-attr]
             if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
                 half = w.astype(np.float16).astype(np.float32)
                 weight.const_value = ir.tensor(half, name=weight.name)
                 weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
                 records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
-                                "error": relative_error(w, half)})
+                                "error": _relative_error_in_slices(w, half)})
+                del w
+                _release(source)
                 continue
             dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-            q, scale = quantize(w, axis, group, dtype)
+            q, scale, error = _quantize_in_slices(w, axis, group, dtype)
+            del w
+            weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
+            _release(source)
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
             scale_value = _initializer(graph, f"{weight.name}.scale", ir.tensor(scale), weight.name, "fp16")
             _replace(graph, weight, ir.node("DequantizeLinear", [q_value, scale_value],
                                             {"axis": axis, "block_size": group}, name=f"{weight.name}.dequantize",
                                             num_outputs=1))
-            records.append({"weight": weight.name, "shape": list(w.shape), "format": self.weights.weights,
-                            "axis": axis, "group": group,
-                            "error": relative_error(w, dequantize(q, scale, None, axis, group))})
+            records.append({"weight": weight.name, "shape": list(q.shape), "format": self.weights.weights,
+                            "axis": axis, "group": group, "error": error})
         if not records:
             return ir.passes.PassResult(model, False)
         if self.weights.quantized and model.opset_imports.get("", BLOCKED_OPSET) < BLOCKED_OPSET:
