@@ -102,7 +102,7 @@ def written_by(node: ir.Node) -> ir.Node | None:
 
 def dequantized_in_readers(node: ir.Node) -> bool:
     """Whether `node` is a DequantizeLinear whose data only contractions read, each as its B operand (directly
-    or through views: the backward's W^T): they dequantize the elements they load, so the float weight never
+    or through views: the backward's W^T, a conv weight's Reshape to [C_out, C_in / group, k..]): they dequantize the elements they load, so the float weight never
     exists in memory. Any other reader (an elementwise op, a Gather, a step output) gets the materialising
     kernel (codegen/kernels/dequantize.py)."""
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
@@ -111,8 +111,9 @@ def dequantized_in_readers(node: ir.Node) -> bool:
     return bool(uses) and all(use.node.op_type in CONTRACTION_B and use.idx == 1 for use in uses)
 
 
-#: the contractions whose kernels read a B operand through ValueReads (element / texel), which dequantizes
-CONTRACTION_B = frozenset({"MatMul", "Gemm"})
+#: the contractions whose kernels read a B operand (a conv's weight: Conv's W, its input gradient's ConvTranspose's
+#: W) through ValueReads (element / texel, kernels/texel.fetch), which dequantizes
+CONTRACTION_B = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 
 
 def kernel_of(node: ir.Node) -> str | None:
