@@ -38,8 +38,8 @@ from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import READ_IMAGE_ARGS
 
 ALIAS = "alias"
-#: keys.KERNEL of a DequantizeLinear that every reader, a MatMul or Gemm reading it as B or a Conv or ConvTranspose as W, dequantizes as it
-#: loads (codegen/reads.py): no kernel of its own, no texture for its float tensor
+#: keys.KERNEL of a DequantizeLinear that every reader, a MatMul or Gemm reading it as B or a Conv or ConvTranspose
+#: as W, dequantizes as it loads (codegen/reads.py): no kernel of its own, no texture for its float tensor
 IN_READERS = "in_readers"
 #: the op table's vocabulary (fblc/compiler/ops.py): elementwise ops chain, contractions take an epilogue
 ELEMENTWISE = ops.ELEMENTWISE
