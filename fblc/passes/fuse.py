@@ -102,8 +102,8 @@ def written_by(node: ir.Node) -> ir.Node | None:
 
 def dequantized_in_readers(node: ir.Node) -> bool:
     """Whether `node` is a DequantizeLinear whose data only contractions read, each as its B operand (directly
-    or through views: the backward's W^T, a conv weight's Reshape to [C_out, C_in / group, k..]): they dequantize the elements they load, so the float weight never
-    exists in memory. Any other reader (an elementwise op, a Gather, a step output) gets the materialising
+    or through views: the backward's W^T), or convs as their weight: they dequantize the elements they load, so
+    the float weight never exists in memory. Any other reader (an elementwise op, a Gather, a step output) gets the materialising
     kernel (codegen/kernels/dequantize.py)."""
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
         return False

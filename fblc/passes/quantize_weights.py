@@ -11,7 +11,8 @@ MemFLoRA P/U, FuRA-S R: `fblc.adapter_factor`, set where adapters make them). Ea
 relative Frobenius error ||W - deq(q)|| / ||W|| is recorded in the model metadata (`fblc.quantized`), which
 report.json gives. A frozen Conv weight W [C_out, C_in / group, k..] read only by Convs becomes
 DequantizeLinear(q, scale) in W's shape: groups of g input channels at one tap (axis 1), or one scale per output
-channel (axis 0) where C_in / group < g (_quantize_conv). The default domain's opset rises to 21 where it was lower (the blocked form).
+channel (axis 0) where C_in / group < g (_quantize_conv). The default domain's opset rises to 21 where it was
+lower (the blocked form).
 Preconditions: roles final (mark_trainable); static shapes. In place; `modified` when a weight was rewritten.
 """
 
