@@ -233,3 +233,48 @@ def test_tied_embedding_step_matches_onnxruntime(tmp_path, weights: str) -> None
     assert rows and not [r for r in rows if not r.ok]
     plan = json.loads(open(f"{bundle}/plan.json").read())
     assert not any(k["family"] == "dequantize" for k in plan["kernels"])  # dequantized in registers
+
+
+def _conv_model() -> onnx.ModelProto:
+    """x + b (b trains), a 3x3 Conv (C_in 4), a depthwise 3x3 stride 2, a 1x1 Conv over 3 x 3 planes (texels
+    straddle them: its input gradient reads W^T, pointwise_transposes), loss = sum(y * R)."""
+    from tests.conftest import make_model
+    nodes = [helper.make_node("Add", ["x", "b"], ["h0"], name="bias"),
+             helper.make_node("Conv", ["h0", "w1"], ["h1"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Conv", ["h1", "w2"], ["h2"], pads=[1, 1, 1, 1], strides=[2, 2], group=8, name="dw"),
+             helper.make_node("Conv", ["h2", "w3"], ["y"], name="pw"),
+             helper.make_node("Mul", ["y", "R"], ["yr"], name="mul"),
+             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0, name="sum")]
+    inits = {"x": _randn(2, 4, 5, 6), "b": _randn(4, 1, 1, seed=1), "w1": _randn(8, 4, 3, 3, seed=2),
+             "w2": _randn(8, 1, 3, 3, seed=3), "w3": _randn(6, 8, 1, 1, seed=4), "R": _randn(2, 6, 3, 3, seed=5)}
+    return make_model(nodes, [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_conv_weights_dequantized_in_their_loads(tmp_path, weights: str) -> None:
+    """Golden: frozen Conv weights become DequantizeLinear (group 4: w1 [8, 4, 3, 3] and w3 [6, 8, 1, 1] in groups
+    of 4 input channels at one tap, axis 1; the depthwise w2 [8, 1, 3, 3] one scale per output channel, axis 0);
+    every conv kernel (forward Convs, the input gradients' ConvTransposes, the 1x1's Conv over W^T, whose integers
+    pointwise_transposes transposed at compile time) dequantizes as it loads: no DequantizeLinear or Transpose
+    kernel in the plan. Numeric: the step (int8: image storage, int4: buffer) on PoCL equals onnxruntime on the same
+    quantized graph (fblc verify's tolerances)."""
+    from fblc.tools.verify import verify_model
+    from tests.test_kernels_other import SGD
+    path = str(tmp_path / "conv.onnx")
+    onnx.save(_conv_model(), path)
+    options = TrainingOptions(loss="output", optimizer=SGD, train="^b$", weights=WeightFormat(weights, group=4))
+    graph = build_training_graph(load_model(path), options).graph
+    dequantized = {n.name: n for n in graph if n.op_type == "DequantizeLinear"}
+    assert sorted(dequantized) == ["w1.dequantize", "w2.dequantize", "w3.dequantize"]
+    axes = {name.split(".")[0]: (n.attributes["axis"].value, n.attributes.get("block_size")) for name, n in
+            dequantized.items()}
+    assert axes["w1"][0] == axes["w3"][0] == 1 and axes["w1"][1].value == axes["w3"][1].value == 4
+    assert axes["w2"] == (0, None) and list(dequantized["w2.dequantize"].inputs[1].shape) == [8]
+    for storage in ("buffer",) if weights == "int4" else ("image",):
+        bundle = str(tmp_path / f"bundle_{storage}")
+        rows = verify_model(path, options, storage=storage, keep_bundle=bundle)
+        assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+        with open(f"{bundle}/plan.json") as plan:
+            kernels = [k["name"] for k in json.load(plan)["kernels"]]
+        assert not [k for k in kernels if k.endswith(("_DequantizeLinear", "_Transpose"))], kernels
+        assert sum("ConvTranspose" in k for k in kernels) == 2 and sum(k.endswith("_Conv") for k in kernels) == 4

@@ -38,8 +38,8 @@ from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import READ_IMAGE_ARGS
 
 ALIAS = "alias"
-#: keys.KERNEL of a DequantizeLinear that every reader, a MatMul or Gemm reading it as B, dequantizes as it
-#: loads (codegen/reads.py): no kernel of its own, no texture for its float tensor
+#: keys.KERNEL of a DequantizeLinear that every reader, a MatMul or Gemm reading it as B or a Conv or ConvTranspose
+#: as W, dequantizes as it loads (codegen/reads.py): no kernel of its own, no texture for its float tensor
 IN_READERS = "in_readers"
 #: the op table's vocabulary (fblc/compiler/ops.py): elementwise ops chain, contractions take an epilogue
 ELEMENTWISE = ops.ELEMENTWISE
@@ -102,9 +102,10 @@ def written_by(node: ir.Node) -> ir.Node | None:
 
 def dequantized_in_readers(node: ir.Node) -> bool:
     """Whether `node` is a DequantizeLinear whose data only contractions read, each as its B operand (directly
-    or through views: the backward's W^T), and Gathers as their table (an embedding, tied to an LM head): they
-    dequantize the elements they load, so the float weight never exists in memory. Any other reader (an
-    elementwise op, GatherElements, a step output) gets the materialising
+    or through views: the backward's W^T), convs as their weight (Conv's W, its input gradient's ConvTranspose's
+    W), and Gathers as their table (an embedding, tied to an LM head): they dequantize the elements they load, so
+    the float weight never exists in memory. Any other reader (an elementwise op, GatherElements, a step output)
+    gets the materialising
     kernel (codegen/kernels/dequantize.py)."""
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
         return False
@@ -113,10 +114,11 @@ def dequantized_in_readers(node: ir.Node) -> bool:
                               for use in uses)
 
 
-#: the contractions whose kernels read a B operand through ValueReads (element / texel), which dequantizes
-CONTRACTION_B = frozenset({"MatMul", "Gemm"})
+#: the contractions whose kernels read a B operand (a conv's weight: Conv's W, its input gradient's ConvTranspose's
+#: W) through ValueReads (element / texel, kernels/texel.fetch), which dequantizes
+CONTRACTION_B = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 #: (op, input) whose kernels read that input through ValueReads.element / texel, which dequantize a packed
-#: weight in registers: a contraction's B, a Gather's table (kernels/gather.py: an embedding row)
+#: weight in registers: a contraction's B (a conv's weight), a Gather's table (kernels/gather.py: an embedding row)
 DEQUANTIZING_READS = frozenset({(op, 1) for op in CONTRACTION_B} | {("Gather", 0)})
 
 

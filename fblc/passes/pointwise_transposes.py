@@ -3,7 +3,9 @@
 Rewrite: dX = ConvTranspose(dY, W) with W [C_in, C_out, 1, ..] (group 1, stride 1, no padding, dilation or
 output padding, no bias: a 1x1 Conv's input gradient) becomes dX = Conv(dY, Wt), Wt = Transpose(W) [C_out,
 C_in, 1, ..] kept a copy (tile_remap.PACKED): the weights packed the way this reader wants them. A frozen W
-(a constant, not a trained graph input) is packed at compile time instead: Wt is a new initializer.
+(a constant, not a trained graph input) is packed at compile time instead: Wt is a new initializer; a quantized
+frozen W (DequantizeLinear of constants, quantize_weights) becomes a DequantizeLinear of its integers and scales
+transposed at compile time (the same values), which the Conv dequantizes as it loads it.
 Why: a texel holds 4 consecutive elements of the last axis. The transposed kernel sums over C_in with a tile of
 output channels; it reads W[c, o..o+3] as one texel only where its tile's rows are consecutive channels, which
 needs each channel's plane to be a whole number of texels (plane % 4 == 0: kernels/conv_schedules.channel_rows).
@@ -73,8 +75,11 @@ def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
     rank = len(static_shape(w))
     perm = [1, 0, *range(2, rank)]
     frozen = None if w.is_graph_input() else const_array(w)  # a trained weight is a graph input (its role PARAM)
+    quantized = _quantized(w)
     if frozen is not None:  # packed once, at compile time
         packed = e.const(np.ascontiguousarray(frozen.transpose(perm)))
+    elif quantized is not None:  # a quantized frozen weight: its integers and scales packed at compile time
+        packed = _transposed_dequantize(graph, quantized, perm, node)
     else:  # packed each step, by a copy kernel
         packed = e.op("Transpose", w, perm=perm)
         packed.producer().metadata_props[keys.REMAP] = PACKED  # type: ignore[union-attr]
@@ -83,6 +88,46 @@ def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
     replace_output(target, dx, "transposed")
     dx.metadata_props.update(target.metadata_props)
     graph.remove(node, safe=True)
+
+
+def _quantized(w: ir.Value) -> ir.Node | None:
+    """The DequantizeLinear that makes frozen weight `w` from constant integers and scales (quantize_weights), or
+    None."""
+    producer = w.producer()
+    if producer is None or producer.op_type != "DequantizeLinear" or producer.domain not in ("", "ai.onnx"):
+        return None
+    inputs = [v for v in producer.inputs if v is not None]
+    return producer if all(not v.is_graph_input() and v.const_value is not None for v in inputs) else None
+
+
+def _transposed_dequantize(graph: ir.Graph, dequantize: ir.Node, perm: list[int], anchor: ir.Node) -> ir.Value:
+    """DequantizeLinear of the integers (and scales, zero points) of `dequantize` transposed by `perm` (axes 0 and
+    1 swapped): W^T as the same quantized values, never a float copy, which the Conv dequantizes as it loads it
+    (fuse.IN_READERS). New frozen initializers, marked as `dequantize`'s were (keys.QUANTIZED, fp16 scales)."""
+    axis = int(attr(dequantize, "axis", 1)) % len(perm)
+    transposed = []
+    for index, value in enumerate(dequantize.inputs):
+        if value is None:
+            continue
+        array = value.const_value.numpy()  # type: ignore[union-attr]
+        array = np.ascontiguousarray(array.transpose(perm)) if array.ndim == len(perm) else array  # per axis: as is
+        copy = ir.Value(name=f"{value.name}.transposed", shape=ir.Shape(array.shape), type=ir.TensorType(value.dtype),
+                        const_value=ir.tensor(array, dtype=value.dtype, name=f"{value.name}.transposed"))
+        copy.metadata_props.update(value.metadata_props)
+        graph.register_initializer(copy)
+        transposed.append(copy)
+    attributes = {"axis": perm[axis]}
+    if "block_size" in dequantize.attributes:
+        attributes["block_size"] = int(attr(dequantize, "block_size", 0))
+    node = ir.node("DequantizeLinear", transposed, attributes, name=f"{dequantize.name}.transposed", num_outputs=1)
+    graph.insert_before(anchor, node)
+    out = node.outputs[0]
+    w_shape = static_shape(dequantize.outputs[0])
+    out.shape, out.type = ir.Shape([w_shape[p] for p in perm]), ir.TensorType(ir.DataType.FLOAT)
+    out.name = f"{dequantize.outputs[0].name}.transposed"
+    out.metadata_props.update(dequantize.outputs[0].metadata_props)
+    node.metadata_props.update({k: v for k, v in dequantize.metadata_props.items() if k == keys.STAGE})
+    return out
 
 
 class PointwiseTransposes(ContractPass):

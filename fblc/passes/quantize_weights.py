@@ -1,4 +1,4 @@
-"""quantize_weights: store frozen MatMul/Gemm weights and Gather tables as int8/int4 groups or fp16 (--weights).
+"""quantize_weights: store frozen MatMul/Gemm and Conv weights and Gather tables as int8/int4 groups or fp16 (--weights).
 
 Rewrite, with --weights int8|int4: each `frozen` float 2-D initializer W that is read only as the B operand
 of MatMul or Gemm (directly, or through Transpose perm [1, 0]: the dynamo exporter's Linear) or as a Gather's
@@ -11,7 +11,10 @@ holds exactly, stored as fp16 on the device (`fblc.storage`). With --weights fp1
 texture, which its contractions read as any float texture: no Cast, no float copy. Never a trainable weight (role `param`) and never an adapter's factor (LoRA A/B,
 MemFLoRA P/U, FuRA-S R: `fblc.adapter_factor`, set where adapters make them). Each quantized weight's
 relative Frobenius error ||W - deq(q)|| / ||W|| is recorded in the model metadata (`fblc.quantized`), which
-report.json gives. The default domain's opset rises to 21 where it was lower (the blocked form).
+report.json gives. A frozen Conv weight W [C_out, C_in / group, k..] read only by Convs becomes
+DequantizeLinear(q, scale) in W's shape: groups of g input channels at one tap (axis 1), or one scale per output
+channel (axis 0) where C_in / group < g (_quantize_conv). The default domain's opset rises to 21 where it was
+lower (the blocked form).
 Preconditions: roles final (mark_trainable); static shapes. In place; `modified` when a weight was rewritten.
 """
 
@@ -74,6 +77,46 @@ def _candidate(value: ir.Value) -> int | None:
     contractions = [use for use in value.uses() if _gathered_axis(use) is None]
     axes = {_reduction_axis(use) for use in contractions} or {_gathered_axis(use) for use in gathers}
     return axes.pop() if len(axes) == 1 and None not in axes else None
+
+
+def _conv_candidate(value: ir.Value) -> bool:
+    """Whether `value` is a frozen float Conv weight [C_out, C_in / group, k..] that only Convs read (input 1)."""
+    if keys.get_role(value) != Role.FROZEN.value or value.const_value is None or ADAPTER_FACTOR in value.metadata_props:
+        return False
+    if value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or len(static_shape(value)) < 3:
+        return False
+    if value.is_graph_input() or value.is_graph_output() or not value.uses():
+        return False
+    return all(use.node.op_type == "Conv" and use.node.domain == "" and use.idx == 1 for use in value.uses())
+
+
+def _quantize_conv(graph: ir.Graph, weight: ir.Value, weights: WeightFormat) -> dict:
+    """Conv weight W [C_out, C_in / group, k..] as DequantizeLinear(q, scale) in W's own shape (no view between
+    the weight and its convs, whose kernels read it dequantized as they load it: fuse.IN_READERS). Groups along
+    the reduction: where C_in / group >= --weight-group, `group` input channels at one tap (axis 1, blocked, a
+    last one shorter); else one scale per output channel over its whole reduction C_in / group * k.. (axis 0, per
+    axis: a depthwise conv's k x k taps, a first conv's 3 x k x k), where a group along axis 1 would be one tap's
+    few channels."""
+    shape = static_shape(weight)
+    w = np.asarray(weight.const_value.numpy(), np.float32)  # type: ignore[union-attr]
+    dtype = STORED_AS[weights.weights]
+    if shape[1] >= weights.group:
+        axis, group = 1, weights.group
+        q, scale = quantize(w, axis, group, dtype)
+        attributes = {"axis": axis, "block_size": group}
+        deq = dequantize(q, scale, None, axis, group)
+    else:  # per output channel: W viewed [C_out, R], one group of the whole row
+        axis, group = 0, int(np.prod(shape[1:]))
+        q, scale = quantize(w.reshape(shape[0], -1), 1, group, dtype)
+        q, scale = q.reshape(shape), scale.reshape(-1)
+        attributes = {"axis": axis}
+        deq = dequantize(q, scale, None, axis, 0)
+    q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
+    scale_value = _initializer(graph, f"{weight.name}.scale", ir.tensor(scale), weight.name, "fp16")
+    _replace(graph, weight, ir.node("DequantizeLinear", [q_value, scale_value], attributes,
+                                    name=f"{weight.name}.dequantize", num_outputs=1))
+    return {"weight": weight.name, "shape": list(shape), "format": weights.weights,
+            "axis": axis, "group": group, "error": _relative_error_in_slices(w, deq)}
 
 
 def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol, weight: str, storage: str | None = None
@@ -160,7 +203,11 @@ class QuantizeWeights(ContractPass):
         graph = model.graph
         records = []
         for weight in list(graph.initializers.values()):
-            axis = _candidate(weight)
+            conv = _conv_candidate(weight)
+            if conv and self.weights.quantized:
+                records.append(_quantize_conv(graph, weight, self.weights))
+                continue
+            axis = 1 if conv else _candidate(weight)  # a Conv weight in fp16: its reduction is every axis but 0
             if axis is None:
                 continue
             source = weight.const_value
