@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fblc.compiler import keys
 from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.model_io import load_model
-from fblc.compiler.quantize import WeightFormat, dequantize, pack_words, quantize, relative_error
+from fblc.compiler.quantize import WeightFormat, dequantize, pack_words, quantize, quantize_sliced, relative_error
 from fblc.errors import FblcError
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from tests.conftest import mlp_proto
@@ -81,6 +81,11 @@ def test_quantize_pack_and_error() -> None:
         q, scale = quantize(w, 0, 32, dtype)
         assert scale.shape == (2, 24) and np.array_equal(scale, scale.astype(np.float16).astype(np.float32))
         assert relative_error(w, dequantize(q, scale, None, 0, 32)) < bound
+        for axis in (0, 1):  # in slices of 5 rows/columns (a ragged last one): the same q, scale and error
+            whole = quantize(w, axis, 16, dtype)
+            sliced = quantize_sliced(w, axis, 16, dtype, slice_elements=5 * w.shape[axis])
+            assert np.array_equal(sliced[0], whole[0]) and np.array_equal(sliced[1], whole[1])
+            assert sliced[2] == pytest.approx(relative_error(w, dequantize(*whole, None, axis, 16)), rel=1e-9)
     words = pack_words(np.array([1, -1, 2, -8, 7, 0, 0, 0, 3], np.int8), 4)
     assert words.tolist() == [0x000782F1, 0x3]
 

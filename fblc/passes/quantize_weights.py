@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
-from fblc.compiler.quantize import STORED_AS, WeightFormat, group_of, quantize, dequantize, relative_error
+from fblc.compiler.quantize import STORED_AS, WeightFormat, group_of, quantize_sliced, relative_error
 from fblc.compiler.values import attr, static_shape
 from fblc.passes.contracts import ContractPass
 
@@ -105,16 +105,16 @@ class QuantizeWeights(ContractPass):
             axis = _candidate(weight)
             if axis is None:
                 continue
-            w = np.asarray(weight.const_value.numpy(), np.float32)  # type: ignore[union-attr]
+            w = weight.const_value.numpy()  # type: ignore[union-attr]  # external data: memory-mapped
             if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
-                half = w.astype(np.float16).astype(np.float32)
+                half = np.asarray(w, np.float32).astype(np.float16).astype(np.float32)
                 weight.const_value = ir.tensor(half, name=weight.name)
                 weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
                 records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
                                 "error": relative_error(w, half)})
                 continue
             dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-            q, scale = quantize(w, axis, group, dtype)
+            q, scale, error = quantize_sliced(w, axis, group, dtype)  # bounded temporaries: a 1B model's weights
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
             scale_value = _initializer(graph, f"{weight.name}.scale", ir.tensor(scale), weight.name, "fp16")
             _replace(graph, weight, ir.node("DequantizeLinear", [q_value, scale_value],
@@ -122,7 +122,7 @@ class QuantizeWeights(ContractPass):
                                             num_outputs=1))
             records.append({"weight": weight.name, "shape": list(w.shape), "format": self.weights.weights,
                             "axis": axis, "group": group,
-                            "error": relative_error(w, dequantize(q, scale, None, axis, group))})
+                            "error": error})
         if not records:
             return ir.passes.PassResult(model, False)
         if self.weights.quantized and model.opset_imports.get("", BLOCKED_OPSET) < BLOCKED_OPSET:
