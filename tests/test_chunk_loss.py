@@ -22,6 +22,7 @@ from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.chunk_loss import ChunkLoss
 from fblc.passes.memory_plan import plan_memory
 from fblc.passes.pipeline import TrainingOptions, build_training_graph, training_pipeline, run_passes
+from fblc.compiler.quantize import WeightFormat
 from fblc.profiles import load_profile
 
 RTOL, ATOL = 1e-4, 1e-5  # fp32 step graph against a float64 reference
@@ -78,7 +79,9 @@ def test_chunked_loss_gradients_match_torch(tmp_path, transposed: bool) -> None:
 def test_chunking_is_left_out_where_not_asked_or_not_possible(tmp_path) -> None:
     _lm(str(tmp_path / "lm.onnx"), transposed=False)
     for options, reason in ((TrainingOptions(loss_chunk=0), ""), (TrainingOptions(loss_chunk=-1), "below the chunk"),
-                            (TrainingOptions(loss_chunk=16, loss="mse"), "only cross_entropy")):
+                            (TrainingOptions(loss_chunk=16, loss="mse"), "only cross_entropy"),
+                            (TrainingOptions(loss_chunk=16, freeze="head", weights=WeightFormat("int4", 8)),
+                             "quantized")):
         passes = training_pipeline(options)
         step = run_passes(load_model(str(tmp_path / "lm.onnx")), passes)
         chunker = next(p for p in passes if isinstance(p, ChunkLoss))

@@ -106,6 +106,11 @@ def _terms(value: ir.Value, adds: list[ir.Node]) -> list[_Term] | str:
     if transpose is not None and transpose.op_type == "Transpose" and \
             list(transpose.attributes.get_ints("perm", [])) == [1, 0] and _only_reader(w, node):
         rows = transpose.inputs[0]
+    stored = (rows if rows is not None else w).producer()
+    if stored is not None and stored.op_type == "DequantizeLinear":
+        # its readers dequantize in registers only as a whole contraction operand (fuse.DEQUANTIZING_READS): the
+        # chunks' Slices and the label columns' GatherElements would make a float copy of the whole head
+        return f"the LM head's weight is quantized (DequantizeLinear '{stored.name}'): chunks would slice a float copy"
     return [_Term(node, x, w, rows)]
 
 
