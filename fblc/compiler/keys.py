@@ -67,6 +67,7 @@ ADAPTER_FACTOR = "fblc.adapter_factor"
 #: On the model: JSON list of the weights quantize_weights rewrote (name, format, group, relative error);
 #: on a DequantizeLinear/Cast output it made: the weight's name.
 QUANTIZED = "fblc.quantized"
+RECOMPUTE = "fblc.recompute"  # a recomputed copy's layer; the model's summary (JSON) of pass recompute
 #: On each adapter site's bottleneck q: the site's conv node.
 ADAPTER_SITE_Q = "fblc.adapter.q"
 #: On dL/dq (memflora-sg keeps it for the replay): the name of its q.

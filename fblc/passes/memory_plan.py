@@ -61,7 +61,7 @@ from fblc.passes.fuse import ALIAS, IN_READERS
 from fblc.passes.contracts import ContractPass
 from fblc.errors import FblcError
 
-RECOMPUTE = "fblc.recompute"  # the model's summary of pass recompute (fblc.passes.recompute)
+RECOMPUTE = keys.RECOMPUTE  # the model's summary of pass recompute (fblc.passes.recompute)
 
 
 CLASSES = ("weight", "optimizer", "input", "saved", "mask", "grad", "replay", "buffer")

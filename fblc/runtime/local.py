@@ -23,6 +23,7 @@ from fblc.runtime.build_progress import BuildProgress
 from fblc.runtime.device_memory import allocate_textures
 from fblc.runtime.feeds import index_problem
 from fblc.runtime.opencl import select_device
+from fblc.runtime.whole_steps import whole_step
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack, unpack
 
 
@@ -327,31 +328,32 @@ class LocalRunner:
         `reward(outputs)` with each member's model output (the +eps members, then the -eps members) and
         uploads the 2P rewards it returns before the update."""
         self.check_feeds(feeds)
-        for entry in self.manifest["inputs"]:
-            self.upload(entry["texture"], np.asarray(feeds[entry["name"]]))
         external = self.manifest.get("external_rewards")
-        if external is None:
-            self.run_kernels()
-        else:
-            if reward is None:
-                raise BundleError("this ES bundle takes its rewards from the application (--reward external); "
-                                  "pass step(feeds, reward=fn), fn mapping the members' outputs to their rewards")
-            for index in self.launch_sequence(0, external["launch"]):
-                self.launch(index)
-            outputs = [self.read(member["name"]) for member in external["members"]]
-            self.upload(external["texture"], fmt.checked_rewards(reward(outputs), external["count"]))
-            for index in self.launch_sequence(external["launch"]):
-                self.launch(index)
-        self.queue.finish()  # waits with the GIL released (a blocking read holds it): the build's progress lines go on
-        loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
-        self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
-                        for m in self.manifest["metrics"]}
-        self.swapped = self.committed_swaps()
-        for state, new in self.swapped:
-            self.binding[state], self.binding[new] = self.binding[new], self.binding[state]
-        self.steps += 1
-        if self.steps == 1:
-            self.build_progress.first_step_done()  # PoCL compiled each kernel at its first launch
+        if external is not None and reward is None:
+            raise BundleError("this ES bundle takes its rewards from the application (--reward external); "
+                              "pass step(feeds, reward=fn), fn mapping the members' outputs to their rewards")
+        with whole_step():  # updates go in place: Ctrl-C waits for the step's end (runtime/whole_steps.py)
+            for entry in self.manifest["inputs"]:
+                self.upload(entry["texture"], np.asarray(feeds[entry["name"]]))
+            if external is None:
+                self.run_kernels()
+            else:
+                for index in self.launch_sequence(0, external["launch"]):
+                    self.launch(index)
+                outputs = [self.read(member["name"]) for member in external["members"]]
+                self.upload(external["texture"], fmt.checked_rewards(reward(outputs), external["count"]))
+                for index in self.launch_sequence(external["launch"]):
+                    self.launch(index)
+            self.queue.finish()  # waits with the GIL released (a blocking read holds it): build progress goes on
+            loss = float(self._read(self.manifest["loss"]).reshape(-1)[0])
+            self.metrics = {m["name"]: float(self._read(m["texture"]).reshape(-1)[0])
+                            for m in self.manifest["metrics"]}
+            self.swapped = self.committed_swaps()
+            for state, new in self.swapped:
+                self.binding[state], self.binding[new] = self.binding[new], self.binding[state]
+            self.steps += 1
+            if self.steps == 1:
+                self.build_progress.first_step_done()  # PoCL compiled each kernel at its first launch
         return loss
 
     def run_kernels(self) -> list[Any]:
