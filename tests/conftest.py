@@ -5,9 +5,9 @@ costs less CPU time (a MobileNetV2 step 2.4x less, test_kernels_activations 1.5x
 checked against the same references. So every test builds with -cl-opt-disable (pyopencl's
 PYOPENCL_BUILD_OPTIONS, which the native runner's tests forward: fblc.runtime.native.pyopencl_build_options),
 unless PYOPENCL_BUILD_OPTIONS is set already, except where a test asks for `optimised_kernel_builds`: the
-whole-model steps of test_device_models and test_runtime's several steps (state updated in place), whose
-kernels must run right as a user's optimised build runs them (an optimiser exploits `restrict` and undefined
-behaviour; -O0 does not).
+R-Tile fp32 steps of test_device_models' MLP, T-ResNet and Llama decoder and test_runtime's several
+steps (state updated in place), whose kernels must run right as a user's optimised build runs them (an
+optimiser exploits `restrict` and undefined behaviour; -O0 does not).
 """
 
 from __future__ import annotations
