@@ -7,10 +7,13 @@ import contextlib
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from fblc import choices
 from fblc.errors import FblcError
+
+if TYPE_CHECKING:
+    from fblc.compiler.quantize import WeightFormat
 
 
 def parse_dims(text: str) -> tuple[str, tuple[int, ...]]:
@@ -185,7 +188,7 @@ def training_options(args: argparse.Namespace) -> "object":
                            device_memory=int((getattr(args, "device_memory", None) or 0) * 1e6))
 
 
-def weight_format(args: argparse.Namespace) -> "object":
+def weight_format(args: argparse.Namespace) -> "WeightFormat":
     """--weights and --weight-group (a command without them: fp32, the model's own weights)."""
     from fblc.compiler.quantize import DEFAULT_GROUP, WeightFormat
 

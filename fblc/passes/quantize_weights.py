@@ -29,6 +29,7 @@ from fblc.compiler import keys
 from fblc.compiler.keys import Role
 from fblc.compiler.quantize import INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize
 from fblc.compiler.values import attr, static_shape
+from fblc.compiler.weight_data import MappedConstant
 from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
@@ -178,14 +179,6 @@ def _relative_error_in_slices(w: np.ndarray, approx: np.ndarray) -> float:
     return (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
 
 
-def _release(tensor: object) -> None:
-    """Unmap an external-data tensor that was read (onnx_ir's ExternalTensor maps its whole file and holds the
-    pages it read until released: a 1B decoder's weights would stay resident, 6 GB)."""
-    release = getattr(tensor, "release", None)
-    if callable(release):
-        release()
-
-
 class QuantizeWeights(ContractPass):
     """Frozen contraction weights and Gather tables in --weights' storage (in place)."""
 
@@ -210,22 +203,20 @@ class QuantizeWeights(ContractPass):
             axis = 1 if conv else _candidate(weight)  # a Conv weight in fp16: its reduction is every axis but 0
             if axis is None:
                 continue
-            source = weight.const_value
-            w = np.asarray(source.numpy(), np.float32)  # type: ignore[union-attr]
-            if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
-                half = w.astype(np.float16).astype(np.float32)
-                weight.const_value = ir.tensor(half, name=weight.name)
-                weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
-                records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
-                                "error": _relative_error_in_slices(w, half)})
+            with MappedConstant(weight.const_value) as mapped:  # type: ignore[arg-type]  # pages handed back after
+                w = np.asarray(mapped.array, np.float32)
+                if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
+                    half = w.astype(np.float16).astype(np.float32)
+                    weight.const_value = ir.tensor(half, name=weight.name)
+                    weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
+                    records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
+                                    "error": _relative_error_in_slices(w, half)})
+                    del w
+                    continue
+                dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
+                q, scale, error = _quantize_in_slices(w, axis, group, dtype)
                 del w
-                _release(source)
-                continue
-            dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-            q, scale, error = _quantize_in_slices(w, axis, group, dtype)
-            del w
             weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
-            _release(source)
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
             scale_value = _initializer(graph, f"{weight.name}.scale", ir.tensor(scale), weight.name, "fp16")
             _replace(graph, weight, ir.node("DequantizeLinear", [q_value, scale_value],
