@@ -316,3 +316,17 @@ def test_tie_weights_numeric(legacy_tied, tmp_path) -> None:
     loss.backward()
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(got["embed.weight.grad"], module.embed.weight.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_infer_shapes_takes_a_folded_initializers_shape_from_its_data() -> None:
+    """A node output that a pass folds into an initializer keeps the unknown dimension inference gave it
+    (a legacy Longformer export's NonZero path ended in `internal error: Invalid item in shape: None`);
+    inference must read the initializer's shape from its tensor."""
+    nodes = [helper.make_node("Add", ["x", "w"], ["y"], name="add")]
+    proto = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 300])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+                       {"w": np.ones((2, 300), np.float32)})  # over the 1 KiB that inference sees inline
+    model = ir.from_proto(proto)
+    model.graph.initializers["w"].shape = ir.Shape([2, None])  # as a folded node output may leave it
+    assert InferShapes()(model).modified
+    assert list(model.graph.outputs[0].shape) == [2, 300]

@@ -112,18 +112,29 @@ def test_import_names_every_op_without_shape_inference_and_every_data_dependent_
              helper.make_node("NonZero", ["x"], ["nz"], name="nonzero"),
              helper.make_node("Cast", ["nz"], ["nzf"], to=TensorProto.FLOAT, name="cast"),
              helper.make_node("ReduceSum", ["nzf"], ["s"], keepdims=0, name="sum"),
-             helper.make_node("Add", ["r", "s"], ["y"], name="add")]
+             # a Range counting NonZero's hits has static inputs but inherits the unknown size: named, not blamed
+             helper.make_node("Shape", ["nz"], ["count"], start=1, name="count"),
+             helper.make_node("ReduceMax", ["count"], ["n"], keepdims=0, name="n"),
+             helper.make_node("Range", ["zero", "n", "one"], ["hits"], name="range"),
+             helper.make_node("Cast", ["hits"], ["hitsf"], to=TensorProto.FLOAT, name="cast_hits"),
+             helper.make_node("ReduceSum", ["hitsf"], ["t"], keepdims=0, name="sum_hits"),
+             helper.make_node("Add", ["r", "s"], ["rs"], name="add"),
+             helper.make_node("Add", ["rs", "t"], ["y"], name="add_hits")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-                              initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")])
+                              initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w"),
+                                           numpy_helper.from_array(np.array(0, np.int64), "zero"),
+                                           numpy_helper.from_array(np.array(1, np.int64), "one")])
     model = str(tmp_path / "model.onnx")
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                       helper.make_opsetid("com.microsoft", 1)]), model)
     code, _, stderr = run_cli(capsys, "train-graph", model, "-o", str(tmp_path / "s.onnx"), "--loss", "mse")
     assert code == 2 and stderr.count("\n") == 1
     assert "no shape rule at import for op com.microsoft.FusedGelu (2 nodes: 'gelu_1', 'gelu_2')" in stderr
-    assert "1 node has a shape that depends on data: NonZero (1 node: 'nonzero')" in stderr
-    for downstream in ("relu_after", "cast", "'sum'", "'add'"):
+    assert "2 nodes have shapes that depend on data: NonZero (1 node: 'nonzero'), Range (1 node: 'range')" in stderr
+    assert "node 'nonzero' sizes its output by the values of 'x'" in stderr
+    assert "as constants" in stderr
+    for downstream in ("relu_after", "cast", "'sum'", "'add'", "sum_hits"):
         assert downstream not in stderr
     code, stdout, _ = run_cli(capsys, "check", model, "--loss", "mse")
     assert code == 1

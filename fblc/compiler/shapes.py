@@ -9,7 +9,7 @@ Nodes left unknown only because an input is unknown are not named: the node that
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 import onnx_ir as ir
@@ -41,10 +41,11 @@ def _weightless_proto(model: ir.Model) -> onnx.ModelProto:
         for name, tensor in detached.items():
             graph.initializers[name].const_value = tensor
     declared = {i.name for i in proto.graph.input}
-    for name in detached:
+    for name, tensor in detached.items():
         if name not in declared:
-            value = graph.initializers[name]
-            proto.graph.input.append(onnx.helper.make_tensor_value_info(name, int(value.dtype), list(value.shape)))
+            # the tensor's own shape: a value a pass folded into an initializer may still carry the unknown
+            # dimensions inference gave it as a node output
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(name, int(tensor.dtype), list(tensor.shape)))
     return proto
 
 
@@ -68,6 +69,9 @@ class ShapeGaps:
     no_rule: list[OpGap]  # onnx has no shape inference for the op
     data_dependent: list[OpGap]  # static inputs, yet the output's shape depends on their data
     first_value: ir.Value | None  # the first unresolved output of all (for the one-value message)
+    # the data-dependent nodes no other one feeds (NonZero, not the Range that counts its output), each with
+    # the graph inputs whose values decide its shape
+    causes: list[tuple[ir.Node, list[str]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.no_rule or self.data_dependent or self.first_value is not None)
@@ -77,18 +81,31 @@ def shape_gaps(model: ir.Model) -> ShapeGaps:
     """Every node that leaves a value without a static shape, by cause (see the module docstring)."""
     no_rule: list[ir.Node] = []
     data_dependent: list[ir.Node] = []
+    causes: list[tuple[ir.Node, list[str]]] = []
     first: ir.Value | None = None
+    graph_inputs = {v.name for v in model.graph.inputs}
+    # per value: the graph inputs its data comes from, and whether a data-dependent shape is upstream of it
+    sources: dict[str, frozenset[str]] = {name: frozenset([name]) for name in graph_inputs}
+    after_unknown: set[str] = set()
     for node in model.graph:
+        named = [v.name for v in node.inputs if v is not None and v.name]
+        feeding = frozenset().union(*(sources.get(name, frozenset()) for name in named))
+        downstream = any(name in after_unknown for name in named)
         unresolved = [v for v in node.outputs if not _is_static(v)]
-        if not unresolved:
-            continue
-        if first is None:
-            first = unresolved[0]
-        if not has_shape_inference(node.op_type, node.domain):
-            no_rule.append(node)
-        elif all(_is_static(v) for v in node.inputs):
-            data_dependent.append(node)
-    return ShapeGaps(group_by_op(no_rule), group_by_op(data_dependent), first)
+        if unresolved:
+            if first is None:
+                first = unresolved[0]
+            if not has_shape_inference(node.op_type, node.domain):
+                no_rule.append(node)
+            elif all(_is_static(v) for v in node.inputs):
+                data_dependent.append(node)
+                if not downstream:
+                    causes.append((node, sorted(feeding)))
+        for value in node.outputs:
+            sources[value.name] = feeding
+            if downstream or unresolved:
+                after_unknown.add(value.name)
+    return ShapeGaps(group_by_op(no_rule), group_by_op(data_dependent), first, causes)
 
 
 def shape_error(gaps: ShapeGaps) -> FblcError:
@@ -103,6 +120,17 @@ def shape_error(gaps: ShapeGaps) -> FblcError:
     listed = ", ".join(f"{g.op} ({describe_nodes(g.nodes)})" for g in gaps.data_dependent)
     dynamic = (f"{nodes} node{' has a shape' if nodes == 1 else 's have shapes'} that depend{'s' if nodes == 1 else ''} "
                f"on data: {listed}") if nodes else ""
+    if nodes > len(gaps.causes) > 0:  # say which ones start it: the rest only inherit their unknown sizes
+        by_inputs: dict[tuple[str, ...], list[str]] = {}
+        for node, inputs in gaps.causes:
+            by_inputs.setdefault(tuple(inputs), []).append(node.name or node.op_type)
+        dynamic += "; " + "; ".join(
+            f"{describe_nodes(starts, counted=False)} size{'s its output' if len(starts) == 1 else ' their outputs'} "
+            + (f"by the values of {', '.join(map(repr, inputs))}"
+               if inputs else "by constant values that inference cannot read")
+            for inputs, starts in by_inputs.items())
+        dynamic_remedy += ("; export the model with the inputs named above as constants (or a fixed-size form of "
+                           "the op), so every size is known before training")
     if not gaps.no_rule:
         return ShapeError(dynamic, dynamic_remedy)
     causes = [describe_gaps("shape rule at import", gaps.no_rule)] + ([dynamic] if dynamic else [])
