@@ -411,7 +411,16 @@ def linalg_cases() -> list[Case]:
                                            eps=1e-3),
                     consts={"mean": rand(channels), "var": pos(channels)})
 
-    cases += [batch_norm("eval-4d", (2, 3, 4, 4)), batch_norm("eval-3d", (2, 3, 5))]
+    cases += [batch_norm("eval-4d", (2, 3, 4, 4)), batch_norm("eval-3d", (2, 3, 5)),
+              # statistics that trainable values compute (a weight-standardised conv's ReduceMeans of its weight):
+              # through a Mul, as trainable statistics reach BatchNormalization from a computation, not a state
+              Case("BatchNormalization-trainable-statistics",
+                   [node("Mul", ["m", "m"], ["mean"]), node("Mul", ["v", "v"], ["var"]),
+                    node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], epsilon=1e-3, training_mode=0)],
+                   {"x": rand(2, 3, 4, 4), "scale": rand(3), "bias": rand(3), "m": rand(3), "v": pos(3)},
+                   lambda t: ((t["x"] - (t["m"] * t["m"]).view(1, 3, 1, 1))
+                              / torch.sqrt((t["v"] * t["v"]).view(1, 3, 1, 1) + 1e-3)
+                              * t["scale"].view(1, 3, 1, 1) + t["bias"].view(1, 3, 1, 1)))]
 
     def layer_norm(label: str, shape: tuple[int, ...], axis: int, bias: bool = True) -> Case:
         normalized = shape[axis:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -22,7 +24,8 @@ from fblc.passes.fold_constants import FoldConstants
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.optimizer_step import OptimizerStep
-from fblc.passes.pipeline import TrainingOptions, run_passes, training_pipeline
+from fblc.compiler.model_io import load_model
+from fblc.passes.pipeline import TrainingOptions, build_training_graph, run_passes, training_pipeline
 from tests.conftest import make_model, mlp_proto
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32, same ops in the same order as onnxruntime's own run
@@ -184,6 +187,42 @@ def test_bn_batch_stats_leaves_eval_mode_alone() -> None:
     assert not BatchNormBatchStats(enabled=False)(model).modified
     assert not BatchNormBatchStats(enabled=True)(imported(mlp_proto())).modified
 
+
+
+def test_a_weight_standardised_conv_from_the_legacy_exporter_trains_like_torch(tmp_path) -> None:
+    """timm's and BiT's StdConv2d normalise the weight by its own statistics with F.batch_norm(training=True):
+    the legacy exporter writes a training-mode BatchNormalization fed by ReduceMeans of the weight. It is
+    rewritten to batch statistics without --bn-train (nothing stored to update) and trains like torch."""
+    import torch
+    import torch.nn.functional as F
+
+    class StdConv(torch.nn.Conv2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True,
+                             momentum=0.0, eps=1e-6).reshape_as(self.weight)
+            return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(StdConv(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                 torch.nn.Linear(4 * 6 * 6, 2))
+    x, labels = torch.randn(2, 3, 6, 6), torch.randn(2, 2)
+    path = str(tmp_path / "std_conv.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), path, dynamo=False, input_names=["x"], output_names=["y"])
+    assert any(n.op_type == "BatchNormalization" for n in onnx.load(path).graph.node)
+    step = build_training_graph(load_model(path), TrainingOptions(loss="mse", optimizer=OptimizerConfig("sgd")))
+    assert "BatchNormalization" not in ops(step)
+    feeds = {"x": x.numpy(), "labels": labels.numpy()}
+    params = [v.name for v in step.graph.inputs if v.name not in feeds]
+    weight = next(name for name in params if np.prod(step.graph.initializers[name].shape) == 4 * 27)
+    got = dict(zip([v.name for v in step.graph.outputs], run_onnx(step, feeds)))
+    loss = F.mse_loss(module(x), labels)
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got[f"{weight}.grad"].reshape(4, 3, 3, 3), module[0].weight.grad.numpy(),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["0.bias.grad"], module[0].bias.grad.numpy(), rtol=1e-4, atol=1e-6)
 
 # mark_trainable / attach_loss / build_gradients / optimizer_step ----------------------------------
 

@@ -203,7 +203,12 @@ def _channel_view(e: Emitter, vector: ir.Value, channels: int, rank: int) -> ir.
 
 @register_gradient("BatchNormalization")
 def batch_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-    """Eval mode (running statistics): y = (x - mean) * scale / sqrt(var + eps) + bias."""
+    """Eval mode (given statistics): y = (x - mean) * scale / sqrt(var + eps) + bias.
+
+    mean and var have gradients too where something trainable computes them (a weight-standardised
+    convolution exports its weight's statistics as ReduceMeans feeding them):
+    dmean = -scale * inv_std * sum(dy), dvar = -scale * inv_std^2 / 2 * sum(dy * x_hat).
+    """
     if int(attr(node, "training_mode", 0)):
         raise UnsupportedOpError(f"BatchNormalization in training mode (node '{node.name}') has no gradient rule",
                                  "fblc decomposes batch statistics itself with --bn-train; export in eval mode")
@@ -214,17 +219,22 @@ def batch_norm_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool])
     inv_std = _inverse_std(e, var, epsilon)
     dy = dys[0]
     reduce_axes = [0] + list(range(2, rank))
-    dx = dscale = dbias = None
+    dx = dscale = dbias = dmean = dvar = None
     if need[0]:  # two per-element products: a [C] product of its own would be a launch of C work-items
         dx = e.op("Mul", e.op("Mul", dy, _channel_view(e, scale, channels, rank)),
                   _channel_view(e, inv_std, channels, rank))
-    if need[1]:
+    if need[1] or need[4]:
         x_hat = e.op("Mul", e.op("Sub", x, _channel_view(e, mean, channels, rank)),
                      _channel_view(e, inv_std, channels, rank))
         dscale = e.reduce_sum(e.op("Mul", dy, x_hat), reduce_axes, keepdims=False)
-    if need[2]:
+        if need[4]:
+            dvar = e.op("Mul", dscale, e.op("Mul", e.op("Mul", scale, e.op("Mul", inv_std, inv_std)),
+                                            e.scalar(-0.5, dy)))
+    if need[2] or need[3]:
         dbias = e.reduce_sum(dy, reduce_axes, keepdims=False)
-    return [dx, dscale, dbias, None, None]
+        if need[3]:
+            dmean = e.op("Neg", e.op("Mul", dbias, e.op("Mul", scale, inv_std)))
+    return [dx, dscale if need[1] else None, dbias if need[2] else None, dmean, dvar]
 
 
 def _expose_outputs(node: ir.Node, count: int, shape: Sequence[int], dtype: ir.DataType, names: Sequence[str]) -> None:
