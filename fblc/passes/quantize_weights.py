@@ -146,6 +146,22 @@ def _replace(graph: ir.Graph, weight: ir.Value, node: ir.Node) -> None:
     graph.initializers.pop(weight.name)
 
 
+class _Error:
+    """||W - approx||_F / ||W||_F summed a slice at a time (in float64; 0 for an all-zero W)."""
+
+    def __init__(self) -> None:
+        self.squared_norm = self.squared_error = 0.0
+
+    def add(self, values: np.ndarray, approx: np.ndarray) -> None:
+        values = np.asarray(values, np.float64)
+        self.squared_norm += float(np.square(values).sum())
+        self.squared_error += float(np.square(values - approx).sum())
+
+    @property
+    def relative(self) -> float:
+        return (self.squared_error / self.squared_norm) ** 0.5 if self.squared_norm else 0.0
+
+
 def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
                         ) -> tuple[np.ndarray, np.ndarray, float]:
     """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
@@ -157,26 +173,22 @@ def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
     scale_shape = list(w.shape)
     scale_shape[axis] = -(-w.shape[axis] // group)
     scale = np.empty(scale_shape, np.float32)
-    squared_norm = squared_error = 0.0
+    error = _Error()
     for start in range(0, w.shape[other], step):
         part = (slice(None),) * other + (slice(start, start + step),)
         values = np.asarray(w[part], np.float32)
         q[part], scale[part] = quantize(values, axis, group, dtype)
-        values64 = values.astype(np.float64)
-        squared_norm += float(np.square(values64).sum())
-        squared_error += float(np.square(values64 - dequantize(q[part], scale[part], None, axis, group)).sum())
-    return q, scale, (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+        error.add(values, dequantize(q[part], scale[part], None, axis, group))
+    return q, scale, error.relative
 
 
 def _relative_error_in_slices(w: np.ndarray, approx: np.ndarray) -> float:
     """relative_error(w, approx), SLICE_ELEMENTS at a time (its float64 copies bounded)."""
     rows = max(1, SLICE_ELEMENTS // max(1, w.shape[-1]))
-    squared_norm = squared_error = 0.0
+    error = _Error()
     for start in range(0, w.shape[0], rows):
-        values = np.asarray(w[start:start + rows], np.float64)
-        squared_norm += float(np.square(values).sum())
-        squared_error += float(np.square(values - approx[start:start + rows]).sum())
-    return (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+        error.add(w[start:start + rows], approx[start:start + rows])
+    return error.relative
 
 
 class QuantizeWeights(ContractPass):
