@@ -66,8 +66,8 @@ class PackedConstant:
         if tensor is None:
             raise AssertionError(f"'{self.value.name}' has no constant contents to pack")
         with MappedConstant(tensor) as mapped:
-            if self.packed_bits:  # a quantized weight: its words, an eighth or a quarter of a float copy
-                yield pack(pack_words(mapped.array, self.packed_bits).view(np.int32), self.layout, self.dtype)
+            if self.packed_bits:  # a quantized weight: its words (a flat layout), a piece at a time
+                yield from self._words(mapped, budget)
             elif self.layout.kind in MASK_ELEMENTS or self.nbytes <= budget:  # small, or bits: pack whole
                 yield pack(mapped.array, self.layout, self.dtype)
             elif self.layout.kind == "flat":
@@ -85,6 +85,24 @@ class PackedConstant:
         step = max(1, budget // self.dtype.itemsize)
         for start in range(written, total, step):  # the last texel's and rows' padding
             yield np.zeros(min(step, total - start), self.dtype)
+
+    def _words(self, mapped: MappedConstant, budget: int) -> Iterator[np.ndarray]:
+        """pack(pack_words(q), layout): the packed words in order, then zeros; each piece of whole words packs
+        the elements it covers alone."""
+        if self.layout.kind != "flat":
+            raise AssertionError(f"'{self.value.name}' is packed {self.packed_bits}-bit words in a {self.layout.kind} "
+                                 "layout: packed textures are flat (codegen/textures.py)")
+        per_word = 32 // self.packed_bits
+        values = mapped.array.reshape(-1)
+        step = max(1, budget // 4) * per_word
+        written = 0
+        for start in range(0, values.size, step):
+            words = pack_words(values[start:start + step], self.packed_bits).view(np.int32).astype(self.dtype, copy=False)
+            written += words.size
+            yield words
+        total = image_elements(self.layout)
+        for start in range(written, total, max(1, budget // self.dtype.itemsize)):
+            yield np.zeros(min(max(1, budget // self.dtype.itemsize), total - start), self.dtype)
 
     def _rtile(self, mapped: MappedConstant, budget: int) -> Iterator[np.ndarray]:
         layout = self.layout

@@ -27,7 +27,8 @@ import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
-from fblc.compiler.quantize import INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize
+from fblc.compiler.quantize import (INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize,
+                                   quantize_with_error)
 from fblc.compiler.values import attr, static_shape
 from fblc.compiler.weight_data import MappedConstant
 from fblc.passes.contracts import ContractPass
@@ -154,8 +155,11 @@ class _Error:
 
     def add(self, values: np.ndarray, approx: np.ndarray) -> None:
         values = np.asarray(values, np.float64)
-        self.squared_norm += float(np.square(values).sum())
-        self.squared_error += float(np.square(values - approx).sum())
+        self.count(float(np.square(values).sum()), float(np.square(values - approx).sum()))
+
+    def count(self, squared_norm: float, squared_error: float) -> None:
+        self.squared_norm += squared_norm
+        self.squared_error += squared_error
 
     @property
     def relative(self) -> float:
@@ -176,9 +180,8 @@ def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
     error = _Error()
     for start in range(0, w.shape[other], step):
         part = (slice(None),) * other + (slice(start, start + step),)
-        values = np.asarray(w[part], np.float32)
-        q[part], scale[part] = quantize(values, axis, group, dtype)
-        error.add(values, dequantize(q[part], scale[part], None, axis, group))
+        q[part], scale[part], sums = quantize_with_error(w[part], axis, group, dtype)
+        error.count(*sums)
     return q, scale, error.relative
 
 
