@@ -107,42 +107,52 @@ class PackedConstant:
     def _rtile(self, mapped: MappedConstant, budget: int) -> Iterator[np.ndarray]:
         layout = self.layout
         texels = mapped.array.reshape(-1, 4)  # R-Tile: the last axis is a multiple of 4, whole texels
+        whole = np.ascontiguousarray(texels).view(np.dtype((np.void, 4 * texels.itemsize))).reshape(-1)
         rows_at_once = max(1, budget // (layout.width * 4 * self.dtype.itemsize))
         in_order = layout.arrangement == "rows"  # windows walk the source rows in order: drop as we go
         with np.errstate(over="ignore"):
             for y0 in range(0, layout.height, rows_at_once):
                 y1 = min(layout.height, y0 + rows_at_once)
                 source = source_texels(layout, y0, y1)
-                window = np.zeros(((y1 - y0) * layout.width, 4), self.dtype)
                 placed = source >= 0
-                window[placed] = texels[source[placed]].astype(self.dtype)
-                yield window.reshape(-1)
+                if placed.all():  # no padding here: gather whole texels (one 4-element item each), then convert
+                    yield whole.take(source).view(texels.dtype).astype(self.dtype, copy=False)
+                else:
+                    window = np.zeros(((y1 - y0) * layout.width, 4), self.dtype)
+                    window[placed] = texels[source[placed]].astype(self.dtype)
+                    yield window.reshape(-1)
                 if in_order:
                     mapped.drop()
 
 
 def source_texels(layout: TexelLayout, y0: int, y1: int) -> np.ndarray:
     """For each texel of image rows [y0, y1) of an R-Tile `layout`, row-major, the source texel that
-    layout.coords places there, or -1 for padding: coords inverted."""
+    layout.coords places there, or -1 for padding: coords inverted. Computed as a tile's base (per image row
+    and tile slot) plus the texel's place in its tile (the same in every tile), broadcast once."""
     tw4, th = layout.tile_texels_w, layout.tile_h
     ntr, ntc = layout.tile_grid
-    y, x = np.divmod(np.arange(y0 * layout.width, y1 * layout.width, dtype=np.int64), layout.width)
-    if layout.packing == "strip":
-        gx, inside = np.divmod(x, th * tw4)
-        ir_, iq = np.divmod(inside, tw4)
-        gy = y
-    else:
-        gx, iq = np.divmod(x, tw4)
-        gy, ir_ = np.divmod(y, th)
+    c4 = layout.cols // 4
+    y = np.arange(y0, y1, dtype=np.int64)[:, None, None]  # [rows, tile slots, texels of a slot]
+    if layout.packing == "strip":  # a whole tile on one image row, its rows one after another
+        span = th * tw4
+        inside = np.arange(span, dtype=np.int64)[None, None, :]
+        gy, ir_, iq = y, inside // tw4, inside % tw4
+    else:  # a tile over th image rows, tw4 texels wide
+        span = tw4
+        gy, ir_, iq = y // th, y % th, np.arange(tw4, dtype=np.int64)[None, None, :]
+    gx = np.arange(-(-layout.width // span), dtype=np.int64)[None, :, None]
     tile = gy * layout.tiles_per_row + gx
     if layout.arrangement == "columns":
         tc, tr = np.divmod(tile, ntr)
     else:
         tr, tc = np.divmod(tile, ntc)
-    r, q = tr * th + ir_, tc * tw4 + iq
-    c4 = layout.cols // 4
-    placed = (gx < layout.tiles_per_row) & (tile < ntr * ntc) & (r < layout.rows) & (q < c4)
-    return np.where(placed, r * c4 + q, -1)
+    index = (tr * th * c4 + tc * tw4) + (ir_ * c4 + iq)
+    placed = (gx < layout.tiles_per_row) & (tile < ntr * ntc)
+    if layout.rows % th or c4 % tw4:  # partial tiles at the matrix's edges: their rows / texels beyond it
+        placed = placed & (tr * th + ir_ < layout.rows) & (tc * tw4 + iq < c4)
+    index = np.where(placed, index, -1)
+    rows = y1 - y0
+    return np.broadcast_to(index, (rows, gx.shape[1], span)).reshape(rows, -1)[:, :layout.width].reshape(-1)
 
 
 def params_offsets(contents: dict[int, TextureContents]) -> dict[int, tuple[int, int]]:
