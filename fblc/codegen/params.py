@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.quantize import pack_words
-from fblc.compiler.weight_data import PIECE_BYTES, MappedConstant, constant_tensor, flat_pieces
+from fblc.compiler.weight_data import PIECE_BYTES, HalfRounded, MappedConstant, constant_tensor, flat_pieces
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack
 
 ALIGN = 64  # bytes; every texture's initial data starts on this boundary in params.bin
@@ -65,6 +65,9 @@ class PackedConstant:
         tensor = constant_tensor(self.value)
         if tensor is None:
             raise AssertionError(f"'{self.value.name}' has no constant contents to pack")
+        rounded = getattr(tensor, "raw", None)
+        if isinstance(rounded, HalfRounded) and self.dtype == np.float16:  # the source's pieces as half: the same
+            tensor = rounded.source
         with MappedConstant(tensor) as mapped:
             if self.packed_bits:  # a quantized weight: its words (a flat layout), a piece at a time
                 yield from self._words(mapped, budget)

@@ -30,7 +30,7 @@ from fblc.compiler.keys import Role
 from fblc.compiler.quantize import (INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize,
                                    quantize_with_error)
 from fblc.compiler.values import attr, static_shape
-from fblc.compiler.weight_data import MappedConstant
+from fblc.compiler.weight_data import HalfRounded, MappedConstant, flat_pieces
 from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
@@ -218,16 +218,21 @@ class QuantizeWeights(ContractPass):
             axis = 1 if conv else _candidate(weight)  # a Conv weight in fp16: its reduction is every axis but 0
             if axis is None:
                 continue
+            if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
+                source = weight.const_value
+                assert source is not None
+                error = _Error()
+                with MappedConstant(source) as mapped:  # the rounding's error, a slice at a time
+                    for piece in flat_pieces(mapped, SLICE_ELEMENTS * 4):
+                        error.add(piece, np.asarray(piece, np.float32).astype(np.float16).astype(np.float32))
+                weight.const_value = ir.LazyTensor(HalfRounded(source), ir.DataType.FLOAT, ir.Shape(source.shape),
+                                                   name=weight.name)  # rounded where read: no copy held
+                weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
+                records.append({"weight": weight.name, "shape": list(source.shape), "format": "fp16",
+                                "error": error.relative})
+                continue
             with MappedConstant(weight.const_value) as mapped:  # type: ignore[arg-type]  # pages handed back after
                 w = np.asarray(mapped.array, np.float32)
-                if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
-                    half = w.astype(np.float16).astype(np.float32)
-                    weight.const_value = ir.tensor(half, name=weight.name)
-                    weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
-                    records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
-                                    "error": _relative_error_in_slices(w, half)})
-                    del w
-                    continue
                 dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
                 q, scale, error = _quantize_in_slices(w, axis, group, dtype)
                 del w
