@@ -21,6 +21,7 @@ Preconditions: roles final (mark_trainable); static shapes. In place; `modified`
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -166,11 +167,13 @@ class _Error:
         return (self.squared_error / self.squared_norm) ** 0.5 if self.squared_norm else 0.0
 
 
-def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
-                        ) -> tuple[np.ndarray, np.ndarray, float]:
+def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType,
+                        read: Callable[[], None] = lambda: None) -> tuple[np.ndarray, np.ndarray, float]:
     """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
     at a time: a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB in float32) is quantized with
-    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory)."""
+    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory). `read` is called
+    after each slice (MappedConstant.drop: the pages it read handed back; a page a later slice shares is read
+    again from the file)."""
     other = 1 - axis
     step = max(1, SLICE_ELEMENTS // max(1, w.shape[axis]))
     q = np.empty(w.shape, INT_FORMATS[dtype].numpy)
@@ -182,6 +185,7 @@ def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
         part = (slice(None),) * other + (slice(start, start + step),)
         q[part], scale[part], sums = quantize_with_error(w[part], axis, group, dtype)
         error.count(*sums)
+        read()
     return q, scale, error.relative
 
 
@@ -234,7 +238,7 @@ class QuantizeWeights(ContractPass):
             with MappedConstant(weight.const_value) as mapped:  # type: ignore[arg-type]  # pages handed back after
                 w = np.asarray(mapped.array, np.float32)
                 dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-                q, scale, error = _quantize_in_slices(w, axis, group, dtype)
+                q, scale, error = _quantize_in_slices(w, axis, group, dtype, mapped.drop)
                 del w
             weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
