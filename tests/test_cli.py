@@ -139,13 +139,15 @@ def test_compile_with_the_traced_layout_search_says_so_and_reports_it(tmp_path, 
 
     out = str(tmp_path / "bundle")
     code, stdout, stderr = run_cli(capsys, "compile", mlp_path, "--target", "adreno830", "-o", out,
-                                   "--layout-search", "traced", "--report")
+                                   "--layout-search", "traced", "--report", "--weights", "int4")
     assert code == 0, stderr
     assert "tracing the reads of the step's kernels" in stderr
+    # every weight of the MLP trains: int4 has nothing to store, and says so in one line
+    assert [line for line in stderr.splitlines() if "--weights int4 changed nothing" in line]
     assert "layout rtile (search traced)" in stdout
     with open(os.path.join(out, "report.json"), encoding="utf-8") as handle:
         report = json.load(handle)
-    assert report["layout"]["search"] == "traced"
+    assert report["layout"]["search"] == "traced" and report["weights"]["quantized"] == []
     # the stages' seconds, the disk write of params.bin apart; its checksum, hashed as it was written, holds
     assert list(report["timings"]) == ["read_model", "passes", "codegen", "buffer_table", "reports", "write_params",
                                       "write_params_cpu"]

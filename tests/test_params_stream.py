@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fblc.codegen.params import ALIGN, PackedConstant, ParamsFile, source_texels
 from fblc.compiler.model_io import load_model
+from fblc.compiler.quantize import INT_FORMATS, pack_words, packed_words
 from fblc.compiler.weight_data import equal_data, fingerprint, is_hole, value_range
 from fblc.texel_layout import flat_layout, mask_layout, pack, rtile_layout
 
@@ -47,6 +48,18 @@ def test_streamed_packing_is_pack_byte_for_byte(packing: str) -> None:
                 assert contents.nbytes == want.nbytes
     rtile = rtile_layout(33, 12, 4, 4, packing, 3)
     assert rtile.arrangement == "columns" and (source_texels(rtile, 0, rtile.height) < 0).any()  # both reached
+
+
+def test_quantized_words_are_packed_in_pieces() -> None:
+    # int4 and int8 weights: pack(pack_words(q)) piece by piece, a piece of whole words bounded by the budget
+    rng = np.random.default_rng(2)
+    for dtype, bits in ((ir.DataType.INT4, 4), (ir.DataType.INT8, 8)):
+        q = rng.integers(-8, 8, (37, 11)).astype(np.int8)
+        value = ir.Value(name="w.q", const_value=ir.tensor(q.astype(INT_FORMATS[dtype].numpy), dtype=dtype))
+        layout = flat_layout(-(-packed_words(q.size, bits) // 4), 8)
+        want = pack(pack_words(q, bits).view(np.int32), layout, np.int32)
+        pieces = list(PackedConstant(value, layout, np.dtype(np.int32), bits).pieces(budget=16))
+        assert max(p.nbytes for p in pieces) <= 16 and np.array_equal(np.concatenate(pieces), want), bits
 
 
 def test_masks_and_small_contents_are_packed_whole() -> None:

@@ -65,6 +65,7 @@ def test_fp16_weights_in_half_textures(tmp_path) -> None:
     assert w1.metadata_props[keys.STORAGE] == "fp16" and keys.QUANTIZED in w1.metadata_props
     values = w1.const_value.numpy()
     assert np.array_equal(values, values.astype(np.float16).astype(np.float32))
+    assert isinstance(w1.const_value, ir.LazyTensor)  # rounded where read: no rounded copy held in host memory
     assert not any(n.op_type == "DequantizeLinear" for n in graph)
     assert {use.node.op_type for use in w1.uses()} <= {"Gemm", "MatMul", "Transpose"}  # no Cast, no copy
 

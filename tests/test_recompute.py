@@ -14,10 +14,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from fblc.compiler.keys import RECOMPUTE
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.errors import FblcError
-from fblc.passes.memory_plan import RECOMPUTE, check_budget, plan_memory
+from fblc.passes.memory_plan import check_budget, plan_memory
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
 from fblc.passes.recompute import find_layers
 from fblc.profiles import load_profile

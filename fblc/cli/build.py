@@ -52,6 +52,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
                                   dump_dir=args.dump_dir, on_pass=on_pass, annexes=annexes,
                                   schedules=args.schedules)
+    if options.weights.weights != "fp32" and not report["weights"]["quantized"]:  # else only report.json shows it
+        print(f"fblc: --weights {options.weights.weights} changed nothing: it stores frozen MatMul/Gemm, Conv and "
+              "embedding weights, and this step has none (every weight trains; --adapter or --freeze REGEX freezes "
+              "them)", file=sys.stderr)
     if not args.quiet:
         families = ", ".join(f"{count} {family}" for family, count in sorted(report["kernels_per_family"].items()))
         print(f"compiled {args.model} for {args.target} ({args.dtype}) in {report['compile_seconds']:.2f} s: "

@@ -333,6 +333,25 @@ def _movable_after(kernels: Sequence[Kernel], writer: int, last: int, looped: se
                    or read & textures(kernels[index].outputs) for index in range(writer, last + 1) if index != writer)
 
 
+class _Proofs:
+    """updates_in_place of a launch, answered once per kernel body: optimizer updates of same-shaped states repeat
+    exactly (codegen/plan.share_kernels shares their __kernel), and each proof walks the body and enumerates its
+    texels."""
+
+    def __init__(self) -> None:
+        self.known: dict[tuple, list[tuple[kir.KernelIR, bool]]] = {}
+
+    def __call__(self, update: Kernel, state: Argument, new: Argument) -> bool:
+        body = update.ir
+        alike = self.known.setdefault((tuple(body.arguments), state, new, update.global_size, update.group_size), [])
+        for seen, answer in alike:
+            if seen.body == body.body:
+                return answer
+        answer = updates_in_place(body, state, new, update.global_size, update.group_size)
+        alike.append((body, answer))
+        return answer
+
+
 def in_place_pairs(kernels: list[Kernel], textures: Sequence[Texture], pairs: Sequence[tuple[int, int]],
                    kept: set[int], looped: set[int]) -> list[tuple[int, int]]:
     """The (state, .new) texture pairs of `pairs` whose update can write over the state; `kept`: textures that
@@ -341,16 +360,25 @@ def in_place_pairs(kernels: list[Kernel], textures: Sequence[Texture], pairs: Se
     state follows (an input gradient reading a weight whose update the weight gradient's kernel makes) moves after
     that reader where nothing between depends on it: `kernels` is reordered then (in place)."""
     chosen = []
+    proven = _Proofs()
+    writing: dict[int, list[Kernel]] = {}  # texture -> the launches that write it, those that read it: each pair
+    reading: dict[int, list[Kernel]] = {}  # asks of two textures, and scanning every launch each time was O(n^2)
+    for kernel in kernels:
+        for texture in set(kernel.outputs):
+            writing.setdefault(texture, []).append(kernel)
+        for texture in set(kernel.inputs):
+            reading.setdefault(texture, []).append(kernel)
+    position = {id(kernel): index for index, kernel in enumerate(kernels)}  # rebuilt where a launch moves
     for state, new in pairs:
         if state in kept or new in kept:
             continue
         if textures[state].format != textures[new].format or textures[state].layout != textures[new].layout:
             continue
-        writers = [index for index, kernel in enumerate(kernels) if new in kernel.outputs]
-        readers = [index for index, kernel in enumerate(kernels) if state in kernel.inputs]
-        if len(writers) != 1 or any(state in kernel.outputs for kernel in kernels) or not readers:
+        writers = writing.get(new, [])
+        readers = sorted(position[id(kernel)] for kernel in reading.get(state, []))
+        if len(writers) != 1 or state in writing or not readers:
             continue
-        writer = writers[0]
+        writer = position[id(writers[0])]
         update = kernels[writer]
         if new in update.inputs or writer in looped or state not in update.inputs:
             continue
@@ -359,14 +387,14 @@ def in_place_pairs(kernels: list[Kernel], textures: Sequence[Texture], pairs: Se
         arguments = {(a.role, a.index): a for a in update.ir.arguments}
         state_argument = arguments.get(("in", update.inputs.index(state)))
         new_argument = arguments.get(("out", update.outputs.index(new)))
-        if state_argument is None or new_argument is None \
-                or not updates_in_place(update.ir, state_argument, new_argument, update.global_size, update.group_size):
+        if state_argument is None or new_argument is None or not proven(update, state_argument, new_argument):
             continue
         last = readers[-1]
         if last != writer:  # a later launch reads the old state: the update goes after it, where it may
             if not _movable_after(kernels, writer, last, looped, {n: s for s, n in chosen}):
                 continue
             kernels.insert(last, kernels.pop(writer))
+            position = {id(kernel): index for index, kernel in enumerate(kernels)}
         chosen.append((state, new))
     return chosen
 

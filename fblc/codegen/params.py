@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.quantize import pack_words
-from fblc.compiler.weight_data import PIECE_BYTES, MappedConstant, constant_tensor, flat_pieces
+from fblc.compiler.weight_data import PIECE_BYTES, HalfRounded, MappedConstant, constant_tensor, flat_pieces
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack
 
 ALIGN = 64  # bytes; every texture's initial data starts on this boundary in params.bin
@@ -65,9 +65,12 @@ class PackedConstant:
         tensor = constant_tensor(self.value)
         if tensor is None:
             raise AssertionError(f"'{self.value.name}' has no constant contents to pack")
+        rounded = getattr(tensor, "raw", None)
+        if isinstance(rounded, HalfRounded) and self.dtype == np.float16:  # the source's pieces as half: the same
+            tensor = rounded.source
         with MappedConstant(tensor) as mapped:
-            if self.packed_bits:  # a quantized weight: its words, an eighth or a quarter of a float copy
-                yield pack(pack_words(mapped.array, self.packed_bits).view(np.int32), self.layout, self.dtype)
+            if self.packed_bits:  # a quantized weight: its words (a flat layout), a piece at a time
+                yield from self._words(mapped, budget)
             elif self.layout.kind in MASK_ELEMENTS or self.nbytes <= budget:  # small, or bits: pack whole
                 yield pack(mapped.array, self.layout, self.dtype)
             elif self.layout.kind == "flat":
@@ -86,45 +89,73 @@ class PackedConstant:
         for start in range(written, total, step):  # the last texel's and rows' padding
             yield np.zeros(min(step, total - start), self.dtype)
 
+    def _words(self, mapped: MappedConstant, budget: int) -> Iterator[np.ndarray]:
+        """pack(pack_words(q), layout): the packed words in order, then zeros; each piece of whole words packs
+        the elements it covers alone."""
+        if self.layout.kind != "flat":
+            raise AssertionError(f"'{self.value.name}' is packed {self.packed_bits}-bit words in a {self.layout.kind} "
+                                 "layout: packed textures are flat (codegen/textures.py)")
+        per_word = 32 // self.packed_bits
+        values = mapped.array.reshape(-1)
+        step = max(1, budget // 4) * per_word
+        written = 0
+        for start in range(0, values.size, step):
+            words = pack_words(values[start:start + step], self.packed_bits).view(np.int32).astype(self.dtype, copy=False)
+            written += words.size
+            yield words
+        total = image_elements(self.layout)
+        for start in range(written, total, max(1, budget // self.dtype.itemsize)):
+            yield np.zeros(min(max(1, budget // self.dtype.itemsize), total - start), self.dtype)
+
     def _rtile(self, mapped: MappedConstant, budget: int) -> Iterator[np.ndarray]:
         layout = self.layout
         texels = mapped.array.reshape(-1, 4)  # R-Tile: the last axis is a multiple of 4, whole texels
+        whole = np.ascontiguousarray(texels).view(np.dtype((np.void, 4 * texels.itemsize))).reshape(-1)
         rows_at_once = max(1, budget // (layout.width * 4 * self.dtype.itemsize))
         in_order = layout.arrangement == "rows"  # windows walk the source rows in order: drop as we go
         with np.errstate(over="ignore"):
             for y0 in range(0, layout.height, rows_at_once):
                 y1 = min(layout.height, y0 + rows_at_once)
                 source = source_texels(layout, y0, y1)
-                window = np.zeros(((y1 - y0) * layout.width, 4), self.dtype)
                 placed = source >= 0
-                window[placed] = texels[source[placed]].astype(self.dtype)
-                yield window.reshape(-1)
+                if placed.all():  # no padding here: gather whole texels (one 4-element item each), then convert
+                    yield whole.take(source).view(texels.dtype).astype(self.dtype, copy=False)
+                else:
+                    window = np.zeros(((y1 - y0) * layout.width, 4), self.dtype)
+                    window[placed] = texels[source[placed]].astype(self.dtype)
+                    yield window.reshape(-1)
                 if in_order:
                     mapped.drop()
 
 
 def source_texels(layout: TexelLayout, y0: int, y1: int) -> np.ndarray:
     """For each texel of image rows [y0, y1) of an R-Tile `layout`, row-major, the source texel that
-    layout.coords places there, or -1 for padding: coords inverted."""
+    layout.coords places there, or -1 for padding: coords inverted. Computed as a tile's base (per image row
+    and tile slot) plus the texel's place in its tile (the same in every tile), broadcast once."""
     tw4, th = layout.tile_texels_w, layout.tile_h
     ntr, ntc = layout.tile_grid
-    y, x = np.divmod(np.arange(y0 * layout.width, y1 * layout.width, dtype=np.int64), layout.width)
-    if layout.packing == "strip":
-        gx, inside = np.divmod(x, th * tw4)
-        ir_, iq = np.divmod(inside, tw4)
-        gy = y
-    else:
-        gx, iq = np.divmod(x, tw4)
-        gy, ir_ = np.divmod(y, th)
+    c4 = layout.cols // 4
+    y = np.arange(y0, y1, dtype=np.int64)[:, None, None]  # [rows, tile slots, texels of a slot]
+    if layout.packing == "strip":  # a whole tile on one image row, its rows one after another
+        span = th * tw4
+        inside = np.arange(span, dtype=np.int64)[None, None, :]
+        gy, ir_, iq = y, inside // tw4, inside % tw4
+    else:  # a tile over th image rows, tw4 texels wide
+        span = tw4
+        gy, ir_, iq = y // th, y % th, np.arange(tw4, dtype=np.int64)[None, None, :]
+    gx = np.arange(-(-layout.width // span), dtype=np.int64)[None, :, None]
     tile = gy * layout.tiles_per_row + gx
     if layout.arrangement == "columns":
         tc, tr = np.divmod(tile, ntr)
     else:
         tr, tc = np.divmod(tile, ntc)
-    r, q = tr * th + ir_, tc * tw4 + iq
-    c4 = layout.cols // 4
-    placed = (gx < layout.tiles_per_row) & (tile < ntr * ntc) & (r < layout.rows) & (q < c4)
-    return np.where(placed, r * c4 + q, -1)
+    index = (tr * th * c4 + tc * tw4) + (ir_ * c4 + iq)
+    placed = (gx < layout.tiles_per_row) & (tile < ntr * ntc)
+    if layout.rows % th or c4 % tw4:  # partial tiles at the matrix's edges: their rows / texels beyond it
+        placed = placed & (tr * th + ir_ < layout.rows) & (tc * tw4 + iq < c4)
+    index = np.where(placed, index, -1)
+    rows = y1 - y0
+    return np.broadcast_to(index, (rows, gx.shape[1], span)).reshape(rows, -1)[:, :layout.width].reshape(-1)
 
 
 def params_offsets(contents: dict[int, TextureContents]) -> dict[int, tuple[int, int]]:

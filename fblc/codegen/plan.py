@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -151,11 +151,11 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     groups = kernel_groups(graph)
     emitted = [g for g in groups if KERNEL_EMITTERS.has(g.anchor)]
     table = _scheduled_table(graph, profile, dtype, emitted, overrides)
-    for group in emitted:  # the kernel_schedules pass put these decisions on the step: they must be these
-        recorded = group.anchor.metadata_props.get(keys.SCHEDULE)
-        if recorded is not None and recorded != _decided(table.schedules, group):
+    for group, decided in zip(emitted, _decided(table.schedules, emitted)):  # the kernel_schedules pass put these
+        recorded = group.anchor.metadata_props.get(keys.SCHEDULE)  # decisions on the step: they must be these
+        if recorded is not None and recorded != decided:
             raise AssertionError(f"{group.name}: the step's schedule {recorded} is not the one lowering decides "
-                                 f"({_decided(table.schedules, group)}): were they given different overrides?")
+                                 f"({decided}): were they given different overrides?")
     kernels: list[Kernel] = []
     refusals: list[FblcError] = []
     group_kernels: list[tuple[KernelGroup, range]] = []  # each group's launches
@@ -222,10 +222,16 @@ def compute_in_half(kernels: list[Kernel], table: TextureTable, graph: ir.Graph)
         kernel.ir = half_arithmetic(kernel.ir, [k for k, texture in enumerate(kernel.inputs) if texture in held])
 
 
-def _decided(schedules: Mapping[str, Schedule], group: KernelGroup) -> str:
-    """JSON of the group's kernels' schedules as decided, before any kernel is built (fblc.schedule)."""
-    return json.dumps({name: schedule.decided() for name, schedule in schedules.items()
-                       if name == group.name or name.startswith(f"{group.name}_")}, sort_keys=True)
+def _decided(schedules: Mapping[str, Schedule], groups: Sequence[KernelGroup]) -> list[str]:
+    """For each group, JSON of its kernels' schedules (the group's name, or it and "_" then more) as decided,
+    before any kernel is built (fblc.schedule). The kernels are found by their names' prefixes, indexed once."""
+    by_prefix: dict[str, list[str]] = {}
+    for name in schedules:
+        cuts = [k for k, character in enumerate(name) if character == "_"]
+        for prefix in {name, *(name[:k] for k in cuts)}:
+            by_prefix.setdefault(prefix, []).append(name)
+    return [json.dumps({name: schedules[name].decided() for name in by_prefix.get(group.name, [])}, sort_keys=True)
+            for group in groups]
 
 
 def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Decide:
@@ -235,7 +241,7 @@ def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping
     def decide(model: ir.Model) -> ScheduleDecisions:
         groups = [g for g in kernel_groups(model.graph) if KERNEL_EMITTERS.has(g.anchor)]
         table = _scheduled_table(model.graph, profile, dtype, groups, overrides)
-        return ScheduleDecisions([(g.anchor, _decided(table.schedules, g)) for g in groups],
+        return ScheduleDecisions(list(zip((g.anchor for g in groups), _decided(table.schedules, groups))),
                                  {name: layout.to_json() for name, layout in table.mask_layouts.items()})
 
     return decide

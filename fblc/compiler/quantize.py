@@ -73,19 +73,51 @@ def quantize(w: np.ndarray, axis: int, group: int, dtype: ir.DataType) -> tuple[
     """(q, scale) of `w` in signed `dtype` (INT8/INT4), groups of `group` along `axis`: q has w's shape
     (the type's numpy dtype), scale w's shape with that axis ceil(len / group) long (float32 values that
     fp16 holds exactly). A last, shorter group is allowed (DequantizeLinear's blocks may be ragged)."""
+    q, scale, _ = _quantize(w, axis, group, dtype, False)
+    return q, scale
+
+
+def quantize_with_error(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
+                        ) -> tuple[np.ndarray, np.ndarray, tuple[float, float]]:
+    """quantize(w, ...) and (||W||^2, ||W - deq(q)||^2) summed in float64, from the same pass over `w`."""
+    q, scale, sums = _quantize(w, axis, group, dtype, True)
+    assert sums is not None
+    return q, scale, sums
+
+
+def _quantize(w: np.ndarray, axis: int, group: int, dtype: ir.DataType, with_error: bool
+              ) -> tuple[np.ndarray, np.ndarray, tuple[float, float] | None]:
     form = INT_FORMATS[dtype]
     qmax = 2 ** (form.bits - 1) - 1
     w = np.asarray(w, np.float32)
+    axis %= w.ndim
     length = w.shape[axis]
     blocks = -(-length // group)
-    padded = np.pad(np.moveaxis(w, axis, -1), [(0, 0)] * (w.ndim - 1) + [(0, blocks * group - length)])
-    grouped = padded.reshape(padded.shape[:-1] + (blocks, group))
-    peak = np.abs(grouped).max(axis=-1)
+    if length % group:  # a last, shorter group: padded with zeros, the groups along the last axis
+        padded = np.pad(np.moveaxis(w, axis, -1), [(0, 0)] * (w.ndim - 1) + [(0, blocks * group - length)])
+        grouped, inner = padded.reshape(padded.shape[:-1] + (blocks, group)), w.ndim
+    else:  # whole groups: split the axis in place (no transposed copy), the group's elements on axis + 1
+        grouped, inner = w.reshape(w.shape[:axis] + (blocks, group) + w.shape[axis + 1:]), axis + 1
+    peak = np.maximum(grouped.max(axis=inner), -grouped.min(axis=inner))  # max |w|, without an |w| copy
     scale = (peak / qmax).astype(np.float16).astype(np.float32)
     scale[scale == 0] = 1.0  # an all-zero group: any scale gives q = 0
-    q = np.clip(np.rint(grouped / scale[..., None]), -qmax - 1, qmax)
-    q = q.reshape(padded.shape)[..., :length]
-    return np.moveaxis(q, -1, axis).astype(form.numpy), np.moveaxis(scale, -1, axis)
+    spread = np.expand_dims(scale, inner)
+    levels = np.divide(grouped, spread)
+    np.rint(levels, out=levels)
+    np.clip(levels, -qmax - 1, qmax, out=levels)
+    sums = None
+    if with_error:  # deq(q) = q * scale (dequantize's float32 product); the difference and squares in float64
+        squares = np.square(grouped, dtype=np.float64)
+        difference = np.subtract(grouped, levels * spread, dtype=np.float64)
+        sums = float(squares.sum()), float(np.square(difference, out=difference).sum())
+    # float -> int8 -> the stored type: ml_dtypes' int4 converts from float slowly; the values are in range
+    q = levels.astype(np.int8 if form.signed else np.uint8).astype(form.numpy, copy=False)
+    if length % group:
+        q = np.moveaxis(q.reshape(padded.shape)[..., :length], -1, axis)
+        scale = np.moveaxis(scale, -1, axis)
+    else:
+        q = q.reshape(w.shape)
+    return q, scale, sums
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, axis: int, group: int) -> np.ndarray:
@@ -113,8 +145,19 @@ def relative_error(w: np.ndarray, approx: np.ndarray) -> float:
 
 def pack_words(q: np.ndarray, bits: int) -> np.ndarray:
     """The elements of `q` (any integer type, row-major) as packed little-endian uint32 words (see the module)."""
+    values = np.asarray(q).reshape(-1)
+    if bits in (4, 8) and values.dtype.itemsize == 1:  # int8/uint8, ml_dtypes' int4/uint4: an element a byte,
+        data = values.view(np.uint8)  # two's complement (int4: its low nibble): the words' bytes, or nibbles of them
+        if bits == 4:
+            data = data & 15
+            if data.size % 2:
+                data = np.append(data, np.uint8(0))
+            data = data[0::2] | (data[1::2] << 4)
+        whole = np.zeros(-(-data.size // 4) * 4, np.uint8)
+        whole[: data.size] = data
+        return whole.view("<u4").astype(np.uint32, copy=False)
     per_word = 32 // bits
-    raw = np.asarray(q).reshape(-1).astype(np.int64) & ((1 << bits) - 1)
+    raw = values.astype(np.int64) & ((1 << bits) - 1)
     padded = np.zeros(-(-raw.size // per_word) * per_word, np.uint64)
     padded[: raw.size] = raw
     shifts = np.arange(per_word, dtype=np.uint64) * np.uint64(bits)

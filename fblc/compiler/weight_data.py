@@ -69,6 +69,20 @@ class MappedConstant:
         self.close()
 
 
+class HalfRounded:
+    """A float weight's values rounded to fp16 (as float32): --weights fp16's weight (passes/quantize_weights.py),
+    an ir.LazyTensor's function, so that no rounded copy is held. `source` is the weight as read: stored as half,
+    its pieces give the same bytes (fp16 rounding rounds a rounded value to itself), which the params.bin writer
+    packs from (codegen/params.py) without making the rounded copy at all."""
+
+    def __init__(self, source: ir.TensorProtocol) -> None:
+        self.source = source
+
+    def __call__(self) -> ir.TensorProtocol:
+        with MappedConstant(self.source) as mapped:
+            return ir.tensor(np.asarray(mapped.array, np.float32).astype(np.float16).astype(np.float32))
+
+
 def rows_per_piece(array: np.ndarray, budget: int = PIECE_BYTES) -> int:
     """How many leading-axis rows of `array` fit `budget` bytes (at least one)."""
     row = array.nbytes // max(1, array.shape[0]) if array.ndim else array.nbytes

@@ -146,6 +146,9 @@ class _Groups:
         self.signature: dict[int, tuple] = {}  # a reduction group -> what a sibling reduction must share
         #: group -> a level above every kernel it reads (longest path from the graph's inputs), kept by merge
         self.level: dict[int, int] = {}
+        #: group -> the groups it reads from (predecessors), kept by add and merge: the cycle search
+        #: (reaches_through_third) asks for them over and over, and recomputing them walked every member
+        self._predecessors: dict[int, set[int]] = {}
 
     def add(self, node: ir.Node) -> int:
         key = id(node)
@@ -159,6 +162,8 @@ class _Groups:
         self.shape[key] = static_shape(node.outputs[0])
         self.reads[key] = {id(view_root(v)) for v in node.inputs if v is not None}
         self.writes[key] = {id(v) for v in node.outputs if v is not None}
+        # nodes come in graph order (producers first): a node added later is no one's predecessor before it
+        self._predecessors[key] = self._neighbours(key, self.producers)
         self.level[key] = 1 + max((self.level[g] for g in self.predecessors(key)), default=0)
         return key
 
@@ -198,7 +203,7 @@ class _Groups:
         return self._neighbours(group, self.readers)
 
     def predecessors(self, group: int) -> set[int]:
-        return self._neighbours(group, self.producers)
+        return self._predecessors[group]
 
     def reaches_through_third(self, source: int, target: int) -> bool:
         """A path source -> X -> ... -> target with X another kernel (merging would make a cycle).
@@ -272,6 +277,11 @@ class _Groups:
         self.level[keep] = max(self.level[keep], self.level.pop(gone))
         for table in (self.kind, self.shape, self.signature):
             table.pop(gone)
+        self._predecessors[keep] = (self._predecessors[keep] | self._predecessors.pop(gone)) - {keep, gone}
+        for successor in self.successors(keep):  # they read gone's nodes from keep now
+            predecessors = self._predecessors[successor]
+            predecessors.discard(gone)
+            predecessors.add(keep)
         self._raise_levels(keep)
         return keep
 

@@ -61,8 +61,6 @@ from fblc.passes.fuse import ALIAS, IN_READERS
 from fblc.passes.contracts import ContractPass
 from fblc.errors import FblcError
 
-RECOMPUTE = keys.RECOMPUTE  # the model's summary of pass recompute (fblc.passes.recompute)
-
 
 CLASSES = ("weight", "optimizer", "input", "saved", "mask", "grad", "replay", "buffer")
 TRAINING_STATE = ("weight", "optimizer", "saved", "mask", "grad", "replay")
@@ -310,7 +308,7 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
     adapter = keys.json_of(model.metadata_props, keys.ADAPTER, {})
     rank = int(adapter.get("rank", 0)) if adapter.get("adapter") not in (None, "none") else 0
     return MemoryPlan(buffers, steps, labels, backward_from, optimizer_from, timeline,
-                      int(batch), rank, adapter, keys.json_of(model.metadata_props, RECOMPUTE, {}))
+                      int(batch), rank, adapter, keys.json_of(model.metadata_props, keys.RECOMPUTE, {}))
 
 
 def _timeline(buffers: list[Buffer], steps: int) -> dict[str, np.ndarray]:

@@ -21,15 +21,17 @@ Preconditions: roles final (mark_trainable); static shapes. In place; `modified`
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
-from fblc.compiler.quantize import INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize
+from fblc.compiler.quantize import (INT_FORMATS, STORED_AS, WeightFormat, dequantize, group_of, quantize,
+                                   quantize_with_error)
 from fblc.compiler.values import attr, static_shape
-from fblc.compiler.weight_data import MappedConstant
+from fblc.compiler.weight_data import HalfRounded, MappedConstant, flat_pieces
 from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
@@ -146,37 +148,54 @@ def _replace(graph: ir.Graph, weight: ir.Value, node: ir.Node) -> None:
     graph.initializers.pop(weight.name)
 
 
-def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
-                        ) -> tuple[np.ndarray, np.ndarray, float]:
+class _Error:
+    """||W - approx||_F / ||W||_F summed a slice at a time (in float64; 0 for an all-zero W)."""
+
+    def __init__(self) -> None:
+        self.squared_norm = self.squared_error = 0.0
+
+    def add(self, values: np.ndarray, approx: np.ndarray) -> None:
+        values = np.asarray(values, np.float64)
+        self.count(float(np.square(values).sum()), float(np.square(values - approx).sum()))
+
+    def count(self, squared_norm: float, squared_error: float) -> None:
+        self.squared_norm += squared_norm
+        self.squared_error += squared_error
+
+    @property
+    def relative(self) -> float:
+        return (self.squared_error / self.squared_norm) ** 0.5 if self.squared_norm else 0.0
+
+
+def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType,
+                        read: Callable[[], None] = lambda: None) -> tuple[np.ndarray, np.ndarray, float]:
     """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
     at a time: a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB in float32) is quantized with
-    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory)."""
+    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory). `read` is called
+    after each slice (MappedConstant.drop: the pages it read handed back; a page a later slice shares is read
+    again from the file)."""
     other = 1 - axis
     step = max(1, SLICE_ELEMENTS // max(1, w.shape[axis]))
     q = np.empty(w.shape, INT_FORMATS[dtype].numpy)
     scale_shape = list(w.shape)
     scale_shape[axis] = -(-w.shape[axis] // group)
     scale = np.empty(scale_shape, np.float32)
-    squared_norm = squared_error = 0.0
+    error = _Error()
     for start in range(0, w.shape[other], step):
         part = (slice(None),) * other + (slice(start, start + step),)
-        values = np.asarray(w[part], np.float32)
-        q[part], scale[part] = quantize(values, axis, group, dtype)
-        values64 = values.astype(np.float64)
-        squared_norm += float(np.square(values64).sum())
-        squared_error += float(np.square(values64 - dequantize(q[part], scale[part], None, axis, group)).sum())
-    return q, scale, (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+        q[part], scale[part], sums = quantize_with_error(w[part], axis, group, dtype)
+        error.count(*sums)
+        read()
+    return q, scale, error.relative
 
 
 def _relative_error_in_slices(w: np.ndarray, approx: np.ndarray) -> float:
     """relative_error(w, approx), SLICE_ELEMENTS at a time (its float64 copies bounded)."""
     rows = max(1, SLICE_ELEMENTS // max(1, w.shape[-1]))
-    squared_norm = squared_error = 0.0
+    error = _Error()
     for start in range(0, w.shape[0], rows):
-        values = np.asarray(w[start:start + rows], np.float64)
-        squared_norm += float(np.square(values).sum())
-        squared_error += float(np.square(values - approx[start:start + rows]).sum())
-    return (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
+        error.add(w[start:start + rows], approx[start:start + rows])
+    return error.relative
 
 
 class QuantizeWeights(ContractPass):
@@ -203,18 +222,23 @@ class QuantizeWeights(ContractPass):
             axis = 1 if conv else _candidate(weight)  # a Conv weight in fp16: its reduction is every axis but 0
             if axis is None:
                 continue
+            if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
+                source = weight.const_value
+                assert source is not None
+                error = _Error()
+                with MappedConstant(source) as mapped:  # the rounding's error, a slice at a time
+                    for piece in flat_pieces(mapped, SLICE_ELEMENTS * 4):
+                        error.add(piece, np.asarray(piece, np.float32).astype(np.float16).astype(np.float32))
+                weight.const_value = ir.LazyTensor(HalfRounded(source), ir.DataType.FLOAT, ir.Shape(source.shape),
+                                                   name=weight.name)  # rounded where read: no copy held
+                weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
+                records.append({"weight": weight.name, "shape": list(source.shape), "format": "fp16",
+                                "error": error.relative})
+                continue
             with MappedConstant(weight.const_value) as mapped:  # type: ignore[arg-type]  # pages handed back after
                 w = np.asarray(mapped.array, np.float32)
-                if self.weights.weights == "fp16":  # fp16 values in a half texture, which the contraction reads
-                    half = w.astype(np.float16).astype(np.float32)
-                    weight.const_value = ir.tensor(half, name=weight.name)
-                    weight.metadata_props[QUANTIZED], weight.metadata_props[keys.STORAGE] = weight.name, "fp16"
-                    records.append({"weight": weight.name, "shape": list(w.shape), "format": "fp16",
-                                    "error": _relative_error_in_slices(w, half)})
-                    del w
-                    continue
                 dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-                q, scale, error = _quantize_in_slices(w, axis, group, dtype)
+                q, scale, error = _quantize_in_slices(w, axis, group, dtype, mapped.drop)
                 del w
             weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)

@@ -34,7 +34,7 @@ from fblc.compiler.flops import node_flops
 from fblc.compiler.graph import Emitter
 from fblc.compiler.keys import Role
 from fblc.passes.contracts import ContractPass
-from fblc.passes.memory_plan import CLASSES, RECOMPUTE, plan_memory
+from fblc.passes.memory_plan import CLASSES, plan_memory
 
 STATEFUL = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
             "Dropout")
@@ -163,7 +163,7 @@ def recompute_layer(graph: ir.Graph, layer: Layer) -> None:
             if key not in (keys.STAGE, keys.KERNEL):
                 copy.metadata_props[key] = text
         copy.metadata_props[keys.STAGE] = "backward"
-        copy.metadata_props[RECOMPUTE] = str(layer.index)
+        copy.metadata_props[keys.RECOMPUTE] = str(layer.index)
         graph.insert_before(readers[0], copy)
         for old, new in zip(node.outputs, copy.outputs):
             mapping[id(old)] = new
@@ -211,7 +211,7 @@ class Recompute(ContractPass):
             peak, live_saved = estimate(model)
             picked.append({"layer": layer.index, "first": layer.nodes[0].name, "last": layer.nodes[-1].name,
                            "saved_bytes": layer.saved_bytes, "flops": layer.flops, "estimate_after": peak})
-        model.metadata_props[RECOMPUTE] = json.dumps({
+        model.metadata_props[keys.RECOMPUTE] = json.dumps({
             "budget": self.budget, "estimate_before": before, "estimate_after": peak, "layers": picked,
             "flops_added": sum(int(p["flops"]) for p in picked),  # type: ignore[call-overload]
             "estimate": "live peak over node order, every value its own buffer at its ONNX dtype"})

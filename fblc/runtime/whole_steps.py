@@ -18,8 +18,9 @@ from typing import Any, Iterator
 @contextmanager
 def whole_step() -> Iterator[None]:
     """Defer SIGINT (Ctrl-C) to the end of the block; elsewhere than the main thread, where Python delivers
-    signals, it changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    signals, or where SIGINT's handler was installed outside Python (getsignal says None, and signal.signal could
+    not put it back), it changes nothing."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     received: list[Any] = []
