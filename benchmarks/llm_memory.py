@@ -105,12 +105,41 @@ def measure(path: str, trainer: str, weights: str, target: str) -> dict[str, Any
     stored = weights_report(step, program, memory, weights, options.weights.group)["bytes"]
     trained = sum(int(np.prod(v.shape.numpy())) for v in trained_tensors(step.graph))
     mb = lambda n: round(n / 1e6, 1)  # noqa: E731
-    return {"device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
+    return {"peak": peak_breakdown(plans[-1], table), "device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
             "saved_MB": mb(memory["saved"]),
             "frozen_q_MB": mb(stored["frozen_quantized"]), "frozen_f_MB": mb(stored["frozen_float"]),
             "trainable_MB": mb(stored["trainable"]), "adapters_MB": mb(stored["adapters"]),
             "optimizer_MB": mb(stored["optimizer_state"]), "trainable_values": trained,
             "launches": launches_per_step(program), "compile_cpu_s": round(time.process_time(), 1)}
+
+
+def peak_breakdown(plan: Any, table: Any) -> dict[str, Any]:
+    """What is live at the plan's live peak (the runtimes' in-place updates merged as memory_report does), in MB by
+    category: the frozen quantized weights (their packed integers and scales), FuRA-S's R factors, other weights,
+    the trained state (trainable values, ES noise and optimizer state), and the rest (activations and temporaries,
+    the largest named with their launch range), so that what decides the peak can be read off."""
+    in_place = [name for t in table.textures for name in t.values if name.endswith(".new") and name[:-4] in t.values]
+    plan = plan.updated_in_place(in_place)
+    live = sum(plan.timeline[cls] for cls in plan.timeline)
+    at = int(live.argmax()) if plan.steps else 0
+    held = [b for b in plan.buffers if b.first <= at <= b.last]
+
+    def category(b: Any) -> str:
+        names = " ".join(b.values or [b.name])
+        if b.cls == "weight":
+            if names.endswith((".q", ".scale")) or ".q " in names or ".scale " in names:
+                return "frozen_quantized"
+            return "fura_R" if ".fura_R" in names else "weights_other"
+        return "state" if b.cls in ("optimizer", "grad", "input") else "activations"
+
+    sums: dict[str, int] = {}
+    for b in held:
+        sums[category(b)] = sums.get(category(b), 0) + b.bytes
+    largest = sorted((b for b in held if category(b) == "activations"), key=lambda b: -b.bytes)[:6]
+    return {"at": plan.labels[at] if plan.steps else "", "launch": at, "launches": plan.steps,
+            **{k: round(v / 1e6, 1) for k, v in sorted(sums.items())},
+            "largest_activations": [f"{b.name} {b.shape} {b.dtype} {b.bytes / 1e6:.1f} MB [{b.first}, {b.last}]"
+                                    for b in largest]}
 
 
 def cpu_seconds(pid: int) -> float:

@@ -109,6 +109,10 @@ def test_one_es_step_is_the_numpy_update_of_the_members_rewards(tmp_path) -> Non
     options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
                               es=EsConfig(pairs=pairs, sigma=sigma), optimizer=OptimizerConfig("sgd", lr=lr))
     step = build_training_graph(load_model(exported.path), options)
+    # pick_log_probs: the members' loss picks x[label] - logsumexp(x); no [N, C] log-probabilities (checked below
+    # against numpy's log-softmax cross-entropy)
+    ops = [n.op_type for n in step.graph]
+    assert "LogSoftmax" not in ops and ops.count("ReduceLogSumExp") == 2 * pairs + 1
     save_model_atomically(step, str(tmp_path / "step.onnx"))
     meta = _adapted(exported.path, str(tmp_path / "probe.onnx"), BLOCK)
     width = meta["trainable_params"]
