@@ -15,7 +15,8 @@ Rewrite (the builders and the exact graph are in fblc.compiler.fura_s):
   x + R (delta_k * (R^T x_k)) per block, R [K, B, r] a frozen initializer `<W>.fura_R`;
 - one trainable vector `fura_s.delta` (zeros, all sites' K * r values in site order) feeds them.
 At delta = 0 the model computes what it computed; at any delta, what the model with
-W'_k = L_k diag(s_k (1 + delta_k)) R_k^T computes. Model metadata `fblc.fura_s` lists the sites,
+W'_k = L_k diag(s_k (1 + delta_k)) R_k^T computes (under --weights fp16/int8/int4, R is stored rounded to
+half (HALF_R): then W'_k to that rounding, 2^-11 of delta_k's share). Model metadata `fblc.fura_s` lists the sites,
 their blocks, the block and where it came from (`block_from`) and the skipped sites with the reason;
 the graph's `fblc.trained_by` says the block singular values are the trained set.
 
@@ -42,6 +43,12 @@ from fblc.compiler.keys import Role
 from fblc.compiler.quantize import WeightFormat, group_of, stored_values
 from fblc.compiler.weight_data import MappedConstant, rows_per_piece
 from fblc.passes.contracts import ContractPass
+
+
+#: --weights under which R is stored in half (rounded at compile time; the ONNX step holds the same values): the
+#: frozen weight's own rounding (fp16: 2^-11, int8/int4 groups: 1e-2 and more) is larger than R's (2^-11 of an
+#: orthonormal column), and at delta = 0 the transform is the identity whatever R holds. Under fp32, R stays fp32.
+HALF_R = ("fp16", "int8", "int4")
 
 
 def stored_rights(site: FuraSite, block: int, weights: WeightFormat) -> np.ndarray:
@@ -99,7 +106,12 @@ class FuraS(ContractPass):
             name = f"{site.weight.name}.fura_R"
             if name in graph.initializers:  # a weight read by two sites (tied): one R per site
                 name = f"{site.weight.name}.{site.node.name}.fura_R"
-            right_value = new_initializer(graph, name, stored_rights(site, block, self.weights), Role.FROZEN)
+            right = stored_rights(site, block, self.weights)
+            if self.weights.weights in HALF_R:
+                right = right.astype(np.float16).astype(np.float32)
+            right_value = new_initializer(graph, name, right, Role.FROZEN)
+            if self.weights.weights in HALF_R:  # a half texture (storage_precision leaves a QUANTIZED constant's)
+                right_value.metadata_props[keys.QUANTIZED], right_value.metadata_props[keys.STORAGE] = name, "fp16"
             right_t = e.op("Transpose", right_value, perm=[0, 2, 1])
             adapted = emit_input_transform(e, site, right_value, right_t, delta, offset)
             site.node.replace_input_with(0, adapted)
