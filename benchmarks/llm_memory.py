@@ -7,7 +7,9 @@
 
 Shapes (benchmarks/llama_shaped.py, B=1, T=256, weights in a sparse external file that is never written):
 `1b` Llama-3.2-1B (16 layers, hidden 2048, FFN 8192, 32/8 heads, vocab 128256) and `0.5b` a Qwen2.5-0.5B
-shape (24 layers, hidden 896, FFN 4864, 14/2 heads, vocab 151936; untied LM head, no QKV biases).
+shape (24 layers, hidden 896, FFN 4864, 14/2 heads, vocab 151936; untied LM head, no QKV biases); `1b-tied`
+the 1B shape with the LM head tied to the embedding table (Llama-3.2-1B's tie_word_embeddings; not in the
+default --shapes).
 Trainers: `es` FuRA-S ES (--trainer es --adapter fura-s --block 64 --pairs 4, SGD), `lora` LoRA r=8 backprop
 (Adam), `full` every weight by backprop (Adam). Weight formats: --weights fp32|fp16|int8|int4 (group 32);
 only frozen contraction weights are quantized, so under `full` they change nothing but what is frozen.
@@ -48,6 +50,7 @@ from benchmarks.llama_shaped import LlamaShape, build_llama_shaped  # noqa: E402
 SHAPES = {
     "1b": LlamaShape(),
     "0.5b": LlamaShape(layers=24, hidden=896, ffn=4864, heads=14, kv_heads=2, vocab=151936),
+    "1b-tied": LlamaShape(tied=True),  # Llama-3.2-1B as released: its LM head is the embedding table
 }
 TRAINERS = ("es", "lora", "full")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
