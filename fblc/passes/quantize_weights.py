@@ -21,6 +21,7 @@ Preconditions: roles final (mark_trainable); static shapes. In place; `modified`
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -146,11 +147,12 @@ def _replace(graph: ir.Graph, weight: ir.Value, node: ir.Node) -> None:
     graph.initializers.pop(weight.name)
 
 
-def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
-                        ) -> tuple[np.ndarray, np.ndarray, float]:
+def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType,
+                        after_slice: Callable[[], None] = lambda: None) -> tuple[np.ndarray, np.ndarray, float]:
     """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
     at a time: a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB in float32) is quantized with
-    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory)."""
+    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory). `after_slice`
+    runs after each slice (MappedConstant.drop: the slice's pages of the weight file handed back)."""
     other = 1 - axis
     step = max(1, SLICE_ELEMENTS // max(1, w.shape[axis]))
     q = np.empty(w.shape, INT_FORMATS[dtype].numpy)
@@ -165,6 +167,7 @@ def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
         values64 = values.astype(np.float64)
         squared_norm += float(np.square(values64).sum())
         squared_error += float(np.square(values64 - dequantize(q[part], scale[part], None, axis, group)).sum())
+        after_slice()
     return q, scale, (squared_error / squared_norm) ** 0.5 if squared_norm else 0.0
 
 
@@ -214,7 +217,7 @@ class QuantizeWeights(ContractPass):
                     del w
                     continue
                 dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-                q, scale, error = _quantize_in_slices(w, axis, group, dtype)
+                q, scale, error = _quantize_in_slices(w, axis, group, dtype, mapped.drop)
                 del w
             weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
