@@ -23,6 +23,8 @@ step, compile CPU seconds (the case process's CPU time, import and model read in
 RSS (os.wait4's ru_maxrss, which counts the mapped pages of the weight file that were read: quantizing reads every
 frozen weight) and its peak anonymous RSS (/proc RssAnon sampled every 0.5 s: what the compile allocated). A case
 past `--time-limit` CPU seconds or `--rss-limit-gb` of anonymous memory is killed and printed as "over limit".
+Under the table, each case's live peak broken down (peak_breakdown): frozen quantized weights, FuRA-S's R, other
+weights, trained state, activations, and the largest activations live there.
 
 `--adaptation`: the small pretrained decoder of benchmarks/adaptation.py (a byte-level 2-layer Llama), its
 test loss (onnxruntime on the step graph, quantized weights included) with --weights fp32, int8 and int4 before
@@ -226,6 +228,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"anonymous {row['anon_rss_GB']} GB)")
             continue
         print(f"{name:<16}" + "".join(f"{row[c]:>{max(len(c) + 2, 9)}}" for c in COLUMNS))
+    for row in rows:
+        if row["status"] == "ok" and "peak" in row:
+            peak = row["peak"]
+            parts = ", ".join(f"{k} {v}" for k, v in peak.items() if isinstance(v, float))
+            print(f"{row['shape']}/{row['trainer']}/{row['weights']}: live peak at launch {peak['launch']} of "
+                  f"{peak['launches']} ({peak['at']}), MB: {parts}; largest: {'; '.join(peak['largest_activations'][:2])}")
 
 
 def adaptation_rows(steps: int, lr: float, folder: str) -> list[dict[str, Any]]:
