@@ -4,7 +4,8 @@ The weights are initializers stored as external data in a sparse file: the model
 real tensor shapes (and so the real graph-building cost) without gigabytes of memory.
 The graph follows what torch.onnx's dynamo exporter writes for transformers' Llama: RMSNorm
 as Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul, rotary embeddings with rotate_half, grouped-query
-attention with repeated KV heads, a causal mask, SiLU-gated MLP, tied-free LM head.
+attention with repeated KV heads, a causal mask, SiLU-gated MLP, a tied-free LM head (`tied`: the head reads
+the embedding table transposed, as Llama-3.2-1B's `tie_word_embeddings` does).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class LlamaShape:
     vocab: int = 128256
     seq: int = 256
     batch: int = 1
+    tied: bool = False  # the LM head is the embedding table's transpose (one [vocab, hidden] tensor)
 
     @property
     def head_dim(self) -> int:
@@ -100,7 +102,8 @@ def build_llama_shaped(path: str, shape: LlamaShape = LLAMA_3_2_1B) -> str:
     heads_shape = lambda n: w.const(np.array([s.batch, s.seq, n, hd]))  # noqa: E731
     group = s.heads // s.kv_heads
 
-    x = w.op("Gather", [w.weight("model.embed_tokens.weight", (s.vocab, s.hidden)), "input_ids"])
+    table = w.weight("model.embed_tokens.weight", (s.vocab, s.hidden))
+    x = w.op("Gather", [table, "input_ids"])
     for i in range(s.layers):
         p = f"model.layers.{i}"
         h = _rms_norm(w, x, w.weight(f"{p}.input_layernorm.weight", (s.hidden,)), eps, two, last)
@@ -136,7 +139,8 @@ def build_llama_shaped(path: str, shape: LlamaShape = LLAMA_3_2_1B) -> str:
                                         perm=[1, 0])])
         x = w.op("Add", [x, down])
     x = _rms_norm(w, x, w.weight("model.norm.weight", (s.hidden,)), eps, two, last)
-    w.op("MatMul", [x, w.op("Transpose", [w.weight("lm_head.weight", (s.vocab, s.hidden))], perm=[1, 0])])
+    head = table if s.tied else w.weight("lm_head.weight", (s.vocab, s.hidden))
+    w.op("MatMul", [x, w.op("Transpose", [head], perm=[1, 0])])
     w.nodes[-1].output[0] = "logits"  # the graph output keeps the exporter's name
     graph = helper.make_graph(
         w.nodes, "llama_shaped",

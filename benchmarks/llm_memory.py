@@ -7,7 +7,9 @@
 
 Shapes (benchmarks/llama_shaped.py, B=1, T=256, weights in a sparse external file that is never written):
 `1b` Llama-3.2-1B (16 layers, hidden 2048, FFN 8192, 32/8 heads, vocab 128256) and `0.5b` a Qwen2.5-0.5B
-shape (24 layers, hidden 896, FFN 4864, 14/2 heads, vocab 151936; untied LM head, no QKV biases).
+shape (24 layers, hidden 896, FFN 4864, 14/2 heads, vocab 151936; untied LM head, no QKV biases); `1b-tied`
+the 1B shape with the LM head tied to the embedding table (Llama-3.2-1B's tie_word_embeddings; not in the
+default --shapes).
 Trainers: `es` FuRA-S ES (--trainer es --adapter fura-s --block 64 --pairs 4, SGD), `lora` LoRA r=8 backprop
 (Adam), `full` every weight by backprop (Adam). Weight formats: --weights fp32|fp16|int8|int4 (group 32);
 only frozen contraction weights are quantized, so under `full` they change nothing but what is frozen.
@@ -21,6 +23,8 @@ step, compile CPU seconds (the case process's CPU time, import and model read in
 RSS (os.wait4's ru_maxrss, which counts the mapped pages of the weight file that were read: quantizing reads every
 frozen weight) and its peak anonymous RSS (/proc RssAnon sampled every 0.5 s: what the compile allocated). A case
 past `--time-limit` CPU seconds or `--rss-limit-gb` of anonymous memory is killed and printed as "over limit".
+Under the table, each case's live peak broken down (peak_breakdown): frozen quantized weights, FuRA-S's R, other
+weights, trained state, activations, and the largest activations live there.
 
 `--adaptation`: the small pretrained decoder of benchmarks/adaptation.py (a byte-level 2-layer Llama), its
 test loss (onnxruntime on the step graph, quantized weights included) with --weights fp32, int8 and int4 before
@@ -48,6 +52,7 @@ from benchmarks.llama_shaped import LlamaShape, build_llama_shaped  # noqa: E402
 SHAPES = {
     "1b": LlamaShape(),
     "0.5b": LlamaShape(layers=24, hidden=896, ffn=4864, heads=14, kv_heads=2, vocab=151936),
+    "1b-tied": LlamaShape(tied=True),  # Llama-3.2-1B as released: its LM head is the embedding table
 }
 TRAINERS = ("es", "lora", "full")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
@@ -105,12 +110,41 @@ def measure(path: str, trainer: str, weights: str, target: str) -> dict[str, Any
     stored = weights_report(step, program, memory, weights, options.weights.group)["bytes"]
     trained = sum(int(np.prod(v.shape.numpy())) for v in trained_tensors(step.graph))
     mb = lambda n: round(n / 1e6, 1)  # noqa: E731
-    return {"device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
+    return {"peak": peak_breakdown(plans[-1], table), "device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
             "saved_MB": mb(memory["saved"]),
             "frozen_q_MB": mb(stored["frozen_quantized"]), "frozen_f_MB": mb(stored["frozen_float"]),
             "trainable_MB": mb(stored["trainable"]), "adapters_MB": mb(stored["adapters"]),
             "optimizer_MB": mb(stored["optimizer_state"]), "trainable_values": trained,
             "launches": launches_per_step(program), "compile_cpu_s": round(time.process_time(), 1)}
+
+
+def peak_breakdown(plan: Any, table: Any) -> dict[str, Any]:
+    """What is live at the plan's live peak (the runtimes' in-place updates merged as memory_report does), in MB by
+    category: the frozen quantized weights (their packed integers and scales), FuRA-S's R factors, other weights,
+    the trained state (trainable values, ES noise and optimizer state), and the rest (activations and temporaries,
+    the largest named with their launch range), so that what decides the peak can be read off."""
+    in_place = [name for t in table.textures for name in t.values if name.endswith(".new") and name[:-4] in t.values]
+    plan = plan.updated_in_place(in_place)
+    live = sum(plan.timeline[cls] for cls in plan.timeline)
+    at = int(live.argmax()) if plan.steps else 0
+    held = [b for b in plan.buffers if b.first <= at <= b.last]
+
+    def category(b: Any) -> str:
+        names = " ".join(b.values or [b.name])
+        if b.cls == "weight":
+            if names.endswith((".q", ".scale")) or ".q " in names or ".scale " in names:
+                return "frozen_quantized"
+            return "fura_R" if ".fura_R" in names else "weights_other"
+        return "state" if b.cls in ("optimizer", "grad", "input") else "activations"
+
+    sums: dict[str, int] = {}
+    for b in held:
+        sums[category(b)] = sums.get(category(b), 0) + b.bytes
+    largest = sorted((b for b in held if category(b) == "activations"), key=lambda b: -b.bytes)[:6]
+    return {"at": plan.labels[at] if plan.steps else "", "launch": at, "launches": plan.steps,
+            **{k: round(v / 1e6, 1) for k, v in sorted(sums.items())},
+            "largest_activations": [f"{b.name} {b.shape} {b.dtype} {b.bytes / 1e6:.1f} MB [{b.first}, {b.last}]"
+                                    for b in largest]}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -194,6 +228,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"anonymous {row['anon_rss_GB']} GB)")
             continue
         print(f"{name:<16}" + "".join(f"{row[c]:>{max(len(c) + 2, 9)}}" for c in COLUMNS))
+    for row in rows:
+        if row["status"] == "ok" and "peak" in row:
+            peak = row["peak"]
+            parts = ", ".join(f"{k} {v}" for k, v in peak.items() if isinstance(v, float))
+            print(f"{row['shape']}/{row['trainer']}/{row['weights']}: live peak at launch {peak['launch']} of "
+                  f"{peak['launches']} ({peak['at']}), MB: {parts}; largest: {'; '.join(peak['largest_activations'][:2])}")
 
 
 def adaptation_rows(steps: int, lr: float, folder: str) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ rewards that onnxruntime computes member by member, and Random123's Philox known
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import sys
 
@@ -27,6 +28,7 @@ from fblc.compiler.fura_s import DELTA
 from fblc.compiler.losses import IGNORE_INDEX
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
+from fblc.compiler.quantize import WeightFormat
 from fblc.compiler.philox import es_noise, philox4x32
 from fblc.compiler.reference import ReferenceStep
 from fblc.passes.fura_s import FuraS
@@ -109,6 +111,10 @@ def test_one_es_step_is_the_numpy_update_of_the_members_rewards(tmp_path) -> Non
     options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=BLOCK), trainer="es",
                               es=EsConfig(pairs=pairs, sigma=sigma), optimizer=OptimizerConfig("sgd", lr=lr))
     step = build_training_graph(load_model(exported.path), options)
+    # pick_log_probs: the members' loss picks x[label] - logsumexp(x); no [N, C] log-probabilities (checked below
+    # against numpy's log-softmax cross-entropy)
+    ops = [n.op_type for n in step.graph]
+    assert "LogSoftmax" not in ops and ops.count("ReduceLogSumExp") == 2 * pairs + 1
     save_model_atomically(step, str(tmp_path / "step.onnx"))
     meta = _adapted(exported.path, str(tmp_path / "probe.onnx"), BLOCK)
     width = meta["trainable_params"]
@@ -271,6 +277,26 @@ def test_fp16_es_on_the_device_follows_the_fp32_onnx_step_with_the_same_philox_n
         moved, reference_moved = runner.parameters()[DELTA] - before, reference.parameters()[DELTA] - reference_before
         cosine = float(moved @ reference_moved) / float(np.linalg.norm(moved) * np.linalg.norm(reference_moved))
         assert cosine > 0.99 and np.linalg.norm(moved) == pytest.approx(np.linalg.norm(reference_moved), rel=0.05)
+
+
+def test_int4_es_on_the_device_is_the_onnx_step_with_half_r(tmp_path) -> None:
+    """--weights int4: the frozen weights dequantize in the kernels' loads and FuRA-S's R is stored in half
+    (passes/fura_s.HALF_R: rounded at compile time, so the ONNX step holds the same values). Two iterations on
+    the device equal the ONNX step fed the same Philox noise (measured: rewards 2e-7, delta 3e-5 of its largest)."""
+    path, feeds, options = _mlp_es(tmp_path)
+    options = replace(options, weights=WeightFormat("int4", group=8))
+    step, _ = compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    rights = [v for n, v in step.graph.initializers.items() if n.endswith(".fura_R")]
+    assert rights and all(v.metadata_props[keys.STORAGE] == "fp16" for v in rights)
+    assert all(np.array_equal(v.const_value.numpy(), v.const_value.numpy().astype(np.float16)) for v in rights)
+    save_model_atomically(reference_graph(step, path, options), str(tmp_path / "step.onnx"))
+    reference, runner = ReferenceStep(str(tmp_path / "step.onnx")), LocalRunner(str(tmp_path / "bundle"),
+                                                                               progress=False, storage="image")
+    for _ in range(2):
+        assert runner.step(feeds) == pytest.approx(reference.step(feeds), rel=1e-5)
+        np.testing.assert_allclose(runner.read("rewards"), reference.last["rewards"], rtol=1e-5)
+        update = reference.last[f"{DELTA}.new"]  # z-scores scale the rewards' last bits (see the fp32 test above)
+        np.testing.assert_allclose(runner.parameters()[DELTA], update, atol=1e-3 * np.abs(update).max())
 
 
 def test_a_transformers_export_trains_forward_only_on_the_device(tmp_path) -> None:

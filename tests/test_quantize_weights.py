@@ -166,12 +166,14 @@ def test_fura_s_svd_takes_the_dequantized_weight(tmp_path) -> None:
     options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=8, fura_sites="fc2"),
                               weights=WeightFormat("int4", group=4))
     graph = build_training_graph(load_model(path), options).graph
-    right = graph.initializers["w2.fura_R"].const_value.numpy()[0]  # [8, 3]
+    right = graph.initializers["w2.fura_R"].const_value.numpy()[0].astype(np.float64)  # [8, 3]
     w2 = numpy_helper.to_array(mlp_proto().graph.initializer[2])  # [8, 3]: MatMul's B, K on axis 0
     q, scale = quantize(w2, 0, 4, ir.DataType.INT4)
     stored = dequantize(q, scale, None, 0, 4).T  # [3, 8]
-    assert np.allclose(stored @ right @ right.T, stored, atol=1e-5)
-    assert not np.allclose(w2.T @ right @ right.T, w2.T, atol=1e-3)
+    # R is held in half under int4 (passes/fura_s.HALF_R): the projection errs by its rounding, 2^-11 a column
+    # (measured 3.7e-4 relative), far inside the float W's distance from deq(W)'s span (measured 3.0e-2)
+    outside = lambda w: np.linalg.norm(w @ right @ right.T - w) / np.linalg.norm(w)  # noqa: E731
+    assert outside(stored) < 1.5e-3 and outside(w2.T) > 1e-2
     assert any(n.op_type == "DequantizeLinear" for n in graph)
 
 

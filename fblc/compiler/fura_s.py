@@ -99,22 +99,25 @@ def find_fura_sites(graph: ir.Graph) -> list[FuraSite]:
     return sites
 
 
-def weight_in_out(site: FuraSite) -> np.ndarray:
-    """W as [n_in, m_out] (float64)."""
-    w = np.asarray(site.weight.const_value.numpy(), np.float64)  # type: ignore[union-attr]
-    return w.T if site.transposed else w
+def add_block_grams(grams: np.ndarray, piece: np.ndarray, first_row: int) -> None:
+    """grams[k] += W_k^T W_k for the blocks a piece of W covers: `piece` [c, h] is rows first_row .. first_row + c
+    of W [n, m] (input features; both multiples of the block) over some h of its m output columns. Summed over
+    pieces that cover every column once, grams[k] = W_k^T W_k [b, b] (W_k [m, b] as the module writes it):
+    the pieces' products in float64, so a float32 W's Gram is exact to float64 rounding."""
+    k, b, _ = grams.shape
+    rows = piece.shape[0] // b
+    blocks = np.asarray(piece, np.float64).reshape(rows, b, -1)  # [rows of blocks, b, h]
+    grams[first_row // b:first_row // b + rows] += blocks @ blocks.transpose(0, 2, 1)
 
 
-def block_factors(w_in_out: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """(R [K, b, r], s [K, r]) of the column blocks of W (rows of W [n, m] here), float64."""
-    n, m = w_in_out.shape
-    rights, values = [], []
-    for k in range(n // block):
-        w_k = w_in_out[k * block:(k + 1) * block].T  # W_k [m, b]
-        _, s, vt = np.linalg.svd(w_k, full_matrices=False)
-        rights.append(vt.T)
-        values.append(s)
-    return np.stack(rights), np.stack(values)
+def block_rights(grams: np.ndarray, rank: int) -> np.ndarray:
+    """R [K, b, r] of W's blocks from their Gram matrices W_k^T W_k = R_k diag(s_k^2) R_k^T: the eigenvectors of
+    the r largest eigenvalues, in SVD's order (s descending), float32. Equal to numpy.linalg.svd's right vectors
+    up to each column's sign (which x + R (delta (R^T x)) does not see) where the singular values are distinct;
+    s_k's relative error is eps64 * (s_max / s_k)^2 (the Gram squares the condition number), R's columns err by
+    eps64 * s_max^2 / (the gap to the next s_k^2)."""
+    _, vectors = np.linalg.eigh(grams)  # ascending eigenvalues
+    return np.ascontiguousarray(vectors[:, :, ::-1][:, :, :rank], np.float32)
 
 
 def emit_input_transform(e: Emitter, site: FuraSite, right: ir.Value, right_t: ir.Value,

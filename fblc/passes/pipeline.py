@@ -60,6 +60,7 @@ from fblc.passes.split_views import SplitViews
 from fblc.passes.storage_precision import StoragePrecision
 from fblc.passes.tie_weights import TieWeights
 from fblc.passes.pointwise_transposes import PointwiseTransposes
+from fblc.passes.pick_log_probs import PickLogProbs
 from fblc.passes.quantize_weights import QuantizeWeights
 from fblc.passes.tile_remap import TileRemap
 from fblc.profiles import Profile
@@ -163,7 +164,8 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         QuantizeWeights(options.weights),
         AttachLoss(options.loss),
         _gradient_pass(options),
-    ] + ([ChunkLoss(options.loss_chunk, options.loss)] if options.trainer == "backprop" else []) + [
+    ] + ([ChunkLoss(options.loss_chunk, options.loss)] if options.trainer == "backprop" else []) + (
+        [PickLogProbs()] if options.trainer == "es" else []) + [
         OptimizerStep(options.optimizer),
     ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else []) + (
         [SkipNonfinite()] if loss_scaled(options) else []) + (
