@@ -171,9 +171,10 @@ def main() -> int:
                         "element; k30: 32 work-items, two input channels)")
     parser.add_argument("--trips", type=int, default=1, help="trips of the loop staged at once (a divisor of its "
                         "trips)")
-    parser.add_argument("--items", type=int, help="launch only the first ITEMS work-items (whole "
-                        "groups of every variant; the rest of each output stays zero): a run under `oclgrind "
-                        "--data-races` (with --opt-disable) finishes in minutes")
+    parser.add_argument("--items", type=int, help="launch only the first ITEMS work-items (whole groups of every "
+                        "variant; the rest of each output stays zero): a run under `oclgrind --data-races "
+                        "--local-mem-size 1048576` (with --opt-disable; oclgrind sets aside every kernel's __local "
+                        "arrays for each launch) finishes in minutes")
     parser.add_argument("--opt-disable", action="store_true", help="build with -cl-opt-disable (oclgrind)")
     args = parser.parse_args()
     trial = TRIALS[args.kernel]
@@ -252,7 +253,11 @@ def main() -> int:
     for round_ in range(args.repeats + 1):  # round 0 warms PoCL's per-launch compile (timed only alone)
         for label, (_, local, _) in variants.items():
             started = time.process_time()
-            cl.enqueue_nd_range_kernel(queue, kernels[label], (items,), (local,)).wait()
+            try:
+                cl.enqueue_nd_range_kernel(queue, kernels[label], (items,), (local,)).wait()
+            except cl.Error as error:
+                raise SystemExit(f"staging_trial: the {label} launch of {trial.kernel} in groups of {local} failed "
+                                 f"on {queue.device.name.strip()}: {error}") from None
             if round_ or not args.repeats:
                 best[label] = min(best[label], (time.process_time() - started) * 1e3)
 
