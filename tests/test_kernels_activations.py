@@ -115,23 +115,13 @@ MERGED = pytest.mark.xdist_group("activations-merged")  # one worker builds the 
 
 @pytest.fixture(scope="module")
 def merged_rows(tmp_path_factory) -> list:
-    """One SGD step of all MERGED_CASES on PoCL against onnxruntime (each case's kernels its own: checked)."""
-    from fblc.codegen.compile import compile_model
-
-    folder = tmp_path_factory.mktemp("activations_merged")
-    path = str(folder / "merged.onnx")
-    onnx.save(merged_steps.merged(MERGED_CASES), path)
-    options = TrainingOptions(loss="output", optimizer=SGD)
-    step, _ = compile_model(path, str(folder / "bundle"), "local", "fp32", options)
-    merged_steps.assert_no_kernel_spans_two_cases(step, list(MERGED_CASES))
-    return verify_model(path, options)
+    """One SGD step of all MERGED_CASES on PoCL against onnxruntime."""
+    folder = str(tmp_path_factory.mktemp("activations_merged"))
+    return merged_steps.verify_merged(MERGED_CASES, TrainingOptions(loss="output", optimizer=SGD), folder)
 
 
 def _check_case(rows: list, case: str) -> None:
-    own = merged_steps.rows_of(rows, case, list(MERGED_CASES))
-    assert len(own) > 1, f"{case}: no rows of its own"
-    bad = [r for r in own if not r.ok]
-    assert not bad, bad
+    merged_steps.assert_case_matches(rows, case, list(MERGED_CASES))
 
 
 @MERGED
