@@ -6,6 +6,10 @@ Each model is the op on trainable initializers, then ReduceSum(y * R) (tests/tes
 harness), so the forward kernel and the kernels of its backward all run. Shapes pick the code
 paths: an innermost axis a multiple of 4 (whole-texel reads) or not (per-lane ones); a fused case
 puts the activation in a contraction's epilogue (evaluate_chain).
+
+The unary, large-input, rounding and variadic cases run as one merged step (tests/support/merged_steps.py:
+one PoCL build instead of 49, each case still judged on its own parameters' rows); each case's inputs are
+drawn with their own seed, since tie_weights would make equal initializers of two cases one parameter.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fblc.passes.pipeline import TrainingOptions
 from fblc.tools.verify import verify_model
 from tests.conftest import make_model
+from tests.support import merged_steps
 from tests.test_kernels_other import SGD, _check, _op_then_loss, _randn
 
 SHAPES = [[2, 3, 8], [3, 5]]
@@ -66,12 +71,64 @@ def _ids(value: object) -> str:
     return str(value)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
-@pytest.mark.parametrize("op_type,attributes", UNARY, ids=_ids)
-def test_unary_activation(tmp_path, op_type: str, attributes: dict[str, object], shape: list[int]) -> None:
-    x = _randn(*shape, scale=2.5)
-    op = helper.make_node(op_type, ["x"], ["y"], name="act", **attributes)
-    _check(tmp_path, _model(op, shape, {"x": x}))
+def _unary_case(index: int, op_type: str, attributes: dict[str, object], shape: list[int]) -> onnx.ModelProto:
+    x = _randn(*shape, seed=index, scale=2.5)
+    return _model(helper.make_node(op_type, ["x"], ["y"], name="act", **attributes), shape, {"x": x})
+
+
+def _large_inputs_case(index: int, op_type: str) -> onnx.ModelProto:
+    """x = +-100 and +-30 (scaled by 1 + index / 64: each case its own parameter)."""
+    x = np.array([[-100.0, 100.0, -30.0, 30.0, -20.5, 20.5, 0.5]], np.float32) * np.float32(1 + index / 64)
+    return _model(helper.make_node(op_type, ["x"], ["y"], name="act"), [1, 7], {"x": x})
+
+
+def _rounding_case(index: int, ops: list[str]) -> onnx.ModelProto:
+    shape = [3, 6]
+    names = ["x"] + [f"f{i}" for i in range(len(ops))]
+    extra = [helper.make_node(op, [a], [b], name=f"op{i}") for i, (op, a, b) in enumerate(zip(ops, names, names[1:]))]
+    op = helper.make_node("Mul", ["w", names[-1]], ["y"], name="mul_w")
+    return _op_then_loss(op, shape, {"w": _randn(*shape, seed=index)}, extra=extra,
+                         inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)])
+
+
+def _variadic_case(index: int, op_type: str, shapes: tuple[list[int], ...]) -> onnx.ModelProto:
+    names = [f"x{i}" for i in range(len(shapes))]
+    inits = {n: _randn(*s, seed=10 * index + i) for i, (n, s) in enumerate(zip(names, shapes))}
+    first, second = inits[names[0]], inits[names[1]]
+    first[..., 0] = np.broadcast_to(second, first.shape)[..., 0]  # ties: half of dy each
+    op = helper.make_node(op_type, names, ["y"], name="variadic")
+    out_shape = list(np.broadcast_shapes(*map(tuple, shapes)))
+    return _op_then_loss(op, out_shape, inits)
+
+
+UNARY_CASES = [(op, attributes, shape) for op, attributes in UNARY for shape in SHAPES]
+LARGE_INPUT_OPS = ["Softplus", "Mish", "Softsign", "Gelu", "Elu", "Selu", "Celu"]
+ROUNDING = [["Floor"], ["Floor", "Sign"], ["Ceil"], ["Round"]]
+VARIADIC = [(op, shapes) for shapes in [([2, 3, 8], [3, 8]), ([3, 5], [3, 1], [5])] for op in ["Max", "Min", "Sum"]]
+#: case id (a prefix of its values' names in the merged step) -> its model
+MERGED_CASES = {**{f"unary{i}": _unary_case(i, *case) for i, case in enumerate(UNARY_CASES)},
+                **{f"large{i}": _large_inputs_case(i, op) for i, op in enumerate(LARGE_INPUT_OPS)},
+                **{f"rounding{i}": _rounding_case(i, ops) for i, ops in enumerate(ROUNDING)},
+                **{f"variadic{i}": _variadic_case(i, *case) for i, case in enumerate(VARIADIC)}}
+MERGED = pytest.mark.xdist_group("activations-merged")  # one worker builds the merged step for all its tests
+
+
+@pytest.fixture(scope="module")
+def merged_rows(tmp_path_factory) -> list:
+    """One SGD step of all MERGED_CASES on PoCL against onnxruntime."""
+    folder = str(tmp_path_factory.mktemp("activations_merged"))
+    return merged_steps.verify_merged(MERGED_CASES, TrainingOptions(loss="output", optimizer=SGD), folder)
+
+
+def _check_case(rows: list, case: str) -> None:
+    merged_steps.assert_case_matches(rows, case, list(MERGED_CASES))
+
+
+@MERGED
+@pytest.mark.parametrize("index", range(len(UNARY_CASES)),
+                         ids=[f"{op}-{_ids(attributes)}-{shape}" for op, attributes, shape in UNARY_CASES])
+def test_unary_activation(merged_rows: list, index: int) -> None:
+    _check_case(merged_rows, f"unary{index}")
 
 
 def test_atan(tmp_path) -> None:
@@ -81,13 +138,12 @@ def test_atan(tmp_path) -> None:
     _check(tmp_path, _model(op, [3, 5], {"x": _randn(3, 5, scale=2.5)}))
 
 
-@pytest.mark.parametrize("op_type", ["Softplus", "Mish", "Softsign", "Gelu", "Elu", "Selu", "Celu"])
-def test_large_inputs_stay_finite(tmp_path, op_type: str) -> None:
+@MERGED
+@pytest.mark.parametrize("index", range(len(LARGE_INPUT_OPS)), ids=LARGE_INPUT_OPS)
+def test_large_inputs_stay_finite(merged_rows: list, index: int) -> None:
     """x = +-100 and +-30: log(1 + exp(x)) would be inf in float32 from 89 on; the kernels must give
     onnxruntime's finite values, and the backward finite gradients."""
-    x = np.array([[-100.0, 100.0, -30.0, 30.0, -20.5, 20.5, 0.5]], np.float32)
-    op = helper.make_node(op_type, ["x"], ["y"], name="act")
-    _check(tmp_path, _model(op, [1, 7], {"x": x}))
+    _check_case(merged_rows, f"large{index}")
 
 
 @pytest.mark.parametrize("x_shape,slope_shape", [([2, 3, 4, 4], [3, 1, 1]), ([2, 3, 5, 5], [3, 1, 1]),
@@ -132,29 +188,19 @@ def test_exact_gelu_after_a_matmul_in_buffers(tmp_path) -> None:
     assert rows and not [r for r in rows if not r.ok], [r for r in rows if not r.ok]
 
 
-@pytest.mark.parametrize("ops", [["Floor"], ["Floor", "Sign"], ["Ceil"], ["Round"]], ids=_ids)
-def test_floor_and_sign(tmp_path, ops: list[str]) -> None:
+@MERGED
+@pytest.mark.parametrize("index", range(len(ROUNDING)), ids=[_ids(ops) for ops in ROUNDING])
+def test_floor_and_sign(merged_rows: list, index: int) -> None:
     """Rounding ops on the model input x (random normal feeds): y = w * f(x), whose backward reads
     f(x) (dw = f(x) dy). Sign(Floor(x)) meets exact zeros (x in [0, 1))."""
-    shape = [3, 6]
-    names = ["x"] + [f"f{i}" for i in range(len(ops))]
-    extra = [helper.make_node(op, [a], [b], name=f"op{i}") for i, (op, a, b) in enumerate(zip(ops, names, names[1:]))]
-    op = helper.make_node("Mul", ["w", names[-1]], ["y"], name="mul_w")
-    _check(tmp_path, _op_then_loss(op, shape, {"w": _randn(*shape)}, extra=extra,
-                                   inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)]))
+    _check_case(merged_rows, f"rounding{index}")
 
 
-@pytest.mark.parametrize("op_type", ["Max", "Min", "Sum"])
-@pytest.mark.parametrize("shapes", [([2, 3, 8], [3, 8]), ([3, 5], [3, 1], [5])], ids=_ids)
-def test_variadic(tmp_path, op_type: str, shapes: tuple[list[int], ...]) -> None:
+@MERGED
+@pytest.mark.parametrize("index", range(len(VARIADIC)), ids=[f"{_ids(shapes)}-{op}" for op, shapes in VARIADIC])
+def test_variadic(merged_rows: list, index: int) -> None:
     """Broadcasting inputs (the backward unbroadcasts each), with ties between the first two."""
-    names = [f"x{i}" for i in range(len(shapes))]
-    inits = {n: _randn(*s, seed=i) for i, (n, s) in enumerate(zip(names, shapes))}
-    first, second = inits[names[0]], inits[names[1]]
-    first[..., 0] = np.broadcast_to(second, first.shape)[..., 0]  # ties: half of dy each
-    op = helper.make_node(op_type, names, ["y"], name="variadic")
-    out_shape = list(np.broadcast_shapes(*map(tuple, shapes)))
-    _check(tmp_path, _op_then_loss(op, out_shape, inits))
+    _check_case(merged_rows, f"variadic{index}")
 
 
 @pytest.mark.parametrize("storage", ["image", "buffer"])

@@ -7,13 +7,15 @@ MatMul: Transpose + MatMul) and the SGD update.
 
 TEXEL_CASES are shapes where the texel-wide paths apply (an innermost output axis of length
 % 4 == 0, or a weight gradient with short kernel rows) next to ones that fall back to per-lane
-code; `test_contraction_paths` checks which path each kernel of a step took.
+code; `test_contraction_paths` checks which path each kernel of a step took. The steps of CASES, TEXEL_CASES
+and TILE_CASES run merged, CHUNK to a step, in fp32 (MERGED_SETS; tests/support/merged_steps.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
+import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from fblc.compiler.keys import KERNEL
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.fuse import ALIAS
 from fblc.passes.pipeline import TrainingOptions
+from tests.support import merged_steps
 from tests.support.kernel_ir import loads_of, lowered_kernels, of_type, profile_with, statements
 
 OPTIONS = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1))
@@ -176,10 +179,46 @@ TEXEL_CASES = {
 }
 
 
+def _case_model(folder: str, name: str, seed: int) -> onnx.ModelProto:
+    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES)[name][:2]
+    return onnx.load(write_case(os.path.join(folder, f"{name}.onnx"), nodes, inits, seed=seed))
+
+
+#: (storage, dtype) -> the cases whose steps run merged, CHUNK to a step (tests/support/merged_steps.py: one PoCL
+#: build for CHUNK cases, each case judged on its own rows; PoCL's time per kernel grows with its program, so
+#: not all in one). Each case draws its values with its own seed (its index), since tie_weights would make
+#: equal initializers of two cases one parameter.
+MERGED_SETS: dict[tuple[str, str], list[str]] = {}
+CHUNK = 12
+
+
+@pytest.fixture(scope="module")
+def merged_rows(tmp_path_factory) -> Callable[[str, str, str], list]:
+    built: dict[tuple[str, str, int], list] = {}
+
+    def rows(storage: str, dtype: str, name: str) -> list:
+        names = MERGED_SETS[storage, dtype]
+        chunk = names.index(name) // CHUNK
+        if (storage, dtype, chunk) not in built:
+            folder = str(tmp_path_factory.mktemp(f"contraction_{storage}_{dtype}_{chunk}"))
+            cases = {case: _case_model(folder, case, seed) for seed, case in enumerate(names)
+                     if seed // CHUNK == chunk}
+            built[storage, dtype, chunk] = merged_steps.verify_merged(cases, OPTIONS, folder, dtype=dtype,
+                                                                      storage=storage)
+        return built[storage, dtype, chunk]
+
+    return rows
+
+
+def _assert_merged_case_matches(merged_rows: Callable[[str, str, str], list], name: str, storage: str = "image",
+                                dtype: str = "fp32") -> None:
+    merged_steps.assert_case_matches(merged_rows(storage, dtype, name), name, MERGED_SETS[storage, dtype])
+
+
+@pytest.mark.xdist_group("contraction-merged-image")  # one worker builds the merged step for all its tests
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(TEXEL_CASES))
-def test_contraction_step(name: str, tmp_path) -> None:
-    nodes, inits = CASES[name] if name in CASES else TEXEL_CASES[name][:2]
-    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+def test_contraction_step(name: str, merged_rows) -> None:
+    _assert_merged_case_matches(merged_rows, name)
 
 
 def _role(kernel: Any) -> str:
@@ -318,21 +357,25 @@ TILE_CASES = {
 }
 
 
+MERGED_SETS["image", "fp32"] = sorted(CASES) + sorted(TEXEL_CASES) + sorted(TILE_CASES)
+MERGED_SETS["buffer", "fp32"] = ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
+                                 "matmul_attention_rows", "conv3x3_weight_grad_small_map", "matmul_tile_one_row_batched",
+                                 "matmul_attention_rows_apart"]
+
+
+@pytest.mark.xdist_group("contraction-merged-image")
 @pytest.mark.parametrize("name", sorted(TILE_CASES))
-def test_tiled_contraction_step(name: str, tmp_path) -> None:
-    nodes, inits, _ = TILE_CASES[name]
-    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits))
+def test_tiled_contraction_step(name: str, merged_rows) -> None:
+    _assert_merged_case_matches(merged_rows, name)
 
 
-@pytest.mark.parametrize("name", ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
-                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map",
-                                  "matmul_tile_one_row_batched", "matmul_attention_rows_apart"])
-def test_tiled_contraction_step_in_buffers(name: str, tmp_path) -> None:
+@pytest.mark.xdist_group("contraction-merged-buffer")
+@pytest.mark.parametrize("name", MERGED_SETS["buffer", "fp32"])
+def test_tiled_contraction_step_in_buffers(name: str, merged_rows) -> None:
     """Tiles and texel-wide rows that were per lane until issue 39's unseen models (a conv weight gradient's
     blocks of fewer channels, a MatMul's rows across A's batch, attention's rows of 7 scores, an input
     gradient's plane tile, a one-row tile under a batched B'), in buffer storage too (whose row texels read B' with unaligned vload4s)."""
-    nodes, inits, _ = (TILE_CASES | TEXEL_CASES)[name]
-    assert_step_matches(write_case(str(tmp_path / f"{name}.onnx"), nodes, inits), storage="buffer")
+    _assert_merged_case_matches(merged_rows, name, storage="buffer")
 
 
 def test_a_tiles_rows_of_heads_merged_back_read_a_from_their_own_bases(tmp_path) -> None:
@@ -637,6 +680,7 @@ def _half_images() -> bool:
 
 
 # conv2d_bias_1x1: its input gradient a Conv over a packed transposed W (pointwise_transposes), kept fp32
+# unmerged: an fp16 step's finite check (dynamic loss scaling) reads every gradient in one kernel, across cases
 @pytest.mark.parametrize("name", ["matmul_3d_broadcast", "conv2d_strided_asym_pads", "conv_depthwise_rows_dilated",
                                   "conv2d_bias_1x1", "matmul_attention_rows"])
 def test_contraction_step_fp16(name: str, tmp_path) -> None:
