@@ -34,7 +34,7 @@ import sys
 import tempfile
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -396,12 +396,15 @@ class Summary:
 
 
 def fuzz(graphs: int, seed: int, device_every: int, mutations: int, workdir: str,
-         progress: Callable[[str], None] = lambda line: None) -> Summary:
+         progress: Callable[[str], None] = lambda line: None, device_seeds: Collection[int] | None = None) -> Summary:
+    """Check `graphs` random graphs from `seed` on, every `device_every`-th also on the device (or, given
+    `device_seeds`, those seeds), then load `mutations` broken files."""
     summary = Summary(ops=Counter(), modes=Counter(), device_modes=Counter(), findings=[])
     assert summary.ops is not None and summary.findings is not None
     assert summary.modes is not None and summary.device_modes is not None
     for index in range(graphs):
-        device = device_every > 0 and index % device_every == 0
+        device = (seed + index in device_seeds) if device_seeds is not None else (
+            device_every > 0 and index % device_every == 0)
         graph, found = check_graph(seed + index, workdir, device)
         summary.graphs += 1
         summary.device_graphs += int(device)
