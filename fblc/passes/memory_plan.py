@@ -56,8 +56,8 @@ from fblc.compiler import keys
 from fblc.compiler.es_loop import BODY
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
-from fblc.compiler.index_map import is_view, real_readers, view_root, views_of
-from fblc.passes.fuse import ALIAS, IN_READERS
+from fblc.compiler.index_map import REMAPPABLE, is_view, real_readers, view_root, views_of
+from fblc.passes.fuse import ALIAS, IN_READERS, dequantized_in_readers
 from fblc.passes.contracts import ContractPass
 from fblc.errors import FblcError
 
@@ -151,6 +151,24 @@ class MemoryPlan:
         return {"ok": not violations, "rank": self.rank, "saved": entries, "violations": violations,
                 "rule": "no saved full-precision activation of the backward may have more channels than the adapter "
                         "rank; bit masks and the loss's inputs are exempt"}
+
+
+def _moves_data(node: ir.Node) -> bool:
+    """A view, or data movement that tile_remap may make one (a weight's W^T, a Slice of it)."""
+    return is_view(node) or node.op_type in REMAPPABLE
+
+
+def _weight_view(graph: ir.Graph, value: ir.Value) -> bool:
+    """Whether `value` is a weight seen through data movement (W^T, a Slice of it) or a quantized weight its
+    contractions will dequantize as they load it (fuse.dequantized_in_readers): before tile_remap and fuse these
+    are nodes with outputs, after them views (or compile-time packings) that take no buffer of the step."""
+    node = value.producer()
+    moved = False
+    while node is not None and _moves_data(node) and node.inputs and node.inputs[0] is not None:
+        value, node, moved = node.inputs[0], node.inputs[0].producer(), True
+    if node is not None:
+        return dequantized_in_readers(node, _moves_data)
+    return moved and graph.initializers.get(value.name) is value
 
 
 def _kernel_index(node: ir.Node) -> int | None:
@@ -258,6 +276,8 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
         producer = root.producer()
         if producer is not None and producer.metadata_props.get(keys.KERNEL) == IN_READERS:
             continue  # a weight its contractions dequantize as they load it: never stored (fuse.IN_READERS)
+        if not fused and _weight_view(graph, root):
+            continue  # before the layout passes (pass recompute's estimate): a view of a weight, as it will be
         names = members[key]
         role = keys.get_role(root)
         views = views_of(root)
