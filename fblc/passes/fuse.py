@@ -27,6 +27,8 @@ pass es_loop). Kernels are numbered in a topological order. Preconditions: stati
 
 from __future__ import annotations
 
+from typing import Callable
+
 import networkx as nx
 import onnx_ir as ir
 
@@ -100,16 +102,17 @@ def written_by(node: ir.Node) -> ir.Node | None:
     return producer if producer is not None and producer.op_type in CONTRACTIONS and alone else None
 
 
-def dequantized_in_readers(node: ir.Node) -> bool:
+def dequantized_in_readers(node: ir.Node, through: Callable[[ir.Node], bool] = is_view) -> bool:
     """Whether `node` is a DequantizeLinear whose data only contractions read, each as its B operand (directly
     or through views: the backward's W^T), convs as their weight (Conv's W, its input gradient's ConvTranspose's
     W), and Gathers as their table (an embedding, tied to an LM head): they dequantize the elements they load, so
     the float weight never exists in memory. Any other reader (an elementwise op, GatherElements, a step output)
     gets the materialising
-    kernel (codegen/kernels/dequantize.py)."""
+    kernel (codegen/kernels/dequantize.py). `through`: the nodes that are views (before tile_remap, the data
+    movement that will become one: memory_plan's estimate for pass recompute)."""
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
         return False
-    uses = [use for _, use in read_uses(node.outputs[0])]
+    uses = [use for _, use in read_uses(node.outputs[0], through)]
     return bool(uses) and all((use.node.op_type, use.idx) in DEQUANTIZING_READS and use.node.domain in ("", "ai.onnx")
                               for use in uses)
 
@@ -350,4 +353,11 @@ class FuseKernels(ContractPass):
         for group in groups.members:
             dag.add_edges_from((group, successor) for successor in groups.successors(group))
         first = {g: groups.first(g) for g in groups.members}
-        return list(nx.lexicographical_topological_sort(dag, key=first.__getitem__))
+        # a kernel is wanted as early as the earliest kernel that needs it: a merged kernel (a weight gradient's
+        # contraction with its optimizer update) may read a producer placed later in the graph (Adam's bias
+        # corrections, made from the step count alone); ordered by its own first node, that producer would run
+        # late and hold the merged kernel, and every activation the contraction reads, to the end of the step
+        wanted = dict(first)
+        for group in reversed(list(nx.topological_sort(dag))):
+            wanted[group] = min([first[group], *(wanted[s] for s in dag.successors(group))])
+        return list(nx.lexicographical_topological_sort(dag, key=lambda g: (wanted[g], first[g])))
