@@ -21,7 +21,8 @@ elementwise chain that reads it, which then computes it per element from its inp
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
 contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
 its own). Every other op runs alone. No kernel holds nodes of two phases of a loop (before, body, after:
-pass es_loop). Kernels are numbered in a topological order. Preconditions: static shapes; topologically sorted graph. In place;
+pass es_loop). Kernels are numbered in a topological order, each as early as its own first node or the
+earliest kernel that needs it (a merged kernel may read a producer placed later in the graph). Preconditions: static shapes; topologically sorted graph. In place;
 `modified` is true when any annotation changed.
 """
 
