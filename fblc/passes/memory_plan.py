@@ -385,9 +385,15 @@ def check_budget(plan: MemoryPlan, budget: int) -> None:
     state = int(plan.live(("weight", "optimizer", "grad")).max(initial=0))
     layers = len(plan.recompute.get("layers", []))
     at = plan.labels[int(np.argmax(plan.live(CLASSES)))] if plan.steps else ""
+    left = int(plan.recompute.get("layers_left", 0))
+    # recompute stops where its estimate (node order) fits; fuse's launch order can keep more live than that
+    why = (f"that is the floor with {layers} layers recomputed in the backward, the most checkpointing can do here"
+           if not left else
+           f"{layers} layers recomputed in the backward, where pass recompute's estimate "
+           f"({plan.recompute.get('estimate_after', 0) / 1e6:.4g} MB, node order) fit the budget; {left} more could be "
+           f"recomputed (a lower --device-memory does)")
     raise FblcError(f"the step needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), over --device-memory "
-                    f"{budget / 1e6:.4g} MB: that is the floor with {layers} layers recomputed in the backward, the "
-                    f"most checkpointing can do here (weights, gradients and optimizer state alone: "
+                    f"{budget / 1e6:.4g} MB: {why} (weights, gradients and optimizer state alone: "
                     f"{state / 1e6:.4g} MB)",
                     "raise --device-memory, or need less: --adapter lora (frozen weights, no full gradients), "
                     "--dtype fp16, a smaller batch or sequence (--input-shape), --loss-chunk for a large vocabulary")

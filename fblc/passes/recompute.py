@@ -216,6 +216,7 @@ class Recompute(ContractPass):
                            "saved_bytes": layer.saved_bytes, "flops": layer.flops, "estimate_after": peak})
         model.metadata_props[RECOMPUTE] = json.dumps({
             "budget": self.budget, "estimate_before": before, "estimate_after": peak, "layers": picked,
+            "layers_left": len(layers),  # recomputable layers not picked (the estimate fit first)
             "flops_added": sum(int(p["flops"]) for p in picked),  # type: ignore[call-overload]
             "estimate": "live peak over node order, every value its own buffer at its ONNX dtype"})
         return ir.passes.PassResult(model, bool(picked))
