@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/llm_memory.py [--shapes 1b,0.5b] [--trainers es,lora,full]
         [--weights fp32,fp16,int8,int4] [--cases 0.5b/lora/int4,...] [--quick] [--time-limit 600]
-        [--rss-limit-gb 3] [--json out.json]
+        [--rss-limit-gb 3] [--device-memory MB] [--json out.json]
     PYTHONPATH=$PWD python benchmarks/llm_memory.py --adaptation [--steps 40]
 
 Shapes (benchmarks/llama_shaped.py, B=1, T=256, weights in a sparse external file that is never written):
@@ -25,6 +25,9 @@ frozen weight) and its peak anonymous RSS (/proc RssAnon sampled every 0.5 s: wh
 past `--time-limit` CPU seconds or `--rss-limit-gb` of anonymous memory is killed and printed as "over limit".
 Under the table, each case's live peak broken down (peak_breakdown): frozen quantized weights, FuRA-S's R, other
 weights, trained state, activations, and the largest activations live there.
+`--device-memory MB` compiles the backprop cases (lora, full) with that budget (`fblc compile --device-memory`:
+pass recompute recomputes layers in the backward until the plan fits; a budget under the floor fails naming
+it); the table's `budget_MB` column says which rows had one.
 
 `--adaptation`: the small pretrained decoder of benchmarks/adaptation.py (a byte-level 2-layer Llama), its
 test loss (onnxruntime on the step graph, quantized weights included) with --weights fp32, int8 and int4 before
@@ -58,11 +61,11 @@ TRAINERS = ("es", "lora", "full")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 #: --quick: the 0.5B shape, the two adapter trainers, fp32 against int4
 QUICK = ("0.5b/es/fp32", "0.5b/es/int4", "0.5b/lora/fp32", "0.5b/lora/int4")
-COLUMNS = ("device_MB", "live_MB", "saved_MB", "frozen_q_MB", "frozen_f_MB", "trainable_MB", "adapters_MB", "optimizer_MB",
+COLUMNS = ("budget_MB", "device_MB", "live_MB", "saved_MB", "frozen_q_MB", "frozen_f_MB", "trainable_MB", "adapters_MB", "optimizer_MB",
            "trainable_values", "launches", "compile_cpu_s", "host_rss_GB", "anon_rss_GB")
 
 
-def step_options(trainer: str, weights: str) -> Any:
+def step_options(trainer: str, weights: str, budget_mb: float = 0.0) -> Any:
     from fblc import choices
     from fblc.compiler.adapters import AdapterConfig
     from fblc.compiler.es import EsConfig
@@ -77,10 +80,11 @@ def step_options(trainer: str, weights: str) -> Any:
         "lora": dict(adapter=AdapterConfig("lora", rank=8), optimizer=adam),
         "full": dict(optimizer=adam),
     }
-    return TrainingOptions(loss="cross_entropy", weights=WeightFormat(weights), **by_trainer[trainer])
+    budget = {"device_memory": int(budget_mb * 1e6)} if budget_mb and trainer != "es" else {}
+    return TrainingOptions(loss="cross_entropy", weights=WeightFormat(weights), **by_trainer[trainer], **budget)
 
 
-def measure(path: str, trainer: str, weights: str, target: str) -> dict[str, Any]:
+def measure(path: str, trainer: str, weights: str, target: str, budget_mb: str = "0") -> dict[str, Any]:
     """One case in this process: compile_model's steps up to the buffer table (no bundle, no params.bin)."""
     import numpy as np
 
@@ -94,7 +98,7 @@ def measure(path: str, trainer: str, weights: str, target: str) -> dict[str, Any
     from fblc.passes.pipeline import build_training_graph
     from fblc.profiles import load_profile
 
-    options = step_options(trainer, weights)
+    options = step_options(trainer, weights, float(budget_mb))
     profile = load_profile(target)
     plans = []
 
@@ -110,7 +114,9 @@ def measure(path: str, trainer: str, weights: str, target: str) -> dict[str, Any
     stored = weights_report(step, program, memory, weights, options.weights.group)["bytes"]
     trained = sum(int(np.prod(v.shape.numpy())) for v in trained_tensors(step.graph))
     mb = lambda n: round(n / 1e6, 1)  # noqa: E731
-    return {"peak": peak_breakdown(plans[-1], table), "device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
+    return {"peak": peak_breakdown(plans[-1], table),
+            "budget_MB": mb(options.device_memory) if options.device_memory else "-",
+            "device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
             "saved_MB": mb(memory["saved"]),
             "frozen_q_MB": mb(stored["frozen_quantized"]), "frozen_f_MB": mb(stored["frozen_float"]),
             "trainable_MB": mb(stored["trainable"]), "adapters_MB": mb(stored["adapters"]),
@@ -170,12 +176,13 @@ def anonymous_bytes(pid: int) -> int:
     return 0
 
 
-def run_case(path: str, trainer: str, weights: str, target: str, time_limit: float, rss_limit: float
-             ) -> dict[str, Any]:
+def run_case(path: str, trainer: str, weights: str, target: str, time_limit: float, rss_limit: float,
+             budget_mb: float = 0.0) -> dict[str, Any]:
     """The case in a child process, killed past `time_limit` CPU seconds or `rss_limit` bytes of anonymous resident
     memory; its peak RSS from wait4."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # files: no pipe fills up
-        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--one", path, trainer, weights, target],
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--one", path, trainer, weights, target,
+                                  str(budget_mb)],
                                  stdout=out, stderr=err, text=True)
         started, over, anonymous = time.monotonic(), None, 0
         while True:  # wait4, not poll(): the child's own rusage (its peak RSS) comes with the reaping
@@ -202,7 +209,7 @@ def run_case(path: str, trainer: str, weights: str, target: str, time_limit: flo
     if over:
         return {"status": over, **rss}
     if code != 0:
-        return {"status": "failed: " + (stderr.strip().splitlines() or ["?"])[-1][:160], **rss}
+        return {"status": "failed: " + (stderr.strip().splitlines() or ["?"])[-1][:300], **rss}
     return {"status": "ok", **json.loads(stdout.strip().splitlines()[-1]), **rss}
 
 
@@ -297,12 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=600.0, help="CPU seconds per case (default 600)")
     parser.add_argument("--rss-limit-gb", type=float, default=3.0, help="anonymous resident memory per case (default 3)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--device-memory", type=float, default=0.0, metavar="MB",
+                        help="a device-memory budget for the backprop cases (fblc compile --device-memory)")
     parser.add_argument("--adaptation", action="store_true", help="the quantized pretrained decoder's loss instead")
     parser.add_argument("--steps", type=int, default=40, help="--adaptation: LoRA fine-tuning steps")
     parser.add_argument("--lr", type=float, default=1e-2, help="--adaptation: Adam's learning rate (default 1e-2)")
     parser.add_argument("--out", default="runs/adaptation", help="--adaptation: the pretrained decoder's cache "
                         "(benchmarks/adaptation.py --quick's)")
-    parser.add_argument("--one", nargs=4, metavar=("MODEL", "TRAINER", "WEIGHTS", "TARGET"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=5, metavar=("MODEL", "TRAINER", "WEIGHTS", "TARGET", "BUDGET"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure(*args.one)))
@@ -318,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     paths[shape] = build_llama_shaped(os.path.join(directory, f"llm_{shape}.onnx"), SHAPES[shape])
                 row = {"shape": shape, "trainer": trainer, "weights": weights,
                        **run_case(paths[shape], trainer, weights, args.target, args.time_limit,
-                                  args.rss_limit_gb * 1e9)}
+                                  args.rss_limit_gb * 1e9, args.device_memory)}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
         print(f"--target {args.target}, B=1 T=256; MB = 1e6 bytes; frozen_f includes the Gather-read embedding table "

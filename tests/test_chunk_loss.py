@@ -8,6 +8,8 @@ every P.grad must match float64 torch autograd of F.cross_entropy (ignore_index 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -44,21 +46,38 @@ def _lm(path: str, transposed: bool, vocabulary: int = V, tokens: int = T) -> di
     return weights
 
 
-def _step(path: str, out: str, chunk: int) -> onnx.ModelProto:
-    step = build_training_graph(load_model(path), TrainingOptions(loss_chunk=chunk,
-                                                                  optimizer=OptimizerConfig(name="sgd", lr=0.0)))
+def _step(path: str, out: str, chunk: int, weights: str = "fp32") -> onnx.ModelProto:
+    options = TrainingOptions(loss_chunk=chunk, optimizer=OptimizerConfig(name="sgd", lr=0.0))
+    if weights != "fp32":  # the head frozen and quantized (group 8: one group per row of D = 8)
+        options = TrainingOptions(loss_chunk=chunk, optimizer=OptimizerConfig(name="sgd", lr=0.0), freeze="head",
+                                  weights=WeightFormat(weights, 8))
+    step = build_training_graph(load_model(path), options)
     save_model_atomically(step, out)
     return step
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["w", "linear"])
-def test_chunked_loss_gradients_match_torch(tmp_path, transposed: bool) -> None:
-    weights = _lm(str(tmp_path / "lm.onnx"), transposed)
-    step = _step(str(tmp_path / "lm.onnx"), str(tmp_path / "step.onnx"), chunk=16)
+@pytest.mark.parametrize("transposed,weights", [(False, "fp32"), (True, "fp32"), (False, "int4"), (True, "int4")],
+                         ids=["w", "linear", "w-int4", "linear-int4"])
+def test_chunked_loss_gradients_match_torch(tmp_path, transposed: bool, weights: str) -> None:
+    """A quantized head (int4) is chunked too: each chunk dequantizes its own slice of the integers and scales,
+    cut at compile time; no DequantizeLinear of the whole head is left. The reference is torch on the head
+    quantized and dequantized by numpy (fblc.compiler.quantize)."""
+    from fblc.compiler.quantize import dequantize, quantize
+    import onnx_ir as ir
+    stored = _lm(str(tmp_path / "lm.onnx"), transposed)
+    step = _step(str(tmp_path / "lm.onnx"), str(tmp_path / "step.onnx"), chunk=16, weights=weights)
     # golden: no loss or backward value holds a whole row of V logits; the chunks do (16 and the last 2)
     widths = {static_shape(o)[-1] for n in step.graph if n.metadata_props.get("fblc.stage") in ("loss", "backward")
               for o in n.outputs if o is not None and len(static_shape(o)) == 2 and static_shape(o)[0] == B * T}
     assert V not in widths and {16, 2} <= widths
+    weights_in = dict(stored)
+    if weights == "int4":
+        dequantized = [n for n in step.graph if n.op_type == "DequantizeLinear"]
+        assert sorted(static_shape(n.outputs[0])[0 if transposed else 1] for n in dequantized) == [2, 16, 16, 16]
+        assert "head.q" not in step.graph.initializers and "head" not in step.graph.initializers
+        axis = 1 if transposed else 0  # the head's reduction axis (D) as stored
+        head = dequantize(*quantize(stored["head"], axis, 8, ir.DataType.INT4), None, axis, 8)
+        weights_in = {"w1": stored["w1"], "head": head.astype(np.float32)}
     rng = np.random.default_rng(3)
     x = rng.normal(size=(B, T, D)).astype(np.float32)
     labels = rng.integers(0, V, size=(B, T)).astype(np.int64)
@@ -66,22 +85,36 @@ def test_chunked_loss_gradients_match_torch(tmp_path, transposed: bool) -> None:
     labels[1, 0] = V - 1  # in the last, short chunk
     session = ort.InferenceSession(str(tmp_path / "step.onnx"), providers=["CPUExecutionProvider"])
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x, "labels": labels})))
-    tensors = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in weights.items()}
+    tensors = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in weights_in.items()}
     head = tensors["head"].T if transposed else tensors["head"]
     logits = torch.relu(torch.tensor(x.astype(np.float64)) @ tensors["w1"]) @ head
     loss = F.cross_entropy(logits.reshape(-1, V), torch.from_numpy(labels).reshape(-1), ignore_index=-100)
     loss.backward()
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=RTOL, atol=ATOL)
     for name, tensor in tensors.items():
-        np.testing.assert_allclose(got[f"{name}.grad"], tensor.grad.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
+        if weights == "fp32" or name != "head":  # a quantized head is frozen: no gradient
+            np.testing.assert_allclose(got[f"{name}.grad"], tensor.grad.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
+    assert weights == "fp32" or "head.grad" not in got
+
+
+def test_quantized_chunked_head_on_the_device_matches_onnxruntime(tmp_path) -> None:
+    """Numeric: the chunked loss over an int4 head (nn.Linear's W^T, V = 20 in chunks of 16 and 4) on PoCL equals
+    onnxruntime on the same step graph (fblc verify's tolerances); the chunks' MatMuls dequantize in their loads:
+    no dequantize kernel, so no float copy of the head."""
+    from fblc.tools.verify import verify_model
+    _lm(str(tmp_path / "lm.onnx"), transposed=True, vocabulary=20)
+    options = TrainingOptions(loss_chunk=16, optimizer=OptimizerConfig(name="sgd", lr=0.1), freeze="head",
+                              weights=WeightFormat("int4", 8))
+    rows = verify_model(str(tmp_path / "lm.onnx"), options, storage="buffer", keep_bundle=str(tmp_path / "bundle"))
+    assert {r.name for r in rows} == {"loss", "w1.grad", "w1.new"} and all(r.ok for r in rows), rows
+    with open(tmp_path / "bundle" / "plan.json") as plan:
+        assert not [k for k in json.load(plan)["kernels"] if k["family"] == "dequantize"]
 
 
 def test_chunking_is_left_out_where_not_asked_or_not_possible(tmp_path) -> None:
     _lm(str(tmp_path / "lm.onnx"), transposed=False)
     for options, reason in ((TrainingOptions(loss_chunk=0), ""), (TrainingOptions(loss_chunk=-1), "below the chunk"),
-                            (TrainingOptions(loss_chunk=16, loss="mse"), "only cross_entropy"),
-                            (TrainingOptions(loss_chunk=16, freeze="head", weights=WeightFormat("int4", 8)),
-                             "quantized")):
+                            (TrainingOptions(loss_chunk=16, loss="mse"), "only cross_entropy")):
         passes = training_pipeline(options)
         step = run_passes(load_model(str(tmp_path / "lm.onnx")), passes)
         chunker = next(p for p in passes if isinstance(p, ChunkLoss))

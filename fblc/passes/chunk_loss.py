@@ -5,11 +5,16 @@ LogSoftmax; the backward saves log-probabilities [T, V] and makes dz [T, V]. Whe
 replaces the LM-head MatMul, the loss and their backward by chunks of C columns (the last one shorter
 where C does not divide V):
 - forward: per chunk z_c = X W[:, c], its row max m_c and sum s_c of exp(z_c - m_c); then m = max m_c,
-  s = sum s_c exp(m_c - m) (the log-sum-exp over chunks); the label's logit is X . W[:, label] (the label's
-  columns gathered); what stays for the backward is lse = m + log s, one value per row;
+  s = sum s_c exp(m_c - m) (the log-sum-exp over chunks); the label's logit is sum_c z_c . onehot_c (taken from
+  the chunk that holds it: nothing reads the whole W); what stays for the backward is lse = m + log s, one value
+  per row;
 - backward: per chunk z_c again (recomputed: one more MatMul per chunk), dz_c = (exp(z_c - lse) -
   onehot_c) * w / count * seed, consumed at once by dW_c = X^T dz_c and dX += dz_c W[:, c]^T.
 So the largest loss temporary is [T, C] instead of [T, V]; dW is the chunks' columns concatenated.
+A quantized head (DequantizeLinear of initializers, blocks along K) is cut at compile time: each chunk reads a
+DequantizeLinear of its own slice of the integers and scales, which its MatMuls dequantize as they load
+(fuse.DEQUANTIZING_READS; a Slice at an offset is no view a contraction reads, so slicing the float weight would
+materialise it); the whole head's integers leave the graph.
 
 Rewrite: the loss Identity reads the chunked loss; the backward nodes that the gradient pass wrote for
 the MatMul and the loss go, their exits (dX, dW, by shape) read the chunked gradients instead.
@@ -23,7 +28,7 @@ where there is one. In place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -56,10 +61,20 @@ class _Term:
     w: ir.Value  # [K, V]
     #: the [V, K] weight that `w` transposes (torch's nn.Linear exports W^T), read by the head alone; else None
     rows: ir.Value | None
+    #: the DequantizeLinear of initializers that makes the stored weight (rows or w) where it is quantized: each
+    #: chunk dequantizes its own slice of the integers and scales, cut at compile time (_dequantized_chunk)
+    dequantize: ir.Node | None = None
+    #: chunk start -> that chunk's stored weight (quantized heads: made once, read by the forward and the backward)
+    chunks: dict[int, ir.Value] = field(default_factory=dict)
 
     @property
     def nodes(self) -> list[ir.Node]:
         return [self.matmul] + ([self.w.producer()] if self.rows is not None else [])
+
+    @property
+    def vocabulary_axis(self) -> int:
+        """The axis of the stored weight (rows [V, K] or w [K, V]) that the chunks cut."""
+        return 0 if self.rows is not None else 1
 
 
 @dataclass
@@ -106,12 +121,28 @@ def _terms(value: ir.Value, adds: list[ir.Node]) -> list[_Term] | str:
     if transpose is not None and transpose.op_type == "Transpose" and \
             list(transpose.attributes.get_ints("perm", [])) == [1, 0] and _only_reader(w, node):
         rows = transpose.inputs[0]
+    term = _Term(node, x, w, rows)
     stored = (rows if rows is not None else w).producer()
     if stored is not None and stored.op_type == "DequantizeLinear":
-        # its readers dequantize in registers only as a whole contraction operand (fuse.DEQUANTIZING_READS): the
-        # chunks' Slices and the label columns' GatherElements would make a float copy of the whole head
-        return f"the LM head's weight is quantized (DequantizeLinear '{stored.name}'): chunks would slice a float copy"
-    return [_Term(node, x, w, rows)]
+        refused = _unsliceable(stored, term.vocabulary_axis, transpose if rows is not None else node)
+        if refused:
+            return f"the LM head's weight is quantized (DequantizeLinear '{stored.name}') and {refused}"
+        term.dequantize = stored
+    return [term]
+
+
+def _unsliceable(node: ir.Node, axis: int, reader: ir.Node) -> str:
+    """Why the quantized head `node` cannot be cut into vocabulary chunks along its data's `axis` at compile
+    time ("" where it can): its integers, scales (and zero points) must be initializers, its output read by the
+    head's `reader` alone (and the backward, which the chunks replace) (else the whole float weight stays: a Slice at an offset is no view a contraction reads), and its
+    blocks must not run along the vocabulary."""
+    if any(v is not None and v.const_value is None for v in node.inputs):
+        return "its integers or scales are not initializers"
+    if not _only_reader(node.outputs[0], reader):
+        return "its float weight has readers other than the head (a tied embedding)"
+    if len(static_shape(node.inputs[1])) > 1 and int(node.attributes.get_int("axis", 1)) % 2 == axis:
+        return "its blocks run along the vocabulary"
+    return ""
 
 
 def _find_head(graph: ir.Graph) -> _Head | str:
@@ -212,9 +243,14 @@ class ChunkLoss(ContractPass):
             for value in exits:
                 _take_place(value, grads[shapes[static_shape(value)]])
         graph.remove(backward, safe=True)
-        _drop_unused(graph, [*head.loss_nodes, *head_nodes])
+        whole = [t.dequantize for t in head.terms if t.dequantize is not None]
+        stored = [v for n in whole for v in n.inputs if v is not None]  # (removing a node detaches its inputs)
+        _drop_unused(graph, [*head.loss_nodes, *head_nodes, *whole])
+        for value in stored:  # the whole integers and scales: the chunks' slices hold them now
+            if not value.uses() and graph.initializers.get(value.name) is value:
+                graph.initializers.pop(value.name)
         for value in [stats.lse, stats.weights, stats.count, stats.labels, *(t.x for t in head.terms),
-                      *(t.rows or t.w for t in head.terms)]:
+                      *(t.rows or t.w for t in head.terms if t.dequantize is None)]:
             if keys.get_role(value) is None:
                 keys.set_role(value, Role.SAVED)
         return ir.passes.PassResult(model, True)
@@ -244,12 +280,53 @@ class _Stats:
 
 
 def _columns(e: Emitter, term: _Term, start: int, size: int) -> tuple[ir.Value, ir.Value]:
-    """W[:, start:start+size] [K, size] and its transpose: views of the weight, sliced where it is stored."""
-    if term.rows is not None:
-        rows = e.op("Slice", term.rows, e.ints([start]), e.ints([start + size]), e.ints([0]))
-        return e.op("Transpose", rows, perm=[1, 0]), rows
-    columns = e.op("Slice", term.w, e.ints([start]), e.ints([start + size]), e.ints([1]))
-    return columns, e.op("Transpose", columns, perm=[1, 0])
+    """W[:, start:start+size] [K, size] and its transpose: views of the weight, sliced where it is stored (a
+    quantized one: a DequantizeLinear of the chunk's own integers and scales)."""
+    axis = term.vocabulary_axis
+    if term.dequantize is not None:
+        stored = _dequantized_chunk(e, term, start, size)
+    else:
+        stored = e.op("Slice", term.rows if term.rows is not None else term.w, e.ints([start]),
+                      e.ints([start + size]), e.ints([axis]))
+    transposed = e.op("Transpose", stored, perm=[1, 0])
+    return (transposed, stored) if term.rows is not None else (stored, transposed)
+
+
+def _dequantized_chunk(e: Emitter, term: _Term, start: int, size: int) -> ir.Value:
+    """The quantized head's chunk [start, start + size) along the vocabulary: a DequantizeLinear (no stage: it runs
+    in its readers' loads, fuse.DEQUANTIZING_READS) of new initializers holding that slice of the integers and of
+    the scales (zero points) that run along the vocabulary; made once per chunk."""
+    if start in term.chunks:
+        return term.chunks[start]
+    node, axis = term.dequantize, term.vocabulary_axis
+    assert node is not None and node.graph is not None
+    graph = node.graph
+    along = int(node.attributes.get_int("axis", 1)) % 2  # a 1-D scale runs along this axis of the data
+    inputs: list[ir.Value | None] = []
+    for value in node.inputs:
+        array = None if value is None else np.asarray(value.const_value.numpy())  # type: ignore[union-attr]
+        cut = axis if array is not None and array.ndim == 2 else 0 if array is not None and array.ndim == 1 \
+            and along == axis else None
+        if value is None or array is None or cut is None:  # per tensor, or a scale across the vocabulary: shared
+            inputs.append(value)
+            continue
+        part = np.ascontiguousarray(array[(slice(None),) * cut + (slice(start, start + size),)])
+        tensor = ir.tensor(part, dtype=value.dtype, name=f"{value.name}/{start}")
+        sliced = ir.Value(name=tensor.name, shape=ir.Shape(part.shape), type=ir.TensorType(value.dtype),
+                          const_value=tensor)
+        sliced.metadata_props.update(value.metadata_props)  # role frozen, fblc.quantized, fp16 storage
+        graph.register_initializer(sliced)
+        inputs.append(sliced)
+    chunk = ir.node("DequantizeLinear", inputs, {a.name: a for a in node.attributes.values()},
+                    name=f"{node.name}/{start}", num_outputs=1)
+    graph.insert_before(e.anchor, chunk)
+    out = chunk.outputs[0]
+    shape = list(static_shape(node.outputs[0]))
+    shape[axis] = size
+    out.name, out.shape, out.type = f"{node.outputs[0].name}/{start}", ir.Shape(shape), node.outputs[0].type
+    out.metadata_props.update(node.outputs[0].metadata_props)
+    term.chunks[start] = out
+    return out
 
 
 def _chunk_logits(e: Emitter, head: _Head, xs: list[ir.Value], start: int, size: int
@@ -265,22 +342,11 @@ def _chunk_logits(e: Emitter, head: _Head, xs: list[ir.Value], start: int, size:
     return logits, transposed
 
 
-def _label_logits(e: Emitter, head: _Head, xs: list[ir.Value], labels: ir.Value) -> ir.Value:
-    """[N, 1]: each row's logit of its label, sum over the terms of x . W[:, label] (W's label columns gathered)."""
-    picked = None
-    rows = static_shape(labels)[0]
-    for term, x in zip(head.terms, xs):
-        width = static_shape(x)[1]
-        if term.rows is not None:
-            index = e.op("Expand", e.reshape(labels, [rows, 1]), e.ints([rows, width]))
-            columns = e.op("GatherElements", term.rows, index, axis=0)
-        else:
-            index = e.op("Expand", e.reshape(labels, [1, rows]), e.ints([width, rows]))
-            columns = e.op("Transpose", e.op("GatherElements", term.w, index, axis=1), perm=[1, 0])
-        part = e.op("ReduceSum", e.op("Mul", x, columns), e.ints([1]), keepdims=1)
-        picked = part if picked is None else e.op("Add", picked, part)
-    assert picked is not None
-    return picked
+def _onehot(e: Emitter, labels: ir.Value, start: int, size: int, dtype: ir.DataType) -> ir.Value:
+    """[N, size]: 1 where a row's label (labels [N, 1]) is class start + j of the chunk, else 0."""
+    classes = e.const(np.arange(size, dtype=np.int64).reshape(1, size))  # shared by the chunks of one size
+    local = e.op("Sub", labels, e.const(np.array(start, np.int64)))
+    return e.op("Cast", e.op("Equal", local, classes), to=dtype)
 
 
 def _chunked_forward(e: Emitter, head: _Head, rows: int, vocabulary: int, columns: int) -> _Stats:
@@ -294,19 +360,25 @@ def _chunked_forward(e: Emitter, head: _Head, rows: int, vocabulary: int, column
     safe = e.op("Where", counted, labels, e.const(np.array(0, np.int64)))
     weights = e.op("Cast", counted, to=dtype_of.dtype)
     count = e.op("Max", e.op("ReduceSum", weights, keepdims=0), e.scalar(1.0, dtype_of))
-    highs, sums = [], []
+    column = e.reshape(safe, [rows, 1])
+    highs, sums, picks = [], [], []
     for start in range(0, vocabulary, columns):
-        logits = _chunk_logits(e, head, xs, start, min(columns, vocabulary - start))[0]
+        size = min(columns, vocabulary - start)
+        logits = _chunk_logits(e, head, xs, start, size)[0]
         high = e.op("ReduceMax", logits, e.ints([1]), keepdims=1)
         highs.append(high)
         sums.append(e.op("ReduceSum", e.op("Exp", e.op("Sub", logits, high)), e.ints([1]), keepdims=1))
+        # the label's logit from the chunk that holds it (the others add exact zeros): no read of the whole head
+        picks.append(e.op("ReduceSum", e.op("Mul", logits, _onehot(e, column, start, size, dtype_of.dtype)),
+                          e.ints([1]), keepdims=1))
     high_each = e.op("Concat", *highs, axis=1)  # [N, chunks]
     high = e.op("ReduceMax", high_each, e.ints([1]), keepdims=1)
     rescaled = e.op("Mul", e.op("Concat", *sums, axis=1), e.op("Exp", e.op("Sub", high_each, high)))
     lse = e.op("Add", high, e.op("Log", e.op("ReduceSum", rescaled, e.ints([1]), keepdims=1)))
-    per_row = e.reshape(e.op("Sub", lse, _label_logits(e, head, xs, safe)), [rows])
+    picked = e.op("ReduceSum", e.op("Concat", *picks, axis=1), e.ints([1]), keepdims=1)
+    per_row = e.reshape(e.op("Sub", lse, picked), [rows])
     loss = e.op("Div", e.op("ReduceSum", e.op("Mul", per_row, weights), keepdims=0), count)
-    return _Stats(loss, lse, weights, count, e.reshape(safe, [rows, 1]), xs)
+    return _Stats(loss, lse, weights, count, column, xs)
 
 
 def _chunked_backward(e: Emitter, head: _Head, stats: _Stats, seed: ir.Value, rows: int, vocabulary: int,
@@ -324,10 +396,7 @@ def _chunked_backward(e: Emitter, head: _Head, stats: _Stats, seed: ir.Value, ro
         # recomputed here: nothing of the forward's chunk is kept
         logits, transposed = _chunk_logits(e, head, stats.xs, start, size)
         probs = e.op("Exp", e.op("Sub", logits, stats.lse))
-        classes = e.const(np.arange(size, dtype=np.int64).reshape(1, size))  # shared by the chunks of one size
-        local = e.op("Sub", stats.labels, e.const(np.array(start, np.int64)))
-        onehot = e.op("Cast", e.op("Equal", local, classes), to=dtype)
-        dlogits = e.op("Mul", e.op("Sub", probs, onehot), scale)
+        dlogits = e.op("Mul", e.op("Sub", probs, _onehot(e, stats.labels, start, size, dtype)), scale)
         for index, (x, w_t) in enumerate(zip(stats.xs, transposed)):
             if ("w", index) in wanted:
                 parts["w", index].append(e.op("MatMul", e.op("Transpose", x, perm=[1, 0]), dlogits))

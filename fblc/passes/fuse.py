@@ -21,11 +21,14 @@ elementwise chain that reads it, which then computes it per element from its inp
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
 contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
 its own). Every other op runs alone. No kernel holds nodes of two phases of a loop (before, body, after:
-pass es_loop). Kernels are numbered in a topological order. Preconditions: static shapes; topologically sorted graph. In place;
+pass es_loop). Kernels are numbered in a topological order, each as early as its own first node or the
+earliest kernel that needs it (a merged kernel may read a producer placed later in the graph). Preconditions: static shapes; topologically sorted graph. In place;
 `modified` is true when any annotation changed.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import networkx as nx
 import onnx_ir as ir
@@ -100,16 +103,17 @@ def written_by(node: ir.Node) -> ir.Node | None:
     return producer if producer is not None and producer.op_type in CONTRACTIONS and alone else None
 
 
-def dequantized_in_readers(node: ir.Node) -> bool:
+def dequantized_in_readers(node: ir.Node, through: Callable[[ir.Node], bool] = is_view) -> bool:
     """Whether `node` is a DequantizeLinear whose data only contractions read, each as its B operand (directly
     or through views: the backward's W^T), convs as their weight (Conv's W, its input gradient's ConvTranspose's
     W), and Gathers as their table (an embedding, tied to an LM head): they dequantize the elements they load, so
     the float weight never exists in memory. Any other reader (an elementwise op, GatherElements, a step output)
     gets the materialising
-    kernel (codegen/kernels/dequantize.py)."""
+    kernel (codegen/kernels/dequantize.py). `through`: the nodes that are views (before tile_remap, the data
+    movement that will become one: memory_plan's estimate for pass recompute)."""
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
         return False
-    uses = [use for _, use in read_uses(node.outputs[0])]
+    uses = [use for _, use in read_uses(node.outputs[0], through)]
     return bool(uses) and all((use.node.op_type, use.idx) in DEQUANTIZING_READS and use.node.domain in ("", "ai.onnx")
                               for use in uses)
 
@@ -360,4 +364,11 @@ class FuseKernels(ContractPass):
         for group in groups.members:
             dag.add_edges_from((group, successor) for successor in groups.successors(group))
         first = {g: groups.first(g) for g in groups.members}
-        return list(nx.lexicographical_topological_sort(dag, key=first.__getitem__))
+        # a kernel is wanted as early as the earliest kernel that needs it: a merged kernel (a weight gradient's
+        # contraction with its optimizer update) may read a producer placed later in the graph (Adam's bias
+        # corrections, made from the step count alone); ordered by its own first node, that producer would run
+        # late and hold the merged kernel, and every activation the contraction reads, to the end of the step
+        wanted = dict(first)
+        for group in reversed(list(nx.topological_sort(dag))):
+            wanted[group] = min([first[group], *(wanted[s] for s in dag.successors(group))])
+        return list(nx.lexicographical_topological_sort(dag, key=lambda g: (wanted[g], first[g])))

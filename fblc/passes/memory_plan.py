@@ -56,8 +56,8 @@ from fblc.compiler import keys
 from fblc.compiler.es_loop import BODY
 from fblc.compiler.keys import Role
 from fblc.compiler.values import numel, static_shape
-from fblc.compiler.index_map import is_view, real_readers, view_root, views_of
-from fblc.passes.fuse import ALIAS, IN_READERS
+from fblc.compiler.index_map import REMAPPABLE, is_view, real_readers, view_root, views_of
+from fblc.passes.fuse import ALIAS, IN_READERS, dequantized_in_readers
 from fblc.passes.contracts import ContractPass
 from fblc.errors import FblcError
 
@@ -149,6 +149,24 @@ class MemoryPlan:
         return {"ok": not violations, "rank": self.rank, "saved": entries, "violations": violations,
                 "rule": "no saved full-precision activation of the backward may have more channels than the adapter "
                         "rank; bit masks and the loss's inputs are exempt"}
+
+
+def _moves_data(node: ir.Node) -> bool:
+    """A view, or data movement that tile_remap may make one (a weight's W^T, a Slice of it)."""
+    return is_view(node) or node.op_type in REMAPPABLE
+
+
+def _weight_view(graph: ir.Graph, value: ir.Value) -> bool:
+    """Whether `value` is a weight seen through data movement (W^T, a Slice of it) or a quantized weight its
+    contractions will dequantize as they load it (fuse.dequantized_in_readers): before tile_remap and fuse these
+    are nodes with outputs, after them views (or compile-time packings) that take no buffer of the step."""
+    node = value.producer()
+    moved = False
+    while node is not None and _moves_data(node) and node.inputs and node.inputs[0] is not None:
+        value, node, moved = node.inputs[0], node.inputs[0].producer(), True
+    if node is not None:
+        return dequantized_in_readers(node, _moves_data)
+    return moved and graph.initializers.get(value.name) is value
 
 
 def _kernel_index(node: ir.Node) -> int | None:
@@ -256,6 +274,8 @@ def plan_memory(model: ir.Model) -> MemoryPlan:
         producer = root.producer()
         if producer is not None and producer.metadata_props.get(keys.KERNEL) == IN_READERS:
             continue  # a weight its contractions dequantize as they load it: never stored (fuse.IN_READERS)
+        if not fused and _weight_view(graph, root):
+            continue  # before the layout passes (pass recompute's estimate): a view of a weight, as it will be
         names = members[key]
         role = keys.get_role(root)
         views = views_of(root)
@@ -363,9 +383,15 @@ def check_budget(plan: MemoryPlan, budget: int) -> None:
     state = int(plan.live(("weight", "optimizer", "grad")).max(initial=0))
     layers = len(plan.recompute.get("layers", []))
     at = plan.labels[int(np.argmax(plan.live(CLASSES)))] if plan.steps else ""
+    left = int(plan.recompute.get("layers_left", 0))
+    # recompute stops where its estimate (node order) fits; fuse's launch order can keep more live than that
+    why = (f"that is the floor with {layers} layers recomputed in the backward, the most checkpointing can do here"
+           if not left else
+           f"{layers} layers recomputed in the backward, where pass recompute's estimate "
+           f"({plan.recompute.get('estimate_after', 0) / 1e6:.4g} MB, node order) fit the budget; {left} more could be "
+           f"recomputed (a lower --device-memory does)")
     raise FblcError(f"the step needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), over --device-memory "
-                    f"{budget / 1e6:.4g} MB: that is the floor with {layers} layers recomputed in the backward, the "
-                    f"most checkpointing can do here (weights, gradients and optimizer state alone: "
+                    f"{budget / 1e6:.4g} MB: {why} (weights, gradients and optimizer state alone: "
                     f"{state / 1e6:.4g} MB)",
                     "raise --device-memory, or need less: --adapter lora (frozen weights, no full gradients), "
                     "--dtype fp16, a smaller batch or sequence (--input-shape), --loss-chunk for a large vocabulary")

@@ -11,9 +11,12 @@ nodes between two cuts are one layer, and its input (the cut's value) stays save
 more than activations to give (a graph output such as BatchNorm's running statistics, or a random op) are
 never recomputed. The choice is greedy by saved bytes freed per FLOP recomputed, each pick followed by a new
 estimate, until the estimate fits the budget or no layer is left.
-Estimate: `plan_memory` over this graph in node order (every value its own buffer, at its ONNX dtype), an
-upper bound of what the lowered plan says (fused kernels keep values in registers; fp16 storage halves them);
-the memory plan at the end checks the budget against the lowered plan (MemoryPlanPass).
+Estimate: `plan_memory` over this graph in node order (every value its own buffer, at its ONNX dtype, but views
+of weights and weights dequantized in their readers' loads none, as after tile_remap and fuse). Mostly above what
+the lowered plan says (fused kernels keep values in registers; fp16 storage halves them), but no bound: fuse's
+launch order can keep a value longer than node order does (2-layer 1B-width LoRA int4, every layer recomputed:
+estimate 477 MB, lowered 499 MB); the memory plan at the end checks the budget against the lowered plan
+(MemoryPlanPass).
 
 Rewrite: copies of forward nodes in stage `backward` (metadata `fblc.recompute` = the layer), readers in
 the backward moved to them; the model's `fblc.recompute` (JSON: budget, estimate before/after, layers,
@@ -213,6 +216,7 @@ class Recompute(ContractPass):
                            "saved_bytes": layer.saved_bytes, "flops": layer.flops, "estimate_after": peak})
         model.metadata_props[keys.RECOMPUTE] = json.dumps({
             "budget": self.budget, "estimate_before": before, "estimate_after": peak, "layers": picked,
+            "layers_left": len(layers),  # recomputable layers not picked (the estimate fit first)
             "flops_added": sum(int(p["flops"]) for p in picked),  # type: ignore[call-overload]
             "estimate": "live peak over node order, every value its own buffer at its ONNX dtype"})
         return ir.passes.PassResult(model, bool(picked))
