@@ -26,7 +26,7 @@ from fblc.compiler.adapters import AdapterConfig  # noqa: E402
 from fblc.compiler.model_io import load_model  # noqa: E402
 from fblc.compiler.optimizers import OptimizerConfig  # noqa: E402
 from fblc.errors import FblcError  # noqa: E402
-from fblc.passes.memory_plan import plan_memory  # noqa: E402
+from fblc.passes.memory_plan import check_budget, plan_memory  # noqa: E402
 from fblc.passes.pipeline import TrainingOptions, build_training_graph  # noqa: E402
 from fblc.profiles import load_profile  # noqa: E402
 
@@ -39,7 +39,13 @@ def measure(path: str, adapter: str, chunk: int, budget_mb: float, target: str) 
         step = build_training_graph(load_model(path), options, lower=load_profile(target))
     except FblcError as refused:
         return {"loss_chunk": chunk, "budget_MB": budget_mb, "refused": str(refused)}
-    summary = plan_memory(step).summary()
+    plan = plan_memory(step)
+    try:
+        if options.device_memory:
+            check_budget(plan, options.device_memory)
+    except FblcError as refused:  # node-level plan: fblc compile checks the bundle's allocation too
+        return {"loss_chunk": chunk, "budget_MB": budget_mb, "refused": str(refused)}
+    summary = plan.summary()
     recompute = summary.get("recompute", {})
     return {"loss_chunk": chunk, "budget_MB": budget_mb, "live_peak_MB": round(summary["live_peak"] / 1e6, 1),
             "saved_MB": round(summary["saved"] / 1e6, 1), "weights_MB": round(summary["weights"] / 1e6, 1),

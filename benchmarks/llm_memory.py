@@ -39,6 +39,7 @@ first use and cached in --out, shared with `benchmarks/adaptation.py --quick`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -88,33 +89,21 @@ def measure(path: str, trainer: str, weights: str, target: str, budget_mb: str =
     """One case in this process: compile_model's steps up to the buffer table (no bundle, no params.bin)."""
     import numpy as np
 
-    from fblc.codegen.compile import launches_per_step
-    from fblc.codegen.plan import buffer_table, lower, step_schedules
+    from fblc.codegen.compile import build_program, launches_per_step
     from fblc.codegen.reports import memory_report
     from fblc.codegen.weight_report import weights_report
-    from fblc.compiler.model_io import load_model
     from fblc.compiler.summary import trained_tensors
-    from fblc.passes.memory_plan import MemoryPlanPass
-    from fblc.passes.pipeline import build_training_graph
     from fblc.profiles import load_profile
 
     options = step_options(trainer, weights, float(budget_mb))
     profile = load_profile(target)
-    plans = []
-
-    def observe(index: int, graph_pass: object, model: object) -> None:
-        if isinstance(graph_pass, MemoryPlanPass) and graph_pass.plan is not None:
-            plans.append(graph_pass.plan)
-
-    step = build_training_graph(load_model(path), options, on_pass=observe, lower=profile,
-                                schedules=step_schedules(profile, "fp32", None))
-    program = lower(step, profile, "fp32")  # initial contents stay lazy: nothing is packed or read here
-    table = buffer_table(step, program, profile)
-    memory, _ = memory_report(plans[-1], table)
+    # initial contents stay lazy: nothing is packed or read here
+    step, program, table, plan = build_program(path, dataclasses.replace(options, dtype="fp32"), profile, {})
+    memory, _ = memory_report(plan, table)
     stored = weights_report(step, program, memory, weights, options.weights.group)["bytes"]
     trained = sum(int(np.prod(v.shape.numpy())) for v in trained_tensors(step.graph))
     mb = lambda n: round(n / 1e6, 1)  # noqa: E731
-    return {"peak": peak_breakdown(plans[-1], table),
+    return {"peak": peak_breakdown(plan, table),
             "budget_MB": mb(options.device_memory) if options.device_memory else "-",
             "device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
             "saved_MB": mb(memory["saved"]),

@@ -14,16 +14,16 @@ import onnx_ir as ir
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.codegen.plan import BufferTable, Program, buffer_table, lower, step_schedules
-from fblc.codegen.reports import TIMELINE_PLOT, estimate_object, layout_object, memory_report
+from fblc.codegen.reports import TIMELINE_PLOT, as_allocated, estimate_object, layout_object, memory_report
 from fblc.codegen.schedule import load_overrides
 from fblc.codegen.weight_report import weights_report
 from fblc.errors import FblcError
 from fblc.compiler.model_io import load_model
 from fblc.compiler.summary import adapter_report, trained_set_source, trained_tensors
 from fblc.compiler.torch_names import manifest_fields
-from fblc.passes.memory_plan import MemoryPlan, MemoryPlanPass
+from fblc.passes.memory_plan import MemoryPlan, MemoryPlanPass, OverBudgetError, check_budget
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
-from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile
+from fblc.profiles import PORTABLE_IMAGE_EDGE, Profile, load_profile
 
 
 #: a report.json object computed from a scratch copy of the bundle and the step, before the bundle is written
@@ -47,6 +47,53 @@ def build_report(model: ir.Model, program: Program, table: BufferTable, seconds:
             "portable_image_edge": PORTABLE_IMAGE_EDGE, "beyond_portable_edge": beyond}
 
 
+#: builds of the step under --device-memory: the first, then retries that recompute more layers while the
+#: lowered plan is over the budget and layers are left
+RECOMPUTE_ATTEMPTS = 4
+
+
+def build_program(model_path: str, options: TrainingOptions, profile: Profile, overrides: Mapping[str, dict[str, Any]],
+                  dump_dir: str | None = None, on_pass: PassHook | None = None,
+                  marks: list[tuple[str, float, float]] | None = None
+                  ) -> tuple[ir.Model, Program, BufferTable, MemoryPlan]:
+    """The step graph, its kernels, its buffer table and its memory plan (what fblc compile writes, nothing
+    packed or written), holding --device-memory: where the bundle keeps more live than pass recompute's
+    estimate (node order, every value its own buffer) and recomputable layers are left, it is built again
+    from the model as read with recompute aiming lower by the overshoot. `marks` gets the stages' (name,
+    wall, CPU) ends; a failed attempt's time lands in the next one's `passes`."""
+    plans: list[MemoryPlan] = []
+
+    def observe(index: int, graph_pass: ir.passes.PassBase, model: ir.Model) -> None:
+        if isinstance(graph_pass, MemoryPlanPass) and graph_pass.plan is not None:
+            plans.append(graph_pass.plan)  # the step's one memory plan, which report.json shows too
+        if on_pass is not None:
+            on_pass(index, graph_pass, model)
+
+    model = load_model(model_path)
+    stages = [("read_model", time.perf_counter(), time.process_time())]
+    for attempt in range(RECOMPUTE_ATTEMPTS):
+        step = build_training_graph(model, options, dump_dir=dump_dir, on_pass=observe, lower=profile,
+                                    schedules=step_schedules(profile, options.dtype, overrides))
+        built = [("passes", time.perf_counter(), time.process_time())]
+        program = lower(step, profile, options.dtype, overrides=overrides)
+        built.append(("codegen", time.perf_counter(), time.process_time()))
+        table = buffer_table(step, program, profile)
+        built.append(("buffer_table", time.perf_counter(), time.process_time()))
+        try:
+            if options.device_memory > 0:
+                check_budget(as_allocated(plans[-1], table), options.device_memory, table.allocated_bytes)
+            break
+        except OverBudgetError as over:
+            target = (options.recompute_target or options.device_memory) - (over.peak - over.budget)
+            if not over.layers_left or attempt == RECOMPUTE_ATTEMPTS - 1 or target <= 0:
+                raise
+            options = dataclasses.replace(options, recompute_target=target)
+            model, plans[:] = load_model(model_path), []
+    if marks is not None:
+        marks += stages + built
+    return step, program, table, plans[-1]
+
+
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
                   dump_dir: str | None = None, on_pass: PassHook | None = None,
                   annexes: Mapping[str, ReportAnnex] | None = None, schedules: str | None = None
@@ -66,26 +113,10 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     started = time.perf_counter()
     options = dataclasses.replace(options, dtype=dtype)
     overrides = load_overrides(schedules, profile)
-    plans: list[MemoryPlan] = []
-
-    def observe(index: int, graph_pass: ir.passes.PassBase, model: ir.Model) -> None:
-        if isinstance(graph_pass, MemoryPlanPass) and graph_pass.plan is not None:
-            plans.append(graph_pass.plan)  # the step's one memory plan, which report.json shows too
-        if on_pass is not None:
-            on_pass(index, graph_pass, model)
-
     marks = [("start", started, time.process_time())]  # wall and CPU seconds (the process's, both threads)
-    model = load_model(model_path)
-    marks.append(("read_model", time.perf_counter(), time.process_time()))
-    step = build_training_graph(model, options, dump_dir=dump_dir, on_pass=observe, lower=profile,
-                                schedules=step_schedules(profile, dtype, overrides))
-    marks.append(("passes", time.perf_counter(), time.process_time()))
-    program = lower(step, profile, dtype, overrides=overrides)
-    marks.append(("codegen", time.perf_counter(), time.process_time()))
-    table = buffer_table(step, program, profile)
-    marks.append(("buffer_table", time.perf_counter(), time.process_time()))
+    step, program, table, plan = build_program(model_path, options, profile, overrides, dump_dir, on_pass, marks)
     report = build_report(step, program, table, time.perf_counter() - started)
-    report["memory"], timeline = memory_report(plans[-1], table)
+    report["memory"], timeline = memory_report(plan, table)
     report["layout"] = layout_object(step, program, options)
     report["trained"] = {"chosen_by": trained_set_source(step.graph),
                          "tensors": [{"name": v.name, **manifest_fields(v), "shape": list(v.shape)}

@@ -95,11 +95,17 @@ LAYERS = (("weight", "weights", "#8c8c8c"), ("optimizer", "optimizer state", "#b
 ADAPTER_SITE_FIELDS = ("conv", "c_in", "c_out", "kernel", "scale", "activation", "params")
 
 
+def as_allocated(plan: MemoryPlan, table: BufferTable) -> MemoryPlan:
+    """The memory plan with each update written over its state (codegen/inplace.py) in one buffer, as the
+    buffer table allocates it."""
+    return plan.updated_in_place([name for t in table.textures for name in t.values
+                                  if name.endswith(".new") and name[:-4] in t.values])
+
+
 def memory_report(plan: MemoryPlan, table: BufferTable) -> tuple[dict[str, Any], bytes]:
     """(report.json's `memory` object, the timeline PNG) of the step's memory plan (the one MemoryPlanPass
     computed and put on the graph as `fblc.mem`), with the bundle's allocation from its buffer table."""
-    in_place = [name for t in table.textures for name in t.values if name.endswith(".new") and name[:-4] in t.values]
-    plan = plan.updated_in_place(in_place)  # an update written over its state (codegen/inplace.py): one texture
+    plan = as_allocated(plan, table)
     summary = plan.summary()
     result = {**summary, **{name: int(summary[name]) for name in INTEGER_FIELDS}, "floor_ok": bool(summary["floor_ok"]),
               "device_peak": table.allocated_bytes, "texture_bytes": table.texture_bytes,

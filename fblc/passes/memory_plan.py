@@ -348,14 +348,9 @@ class MemoryPlanPass(ContractPass):
     ensures_facts = ("memory plan",)
     plan: MemoryPlan | None = None  # the plan of the last step annotated (fblc compile's report.json reads it)
 
-    def __init__(self, budget: int = 0) -> None:
-        super().__init__()
-        self.budget = budget  # --device-memory in bytes (pass recompute chose against it); 0: none
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        plan = self.plan = plan_memory(model)  # kept for report.json (fblc compile): planned once
-        if self.budget > 0:
-            check_budget(plan, self.budget)
+        # kept for report.json and --device-memory's check (fblc compile, after the buffer table): planned once
+        plan = self.plan = plan_memory(model)
         modified = False
         by_name = {b.name: b for b in plan.buffers}
         for value in _all_values(model.graph):
@@ -375,14 +370,27 @@ class MemoryPlanPass(ContractPass):
         return ir.passes.PassResult(model, modified)
 
 
-def check_budget(plan: MemoryPlan, budget: int) -> None:
-    """Refuse a step whose live peak exceeds --device-memory after recompute did what it could."""
-    peak = int(plan.live(CLASSES).max(initial=0))
+class OverBudgetError(FblcError):
+    """The lowered step's live peak is over --device-memory; `layers_left` recomputable layers were not
+    recomputed because pass recompute's estimate (node order) fit first: a lower target can still fit."""
+
+    def __init__(self, cause: str, remedy: str, peak: int, budget: int, layers_left: int) -> None:
+        super().__init__(cause, remedy)
+        self.peak, self.budget, self.layers_left = peak, budget, layers_left
+
+
+def check_budget(plan: MemoryPlan, budget: int, allocated: int = 0) -> None:
+    """Refuse a step whose live peak, or what the runtimes allocate for it (`allocated`, the buffer table's
+    device_peak), exceeds --device-memory after recompute did what it could (OverBudgetError)."""
+    live_peak = int(plan.live(CLASSES).max(initial=0))
+    peak = max(live_peak, allocated)
     if peak <= budget:
         return
     state = int(plan.live(("weight", "optimizer", "grad")).max(initial=0))
     layers = len(plan.recompute.get("layers", []))
     at = plan.labels[int(np.argmax(plan.live(CLASSES)))] if plan.steps else ""
+    if allocated > live_peak:  # the textures' padding and alignment, over what is live at any launch
+        at = f"the runtimes allocate it; {live_peak / 1e6:.4g} MB live at {at}"
     left = int(plan.recompute.get("layers_left", 0))
     # recompute stops where its estimate (node order) fits; fuse's launch order can keep more live than that
     why = (f"that is the floor with {layers} layers recomputed in the backward, the most checkpointing can do here"
@@ -390,11 +398,12 @@ def check_budget(plan: MemoryPlan, budget: int) -> None:
            f"{layers} layers recomputed in the backward, where pass recompute's estimate "
            f"({plan.recompute.get('estimate_after', 0) / 1e6:.4g} MB, node order) fit the budget; {left} more could be "
            f"recomputed (a lower --device-memory does)")
-    raise FblcError(f"the step needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), over --device-memory "
-                    f"{budget / 1e6:.4g} MB: {why} (weights, gradients and optimizer state alone: "
-                    f"{state / 1e6:.4g} MB)",
-                    "raise --device-memory, or need less: --adapter lora (frozen weights, no full gradients), "
-                    "--dtype fp16, a smaller batch or sequence (--input-shape), --loss-chunk for a large vocabulary")
+    raise OverBudgetError(f"the step needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), over "
+                          f"--device-memory {budget / 1e6:.4g} MB: {why} (weights, gradients and optimizer state "
+                          f"alone: {state / 1e6:.4g} MB)",
+                          "raise --device-memory, or need less: --adapter lora (frozen weights, no full gradients), "
+                          "--dtype fp16, a smaller batch or sequence (--input-shape), --loss-chunk for a large "
+                          "vocabulary", peak, budget, left)
 
 
 def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
@@ -404,4 +413,4 @@ def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
         yield from (v for v in node.outputs if v is not None)
 
 
-__all__ = ["Buffer", "MemoryPlan", "MemoryPlanPass", "plan_memory"]
+__all__ = ["Buffer", "MemoryPlan", "MemoryPlanPass", "OverBudgetError", "plan_memory"]

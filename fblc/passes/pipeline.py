@@ -101,6 +101,9 @@ class TrainingOptions:
     #: --device-memory in bytes: recompute picks layers to recompute in the backward until the live peak fits;
     #: the memory plan checks it (0: no budget)
     device_memory: int = 0
+    #: the live peak pass recompute aims at (0: device_memory); fblc compile lowers it when the lowered plan
+    #: kept more live than recompute's node-order estimate (codegen/compile.py)
+    recompute_target: int = 0
 
 
 LAYOUTS = ("rtile", "naive")
@@ -169,7 +172,8 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         OptimizerStep(options.optimizer),
     ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else []) + (
         [SkipNonfinite()] if loss_scaled(options) else []) + (
-        [Recompute(options.device_memory)] if options.trainer == "backprop" and options.device_memory > 0 else [])
+        [Recompute(options.recompute_target or options.device_memory)]
+        if options.trainer == "backprop" and options.device_memory > 0 else [])
 
 
 PassHook = Callable[[int, ir.passes.PassBase, ir.Model], None]
@@ -274,7 +278,7 @@ def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decid
     generator's decisions, `schedules`, when the caller hands them in: kernel_schedules), memory."""
     return layout_passes(options, profile.cpu) + [RTileSelect(profile, options.layout, options.layout_search,
                                                   options.traced_reads), EsLoop(), FuseKernels(), StoragePrecision(options.dtype),
-                                     KernelSchedules(schedules), MemoryPlanPass(options.device_memory)]
+                                     KernelSchedules(schedules), MemoryPlanPass()]
 
 
 def compile_pipeline(options: TrainingOptions, profile: Profile, schedules: Decide | None = None
