@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/llm_memory.py [--shapes 1b,0.5b] [--trainers es,lora,full]
         [--weights fp32,fp16,int8,int4] [--cases 0.5b/lora/int4,...] [--quick] [--time-limit 600]
-        [--rss-limit-gb 3] [--device-memory MB] [--json out.json]
+        [--rss-limit-gb 3] [--device-memory MB] [--weight-group 32] [--dtype fp32|fp16] [--json out.json]
     PYTHONPATH=$PWD python benchmarks/llm_memory.py --adaptation [--steps 40]
 
 Shapes (benchmarks/llama_shaped.py, B=1, T=256, weights in a sparse external file that is never written):
@@ -11,7 +11,8 @@ shape (24 layers, hidden 896, FFN 4864, 14/2 heads, vocab 151936; untied LM head
 the 1B shape with the LM head tied to the embedding table (Llama-3.2-1B's tie_word_embeddings; not in the
 default --shapes).
 Trainers: `es` FuRA-S ES (--trainer es --adapter fura-s --block 64 --pairs 4, SGD), `lora` LoRA r=8 backprop
-(Adam), `full` every weight by backprop (Adam). Weight formats: --weights fp32|fp16|int8|int4 (group 32);
+(Adam), `full` every weight by backprop (Adam). Weight formats: --weights fp32|fp16|int8|int4 (group 32, or
+--weight-group N); `--dtype fp16` stores the step's activations in half (fblc compile --dtype);
 only frozen contraction weights are quantized, so under `full` they change nothing but what is frozen.
 
 Each case compiles in its own process the way `fblc compile` does (codegen.compile.compile_model) up to the
@@ -66,7 +67,7 @@ COLUMNS = ("budget_MB", "device_MB", "live_MB", "saved_MB", "frozen_q_MB", "froz
            "trainable_values", "launches", "compile_cpu_s", "host_rss_GB", "anon_rss_GB")
 
 
-def step_options(trainer: str, weights: str, budget_mb: float = 0.0) -> Any:
+def step_options(trainer: str, weights: str, budget_mb: float = 0.0, group: int = 32) -> Any:
     from fblc import choices
     from fblc.compiler.adapters import AdapterConfig
     from fblc.compiler.es import EsConfig
@@ -82,10 +83,12 @@ def step_options(trainer: str, weights: str, budget_mb: float = 0.0) -> Any:
         "full": dict(optimizer=adam),
     }
     budget = {"device_memory": int(budget_mb * 1e6)} if budget_mb and trainer != "es" else {}
-    return TrainingOptions(loss="cross_entropy", weights=WeightFormat(weights), **by_trainer[trainer], **budget)
+    return TrainingOptions(loss="cross_entropy", weights=WeightFormat(weights, group=group), **by_trainer[trainer],
+                           **budget)
 
 
-def measure(path: str, trainer: str, weights: str, target: str, budget_mb: str = "0") -> dict[str, Any]:
+def measure(path: str, trainer: str, weights: str, target: str, budget_mb: str = "0", group: str = "32",
+            dtype: str = "fp32") -> dict[str, Any]:
     """One case in this process: compile_model's steps up to the buffer table (no bundle, no params.bin)."""
     import numpy as np
 
@@ -95,10 +98,10 @@ def measure(path: str, trainer: str, weights: str, target: str, budget_mb: str =
     from fblc.compiler.summary import trained_tensors
     from fblc.profiles import load_profile
 
-    options = step_options(trainer, weights, float(budget_mb))
+    options = step_options(trainer, weights, float(budget_mb), int(group))
     profile = load_profile(target)
     # initial contents stay lazy: nothing is packed or read here
-    step, program, table, plan = build_program(path, dataclasses.replace(options, dtype="fp32"), profile, {})
+    step, program, table, plan = build_program(path, dataclasses.replace(options, dtype=dtype), profile, {})
     memory, _ = memory_report(plan, table)
     stored = weights_report(step, program, memory, weights, options.weights.group)["bytes"]
     trained = sum(int(np.prod(v.shape.numpy())) for v in trained_tensors(step.graph))
@@ -166,12 +169,12 @@ def anonymous_bytes(pid: int) -> int:
 
 
 def run_case(path: str, trainer: str, weights: str, target: str, time_limit: float, rss_limit: float,
-             budget_mb: float = 0.0) -> dict[str, Any]:
+             budget_mb: float = 0.0, group: int = 32, dtype: str = "fp32") -> dict[str, Any]:
     """The case in a child process, killed past `time_limit` CPU seconds or `rss_limit` bytes of anonymous resident
     memory; its peak RSS from wait4."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # files: no pipe fills up
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--one", path, trainer, weights, target,
-                                  str(budget_mb)],
+                                  str(budget_mb), str(group), dtype],
                                  stdout=out, stderr=err, text=True)
         started, over, anonymous = time.monotonic(), None, 0
         while True:  # wait4, not poll(): the child's own rusage (its peak RSS) comes with the reaping
@@ -300,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-2, help="--adaptation: Adam's learning rate (default 1e-2)")
     parser.add_argument("--out", default="runs/adaptation", help="--adaptation: the pretrained decoder's cache "
                         "(benchmarks/adaptation.py --quick's)")
-    parser.add_argument("--one", nargs=5, metavar=("MODEL", "TRAINER", "WEIGHTS", "TARGET", "BUDGET"),
+    parser.add_argument("--weight-group", type=int, default=32, help="--weight-group of the quantized formats (default 32)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"),
+                        help="the step's storage precision (fblc compile --dtype; default fp32)")
+    parser.add_argument("--one", nargs=7, metavar=("MODEL", "TRAINER", "WEIGHTS", "TARGET", "BUDGET", "GROUP", "DTYPE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
@@ -317,11 +323,11 @@ def main(argv: list[str] | None = None) -> int:
                     paths[shape] = build_llama_shaped(os.path.join(directory, f"llm_{shape}.onnx"), SHAPES[shape])
                 row = {"shape": shape, "trainer": trainer, "weights": weights,
                        **run_case(paths[shape], trainer, weights, args.target, args.time_limit,
-                                  args.rss_limit_gb * 1e9, args.device_memory)}
+                                  args.rss_limit_gb * 1e9, args.device_memory, args.weight_group, args.dtype)}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
-        print(f"--target {args.target}, B=1 T=256; MB = 1e6 bytes; frozen_f includes the Gather-read embedding table "
-              "(never quantized today)")
+        print(f"--target {args.target}, --dtype {args.dtype}, --weight-group {args.weight_group}, B=1 T=256; "
+              "MB = 1e6 bytes; frozen_q includes the embedding table (Gather-read, quantized like the rest)")
         print_table(rows)
     if args.json:
         with open(args.json, "w") as out:

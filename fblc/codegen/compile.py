@@ -69,28 +69,34 @@ def build_program(model_path: str, options: TrainingOptions, profile: Profile, o
         if on_pass is not None:
             on_pass(index, graph_pass, model)
 
-    model = load_model(model_path)
-    stages = [("read_model", time.perf_counter(), time.process_time())]
-    for attempt in range(RECOMPUTE_ATTEMPTS):
+    def attempt(model: ir.Model, options: TrainingOptions) -> tuple[ir.Model, Program, BufferTable]:
         step = build_training_graph(model, options, dump_dir=dump_dir, on_pass=observe, lower=profile,
                                     schedules=step_schedules(profile, options.dtype, overrides))
-        built = [("passes", time.perf_counter(), time.process_time())]
+        stages.append(("passes", time.perf_counter(), time.process_time()))
         program = lower(step, profile, options.dtype, overrides=overrides)
-        built.append(("codegen", time.perf_counter(), time.process_time()))
+        stages.append(("codegen", time.perf_counter(), time.process_time()))
         table = buffer_table(step, program, profile)
-        built.append(("buffer_table", time.perf_counter(), time.process_time()))
+        stages.append(("buffer_table", time.perf_counter(), time.process_time()))
+        if options.device_memory > 0:  # raising, the attempt's graph and kernels go (a 1B step holds GBs)
+            check_budget(as_allocated(plans[-1], table), options.device_memory, table.allocated_bytes)
+        return step, program, table
+
+    model: ir.Model | None = load_model(model_path)
+    stages = [("read_model", time.perf_counter(), time.process_time())]
+    for tries in range(RECOMPUTE_ATTEMPTS):
         try:
-            if options.device_memory > 0:
-                check_budget(as_allocated(plans[-1], table), options.device_memory, table.allocated_bytes)
+            step, program, table = attempt(model if model is not None else load_model(model_path), options)
             break
         except OverBudgetError as over:
             target = (options.recompute_target or options.device_memory) - (over.peak - over.budget)
-            if not over.layers_left or attempt == RECOMPUTE_ATTEMPTS - 1 or target <= 0:
+            if not over.layers_left or tries == RECOMPUTE_ATTEMPTS - 1 or target <= 0:
                 raise
             options = dataclasses.replace(options, recompute_target=target)
-            model, plans[:] = load_model(model_path), []
+        del stages[1:]  # the failed attempt's time lands in the next one's `passes`
+        plans.clear()
+        model = None  # the failed attempt's graph (passes rewrite it in place) goes before the model is read again
     if marks is not None:
-        marks += stages + built
+        marks += stages
     return step, program, table, plans[-1]
 
 
