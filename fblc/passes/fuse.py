@@ -19,7 +19,10 @@ stage whatever their inputs (the finite check's sum of each parameter's gradient
 kernel while it reads at most READ_IMAGE_ARGS textures. An elementwise node that only a reduction reads, as its input,
 from operands of its own shape read in their order (`reduction_prologue`: BatchNorm's dy * x_hat under dgamma) is
 the reduction's prologue: its kernel computes each texel as it folds it, from the operands' texels, and the node's
-output is never stored (its siblings are found through the operands' kernels). A Concat or constant Pad (GATHERS) merges into the
+output is never stored (its siblings are found through the operands' kernels). A reduction of another reduction's
+signature that is no sibling (the next BatchNorm site of the same map shape) joins the last kernel of that
+signature while it holds fewer than SAME_SHAPE_REDUCTIONS reductions: one launch for two sites' dgamma and dbeta,
+the earlier site's maps kept until the later site's are made. A Concat or constant Pad (GATHERS) merges into the
 elementwise chain that reads it, which then computes it per element from its inputs' textures
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
 contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
@@ -60,6 +63,9 @@ ANCHORED = ("contraction", "reduction")
 #: result from one texel of each operand
 PROLOGUE_OPS = frozenset({"Add", "Sub", "Mul"})
 FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
+#: the most reductions of one signature that are no siblings a kernel folds (two BatchNorm sites' dgamma and dbeta:
+#: each merge keeps the earlier site's dy and x_hat live until the later site's are made, so few)
+SAME_SHAPE_REDUCTIONS = 4
 
 
 def reduced_axes(node: ir.Node) -> list[int]:
@@ -337,6 +343,7 @@ class FuseKernels(ContractPass):
         nodes = list(model.graph)
         groups = _Groups(nodes)
         totals: dict[tuple, int] = {}  # a total reduction's signature -> the last kernel that holds one
+        recent: dict[tuple, int] = {}  # another reduction's signature -> the last kernel that holds one
         in_readers = {id(n) for n in nodes if dequantized_in_readers(n)}
         prologues = {id(reduction): n for n in nodes if (reduction := reduction_prologue(n)) is not None
                      and reduction.metadata_props.get(keys.LOOP_PHASE) == n.metadata_props.get(keys.LOOP_PHASE)}
@@ -361,6 +368,12 @@ class FuseKernels(ContractPass):
                         group = groups.merge(groups.find(sibling), group)
                 if signature[0] == TOTAL:
                     totals[signature] = group
+                    continue
+                earlier = groups.find(recent[signature]) if signature in recent else None
+                if earlier is not None and earlier != group and groups.can_merge(earlier, group) \
+                        and len(groups.anchors[earlier]) + len(groups.anchors[group]) <= SAME_SHAPE_REDUCTIONS:
+                    group = groups.merge(earlier, group)
+                recent[signature] = group
                 continue
             if groups.kind[group] != "elementwise":
                 continue
