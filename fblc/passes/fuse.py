@@ -105,16 +105,18 @@ def _kind(node: ir.Node) -> str:
 
 def reduction_prologue(node: ir.Node) -> ir.Node | None:
     """The reduction whose kernel computes `node` as it reads it, or None. `node` (of PROLOGUE_OPS, float, no
-    step output) must be read by that reduction alone, as its input in its own order, and its operands must be
-    float tensors of its shape, each read in its order: texel t of the result is the op of their texels t. A
+    step output) must be read by that reduction (not a total one) alone, as its input in its own order, and its
+    operands must be float tensors of its shape, each read in its order: texel t of the result is the op of their
+    texels t. A
     BatchNorm's dgamma = sum(dy * x_hat) then reads dy and x_hat, and no map of the product is written."""
     out = node.outputs[0] if len(node.outputs) == 1 else None
     if node.op_type not in PROLOGUE_OPS or node.domain not in ("", "ai.onnx") or out is None \
             or out.is_graph_output() or out.dtype not in FLOATS:
         return None
     uses = [use for _, use in read_uses(out)]
-    if len(uses) != 1 or uses[0].idx != 0 or uses[0].node.op_type not in REDUCTIONS:
-        return None
+    if len(uses) != 1 or uses[0].idx != 0 or uses[0].node.op_type not in REDUCTIONS \
+            or numel(static_shape(uses[0].node.outputs[0])) == 1:
+        return None  # a total reduction reads within READ_IMAGE_ARGS: a sum made beside its operands is one texture
     shape, read = static_shape(out), uses[0].node.inputs[0]
     operands_fit = all(v is not None and v.dtype == out.dtype and static_shape(v) == shape and map_of(v).contiguous
                        for v in node.inputs)
