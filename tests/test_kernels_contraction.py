@@ -14,6 +14,7 @@ and TILE_CASES run merged, CHUNK to a step, in fp32 (MERGED_SETS; tests/support/
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -600,24 +601,37 @@ def _forward_kernels(step: Any, op_types: tuple[str, ...]) -> set[str]:
 
 
 def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
+    """Two Conv+BN+Relu sites of one map shape: each site's forward is one kernel; the four BatchNorm sums (each
+    site's dgamma and dbeta) are one reduction kernel (fuse: siblings, then SAME_SHAPE_REDUCTIONS), dgamma's
+    dy * x_hat computed in it as it reads (fuse.reduction_prologue: no texture holds the product)."""
     channels = 4
     nodes = [_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
              _node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], "bn"),
-             _node("Relu", ["bn"])]
+             _node("Relu", ["bn"], "r"), _node("Conv", ["r", "w2"], "c2", pads=[1, 1, 1, 1]),
+             _node("BatchNormalization", ["c2", "scale2", "bias2", "mean2", "var2"], "bn2"), _node("Relu", ["bn2"])]
     rng = np.random.default_rng(3)
     inits = {"x": (2, 3, 5, 5), "w": (channels, 3, 3, 3), "scale": (channels,), "bias": (channels,),
-             "mean": (channels,), "var": rng.uniform(0.5, 2.0, channels).astype(np.float32)}
+             "mean": (channels,), "var": rng.uniform(0.5, 2.0, channels).astype(np.float32),
+             "w2": (channels, channels, 3, 3), "scale2": (channels,), "bias2": (channels,), "mean2": (channels,),
+             "var2": rng.uniform(0.5, 2.0, channels).astype(np.float32)}
     path = write_case(str(tmp_path / "conv_bn_relu.onnx"), nodes, inits)
     assert_step_matches(path)
     step, report, computing = _compiled(path, str(tmp_path / "bundle"))
     assert report["kernels"] < computing
-    assert len(_forward_kernels(step, ("Conv", "BatchNormalization", "Relu"))) == 1, "Conv+BN+Relu: one kernel"
-    assert report["kernels_per_family"]["conv"] == 3  # forward, dX (ConvTranspose), dW (grouped Conv)
-    # BatchNorm's dgamma and dbeta: sibling sums over N, H, W in one reduction kernel, their updates its epilogue
+    assert len(_forward_kernels(step, ("Conv", "BatchNormalization", "Relu"))) == 2, "Conv+BN+Relu: one kernel"
+    assert report["kernels_per_family"]["conv"] == 6  # per site forward, dX (ConvTranspose), dW (grouped Conv)
+    # BatchNorm's dgamma and dbeta: sums over N, H, W in one reduction kernel, their updates its epilogue
     made = {v.name: n.metadata_props.get(KERNEL) for n in step.graph for v in n.outputs}
-    assert len({made[f"{p}.{s}"] for p in ("scale", "bias") for s in ("grad", "new")}) == 1, made
+    assert len({made[f"{p}.{s}"] for p in ("scale", "bias", "scale2", "bias2") for s in ("grad", "new")}) == 1, made
     reductions = {n.metadata_props[KERNEL] for n in step.graph if n.op_type.startswith("Reduce")}
-    assert report["kernels_per_family"]["reduction"] == len(reductions) == 2, reductions  # and the loss's mean
+    assert report["kernels_per_family"]["reduction"] == len(reductions) == 2, reductions  # and the loss's sum
+    sums = [n for n in step.graph if n.op_type == "ReduceSum" and n.metadata_props[KERNEL] == made["scale.grad"]]
+    products = [n.inputs[0].producer() for n in sums if n.inputs[0].producer().op_type == "Mul"]
+    assert len(sums) == 4 and len(products) == 2, [n.name for n in sums]  # dgamma's dy * x_hat, each site's
+    assert all(p.metadata_props[KERNEL] == made["scale.grad"] for p in products), products
+    with open(tmp_path / "bundle" / "plan.json") as handle:
+        stored = {name for texture in json.load(handle)["textures"] for name in texture["values"]}
+    assert not stored & {p.outputs[0].name for p in products}, "the product is computed where it is read"
     # rows of 5: a texel's lanes see one or two channels, whose 1 / sqrt(var + eps) is taken once each before
     # the lane loop (ValueReads.load_channel's `apply`), not once per lane
     forward = next(body for body in (tmp_path / "bundle" / "kernels.cl").read_text().split("__kernel ") if "rsqrt" in body)

@@ -16,7 +16,13 @@ whose kernel then runs over the Transpose's elements (written_by, adopt). Siblin
 reduced axes and output shape: BatchNorm's dgamma and dbeta) whose inputs one kernel makes, or that read one
 input, fold in one kernel, each in turn per output element; so do total reductions (one output element) of one
 stage whatever their inputs (the finite check's sum of each parameter's gradient), each joining the last such
-kernel while it reads at most READ_IMAGE_ARGS textures. A Concat or constant Pad (GATHERS) merges into the
+kernel while it reads at most READ_IMAGE_ARGS textures. An elementwise node that only a reduction reads, as its input,
+from operands of its own shape read in their order (`reduction_prologue`: BatchNorm's dy * x_hat under dgamma) is
+the reduction's prologue: its kernel computes each texel as it folds it, from the operands' texels, and the node's
+output is never stored (its siblings are found through the operands' kernels). A reduction of another reduction's
+signature that is no sibling (the next BatchNorm site of the same map shape) joins the last kernel of that
+signature while the merged kernel holds at most SAME_SHAPE_REDUCTIONS reductions: one launch for several sites'
+dgamma and dbeta, the earlier sites' maps kept until the last site's are made. A Concat or constant Pad (GATHERS) merges into the
 elementwise chain that reads it, which then computes it per element from its inputs' textures
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
 contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
@@ -54,7 +60,16 @@ GATHERS = ops.ops_where(lambda entry: entry.fuses_into_readers)
 #: epilogue, like a contraction's: a gradient reduced over the batch and its optimizer update in one launch
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp", "GlobalAveragePool"})
 #: kinds of kernel that an elementwise epilogue can join but never a prologue: their anchors fold their inputs
+#: (a reduction's prologue is the exception: `reduction_prologue`)
 ANCHORED = ("contraction", "reduction")
+#: elementwise ops a reduction computes as it reads its input (codegen/kernels/reduce.py FoldInput): a texel of the
+#: result from one texel of each operand
+PROLOGUE_OPS = frozenset({"Add", "Sub", "Mul"})
+FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
+#: the most reductions of one signature that are no siblings a kernel folds (four BatchNorm sites' dgamma and dbeta:
+#: each merge keeps the earlier sites' dy and x_hat live until the last site's are made, so few; MobileNetV2 B=8
+#: adreno830: 4 gave 213 launches, 8 gives 203 and a device peak 0.8 MB (1 %) higher)
+SAME_SHAPE_REDUCTIONS = 8
 
 
 def reduced_axes(node: ir.Node) -> list[int]:
@@ -89,6 +104,26 @@ def _kind(node: ir.Node) -> str:
     if node.op_type in GATHERS and (mode.decode() if isinstance(mode, bytes) else mode) == "constant":
         return "gather"
     return "single"
+
+
+def reduction_prologue(node: ir.Node) -> ir.Node | None:
+    """The reduction whose kernel computes `node` as it reads it, or None. `node` (of PROLOGUE_OPS, float, no
+    step output) must be read by that reduction (not a total one) alone, as its input in its own order, and its
+    operands must be float tensors of its shape, each read in its order: texel t of the result is the op of their
+    texels t. A
+    BatchNorm's dgamma = sum(dy * x_hat) then reads dy and x_hat, and no map of the product is written."""
+    out = node.outputs[0] if len(node.outputs) == 1 else None
+    if node.op_type not in PROLOGUE_OPS or node.domain not in ("", "ai.onnx") or out is None \
+            or out.is_graph_output() or out.dtype not in FLOATS:
+        return None
+    uses = [use for _, use in read_uses(out)]
+    if len(uses) != 1 or uses[0].idx != 0 or uses[0].node.op_type not in REDUCTIONS \
+            or numel(static_shape(uses[0].node.outputs[0])) == 1:
+        return None  # a total reduction reads within READ_IMAGE_ARGS: a sum made beside its operands is one texture
+    shape, read = static_shape(out), uses[0].node.inputs[0]
+    operands_fit = all(v is not None and v.dtype == out.dtype and static_shape(v) == shape and map_of(v).contiguous
+                       for v in node.inputs)
+    return uses[0].node if operands_fit and static_shape(read) == shape and map_of(read).contiguous else None
 
 
 def written_by(node: ir.Node) -> ir.Node | None:
@@ -231,14 +266,20 @@ class _Groups:
 
     def siblings(self, node: ir.Node) -> list[int]:
         """Kernels that may hold a sibling of reduction `node`: the readers of the kernel that makes its
-        input (BatchNorm's dgamma and dbeta reduce two outputs of one kernel), or of its input itself."""
-        source = node.inputs[0]
-        producer = real_producer(source) if source is not None else None
-        if producer is not None and self.of(producer) is not None:
-            found = self.successors(self.of(producer))  # type: ignore[arg-type]
-        else:
-            found = {self.of(reader) for reader in real_readers(view_root(source))} if source is not None else set()
+        input (BatchNorm's dgamma and dbeta reduce two outputs of one kernel), or of its input itself; with a
+        prologue (its input computed in its own kernel), those of each of the prologue's operands."""
         own = self.of(node)
+        sources = [node.inputs[0]]
+        producer = real_producer(node.inputs[0]) if node.inputs[0] is not None else None
+        if producer is not None and self.of(producer) == own:
+            sources = list(producer.inputs)
+        found: set[int | None] = set()
+        for source in sources:
+            producer = real_producer(source) if source is not None else None
+            if producer is not None and self.of(producer) is not None:
+                found |= self.successors(self.of(producer))  # type: ignore[arg-type]
+            elif source is not None:
+                found |= {self.of(reader) for reader in real_readers(view_root(source))}
         return sorted((g for g in found if g is not None and g != own and self.kind[g] == "reduction"),
                       key=self.first)
 
@@ -319,7 +360,10 @@ class FuseKernels(ContractPass):
         nodes = list(model.graph)
         groups = _Groups(nodes)
         totals: dict[tuple, int] = {}  # a total reduction's signature -> the last kernel that holds one
+        recent: dict[tuple, int] = {}  # another reduction's signature -> the last kernel that holds one
         in_readers = {id(n) for n in nodes if dequantized_in_readers(n)}
+        prologues = {id(reduction): n for n in nodes if (reduction := reduction_prologue(n)) is not None
+                     and reduction.metadata_props.get(keys.LOOP_PHASE) == n.metadata_props.get(keys.LOOP_PHASE)}
         for node in nodes:
             if is_view(node) or id(node) in in_readers:
                 continue
@@ -328,7 +372,12 @@ class FuseKernels(ContractPass):
             if written is not None and groups.of(written) is not None:
                 groups.adopt(groups.of(written), group)  # type: ignore[arg-type]
                 continue
+            if any(prologues.get(id(reader)) is node for reader in groups.readers[id(node)]):
+                continue  # its reduction's prologue: joins that kernel with it (below)
             if groups.kind[group] == "reduction":
+                prologue = prologues.get(id(node))
+                if prologue is not None:
+                    group = groups.merge(group, groups.of(prologue))  # type: ignore[arg-type]
                 signature = groups.signature[group]
                 last = [totals[signature]] if signature[0] == TOTAL and signature in totals else []
                 for sibling in groups.siblings(node) + last:
@@ -336,6 +385,12 @@ class FuseKernels(ContractPass):
                         group = groups.merge(groups.find(sibling), group)
                 if signature[0] == TOTAL:
                     totals[signature] = group
+                    continue
+                earlier = groups.find(recent[signature]) if signature in recent else None
+                if earlier is not None and earlier != group and groups.can_merge(earlier, group) \
+                        and len(groups.anchors[earlier]) + len(groups.anchors[group]) <= SAME_SHAPE_REDUCTIONS:
+                    group = groups.merge(earlier, group)
+                recent[signature] = group
                 continue
             if groups.kind[group] != "elementwise":
                 continue

@@ -3,7 +3,9 @@
 One work-item per output texel (a work-group past the serial limit) folds the reduced elements, whole
 texels where the axes allow; docs/ARCHITECTURE.md §3. A kernel folds every sibling reduction of its group
 (passes/fuse.py: one input shape, axes and output shape) in turn, then evaluates the group's elementwise
-epilogue on their results, as a contraction does (an optimizer update of a gradient summed over the batch).
+epilogue on their results, as a contraction does (an optimizer update of a gradient summed over the batch). A
+reduction whose input the group's prologue node makes (fuse.reduction_prologue: BatchNorm's dy * x_hat) folds that
+node's op of its operands' texels as it reads them (FoldInput): the product is never stored.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from fblc.codegen.cl import Kernel, strides_of
 from fblc.codegen.indexing import digit_terms, index_var
 from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Lane, Var, call, const, flat_index, select, vector
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.elementwise import evaluate_chain
+from fblc.codegen.kernels.elementwise import EXPRESSIONS, evaluate_chain
 from fblc.codegen.reads import dtype_of
 from fblc.codegen.textures import TextureTable
-from fblc.compiler.index_map import map_of
+from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.fuse import REDUCTIONS, reduced_axes
 
@@ -60,18 +62,55 @@ class Folded:
         return self.lanes[0]
 
 
+class FoldInput:
+    """What a fold reads: a tensor's texels and elements, or, where a prologue node of the kernel makes it (by id of
+    its output: passes/fuse.reduction_prologue), that node's op of its operands' texels and elements (one texel
+    of each operand a texel: they have its shape and are read in its order)."""
+
+    def __init__(self, b: KernelBuilder, value: ir.Value, prologue: dict[int, ir.Node]) -> None:
+        self.b, self.value, self.prologue = b, value, prologue
+        self.node = prologue.get(id(view_root(value)))
+
+    def _computed(self, read: Callable[[FoldInput], Expr]) -> Expr:
+        assert self.node is not None
+        return EXPRESSIONS[self.node.op_type](self.b, self.node, lambda v: read(FoldInput(self.b, v, self.prologue)))
+
+    def texel(self, texel: Expr) -> Expr:
+        """Its whole texel `texel` (a float4)."""
+        if self.node is None:
+            return self.b.texel(*self.b.input_argument(self.value), texel)
+        return self._computed(lambda operand: operand.texel(texel))
+
+    def element(self, index: Expr) -> Expr:
+        """Its element `index` (flat, row-major)."""
+        if self.node is None:
+            return self.b.element(self.value, index)
+        return self._computed(lambda operand: operand.element(index))
+
+    @property
+    def texels(self) -> int:
+        return self.b.input_argument(self.value)[1].texels if self.node is None else -(-numel(static_shape(self.value))
+                                                                                      // 4)
+
+    @property
+    def mask(self) -> bool:
+        """Whether it is a mask's bits (no 4-element texels to read whole)."""
+        return self.node is None and bool(self.b.input_argument(self.value)[1].mask_elements)
+
+
 #: how a group joins partials of several accumulators ([the work-item's partials of each], prologue)
 GroupMerge = Callable[[KernelBuilder, list[list[Union[Var, Lane]]], bool], None]
 
 
 def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Callable,
                    start: float | tuple[float, ...], merge: str | GroupMerge = "add",
-                   texel_fold: TexelFold | None = None) -> Folded:
+                   texel_fold: TexelFold | None = None, computed: dict[int, ir.Node] | None = None) -> Folded:
     """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`, or with a
     tuple of starts, several accumulators at once (`combine(block, accs, x)` gives their new values). With
     `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials: a
     builder.MERGES name (one accumulator), or a GroupMerge. With `texel_fold`, a row whose trailing reduced
-    run is contiguous folds whole texels into float4 accumulators (combine takes float4s too)."""
+    run is contiguous folds whole texels into float4 accumulators (combine takes float4s too). `computed`: the
+    kernel's prologue nodes by output id (FoldInput), `source` computed as it is read where one makes it."""
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
@@ -80,6 +119,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     first, step = (b.lid, group) if group else (const(0), 1)
     whole_texels = b.constant_value(source) is None and map_of(source).contiguous
     starts = start if isinstance(start, tuple) else (start,)
+    read = FoldInput(b, source, computed or {})
 
     def fold_in(block: Block, accs: list[Var], x: Expr) -> None:
         """accs = combine(accs, x), every new value computed from the old ones."""
@@ -105,11 +145,9 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     # kept axes after the reduced ones a multiple of 4 long: the 4 lanes fold 4 consecutive elements, one
     # texel read per step, in the per-texel prologue
     if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
-        prologue = b.prologue
-        argument, texture = b.input_argument(source)
-        accs = [prologue.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts]
-        with prologue.loop("r", first, count, step=step) as (r, fold):
-            x = fold.let(b.texel(argument, texture, (base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4)), "x")
+        accs = [b.prologue.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts]
+        with b.prologue.loop("r", first, count, step=step) as (r, fold):
+            x = fold.let(read.texel((base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4)), "x")
             fold_in(fold, accs, x)
         if group:  # the four outputs' partials in one merge
             join([[acc.lane(lane) for lane in range(4)] for acc in accs], True)
@@ -124,11 +162,10 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         """Fold the reduced elements of the output whose first reduced element is `base` into `accs` (at
         their starts)."""
         if whole_texels and run and run % 4 == 0:  # the trailing reduced run as whole texels, their lanes in turn
-            argument, texture = b.input_argument(source)
             texel_accs = [body.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts] if texel_fold else []
             with body.loop("r", first, count // 4, step=step) as (r, fold):
                 texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
-                v = fold.let(b.texel(argument, texture, (base >> 2) + texel), "v")
+                v = fold.let(read.texel((base >> 2) + texel), "v")
                 if texel_fold:
                     fold_in(fold, texel_accs, v)
                 else:
@@ -140,22 +177,22 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
         elif whole_texels and run > 1:  # the trailing reduced run contiguous: index arithmetic once per run
             deal_inner = group is None or run >= group or not outer  # deal out the longer loop to the group
             inner_first, inner_step = (first, step) if deal_inner else (const(0), 1)
-            wide = texel_fold if texel_fold and not b.input_argument(source)[1].mask_elements else None
+            wide = texel_fold if texel_fold and not read.mask else None
             targets = [body.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts] if wide else accs
             if not outer:  # one run alone needs no loop over the runs
-                _fold_run(body, b, source, base, run, targets, fold_in, inner_first, inner_step, wide)
+                _fold_run(body, read, base, run, targets, fold_in, inner_first, inner_step, wide)
             else:
                 outer_first, outer_step = (const(0), 1) if deal_inner else (first, step)
                 with body.loop("r", outer_first, count // run, step=outer_step) as (r, runs):
                     row = runs.let(base + step_index(r, outer), "row")
-                    _fold_run(runs, b, source, row, run, targets, fold_in, inner_first, inner_step, wide)
+                    _fold_run(runs, read, row, run, targets, fold_in, inner_first, inner_step, wide)
             if wide:
                 for acc, value in zip(accs, wide.join(body, tuple(targets))):
                     body.assign(acc, value)
         else:
             with body.loop("r", first, count, step=step) as (r, fold):
                 index = base + step_index(r, axes) if axes else base
-                fold_in(fold, accs, fold.let(b.element(source, index), "x"))
+                fold_in(fold, accs, fold.let(read.element(index), "x"))
 
     if group and b.texels_per_item == 1:  # the texel's 4 outputs in the prologue, their partials in one merge
         prologue, outputs = b.prologue, numel([shape[a] for a in kept])
@@ -180,26 +217,25 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     return Folded(tuple(accs), tuple(accs))
 
 
-def _fold_run(block: Block, b: KernelBuilder, source: ir.Value, row: Expr, run: int, accs: list[Var],
+def _fold_run(block: Block, read: FoldInput, row: Expr, run: int, accs: list[Var],
               fold_in: Callable[[Block, list[Var], Expr], None], first: Expr, step: int,
               texel_fold: TexelFold | None = None) -> None:
-    """Fold the `run` consecutive elements of `source` from flat index `row` into `accs` (the `first`, `first +
+    """Fold the `run` consecutive elements of `read` from flat index `row` into `accs` (the `first`, `first +
     step`.. of their texels): the texels that cover them, each read once and its lanes folded in turn, but for
     the lanes of the two end texels that lie outside the run (a run of no multiple of 4, such as a channel's
     map in BatchNorm's gradient sums, starts anywhere in a texel). One element a read was 4 reads a texel.
     With `texel_fold` the texel folds whole into float4 `accs`, its lanes outside the run as the neutral element."""
-    argument, texture = b.input_argument(source)
-    if texture.mask_elements:  # a mask's bits have no texels to read whole
+    if read.mask:  # a mask's bits have no texels to read whole
         with block.loop("ri", first, run, step=step) as (inner, fold):
-            fold_in(fold, accs, fold.let(b.element(source, row + inner), "x"))
+            fold_in(fold, accs, fold.let(read.element(row + inner), "x"))
         return
     # a static count (the most texels a run covers, at its worst alignment: a compiler and kernel_stats know its
     # trips); a texel past the tensor's end, which only the last run can meet, is read clamped and folds nothing
-    span, last = (run + 6) // 4, texture.texels - 1
+    span, last = (run + 6) // 4, read.texels - 1
     start, end = block.let(row >> 2, "q"), block.let(row + run, "end")
     with block.loop("ri", first, span, step=step) as (inner, fold):
         at = fold.let(start + inner, "q")
-        texel = fold.let(b.texel(argument, texture, call("min", at, last)), "v")
+        texel = fold.let(read.texel(call("min", at, last)), "v")
         if texel_fold:
             inside = [(at * 4 + lane).ge(row).logical_and((at * 4 + lane).lt(end)) for lane in range(4)]
             neutral = const(texel_fold.neutral, FLOAT)
@@ -248,22 +284,23 @@ def _merge_log_sum_exp(b: KernelBuilder, partials: list[list[Var | Lane]], prolo
     b.merge_across_group(totals, "add", prologue)
 
 
-def reduction_lane(b: KernelBuilder, node: ir.Node) -> Expr:
-    """The lane's result of reduction `node` (its fold loops built into `b`)."""
+def reduction_lane(b: KernelBuilder, node: ir.Node, computed: dict[int, ir.Node]) -> Expr:
+    """The lane's result of reduction `node` (its fold loops built into `b`; `computed`: reduction_loop's)."""
     axes = reduced_axes(node)
     keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
     source = node.inputs[0]
     if node.op_type == "ReduceMax":
-        return reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max").lane
+        return reduction_loop(b, source, axes, keepdims, _fmax, -math.inf, "max", computed=computed).lane
     if node.op_type == "ReduceLogSumExp":  # exp(x - running max): cannot overflow, the row read once
         peak, total = reduction_loop(b, source, axes, keepdims, _log_sum_exp_step, (-math.inf, 0.0),
-                                     _merge_log_sum_exp, LOG_SUM_EXP_TEXELS).lanes
+                                     _merge_log_sum_exp, LOG_SUM_EXP_TEXELS, computed).lanes
         # a row of -inf (every entry masked) has no finite maximum: its log-sum-exp is -inf
         none = const(-math.inf, FLOAT)
         return select(peak.eq(none), none, peak + call("log", total))
     if node.op_type == "ReduceL2":  # with no axes (noop_with_empty_axes) this is |x|, as onnxruntime gives
-        return call("sqrt", reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0).lane)
-    total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0).lane
+        squares = reduction_loop(b, source, axes, keepdims, lambda a, x: call("fma", x, x, a), 0.0, computed=computed)
+        return call("sqrt", squares.lane)
+    total_lane = reduction_loop(b, source, axes, keepdims, lambda a, x: a + x, 0.0, computed=computed).lane
     if node.op_type in ("ReduceMean", "GlobalAveragePool"):
         total_lane = total_lane / const(float(numel([static_shape(source)[a] for a in axes]) or 1), FLOAT)
     return total_lane
@@ -278,10 +315,15 @@ def emit_reductions(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     if any(texture.format in MASK_FORMATS.values() for texture in b.out_textures):
         b.group_size = None  # an epilogue's saved mask: its bytes pair texels of two items (builder.py), no group
     reductions = [n for n in group.nodes if n.op_type in REDUCTIONS]
+    members = {id(n) for n in group.nodes}
+    computed = {id(view_root(r.inputs[0])): producer for r in reductions  # prologues: fuse.reduction_prologue
+                if (producer := view_root(r.inputs[0]).producer()) is not None and id(producer) in members}
     env: dict[int, Expr] = {}
-    for node in reductions:
+    for node in reductions + list(computed.values()):
         if node is not group.anchor:
             b.nodes.append(node.name)
-        env[id(node.outputs[0])] = b.body.let(reduction_lane(b, node), "red", dtype_of(node.outputs[0]))
-    env = evaluate_chain(b, [n for n in group.nodes if n.op_type not in REDUCTIONS], env)
+    for node in reductions:
+        env[id(node.outputs[0])] = b.body.let(reduction_lane(b, node, computed), "red", dtype_of(node.outputs[0]))
+    prologue = {id(n) for n in computed.values()}
+    env = evaluate_chain(b, [n for n in group.nodes if n.op_type not in REDUCTIONS and id(n) not in prologue], env)
     return [b.finish([env[id(v)] for v in group.outputs])]
