@@ -87,11 +87,6 @@ def _register() -> None:
             MERGED.add(f"reduce{o}x{r}", _reduction_case(op_type, shape, axes, seed=10 * len(MERGED.models)))
 
 
-@pytest.fixture(scope="module")
-def merged_folder(tmp_path_factory) -> Callable[[str], str]:
-    return lambda name: str(tmp_path_factory.mktemp(name))
-
-
 @MERGED_GROUP
 @pytest.mark.parametrize("op_type,axis", SOFTMAX)
 def test_softmax(merged_folder, op_type: str, axis: int) -> None:
