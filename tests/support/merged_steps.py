@@ -111,7 +111,8 @@ def rows_of(rows: list[Comparison], case: str, cases: list[str]) -> list[Compari
 
 
 def verify_merged(cases: dict[str, onnx.ModelProto], options: TrainingOptions, folder: str, target: str = "local",
-                  dtype: str = "fp32", storage: str = "image") -> list[Comparison]:
+                  dtype: str = "fp32", storage: str = "image",
+                  feeds: dict[str, dict[str, np.ndarray]] | None = None) -> list[Comparison]:
     """`verify_model`'s rows of one step of all `cases` merged (each case's kernels its own: checked first)."""
     from fblc.codegen.compile import compile_model
 
@@ -119,7 +120,8 @@ def verify_merged(cases: dict[str, onnx.ModelProto], options: TrainingOptions, f
     onnx.save(merged(cases), path)
     step, _ = compile_model(path, os.path.join(folder, "bundle"), target, dtype, replace(options, dtype=dtype))
     assert_no_kernel_spans_two_cases(step, list(cases))
-    return verify_model(path, options, target=target, dtype=dtype, storage=storage)
+    fed = {f"{case}{SEPARATOR}{name}": value for case, values in (feeds or {}).items() for name, value in values.items()}
+    return verify_model(path, options, target=target, dtype=dtype, storage=storage, feeds=fed or None)
 
 
 def assert_case_matches(rows: list[Comparison], case: str, cases: list[str]) -> None:
@@ -140,14 +142,16 @@ class MergedCases:
     so ~12 cases a build, not all in one). Each case's initializers must differ from the other cases' (draw them
     with a seed of the case's own): tie_weights would make equal ones one parameter, and that case no rows."""
 
-    def __init__(self, options: TrainingOptions, chunk: int = 12) -> None:
-        self.options, self.chunk = options, chunk
+    def __init__(self, options: TrainingOptions, chunk: int = 12, target: str = "local") -> None:
+        self.options, self.chunk, self.target = options, chunk, target
         self.models: dict[str, onnx.ModelProto] = {}
+        self.feeds: dict[str, dict[str, np.ndarray]] = {}  # case -> its fed inputs (by their names in the case)
         self._rows: dict[int, list[Comparison] | Exception] = {}
 
-    def add(self, case: str, model: onnx.ModelProto) -> None:
+    def add(self, case: str, model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None = None) -> None:
         assert case not in self.models and SEPARATOR not in case, case
         self.models[case] = model
+        self.feeds[case] = feeds or {}
 
     def check(self, case: str, folder: Callable[[str], str]) -> None:
         """`case`'s rows of its chunk's step (built in `folder(name)` on first use) all match onnxruntime's."""
@@ -157,7 +161,8 @@ class MergedCases:
         if index not in self._rows:
             try:
                 self._rows[index] = verify_merged({c: self.models[c] for c in group}, self.options,
-                                                  folder(f"merged{index}"))
+                                                  folder(f"merged{index}"), self.target,
+                                                  feeds={c: self.feeds[c] for c in group})
             except Exception as error:  # the chunk's other tests fail on it too, without building it again
                 self._rows[index] = error
         rows = self._rows[index]
