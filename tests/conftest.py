@@ -13,6 +13,7 @@ optimiser exploits `restrict` and undefined behaviour; -O0 does not).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -61,3 +62,9 @@ def mlp_path(tmp_path) -> str:
     path = str(tmp_path / "mlp.onnx")
     onnx.save(mlp_proto(), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def merged_folder(tmp_path_factory) -> Callable[[str], str]:
+    """A new folder per name, for the merged steps of tests/support/merged_steps.MergedCases.check."""
+    return lambda name: str(tmp_path_factory.mktemp(name))

@@ -8,7 +8,8 @@ row numbers) go through its `check`; indices fed as a model input (token ids) th
 The segment sum has three forms (fblc/compiler/gradients/segment_sum.py): Pad for a constant
 run of rows, a one-hot MatMul while it is small, ScatterElements beyond; the `scatter` runs
 lower ONE_HOT_ELEMENTS to reach the last one on tiny shapes. One step of each on PoCL against
-onnxruntime, for adreno830 under both layouts, is at the end.
+onnxruntime, for adreno830 under both layouts, is at the end (one merged step per layout and form:
+tests/support/merged_steps.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from fblc.tools.verify import verify_model
 from fblc.compiler.autodiff import supported_ops
 from fblc.compiler.gradients import segment_sum
 from fblc.compiler.model_io import load_model, save_model_atomically
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions, build_training_graph
+from tests.support import merged_steps
 from tests.test_gradient_rules import ATOL, OPSET, RTOL, Case, check, i64, node, rand
 
 Tensors = dict[str, torch.Tensor]
@@ -233,16 +234,32 @@ DEVICE_CASES = {  # name: (nodes, params, fed inputs, constants, y shape)
 DEVICE_RUNS = [("gather-axis1-scalar", "default")] + [(name, form) for name in list(DEVICE_CASES)[1:] for form in FORMS]
 
 
-@pytest.mark.parametrize("layout", ["rtile", "naive"])
-@pytest.mark.parametrize("name,form", DEVICE_RUNS, indirect=["form"])
-def test_one_step_on_pocl_matches_onnxruntime(name: str, form: str, layout: str, tmp_path) -> None:
-    """Compiled for adreno830, one SGD step on PoCL against onnxruntime (fblc.tools.verify)."""
+LAYOUTS = ["rtile", "naive"]
+
+
+def _device_model(name: str) -> onnx.ModelProto:
     nodes, params, fed, consts, y_shape = DEVICE_CASES[name]
     constants = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(v, k)) for k, v in consts.items()]
     r = np.random.default_rng(7).standard_normal(y_shape).astype(np.float32)
-    path = str(tmp_path / "model.onnx")
-    onnx.save(_model(constants + nodes, params, fed, r), path)
-    rows = verify_model(path, TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1), layout=layout),
-                        target="adreno830", feeds=fed)
-    bad = [r for r in rows if not r.ok]
-    assert rows and not bad, bad
+    return _model(constants + nodes, params, fed, r)
+
+
+#: case id (a prefix of its values' names in a merged step) of each device case
+DEVICE_IDS = {name: f"case{index}" for index, name in enumerate(DEVICE_CASES)}
+#: (layout, form) -> that form's device runs, one merged step (tests/support/merged_steps.py: one PoCL build, each
+#: case judged on its own rows); a step holds one form's cases, since the first test of it builds it under its
+#: `form` fixture's ONE_HOT_ELEMENTS
+MERGED = {(layout, form): merged_steps.MergedCases(
+    TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1), layout=layout), target="adreno830")
+    for layout in LAYOUTS for form in FORMS}
+for (_layout, _form), _merged in MERGED.items():
+    for _name in [name for name, form in DEVICE_RUNS if form == _form]:
+        _merged.add(DEVICE_IDS[_name], _device_model(_name), DEVICE_CASES[_name][2])
+
+
+@pytest.mark.xdist_group("gather-device-merged")  # one worker builds the merged steps for all these tests
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name,form", DEVICE_RUNS, indirect=["form"])
+def test_one_step_on_pocl_matches_onnxruntime(name: str, form: str, layout: str, merged_folder) -> None:
+    """Compiled for adreno830, one SGD step on PoCL against onnxruntime (fblc.tools.verify)."""
+    MERGED[layout, form].check(DEVICE_IDS[name], merged_folder)

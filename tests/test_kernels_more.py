@@ -4,7 +4,8 @@ HardSigmoid (elementwise), ReduceL2, InstanceNormalization, AveragePool with cei
 Each model is the op on trainable initializers, then ReduceSum(y * R) (tests/test_kernels_other.py's
 harness), so the forward kernel and the kernels of its backward all run. Shapes pick the code
 paths: an innermost axis a multiple of 4 or not (whole-texel reads or per-lane ones), reduced
-axes innermost or not, a ceil_mode window past the padded input or none.
+axes innermost or not, a ceil_mode window past the padded input or none. The cases of MERGED run 12 to a
+step (tests/support/merged_steps.py: one PoCL build for 12 cases, each case judged on its own rows).
 """
 
 from __future__ import annotations
@@ -20,35 +21,44 @@ from fblc.codegen import ir as kir
 from fblc.passes.pipeline import TrainingOptions
 from fblc.tools.verify import verify_model
 from support.kernel_ir import keep_lowered, of_type
-from tests.test_kernels_other import SGD, _check, _op_then_loss, _randn
+from tests.support import merged_steps
+from tests.test_kernels_other import SGD, _op_then_loss, _randn
 
 
-@pytest.mark.parametrize("shape", [[2, 3, 8], [3, 5]])
-@pytest.mark.parametrize("op_type,attributes", [("HardSwish", {}), ("HardSigmoid", {}),
-                                                ("HardSigmoid", {"alpha": 1.0 / 6.0, "beta": 0.5})])
-def test_hard_activations(tmp_path, op_type: str, attributes: dict[str, float], shape: list[int]) -> None:
-    """Spread over (-5, 5), so every piece of the activation (and of its slope) is hit."""
-    x = _randn(*shape, scale=2.5)
-    op = helper.make_node(op_type, ["x"], ["y"], name="act", **attributes)
-    _check(tmp_path, _op_then_loss(op, shape, {"x": x}))
-
-
-def test_hard_swish_fused_after_conv(tmp_path) -> None:
-    """HardSwish as a conv epilogue (MobileNetV3's conv-BN-HardSwish), through evaluate_chain."""
-    extra = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv")]
-    op = helper.make_node("HardSwish", ["c"], ["y"], name="act")
-    _check(tmp_path, _op_then_loss(op, [1, 4, 5, 5], {"x": _randn(1, 3, 5, 5), "w": _randn(4, 3, 3, 3, seed=2)},
-                                   extra=extra))
-
-
-@pytest.mark.parametrize("shape,axes,keepdims", [
+HARD_SHAPES = [[2, 3, 8], [3, 5]]
+HARD_OPS = [("HardSwish", {}), ("HardSigmoid", {}), ("HardSigmoid", {"alpha": 1.0 / 6.0, "beta": 0.5})]
+REDUCE_L2 = [
     ([3, 8], [1], 1),  # innermost, whole texels
     ([2, 3, 5], [-1], 0),  # innermost, per lane
     ([4, 3, 4], [0, 2], 0),  # outer and inner axes
     ([2, 6, 4], None, 1),  # everything
-])
-def test_reduce_l2(tmp_path, shape: list[int], axes: list[int] | None, keepdims: int) -> None:
-    x = _randn(*shape)
+]
+INSTANCE_NORMS = [[2, 3, 4, 4], [2, 3, 3, 3], [2, 4, 10]]
+CEIL_POOLS = [
+    (7, 4, 4, [0, 0, 0, 0], 1),  # AvgPool2d(4, ceil_mode=True) on 7x7: a partial last window per axis
+    (6, 3, 2, [1, 1, 1, 1], 1),  # past the end pad: divided by the taps inside the pads
+    (6, 3, 2, [1, 1, 1, 1], 0),
+    (6, 3, 2, [0, 1, 1, 0], 1),  # asymmetric pads
+    (5, 2, 3, [1, 1, 1, 1], 1),  # a last window in the end padding: dropped, ceil_mode=0 at import
+]
+REMAPPED = [("HardSwish", {}, [2, 8, 4]), ("ReduceL2", {"keepdims": 0}, [2, 8])]
+SLICES = [([0, 1], [4, 8], [0, 1], [2, 3]), ([5], [-9], [1], [-2])]
+
+
+def _hard_case(op_type: str, attributes: dict[str, float], shape: list[int], seed: int) -> onnx.ModelProto:
+    op = helper.make_node(op_type, ["x"], ["y"], name="act", **attributes)
+    return _op_then_loss(op, shape, {"x": _randn(*shape, seed=seed, scale=2.5)}, seed=seed + 1)
+
+
+def _hard_swish_after_conv_case(seed: int) -> onnx.ModelProto:
+    extra = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv")]
+    op = helper.make_node("HardSwish", ["c"], ["y"], name="act")
+    return _op_then_loss(op, [1, 4, 5, 5], {"x": _randn(1, 3, 5, 5, seed=seed), "w": _randn(4, 3, 3, 3, seed=seed + 2)},
+                         extra=extra, seed=seed + 1)
+
+
+def _reduce_l2_case(shape: list[int], axes: list[int] | None, keepdims: int, seed: int) -> onnx.ModelProto:
+    x = _randn(*shape, seed=seed)
     x.reshape(shape[0], -1)[0] = 0.0  # a zero norm where the first row is reduced alone: its gradient is 0
     inputs = ["x", "axes"] if axes is not None else ["x"]
     extra = ([helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array(axes, np.int64)),
@@ -57,41 +67,27 @@ def test_reduce_l2(tmp_path, shape: list[int], axes: list[int] | None, keepdims:
     reduced = {a % rank for a in axes} if axes is not None else set(range(rank))
     y_shape = [1 if i in reduced else d for i, d in enumerate(shape) if keepdims or i not in reduced]
     op = helper.make_node("ReduceL2", inputs, ["y"], keepdims=keepdims, name="norm")
-    _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))
+    return _op_then_loss(op, y_shape, {"x": x}, extra=extra, seed=seed + 1)
 
 
-@pytest.mark.parametrize("shape", [[2, 3, 4, 4], [2, 3, 3, 3], [2, 4, 10]])
-def test_instance_norm(tmp_path, shape: list[int]) -> None:
-    """Planes of 16 (whole texels: the statistics in the prologue), 9 and 10 (per lane)."""
+def _instance_norm_case(shape: list[int], seed: int) -> onnx.ModelProto:
     channels = shape[1]
     op = helper.make_node("InstanceNormalization", ["x", "scale", "bias"], ["y"], epsilon=1e-5, name="inorm")
-    inits = {"x": _randn(*shape, scale=2.0) + 1.0, "scale": _randn(channels, seed=2) + 1.0,
-             "bias": _randn(channels, seed=3)}
-    _check(tmp_path, _op_then_loss(op, shape, inits))
+    inits = {"x": _randn(*shape, seed=seed, scale=2.0) + 1.0, "scale": _randn(channels, seed=seed + 2) + 1.0,
+             "bias": _randn(channels, seed=seed + 3)}
+    return _op_then_loss(op, shape, inits, seed=seed + 1)
 
 
-@pytest.mark.parametrize("size,kernel,stride,pads,include", [
-    (7, 4, 4, [0, 0, 0, 0], 1),  # AvgPool2d(4, ceil_mode=True) on 7x7: a partial last window per axis
-    (6, 3, 2, [1, 1, 1, 1], 1),  # past the end pad: divided by the taps inside the pads
-    (6, 3, 2, [1, 1, 1, 1], 0),
-    (6, 3, 2, [0, 1, 1, 0], 1),  # asymmetric pads
-    (5, 2, 3, [1, 1, 1, 1], 1),  # a last window in the end padding: dropped, ceil_mode=0 at import
-])
-def test_average_pool_ceil_mode(tmp_path, size: int, kernel: int, stride: int, pads: list[int],
-                                include: int) -> None:
+def _ceil_pool_case(size: int, kernel: int, stride: int, pads: list[int], include: int, seed: int) -> onnx.ModelProto:
     from fblc.compiler.shape_rules import pool_output_size
 
     op = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[kernel, kernel], strides=[stride, stride],
                           pads=pads, ceil_mode=1, count_include_pad=include, name="pool")
     out = [pool_output_size(size, kernel, stride, 1, pads[a], pads[a + 2], True) for a in range(2)]
-    _check(tmp_path, _op_then_loss(op, [2, 3, *out], {"x": _randn(2, 3, size, size)}))
+    return _op_then_loss(op, [2, 3, *out], {"x": _randn(2, 3, size, size, seed=seed)}, seed=seed + 1)
 
 
-@pytest.mark.parametrize("op_type,attributes,y_shape", [("HardSwish", {}, [2, 8, 4]),
-                                                        ("ReduceL2", {"keepdims": 0}, [2, 8])])
-def test_reads_a_remapped_transpose(tmp_path, op_type: str, attributes: dict[str, int], y_shape: list[int]) -> None:
-    """Under --layout rtile the Transpose in front becomes an index map (both ops are strided readers):
-    the kernel reads x through it."""
+def _remapped_transpose_case(op_type: str, attributes: dict[str, int], y_shape: list[int], seed: int) -> onnx.ModelProto:
     extra = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1], name="t")]
     inputs = ["xt"]
     if op_type == "ReduceL2":
@@ -99,13 +95,11 @@ def test_reads_a_remapped_transpose(tmp_path, op_type: str, attributes: dict[str
                                       name="axes"))
         inputs.append("axes")
     op = helper.make_node(op_type, inputs, ["y"], name="op", **attributes)
-    _check(tmp_path, _op_then_loss(op, y_shape, {"x": _randn(2, 4, 8, scale=2.5)}, extra=extra))
+    return _op_then_loss(op, y_shape, {"x": _randn(2, 4, 8, seed=seed, scale=2.5)}, extra=extra, seed=seed + 1)
 
 
-@pytest.mark.parametrize("starts,ends,axes,steps", [([0, 1], [4, 8], [0, 1], [2, 3]), ([5], [-9], [1], [-2])])
-def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[int], steps: list[int]) -> None:
-    """A strided (or reversed) slice: its gradient gathers each input element's dy (or a zero)."""
-    x = _randn(4, 8)
+def _strided_slice_case(starts: list[int], ends: list[int], axes: list[int], steps: list[int],
+                        seed: int) -> onnx.ModelProto:
     ints = {"starts": starts, "ends": ends, "axes": axes, "steps": steps}
     extra = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(np.array(v, np.int64)), name=k)
              for k, v in ints.items()]
@@ -113,7 +107,69 @@ def test_strided_slice(tmp_path, starts: list[int], ends: list[int], axes: list[
                                           slice(starts[axes.index(a)], ends[axes.index(a)], steps[axes.index(a)])
                                           for a in range(2))].shape)
     op = helper.make_node("Slice", ["x", *ints], ["y"], name="strided")
-    _check(tmp_path, _op_then_loss(op, y_shape, {"x": x}, extra=extra))
+    return _op_then_loss(op, y_shape, {"x": _randn(4, 8, seed=seed)}, extra=extra, seed=seed + 1)
+
+
+#: every case of the tests below, each drawing its values with seeds of its own (10 apart)
+MERGED = merged_steps.MergedCases(TrainingOptions(loss="output", optimizer=SGD))
+for _prefix, _build, _params in [
+        ("hard", _hard_case, [(*o, s) for s in HARD_SHAPES for o in HARD_OPS]),
+        ("hardconv", _hard_swish_after_conv_case, [()]), ("l2", _reduce_l2_case, REDUCE_L2),
+        ("inorm", _instance_norm_case, [(s,) for s in INSTANCE_NORMS]), ("ceilpool", _ceil_pool_case, CEIL_POOLS),
+        ("remapped", _remapped_transpose_case, REMAPPED), ("slice", _strided_slice_case, SLICES)]:
+    for _index, _args in enumerate(_params):
+        MERGED.add(_prefix if _args == () else f"{_prefix}{_index}", _build(*_args, seed=10 * len(MERGED.models)))
+MERGED_GROUP = pytest.mark.xdist_group("more-merged")  # one worker builds the merged steps for all their tests
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("shape", HARD_SHAPES)
+@pytest.mark.parametrize("op_type,attributes", HARD_OPS)
+def test_hard_activations(merged_folder, op_type: str, attributes: dict[str, float], shape: list[int]) -> None:
+    """Spread over (-5, 5), so every piece of the activation (and of its slope) is hit."""
+    MERGED.check(f"hard{HARD_SHAPES.index(shape) * len(HARD_OPS) + HARD_OPS.index((op_type, attributes))}",
+                 merged_folder)
+
+
+@MERGED_GROUP
+def test_hard_swish_fused_after_conv(merged_folder) -> None:
+    """HardSwish as a conv epilogue (MobileNetV3's conv-BN-HardSwish), through evaluate_chain."""
+    MERGED.check("hardconv", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("shape,axes,keepdims", REDUCE_L2)
+def test_reduce_l2(merged_folder, shape: list[int], axes: list[int] | None, keepdims: int) -> None:
+    MERGED.check(f"l2{REDUCE_L2.index((shape, axes, keepdims))}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("shape", INSTANCE_NORMS)
+def test_instance_norm(merged_folder, shape: list[int]) -> None:
+    """Planes of 16 (whole texels: the statistics in the prologue), 9 and 10 (per lane)."""
+    MERGED.check(f"inorm{INSTANCE_NORMS.index(shape)}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("size,kernel,stride,pads,include", CEIL_POOLS)
+def test_average_pool_ceil_mode(merged_folder, size: int, kernel: int, stride: int, pads: list[int],
+                                include: int) -> None:
+    MERGED.check(f"ceilpool{CEIL_POOLS.index((size, kernel, stride, pads, include))}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("op_type,attributes,y_shape", REMAPPED)
+def test_reads_a_remapped_transpose(merged_folder, op_type: str, attributes: dict[str, int], y_shape: list[int]) -> None:
+    """Under --layout rtile the Transpose in front becomes an index map (both ops are strided readers):
+    the kernel reads x through it."""
+    MERGED.check(f"remapped{REMAPPED.index((op_type, attributes, y_shape))}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("starts,ends,axes,steps", SLICES)
+def test_strided_slice(merged_folder, starts: list[int], ends: list[int], axes: list[int], steps: list[int]) -> None:
+    """A strided (or reversed) slice: its gradient gathers each input element's dy (or a zero)."""
+    MERGED.check(f"slice{SLICES.index((starts, ends, axes, steps))}", merged_folder)
 
 
 def _group_kernels_checked(tmp_path, monkeypatch, model: onnx.ModelProto) -> dict[str, bool]:

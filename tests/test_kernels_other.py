@@ -4,9 +4,13 @@ Each model is the op under test on trainable initializers followed by ReduceSum(
 fixed random constant, so the loss is the model's output and every gradient is non-trivial.
 The step runs the forward kernel and the backward's kernels (a ConvTranspose over per-tap shares for MaxPool,
 ScatterElements for embeddings and cross-entropy, ConvTranspose for AveragePool).
+The cases of MERGED run 11 to a step (tests/support/merged_steps.py: one PoCL build for 11 cases, each case
+judged on its own rows: its gradients, its updates and its loss's scale).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -17,8 +21,12 @@ from fblc.tools.verify import verify_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.passes.pipeline import TrainingOptions
 from tests.conftest import make_model
+from tests.support import merged_steps
 
 SGD = OptimizerConfig("sgd", lr=0.1)
+#: the softmax, layer norm, pool, gather/scatter and reduction cases (filled by _register at the bottom)
+MERGED = merged_steps.MergedCases(TrainingOptions(loss="output", optimizer=SGD), chunk=11)
+MERGED_GROUP = pytest.mark.xdist_group("other-merged")  # one worker builds the merged steps for all their tests
 
 
 def _check(tmp_path, model: onnx.ModelProto, loss: str = "output") -> None:
@@ -47,22 +55,51 @@ def _randn(*shape: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-@pytest.mark.parametrize("op_type,axis", [("Softmax", 1), ("Softmax", -1), ("LogSoftmax", -1), ("LogSoftmax", 0)])
-def test_softmax(tmp_path, op_type: str, axis: int) -> None:
+SOFTMAX = [("Softmax", 1), ("Softmax", -1), ("LogSoftmax", -1), ("LogSoftmax", 0)]
+MASKED_SHAPES = [[2, 3, 16], [2, 3, 10]]
+
+
+def _softmax_case(op_type: str, axis: int, seed: int) -> onnx.ModelProto:
     op = helper.make_node(op_type, ["x"], ["y"], axis=axis, name="sm")
-    _check(tmp_path, _op_then_loss(op, [3, 5, 6], {"x": _randn(3, 5, 6, scale=2.0)}))
+    return _op_then_loss(op, [3, 5, 6], {"x": _randn(3, 5, 6, seed=seed, scale=2.0)}, seed=seed + 1)
 
 
-@pytest.mark.parametrize("shape", [[2, 3, 16], [2, 3, 10]])
-def test_softmax_masked_rows(tmp_path, shape: list[int]) -> None:
-    """Rows with -inf entries (an attention mask): reduce.py folds a row's texels into float4 (max, sum) pairs,
-    a lane outside the row as -inf, and joins the components. Here whole components of a row are -inf (columns
-    1 and 2 mod 4), and one row has a single finite entry; onnxruntime's softmax is the reference."""
-    x = _randn(*shape, scale=3.0)
+def _masked_rows_case(shape: list[int], seed: int) -> onnx.ModelProto:
+    x = _randn(*shape, seed=seed, scale=3.0)
     x[..., 1::4] = x[..., 2::4] = -np.inf
     x[1, 2, 1:] = -np.inf
     op = helper.make_node("Softmax", ["x"], ["y"], axis=-1, name="sm")
-    _check(tmp_path, _op_then_loss(op, shape, {"x": x}))
+    return _op_then_loss(op, shape, {"x": x}, seed=seed + 1)
+
+
+def _register() -> None:
+    """Every merged case, each drawing its values with seeds of its own (10 apart)."""
+    builders: list[tuple[str, Callable[..., onnx.ModelProto], list[tuple]]] = [
+        ("softmax", _softmax_case, SOFTMAX), ("masked", _masked_rows_case, [(s,) for s in MASKED_SHAPES]),
+        ("lninput", _layer_norm_of_input_case, [(s,) for s in LN_INPUT_SHAPES]), ("ln", _layer_norm_case, LN_CASES),
+        ("avgpool", _average_pool_case, AVERAGE_POOLS), ("maxpool", _max_pool_case, MAX_POOLS),
+        ("gather", _gather_case, [()]), ("scatter", _scatter_case, [()])]
+    for prefix, build, params in builders:
+        for index, args in enumerate(params):
+            MERGED.add(prefix if args == () else f"{prefix}{index}", build(*args, seed=10 * len(MERGED.models)))
+    for o, op_type in enumerate(REDUCE_OPS):
+        for r, (shape, axes) in enumerate(REDUCTIONS):
+            MERGED.add(f"reduce{o}x{r}", _reduction_case(op_type, shape, axes, seed=10 * len(MERGED.models)))
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("op_type,axis", SOFTMAX)
+def test_softmax(merged_folder, op_type: str, axis: int) -> None:
+    MERGED.check(f"softmax{SOFTMAX.index((op_type, axis))}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("shape", MASKED_SHAPES)
+def test_softmax_masked_rows(merged_folder, shape: list[int]) -> None:
+    """Rows with -inf entries (an attention mask): reduce.py folds a row's texels into float4 (max, sum) pairs,
+    a lane outside the row as -inf, and joins the components. Here whole components of a row are -inf (columns
+    1 and 2 mod 4), and one row has a single finite entry; onnxruntime's softmax is the reference."""
+    MERGED.check(f"masked{MASKED_SHAPES.index(shape)}", merged_folder)
 
 
 def _step_on_device(tmp_path, model: onnx.ModelProto, name: str) -> tuple[float, np.ndarray]:
@@ -122,47 +159,72 @@ def test_softmax_rows(tmp_path, op_type: str, shape: list[int], axis: int) -> No
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("shape", [[2, 3, 8], [2, 3, 6], [3, 288]])
-def test_layer_norm_without_statistics(tmp_path, shape: list[int]) -> None:
-    """LayerNormalization of a model input (no gradient reaches it, so no Mean/InvStdDev outputs):
-    the Y kernel computes the row statistics itself, in its prologue when the row is whole texels."""
+LN_INPUT_SHAPES = [[2, 3, 8], [2, 3, 6], [3, 288]]
+LN_CASES = [([2, 3, 4, 6], -1), ([2, 3, 4, 6], -2), ([2, 3, 8], -1), ([3, 288], -1)]
+AVERAGE_POOLS = [([0, 0, 0, 0], 0), ([1, 1, 1, 1], 0), ([1, 0, 1, 1], 1)]
+MAX_POOLS = [([1, 1, 1, 1], [1, 1], [1, 1]), ([1, 0, 0, 1], [2, 1], [1, 2])]
+
+
+def _layer_norm_of_input_case(shape: list[int], seed: int) -> onnx.ModelProto:
     inner = shape[-1]
-    extra = [helper.make_node("Constant", [], ["scale"], value=numpy_helper.from_array(_randn(inner, seed=2) + 1.0),
-                              name="scale"),
-             helper.make_node("Constant", [], ["bias"], value=numpy_helper.from_array(_randn(inner, seed=3)),
+    extra = [helper.make_node("Constant", [], ["scale"],
+                              value=numpy_helper.from_array(_randn(inner, seed=seed + 2) + 1.0), name="scale"),
+             helper.make_node("Constant", [], ["bias"], value=numpy_helper.from_array(_randn(inner, seed=seed + 3)),
                               name="bias"),
              helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["n"], axis=-1, epsilon=1e-5, name="ln")]
     op = helper.make_node("Mul", ["n", "w"], ["y"], name="weight")
-    model = _op_then_loss(op, shape, {"w": _randn(*shape, seed=4)}, extra=extra,
-                          inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)])
-    _check(tmp_path, model)
+    return _op_then_loss(op, shape, {"w": _randn(*shape, seed=seed + 4)}, extra=extra, seed=seed + 1,
+                         inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)])
 
 
-@pytest.mark.parametrize("shape,axis", [([2, 3, 4, 6], -1), ([2, 3, 4, 6], -2), ([2, 3, 8], -1), ([3, 288], -1)])
-def test_layer_norm(tmp_path, shape: list[int], axis: int) -> None:
+def _layer_norm_case(shape: list[int], axis: int, seed: int) -> onnx.ModelProto:
     norm_shape = shape[axis:]
     op = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=axis, epsilon=1e-5, name="ln")
-    inits = {"x": _randn(*shape, scale=3.0) + 1.5, "scale": _randn(*norm_shape, seed=2) + 1.0,
-             "bias": _randn(*norm_shape, seed=3)}
-    _check(tmp_path, _op_then_loss(op, shape, inits))
+    inits = {"x": _randn(*shape, seed=seed, scale=3.0) + 1.5, "scale": _randn(*norm_shape, seed=seed + 2) + 1.0,
+             "bias": _randn(*norm_shape, seed=seed + 3)}
+    return _op_then_loss(op, shape, inits, seed=seed + 1)
 
 
-@pytest.mark.parametrize("pads,include", [([0, 0, 0, 0], 0), ([1, 1, 1, 1], 0), ([1, 0, 1, 1], 1)])
-def test_average_pool(tmp_path, pads: list[int], include: int) -> None:
+def _average_pool_case(pads: list[int], include: int, seed: int) -> onnx.ModelProto:
     op = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=pads,
                           count_include_pad=include, name="pool")
     h_out = (7 + pads[0] + pads[2] - 3) // 2 + 1
     w_out = (8 + pads[1] + pads[3] - 3) // 2 + 1
-    _check(tmp_path, _op_then_loss(op, [2, 3, h_out, w_out], {"x": _randn(2, 3, 7, 8)}))
+    return _op_then_loss(op, [2, 3, h_out, w_out], {"x": _randn(2, 3, 7, 8, seed=seed)}, seed=seed + 1)
 
 
-@pytest.mark.parametrize("pads,strides,dilations", [([1, 1, 1, 1], [1, 1], [1, 1]), ([1, 0, 0, 1], [2, 1], [1, 2])])
-def test_max_pool(tmp_path, pads: list[int], strides: list[int], dilations: list[int]) -> None:
+def _max_pool_case(pads: list[int], strides: list[int], dilations: list[int], seed: int) -> onnx.ModelProto:
     op = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[3, 2], strides=strides, pads=pads,
                           dilations=dilations, name="pool")
     dims = [(n + pads[a] + pads[a + 2] - ((k - 1) * d + 1)) // s + 1
             for a, (n, k, s, d) in enumerate(zip([6, 7], [3, 2], strides, dilations))]
-    _check(tmp_path, _op_then_loss(op, [2, 3, *dims], {"x": _randn(2, 3, 6, 7)}))
+    return _op_then_loss(op, [2, 3, *dims], {"x": _randn(2, 3, 6, 7, seed=seed)}, seed=seed + 1)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("shape", LN_INPUT_SHAPES)
+def test_layer_norm_without_statistics(merged_folder, shape: list[int]) -> None:
+    """LayerNormalization of a model input (no gradient reaches it, so no Mean/InvStdDev outputs):
+    the Y kernel computes the row statistics itself, in its prologue when the row is whole texels."""
+    MERGED.check(f"lninput{LN_INPUT_SHAPES.index(shape)}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("shape,axis", LN_CASES)
+def test_layer_norm(merged_folder, shape: list[int], axis: int) -> None:
+    MERGED.check(f"ln{LN_CASES.index((shape, axis))}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("pads,include", AVERAGE_POOLS)
+def test_average_pool(merged_folder, pads: list[int], include: int) -> None:
+    MERGED.check(f"avgpool{AVERAGE_POOLS.index((pads, include))}", merged_folder)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("pads,strides,dilations", MAX_POOLS)
+def test_max_pool(merged_folder, pads: list[int], strides: list[int], dilations: list[int]) -> None:
+    MERGED.check(f"maxpool{MAX_POOLS.index((pads, strides, dilations))}", merged_folder)
 
 
 @pytest.mark.parametrize("width", [4, 8, 6])
@@ -186,19 +248,16 @@ def test_embedding_with_repeated_ids(tmp_path, width: int, monkeypatch) -> None:
     assert bool(texel_accumulators) == (width % 4 == 0)
 
 
-def test_gather_inner_axis_negative_index(tmp_path) -> None:
-    """Gather along axis 1 of an input (not trained) with constant indices, one negative."""
+def _gather_case(seed: int) -> onnx.ModelProto:
     idx = numpy_helper.from_array(np.array([[2, -1], [0, 0]], np.int64), "idx")
     extra = [helper.make_node("Constant", [], ["idx"], value=idx, name="idx"),
              helper.make_node("Gather", ["x", "idx"], ["g"], axis=1, name="gather")]
     op = helper.make_node("Mul", ["g", "w"], ["y"], name="scale")
-    model = _op_then_loss(op, [3, 2, 2, 2], {"w": _randn(2, 2, 2, seed=4)}, extra=extra,
-                          inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 2])])
-    _check(tmp_path, model)
+    return _op_then_loss(op, [3, 2, 2, 2], {"w": _randn(2, 2, 2, seed=seed)}, extra=extra, seed=seed + 1,
+                         inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 2])])
 
 
-def test_scatter_forward(tmp_path) -> None:
-    """ScatterND (replace, a negative index) into ScatterElements (add, repeated targets) as forward ops."""
+def _scatter_case(seed: int) -> onnx.ModelProto:
     nd_idx = np.array([[2, -1], [0, 1]], np.int64)
     el_idx = np.array([[[1, 1, -4], [3, 0, 3], [2, 2, 2]]] * 3, np.int64)
     extra = [helper.make_node("Constant", [], ["nd_idx"], value=numpy_helper.from_array(nd_idx), name="nd_idx"),
@@ -209,7 +268,19 @@ def test_scatter_forward(tmp_path) -> None:
     op = helper.make_node("Mul", ["e", "w"], ["y"], name="scale")
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
               for name, shape in [("x", [3, 3, 4]), ("u", [2, 4]), ("v", [3, 3, 3])]]
-    _check(tmp_path, _op_then_loss(op, [3, 3, 4], {"w": _randn(3, 3, 4, seed=7)}, inputs=inputs, extra=extra))
+    return _op_then_loss(op, [3, 3, 4], {"w": _randn(3, 3, 4, seed=seed)}, inputs=inputs, extra=extra, seed=seed + 1)
+
+
+@MERGED_GROUP
+def test_gather_inner_axis_negative_index(merged_folder) -> None:
+    """Gather along axis 1 of an input (not trained) with constant indices, one negative."""
+    MERGED.check("gather", merged_folder)
+
+
+@MERGED_GROUP
+def test_scatter_forward(merged_folder) -> None:
+    """ScatterND (replace, a negative index) into ScatterElements (add, repeated targets) as forward ops."""
+    MERGED.check("scatter", merged_folder)
 
 
 @pytest.mark.parametrize("label_shape", [[6], [2, 3]])
@@ -224,19 +295,27 @@ def test_cross_entropy(tmp_path, label_shape: list[int]) -> None:
     _check(tmp_path, model, loss="cross_entropy")
 
 
-@pytest.mark.parametrize("op_type", ["ReduceSum", "ReduceMean", "ReduceMax"])
-@pytest.mark.parametrize("shape,axes", [([3, 4, 16], [2]), ([3, 4, 16], [1, 2]), ([3, 4, 6], [2]), ([3, 8, 4], [1]),
-                                        ([5, 3, 8], [0, 2]), ([6, 3, 8], [0, 1]), ([3, 5, 6], [1])])
-def test_reductions(tmp_path, op_type: str, shape: list[int], axes: list[int]) -> None:
-    """Innermost runs of whole texels (16, 4x16; 8 under an outer axis: a BatchNorm gradient) read
-    texels and fold their lanes; kept inner runs of 4 or 8 (a bias gradient) fold a texel's lanes
-    together; others (6, a middle axis before 6) read elements."""
+REDUCE_OPS = ["ReduceSum", "ReduceMean", "ReduceMax"]
+REDUCTIONS = [([3, 4, 16], [2]), ([3, 4, 16], [1, 2]), ([3, 4, 6], [2]), ([3, 8, 4], [1]), ([5, 3, 8], [0, 2]),
+              ([6, 3, 8], [0, 1]), ([3, 5, 6], [1])]
+
+
+def _reduction_case(op_type: str, shape: list[int], axes: list[int], seed: int) -> onnx.ModelProto:
     out = [1 if a in axes else d for a, d in enumerate(shape)]
     axes_init = numpy_helper.from_array(np.array(axes, dtype=np.int64), "axes")
     op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=1, name="reduce")
-    model = _op_then_loss(op, out, {"x": _randn(*shape, scale=2.0)}, extra=[
+    return _op_then_loss(op, out, {"x": _randn(*shape, seed=seed, scale=2.0)}, seed=seed + 1, extra=[
         helper.make_node("Constant", [], ["axes"], value=axes_init, name="axes")])
-    _check(tmp_path, model)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("op_type", REDUCE_OPS)
+@pytest.mark.parametrize("shape,axes", REDUCTIONS)
+def test_reductions(merged_folder, op_type: str, shape: list[int], axes: list[int]) -> None:
+    """Innermost runs of whole texels (16, 4x16; 8 under an outer axis: a BatchNorm gradient) read
+    texels and fold their lanes; kept inner runs of 4 or 8 (a bias gradient) fold a texel's lanes
+    together; others (6, a middle axis before 6) read elements."""
+    MERGED.check(f"reduce{REDUCE_OPS.index(op_type)}x{REDUCTIONS.index((shape, axes))}", merged_folder)
 
 
 def test_total_reductions_of_three_shapes_in_one_kernel(tmp_path) -> None:
@@ -262,3 +341,6 @@ def test_total_reductions_of_three_shapes_in_one_kernel(tmp_path) -> None:
     assert len(sums) == 1, sums
     rows = verify_model(path, options, target=target, storage=storage)
     assert rows and all(r.ok for r in rows), [(r.name, r.max_abs) for r in rows if not r.ok]
+
+
+_register()

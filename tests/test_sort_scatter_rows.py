@@ -7,12 +7,14 @@ SORTED_SCATTER_UPDATES updates, and a scatter that is not of whole rows, stay as
 the device's sorted scatter equals numpy's in-order np.add.at bit for bit (a stable sort keeps
 update order), and one step of fed, repeated and negative ids equals onnxruntime under both
 layouts, shared rows (an embedding) and rows per batch element (GatherND, batch_dims 1), whole-texel
-rows and rows of 6.
+rows and rows of 6 (one merged step per layout: tests/support/merged_steps.py).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 
 import numpy as np
 import onnx
@@ -28,6 +30,7 @@ from fblc.passes.sort_scatter_rows import SortScatterRows
 from fblc.profiles.profile import SORTED_SCATTER_UPDATES
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
+from tests.support import merged_steps
 
 OPTIONS = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1))
 
@@ -155,19 +158,36 @@ CASES = {  # name: (rows, width, ids, GatherND)
 }
 
 
-@pytest.mark.parametrize("layout", ["rtile", "naive"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_one_step_with_sorted_rows_matches_onnxruntime(name: str, layout: str, tmp_path) -> None:
+LAYOUTS = ["rtile", "naive"]
+
+
+def _case_path(folder: str, name: str) -> str:
     rows, width, ids, nd = CASES[name]
-    path = str(tmp_path / "m.onnx")
+    path = os.path.join(folder, f"{name}.onnx")
     embedding(path, rows, width, ids.shape, nd)
-    ids = ids.astype(np.int64)
+    return path
+
+
+#: layout -> one merged step of CASES (tests/support/merged_steps.py: one PoCL build, each case judged on its
+#: own rows), built under the autouse scatter_form of the first test that asks for it
+MERGED = {layout: merged_steps.MergedCases(TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}),
+                                           target="adreno830") for layout in LAYOUTS}
+CASE_IDS = {name: f"case{index}" for index, name in enumerate(CASES)}
+with tempfile.TemporaryDirectory() as _folder:
+    for _merged in MERGED.values():
+        for _name, (_rows, _width, _ids, _nd) in CASES.items():
+            _merged.add(CASE_IDS[_name], onnx.load(_case_path(_folder, _name)), {"ids": _ids.astype(np.int64)})
+
+
+@pytest.mark.xdist_group("sorted-rows-merged")  # one worker builds the merged steps for all these tests
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_step_with_sorted_rows_matches_onnxruntime(name: str, layout: str, tmp_path, merged_folder) -> None:
+    path = _case_path(str(tmp_path), name)
     options = TrainingOptions(**{**OPTIONS.__dict__, "layout": layout})
     assert "MergeRuns" in [n.op_type for n in compile_model(path, str(tmp_path / "b"), "adreno830", "fp32",
                                                            options)[0].graph]
-    checked = verify_model(path, options, target="adreno830", feeds={"ids": ids})
-    bad = [row for row in checked if not row.ok]
-    assert checked and not bad, bad
+    MERGED[layout].check(CASE_IDS[name], merged_folder)
 
 
 def test_a_scatter_nd_of_rows_is_sorted_too(tmp_path) -> None:
