@@ -36,14 +36,10 @@ def measure(path: str, adapter: str, chunk: int, budget_mb: float, target: str) 
                               loss_chunk=chunk, device_memory=int(budget_mb * 1e6))
     started = time.process_time()
     try:
-        step = build_training_graph(load_model(path), options, lower=load_profile(target))
-    except FblcError as refused:
-        return {"loss_chunk": chunk, "budget_MB": budget_mb, "refused": str(refused)}
-    plan = plan_memory(step)
-    try:
-        if options.device_memory:
+        plan = plan_memory(build_training_graph(load_model(path), options, lower=load_profile(target)))
+        if options.device_memory:  # the lowered plan's live peak (fblc compile checks the bundle's allocation too)
             check_budget(plan, options.device_memory)
-    except FblcError as refused:  # node-level plan: fblc compile checks the bundle's allocation too
+    except FblcError as refused:
         return {"loss_chunk": chunk, "budget_MB": budget_mb, "refused": str(refused)}
     summary = plan.summary()
     recompute = summary.get("recompute", {})

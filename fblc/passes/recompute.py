@@ -207,8 +207,9 @@ class Recompute(ContractPass):
         while peak > self.budget:
             # the densest layer among those with a saved value live at the peak: the others cannot lower it
             layer = next((lay for lay in layers if any(v.name in live_saved for v in lay.saved)), None)
-            if layer is None:
-                break  # the floor of checkpointing: what is live at the peak is not recomputable saved state
+            if layer is None:  # the floor of checkpointing: what is live at the peak is not recomputable saved state
+                layers = []  # none left that could lower it
+                break
             layers.remove(layer)
             recompute_layer(model.graph, layer)
             peak, live_saved = estimate(model)
@@ -216,7 +217,7 @@ class Recompute(ContractPass):
                            "saved_bytes": layer.saved_bytes, "flops": layer.flops, "estimate_after": peak})
         model.metadata_props[keys.RECOMPUTE] = json.dumps({
             "budget": self.budget, "estimate_before": before, "estimate_after": peak, "layers": picked,
-            "layers_left": len(layers),  # recomputable layers not picked (the estimate fit first)
+            "layers_left": len(layers),  # recomputable layers not picked because the estimate fit first
             "flops_added": sum(int(p["flops"]) for p in picked),  # type: ignore[call-overload]
             "estimate": "live peak over node order, every value its own buffer at its ONNX dtype"})
         return ir.passes.PassResult(model, bool(picked))

@@ -12,11 +12,11 @@ one kernel, so the kernels each case runs are the kernels it ran alone.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -122,22 +122,12 @@ def verify_merged(cases: dict[str, onnx.ModelProto], options: TrainingOptions, f
     onnx.save(merged(cases), path)
     # fuse folds reductions of one signature from different sites (BatchNorm sites of one map shape) into one
     # kernel: here the sites are different cases, each of which ran its reductions in kernels of its own alone
-    with _patched(fuse, "SAME_SHAPE_REDUCTIONS", 1):
+    with mock.patch.object(fuse, "SAME_SHAPE_REDUCTIONS", 1):
         step, _ = compile_model(path, os.path.join(folder, "bundle"), target, dtype, replace(options, dtype=dtype))
         assert_no_kernel_spans_two_cases(step, list(cases))
         fed = {f"{case}{SEPARATOR}{name}": value for case, values in (feeds or {}).items()
                for name, value in values.items()}
         return verify_model(path, options, target=target, dtype=dtype, storage=storage, feeds=fed or None)
-
-
-@contextlib.contextmanager
-def _patched(module: object, name: str, value: object) -> Iterator[None]:
-    kept = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, kept)
 
 
 def assert_case_matches(rows: list[Comparison], case: str, cases: list[str]) -> None:
