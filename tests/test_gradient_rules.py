@@ -402,6 +402,21 @@ def linalg_cases() -> list[Case]:
         conv_transpose("1d-dilation2", draw(2, 2, 6), draw(2, 3, 3), strides=[1], pad=1, dilation=2),
     ]
 
+    def conv_transpose_sized(label: str, x: np.ndarray, w: np.ndarray, crop: tuple[slice, ...],
+                             **attributes: object) -> Case:
+        """ConvTranspose sized by auto_pad or output_shape (pads derived as the ONNX spec says): torch's
+        unpadded transpose, cropped to the same window."""
+        return Case(f"ConvTranspose-{label}", [node("ConvTranspose", ["x", "w", "bias"], strides=[2, 2], **attributes)],
+                    {"x": x, "w": w, "bias": draw(w.shape[1])},
+                    lambda t: F.conv_transpose2d(t["x"], t["w"], t["bias"], stride=2)[(..., *crop)])
+
+    cases += [  # the natural 7 x 11 (7 x 9) output, one row and column cut: at the end, at the start
+        conv_transpose_sized("same-upper", draw(1, 2, 3, 5), draw(2, 3, 3, 3), (slice(0, 6), slice(0, 10)),
+                             auto_pad="SAME_UPPER"),
+        conv_transpose_sized("output-shape", draw(1, 2, 3, 4), draw(2, 3, 3, 3), (slice(1, 7), slice(1, 9)),
+                             output_shape=[6, 8]),
+    ]
+
     def batch_norm(label: str, shape: tuple[int, ...]) -> Case:
         channels = shape[1]
         return Case(f"BatchNormalization-{label}",

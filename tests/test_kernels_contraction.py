@@ -117,6 +117,15 @@ CASES = {
     "conv_avgpool": ([_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
                       _node("AveragePool", ["c"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
                      {"x": (1, 2, 6, 6), "w": (3, 2, 3, 3)}),
+    # ConvTranspose as a model op (a decoder's upsampling), its input, weight and bias trained: the forward
+    # kernel, dX (a Conv of dY), dW (a grouped Conv of dY against X), db; every attribute the exporters write
+    "conv_transpose_trained": ([_node("ConvTranspose", ["x", "wt", "b"], group=2, strides=[2, 1],
+                                      pads=[1, 0, 0, 1], dilations=[1, 2], output_padding=[1, 0])],
+                               {"x": (2, 4, 3, 4), "wt": (4, 3, 3, 2), "b": (6,)}),
+    "conv_transpose_same_upper": ([_node("ConvTranspose", ["x", "wt"], strides=[2, 2], auto_pad="SAME_UPPER")],
+                                  {"x": (1, 2, 3, 5), "wt": (2, 3, 3, 3)}),
+    "conv_transpose_output_shape": ([_node("ConvTranspose", ["x", "wt"], strides=[2, 2], output_shape=[6, 8])],
+                                    {"x": (1, 2, 3, 4), "wt": (2, 3, 3, 3)}),  # tf2onnx's form: pads derived
 }
 
 
@@ -361,7 +370,7 @@ TILE_CASES = {
 MERGED_SETS["image", "fp32"] = sorted(CASES) + sorted(TEXEL_CASES) + sorted(TILE_CASES)
 MERGED_SETS["buffer", "fp32"] = ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map", "matmul_tile_one_row_batched",
-                                 "matmul_attention_rows_apart"]
+                                 "matmul_attention_rows_apart", "conv_transpose_trained"]
 
 
 @pytest.mark.xdist_group("contraction-merged-image")
@@ -568,24 +577,6 @@ def test_depthwise_tile_rows_share_input_rows(tmp_path) -> None:
         for kernel in kernels.values():
             reads = [load.argument.name for load in of_type(kernel, kir.Load)]
             assert reads.count("in1") == w_texels, (name, kernel.name, reads)
-
-
-def test_conv_transpose_forward(tmp_path) -> None:
-    """ConvTranspose as a model op (group, strides, pads, dilations, output_padding) over a data input.
-
-    Its operands are a fed input and a constant, so only the forward kernel is under test here (its
-    gradient is the matching Conv in reverse: tests/test_fuzz.py trains a ConvTranspose); the trained
-    parameter scales it elementwise.
-    """
-    rng = np.random.default_rng(5)
-    weight = numpy_helper.from_array(_rand(rng, (4, 3, 3, 2)), "wt")
-    nodes = [helper.make_node("Constant", [], ["wt"], value=weight),
-             _node("ConvTranspose", ["x", "wt"], "ct", group=2, strides=[2, 1], pads=[1, 0, 0, 1],
-                   dilations=[1, 2], output_padding=[1, 0]),
-             _node("Mul", ["ct", "p"])]  # p.grad = ct * R checks every element of ct
-    path = write_case(str(tmp_path / "conv_transpose.onnx"), nodes, {"p": (2, 6, 7, 5)},
-                      inputs={"x": (2, 4, 3, 4)})
-    assert_step_matches(path)
 
 
 def _compiled(path: str, out_dir: str) -> tuple[Any, dict[str, Any], int]:

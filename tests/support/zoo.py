@@ -79,17 +79,20 @@ def randomize_constant_parameters(module: torch.nn.Module, seed: int) -> torch.n
     return models.randomize_batch_norm(module, seed)
 
 
-def logits_of(model: torch.nn.Module, input_names: tuple[str, ...], **fixed: Any) -> torch.nn.Module:
+def logits_of(model: torch.nn.Module, input_names: tuple[str, ...], classes_last: bool = False,
+              **fixed: Any) -> torch.nn.Module:
     """Make a transformers model take `input_names` positionally and return its logits only.
 
     As models.logits_only, for any number of inputs: the class is swapped for a subclass, so the
     exported initializers keep the model's torch names, and the forward's signature names the
-    ONNX inputs.
+    ONNX inputs. `classes_last` turns a dense head's [B, C, H, W] into [B, H * W, C], the
+    [N, T, C] that fblc's cross_entropy reads.
     """
     base = type(model)
 
     def forward(self: torch.nn.Module, *tensors: torch.Tensor) -> torch.Tensor:
-        return base.forward(self, **dict(zip(input_names, tensors)), **fixed).logits
+        logits = base.forward(self, **dict(zip(input_names, tensors)), **fixed).logits
+        return logits.flatten(2).transpose(1, 2) if classes_last else logits
 
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
@@ -99,14 +102,15 @@ def logits_of(model: torch.nn.Module, input_names: tuple[str, ...], **fixed: Any
 
 
 def _hf(model_class: str, config_class: str, input_names: tuple[str, ...], inputs: Callable[[], Inputs],
-        fixed: dict[str, Any] | None = None, **config: Any) -> Callable[[], tuple[torch.nn.Module, Inputs]]:
+        fixed: dict[str, Any] | None = None, classes_last: bool = False,
+        **config: Any) -> Callable[[], tuple[torch.nn.Module, Inputs]]:
     def build() -> tuple[torch.nn.Module, Inputs]:
         import transformers
 
         torch.manual_seed(0)
         model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
         model = randomize_constant_parameters(model, seed=1)
-        return logits_of(model, input_names, **(fixed or {})).eval(), inputs()
+        return logits_of(model, input_names, classes_last, **(fixed or {})).eval(), inputs()
 
     return build
 
@@ -316,6 +320,12 @@ ZOO: list[Architecture] = [
                  vision("Segformer", num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
                         patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
                         decoder_hidden_size=16)),
+    Architecture("dpt", "vision", "dynamo",
+                 _hf("DPTForSemanticSegmentation", "DPTConfig", ("pixel_values",), _pixels, None, classes_last=True,
+                     **dict(VIT_LIKE, num_hidden_layers=2), backbone_out_indices=[0, 1], neck_hidden_sizes=[8, 16], reassemble_factors=[2, 1],
+                     fusion_hidden_size=16, num_labels=CLASSES, semantic_classifier_dropout=0.0,
+                     use_auxiliary_head=False), "tokens",
+                 note="segmentation: a ConvTranspose upsamples the neck; per-pixel labels, [B, H * W, classes]"),
     Architecture("resnet", "vision", "legacy",
                  vision("ResNet", embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic")),
     # audio: utterance classification of [2, 800] samples; Whisper: tokens from [2, 8, 16] mel features

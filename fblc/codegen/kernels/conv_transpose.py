@@ -33,22 +33,14 @@ from fblc.codegen.reads import ValueReads
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import row_major_strides as strides_of
 from fblc.compiler.values import attr, static_shape
-from fblc.compiler.window import Window, window_of
+from fblc.compiler.window import Window, conv_transpose_pads, window_of
 
 
 def _transpose_window(node: ir.Node) -> Window:
-    """window_of's window, with the pads of a ConvTranspose whose output size decides them (SAME_UPPER,
-    SAME_LOWER or an output_shape) derived as the ONNX spec says."""
-    window = window_of(node)
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad == "VALID" or (auto_pad not in ("SAME_UPPER", "SAME_LOWER") and attr(node, "output_shape") is None):
-        return window
-    output_padding = attr(node, "output_padding") or [0] * len(window.kernel)
-    totals = [s * (n - 1) + extra + (k - 1) * d + 1 - o for n, o, k, s, d, extra in zip(
-        window.in_spatial, window.out_spatial, window.kernel, window.strides, window.dilations, output_padding)]
-    begins = tuple(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2 for total in totals)
-    return dataclasses.replace(window, pads_begin=begins, pads_end=tuple(t - b for t, b in zip(totals, begins)))
+    """window_of's window with the ConvTranspose's own pads (conv_transpose_pads: auto_pad and output_shape
+    resolved as the ONNX spec says)."""
+    begins, ends = conv_transpose_pads(node)
+    return dataclasses.replace(window_of(node), pads_begin=begins, pads_end=ends)
 
 
 def transpose_shape(node: ir.Node) -> ConvShape:

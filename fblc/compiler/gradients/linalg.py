@@ -13,7 +13,7 @@ from fblc.compiler.autodiff import register_gradient
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.graph import Emitter, attr, static_shape
 from fblc.compiler.values import const_array
-from fblc.compiler.window import Window, transpose_output_padding, window_of
+from fblc.compiler.window import Window, conv_transpose_pads, transpose_output_padding, window_of
 
 Grads = Sequence["ir.Value | None"]
 
@@ -115,18 +115,24 @@ def conv_transpose_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bo
     and pads: dX is that Conv of dY; dW is that Conv's weight gradient with X and dY in each other's roles."""
     x, w = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    if (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET" or attr(node, "output_shape"):
-        raise UnsupportedOpError(f"ConvTranspose '{node.name}' gives its output size by auto_pad or output_shape, "
-                                 "which its gradient rule does not read",
-                                 "export it with explicit pads and output_padding")
     groups = int(attr(node, "group", 1))
     spatial_x, spatial_y = static_shape(x)[2:], static_shape(node.outputs[0])[2:]
     rank = len(spatial_x)
     kernel = tuple(attr(node, "kernel_shape") or static_shape(w)[2:])
-    pads = list(attr(node, "pads") or [0] * (2 * rank))
-    window = Window(kernel, tuple(attr(node, "strides") or [1] * rank), tuple(attr(node, "dilations") or [1] * rank),
-                    tuple(pads[:rank]), tuple(pads[rank:]), tuple(spatial_y), tuple(spatial_x))
+    strides = tuple(attr(node, "strides") or [1] * rank)
+    dilations = tuple(attr(node, "dilations") or [1] * rank)
+    begins, ends = conv_transpose_pads(node)
+    # output the input never reaches (an end below 0) is read by no tap: the Conv from Y stops before it
+    ends = tuple(max(end, 0) for end in ends)
+    window = Window(kernel, strides, dilations, begins, ends, tuple(spatial_y), tuple(spatial_x))
+    reached = [(o + b + end - ((k - 1) * d + 1)) // s + 1
+               for o, b, end, k, s, d in zip(spatial_y, begins, ends, kernel, strides, dilations)]
+    if min(begins) < 0 or reached != list(spatial_x):
+        raise UnsupportedOpError(f"ConvTranspose '{node.name}': output {list(spatial_y)} from input "
+                                 f"{list(spatial_x)} needs pads {list(begins)} at the start, or leaves more than a "
+                                 "stride of output no input reaches; its gradient rule does not cover that",
+                                 "export it with pads >= 0 and output_padding < stride")
+    pads = window.pads
     dy = dys[0]
     dx = dw = db = None
     if need[0]:
