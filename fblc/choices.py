@@ -12,7 +12,7 @@ IGNORE_INDEX = -100  # fblc.compiler.losses.IGNORE_INDEX
 
 #: --loss: name -> what it computes (fblc.compiler.losses.LOSSES)
 LOSSES: dict[str, str] = {
-    "cross_entropy": "mean cross-entropy of logits [N, C] or [N, T, C] against int64 labels "
+    "cross_entropy": "mean cross-entropy of logits [N, C], [N, T, C] or [N, C, H, W...] against int64 labels "
                      f"(label {IGNORE_INDEX} is ignored)",
     "mse": "mean squared error against float labels of the output's shape",
     "output": "the model's first output is already the loss",

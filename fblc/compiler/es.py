@@ -27,7 +27,7 @@ import onnx_ir as ir
 from fblc import choices
 from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, clone_node, static_shape
-from fblc.compiler.losses import IGNORE_INDEX
+from fblc.compiler.losses import IGNORE_INDEX, class_axis
 from fblc.errors import FblcError
 
 TRAINERS = choices.TRAINERS
@@ -70,7 +70,7 @@ def _neg_loss(e: Emitter, loss: ir.Value, prediction: ir.Value, labels: ir.Value
 def _accuracy(e: Emitter, loss: ir.Value, prediction: ir.Value, labels: ir.Value | None) -> ir.Value:
     if labels is None or labels.dtype != ir.DataType.INT64:
         raise FblcError("--reward accuracy needs class labels", "use --loss cross_entropy, or --reward neg-loss")
-    predicted = e.op("ArgMax", prediction, axis=-1, keepdims=0)
+    predicted = e.op("ArgMax", prediction, axis=class_axis(static_shape(prediction)), keepdims=0)
     counted = e.op("Not", e.op("Equal", labels, e.const(np.array(IGNORE_INDEX, np.int64))))
     hits = e.op("Cast", e.op("And", e.op("Equal", predicted, labels), counted), to=prediction.dtype)
     count = e.op("Max", e.op("ReduceSum", e.op("Cast", counted, to=prediction.dtype), keepdims=0),

@@ -79,20 +79,17 @@ def randomize_constant_parameters(module: torch.nn.Module, seed: int) -> torch.n
     return models.randomize_batch_norm(module, seed)
 
 
-def logits_of(model: torch.nn.Module, input_names: tuple[str, ...], classes_last: bool = False,
-              **fixed: Any) -> torch.nn.Module:
+def logits_of(model: torch.nn.Module, input_names: tuple[str, ...], **fixed: Any) -> torch.nn.Module:
     """Make a transformers model take `input_names` positionally and return its logits only.
 
     As models.logits_only, for any number of inputs: the class is swapped for a subclass, so the
     exported initializers keep the model's torch names, and the forward's signature names the
-    ONNX inputs. `classes_last` turns a dense head's [B, C, H, W] into [B, H * W, C], the
-    [N, T, C] that fblc's cross_entropy reads.
+    ONNX inputs.
     """
     base = type(model)
 
     def forward(self: torch.nn.Module, *tensors: torch.Tensor) -> torch.Tensor:
-        logits = base.forward(self, **dict(zip(input_names, tensors)), **fixed).logits
-        return logits.flatten(2).transpose(1, 2) if classes_last else logits
+        return base.forward(self, **dict(zip(input_names, tensors)), **fixed).logits
 
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
@@ -102,15 +99,14 @@ def logits_of(model: torch.nn.Module, input_names: tuple[str, ...], classes_last
 
 
 def _hf(model_class: str, config_class: str, input_names: tuple[str, ...], inputs: Callable[[], Inputs],
-        fixed: dict[str, Any] | None = None, classes_last: bool = False,
-        **config: Any) -> Callable[[], tuple[torch.nn.Module, Inputs]]:
+        fixed: dict[str, Any] | None = None, **config: Any) -> Callable[[], tuple[torch.nn.Module, Inputs]]:
     def build() -> tuple[torch.nn.Module, Inputs]:
         import transformers
 
         torch.manual_seed(0)
         model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
         model = randomize_constant_parameters(model, seed=1)
-        return logits_of(model, input_names, classes_last, **(fixed or {})).eval(), inputs()
+        return logits_of(model, input_names, **(fixed or {})).eval(), inputs()
 
     return build
 
@@ -321,11 +317,11 @@ ZOO: list[Architecture] = [
                         patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
                         decoder_hidden_size=16)),
     Architecture("dpt", "vision", "dynamo",
-                 _hf("DPTForSemanticSegmentation", "DPTConfig", ("pixel_values",), _pixels, None, classes_last=True,
+                 _hf("DPTForSemanticSegmentation", "DPTConfig", ("pixel_values",), _pixels, None,
                      **dict(VIT_LIKE, num_hidden_layers=2), backbone_out_indices=[0, 1], neck_hidden_sizes=[8, 16], reassemble_factors=[2, 1],
                      fusion_hidden_size=16, num_labels=CLASSES, semantic_classifier_dropout=0.0,
                      use_auxiliary_head=False), "tokens",
-                 note="segmentation: a ConvTranspose upsamples the neck; per-pixel labels, [B, H * W, classes]"),
+                 note="segmentation: a ConvTranspose upsamples the neck; logits [B, C, H, W], a label per pixel"),
     Architecture("resnet", "vision", "legacy",
                  vision("ResNet", embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic")),
     # audio: utterance classification of [2, 800] samples; Whisper: tokens from [2, 8, 16] mel features
@@ -357,20 +353,24 @@ def _labels(arch: Architecture, inputs: Inputs, logits: torch.Tensor) -> np.ndar
         labels = np.full_like(ids, IGNORE_INDEX)
         labels[:, :-1] = ids[:, 1:]
         return labels
-    labels = rng.integers(0, logits.shape[-1], size=logits.shape[:-1]).astype(np.int64)
+    axis = 1 if logits.ndim >= 4 else logits.ndim - 1  # fblc's cross_entropy: classes of [N, C, H, W] on axis 1
+    labels = rng.integers(0, logits.shape[axis], size=logits.shape[:axis] + logits.shape[axis + 1:]).astype(np.int64)
     if arch.labels == "tokens":
         labels[0, -1] = IGNORE_INDEX  # one ignored position: the mean is over the others
     return labels
 
 
 def cross_entropy_loss(inputs: Inputs, labels: np.ndarray) -> models.LossOf:
-    """fblc's cross_entropy in torch: classes on the last axis, IGNORE_INDEX labels not counted."""
+    """fblc's cross_entropy in torch: classes on the last axis ([N, C, H, W]: axis 1, as torch's own),
+    IGNORE_INDEX labels not counted."""
     tensors = [torch.from_numpy(v) for v in inputs.values()]
-    target = torch.from_numpy(labels).reshape(-1)
 
     def loss_of(module: torch.nn.Module) -> torch.Tensor:
         logits = module(*tensors)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=IGNORE_INDEX)
+        if logits.ndim >= 4:
+            return F.cross_entropy(logits, torch.from_numpy(labels), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(labels).reshape(-1),
+                               ignore_index=IGNORE_INDEX)
 
     return loss_of
 
