@@ -190,7 +190,8 @@ def _nd(add: bool) -> Case:
                 {"data": rand(3, 4, 2), "updates": rand(3, 2)}, reference, consts={"index": tuples})
 
 
-CASES = [_elements(axis, add) for axis in (0, 1, 2) for add in (False, True)] + [_nd(False), _nd(True)]
+CASES = ([_elements(axis, add) for axis in (0, 1, 2) for add in (False, True)] + [_elements(-1, False)]
+         + [_nd(False), _nd(True)])
 
 
 @pytest.mark.parametrize("case", [c.param() for c in CASES])

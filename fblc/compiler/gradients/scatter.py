@@ -64,7 +64,8 @@ def scatter_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) ->
     reduction = _reduction(node)
     dy = dys[0]
     assert dy is not None, "a scatter has one output, and the rule runs only when it has a gradient"
-    axis = {"axis": int(attr(node, "axis", 0))} if node.op_type == "ScatterElements" else {}
+    rank = len(static_shape(data))
+    axis = {"axis": int(attr(node, "axis", 0)) % rank} if node.op_type == "ScatterElements" else {}
     d_data = None
     if need[0]:
         d_data = dy if reduction == "add" else e.op(
