@@ -29,7 +29,7 @@ Reductions "mul", "max" and "min" are refused by name: their gradients depend on
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import onnx_ir as ir
 
@@ -39,8 +39,17 @@ from fblc.errors import UnsupportedOpError
 
 Grads = Sequence["ir.Value | None"]
 
-#: the reductions whose gradients these rules write
-REDUCTIONS = ("none", "add")
+DataGradient = Callable[[Emitter, ir.Node, ir.Value, dict[str, int]], ir.Value]
+
+
+def _written_zeroed(e: Emitter, node: ir.Node, dy: ir.Value, axis: dict[str, int]) -> ir.Value:
+    """Reduction "none": dy with the written positions zeroed, the same scatter of zeros into dy."""
+    zeros = e.zeros(static_shape(node.inputs[2]), like=dy)
+    return e.op(node.op_type, dy, node.inputs[1], zeros, **axis)
+
+
+#: reduction -> the data's gradient (the reductions these rules differentiate)
+DATA_GRADIENTS: dict[str, DataGradient] = {"none": _written_zeroed, "add": lambda e, node, dy, axis: dy}
 
 #: scatter op -> the gather that reads what it wrote (the updates' gradient)
 GATHERS = {"ScatterND": "GatherND", "ScatterElements": "GatherElements"}
@@ -49,10 +58,10 @@ GATHERS = {"ScatterND": "GatherND", "ScatterElements": "GatherElements"}
 def _reduction(node: ir.Node) -> str:
     value = attr(node, "reduction", "none")
     reduction = value.decode() if isinstance(value, bytes) else str(value)
-    if reduction not in REDUCTIONS:
+    if reduction not in DATA_GRADIENTS:
         raise UnsupportedOpError(
             f"{node.op_type} node '{node.name}' with reduction '{reduction}' has no gradient rule "
-            f"(supported: reduction {' and '.join(REDUCTIONS)})",
+            f"(supported: reduction {' and '.join(DATA_GRADIENTS)})",
             "freeze what feeds its data and updates, or write the model with a plain or additive scatter",
             ops=[node.op_type])
     return reduction
@@ -60,15 +69,12 @@ def _reduction(node: ir.Node) -> str:
 
 @register_gradient("ScatterND", "ScatterElements")
 def scatter_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
-    data, indices, updates = node.inputs[:3]
+    data, indices = node.inputs[:2]
     reduction = _reduction(node)
     dy = dys[0]
     assert dy is not None, "a scatter has one output, and the rule runs only when it has a gradient"
     rank = len(static_shape(data))
     axis = {"axis": int(attr(node, "axis", 0)) % rank} if node.op_type == "ScatterElements" else {}
-    d_data = None
-    if need[0]:
-        d_data = dy if reduction == "add" else e.op(
-            node.op_type, dy, indices, e.zeros(static_shape(updates), like=dy), **axis)
+    d_data = DATA_GRADIENTS[reduction](e, node, dy, axis) if need[0] else None
     d_updates = e.op(GATHERS[node.op_type], dy, indices, **axis) if need[2] else None
     return [d_data, None, d_updates]
