@@ -186,7 +186,8 @@ def _nd(add: bool) -> Case:
         rows, cols = (torch.from_numpy(tuples[:, j]) for j in range(2))
         return t["data"].index_put((rows, cols), t["updates"], accumulate=add)
 
-    return Case(f"ScatterND-{reduction}-partial", [node("ScatterND", ["data", "index", "updates"], reduction=reduction)],
+    scatter = node("ScatterND", ["data", "index", "updates"], reduction=reduction)
+    return Case(f"ScatterND-{reduction}-partial", [scatter],
                 {"data": rand(3, 4, 2), "updates": rand(3, 2)}, reference, consts={"index": tuples})
 
 
