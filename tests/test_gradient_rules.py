@@ -666,7 +666,7 @@ def test_gradient_matches_torch(case: Case, tmp_path) -> None:
 #: modules with more cases for this harness: (module, its case lists)
 CASE_MODULES = {"test_gradient_gather": ("RUN_CASES", "REPEATED_CASES"), "test_gradient_more": ("CASES",),
                 "test_gradient_activations": ("CASES",), "test_gradient_resample": ("CASES",),
-                "test_lower_composites": ("CASES",)}
+                "test_lower_composites": ("CASES",), "test_gradient_scatter": ("CASES",)}
 
 
 def all_cases() -> list[Case]:

@@ -78,7 +78,8 @@ def _register() -> None:
         ("softmax", _softmax_case, SOFTMAX), ("masked", _masked_rows_case, [(s,) for s in MASKED_SHAPES]),
         ("lninput", _layer_norm_of_input_case, [(s,) for s in LN_INPUT_SHAPES]), ("ln", _layer_norm_case, LN_CASES),
         ("avgpool", _average_pool_case, AVERAGE_POOLS), ("maxpool", _max_pool_case, MAX_POOLS),
-        ("gather", _gather_case, [()]), ("scatter", _scatter_case, [()])]
+        ("gather", _gather_case, [()]), ("scatter", _scatter_case, [()]),
+        ("scattergrad", _scatter_gradient_case, SCATTER_GRADIENTS)]
     for prefix, build, params in builders:
         for index, args in enumerate(params):
             MERGED.add(prefix if args == () else f"{prefix}{index}", build(*args, seed=10 * len(MERGED.models)))
@@ -269,6 +270,41 @@ def _scatter_case(seed: int) -> onnx.ModelProto:
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
               for name, shape in [("x", [3, 3, 4]), ("u", [2, 4]), ("v", [3, 3, 3])]]
     return _op_then_loss(op, [3, 3, 4], {"w": _randn(3, 3, 4, seed=seed)}, inputs=inputs, extra=extra, seed=seed + 1)
+
+
+#: (reduction, ScatterND's tuples, ScatterElements' axis): the gradient cases, data and updates trained
+SCATTER_GRADIENTS = [("none", [[2, -1], [0, 1]], 1), ("add", [[1], [-2], [2]], 0)]
+
+
+def _scatter_gradient_case(reduction: str, tuples: list[list[int]], axis: int, seed: int) -> onnx.ModelProto:
+    """ScatterND then ScatterElements, both with `reduction`, every float operand trained: the backward runs
+    GatherND / GatherElements for the updates and, for "none", the scatters of zeros into dy for the data.
+    With "none" no position is written twice (the forward's winner would be undefined); with "add" tuples 1
+    and -2 name one row and the ScatterElements indices repeat along `axis`."""
+    nd_idx = np.array(tuples, np.int64)
+    shape = [3, 3, 4]
+    el_shape = [2, 2, 4] if axis == 0 else [3, 2, 4]
+    el_idx = np.empty(el_shape, np.int64)
+    el_idx[:, 0], el_idx[:, 1] = (-1, 0) if reduction == "none" else (2, -1)
+    if axis == 0:
+        el_idx = np.broadcast_to(np.array([[[-3, 1, 0, 2]], [[0, 0, -1, 1]]]), el_shape).copy()
+    extra = [helper.make_node("Constant", [], ["nd_idx"], value=numpy_helper.from_array(nd_idx), name="nd_idx"),
+             helper.make_node("Constant", [], ["el_idx"], value=numpy_helper.from_array(el_idx), name="el_idx"),
+             helper.make_node("ScatterND", ["x", "nd_idx", "u"], ["s"], name="scatter_nd", reduction=reduction),
+             helper.make_node("ScatterElements", ["s", "el_idx", "v"], ["e"], axis=axis, reduction=reduction,
+                              name="scatter_el")]
+    op = helper.make_node("Mul", ["e", "w"], ["y"], name="scale")
+    u_shape = [len(tuples), *shape[len(tuples[0]):]]
+    inits = {"x": _randn(*shape, seed=seed), "u": _randn(*u_shape, seed=seed + 2),
+             "v": _randn(*el_shape, seed=seed + 3), "w": _randn(*shape, seed=seed + 4)}
+    return _op_then_loss(op, shape, inits, extra=extra, seed=seed + 1)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("reduction,tuples,axis", SCATTER_GRADIENTS)
+def test_scatter_gradients(merged_folder, reduction: str, tuples: list[list[int]], axis: int) -> None:
+    """The scatters' gradients on the device (fblc/compiler/gradients/scatter.py) against onnxruntime."""
+    MERGED.check(f"scattergrad{SCATTER_GRADIENTS.index((reduction, tuples, axis))}", merged_folder)
 
 
 @MERGED_GROUP

@@ -192,23 +192,25 @@ def test_one_step_with_sorted_rows_matches_onnxruntime(name: str, layout: str, t
 
 def test_a_scatter_nd_of_rows_is_sorted_too(tmp_path) -> None:
     """index_put of 100 fed rows into a [120, 8] table (ScatterND of 1-tuples, reduction none, distinct rows
-    as ONNX asks): the rows are sorted, and one step (W.grad is the put table) equals onnxruntime's under
-    both layouts."""
+    as ONNX asks), table and rows trained: the forward's rows are sorted, and so are those of the table's
+    gradient (the same scatter, of zeros into dy); the rows' gradient is a GatherND of dy. One step
+    (W.grad is the put table) equals onnxruntime's under both layouts."""
     rng = np.random.default_rng(6)
-    constants = [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
-        rng.standard_normal(shape).astype(np.float32), name)) for name, shape in (("table", (120, 8)), ("rows", (100, 8)))]
-    graph = helper.make_graph(  # ScatterND has no gradient: it puts constants, and the trained weight reads the result
-        constants + [helper.make_node("ScatterND", ["table", "ids", "rows"], ["y"]),
-                     helper.make_node("Mul", ["y", "W"], ["weighted"]),
-                     helper.make_node("ReduceSum", ["weighted"], ["total"], keepdims=0)], "index_put",
+    trained = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+               for name, shape in (("table", (120, 8)), ("rows", (100, 8)), ("W", (120, 8)))]
+    graph = helper.make_graph(
+        [helper.make_node("ScatterND", ["table", "ids", "rows"], ["y"]),
+         helper.make_node("Mul", ["y", "W"], ["weighted"]),
+         helper.make_node("ReduceSum", ["weighted"], ["total"], keepdims=0)], "index_put",
         [helper.make_tensor_value_info("ids", TensorProto.INT64, [100, 1])],
-        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(rng.standard_normal((120, 8)).astype(np.float32), "W")])
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])], initializer=trained)
     path = str(tmp_path / "put.onnx")
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
     nodes = step_ops(path)
-    assert "ScatterND" not in [n.op_type for n in nodes]
-    assert sum(n.op_type == "MergeRuns" for n in nodes) == math.ceil(math.log2(100))
+    assert "ScatterND" not in [n.op_type for n in nodes] and "GatherND" in [n.op_type for n in nodes]
+    assert sum(n.op_type == "ScatterSortedRows" for n in nodes) == 2
+    # each of the two sorts its own copy of the ids (the same keys: sharing them is not done yet)
+    assert sum(n.op_type == "MergeRuns" for n in nodes) == 2 * math.ceil(math.log2(100))
     ids = rng.permutation(120)[:100].reshape(100, 1).astype(np.int64) - 60  # negative ones count from the end
     for layout in ("rtile", "naive"):
         checked = verify_model(path, TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}), target="adreno830",

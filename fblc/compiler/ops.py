@@ -225,10 +225,10 @@ OPS: dict[str, Op] = {
     "TopK": _index("torch.topk, mixture-of-experts routing"),
     # indexing
     "Gather": Op(Kind.INDEXING, I_D, "nn.Embedding, x[:, 0], index_select", reads=BY_STRIDES, weights=(0,)),
-    "GatherND": _index("x[..., [i], :], bias tables indexed by constants", reads=BY_STRIDES),
+    "GatherND": _index("x[..., [i], :], bias tables indexed by constants", "gather_nd", reads=BY_STRIDES),
     "GatherElements": _index("torch.gather, F.cross_entropy", "gather_elements", reads=BY_STRIDES),
-    "ScatterND": _index("index_put, slice assignment", "scatter", no_gradient=NOT_YET),
-    "ScatterElements": _index("torch.scatter", "scatter", reads=BY_STRIDES, no_gradient=NOT_YET),
+    "ScatterND": _index("index_put (x[idx] = y), slice assignment (legacy)", "scatter"),
+    "ScatterElements": _index("torch.scatter, scatter_add, slice assignment (dynamo)", "scatter", reads=BY_STRIDES),
     "OneHot": _index("F.one_hot", no_gradient=INTEGER_OUTPUTS),
     "Where": _elementwise(D_C, "torch.where, masked_fill", "where"),
     "Trilu": Op(Kind.MOVEMENT, I_D, "torch.tril/triu (causal masks)", shape="scan"),

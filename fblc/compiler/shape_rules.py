@@ -205,6 +205,13 @@ def _gather_elements(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result
 
 
 @_named
+def _gather_nd(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    """indices [.., k] pick slices of data past its batch dims and k tuple axes (the scatters' gradients)."""
+    batch, indices = int(attr(node, "batch_dims", 0)), shapes[1]
+    return [(indices[:-1] + shapes[0][batch + indices[-1]:], dtypes[0])]
+
+
+@_named
 def _pad(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     pads = _ints(node, 1)
     rank = len(shapes[0])
