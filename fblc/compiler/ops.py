@@ -72,7 +72,8 @@ STRIDES_FOLDED = Reads.STRIDED | Reads.FOLDED  # MatMul's K loops and the reduct
 
 # why an op has no gradient rule or no kernel ----------------------------------------------------
 INTEGER_OUTPUTS = "its outputs are integers, booleans or constants: no gradient flows through it"
-LOWERED = "lowered at import (passes/lower_composites.py, LOWERINGS) into ops that have one"
+LOWERED = ("lowered at import (passes/lower_composites.py and passes/lower_recurrent.py, their LOWERINGS) into ops "
+           "that have one")
 DEVICE_ONLY = ("fblc's own op, emitted after the backward (ES noise, sorted row scatters): never differentiated, "
                "and onnxruntime lacks it")
 NOT_YET = "not written yet"
@@ -268,8 +269,9 @@ OPS: dict[str, Op] = {
     "Identity": Op(Kind.VIEW, I_C, "no-ops the exporter keeps", per_sample=True, shape="same", no_kernel=VIEW),
     "Dropout": Op(Kind.VIEW, I_C, "nn.Dropout (inference mode)", no_kernel=VIEW),
     # recurrent
-    "LSTM": Op(Kind.RECURRENT, None, "nn.LSTM (legacy exporter)", no_gradient=NOT_YET, no_kernel=NOT_YET),
-    "GRU": Op(Kind.RECURRENT, None, "nn.GRU (legacy exporter)", no_gradient=NOT_YET, no_kernel=NOT_YET),
+    "LSTM": _lowered(Kind.RECURRENT, "nn.LSTM (both exporters)"),
+    "GRU": _lowered(Kind.RECURRENT, "nn.GRU (both exporters)"),
+    "RNN": _lowered(Kind.RECURRENT, "nn.RNN (legacy exporter; dynamo writes MatMul and Tanh/Relu)"),
     # registered, written by rarer modules
     "ThresholdedRelu": _elementwise(D_C, None, "same"),
     "ArgMin": _index(None, no_gradient=INTEGER_OUTPUTS),

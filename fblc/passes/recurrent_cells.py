@@ -177,10 +177,15 @@ class Cell:
     gates: int
     defaults: tuple[str, ...]  # one direction's activations when the node names none
     into: str  # the ops it writes, for docs/OPS.md
+    limits: str = ("a sequence length that is not static; activations outside ACTIVATIONS (refused, naming the "
+                   "node)")
 
+
+_COMMON = ", Split, Transpose, Reshape, Concat; Clip (clip), Where (sequence_lens)"
 
 CELLS: dict[str, Cell] = {
-    "RNN": Cell(rnn_step, 1, ("Tanh",), "Split, MatMul, Add, Tanh/Relu (the activation), Concat"),
-    "GRU": Cell(gru_step, 3, ("Sigmoid", "Tanh"), "Split, MatMul, Add, Sub, Mul, Sigmoid, Tanh, Concat"),
-    "LSTM": Cell(lstm_step, 4, ("Sigmoid", "Tanh", "Tanh"), "Split, MatMul, Add, Sub, Mul, Sigmoid, Tanh, Concat"),
+    "RNN": Cell(rnn_step, 1, ("Tanh",), f"MatMul, Add, Tanh (the activations){_COMMON}"),
+    "GRU": Cell(gru_step, 3, ("Sigmoid", "Tanh"), f"MatMul, Add, Sub, Mul, Sigmoid, Tanh (the activations){_COMMON}"),
+    "LSTM": Cell(lstm_step, 4, ("Sigmoid", "Tanh", "Tanh"),
+                 f"MatMul, Add, Sub, Mul, Sigmoid, Tanh (the activations){_COMMON}"),
 }
