@@ -28,9 +28,11 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from fblc.compiler.optimizers import OptimizerConfig
+from fblc.compiler.summary import table_like_trained
 from fblc.errors import ShapeError, UnsupportedOpError
 from fblc.passes.lower_recurrent import LOWERINGS
 from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes
+from fblc.tools.coverage import check_model
 from support.models import ExportedModel
 from support.steps import TorchTrainer, build_step
 from tests.support import merged_steps
@@ -267,6 +269,8 @@ def test_exported_step_matches_torch(name: str, tmp_path) -> None:
     bad = [f"{k}: max abs error {np.abs(got[k] - v).max():.3g}" for k, v in expected.items()
            if got[k].shape != v.shape or not np.allclose(got[k], v, rtol=STEP_RTOL, atol=STEP_ATOL)]
     assert not bad, "\n".join(bad)
+    # the exporters build W and R as Concats of the torch weights' gate slices: read as a layer's weights, no table
+    assert table_like_trained(ir.load(step.path).graph) == []
 
 
 # ---------------------------------------------------------------- on the device (PoCL) against onnxruntime
@@ -300,3 +304,11 @@ def test_gru_and_lstm_step_on_pocl_match_onnxruntime(tmp_path) -> None:
     rows = merged_steps.verify_merged(DEVICE_CASES, options, str(tmp_path))
     for case in DEVICE_CASES:
         merged_steps.assert_case_matches(rows, case, list(DEVICE_CASES))
+
+
+def test_check_names_the_lowered_ops_and_supports_the_step() -> None:
+    model = ir.from_proto(_device_case("LSTM", 13, directions=2, lens=[2, 3]))
+    coverage = check_model(model, TrainingOptions(loss="output"))
+    assert coverage.supported, (coverage.imports, coverage.trains, coverage.runs)
+    assert coverage.lowered == {"LSTM": 1}
+    assert not {row.op for row in coverage.rows} & set(LOWERINGS)
