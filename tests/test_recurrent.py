@@ -97,10 +97,8 @@ def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.n
 FORMS: dict[str, tuple[str, dict[str, object]]] = {}
 for _op in GATES:
     FORMS.update({
-        f"{_op}-forward": (_op, {}),
         f"{_op}-bidirectional": (_op, {"directions": 2}),
         f"{_op}-reverse-no-initial-state": (_op, {"direction": "reverse", "initial": False}),
-        f"{_op}-lens-bidirectional": (_op, {"directions": 2, "lens": [4, 2]}),
         f"{_op}-lens-reverse": (_op, {"direction": "reverse", "lens": [3, 1]}),
         f"{_op}-fed-lens-bidirectional": (_op, {"directions": 2, "lens": [2, 3], "fed_lens": True}),
         f"{_op}-clip": (_op, {"directions": 2, "clip": 0.7}),
@@ -218,24 +216,41 @@ class _Recurrent(torch.nn.Module):
         return self.head(torch.cat([y.mean(dim=1 if self.batch_first else 0), last], dim=1))
 
 
-#: id -> (kind, hidden, layers, bidirectional, batch_first, nonlinearity, dynamo)
+class _Packed(_Recurrent):
+    """The stack over a padded batch of sequence lengths `lens` (pack_padded_sequence, lengths in decreasing
+    order): the legacy exporter writes them as the node's sequence_lens, fed at run time."""
+
+    def forward(self, x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lens, batch_first=self.batch_first)
+        y, state = self.rnn(packed)
+        y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, batch_first=self.batch_first, total_length=x.shape[1])
+        h, c = state if self.kind == "LSTM" else (state, None)
+        last = torch.cat([h[-1], c[-1]], dim=1) if c is not None else h[-1]
+        return self.head(torch.cat([y.mean(dim=1 if self.batch_first else 0), last], dim=1))
+
+
+#: id -> (kind, hidden, layers, bidirectional, batch_first, nonlinearity, dynamo); "packed" in the id: _Packed
 EXPORTS = {
     "GRU-2layers-bidirectional-batch-first-legacy": ("GRU", 5, 2, True, True, "tanh", False),
     "LSTM-2layers-bidirectional-legacy": ("LSTM", 4, 2, True, False, "tanh", False),
     "RNN-tanh-bidirectional-batch-first-legacy": ("RNN", 3, 1, True, True, "tanh", False),
     "RNN-relu-2layers-legacy": ("RNN", 6, 2, False, False, "relu", False),
     "LSTM-2layers-batch-first-dynamo": ("LSTM", 3, 2, False, True, "tanh", True),
+    "LSTM-packed-bidirectional-legacy": ("LSTM", 4, 1, True, True, "tanh", False),
 }
 
 
 def _exported(name: str, folder: str) -> ExportedModel:
     kind, hidden, layers, bidirectional, batch_first, nonlinearity, dynamo = EXPORTS[name]
-    module = _Recurrent(kind, hidden, layers, bidirectional, batch_first, nonlinearity).eval()
+    packed = "packed" in name
+    module = (_Packed if packed else _Recurrent)(kind, hidden, layers, bidirectional, batch_first, nonlinearity).eval()
     rng = np.random.default_rng(len(name))
     steps, batch, directions = 4, 2, 2 if bidirectional else 1
     x = rng.standard_normal((batch, steps, INPUT) if batch_first else (steps, batch, INPUT)).astype(np.float32)
     inputs = {"x": x, "h0": rng.standard_normal((layers * directions, batch, hidden)).astype(np.float32)}
-    if kind == "LSTM":
+    if packed:
+        inputs = {"x": x, "lens": np.array([4, 2], np.int64)}
+    elif kind == "LSTM":
         inputs["c0"] = rng.standard_normal((layers * directions, batch, hidden)).astype(np.float32)
     args = tuple(torch.from_numpy(v) for v in inputs.values())
     path = os.path.join(folder, f"{name}.onnx")
@@ -247,7 +262,8 @@ def _exported(name: str, folder: str) -> ExportedModel:
         else:
             torch.onnx.export(module, args, path, dynamo=False, do_constant_folding=False, opset_version=18,
                               input_names=list(inputs), output_names=["logits"])
-    assert kind in {n.op_type for n in onnx.load(path).graph.node}
+    written = [n for n in onnx.load(path).graph.node if n.op_type == kind]
+    assert written and all((len(n.input) > 4 and n.input[4] != "") == packed for n in written)  # sequence_lens
     labels = rng.integers(0, CLASSES, size=(batch,)).astype(np.int64)
     target = torch.from_numpy(labels)
     return ExportedModel(name, path, module, inputs, labels,
