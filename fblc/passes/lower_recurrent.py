@@ -122,21 +122,38 @@ def _options(node: ir.Node, cell: Cell, s: Shape) -> list[CellOptions]:
             for d in range(s.directions)]
 
 
-def _direction(e: Emitter, node: ir.Node, cell: Cell, s: Shape, d: int, reverse: bool, x: ir.Value,
+@dataclass(frozen=True)
+class Parts:
+    """W, R, B and P split by direction (one Split each, shared by the directions): W_d [G*H, I], R_d [G*H, H],
+    B_d [2*G*H], P_d [3*H]."""
+
+    w: list[ir.Value]
+    r: list[ir.Value]
+    b: list[ir.Value] | None
+    p: list[ir.Value] | None
+
+
+def _parts(e: Emitter, node: ir.Node, cell: Cell, s: Shape) -> Parts:
+    gh = cell.gates * s.hidden
+    w, r, b = node.inputs[1], node.inputs[2], _input(node, 3)
+    p = _input(node, 7) if node.op_type == "LSTM" else None
+    assert w is not None and r is not None
+    return Parts(_per_direction(e, w, s.directions, [gh, s.inputs]), _per_direction(e, r, s.directions, [gh, s.hidden]),
+                 None if b is None else _per_direction(e, b, s.directions, [2 * gh]),
+                 None if p is None else _per_direction(e, p, s.directions, [3 * s.hidden]))
+
+
+def _direction(e: Emitter, node: ir.Node, cell: Cell, s: Shape, d: int, reverse: bool, x: ir.Value, parts: Parts,
                initial: list[ir.Value | None], masks: list[ir.Value | None], options: CellOptions
                ) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
     """One direction unrolled: its outputs in time order, its last h and c."""
     gh = cell.gates * s.hidden
-    w, r = node.inputs[1], node.inputs[2]
-    assert w is not None and r is not None
-    w_t = e.op("Transpose", _per_direction(e, w, s.directions, [gh, s.inputs])[d])  # [I, G*H]
-    r_t = e.op("Transpose", _per_direction(e, r, s.directions, [gh, s.hidden])[d])  # [H, G*H]
+    w_t = e.op("Transpose", parts.w[d])  # [I, G*H]
+    r_t = e.op("Transpose", parts.r[d])  # [H, G*H]
     projected = e.op("MatMul", e.reshape(x, [s.steps * s.batch, s.inputs]), w_t)
     weights = Weights(r_t)
-    bias = _input(node, 3)
-    if bias is not None:
-        wb, rb = e.op_multi("Split", _per_direction(e, bias, s.directions, [2 * gh])[d], e.ints([gh, gh]),
-                            axis=0, num_outputs=2)
+    if parts.b is not None:
+        wb, rb = e.op_multi("Split", parts.b[d], e.ints([gh, gh]), axis=0, num_outputs=2)
         if node.op_type == "GRU" and options.linear_before_reset:  # Rb_h stays inside r * (H Rh^T + Rb_h)
             keep = np.concatenate([np.ones(2 * s.hidden), np.zeros(s.hidden)]).astype(np.float32)
             folded = e.op("Add", wb, e.op("Mul", rb, e.const(keep, dtype=rb.dtype)))
@@ -147,10 +164,8 @@ def _direction(e: Emitter, node: ir.Node, cell: Cell, s: Shape, d: int, reverse:
     if node.op_type == "GRU" and not options.linear_before_reset:
         weights.recurrent, weights.recurrent_h = e.op_multi("Split", r_t, e.ints([2 * s.hidden, s.hidden]), axis=1,
                                                             num_outputs=2)
-    peepholes = _input(node, 7) if node.op_type == "LSTM" else None
-    if peepholes is not None:
-        p = _per_direction(e, peepholes, s.directions, [3 * s.hidden])[d]
-        pi, po, pf = e.op_multi("Split", p, e.ints([s.hidden] * 3), axis=0, num_outputs=3)
+    if parts.p is not None:
+        pi, po, pf = e.op_multi("Split", parts.p[d], e.ints([s.hidden] * 3), axis=0, num_outputs=3)
         weights.peepholes = (pi, po, pf)
     steps = [e.reshape(v, [s.batch, gh]) for v in
              e.op_multi("Split", e.reshape(projected, [s.steps, s.batch * gh]), e.ints([1] * s.steps), axis=0,
@@ -200,7 +215,8 @@ def _unroll(e: Emitter, node: ir.Node) -> None:
         for d, part in enumerate(_per_direction(e, state, s.directions, [s.batch, s.hidden])):
             initial[d][slot] = part
     masks = _masks(e, node, s)
-    results = [_direction(e, node, cell, s, d, reverse, x, initial[d], masks, options[d])
+    parts = _parts(e, node, cell, s)
+    results = [_direction(e, node, cell, s, d, reverse, x, parts, initial[d], masks, options[d])
                for d, reverse in enumerate(DIRECTIONS[direction])]
     outputs = list(node.outputs) + [None] * (3 - len(node.outputs))
     if _used(outputs[0], e.graph):
