@@ -4,7 +4,9 @@ Rewrite (`LOWERINGS`, keyed by op type; the cells are `fblc.passes.recurrent_cel
 each direction d (forward, reverse, or both for `bidirectional`), W_d and R_d are taken from W and
 R (Split on the direction axis; transposed once), the input projection of every step is one MatMul
 X [T*B, I] @ W_d^T plus the folded biases Wb + Rb (GRU with linear_before_reset keeps Rb_h inside
-its gate), Split into T steps, and the cell (MatMul of the state by R_d^T, Split into gates, the
+its gate) per group of gates (`Cell.groups`; GRU: one per gate, since a step's view split again into
+gates would be copied: T=16 GRU 150 -> 129 launches), Split into T steps (views: the projection stays
+live until the last step reads it), and the cell (MatMul of the state by R_d^T, Split into gates, the
 activations, Mul/Add/Sub) runs T times, forward in time or backward. `sequence_lens` (ONNX
 semantics, as onnxruntime): at step t of sample b with t >= len[b] the state is held (Where) and
 Y is zero, so Y_h/Y_c are each sample's last valid state and the reverse direction starts at
@@ -122,6 +124,31 @@ def _options(node: ir.Node, cell: Cell, s: Shape) -> list[CellOptions]:
             for d in range(s.directions)]
 
 
+def _projections(e: Emitter, x: ir.Value, w_t: ir.Value, bias: ir.Value | None, widths: list[int], s: Shape
+                 ) -> list[list[ir.Value]]:
+    """Per step, X_t W^T + bias in groups of `widths` columns: one MatMul over all steps per group, Split into
+    the steps (each step's [B, width] is a view of it)."""
+    groups = [w_t] if len(widths) == 1 else list(e.op_multi("Split", w_t, e.ints(widths), axis=1,
+                                                                num_outputs=len(widths)))
+    biases: list[ir.Value | None] = [None] * len(widths)
+    if bias is not None:
+        biases = [bias] if len(widths) == 1 else list(e.op_multi("Split", bias, e.ints(widths), axis=0,
+                                                                 num_outputs=len(widths)))
+    flat = e.reshape(x, [s.steps * s.batch, s.inputs])
+    per_group = []
+    for weight, b, width in zip(groups, biases, widths):
+        projected = e.op("MatMul", flat, weight)
+        if b is not None:
+            projected = e.op("Add", projected, b)
+        if s.steps == 1:
+            per_group.append([e.reshape(projected, [s.batch, width])])
+            continue
+        pieces = e.op_multi("Split", e.reshape(projected, [s.steps, s.batch * width]), e.ints([1] * s.steps),
+                            axis=0, num_outputs=s.steps)
+        per_group.append([e.reshape(piece, [s.batch, width]) for piece in pieces])
+    return [list(step) for step in zip(*per_group)]
+
+
 @dataclass(frozen=True)
 class Parts:
     """W, R, B and P split by direction (one Split each, shared by the directions): W_d [G*H, I], R_d [G*H, H],
@@ -150,8 +177,8 @@ def _direction(e: Emitter, node: ir.Node, cell: Cell, s: Shape, d: int, reverse:
     gh = cell.gates * s.hidden
     w_t = e.op("Transpose", parts.w[d])  # [I, G*H]
     r_t = e.op("Transpose", parts.r[d])  # [H, G*H]
-    projected = e.op("MatMul", e.reshape(x, [s.steps * s.batch, s.inputs]), w_t)
     weights = Weights(r_t)
+    folded: ir.Value | None = None
     if parts.b is not None:
         wb, rb = e.op_multi("Split", parts.b[d], e.ints([gh, gh]), axis=0, num_outputs=2)
         if node.op_type == "GRU" and options.linear_before_reset:  # Rb_h stays inside r * (H Rh^T + Rb_h)
@@ -160,16 +187,13 @@ def _direction(e: Emitter, node: ir.Node, cell: Cell, s: Shape, d: int, reverse:
             weights.inner_bias = e.op("Slice", rb, e.ints([2 * s.hidden]), e.ints([gh]), e.ints([0]))
         else:
             folded = e.op("Add", wb, rb)
-        projected = e.op("Add", projected, folded)
     if node.op_type == "GRU" and not options.linear_before_reset:
         weights.recurrent, weights.recurrent_h = e.op_multi("Split", r_t, e.ints([2 * s.hidden, s.hidden]), axis=1,
                                                             num_outputs=2)
     if parts.p is not None:
         pi, po, pf = e.op_multi("Split", parts.p[d], e.ints([s.hidden] * 3), axis=0, num_outputs=3)
         weights.peepholes = (pi, po, pf)
-    steps = [e.reshape(v, [s.batch, gh]) for v in
-             e.op_multi("Split", e.reshape(projected, [s.steps, s.batch * gh]), e.ints([1] * s.steps), axis=0,
-                        num_outputs=s.steps)] if s.steps > 1 else [e.reshape(projected, [s.batch, gh])]
+    steps = _projections(e, x, w_t, folded, [g * s.hidden for g in cell.groups], s)
     h, c = initial
     if h is None:
         h = e.const(np.zeros((s.batch, s.hidden)), dtype=x.dtype)

@@ -118,19 +118,21 @@ def _clip(e: Emitter, x: ir.Value, options: CellOptions) -> ir.Value:
     return e.op("Clip", x, e.scalar(-options.clip, x), e.scalar(options.clip, x))
 
 
-def rnn_step(e: Emitter, x: ir.Value, h: ir.Value, c: ir.Value | None, w: Weights, options: CellOptions
+def rnn_step(e: Emitter, x: Sequence[ir.Value], h: ir.Value, c: ir.Value | None, w: Weights, options: CellOptions
              ) -> tuple[ir.Value, ir.Value | None]:
     """Ht = f(Xt W^T + Ht-1 R^T + Wb + Rb)."""
-    pre = e.op("Add", x, e.op("MatMul", h, w.recurrent))
+    pre = e.op("Add", x[0], e.op("MatMul", h, w.recurrent))
     return options.acts[0](e, _clip(e, pre, options)), None
 
 
-def gru_step(e: Emitter, x: ir.Value, h: ir.Value, c: ir.Value | None, w: Weights, options: CellOptions
+def gru_step(e: Emitter, x: Sequence[ir.Value], h: ir.Value, c: ir.Value | None, w: Weights, options: CellOptions
              ) -> tuple[ir.Value, ir.Value | None]:
     """z, r = f(..), h~ = g(Xt Wh^T + (r * Ht-1) Rh^T + Rbh + Wbh) (or r * (Ht-1 Rh^T + Rbh) with
-    linear_before_reset), Ht = (1 - z) * h~ + z * Ht-1 = h~ + z * (Ht-1 - h~)."""
+    linear_before_reset), Ht = (1 - z) * h~ + z * Ht-1 = h~ + z * (Ht-1 - h~). The input projection comes in
+    three groups, one per gate (Cell.groups): a per-step view split again would be copied, and a Split of the
+    sum Xt W^T + Ht-1 R^T would end the step's elementwise kernel there."""
     f, g = options.acts[0], options.acts[1]
-    xz, xr, xh = _gates(e, x, 3, options.hidden)
+    xz, xr, xh = x
     if options.linear_before_reset:
         rz, rr, rh = _gates(e, e.op("MatMul", h, w.recurrent), 3, options.hidden)
         if w.inner_bias is not None:
@@ -148,13 +150,13 @@ def gru_step(e: Emitter, x: ir.Value, h: ir.Value, c: ir.Value | None, w: Weight
     return e.op("Add", candidate, e.op("Mul", z, e.op("Sub", h, candidate))), None
 
 
-def lstm_step(e: Emitter, x: ir.Value, h: ir.Value, c: ir.Value | None, w: Weights, options: CellOptions
+def lstm_step(e: Emitter, x: Sequence[ir.Value], h: ir.Value, c: ir.Value | None, w: Weights, options: CellOptions
               ) -> tuple[ir.Value, ir.Value | None]:
     """i = f(.. + Pi * Ct-1), f = f(.. + Pf * Ct-1) (1 - i with input_forget), c~ = g(..),
     Ct = f * Ct-1 + i * c~, o = f(.. + Po * Ct), Ht = o * h(Ct)."""
     assert c is not None
     f, g, act_h = options.acts[0], options.acts[1], options.acts[2]
-    pi, po, pf, pc = _gates(e, e.op("Add", x, e.op("MatMul", h, w.recurrent)), 4, options.hidden)
+    pi, po, pf, pc = _gates(e, e.op("Add", x[0], e.op("MatMul", h, w.recurrent)), 4, options.hidden)
     if w.peepholes is not None:
         pi = e.op("Add", pi, e.op("Mul", c, w.peepholes[0]))
         pf = e.op("Add", pf, e.op("Mul", c, w.peepholes[2]))
@@ -167,7 +169,7 @@ def lstm_step(e: Emitter, x: ir.Value, h: ir.Value, c: ir.Value | None, w: Weigh
     return e.op("Mul", o, act_h(e, cell)), cell
 
 
-Step = Callable[[Emitter, ir.Value, ir.Value, "ir.Value | None", Weights, CellOptions],
+Step = Callable[[Emitter, Sequence[ir.Value], ir.Value, "ir.Value | None", Weights, CellOptions],
                 "tuple[ir.Value, ir.Value | None]"]
 
 
@@ -175,6 +177,7 @@ Step = Callable[[Emitter, ir.Value, ir.Value, "ir.Value | None", Weights, CellOp
 class Cell:
     step: Step
     gates: int
+    groups: tuple[int, ...]  # the gates of each input projection the step reads (one MatMul over all steps each)
     defaults: tuple[str, ...]  # one direction's activations when the node names none
     into: str  # the ops it writes, for docs/OPS.md
     limits: str = ("a sequence length that is not static; activations outside ACTIVATIONS (refused, naming the "
@@ -184,8 +187,8 @@ class Cell:
 _COMMON = ", Split, Transpose, Reshape, Concat; Clip (clip), Where (sequence_lens)"
 
 CELLS: dict[str, Cell] = {
-    "RNN": Cell(rnn_step, 1, ("Tanh",), f"MatMul, Add, Tanh (the activations){_COMMON}"),
-    "GRU": Cell(gru_step, 3, ("Sigmoid", "Tanh"), f"MatMul, Add, Sub, Mul, Sigmoid, Tanh (the activations){_COMMON}"),
-    "LSTM": Cell(lstm_step, 4, ("Sigmoid", "Tanh", "Tanh"),
+    "RNN": Cell(rnn_step, 1, (1,), ("Tanh",), f"MatMul, Add, Tanh (the activations){_COMMON}"),
+    "GRU": Cell(gru_step, 3, (1, 1, 1), ("Sigmoid", "Tanh"), f"MatMul, Add, Sub, Mul, Sigmoid, Tanh (the activations){_COMMON}"),
+    "LSTM": Cell(lstm_step, 4, (4,), ("Sigmoid", "Tanh", "Tanh"),
                  f"MatMul, Add, Sub, Mul, Sigmoid, Tanh (the activations){_COMMON}"),
 }
