@@ -35,7 +35,11 @@ def report(model_path: str, coverage: Coverage) -> str:
     """What `fblc check` prints: the op table, then one line per question."""
     rows = [COLUMNS] + [(r.op, str(r.nodes), r.imported, r.gradient, r.kernel, r.layout) for r in coverage.rows]
     nodes = sum(r.nodes for r in coverage.rows)
-    lines = [f"{model_path}: {nodes} nodes of {len(coverage.rows)} op types after import", *table(rows), ""]
+    lines = [f"{model_path}: {nodes} nodes of {len(coverage.rows)} op types after import"]
+    if coverage.lowered:
+        lines.append("lowered at import into the ops below: " + ", ".join(
+            f"{op} ({count} node{'s' if count != 1 else ''})" for op, count in coverage.lowered.items()))
+    lines += [*table(rows), ""]
     lines.append(_verdict("import", coverage.imports.ok, coverage.imports.detail))
     lines.append(_verdict("train (graph mode)", coverage.trains.ok, coverage.trains.detail))
     lines.append(_verdict("run on the device", coverage.runs.ok, coverage.runs.detail))

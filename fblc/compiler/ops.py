@@ -72,7 +72,8 @@ STRIDES_FOLDED = Reads.STRIDED | Reads.FOLDED  # MatMul's K loops and the reduct
 
 # why an op has no gradient rule or no kernel ----------------------------------------------------
 INTEGER_OUTPUTS = "its outputs are integers, booleans or constants: no gradient flows through it"
-LOWERED = "lowered at import (passes/lower_composites.py, LOWERINGS) into ops that have one"
+LOWERED = ("lowered at import (passes/lower_composites.py and passes/lower_recurrent.py, their LOWERINGS) into ops "
+           "that have one")
 DEVICE_ONLY = ("fblc's own op, emitted after the backward (ES noise, sorted row scatters): never differentiated, "
                "and onnxruntime lacks it")
 NOT_YET = "not written yet"
@@ -156,21 +157,21 @@ OPS: dict[str, Op] = {
     "InstanceNormalization": Op(Kind.NORMALIZATION, D_D, "nn.InstanceNorm2d, nn.GroupNorm (legacy)"),
     # activations
     "Relu": _elementwise(D_C, "nn.ReLU, F.relu", "same"),
-    "LeakyRelu": _elementwise(D_C, "nn.LeakyReLU"),
+    "LeakyRelu": _elementwise(D_C, "nn.LeakyReLU", "same"),
     "PRelu": _elementwise(D_C, "nn.PReLU"),
-    "Elu": _elementwise(D_C, "nn.ELU"),
+    "Elu": _elementwise(D_C, "nn.ELU", "same"),
     "Selu": _elementwise(D_C, "nn.SELU"),
     "Celu": _elementwise(D_C, "nn.CELU"),
     "Gelu": _elementwise(D_C, "nn.GELU at opset 20 and later (exact and tanh)"),
     "Erf": _elementwise(D_C, "nn.GELU (exact) before opset 20", "same"),
     "Sigmoid": _elementwise(D_C, "nn.Sigmoid, nn.SiLU (x * sigmoid(x))", "same"),
     "Tanh": _elementwise(D_C, "nn.Tanh, GELU with approximate='tanh'", "same"),
-    "HardSigmoid": _elementwise(D_C, "nn.Hardsigmoid"),
+    "HardSigmoid": _elementwise(D_C, "nn.Hardsigmoid", "same"),
     "HardSwish": _elementwise(D_C, "nn.Hardswish (MobileNetV3)"),
     "Softplus": _elementwise(D_C, "nn.Softplus, state-space models", "same"),
     "Mish": _elementwise(D_C, "nn.Mish"),
-    "Softsign": _elementwise(D_C, "nn.Softsign"),
-    "Clip": _elementwise(D_C, "torch.clamp, nn.ReLU6, nn.Hardtanh"),
+    "Softsign": _elementwise(D_C, "nn.Softsign", "same"),
+    "Clip": _elementwise(D_C, "torch.clamp, nn.ReLU6, nn.Hardtanh", "same"),
     "Softmax": Op(Kind.NORMALIZATION, D_C, "nn.Softmax, attention", row_axis=True, shape="same", no_kernel=SPLIT),
     "LogSoftmax": Op(Kind.NORMALIZATION, D_C, "nn.LogSoftmax, F.cross_entropy", row_axis=True, shape="same",
                      no_kernel=SPLIT),
@@ -268,10 +269,11 @@ OPS: dict[str, Op] = {
     "Identity": Op(Kind.VIEW, I_C, "no-ops the exporter keeps", per_sample=True, shape="same", no_kernel=VIEW),
     "Dropout": Op(Kind.VIEW, I_C, "nn.Dropout (inference mode)", no_kernel=VIEW),
     # recurrent
-    "LSTM": Op(Kind.RECURRENT, None, "nn.LSTM (legacy exporter)", no_gradient=NOT_YET, no_kernel=NOT_YET),
-    "GRU": Op(Kind.RECURRENT, None, "nn.GRU (legacy exporter)", no_gradient=NOT_YET, no_kernel=NOT_YET),
+    "LSTM": _lowered(Kind.RECURRENT, "nn.LSTM (both exporters)"),
+    "GRU": _lowered(Kind.RECURRENT, "nn.GRU (both exporters)"),
+    "RNN": _lowered(Kind.RECURRENT, "nn.RNN (legacy exporter; dynamo writes MatMul and Tanh/Relu)"),
     # registered, written by rarer modules
-    "ThresholdedRelu": _elementwise(D_C, None),
+    "ThresholdedRelu": _elementwise(D_C, None, "same"),
     "ArgMin": _index(None, no_gradient=INTEGER_OUTPUTS),
 }
 

@@ -80,6 +80,9 @@ TRAINED_SET_CAVEAT = ("a torch parameter with requires_grad=False (a fixed posit
 #: ops that pass a tensor on, whole or in part, rearranged: what reads their output reads the tensor
 _PASSED_ON = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast", "Slice", "Split",
                         "Expand"})
+#: ops that pass every input on (the exporters build a recurrent layer's W and R as a Concat of the torch weights'
+#: gate slices)
+_PASSED_ON_EVERY_INPUT = frozenset({"Concat"})
 #: op -> the input slots where a layer reads its weights (a Gather's table is judged by its indices)
 _LAYER_WEIGHT_SLOTS = {op: slots for op, slots in WEIGHT_SLOTS.items() if op != "Gather"}
 
@@ -92,7 +95,7 @@ def _read_as_table(value: ir.Value) -> bool:
         node = use.node
         if node.metadata_props.get(keys.STAGE, "forward") != "forward" or node.domain != "":
             continue  # the backward and the optimizer read every parameter
-        if node.op_type in _PASSED_ON and use.idx == 0:
+        if (node.op_type in _PASSED_ON and use.idx == 0) or node.op_type in _PASSED_ON_EVERY_INPUT:
             if any(_read_as_table(output) for output in node.outputs):
                 return True
         elif node.op_type == "Gather" and use.idx == 0:

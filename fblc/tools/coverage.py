@@ -31,6 +31,7 @@ from fblc.passes.fuse import FuseKernels
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.pipeline import TrainingOptions, import_passes, layout_passes, run_passes, training_passes
 from fblc.passes.split_softmax import SPLITS
+from fblc.tools.op_audit import LOWERINGS
 from fblc.compiler import keys
 
 
@@ -60,6 +61,8 @@ class Coverage:
     runs: Verdict
     adapters: dict[str, Verdict] = field(default_factory=dict)
     trained: list[str] = field(default_factory=list)  # the default trained set by layer group (summary.py)
+    #: op -> nodes of the loaded model that the import rewrote into other ops (lower_composites, lower_recurrent)
+    lowered: dict[str, int] = field(default_factory=dict)
 
     @property
     def supported(self) -> bool:
@@ -131,6 +134,7 @@ def _rows(nodes: list[ir.Node], imported: Mapping[str, str], gradient: Mapping[s
 def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
     """The support of `model` (as loaded) under `options`; raises FblcError only for bad input
     (dynamic dims without --input-shape, --train matching nothing, an --adapter without sites...)."""
+    lowered = dict(Counter(n.op_type for n in model.graph if n.domain in ("", "ai.onnx") and n.op_type in LOWERINGS))
     for graph_pass in import_passes(options):
         try:
             run_passes(model, [graph_pass])
@@ -147,7 +151,7 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
         rows = _rows(forward, imported, rules, {g.op for g in _forward_kernel_gaps(forward)})
         blocked = Verdict(False, "not analysed: the training step needs every shape static")
         return Coverage(rows, Verdict(False, shape_error(found).cause), blocked, blocked,
-                        {kind: blocked for kind in MEMORY_FLOOR_ADAPTERS})
+                        {kind: blocked for kind in MEMORY_FLOOR_ADAPTERS}, lowered=lowered)
     adapters = {kind: _adapter_verdict(model, options, kind) for kind in MEMORY_FLOOR_ADAPTERS}
 
     before, after = _split_at_gradients(training_passes(options))
@@ -177,4 +181,5 @@ def check_model(model: ir.Model, options: TrainingOptions) -> Coverage:
         runs = Verdict(False, f"{KERNEL_EMITTERS.error(kernel_gaps).cause} (in the forward), and {unknown}"
                        if kernel_gaps else unknown)
     rows = _rows(forward, imported, gradient, {g.op for g in kernel_gaps})
-    return Coverage(rows, Verdict(True, f"{len(forward)} nodes, every shape static"), trains, runs, adapters, trained)
+    return Coverage(rows, Verdict(True, f"{len(forward)} nodes, every shape static"), trains, runs, adapters, trained,
+                    lowered)
