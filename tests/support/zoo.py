@@ -239,6 +239,32 @@ def _mobilenet_v3() -> tuple[torch.nn.Module, Inputs]:
     return randomize_constant_parameters(TinyMobileNetV3(), seed=1).eval(), _pixels()
 
 
+# --- a recurrent sensor model (transformers has none): human-activity recognition -----------------
+
+
+class TinyActivityGRU(torch.nn.Module):
+    """Inertial windows [B, 9 channels, T] -> a temporal conv, a 2-layer bidirectional GRU, the last step's
+    state classified: the shape of on-device activity and keyword models."""
+
+    def __init__(self, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(9, 12, 3, padding=1)
+        self.gru = torch.nn.GRU(12, 8, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = torch.nn.Linear(16, classes)
+
+    def forward(self, input_values: torch.Tensor) -> torch.Tensor:
+        features = F.relu(self.conv(input_values)).transpose(1, 2)
+        sequence, _ = self.gru(features)
+        return self.head(sequence[:, -1])
+
+
+def _activity_gru() -> tuple[torch.nn.Module, Inputs]:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(6)
+    inputs = {"input_values": rng.standard_normal((BATCH, 9, 12)).astype(np.float32)}
+    return randomize_constant_parameters(TinyActivityGRU(), seed=1).eval(), inputs
+
+
 # --- the table -------------------------------------------------------------------------------------
 
 
@@ -339,6 +365,9 @@ ZOO: list[Architecture] = [
                      pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
                  "tokens", freeze=r"encoder\.embed_positions",
                  note="torch keeps the encoder's sinusoidal embed_positions frozen (requires_grad=False)"),
+    Architecture("activity_gru", "audio", "legacy", _activity_gru, fold=False,
+                 note="transformers has no recurrent model: a tiny Conv1d + bidirectional GRU (the ONNX GRU op; "
+                      "folding would merge the torch weights into reordered constants)"),
 ]
 BY_NAME = {a.name: a for a in ZOO}
 
