@@ -1,0 +1,67 @@
+"""`fblc export BUNDLE --params trained.npz -o model.onnx`: the fine-tuned model back as a standard ONNX file."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+
+DESCRIPTION = (
+    "Write the model BUNDLE was compiled from with the trained parameters of --params (the file 'fblc run BUNDLE "
+    "--save-params' wrote) as a standard ONNX model: same graph, opset and input/output names, adapters merged "
+    "into the frozen weights (LoRA: W + A B; MemFLoRA: the conv weight plus U * P, its BatchNorm kept; FuRA-S: "
+    "each block's singular values scaled by 1 + delta). The bundle records the model's path and sha256; --model "
+    "gives it if it moved. Under --weights int8/int4/fp16 the adapters merge into the model's own fp32 weights. "
+    "Weights past 1 GiB go to OUT.data beside it. Nothing is half-written: files are renamed into place once "
+    "complete.")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fblc.compiler.model_io import save_model_atomically
+    from fblc.errors import FblcError
+    from fblc.paths import write_atomically
+    from fblc.tools.export import adapter_tensors, exported_model, load_trained
+
+    trained = load_trained(args.params)
+    model, summary = exported_model(args.bundle, trained, args.params, args.model)
+    specialist = adapter_tensors(args.bundle, trained) if args.keep_adapters else None
+    if os.path.realpath(args.output) == os.path.realpath(summary["source"]):  # the recorded path: not checked up front
+        raise FblcError(f"-o '{args.output}' is the model the bundle was compiled from, which the export reads",
+                        "choose another -o file (the original stays the base of the bundle)")
+    if args.keep_adapters and not specialist:
+        raise FblcError(f"--keep-adapters: '{args.bundle}' was compiled without an adapter, so there are no adapter "
+                        "tensors to keep", "drop --keep-adapters (the trained model is the whole export)")
+    save_model_atomically(model, args.output)
+    if specialist is not None:
+        buffer = io.BytesIO()
+        np.savez(buffer, **specialist)
+        write_atomically(args.keep_adapters, lambda handle: handle.write(buffer.getvalue()))
+    if not args.quiet:
+        changed = (f"{len(summary['merged'])} weight(s) with their adapters merged" if summary["merged"] else
+                   f"{len(summary['replaced'])} trained tensor(s) replaced")
+        print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e6:.2f} MB): {summary['source']} with "
+              f"{changed}")
+        if specialist is not None:
+            values = sum(int(np.asarray(a).size) for a in specialist.values())
+            print(f"wrote {args.keep_adapters} ({os.path.getsize(args.keep_adapters):,} bytes): {len(specialist)} "
+                  f"adapter tensors, {values:,} values, unmerged")
+    return 0
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = commands.add_parser(
+        "export", help="write the fine-tuned model (BUNDLE's model with trained parameters) as an ONNX file",
+        description=DESCRIPTION)
+    export.add_argument("bundle", help="bundle folder from 'fblc compile'")
+    export.add_argument("--params", required=True, metavar="FILE.npz",
+                        help="the trained parameters ('fblc run BUNDLE --save-params FILE.npz')")
+    export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
+    export.add_argument("--model", metavar="PATH",
+                        help="the model BUNDLE was compiled from, where it is now (default: the path the bundle "
+                             "records; either way its sha256 must match the recorded one)")
+    export.add_argument("--keep-adapters", metavar="FILE.npz",
+                        help="also write the adapter tensors alone, unmerged (trained factors and the frozen ones "
+                             "they pair with, by tensor name): a specialist file, its bytes printed")
+    export.set_defaults(run=cmd_export)

@@ -1,0 +1,187 @@
+"""`fblc export`: the model a bundle was compiled from, with trained parameters, as a standard ONNX file.
+
+The graph, its opset and its input/output names are the source model's, unchanged (read with onnx_ir, not
+fblc's loader, which converts opsets); only initializer values change (fblc.codegen.export_record says what the
+bundle keeps for this). What each kind of trained tensor becomes (float64 sums, stored in the weight's dtype):
+
+- a trained model tensor (full fine-tuning, --train/--freeze): replaces the initializer of its name;
+- LoRA / MemFLoRA / MemFLoRA-SG at a conv W [out, in, k...]: W + U * P, (U * P)[o, i, k] = sum_r U[o, r, k] P[r, i]
+  (the branch Conv(Conv1x1(x, P), U) with the base conv's stride, pads and dilation is Conv(x, U * P); the
+  BatchNorm that follows keeps scaling it, which is the inherited scale a_s the step applies);
+- LoRA at a linear layer: W + A B, or W + (A B)^T where W is stored [out, in] (Gemm transB, Transpose(W));
+- FuRA-S: per column block k of width b (rows of x's features), W_k <- (I + R_k diag(delta_k) R_k^T) W_k for W
+  stored [in, out], W_k (I + R_k diag(delta_k) R_k^T) for W stored [out, in]: the step's input transform
+  x_k + R_k (delta_k (R_k^T x_k)) moved into the weight.
+
+Frozen factors come from the trained file where they trained (LoRA's A, MemFLoRA-SG's P), else from the bundle's
+factors.npz. Under --weights int8/int4/fp16 the merge is into the source model's own fp32 weight, not the
+rounded one the device computed with (the delta was trained against the rounded weight: QLoRA's merge).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from fblc import bundle_format as fmt
+from fblc.errors import BundleError, FblcError
+
+Delta = Callable[[np.ndarray], np.ndarray]  # the merged weight (float64) from the source weight (float64)
+
+
+def _factor(name: str, trained: Mapping[str, np.ndarray], frozen: Mapping[str, np.ndarray], bundle: str) -> np.ndarray:
+    if name in trained:
+        return np.asarray(trained[name], np.float64)
+    if name in frozen:
+        return np.asarray(frozen[name], np.float64)
+    raise BundleError(f"adapter factor '{name}' is neither in the trained parameters nor in '{bundle}/{fmt.FACTORS}'; "
+                      "compile the bundle again with this fblc")
+
+
+def _branch_merge(site: dict[str, Any], trained: Mapping[str, np.ndarray], frozen: Mapping[str, np.ndarray],
+                  bundle: str) -> Delta:
+    """W + U * P (a conv site) or W + A B (a linear site) of a LoRA/MemFLoRA site record (compiler.adapters)."""
+    down, up = (_factor(site[key], trained, frozen, bundle) for key in ("P", "U"))
+    if site.get("kind", "conv") == "linear":
+        delta = down @ up  # [in, out]
+        return lambda w: w + (delta.T if site["extra"].get("transposed") else delta)
+    projection = down.reshape(down.shape[0], down.shape[1])  # P [r, in, 1, ...]: a 1x1 conv
+    return lambda w: w + np.einsum("or...,ri->oi...", up, projection)
+
+
+def _fura_merge(site: dict[str, Any], delta: np.ndarray, frozen: Mapping[str, np.ndarray], bundle: str) -> Delta:
+    """W with each block's singular values scaled by 1 + delta (compiler.fura_s), for a fura_s site record."""
+    right = _factor(site["right"], {}, frozen, bundle)  # [K, b, r]
+    blocks, width, rank = right.shape
+    values = delta[site["offset"]:site["offset"] + blocks * rank].reshape(blocks, rank)
+    # M_k = I + R_k diag(delta_k) R_k^T, symmetric
+    mixes = np.eye(width) + np.einsum("kbr,kr,kcr->kbc", right, values, right)
+
+    def merged(w: np.ndarray) -> np.ndarray:
+        if site["transposed"]:  # W [out, in]: columns are input features
+            return np.einsum("okb,kbc->okc", w.reshape(w.shape[0], blocks, width), mixes).reshape(w.shape)
+        return np.einsum("kbc,kcm->kbm", mixes, w.reshape(blocks, width, w.shape[1])).reshape(w.shape)
+
+    return merged
+
+
+def merges(export: Mapping[str, Any], trained: Mapping[str, np.ndarray], frozen: Mapping[str, np.ndarray],
+           bundle: str) -> tuple[dict[str, Delta], set[str]]:
+    """({source weight: its merge}, the trained tensors the adapter's sites consumed)."""
+    adapter = export.get("adapter")
+    if adapter is None:
+        return {}, set()
+    result: dict[str, Delta] = {}
+    used: set[str] = set()
+    for site in adapter["sites"]:
+        weight = site["weight"]
+        if weight in result:
+            raise FblcError(f"weight '{weight}' has two adapter sites (a tied weight), whose trained updates differ: "
+                            "one merged weight cannot hold both", "compile with --fura-sites or --adapter-sites "
+                            "choosing one of its layers, or export with --keep-adapters and apply them yourself")
+        if adapter["adapter"] == "fura-s":
+            result[weight] = _fura_merge(site, np.asarray(trained[adapter["delta"]], np.float64), frozen, bundle)
+            used.add(adapter["delta"])
+        else:
+            result[weight] = _branch_merge(site, trained, frozen, bundle)
+            used.update((site["P"], site["U"]))
+    return result, used
+
+
+def _checked_params(manifest: Mapping[str, Any], trained: Mapping[str, np.ndarray], params_path: str) -> None:
+    """Every trainable tensor of the bundle in `trained` with its shape, and nothing else."""
+    expected = {p["name"]: tuple(p["shape"]) for p in manifest["parameters"]}
+    for name, shape in expected.items():
+        if name not in trained:
+            raise FblcError(f"'{params_path}' has no tensor '{name}', a trained parameter of the bundle",
+                            "give the file 'fblc run BUNDLE --save-params' wrote for this bundle")
+        if tuple(trained[name].shape) != shape:
+            raise FblcError(f"tensor '{name}' in '{params_path}' has shape {list(trained[name].shape)}; the bundle "
+                            f"trains it as {list(shape)}", "give the --save-params file of this bundle")
+    extra = sorted(set(trained) - set(expected))
+    if extra:
+        raise FblcError(f"'{params_path}' holds {len(extra)} tensor(s) the bundle does not train, e.g. '{extra[0]}'",
+                        "give the --save-params file of this bundle (another bundle's parameters would be merged "
+                        "wrongly)")
+
+
+def _source_model(export: Mapping[str, Any], model_path: str | None, bundle: str) -> str:
+    """The source model's path: --model or the one recorded, after checking it is the model compiled."""
+    source = export["source"]
+    path = model_path or source["path"]
+    if not os.path.isfile(path):
+        raise FblcError(f"the model '{bundle}' was compiled from, '{path}', is not there",
+                        "give its current path with --model PATH (its sha256 is checked)")
+    if fmt.sha256_of(path) != source["sha256"]:
+        raise FblcError(f"'{path}' is not the model '{bundle}' was compiled from (its sha256 differs from the one "
+                        "recorded in the manifest)", "give the original model with --model PATH, or compile and train "
+                        "again from this one")
+    return path
+
+
+def _frozen_factors(bundle: str, manifest: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    name = manifest["export"].get("factors")
+    if name is None:
+        return {}
+    path = os.path.join(bundle, name)
+    if not os.path.isfile(path) or fmt.sha256_of(path) != manifest.get("checksums", {}).get(name):
+        raise BundleError(f"'{path}' is missing or does not match its checksum in {fmt.MANIFEST}; compile the bundle "
+                          "again")
+    with np.load(path) as data:
+        return {key: data[key] for key in data.files}
+
+
+def load_trained(params_path: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(params_path) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError) as error:
+        raise FblcError(f"cannot read --params '{params_path}' ({error})",
+                        "give the .npz file 'fblc run --save-params' wrote") from None
+
+
+def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: str,
+                   model_path: str | None = None) -> tuple[ir.Model, dict[str, Any]]:
+    """The source model of `bundle` with `trained` (ONNX names) in it, adapters merged; and a summary
+    {source, replaced, merged} for the command's output."""
+    manifest = fmt.load_manifest(bundle)
+    export = manifest.get("export")
+    if export is None:
+        raise BundleError(f"'{bundle}' does not record the model it was compiled from (compiled by an fblc before "
+                          "'fblc export'); compile it again with this fblc")
+    _checked_params(manifest, trained, params_path)
+    source = _source_model(export, model_path, bundle)
+    merge, used = merges(export, trained, _frozen_factors(bundle, manifest), bundle)
+    model = ir.load(source)
+    initializers = model.graph.initializers
+    updates = {name: (lambda array: lambda _: array)(np.asarray(trained[name], np.float64))
+               for name in trained if name not in used}
+    for name in [*merge, *updates]:
+        value = initializers.get(name)
+        if value is None or value.const_value is None:
+            raise FblcError(f"trained tensor '{name}' is not an initializer of '{source}' (the compiler derived it, "
+                            "e.g. a folded transpose or BatchNorm), so it has no place in the source graph",
+                            "report it; meanwhile use the parameters from 'fblc run --save-params' directly")
+    for name, update in [*merge.items(), *updates.items()]:
+        value = initializers[name]
+        original = value.const_value.numpy()  # type: ignore[union-attr]
+        new = update(np.asarray(original, np.float64))
+        if new.shape != original.shape:
+            raise FblcError(f"trained tensor '{name}' has shape {list(new.shape)}; '{source}' holds it as "
+                            f"{list(original.shape)}", "give the --save-params file of this bundle")
+        value.const_value = ir.tensor(new.astype(original.dtype), name=name)
+    return model, {"source": source, "replaced": sorted(updates), "merged": sorted(merge)}
+
+
+def adapter_tensors(bundle: str, trained: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A specialist: the adapter's trained tensors and the frozen factors they pair with, unmerged (empty for a
+    bundle without an adapter)."""
+    manifest = fmt.load_manifest(bundle)
+    export = manifest.get("export") or {}
+    if export.get("adapter") is None:
+        return {}
+    _, used = merges(export, trained, _frozen_factors(bundle, manifest), bundle)
+    return {**_frozen_factors(bundle, manifest), **{name: trained[name] for name in sorted(used)}}
