@@ -105,6 +105,10 @@ def test_export_refuses_a_changed_model_and_foreign_params(tmp_path_factory, tmp
     assert main(["export", bundle, "--params", params, "-o", str(tmp_path / "m.onnx")]) == 2
     assert f"tensor '{name}' in '{params}' has shape [3]" in capsys.readouterr().err
     np.savez(params, **trained)
+    before = open(source.path, "rb").read()
+    assert main(["export", bundle, "--params", params, "-o", source.path]) == 2  # the recorded path: not an INPUT
+    assert "is the model the bundle was compiled from" in capsys.readouterr().err
+    assert open(source.path, "rb").read() == before
     moved = str(tmp_path / "moved.onnx")
     edit_manifest(bundle, lambda m: m["export"]["source"].update(path=moved))
     assert main(["export", bundle, "--params", params, "-o", str(tmp_path / "m.onnx")]) == 2

@@ -62,6 +62,6 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         help="the model BUNDLE was compiled from, where it is now (default: the path the bundle "
                              "records; either way its sha256 must match the recorded one)")
     export.add_argument("--keep-adapters", metavar="FILE.npz",
-                        help="also write the adapter tensors alone, unmerged (trained factors and the frozen ones "
-                             "they pair with, by tensor name): a specialist file, its bytes printed")
+                        help="also write the adapter's trained tensors alone, unmerged, by tensor name (LoRA's A and "
+                             "B, MemFLoRA's U, FuRA-S's delta): a specialist file, its bytes printed")
     export.set_defaults(run=cmd_export)

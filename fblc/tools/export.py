@@ -80,8 +80,9 @@ def merges(export: Mapping[str, Any], trained: Mapping[str, np.ndarray], frozen:
         weight = site["weight"]
         if weight in result:
             raise FblcError(f"weight '{weight}' has two adapter sites (a tied weight), whose trained updates differ: "
-                            "one merged weight cannot hold both", "compile with --fura-sites or --adapter-sites "
-                            "choosing one of its layers, or export with --keep-adapters and apply them yourself")
+                            "one merged weight cannot hold both", "untie the weight in the model (a copy per layer) "
+                            "or leave one of its layers out (--fura-sites), and compile again; the trained factors "
+                            "themselves are in the --params file")
         if adapter["adapter"] == "fura-s":
             result[weight] = _fura_merge(site, np.asarray(trained[adapter["delta"]], np.float64), frozen, bundle)
             used.add(adapter["delta"])
@@ -177,11 +178,11 @@ def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: 
 
 
 def adapter_tensors(bundle: str, trained: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A specialist: the adapter's trained tensors and the frozen factors they pair with, unmerged (empty for a
-    bundle without an adapter)."""
+    """A specialist: the adapter's trained tensors, unmerged (empty for a bundle without an adapter). The frozen
+    factors they pair with (P, R) are not in it: a model served with the same adapter sites holds them."""
     manifest = fmt.load_manifest(bundle)
     export = manifest.get("export") or {}
     if export.get("adapter") is None:
         return {}
     _, used = merges(export, trained, _frozen_factors(bundle, manifest), bundle)
-    return {**_frozen_factors(bundle, manifest), **{name: trained[name] for name in sorted(used)}}
+    return {name: trained[name] for name in sorted(used)}
