@@ -19,7 +19,7 @@ DESCRIPTION = (
 def cmd_export(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from fblc.compiler.model_io import save_model_atomically
+    from fblc.compiler.model_io import external_data_files, save_model_atomically
     from fblc.errors import FblcError
     from fblc.paths import write_atomically
     from fblc.tools.export import adapter_tensors, exported_model, load_trained
@@ -41,8 +41,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.quiet:
         changed = (f"{len(summary['merged'])} weight(s) with their adapters merged" if summary["merged"] else
                    f"{len(summary['replaced'])} trained tensor(s) replaced")
-        print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e6:.2f} MB): {summary['source']} with "
-              f"{changed}")
+        data = external_data_files(args.output)  # OUT.data where the weights pass save_model_atomically's limit
+        size = sum(os.path.getsize(path) for path in [args.output, *data])
+        print(f"wrote {args.output}{''.join(' and ' + path for path in data)} ({size / 1e6:.2f} MB): "
+              f"{summary['source']} with {changed}")
         if specialist is not None:
             values = sum(int(np.asarray(a).size) for a in specialist.values())
             print(f"wrote {args.keep_adapters} ({os.path.getsize(args.keep_adapters):,} bytes): {len(specialist)} "

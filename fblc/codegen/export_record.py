@@ -21,15 +21,27 @@ import onnx_ir as ir
 from fblc import bundle_format as fmt
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
+from fblc.compiler.model_io import external_data_files
 
 #: the pass metadata that describes each kind of adapter sites, and the frozen factor each site names
 ADAPTER_METADATA = {keys.ADAPTER: "P", keys.FURA_S: "right"}
 
 
+#: the largest model file whose external data files are looked for (one with external data keeps its weights out
+#: of the file, so it is small; a larger one is not parsed a second time for this: its weights are in its sha256)
+EXTERNAL_SCAN_BYTES = 64 << 20
+
+
 def source_record(model_path: str) -> dict[str, Any]:
-    """manifest `export.source`: where the model was read, and the digest that says it is still that model."""
+    """manifest `export.source`: where the model was read, and the digests that say it is still that model (its
+    file's, and each external data file's by its path relative to the model's folder)."""
     path = os.path.abspath(model_path)
-    return {"path": path, "sha256": fmt.sha256_of(path), "bytes": os.path.getsize(path)}
+    record: dict[str, Any] = {"path": path, "sha256": fmt.sha256_of(path), "bytes": os.path.getsize(path)}
+    if record["bytes"] <= EXTERNAL_SCAN_BYTES:
+        data = external_data_files(path)
+        if data:
+            record["external_data"] = {os.path.relpath(f, os.path.dirname(path)): fmt.sha256_of(f) for f in data}
+    return record
 
 
 def export_record(model_path: str, step: ir.Model) -> tuple[dict[str, Any], dict[str, bytes]]:

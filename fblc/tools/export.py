@@ -120,6 +120,11 @@ def _source_model(export: Mapping[str, Any], model_path: str | None, bundle: str
         raise FblcError(f"'{path}' is not the model '{bundle}' was compiled from (its sha256 differs from the one "
                         "recorded in the manifest)", "give the original model with --model PATH, or compile and train "
                         "again from this one")
+    for relative, digest in source.get("external_data", {}).items():
+        data = os.path.join(os.path.dirname(os.path.abspath(path)), relative)
+        if not os.path.isfile(data) or fmt.sha256_of(data) != digest:
+            state = "missing" if not os.path.isfile(data) else "not the one compiled (its sha256 differs)"
+            raise FblcError(f"the external data file '{data}' of '{path}' is {state}", "keep the model's .data files beside it, unchanged (a moved model: move them too)")
     return path
 
 
