@@ -71,7 +71,11 @@ def _export(case: str, folder: str) -> tuple:
     params = os.path.join(folder, "trained.npz")
     np.savez(params, **trained)
     out = os.path.join(folder, "model.onnx")
-    assert main(["export", bundle, "--params", params, "-o", out, "-q"]) == 0
+    specialist = ["--keep-adapters", os.path.join(folder, "specialist.npz")] if kind != "none" else []
+    assert main(["export", bundle, "--params", params, "-o", out, "-q", *specialist]) == 0
+    if specialist:  # the adapter's trained tensors alone (MemFLoRA's P is frozen: not in it)
+        with np.load(specialist[1]) as kept:
+            assert sorted(kept.files) == sorted(trained)
     return source, trained, bundle, out
 
 

@@ -190,4 +190,4 @@ def adapter_tensors(bundle: str, trained: Mapping[str, np.ndarray]) -> dict[str,
     if export.get("adapter") is None:
         return {}
     _, used = merges(export, trained, _frozen_factors(bundle, manifest), bundle)
-    return {name: trained[name] for name in sorted(used)}
+    return {name: trained[name] for name in sorted(used) if name in trained}
