@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import sys
 
 DESCRIPTION = (
     "Write the model BUNDLE was compiled from with the trained parameters of --params (the file 'fblc run BUNDLE "
@@ -45,6 +46,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         size = sum(os.path.getsize(path) for path in [args.output, *data])
         print(f"wrote {args.output}{''.join(' and ' + path for path in data)} ({size / 1e6:.2f} MB): "
               f"{summary['source']} with {changed}")
+        if summary["kept"]:
+            print(f"note: {len(summary['kept'])} tensors the step updates as state (e.g. '{summary['kept'][0]}': "
+                  "--bn-train's running statistics) are not in --params, which holds parameters only: the export keeps "
+                  "the model's values of them (an .npz that adds them by name exports them too)", file=sys.stderr)
         if specialist is not None:
             values = sum(int(np.asarray(a).size) for a in specialist.values())
             print(f"wrote {args.keep_adapters} ({os.path.getsize(args.keep_adapters):,} bytes): {len(specialist)} "

@@ -93,7 +93,8 @@ def merges(export: Mapping[str, Any], trained: Mapping[str, np.ndarray], frozen:
 
 
 def _checked_params(manifest: Mapping[str, Any], trained: Mapping[str, np.ndarray], params_path: str) -> None:
-    """Every trainable tensor of the bundle in `trained` with its shape, and nothing else."""
+    """Every trainable tensor of the bundle in `trained` with its shape, and nothing else but step state (--bn-train's
+    running statistics, which --save-params does not write but a caller may add)."""
     expected = {p["name"]: tuple(p["shape"]) for p in manifest["parameters"]}
     for name, shape in expected.items():
         if name not in trained:
@@ -102,7 +103,12 @@ def _checked_params(manifest: Mapping[str, Any], trained: Mapping[str, np.ndarra
         if tuple(trained[name].shape) != shape:
             raise FblcError(f"tensor '{name}' in '{params_path}' has shape {list(trained[name].shape)}; the bundle "
                             f"trains it as {list(shape)}", "give the --save-params file of this bundle")
-    extra = sorted(set(trained) - set(expected))
+    states = {s["name"]: tuple(s["shape"]) for s in manifest["states"]}
+    for name in set(trained) & set(states):
+        if tuple(trained[name].shape) != states[name]:
+            raise FblcError(f"tensor '{name}' in '{params_path}' has shape {list(trained[name].shape)}; the bundle "
+                            f"holds it as {list(states[name])}", "give the --save-params file of this bundle")
+    extra = sorted(set(trained) - set(expected) - set(states))
     if extra:
         raise FblcError(f"'{params_path}' holds {len(extra)} tensor(s) the bundle does not train, e.g. '{extra[0]}'",
                         "give the --save-params file of this bundle (another bundle's parameters would be merged "
@@ -152,7 +158,7 @@ def load_trained(params_path: str) -> dict[str, np.ndarray]:
 def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: str,
                    model_path: str | None = None) -> tuple[ir.Model, dict[str, Any]]:
     """The source model of `bundle` with `trained` (ONNX names) in it, adapters merged; and a summary
-    {source, replaced, merged} for the command's output."""
+    {source, replaced, merged, kept: the step state that is a model tensor and `trained` lacks} for the output."""
     manifest = fmt.load_manifest(bundle)
     export = manifest.get("export")
     if export is None:
@@ -179,7 +185,9 @@ def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: 
             raise FblcError(f"trained tensor '{name}' has shape {list(new.shape)}; '{source}' holds it as "
                             f"{list(original.shape)}", "give the --save-params file of this bundle")
         value.const_value = ir.tensor(new.astype(original.dtype), name=name)
-    return model, {"source": source, "replaced": sorted(updates), "merged": sorted(merge)}
+    # step state that is a model tensor (--bn-train's running statistics) and was not given: the model's own stays
+    kept = sorted(s["name"] for s in manifest["states"] if s["name"] in initializers and s["name"] not in trained)
+    return model, {"source": source, "replaced": sorted(updates), "merged": sorted(merge), "kept": kept}
 
 
 def adapter_tensors(bundle: str, trained: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
