@@ -147,12 +147,18 @@ def _frozen_factors(bundle: str, manifest: Mapping[str, Any]) -> dict[str, np.nd
 
 
 def load_trained(params_path: str) -> dict[str, np.ndarray]:
+    """The arrays of the .npz `params_path` by name, or an error naming the file."""
+    remedy = "give the .npz file 'fblc run BUNDLE --save-params' wrote"
     try:
-        with np.load(params_path) as data:
-            return {key: data[key] for key in data.files}
-    except (OSError, ValueError) as error:
-        raise FblcError(f"cannot read --params '{params_path}' ({error})",
-                        "give the .npz file 'fblc run --save-params' wrote") from None
+        data = np.load(params_path, allow_pickle=False)
+    except OSError as error:
+        raise FblcError(f"cannot read --params '{params_path}' ({error.strerror or error})", remedy) from None
+    except ValueError:  # numpy's guess for bytes that are no .npy/.npz: pickled data
+        raise FblcError(f"--params '{params_path}' is not an .npz file", remedy) from None
+    if not isinstance(data, np.lib.npyio.NpzFile):  # a single .npy array
+        raise FblcError(f"--params '{params_path}' is one .npy array, not an .npz of tensors by name", remedy)
+    with data:
+        return {key: data[key] for key in data.files}
 
 
 def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: str,
@@ -174,9 +180,10 @@ def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: 
     for name in [*merge, *updates]:
         value = initializers.get(name)
         if value is None or value.const_value is None:
-            raise FblcError(f"trained tensor '{name}' is not an initializer of '{source}' (the compiler derived it, "
-                            "e.g. a folded transpose or BatchNorm), so it has no place in the source graph",
-                            "report it; meanwhile use the parameters from 'fblc run --save-params' directly")
+            what = "the adapted weight" if name in merge else "trained tensor"
+            raise FblcError(f"{what} '{name}' is not an initializer of '{source}' (the compiler derived it, e.g. a "
+                            "folded transpose or BatchNorm), so it has no place in the source graph",
+                            "report it; meanwhile the trained values are in the --params file, by ONNX name")
     for name, update in [*merge.items(), *updates.items()]:
         value = initializers[name]
         original = value.const_value.numpy()  # type: ignore[union-attr]
