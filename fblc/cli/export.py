@@ -46,6 +46,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         size = sum(os.path.getsize(path) for path in [args.output, *data])
         print(f"wrote {args.output}{''.join(' and ' + path for path in data)} ({size / 1e6:.2f} MB): "
               f"{summary['source']} with {changed}")
+        if summary["copies"]:
+            print(f"note: {len(summary['copies'])} adapted weights are also read by other nodes (tied, e.g. an "
+                  f"embedding and the head): their adapted layers read merged copies ({summary['copies'][0]}"
+                  f"{', ...' if len(summary['copies']) > 1 else ''}), the other readers the weight as it was, as in "
+                  "the step", file=sys.stderr)
         if summary["kept"]:
             print(f"note: {len(summary['kept'])} tensors the step updates as state (e.g. '{summary['kept'][0]}': "
                   "--bn-train's running statistics) are not in --params, which holds parameters only: the export keeps "

@@ -21,6 +21,7 @@ rounded one the device computed with (the delta was trained against the rounded 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -68,28 +69,84 @@ def _fura_merge(site: dict[str, Any], delta: np.ndarray, frozen: Mapping[str, np
     return merged
 
 
+@dataclass(frozen=True)
+class SiteMerge:
+    """One adapter site's merge: the source weight, the node of the source graph that reads it there (the
+    MatMul/Gemm/Conv, directly or through a Transpose), and the merged weight as a function of the source one."""
+
+    weight: str
+    node: str
+    merged: Delta
+
+
 def merges(export: Mapping[str, Any], trained: Mapping[str, np.ndarray], frozen: Mapping[str, np.ndarray],
-           bundle: str) -> tuple[dict[str, Delta], set[str]]:
-    """({source weight: its merge}, the trained tensors the adapter's sites consumed)."""
+           bundle: str) -> tuple[list[SiteMerge], set[str]]:
+    """(each adapter site's merge, the trained tensors the adapter's sites consumed)."""
     adapter = export.get("adapter")
     if adapter is None:
-        return {}, set()
-    result: dict[str, Delta] = {}
+        return [], set()
+    result: list[SiteMerge] = []
     used: set[str] = set()
     for site in adapter["sites"]:
-        weight = site["weight"]
-        if weight in result:
-            raise FblcError(f"weight '{weight}' has two adapter sites (a tied weight), whose trained updates differ: "
-                            "one merged weight cannot hold both", "untie the weight in the model (a copy per layer) "
-                            "or leave one of its layers out (--fura-sites), and compile again; the trained factors "
-                            "themselves are in the --params file")
         if adapter["adapter"] == "fura-s":
-            result[weight] = _fura_merge(site, np.asarray(trained[adapter["delta"]], np.float64), frozen, bundle)
+            delta = np.asarray(trained[adapter["delta"]], np.float64)
+            result.append(SiteMerge(site["weight"], site["node"], _fura_merge(site, delta, frozen, bundle)))
             used.add(adapter["delta"])
-        else:
-            result[weight] = _branch_merge(site, trained, frozen, bundle)
+        else:  # memory_floor's records name the adapted node `conv`, a MatMul/Gemm at a linear site
+            result.append(SiteMerge(site["weight"], site["conv"], _branch_merge(site, trained, frozen, bundle)))
             used.update((site["P"], site["U"]))
     return result, used
+
+
+def _site_use(weight: ir.Value, node: str) -> ir.Usage | None:
+    """The use of `weight` that reaches the node named `node`: by it, or by a Transpose that only it reads."""
+    for use in weight.uses():
+        if use.node.name == node:
+            return use
+        readers = use.node.outputs[0].uses() if use.node.op_type == "Transpose" else []
+        if readers and all(reader.node.name == node for reader in readers):
+            return use
+    return None
+
+
+def _apply_merges(graph: ir.Graph, site_merges: list[SiteMerge], source: str) -> list[str]:
+    """Merge each site into its weight in place where the site alone reads it; where other nodes read it too (a
+    tied embedding and head, a weight two layers share) the site reads a merged copy `<weight>.<node>.merged`
+    and the others the weight as it was, as in the step. Returns the copies' names."""
+    copies = []
+    for merge in site_merges:
+        value = graph.initializers.get(merge.weight)
+        if value is None or value.const_value is None:
+            raise FblcError(f"the adapted weight '{merge.weight}' is not an initializer of '{source}' (the compiler "
+                            "derived it, e.g. a folded transpose or BatchNorm), so it has no place in the source "
+                            "graph", "report it; meanwhile the trained values are in the --params file, by ONNX name")
+        use = _site_use(value, merge.node)
+        if use is None:
+            raise FblcError(f"'{source}' has no node '{merge.node}' reading weight '{merge.weight}', where the bundle "
+                            "adapted it", "give the model the bundle was compiled from (--model)")
+        original = value.const_value.numpy()
+        merged = _stored(merge.merged(np.asarray(original, np.float64)), original, merge.weight, source)
+        if len(value.uses()) == 1 and not value.is_graph_output():
+            value.const_value = ir.tensor(merged, name=merge.weight)
+            continue
+        name = f"{merge.weight}.{merge.node}.merged"
+        while name in graph.initializers:
+            name += "_"
+        copy = ir.Value(name=name, shape=value.shape, type=value.type, const_value=ir.tensor(merged, name=name))
+        graph.register_initializer(copy)
+        use.node.replace_input_with(use.idx, copy)
+        copies.append(name)
+        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():  # every reader adapted
+            graph.initializers.pop(merge.weight)
+    return copies
+
+
+def _stored(new: np.ndarray, original: np.ndarray, name: str, source: str) -> np.ndarray:
+    """`new` in the dtype of the source tensor it replaces, whose shape it must have."""
+    if new.shape != original.shape:
+        raise FblcError(f"trained tensor '{name}' has shape {list(new.shape)}; '{source}' holds it as "
+                        f"{list(original.shape)}", "give the --save-params file of this bundle")
+    return new.astype(original.dtype)
 
 
 def _checked_params(manifest: Mapping[str, Any], trained: Mapping[str, np.ndarray], params_path: str) -> None:
@@ -164,7 +221,8 @@ def load_trained(params_path: str) -> dict[str, np.ndarray]:
 def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: str,
                    model_path: str | None = None) -> tuple[ir.Model, dict[str, Any]]:
     """The source model of `bundle` with `trained` (ONNX names) in it, adapters merged; and a summary
-    {source, replaced, merged, kept: the step state that is a model tensor and `trained` lacks} for the output."""
+    {source, replaced, merged (weights), copies (merged copies of shared weights, _apply_merges), kept (the step
+    state that is a model tensor and `trained` lacks)} for the command's output."""
     manifest = fmt.load_manifest(bundle)
     export = manifest.get("export")
     if export is None:
@@ -175,26 +233,21 @@ def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: 
     merge, used = merges(export, trained, _frozen_factors(bundle, manifest), bundle)
     model = ir.load(source)
     initializers = model.graph.initializers
-    updates = {name: (lambda array: lambda _: array)(np.asarray(trained[name], np.float64))
-               for name in trained if name not in used}
-    for name in [*merge, *updates]:
+    for name in trained:
+        if name in used:
+            continue
         value = initializers.get(name)
         if value is None or value.const_value is None:
-            what = "the adapted weight" if name in merge else "trained tensor"
-            raise FblcError(f"{what} '{name}' is not an initializer of '{source}' (the compiler derived it, e.g. a "
-                            "folded transpose or BatchNorm), so it has no place in the source graph",
+            raise FblcError(f"trained tensor '{name}' is not an initializer of '{source}' (the compiler derived it, "
+                            "e.g. a folded transpose or BatchNorm), so it has no place in the source graph",
                             "report it; meanwhile the trained values are in the --params file, by ONNX name")
-    for name, update in [*merge.items(), *updates.items()]:
-        value = initializers[name]
-        original = value.const_value.numpy()  # type: ignore[union-attr]
-        new = update(np.asarray(original, np.float64))
-        if new.shape != original.shape:
-            raise FblcError(f"trained tensor '{name}' has shape {list(new.shape)}; '{source}' holds it as "
-                            f"{list(original.shape)}", "give the --save-params file of this bundle")
-        value.const_value = ir.tensor(new.astype(original.dtype), name=name)
+        value.const_value = ir.tensor(_stored(np.asarray(trained[name]), value.const_value.numpy(), name, source),
+                                      name=name)
+    copies = _apply_merges(model.graph, merge, source)
     # step state that is a model tensor (--bn-train's running statistics) and was not given: the model's own stays
     kept = sorted(s["name"] for s in manifest["states"] if s["name"] in initializers and s["name"] not in trained)
-    return model, {"source": source, "replaced": sorted(updates), "merged": sorted(merge), "kept": kept}
+    return model, {"source": source, "replaced": sorted(set(trained) - used), "merged": [m.weight for m in merge],
+                   "copies": copies, "kept": kept}
 
 
 def adapter_tensors(bundle: str, trained: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
