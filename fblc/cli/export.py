@@ -11,7 +11,8 @@ DESCRIPTION = (
     "Write the model BUNDLE was compiled from with the trained parameters of --params (the file 'fblc run BUNDLE "
     "--save-params' wrote) as a standard ONNX model: same graph, opset and input/output names, adapters merged "
     "into the frozen weights (LoRA: W + A B; MemFLoRA: the conv weight plus U * P, its BatchNorm kept; FuRA-S: "
-    "each block's singular values scaled by 1 + delta). The bundle records the model's path and sha256; --model "
+    "each block's singular values scaled by 1 + delta; a weight other nodes also read, as a tied embedding and "
+    "head, gets a merged copy for the adapted layer). The bundle records the model's path and sha256; --model "
     "gives it if it moved. Under --weights int8/int4/fp16 the adapters merge into the model's own fp32 weights. "
     "Weights past 1 GiB go to OUT.data beside it. Nothing is half-written: files are renamed into place once "
     "complete.")

@@ -1,8 +1,8 @@
 """`fblc export`: the model a bundle was compiled from, with trained parameters, as a standard ONNX file.
 
-The graph, its opset and its input/output names are the source model's, unchanged (read with onnx_ir, not
-fblc's loader, which converts opsets); only initializer values change (fblc.codegen.export_record says what the
-bundle keeps for this). What each kind of trained tensor becomes (float64 sums, stored in the weight's dtype):
+The graph, its opset and its input/output names are the source model's (read with onnx_ir, not fblc's loader,
+which converts opsets); initializer values change, and a shared adapted weight gets a copy (below).
+fblc.codegen.export_record says what the bundle keeps for this. What each kind of trained tensor becomes (float64 sums, stored in the weight's dtype):
 
 - a trained model tensor (full fine-tuning, --train/--freeze): replaces the initializer of its name;
 - LoRA / MemFLoRA / MemFLoRA-SG at a conv W [out, in, k...]: W + U * P, (U * P)[o, i, k] = sum_r U[o, r, k] P[r, i]
@@ -13,6 +13,8 @@ bundle keeps for this). What each kind of trained tensor becomes (float64 sums, 
   stored [in, out], W_k (I + R_k diag(delta_k) R_k^T) for W stored [out, in]: the step's input transform
   x_k + R_k (delta_k (R_k^T x_k)) moved into the weight.
 
+A weight that other nodes also read (a tied embedding and head, a weight two adapted layers share) is not merged
+in place: each adapted layer reads its merged copy `<W>.<node>.merged`, the other readers W as it was, as in the step.
 Frozen factors come from the trained file where they trained (LoRA's A, MemFLoRA-SG's P), else from the bundle's
 factors.npz. Under --weights int8/int4/fp16 the merge is into the source model's own fp32 weight, not the
 rounded one the device computed with (the delta was trained against the rounded weight: QLoRA's merge).
