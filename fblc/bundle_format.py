@@ -26,7 +26,10 @@ A bundle is a directory:
                  both files (`lines`, `buffer_lines`);
 - params.bin     initial texture contents (parameters, optimizer state, constants), each
                  already in its texture layout;
-- report.json    what the compiler did (kernels per family, textures, bytes).
+- report.json    what the compiler did (kernels per family, textures, bytes);
+- factors.npz    (optional) an adapter's frozen factors by tensor name (MemFLoRA's P, FuRA-S's R), which
+                 `fblc export` merges with the trained ones; manifest.json `export` names the source model
+                 (path, sha256, bytes) and the adapter's sites (fblc.codegen.export_record). Runtimes ignore both.
 Runtimes read exactly this and know nothing about ONNX.
 """
 
@@ -53,6 +56,7 @@ KERNELS = "kernels.cl"
 BUFFER_KERNELS = "kernels.buffer.cl"
 PARAMS = "params.bin"
 REPORT = "report.json"
+FACTORS = "factors.npz"
 CHECKSUMMED = (PLAN, KERNELS, BUFFER_KERNELS, PARAMS, REPORT)
 #: the manifest's digest of itself (see the module docstring); the native runner finds it as this does
 MANIFEST_DIGEST = "manifest_sha256"

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from fblc import __version__
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
 from fblc.cli.check import add_command as add_check_command
+from fblc.cli.export import add_command as add_export_command
 from fblc.cli.options import add_storage_option, add_training_options, check_values
 from fblc.paths import escape_undecodable_names
 from fblc.cli.profiles import add_commands as add_profile_commands
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--results", metavar="FILE.json",
                      help="with adb: write the runner's results (losses, step and per-kernel times, bytes allocated)")
     run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))
+    add_export_command(commands)
 
     push = commands.add_parser(
         "push", help="copy a bundle and the native runner to a phone with adb",

@@ -70,6 +70,8 @@ OUTPUTS: dict[str, dict[str, Output]] = {
     "run": {"save_params": Output("--save-params", "file", False, "trained.npz", written=params_path),
             "results": Output("--results", "file", False, "results.json", refused=_results_refused)},
     "profile": {"output": Output("-o", "file", False, "profile.json")},
+    "export": {"output": Output("-o", "file", True, "model.onnx", beside=(".data",)),
+               "keep_adapters": Output("--keep-adapters", "file", True, "specialist.npz")},
     "tune": {"output": Output("-o", "file", False, "tuned_profile.json"), "dump_dir": DUMPS},
 }
 MODEL = Input("the model", "model")
@@ -82,6 +84,7 @@ INPUTS: dict[str, dict[str, Input]] = {
     "verify": {"model": MODEL, "target": TARGET},
     "run": {"bundle": Input("the bundle", "bundle"), "data": Input("the --data file", "file"), "runner": RUNNER},
     "profile": {"runner": RUNNER, "show": Input("the --show profile", "file")},
+    "export": {"bundle": Input("the bundle", "bundle"), "params": Input("the --params file", "file"), "model": MODEL},
     "tune": {"model": MODEL, "target": TARGET, "runner": RUNNER},
 }
 

@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 
 from fblc.codegen.bundle import build_documents, write_bundle
+from fblc.codegen.export_record import export_record
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.codegen.plan import BufferTable, Program, buffer_table, lower, step_schedules
 from fblc.codegen.reports import TIMELINE_PLOT, as_allocated, estimate_object, layout_object, memory_report
@@ -133,6 +134,8 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     if adapter is not None:
         report["adapter"] = adapter
     manifest, plan, params, buffer_file = build_documents(step, program, table, profile, dtype, report)
+    manifest["export"], factors = export_record(model_path, step)  # what `fblc export` reads back
+    buffer_file.update(factors)
     if annexes:
         with tempfile.TemporaryDirectory() as scratch:
             draft = os.path.join(scratch, "bundle")

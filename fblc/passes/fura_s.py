@@ -116,7 +116,7 @@ class FuraS(ContractPass):
             adapted = emit_input_transform(e, site, right_value, right_t, delta, offset)
             site.node.replace_input_with(0, adapted)
             records.append({"node": site.node.name, "weight": site.weight.name, "in": site.n_in, "out": site.m_out, "transposed": site.transposed,
-                            "blocks": blocks, "rank": rank, "offset": offset, "values": blocks * rank})
+                            "blocks": blocks, "rank": rank, "offset": offset, "values": blocks * rank, "right": name})
             offset += blocks * rank
         model.metadata_props[keys.FURA_S] = describe(selection, records, total)
         graph.metadata_props[keys.TRAINED_BY] = trained_by(len(records), selection.block)

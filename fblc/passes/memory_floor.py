@@ -196,7 +196,9 @@ class MemoryFloor(ContractPass):
         graph.remove(node, safe=True)
         return SiteRecord(conv=node.name, weight=site.weight.name, P=a.name, U=b.name, c_in=site.n_in,
                           c_out=site.m_out, kernel=[], scale="1", activation="none", kind="linear",
-                          params=int(down.size) + rank * site.m_out, extra={"x": x.name, "q": q.name})
+                          params=int(down.size) + rank * site.m_out,
+                          # transposed: W stored [out, in] (fblc export merges A B into it)
+                          extra={"x": x.name, "q": q.name, "transposed": site.transposed})
 
     def _no_site(self, graph: ir.Graph) -> NoReturn:
         config = self.config

@@ -1,0 +1,156 @@
+"""`fblc export`: the bundle's source model with trained parameters, adapters merged, as a standard ONNX file.
+
+Graph mode (onnxruntime, no PoCL): random trained values for every tensor the bundle trains (the merge is
+what is under test, not the training), then onnxruntime's logits on the exported file against the step's
+forward with those values (the model after the import passes and the adapter's pass: LoRA's x W + (x A) B,
+MemFLoRA's Conv(x, W) + Conv(Conv1x1(x, P), U) before BatchNorm, FuRA-S's input transform), within 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from fblc import bundle_format as fmt
+from fblc.cli import main
+from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.model_io import load_model
+from fblc.passes.fura_s import FuraS
+from fblc.passes.memory_floor import MemoryFloor
+from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes
+from support import models
+from support.bundles import edit_manifest
+from tests.conftest import make_model
+
+def tied(directory: str) -> models.ExportedModel:
+    """One weight W [8, 8] read three times, as a tied embedding and head are: Gather(W, ids), then MatMul(., W)
+    and MatMul(., Transpose(W)), two adapter sites, each of which must read its own merged copy."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Gather", ["W", "ids"], ["e"], name="embed"),
+             helper.make_node("MatMul", ["e", "W"], ["h"], name="mix"), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["r", "Wt"], ["logits"], name="head")]
+    path = os.path.join(directory, "tied.onnx")
+    onnx.save(make_model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
+                         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 8])],
+                         {"W": rng.standard_normal((8, 8)).astype(np.float32)}), path)
+    return models.ExportedModel("tied", path, None, {"ids": np.array([1, 5, 0, 7])}, np.array([0, 1, 2, 3]),
+                                lambda module: None)
+
+
+#: case -> (test model, adapter kind, compile flags)
+CASES = {"full": (models.mlp, "none", []),
+         "memflora": (models.small_convnet, "memflora", ["--adapter", "memflora"]),
+         "lora": (models.mlp, "lora", ["--adapter", "lora"]),
+         "fura-s": (models.mlp, "fura-s", ["--adapter", "fura-s"]),
+         "tied lora": (tied, "lora", ["--adapter", "lora"])}
+
+
+def _logits(model: ir.Model | str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    source = model if isinstance(model, str) else ir.to_proto(model).SerializeToString()
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+
+
+def _step_forward(path: str, kind: str, trained: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The step's forward (import passes, then the adapter's pass) with `trained` in place of its trainables."""
+    model = run_passes(load_model(path), import_passes(TrainingOptions()))
+    config = AdapterConfig(kind)
+    (FuraS(config) if kind == "fura-s" else MemoryFloor(config))(model)
+    for name, array in trained.items():
+        model.graph.initializers[name].const_value = ir.tensor(array, name=name)
+    return _logits(model, inputs)
+
+
+_EXPORTED: dict[str, tuple] = {}
+
+
+def _exported(case: str, tmp_path_factory) -> tuple:
+    """(source model, trained values, bundle, the exported file) of a case, made once per session."""
+    if case not in _EXPORTED:
+        _EXPORTED[case] = _export(case, str(tmp_path_factory.mktemp(f"export_{case.replace(' ', '_')}")))
+    return _EXPORTED[case]
+
+
+def _export(case: str, folder: str) -> tuple:
+    build, kind, flags = CASES[case]
+    source = build(str(folder))
+    bundle = os.path.join(folder, "bundle")
+    assert main(["compile", source.path, "-o", bundle, "-q", *flags]) == 0
+    rng = np.random.default_rng(7)
+    trained = {p["name"]: (rng.standard_normal(p["shape"]) * 0.2).astype(np.float32)
+               for p in fmt.load_manifest(bundle)["parameters"]}
+    params = os.path.join(folder, "trained.npz")
+    np.savez(params, **trained)
+    out = os.path.join(folder, "model.onnx")
+    specialist = ["--keep-adapters", os.path.join(folder, "specialist.npz")] if kind != "none" else []
+    assert main(["export", bundle, "--params", params, "-o", out, "-q", *specialist]) == 0
+    if specialist:  # the adapter's trained tensors alone (MemFLoRA's P is frozen: not in it)
+        with np.load(specialist[1]) as kept:
+            assert sorted(kept.files) == sorted(trained)
+    return source, trained, bundle, out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_export_computes_the_trained_step_forward(case, tmp_path_factory) -> None:
+    source, trained, _, out = _exported(case, tmp_path_factory)
+    _, kind, _ = CASES[case]
+    expected = _step_forward(source.path, kind, trained, source.inputs)
+    got = _logits(out, source.inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    # the training changed the model (else the check above says little), and the graph is the source's
+    assert not np.allclose(got, _logits(source.path, source.inputs), rtol=1e-3, atol=1e-3)
+    original, written = onnx.load(source.path), onnx.load(out)
+    def graph(proto: onnx.ModelProto) -> tuple:
+        return ({(o.domain or "", o.version) for o in proto.opset_import},
+                [(n.op_type, list(n.input), list(n.output)) for n in proto.graph.node],
+                [v.name for v in proto.graph.input], [v.name for v in proto.graph.output],
+                [(i.name, list(i.dims), i.data_type) for i in proto.graph.initializer])
+
+    if case != "tied lora":
+        assert graph(written) == graph(original)
+        return
+    # the Gather reads W as it was, each MatMul its merged copy; W is still the embedding's
+    readers = {n.name: list(n.input) for n in written.graph.node}
+    assert readers["embed"][0] == "W" and readers["mix"][1] == "W.mix.merged"
+    assert [i.name for i in written.graph.initializer] == ["W", "W.mix.merged", "W.head.merged"]
+
+
+def test_export_refuses_a_changed_model_and_foreign_params(tmp_path_factory, tmp_path, capsys) -> None:
+    source, trained, bundle, _ = _exported("lora", tmp_path_factory)
+    params = str(tmp_path / "other.npz")
+    np.savez(params, **{**trained, "stranger": np.zeros(2, np.float32)})
+    assert main(["export", bundle, "--params", params, "-o", str(tmp_path / "m.onnx")]) == 2
+    assert "tensor(s) the bundle does not train, e.g. 'stranger'" in capsys.readouterr().err
+    name = next(iter(trained))
+    np.savez(params, **{**trained, name: np.zeros(3, np.float32)})
+    assert main(["export", bundle, "--params", params, "-o", str(tmp_path / "m.onnx")]) == 2
+    assert f"tensor '{name}' in '{params}' has shape [3]" in capsys.readouterr().err
+    np.savez(params, **trained)
+    before = open(source.path, "rb").read()
+    assert main(["export", bundle, "--params", params, "-o", source.path]) == 2  # the recorded path: not an INPUT
+    assert "is the model the bundle was compiled from" in capsys.readouterr().err
+    assert open(source.path, "rb").read() == before
+    moved = str(tmp_path / "moved.onnx")
+    edit_manifest(bundle, lambda m: m["export"]["source"].update(path=moved))
+    assert main(["export", bundle, "--params", params, "-o", str(tmp_path / "m.onnx")]) == 2
+    assert f"'{moved}', is not there" in capsys.readouterr().err
+    with open(moved, "wb") as handle:
+        handle.write(open(source.path, "rb").read() + b"\0")
+    assert main(["export", bundle, "--params", params, "-o", str(tmp_path / "m.onnx"), "--model", moved]) == 2
+    assert "is not the model" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "m.onnx")
+    specialist = str(tmp_path / "lora.npz")
+    assert main(["export", bundle, "--params", params, "-o", str(tmp_path / "m.onnx"), "--model", source.path,
+                 "--keep-adapters", specialist]) == 0
+    assert f"wrote {specialist} ({os.path.getsize(specialist):,} bytes): 6 adapter tensors" in capsys.readouterr().out
+    with np.load(specialist) as kept:
+        assert sorted(kept.files) == sorted(trained)
+    edit_manifest(bundle, lambda m: m["export"]["source"].update(path=os.path.abspath(source.path)))
