@@ -1,5 +1,6 @@
 """Kernels of issue 12's index and scan ops, one training step on PoCL against onnxruntime:
-Resize (its gather kernel, and the backward's ReduceSum / MatMul / segment-sum forms), CumSum,
+Resize (its gather kernel, nearest, linear, cubic and antialiased, and the backward's ReduceSum /
+strided-conv / gather forms), CumSum,
 Trilu, TopK (values and indices, and the scatter of its gradient), ArgMax, ArgMin, OneHot.
 
 Each model is the op on trainable initializers, then ReduceSum(y * R) (tests/test_kernels_other.py's
@@ -55,6 +56,13 @@ RESIZES = [
     # integer linear upsamplings: the strided-conv adjoint, its border rows at one end or both
     ([1, 2, 4, 6], [1, 2, 8, 12], True, {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}),
     ([2, 2, 5, 4], [2, 2, 15, 12], False, {"mode": "linear"}),
+    # cubic (bicubic's a -0.75; TF's -0.5 with exclude_outside) and antialiased downsampling (torch's antialias=True)
+    ([1, 2, 3, 4], [1, 2, 6, 8], True, {"mode": "cubic", "cubic_coeff_a": -0.75}),  # the strided-conv adjoint
+    ([1, 2, 4, 5], [1, 2, 7, 3], False, {"mode": "cubic", "coordinate_transformation_mode": "align_corners",
+                                         "cubic_coeff_a": -0.75}),  # the gather adjoint
+    ([1, 2, 5, 4], [1, 2, 8, 3], False, {"mode": "cubic", "cubic_coeff_a": -0.5, "exclude_outside": 1}),
+    ([1, 2, 8, 9], [1, 2, 3, 4], False, {"mode": "linear", "antialias": 1, "exclude_outside": 1}),
+    ([1, 2, 9, 8], [1, 2, 4, 3], False, {"mode": "cubic", "cubic_coeff_a": -0.5, "antialias": 1, "exclude_outside": 1}),
 ]
 CUMSUMS = [([3, 6], 1, 0, 0), ([4, 5], 0, 1, 0), ([2, 3, 5], -1, 0, 1), ([2, 5, 3], 1, 1, 1)]
 TRILUS = [([4, 5], None, 1), ([2, 4, 4], 1, 0), ([3, 5, 6], -2, 1)]

@@ -179,7 +179,8 @@ OPS: dict[str, Op] = {
     "AveragePool": Op(Kind.POOLING, D_D, "nn.AvgPool1d/2d", per_sample=True, shape="pool"),
     "GlobalAveragePool": Op(Kind.POOLING, D_D, "nn.AdaptiveAvgPool2d(1)", per_sample=True, flops="input"),
     "GlobalMaxPool": _lowered(Kind.POOLING, "nn.AdaptiveMaxPool2d(1)", per_sample=True),
-    "Resize": Op(Kind.RESAMPLE, I_D, "nn.Upsample, F.interpolate", constants=(1, 2)),  # roi, scales
+    "Resize": Op(Kind.RESAMPLE, I_D, "nn.Upsample, F.interpolate (nearest, bilinear, bicubic, antialias)",
+                 constants=(1, 2)),  # roi, scales
     "DepthToSpace": _lowered(Kind.MOVEMENT, "nn.PixelShuffle (legacy exporter)"),
     "SpaceToDepth": _lowered(Kind.MOVEMENT, "nn.PixelUnshuffle (legacy exporter)"),
     # arithmetic (per_sample=False: batch_tile never listed them; not yet checked there, so kept off)

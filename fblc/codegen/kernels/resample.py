@@ -1,4 +1,4 @@
-"""Resize (nearest and linear): a gather kernel over constant per-axis taps (fblc/compiler/resize_taps.py).
+"""Resize (nearest, linear, cubic, antialiased): a gather kernel over constant per-axis taps (fblc/compiler/resize_taps.py).
 
 Taps are literals (an integer upsampling) or private `const` tables of at most MAX_TABLE entries an axis;
 docs/ARCHITECTURE.md §3.
@@ -42,12 +42,10 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
         raise UnsupportedOpError(f"Resize node '{node_name}': axis {taps.axis} has {taps.size_out} outputs, past the "
                                  f"{MAX_TABLE} of the kernel's tap tables",
                                  "resize by an integer factor with nearest, or in smaller steps")
-    first = _table(b, INT, taps.first, "rf", o)
-    if taps.nearest:
-        return [(first, None)]
-    reads: list[tuple[Expr, Expr | None]] = [(first, _table(b, FLOAT, taps.w_first, "wf", o))]
-    if np.any(taps.w_second):
-        reads.append((_table(b, INT, taps.second, "rs", o), _table(b, FLOAT, taps.w_second, "ws", o)))
+    reads: list[tuple[Expr, Expr | None]] = []
+    for k in range(taps.width):  # K taps: 1 nearest, 2 linear, 4 cubic, the filter's window antialiased
+        weight = None if np.all(taps.weight[:, k] == 1) else _table(b, FLOAT, taps.weight[:, k], "wt", o)
+        reads.append((_table(b, INT, taps.index[:, k], "rt", o), weight))
     return reads
 
 
