@@ -63,6 +63,8 @@ RESIZES = [
     ([1, 2, 5, 4], [1, 2, 8, 3], False, {"mode": "cubic", "cubic_coeff_a": -0.5, "exclude_outside": 1}),
     ([1, 2, 8, 9], [1, 2, 3, 4], False, {"mode": "linear", "antialias": 1, "exclude_outside": 1}),
     ([1, 2, 9, 8], [1, 2, 4, 3], False, {"mode": "cubic", "cubic_coeff_a": -0.5, "antialias": 1, "exclude_outside": 1}),
+    # 8195 outputs, past the kernel's tap tables: split_resize's gathers forward, the gather adjoint backward
+    ([1, 1, 4097, 2], [1, 1, 8195, 3], False, {"mode": "linear"}),
 ]
 CUMSUMS = [([3, 6], 1, 0, 0), ([4, 5], 0, 1, 0), ([2, 3, 5], -1, 0, 1), ([2, 5, 3], 1, 1, 1)]
 TRILUS = [([4, 5], None, 1), ([2, 4, 4], 1, 0), ([3, 5, 6], -2, 1)]

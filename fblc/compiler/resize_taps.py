@@ -33,6 +33,9 @@ from fblc.compiler.values import attr, const_array, static_shape
 from fblc.errors import UnsupportedOpError
 
 F32 = np.float32
+#: output coordinates of one axis the Resize kernel's private tap tables may hold; past it (an axis
+#: that is no integer nearest upsampling) fblc/passes/split_resize.py writes the Resize as gathers
+TABLE_LIMIT = 8192
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Resize (nearest, linear, cubic, antialiased): a gather kernel over constant per-axis taps (fblc/compiler/resize_taps.py).
 
-Taps are literals (an integer upsampling) or private `const` tables of at most MAX_TABLE entries an axis;
+Taps are literals (an integer upsampling) or private `const` tables of at most TABLE_LIMIT entries an axis
+(fblc/passes/split_resize.py writes a longer one as gathers);
 docs/ARCHITECTURE.md §3.
 """
 
@@ -18,12 +19,11 @@ from fblc.codegen.cl import strides_of
 from fblc.codegen.ir import FLOAT, INT, DType, Element, Expr, const, div_index, flat_index
 from fblc.codegen.kernels import lane_kernel, out_axis
 from fblc.codegen.reads import dtype_of
-from fblc.compiler.resize_taps import AxisTaps, resize_taps
+from fblc.compiler.resize_taps import TABLE_LIMIT, AxisTaps, resize_taps
 from fblc.compiler.values import static_shape
 from fblc.errors import UnsupportedOpError
 
 FAMILY = "resample"
-MAX_TABLE = 8192  # output coordinates of one axis the tables may hold
 
 
 def _table(b: KernelBuilder, dtype: DType, values: np.ndarray, kind: str, o: Expr) -> Expr:
@@ -38,10 +38,10 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
     factor = taps.repeat_factor()
     if factor is not None:
         return [(div_index(o, factor), None)]
-    if taps.size_out > MAX_TABLE:
+    if taps.size_out > TABLE_LIMIT:  # split_resize rewrote every such Resize before codegen
         raise UnsupportedOpError(f"Resize node '{node_name}': axis {taps.axis} has {taps.size_out} outputs, past the "
-                                 f"{MAX_TABLE} of the kernel's tap tables",
-                                 "resize by an integer factor with nearest, or in smaller steps")
+                                 f"{TABLE_LIMIT} of the kernel's tap tables",
+                                 "run the lowering passes (split_resize) before the kernels")
     reads: list[tuple[Expr, Expr | None]] = []
     for k in range(taps.width):  # K taps: 1 nearest, 2 linear, 4 cubic, the filter's window antialiased
         weight = None if np.all(taps.weight[:, k] == 1) else _table(b, FLOAT, taps.weight[:, k], "wt", o)
