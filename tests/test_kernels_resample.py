@@ -69,7 +69,9 @@ RESIZES = [
 CUMSUMS = [([3, 6], 1, 0, 0), ([4, 5], 0, 1, 0), ([2, 3, 5], -1, 0, 1), ([2, 5, 3], 1, 1, 1)]
 TRILUS = [([4, 5], None, 1), ([2, 4, 4], 1, 0), ([3, 5, 6], -2, 1)]
 TOPKS = [([3, 9], 3, -1, 1, False), ([6, 4], 2, 0, 0, False), ([2, 5, 3], 5, 1, 1, False), ([4, 12], 5, -1, 0, True),
-         ([3, 10], 10, 1, 1, True)]
+         ([3, 10], 10, 1, 1, True),
+         # lines past SORTED_TOPK_LINE: pass sort_topk's merge sort (ties in the coarse one), along the last axis or not
+         ([2, 80], 20, -1, 1, True), ([70, 3], 12, 0, 0, False)]
 ARG_EXTREMA = [("ArgMax", 1, 1, 0), ("ArgMin", 0, 0, 0), ("ArgMax", -1, 0, 1), ("ArgMin", 2, 1, 1)]
 ONE_HOT_AXES = [-1, 0, 1]
 

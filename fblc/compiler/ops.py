@@ -216,8 +216,8 @@ OPS: dict[str, Op] = {
                        flops="philox", shape="philox_normal", no_gradient=DEVICE_ONLY),
     "PhiloxWeightedSum": Op(Kind.NOISE, I_C, "not exported: fblc's on-device ES direction (--trainer es, pass "
                             "es_noise)", flops="philox_sum", shape="philox_normal", no_gradient=DEVICE_ONLY),
-    "MergeRuns": Op(Kind.SORT, I_D, "not exported: fblc's on-device sort of a long row scatter's rows (pass "
-                    "sort_scatter_rows)", shape="merge_runs", no_gradient=DEVICE_ONLY),
+    "MergeRuns": Op(Kind.SORT, I_D, "not exported: fblc's on-device sort of a long row scatter's rows or a long "
+                    "TopK line (passes sort_scatter_rows, sort_topk)", shape="merge_runs", no_gradient=DEVICE_ONLY),
     "ScatterSortedRows": Op(Kind.SORT, I_D, "not exported: fblc's row scatter over sorted rows (pass "
                             "sort_scatter_rows)", shape="scatter_sorted_rows", no_gradient=DEVICE_ONLY),
     "ReduceProd": Op(Kind.REDUCTION, None, "torch.prod", no_gradient=NOT_YET, no_kernel=NOT_YET),
