@@ -140,7 +140,8 @@ def resize_cases() -> list[Case]:
         # TF's cubic (a -0.5, exclude_outside) and the transforms torch never writes: onnxruntime's matrix
         _by_onnxruntime("cubic-tf-exclude-outside", (1, 2, 5, 4), (8, 3), mode="cubic", cubic_coeff_a=-0.5,
                         exclude_outside=1, coordinate_transformation_mode="half_pixel"),
-        _by_onnxruntime("cubic-asymmetric", (1, 1, 4, 6), (7, 4), mode="cubic", coordinate_transformation_mode="asymmetric"),
+        _by_onnxruntime("cubic-asymmetric", (1, 1, 4, 6), (7, 4), mode="cubic",
+                        coordinate_transformation_mode="asymmetric"),
         _by_onnxruntime("cubic-half-pixel-symmetric", (1, 1, 5, 4), (3, 7), mode="cubic",
                         coordinate_transformation_mode="half_pixel_symmetric", exclude_outside=1),
         _by_onnxruntime("antialias-linear-keep-outside", (1, 1, 9, 7), (4, 3), mode="linear", antialias=1,

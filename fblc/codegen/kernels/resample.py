@@ -1,8 +1,8 @@
-"""Resize (nearest, linear, cubic, antialiased): a gather kernel over constant per-axis taps (fblc/compiler/resize_taps.py).
+"""Resize (nearest, linear, cubic, antialiased): a gather kernel over constant per-axis taps.
 
-Taps are literals (an integer upsampling) or private `const` tables of at most TABLE_LIMIT entries an axis
-(fblc/passes/split_resize.py writes a longer one as gathers);
-docs/ARCHITECTURE.md §3.
+The taps come from fblc/compiler/resize_taps.py. They are literals (an integer upsampling) or private
+`const` tables of at most TABLE_LIMIT entries an axis (fblc/passes/split_resize.py writes a longer one as
+gathers); docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
