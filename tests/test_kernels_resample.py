@@ -1,5 +1,6 @@
 """Kernels of issue 12's index and scan ops, one training step on PoCL against onnxruntime:
-Resize (its gather kernel, and the backward's ReduceSum / MatMul / segment-sum forms), CumSum,
+Resize (its gather kernel, nearest, linear, cubic and antialiased, and the backward's ReduceSum /
+strided-conv / gather forms), CumSum,
 Trilu, TopK (values and indices, and the scatter of its gradient), ArgMax, ArgMin, OneHot.
 
 Each model is the op on trainable initializers, then ReduceSum(y * R) (tests/test_kernels_other.py's
@@ -55,11 +56,19 @@ RESIZES = [
     # integer linear upsamplings: the strided-conv adjoint, its border rows at one end or both
     ([1, 2, 4, 6], [1, 2, 8, 12], True, {"mode": "linear", "coordinate_transformation_mode": "asymmetric"}),
     ([2, 2, 5, 4], [2, 2, 15, 12], False, {"mode": "linear"}),
+    # cubic (TF's a -0.5 with exclude_outside: 4 taps, the gather adjoint) and antialiased downsampling (torch's
+    # antialias=True on bicubic: a filter window of 6 to 8 taps); graph-mode tests cover the other combinations
+    ([1, 2, 5, 4], [1, 2, 8, 3], False, {"mode": "cubic", "cubic_coeff_a": -0.5, "exclude_outside": 1}),
+    ([1, 2, 9, 8], [1, 2, 4, 3], False, {"mode": "cubic", "cubic_coeff_a": -0.5, "antialias": 1, "exclude_outside": 1}),
+    # 8195 outputs, past the kernel's tap tables: split_resize's gathers forward, the gather adjoint backward
+    ([1, 1, 4097, 2], [1, 1, 8195, 3], False, {"mode": "linear"}),
 ]
 CUMSUMS = [([3, 6], 1, 0, 0), ([4, 5], 0, 1, 0), ([2, 3, 5], -1, 0, 1), ([2, 5, 3], 1, 1, 1)]
 TRILUS = [([4, 5], None, 1), ([2, 4, 4], 1, 0), ([3, 5, 6], -2, 1)]
 TOPKS = [([3, 9], 3, -1, 1, False), ([6, 4], 2, 0, 0, False), ([2, 5, 3], 5, 1, 1, False), ([4, 12], 5, -1, 0, True),
-         ([3, 10], 10, 1, 1, True)]
+         ([3, 10], 10, 1, 1, True),
+         # a line past SORTED_TOPK_LINE: pass sort_topk's merge sort, with ties, along an axis moved last and back
+         ([80, 2], 20, 0, 1, True)]
 ARG_EXTREMA = [("ArgMax", 1, 1, 0), ("ArgMin", 0, 0, 0), ("ArgMax", -1, 0, 1), ("ArgMin", 2, 1, 1)]
 ONE_HOT_AXES = [-1, 0, 1]
 

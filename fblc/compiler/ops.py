@@ -180,7 +180,8 @@ OPS: dict[str, Op] = {
     "AveragePool": Op(Kind.POOLING, D_D, "nn.AvgPool1d/2d", per_sample=True, shape="pool"),
     "GlobalAveragePool": Op(Kind.POOLING, D_D, "nn.AdaptiveAvgPool2d(1)", per_sample=True, flops="input"),
     "GlobalMaxPool": _lowered(Kind.POOLING, "nn.AdaptiveMaxPool2d(1)", per_sample=True),
-    "Resize": Op(Kind.RESAMPLE, I_D, "nn.Upsample, F.interpolate", constants=(1, 2)),  # roi, scales
+    "Resize": Op(Kind.RESAMPLE, I_D, "nn.Upsample, F.interpolate (nearest, bilinear, bicubic, antialias)",
+                 constants=(1, 2)),  # roi, scales
     "DepthToSpace": _lowered(Kind.MOVEMENT, "nn.PixelShuffle (legacy exporter)"),
     "SpaceToDepth": _lowered(Kind.MOVEMENT, "nn.PixelUnshuffle (legacy exporter)"),
     # arithmetic (per_sample=False: batch_tile never listed them; not yet checked there, so kept off)
@@ -216,8 +217,8 @@ OPS: dict[str, Op] = {
                        flops="philox", shape="philox_normal", no_gradient=DEVICE_ONLY),
     "PhiloxWeightedSum": Op(Kind.NOISE, I_C, "not exported: fblc's on-device ES direction (--trainer es, pass "
                             "es_noise)", flops="philox_sum", shape="philox_normal", no_gradient=DEVICE_ONLY),
-    "MergeRuns": Op(Kind.SORT, I_D, "not exported: fblc's on-device sort of a long row scatter's rows (pass "
-                    "sort_scatter_rows)", shape="merge_runs", no_gradient=DEVICE_ONLY),
+    "MergeRuns": Op(Kind.SORT, I_D, "not exported: fblc's on-device sort of a long row scatter's rows or a long "
+                    "TopK line (passes sort_scatter_rows, sort_topk)", shape="merge_runs", no_gradient=DEVICE_ONLY),
     "ScatterSortedRows": Op(Kind.SORT, I_D, "not exported: fblc's row scatter over sorted rows (pass "
                             "sort_scatter_rows)", shape="scatter_sorted_rows", no_gradient=DEVICE_ONLY),
     "ReduceProd": Op(Kind.REDUCTION, None, "torch.prod", no_gradient=NOT_YET, no_kernel=NOT_YET),

@@ -1,20 +1,23 @@
 """Resize as per-axis taps: which input elements each output element reads, and with what weight.
 
-ONNX Resize (nearest and linear, no antialias) is separable: along each resized axis a, output
-coordinate j reads input coordinates first[j] and second[j] with weights w_first[j] and
-w_second[j] (nearest: one tap, weight 1), and the output element is the product over the axes
-of these one-axis interpolations. The taps depend only on the static shapes, the scales or
-sizes (constants after import) and the attributes, so they are computed here once, in float32
-arithmetic written the way onnxruntime writes it (get_original_coordinate, get_nearest_pixel,
-SetupUpsampleBilinear), and both the forward kernel (fblc/codegen/kernels/resample.py) and the
-gradient rule (fblc/compiler/gradients/resample.py) read them; neither re-derives a formula.
+ONNX Resize is separable: along each resized axis a, output coordinate j reads the input
+coordinates index[j, 0..K-1] with weights weight[j, 0..K-1] (nearest: K = 1, weight 1; linear:
+K = 2; cubic: K = 4; antialiased: the filter's window, K grows with the downsampling factor),
+and the output element is the product over the axes of these one-axis interpolations. The taps
+depend only on the static shapes, the scales or sizes (constants after import) and the
+attributes, so they are computed here once, in float32 arithmetic written the way onnxruntime
+writes it (get_original_coordinate, get_nearest_pixel, SetupUpsampleBilinear, GetCubicCoeffs
+with ResizeBiCubic's exclude_outside, SetupUpsampleFilterAA for antialias), and both the forward
+kernel (fblc/codegen/kernels/resample.py) and the gradient rule (fblc/compiler/gradients/resample.py)
+read them; neither re-derives a formula.
 
-Supported: mode nearest (nearest_mode round_prefer_floor, round_prefer_ceil, floor, ceil) and
-linear; coordinate_transformation_mode half_pixel, half_pixel_symmetric, pytorch_half_pixel,
-align_corners, asymmetric, tf_half_pixel_for_nn; scales or sizes (keep_aspect_ratio_policy
-stretch), the opset-18 `axes` attribute. Refused (UnsupportedOpError naming the node): cubic,
-tf_crop_and_resize (roi, extrapolation_value), antialias on a linear downsampling, a scales or
-sizes input that is not a constant.
+Supported: mode nearest (nearest_mode round_prefer_floor, round_prefer_ceil, floor, ceil), linear
+and cubic (cubic_coeff_a as written: torch exports -0.75, TF -0.5; exclude_outside), antialias
+(opset 18) on linear and cubic; coordinate_transformation_mode half_pixel, half_pixel_symmetric,
+pytorch_half_pixel, align_corners, asymmetric, tf_half_pixel_for_nn; scales or sizes
+(keep_aspect_ratio_policy stretch), the opset-18 `axes` attribute. Refused (UnsupportedOpError
+naming the node): tf_crop_and_resize (roi, extrapolation_value), a scales or sizes input that is
+not a constant.
 """
 
 from __future__ import annotations
@@ -25,31 +28,37 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
+from fblc.compiler.resize_filters import antialias_taps, cubic_taps, linear_taps
 from fblc.compiler.values import attr, const_array, static_shape
 from fblc.errors import UnsupportedOpError
 
 F32 = np.float32
+#: output coordinates of one axis the Resize kernel's private tap tables may hold; past it (an axis
+#: that is no integer nearest upsampling) fblc/passes/split_resize.py writes the Resize as gathers
+TABLE_LIMIT = 8192
 
 
 @dataclass(frozen=True)
 class AxisTaps:
-    """The one-axis interpolation of a resized axis: out[j] = w_first[j] x[first[j]] + w_second[j] x[second[j]]."""
+    """The one-axis interpolation of a resized axis: out[j] = sum_k weight[j, k] x[index[j, k]]."""
 
     axis: int
     size_in: int
     size_out: int
-    first: np.ndarray  # int64 [size_out]
-    second: np.ndarray  # int64 [size_out] (== first for nearest)
-    w_first: np.ndarray  # float32 [size_out]
-    w_second: np.ndarray  # float32 [size_out] (0 for nearest)
+    index: np.ndarray  # int64 [size_out, K], every entry in [0, size_in)
+    weight: np.ndarray  # float32 [size_out, K]
     nearest: bool
+
+    @property
+    def width(self) -> int:
+        """K, the taps an output reads."""
+        return int(self.index.shape[1])
 
     def matrix(self) -> np.ndarray:
         """A [size_out, size_in]: out = A @ x along the axis (the adjoint is A^T)."""
         a = np.zeros((self.size_out, self.size_in), np.float32)
-        rows = np.arange(self.size_out)
-        np.add.at(a, (rows, self.first), self.w_first)
-        np.add.at(a, (rows, self.second), self.w_second)
+        rows = np.repeat(np.arange(self.size_out), self.width)
+        np.add.at(a, (rows, self.index.reshape(-1)), self.weight.reshape(-1))
         return a
 
     def repeat_factor(self) -> int | None:
@@ -58,7 +67,32 @@ class AxisTaps:
         if not self.nearest or self.size_out % self.size_in:
             return None
         s = self.size_out // self.size_in
-        return s if np.array_equal(self.first, np.arange(self.size_out) // s) else None
+        return s if np.array_equal(self.index[:, 0], np.arange(self.size_out) // s) else None
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The nonzero entries of A as (output, input, weight), ascending by input then output; taps
+        of one output that read one input twice (clamped at a border) are one entry, weights added."""
+        outs = np.repeat(np.arange(self.size_out, dtype=np.int64), self.width)
+        keys = self.index.reshape(-1) * self.size_out + outs  # input-major: sorted keys order by input
+        unique, where = np.unique(keys, return_inverse=True)
+        summed = np.zeros(len(unique), np.float32)
+        np.add.at(summed, where.reshape(-1), self.weight.reshape(-1))
+        keep = summed != 0
+        return unique[keep] % self.size_out, unique[keep] // self.size_out, summed[keep]
+
+    def reach(self) -> tuple[np.ndarray, np.ndarray]:
+        """The adjoint as a gather: (rows [size_in, R] int64, weights [size_in, R] float32) with
+        (A^T dy)[i] = sum_r weights[i, r] dy[rows[i, r]]; R is the most outputs that read one input,
+        an input read by fewer pads with row 0, weight 0. O(size_out K) to build, no dense A."""
+        outs, ins, values = self.pairs()
+        counts = np.bincount(ins, minlength=self.size_in)
+        depth = max(int(counts.max(initial=0)), 1)
+        slot = np.arange(len(ins)) - np.searchsorted(ins, ins)
+        rows = np.zeros((self.size_in, depth), np.int64)
+        weights = np.zeros((self.size_in, depth), np.float32)
+        rows[ins, slot] = outs
+        weights[ins, slot] = values
+        return rows, weights
 
 
 def _text(node: ir.Node, name: str, default: str) -> str:
@@ -100,9 +134,6 @@ NEAREST: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "ceil": np.ceil,
 }
 
-#: modes fblc runs (cubic would be a four-tap matrix; it is not written yet)
-MODES = ("nearest", "linear")
-
 
 def _scales(node: ir.Node, rank: int, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[np.float32]:
     """Per-axis float32 scale: the scales input, or sizes / input sizes (onnxruntime's float division)."""
@@ -128,6 +159,10 @@ def _scales(node: ir.Node, rank: int, in_shape: tuple[int, ...], out_shape: tupl
     return full
 
 
+#: modes fblc runs (resize_filters.py makes the taps of linear and cubic)
+MODES = ("nearest", "linear", "cubic")
+
+
 def resize_taps(node: ir.Node) -> list[AxisTaps]:
     """The taps of every axis the Resize changes (an axis it maps onto itself is left out, as is an
     axis of scale 1: onnxruntime copies it even under tf_half_pixel_for_nn, whose formula shifts it)."""
@@ -144,8 +179,12 @@ def resize_taps(node: ir.Node) -> list[AxisTaps]:
     in_shape, out_shape = static_shape(node.inputs[0]), static_shape(node.outputs[0])
     rank = len(in_shape)
     scales = _scales(node, rank, in_shape, out_shape)
-    if mode == "linear" and int(attr(node, "antialias", 0)) and any(s < 1 for s in scales):
-        raise _refuse(node, "antialias on a downsampling", "set antialias=0 (F.interpolate(antialias=False))")
+    antialias = mode != "nearest" and bool(int(attr(node, "antialias", 0)))
+    coeff_a = F32(attr(node, "cubic_coeff_a", -0.75))
+    exclude = bool(int(attr(node, "exclude_outside", 0)))
+    if exclude and mode == "linear" and not antialias:
+        raise _refuse(node, "exclude_outside=1 on linear without antialias",
+                      "onnxruntime refuses it too: set exclude_outside=0, or antialias=1")
     taps = []
     for axis, (n_in, n_out, scale) in enumerate(zip(in_shape, out_shape, scales)):
         if scale == 1 and n_in == n_out:
@@ -153,25 +192,20 @@ def resize_taps(node: ir.Node) -> list[AxisTaps]:
         x = np.arange(n_out, dtype=np.float32)
         original = np.asarray(COORDINATES[transform](x, scale, n_in, n_out), np.float32)
         if mode == "nearest":
-            first = np.clip(NEAREST[rounding](original), 0, n_in - 1).astype(np.int64)
-            one = AxisTaps(axis, n_in, n_out, first, first, np.ones(n_out, F32), np.zeros(n_out, F32), True)
+            first = np.clip(NEAREST[rounding](original), 0, n_in - 1).astype(np.int64).reshape(n_out, 1)
+            one = AxisTaps(axis, n_in, n_out, first, np.ones((n_out, 1), F32), True)
         else:
-            one = _linear(axis, n_in, n_out, original)
-        if n_in == n_out and np.array_equal(one.first, np.arange(n_out)) and np.all(one.w_first == 1):
+            if antialias:
+                index, weight = antialias_taps(original, scale, n_in, mode == "cubic", coeff_a, exclude)
+            elif mode == "cubic":
+                index, weight = cubic_taps(original, n_in, coeff_a, exclude)
+            else:
+                index, weight = linear_taps(original, n_in)
+            used = np.any(weight != 0, axis=0)  # a tap no output weighs (linear at integer coordinates)
+            used[0] = True
+            one = AxisTaps(axis, n_in, n_out, index[:, used], weight[:, used], False)
+        if (n_in == n_out and one.width == 1 and np.array_equal(one.index[:, 0], np.arange(n_out))
+                and np.all(one.weight == 1)):
             continue  # the identity along this axis
         taps.append(one)
     return taps
-
-
-def _linear(axis: int, n_in: int, n_out: int, original: np.ndarray) -> AxisTaps:
-    """onnxruntime's SetupUpsampleBilinear: clamp into [0, n_in - 1], the two neighbours and their
-    distances; a clamped coordinate (both neighbours the same) reads it with weights 0.5 + 0.5."""
-    x = np.clip(original, F32(0), F32(n_in - 1))
-    first = np.minimum(x.astype(np.int64), n_in - 1)
-    second = np.minimum(first + 1, n_in - 1)
-    to_first = np.abs(x - first.astype(np.float32))
-    to_second = np.abs(x - second.astype(np.float32))
-    same = first == second
-    w_first = np.where(same, F32(1), to_second).astype(np.float32)
-    w_second = np.where(same, F32(0), to_first).astype(np.float32)
-    return AxisTaps(axis, n_in, n_out, first, second, w_first, w_second, False)

@@ -182,8 +182,10 @@ def _philox_normal(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
 
 @_named
 def _merge_runs(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
-    """fblc's device-only sort step (pass sort_scatter_rows): row numbers and their positions, int64."""
-    return [(shapes[0], ir.DataType.INT64), (shapes[0], ir.DataType.INT64)]
+    """fblc's device-only sort step (passes sort_scatter_rows, sort_topk): the sorted keys and their positions
+    (int64). Keys given with their positions keep their dtype (sort_topk's values); alone they are row numbers."""
+    keys = dtypes[0] if len(node.inputs) > 1 and node.inputs[1] is not None else ir.DataType.INT64
+    return [(shapes[0], keys), (shapes[0], ir.DataType.INT64)]
 
 
 @_named

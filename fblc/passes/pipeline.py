@@ -56,6 +56,8 @@ from fblc.passes.sg_gradients import SgGradients
 from fblc.passes.sg_replay import SgReplay
 from fblc.passes.skip_nonfinite import SkipNonfinite
 from fblc.passes.sort_scatter_rows import SortScatterRows
+from fblc.passes.sort_topk import SortTopK
+from fblc.passes.split_resize import SplitResize
 from fblc.passes.split_softmax import SplitSoftmax
 from fblc.passes.split_views import SplitViews
 from fblc.passes.storage_precision import StoragePrecision
@@ -271,7 +273,8 @@ def layout_passes(options: TrainingOptions, cpu: bool = False) -> list[ir.passes
                         f"choose one of: {', '.join(LAYOUT_SEARCHES)}")
     remap = ([SplitViews(), TileRemap(written_reduction=written)] if options.layout == "rtile"
              else [TileRemap(remap=False, written_reduction=written)])
-    return [CommitIfFinite(), EsNoise(), SplitSoftmax(), SortScatterRows(), PointwiseTransposes(), FtdTaxonomy()] + remap
+    return [CommitIfFinite(), EsNoise(), SplitSoftmax(), SplitResize(), SortScatterRows(), SortTopK(),
+            PointwiseTransposes(), FtdTaxonomy()] + remap
 
 
 def lowering_passes(options: TrainingOptions, profile: Profile, schedules: Decide | None = None

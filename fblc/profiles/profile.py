@@ -72,6 +72,10 @@ SPLIT_STEPS = 16
 #: the most updates a row scatter's target row scans one by one; a longer line of updates is sorted by
 #: row number first (pass sort_scatter_rows: log2(N) merge launches, then a binary search per row)
 SORTED_SCATTER_UPDATES = 64
+#: the longest line TopK's kernel always ranks directly (each of k outputs scans the line once per rank
+#: before it: n k (k + 1) / 2 reads a line); a longer one is merge-sorted when that costs fewer reads (pass
+#: sort_topk: at most n L (L + 1) / 2 reads, L = ceil(log2 n), in L launches)
+SORTED_TOPK_LINE = 64
 #: the floats one work-item's accumulators may take at most on a GPU target: an 8 x 8 tile, what mobile GEMM
 #: kernels keep in registers (Adreno's and Mali's guides: more spills to private memory, which is device
 #: memory). A target's own limit is its `private_floats` figure (Profile.private_floats), at most this.

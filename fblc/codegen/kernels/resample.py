@@ -1,7 +1,8 @@
-"""Resize (nearest and linear): a gather kernel over constant per-axis taps (fblc/compiler/resize_taps.py).
+"""Resize (nearest, linear, cubic, antialiased): a gather kernel over constant per-axis taps.
 
-Taps are literals (an integer upsampling) or private `const` tables of at most MAX_TABLE entries an axis;
-docs/ARCHITECTURE.md §3.
+The taps come from fblc/compiler/resize_taps.py. They are literals (an integer upsampling) or private
+`const` tables of at most TABLE_LIMIT entries an axis (fblc/passes/split_resize.py writes a longer one as
+gathers); docs/ARCHITECTURE.md §3.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from fblc.codegen.cl import strides_of
 from fblc.codegen.ir import FLOAT, INT, DType, Element, Expr, const, div_index, flat_index
 from fblc.codegen.kernels import lane_kernel, out_axis
 from fblc.codegen.reads import dtype_of
-from fblc.compiler.resize_taps import AxisTaps, resize_taps
+from fblc.compiler.resize_taps import TABLE_LIMIT, AxisTaps, resize_taps
 from fblc.compiler.values import static_shape
 from fblc.errors import UnsupportedOpError
 
 FAMILY = "resample"
-MAX_TABLE = 8192  # output coordinates of one axis the tables may hold
 
 
 def _table(b: KernelBuilder, dtype: DType, values: np.ndarray, kind: str, o: Expr) -> Expr:
@@ -38,16 +38,14 @@ def _axis_reads(b: KernelBuilder, taps: AxisTaps, node_name: str) -> list[tuple[
     factor = taps.repeat_factor()
     if factor is not None:
         return [(div_index(o, factor), None)]
-    if taps.size_out > MAX_TABLE:
+    if taps.size_out > TABLE_LIMIT:  # split_resize rewrote every such Resize before codegen
         raise UnsupportedOpError(f"Resize node '{node_name}': axis {taps.axis} has {taps.size_out} outputs, past the "
-                                 f"{MAX_TABLE} of the kernel's tap tables",
-                                 "resize by an integer factor with nearest, or in smaller steps")
-    first = _table(b, INT, taps.first, "rf", o)
-    if taps.nearest:
-        return [(first, None)]
-    reads: list[tuple[Expr, Expr | None]] = [(first, _table(b, FLOAT, taps.w_first, "wf", o))]
-    if np.any(taps.w_second):
-        reads.append((_table(b, INT, taps.second, "rs", o), _table(b, FLOAT, taps.w_second, "ws", o)))
+                                 f"{TABLE_LIMIT} of the kernel's tap tables",
+                                 "run the lowering passes (split_resize) before the kernels")
+    reads: list[tuple[Expr, Expr | None]] = []
+    for k in range(taps.width):  # K taps: 1 nearest, 2 linear, 4 cubic, the filter's window antialiased
+        weight = None if np.all(taps.weight[:, k] == 1) else _table(b, FLOAT, taps.weight[:, k], "wt", o)
+        reads.append((_table(b, INT, taps.index[:, k], "rt", o), weight))
     return reads
 
 

@@ -1,4 +1,5 @@
-"""Sorted row scatters (pass sort_scatter_rows): MergeRuns and ScatterSortedRows, fblc's device-only ops.
+"""Sorted row scatters and long TopK lines (passes sort_scatter_rows, sort_topk): MergeRuns and ScatterSortedRows,
+fblc's device-only ops.
 
 MergeRuns merges pairs of sorted runs of row numbers (a merge-path binary search per output); ScatterSortedRows
 folds each target row's updates in update order, bit for bit the sums of gather.py's unsorted kernel;

@@ -1,25 +1,26 @@
-"""Gradient rule of Resize (nearest and linear): the adjoint of its per-axis interpolation.
+"""Gradient rule of Resize (nearest, linear, cubic, antialiased): the adjoint of its per-axis interpolation.
 
 Resize is separable (fblc/compiler/resize_taps.py): along each resized axis a the output is
-A_a x, A_a a constant [out, in] matrix with one (nearest) or two (linear) nonzeros a row, so
-y = A_1 .. A_k x and dx = A_k^T .. A_1^T dy, one axis at a time. An axis's adjoint is a scatter
-of dy into x's positions with the interpolation weights; it is written as existing ops that are
-race-free and deterministic in onnxruntime and on the device (no atomic scatter-add):
+A_a x, A_a a constant [out, in] matrix with K nonzeros a row (nearest 1, linear 2, cubic 4,
+antialiased the filter's window), so y = A_1 .. A_k x and dx = A_k^T .. A_1^T dy, one axis at a
+time. An axis's adjoint is written as existing ops that are race-free and deterministic in
+onnxruntime and on the device (no atomic scatter-add):
 
 1. nearest, integer upsampling (nn.Upsample(scale_factor=s), asymmetric/floor): every input
    element is read by s consecutive outputs, so dx = ReduceSum(Reshape(dy, [P, in, s, Q]), 2).
-2. linear, integer upsampling (F.interpolate(scale_factor=s, mode='bilinear')): away from the
-   borders input i is read by outputs i*s + lo .. i*s + lo + K - 1 with the same K weights, so
-   A^T is a strided convolution: dx = Conv(dy viewed [P, 1, out, Q], kernel [1, 1, K, 1],
-   stride s) + R^T dy, R = A - (the conv's matrix) nonzero only in the few border rows where the
-   clamped taps differ (a Slice of those rows of dy and a MatMul with the constant R^T). O(K)
-   per element instead of the O(out) of a matrix product; exact, since A = conv + R by
-   construction (up to WEIGHT_NOISE_ULPS: rounding differences of the float32 taps are dropped).
-3. linear otherwise, when A is small: dy viewed [P, out, Q] and dx = A^T @ dy (a MatMul with the
-   constant A^T, [in, out]; for the innermost axis dy [P, out] @ A), a tiled contraction.
-4. otherwise (any other nearest, or a large linear A): the segment sums of gather gradients
-   (fblc/compiler/gradients/segment_sum.py) with the taps as constant rows, once per tap:
-   dx = segsum(w_first * dy, first) + segsum(w_second * dy, second) (nearest: the first alone).
+2. linear or cubic, integer upsampling (F.interpolate(scale_factor=s, mode='bilinear')): away
+   from the borders input i is read by outputs i*s + lo .. i*s + lo + K - 1 with the same K
+   weights, so A^T is a strided convolution: dx = Conv(dy viewed [P, 1, out, Q], kernel
+   [1, 1, K, 1], stride s) + R^T dy, R = A - (the conv's matrix) nonzero only in the few border
+   rows where the clamped taps differ (a Slice of those rows of dy and a MatMul with the constant
+   R^T). Exact, since A = conv + R by construction (up to WEIGHT_NOISE_ULPS: rounding differences
+   of the float32 taps are dropped).
+3. otherwise (any scale, any mode): a gather over the outputs that read each input
+   (AxisTaps.reach: rows and weights [in, R], R the most outputs one input feeds):
+   dx = ReduceSum(GatherElements(dy, rows, axis 1) * weights, the R axis). Every input element costs R
+   multiply-adds, R about K * ceil(out / in) (plus the border's clamped reads), so the adjoint
+   costs O(in * R) = O(out * K), the forward's own work, at any scale; the gathered [P, in, R, Q]
+   is about the size of dy times K.
 
 The forward runs as its own gather kernel (fblc/codegen/kernels/resample.py); X is the only input
 with a gradient (roi, scales and sizes are constants).
@@ -34,15 +35,16 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler.autodiff import register_gradient
-from fblc.compiler.gradients.segment_sum import ONE_HOT_ELEMENTS, ONE_HOT_MACS, segment_sum
 from fblc.compiler.graph import Emitter, numel, static_shape
 from fblc.compiler.resize_taps import AxisTaps, resize_taps
 
 Grads = Sequence["ir.Value | None"]
 
 
-#: the most border rows form 2 corrects with a matrix product (past it, form 3 or 4)
+#: the most border rows form 2 corrects with a matrix product (past it, form 3)
 BORDER_ROWS = 8
+#: the largest A (elements) form 2 builds densely to find its kernel and border (64 MiB in fp32)
+PLAN_ELEMENTS = 1 << 24
 #: weight differences form 2 ignores, in float32 ulps of the largest source coordinate (n_in):
 #: the taps' weights come from float32 coordinates, so they differ by that much from position to
 #: position (x = 29.333333 and 59.333336 under a scale of 3) and from the exact weights themselves
@@ -63,7 +65,7 @@ class _ConvPlan:
 def _conv_plan(taps: AxisTaps) -> _ConvPlan | None:
     """The plan of form 2 for a linear integer upsampling, or None (see the module docstring)."""
     n_in, n_out = taps.size_in, taps.size_out
-    if taps.nearest or n_out % n_in or n_in < 3:
+    if taps.nearest or n_out % n_in or n_in < 3 or n_in * n_out > PLAN_ELEMENTS:
         return None
     s, a = n_out // n_in, taps.matrix()
     middle = n_in // 2
@@ -100,7 +102,7 @@ def _conv_adjoint(e: Emitter, dy: ir.Value, plan: _ConvPlan, n_in: int) -> ir.Va
     return e.op("Add", dx, e.op("MatMul", e.const(np.ascontiguousarray(plan.border.T)), picked))
 
 
-def _axis_adjoint(e: Emitter, dy: ir.Value, taps: AxisTaps, like: ir.Value) -> ir.Value:
+def _axis_adjoint(e: Emitter, dy: ir.Value, taps: AxisTaps) -> ir.Value:
     """dx [P, in, Q] of the one-axis interpolation `taps`, from dy [P, out, Q] (see the module docstring)."""
     p, n_out, q = (int(d) for d in dy.shape)
     n_in = taps.size_in
@@ -110,19 +112,21 @@ def _axis_adjoint(e: Emitter, dy: ir.Value, taps: AxisTaps, like: ir.Value) -> i
     plan = _conv_plan(taps)
     if plan is not None:  # form 2
         return _conv_adjoint(e, dy, plan, n_in)
-    if not taps.nearest and n_in * n_out <= ONE_HOT_ELEMENTS and p * n_in * n_out * q <= ONE_HOT_MACS:  # form 3
-        matrix = taps.matrix()
-        if q == 1:
-            return e.reshape(e.op("MatMul", e.reshape(dy, [p, n_out]), e.const(matrix)), [p, n_in, 1])
-        return e.op("MatMul", e.const(np.ascontiguousarray(matrix.T)), dy)
-    total: ir.Value | None = None  # form 4
-    for rows, weights in ((taps.first, taps.w_first), (taps.second, taps.w_second)):
-        if not np.any(weights):
-            continue
-        scaled = dy if np.all(weights == 1) else e.op("Mul", dy, e.const(weights.reshape(1, n_out, 1)))
-        part = segment_sum(e, scaled, rows.reshape(1, n_out), n_in, like=like)
-        total = part if total is None else e.op("Add", total, part)
-    return total if total is not None else e.zeros([p, n_in, q], like=like)
+    return _gather_adjoint(e, dy, taps)  # form 3
+
+
+def _gather_adjoint(e: Emitter, dy: ir.Value, taps: AxisTaps) -> ir.Value:
+    """Form 3: dx [P, in, Q] = sum over r of weights[i, r] * dy[P, rows[i, r], Q], as a GatherElements
+    along the out axis (its indices an Expand of the constant rows: a view) and a ReduceSum over r."""
+    p, _, q = (int(d) for d in dy.shape)
+    rows, weights = taps.reach()
+    n_in, depth = rows.shape
+    index = e.op("Expand", e.const(rows.reshape(1, n_in * depth, 1)), e.ints([p, n_in * depth, q]))
+    gathered = e.op("GatherElements", dy, index, axis=1)  # [P, in * R, Q]
+    if depth == 1 and np.all(weights == 1):  # every input read by exactly one output, with weight 1
+        return gathered
+    scaled = e.op("Mul", e.reshape(gathered, [p, n_in, depth, q]), e.const(weights.reshape(1, n_in, depth, 1)))
+    return e.reduce_sum(scaled, [2], keepdims=False)
 
 
 @register_gradient("Resize")
@@ -133,7 +137,7 @@ def resize_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> 
     dx = dys[0]
     for taps in resize_taps(node):
         around = [numel(shape[:taps.axis]), taps.size_out, numel(shape[taps.axis + 1:])]
-        dx = _axis_adjoint(e, e.reshape(dx, around), taps, like=x)
+        dx = _axis_adjoint(e, e.reshape(dx, around), taps)
         shape[taps.axis] = taps.size_in
     dx = e.reshape(dx, static_shape(x))
     return [dx] + [None] * (len(node.inputs) - 1)
