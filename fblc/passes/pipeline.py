@@ -44,6 +44,7 @@ from fblc.passes.index_ranges import IndexRanges
 from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.kernel_schedules import Decide, KernelSchedules
 from fblc.passes.lower_composites import LowerComposites
+from fblc.passes.lower_dft import LowerDft
 from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.memory_plan import MemoryPlanPass
@@ -126,6 +127,7 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         FoldConstants(),
         EliminateNoops(),
         LowerComposites(),
+        LowerDft(),
         FoldPads(),
         InferShapes(),
         IndexRanges(),
