@@ -5,10 +5,10 @@
 The list of ops (`EXPORTED_OPS`, the op table's `exported` column, fblc/compiler/ops.py) is data:
 what the exporters (dynamo at opset 18 and later, and the legacy TorchScript exporter) write for
 the torch.nn modules and functional ops models use. Every status column comes from the registries
-(and lower_composites' LOWERINGS table: an op rewritten at import is *lowered*) at the time the
-table is generated, so a new gradient rule or kernel shows up by regenerating it; tests/test_op_audit.py fails while
-docs/OPS.md is stale, and checks that every op a registry holds is in the table (ops fblc
-registers that no exporter list names get a section of their own).
+(and the LOWERINGS tables of lower_composites and lower_dft: an op rewritten at import is *lowered*) at
+the time the table is generated, so a new gradient rule or kernel shows up by regenerating it;
+tests/test_op_audit.py fails while docs/OPS.md is stale, and checks that every op a registry holds is in
+the table (ops fblc registers that no exporter list names get a section of their own).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from fblc.compiler.ops import INTEGER_OUTPUTS, OPS, PRELOADED, ops_where
 from fblc.compiler.shape_rules import SHAPE_RULES
 from fblc.compiler.shapes import has_shape_inference
 from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS
-from fblc.passes.lower_composites import LOWERINGS
+from fblc.passes.lower_composites import LOWERINGS, Lowering
+from fblc.passes.lower_dft import DFT_LOWERINGS
 from fblc.passes.split_softmax import SPLITS
 
 #: (op type, what in PyTorch makes the exporters write it): the op table's `exported` column
@@ -41,7 +42,10 @@ NO_GRADIENT_NEEDED = ops_where(lambda entry: entry.no_gradient == INTEGER_OUTPUT
 DATA_DEPENDENT = ops_where(lambda entry: entry.no_kernel == DATA_DEPENDENT_SHAPE)
 PRELOADED_OPS = ops_where(lambda entry: entry.no_kernel == PRELOADED)
 
-#: the status of an op that `fblc.passes.lower_composites` rewrites into ops with a rule and a kernel
+#: every op the import rewrites (lower_composites, then lower_dft), with its lowering
+IMPORT_LOWERINGS: dict[str, Lowering] = {**LOWERINGS, **DFT_LOWERINGS}
+
+#: the status of an op that `fblc.passes.lower_composites` or `lower_dft` rewrites into ops with a rule and a kernel
 LOWERED = "lowered"
 
 COLUMNS = ("op", "written for", "import", "gradient", "kernel", "layout class", "emitted shape rule")
@@ -56,7 +60,7 @@ def status(op: str) -> tuple[str, str, str, str, str]:
     """import, gradient, kernel, layout class and emitted shape rule of `op`, from the registries;
     an op lower_composites rewrites at import is *lowered* in the gradient, kernel and layout columns."""
     node = _node(op)
-    if op in LOWERINGS:
+    if op in IMPORT_LOWERINGS:
         return "yes", LOWERED, LOWERED, LOWERED, "yes" if SHAPE_RULES.has(node) else "-"
     imported = ("no shape inference" if not has_shape_inference(op) else
                 "data-dependent shape" if op in DATA_DEPENDENT else "yes")
@@ -115,8 +119,8 @@ def render() -> str:
         "not in the table; **emitted shape rule**: an entry in `fblc/compiler/shape_rules.py`, needed only by",
         "ops that gradient rules, losses and optimizers emit. A *yes* means the table has an entry: an entry",
         "may still refuse some attributes (each refusal is an unsupported-op error naming the node).",
-        "*lowered*: the import (`fblc/passes/lower_composites.py`) rewrites the op into ops that have a gradient",
-        "rule and a kernel (the last section lists into which).",
+        "*lowered*: the import (`fblc/passes/lower_composites.py`, `lower_dft.py`) rewrites the op into ops that",
+        "have a gradient rule and a kernel (the last section lists into which).",
         "`fblc check MODEL` gives the same statuses for one model's ops, and whether it trains.",
         "",
         f"## Ops torch.onnx.export writes ({len(rows)} ops; {trains} with a gradient and a kernel)",
@@ -129,10 +133,11 @@ def render() -> str:
                   "exporters write them for rarer modules).", "",
                   *_markdown([(op, "-", *status(op)) for op in extra])]
     lines += ["", "## Ops lowered at import", "",
-              "`fblc/passes/lower_composites.py` (its `LOWERINGS` table) rewrites these before shape inference.", "",
+              "`fblc/passes/lower_composites.py` and `fblc/passes/lower_dft.py` (their `LOWERINGS` tables) "
+              "rewrite these before shape inference.", "",
               "| op | lowered to | not lowered |", "| --- | --- | --- |",
               *[f"| {op} | {_cell(lowering.into)} | {_cell(lowering.limits or '-')} |"
-                for op, lowering in LOWERINGS.items()]]
+                for op, lowering in IMPORT_LOWERINGS.items()]]
     return "\n".join(lines) + "\n"
 
 
