@@ -114,6 +114,9 @@ CASES = {
     "conv_temporal_k1": conv((1, 2, 8, 3), (3, 2, 3, 1), pads=[1, 0, 1, 0]),
     "conv_same_upper": conv((1, 2, 6, 5), (3, 2, 3, 3), auto_pad="SAME_UPPER", strides=[2, 2]),
     # AveragePool's gradient is a depthwise ConvTranspose over a constant ones kernel
+    # lower_dft: a complex DFT along axis 1 cut to 5 of 6 points, as Transpose, Slice, Reshape, MatMul by the
+    # constant cosine/sine matrix, Reshape, Transpose; its gradient MatMul's by the transposed matrix
+    "dft_complex_axis1_truncated": ([_node("DFT", ["x", "n"], axis=1)], {"x": (2, 6, 3, 2), "n": np.array(5)}),
     "conv_avgpool": ([_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
                       _node("AveragePool", ["c"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
                      {"x": (1, 2, 6, 6), "w": (3, 2, 3, 3)}),
@@ -361,7 +364,7 @@ TILE_CASES = {
 MERGED_SETS["image", "fp32"] = sorted(CASES) + sorted(TEXEL_CASES) + sorted(TILE_CASES)
 MERGED_SETS["buffer", "fp32"] = ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map", "matmul_tile_one_row_batched",
-                                 "matmul_attention_rows_apart"]
+                                 "matmul_attention_rows_apart", "dft_complex_axis1_truncated"]
 
 
 @pytest.mark.xdist_group("contraction-merged-image")
