@@ -12,10 +12,11 @@ Rewrites (`DFT_LOWERINGS`; the result has the node's output name):
 - DFT (opset 17: `axis` attribute, default 1; opset 20: `axis` input, default -2) of X
   [.., L (axis), .., c] with c = 1 (real) or 2 (complex), n = `dft_length` (a constant; default L,
   or 2 (L - 1) for IRFFT): Transpose the axis next to c (none when it is already there), Slice the
-  first n positions when L > n (truncation; zero padding needs no rows), Reshape to [M, L' c],
+  L' positions the transform reads when L is longer (truncation; zero padding needs no rows),
+  Reshape to [M, L' c],
   MatMul by W [L' c, K c_out], Reshape to [.., K, c_out], Transpose back. Forward: K = n, or
-  n // 2 + 1 with `onesided` (RFFT; a complex input is transformed fully and its first bins
-  kept, as the ONNX reference does); c_out = 2. `inverse`: the 1/n scaling is in W; with
+  n // 2 + 1 with `onesided` (RFFT: real input; onnx's shape inference, run first, refuses a
+  complex one as the spec does); c_out = 2. `inverse`: the 1/n scaling is in W; with
   `onesided` (IRFFT) the input's first n // 2 + 1 bins are read as a Hermitian half spectrum
   and the output is real, K = n, c_out = 1.
 - STFT (signal [B, L, c], constant `frame_step`, constant `window` and/or `frame_length` n,
