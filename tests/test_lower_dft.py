@@ -30,6 +30,7 @@ FORMS = [
     ((2, 5, 2), 17, 1, 1, 8, 1),  # irfft, even n
     ((2, 5, 2), 20, 1, 1, None, -2),  # irfft, default n = 2 (L - 1), axis input
     ((2, 5, 2), 20, 1, 1, 7, 1),  # irfft, odd n: reads 4 of 5 bins (onnxruntime's own DFT is off by 0.6 here)
+    ((2, 3, 2), 17, 1, 1, 8, 1),  # irfft, bins 3 and 4 zero-padded
     ((3, 6, 4, 1), 20, 0, 1, 9, 1),  # rfft zero-padded, axis not last: Transpose around
     ((3, 6, 4, 2), 20, 0, 0, 3, -3),  # fft truncated (Slice), negative axis
     ((3, 6, 4, 2), 17, 1, 0, 5, 2),  # ifft zero-padded
@@ -93,23 +94,29 @@ def test_irfft_gives_dc_and_nyquist_imaginary_parts_exactly_zero_weight() -> Non
     assert matrix[2, 0] == 0.25 and matrix[8, 1] == -0.125  # 2 / n at bin 1, 1 / n at Nyquist (cos pi)
 
 
-def _stft_model(signal: tuple[int, ...], step: int, window: np.ndarray, onesided: int) -> ir.Model:
-    node = helper.make_node("STFT", ["x", "step", "window"], ["y"], name="stft", onesided=onesided)
+def _stft_model(signal: tuple[int, ...], step: int, window: np.ndarray | None, onesided: int) -> ir.Model:
+    """STFT of `signal` with `window`, or without one and frame_length 6."""
+    constants = [helper.make_tensor("step", TensorProto.INT64, [], [step]),
+                 helper.make_tensor("window", TensorProto.FLOAT, window.shape, window) if window is not None else
+                 helper.make_tensor("frame_length", TensorProto.INT64, [], [6])]
+    inputs = ["x", "step", "window"] if window is not None else ["x", "step", "", "frame_length"]
+    node = helper.make_node("STFT", inputs, ["y"], name="stft", onesided=onesided)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, signal)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              [helper.make_tensor("step", TensorProto.INT64, [], [step]),
-                               helper.make_tensor("window", TensorProto.FLOAT, window.shape, window)])
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], constants)
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
-@pytest.mark.parametrize("onesided", [1, 0])
-def test_stft_matches_torch(onesided: int) -> None:
-    window = torch.hann_window(6, dtype=torch.float64)
-    model = _stft_model((2, 20, 1), 3, window.numpy().astype(np.float32), onesided)
+@pytest.mark.parametrize("onesided, channels, windowed", [(1, 1, True), (0, 1, True), (0, 2, False)])
+def test_stft_matches_torch(onesided: int, channels: int, windowed: bool) -> None:
+    window = torch.hann_window(6, dtype=torch.float64) if windowed else None
+    model = _stft_model((2, 20, channels), 3, window.numpy().astype(np.float32) if windowed else None, onesided)
     LowerDft()(model)
     assert "Conv" in {node.op_type for node in model.graph}
-    x = np.random.default_rng(1).standard_normal((2, 20, 1)).astype(np.float32)
-    want = torch.view_as_real(torch.stft(torch.from_numpy(x[..., 0]).double(), 6, 3, window=window, center=False,
+    x = np.random.default_rng(1).standard_normal((2, 20, channels)).astype(np.float32)
+    signal = torch.from_numpy(x).double()
+    signal = torch.view_as_complex(signal) if channels == 2 else signal[..., 0]
+    rectangular = torch.ones(6, dtype=torch.float64)  # what ONNX's STFT without a window applies
+    want = torch.view_as_real(torch.stft(signal, 6, 3, window=rectangular if window is None else window, center=False,
                                          onesided=bool(onesided), return_complex=True)).transpose(1, 2).numpy()
     np.testing.assert_allclose(_run(model, {"x": x}), want, rtol=0, atol=2e-6 * np.abs(want).max())
 
