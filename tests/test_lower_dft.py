@@ -6,7 +6,7 @@ against numpy's FFT; STFT against torch.stft; real dynamo exports of torch.fft.r
 irfft and torch.stft (center=False on a trainable signal; the default center=True, a reflect Pad, on the
 input waveform, log magnitude) inside a model with trainable weights, one SGD step against torch autograd
 (the legacy exporter refuses every torch.fft function and complex STFT: `aten::fft_rfft ... is not
-supported`); transformers' FNet is in the zoo (tests/support/zoo.py).
+supported`; it writes torch.stft(return_complex=False) as STFT of a [batch, length] signal, trained here too); transformers' FNet is in the zoo (tests/support/zoo.py).
 """
 
 from __future__ import annotations
@@ -172,4 +172,30 @@ def _spectral() -> tuple[torch.nn.Module, zoo.Inputs]:
 def test_fft_exports_train_like_torch(tmp_path) -> None:
     arch = zoo.Architecture("spectral", "audio", "dynamo", _spectral)
     outcome = zoo_check.check(arch, str(tmp_path))
+    assert outcome.ok, outcome.failure()
+
+
+class LegacySpectrogram(torch.nn.Module):
+    """torch.stft(return_complex=False): the legacy exporter writes it as STFT of a [batch, length] signal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 1)
+        self.out = torch.nn.Linear(5 * 3 * 2, zoo.CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        signal = self.inp(x)[..., 0]  # [B, 16]
+        spectrogram = torch.stft(signal, 8, 4, window=torch.hann_window(8), center=False, return_complex=False)
+        return self.out(spectrogram.flatten(1))
+
+
+def _legacy_spectrogram() -> tuple[torch.nn.Module, zoo.Inputs]:
+    torch.manual_seed(0)
+    x = np.random.default_rng(7).standard_normal((zoo.BATCH, 16, 6)).astype(np.float32)
+    return LegacySpectrogram().eval(), {"x": x}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch deprecates return_complex=False
+def test_a_legacy_stft_export_trains_like_torch(tmp_path) -> None:
+    outcome = zoo_check.check(zoo.Architecture("legacy_stft", "audio", "legacy", _legacy_spectrogram), str(tmp_path))
     assert outcome.ok, outcome.failure()

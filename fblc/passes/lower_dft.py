@@ -19,8 +19,8 @@ Rewrites (`DFT_LOWERINGS`; the result has the node's output name):
   complex one as the spec does); c_out = 2. `inverse`: the 1/n scaling is in W; with
   `onesided` (IRFFT) the input's first n // 2 + 1 bins are read as a Hermitian half spectrum
   and the output is real, K = n, c_out = 1.
-- STFT (signal [B, L, c], constant `frame_step`, constant `window` and/or `frame_length` n,
-  `onesided`): Transpose to [B, c, L], Conv with the window-weighted DFT rows as a [2 K, c, n]
+- STFT (signal [B, L, c], or [B, L] as the legacy exporter writes it; constant `frame_step`,
+  constant `window` and/or `frame_length` n; `onesided`): Transpose to [B, c, L] (Reshape for [B, L]), Conv with the window-weighted DFT rows as a [2 K, c, n]
   weight and stride `frame_step` (the frames and the transform in one contraction), Reshape and
   Transpose to [B, frames, K, 2].
 
@@ -155,7 +155,11 @@ def _dft(e: Emitter, node: ir.Node, opset: int) -> ir.Value:
 
 def _stft(e: Emitter, node: ir.Node, opset: int) -> ir.Value:
     signal = node.inputs[0]
-    batch, length, c_in = static_shape(signal)
+    shape = static_shape(signal)
+    if len(shape) not in (2, 3):
+        raise UnsupportedOpError(f"STFT node '{node.name}' reads a signal of shape {list(shape)}",
+                                 "ONNX's STFT takes [batch, length, 1 or 2]", ops=["STFT"])
+    batch, length, c_in = (*shape, 1) if len(shape) == 2 else shape  # the legacy exporter writes [batch, length]
     step = _constant_int(node, 1, "frame_step")
     window_value = node.inputs[2] if len(node.inputs) > 2 else None
     window = const_array(window_value) if window_value is not None else None
@@ -176,7 +180,7 @@ def _stft(e: Emitter, node: ir.Node, opset: int) -> ir.Value:
     if window is not None:
         taps = taps * np.asarray(window, np.float64).reshape(n, 1, 1)
     weight = e.const(np.transpose(taps, (2, 1, 0)), dtype=signal.dtype)  # [2 K, c, n]
-    channels = e.op("Transpose", signal, perm=[0, 2, 1])
+    channels = e.op("Transpose", signal, perm=[0, 2, 1]) if len(shape) == 3 else e.reshape(signal, [batch, 1, length])
     spectra = e.op("Conv", channels, weight, kernel_shape=[n], strides=[step])
     frames = (length - n) // step + 1
     return e.op("Transpose", e.reshape(spectra, [batch, t.bins, 2, frames]), perm=[0, 3, 1, 2])
