@@ -3,10 +3,11 @@
 Graph mode: each DFT form (real and complex input, inverse, onesided, dft_length truncating and
 padding, opset 17's axis attribute and opset 20's axis input) lowered and run in onnxruntime
 against numpy's FFT; STFT against torch.stft; real dynamo exports of torch.fft.rfft / fft / ifft /
-irfft and torch.stft (center=False on a trainable signal; the default center=True, a reflect Pad, on the
-input waveform, log magnitude) inside a model with trainable weights, one SGD step against torch autograd
-(the legacy exporter refuses every torch.fft function and complex STFT: `aten::fft_rfft ... is not
-supported`; it writes torch.stft(return_complex=False) as STFT of a [batch, length] signal, trained here too); transformers' FNet is in the zoo (tests/support/zoo.py).
+irfft and torch.stft (center=False on a trainable signal; the default center=True, a reflect Pad,
+on the input waveform, log magnitude) inside a model with trainable weights, one SGD step against
+torch autograd. The legacy exporter refuses every torch.fft function and a complex STFT
+(`aten::fft_rfft ... is not supported`); it writes torch.stft(return_complex=False) as STFT of a
+[batch, length] signal, trained here too. transformers' FNet is in the zoo (tests/support/zoo.py).
 """
 
 from __future__ import annotations

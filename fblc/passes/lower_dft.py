@@ -20,9 +20,10 @@ Rewrites (`DFT_LOWERINGS`; the result has the node's output name):
   `onesided` (IRFFT) the input's first n // 2 + 1 bins are read as a Hermitian half spectrum
   and the output is real, K = n, c_out = 1.
 - STFT (signal [B, L, c], or [B, L] as the legacy exporter writes it; constant `frame_step`,
-  constant `window` and/or `frame_length` n; `onesided`): Transpose to [B, c, L] (Reshape for [B, L]), Conv with the window-weighted DFT rows as a [2 K, c, n]
-  weight and stride `frame_step` (the frames and the transform in one contraction), Reshape and
-  Transpose to [B, frames, K, 2].
+  constant `window` and/or `frame_length` n; `onesided`): Transpose to [B, c, L] (Reshape for
+  [B, L]), Conv with the window-weighted DFT rows as a [2 K, c, n] weight and stride
+  `frame_step` (the frames and the transform in one contraction), Reshape and Transpose to
+  [B, frames, K, 2].
 
 Refused by name (UnsupportedOpError): a `dft_length`, `axis`, `frame_step` or window computed
 at run time, the complex axis as the DFT axis, and any matrix over MAX_MATRIX_ELEMENTS
