@@ -3,9 +3,8 @@
 Graph mode: each DFT form (real and complex input, inverse, onesided, dft_length truncating and
 padding, opset 17's axis attribute and opset 20's axis input) lowered and run in onnxruntime
 against numpy's FFT; STFT against torch.stft; real dynamo exports of torch.fft.rfft / fft / ifft /
-irfft and torch.stft (center=False on a trainable signal; the default center=True, a reflect Pad,
-on the input waveform, log magnitude) inside a model with trainable weights, one SGD step against
-torch autograd. The legacy exporter refuses every torch.fft function and a complex STFT
+irfft and torch.stft (center=False, and the default center=True: a reflect Pad; log magnitude)
+inside a model with trainable weights, one SGD step against torch autograd. The legacy exporter refuses every torch.fft function and a complex STFT
 (`aten::fft_rfft ... is not supported`); it writes torch.stft(return_complex=False) as STFT of a
 [batch, length] signal, trained here too. transformers' FNet is in the zoo (tests/support/zoo.py).
 """
@@ -156,9 +155,8 @@ class Spectral(torch.nn.Module):
         spectrogram = torch.view_as_real(torch.stft(h[:, :, 0].repeat(1, 2) * h[:, :, 1].repeat(1, 2), n_fft=8,
                                                     hop_length=4, window=torch.hann_window(8), center=False,
                                                     return_complex=True))  # [B, 5, 3, 2]
-        # a front end on the waveform input: torch.stft's default center=True (a reflect Pad, which has no
-        # gradient: fine here, nothing trainable feeds it), log magnitude [B, 3, 5]
-        front = (torch.stft(x[:, :, 0], n_fft=4, hop_length=2, window=torch.hann_window(4),
+        # torch.stft's default center=True (a reflect Pad, whose gradient reaches h), log magnitude [B, 3, 5]
+        front = (torch.stft(h[:, :, 2], n_fft=4, hop_length=2, window=torch.hann_window(4),
                             return_complex=True).abs() + 1e-2).log()
         features = [t.flatten(1) for t in (rfft, fft, ifft, irfft, spectrogram, front)]
         return self.out(torch.tanh(self.mix(torch.cat(features, 1))))

@@ -174,7 +174,8 @@ def _stft(e: Emitter, node: ir.Node, opset: int) -> ir.Value:
         raise UnsupportedOpError(f"STFT node '{node.name}': frame_step {step}, frame length {n} on a signal of "
                                  f"{length}", "ONNX needs frame_step and a window or frame_length no longer than "
                                  "the signal", ops=["STFT"])
-    onesided = bool(attr(node, "onesided", 1))
+    onesided = bool(attr(node, "onesided", 1))  # the spec's default, onnxruntime's and the reference's (onnx
+    # 1.23's shape inference assumes 0: the exporters write the attribute)
     t = Transform(n, n, n // 2 + 1 if onesided else n, c_in, 2, inverse=False, hermitian=False)
     _check_size(node, t.length * t.c_in, t.bins * 2)
     taps = dft_matrix(t).reshape(n, c_in, t.bins * 2)
