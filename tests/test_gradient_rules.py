@@ -606,7 +606,8 @@ def tensor_cases() -> list[Case]:
         slice_case("end-past-size", (4, 5), [2], [100], [1], None),
     ]
 
-    def pad_case(label: str, shape: tuple[int, ...], pads: list[int], axes: list[int] | None = None) -> Case:
+    def pad_case(label: str, shape: tuple[int, ...], pads: list[int], axes: list[int] | None = None,
+                 mode: str = "constant") -> Case:
         inputs = ["x", "pads"] + (["", "axes"] if axes is not None else [])
         consts = {"pads": i64(pads)} | ({"axes": i64(axes)} if axes is not None else {})
         rank = len(shape)
@@ -614,14 +615,25 @@ def tensor_cases() -> list[Case]:
         for k, axis in enumerate(axes if axes is not None else range(rank)):
             full[axis % rank] = pads[k]
             full[axis % rank + rank] = pads[k + len(pads) // 2]
-        return Case(f"Pad-{label}", [node("Pad", inputs)], {"x": rand(*shape)},
-                    lambda t: F.pad(t["x"], _torch_pads(full)), consts=consts)
+        if mode == "constant":
+            return Case(f"Pad-{label}", [node("Pad", inputs)], {"x": rand(*shape)},
+                        lambda t: F.pad(t["x"], _torch_pads(full)), consts=consts)
+        torch_pads = _torch_pads(full)
+        while not any(torch_pads[-2:]):
+            torch_pads = torch_pads[:-2]  # torch pads the last axes only (of a batch): leave the unpadded ones
+        torch_mode = {"reflect": "reflect", "edge": "replicate", "wrap": "circular"}[mode]
+        return Case(f"Pad-{label}", [node("Pad", inputs, mode=mode)], {"x": rand(*shape)},
+                    lambda t: F.pad(t["x"][None], torch_pads, mode=torch_mode)[0], consts=consts)
 
     cases += [
         pad_case("positive", (2, 3), [1, 0, 2, 1]),
         pad_case("negative-crop", (5, 6), [-1, -2, -1, 0]),
         pad_case("mixed-signs", (4, 5), [1, -2, -1, 2]),
         pad_case("axes-negative-pads", (2, 4, 5), [-1, 2, 1, -2], axes=[-1, 1]),
+        # torch.stft's center=True (reflect), F.pad replicate and circular: the padded positions' dy flows back
+        pad_case("reflect-two-axes", (2, 5, 6), [0, 2, 1, 0, 1, 3], mode="reflect"),
+        pad_case("edge-two-axes", (2, 4, 5), [0, 3, 1, 0, 2, 2], mode="edge"),
+        pad_case("wrap-last-axis", (3, 6), [2, 3], axes=[-1], mode="wrap"),
         # constant_value: a Constant is folded and stays fixed; an initializer trains and gets the padded dy
         Case("Pad-constant-value-fixed", [const_node("v", f32(0.7)), node("Pad", ["x", "pads", "v"])],
              {"x": rand(3, 4)}, lambda t: F.pad(t["x"], [2, 0, 1, 1], value=0.7), consts={"pads": i64([1, 2, 1, 0])}),

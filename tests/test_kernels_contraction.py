@@ -7,8 +7,9 @@ MatMul: Transpose + MatMul) and the SGD update.
 
 TEXEL_CASES are shapes where the texel-wide paths apply (an innermost output axis of length
 % 4 == 0, or a weight gradient with short kernel rows) next to ones that fall back to per-lane
-code; `test_contraction_paths` checks which path each kernel of a step took. The steps of CASES, TEXEL_CASES
-and TILE_CASES run merged, CHUNK to a step, in fp32 (MERGED_SETS; tests/support/merged_steps.py).
+code; `test_contraction_paths` checks which path each kernel of a step took. The steps of CASES, TEXEL_CASES,
+TILE_CASES, SPECTRAL_CASES (lower_dft's) and TRANSPOSE_CASES run merged, CHUNK to a step, in fp32 (MERGED_SETS;
+tests/support/merged_steps.py).
 """
 
 from __future__ import annotations
@@ -117,8 +118,32 @@ CASES = {
     "conv_avgpool": ([_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
                       _node("AveragePool", ["c"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])],
                      {"x": (1, 2, 6, 6), "w": (3, 2, 3, 3)}),
-    # ConvTranspose as a model op (a decoder's upsampling), its input, weight and bias trained: the forward
-    # kernel, dX (a Conv of dY), dW (a grouped Conv of dY against X), db; every attribute the exporters write
+}
+
+
+#: lower_dft's rewrites, after the other cases in the merged steps (each case's seed is its index there), one case:
+#: a complex DFT along axis 1 cut to 5 of 6 points (Transpose, Slice, Reshape, MatMul by the constant cosine/sine
+#: matrix, Reshape, Transpose; its gradient MatMul's by the transposed matrix), and torch.stft's center=True: a
+#: reflect Pad (here after an edge Pad; their kernels read mirrored positions, their gradients fold them back),
+#: then STFT as a stride-3 Conv by the Hann-weighted cosine/sine taps
+SPECTRAL_CASES = {
+    "spectral_dft_stft_padded": (
+        [_node("DFT", ["x", "n"], "d", axis=1),
+         _node("Pad", ["s", "edge_pads"], "e", mode="edge"),
+         _node("Pad", ["e", "reflect_pads"], "r", mode="reflect"),
+         helper.make_node("Constant", [], ["window"], value=numpy_helper.from_array(np.hanning(8).astype(np.float32))),
+         _node("STFT", ["r", "step", "window"], "f", onesided=1),  # onnx's inference assumes 0 where it is left
+         _node("Reshape", ["d", "flat"], "d1"),  # out (the spec, onnxruntime and lower_dft: 1)
+         _node("Reshape", ["f", "flat"], "f1"),
+         _node("Concat", ["d1", "f1"], axis=0)],
+        {"x": (2, 6, 3, 2), "n": np.array(5), "s": (2, 17, 1), "edge_pads": np.array([0, 1, 0, 0, 2, 0]),
+         "reflect_pads": np.array([0, 4, 0, 0, 4, 0]), "step": np.array(3), "flat": np.array([-1])}),
+}
+
+#: ConvTranspose as a model op (a decoder's upsampling), after the spectral case in the merged steps (the earlier
+#: cases keep their seeds and chunks): its input, weight and bias trained: the forward kernel, dX (a Conv of dY),
+#: dW (a grouped Conv of dY against X), db; every attribute the exporters write
+TRANSPOSE_CASES = {
     "conv_transpose_trained": ([_node("ConvTranspose", ["x", "wt", "b"], group=2, strides=[2, 1],
                                       pads=[1, 0, 0, 1], dilations=[1, 2], output_padding=[1, 0])],
                                {"x": (2, 4, 3, 4), "wt": (4, 3, 3, 2), "b": (6,)}),
@@ -190,7 +215,7 @@ TEXEL_CASES = {
 
 
 def _case_model(folder: str, name: str, seed: int) -> onnx.ModelProto:
-    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES)[name][:2]
+    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES | SPECTRAL_CASES | TRANSPOSE_CASES)[name][:2]
     return onnx.load(write_case(os.path.join(folder, f"{name}.onnx"), nodes, inits, seed=seed))
 
 
@@ -226,7 +251,7 @@ def _assert_merged_case_matches(merged_rows: Callable[[str, str, str], list], na
 
 
 @pytest.mark.xdist_group("contraction-merged-image")  # one worker builds the merged step for all its tests
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(TEXEL_CASES))
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(TEXEL_CASES) + sorted(SPECTRAL_CASES) + sorted(TRANSPOSE_CASES))
 def test_contraction_step(name: str, merged_rows) -> None:
     _assert_merged_case_matches(merged_rows, name)
 
@@ -367,10 +392,12 @@ TILE_CASES = {
 }
 
 
-MERGED_SETS["image", "fp32"] = sorted(CASES) + sorted(TEXEL_CASES) + sorted(TILE_CASES)
+MERGED_SETS["image", "fp32"] = (sorted(CASES) + sorted(TEXEL_CASES) + sorted(TILE_CASES) + sorted(SPECTRAL_CASES)
+                                + sorted(TRANSPOSE_CASES))
 MERGED_SETS["buffer", "fp32"] = ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map", "matmul_tile_one_row_batched",
-                                 "matmul_attention_rows_apart", "conv_transpose_trained"]
+                                 "matmul_attention_rows_apart", "spectral_dft_stft_padded",
+                                 "conv_transpose_trained"]
 
 
 @pytest.mark.xdist_group("contraction-merged-image")

@@ -22,8 +22,7 @@ from fblc.compiler.autodiff import GRADIENTS
 from fblc.compiler.flops import FLOP_RULES
 from fblc.compiler.gradients.unary import UNARY
 from fblc.compiler.shape_rules import NAMED_RULES
-from fblc.passes.lower_composites import LOWERINGS
-from fblc.passes.lower_recurrent import LOWERINGS as RECURRENT
+from fblc.tools.op_audit import LOWERINGS
 from fblc.passes.split_softmax import SPLITS
 
 TABLE = "the op table (fblc/compiler/ops.py)"
@@ -112,9 +111,9 @@ def test_every_named_rule_exists() -> None:
 
 
 def test_the_reasons_match_the_import_rewrites() -> None:
-    """`lowered` means lower_composites or lower_recurrent rewrites it; `split`, that split_softmax does."""
-    lowered = sorted(op for op, row in ops.OPS.items() if row.no_kernel == ops.LOWERED)
-    assert lowered == sorted(set(LOWERINGS) | set(RECURRENT))
+    """`lowered` means an import lowering (lower_composites, lower_recurrent, lower_dft) rewrites it; `split`,
+    that split_softmax does."""
+    assert sorted(op for op, row in ops.OPS.items() if row.no_kernel == ops.LOWERED) == sorted(LOWERINGS)
     assert sorted(op for op, row in ops.OPS.items() if row.no_kernel == ops.SPLIT) == sorted(SPLITS)
 
 

@@ -72,8 +72,8 @@ STRIDES_FOLDED = Reads.STRIDED | Reads.FOLDED  # MatMul's K loops and the reduct
 
 # why an op has no gradient rule or no kernel ----------------------------------------------------
 INTEGER_OUTPUTS = "its outputs are integers, booleans or constants: no gradient flows through it"
-LOWERED = ("lowered at import (passes/lower_composites.py and passes/lower_recurrent.py, their LOWERINGS) into ops "
-           "that have one")
+LOWERED = ("lowered at import (passes/lower_composites.py, passes/lower_recurrent.py and passes/lower_dft.py, "
+           "their LOWERINGS tables) into ops that have one")
 DEVICE_ONLY = ("fblc's own op, emitted after the backward (ES noise, sorted row scatters): never differentiated, "
                "and onnxruntime lacks it")
 NOT_YET = "not written yet"
@@ -148,6 +148,8 @@ OPS: dict[str, Op] = {
     "MatMul": Op(Kind.CONTRACTION, D_D, "nn.Linear (dynamo), torch.matmul, @, attention", reads=STRIDES_FOLDED,
                  flops="matmul", shape="matmul", weights=(0, 1)),
     "Einsum": _lowered(Kind.CONTRACTION, "torch.einsum"),
+    "DFT": _lowered(Kind.CONTRACTION, "torch.fft.fft/rfft/ifft/irfft/fftn (dynamo exporter), FNet"),
+    "STFT": _lowered(Kind.CONTRACTION, "torch.stft (dynamo exporter)"),
     # normalisation
     "BatchNormalization": Op(Kind.ELEMENTWISE, D_D, "nn.BatchNorm1d/2d", per_sample=True, flops="input",
                              weights=(1, 2)),

@@ -45,6 +45,7 @@ from fblc.passes.infer_shapes import InferShapes
 from fblc.passes.kernel_schedules import Decide, KernelSchedules
 from fblc.passes.lower_composites import LowerComposites
 from fblc.passes.lower_recurrent import LowerRecurrent
+from fblc.passes.lower_dft import LowerDft
 from fblc.passes.mark_trainable import MarkTrainable
 from fblc.passes.memory_floor import MemoryFloor
 from fblc.passes.memory_plan import MemoryPlanPass
@@ -130,6 +131,7 @@ def import_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         EliminateNoops(),
         LowerComposites(),
         LowerRecurrent(),
+        LowerDft(),
         FoldPads(),
         InferShapes(),
         IndexRanges(),

@@ -5,10 +5,10 @@
 The list of ops (`EXPORTED_OPS`, the op table's `exported` column, fblc/compiler/ops.py) is data:
 what the exporters (dynamo at opset 18 and later, and the legacy TorchScript exporter) write for
 the torch.nn modules and functional ops models use. Every status column comes from the registries
-(and the LOWERINGS tables of lower_composites and lower_recurrent: an op rewritten at import is *lowered*) at the time the
-table is generated, so a new gradient rule or kernel shows up by regenerating it; tests/test_op_audit.py fails while
-docs/OPS.md is stale, and checks that every op a registry holds is in the table (ops fblc
-registers that no exporter list names get a section of their own).
+(and the LOWERINGS tables of lower_composites, lower_recurrent and lower_dft: an op rewritten at import is
+*lowered*) at the time the table is generated, so a new gradient rule or kernel shows up by regenerating it;
+tests/test_op_audit.py fails while docs/OPS.md is stale, and checks that every op a registry holds is in
+the table (ops fblc registers that no exporter list names get a section of their own).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fblc.compiler.shape_rules import SHAPE_RULES
 from fblc.compiler.shapes import has_shape_inference
 from fblc.passes.ftd_taxonomy import FTD_CLASSES, UNKNOWN_OP_CLASS
 from fblc.passes.lower_composites import LOWERINGS as COMPOSITES
+from fblc.passes.lower_dft import DFT_LOWERINGS
 from fblc.passes.lower_recurrent import LOWERINGS as RECURRENT
 from fblc.passes.split_softmax import SPLITS
 
@@ -42,11 +43,12 @@ NO_GRADIENT_NEEDED = ops_where(lambda entry: entry.no_gradient == INTEGER_OUTPUT
 DATA_DEPENDENT = ops_where(lambda entry: entry.no_kernel == DATA_DEPENDENT_SHAPE)
 PRELOADED_OPS = ops_where(lambda entry: entry.no_kernel == PRELOADED)
 
-#: the status of an op that `fblc.passes.lower_composites` or `lower_recurrent` rewrites into ops with a rule and a
-#: kernel
+#: the status of an op that an import lowering (lower_composites, lower_recurrent, lower_dft) rewrites into ops
+#: with a rule and a kernel
 LOWERED = "lowered"
 #: op -> (the ops it is lowered into, the forms left or refused), of both import lowerings
-LOWERINGS: dict[str, tuple[str, str]] = {**{op: (entry.into, entry.limits) for op, entry in COMPOSITES.items()},
+LOWERINGS: dict[str, tuple[str, str]] = {**{op: (entry.into, entry.limits)
+                                            for op, entry in (COMPOSITES | DFT_LOWERINGS).items()},
                                          **{op: (cell.into, cell.limits) for op, cell in RECURRENT.items()}}
 
 COLUMNS = ("op", "written for", "import", "gradient", "kernel", "layout class", "emitted shape rule")
@@ -120,8 +122,8 @@ def render() -> str:
         "not in the table; **emitted shape rule**: an entry in `fblc/compiler/shape_rules.py`, needed only by",
         "ops that gradient rules, losses and optimizers emit. A *yes* means the table has an entry: an entry",
         "may still refuse some attributes (each refusal is an unsupported-op error naming the node).",
-        "*lowered*: the import (`fblc/passes/lower_composites.py`, `fblc/passes/lower_recurrent.py`) rewrites the",
-        "op into ops that have a gradient rule and a kernel (the last section lists into which).",
+        "*lowered*: the import (`fblc/passes/lower_composites.py`, `lower_recurrent.py`, `lower_dft.py`) rewrites",
+        "the op into ops that have a gradient rule and a kernel (the last section lists into which).",
         "`fblc check MODEL` gives the same statuses for one model's ops, and whether it trains.",
         "",
         f"## Ops torch.onnx.export writes ({len(rows)} ops; {trains} with a gradient and a kernel)",
@@ -134,9 +136,9 @@ def render() -> str:
                   "exporters write them for rarer modules).", "",
                   *_markdown([(op, "-", *status(op)) for op in extra])]
     lines += ["", "## Ops lowered at import", "",
-              "`fblc/passes/lower_composites.py` and `fblc/passes/lower_recurrent.py` (their `LOWERINGS` tables) "
-              "rewrite these", "before shape inference; the recurrent ops are unrolled over their static sequence "
-              "length.", "",
+              "`fblc/passes/lower_composites.py`, `fblc/passes/lower_recurrent.py` and `fblc/passes/lower_dft.py` "
+              "(their `LOWERINGS` tables) rewrite these", "before shape inference; the recurrent ops are unrolled over "
+              "their static sequence length.", "",
               "| op | lowered to | not lowered |", "| --- | --- | --- |",
               *[f"| {op} | {_cell(into)} | {_cell(limits or '-')} |" for op, (into, limits) in LOWERINGS.items()]]
     return "\n".join(lines) + "\n"

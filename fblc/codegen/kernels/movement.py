@@ -135,18 +135,42 @@ def emit_split(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     return kernels
 
 
+#: Pad mode -> (the input position read below the input's start, above its end) for a position `s` counted
+#: from the input's start on an axis of `dim` (ONNX keeps reflect pads under dim, wrap pads at most dim)
+MIRRORED_SOURCES: dict[str, Callable[[Expr, int], tuple[Expr | int, Expr | int]]] = {
+    "reflect": lambda s, dim: (-s, 2 * (dim - 1) - s),
+    "edge": lambda s, dim: (0, dim - 1),
+    "wrap": lambda s, dim: (s + dim, s - dim),
+}
+
+
+def _mirrored_pad_value(b: KernelBuilder, node: ir.Node, mode: str, sources: list[Expr], padded: list[int]) -> Expr:
+    """A reflect / edge / wrap Pad's element: every output position reads an input position (MIRRORED_SOURCES)."""
+    in_shape = static_shape(node.inputs[0])
+    for k in padded:
+        below, above = MIRRORED_SOURCES[mode](sources[k], in_shape[k])
+        sources[k] = b.body.let(select(sources[k].lt(0), below, select(sources[k].ge(in_shape[k]), above,
+                                                                          sources[k])), "src", INT)
+    return b.element(node.inputs[0], flat_index(list(zip(sources, strides_of(in_shape)))))
+
+
 def pad_value(b: KernelBuilder, node: ir.Node) -> Expr:
-    """In the lane loop of a kernel shaped like the Pad's output: its element (constant mode)."""
-    choice_attr(node, "mode", "constant", ("constant",), "kernel")
+    """In the lane loop of a kernel shaped like the Pad's output: its element (constant mode: the fill outside
+    the input; reflect, edge and wrap: the input position the mode names)."""
+    mode = choice_attr(node, "mode", "constant", ("constant", *MIRRORED_SOURCES), "kernel")
     in_shape = static_shape(node.inputs[0])
     rank = len(in_shape)
     pads = ints_input(node, 1, "pads") or [0] * (2 * rank)
     axes = ints_input(node, 3, "axes") or list(range(rank))
     begins = {axis % rank: pads[k] for k, axis in enumerate(axes)}
+    # an axis without pads maps onto itself: no bounds to check there (a size-1 axis' check was a constant)
+    padded = sorted({axis % rank for k, axis in enumerate(axes) if pads[k] or pads[k + len(axes)]})
+    sources = [out_axis(k) - begins[k] if begins.get(k) else out_axis(k) for k in range(rank)]
+    if mode != "constant":
+        return _mirrored_pad_value(b, node, mode, sources, padded)
     has_fill = len(node.inputs) > 2 and node.inputs[2] is not None
     fill = b.element(node.inputs[2], Const(0, INT)) if has_fill else Const(0, INT)
-    sources = [out_axis(k) - begins[k] if begins.get(k) else out_axis(k) for k in range(rank)]
-    inside = [source.ge(0).logical_and(source.lt(dim)) for source, dim in zip(sources, in_shape)]
+    inside = [sources[k].ge(0).logical_and(sources[k].lt(in_shape[k])) for k in padded] or [Const(1, INT)]
     flag = b.body.let(functools.reduce(Expr.logical_and, inside), "inside", INT)
     index = b.body.let(select(flag, flat_index(list(zip(sources, strides_of(in_shape)))), 0), "src", INT)
     return select(flag, b.element(node.inputs[0], index), fill.cast(dtype_of(node.outputs[0])))

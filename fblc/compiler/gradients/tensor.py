@@ -174,11 +174,59 @@ def gather_elements_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[b
     return [dx, None]
 
 
+def _edge_part(e: Emitter, dy: ir.Value, axis: int, start: int, stop: int, mode: str, left: bool, length: int,
+               rank: int) -> ir.Value:
+    """The gradient that the padded positions [start, stop) on `axis` (one edge, width w) send to the input's
+    `length` positions, in the input's extent on that axis: reflect mirrors them onto 1..w (the start) or
+    length-1-w..length-2 (the end), edge sums them onto the first or last position, wrap moves them to the
+    other end."""
+    width = stop - start
+    part = e.op("Slice", dy, e.ints([start]), e.ints([stop]), e.ints([axis]))
+    if mode == "reflect":
+        part = e.op("Slice", part, e.ints([width - 1]), e.ints([-width - 1]), e.ints([axis]), e.ints([-1]))
+        before = 1 if left else length - 1 - width
+    elif mode == "edge":
+        part = e.reduce_sum(part, [axis], keepdims=True)
+        before, width = (0 if left else length - 1), 1
+    else:  # wrap: the start's pad holds the input's last positions, the end's its first
+        before = length - width if left else 0
+    pads = [0] * (2 * rank)
+    pads[axis], pads[rank + axis] = before, length - before - width
+    return e.op("Pad", part, e.ints(pads)) if before or length - before - width else part
+
+
+def _mirrored_pad_grad(e: Emitter, node: ir.Node, dy: ir.Value, mode: str, begins: list[int],
+                       ends: list[int]) -> ir.Value:
+    """Pad reflect / edge / wrap: per padded axis (the padding is one axis after another, so is its gradient),
+    the input's own span of dy plus each edge's part (_edge_part)."""
+    in_shape = static_shape(node.inputs[0])
+    rank = len(in_shape)
+    if any(p < 0 for p in begins + ends):
+        raise UnsupportedOpError(f"Pad mode '{mode}' with negative pads has no gradient (node '{node.name}')",
+                                 "crop with a Slice, or freeze what feeds it", ops=["Pad"])
+    shape = list(static_shape(node.outputs[0]))
+    for axis in range(rank):
+        a, b, length = begins[axis], ends[axis], in_shape[axis]
+        if not a and not b:
+            continue
+        total = e.op("Slice", dy, e.ints([a]), e.ints([a + length]), e.ints([axis]))
+        if a:
+            total = e.op("Add", total, _edge_part(e, dy, axis, 0, a, mode, True, length, rank))
+        if b:
+            total = e.op("Add", total, _edge_part(e, dy, axis, a + length, shape[axis], mode, False, length, rank))
+        dy, shape[axis] = total, length
+    return dy
+
+
+#: Pad modes whose padded positions copy input positions (their gradients flow back there)
+MIRRORED_PADS = ("reflect", "edge", "wrap")
+
+
 @register_gradient("Pad")
 def pad_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Grads:
     mode = attr(node, "mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode != "constant":
+    if mode not in ("constant", *MIRRORED_PADS):
         raise UnsupportedOpError(f"Pad mode '{mode}' has no gradient (node '{node.name}')",
                                  "use constant padding, or freeze what feeds it")
     in_shape = static_shape(node.inputs[0])
@@ -189,6 +237,8 @@ def pad_grad(e: Emitter, node: ir.Node, dys: Grads, need: Sequence[bool]) -> Gra
     for k, axis in enumerate(axes):
         begins[axis % rank] = pads[k]
         ends[axis % rank] = pads[k + len(axes)]
+    if mode != "constant":
+        return [_mirrored_pad_grad(e, node, dys[0], mode, begins, ends), None, None, None][: len(node.inputs)]
     out_shape = static_shape(node.outputs[0])
     # A negative pad cropped the input: the gradient pads it back with zeros.
     crop = [max(b, 0) for b in begins] + [max(x, 0) for x in ends]
