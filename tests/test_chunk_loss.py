@@ -141,7 +141,8 @@ def _tied_lm(path: str) -> None:
     rng = np.random.default_rng(5)
     weights = {"table": rng.normal(size=(V, D)).astype(np.float32), "w1": rng.normal(size=(D, D)).astype(np.float32)}
     nodes = [helper.make_node("Gather", ["table", "ids"], ["x"], name="embed"),
-             helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
              helper.make_node("Transpose", ["table"], ["head_t"], name="head_t", perm=[1, 0]),
              helper.make_node("MatMul", ["r", "head_t"], ["logits"], name="lm_head")]
     graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [B, T])],
@@ -156,13 +157,14 @@ def test_tied_quantized_head_chunks_equal_the_whole_loss(tmp_path, trainer: str)
     their own row slices are read by the loss's MatMuls and by the embedding, whose Gather becomes one Gather per
     chunk (ids outside a chunk add zeros; negative ids wrap), so the whole table is stored once, in chunks. ES
     (FuRA-S, the members' loss chunked before es_gradients copies it) and LoRA backprop: every step output of the
-    chunked step equals the unchunked step's on the same inputs (onnxruntime)."""
+    chunked step equals the unchunked step's on the same inputs (onnxruntime). ES leaves a float head whole."""
     from fblc.compiler.adapters import AdapterConfig
     from fblc.compiler.es import EsConfig
     _tied_lm(str(tmp_path / "tied.onnx"))
-    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=8), trainer="es", weights=WeightFormat("int4", 8),
+    int4 = WeightFormat("int4", 8)
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=8), trainer="es", weights=int4,
                               es=EsConfig(pairs=2, sigma=0.05), optimizer=OptimizerConfig("sgd", lr=1.0)) \
-        if trainer == "es" else TrainingOptions(adapter=AdapterConfig(kind="lora", rank=2), weights=WeightFormat("int4", 8),
+        if trainer == "es" else TrainingOptions(adapter=AdapterConfig(kind="lora", rank=2), weights=int4,
                                                 optimizer=OptimizerConfig("sgd", lr=0.1))
     rng = np.random.default_rng(3)
     feeds = {"ids": rng.integers(-V, V, size=(B, T)).astype(np.int64),  # negative ids count from the end
@@ -189,3 +191,8 @@ def test_tied_quantized_head_chunks_equal_the_whole_loss(tmp_path, trainer: str)
     assert got[16].keys() == got[0].keys() and ("rewards" in got[0]) == (trainer == "es")
     for name, whole in got[0].items():
         np.testing.assert_allclose(got[16][name], whole, rtol=RTOL, atol=ATOL, err_msg=name)
+    if trainer == "es":  # a float head's chunks would be run-time Slices, made once and held by every member
+        passes = training_pipeline(dataclasses.replace(options, loss_chunk=16, weights=WeightFormat()))
+        step = run_passes(load_model(str(tmp_path / "tied.onnx")), passes)
+        assert "not quantized" in next(p for p in passes if isinstance(p, ChunkLoss)).skipped
+        assert any(n.op_type == "ReduceLogSumExp" for n in step.graph)  # pick_log_probs' whole-vocabulary loss

@@ -78,7 +78,8 @@ def gather_from_chunks(gather: ir.Node, chunks: list[tuple[int, ir.Value]], rows
     for start, table in chunks:
         size = static_shape(table)[0]
         local = e.op("Sub", ids, e.const(np.array(start, np.int64)))
-        inside = e.op("And", e.op("GreaterOrEqual", local, zero), e.op("Less", local, e.const(np.array(size, np.int64))))
+        end = e.const(np.array(size, np.int64))
+        inside = e.op("And", e.op("GreaterOrEqual", local, zero), e.op("Less", local, end))
         picked = e.op("Gather", table, e.op("Where", inside, local, zero), axis=0)
         part = e.op("Where", e.op("Unsqueeze", inside, e.ints([-1])), picked, nothing)
         total = part if total is None else e.op("Add", part, total)

@@ -135,9 +135,13 @@ def _terms(value: ir.Value, adds: list[ir.Node]) -> list[_Term] | str:
         if refused:
             return f"the LM head's weight is quantized (DequantizeLinear '{stored.name}') and {refused}"
         term.dequantize = stored
-        term.gathers = [use.node for use in stored.outputs[0].uses() if use.node is not reader
-                        and use.node.metadata_props.get(keys.STAGE) != "backward"]
+        term.gathers = [use.node for use in _forward_readers(stored.outputs[0], reader)]
     return [term]
+
+
+def _forward_readers(value: ir.Value, head: ir.Node) -> list[ir.Usage]:
+    """The forward's reads of `value` other than the head's `head` (the backward's go with the chunks)."""
+    return [use for use in value.uses() if use.node is not head and use.node.metadata_props.get(keys.STAGE) != "backward"]
 
 
 def _unsliceable(node: ir.Node, axis: int, reader: ir.Node) -> str:
@@ -149,8 +153,8 @@ def _unsliceable(node: ir.Node, axis: int, reader: ir.Node) -> str:
     if any(v is not None and v.const_value is None for v in node.inputs):
         return "its integers or scales are not initializers"
     out = node.outputs[0]
-    others = [use for use in out.uses() if use.node is not reader and use.node.metadata_props.get(keys.STAGE) != "backward"]
-    if out.is_graph_output() or any(use.idx != 0 or not embedding_gather(use.node) or axis != 0 for use in others):
+    if out.is_graph_output() or any(use.idx != 0 or not embedding_gather(use.node) or axis != 0
+                                    for use in _forward_readers(out, reader)):
         return "its float weight has readers other than the head and embedding Gathers of its rows"
     if len(static_shape(node.inputs[1])) > 1 and int(node.attributes.get_int("axis", 1)) % 2 == axis:
         return "its blocks run along the vocabulary"
@@ -210,9 +214,13 @@ class ChunkLoss(ContractPass):
     requires_facts = ("static shapes", "loss")
     ensures_facts = ("static shapes", "loss")
 
-    def __init__(self, chunk: int = -1, loss: str = "cross_entropy") -> None:
+    def __init__(self, chunk: int = -1, loss: str = "cross_entropy", members: bool = False) -> None:
         super().__init__()
         self.chunk, self.loss = chunk, loss
+        #: before es_gradients, whose members copy the chunked forward: a chunk sliced at run time from a weight
+        #: that reads no parameter would be made once and held by every member (the whole head again), so only
+        #: quantized heads (sliced at compile time) and trained weights are chunked
+        self.members = members
         self.skipped = ""  # why the last model was left as it was ("" when chunked or not asked)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -231,6 +239,13 @@ class ChunkLoss(ContractPass):
         columns = chunk_columns(self.chunk, vocabulary)
         if columns == 0:
             self.skipped = f"vocabulary {vocabulary} below the chunk"
+            return ir.passes.PassResult(model, False)
+        held = [t.rows or t.w for t in head.terms if self.members and t.dequantize is None
+                and keys.get_role(t.rows or t.w) != Role.PARAM.value]
+        if held:
+            self.skipped = (f"the LM head's weight '{held[0].name}' is not quantized: its chunks would be Slices made "
+                            "once and held by every ES member (a whole copy of the head); --weights int4|int8 cuts them "
+                            "at compile time")
             return ir.passes.PassResult(model, False)
         head_nodes = [*head.adds, *(n for t in head.terms for n in t.nodes)]
         backward = _backward_of(graph, [*head_nodes, head.identity, *head.loss_nodes])

@@ -162,7 +162,7 @@ def _chunked_loss(options: TrainingOptions, before_gradients: bool) -> list[ir.p
     ES members copy the chunked forward); none under a reward that reads the logits (accuracy, external)."""
     chunked_before = options.trainer == "es" and options.es.reward in LOSS_ONLY_REWARDS
     wanted = chunked_before if before_gradients else options.trainer == "backprop"
-    return [ChunkLoss(options.loss_chunk, options.loss)] if wanted else []
+    return [ChunkLoss(options.loss_chunk, options.loss, members=before_gradients)] if wanted else []
 
 
 def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
