@@ -86,5 +86,6 @@ def gather_from_chunks(gather: ir.Node, chunks: list[tuple[int, ir.Value]], rows
     assert total is not None
     old = gather.outputs[0]
     total.shape, total.type = old.shape, old.type
+    total.metadata_props.update(old.metadata_props)
     ir.convenience.replace_all_uses_with(old, total, replace_graph_outputs=True)
     gather.graph.remove(gather, safe=True)  # type: ignore[union-attr]
