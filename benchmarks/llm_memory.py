@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -116,6 +117,10 @@ def measure(path: str, trainer: str, weights: str, target: str, budget_mb: str =
             "launches": launches_per_step(program), "compile_cpu_s": round(time.process_time(), 1)}
 
 
+#: a frozen quantized weight's packed integers or scales (`W.q`, `W.scale`; a chunked LM head's slices `W.q/START`)
+QUANTIZED_NAME = re.compile(r"\.(q|scale)(/\d+)?( |$)")
+
+
 def peak_breakdown(plan: Any, table: Any) -> dict[str, Any]:
     """What is live at the plan's live peak (the runtimes' in-place updates merged as memory_report does), in MB by
     category: the frozen quantized weights (their packed integers and scales), FuRA-S's R factors, other weights,
@@ -130,7 +135,7 @@ def peak_breakdown(plan: Any, table: Any) -> dict[str, Any]:
     def category(b: Any) -> str:
         names = " ".join(b.values or [b.name])
         if b.cls == "weight":
-            if names.endswith((".q", ".scale")) or ".q " in names or ".scale " in names:
+            if QUANTIZED_NAME.search(names):
                 return "frozen_quantized"
             return "fura_R" if ".fura_R" in names else "weights_other"
         return "state" if b.cls in ("optimizer", "grad", "input") else "activations"

@@ -8,6 +8,7 @@ every P.grad must match float64 torch autograd of F.cross_entropy (ignore_index 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -133,3 +134,65 @@ def test_chunking_takes_the_logits_out_of_the_live_peak(tmp_path) -> None:
         peaks[chunk] = plan_memory(step).summary()["live_peak"]
     logits = B * tokens * vocabulary * 4
     assert peaks[512] <= peaks[0] - logits, peaks
+
+
+def _tied_lm(path: str) -> None:
+    """ids -> Gather(table [V, D]) -> MatMul -> Relu -> MatMul(Transpose(table)): the head tied to the embedding."""
+    rng = np.random.default_rng(5)
+    weights = {"table": rng.normal(size=(V, D)).astype(np.float32), "w1": rng.normal(size=(D, D)).astype(np.float32)}
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"], name="embed"),
+             helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Transpose", ["table"], ["head_t"], name="head_t", perm=[1, 0]),
+             helper.make_node("MatMul", ["r", "head_t"], ["logits"], name="lm_head")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [B, T])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [B, T, V])],
+                              initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+
+
+@pytest.mark.parametrize("trainer", ["es", "backprop"])
+def test_tied_quantized_head_chunks_equal_the_whole_loss(tmp_path, trainer: str) -> None:
+    """A head tied to the embedding and stored int4 (Llama-3.2-1B's) is chunked: the chunks' DequantizeLinears of
+    their own row slices are read by the loss's MatMuls and by the embedding, whose Gather becomes one Gather per
+    chunk (ids outside a chunk add zeros; negative ids wrap), so the whole table is stored once, in chunks. ES
+    (FuRA-S, the members' loss chunked before es_gradients copies it) and LoRA backprop: every step output of the
+    chunked step equals the unchunked step's on the same inputs (onnxruntime). ES leaves a float head whole."""
+    from fblc.compiler.adapters import AdapterConfig
+    from fblc.compiler.es import EsConfig
+    _tied_lm(str(tmp_path / "tied.onnx"))
+    int4 = WeightFormat("int4", 8)
+    options = TrainingOptions(adapter=AdapterConfig(kind="fura-s", block=8), trainer="es", weights=int4,
+                              es=EsConfig(pairs=2, sigma=0.05), optimizer=OptimizerConfig("sgd", lr=1.0)) \
+        if trainer == "es" else TrainingOptions(adapter=AdapterConfig(kind="lora", rank=2), weights=int4,
+                                                optimizer=OptimizerConfig("sgd", lr=0.1))
+    rng = np.random.default_rng(3)
+    feeds = {"ids": rng.integers(-V, V, size=(B, T)).astype(np.int64),  # negative ids count from the end
+             "labels": rng.integers(0, V, size=(B, T)).astype(np.int64), "noise": None}
+    feeds["ids"][0, 0], feeds["labels"][1, 1] = V - 1, V - 1  # the last, short chunk
+    got = {}
+    for chunk in (16, 0):
+        passes = training_pipeline(dataclasses.replace(options, loss_chunk=chunk))
+        step = run_passes(load_model(str(tmp_path / "tied.onnx")), passes)
+        chunker = next(p for p in passes if isinstance(p, ChunkLoss))
+        assert chunker.skipped == ""
+        tables = [n for n in step.graph if n.op_type == "DequantizeLinear" and static_shape(n.outputs[0])[-1] == D
+                  and static_shape(n.outputs[0])[0] != D]
+        assert sorted(static_shape(n.outputs[0])[0] for n in tables) == ([2, 16, 16, 16] if chunk else [V])
+        gathers = [n for n in step.graph if n.op_type == "Gather"]
+        assert {n.inputs[0].producer().name for n in gathers} == {n.name for n in tables}  # the embedding reads them
+        save_model_atomically(step, str(tmp_path / f"step{chunk}.onnx"))
+        session = ort.InferenceSession(str(tmp_path / f"step{chunk}.onnx"), providers=["CPUExecutionProvider"])
+        if trainer == "es":
+            width = next(i.shape for i in session.get_inputs() if i.name == "noise")
+            feeds["noise"] = np.random.default_rng(4).normal(size=width).astype(np.float32)
+        run = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
+        got[chunk] = dict(zip([o.name for o in session.get_outputs()], run))
+    assert got[16].keys() == got[0].keys() and ("rewards" in got[0]) == (trainer == "es")
+    for name, whole in got[0].items():
+        np.testing.assert_allclose(got[16][name], whole, rtol=RTOL, atol=ATOL, err_msg=name)
+    if trainer == "es":  # a float head's chunks would be run-time Slices, made once and held by every member
+        passes = training_pipeline(dataclasses.replace(options, loss_chunk=16, weights=WeightFormat()))
+        step = run_passes(load_model(str(tmp_path / "tied.onnx")), passes)
+        assert "not quantized" in next(p for p in passes if isinstance(p, ChunkLoss)).skipped
+        assert any(n.op_type == "ReduceLogSumExp" for n in step.graph)  # pick_log_probs' whole-vocabulary loss

@@ -43,7 +43,8 @@ def add_training_options(parser: argparse.ArgumentParser, step: bool = True) -> 
                         help="; ".join(f"{k}: {v}" for k, v in choices.LOSSES.items()) + " (default: cross_entropy)")
     parser.add_argument("--loss-chunk", type=int, default=-1, metavar="COLUMNS",
                         help="cross_entropy over a MatMul's logits in vocabulary chunks of COLUMNS classes, forward "
-                             "and backward, so the [tokens, vocabulary] logits never exist whole (0: off; default -1: "
+                             "and backward (ES: every member's loss, under --reward neg-loss), so the [tokens, "
+                             "vocabulary] logits never exist whole (0: off; default -1: "
                              "chunks of 8192 where the vocabulary has 16384 classes or more)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="MB",
                         help="the device memory the step may use, in MB (1e6 bytes): where its live peak is larger, "

@@ -80,6 +80,8 @@ def _accuracy(e: Emitter, loss: ir.Value, prediction: ir.Value, labels: ir.Value
 
 RewardBuilder = Callable[[Emitter, ir.Value, ir.Value, "ir.Value | None"], ir.Value]
 REWARD_BUILDERS: dict[str, RewardBuilder] = {"neg-loss": _neg_loss, "accuracy": _accuracy}
+#: the rewards that read the loss alone, not the model's output: the members' loss may be chunked (chunk_loss)
+LOSS_ONLY_REWARDS = ("neg-loss",)
 #: the application scores the members' outputs (MobileSpec's verifiable outcomes): the step takes
 #: `rewards` as an input and outputs `member_<m>`, each member's model output, for the scorer
 EXTERNAL = "external"

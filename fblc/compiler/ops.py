@@ -228,7 +228,8 @@ OPS: dict[str, Op] = {
     "ArgMax": _index("torch.argmax", "arg_reduce", no_gradient=INTEGER_OUTPUTS),
     "TopK": _index("torch.topk, mixture-of-experts routing"),
     # indexing
-    "Gather": Op(Kind.INDEXING, I_D, "nn.Embedding, x[:, 0], index_select", reads=BY_STRIDES, weights=(0,)),
+    "Gather": Op(Kind.INDEXING, I_D, "nn.Embedding, x[:, 0], index_select", reads=BY_STRIDES, weights=(0,),
+                 shape="gather"),
     "GatherND": _index("x[..., [i], :], bias tables indexed by constants", "gather_nd", reads=BY_STRIDES),
     "GatherElements": _index("torch.gather, F.cross_entropy", "gather_elements", reads=BY_STRIDES),
     "ScatterND": _index("index_put (x[idx] = y), slice assignment (legacy)", "scatter"),

@@ -202,6 +202,12 @@ def _scatter(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
 
 
 @_named
+def _gather(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
+    axis = int(attr(node, "axis", 0)) % len(shapes[0])
+    return [(shapes[0][:axis] + shapes[1] + shapes[0][axis + 1:], dtypes[0])]
+
+
+@_named
 def _gather_elements(node: ir.Node, shapes: list[Shape], dtypes: list) -> Result:
     return [(shapes[1], dtypes[0])]
 

@@ -5,16 +5,18 @@ LogSoftmax; the backward saves log-probabilities [T, V] and makes dz [T, V]. Whe
 replaces the LM-head MatMul, the loss and their backward by chunks of C columns (the last one shorter
 where C does not divide V):
 - forward: per chunk z_c = X W[:, c], its row max m_c and sum s_c of exp(z_c - m_c); then m = max m_c,
-  s = sum s_c exp(m_c - m) (the log-sum-exp over chunks); the label's logit is sum_c z_c . onehot_c (taken from
-  the chunk that holds it: nothing reads the whole W); what stays for the backward is lse = m + log s, one value
-  per row;
+  s = sum s_c exp(m_c - m) (the log-sum-exp over chunks); the label's logit is gathered from the chunk that holds
+  it (the others give exact zeros: nothing reads the whole W); what stays for the backward is lse = m + log s, one
+  value per row;
 - backward: per chunk z_c again (recomputed: one more MatMul per chunk), dz_c = (exp(z_c - lse) -
   onehot_c) * w / count * seed, consumed at once by dW_c = X^T dz_c and dX += dz_c W[:, c]^T.
 So the largest loss temporary is [T, C] instead of [T, V]; dW is the chunks' columns concatenated.
 A quantized head (DequantizeLinear of initializers, blocks along K) is cut at compile time: each chunk reads a
 DequantizeLinear of its own slice of the integers and scales, which its MatMuls dequantize as they load
 (fuse.DEQUANTIZING_READS; a Slice at an offset is no view a contraction reads, so slicing the float weight would
-materialise it); the whole head's integers leave the graph.
+materialise it); the whole head's integers leave the graph. A head tied to the embedding (one [V, D] table read by
+the embedding Gather and, transposed, by the head: Llama-3.2-1B) is cut the same way and the Gather reads the chunks
+(compiler/vocabulary_chunks.gather_from_chunks), so the table is stored once.
 
 Rewrite: the loss Identity reads the chunked loss; the backward nodes that the gradient pass wrote for
 the MatMul and the loss go, their exits (dX, dW, by shape) read the chunked gradients instead.
@@ -22,7 +24,8 @@ Options: `chunk` (TrainingOptions.loss_chunk): columns per chunk, 0 off, -1 auto
 where V >= AUTO_FROM). Only the cross-entropy over a MatMul's logits that nothing else reads is chunked;
 any other loss or shape leaves the graph unchanged (`modified` false, the reason in `self.skipped`).
 Preconditions: attach_loss ran; after the gradient pass (backprop: seed 1 or the state `loss_scale`)
-where there is one. In place.
+where there is one; under ES before es_gradients (forward only: its members copy the chunked forward, so no
+member's [T, V] logits exist), with a reward that reads the loss alone (the logits are gone). In place.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from fblc.compiler import keys
 from fblc.compiler.graph import Emitter, static_shape
 from fblc.compiler.keys import Role
 from fblc.compiler.loss_scale import SCALE
+from fblc.compiler.vocabulary_chunks import dequantized_chunk, embedding_gather, gather_from_chunks
 from fblc.compiler.losses import IGNORE_INDEX
 from fblc.passes.attach_loss import LABELS, LOSS
 from fblc.passes.contracts import ContractPass
@@ -66,6 +70,8 @@ class _Term:
     dequantize: ir.Node | None = None
     #: chunk start -> that chunk's stored weight (quantized heads: made once, read by the forward and the backward)
     chunks: dict[int, ir.Value] = field(default_factory=dict)
+    #: a tied head's embedding Gathers of the whole quantized table, which come to read the chunks instead
+    gathers: list[ir.Node] = field(default_factory=list)
 
     @property
     def nodes(self) -> list[ir.Node]:
@@ -124,22 +130,32 @@ def _terms(value: ir.Value, adds: list[ir.Node]) -> list[_Term] | str:
     term = _Term(node, x, w, rows)
     stored = (rows if rows is not None else w).producer()
     if stored is not None and stored.op_type == "DequantizeLinear":
-        refused = _unsliceable(stored, term.vocabulary_axis, transpose if rows is not None else node)
+        reader = transpose if rows is not None else node
+        refused = _unsliceable(stored, term.vocabulary_axis, reader)
         if refused:
             return f"the LM head's weight is quantized (DequantizeLinear '{stored.name}') and {refused}"
         term.dequantize = stored
+        term.gathers = [use.node for use in _forward_readers(stored.outputs[0], reader)]
     return [term]
+
+
+def _forward_readers(value: ir.Value, head: ir.Node) -> list[ir.Usage]:
+    """The forward's reads of `value` other than the head's `head` (the backward's go with the chunks)."""
+    return [use for use in value.uses() if use.node is not head and use.node.metadata_props.get(keys.STAGE) != "backward"]
 
 
 def _unsliceable(node: ir.Node, axis: int, reader: ir.Node) -> str:
     """Why the quantized head `node` cannot be cut into vocabulary chunks along its data's `axis` at compile
     time ("" where it can): its integers, scales (and zero points) must be initializers, its output read by the
-    head's `reader` alone (and the backward, which the chunks replace) (else the whole float weight stays: a Slice at an offset is no view a contraction reads), and its
-    blocks must not run along the vocabulary."""
+    head's `reader` alone (and the backward, which the chunks replace) or by embedding Gathers of its rows (a tied
+    head: they read the chunks too; else the whole float weight stays: a Slice at an offset is no view a
+    contraction reads), and its blocks must not run along the vocabulary."""
     if any(v is not None and v.const_value is None for v in node.inputs):
         return "its integers or scales are not initializers"
-    if not _only_reader(node.outputs[0], reader):
-        return "its float weight has readers other than the head (a tied embedding)"
+    out = node.outputs[0]
+    if out.is_graph_output() or any(use.idx != 0 or not embedding_gather(use.node) or axis != 0
+                                    for use in _forward_readers(out, reader)):
+        return "its float weight has readers other than the head and embedding Gathers of its rows"
     if len(static_shape(node.inputs[1])) > 1 and int(node.attributes.get_int("axis", 1)) % 2 == axis:
         return "its blocks run along the vocabulary"
     return ""
@@ -198,9 +214,13 @@ class ChunkLoss(ContractPass):
     requires_facts = ("static shapes", "loss")
     ensures_facts = ("static shapes", "loss")
 
-    def __init__(self, chunk: int = -1, loss: str = "cross_entropy") -> None:
+    def __init__(self, chunk: int = -1, loss: str = "cross_entropy", members: bool = False) -> None:
         super().__init__()
         self.chunk, self.loss = chunk, loss
+        #: before es_gradients, whose members copy the chunked forward: a chunk sliced at run time from a weight
+        #: that reads no parameter would be made once and held by every member (the whole head again), so only
+        #: quantized heads (sliced at compile time) and trained weights are chunked
+        self.members = members
         self.skipped = ""  # why the last model was left as it was ("" when chunked or not asked)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -220,6 +240,13 @@ class ChunkLoss(ContractPass):
         if columns == 0:
             self.skipped = f"vocabulary {vocabulary} below the chunk"
             return ir.passes.PassResult(model, False)
+        held = [t.rows or t.w for t in head.terms if self.members and t.dequantize is None
+                and keys.get_role(t.rows or t.w) != Role.PARAM.value]
+        if held:
+            self.skipped = (f"the LM head's weight '{held[0].name}' is not quantized: its chunks would be Slices made "
+                            "once and held by every ES member (a whole copy of the head); --weights int4|int8 cuts them "
+                            "at compile time")
+            return ir.passes.PassResult(model, False)
         head_nodes = [*head.adds, *(n for t in head.terms for n in t.nodes)]
         backward = _backward_of(graph, [*head_nodes, head.identity, *head.loss_nodes])
         owned = {id(n) for n in backward}
@@ -233,7 +260,13 @@ class ChunkLoss(ContractPass):
         rows = math.prod(static_shape(head.terms[0].x)[:-1])
         forward = Emitter(graph, stage="loss")
         forward.anchor = head.identity
+        position = {id(n): i for i, n in enumerate(graph)}
+        for term in head.terms:  # the chunks go before the first Gather that comes to read them
+            term.gathers.sort(key=lambda n: position[id(n)])
         stats = _chunked_forward(forward, head, rows, vocabulary, columns)
+        for term in head.terms:
+            for gather in term.gathers:
+                gather_from_chunks(gather, sorted(term.chunks.items()), vocabulary)
         head.identity.replace_input_with(0, stats.loss)
         if exits:
             grad = Emitter(graph, stage="backward")
@@ -250,7 +283,7 @@ class ChunkLoss(ContractPass):
             if not value.uses() and graph.initializers.get(value.name) is value:
                 graph.initializers.pop(value.name)
         for value in [stats.lse, stats.weights, stats.count, stats.labels, *(t.x for t in head.terms),
-                      *(t.rows or t.w for t in head.terms if t.dequantize is None)]:
+                      *(t.rows or t.w for t in head.terms if t.dequantize is None)] if exits else []:
             if keys.get_role(value) is None:
                 keys.set_role(value, Role.SAVED)
         return ir.passes.PassResult(model, True)
@@ -293,40 +326,12 @@ def _columns(e: Emitter, term: _Term, start: int, size: int) -> tuple[ir.Value, 
 
 
 def _dequantized_chunk(e: Emitter, term: _Term, start: int, size: int) -> ir.Value:
-    """The quantized head's chunk [start, start + size) along the vocabulary: a DequantizeLinear (no stage: it runs
-    in its readers' loads, fuse.DEQUANTIZING_READS) of new initializers holding that slice of the integers and of
-    the scales (zero points) that run along the vocabulary; made once per chunk."""
-    if start in term.chunks:
-        return term.chunks[start]
-    node, axis = term.dequantize, term.vocabulary_axis
-    assert node is not None and node.graph is not None
-    graph = node.graph
-    along = int(node.attributes.get_int("axis", 1)) % 2  # a 1-D scale runs along this axis of the data
-    inputs: list[ir.Value | None] = []
-    for value in node.inputs:
-        array = None if value is None else np.asarray(value.const_value.numpy())  # type: ignore[union-attr]
-        cut = axis if array is not None and array.ndim == 2 else 0 if array is not None and array.ndim == 1 \
-            and along == axis else None
-        if value is None or array is None or cut is None:  # per tensor, or a scale across the vocabulary: shared
-            inputs.append(value)
-            continue
-        part = np.ascontiguousarray(array[(slice(None),) * cut + (slice(start, start + size),)])
-        tensor = ir.tensor(part, dtype=value.dtype, name=f"{value.name}/{start}")
-        sliced = ir.Value(name=tensor.name, shape=ir.Shape(part.shape), type=ir.TensorType(value.dtype),
-                          const_value=tensor)
-        sliced.metadata_props.update(value.metadata_props)  # role frozen, fblc.quantized, fp16 storage
-        graph.register_initializer(sliced)
-        inputs.append(sliced)
-    chunk = ir.node("DequantizeLinear", inputs, {a.name: a for a in node.attributes.values()},
-                    name=f"{node.name}/{start}", num_outputs=1)
-    graph.insert_before(e.anchor, chunk)
-    out = chunk.outputs[0]
-    shape = list(static_shape(node.outputs[0]))
-    shape[axis] = size
-    out.name, out.shape, out.type = f"{node.outputs[0].name}/{start}", ir.Shape(shape), node.outputs[0].type
-    out.metadata_props.update(node.outputs[0].metadata_props)
-    term.chunks[start] = out
-    return out
+    """The quantized head's chunk [start, start + size) along the vocabulary (vocabulary_chunks.dequantized_chunk),
+    made once per chunk: before the tied embedding's Gathers where there are some (they read the chunks too)."""
+    assert term.dequantize is not None
+    anchor = term.gathers[0] if term.gathers else e.anchor
+    assert anchor is not None
+    return dequantized_chunk(term.dequantize, term.vocabulary_axis, start, size, anchor, term.chunks)
 
 
 def _chunk_logits(e: Emitter, head: _Head, xs: list[ir.Value], start: int, size: int
@@ -349,6 +354,18 @@ def _onehot(e: Emitter, labels: ir.Value, start: int, size: int, dtype: ir.DataT
     return e.op("Cast", e.op("Equal", local, classes), to=dtype)
 
 
+def _picked(e: Emitter, logits: ir.Value, labels: ir.Value, start: int, size: int) -> ir.Value:
+    """[N, 1]: each row's label logit where the chunk [start, start + size) holds the label, else an exact zero (the
+    chunks' picks summed give the label's logit: no read of the whole head). Gathered, not a one-hot product: a
+    one-hot [N, size] reads the labels alone, so where the forward is repeated (the ES members) it would be made
+    once and held, every chunk's, for the whole step."""
+    zero = e.const(np.array(0, np.int64))
+    local = e.op("Sub", labels, e.const(np.array(start, np.int64)))
+    inside = e.op("And", e.op("GreaterOrEqual", local, zero), e.op("Less", local, e.const(np.array(size, np.int64))))
+    picked = e.op("GatherElements", logits, e.op("Where", inside, local, zero), axis=1)
+    return e.op("Where", inside, picked, e.scalar(0.0, logits))
+
+
 def _chunked_forward(e: Emitter, head: _Head, rows: int, vocabulary: int, columns: int) -> _Stats:
     """The loss and the log-sum-exp of each row. Each chunk's max and sum of exponentials (against its own max)
     are made apart and joined once, by a Concat: an elementwise op reading two chunks' reductions would let
@@ -368,9 +385,7 @@ def _chunked_forward(e: Emitter, head: _Head, rows: int, vocabulary: int, column
         high = e.op("ReduceMax", logits, e.ints([1]), keepdims=1)
         highs.append(high)
         sums.append(e.op("ReduceSum", e.op("Exp", e.op("Sub", logits, high)), e.ints([1]), keepdims=1))
-        # the label's logit from the chunk that holds it (the others add exact zeros): no read of the whole head
-        picks.append(e.op("ReduceSum", e.op("Mul", logits, _onehot(e, column, start, size, dtype_of.dtype)),
-                          e.ints([1]), keepdims=1))
+        picks.append(_picked(e, logits, column, start, size))
     high_each = e.op("Concat", *highs, axis=1)  # [N, chunks]
     high = e.op("ReduceMax", high_each, e.ints([1]), keepdims=1)
     rescaled = e.op("Mul", e.op("Concat", *sums, axis=1), e.op("Exp", e.op("Sub", high_each, high)))

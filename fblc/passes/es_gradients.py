@@ -30,7 +30,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fblc.compiler import keys
-from fblc.compiler.es import (EXTERNAL, MEMBER_OUTPUT, NOISE, REWARD_BUILDERS, REWARD_MEAN, REWARDS_OUTPUT, EsConfig,
+from fblc.compiler.es import (EXTERNAL, LOSS_ONLY_REWARDS, MEMBER_OUTPUT, NOISE, REWARD_BUILDERS, REWARD_MEAN,
+                              REWARDS_OUTPUT, EsConfig,
                               direction, flat_slice, member_forward, param_dependents, perturbed_forward, z_scores)
 from fblc.compiler.es_loop import CARRIED_REWARDS, MEMBER, carried_input, member_perturbation, next_rewards
 from fblc.compiler.graph import Emitter, static_shape
@@ -116,8 +117,9 @@ class EsGradients(ContractPass):
         noise = ir.Value(name=NOISE, shape=ir.Shape([config.pairs, width]), type=ir.TensorType(ir.DataType.FLOAT))
         keys.set_role(noise, Role.NOISE)
         graph.inputs.insert(graph.inputs.index(params[0]), noise)
+        # attach_loss marks the value the loss reads; chunk_loss took it away where the reward reads the loss alone
         prediction = _prediction(graph)
-        assert prediction is not None, "attach_loss marks the value the loss reads"
+        assert prediction is not None or config.reward in LOSS_ONLY_REWARDS, "no value is marked as the prediction"
         labels = next((v for v in graph.inputs if keys.get_role(v) == Role.LABEL.value), None)
         forward = param_dependents(graph, params)
         e = Emitter(graph, stage="es")

@@ -17,7 +17,7 @@ from fblc.compiler import ops
 from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, AdapterConfig
 from fblc.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
-from fblc.compiler.es import TRAINERS, EsConfig
+from fblc.compiler.es import LOSS_ONLY_REWARDS, TRAINERS, EsConfig
 from fblc.compiler.loss_scale import uses_loss_scale
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.compiler.quantize import WeightFormat
@@ -162,6 +162,15 @@ def _gradient_pass(options: TrainingOptions) -> ir.passes.PassBase:
     return BuildGradients(loss_scale=loss_scaled(options))
 
 
+def _chunked_loss(options: TrainingOptions, before_gradients: bool) -> list[ir.passes.PassBase]:
+    """chunk_loss where the trainer puts it: after backprop's gradient pass (it replaces the head's backward);
+    before es_gradients under a --reward that reads the loss alone, so that every member's loss is chunked (the
+    ES members copy the chunked forward); none under a reward that reads the logits (accuracy, external)."""
+    chunked_before = options.trainer == "es" and options.es.reward in LOSS_ONLY_REWARDS
+    wanted = chunked_before if before_gradients else options.trainer == "backprop"
+    return [ChunkLoss(options.loss_chunk, options.loss, members=before_gradients)] if wanted else []
+
+
 def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
     return [
         BatchNormBatchStats(options.bn_train),
@@ -172,8 +181,9 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         MarkTrainable(options.train, options.freeze),
         QuantizeWeights(options.weights),
         AttachLoss(options.loss),
+    ] + _chunked_loss(options, before_gradients=True) + [
         _gradient_pass(options),
-    ] + ([ChunkLoss(options.loss_chunk, options.loss)] if options.trainer == "backprop" else []) + (
+    ] + _chunked_loss(options, before_gradients=False) + (
         [PickLogProbs()] if options.trainer == "es" else []) + [
         OptimizerStep(options.optimizer),
     ] + ([SgReplay()] if options.adapter.trains_projection_by_replay else []) + (
