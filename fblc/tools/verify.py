@@ -2,7 +2,8 @@
 
 Both sides start from the same parameters and optimizer state and see the same batch; the
 loss, every `P.grad`, `P.new` and `S.new` must agree within the tolerance of the dtype. A forward bundle
-(--trainer none) is compared output by output with onnxruntime's run of the model file itself.
+(--trainer none) is compared output by output with onnxruntime's run of the model file itself (of the
+forward step graph where --weights stores them rounded).
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ def verify_model(model_path: str, options: TrainingOptions, target: str = "local
         step, _ = compile_model(model_path, bundle, target, dtype, options)
         feeds = dict(feeds) if feeds is not None else random_feeds(step)
         runner = LocalRunner(bundle, device=device, storage=storage)
-        if fmt.is_forward(runner.manifest):  # no step graph to run: the model, as its user runs it
-            return compare(runner.infer(feeds), run_model(onnx.load(model_path), feeds), dtype)
+        if fmt.is_forward(runner.manifest):  # the model as its user runs it; with --weights int8/int4/fp16 the
+            # step graph, whose DequantizeLinear reads the stored weights (their rounding is the choice of --weights)
+            quantized = options.weights.weights != "fp32"
+            reference = ir.to_proto(reference_graph(step, model_path, options)) if quantized else onnx.load(model_path)
+            return compare(runner.infer(feeds), run_model(reference, feeds), dtype)
         step_path = os.path.join(scratch, "step.onnx")
         save_model_atomically(reference_graph(step, model_path, options), step_path)
         reference = ReferenceStep(step_path)
