@@ -79,7 +79,8 @@ class TrainingOptions:
     freeze: str | None = None
     bn_train: bool = False
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    #: "backprop" (autodiff) or "es" (evolution strategies: forwards only, fblc.compiler.es)
+    #: "backprop" (autodiff), "es" (evolution strategies: forwards only, fblc.compiler.es) or "none" (the forward
+    #: alone, for inference: pass forward_step)
     trainer: str = "backprop"
     es: EsConfig = field(default_factory=EsConfig)
     #: batch_tile's limit on one activation in bytes: -1 auto (8 MB with an adapter, else off), 0 off
