@@ -12,10 +12,12 @@ import pytest
 from fblc import bundle_format as fmt
 from fblc.cli import main
 from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.quantize import WeightFormat
 from fblc.compiler.reference import onnxruntime_session
 from fblc.errors import BundleError, FblcError
 from fblc.passes.pipeline import TrainingOptions, training_passes
 from fblc.runtime.local import DataError, LocalRunner
+from fblc.tools.verify import verify_model
 from support import models
 
 RTOL, ATOL = 1e-4, 1e-5  # fp32 kernels against onnxruntime (fblc.tools.verify.TOLERANCES)
@@ -81,3 +83,17 @@ def test_run_infer_round_trip_and_refusals(tmp_path, capsys) -> None:
     assert main(["run", bundle, "--data", data]) != 0
     assert f"'{bundle}' is a forward bundle" in capsys.readouterr().err
     assert os.path.getsize(out) > 0
+
+
+def test_verify_an_int4_forward_bundle(tmp_path) -> None:
+    """`fblc verify --trainer none --weights int4`: every weight of a forward bundle is a constant, so all are
+    stored packed; the kernels match onnxruntime on the step graph (its DequantizeLinear), and the rounding
+    itself is visible against the model file (so the reference is not the model there)."""
+    model = models.mlp(str(tmp_path))
+    options = TrainingOptions(trainer="none", weights=WeightFormat("int4"))
+    rows = verify_model(model.path, options, storage="buffer", feeds=model.inputs, keep_bundle=str(tmp_path / "b"))
+    assert [r.name for r in rows] == ["logits"] and all(r.ok for r in rows), rows
+    assert fmt.read_json(str(tmp_path / "b" / fmt.REPORT))["weights"]["quantized"]
+    served = LocalRunner(str(tmp_path / "b"), storage="buffer", progress=False).infer(model.inputs)["logits"]
+    original = _onnxruntime(model.path, model.inputs)["logits"]
+    assert not np.allclose(served, original, rtol=RTOL, atol=ATOL)  # int4's rounding, which the model lacks
