@@ -7,7 +7,9 @@ A bundle is a directory:
                  also carry `classes` and `ignore_index` (optional: a runtime that finds them
                  refuses other label values before training); parameters a torch export
                  named carry `torch_name` (and `torch_transposed`: true where the tensor is the
-                 torch parameter with its last two axes swapped), for messages and saved files; last, `manifest_sha256`: the
+                 torch parameter with its last two axes swapped), for messages and saved files; a forward
+                 bundle (`fblc compile --trainer none`) has `step`: "forward" and no `loss`: its step is
+                 the model's forward, its outputs the model's (`fblc run --infer`); last, `manifest_sha256`: the
                  sha256 of the manifest file itself with that digest's 64 characters written
                  as zeros, so that an edit of any byte of any file the runtimes read is refused;
 - plan.json      textures (width, height, format, lifetime) and the ordered kernel launches
@@ -58,6 +60,13 @@ PARAMS = "params.bin"
 REPORT = "report.json"
 FACTORS = "factors.npz"
 CHECKSUMMED = (PLAN, KERNELS, BUFFER_KERNELS, PARAMS, REPORT)
+#: manifest.json `step` of a forward bundle (--trainer none); a training bundle has none, and a `loss`
+FORWARD_STEP = "forward"
+
+
+def is_forward(manifest: dict[str, Any]) -> bool:
+    """Whether the bundle's step is the model's forward alone (fblc run --infer), not a training step."""
+    return manifest.get("step") == FORWARD_STEP
 #: the manifest's digest of itself (see the module docstring); the native runner finds it as this does
 MANIFEST_DIGEST = "manifest_sha256"
 _UNSEALED = "0" * 64

@@ -28,6 +28,10 @@ DEFAULT_RANK = 2
 
 # fblc.compiler.es: the trainers, ES's rewards and the defaults of EsConfig, which reads them here
 TRAINERS = ("backprop", "es")
+#: --trainer none: a forward bundle, the model's step without loss, backward or optimizer (pass forward_step);
+#: no trainer, so not in TRAINERS (the fuzzer's training modes)
+FORWARD = "none"
+TRAINER_CHOICES = (*TRAINERS, FORWARD)
 REWARDS = ("neg-loss", "accuracy", "external")
 ES_OPTIMIZERS = ("sgd", "adam")
 #: MobileSpec's FuRA-S settings (its Table A2): 15 antithetic pairs per update (Countdown, MATH, LaMP;

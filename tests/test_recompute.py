@@ -116,10 +116,10 @@ def test_a_bundle_over_the_budget_is_built_again_recomputing_more(resmlp, monkey
         targets.append(options.recompute_target)
         return real_build(model, options, **kwargs)
 
-    def check(plan, budget_bytes, allocated):  # type: ignore[no-untyped-def]
+    def check(plan, budget_bytes, allocated, forward=False):  # type: ignore[no-untyped-def]
         if len(targets) == 1:
             raise OverBudgetError("over", "", budget_bytes + overshoot, budget_bytes, layers_left=1)
-        real_check(plan, budget_bytes, allocated)
+        real_check(plan, budget_bytes, allocated, forward)
 
     monkeypatch.setattr(compile_module, "build_training_graph", build)
     monkeypatch.setattr(compile_module, "check_budget", check)

@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.set_defaults(run=cmd_compile)
 
     run = commands.add_parser(
-        "run", help="train with a bundle on an OpenCL device",
-        description="Run N training steps of BUNDLE on an OpenCL device, on batches from an .npz data file.")
+        "run", help="train with a bundle on an OpenCL device (or run a forward bundle: --infer)",
+        description="Run N training steps of BUNDLE on an OpenCL device, on batches from an .npz data file; with "
+                    "--infer, run a forward bundle (--trainer none) on them and write the model's outputs.")
     run.add_argument("bundle", help="bundle folder from 'fblc compile'")
     run.add_argument("--device", default="local",
                      help="local (first OpenCL device with images; PoCL by default), opencl:P:D (see 'fblc devices'), "
@@ -103,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with adb: time each kernel on the device (a profiling queue, which slows some drivers)")
     run.add_argument("--results", metavar="FILE.json",
                      help="with adb: write the runner's results (losses, step and per-kernel times, bytes allocated)")
+    run.add_argument("--infer", action="store_true",
+                     help="run a forward bundle ('fblc compile --trainer none') once per batch of --data (the model's "
+                          "inputs only) and write the model's outputs to -o (local devices only)")
+    run.add_argument("-o", "--output", metavar="OUTPUTS.npz",
+                     help="with --infer: the outputs, one array per model output, batches joined along axis 0")
     run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))
     add_export_command(commands)
 

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from fblc.choices import FORWARD
 from fblc.cli.options import pass_progress, training_options
 
 
@@ -49,7 +50,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
               "scores them)", file=sys.stderr)
     options = with_traced_reads(args.model, args.target, args.dtype, options)
     with pass_progress(len(compile_pipeline(options, profile)), enabled=not args.quiet) as on_pass:
-        _, report = compile_model(args.model, args.output, args.target, args.dtype, options,
+        step, report = compile_model(args.model, args.output, args.target, args.dtype, options,
                                   dump_dir=args.dump_dir, on_pass=on_pass, annexes=annexes,
                                   schedules=args.schedules)
     if options.weights.weights != "fp32" and not report["weights"]["quantized"]:  # else only report.json shows it
@@ -67,7 +68,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         from fblc.compiler.summary import adapter_lines
 
         trained = report["trained"]["tensors"]
-        print("\n".join(adapter_lines(report.get("adapter")) + [
+        outputs = ", ".join(f"'{v.name}'" for v in step.graph.outputs) if options.trainer == FORWARD else ""
+        print(f"a forward bundle (no loss, backward or optimizer): its step reads the model's inputs and writes "
+              f"{outputs}; run it with fblc run BUNDLE --infer --data INPUTS.npz" if outputs else
+              "\n".join(adapter_lines(report.get("adapter")) + [
             f"trains {len(trained)} tensor{'s' if len(trained) != 1 else ''} "
             f"({sum(math.prod(t['shape']) for t in trained):,} values), chosen by {report['trained']['chosen_by']}; "
             "report.json 'trained' and `fblc check` list them, --freeze REGEX excludes some"]))

@@ -92,10 +92,11 @@ def add_storage_option(parser: argparse.ArgumentParser) -> None:
 def add_trainer_options(parser: argparse.ArgumentParser) -> None:
     """--trainer and the options of evolution strategies (fblc/compiler/es.py)."""
     group = parser.add_argument_group("forward-only training (--trainer es)")
-    group.add_argument("--trainer", choices=choices.TRAINERS, default="backprop",
+    group.add_argument("--trainer", choices=choices.TRAINER_CHOICES, default="backprop",
                        help="backprop: gradients by autodiff; es: evolution strategies, 2 x --pairs perturbed "
-                            "forwards per step and no backward (with --adapter fura-s: MobileSpec's FuRA-S) "
-                            "(default: backprop)")
+                            "forwards per step and no backward (with --adapter fura-s: MobileSpec's FuRA-S); none: "
+                            "a forward bundle for inference (the model's outputs, no loss, labels or optimizer: "
+                            "fblc run BUNDLE --infer) (default: backprop)")
     group.add_argument("--pairs", type=int, default=None,
                        help=f"ES: antithetic perturbation pairs per step "
                             f"(default: {choices.ES_PAIRS}, {choices.ES_SOURCE})")
@@ -267,6 +268,12 @@ def check_values(args: argparse.Namespace) -> None:
             raise FblcError(f"{option} is given with --adapter {adapter}", f"add --adapter fura-s, or drop {option}")
     if getattr(args, "trainer", "backprop") == "es" and getattr(args, "optimizer", None) is not None:
         raise FblcError("--optimizer is for --trainer backprop", "under es use --es-optimizer")  # was ignored
+    if getattr(args, "trainer", "backprop") == choices.FORWARD:  # a forward bundle has no optimizer to tune
+        for option in ("optimizer", "lr"):  # the others have non-None defaults
+            if getattr(args, option, None) is not None:
+                flag = "--" + option.replace("_", "-")
+                raise FblcError(f"{flag} is given with --trainer none (a forward bundle), which has no optimizer",
+                                f"drop {flag}, or compile a training step (--trainer backprop or es)")
     if getattr(args, "trainer", "backprop") != "es":
         for option in ("pairs", "sigma", "reward", "es_optimizer"):
             if getattr(args, option, None) is not None:

@@ -61,6 +61,12 @@ def _results_refused(args: argparse.Namespace) -> Problem | None:
             "step (step, loss, ms) on stdout")
 
 
+def _infer_only(args: argparse.Namespace) -> Problem | None:
+    return None if getattr(args, "infer", False) else (
+        "-o is where --infer writes a forward bundle's outputs; a training run writes none",
+        "add --infer (a bundle compiled with --trainer none), or --save-params FILE.npz for trained parameters")
+
+
 DUMPS = Output("--dump-dir", "folder", True)
 #: what each command writes, by argparse attribute (absent or None: not written this time)
 OUTPUTS: dict[str, dict[str, Output]] = {
@@ -68,7 +74,8 @@ OUTPUTS: dict[str, dict[str, Output]] = {
     "compile": {"output": Output("-o", "bundle", True), "dump_dir": DUMPS},
     "verify": {"dump_dir": DUMPS},
     "run": {"save_params": Output("--save-params", "file", False, "trained.npz", written=params_path),
-            "results": Output("--results", "file", False, "results.json", refused=_results_refused)},
+            "results": Output("--results", "file", False, "results.json", refused=_results_refused),
+            "output": Output("-o", "file", False, "outputs.npz", written=params_path, refused=_infer_only)},
     "profile": {"output": Output("-o", "file", False, "profile.json")},
     "export": {"output": Output("-o", "file", True, "model.onnx", beside=(".data",)),
                "keep_adapters": Output("--keep-adapters", "file", True, "specialist.npz")},

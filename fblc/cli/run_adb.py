@@ -28,6 +28,10 @@ def cmd_run_adb(args: Any) -> int:
     """`fblc run BUNDLE --device adb:SERIAL ...`"""
     # the option values and --save-params's folder were checked by the CLI before this
     manifest, _ = fmt.load_verified(args.bundle)
+    if fmt.is_forward(manifest):  # the native runner reads a training step's loss and writes no outputs
+        raise FblcError(f"'{args.bundle}' is a forward bundle (--trainer none), which the native runner on a phone "
+                        "does not run yet (it runs training steps)", "run it on a local device: fblc run BUNDLE "
+                        "--infer --data INPUTS.npz -o OUTPUTS.npz")
     cut, note = batches(args.data, manifest)  # the data is checked here, before anything touches the device
     adb = Adb()
     serial = adb.choose(args.device[len("adb:"):] or None)

@@ -105,6 +105,13 @@ def note_renamed(manifest: dict, quiet: bool) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from fblc.runtime.local import LocalRunner
 
+    if getattr(args, "infer", False):
+        if args.device == "adb" or args.device.startswith("adb:"):
+            raise FblcError("--infer runs on a local OpenCL device: the native runner on a phone runs training steps "
+                            "only (it reads a training bundle's loss)", "drop --device adb, or drop --infer")
+        from fblc.cli.infer import cmd_infer
+
+        return cmd_infer(args)
     if args.device == "adb" or args.device.startswith("adb:"):
         from fblc.cli.run_adb import cmd_run_adb
 
@@ -119,6 +126,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the manifest (its own digest) and the data are checked before the runner builds its kernels (a minute
     # and more for a large model); the runner checks the other files' checksums
     manifest = fmt.load_manifest(args.bundle)
+    if fmt.is_forward(manifest):
+        raise FblcError(f"'{args.bundle}' is a forward bundle (--trainer none): it computes the model's outputs and "
+                        "trains nothing", "add --infer -o OUTPUTS.npz to run it, or compile a training step")
     if "external_rewards" in manifest:
         raise FblcError(f"'{args.bundle}' takes its ES rewards from the application (--reward external), which "
                         "`fblc run` cannot compute", "train it from Python: fblc.runtime.LocalRunner(BUNDLE)"

@@ -110,7 +110,9 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                 "outputs": [_tensor_entry(v, program) for v in graph.outputs],
                 "parameters": [{**with_init(v), **manifest_fields(v)} for v in params],
                 "states": [with_init(v) for v in states],
-                "loss": program.values["loss"],
+                # a forward bundle (--trainer none) has no loss: `step` says so, and its outputs are the model's
+                **({"step": fmt.FORWARD_STEP} if graph.metadata_props.get(keys.FORWARD_STEP) == "1"
+                   else {"loss": program.values["loss"]}),
                 # scalars the runtimes report with the loss each step (ES's reward_mean)
                 "metrics": [{"name": v.name, "texture": program.values[v.name]} for v in graph.outputs
                             if keys.get_role(v) == Role.METRIC.value and not static_shape(v)]}

@@ -14,6 +14,7 @@ import onnx_ir as ir
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.export_record import export_record
 from fblc.bundle_format import FLOAT_FORMATS
+from fblc.choices import FORWARD
 from fblc.codegen.plan import BufferTable, Program, buffer_table, lower, step_schedules
 from fblc.codegen.reports import TIMELINE_PLOT, as_allocated, estimate_object, layout_object, memory_report
 from fblc.codegen.schedule import load_overrides
@@ -79,7 +80,8 @@ def build_program(model_path: str, options: TrainingOptions, profile: Profile, o
         table = buffer_table(step, program, profile)
         stages.append(("buffer_table", time.perf_counter(), time.process_time()))
         if options.device_memory > 0:  # raising, the attempt's graph and kernels go (a 1B step holds GBs)
-            check_budget(as_allocated(plans[-1], table), options.device_memory, table.allocated_bytes)
+            check_budget(as_allocated(plans[-1], table), options.device_memory, table.allocated_bytes,
+                         forward=options.trainer == FORWARD)
         return step, program, table
 
     model: ir.Model | None = load_model(model_path)

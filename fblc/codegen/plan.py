@@ -320,7 +320,7 @@ def arena_lifetimes(model: ir.Model, program: Program, lifetimes: list[Lifetime]
     kept = (set(program.initial) | {t for pair in program.swaps + program.finite_swaps for t in pair}
             | {t for loop in program.loops for pair in loop.swaps for t in pair}
             | {program.values[v.name] for v in model.graph.inputs if v.name in program.values} - data)
-    outputs = {program.values[v.name] for v in model.graph.outputs if v.name in program.values} | {program.values["loss"]}
+    outputs = {program.values[v.name] for v in model.graph.outputs if v.name in program.values}  # the loss included
     result = []
     for texture in program.textures:
         first, last = lifetimes[texture.id]
@@ -355,7 +355,6 @@ def buffer_table(model: ir.Model, program: Program, profile: Profile) -> BufferT
     carried = {t for loop in program.loops for pair in loop.swaps for t in pair}
     outside = list(model.graph.inputs) + list(model.graph.outputs)
     pinned = (set(program.initial) | {t for pair in program.swaps + program.finite_swaps for t in pair} | carried
-              | {program.values["loss"]}
               | {program.values[v.name] for v in outside if v.name in program.values})
     images: list[dict[str, Any]] = []
     image_of = [-1] * len(program.textures)

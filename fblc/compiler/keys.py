@@ -92,6 +92,8 @@ LOOP_PHASE = "fblc.loop_phase"
 TRAINED_BY = "fblc.trained_by"
 #: On the graph: the --train/--freeze patterns mark_trainable applied, as text ("--freeze 'head'").
 TRAINED_PATTERNS = "fblc.trained_patterns"
+#: On the graph: "1" when the step is the model's forward alone (--trainer none, pass forward_step).
+FORWARD_STEP = "fblc.forward_step"
 
 # Keys written by torch.onnx's dynamo exporter and by onnxscript's optimizer.
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"

@@ -205,4 +205,7 @@ def summarize_step(model: ir.Model) -> str:
     unused = model.metadata_props.get(keys.UNUSED_PARAMS)
     if unused:
         lines.append(f"not trained (the loss does not depend on them): {unused}")
+    if graph.metadata_props.get(keys.FORWARD_STEP) == "1":  # --trainer none: no trained set to list
+        return "\n".join(lines + [f"a forward step: its outputs are the model's "
+                                  f"({', '.join(repr(v.name) for v in graph.outputs)}); nothing trains"])
     return "\n".join(lines + adapter_lines(adapter_report(model)) + trained_set_lines(graph))

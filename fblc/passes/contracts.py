@@ -50,7 +50,9 @@ def _params(model: ir.Model) -> list[ir.Value]:
 
 
 def _no_trainable_inputs(model: ir.Model) -> str | None:
-    return None if _params(model) else f"no graph input has {keys.ROLE} '{Role.PARAM.value}'"
+    if _params(model) or model.graph.metadata_props.get(keys.FORWARD_STEP) == "1":  # forward_step: none trains
+        return None
+    return f"no graph input has {keys.ROLE} '{Role.PARAM.value}'"
 
 
 def _no_loss(model: ir.Model) -> str | None:
@@ -139,7 +141,8 @@ def _no_memory_plan(model: ir.Model) -> str | None:
 FACTS: dict[str, Fact] = {
     "static inputs": Fact("every graph input has a static shape and a dtype", "fix_input_shapes", _unshaped_input),
     "static shapes": Fact("every value a node reads has a static shape and a dtype", "infer_shapes", _unshaped_value),
-    "trainable inputs": Fact("the trainable parameters are graph inputs with role 'param'", "mark_trainable",
+    "trainable inputs": Fact("the trainable parameters are graph inputs with role 'param' (none in a forward step)",
+                             "mark_trainable",
                              _no_trainable_inputs),
     "loss": Fact("output 0 is the scalar 'loss'", "attach_loss", _no_loss),
     "gradients": Fact("every trainable parameter P has an output P.grad", "build_gradients", _missing_outputs(".grad")),

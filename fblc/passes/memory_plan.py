@@ -379,9 +379,10 @@ class OverBudgetError(FblcError):
         self.peak, self.budget, self.layers_left = peak, budget, layers_left
 
 
-def check_budget(plan: MemoryPlan, budget: int, allocated: int = 0) -> None:
+def check_budget(plan: MemoryPlan, budget: int, allocated: int = 0, forward: bool = False) -> None:
     """Refuse a step whose live peak, or what the runtimes allocate for it (`allocated`, the buffer table's
-    device_peak), exceeds --device-memory after recompute did what it could (OverBudgetError)."""
+    device_peak), exceeds --device-memory after recompute did what it could (OverBudgetError). A `forward`
+    step (--trainer none) has no backward to recompute in: its message says what it holds instead."""
     live_peak = int(plan.live(CLASSES).max(initial=0))
     peak = max(live_peak, allocated)
     if peak <= budget:
@@ -398,6 +399,11 @@ def check_budget(plan: MemoryPlan, budget: int, allocated: int = 0) -> None:
            f"{layers} layers recomputed in the backward, where pass recompute's estimate "
            f"({plan.recompute.get('estimate_after', 0) / 1e6:.4g} MB, node order) fit the budget; {left} more could be "
            f"recomputed (a lower --device-memory does)")
+    if forward:
+        raise OverBudgetError(f"the forward bundle needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), "
+                              f"over --device-memory {budget / 1e6:.4g} MB (its weights alone: {state / 1e6:.4g} MB)",
+                              "raise --device-memory, or need less: --weights int8/int4, --dtype fp16, a smaller "
+                              "batch or sequence (--input-shape)", peak, budget, 0)
     raise OverBudgetError(f"the step needs {peak / 1e6:.4g} MB of device memory at its peak ({at}), over "
                           f"--device-memory {budget / 1e6:.4g} MB: {why} (weights, gradients and optimizer state "
                           f"alone: {state / 1e6:.4g} MB)",

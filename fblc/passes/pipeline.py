@@ -17,6 +17,7 @@ from fblc.compiler import ops
 from fblc.compiler.adapters import MEMORY_FLOOR_ADAPTERS, AdapterConfig
 from fblc.errors import FblcError
 from fblc.compiler.model_io import save_model_atomically
+from fblc.choices import FORWARD
 from fblc.compiler.es import LOSS_ONLY_REWARDS, TRAINERS, EsConfig
 from fblc.compiler.loss_scale import uses_loss_scale
 from fblc.compiler.optimizers import OptimizerConfig
@@ -37,6 +38,7 @@ from fblc.passes.es_noise import EsNoise
 from fblc.passes.fix_input_shapes import FixInputShapes
 from fblc.passes.fold_constants import FoldConstants
 from fblc.passes.fold_pads import FoldPads
+from fblc.passes.forward_step import ForwardStep
 from fblc.passes.ftd_taxonomy import FtdTaxonomy
 from fblc.passes.fuse import FuseKernels
 from fblc.passes.fura_s import FuraS
@@ -80,7 +82,8 @@ class TrainingOptions:
     freeze: str | None = None
     bn_train: bool = False
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    #: "backprop" (autodiff) or "es" (evolution strategies: forwards only, fblc.compiler.es)
+    #: "backprop" (autodiff), "es" (evolution strategies: forwards only, fblc.compiler.es) or "none" (the forward
+    #: alone, for inference: pass forward_step)
     trainer: str = "backprop"
     es: EsConfig = field(default_factory=EsConfig)
     #: batch_tile's limit on one activation in bytes: -1 auto (8 MB with an adapter, else off), 0 off
@@ -151,7 +154,7 @@ def loss_scaled(options: TrainingOptions) -> bool:
 
 def _gradient_pass(options: TrainingOptions) -> ir.passes.PassBase:
     if options.trainer not in TRAINERS:
-        raise FblcError(f"unknown trainer '{options.trainer}'", f"choose one of: {', '.join(TRAINERS)}")
+        raise FblcError(f"unknown trainer '{options.trainer}'", f"choose one of: {', '.join(TRAINERS + (FORWARD,))}")
     if options.trainer == "es":
         if options.adapter.trains_projection_by_replay:
             raise FblcError("--adapter memflora-sg trains its projection from the backward's gradients, which "
@@ -171,13 +174,26 @@ def _chunked_loss(options: TrainingOptions, before_gradients: bool) -> list[ir.p
     return [ChunkLoss(options.loss_chunk, options.loss, members=before_gradients)] if wanted else []
 
 
-def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
+#: what a forward step (--trainer none) cannot have: (whether `options` asks for it, the option, why)
+FORWARD_REFUSALS: tuple[tuple[Callable[[TrainingOptions], bool], str, str], ...] = (
+    (lambda o: o.adapter.kind != "none", "--adapter", "adapter sites in a forward bundle are not built yet: export the "
+     "trained model with its adapters merged (fblc export) and compile that"),
+    (lambda o: o.bn_train, "--bn-train", "the forward normalises with the running statistics; nothing updates them"),
+    (lambda o: o.train is not None or o.freeze is not None, "--train/--freeze", "nothing trains in a forward step"),
+    (lambda o: o.loss_scale == "dynamic", "--loss-scale dynamic", "a forward has no gradients to scale"),
+)
+
+
+def _step_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
+    """From the trained set to the step's updates: the forward alone under --trainer none (forward_step,
+    then quantize_weights), else mark_trainable, the loss, the gradients, the optimizer and their companions."""
+    if options.trainer == FORWARD:
+        for asks, option, why in FORWARD_REFUSALS:
+            if asks(options):
+                raise FblcError(f"{option} is given with --trainer none (a forward bundle): {why}",
+                                f"drop {option}, or compile a training step (--trainer backprop or es)")
+        return [ForwardStep(), QuantizeWeights(options.weights)]
     return [
-        BatchNormBatchStats(options.bn_train),
-        MemoryFloor(options.adapter, options.bn_train),
-        FuraS(options.adapter, options.weights),
-        BatchTile(tile_bytes(options)),
-    ] + ([AlignWidths()] if options.layout == "rtile" else []) + [
         MarkTrainable(options.train, options.freeze),
         QuantizeWeights(options.weights),
         AttachLoss(options.loss),
@@ -190,6 +206,15 @@ def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
         [SkipNonfinite()] if loss_scaled(options) else []) + (
         [Recompute(options.recompute_target or options.device_memory)]
         if options.trainer == "backprop" and options.device_memory > 0 else [])
+
+
+def training_passes(options: TrainingOptions) -> list[ir.passes.PassBase]:
+    return [
+        BatchNormBatchStats(options.bn_train),
+        MemoryFloor(options.adapter, options.bn_train),
+        FuraS(options.adapter, options.weights),
+        BatchTile(tile_bytes(options)),
+    ] + ([AlignWidths()] if options.layout == "rtile" else []) + _step_passes(options)
 
 
 PassHook = Callable[[int, ir.passes.PassBase, ir.Model], None]

@@ -39,3 +39,28 @@ def index_problem(entry: Mapping[str, Any], array: np.ndarray) -> str | None:
                 f"{entries} that node '{bound['node']}' indexes{tuple_entry}; give ids in [0, {size}) (or -{size} "
                 "to -1, counting from the end)")
     return None
+
+
+
+def kind_problem(manifest: Mapping[str, Any], bundle: str, forward: bool) -> str | None:
+    """Why `bundle` cannot run as asked: a training bundle given to inference (`forward`), or a forward bundle
+    (--trainer none) given to training; None when it can."""
+    is_forward = manifest.get("step") == "forward"  # fblc.bundle_format.FORWARD_STEP
+    if forward and not is_forward:
+        return (f"'{bundle}' is a training bundle: its step computes a loss and updates parameters, and takes "
+                "labels; compile the model with --trainer none for a forward bundle to run with --infer")
+    if not forward and is_forward:
+        return (f"'{bundle}' is a forward bundle (--trainer none): it computes the model's outputs and trains "
+                "nothing; run it with --infer (LocalRunner.infer), or compile a training step")
+    return None
+
+
+def extra_feeds_problem(manifest: Mapping[str, Any], bundle: str, feeds: Mapping[str, Any]) -> str | None:
+    """Inference feeds the forward bundle does not read, named (a step's missing ones are check_feeds'); None
+    when there are none. A stray array is refused, not dropped: it is likely a misnamed input."""
+    names = [entry["name"] for entry in manifest["inputs"]]
+    extra = sorted(set(feeds) - set(names))
+    if not extra:
+        return None
+    return (f"{', '.join(repr(name) for name in extra)} {'is' if len(extra) == 1 else 'are'} not an input of the "
+            f"forward bundle '{bundle}', which reads {', '.join(repr(name) for name in names)}")

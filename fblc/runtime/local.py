@@ -21,7 +21,7 @@ from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.runtime.build_progress import BuildProgress
 from fblc.runtime.device_memory import allocate_textures
-from fblc.runtime.feeds import index_problem
+from fblc.runtime.feeds import extra_feeds_problem, index_problem, kind_problem
 from fblc.runtime.opencl import select_device
 from fblc.runtime.whole_steps import whole_step
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack, unpack
@@ -327,6 +327,8 @@ class LocalRunner:
         An ES bundle compiled with `--reward external` runs its perturbed members' forwards, calls
         `reward(outputs)` with each member's model output (the +eps members, then the -eps members) and
         uploads the 2P rewards it returns before the update."""
+        if (problem := kind_problem(self.manifest, self.bundle, forward=False)) is not None:
+            raise BundleError(problem)
         self.check_feeds(feeds)
         external = self.manifest.get("external_rewards")
         if external is not None and reward is None:
@@ -355,6 +357,24 @@ class LocalRunner:
             if self.steps == 1:
                 self.build_progress.first_step_done()  # PoCL compiled each kernel at its first launch
         return loss
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A forward bundle's step (--trainer none) on `feeds` (the model's inputs, by name): the model's outputs
+        by name. A training bundle, or a feed the bundle does not read, is refused by name (DataError)."""
+        if (problem := kind_problem(self.manifest, self.bundle, forward=True)) is not None:
+            raise BundleError(problem)
+        if (problem := extra_feeds_problem(self.manifest, self.bundle, feeds)) is not None:
+            raise DataError(problem)
+        self.check_feeds(feeds)
+        for entry in self.manifest["inputs"]:
+            self.upload(entry["texture"], np.asarray(feeds[entry["name"]]))
+        self.run_kernels()
+        self.queue.finish()
+        outputs = {entry["name"]: self.read(entry["name"]) for entry in self.manifest["outputs"]}
+        self.steps += 1
+        if self.steps == 1:
+            self.build_progress.first_step_done()
+        return outputs
 
     def run_kernels(self) -> list[Any]:
         """Enqueue the step's launches in plan order, each loop's body as often as it repeats (launch_sequence);

@@ -1,7 +1,9 @@
 """`fblc verify`: one step on the OpenCL device against onnxruntime's run of the same step graph.
 
 Both sides start from the same parameters and optimizer state and see the same batch; the
-loss, every `P.grad`, `P.new` and `S.new` must agree within the tolerance of the dtype.
+loss, every `P.grad`, `P.new` and `S.new` must agree within the tolerance of the dtype. A forward bundle
+(--trainer none) is compared output by output with onnxruntime's run of the model file itself (of the
+forward step graph where --weights stores them rounded).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from fblc.codegen.compile import compile_model
 from fblc.tools.traced_layouts import with_traced_reads
 from fblc.compiler.model_io import load_model, save_model_atomically
-from fblc.compiler.reference import ReferenceStep, random_feeds
+from fblc import bundle_format as fmt
+from fblc.compiler.reference import ReferenceStep, random_feeds, run_model
 from fblc.passes.pipeline import DEVICE_ONLY_OPS, TrainingOptions, build_training_graph
 from fblc.runtime.local import LocalRunner
 
@@ -71,12 +75,17 @@ def verify_model(model_path: str, options: TrainingOptions, target: str = "local
         options = replace(options, dtype=dtype)  # the reference steps as the bundle does (loss scale)
         options = with_traced_reads(model_path, target, dtype, options, feeds, device=device)
         step, _ = compile_model(model_path, bundle, target, dtype, options)
+        feeds = dict(feeds) if feeds is not None else random_feeds(step)
+        runner = LocalRunner(bundle, device=device, storage=storage)
+        if fmt.is_forward(runner.manifest):  # the model as its user runs it; with --weights int8/int4/fp16 the
+            # step graph, whose DequantizeLinear reads the stored weights (their rounding is the choice of --weights)
+            quantized = options.weights.weights != "fp32"
+            reference = ir.to_proto(reference_graph(step, model_path, options)) if quantized else onnx.load(model_path)
+            return compare(runner.infer(feeds), run_model(reference, feeds), dtype)
         step_path = os.path.join(scratch, "step.onnx")
         save_model_atomically(reference_graph(step, model_path, options), step_path)
-        feeds = dict(feeds) if feeds is not None else random_feeds(step)
         reference = ReferenceStep(step_path)
         reference.step(feeds)
-        runner = LocalRunner(bundle, device=device, storage=storage)
         runner.step(feeds)
         device_values = {name: runner.read_before_swap(name) for name in reference.last}
         return compare(device_values, reference.last, dtype)

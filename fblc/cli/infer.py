@@ -1,0 +1,74 @@
+"""`fblc run BUNDLE --infer --data inputs.npz -o outputs.npz`: a forward bundle (--trainer none) on a local device.
+
+The data file is read and checked as for training (fblc.cli.data: finite values, ids inside their tables),
+then cut into batches of the compiled size, each run once; the outputs of the batches are joined along
+their first axis. Every row must be answered, so rows past the last full batch are refused, not dropped as
+a training run drops them; an array the bundle does not read (say 'labels' from a training file) is refused
+by name. The outputs are written atomically, by the model's output names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from fblc import bundle_format as fmt
+from fblc.cli.data import batches
+from fblc.cli.outputs import save_parameters
+from fblc.errors import FblcError
+from fblc.runtime.feeds import extra_feeds_problem, kind_problem
+
+
+def _data_names(path: str) -> list[str]:
+    """The arrays of the data file (batches() has checked that it is an .npz)."""
+    with np.load(path, allow_pickle=False) as archive:
+        return list(archive.files)
+
+
+def joined(results: list[dict[str, np.ndarray]], batch: int) -> dict[str, np.ndarray]:
+    """The batches' outputs joined along axis 0 (one batch: as they are). An output whose first axis is not
+    the batch (a scalar, a pooled statistic) cannot be joined row by row: refused, asking for one batch."""
+    if len(results) == 1:
+        return results[0]
+    uneven = [name for name, value in results[0].items() if value.ndim == 0 or value.shape[0] != batch]
+    if uneven:
+        raise FblcError(f"output '{uneven[0]}' has shape {list(results[0][uneven[0]].shape)}, whose first axis is "
+                        f"not the batch of {batch}, so {len(results)} batches' outputs cannot be joined row by row",
+                        f"give --data exactly one batch ({batch} rows)")
+    return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from fblc.runtime.local import LocalRunner
+
+    if not args.output:
+        raise FblcError("--infer writes the model's outputs to -o, which is not given", "add -o OUTPUTS.npz")
+    if args.save_params:
+        raise FblcError("--save-params is given with --infer: a forward bundle trains nothing",
+                        "drop --save-params")
+    manifest = fmt.load_manifest(args.bundle)
+    problem = kind_problem(manifest, args.bundle, forward=True)
+    if problem is not None:
+        raise FblcError(problem, "or drop --infer to train with it")
+    cut, note = batches(args.data, manifest)
+    problem = extra_feeds_problem(manifest, f"{args.bundle}", {name: None for name in _data_names(args.data)})
+    if problem is not None:
+        raise FblcError(f"data file '{args.data}': {problem}", "drop that array from the file, or rename it")
+    if note:  # rows past the last full batch: an answer for every row, or none
+        batch = manifest["inputs"][0]["shape"][0]
+        raise FblcError(f"data file '{args.data}': {note}, but --infer answers every row",
+                        f"give a multiple of the compiled batch of {batch} rows (pad the last batch and drop its "
+                        "outputs)")
+    runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device, progress=not args.quiet,
+                         storage=args.storage)
+    started = time.perf_counter()
+    outputs = joined([runner.infer(feeds) for feeds in cut], manifest["inputs"][0]["shape"][0] if cut[0] else 1)
+    seconds = time.perf_counter() - started
+    written = save_parameters(args.output, outputs)  # np.savez, atomically, .npz added where missing
+    if not args.quiet:
+        shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in outputs.items())
+        print(f"ran {args.bundle} on {runner.device.name.strip()}: {len(cut)} batch{'es' if len(cut) != 1 else ''} "
+              f"in {seconds:.2f} s; wrote {written} ({shapes})")
+    return 0

@@ -1,0 +1,99 @@
+"""Forward bundles (`fblc compile --trainer none`, issue 42 item 2): the model's forward alone, with no loss,
+labels, backward or optimizer, run by LocalRunner.infer and `fblc run --infer`, against onnxruntime on the
+original model file (an independent reference: the step graph is not involved)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from fblc import bundle_format as fmt
+from fblc.cli import main
+from fblc.compiler.adapters import AdapterConfig
+from fblc.compiler.quantize import WeightFormat
+from fblc.compiler.reference import onnxruntime_session
+from fblc.errors import BundleError, FblcError
+from fblc.passes.pipeline import TrainingOptions, training_passes
+from fblc.runtime.local import DataError, LocalRunner
+from fblc.tools.verify import verify_model
+from support import models
+
+RTOL, ATOL = 1e-4, 1e-5  # fp32 kernels against onnxruntime (fblc.tools.verify.TOLERANCES)
+TRAINING_PASSES = {"mark_trainable", "attach_loss", "build_gradients", "es_gradients", "chunk_loss", "optimizer_step"}
+
+
+def _onnxruntime(path: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = onnxruntime_session(path)
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+def test_forward_pipeline_leaves_out_the_training_passes() -> None:
+    names = [p.name for p in training_passes(TrainingOptions(trainer="none"))]
+    assert "forward_step" in names and not TRAINING_PASSES & set(names)
+    assert TRAINING_PASSES - {"es_gradients"} <= {p.name for p in training_passes(TrainingOptions())}
+    with pytest.raises(FblcError, match="--adapter is given with --trainer none"):
+        training_passes(TrainingOptions(trainer="none", adapter=AdapterConfig(kind="lora")))
+
+
+def test_forward_bundle_equals_onnxruntime_in_both_storages(tmp_path) -> None:
+    """small_convnet (strided, depthwise, grouped convs, eval BatchNorm, pools, a head) on image and buffer
+    textures; its manifest has no loss, labels or parameters, and a forward bundle does not train."""
+    model = models.small_convnet(str(tmp_path))
+    bundle = str(tmp_path / "forward")
+    assert main(["compile", model.path, "-o", bundle, "-q", "--trainer", "none"]) == 0
+    manifest = fmt.load_manifest(bundle)
+    assert fmt.is_forward(manifest) and "loss" not in manifest and not manifest["parameters"]
+    assert [e["name"] for e in manifest["inputs"]] == list(model.inputs)
+    expected = _onnxruntime(model.path, model.inputs)
+    assert [e["name"] for e in manifest["outputs"]] == list(expected)
+    for storage in ("image", "buffer"):
+        runner = LocalRunner(bundle, storage=storage, progress=False)
+        outputs = runner.infer(model.inputs)
+        assert list(outputs) == list(expected)
+        for name, value in expected.items():
+            np.testing.assert_allclose(outputs[name], value, rtol=RTOL, atol=ATOL, err_msg=f"{name} ({storage})")
+    with pytest.raises(DataError, match="'labels' is not an input of the forward bundle"):
+        runner.infer({**model.inputs, "labels": model.labels})
+    with pytest.raises(BundleError, match="is a forward bundle"):
+        runner.step(model.inputs)
+
+
+def test_run_infer_round_trip_and_refusals(tmp_path, capsys) -> None:
+    """`fblc run --infer`: two batches of the mlp through the CLI, joined, equal onnxruntime's; a data file
+    with labels and a forward bundle run without --infer are refused by name before any kernel is built."""
+    model = models.mlp(str(tmp_path))
+    bundle = str(tmp_path / "forward")
+    assert main(["compile", model.path, "-o", bundle, "-q", "--trainer", "none"]) == 0
+    x = np.concatenate([model.inputs["x"], -model.inputs["x"][::-1]])  # two batches of the compiled 8 rows
+    data, out = str(tmp_path / "inputs.npz"), str(tmp_path / "outputs.npz")
+    np.savez(data, x=x)
+    assert main(["run", bundle, "--infer", "--data", data, "-o", out, "-q"]) == 0
+    batch = len(model.inputs["x"])
+    expected = np.concatenate([_onnxruntime(model.path, {"x": x[k:k + batch]})["logits"] for k in (0, batch)])
+    with np.load(out) as written:
+        assert written.files == ["logits"]
+        np.testing.assert_allclose(written["logits"], expected, rtol=RTOL, atol=ATOL)
+    capsys.readouterr()
+    labelled = str(tmp_path / "labelled.npz")
+    np.savez(labelled, x=x, labels=np.zeros(len(x), np.int64))
+    assert main(["run", bundle, "--infer", "--data", labelled, "-o", out]) != 0
+    assert "'labels' is not an input of the forward bundle" in capsys.readouterr().err
+    assert main(["run", bundle, "--data", data]) != 0
+    assert f"'{bundle}' is a forward bundle" in capsys.readouterr().err
+    assert os.path.getsize(out) > 0
+
+
+def test_verify_an_int4_forward_bundle(tmp_path) -> None:
+    """`fblc verify --trainer none --weights int4`: every weight of a forward bundle is a constant, so all are
+    stored packed; the kernels match onnxruntime on the step graph (its DequantizeLinear), and the rounding
+    itself is visible against the model file (so the reference is not the model there)."""
+    model = models.mlp(str(tmp_path))
+    options = TrainingOptions(trainer="none", weights=WeightFormat("int4"))
+    rows = verify_model(model.path, options, storage="buffer", feeds=model.inputs, keep_bundle=str(tmp_path / "b"))
+    assert [r.name for r in rows] == ["logits"] and all(r.ok for r in rows), rows
+    assert fmt.read_json(str(tmp_path / "b" / fmt.REPORT))["weights"]["quantized"]
+    served = LocalRunner(str(tmp_path / "b"), storage="buffer", progress=False).infer(model.inputs)["logits"]
+    original = _onnxruntime(model.path, model.inputs)["logits"]
+    assert not np.allclose(served, original, rtol=RTOL, atol=ATOL)  # int4's rounding, which the model lacks
