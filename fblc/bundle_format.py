@@ -67,6 +67,22 @@ FORWARD_STEP = "forward"
 def is_forward(manifest: dict[str, Any]) -> bool:
     """Whether the bundle's step is the model's forward alone (fblc run --infer), not a training step."""
     return manifest.get("step") == FORWARD_STEP
+
+
+def value_of(plan: dict[str, Any], name: str, texture_value: np.ndarray) -> np.ndarray:
+    """Value `name` of the step from its texture's tensor (`texture_value`, any shape: its elements in order): a
+    remapped transpose or broadcast (plan.json `value_maps`), else a reshape of it or a prefix (`value_shapes`).
+    LocalRunner.read and the native runner's outputs (runtime/native) both read a value through this."""
+    strided = plan["value_maps"].get(name)
+    flat = np.ascontiguousarray(texture_value).reshape(-1)
+    if strided is not None:
+        view = np.lib.stride_tricks.as_strided(flat[strided["offset"]:], shape=strided["shape"],
+                                               strides=[s * flat.itemsize for s in strided["strides"]])
+        return view.copy()
+    shape = plan["value_shapes"].get(name, texture_value.shape)
+    return flat[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
+
+
 #: the manifest's digest of itself (see the module docstring); the native runner finds it as this does
 MANIFEST_DIGEST = "manifest_sha256"
 _UNSEALED = "0" * 64

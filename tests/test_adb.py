@@ -21,7 +21,9 @@ import sys
 import time
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from fblc import bundle_format as fmt
 from fblc.cli import main
@@ -367,3 +369,54 @@ def test_an_es_bundle_trains_over_adb_and_prints_its_reward(tmp_path, phone, run
     np.testing.assert_allclose([line["loss"] for line in lines], expected, rtol=1e-5)
     np.testing.assert_allclose(np.load(saved)["fura_s.delta"], local.parameters()["fura_s.delta"], rtol=1e-5,
                                atol=1e-7)
+
+
+def _forward_model(path: str) -> str:
+    """h = relu(x @ w + b) [4, 8]; the outputs: ht, h as [4, 2, 4] with its last two axes swapped (a strided view
+    of h's texture: plan.json value_maps), and best = argmax(x @ w + b) (int64: an rgba_i32 texture)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Relu", ["a"], ["h"]), helper.make_node("Reshape", ["h", "s"], ["h3"]),
+             helper.make_node("Transpose", ["h3"], ["ht"], perm=[0, 2, 1]),
+             helper.make_node("ArgMax", ["a"], ["best"], axis=1, keepdims=0)]
+    graph = helper.make_graph(nodes, "forward", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])],
+                              [helper.make_tensor_value_info("ht", TensorProto.FLOAT, [4, 4, 2]),
+                               helper.make_tensor_value_info("best", TensorProto.INT64, [4])],
+                              [numpy_helper.from_array(rng.standard_normal((6, 8)).astype(np.float32), "w"),
+                               numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"),
+                               numpy_helper.from_array(np.array([4, 2, 4], np.int64), "s")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_infer_over_adb_equals_onnxruntime_and_the_local_run(tmp_path, phone, runner_binary,  # noqa: F811
+                                                              capsys) -> None:
+    """A forward bundle (--trainer none) on the phone path: the native runner runs each of two batches once and
+    hands their outputs over (outputs.bin, decoded with plan.json's value maps); joined, they equal onnxruntime
+    on the model file and LocalRunner.infer. Without --infer the bundle is refused before the device is used."""
+    from fblc.compiler.reference import onnxruntime_session
+
+    model = _forward_model(str(tmp_path / "forward.onnx"))
+    bundle, data, out = str(tmp_path / "fwd"), str(tmp_path / "inputs.npz"), str(tmp_path / "outputs.npz")
+    assert main(["compile", model, "-o", bundle, "-q", "--trainer", "none"]) == 0
+    x = np.random.default_rng(1).standard_normal((8, 6)).astype(np.float32)  # two batches of the compiled 4 rows
+    np.savez(data, x=x)
+    code = main(["run", bundle, "--infer", "--device", f"adb:{phone.serial}", "--data", data, "-o", out,
+                 "--runner", runner_binary])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert f"ran {bundle} on {phone.serial}" in captured.out
+    session, local = onnxruntime_session(model), LocalRunner(bundle, progress=False, storage="image")
+    with np.load(out) as written:
+        assert written.files == ["ht", "best"] and written["ht"].shape == (8, 4, 2)
+        for rows in (slice(0, 4), slice(4, 8)):
+            expected = dict(zip(["ht", "best"], session.run(None, {"x": x[rows]})))
+            served = local.infer({"x": x[rows]})
+            np.testing.assert_array_equal(written["best"][rows], expected["best"])
+            np.testing.assert_array_equal(written["best"][rows], served["best"])
+            np.testing.assert_allclose(written["ht"][rows], expected["ht"], rtol=1e-4, atol=1e-5)  # fp32 vs ort
+            np.testing.assert_allclose(written["ht"][rows], served["ht"], rtol=1e-6, atol=1e-7)  # same kernels
+    assert os.listdir(os.path.join(phone.local_path(remote_dir(bundle)), "runs")) == []  # the run's folder is gone
+
+    assert main(["run", bundle, "--device", f"adb:{phone.serial}", "--data", data, "--runner", runner_binary]) != 0
+    assert "add --infer -o OUTPUTS.npz" in capsys.readouterr().err

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with adb: write the runner's results (losses, step and per-kernel times, bytes allocated)")
     run.add_argument("--infer", action="store_true",
                      help="run a forward bundle ('fblc compile --trainer none') once per batch of --data (the model's "
-                          "inputs only) and write the model's outputs to -o (local devices only)")
+                          "inputs only) and write the model's outputs to -o (on a local device or, with the native "
+                          "runner, adb:SERIAL)")
     run.add_argument("-o", "--output", metavar="OUTPUTS.npz",
                      help="with --infer: the outputs, one array per model output, batches joined along axis 0")
     run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))

@@ -1,4 +1,5 @@
-"""`fblc run BUNDLE --infer --data inputs.npz -o outputs.npz`: a forward bundle (--trainer none) on a local device.
+"""`fblc run BUNDLE --infer --data inputs.npz -o outputs.npz`: a forward bundle (--trainer none) on a local device,
+or on a phone (--device adb:SERIAL: the native runner, through run_adb.infer_on_device).
 
 The data file is read and checked as for training (fblc.cli.data: finite values, ids inside their tables),
 then cut into batches of the compiled size, each run once; the outputs of the batches are joined along
@@ -61,14 +62,21 @@ def cmd_infer(args: argparse.Namespace) -> int:
         raise FblcError(f"data file '{args.data}': {note}, but --infer answers every row",
                         f"give a multiple of the compiled batch of {batch} rows (pad the last batch and drop its "
                         "outputs)")
-    runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device, progress=not args.quiet,
-                         storage=args.storage)
     started = time.perf_counter()
-    outputs = joined([runner.infer(feeds) for feeds in cut], manifest["inputs"][0]["shape"][0] if cut[0] else 1)
+    if args.device == "adb" or args.device.startswith("adb:"):  # push, build and run on the phone, all timed
+        from fblc.cli.run_adb import infer_on_device
+
+        results, where = infer_on_device(args, cut)
+    else:
+        runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device,
+                             progress=not args.quiet, storage=args.storage)
+        started = time.perf_counter()  # after the kernels' build
+        results, where = [runner.infer(feeds) for feeds in cut], runner.device.name.strip()
+    outputs = joined(results, manifest["inputs"][0]["shape"][0] if cut[0] else 1)
     seconds = time.perf_counter() - started
     written = save_parameters(args.output, outputs)  # np.savez, atomically, .npz added where missing
     if not args.quiet:
         shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in outputs.items())
-        print(f"ran {args.bundle} on {runner.device.name.strip()}: {len(cut)} batch{'es' if len(cut) != 1 else ''} "
+        print(f"ran {args.bundle} on {where}: {len(cut)} batch{'es' if len(cut) != 1 else ''} "
               f"in {seconds:.2f} s; wrote {written} ({shapes})")
     return 0

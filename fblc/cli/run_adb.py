@@ -28,10 +28,9 @@ def cmd_run_adb(args: Any) -> int:
     """`fblc run BUNDLE --device adb:SERIAL ...`"""
     # the option values and --save-params's folder were checked by the CLI before this
     manifest, _ = fmt.load_verified(args.bundle)
-    if fmt.is_forward(manifest):  # the native runner reads a training step's loss and writes no outputs
-        raise FblcError(f"'{args.bundle}' is a forward bundle (--trainer none), which the native runner on a phone "
-                        "does not run yet (it runs training steps)", "run it on a local device: fblc run BUNDLE "
-                        "--infer --data INPUTS.npz -o OUTPUTS.npz")
+    if fmt.is_forward(manifest):  # checked before anything touches the device
+        raise FblcError(f"'{args.bundle}' is a forward bundle (--trainer none): it computes the model's outputs and "
+                        "trains nothing", "add --infer -o OUTPUTS.npz to run it, or compile a training step")
     cut, note = batches(args.data, manifest)  # the data is checked here, before anything touches the device
     adb = Adb()
     serial = adb.choose(args.device[len("adb:"):] or None)
@@ -89,6 +88,20 @@ def cmd_run_adb(args: Any) -> int:
         report_saved(*saved, args.save_params, len(results.parameters), quiet, as_json)
         note_renamed(manifest, quiet)
     return 0
+
+
+def infer_on_device(args: Any, cut: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """`fblc run BUNDLE --infer --device adb:SERIAL`: each batch once through the native runner on the phone (its
+    data checked by cmd_infer); the outputs of each batch, and where they ran."""
+    adb = Adb()
+    serial = adb.choose(args.device[len("adb:"):] or None)
+    say = (lambda text: None) if args.quiet else (lambda text: print(text, flush=True))
+    try:
+        results = run_on_device(adb, serial, args.bundle, cut, len(cut), runner=getattr(args, "runner", None), say=say)
+    except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
+        raise KeyboardInterrupt(f"on {serial}; nothing written (the runner hands the outputs over only at the end of "
+                                "its run)") from None
+    return results.outputs, f"{serial} ({results.device['name'].strip()})"
 
 
 def _non_finite_after(parameters: dict[str, Any], step: int) -> str:

@@ -106,9 +106,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fblc.runtime.local import LocalRunner
 
     if getattr(args, "infer", False):
-        if args.device == "adb" or args.device.startswith("adb:"):
-            raise FblcError("--infer runs on a local OpenCL device: the native runner on a phone runs training steps "
-                            "only (it reads a training bundle's loss)", "drop --device adb, or drop --infer")
+        if (args.device == "adb" or args.device.startswith("adb:")) and args.storage == "buffer":
+            raise FblcError(f"--storage {args.storage} is for a local OpenCL device: the native runner on a phone "
+                            "holds every texture as an image2d_t", "drop --storage, or run on a local device")
         from fblc.cli.infer import cmd_infer
 
         return cmd_infer(args)

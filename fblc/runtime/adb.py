@@ -4,10 +4,12 @@ Everything goes through the `adb` binary on PATH (or $FBLC_ADB), the way a user 
 On the device a bundle lives in /data/local/tmp/fblc/<bundle name>/ (its files, `fblc-runner`,
 `.fblc-pushed` naming what was pushed, and the runner's `kernels.cache`); a run works in
 runs/<id>/ below it (the data file, then results.json and params.bin), which is removed when the
-run ends, whether it succeeded or not. A push goes to a hidden staging folder that is renamed
-into place only when complete, so a failed push (full disk, lost device) leaves the previous
-bundle, or nothing, never half a bundle; locally, parameters are written atomically.
-`fblc profile --device adb:S` runs the same runner's profile mode (adb_profile.py).
+run ends, whether it succeeded or not. A forward bundle (--trainer none) runs each batch once and
+leaves outputs.bin there too: the model's outputs, decoded as LocalRunner.read does (runtime/native
+read_results). A push goes to a hidden staging folder that is renamed into place only when complete,
+so a failed push (full disk, lost device) leaves the previous bundle, or nothing, never half a bundle;
+locally, parameters are written atomically. `fblc profile --device adb:S` runs the same runner's profile
+mode (adb_profile.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from typing import Any, Callable, Sequence
 
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
-from fblc.runtime.native import (ANDROID_BUILD, HOST_BUILD, PARAMS_OUT, RESULTS, RUNNER_NAME, UNAME_MACHINES,
-                                 BinaryKind, RunnerResults, binary_kind, read_results, runner_candidates, write_data)
+from fblc.runtime.native import (ANDROID_BUILD, HOST_BUILD, OUTPUTS_OUT, PARAMS_OUT, RESULTS, RUNNER_NAME,
+                                 UNAME_MACHINES, BinaryKind, RunnerResults, binary_kind, read_results,
+                                 runner_candidates, write_data)
 
 REMOTE_ROOT = "/data/local/tmp/fblc"
 STAMP = ".fblc-pushed"
@@ -287,7 +290,7 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
                   on_line: Callable[[dict[str, Any]], None] = lambda line: None, say: Say = lambda line: None,
                   kernel_times: bool = False) -> RunnerResults:
     """Push if needed, train `steps` steps on the device, pull and return the results (each kernel's device
-    time only with `kernel_times`)."""
+    time only with `kernel_times`). A forward bundle's steps are its inferences: results.outputs, one per step."""
     manifest, plan = fmt.load_verified(bundle)
     remote = remote_dir(bundle)
     runner_path = choose_runner(adb, serial, runner)
@@ -306,8 +309,9 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
                           f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}{timed}", on_line)
             pulled = os.path.join(local, "results")
             os.makedirs(pulled)
-            adb.pull(serial, [f"{run_dir}/{RESULTS}", f"{run_dir}/{PARAMS_OUT}"], pulled)
-            return read_results(pulled)
+            files = [RESULTS, PARAMS_OUT] + ([OUTPUTS_OUT] if fmt.is_forward(manifest) else [])
+            adb.pull(serial, [f"{run_dir}/{name}" for name in files], pulled)
+            return read_results(pulled, plan)
         finally:
             adb.remove(serial, run_dir)
 

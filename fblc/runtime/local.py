@@ -267,15 +267,7 @@ class LocalRunner:
             raise KeyError(f"'{name}' lives only during the step: its image is reused by later tensors")
         integer = self.textures[texture_id]["format"] in fmt.INTEGER_FORMATS
         value = self._read(texture_id).astype(np.int64 if integer else np.float32)
-        strided = self.plan["value_maps"].get(name)
-        if strided is not None:  # a remapped transpose or broadcast of its texture's tensor
-            flat = value.reshape(-1)
-            items = flat.itemsize
-            view = np.lib.stride_tricks.as_strided(flat[strided["offset"]:], shape=strided["shape"],
-                                                   strides=[s * items for s in strided["strides"]])
-            return view.copy()
-        shape = self.plan["value_shapes"].get(name, value.shape)  # a view has its own shape: a reshape of
-        return value.reshape(-1)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)  # its root, or a prefix
+        return fmt.value_of(self.plan, name, value)
 
     def committed_swaps(self) -> list[list[int]]:
         """The (state, .new) pairs to swap after the step just run: every one of plan.json's `swaps`, and those of

@@ -4,9 +4,11 @@ file, read its results, and run it here.
 The runner reads a bundle exactly as `LocalRunner` does and knows nothing about ONNX. It takes its
 batches from a data file that fblc writes from the `.npz` of `fblc run` (`write_data`), and leaves
 `results.json` (losses, step times, per-kernel device times, bytes allocated) and `params.bin` (the
-trained parameters, float32) in an output folder (`read_results`). `fblc push` / `fblc run --device
-adb:S` run the same binary on a phone (fblc/runtime/adb.py). Its `--profile` mode times the launches of
-a measurement plan from `fblc profile` (fblc/profiles/profiler.py) and writes their raw timings:
+trained parameters, float32) in an output folder (`read_results`); a forward bundle's run (--trainer none)
+also leaves `outputs.bin`, each step's model outputs, which `read_results` decodes as LocalRunner.read does.
+`fblc push` / `fblc run --device adb:S` run the same binary on a phone (fblc/runtime/adb.py). Its `--profile`
+mode times the launches of a measurement plan from `fblc profile` (fblc/profiles/profiler.py) and writes their
+raw timings:
 `profile_with_runner` runs it here, `fblc profile --device adb:S` on a phone (fblc/runtime/adb_profile.py).
 """
 
@@ -32,7 +34,7 @@ from fblc.bundle_format import BundleError
 NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
 RUNNER_NAME = "fblc-runner"
 DATA_MAGIC = b"FBLCDAT1"
-RESULTS, PARAMS_OUT = "results.json", "params.bin"
+RESULTS, PARAMS_OUT, OUTPUTS_OUT = "results.json", "params.bin", "outputs.bin"
 # Where the README's build commands put the runner; `fblc push` looks here when no --runner is given.
 HOST_BUILD = os.path.join(NATIVE_DIR, "build", "host")
 ANDROID_BUILD = os.path.join(NATIVE_DIR, "build", "android-arm64")
@@ -174,10 +176,13 @@ class RunnerResults:
     program: dict[str, Any]
     parameters: dict[str, np.ndarray] = field(repr=False)
     raw: dict[str, Any] = field(repr=False)
+    #: a forward bundle's model outputs by name, one dict per step (batch); empty for a training bundle
+    outputs: list[dict[str, np.ndarray]] = field(default_factory=list, repr=False)
 
 
-def read_results(folder: str) -> RunnerResults:
-    """The runner's results.json and params.bin in `folder`, parameters as float32 arrays by ONNX name."""
+def read_results(folder: str, plan: Mapping[str, Any] | None = None) -> RunnerResults:
+    """The runner's results.json and params.bin in `folder`, parameters as float32 arrays by ONNX name; a forward
+    bundle's outputs.bin too, decoded with its `plan` (plan.json)."""
     try:
         with open(os.path.join(folder, RESULTS), encoding="utf-8") as handle:
             raw = json.load(handle)
@@ -188,8 +193,38 @@ def read_results(folder: str) -> RunnerResults:
     for entry in raw["parameters"]:
         start, count = entry["offset"] // 4, entry["nbytes"] // 4
         parameters[entry["name"]] = blob[start:start + count].reshape(entry["shape"]).copy()
+    outputs = _read_outputs(folder, raw, plan) if "outputs" in raw else []
     return RunnerResults(raw["losses"], raw["step_ms"], raw.get("kernel_ms"), raw["submit_ms"], raw["kernels"],
-                         raw["bytes_allocated"], raw["device"], raw["program"], parameters, raw)
+                         raw["bytes_allocated"], raw["device"], raw["program"], parameters, raw, outputs)
+
+
+def _read_outputs(folder: str, raw: Mapping[str, Any], plan: Mapping[str, Any] | None) -> list[dict[str, np.ndarray]]:
+    """outputs.bin: per step, each output's texture elements (float32, or int32 for an integer texture), viewed
+    as its value with plan.json's value_maps / value_shapes (fmt.value_of, as LocalRunner.read); integers as
+    int64 and floats as float32, as LocalRunner.read gives them."""
+    if plan is None:
+        raise RunnerError(f"the runner's outputs in {folder} need the bundle's plan.json to decode")
+    path = os.path.join(folder, raw["outputs_file"])
+    try:
+        blob = np.fromfile(path, dtype=np.uint8)
+    except OSError as error:
+        raise RunnerError(f"the runner's outputs '{path}' are unreadable ({error.strerror})") from None
+    step_bytes = raw["step_bytes"]
+    if len(blob) != step_bytes * raw["steps"]:
+        raise RunnerError(f"the runner's outputs '{path}' hold {len(blob)} bytes, not {raw['steps']} steps of "
+                          f"{step_bytes}")
+    steps = []
+    for step in range(raw["steps"]):
+        values = {}
+        for entry in raw["outputs"]:
+            start = step * step_bytes + entry["offset"]
+            integer = entry["dtype"] == "int32"
+            elements = blob[start:start + 4 * entry["elements"]].view("<i4" if integer else "<f4")
+            elements = elements.astype(np.int64 if integer else np.float32).reshape(
+                plan["textures"][entry["texture"]]["shape"])
+            values[entry["name"]] = fmt.value_of(dict(plan), entry["name"], elements)
+        steps.append(values)
+    return steps
 
 
 # --- running here ---------------------------------------------------------------------------------------
@@ -267,7 +302,7 @@ def run_runner(runner: str, bundle: str, batches: Sequence[Mapping[str, np.ndarr
         if done.returncode != 0:
             message = done.stderr.strip() or f"exit status {done.returncode}"
             raise RunnerError(message.removeprefix("fblc-runner: error: "))
-        return read_results(work)
+        return read_results(work, plan)
 
 
 def profile_with_runner(runner: str, plan: Mapping[str, Any], device: str | None = None,

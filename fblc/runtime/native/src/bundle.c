@@ -403,8 +403,26 @@ void bundle_load(const char *folder, bundle *out) {
         if (out->parameters[i].elements > mul_size(mul_size(t->width, t->height, "a texture is too large"), 4,
                                                      "a texture is too large")) bad("a parameter is larger than its texture");
     }
-    out->loss_texture = need_size(manifest, "loss", "manifest.json");
-    if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
+    const json_value *step = json_get(manifest, "step");
+    out->forward = step && step->type == JSON_STRING && strcmp(step->string, "forward") == 0;
+    if (step && !out->forward) bad("manifest.json's step is not \"forward\", the one kind the runner knows besides training");
+    out->loss_texture = SIZE_MAX;
+    if (!out->forward) {
+        out->loss_texture = need_size(manifest, "loss", "manifest.json");
+        if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
+    } else { /* read back after each step: floats as float32, integers as int32 (runner_read_output) */
+        const json_value *outputs = need(manifest, "outputs", JSON_ARRAY, "manifest.json");
+        out->output_count = outputs->count;
+        out->outputs = xcalloc(outputs->count + 1, sizeof *out->outputs);
+        for (size_t i = 0; i < outputs->count; ++i) {
+            read_tensor(json_at(outputs, i), &out->outputs[i], out->texture_count, "a manifest output");
+            const texture *t = &out->textures[out->outputs[i].texture];
+            if (format_is_mask(t->format))
+                die(EXIT_USAGE, "'%s': output '%s' is a boolean mask (%s), which the runner does not read back; run "
+                    "the bundle with fblc run --infer on a local device", folder_of_error, out->outputs[i].name,
+                    format_name(t->format));
+        }
+    }
     if (json_get(manifest, "external_rewards"))
         die(EXIT_USAGE, "'%s' takes its ES rewards from the application (--reward external), which the runner cannot "
             "compute; train it with fblc.runtime.LocalRunner and a reward function, or compile with --reward neg-loss",

@@ -63,7 +63,7 @@ typedef struct {
     size_t elements;
     size_t *shape;
     size_t rank;
-} tensor; /* a data input or a trained parameter */
+} tensor; /* a data input, a trained parameter or a forward bundle's output */
 
 typedef struct {
     char *folder;
@@ -87,7 +87,10 @@ typedef struct {
     size_t input_count;
     tensor *parameters;
     size_t parameter_count;
-    size_t loss_texture;
+    int forward;             /* manifest "step": "forward" (--trainer none): no loss; `outputs` read after each step */
+    size_t loss_texture;     /* SIZE_MAX in a forward bundle */
+    tensor *outputs;         /* a forward bundle's model outputs (manifest "outputs"); none in a training bundle */
+    size_t output_count;
     char **metric_names;     /* scalars reported with the loss each step (manifest "metrics"; ES's reward_mean) */
     size_t *metric_textures;
     size_t metric_count;

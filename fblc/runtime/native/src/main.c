@@ -11,11 +11,14 @@
  * trains on batch s mod batches.
  *
  * stdout: one JSON object per line: first {"device": ...}, then {"step": s, "loss": ..., "ms": ...}, with the
- * bundle's metrics (ES's "reward_mean") after the loss.
+ * bundle's metrics (ES's "reward_mean") after the loss; a forward bundle's steps (--trainer none) have no loss.
  * DIR receives params.bin (the trained parameters, float32, manifest order) and results.json (losses,
  * step times, the host time of each step's uploads and launches, with --kernel-times per-kernel device times
  * from profiling events (a profiling queue costs time on some drivers: off unless asked), bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
- * results.json last, and only when every step ran.
+ * results.json last, and only when every step ran. A forward bundle's run also writes outputs.bin (before them):
+ * each step's model outputs, step after step, each output its texture's elements (float32, int32 for an integer
+ * texture) in manifest order; results.json's "outputs" says where each sits in a step (fblc decodes them with
+ * plan.json's value_maps and value_shapes, as LocalRunner.read does).
  * Errors: one line "fblc-runner: error: ..." on stderr and exit codes from util.h.
  *
  * --profile times the launches of a measurement plan from `fblc profile` and writes their raw timings
@@ -134,8 +137,30 @@ static void write_list(FILE *out, const double *values, size_t count) {
     fputc(']', out);
 }
 
-static void write_outputs(const char *folder, runner *r, const bundle *b, const timings *t) {
+/* a forward bundle's model outputs, every step's (outputs.bin) */
+typedef struct {
+    unsigned char *bytes;
+    size_t step_bytes;
+    size_t *offsets; /* of each output inside a step */
+} output_record;
+
+static void outputs_prepare(output_record *o, const bundle *b, size_t steps) {
+    o->offsets = xcalloc(b->output_count + 1, sizeof *o->offsets);
+    o->step_bytes = 0;
+    for (size_t i = 0; i < b->output_count; ++i) {
+        o->offsets[i] = o->step_bytes;
+        o->step_bytes += b->textures[b->outputs[i].texture].elements * 4; /* float32 or int32 */
+    }
+    o->bytes = xcalloc(steps * o->step_bytes + 1, 1);
+}
+
+static void write_outputs(const char *folder, runner *r, const bundle *b, const timings *t, const output_record *o) {
     size_t steps = t->steps;
+    char *outputs_path = path_join(folder, "outputs.bin");
+    if (b->forward) { /* first: results.json, written last, says that the run is complete */
+        int failed = write_atomically(outputs_path, o->bytes, steps * o->step_bytes);
+        if (failed) die(EXIT_OUTPUT, "cannot write %s (%s)", outputs_path, strerror(failed));
+    }
     /* parameters */
     size_t total = 0;
     for (size_t i = 0; i < b->parameter_count; ++i) total += b->parameters[i].elements;
@@ -174,7 +199,7 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
     fprintf(out, "},\n \"bytes_allocated\": {\"textures\": %zu, \"host_staging\": %zu},\n", r->texture_bytes,
             r->host_bytes);
     fprintf(out, " \"steps\": %zu,\n \"losses\": ", steps);
-    write_list(out, t->losses, steps);
+    write_list(out, t->losses, b->forward ? 0 : steps); /* a forward bundle has no loss */
     fputs(",\n \"step_ms\": ", out);
     write_list(out, t->step_ms, steps);
     fputs(",\n \"kernel_ms\": ", out);
@@ -207,18 +232,32 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
         fprintf(out, ", \"offset\": %zu, \"nbytes\": %zu}", at * sizeof(float), b->parameters[i].elements * sizeof(float));
         at += b->parameters[i].elements;
     }
-    fputs("]\n}\n", out);
+    fputc(']', out);
+    if (b->forward) {
+        fprintf(out, ",\n \"outputs_file\": \"outputs.bin\", \"step_bytes\": %zu,\n \"outputs\": [", o->step_bytes);
+        for (size_t i = 0; i < b->output_count; ++i) {
+            const texture *tex = &b->textures[b->outputs[i].texture];
+            fprintf(out, "%s\n  {\"name\": ", i ? "," : "");
+            json_write_string(out, b->outputs[i].name);
+            fprintf(out, ", \"texture\": %zu, \"dtype\": \"%s\", \"elements\": %zu, \"offset\": %zu}",
+                    b->outputs[i].texture, tex->format == FORMAT_I32 ? "int32" : "float32", tex->elements, o->offsets[i]);
+        }
+        fputc(']', out);
+    }
+    fputs("\n}\n", out);
     if (fclose(out) != 0) die(EXIT_INTERNAL, "building results.json failed");
     char *results_path = path_join(folder, "results.json");
     error = write_atomically(results_path, text, text_length);
     if (error) {
         unlink(params_path);
+        if (b->forward) unlink(outputs_path);
         die(EXIT_OUTPUT, "cannot write %s (%s)", results_path, strerror(error));
     }
     free(text);
     free(values);
     free(params_path);
     free(results_path);
+    free(outputs_path);
 }
 
 static void interrupted_exit(void) {
@@ -307,6 +346,8 @@ int main(int argc, char **argv) {
     record.launch_min = xcalloc(b.launch_count, sizeof *record.launch_min);
     record.launch_now = xcalloc(b.launch_count, sizeof *record.launch_now);
     const void **inputs = xcalloc(b.input_count, sizeof *inputs);
+    output_record produced;
+    outputs_prepare(&produced, &b, b.forward ? (size_t)steps : 0);
     for (long s = 0; s < steps; ++s) {
         const unsigned char *batch = data.bytes + (size_t)(s % (long)data.batches) * data.batch_bytes;
         for (size_t i = 0; i < b.input_count; ++i) inputs[i] = batch + data.offsets[i];
@@ -314,9 +355,14 @@ int main(int argc, char **argv) {
         double loss = runner_step(&r, inputs, record.launch_now);
         double elapsed = now_ms() - started;
         timings_add(&record, b.launch_count, loss, elapsed, r.submit_ms);
+        for (size_t i = 0; i < b.output_count; ++i)
+            runner_read_output(&r, i, produced.bytes + (size_t)s * produced.step_bytes + produced.offsets[i]);
         if (!quiet) {
-            printf("{\"step\": %ld, \"loss\": ", s + 1);
-            json_write_float(stdout, loss);
+            printf("{\"step\": %ld", s + 1);
+            if (!b.forward) {
+                printf(", \"loss\": ");
+                json_write_float(stdout, loss);
+            }
             for (size_t m = 0; m < b.metric_count; ++m) {
                 printf(", ");
                 json_write_string(stdout, b.metric_names[m]);
@@ -330,7 +376,7 @@ int main(int argc, char **argv) {
         }
         if (interrupted) interrupted_exit();
     }
-    write_outputs(out_dir, &r, &b, &record);
+    write_outputs(out_dir, &r, &b, &record, &produced);
     if (interrupted) { /* the outputs are complete: keep them, but say so */
         fputs("fblc-runner: interrupted after the last step; results were written\n", stderr);
     }

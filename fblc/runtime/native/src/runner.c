@@ -504,7 +504,7 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms) {
         enqueue_launch(r, i++, n++);
     }
     r->submit_ms = now_ms() - started;
-    double loss = read_scalar(r, b->loss_texture);
+    double loss = b->forward ? 0.0 : read_scalar(r, b->loss_texture); /* a forward bundle has none */
     for (size_t i = 0; i < b->metric_count; ++i) r->metrics[i] = read_scalar(r, b->metric_textures[i]);
     for (size_t i = 0; r->kernel_times && i < b->launch_count; ++i) kernel_ms[i] = 0.0;
     for (size_t e = 0; r->kernel_times && e < n; ++e) { /* a launch's time: all its repetitions' */
@@ -534,5 +534,20 @@ void runner_read_parameter(runner *r, size_t index, float *out) {
         if (t->format == FORMAT_F16) out[i] = half_to_float(read_u16le(r->readback + 2 * at));
         else if (t->format == FORMAT_I32) out[i] = (float)(int32_t)read_u32le(r->readback + 4 * at);
         else memcpy(&out[i], r->readback + 4 * at, sizeof(float));
+    }
+}
+
+void runner_read_output(runner *r, size_t index, void *out) {
+    const texture *t = &r->b->textures[r->b->outputs[index].texture];
+    read_texture(r, r->b->outputs[index].texture, r->readback);
+    float *floats = out;
+    int32_t *ints = out; /* an integer output (argmax, say) stays exact: int32, not a float's 24 bits */
+    for (size_t i = 0; i < t->elements; ++i) {
+        size_t x, y;
+        texel_xy(t, i / 4, &x, &y);
+        size_t at = (y * t->width + x) * 4 + i % 4;
+        if (t->format == FORMAT_F16) floats[i] = half_to_float(read_u16le(r->readback + 2 * at));
+        else if (t->format == FORMAT_I32) ints[i] = (int32_t)read_u32le(r->readback + 4 * at);
+        else memcpy(&floats[i], r->readback + 4 * at, sizeof(float));
     }
 }

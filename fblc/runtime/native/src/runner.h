@@ -56,4 +56,8 @@ double runner_step(runner *r, const void *const *inputs, double *kernel_ms);
 /* The parameter `index` as float32 (its tensor's elements) into `out`. */
 void runner_read_parameter(runner *r, size_t index, float *out);
 
+/* A forward bundle's output `index` after the last step: its texture's elements (texture.elements, which value_maps
+ * and value_shapes of plan.json view; fblc decodes them), float32, or int32 for an integer texture. */
+void runner_read_output(runner *r, size_t index, void *out);
+
 #endif
