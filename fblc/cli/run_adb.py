@@ -101,6 +101,9 @@ def infer_on_device(args: Any, cut: list[dict[str, Any]]) -> tuple[list[dict[str
     except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
         raise KeyboardInterrupt(f"on {serial}; nothing written (the runner hands the outputs over only at the end of "
                                 "its run)") from None
+    if len(results.outputs) != len(cut):  # a runner built before forward bundles writes none
+        raise FblcError(f"the runner on {serial} handed over {len(results.outputs)} batches' outputs of {len(cut)}",
+                        "rebuild the native runner (README: 'Phones'; fblc-runner --version says 3 or later)")
     return results.outputs, f"{serial} ({results.device['name'].strip()})"
 
 

@@ -39,7 +39,7 @@
 #include "runner.h"
 #include "util.h"
 
-#define RUNNER_VERSION "2"
+#define RUNNER_VERSION "3" /* 3: forward bundles (outputs.bin) */
 #define DATA_MAGIC "FBLCDAT1"
 
 static volatile sig_atomic_t interrupted = 0;
@@ -240,7 +240,8 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
             fprintf(out, "%s\n  {\"name\": ", i ? "," : "");
             json_write_string(out, b->outputs[i].name);
             fprintf(out, ", \"texture\": %zu, \"dtype\": \"%s\", \"elements\": %zu, \"offset\": %zu}",
-                    b->outputs[i].texture, tex->format == FORMAT_I32 ? "int32" : "float32", tex->elements, o->offsets[i]);
+                    b->outputs[i].texture, tex->format == FORMAT_I32 ? "int32" : "float32", tex->elements,
+                    o->offsets[i]);
         }
         fputc(']', out);
     }
