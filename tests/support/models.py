@@ -1,11 +1,11 @@
 """Models for the numeric tests: ONNX files from real exporters and from fblc's builders, each
 with the torch module that computes the same function, one batch, and the reference loss.
 
-Exports are cached per directory for the test session (`session_cached`), since a dynamo
-export takes seconds. Models come from transformers *configs* with random weights (never
-downloaded); BatchNorm statistics and affine terms are randomised, because at their
-initial values (mean 0, var 1, gamma 1, beta 0) a wrong BN gradient can still look right,
-and the legacy exporter would merge the identical BN tensors into one initializer.
+Exports are cached for the test process (`session_cached`), since a dynamo export takes seconds.
+Models come from transformers *configs* with random weights (never downloaded); BatchNorm
+statistics and affine terms are randomised, because at their initial values (mean 0, var 1,
+gamma 1, beta 0) a wrong BN gradient can still look right, and the legacy exporter would merge
+the identical BN tensors into one initializer.
 
 Parameter naming: the reference module's parameters are the torch names. An ONNX trainable
 tensor links to one of them (`Link`): by name, through onnxscript's
@@ -16,10 +16,13 @@ the same fusion applied). Every link is checked by value.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import inspect
 import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -64,17 +67,27 @@ class Link:
 
 
 def session_cached(build: Callable[..., Any]) -> Callable[..., Any]:
-    """Memoise `build(directory, **options)` per directory and options: one export per test session."""
-    cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+    """Memoise `build(directory, **options)` per options: one export per test process (an xdist worker), written
+    to a folder of the process's own (removed at its exit), whatever folder the caller names. Keyed by the
+    caller's folder, each test file (and each test that passed its tmp_path) exported again: Llama's and
+    MobileNetV2's dynamo exports are 2-4 CPU s each. Callers deep-copy the torch module before training it."""
+    cache: dict[tuple[tuple[str, Any], ...], Any] = {}
 
     @functools.wraps(build)
     def cached(directory: str | os.PathLike[str], **options: Any) -> Any:
-        key = (os.fspath(directory), tuple(sorted(options.items())))
+        key = tuple(sorted(options.items()))
         if key not in cache:
-            cache[key] = build(key[0], **options)
+            cache[key] = build(_export_folder(), **options)
         return cache[key]
 
     return cached
+
+
+@functools.cache
+def _export_folder() -> str:
+    folder = tempfile.mkdtemp(prefix="fblc-test-exports-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 # --- helpers --------------------------------------------------------------------------------

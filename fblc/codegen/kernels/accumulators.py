@@ -12,6 +12,7 @@ quarters of a float16 (one zmm register: PoCL's GEMM tiles 82 -> 141 GFLOP/s on 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -100,13 +101,16 @@ class Accumulators:
         """The multiply-adds of the products, lane by lane, each lane's in their order. Interleaved updates of
         strided accumulators (a stride-2 ConvTranspose's even lanes from one texel's x, y, z, w) crash LLVM
         15's InstCombine in Debian's PoCL 3.1 (ShuffleVectorInst::isIdentityWithPadding)."""
-        by_lane: dict[int, list[int]] = {}  # each lane's products in their order, lanes in order
-        for index in sorted(range(len(terms)), key=lambda index: terms[index][0]):
-            by_lane.setdefault(terms[index][0], []).append(index)
         if self.form == "lanes":
-            return [(Element(self.array, const(lane)), *terms[i][1:]) for lane, run in by_lane.items() for i in run]
-        sums = self.form == "sums"
-        return self._paired(self._sums(terms, offsets, by_lane) if sums else self._texels(terms, by_lane))
+            return [(Element(self.array, const(lane)), *terms[i][1:])
+                    for lane, run in _by_lane(terms).items() for i in run]
+        return self._paired(self.updates(terms, offsets))
+
+    def updates(self, terms: Sequence[tuple[int, Expr, Expr]], offsets: Sequence[tuple[int, int]] = ()
+                ) -> list[Update]:
+        """The float4 forms' updates of the products before any grouping (what `_paired` groups, at any stride)."""
+        by_lane = _by_lane(terms)
+        return self._sums(terms, offsets, by_lane) if self.form == "sums" else self._texels(terms, by_lane)
 
     def _texels(self, terms: Sequence[tuple[int, Expr, Expr]], by_lane: dict[int, list[int]]) -> list[Update]:
         """The k-th products of a texel's four lanes are one float4 multiply-add; where a lane lacks
@@ -170,6 +174,14 @@ class Accumulators:
         return updates
 
 
+def _by_lane(terms: Sequence[tuple[int, Expr, Expr]]) -> dict[int, list[int]]:
+    """Each lane's products (their indices) in their order, lanes in order."""
+    by_lane: dict[int, list[int]] = {}
+    for index in sorted(range(len(terms)), key=lambda index: terms[index][0]):
+        by_lane.setdefault(terms[index][0], []).append(index)
+    return by_lane
+
+
 def _whole(texel: int, products: Sequence[tuple[Expr, Expr]]) -> Update:
     """Four (x, w) products as one float4 multiply-add into accumulator `texel`."""
     xs, ws = zip(*products)
@@ -203,7 +215,8 @@ def pair_stride(products: Sequence[tuple[int, int, int]], form: str, lanes: int,
     has no float4s, or a SIMD register holds fewer than `width` float4s (PAIRED_SIMD_FLOATS at least)."""
     if form == "lanes" or simd_floats < max(PAIRED_SIMD_FLOATS, LANES * width):
         return 0
-    costs = {stride: cost(_stand_in_operations(products, form, stride, width))
+    block = tuple(products)
+    costs = {stride: _stand_in_cost(block, form, stride, width)[0]
              for stride in pairings(float4_count(form, lanes), width)}
     return min(costs, key=lambda stride: (costs[stride], stride))
 
@@ -215,9 +228,9 @@ def vector_texels(products: Sequence[tuple[int, int, int]], form: str, lanes: in
     grouping costs more than none."""
     options = [(width, pair_stride(products, form, lanes, simd_floats, width))
                for width in VECTOR_TEXELS if width <= widest]
-    grouped = [(cost(operations), -width, stride) for width, stride in options if stride
-               for operations in [_stand_in_operations(products, form, stride, width)]
-               if width == 2 or not _gathers(operations)]
+    grouped = [(instructions, -width, stride) for width, stride in options if stride
+               for instructions, gathers in [_stand_in_cost(tuple(products), form, stride, width)]
+               if width == 2 or not gathers]
     if not grouped:
         return 2, 0
     _, negative, stride = min(grouped)
@@ -237,15 +250,41 @@ def pairings(count: int, width: int = 2) -> tuple[int, ...]:
     return (0,) + tuple(s for s in range(1, count // width + 1) if count % (width * s) == 0)
 
 
+# a model's kernels judge the same blocks again and again (every conv of a tile shape; the cost of stride 0 is
+# block_cost's, the chosen stride's vector_texels'), and every stride groups the same updates: T-ResNet's MemFLoRA
+# step for `local` compiled in 10.9 CPU s, most of it building these stand-ins
+@functools.lru_cache(maxsize=1024)
+def _stand_in_cost(products: tuple[tuple[int, int, int], ...], form: str, pair: int, width: int) -> tuple[int, bool]:
+    """(`cost`, `_gathers`) of the stand-in operations of a block of `products` (_stand_in_operations)."""
+    operations = _stand_in_operations(products, form, pair, width)
+    return cost(operations), _gathers(operations)
+
+
 def _stand_in_operations(products: Sequence[tuple[int, int, int]], form: str, pair: int = 0,
                          width: int = 2) -> list[Operation]:
     """The operations of a block of (lane, x offset, w offset) `products` in `form` (grouped `width` by `width`
     at `pair`), each element a stand-in read from texel-aligned bases (what the costs compare)."""
-    def element(tensor: str, offset: int) -> Expr:  # a lane of the texel holding it
+    accumulators = Accumulators(Var("a", 0, FLOAT4), form, pair, width)
+    if form == "lanes":
+        return accumulators.operations(*_stand_in_terms(tuple(products)))
+    return accumulators._paired(list(_stand_in_updates(tuple(products), form)))
+
+
+@functools.lru_cache(maxsize=256)
+def _stand_in_terms(products: tuple[tuple[int, int, int], ...]
+                    ) -> tuple[tuple[tuple[int, Expr, Expr], ...], tuple[tuple[int, int], ...]]:
+    """(the (lane, x, w) terms, their (x, w) offsets) of `products`, each element a lane of the texel holding it."""
+    def element(tensor: str, offset: int) -> Expr:
         return Var(tensor, offset >> 2, FLOAT4).lane(offset & 3)
 
-    terms = [(lane, element("X", x), element("W", w)) for lane, x, w in products]
-    return Accumulators(Var("a", 0, FLOAT4), form, pair, width).operations(terms, [(x, w) for _, x, w in products])
+    terms = tuple((lane, element("X", x), element("W", w)) for lane, x, w in products)
+    return terms, tuple((x, w) for _, x, w in products)
+
+
+@functools.lru_cache(maxsize=256)
+def _stand_in_updates(products: tuple[tuple[int, int, int], ...], form: str) -> tuple[Update, ...]:
+    """The updates of the stand-in terms of `products` in float4 `form`, before grouping (Accumulators.updates)."""
+    return tuple(Accumulators(Var("a", 0, FLOAT4), form).updates(*_stand_in_terms(products)))
 
 
 def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
@@ -253,7 +292,7 @@ def block_cost(products: Sequence[tuple[int, int, int]], form: str) -> float:
     `cost`, and a load per distinct texel of X and of W, read from texel-aligned bases): what tiles of
     different shapes compare by."""
     loads = len({x >> 2 for _, x, _ in products}) + len({w >> 2 for _, _, w in products})
-    return (cost(_stand_in_operations(products, form)) + loads) / max(1, len(products))
+    return (_stand_in_cost(tuple(products), form, 0, 2)[0] + loads) / max(1, len(products))
 
 
 def choose_form(products: Sequence[tuple[int, int, int]], lanes: int, long: bool, cpu: bool,
