@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import multiprocessing
 import os
-import re
 import sys
 import tempfile
 import time
 import traceback
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from unittest import mock
 
 import numpy as np
@@ -41,35 +38,12 @@ from onnx import helper
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.conformance_report import (Case, Outcome, Result, load_outcomes, report,  # noqa: E402
+                                           save_outcomes, write)
+
 SEPARATOR = "__"
 STORAGES = ("image", "buffer")
 SKIPPED: list[str] = []  # cases load_cases left out
-
-
-@dataclass
-class Case:
-    name: str
-    op: str
-    model: onnx.ModelProto
-    inputs: dict[str, np.ndarray]
-    expected: dict[str, np.ndarray]
-    rtol: float
-    atol: float
-
-
-@dataclass
-class Result:
-    """One case in one storage: status passed / failed / unsupported and why."""
-    status: str
-    detail: str = ""
-    seconds: float = 0.0
-
-
-@dataclass
-class Outcome:
-    case: Case
-    results: dict[str, Result] = field(default_factory=dict)  # storage -> result
-    ort: bool = False
 
 
 def load_cases(ops: set[str] | None = None, modules: list[str] | None = None, leave_out: set[str] = set()) -> list[Case]:
@@ -179,45 +153,57 @@ def compare(case: Case, got: dict[str, np.ndarray]) -> Result:
     return Result("passed")
 
 
-def _case_of(message: str, prefixes: list[str]) -> str | None:
-    found = {m for m in re.findall(rf"(c\d+){SEPARATOR}", message) if m in prefixes}
-    return found.pop() if len(found) == 1 else None
-
-
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-def run_group(cases: dict[str, Case], storages: list[str], folder: str) -> dict[str, dict[str, Result]]:
-    """Compile `cases` (prefix -> case) as one forward bundle and run it in each storage; refusals leave the
-    group by their node's prefix, a group whose run raises is halved down to the case that raises."""
+def compiled(model: onnx.ModelProto, folder: str, bundle: str) -> Result | None:
+    """Compile `model` as a forward bundle into `bundle`: None, or why not (a refusal: unsupported, with its
+    message; any other error: failed, fblc should have refused by name)."""
     from fblc.codegen.compile import compile_model
     from fblc.errors import FblcError
     from fblc.passes import fuse
     from fblc.passes.pipeline import TrainingOptions
+
+    path = os.path.join(folder, "model.onnx")
+    onnx.save(model, path)
+    try:  # each case's reductions in kernels of its own, as alone (tests/support/merged_steps.py)
+        with mock.patch.object(fuse, "SAME_SHAPE_REDUCTIONS", 1):
+            compile_model(path, bundle, "local", "fp32", TrainingOptions(trainer="none"))
+    except FblcError as error:
+        return Result("unsupported", str(error).split("; supported ops:")[0].strip().splitlines()[0][:300])
+    except Exception as error:
+        return Result("failed", f"compile: {_first_line(error)}")
+    return None
+
+
+def run_group(cases: dict[str, Case], storages: list[str], folder: str) -> dict[str, dict[str, Result]]:
+    """Compile `cases` (prefix -> case) as one forward bundle and run it in each storage. When the group does not
+    compile, each case compiles alone (graph passes only, ~0.4 CPU s; the group again after each refusal would
+    cost time quadratic in its refused cases) and the refused leave it; a group whose run raises is halved down
+    to the case that raises."""
     from fblc.runtime.local import LocalRunner
 
     results: dict[str, dict[str, Result]] = {}
     live = dict(cases)
     while live:
-        path, bundle = os.path.join(folder, "model.onnx"), os.path.join(folder, f"bundle{len(results)}")
-        onnx.save(merged_model(live), path)
-        try:  # each case's reductions in kernels of its own, as alone (tests/support/merged_steps.py)
-            with mock.patch.object(fuse, "SAME_SHAPE_REDUCTIONS", 1):
-                compile_model(path, bundle, "local", "fp32", TrainingOptions(trainer="none"))
+        bundle = os.path.join(tempfile.mkdtemp(dir=folder), "bundle")  # its own: the halves below build theirs
+        problem = compiled(merged_model(live), folder, bundle)
+        if problem is None:
             break
-        except (FblcError, Exception) as error:
-            kind = "unsupported" if isinstance(error, FblcError) else "failed"
-            culprit = next(iter(live)) if len(live) == 1 else _case_of(str(error), list(live))
-            if culprit is None:  # not attributable: each case alone
-                for prefix in list(live):
-                    results.update(run_group({prefix: live.pop(prefix)}, storages, folder))
-                return results
-            message = str(error).replace(f"{culprit}{SEPARATOR}", "").split("; supported ops:")[0]
-            detail = message if kind == "unsupported" else f"compile: {_first_line(error)}"
-            results[culprit] = {s: Result(kind, detail.strip().splitlines()[0][:300]) for s in storages}
-            del live[culprit]
+        if len(live) == 1:
+            results[live.popitem()[0]] = {s: problem for s in storages}
+            break
+        for prefix in list(live):
+            alone = compiled(live[prefix].model, folder, os.path.join(tempfile.mkdtemp(dir=folder), "bundle"))
+            if alone is not None:
+                results[prefix] = {s: alone for s in storages}
+                del live[prefix]
+        if live and all(p not in results for p in cases):  # every case compiles alone, not together: each alone
+            for prefix in list(live):
+                results.update(run_group({prefix: live.pop(prefix)}, storages, folder))
+            return results
     if not live:
         return results
     feeds = {(f"{p}{SEPARATOR}{n}" if len(live) > 1 else n): v for p, c in live.items() for n, v in c.inputs.items()}
@@ -320,58 +306,10 @@ def run_all(cases: list[Case], storages: list[str], group: int, jobs: int, timeo
                 done_ops[case.op] += 1
                 if progress and done_ops[case.op] == total_ops[case.op]:
                     by = Counter(r.status for o in outcomes.values() if o.case.op == case.op for r in o.results.values())
-                    print(f"{case.op}: {total_ops[case.op]} cases, " + ", ".join(f"{n} {s}" for s, n in sorted(by.items())),
+                    print(f"{case.op}: {total_ops[case.op]} cases; over {'+'.join(storages)}: "
+                          + ", ".join(f"{n} {s}" for s, n in sorted(by.items())),
                           file=sys.stderr, flush=True)
     return list(outcomes.values())
-
-
-def case_status(outcome: Outcome) -> str:
-    """A case's status over its storages: failed if any failed, else unsupported if any refused, else passed."""
-    statuses = {r.status for r in outcome.results.values()}
-    return "failed" if "failed" in statuses else "unsupported" if "unsupported" in statuses else "passed"
-
-
-def report(outcomes: list[Outcome], storages: list[str], command: str, seconds: float, skipped: int) -> str:
-    totals = Counter(case_status(o) for o in outcomes)
-    per_storage = {s: Counter(o.results[s].status for o in outcomes if s in o.results) for s in storages}
-    lines = ["# ONNX node-test conformance", "",
-             f"Generated by `{command}` (onnx {onnx.__version__}, {len(outcomes)} cases, {seconds:.0f} s wall); "
-             "do not edit by hand. Each case of onnx's backend node suite runs as a forward bundle "
-             "(`--trainer none`) on PoCL, judged against onnx's expected outputs with the case's tolerances "
-             "(rtol 1e-3, atol 1e-7 unless the case sets its own); `ort` counts the cases onnxruntime passes "
-             "by the same test. A case *fails* if it fails in any storage (the reason names the storage).",
-             "", f"**Totals**: {totals['passed']} passed, {totals['failed']} failed, {totals['unsupported']} unsupported"
-             + (f" ({skipped} more cases of the suite have non-tensor inputs or outputs and are not run)" if skipped else "")
-             + "; by storage: " + "; ".join(f"{s}: " + ", ".join(f"{n} {k}" for k, n in sorted(c.items()))
-                                              for s, c in per_storage.items()), "",
-             "| op | cases | passed | failed | unsupported | ort |", "| --- | --- | --- | --- | --- | --- |"]
-    by_op: dict[str, list[Outcome]] = defaultdict(list)
-    for outcome in outcomes:
-        by_op[outcome.case.op].append(outcome)
-    for op in sorted(by_op):
-        count = Counter(case_status(o) for o in by_op[op])
-        lines.append(f"| {op} | {len(by_op[op])} | {count['passed']} | {count['failed']} | {count['unsupported']} | "
-                     f"{sum(o.ort for o in by_op[op])} |")
-    lines += ["", "## Reasons", "", "Per op, each reason once with the cases it holds for (numbers in a reason are "
-              "the first case's).", ""]
-    for op in sorted(by_op):
-        reasons: dict[tuple[str, str], tuple[str, list[str]]] = {}  # (status, detail with numbers as #) -> cases
-        for outcome in by_op[op]:
-            status = case_status(outcome)
-            if status == "passed":
-                continue
-            where = [s for s in storages if s in outcome.results and outcome.results[s].status == status]
-            detail = outcome.results[where[0]].detail
-            key = re.sub(r"-?\d[\d.e+-]*", "#", detail) if status == "failed" else detail
-            name = f"{outcome.case.name} ({'/'.join(where)})" if status == "failed" else outcome.case.name
-            reasons.setdefault((status, key), (detail, []))[1].append(name)
-        if not reasons:
-            continue
-        lines.append(f"### {op}")
-        for (status, _), (detail, names) in sorted(reasons.items()):
-            lines.append(f"- {status}, {len(names)}: {detail.replace('|', '/')} — {', '.join(names)}")
-        lines.append("")
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python benchmarks/onnx_conformance.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.report_from:
-        outcomes, storages, seconds, skipped = load_outcomes(args.report_from.split(","))
-        return write(report(outcomes, storages, command.strip(), seconds, skipped), args.out)
+        outcomes, storages, seconds, skipped, runs = load_outcomes(args.report_from.split(","))
+        return write(report(outcomes, storages, command.strip(), seconds, skipped, runs), args.out)
     ops = set(args.ops.split(",")) if args.ops else None
     if args.ops_from_kernels:
         ops = (ops or set()) | kernel_ops()
@@ -402,39 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = run_all(cases, storages, args.group, args.jobs, args.case_timeout)
     seconds = time.perf_counter() - started
     if args.save:
-        save_outcomes(args.save, outcomes, storages, seconds, skipped)
+        save_outcomes(args.save, outcomes, storages, seconds, skipped, command.strip())
     return write(report(outcomes, storages, command.strip(), seconds, skipped), args.out)
-
-
-def write(text: str, path: str | None) -> int:
-    if path:
-        with open(path, "w") as handle:
-            handle.write(text)
-    else:
-        print(text)
-    return 0
-
-
-def save_outcomes(path: str, outcomes: list[Outcome], storages: list[str], seconds: float, skipped: int) -> None:
-    rows = [{"name": o.case.name, "op": o.case.op, "ort": o.ort,
-             "results": {s: [r.status, r.detail, r.seconds] for s, r in o.results.items()}} for o in outcomes]
-    with open(path, "w") as handle:
-        json.dump({"storages": storages, "seconds": seconds, "skipped": skipped, "outcomes": rows}, handle, indent=0)
-
-
-def load_outcomes(paths: list[str]) -> tuple[list[Outcome], list[str], float, int]:
-    """Saved runs (of disjoint ops) as one: their outcomes joined, wall seconds and skips summed."""
-    joined: dict[str, Outcome] = {}
-    storages, seconds, skipped = [], 0.0, 0
-    for path in paths:
-        with open(path) as handle:
-            saved = json.load(handle)
-        storages += [s for s in saved["storages"] if s not in storages]
-        seconds, skipped = seconds + saved["seconds"], skipped + saved["skipped"]
-        for row in saved["outcomes"]:
-            case = Case(row["name"], row["op"], onnx.ModelProto(), {}, {}, 0.0, 0.0)
-            joined[row["name"]] = Outcome(case, {s: Result(*r) for s, r in row["results"].items()}, row["ort"])
-    return list(joined.values()), storages, seconds, skipped
 
 
 def kernel_ops() -> set[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import onnx_conformance as conformance
+from benchmarks.conformance_report import case_status
 
 OPS = {"Relu", "Add", "MatMul", "Softmax", "Conv", "Det"}
 MODULES = ["relu", "add", "matmul", "softmax", "conv", "det"]
@@ -19,11 +20,11 @@ def test_node_tests_of_a_handful_of_ops_pass() -> None:
              if "_expanded" not in c.name and not any(part in c.name for part in LEFT_OUT)]
     assert {c.op for c in cases} == OPS and len(cases) > 15
     outcomes = conformance.run_all(cases, ["buffer"], group=32, jobs=1, timeout=60, progress=False)
-    status = {o.case.name: conformance.case_status(o) for o in outcomes}
+    status = {o.case.name: case_status(o) for o in outcomes}
     bad = {o.case.name: o.results for o in outcomes if status[o.case.name] != "passed" and o.case.op != "Det"}
     assert not bad, bad
     det = [o for o in outcomes if o.case.op == "Det"]
-    assert det and all(conformance.case_status(o) == "unsupported" and "Det" in o.results["buffer"].detail
+    assert det and all(case_status(o) == "unsupported" and "Det" in o.results["buffer"].detail
                        for o in det), [o.results for o in det]
     # the judge itself: an output off by more than onnx's tolerance fails, naming its worst element
     case = next(c for c in cases if c.name == "test_relu")
