@@ -61,7 +61,9 @@ def report(outcomes: list[Outcome], storages: list[str], command: str, seconds: 
              "bundle (names prefixed), one PoCL build per storage; a refusal takes its case out of the batch, "
              "a run that raises is halved down to its case (benchmarks/onnx_conformance.py's docstring).",
              "", f"**Totals**: {totals['passed']} passed, {totals['failed']} failed, {totals['unsupported']} unsupported"
-             + (f" ({skipped} more cases of the suite have non-tensor inputs or outputs and are not run)" if skipped else "")
+             + (f" ({skipped} more cases of these ops are not run: their data is stored as TensorProto (Cast to and "
+                  "from float8/int4/bfloat16, DequantizeLinear) or a sequence, or their inputs do not match the "
+                  "model's one to one (optional inputs left out): not counted)" if skipped else "")
              + "; by storage: " + "; ".join(f"{s}: " + ", ".join(f"{n} {k}" for k, n in sorted(c.items()))
                                               for s, c in per_storage.items()), "",
              "| op | cases | passed | failed | unsupported | ort |", "| --- | --- | --- | --- | --- | --- |"]

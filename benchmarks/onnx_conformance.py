@@ -73,7 +73,7 @@ def load_cases(ops: set[str] | None = None, modules: list[str] | None = None, le
         initialized = {t.name for t in test.model.graph.initializer}
         names = [v.name for v in test.model.graph.input if v.name not in initialized]
         if len(fed) != len(names) or not all(isinstance(v, np.ndarray) for v in (*fed, *wanted)):
-            SKIPPED.append(test.name)  # sequences, optionals, maps: not tensors, not run (the report counts them)
+            SKIPPED.append(test.name)  # TensorProto data (float8, int4), sequences, left-out optional inputs: not run
             continue
         cases.append(Case(test.name, op, test.model, dict(zip(names, fed)),
                           dict(zip([v.name for v in test.model.graph.output], wanted)),
