@@ -97,3 +97,43 @@ def test_verify_an_int4_forward_bundle(tmp_path) -> None:
     served = LocalRunner(str(tmp_path / "b"), storage="buffer", progress=False).infer(model.inputs)["logits"]
     original = _onnxruntime(model.path, model.inputs)["logits"]
     assert not np.allclose(served, original, rtol=RTOL, atol=ATOL)  # int4's rounding, which the model lacks
+
+
+def _one_node_model(path: str, op: str, inputs: dict[str, tuple[int, ...]], out_shape: list[int],
+                    dtype: int = 1, **attributes: object) -> str:
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph([helper.make_node(op, list(inputs), ["y"], **attributes)], "g",
+                              [helper.make_tensor_value_info(n, dtype, list(s)) for n, s in inputs.items()],
+                              [helper.make_tensor_value_info("y", dtype, out_shape)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), path)
+    return path
+
+
+def test_a_step_of_views_alone_runs_and_unrunnable_values_are_named(tmp_path, capsys) -> None:
+    """From ONNX's node tests (benchmarks/onnx_conformance.py): a forward whose output is a view of its input
+    (a lone Transpose: no launch at all) was an internal error in the memory plan; it runs and equals numpy.
+    A string tensor and a zero-element float tensor were internal errors deep in codegen; each is refused
+    naming the tensor."""
+    path = _one_node_model(str(tmp_path / "t.onnx"), "Transpose", {"x": (2, 3)}, [3, 2], perm=[1, 0])
+    bundle = str(tmp_path / "t")
+    assert main(["compile", path, "-o", bundle, "-q", "--trainer", "none"]) == 0
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(LocalRunner(bundle).infer({"x": x})["y"], x.T)
+    strings = _one_node_model(str(tmp_path / "s.onnx"), "Identity", {"x": (2,)}, [2], dtype=8)
+    assert main(["compile", strings, "-o", str(tmp_path / "s"), "--trainer", "none"]) != 0
+    assert "'x' holds strings" in capsys.readouterr().err
+    import onnx
+    from onnx import helper, numpy_helper
+
+    split = numpy_helper.from_array(np.array([3, 0], np.int64), "parts")
+    graph = helper.make_graph([helper.make_node("Split", ["x", "parts"], ["a", "b"], axis=1),
+                               helper.make_node("Concat", ["a", "b"], ["y"], axis=1)], "g",
+                              [helper.make_tensor_value_info("x", 1, [2, 3])],
+                              [helper.make_tensor_value_info("y", 1, [2, 3])], initializer=[split])
+    empty = str(tmp_path / "e.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), empty)
+    assert main(["compile", empty, "-o", str(tmp_path / "e"), "--trainer", "none"]) != 0
+    assert "'b' (made by node" in (err := capsys.readouterr().err) and "has shape [2, 0]: no element" in err
+    assert "internal error" not in err

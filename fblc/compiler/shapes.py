@@ -171,4 +171,25 @@ def infer_shapes(model: ir.Model, require_static: bool = True) -> bool:
         gaps = shape_gaps(model)
         if gaps:
             raise shape_error(gaps)
+        refuse_unrunnable_values(model)
     return modified
+
+
+def refuse_unrunnable_values(model: ir.Model) -> None:
+    """Raise naming the first value no kernel can hold: a string tensor (kernels compute on numbers), or a
+    float tensor a node computes with no element at all (a zero-size Split part, a Reshape to a 0 dim: a texture
+    has at least one texel)."""
+    graph = model.graph
+    for value in list(graph.inputs) + [v for node in graph for v in node.outputs]:
+        producer = value.producer()
+        where = f"'{value.name}'" + (f" (made by node '{producer.name}', {producer.op_type})" if producer else "")
+        if value.dtype == ir.DataType.STRING:
+            raise UnsupportedOpError(f"{where} holds strings: fblc's kernels compute on numbers only",
+                                     "do string processing (tokenization, labels) outside the model")
+        shape = value.shape
+        empty = shape is not None and shape.is_static() and any(int(d) == 0 for d in shape)
+        if empty and producer is not None and producer.op_type != "Constant" and value.dtype is not None \
+                and value.dtype.is_floating_point():
+            raise ShapeError(f"{where} has shape {list(shape)}: no element, and a texture needs one",
+                             "remove the empty branch from the model, or export it with --input-shape values that "
+                             "give every tensor an element")
