@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fblc.compiler import keys
+from fblc.compiler.reference import onnxruntime_session
 from fblc.passes import split_resize
 from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes
 from fblc.passes.split_resize import SplitResize
@@ -41,10 +41,7 @@ def _split(model: onnx.ModelProto) -> tuple[ir.Model, bool]:
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(["y"], {"x": x})[0]
+    return onnxruntime_session(model).run(["y"], {"x": x})[0]
 
 
 def test_golden_split(monkeypatch) -> None:
