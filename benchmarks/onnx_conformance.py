@@ -265,7 +265,10 @@ def groups_of(cases: list[Case], size: int) -> list[list[Case]]:
 def run_all(cases: list[Case], storages: list[str], group: int, jobs: int, timeout: float,
             progress: bool = True) -> list[Outcome]:
     """Every case's outcome: groups in child processes (`jobs` at once), each killed after `timeout` s per case."""
-    context = multiprocessing.get_context("fork")
+    # forked from a clean server, not from this process: a fork of a process whose OpenCL driver already runs
+    # threads (PoCL's pthread device, as in a test worker) can inherit a held lock and hang
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["onnx", "fblc.runtime.local", "fblc.codegen.compile"])
     outcomes = {case.name: Outcome(case, ort=ort_passes(case)) for case in cases}
     pending = [[c for c in g] for g in groups_of(cases, group)]
     running: list[tuple[multiprocessing.Process, multiprocessing.Queue, list[Case], float]] = []
