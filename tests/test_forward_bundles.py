@@ -33,8 +33,8 @@ def test_forward_pipeline_leaves_out_the_training_passes() -> None:
     names = [p.name for p in training_passes(TrainingOptions(trainer="none"))]
     assert "forward_step" in names and not TRAINING_PASSES & set(names)
     assert TRAINING_PASSES - {"es_gradients"} <= {p.name for p in training_passes(TrainingOptions())}
-    with pytest.raises(FblcError, match="--adapter is given with --trainer none"):
-        training_passes(TrainingOptions(trainer="none", adapter=AdapterConfig(kind="lora")))
+    with pytest.raises(FblcError, match="--adapter memflora-sg is given with --trainer none"):
+        training_passes(TrainingOptions(trainer="none", adapter=AdapterConfig(kind="memflora-sg")))
 
 
 def test_forward_bundle_equals_onnxruntime_in_both_storages(tmp_path) -> None:

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "runner, adb:SERIAL)")
     run.add_argument("-o", "--output", metavar="OUTPUTS.npz",
                      help="with --infer: the outputs, one array per model output, batches joined along axis 0")
+    run.add_argument("--specialist", metavar="FILE.npz",
+                     help="with --infer, a forward bundle compiled with --adapter: load these adapter tensors (the "
+                          "file 'fblc export --keep-adapters' wrote) before the first batch; only they are uploaded, "
+                          "the weights stay shared (default: the adapter's identity, the base model)")
     run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))
     add_export_command(commands)
 

@@ -69,6 +69,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         trained = report["trained"]["tensors"]
         outputs = ", ".join(f"'{v.name}'" for v in step.graph.outputs) if options.trainer == FORWARD else ""
+        if outputs and "specialist" in report["weights"]["bytes"]:
+            print(specialist_summary(report))
         print(f"a forward bundle (no loss, backward or optimizer): its step reads the model's inputs and writes "
               f"{outputs}; run it with fblc run BUNDLE --infer --data INPUTS.npz" if outputs else
               "\n".join(adapter_lines(report.get("adapter")) + [
@@ -92,6 +94,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
             print(cache_summary(report["cache"]))
     return 0
+
+
+def specialist_summary(report: dict) -> str:
+    """The compile summary's line on a forward bundle's adapter sites: what a specialist replaces, what stays shared."""
+    weights = report["weights"]
+    adapter = report["adapter"]
+    count = len(adapter["adapted"])
+    return (f"adapter sites ({adapter['adapter']}, {count} {adapter['unit']}{'s' if count != 1 else ''}): "
+            f"{weights['bytes']['specialist']:,} bytes "
+            f"of adapter tensors that a specialist replaces at run time (fblc run BUNDLE --infer --specialist S.npz); "
+            f"{weights['shared']:,} bytes of weights shared by every specialist (report.json 'weights')")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

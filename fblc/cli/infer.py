@@ -11,6 +11,7 @@ by name. The outputs are written atomically, by the model's output names.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -19,6 +20,7 @@ from fblc import bundle_format as fmt
 from fblc.cli.data import batches
 from fblc.cli.outputs import save_parameters
 from fblc.errors import FblcError
+from fblc.runtime import specialist as specialists
 from fblc.runtime.feeds import extra_feeds_problem, kind_problem
 
 
@@ -39,6 +41,16 @@ def joined(results: list[dict[str, np.ndarray]], batch: int) -> dict[str, np.nda
                         f"not the batch of {batch}, so {len(results)} batches' outputs cannot be joined row by row",
                         f"give --data exactly one batch ({batch} rows)")
     return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+
+
+def specialist_line(bundle: str, manifest: dict, path: str, chosen: dict[str, np.ndarray]) -> str:
+    """What loading the specialist cost: its textures' bytes uploaded, against the weights every specialist shares
+    (report.json's weights.shared: uploaded once, when the runner starts)."""
+    values = sum(int(a.size) for a in chosen.values())
+    shared = fmt.read_json(os.path.join(bundle, fmt.REPORT)).get("weights", {}).get("shared")
+    kept = f"the weights ({shared:,} bytes) stayed as loaded" if shared is not None else "the weights stayed as loaded"
+    return (f"specialist {path}: {len(chosen)} adapter tensors ({values:,} values), "
+            f"{specialists.site_bytes(manifest):,} bytes uploaded; {kept}, shared by every specialist")
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
@@ -62,15 +74,21 @@ def cmd_infer(args: argparse.Namespace) -> int:
         raise FblcError(f"data file '{args.data}': {note}, but --infer answers every row",
                         f"give a multiple of the compiled batch of {batch} rows (pad the last batch and drop its "
                         "outputs)")
+    chosen = None  # the specialist's tensors, checked against the bundle's adapter sites before any device work
+    if getattr(args, "specialist", None):
+        chosen = specialists.checked(manifest, args.bundle, specialists.load_file(args.specialist),
+                                     f"specialist '{args.specialist}'")
     started = time.perf_counter()
     if args.device == "adb" or args.device.startswith("adb:"):  # push, build and run on the phone, all timed
         from fblc.cli.run_adb import infer_on_device
 
-        results, where = infer_on_device(args, cut)
+        results, where = infer_on_device(args, cut, chosen)
     else:
         runner = LocalRunner(args.bundle, device=None if args.device == "local" else args.device,
                              progress=not args.quiet, storage=args.storage)
         started = time.perf_counter()  # after the kernels' build
+        if chosen is not None:
+            runner.load_specialist(chosen)
         results, where = [runner.infer(feeds) for feeds in cut], runner.device.name.strip()
     outputs = joined(results, manifest["inputs"][0]["shape"][0] if cut[0] else 1)
     seconds = time.perf_counter() - started
@@ -79,4 +97,6 @@ def cmd_infer(args: argparse.Namespace) -> int:
         shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in outputs.items())
         print(f"ran {args.bundle} on {where}: {len(cut)} batch{'es' if len(cut) != 1 else ''} "
               f"in {seconds:.2f} s; wrote {written} ({shapes})")
+        if chosen is not None:
+            print(specialist_line(args.bundle, manifest, args.specialist, chosen))
     return 0

@@ -90,14 +90,17 @@ def cmd_run_adb(args: Any) -> int:
     return 0
 
 
-def infer_on_device(args: Any, cut: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+def infer_on_device(args: Any, cut: list[dict[str, Any]], specialist: dict[str, Any] | None = None
+                    ) -> tuple[list[dict[str, Any]], str]:
     """`fblc run BUNDLE --infer --device adb:SERIAL`: each batch once through the native runner on the phone (its
-    data checked by cmd_infer); the outputs of each batch, and where they ran."""
+    data checked by cmd_infer, and `specialist`'s tensors: pushed with the data); the outputs of each batch, and
+    where they ran."""
     adb = Adb()
     serial = adb.choose(args.device[len("adb:"):] or None)
     say = (lambda text: None) if args.quiet else (lambda text: print(text, flush=True))
     try:
-        results = run_on_device(adb, serial, args.bundle, cut, len(cut), runner=getattr(args, "runner", None), say=say)
+        results = run_on_device(adb, serial, args.bundle, cut, len(cut), runner=getattr(args, "runner", None), say=say,
+                                specialist=specialist)
     except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
         raise KeyboardInterrupt(f"on {serial}; nothing written (the runner hands the outputs over only at the end of "
                                 "its run)") from None

@@ -112,6 +112,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from fblc.cli.infer import cmd_infer
 
         return cmd_infer(args)
+    if getattr(args, "specialist", None):
+        raise FblcError("--specialist is given without --infer: a specialist is loaded into a forward bundle with "
+                        "adapter sites (fblc compile --trainer none --adapter KIND)", "add --infer -o OUTPUTS.npz")
     if args.device == "adb" or args.device.startswith("adb:"):
         from fblc.cli.run_adb import cmd_run_adb
 

@@ -47,6 +47,17 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
     return entry
 
 
+def _specialist_entry(value: ir.Value, program: Program, entry: dict[str, Any]) -> dict[str, Any]:
+    """The manifest entry of an adapter site (with_init's): the root of a texture that params.bin fills (its views, as
+    FuRA-S's per-site slices of delta, read it), so that a runtime replacing its texels replaces this tensor."""
+    texture = program.textures[entry["texture"]]
+    if "offset" not in entry or "view" in entry or texture.name != value.name:
+        raise FblcError(f"adapter tensor '{value.name}' is not the root of a texture with initial data in the bundle "
+                        f"(texture '{texture.name}'), so a specialist could not replace it",
+                        "report it; meanwhile serve the merged model (fblc export, then compile it)")
+    return entry
+
+
 def _launch(kernel: Kernel, profile: Profile, lines: tuple[int, int], buffer_lines: tuple[int, int],
             schedule: dict[str, Any] | None) -> dict[str, Any]:
     """A launch of the plan: its kernel, its launch sizes (the profile's work-group size, the global size
@@ -116,6 +127,10 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                 # scalars the runtimes report with the loss each step (ES's reward_mean)
                 "metrics": [{"name": v.name, "texture": program.values[v.name]} for v in graph.outputs
                             if keys.get_role(v) == Role.METRIC.value and not static_shape(v)]}
+    specialist = keys.json_of(graph.metadata_props, keys.SPECIALIST)
+    if specialist is not None:  # adapter sites of a forward bundle: a runtime replaces their texels (runtime/specialist)
+        manifest["specialist"] = [_specialist_entry(graph.initializers[name], program, with_init(graph.initializers[name]))
+                                  for name in specialist]
     rewards = next((v for v in graph.inputs if keys.get_role(v) == Role.REWARD.value), None)
     if rewards is not None:  # --reward external: the runtime uploads the application's rewards mid-step
         texture = program.values[rewards.name]

@@ -7,6 +7,10 @@ weights), `frozen_float` (frozen float weights kept as they are), `trainable` (p
 (LoRA A/B, MemFLoRA P/U, FuRA-S R and delta: whatever an adapter made), `optimizer_state`, `constants`
 (integer tables, masks and other frozen non-float tensors), and `activations_saved`, the memory plan's bytes of
 activations the backward reads (memory.saved_activations).
+
+A forward bundle with adapter sites (--trainer none --adapter) counts its sites (keys.SPECIALIST: LoRA's A/B,
+MemFLoRA's U, FuRA-S's delta) apart, as `specialist`, the bytes a runtime replaces to switch specialists, and
+`shared` sums the rest that a step keeps (weights, frozen factors, constants): uploaded once, whatever specialist.
 """
 
 from __future__ import annotations
@@ -44,12 +48,16 @@ def weights_report(model: ir.Model, program: Program, memory: dict[str, Any], we
                    ) -> dict[str, Any]:
     graph = model.graph
     stored = {v.name: v for v in [*graph.inputs, *graph.initializers.values()]}
-    totals = dict.fromkeys(CATEGORIES, 0)
+    sites = set(keys.json_of(graph.metadata_props, keys.SPECIALIST, []))
+    totals = dict.fromkeys(CATEGORIES + (("specialist",) if sites else ()), 0)
     for texture in program.textures:
         value = stored.get(texture.name)
-        kind = category(value) if value is not None else None
+        kind = "specialist" if texture.name in sites else category(value) if value is not None else None
         if kind is not None:
             totals[kind] += texture.image_bytes
     records = json.loads(model.metadata_props.get(keys.QUANTIZED, "[]"))
-    return {"format": weights, "group": group, "bytes": {**totals, "activations_saved": memory.get("saved_activations", 0)},
-            "quantized": records}
+    report = {"format": weights, "group": group,
+              "bytes": {**totals, "activations_saved": memory.get("saved_activations", 0)}, "quantized": records}
+    if sites:
+        report["shared"] = sum(totals.values()) - totals["specialist"]
+    return report

@@ -94,6 +94,9 @@ TRAINED_BY = "fblc.trained_by"
 TRAINED_PATTERNS = "fblc.trained_patterns"
 #: On the graph: "1" when the step is the model's forward alone (--trainer none, pass forward_step).
 FORWARD_STEP = "fblc.forward_step"
+#: On the graph of a forward step with adapter sites (--trainer none --adapter): JSON list of the adapter tensors a
+#: specialist replaces at run time (LoRA's A/B, MemFLoRA's U, FuRA-S's delta), in the adapter pass's order.
+SPECIALIST = "fblc.specialist"
 
 # Keys written by torch.onnx's dynamo exporter and by onnxscript's optimizer.
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"

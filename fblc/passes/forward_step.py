@@ -7,9 +7,16 @@ the graph is marked FORWARD_STEP, which the bundle's manifest records (`"step": 
 The model's outputs stay the step's outputs, by their names. With no trainable parameter the facts
 "trainable inputs" and "updates" hold (there is no parameter without its P.new), so the lowering
 passes run unchanged. Preconditions: static shapes; the model has at least one output. In place.
+
+With an adapter (--adapter lora|memflora|fura-s: its pass ran before this one and froze everything but its own
+trained tensors), the tensors that are still `param` are the adapter sites: frozen like the rest, initialised
+to the adapter's identity (B, U, delta zero), and listed on the graph (SPECIALIST), so that the bundle's
+manifest names them as the `specialist` a runtime replaces without recompiling (fblc.runtime.specialist).
 """
 
 from __future__ import annotations
+
+import json
 
 import onnx_ir as ir
 
@@ -31,9 +38,14 @@ class ForwardStep(ContractPass):
         if not graph.outputs:
             raise FblcError("the model has no outputs, so its forward computes nothing to read back",
                             "export the model with its outputs")
+        adapted = keys.ADAPTER in model.metadata_props or keys.FURA_S in model.metadata_props
+        sites = []
         for value in graph.initializers.values():
             if keys.get_role(value) == Role.PARAM.value:
                 keys.set_role(value, Role.FROZEN)
+                sites.append(value.name)
+        if adapted:
+            graph.metadata_props[keys.SPECIALIST] = json.dumps(sites)
         for value in graph.inputs:
             if keys.get_role(value) is None:
                 keys.set_role(value, Role.INPUT)

@@ -176,8 +176,8 @@ def _chunked_loss(options: TrainingOptions, before_gradients: bool) -> list[ir.p
 
 #: what a forward step (--trainer none) cannot have: (whether `options` asks for it, the option, why)
 FORWARD_REFUSALS: tuple[tuple[Callable[[TrainingOptions], bool], str, str], ...] = (
-    (lambda o: o.adapter.kind != "none", "--adapter", "adapter sites in a forward bundle are not built yet: export the "
-     "trained model with its adapters merged (fblc export) and compile that"),
+    (lambda o: o.adapter.trains_projection_by_replay, "--adapter memflora-sg", "a specialist of memflora-sg trains "
+     "its projection P too, which a served model shares: serve it merged (fblc export), or train with memflora"),
     (lambda o: o.bn_train, "--bn-train", "the forward normalises with the running statistics; nothing updates them"),
     (lambda o: o.train is not None or o.freeze is not None, "--train/--freeze", "nothing trains in a forward step"),
     (lambda o: o.loss_scale == "dynamic", "--loss-scale dynamic", "a forward has no gradients to scale"),

@@ -25,13 +25,16 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
 from fblc.runtime.native import (ANDROID_BUILD, HOST_BUILD, OUTPUTS_OUT, PARAMS_OUT, RESULTS, RUNNER_NAME,
                                  UNAME_MACHINES, BinaryKind, RunnerResults, binary_kind, read_results,
                                  runner_candidates, write_data)
+from fblc.runtime import specialist as specialists
 
 REMOTE_ROOT = "/data/local/tmp/fblc"
 STAMP = ".fblc-pushed"
@@ -288,9 +291,10 @@ def cmd_push(args: Any) -> int:
 # --- run --------------------------------------------------------------------------------------------------
 def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], steps: int, runner: str | None = None,
                   on_line: Callable[[dict[str, Any]], None] = lambda line: None, say: Say = lambda line: None,
-                  kernel_times: bool = False) -> RunnerResults:
+                  kernel_times: bool = False, specialist: Mapping[str, np.ndarray] | None = None) -> RunnerResults:
     """Push if needed, train `steps` steps on the device, pull and return the results (each kernel's device
-    time only with `kernel_times`). A forward bundle's steps are its inferences: results.outputs, one per step."""
+    time only with `kernel_times`). A forward bundle's steps are its inferences: results.outputs, one per step;
+    `specialist` (adapter tensors by name, runtime/specialist.py) goes with the data, the bundle's push unchanged."""
     manifest, plan = fmt.load_verified(bundle)
     remote = remote_dir(bundle)
     runner_path = choose_runner(adb, serial, runner)
@@ -305,6 +309,12 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
         try:
             adb.push(serial, [data], f"{run_dir}/data.bin", what="the data")
             timed = " --kernel-times" if kernel_times else ""
+            if specialist is not None:  # its texels alone: a few KB where the weights are megabytes
+                arrays = specialists.checked(manifest, bundle, specialist, "the specialist")
+                specialists.write_native(os.path.join(local, "specialist.bin"), manifest, plan, arrays)
+                adb.push(serial, [os.path.join(local, "specialist.bin")], f"{run_dir}/specialist.bin",
+                         what="the specialist")
+                timed += f" --specialist runs/{run_id}/specialist.bin"
             stream_runner(adb, serial, remote,
                           f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}{timed}", on_line)
             pulled = os.path.join(local, "results")

@@ -22,6 +22,7 @@ from fblc.bundle_format import BundleError
 from fblc.runtime.build_progress import BuildProgress
 from fblc.runtime.device_memory import allocate_textures
 from fblc.runtime.feeds import extra_feeds_problem, index_problem, kind_problem
+from fblc.runtime import specialist as specialists
 from fblc.runtime.opencl import select_device
 from fblc.runtime.whole_steps import whole_step
 from fblc.texel_layout import MASK_ELEMENTS, TexelLayout, pack, unpack
@@ -350,14 +351,34 @@ class LocalRunner:
                 self.build_progress.first_step_done()  # PoCL compiled each kernel at its first launch
         return loss
 
-    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def load_specialist(self, tensors: Mapping[str, np.ndarray] | str | None) -> int:
+        """Replace the adapter sites of a forward bundle compiled with --adapter (runtime/specialist.py) with
+        `tensors` (by name, or the .npz path `fblc export --keep-adapters` wrote); None: the adapter's identity
+        from params.bin again. Only those textures are written; returns their bytes."""
+        entries = specialists.sites(self.manifest, self.bundle)
+        if tensors is None:
+            for entry in entries:
+                self._initialise(self.textures[entry["texture"]])
+            return specialists.site_bytes(self.manifest)
+        source = f"specialist '{tensors}'" if isinstance(tensors, str) else "the specialist"
+        arrays = specialists.checked(self.manifest, self.bundle,
+                                    specialists.load_file(tensors) if isinstance(tensors, str) else tensors, source)
+        for entry in entries:
+            self.upload(entry["texture"], arrays[entry["name"]])
+        return specialists.site_bytes(self.manifest)
+
+    def infer(self, feeds: Mapping[str, np.ndarray],
+              specialist: Mapping[str, np.ndarray] | str | None = None) -> dict[str, np.ndarray]:
         """A forward bundle's step (--trainer none) on `feeds` (the model's inputs, by name): the model's outputs
-        by name. A training bundle, or a feed the bundle does not read, is refused by name (DataError)."""
+        by name. A training bundle, or a feed the bundle does not read, is refused by name (DataError). With
+        `specialist`, load_specialist(specialist) first (it stays loaded for the next calls)."""
         if (problem := kind_problem(self.manifest, self.bundle, forward=True)) is not None:
             raise BundleError(problem)
         if (problem := extra_feeds_problem(self.manifest, self.bundle, feeds)) is not None:
             raise DataError(problem)
         self.check_feeds(feeds)
+        if specialist is not None:
+            self.load_specialist(specialist)
         for entry in self.manifest["inputs"]:
             self.upload(entry["texture"], np.asarray(feeds[entry["name"]]))
         self.run_kernels()

@@ -30,6 +30,7 @@ import numpy as np
 
 from fblc import bundle_format as fmt
 from fblc.bundle_format import BundleError
+from fblc.runtime import specialist as specialists
 
 NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
 RUNNER_NAME = "fblc-runner"
@@ -281,14 +282,20 @@ def pyopencl_build_options() -> dict[str, str]:
 
 def run_runner(runner: str, bundle: str, batches: Sequence[Mapping[str, np.ndarray]], steps: int,
                device: str | None = None, cache: bool = True, env: Mapping[str, str] | None = None,
-               echo: bool = False, kernel_times: bool = False) -> RunnerResults:
+               echo: bool = False, kernel_times: bool = False,
+               specialist: Mapping[str, np.ndarray] | None = None) -> RunnerResults:
     """Train `bundle` for `steps` steps with the native runner on this machine; the results (each kernel's
-    device time only with `kernel_times`: a profiling queue)."""
+    device time only with `kernel_times`: a profiling queue). `specialist`: adapter tensors by name
+    (runtime/specialist.py, checked here) that a forward bundle with adapter sites serves."""
     manifest, plan = fmt.load_verified(bundle)
     with tempfile.TemporaryDirectory(prefix="fblc-native-") as work:
         data = os.path.join(work, "data.bin")
         write_data(data, manifest, plan, batches)
         command = [runner, bundle, "--data", data, "--steps", str(steps), "--out", work]
+        if specialist is not None:
+            arrays = specialists.checked(manifest, bundle, specialist, "the specialist")
+            specialists.write_native(os.path.join(work, "specialist.bin"), manifest, plan, arrays)
+            command += ["--specialist", os.path.join(work, "specialist.bin")]
         if device:
             command += ["--device", device]
         if not cache:

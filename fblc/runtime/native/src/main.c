@@ -1,6 +1,7 @@
 /* fblc-runner: train with an fblc bundle on an OpenCL device, without Python.
  *
  *   fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--kernel-times] [--quiet]
+ *               [--specialist SPECIALIST.bin]
  *   fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]
  *   fblc-runner --devices
  *   fblc-runner --version
@@ -21,6 +22,9 @@
  * plan.json's value_maps and value_shapes, as LocalRunner.read does).
  * Errors: one line "fblc-runner: error: ..." on stderr and exit codes from util.h.
  *
+ * --specialist writes adapter tensors over their textures' initial data before the first step (specialist.c: a
+ * forward bundle with adapter sites serves that specialist); results.json's "specialist_bytes" says how many.
+ *
  * --profile times the launches of a measurement plan from `fblc profile` and writes their raw timings
  * (profile.c); fblc turns them into a target profile.
  */
@@ -39,7 +43,7 @@
 #include "runner.h"
 #include "util.h"
 
-#define RUNNER_VERSION "3" /* 3: forward bundles (outputs.bin) */
+#define RUNNER_VERSION "4" /* 3: forward bundles (outputs.bin); 4: --specialist */
 #define DATA_MAGIC "FBLCDAT1"
 
 static volatile sig_atomic_t interrupted = 0;
@@ -51,7 +55,7 @@ static void on_signal(int signal_number) {
 
 static void usage(void) {
     fputs("usage: fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--kernel-times]\n"
-          "                   [--quiet]\n"
+          "                   [--quiet] [--specialist SPECIALIST.bin]\n"
           "       fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]\n"
           "       fblc-runner --devices | --version\n", stderr);
     exit(EXIT_USAGE);
@@ -198,6 +202,7 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
     json_write_float(out, r->build_ms);
     fprintf(out, "},\n \"bytes_allocated\": {\"textures\": %zu, \"host_staging\": %zu},\n", r->texture_bytes,
             r->host_bytes);
+    fprintf(out, " \"specialist_bytes\": %zu,\n", r->specialist_bytes);
     fprintf(out, " \"steps\": %zu,\n \"losses\": ", steps);
     write_list(out, t->losses, b->forward ? 0 : steps); /* a forward bundle has no loss */
     fputs(",\n \"step_ms\": ", out);
@@ -269,6 +274,7 @@ static void interrupted_exit(void) {
 
 int main(int argc, char **argv) {
     const char *bundle_dir = NULL, *data_path = NULL, *out_dir = NULL, *device_spec = NULL, *plan_path = NULL;
+    const char *specialist_path = NULL;
     long steps = -1;
     int use_cache = 1, quiet = 0, list = 0, kernel_times = 0;
     for (int i = 1; i < argc; ++i) {
@@ -282,6 +288,7 @@ int main(int argc, char **argv) {
         else if (strcmp(arg, "--kernel-times") == 0) kernel_times = 1;
         else if (i + 1 < argc && strcmp(arg, "--data") == 0) data_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--profile") == 0) plan_path = argv[++i];
+        else if (i + 1 < argc && strcmp(arg, "--specialist") == 0) specialist_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--out") == 0) out_dir = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--device") == 0) device_spec = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--steps") == 0) {
@@ -299,7 +306,7 @@ int main(int argc, char **argv) {
         device_list();
         return 0;
     }
-    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache || kernel_times)
+    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache || kernel_times || specialist_path)
                   : (!bundle_dir || !data_path || !out_dir || steps < 1))
         usage();
 
@@ -328,6 +335,7 @@ int main(int argc, char **argv) {
     device_select(device_spec, &device);
     runner r;
     runner_setup(&r, &b, &device, use_cache, kernel_times);
+    if (specialist_path) r.specialist_bytes = runner_load_specialist(&r, specialist_path);
     if (interrupted) interrupted_exit();
 
     if (!quiet) {
@@ -337,8 +345,8 @@ int main(int argc, char **argv) {
         json_write_string(stdout, device.platform_name);
         printf(", \"program_from_cache\": %s, \"build_ms\": ", r.program_from_cache ? "true" : "false");
         json_write_float(stdout, r.build_ms);
-        printf(", \"textures_bytes\": %zu, \"kernels\": %zu, \"batches\": %zu}\n", r.texture_bytes, b.launch_count,
-               data.batches);
+        printf(", \"textures_bytes\": %zu, \"kernels\": %zu, \"batches\": %zu, \"specialist_bytes\": %zu}\n",
+               r.texture_bytes, b.launch_count, data.batches, r.specialist_bytes);
         fflush(stdout);
     }
     timings record;

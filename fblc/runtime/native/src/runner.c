@@ -200,6 +200,10 @@ static void write_texture(runner *r, cl_mem image, const texture *t, const void 
              "clEnqueueWriteImage");
 }
 
+void runner_write_initial(runner *r, size_t id, const void *data) {
+    write_texture(r, r->images[r->binding[id]], &r->b->textures[id], data, CL_TRUE);
+}
+
 static void read_texture(runner *r, size_t id, void *out) {
     const texture *t = &r->b->textures[id];
     size_t origin[3] = {0, 0, 0}, region[3] = {t->width, t->height, 1};

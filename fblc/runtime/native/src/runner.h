@@ -34,6 +34,7 @@ typedef struct {
     double build_ms;
     double submit_ms;        /* host time of the last step's uploads and launches (until the last enqueue returned) */
     double *metrics;         /* the bundle's metrics after the last step, one per b->metric_names */
+    size_t specialist_bytes; /* texels a --specialist wrote over initial data (0: none) */
 } runner;
 
 /* the device's -cl-std (device_choice.language_standard), "-DFBLC_HALF" where the device has cl_khr_fp16
@@ -59,5 +60,11 @@ void runner_read_parameter(runner *r, size_t index, float *out);
 /* A forward bundle's output `index` after the last step: its texture's elements (texture.elements, which value_maps
  * and value_shapes of plan.json view; fblc decodes them), float32, or int32 for an integer texture. */
 void runner_read_output(runner *r, size_t index, void *out);
+
+/* Write texture `id`'s image with `data`, packed as its initial data in params.bin is (blocking). */
+void runner_write_initial(runner *r, size_t id, const void *data);
+
+/* Write each texture of the specialist file `path` (specialist.c) over its initial data; returns the bytes. */
+size_t runner_load_specialist(runner *r, const char *path);
 
 #endif
