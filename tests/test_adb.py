@@ -393,12 +393,14 @@ def test_infer_over_adb_equals_onnxruntime_and_the_local_run(tmp_path, phone, ru
                                                               capsys) -> None:
     """A forward bundle (--trainer none) on the phone path: the native runner runs each of two batches once and
     hands their outputs over (outputs.bin, decoded with plan.json's value maps); joined, they equal onnxruntime
-    on the model file and LocalRunner.infer. Without --infer the bundle is refused before the device is used."""
+    on the model file and LocalRunner.infer. The bundle has a LoRA site (--adapter lora): without a specialist it
+    is the model; with one (--specialist, pushed with the data: the bundle is not pushed again) it equals
+    onnxruntime on the model with w + A B. Without --infer the bundle is refused before the device is used."""
     from fblc.compiler.reference import onnxruntime_session
 
     model = _forward_model(str(tmp_path / "forward.onnx"))
     bundle, data, out = str(tmp_path / "fwd"), str(tmp_path / "inputs.npz"), str(tmp_path / "outputs.npz")
-    assert main(["compile", model, "-o", bundle, "-q", "--trainer", "none"]) == 0
+    assert main(["compile", model, "-o", bundle, "-q", "--trainer", "none", "--adapter", "lora", "--rank", "2"]) == 0
     x = np.random.default_rng(1).standard_normal((8, 6)).astype(np.float32)  # two batches of the compiled 4 rows
     np.savez(data, x=x)
     code = main(["run", bundle, "--infer", "--device", f"adb:{phone.serial}", "--data", data, "-o", out,
@@ -417,6 +419,30 @@ def test_infer_over_adb_equals_onnxruntime_and_the_local_run(tmp_path, phone, ru
             np.testing.assert_allclose(written["ht"][rows], expected["ht"], rtol=1e-4, atol=1e-5)  # fp32 vs ort
             np.testing.assert_allclose(written["ht"][rows], served["ht"], rtol=1e-6, atol=1e-7)  # same kernels
     assert os.listdir(os.path.join(phone.local_path(remote_dir(bundle)), "runs")) == []  # the run's folder is gone
+
+    rng = np.random.default_rng(2)
+    lora = {"w.adapter_A": rng.standard_normal((6, 2)).astype(np.float32),
+            "w.adapter_B": rng.standard_normal((2, 8)).astype(np.float32)}
+    assert sorted(e["name"] for e in local.manifest["specialist"]) == sorted(lora)
+    specialist, merged = str(tmp_path / "lora.npz"), onnx.load(model)
+    np.savez(specialist, **lora)
+    weight = next(i for i in merged.graph.initializer if i.name == "w")
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + lora["w.adapter_A"] @ lora["w.adapter_B"],
+                                            "w"))
+    session = onnxruntime_session(merged)
+    capsys.readouterr()
+    assert main(["run", bundle, "--infer", "--device", f"adb:{phone.serial}", "--data", data, "-o", out,
+                 "--runner", runner_binary, "--specialist", specialist]) == 0
+    printed = capsys.readouterr().out
+    uploaded = sum(e["nbytes"] for e in local.manifest["specialist"])  # A and B's texels: 3 + 4 texels of 16 bytes
+    assert "pushed" not in printed and f"2 adapter tensors (28 values), {uploaded} bytes uploaded" in printed
+    with np.load(out) as written:
+        for rows in (slice(0, 4), slice(4, 8)):
+            expected = dict(zip(["ht", "best"], session.run(None, {"x": x[rows]})))
+            np.testing.assert_array_equal(written["best"][rows], expected["best"])
+            np.testing.assert_allclose(written["ht"][rows], expected["ht"], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(written["ht"][rows], local.infer({"x": x[rows]}, specialist=lora)["ht"],
+                                       rtol=1e-6, atol=1e-7)
 
     assert main(["run", bundle, "--device", f"adb:{phone.serial}", "--data", data, "--runner", runner_binary]) != 0
     assert "add --infer -o OUTPUTS.npz" in capsys.readouterr().err
