@@ -21,6 +21,7 @@ from fblc.cli.outputs import print_step, report_saved, save_trained
 from fblc.paths import write_atomically
 from fblc.cli.train import DIVERGED_REMEDY, is_divergence, non_finite, note_renamed, summary
 from fblc.errors import FblcError
+from fblc.runtime import specialist as specialists
 from fblc.runtime.adb import Adb, run_on_device
 
 
@@ -104,6 +105,11 @@ def infer_on_device(args: Any, cut: list[dict[str, Any]], specialist: dict[str, 
     except KeyboardInterrupt:  # the runner on the device is hung up and writes nothing
         raise KeyboardInterrupt(f"on {serial}; nothing written (the runner hands the outputs over only at the end of "
                                 "its run)") from None
+    expected = specialists.site_bytes(fmt.load_manifest(args.bundle)) if specialist is not None else 0
+    if results.raw.get("specialist_bytes", 0) != expected:  # the runner's own count of what it wrote
+        raise FblcError(f"the runner on {serial} wrote {results.raw.get('specialist_bytes', 0)} bytes of the specialist, "
+                        f"not the {expected} of its textures",
+                        "rebuild the native runner (README: 'Phones'; fblc-runner --version says 4 or later)")
     if len(results.outputs) != len(cut):  # a runner built before forward bundles writes none
         raise FblcError(f"the runner on {serial} handed over {len(results.outputs)} batches' outputs of {len(cut)}",
                         "rebuild the native runner (README: 'Phones'; fblc-runner --version says 3 or later)")

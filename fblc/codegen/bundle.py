@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import onnx_ir as ir
 
@@ -47,14 +47,17 @@ def _tensor_entry(value: ir.Value, program: Program) -> dict[str, Any]:
     return entry
 
 
-def _specialist_entry(value: ir.Value, program: Program, entry: dict[str, Any]) -> dict[str, Any]:
+def _specialist_entry(name: str, graph: ir.Graph, program: Program,
+                      with_init: Callable[[ir.Value], dict[str, Any]]) -> dict[str, Any]:
     """The manifest entry of an adapter site (with_init's): the root of a texture that params.bin fills (its views, as
     FuRA-S's per-site slices of delta, read it), so that a runtime replacing its texels replaces this tensor."""
-    texture = program.textures[entry["texture"]]
-    if "offset" not in entry or "view" in entry or texture.name != value.name:
-        raise FblcError(f"adapter tensor '{value.name}' is not the root of a texture with initial data in the bundle "
-                        f"(texture '{texture.name}'), so a specialist could not replace it",
-                        "report it; meanwhile serve the merged model (fblc export, then compile it)")
+    value = graph.initializers.get(name)
+    entry = with_init(value) if value is not None and name in program.values else None
+    texture = program.textures[entry["texture"]] if entry is not None else None
+    if entry is None or texture is None or "offset" not in entry or "view" in entry or texture.name != name:
+        raise FblcError(f"adapter tensor '{name}' is not the root of a texture with initial data in the bundle (a "
+                        "pass after forward_step rewrote it), so a specialist could not replace it",
+                        "report it; meanwhile serve the merged model (fblc export, then compile that)")
     return entry
 
 
@@ -129,8 +132,7 @@ def build_documents(model: ir.Model, program: Program, table: BufferTable, profi
                             if keys.get_role(v) == Role.METRIC.value and not static_shape(v)]}
     specialist = keys.json_of(graph.metadata_props, keys.SPECIALIST)
     if specialist is not None:  # adapter sites of a forward bundle: a runtime replaces their texels (runtime/specialist)
-        manifest["specialist"] = [_specialist_entry(graph.initializers[name], program, with_init(graph.initializers[name]))
-                                  for name in specialist]
+        manifest["specialist"] = [_specialist_entry(name, graph, program, with_init) for name in specialist]
     rewards = next((v for v in graph.inputs if keys.get_role(v) == Role.REWARD.value), None)
     if rewards is not None:  # --reward external: the runtime uploads the application's rewards mid-step
         texture = program.values[rewards.name]
