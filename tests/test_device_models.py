@@ -87,8 +87,11 @@ def test_one_step_on_pocl_matches_onnxruntime_fp16(name: str, export_dir: str) -
 
 
 # MobileNetV2's MemFLoRA step compiles 320 kernels (75 s in CI on a cold cache): `pytest -m slow` runs it; its
-# graph is checked against PyTorch in test_memory_floor, its depthwise kernels by the plain MobileNetV2 step here
-@pytest.mark.parametrize("name", ["tresnet", pytest.param("mobilenet_v2", marks=pytest.mark.slow)])
+# graph is checked against PyTorch in test_memory_floor, its depthwise kernels by the plain MobileNetV2 step here.
+# T-ResNet's (26 CPU s cold) too: test_native_runner's MemFLoRA T-ResNet (the same builder, 6 channels of 16
+# samples) checks its step on PoCL against onnxruntime, and test_layout_passes' MASK_WRITERS every tiling's mask
+@pytest.mark.parametrize("name", [pytest.param("tresnet", marks=pytest.mark.slow),
+                                  pytest.param("mobilenet_v2", marks=pytest.mark.slow)])
 def test_memflora_step_on_pocl_matches_onnxruntime(name: str, export_dir: str) -> None:
     """MemFLoRA's backward reads its activations' one-bit masks (r_mask8, written a byte per two texels
     by the conv kernels of every tiling: spatial tiles of 5, channel tiles, texels of a row, one per

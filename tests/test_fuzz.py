@@ -23,11 +23,12 @@ from fblc.tools.random_graphs import random_graph
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
-#: the CI run: 64 graphs and 300 broken files; 4 of the graphs also on the device, chosen so that each value of
-#: the device modes (dtype, storage, layout) appears among them with the attention and trained-BatchNorm graphs
-#: (the suite's time: every 8th graph on the device cost twice as much and covered nothing more)
+#: the CI run: 64 graphs and 300 broken files; 2 of the graphs also on the device, chosen so that each value of
+#: the device modes (dtype, storage, layout) appears among them with an attention and a trained-BatchNorm graph
+#: (the suite's time: seed 13 is fp32 image rtile with both, seed 16 fp16 buffer naive with a ConvTranspose; the 4
+#: seeds before, 8 16 32 40, cost 8 CPU s more and covered no device mode more; every 8th graph cost twice that)
 CI_GRAPHS, CI_MUTATIONS = 64, 300
-CI_DEVICE_SEEDS = (8, 16, 32, 40)
+CI_DEVICE_SEEDS = (13, 16)
 #: what the generator must reach in the CI seed set: the op types the issue named among them
 REQUIRED_OPS = ("Exp", "Log", "Pow", "Clip", "Cast", "Resize", "ConvTranspose", "Split", "Gather", "Softmax",
                 "MatMul", "BatchNormalization", "Conv")

@@ -212,19 +212,24 @@ def test_memflora_tresnet_allocates_its_saved_masks_as_r_mask8_and_trains_as_wit
         tmp_path, runner_binary, opencl_env) -> None:
     """MemFLoRA saves a one-bit mask per activation: the runner allocates those r_mask8 images (a byte
     per 8 elements) exactly as LocalRunner and the plan do, and its steps, whose adapter gradients
-    go through the masks, equal LocalRunner's."""
+    go through the masks, equal LocalRunner's, whose first step equals onnxruntime's (every output of the
+    step: this is the suite's MemFLoRA T-ResNet on PoCL against onnxruntime; test_device_models' step of
+    the full-size export is under `-m slow`)."""
     from fblc.compiler.adapters import AdapterConfig
+    from fblc.tools.verify import verify_model
 
     path = build_tresnet(str(tmp_path / "tresnet.onnx"), batch=4, channels=6, samples=16, classes=5)
     options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("adam", lr=1e-3),
                               adapter=AdapterConfig("memflora", rank=2))
-    compile_model(path, str(tmp_path / "tresnet"), "adreno830", "fp32", options)
+    feeds = _classifier_feeds((4, 6, 16, 1), 5, 1)
+    rows = verify_model(path, options, "adreno830", "fp32", feeds=feeds[0], keep_bundle=str(tmp_path / "tresnet"))
+    assert "loss" in {r.name for r in rows} and any(r.name.endswith(".grad") for r in rows)
+    assert all(r.ok for r in rows), [r for r in rows if not r.ok][:5]
     with open(os.path.join(tmp_path, "tresnet", fmt.PLAN), encoding="utf-8") as handle:
         textures = json.load(handle)["textures"]
     masks = [t for t in textures if t["format"] == "r_mask8"]
     assert masks and all(t["width"] * t["height"] == -(-int(np.prod(t["shape"])) // 8) for t in masks)
-    compare_with_local(str(tmp_path / "tresnet"), _classifier_feeds((4, 6, 16, 1), 5, 1), 2, runner_binary,
-                       opencl_env)
+    compare_with_local(str(tmp_path / "tresnet"), feeds, 2, runner_binary, opencl_env)
 
 
 def test_program_binary_is_cached_next_to_the_bundle(tmp_path, bundle, runner_binary, opencl_env) -> None:
