@@ -90,9 +90,9 @@ def test_memflora_averaging_u_averages_the_weight_updates(fleet_folder: str) -> 
         separate = sum(w * _merged(fleet.bundle, t) for t, w in zip(trained, weights)) / weights.sum()
         assert np.abs(_merged(fleet.bundle, trained[0]) - _merged(fleet.bundle, trained[1])).max() > 1e-3
         gaps[adapter] = float(np.abs(_merged(fleet.bundle, average) - separate).max())
-    print(gaps)
-    assert gaps["memflora"] < 1e-6, gaps
-    assert gaps["lora"] > 100 * max(gaps["memflora"], 1e-8), gaps  # the cross term of its factors' updates
+    assert gaps["memflora"] < 1e-6, gaps  # measured 5.6e-9
+    # measured 2.5e-4: the cross term of the two factors' updates, which averaging does not preserve
+    assert gaps["lora"] > 100 * max(gaps["memflora"], 1e-8), gaps
 
 
 def test_client_refuses_a_global_model_of_another_bundle(fleet_folder: str) -> None:
