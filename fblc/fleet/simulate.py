@@ -26,8 +26,16 @@ from fblc.fleet.trainers import initial_parameters, trainer_for
 OBJECT_STORE_BYTES = 128 << 20
 
 
+#: Flower's warnings about what the fleet does on purpose: run_simulation (the Python entry of its simulation engine,
+#: deprecated in favour of the `flwr run` CLI) and no client-side evaluation (the server evaluates)
+EXPECTED_WARNINGS = ("The `run_simulation` function is deprecated", "fraction_evaluate is set to 0.0")
+
+
 def _failures_only(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or "error" in record.getMessage().lower()
+    message = record.getMessage()
+    if any(expected in message for expected in EXPECTED_WARNINGS):
+        return False
+    return record.levelno >= logging.WARNING or "error" in message.lower()
 
 
 def clients_per_round(fleet: FleetSpec, server: ServerSpec) -> int:
