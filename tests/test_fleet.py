@@ -95,6 +95,20 @@ def test_memflora_averaging_u_averages_the_weight_updates(fleet_folder: str) -> 
     assert gaps["lora"] > 100 * max(gaps["memflora"], 1e-8), gaps
 
 
+def test_fedprox_step_pulls_toward_the_global_model(fleet_folder: str) -> None:
+    """The client's proximal step w -= lr * mu * (w - w_global): at lr * mu = 1 it lands on the global tensors, at
+    0.5 halfway between the plain step's result and them (one local step)."""
+    fleet = spec(fleet_folder, "memflora")
+    start = {k: v + 0.01 for k, v in initial_parameters(fleet.bundle).items()}
+    plain = local_training(fleet, 0, start, {"local-steps": 1})[0]
+    pulled = local_training(fleet, 0, start, {"local-steps": 1, "proximal-mu": 1.0, "proximal-lr": 1.0})[0]
+    half = local_training(fleet, 0, start, {"local-steps": 1, "proximal-mu": 0.5, "proximal-lr": 1.0})[0]
+    for name in start:
+        assert np.abs(plain[name] - start[name]).max() > 1e-4
+        np.testing.assert_allclose(pulled[name], start[name], rtol=0, atol=1e-7)
+        np.testing.assert_allclose(half[name], (plain[name] + start[name]) / 2, rtol=0, atol=1e-7)
+
+
 def test_client_refuses_a_global_model_of_another_bundle(fleet_folder: str) -> None:
     fleet = spec(fleet_folder, "memflora")
     trainer = trainer_for(fleet.bundle, "graph", fleet.step)
