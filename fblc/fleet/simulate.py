@@ -10,6 +10,7 @@ of steps, so both curves are over the same number of steps.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import replace
 from typing import Callable
 
@@ -59,9 +60,11 @@ def simulate(fleet: FleetSpec, server: ServerSpec, workers: int = 2, say: Callab
     if not flower_log:  # Flower's round-by-round INFO lines, but not the replies that failed and why
         logger.addFilter(_failures_only)
     try:
-        run_simulation(server_app(server, initial_parameters(fleet.bundle), evaluator, history, say),
-                       client_app(fleet), num_supernodes=fleet.clients, backend_config=backend,
-                       verbose_logging=flower_log)
+        with warnings.catch_warnings():  # Ray's notice about GPU variables: the clients ask for no GPU
+            warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+            run_simulation(server_app(server, initial_parameters(fleet.bundle), evaluator, history, say),
+                           client_app(fleet), num_supernodes=fleet.clients, backend_config=backend,
+                           verbose_logging=flower_log)
     finally:
         logger.removeFilter(_failures_only)
     if len(history.rounds) != server.rounds + 1:
