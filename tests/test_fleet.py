@@ -4,7 +4,8 @@ One Flower simulation (Ray starts once: the slow part): 3 clients, 2 rounds of a
 examples/fleet_digits.py's CNN on 240 of scikit-learn's digits; the global model after the last round must be
 numpy's FedAvg of what the clients returned (weighted by their rows, 1e-6), and only U travels. Without Flower:
 averaging MemFLoRA's U averages the merged weights exactly (P is shared), where LoRA's averaged factors do not;
-a client refuses a global model whose names or shapes differ from its bundle; the partitions.
+the client's FedProx step; a client refuses a global model whose names or shapes differ from its bundle; the
+partitions. Cost (2 cores, cold): ~10 CPU s, 33 s wall, 18 s of it the simulation (Ray's start).
 """
 
 from __future__ import annotations
