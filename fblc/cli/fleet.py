@@ -31,6 +31,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise FblcError("--clients, --rounds and --local-steps take positive integers", "e.g. --clients 20")
     if not 0 < args.fraction <= 1:
         raise FblcError(f"--fraction {args.fraction} is not in (0, 1]", "e.g. --fraction 0.1")
+    if not 0 < args.holdout < 1:
+        raise FblcError(f"--holdout {args.holdout} is not in (0, 1)", "e.g. --holdout 0.2")
+    if args.output and os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise FblcError(f"-o '{args.output}' is a file, not a folder", "give a folder for fleet.json, fleet.png and "
+                        "global.npz")
     fleet = FleetSpec(args.bundle, args.data, args.clients, args.partition, args.local_steps, args.device, args.step,
                       args.holdout, args.seed)
     server = ServerSpec(rounds=args.rounds, strategy=args.strategy, fraction=args.fraction,
@@ -42,8 +47,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     history = simulate(fleet, server, workers=args.workers, say=say, flower_log=args.flower_log)
     reference = None if args.no_central else central(fleet, server, say)
     full = report.model_bytes(args.bundle)
-    sent = history.rounds[-1]["bytes_up_per_client"]
     say(report.table(history.rounds, reference))
+    replied = [r for r in history.rounds if r.get("clients")]
+    if not replied:
+        raise FblcError(f"no client replied in any of the {args.rounds} rounds", "Flower's log above says why")
+    sent = replied[-1]["bytes_up_per_client"]
     say(f"bytes up per client per round: {sent:,.0f} B, {100 * sent / full:.2f} % of the model's {full:,} B of "
         f"weights")
     if args.output:

@@ -59,7 +59,7 @@ def plot(rounds: Sequence[dict[str, float]], central: Sequence[dict[str, float]]
     left.set_xlabel("round")
     left.set_ylabel(f"held-out {metric}")
     left.legend()
-    trained = [r for r in rounds if "bytes_up" in r]
+    trained = [r for r in rounds if "bytes_up" in r and r.get("clients")]
     right.bar([r["round"] for r in trained], [r["bytes_up"] for r in trained])
     right.set_xlabel("round")
     right.set_ylabel("bytes uploaded (all clients)")

@@ -67,7 +67,8 @@ def strategy_of(spec: ServerSpec, history: History) -> Any:
         metrics = [next(iter(r.metric_records.values())) for r in records]
         weights = np.array([float(m[weight_key]) for m in metrics])
         sent = [float(m["bytes-up"]) for m in metrics]
-        history.pending = {"clients": float(len(records)), "examples": float(weights.sum()),
+        history.pending = {"round": float(len(history.rounds)), "clients": float(len(records)),
+                           "examples": float(weights.sum()),
                            "train_loss": float(np.dot(weights, [float(m["train-loss"]) for m in metrics])
                                                / weights.sum()),
                            "bytes_up_per_client": float(np.mean(sent)), "bytes_up": float(np.sum(sent))}
@@ -96,8 +97,9 @@ def run_rounds(grid: Any, spec: ServerSpec, initial: dict[str, np.ndarray], eval
         tensors = {name: array.numpy() for name, array in arrays.items()}
         result = evaluator(tensors)
         entry = {"round": float(server_round), "seconds": started - clock["last"], **result}
-        if server_round:
-            entry.update(history.pending)
+        if server_round:  # no replies this round (all failed: Flower logs why): no aggregation ran
+            replied = history.pending.get("round") == float(server_round)
+            entry.update(history.pending if replied else {"clients": 0.0})
         history.rounds.append(entry)
         history.final = tensors
         say(progress_line(entry, spec.rounds))
@@ -115,6 +117,9 @@ def progress_line(entry: dict[str, float], rounds: int) -> str:
     accuracy = f", accuracy {entry['accuracy']:.3f}" if "accuracy" in entry else ""
     if not entry["round"]:
         return f"round 0/{rounds}: held-out loss {entry['loss']:.4f}{accuracy} (the initial model)"
+    if not entry["clients"]:
+        return (f"round {int(entry['round'])}/{rounds}: no client replied (the global model stays; Flower's log above "
+                f"says why), held-out loss {entry['loss']:.4f}{accuracy}")
     return (f"round {int(entry['round'])}/{rounds}: {int(entry['clients'])} clients, train loss "
             f"{entry['train_loss']:.4f}, held-out loss {entry['loss']:.4f}{accuracy}, "
             f"{entry['bytes_up_per_client']:,.0f} B up per client, {entry['seconds']:.2f} s")

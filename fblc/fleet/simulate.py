@@ -21,7 +21,7 @@ from fblc.fleet.client import FleetSpec, client_app, split
 from fblc.fleet.data import batches
 from fblc.fleet.evaluate import Evaluator
 from fblc.fleet.server import History, ServerSpec, server_app
-from fblc.fleet.trainers import initial_parameters, trainer_for
+from fblc.fleet.trainers import device_kind, initial_parameters, trainer_for
 
 #: Ray's shared-memory object store: the messages are small (a model's trainable tensors)
 OBJECT_STORE_BYTES = 128 << 20
@@ -49,7 +49,9 @@ def simulate(fleet: FleetSpec, server: ServerSpec, workers: int = 2, say: Callab
     """Run the fleet in Flower's simulation engine; the History of its rounds."""
     from flwr.simulation import run_simulation
 
-    split(fleet)  # a bad --data or partition fails here, before Ray starts
+    split(fleet)  # a bad --data, partition or device fails here, before Ray starts
+    if device_kind(fleet.device) == "graph":  # an onnxruntime session: cheap (a kernel build is not: the workers')
+        trainer_for(fleet.bundle, fleet.device, fleet.step)
     history = History(keep_replies=keep_replies)
     evaluator = Evaluator(fleet.bundle, split(fleet)[1], fleet.batch)
     server = replace(server, min_available=min(server.min_available or fleet.clients, fleet.clients))
