@@ -20,9 +20,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from fblc import bundle_format as fmt
 from fblc.fleet.data import LABELS, Rows, batches, held_out, load_rows, partition
 from fblc.fleet.trainers import trainer_for
+from fblc import bundle_format as fmt
 
 
 @dataclass(frozen=True)

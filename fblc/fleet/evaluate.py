@@ -15,9 +15,9 @@ from typing import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from fblc.compiler.reference import onnxruntime_session
 from fblc.fleet.data import LABELS, Rows
 from fblc.tools.export import exported_model
+from fblc.compiler.reference import onnxruntime_session
 
 
 def _cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:

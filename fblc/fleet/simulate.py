@@ -16,12 +16,13 @@ from typing import Callable
 
 import numpy as np
 
-from fblc.errors import FblcError
 from fblc.fleet.client import FleetSpec, client_app, split
 from fblc.fleet.data import batches
 from fblc.fleet.evaluate import Evaluator
 from fblc.fleet.server import History, ServerSpec, server_app
 from fblc.fleet.trainers import device_kind, initial_parameters, trainer_for
+from fblc.runtime.opencl import select_device
+from fblc.errors import FblcError
 
 #: Ray's shared-memory object store: the messages are small (a model's trainable tensors)
 OBJECT_STORE_BYTES = 128 << 20
@@ -52,6 +53,8 @@ def simulate(fleet: FleetSpec, server: ServerSpec, workers: int = 2, say: Callab
     split(fleet)  # a bad --data, partition or device fails here, before Ray starts
     if device_kind(fleet.device) == "graph":  # an onnxruntime session: cheap (a kernel build is not: the workers')
         trainer_for(fleet.bundle, fleet.device, fleet.step)
+    else:  # the OpenCL device exists (the workers build the kernels)
+        select_device(None if fleet.device == "local" else fleet.device)
     history = History(keep_replies=keep_replies)
     evaluator = Evaluator(fleet.bundle, split(fleet)[1], fleet.batch)
     server = replace(server, min_available=min(server.min_available or fleet.clients, fleet.clients))
