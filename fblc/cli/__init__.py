@@ -21,6 +21,7 @@ from fblc import __version__
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
 from fblc.cli.check import add_command as add_check_command
 from fblc.cli.export import add_command as add_export_command
+from fblc.cli.fleet import add_command as add_fleet_command
 from fblc.cli.options import add_storage_option, add_training_options, check_values
 from fblc.paths import escape_undecodable_names
 from fblc.cli.profiles import add_commands as add_profile_commands
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the weights stay shared (default: the adapter's identity, the base model)")
     run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))
     add_export_command(commands)
+    add_fleet_command(commands)
 
     push = commands.add_parser(
         "push", help="copy a bundle and the native runner to a phone with adb",
