@@ -288,9 +288,11 @@ def cmd_push(args: Any) -> int:
 # --- run --------------------------------------------------------------------------------------------------
 def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], steps: int, runner: str | None = None,
                   on_line: Callable[[dict[str, Any]], None] = lambda line: None, say: Say = lambda line: None,
-                  kernel_times: bool = False) -> RunnerResults:
+                  kernel_times: bool = False, initial: bytes | None = None) -> RunnerResults:
     """Push if needed, train `steps` steps on the device, pull and return the results (each kernel's device
-    time only with `kernel_times`). A forward bundle's steps are its inferences: results.outputs, one per step."""
+    time only with `kernel_times`). A forward bundle's steps are its inferences: results.outputs, one per step.
+    `initial`: the parameters and states to start from, as a params.bin of the bundle's layout (a fleet round's
+    global model, fblc.fleet.bundle_params), pushed with the data; the bundle on the device stays as it is."""
     manifest, plan = fmt.load_verified(bundle)
     remote = remote_dir(bundle)
     runner_path = choose_runner(adb, serial, runner)
@@ -305,6 +307,11 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
         try:
             adb.push(serial, [data], f"{run_dir}/data.bin", what="the data")
             timed = " --kernel-times" if kernel_times else ""
+            if initial is not None:
+                with open(os.path.join(local, "params.in"), "wb") as handle:
+                    handle.write(initial)
+                adb.push(serial, [handle.name], f"{run_dir}/params.in", what="the parameters")
+                timed += f" --params runs/{run_id}/params.in"
             stream_runner(adb, serial, remote,
                           f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}{timed}", on_line)
             pulled = os.path.join(local, "results")

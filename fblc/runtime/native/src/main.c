@@ -51,7 +51,7 @@ static void on_signal(int signal_number) {
 
 static void usage(void) {
     fputs("usage: fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--kernel-times]\n"
-          "                   [--quiet]\n"
+          "                   [--quiet] [--params PARAMS.bin]\n"
           "       fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]\n"
           "       fblc-runner --devices | --version\n", stderr);
     exit(EXIT_USAGE);
@@ -269,6 +269,7 @@ static void interrupted_exit(void) {
 
 int main(int argc, char **argv) {
     const char *bundle_dir = NULL, *data_path = NULL, *out_dir = NULL, *device_spec = NULL, *plan_path = NULL;
+    const char *params_path = NULL; /* initial values in params.bin's form (a fleet round's global model) */
     long steps = -1;
     int use_cache = 1, quiet = 0, list = 0, kernel_times = 0;
     for (int i = 1; i < argc; ++i) {
@@ -283,6 +284,7 @@ int main(int argc, char **argv) {
         else if (i + 1 < argc && strcmp(arg, "--data") == 0) data_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--profile") == 0) plan_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--out") == 0) out_dir = argv[++i];
+        else if (i + 1 < argc && strcmp(arg, "--params") == 0) params_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--device") == 0) device_spec = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--steps") == 0) {
             char *end;
@@ -299,7 +301,7 @@ int main(int argc, char **argv) {
         device_list();
         return 0;
     }
-    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache || kernel_times)
+    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache || kernel_times || params_path)
                   : (!bundle_dir || !data_path || !out_dir || steps < 1))
         usage();
 
@@ -321,6 +323,15 @@ int main(int argc, char **argv) {
 
     bundle b;
     bundle_load(bundle_dir, &b);
+    if (params_path) { /* same offsets as the bundle's params.bin, other values: the bundle's checksums stay */
+        size_t length;
+        unsigned char *values = (unsigned char *)read_file(params_path, &length);
+        if (!values) die(EXIT_USAGE, "cannot read params file '%s' (%s)", params_path, strerror(errno));
+        if (length != b.params_length)
+            die(EXIT_USAGE, "params file '%s' holds %zu bytes, the bundle's params.bin %zu: write it for this bundle",
+                params_path, length, b.params_length);
+        b.params = values;
+    }
     data_file data;
     data_load(data_path, &b, &data);
     opencl_load();
