@@ -109,6 +109,20 @@ def session_processes(session: str) -> list[int]:
     return found
 
 
+def session_cpu_seconds(session: str) -> float:
+    """CPU seconds the session's live processes used, with their reaped children (Flower's per-message
+    flwr-clientapp processes are children of a SuperExec): /proc/PID/stat utime, stime, cutime, cstime."""
+    total = 0
+    for pid in session_processes(session):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            total += sum(int(fields[k]) for k in (11, 12, 13, 14))
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def stop_session(session: str, grace: float = GRACE) -> list[int]:
     """End every process of the session (SIGTERM, then SIGKILL after `grace`); the ids still alive (none)."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
@@ -183,6 +197,7 @@ def serve(run_config: Mapping[str, object], port: int, work: str, say: Say, stre
             raise FleetError(f"the SuperLink exited during the run:\n{link.tail()}")
         return code
     finally:
+        say(f"the SuperLink's processes used {session_cpu_seconds(session):.1f} CPU s")
         left = stop_session(session)
         if left:
             say(f"warning: processes {left} of the deployment outlived SIGKILL")
@@ -208,4 +223,5 @@ def join(superlink: str, node_config: Mapping[str, object], port: int | None, sa
     except KeyboardInterrupt:
         return 130
     finally:
+        say(f"the SuperNode's processes used {session_cpu_seconds(session):.1f} CPU s")
         stop_session(session)

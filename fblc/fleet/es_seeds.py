@@ -141,10 +141,15 @@ def iteration_base(server_round: int, client: int, steps: int, clients: int) -> 
 
 def train_reporting_seeds(runner: Any, batches: Sequence[Mapping[str, np.ndarray]], steps: int, iteration: int,
                           seed: int) -> tuple[SeedReport, list[float]]:
-    """K ES steps on a LocalRunner from its current parameters, its noise counter set to `iteration`; the seed
+    """K ES steps on a LocalRunner from its current parameters, its optimizer state as compiled (zero: what the
+    replay assumes, also on a runner reused across rounds) and its noise counter set to `iteration`; the seed
     report of what it did and the losses."""
-    state = next(s for s in runner.manifest["states"] if s["name"] == ITERATION)
-    runner.upload(state["texture"], np.array(iteration, np.float32))
+    from fblc.fleet.bundle_params import read_tensors
+
+    initial = read_tensors(runner.bundle, states=True)
+    for state in runner.manifest["states"]:
+        value = np.array(iteration, np.float32) if state["name"] == ITERATION else initial[state["name"]]
+        runner.upload(state["texture"], value)
     rewards, losses = [], []
     for step in range(steps):
         losses.append(float(runner.step(batches[step % len(batches)])))

@@ -1,0 +1,93 @@
+"""ES rounds that send seeds (issue 43 item 3): two clients train an ES bundle on PoCL from one global model,
+each with its own noise iterations; the server's replay of their seed reports (fblc.fleet.es_seeds) averages to
+what their trained models average to, and a client's reply is its rewards and four metrics: a few hundred bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, RecordDict
+
+from fblc.codegen.compile import compile_model
+from fblc.compiler.es import EsConfig
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.errors import FblcError
+from fblc.fleet import es_seeds
+from fblc.fleet.bundle_params import read_tensors
+from fblc.fleet.deploy_apps import train_reply
+from fblc.fleet.rounds import as_numpy, as_record, payload_bytes
+from fblc.passes.pipeline import TrainingOptions
+from fblc.runtime.local import LocalRunner
+from tests.test_runtime import batch, elementwise_model
+
+STEPS, PAIRS = 3, 4
+
+
+@pytest.fixture(scope="module")
+def es_bundle(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("es-fleet")
+    bundle = str(folder / "bundle")
+    options = TrainingOptions(loss="mse", trainer="es", es=EsConfig(pairs=PAIRS, sigma=0.05, seed=7),
+                              optimizer=OptimizerConfig("sgd", lr=0.5, momentum=0.9, weight_decay=0.01))
+    compile_model(elementwise_model(str(folder / "model.onnx")), bundle, "adreno830", "fp32", options)
+    return bundle
+
+
+def test_the_replayed_seed_reports_average_to_the_trained_models(es_bundle) -> None:
+    spec = es_seeds.es_spec(es_bundle)
+    start = {name: value + 0.1 for name, value in read_tensors(es_bundle).items()}  # a later round's global model
+    runner = LocalRunner(es_bundle, progress=False)
+    trained, reports = [], []
+    for client, (rows, seed) in enumerate([(6, 1), (9, 2)]):
+        for entry in runner.manifest["parameters"]:
+            runner.upload(entry["texture"], start[entry["name"]])
+        feeds = batch(rows=rows, seed=seed)
+        batches = [{k: v[i:i + 3] for k, v in feeds.items()} for i in range(0, rows, 3)]
+        iteration = es_seeds.iteration_base(server_round=4, client=client, steps=STEPS, clients=2)
+        report, _ = es_seeds.train_reporting_seeds(runner, batches, STEPS, iteration, spec.seed)
+        assert report.rewards.shape == (STEPS, 2 * PAIRS) and report.nbytes() <= 1024
+        trained.append((runner.parameters(), rows))
+        reports.append((report, rows))
+    assert reports[0][0].iteration != reports[1][0].iteration  # the clients' noise differs
+    rebuilt = es_seeds.aggregate(spec, start, reports)
+    total = sum(rows for _, rows in trained)
+    for name in start:
+        from_deltas = sum(model[name].astype(np.float64) * rows / total for model, rows in trained)
+        moved = np.abs(from_deltas - start[name]).max()
+        assert moved > 1e-3  # the clients did move the model
+        # float32 noise: the device's log/sqrt/sin/cos against numpy's, a few ulp per element
+        np.testing.assert_allclose(rebuilt[name], from_deltas, rtol=0, atol=1e-6)
+
+
+def test_a_seed_reply_is_rewards_and_metrics_only(es_bundle, tmp_path) -> None:
+    data = str(tmp_path / "data.npz")
+    feeds = batch(rows=6, seed=3)
+    np.savez(data, **feeds)
+    content = RecordDict({"arrays": as_record(read_tensors(es_bundle)),
+                          "config": ConfigRecord({"server-round": 2, "es-iteration": 30})})
+    reply = train_reply(content, {"bundle": es_bundle, "data": data, "device": "local"}, {"local-steps": STEPS})
+    assert list(reply.array_records) == ["arrays"] and list(as_numpy(reply["arrays"])) == ["es.rewards"]
+    assert sorted(reply["metrics"]) == ["bytes-up", "es-iteration", "es-seed", "loss", "num-examples"]
+    assert reply["metrics"]["es-iteration"] == 30 and reply["metrics"]["es-seed"] == 7
+    # K x 2P float32 rewards as Flower's .npy bytes (a 128-byte header) and five 8-byte metrics, whatever the
+    # model's size
+    assert reply["metrics"]["bytes-up"] == payload_bytes(reply) == 128 + STEPS * 2 * PAIRS * 4 + 5 * 8
+    with pytest.raises(FblcError, match="adb runner reports no per-member rewards"):
+        train_reply(content, {"bundle": es_bundle, "data": data, "device": "adb:x"}, {"local-steps": STEPS})
+
+
+def test_a_bundle_whose_steps_cannot_be_replayed_is_refused(es_bundle, tmp_path) -> None:
+    import json
+    import shutil
+
+    copy = str(tmp_path / "adam")
+    shutil.copytree(es_bundle, copy)
+    report = json.load(open(f"{copy}/report.json"))
+    report["training"]["optimizer"]["name"] = "adam"
+    with open(f"{copy}/report.json", "w") as handle:
+        json.dump(report, handle)
+    from tests.support.bundles import rechecksum
+
+    rechecksum(copy, "report.json")
+    with pytest.raises(FblcError, match="adam's cannot be replayed"):
+        es_seeds.es_spec(copy)

@@ -1,0 +1,133 @@
+"""Faults in a fleet round (issue 43 item 6), at the message level (no Flower process, no OpenCL): a client that
+fails, one that never replies (timed out, disconnected) and one of another bundle are left out of the round with
+the reason in the server's log while the others are averaged; a client refuses a global model that does not fit
+its bundle; what a client sends is its trainable tensors and three metrics, nothing of its data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fblc import bundle_format as fmt
+from fblc.codegen.compile import compile_model
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.fleet import deploy_apps
+from fblc.fleet.bundle_params import ModelMismatch, read_tensors
+from fblc.fleet.rounds import LoggedFedAvg, as_numpy, as_record
+from fblc.passes.pipeline import TrainingOptions
+from tests.test_runtime import batch, elementwise_model
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("fleet-faults")
+    out = str(folder / "bundle")
+    compile_model(elementwise_model(str(folder / "model.onnx")), out, "adreno830", "fp32",
+                  TrainingOptions(loss="mse", optimizer=OptimizerConfig("sgd", lr=0.5)))
+    return out
+
+
+@pytest.fixture
+def task_identity():
+    """Flower stamps messages with the process's task identity, which a ServerApp process has."""
+    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+class Nodes:
+    """A Grid as far as sampling goes: the connected SuperNodes' ids."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_node_ids(self) -> list[int]:
+        return self.ids
+
+
+def _reply(message: Message, arrays: dict[str, np.ndarray], examples: int) -> Message:
+    metrics = MetricRecord({"num-examples": examples, "loss": 0.5, "bytes-up": 100})
+    return Message(content=RecordDict({"arrays": as_record(arrays), "metrics": metrics}), reply_to=message)
+
+
+def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_path, task_identity) -> None:
+    manifest, _ = fmt.load_verified(bundle)
+    start = read_tensors(bundle)
+    strategy = LoggedFedAvg(manifest=manifest, out=str(tmp_path), timeout=30.0, min_train_nodes=4,
+                            min_available_nodes=4)
+    sent = {m.metadata.dst_node_id: m for m in
+            strategy.configure_train(1, as_record(start), ConfigRecord(), Nodes([11, 12, 13, 14]))}
+    good = {name: value + 1.0 for name, value in start.items()}
+    better = {name: value + 4.0 for name, value in start.items()}
+    replies = [_reply(sent[11], good, 3), _reply(sent[12], better, 1),
+               Message(error=Error(code=0, reason="RuntimeError: the phone's GPU was lost"), reply_to=sent[13]),
+               _reply(sent[14], {"w": start["w"].T, "b": start["b"]}, 50)]  # node 14 of another bundle
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        arrays, _ = strategy.aggregate_train(1, replies)
+        strategy.sampled[2] = [11, 12, 16]  # round 2: node 16 disconnected mid-round and never replied
+        strategy.usable(2, replies[:2])
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    assert arrays is not None
+    for name, value in as_numpy(arrays).items():  # (3 * (x + 1) + 1 * (x + 4)) / 4: only the two good clients
+        np.testing.assert_allclose(value, start[name] + 1.75, rtol=1e-6)
+    text = "\n".join(records)
+    assert "node 13 left out: its ClientApp failed: RuntimeError: the phone's GPU was lost" in text
+    assert "node 14 left out: the client's model's tensor 'w' is [5, 3], the bundle trains [3, 5]" in text
+    assert "round 2: node 16 left out: no reply within the round's timeout of 30 s" in text
+    line = json.loads(open(os.path.join(tmp_path, "rounds.jsonl")).readline())
+    assert line == {"round": 1, "sampled": 4, "clients": 2, "bytes_up_per_client": [100, 100], "loss": 0.5}
+
+
+def test_a_client_refuses_a_global_model_that_is_not_its_bundles(bundle, tmp_path) -> None:
+    start = read_tensors(bundle)
+    data = str(tmp_path / "data.npz")
+    np.savez(data, **batch(rows=6))
+    node, run = {"bundle": bundle, "data": data, "device": "local"}, {"local-steps": 1}
+    cases = {"lacks b": {"w": start["w"]},
+             "has extra, which the bundle does not train": {**start, "extra": np.zeros(2, np.float32)},
+             "tensor 'b' is [6], the bundle trains [5]": {**start, "b": np.zeros(6, np.float32)},
+             "tensor 'w' holds values that are not finite": {**start, "w": np.full((3, 5), np.nan, np.float32)}}
+    for message, arrays in cases.items():
+        content = RecordDict({"arrays": as_record(arrays), "config": ConfigRecord({"server-round": 1})})
+        with pytest.raises(ModelMismatch, match=re.escape(f"the global model {message}".replace("model tensor",
+                                                                                                 "model's tensor"))):  # before any kernel is built or data read
+            deploy_apps.train_reply(content, node, run)
+
+
+def test_only_the_trainable_tensors_and_three_metrics_leave_a_client(bundle, tmp_path, monkeypatch) -> None:
+    start = read_tensors(bundle)
+    feeds = batch(rows=9, seed=5)
+    data = str(tmp_path / "data.npz")
+    np.savez(data, **feeds)
+    seen = []
+
+    def trainer(node, bundle_path, values, batches):  # the device's part: what it trained on, and its result
+        seen.append(batches)
+        return {name: value * 0.5 for name, value in values.items()}, [0.25] * len(batches)
+
+    monkeypatch.setitem(deploy_apps.DEVICES, "local", trainer)
+    content = RecordDict({"arrays": as_record(start), "config": ConfigRecord({"server-round": 2})})
+    reply = deploy_apps.train_reply(content, {"bundle": bundle, "data": data, "device": "local"}, {"local-steps": 2})
+    # round 2 of 2 steps over 3 batches: batches 2 and 0, in turn
+    assert [b["x"].tolist() for b in seen[0]] == [feeds["x"][6:9].tolist(), feeds["x"][0:3].tolist()]
+    assert list(reply.array_records) == ["arrays"] and list(reply.metric_records) == ["metrics"]
+    assert not reply.config_records
+    assert sorted(as_numpy(reply["arrays"])) == ["b", "w"]
+    assert dict(reply["metrics"]) == {"num-examples": 9, "loss": 0.25, "bytes-up": reply["metrics"]["bytes-up"]}
+    payload = b"".join(a.data for a in reply["arrays"].values())
+    for name, value in feeds.items():  # no row of the data, in any form, is in what is sent
+        for row in value:
+            assert row.astype(np.float32).tobytes() not in payload, name
