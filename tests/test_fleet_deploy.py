@@ -17,8 +17,8 @@ import pytest
 from fblc.cli import main
 from fblc.codegen.compile import compile_model
 from fblc.compiler.optimizers import OptimizerConfig
-from fblc.fleet.bundle_params import read_tensors
 from fblc.fleet.deploy import free_port
+from fblc.fleet.trainers import initial_parameters
 from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
 from tests.test_adb import REPO, adb_server, phone  # noqa: F401  (fixtures)
@@ -75,14 +75,14 @@ def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runn
     assert not _alive(tag), "processes of the deployment are still running"
 
     rows = {6: parts["local"], 9: parts[f"adb:{phone.serial}"]}
-    start = read_tensors(bundle)
+    start = initial_parameters(bundle)
     for r in range(1, ROUNDS + 1):
         sent = np.load(os.path.join(out, f"round-{r}-replies.npz"))
         replies = [{name.split("/", 1)[1]: sent[name] for name in sent.files if name.startswith(f"{i}/")}
                    for i in range(2)]
         assert sorted(int(reply["num-examples"]) for reply in replies) == [6, 9]
         for reply in replies:  # only the trainable tensors and three metrics left each client
-            assert sorted(reply) == ["b", "bytes-up", "loss", "num-examples", "w"]
+            assert sorted(reply) == ["b", "bytes-up", "num-examples", "train-loss", "w"]
             feeds = rows[int(reply["num-examples"])]
             local = LocalRunner(bundle, progress=False)
             for name, value in start.items():

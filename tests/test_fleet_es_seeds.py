@@ -13,9 +13,9 @@ from fblc.compiler.es import EsConfig
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.errors import FblcError
 from fblc.fleet import es_seeds
-from fblc.fleet.bundle_params import read_tensors
 from fblc.fleet.deploy_apps import train_reply
 from fblc.fleet.rounds import as_numpy, as_record, payload_bytes
+from fblc.fleet.trainers import initial_parameters
 from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
 from tests.test_runtime import batch, elementwise_model
@@ -35,7 +35,7 @@ def es_bundle(tmp_path_factory) -> str:
 
 def test_the_replayed_seed_reports_average_to_the_trained_models(es_bundle) -> None:
     spec = es_seeds.es_spec(es_bundle)
-    start = {name: value + 0.1 for name, value in read_tensors(es_bundle).items()}  # a later round's global model
+    start = {name: value + 0.1 for name, value in initial_parameters(es_bundle).items()}  # a later round's global model
     runner = LocalRunner(es_bundle, progress=False)
     trained, reports = [], []
     for client, (rows, seed) in enumerate([(6, 1), (9, 2)]):
@@ -63,17 +63,17 @@ def test_a_seed_reply_is_rewards_and_metrics_only(es_bundle, tmp_path) -> None:
     data = str(tmp_path / "data.npz")
     feeds = batch(rows=6, seed=3)
     np.savez(data, **feeds)
-    content = RecordDict({"arrays": as_record(read_tensors(es_bundle)),
+    content = RecordDict({"arrays": as_record(initial_parameters(es_bundle)),
                           "config": ConfigRecord({"server-round": 2, "es-iteration": 30})})
     reply = train_reply(content, {"bundle": es_bundle, "data": data, "device": "local"}, {"local-steps": STEPS})
     assert list(reply.array_records) == ["arrays"] and list(as_numpy(reply["arrays"])) == ["es.rewards"]
-    assert sorted(reply["metrics"]) == ["bytes-up", "es-iteration", "es-seed", "loss", "num-examples"]
+    assert sorted(reply["metrics"]) == ["bytes-up", "es-iteration", "es-seed", "num-examples", "train-loss"]
     assert reply["metrics"]["es-iteration"] == 30 and reply["metrics"]["es-seed"] == 7
     # K x 2P float32 rewards as Flower's .npy bytes (a 128-byte header) and five 8-byte metrics, whatever the
     # model's size
     assert reply["metrics"]["bytes-up"] == payload_bytes(reply) == 128 + STEPS * 2 * PAIRS * 4 + 5 * 8
-    with pytest.raises(FblcError, match="adb runner reports no per-member rewards"):
-        train_reply(content, {"bundle": es_bundle, "data": data, "device": "adb:x"}, {"local-steps": STEPS})
+    with pytest.raises(FblcError, match="need --device local on this client, not 'graph'"):
+        train_reply(content, {"bundle": es_bundle, "data": data, "device": "graph"}, {"local-steps": STEPS})
 
 
 def test_a_bundle_whose_steps_cannot_be_replayed_is_refused(es_bundle, tmp_path) -> None:

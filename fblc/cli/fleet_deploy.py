@@ -15,8 +15,8 @@ SERVE = ("Start a Flower SuperLink on this machine and run the fleet's ServerApp
          "and OUT/global.npz. Every process it started is stopped at the end.")
 JOIN = ("Start a Flower SuperNode that joins the SuperLink at --superlink and trains BUNDLE on --device with the "
         "rows of --data (which stay on this machine: only the trainable tensors and the metrics num-examples, "
-        "loss and bytes-up are sent) in every round it is sampled for. Runs until stopped (Ctrl-C, SIGTERM), then "
-        "stops every process it started.")
+        "train-loss and bytes-up are sent) in every round it is sampled for. Runs until stopped (Ctrl-C, SIGTERM), "
+        "then stops every process it started.")
 
 
 def add_commands(fleet: Any) -> None:
@@ -89,10 +89,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     from fblc import bundle_format as fmt
     from fblc.cli.data import batches
     from fblc.fleet.deploy import join
-    from fblc.fleet.deploy_apps import device_trainer
+    from fblc.fleet.trainers import device_kind
 
     manifest, _ = fmt.load_verified(args.bundle)
-    device_trainer(args.device)
+    device_kind(args.device)  # an unknown device is refused before joining
     batches(args.data, manifest)  # refuses a data file the bundle cannot train on before joining
     node = {"bundle": os.path.abspath(args.bundle), "data": os.path.abspath(args.data), "device": args.device,
             "runner": os.path.abspath(args.runner) if args.runner else ""}

@@ -1,11 +1,10 @@
-"""A bundle's trainable tensors (and states) read from and written into params.bin's bytes, without OpenCL.
+"""A round's tensors written into a bundle's params.bin, and a client's reply checked against the bundle.
 
-A fleet round moves the trainable arrays, by ONNX name, between the server and its clients. The server reads
-the bundle's initial values from params.bin (the texels of each texture's layout, `manifest.parameters[i]` at
-`offset`); a client whose device is reached over adb hands the runner a params.bin of the same size and
-offsets holding the round's global model (`fblc-runner --params`), so the pushed bundle, its checksums and its
-kernel cache stay as they are. A global model whose names or shapes are not the bundle's is refused naming the
-first difference: averaging it in would corrupt the round.
+A client whose device is reached over adb hands the runner a params.bin of the bundle's size and offsets holding
+the round's global model (`fblc-runner --params`: the texels of each texture's layout, `manifest.parameters[i]`
+at `offset`), so the pushed bundle, its checksums and its program cache stay as they are (reading params.bin is
+fblc.fleet.trainers.initial_tensors). The server refuses a reply whose tensors are not the bundle's trainable
+ones by name and shape, or not finite, naming the first difference: averaging it in would corrupt the round.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import numpy as np
 
 from fblc import bundle_format as fmt
 from fblc.errors import FblcError
-from fblc.texel_layout import TexelLayout, pack, unpack
+from fblc.texel_layout import TexelLayout, pack
 
 
 class ModelMismatch(FblcError):
@@ -29,28 +28,8 @@ def _layout(texture: Mapping[str, Any]) -> TexelLayout:
             else TexelLayout("flat", texture["width"], texture["height"]))
 
 
-def _entries(manifest: Mapping[str, Any], states: bool) -> list[Mapping[str, Any]]:
-    return list(manifest["parameters"]) + (list(manifest.get("states", [])) if states else [])
-
-
-def read_tensors(bundle: str, states: bool = False) -> dict[str, np.ndarray]:
-    """The trainable tensors' initial values (with `states`, also the step's states: ES's `es.iteration`)."""
-    manifest, plan = fmt.load_verified(bundle)
-    with open(os.path.join(bundle, fmt.PARAMS), "rb") as handle:
-        raw = handle.read()
-    out = {}
-    for entry in _entries(manifest, states):
-        texture = plan["textures"][entry["texture"]]
-        data = np.frombuffer(raw, dtype=fmt.NUMPY_DTYPES[texture["format"]], count=entry["nbytes"] // np.dtype(
-            fmt.NUMPY_DTYPES[texture["format"]]).itemsize, offset=entry["offset"])
-        size = int(np.prod(entry["shape"], dtype=np.int64))
-        out[entry["name"]] = unpack(data, _layout(texture), size).astype(np.float32).reshape(entry["shape"])
-    return out
-
-
-def check_global(manifest: Mapping[str, Any], arrays: Mapping[str, np.ndarray], what: str = "the global model"
-                 ) -> None:
-    """Refuse `arrays` unless they are exactly the bundle's trainable tensors, by name and shape."""
+def check_tensors(manifest: Mapping[str, Any], arrays: Mapping[str, np.ndarray], what: str) -> None:
+    """Refuse `arrays` unless they are exactly the bundle's trainable tensors, by name and shape, and finite."""
     expected = {p["name"]: tuple(p["shape"]) for p in manifest["parameters"]}
     missing = sorted(set(expected) - set(arrays))
     extra = sorted(set(arrays) - set(expected))
@@ -75,7 +54,7 @@ def params_bin(bundle: str, values: Mapping[str, np.ndarray]) -> bytes:
     manifest, plan = fmt.load_verified(bundle)
     with open(os.path.join(bundle, fmt.PARAMS), "rb") as handle:
         raw = bytearray(handle.read())
-    entries = {e["name"]: e for e in _entries(manifest, states=True)}
+    entries = {e["name"]: e for e in [*manifest["parameters"], *manifest.get("states", [])]}
     for name, value in values.items():
         if name not in entries:
             raise ModelMismatch(f"the bundle {bundle} has no parameter or state '{name}'")

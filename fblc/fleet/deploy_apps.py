@@ -5,12 +5,13 @@ between rounds lives on disk: pyopencl's and PoCL's kernel caches for `local`, t
 runner's program cache on the phone for `adb:SERIAL`. The SuperNode's node config names the client's own
 bundle, data file and device; the run config (`fblc fleet serve`'s options) the round's figures. A client
 sends back only the bundle's trainable tensors (or, for ES rounds that send seeds, its seed report) and the
-metrics `num-examples`, `loss` and `bytes-up`: its data never leaves it.
+metrics `num-examples`, `train-loss` (the mean of its K losses) and `bytes-up`: its data never leaves it. The
+trainers are fblc.fleet.trainers' (`local`, `adb:SERIAL`: fblc.fleet.adb_trainer).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -20,7 +21,8 @@ from flwr.serverapp import Grid, ServerApp
 from fblc import bundle_format as fmt
 from fblc.errors import FblcError
 from fblc.fleet import es_seeds
-from fblc.fleet.bundle_params import check_global, params_bin, read_tensors
+from fblc.fleet.trainers import (LocalTrainer, bundle_shapes, checked_global, device_kind, initial_parameters,
+                                 trainer_for)
 from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, LoggedFedAvg, SeedFedAvg,
                                as_numpy, as_record, payload_bytes)
 
@@ -33,75 +35,38 @@ def _round_batches(batches: Batches, server_round: int, steps: int) -> list[Mapp
     return [batches[(first + k) % len(batches)] for k in range(steps)]
 
 
-def _train_local(node: Mapping[str, Any], bundle: str, start: Mapping[str, np.ndarray], batches: Batches
-                 ) -> tuple[dict[str, np.ndarray], list[float]]:
-    from fblc.runtime.local import LocalRunner
-
-    runner = LocalRunner(bundle, progress=False)
-    _upload(runner, start)
-    losses = [float(runner.step(feeds)) for feeds in batches]
-    return runner.parameters(), losses
-
-
-def _train_adb(node: Mapping[str, Any], bundle: str, start: Mapping[str, np.ndarray], batches: Batches
-               ) -> tuple[dict[str, np.ndarray], list[float]]:
-    from fblc.runtime.adb import Adb, run_on_device
-
-    adb = Adb()
-    serial = adb.choose(str(node["device"]).split(":", 1)[1] or None)
-    results = run_on_device(adb, serial, bundle, batches, len(batches), runner=node.get("runner") or None,
-                            initial=params_bin(bundle, start))
-    return results.parameters, [float(loss) for loss in results.losses]
-
-
-def _upload(runner: Any, values: Mapping[str, np.ndarray]) -> None:
-    textures = {e["name"]: e["texture"] for e in [*runner.manifest["parameters"], *runner.manifest["states"]]}
-    for name, value in values.items():
-        runner.upload(textures[name], np.asarray(value, np.float32))
-
-
-Trainer = Callable[[Mapping[str, Any], str, Mapping[str, np.ndarray], Batches],
-                   tuple[dict[str, np.ndarray], list[float]]]
-#: --device's kind -> how a client trains there (local: pyopencl's device; adb:SERIAL: the native runner)
-DEVICES: dict[str, Trainer] = {"local": _train_local, "adb": _train_adb}
-
-
-def device_trainer(device: str) -> Trainer:
-    kind = device.split(":", 1)[0]
-    if kind not in DEVICES:
-        raise FblcError(f"fleet device '{device}' is none of: local, adb:SERIAL")
-    return DEVICES[kind]
-
-
 def train_reply(content: RecordDict, node: Mapping[str, Any], run: Mapping[str, Any]) -> RecordDict:
-    """One training round on this client: the reply's content. Refuses a global model that is not its bundle's."""
+    """One training round on this client: the reply's content. A global model that is not its bundle's is refused
+    (fblc.fleet.trainers.checked_global) before its data is read."""
     from fblc.cli.data import batches as read_batches
 
-    bundle = str(node["bundle"])
+    bundle, device = str(node["bundle"]), str(node["device"])
     manifest, _ = fmt.load_verified(bundle)
     start = as_numpy(content["arrays"])
-    check_global(manifest, start)
+    checked_global(start, bundle_shapes(manifest), f"bundle '{bundle}'")  # before a kernel is built
     config = content["config"]
+    if ES_ITERATION in config and device_kind(device) != "local":
+        raise FblcError(f"ES rounds that send seeds need --device local on this client, not '{device}' (the adb "
+                        "runner reports no per-member rewards yet)")
+    trainer = trainer_for(bundle, device)
+    if device_kind(device) == "adb" and node.get("runner"):
+        trainer.runner = str(node["runner"])  # type: ignore[attr-defined]  (AdbTrainer: the runner to push)
+    trainer.set_parameters(start)
     steps = int(run["local-steps"])
     data, _ = read_batches(str(node["data"]), manifest)
     batches = _round_batches(data, int(config["server-round"]), steps)
     examples = len(data) * manifest["inputs"][0]["shape"][0]
     if ES_ITERATION in config:  # an ES round that sends seeds: the local device's runner reports its rewards
-        from fblc.runtime.local import LocalRunner
-
-        if str(node["device"]) != "local":
-            raise FblcError("ES rounds that send seeds need --device local on this client (the adb runner reports "
-                            "no per-member rewards yet)")
-        spec = es_seeds.es_spec(bundle)
-        runner = LocalRunner(bundle, progress=False)
-        _upload(runner, start)
-        report, losses = es_seeds.train_reporting_seeds(runner, batches, steps, int(config[ES_ITERATION]), spec.seed)
+        assert isinstance(trainer, LocalTrainer)
+        report, losses = es_seeds.train_reporting_seeds(trainer.runner, batches, steps, int(config[ES_ITERATION]),
+                                                        es_seeds.es_spec(bundle).seed)
         arrays = ArrayRecord({REWARDS: Array(report.rewards)})
         metrics = {ES_SEED: report.seed, ES_ITERATION: report.iteration}
-    else:
-        trained, losses = device_trainer(str(node["device"]))(node, bundle, start, batches)
-        arrays, metrics = as_record(trained), {}
-    reply = RecordDict({"arrays": arrays, "metrics": MetricRecord({EXAMPLES: examples, LOSS: losses[-1], **metrics})})
+    else:  # an adb device trains the round in one run of the runner (the optimizer state lasts the round)
+        losses = trainer.train(batches) if hasattr(trainer, "train") else [trainer.step(b) for b in batches]
+        arrays, metrics = as_record(trainer.parameters()), {}
+    reply = RecordDict({"arrays": arrays, "metrics": MetricRecord({EXAMPLES: examples, LOSS: float(np.mean(losses)),
+                                                                   **metrics})})
     reply["metrics"][BYTES_UP] = payload_bytes(reply) + 8
     return reply
 
@@ -127,7 +92,7 @@ def _server_main(grid: Grid, context: Context) -> None:
                    min_train_nodes=int(run["min-clients"]), min_available_nodes=int(run["min-clients"]))
     strategy = (SeedFedAvg(spec=es_seeds.es_spec(bundle), local_steps=int(run["local-steps"]), **figures)
                 if bool(run["es-seeds"]) else LoggedFedAvg(**figures))
-    result = strategy.start(grid=grid, initial_arrays=as_record(read_tensors(bundle)),
+    result = strategy.start(grid=grid, initial_arrays=as_record(initial_parameters(bundle)),
                             num_rounds=int(run["rounds"]), timeout=float(run["round-timeout"]))
     np.savez(f"{out}/global.npz", **as_numpy(result.arrays))
     print(f"fleet: the global model after {int(run['rounds'])} rounds: {out}/global.npz", flush=True)

@@ -144,9 +144,9 @@ def train_reporting_seeds(runner: Any, batches: Sequence[Mapping[str, np.ndarray
     """K ES steps on a LocalRunner from its current parameters, its optimizer state as compiled (zero: what the
     replay assumes, also on a runner reused across rounds) and its noise counter set to `iteration`; the seed
     report of what it did and the losses."""
-    from fblc.fleet.bundle_params import read_tensors
+    from fblc.fleet.trainers import initial_tensors
 
-    initial = read_tensors(runner.bundle, states=True)
+    initial = initial_tensors(runner.bundle, runner.manifest["states"])
     for state in runner.manifest["states"]:
         value = np.array(iteration, np.float32) if state["name"] == ITERATION else initial[state["name"]]
         runner.upload(state["texture"], value)

@@ -23,10 +23,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fblc.fleet import es_seeds
-from fblc.fleet.bundle_params import ModelMismatch, check_global
+from fblc.fleet.bundle_params import ModelMismatch, check_tensors
 
 #: the reply's MetricRecord keys a client sends (no other metric leaves a client)
-EXAMPLES, LOSS, BYTES_UP, ES_SEED, ES_ITERATION = "num-examples", "loss", "bytes-up", "es-seed", "es-iteration"
+EXAMPLES, LOSS, BYTES_UP, ES_SEED, ES_ITERATION = "num-examples", "train-loss", "bytes-up", "es-seed", "es-iteration"
 REWARDS = "es.rewards"
 
 
@@ -85,7 +85,7 @@ class LoggedFedAvg(FedAvg):
         return good
 
     def check_reply(self, content: RecordDict) -> None:
-        check_global(self.manifest, as_numpy(content["arrays"]), what="the client's model")
+        check_tensors(self.manifest, as_numpy(content["arrays"]), what="its model")
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
