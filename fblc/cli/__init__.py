@@ -21,7 +21,7 @@ from fblc import __version__
 from fblc.cli.build import add_target_options, cmd_compile, cmd_train_graph, cmd_verify
 from fblc.cli.check import add_command as add_check_command
 from fblc.cli.export import add_command as add_export_command
-from fblc.cli.fleet_deploy import add_commands as add_fleet_deploy_commands
+from fblc.cli.fleet import add_command as add_fleet_command
 from fblc.cli.options import add_storage_option, add_training_options, check_values
 from fblc.paths import escape_undecodable_names
 from fblc.cli.profiles import add_commands as add_profile_commands
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --infer: the outputs, one array per model output, batches joined along axis 0")
     run.set_defaults(run=deferred("fblc.cli.train", "cmd_run"))
     add_export_command(commands)
+    add_fleet_command(commands)
 
     push = commands.add_parser(
         "push", help="copy a bundle and the native runner to a phone with adb",
@@ -146,9 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     devices.set_defaults(run=deferred("fblc.cli.train", "cmd_devices"))
     add_profile_commands(commands)
     add_tune_command(commands)
-    fleet = commands.add_parser("fleet", help="train across a fleet of devices with Flower",
-                                description="Federated training with Flower: a SuperLink and SuperNodes on devices.")
-    add_fleet_deploy_commands(fleet.add_subparsers(dest="fleet_command", metavar="FLEET_COMMAND", required=True))
 
     for sub in commands.choices.values():
         sub.add_argument("--debug", action="store_true", help="show tracebacks of errors")
