@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAdam
 from flwr.supercore.task_identity import TaskIdentity
 
 from fblc import bundle_format as fmt
@@ -20,7 +21,7 @@ from fblc.codegen.compile import compile_model
 from fblc.compiler.optimizers import OptimizerConfig
 from fblc.fleet import deploy_apps, trainers
 from fblc.errors import FblcError
-from fblc.fleet.rounds import LoggedFedAvg, as_numpy, as_record
+from fblc.fleet.rounds import STRATEGIES, as_numpy, as_record
 from fblc.fleet.trainers import initial_parameters
 from fblc.passes.pipeline import TrainingOptions
 from tests.test_runtime import batch, elementwise_model
@@ -59,18 +60,24 @@ def _reply(message: Message, arrays: dict[str, np.ndarray], examples: int) -> Me
     return Message(content=RecordDict({"arrays": as_record(arrays), "metrics": metrics}), reply_to=message)
 
 
-def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_path, task_identity) -> None:
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_path, task_identity, name) -> None:
     manifest, _ = fmt.load_verified(bundle)
     start = initial_parameters(bundle)
-    strategy = LoggedFedAvg(manifest=manifest, out=str(tmp_path), timeout=30.0, min_train_nodes=4,
-                            min_available_nodes=4)
+    kind, options = STRATEGIES[name]
+    strategy = kind(manifest=manifest, out=str(tmp_path), timeout=30.0, min_train_nodes=5, min_available_nodes=5,
+                    **{argument: 0.5 for argument in options})
     sent = {m.metadata.dst_node_id: m for m in
-            strategy.configure_train(1, as_record(start), ConfigRecord(), Nodes([11, 12, 13, 14]))}
+            strategy.configure_train(1, as_record(start), ConfigRecord(), Nodes([11, 12, 13, 14, 15]))}
+    for message in sent.values():  # what the Grid does as it pushes them
+        message.metadata.__dict__["_message_id"] = message.object_id
     good = {name: value + 1.0 for name, value in start.items()}
     better = {name: value + 4.0 for name, value in start.items()}
     replies = [_reply(sent[11], good, 3), _reply(sent[12], better, 1),
                Message(error=Error(code=0, reason="RuntimeError: the phone's GPU was lost"), reply_to=sent[13]),
-               _reply(sent[14], {"w": start["w"].T, "b": start["b"]}, 50)]  # node 14 of another bundle
+               _reply(sent[14], {"w": start["w"].T, "b": start["b"]}, 50),  # node 14 of another bundle
+               Message(error=Error(code=0, reason="Node Unavailable: no heartbeat"), reply_to=sent[15])]
+    replies[-1].metadata.__dict__["_src_node_id"] = 1  # the SuperLink answers for a node that went silent
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -82,14 +89,21 @@ def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_p
     finally:
         logging.getLogger("flwr").removeHandler(handler)
     assert arrays is not None
-    for name, value in as_numpy(arrays).items():  # (3 * (x + 1) + 1 * (x + 4)) / 4: only the two good clients
-        np.testing.assert_allclose(value, start[name] + 1.75, rtol=1e-6)
+    if name == "fedadam":  # the server's Adam step over the two good clients' average, as Flower's own takes it
+        plain = FedAdam(min_train_nodes=2, min_available_nodes=2, eta=0.5)
+        plain.configure_train(1, as_record(start), ConfigRecord(), Nodes([11, 12]))
+        expected = as_numpy(plain.aggregate_train(1, replies[:2])[0])
+    else:  # FedAvg and FedProx: (3 (x + 1) + 1 (x + 4)) / 4 of the two good clients
+        expected = {tensor: value + 1.75 for tensor, value in start.items()}
+    for tensor, value in as_numpy(arrays).items():
+        np.testing.assert_allclose(value, expected[tensor], rtol=1e-6)
     text = "\n".join(records)
     assert "node 13 left out: its ClientApp failed: RuntimeError: the phone's GPU was lost" in text
     assert "node 14 left out: its model's tensor 'w' is [5, 3], the bundle trains [3, 5]" in text
+    assert "node 15 left out: its ClientApp failed: Node Unavailable: no heartbeat" in text
     assert "round 2: node 16 left out: no reply within the round's timeout of 30 s" in text
     line = json.loads(open(os.path.join(tmp_path, "rounds.jsonl")).readline())
-    assert line == {"round": 1, "sampled": 4, "clients": 2, "bytes_up_per_client": [100, 100], "loss": 0.5}
+    assert line == {"round": 1, "sampled": 5, "clients": 2, "bytes_up_per_client": [100, 100], "loss": 0.5}
 
 
 def test_a_client_refuses_a_global_model_that_is_not_its_bundles(bundle, tmp_path) -> None:
@@ -144,3 +158,15 @@ def test_only_the_trainable_tensors_and_three_metrics_leave_a_client(bundle, tmp
     for name, value in feeds.items():  # no row of the data, in any form, is in what is sent
         for row in value:
             assert row.astype(np.float32).tobytes() not in payload, name
+    for name, value in as_numpy(reply["arrays"]).items():
+        np.testing.assert_array_equal(value, start[name] * 0.25)
+
+    # FedProx's round: after each step w -= lr mu (w - w_global)
+    content["config"]["proximal-mu"] = 0.5
+    reply = deploy_apps.train_reply(content, {"bundle": bundle, "data": data, "device": "local"},
+                                    {"local-steps": 2, "proximal-lr": 0.2})
+    for name, value in as_numpy(reply["arrays"]).items():
+        w = start[name] * 0.5
+        w = w - 0.1 * (w - start[name])
+        w = w * 0.5
+        np.testing.assert_allclose(value, w - 0.1 * (w - start[name]), rtol=1e-6)

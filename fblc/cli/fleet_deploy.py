@@ -33,6 +33,12 @@ def add_commands(fleet: Any) -> None:
     serve.add_argument("--round-timeout", type=float, default=600.0,
                        help="seconds a round waits for replies; later ones are left out (default 600)")
     serve.add_argument("--port", type=int, default=9092, help="the SuperLink's port (default 9092)")
+    serve.add_argument("--strategy", default="fedavg", choices=["fedavg", "fedprox", "fedadam"],
+                       help="Flower's aggregation (default fedavg, weighted by examples)")
+    serve.add_argument("--proximal-mu", type=float, default=0.01, help="fedprox: mu (default 0.01)")
+    serve.add_argument("--lr", type=float, default=0.1,
+                       help="fedprox: the clients' learning rate for the proximal step (the bundle's --lr)")
+    serve.add_argument("--eta", type=float, default=0.01, help="fedadam: the server's learning rate")
     serve.add_argument("--es-seeds", action="store_true",
                        help="ES bundles (--trainer es, SGD): clients send seeds and rewards, not tensors")
     serve.add_argument("--keep-replies", action="store_true",
@@ -69,12 +75,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.es_seeds:
         from fblc.fleet.es_seeds import es_spec
 
+        if args.strategy != "fedavg":
+            raise FblcError(f"--es-seeds replays the clients' steps and averages them: --strategy {args.strategy} "
+                            "does not apply", "drop --strategy")
+
         es_spec(args.bundle)  # refuses a bundle whose steps cannot be replayed, before any process starts
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     config = {"bundle": os.path.abspath(args.bundle), "out": out, "rounds": args.rounds,
               "local-steps": args.local_steps, "min-clients": args.min_clients, "fraction": args.fraction,
-              "round-timeout": args.round_timeout, "es-seeds": bool(args.es_seeds),
+              "round-timeout": args.round_timeout, "es-seeds": bool(args.es_seeds), "strategy": args.strategy,
+              "proximal-mu": args.proximal_mu, "proximal-lr": args.lr, "eta": args.eta,
               "keep-replies": bool(args.keep_replies)}
     code = serve(config, args.port, out, _say)
     if code == 0 and os.path.exists(os.path.join(out, "global.npz")):

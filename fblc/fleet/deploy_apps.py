@@ -23,7 +23,7 @@ from fblc.errors import FblcError
 from fblc.fleet import es_seeds
 from fblc.fleet.trainers import (LocalTrainer, bundle_shapes, checked_global, device_kind, initial_parameters,
                                  trainer_for)
-from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, LoggedFedAvg, SeedFedAvg,
+from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, STRATEGIES, SeedFedAvg,
                                as_numpy, as_record, payload_bytes)
 
 Batches = Sequence[Mapping[str, np.ndarray]]
@@ -33,6 +33,17 @@ def _round_batches(batches: Batches, server_round: int, steps: int) -> list[Mapp
     """The K batches of a round: the partition's batches in turn, continuing where the last round stopped."""
     first = (server_round - 1) * steps
     return [batches[(first + k) % len(batches)] for k in range(steps)]
+
+
+def _proximal_steps(trainer: Any, batches: Batches, start: Mapping[str, np.ndarray], mu: float, lr: float
+                    ) -> list[float]:
+    """Steps with FedProx's w -= lr * mu * (w - w_global) after each (exact for plain SGD at the step's lr)."""
+    losses = []
+    for feeds in batches:
+        losses.append(trainer.step(feeds))
+        now = trainer.parameters()
+        trainer.set_parameters({k: v - lr * mu * (v - start[k]) for k, v in now.items()}, keep_state=True)
+    return losses
 
 
 def train_reply(content: RecordDict, node: Mapping[str, Any], run: Mapping[str, Any]) -> RecordDict:
@@ -62,6 +73,10 @@ def train_reply(content: RecordDict, node: Mapping[str, Any], run: Mapping[str, 
                                                         es_seeds.es_spec(bundle).seed)
         arrays = ArrayRecord({REWARDS: Array(report.rewards)})
         metrics = {ES_SEED: report.seed, ES_ITERATION: report.iteration}
+    elif float(config.get("proximal-mu", 0.0)) > 0:  # FedProx: the proximal term's step after each step (as
+        losses = _proximal_steps(trainer, batches, start, float(config["proximal-mu"]),  # fblc.fleet.client)
+                                 float(run["proximal-lr"]))
+        arrays, metrics = as_record(trainer.parameters()), {}
     else:  # an adb device trains the round in one run of the runner (the optimizer state lasts the round)
         losses = trainer.train(batches) if hasattr(trainer, "train") else [trainer.step(b) for b in batches]
         arrays, metrics = as_record(trainer.parameters()), {}
@@ -90,8 +105,11 @@ def _server_main(grid: Grid, context: Context) -> None:
     figures = dict(manifest=manifest, out=out, timeout=float(run["round-timeout"]),
                    keep_replies=bool(run["keep-replies"]), fraction_train=float(run["fraction"]),
                    min_train_nodes=int(run["min-clients"]), min_available_nodes=int(run["min-clients"]))
-    strategy = (SeedFedAvg(spec=es_seeds.es_spec(bundle), local_steps=int(run["local-steps"]), **figures)
-                if bool(run["es-seeds"]) else LoggedFedAvg(**figures))
+    if bool(run["es-seeds"]):
+        strategy = SeedFedAvg(spec=es_seeds.es_spec(bundle), local_steps=int(run["local-steps"]), **figures)
+    else:
+        kind, options = STRATEGIES[str(run["strategy"])]
+        strategy = kind(**figures, **{argument: float(run[key]) for argument, key in options.items()})
     result = strategy.start(grid=grid, initial_arrays=as_record(initial_parameters(bundle)),
                             num_rounds=int(run["rounds"]), timeout=float(run["round-timeout"]))
     np.savez(f"{out}/global.npz", **as_numpy(result.arrays))

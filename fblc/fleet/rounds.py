@@ -20,7 +20,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
 
 from fblc.fleet import es_seeds
 from fblc.fleet.bundle_params import ModelMismatch, check_tensors
@@ -44,34 +44,42 @@ def as_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()})
 
 
-class LoggedFedAvg(FedAvg):
-    """FedAvg weighted by `num-examples` that logs every client a round left out, and records the rounds."""
+class Logged:
+    """Put before one of Flower's FedAvg family (FedAvg, FedProx, FedAdam: their aggregate_train filters through
+    FedAvg's): logs every client a round left out and why, averages only the replies that fit, records the rounds."""
 
     def __init__(self, manifest: Mapping[str, Any], out: str, timeout: float, keep_replies: bool = False,
                  **kwargs: Any) -> None:
-        super().__init__(fraction_evaluate=0.0, min_evaluate_nodes=0, **kwargs)
+        super().__init__(fraction_evaluate=0.0, min_evaluate_nodes=0, **kwargs)  # type: ignore[call-arg]
         self.manifest, self.out, self.timeout, self.keep_replies = manifest, out, timeout, keep_replies
         self.sampled: dict[int, list[int]] = {}
+        self.sent: dict[int, list[Message]] = {}
         self.start_arrays: dict[int, dict[str, np.ndarray]] = {}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                         ) -> Iterable[Message]:
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+        messages = list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[misc]
         self.sampled[server_round] = [m.metadata.dst_node_id for m in messages]
+        self.sent[server_round] = messages  # the Grid gives each its message id when it pushes it
         self.start_arrays[server_round] = as_numpy(arrays)
         return messages
 
     def usable(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """The replies to average; every sampled node left out is logged with its reason."""
         replies = list(replies)
-        answered = {m.metadata.src_node_id for m in replies}
+        # the node a reply answers for: the SuperLink's own error replies (a node that stopped sending heartbeats)
+        # come from the SuperLink, not the node
+        to_node = {(m.metadata.message_id or m.object_id): m.metadata.dst_node_id
+                   for m in self.sent.get(server_round, [])}
+        node_of = {id(m): to_node.get(m.metadata.reply_to_message_id, m.metadata.src_node_id) for m in replies}
+        answered = set(node_of.values())
         for node in self.sampled.get(server_round, []):
             if node not in answered:
                 log(WARNING, "round %d: node %d left out: no reply within the round's timeout of %g s "
                     "(disconnected, or still training)", server_round, node, self.timeout)
         good = []
         for message in replies:
-            node = message.metadata.src_node_id
+            node = node_of[id(message)]
             if message.has_error():
                 log(WARNING, "round %d: node %d left out: its ClientApp failed: %s", server_round, node,
                     message.error.reason.strip().splitlines()[-1] if message.error.reason else "(no reason given)")
@@ -114,6 +122,26 @@ class LoggedFedAvg(FedAvg):
         log(INFO, "round %d: %d of %d clients averaged, loss %s, %s B uploaded per client", server_round,
             line["clients"], line["sampled"], "-" if line["loss"] is None else f"{line['loss']:.5f}",
             "/".join(str(b) for b in line["bytes_up_per_client"]) or "-")
+
+
+class LoggedFedAvg(Logged, FedAvg):
+    """FedAvg weighted by `num-examples`, logged and recorded."""
+
+
+class LoggedFedProx(Logged, FedProx):
+    """FedProx (the clients add the proximal step: `proximal-mu` in the round's config), logged and recorded."""
+
+
+class LoggedFedAdam(Logged, FedAdam):
+    """FedAdam (Adam on the server over the averaged update), logged and recorded."""
+
+
+#: fblc fleet serve --strategy -> the logged strategy and its options (argument -> run config key)
+STRATEGIES: dict[str, tuple[type, dict[str, str]]] = {
+    "fedavg": (LoggedFedAvg, {}),
+    "fedprox": (LoggedFedProx, {"proximal_mu": "proximal-mu"}),
+    "fedadam": (LoggedFedAdam, {"eta": "eta"}),
+}
 
 
 class SeedFedAvg(LoggedFedAvg):
