@@ -28,7 +28,8 @@ def add_commands(fleet: Any) -> None:
     serve.add_argument("--rounds", type=int, default=3, help="federated rounds (default 3)")
     serve.add_argument("--local-steps", type=int, default=5, help="steps each client trains per round (default 5)")
     serve.add_argument("--min-clients", type=int, default=2,
-                       help="SuperNodes to wait for, and the least sampled per round (default 2)")
+                       help="SuperNodes every round waits for (connected), and the least it samples (default 2); "
+                            "below the fleet's size, rounds go on without a node that left")
     serve.add_argument("--fraction", type=float, default=1.0, help="fraction of connected clients per round")
     serve.add_argument("--round-timeout", type=float, default=600.0,
                        help="seconds a round waits for replies; later ones are left out (default 600)")

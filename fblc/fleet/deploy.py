@@ -177,6 +177,7 @@ def serve(run_config: Mapping[str, object], port: int, work: str, say: Say, stre
         handle.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
     env = flower_env(home, session)
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)  # stopped by a service manager: still clean up
     try:
         link = start("flower-superlink", [os.path.join(os.path.dirname(sys.executable), "flower-superlink"),
                                           "--insecure", "--host", "0.0.0.0", "--port", str(port),
@@ -197,6 +198,7 @@ def serve(run_config: Mapping[str, object], port: int, work: str, say: Say, stre
             raise FleetError(f"the SuperLink exited during the run:\n{link.tail()}")
         return code
     finally:
+        signal.signal(signal.SIGTERM, previous)
         say(f"the SuperLink's processes used {session_cpu_seconds(session):.1f} CPU s")
         left = stop_session(session)
         if left:
@@ -217,11 +219,12 @@ def join(superlink: str, node_config: Mapping[str, object], port: int | None, sa
     say(f"SuperNode for {node_config['device']} joining {superlink} (ClientApp API port {port}): "
         f"{shlex.join(argv[1:])}")
     process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    signal.signal(signal.SIGTERM, _exit_on_signal)  # stopped by a service manager: still end what it started
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)  # stopped by a service manager: still clean up
     try:
         return process.wait()
     except KeyboardInterrupt:
         return 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         say(f"the SuperNode's processes used {session_cpu_seconds(session):.1f} CPU s")
         stop_session(session)
