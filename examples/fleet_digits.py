@@ -10,8 +10,9 @@ as the `.npz` `fblc fleet simulate --data` reads.
 The data: 1,797 8 x 8 digits a person wrote (sklearn.datasets.load_digits, inside the package), scaled to [0, 1],
 as `pixels` [N, 1, 8, 8] float32 and `labels` int64; with `--rotate DEGREES` the digits turned about their
 centre (the shifted task an adapter fleet learns from a model pretrained on upright digits).
-The model: Conv 1->16 3x3, Relu, Conv 16->32 3x3 stride 2, Relu, Flatten, Gemm 512->64, Relu, Gemm 64->10
-(benchmarks/adaptation.py's digits CNN), torch's default initialisation from a seeded generator.
+The model: Conv 1->32 3x3, Relu, Conv 32->64 3x3 stride 2, Relu, Flatten, Gemm 1024->128, Relu, Gemm 128->10
+(151k parameters; benchmarks/adaptation.py's digits CNN twice as wide), torch's default initialisation from a
+seeded generator. MemFLoRA and LoRA at rank 2 adapt conv2 (conv1's one input channel is below the rank).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ def _uniform(rng: np.random.Generator, fan_in: int, shape: Sequence[int]) -> np.
 def build_digits_cnn(path: str, batch: int = 16, seed: int = 0) -> str:
     """Write the digits CNN `pixels [batch, 1, 8, 8] -> logits [batch, 10]` to `path`; returns `path`."""
     rng = np.random.default_rng(seed)
-    tensors = {"conv1.weight": _uniform(rng, 9, (16, 1, 3, 3)), "conv1.bias": _uniform(rng, 9, (16,)),
-               "conv2.weight": _uniform(rng, 144, (32, 16, 3, 3)), "conv2.bias": _uniform(rng, 144, (32,)),
-               "fc1.weight": _uniform(rng, 512, (64, 512)), "fc1.bias": _uniform(rng, 512, (64,)),
-               "fc2.weight": _uniform(rng, 64, (CLASSES, 64)), "fc2.bias": _uniform(rng, 64, (CLASSES,))}
+    tensors = {"conv1.weight": _uniform(rng, 9, (32, 1, 3, 3)), "conv1.bias": _uniform(rng, 9, (32,)),
+               "conv2.weight": _uniform(rng, 288, (64, 32, 3, 3)), "conv2.bias": _uniform(rng, 288, (64,)),
+               "fc1.weight": _uniform(rng, 1024, (128, 1024)), "fc1.bias": _uniform(rng, 1024, (128,)),
+               "fc2.weight": _uniform(rng, 128, (CLASSES, 128)), "fc2.bias": _uniform(rng, 128, (CLASSES,))}
     nodes = [
         helper.make_node("Conv", [INPUT, "conv1.weight", "conv1.bias"], ["conv1"], name="conv1", pads=[1, 1, 1, 1],
                          kernel_shape=[3, 3]),

@@ -95,5 +95,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     simulate.add_argument("--no-central", action="store_true", help="skip the central run")
     simulate.add_argument("--flower-log", action="store_true", help="show Flower's and Ray's own log")
     simulate.add_argument("-o", "--output", metavar="FOLDER", help="write fleet.json, fleet.png and global.npz here")
+    simulate.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    simulate.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     simulate.set_defaults(run=cmd_simulate)
     add_deploy_commands(verbs)  # serve, join: a deployment on Flower's SuperLink and SuperNodes
