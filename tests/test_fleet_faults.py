@@ -103,7 +103,7 @@ def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_p
     assert "node 15 left out: its ClientApp failed: Node Unavailable: no heartbeat" in text
     assert "round 2: node 16 left out: no reply within the round's timeout of 30 s" in text
     line = json.loads(open(os.path.join(tmp_path, "rounds.jsonl")).readline())
-    assert line == {"round": 1, "sampled": 5, "clients": 2, "bytes_up_per_client": [100, 100], "loss": 0.5}
+    assert line == {"round": 1, "sampled": 5, "clients": 2, "bytes_up_per_client": [100, 100], "train_loss": 0.5}
 
 
 def test_a_client_refuses_a_global_model_that_is_not_its_bundles(bundle, tmp_path) -> None:

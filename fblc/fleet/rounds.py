@@ -6,7 +6,7 @@ answers (`Grid.send_and_receive` returns at the round's timeout with what came);
 silent nodes. `LoggedFedAvg` compares the nodes it sampled with the replies and logs every node left out with
 its reason (its error, or no reply within the timeout), refuses to average a reply whose tensors are not the
 global model's (a client of another bundle would corrupt the round), and writes each round's aggregate and a
-JSON line (clients, failures, bytes uploaded per client, mean loss) to the run's folder.
+JSON line (clients, failures, bytes uploaded per client, mean train loss) to the run's folder.
 """
 
 from __future__ import annotations
@@ -116,11 +116,11 @@ class Logged:
         metrics = [m.content["metrics"] for m in good]
         line = {"round": server_round, "sampled": len(self.sampled.get(server_round, [])), "clients": len(good),
                 "bytes_up_per_client": [int(m[BYTES_UP]) for m in metrics],
-                "loss": float(np.mean([m[LOSS] for m in metrics])) if metrics else None}
+                "train_loss": float(np.mean([m[LOSS] for m in metrics])) if metrics else None}
         with open(os.path.join(self.out, "rounds.jsonl"), "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
-        log(INFO, "round %d: %d of %d clients averaged, loss %s, %s B uploaded per client", server_round,
-            line["clients"], line["sampled"], "-" if line["loss"] is None else f"{line['loss']:.5f}",
+        log(INFO, "round %d: %d of %d clients averaged, train loss %s, %s B uploaded per client", server_round,
+            line["clients"], line["sampled"], "-" if line["train_loss"] is None else f"{line['train_loss']:.5f}",
             "/".join(str(b) for b in line["bytes_up_per_client"]) or "-")
 
 
