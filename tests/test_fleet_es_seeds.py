@@ -18,6 +18,8 @@ from fblc.fleet.rounds import as_numpy, as_record, payload_bytes
 from fblc.fleet.trainers import initial_parameters
 from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
+from tests.test_adb import adb_server, phone  # noqa: F401  (fixtures)
+from tests.test_native_runner import opencl_env, runner_binary  # noqa: F401  (fixtures)
 from tests.test_runtime import batch, elementwise_model
 
 STEPS, PAIRS = 3, 4
@@ -72,7 +74,7 @@ def test_a_seed_reply_is_rewards_and_metrics_only(es_bundle, tmp_path) -> None:
     # K x 2P float32 rewards as Flower's .npy bytes (a 128-byte header) and five 8-byte metrics, whatever the
     # model's size
     assert reply["metrics"]["bytes-up"] == payload_bytes(reply) == 128 + STEPS * 2 * PAIRS * 4 + 5 * 8
-    with pytest.raises(FblcError, match="need --device local on this client, not 'graph'"):
+    with pytest.raises(FblcError, match="need a device that reports each member's reward, not 'graph'"):
         train_reply(content, {"bundle": es_bundle, "data": data, "device": "graph"}, {"local-steps": STEPS})
 
 
@@ -91,3 +93,30 @@ def test_a_bundle_whose_steps_cannot_be_replayed_is_refused(es_bundle, tmp_path)
     rechecksum(copy, "report.json")
     with pytest.raises(FblcError, match="adam's cannot be replayed"):
         es_seeds.es_spec(copy)
+
+
+@pytest.mark.slow  # ~6 CPU s of its own (an adb server, a push, the runner's build): test_native_runner checks the
+# runner's rewards, test_fleet_deploy the adb path
+def test_a_phone_reports_the_rewards_the_local_device_does(es_bundle, phone, runner_binary) -> None:  # noqa: F811
+    """Over adb the runner reads each ES step's member rewards back (outputs.bin) from a run that starts at the
+    round's global model and noise iteration (--params): the seed report and the model are LocalRunner's."""
+    from fblc.fleet.adb_trainer import AdbTrainer
+
+    spec = es_seeds.es_spec(es_bundle)
+    start = {name: value - 0.2 for name, value in initial_parameters(es_bundle).items()}
+    feeds = batch(rows=6, seed=4)
+    batches = [{k: v[i:i + 3] for k, v in feeds.items()} for i in (0, 3, 0)]
+    trainer = AdbTrainer(es_bundle, f"adb:{phone.serial}")
+    trainer.runner = runner_binary
+    trainer.set_parameters(start)
+    report, losses = trainer.train_reporting_seeds(batches, 21, spec.seed)
+    local = LocalRunner(es_bundle, progress=False, storage="image")
+    for entry in local.manifest["parameters"]:
+        local.upload(entry["texture"], start[entry["name"]])
+    expected, expected_losses = es_seeds.train_reporting_seeds(local, batches, 3, 21, spec.seed)
+    np.testing.assert_allclose(report.rewards, expected.rewards, rtol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    replayed = es_seeds.replay(spec, start, report)
+    for name, value in trainer.parameters().items():
+        np.testing.assert_allclose(value, local.parameters()[name], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(replayed[name], value, rtol=0, atol=1e-6)

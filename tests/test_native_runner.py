@@ -159,6 +159,12 @@ def test_fura_s_es_bundle_trains_as_with_the_python_runtime_and_reports_its_rewa
     done = run(runner_binary, str(tmp_path / "es"), data, str(tmp_path / "out"), 2, opencl_env)
     lines = [json.loads(line) for line in done.stdout.splitlines() if '"step"' in line]
     assert [sorted(line) for line in lines] == [["loss", "ms", "reward_mean", "step"]] * 2
+    # each step's member rewards come back in outputs.bin (what a fleet client sends instead of its delta)
+    local = LocalRunner(str(tmp_path / "es"), storage="image", progress=False)
+    for step, outputs in enumerate(read_results(str(tmp_path / "out"), plan).outputs):
+        local.step(feeds[0])
+        np.testing.assert_allclose(outputs["rewards"], local.read_before_swap("rewards"), rtol=1e-6, err_msg=step)
+    assert step == 1
     # the members are one forward the plan's loop repeats: a loop past the last launch is refused by both runtimes
     plan["loops"][0]["end"] = len(plan["kernels"]) + 1
     with open(tmp_path / "es" / fmt.PLAN, "w") as handle:

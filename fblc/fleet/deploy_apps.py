@@ -21,8 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from fblc import bundle_format as fmt
 from fblc.errors import FblcError
 from fblc.fleet import es_seeds
-from fblc.fleet.trainers import (LocalTrainer, bundle_shapes, checked_global, device_kind, initial_parameters,
-                                 trainer_for)
+from fblc.fleet.trainers import bundle_shapes, checked_global, device_kind, initial_parameters, trainer_for
 from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, STRATEGIES, SeedFedAvg,
                                as_numpy, as_record, payload_bytes)
 
@@ -33,6 +32,18 @@ def _round_batches(batches: Batches, server_round: int, steps: int) -> list[Mapp
     """The K batches of a round: the partition's batches in turn, continuing where the last round stopped."""
     first = (server_round - 1) * steps
     return [batches[(first + k) % len(batches)] for k in range(steps)]
+
+
+def _local_seeds(trainer: Any, batches: Batches, iteration: int, seed: int) -> tuple[es_seeds.SeedReport, list[float]]:
+    return es_seeds.train_reporting_seeds(trainer.runner, batches, len(batches), iteration, seed)
+
+
+def _adb_seeds(trainer: Any, batches: Batches, iteration: int, seed: int) -> tuple[es_seeds.SeedReport, list[float]]:
+    return trainer.train_reporting_seeds(batches, iteration, seed)
+
+
+#: device kind -> how its trainer runs an ES round and reports its seeds and member rewards
+SEED_REPORTERS = {"local": _local_seeds, "opencl": _local_seeds, "adb": _adb_seeds}
 
 
 def _proximal_steps(trainer: Any, batches: Batches, start: Mapping[str, np.ndarray], mu: float, lr: float
@@ -56,9 +67,9 @@ def train_reply(content: RecordDict, node: Mapping[str, Any], run: Mapping[str, 
     start = as_numpy(content["arrays"])
     checked_global(start, bundle_shapes(manifest), f"bundle '{bundle}'")  # before a kernel is built
     config = content["config"]
-    if ES_ITERATION in config and device_kind(device) != "local":
-        raise FblcError(f"ES rounds that send seeds need --device local on this client, not '{device}' (the adb "
-                        "runner reports no per-member rewards yet)")
+    if ES_ITERATION in config and device_kind(device) not in SEED_REPORTERS:
+        raise FblcError(f"ES rounds that send seeds need a device that reports each member's reward, not "
+                        f"'{device}'", f"join with --device {' or '.join(SEED_REPORTERS)}")
     trainer = trainer_for(bundle, device)
     if device_kind(device) == "adb" and node.get("runner"):
         trainer.runner = str(node["runner"])  # type: ignore[attr-defined]  (AdbTrainer: the runner to push)
@@ -68,9 +79,8 @@ def train_reply(content: RecordDict, node: Mapping[str, Any], run: Mapping[str, 
     batches = _round_batches(data, int(config["server-round"]), steps)
     examples = len(data) * manifest["inputs"][0]["shape"][0]
     if ES_ITERATION in config:  # an ES round that sends seeds: the local device's runner reports its rewards
-        assert isinstance(trainer, LocalTrainer)
-        report, losses = es_seeds.train_reporting_seeds(trainer.runner, batches, steps, int(config[ES_ITERATION]),
-                                                        es_seeds.es_spec(bundle).seed)
+        report, losses = SEED_REPORTERS[device_kind(device)](trainer, batches, int(config[ES_ITERATION]),
+                                                            es_seeds.es_spec(bundle).seed)
         arrays = ArrayRecord({REWARDS: Array(report.rewards)})
         metrics = {ES_SEED: report.seed, ES_ITERATION: report.iteration}
     elif float(config.get("proximal-mu", 0.0)) > 0:  # FedProx: the proximal term's step after each step (as

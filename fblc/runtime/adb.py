@@ -316,7 +316,9 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
                           f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}{timed}", on_line)
             pulled = os.path.join(local, "results")
             os.makedirs(pulled)
-            files = [RESULTS, PARAMS_OUT] + ([OUTPUTS_OUT] if fmt.is_forward(manifest) else [])
+            # a forward bundle's outputs, or an ES step's member rewards (the runner reads both back per step)
+            read_back = fmt.is_forward(manifest) or any(o["name"] == "rewards" for o in manifest["outputs"])
+            files = [RESULTS, PARAMS_OUT] + ([OUTPUTS_OUT] if read_back else [])
             adb.pull(serial, [f"{run_dir}/{name}" for name in files], pulled)
             return read_results(pulled, plan)
         finally:

@@ -16,7 +16,7 @@
  * step times, the host time of each step's uploads and launches, with --kernel-times per-kernel device times
  * from profiling events (a profiling queue costs time on some drivers: off unless asked), bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
  * results.json last, and only when every step ran. A forward bundle's run also writes outputs.bin (before them):
- * each step's model outputs, step after step, each output its texture's elements (float32, int32 for an integer
+ * each step's model outputs (an ES bundle's: its output "rewards", each step's member rewards), step after step, each output its texture's elements (float32, int32 for an integer
  * texture) in manifest order; results.json's "outputs" says where each sits in a step (fblc decodes them with
  * plan.json's value_maps and value_shapes, as LocalRunner.read does).
  * Errors: one line "fblc-runner: error: ..." on stderr and exit codes from util.h.
@@ -39,7 +39,7 @@
 #include "runner.h"
 #include "util.h"
 
-#define RUNNER_VERSION "3" /* 3: forward bundles (outputs.bin) */
+#define RUNNER_VERSION "4" /* 3: forward bundles (outputs.bin); 4: --params, an ES step's rewards in outputs.bin */
 #define DATA_MAGIC "FBLCDAT1"
 
 static volatile sig_atomic_t interrupted = 0;
@@ -157,7 +157,7 @@ static void outputs_prepare(output_record *o, const bundle *b, size_t steps) {
 static void write_outputs(const char *folder, runner *r, const bundle *b, const timings *t, const output_record *o) {
     size_t steps = t->steps;
     char *outputs_path = path_join(folder, "outputs.bin");
-    if (b->forward) { /* first: results.json, written last, says that the run is complete */
+    if (b->output_count) { /* first: results.json, written last, says that the run is complete */
         int failed = write_atomically(outputs_path, o->bytes, steps * o->step_bytes);
         if (failed) die(EXIT_OUTPUT, "cannot write %s (%s)", outputs_path, strerror(failed));
     }
@@ -233,7 +233,7 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
         at += b->parameters[i].elements;
     }
     fputc(']', out);
-    if (b->forward) {
+    if (b->output_count) {
         fprintf(out, ",\n \"outputs_file\": \"outputs.bin\", \"step_bytes\": %zu,\n \"outputs\": [", o->step_bytes);
         for (size_t i = 0; i < b->output_count; ++i) {
             const texture *tex = &b->textures[b->outputs[i].texture];
@@ -251,7 +251,7 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
     error = write_atomically(results_path, text, text_length);
     if (error) {
         unlink(params_path);
-        if (b->forward) unlink(outputs_path);
+        if (b->output_count) unlink(outputs_path);
         die(EXIT_OUTPUT, "cannot write %s (%s)", results_path, strerror(error));
     }
     free(text);
@@ -359,7 +359,7 @@ int main(int argc, char **argv) {
     record.launch_now = xcalloc(b.launch_count, sizeof *record.launch_now);
     const void **inputs = xcalloc(b.input_count, sizeof *inputs);
     output_record produced;
-    outputs_prepare(&produced, &b, b.forward ? (size_t)steps : 0);
+    outputs_prepare(&produced, &b, b.output_count ? (size_t)steps : 0);
     for (long s = 0; s < steps; ++s) {
         const unsigned char *batch = data.bytes + (size_t)(s % (long)data.batches) * data.batch_bytes;
         for (size_t i = 0; i < b.input_count; ++i) inputs[i] = batch + data.offsets[i];
