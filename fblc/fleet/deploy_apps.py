@@ -21,9 +21,9 @@ from flwr.serverapp import Grid, ServerApp
 from fblc import bundle_format as fmt
 from fblc.errors import FblcError
 from fblc.fleet import es_seeds
-from fblc.fleet.trainers import bundle_shapes, checked_global, device_kind, initial_parameters, trainer_for
 from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, STRATEGIES, SeedFedAvg,
                                as_numpy, as_record, payload_bytes)
+from fblc.fleet.trainers import bundle_shapes, checked_global, device_kind, initial_parameters, trainer_for
 
 Batches = Sequence[Mapping[str, np.ndarray]]
 
