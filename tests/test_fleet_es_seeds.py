@@ -120,3 +120,36 @@ def test_a_phone_reports_the_rewards_the_local_device_does(es_bundle, phone, run
     for name, value in trainer.parameters().items():
         np.testing.assert_allclose(value, local.parameters()[name], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(replayed[name], value, rtol=0, atol=1e-6)
+
+
+def test_the_seed_strategy_gives_each_client_its_noise_and_replays_their_reports(es_bundle, tmp_path) -> None:
+    """SeedFedAvg at the message level: distinct first iterations per node in one round, the aggregate of the
+    replies is es_seeds.aggregate of their reports, weighted by examples."""
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord
+
+    from fblc import bundle_format as fmt
+    from fblc.fleet.rounds import SeedFedAvg
+    from tests.support.fleet_messages import Nodes, task_identity
+
+    with task_identity():
+        spec = es_seeds.es_spec(es_bundle)
+        manifest, _ = fmt.load_verified(es_bundle)
+        start = initial_parameters(es_bundle)
+        strategy = SeedFedAvg(manifest=manifest, out=str(tmp_path), timeout=30.0, spec=spec, local_steps=STEPS,
+                              min_train_nodes=2, min_available_nodes=2)
+        sent = list(strategy.configure_train(3, as_record(start), ConfigRecord(), Nodes([7, 8])))
+        iterations = [int(m.content["config"]["es-iteration"]) for m in sent]
+        assert iterations == [es_seeds.iteration_base(3, k, STEPS, 2) for k in range(2)] and len(set(iterations)) == 2
+        rng = np.random.default_rng(0)
+        reports = [(es_seeds.SeedReport(spec.seed, it, rng.standard_normal((STEPS, 2 * PAIRS)).astype(np.float32)),
+                    rows) for it, rows in zip(iterations, (6, 9))]
+        replies = [Message(content=RecordDict({"arrays": ArrayRecord({"es.rewards": Array(report.rewards)}),
+                                               "metrics": MetricRecord({"num-examples": rows, "train-loss": 0.1,
+                                                                        "bytes-up": 264, "es-seed": report.seed,
+                                                                        "es-iteration": report.iteration})}),
+                           reply_to=message) for message, (report, rows) in zip(sent, reports)]
+        arrays, _ = strategy.aggregate_train(3, replies)
+    expected = es_seeds.aggregate(spec, start, reports)
+    for name, value in as_numpy(arrays).items():
+        np.testing.assert_array_equal(value, expected[name])
+        assert np.abs(value - start[name]).max() > 1e-3

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam
-from flwr.supercore.task_identity import TaskIdentity
 
 from fblc import bundle_format as fmt
 from fblc.codegen.compile import compile_model
@@ -24,6 +23,7 @@ from fblc.errors import FblcError
 from fblc.fleet.rounds import STRATEGIES, as_numpy, as_record
 from fblc.fleet.trainers import initial_parameters
 from fblc.passes.pipeline import TrainingOptions
+from tests.support.fleet_messages import Nodes, task_identity
 from tests.test_runtime import batch, elementwise_model
 
 
@@ -37,22 +37,9 @@ def bundle(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def task_identity():
-    """Flower stamps messages with the process's task identity, which a ServerApp process has."""
-    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
-
-
-class Nodes:
-    """A Grid as far as sampling goes: the connected SuperNodes' ids."""
-
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_node_ids(self) -> list[int]:
-        return self.ids
+def identity():
+    with task_identity():
+        yield
 
 
 def _reply(message: Message, arrays: dict[str, np.ndarray], examples: int) -> Message:
@@ -61,7 +48,7 @@ def _reply(message: Message, arrays: dict[str, np.ndarray], examples: int) -> Me
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_path, task_identity, name) -> None:
+def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_path, identity, name) -> None:
     manifest, _ = fmt.load_verified(bundle)
     start = initial_parameters(bundle)
     kind, options = STRATEGIES[name]
