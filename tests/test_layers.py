@@ -1,4 +1,4 @@
-"""Imports point one way: cli, tools and baselines -> runtime -> codegen -> passes -> compiler -> the bottom.
+"""Imports point one way: cli, tools, baselines and fleet -> runtime -> codegen -> passes -> compiler -> the bottom.
 
 Every `import fblc...` in the package, at module level or inside a function, is checked against
 the layer table of docs/ARCHITECTURE.md section 7; the runtimes see only the bundle format (never
@@ -14,7 +14,7 @@ import fblc
 
 PACKAGE = pathlib.Path(fblc.__file__).parent
 #: layer -> its rank; a module may import its own layer and any layer of a lower rank
-RANKS = {"cli": 5, "tools": 5, "baselines": 5, "runtime": 4, "codegen": 3, "passes": 2, "compiler": 1,
+RANKS = {"cli": 5, "tools": 5, "baselines": 5, "fleet": 5, "runtime": 4, "codegen": 3, "passes": 2, "compiler": 1,
          "profiles": 0, "bundle_format": 0, "texel_layout": 0, "errors": 0,
          "paths": 0, "choices": 0}
 #: layers that may import only these (besides themselves)

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from fblc.errors import FblcError
 from fblc.fleet.client import FleetSpec, client_app, split
 from fblc.fleet.data import batches
 from fblc.fleet.evaluate import Evaluator
@@ -23,6 +24,18 @@ from fblc.fleet.trainers import initial_parameters, trainer_for
 
 #: Ray's shared-memory object store: the messages are small (a model's trainable tensors)
 OBJECT_STORE_BYTES = 128 << 20
+
+
+#: Flower's warnings about what the fleet does on purpose: run_simulation (the Python entry of its simulation engine,
+#: deprecated in favour of the `flwr run` CLI) and no client-side evaluation (the server evaluates)
+EXPECTED_WARNINGS = ("The `run_simulation` function is deprecated", "fraction_evaluate is set to 0.0")
+
+
+def _failures_only(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if any(expected in message for expected in EXPECTED_WARNINGS):
+        return False
+    return record.levelno >= logging.WARNING or "error" in message.lower()
 
 
 def clients_per_round(fleet: FleetSpec, server: ServerSpec) -> int:
@@ -36,19 +49,24 @@ def simulate(fleet: FleetSpec, server: ServerSpec, workers: int = 2, say: Callab
     from flwr.simulation import run_simulation
 
     split(fleet)  # a bad --data or partition fails here, before Ray starts
-    logging.getLogger("flwr").setLevel(logging.INFO if flower_log else logging.WARNING)
     history = History(keep_replies=keep_replies)
     evaluator = Evaluator(fleet.bundle, split(fleet)[1], fleet.batch)
     server = replace(server, min_available=min(server.min_available or fleet.clients, fleet.clients))
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                "init_args": {"num_cpus": workers, "include_dashboard": False, "log_to_driver": flower_log,
-                             "object_store_memory": OBJECT_STORE_BYTES}}  # Flower passes the driver's sys.path on to Ray's workers
-    run_simulation(server_app(server, initial_parameters(fleet.bundle), evaluator, history, say),
-                   client_app(fleet), num_supernodes=fleet.clients, backend_config=backend,
-                   verbose_logging=flower_log)
+                             "object_store_memory": OBJECT_STORE_BYTES}}  # Flower gives Ray's workers our sys.path
+    logger = logging.getLogger("flwr")
+    if not flower_log:  # Flower's round-by-round INFO lines, but not the replies that failed and why
+        logger.addFilter(_failures_only)
+    try:
+        run_simulation(server_app(server, initial_parameters(fleet.bundle), evaluator, history, say),
+                       client_app(fleet), num_supernodes=fleet.clients, backend_config=backend,
+                       verbose_logging=flower_log)
+    finally:
+        logger.removeFilter(_failures_only)
     if len(history.rounds) != server.rounds + 1:
-        raise RuntimeError(f"the simulation stopped after {len(history.rounds) - 1} of {server.rounds} rounds "
-                           "(Flower's log says why: rerun with --flower-log)")
+        raise FblcError(f"the simulation stopped after {len(history.rounds) - 1} of {server.rounds} rounds",
+                        "Flower's log above says why (rerun with --flower-log for all of it)")
     return history
 
 

@@ -1,0 +1,148 @@
+"""Issue 43's targets for a fleet on Flower, one table: scikit-learn's digits, examples/fleet_digits.py's CNN
+compiled for adreno830, clients in Flower's simulation engine in graph mode (the step ONNX in onnxruntime).
+
+    PYTHONPATH=$PWD python benchmarks/fleet.py [--rounds 40] [--local-steps 20] [--folder runs/fleet_bench]
+
+Rows:
+- full fine-tuning, 20 clients, Dirichlet(0.5) split, every client every round: the fleet's held-out accuracy
+  after ROUNDS rounds against the same trainer trained centrally for the same number of steps in total
+  (rounds x 20 x K); target: within 2 points;
+- MemFLoRA and LoRA (rank 2): the CNN first trained centrally on upright digits (the full bundle's step,
+  `--pretrain` steps, exported with `fblc export`'s merge), then a fleet of 20 clients (Dirichlet 0.5) adapts it
+  to the digits turned by 45 degrees; bytes each client uploads per round (Flower's serialized arrays) against
+  the model's weights; target: <= 1 %;
+- 100 clients, 5 rounds, IID, full fine-tuning, one in ten per round: seconds per round (round 1 includes Ray's
+  start, reported apart), on this machine's cores.
+ES rounds that send seeds (issue 43 item 3) are not built on this branch: no row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from fleet_digits import build_digits_cnn, digits  # noqa: E402
+
+from fblc.cli import main as fblc  # noqa: E402
+from fblc.compiler.model_io import save_model_atomically  # noqa: E402
+from fblc.fleet import report  # noqa: E402
+from fblc.fleet.client import FleetSpec, split  # noqa: E402
+from fblc.fleet.data import batches  # noqa: E402
+from fblc.fleet.server import ServerSpec  # noqa: E402
+from fblc.fleet.simulate import central, simulate  # noqa: E402
+from fblc.fleet.trainers import initial_parameters, trainer_for  # noqa: E402
+from fblc.tools.export import exported_model  # noqa: E402
+
+LR = "0.1"
+
+
+def bundle(folder: str, model: str, name: str, *flags: str) -> tuple[str, str]:
+    """Compile `model` for adreno830 and write its step ONNX with the same options: (bundle, step)."""
+    out, step = os.path.join(folder, name), os.path.join(folder, f"{name}.step.onnx")
+    options = ["--optimizer", "sgd", "--lr", LR, *flags, "-q"]
+    if not os.path.isdir(out):
+        assert fblc(["compile", model, "--target", "adreno830", "-o", out, "--force", *options]) == 0
+    if not os.path.isfile(step):
+        assert fblc(["train-graph", model, "-o", step, *options]) == 0
+    return out, step
+
+
+def pretrained(folder: str, full: tuple[str, str], data: str, steps: int) -> str:
+    """The CNN trained centrally on upright digits for `steps` steps, as ONNX (the adapters' frozen base)."""
+    path = os.path.join(folder, "digits_cnn_pretrained.onnx")
+    if os.path.isfile(path):
+        return path
+    spec = FleetSpec(full[0], data, 1, device="graph", step=full[1])
+    trainer = trainer_for(spec.bundle, "graph", spec.step)
+    trainer.set_parameters(initial_parameters(spec.bundle))
+    feed = batches(split(spec)[0], spec.batch, seed=7)
+    for _ in range(steps):
+        trainer.step(next(feed))
+    model, _ = exported_model(spec.bundle, trainer.parameters(), "pretraining")
+    save_model_atomically(model, path)
+    return path
+
+
+def run(spec: FleetSpec, server: ServerSpec, with_central: bool = True) -> dict[str, Any]:
+    started = time.perf_counter()
+    history = simulate(spec, server, say=lambda line: print("  " + line, flush=True))
+    seconds = time.perf_counter() - started
+    reference = central(spec, server, say=lambda line: print("  " + line, flush=True)) if with_central else None
+    rounds = history.rounds
+    return {"rounds": rounds, "central": reference, "seconds": seconds, "model_bytes": report.model_bytes(spec.bundle),
+            "first_round_s": rounds[1]["seconds"],
+            "later_round_s": float(np.mean([r["seconds"] for r in rounds[2:]])) if len(rounds) > 2 else float("nan")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default=os.path.join(ROOT, "runs", "fleet_bench"))
+    parser.add_argument("--rounds", type=int, default=40, help="rounds of the 20-client rows (default 40)")
+    parser.add_argument("--local-steps", type=int, default=20, help="K of the 20-client rows (default 20)")
+    parser.add_argument("--pretrain", type=int, default=600, help="central steps of the adapters' base model")
+    parser.add_argument("--adapter-rounds", type=int, default=10, help="rounds of the adapter rows (default 10)")
+    args = parser.parse_args()
+    os.makedirs(args.folder, exist_ok=True)
+    model = build_digits_cnn(os.path.join(args.folder, "digits_cnn.onnx"), batch=16)
+    upright, turned = os.path.join(args.folder, "digits.npz"), os.path.join(args.folder, "digits_45.npz")
+    np.savez(upright, **digits())
+    np.savez(turned, **digits(45.0))
+    full = bundle(args.folder, model, "full")
+    rows = []
+
+    print("full fine-tuning, 20 clients, dirichlet:0.5", flush=True)
+    spec = FleetSpec(full[0], upright, 20, "dirichlet:0.5", args.local_steps, "graph", full[1])
+    result = run(spec, ServerSpec(rounds=args.rounds, local_steps=args.local_steps))
+    fleet_acc, central_acc = result["rounds"][-1]["accuracy"], result["central"][-1]["accuracy"]
+    rows.append(["full, 20 clients, dirichlet:0.5", f"{args.rounds} x 20 x {args.local_steps}",
+                 f"{fleet_acc:.3f}", f"{central_acc:.3f}",
+                 f"{result['rounds'][-1]['bytes_up_per_client']:,.0f} "
+                 f"({100 * result['rounds'][-1]['bytes_up_per_client'] / result['model_bytes']:.1f} %)",
+                 f"{result['later_round_s']:.2f}", "accuracy within 2 points of central",
+                 "met" if central_acc - fleet_acc <= 0.02 else f"not met ({100 * (central_acc - fleet_acc):.1f})"])
+
+    base = pretrained(args.folder, full, upright, args.pretrain)
+    for adapter in ("memflora", "lora"):
+        print(f"{adapter} rank 2 on the pretrained CNN, 20 clients, dirichlet:0.5, digits turned 45 degrees",
+              flush=True)
+        made = bundle(args.folder, base, adapter, "--adapter", adapter, "--rank", "2")
+        spec = FleetSpec(made[0], turned, 20, "dirichlet:0.5", args.local_steps, "graph", made[1])
+        result = run(spec, ServerSpec(rounds=args.adapter_rounds, local_steps=args.local_steps))
+        sent = result["rounds"][-1]["bytes_up_per_client"]
+        share = 100 * sent / result["model_bytes"]
+        rows.append([f"{adapter} r=2, 20 clients, dirichlet:0.5 (45 deg)",
+                     f"{args.adapter_rounds} x 20 x {args.local_steps}",
+                     f"{result['rounds'][0]['accuracy']:.3f} -> {result['rounds'][-1]['accuracy']:.3f}",
+                     f"{result['central'][-1]['accuracy']:.3f}", f"{sent:,.0f} ({share:.2f} %)",
+                     f"{result['later_round_s']:.2f}", "bytes/client/round <= 1 % of the model",
+                     "met" if share <= 1.0 else "not met"])
+
+    print("full fine-tuning, 100 clients, iid, 10 per round, 5 rounds", flush=True)
+    spec = FleetSpec(full[0], upright, 100, "iid", 5, "graph", full[1])
+    result = run(spec, ServerSpec(rounds=5, fraction=0.1, local_steps=5), with_central=False)
+    rows.append(["full, 100 clients, iid, 10 per round", "5 x 10 x 5", f"{result['rounds'][-1]['accuracy']:.3f}", "",
+                 "", f"{result['later_round_s']:.2f} (round 1: {result['first_round_s']:.1f})",
+                 "time per round (graph mode, this machine)", "reported"])
+
+    head = ["case", "rounds x clients x K", "fleet acc.", "central acc.", "B up/client/round (% model)",
+            "s/round", "target", "result"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    print()
+    for row in [head, *rows]:
+        print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+    print(f"model: examples/fleet_digits.py CNN, {report.model_bytes(full[0]):,} B of fp32 weights; "
+          f"{os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
