@@ -49,7 +49,8 @@ def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runn
                   TrainingOptions(loss="mse", optimizer=OptimizerConfig("sgd", lr=0.5)))
     parts = {"local": batch(rows=6, seed=1), f"adb:{phone.serial}": batch(rows=9, seed=2)}  # 2 and 3 batches
     tag, port, out = uuid.uuid4().hex, free_port(), str(tmp_path / "server")
-    env = {**os.environ, MARKER: tag, "PYTHONPATH": REPO}
+    quiet = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # no network from a test
+    env = {**os.environ, MARKER: tag, "PYTHONPATH": REPO, **quiet}
     joined = []
     for k, (device, feeds) in enumerate(parts.items()):
         np.savez(tmp_path / f"part{k}.npz", **feeds)
@@ -57,12 +58,14 @@ def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runn
             [sys.executable, "-m", "fblc.cli", "fleet", "join", bundle, "--superlink", f"127.0.0.1:{port}", "--device",
              device, "--data", str(tmp_path / f"part{k}.npz"), "--runner", runner_binary],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    os.environ[MARKER] = tag  # the SuperLink and its children carry the tag too
+    saved = dict(os.environ)
+    os.environ.update({MARKER: tag, **quiet})  # the SuperLink and its children carry the tag too
     try:
         code = main(["fleet", "serve", bundle, "--rounds", str(ROUNDS), "--local-steps", str(STEPS), "--port",
                      str(port), "--round-timeout", "120", "--keep-replies", "-o", out])
     finally:
-        del os.environ[MARKER]
+        os.environ.clear()
+        os.environ.update(saved)
         for process in joined:
             process.terminate()
         logs = [process.communicate(timeout=60)[0] for process in joined]
