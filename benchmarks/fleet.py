@@ -13,8 +13,11 @@ Rows:
   the model's weights; target: <= 1 %;
 - 100 clients, 5 rounds of 5 steps, IID, full fine-tuning, every client every round: seconds per round (round 1
   includes Ray's start, reported apart), on this machine's cores.
-`--rows full,adapters,hundred` picks rows (all by default; ~12 minutes on 2 shared cores).
-ES rounds that send seeds (issue 43 item 3) are not built on this branch: no row.
+- ES rounds that send seeds (`--trainer es --adapter fura-s`, 15 pairs, SGD): two clients train K steps from the
+  pretrained CNN on the local OpenCL device (PoCL) and send their Philox seed, first iteration and member rewards;
+  the server's replay of those (fblc.fleet.es_seeds) against the FedAvg of the models the clients trained, and the
+  bytes each sends (Flower's serialized arrays and its five metrics) against sending its model; target: <= 1 KB.
+`--rows full,adapters,hundred,es` picks rows (all by default; ~13 minutes on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -84,6 +87,49 @@ def run(spec: FleetSpec, server: ServerSpec, with_central: bool = True) -> dict[
             "later_round_s": float(np.mean([r["seconds"] for r in rounds[2:]])) if len(rounds) > 2 else float("nan")}
 
 
+def es_seed_row(folder: str, base: str, data: str, steps: int) -> list[str]:
+    """ES rounds that send seeds, 2 clients x `steps` local steps on PoCL: the replay's error and the bytes sent."""
+    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+
+    from fblc.fleet import es_seeds
+    from fblc.fleet.rounds import as_record, payload_bytes
+
+    print("ES (fura-s, 15 pairs) rounds that send seeds, 2 clients on the local OpenCL device", flush=True)
+    made = os.path.join(folder, "es")
+    if not os.path.isdir(made):
+        assert fblc(["compile", base, "--target", "adreno830", "-o", made, "--force", "--trainer", "es", "--adapter",
+                     "fura-s", "--pairs", "15", "--es-optimizer", "sgd", "--lr", LR, "-q"]) == 0
+    spec = es_seeds.es_spec(made)
+    fleet = FleetSpec(made, data, 2, "iid", steps, "local")
+    start = initial_parameters(made)
+    trainer = trainer_for(made, "local")
+    started = time.perf_counter()
+    reports, models, sent, models_sent = [], [], [], []
+    for client in range(2):
+        rows = split(fleet)[0].take(split(fleet)[2][client])
+        feed = batches(rows, fleet.batch, seed=client)
+        trainer.set_parameters(start)
+        iteration = es_seeds.iteration_base(1, client, steps, 2)
+        report_, _ = es_seeds.train_reporting_seeds(trainer.runner, [next(feed) for _ in range(steps)], steps,
+                                                    iteration, spec.seed)
+        reports.append((report_, len(rows)))
+        models.append((trainer.parameters(), len(rows)))
+        metrics = {"num-examples": len(rows), "train-loss": 0.0, "bytes-up": 0, "es-seed": spec.seed,
+                   "es-iteration": iteration}
+        sent.append(payload_bytes(RecordDict({"arrays": ArrayRecord({"es.rewards": Array(report_.rewards)}),
+                                              "metrics": MetricRecord(metrics)})))
+        models_sent.append(payload_bytes(RecordDict({"arrays": as_record(models[-1][0]),
+                                                     "metrics": MetricRecord(dict(list(metrics.items())[:3]))})))
+    seconds = time.perf_counter() - started
+    rebuilt = es_seeds.aggregate(spec, start, reports)
+    total = sum(rows for _, rows in models)
+    error = max(float(np.abs(rebuilt[name] - sum(m[name].astype(np.float64) * rows / total for m, rows in models)
+                             ).max()) for name in start)
+    return [f"ES seeds, fura-s, 15 pairs, 2 clients (replay error {error:.1e})", f"1 x 2 x {steps}", "", "",
+            f"{max(sent):,} (model: {max(models_sent):,})", f"{seconds / 2:.2f} per client",
+            "ES with seeds <= 1 KB", "met" if max(sent) <= 1024 else "not met"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=os.path.join(ROOT, "runs", "fleet_bench"))
@@ -91,7 +137,7 @@ def main() -> int:
     parser.add_argument("--local-steps", type=int, default=20, help="K of the 20-client rows (default 20)")
     parser.add_argument("--pretrain", type=int, default=600, help="central steps of the adapters' base model")
     parser.add_argument("--adapter-rounds", type=int, default=10, help="rounds of the adapter rows (default 10)")
-    parser.add_argument("--rows", default="full,adapters,hundred", help="which rows (default all three kinds)")
+    parser.add_argument("--rows", default="full,adapters,hundred,es", help="which rows (default all four kinds)")
     args = parser.parse_args()
     os.makedirs(args.folder, exist_ok=True)
     model = build_digits_cnn(os.path.join(args.folder, "digits_cnn.onnx"), batch=16)
@@ -107,6 +153,8 @@ def main() -> int:
         adapter_rows(args, full, upright, turned, rows)
     if "hundred" in kinds:
         hundred_row(full, upright, rows)
+    if "es" in kinds:
+        rows.append(es_seed_row(args.folder, pretrained(args.folder, full, upright, args.pretrain), turned, steps=5))
     head = ["case", "rounds x clients x K", "fleet acc.", "central acc.", "B up/client/round (% model)",
             "s/round", "target", "result"]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

@@ -159,6 +159,12 @@ def test_fura_s_es_bundle_trains_as_with_the_python_runtime_and_reports_its_rewa
     done = run(runner_binary, str(tmp_path / "es"), data, str(tmp_path / "out"), 2, opencl_env)
     lines = [json.loads(line) for line in done.stdout.splitlines() if '"step"' in line]
     assert [sorted(line) for line in lines] == [["loss", "ms", "reward_mean", "step"]] * 2
+    # each step's member rewards come back in outputs.bin (what a fleet client sends instead of its delta)
+    local = LocalRunner(str(tmp_path / "es"), storage="image", progress=False)
+    for step, outputs in enumerate(read_results(str(tmp_path / "out"), plan).outputs):
+        local.step(feeds[0])
+        np.testing.assert_allclose(outputs["rewards"], local.read_before_swap("rewards"), rtol=1e-6, err_msg=step)
+    assert step == 1
     # the members are one forward the plan's loop repeats: a loop past the last launch is refused by both runtimes
     plan["loops"][0]["end"] = len(plan["kernels"]) + 1
     with open(tmp_path / "es" / fmt.PLAN, "w") as handle:
@@ -309,6 +315,37 @@ def test_data_for_another_bundle_and_a_missing_library_are_refused(tmp_path, bun
     done = run(runner_binary, bundle, _data(tmp_path, bundle, [batch()]), out, 1,
                {**opencl_env, "FBLC_OPENCL_LIBRARY": "/nonexistent/libOpenCL.so"}, check=False)
     assert done.returncode == 3 and "cannot open FBLC_OPENCL_LIBRARY=/nonexistent/libOpenCL.so" in done.stderr
+    assert os.listdir(out) == []
+
+
+def test_a_params_file_starts_the_run_from_its_values(tmp_path, bundle, runner_binary, opencl_env) -> None:
+    """--params: a params.bin of the bundle's layout with other values (a fleet round's global model,
+    fblc.fleet.bundle_params) is where training starts; the bundle and its checksums stay as they are."""
+    from fblc.fleet.bundle_params import params_bin
+    from fblc.fleet.trainers import initial_parameters
+
+    start = {name: value + 0.5 for name, value in initial_parameters(bundle).items()}
+    params, data = str(tmp_path / "params.in"), _data(tmp_path, bundle, [batch(seed=3)])
+    with open(params, "wb") as handle:
+        handle.write(params_bin(bundle, start))
+    local = LocalRunner(bundle, storage="image")
+    for entry in local.manifest["parameters"]:
+        local.upload(entry["texture"], start[entry["name"]])
+    expected = [local.step(batch(seed=3)) for _ in range(2)]
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    run(runner_binary, bundle, data, out, 2, opencl_env, "--params", params, "--no-cache")
+    native = read_results(out)
+    np.testing.assert_allclose(native.losses, expected, rtol=1e-5)
+    for name, value in local.parameters().items():
+        np.testing.assert_allclose(native.parameters[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    with open(params, "ab") as handle:
+        handle.write(b"\0" * 4)
+    shutil.rmtree(out)
+    os.makedirs(out)
+    done = run(runner_binary, bundle, data, out, 1, opencl_env, "--params", params, check=False)
+    size = os.path.getsize(os.path.join(bundle, fmt.PARAMS))
+    assert done.returncode == 2 and f"holds {size + 4} bytes, the bundle's params.bin {size}" in done.stderr
     assert os.listdir(out) == []
 
 

@@ -7,6 +7,8 @@ import dataclasses
 import importlib.util
 import os
 
+from fblc.cli.fleet_deploy import add_commands as add_deploy_commands
+
 DESCRIPTION = (
     "Train BUNDLE across a fleet of simulated clients with Flower's simulation engine (Ray) on this machine: the "
     "rows of --data (one array per model input and 'labels') lose a --holdout part to the server's evaluation and "
@@ -104,3 +106,4 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     simulate.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     simulate.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     simulate.set_defaults(run=cmd_simulate)
+    add_deploy_commands(verbs)  # serve, join: a deployment on Flower's SuperLink and SuperNodes

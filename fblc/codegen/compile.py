@@ -130,6 +130,9 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     report["trained"] = {"chosen_by": trained_set_source(step.graph),
                          "tensors": [{"name": v.name, **manifest_fields(v), "shape": list(v.shape)}
                                      for v in trained_tensors(step.graph)]}
+    # how the step trains, for a reader that replays its updates (fleet ES rounds that send seeds: fblc.fleet.es_seeds)
+    report["training"] = {"trainer": options.trainer, "optimizer": dataclasses.asdict(options.optimizer),
+                          **({"es": dataclasses.asdict(options.es)} if options.trainer == "es" else {})}
     report["weights"] = weights_report(step, program, report["memory"], options.weights.weights,
                                        options.weights.group)
     adapter = adapter_report(step)

@@ -7,6 +7,11 @@
 - evaluate.py: the server's held-out evaluation of the exported global model;
 - server.py: the ServerApp over Flower's FedAvg / FedProx / FedAdam;
 - simulate.py: Flower's simulation engine on this machine, and the central run of the same number of steps;
-- report.py: the table and the plot of `fblc fleet simulate`.
+- report.py: the table and the plot of `fblc fleet simulate`;
+- deploy.py, deploy_apps.py, rounds.py: a real deployment on Flower's SuperLink and SuperNodes (`fblc fleet serve`,
+  `fblc fleet join`), its ClientApp (each client's own data file and device: local or adb:SERIAL) and ServerApp
+  (FedAvg that logs every client a round leaves out, and why);
+- bundle_params.py: a round's global model written as the bundle's params.bin (the adb runner's `--params`);
+- es_seeds.py: ES rounds whose clients send seeds and rewards, which the server replays.
 Layering: fleet sits beside cli (which calls it), above runtime, codegen and compiler.
 """

@@ -136,9 +136,15 @@ class GraphTrainer:
         return self.reference.parameters()
 
 
-#: device kind -> the trainer that runs it (i43-deploy adds `adb`)
+def _adb_trainer(bundle: str, device: str, step_path: str | None = None) -> Trainer:
+    from fblc.fleet.adb_trainer import AdbTrainer  # imports this module
+
+    return AdbTrainer(bundle, device, step_path)
+
+
+#: device kind -> the trainer that runs it
 DEVICES: dict[str, Callable[[str, str, str | None], Trainer]] = {
-    "local": LocalTrainer, "opencl": LocalTrainer, "graph": GraphTrainer}
+    "local": LocalTrainer, "opencl": LocalTrainer, "graph": GraphTrainer, "adb": _adb_trainer}
 
 _cache: dict[tuple[str, str, str | None], Trainer] = {}
 

@@ -291,10 +291,13 @@ def cmd_push(args: Any) -> int:
 # --- run --------------------------------------------------------------------------------------------------
 def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], steps: int, runner: str | None = None,
                   on_line: Callable[[dict[str, Any]], None] = lambda line: None, say: Say = lambda line: None,
-                  kernel_times: bool = False, specialist: Mapping[str, np.ndarray] | None = None) -> RunnerResults:
+                  kernel_times: bool = False, specialist: Mapping[str, np.ndarray] | None = None,
+                  initial: bytes | None = None) -> RunnerResults:
     """Push if needed, train `steps` steps on the device, pull and return the results (each kernel's device
     time only with `kernel_times`). A forward bundle's steps are its inferences: results.outputs, one per step;
-    `specialist` (adapter tensors by name, runtime/specialist.py) goes with the data, the bundle's push unchanged."""
+    `specialist` (adapter tensors by name, runtime/specialist.py) goes with the data, the bundle's push unchanged.
+    `initial`: the parameters and states to start from, as a params.bin of the bundle's layout (a fleet round's
+    global model, fblc.fleet.bundle_params), pushed with the data; the bundle on the device stays as it is."""
     manifest, plan = fmt.load_verified(bundle)
     remote = remote_dir(bundle)
     runner_path = choose_runner(adb, serial, runner)
@@ -315,11 +318,18 @@ def run_on_device(adb: Adb, serial: str, bundle: str, batches: Sequence[dict], s
                 adb.push(serial, [os.path.join(local, "specialist.bin")], f"{run_dir}/specialist.bin",
                          what="the specialist")
                 timed += f" --specialist runs/{run_id}/specialist.bin"
+            if initial is not None:
+                with open(os.path.join(local, "params.in"), "wb") as handle:
+                    handle.write(initial)
+                adb.push(serial, [handle.name], f"{run_dir}/params.in", what="the parameters")
+                timed += f" --params runs/{run_id}/params.in"
             stream_runner(adb, serial, remote,
                           f". --data runs/{run_id}/data.bin --steps {steps} --out runs/{run_id}{timed}", on_line)
             pulled = os.path.join(local, "results")
             os.makedirs(pulled)
-            files = [RESULTS, PARAMS_OUT] + ([OUTPUTS_OUT] if fmt.is_forward(manifest) else [])
+            # a forward bundle's outputs, or an ES step's member rewards (the runner reads both back per step)
+            read_back = fmt.is_forward(manifest) or any(o["name"] == "rewards" for o in manifest["outputs"])
+            files = [RESULTS, PARAMS_OUT] + ([OUTPUTS_OUT] if read_back else [])
             adb.pull(serial, [f"{run_dir}/{name}" for name in files], pulled)
             return read_results(pulled, plan)
         finally:

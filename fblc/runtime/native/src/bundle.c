@@ -410,6 +410,17 @@ void bundle_load(const char *folder, bundle *out) {
     if (!out->forward) {
         out->loss_texture = need_size(manifest, "loss", "manifest.json");
         if (out->loss_texture >= out->texture_count) bad("the loss names a texture the plan does not have");
+        /* an ES step's member rewards, read back after each step like a forward bundle's outputs: a fleet client
+           sends them instead of its model (fblc.fleet.es_seeds) */
+        const json_value *outputs = need(manifest, "outputs", JSON_ARRAY, "manifest.json");
+        out->outputs = xcalloc(2, sizeof *out->outputs);
+        for (size_t i = 0; i < outputs->count; ++i) {
+            const json_value *name = json_get(json_at(outputs, i), "name");
+            if (name && name->type == JSON_STRING && strcmp(name->string, "rewards") == 0) {
+                read_tensor(json_at(outputs, i), &out->outputs[0], out->texture_count, "a manifest output");
+                out->output_count = 1;
+            }
+        }
     } else { /* read back after each step: floats as float32, integers as int32 (runner_read_output) */
         const json_value *outputs = need(manifest, "outputs", JSON_ARRAY, "manifest.json");
         out->output_count = outputs->count;

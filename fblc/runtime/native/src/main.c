@@ -17,7 +17,7 @@
  * step times, the host time of each step's uploads and launches, with --kernel-times per-kernel device times
  * from profiling events (a profiling queue costs time on some drivers: off unless asked), bytes allocated, the parameters' names, shapes and offsets); both appear atomically,
  * results.json last, and only when every step ran. A forward bundle's run also writes outputs.bin (before them):
- * each step's model outputs, step after step, each output its texture's elements (float32, int32 for an integer
+ * each step's model outputs (an ES bundle's: its output "rewards", each step's member rewards), step after step, each output its texture's elements (float32, int32 for an integer
  * texture) in manifest order; results.json's "outputs" says where each sits in a step (fblc decodes them with
  * plan.json's value_maps and value_shapes, as LocalRunner.read does).
  * Errors: one line "fblc-runner: error: ..." on stderr and exit codes from util.h.
@@ -43,7 +43,7 @@
 #include "runner.h"
 #include "util.h"
 
-#define RUNNER_VERSION "4" /* 3: forward bundles (outputs.bin); 4: --specialist */
+#define RUNNER_VERSION "5" /* 3: forward bundles (outputs.bin); 4: --specialist; 5: --params, an ES step's rewards in outputs.bin */
 #define DATA_MAGIC "FBLCDAT1"
 
 static volatile sig_atomic_t interrupted = 0;
@@ -55,7 +55,7 @@ static void on_signal(int signal_number) {
 
 static void usage(void) {
     fputs("usage: fblc-runner BUNDLE --data DATA.bin --steps N --out DIR [--device P:D] [--no-cache] [--kernel-times]\n"
-          "                   [--quiet] [--specialist SPECIALIST.bin]\n"
+          "                   [--quiet] [--specialist SPECIALIST.bin] [--params PARAMS.bin]\n"
           "       fblc-runner --profile PLAN.json --out RESULTS.json [--device P:D] [--quiet]\n"
           "       fblc-runner --devices | --version\n", stderr);
     exit(EXIT_USAGE);
@@ -161,7 +161,7 @@ static void outputs_prepare(output_record *o, const bundle *b, size_t steps) {
 static void write_outputs(const char *folder, runner *r, const bundle *b, const timings *t, const output_record *o) {
     size_t steps = t->steps;
     char *outputs_path = path_join(folder, "outputs.bin");
-    if (b->forward) { /* first: results.json, written last, says that the run is complete */
+    if (b->output_count) { /* first: results.json, written last, says that the run is complete */
         int failed = write_atomically(outputs_path, o->bytes, steps * o->step_bytes);
         if (failed) die(EXIT_OUTPUT, "cannot write %s (%s)", outputs_path, strerror(failed));
     }
@@ -238,7 +238,7 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
         at += b->parameters[i].elements;
     }
     fputc(']', out);
-    if (b->forward) {
+    if (b->output_count) {
         fprintf(out, ",\n \"outputs_file\": \"outputs.bin\", \"step_bytes\": %zu,\n \"outputs\": [", o->step_bytes);
         for (size_t i = 0; i < b->output_count; ++i) {
             const texture *tex = &b->textures[b->outputs[i].texture];
@@ -256,7 +256,7 @@ static void write_outputs(const char *folder, runner *r, const bundle *b, const 
     error = write_atomically(results_path, text, text_length);
     if (error) {
         unlink(params_path);
-        if (b->forward) unlink(outputs_path);
+        if (b->output_count) unlink(outputs_path);
         die(EXIT_OUTPUT, "cannot write %s (%s)", results_path, strerror(error));
     }
     free(text);
@@ -275,6 +275,7 @@ static void interrupted_exit(void) {
 int main(int argc, char **argv) {
     const char *bundle_dir = NULL, *data_path = NULL, *out_dir = NULL, *device_spec = NULL, *plan_path = NULL;
     const char *specialist_path = NULL;
+    const char *params_path = NULL; /* initial values in params.bin's form (a fleet round's global model) */
     long steps = -1;
     int use_cache = 1, quiet = 0, list = 0, kernel_times = 0;
     for (int i = 1; i < argc; ++i) {
@@ -290,6 +291,7 @@ int main(int argc, char **argv) {
         else if (i + 1 < argc && strcmp(arg, "--profile") == 0) plan_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--specialist") == 0) specialist_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--out") == 0) out_dir = argv[++i];
+        else if (i + 1 < argc && strcmp(arg, "--params") == 0) params_path = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--device") == 0) device_spec = argv[++i];
         else if (i + 1 < argc && strcmp(arg, "--steps") == 0) {
             char *end;
@@ -306,7 +308,8 @@ int main(int argc, char **argv) {
         device_list();
         return 0;
     }
-    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache || kernel_times || specialist_path)
+    if (plan_path ? (bundle_dir || data_path || !out_dir || steps != -1 || !use_cache || kernel_times || specialist_path
+                     || params_path)
                   : (!bundle_dir || !data_path || !out_dir || steps < 1))
         usage();
 
@@ -328,6 +331,15 @@ int main(int argc, char **argv) {
 
     bundle b;
     bundle_load(bundle_dir, &b);
+    if (params_path) { /* same offsets as the bundle's params.bin, other values: the bundle's checksums stay */
+        size_t length;
+        unsigned char *values = (unsigned char *)read_file(params_path, &length);
+        if (!values) die(EXIT_USAGE, "cannot read params file '%s' (%s)", params_path, strerror(errno));
+        if (length != b.params_length)
+            die(EXIT_USAGE, "params file '%s' holds %zu bytes, the bundle's params.bin %zu: write it for this bundle",
+                params_path, length, b.params_length);
+        b.params = values;
+    }
     data_file data;
     data_load(data_path, &b, &data);
     opencl_load();
@@ -356,7 +368,7 @@ int main(int argc, char **argv) {
     record.launch_now = xcalloc(b.launch_count, sizeof *record.launch_now);
     const void **inputs = xcalloc(b.input_count, sizeof *inputs);
     output_record produced;
-    outputs_prepare(&produced, &b, b.forward ? (size_t)steps : 0);
+    outputs_prepare(&produced, &b, b.output_count ? (size_t)steps : 0);
     for (long s = 0; s < steps; ++s) {
         const unsigned char *batch = data.bytes + (size_t)(s % (long)data.batches) * data.batch_bytes;
         for (size_t i = 0; i < b.input_count; ++i) inputs[i] = batch + data.offsets[i];
