@@ -54,7 +54,7 @@ def report(outcomes: list[Outcome], storages: list[str], command: str, seconds: 
              "on 2 shared cores); do not edit by hand. Each case of onnx's backend node suite "
              "(`onnx.backend.test.case.node`) runs as a forward bundle (`--trainer none`) on PoCL in each storage, "
              "judged against onnx's expected outputs with the case's tolerances (rtol 1e-3, atol 1e-7 unless the "
-             "case sets its own, as onnx's backend runner does); `ort` counts the cases onnxruntime passes by the "
+             "case sets its own; bfloat16 outputs at rtol 2^-6 at least; as onnx's backend runner does); `ort` counts the cases onnxruntime passes by the "
              "same test. Outputs are compared by value (integer outputs come back as int64). A case *fails* if it "
              "fails in any storage (the reason names the storages), is *unsupported* when fblc refuses it at "
              "compile (the refusal's message). Cases are batched: up to 12 of one opset side by side in one "
