@@ -50,8 +50,9 @@ def _config(op: str, attrs: dict, r: float) -> OptimizerConfig | str:
     if op == "Adam":
         if float(attrs.get("norm_coefficient_post", 0.0)):
             return "Adam norm_coefficient_post: a decay after the update, fblc's AdamW decays before it"
-        return OptimizerConfig("adam", lr=r, beta1=float(attrs.get("alpha", 0.9)), beta2=float(attrs.get("beta", 0.999)),
-                               eps=float(attrs.get("epsilon", 0.0)), weight_decay=decay)
+        return OptimizerConfig("adam", lr=r, beta1=float(attrs.get("alpha", 0.9)),
+                               beta2=float(attrs.get("beta", 0.999)), eps=float(attrs.get("epsilon", 0.0)),
+                               weight_decay=decay)
     return f"{op}: no such optimizer in fblc (fblc/compiler/optimizers.py: {', '.join(OPTIMIZERS)})"
 
 
