@@ -52,7 +52,8 @@ PICK_READS = 4
 
 
 def launches(n: int, k: int) -> list[tuple[int, int]]:
-    """(outputs per line, run) of each MergeRuns launch of a line of n keeping its first k (_sort's loop)."""
+    """(outputs per line, run) of each MergeRuns launch of a line of n keeping its first k (padded to a power of
+    two; once runs are longer than k, each keeps its first k and the line halves)."""
     length, run, out = 1 << max(n - 1, 0).bit_length(), 1, []
     while run < length:
         out.append((length, run))
@@ -114,13 +115,10 @@ def _sort(graph: ir.Graph, node: ir.Node, axis: int, k: int) -> None:
     if length > n:  # +inf sorts last; stable, so an element of value +inf (a lower index) stays ahead of them
         values = e.op("Concat", values, e.op("Expand", e.const(np.full((1, 1), np.inf, x.dtype.numpy())),
                                               e.ints([groups, length - n])), axis=1)
-    run = 1
-    while run < length:  # each doubling merges neighbouring sorted runs of `run` elements
+    for length, run in launches(n, k):  # each doubling merges neighbouring sorted runs of `run` elements
         values, positions = e.op_multi("MergeRuns", values, positions, num_outputs=2, run=run, depth=length)
-        run *= 2
-        if k < run < length:  # only a run's first k can reach the first k: keep them, halve the line
-            values, positions = (_heads(e, v, groups, length // run, run, k) for v in (values, positions))
-            length, run = length // run * k, k
+        if k < 2 * run < length:  # only a run's first k can reach the first k: keep them, halve the line
+            values, positions = (_heads(e, v, groups, length // (2 * run), 2 * run, k) for v in (values, positions))
     back = [order.index(a) for a in range(rank)]
     results = []
     for sorted_line, negate in ((values, largest), (positions, False)):
