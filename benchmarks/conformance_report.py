@@ -130,16 +130,17 @@ def write(text: str, path: str | None) -> int:
 
 
 def save_outcomes(path: str, outcomes: list[Outcome], storages: list[str], seconds: float, skipped: int,
-                  command: str = "") -> None:
+                  command: str = "", commit: str = "") -> None:
+    """The run as JSON; `commit`: the tree's commit when the run began (commit_of_tree)."""
     rows = [{"name": o.case.name, "op": o.case.op, "ort": o.ort,
              "results": {s: [r.status, r.detail, r.seconds] for s, r in o.results.items()}} for o in outcomes]
     with open(path, "w") as handle:
-        json.dump({"command": command, "commit": _commit(), "storages": storages, "seconds": seconds,
+        json.dump({"command": command, "commit": commit, "storages": storages, "seconds": seconds,
                    "skipped": skipped, "outcomes": rows}, handle, indent=0)
 
 
-def _commit() -> str:
-    """The short commit of the tree that runs (a report names what each run tested), or "" outside a checkout."""
+def commit_of_tree() -> str:
+    """The short commit of this tree (a report names what each run tested), or "" outside a checkout."""
     done = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else ""

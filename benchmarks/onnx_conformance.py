@@ -39,8 +39,8 @@ from onnx import helper
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.conformance_report import (Case, Outcome, Result, load_outcomes, report,  # noqa: E402
-                                           save_outcomes, write)
+from benchmarks.conformance_report import (Case, Outcome, Result, commit_of_tree, load_outcomes,  # noqa: E402
+                                           report, save_outcomes, write)
 
 SEPARATOR = "__"
 STORAGES = ("image", "buffer")
@@ -340,14 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.ops_from_kernels:
         ops = (ops or set()) | kernel_ops()
     storages = list(STORAGES) if args.storage == "both" else [args.storage]
-    started = time.perf_counter()
+    started, commit = time.perf_counter(), commit_of_tree()  # the tree the run tests: a later commit may land meanwhile
     cases = load_cases(ops, leave_out=kernel_ops() if args.except_ops_from_kernels else set())
     skipped = len(SKIPPED)
     print(f"{len(cases)} cases of {len({c.op for c in cases})} ops", file=sys.stderr, flush=True)
     outcomes = run_all(cases, storages, args.group, args.jobs, args.case_timeout)
     seconds = time.perf_counter() - started
     if args.save:
-        save_outcomes(args.save, outcomes, storages, seconds, skipped, command.strip())
+        save_outcomes(args.save, outcomes, storages, seconds, skipped, command.strip(), commit)
     return write(report(outcomes, storages, command.strip(), seconds, skipped), args.out)
 
 

@@ -44,7 +44,7 @@ def test_a_rerun_of_some_cases_replaces_their_outcomes(tmp_path) -> None:
     def run(path: str, results: dict[str, str], skipped: int) -> str:
         outcomes = [Outcome(Case(name, "Celu", onnx.ModelProto(), {}, {}, 0.0, 0.0), {"buffer": Result(status)}, True)
                     for name, status in results.items()]
-        save_outcomes(str(tmp_path / path), outcomes, ["buffer"], 1.0, skipped, f"run {path}")
+        save_outcomes(str(tmp_path / path), outcomes, ["buffer"], 1.0, skipped, f"run {path}", "abc1234")
         return str(tmp_path / path)
 
     first = run("all.json", {"test_celu": "passed", "test_celu_bfloat16": "failed"}, 3)
@@ -52,5 +52,5 @@ def test_a_rerun_of_some_cases_replaces_their_outcomes(tmp_path) -> None:
     outcomes, storages, seconds, skipped, runs = load_outcomes([first, again])
     assert {o.case.name: case_status(o) for o in outcomes} == {"test_celu": "passed", "test_celu_bfloat16": "passed"}
     assert (skipped, seconds) == (3, 2.0)
-    assert "a rerun: its cases replace those above" in runs[1] and "rerun" not in runs[0]
+    assert "at commit abc1234, a rerun: its cases replace those above" in runs[1] and "rerun" not in runs[0]
     assert "**Totals**: 2 passed, 0 failed" in report(outcomes, storages, "report", seconds, skipped, runs)
