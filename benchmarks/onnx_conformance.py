@@ -8,7 +8,8 @@ inputs and expected outputs, as onnx's backend runner takes them) is compiled wi
 LocalRunner.infer on PoCL in each storage; onnxruntime runs the same model beside it. A case is
 - *unsupported* when fblc refuses it (an FblcError at compile: the op, an attribute, a dtype), with the message;
 - *failed* when it runs and an output differs from onnx's expected one beyond the case's own tolerances (onnx's
-  backend runner's: rtol 1e-3, atol 1e-7 unless the case sets its own), with the worst difference, or when the
+  backend runner's: rtol 1e-3, atol 1e-7 unless the case sets its own; a bfloat16 output at rtol 2^-6 at least,
+  two of its ulps, as that runner), with the worst difference, or when the
   device run raises (the error's first line) or passes the case's time limit;
 - *passed* otherwise. The `ort` column counts the cases onnxruntime gets right by the same test.
 
@@ -38,11 +39,12 @@ from onnx import helper
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.conformance_report import (Case, Outcome, Result, load_outcomes, report,  # noqa: E402
-                                           save_outcomes, write)
+from benchmarks.conformance_report import (Case, Outcome, Result, commit_of_tree, load_outcomes,  # noqa: E402
+                                           report, save_outcomes, write)
 
 SEPARATOR = "__"
 STORAGES = ("image", "buffer")
+BFLOAT16_RTOL = 2 ** -6  # onnx's backend runner's least rtol for a bfloat16 output (two bfloat16 ulps)
 SKIPPED: list[str] = []  # cases load_cases left out
 
 
@@ -135,10 +137,12 @@ def compare(case: Case, got: dict[str, np.ndarray]) -> Result:
             return Result("failed", f"output {name} missing")
         if have.shape != want.shape:
             return Result("failed", f"output {name} shape {list(have.shape)}, expected {list(want.shape)}")
-        if want.dtype.kind in "fc":
-            w, h = want.astype(np.float64), have.astype(np.float64)
+        brain = want.dtype.name == "bfloat16"  # ml_dtypes' (kind V): onnx's runner allows two of its ulps
+        if want.dtype.kind in "fc" or brain:
+            w, h = want.astype(np.float32 if brain else want.dtype).astype(np.float64), have.astype(np.float64)
+            rtol = max(case.rtol, BFLOAT16_RTOL) if brain else case.rtol
             nan = np.isnan(w) != np.isnan(h)
-            bad = nan | (np.abs(h - w) > case.atol + case.rtol * np.abs(w))
+            bad = nan | (np.abs(h - w) > case.atol + rtol * np.abs(w))
             bad &= ~(np.isinf(w) & (w == h))
             if bad.any():
                 if nan.any():
@@ -336,14 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.ops_from_kernels:
         ops = (ops or set()) | kernel_ops()
     storages = list(STORAGES) if args.storage == "both" else [args.storage]
-    started = time.perf_counter()
+    started, commit = time.perf_counter(), commit_of_tree()  # the tree the run tests: a later commit may land meanwhile
     cases = load_cases(ops, leave_out=kernel_ops() if args.except_ops_from_kernels else set())
     skipped = len(SKIPPED)
     print(f"{len(cases)} cases of {len({c.op for c in cases})} ops", file=sys.stderr, flush=True)
     outcomes = run_all(cases, storages, args.group, args.jobs, args.case_timeout)
     seconds = time.perf_counter() - started
     if args.save:
-        save_outcomes(args.save, outcomes, storages, seconds, skipped, command.strip())
+        save_outcomes(args.save, outcomes, storages, seconds, skipped, command.strip(), commit)
     return write(report(outcomes, storages, command.strip(), seconds, skipped), args.out)
 
 

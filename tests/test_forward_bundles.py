@@ -137,3 +137,12 @@ def test_a_step_of_views_alone_runs_and_unrunnable_values_are_named(tmp_path, ca
     assert main(["compile", empty, "-o", str(tmp_path / "e"), "--trainer", "none"]) != 0
     assert "'b' (made by node" in (err := capsys.readouterr().err) and "has shape [2, 0]: no element" in err
     assert "internal error" not in err
+    # an integer one (onnx's test_constantofshape_int_shape_zero): refused where its kernel would write it
+    fill = helper.make_node("ConstantOfShape", ["x"], ["y"], name="fill",
+                            value=numpy_helper.from_array(np.array([0], np.int32)))
+    graph = helper.make_graph([fill], "g", [helper.make_tensor_value_info("x", 7, [1])],
+                              [helper.make_tensor_value_info("y", 6, [0])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), empty)
+    assert main(["compile", empty, "-o", str(tmp_path / "i"), "--trainer", "none"]) != 0
+    assert "'y' (made by node 'fill', ConstantOfShape) has shape [0]: no element" in (err := capsys.readouterr().err)
+    assert "internal error" not in err

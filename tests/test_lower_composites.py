@@ -104,6 +104,9 @@ FORMS: dict[str, tuple] = {
                          ["Reshape", "Transpose", "Reshape"]),
     "SpaceToDepth": ([node("SpaceToDepth", ["x"], blocksize=3)], {"x": rand(2, 2, 6, 3)}, {}, 18,
                      ["Reshape", "Transpose", "Reshape"]),
+    # opset 28's mode (onnx's test_spacetodepth_crd_mode_example): channel (c, bh, bw), as nn.PixelUnshuffle's
+    "SpaceToDepth-CRD": ([node("SpaceToDepth", ["x"], blocksize=2, mode="CRD")], {"x": rand(1, 3, 4, 6)}, {}, 28,
+                         ["Reshape", "Transpose", "Reshape"]),
     "Tile-constant-repeats": ([node("Tile", ["x", "repeats"])], {"x": rand(2, 3, 4)}, {"repeats": i64([2, 1, 3])}, 18,
                               ["Reshape", "Expand", "Reshape"]),
     "GlobalMaxPool": ([node("GlobalMaxPool", ["x"])], {"x": rand(2, 3, 4, 5)}, {}, 18, ["MaxPool"]),

@@ -5,6 +5,7 @@ pass against onnx's expected outputs; an op fblc lacks (Det) is reported unsuppo
 from __future__ import annotations
 
 import numpy as np
+import onnx
 
 from benchmarks import onnx_conformance as conformance
 from benchmarks.conformance_report import case_status
@@ -33,3 +34,23 @@ def test_node_tests_of_a_handful_of_ops_pass(tmp_path) -> None:
     result = conformance.compare(case, off)
     assert result.status == "failed" and "1 of 60 off" in result.detail, result
     assert conformance.compare(case, case.expected).status == "passed"
+
+
+def test_a_rerun_of_some_cases_replaces_their_outcomes(tmp_path) -> None:
+    """docs/CONFORMANCE.md joins saved runs: a later run of cases an earlier one holds (ops rerun after a change)
+    replaces their outcomes, adds no skips, and the report's header names it a rerun at its commit."""
+    from benchmarks.conformance_report import Case, Outcome, Result, load_outcomes, report, save_outcomes
+
+    def run(path: str, results: dict[str, str], skipped: int) -> str:
+        outcomes = [Outcome(Case(name, "Celu", onnx.ModelProto(), {}, {}, 0.0, 0.0), {"buffer": Result(status)}, True)
+                    for name, status in results.items()]
+        save_outcomes(str(tmp_path / path), outcomes, ["buffer"], 1.0, skipped, f"run {path}", "abc1234")
+        return str(tmp_path / path)
+
+    first = run("all.json", {"test_celu": "passed", "test_celu_bfloat16": "failed"}, 3)
+    again = run("again.json", {"test_celu_bfloat16": "passed"}, 1)
+    outcomes, storages, seconds, skipped, runs = load_outcomes([first, again])
+    assert {o.case.name: case_status(o) for o in outcomes} == {"test_celu": "passed", "test_celu_bfloat16": "passed"}
+    assert (skipped, seconds) == (3, 2.0)
+    assert "at commit abc1234, a rerun: its cases replace those above" in runs[1] and "rerun" not in runs[0]
+    assert "**Totals**: 2 passed, 0 failed" in report(outcomes, storages, "report", seconds, skipped, runs)

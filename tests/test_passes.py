@@ -137,6 +137,23 @@ def test_eliminate_noops_golden_and_leave_alone() -> None:
     assert not EliminateNoops()(model).modified
 
 
+def test_inference_dropout_mask_is_all_true() -> None:
+    """onnx's test_dropout_default_mask: the mask of an inference Dropout was a view of x; it is all true, by
+    onnxruntime on the rewritten graph (x with a NaN and an inf), and its reader reads it."""
+    nodes = [helper.make_node("Dropout", ["x"], ["y", "z"], name="drop"),
+             helper.make_node("Not", ["z"], ["dropped"], name="flip")]
+    proto = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+                        helper.make_tensor_value_info("z", TensorProto.BOOL, [2, 3]),
+                        helper.make_tensor_value_info("dropped", TensorProto.BOOL, [2, 3])], {})
+    model = imported(proto)
+    assert ops(model) == ["IsNaN", "Not", "Or", "Dropout", "Not"]  # y, a graph output, keeps its Dropout (a view)
+    x = np.array([[1.0, np.nan, -2.0], [np.inf, 0.0, 3.0]], np.float32)
+    y, z, dropped = run_onnx(checked(model), {"x": x})
+    np.testing.assert_array_equal(y, x)
+    assert z.dtype == np.bool_ and z.all() and not dropped.any()
+
+
 def test_infer_shapes_fills_every_value() -> None:
     model = imported(shape_chain_proto(), x=(5, 3, 4))
     assert [list(n.outputs[0].shape) for n in model.graph] == [[5, 12], [5, 12]]

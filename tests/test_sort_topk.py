@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fblc.compiler import keys
 from fblc.passes.pipeline import TrainingOptions, import_passes, run_passes
-from fblc.passes.sort_topk import SortTopK, sort_pays
+from fblc.passes.sort_topk import PICK_READS, SortTopK, launches, sort_pays, sort_reads
 
 
 def _model(shape: list[int], k: int, axis: int, largest: int) -> onnx.ModelProto:
@@ -57,7 +57,18 @@ def test_golden_sort(axis: int, largest: int) -> None:
 
 def test_sort_pays_only_past_the_line_and_for_a_large_k() -> None:
     assert not sort_pays(64, 64)  # a line the kernel always ranks
-    assert not sort_pays(1000, 10)  # k (k + 1) = 110 = L (L + 1): the selection reads no more
-    assert sort_pays(1000, 11) and sort_pays(65, 8) and not sort_pays(65, 7)
+    # 1000 keeping 6: the selection's 21,000 reads against the sort's 26,040 (a line of 1,024, runs of 1..4, then
+    # 768, 384, ..); keeping 7: 28,000 against 27,648
+    assert not sort_pays(1000, 6) and sort_pays(1000, 7)
+    assert not sort_pays(65, 8) and sort_pays(80, 20)  # 65 pads to 128; 80 keeping 20: 16,800 against 4,148
     graph, modified = _sort(_model([3, 1000], 5, 1, 1))
     assert not modified and "TopK" in [n.op_type for n in graph.graph]
+
+
+def test_sort_reads_are_linear_per_doubling() -> None:
+    """A work-item's later outputs resume its merge: a full sort of 2^16 reads at most PICK_READS + 2 an output
+    per launch (one search step or less an output), where a search per output reads 2 log2(2 run) more."""
+    n = 1 << 16
+    assert launches(n, n) == [(n, 1 << r) for r in range(16)]
+    assert sort_reads(n, n) <= 16 * n * (PICK_READS + 2)
+    assert sort_reads(n, n, resumed=False) == sum(n * PICK_READS + n * 2 * (r + 2) for r in range(16))

@@ -28,6 +28,7 @@ from fblc.codegen.schedule import Schedule
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler import keys
 from fblc.compiler.loss_scale import SKIPPED
+from fblc.compiler.shapes import no_element
 from fblc.errors import FblcError, UnsupportedOpError
 from fblc.compiler.gaps import mark_refusal
 from fblc.compiler.es_loop import BODY, carried_pairs
@@ -160,6 +161,10 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     refusals: list[FblcError] = []
     group_kernels: list[tuple[KernelGroup, range]] = []  # each group's launches
     for group in emitted:
+        empty = [r for v in group.outputs if (r := no_element(v)) is not None]  # an integer one: shapes let it pass
+        if empty:
+            refusals.append(empty[0])
+            continue
         try:
             start = len(kernels)
             kernels.extend(KERNEL_EMITTERS.lookup(group.anchor)(table, group))

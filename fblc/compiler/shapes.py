@@ -182,14 +182,23 @@ def refuse_unrunnable_values(model: ir.Model) -> None:
     graph = model.graph
     for value in list(graph.inputs) + [v for node in graph for v in node.outputs]:
         producer = value.producer()
-        where = f"'{value.name}'" + (f" (made by node '{producer.name}', {producer.op_type})" if producer else "")
         if value.dtype == ir.DataType.STRING:
+            where = f"'{value.name}'" + (f" (made by node '{producer.name}', {producer.op_type})" if producer else "")
             raise UnsupportedOpError(f"{where} holds strings: fblc's kernels compute on numbers only",
                                      "do string processing (tokenization, labels) outside the model")
-        shape = value.shape
-        empty = shape is not None and shape.is_static() and any(int(d) == 0 for d in shape)
-        if empty and producer is not None and producer.op_type != "Constant" and value.dtype is not None \
-                and value.dtype.is_floating_point():
-            raise ShapeError(f"{where} has shape {list(shape)}: no element, and a texture needs one",
-                             "remove the empty branch from the model, or export it with --input-shape values that "
-                             "give every tensor an element")
+        if producer is not None and producer.op_type != "Constant" and value.dtype is not None \
+                and value.dtype.is_floating_point() and (refusal := no_element(value)) is not None:
+            raise refusal
+
+
+def no_element(value: ir.Value) -> ShapeError | None:
+    """The refusal of `value` where its static shape holds no element (a texture has at least one texel), else
+    None. Integer values are checked only where a kernel would write them (codegen/plan.lower): shape arithmetic
+    may make empty ones that never reach a kernel."""
+    shape, producer = value.shape, value.producer()
+    if shape is None or not shape.is_static() or all(int(d) != 0 for d in shape):
+        return None
+    where = f"'{value.name}'" + (f" (made by node '{producer.name}', {producer.op_type})" if producer else "")
+    return ShapeError(f"{where} has shape {list(shape)}: no element, and a texture needs one",
+                      "remove the empty branch from the model, or export it with --input-shape values that give "
+                      "every tensor an element")

@@ -10,8 +10,8 @@ Rewrites (`LOWERINGS`, a table keyed by op type; every result has the node's out
   default) on a non-float32 X computes in float32 between two Casts.
 - Einsum: Transpose/Reshape/MatMul/Mul/ReduceSum (`fblc.passes.einsum_lowering`); a label
   repeated within one operand (a diagonal) is refused with UnsupportedOpError.
-- DepthToSpace (DCR and CRD) and SpaceToDepth: Reshape, Transpose, Reshape, as the ONNX spec
-  defines them.
+- DepthToSpace and SpaceToDepth (modes DCR and CRD; SpaceToDepth's mode from opset 28): Reshape,
+  Transpose, Reshape, as the ONNX spec defines them.
 - Tile with constant repeats r of X [d0, .., dk]: Reshape to [1, d0, 1, d1, ..], Expand to
   [r0, d0, r1, d1, ..], Reshape to [r0 d0, r1 d1, ..] (a 1 is inserted only where r_i != 1).
   Repeats computed at run time: the node stays (infer_shapes then names it, its shape
@@ -123,10 +123,19 @@ def _depth_to_space(e: Emitter, node: ir.Node, opset: int) -> ir.Value:
     return e.reshape(moved, [n, c // (b * b), h * b, w * b])
 
 
+#: SpaceToDepth's Transpose of [n, c, h / b, bh, w / b, bw] by mode
+SPACE_TO_DEPTH_ORDER = {"DCR": [0, 3, 5, 1, 2, 4], "CRD": [0, 1, 3, 5, 2, 4]}
+
+
 def _space_to_depth(e: Emitter, node: ir.Node, opset: int) -> ir.Value:
     n, c, h, w = _rank4(node)
     b = int(attr(node, "blocksize"))
-    moved = e.op("Transpose", e.reshape(node.inputs[0], [n, c, h // b, b, w // b, b]), perm=[0, 3, 5, 1, 2, 4])
+    # output channel (bh, bw, c) in DCR, the default; (c, bh, bw) in CRD (opset 28's mode)
+    perm = SPACE_TO_DEPTH_ORDER.get(mode := _string(node, "mode", "DCR"))
+    if perm is None:
+        raise UnsupportedOpError(f"SpaceToDepth node '{node.name}' has mode '{mode}'",
+                                 "ONNX defines the modes DCR and CRD", ops=["SpaceToDepth"])
+    moved = e.op("Transpose", e.reshape(node.inputs[0], [n, c, h // b, b, w // b, b]), perm=perm)
     return e.reshape(moved, [n, c * b * b, h // b, w // b])
 
 

@@ -1,7 +1,7 @@
 """sort_topk: a TopK over a long line as a stable merge sort of the line, then its first k.
 
 Rewrite, for Y, I = TopK(X, k, axis, largest) with a line of n > SORTED_TOPK_LINE elements where the
-sort reads less than the selection kernel (at most n L (L + 1) / 2 against n k (k + 1) / 2, L = ceil(log2 n)):
+sort reads less than the selection kernel (sort_reads against n k (k + 1) / 2):
 - V0 = X with `axis` moved last (a Transpose when it is not), viewed [G, n]; negated when largest;
 - the line padded to a power of two with +inf (sorting last), (V, P) = MergeRuns(V0, positions, run=1),
   then run=2, 4, .. until one run holds the line: a stable merge sort, fblc's device-only op
@@ -14,16 +14,16 @@ order them, for largest and smallest alike; sorted=0 allows any order, and gets 
 Y and I keep their values (names, readers: the gradient rule's scatter reads I).
 
 Why: the TopK kernel (fblc/codegen/kernels/scan.py) has the lane of rank r scan the line r + 1 times,
-O(n k^2) a line (O(n^3) for a full sort); the merge sort reads O(n log^2 k) (a merge-path binary search
-per element per doubling, log2 k doublings over the whole line, then lines that halve) in log2 n launches.
+O(n k^2) a line (O(n^3) for a full sort). A MergeRuns work-item writes consecutive outputs, one binary search
+for its first and O(1) for each later one (merge_texels), so each launch reads O(1) per output: log2 k
+doublings over the whole line, then lines that halve, O(n log k) a line in log2 n launches (until eb77db5,
+a search per output: O(n log^2 k)).
 
 Preconditions: the step graph, static shapes, k a constant; device-only (after the step ONNX is
 written, like sort_scatter_rows): onnxruntime has no MergeRuns. In place; new nodes keep TopK's stage.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import onnx_ir as ir
@@ -35,10 +35,48 @@ from fblc.passes.contracts import ContractPass
 from fblc.profiles.profile import SORTED_TOPK_LINE
 
 
+def merge_texels(run: int, texels: int) -> int:
+    """Texels a MergeRuns work-item writes in turn (its outputs consecutive): enough that its one binary search,
+    about log2(2 run) steps, costs at most one step per output (each later output resumes the merge: O(1)),
+    so a merge of n outputs reads O(n), not O(n log run); the largest power of two up to that which divides
+    the output's `texels` (a work-item holds whole texels of one tile)."""
+    steps = (2 * run).bit_length()
+    per = 1
+    while 4 * per < steps and texels % (2 * per) == 0:
+        per *= 2
+    return per
+
+
+#: reads per output of a MergeRuns lane besides its search: the two keys it compares, its pick's key and position
+PICK_READS = 4
+
+
+def launches(n: int, k: int) -> list[tuple[int, int]]:
+    """(outputs per line, run) of each MergeRuns launch of a line of n keeping its first k (padded to a power of
+    two; once runs are longer than k, each keeps its first k and the line halves)."""
+    length, run, out = 1 << max(n - 1, 0).bit_length(), 1, []
+    while run < length:
+        out.append((length, run))
+        run *= 2
+        if k < run < length:
+            length, run = length // run * k, k
+    return out
+
+
+def sort_reads(n: int, k: int, resumed: bool = True) -> int:
+    """Element reads of the merge sort of a line of n down to its first k: per output PICK_READS and, per
+    binary search, two a step (about log2(2 run) steps); `resumed`: one search a work-item of merge_texels
+    texels (this tree's kernel), else one per output (eb77db5's)."""
+    reads = 0
+    for length, run in launches(n, k):
+        per = 4 * merge_texels(run, length // 4) if resumed and length % 4 == 0 else 1
+        reads += length * PICK_READS + -(-length // per) * 2 * (2 * run).bit_length()
+    return reads
+
+
 def sort_pays(n: int, k: int) -> bool:
-    """Whether merge-sorting a line of n beats the kernel's selection of its first k (module docstring)."""
-    levels = math.ceil(math.log2(n)) if n > 1 else 0
-    return n > SORTED_TOPK_LINE and k * (k + 1) > levels * (levels + 1)
+    """Whether merge-sorting a line of n reads less than the kernel's selection of its first k (module docstring)."""
+    return n > SORTED_TOPK_LINE and n * k * (k + 1) // 2 > sort_reads(n, k)
 
 
 def _sortable(node: ir.Node) -> tuple[int, int] | None:
@@ -77,13 +115,10 @@ def _sort(graph: ir.Graph, node: ir.Node, axis: int, k: int) -> None:
     if length > n:  # +inf sorts last; stable, so an element of value +inf (a lower index) stays ahead of them
         values = e.op("Concat", values, e.op("Expand", e.const(np.full((1, 1), np.inf, x.dtype.numpy())),
                                               e.ints([groups, length - n])), axis=1)
-    run = 1
-    while run < length:  # each doubling merges neighbouring sorted runs of `run` elements
+    for length, run in launches(n, k):  # each doubling merges neighbouring sorted runs of `run` elements
         values, positions = e.op_multi("MergeRuns", values, positions, num_outputs=2, run=run, depth=length)
-        run *= 2
-        if k < run < length:  # only a run's first k can reach the first k: keep them, halve the line
-            values, positions = (_heads(e, v, groups, length // run, run, k) for v in (values, positions))
-            length, run = length // run * k, k
+        if k < 2 * run < length:  # only a run's first k can reach the first k: keep them, halve the line
+            values, positions = (_heads(e, v, groups, length // (2 * run), 2 * run, k) for v in (values, positions))
     back = [order.index(a) for a in range(rank)]
     results = []
     for sorted_line, negate in ((values, largest), (positions, False)):

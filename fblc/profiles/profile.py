@@ -74,7 +74,7 @@ SPLIT_STEPS = 16
 SORTED_SCATTER_UPDATES = 64
 #: the longest line TopK's kernel always ranks directly (each of k outputs scans the line once per rank
 #: before it: n k (k + 1) / 2 reads a line); a longer one is merge-sorted when that costs fewer reads (pass
-#: sort_topk: at most n L (L + 1) / 2 reads, L = ceil(log2 n), in L launches)
+#: sort_topk: O(n log k) reads, sort_reads, in ceil(log2 n) launches)
 SORTED_TOPK_LINE = 64
 #: the floats one work-item's accumulators may take at most on a GPU target: an 8 x 8 tile, what mobile GEMM
 #: kernels keep in registers (Adreno's and Mali's guides: more spills to private memory, which is device

@@ -101,6 +101,17 @@ def registered_ops() -> list[str]:
     return sorted(set(GRADIENTS.supported()) | set(KERNEL_EMITTERS.supported()))
 
 
+#: onnx node-test cases (benchmarks/onnx_conformance.py, docs/CONFORMANCE.md) of ops with a kernel that fblc does not
+#: pass, on purpose: (op, cases, why)
+DEVIATIONS = [
+    ("Attention", "test_attention_4d_gqa_with_past_and_present_fp16_expanded",
+     "a float16 model computes in float32 (the bundle's --dtype, not the model's declared type) and returns float32; "
+     "onnx's expected values of an `_expanded` graph round every node's result to float16. One of 576 outputs "
+     "differs by 0.000512 at 0.505 (1.05 float16 ulps) where the case's rtol 1e-3 allows 0.000505: fblc keeps "
+     "float32 between nodes where the reference rounds each to float16"),
+]
+
+
 def render() -> str:
     """docs/OPS.md."""
     listed = [op for op, _ in EXPORTED_OPS]
@@ -141,6 +152,10 @@ def render() -> str:
               "their static sequence length.", "",
               "| op | lowered to | not lowered |", "| --- | --- | --- |",
               *[f"| {op} | {_cell(into)} | {_cell(limits or '-')} |" for op, (into, limits) in LOWERINGS.items()]]
+    lines += ["", "## Deviations from ONNX's node tests", "",
+              "Cases of `benchmarks/onnx_conformance.py` (docs/CONFORMANCE.md) of ops with a kernel that fail on "
+              "purpose.", "", "| op | cases | why |", "| --- | --- | --- |",
+              *[f"| {op} | {cases} | {why} |" for op, cases, why in DEVIATIONS]]
     return "\n".join(lines) + "\n"
 
 

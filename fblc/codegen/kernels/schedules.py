@@ -28,6 +28,7 @@ from fblc.codegen.schedule import (Schedule, apply_overrides, consecutive, group
 from fblc.codegen.schedule import tile as tile_of
 from fblc.codegen.shape_key import shape_key
 from fblc.codegen.textures import TextureTable
+from fblc.passes.sort_topk import merge_texels
 from fblc.compiler.index_map import common_digits, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.errors import FblcError, UnsupportedOpError
@@ -208,6 +209,11 @@ def _layer_norm(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     return {group.name: consecutive(item_texels(count // 4) if count % 4 == 0 else 1)}
 
 
+def _merge_runs(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
+    texels = table.of(group.outputs[0]).texels
+    return {group.name: consecutive(merge_texels(int(attr(group.anchor, "run")), texels))}
+
+
 def _transpose(table: TextureTable, group: KernelGroup) -> dict[str, Schedule]:
     """A lone Transpose that moves the lanes' axis (movement.TransposeBlock): under R-Tile codegen a 4 x 4
     block per work-item, 4 whole input texels for 4 output texels instead of one lane of 16, where its
@@ -226,6 +232,7 @@ SCHEDULE_RULES: dict[str, Rule] = {
     "MatMul": _reducing(_matmul), "Gemm": _reducing(_gemm), "Conv": _reducing(conv_schedule),
     "ConvTranspose": _reducing(conv_transpose_schedule), **dict.fromkeys(REDUCE_OPS, _reduce),
     "LayerNormalization": _layer_norm, "InstanceNormalization": _layer_norm, "Transpose": _transpose,
+    "MergeRuns": _merge_runs,
 }
 
 

@@ -1,7 +1,8 @@
 """Sorted row scatters and long TopK lines (passes sort_scatter_rows, sort_topk): MergeRuns and ScatterSortedRows,
 fblc's device-only ops.
 
-MergeRuns merges pairs of sorted runs of row numbers (a merge-path binary search per output); ScatterSortedRows
+MergeRuns merges pairs of sorted runs of row numbers (a merge-path binary search per work-item, then each of its
+consecutive outputs in O(1)); ScatterSortedRows
 folds each target row's updates in update order, bit for bit the sums of gather.py's unsorted kernel;
 docs/ARCHITECTURE.md §2 (`sort_scatter_rows`) and §3.
 """
@@ -52,11 +53,21 @@ def emit_merge_runs(b: KernelBuilder, node: ir.Node) -> list[Expr]:
     na = body.let(call("min", run, const(count) - start), "na")
     nb = body.let(call("clamp", const(count) - start - run, 0, run), "nb")
     k = body.let(column - start, "k")
-    lo = _bisect(body, call("max", 0, k - nb), call("min", k, na),  # the left run's elements among the first k
-                 lambda mid: key(start + mid).le(key(start + na + k - 1 - mid)))
+    # a work-item's outputs are consecutive (passes/sort_topk.merge_texels): where this one follows its previous
+    # one in the same pair of runs, the left run's count among the first k is the previous count plus its pick,
+    # and the search's range is that one index (no step); else the merge-path binary search over
+    # [max(0, k - nb), min(k, na)]
+    last, taken = b.prologue.mutable(const(-1), "last"), b.prologue.mutable(const(0), "taken")
+    flat = body.let(line + column, "flat")
+    resume = body.let(flat.eq(last + 1).logical_and(k.gt(0)), "resume")
+    lo = _bisect(body, select(resume, taken, call("max", 0, k - nb)), select(resume, taken, call("min", k, na)),
+                 lambda mid: key(start + mid).le(key(start + na + k - 1 - mid)))  # the left run's among the first k
     j = body.let(k - lo, "j")
-    from_left = lo.lt(na).logical_and(j.ge(nb).logical_or(key(start + lo).le(key(start + na + j))))
+    from_left = body.let(lo.lt(na).logical_and(j.ge(nb).logical_or(key(start + lo).le(key(start + na + j)))),
+                         "left", INT)
     src = body.let(select(from_left, start + lo, start + na + j), "src")
+    body.assign(taken, lo + select(from_left, const(1), const(0)))
+    body.assign(last, flat)
     position = src if positions is None else b.element(positions, line + src)
     return [key(src) if out is node.outputs[0] else position for out in b.outputs]
 
