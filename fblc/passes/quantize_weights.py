@@ -36,7 +36,10 @@ from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
 BLOCKED_OPSET = 21  # DequantizeLinear's block_size
-SLICE_ELEMENTS = 1 << 22  # elements of a weight quantized at once (_quantize_in_slices: bounded host memory)
+SLICE_ELEMENTS = 1 << 22  # elements of a weight read between drops of its pages (_quantize_in_slices, bounded host memory)
+#: elements quantize_with_error takes at a time within a slice: its ~10 passes over them stay in the CPU's cache
+#: (the weight's pages are still handed back a slice at a time: each drop walks the whole mapping)
+CACHED_ELEMENTS = 1 << 17
 
 
 def _reduction_axis(use: ir.Usage) -> int | None:
@@ -169,23 +172,27 @@ class _Error:
 
 def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType,
                         read: Callable[[], None] = lambda: None) -> tuple[np.ndarray, np.ndarray, float]:
-    """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
-    at a time: a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB in float32) is quantized with
-    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory). `read` is called
-    after each slice (MappedConstant.drop: the pages it read handed back; a page a later slice shares is read
-    again from the file)."""
-    other = 1 - axis
-    step = max(1, SLICE_ELEMENTS // max(1, w.shape[axis]))
+    """quantize(w, axis, group, dtype) of a 2-D `w` and its relative error, a slice of rows at a time (whole groups
+    where the groups run down the rows, axis 0): a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB
+    in float32) is quantized with temporaries of CACHED_ELEMENTS, not several float copies of the whole table
+    (host memory), and contiguous slices that fit the CPU's cache. `read` is called after every SLICE_ELEMENTS
+    or so (MappedConstant.drop: the pages read so far handed back; a page a later slice shares is read again)."""
+    rows, cols = w.shape
+    whole = group if axis == 0 else 1  # rows of a slice: a multiple of this
+    step = max(whole, CACHED_ELEMENTS // max(1, cols) // whole * whole)
     q = np.empty(w.shape, INT_FORMATS[dtype].numpy)
-    scale_shape = list(w.shape)
-    scale_shape[axis] = -(-w.shape[axis] // group)
-    scale = np.empty(scale_shape, np.float32)
+    scale = np.empty((-(-rows // group), cols) if axis == 0 else (rows, -(-cols // group)), np.float32)
     error = _Error()
-    for start in range(0, w.shape[other], step):
-        part = (slice(None),) * other + (slice(start, start + step),)
-        q[part], scale[part], sums = quantize_with_error(w[part], axis, group, dtype)
+    unread = 0
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        scales = slice(start // group, -(-end // group)) if axis == 0 else slice(start, end)
+        q[start:end], scale[scales], sums = quantize_with_error(w[start:end], axis, group, dtype)
         error.count(*sums)
-        read()
+        unread += (end - start) * cols
+        if unread >= SLICE_ELEMENTS or end == rows:
+            read()
+            unread = 0
     return q, scale, error.relative
 
 
