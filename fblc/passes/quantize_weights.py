@@ -20,8 +20,9 @@ Preconditions: roles final (mark_trainable); static shapes. In place; `modified`
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -196,6 +197,43 @@ def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType
     return q, scale, error.relative
 
 
+#: (q, scale, relative error) by the external data it was quantized from and how (file, offset, bytes, shape,
+#: axis, group, format), while reused_quantization() is open; else None
+_REUSED: dict[tuple, tuple[np.ndarray, np.ndarray, float]] | None = None
+
+
+@contextlib.contextmanager
+def reused_quantization() -> Iterator[None]:
+    """Within it, a weight quantized again from the same external data the same way is the first result: a
+    --device-memory retry (codegen.compile.build_program) builds the step again from the model as read, and its
+    quantization was a third of a 1B LoRA int4 build's passes. The arrays are the first build's graph's (no copy);
+    a retry's graph holds them again."""
+    global _REUSED
+    outer, _REUSED = _REUSED, {}
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
+def _quantized(source: ir.TensorProtocol, axis: int, weights: WeightFormat) -> tuple[np.ndarray, np.ndarray, float]:
+    """_quantize_in_slices of the 2-D weight `source` (its pages handed back as read), or the result kept by
+    reused_quantization."""
+    dtype = STORED_AS[weights.weights]
+    key = None
+    if _REUSED is not None and isinstance(source, ir.ExternalTensor):
+        key = (source.path, source.offset, source.length, tuple(source.shape), axis, weights.group, weights.weights)
+        if key in _REUSED:
+            return _REUSED[key]
+    with MappedConstant(source) as mapped:  # pages handed back after each slice
+        w = np.asarray(mapped.array, np.float32)
+        found = _quantize_in_slices(w, axis, group_of(w.shape[axis], weights.group), dtype, mapped.drop)
+        del w
+    if key is not None:
+        _REUSED[key] = found  # type: ignore[index]
+    return found
+
+
 def _relative_error_in_slices(w: np.ndarray, approx: np.ndarray) -> float:
     """relative_error(w, approx), SLICE_ELEMENTS at a time (its float64 copies bounded)."""
     rows = max(1, SLICE_ELEMENTS // max(1, w.shape[-1]))
@@ -242,11 +280,8 @@ class QuantizeWeights(ContractPass):
                 records.append({"weight": weight.name, "shape": list(source.shape), "format": "fp16",
                                 "error": error.relative})
                 continue
-            with MappedConstant(weight.const_value) as mapped:  # type: ignore[arg-type]  # pages handed back after
-                w = np.asarray(mapped.array, np.float32)
-                dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-                q, scale, error = _quantize_in_slices(w, axis, group, dtype, mapped.drop)
-                del w
+            q, scale, error = _quantized(weight.const_value, axis, self.weights)  # type: ignore[arg-type]
+            dtype, group = STORED_AS[self.weights.weights], group_of(q.shape[axis], self.weights.group)
             weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
             scale_value = _initializer(graph, f"{weight.name}.scale", ir.tensor(scale), weight.name, "fp16")
