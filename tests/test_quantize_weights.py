@@ -291,7 +291,8 @@ def test_a_retry_reuses_the_first_builds_quantization(tmp_path, monkeypatch) -> 
 
     path = str(tmp_path / "mlp.onnx")
     onnx.save(mlp_proto(), path, save_as_external_data=True, location="mlp.onnx.data", size_threshold=0)
-    options = TrainingOptions(adapter=AdapterConfig(kind="lora", rank=2, sites="linear"), weights=WeightFormat("int4", group=4))
+    options = TrainingOptions(adapter=AdapterConfig(kind="lora", rank=2, sites="linear"),
+                              weights=WeightFormat("int4", group=4))
     runs = []
     quantize = quantize_weights._quantize_in_slices
     monkeypatch.setattr(quantize_weights, "_quantize_in_slices", lambda *a, **k: runs.append(1) or quantize(*a, **k))

@@ -2,10 +2,11 @@
 
 The bundle's own tensors are texture contents in device layouts, and its step is fused kernels: neither gives
 back the model's graph. So the bundle records which model it was compiled from (its absolute path, the sha256
-and size of the .onnx file, and of each external data file its size and a sampled digest: the export reads the
-graph and the frozen weights there and refuses files that changed) and what the adapter made of it: the sites (the pass metadata, fblc.adapter or fblc.fura_s) and the
-frozen factors the merge needs, which the compiler drew or computed and the trained parameters lack
-(MemFLoRA's P, FuRA-S's block right singular vectors R): factors.npz, checksummed like the other files.
+and size of the .onnx file, and of each external data file its size and a sampled digest: the export reads
+the graph and the frozen weights there and refuses files that changed) and what the adapter made of it: the
+sites (the pass metadata, fblc.adapter or fblc.fura_s) and the frozen factors the merge needs, which the
+compiler drew or computed and the trained parameters lack (MemFLoRA's P, FuRA-S's block right singular vectors
+R): factors.npz, checksummed like the other files.
 A copy of the model is not kept: it would double a bundle of a large model.
 
 External data is not hashed whole: a 1B model's 6 GB cost ~4 CPU s of sha256 (and the reads) at every compile,

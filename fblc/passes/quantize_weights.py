@@ -37,7 +37,8 @@ from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
 BLOCKED_OPSET = 21  # DequantizeLinear's block_size
-SLICE_ELEMENTS = 1 << 22  # elements of a weight read between drops of its pages (_quantize_in_slices, bounded host memory)
+#: elements of a weight read between drops of its pages (_quantize_in_slices: bounded host memory)
+SLICE_ELEMENTS = 1 << 22
 #: elements quantize_with_error takes at a time within a slice: its ~10 passes over them stay in the CPU's cache
 #: (the weight's pages are still handed back a slice at a time: each drop walks the whole mapping)
 CACHED_ELEMENTS = 1 << 17
