@@ -31,7 +31,8 @@ A bundle is a directory:
 - report.json    what the compiler did (kernels per family, textures, bytes);
 - factors.npz    (optional) an adapter's frozen factors by tensor name (MemFLoRA's P, FuRA-S's R), which
                  `fblc export` merges with the trained ones; manifest.json `export` names the source model
-                 (path, sha256, bytes) and the adapter's sites (fblc.codegen.export_record). Runtimes ignore both.
+                 (path, sha256, bytes; its external data files: bytes and a sampled sha256) and the adapter's
+                 sites (fblc.codegen.export_record). Runtimes ignore both.
 Runtimes read exactly this and know nothing about ONNX.
 """
 

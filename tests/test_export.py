@@ -19,6 +19,7 @@ from onnx import TensorProto, helper
 
 from fblc import bundle_format as fmt
 from fblc.cli import main
+from fblc.errors import FblcError
 from fblc.compiler.adapters import AdapterConfig
 from fblc.compiler.model_io import load_model
 from fblc.passes.fura_s import FuraS
@@ -154,3 +155,42 @@ def test_export_refuses_a_changed_model_and_foreign_params(tmp_path_factory, tmp
     with np.load(specialist) as kept:
         assert sorted(kept.files) == sorted(trained)
     edit_manifest(bundle, lambda m: m["export"]["source"].update(path=os.path.abspath(source.path)))
+
+
+def test_export_checks_external_data_by_its_sampled_digest(tmp_path) -> None:
+    """The source record keeps each external data file's size and sampled digest (export_record.sampled_sha256):
+    a changed small tensor (read whole), a changed first page of a large one, and another size are refused; a
+    bundle of before, whose record is the whole file's sha256, is checked against it. No compile: the check alone."""
+    from fblc.codegen.export_record import source_record
+    from fblc.tools.export import _source_model
+
+    rng = np.random.default_rng(0)
+    weights = {"W": rng.standard_normal((256, 256)).astype(np.float32), "b": np.ones(256, np.float32)}  # 256 KiB, 1 KiB
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])]
+    path = str(tmp_path / "m.onnx")
+    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])], weights), path,
+              save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    data = path + ".data"
+    offsets = {t.name: int({e.key: e.value for e in t.external_data}.get("offset", 0))
+               for t in onnx.load(path, load_external_data=False).graph.initializer}
+    export = {"source": source_record(path)}
+    assert set(export["source"]["external_data"]) == {"m.onnx.data"}
+    assert _source_model(export, None, "B") == os.path.abspath(path)
+    original = open(data, "rb").read()
+
+    def refused_with(where: int, change: bytes = b"\x7f", record: dict = export) -> str:
+        with open(data, "wb") as handle:
+            handle.write(original[:where] + change + original[where + 1:])
+        with pytest.raises(FblcError) as caught:
+            _source_model(record, None, "B")
+        return caught.value.args[0]
+
+    assert "differ where sampled" in refused_with(offsets["b"] + 700)  # a small tensor: every byte read
+    assert "differ where sampled" in refused_with(offsets["W"] + 5)
+    assert f"{len(original) + 1:,} bytes, not {len(original):,}" in refused_with(len(original), b"\0")
+    with open(data, "wb") as handle:
+        handle.write(original)
+    old = {"source": {**export["source"], "external_data": {"m.onnx.data": fmt.sha256_of(data)}}}
+    assert _source_model(old, None, "B") == os.path.abspath(path)
+    assert "its sha256 differs" in refused_with(offsets["W"] + 3, record=old)

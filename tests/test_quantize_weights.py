@@ -281,3 +281,33 @@ def test_conv_weights_dequantized_in_their_loads(tmp_path, weights: str) -> None
             kernels = [k["name"] for k in json.load(plan)["kernels"]]
         assert not [k for k in kernels if k.endswith(("_DequantizeLinear", "_Transpose"))], kernels
         assert sum("ConvTranspose" in k for k in kernels) == 2 and sum(k.endswith("_Conv") for k in kernels) == 4
+
+
+def test_a_retry_reuses_the_first_builds_quantization(tmp_path, monkeypatch) -> None:
+    """reused_quantization (a --device-memory retry's scope, codegen.compile.build_program): a weight read again
+    from the same external data is not quantized again, and its q has the values of a build outside the scope;
+    another group size is quantized anew. Graph mode, the test MLP's two weights."""
+    from fblc.passes import quantize_weights
+
+    path = str(tmp_path / "mlp.onnx")
+    onnx.save(mlp_proto(), path, save_as_external_data=True, location="mlp.onnx.data", size_threshold=0)
+    options = TrainingOptions(adapter=AdapterConfig(kind="lora", rank=2, sites="linear"),
+                              weights=WeightFormat("int4", group=4))
+    runs = []
+    quantize = quantize_weights._quantize_in_slices
+    monkeypatch.setattr(quantize_weights, "_quantize_in_slices", lambda *a, **k: runs.append(1) or quantize(*a, **k))
+
+    def quantized(options: TrainingOptions) -> tuple[int, dict[str, np.ndarray]]:
+        before = len(runs)
+        model = build_training_graph(load_model(path), options)
+        return len(runs) - before, {v.name: v.const_value.numpy() for v in model.graph.initializers.values()
+                                    if v.name.endswith(".q")}
+
+    alone = quantized(options)
+    with quantize_weights.reused_quantization():
+        first, again = quantized(options), quantized(options)
+        other = quantized(replace(options, weights=WeightFormat("int4", group=2)))
+    assert [alone[0], first[0], again[0], other[0]] == [2, 2, 0, 2]
+    for name, q in alone[1].items():
+        assert np.array_equal(q, again[1][name]) and np.array_equal(q, first[1][name])
+    assert quantize_weights._REUSED is None  # the scope closed: nothing kept

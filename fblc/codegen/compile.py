@@ -25,6 +25,7 @@ from fblc.compiler.summary import adapter_report, trained_set_source, trained_te
 from fblc.compiler.torch_names import manifest_fields
 from fblc.passes.memory_plan import MemoryPlan, MemoryPlanPass, OverBudgetError, check_budget
 from fblc.passes.pipeline import PassHook, TrainingOptions, build_training_graph
+from fblc.passes.quantize_weights import reused_quantization
 from fblc.profiles import PORTABLE_IMAGE_EDGE, Profile, load_profile
 
 
@@ -86,18 +87,19 @@ def build_program(model_path: str, options: TrainingOptions, profile: Profile, o
 
     model: ir.Model | None = load_model(model_path)
     stages = [("read_model", time.perf_counter(), time.process_time())]
-    for tries in range(RECOMPUTE_ATTEMPTS):
-        try:
-            step, program, table = attempt(model if model is not None else load_model(model_path), options)
-            break
-        except OverBudgetError as over:
-            target = (options.recompute_target or options.device_memory) - (over.peak - over.budget)
-            if not over.layers_left or tries == RECOMPUTE_ATTEMPTS - 1 or target <= 0:
-                raise
-            options = dataclasses.replace(options, recompute_target=target)
-        del stages[1:]  # the failed attempt's time lands in the next one's `passes`
-        plans.clear()
-        model = None  # the failed attempt's graph (passes rewrite it in place) goes before the model is read again
+    with reused_quantization():  # a retry quantizes nothing again
+        for tries in range(RECOMPUTE_ATTEMPTS):
+            try:
+                step, program, table = attempt(model if model is not None else load_model(model_path), options)
+                break
+            except OverBudgetError as over:
+                target = (options.recompute_target or options.device_memory) - (over.peak - over.budget)
+                if not over.layers_left or tries == RECOMPUTE_ATTEMPTS - 1 or target <= 0:
+                    raise
+                options = dataclasses.replace(options, recompute_target=target)
+            del stages[1:]  # the failed attempt's time lands in the next one's `passes`
+            plans.clear()
+            model = None  # the failed attempt's graph (passes rewrite it in place) goes before the model is read again
     if marks is not None:
         marks += stages
     return step, program, table, plans[-1]

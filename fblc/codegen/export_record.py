@@ -2,15 +2,26 @@
 
 The bundle's own tensors are texture contents in device layouts, and its step is fused kernels: neither gives
 back the model's graph. So the bundle records which model it was compiled from (its absolute path, the sha256
-and size of the .onnx file: the export reads the graph and the frozen weights there and refuses a file that
-changed) and what the adapter made of it: the sites (the pass metadata, fblc.adapter or fblc.fura_s) and the
-frozen factors the merge needs, which the compiler drew or computed and the trained parameters lack
-(MemFLoRA's P, FuRA-S's block right singular vectors R): factors.npz, checksummed like the other files.
+and size of the .onnx file, and of each external data file its size and a sampled digest: the export reads
+the graph and the frozen weights there and refuses files that changed) and what the adapter made of it: the
+sites (the pass metadata, fblc.adapter or fblc.fura_s) and the frozen factors the merge needs, which the
+compiler drew or computed and the trained parameters lack (MemFLoRA's P, FuRA-S's block right singular vectors
+R): factors.npz, checksummed like the other files.
 A copy of the model is not kept: it would double a bundle of a large model.
+
+External data is not hashed whole: a 1B model's 6 GB cost ~4 CPU s of sha256 (and the reads) at every compile,
+a fifth of issue 40's 20 s budget, for a check only `fblc export` makes. Its digest (`sampled_sha256`) covers the
+file's size and, for every tensor stored there (the span from its offset to the next tensor's or the end of the
+file), SAMPLE_PAGES pages spread evenly over the span, its first and last included; a span of at most that many
+pages is read whole. So the export refuses data of another size, a re-exported or retrained model (every weight
+differs), and any change to a small tensor (norm weights, biases) or to a large tensor's sampled pages; an edit
+confined to unsampled pages of a large tensor passes. The .onnx file itself (the graph, which fixes the spans) is
+hashed whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from typing import Any
@@ -21,7 +32,7 @@ import onnx_ir as ir
 from fblc import bundle_format as fmt
 from fblc.compiler import keys
 from fblc.compiler.keys import Role
-from fblc.compiler.model_io import external_data_files
+from fblc.compiler.model_io import external_data_offsets
 
 #: the pass metadata that describes each kind of adapter sites, and the frozen factor each site names
 ADAPTER_METADATA = {keys.ADAPTER: "P", keys.FURA_S: "right"}
@@ -32,15 +43,43 @@ ADAPTER_METADATA = {keys.ADAPTER: "P", keys.FURA_S: "right"}
 EXTERNAL_SCAN_BYTES = 64 << 20
 
 
+#: pages (of SAMPLE_PAGE bytes) of each tensor's span an external data file's sampled digest reads
+SAMPLE_PAGE, SAMPLE_PAGES = 4096, 32
+
+
+def sampled_sha256(path: str, offsets: list[int]) -> str:
+    """The sha256 of the file's size and of SAMPLE_PAGES pages of each span between consecutive `offsets` (the
+    tensors' starts; the file's start and end bound the first and last span), spread evenly, first and last
+    included; a span of at most SAMPLE_PAGES pages whole. Reads at most ~SAMPLE_PAGES pages per tensor."""
+    size = os.path.getsize(path)
+    bounds = sorted({0, size, *(offset for offset in offsets if 0 < offset < size)})
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        for start, end in zip(bounds, bounds[1:]):
+            if end - start <= SAMPLE_PAGES * SAMPLE_PAGE:
+                digest.update(os.pread(handle.fileno(), end - start, start))
+                continue
+            last = end - SAMPLE_PAGE
+            for k in range(SAMPLE_PAGES):
+                digest.update(os.pread(handle.fileno(), SAMPLE_PAGE, start + (last - start) * k // (SAMPLE_PAGES - 1)))
+    return digest.hexdigest()
+
+
+def data_record(path: str, offsets: list[int]) -> dict[str, Any]:
+    """manifest `export.source.external_data`'s entry of one file (fblc.tools.export checks it)."""
+    return {"bytes": os.path.getsize(path), "sampled_sha256": sampled_sha256(path, offsets)}
+
+
 def source_record(model_path: str) -> dict[str, Any]:
     """manifest `export.source`: where the model was read, and the digests that say it is still that model (its
-    file's, and each external data file's by its path relative to the model's folder)."""
+    file's sha256, and each external data file's data_record by its path relative to the model's folder)."""
     path = os.path.abspath(model_path)
     record: dict[str, Any] = {"path": path, "sha256": fmt.sha256_of(path), "bytes": os.path.getsize(path)}
     if record["bytes"] <= EXTERNAL_SCAN_BYTES:
-        data = external_data_files(path)
+        data = external_data_offsets(path)
         if data:
-            record["external_data"] = {os.path.relpath(f, os.path.dirname(path)): fmt.sha256_of(f) for f in data}
+            record["external_data"] = {os.path.relpath(f, os.path.dirname(path)): data_record(f, offsets)
+                                       for f, offsets in data.items()}
     return record
 
 

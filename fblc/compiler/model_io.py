@@ -112,14 +112,26 @@ def _check_external_data(model: ir.Model, path: str) -> None:
 def external_data_files(path: str) -> list[str]:
     """The external data files the initializers of the model `path` name, beside it, without reading any
     weights; [] for a file that is no readable model (load_model says why)."""
+    return sorted(external_data_offsets(path))
+
+
+def external_data_offsets(path: str) -> dict[str, list[int]]:
+    """Each external data file the initializers of the model `path` name (beside it) -> the offsets at which
+    its tensors start, sorted; read without any weights; {} for a file that is no readable model."""
     try:
         proto = onnx.load(path, load_external_data=False)
     except (DecodeError, RuntimeError, ValueError, OSError):  # load_model reports it with its own message
-        return []
+        return {}
     folder = os.path.dirname(os.path.abspath(path))
-    locations = {entry.value for tensor in proto.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
-                 for entry in tensor.external_data if entry.key == "location"}
-    return sorted(os.path.join(folder, location) for location in locations)
+    offsets: dict[str, set[int]] = {}
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            entries = {entry.key: entry.value for entry in tensor.external_data}
+            if "location" in entries:
+                starts = offsets.setdefault(os.path.join(folder, entries["location"]), set())
+                offset = entries.get("offset", "0")
+                starts.add(int(offset) if offset.isdigit() else 0)  # a malformed one: load_model names it
+    return {file: sorted(starts) for file, starts in offsets.items()}
 
 
 def _check_names(model: ir.Model, path: str) -> None:

@@ -20,8 +20,9 @@ Preconditions: roles final (mark_trainable); static shapes. In place; `modified`
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -36,7 +37,11 @@ from fblc.passes.contracts import ContractPass
 
 QUANTIZED, ADAPTER_FACTOR = keys.QUANTIZED, keys.ADAPTER_FACTOR
 BLOCKED_OPSET = 21  # DequantizeLinear's block_size
-SLICE_ELEMENTS = 1 << 22  # elements of a weight quantized at once (_quantize_in_slices: bounded host memory)
+#: elements of a weight read between drops of its pages (_quantize_in_slices: bounded host memory)
+SLICE_ELEMENTS = 1 << 22
+#: elements quantize_with_error takes at a time within a slice: its ~10 passes over them stay in the CPU's cache
+#: (the weight's pages are still handed back a slice at a time: each drop walks the whole mapping)
+CACHED_ELEMENTS = 1 << 17
 
 
 def _reduction_axis(use: ir.Usage) -> int | None:
@@ -169,24 +174,65 @@ class _Error:
 
 def _quantize_in_slices(w: np.ndarray, axis: int, group: int, dtype: ir.DataType,
                         read: Callable[[], None] = lambda: None) -> tuple[np.ndarray, np.ndarray, float]:
-    """quantize(w, axis, group, dtype) and its relative error, a slice of whole groups (across the other axis)
-    at a time: a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB in float32) is quantized with
-    temporaries of SLICE_ELEMENTS, not several float copies of the whole table (host memory). `read` is called
-    after each slice (MappedConstant.drop: the pages it read handed back; a page a later slice shares is read
-    again from the file)."""
-    other = 1 - axis
-    step = max(1, SLICE_ELEMENTS // max(1, w.shape[axis]))
+    """quantize(w, axis, group, dtype) of a 2-D `w` and its relative error, a slice of rows at a time (whole groups
+    where the groups run down the rows, axis 0): a 1B decoder's embedding table or LM head (128256 x 2048, 1 GB
+    in float32) is quantized with temporaries of CACHED_ELEMENTS, not several float copies of the whole table
+    (host memory), and contiguous slices that fit the CPU's cache. `read` is called after every SLICE_ELEMENTS
+    or so (MappedConstant.drop: the pages read so far handed back; a page a later slice shares is read again)."""
+    rows, cols = w.shape
+    whole = group if axis == 0 else 1  # rows of a slice: a multiple of this
+    step = max(whole, CACHED_ELEMENTS // max(1, cols) // whole * whole)
     q = np.empty(w.shape, INT_FORMATS[dtype].numpy)
-    scale_shape = list(w.shape)
-    scale_shape[axis] = -(-w.shape[axis] // group)
-    scale = np.empty(scale_shape, np.float32)
+    scale = np.empty((-(-rows // group), cols) if axis == 0 else (rows, -(-cols // group)), np.float32)
     error = _Error()
-    for start in range(0, w.shape[other], step):
-        part = (slice(None),) * other + (slice(start, start + step),)
-        q[part], scale[part], sums = quantize_with_error(w[part], axis, group, dtype)
+    unread = 0
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        scales = slice(start // group, -(-end // group)) if axis == 0 else slice(start, end)
+        q[start:end], scale[scales], sums = quantize_with_error(w[start:end], axis, group, dtype)
         error.count(*sums)
-        read()
+        unread += (end - start) * cols
+        if unread >= SLICE_ELEMENTS or end == rows:
+            read()
+            unread = 0
     return q, scale, error.relative
+
+
+#: (q, scale, relative error) by the external data it was quantized from and how (file, offset, bytes, shape,
+#: axis, group, format), while reused_quantization() is open; else None
+_REUSED: dict[tuple, tuple[np.ndarray, np.ndarray, float]] | None = None
+
+
+@contextlib.contextmanager
+def reused_quantization() -> Iterator[None]:
+    """Within it, a weight quantized again from the same external data the same way is the first result: a
+    --device-memory retry (codegen.compile.build_program) builds the step again from the model as read, and its
+    quantization was a third of a 1B LoRA int4 build's passes. The arrays are the first build's graph's (no copy);
+    a retry's graph holds them again."""
+    global _REUSED
+    outer, _REUSED = _REUSED, {}
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
+def _quantized(source: ir.TensorProtocol, axis: int, weights: WeightFormat) -> tuple[np.ndarray, np.ndarray, float]:
+    """_quantize_in_slices of the 2-D weight `source` (its pages handed back as read), or the result kept by
+    reused_quantization."""
+    dtype = STORED_AS[weights.weights]
+    key = None
+    if _REUSED is not None and isinstance(source, ir.ExternalTensor):
+        key = (source.path, source.offset, source.length, tuple(source.shape), axis, weights.group, weights.weights)
+        if key in _REUSED:
+            return _REUSED[key]
+    with MappedConstant(source) as mapped:  # pages handed back after each slice
+        w = np.asarray(mapped.array, np.float32)
+        found = _quantize_in_slices(w, axis, group_of(w.shape[axis], weights.group), dtype, mapped.drop)
+        del w
+    if key is not None:
+        _REUSED[key] = found  # type: ignore[index]
+    return found
 
 
 def _relative_error_in_slices(w: np.ndarray, approx: np.ndarray) -> float:
@@ -235,11 +281,8 @@ class QuantizeWeights(ContractPass):
                 records.append({"weight": weight.name, "shape": list(source.shape), "format": "fp16",
                                 "error": error.relative})
                 continue
-            with MappedConstant(weight.const_value) as mapped:  # type: ignore[arg-type]  # pages handed back after
-                w = np.asarray(mapped.array, np.float32)
-                dtype, group = STORED_AS[self.weights.weights], group_of(w.shape[axis], self.weights.group)
-                q, scale, error = _quantize_in_slices(w, axis, group, dtype, mapped.drop)
-                del w
+            q, scale, error = _quantized(weight.const_value, axis, self.weights)  # type: ignore[arg-type]
+            dtype, group = STORED_AS[self.weights.weights], group_of(q.shape[axis], self.weights.group)
             weight.const_value = None  # the weight leaves the graph (_replace): its float values with it
             q_value = _initializer(graph, f"{weight.name}.q", ir.tensor(q, dtype=dtype), weight.name)
             scale_value = _initializer(graph, f"{weight.name}.scale", ir.tensor(scale), weight.name, "fp16")

@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from fblc.codegen.export_record import sampled_sha256
+from fblc.compiler.model_io import external_data_offsets
 from fblc import bundle_format as fmt
 from fblc.errors import BundleError, FblcError
 
@@ -185,12 +187,25 @@ def _source_model(export: Mapping[str, Any], model_path: str | None, bundle: str
         raise FblcError(f"'{path}' is not the model '{bundle}' was compiled from (its sha256 differs from the one "
                         "recorded in the manifest)", "give the original model with --model PATH, or compile and train "
                         "again from this one")
-    for relative, digest in source.get("external_data", {}).items():
+    offsets = external_data_offsets(path)  # the graph's, equal to the compiled one's: its sha256 matched
+    for relative, recorded in source.get("external_data", {}).items():
         data = os.path.join(os.path.dirname(os.path.abspath(path)), relative)
-        if not os.path.isfile(data) or fmt.sha256_of(data) != digest:
-            state = "missing" if not os.path.isfile(data) else "not the one compiled (its sha256 differs)"
+        state = "missing" if not os.path.isfile(data) else _data_change(data, recorded, offsets.get(data, []))
+        if state:
             raise FblcError(f"the external data file '{data}' of '{path}' is {state}", "keep the model's .data files beside it, unchanged (a moved model: move them too)")
     return path
+
+
+def _data_change(path: str, recorded: str | Mapping[str, Any], offsets: list[int]) -> str | None:
+    """How the external data file `path` differs from its record (export_record.data_record; a bundle of
+    before it holds the whole file's sha256), or None."""
+    if isinstance(recorded, str):
+        return None if fmt.sha256_of(path) == recorded else "not the one compiled (its sha256 differs)"
+    if os.path.getsize(path) != recorded["bytes"]:
+        return f"not the one compiled ({os.path.getsize(path):,} bytes, not {recorded['bytes']:,})"
+    if sampled_sha256(path, offsets) != recorded["sampled_sha256"]:
+        return "not the one compiled (the bytes of its tensors differ where sampled)"
+    return None
 
 
 def _frozen_factors(bundle: str, manifest: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -34,7 +34,14 @@ class DType:
         return self.scalar in ("float", "half", "real")
 
     def vector(self, lanes: int) -> DType:
-        return DType(self.scalar, lanes)
+        key = (self.scalar, lanes)  # one instance per type: a lane's dtype is asked for at every use (codegen time)
+        found = _VECTOR_TYPES.get(key)
+        if found is None:
+            found = _VECTOR_TYPES[key] = DType(self.scalar, lanes)
+        return found
+
+
+_VECTOR_TYPES: dict[tuple[str, int], DType] = {}
 
 
 INT, UINT, ULONG, UCHAR = DType("int"), DType("uint"), DType("ulong"), DType("uchar")
