@@ -32,7 +32,7 @@ def test_independent_neighbours_share_a_launch_and_dependent_ones_do_not() -> No
     launches = co_launch([first, reader, other], ADRENO, looped=False)
     assert [k.name for k in launches] == ["k1", "k2_k3"]  # k2 reads k1's output; k3 reads only what k1 reads
     merged = launches[1]
-    assert merged.parts == ["k2", "k3"] and merged.outputs == [2, 3] and merged.inputs == [1, 0]
+    assert merged.parts == [reader, other] and merged.outputs == [2, 3] and merged.inputs == [1, 0]
     assert merged.global_size == 64 + 30  # k2's 50 work-items take a whole wave before k3's
     source = merged.render(BUFFER)
     assert "(get_global_id(0) - 64)" in source and "out1" in source and "in1" in source

@@ -21,7 +21,7 @@ are), and not in a step with a loop of launches (ES members: plan.json's loops i
 
 The merged kernel's texture arguments are its parts' outputs, then their inputs, each part's renumbered; its
 variables are renumbered past the first part's, so the IR stays one kernel's numbering (the renderer names a
-variable by its kind and number). Its `parts` name the kernels it runs (report.json's estimate counts their nodes'
+variable by its kind and number). Its `parts` are the kernels it runs (report.json's estimate counts their nodes'
 FLOPs; plan.json's schedule gives each part's).
 """
 
@@ -122,7 +122,7 @@ def merged(parts: Sequence[Kernel], profile: Profile) -> Kernel:
                     kir.KernelIR(name, arguments, hoisted + body, group),
                     start, [t for part in parts for t in part.outputs], [t for part in parts for t in part.inputs],
                     [n for part in parts for n in part.nodes], group_size=group)
-    kernel.parts = [part.name for part in parts]
+    kernel.parts = list(parts)
     return kernel
 
 
@@ -177,4 +177,4 @@ def co_launched(schedules: dict[str, dict[str, Any]], kernel: Kernel) -> dict[st
     part's (by name)."""
     if not kernel.parts:
         return schedules[kernel.name]
-    return {**schedules[kernel.parts[0]], "parts": {name: schedules[name] for name in kernel.parts}}
+    return {**schedules[kernel.parts[0].name], "parts": {part.name: schedules[part.name] for part in kernel.parts}}
