@@ -10,14 +10,14 @@ pair pays one launch, and a fetch-bound kernel's texture work overlaps a memory-
 Rules (`co_launch`): a kernel joins the nearest earlier launch it may move up to: it commutes with every launch
 from there to its own place (it reads nothing they write, writes nothing they read or write), the launch holds
 fewer than CO_LAUNCH_PARTS kernels, reads at most READ_IMAGE_ARGS and writes at most WRITE_IMAGE_ARGS images,
-and their work-group sizes agree (kernels written for one group size
-(Kernel.group_size: __local memory, barriers) join only kernels of that size, or of any size where theirs is whole
-waves: a kernel of any size launched in groups of 4 would leave 60 lanes of each 64-lane wave idle; each part's
-range is whole groups of the launch's size, so a barrier is reached by a whole group or by none). A kernel with a __local array
-declared below its body's top level is left alone (OpenCL C wants __local variables at the kernel's outermost
-scope: the top-level ones are hoisted, renamed where two parts name theirs alike). Only on GPU profiles (a CPU's
-OpenCL runs a launch's work-items on the same cores and pays little per launch: PoCL's steps are left as they
-are), and not in a step with a loop of launches (ES members: plan.json's loops index the launches).
+and their work-group sizes agree: kernels written for one group size (Kernel.group_size: __local memory,
+barriers) join only kernels of that size, or of any size where theirs is whole waves (a kernel of any size
+launched in groups of 4 would leave 60 lanes of each 64-lane wave idle). Each part's range is whole groups of
+the launch's size, so a barrier is reached by a whole group or by none. A kernel with a __local array declared
+below its body's top level is left alone (OpenCL C wants __local variables at the kernel's outermost scope: the
+top-level ones are hoisted, renamed where two parts name theirs alike). Only on GPU profiles (a CPU's OpenCL runs
+a launch's work-items on the same cores and pays little per launch: PoCL's steps are left as they are), and not
+in a step with a loop of launches (ES members: plan.json's loops index the launches).
 
 The merged kernel's texture arguments are its parts' outputs, then their inputs, each part's renumbered; its
 variables are renumbered past the first part's, so the IR stays one kernel's numbering (the renderer names a
