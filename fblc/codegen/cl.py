@@ -29,6 +29,9 @@ class Kernel:
     #: the work-group size the kernel is written for (its work-items share __local memory), or None:
     #: any size, the target profile's schedule chooses
     group_size: int | None = None
+    #: the kernels a co-launched kernel runs, each over its own range of work-items, as they were built
+    #: (codegen/co_launch.py); [] for a kernel of its own
+    parts: list[Kernel] = field(default_factory=list, repr=False)
 
     def launch(self, profile: Profile) -> tuple[int, int]:
         """(global size, work-group size) it launches with: its own group size (whole groups), else the

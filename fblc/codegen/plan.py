@@ -17,6 +17,7 @@ import onnx_ir as ir
 from fblc.bundle_format import FLOAT_FORMATS, NUMPY_DTYPES, image_bytes
 from fblc.codegen.arena import Arena, Lifetime, pack_arena
 from fblc.codegen.cl import Kernel
+from fblc.codegen.co_launch import co_launch, co_launched
 from fblc.codegen.inplace import in_place_pairs, merge_textures
 from fblc.codegen.params import PackedConstant, TextureContents
 from fblc.codegen import ir as kir
@@ -207,6 +208,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
                   for name, m in maps.items() if not m.contiguous}  # strided views
     if dtype == "fp16" and profile.fp16:
         compute_in_half(kernels, table, graph)
+    schedules = {k.name: table.schedules[k.name].record() for k in kernels}
+    kernels = co_launch(kernels, profile, bool(loops))
     for kernel in kernels:  # an update in place reads and writes one texture: its two arguments alias
         both = set(kernel.inputs) & set(kernel.outputs)
         kernel.ir.aliased = frozenset([f"in{k}" for k, t in enumerate(kernel.inputs) if t in both]
@@ -214,7 +217,7 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     share_kernels(kernels)
     source, kernel_lines = assemble_source(kernels, [t.layout for t in table.textures])
     return Program(kernels, table.textures, initial, values, value_shapes, swaps, value_maps, source, kernel_lines,
-                   {k.name: table.schedules[k.name].record() for k in kernels}, finite_swaps,
+                   {k.name: co_launched(schedules, k) for k in kernels}, finite_swaps,
                    values[SKIPPED] if finite_swaps else None, loops)
 
 

@@ -50,7 +50,9 @@ def estimate_object(model: ir.Model, program: Program, profile: Profile,
     block_texels = profile.tex_block_width * profile.tex_block_height
     kernels, total = [], 0.0
     for index, kernel in enumerate(program.kernels):
-        flops = group_flops.pop(kernel.name.split("_", 1)[0], 0)  # counted once, at the group's first kernel
+        # counted once, at the group's first kernel (each part's, of a co-launched one: codegen/co_launch.py)
+        parts = [part.name for part in kernel.parts] or [kernel.name]
+        flops = sum(group_flops.pop(name.split("_", 1)[0], 0) for name in parts)
         written = sum(program.textures[t].image_bytes for t in kernel.outputs)
         read = sum(program.textures[t].image_bytes for t in set(kernel.inputs))
         if kernel.name in misses:  # simulated misses of the traced kernel: whole blocks of 16-byte texels

@@ -103,6 +103,9 @@ PAIRED_SUM_FLOAT4S = 40
 #: the most images one kernel reads: OpenCL 1.2's least CL_DEVICE_MAX_READ_IMAGE_ARGS, what every
 #: device takes (the fuse pass merges elementwise chains only within it)
 READ_IMAGE_ARGS = 128
+#: the most images one kernel writes where fblc chooses it (co-launched kernels, codegen/co_launch.py): OpenCL 2.0's
+#: least CL_DEVICE_MAX_WRITE_IMAGE_ARGS (1.2's is 8, which a kernel of four BatchNorm sites' sums and updates passes)
+WRITE_IMAGE_ARGS = 64
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
 #: register tiles that keep a CPU busy without sharing their reductions: PoCL runs a work-group's items in

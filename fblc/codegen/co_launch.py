@@ -1,0 +1,180 @@
+"""Co-launch: independent kernels of a GPU step run as one launch (horizontal fusion).
+
+A phone's OpenCL driver costs a launch tens of microseconds (the profile's `launch_us`), and most of a small
+model's backward launches hold fewer work-items than the GPU (an input gradient and the previous layer's weight
+gradient each fill part of it). Two kernels that neither read nor write what the other writes, with no launch
+between them that either depends on, run as one __kernel over both ranges of work-items: the first `span` of the
+launch run the first kernel's body, the rest the second's with get_global_id (get_group_id) less its start. So the
+pair pays one launch, and a fetch-bound kernel's texture work overlaps a memory-bound one's DRAM traffic.
+
+Rules (`co_launch`): a kernel joins the nearest earlier launch it may move up to: it commutes with every launch
+from there to its own place (it reads nothing they write, writes nothing they read or write), the launch holds
+fewer than CO_LAUNCH_PARTS kernels, reads at most READ_IMAGE_ARGS and writes at most WRITE_IMAGE_ARGS images,
+and their work-group sizes agree: kernels written for one group size (Kernel.group_size: __local memory,
+barriers) join only kernels of that size, or of any size where theirs is whole waves (a kernel of any size
+launched in groups of 4 would leave 60 lanes of each 64-lane wave idle). Each part's range is whole groups of
+the launch's size, so a barrier is reached by a whole group or by none. A kernel with a __local array declared
+below its body's top level is left alone (OpenCL C wants __local variables at the kernel's outermost scope: the
+top-level ones are hoisted, renamed where two parts name theirs alike). Only on GPU profiles (a CPU's OpenCL runs
+a launch's work-items on the same cores and pays little per launch: PoCL's steps are left as they are), and not
+in a step with a loop of launches (ES members: plan.json's loops index the launches).
+
+The merged kernel's texture arguments are its parts' outputs, then their inputs, each part's renumbered; its
+variables are renumbered past the first part's, so the IR stays one kernel's numbering (the renderer names a
+variable by its kind and number). Its `parts` are the kernels it runs (report.json's estimate counts their nodes'
+FLOPs; plan.json's schedule gives each part's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from fblc.codegen import ir as kir
+from fblc.codegen.cl import Kernel
+from fblc.profiles import Profile
+from fblc.profiles.profile import READ_IMAGE_ARGS, WRITE_IMAGE_ARGS
+
+#: the most kernels one launch runs (two: a weight gradient and the next input gradient of a backward)
+CO_LAUNCH_PARTS = 2
+#: the work-item builtins whose values a part sees shifted by its start (in items, or in groups)
+SHIFTED = {"get_global_id": 1, "get_group_id": 0}
+
+
+def co_launch(kernels: list[Kernel], profile: Profile, looped: bool) -> list[Kernel]:
+    """The launches of `kernels` (in launch order) with independent neighbours merged (this module's rules);
+    `kernels` itself where nothing merges, the profile is a CPU's or the step has a loop of launches (`looped`)."""
+    if profile.cpu or looped:
+        return kernels
+    launches: list[list[Kernel]] = []
+    for kernel in kernels:
+        reads, writes = set(kernel.inputs), set(kernel.outputs)
+        for launch in reversed(launches):
+            their_reads = {t for part in launch for t in part.inputs}
+            their_writes = {t for part in launch for t in part.outputs}
+            depends = reads & their_writes or writes & (their_reads | their_writes)
+            if not depends and _joins(launch, kernel, profile.wave_size):
+                launch.append(kernel)
+                break
+            if depends:
+                launches.append([kernel])
+                break
+        else:
+            launches.append([kernel])
+    return [launch[0] if len(launch) == 1 else merged(launch, profile) for launch in launches]
+
+
+def _joins(launch: Sequence[Kernel], kernel: Kernel, wave: int) -> bool:
+    parts = [*launch, kernel]
+    sizes = {part.group_size for part in parts} - {None}
+    any_size = any(part.group_size is None for part in parts)  # launched in the others' groups: whole waves only
+    return (len(parts) <= CO_LAUNCH_PARTS and len(sizes) <= 1 and all(map(_hoistable, parts))
+            and not (any_size and sizes and min(sizes) % wave)
+            and sum(len(set(part.inputs)) for part in parts) <= READ_IMAGE_ARGS
+            and sum(len(part.outputs) for part in parts) <= WRITE_IMAGE_ARGS)
+
+
+def _hoistable(kernel: Kernel) -> bool:
+    """Whether every __local array of the kernel is declared at its body's top level."""
+    top = {id(s) for s in kernel.ir.body}
+    return all(id(s) in top for s in kir.walk(kernel.ir.body) if isinstance(s, kir.DeclareArray) and s.local)
+
+
+def merged(parts: Sequence[Kernel], profile: Profile) -> Kernel:
+    """One kernel running `parts` over consecutive ranges of its work-items (this module's docstring)."""
+    group = next((part.group_size for part in parts if part.group_size is not None), None)
+    granule = group or profile.wave_size  # a part's range: whole groups, else whole waves (no wave runs two)
+    hoisted: list[kir.Statement] = []
+    names: set[str] = set()
+    arguments: list[kir.Argument] = []
+    start = out_base = in_base = 0
+    offset = 0  # added to the part's variable numbers
+    branches: list[tuple[int, list[kir.Statement]]] = []
+    for index, part in enumerate(parts):
+        relabel = _Relabel(offset, start, group, out_base, in_base)
+        for argument in part.ir.arguments:
+            arguments.append(relabel.argument(argument))
+        for statement in part.ir.body:
+            if isinstance(statement, kir.DeclareArray) and statement.local:
+                name = statement.var.name
+                if name and name in names:
+                    relabel.renamed[name] = f"{name}_{index}"
+                names.add(relabel.renamed.get(name, name))
+        statements = [relabel.any(s) for s in part.ir.body]
+        hoisted += [s for s in statements if isinstance(s, kir.DeclareArray) and s.local]
+        branches.append((start, [s for s in statements if not (isinstance(s, kir.DeclareArray) and s.local)]))
+        last = index == len(parts) - 1 and group is None  # a launch of one group size is whole groups
+        span = part.global_size if last else -(-part.global_size // granule) * granule
+        start += span
+        out_base += len(part.outputs)
+        in_base += len(part.inputs)
+        offset = max((v.number for v in _vars(statements)), default=offset) + 1
+    arguments.sort(key=lambda a: (a.role != "out", a.index))
+    # if (id < the next part's start) {..} else {..}: in groups where the launch has a size (a branch uniform in each
+    # group, as its barriers want, and plainly so to the device compiler)
+    item = kir.call("get_group_id" if group else "get_global_id", 0, dtype=kir.INT)
+    body = branches[-1][1]
+    for (_, statements), (after, _) in zip(reversed(branches[:-1]), reversed(branches[1:])):
+        body = [kir.If(item.lt(after // (group or 1)), statements, body)]
+    name = "_".join(part.name for part in parts)
+    families = {part.family for part in parts}
+    kernel = Kernel(name, parts[0].family if len(families) == 1 else "mixed",
+                    kir.KernelIR(name, arguments, hoisted + body, group),
+                    start, [t for part in parts for t in part.outputs], [t for part in parts for t in part.inputs],
+                    [n for part in parts for n in part.nodes], group_size=group)
+    kernel.parts = list(parts)
+    return kernel
+
+
+def _vars(statements: Sequence[kir.Statement]) -> list[kir.Var]:
+    found = []
+    for statement in kir.walk(statements):
+        for field in dataclasses.fields(statement):
+            value = getattr(statement, field.name)
+            for e in value if isinstance(value, tuple) else (value,):
+                if isinstance(e, kir.Expr):
+                    found += [x for x in kir.walk_expr(e) if isinstance(x, kir.Var)]
+    return found
+
+
+class _Relabel:
+    """One part's IR in the merged kernel: variables renumbered by `offset` (and hoisted __local arrays
+    renamed), arguments renumbered past the earlier parts' (outputs from `out_base`, inputs from `in_base`),
+    and work-item ids less the part's `start`."""
+
+    def __init__(self, offset: int, start: int, group: int | None, out_base: int, in_base: int) -> None:
+        self.offset, self.start, self.group = offset, start, group
+        self.out_base, self.in_base = out_base, in_base
+        self.renamed: dict[str, str] = {}
+
+    def argument(self, a: kir.Argument) -> kir.Argument:
+        base = self.out_base if a.role == "out" else self.in_base
+        return dataclasses.replace(a, index=a.index + base)
+
+    def any(self, value: Any) -> Any:
+        if isinstance(value, kir.Var):
+            return dataclasses.replace(value, number=value.number + self.offset,
+                                       name=self.renamed.get(value.name, value.name))
+        if isinstance(value, kir.Argument):
+            return self.argument(value)
+        if isinstance(value, kir.DType):
+            return value
+        if isinstance(value, kir.Call) and value.function in SHIFTED and self.start:
+            shift = self.start if SHIFTED[value.function] else self.start // (self.group or 1)
+            return kir.Binary("-", value, kir.const(shift), value.dtype)
+        if isinstance(value, list):
+            return [self.any(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.any(v) for v in value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = {f.name: self.any(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+            return type(value)(**fields)
+        return value
+
+
+def co_launched(schedules: dict[str, dict[str, Any]], kernel: Kernel) -> dict[str, Any]:
+    """plan.json's schedule of `kernel`: its own, or for a co-launched one its first part's with `parts`, each
+    part's (by name)."""
+    if not kernel.parts:
+        return schedules[kernel.name]
+    return {**schedules[kernel.parts[0].name], "parts": {part.name: schedules[part.name] for part in kernel.parts}}

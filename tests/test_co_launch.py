@@ -1,0 +1,53 @@
+"""Co-launched kernels (fblc/codegen/co_launch.py): which launches merge, and what the merged kernel runs. The numbers
+of steps with co-launched kernels are checked on PoCL by test_device_models (adreno830: mlp, llama, tresnet,
+mobilenet_v2) and on oclgrind, races included, by test_oclgrind."""
+
+from __future__ import annotations
+
+from fblc.codegen import ir as kir
+from fblc.codegen.cl import Kernel
+from fblc.codegen.co_launch import co_launch
+from fblc.codegen.render.opencl import BUFFER
+from fblc.profiles import load_profile
+
+ADRENO = load_profile("adreno830")
+
+
+def _kernel(name: str, items: int, inputs: list[int], outputs: list[int], group: int | None = None) -> Kernel:
+    """A kernel writing its work-item's id: enough IR to see each part's ids."""
+    numbering = kir.Numbering()
+    body = kir.Block(numbering)
+    item = body.let(kir.call("get_group_id" if group else "get_global_id", 0, dtype=kir.INT), "t")
+    arguments = [kir.Argument("out", k, "float", "float4", None) for k in range(len(outputs))]
+    arguments += [kir.Argument("in", k, "float", "float4", None) for k in range(len(inputs))]
+    body.add(kir.If(item.ge(items // (group or 1)), [kir.Return()]))
+    if group:
+        body.array("shared", kir.FLOAT, group, local=True, name="shared")
+    return Kernel(name, "elementwise", kir.KernelIR(name, arguments, body.statements, group), items, outputs, inputs,
+                  group_size=group)
+
+
+def test_independent_neighbours_share_a_launch_and_dependent_ones_do_not() -> None:
+    first, reader, other = _kernel("k1", 100, [0], [1]), _kernel("k2", 50, [1], [2]), _kernel("k3", 30, [0], [3])
+    launches = co_launch([first, reader, other], ADRENO, looped=False)
+    assert [k.name for k in launches] == ["k1", "k2_k3"]  # k2 reads k1's output; k3 reads only what k1 reads
+    merged = launches[1]
+    assert merged.parts == [reader, other] and merged.outputs == [2, 3] and merged.inputs == [1, 0]
+    assert merged.global_size == 64 + 30  # k2's 50 work-items take a whole wave before k3's
+    source = merged.render(BUFFER)
+    assert "(get_global_id(0) - 64)" in source and "out1" in source and "in1" in source
+    assert [k.name for k in co_launch([first, reader, other], load_profile("local"), looped=False)] == [
+        "k1", "k2", "k3"]  # a CPU's profile: left alone
+    assert len(co_launch([first, other], ADRENO, looped=True)) == 2  # an ES loop indexes the launches
+
+
+def test_group_kernels_join_only_their_size() -> None:
+    any_size = _kernel("k1", 100, [0], [1])
+    small_groups, wave_groups = _kernel("k2", 64, [0], [2], group=4), _kernel("k3", 128, [0], [3], group=64)
+    assert len(co_launch([any_size, small_groups], ADRENO, looped=False)) == 2  # groups of 4 would idle lanes
+    both = co_launch([wave_groups, _kernel("k4", 128, [0], [4], group=64)], ADRENO, looped=False)
+    assert [k.name for k in both] == ["k3_k4"] and both[0].group_size == 64
+    source = both[0].render(BUFFER)
+    assert "if (get_group_id(0) < 2)" in source and "(get_group_id(0) - 2)" in source
+    assert "__local float shared_1[64];" in source  # __local arrays at the kernel's scope, named apart
+
