@@ -57,7 +57,7 @@ RECOMPUTE_ATTEMPTS = 4
 
 def build_program(model_path: str, options: TrainingOptions, profile: Profile, overrides: Mapping[str, dict[str, Any]],
                   dump_dir: str | None = None, on_pass: PassHook | None = None,
-                  marks: list[tuple[str, float, float]] | None = None
+                  marks: list[tuple[str, float, float]] | None = None, co_launched_kernels: bool = True
                   ) -> tuple[ir.Model, Program, BufferTable, MemoryPlan]:
     """The step graph, its kernels, its buffer table and its memory plan (what fblc compile writes, nothing
     packed or written), holding --device-memory: where the bundle keeps more live than pass recompute's
@@ -76,7 +76,7 @@ def build_program(model_path: str, options: TrainingOptions, profile: Profile, o
         step = build_training_graph(model, options, dump_dir=dump_dir, on_pass=observe, lower=profile,
                                     schedules=step_schedules(profile, options.dtype, overrides))
         stages.append(("passes", time.perf_counter(), time.process_time()))
-        program = lower(step, profile, options.dtype, overrides=overrides)
+        program = lower(step, profile, options.dtype, overrides=overrides, co_launched_kernels=co_launched_kernels)
         stages.append(("codegen", time.perf_counter(), time.process_time()))
         table = buffer_table(step, program, profile)
         stages.append(("buffer_table", time.perf_counter(), time.process_time()))
@@ -107,12 +107,14 @@ def build_program(model_path: str, options: TrainingOptions, profile: Profile, o
 
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
                   dump_dir: str | None = None, on_pass: PassHook | None = None,
-                  annexes: Mapping[str, ReportAnnex] | None = None, schedules: str | None = None
-                  ) -> tuple[ir.Model, dict[str, Any]]:
+                  annexes: Mapping[str, ReportAnnex] | None = None, schedules: str | None = None,
+                  co_launched_kernels: bool = True) -> tuple[ir.Model, dict[str, Any]]:
     """Compile `model_path` into the bundle `out_dir`; returns the fused step graph and the report.
 
     `schedules`: a schedule file (codegen/schedule.py: kernel name -> fields) over the kernels' own
     schedules and the target profile's `schedules` section; plan.json records every kernel's.
+
+    `co_launched_kernels=False`: every kernel its own launch (codegen/co_launch.py), as fblc tune measures them.
 
     `annexes`: more report.json objects by key, each computed from a scratch copy of the finished
     bundle (e.g. `fblc compile --cache-report`'s simulated texture-cache figures, which run the
@@ -125,7 +127,8 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
     options = dataclasses.replace(options, dtype=dtype)
     overrides = load_overrides(schedules, profile)
     marks = [("start", started, time.process_time())]  # wall and CPU seconds (the process's, both threads)
-    step, program, table, plan = build_program(model_path, options, profile, overrides, dump_dir, on_pass, marks)
+    step, program, table, plan = build_program(model_path, options, profile, overrides, dump_dir, on_pass, marks,
+                                               co_launched_kernels)
     report = build_report(step, program, table, time.perf_counter() - started)
     report["memory"], timeline = memory_report(plan, table)
     report["layout"] = layout_object(step, program, options)

@@ -146,9 +146,10 @@ def _scheduled_table(graph: ir.Graph, profile: Profile, dtype: str, groups: list
 
 
 def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True,
-          overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Program:
+          overrides: Mapping[str, Mapping[str, Any]] | None = None, co_launched_kernels: bool = True) -> Program:
     """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the
-    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone."""
+    initial texture contents (the parameters packed into their layouts), e.g. to time codegen alone;
+    `co_launched_kernels=False` launches every kernel alone (fblc tune times and checks kernels one by one)."""
     graph = model.graph
     groups = kernel_groups(graph)
     emitted = [g for g in groups if KERNEL_EMITTERS.has(g.anchor)]
@@ -209,7 +210,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     if dtype == "fp16" and profile.fp16:
         compute_in_half(kernels, table, graph)
     schedules = {k.name: table.schedules[k.name].record() for k in kernels}
-    kernels = co_launch(kernels, profile, bool(loops))
+    if co_launched_kernels:
+        kernels = co_launch(kernels, profile, bool(loops))
     for kernel in kernels:  # an update in place reads and writes one texture: its two arguments alias
         both = set(kernel.inputs) & set(kernel.outputs)
         kernel.ir.aliased = frozenset([f"in{k}" for k, t in enumerate(kernel.inputs) if t in both]

@@ -224,8 +224,10 @@ class _Compiler:
         path = os.path.join(self.scratch, f"{label}.json")
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(profile, handle)
+        # each kernel its own launch: a GPU profile's co-launch would pair kernels by their schedules (a candidate's
+        # group size changes the pairs) and time and check two kernels as one; later compiles pair the tuned ones
         step, _ = compile_model(self.model, self.bundle(label), path, self.dtype, self.options,
-                                dump_dir=dump_dir)
+                                dump_dir=dump_dir, co_launched_kernels=False)
         with open(os.path.join(self.bundle(label), "plan.json"), encoding="utf-8") as handle:
             return step, json.load(handle)
 
