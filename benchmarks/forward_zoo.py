@@ -17,7 +17,11 @@ PoCL here), then
 each compared with onnxruntime on the original model file (an independent reference: the step graph is not
 involved). Tolerance (fblc.tools.verify's fp32 one, against the output's scale): every element within
 1e-4 |ort| + 1e-5 max |ort|; the table prints max |fblc - ort| / max |ort|. `time` is the seconds of the
-run itself (LocalRunner: build and one inference; adb: push, build and run, as `fblc run` times it).
+run itself: LocalRunner's construction (PoCL builds the kernels, or finds them in its cache from an earlier run)
+and one inference; adb: `fblc run`'s own timing of the push of bundle and runner, the runner's build and its run.
+The loopback device's shells have HOME in the device folder, so PoCL's cache there starts empty, as on a phone
+the first time: the adb time includes compiling every kernel (a second run of a pushed bundle takes ~0.5 s).
+`--only all --storages buffer --no-adb` runs every zoo architecture locally.
 """
 
 from __future__ import annotations
