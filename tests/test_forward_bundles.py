@@ -146,3 +146,39 @@ def test_a_step_of_views_alone_runs_and_unrunnable_values_are_named(tmp_path, ca
     assert main(["compile", empty, "-o", str(tmp_path / "i"), "--trainer", "none"]) != 0
     assert "'y' (made by node 'fill', ConstantOfShape) has shape [0]: no element" in (err := capsys.readouterr().err)
     assert "internal error" not in err
+
+
+def _token_attention_model(path: str) -> str:
+    """The decoder family's forward in miniature: int64 ids -> embedding Gather -> one causal attention head with
+    a residual -> vocabulary logits [2, 4, 16]."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {"E": (16, 8), "wq": (8, 8), "wk": (8, 8), "wv": (8, 8), "wo": (8, 16)}
+    initializers = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in weights.items()]
+    initializers += [numpy_helper.from_array(np.triu(np.full((4, 4), -1e4, np.float32), 1), "mask"),
+                     numpy_helper.from_array(np.array(8 ** -0.5, np.float32), "scale")]
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["x"]),
+             *[helper.make_node("MatMul", ["x", f"w{n}"], [n]) for n in "qkv"],
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Mul", ["s", "scale"], ["ss"]),
+             helper.make_node("Add", ["ss", "mask"], ["sm"]), helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["h"]), helper.make_node("Add", ["h", "x"], ["r"]),
+             helper.make_node("MatMul", ["r", "wo"], ["logits"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", 7, [2, 4])],
+                              [helper.make_tensor_value_info("logits", 1, [2, 4, 16])], initializer=initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_token_ids_through_a_causal_attention_forward_bundle(tmp_path) -> None:
+    """The LLM families' forward path (benchmarks/forward_zoo.py runs the zoo's gpt2, distilbert and bart this
+    way): int64 ids fed to a forward bundle compiled for a phone profile, embedded, attended and projected, equal
+    onnxruntime in buffer storage (the mlp and convnet tests above feed floats only)."""
+    model = _token_attention_model(str(tmp_path / "tokens.onnx"))
+    bundle = str(tmp_path / "forward")
+    assert main(["compile", model, "-o", bundle, "-q", "--trainer", "none", "--target", "adreno830"]) == 0
+    ids = np.array([[3, 15, 0, 7], [9, 9, 2, 12]], np.int64)
+    got = LocalRunner(bundle, storage="buffer", progress=False).infer({"ids": ids})["logits"]
+    np.testing.assert_allclose(got, _onnxruntime(model, {"ids": ids})["logits"], rtol=RTOL, atol=ATOL)
