@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fblc.errors import BundleError  # kept as fmt.BundleError: the runtimes raise it and its subclasses
+from fblc.errors import BundleError, FblcError  # kept as fmt.BundleError: the runtimes raise it and its subclasses
 
 FORMAT_NAME = "fblc-bundle"
 #: 2: texel layouts (rtile), shared images, r_mask4 textures; 3: r_mask8 textures; 4: manifest_sha256;
@@ -207,3 +207,18 @@ def checked_rewards(values: Sequence[float], members: int) -> np.ndarray:
         raise BundleError(f"the reward function returned a non-finite reward ({rewards.tolist()}); "
                           "return finite numbers, e.g. 1.0 for a solved task and 0.0 otherwise")
     return rewards.astype(np.float32)
+
+
+def npz_tensors(path: str, option: str, remedy: str) -> dict[str, np.ndarray]:
+    """The arrays of the .npz `path` (given as `option`, e.g. "--params") by name, or an FblcError naming the file
+    (unreadable, not an .npz, one .npy array) with `remedy`: trained parameters and specialists are such files."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except OSError as error:
+        raise FblcError(f"cannot read {option} '{path}' ({error.strerror or error})", remedy) from None
+    except ValueError:  # numpy's guess for bytes that are no .npy/.npz: pickled data
+        raise FblcError(f"{option} '{path}' is not an .npz file", remedy) from None
+    if not isinstance(data, np.lib.npyio.NpzFile):  # a single .npy array
+        raise FblcError(f"{option} '{path}' is one .npy array, not an .npz of tensors by name", remedy)
+    with data:
+        return {key: data[key] for key in data.files}

@@ -62,17 +62,8 @@ def checked(manifest: Mapping[str, Any], bundle: str, tensors: Mapping[str, Any]
 
 def load_file(path: str) -> dict[str, np.ndarray]:
     """The arrays of the specialist .npz `path` by name, or an error naming the file."""
-    remedy = "give the .npz file 'fblc export BUNDLE --params trained.npz --keep-adapters FILE.npz' wrote"
-    try:
-        data = np.load(path, allow_pickle=False)
-    except OSError as error:
-        raise FblcError(f"cannot read --specialist '{path}' ({error.strerror or error})", remedy) from None
-    except ValueError:
-        raise FblcError(f"--specialist '{path}' is not an .npz file", remedy) from None
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise FblcError(f"--specialist '{path}' is one .npy array, not an .npz of tensors by name", remedy)
-    with data:
-        return {key: data[key] for key in data.files}
+    return fmt.npz_tensors(path, "--specialist",
+                           "give the .npz file 'fblc export BUNDLE --params trained.npz --keep-adapters FILE.npz' wrote")
 
 
 def image_layout(texture: Mapping[str, Any]) -> TexelLayout:

@@ -222,17 +222,7 @@ def _frozen_factors(bundle: str, manifest: Mapping[str, Any]) -> dict[str, np.nd
 
 def load_trained(params_path: str) -> dict[str, np.ndarray]:
     """The arrays of the .npz `params_path` by name, or an error naming the file."""
-    remedy = "give the .npz file 'fblc run BUNDLE --save-params' wrote"
-    try:
-        data = np.load(params_path, allow_pickle=False)
-    except OSError as error:
-        raise FblcError(f"cannot read --params '{params_path}' ({error.strerror or error})", remedy) from None
-    except ValueError:  # numpy's guess for bytes that are no .npy/.npz: pickled data
-        raise FblcError(f"--params '{params_path}' is not an .npz file", remedy) from None
-    if not isinstance(data, np.lib.npyio.NpzFile):  # a single .npy array
-        raise FblcError(f"--params '{params_path}' is one .npy array, not an .npz of tensors by name", remedy)
-    with data:
-        return {key: data[key] for key in data.files}
+    return fmt.npz_tensors(params_path, "--params", "give the .npz file 'fblc run BUNDLE --save-params' wrote")
 
 
 def exported_model(bundle: str, trained: Mapping[str, np.ndarray], params_path: str,
