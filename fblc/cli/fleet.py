@@ -8,6 +8,7 @@ import importlib.util
 import os
 
 from fblc.cli.fleet_deploy import add_commands as add_deploy_commands
+from fblc.cli.options import add_strategy_options
 
 DESCRIPTION = (
     "Train BUNDLE across a fleet of simulated clients with Flower's simulation engine (Ray) on this machine: the "
@@ -86,17 +87,11 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                                "opencl:P:D, or graph (the step ONNX of --step in onnxruntime; default local)")
     simulate.add_argument("--step", metavar="STEP.onnx",
                           help="for --device graph: the step 'fblc train-graph' wrote with the bundle's options")
-    simulate.add_argument("--strategy", default="fedavg", choices=["fedavg", "fedprox", "fedadam"],
-                          help="Flower's aggregation (default fedavg, weighted by examples)")
     simulate.add_argument("--fraction", type=float, default=1.0, help="fraction of clients per round (default 1)")
     simulate.add_argument("--min-available", type=int, default=0,
                           help="clients that must be connected before a round starts (default all)")
     simulate.add_argument("--timeout", type=float, default=3600.0, help="seconds a round waits for replies")
-    simulate.add_argument("--proximal-mu", type=float, default=0.01, help="fedprox: mu (default 0.01)")
-    simulate.add_argument("--lr", type=float, default=0.1,
-                          help="the clients' learning rate for fedprox's proximal step (the bundle's --lr; "
-                               "default 0.1)")
-    simulate.add_argument("--eta", type=float, default=0.01, help="fedadam: the server's learning rate")
+    add_strategy_options(simulate)
     simulate.add_argument("--holdout", type=float, default=0.2, help="fraction of rows held out (default 0.2)")
     simulate.add_argument("--seed", type=int, default=0, help="seed of the split and the batches")
     simulate.add_argument("--workers", type=int, default=2, help="Ray worker processes (default 2)")

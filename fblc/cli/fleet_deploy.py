@@ -22,6 +22,7 @@ JOIN = ("Start a Flower SuperNode that joins the SuperLink at --superlink and tr
 def add_commands(fleet: Any) -> None:
     """`serve` and `join` under the `fleet` command's subparsers."""
     from fblc.cli import deferred
+    from fblc.cli.options import add_strategy_options
 
     serve = fleet.add_parser("serve", help="run a SuperLink and the fleet's rounds", description=SERVE)
     serve.add_argument("bundle", help="the compiled bundle (every client trains one compiled from the same model)")
@@ -34,12 +35,7 @@ def add_commands(fleet: Any) -> None:
     serve.add_argument("--round-timeout", type=float, default=600.0,
                        help="seconds a round waits for replies; later ones are left out (default 600)")
     serve.add_argument("--port", type=int, default=9092, help="the SuperLink's port (default 9092)")
-    serve.add_argument("--strategy", default="fedavg", choices=["fedavg", "fedprox", "fedadam"],
-                       help="Flower's aggregation (default fedavg, weighted by examples)")
-    serve.add_argument("--proximal-mu", type=float, default=0.01, help="fedprox: mu (default 0.01)")
-    serve.add_argument("--lr", type=float, default=0.1,
-                       help="fedprox: the clients' learning rate for the proximal step (the bundle's --lr)")
-    serve.add_argument("--eta", type=float, default=0.01, help="fedadam: the server's learning rate")
+    add_strategy_options(serve)
     serve.add_argument("--es-seeds", action="store_true",
                        help="ES bundles (--trainer es, SGD): clients send seeds and rewards, not tensors")
     serve.add_argument("--keep-replies", action="store_true",

@@ -144,6 +144,17 @@ def add_adapter_options(parser: argparse.ArgumentParser, seed: bool = True) -> N
                              "features the block divides)")
 
 
+def add_strategy_options(parser: argparse.ArgumentParser) -> None:
+    """A fleet's aggregation on Flower (fblc fleet simulate and serve): the strategy and its figures."""
+    parser.add_argument("--strategy", default="fedavg", choices=["fedavg", "fedprox", "fedadam"],
+                        help="Flower's aggregation (default fedavg, weighted by examples)")
+    parser.add_argument("--proximal-mu", type=float, default=0.01, help="fedprox: mu (default 0.01)")
+    parser.add_argument("--lr", type=float, default=0.1,
+                        help="fedprox: the clients' learning rate for the proximal step (the bundle's --lr; "
+                             "default 0.1)")
+    parser.add_argument("--eta", type=float, default=0.01, help="fedadam: the server's learning rate")
+
+
 def training_options(args: argparse.Namespace) -> "object":
     from fblc.compiler.optimizers import OptimizerConfig
     from fblc.passes.pipeline import TrainingOptions
