@@ -34,8 +34,8 @@ import numpy as np
 
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
-from fblc.codegen.ir import (FLOAT4, INT, Barrier, Binary, Block, Call, Cast, Const, DeclareArray, Element, Expr,
-                             Numbering, Select, Stage, Unary, Var, call, div_index, walk)
+from fblc.codegen.ir import (FLOAT4, INT, Barrier, Binary, Block, Call, Cast, Const, DeclareArray, Declare, Element,
+                             Expr, Numbering, Select, Stage, Unary, Var, call, div_index, walk)
 from fblc.codegen.kernels.accumulators import LANES
 from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN
 
@@ -91,7 +91,9 @@ class Staging:
         staged = self.operands.get(name)
         if staged is None:
             return None
-        uniform = [t for t in terms if t not in staged.varying]
+        uniform = list(terms)
+        for term in staged.varying:  # each once: a term twice in the index counts twice
+            uniform.remove(term)
         if staged.rows:
             assert {offset >> 2 for offset in offsets} <= set(staged.rows), f"a block's texels off its rows ({name})"
             return block.let((index_sum(uniform) + staged.first) >> 2, "q")
@@ -134,7 +136,11 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Stagin
     items = np.arange(b.items, dtype=np.int64)
     try:
         for loop in reduction.loops:
-            if loop.enter is not None or any(_leaves(e, decls) & {item} for e in (loop.start, loop.stop) if e is not None):
+            entered = Block(Numbering(10 ** 9))
+            if loop.enter is not None and loop.enter(entered) is not entered:  # an `if` around the blocks
+                return None
+            decls.update({s.var: s.init for s in entered.statements if isinstance(s, Declare) and s.init is not None})
+            if any(_leaves(e, decls) & {item} for e in (loop.start, loop.stop) if e is not None):
                 return None
         candidates = {}
         for name, operand in (("x", reduction.x), ("w", reduction.w)):
@@ -198,7 +204,7 @@ def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: O
             is not None:
         return None
     varying = []
-    for term in operand.terms:
+    for term in [*operand.terms, *(t for loop in reduction.loops for t in getattr(loop, f"{name}_terms"))]:
         leaves = _leaves(term.expr, decls)
         if leaves == {item}:
             varying.append(term)
