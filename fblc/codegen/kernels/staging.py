@@ -98,7 +98,7 @@ class Staging:
             assert {offset >> 2 for offset in offsets} <= set(staged.rows), f"a block's texels off its rows ({name})"
             return block.let((index_sum(uniform) + staged.first) >> 2, "q")
         low, high = staged.spread[0] + min(offsets), staged.spread[1] + max(offsets) + LANES
-        assert (high - low) // LANES + 2 <= staged.texels, f"a block's span past its __local copy ({name})"
+        assert (high - low) // LANES + 2 <= staged.texels, f"a block's span past the group's copy ({name})"
         return block.let((index_sum(uniform) + staged.first + low) >> 2, "q")
 
     def copy(self, b: KernelBuilder, block: Block, reads: Sequence[tuple[Operand, str, Var]]) -> None:
