@@ -420,6 +420,9 @@ class Reduction:
         # without masks (MatMul, Gemm) no read is marked inside: a cluster's spare texel keeps its end clamp
         copies: dict[str, Callable[[Expr, int | None], Expr]] = {}
         if staging is not None:  # every block copies, so every work-item meets the same barriers
+            for operand in (x, w):  # the kernel's arguments in the order fetch would number them (x, then w)
+                if b.constant_value(operand.value) is None:
+                    b.input_argument(operand.value)
             starts = {name: staging.origin(block, name, operand.terms, [getattr(p, name) + operand.offset
                                                                          for p, _ in kept])
                       for name, operand in (("x", x), ("w", w))}
