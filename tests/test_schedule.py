@@ -35,7 +35,7 @@ from fblc.profiles.profile import GROUP_ITEMS
 from fblc.runtime.local import LocalRunner
 from fblc.tools.verify import verify_model
 from support.bundles import edit_plan
-from support.kernel_ir import keep_lowered, of_type
+from support.kernel_ir import keep_lowered, of_type, profile_with
 from tests.conftest import mlp_proto
 from tests.test_runtime import OPTIONS, elementwise_model
 
@@ -202,6 +202,11 @@ def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, monkeypatch, targe
                             (name, launch["name"], part.name, schedule, written)
                         grouped += 1
                         tiled += tiles > 1
+                continue
+            if any(isinstance(s, kir.Stage) for s in kir.walk(kernel.ir.body)):  # a staged one: plain work-items in
+                # the groups its __local copies are written for (codegen/kernels/staging.py), whole groups
+                assert profile.local_staging and kernel.ir.group_size == kernel.group_size, (name, launch["name"])
+                assert schedule == [launch["items"], kernel.group_size] and launch["items"] % kernel.group_size == 0
                 continue
             written = _written_group(kernel)
             if written is None:
@@ -402,7 +407,8 @@ def test_a_contraction_too_small_for_the_device_is_split_until_it_fills_it(tmp_p
 
     forward = {target: min((k for k in _contractions(path, target) if k.name.endswith("_MatMul") and k.global_size >= 128),
                            key=lambda k: int(k.name[1:].split("_")[0]))  # the forward MatMul: fuse numbers it before
-               for target in ("adreno830", "adreno730", "local")}  # its gradients' (launches may move: in-place updates)
+               for target in ("adreno830", "adreno730", profile_with(str(tmp_path), "local", local_staging=False))}
+    # (its gradients' launches may move: in-place updates; the local CPU's without staging, whose groups are its own)
     assert [kernel.group_size for kernel in forward.values()] == [64, 64, None]  # whole waves of tiles
     assert [kernel.global_size for kernel in forward.values()] == [128 * 16, 128 * 8, 128]
     rows = verify_model(path, STEP, target="adreno830", work_dir=str(tmp_path))

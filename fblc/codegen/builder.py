@@ -67,6 +67,10 @@ class KernelBuilder(ValueReads):
         self.shared_floats = 0  # the __local floats of a group kernel, when more than one per work-item
         self.shared = _named("shared", kir.FLOAT)
         self._one_writer = False  # a group kernel's texels computed and written by work-item 0 alone (`_item`)
+        #: work-items of a work-group that stage shared texels in __local (kernels/staging.py), each its own item,
+        #: and the __local arrays they stage into (declared at the kernel's scope); None: no staging
+        self.staging_group: int | None = None
+        self.staged_arrays: list[Statement] = []
         self.schedule = table.schedules.setdefault(name, Schedule())
         # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
         rows, columns, stride = self.schedule.tile_rows, self.schedule.tile_columns, self.schedule.tile_stride
@@ -234,6 +238,9 @@ class KernelBuilder(ValueReads):
             self._group_header(kernel, item)
         else:
             kernel.add(kir.Declare(launched, kir.call("get_global_id", 0, dtype=INT)))
+        if self.staging_group is not None:  # whole groups (staging.plan_staging): no work-item leaves before a barrier
+            assert group is None and pair == 1 and launches % self.staging_group == 0, f"{self.name}: staged"
+            kernel.add(kir.Declare(self.lid, kir.call("get_local_id", 0, dtype=INT)), kir.Stage(self.staged_arrays))
         kernel.add(kir.If(launched.ge(launches), [kir.Return()]))
         bytes_ = {k: _named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
         for k, byte in bytes_.items():  # bytes pairing the rows of a tile of several columns: one a column
@@ -247,10 +254,11 @@ class KernelBuilder(ValueReads):
                 if items % pair:
                     item_block.add(kir.If(item.ge(items), [kir.Break()]))
         self._item(item_block, results, arguments, bytes_)
-        body = kir.KernelIR(self.name, arguments, kernel.statements, group * self.tiles_per_group if group else None)
+        size = group * self.tiles_per_group if group else self.staging_group
+        body = kir.KernelIR(self.name, arguments, kernel.statements, size)
         return Kernel(self.name, self.family, body, items * group if group else launches,
                       outputs=[t.id for t in self.out_textures], inputs=[t.id for t in self.in_textures],
-                      nodes=list(self.nodes), group_size=group * self.tiles_per_group if group else None)
+                      nodes=list(self.nodes), group_size=size)
 
     @property
     def items(self) -> int:

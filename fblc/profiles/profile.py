@@ -28,6 +28,8 @@ FIGURES: dict[str, tuple[type, str]] = {
     "cpu": (bool, "a CPU: a work-item's float4 is one SIMD register, a work-group's items run in turn on one core"),
     "simd_floats": (int, "floats one SIMD instruction of a work-item takes (CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT)"),
     "subgroups": (bool, "sub-group built-ins (cl_khr_subgroups): group reductions merge within sub-groups first"),
+    "local_staging": (bool, "a work-group's copy of its shared texels in __local memory costs less than its work-items' "
+                            "image reads of them (codegen/kernels/staging.py)"),
     "tex_block_width": (int, "texels per texture-cache block, horizontally"),
     "tex_block_height": (int, "texels per texture-cache block, vertically"),
     "line_bytes": (int, "bytes per cache line"),
@@ -57,6 +59,13 @@ PORTABLE_IMAGE_EDGE = 8192
 #: work-items a launch's work-group aims at: enough waves per group to hide texture latency (Adreno's and
 #: Mali's OpenCL guides recommend 64 to 128), within the device's max_work_group_size
 GROUP_ITEMS = 64
+#: texels (float4) a kernel's staging copies may hold together: 32 KiB, the least CL_DEVICE_LOCAL_MEM_SIZE of
+#: OpenCL's full profile (PoCL's CPU device offers more; a GPU's __local is its L1, where 32 KiB is common)
+LOCAL_TEXELS = 2048
+#: an operand is staged where its group's copy is at most this fraction of the group's own reads of it: the
+#: barriers and the copy's __local stores and loads take the rest (benchmarks/staging_trial.py: T-ResNet's k8,
+#: reads 11.8M -> 2.2M, its time 0.50x)
+STAGE_GAIN = 0.5
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
 #: the longest reduction per weight element (batch x dY map: the weight-gradient conv's kernel) whose weight
@@ -134,6 +143,7 @@ class Profile:
     cpu: bool
     simd_floats: int
     subgroups: bool
+    local_staging: bool
     tex_block_width: int
     tex_block_height: int
     line_bytes: int

@@ -315,6 +315,8 @@ def interpret(plan: Plan, results: Results, name: str) -> dict[str, Any]:
     figures.update(_device_size(device, figures["wave_size"]["value"], gflops, queried, measured))
     if "cpu" in device:  # runners built before the device type was recorded keep local.json's estimate
         figures["cpu"] = {"value": bool(device["cpu"]), "source": f"{queried} (device type)"}
+        figures["local_staging"] = {"value": bool(device["cpu"]), "source": f"estimated from {queried} (device type): "
+                                    "a CPU's images are software (staging pays: local.json), a GPU's are texture units"}
     if "simd_floats" in device:
         figures["simd_floats"] = {"value": max(1, int(device["simd_floats"])),
                                   "source": f"{queried} (native float vector width)"}

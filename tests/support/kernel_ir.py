@@ -30,9 +30,18 @@ def lowered_kernels(model_path: str, target: str = "local", dtype: str = "fp32",
 
 
 def statements(kernel: Kernel) -> Iterator[kir.Statement]:
-    """Every statement of the kernel, nested ones included."""
+    """Every statement of the kernel, nested ones included, but for what a work-group's staging holds (an
+    ir.Stage's copies into __local, codegen/kernels/staging.py): the kernel's own reads, as buffers render it."""
     assert isinstance(kernel.ir, kir.KernelIR), f"{kernel.name} has no IR"
-    return kir.walk(kernel.ir.body)
+    return _unstaged(kernel.ir.body)
+
+
+def _unstaged(body: list[kir.Statement]) -> Iterator[kir.Statement]:
+    for statement in body:
+        yield statement
+        if not isinstance(statement, kir.Stage):
+            for nested in kir.nested(statement):
+                yield from _unstaged(nested)
 
 
 def expressions(kernel: Kernel) -> Iterator[kir.Expr]:

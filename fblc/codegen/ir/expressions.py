@@ -228,10 +228,12 @@ class Argument:
 
 
 class Load(Expr):
-    """Texel `texel` of texture argument `argument`, a whole 4-lane vector (a mask's byte: lane x)."""
+    """Texel `texel` of texture argument `argument`, a whole 4-lane vector (a mask's byte: lane x); `staged`:
+    the same texel in a work-group's __local copy (an Element), read instead where the storage stages (Stage)."""
 
     argument: Argument
     texel: Expr
+    staged: Expr | None = None
     dtype = property(lambda self: TEXEL_TYPES[self.argument.kind])  # type: ignore[assignment]
 
 

@@ -9,7 +9,7 @@ from typing import Callable, ClassVar, Iterator, Sequence, Union
 from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
 
 __all__ = ["Declare", "DeclareArray", "Assign", "Store", "For", "If", "Break", "Return", "Barrier", "While",
-           "WithFeature", "FEATURES", "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs",
+           "WithFeature", "Stage", "FEATURES", "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs",
            "nested", "walk"]
 
 
@@ -94,10 +94,20 @@ class WithFeature:
     orelse: list[Statement]
 
 
+@dataclass
+class Stage:
+    """Work-group staging of texel reads (codegen/kernels/staging.py): `then` (the group's barriers and its
+    copies of texels into __local arrays, or those arrays' declarations) where the storage stages its reads
+    (render.opencl.Storage.stages: image2d textures, whose reads PoCL runs in software), nothing where it does
+    not (buffers, whose loads are plain memory reads). A Load's `staged` read is its twin in the same storage."""
+
+    then: list[Statement]
+
+
 #: the optional features a WithFeature may test
 FEATURES = ("subgroups",)
 
-Statement = Union[Declare, DeclareArray, Assign, Store, For, If, Break, Return, Barrier, While, WithFeature]
+Statement = Union[Declare, DeclareArray, Assign, Store, For, If, Break, Return, Barrier, While, WithFeature, Stage]
 
 
 @dataclass
@@ -206,7 +216,7 @@ _READS: dict[type, tuple[str, ...]] = {
 
 #: the fields of a statement that hold the statements nested in it
 _BODIES: dict[type, tuple[str, ...]] = {For: ("body",), While: ("body",), If: ("then", "orelse"),
-                                        WithFeature: ("then", "orelse")}
+                                        WithFeature: ("then", "orelse"), Stage: ("then",)}
 
 
 def statement_exprs(statement: Statement) -> tuple[Expr, ...]:

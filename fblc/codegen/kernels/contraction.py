@@ -139,7 +139,7 @@ def reduce_into(b: KernelBuilder, build: Build, lanes: int = LANES) -> Expr:
                                  b.out_textures[0].texels * LANES // lanes, masks)
     if b.group_size is not None:
         b.tiles_per_group = profile.tiles_per_group(b.group_size, lanes, b.items)
-    accs = reduction.emit(b, prologue, lanes, group=b.group_size)
+    accs = reduction.emit(b, prologue, lanes, group=b.group_size, stage=b.group_size is None)
     if b.group_size:
         prologue.add(*b.merge_tiles_across_group(accs, lanes))
     return b.body.let(Element(accs, b.lane_of_item), "acc")

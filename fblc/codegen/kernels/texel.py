@@ -32,6 +32,7 @@ from fblc.codegen.ir import (
     FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
     select)
 from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost
+from fblc.codegen.kernels.staging import Staging, plan_staging
 from fblc.codegen.schedule import Schedule, offered_pairings, resolve_form, resolve_pair
 from fblc.profiles.profile import private_limit
 
@@ -148,10 +149,11 @@ class Blocked:
 
 
 def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[int],
-          inside: Iterable[int] = ()) -> dict[int, Expr]:
+          inside: Iterable[int] = (), staged: Callable[[Expr, int | None], Expr] | None = None) -> dict[int, Expr]:
     """Read each offset of `operand` once; its values by offset. Offsets in `inside` (read by unmasked
     products) lie in the tensor wherever the kernel runs: a texel that holds one is read unclamped even
-    where the operand's masked reads are clamped."""
+    where the operand's masked reads are clamped. `staged`: where a work-group's __local copy holds each texel
+    (staging.py; of the texel's index and, where the base is aligned, its offset k from the base texel)."""
     if operand.rows:  # each row from its own base (Operand.rows)
         inside = set(inside)
         span, values = operand.row_span, {}
@@ -168,11 +170,15 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
     argument, texture = b.input_argument(operand.value)
     last = texture.texels - 1
 
-    def texel(index: Expr, spare: bool = False, within: bool = False) -> Var:
+    def texel(index: Expr, spare: bool = False, within: bool = False, k: int | None = None) -> Var:
         # spare: the read may pass the tensor's end (a cluster's last texel at shift 0); within: it never leaves it
+        unclamped = index
         if not within and (operand.clamp or spare):
             index = call("clamp", index, 0, last) if operand.clamp else call("min", index, last)
-        return block.let(b.texel(argument, texture, index), "T")
+        load = b.texel(argument, texture, index)
+        if staged is not None:  # the copy holds texel clamp(t) for the texel t read here
+            load = replace(load, staged=staged(unclamped, k))  # type: ignore[type-var]
+        return block.let(load, "T")
 
     base = index_sum(operand.terms)
     # the base is a multiple of `aligned` (1, 2 or 4) whatever the runtime values
@@ -180,7 +186,7 @@ def fetch(b: KernelBuilder, block: Block, operand: Operand, offsets: Iterable[in
     # a base that is a multiple of 4: the texel and lane of every offset are literals
     if aligned == LANES:  # (>> 2 floors negative offsets too)
         q = block.let(base >> 2, "q")
-        texels = {k: texel(plus(q, k), within=k in inside_texels) for k in sorted({offset >> 2 for offset in wanted})}
+        texels = {k: texel(plus(q, k), within=k in inside_texels, k=k) for k in sorted({offset >> 2 for offset in wanted})}
         return {offset - operand.offset: texels[offset >> 2].lane(offset & 3) for offset in wanted}
     values: dict[int, Expr] = {}
     for cluster in _clusters(wanted):
@@ -294,10 +300,11 @@ class Reduction:
         return (None, blocks) if blocks >= trips else (index, trips)
 
     def emit(self, b: KernelBuilder, block: Block, lanes: int, guard: Expr | None = None,
-             group: int | None = None) -> Var:
+             group: int | None = None, stage: bool = False) -> Var:
         """Accumulate into `lanes` accumulators (only where `guard` holds, if given); the array `float
         acc[lanes]` of their totals. With `group`, the work-items of a work-group (`lid`) share
-        `shared_loop()`, each its every group-th iteration, and hold partial sums."""
+        `shared_loop()`, each its every group-th iteration, and hold partial sums. `stage`: every work-item
+        runs this reduction (no guard, no group), so a work-group may stage the texels they share (staging.py)."""
         profile, schedule = b.table.profile, b.schedule
         if lanes > private_limit(profile.cpu):
             raise AssertionError(f"{b.name}: {lanes} accumulators per work-item, more than the "
@@ -312,6 +319,7 @@ class Reduction:
         else:  # what choose_form and pair_stride give lanes that are no whole texels
             form, pair, width = "lanes", 0, 2
         target = Accumulators.declared(block, "accv" if form != "lanes" else "acc", form, pair, lanes, width)
+        staging = plan_staging(b, block, self) if stage and guard is None and group is None else None
         inner = block if guard is None else Block(block.numbering)
         if guard is not None:
             block.add(If(guard, inner.statements))
@@ -330,13 +338,14 @@ class Reduction:
                     high=self.mask.high + (main - axis.block) * axis.position_step)
                 self._block(b, body_block, target, axis.products(range(axis.block)),
                             _shifted(x_terms, var, axis.x_step, axis.block),
-                            _shifted(w_terms, var, axis.w_step, axis.block), mask)
+                            _shifted(w_terms, var, axis.w_step, axis.block), mask, staging)
         if main < axis.extent:  # the rest, one work-item's share when the blocks are dealt out
             rest = inner
             if blocks_dealt:
                 rest = Block(inner.numbering)
                 inner.add(If(b.lid.eq(group - 1), rest.statements))  # type: ignore[operator]
-            self._block(b, rest, target, axis.products(range(main, axis.extent)), x_terms, w_terms, self.mask)
+            self._block(b, rest, target, axis.products(range(main, axis.extent)), x_terms, w_terms, self.mask,
+                        staging)
         return target.totals(block, lanes)
 
     def fetches(self) -> float:
@@ -379,9 +388,9 @@ class Reduction:
         return [(p.lane, p.x, p.w) for p in self.blocked.products(range(min(self.blocked.block, self.blocked.extent)))]
 
     def _block(self, b: KernelBuilder, block: Block, acc: Accumulators, products: Sequence[Product],
-               x_terms: list[Term], w_terms: list[Term], mask: Mask | None) -> None:
+               x_terms: list[Term], w_terms: list[Term], mask: Mask | None, staging: Staging | None = None) -> None:
         """One static block (the operands' bases at the terms): drop products that are always out of range, mask
-        the ones that may be."""
+        the ones that may be; with `staging`, its staged operands read from the group's copy."""
         x, w, row_mask = replace(self.x, terms=x_terms), replace(self.w, terms=w_terms), self.row_mask
         axes = [(axis, m) for axis, m in enumerate((mask, row_mask)) if m is not None]
         conditions: dict[tuple[int, int], tuple[int, bool, bool, int]] = {}  # (axis, offset) -> what to test
@@ -409,8 +418,20 @@ class Reduction:
             if len(keys) > 1 and keys not in named:
                 named[keys] = block.let(functools.reduce(Expr.logical_and, (named[(key,)] for key in keys)), "m")
         # without masks (MatMul, Gemm) no read is marked inside: a cluster's spare texel keeps its end clamp
-        xs = fetch(b, block, x, (p.x for p, _ in kept), inside=(p.x for p, keys in kept if not keys) if axes else ())
-        ws = fetch(b, block, w, (p.w for p, _ in kept))
+        copies: dict[str, Callable[[Expr, int | None], Expr]] = {}
+        if staging is not None:  # every block copies, so every work-item meets the same barriers
+            for operand in (x, w):  # the kernel's arguments in the order fetch would number them (x, then w)
+                if b.constant_value(operand.value) is None:
+                    b.input_argument(operand.value)
+            starts = {name: staging.origin(block, name, operand.terms, [getattr(p, name) + operand.offset
+                                                                         for p, _ in kept])
+                      for name, operand in (("x", x), ("w", w))}
+            staging.copy(b, block, [(operand, name, starts[name]) for name, operand in (("x", x), ("w", w))
+                                    if starts[name] is not None])  # type: ignore[misc]
+            copies = {name: staging.operands[name].read(q0) for name, q0 in starts.items() if q0 is not None}
+        xs = fetch(b, block, x, (p.x for p, _ in kept), inside=(p.x for p, keys in kept if not keys) if axes else (),
+                   staged=copies.get("x"))
+        ws = fetch(b, block, w, (p.w for p, _ in kept), staged=copies.get("w"))
         block.add(*acc.add([(product.lane, select(named[keys], xs[product.x], const(0.0, FLOAT)) if keys
                              else xs[product.x], ws[product.w]) for product, keys in kept],
                            [(p.x, p.w) for p, _ in kept]))

@@ -75,6 +75,9 @@ class Storage:
     #: element {x} of an argument read as its own scalar where the storage addresses elements (a buffer's floats):
     #: lane x & 3 of texel x >> 2 without loading the texel and picking its lane at run time (lane_f)
     elements: dict[str, str] = field(default_factory=dict)
+    #: whether a work-group stages the texels its work-items share in __local (ir.Stage, Load.staged): images,
+    #: whose reads PoCL runs in software (a function call a texel), not buffers, whose loads are memory reads
+    stages: bool = False
 
 
 #: read_imagef, write_imageui...; read_imager / write_imager: the preamble's read_imageh where real is half
@@ -84,7 +87,7 @@ IMAGE = Storage(PREAMBLE, True, "kind", {"in": "read_only image2d_t {a}", "out":
                 {k: f"read_image{s}({{a}}, SMP, NOTE({{i}}, {{t}}))" for k, s in IMAGE_SUFFIXES.items()},
                 {k: f"write_image{s}({{a}}, {{t}}, {{v}})" for k, s in IMAGE_SUFFIXES.items()},
                 {"float": "window4({first}, {second}, {s})", "real": "window4_r({first}, {second}, {s})"},
-                " TRACE_PARAM", ("TRACE_INIT",), REAL_IMAGE_PREAMBLE)
+                " TRACE_PARAM", ("TRACE_INIT",), REAL_IMAGE_PREAMBLE, stages=True)
 #: __global buffers of texels in index order (kernels.buffer.cl: LocalRunner's storage "buffer", for a CPU's OpenCL,
 #: whose images are software), by element type: fp16 4 halfs a texel, a mask a byte (lane x of an image's uint4);
 #: a half kernel's ("real:" element) converts each texel it reads to real4 and each it writes back
@@ -184,6 +187,8 @@ class Renderer:
         return f"{name_of(e.array)}[{self.expr(e.index)}]"
 
     def _Load(self, e: ir.Load) -> str:
+        if e.staged is not None and self.storage.stages:
+            return self.expr(e.staged)
         return self.texture(self.storage.loads, e.argument, self.expr(e.texel))
 
     def _Swizzle(self, e: ir.Swizzle) -> str:
@@ -235,6 +240,8 @@ class Renderer:
         if isinstance(s, ir.WithFeature):  # the device compiler's choice: preprocessor lines
             return [f"{pad}#ifdef {FEATURE_MACROS[s.feature]}", *self.statements(s.then, depth),
                     f"{pad}#else", *self.statements(s.orelse, depth), f"{pad}#endif"]
+        if isinstance(s, ir.Stage):
+            return self.statements(s.then, depth) if self.storage.stages else []
         if isinstance(s, ir.While):
             return [f"{pad}while ({self.condition(s.condition)}) {{", *self.statements(s.body, depth + 1), f"{pad}}}"]
         return [pad + {ir.Break: "break;", ir.Return: "return;",

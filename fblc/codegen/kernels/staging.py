@@ -1,0 +1,309 @@
+"""Work-group staging: the texels a work-group's work-items share, read once into __local memory per trip.
+
+Where a device's texel reads cost more than __local traffic and barriers (Profile.local_staging: PoCL's software
+images, a function call per read_imagef), neighbouring work-items of a contraction read the same texels many
+times: a conv's output positions share their input row and its halo, its output channels' tiles of one batch
+element share the weights. benchmarks/staging_trial.py measured it on two T-ResNet launches (the forward conv
+0.50x its time, texel reads 11.8M -> 2.2M; a weight gradient 0.59x). Here a work-item's own reduction (Reduction
+.emit, no group kernel) gets a work-group of G consecutive items that, at the top of each block of the reduction,
+copy the union of their reads of an operand (its `span` texels) into a __local array between two barriers, and
+each work-item then reads its texels from there (ir.Stage; Load.staged). Images stage; buffers render the same
+kernel with plain loads (render.opencl.Storage.stages).
+
+The plan is decided at compile time from the operand's index arithmetic, per kernel: each index term is uniform
+over a group (loop variables, constants) or a function of the work-item's item alone (its output index); the
+latter's sum is evaluated for every item (numpy, the IR's own arithmetic), and for each candidate G (a divisor
+of the launch within max_work_group_size) the spread of a group's sums from its first item's gives the texels a
+group copies. An operand is staged where that is at most STAGE_GAIN of the group's reads of it, the G taken
+being the one with the fewest texel reads per work-item, the arrays within LOCAL_TEXELS. Nothing is staged (None)
+where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
+kinds, or the operand is inlined, dequantized or read by rows (Operand.rows).
+
+Why the values are the image's: the copy holds texel clamp(q0 + j) at j, and a read of texel t (clamped or not:
+an unclamped read lies inside) takes element t - q0, which the span bounds, so it reads texel clamp(t).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fblc.bundle_format import MASK_FORMATS
+from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
+from fblc.codegen.ir import (FLOAT4, INT, Barrier, Binary, Block, Call, Cast, Const, DeclareArray, Declare, Element,
+                             Expr, Numbering, Select, Stage, Unary, Var, call, div_index, walk)
+from fblc.codegen.kernels.accumulators import LANES
+from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN
+
+if TYPE_CHECKING:  # texel.py imports this module
+    from fblc.codegen.kernels.texel import Operand, Reduction, Term
+
+
+class _Unplannable(Exception):
+    """An index the plan cannot evaluate per item (a loop variable in an item's term, an unknown operation)."""
+
+
+@dataclass
+class StagedOperand:
+    """One operand's __local copy: `array` of `texels`, the item-dependent `varying` terms of its index and
+    `first`, their sum at the group's first item. A span (`rows` empty): the texels from the least to the most a
+    group reads, `spread` (least, most) of an item's sum less the first's. Gathered rows: where the group's items
+    sit `row_step` texels apart (sum - first = r * 4 * row_step, r < n) and each reads texels `rows` from its
+    base, n rows of those texels (a conv's weights: each output channel's few taps of a block's channels, far
+    apart); `slot`, this item's first element there, and `table`, the offsets of its row in the copy."""
+
+    array: Var
+    texels: int
+    varying: tuple[Term, ...]
+    first: Var
+    spread: tuple[int, int] = (0, 0)
+    rows: tuple[int, ...] = ()
+    row_step: int = 0
+    slot: Var | None = None
+    table: Var | None = None
+
+    def read(self, q0: Var) -> Callable[[Expr, int | None], Element]:
+        """The copy's element of texel `index` (k: its offset from the item's base texel, where aligned)."""
+        if not self.rows:
+            return lambda index, k: Element(self.array, index - q0)
+        where = {k: i for i, k in enumerate(self.rows)}
+        assert self.slot is not None
+        return lambda index, k: Element(self.array, self.slot + where[k])  # type: ignore[index, operator]
+
+
+@dataclass
+class Staging:
+    """The plan of one reduction: the work-group size and the staged operands by name ("x", "w")."""
+
+    group: int
+    operands: dict[str, StagedOperand]
+
+    def origin(self, block: Block, name: str, terms: Sequence[Term], offsets: Sequence[int]) -> Var | None:
+        """The texel q0 at which operand `name`'s copy starts (gathered rows: the group's first item's base
+        texel) for a block whose reads lie at `offsets` (the operand's own offset included) from the base `terms`;
+        None where the operand is not staged."""
+        from fblc.codegen.kernels.texel import index_sum  # texel.py imports this module
+
+        staged = self.operands.get(name)
+        if staged is None:
+            return None
+        uniform = list(terms)
+        for term in staged.varying:  # each once: a term twice in the index counts twice
+            uniform.remove(term)
+        if staged.rows:
+            assert {offset >> 2 for offset in offsets} <= set(staged.rows), f"a block's texels off its rows ({name})"
+            return block.let((index_sum(uniform) + staged.first) >> 2, "q")
+        low, high = staged.spread[0] + min(offsets), staged.spread[1] + max(offsets) + LANES
+        assert (high - low) // LANES + 2 <= staged.texels, f"a block's span past the group's copy ({name})"
+        return block.let((index_sum(uniform) + staged.first + low) >> 2, "q")
+
+    def copy(self, b: KernelBuilder, block: Block, reads: Sequence[tuple[Operand, str, Var]]) -> None:
+        """The group's copy of each staged operand from texel q0 (`reads`: operand, name, q0), between the
+        barriers that keep the last block's reads before it and this block's after it."""
+        stage = Block(block.numbering, [Barrier()])
+        for operand, name, q0 in reads:
+            argument, texture = b.input_argument(operand.value)
+            staged = self.operands[name]
+            with stage.loop("j", b.lid, staged.texels, step=self.group) as (j, body):
+                at: Expr = q0 + j
+                if staged.rows:  # element j: row r's texel i
+                    r = body.let(div_index(j, len(staged.rows)), "r")
+                    at = q0 + r * staged.row_step + Element(staged.table, j - r * len(staged.rows))  # type: ignore[arg-type]
+                body.assign(Element(staged.array, j), b.texel(argument, texture, call("clamp", at, 0, texture.texels - 1)))
+        stage.add(Barrier())
+        block.add(Stage(stage.statements))
+
+
+def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Staging | None:
+    """The staging of `reduction` (emitted into `block` of the per-texel prologue by every work-item, no guard),
+    or None (the module docstring's conditions); declares the arrays (b.staged_arrays) and the first items'
+    sums (into `block`) of a plan it returns."""
+    profile = b.table.profile
+    # a work-item that runs two items in turn (builder.PAIR: an odd tile's mask8 bytes) is no item of its own
+    masks_paired = b.texels_per_item % 2 and any(t.format == MASK_FORMATS["mask8"] and t.layout.mask_pair_stride == 1
+                                                 for t in b.out_textures)
+    if not profile.local_staging or b.group_size is not None or b.staging_group is not None or masks_paired:
+        return None
+    item = b.t if b.texels_per_item == 1 else b.g
+    scratch = Block(Numbering(10 ** 9))  # the item's index as finish declares it, numbered apart from the kernel's
+    b.declare_item_index(scratch, b.out_shape, TEXEL_INDEX)
+    decls = {s.var: s.init for s in walk([*scratch.statements, *b.texel_lines])
+             if getattr(s, "const", False) and getattr(s, "init", None) is not None and hasattr(s, "var")}
+    items = np.arange(b.items, dtype=np.int64)
+    try:
+        for loop in reduction.loops:
+            entered = Block(Numbering(10 ** 9))
+            if loop.enter is not None and loop.enter(entered) is not entered:  # an `if` around the blocks
+                return None
+            decls.update({s.var: s.init for s in entered.statements if isinstance(s, Declare) and s.init is not None})
+            if any(_leaves(e, decls) & {item} for e in (loop.start, loop.stop) if e is not None):
+                return None
+        candidates = {}
+        for name, operand in (("x", reduction.x), ("w", reduction.w)):
+            found = _operand_reads(b, reduction, name, operand, item, decls, items,
+                                   {loop.var for loop in reduction.loops if loop.var is not None})
+            if found is not None:
+                candidates[name] = found
+    except _Unplannable:
+        return None
+    best: tuple[float, int, dict[str, tuple[int, tuple[int, int], int]]] | None = None
+    for group in (g for g in range(LANES, profile.max_work_group_size + 1) if b.items % g == 0):
+        chosen, per_item = {}, 0.0
+        for name, (sums, _, extent, reads, rows) in candidates.items():
+            grouped = sums.reshape(-1, group)
+            spread = grouped - grouped[:, :1]
+            low, high = int(spread.min()), int(spread.max())
+            texels, step = (high - low + extent + LANES) // LANES + 2, 0
+            if rows and low == 0:  # gathered rows where the items' bases step evenly from the first's
+                distinct = np.unique(spread)
+                gap = int(distinct[1]) if len(distinct) > 1 else LANES
+                if gap % LANES == 0 and np.array_equal(distinct, np.arange(len(distinct)) * gap) \
+                        and len(distinct) * len(rows) < texels:
+                    texels, step = len(distinct) * len(rows), gap // LANES
+            if texels <= STAGE_GAIN * group * reads:
+                chosen[name] = texels, (low, high), step
+                per_item += texels / group
+            else:
+                per_item += reads
+        if chosen and sum(t for t, _, _ in chosen.values()) <= LOCAL_TEXELS and (best is None or per_item < best[0]):
+            best = per_item, group, chosen
+    if best is None:
+        return None
+    _, group, chosen = best
+    staged = {}
+    for name, (texels, spread, step) in chosen.items():
+        _, varying, _, _, rows = candidates[name]
+        var = Var("st", b.numbering.next(), FLOAT4)
+        b.staged_arrays.append(DeclareArray(var, texels, local=True))
+        own = sum((t.expr * t.coeff for t in varying), start=Const(0, item.dtype))
+        first = block.let(_inline(own, decls, {item: item - b.lid}), "first")
+        if not step:
+            staged[name] = StagedOperand(var, texels, varying, first, spread)
+            continue
+        table = Var("rows", b.numbering.next(), INT)
+        b.staged_arrays.append(DeclareArray(table, len(rows), tuple(Const(k, INT) for k in rows), constant=True))
+        slot = block.let(div_index(own - first, step * LANES) * len(rows), "slot")
+        staged[name] = StagedOperand(var, texels, varying, first, spread, rows, step, slot, table)
+    b.staging_group = group
+    return Staging(group, staged)
+
+
+def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: Operand, item: Var,
+                   decls: dict[Var, Expr], items: np.ndarray, uniform: set[Var]
+                   ) -> tuple[np.ndarray, tuple[Term, ...], int, int, tuple[int, ...]] | None:
+    """(each item's sum of the operand's item terms, those terms, the extent of a block's offsets, texel reads
+    of a work-item per block, the texels every block reads from its base texel where that base is a multiple of
+    4 whatever the run-time values, else ()) of a stageable operand, else None."""
+    from fblc.codegen.kernels.texel import texel_reads
+
+    if operand.rows or b.constant_value(operand.value) is not None or b.table.of(operand.value).dequantized \
+            is not None:
+        return None
+    varying = []
+    for term in [*operand.terms, *(t for loop in reduction.loops for t in getattr(loop, f"{name}_terms"))]:
+        leaves = _leaves(term.expr, decls)
+        if leaves == {item}:
+            varying.append(term)
+        elif not leaves <= uniform:  # the item's and a loop's at once, or a value declared out of sight
+            raise _Unplannable(term)
+    if not varying:
+        return None
+    sums = sum((_evaluate(t.expr, decls, item, items) * t.coeff for t in varying), start=np.zeros_like(items))
+    axis = reduction.blocked
+    blocks = [range(axis.block)] if reduction._looped else []
+    if reduction._looped < axis.extent:
+        blocks.append(range(reduction._looped, axis.extent))
+    extent, reads, texels = 0, 0, set()
+    for indices in blocks:
+        offsets = [getattr(p, name) + operand.offset for p in axis.products(indices)]
+        extent = max(extent, max(offsets) - min(offsets))
+        reads = max(reads, texel_reads(offsets, operand.terms))
+        texels |= {offset >> 2 for offset in offsets}
+    steps = [t.coeff * t.multiple for t in operand.terms] + [t.coeff * t.multiple for loop in reduction.loops
+                                                             for t in getattr(loop, f"{name}_terms")]
+    steps.append(getattr(axis, f"{name}_step") * axis.block if reduction._looped else 0)
+    aligned = all(step % LANES == 0 for step in steps) and operand.offset % LANES == 0
+    return sums, tuple(varying), extent, reads, tuple(sorted(texels)) if aligned else ()
+
+
+def _leaves(expr: Expr, decls: dict[Var, Expr]) -> set[Var]:
+    """The variables `expr` reads once the const values it reads are replaced by their definitions."""
+    if isinstance(expr, Var):
+        return _leaves(decls[expr], decls) if expr in decls else {expr}
+    found: set[Var] = set()
+    for child in _children(expr):
+        found |= _leaves(child, decls)
+    return found
+
+
+def _children(expr: Expr) -> list[Expr]:
+    out: list[Expr] = []
+    for value in vars(expr).values():
+        if isinstance(value, Expr):
+            out.append(value)
+        elif isinstance(value, tuple):
+            out.extend(v for v in value if isinstance(v, Expr))
+    return out
+
+
+def _inline(expr: Expr, decls: dict[Var, Expr], replacing: dict[Var, Expr]) -> Expr:
+    """`expr` with the const values it reads replaced by their definitions and the variables of `replacing` by
+    theirs (the item's index at the group's first item)."""
+    if isinstance(expr, Var):
+        if expr in replacing:
+            return replacing[expr]
+        return _inline(decls[expr], decls, replacing) if expr in decls else expr
+    changes = {}
+    for field in dataclasses.fields(expr):  # type: ignore[arg-type]
+        value = getattr(expr, field.name)
+        if isinstance(value, Expr):
+            changes[field.name] = _inline(value, decls, replacing)
+        elif isinstance(value, tuple) and all(isinstance(v, Expr) for v in value):
+            changes[field.name] = tuple(_inline(v, decls, replacing) for v in value)
+    return dataclasses.replace(expr, **changes)  # type: ignore[type-var]
+
+
+def _c_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    quotient = np.abs(a) // np.abs(b)
+    return np.where((a < 0) != (b < 0), -quotient, quotient)
+
+
+#: C's integer operators on numpy's int64 (index arithmetic stays far below 2^63: div_index's 64-bit products)
+_BINARY = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": _c_div,
+           "%": lambda a, b: a - _c_div(a, b) * b, ">>": np.right_shift, "<<": np.left_shift,
+           "&": np.bitwise_and, "|": np.bitwise_or, "^": np.bitwise_xor,
+           "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,
+           "!=": np.not_equal, "&&": np.logical_and, "||": np.logical_or}
+_CALLS = {"min": np.minimum, "max": np.maximum, "clamp": lambda x, low, high: np.minimum(np.maximum(x, low), high),
+          "abs": np.abs}
+
+
+def _evaluate(expr: Expr, decls: dict[Var, Expr], item: Var, items: np.ndarray) -> np.ndarray:
+    """An int expression of the item at every item of the launch."""
+    if isinstance(expr, Var):
+        if expr == item:
+            return items
+        if expr not in decls:
+            raise _Unplannable(expr)
+        return _evaluate(decls[expr], decls, item, items)
+    if isinstance(expr, Const) and not expr.dtype.is_float:
+        return np.full_like(items, int(expr.value))
+    if isinstance(expr, Binary) and expr.op in _BINARY:
+        a, b = _evaluate(expr.a, decls, item, items), _evaluate(expr.b, decls, item, items)
+        return np.asarray(_BINARY[expr.op](a, b), dtype=np.int64)
+    if isinstance(expr, Unary) and expr.op in ("-", "!"):
+        value = _evaluate(expr.a, decls, item, items)
+        return -value if expr.op == "-" else (value == 0).astype(np.int64)
+    if isinstance(expr, Call) and expr.function in _CALLS:
+        return np.asarray(_CALLS[expr.function](*(_evaluate(a, decls, item, items) for a in expr.args)),
+                          dtype=np.int64)
+    if isinstance(expr, Select):
+        return np.where(_evaluate(expr.condition, decls, item, items) != 0,
+                        _evaluate(expr.if_true, decls, item, items), _evaluate(expr.if_false, decls, item, items))
+    if isinstance(expr, Cast) and not expr.dtype.is_float:
+        return _evaluate(expr.a, decls, item, items)
+    raise _Unplannable(expr)

@@ -1,0 +1,74 @@
+"""Work-group staging (fblc/codegen/kernels/staging.py): which kernels stage their shared texels in __local, and how
+they render. Codegen only (no device): the numbers of staged kernels are the merged steps' (test_kernels_contraction:
+its texel cases' convs, transposes and MatMuls stage on the local profile, which test_merged_cases_stage checks) and
+oclgrind's (tests/test_oclgrind.py: the conv net's and the MLP's kernels stage, under --data-races)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fblc.codegen import ir as kir
+from fblc.codegen.kernels.staging import _evaluate
+from fblc.codegen.render.opencl import BUFFER, IMAGE, render_kernel
+from tests.support.kernel_ir import lowered_kernels, profile_with
+from tests.test_kernels_contraction import OPTIONS, TEXEL_CASES, conv, write_case
+
+
+def _staged(kernels: list) -> list:
+    return [k for k in kernels if any(isinstance(s, kir.Stage) for s in kir.walk(k.ir.body))]
+
+
+@pytest.fixture(scope="module")
+def temporal(tmp_path_factory) -> str:
+    """A T-ResNet-shaped temporal conv: 8 -> 16 channels over 60 steps, 5 taps."""
+    path = tmp_path_factory.mktemp("staging") / "temporal.onnx"
+    return write_case(str(path), *conv((4, 8, 60, 1), (16, 8, 5, 1), pads=[2, 0, 2, 0]))
+
+
+def test_a_temporal_conv_stages_its_shared_reads_where_the_profile_says_it_pays(temporal: str, tmp_path) -> None:
+    """On the local profile (PoCL: local_staging) the forward conv's work-group copies the texels its work-items
+    share: its kernel is written for one group size (reqd_work_group_size, the launch's group), every read of a
+    staged operand has its __local twin, and the copies sit between barriers. Images render the staging, buffers
+    the same kernel with plain loads. A profile without local_staging (a copy of local's, the phones') stages
+    nothing."""
+    kernels = lowered_kernels(temporal, options=OPTIONS)
+    staged = _staged(kernels)
+    forward = next(k for k in kernels if k.name.endswith("_Conv"))
+    assert forward in staged, [k.name for k in kernels]
+    group = forward.ir.group_size
+    assert group is not None and forward.group_size == group and forward.global_size % group == 0
+    arrays = {s.var for s in kir.walk(forward.ir.body) if isinstance(s, kir.DeclareArray) and s.local}
+    copies = [s for s in kir.walk(forward.ir.body) if isinstance(s, kir.Stage)
+              and any(isinstance(t, kir.Barrier) for t in s.then)]
+    assert arrays and copies
+    twins = [e for s in kir.walk(forward.ir.body) for x in kir.statement_exprs(s) for e in kir.walk_expr(x)
+             if isinstance(e, kir.Load) and e.staged is not None]
+    assert twins and all(isinstance(e.staged, kir.Element) and e.staged.array in arrays for e in twins)
+    image, buffer = render_kernel(forward.ir, IMAGE), render_kernel(forward.ir, BUFFER)
+    assert f"reqd_work_group_size({group}, 1, 1)" in image and "barrier(" in image and "__local float4" in image
+    assert "barrier(" not in buffer and "__local" not in buffer
+    for target in (profile_with(str(tmp_path), "local", local_staging=False), "adreno830"):
+        assert not _staged(lowered_kernels(temporal, target=target, options=OPTIONS)), target
+
+
+def test_merged_cases_stage(tmp_path) -> None:
+    """The merged device steps run staged kernels (so their numbers check staging): a pointwise conv and its
+    transpose (TEXEL_CASES' conv_1x1_w8) on the local profile."""
+    nodes, inits = TEXEL_CASES["conv_1x1_w8"][:2]
+    kernels = lowered_kernels(write_case(str(tmp_path / "conv_1x1_w8.onnx"), nodes, inits), options=OPTIONS)
+    assert {k.name.split("_", 1)[1] for k in _staged(kernels)} >= {"Conv", "ConvTranspose"}
+
+
+def test_the_plan_evaluates_index_arithmetic_as_c_does() -> None:
+    """The plan's evaluator of an item's index (numpy) against C's int semantics: division and remainder
+    toward zero, div_index's 64-bit reciprocal multiply, arithmetic shifts of negative values."""
+    item = kir.Var("g", 0, kir.INT, "g")
+    items = np.arange(-50, 3000, dtype=np.int64)
+    cases = [(item / 7, [int(v / 7) for v in items]), (item - (item / 7) * 7, [v - int(v / 7) * 7 for v in items]),
+             (item >> 2, [v >> 2 for v in items]), (kir.call("clamp", item - 9, 0, 100), np.clip(items - 9, 0, 100))]
+    nonnegative = items[items >= 0]
+    cases += [(kir.div_index(item, 15), nonnegative // 15), (kir.mod_index(item, 12), nonnegative % 12)]
+    for expr, expected in cases:
+        at = items if len(expected) == len(items) else nonnegative
+        assert np.array_equal(_evaluate(expr, {}, item, at), np.asarray(expected)), expr
