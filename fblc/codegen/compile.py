@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 
 from fblc.codegen.bundle import build_documents, write_bundle
+from fblc.codegen.collector import collector_paused
 from fblc.codegen.export_record import export_record
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.choices import FORWARD
@@ -103,6 +104,7 @@ def build_program(model_path: str, options: TrainingOptions, profile: Profile, o
     return step, program, table, plans[-1]
 
 
+@collector_paused
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
                   dump_dir: str | None = None, on_pass: PassHook | None = None,
                   annexes: Mapping[str, ReportAnnex] | None = None, schedules: str | None = None

@@ -34,7 +34,8 @@ class DType:
         return self.scalar in ("float", "half", "real")
 
     def vector(self, lanes: int) -> DType:
-        return DType(self.scalar, lanes)
+        # itself where equal: every Lane's dtype asks (a Lane of a Lane, each level), the emitters ask per product
+        return self if lanes == self.lanes and not self.local_pointer else DType(self.scalar, lanes)
 
 
 INT, UINT, ULONG, UCHAR = DType("int"), DType("uint"), DType("ulong"), DType("uchar")
