@@ -4,7 +4,6 @@ strides every emitter indexes with (shapes, strides and texture widths are compi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from fblc.codegen import ir as kir
 from fblc.codegen.render.opencl import Storage, foldable, render_kernel
@@ -40,11 +39,21 @@ class Kernel:
             return self.global_size, self.group_size
         return profile.launch_size(self.global_size)
 
+    #: (the IR `folds` was found for, its foldable)
+    _folded: tuple[kir.KernelIR, dict[kir.Var, kir.Expr]] | None = field(default=None, init=False, repr=False,
+                                                                          compare=False)
+
     def render(self, storage: Storage) -> str:
         """Its __kernel in `storage`, rendered when first asked (a kernel that an identical one replaces
         never is); the values the renderer folds are found once for every storage."""
-        return render_kernel(self.ir, storage, self._folds)
+        return render_kernel(self.ir, storage, self.folds)
 
-    @cached_property
-    def _folds(self) -> dict[kir.Var, kir.Expr]:
-        return foldable(self.ir.body)
+    @property
+    def folds(self) -> dict[kir.Var, kir.Expr]:
+        """The values the renderer folds into their reader (render.opencl.foldable), found once per IR: the
+        in-place proof (codegen/inplace.py) and both storages' renders ask; a kernel whose IR is replaced
+        (plan.compute_in_half's half arithmetic: other Vars) finds them again. The IR's statements are not
+        changed after emission, and the IR held here keeps its id from being reused."""
+        if self._folded is None or self._folded[0] is not self.ir:
+            self._folded = (self.ir, foldable(self.ir.body))
+        return self._folded[1]

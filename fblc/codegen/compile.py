@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import tempfile
 import time
@@ -12,6 +13,7 @@ import onnx_ir as ir
 
 
 from fblc.codegen.bundle import build_documents, write_bundle
+from fblc.codegen.collector import collector_paused
 from fblc.codegen.export_record import export_record
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.choices import FORWARD
@@ -100,11 +102,13 @@ def build_program(model_path: str, options: TrainingOptions, profile: Profile, o
             del stages[1:]  # the failed attempt's time lands in the next one's `passes`
             plans.clear()
             model = None  # the failed attempt's graph (passes rewrite it in place) goes before the model is read again
+            gc.collect()  # it is full of cycles (nodes <-> values) and compile_model pauses the cyclic collector
     if marks is not None:
         marks += stages
     return step, program, table, plans[-1]
 
 
+@collector_paused
 def compile_model(model_path: str, out_dir: str, target: str, dtype: str, options: TrainingOptions,
                   dump_dir: str | None = None, on_pass: PassHook | None = None,
                   annexes: Mapping[str, ReportAnnex] | None = None, schedules: str | None = None,

@@ -152,16 +152,21 @@ def _clean(form: dict[Atom, int]) -> dict[Atom, int]:
 
 
 Guard = tuple  # the conditions of the Ifs whose then-branch holds an access
+#: the expressions updates_in_place reads among those of a body (the rest only cost the walk a tuple each)
+_LOOKED_AT = frozenset({Load, ArgumentRef, Var})
 
 
 def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = (), guards: Guard = ()
               ) -> Iterator[tuple[kir.Statement, tuple[int, ...], Guard, Expr]]:
     """(statement, the ids of the loops around it, the conditions of the Ifs it is in the then-branch of, each
-    expression it reads or writes, a Store's target texel too) in program order."""
+    expression it reads or writes that the proof looks at: a texel read, a window read, a variable, a Store's
+    target texel) in program order."""
     for statement in statements:
+        texel = statement.texel if isinstance(statement, kir.Store) else None
         for expr in kir.statement_exprs(statement):
             for inner in kir.walk_expr(expr):
-                yield statement, loops, guards, inner
+                if type(inner) in _LOOKED_AT or inner is texel:
+                    yield statement, loops, guards, inner
         inside = loops + (id(statement),) if isinstance(statement, (kir.For, kir.While)) else loops
         if isinstance(statement, kir.If):
             yield from _accesses(statement.then, inside, guards + (statement.condition,))
@@ -172,12 +177,13 @@ def _accesses(statements: Sequence[kir.Statement], loops: tuple[int, ...] = (), 
 
 
 def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: int | None = None,
-                     group_size: int | None = None) -> bool:
+                     group_size: int | None = None, folds: dict[Var, Expr] | None = None) -> bool:
     """Whether every work-item of `body` reads input `state` only at the texel it writes output `new` at,
     before it writes it, and no two work-items share that texel (the module docstring's conditions);
-    `items`: the launch's work-items and `group_size` its work-group's, where known."""
+    `items`: the launch's work-items and `group_size` its work-group's, where known; `folds`: `body`'s
+    render.opencl.foldable, where known (Kernel.folds)."""
     declared = _declared(body.body)
-    holders = _holders(body.body, state)
+    holders = _holders(body.body, state, foldable(body.body) if folds is None else folds)
     forms: set[Affine | None] = set()
     reads: list[tuple[int, ...]] = []  # the loops around each read
     guards: list[Guard] = []  # each access's
@@ -207,10 +213,9 @@ def updates_in_place(body: kir.KernelIR, state: Argument, new: Argument, items: 
         _reads_before_writes(body.body, state, new, holders)
 
 
-def _holders(statements: Sequence[kir.Statement], state: Argument) -> set[str]:
-    """The const variables the renderer folds into their one reader (render.opencl.foldable) whose value holds
-    a read of `state`: the read happens at that use, not at the declaration."""
-    folded = foldable(statements)
+def _holders(statements: Sequence[kir.Statement], state: Argument, folded: dict[Var, Expr]) -> set[str]:
+    """The const variables the renderer folds into their one reader (`folded`: render.opencl.foldable of
+    `statements`) whose value holds a read of `state`: the read happens at that use, not at the declaration."""
     held: set[str] = set()
     for statement in kir.walk(statements):
         if isinstance(statement, kir.Declare) and statement.var in folded and statement.init is not None and any(
@@ -347,7 +352,7 @@ class _Proofs:
         for seen, answer in alike:
             if seen.body == body.body:
                 return answer
-        answer = updates_in_place(body, state, new, update.global_size, update.group_size)
+        answer = updates_in_place(body, state, new, update.global_size, update.group_size, update.folds)
         alike.append((body, answer))
         return answer
 

@@ -18,6 +18,7 @@ from fblc.bundle_format import FLOAT_FORMATS, NUMPY_DTYPES, image_bytes
 from fblc.codegen.arena import Arena, Lifetime, pack_arena
 from fblc.codegen.cl import Kernel
 from fblc.codegen.co_launch import co_launch, co_launched
+from fblc.codegen.collector import collector_paused
 from fblc.codegen.inplace import in_place_pairs, merge_textures
 from fblc.codegen.params import PackedConstant, TextureContents
 from fblc.codegen import ir as kir
@@ -145,6 +146,7 @@ def _scheduled_table(graph: ir.Graph, profile: Profile, dtype: str, groups: list
     return table
 
 
+@collector_paused
 def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = True,
           overrides: Mapping[str, Mapping[str, Any]] | None = None, co_launched_kernels: bool = True) -> Program:
     """Kernels and textures for the fused step graph `model`; `with_contents=False` leaves out the

@@ -200,13 +200,17 @@ class Block:
 def walk_expr(expr: Expr) -> Iterator[Expr]:
     """`expr` and every expression inside it, parents first: those among its fields (vars), and in its tuples of
     expressions (call arguments, vector parts)."""
-    yield expr
-    for value in vars(expr).values():
-        if isinstance(value, Expr):
-            yield from walk_expr(value)
-        elif isinstance(value, tuple):
-            for child in value:
-                yield from walk_expr(child)
+    stack = [expr]  # a stack, not nested generators: each level of `yield from` costs every node below it
+    while stack:
+        node = stack.pop()
+        yield node
+        children: list[Expr] = []
+        for value in vars(node).values():
+            if isinstance(value, Expr):
+                children.append(value)
+            elif isinstance(value, tuple):
+                children.extend(value)
+        stack.extend(reversed(children))
 
 
 #: the fields of a statement that hold the expressions it reads (an Assign's to an Element: its index too)
