@@ -222,7 +222,7 @@ def half_arithmetic(kernel: KernelIR, parameters: Iterable[int] = ()) -> KernelI
         a.role == "out" or a.element == HALF_ELEMENT or a.index in masters)}
     retype = _Retype(arguments)
     body = retype.statements(kernel.body)
-    return KernelIR(kernel.name, [arguments.get(a, a) for a in kernel.arguments], body)
+    return replace(kernel, arguments=[arguments.get(a, a) for a in kernel.arguments], body=body)  # group size kept
 
 
 def arithmetic_counts(kernels: Iterable[KernelIR | tuple[KernelIR, int]]) -> dict[str, int]:
