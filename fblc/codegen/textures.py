@@ -77,7 +77,7 @@ def packed_bits(value: ir.Value) -> int:
     """Bits per element where `value` is stored packed: an int4/int8 tensor that DequantizeLinear reads (its data
     or zero point); else 0. Nothing else reads such a tensor, so its texture needs no other layout."""
     form = INT_FORMATS.get(value.dtype) if value.dtype is not None else None
-    if form is None or not value.uses():
+    if form is None or not value.uses() or value.is_graph_input():  # a feed is uploaded as it comes, one per element
         return 0
     return form.bits if all(use.node.op_type == "DequantizeLinear" for use in value.uses()) else 0
 

@@ -109,6 +109,10 @@ DEVIATIONS = [
      "onnx's expected values of an `_expanded` graph round every node's result to float16. One of 576 outputs "
      "differs by 0.000512 at 0.505 (1.05 float16 ulps) where the case's rtol 1e-3 allows 0.000505: fblc keeps "
      "float32 between nodes where the reference rounds each to float16"),
+    ("DFT", "test_dft_inverse_opset19",
+     "the inverse of a real input's transform along axis 1 is exactly 0 at 20 of its 200 outputs; fblc's sums give "
+     "0 there (10 of them, got 0), onnx's expected values hold float32 rounding of up to 1.91e-7, above the case's "
+     "atol of 1e-7 (the expected values differ from a float64 inverse by up to 1.5e-6 elsewhere, within rtol)"),
 ]
 
 
