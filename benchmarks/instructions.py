@@ -132,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             measured = {}
             for layout in ("naive", "rtile"):
                 bundle = os.path.join(directory, f"{os.path.basename(path)}.{layout}")
+                # each kernel its own launch: co-launch pairs the two layouts' kernels differently, and a part's
+                # idle work-items differ from its own launch's (the layouts' arithmetic is what is compared)
                 figures, _ = compile_figures(path, bundle, args.target, "fp32",
-                                             TrainingOptions(input_shapes=shapes, layout=layout))
+                                             TrainingOptions(input_shapes=shapes, layout=layout),
+                                             co_launched_kernels=False)
                 measured[layout] = counts_of_one_step(bundle)
                 measured[layout][IR_READS] = round(figures.fetch_runs)
                 print(f"  measured {name} {layout}", file=sys.stderr)

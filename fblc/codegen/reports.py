@@ -164,10 +164,11 @@ def layout_object(model: ir.Model, program: Program, options: TrainingOptions) -
                             **{key: choice[key] for key in ("estimate_ms",) if key in choice}})
     kept_names = {n.name for n in kept}
     op_of = {n.name: n.op_type for n in graph}
-    movers = [k for k in program.kernels if k.family == "movement"]
+    emitted = [part for k in program.kernels for part in (k.parts or [k])]  # co-launched kernels count by part
+    movers = [k for k in emitted if k.family == "movement"]
     search = {"search": options.layout_search} if options.layout == "rtile" else {}
     return {"mode": options.layout, **search, "data_movement_before": len(movement), "data_movement_after": len(kept),
-            "conversion_kernels": sum(1 for k in program.kernels if kept_names.intersection(k.nodes)),
+            "conversion_kernels": sum(1 for k in emitted if kept_names.intersection(k.nodes)),
             "movement_kernels": len(movers),
             "movement_kernels_by_op": dict(Counter(op_of.get(k.nodes[0], "?") for k in movers if k.nodes)),
             "data_movement_by_op": {op: [before[op], after[op]] for op in sorted(before)},

@@ -339,12 +339,14 @@ def bundle_figures(bundle: str, resident_items: int) -> dict[str, Any]:
 
 
 def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp32", options: Any = None,
-                    resident_items: int | None = None, profile: Any = None) -> tuple[Figures, dict[str, Any]]:
+                    resident_items: int | None = None, profile: Any = None, co_launched_kernels: bool = True
+                    ) -> tuple[Figures, dict[str, Any]]:
     """Compile `model_path` into `bundle` for `target` and give (the kernels' Figures, bundle_figures with
     `device_items` and `device_items_from`). `options`: TrainingOptions (default: fblc compile's);
     `resident_items`: the device's size to count small launches against (default: device_items of the
     target's profile as this fblc has it; give one to compare two versions of fblc alike); `profile`: the
-    figures ir_estimate takes (default: the target's profile; give one to compare two versions alike)."""
+    figures ir_estimate takes (default: the target's profile; give one to compare two versions alike);
+    `co_launched_kernels=False`: every kernel its own launch (codegen/co_launch.py off)."""
     import fblc.codegen.compile as compile_module
     from fblc.passes.pipeline import TrainingOptions
     from fblc.profiles import load_profile
@@ -358,7 +360,8 @@ def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp3
 
     compile_module.lower = capturing  # type: ignore[assignment]
     try:
-        compile_module.compile_model(model_path, bundle, target, dtype, options or TrainingOptions())
+        compile_module.compile_model(model_path, bundle, target, dtype, options or TrainingOptions(),
+                                     co_launched_kernels=co_launched_kernels)
     finally:
         compile_module.lower = lower  # type: ignore[assignment]
     resident, how = device_items(load_profile(target)) if resident_items is None else (resident_items, "given")

@@ -18,7 +18,8 @@ Node = TypeVar("Node")
 
 def lowered_kernels(model_path: str, target: str = "local", dtype: str = "fp32",
                     options: TrainingOptions = TrainingOptions()) -> list[Kernel]:
-    """The step's kernels as `fblc compile` builds them (each with its `.ir`), in launch order."""
+    """The step's kernels as `fblc compile` emits them (each with its `.ir`), in launch order: a co-launched
+    kernel's parts (codegen/co_launch.py) in its place, each as it was emitted."""
     import dataclasses
 
     profile = load_profile(target)
@@ -26,7 +27,8 @@ def lowered_kernels(model_path: str, target: str = "local", dtype: str = "fp32",
     overrides = load_overrides(None, profile)
     step = build_training_graph(load_model(model_path), options, lower=profile,
                                 schedules=step_schedules(profile, dtype, overrides))
-    return lower(step, profile, dtype, overrides=overrides).kernels
+    return [part for kernel in lower(step, profile, dtype, overrides=overrides).kernels
+            for part in (kernel.parts or [kernel])]
 
 
 def statements(kernel: Kernel) -> Iterator[kir.Statement]:
