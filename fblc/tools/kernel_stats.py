@@ -360,8 +360,9 @@ def compile_figures(model_path: str, bundle: str, target: str, dtype: str = "fp3
 
     compile_module.lower = capturing  # type: ignore[assignment]
     try:
+        # named only when off: a --base tree of fblc from before co-launch has no such argument
         compile_module.compile_model(model_path, bundle, target, dtype, options or TrainingOptions(),
-                                     co_launched_kernels=co_launched_kernels)
+                                     **({} if co_launched_kernels else {"co_launched_kernels": False}))
     finally:
         compile_module.lower = lower  # type: ignore[assignment]
     resident, how = device_items(load_profile(target)) if resident_items is None else (resident_items, "given")
