@@ -32,6 +32,7 @@ from fblc.profiles import profiler
 from fblc.runtime.adb import Adb, AdbError, remote_dir
 from fblc.runtime.adb_profile import PROFILE_DIR, push_profiler
 from fblc.runtime.local import LocalRunner
+from fblc.runtime.specialist import with_fingerprint
 from tests.support.adb_device import LoopbackDevice
 from tests.support.bundles import rechecksum
 from tests.support.interrupt import interruptible
@@ -425,7 +426,7 @@ def test_infer_over_adb_equals_onnxruntime_and_the_local_run(tmp_path, phone, ru
             "w.adapter_B": rng.standard_normal((2, 8)).astype(np.float32)}
     assert sorted(e["name"] for e in local.manifest["specialist"]) == sorted(lora)
     specialist, merged = str(tmp_path / "lora.npz"), onnx.load(model)
-    np.savez(specialist, **lora)
+    np.savez(specialist, **with_fingerprint(lora, local.manifest["fingerprint"]))  # one the runner compares too
     weight = next(i for i in merged.graph.initializer if i.name == "w")
     weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + lora["w.adapter_A"] @ lora["w.adapter_B"],
                                             "w"))

@@ -11,17 +11,22 @@ tests/test_adapters*.py check; their training steps' kernel builds would double 
 from __future__ import annotations
 
 import os
+import subprocess
 
 import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from fblc import bundle_format as fmt
 from fblc.cli import main
 from fblc.compiler.reference import onnxruntime_session
 from fblc.errors import FblcError
 from fblc.runtime.local import LocalRunner
-from fblc.runtime.specialist import load_file
+from fblc.runtime.native import write_data
+from fblc.runtime.specialist import FINGERPRINT, load_file, write_native
 from support import models
+from tests.test_native_runner import runner_binary  # noqa: F401  (fixture, built once per session)
 
 #: kind -> (test model, compile flags): LoRA at the mlp's linear layers, MemFLoRA at the convnet's pointwise conv
 #: (its BatchNorm's scale on the branch), FuRA-S at the mlp's MatMul/Gemm (a Slice of delta per layer)
@@ -146,3 +151,60 @@ def test_a_mismatched_specialist_is_refused_by_name(tmp_path_factory, tmp_path, 
     assert not os.path.exists(out)
     with pytest.raises(FblcError, match="tensor 'layers.0.adapter_A' of the specialist holds non-finite values"):
         runner.load_specialist({**tensors, "layers.0.adapter_A": np.full((32, 2), np.nan, np.float32)})
+
+
+def _other_weights(path: str, out: str) -> str:
+    """The model at `path` with its first adapted weight moved a little: same graph and shapes, other base."""
+    model = onnx.load(path)
+    weight = next(i for i in model.graph.initializer if i.name == "layers.0.weight")
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + np.float32(0.01), weight.name))
+    onnx.save(model, out)
+    return out
+
+
+def test_a_specialist_trained_against_other_factors_or_weights_is_refused(tmp_path_factory, tmp_path, capsys,
+                                                                         runner_binary) -> None:  # noqa: F811
+    """The specialist file carries its training bundle's fingerprint: a forward bundle compiled with another --seed
+    (MemFLoRA's P drawn differently) or from other base weights (FuRA-S's R and W differ) has the same sites and
+    shapes but refuses it, naming what differs and what to do; the native runner refuses its file's fingerprint id
+    before any device work. A specialist without a fingerprint (an older file) loads with a warning."""
+    data, out = str(tmp_path / "in.npz"), str(tmp_path / "out.npz")
+    model, runner, specialists, training = _served("memflora", tmp_path_factory)
+    (kept, _), = specialists.items()
+    np.savez(data, **model.inputs)
+    reseeded = str(tmp_path / "seed3")
+    assert main(["compile", model.path, "-o", reseeded, "-q", "--trainer", "none", "--adapter", "memflora",
+                 "--seed", "3"]) == 0
+    served, trained = fmt.load_manifest(reseeded)["fingerprint"], fmt.load_manifest(training)["fingerprint"]
+    assert served["frozen_sha256"] != trained["frozen_sha256"] and served["base_sha256"] == trained["base_sha256"]
+    assert load_file(kept).fingerprint == trained == runner.manifest["fingerprint"]
+    capsys.readouterr()
+    assert main(["run", reseeded, "--infer", "--data", data, "--specialist", kept, "-o", out]) == 2
+    err = capsys.readouterr().err
+    assert (f"specialist '{kept}''s frozen projection was drawn with --seed 0; '{reseeded}' was compiled with "
+            "--seed 3; compile the served bundle with --seed 0") in err
+
+    model, runner, specialists, _ = _served("fura-s", tmp_path_factory)
+    (kept, _), = specialists.items()
+    other = str(tmp_path / "other")
+    other_model = _other_weights(model.path, str(tmp_path / "other.onnx"))
+    assert main(["compile", other_model, "-o", other, "-q", "--trainer", "none", "--adapter", "fura-s"]) == 0
+    with pytest.raises(FblcError, match=f"specialist '{kept}' was trained on other base weights \\('{model.path}'"):
+        LocalRunner(other, storage="buffer", progress=False).load_specialist(kept)
+    manifest, plan = fmt.load_verified(other)  # the runner's own check, past Python's: the file written directly
+    native, feeds = str(tmp_path / "s.bin"), str(tmp_path / "data.bin")
+    write_native(native, manifest, plan, load_file(kept))
+    write_data(feeds, manifest, plan, [model.inputs])
+    done = subprocess.run([runner_binary, other, "--data", feeds, "--steps", "1", "--out", str(tmp_path),
+                           "--specialist", native], capture_output=True, text=True)
+    assert done.returncode == 2 and (f"the specialist '{native}' was trained against other frozen factors or base "
+                                     f"weights (fingerprint {load_file(kept).fingerprint['id']})") in done.stderr
+    assert f"than '{other}' holds ({manifest['fingerprint']['id']})" in done.stderr
+
+    older = str(tmp_path / "older.npz")  # a specialist written before fingerprints: served, with a warning
+    np.savez(older, **{k: v for k, v in np.load(kept).items() if k != FINGERPRINT})
+    capsys.readouterr()
+    assert runner.load_specialist(older) == sum(e["nbytes"] for e in runner.manifest["specialist"])
+    assert f"warning: specialist '{older}' carries no fingerprint" in capsys.readouterr().err
+    runner.load_specialist(kept)
+    assert "warning" not in capsys.readouterr().err

@@ -21,9 +21,11 @@ DESCRIPTION = (
 def cmd_export(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from fblc.bundle_format import load_manifest
     from fblc.compiler.model_io import external_data_files, save_model_atomically
     from fblc.errors import FblcError
     from fblc.paths import write_atomically
+    from fblc.runtime.specialist import with_fingerprint
     from fblc.tools.export import adapter_tensors, exported_model, load_trained
 
     trained = load_trained(args.params)
@@ -36,9 +38,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise FblcError(f"--keep-adapters: '{args.bundle}' was compiled without an adapter, so there are no adapter "
                         "tensors to keep", "drop --keep-adapters (the trained model is the whole export)")
     save_model_atomically(model, args.output)
-    if specialist is not None:
+    if specialist is not None:  # with the training bundle's fingerprint: what a served bundle checks it against
         buffer = io.BytesIO()
-        np.savez(buffer, **specialist)
+        np.savez(buffer, **with_fingerprint(specialist, load_manifest(args.bundle).get("fingerprint")))
         write_atomically(args.keep_adapters, lambda handle: handle.write(buffer.getvalue()))
     if not args.quiet:
         changed = (f"{len(summary['merged'])} weight(s) with their adapters merged" if summary["merged"] else
@@ -76,5 +78,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                              "records; either way its sha256 must match the recorded one)")
     export.add_argument("--keep-adapters", metavar="FILE.npz",
                         help="also write the adapter's trained tensors alone, unmerged, by tensor name (LoRA's A and "
-                             "B, MemFLoRA's U, FuRA-S's delta): a specialist file, its bytes printed")
+                             "B, MemFLoRA's U, FuRA-S's delta): a specialist file, its bytes printed; it carries the bundle's "
+                             "fingerprint (adapter, base model digest, frozen factors, seed), which a served bundle "
+                             "compares before loading it")
     export.set_defaults(run=cmd_export)

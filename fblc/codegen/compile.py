@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from fblc.codegen.bundle import build_documents, write_bundle
 from fblc.codegen.collector import collector_paused
-from fblc.codegen.export_record import export_record
+from fblc.codegen.export_record import adapter_fingerprint, export_record
 from fblc.bundle_format import FLOAT_FORMATS
 from fblc.choices import FORWARD
 from fblc.codegen.plan import BufferTable, Program, buffer_table, lower, step_schedules
@@ -149,6 +149,9 @@ def compile_model(model_path: str, out_dir: str, target: str, dtype: str, option
         report["adapter"] = adapter
     manifest, plan, params, buffer_file = build_documents(step, program, table, profile, dtype, report)
     manifest["export"], factors = export_record(model_path, step)  # what `fblc export` reads back
+    fingerprint = adapter_fingerprint(manifest["export"]["source"], step)  # what a specialist is checked against
+    if fingerprint is not None:
+        manifest["fingerprint"] = fingerprint
     buffer_file.update(factors)
     if annexes:
         with tempfile.TemporaryDirectory() as scratch:

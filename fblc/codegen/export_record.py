@@ -17,12 +17,21 @@ pages is read whole. So the export refuses data of another size, a re-exported o
 differs), and any change to a small tensor (norm weights, biases) or to a large tensor's sampled pages; an edit
 confined to unsampled pages of a large tensor passes. The .onnx file itself (the graph, which fixes the spans) is
 hashed whole.
+
+A bundle with an adapter also records its `fingerprint` (manifest.json, read by both runtimes; adapter_fingerprint):
+what a specialist's tensors mean depends on besides their names and shapes, which `fblc export --keep-adapters`
+writes into the specialist and a forward bundle compares before serving it: the adapter kind, the base model
+(the digests above, not the path: a copy of the model serves the same specialists), the frozen factors' values
+(MemFLoRA's P drawn from --seed, FuRA-S's R from the weights' SVD; hashed at float16 precision, so that an fp16
+bundle's rounded copy of the same factors agrees with an fp32 one) and, where a factor was drawn, the seed (for
+the message: the factors' digest already decides).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 from typing import Any
 
@@ -81,6 +90,47 @@ def source_record(model_path: str) -> dict[str, Any]:
             record["external_data"] = {os.path.relpath(f, os.path.dirname(path)): data_record(f, offsets)
                                        for f, offsets in data.items()}
     return record
+
+
+#: the adapter metadata whose frozen factor is drawn from --seed (MemFLoRA's P); FuRA-S's R comes from the weights
+SEEDED = {keys.ADAPTER: True, keys.FURA_S: False}
+
+
+def frozen_factors(step: ir.Model, key: str, meta: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The adapter's frozen factors by name: each site's factor that is a constant of the step, neither trained
+    nor a forward bundle's specialist site (LoRA's A is trained, so LoRA has none)."""
+    served = set(keys.json_of(step.graph.metadata_props, keys.SPECIALIST) or ())
+    frozen = {}
+    for site in meta["sites"]:
+        value = step.graph.initializers.get(site[ADAPTER_METADATA[key]])
+        if (value is not None and keys.get_role(value) != Role.PARAM.value and value.const_value is not None
+                and value.name not in served):
+            frozen[value.name] = value.const_value.numpy()
+    return frozen
+
+
+def adapter_fingerprint(source: dict[str, Any], step: ir.Model) -> dict[str, Any] | None:
+    """manifest `fingerprint` of a step with an adapter (the module's docstring says what it holds), None without
+    one. `id`, a sha256 of the compared fields, is what the native runner compares."""
+    key = next((k for k in ADAPTER_METADATA if k in step.metadata_props), None)
+    if key is None:
+        return None
+    meta = keys.json_of(step.metadata_props, key)
+    base = hashlib.sha256(source["sha256"].encode())
+    for recorded in sorted(r["sampled_sha256"] for r in source.get("external_data", {}).values()):
+        base.update(recorded.encode())
+    compared: dict[str, Any] = {"adapter": meta["adapter"], "base_sha256": base.hexdigest()}
+    frozen = frozen_factors(step, key, meta)
+    if frozen:
+        digest = hashlib.sha256()
+        for name in sorted(frozen):
+            values = np.ascontiguousarray(frozen[name], np.float16)
+            digest.update(f"{name}:{list(values.shape)};".encode() + values.tobytes())
+        compared["frozen_sha256"] = digest.hexdigest()
+        if SEEDED[key]:
+            compared["seed"] = meta.get("seed")
+    identity = hashlib.sha256(json.dumps(compared, sort_keys=True).encode()).hexdigest()
+    return {"id": identity, **compared, "model": source["path"]}
 
 
 def export_record(model_path: str, step: ir.Model) -> tuple[dict[str, Any], dict[str, bytes]]:

@@ -8,11 +8,20 @@ FILE.npz` writes for the training bundle compiled with the same adapter options.
 textures and nothing else: the frozen weights, and MemFLoRA's P / FuRA-S's R (made at compile time from --seed
 and from the weights) stay shared. Both runtimes check it here first: every site present with its shape, nothing
 else (a tensor of another adapter or rank would be silently wrong otherwise).
+
+Names and shapes do not say which frozen factors and base weights the tensors were trained against: a MemFLoRA U
+trained with another --seed (another P), a FuRA-S delta or LoRA A/B trained on other base weights (another R,
+another W) fit and serve wrong outputs. So a specialist file carries its training bundle's `fingerprint`
+(fblc.codegen.export_record.adapter_fingerprint) as the JSON bytes of the entry FINGERPRINT, and `checked` refuses
+one that differs from the served bundle's, naming what differs; a file without one (written before fingerprints)
+loads with a warning. The native runner's file carries the fingerprint's id, which the runner compares too.
 """
 
 from __future__ import annotations
 
+import json
 import struct
+import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -21,8 +30,97 @@ from fblc import bundle_format as fmt
 from fblc.errors import FblcError
 from fblc.texel_layout import TexelLayout, pack
 
-#: the native runner's --specialist file: magic, u32 count, then per texture u32 id, u64 bytes, its packed texels
-SPECIALIST_MAGIC = b"FBLCSPEC"
+#: the native runner's --specialist file: magic, u32 length and the bytes of the fingerprint's id (0: none), u32
+#: count, then per texture u32 id, u64 bytes, its packed texels (runner 5's "FBLCSPEC" had no fingerprint)
+SPECIALIST_MAGIC = b"FBLCSPC2"
+#: the .npz entry that holds a specialist's fingerprint (uint8, the JSON text), beside its tensors
+FINGERPRINT = "__fblc_fingerprint__"
+
+
+class Specialist(dict):  # type: ignore[type-arg]
+    """A specialist's tensors by name, with the fingerprint it carries (None: none) and the file it came from
+    (None: given in memory, or already checked, so a missing fingerprint is not warned about again)."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], fingerprint: dict[str, Any] | None,
+                 path: str | None = None) -> None:
+        super().__init__(tensors)
+        self.fingerprint, self.path = fingerprint, path
+
+
+def with_fingerprint(tensors: Mapping[str, np.ndarray], fingerprint: Mapping[str, Any] | None
+                     ) -> dict[str, np.ndarray]:
+    """The entries of a specialist .npz: `tensors` and, where the training bundle records one, its fingerprint."""
+    if fingerprint is None:
+        return dict(tensors)
+    return {**tensors, FINGERPRINT: np.frombuffer(json.dumps(dict(fingerprint), sort_keys=True).encode(), np.uint8)}
+
+
+def _split(tensors: Mapping[str, Any], source: str) -> Specialist:
+    """`tensors` without the FINGERPRINT entry, the fingerprint decoded (an unreadable one refused by name)."""
+    if isinstance(tensors, Specialist):
+        return tensors
+    if FINGERPRINT not in tensors:
+        return Specialist(tensors, None)
+    try:
+        fingerprint = json.loads(np.asarray(tensors[FINGERPRINT], np.uint8).tobytes().decode())
+        if not isinstance(fingerprint, dict) or not isinstance(fingerprint.get("id"), str):
+            raise ValueError
+    except (ValueError, TypeError):
+        raise FblcError(f"the entry '{FINGERPRINT}' of {source} is not a fingerprint that fblc export wrote",
+                        "export the specialist again with 'fblc export --keep-adapters'") from None
+    return Specialist({k: v for k, v in tensors.items() if k != FINGERPRINT}, fingerprint)
+
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)  # sys.stderr looked up now: pytest may replace it
+
+
+def _short(digest: str) -> str:
+    return digest[:12]
+
+
+def fingerprint_problem(served: Mapping[str, Any], given: Mapping[str, Any], bundle: str, source: str
+                        ) -> tuple[str, str] | None:
+    """(what differs, what to do) between the fingerprint of `source` and the served bundle's, or None. The base
+    model first: other weights also make FuRA-S's R differ."""
+    if given["id"] == served.get("id"):
+        return None
+    kind = served.get("adapter")
+    if given.get("adapter") != kind:
+        return (f"{source} was trained with the adapter {given.get('adapter')}; '{bundle}' has {kind} sites",
+                f"compile the served bundle with --adapter {given.get('adapter')}")
+    if given.get("base_sha256") != served.get("base_sha256"):
+        return (f"{source} was trained on other base weights ('{given.get('model')}', digest "
+                f"{_short(str(given.get('base_sha256')))}) than '{bundle}' was compiled from ('{served.get('model')}', "
+                f"digest {_short(str(served.get('base_sha256')))})",
+                "serve it from a bundle compiled from the model it was trained on, or train the specialist again "
+                "on this bundle's model")
+    if given.get("seed") != served.get("seed"):
+        return (f"{source}'s frozen projection was drawn with --seed {given.get('seed')}; '{bundle}' was compiled "
+                f"with --seed {served.get('seed')}",
+                f"compile the served bundle with --seed {given.get('seed')} (the seed of the training bundle)")
+    return (f"the frozen factors {source} was trained against (digest {_short(str(given.get('frozen_sha256')))}) are "
+            f"not those of '{bundle}' (digest {_short(str(served.get('frozen_sha256')))}), same model and seed",
+            "compile the served bundle with the fblc and adapter options (--rank, --block) of the training bundle")
+
+
+def _check_fingerprint(manifest: Mapping[str, Any], bundle: str, given: Specialist, source: str) -> None:
+    """Refuse a specialist trained against other frozen factors or base weights; warn where one side has no
+    fingerprint to compare (a file or bundle from before fingerprints)."""
+    served = manifest.get("fingerprint")
+    if given.fingerprint is None:
+        if given.path is not None and served is not None:
+            _warn(f"{source} carries no fingerprint (written before fblc recorded them), so whether it was trained "
+                  f"on the base weights and frozen factors of '{bundle}' is not checked; export it again with "
+                  "'fblc export TRAINING_BUNDLE --params trained.npz --keep-adapters FILE.npz'")
+        return
+    if served is None:
+        _warn(f"'{bundle}' records no fingerprint (compiled before fblc recorded them), so whether {source} was "
+              "trained on its base weights and frozen factors is not checked; compile it again")
+        return
+    problem = fingerprint_problem(served, given.fingerprint, bundle, source)
+    if problem is not None:
+        raise FblcError(*problem)
 
 
 def sites(manifest: Mapping[str, Any], bundle: str) -> list[dict[str, Any]]:
@@ -37,8 +135,12 @@ def sites(manifest: Mapping[str, Any], bundle: str) -> list[dict[str, Any]]:
 
 def checked(manifest: Mapping[str, Any], bundle: str, tensors: Mapping[str, Any], source: str) -> dict[str, np.ndarray]:
     """`tensors` (from `source`, a file name or "the specialist") as float32 arrays by site name, after checking that
-    they are the bundle's sites exactly: a missing, extra or misshapen tensor is refused by name."""
+    they are the bundle's sites exactly: a missing, extra or misshapen tensor is refused by name, and so is one
+    whose fingerprint is not the bundle's. The result carries the fingerprint on (for write_native)."""
     entries = sites(manifest, bundle)
+    carried = _split(tensors, source)
+    _check_fingerprint(manifest, bundle, carried, source)
+    tensors = carried
     expected = {e["name"]: list(e["shape"]) for e in entries}
     remedy = ("give the file 'fblc export TRAINING_BUNDLE --params trained.npz --keep-adapters FILE.npz' wrote, for a "
               "training bundle compiled with the adapter options of this one")
@@ -53,17 +155,22 @@ def checked(manifest: Mapping[str, Any], bundle: str, tensors: Mapping[str, Any]
     if extra:
         raise FblcError(f"{source} holds {len(extra)} tensor(s) that are no adapter site of '{bundle}', e.g. "
                         f"'{extra[0]}'", remedy)
-    arrays = {name: np.asarray(tensors[name], np.float32) for name in expected}
+    arrays = Specialist({name: np.asarray(tensors[name], np.float32) for name in expected}, carried.fingerprint)
     bad = next((name for name, array in arrays.items() if not np.isfinite(array).all()), None)
     if bad is not None:
         raise FblcError(f"tensor '{bad}' of {source} holds non-finite values", remedy)
     return arrays
 
 
-def load_file(path: str) -> dict[str, np.ndarray]:
-    """The arrays of the specialist .npz `path` by name, or an error naming the file."""
-    return fmt.npz_tensors(path, "--specialist",
-                           "give the .npz file 'fblc export BUNDLE --params trained.npz --keep-adapters FILE.npz' wrote")
+def load_file(path: str) -> Specialist:
+    """The arrays of the specialist .npz `path` by name, with the fingerprint it carries, or an error naming the
+    file."""
+    entries = fmt.npz_tensors(path, "--specialist",
+                              "give the .npz file 'fblc export BUNDLE --params trained.npz --keep-adapters FILE.npz' "
+                              "wrote")
+    loaded = _split(entries, f"specialist '{path}'")
+    loaded.path = path
+    return loaded
 
 
 def image_layout(texture: Mapping[str, Any]) -> TexelLayout:
@@ -81,11 +188,14 @@ def packed(plan: Mapping[str, Any], entry: Mapping[str, Any], array: np.ndarray)
 
 def write_native(path: str, manifest: Mapping[str, Any], plan: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
                  ) -> int:
-    """The native runner's --specialist file for `arrays` (checked): each site's packed texels by texture id,
-    which the runner writes over the texture's initial data. Returns the texel bytes it holds."""
+    """The native runner's --specialist file for `arrays` (checked): the id of the fingerprint they carry (which
+    the runner compares with the bundle's), then each site's packed texels by texture id, which the runner writes
+    over the texture's initial data. Returns the texel bytes it holds."""
     records = [(entry["texture"], packed(plan, entry, arrays[entry["name"]])) for entry in manifest["specialist"]]
+    fingerprint = getattr(arrays, "fingerprint", None)
+    identity = fingerprint["id"].encode() if fingerprint is not None else b""
     with open(path, "wb") as handle:
-        handle.write(SPECIALIST_MAGIC + struct.pack("<I", len(records)))
+        handle.write(SPECIALIST_MAGIC + struct.pack("<I", len(identity)) + identity + struct.pack("<I", len(records)))
         for texture, data in records:
             handle.write(struct.pack("<IQ", texture, len(data)) + data)
     return sum(len(data) for _, data in records)

@@ -237,6 +237,9 @@ void bundle_load(const char *folder, bundle *out) {
     check_checksums(folder, manifest, out);
     const json_value *target = json_get(manifest, "target");
     out->target = xstrdup(target && target->type == JSON_STRING ? target->string : "?");
+    const json_value *fingerprint = json_get(manifest, "fingerprint");
+    const json_value *identity = fingerprint ? json_get(fingerprint, "id") : NULL;
+    out->fingerprint = identity && identity->type == JSON_STRING ? xstrdup(identity->string) : NULL;
 
     json_value *plan = parse_file(folder, "plan.json", NULL, NULL);
     const json_value *images = need(plan, "images", JSON_ARRAY, "plan.json");

@@ -68,6 +68,8 @@ typedef struct {
 typedef struct {
     char *folder;
     char *target;
+    char *fingerprint;       /* manifest "fingerprint" "id" of a bundle with an adapter (a specialist's must equal it);
+                                NULL: none recorded */
     texture *textures;
     size_t texture_count;
     image_spec *images;      /* plan.json's images */

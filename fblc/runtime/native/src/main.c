@@ -43,7 +43,8 @@
 #include "runner.h"
 #include "util.h"
 
-#define RUNNER_VERSION "5" /* 3: forward bundles (outputs.bin); 4: --specialist; 5: --params, an ES step's rewards in outputs.bin */
+#define RUNNER_VERSION "6" /* 3: forward bundles (outputs.bin); 4: --specialist; 5: --params, an ES step's rewards in outputs.bin;
+                            6: a --specialist file carries its fingerprint's id (specialist.c) */
 #define DATA_MAGIC "FBLCDAT1"
 
 static volatile sig_atomic_t interrupted = 0;
@@ -331,6 +332,7 @@ int main(int argc, char **argv) {
 
     bundle b;
     bundle_load(bundle_dir, &b);
+    if (specialist_path) specialist_check(&b, specialist_path); /* a wrong one refused before the device is used */
     if (params_path) { /* same offsets as the bundle's params.bin, other values: the bundle's checksums stay */
         size_t length;
         unsigned char *values = (unsigned char *)read_file(params_path, &length);

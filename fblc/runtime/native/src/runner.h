@@ -64,6 +64,9 @@ void runner_read_output(runner *r, size_t index, void *out);
 /* Write texture `id`'s image with `data`, packed as its initial data in params.bin is (blocking). */
 void runner_write_initial(runner *r, size_t id, const void *data);
 
+/* Refuse the specialist file `path` (specialist.c) whose fingerprint is not the bundle's, before any device work;
+ * warn where one side has none. */
+void specialist_check(const bundle *b, const char *path);
 /* Write each texture of the specialist file `path` (specialist.c) over its initial data; returns the bytes. */
 size_t runner_load_specialist(runner *r, const char *path);
 
