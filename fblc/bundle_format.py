@@ -32,7 +32,9 @@ A bundle is a directory:
 - factors.npz    (optional) an adapter's frozen factors by tensor name (MemFLoRA's P, FuRA-S's R), which
                  `fblc export` merges with the trained ones; manifest.json `export` names the source model
                  (path, sha256, bytes; its external data files: bytes and a sampled sha256) and the adapter's
-                 sites (fblc.codegen.export_record). Runtimes ignore both.
+                 sites (fblc.codegen.export_record). Runtimes ignore both. A bundle with an adapter also has
+                 `fingerprint` (adapter, base-model digest, frozen factors' digest, seed, `id`), which the
+                 runtimes compare with a specialist's before serving it (fblc.runtime.specialist).
 Runtimes read exactly this and know nothing about ONNX.
 """
 

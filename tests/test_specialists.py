@@ -26,6 +26,7 @@ from fblc.runtime.local import LocalRunner
 from fblc.runtime.native import write_data
 from fblc.runtime.specialist import FINGERPRINT, load_file, write_native
 from support import models
+from support.bundles import edit_manifest
 from tests.test_native_runner import runner_binary  # noqa: F401  (fixture, built once per session)
 
 #: kind -> (test model, compile flags): LoRA at the mlp's linear layers, MemFLoRA at the convnet's pointwise conv
@@ -181,8 +182,8 @@ def test_a_specialist_trained_against_other_factors_or_weights_is_refused(tmp_pa
     capsys.readouterr()
     assert main(["run", reseeded, "--infer", "--data", data, "--specialist", kept, "-o", out]) == 2
     err = capsys.readouterr().err
-    assert (f"specialist '{kept}''s frozen projection was drawn with --seed 0; '{reseeded}' was compiled with "
-            "--seed 3; compile the served bundle with --seed 0") in err
+    assert (f"the frozen projection specialist '{kept}' was trained against was drawn with --seed 0; '{reseeded}' "
+            "was compiled with --seed 3; compile the served bundle with --seed 0") in err
 
     model, runner, specialists, _ = _served("fura-s", tmp_path_factory)
     (kept, _), = specialists.items()
@@ -208,3 +209,10 @@ def test_a_specialist_trained_against_other_factors_or_weights_is_refused(tmp_pa
     assert f"warning: specialist '{older}' carries no fingerprint" in capsys.readouterr().err
     runner.load_specialist(kept)
     assert "warning" not in capsys.readouterr().err
+    lora = next(iter(_served("lora", tmp_path_factory)[2]))  # another adapter: named before the sites' shapes
+    with pytest.raises(FblcError, match=f"specialist '{lora}' was trained with the adapter lora; '{runner.bundle}' "
+                                        "has fura-s sites"):
+        runner.load_specialist(lora)
+    edit_manifest(other, lambda m: m.pop("fingerprint"))  # a bundle compiled before fingerprints: served, warned
+    LocalRunner(other, storage="buffer", progress=False).load_specialist(kept)
+    assert f"warning: '{other}' records no fingerprint" in capsys.readouterr().err

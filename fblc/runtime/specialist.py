@@ -37,14 +37,16 @@ SPECIALIST_MAGIC = b"FBLCSPC2"
 FINGERPRINT = "__fblc_fingerprint__"
 
 
-class Specialist(dict):  # type: ignore[type-arg]
+class Specialist(dict[str, np.ndarray]):
     """A specialist's tensors by name, with the fingerprint it carries (None: none) and the file it came from
-    (None: given in memory, or already checked, so a missing fingerprint is not warned about again)."""
+    (None: given in memory, or already checked, so a missing fingerprint is not warned about again). A dict, so
+    that every caller that takes tensors by name (LocalRunner.load_specialist among them) takes it unchanged."""
 
     def __init__(self, tensors: Mapping[str, np.ndarray], fingerprint: dict[str, Any] | None,
                  path: str | None = None) -> None:
         super().__init__(tensors)
-        self.fingerprint, self.path = fingerprint, path
+        self.fingerprint: dict[str, Any] | None = fingerprint
+        self.path: str | None = path
 
 
 def with_fingerprint(tensors: Mapping[str, np.ndarray], fingerprint: Mapping[str, Any] | None
@@ -81,8 +83,8 @@ def _short(digest: str) -> str:
 
 def fingerprint_problem(served: Mapping[str, Any], given: Mapping[str, Any], bundle: str, source: str
                         ) -> tuple[str, str] | None:
-    """(what differs, what to do) between the fingerprint of `source` and the served bundle's, or None. The base
-    model first: other weights also make FuRA-S's R differ."""
+    """(what differs, what to do) between the fingerprint of `source` and the served bundle's, or None: the adapter,
+    then the base model (other weights also make FuRA-S's R differ), the seed, last the factors themselves."""
     if given["id"] == served.get("id"):
         return None
     kind = served.get("adapter")
@@ -96,8 +98,8 @@ def fingerprint_problem(served: Mapping[str, Any], given: Mapping[str, Any], bun
                 "serve it from a bundle compiled from the model it was trained on, or train the specialist again "
                 "on this bundle's model")
     if given.get("seed") != served.get("seed"):
-        return (f"{source}'s frozen projection was drawn with --seed {given.get('seed')}; '{bundle}' was compiled "
-                f"with --seed {served.get('seed')}",
+        return (f"the frozen projection {source} was trained against was drawn with --seed {given.get('seed')}; "
+                f"'{bundle}' was compiled with --seed {served.get('seed')}",
                 f"compile the served bundle with --seed {given.get('seed')} (the seed of the training bundle)")
     return (f"the frozen factors {source} was trained against (digest {_short(str(given.get('frozen_sha256')))}) are "
             f"not those of '{bundle}' (digest {_short(str(served.get('frozen_sha256')))}), same model and seed",
