@@ -44,13 +44,15 @@ void specialist_check(const bundle *b, const char *path) {
     const unsigned char *id;
     unsigned char *data = read_header(path, &length, &at, &id, &id_length);
     const char *own = b->fingerprint;
-    if (!id_length || !own) {
-        if (id_length || own)
-            fprintf(stderr, "warning: %s records no fingerprint, so whether the specialist '%s' was trained on the "
-                            "base weights and frozen factors of '%s' is not checked; %s\n",
-                    id_length ? "the bundle" : "the specialist", path, b->folder,
-                    id_length ? "compile the bundle again" : "export it again with fblc export --keep-adapters");
-    } else if (id_length != strlen(own) || memcmp(id, own, id_length) != 0) {
+    if (!id_length && own) {
+        fprintf(stderr, "warning: the specialist '%s' carries no fingerprint (written before fblc recorded them), so "
+                        "whether it was trained on the base weights and frozen factors of '%s' is not checked; export "
+                        "it again with fblc export --keep-adapters\n", path, b->folder);
+    } else if (id_length && !own) {
+        fprintf(stderr, "warning: '%s' records no fingerprint (compiled before fblc recorded them), so whether the "
+                        "specialist '%s' was trained on its base weights and frozen factors is not checked; compile "
+                        "it again\n", b->folder, path);
+    } else if (id_length && (id_length != strlen(own) || memcmp(id, own, id_length) != 0)) {
         die(EXIT_USAGE, "the specialist '%s' was trained against other frozen factors or base weights (fingerprint "
                         "%.*s) than '%s' holds (%s); serve it from a bundle compiled from the same model with the "
                         "training bundle's --adapter/--seed options ('fblc run --specialist' names what differs)",
