@@ -1,7 +1,7 @@
 """What an OpenCL device decides of a local run: the storage "auto" picks on it (choose_storage), whether its
 kernels build unoptimised (UNOPTIMISED_PLATFORMS, unoptimised_reason), and the build options it takes
-(language_standard, device_build_options). LocalRunner asks these; the native runner chooses alike (runner's
-device.c).
+(language_standard, device_build_options). LocalRunner asks these; the native runner chooses alike
+(native/src/device.c).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def language_standard(device: Any) -> str:
     """The -cl-std the kernels build with: OpenCL C 1.2, which every device fblc targets compiles, or on a
     device with sub-groups (cl_khr_subgroups) of OpenCL 2.x / 3.x that version's, whose compilers declare the
     sub-group built-ins the group reductions call (FBLC_SUBGROUPS: clang defines cl_khr_subgroups only from
-    OpenCL C 2.0). The native runner chooses alike (runner.c, language_standard)."""
+    OpenCL C 2.0). The native runner chooses alike (device.c, language_standard)."""
     version = re.match(r"OpenCL (\d+)\.", str(device.version))
     major = int(version.group(1)) if version else 1
     if "cl_khr_subgroups" not in str(device.extensions).split() or major < 2:
