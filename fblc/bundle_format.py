@@ -114,7 +114,7 @@ FLOAT_FORMATS = {"fp32": "rgba_f32", "fp16": "rgba_f16"}
 INTEGER_FORMATS = ("rgba_i32", *MASK_FORMATS.values())  # read back as integers
 #: the build option a runtime gives a device that lists cl_khr_fp16: the kernels.cl preamble then makes the half
 #: kernels' `real` half (else float; a compiler's own cl_khr_fp16 macro is not enough: oclgrind 21.10 defines it
-#: without read_imageh). The native runner's runner.c defines the same (HALF_OPTION)
+#: without read_imageh). The native runner's device.c defines the same (HALF_OPTION)
 HALF_BUILD_OPTION = "-DFBLC_HALF"
 
 

@@ -7,36 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checksums.h"
 #include "json.h"
-#include "sha256.h"
 #include "util.h"
-
-static const char *const CHECKSUMMED[] = {"plan.json", "kernels.cl", "params.bin", "report.json"};
-
-/* The plan's texture formats (fblc/bundle_format.py), by FORMAT_*. */
-static const struct {
-    const char *name;
-    size_t element_bytes, texel_bytes, texel_elements;
-} FORMATS[FORMAT_COUNT] = {
-    [FORMAT_F32] = {"rgba_f32", 4, 16, 4}, [FORMAT_F16] = {"rgba_f16", 2, 8, 4}, [FORMAT_I32] = {"rgba_i32", 4, 16, 4},
-    [FORMAT_MASK4] = {"r_mask4", 1, 1, 4}, [FORMAT_MASK8] = {"r_mask8", 1, 1, 8},
-};
-
-size_t format_element_bytes(int format) { return FORMATS[format].element_bytes; }
-
-size_t format_texel_bytes(int format) { return FORMATS[format].texel_bytes; }
-
-size_t format_texel_elements(int format) { return FORMATS[format].texel_elements; }
-
-int format_is_mask(int format) { return format == FORMAT_MASK4 || format == FORMAT_MASK8; }
-
-const char *format_name(int format) { return FORMATS[format].name; }
-
-int format_of_name(const char *name) {
-    for (int format = 0; format < FORMAT_COUNT; ++format)
-        if (strcmp(FORMATS[format].name, name) == 0) return format;
-    return -1;
-}
 
 static const char *folder_of_error;
 
@@ -129,37 +102,6 @@ static json_value *parse_file(const char *folder, const char *name, char **text_
     return root;
 }
 
-static int is_json_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
-
-/* Whether the manifest `text` holds exactly one "manifest_sha256": "<64 hex>" field whose value is the
- * sha256 of the text with that value written as 64 zeros (fblc/bundle_format.py's sealed_manifest). */
-static int manifest_seal_holds(char *text, size_t length) {
-    static const char key[] = "\"manifest_sha256\"";
-    char *value = NULL;
-    size_t found = 0;
-    for (char *at = strstr(text, key); at; at = strstr(at + 1, key)) {
-        char *p = at + strlen(key);
-        while (is_json_space(*p)) ++p;
-        if (*p++ != ':') continue;
-        while (is_json_space(*p)) ++p;
-        if (*p++ != '"') continue;
-        size_t hex = 0;
-        while (hex < 64 && ((p[hex] >= '0' && p[hex] <= '9') || (p[hex] >= 'a' && p[hex] <= 'f'))) ++hex;
-        if (hex == 64 && p[64] == '"') {
-            value = p;
-            ++found;
-        }
-    }
-    if (found != 1) return 0;
-    char want[65], digest[65];
-    memcpy(want, value, 64);
-    want[64] = '\0';
-    memset(value, '0', 64);
-    sha256_hex(text, length, digest);
-    memcpy(value, want, 64);
-    return strcmp(digest, want) == 0;
-}
-
 static void read_tensor(const json_value *entry, tensor *out, size_t texture_count, const char *where) {
     out->name = xstrdup(need(entry, "name", JSON_STRING, where)->string);
     out->texture = need_size(entry, "texture", where);
@@ -171,37 +113,6 @@ static void read_tensor(const json_value *entry, tensor *out, size_t texture_cou
     for (size_t i = 0; i < shape->count; ++i) {
         out->shape[i] = as_size(json_at(shape, i), "a tensor shape is not a list of sizes");
         out->elements = mul_size(out->elements, out->shape[i], "a tensor has more elements than a size holds");
-    }
-}
-
-static void check_checksums(const char *folder, const json_value *manifest, bundle *out) {
-    const json_value *checksums = json_get(manifest, "checksums");
-    for (size_t i = 0; i < sizeof CHECKSUMMED / sizeof *CHECKSUMMED; ++i) {
-        const char *name = CHECKSUMMED[i];
-        char *path = path_join(folder, name);
-        size_t length;
-        char *data = read_file(path, &length);
-        if (!data) {
-            if (errno == ENOENT) die(EXIT_USAGE, "'%s' is incomplete: %s is missing; compile the bundle again", folder, name);
-            die(EXIT_USAGE, "cannot read '%s' (%s)", path, strerror(errno));
-        }
-        const json_value *want = json_get(checksums, name);
-        char digest[65];
-        sha256_hex(data, length, digest);
-        if (!want || want->type != JSON_STRING || strcmp(want->string, digest) != 0)
-            die(EXIT_USAGE, "'%s/%s' does not match the checksum in manifest.json (corrupt or edited); "
-                            "compile the bundle again", folder, name);
-        if (strcmp(name, "kernels.cl") == 0) {
-            out->kernels_source = data;
-            out->kernels_length = length;
-            memcpy(out->kernels_sha256, digest, sizeof digest);
-        } else if (strcmp(name, "params.bin") == 0) {
-            out->params = (unsigned char *)data;
-            out->params_length = length;
-        } else {
-            free(data);
-        }
-        free(path);
     }
 }
 
@@ -453,23 +364,4 @@ void bundle_load(const char *folder, bundle *out) {
     }
     json_free(manifest);
     json_free(plan);
-}
-
-void texel_xy(const texture *tex, size_t t, size_t *x, size_t *y) {
-    if (!tex->rtile) {
-        *x = t % tex->width;
-        *y = t / tex->width;
-        return;
-    }
-    size_t r = t / tex->c4, q = t % tex->c4;
-    size_t tr = r / tex->tile_h, ir = r % tex->tile_h, tc = q / tex->tile_w4, iq = q % tex->tile_w4;
-    size_t tile = tex->by_columns ? tc * tex->tile_rows + tr : tr * tex->tile_cols + tc;
-    size_t gx = tile % tex->tiles_per_row, gy = tile / tex->tiles_per_row;
-    if (tex->strip) {
-        *x = gx * tex->tile_h * tex->tile_w4 + ir * tex->tile_w4 + iq;
-        *y = gy;
-    } else {
-        *x = gx * tex->tile_w4 + iq;
-        *y = gy * tex->tile_h + ir;
-    }
 }

@@ -3,15 +3,8 @@
 #define FBLC_RUNNER_H
 
 #include "bundle.h"
+#include "device.h"
 #include "opencl.h"
-
-typedef struct {
-    cl_platform_id platform;
-    cl_device_id device;
-    char platform_name[256], device_name[256], device_version[256], driver_version[256];
-    char language_standard[16]; /* -cl-std=CL1.2, or the device's OpenCL 2.0 / 3.0 where it has sub-groups */
-    size_t image_max_width, image_max_height;
-} device_choice;
 
 typedef struct {
     const bundle *b;
@@ -36,14 +29,6 @@ typedef struct {
     double *metrics;         /* the bundle's metrics after the last step, one per b->metric_names */
     size_t specialist_bytes; /* texels a --specialist wrote over initial data (0: none) */
 } runner;
-
-/* the device's -cl-std (device_choice.language_standard), "-DFBLC_HALF" where the device has cl_khr_fp16
-   (LocalRunner's too), then $FBLC_CL_BUILD_OPTIONS if set (appended, as PYOPENCL_BUILD_OPTIONS is by pyopencl) */
-const char *build_options(const device_choice *device);
-
-/* "P:D" or NULL for the first device with image support (what `fblc run --device local` takes). */
-void device_select(const char *spec, device_choice *out);
-void device_list(void); /* one JSON object per line */
 
 /* Create textures (filled from params.bin), build or load the program (cache in the bundle folder unless
  * `use_cache` is 0), create kernels; a profiling queue only with `kernel_times`. */
