@@ -34,6 +34,9 @@ MARKER = "FBLC_FLEET_SESSION"
 FLOWER_APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flower_app")
 CONNECTION = "fblc"
 START_TIMEOUT = 60.0
+#: seconds between a SuperExec's asks for a task to launch (a flwr-serverapp or a message's flwr-clientapp):
+#: Flower's default is 1 s, which every round waited on each node
+TASK_POLL = "0.2"
 GRACE = 5.0
 Say = Callable[[str], None]
 
@@ -54,8 +57,8 @@ def flower_env(home: str, session: str) -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     python_path = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
-    return {**os.environ, "PATH": path, "PYTHONPATH": python_path, "FLWR_HOME": home, MARKER: session,
-            "PYTHONUNBUFFERED": "1"}
+    return {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": TASK_POLL, **os.environ, "PATH": path, "PYTHONPATH": python_path,
+            "FLWR_HOME": home, MARKER: session, "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass
