@@ -98,10 +98,10 @@ def _seed_strategy(seeds: Any, spec: ServerSpec, train_metrics: Callable[..., An
     from fblc.fleet.rounds import as_numpy, replayed, seed_messages
 
     class SeedRounds(FedAvg):
-        start: dict[str, np.ndarray] = {}
+        global_model: dict[str, np.ndarray] = {}  # the round's, which the replays start from
 
         def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> Any:
-            self.start = as_numpy(arrays)
+            self.global_model = as_numpy(arrays)
             return seed_messages(super().configure_train(server_round, arrays, config, grid), server_round,
                                  spec.local_steps)
 
@@ -109,7 +109,7 @@ def _seed_strategy(seeds: Any, spec: ServerSpec, train_metrics: Callable[..., An
             good = [m for m in replies if not m.has_error()]  # Flower's log names the failed ones
             if not good:
                 return None, None
-            return replayed(seeds, self.start, good), train_metrics([m.content for m in good], "num-examples")
+            return replayed(seeds, self.global_model, good), train_metrics([m.content for m in good], "num-examples")
 
     return SeedRounds(fraction_train=spec.fraction, fraction_evaluate=0.0, min_train_nodes=spec.min_train,
                       min_evaluate_nodes=0, min_available_nodes=spec.min_available)

@@ -37,6 +37,10 @@ class Trainer(Protocol):
     def parameters(self) -> dict[str, np.ndarray]:
         """The trainable tensors now, by name."""
 
+    def train_reporting_seeds(self, batches: Sequence[Mapping[str, np.ndarray]], iteration: int, seed: int
+                              ) -> tuple[Any, list[float]]:
+        """ES steps on `batches` from noise iteration `iteration`: (fblc.fleet.es_seeds.SeedReport, the losses)."""
+
 
 def initial_tensors(bundle: str, entries: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     """The initial values of manifest `parameters` / `states` entries, decoded from params.bin through each texture's
