@@ -27,7 +27,8 @@ from tests.test_runtime import batch, elementwise_model
 ROUNDS, STEPS = 3, 2
 
 
-@pytest.mark.slow  # ~110 s on 2 cores, mostly Flower's 3-second polls and a process per message: pytest -m slow
+@pytest.mark.slow  # ~70 s on 2 shared cores (was 90-130 s), mostly Flower's process per message (a flwr-clientapp's
+# Python start: ~6 s under load) and its SuperNodes' 3-second polls: pytest -m slow
 def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runner_binary, capsys) -> None:  # noqa: F811
     bundle = str(tmp_path / "bundle")
     compile_model(elementwise_model(str(tmp_path / "model.onnx")), bundle, "adreno830", "fp32",
@@ -58,6 +59,7 @@ def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runn
 
     rows = {6: parts["local"], 9: parts[f"adb:{phone.serial}"]}
     start = initial_parameters(bundle)
+    local = LocalRunner(bundle, progress=False)  # plain SGD: no optimizer state, so one runner serves every reply
     for r in range(1, ROUNDS + 1):
         sent = np.load(os.path.join(out, f"round-{r}-replies.npz"))
         replies = [{name.split("/", 1)[1]: sent[name] for name in sent.files if name.startswith(f"{i}/")}
@@ -66,7 +68,6 @@ def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runn
         for reply in replies:  # only the trainable tensors and three metrics left each client
             assert sorted(reply) == ["b", "bytes-up", "num-examples", "train-loss", "w"]
             feeds = rows[int(reply["num-examples"])]
-            local = LocalRunner(bundle, progress=False)
             for name, value in start.items():
                 local.upload(next(p["texture"] for p in local.manifest["parameters"] if p["name"] == name), value)
             count = len(feeds["x"]) // 3
