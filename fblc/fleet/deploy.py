@@ -35,8 +35,9 @@ FLOWER_APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flower_ap
 CONNECTION = "fblc"
 START_TIMEOUT = 60.0
 #: seconds between a SuperExec's asks for a task to launch (a flwr-serverapp or a message's flwr-clientapp):
-#: Flower's default is 1 s, which every round waited on each node
-TASK_POLL = "0.2"
+#: Flower's default 1 s is waited (0.5 s on average) before every message's process starts; an idle SuperLink and
+#: its SuperExec used 0.20 CPU s in 30 s at 1 s, 0.82 at 0.2 s (2 shared cores): 0.5 halves the wait for ~1 % of a core
+TASK_POLL = "0.5"
 GRACE = 5.0
 Say = Callable[[str], None]
 
