@@ -6,7 +6,8 @@ trusted network: `--insecure`), writes a Flower config naming it (its own FLWR_H
 fblc/fleet/flower_app with `flwr run --stream`, whose log it prints; the ServerApp waits for `--min-clients`
 SuperNodes, at most `--wait-clients` seconds a round (fblc.fleet.rounds). `join` runs `flower-supernode` against
 that address with the node config its ClientApp reads (bundle, data, device, runner) until it is stopped.
-Neither installs anything at run time: the apps import the fblc this Python has (runtime dependency installation off; PYTHONPATH carries this fblc to Flower's children).
+Neither installs anything at run time: the apps import the fblc this Python has (runtime dependency installation
+off; PYTHONPATH carries this fblc to Flower's children).
 
 Every process either command starts, and every process those start (SuperExec, flwr-serverapp,
 flwr-clientapp, which Flower detaches into sessions of their own), carries FBLC_FLEET_SESSION=<id> in its
