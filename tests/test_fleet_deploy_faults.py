@@ -4,7 +4,7 @@ starts, node C is killed (SIGKILL, every process of its join): round 1 averages 
 survivors at the round's timeout, the aggregate is numpy's FedAvg of their replies, and the server's log names C's
 node and why. What each SuperNode sent over the wire holds its trained tensors and no row of its data. And a run
 that never has --min-clients SuperNodes connected stops after --wait-clients with the count and the model it had.
-Both under -m slow (Flower's processes: ~100 s and ~45 s wall on 2 shared cores)."""
+Both under -m slow (Flower's processes: ~90 s and ~35 s wall on 2 shared cores)."""
 
 from __future__ import annotations
 
