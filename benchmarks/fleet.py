@@ -17,7 +17,11 @@ Rows:
   pretrained CNN on the local OpenCL device (PoCL) and send their Philox seed, first iteration and member rewards;
   the server's replay of those (fblc.fleet.es_seeds) against the FedAvg of the models the clients trained, and the
   bytes each sends (Flower's serialized arrays and its five metrics) against sending its model; target: <= 1 KB.
-`--rows full,adapters,hundred,es` picks rows (all by default; ~13 minutes on 2 shared cores).
+- The same ES bundle in `fblc fleet simulate --es-seeds` (graph mode: the ES step ONNX in onnxruntime, its noise
+  numpy's Philox twin): 10 clients (Dirichlet 0.5) adapt the pretrained CNN to the turned digits, every reply a
+  seed report, every round's model the server's replay; accuracy, bytes per client per round and seconds per round
+  against the same number of ES steps trained centrally.
+`--rows full,adapters,hundred,es,es-sim` picks rows (all by default; ~15 minutes on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -95,10 +99,7 @@ def es_seed_row(folder: str, base: str, data: str, steps: int) -> list[str]:
     from fblc.fleet.rounds import as_record, payload_bytes
 
     print("ES (fura-s, 15 pairs) rounds that send seeds, 2 clients on the local OpenCL device", flush=True)
-    made = os.path.join(folder, "es")
-    if not os.path.isdir(made):
-        assert fblc(["compile", base, "--target", "adreno830", "-o", made, "--force", "--trainer", "es", "--adapter",
-                     "fura-s", "--pairs", "15", "--es-optimizer", "sgd", "--lr", LR, "-q"]) == 0
+    made, _ = es_bundle(folder, base)
     spec = es_seeds.es_spec(made)
     fleet = FleetSpec(made, data, 2, "iid", steps, "local")
     start = initial_parameters(made)
@@ -130,6 +131,31 @@ def es_seed_row(folder: str, base: str, data: str, steps: int) -> list[str]:
             "ES with seeds <= 1 KB", "met" if max(sent) <= 1024 else "not met"]
 
 
+def es_bundle(folder: str, base: str) -> tuple[str, str]:
+    """The pretrained CNN with FuRA-S trained by ES (15 pairs, SGD) for adreno830, and its step ONNX."""
+    made, step = os.path.join(folder, "es"), os.path.join(folder, "es.step.onnx")
+    flags = ["--trainer", "es", "--adapter", "fura-s", "--pairs", "15", "--es-optimizer", "sgd", "--lr", LR, "-q"]
+    if not os.path.isdir(made):
+        assert fblc(["compile", base, "--target", "adreno830", "-o", made, "--force", *flags]) == 0
+    if not os.path.isfile(step):
+        assert fblc(["train-graph", base, "-o", step, *flags]) == 0
+    return made, step
+
+
+def es_simulated_row(folder: str, base: str, data: str, rounds: int, steps: int) -> list[str]:
+    """`fblc fleet simulate --es-seeds` in graph mode, 10 clients: accuracy, bytes and seconds per round."""
+    print("ES (fura-s, 15 pairs) rounds that send seeds, 10 simulated clients, dirichlet:0.5, graph mode", flush=True)
+    made, step = es_bundle(folder, base)
+    spec = FleetSpec(made, data, 10, "dirichlet:0.5", steps, "graph", step)
+    result = run(spec, ServerSpec(rounds=rounds, local_steps=steps, es_seeds=True))
+    first, last, central_ = result["rounds"][0], result["rounds"][-1], result["central"][-1]
+    sent = last["bytes_up_per_client"]
+    return ["ES seeds simulated, fura-s, 15 pairs, 10 clients", f"{rounds} x 10 x {steps}",
+            f"{first['accuracy']:.3f} -> {last['accuracy']:.3f}", f"{central_['accuracy']:.3f}",
+            f"{sent:,.0f} ({100 * sent / result['model_bytes']:.3f} %)", f"{result['later_round_s']:.2f}",
+            "ES with seeds <= 1 KB", "met" if sent <= 1024 else "not met"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=os.path.join(ROOT, "runs", "fleet_bench"))
@@ -137,7 +163,8 @@ def main() -> int:
     parser.add_argument("--local-steps", type=int, default=20, help="K of the 20-client rows (default 20)")
     parser.add_argument("--pretrain", type=int, default=600, help="central steps of the adapters' base model")
     parser.add_argument("--adapter-rounds", type=int, default=10, help="rounds of the adapter rows (default 10)")
-    parser.add_argument("--rows", default="full,adapters,hundred,es", help="which rows (default all four kinds)")
+    parser.add_argument("--es-rounds", type=int, default=10, help="rounds of the simulated ES row (default 10)")
+    parser.add_argument("--rows", default="full,adapters,hundred,es,es-sim", help="which rows (default all five)")
     args = parser.parse_args()
     os.makedirs(args.folder, exist_ok=True)
     model = build_digits_cnn(os.path.join(args.folder, "digits_cnn.onnx"), batch=16)
@@ -155,6 +182,9 @@ def main() -> int:
         hundred_row(full, upright, rows)
     if "es" in kinds:
         rows.append(es_seed_row(args.folder, pretrained(args.folder, full, upright, args.pretrain), turned, steps=5))
+    if "es-sim" in kinds:
+        rows.append(es_simulated_row(args.folder, pretrained(args.folder, full, upright, args.pretrain), turned,
+                                     args.es_rounds, steps=5))
     head = ["case", "rounds x clients x K", "fleet acc.", "central acc.", "B up/client/round (% model)",
             "s/round", "target", "result"]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

@@ -7,8 +7,6 @@ replies, and no process of the deployment outlives it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
 
 import numpy as np
@@ -21,64 +19,47 @@ from fblc.fleet.deploy import free_port
 from fblc.fleet.trainers import initial_parameters
 from fblc.passes.pipeline import TrainingOptions
 from fblc.runtime.local import LocalRunner
+from tests.support.fleet_deploy import MARKER, QUIET, Joins, join_argv, tagged
 from tests.test_adb import REPO, adb_server, phone  # noqa: F401  (fixtures)
 from tests.test_native_runner import opencl_env, runner_binary  # noqa: F401  (fixtures)
 from tests.test_runtime import batch, elementwise_model
 
 ROUNDS, STEPS = 3, 2
-MARKER = "FBLC_TEST_FLEET"
 
 
-def _alive(tag: str) -> list[int]:
-    needle = f"{MARKER}={tag}".encode()
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle, open(f"/proc/{entry}/stat", "rb") as stat:
-                if needle in handle.read().split(b"\0") and stat.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-@pytest.mark.slow  # ~110 s on 2 cores, mostly Flower's 3-second polls and a process per message: pytest -m slow
+@pytest.mark.slow  # ~70 s on 2 shared cores (was 90-130 s), mostly Flower's process per message (a flwr-clientapp's
+# Python start: ~6 s under load) and its SuperNodes' 3-second polls: pytest -m slow
 def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runner_binary, capsys) -> None:  # noqa: F811
     bundle = str(tmp_path / "bundle")
     compile_model(elementwise_model(str(tmp_path / "model.onnx")), bundle, "adreno830", "fp32",
                   TrainingOptions(loss="mse", optimizer=OptimizerConfig("sgd", lr=0.5)))
     parts = {"local": batch(rows=6, seed=1), f"adb:{phone.serial}": batch(rows=9, seed=2)}  # 2 and 3 batches
     tag, port, out = uuid.uuid4().hex, free_port(), str(tmp_path / "server")
-    quiet = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # no network from a test
-    env = {**os.environ, MARKER: tag, "PYTHONPATH": REPO, **quiet}
-    joined = []
-    for k, (device, feeds) in enumerate(parts.items()):
+    env = {**os.environ, MARKER: tag, "PYTHONPATH": REPO, **QUIET}
+    for k, feeds in enumerate(parts.values()):
         np.savez(tmp_path / f"part{k}.npz", **feeds)
-        joined.append(subprocess.Popen(
-            [sys.executable, "-m", "fblc.cli", "fleet", "join", bundle, "--superlink", f"127.0.0.1:{port}", "--device",
-             device, "--data", str(tmp_path / f"part{k}.npz"), "--runner", runner_binary],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    joins = Joins(port, [(join_argv(bundle, port, device, str(tmp_path / f"part{k}.npz"), runner_binary), env)
+                         for k, device in enumerate(parts)])
     saved = dict(os.environ)
-    os.environ.update({MARKER: tag, **quiet})  # the SuperLink and its children carry the tag too
+    os.environ.update({MARKER: tag, **QUIET})  # the SuperLink and its children carry the tag too
     try:
         code = main(["fleet", "serve", bundle, "--rounds", str(ROUNDS), "--local-steps", str(STEPS), "--port",
                      str(port), "--round-timeout", "120", "--keep-replies", "-o", out])
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        for process in joined:
-            process.terminate()
-        logs = [process.communicate(timeout=60)[0] for process in joined]
+        logs = joins.stop()
     printed = capsys.readouterr().out
     assert code == 0, printed + "\n".join(logs)
     with capsys.disabled():  # what the Flower processes cost, for `pytest -s`
         print(*[line for text in [printed, *logs] for line in text.splitlines() if "CPU s" in line], sep="\n")
     for r in range(1, ROUNDS + 1):
         assert f"round {r}: 2 of 2 clients averaged" in printed
-    assert not _alive(tag), "processes of the deployment are still running"
+    assert not tagged(tag), "processes of the deployment are still running"
 
     rows = {6: parts["local"], 9: parts[f"adb:{phone.serial}"]}
     start = initial_parameters(bundle)
+    local = LocalRunner(bundle, progress=False)  # plain SGD: no optimizer state, so one runner serves every reply
     for r in range(1, ROUNDS + 1):
         sent = np.load(os.path.join(out, f"round-{r}-replies.npz"))
         replies = [{name.split("/", 1)[1]: sent[name] for name in sent.files if name.startswith(f"{i}/")}
@@ -87,7 +68,6 @@ def test_a_superlink_and_two_supernodes_train_three_rounds(tmp_path, phone, runn
         for reply in replies:  # only the trainable tensors and three metrics left each client
             assert sorted(reply) == ["b", "bytes-up", "num-examples", "train-loss", "w"]
             feeds = rows[int(reply["num-examples"])]
-            local = LocalRunner(bundle, progress=False)
             for name, value in start.items():
                 local.upload(next(p["texture"] for p in local.manifest["parameters"] if p["name"] == name), value)
             count = len(feeds["x"]) // 3

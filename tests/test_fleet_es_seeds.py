@@ -74,8 +74,6 @@ def test_a_seed_reply_is_rewards_and_metrics_only(es_bundle, tmp_path) -> None:
     # K x 2P float32 rewards as Flower's .npy bytes (a 128-byte header) and five 8-byte metrics, whatever the
     # model's size
     assert reply["metrics"]["bytes-up"] == payload_bytes(reply) == 128 + STEPS * 2 * PAIRS * 4 + 5 * 8
-    with pytest.raises(FblcError, match="need a device that reports each member's reward, not 'graph'"):
-        train_reply(content, {"bundle": es_bundle, "data": data, "device": "graph"}, {"local-steps": STEPS})
 
 
 def test_a_bundle_whose_steps_cannot_be_replayed_is_refused(es_bundle, tmp_path) -> None:
@@ -153,3 +151,52 @@ def test_the_seed_strategy_gives_each_client_its_noise_and_replays_their_reports
     for name, value in as_numpy(arrays).items():
         np.testing.assert_array_equal(value, expected[name])
         assert np.abs(value - start[name]).max() > 1e-3
+
+
+def test_simulated_seed_rounds_rebuild_what_the_clients_trained_in_graph_mode(es_bundle, tmp_path) -> None:
+    """`fblc fleet simulate --es-seeds` without Ray: the simulation's seed strategy and ClientApp on two clients in
+    graph mode (the ES step ONNX in onnxruntime, its noise numpy's Philox twin): each reply is rewards and metrics,
+    and the aggregate the server rebuilds from them equals the FedAvg of the models the clients trained."""
+    from flwr.app import Context
+
+    from fblc.compiler.model_io import load_model, save_model_atomically
+    from fblc.compiler.optional_state import with_optional_state
+    from fblc.fleet.client import FleetSpec, client_app, client_rows
+    from fblc.fleet.server import History, ServerSpec, strategy_of
+    from fblc.fleet.trainers import trainer_for
+    from fblc.passes.pipeline import build_training_graph
+    from tests.support.fleet_messages import Nodes, task_identity
+
+    step = str(tmp_path / "step.onnx")
+    options = TrainingOptions(loss="mse", trainer="es", es=EsConfig(pairs=PAIRS, sigma=0.05, seed=7),
+                              optimizer=OptimizerConfig("sgd", lr=0.5, momentum=0.9, weight_decay=0.01))
+    save_model_atomically(with_optional_state(build_training_graph(
+        load_model(elementwise_model(str(tmp_path / "model.onnx"))), options)), step)
+    np.savez(tmp_path / "rows.npz", **batch(rows=30, seed=6))
+    fleet = FleetSpec(es_bundle, str(tmp_path / "rows.npz"), clients=2, local_steps=STEPS, device="graph", step=step)
+    server = ServerSpec(rounds=1, local_steps=STEPS, min_train=2, min_available=2, es_seeds=True)
+    history = History(keep_replies=True)
+    start = {name: value + 0.1 for name, value in initial_parameters(es_bundle).items()}
+    with task_identity():
+        strategy = strategy_of(server, history, es_seeds.es_spec(es_bundle))
+        sent = list(strategy.configure_train(2, as_record(start), ConfigRecord({"local-steps": STEPS}), Nodes([7, 8])))
+        app, replies, trained = client_app(fleet), [], []
+        for client, message in enumerate(sent):
+            message.metadata.__dict__["_message_id"] = message.object_id  # what the Grid does as it pushes it
+            context = Context(run_id=1, node_id=7 + client, node_config={"partition-id": client}, state=RecordDict(),
+                              run_config={})
+            replies.append(app(message=message, context=context))
+            model = trainer_for(fleet.bundle, "graph", step).parameters()  # what it trained, and did not send
+            trained.append(({k: v.copy() for k, v in model.items()}, len(client_rows(fleet, client))))
+        arrays, _ = strategy.aggregate_train(2, replies)
+    assert len({int(m.content["config"]["es-iteration"]) for m in sent}) == 2  # each client its own noise
+    for reply in replies:
+        assert list(as_numpy(reply.content["arrays"])) == ["es.rewards"]
+        # K x 2P float32 rewards with the .npy header and the seed and first iteration, whatever the model's size
+        assert reply.content["metrics"]["bytes-up"] == 128 + STEPS * 2 * PAIRS * 4 + 2 * 8 <= 1024
+    total = sum(rows for _, rows in trained)
+    for name, value in as_numpy(arrays).items():
+        from_deltas = sum(model[name].astype(np.float64) * rows / total for model, rows in trained)
+        assert np.abs(from_deltas - start[name]).max() > 1e-3  # the clients did move the model
+        np.testing.assert_allclose(value, from_deltas, rtol=0, atol=1e-6)  # float32 rounding of the two sums
+    assert history.pending["clients"] == 2 and history.pending["bytes_up_per_client"] < 1024

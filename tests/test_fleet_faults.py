@@ -87,7 +87,7 @@ def test_failed_silent_and_foreign_clients_are_left_out_and_logged(bundle, tmp_p
     text = "\n".join(records)
     assert "node 13 left out: its ClientApp failed: RuntimeError: the phone's GPU was lost" in text
     assert "node 14 left out: its model's tensor 'w' is [5, 3], the bundle trains [3, 5]" in text
-    assert "node 15 left out: its ClientApp failed: Node Unavailable: no heartbeat" in text
+    assert "node 15 left out: the SuperLink reports: Node Unavailable: no heartbeat" in text
     assert "round 2: node 16 left out: no reply within the round's timeout of 30 s" in text
     line = json.loads(open(os.path.join(tmp_path, "rounds.jsonl")).readline())
     assert line == {"round": 1, "sampled": 5, "clients": 2, "bytes_up_per_client": [100, 100], "train_loss": 0.5}
@@ -157,3 +157,28 @@ def test_only_the_trainable_tensors_and_three_metrics_leave_a_client(bundle, tmp
         w = w - 0.1 * (w - start[name])
         w = w * 0.5
         np.testing.assert_allclose(value, w - 0.1 * (w - start[name]), rtol=1e-6)
+
+
+def test_a_round_waits_for_too_few_nodes_only_as_long_as_it_may(bundle, tmp_path, identity) -> None:
+    """Flower's sampling waits without limit while fewer than min-available nodes are connected; the fleet's
+    strategy waits `wait_clients` seconds, logging the count, then stops the run with the model it had."""
+    from fblc.fleet.rounds import LoggedFedAvg, TooFewClients
+
+    manifest, _ = fmt.load_verified(bundle)
+    strategy = LoggedFedAvg(manifest=manifest, out=str(tmp_path), timeout=30.0, min_train_nodes=3,
+                            min_available_nodes=3, wait_clients=0.6)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("flwr").addHandler(handler)
+    start = as_record(initial_parameters(bundle))
+    try:
+        with pytest.raises(TooFewClients, match=re.escape("round 4: only 2 of the 3 SuperNodes it needs "
+                                                          "(--min-clients) were connected after 0.6 s")) as stopped:
+            strategy.configure_train(4, start, ConfigRecord(), Nodes([7, 8]))
+        sent = strategy.configure_train(4, start, ConfigRecord(), Nodes([7, 8, 9]))  # enough: no wait
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    assert stopped.value.arrays is start and (stopped.value.connected, stopped.value.needed) == (2, 3)
+    assert len(list(sent)) == 3
+    assert records[0] == "round 4 waits for SuperNodes: 2 connected of the 3 it needs (at most 0.6 s)"

@@ -39,11 +39,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.output and os.path.exists(args.output) and not os.path.isdir(args.output):
         raise FblcError(f"-o '{args.output}' is a file, not a folder", "give a folder for fleet.json, fleet.png and "
                         "global.npz")
+    if args.es_seeds:
+        from fblc.fleet.es_seeds import es_spec
+
+        if args.strategy != "fedavg":
+            raise FblcError(f"--es-seeds replays the clients' steps and averages them: --strategy {args.strategy} "
+                            "does not apply", "drop --strategy")
+        es_spec(args.bundle)  # refuses a bundle whose steps cannot be replayed, before Ray starts
     fleet = FleetSpec(args.bundle, args.data, args.clients, args.partition, args.local_steps, args.device, args.step,
                       args.holdout, args.seed)
     server = ServerSpec(rounds=args.rounds, strategy=args.strategy, fraction=args.fraction,
                         min_available=args.min_available or args.clients, local_steps=args.local_steps,
-                        proximal_mu=args.proximal_mu, lr=args.lr, eta=args.eta, timeout=args.timeout)
+                        proximal_mu=args.proximal_mu, lr=args.lr, eta=args.eta, timeout=args.timeout,
+                        es_seeds=args.es_seeds)
     say = (lambda line: None) if args.quiet else print
     say(f"fleet: {args.clients} clients ({args.partition}), {clients_per_round(fleet, server)} per round, "
         f"{args.rounds} rounds of {args.local_steps} local steps on {args.device}, {args.strategy}")
@@ -92,6 +100,9 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                           help="clients that must be connected before a round starts (default all)")
     simulate.add_argument("--timeout", type=float, default=3600.0, help="seconds a round waits for replies")
     add_strategy_options(simulate)
+    simulate.add_argument("--es-seeds", action="store_true",
+                          help="ES bundles (--trainer es, SGD): clients send seeds and member rewards, not tensors, "
+                               "and the server replays their steps")
     simulate.add_argument("--holdout", type=float, default=0.2, help="fraction of rows held out (default 0.2)")
     simulate.add_argument("--seed", type=int, default=0, help="seed of the split and the batches")
     simulate.add_argument("--workers", type=int, default=2, help="Ray worker processes (default 2)")

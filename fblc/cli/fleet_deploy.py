@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -34,6 +35,9 @@ def add_commands(fleet: Any) -> None:
     serve.add_argument("--fraction", type=float, default=1.0, help="fraction of connected clients per round")
     serve.add_argument("--round-timeout", type=float, default=600.0,
                        help="seconds a round waits for replies; later ones are left out (default 600)")
+    serve.add_argument("--wait-clients", type=float, default=600.0, metavar="SECONDS",
+                       help="how long a round waits for --min-clients SuperNodes to be connected; then the run stops "
+                            "with the global model so far in OUT/global.npz (default 600; 0: without limit)")
     serve.add_argument("--port", type=int, default=9092, help="the SuperLink's port (default 9092)")
     add_strategy_options(serve)
     serve.add_argument("--es-seeds", action="store_true",
@@ -64,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fblc import bundle_format as fmt
     from fblc.errors import FblcError
     from fblc.fleet.deploy import serve
+    from fblc.fleet.deploy_apps import STOPPED
 
     fmt.load_verified(args.bundle)
     for name in ("rounds", "local_steps", "min_clients"):
@@ -77,14 +82,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             "does not apply", "drop --strategy")
 
         es_spec(args.bundle)  # refuses a bundle whose steps cannot be replayed, before any process starts
+    if args.wait_clients < 0:
+        raise FblcError(f"--wait-clients {args.wait_clients} is negative", "give seconds, or 0 to wait without limit")
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    stopped = os.path.join(out, STOPPED)
+    if os.path.exists(stopped):  # of an earlier run into this folder
+        os.remove(stopped)
     config = {"bundle": os.path.abspath(args.bundle), "out": out, "rounds": args.rounds,
               "local-steps": args.local_steps, "min-clients": args.min_clients, "fraction": args.fraction,
-              "round-timeout": args.round_timeout, "es-seeds": bool(args.es_seeds), "strategy": args.strategy,
-              "proximal-mu": args.proximal_mu, "proximal-lr": args.lr, "eta": args.eta,
+              "round-timeout": args.round_timeout, "wait-clients": args.wait_clients, "es-seeds": bool(args.es_seeds),
+              "strategy": args.strategy, "proximal-mu": args.proximal_mu, "proximal-lr": args.lr, "eta": args.eta,
               "keep-replies": bool(args.keep_replies)}
     code = serve(config, args.port, out, _say)
+    if os.path.exists(stopped):
+        with open(stopped, encoding="utf-8") as handle:
+            stop = json.load(handle)
+        print(f"fblc: error: the fleet stopped before round {stop['round']}: only {stop['connected']} of the "
+              f"{stop['needed']} SuperNodes it needs (--min-clients) were connected after {stop['waited']:g} s "
+              f"(--wait-clients); the global model of the {stop['round'] - 1} rounds that ran is "
+              f"{os.path.join(out, 'global.npz')}", file=sys.stderr)
+        return 3
     if code == 0 and os.path.exists(os.path.join(out, "global.npz")):
         _say(f"done: {args.rounds} rounds; the global model is {os.path.join(out, 'global.npz')}")
         return 0

@@ -16,7 +16,6 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fblc import bundle_format as fmt
-from fblc.compiler.es import ITERATION
 from fblc.errors import FblcError
 from fblc.fleet.es_seeds import SeedReport
 from fblc.fleet.bundle_params import params_bin
@@ -57,6 +56,7 @@ class AdbTrainer:
                               ) -> tuple[SeedReport, list[float]]:
         """An ES round on the phone: the runner's noise counter starts at `iteration`, and it reads each step's
         member rewards back (outputs.bin), which the seed report carries instead of the model."""
+        from fblc.compiler.es import ITERATION  # here: it loads onnx_ir (fblc.fleet.es_seeds.z_scores says why)
         from fblc.runtime.adb import run_on_device
 
         initial = params_bin(self.bundle, {**self.values, ITERATION: np.array(iteration, np.float32)})

@@ -83,6 +83,21 @@ def local_training(spec: FleetSpec, client: int, arrays: Mapping[str, np.ndarray
     return trainer.parameters(), len(rows), float(np.mean(losses))
 
 
+def seed_training(spec: FleetSpec, client: int, arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]
+                  ) -> tuple[Any, int, float]:
+    """Client `client`'s ES round that sends seeds (`es-iteration` in the config): (its seed report: seed, first
+    iteration, member rewards; its number of rows, mean loss). The trainer keeps the model it trained."""
+    from fblc.fleet.es_seeds import es_spec
+
+    trainer = trainer_for(spec.bundle, spec.device, spec.step)
+    rows = client_rows(spec, client)
+    trainer.set_parameters(arrays)
+    feed = batches(rows, spec.batch, seed=(spec.seed, int(config.get("server-round", 0)), client))
+    steps = [next(feed) for _ in range(int(config.get("local-steps", spec.local_steps)))]
+    report, losses = trainer.train_reporting_seeds(steps, int(config["es-iteration"]), es_spec(spec.bundle).seed)
+    return report, len(rows), float(np.mean(losses))
+
+
 def client_app(spec: FleetSpec) -> Any:
     """The ClientApp: each simulated or deployed SuperNode's `partition-id` (node config) picks its rows."""
     from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -93,11 +108,17 @@ def client_app(spec: FleetSpec) -> Any:
     @app.train()
     def train(message: Message, context: Context) -> Message:
         arrays = {name: array.numpy() for name, array in message.content["arrays"].items()}
-        trained, examples, loss = local_training(spec, int(context.node_config["partition-id"]), arrays,
-                                                 message.content["config"])
+        client, config = int(context.node_config["partition-id"]), message.content["config"]
+        extra = {}
+        if "es-iteration" in config:  # an ES round that sends seeds: the rewards travel, not the model
+            report, examples, loss = seed_training(spec, client, arrays, config)
+            trained = {"es.rewards": report.rewards}
+            extra = {"es-seed": report.seed, "es-iteration": report.iteration}
+        else:
+            trained, examples, loss = local_training(spec, client, arrays, config)
         record = ArrayRecord({name: Array(np.ascontiguousarray(value, np.float32)) for name, value in trained.items()})
-        sent = sum(len(array.data) for array in record.values())
-        metrics = MetricRecord({"num-examples": examples, "train-loss": loss, "bytes-up": sent})
+        sent = sum(len(array.data) for array in record.values()) + 8 * len(extra)
+        metrics = MetricRecord({"num-examples": examples, "train-loss": loss, "bytes-up": sent, **extra})
         return Message(RecordDict({"arrays": record, "metrics": metrics}), reply_to=message)
 
     return app

@@ -11,6 +11,7 @@ trainers are fblc.fleet.trainers' (`local`, `adb:SERIAL`: fblc.fleet.adb_trainer
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -19,10 +20,9 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fblc import bundle_format as fmt
-from fblc.errors import FblcError
 from fblc.fleet import es_seeds
-from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, STRATEGIES, SeedFedAvg,
-                               as_numpy, as_record, payload_bytes)
+from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, STRATEGIES, PromptGrid,
+                               SeedFedAvg, TooFewClients, as_numpy, as_record, payload_bytes)
 from fblc.fleet.trainers import bundle_shapes, checked_global, device_kind, initial_parameters, trainer_for
 
 Batches = Sequence[Mapping[str, np.ndarray]]
@@ -32,18 +32,6 @@ def _round_batches(batches: Batches, server_round: int, steps: int) -> list[Mapp
     """The K batches of a round: the partition's batches in turn, continuing where the last round stopped."""
     first = (server_round - 1) * steps
     return [batches[(first + k) % len(batches)] for k in range(steps)]
-
-
-def _local_seeds(trainer: Any, batches: Batches, iteration: int, seed: int) -> tuple[es_seeds.SeedReport, list[float]]:
-    return es_seeds.train_reporting_seeds(trainer.runner, batches, len(batches), iteration, seed)
-
-
-def _adb_seeds(trainer: Any, batches: Batches, iteration: int, seed: int) -> tuple[es_seeds.SeedReport, list[float]]:
-    return trainer.train_reporting_seeds(batches, iteration, seed)
-
-
-#: device kind -> how its trainer runs an ES round and reports its seeds and member rewards
-SEED_REPORTERS = {"local": _local_seeds, "opencl": _local_seeds, "adb": _adb_seeds}
 
 
 def _proximal_steps(trainer: Any, batches: Batches, start: Mapping[str, np.ndarray], mu: float, lr: float
@@ -67,9 +55,6 @@ def train_reply(content: RecordDict, node: Mapping[str, Any], run: Mapping[str, 
     start = as_numpy(content["arrays"])
     checked_global(start, bundle_shapes(manifest), f"bundle '{bundle}'")  # before a kernel is built
     config = content["config"]
-    if ES_ITERATION in config and device_kind(device) not in SEED_REPORTERS:
-        raise FblcError(f"ES rounds that send seeds need a device that reports each member's reward, not "
-                        f"'{device}'", f"join with --device {' or '.join(SEED_REPORTERS)}")
     trainer = trainer_for(bundle, device)
     if device_kind(device) == "adb" and node.get("runner"):
         trainer.runner = str(node["runner"])  # type: ignore[attr-defined]  (AdbTrainer: the runner to push)
@@ -79,8 +64,8 @@ def train_reply(content: RecordDict, node: Mapping[str, Any], run: Mapping[str, 
     batches = _round_batches(data, int(config["server-round"]), steps)
     examples = len(data) * manifest["inputs"][0]["shape"][0]
     if ES_ITERATION in config:  # an ES round that sends seeds: the local device's runner reports its rewards
-        report, losses = SEED_REPORTERS[device_kind(device)](trainer, batches, int(config[ES_ITERATION]),
-                                                            es_seeds.es_spec(bundle).seed)
+        report, losses = trainer.train_reporting_seeds(batches, int(config[ES_ITERATION]),
+                                                       es_seeds.es_spec(bundle).seed)
         arrays = ArrayRecord({REWARDS: Array(report.rewards)})
         metrics = {ES_SEED: report.seed, ES_ITERATION: report.iteration}
     elif float(config.get("proximal-mu", 0.0)) > 0:  # FedProx: the proximal term's step after each step (as
@@ -106,21 +91,35 @@ def _client_train(msg: Message, context: Context) -> Message:
 
 server_app = ServerApp()
 
+#: what the ServerApp writes when too few SuperNodes connected (fblc fleet serve reads it)
+STOPPED = "stopped.json"
+
 
 @server_app.main()
 def _server_main(grid: Grid, context: Context) -> None:
     run = context.run_config
     bundle, out = str(run["bundle"]), str(run["out"])
     manifest, _ = fmt.load_verified(bundle)
+    wait = float(run["wait-clients"])
     figures = dict(manifest=manifest, out=out, timeout=float(run["round-timeout"]),
                    keep_replies=bool(run["keep-replies"]), fraction_train=float(run["fraction"]),
-                   min_train_nodes=int(run["min-clients"]), min_available_nodes=int(run["min-clients"]))
+                   min_train_nodes=int(run["min-clients"]), min_available_nodes=int(run["min-clients"]),
+                   wait_clients=wait if wait > 0 else None)
     if bool(run["es-seeds"]):
         strategy = SeedFedAvg(spec=es_seeds.es_spec(bundle), local_steps=int(run["local-steps"]), **figures)
     else:
         kind, options = STRATEGIES[str(run["strategy"])]
         strategy = kind(**figures, **{argument: float(run[key]) for argument, key in options.items()})
-    result = strategy.start(grid=grid, initial_arrays=as_record(initial_parameters(bundle)),
-                            num_rounds=int(run["rounds"]), timeout=float(run["round-timeout"]))
+    try:
+        result = strategy.start(grid=PromptGrid(grid), initial_arrays=as_record(initial_parameters(bundle)),
+                                num_rounds=int(run["rounds"]), timeout=float(run["round-timeout"]))
+    except TooFewClients as stop:  # the model of the rounds that ran is kept, and serve says why it stopped
+        np.savez(f"{out}/global.npz", **as_numpy(stop.arrays))
+        with open(f"{out}/{STOPPED}", "w", encoding="utf-8") as handle:
+            json.dump({"round": stop.server_round, "connected": stop.connected, "needed": stop.needed,
+                       "waited": stop.waited, "message": str(stop)}, handle)
+        print(f"fleet: stopped: {stop}; the global model after {stop.server_round - 1} rounds: {out}/global.npz",
+              flush=True)
+        return
     np.savez(f"{out}/global.npz", **as_numpy(result.arrays))
     print(f"fleet: the global model after {int(run['rounds'])} rounds: {out}/global.npz", flush=True)

@@ -27,7 +27,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fblc import bundle_format as fmt
-from fblc.compiler.es import AGREEMENT, ITERATION
 from fblc.compiler.philox import es_noise
 from fblc.errors import FblcError
 
@@ -85,6 +84,8 @@ def es_spec(bundle: str) -> EsSpec:
 
 def z_scores(rewards: np.ndarray) -> np.ndarray:
     """fblc.compiler.es.z_scores in numpy (float32, as the step computes it)."""
+    from fblc.compiler.es import AGREEMENT  # imported here: fblc.compiler.es loads onnx_ir (2.8 s in every
+    # flwr-clientapp process, which imports this module whether or not its round is ES)
     r = rewards.astype(np.float32)
     centred = r - r.mean(dtype=np.float32)
     std = np.sqrt(np.mean(centred * centred, dtype=np.float32))
@@ -144,6 +145,7 @@ def train_reporting_seeds(runner: Any, batches: Sequence[Mapping[str, np.ndarray
     """K ES steps on a LocalRunner from its current parameters, its optimizer state as compiled (zero: what the
     replay assumes, also on a runner reused across rounds) and its noise counter set to `iteration`; the seed
     report of what it did and the losses."""
+    from fblc.compiler.es import ITERATION  # (onnx_ir: see z_scores)
     from fblc.fleet.trainers import initial_tensors
 
     initial = initial_tensors(runner.bundle, runner.manifest["states"])

@@ -7,12 +7,18 @@ silent nodes. `LoggedFedAvg` compares the nodes it sampled with the replies and 
 its reason (its error, or no reply within the timeout), refuses to average a reply whose tensors are not the
 global model's (a client of another bundle would corrupt the round), and writes each round's aggregate and a
 JSON line (clients, failures, bytes uploaded per client, mean train loss) to the run's folder.
+
+Flower's own sample_nodes waits without limit while fewer than min-available nodes are connected; `Logged` waits
+first, at most `wait_clients` seconds, and then raises TooFewClients (the ServerApp saves the global model so far
+and stops). `PromptGrid` polls the SuperLink for a round's replies every POLL seconds instead of the 3 s Flower's
+Grid sleeps between pulls (a round ended up to 3 s after its last reply).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from logging import INFO, WARNING
 from typing import Any, Iterable, Mapping
 
@@ -28,6 +34,46 @@ from fblc.fleet.bundle_params import ModelMismatch, check_tensors
 #: the reply's MetricRecord keys a client sends (no other metric leaves a client)
 EXAMPLES, LOSS, BYTES_UP, ES_SEED, ES_ITERATION = "num-examples", "train-loss", "bytes-up", "es-seed", "es-iteration"
 REWARDS = "es.rewards"
+
+
+#: seconds between a round's pulls of its replies from the SuperLink (Flower's Grid: 3)
+POLL = 0.25
+#: seconds between the logged lines while a round waits for SuperNodes to connect
+WAIT_LOG = 30.0
+
+
+class TooFewClients(Exception):
+    """Fewer SuperNodes than a round needs stayed connected for the whole wait: the run stops."""
+
+    def __init__(self, server_round: int, connected: int, needed: int, waited: float, arrays: ArrayRecord) -> None:
+        super().__init__(f"round {server_round}: only {connected} of the {needed} SuperNodes it needs (--min-clients) "
+                         f"were connected after {waited:g} s (--wait-clients)")
+        self.server_round, self.connected, self.needed, self.waited, self.arrays = (server_round, connected, needed,
+                                                                                    waited, arrays)
+
+
+class PromptGrid:
+    """A Grid whose send_and_receive pulls the replies every POLL s (Flower's push, pull and wait, without the 3 s
+    sleep between pulls); everything else is the Grid's."""
+
+    def __init__(self, grid: Grid, poll: float = POLL) -> None:
+        self.grid, self.poll = grid, poll
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        waiting = set(self.grid.push_messages(messages))
+        end = time.monotonic() + (timeout or 0.0)
+        replies: list[Message] = []
+        while timeout is None or time.monotonic() < end:
+            pulled = list(self.grid.pull_messages(waiting))
+            replies.extend(pulled)
+            waiting.difference_update(m.metadata.reply_to_message_id for m in pulled)
+            if not waiting:
+                break
+            time.sleep(self.poll)
+        return replies
 
 
 def payload_bytes(content: RecordDict) -> int:
@@ -49,15 +95,31 @@ class Logged:
     FedAvg's): logs every client a round left out and why, averages only the replies that fit, records the rounds."""
 
     def __init__(self, manifest: Mapping[str, Any], out: str, timeout: float, keep_replies: bool = False,
-                 **kwargs: Any) -> None:
+                 wait_clients: float | None = None, **kwargs: Any) -> None:
         super().__init__(fraction_evaluate=0.0, min_evaluate_nodes=0, **kwargs)  # type: ignore[call-arg]
         self.manifest, self.out, self.timeout, self.keep_replies = manifest, out, timeout, keep_replies
+        self.wait_clients = wait_clients
         self.sampled: dict[int, list[int]] = {}
         self.sent: dict[int, list[Message]] = {}
         self.start_arrays: dict[int, dict[str, np.ndarray]] = {}
 
+    def wait_for_nodes(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> None:
+        """Return once the round's SuperNodes are connected; TooFewClients after `wait_clients` seconds."""
+        needed = max(int(self.min_available_nodes), int(self.min_train_nodes))  # type: ignore[attr-defined]
+        started, logged = time.monotonic(), None
+        while (connected := len(list(grid.get_node_ids()))) < needed:
+            waited = time.monotonic() - started
+            if self.wait_clients is not None and waited >= self.wait_clients:
+                raise TooFewClients(server_round, connected, needed, self.wait_clients, arrays)
+            if logged is None or waited - logged >= WAIT_LOG:
+                log(INFO, "round %d waits for SuperNodes: %d connected of the %d it needs (at most %s)", server_round,
+                    connected, needed, "without limit" if self.wait_clients is None else f"{self.wait_clients:g} s")
+                logged = waited
+            time.sleep(0.5)
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                         ) -> Iterable[Message]:
+        self.wait_for_nodes(server_round, arrays, grid)
         messages = list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[misc]
         self.sampled[server_round] = [m.metadata.dst_node_id for m in messages]
         self.sent[server_round] = messages  # the Grid gives each its message id when it pushes it
@@ -80,8 +142,9 @@ class Logged:
         good = []
         for message in replies:
             node = node_of[id(message)]
-            if message.has_error():
-                log(WARNING, "round %d: node %d left out: its ClientApp failed: %s", server_round, node,
+            if message.has_error():  # from the node (its ClientApp raised) or from the SuperLink (the node is gone)
+                log(WARNING, "round %d: node %d left out: %s: %s", server_round, node,
+                    "its ClientApp failed" if message.metadata.src_node_id == node else "the SuperLink reports",
                     message.error.reason.strip().splitlines()[-1] if message.error.reason else "(no reason given)")
                 continue
             try:
@@ -144,6 +207,25 @@ STRATEGIES: dict[str, tuple[type, dict[str, str]]] = {
 }
 
 
+def seed_messages(messages: Iterable[Message], server_round: int, local_steps: int) -> list[Message]:
+    """A round's train messages, each with its client's own first ES iteration (`es-iteration` in its config)."""
+    messages = list(messages)
+    clients = max(len(messages), 1)
+    for index, message in enumerate(messages):  # the content is shared: give each its own copy of the config
+        own = ConfigRecord(dict(message.content["config"]))
+        own[ES_ITERATION] = es_seeds.iteration_base(server_round, index, local_steps, clients)
+        message.content = RecordDict({"arrays": message.content["arrays"], "config": own})
+    return messages
+
+
+def replayed(spec: es_seeds.EsSpec, start: Mapping[str, np.ndarray], replies: Iterable[Message]) -> ArrayRecord:
+    """The FedAvg (weighted by examples) of the models the replies' seed reports replay to from `start`."""
+    reports = [(es_seeds.SeedReport(int(metrics[ES_SEED]), int(metrics[ES_ITERATION]),
+                                    as_numpy(m.content["arrays"])[REWARDS]), int(metrics[EXAMPLES]))
+               for m in replies for metrics in [m.content["metrics"]]]
+    return as_record(es_seeds.aggregate(spec, start, reports))
+
+
 class SeedFedAvg(LoggedFedAvg):
     """ES rounds that send seeds: each client gets its own noise iterations; the server replays every client's
     steps from its seed report (fblc.fleet.es_seeds) and averages the models that gives, weighted by examples."""
@@ -155,13 +237,8 @@ class SeedFedAvg(LoggedFedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                         ) -> Iterable[Message]:
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        clients = max(len(messages), 1)
-        for index, message in enumerate(messages):  # the content is shared: give each its own copy of the config
-            own = ConfigRecord(dict(message.content["config"]))
-            own[ES_ITERATION] = es_seeds.iteration_base(server_round, index, self.local_steps, clients)
-            message.content = RecordDict({"arrays": message.content["arrays"], "config": own})
-        return messages
+        return seed_messages(super().configure_train(server_round, arrays, config, grid), server_round,
+                             self.local_steps)
 
     def check_reply(self, content: RecordDict) -> None:
         rewards = as_numpy(content["arrays"]).get(REWARDS)
@@ -173,10 +250,7 @@ class SeedFedAvg(LoggedFedAvg):
         good = self.usable(server_round, replies)
         arrays = None
         if good:
-            reports = [(es_seeds.SeedReport(int(metrics[ES_SEED]), int(metrics[ES_ITERATION]),
-                                            as_numpy(m.content["arrays"])[REWARDS]), int(metrics[EXAMPLES]))
-                       for m in good for metrics in [m.content["metrics"]]]
-            arrays = as_record(es_seeds.aggregate(self.spec, self.start_arrays[server_round], reports))
+            arrays = replayed(self.spec, self.start_arrays[server_round], good)
         else:
             log(WARNING, "round %d: no client's seed report to replay; the global model stays as it was", server_round)
         self.record(server_round, arrays, good)

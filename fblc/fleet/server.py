@@ -44,6 +44,8 @@ class ServerSpec:
     #: FedAdam: the server's learning rate and adaptivity
     eta: float = 0.01
     tau: float = 1e-3
+    #: ES rounds that send seeds: clients report seeds and rewards, the server replays their steps (FedAvg only)
+    es_seeds: bool = False
 
 
 @dataclass
@@ -58,8 +60,9 @@ class History:
     pending: dict[str, float] = field(default_factory=dict)
 
 
-def strategy_of(spec: ServerSpec, history: History) -> Any:
-    """Flower's strategy for `spec`, its train-metrics aggregation recording each round's replies in `history`."""
+def strategy_of(spec: ServerSpec, history: History, seeds: Any = None) -> Any:
+    """Flower's strategy for `spec`, its train-metrics aggregation recording each round's replies in `history`;
+    with `seeds` (the bundle's fblc.fleet.es_seeds.EsSpec) FedAvg over the models replayed from seed reports."""
     import flwr.serverapp.strategy as strategies
     from flwr.app import MetricRecord, RecordDict
 
@@ -78,6 +81,8 @@ def strategy_of(spec: ServerSpec, history: History) -> Any:
                 for r, m in zip(records, metrics)]
         return MetricRecord(history.pending)
 
+    if seeds is not None:
+        return _seed_strategy(seeds, spec, train_metrics)
     name, extra = STRATEGIES[spec.strategy]
     return getattr(strategies, name)(
         fraction_train=spec.fraction, fraction_evaluate=0.0, min_train_nodes=spec.min_train,
@@ -85,8 +90,33 @@ def strategy_of(spec: ServerSpec, history: History) -> Any:
         **{argument: getattr(spec, source) for argument, source in extra.items()})
 
 
+def _seed_strategy(seeds: Any, spec: ServerSpec, train_metrics: Callable[..., Any]) -> Any:
+    """FedAvg whose clients each get their own ES iterations and send seed reports, which it replays
+    (fblc.fleet.rounds.seed_messages, replayed: what `fblc fleet serve --es-seeds` does)."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fblc.fleet.rounds import as_numpy, replayed, seed_messages
+
+    class SeedRounds(FedAvg):
+        global_model: dict[str, np.ndarray] = {}  # the round's, which the replays start from
+
+        def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> Any:
+            self.global_model = as_numpy(arrays)
+            return seed_messages(super().configure_train(server_round, arrays, config, grid), server_round,
+                                 spec.local_steps)
+
+        def aggregate_train(self, server_round: int, replies: Any) -> tuple[Any, Any]:
+            good = [m for m in replies if not m.has_error()]  # Flower's log names the failed ones
+            if not good:
+                return None, None
+            return replayed(seeds, self.global_model, good), train_metrics([m.content for m in good], "num-examples")
+
+    return SeedRounds(fraction_train=spec.fraction, fraction_evaluate=0.0, min_train_nodes=spec.min_train,
+                      min_evaluate_nodes=0, min_available_nodes=spec.min_available)
+
+
 def run_rounds(grid: Any, spec: ServerSpec, initial: dict[str, np.ndarray], evaluator: Evaluator,
-               history: History, say: Callable[[str], None]) -> None:
+               history: History, say: Callable[[str], None], seeds: Any = None) -> None:
     """Flower's strategy.start over `grid`, evaluating and recording each round."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
@@ -107,7 +137,7 @@ def run_rounds(grid: Any, spec: ServerSpec, initial: dict[str, np.ndarray], eval
         return MetricRecord(result)
 
     config = ConfigRecord({"local-steps": spec.local_steps, "proximal-lr": spec.lr})
-    strategy = strategy_of(spec, history)
+    strategy = strategy_of(spec, history, seeds)
     strategy.start(grid=grid, initial_arrays=ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in
                                                           initial.items()}),
                    num_rounds=spec.rounds, timeout=spec.timeout, train_config=config, evaluate_fn=evaluate)
@@ -126,7 +156,7 @@ def progress_line(entry: dict[str, float], rounds: int) -> str:
 
 
 def server_app(spec: ServerSpec, initial: dict[str, np.ndarray], evaluator: Evaluator, history: History,
-               say: Callable[[str], None]) -> Any:
+               say: Callable[[str], None], seeds: Any = None) -> Any:
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
@@ -135,6 +165,6 @@ def server_app(spec: ServerSpec, initial: dict[str, np.ndarray], evaluator: Eval
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         del context
-        run_rounds(grid, spec, initial, evaluator, history, say)
+        run_rounds(grid, spec, initial, evaluator, history, say, seeds)
 
     return app

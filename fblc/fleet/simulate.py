@@ -18,6 +18,7 @@ import numpy as np
 
 from fblc.fleet.client import FleetSpec, client_app, split
 from fblc.fleet.data import batches
+from fblc.fleet.es_seeds import es_spec
 from fblc.fleet.evaluate import Evaluator
 from fblc.fleet.server import History, ServerSpec, server_app
 from fblc.fleet.trainers import device_kind, initial_parameters, trainer_for
@@ -67,7 +68,8 @@ def simulate(fleet: FleetSpec, server: ServerSpec, workers: int = 2, say: Callab
     try:
         with warnings.catch_warnings():  # Ray's notice about GPU variables: the clients ask for no GPU
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
-            run_simulation(server_app(server, initial_parameters(fleet.bundle), evaluator, history, say),
+            run_simulation(server_app(server, initial_parameters(fleet.bundle), evaluator, history, say,
+                                      es_spec(fleet.bundle) if server.es_seeds else None),
                            client_app(fleet), num_supernodes=fleet.clients, backend_config=backend,
                            verbose_logging=flower_log)
     finally:

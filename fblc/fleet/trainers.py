@@ -13,7 +13,7 @@ checked_global refuses a global model whose names or shapes differ from them.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -36,6 +36,10 @@ class Trainer(Protocol):
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trainable tensors now, by name."""
+
+    def train_reporting_seeds(self, batches: Sequence[Mapping[str, np.ndarray]], iteration: int, seed: int
+                              ) -> tuple[Any, list[float]]:
+        """ES steps on `batches` from noise iteration `iteration`: (fblc.fleet.es_seeds.SeedReport, the losses)."""
 
 
 def initial_tensors(bundle: str, entries: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -99,6 +103,13 @@ class LocalTrainer:
     def step(self, feeds: Mapping[str, np.ndarray]) -> float:
         return self.runner.step(feeds)
 
+    def train_reporting_seeds(self, batches: Sequence[Mapping[str, np.ndarray]], iteration: int, seed: int
+                              ) -> tuple[Any, list[float]]:
+        """ES steps on `batches` from noise iteration `iteration`: (the seed report, the losses)."""
+        from fblc.fleet.es_seeds import train_reporting_seeds
+
+        return train_reporting_seeds(self.runner, batches, len(batches), iteration, seed)
+
     def parameters(self) -> dict[str, np.ndarray]:
         return self.runner.parameters()
 
@@ -131,6 +142,24 @@ class GraphTrainer:
 
     def step(self, feeds: Mapping[str, np.ndarray]) -> float:
         return self.reference.step(feeds)
+
+    def train_reporting_seeds(self, batches: Sequence[Mapping[str, np.ndarray]], iteration: int, seed: int
+                              ) -> tuple[Any, list[float]]:
+        """ES steps on `batches`, the noise of iterations `iteration`, `iteration` + 1, ... as the device draws it
+        (ReferenceStep feeds es_noise(its seed, its step count)): (the seed report of the step's `rewards`, the
+        losses)."""
+        from fblc.compiler.es import REWARDS_OUTPUT
+        from fblc.fleet.es_seeds import SeedReport
+
+        if self.reference.noise_seed != seed:
+            raise FblcError(f"the step's ES noise seed is {self.reference.noise_seed}, the bundle's {seed}",
+                            "write the step with the options the bundle was compiled with (fblc train-graph)")
+        self.reference.steps = iteration
+        losses, rewards = [], []
+        for feeds in batches:
+            losses.append(self.reference.step(feeds))
+            rewards.append(np.asarray(self.reference.last[REWARDS_OUTPUT], np.float32).reshape(-1))
+        return SeedReport(seed, iteration, np.stack(rewards)), losses
 
     def parameters(self) -> dict[str, np.ndarray]:
         return self.reference.parameters()
