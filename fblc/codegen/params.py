@@ -218,42 +218,39 @@ class ParamsFile:
 
     def write_to(self, path: str, block: int = DIRECT_BLOCK) -> str:
         """Write the file to `path` (made or truncated); returns its sha256 (hex). See DIRECT_BLOCK: the bytes are
-        copied into two page-aligned blocks of `block` bytes; while this thread fills one, a second hashes the
-        other and writes it with O_DIRECT (past the page cache), or plainly where the filesystem refuses O_DIRECT
+        copied into two page-aligned blocks of `block` bytes; while this thread fills and hashes one, a second
+        writes the other with O_DIRECT (past the page cache), or plainly where the filesystem refuses O_DIRECT
         (tmpfs, some network filesystems) or the platform has none."""
         if block <= 0 or block % DIRECT_ALIGN:
             raise ValueError(f"block {block} is not a positive multiple of {DIRECT_ALIGN}")
         digest = hashlib.sha256()
         sink = _BlockSink(path)
         blocks = [mmap.mmap(-1, block), mmap.mmap(-1, block)]  # anonymous maps: page-aligned, as O_DIRECT needs
+        views = [memoryview(buffer) for buffer in blocks]
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="fblc-params") as writer:
                 pending: Future[None] | None = None
                 current, fill = 0, 0
 
-                def flush(buffer: mmap.mmap, length: int) -> None:
-                    data = memoryview(buffer)[:length]
-                    digest.update(data)
-                    sink.write(data)
-                    data.release()
-
                 for data in self.chunks():
                     while len(data):
                         n = min(len(data), block - fill)
-                        blocks[current][fill:fill + n] = data[:n]
+                        views[current][fill:fill + n] = data[:n]
+                        digest.update(views[current][fill:fill + n])  # here, not on the writer: both threads busy
                         data, fill = data[n:], fill + n
                         if fill == block:
                             if pending is not None:
                                 pending.result()
-                            pending = writer.submit(flush, blocks[current], block)
+                            pending = writer.submit(sink.write, views[current])
                             current, fill = 1 - current, 0
                 if pending is not None:
                     pending.result()
-                flush(blocks[current], fill)
+                sink.write(views[current][:fill])
             sink.close()
         finally:
             sink.abandon()
-            for buffer in blocks:
+            for view, buffer in zip(views, blocks):
+                view.release()
                 buffer.close()
         return digest.hexdigest()
 
