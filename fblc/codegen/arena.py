@@ -82,7 +82,7 @@ def pack_arena(textures: Sequence[Texture], lifetimes: Sequence[Lifetime], profi
     whole = (first <= 0) & (last >= (last.max() if count else 0))  # kept over the whole step: at the bottom, packed
     order = sorted(range(count), key=lambda t: (not whole[t], -slots[t], first[t], t))
     # the whole-step textures come first and overlap every texture: each lands on the previous one's end, and the
-    # later ones' search starts above them all (one interval, not hundreds: a 1B step has ~600 such textures)
+    # later ones' search starts above them all (one interval, not hundreds: 969 of the 1B LoRA step's 2,966 textures)
     bottom = order[:int(whole.sum())]
     start[bottom] = np.cumsum(size[bottom]) - size[bottom]
     floor = int(size[bottom].sum())
