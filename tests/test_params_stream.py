@@ -102,6 +102,10 @@ def test_params_file_written_in_direct_blocks_is_the_streamed_file(tmp_path, mon
     path = tmp_path / "params.bin"
     assert params.write_to(str(path), block=4096) == want
     assert path.read_bytes() == handle.getvalue() and len(handle.getvalue()) % 4096
+    monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    for block in (4096, 1 << 15):  # a whole block fails, or the one padded last block (a map of its own)
+        with pytest.raises(OSError, match="No space left"):  # the disk's error, as write_bundle reports it
+            params.write_to(str(path), block=block)
 
 
 def test_external_weights_stream_from_their_mapping_and_are_given_back(tmp_path) -> None:
