@@ -87,6 +87,27 @@ def test_params_file_aligns_hashes_and_bounds_its_pieces() -> None:
     assert max(p.nbytes for p in contents[3].pieces(budget=256)) <= 256
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_params_file_written_in_direct_blocks_is_the_streamed_file(tmp_path, monkeypatch, direct: bool) -> None:
+    # write_to (blocks written with O_DIRECT, or plainly where there is none) gives write()'s bytes and sha256:
+    # several whole blocks, then a last one that is not a whole page (padded for O_DIRECT, cut back)
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    rng = np.random.default_rng(3)
+    arrays = {1: rng.standard_normal((40, 100)).astype(np.float32), 2: rng.standard_normal(7).astype(np.float32)}
+    params = ParamsFile({i: PackedConstant(_constant(a), flat_layout(-(-a.size // 4), 8), np.dtype(np.float32))
+                         for i, a in arrays.items()})
+    handle = io.BytesIO()
+    want = params.write(handle)
+    path = tmp_path / "params.bin"
+    assert params.write_to(str(path), block=4096) == want
+    assert path.read_bytes() == handle.getvalue() and len(handle.getvalue()) % 4096
+    monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    for block in (4096, 1 << 15):  # a whole block fails, or the one padded last block (a map of its own)
+        with pytest.raises(OSError, match="No space left"):  # the disk's error, as write_bundle reports it
+            params.write_to(str(path), block=block)
+
+
 def test_external_weights_stream_from_their_mapping_and_are_given_back(tmp_path) -> None:
     rng = np.random.default_rng(2)
     weight = rng.standard_normal((64, 32)).astype(np.float32)

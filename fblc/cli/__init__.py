@@ -12,6 +12,7 @@ tenth of a second, where importing onnx alone took 1.5 s (benchmarks/cli_startup
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 import traceback
@@ -167,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fblc.cli.outputs import check_outputs  # imports numpy: after the checks that need none
 
         check_outputs(args)
-        return int(args.run(args))
+        status = int(args.run(args))
+        if argv is None:  # the process's own command line: it exits next, and what it holds goes with it
+            gc.freeze()  # the interpreter's last collection skips it (a 1B compile's step graph: 0.7 CPU s)
+        return status
     except (FblcError, BundleError) as error:
         if args.debug:
             traceback.print_exc()

@@ -80,10 +80,16 @@ def pack_arena(textures: Sequence[Texture], lifetimes: Sequence[Lifetime], profi
     start = np.zeros(count, dtype=np.int64)
     placed = np.zeros(count, dtype=bool)
     whole = (first <= 0) & (last >= (last.max() if count else 0))  # kept over the whole step: at the bottom, packed
-    for index in sorted(range(count), key=lambda t: (not whole[t], -slots[t], first[t], t)):
+    order = sorted(range(count), key=lambda t: (not whole[t], -slots[t], first[t], t))
+    # the whole-step textures come first and overlap every texture: each lands on the previous one's end, and the
+    # later ones' search starts above them all (one interval, not hundreds: 969 of the 1B LoRA step's 2,966 textures)
+    bottom = order[:int(whole.sum())]
+    start[bottom] = np.cumsum(size[bottom]) - size[bottom]
+    floor = int(size[bottom].sum())
+    for index in order[len(bottom):]:
         overlapping = placed & (first <= last[index]) & (last >= first[index])
         taken = sorted(zip(start[overlapping].tolist(), (start + size)[overlapping].tolist()))
-        offset = 0
+        offset = floor
         for begin, end in taken:  # the lowest gap that holds the slot
             if begin - offset >= slots[index]:
                 break

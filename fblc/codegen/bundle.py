@@ -165,12 +165,12 @@ def write_bundle(out_dir: str, manifest: dict[str, Any], plan: dict[str, Any], s
 def _write_params(path: str, params: bytes | ParamsFile, report: dict[str, Any]) -> str:
     """Write params.bin to `path`; returns its sha256. A ParamsFile's seconds go to report["timings"]."""
     started, cpu = time.perf_counter(), time.process_time()
+    if isinstance(params, ParamsFile):
+        digest = params.write_to(path)
+        report.setdefault("timings", {}).update({WRITE_PARAMS: round(time.perf_counter() - started, 3),
+                                                 WRITE_PARAMS_CPU: round(time.process_time() - cpu, 3)})
+        return digest
     with open(path, "wb") as handle:
-        if isinstance(params, ParamsFile):
-            digest = params.write(handle)
-            report.setdefault("timings", {}).update({WRITE_PARAMS: round(time.perf_counter() - started, 3),
-                                                     WRITE_PARAMS_CPU: round(time.process_time() - cpu, 3)})
-            return digest
         handle.write(params)
     return fmt.sha256_of(path)
 
