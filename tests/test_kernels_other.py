@@ -86,6 +86,10 @@ def _register() -> None:
     for o, op_type in enumerate(REDUCE_OPS):
         for r, (shape, axes) in enumerate(REDUCTIONS):
             MERGED.add(f"reduce{o}x{r}", _reduction_case(op_type, shape, axes, seed=10 * len(MERGED.models)))
+    for op_type in ("ReduceSum", "ReduceMax"):
+        for case, (shape, perm, view, axes) in enumerate(VIEW_REDUCTIONS):
+            MERGED.add(f"viewreduce{op_type}{case}", _view_reduction_case(op_type, shape, perm, view, axes,
+                                                                         seed=10 * len(MERGED.models)))
 
 
 @MERGED_GROUP
@@ -342,6 +346,32 @@ def _reduction_case(op_type: str, shape: list[int], axes: list[int], seed: int) 
     op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=1, name="reduce")
     return _op_then_loss(op, out, {"x": _randn(*shape, seed=seed, scale=2.0)}, seed=seed + 1, extra=[
         helper.make_node("Constant", [], ["axes"], value=axes_init, name="axes")])
+
+
+#: reductions of a transposed and reshaped view (tile_remap reads it through its root): (root shape, perm, view
+#: shape, axes). Heads merged after a transpose (the kept 24 folded: rows mapped once, then root strides); a
+#: window reverse's rows permuted with the kept 8 the root's trailing run (the root folded as [N / 8, 8] rows).
+VIEW_REDUCTIONS = [([2, 3, 4, 8], [0, 2, 1, 3], [2, 4, 24], [0, 1]), ([4, 2, 2, 8], [0, 2, 1, 3], [8, 2, 8], [0, 1])]
+
+
+def _view_reduction_case(op_type: str, shape: list[int], perm: list[int], view: list[int], axes: list[int],
+                         seed: int) -> onnx.ModelProto:
+    out = [1 if a in axes else d for a, d in enumerate(view)]
+    consts = {"axes": np.array(axes, dtype=np.int64), "view": np.array(view, dtype=np.int64)}
+    extra = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(v, n), name=n) for n, v in consts.items()]
+    extra += [helper.make_node("Transpose", ["x"], ["xt"], perm=perm, name="transpose"),
+              helper.make_node("Reshape", ["xt", "view"], ["xv"], name="reshape")]
+    op = helper.make_node(op_type, ["xv", "axes"], ["y"], keepdims=1, name="reduce")
+    return _op_then_loss(op, out, {"x": _randn(*shape, seed=seed, scale=2.0)}, seed=seed + 1, extra=extra)
+
+
+@MERGED_GROUP
+@pytest.mark.parametrize("op_type", ["ReduceSum", "ReduceMax"])
+@pytest.mark.parametrize("case", range(len(VIEW_REDUCTIONS)))
+def test_reductions_of_views(merged_folder, op_type: str, case: int) -> None:
+    """A reduction of a strided view equals onnxruntime's whichever form reads it (reduce.py: root_columns,
+    root_steps)."""
+    MERGED.check(f"viewreduce{op_type}{case}", merged_folder)
 
 
 @MERGED_GROUP
