@@ -86,6 +86,7 @@ def _register() -> None:
     for o, op_type in enumerate(REDUCE_OPS):
         for r, (shape, axes) in enumerate(REDUCTIONS):
             MERGED.add(f"reduce{o}x{r}", _reduction_case(op_type, shape, axes, seed=10 * len(MERGED.models)))
+    MERGED.add("viewreduce", _view_reductions_case(seed=10 * len(MERGED.models)))
 
 
 @MERGED_GROUP
@@ -342,6 +343,40 @@ def _reduction_case(op_type: str, shape: list[int], axes: list[int], seed: int) 
     op = helper.make_node(op_type, ["x", "axes"], ["y"], keepdims=1, name="reduce")
     return _op_then_loss(op, out, {"x": _randn(*shape, seed=seed, scale=2.0)}, seed=seed + 1, extra=[
         helper.make_node("Constant", [], ["axes"], value=axes_init, name="axes")])
+
+
+#: reductions of transposed and reshaped views (tile_remap reads them through their roots): (op, root shape, perm,
+#: view shape, axes). Heads merged after a transpose (the kept 24 folded: a row mapped once, then root strides); a
+#: window reverse's rows permuted with the kept 8 the root's trailing run (the root folded as [N / 8, 8] rows).
+VIEW_REDUCTIONS = [("ReduceSum", [2, 3, 4, 8], [0, 2, 1, 3], [2, 4, 24], [0, 1]),
+                   ("ReduceMax", [4, 2, 2, 8], [0, 2, 1, 3], [8, 2, 8], [0, 1])]
+
+
+def _view_reductions_case(seed: int) -> onnx.ModelProto:
+    """Every VIEW_REDUCTIONS entry k of its own initializer x<k>, loss = sum_k ReduceSum(y<k> * R<k>): one case."""
+    rng = np.random.default_rng(seed + 1)
+    nodes, inits, losses = [], {}, []
+    for k, (op_type, shape, perm, view, axes) in enumerate(VIEW_REDUCTIONS):
+        out = [1 if a in axes else d for a, d in enumerate(view)]
+        consts = {f"axes{k}": np.array(axes, dtype=np.int64), f"view{k}": np.array(view, dtype=np.int64),
+                  f"R{k}": rng.standard_normal(out).astype(np.float32)}
+        nodes += [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(v, n), name=n)
+                  for n, v in consts.items()]
+        nodes += [helper.make_node("Transpose", [f"x{k}"], [f"t{k}"], perm=perm, name=f"transpose{k}"),
+                  helper.make_node("Reshape", [f"t{k}", f"view{k}"], [f"v{k}"], name=f"reshape{k}"),
+                  helper.make_node(op_type, [f"v{k}", f"axes{k}"], [f"y{k}"], keepdims=1, name=f"reduce{k}"),
+                  helper.make_node("Mul", [f"y{k}", f"R{k}"], [f"yr{k}"], name=f"mul{k}"),
+                  helper.make_node("ReduceSum", [f"yr{k}"], [f"loss{k}"], keepdims=0, name=f"sum{k}")]
+        inits[f"x{k}"], losses = _randn(*shape, seed=seed + k, scale=2.0), losses + [f"loss{k}"]
+    nodes.append(helper.make_node("Sum", losses, ["loss"], name="losses"))
+    return make_model(nodes, [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+
+
+@MERGED_GROUP
+def test_reductions_of_views(merged_folder) -> None:
+    """Reductions of strided views equal onnxruntime's in both of the forms that read the root (reduce.py:
+    root_steps, root_columns), with a sum and a max."""
+    MERGED.check("viewreduce", merged_folder)
 
 
 @MERGED_GROUP

@@ -20,7 +20,7 @@ import onnx_ir as ir
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import OUT_INDEX, TEXEL_INDEX, KernelBuilder
 from fblc.codegen.cl import Kernel, strides_of
-from fblc.codegen.indexing import digit_terms, index_var
+from fblc.codegen.indexing import digit_terms, flat_view_index, index_var
 from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Lane, Var, call, const, flat_index, select, vector
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.elementwise import EXPRESSIONS, evaluate_chain
@@ -115,9 +115,22 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
     count = numel([shape[a] for a in axes])
+
+    def base_of(prefix: str, view_kept: tuple[int, ...] = tuple(kept), view_strides: tuple[int, ...] = tuple(strides)
+                ) -> Expr:
+        """The flat index of the output's first reduced element (in the view's own order)."""
+        return flat_index([(index_var(prefix, a if keepdims else view_kept.index(a)), view_strides[a])
+                           for a in view_kept])
+
+    index_map, stepped = map_of(source), False  # stepped: `read` reads the root, a row's start mapped to it
+    if (columns := root_columns(source, axes)) is not None:  # its rows in the root's order: the same fold
+        source, shape, strides, axes, kept = view_root(source), (count, columns), [columns, 1], [0], [1]
+    elif root_steps(source, axes):  # the row's start through the view once, then its steps in root strides
+        strides = [index_map.strides[a] if a in axes else stride for a, stride in enumerate(strides)]
+        source, stepped = view_root(source), True
     group = b.group_size
     first, step = (b.lid, group) if group else (const(0), 1)
-    whole_texels = b.constant_value(source) is None and map_of(source).contiguous
+    whole_texels = b.constant_value(source) is None and map_of(source).contiguous and not stepped
     starts = start if isinstance(start, tuple) else (start,)
     read = FoldInput(b, source, computed or {})
 
@@ -133,9 +146,6 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
             b.merge_across_group([p for each in partials for p in each], merge, prologue)
         else:
             merge(b, partials, prologue)
-
-    def base_of(prefix: str) -> Expr:
-        return flat_index([(index_var(prefix, a if keepdims else kept.index(a)), strides[a]) for a in kept])
 
     def step_index(r: Expr, loop_axes: list[int], unit: int = 1) -> Expr:
         """Index (in `unit`s) of step `r` of a row-major loop over `loop_axes`."""
@@ -190,8 +200,9 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
                 for acc, value in zip(accs, wide.join(body, tuple(targets))):
                     body.assign(acc, value)
         else:
+            start = body.let(flat_view_index(index_map, base), "row") if stepped else base
             with body.loop("r", first, count, step=step) as (r, fold):
-                index = base + step_index(r, axes) if axes else base
+                index = start + step_index(r, axes) if axes else start
                 fold_in(fold, accs, fold.let(read.element(index), "x"))
 
     if group and b.texels_per_item == 1:  # the texel's 4 outputs in the prologue, their partials in one merge
@@ -215,6 +226,38 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     if group:
         join([[acc] for acc in accs], False)
     return Folded(tuple(accs), tuple(accs))
+
+
+def root_steps(source: ir.Value, axes: list[int]) -> bool:
+    """Whether the strided view `source`'s reduced `axes` are each one digit (not folded): a fold then maps its
+    row's first element through the view once (the divisions of a folded kept axis: heads merged after a
+    transpose) and steps by the root strides, not every element through the view."""
+    index_map = map_of(source)
+    return (not index_map.contiguous and bool(axes)
+            and all(len([d for d in index_map.sub_axes(a) if d[0] != 1]) <= 1 for a in axes))
+
+
+def root_columns(source: ir.Value, axes: list[int]) -> int | None:
+    """C where folding the strided view `source` over `axes` is folding its root as [N / C, C] over its rows: the
+    kept axes are the trailing ones and read the root's first C elements in order, and the reduced axes, a
+    permutation (no broadcast, no slice: the view has the root's size), visit every C-th one (a window reverse's
+    or a head merge's transposed rows, whose bias gradient sums all of them). A fold is the same in any order
+    (sum, max, log-sum-exp), and the root's rows are read as whole texels with no division per element; None
+    where the view is contiguous already or another form."""
+    index_map, shape = map_of(source), static_shape(source)
+    if index_map.contiguous or index_map.offset or not axes or sorted(axes) != list(range(len(axes))):
+        return None
+    if numel(static_shape(view_root(source))) != numel(shape):
+        return None
+    digits = {a: [d for d in index_map.sub_axes(a) if d[0] != 1] for a in range(len(shape))}
+    if any(stride == 0 for each in digits.values() for _, stride in each):
+        return None
+    columns, expected = numel(shape[len(axes):]), 1
+    for extent, stride in reversed([d for a in range(len(axes), len(shape)) for d in digits[a]]):
+        if stride != expected:
+            return None
+        expected *= extent
+    return columns if all(stride % columns == 0 for a in axes for _, stride in digits[a]) else None
 
 
 def _fold_run(block: Block, read: FoldInput, row: Expr, run: int, accs: list[Var],
