@@ -37,7 +37,7 @@ from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
 from fblc.codegen.ir import (FLOAT4, INT, Barrier, Binary, Block, Call, Cast, Const, DeclareArray, Declare, Element,
                              Expr, Numbering, Select, Stage, Unary, Var, call, div_index, walk)
 from fblc.codegen.kernels.accumulators import LANES
-from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN
+from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN, Profile
 
 if TYPE_CHECKING:  # texel.py imports this module
     from fblc.codegen.kernels.texel import Operand, Reduction, Term
@@ -118,7 +118,7 @@ class Staging:
         block.add(Stage(stage.statements))
 
 
-def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Staging | None:
+def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_bytes: int) -> Staging | None:
     """The staging of `reduction` (emitted into `block` of the per-texel prologue by every work-item, no guard),
     or None (the module docstring's conditions); declares the arrays (b.staged_arrays) and the first items'
     sums (into `block`) of a plan it returns."""
@@ -151,7 +151,8 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Stagin
     except _Unplannable:
         return None
     best: tuple[float, int, dict[str, tuple[int, tuple[int, int], int]]] | None = None
-    for group in (g for g in range(LANES, profile.max_work_group_size + 1) if b.items % g == 0):
+    nested = any(loop.trips > 1 for loop in reduction.loops) and reduction.blocked.extent > reduction.blocked.block
+    for group in (g for g in range(LANES, _largest_group(profile, live_bytes, nested) + 1) if b.items % g == 0):
         chosen, per_item = {}, 0.0
         for name, (sums, _, extent, reads, rows) in candidates.items():
             grouped = sums.reshape(-1, group)
@@ -190,6 +191,20 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Stagin
         staged[name] = StagedOperand(var, texels, varying, first, spread, rows, step, slot, table)
     b.staging_group = group
     return Staging(group, staged)
+
+
+def _largest_group(profile: Profile, live_bytes: int, nested: bool) -> int:
+    """The largest work-group for a staged reduction whose work-item keeps `live_bytes` of accumulators, its
+    barriers inside an outer loop around several blocks where `nested`. A CPU device runs a group's work-items in
+    turn between barriers and keeps what each carries across one (its accumulators) in a context array of the
+    group; within nested loops, measured on PoCL (T-ResNet B=64's weight gradients, a batch loop of 64 around 3
+    blocks), a group's accumulators past the core's L1 made staging cost more than it saved: 640 B a work-item in
+    groups of 256 (160 KB) 1.9x the unstaged time, in groups of 16 (half of a 32 KB L1) 0.7-0.9x. Kernels with one
+    loop (MobileNetV2's convs, 77-110 KB in groups of 196-240) lost nothing to the size and ran 1.5-1.9x slower
+    in groups held to it, so the bound is for nested loops only. A GPU keeps the accumulators in registers."""
+    if not (profile.cpu and nested):
+        return profile.max_work_group_size
+    return min(profile.max_work_group_size, max(LANES, profile.l1_bytes // 2 // max(live_bytes, 1)))
 
 
 def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: Operand, item: Var,
