@@ -15,7 +15,8 @@ over a group (loop variables, constants) or a function of the work-item's item a
 latter's sum is evaluated for every item (numpy, the IR's own arithmetic), and for each candidate G (a divisor
 of the launch within max_work_group_size) the spread of a group's sums from its first item's gives the texels a
 group copies. An operand is staged where that is at most STAGE_GAIN of the group's reads of it, the G taken
-being the one with the fewest texel reads per work-item, the arrays within LOCAL_TEXELS. Nothing is staged (None)
+being the one with the fewest texel reads per work-item, the arrays within LOCAL_TEXELS, and on a CPU with
+barriers in nested loops the group's accumulators within half the L1 (_largest_group). Nothing is staged (None)
 where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
 kinds, or the operand is inlined, dequantized or read by rows (Operand.rows).
 
