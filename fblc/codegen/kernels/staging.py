@@ -152,7 +152,8 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
     except _Unplannable:
         return None
     best: tuple[float, int, dict[str, tuple[int, tuple[int, int], int]]] | None = None
-    nested = any(loop.trips > 1 for loop in reduction.loops) and reduction.blocked.extent > reduction.blocked.block
+    # the barriers in a block loop of several trips inside an outer loop (a remainder block adds no loop)
+    nested = any(loop.trips > 1 for loop in reduction.loops) and reduction._looped > reduction.blocked.block
     for group in (g for g in range(LANES, _largest_group(profile, live_bytes, nested) + 1) if b.items % g == 0):
         chosen, per_item = {}, 0.0
         for name, (sums, _, extent, reads, rows) in candidates.items():
@@ -200,9 +201,11 @@ def _largest_group(profile: Profile, live_bytes: int, nested: bool) -> int:
     turn between barriers and keeps what each carries across one (its accumulators) in a context array of the
     group; within nested loops, measured on PoCL (T-ResNet B=64's weight gradients, a batch loop of 64 around 3
     blocks), a group's accumulators past the core's L1 made staging cost more than it saved: 640 B a work-item in
-    groups of 256 (160 KB) 1.9x the unstaged time, in groups of 16 (half of a 32 KB L1) 0.7-0.9x. Kernels with one
-    loop (MobileNetV2's convs, 77-110 KB in groups of 196-240) lost nothing to the size and ran 1.5-1.9x slower
-    in groups held to it, so the bound is for nested loops only. A GPU keeps the accumulators in registers."""
+    groups of 256 (160 KB) 1.9x the unstaged time, in groups of 16 (half of a 32 KB L1) 0.7-0.9x; MobileNetV2's
+    six nested ones (8 trips around 6 blocks, 512 B in groups of 144-192) 11.3 -> 9.0 ms together. Kernels
+    with one such loop (its convs at 77-110 KB in groups of 196-240; a loop of 8 around one block and a remainder)
+    lost nothing to the size and ran 1.5-1.9x slower held to it, so the bound is for nested loops only (why
+    PoCL's nested barrier loops pay for it is not established). A GPU keeps the accumulators in registers."""
     if not (profile.cpu and nested):
         return profile.max_work_group_size
     return min(profile.max_work_group_size, max(LANES, profile.l1_bytes // 2 // max(live_bytes, 1)))
