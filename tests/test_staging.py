@@ -11,6 +11,7 @@ import pytest
 from fblc.codegen import ir as kir
 from fblc.codegen.kernels.staging import _evaluate
 from fblc.codegen.render.opencl import BUFFER, IMAGE, render_kernel
+from fblc.profiles.profile import load_profile
 from tests.support.kernel_ir import lowered_kernels, profile_with
 from tests.test_kernels_contraction import OPTIONS, TEXEL_CASES, conv, write_case
 
@@ -72,3 +73,22 @@ def test_the_plan_evaluates_index_arithmetic_as_c_does() -> None:
     for expr, expected in cases:
         at = items if len(expected) == len(items) else nonnegative
         assert np.array_equal(_evaluate(expr, {}, item, at), np.asarray(expected)), expr
+
+
+def test_a_nested_weight_gradient_stages_in_groups_whose_accumulators_fit_half_the_l1(tmp_path) -> None:
+    """On a CPU profile the weight gradient, whose barriers sit in the batch loop around its blocks, takes a group
+    whose work-items' accumulators fit half of l1_bytes (PoCL keeps them in the group's context array); with an
+    L1 32 times larger it takes the larger group that reads fewer texels. The forward conv (one loop) keeps its
+    group either way."""
+    path = write_case(str(tmp_path / "wide.onnx"), *conv((2, 32, 48, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0]))
+    large = profile_with(str(tmp_path), "local", l1_bytes=1 << 20)
+    kernels = {target: {k.name: k for k in _staged(lowered_kernels(path, target=target, options=OPTIONS))}
+               for target in ("local", large)}
+    forward, gradient = "k1_Conv", "k5_Conv"
+    accumulators = next(s for s in kir.walk(kernels["local"][gradient].ir.body)
+                        if isinstance(s, kir.DeclareArray) and s.var.kind == "accv")
+    live = accumulators.length * accumulators.var.dtype.lanes * 4
+    half = load_profile("local").l1_bytes // 2
+    assert kernels["local"][gradient].group_size * live <= half, (kernels["local"][gradient].group_size, live)
+    assert kernels[large][gradient].group_size > kernels["local"][gradient].group_size
+    assert kernels[large][forward].group_size == kernels["local"][forward].group_size

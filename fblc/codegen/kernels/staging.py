@@ -15,7 +15,8 @@ over a group (loop variables, constants) or a function of the work-item's item a
 latter's sum is evaluated for every item (numpy, the IR's own arithmetic), and for each candidate G (a divisor
 of the launch within max_work_group_size) the spread of a group's sums from its first item's gives the texels a
 group copies. An operand is staged where that is at most STAGE_GAIN of the group's reads of it, the G taken
-being the one with the fewest texel reads per work-item, the arrays within LOCAL_TEXELS. Nothing is staged (None)
+being the one with the fewest texel reads per work-item, the arrays within LOCAL_TEXELS, and on a CPU with
+barriers in nested loops the group's accumulators within half the L1 (_largest_group). Nothing is staged (None)
 where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
 kinds, or the operand is inlined, dequantized or read by rows (Operand.rows).
 
@@ -37,7 +38,7 @@ from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
 from fblc.codegen.ir import (FLOAT4, INT, Barrier, Binary, Block, Call, Cast, Const, DeclareArray, Declare, Element,
                              Expr, Numbering, Select, Stage, Unary, Var, call, div_index, walk)
 from fblc.codegen.kernels.accumulators import LANES
-from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN
+from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN, Profile
 
 if TYPE_CHECKING:  # texel.py imports this module
     from fblc.codegen.kernels.texel import Operand, Reduction, Term
@@ -118,7 +119,7 @@ class Staging:
         block.add(Stage(stage.statements))
 
 
-def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Staging | None:
+def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_bytes: int) -> Staging | None:
     """The staging of `reduction` (emitted into `block` of the per-texel prologue by every work-item, no guard),
     or None (the module docstring's conditions); declares the arrays (b.staged_arrays) and the first items'
     sums (into `block`) of a plan it returns."""
@@ -151,7 +152,9 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Stagin
     except _Unplannable:
         return None
     best: tuple[float, int, dict[str, tuple[int, tuple[int, int], int]]] | None = None
-    for group in (g for g in range(LANES, profile.max_work_group_size + 1) if b.items % g == 0):
+    # the barriers in a block loop of several trips inside an outer loop (a remainder block adds no loop)
+    nested = any(loop.trips > 1 for loop in reduction.loops) and reduction._looped > reduction.blocked.block
+    for group in (g for g in range(LANES, _largest_group(profile, live_bytes, nested) + 1) if b.items % g == 0):
         chosen, per_item = {}, 0.0
         for name, (sums, _, extent, reads, rows) in candidates.items():
             grouped = sums.reshape(-1, group)
@@ -190,6 +193,22 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction) -> Stagin
         staged[name] = StagedOperand(var, texels, varying, first, spread, rows, step, slot, table)
     b.staging_group = group
     return Staging(group, staged)
+
+
+def _largest_group(profile: Profile, live_bytes: int, nested: bool) -> int:
+    """The largest work-group for a staged reduction whose work-item keeps `live_bytes` of accumulators, its
+    barriers inside an outer loop around several blocks where `nested`. A CPU device runs a group's work-items in
+    turn between barriers and keeps what each carries across one (its accumulators) in a context array of the
+    group; within nested loops, measured on PoCL (T-ResNet B=64's weight gradients, a batch loop of 64 around 3
+    blocks), a group's accumulators past the core's L1 made staging cost more than it saved: 640 B a work-item in
+    groups of 256 (160 KB) 1.9x the unstaged time, in groups of 16 (half of a 32 KB L1) 0.7-0.9x; MobileNetV2's
+    six nested ones (8 trips around 6 blocks, 512 B in groups of 144-192) 11.3 -> 9.0 ms together. Kernels
+    with one such loop (its convs at 77-110 KB in groups of 196-240; a loop of 8 around one block and a remainder)
+    lost nothing to the size and ran 1.5-1.9x slower held to it, so the bound is for nested loops only (why
+    PoCL's nested barrier loops pay for it is not established). A GPU keeps the accumulators in registers."""
+    if not (profile.cpu and nested):
+        return profile.max_work_group_size
+    return min(profile.max_work_group_size, max(LANES, profile.l1_bytes // 2 // max(live_bytes, 1)))
 
 
 def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: Operand, item: Var,

@@ -31,7 +31,7 @@ from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import (
     FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
     select)
-from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost
+from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost, float4_count
 from fblc.codegen.kernels.staging import Staging, plan_staging
 from fblc.codegen.schedule import Schedule, offered_pairings, resolve_form, resolve_pair
 from fblc.profiles.profile import private_limit
@@ -319,7 +319,8 @@ class Reduction:
         else:  # what choose_form and pair_stride give lanes that are no whole texels
             form, pair, width = "lanes", 0, 2
         target = Accumulators.declared(block, "accv" if form != "lanes" else "acc", form, pair, lanes, width)
-        staging = plan_staging(b, block, self) if stage and guard is None and group is None else None
+        live = (float4_count(form, lanes) * LANES if form != "lanes" else lanes) * 4  # the accumulators' bytes
+        staging = plan_staging(b, block, self, live) if stage and guard is None and group is None else None
         inner = block if guard is None else Block(block.numbering)
         if guard is not None:
             block.add(If(guard, inner.statements))
