@@ -31,6 +31,11 @@ class Kernel:
     #: the kernels a co-launched kernel runs, each over its own range of work-items, as they were built
     #: (codegen/co_launch.py); [] for a kernel of its own
     parts: list[Kernel] = field(default_factory=list, repr=False)
+    #: each part's first work-item in the co-launched kernel's range
+    starts: list[int] = field(default_factory=list, repr=False)
+    #: the first of the step's kernels and co-launched parts with IR equal to its own (plan.share_kernels): where a
+    #: co-launched kernel runs it, the source holds its body once, as that one's function (co_launch.part_function)
+    twin: str = ""
 
     def launch(self, profile: Profile) -> tuple[int, int]:
         """(global size, work-group size) it launches with: its own group size (whole groups), else the
