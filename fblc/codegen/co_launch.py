@@ -22,7 +22,9 @@ in a step with a loop of launches (ES members: plan.json's loops index the launc
 The merged kernel's texture arguments are its parts' outputs, then their inputs, each part's renumbered; its
 variables are renumbered past the first part's, so the IR stays one kernel's numbering (the renderer names a
 variable by its kind and number). Its `parts` are the kernels it runs (report.json's estimate counts their nodes'
-FLOPs; plan.json's schedule gives each part's).
+FLOPs; plan.json's schedule gives each part's). That IR is what the launch runs, as the figures and the estimate
+read it; the source writes it as calls (`dispatch`) of each part's function (`part_function`), held once for every
+launch that runs that body (render/source.py), where no part has a barrier (`dispatched`).
 """
 
 from __future__ import annotations

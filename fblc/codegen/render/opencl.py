@@ -279,7 +279,8 @@ def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE, folds: dict[ir.
     without the storage's prologue where the body only calls functions that have theirs (`prologue` false)."""
     params = ", ".join(_parameter(storage, a, kernel.aliased) for a in kernel.arguments)
     folds = foldable(kernel.body) if folds is None else folds
-    body = [INDENT + line for line in storage.prologue if prologue] + Renderer(folds, storage).statements(kernel.body, 1)
+    body = [INDENT + line for line in (storage.prologue if prologue else ())]
+    body += Renderer(folds, storage).statements(kernel.body, 1)
     # a kernel written for one work-group size says so: the driver may then size registers and __local for it
     size = f"__attribute__((reqd_work_group_size({kernel.group_size}, 1, 1))) " if kernel.group_size else ""
     return "\n".join([f"{size}__kernel void {kernel.name}({params}{storage.params_tail}) {{", *body, "}"])

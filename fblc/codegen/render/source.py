@@ -2,8 +2,9 @@
 preamble (with the `real` type where a kernel computes in half), in image storage the R-Tile layouts'
 coordinate functions, and one __kernel per distinct kernel (Kernel.function) rendered from its IR, each after a
 comment naming what it computes. A kernel that a co-launched kernel runs as a part (codegen/co_launch.py; but
-for those with barriers: co_launch.dispatched) is a function the source holds once (before the first __kernel that calls it), named after the first of its twins
-(Kernel.twin): the co-launched __kernels, and the __kernel of a launch of its own with that body, call it."""
+for pairs with barriers: co_launch.dispatched) is a function the source holds once, before the first __kernel
+that calls it, named after the first of its twins (Kernel.twin): the co-launched __kernels, and the __kernel of
+a launch of its own with that body, call it."""
 
 from __future__ import annotations
 
@@ -60,5 +61,5 @@ def _twin(kernel: Kernel) -> str:
 
 
 def _function(part: Kernel) -> str:
-    """The name of the function that holds `part`'s body."""
+    """The name of the function that holds `part`'s body (kernel names end in an ONNX op's name, never `_part`)."""
     return f"{_twin(part)}_part"
