@@ -36,6 +36,10 @@ class Kernel:
     #: the first of the step's kernels and co-launched parts with IR equal to its own (plan.share_kernels): where a
     #: co-launched kernel runs it, the source holds its body once, as that one's function (co_launch.part_function)
     twin: str = ""
+    #: its body as a function, where a co-launched kernel runs it (co_launch.part_function: the IR, its values and
+    #: __local arrays), made once for both storages' sources
+    function_ir: tuple[kir.KernelIR, list[kir.Var], list[kir.Var]] | None = field(default=None, init=False,
+                                                                                repr=False, compare=False)
 
     def launch(self, profile: Profile) -> tuple[int, int]:
         """(global size, work-group size) it launches with: its own group size (whole groups), else the

@@ -170,11 +170,15 @@ def part_function(part: Kernel, name: str) -> tuple[kir.KernelIR, list[kir.Var],
     once for a kernel that a co-launched kernel runs (render.opencl.render_function). Its work-item ids are those
     of the launch less the values it is called with (FIRST, of those of SHIFTED it calls: 0 where it runs as a
     launch of its own); its top-level __local arrays are the calling __kernel's (`dispatch`)."""
-    values = [kir.Var("first", 0, kir.INT, FIRST[function]) for function in _builtins(part.ir)]
-    relabel = _Relabel(0, {function: value for function, value in zip(_builtins(part.ir), values)}, 0, 0)
+    if part.function_ir is not None and part.function_ir[0].name == name:  # both storages' sources ask
+        return part.function_ir
+    builtins = _builtins(part.ir)
+    values = [kir.Var("first", 0, kir.INT, FIRST[function]) for function in builtins]
+    relabel = _Relabel(0, dict(zip(builtins, values)), 0, 0)
     body = [relabel.any(s) for s in part.ir.body if not _local(s)]
     arrays = [s.var for s in part.ir.body if _local(s)]  # type: ignore[union-attr]
-    return kir.KernelIR(name, part.ir.arguments, body, None, part.ir.aliased), values, arrays
+    part.function_ir = (kir.KernelIR(name, part.ir.arguments, body, None, part.ir.aliased), values, arrays)
+    return part.function_ir
 
 
 def dispatch(kernel: Kernel, function: Callable[[Kernel], str]) -> kir.KernelIR:
@@ -199,7 +203,9 @@ def dispatch(kernel: Kernel, function: Callable[[Kernel], str]) -> kir.KernelIR:
         relabel = _Relabel(0, {}, out_base, in_base)
         shifts = {"get_global_id": start, "get_group_id": start // (group or 1)}
         arguments = [kir.ArgumentRef(relabel.argument(a)) for a in part.ir.arguments]
-        arguments += [kir.const(shifts[builtin]) for builtin in _builtins(part.ir)]
+        _, values, _ = part_function(part, function(part))  # made once: each storage's source asks
+        arguments += [kir.const(shifts[builtin]) for value in values
+                      for builtin in SHIFTED if FIRST[builtin] == value.name]
         calls.append([kir.Invoke(function(part), (*arguments, *arrays), in_base)])
         out_base += len(part.outputs)
         in_base += len(part.inputs)
