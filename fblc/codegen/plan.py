@@ -260,22 +260,23 @@ def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping
     return decide
 
 
+_Alike = dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]]  # kernels by arguments and aliases
+
+
 def share_kernels(kernels: list[Kernel]) -> None:
     """Set each kernel's `function`: its own name, or that of the first kernel with equal IR (the same
     arguments and body; names aside), whose __kernel its launches then share. Optimizer updates and backward
     pieces of same-shaped tensors repeat exactly: building each once shortens the OpenCL compile. And the `twin`
     of each kernel and co-launched part (codegen/co_launch.py): the first of them with equal IR, whose body the
     source holds once as a function where a co-launched kernel runs it (render/source.py)."""
-    launched: dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]] = {}
-    bodies: dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]] = {}
+    launched, bodies = _Alike(), _Alike()
     for kernel in kernels:
         for part in kernel.parts or [kernel]:
             part.twin = _first_equal(bodies, part).name
         kernel.function = _first_equal(launched, kernel).name
 
 
-def _first_equal(firsts: dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]], kernel: Kernel
-                 ) -> Kernel:
+def _first_equal(firsts: _Alike, kernel: Kernel) -> Kernel:
     """The first kernel in `firsts` with IR equal to `kernel`'s, else `kernel`, added."""
     body = kernel.ir
     assert isinstance(body, kir.KernelIR), f"{kernel.name} has no IR"
