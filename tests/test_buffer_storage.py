@@ -78,7 +78,9 @@ def test_kernel_arguments_carry_their_format_and_three_steps_equal_the_images(tm
         for source, key, access in ((images, "lines", r"(read|write)_only image2d_t"),
                                     (buffers, "buffer_lines", r"__global (const )?(\w+)\* restrict")):
             first, last = launch[key]
-            function = source.splitlines()[first:last]  # after the comment line: the __kernel .. its closing }
+            function = source.splitlines()[first:last]  # after the comment line: the __kernel .. its closing }, after
+            # the functions of co-launched parts that it is the first to call (codegen/co_launch.py)
+            function = function[next(k for k, line in enumerate(function) if "__kernel void" in line):]
             # a group kernel states its work-group size first (reqd_work_group_size: plan.json's local_size)
             group = rf"__attribute__\(\(reqd_work_group_size\({launch['local_size'][0]}, 1, 1\)\)\) "
             assert re.match(rf"({group})?__kernel void {launch['function']}\(", function[0]) and function[-1] == "}", key

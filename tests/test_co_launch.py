@@ -7,7 +7,9 @@ from __future__ import annotations
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.co_launch import co_launch
+from fblc.codegen.plan import share_kernels
 from fblc.codegen.render.opencl import BUFFER
+from fblc.codegen.render.source import assemble_source
 from fblc.profiles import load_profile
 
 ADRENO = load_profile("adreno830")
@@ -51,3 +53,26 @@ def test_group_kernels_join_only_their_size() -> None:
     assert "if (get_group_id(0) < 2)" in source and "(get_group_id(0) - 2)" in source
     assert "__local float shared_1[64];" in source  # __local arrays at the kernel's scope, named apart
 
+
+
+def test_the_source_holds_each_part_once_and_the_launches_call_it() -> None:
+    """A part without barriers is one function in the source (render/source.py): the co-launched __kernel calls it
+    over its range (its ids less its start), and a launch of its own with the same IR (plan.share_kernels' twin) is
+    a __kernel calling the same function; a pair with a barrier is still copied (co_launch.dispatched)."""
+    first, reader, other = _kernel("k1", 100, [0], [1]), _kernel("k2", 50, [1], [2]), _kernel("k3", 30, [0], [3])
+    twin = _kernel("k4", 30, [0], [3])  # k3's IR: the same arguments and body
+    kernels = co_launch([first, reader, other], ADRENO, looped=False) + [twin]
+    share_kernels(kernels)
+    source, spans = assemble_source(kernels, [], BUFFER)
+    assert source.count("void k2_part(") == source.count("void k3_part(") == 1 and "k4_part" not in source
+    assert "k2_part(out0, in0, 0);" in source and "k3_part(out1, in1, 64);" in source  # k2_k3's ranges
+    assert "__kernel void k4(" in source and "k3_part(out0, in0, 0);" in source
+    assert "(get_global_id(0) - first_item)" in source and "void k1_part" not in source  # k1 stays a __kernel
+    first_line, last_line = spans["k2_k3"]
+    assert "void k2_part(" in source.splitlines()[first_line]  # a build error there names the pair
+    barrier = _kernel("k5", 128, [0], [4], group=64)
+    barrier.ir.body.append(kir.Barrier())
+    grouped = co_launch([barrier, _kernel("k6", 128, [0], [5], group=64)], ADRENO, looped=False)
+    share_kernels(grouped)
+    source, _ = assemble_source(grouped, [], BUFFER)
+    assert "_part" not in source and "(get_group_id(0) - 2)" in source

@@ -99,7 +99,8 @@ def test_the_group_size_is_in_the_source_as_the_plan_launches_it_and_the_sub_gro
     lines = source.splitlines()
     plan = json.loads((bundle / "plan.json").read_text())
     for launch in plan["kernels"]:
-        head = lines[launch["lines"][0]]  # the line after the comment: the __kernel's
+        # the __kernel's line (after any functions of co-launched parts it is the first to call: codegen/co_launch.py)
+        head = next(line for line in lines[launch["lines"][0]:launch["lines"][1]] if "__kernel void" in line)
         stated = re.search(r"reqd_work_group_size\((\d+), 1, 1\)", head)
         grouped = launch["schedule"]["group_size"] > 1 if "schedule" in launch else False
         assert (int(stated.group(1)) if stated else None) == (launch["local_size"][0] if grouped else None), head

@@ -31,6 +31,15 @@ class Kernel:
     #: the kernels a co-launched kernel runs, each over its own range of work-items, as they were built
     #: (codegen/co_launch.py); [] for a kernel of its own
     parts: list[Kernel] = field(default_factory=list, repr=False)
+    #: each part's first work-item in the co-launched kernel's range
+    starts: list[int] = field(default_factory=list, repr=False)
+    #: the first of the step's kernels and co-launched parts with IR equal to its own (plan.share_kernels): where a
+    #: co-launched kernel runs it, the source holds its body once, as that one's function (co_launch.part_function)
+    twin: str = ""
+    #: its body as a function, where a co-launched kernel runs it (co_launch.part_function: the IR, its values and
+    #: __local arrays), made once for both storages' sources
+    function_ir: tuple[kir.KernelIR, list[kir.Var], list[kir.Var]] | None = field(default=None, init=False,
+                                                                                repr=False, compare=False)
 
     def launch(self, profile: Profile) -> tuple[int, int]:
         """(global size, work-group size) it launches with: its own group size (whole groups), else the

@@ -22,23 +22,28 @@ in a step with a loop of launches (ES members: plan.json's loops index the launc
 The merged kernel's texture arguments are its parts' outputs, then their inputs, each part's renumbered; its
 variables are renumbered past the first part's, so the IR stays one kernel's numbering (the renderer names a
 variable by its kind and number). Its `parts` are the kernels it runs (report.json's estimate counts their nodes'
-FLOPs; plan.json's schedule gives each part's).
+FLOPs; plan.json's schedule gives each part's). That IR is what the launch runs, as the figures and the estimate
+read it; the source writes it as calls (`dispatch`) of each part's function (`part_function`), held once for every
+launch that runs that body (render/source.py), where no part has a barrier (`dispatched`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
+from fblc.codegen.render.opencl import name_of
 from fblc.profiles import Profile
 from fblc.profiles.profile import READ_IMAGE_ARGS, WRITE_IMAGE_ARGS
 
 #: the most kernels one launch runs (two: a weight gradient and the next input gradient of a backward)
 CO_LAUNCH_PARTS = 2
-#: the work-item builtins whose values a part sees shifted by its start (in items, or in groups)
+#: the work-item builtins whose values a part sees shifted by its start (in items, or in groups), and the name of
+#: the value a part's function is called with for each (part_function)
 SHIFTED = {"get_global_id": 1, "get_group_id": 0}
+FIRST = {"get_global_id": "first_item", "get_group_id": "first_group"}
 
 
 def co_launch(kernels: list[Kernel], profile: Profile, looped: bool) -> list[Kernel]:
@@ -89,20 +94,22 @@ def merged(parts: Sequence[Kernel], profile: Profile) -> Kernel:
     arguments: list[kir.Argument] = []
     start = out_base = in_base = 0
     offset = 0  # added to the part's variable numbers
-    branches: list[tuple[int, list[kir.Statement]]] = []
+    starts: list[int] = []
+    bodies: list[list[kir.Statement]] = []
     for index, part in enumerate(parts):
-        relabel = _Relabel(offset, start, group, out_base, in_base)
+        relabel = _Relabel(offset, _shifts(start, group), out_base, in_base)
         for argument in part.ir.arguments:
             arguments.append(relabel.argument(argument))
         for statement in part.ir.body:
-            if isinstance(statement, kir.DeclareArray) and statement.local:
+            if _local(statement):
                 name = statement.var.name
                 if name and name in names:
                     relabel.renamed[name] = f"{name}_{index}"
                 names.add(relabel.renamed.get(name, name))
         statements = [relabel.any(s) for s in part.ir.body]
-        hoisted += [s for s in statements if isinstance(s, kir.DeclareArray) and s.local]
-        branches.append((start, [s for s in statements if not (isinstance(s, kir.DeclareArray) and s.local)]))
+        hoisted += [s for s in statements if _local(s)]
+        starts.append(start)
+        bodies.append([s for s in statements if not _local(s)])
         last = index == len(parts) - 1 and group is None  # a launch of one group size is whole groups
         span = part.global_size if last else -(-part.global_size // granule) * granule
         start += span
@@ -110,20 +117,100 @@ def merged(parts: Sequence[Kernel], profile: Profile) -> Kernel:
         in_base += len(part.inputs)
         offset = max((v.number for v in _vars(statements)), default=offset) + 1
     arguments.sort(key=lambda a: (a.role != "out", a.index))
-    # if (id < the next part's start) {..} else {..}: in groups where the launch has a size (a branch uniform in each
-    # group, as its barriers want, and plainly so to the device compiler)
-    item = kir.call("get_group_id" if group else "get_global_id", 0, dtype=kir.INT)
-    body = branches[-1][1]
-    for (_, statements), (after, _) in zip(reversed(branches[:-1]), reversed(branches[1:])):
-        body = [kir.If(item.lt(after // (group or 1)), statements, body)]
     name = "_".join(part.name for part in parts)
     families = {part.family for part in parts}
     kernel = Kernel(name, parts[0].family if len(families) == 1 else "mixed",
-                    kir.KernelIR(name, arguments, hoisted + body, group),
+                    kir.KernelIR(name, arguments, hoisted + _branches(bodies, starts, group), group),
                     start, [t for part in parts for t in part.outputs], [t for part in parts for t in part.inputs],
                     [n for part in parts for n in part.nodes], group_size=group)
-    kernel.parts = list(parts)
+    kernel.parts, kernel.starts = list(parts), starts
     return kernel
+
+
+def _branches(bodies: Sequence[list[kir.Statement]], starts: Sequence[int], group: int | None
+              ) -> list[kir.Statement]:
+    """if (id < the next part's start) {..} else {..}: in groups where the launch has a size (a branch uniform in
+    each group, as its barriers want, and plainly so to the device compiler)."""
+    item = kir.call("get_group_id" if group else "get_global_id", 0, dtype=kir.INT)
+    body = bodies[-1]
+    for statements, after in zip(reversed(bodies[:-1]), reversed(starts[1:])):
+        body = [kir.If(item.lt(after // (group or 1)), statements, body)]
+    return body
+
+
+def _shifts(start: int, group: int | None) -> dict[str, kir.Expr]:
+    """What a part starting at work-item `start` subtracts from each of SHIFTED."""
+    if not start:
+        return {}
+    return {function: kir.const(start if in_items else start // (group or 1)) for function, in_items in SHIFTED.items()}
+
+
+def _local(statement: kir.Statement) -> bool:
+    return isinstance(statement, kir.DeclareArray) and statement.local
+
+
+def _builtins(body: kir.KernelIR) -> list[str]:
+    """Those of SHIFTED that the kernel calls."""
+    called = {e.function for s in kir.walk(body.body) for x in kir.statement_exprs(s) for e in kir.walk_expr(x)
+              if isinstance(e, kir.Call)}
+    return [function for function in SHIFTED if function in called]
+
+
+def dispatched(kernel: Kernel) -> bool:
+    """Whether the source runs co-launched `kernel`'s parts as functions (`dispatch`), not as copies of their bodies
+    (its IR): where no part has a barrier. PoCL built with -cl-opt-disable (the suite's builds, oclgrind's) computed a
+    group part wrong once its barriers sat in a function (the MLP's fp16 step for adreno730: a MatMul's group
+    reduction off by up to 3e4, equal when optimised), so group parts are still copied into each pair."""
+    return bool(kernel.parts) and not any(isinstance(s, kir.Barrier) for part in kernel.parts
+                                          for s in kir.walk(part.ir.body))
+
+
+def part_function(part: Kernel, name: str) -> tuple[kir.KernelIR, list[kir.Var], list[kir.Var]]:
+    """(`part`'s body as function `name`, the values it is called with, its __local arrays): what the source holds
+    once for a kernel that a co-launched kernel runs (render.opencl.render_function). Its work-item ids are those
+    of the launch less the values it is called with (FIRST, of those of SHIFTED it calls: 0 where it runs as a
+    launch of its own); its top-level __local arrays are the calling __kernel's (`dispatch`)."""
+    if part.function_ir is not None and part.function_ir[0].name == name:  # both storages' sources ask
+        return part.function_ir
+    builtins = _builtins(part.ir)
+    values = [kir.Var("first", 0, kir.INT, FIRST[function]) for function in builtins]
+    relabel = _Relabel(0, dict(zip(builtins, values)), 0, 0)
+    body = [relabel.any(s) for s in part.ir.body if not _local(s)]
+    arrays = [s.var for s in part.ir.body if _local(s)]  # type: ignore[union-attr]
+    part.function_ir = (kir.KernelIR(name, part.ir.arguments, body, None, part.ir.aliased), values, arrays)
+    return part.function_ir
+
+
+def dispatch(kernel: Kernel, function: Callable[[Kernel], str]) -> kir.KernelIR:
+    """The __kernel of `kernel` (a co-launched one, or one whose body is also a co-launched kernel's part) where
+    each part's body is function `function(part)` (`part_function`): the parts' __local arrays (named apart), and
+    over each part's range of work-items a call of its function with its arguments, as `merged` branches."""
+    parts, starts = kernel.parts or [kernel], kernel.starts or [0]
+    group = kernel.group_size
+    declared: list[kir.Statement] = []
+    names: set[str] = set()
+    calls: list[list[kir.Statement]] = []
+    out_base = in_base = 0
+    for index, (part, start) in enumerate(zip(parts, starts)):
+        arrays = []
+        for statement in part.ir.body:
+            if isinstance(statement, kir.DeclareArray) and statement.local:
+                name = name_of(statement.var)
+                var = dataclasses.replace(statement.var, name=f"{name}_{index}" if name in names else name)
+                names.add(var.name)
+                declared.append(dataclasses.replace(statement, var=var))
+                arrays.append(var)
+        relabel = _Relabel(0, {}, out_base, in_base)
+        shifts = {"get_global_id": start, "get_group_id": start // (group or 1)}
+        arguments = [kir.ArgumentRef(relabel.argument(a)) for a in part.ir.arguments]
+        _, values, _ = part_function(part, function(part))  # made once: each storage's source asks
+        arguments += [kir.const(shifts[builtin]) for value in values
+                      for builtin in SHIFTED if FIRST[builtin] == value.name]
+        calls.append([kir.Invoke(function(part), (*arguments, *arrays), in_base)])
+        out_base += len(part.outputs)
+        in_base += len(part.inputs)
+    return kir.KernelIR(kernel.name, kernel.ir.arguments, declared + _branches(calls, starts, group), group,
+                        kernel.ir.aliased)
 
 
 def _vars(statements: Sequence[kir.Statement]) -> list[kir.Var]:
@@ -140,10 +227,10 @@ def _vars(statements: Sequence[kir.Statement]) -> list[kir.Var]:
 class _Relabel:
     """One part's IR in the merged kernel: variables renumbered by `offset` (and hoisted __local arrays
     renamed), arguments renumbered past the earlier parts' (outputs from `out_base`, inputs from `in_base`),
-    and work-item ids less the part's `start`."""
+    and work-item ids less the part's start (`shifts`: what each of SHIFTED less)."""
 
-    def __init__(self, offset: int, start: int, group: int | None, out_base: int, in_base: int) -> None:
-        self.offset, self.start, self.group = offset, start, group
+    def __init__(self, offset: int, shifts: dict[str, kir.Expr], out_base: int, in_base: int) -> None:
+        self.offset, self.shifts = offset, shifts
         self.out_base, self.in_base = out_base, in_base
         self.renamed: dict[str, str] = {}
 
@@ -159,9 +246,8 @@ class _Relabel:
             return self.argument(value)
         if isinstance(value, kir.DType):
             return value
-        if isinstance(value, kir.Call) and value.function in SHIFTED and self.start:
-            shift = self.start if SHIFTED[value.function] else self.start // (self.group or 1)
-            return kir.Binary("-", value, kir.const(shift), value.dtype)
+        if isinstance(value, kir.Call) and value.function in self.shifts:
+            return kir.Binary("-", value, self.shifts[value.function], value.dtype)
         if isinstance(value, list):
             return [self.any(v) for v in value]
         if isinstance(value, tuple):

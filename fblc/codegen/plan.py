@@ -214,7 +214,8 @@ def lower(model: ir.Model, profile: Profile, dtype: str, with_contents: bool = T
     schedules = {k.name: table.schedules[k.name].record() for k in kernels}
     if co_launched_kernels:
         kernels = co_launch(kernels, profile, bool(loops))
-    for kernel in kernels:  # an update in place reads and writes one texture: its two arguments alias
+    # an update in place reads and writes one texture: its two arguments alias (a co-launched part's, in its function)
+    for kernel in (unit for launch in kernels for unit in (*launch.parts, launch)):
         both = set(kernel.inputs) & set(kernel.outputs)
         kernel.ir.aliased = frozenset([f"in{k}" for k, t in enumerate(kernel.inputs) if t in both]
                                       + [f"out{k}" for k, t in enumerate(kernel.outputs) if t in both])
@@ -259,19 +260,31 @@ def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping
     return decide
 
 
+_Alike = dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]]  # kernels by arguments and aliases
+
+
 def share_kernels(kernels: list[Kernel]) -> None:
     """Set each kernel's `function`: its own name, or that of the first kernel with equal IR (the same
     arguments and body; names aside), whose __kernel its launches then share. Optimizer updates and backward
-    pieces of same-shaped tensors repeat exactly: building each once shortens the OpenCL compile."""
-    firsts: dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]] = {}
+    pieces of same-shaped tensors repeat exactly: building each once shortens the OpenCL compile. And the `twin`
+    of each kernel and co-launched part (codegen/co_launch.py): the first of them with equal IR, whose body the
+    source holds once as a function where a co-launched kernel runs it (render/source.py)."""
+    launched, bodies = _Alike(), _Alike()
     for kernel in kernels:
-        body = kernel.ir
-        assert isinstance(body, kir.KernelIR), f"{kernel.name} has no IR"
-        alike = firsts.setdefault((tuple(body.arguments), body.aliased), [])
-        first = next((k for k in alike if k.ir.body == body.body), None)  # type: ignore[attr-defined]
-        if first is None:
-            alike.append(kernel)
-        kernel.function = (first or kernel).name
+        for part in kernel.parts or [kernel]:
+            part.twin = _first_equal(bodies, part).name
+        kernel.function = _first_equal(launched, kernel).name
+
+
+def _first_equal(firsts: _Alike, kernel: Kernel) -> Kernel:
+    """The first kernel in `firsts` with IR equal to `kernel`'s, else `kernel`, added."""
+    body = kernel.ir
+    assert isinstance(body, kir.KernelIR), f"{kernel.name} has no IR"
+    alike = firsts.setdefault((tuple(body.arguments), body.aliased), [])
+    first = next((k for k in alike if k.ir.body == body.body), None)  # type: ignore[attr-defined]
+    if first is None:
+        alike.append(kernel)
+    return first or kernel
 
 
 @dataclass

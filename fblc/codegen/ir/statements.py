@@ -10,8 +10,8 @@ from typing import Callable, ClassVar, Iterator, Sequence, Union
 from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
 
 __all__ = ["Declare", "DeclareArray", "Assign", "Store", "For", "If", "Break", "Return", "Barrier", "While",
-           "WithFeature", "Stage", "FEATURES", "Statement", "KernelIR", "Numbering", "Block", "walk_expr", "statement_exprs",
-           "nested", "walk"]
+           "WithFeature", "Stage", "Invoke", "FEATURES", "Statement", "KernelIR", "Numbering", "Block", "walk_expr",
+           "statement_exprs", "nested", "walk"]
 
 
 @dataclass
@@ -105,10 +105,23 @@ class Stage:
     then: list[Statement]
 
 
+@dataclass
+class Invoke:
+    """A call of a function the source defines once (codegen/co_launch.py: the body of a kernel that a co-launched
+    kernel runs too), with `arguments`: its texture arguments (ArgumentRef), the values it shifts its work-item
+    ids by and its __local arrays (Var); `inputs_from`: the launch's input number of the function's input 0 (a
+    trace records reads by the launch's input)."""
+
+    function: str
+    arguments: tuple[Expr, ...]
+    inputs_from: int = 0
+
+
 #: the optional features a WithFeature may test
 FEATURES = ("subgroups",)
 
-Statement = Union[Declare, DeclareArray, Assign, Store, For, If, Break, Return, Barrier, While, WithFeature, Stage]
+Statement = Union[Declare, DeclareArray, Assign, Store, For, If, Break, Return, Barrier, While, WithFeature, Stage,
+                  Invoke]
 
 
 @dataclass
@@ -233,7 +246,7 @@ def _expr_fields(cls: type) -> tuple[str, ...]:
 #: the fields of a statement that hold the expressions it reads (an Assign's to an Element: its index too)
 _READS: dict[type, tuple[str, ...]] = {
     Declare: ("init",), DeclareArray: ("init", "length"), Assign: ("value",), Store: ("texel", "value"),
-    For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",)}
+    For: ("start", "stop", "condition"), If: ("condition",), While: ("condition",), Invoke: ("arguments",)}
 
 #: the fields of a statement that hold the statements nested in it
 _BODIES: dict[type, tuple[str, ...]] = {For: ("body",), While: ("body",), If: ("then", "orelse"),

@@ -78,6 +78,9 @@ class Storage:
     #: whether a work-group stages the texels its work-items share in __local (ir.Stage, Load.staged): images,
     #: whose reads PoCL runs in software (a function call a texel), not buffers, whose loads are memory reads
     stages: bool = False
+    #: after a function's parameters (render_function), and after a call's arguments ({i}: Invoke.inputs_from)
+    function_tail: str = ""
+    call_tail: str = ""
 
 
 #: read_imagef, write_imageui...; read_imager / write_imager: the preamble's read_imageh where real is half
@@ -87,7 +90,8 @@ IMAGE = Storage(PREAMBLE, True, "kind", {"in": "read_only image2d_t {a}", "out":
                 {k: f"read_image{s}({{a}}, SMP, NOTE({{i}}, {{t}}))" for k, s in IMAGE_SUFFIXES.items()},
                 {k: f"write_image{s}({{a}}, {{t}}, {{v}})" for k, s in IMAGE_SUFFIXES.items()},
                 {"float": "window4({first}, {second}, {s})", "real": "window4_r({first}, {second}, {s})"},
-                " TRACE_PARAM", ("TRACE_INIT",), REAL_IMAGE_PREAMBLE, stages=True)
+                " TRACE_PARAM", ("TRACE_INIT",), REAL_IMAGE_PREAMBLE, stages=True, function_tail=" TRACE_FN_PARAM",
+                call_tail=" TRACE_ARGS({i})")
 #: __global buffers of texels in index order (kernels.buffer.cl: LocalRunner's storage "buffer", for a CPU's OpenCL,
 #: whose images are software), by element type: fp16 4 halfs a texel, a mask a byte (lane x of an image's uint4);
 #: a half kernel's ("real:" element) converts each texel it reads to real4 and each it writes back
@@ -116,14 +120,17 @@ class Renderer:
     """Renders one kernel (or one expression) to C for `storage`; `folded` holds the values inlined into
     their reader."""
 
-    def __init__(self, folded: dict[ir.Var, ir.Expr] | None = None, storage: Storage = IMAGE) -> None:
+    def __init__(self, folded: dict[ir.Var, ir.Expr] | None = None, storage: Storage = IMAGE,
+                 inputs_from: str = "") -> None:
         self.folded = folded or {}
         self.storage = storage
+        self.inputs_from = inputs_from  # C added to an input's number (a function's: the launch's number of its in0)
 
     def texture(self, templates: dict[str, str], a: ir.Argument, texel: str = "", **more: str) -> str:
         """The storage's C of `templates` for argument `a` at texel index `texel` (C)."""
         place = a.layout.c_coord(texel) if self.storage.places and texel else texel  # type: ignore[attr-defined]
-        return templates[getattr(a, self.storage.key)].format(a=a.name, i=a.index, t=place, **more)
+        return templates[getattr(a, self.storage.key)].format(a=a.name, i=f"{self.inputs_from}{a.index}", t=place,
+                                                              **more)
 
     # expressions --------------------------------------------------------------------------------
     def expr(self, e: ir.Expr) -> str:
@@ -242,6 +249,9 @@ class Renderer:
                     f"{pad}#else", *self.statements(s.orelse, depth), f"{pad}#endif"]
         if isinstance(s, ir.Stage):
             return self.statements(s.then, depth) if self.storage.stages else []
+        if isinstance(s, ir.Invoke):
+            arguments = ", ".join(self.expr(a) for a in s.arguments)
+            return [f"{pad}{s.function}({arguments}{self.storage.call_tail.format(i=s.inputs_from)});"]
         if isinstance(s, ir.While):
             return [f"{pad}while ({self.condition(s.condition)}) {{", *self.statements(s.body, depth + 1), f"{pad}}}"]
         return [pad + {ir.Break: "break;", ir.Return: "return;",
@@ -263,14 +273,30 @@ def _parameter(storage: Storage, a: ir.Argument, aliased: frozenset[str]) -> str
     return text.replace(" restrict", "") if a.name in aliased else text
 
 
-def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE, folds: dict[ir.Var, ir.Expr] | None = None) -> str:
-    """The __kernel's C for `storage`: its texture arguments, then its body (`folds`: its `foldable`, if known)."""
+def render_kernel(kernel: ir.KernelIR, storage: Storage = IMAGE, folds: dict[ir.Var, ir.Expr] | None = None,
+                  prologue: bool = True) -> str:
+    """The __kernel's C for `storage`: its texture arguments, then its body (`folds`: its `foldable`, if known);
+    without the storage's prologue where the body only calls functions that have theirs (`prologue` false)."""
     params = ", ".join(_parameter(storage, a, kernel.aliased) for a in kernel.arguments)
     folds = foldable(kernel.body) if folds is None else folds
-    body = [INDENT + line for line in storage.prologue] + Renderer(folds, storage).statements(kernel.body, 1)
+    body = [INDENT + line for line in (storage.prologue if prologue else ())]
+    body += Renderer(folds, storage).statements(kernel.body, 1)
     # a kernel written for one work-group size says so: the driver may then size registers and __local for it
     size = f"__attribute__((reqd_work_group_size({kernel.group_size}, 1, 1))) " if kernel.group_size else ""
     return "\n".join([f"{size}__kernel void {kernel.name}({params}{storage.params_tail}) {{", *body, "}"])
+
+
+def render_function(function: ir.KernelIR, values: Sequence[ir.Var], arrays: Sequence[ir.Var],
+                    storage: Storage = IMAGE) -> str:
+    """A function (not a __kernel) of `function`'s body that __kernels call (ir.Invoke): its texture arguments,
+    then `values` (const), then its __local `arrays` as pointers (OpenCL C declares __local only in a __kernel),
+    then the storage's function tail (a trace's buffers and the caller's number of the function's input 0)."""
+    params = [_parameter(storage, a, function.aliased) for a in function.arguments]
+    params += [f"const {v.dtype.c_name} {name_of(v)}" for v in values]
+    params += [f"__local {v.dtype.c_name}* {name_of(v)}" for v in arrays]
+    renderer = Renderer(foldable(function.body), storage, "fblc_in0 + ")
+    body = [INDENT + line for line in storage.prologue] + renderer.statements(function.body, 1)
+    return "\n".join([f"void {function.name}({', '.join(params)}{storage.function_tail}) {{", *body, "}"])
 
 
 def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:

@@ -104,6 +104,9 @@ __constant sampler_t SMP = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_
 #ifdef FBLC_TRACE  // fblc.runtime.trace: every texel read also records (argument, x, y) per work-item
 #define TRACE_PARAM , __global int4* fblc_trace, __global int* fblc_counts
 #define TRACE_INIT const int fblc_item = get_global_id(0) - get_global_offset(0); int fblc_n = 0;
+// a function a co-launched kernel calls (codegen/co_launch.py): the buffers, and the launch's number of its in0
+#define TRACE_FN_PARAM , __global int4* fblc_trace, __global int* fblc_counts, const int fblc_in0
+#define TRACE_ARGS(in0) , fblc_trace, fblc_counts, in0
 inline int2 fblc_note(__global int4* trace, __global int* counts, int item, int* n, int arg, int2 c) {
   if (item < FBLC_TRACE_ITEMS) {  // a whole launch runs too: only one group's worth is kept
     if (*n < FBLC_TRACE_CAPACITY) trace[item * FBLC_TRACE_CAPACITY + *n] = (int4)(arg, c.x, c.y, 0);
@@ -115,6 +118,8 @@ inline int2 fblc_note(__global int4* trace, __global int* counts, int item, int*
 #else
 #define TRACE_PARAM
 #define TRACE_INIT
+#define TRACE_FN_PARAM
+#define TRACE_ARGS(in0)
 #define NOTE(arg, c) (c)
 #endif
 """
