@@ -125,7 +125,7 @@ def adapter_fingerprint(source: dict[str, Any], step: ir.Model) -> dict[str, Any
         digest = hashlib.sha256()
         for name in sorted(frozen):
             values = np.ascontiguousarray(frozen[name], np.float16)
-            digest.update(f"{name}:{list(values.shape)};".encode() + values.tobytes())
+            digest.update(f"{name}:{list(values.shape)}|".encode() + values.tobytes())
         compared["frozen_sha256"] = digest.hexdigest()
         if SEEDED[key]:
             compared["seed"] = meta.get("seed")
