@@ -407,7 +407,7 @@ def check_measured_profile(path: str) -> dict:
 
 
 def test_profile_mode_measures_the_same_device_as_the_local_profiler(tmp_path, runner_binary, opencl_env,
-                                                                    capsys) -> None:
+                                                                    capsys, small_profile_plan) -> None:
     """`fblc profile --device native`: the runner times the plan on PoCL, fblc interprets it as a local run;
     what clGetDeviceInfo says matches pyopencl's view of the same device."""
     import pyopencl as cl
