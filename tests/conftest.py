@@ -13,7 +13,7 @@ optimiser exploits `restrict` and undefined behaviour; -O0 does not).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -68,3 +68,12 @@ def mlp_path(tmp_path) -> str:
 def merged_folder(tmp_path_factory) -> Callable[[str], str]:
     """A new folder per name, for the merged steps of tests/support/merged_steps.MergedCases.check."""
     return lambda name: str(tmp_path_factory.mktemp(name))
+
+
+@pytest.fixture
+def small_profile_plan() -> Iterator[None]:
+    """`fblc profile` measures with tests/support/profile_plan's small plan (same probes, ~20x less work)."""
+    from tests.support.profile_plan import small_profile_plan as small
+
+    with small():
+        yield

@@ -310,7 +310,7 @@ def test_ctrl_c_during_a_run_on_the_device_leaves_nothing(tmp_path, bundle, phon
 
 
 def test_profile_over_adb_writes_the_profile_a_local_run_would(tmp_path, phone, runner_binary,  # noqa: F811
-                                                                capsys) -> None:
+                                                                capsys, small_profile_plan) -> None:
     out = str(tmp_path / "phone.json")
     assert main(["profile", "--device", f"adb:{phone.serial}", "--runner", runner_binary, "-o", out]) == 0
     printed = capsys.readouterr().out

@@ -69,7 +69,13 @@ NAIVE_MODELS = ("mlp",)
 SLOW_NAIVE_MODELS = ("llama", "tresnet", "resnet_legacy")
 
 
-@pytest.mark.parametrize("name, layout", [(name, "rtile") for name in MODELS if name not in SLOW_MODELS]
+#: T-ResNet's rtile step shares its bundle (and so PoCL's build of it) with test_texture_placement's three steps
+TRESNET_GROUP = "tresnet-adreno830"
+
+
+@pytest.mark.parametrize("name, layout", [pytest.param(name, "rtile", marks=[pytest.mark.xdist_group(TRESNET_GROUP)]
+                                                       if name == "tresnet" else [])
+                                          for name in MODELS if name not in SLOW_MODELS]
                          + [pytest.param(name, "rtile", marks=pytest.mark.slow) for name in SLOW_MODELS]
                          + [(name, "naive") for name in NAIVE_MODELS]
                          + [pytest.param(name, "naive", marks=pytest.mark.slow) for name in SLOW_NAIVE_MODELS])

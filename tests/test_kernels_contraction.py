@@ -65,6 +65,13 @@ def write_case(path: str, nodes: list[onnx.NodeProto], inits: dict[str, tuple[in
 
     `inputs` become float graph inputs (fed, not trained).
     """
+    onnx.save(case_model(nodes, inits, seed, inputs), path)
+    return path
+
+
+def case_model(nodes: list[onnx.NodeProto], inits: dict[str, tuple[int, ...] | np.ndarray], seed: int = 0,
+               inputs: dict[str, tuple[int, ...]] | None = None) -> onnx.ModelProto:
+    """write_case's model, not saved."""
     rng = np.random.default_rng(seed)
     arrays = {k: (v if isinstance(v, np.ndarray) else _rand(rng, v)) for k, v in inits.items()}
     feeds = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v)) for k, v in (inputs or {}).items()]
@@ -77,8 +84,7 @@ def write_case(path: str, nodes: list[onnx.NodeProto], inits: dict[str, tuple[in
                               initializer=[numpy_helper.from_array(v, k) for k, v in arrays.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, path)
-    return path
+    return model
 
 
 def assert_step_matches(path: str, dtype: str = "fp32", storage: str = "image") -> None:
@@ -400,6 +406,36 @@ MERGED_SETS["buffer", "fp32"] = ["conv3x3_weight_grad_channel_blocks", "matmul_t
                                  "conv_transpose_trained"]
 
 
+def _conv_bn_tile() -> tuple[list[onnx.NodeProto], dict[str, Any]]:
+    channels = 8
+    nodes = [_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
+             _node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], "bn"), _node("Relu", ["bn"])]
+    rng = np.random.default_rng(5)
+    inits = {"x": (2, 3, 9, 10), "w": (channels, 3, 3, 3), "scale": rng.uniform(0.5, 2.0, channels).astype(np.float32),
+             "bias": (channels,), "mean": (channels,), "var": rng.uniform(0.5, 2.0, channels).astype(np.float32)}
+    return nodes, inits
+
+
+#: models of the tests below whose kernels are checked one by one (a CPU weight gradient's sums, a float16 row of
+#: a MatMul tile, per-channel reads of a tile, epilogues): their local steps (loss, every gradient and update
+#: against onnxruntime) run as one merged step, EXTRA (tests/support/merged_steps.py: one PoCL build where they
+#: were five; each case's kernels the ones it runs alone, judged on its own rows; values of a seed of its own)
+EXTRA_CASES: dict[str, tuple[list[onnx.NodeProto], dict[str, Any]]] = {
+    "temporal_weight_grad": conv((8, 6, 160, 1), (8, 6, 3, 1), pads=[1, 0, 1, 0]),
+    "matmul_float16_rows": ([_node("MatMul", ["a", "b"])], {"a": (4, 16), "b": (16, 16)}),
+    "conv_bn_tile": _conv_bn_tile(),
+    "conv_transpose_relu": ([_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
+                             _node("Transpose", ["c"], "ct", perm=[1, 0, 2, 3]),  # [2, 2, 5, 5] -> [2, 2, 5, 5]
+                             _node("Relu", ["ct"])], {"x": (2, 2, 5, 5), "w": (2, 2, 3, 3)}),
+    "mm_add_sigmoid": ([_node("MatMul", ["a", "b"], "m"), _node("Add", ["m", "c"], "s"), _node("Sigmoid", ["s"])],
+                       {"a": (4, 8), "b": (8, 6), "c": (6,)}),
+}
+EXTRA = merged_steps.MergedCases(OPTIONS)
+for _seed, (_name, (_nodes, _inits)) in enumerate(EXTRA_CASES.items()):
+    EXTRA.add(_name, case_model(_nodes, _inits, seed=100 + _seed))
+EXTRA_GROUP = pytest.mark.xdist_group("contraction-merged-extra")  # one worker builds EXTRA's step
+
+
 @pytest.mark.xdist_group("contraction-merged-image")
 @pytest.mark.parametrize("name", sorted(TILE_CASES))
 def test_tiled_contraction_step(name: str, merged_rows) -> None:
@@ -491,15 +527,15 @@ def test_shared_tiles_under_a_wave_share_a_work_group(name: str, tmp_path) -> No
     assert rows and not [r.name for r in rows if not r.ok]
 
 
+@EXTRA_GROUP
 @pytest.mark.parametrize("target, form", [("local", "sums"), ("adreno830", "texels")])
-def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, tmp_path) -> None:
+def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, tmp_path, merged_folder) -> None:
     """A shared weight gradient whose 3 taps mix two channels in a texel keeps a float4 sum per output
     along T where the target's float4 is one SIMD register (local: PoCL on the CPU), texels on a GPU
     (accumulators.choose_form), two batch elements to a tile where the sums hold them; both steps equal
     onnxruntime's. (6 input channels: 8 would write the gradient in W's own order on the CPU, whose tile's
     texels are one output channel's: written_in_the_weights_order.)"""
-    nodes, inits = conv((8, 6, 160, 1), (8, 6, 3, 1), pads=[1, 0, 1, 0])
-    path = write_case(str(tmp_path / "temporal.onnx"), nodes, inits)
+    path = write_case(str(tmp_path / "temporal.onnx"), *EXTRA_CASES["temporal_weight_grad"])
     arrays = [s for k in _contractions(path, target) for s in _accumulator_arrays(k)]
     # an output's total: the sum of its float4's components (sums), or a component of a texel (texels)
     sums = any(s.var.kind == "acc" and s.init and isinstance(s.init[0], kir.Binary) for s in arrays)
@@ -507,6 +543,9 @@ def test_a_cpu_weight_gradient_sums_along_its_reduction(target: str, form: str, 
     assert any(s.var.kind == "accv" and s.var.dtype.lanes in (4, 8) for s in arrays)
     if form == "sums":  # 2 batch elements x 4 channels x 3 taps, sharing each dY texel (conv_schedules._sums_batches)
         assert any(s.var.kind == "acc" and len(s.init) == 24 for s in arrays), [len(s.init) for s in arrays]
+    if target == "local":  # its step in EXTRA's merged step (its kernels the ones it runs alone)
+        EXTRA.check("temporal_weight_grad", merged_folder)
+        return
     rows = verify_model(path, OPTIONS, target=target)
     assert rows and not [r.name for r in rows if not r.ok]
 
@@ -537,27 +576,29 @@ def test_a_wide_simd_cpu_pairs_a_tiles_float4s_into_float8s(target: str, tmp_pat
     mixed = [k for k in kernels if k.name.endswith("_Conv") and any(map(clamped, loads_of(k, "in0")))
              and any(from_q(load.texel) for load in loads_of(k, "in0"))]
     assert mixed, "no conv kernel reads both clamped edge texels and unclamped inner ones"
+    if target == "local":  # the same model's local step: test_tiled_contraction_step[conv3x3_weight_grad_tile]
+        return
     rows = verify_model(path, OPTIONS, target=target)
     assert rows and not [r.name for r in rows if not r.ok]
 
 
+@EXTRA_GROUP
 @pytest.mark.parametrize("target", ["local", "adreno830"])
-def test_a_16_float_simd_cpu_takes_a_gemm_tiles_row_as_one_float16(target: str, tmp_path) -> None:
+def test_a_16_float_simd_cpu_takes_a_gemm_tiles_row_as_one_float16(target: str, tmp_path, merged_folder) -> None:
     """Where a SIMD register holds 16 floats (local: AVX-512), a MatMul tile is 8 rows x 4 texels and each row
     one float16 accumulator (a multiply-add per A element and K step); a GPU keeps tiles of 2 texels. The step
     equals onnxruntime's. (The input gradient reads B along K: its 4 x 4 texel tile's 64 float4 sums along K
     (the sums form) group four to a float16 too, 16 registers as PAIRED_SUM_FLOAT4S's 40 float8 halves are
     20 (accumulators.sum_float4s); a float16 gathered from lanes of several texels is refused, which
     test_accumulators' unit test checks.)"""
-    path = write_case(str(tmp_path / "matmul.onnx"), [_node("MatMul", ["a", "b"])], {"a": (4, 16), "b": (16, 16)})
+    path = write_case(str(tmp_path / "matmul.onnx"), *EXTRA_CASES["matmul_float16_rows"])
     kernels = _contractions(path, target)
     widths = {k.name: {s.var.dtype.lanes for s in _accumulator_arrays(k) if s.var.kind == "accv"} for k in kernels}
     assert any(16 in lanes for lanes in widths.values()) == (target == "local"), widths
     sums = [k.name for k in kernels for s in _accumulator_arrays(k) if s.var.dtype.lanes == 16 and s.length == 16]
     assert bool(sums) == (target == "local"), widths  # 64 float4 sums in 16 float16s
     if target == "local":
-        rows = verify_model(path, OPTIONS, target=target)
-        assert rows and not [r.name for r in rows if not r.ok]
+        EXTRA.check("matmul_float16_rows", merged_folder)
 
 
 @pytest.mark.parametrize("name", sorted(TEXEL_CASES) + sorted(TILE_CASES))
@@ -657,18 +698,13 @@ def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
     assert before.count("rsqrt(") == 2 and "rsqrt(" not in lane_loop, forward
 
 
-def test_a_tiles_per_channel_values_are_read_once_per_run_of_its_texels(tmp_path) -> None:
+@EXTRA_GROUP
+def test_a_tiles_per_channel_values_are_read_once_per_run_of_its_texels(tmp_path, merged_folder) -> None:
     """A tile of texels over a plane of 90 (9 x 10: no width align_widths widens), where some texels straddle two
     channels: BatchNorm's per-channel values are read once per run, before its lanes (its first element's and,
     only where the run straddles, its last one's), never per lane."""
-    channels = 8
-    nodes = [_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
-             _node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], "bn"), _node("Relu", ["bn"])]
-    rng = np.random.default_rng(5)
-    inits = {"x": (2, 3, 9, 10), "w": (channels, 3, 3, 3), "scale": rng.uniform(0.5, 2.0, channels).astype(np.float32),
-             "bias": (channels,), "mean": (channels,), "var": rng.uniform(0.5, 2.0, channels).astype(np.float32)}
-    path = write_case(str(tmp_path / "conv_bn_tile.onnx"), nodes, inits)
-    assert_step_matches(path)
+    path = write_case(str(tmp_path / "conv_bn_tile.onnx"), *EXTRA_CASES["conv_bn_tile"])
+    EXTRA.check("conv_bn_tile", merged_folder)
     _compiled(path, str(tmp_path / "bundle"))
     forward = next(body for body in (tmp_path / "bundle" / "kernels.cl").read_text().split("__kernel ") if "rsqrt" in body)
     reads, _, lanes = forward.partition("for (int lane = 0;")
@@ -676,23 +712,21 @@ def test_a_tiles_per_channel_values_are_read_once_per_run_of_its_texels(tmp_path
     assert reads.count("rsqrt(") == 2 and "rsqrt(" not in lanes, forward
 
 
-def test_no_epilogue_through_a_reordering_view(tmp_path) -> None:
+@EXTRA_GROUP
+def test_no_epilogue_through_a_reordering_view(tmp_path, merged_folder) -> None:
     """A consumer that reads the conv's output through a transposed view of the same shape (a
     weight gradient's layout change before the optimizer) is no epilogue: element i of the view is
     not element i of the conv, so it runs in a kernel of its own, and the step still matches."""
-    nodes = [_node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]),
-             _node("Transpose", ["c"], "ct", perm=[1, 0, 2, 3]),  # [2, 2, 5, 5] -> [2, 2, 5, 5]
-             _node("Relu", ["ct"])]
-    path = write_case(str(tmp_path / "conv_transpose_relu.onnx"), nodes, {"x": (2, 2, 5, 5), "w": (2, 2, 3, 3)})
-    assert_step_matches(path)
+    path = write_case(str(tmp_path / "conv_transpose_relu.onnx"), *EXTRA_CASES["conv_transpose_relu"])
+    EXTRA.check("conv_transpose_relu", merged_folder)
     step, _, _ = _compiled(path, str(tmp_path / "bundle"))
     assert len(_forward_kernels(step, ("Conv", "Relu"))) == 2, "Relu reads c transposed: its own kernel"
 
 
-def test_matmul_add_sigmoid_epilogue(tmp_path) -> None:
-    nodes = [_node("MatMul", ["a", "b"], "m"), _node("Add", ["m", "c"], "s"), _node("Sigmoid", ["s"])]
-    path = write_case(str(tmp_path / "mm_add_sigmoid.onnx"), nodes, {"a": (4, 8), "b": (8, 6), "c": (6,)})
-    assert_step_matches(path)
+@EXTRA_GROUP
+def test_matmul_add_sigmoid_epilogue(tmp_path, merged_folder) -> None:
+    path = write_case(str(tmp_path / "mm_add_sigmoid.onnx"), *EXTRA_CASES["mm_add_sigmoid"])
+    EXTRA.check("mm_add_sigmoid", merged_folder)
     step, report, computing = _compiled(path, str(tmp_path / "bundle"))
     assert report["kernels"] < computing
     assert len(_forward_kernels(step, ("MatMul", "Add", "Sigmoid"))) == 1, "MatMul+Add+Sigmoid: one kernel"

@@ -204,7 +204,6 @@ def test_tiled_parameters_train_and_read_back_as_with_the_python_runtime(tmp_pat
 
 
 @pytest.mark.slow  # CI: the MemFLoRA T-ResNet below trains the same blocks on the runner
-@pytest.mark.xdist_group("small-tresnet")  # its kernels.cl is test_texture_placement's: PoCL compiles it once
 def test_tresnet_batch_4_trains_as_with_the_python_runtime(tmp_path, runner_binary, opencl_env) -> None:
     # T-ResNet's blocks (64 -> 128 -> 128 maps, convs 8/5/3, BN, shortcuts) at batch 4, on a short
     # 6-channel window so that PoCL's kernel compile and two steps take seconds
@@ -407,7 +406,7 @@ def check_measured_profile(path: str) -> dict:
 
 
 def test_profile_mode_measures_the_same_device_as_the_local_profiler(tmp_path, runner_binary, opencl_env,
-                                                                    capsys) -> None:
+                                                                    capsys, small_profile_plan) -> None:
     """`fblc profile --device native`: the runner times the plan on PoCL, fblc interprets it as a local run;
     what clGetDeviceInfo says matches pyopencl's view of the same device."""
     import pyopencl as cl

@@ -14,6 +14,7 @@ from fblc.errors import FblcError
 from fblc.profiles import FIGURES, load_profile, parse_profile, shipped_targets
 from fblc.profiles.cache_model import CacheGeometry, TextureCache, pattern_reads, simulate
 from fblc.profiles.profile import TARGETS_DIR
+from tests.support.profile_plan import small_profile_plan
 
 SIDE = 512
 
@@ -95,7 +96,8 @@ def measured(tmp_path_factory) -> str:
     """`fblc profile --device local`: the profile's path. (How long it takes, and whether the measured
     pattern speeds rank as the cache model does, depend on machine load: benchmarks/profile_ranking.py.)"""
     out = str(tmp_path_factory.mktemp("profile") / "mydevice.json")
-    assert main(["profile", "--device", "local", "-o", out]) == 0
+    with small_profile_plan():  # the shipped plan's path at a twentieth of its work (tests/support/profile_plan.py)
+        assert main(["profile", "--device", "local", "-o", out]) == 0
     return out
 
 

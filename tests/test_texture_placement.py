@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 
 import numpy as np
 
@@ -23,6 +21,7 @@ from fblc.cli import main
 from fblc.passes.layout_score import MAX_PADDING, Geometry, block_efficiency, rank_folds
 from fblc.profiles import PORTABLE_IMAGE_EDGE, load_profile, placement_limits, shipped_targets
 from fblc.texel_layout import flat_layout
+from tests.test_device_models import SGD, TRESNET_GROUP
 
 EDGE = PORTABLE_IMAGE_EDGE
 STREAM = (("stream", 1.0),)
@@ -96,31 +95,29 @@ def test_the_compile_report_names_textures_beyond_the_portable_edge(monkeypatch,
     assert "use adreno830's own image limit" in capsys.readouterr().out
 
 
-@pytest.mark.xdist_group("small-tresnet")  # test_native_runner's T-ResNet: one PoCL compile for both
-def test_steps_after_the_first_equal_onnxruntime(tmp_path) -> None:
-    """Three AdamW steps of T-ResNet compiled for adreno830 on PoCL against onnxruntime's run of the same step
+@pytest.mark.xdist_group(TRESNET_GROUP)  # test_device_models' T-ResNet rtile step: the same kernels.cl, built once
+def test_steps_after_the_first_equal_onnxruntime(tmp_path, optimised_kernel_builds) -> None:
+    """Three steps of T-ResNet compiled for adreno830 on PoCL against onnxruntime's run of the same step
     graph (fblc.compiler.reference), each step's loss within rtol 1e-4: after every step P.new's image becomes
-    P's, so a fold chosen by accesses (P is read by convs, P.new written by the optimizer) would read the next
-    step's weights through the wrong width."""
+    P's (and the momentum's update the momentum's), so a fold chosen by accesses (P is read by convs, P.new
+    written by the optimizer) would read the next step's weights through the wrong width. The classifier weight
+    [17, 128], which Gemm reads along rows and columns, is large enough for its accesses to prefer another fold
+    than its update's stream. The bundle is test_device_models' T-ResNet rtile step's (same export, options and
+    target, built optimised in both), so pyopencl's binary cache builds its kernels once for both tests (they
+    share an xdist group: one worker, one after the other); it was a 6-channel T-ResNet of its own under AdamW,
+    27 s of a CI run (AdamW's states swapping over many steps: test_many_steps' mlp-adamw, 50 steps)."""
     from fblc.codegen.compile import compile_model
     from fblc.compiler.model_io import load_model, save_model_atomically
-    from fblc.compiler.optimizers import OptimizerConfig
     from fblc.compiler.reference import ReferenceStep
     from fblc.passes.pipeline import TrainingOptions, build_training_graph
     from fblc.runtime.local import LocalRunner
+    from tests.support import models
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from tresnet import build_tresnet
-
-    options = TrainingOptions(loss="cross_entropy", optimizer=OptimizerConfig("adamw", lr=0.01, weight_decay=0.01))
-    # 17 classes: the classifier weight [17, 128], which Gemm reads along rows and columns, is large enough
-    # for its accesses to prefer another fold than its update's stream
-    path = build_tresnet(str(tmp_path / "tresnet.onnx"), batch=4, channels=6, samples=16, classes=17)
-    compile_model(path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
-    save_model_atomically(build_training_graph(load_model(path), options), str(tmp_path / "step.onnx"))
-    rng = np.random.default_rng(7)
-    feeds = {"x": rng.standard_normal((4, 6, 16, 1)).astype(np.float32),
-             "labels": rng.integers(0, 17, 4).astype(np.int64)}
+    exported = models.tresnet(str(tmp_path))
+    options = TrainingOptions(input_shapes=exported.input_shapes, loss="cross_entropy", optimizer=SGD, dtype="fp32")
+    compile_model(exported.path, str(tmp_path / "bundle"), "adreno830", "fp32", options)
+    save_model_atomically(build_training_graph(load_model(exported.path), options), str(tmp_path / "step.onnx"))
+    feeds = {**exported.inputs, "labels": exported.labels}
     reference = ReferenceStep(str(tmp_path / "step.onnx"))
     device = LocalRunner(str(tmp_path / "bundle"), progress=False, storage="image")  # placement is of images
     expected = [reference.step(feeds) for _ in range(3)]
