@@ -115,7 +115,7 @@ def merged(parts: Sequence[Kernel], profile: Profile) -> Kernel:
         start += span
         out_base += len(part.outputs)
         in_base += len(part.inputs)
-        offset = max((v.number for v in _vars(statements)), default=offset) + 1
+        offset = (offset if relabel.top is None else relabel.top) + 1
     arguments.sort(key=lambda a: (a.role != "out", a.index))
     name = "_".join(part.name for part in parts)
     families = {part.family for part in parts}
@@ -213,49 +213,66 @@ def dispatch(kernel: Kernel, function: Callable[[Kernel], str]) -> kir.KernelIR:
                         kernel.ir.aliased)
 
 
-def _vars(statements: Sequence[kir.Statement]) -> list[kir.Var]:
-    found = []
-    for statement in kir.walk(statements):
-        for field in dataclasses.fields(statement):
-            value = getattr(statement, field.name)
-            for e in value if isinstance(value, tuple) else (value,):
-                if isinstance(e, kir.Expr):
-                    found += [x for x in kir.walk_expr(e) if isinstance(x, kir.Var)]
-    return found
-
-
 class _Relabel:
     """One part's IR in the merged kernel: variables renumbered by `offset` (and hoisted __local arrays
     renamed), arguments renumbered past the earlier parts' (outputs from `out_base`, inputs from `in_base`),
-    and work-item ids less the part's start (`shifts`: what each of SHIFTED less)."""
+    and work-item ids less the part's start (`shifts`: what each of SHIFTED less); `top`: the largest variable
+    number it wrote (None before any), where the next part's numbers start.
+
+    An expression is an immutable value that a kernel's IR shares between its readers (a texel's index, a loop
+    variable): each is relabelled once (`done`, by identity) and one with nothing to relabel is kept, not copied
+    (the 1B model's co-launched step copied 3.6M nodes). Statements are mutable: each is a new one."""
 
     def __init__(self, offset: int, shifts: dict[str, kir.Expr], out_base: int, in_base: int) -> None:
         self.offset, self.shifts = offset, shifts
         self.out_base, self.in_base = out_base, in_base
         self.renamed: dict[str, str] = {}
+        self.top: int | None = None
+        self.done: dict[int, kir.Expr] = {}  # by id of an expression of the part's IR (alive while it is relabelled)
 
     def argument(self, a: kir.Argument) -> kir.Argument:
         base = self.out_base if a.role == "out" else self.in_base
-        return dataclasses.replace(a, index=a.index + base)
+        return dataclasses.replace(a, index=a.index + base) if base else a
 
     def any(self, value: Any) -> Any:
-        if isinstance(value, kir.Var):
-            return dataclasses.replace(value, number=value.number + self.offset,
-                                       name=self.renamed.get(value.name, value.name))
-        if isinstance(value, kir.Argument):
-            return self.argument(value)
-        if isinstance(value, kir.DType):
-            return value
-        if isinstance(value, kir.Call) and value.function in self.shifts:
-            return kir.Binary("-", value, self.shifts[value.function], value.dtype)
+        if isinstance(value, kir.Expr):
+            found = self.done.get(id(value))
+            if found is None:
+                found = self.done[id(value)] = self._expr(value)
+            return found
         if isinstance(value, list):
             return [self.any(v) for v in value]
         if isinstance(value, tuple):
-            return tuple(self.any(v) for v in value)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = {f.name: self.any(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-            return type(value)(**fields)
-        return value
+            items = tuple(self.any(v) for v in value)
+            return value if all(a is b for a, b in zip(value, items)) else items
+        if isinstance(value, kir.Argument):
+            return self.argument(value)
+        if isinstance(value, kir.DType) or not dataclasses.is_dataclass(value) or isinstance(value, type):
+            return value
+        return type(value)(*(self.any(getattr(value, name)) for name in _init_fields(type(value))))
+
+    def _expr(self, value: kir.Expr) -> kir.Expr:
+        if isinstance(value, kir.Var):
+            number, name = value.number + self.offset, self.renamed.get(value.name, value.name)
+            self.top = number if self.top is None else max(self.top, number)
+            return value if (number, name) == (value.number, value.name) else dataclasses.replace(
+                value, number=number, name=name)
+        if isinstance(value, kir.Call) and value.function in self.shifts:
+            return kir.Binary("-", value, self.shifts[value.function], value.dtype)
+        old = [getattr(value, name) for name in _init_fields(type(value))]
+        new = [self.any(v) for v in old]
+        return value if all(a is b for a, b in zip(old, new)) else type(value)(*new)
+
+
+#: each IR dataclass's fields that its constructor takes, in its order (_Relabel reads them per node)
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _init_fields(cls: type) -> tuple[str, ...]:
+    names = _INIT_FIELDS.get(cls)
+    if names is None:
+        names = _INIT_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    return names
 
 
 def co_launched(schedules: dict[str, dict[str, Any]], kernel: Kernel) -> dict[str, Any]:
