@@ -30,6 +30,7 @@ launch that runs that body (render/source.py), where no part has a barrier (`dis
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Sequence
 
 from fblc.codegen import ir as kir
@@ -235,6 +236,8 @@ class _Relabel:
         return dataclasses.replace(a, index=a.index + base) if base else a
 
     def any(self, value: Any) -> Any:
+        if type(value) is kir.Const:  # the commonest node, and one with nothing to relabel
+            return value
         if isinstance(value, kir.Expr):
             found = self.done.get(id(value))
             if found is None:
@@ -243,8 +246,8 @@ class _Relabel:
         if isinstance(value, list):
             return [self.any(v) for v in value]
         if isinstance(value, tuple):
-            items = tuple(self.any(v) for v in value)
-            return value if all(a is b for a, b in zip(value, items)) else items
+            items = tuple(map(self.any, value))
+            return value if all(map(operator.is_, value, items)) else items
         if isinstance(value, kir.Argument):
             return self.argument(value)
         if isinstance(value, kir.DType) or not dataclasses.is_dataclass(value) or isinstance(value, type):
@@ -259,9 +262,18 @@ class _Relabel:
                 value, number=number, name=name)
         if isinstance(value, kir.Call) and value.function in self.shifts:
             return kir.Binary("-", value, self.shifts[value.function], value.dtype)
-        old = [getattr(value, name) for name in _init_fields(type(value))]
-        new = [self.any(v) for v in old]
-        return value if all(a is b for a, b in zip(old, new)) else type(value)(*new)
+        fields = value.__dict__
+        changed = None
+        for name in _expr_fields(type(value)):
+            old = fields[name]
+            if (new := self.any(old)) is not old:
+                changed = changed or dict(fields)
+                changed[name] = new
+        if changed is None:
+            return value
+        copy = object.__new__(type(value))  # an Expr is a plain dataclass of its fields: a copy of them, some new
+        copy.__dict__.update(changed)
+        return copy
 
 
 #: each IR dataclass's fields that its constructor takes, in its order (_Relabel reads them per node)
@@ -272,6 +284,21 @@ def _init_fields(cls: type) -> tuple[str, ...]:
     names = _INIT_FIELDS.get(cls)
     if names is None:
         names = _INIT_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    return names
+
+
+#: the types of an expression's fields that hold no expression, variable or argument: what _Relabel keeps
+_LEAVES = {"DType", "str", "int", "float", "bool", "None", "|"}
+#: each Expr class's constructor fields that may hold one (a field of another type too, where it is not one of
+#: _LEAVES: Expr's subclasses annotate their fields)
+_EXPR_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _expr_fields(cls: type) -> tuple[str, ...]:
+    names = _EXPR_FIELDS.get(cls)
+    if names is None:
+        names = _EXPR_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init and not set(
+            str(f.type).split()) <= _LEAVES)
     return names
 
 
