@@ -270,10 +270,20 @@ def share_kernels(kernels: list[Kernel]) -> None:
     of each kernel and co-launched part (codegen/co_launch.py): the first of them with equal IR, whose body the
     source holds once as a function where a co-launched kernel runs it (render/source.py)."""
     launched, bodies = _Alike(), _Alike()
+    # a co-launched kernel's IR is made from its parts' (equal where their twins are), counts of textures, starts
+    # and group size (co_launch.merged): one made from the same is equal to the first's, found without comparing
+    made_from: dict[tuple[Any, ...], Kernel] = {}
     for kernel in kernels:
         for part in kernel.parts or [kernel]:
             part.twin = _first_equal(bodies, part).name
-        kernel.function = _first_equal(launched, kernel).name
+        key = (tuple((p.twin, len(p.outputs), len(p.inputs)) for p in kernel.parts), tuple(kernel.starts),
+               kernel.group_size, tuple(kernel.ir.arguments), kernel.ir.aliased)
+        first = made_from.get(key) if kernel.parts else None
+        if first is None:
+            first = _first_equal(launched, kernel)
+            if kernel.parts:
+                made_from[key] = first
+        kernel.function = first.name
 
 
 def _first_equal(firsts: _Alike, kernel: Kernel) -> Kernel:
