@@ -107,7 +107,10 @@ def merged(parts: Sequence[Kernel], profile: Profile) -> Kernel:
                 if name and name in names:
                     relabel.renamed[name] = f"{name}_{index}"
                 names.add(relabel.renamed.get(name, name))
-        statements = [relabel.any(s) for s in part.ir.body]
+        if index:
+            statements, top = [relabel.any(s) for s in part.ir.body], relabel.top
+        else:  # its own numbers, arguments and work-item ids: its statements as they are (not changed after emission)
+            statements, top = list(part.ir.body), _declared_top(part.ir.body)
         hoisted += [s for s in statements if _local(s)]
         starts.append(start)
         bodies.append([s for s in statements if not _local(s)])
@@ -116,7 +119,7 @@ def merged(parts: Sequence[Kernel], profile: Profile) -> Kernel:
         start += span
         out_base += len(part.outputs)
         in_base += len(part.inputs)
-        offset = (offset if relabel.top is None else relabel.top) + 1
+        offset = (offset if top is None else top) + 1
     arguments.sort(key=lambda a: (a.role != "out", a.index))
     name = "_".join(part.name for part in parts)
     families = {part.family for part in parts}
@@ -144,6 +147,17 @@ def _shifts(start: int, group: int | None) -> dict[str, kir.Expr]:
     if not start:
         return {}
     return {function: kir.const(start if in_items else start // (group or 1)) for function, in_items in SHIFTED.items()}
+
+
+def _declared_top(body: Sequence[kir.Statement]) -> int | None:
+    """The largest number of a variable `body` declares (None where it declares none): that of any it reads, as
+    C wants a variable declared before it is read, but for the named ones (work-item ids, a function's values:
+    number 0, whose C name is their own)."""
+    return max((s.var.number for s in kir.walk(body) if isinstance(s, _DECLARING)), default=None)
+
+
+#: the statements that declare a variable (`var`)
+_DECLARING = (kir.Declare, kir.DeclareArray, kir.For)
 
 
 def _local(statement: kir.Statement) -> bool:
