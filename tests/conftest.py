@@ -77,3 +77,26 @@ def small_profile_plan() -> Iterator[None]:
 
     with small():
         yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--dist loadgroup` on an xdist worker: each item of an `xdist_group` gets its '@group' nodeid suffix, by
+    which the controller sends a group's tests to one worker (a merged step or a shared bundle built once).
+    pytest-xdist 3.8 writes the suffix to `item._nodeid`, which pytest 9.2 no longer reads (its nodeid is
+    `str(item._id)`): every group was silently split over both workers, each building the group's step."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if not names or item.nodeid.endswith(suffix):
+            continue
+        if hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId  # pytest >= 9.2: the nodeid's structured form
+
+            item._id = NodeId.parse(item.nodeid + suffix)
+        if not item.nodeid.endswith(suffix):
+            raise pytest.UsageError(f"{item.nodeid}: cannot give it its xdist group suffix {suffix!r} (pytest "
+                                    f"{pytest.__version__}): its group would be split over the workers")

@@ -48,6 +48,13 @@ MODELS: dict[str, Callable[[str], ExportedModel]] = {
 }
 
 
+def _by_model(names: list[str]) -> list:
+    """`names` as parameters whose tests share a model's xdist group: one worker exports the model and builds its
+    steps (the session's `steps` cache), not each worker that runs one of its tests; Llama's two files, one export."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(f"exported-{name.removesuffix('_opt')}"))
+            for name in names]
+
+
 def _build_step(model: ExportedModel, optimizer: OptimizerConfig, path: str) -> Step:
     return build_step(model, optimizer, path)
 
@@ -90,7 +97,7 @@ def _assert_step_matches(got: dict[str, np.ndarray], loss: float, expected: dict
     assert not mismatched, f"{what}: {len(mismatched)} of {len(expected)} tensors differ:\n" + "\n".join(mismatched)
 
 
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("model_name", _by_model(list(MODELS)))
 def test_trainable_set_is_the_torch_parameter_set(steps: Callable[[str, str], Step], model_name: str) -> None:
     step = steps(model_name, "sgd")
     torch_names = {name for name, p in step.model.module.named_parameters() if p.requires_grad}
@@ -100,7 +107,7 @@ def test_trainable_set_is_the_torch_parameter_set(steps: Callable[[str, str], St
     assert not any(k.endswith(("running_mean", "running_var")) for k in step.params), "BN statistics must not train"
 
 
-@pytest.mark.parametrize("model_name", ["mobilenet_v2", "llama_opt"])
+@pytest.mark.parametrize("model_name", _by_model(["mobilenet_v2", "llama_opt"]))
 def test_step_interface(steps: Callable[[str, str], Step], model_name: str) -> None:
     """Inputs: model inputs, labels, then params and states; outputs: loss, (P.grad, P.new)..., S.new..."""
     step = steps(model_name, "adamw")
@@ -115,14 +122,14 @@ def test_step_interface(steps: Callable[[str, str], Step], model_name: str) -> N
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("model_name", _by_model(list(MODELS)))
 def test_one_step_matches_torch(steps: Callable[[str, str], Step], model_name: str, optimizer: str) -> None:
     step = steps(model_name, optimizer)
     loss, expected = TorchTrainer(step, optimizer).train_step()
     _assert_step_matches(step.run(), loss, expected, f"{model_name}/{optimizer}")
 
 
-@pytest.mark.parametrize("model_name", ["tresnet", "llama_opt"])
+@pytest.mark.parametrize("model_name", _by_model(["tresnet", "llama_opt"]))
 def test_second_adamw_step_from_new_outputs(steps: Callable[[str, str], Step], model_name: str) -> None:
     step = steps(model_name, "adamw")
     trainer = TorchTrainer(step, "adamw")

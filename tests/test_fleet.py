@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from fleet_digits import build_digits_cnn  # noqa: E402
 
 ROWS = 240
+#: the tests of fleet_folder run on one xdist worker, which compiles its two bundles and step graphs once
+FOLDER_GROUP = pytest.mark.xdist_group("fleet-folder")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,7 @@ def spec(folder: str, adapter: str, clients: int = 3, scheme: str = "dirichlet:0
                      local_steps=2, device="graph", step=os.path.join(folder, f"{adapter}.step.onnx"))
 
 
+@FOLDER_GROUP
 def test_simulation_aggregates_as_numpy_fedavg(fleet_folder: str) -> None:
     from fblc.fleet.simulate import simulate
 
@@ -78,6 +81,7 @@ def _merged(bundle: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
     return model.graph.initializers["conv2.weight"].const_value.numpy().astype(np.float64)
 
 
+@FOLDER_GROUP
 def test_memflora_averaging_u_averages_the_weight_updates(fleet_folder: str) -> None:
     """Two clients train U on different rows; the model of the averaged U is the average of their models (P is
     the bundle's, shared by every client); LoRA's averaged P and U are not the average of its clients' models."""
@@ -96,6 +100,7 @@ def test_memflora_averaging_u_averages_the_weight_updates(fleet_folder: str) -> 
     assert gaps["lora"] > 100 * max(gaps["memflora"], 1e-8), gaps
 
 
+@FOLDER_GROUP
 def test_fedprox_step_pulls_toward_the_global_model(fleet_folder: str) -> None:
     """The client's proximal step w -= lr * mu * (w - w_global): at lr * mu = 1 it lands on the global tensors, at
     0.5 halfway between the plain step's result and them (one local step)."""
@@ -110,6 +115,7 @@ def test_fedprox_step_pulls_toward_the_global_model(fleet_folder: str) -> None:
         np.testing.assert_allclose(half[name], (plain[name] + start[name]) / 2, rtol=0, atol=1e-7)
 
 
+@FOLDER_GROUP
 def test_client_refuses_a_global_model_of_another_bundle(fleet_folder: str) -> None:
     fleet = spec(fleet_folder, "memflora")
     trainer = trainer_for(fleet.bundle, "graph", fleet.step)
