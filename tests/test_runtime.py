@@ -203,8 +203,11 @@ def test_ctrl_c_during_run_leaves_the_bundle_untouched(tmp_path, bundle) -> None
     data = str(tmp_path / "data.npz")
     np.savez(data, **batch())
     before = {name: fmt.sha256_of(os.path.join(bundle, name)) for name in os.listdir(bundle)}
+    # SIGINT as a terminal gives it: a shell starts background jobs with SIGINT ignored, which Python keeps
+    # (no KeyboardInterrupt: the run went on to its end when this suite was launched with `&`)
     process = subprocess.Popen([sys.executable, "-m", "fblc.cli", "run", bundle, "--data", data, "--steps", "100000"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.stdout is not None
     process.stdout.readline()  # the banner
     process.stdout.readline()  # the first step ran
