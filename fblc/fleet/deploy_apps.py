@@ -24,6 +24,7 @@ from fblc.fleet import es_seeds
 from fblc.fleet.rounds import (BYTES_UP, ES_ITERATION, ES_SEED, EXAMPLES, LOSS, REWARDS, STRATEGIES, PromptGrid,
                                SeedFedAvg, TooFewClients, as_numpy, as_record, payload_bytes)
 from fblc.fleet.trainers import bundle_shapes, checked_global, device_kind, initial_parameters, trainer_for
+from fblc.paths import write_atomically
 
 Batches = Sequence[Mapping[str, np.ndarray]]
 
@@ -114,12 +115,14 @@ def _server_main(grid: Grid, context: Context) -> None:
         result = strategy.start(grid=PromptGrid(grid), initial_arrays=as_record(initial_parameters(bundle)),
                                 num_rounds=int(run["rounds"]), timeout=float(run["round-timeout"]))
     except TooFewClients as stop:  # the model of the rounds that ran is kept, and serve says why it stopped
-        np.savez(f"{out}/global.npz", **as_numpy(stop.arrays))
-        with open(f"{out}/{STOPPED}", "w", encoding="utf-8") as handle:
-            json.dump({"round": stop.server_round, "connected": stop.connected, "needed": stop.needed,
-                       "waited": stop.waited, "message": str(stop)}, handle)
+        arrays = as_numpy(stop.arrays)
+        write_atomically(f"{out}/global.npz", lambda handle: np.savez(handle, **arrays))
+        stopped = {"round": stop.server_round, "connected": stop.connected, "needed": stop.needed,
+                   "waited": stop.waited, "message": str(stop)}
+        write_atomically(f"{out}/{STOPPED}", lambda handle: handle.write(json.dumps(stopped).encode()))
         print(f"fleet: stopped: {stop}; the global model after {stop.server_round - 1} rounds: {out}/global.npz",
               flush=True)
         return
-    np.savez(f"{out}/global.npz", **as_numpy(result.arrays))
+    final = as_numpy(result.arrays)
+    write_atomically(f"{out}/global.npz", lambda handle: np.savez(handle, **final))
     print(f"fleet: the global model after {int(run['rounds'])} rounds: {out}/global.npz", flush=True)

@@ -30,6 +30,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
 
 from fblc.fleet import es_seeds
 from fblc.fleet.bundle_params import ModelMismatch, check_tensors
+from fblc.paths import write_atomically
 
 #: the reply's MetricRecord keys a client sends (no other metric leaves a client)
 EXAMPLES, LOSS, BYTES_UP, ES_SEED, ES_ITERATION = "num-examples", "train-loss", "bytes-up", "es-seed", "es-iteration"
@@ -170,12 +171,15 @@ class Logged:
     def record(self, server_round: int, arrays: ArrayRecord | None, good: list[Message]) -> None:
         os.makedirs(self.out, exist_ok=True)
         if arrays is not None:
-            np.savez(os.path.join(self.out, f"round-{server_round}.npz"), **as_numpy(arrays))
+            kept = as_numpy(arrays)
+            write_atomically(os.path.join(self.out, f"round-{server_round}.npz"),
+                             lambda handle: np.savez(handle, **kept))
         if self.keep_replies:  # what each client sent, as it arrived: "<i>/<array>" and "<i>/<metric>"
             sent = {f"{i}/{name}": value for i, m in enumerate(good) for name, value in
                     [*as_numpy(m.content["arrays"]).items(),
                      *((k, np.array(v)) for k, v in m.content["metrics"].items())]}
-            np.savez(os.path.join(self.out, f"round-{server_round}-replies.npz"), **sent)
+            write_atomically(os.path.join(self.out, f"round-{server_round}-replies.npz"),
+                             lambda handle: np.savez(handle, **sent))
         metrics = [m.content["metrics"] for m in good]
         line = {"round": server_round, "sampled": len(self.sampled.get(server_round, [])), "clients": len(good),
                 "bytes_up_per_client": [int(m[BYTES_UP]) for m in metrics],
