@@ -9,7 +9,6 @@ numpy array it was saved from, its mapping given back after the write.
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import os
 
@@ -69,15 +68,14 @@ def test_masks_and_small_contents_are_packed_whole() -> None:
                           pack(bits, layout, np.dtype(np.uint8)))
 
 
-def test_params_file_aligns_hashes_and_bounds_its_pieces() -> None:
+def test_params_file_aligns_hashes_and_bounds_its_pieces(tmp_path) -> None:
     rng = np.random.default_rng(1)
     arrays = {0: rng.standard_normal(10).astype(np.float32), 3: rng.standard_normal((40, 8)).astype(np.float32)}
     contents = {i: PackedConstant(_constant(a), flat_layout(-(-a.size // 4), 8), np.dtype(np.float32))
                 for i, a in arrays.items()}
     params = ParamsFile(contents)
-    handle = io.BytesIO()
-    digest = params.write(handle)
-    data = handle.getvalue()
+    digest = params.write_to(str(tmp_path / "params.bin"))
+    data = (tmp_path / "params.bin").read_bytes()
     assert digest == hashlib.sha256(data).hexdigest()
     for texture_id, (offset, nbytes) in params.offsets.items():
         assert offset % ALIGN == 0
@@ -89,7 +87,7 @@ def test_params_file_aligns_hashes_and_bounds_its_pieces() -> None:
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_params_file_written_in_direct_blocks_is_the_streamed_file(tmp_path, monkeypatch, direct: bool) -> None:
-    # write_to (blocks written with O_DIRECT, or plainly where there is none) gives write()'s bytes and sha256:
+    # write_to (blocks written with O_DIRECT, or plainly where there is none) gives the chunks' bytes and sha256:
     # several whole blocks, then a last one that is not a whole page (padded for O_DIRECT, cut back)
     if not direct:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
@@ -97,11 +95,10 @@ def test_params_file_written_in_direct_blocks_is_the_streamed_file(tmp_path, mon
     arrays = {1: rng.standard_normal((40, 100)).astype(np.float32), 2: rng.standard_normal(7).astype(np.float32)}
     params = ParamsFile({i: PackedConstant(_constant(a), flat_layout(-(-a.size // 4), 8), np.dtype(np.float32))
                          for i, a in arrays.items()})
-    handle = io.BytesIO()
-    want = params.write(handle)
+    streamed = b"".join(bytes(chunk) for chunk in params.chunks())
     path = tmp_path / "params.bin"
-    assert params.write_to(str(path), block=4096) == want
-    assert path.read_bytes() == handle.getvalue() and len(handle.getvalue()) % 4096
+    assert params.write_to(str(path), block=4096) == hashlib.sha256(streamed).hexdigest()
+    assert path.read_bytes() == streamed and len(streamed) % 4096
     monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     for block in (4096, 1 << 15):  # a whole block fails, or the one padded last block (a map of its own)
         with pytest.raises(OSError, match="No space left"):  # the disk's error, as write_bundle reports it

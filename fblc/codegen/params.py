@@ -21,7 +21,7 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -203,18 +203,6 @@ class ParamsFile:
                 yield data
             if written - offset != nbytes:
                 raise AssertionError(f"texture {texture_id}'s contents gave {written - offset} bytes, not {nbytes}")
-
-    def write(self, handle: BinaryIO) -> str:
-        """Write the file's bytes to `handle`, one piece at a time; returns their sha256 (hex). A thread writes
-        each piece while this one hashes it (both release the GIL); the next piece is made only when both are
-        done with this one (it may be a view of a weight's memory mapping, dropped when the next is read)."""
-        digest = hashlib.sha256()
-        with ThreadPoolExecutor(1, thread_name_prefix="fblc-params") as writer:
-            for data in self.chunks():
-                pending = writer.submit(handle.write, data)
-                digest.update(data)
-                pending.result()
-        return digest.hexdigest()
 
     def write_to(self, path: str, block: int = DIRECT_BLOCK) -> str:
         """Write the file to `path` (made or truncated); returns its sha256 (hex). See DIRECT_BLOCK: the bytes are
