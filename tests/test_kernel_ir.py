@@ -67,9 +67,12 @@ def test_kernels_built_alike_are_equal_ir_and_share_one_function() -> None:
     different = _scale_kernel("k3", 3.0)
     assert (same.arguments, same.body) == (other.arguments, other.body)
     assert same.body != different.body
-    kernels = [Kernel(ir.name, "elementwise", ir, 1) for ir in (same, other, different)]
+    # after k3 the group (same arguments) has two bodies: later kernels are found among those of their hash
+    later = [_scale_kernel("k4", 2.0), _scale_kernel("k5", 3.0), _scale_kernel("k6", 4.0), _scale_kernel("k7", 4.0)]
+    kernels = [Kernel(ir.name, "elementwise", ir, 1) for ir in (same, other, different, *later)]
     share_kernels(kernels)
-    assert [k.function for k in kernels] == ["k1", "k1", "k3"]
+    assert [k.function for k in kernels] == ["k1", "k1", "k3", "k1", "k3", "k6", "k6"]
+    assert [k.twin for k in kernels] == ["k1", "k1", "k3", "k1", "k3", "k6", "k6"]
 
 
 def _sources() -> list[tuple[str, ast.Module]]:

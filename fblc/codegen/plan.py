@@ -21,11 +21,11 @@ from fblc.codegen.co_launch import co_launch, co_launched
 from fblc.codegen.collector import collector_paused
 from fblc.codegen.inplace import in_place_pairs, merge_textures
 from fblc.codegen.params import PackedConstant, TextureContents
-from fblc.codegen import ir as kir
 from fblc.codegen.ir.precision import half_arithmetic
 from fblc.codegen.kernels import KERNEL_EMITTERS, KernelGroup
 from fblc.codegen.kernels.schedules import decide_schedules, mask_layouts
 from fblc.codegen.render.source import assemble_source
+from fblc.codegen.share import share_kernels
 from fblc.codegen.schedule import Schedule
 from fblc.codegen.textures import Texture, TextureTable
 from fblc.compiler import keys
@@ -258,43 +258,6 @@ def step_schedules(profile: Profile, dtype: str, overrides: Mapping[str, Mapping
                                  {name: layout.to_json() for name, layout in table.mask_layouts.items()})
 
     return decide
-
-
-_Alike = dict[tuple[tuple[kir.Argument, ...], frozenset[str]], list[Kernel]]  # kernels by arguments and aliases
-
-
-def share_kernels(kernels: list[Kernel]) -> None:
-    """Set each kernel's `function`: its own name, or that of the first kernel with equal IR (the same
-    arguments and body; names aside), whose __kernel its launches then share. Optimizer updates and backward
-    pieces of same-shaped tensors repeat exactly: building each once shortens the OpenCL compile. And the `twin`
-    of each kernel and co-launched part (codegen/co_launch.py): the first of them with equal IR, whose body the
-    source holds once as a function where a co-launched kernel runs it (render/source.py)."""
-    launched, bodies = _Alike(), _Alike()
-    # a co-launched kernel's IR is made from its parts' (equal where their twins are), counts of textures, starts
-    # and group size (co_launch.merged): one made from the same is equal to the first's, found without comparing
-    made_from: dict[tuple[Any, ...], Kernel] = {}
-    for kernel in kernels:
-        for part in kernel.parts or [kernel]:
-            part.twin = _first_equal(bodies, part).name
-        key = (tuple((p.twin, len(p.outputs), len(p.inputs)) for p in kernel.parts), tuple(kernel.starts),
-               kernel.group_size, tuple(kernel.ir.arguments), kernel.ir.aliased)
-        first = made_from.get(key) if kernel.parts else None
-        if first is None:
-            first = _first_equal(launched, kernel)
-            if kernel.parts:
-                made_from[key] = first
-        kernel.function = first.name
-
-
-def _first_equal(firsts: _Alike, kernel: Kernel) -> Kernel:
-    """The first kernel in `firsts` with IR equal to `kernel`'s, else `kernel`, added."""
-    body = kernel.ir
-    assert isinstance(body, kir.KernelIR), f"{kernel.name} has no IR"
-    alike = firsts.setdefault((tuple(body.arguments), body.aliased), [])
-    first = next((k for k in alike if k.ir.body == body.body), None)  # type: ignore[attr-defined]
-    if first is None:
-        alike.append(kernel)
-    return first or kernel
 
 
 @dataclass
