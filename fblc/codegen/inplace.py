@@ -296,7 +296,19 @@ def _injective(form: Affine, declared: dict[str, Any], items: int | None, group_
     for guard in guards:
         accessed |= _holds(guard, declared, values, points)
     texels = np.broadcast_to(_evaluate(form, values), (points,))[accessed]
-    return len(np.unique(texels)) == len(texels)
+    return _distinct(texels)
+
+
+def _distinct(values: np.ndarray) -> bool:
+    """Whether no two of the integers `values` are equal: counted where they lie in a range about their number
+    (a texel index mostly), in linear time, else sorted (np.unique's hashing and sorting took 0.3 CPU s of the 1B
+    LoRA step's compile)."""
+    if values.size == 0:
+        return True
+    low, high = int(values.min()), int(values.max())
+    if values.dtype.kind in "iu" and high - low < 4 * values.size + 4096:
+        return int(np.bincount(values - low if low else values).max()) <= 1
+    return len(np.unique(values)) == len(values)
 
 
 def _write_loops(statements: Sequence[kir.Statement], new: Argument, loops: tuple[int, ...] = ()) -> set[int]:
