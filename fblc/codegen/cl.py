@@ -33,7 +33,7 @@ class Kernel:
     parts: list[Kernel] = field(default_factory=list, repr=False)
     #: each part's first work-item in the co-launched kernel's range
     starts: list[int] = field(default_factory=list, repr=False)
-    #: the first of the step's kernels and co-launched parts with IR equal to its own (plan.share_kernels): where a
+    #: the first of the step's kernels and co-launched parts with IR equal to its own (share.share_kernels): where a
     #: co-launched kernel runs it, the source holds its body once, as that one's function (co_launch.part_function)
     twin: str = ""
     #: its body as a function, where a co-launched kernel runs it (co_launch.part_function: the IR, its values and

@@ -352,7 +352,7 @@ def _movable_after(kernels: Sequence[Kernel], writer: int, last: int, looped: se
 
 class _Proofs:
     """updates_in_place of a launch, answered once per kernel body: optimizer updates of same-shaped states repeat
-    exactly (codegen/plan.share_kernels shares their __kernel), and each proof walks the body and enumerates its
+    exactly (codegen/share.share_kernels shares their __kernel), and each proof walks the body and enumerates its
     texels."""
 
     def __init__(self) -> None:

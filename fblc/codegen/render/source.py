@@ -22,7 +22,7 @@ def assemble_source(kernels: Sequence[Kernel], layouts: Sequence[TexelLayout], s
                     ) -> tuple[str, dict[str, tuple[int, int]]]:
     """(the source, each kernel's (first, last) line of its function there, from the functions of its parts
     that it is the first to call). A kernel whose `function` is another's (an identical one,
-    plan.share_kernels) is written once, under the first's name."""
+    share.share_kernels) is written once, under the first's name."""
     lines = storage.preamble.splitlines()
     if any(a.kind == "real" for kernel in kernels for a in kernel.ir.arguments):
         lines += storage.real_preamble.splitlines()
