@@ -28,7 +28,8 @@ Under the table, each case's live peak broken down (peak_breakdown): frozen quan
 weights, trained state, activations, and the largest activations live there.
 `--device-memory MB` compiles the backprop cases (lora, full) with that budget (`fblc compile --device-memory`:
 pass recompute recomputes layers in the backward until the plan fits; a budget under the floor fails naming
-it); the table's `budget_MB` column says which rows had one.
+it); the table's `budget_MB` column says which rows had one, `recomputed` how many layers pass recompute chose and
+`recompute_GFLOP` the forward FLOPs they add to the step.
 
 `--adaptation`: the small pretrained decoder of benchmarks/adaptation.py (a byte-level 2-layer Llama), its
 test loss (onnxruntime on the step graph, quantized weights included) with --weights fp32, int8 and int4 before
@@ -64,7 +65,7 @@ TRAINERS = ("es", "lora", "full")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 #: --quick: the 0.5B shape, the two adapter trainers, fp32 against int4
 QUICK = ("0.5b/es/fp32", "0.5b/es/int4", "0.5b/lora/fp32", "0.5b/lora/int4")
-COLUMNS = ("budget_MB", "device_MB", "live_MB", "saved_MB", "frozen_q_MB", "frozen_f_MB", "trainable_MB", "adapters_MB", "optimizer_MB",
+COLUMNS = ("budget_MB", "recomputed", "recompute_GFLOP", "device_MB", "live_MB", "saved_MB", "frozen_q_MB", "frozen_f_MB", "trainable_MB", "adapters_MB", "optimizer_MB",
            "trainable_values", "launches", "compile_cpu_s", "host_rss_GB", "anon_rss_GB")
 
 
@@ -109,6 +110,8 @@ def measure(path: str, trainer: str, weights: str, target: str, budget_mb: str =
     mb = lambda n: round(n / 1e6, 1)  # noqa: E731
     return {"peak": peak_breakdown(plan, table),
             "budget_MB": mb(options.device_memory) if options.device_memory else "-",
+            "recomputed": len(plan.recompute.get("layers", [])) if options.device_memory else "-",
+            "recompute_GFLOP": round(plan.recompute.get("flops_added", 0) / 1e9, 1) if options.device_memory else "-",
             "device_MB": mb(memory["device_peak"]), "live_MB": mb(memory["live_peak"]),
             "saved_MB": mb(memory["saved"]),
             "frozen_q_MB": mb(stored["frozen_quantized"]), "frozen_f_MB": mb(stored["frozen_float"]),

@@ -26,7 +26,9 @@ dgamma and dbeta, the earlier sites' maps kept until the last site's are made. A
 elementwise chain that reads it, which then computes it per element from its inputs' textures
 (a rotary embedding's rotate_half, a slice's gradient summed with another), but never with a
 contraction or reduction, or with a kernel that makes one of its inputs (it reads them at other elements than
-its own). Every other op runs alone. No kernel holds nodes of two phases of a loop (before, body, after:
+its own). Every other op runs alone. Backward nodes join a kernel of the forward or the loss (and so run early,
+what they make saved for the backward) only where that frees a saved value or makes bool masks
+(keeps_backward_late); pass recompute's copies never do. No kernel holds nodes of two phases of a loop (before, body, after:
 pass es_loop). Kernels are numbered in a topological order, each as early as its own first node or the
 earliest kernel that needs it (a merged kernel may read a producer placed later in the graph). Preconditions: static shapes; topologically sorted graph. In place;
 `modified` is true when any annotation changed.
@@ -53,6 +55,14 @@ ANCHORED = ("contraction", "reduction")
 #: each merge keeps the earlier sites' dy and x_hat live until the last site's are made, so few; MobileNetV2 B=8
 #: adreno830: 4 gave 213 launches, 8 gives 203 and a device peak 0.8 MB (1 %) higher)
 SAME_SHAPE_REDUCTIONS = 8
+
+
+#: stages whose nodes run before the backward (a node without one is the model's forward)
+EARLY_STAGES = ("forward", "loss")
+
+
+def _stage(node: ir.Node) -> str:
+    return node.metadata_props.get(keys.STAGE, "forward")
 
 
 def _kind(node: ir.Node) -> str:
@@ -88,6 +98,19 @@ class _Groups:
         self.signature: dict[int, tuple] = {}  # a reduction group -> what a sibling reduction must share
         #: group -> a level above every kernel it reads (longest path from the graph's inputs), kept by merge
         self.level: dict[int, int] = {}
+        #: group -> whether it holds nodes of the forward or the loss (run before the backward), of the backward, and
+        #: copies that pass recompute made (`keeps_backward_late`)
+        self.early: dict[int, bool] = {}
+        self.late: dict[int, bool] = {}
+        self.copies: dict[int, bool] = {}
+        #: backward elementwise nodes computed from forward values and constants alone (through others of them): they
+        #: can join a forward kernel, so a forward value that only they read need not stay for the backward
+        self.movable: set[int] = set()
+        for node in nodes:
+            if _stage(node) == "backward" and _kind(node) == "elementwise" and all(
+                    p.op_type == "Constant" or _stage(p) in EARLY_STAGES or id(p) in self.movable
+                    for p in self.producers[id(node)]):
+                self.movable.add(id(node))
         #: group -> the groups it reads from (predecessors), kept by add and merge: the cycle search
         #: (reaches_through_third) asks for them over and over, and recomputing them walked every member
         self._predecessors: dict[int, set[int]] = {}
@@ -104,6 +127,8 @@ class _Groups:
         self.shape[key] = static_shape(node.outputs[0])
         self.reads[key] = {id(view_root(v)) for v in node.inputs if v is not None}
         self.writes[key] = {id(v) for v in node.outputs if v is not None}
+        self.early[key], self.late[key] = _stage(node) in EARLY_STAGES, _stage(node) == "backward"
+        self.copies[key] = keys.RECOMPUTE in node.metadata_props
         # nodes come in graph order (producers first): a node added later is no one's predecessor before it
         self._predecessors[key] = self._neighbours(key, self.producers)
         self.level[key] = 1 + max((self.level[g] for g in self.predecessors(key)), default=0)
@@ -204,9 +229,37 @@ class _Groups:
             if any(self.of(producer) == other for anchor in self.anchors[anchored]
                    for producer in self.producers[id(anchor)]):
                 return False  # the other kernel would be an anchor's prologue
-        if self.textures_read(a, b) > READ_IMAGE_ARGS:
+        if self.textures_read(a, b) > READ_IMAGE_ARGS or not self.keeps_backward_late(a, b):
             return False
         return not self.reaches_through_third(a, b) and not self.reaches_through_third(b, a)
+
+    def keeps_backward_late(self, a: int, b: int) -> bool:
+        """False where merging would run a kernel's backward nodes in a kernel of the forward (or the loss) for
+        nothing: a copy of pass recompute (run in the forward, it and what it makes stay live to the backward, as
+        if never recomputed), or nodes that free no forward value: each output becomes one more saved activation
+        beside the inputs that stay saved anyway (RMSNorm's Pow backward 2x beside x, the residual stream: 67 MB
+        on the 1B LoRA step). They run early where some forward value has no backward reader but them (what they
+        make is saved instead of it) or where they make only bool masks (a ReLU gradient's y > 0: saved at one bit
+        an element, a launch of their own in the backward where the kernel reading them is a contraction's)."""
+        for early, late in ((a, b), (b, a)):
+            if self.early[early] and self.late[late] and not self.early[late]:
+                masks = all(v.dtype == ir.DataType.BOOL for n in self.members[late] for v in n.outputs)
+                return not self.copies[late] and (masks or self._frees(late, early))
+        return True
+
+    def _frees(self, late: int, early: int) -> bool:
+        """Whether a value that `late`'s nodes read, made in the forward or in kernel `early`, has no backward reader
+        outside groups late and early but movable ones (BatchNorm's x - mean, made early, read by x_hat's Mul alone; a
+        GELU's x, read by its derivative's chain)."""
+        made_early = {id(n) for n in self.members[early]}
+        inside = made_early | {id(n) for n in self.members[late]}
+        for node in self.members[late]:
+            for producer in self.producers[id(node)]:
+                if (_stage(producer) in EARLY_STAGES or id(producer) in made_early) and all(
+                        id(reader) in inside or id(reader) in self.movable
+                        for reader in self.readers[id(producer)] if _stage(reader) == "backward"):
+                    return True
+        return False
 
     def merge(self, a: int, b: int) -> int:
         keep, gone = (a, b) if self.kind[a] in ANCHORED or self.kind[b] not in ANCHORED else (b, a)
@@ -223,6 +276,8 @@ class _Groups:
         self.reads[keep] -= self.writes[keep]
         self.gathers[keep] += self.gathers.pop(gone)
         self.level[keep] = max(self.level[keep], self.level.pop(gone))
+        for flags in (self.early, self.late, self.copies):
+            flags[keep] |= flags.pop(gone)
         for table in (self.kind, self.shape, self.signature):
             table.pop(gone)
         self._predecessors[keep] = (self._predecessors[keep] | self._predecessors.pop(gone)) - {keep, gone}
