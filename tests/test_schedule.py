@@ -221,8 +221,9 @@ def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, monkeypatch, targe
             tiled += tiles > 1
     assert padded > 0, "the test models should exercise padded launches"
     # 10 (was 30; 46/46/36 group kernels before, 21/21/12 after): sibling reductions (BatchNorm's dgamma
-    # and dbeta) share one group kernel (passes/fuse.py)
-    assert grouped >= 10 and (tiled > 0 or profile.cpu), (grouped, tiled)
+    # and dbeta) share one group kernel (passes/fuse.py); a CPU 7: T-ResNet's four weight gradients of 256 and
+    # 512 tiles keep it busy unshared (CPU_BUSY_TILES)
+    assert grouped >= (7 if profile.cpu else 10) and (tiled > 0 or profile.cpu), (grouped, tiled)
 
 
 def test_padded_work_items_write_nothing(tmp_path) -> None:
