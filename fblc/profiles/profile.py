@@ -127,13 +127,13 @@ READ_IMAGE_ARGS = 128
 WRITE_IMAGE_ARGS = 64
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
-#: register tiles that keep a CPU busy without sharing their reductions: PoCL runs a work-group's items in
-#: turn on one core, so a group sharing a tile's reduction gains parallelism only where the tiles make too
-#: few work-groups for the cores (4 of GROUP_ITEMS), and its merge through __local memory costs time
-#: (T-ResNet's weight gradients ran 1.4x-1.6x faster unshared on this 2-core CPU; its four of 256 and 512
-#: tiles, shared by 32-64 work-items until 16 groups' worth, 0.45-0.6x their time in image storage unshared,
-#: where groups of their items then stage both operands, 0.55-0.7x in buffers, one PoCL thread)
-CPU_BUSY_TILES = 4 * GROUP_ITEMS
+#: register tiles per compute unit that keep a CPU busy without sharing their reductions: PoCL runs a work-group's
+#: items in turn on one core, so a group sharing a tile's reduction gains parallelism only where the tiles are
+#: too few to spread over the cores, and its merge through __local memory costs time (T-ResNet's weight
+#: gradients ran 1.4x-1.6x faster unshared on this 2-core CPU; unshared, its four of 256 and 512 tiles took
+#: 0.45-0.6x their time in image storage and 0.55-0.7x in buffers, MobileNetV2's eight of 16 to 108 tiles
+#: 0.35-0.85x and 0.5-0.9x, one PoCL thread: their groups of items then stage both operands)
+CPU_BUSY_TILES = 8
 #: the __local memory a work-group's merge of partial register tiles may take (its accumulators times
 #: its work-items, in floats): half of the 32 KiB that Adreno's and Mali's OpenCL drivers give a group
 SHARED_TILE_FLOATS = 4096
@@ -236,12 +236,12 @@ class Profile:
         (`lanes` accumulators, `tiles` tiles) whose longest loop runs `trips` times, or None: one work-item
         a tile. A power of two, up to GROUP_ITEMS (a group's whole waves), within max_work_group_size,
         SHARED_TILE_FLOATS of partials and the loop's share (Profile.loop_group): the most of them for a
-        reduction past SERIAL_REDUCTION (unless a CPU's tiles keep it busy alone: CPU_BUSY_TILES); on a GPU,
+        reduction past SERIAL_REDUCTION (unless a CPU's tiles keep its cores busy alone: CPU_BUSY_TILES); on a GPU,
         for a shorter one whose tiles leave the device idle, what fills it (Profile.filling_group), each
         work-item still taking SPLIT_STEPS multiply-adds per accumulator or more."""
         bound = min(GROUP_ITEMS, self.max_work_group_size, self.loop_group(trips, tiles), SHARED_TILE_FLOATS // lanes)
         if serial > SERIAL_REDUCTION:
-            return None if self.cpu and tiles >= CPU_BUSY_TILES else _power_of_two_group(bound)
+            return None if self.cpu and tiles >= CPU_BUSY_TILES * self.compute_units else _power_of_two_group(bound)
         return self.filling_group(tiles, min(bound, serial // SPLIT_STEPS))
 
     def loop_group(self, trips: int, tiles: int) -> int:
