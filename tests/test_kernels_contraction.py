@@ -220,8 +220,14 @@ TEXEL_CASES = {
 }
 
 
+#: staged kernels whose work-groups take blocks of runs of items (kernels/staging.py grouped_items): a temporal conv
+#: with enough channels that on the local profile its forward, input and weight gradients' groups share both
+#: operands (test_staging checks that they do); last in the merged sets, so that the cases before keep their seeds
+GROUPED_CASES = {"conv_temporal_grouped_items": conv((4, 32, 48, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0])}
+
+
 def _case_model(folder: str, name: str, seed: int) -> onnx.ModelProto:
-    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES | SPECTRAL_CASES | TRANSPOSE_CASES)[name][:2]
+    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES | SPECTRAL_CASES | TRANSPOSE_CASES | GROUPED_CASES)[name][:2]
     return onnx.load(write_case(os.path.join(folder, f"{name}.onnx"), nodes, inits, seed=seed))
 
 
@@ -257,7 +263,8 @@ def _assert_merged_case_matches(merged_rows: Callable[[str, str, str], list], na
 
 
 @pytest.mark.xdist_group("contraction-merged-image")  # one worker builds the merged step for all its tests
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(TEXEL_CASES) + sorted(SPECTRAL_CASES) + sorted(TRANSPOSE_CASES))
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(TEXEL_CASES) + sorted(SPECTRAL_CASES) + sorted(TRANSPOSE_CASES)
+                         + sorted(GROUPED_CASES))
 def test_contraction_step(name: str, merged_rows) -> None:
     _assert_merged_case_matches(merged_rows, name)
 
@@ -399,11 +406,11 @@ TILE_CASES = {
 
 
 MERGED_SETS["image", "fp32"] = (sorted(CASES) + sorted(TEXEL_CASES) + sorted(TILE_CASES) + sorted(SPECTRAL_CASES)
-                                + sorted(TRANSPOSE_CASES))
+                                + sorted(TRANSPOSE_CASES) + sorted(GROUPED_CASES))
 MERGED_SETS["buffer", "fp32"] = ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map", "matmul_tile_one_row_batched",
                                  "matmul_attention_rows_apart", "spectral_dft_stft_padded",
-                                 "conv_transpose_trained"]
+                                 "conv_transpose_trained", "conv_temporal_grouped_items"]
 
 
 def _conv_bn_tile() -> tuple[list[onnx.NodeProto], dict[str, Any]]:

@@ -105,14 +105,14 @@ def test_a_short_reduction_is_shared_only_where_its_items_leave_the_device_idle(
 
 
 def test_a_cpu_shares_a_tile_reduction_only_where_its_tiles_are_too_few_to_keep_it_busy() -> None:
-    """On a CPU a work-group's items run in turn on one core: tiles that make CPU_BUSY_TILES work-items
+    """On a CPU a work-group's items run in turn on one core: CPU_BUSY_TILES tiles per compute unit
     run their reductions alone (no merge through __local memory); fewer tiles share them as a GPU does."""
     from fblc.profiles.profile import CPU_BUSY_TILES
 
     local = load_profile("local")
     assert local.cpu and not load_profile("adreno830").cpu
-    assert local.tile_group(3136, 56, 36, CPU_BUSY_TILES) is None
-    assert local.tile_group(3136, 56, 36, CPU_BUSY_TILES - 1) == 32
+    assert local.tile_group(3136, 56, 36, CPU_BUSY_TILES * local.compute_units) is None
+    assert local.tile_group(3136, 56, 36, CPU_BUSY_TILES * local.compute_units - 1) == 32
 
 
 def test_tiles_per_group_fill_a_wave_with_whole_tiles() -> None:
@@ -221,8 +221,9 @@ def test_every_launch_of_a_real_bundle_is_scheduled(tmp_path, monkeypatch, targe
             tiled += tiles > 1
     assert padded > 0, "the test models should exercise padded launches"
     # 10 (was 30; 46/46/36 group kernels before, 21/21/12 after): sibling reductions (BatchNorm's dgamma
-    # and dbeta) share one group kernel (passes/fuse.py)
-    assert grouped >= 10 and (tiled > 0 or profile.cpu), (grouped, tiled)
+    # and dbeta) share one group kernel (passes/fuse.py); a CPU 7: T-ResNet's four weight gradients of 256 and
+    # 512 tiles keep it busy unshared (CPU_BUSY_TILES)
+    assert grouped >= (7 if profile.cpu else 10) and (tiled > 0 or profile.cpu), (grouped, tiled)
 
 
 def test_padded_work_items_write_nothing(tmp_path) -> None:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from fblc.codegen import ir as kir
-from fblc.codegen.kernels.staging import _evaluate
+from fblc.codegen.kernels.staging import _evaluate, grouped_item, grouped_items
 from fblc.codegen.render.opencl import BUFFER, IMAGE, render_kernel
 from fblc.profiles.profile import load_profile
 from tests.support.kernel_ir import lowered_kernels, profile_with
-from tests.test_kernels_contraction import OPTIONS, TEXEL_CASES, conv, write_case
+from tests.test_kernels_contraction import GROUPED_CASES, OPTIONS, TEXEL_CASES, conv, write_case
 
 
 def _staged(kernels: list) -> list:
@@ -59,6 +59,29 @@ def test_merged_cases_stage(tmp_path) -> None:
     nodes, inits = TEXEL_CASES["conv_1x1_w8"][:2]
     kernels = lowered_kernels(write_case(str(tmp_path / "conv_1x1_w8.onnx"), nodes, inits), options=OPTIONS)
     assert {k.name.split("_", 1)[1] for k in _staged(kernels)} >= {"Conv", "ConvTranspose"}
+
+
+def test_groups_take_blocks_of_runs_where_both_operands_are_shared(tmp_path) -> None:
+    """Where one operand's reads repeat in runs of items (a weight gradient's output channels of one input channel),
+    a staged group takes blocks of those runs (grouped_items), so both operands are shared; the merged case
+    conv_temporal_grouped_items runs these kernels on the device. grouped_item (the kernel's) is a permutation
+    of the launch's items, the same as grouped_items (the plan's)."""
+    nodes, inits = GROUPED_CASES["conv_temporal_grouped_items"]
+    kernels = _staged(lowered_kernels(write_case(str(tmp_path / "grouped.onnx"), nodes, inits), options=OPTIONS))
+    grouped = [k for k in kernels if "get_global_id(0) - lid" in render_kernel(k.ir, IMAGE)]
+    assert {k.name.split("_", 1)[1] for k in grouped} == {"Conv", "ConvTranspose"} and len(grouped) == 3, \
+        [k.name for k in kernels]
+    for k in grouped:
+        staged = [s for s in kir.walk(k.ir.body) if isinstance(s, kir.DeclareArray) and s.local]
+        assert len(staged) == 2, k.name
+    position, lid = kir.Var("p", 0, kir.INT, "p"), kir.Var("lid", 1, kir.INT, "lid")
+    for items, group, across, period in ((96, 16, 4, 8), (2048, 16, 4, 32), (288, 48, 6, 12)):
+        at = np.arange(items, dtype=np.int64)
+        plan = grouped_items(at, group, across, period)
+        assert sorted(plan) == list(at), (items, group, across, period)
+        kernel = _evaluate(grouped_item(position, lid, group, across, period),
+                           {lid: kir.mod_index(position, group)}, position, at)
+        assert np.array_equal(kernel, plan), (items, group, across, period)
 
 
 def test_the_plan_evaluates_index_arithmetic_as_c_does() -> None:

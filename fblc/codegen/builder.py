@@ -70,6 +70,7 @@ class KernelBuilder(ValueReads):
         #: work-items of a work-group that stage shared texels in __local (kernels/staging.py), each its own item,
         #: and the __local arrays they stage into (declared at the kernel's scope); None: no staging
         self.staging_group: int | None = None
+        self.staging_order = (0, 0)  # its items' order (staging.grouped_item's across, period)
         self.staged_arrays: list[Statement] = []
         self.schedule = table.schedules.setdefault(name, Schedule())
         # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
@@ -236,11 +237,15 @@ class KernelBuilder(ValueReads):
         if group is not None:  # group_size work-items per item: every branch below is uniform in them
             assert pair == 1 and not masks, "group kernels write float texels"
             self._group_header(kernel, item)
+        elif self.staging_group is not None:  # whole groups (staging.plan_staging): none leaves before a barrier
+            from fblc.codegen.kernels.staging import grouped_item  # staging imports this module
+
+            assert pair == 1 and launches % self.staging_group == 0, f"{self.name}: staged"
+            position = kir.call("get_global_id", 0, dtype=INT)
+            kernel.add(kir.Declare(self.lid, kir.call("get_local_id", 0, dtype=INT)), kir.Stage(self.staged_arrays),
+                       kir.Declare(item, grouped_item(position, self.lid, self.staging_group, *self.staging_order)))
         else:
             kernel.add(kir.Declare(launched, kir.call("get_global_id", 0, dtype=INT)))
-        if self.staging_group is not None:  # whole groups (staging.plan_staging): no work-item leaves before a barrier
-            assert group is None and pair == 1 and launches % self.staging_group == 0, f"{self.name}: staged"
-            kernel.add(kir.Declare(self.lid, kir.call("get_local_id", 0, dtype=INT)), kir.Stage(self.staged_arrays))
         kernel.add(kir.If(launched.ge(launches), [kir.Return()]))
         bytes_ = {k: _named(f"byte{k}", UINT) for k, t in enumerate(self.out_textures) if any(t is m for m in masks)}
         for k, byte in bytes_.items():  # bytes pairing the rows of a tile of several columns: one a column

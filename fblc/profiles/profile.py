@@ -66,6 +66,16 @@ LOCAL_TEXELS = 2048
 #: barriers and the copy's __local stores and loads take the rest (benchmarks/staging_trial.py: T-ResNet's k8,
 #: reads 11.8M -> 2.2M, its time 0.50x)
 STAGE_GAIN = 0.5
+#: what a staged block costs a work-group beyond its texel reads (its two barriers and copy loops), in texel reads
+#: of a device that stages (local_staging: PoCL): fitted to MobileNetV2 [8,3,97,60] kernels that read about as
+#: many texels per work-item in groups of 32 or 64 as in groups of 240 and took 1.2-1.45x the time (k42, k75:
+#: 1.5-1.8 us more per group and block, 250-300 reads of ~6 ns, benchmarks/image_read_forms.py)
+STAGED_BLOCK_READS = 256
+#: what a texel read left to each work-item of a staged kernel costs there, in the copies' texel reads: fitted to
+#: MobileNetV2's k20 and k123, which ran 1.3-1.4x slower staging one operand in groups of 224 than both in groups
+#: of 56 (fewer reads counted alike; the device compiler can vectorise a block's arithmetic only once none of
+#: its reads is a call)
+UNSTAGED_READ_WEIGHT = 2
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
 #: the longest reduction per weight element (batch x dY map: the weight-gradient conv's kernel) whose weight
@@ -117,11 +127,13 @@ READ_IMAGE_ARGS = 128
 WRITE_IMAGE_ARGS = 64
 #: the largest work-group a shared reduction uses (its __local partials: 4 bytes a work-item)
 REDUCTION_GROUP = 256
-#: register tiles that keep a CPU busy without sharing their reductions: PoCL runs a work-group's items in
-#: turn on one core, so a group sharing a tile's reduction gains parallelism only where the tiles make too
-#: few work-groups for the cores (16 of GROUP_ITEMS), and its merge through __local memory costs time
-#: (T-ResNet's weight gradients ran 1.4x-1.6x faster unshared on this 2-core CPU)
-CPU_BUSY_TILES = 16 * GROUP_ITEMS
+#: register tiles per compute unit that keep a CPU busy without sharing their reductions: PoCL runs a work-group's
+#: items in turn on one core, so a group sharing a tile's reduction gains parallelism only where the tiles are
+#: too few to spread over the cores, and its merge through __local memory costs time (T-ResNet's weight
+#: gradients ran 1.4x-1.6x faster unshared on this 2-core CPU; unshared, its four of 256 and 512 tiles took
+#: 0.45-0.6x their time in image storage and 0.55-0.7x in buffers, MobileNetV2's eight of 16 to 108 tiles
+#: 0.35-0.85x and 0.5-0.9x, one PoCL thread: their groups of items then stage both operands)
+CPU_BUSY_TILES = 8
 #: the __local memory a work-group's merge of partial register tiles may take (its accumulators times
 #: its work-items, in floats): half of the 32 KiB that Adreno's and Mali's OpenCL drivers give a group
 SHARED_TILE_FLOATS = 4096
@@ -224,12 +236,12 @@ class Profile:
         (`lanes` accumulators, `tiles` tiles) whose longest loop runs `trips` times, or None: one work-item
         a tile. A power of two, up to GROUP_ITEMS (a group's whole waves), within max_work_group_size,
         SHARED_TILE_FLOATS of partials and the loop's share (Profile.loop_group): the most of them for a
-        reduction past SERIAL_REDUCTION (unless a CPU's tiles keep it busy alone: CPU_BUSY_TILES); on a GPU,
+        reduction past SERIAL_REDUCTION (unless a CPU's tiles keep its cores busy alone: CPU_BUSY_TILES); on a GPU,
         for a shorter one whose tiles leave the device idle, what fills it (Profile.filling_group), each
         work-item still taking SPLIT_STEPS multiply-adds per accumulator or more."""
         bound = min(GROUP_ITEMS, self.max_work_group_size, self.loop_group(trips, tiles), SHARED_TILE_FLOATS // lanes)
         if serial > SERIAL_REDUCTION:
-            return None if self.cpu and tiles >= CPU_BUSY_TILES else _power_of_two_group(bound)
+            return None if self.cpu and tiles >= CPU_BUSY_TILES * self.compute_units else _power_of_two_group(bound)
         return self.filling_group(tiles, min(bound, serial // SPLIT_STEPS))
 
     def loop_group(self, trips: int, tiles: int) -> int:

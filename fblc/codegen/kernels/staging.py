@@ -13,10 +13,17 @@ kernel with plain loads (render.opencl.Storage.stages).
 The plan is decided at compile time from the operand's index arithmetic, per kernel: each index term is uniform
 over a group (loop variables, constants) or a function of the work-item's item alone (its output index); the
 latter's sum is evaluated for every item (numpy, the IR's own arithmetic), and for each candidate G (a divisor
-of the launch within max_work_group_size) the spread of a group's sums from its first item's gives the texels a
-group copies. An operand is staged where that is at most STAGE_GAIN of the group's reads of it, the G taken
-being the one with the fewest texel reads per work-item, the arrays within LOCAL_TEXELS, and on a CPU with
-barriers in nested loops the group's accumulators within half the L1 (_largest_group). Nothing is staged (None)
+of the launch within max_work_group_size) and order of its items the spread of a group's sums from its first
+item's gives the texels a group copies. A group holds G consecutive items, or, where one operand's reads repeat
+in runs of items (a weight gradient's output channels of one input channel: x alike along a run, w alike at
+the same place of each run), blocks of runs (grouped_items: G/a runs of a consecutive items), so that both
+operands are shared, as a register tile's rows and columns are. An operand is staged where its copy is at most
+STAGE_GAIN of the group's reads of it, the G and order taken being the ones of the least cost per work-item
+and block: its copies' texels, twice (UNSTAGED_READ_WEIGHT) its own reads of operands left unstaged, and
+STAGED_BLOCK_READS shared by the group; the arrays within LOCAL_TEXELS, and on a CPU with barriers in nested
+loops (and for blocks of runs, always) the group's accumulators within half the L1 (_largest_group). A
+gathered-rows copy takes each kind of block's own texels (whole blocks, the remainder) (T-ResNet B=64's weight
+gradients: 17 texel reads a work-item and block -> 7, their time in image storage 0.3-0.75x). Nothing is staged (None)
 where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
 kinds, or the operand is inlined, dequantized or read by rows (Operand.rows).
 
@@ -36,9 +43,9 @@ import numpy as np
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
 from fblc.codegen.ir import (FLOAT4, INT, Barrier, Binary, Block, Call, Cast, Const, DeclareArray, Declare, Element,
-                             Expr, Numbering, Select, Stage, Unary, Var, call, div_index, walk)
+                             Expr, Numbering, Select, Stage, Unary, Var, call, div_index, mod_index, walk)
 from fblc.codegen.kernels.accumulators import LANES
-from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN, Profile
+from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN, STAGED_BLOCK_READS, UNSTAGED_READ_WEIGHT, Profile
 
 if TYPE_CHECKING:  # texel.py imports this module
     from fblc.codegen.kernels.texel import Operand, Reduction, Term
@@ -53,27 +60,31 @@ class StagedOperand:
     """One operand's __local copy: `array` of `texels`, the item-dependent `varying` terms of its index and
     `first`, their sum at the group's first item. A span (`rows` empty): the texels from the least to the most a
     group reads, `spread` (least, most) of an item's sum less the first's. Gathered rows: where the group's items
-    sit `row_step` texels apart (sum - first = r * 4 * row_step, r < n) and each reads texels `rows` from its
-    base, n rows of those texels (a conv's weights: each output channel's few taps of a block's channels, far
-    apart); `slot`, this item's first element there, and `table`, the offsets of its row in the copy."""
+    sit `row_step` texels apart (sum - first = r * 4 * row_step, r < n) and each block reads texels `rows[kind]`
+    from its base (a kind per distinct set: the reduction's whole blocks, its remainder), n rows of those texels
+    (a conv's weights: each output channel's few taps of a block's channels, far apart); `slot`, this item's row
+    r, and `tables`, each kind's offsets of a row; `kind`, the one of the block being emitted (set by
+    Staging.origin, read by its copy and the block's reads that follow)."""
 
     array: Var
     texels: int
     varying: tuple[Term, ...]
     first: Var
     spread: tuple[int, int] = (0, 0)
-    rows: tuple[int, ...] = ()
+    rows: tuple[tuple[int, ...], ...] = ()
     row_step: int = 0
     slot: Var | None = None
-    table: Var | None = None
+    tables: tuple[Var, ...] = ()
+    kind: int = 0
 
     def read(self, q0: Var) -> Callable[[Expr, int | None], Element]:
         """The copy's element of texel `index` (k: its offset from the item's base texel, where aligned)."""
         if not self.rows:
             return lambda index, k: Element(self.array, index - q0)
-        where = {k: i for i, k in enumerate(self.rows)}
+        row = self.rows[self.kind]
+        where = {k: i for i, k in enumerate(row)}
         assert self.slot is not None
-        return lambda index, k: Element(self.array, self.slot + where[k])  # type: ignore[index, operator]
+        return lambda index, k: Element(self.array, self.slot * len(row) + where[k])  # type: ignore[index, operator]
 
 
 @dataclass
@@ -96,7 +107,9 @@ class Staging:
         for term in staged.varying:  # each once: a term twice in the index counts twice
             uniform.remove(term)
         if staged.rows:
-            assert {offset >> 2 for offset in offsets} <= set(staged.rows), f"a block's texels off its rows ({name})"
+            texels = {offset >> 2 for offset in offsets}
+            staged.kind = next((k for k, row in enumerate(staged.rows) if texels <= set(row)), -1)
+            assert staged.kind >= 0, f"a block's texels off its rows ({name})"
             return block.let((index_sum(uniform) + staged.first) >> 2, "q")
         low, high = staged.spread[0] + min(offsets), staged.spread[1] + max(offsets) + LANES
         assert (high - low) // LANES + 2 <= staged.texels, f"a block's span past the group's copy ({name})"
@@ -112,8 +125,9 @@ class Staging:
             with stage.loop("j", b.lid, staged.texels, step=self.group) as (j, body):
                 at: Expr = q0 + j
                 if staged.rows:  # element j: row r's texel i
-                    r = body.let(div_index(j, len(staged.rows)), "r")
-                    at = q0 + r * staged.row_step + Element(staged.table, j - r * len(staged.rows))  # type: ignore[arg-type]
+                    row = len(staged.rows[staged.kind])
+                    r = body.let(div_index(j, row), "r")
+                    at = q0 + r * staged.row_step + Element(staged.tables[staged.kind], j - r * row)  # type: ignore[arg-type]
                 body.assign(Element(staged.array, j), b.texel(argument, texture, call("clamp", at, 0, texture.texels - 1)))
         stage.add(Barrier())
         block.add(Stage(stage.statements))
@@ -151,48 +165,98 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
                 candidates[name] = found
     except _Unplannable:
         return None
-    best: tuple[float, int, dict[str, tuple[int, tuple[int, int], int]]] | None = None
+    best: tuple[float, int, tuple[int, int], dict[str, tuple[int, tuple[int, int], int]]] | None = None
     # the barriers in a block loop of several trips inside an outer loop (a remainder block adds no loop)
     nested = any(loop.trips > 1 for loop in reduction.loops) and reduction._looped > reduction.blocked.block
-    for group in (g for g in range(LANES, _largest_group(profile, live_bytes, nested) + 1) if b.items % g == 0):
+    # blocks of runs (_orders) only in groups whose accumulators fit as a nested loop's must: the larger ones
+    # that read fewest texels ran slower on PoCL (T-ResNet's forward convs in blocks of 256: 1.8x)
+    periods, within = {_run(sums) for sums, *_ in candidates.values()} - {0}, _largest_group(profile, live_bytes, True)
+    for group, order in ((g, o) for g in range(LANES, _largest_group(profile, live_bytes, nested) + 1)
+                         if b.items % g == 0 for o in _orders(b.items, g, periods if g <= within else set())):
         chosen, per_item = {}, 0.0
         for name, (sums, _, extent, reads, rows) in candidates.items():
-            grouped = sums.reshape(-1, group)
+            grouped = sums[grouped_items(np.arange(b.items), group, *order)].reshape(-1, group)
             spread = grouped - grouped[:, :1]
             low, high = int(spread.min()), int(spread.max())
             texels, step = (high - low + extent + LANES) // LANES + 2, 0
             if rows and low == 0:  # gathered rows where the items' bases step evenly from the first's
                 distinct = np.unique(spread)
                 gap = int(distinct[1]) if len(distinct) > 1 else LANES
+                longest = max(len(row) for row in rows)
                 if gap % LANES == 0 and np.array_equal(distinct, np.arange(len(distinct)) * gap) \
-                        and len(distinct) * len(rows) < texels:
-                    texels, step = len(distinct) * len(rows), gap // LANES
+                        and len(distinct) * longest < texels:
+                    texels, step = len(distinct) * longest, gap // LANES
             if texels <= STAGE_GAIN * group * reads:
                 chosen[name] = texels, (low, high), step
                 per_item += texels / group
             else:
-                per_item += reads
+                per_item += reads * UNSTAGED_READ_WEIGHT
+        per_item += STAGED_BLOCK_READS / group  # the group's barriers and copy loops, shared by its work-items
         if chosen and sum(t for t, _, _ in chosen.values()) <= LOCAL_TEXELS and (best is None or per_item < best[0]):
-            best = per_item, group, chosen
+            best = per_item, group, order, chosen
     if best is None:
         return None
-    _, group, chosen = best
+    _, group, order, chosen = best
     staged = {}
     for name, (texels, spread, step) in chosen.items():
         _, varying, _, _, rows = candidates[name]
         var = Var("st", b.numbering.next(), FLOAT4)
         b.staged_arrays.append(DeclareArray(var, texels, local=True))
         own = sum((t.expr * t.coeff for t in varying), start=Const(0, item.dtype))
-        first = block.let(_inline(own, decls, {item: item - b.lid}), "first")
+        across, period = order  # the group's first item: this one less its place in the group's runs
+        at_first = item - b.lid if across == group else item - div_index(b.lid, across) * period - mod_index(b.lid, across)
+        first = block.let(_inline(own, decls, {item: at_first}), "first")
         if not step:
             staged[name] = StagedOperand(var, texels, varying, first, spread)
             continue
-        table = Var("rows", b.numbering.next(), INT)
-        b.staged_arrays.append(DeclareArray(table, len(rows), tuple(Const(k, INT) for k in rows), constant=True))
-        slot = block.let(div_index(own - first, step * LANES) * len(rows), "slot")
-        staged[name] = StagedOperand(var, texels, varying, first, spread, rows, step, slot, table)
-    b.staging_group = group
+        tables = tuple(Var("rows", b.numbering.next(), INT) for _ in rows)
+        b.staged_arrays.extend(DeclareArray(table, len(row), tuple(Const(k, INT) for k in row), constant=True)
+                               for table, row in zip(tables, rows))
+        slot = block.let(div_index(own - first, step * LANES), "slot")
+        staged[name] = StagedOperand(var, texels, varying, first, spread, rows, step, slot, tables)
+    b.staging_group, b.staging_order = group, order
     return Staging(group, staged)
+
+
+def _run(sums: np.ndarray) -> int:
+    """The items in each run of equal sums where the runs are alike and tile the launch (an operand read alike by
+    consecutive items: a weight gradient's output channels of one input channel), else 0."""
+    changes = np.flatnonzero(np.diff(sums)) + 1
+    run = int(changes[0]) if len(changes) else 0
+    return run if run and len(sums) % run == 0 and not np.any(changes % run) else 0
+
+
+def _orders(items: int, group: int, periods: set[int]) -> list[tuple[int, int]]:
+    """The item orders a work-group of `group` may take (grouped_items' (across, period)): consecutive items, and
+    blocks of group/across runs of `across` consecutive items, `period` apart, where one operand's reads repeat
+    every `period` items (its runs): those items share both operands, as a register tile's rows and columns do."""
+    orders = [(group, group)]
+    for period in sorted(periods):
+        orders += [(across, period) for across in range(1, group) if group % across == 0 and period % across == 0
+                   and period > across and items % (group // across * period) == 0]
+    return orders
+
+
+def grouped_items(position: np.ndarray, group: int, across: int, period: int) -> np.ndarray:
+    """The item each work-item runs at `position` of the launch: work-group k holds group/across runs of `across`
+    consecutive items, the runs `period` items apart (across == group: the items in launch order). numpy's twin of
+    grouped_item, which the staging plan evaluates."""
+    if across == group:
+        return position
+    lid = position % group
+    runs = period // across
+    first = position // group
+    return (first // runs * (group // across) + lid // across) * period + first % runs * across + lid % across
+
+
+def grouped_item(position: Expr, lid: Expr, group: int, across: int, period: int) -> Expr:
+    """grouped_items in the kernel: the item of the work-item at global id `position`, local id `lid`."""
+    if across == group:
+        return position
+    runs = period // across
+    first = div_index(position - lid, group)
+    return ((div_index(first, runs) * (group // across) + div_index(lid, across)) * period
+            + mod_index(first, runs) * across + mod_index(lid, across))
 
 
 def _largest_group(profile: Profile, live_bytes: int, nested: bool) -> int:
@@ -213,10 +277,10 @@ def _largest_group(profile: Profile, live_bytes: int, nested: bool) -> int:
 
 def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: Operand, item: Var,
                    decls: dict[Var, Expr], items: np.ndarray, uniform: set[Var]
-                   ) -> tuple[np.ndarray, tuple[Term, ...], int, int, tuple[int, ...]] | None:
+                   ) -> tuple[np.ndarray, tuple[Term, ...], int, int, tuple[tuple[int, ...], ...]] | None:
     """(each item's sum of the operand's item terms, those terms, the extent of a block's offsets, texel reads
-    of a work-item per block, the texels every block reads from its base texel where that base is a multiple of
-    4 whatever the run-time values, else ()) of a stageable operand, else None."""
+    of a work-item per block, the texels each kind of block (whole, remainder) reads from its base texel where
+    that base is a multiple of 4 whatever the run-time values, else ()) of a stageable operand, else None."""
     from fblc.codegen.kernels.texel import texel_reads
 
     if operand.rows or b.constant_value(operand.value) is not None or b.table.of(operand.value).dequantized \
@@ -236,17 +300,17 @@ def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: O
     blocks = [range(axis.block)] if reduction._looped else []
     if reduction._looped < axis.extent:
         blocks.append(range(reduction._looped, axis.extent))
-    extent, reads, texels = 0, 0, set()
+    extent, reads, texels = 0, 0, []
     for indices in blocks:
         offsets = [getattr(p, name) + operand.offset for p in axis.products(indices)]
         extent = max(extent, max(offsets) - min(offsets))
         reads = max(reads, texel_reads(offsets, operand.terms))
-        texels |= {offset >> 2 for offset in offsets}
+        texels.append(tuple(sorted({offset >> 2 for offset in offsets})))
     steps = [t.coeff * t.multiple for t in operand.terms] + [t.coeff * t.multiple for loop in reduction.loops
                                                              for t in getattr(loop, f"{name}_terms")]
     steps.append(getattr(axis, f"{name}_step") * axis.block if reduction._looped else 0)
     aligned = all(step % LANES == 0 for step in steps) and operand.offset % LANES == 0
-    return sums, tuple(varying), extent, reads, tuple(sorted(texels)) if aligned else ()
+    return sums, tuple(varying), extent, reads, tuple(texels) if aligned else ()
 
 
 def _leaves(expr: Expr, decls: dict[Var, Expr]) -> set[Var]:
