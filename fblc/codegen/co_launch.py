@@ -24,14 +24,21 @@ variables are renumbered past the first part's, so the IR stays one kernel's num
 variable by its kind and number). Its `parts` are the kernels it runs (report.json's estimate counts their nodes'
 FLOPs; plan.json's schedule gives each part's). That IR is what the launch runs, as the figures and the estimate
 read it; the source writes it as calls (`dispatch`) of each part's function (`part_function`), held once for every
-launch that runs that body (render/source.py). A part with barriers (a group reduction) leaves its function by its
-end only: its guard `if (t >= n) return;` is written `if (t < n) { the rest }` (`one_exit`). PoCL 3.1 built
-with -cl-opt-disable (the suite's and oclgrind's builds) inlines a function with barriers into its __kernel
-(FlattenBarrierSubs) and, where that function had a second exit (an early return) and the __kernel branched
-before the call (the pair's `if`), ran the code after the barrier for one work-item of each group: a branch on the
-local id there went that work-item's way for the whole group (the MLP fp16 step for adreno730: 385 of 512 outputs of
-a MatMul's group reduction off, right with one exit: test_device_models' fp16 MLP step). One exit is the same
-program for every compiler; a part whose return sits anywhere else stays copied into the pair (`dispatched`).
+launch that runs that body (render/source.py). A part with barriers (a group reduction) is a function of one
+exit that the device compiler's front end inlines (`part_function`):
+
+- one exit: its guard `if (t >= n) return;` is written `if (t < n) { the rest }` (`one_exit`). PoCL 3.1 built with
+  -cl-opt-disable (the suite's and oclgrind's builds) inlines a function with barriers into its __kernel and, where
+  that function had a second exit (an early return) and the __kernel branched before the call (the pair's `if`),
+  replicated the function's exit block for the paths after the barrier and so took an `if` on the local id there
+  as uniform: the group's first work-item ran it, the others skipped it (the MLP fp16 step for adreno730: 385 of
+  512 outputs of a MatMul's group reduction off; right on oclgrind, race-free, and on optimised PoCL);
+- inlined (`KernelIR.inlined`: always_inline, as the layouts' coordinate functions): PoCL's own inlining of a
+  function with barriers, after its front end, cost MobileNetV2's group pairs 2.8x the CPU time of their copied
+  bodies to build (k144_Conv_k145_Conv: 23.7 CPU s, copied 8.5, inlined by the front end 7.6).
+
+Both are the same program for every compiler. A part whose return sits anywhere but in such a guard stays copied
+into the pair (`dispatched`).
 """
 
 from __future__ import annotations
@@ -218,18 +225,20 @@ def part_function(part: Kernel, name: str) -> tuple[kir.KernelIR, list[kir.Var],
     once for a kernel that a co-launched kernel runs (render.opencl.render_function). Its work-item ids are those
     of the launch less the values it is called with (FIRST, of those of SHIFTED it calls: 0 where it runs as a
     launch of its own); its top-level __local arrays are the calling __kernel's (`dispatch`); with barriers, it
-    has one exit (`one_exit`)."""
+    has one exit (`one_exit`) and is inlined (this module's docstring)."""
     if part.function_ir is not None and part.function_ir[0].name == name:  # both storages' sources ask
         return part.function_ir
     builtins = _builtins(part.ir)
     values = [kir.Var("first", 0, kir.INT, FIRST[function]) for function in builtins]
     relabel = _Relabel(0, dict(zip(builtins, values)), 0, 0)
     body = [relabel.any(s) for s in part.ir.body if not _local(s)]
-    if _barriers(body):
+    barriers = _barriers(body)
+    if barriers:
         body = one_exit(body)
         assert body is not None, f"{part.name}: a return of its body is not a guard at its top level (dispatched)"
     arrays = [s.var for s in part.ir.body if _local(s)]  # type: ignore[union-attr]
-    part.function_ir = (kir.KernelIR(name, part.ir.arguments, body, None, part.ir.aliased), values, arrays)
+    part.function_ir = (kir.KernelIR(name, part.ir.arguments, body, None, part.ir.aliased, inlined=barriers), values,
+                        arrays)
     return part.function_ir
 
 
