@@ -83,6 +83,7 @@ def test_the_source_holds_each_part_once_and_the_launches_call_it() -> None:
     assert "return;" in k6  # no barrier: its guard as it was
     inlined = "inline __attribute__((always_inline)) void"
     assert f"{inlined} k5_part(" in source and f"{inlined} k6_part(" not in source
+    assert "restrict" not in k5.splitlines()[0] and "restrict" in k6.splitlines()[0]  # oclgrind: no scope decls
     assert "k5_part(out0, in0, 0, shared);" in source and "k6_part(out1, in1, 2, shared_1);" in source
     looped = _kernel("k7", 128, [0], [4], group=64)  # a return inside a loop: no single exit to write
     looped.ir.body[1:2] = [kir.For(kir.Var("i", 1, kir.INT), kir.const(0), kir.const(2), [looped.ir.body[1]])]

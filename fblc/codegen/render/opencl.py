@@ -292,7 +292,10 @@ def render_function(function: ir.KernelIR, values: Sequence[ir.Var], arrays: Seq
     then `values` (const), then its __local `arrays` as pointers (OpenCL C declares __local only in a __kernel),
     then the storage's function tail (a trace's buffers and the caller's number of the function's input 0);
     `inline __attribute__((always_inline))` where it is `inlined` (as the layouts' coordinate functions)."""
-    params = [_parameter(storage, a, function.aliased) for a in function.arguments]
+    # an inlined one's pointers without `restrict`: its __kernel's carry it, and clang's inliner declares a scope
+    # for each restrict one (llvm.experimental.noalias.scope.decl), which oclgrind 21.10 cannot run
+    aliased = frozenset(a.name for a in function.arguments) if function.inlined else function.aliased
+    params = [_parameter(storage, a, aliased) for a in function.arguments]
     params += [f"const {v.dtype.c_name} {name_of(v)}" for v in values]
     params += [f"__local {v.dtype.c_name}* {name_of(v)}" for v in arrays]
     renderer = Renderer(foldable(function.body), storage, "fblc_in0 + ")
