@@ -35,7 +35,7 @@ exit that the device compiler's front end inlines (`part_function`):
   512 outputs of a MatMul's group reduction off; right on oclgrind, race-free, and on optimised PoCL);
 - inlined (`KernelIR.inlined`: always_inline, as the layouts' coordinate functions): PoCL's own inlining of a
   function with barriers, after its front end, cost MobileNetV2's group pairs 2.8x the CPU time of their copied
-  bodies to build (k144_Conv_k145_Conv: 23.7 CPU s, copied 8.5, inlined by the front end 7.6).
+  bodies to build (k144_Conv_k145_Conv: 23.7 CPU s, copied 8.5, inlined by the front end 6.5).
 
 Both are the same program for every compiler. A part whose return sits anywhere but in such a guard stays copied
 into the pair (`dispatched`).
