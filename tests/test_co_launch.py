@@ -58,7 +58,10 @@ def test_group_kernels_join_only_their_size() -> None:
 def test_the_source_holds_each_part_once_and_the_launches_call_it() -> None:
     """A part without barriers is one function in the source (render/source.py): the co-launched __kernel calls it
     over its range (its ids less its start), and a launch of its own with the same IR (plan.share_kernels' twin) is
-    a __kernel calling the same function; a pair with a barrier is still copied (co_launch.dispatched)."""
+    a __kernel calling the same function. A part with barriers leaves its function by its end only
+    (co_launch.one_exit: PoCL's -O0 build ran a group reduction wrong after an early return) and is inlined by the
+    device compiler's front end (KernelIR.inlined: PoCL's own inlining built it 2.8x slower); a part whose return
+    is not a guard at its body's top level stays copied into the pair (co_launch.dispatched)."""
     first, reader, other = _kernel("k1", 100, [0], [1]), _kernel("k2", 50, [1], [2]), _kernel("k3", 30, [0], [3])
     twin = _kernel("k4", 30, [0], [3])  # k3's IR: the same arguments and body
     kernels = co_launch([first, reader, other], ADRENO, looped=False) + [twin]
@@ -73,6 +76,19 @@ def test_the_source_holds_each_part_once_and_the_launches_call_it() -> None:
     barrier = _kernel("k5", 128, [0], [4], group=64)
     barrier.ir.body.append(kir.Barrier())
     grouped = co_launch([barrier, _kernel("k6", 128, [0], [5], group=64)], ADRENO, looped=False)
+    share_kernels(grouped)
+    source, _ = assemble_source(grouped, [], BUFFER)
+    k5, k6 = source[source.index("void k5_part("):source.index("void k6_part(")], source[source.index("void k6_part("):]
+    assert "return;" not in k5 and "if ((get_group_id(0) - first_group) < 2) {" in k5 and "barrier(" in k5
+    assert "return;" in k6  # no barrier: its guard as it was
+    inlined = "inline __attribute__((always_inline)) void"
+    assert f"{inlined} k5_part(" in source and f"{inlined} k6_part(" not in source
+    assert "restrict" not in k5.splitlines()[0] and "restrict" in k6.splitlines()[0]  # oclgrind: no scope decls
+    assert "k5_part(out0, in0, 0, shared);" in source and "k6_part(out1, in1, 2, shared_1);" in source
+    looped = _kernel("k7", 128, [0], [4], group=64)  # a return inside a loop: no single exit to write
+    looped.ir.body[1:2] = [kir.For(kir.Var("i", 1, kir.INT), kir.const(0), kir.const(2), [looped.ir.body[1]])]
+    looped.ir.body.append(kir.Barrier())
+    grouped = co_launch([looped, _kernel("k8", 128, [0], [5], group=64)], ADRENO, looped=False)
     share_kernels(grouped)
     source, _ = assemble_source(grouped, [], BUFFER)
     assert "_part" not in source and "(get_group_id(0) - 2)" in source

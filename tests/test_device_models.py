@@ -56,8 +56,9 @@ def _verify(name: str, export_dir: str, dtype: str, layout: str = "rtile",
 
 # rtile steps under `-m slow` for the suite's time: the zoo's ResNet (legacy export) runs on the device
 # too, and the optimized Llama export's kernels are the plain export's (llama, above) but for its fused ops;
-# MobileNetV2's (about 135 CPU s cold since co-launch copies shared kernel bodies into its pairs): its depthwise
-# and pointwise conv paths run in test_kernels_contraction's merged steps, co-launched kernels on adreno830 in the
+# MobileNetV2's (about 160 CPU s cold: PoCL compiles both bodies of each co-launched pair into its work-group
+# function, held once in the source or not; 82 before co-launch): its depthwise and pointwise conv paths run in
+# test_kernels_contraction's merged steps, co-launched kernels on adreno830 in the
 # T-ResNet, Llama and MLP steps here, its graph against PyTorch in test_memory_floor and test_exported_models
 SLOW_MODELS = ("resnet_legacy", "llama_optimized", "mobilenet_v2")
 # The flat baseline runs on one export of each architecture: its kernels (no tiles, copies for data

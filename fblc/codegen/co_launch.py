@@ -24,7 +24,21 @@ variables are renumbered past the first part's, so the IR stays one kernel's num
 variable by its kind and number). Its `parts` are the kernels it runs (report.json's estimate counts their nodes'
 FLOPs; plan.json's schedule gives each part's). That IR is what the launch runs, as the figures and the estimate
 read it; the source writes it as calls (`dispatch`) of each part's function (`part_function`), held once for every
-launch that runs that body (render/source.py), where no part has a barrier (`dispatched`).
+launch that runs that body (render/source.py). A part with barriers (a group reduction) is a function of one
+exit that the device compiler's front end inlines (`part_function`):
+
+- one exit: its guard `if (t >= n) return;` is written `if (t < n) { the rest }` (`one_exit`). PoCL 3.1 built with
+  -cl-opt-disable (the suite's and oclgrind's builds) inlines a function with barriers into its __kernel and, where
+  that function had a second exit (an early return) and the __kernel branched before the call (the pair's `if`),
+  replicated the function's exit block for the paths after the barrier and so took an `if` on the local id there
+  as uniform: the group's first work-item ran it, the others skipped it (the MLP fp16 step for adreno730: 385 of
+  512 outputs of a MatMul's group reduction off; right on oclgrind, race-free, and on optimised PoCL);
+- inlined (`KernelIR.inlined`: always_inline, as the layouts' coordinate functions): PoCL's own inlining of a
+  function with barriers, after its front end, cost MobileNetV2's group pairs 2.8x the CPU time of their copied
+  bodies to build (k144_Conv_k145_Conv: 23.7 CPU s, copied 8.5, inlined by the front end 6.5).
+
+Both are the same program for every compiler. A part whose return sits anywhere but in such a guard stays copied
+into the pair (`dispatched`).
 """
 
 from __future__ import annotations
@@ -173,26 +187,58 @@ def _builtins(body: kir.KernelIR) -> list[str]:
 
 def dispatched(kernel: Kernel) -> bool:
     """Whether the source runs co-launched `kernel`'s parts as functions (`dispatch`), not as copies of their bodies
-    (its IR): where no part has a barrier. PoCL built with -cl-opt-disable (the suite's builds, oclgrind's) computed a
-    group part wrong once its barriers sat in a function (the MLP's fp16 step for adreno730: a MatMul's group
-    reduction off by up to 3e4, equal when optimised), so group parts are still copied into each pair."""
-    return bool(kernel.parts) and not any(isinstance(s, kir.Barrier) for part in kernel.parts
-                                          for s in kir.walk(part.ir.body))
+    (its IR): where each part with barriers can be written with one exit (`one_exit`; this module's docstring)."""
+    return bool(kernel.parts) and all(not _barriers(part.ir.body) or one_exit(part.ir.body) is not None
+                                      for part in kernel.parts)
+
+
+def _barriers(body: Sequence[kir.Statement]) -> bool:
+    return any(isinstance(s, kir.Barrier) for s in kir.walk(body))
+
+
+#: each comparison's negation: a guard `if (a >= b) return;` held as `if (a < b) { .. }`
+NEGATED = {"<": ">=", ">=": "<", "<=": ">", ">": "<=", "==": "!=", "!=": "=="}
+
+
+def one_exit(body: Sequence[kir.Statement]) -> list[kir.Statement] | None:
+    """`body` leaving only by its end: each top-level guard `if (c) return;` written `if (!c) { what follows }`
+    (the same work-items run the same statements); None where a return sits anywhere else (in a loop, in a
+    branch that does more than return)."""
+    for index, statement in enumerate(body):
+        if isinstance(statement, kir.If) and not statement.orelse and \
+                [type(s) for s in statement.then] == [kir.Return]:
+            rest = one_exit(body[index + 1:])
+            return None if rest is None else [*body[:index], kir.If(_negated(statement.condition), rest)]
+        if any(isinstance(s, kir.Return) for s in kir.walk([statement])):
+            return None
+    return list(body)
+
+
+def _negated(condition: kir.Expr) -> kir.Expr:
+    if isinstance(condition, kir.Binary) and condition.op in NEGATED:
+        return kir.Binary(NEGATED[condition.op], condition.a, condition.b, condition.dtype)
+    return ~condition
 
 
 def part_function(part: Kernel, name: str) -> tuple[kir.KernelIR, list[kir.Var], list[kir.Var]]:
     """(`part`'s body as function `name`, the values it is called with, its __local arrays): what the source holds
     once for a kernel that a co-launched kernel runs (render.opencl.render_function). Its work-item ids are those
     of the launch less the values it is called with (FIRST, of those of SHIFTED it calls: 0 where it runs as a
-    launch of its own); its top-level __local arrays are the calling __kernel's (`dispatch`)."""
+    launch of its own); its top-level __local arrays are the calling __kernel's (`dispatch`); with barriers, it
+    has one exit (`one_exit`) and is inlined (this module's docstring)."""
     if part.function_ir is not None and part.function_ir[0].name == name:  # both storages' sources ask
         return part.function_ir
     builtins = _builtins(part.ir)
     values = [kir.Var("first", 0, kir.INT, FIRST[function]) for function in builtins]
     relabel = _Relabel(0, dict(zip(builtins, values)), 0, 0)
     body = [relabel.any(s) for s in part.ir.body if not _local(s)]
+    barriers = _barriers(body)
+    if barriers:
+        body = one_exit(body)
+        assert body is not None, f"{part.name}: a return of its body is not a guard at its top level (dispatched)"
     arrays = [s.var for s in part.ir.body if _local(s)]  # type: ignore[union-attr]
-    part.function_ir = (kir.KernelIR(name, part.ir.arguments, body, None, part.ir.aliased), values, arrays)
+    part.function_ir = (kir.KernelIR(name, part.ir.arguments, body, None, part.ir.aliased, inlined=barriers), values,
+                        arrays)
     return part.function_ir
 
 

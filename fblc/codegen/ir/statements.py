@@ -136,6 +136,9 @@ class KernelIR:
     group_size: int | None = None
     #: the arguments one launch binds to one texture (an update in place, codegen/inplace.py): no `restrict`
     aliased: frozenset[str] = frozenset()
+    #: a function's (co_launch.part_function), not a __kernel's: whether the device compiler's front end inlines it
+    #: into each caller (always_inline): one with barriers, which the __kernel's compiler must see in its body
+    inlined: bool = False
 
 
 @dataclass(eq=False)

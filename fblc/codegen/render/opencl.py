@@ -290,13 +290,18 @@ def render_function(function: ir.KernelIR, values: Sequence[ir.Var], arrays: Seq
                     storage: Storage = IMAGE) -> str:
     """A function (not a __kernel) of `function`'s body that __kernels call (ir.Invoke): its texture arguments,
     then `values` (const), then its __local `arrays` as pointers (OpenCL C declares __local only in a __kernel),
-    then the storage's function tail (a trace's buffers and the caller's number of the function's input 0)."""
-    params = [_parameter(storage, a, function.aliased) for a in function.arguments]
+    then the storage's function tail (a trace's buffers and the caller's number of the function's input 0);
+    `inline __attribute__((always_inline))` where it is `inlined` (as the layouts' coordinate functions)."""
+    # an inlined one's pointers without `restrict`: its __kernel's carry it, and clang's inliner declares a scope
+    # for each restrict one (llvm.experimental.noalias.scope.decl), which oclgrind 21.10 cannot run
+    aliased = frozenset(a.name for a in function.arguments) if function.inlined else function.aliased
+    params = [_parameter(storage, a, aliased) for a in function.arguments]
     params += [f"const {v.dtype.c_name} {name_of(v)}" for v in values]
     params += [f"__local {v.dtype.c_name}* {name_of(v)}" for v in arrays]
     renderer = Renderer(foldable(function.body), storage, "fblc_in0 + ")
     body = [INDENT + line for line in storage.prologue] + renderer.statements(function.body, 1)
-    return "\n".join([f"void {function.name}({', '.join(params)}{storage.function_tail}) {{", *body, "}"])
+    head = "inline __attribute__((always_inline)) void" if function.inlined else "void"
+    return "\n".join([f"{head} {function.name}({', '.join(params)}{storage.function_tail}) {{", *body, "}"])
 
 
 def foldable(body: Sequence[ir.Statement]) -> dict[ir.Var, ir.Expr]:

@@ -1,8 +1,8 @@
 """A kernel source of the bundle for one storage (kernels.cl: images; kernels.buffer.cl: buffers): its
 preamble (with the `real` type where a kernel computes in half), in image storage the R-Tile layouts'
 coordinate functions, and one __kernel per distinct kernel (Kernel.function) rendered from its IR, each after a
-comment naming what it computes. A kernel that a co-launched kernel runs as a part (codegen/co_launch.py; but
-for pairs with barriers: co_launch.dispatched) is a function the source holds once, before the first __kernel
+comment naming what it computes. A kernel that a co-launched kernel runs as a part (codegen/co_launch.py: where
+co_launch.dispatched) is a function the source holds once, before the first __kernel
 that calls it, named after the first of its twins (Kernel.twin): the co-launched __kernels, and the __kernel of
 a launch of its own with that body, call it."""
 
@@ -36,7 +36,7 @@ def assemble_source(kernels: Sequence[Kernel], layouts: Sequence[TexelLayout], s
             spans[kernel.name] = spans[kernel.function]
             continue
         start = len(lines) + 1
-        if kernel.parts:  # the parts' functions, or (with barriers) its IR: copies of their bodies
+        if kernel.parts:  # the parts' functions, or (not co_launch.dispatched) its IR: copies of their bodies
             parts = kernel.parts if dispatched(kernel) else []
         else:
             parts = [kernel] if _twin(kernel) in called else []
