@@ -701,7 +701,8 @@ def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
     assert not stored & {p.outputs[0].name for p in products}, "the product is computed where it is read"
     # the four sums fold in one loop (reduce.fuse_sums): each site's dy, in sum(dy) and sum(dy * x_hat), read once
     source = (tmp_path / "bundle" / "kernels.cl").read_text()
-    sums_kernel = next(body for body in source.split("__kernel ")[1:] if body.count("write_imagef") >= 4)
+    sums_kernel = next(body for body in source.split("__kernel ")[1:]
+                       if body.split("(", 1)[0].endswith("_ReduceSum") and body.count("write_imagef") >= 4)
     reads = re.findall(r"read_imagef\((in\d+)", sums_kernel)
     assert len(reads) == len(set(reads)) == 8, reads  # two sites' dy and x_hat, four inputs of the updates
     # rows of 5: a texel's lanes see one or two channels, whose 1 / sqrt(var + eps) is taken once each before
