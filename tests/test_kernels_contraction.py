@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -698,6 +699,12 @@ def test_conv_bn_relu_epilogue_fuses(tmp_path) -> None:
     with open(tmp_path / "bundle" / "plan.json") as handle:
         stored = {name for texture in json.load(handle)["textures"] for name in texture["values"]}
     assert not stored & {p.outputs[0].name for p in products}, "the product is computed where it is read"
+    # the four sums fold in one loop (reduce.fuse_sums): each site's dy, in sum(dy) and sum(dy * x_hat), read once
+    source = (tmp_path / "bundle" / "kernels.cl").read_text()
+    sums_kernel = next(body for body in source.split("__kernel ")[1:]
+                       if body.split("(", 1)[0].endswith("_ReduceSum") and body.count("write_imagef") >= 4)
+    reads = re.findall(r"read_imagef\((in\d+)", sums_kernel)
+    assert len(reads) == len(set(reads)) == 8, reads  # two sites' dy and x_hat, four inputs of the updates
     # rows of 5: a texel's lanes see one or two channels, whose 1 / sqrt(var + eps) is taken once each before
     # the lane loop (ValueReads.load_channel's `apply`), not once per lane
     forward = next(body for body in (tmp_path / "bundle" / "kernels.cl").read_text().split("__kernel ") if "rsqrt" in body)

@@ -23,12 +23,14 @@ from fblc.codegen.cl import Kernel, strides_of
 from fblc.codegen.indexing import digit_terms, flat_view_index, index_var
 from fblc.codegen.ir import FLOAT, FLOAT4, Block, Expr, Lane, Var, call, const, flat_index, select, vector
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.elementwise import EXPRESSIONS, evaluate_chain
+from fblc.codegen.kernels.elementwise import evaluate_chain
+from fblc.codegen.kernels.fold_reads import FoldInput, FoldReads, Folds, Read, lane_each, let_each
 from fblc.codegen.reads import dtype_of
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import map_of, view_root
 from fblc.compiler.values import attr, numel, static_shape
 from fblc.passes.fuse import REDUCTIONS, reduced_axes
+from fblc.profiles.profile import SHARED_TILE_FLOATS
 
 Combine = Callable[[Expr, Expr], Expr]  # (accumulator, element) -> the new accumulator
 _fmax: Combine = partial(call, "fmax")
@@ -62,47 +64,12 @@ class Folded:
         return self.lanes[0]
 
 
-class FoldInput:
-    """What a fold reads: a tensor's texels and elements, or, where a prologue node of the kernel makes it (by id of
-    its output: passes/fuse.reduction_prologue), that node's op of its operands' texels and elements (one texel
-    of each operand a texel: they have its shape and are read in its order)."""
-
-    def __init__(self, b: KernelBuilder, value: ir.Value, prologue: dict[int, ir.Node]) -> None:
-        self.b, self.value, self.prologue = b, value, prologue
-        self.node = prologue.get(id(view_root(value)))
-
-    def _computed(self, read: Callable[[FoldInput], Expr]) -> Expr:
-        assert self.node is not None
-        return EXPRESSIONS[self.node.op_type](self.b, self.node, lambda v: read(FoldInput(self.b, v, self.prologue)))
-
-    def texel(self, texel: Expr) -> Expr:
-        """Its whole texel `texel` (a float4)."""
-        if self.node is None:
-            return self.b.texel(*self.b.input_argument(self.value), texel)
-        return self._computed(lambda operand: operand.texel(texel))
-
-    def element(self, index: Expr) -> Expr:
-        """Its element `index` (flat, row-major)."""
-        if self.node is None:
-            return self.b.element(self.value, index)
-        return self._computed(lambda operand: operand.element(index))
-
-    @property
-    def texels(self) -> int:
-        return self.b.input_argument(self.value)[1].texels if self.node is None else -(-numel(static_shape(self.value))
-                                                                                      // 4)
-
-    @property
-    def mask(self) -> bool:
-        """Whether it is a mask's bits (no 4-element texels to read whole)."""
-        return self.node is None and bool(self.b.input_argument(self.value)[1].mask_elements)
-
-
 #: how a group joins partials of several accumulators ([the work-item's partials of each], prologue)
 GroupMerge = Callable[[KernelBuilder, list[list[Union[Var, Lane]]], bool], None]
 
 
-def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims: bool, combine: Callable,
+def reduction_loop(b: KernelBuilder, source: ir.Value | tuple[ir.Value, ...], axes: list[int], keepdims: bool,
+                   combine: Callable,
                    start: float | tuple[float, ...], merge: str | GroupMerge = "add",
                    texel_fold: TexelFold | None = None, computed: dict[int, ir.Node] | None = None) -> Folded:
     """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`, or with a
@@ -110,7 +77,11 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials: a
     builder.MERGES name (one accumulator), or a GroupMerge. With `texel_fold`, a row whose trailing reduced
     run is contiguous folds whole texels into float4 accumulators (combine takes float4s too). `computed`: the
-    kernel's prologue nodes by output id (FoldInput), `source` computed as it is read where one makes it."""
+    kernel's prologue nodes by output id (FoldInput), `source` computed as it is read where one makes it. A tuple
+    of sources (contiguous, one shape: fuse_sums) folds them in one loop, `combine` taking a tuple of elements."""
+    sources = source if isinstance(source, tuple) else None
+    source = sources[0] if sources else source
+    assert isinstance(source, ir.Value)
     shape = static_shape(source)
     strides = strides_of(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
@@ -132,9 +103,9 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     first, step = (b.lid, group) if group else (const(0), 1)
     whole_texels = b.constant_value(source) is None and map_of(source).contiguous and not stepped
     starts = start if isinstance(start, tuple) else (start,)
-    read = FoldInput(b, source, computed or {})
+    read: Read = FoldReads(b, sources, computed or {}) if sources else FoldInput(b, source, computed or {})
 
-    def fold_in(block: Block, accs: list[Var], x: Expr) -> None:
+    def fold_in(block: Block, accs: list[Var], x: Folds) -> None:
         """accs = combine(accs, x), every new value computed from the old ones."""
         new = combine(accs[0], x) if len(accs) == 1 else combine(block, tuple(accs), x)
         news = [block.let(v, "n") for v in new] if isinstance(new, tuple) else [new]
@@ -142,8 +113,10 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
             block.assign(acc, value)
 
     def join(partials: list[list[Var | Lane]], prologue: bool) -> None:
-        if isinstance(merge, str):
-            b.merge_across_group([p for each in partials for p in each], merge, prologue)
+        if isinstance(merge, str):  # fused sums (FoldReads): in merges of at most SHARED_TILE_FLOATS of __local
+            flat, most = [p for each in partials for p in each], max(4, SHARED_TILE_FLOATS // (group or 1))
+            for at in range(0, len(flat), most):
+                b.merge_across_group(flat[at:at + most], merge, prologue)
         else:
             merge(b, partials, prologue)
 
@@ -157,7 +130,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
     if whole_texels and inner > 0 and inner % 4 == 0 and b.texels_per_item == 1:
         accs = [b.prologue.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts]
         with b.prologue.loop("r", first, count, step=step) as (r, fold):
-            x = fold.let(read.texel((base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4)), "x")
+            x = let_each(fold, read.texel((base_of(TEXEL_INDEX) >> 2) + step_index(r, axes, 4), fold), "x")
             fold_in(fold, accs, x)
         if group:  # the four outputs' partials in one merge
             join([[acc.lane(lane) for lane in range(4)] for acc in accs], True)
@@ -175,12 +148,12 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
             texel_accs = [body.mutable(vector(FLOAT4, const(st, FLOAT)), "acc") for st in starts] if texel_fold else []
             with body.loop("r", first, count // 4, step=step) as (r, fold):
                 texel = flat_index(digit_terms(r, [(shape[a], strides[a] // 4) for a in outer] + [(run // 4, 1)]))
-                v = fold.let(read.texel((base >> 2) + texel), "v")
+                v = let_each(fold, read.texel((base >> 2) + texel, fold), "v")
                 if texel_fold:
                     fold_in(fold, texel_accs, v)
                 else:
                     for lane in range(4):
-                        fold_in(fold, accs, fold.let(v.lane(lane), "x"))
+                        fold_in(fold, accs, let_each(fold, lane_each(v, lane), "x"))
             if texel_fold:
                 for acc, value in zip(accs, texel_fold.join(body, tuple(texel_accs))):
                     body.assign(acc, value)
@@ -203,7 +176,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value, axes: list[int], keepdims
             start = body.let(flat_view_index(index_map, base), "row") if stepped else base
             with body.loop("r", first, count, step=step) as (r, fold):
                 index = start + step_index(r, axes) if axes else start
-                fold_in(fold, accs, fold.let(read.element(index), "x"))
+                fold_in(fold, accs, let_each(fold, read.element(index, fold), "x"))
 
     if group and b.texels_per_item == 1:  # the texel's 4 outputs in the prologue, their partials in one merge
         prologue, outputs = b.prologue, numel([shape[a] for a in kept])
@@ -260,8 +233,8 @@ def root_columns(source: ir.Value, axes: list[int]) -> int | None:
     return columns if all(stride % columns == 0 for a in axes for _, stride in digits[a]) else None
 
 
-def _fold_run(block: Block, read: FoldInput, row: Expr, run: int, accs: list[Var],
-              fold_in: Callable[[Block, list[Var], Expr], None], first: Expr, step: int,
+def _fold_run(block: Block, read: Read, row: Expr, run: int, accs: list[Var],
+              fold_in: Callable[[Block, list[Var], Folds], None], first: Expr, step: int,
               texel_fold: TexelFold | None = None) -> None:
     """Fold the `run` consecutive elements of `read` from flat index `row` into `accs` (the `first`, `first +
     step`.. of their texels): the texels that cover them, each read once and its lanes folded in turn, but for
@@ -270,7 +243,7 @@ def _fold_run(block: Block, read: FoldInput, row: Expr, run: int, accs: list[Var
     With `texel_fold` the texel folds whole into float4 `accs`, its lanes outside the run as the neutral element."""
     if read.mask:  # a mask's bits have no texels to read whole
         with block.loop("ri", first, run, step=step) as (inner, fold):
-            fold_in(fold, accs, fold.let(read.element(row + inner), "x"))
+            fold_in(fold, accs, let_each(fold, read.element(row + inner, fold), "x"))
         return
     # a static count (the most texels a run covers, at its worst alignment: a compiler and kernel_stats know its
     # trips); a texel past the tensor's end, which only the last run can meet, is read clamped and folds nothing
@@ -278,8 +251,9 @@ def _fold_run(block: Block, read: FoldInput, row: Expr, run: int, accs: list[Var
     start, end = block.let(row >> 2, "q"), block.let(row + run, "end")
     with block.loop("ri", first, span, step=step) as (inner, fold):
         at = fold.let(start + inner, "q")
-        texel = fold.let(read.texel(call("min", at, last)), "v")
+        texel = let_each(fold, read.texel(call("min", at, last), fold), "v")
         if texel_fold:
+            assert not isinstance(texel, tuple), "a texel fold of one source"
             inside = [(at * 4 + lane).ge(row).logical_and((at * 4 + lane).lt(end)) for lane in range(4)]
             neutral = const(texel_fold.neutral, FLOAT)
             fold_in(fold, accs, fold.let(vector(FLOAT4, *(select(inside[lane], texel.lane(lane), neutral)
@@ -288,7 +262,7 @@ def _fold_run(block: Block, read: FoldInput, row: Expr, run: int, accs: list[Var
         for lane in range(4):
             element = at * 4 + lane
             with fold.when(element.ge(row).logical_and(element.lt(end))) as inside:
-                fold_in(inside, accs, inside.let(texel.lane(lane), "x"))
+                fold_in(inside, accs, let_each(inside, lane_each(texel, lane), "x"))
 
 
 def _log_sum_exp_step(block: Block, accs: tuple[Expr, ...], x: Expr) -> tuple[Expr, Expr]:
@@ -349,6 +323,47 @@ def reduction_lane(b: KernelBuilder, node: ir.Node, computed: dict[int, ir.Node]
     return total_lane
 
 
+#: the reductions that are a plain sum of their input (a mean: the sum scaled)
+SUMS = ("ReduceSum", "ReduceMean", "GlobalAveragePool")
+
+
+def _fold_key(b: KernelBuilder, node: ir.Node) -> tuple | None:
+    """What sums may share a loop: the same reduced axes and keepdims over a contiguous input of one shape (one
+    order of texels); None: a fold of its own (another op, a strided view, a constant, a mask's bits)."""
+    source = node.inputs[0]
+    if node.op_type not in SUMS or not map_of(source).contiguous or b.constant_value(source) is not None:
+        return None
+    keepdims = node.op_type == "GlobalAveragePool" or bool(attr(node, "keepdims", 1))
+    return tuple(reduced_axes(node)), keepdims, tuple(static_shape(source))
+
+
+def fuse_sums(b: KernelBuilder, reductions: list[ir.Node]) -> list[list[ir.Node]]:
+    """The group's reductions in order, sums of one _fold_key together (at the first's place): one loop reads
+    the texels they share once (FoldReads), where a loop each read BatchNorm's dy twice."""
+    runs: list[list[ir.Node]] = []
+    at: dict[tuple, list[ir.Node]] = {}
+    for node in reductions:
+        key = _fold_key(b, node)
+        if key is not None and key in at:
+            at[key].append(node)
+            continue
+        runs.append([node])
+        if key is not None:
+            at[key] = runs[-1]
+    return runs
+
+
+def sum_lanes(b: KernelBuilder, nodes: list[ir.Node], computed: dict[int, ir.Node]) -> list[Expr]:
+    """The lane's results of sums `nodes` (one _fold_key) folded in one loop."""
+    source = nodes[0].inputs[0]
+    axes, keepdims, _ = _fold_key(b, nodes[0]) or ((), True, ())
+    sums = reduction_loop(b, tuple(n.inputs[0] for n in nodes), list(axes), keepdims,
+                          lambda block, accs, xs: tuple(a + x for a, x in zip(accs, xs)), (0.0,) * len(nodes),
+                          computed=computed).lanes
+    count = const(float(numel([static_shape(source)[a] for a in axes]) or 1), FLOAT)
+    return [total / count if node.op_type != "ReduceSum" else total for node, total in zip(nodes, sums)]
+
+
 @register_kernel(*sorted(REDUCTIONS))
 def emit_reductions(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     """One kernel for a group's sibling reductions (one signature: passes/fuse.py), each folded in turn
@@ -365,8 +380,10 @@ def emit_reductions(table: TextureTable, group: KernelGroup) -> list[Kernel]:
     for node in reductions + list(computed.values()):
         if node is not group.anchor:
             b.nodes.append(node.name)
-    for node in reductions:
-        env[id(node.outputs[0])] = b.body.let(reduction_lane(b, node, computed), "red", dtype_of(node.outputs[0]))
+    for nodes in fuse_sums(b, reductions):
+        lanes = [reduction_lane(b, nodes[0], computed)] if len(nodes) == 1 else sum_lanes(b, nodes, computed)
+        for node, lane in zip(nodes, lanes):
+            env[id(node.outputs[0])] = b.body.let(lane, "red", dtype_of(node.outputs[0]))
     prologue = {id(n) for n in computed.values()}
     env = evaluate_chain(b, [n for n in group.nodes if n.op_type not in REDUCTIONS and id(n) not in prologue], env)
     return [b.finish([env[id(v)] for v in group.outputs])]
