@@ -75,7 +75,7 @@ def reduction_loop(b: KernelBuilder, source: ir.Value | tuple[ir.Value, ...], ax
     """Fold `source` over `axes` for the current output element: `acc = combine(acc, x)` from `start`, or with a
     tuple of starts, several accumulators at once (`combine(block, accs, x)` gives their new values). With
     `b.group_size` the work-items fold every group_size-th step, then `merge` joins their partials: a
-    builder.MERGES name (one accumulator), or a GroupMerge. With `texel_fold`, a row whose trailing reduced
+    group_merges.MERGES name (one accumulator), or a GroupMerge. With `texel_fold`, a row whose trailing reduced
     run is contiguous folds whole texels into float4 accumulators (combine takes float4s too). `computed`: the
     kernel's prologue nodes by output id (FoldInput), `source` computed as it is read where one makes it. A tuple
     of sources (contiguous, one shape: fuse_sums) folds them in one loop, `combine` taking a tuple of elements."""
