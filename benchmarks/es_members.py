@@ -4,11 +4,12 @@
 
 Compiles MODEL with `--trainer es --adapter fura-s` at each P of --pairs and prints, per P, report.json's `kernels`
 (the plan's launch records) and `launches_per_step` (what a step enqueues: the loop body once per member, 2P
-times), the plan's loop, and from the step's memory plan (each value's class, bytes and launches live, the
-`fblc.mem` metadata) the largest non-weight bytes live at one launch of the loop body: `member_local` (buffers
-made and freed inside the body: what each member batched into one launch would add), `carried` (live across the
-body: the loop's accumulators, the inputs). Issue 40 asks whether 2P members per launch fit its 0.8 GB target:
-a batch holds 2P x member_local at once. The 1B-shaped model: benchmarks/llama_shaped.py (4.9 GB of sparse
+times), the plan's loop, and from the step's memory plan (its buffers: class, bytes, first and last launch) the
+largest non-weight bytes live at one launch of the loop body: `member_local` (buffers made and freed inside the
+body: what each member batched into one launch would add), `carried` (live across the body: the loop's
+accumulators, the inputs). Issue 40 asks whether 2P members per launch fit its 0.8 GB target: a batch holds 2P x
+member_local at once.
+The 1B-shaped model: benchmarks/llama_shaped.py (4.9 GB of sparse
 external data; each compile writes a bundle of that size in a scratch folder, removed after).
 """
 
@@ -27,31 +28,23 @@ from fblc.cli.options import training_options  # noqa: E402
 from fblc.codegen.compile import compile_model  # noqa: E402
 from fblc.compiler import keys  # noqa: E402
 from fblc.compiler.es_loop import BODY  # noqa: E402
-from fblc.passes.memory_plan import _schedule  # noqa: E402
+from fblc.passes.memory_plan import launch_schedule, plan_memory  # noqa: E402
 
 
-def body_bytes(graph: object) -> dict[str, int]:
-    """The loop body's launches and the largest non-weight bytes live at one of them, split by whether the buffer
-    lives inside the body only (member_local) or across it (carried)."""
-    index, steps, _, _ = _schedule(graph)  # type: ignore[arg-type]
-    body = [index[id(n)] for n in graph  # type: ignore[attr-defined]
-            if n.metadata_props.get(keys.LOOP_PHASE) == BODY and id(n) in index]
+def body_bytes(step: object) -> dict[str, int]:
+    """The loop body's launches and the largest non-weight bytes live at one of them (the memory plan's buffers),
+    split by whether the buffer lives inside the body only (member_local) or across it (carried)."""
+    graph = step.graph  # type: ignore[attr-defined]
+    index, steps, _, _ = launch_schedule(graph)
+    body = [index[id(n)] for n in graph if n.metadata_props.get(keys.LOOP_PHASE) == BODY and id(n) in index]
     first, last = min(body), max(body)
     local, carried = [0] * steps, [0] * steps
-    seen: set[str] = set()
-    for node in graph:  # type: ignore[attr-defined]
-        for value in node.outputs:
-            text = value.metadata_props.get(keys.MEM) if value is not None else None
-            if not text or value.name in seen:
-                continue
-            seen.add(value.name)
-            record = json.loads(text)
-            if record["class"] == "weight":
-                continue
-            start, end = record["live"]
-            into = local if first <= start and end <= last else carried
-            for launch in range(max(start, first), min(end, last) + 1):
-                into[launch] += record["bytes"]
+    for buffer in plan_memory(step).buffers:  # type: ignore[arg-type]
+        if buffer.cls == "weight":
+            continue
+        into = local if first <= buffer.first and buffer.last <= last else carried
+        for launch in range(max(buffer.first, first), min(buffer.last, last) + 1):
+            into[launch] += buffer.bytes
     span = range(first, last + 1)
     return {"member_local": max(local[k] for k in span), "carried": max(carried[k] for k in span),
             "live": max(local[k] + carried[k] for k in span)}
@@ -76,7 +69,7 @@ def main() -> None:
                 loops = [{k: loop[k] for k in ("begin", "end", "count")} for loop in json.load(handle)["loops"]]
         memory = report["memory"]
         print(json.dumps({"P": pairs, "kernels": report["kernels"], "launches_per_step": report["launches_per_step"],
-                          "loops": loops, **body_bytes(step.graph), "weights": memory["weights"],
+                          "loops": loops, **body_bytes(step), "weights": memory["weights"],
                           "device_peak": memory["device_peak"]}), flush=True)
 
 

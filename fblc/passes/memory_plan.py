@@ -106,7 +106,7 @@ def _dtype_name(value: ir.Value) -> str:
     return ir.DataType(value.dtype).name.lower()
 
 
-def _schedule(graph: ir.Graph) -> tuple[dict[int, int], int, list[str], list[str]]:
+def launch_schedule(graph: ir.Graph) -> tuple[dict[int, int], int, list[str], list[str]]:
     """node id -> launch index, the number of launches, a label and a stage per launch.
 
     A launch's stage is that of its earliest node: the fuse pass may compute a backward
@@ -153,7 +153,7 @@ def _why_saved(value: ir.Value, made_in: str) -> str:
 def plan_memory(model: ir.Model) -> MemoryPlan:
     """Lifetimes, classes and the per-launch timeline of the step graph."""
     graph = model.graph
-    index, steps, labels, stages = _schedule(graph)
+    index, steps, labels, stages = launch_schedule(graph)
     fused = any(keys.KERNEL in n.metadata_props for n in graph)
     if steps == 0:  # no launch at all (the step only views its inputs): one empty launch holds the timeline
         steps, labels, stages = 1, ["(no launch)"], ["forward"]
