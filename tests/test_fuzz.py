@@ -17,7 +17,7 @@ import pytest
 
 from fblc.compiler.model_io import load_model
 from fblc.errors import ModelLoadError
-from fblc.tools import fuzz
+from fblc.tools import fuzz, mutations
 from fblc.tools.random_graphs import random_graph
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -184,9 +184,9 @@ def test_finding_a_type_that_onnx_ir_cannot_read_is_a_load_error(tmp_path) -> No
         load_model(path)
 
 
-@pytest.mark.parametrize("kind", sorted(fuzz.MUTATIONS))
+@pytest.mark.parametrize("kind", sorted(mutations.MUTATIONS))
 def test_each_mutation_kind_gives_a_clear_error_or_a_step(kind: str, tmp_path) -> None:
-    seed = sorted(fuzz.MUTATIONS).index(kind)  # check_mutation picks the kind from the seed
+    seed = sorted(mutations.MUTATIONS).index(kind)  # check_mutation picks the kind from the seed
     assert fuzz.check_mutation(seed, str(tmp_path)) == (kind, None)
 
 

@@ -49,6 +49,7 @@ from fblc.compiler.optimizers import OPTIMIZERS, OptimizerConfig
 from fblc.compiler.reference import ReferenceStep, onnxruntime_session, run_model
 from fblc.errors import FblcError
 from fblc.passes.pipeline import LAYOUTS, TrainingOptions, build_training_graph
+from fblc.tools.mutations import mutant
 from fblc.tools.random_graphs import RandomGraph, random_graph
 
 OPTIONS = TrainingOptions(optimizer=OptimizerConfig("sgd", lr=0.01))
@@ -290,86 +291,14 @@ def _device_error(path: str, options: TrainingOptions, mode: Mode, feeds: dict[s
             f"(max abs {worst.max_abs:.3g})")
 
 
-# --- broken files ------------------------------------------------------------------------------
-
-Mutation = Callable[[onnx.ModelProto, np.random.Generator], bytes]
-
-
-def _proto(model: onnx.ModelProto) -> onnx.ModelProto:
-    return onnx.ModelProto.FromString(model.SerializeToString())
-
-
-def _truncated(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    data = model.SerializeToString()
-    return data[: int(rng.integers(0, len(data)))]
-
-
-def _flipped(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    data = bytearray(model.SerializeToString())
-    for index in rng.integers(0, len(data), size=int(rng.integers(1, 8))):
-        data[index] ^= int(rng.integers(1, 256))
-    return bytes(data)
-
-
-def _with_inputs(m: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The nodes that read a tensor (not the Constants)."""
-    return [node for node in m.graph.node if node.input]
-
-
-def _dangling(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    m = _proto(model)
-    readers = _with_inputs(m)
-    node = readers[int(rng.integers(len(readers)))]
-    node.input[int(rng.integers(len(node.input)))] = "no_such_tensor"
-    return m.SerializeToString()
-
-
-def _cycle(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    m = _proto(model)
-    first, last = _with_inputs(m)[0], m.graph.node[len(m.graph.node) - 1]
-    first.input[0] = last.output[0]
-    return m.SerializeToString()
-
-
-def _bad_type(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    m = _proto(model)
-    m.graph.input[0].type.tensor_type.elem_type = int(rng.choice([onnx.TensorProto.STRING, onnx.TensorProto.BOOL,
-                                                                  onnx.TensorProto.INT8]))
-    return m.SerializeToString()
-
-
-def _unknown_op(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    m = _proto(model)
-    m.graph.node[int(rng.integers(len(m.graph.node)))].op_type = "NoSuchOp"
-    return m.SerializeToString()
-
-
-def _bad_attribute(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    m = _proto(model)
-    node = m.graph.node[len(m.graph.node) - 1]  # the final Gemm
-    node.attribute.append(onnx.helper.make_attribute("transA", 0.5))
-    return m.SerializeToString()
-
-
-def _empty(model: onnx.ModelProto, rng: np.random.Generator) -> bytes:
-    m = _proto(model)
-    del m.graph.node[:]
-    return m.SerializeToString()
-
-
-MUTATIONS: dict[str, Mutation] = {"truncated": _truncated, "flipped": _flipped, "dangling": _dangling,
-                                  "cycle": _cycle, "bad type": _bad_type, "unknown op": _unknown_op,
-                                  "bad attribute": _bad_attribute, "empty graph": _empty}
-
+# --- broken files (fblc.tools.mutations) -------------------------------------------------------
 
 def check_mutation(seed: int, workdir: str) -> tuple[str, Finding | None]:
     """(mutation kind, a `crash` finding when loading or building raised anything but an FblcError)."""
-    rng = np.random.default_rng(seed)
-    kinds = sorted(MUTATIONS)
-    kind = kinds[seed % len(kinds)]
+    kind, data = mutant(random_graph(seed).model, seed)
     path = os.path.join(workdir, f"mutant_{seed}.onnx")
     with open(path, "wb") as handle:
-        handle.write(MUTATIONS[kind](random_graph(seed).model, rng))
+        handle.write(data)
     try:
         build_training_graph(load_model(path), OPTIONS)
     except FblcError:
