@@ -225,10 +225,16 @@ TEXEL_CASES = {
 #: with enough channels that on the local profile its forward, input and weight gradients' groups share both
 #: operands (test_staging checks that they do); last in the merged sets, so that the cases before keep their seeds
 GROUPED_CASES = {"conv_temporal_grouped_items": conv((4, 32, 48, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0])}
+#: a mean of a 1x1 Conv's and a 1x1 ConvTranspose's outputs: their dY is one element broadcast over the map (stride 0),
+#: which the weight gradients' flattened pointwise form once read as a run of distinct elements (conv._merged_stride)
+BROADCAST_CASES = {"conv1x1_weight_grads_of_a_mean": (
+    [_node("Conv", ["x", "w"], "c"), _node("ConvTranspose", ["x", "wt"], "t"),
+     _node("ReduceMean", ["c"], "mc", keepdims=1), _node("ReduceMean", ["t"], "mt", keepdims=1),
+     _node("Add", ["mc", "mt"])], {"x": (2, 8, 6, 6), "w": (16, 8, 1, 1), "wt": (8, 4, 1, 1)})}
 
 
 def _case_model(folder: str, name: str, seed: int) -> onnx.ModelProto:
-    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES | SPECTRAL_CASES | TRANSPOSE_CASES | GROUPED_CASES)[name][:2]
+    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES | SPECTRAL_CASES | TRANSPOSE_CASES | GROUPED_CASES | BROADCAST_CASES)[name][:2]
     return onnx.load(write_case(os.path.join(folder, f"{name}.onnx"), nodes, inits, seed=seed))
 
 
@@ -265,7 +271,7 @@ def _assert_merged_case_matches(merged_rows: Callable[[str, str, str], list], na
 
 @pytest.mark.xdist_group("contraction-merged-image")  # one worker builds the merged step for all its tests
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(TEXEL_CASES) + sorted(SPECTRAL_CASES) + sorted(TRANSPOSE_CASES)
-                         + sorted(GROUPED_CASES))
+                         + sorted(GROUPED_CASES) + sorted(BROADCAST_CASES))
 def test_contraction_step(name: str, merged_rows) -> None:
     _assert_merged_case_matches(merged_rows, name)
 
@@ -407,11 +413,12 @@ TILE_CASES = {
 
 
 MERGED_SETS["image", "fp32"] = (sorted(CASES) + sorted(TEXEL_CASES) + sorted(TILE_CASES) + sorted(SPECTRAL_CASES)
-                                + sorted(TRANSPOSE_CASES) + sorted(GROUPED_CASES))
+                                + sorted(TRANSPOSE_CASES) + sorted(GROUPED_CASES) + sorted(BROADCAST_CASES))
 MERGED_SETS["buffer", "fp32"] = ["conv3x3_weight_grad_channel_blocks", "matmul_tile_merged_rows", "matmul_tile_heads_rows",
                                  "matmul_attention_rows", "conv3x3_weight_grad_small_map", "matmul_tile_one_row_batched",
                                  "matmul_attention_rows_apart", "spectral_dft_stft_padded",
-                                 "conv_transpose_trained", "conv_temporal_grouped_items"]
+                                 "conv_transpose_trained", "conv_temporal_grouped_items",
+                                 *sorted(BROADCAST_CASES)]
 
 
 def _conv_bn_tile() -> tuple[list[onnx.NodeProto], dict[str, Any]]:

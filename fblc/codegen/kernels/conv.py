@@ -97,9 +97,13 @@ def written_swapped(group: KernelGroup) -> bool:
 
 
 def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
-    """The stride of `shape`'s axes read as one axis, or None when they are not contiguous with each other."""
-    merged = IndexMap(tuple(shape), tuple(strides)).reshaped((int(np.prod(shape)),))
-    return None if merged is None or merged.folded else merged.strides[0] or 1
+    """The stride of `shape`'s axes read as one axis, or None when they are not contiguous with each other or
+    are a broadcast (stride 0: a mean's gradient, one element for the whole map, read by the general path)."""
+    size = int(np.prod(shape))
+    merged = IndexMap(tuple(shape), tuple(strides)).reshaped((size,))
+    if merged is None or merged.folded or (merged.strides[0] == 0 and size > 1):
+        return None
+    return merged.strides[0] or 1  # one element: any stride reads it
 
 
 @dataclass
