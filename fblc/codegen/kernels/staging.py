@@ -21,11 +21,12 @@ operands are shared, as a register tile's rows and columns are. Where an operand
 conv's weights, batch element after batch element), the group size chosen may take runs P apart instead (more
 batch elements, fewer output-channel tiles a group: the weights shared by more items), the other operand's runs
 each copying its own span (StagedOperand.run_gap: T-ResNet B=64's k8, texel reads 1088 -> 512 a group and block,
-its time 0.81x). An operand is staged where its copy is at most
-STAGE_GAIN of the group's reads of it, the G and order taken being the ones of the least cost per work-item
-and block: its copies' texels, twice (UNSTAGED_READ_WEIGHT) its own reads of operands left unstaged, and
-STAGED_BLOCK_READS shared by the group; the arrays within LOCAL_TEXELS, and on a CPU with barriers in nested
-loops (and for blocks of runs, always) the group's accumulators within half the L1 (_largest_group). A
+its time 0.81x; buffers, which stage nothing, keep the launch's order: ir.StagedChoice). An operand is staged
+where its copy is at most STAGE_GAIN of the group's reads of it, the G and order taken being the ones of the
+least cost per work-item and block: its copies' texels, twice (UNSTAGED_READ_WEIGHT) its own reads of operands
+left unstaged, and STAGED_BLOCK_READS shared by the group; the arrays within LOCAL_TEXELS, and on a CPU with
+barriers in nested loops (and for blocks of runs, always) the group's accumulators within half the L1
+(_largest_group). A
 gathered-rows copy takes each kind of block's own texels (whole blocks, the remainder) (T-ResNet B=64's weight
 gradients: 17 texel reads a work-item and block -> 7, their time in image storage 0.3-0.75x). Nothing is staged (None)
 where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
@@ -196,7 +197,10 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
     # weight gradients in groups twice theirs 1.2-1.4x (PoCL, one thread, process CPU time)
     repeats = {_period(sums) for sums, *_ in candidates.values()} - {0}
     plans = (_plan_cost(candidates, b.items, best[1], o) for o in _orders(b.items, best[1], repeats)[1:])
-    best = min([best, *(p for p in plans if p is not None)], key=lambda p: p[0])
+    unrepeated, best = best, min([best, *(p for p in plans if p is not None)], key=lambda p: p[0])
+    # such an order only where it stages: buffers keep the launch's, whose neighbouring items share a batch
+    # element's x in the cache (T-ResNet B=64's k0 in buffers: 6.3 -> 9.4 ms in the staged order)
+    b.staging_launch_order = best is not unrepeated
     _, group, order, chosen = best
     staged = {}
     for name, (texels, spread, step, run) in chosen.items():
