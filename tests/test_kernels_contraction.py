@@ -224,7 +224,9 @@ TEXEL_CASES = {
 #: staged kernels whose work-groups take blocks of runs of items (kernels/staging.py grouped_items): a temporal conv
 #: with enough channels that on the local profile its forward, input and weight gradients' groups share both
 #: operands (test_staging checks that they do); last in the merged sets, so that the cases before keep their seeds
-GROUPED_CASES = {"conv_temporal_grouped_items": conv((4, 32, 48, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0])}
+GROUPED_CASES = {"conv_temporal_grouped_items": conv((4, 32, 48, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0]),
+                 # the forward and input gradient groups take runs a batch element apart, x copied run by run
+                 "conv_temporal_run_spans": conv((8, 32, 24, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0])}
 #: a mean of a 1x1 Conv's and a 1x1 ConvTranspose's outputs: their dY is one element broadcast over the map (stride 0),
 #: which the weight gradients' flattened pointwise form once read as a run of distinct elements (conv._merged_stride)
 BROADCAST_CASES = {"conv1x1_weight_grads_of_a_mean": (

@@ -5,6 +5,7 @@ oclgrind's (tests/test_oclgrind.py: the conv net's and the MLP's kernels stage, 
 
 from __future__ import annotations
 
+import re
 import numpy as np
 import pytest
 
@@ -82,6 +83,19 @@ def test_groups_take_blocks_of_runs_where_both_operands_are_shared(tmp_path) -> 
         kernel = _evaluate(grouped_item(position, lid, group, across, period),
                            {lid: kir.mod_index(position, group)}, position, at)
         assert np.array_equal(kernel, plan), (items, group, across, period)
+
+
+def test_groups_take_runs_a_batch_element_apart_where_the_weights_repeat(tmp_path) -> None:
+    """Where the weights' reads repeat every batch element's items, a group of the size chosen may hold runs of
+    items one batch element apart (more batch elements, fewer channel tiles: the weights shared by more items),
+    each run's x copied as its own span (element j of run r: texel q0 + r * gap + j - r * span); the merged case
+    conv_temporal_run_spans runs these kernels on the device."""
+    nodes, inits = GROUPED_CASES["conv_temporal_run_spans"]
+    kernels = _staged(lowered_kernels(write_case(str(tmp_path / "spans.onnx"), nodes, inits), options=OPTIONS))
+    runs = re.compile(r"\(\(q\d+ \+ \(r\d+ \* \d+\)\) \+ \(j\d+ - \(r\d+ \* \d+\)\)\)")
+    spans = [k for k in kernels if runs.search(render_kernel(k.ir, IMAGE))]
+    assert {k.name.split("_", 1)[1] for k in spans} == {"Conv", "ConvTranspose"}, [k.name for k in kernels]
+    assert all("get_global_id(0) - lid" in render_kernel(k.ir, IMAGE) for k in spans)
 
 
 def test_the_plan_evaluates_index_arithmetic_as_c_does() -> None:

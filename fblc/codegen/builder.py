@@ -66,6 +66,7 @@ class KernelBuilder(GroupMerges, ValueReads):
         #: and the __local arrays they stage into (declared at the kernel's scope); None: no staging
         self.staging_group: int | None = None
         self.staging_order = (0, 0)  # its items' order (staging.grouped_item's across, period)
+        self.staging_launch_order = False  # whether a storage that does not stage keeps the launch's order instead
         self.staged_arrays: list[Statement] = []
         self.schedule = table.schedules.setdefault(name, Schedule())
         # the tile: rows `item_stride` texels apart (a multiple of its columns), `item_columns` texels each
@@ -152,8 +153,10 @@ class KernelBuilder(GroupMerges, ValueReads):
 
             assert pair == 1 and launches % self.staging_group == 0, f"{self.name}: staged"
             position = kir.call("get_global_id", 0, dtype=INT)
+            grouped = grouped_item(position, self.lid, self.staging_group, *self.staging_order)
             kernel.add(kir.Declare(self.lid, kir.call("get_local_id", 0, dtype=INT)), kir.Stage(self.staged_arrays),
-                       kir.Declare(item, grouped_item(position, self.lid, self.staging_group, *self.staging_order)))
+                       kir.Declare(item, kir.StagedChoice(position, grouped, INT) if self.staging_launch_order
+                                   else grouped))
         else:
             kernel.add(kir.Declare(launched, kir.call("get_global_id", 0, dtype=INT)))
         kernel.add(kir.If(launched.ge(launches), [kir.Return()]))

@@ -11,7 +11,7 @@ __all__ = ["DType", "INT", "UINT", "ULONG", "UCHAR", "FLOAT", "HALF", "FLOAT4", 
            "REAL", "REAL4",
            "ELEMENT_TYPES", "TEXEL_TYPES", "Operand", "Expr", "Const", "const", "as_expr", "Var", "Binary", "Unary",
            "Call", "call", "Select", "select", "Cast", "Vector", "vector", "Lane", "Element", "Argument", "Load",
-           "Swizzle", "ArgumentRef", "div_index", "mod_index", "flat_index"]
+           "StagedChoice", "Swizzle", "ArgumentRef", "div_index", "mod_index", "flat_index"]
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,16 @@ class Load(Expr):
     texel: Expr
     staged: Expr | None = None
     dtype = property(lambda self: TEXEL_TYPES[self.argument.kind])  # type: ignore[assignment]
+
+
+class StagedChoice(Expr):
+    """`staged` where the storage stages its reads (render.opencl.Storage.stages), else `plain`: a staged kernel's
+    item in its work-group's own order (codegen/kernels/staging.py grouped_item) against the launch's order,
+    which a storage without staging keeps (neighbouring work-items read neighbouring memory)."""
+
+    plain: Expr
+    staged: Expr
+    dtype: DType
 
 
 class Swizzle(Expr):

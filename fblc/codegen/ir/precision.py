@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 from fblc.codegen.ir.expressions import (
     TEXEL_TYPES, Argument, ArgumentRef, Binary, Call, Cast, Const, DType, Element, Expr, Lane, Load, Select,
-    Swizzle, Unary, Var, Vector)
+    StagedChoice, Swizzle, Unary, Var, Vector)
 from fblc.codegen.ir.statements import (
     Assign, Declare, DeclareArray, For, If, KernelIR, Statement, Store, While, nested, statement_exprs, walk_expr)
 
@@ -94,6 +94,9 @@ class _Retype:
 
     def _Load(self, e: Load) -> Expr:
         return Load(self.arguments.get(e.argument, e.argument), self.expr(e.texel))
+
+    def _StagedChoice(self, e: StagedChoice) -> Expr:
+        return StagedChoice(self.expr(e.plain), self.expr(e.staged), e.dtype)
 
     def _ArgumentRef(self, e: ArgumentRef) -> Expr:
         return ArgumentRef(self.arguments.get(e.argument, e.argument))

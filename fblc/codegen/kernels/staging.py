@@ -17,11 +17,16 @@ of the launch within max_work_group_size) and order of its items the spread of a
 item's gives the texels a group copies. A group holds G consecutive items, or, where one operand's reads repeat
 in runs of items (a weight gradient's output channels of one input channel: x alike along a run, w alike at
 the same place of each run), blocks of runs (grouped_items: G/a runs of a consecutive items), so that both
-operands are shared, as a register tile's rows and columns are. An operand is staged where its copy is at most
-STAGE_GAIN of the group's reads of it, the G and order taken being the ones of the least cost per work-item
-and block: its copies' texels, twice (UNSTAGED_READ_WEIGHT) its own reads of operands left unstaged, and
-STAGED_BLOCK_READS shared by the group; the arrays within LOCAL_TEXELS, and on a CPU with barriers in nested
-loops (and for blocks of runs, always) the group's accumulators within half the L1 (_largest_group). A
+operands are shared, as a register tile's rows and columns are. Where an operand's reads repeat every P items (a
+conv's weights, batch element after batch element), the group size chosen may take runs P apart instead (more
+batch elements, fewer output-channel tiles a group: the weights shared by more items), the other operand's runs
+each copying its own span (StagedOperand.run_gap: T-ResNet B=64's k8, texel reads 1088 -> 512 a group and block,
+its time 0.81x; buffers, which stage nothing, keep the launch's order: ir.StagedChoice). An operand is staged
+where its copy is at most STAGE_GAIN of the group's reads of it, the G and order taken being the ones of the
+least cost per work-item and block: its copies' texels, twice (UNSTAGED_READ_WEIGHT) its own reads of operands
+left unstaged, and STAGED_BLOCK_READS shared by the group; the arrays within LOCAL_TEXELS, and on a CPU with
+barriers in nested loops (and for blocks of runs, always) the group's accumulators within half the L1
+(_largest_group). A
 gathered-rows copy takes each kind of block's own texels (whole blocks, the remainder) (T-ResNet B=64's weight
 gradients: 17 texel reads a work-item and block -> 7, their time in image storage 0.3-0.75x). Nothing is staged (None)
 where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
@@ -76,9 +81,14 @@ class StagedOperand:
     slot: Var | None = None
     tables: tuple[Var, ...] = ()
     kind: int = 0
+    run_gap: int = 0
+    run_texels: int = 0
 
     def read(self, q0: Var) -> Callable[[Expr, int | None], Element]:
         """The copy's element of texel `index` (k: its offset from the item's base texel, where aligned)."""
+        if self.run_gap:  # run `slot`'s span sits run_gap texels past the last one's in the image, run_texels here
+            assert self.slot is not None
+            return lambda index, k: Element(self.array, index - q0 - self.slot * (self.run_gap - self.run_texels))
         if not self.rows:
             return lambda index, k: Element(self.array, index - q0)
         row = self.rows[self.kind]
@@ -112,7 +122,8 @@ class Staging:
             assert staged.kind >= 0, f"a block's texels off its rows ({name})"
             return block.let((index_sum(uniform) + staged.first) >> 2, "q")
         low, high = staged.spread[0] + min(offsets), staged.spread[1] + max(offsets) + LANES
-        assert (high - low) // LANES + 2 <= staged.texels, f"a block's span past the group's copy ({name})"
+        span = staged.run_texels or staged.texels
+        assert (high - low) // LANES + 2 <= span, f"a block's span past the group's copy ({name})"
         return block.let((index_sum(uniform) + staged.first + low) >> 2, "q")
 
     def copy(self, b: KernelBuilder, block: Block, reads: Sequence[tuple[Operand, str, Var]]) -> None:
@@ -124,7 +135,10 @@ class Staging:
             staged = self.operands[name]
             with stage.loop("j", b.lid, staged.texels, step=self.group) as (j, body):
                 at: Expr = q0 + j
-                if staged.rows:  # element j: row r's texel i
+                if staged.run_gap:  # element j: run r's texel i of its span
+                    r = body.let(div_index(j, staged.run_texels), "r")
+                    at = q0 + r * staged.run_gap + (j - r * staged.run_texels)  # type: ignore[operator]
+                elif staged.rows:  # element j: row r's texel i
                     row = len(staged.rows[staged.kind])
                     r = body.let(div_index(j, row), "r")
                     at = q0 + r * staged.row_step + Element(staged.tables[staged.kind], j - r * row)  # type: ignore[arg-type]
@@ -165,40 +179,31 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
                 candidates[name] = found
     except _Unplannable:
         return None
-    best: tuple[float, int, tuple[int, int], dict[str, tuple[int, tuple[int, int], int]]] | None = None
     # the barriers in a block loop of several trips inside an outer loop (a remainder block adds no loop)
     nested = any(loop.trips > 1 for loop in reduction.loops) and reduction._looped > reduction.blocked.block
     # blocks of runs (_orders) only in groups whose accumulators fit as a nested loop's must: the larger ones
     # that read fewest texels ran slower on PoCL (T-ResNet's forward convs in blocks of 256: 1.8x)
     periods, within = {_run(sums) for sums, *_ in candidates.values()} - {0}, _largest_group(profile, live_bytes, True)
-    for group, order in ((g, o) for g in range(LANES, _largest_group(profile, live_bytes, nested) + 1)
-                         if b.items % g == 0 for o in _orders(b.items, g, periods if g <= within else set())):
-        chosen, per_item = {}, 0.0
-        for name, (sums, _, extent, reads, rows) in candidates.items():
-            grouped = sums[grouped_items(np.arange(b.items), group, *order)].reshape(-1, group)
-            spread = grouped - grouped[:, :1]
-            low, high = int(spread.min()), int(spread.max())
-            texels, step = (high - low + extent + LANES) // LANES + 2, 0
-            if rows and low == 0:  # gathered rows where the items' bases step evenly from the first's
-                distinct = np.unique(spread)
-                gap = int(distinct[1]) if len(distinct) > 1 else LANES
-                longest = max(len(row) for row in rows)
-                if gap % LANES == 0 and np.array_equal(distinct, np.arange(len(distinct)) * gap) \
-                        and len(distinct) * longest < texels:
-                    texels, step = len(distinct) * longest, gap // LANES
-            if texels <= STAGE_GAIN * group * reads:
-                chosen[name] = texels, (low, high), step
-                per_item += texels / group
-            else:
-                per_item += reads * UNSTAGED_READ_WEIGHT
-        per_item += STAGED_BLOCK_READS / group  # the group's barriers and copy loops, shared by its work-items
-        if chosen and sum(t for t, _, _ in chosen.values()) <= LOCAL_TEXELS and (best is None or per_item < best[0]):
-            best = per_item, group, order, chosen
+    largest = _largest_group(profile, live_bytes, nested)
+    plans = (_plan_cost(candidates, b.items, g, o) for g in range(LANES, largest + 1) if b.items % g == 0
+             for o in _orders(b.items, g, periods if g <= within else set()))
+    best = min((p for p in plans if p is not None), key=lambda p: p[0], default=None)
     if best is None:
         return None
+    # an operand whose reads repeat every `period` items (a conv's weights, batch element after batch element):
+    # groups of runs `period` apart share it, the other operand's runs copied as spans (_run_spans); only at the
+    # group size chosen above, so that the barriers and the group's context stay as they were: T-ResNet B=64's
+    # k8 (groups of 96) took 0.80x its time, where the same order in groups of 256 took 1.32x and MobileNetV2's
+    # weight gradients in groups twice theirs 1.2-1.4x (PoCL, one thread, process CPU time)
+    repeats = {_period(sums) for sums, *_ in candidates.values()} - {0}
+    plans = (_plan_cost(candidates, b.items, best[1], o) for o in _orders(b.items, best[1], repeats)[1:])
+    unrepeated, best = best, min([best, *(p for p in plans if p is not None)], key=lambda p: p[0])
+    # such an order only where it stages: buffers keep the launch's, whose neighbouring items share a batch
+    # element's x in the cache (T-ResNet B=64's k0 in buffers: 6.3 -> 9.4 ms in the staged order)
+    b.staging_launch_order = best is not unrepeated
     _, group, order, chosen = best
     staged = {}
-    for name, (texels, spread, step) in chosen.items():
+    for name, (texels, spread, step, run) in chosen.items():
         _, varying, _, _, rows = candidates[name]
         var = Var("st", b.numbering.next(), FLOAT4)
         b.staged_arrays.append(DeclareArray(var, texels, local=True))
@@ -206,6 +211,11 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
         across, period = order  # the group's first item: this one less its place in the group's runs
         at_first = item - b.lid if across == group else item - div_index(b.lid, across) * period - mod_index(b.lid, across)
         first = block.let(_inline(own, decls, {item: at_first}), "first")
+        if run is not None:  # this item's run of the group's
+            slot = block.let(div_index(b.lid, across), "slot")
+            staged[name] = StagedOperand(var, texels, varying, first, spread, slot=slot, run_gap=run[0],
+                                         run_texels=run[1])
+            continue
         if not step:
             staged[name] = StagedOperand(var, texels, varying, first, spread)
             continue
@@ -224,6 +234,66 @@ def _run(sums: np.ndarray) -> int:
     changes = np.flatnonzero(np.diff(sums)) + 1
     run = int(changes[0]) if len(changes) else 0
     return run if run and len(sums) % run == 0 and not np.any(changes % run) else 0
+
+
+_Copy = tuple[int, tuple[int, int], int, "tuple[int, int] | None"]  # texels, spread, rows' step, run spans
+
+
+def _plan_cost(candidates: dict[str, tuple[np.ndarray, tuple[Term, ...], int, int, tuple[tuple[int, ...], ...]]],
+               items: int, group: int, order: tuple[int, int]
+               ) -> tuple[float, int, tuple[int, int], dict[str, _Copy]] | None:
+    """(the cost per work-item and block, group, order, each staged operand's copy: texels, spread, gathered rows'
+    step, run spans (gap, texels)) of staging `candidates` in groups of `group` items in `order`, or None where
+    nothing is staged or the copies pass LOCAL_TEXELS (the module docstring's cost)."""
+    chosen, per_item = {}, 0.0
+    for name, (sums, _, extent, reads, rows) in candidates.items():
+        grouped = sums[grouped_items(np.arange(items), group, *order)].reshape(-1, group)
+        spread = grouped - grouped[:, :1]
+        low, high = int(spread.min()), int(spread.max())
+        texels, step, run = (high - low + extent + LANES) // LANES + 2, 0, None
+        if rows and low == 0:  # gathered rows where the items' bases step evenly from the first's
+            distinct = np.unique(spread)
+            gap = int(distinct[1]) if len(distinct) > 1 else LANES
+            longest = max(len(row) for row in rows)
+            if gap % LANES == 0 and np.array_equal(distinct, np.arange(len(distinct)) * gap) \
+                    and len(distinct) * longest < texels:
+                texels, step = len(distinct) * longest, gap // LANES
+        spans = _run_spans(grouped, order[0], extent) if order[0] < group else None
+        if spans is not None and spans[0] < texels:  # each run's own span: the least copy of the three forms
+            texels, (low, high), step, run = spans[0], spans[1], 0, spans[2]
+        if texels <= STAGE_GAIN * group * reads:
+            chosen[name] = texels, (low, high), step, run
+            per_item += texels / group
+        else:
+            per_item += reads * UNSTAGED_READ_WEIGHT
+    per_item += STAGED_BLOCK_READS / group  # the group's barriers and copy loops, shared by its work-items
+    if not chosen or sum(c[0] for c in chosen.values()) > LOCAL_TEXELS:
+        return None
+    return per_item, group, order, chosen
+
+
+def _period(sums: np.ndarray) -> int:
+    """The fewest items after which the sums repeat (an operand read alike by each batch element's items: a
+    conv's weights), where fewer than all; else 0."""
+    items = len(sums)
+    return next((p for p in range(1, items // 2 + 1) if items % p == 0 and np.array_equal(sums[p:], sums[:-p])), 0)
+
+
+def _run_spans(grouped: np.ndarray, across: int, extent: int) -> tuple[int, tuple[int, int], tuple[int, int]] | None:
+    """A copy of each run's own span where a group's runs of `across` items (grouped: each group's sums, in its
+    items' order) lie far apart: (its texels, an item's least and most sum less its run's first's, (the texels
+    from a run's span to the next's in the image, a span's texels)), where every group's runs start evenly
+    whole texels apart; else None."""
+    runs = grouped.reshape(grouped.shape[0], -1, across)
+    bases = runs[:, :, 0]
+    steps = bases - bases[:, :1]
+    gap = int(steps[0, 1]) if steps.shape[1] > 1 else 0
+    if gap <= 0 or gap % LANES or not (steps == np.arange(steps.shape[1]) * gap).all():
+        return None
+    within = runs - bases[:, :, None]
+    low, high = int(within.min()), int(within.max())
+    span = (high - low + extent + LANES) // LANES + 2
+    return span * steps.shape[1], (low, high), (gap // LANES, span)
 
 
 def _orders(items: int, group: int, periods: set[int]) -> list[tuple[int, int]]:

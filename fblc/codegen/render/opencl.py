@@ -193,6 +193,9 @@ class Renderer:
     def _Element(self, e: ir.Element) -> str:
         return f"{name_of(e.array)}[{self.expr(e.index)}]"
 
+    def _StagedChoice(self, e: ir.StagedChoice) -> str:
+        return self.expr(e.staged if self.storage.stages else e.plain)
+
     def _Load(self, e: ir.Load) -> str:
         if e.staged is not None and self.storage.stages:
             return self.expr(e.staged)
