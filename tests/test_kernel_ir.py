@@ -1,5 +1,6 @@
 """The kernel IR and its renderer, without building kernels: which values the renderer folds into
-their reader, kernel de-duplication by equal IR, and ratchets on the C text left outside the renderer."""
+their reader, kernel de-duplication by equal IR, ratchets on the C text left outside the renderer, and where
+a step's kernels read a scalar input."""
 
 from __future__ import annotations
 
@@ -7,12 +8,19 @@ import ast
 import os
 import re
 
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
 from fblc.codegen import ir as kir
 from fblc.codegen.cl import Kernel
 from fblc.codegen.ir import FLOAT, INT, Block, Numbering, const
 from fblc.codegen.plan import share_kernels
 from fblc.codegen.render.opencl import foldable, render_kernel
+from fblc.compiler.optimizers import OptimizerConfig
+from fblc.passes.pipeline import TrainingOptions
 from fblc.texel_layout import flat_layout
+from tests.support.kernel_ir import lowered_kernels
 
 CODEGEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fblc", "codegen")
 
@@ -109,3 +117,41 @@ def test_the_c_text_check_can_fail() -> None:
     assert _c_literals(emitter) == 2
 
 
+
+
+def _loads_in_loops(body: list[kir.Statement], loops: frozenset[str] = frozenset()
+                    ) -> list[tuple[kir.Load, frozenset[str]]]:
+    """Every Load of `body` with the names of the loops around it."""
+    found = []
+    for statement in body:
+        if isinstance(statement, kir.Stage):
+            continue
+        for expr in kir.statement_exprs(statement):
+            found += [(e, loops) for e in kir.walk_expr(expr) if isinstance(e, kir.Load)]
+        inner = loops | {statement.var.name} if isinstance(statement, kir.For) else loops
+        for nested in kir.nested(statement):
+            found += _loads_in_loops(nested, inner)
+    return found
+
+
+def test_a_scalar_read_by_every_output_element_is_read_once_per_work_item(tmp_path) -> None:
+    """AdamW's learning rate and bias correction (graph inputs, never literals) broadcast to a 1x1 conv's
+    weight gradient, whose last axis (1) puts a texel's lanes in different rows: each is read once per
+    work-item, before its texel and lane loops (in image storage each read is a call; MobileNetV2's fused
+    updates read them 64 times a work-item), on a CPU's tile of texels and a phone's alike."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 8, 1, 1)).astype(np.float32), "w")
+    # a loss of y * y: the weight gradient's dy a whole tensor (that of a mean of y itself, a broadcast scalar, is
+    # read past its one texel by the weight-gradient conv at a9297ad: w.grad wrong, a bug of its own)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"]), helper.make_node("Mul", ["y", "y"], ["y2"]),
+             helper.make_node("ReduceMean", ["y2"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "conv1x1", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 6, 6])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    path = str(tmp_path / "conv1x1.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    options = TrainingOptions(loss="output", optimizer=OptimizerConfig("adamw", lr=1e-3))
+    for target in ("local", "adreno830"):
+        kernels = lowered_kernels(path, target, "fp32", options)
+        scalar_reads = [(kernel.name, loops) for kernel in kernels for load, loops in _loads_in_loops(kernel.ir.body)
+                        if not [e for e in kir.walk_expr(load.texel) if isinstance(e, kir.Var)]]
+        assert scalar_reads, target  # the update reads its scalars somewhere
+        assert all(not loops & {"tt", "rr", "tc", "lane"} for _, loops in scalar_reads), (target, scalar_reads)

@@ -224,6 +224,9 @@ class ValueReads:
         own = index_map.contiguous and tuple(index_map.shape) == tuple(out)  # an optimizer's operands
         if not out or texture.mask_elements:
             return self._mask_bits(root, texture) if out and own else None
+        if not own and not index_map.folded and all(size == 1 or stride == 0
+                                                    for size, stride in zip(index_map.shape, index_map.strides)):
+            return apply(self._whole_read(root, index_map.offset))
         whole = None if own else self._channel_texels(root, index_map, apply, key)
         if whole is not None:
             return whole
@@ -248,6 +251,18 @@ class ValueReads:
                 texel = self.hoisted.let(self.texel(argument, texture, first >> 2), "H")
                 self._hoisted[cache] = texel.lane(self.lane)
         return apply(self._hoisted[cache])
+
+    def _whole_read(self, root: ir.Value, offset: int) -> Expr:
+        """Element `offset` of `root`, the one element a view reads for every output element (every axis of
+        size 1 or stride 0: an optimizer's learning rate or bias correction, a graph input and so never a
+        literal; a mean's gradient broadcast): read once per work-item, in its prologue where it holds a tile
+        of texels, not once per lane (in image storage each read is a call: MobileNetV2's fused weight-gradient
+        updates read two such scalars 64 times a work-item)."""
+        cache = (id(root), f"whole {offset}")
+        if cache not in self._hoisted:
+            block = Block(self.numbering, self.texel_lines) if self.texels_per_item > 1 else self.hoisted
+            self._hoisted[cache] = block.let(self.element(root, const(offset)), "H")  # type: ignore[arg-type]
+        return self._hoisted[cache]
 
     def _mask_bits(self, root: ir.Value, texture: Texture) -> Expr:
         """The lane's element of a saved mask read in the output's own order (an activation's gradient):
