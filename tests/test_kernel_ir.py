@@ -140,8 +140,8 @@ def test_a_scalar_read_by_every_output_element_is_read_once_per_work_item(tmp_pa
     work-item, before its texel and lane loops (in image storage each read is a call; MobileNetV2's fused
     updates read them 64 times a work-item), on a CPU's tile of texels and a phone's alike."""
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 8, 1, 1)).astype(np.float32), "w")
-    # a loss of y * y: the weight gradient's dy a whole tensor (that of a mean of y itself, a broadcast scalar, is
-    # read past its one texel by the weight-gradient conv at a9297ad: w.grad wrong, a bug of its own)
+    # a loss of y * y: the weight gradient's dy a whole tensor (a mean of y itself, dy one broadcast element, is
+    # test_kernels_contraction's conv1x1_weight_grads_of_a_mean)
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"]), helper.make_node("Mul", ["y", "y"], ["y2"]),
              helper.make_node("ReduceMean", ["y2"], ["loss"], keepdims=0)]
     graph = helper.make_graph(nodes, "conv1x1", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 6, 6])],
