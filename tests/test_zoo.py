@@ -36,11 +36,11 @@ def _params(names: list[str] | None = None, slow: tuple[str, ...] = ()) -> list[
             for a in zoo.ZOO if names is None or a.name in names]
 
 
-#: device steps under `-m slow` for the suite's time (BART's cold PoCL build 12 s on the CI machine): every
-#: line of fblc/codegen and fblc/passes their compile runs is run by the compile of a device step left in the
-#: suite (traced, 2026-12-06), GPT-2's and HuBERT's here (attention, LayerNorm, GELU, embeddings, the LM head's
-#: bias Add), test_device_models' and test_device_more_ops' steps, but one line, a constant read inlined
-#: (codegen/reads.py Reads.element), which test_lower_composites' GroupNorm steps on PoCL run
+#: device steps under `-m slow` for the suite's time (BART's cold PoCL build 12 s on the CI machine): every line of
+#: fblc/codegen and fblc/passes their compiles run is run by the compile of a device step left in the suite (traced
+#: 2026-12-06 against GPT-2's, ResNet's and HuBERT's steps here, test_device_models' and test_device_more_ops'),
+#: but one, a constant read inlined (codegen/reads.py Reads.element), which test_lower_composites' GroupNorm
+#: steps on PoCL run; both models' graphs still train against torch (test_one_sgd_step_matches_torch)
 SLOW_DEVICE = ("distilbert", "bart")
 
 
