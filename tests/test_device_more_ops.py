@@ -127,7 +127,12 @@ def test_step_graph_matches_torch(exports, exporter: str, tmp_path) -> None:
         np.testing.assert_allclose(got[f"{name}.grad"], grad, rtol=RTOL, atol=ATOL, err_msg=name)
 
 
-@pytest.mark.parametrize("exporter,layout", [("legacy", "rtile"), ("legacy", "naive"), ("dynamo", "rtile")])
+# the legacy export's R-Tile step is under `-m slow` for the suite's time: every line of fblc/codegen and
+# fblc/passes its compile runs is run by the compiles of the two steps left here (traced, 2026-12-06): the
+# dynamo export's R-Tile step (the same ops, opset 18 as written) and the legacy export's naive one (its graph
+# after the opset 17 -> 18 conversion); test_step_graph_matches_torch checks both exports' graphs against torch
+@pytest.mark.parametrize("exporter,layout", [pytest.param("legacy", "rtile", marks=pytest.mark.slow),
+                                            ("legacy", "naive"), ("dynamo", "rtile")])
 def test_one_step_on_pocl_matches_onnxruntime(exports, exporter: str, layout: str) -> None:
     path, _ = exports[exporter]
     x, labels = _batch()

@@ -7,7 +7,8 @@ SORTED_SCATTER_UPDATES updates, and a scatter that is not of whole rows, stay as
 the device's sorted scatter equals numpy's in-order np.add.at bit for bit (a stable sort keeps
 update order), and one step of fed, repeated and negative ids equals onnxruntime under both
 layouts, shared rows (an embedding) and rows per batch element (GatherND, batch_dims 1), whole-texel
-rows and rows of 6 (one merged step per layout: tests/support/merged_steps.py).
+rows and rows of 6; so does one step of GatherElements' and of ScatterND's (rows, and pairs of indices) forms
+(all cases of one merged step per layout: tests/support/merged_steps.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -29,7 +31,6 @@ from fblc.passes.pipeline import TrainingOptions, build_training_graph, run_pass
 from fblc.passes.sort_scatter_rows import SortScatterRows
 from fblc.profiles.profile import SORTED_SCATTER_UPDATES
 from fblc.runtime.local import LocalRunner
-from fblc.tools.verify import verify_model
 from tests.support import merged_steps
 
 OPTIONS = TrainingOptions(loss="output", optimizer=OptimizerConfig("sgd", lr=0.1))
@@ -112,22 +113,26 @@ def gather_elements(path: str, shape: tuple[int, ...], idx: np.ndarray, axis: in
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
 
 
-def test_gather_elements_along_the_last_axis_sorts_each_line(tmp_path) -> None:
+def _gather_elements_lines(path: str) -> dict[str, np.ndarray]:
+    """GatherElements along the last axis: 3 x 2 lines of 90 repeated and negative indices into 30 (no feeds)."""
+    gather_elements(path, (3, 2, 30), np.random.default_rng(8).integers(-30, 30, (3, 2, 90)), axis=2)
+    return {}
+
+
+@pytest.mark.xdist_group("sorted-rows-merged")  # its steps are cases of MERGED (below)
+def test_gather_elements_along_the_last_axis_sorts_each_line(tmp_path, merged_folder) -> None:
     """GatherElements' gradient along the last axis: each line's indices sort on their own (G lines of N,
     rows of one element), and one step of repeated and negative indices equals onnxruntime's under
-    both layouts."""
+    both layouts (cases of the merged steps)."""
     path = str(tmp_path / "ge.onnx")
-    idx = np.random.default_rng(8).integers(-30, 30, (3, 2, 90))
-    gather_elements(path, (3, 2, 30), idx, axis=2)
+    _gather_elements_lines(path)
     nodes = step_ops(path)
     assert "ScatterElements" not in [n.op_type for n in nodes]
     assert sum(n.op_type == "MergeRuns" for n in nodes) == math.ceil(math.log2(90))
     scatter = next(n for n in nodes if n.op_type == "ScatterSortedRows")
     assert [d for d in scatter.inputs[1].shape] == [6, 90] and scatter.inputs[0] is None
-    for layout in ("rtile", "naive"):
-        checked = verify_model(path, TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}), target="adreno830")
-        bad = [row for row in checked if not row.ok]
-        assert checked and not bad, (layout, bad)
+    for layout in LAYOUTS:
+        MERGED[layout].check(CASE_IDS["gather-elements-lines"], merged_folder)
 
 
 @pytest.mark.parametrize("layout", ["rtile", "naive"])
@@ -172,11 +177,10 @@ def _case_path(folder: str, name: str) -> str:
 #: own rows), built under the autouse scatter_form of the first test that asks for it
 MERGED = {layout: merged_steps.MergedCases(TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}),
                                            target="adreno830") for layout in LAYOUTS}
+#: the single-op steps of the tests below (the GatherElements and ScatterND forms), cases of the same merged
+#: steps: name -> writes its model to a path and returns its feeds
+OTHER_FORMS: dict[str, Callable[[str], dict[str, np.ndarray]]] = {}
 CASE_IDS = {name: f"case{index}" for index, name in enumerate(CASES)}
-with tempfile.TemporaryDirectory() as _folder:
-    for _merged in MERGED.values():
-        for _name, (_rows, _width, _ids, _nd) in CASES.items():
-            _merged.add(CASE_IDS[_name], onnx.load(_case_path(_folder, _name)), {"ids": _ids.astype(np.int64)})
 
 
 @pytest.mark.xdist_group("sorted-rows-merged")  # one worker builds the merged steps for all these tests
@@ -190,11 +194,8 @@ def test_one_step_with_sorted_rows_matches_onnxruntime(name: str, layout: str, t
     MERGED[layout].check(CASE_IDS[name], merged_folder)
 
 
-def test_a_scatter_nd_of_rows_is_sorted_too(tmp_path) -> None:
-    """index_put of 100 fed rows into a [120, 8] table (ScatterND of 1-tuples, reduction none, distinct rows
-    as ONNX asks), table and rows trained: the forward's rows are sorted, and so are those of the table's
-    gradient (the same scatter, of zeros into dy); the rows' gradient is a GatherND of dy. One step
-    (W.grad is the put table) equals onnxruntime's under both layouts."""
+def _scatter_nd_rows(path: str) -> dict[str, np.ndarray]:
+    """index_put of 100 fed rows into a [120, 8] table (ScatterND of 1-tuples), table, rows and W trained; its ids."""
     rng = np.random.default_rng(6)
     trained = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
                for name, shape in (("table", (120, 8)), ("rows", (100, 8)), ("W", (120, 8)))]
@@ -204,25 +205,30 @@ def test_a_scatter_nd_of_rows_is_sorted_too(tmp_path) -> None:
          helper.make_node("ReduceSum", ["weighted"], ["total"], keepdims=0)], "index_put",
         [helper.make_tensor_value_info("ids", TensorProto.INT64, [100, 1])],
         [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])], initializer=trained)
-    path = str(tmp_path / "put.onnx")
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+    # distinct rows, as ONNX asks; negative ones count from the end
+    return {"ids": rng.permutation(120)[:100].reshape(100, 1).astype(np.int64) - 60}
+
+
+@pytest.mark.xdist_group("sorted-rows-merged")  # its steps are cases of MERGED (below)
+def test_a_scatter_nd_of_rows_is_sorted_too(tmp_path, merged_folder) -> None:
+    """index_put of 100 fed rows into a [120, 8] table (ScatterND of 1-tuples, reduction none, distinct rows
+    as ONNX asks), table and rows trained: the forward's rows are sorted, and so are those of the table's
+    gradient (the same scatter, of zeros into dy); the rows' gradient is a GatherND of dy. One step
+    (W.grad is the put table) equals onnxruntime's under both layouts (cases of the merged steps)."""
+    path = str(tmp_path / "put.onnx")
+    _scatter_nd_rows(path)
     nodes = step_ops(path)
     assert "ScatterND" not in [n.op_type for n in nodes] and "GatherND" in [n.op_type for n in nodes]
     assert sum(n.op_type == "ScatterSortedRows" for n in nodes) == 2
     # each of the two sorts its own copy of the ids (the same keys: sharing them is not done yet)
     assert sum(n.op_type == "MergeRuns" for n in nodes) == 2 * math.ceil(math.log2(100))
-    ids = rng.permutation(120)[:100].reshape(100, 1).astype(np.int64) - 60  # negative ones count from the end
-    for layout in ("rtile", "naive"):
-        checked = verify_model(path, TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}), target="adreno830",
-                               feeds={"ids": ids})
-        bad = [row for row in checked if not row.ok]
-        assert checked and not bad, (layout, bad)
+    for layout in LAYOUTS:
+        MERGED[layout].check(CASE_IDS["scatter-nd-rows"], merged_folder)
 
 
-def test_a_scatter_nd_of_pairs_sorts_their_flat_rows(tmp_path) -> None:
-    """ScatterND(add) of 100 fed 2-tuples (repeated, negative) into a [12, 10, 4] table: the pairs become
-    flat row numbers (elementwise ops), the table is seen as [120, 4]; one step equals onnxruntime's
-    under both layouts."""
+def _scatter_nd_pairs(path: str) -> dict[str, np.ndarray]:
+    """ScatterND(add) of 100 fed 2-tuples (repeated, negative) into a constant [12, 10, 4] table; its ids."""
     rng = np.random.default_rng(9)
     constants = [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
         rng.standard_normal(shape).astype(np.float32), name)) for name, shape in (("table", (12, 10, 4)),
@@ -234,15 +240,32 @@ def test_a_scatter_nd_of_pairs_sorts_their_flat_rows(tmp_path) -> None:
         [helper.make_tensor_value_info("ids", TensorProto.INT64, [100, 2])],
         [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
         initializer=[numpy_helper.from_array(rng.standard_normal((12, 10, 4)).astype(np.float32), "W")])
-    path = str(tmp_path / "pairs.onnx")
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+    return {"ids": np.stack([rng.integers(-12, 12, 100), rng.integers(-10, 10, 100)], axis=1).astype(np.int64)}
+
+
+@pytest.mark.xdist_group("sorted-rows-merged")  # its steps are cases of MERGED (below)
+def test_a_scatter_nd_of_pairs_sorts_their_flat_rows(tmp_path, merged_folder) -> None:
+    """ScatterND(add) of 100 fed 2-tuples (repeated, negative) into a [12, 10, 4] table: the pairs become
+    flat row numbers (elementwise ops), the table is seen as [120, 4]; one step equals onnxruntime's
+    under both layouts (cases of the merged steps)."""
+    path = str(tmp_path / "pairs.onnx")
+    _scatter_nd_pairs(path)
     nodes = step_ops(path)
     assert "ScatterND" not in [n.op_type for n in nodes]
     scatter = next(n for n in nodes if n.op_type == "ScatterSortedRows")
     assert list(scatter.outputs[0].shape) == [120, 4]
-    ids = np.stack([rng.integers(-12, 12, 100), rng.integers(-10, 10, 100)], axis=1).astype(np.int64)
-    for layout in ("rtile", "naive"):
-        checked = verify_model(path, TrainingOptions(**{**OPTIONS.__dict__, "layout": layout}), target="adreno830",
-                               feeds={"ids": ids})
-        bad = [row for row in checked if not row.ok]
-        assert checked and not bad, (layout, bad)
+    for layout in LAYOUTS:
+        MERGED[layout].check(CASE_IDS["scatter-nd-pairs"], merged_folder)
+
+
+OTHER_FORMS.update({"gather-elements-lines": _gather_elements_lines, "scatter-nd-rows": _scatter_nd_rows,
+                    "scatter-nd-pairs": _scatter_nd_pairs})
+CASE_IDS.update({name: f"case{len(CASES) + index}" for index, name in enumerate(OTHER_FORMS)})
+with tempfile.TemporaryDirectory() as _folder:
+    for _merged in MERGED.values():
+        for _name, (_rows, _width, _ids, _nd) in CASES.items():
+            _merged.add(CASE_IDS[_name], onnx.load(_case_path(_folder, _name)), {"ids": _ids.astype(np.int64)})
+        for _name, _write in OTHER_FORMS.items():
+            _feeds = _write(os.path.join(_folder, f"{_name}.onnx"))
+            _merged.add(CASE_IDS[_name], onnx.load(os.path.join(_folder, f"{_name}.onnx")), _feeds)
