@@ -37,8 +37,8 @@ from fblc.codegen.indexing import declare_index, index_var
 from fblc.codegen.ir import INT, Block, Expr, Var, call, div_index, select
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.reads import ValueReads
-from fblc.codegen.kernels.contraction import (finish_group, reduce_guarded, reduce_into, reduce_lane, row_axis,
-                                              start_builder)
+from fblc.codegen.kernels.contraction_paths import (finish_group, reduce_guarded, reduce_into, reduce_lane, row_axis,
+                                                    start_builder)
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term, plus
 from fblc.codegen.textures import TextureTable
 from fblc.compiler import keys

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
-from fblc.codegen.kernels.contraction import row_axis
+from fblc.codegen.kernels.contraction_paths import row_axis
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
                                        ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, swapped_tile,
                                        texels_per_item, written_swapped)

@@ -23,8 +23,8 @@ from fblc.codegen.cl import Kernel
 from fblc.codegen.indexing import index_var
 from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, div_index, mod_index
 from fblc.codegen.kernels import KernelGroup, register_kernel
-from fblc.codegen.kernels.contraction import (Stream, dot_loop, finish_group, index_terms, reduce_guarded, reduce_into,
-                                              reduce_lane)
+from fblc.codegen.kernels.contraction_paths import (Stream, dot_loop, finish_group, index_terms, reduce_guarded,
+                                                    reduce_into, reduce_lane)
 from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile, add_bias, affine, start_conv,
                                        within_row)
 from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv

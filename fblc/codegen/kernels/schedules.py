@@ -14,8 +14,9 @@ import onnx_ir as ir
 from fblc.codegen.builder import lane_axis
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.accumulators import VECTOR_TEXELS
-from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, one_stride, row_axis,
-                                               row_digits, texel_columns, tile_fetches, tile_reduction)
+from fblc.codegen.kernels.contraction import (Digits, matmul_operands, merged_rows, one_stride, row_digits,
+                                               texel_columns, tile_fetches, tile_reduction)
+from fblc.codegen.kernels.contraction_paths import row_axis
 from fblc.codegen.kernels.conv_schedules import conv_schedule, conv_transpose_schedule
 from fblc.codegen.kernels.movement import transpose_block
 from fblc.codegen.kernels.normalize import has_statistics, item_texels, layer_norm_geometry
@@ -46,7 +47,7 @@ COLUMN_CHOICES = (1, 2, 4)  # its texel columns
 #: attention MatMuls on PoCL: 0.8-1.0 -> 0.26-0.43 ms; its MatMuls in all 25.2 -> 20.3 ms, with 2 columns 21.6)
 ROW_TILE_COLUMNS = (4, 2)
 #: rows of a row path's tile (N % 4 != 0: texels N apart, the same columns of rows 4 apart, which share each of
-#: B's windows; contraction.reduce_rows_apart), largest first, where its bands of rows divide the output's
+#: B's windows; contraction_paths.reduce_rows_apart), largest first, where its bands of rows divide the output's
 #: texels (ViT's attention on PoCL buffers, one launch: Q K^T 0.33 -> 0.29 ms, dK^T 0.44 -> 0.21 ms)
 ROWS_APART = (4, 2)
 Rule = Callable[[TextureTable, KernelGroup], dict[str, Schedule]]
@@ -153,7 +154,7 @@ def _matmul(table: TextureTable, group: KernelGroup) -> tuple[Schedule, Any, int
 
 def _rows_apart(table: TextureTable, group: KernelGroup, out_shape: tuple[int, ...], a_rows: Digits,
                 fetches: Callable[[tuple[int, int]], float] | None) -> Schedule:
-    """A row path's tile (contraction.rows_apart) under R-Tile layouts: ROWS_APART rows where a band of 4 x rows
+    """A row path's tile (contraction_paths.rows_apart) under R-Tile layouts: ROWS_APART rows where a band of 4 x rows
     rows of N elements (rows x N texels) divides the output's texels and a batch matrix's rows hold such a tile,
     and A's rows 4 apart are 4 row strides apart (a folded row axis, heads merged after a transpose, only where
     its innermost digit holds whole bands: rows 4 apart would otherwise fall in another head),
