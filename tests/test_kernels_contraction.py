@@ -228,7 +228,7 @@ GROUPED_CASES = {"conv_temporal_grouped_items": conv((4, 32, 48, 1), (32, 32, 5,
                  # the forward and input gradient groups take runs a batch element apart, x copied run by run
                  "conv_temporal_run_spans": conv((8, 32, 24, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0])}
 #: a mean of a 1x1 Conv's and a 1x1 ConvTranspose's outputs: their dY is one element broadcast over the map (stride 0),
-#: which the weight gradients' flattened pointwise form once read as a run of distinct elements (conv._merged_stride)
+#: which the weight gradients' flattened pointwise form once read as a run of distinct elements (conv_tiles._merged_stride)
 BROADCAST_CASES = {"conv1x1_weight_grads_of_a_mean": (
     [_node("Conv", ["x", "w"], "c"), _node("ConvTranspose", ["x", "wt"], "t"),
      _node("ReduceMean", ["c"], "mc", keepdims=1), _node("ReduceMean", ["t"], "mt", keepdims=1),
@@ -484,7 +484,7 @@ def test_a_weight_gradient_tile_of_a_map_smaller_than_its_taps_is_taken_on_a_gpu
     on the CPU (local) and for adreno830 alike, though its 32 tiles leave the 830's 1,536 work-items idle: per
     lane it read 1.5 texels per multiply-add (MobileNetV2 [1,3,32,32]'s depthwise weight gradients on 2 x 2 and
     1 x 1 maps), the tile's whole texels of 4 channels' maps fewer than one, and its padding taps are dropped at
-    compile time (conv.conv_tile). Its numbers: test_device_models' MobileNetV2 step for adreno830, whose last
+    compile time (conv_tiles.conv_tile). Its numbers: test_device_models' MobileNetV2 step for adreno830, whose last
     stage's depthwise weight gradient (dY 4 x 2 under 3 x 3 taps) takes this tile."""
     from fblc.tools.kernel_stats import kernel_figures
 
@@ -503,7 +503,7 @@ def test_a_weight_gradient_tile_of_a_map_smaller_than_its_taps_is_taken_on_a_gpu
 def test_a_weight_gradient_is_written_in_the_weights_order_and_its_update_joins_it(
         x: tuple[int, ...], w: tuple[int, ...], written: bool, tmp_path) -> None:
     """Golden: a conv weight gradient whose input channels fill whole texels (C_in % 4 == 0) is written in W's
-    own order [C_out, C_in, k..] (linalg.conv_weight_grad, keys.WRITTEN_BY_PRODUCER; conv.swapped_tile: rows of
+    own order [C_out, C_in, k..] (linalg.conv_weight_grad, keys.WRITTEN_BY_PRODUCER; conv_tiles.swapped_tile: rows of
     output channels, each consecutive input channels' taps), so W's update joins its kernel, and the step equals
     onnxruntime's in buffer storage. Negative: 3 input channels keep the [C_in, C_out, k..] conv that a
     transposed view reorders, and the update, reading it across texels, stays a kernel of its own; so does a

@@ -14,10 +14,10 @@ from fblc.codegen.builder import TEXEL_INDEX, lane_axis
 from fblc.codegen.ir import Block
 from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.contraction_paths import row_axis
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, FLAT_TEXEL_INDEX, STATIC_PRODUCTS, TAP_BLOCK, ConvPlan, ConvShape,
-                                       ConvTile, conv_reduction, conv_shape, conv_tile, last_tap_axis, swapped_tile,
-                                       texels_per_item, written_swapped)
-from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
+from fblc.codegen.kernels.conv import FLAT_TEXEL_INDEX, ConvPlan, conv_reduction
+from fblc.codegen.kernels.conv_tiles import (CHANNEL_BLOCK, STATIC_PRODUCTS, TAP_BLOCK, ConvShape, ConvTile, conv_shape,
+                                             conv_tile, last_tap_axis, swapped_tile, texels_per_item, written_swapped)
+from fblc.codegen.kernels.conv_tiles import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.conv_transpose import texels_fit, transpose_reduction, transpose_shape, weights_side_by_side
 from fblc.codegen.kernels.conv_transpose import flattened_pointwise as flattened_transpose
 from fblc.codegen.kernels.texel import LANES, Reduction
@@ -250,7 +250,7 @@ def plane_tile(budget: TileBudget, view: ConvShape, weighing: Weighing = NO_WEIG
 
 def _spatial_texels(budget: TileBudget, view: ConvShape, tile: ConvTile, weighing: Weighing = NO_WEIGHING) -> int:
     """Texels along window axis `tile.axis` a spatial tile's work-item covers: of the counts up to
-    conv.texels_per_item's (the most, up to 5, that divide a row) that divide the row, TileBudget.pick's,
+    conv_tiles.texels_per_item's (the most, up to 5, that divide a row) that divide the row, TileBudget.pick's,
     told by `split` the work-group each would really get."""
     axis = tile.axis
     row = view.out_shape[2 + axis] // LANES if axis is not None else 1

@@ -25,9 +25,9 @@ from fblc.codegen.ir import FLOAT, INT, Block, Declare, Expr, If, Var, const, di
 from fblc.codegen.kernels import KernelGroup, register_kernel
 from fblc.codegen.kernels.contraction_paths import (Stream, dot_loop, finish_group, index_terms, reduce_guarded,
                                                     reduce_into, reduce_lane)
-from fblc.codegen.kernels.conv import (CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile, add_bias, affine, start_conv,
-                                       within_row)
-from fblc.codegen.kernels.conv import flattened_pointwise as flattened_conv
+from fblc.codegen.kernels.conv import add_bias, affine, start_conv, within_row
+from fblc.codegen.kernels.conv_tiles import CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile
+from fblc.codegen.kernels.conv_tiles import flattened_pointwise as flattened_conv
 from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.textures import TextureTable
@@ -190,7 +190,7 @@ def texels_fit(ts: ConvShape, axis: int) -> bool:
 
 
 def flattened_pointwise(ts: ConvShape) -> ConvShape:
-    """A 1x1 ConvTranspose with stride 1 and no padding over its flattened spatial axes (as conv.py flattens
+    """A 1x1 ConvTranspose with stride 1 and no padding over its flattened spatial axes (as conv_tiles.py flattens
     one), or `ts`: a transpose's whole-window taps are no contiguous run of taps."""
     pointwise = all(k == 1 for k in ts.window.kernel) and all(s == 1 for s in ts.window.strides)
     return flattened_conv(ts) if pointwise else ts
