@@ -29,8 +29,8 @@ import onnx_ir as ir
 
 from fblc.codegen.builder import KernelBuilder
 from fblc.codegen.ir import (
-    FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, Var, call, const, flat_index,
-    select)
+    FLOAT, FLOAT4, UINT, ArgumentRef, Block, Expr, For, If, Operand as IROperand, StagedChoice, Var, call, const,
+    flat_index, select)
 from fblc.codegen.kernels.accumulators import LANES, Accumulators, block_cost, float4_count
 from fblc.codegen.kernels.staging import Staging, plan_staging
 from fblc.codegen.schedule import Schedule, offered_pairings, resolve_form, resolve_pair
@@ -438,8 +438,10 @@ class Reduction:
             if keys and (product.x, keys) not in masked:
                 element = select(named[keys], xs[product.x], const(0.0, FLOAT))
                 # a staged block's straight-line body masks each element once: selected per product, PoCL's
-                # register allocation spilled 3.4x the stack accesses (T-ResNet B=64's input gradient k35)
-                masked[product.x, keys] = block.let(element, "X") if staging is not None else element
+                # register allocation spilled 3.4x the stack accesses (T-ResNet B=64's input gradient k35); a
+                # storage that stages nothing keeps the select per product (T-ResNet's k5 in buffers 1.4x slower)
+                masked[product.x, keys] = (StagedChoice(element, block.let(element, "X"), FLOAT)
+                                           if staging is not None else element)
         block.add(*acc.add([(product.lane, masked[product.x, keys] if keys else xs[product.x], ws[product.w])
                             for product, keys in kept], [(p.x, p.w) for p, _ in kept]))
 
