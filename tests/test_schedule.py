@@ -578,7 +578,8 @@ def test_a_conv_reduction_s_fetches_are_counted_as_texel_fetch_reads_them() -> N
     (a run of 4 from a base of multiples of 2: 2 texels at shift 0 or 2), or one per element where those are no
     fewer (a lone element: 1, not 2)."""
     from fblc.codegen.ir import const
-    from fblc.codegen.kernels.texel import Term, texel_reads
+    from fblc.codegen.kernels.texel import texel_reads
+    from fblc.codegen.kernels.reduction_terms import Term
 
     aligned, odd, even = [Term(const(0), 4)], [Term(const(0), 1)], [Term(const(0), 2)]
     assert texel_reads([0, 1, 2, 3, 4, 9], aligned) == 3  # texels 0, 1, 2

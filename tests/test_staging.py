@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from fblc.codegen import ir as kir
-from fblc.codegen.kernels.staging import _evaluate, grouped_item, grouped_items
+from fblc.codegen.kernels.item_index import evaluate
+from fblc.codegen.kernels.staging import grouped_item, grouped_items
 from fblc.codegen.render.opencl import BUFFER, IMAGE, render_kernel
 from fblc.profiles.profile import load_profile
 from tests.support.kernel_ir import lowered_kernels, profile_with
@@ -80,7 +81,7 @@ def test_groups_take_blocks_of_runs_where_both_operands_are_shared(tmp_path) -> 
         at = np.arange(items, dtype=np.int64)
         plan = grouped_items(at, group, across, period)
         assert sorted(plan) == list(at), (items, group, across, period)
-        kernel = _evaluate(grouped_item(position, lid, group, across, period),
+        kernel = evaluate(grouped_item(position, lid, group, across, period),
                            {lid: kir.mod_index(position, group)}, position, at)
         assert np.array_equal(kernel, plan), (items, group, across, period)
 
@@ -125,7 +126,7 @@ def test_the_plan_evaluates_index_arithmetic_as_c_does() -> None:
     cases += [(kir.div_index(item, 15), nonnegative // 15), (kir.mod_index(item, 12), nonnegative % 12)]
     for expr, expected in cases:
         at = items if len(expected) == len(items) else nonnegative
-        assert np.array_equal(_evaluate(expr, {}, item, at), np.asarray(expected)), expr
+        assert np.array_equal(evaluate(expr, {}, item, at), np.asarray(expected)), expr
 
 
 def test_a_nested_weight_gradient_stages_in_groups_whose_accumulators_fit_half_the_l1(tmp_path) -> None:

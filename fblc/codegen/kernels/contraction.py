@@ -34,7 +34,8 @@ from fblc.codegen.kernels.contraction_paths import (Build, Stream, Terms, dot_lo
                                                     reduce_into, reduce_rows_apart, row_axis, rows_apart,
                                                     start_builder)
 from fblc.codegen.reads import TEXEL_ALONE, ValueReads
-from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Operand, Product, Reduction, Term, plus
+from fblc.codegen.kernels.texel import LANES, Reduction, plus
+from fblc.codegen.kernels.reduction_terms import Blocked, Loop, Operand, Product, Term
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import SubAxis, common_digits
 from fblc.compiler.values import attr, static_shape
@@ -107,7 +108,7 @@ def merged_rows(a_axes: list[Digits], w_axes: list[Digits]) -> int | None:
     (M % 4 != 0: a ViT's 65 tokens) and B' has no batch of its own (a weight: [4, 65, 128] @ [128, 512] is
     [260, 128] @ [128, 512]): the run's length, else None. Where its digits are not one stride apart each
     (heads split: [4, 65, 4, 32] rows 64 apart within a batch, 8320 across), a tile's rows each get their
-    own base (row_digits, texel.Operand.rows)."""
+    own base (row_digits, reduction_terms.Operand.rows)."""
     rows = a_axes[-2][-1][0]
     if len(a_axes) < 3 or rows % LANES == 0 or any(extent != 1 for axis in w_axes[:-2] for extent, _ in axis):
         return None
@@ -207,7 +208,7 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     known = ({n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) if texel else {}) | multiples
     def builder(a_terms: Terms, w_terms: Terms, rows: int, row_step: int, a_rows: Sequence[Expr] = ()) -> Build:
         """The Reduction of a tile of `rows` rows `row_step` of A's rows apart from the operands' base terms, or
-        where `a_rows` gives them, each row of A from its own base (texel.Operand.rows: offsets a span apart)."""
+        where `a_rows` gives them, each row of A from its own base (reduction_terms.Operand.rows: offsets a span apart)."""
         width, steps = LANES * columns, block_steps(rows, columns)
         span = 1 << (k_inner * a_step + LANES).bit_length() if a_rows else 0  # past any offset within a row
         blocked = Blocked(k_inner, steps, a_step, w_step, 0,

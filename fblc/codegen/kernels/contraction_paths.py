@@ -24,7 +24,8 @@ from fblc.codegen.kernels import KernelGroup
 from fblc.codegen.kernels.elementwise import evaluate_chain
 from fblc.codegen.reads import TEXEL_ALONE
 from fblc.codegen.schedule import Schedule, resolve_group
-from fblc.codegen.kernels.texel import LANES, Loop, Reduction, Term
+from fblc.codegen.kernels.texel import LANES, Reduction
+from fblc.codegen.kernels.reduction_terms import Loop, Term
 from fblc.codegen.textures import TextureTable
 from fblc.errors import UnsupportedOpError
 from fblc.compiler.values import is_float

@@ -38,7 +38,8 @@ from fblc.codegen.reads import ValueReads
 from fblc.codegen.kernels.contraction_paths import finish_group, reduce_guarded, reduce_into, reduce_lane, start_builder
 from fblc.codegen.kernels.conv_tiles import (STATIC_PRODUCTS, TAP_BLOCK, ConvShape, ConvTile, block_products,
                                              last_tap_axis)
-from fblc.codegen.kernels.texel import Blocked, Loop, Mask, Operand, Product, Reduction, Term, plus
+from fblc.codegen.kernels.texel import Reduction, plus
+from fblc.codegen.kernels.reduction_terms import Blocked, Loop, Mask, Operand, Product, Term
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.window import Window
 

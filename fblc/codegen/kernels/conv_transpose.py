@@ -28,7 +28,8 @@ from fblc.codegen.kernels.contraction_paths import (Stream, dot_loop, finish_gro
 from fblc.codegen.kernels.conv import add_bias, affine, start_conv, within_row
 from fblc.codegen.kernels.conv_tiles import CHANNEL_BLOCK, TAP_BLOCK, ConvShape, ConvTile
 from fblc.codegen.kernels.conv_tiles import flattened_pointwise as flattened_conv
-from fblc.codegen.kernels.texel import LANES, Blocked, Loop, Mask, Operand, Product, Reduction, Term
+from fblc.codegen.kernels.texel import LANES, Reduction
+from fblc.codegen.kernels.reduction_terms import Blocked, Loop, Mask, Operand, Product, Term
 from fblc.codegen.reads import ValueReads
 from fblc.codegen.textures import TextureTable
 from fblc.compiler.index_map import row_major_strides as strides_of

@@ -12,7 +12,7 @@ kernel with plain loads (render.opencl.Storage.stages).
 
 The plan is decided at compile time from the operand's index arithmetic, per kernel: each index term is uniform
 over a group (loop variables, constants) or a function of the work-item's item alone (its output index); the
-latter's sum is evaluated for every item (numpy, the IR's own arithmetic), and for each candidate G (a divisor
+latter's sum is evaluated for every item (item_index.py: numpy, the IR's own arithmetic), and for each candidate G (a divisor
 of the launch within max_work_group_size) and order of its items the spread of a group's sums from its first
 item's gives the texels a group copies. A group holds G consecutive items, or, where one operand's reads repeat
 in runs of items (a weight gradient's output channels of one input channel: x alike along a run, w alike at
@@ -38,7 +38,6 @@ an unclamped read lies inside) takes element t - q0, which the span bounds, so i
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,17 +46,15 @@ import numpy as np
 
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
-from fblc.codegen.ir import (FLOAT4, INT, Barrier, Binary, Block, Call, Cast, Const, DeclareArray, Declare, Element,
-                             Expr, Numbering, Select, Stage, Unary, Var, call, div_index, mod_index, walk)
+from fblc.codegen.ir import (FLOAT4, INT, Barrier, Block, Const, DeclareArray, Declare, Element, Expr, Numbering, Stage,
+                             Var, call, div_index, mod_index, walk)
 from fblc.codegen.kernels.accumulators import LANES
+from fblc.codegen.kernels.item_index import Unplannable, evaluate, inline, leaves
+from fblc.codegen.kernels.reduction_terms import Operand, Term, index_sum
 from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN, STAGED_BLOCK_READS, UNSTAGED_READ_WEIGHT, Profile
 
 if TYPE_CHECKING:  # texel.py imports this module
-    from fblc.codegen.kernels.texel import Operand, Reduction, Term
-
-
-class _Unplannable(Exception):
-    """An index the plan cannot evaluate per item (a loop variable in an item's term, an unknown operation)."""
+    from fblc.codegen.kernels.texel import Reduction
 
 
 @dataclass
@@ -108,8 +105,6 @@ class Staging:
         """The texel q0 at which operand `name`'s copy starts (gathered rows: the group's first item's base
         texel) for a block whose reads lie at `offsets` (the operand's own offset included) from the base `terms`;
         None where the operand is not staged."""
-        from fblc.codegen.kernels.texel import index_sum  # texel.py imports this module
-
         staged = self.operands.get(name)
         if staged is None:
             return None
@@ -169,7 +164,7 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
             if loop.enter is not None and loop.enter(entered) is not entered:  # an `if` around the blocks
                 return None
             decls.update({s.var: s.init for s in entered.statements if isinstance(s, Declare) and s.init is not None})
-            if any(_leaves(e, decls) & {item} for e in (loop.start, loop.stop) if e is not None):
+            if any(leaves(e, decls) & {item} for e in (loop.start, loop.stop) if e is not None):
                 return None
         candidates = {}
         for name, operand in (("x", reduction.x), ("w", reduction.w)):
@@ -177,7 +172,7 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
                                    {loop.var for loop in reduction.loops if loop.var is not None})
             if found is not None:
                 candidates[name] = found
-    except _Unplannable:
+    except Unplannable:
         return None
     # the barriers in a block loop of several trips inside an outer loop (a remainder block adds no loop)
     nested = any(loop.trips > 1 for loop in reduction.loops) and reduction._looped > reduction.blocked.block
@@ -210,7 +205,7 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
         own = sum((t.expr * t.coeff for t in varying), start=Const(0, item.dtype))
         across, period = order  # the group's first item: this one less its place in the group's runs
         at_first = item - b.lid if across == group else item - div_index(b.lid, across) * period - mod_index(b.lid, across)
-        first = block.let(_inline(own, decls, {item: at_first}), "first")
+        first = block.let(inline(own, decls, {item: at_first}), "first")
         if run is not None:  # this item's run of the group's
             slot = block.let(div_index(b.lid, across), "slot")
             staged[name] = StagedOperand(var, texels, varying, first, spread, slot=slot, run_gap=run[0],
@@ -358,14 +353,14 @@ def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: O
         return None
     varying = []
     for term in [*operand.terms, *(t for loop in reduction.loops for t in getattr(loop, f"{name}_terms"))]:
-        leaves = _leaves(term.expr, decls)
-        if leaves == {item}:
+        read = leaves(term.expr, decls)
+        if read == {item}:
             varying.append(term)
-        elif not leaves <= uniform:  # the item's and a loop's at once, or a value declared out of sight
-            raise _Unplannable(term)
+        elif not read <= uniform:  # the item's and a loop's at once, or a value declared out of sight
+            raise Unplannable(term)
     if not varying:
         return None
-    sums = sum((_evaluate(t.expr, decls, item, items) * t.coeff for t in varying), start=np.zeros_like(items))
+    sums = sum((evaluate(t.expr, decls, item, items) * t.coeff for t in varying), start=np.zeros_like(items))
     axis = reduction.blocked
     blocks = [range(axis.block)] if reduction._looped else []
     if reduction._looped < axis.extent:
@@ -381,82 +376,3 @@ def _operand_reads(b: KernelBuilder, reduction: Reduction, name: str, operand: O
     steps.append(getattr(axis, f"{name}_step") * axis.block if reduction._looped else 0)
     aligned = all(step % LANES == 0 for step in steps) and operand.offset % LANES == 0
     return sums, tuple(varying), extent, reads, tuple(texels) if aligned else ()
-
-
-def _leaves(expr: Expr, decls: dict[Var, Expr]) -> set[Var]:
-    """The variables `expr` reads once the const values it reads are replaced by their definitions."""
-    if isinstance(expr, Var):
-        return _leaves(decls[expr], decls) if expr in decls else {expr}
-    found: set[Var] = set()
-    for child in _children(expr):
-        found |= _leaves(child, decls)
-    return found
-
-
-def _children(expr: Expr) -> list[Expr]:
-    out: list[Expr] = []
-    for value in vars(expr).values():
-        if isinstance(value, Expr):
-            out.append(value)
-        elif isinstance(value, tuple):
-            out.extend(v for v in value if isinstance(v, Expr))
-    return out
-
-
-def _inline(expr: Expr, decls: dict[Var, Expr], replacing: dict[Var, Expr]) -> Expr:
-    """`expr` with the const values it reads replaced by their definitions and the variables of `replacing` by
-    theirs (the item's index at the group's first item)."""
-    if isinstance(expr, Var):
-        if expr in replacing:
-            return replacing[expr]
-        return _inline(decls[expr], decls, replacing) if expr in decls else expr
-    changes = {}
-    for field in dataclasses.fields(expr):  # type: ignore[arg-type]
-        value = getattr(expr, field.name)
-        if isinstance(value, Expr):
-            changes[field.name] = _inline(value, decls, replacing)
-        elif isinstance(value, tuple) and all(isinstance(v, Expr) for v in value):
-            changes[field.name] = tuple(_inline(v, decls, replacing) for v in value)
-    return dataclasses.replace(expr, **changes)  # type: ignore[type-var]
-
-
-def _c_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    quotient = np.abs(a) // np.abs(b)
-    return np.where((a < 0) != (b < 0), -quotient, quotient)
-
-
-#: C's integer operators on numpy's int64 (index arithmetic stays far below 2^63: div_index's 64-bit products)
-_BINARY = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": _c_div,
-           "%": lambda a, b: a - _c_div(a, b) * b, ">>": np.right_shift, "<<": np.left_shift,
-           "&": np.bitwise_and, "|": np.bitwise_or, "^": np.bitwise_xor,
-           "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,
-           "!=": np.not_equal, "&&": np.logical_and, "||": np.logical_or}
-_CALLS = {"min": np.minimum, "max": np.maximum, "clamp": lambda x, low, high: np.minimum(np.maximum(x, low), high),
-          "abs": np.abs}
-
-
-def _evaluate(expr: Expr, decls: dict[Var, Expr], item: Var, items: np.ndarray) -> np.ndarray:
-    """An int expression of the item at every item of the launch."""
-    if isinstance(expr, Var):
-        if expr == item:
-            return items
-        if expr not in decls:
-            raise _Unplannable(expr)
-        return _evaluate(decls[expr], decls, item, items)
-    if isinstance(expr, Const) and not expr.dtype.is_float:
-        return np.full_like(items, int(expr.value))
-    if isinstance(expr, Binary) and expr.op in _BINARY:
-        a, b = _evaluate(expr.a, decls, item, items), _evaluate(expr.b, decls, item, items)
-        return np.asarray(_BINARY[expr.op](a, b), dtype=np.int64)
-    if isinstance(expr, Unary) and expr.op in ("-", "!"):
-        value = _evaluate(expr.a, decls, item, items)
-        return -value if expr.op == "-" else (value == 0).astype(np.int64)
-    if isinstance(expr, Call) and expr.function in _CALLS:
-        return np.asarray(_CALLS[expr.function](*(_evaluate(a, decls, item, items) for a in expr.args)),
-                          dtype=np.int64)
-    if isinstance(expr, Select):
-        return np.where(_evaluate(expr.condition, decls, item, items) != 0,
-                        _evaluate(expr.if_true, decls, item, items), _evaluate(expr.if_false, decls, item, items))
-    if isinstance(expr, Cast) and not expr.dtype.is_float:
-        return _evaluate(expr.a, decls, item, items)
-    raise _Unplannable(expr)
