@@ -30,8 +30,8 @@ from tests.test_runtime import batch, elementwise_model
 ROUNDS, STEPS = 2, 2
 
 
-# in the suite again (the suite has room since its xdist groups hold): three rounds ~28 s wall, ~19 CPU s on an idle 2-core
-# machine, most of it Flower's process per message and its SuperNodes' 3-second polls
+# in the suite again (the suite has room since its xdist groups hold): three rounds ~28 s wall, ~19 CPU s on an
+# idle 2-core machine, most of it Flower's process per message and its SuperNodes' 3-second polls
 def test_a_superlink_and_two_supernodes_train_two_rounds(tmp_path, phone, runner_binary, capsys) -> None:  # noqa: F811
     bundle = str(tmp_path / "bundle")
     compile_model(elementwise_model(str(tmp_path / "model.onnx")), bundle, "adreno830", "fp32",

@@ -227,8 +227,9 @@ TEXEL_CASES = {
 GROUPED_CASES = {"conv_temporal_grouped_items": conv((4, 32, 48, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0]),
                  # the forward and input gradient groups take runs a batch element apart, x copied run by run
                  "conv_temporal_run_spans": conv((8, 32, 24, 1), (32, 32, 5, 1), pads=[2, 0, 2, 0])}
-#: a mean of a 1x1 Conv's and a 1x1 ConvTranspose's outputs: their dY is one element broadcast over the map (stride 0),
-#: which the weight gradients' flattened pointwise form once read as a run of distinct elements (conv_tiles._merged_stride)
+#: a mean of a 1x1 Conv's and a 1x1 ConvTranspose's outputs: their dY is one element broadcast over the map (stride
+#: 0), which the weight gradients' flattened pointwise form once read as a run of distinct elements
+#: (conv_tiles._merged_stride)
 BROADCAST_CASES = {"conv1x1_weight_grads_of_a_mean": (
     [_node("Conv", ["x", "w"], "c"), _node("ConvTranspose", ["x", "wt"], "t"),
      _node("ReduceMean", ["c"], "mc", keepdims=1), _node("ReduceMean", ["t"], "mt", keepdims=1),
@@ -236,7 +237,8 @@ BROADCAST_CASES = {"conv1x1_weight_grads_of_a_mean": (
 
 
 def _case_model(folder: str, name: str, seed: int) -> onnx.ModelProto:
-    nodes, inits = (CASES | TEXEL_CASES | TILE_CASES | SPECTRAL_CASES | TRANSPOSE_CASES | GROUPED_CASES | BROADCAST_CASES)[name][:2]
+    every = CASES | TEXEL_CASES | TILE_CASES | SPECTRAL_CASES | TRANSPOSE_CASES | GROUPED_CASES | BROADCAST_CASES
+    nodes, inits = every[name][:2]
     return onnx.load(write_case(os.path.join(folder, f"{name}.onnx"), nodes, inits, seed=seed))
 
 

@@ -29,7 +29,8 @@ TEXEL_LAST = "zl"  # the same for its last element (within the tensor)
 RUN_FIRST = "rz"  # the same for the first element of a tile's run of consecutive texels (KernelBuilder.run_texels)
 RUN_LAST = "rzl"  # and for the run's last element (within the tensor)
 ITEM_FIRST = "u"  # the multi-index of a work-item's first element (KernelBuilder's TEXEL_INDEX), in its prologue
-TEXEL_ALONE = "zt"  # the multi-index of a row-path tile's texel reduced on its own (contraction_paths.reduce_rows_apart)
+#: the multi-index of a row-path tile's texel reduced on its own (contraction_paths.reduce_rows_apart)
+TEXEL_ALONE = "zt"
 
 Apply = Callable[[Expr], Expr]
 

@@ -208,7 +208,8 @@ def _contract(b: KernelBuilder, a: tuple[ir.Value, list[Digits]], w: tuple[ir.Va
     known = ({n_var: LANES} | ({m_var: LANES} if rows > 1 else {}) if texel else {}) | multiples
     def builder(a_terms: Terms, w_terms: Terms, rows: int, row_step: int, a_rows: Sequence[Expr] = ()) -> Build:
         """The Reduction of a tile of `rows` rows `row_step` of A's rows apart from the operands' base terms, or
-        where `a_rows` gives them, each row of A from its own base (reduction_terms.Operand.rows: offsets a span apart)."""
+        where `a_rows` gives them, each row of A from its own base (reduction_terms.Operand.rows: offsets a span
+        apart)."""
         width, steps = LANES * columns, block_steps(rows, columns)
         span = 1 << (k_inner * a_step + LANES).bit_length() if a_rows else 0  # past any offset within a row
         blocked = Blocked(k_inner, steps, a_step, w_step, 0,

@@ -119,7 +119,8 @@ def conv_tile(cs: ConvShape, private: int = PRIVATE_FLOATS, device_items: int = 
     outnumber dY's row (or dY's map is smaller than its taps) in whole blocks of 4 input channels, always: per
     lane a GPU would read 1.5 texels per multiply-add, the tile whole texels of 4 channels' maps, its padding
     taps dropped (MobileNetV2 [1,3,32,32]'s depthwise weight gradients on 2 x 2 and 1 x 1 maps: 0.2M image reads
-    fewer a step). Where its channels go in blocks of fewer than 4, only if its tiles fill the device (`device_items`: Profile.device_items, 0 on a CPU): a GPU keeps those
+    fewer a step). Where its channels go in blocks of fewer than 4, only if its tiles fill the device
+    (`device_items`: Profile.device_items, 0 on a CPU): a GPU keeps those
     per lane, where they fill it."""
     spatial = [axis for axis, size in enumerate(cs.out_shape[2:]) if size > 1]
     if cs.cg_out % LANES == 0 and len(spatial) <= 1:

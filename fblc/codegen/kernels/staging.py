@@ -12,7 +12,7 @@ kernel with plain loads (render.opencl.Storage.stages).
 
 The plan is decided at compile time from the operand's index arithmetic, per kernel: each index term is uniform
 over a group (loop variables, constants) or a function of the work-item's item alone (its output index); the
-latter's sum is evaluated for every item (item_index.py: numpy, the IR's own arithmetic), and for each candidate G (a divisor
+latter's sum is evaluated for every item (item_index.py: the IR's arithmetic), and for each candidate G (a divisor
 of the launch within max_work_group_size) and order of its items the spread of a group's sums from its first
 item's gives the texels a group copies. A group holds G consecutive items, or, where one operand's reads repeat
 in runs of items (a weight gradient's output channels of one input channel: x alike along a run, w alike at
