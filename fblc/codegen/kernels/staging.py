@@ -241,8 +241,9 @@ def _plan_cost(candidates: dict[str, tuple[np.ndarray, tuple[Term, ...], int, in
     step, run spans (gap, texels)) of staging `candidates` in groups of `group` items in `order`, or None where
     nothing is staged or the copies pass LOCAL_TEXELS (the module docstring's cost)."""
     chosen, per_item = {}, 0.0
+    in_groups = grouped_items(np.arange(items), group, *order)  # the items in their groups' order, every operand's
     for name, (sums, _, extent, reads, rows) in candidates.items():
-        grouped = sums[grouped_items(np.arange(items), group, *order)].reshape(-1, group)
+        grouped = sums[in_groups].reshape(-1, group)
         spread = grouped - grouped[:, :1]
         low, high = int(spread.min()), int(spread.max())
         texels, step, run = (high - low + extent + LANES) // LANES + 2, 0, None
