@@ -13,7 +13,7 @@ from fblc.codegen import ir as kir
 from fblc.codegen.kernels.item_index import evaluate
 from fblc.codegen.kernels.staging import grouped_item, grouped_items
 from fblc.codegen.render.opencl import BUFFER, IMAGE, render_kernel
-from fblc.profiles.profile import load_profile
+from fblc.profiles.profile import CARRIED_BLOCKS, load_profile
 from tests.support.kernel_ir import lowered_kernels, profile_with
 from tests.test_kernels_contraction import GROUPED_CASES, OPTIONS, TEXEL_CASES, conv, write_case
 
@@ -146,3 +146,34 @@ def test_a_nested_weight_gradient_stages_in_groups_whose_accumulators_fit_half_t
     assert kernels["local"][gradient].group_size * live <= half, (kernels["local"][gradient].group_size, live)
     assert kernels[large][gradient].group_size > kernels["local"][gradient].group_size
     assert kernels[large][forward].group_size == kernels["local"][forward].group_size
+
+
+def test_a_reduction_of_many_staged_blocks_carries_its_slots_and_accumulators_across_the_barriers(tmp_path) -> None:
+    """On a CPU profile a staged reduction of CARRIED_BLOCKS blocks or more carries a volatile zero and each gathered
+    or run operand's slot as volatile ints, reads them again after each copy's barriers, and updates a block's
+    accumulators as private copies taken at `acc[k + zero]` and written back (kernels/carried.py: PoCL kept 84
+    hoisted pointers and 16 split accumulator arrays in its context, 4x the time); buffers render the plain
+    updates. A reduction of fewer blocks, or a profile that is no CPU, carries nothing. The merged cases
+    conv_temporal_grouped_items and conv_temporal_run_spans run these kernels on the device."""
+    nodes, inits = GROUPED_CASES["conv_temporal_grouped_items"]
+    path = write_case(str(tmp_path / "grouped.onnx"), nodes, inits)
+    carried = _staged(lowered_kernels(path, options=OPTIONS))
+    assert {k.name.split("_", 1)[1] for k in carried} == {"Conv", "ConvTranspose"}, [k.name for k in carried]
+    for kernel in carried:
+        image, buffer = render_kernel(kernel.ir, IMAGE), render_kernel(kernel.ir, BUFFER)
+        volatiles = re.findall(r"volatile int (\w+) = ", image)
+        zero = next(v for v in volatiles if v.startswith("zc"))
+        copies = image.count("barrier(CLK_LOCAL_MEM_FENCE);") // 2
+        assert copies >= CARRIED_BLOCKS or "for (int blk" in image, kernel.name
+        assert len(re.findall(rf"const int z\d+ = {zero};", image)) == copies, kernel.name
+        assert all(len(re.findall(rf"const int slot\d+ = {slot};", image)) == copies
+                   for slot in volatiles if slot != zero), kernel.name
+        assert not re.search(r"accv\d+\[\d+\](\.\w+)? \+=", image), kernel.name
+        assert re.search(r"float\d* ra\d+ = accv\d+\[\(\d+ \+ z\d+\)\];", image), kernel.name
+        assert re.search(r"accv\d+\[\(\d+ \+ z\d+\)\] = ra\d+;", image), kernel.name
+        assert "volatile" not in buffer and re.search(r"accv\d+\[\d+\](\.\w+)? \+=", buffer), kernel.name
+    nodes, inits = TEXEL_CASES["conv_1x1_w8"][:2]
+    few = _staged(lowered_kernels(write_case(str(tmp_path / "few.onnx"), nodes, inits), options=OPTIONS))
+    assert few and not any("volatile" in render_kernel(k.ir, IMAGE) for k in few)
+    gpu = _staged(lowered_kernels(path, target=profile_with(str(tmp_path), "local", cpu=False, private_floats=64), options=OPTIONS))
+    assert gpu and not any("volatile" in render_kernel(k.ir, IMAGE) for k in gpu)

@@ -76,6 +76,11 @@ STAGED_BLOCK_READS = 256
 #: of 56 (fewer reads counted alike; the device compiler can vectorise a block's arithmetic only once none of
 #: its reads is a call)
 UNSTAGED_READ_WEIGHT = 2
+#: the fewest blocks of a staged reduction (its copies' barriers, per work-item) whose work-items carry their slots
+#: and accumulators across the barriers as codegen/kernels/carried.py writes them, on a `cpu` device: MobileNetV2
+#: [8,3,97,60]'s staged kernels took 0.24-0.98x their time with 4 blocks or more (89 kernels, 27 ms of 355 a
+#: step) and 1.03-1.33x with 1 or 2 (PoCL, one thread, each launch against its twin, least of 10 rounds)
+CARRIED_BLOCKS = 4
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
 #: the longest reduction per weight element (batch x dY map: the weight-gradient conv's kernel) whose weight

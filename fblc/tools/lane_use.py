@@ -302,17 +302,24 @@ def statement_demands(s: ir.Statement, use: LaneUse) -> list[tuple[ir.Expr, Dema
         return pairs + ([(s.length, frozenset({0}))] if isinstance(s.length, ir.Expr) else [])
     if isinstance(s, ir.Assign):
         target = s.target
-        if isinstance(target, ir.Var):
-            wanted = use.of(target)
-        elif isinstance(target, ir.Element):
-            wanted = use.of(target.array)
-        else:  # a lane of a vector variable: a scalar
-            wanted = frozenset({0})
-        reads = [(s.value, wanted)]
-        if isinstance(target, ir.Element):
-            reads.append((target.index, frozenset({0})))
+        reads = [(s.value, _wanted(target, use))]
+        for written in (target.plain, target.staged) if isinstance(target, ir.StagedChoice) else (target,):
+            if isinstance(written, ir.Element):
+                reads.append((written.index, frozenset({0})))
         return reads
     return [(e, _all(e)) for e in ir.statement_exprs(s)]
+
+
+def _wanted(target: ir.Expr, use: LaneUse) -> Demand:
+    """The lanes of an assignment's value that the readers of its `target` use (a storage's choice of targets,
+    ir.StagedChoice: both's)."""
+    if isinstance(target, ir.Var):
+        return use.of(target)
+    if isinstance(target, ir.Element):
+        return use.of(target.array)
+    if isinstance(target, ir.StagedChoice):
+        return _wanted(target.plain, use) | _wanted(target.staged, use)
+    return frozenset({0})  # a lane of a vector variable: a scalar
 
 
 def lanes_used(demand: Demand, channels: int) -> tuple[int, bool]:

@@ -173,8 +173,8 @@ class _Retype:
             init = self.expr(s.init)
             if s.const and _floating(init) and not isinstance(init, Const) and init.dtype.scalar != s.var.dtype.scalar:
                 self.vars[s.var] = var = replace(s.var, dtype=_retyped(s.var.dtype, init.dtype.scalar))
-                return Declare(var, init, s.const)
-            return Declare(s.var, _as(init, s.var.dtype.scalar), s.const)  # an accumulator stays float
+                return replace(s, var=var, init=init)
+            return replace(s, init=_as(init, s.var.dtype.scalar))  # an accumulator stays float
         if isinstance(s, DeclareArray):
             return replace(s, init=tuple(_as(self.expr(v), s.var.dtype.scalar) for v in s.init))
         if isinstance(s, Assign):

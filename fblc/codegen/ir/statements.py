@@ -16,9 +16,13 @@ __all__ = ["Declare", "DeclareArray", "Assign", "Store", "For", "If", "Break", "
 
 @dataclass
 class Declare:
+    """`var` = `init`: const (read only), or assigned again later; `volatile`: read from memory wherever it is
+    read (a value the device compiler must not fold or hoist: codegen/kernels/staging.py's carried values)."""
+
     var: Var
     init: Expr | None = None
     const: bool = True
+    volatile: bool = False
 
 
 @dataclass

@@ -30,7 +30,8 @@ barriers in nested loops (and for blocks of runs, always) the group's accumulato
 gathered-rows copy takes each kind of block's own texels (whole blocks, the remainder) (T-ResNet B=64's weight
 gradients: 17 texel reads a work-item and block -> 7, their time in image storage 0.3-0.75x). Nothing is staged (None)
 where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
-kinds, or the operand is inlined, dequantized or read by rows (Operand.rows).
+kinds, or the operand is inlined, dequantized or read by rows (Operand.rows). On a CPU, a reduction of many blocks
+carries its slots and accumulators across the barriers as carried.py writes them (PoCL's per-work-item context).
 
 Why the values are the image's: the copy holds texel clamp(q0 + j) at j, and a read of texel t (clamped or not:
 an unclamped read lies inside) takes element t - q0, which the span bounds, so it reads texel clamp(t).
@@ -38,6 +39,7 @@ an unclamped read lies inside) takes element t - q0, which the span bounds, so i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,12 +48,14 @@ import numpy as np
 
 from fblc.bundle_format import MASK_FORMATS
 from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
-from fblc.codegen.ir import (FLOAT4, INT, Barrier, Block, Const, DeclareArray, Declare, Element, Expr, Numbering, Stage,
-                             Var, call, div_index, mod_index, walk)
+from fblc.codegen.ir import (FLOAT4, INT, Assign, Barrier, Block, Const, DeclareArray, Declare, Element, Expr,
+                             Numbering, Stage, Statement, Var, call, div_index, mod_index, walk)
 from fblc.codegen.kernels.accumulators import LANES
+from fblc.codegen.kernels.carried import Carried, in_registers
 from fblc.codegen.kernels.item_index import Unplannable, evaluate, inline, leaves
 from fblc.codegen.kernels.reduction_terms import Operand, Term, index_sum
-from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN, STAGED_BLOCK_READS, UNSTAGED_READ_WEIGHT, Profile
+from fblc.profiles.profile import (CARRIED_BLOCKS, LOCAL_TEXELS, STAGE_GAIN, STAGED_BLOCK_READS, UNSTAGED_READ_WEIGHT,
+                                   Profile)
 
 if TYPE_CHECKING:  # texel.py imports this module
     from fblc.codegen.kernels.texel import Reduction
@@ -80,26 +84,36 @@ class StagedOperand:
     kind: int = 0
     run_gap: int = 0
     run_texels: int = 0
+    slot_read: Var | None = None  # the slot as the block being emitted read it again (carried.py), if carried
 
     def read(self, q0: Var) -> Callable[[Expr, int | None], Element]:
         """The copy's element of texel `index` (k: its offset from the item's base texel, where aligned)."""
+        slot = self.slot_read if self.slot_read is not None else self.slot
         if self.run_gap:  # run `slot`'s span sits run_gap texels past the last one's in the image, run_texels here
-            assert self.slot is not None
-            return lambda index, k: Element(self.array, index - q0 - self.slot * (self.run_gap - self.run_texels))
+            assert slot is not None
+            return lambda index, k: Element(self.array, index - q0 - slot * (self.run_gap - self.run_texels))
         if not self.rows:
             return lambda index, k: Element(self.array, index - q0)
         row = self.rows[self.kind]
         where = {k: i for i, k in enumerate(row)}
-        assert self.slot is not None
-        return lambda index, k: Element(self.array, self.slot * len(row) + where[k])  # type: ignore[index, operator]
+        assert slot is not None
+        return lambda index, k: Element(self.array, slot * len(row) + where[k])  # type: ignore[index, operator]
 
 
 @dataclass
 class Staging:
-    """The plan of one reduction: the work-group size and the staged operands by name ("x", "w")."""
+    """The plan of one reduction: the work-group size and the staged operands by name ("x", "w"); `carried`, what
+    its work-items carry across the barriers (carried.py), and `zero`, the carried zero as the block being emitted
+    read it again."""
 
     group: int
     operands: dict[str, StagedOperand]
+    carried: Carried | None = None
+    zero: Var | None = None
+
+    def accumulate(self, block: Block, assigns: Sequence[Assign], array: Var) -> list[Statement]:
+        """A block's updates of the accumulators `array` (carried: through private copies, carried.py)."""
+        return list(assigns) if self.zero is None else in_registers(block, assigns, array, self.zero)
 
     def origin(self, block: Block, name: str, terms: Sequence[Term], offsets: Sequence[int]) -> Var | None:
         """The texel q0 at which operand `name`'s copy starts (gathered rows: the group's first item's base
@@ -139,6 +153,10 @@ class Staging:
                     at = q0 + r * staged.row_step + Element(staged.tables[staged.kind], j - r * row)  # type: ignore[arg-type]
                 body.assign(Element(staged.array, j), b.texel(argument, texture, call("clamp", at, 0, texture.texels - 1)))
         stage.add(Barrier())
+        if self.carried is not None:
+            self.zero, slots = self.carried.read(stage)
+            for name, slot in slots.items():
+                self.operands[name].slot_read = slot
         block.add(Stage(stage.statements))
 
 
@@ -220,7 +238,18 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
         slot = block.let(div_index(own - first, step * LANES), "slot")
         staged[name] = StagedOperand(var, texels, varying, first, spread, rows, step, slot, tables)
     b.staging_group, b.staging_order = group, order
-    return Staging(group, staged)
+    carried = None
+    if profile.cpu and _blocks(reduction) >= CARRIED_BLOCKS:
+        carried = Carried.declared(block, {name: s.slot for name, s in staged.items() if s.slot is not None})
+    return Staging(group, staged, carried)
+
+
+def _blocks(reduction: Reduction) -> int:
+    """The blocks a work-item of `reduction` runs, each with its copy's barriers: the block loop's and the rest's,
+    in each trip of the loops around them."""
+    axis = reduction.blocked
+    return (reduction._looped // axis.block + (reduction._looped < axis.extent)) * math.prod(
+        loop.trips for loop in reduction.loops)
 
 
 def _run(sums: np.ndarray) -> int:

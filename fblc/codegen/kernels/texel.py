@@ -330,8 +330,9 @@ class Reduction:
                 # storage that stages nothing keeps the select per product (T-ResNet's k5 in buffers 1.4x slower)
                 masked[product.x, keys] = (StagedChoice(element, block.let(element, "X"), FLOAT)
                                            if staging is not None else element)
-        block.add(*acc.add([(product.lane, masked[product.x, keys] if keys else xs[product.x], ws[product.w])
-                            for product, keys in kept], [(p.x, p.w) for p, _ in kept]))
+        updates = acc.add([(product.lane, masked[product.x, keys] if keys else xs[product.x], ws[product.w])
+                           for product, keys in kept], [(p.x, p.w) for p, _ in kept])
+        block.add(*(updates if staging is None else staging.accumulate(block, updates, acc.array)))
 
 
 def _condition(position: Expr, low: bool, high: bool, extent: int) -> Expr:

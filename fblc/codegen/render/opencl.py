@@ -229,8 +229,8 @@ class Renderer:
             if s.var in self.folded:
                 return []
             init = f" = {self.expr(s.init)}" if s.init is not None else ""
-            return [f"{pad}{'const ' if s.const and not s.var.dtype.local_pointer else ''}{type_name(s.var.dtype)} "
-                    f"{name_of(s.var)}{init};"]
+            qualifier = "const " if s.const and not s.var.dtype.local_pointer else "volatile " if s.volatile else ""
+            return [f"{pad}{qualifier}{type_name(s.var.dtype)} {name_of(s.var)}{init};"]
         if isinstance(s, ir.DeclareArray):
             length = self.expr(s.length) if isinstance(s.length, ir.Expr) else str(s.length)
             init = f" = {{{', '.join(self.expr(v) for v in s.init)}}}" if s.init else ""
