@@ -77,9 +77,10 @@ STAGED_BLOCK_READS = 256
 #: its reads is a call)
 UNSTAGED_READ_WEIGHT = 2
 #: the fewest blocks of a staged reduction (its copies' barriers, per work-item) whose work-items carry their slots
-#: and accumulators across the barriers as codegen/kernels/carried.py writes them, on a `cpu` device: MobileNetV2
-#: [8,3,97,60]'s staged kernels took 0.24-0.98x their time with 4 blocks or more (89 kernels, 27 ms of 355 a
-#: step) and 1.03-1.33x with 1 or 2 (PoCL, one thread, each launch against its twin, least of 10 rounds)
+#: and accumulators across the barriers as codegen/kernels/carried.py writes them, on a `cpu` device (PoCL, one
+#: thread, each launch timed against its twin in turns): MobileNetV2 [8,3,97,60]'s step 350 -> 313 ms and
+#: T-ResNet B=64's 639 -> 528 ms with 4; with 1, MobileNetV2's kernels of 1 or 2 blocks gained and lost alike
+#: (k88 -1.4 ms, k73 +2.0 ms; the step 349 -> 346 ms)
 CARRIED_BLOCKS = 4
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024

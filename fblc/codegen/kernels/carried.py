@@ -21,11 +21,26 @@ array itself, T-ResNet B=64's k8 with 384 updates a block took 1.8x its time). O
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from fblc.codegen.ir import (INT, Assign, Block, Const, Declare, Element, Expr, Lane, Stage, StagedChoice, Statement,
                              Swizzle, Var)
+from fblc.profiles.profile import CARRIED_BLOCKS, Profile
+
+if TYPE_CHECKING:  # texel.py imports staging.py, which imports this module
+    from fblc.codegen.kernels.texel import Reduction
+
+
+def carries(profile: Profile, reduction: Reduction) -> bool:
+    """Whether the work-items of `reduction`, staged, carry their slots and accumulators as this module writes
+    them: on a CPU, where each runs CARRIED_BLOCKS blocks or more (the block loop's and the rest's, in each trip
+    of the loops around them), each block with its copy's barriers."""
+    axis = reduction.blocked
+    blocks = (reduction._looped // axis.block + (reduction._looped < axis.extent)) * math.prod(
+        loop.trips for loop in reduction.loops)
+    return profile.cpu and blocks >= CARRIED_BLOCKS
 
 
 @dataclass

@@ -39,7 +39,6 @@ an unclamped read lies inside) takes element t - q0, which the span bounds, so i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,11 +50,10 @@ from fblc.codegen.builder import TEXEL_INDEX, KernelBuilder
 from fblc.codegen.ir import (FLOAT4, INT, Assign, Barrier, Block, Const, DeclareArray, Declare, Element, Expr,
                              Numbering, Stage, Statement, Var, call, div_index, mod_index, walk)
 from fblc.codegen.kernels.accumulators import LANES
-from fblc.codegen.kernels.carried import Carried, in_registers
+from fblc.codegen.kernels.carried import Carried, carries, in_registers
 from fblc.codegen.kernels.item_index import Unplannable, evaluate, inline, leaves
 from fblc.codegen.kernels.reduction_terms import Operand, Term, index_sum
-from fblc.profiles.profile import (CARRIED_BLOCKS, LOCAL_TEXELS, STAGE_GAIN, STAGED_BLOCK_READS, UNSTAGED_READ_WEIGHT,
-                                   Profile)
+from fblc.profiles.profile import LOCAL_TEXELS, STAGE_GAIN, STAGED_BLOCK_READS, UNSTAGED_READ_WEIGHT, Profile
 
 if TYPE_CHECKING:  # texel.py imports this module
     from fblc.codegen.kernels.texel import Reduction
@@ -194,10 +192,12 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
         return None
     # the barriers in a block loop of several trips inside an outer loop (a remainder block adds no loop)
     nested = any(loop.trips > 1 for loop in reduction.loops) and reduction._looped > reduction.blocked.block
-    # blocks of runs (_orders) only in groups whose accumulators fit as a nested loop's must: the larger ones
-    # that read fewest texels ran slower on PoCL (T-ResNet's forward convs in blocks of 256: 1.8x)
-    periods, within = {_run(sums) for sums, *_ in candidates.values()} - {0}, _largest_group(profile, live_bytes, True)
-    largest = _largest_group(profile, live_bytes, nested)
+    # blocks of runs (_orders) only in groups whose accumulators fit as a nested loop's must, unless carried: the
+    # larger ones that read fewest texels ran slower on PoCL (T-ResNet's forward convs in blocks of 256: 1.8x)
+    carried = carries(profile, reduction)
+    periods = {_run(sums) for sums, *_ in candidates.values()} - {0}
+    within = _largest_group(profile, live_bytes, not carried)
+    largest = _largest_group(profile, live_bytes, nested and not carried)
     plans = (_plan_cost(candidates, b.items, g, o) for g in range(LANES, largest + 1) if b.items % g == 0
              for o in _orders(b.items, g, periods if g <= within else set()))
     best = min((p for p in plans if p is not None), key=lambda p: p[0], default=None)
@@ -238,18 +238,8 @@ def plan_staging(b: KernelBuilder, block: Block, reduction: Reduction, live_byte
         slot = block.let(div_index(own - first, step * LANES), "slot")
         staged[name] = StagedOperand(var, texels, varying, first, spread, rows, step, slot, tables)
     b.staging_group, b.staging_order = group, order
-    carried = None
-    if profile.cpu and _blocks(reduction) >= CARRIED_BLOCKS:
-        carried = Carried.declared(block, {name: s.slot for name, s in staged.items() if s.slot is not None})
-    return Staging(group, staged, carried)
-
-
-def _blocks(reduction: Reduction) -> int:
-    """The blocks a work-item of `reduction` runs, each with its copy's barriers: the block loop's and the rest's,
-    in each trip of the loops around them."""
-    axis = reduction.blocked
-    return (reduction._looped // axis.block + (reduction._looped < axis.extent)) * math.prod(
-        loop.trips for loop in reduction.loops)
+    slots = {name: s.slot for name, s in staged.items() if s.slot is not None}
+    return Staging(group, staged, Carried.declared(block, slots) if carried else None)
 
 
 def _run(sums: np.ndarray) -> int:
@@ -354,18 +344,18 @@ def grouped_item(position: Expr, lid: Expr, group: int, across: int, period: int
             + mod_index(first, runs) * across + mod_index(lid, across))
 
 
-def _largest_group(profile: Profile, live_bytes: int, nested: bool) -> int:
-    """The largest work-group for a staged reduction whose work-item keeps `live_bytes` of accumulators, its
-    barriers inside an outer loop around several blocks where `nested`. A CPU device runs a group's work-items in
-    turn between barriers and keeps what each carries across one (its accumulators) in a context array of the
-    group; within nested loops, measured on PoCL (T-ResNet B=64's weight gradients, a batch loop of 64 around 3
-    blocks), a group's accumulators past the core's L1 made staging cost more than it saved: 640 B a work-item in
-    groups of 256 (160 KB) 1.9x the unstaged time, in groups of 16 (half of a 32 KB L1) 0.7-0.9x; MobileNetV2's
-    six nested ones (8 trips around 6 blocks, 512 B in groups of 144-192) 11.3 -> 9.0 ms together. Kernels
-    with one such loop (its convs at 77-110 KB in groups of 196-240; a loop of 8 around one block and a remainder)
-    lost nothing to the size and ran 1.5-1.9x slower held to it, so the bound is for nested loops only (why
-    PoCL's nested barrier loops pay for it is not established). A GPU keeps the accumulators in registers."""
-    if not (profile.cpu and nested):
+def _largest_group(profile: Profile, live_bytes: int, bounded: bool) -> int:
+    """The largest work-group for a staged reduction whose work-item keeps `live_bytes` of accumulators, held to
+    half the L1 where `bounded`: on a CPU, a reduction that does not carry its accumulators as carried.py writes
+    them (fewer than CARRIED_BLOCKS blocks) and whose barriers sit inside an outer loop around several blocks, or
+    that takes blocks of runs. A CPU device runs a group's work-items in turn between barriers and keeps what each
+    carries across one in a context array of the group; measured on PoCL before carried.py (T-ResNet B=64's weight
+    gradients, a batch loop of 64 around 3 blocks), a group's accumulators past the core's L1 made staging cost
+    more than it saved: 640 B a work-item in groups of 256 (160 KB) 1.9x the unstaged time, in groups of 16 (half
+    of a 32 KB L1) 0.7-0.9x. Carried, the same kernels in the larger groups took 0.5-0.75x the time of the bounded
+    ones (k33, k34, k43, k44; T-ResNet's step 520 -> 418 ms, MobileNetV2's 317 -> 310). A GPU keeps the
+    accumulators in registers."""
+    if not (profile.cpu and bounded):
         return profile.max_work_group_size
     return min(profile.max_work_group_size, max(LANES, profile.l1_bytes // 2 // max(live_bytes, 1)))
 
