@@ -26,9 +26,9 @@ where its copy is at most STAGE_GAIN of the group's reads of it, the G and order
 least cost per work-item and block: its copies' texels, twice (UNSTAGED_READ_WEIGHT) its own reads of operands
 left unstaged, and STAGED_BLOCK_READS shared by the group; the arrays within LOCAL_TEXELS, and on a CPU with
 barriers in nested loops (and for blocks of runs, always) the group's accumulators within half the L1
-(_largest_group). A
-gathered-rows copy takes each kind of block's own texels (whole blocks, the remainder) (T-ResNet B=64's weight
-gradients: 17 texel reads a work-item and block -> 7, their time in image storage 0.3-0.75x). Nothing is staged (None)
+(_largest_group), unless the reduction carries them (carried.py). A gathered-rows copy takes each kind of
+block's own texels (whole blocks, the remainder) (T-ResNet B=64's weight gradients: 17 texel reads a work-item
+and block -> 7, their time in image storage 0.3-0.75x). Nothing is staged (None)
 where a loop's bounds differ between work-items (every work-item must reach the barriers), a term mixes the two
 kinds, or the operand is inlined, dequantized or read by rows (Operand.rows). On a CPU, a reduction of many blocks
 carries its slots and accumulators across the barriers as carried.py writes them (PoCL's per-work-item context).
