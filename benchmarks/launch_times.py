@@ -1,12 +1,17 @@
 """Each launch of a training step timed on the local OpenCL device, ranked by time against the FLOPs it does.
 
     python benchmarks/launch_times.py BUNDLE [--storage buffer] [--repeats 5] [--top 25] [--feeds FEEDS.npz]
+    python benchmarks/launch_times.py BUNDLE --against OTHER [--storage image] [--repeats 10]
 
 Runs BUNDLE's step `repeats` times on a profiling queue (LocalRunner), keeps each launch's least device time
 (the one least disturbed by a shared machine's other work), and prints the launches that take most of the step:
 ms, share of the step, GFLOP/s (the kernel's FLOPs from report.json's estimate; a contraction's FLOPs are
 counted at its first kernel), family, schedule and items. Then the same per family. Feeds are random
 (shapes and types from the manifest; integer inputs within 0..2) unless FEEDS.npz is given.
+With --against OTHER (a bundle of the same model compiled by another tree or with other choices: the same
+launches), each launch runs in turn with its twin in OTHER, launch by launch, and the least time of each over the
+repeats is kept: a shared machine's slow spells fall on both alike. It prints both steps' totals, their ratio
+and the launches that changed most.
 Which kernels make a step slow, not whether it is correct: a benchmark, not a test.
 """
 
@@ -53,6 +58,40 @@ def launch_ms(runner: LocalRunner, feeds: dict[str, np.ndarray], repeats: int) -
     return best
 
 
+def paired_launch_ms(runners: list[LocalRunner], feeds: dict[str, np.ndarray], repeats: int) -> np.ndarray:
+    """[bundle, launch]: each launch's least device time in ms over `repeats` rounds, the bundles' twins run in
+    turn (after one whole step of each, so every texture holds a step's values)."""
+    for runner in runners:
+        runner.step(feeds)
+    best = np.full((len(runners), len(runners[0].kernels)), np.inf)
+    for _ in range(repeats):
+        for index in range(best.shape[1]):
+            for side, runner in enumerate(runners):
+                event = runner.launch(index)
+                event.wait()
+                best[side, index] = min(best[side, index], (event.profile.end - event.profile.start) * 1e-6)
+    return best
+
+
+def compare(args: argparse.Namespace) -> int:
+    runners = [LocalRunner(bundle, profiling=True, storage=args.storage, progress=False)
+               for bundle in (args.bundle, args.against)]
+    names = [[k["name"] for k in runner.plan["kernels"]] for runner in runners]
+    if names[0] != names[1]:
+        raise SystemExit(f"--against: {args.against} launches other kernels than {args.bundle} "
+                         f"({len(names[1])} against {len(names[0])}); compile the same model with the same options")
+    feeds = dict(np.load(args.feeds)) if args.feeds else random_feeds(runners[0].manifest)
+    best = paired_launch_ms(runners, feeds, args.repeats)
+    totals = best.sum(axis=1)
+    print(f"{args.bundle}: {totals[0]:.2f} ms, {args.against}: {totals[1]:.2f} ms of device time per step "
+          f"({args.storage}, {len(names[0])} launches, least of {args.repeats} rounds each); ratio "
+          f"{totals[1] / totals[0]:.3f}")
+    print(f"{'ms':>8} {'against':>8} {'change':>8}  kernel")
+    for index in sorted(range(best.shape[1]), key=lambda k: -abs(best[1, k] - best[0, k]))[:args.top]:
+        print(f"{best[0, index]:8.3f} {best[1, index]:8.3f} {best[1, index] - best[0, index]:+8.3f}  {names[0][index]}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle")
@@ -60,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--feeds", help="an .npz of the manifest's inputs (default: random)")
+    parser.add_argument("--against", metavar="OTHER", help="a bundle of the same launches to time against, launch "
+                        "by launch in turns")
     args = parser.parse_args(argv)
+    if args.against:
+        return compare(args)
     runner = LocalRunner(args.bundle, profiling=True, storage=args.storage, progress=False)
     feeds = dict(np.load(args.feeds)) if args.feeds else random_feeds(runner.manifest)
     times = launch_ms(runner, feeds, args.repeats)

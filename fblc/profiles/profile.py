@@ -78,9 +78,9 @@ STAGED_BLOCK_READS = 256
 UNSTAGED_READ_WEIGHT = 2
 #: the fewest blocks of a staged reduction (its copies' barriers, per work-item) whose work-items carry their slots
 #: and accumulators across the barriers as codegen/kernels/carried.py writes them, on a `cpu` device (PoCL, one
-#: thread, each launch timed against its twin in turns): MobileNetV2 [8,3,97,60]'s step 350 -> 313 ms and
-#: T-ResNet B=64's 639 -> 528 ms with 4; with 1, MobileNetV2's kernels of 1 or 2 blocks gained and lost alike
-#: (k88 -1.4 ms, k73 +2.0 ms; the step 349 -> 346 ms)
+#: thread, each launch timed against its twin in turns: benchmarks/launch_times.py --against, image storage):
+#: MobileNetV2 [8,3,97,60]'s step 350 -> 313 ms and T-ResNet B=64's 639 -> 528 ms with 4; with 1, MobileNetV2's
+#: kernels of 1 or 2 blocks gained and lost alike (k88 -1.4 ms, k73 +2.0 ms; the step 349 -> 346 ms)
 CARRIED_BLOCKS = 4
 #: the longest run one work-item folds alone; a longer reduction is shared by a work-group
 SERIAL_REDUCTION = 1024
