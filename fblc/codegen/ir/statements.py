@@ -17,7 +17,7 @@ __all__ = ["Declare", "DeclareArray", "Assign", "Store", "For", "If", "Break", "
 @dataclass
 class Declare:
     """`var` = `init`: const (read only), or assigned again later; `volatile`: read from memory wherever it is
-    read (a value the device compiler must not fold or hoist: codegen/kernels/staging.py's carried values)."""
+    read (a value the device compiler must not fold or hoist: codegen/kernels/carried.py)."""
 
     var: Var
     init: Expr | None = None
