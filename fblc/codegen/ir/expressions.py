@@ -238,9 +238,10 @@ class Load(Expr):
 
 
 class StagedChoice(Expr):
-    """`staged` where the storage stages its reads (render.opencl.Storage.stages), else `plain`: a staged kernel's
-    item in its work-group's own order (codegen/kernels/staging.py grouped_item) against the launch's order,
-    which a storage without staging keeps (neighbouring work-items read neighbouring memory)."""
+    """`staged` where the storage stages its reads (render.opencl.Storage.stages), else `plain` (codegen/kernels/
+    staging.py): a staged kernel's item in its work-group's own order against the launch's, which a storage
+    without staging keeps (neighbouring work-items read neighbouring memory); a masked element as one let or per
+    product; an accumulator's update through its private copy (carried.py), as a value or an assignment's target."""
 
     plain: Expr
     staged: Expr

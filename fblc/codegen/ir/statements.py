@@ -7,7 +7,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, ClassVar, Iterator, Sequence, Union
 
-from fblc.codegen.ir.expressions import INT, Argument, DType, Element, Expr, Lane, Operand, Var, as_expr
+from fblc.codegen.ir.expressions import (INT, Argument, DType, Element, Expr, Lane, Operand, StagedChoice, Swizzle,
+                                          Var, as_expr)
 
 __all__ = ["Declare", "DeclareArray", "Assign", "Store", "For", "If", "Break", "Return", "Barrier", "While",
            "WithFeature", "Stage", "Invoke", "FEATURES", "Statement", "KernelIR", "Numbering", "Block", "walk_expr",
@@ -38,7 +39,8 @@ class DeclareArray:
 
 @dataclass
 class Assign:
-    target: Var | Element | Lane  # a Lane: a constant lane of a vector variable (acc.x)
+    # a Lane or Swizzle: lanes of a vector variable (acc.x, acc.lo); a StagedChoice: the storage's choice of two
+    target: Var | Element | Lane | Swizzle | StagedChoice
     value: Expr
     op: str = "="  # "=", "+=", "|=", ... ; "=" on a Var declared non-const
 

@@ -70,7 +70,7 @@ def in_registers(block: Block, assigns: Sequence[Assign], array: Var, zero: Var)
     update copied in at `k + zero` before them, updated as a private variable, and copied back after them
     (the array, indexed at run time, stays one in the group's context; its elements stay in registers
     between the copies); elsewhere the updates as they are."""
-    copies: dict[Expr, Var] = {}
+    copies: dict[Element, Var] = {}
 
     def target(expr: Expr) -> Expr:
         if isinstance(expr, Element) and expr.array == array:
@@ -82,6 +82,6 @@ def in_registers(block: Block, assigns: Sequence[Assign], array: Var, zero: Var)
         return expr
 
     updates = [replace(a, target=target(a.target)) for a in assigns]
-    at = {element: Element(array, element.index + zero) for element in copies}  # type: ignore[attr-defined]
+    at = {element: Element(array, element.index + zero) for element in copies}
     return [Stage([Declare(copy, at[element], const=False) for element, copy in copies.items()]), *updates,
             Stage([Assign(at[element], copy) for element, copy in copies.items()])]

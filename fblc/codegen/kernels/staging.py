@@ -352,9 +352,9 @@ def _largest_group(profile: Profile, live_bytes: int, bounded: bool) -> int:
     carries across one in a context array of the group; measured on PoCL before carried.py (T-ResNet B=64's weight
     gradients, a batch loop of 64 around 3 blocks), a group's accumulators past the core's L1 made staging cost
     more than it saved: 640 B a work-item in groups of 256 (160 KB) 1.9x the unstaged time, in groups of 16 (half
-    of a 32 KB L1) 0.7-0.9x. Carried, the same kernels in the larger groups took 0.5-0.75x the time of the bounded
-    ones (k33, k34, k43, k44; T-ResNet's step 520 -> 418 ms, MobileNetV2's 317 -> 310). A GPU keeps the
-    accumulators in registers."""
+    of a 32 KB L1) 0.7-0.9x. Carried, the same kernels in the larger groups took 0.49-0.54x the time of the
+    bounded ones (k33, k34, k43, k44; k36 0.74x; T-ResNet's step 520 -> 418 ms, MobileNetV2's 317 -> 310). A GPU
+    keeps the accumulators in registers."""
     if not (profile.cpu and bounded):
         return profile.max_work_group_size
     return min(profile.max_work_group_size, max(LANES, profile.l1_bytes // 2 // max(live_bytes, 1)))
